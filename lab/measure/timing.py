@@ -1,0 +1,130 @@
+"""Timing that can be trusted: warm-up apart, blocked on every output, median of many runs.
+
+Asynchronous dispatch means a JAX call returns before the device is done; timing without
+`jax.block_until_ready` on *every* output leaf measures the dispatch, not the work. Compile
+time is measured on its own (the first call) and never mixed into the steady-state figure.
+"""
+
+import dataclasses
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchResult:
+    """Seconds per call of one function on one input set (or a rotation of them)."""
+
+    median_s: float  # median over the timed runs
+    p10_s: float  # 10th percentile: the best the machine reliably does
+    p90_s: float  # 90th percentile: the noise ceiling
+    runs: int  # timed calls (warm-up excluded)
+    compile_s: float  # first call (trace + compile + one run), never part of the median
+    times_s: tuple[float, ...] = dataclasses.field(repr=False, default=())
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("times_s")
+        return d
+
+
+def _call_blocked(fn: Callable, args: Sequence) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def _summarise(times_s: list[float], compile_s: float) -> BenchResult:
+    q = np.percentile(times_s, [10, 90])
+    return BenchResult(
+        median_s=statistics.median(times_s),
+        p10_s=float(q[0]),
+        p90_s=float(q[1]),
+        runs=len(times_s),
+        compile_s=compile_s,
+        times_s=tuple(times_s),
+    )
+
+
+def bench(
+    fn: Callable,
+    *args,
+    rotate: Sequence[Sequence] | None = None,
+    warmup: int = 2,
+    min_runs: int = 5,
+    max_runs: int = 1000,
+    budget_s: float = 1.0,
+) -> BenchResult:
+    """Time `fn(*args)`: one compile call, `warmup` untimed calls, then runs until `budget_s`.
+
+    `rotate` is a list of argument tuples used in turn (instead of `args`), so that caches
+    holding the previous call's inputs do not flatter the figure.
+    """
+    arg_sets = [tuple(a) for a in rotate] if rotate else [args]
+    t0 = time.perf_counter()
+    for a in arg_sets:  # every input set compiles (same shapes: one trace) and lands on device
+        jax.block_until_ready(fn(*a))
+        if t0 is not None:
+            compile_s, t0 = time.perf_counter() - t0, None
+    cycle = itertools.cycle(arg_sets)
+    for _ in range(warmup):
+        _call_blocked(fn, next(cycle))
+    times_s: list[float] = []
+    start = time.perf_counter()
+    while len(times_s) < max_runs and (
+        len(times_s) < min_runs or time.perf_counter() - start < budget_s
+    ):
+        times_s.append(_call_blocked(fn, next(cycle)))
+    return _summarise(times_s, compile_s)
+
+
+def compare(
+    impls: dict[str, Callable],
+    *args,
+    baseline: str,
+    warmup: int = 2,
+    min_runs: int = 5,
+    budget_s: float = 1.0,
+) -> dict[str, dict]:
+    """Time several implementations of one op on the same inputs, alternating call by call.
+
+    Alternating spreads drift (thermal, other processes) evenly over the contenders, so the
+    ratios are fairer than timing one after the other. Returns, per name, the BenchResult
+    fields plus `ratio` = median / baseline median (below 1 is faster than the baseline).
+    """
+    if baseline not in impls:
+        raise ValueError(f"baseline={baseline!r} is not one of {sorted(impls)}")
+    compile_s = {}
+    for name, fn in impls.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        compile_s[name] = time.perf_counter() - t0
+    for _ in range(warmup):
+        for fn in impls.values():
+            _call_blocked(fn, args)
+    times_s: dict[str, list[float]] = {name: [] for name in impls}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < min_runs or time.perf_counter() - start < budget_s * len(impls):
+        for name, fn in impls.items():
+            times_s[name].append(_call_blocked(fn, args))
+        rounds += 1
+    results = {name: _summarise(t, compile_s[name]) for name, t in times_s.items()}
+    base_s = results[baseline].median_s
+    return {n: {**r.as_dict(), "ratio": r.median_s / base_s} for n, r in results.items()}
+
+
+def random_normal(key, shape, dtype=jnp.float32, scale: float = 1.0):
+    """Random inputs for benchmarks and tests: never zeros, which some hardware fast-paths."""
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def random_inputs(seed: int, shapes: Sequence[tuple], dtype=jnp.float32) -> list:
+    """One random array per shape, from independent keys derived from `seed`."""
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return [random_normal(k, s, dtype) for k, s in zip(keys, shapes, strict=True)]
