@@ -1,0 +1,143 @@
+"""The device mesh and the logical→mesh rules that place weights and activations on it.
+
+One physical mesh always has the axes (data, fsdp, model); axes the user did not name have
+size 1, so every rule table can name every axis. Weights and activations carry *logical*
+names (batch, seq, embed, heads, kv, mlp, vocab); one short table per strategy says which
+mesh axes each logical name is split over.
+"""
+
+import math
+
+import numpy as np
+
+AXES = ("data", "fsdp", "model")
+POSITIONAL = {1: ("data",), 2: ("data", "model"), 3: ("data", "fsdp", "model")}
+
+# Logical axis → mesh axes, one table per strategy. Names not listed are replicated.
+RULES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    # Data parallel: every device holds all weights and a slice of the batch.
+    "dp": (("batch", ("data", "fsdp", "model")),),
+    # Fully sharded data parallel (ZeRO-3): weights split along embed, gathered per use.
+    "fsdp": (("batch", ("data", "fsdp", "model")), ("embed", ("fsdp", "model"))),
+    # Tensor parallel (Megatron): attention heads and MLP columns/rows split over `model`.
+    "tp": (
+        ("batch", ("data", "fsdp")),
+        ("heads", ("model",)),
+        ("mlp", ("model",)),
+        ("vocab", ("model",)),
+    ),
+    # Both: embed over fsdp, heads/mlp/vocab over model, batch over data and fsdp.
+    "fsdp+tp": (
+        ("batch", ("data", "fsdp")),
+        ("embed", ("fsdp",)),
+        ("heads", ("model",)),
+        ("mlp", ("model",)),
+        ("vocab", ("model",)),
+    ),
+}
+
+
+class MeshSpecError(ValueError):
+    """A mesh that cannot be built: one line for the user."""
+
+
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+    """'4x2' → {data: 4, model: 2}; 'data:2,fsdp:2,model:2' names axes; -1 is filled later."""
+    spec = str(spec).strip()
+    if ":" in spec:
+        pairs = [p.split(":", 1) for p in spec.split(",")]
+        names = [n.strip() for n, _ in pairs]
+        sizes = [s for _, s in pairs]
+    else:
+        sizes = spec.lower().split("x")
+        if len(sizes) not in POSITIONAL:
+            raise MeshSpecError("give 1 to 3 sizes (data[xmodel] or dataxfsdpxmodel)")
+        names = list(POSITIONAL[len(sizes)])
+    out = {}
+    for name, size in zip(names, sizes, strict=True):
+        if name not in AXES:
+            raise MeshSpecError(f"unknown axis {name!r}; axes are {', '.join(AXES)}")
+        if name in out:
+            raise MeshSpecError(f"axis {name!r} given twice")
+        try:
+            n = int(size)
+        except ValueError:
+            raise MeshSpecError(f"size {size!r} of axis {name!r} is not an integer") from None
+        if n == 0 or n < -1:
+            raise MeshSpecError(f"axis {name!r} has size {n}; sizes are >= 1 or -1 (fill)")
+        out[name] = n
+    if sum(v == -1 for v in out.values()) > 1:
+        raise MeshSpecError("at most one axis may be -1")
+    return out
+
+
+def known_size(spec: str) -> int:
+    """Devices the spec needs when -1 counts as 1 (used to size simulated CPU devices)."""
+    return math.prod(max(v, 1) for v in parse_mesh_spec(spec).values())
+
+
+def resolve_shape(spec: str, n_devices: int) -> dict[str, int]:
+    """Full (data, fsdp, model) sizes for `n_devices`, -1 filled; errors name the numbers."""
+    sizes = {a: 1 for a in AXES} | parse_mesh_spec(spec)
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if -1 in sizes.values():
+        if n_devices % fixed:
+            raise MeshSpecError(f"mesh={spec}: {fixed} does not divide the {n_devices} devices")
+        sizes = {a: (n_devices // fixed if v == -1 else v) for a, v in sizes.items()}
+    elif fixed > n_devices:
+        raise MeshSpecError(f"mesh={spec} needs {fixed} devices but only {n_devices} are present")
+    elif n_devices % fixed:
+        raise MeshSpecError(
+            f"mesh={spec} uses {fixed} devices, which does not divide the {n_devices} present"
+        )
+    return sizes
+
+
+def make_mesh(spec: str, devices=None):
+    """A jax Mesh with axes (data, fsdp, model) over `devices` (default: all devices)."""
+    import jax
+
+    devices = jax.devices() if devices is None else devices
+    sizes = resolve_shape(spec, len(devices))
+    shape = tuple(sizes[a] for a in AXES)
+    devices = list(devices)[: math.prod(shape)]
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices=devices)
+    except (ValueError, AssertionError, NotImplementedError):
+        grid = np.asarray(devices).reshape(shape)
+    return jax.sharding.Mesh(grid, AXES)
+
+
+def auto_strategy(sizes: dict[str, int]) -> str:
+    """Pick the rules that use every axis the user asked for."""
+    fsdp, model = sizes.get("fsdp", 1) > 1, sizes.get("model", 1) > 1
+    return {(True, True): "fsdp+tp", (False, True): "tp", (True, False): "fsdp"}.get(
+        (fsdp, model), "dp"
+    )
+
+
+def rules_for(strategy: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    if strategy not in RULES:
+        raise MeshSpecError(f"strategy={strategy!r}: expected one of {', '.join(RULES)}")
+    return RULES[strategy]
+
+
+def axis_size(mesh, mesh_axes) -> int:
+    """Number of devices a dimension is split over (mesh_axes: None, a name, or a tuple)."""
+    if mesh_axes is None:
+        return 1
+    names = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+    return math.prod(mesh.shape[n] for n in names)
+
+
+def check_divisible(name: str, shape: tuple[int, ...], spec, mesh) -> None:
+    """Every dimension must split evenly over its mesh axes; say which tensor and axis if not."""
+    for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+        n = axis_size(mesh, axes)
+        if size % n:
+            raise MeshSpecError(
+                f"{name}: dimension {dim} (size {size}) does not divide mesh axis "
+                f"{axes} (size {n}); change the mesh, the strategy or the model size"
+            )
