@@ -134,7 +134,8 @@ def axis_size(mesh, mesh_axes) -> int:
 
 def check_divisible(name: str, shape: tuple[int, ...], spec, mesh) -> None:
     """Every dimension must split evenly over its mesh axes; say which tensor and axis if not."""
-    for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+    padded = tuple(spec)[: len(shape)] + (None,) * (len(shape) - len(tuple(spec)))
+    for dim, (size, axes) in enumerate(zip(shape, padded, strict=True)):
         n = axis_size(mesh, axes)
         if size % n:
             raise MeshSpecError(
