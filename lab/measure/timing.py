@@ -39,7 +39,8 @@ def _call_blocked(fn: Callable, args: Sequence) -> float:
     return time.perf_counter() - t0
 
 
-def _summarise(times_s: list[float], compile_s: float) -> BenchResult:
+def summarise(times_s: list[float], compile_s: float) -> BenchResult:
+    """Median and spread of measured seconds (also used by the training loop)."""
     q = np.percentile(times_s, [10, 90])
     return BenchResult(
         median_s=statistics.median(times_s),
@@ -80,7 +81,7 @@ def bench(
         len(times_s) < min_runs or time.perf_counter() - start < budget_s
     ):
         times_s.append(_call_blocked(fn, next(cycle)))
-    return _summarise(times_s, compile_s)
+    return summarise(times_s, compile_s)
 
 
 def compare(
@@ -114,7 +115,7 @@ def compare(
         for name, fn in impls.items():
             times_s[name].append(_call_blocked(fn, args))
         rounds += 1
-    results = {name: _summarise(t, compile_s[name]) for name, t in times_s.items()}
+    results = {name: summarise(t, compile_s[name]) for name, t in times_s.items()}
     base_s = results[baseline].median_s
     return {n: {**r.as_dict(), "ratio": r.median_s / base_s} for n, r in results.items()}
 
