@@ -70,7 +70,7 @@ def train_step(state: TrainState, tokens_BxL1, *, model, tx, loss_scale: float):
     grads = jax.tree.map(lambda g: g / loss_scale, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -89,23 +89,37 @@ class Trainer:
     state_shardings: Any
     batch_sharding: NamedSharding
     abstract_state: Any  # ShapeDtypeStructs of the unboxed state, with shardings
-    init: Any  # key → TrainState, sharded
-    step: Any  # (TrainState, tokens_BxL1) → (TrainState, metrics), state donated
+    init_jit: Any  # key → TrainState, sharded
+    step_jit: Any  # (TrainState, tokens_BxL1) → (TrainState, metrics), state donated
 
     def batch_shape(self) -> jax.ShapeDtypeStruct:
         shape = (self.cfg.batch_size, self.cfg.seq_len + 1)
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
 
+    def init(self, key) -> TrainState:
+        with _mesh_scope(self.mesh):
+            return self.init_jit(key)
+
+    def step(self, state: TrainState, tokens_BxL1):
+        with _mesh_scope(self.mesh):
+            return self.step_jit(state, tokens_BxL1)
+
     def lower(self):
-        return self.step.lower(self.abstract_state, self.batch_shape())
+        with _mesh_scope(self.mesh):
+            return self.step_jit.lower(self.abstract_state, self.batch_shape())
 
 
-def _in_context(fn, mesh, rules):
-    """Trace `fn` with the mesh and the logical rules in scope (the model's constraints)."""
+def _mesh_scope(mesh):
+    """`jax.set_mesh` where it exists (JAX >= 0.7); the Mesh context manager before that."""
+    return jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else mesh
+
+
+def _with_rules(fn, rules):
+    """Trace `fn` with the logical rules in scope (the model's sharding constraints)."""
 
     @functools.wraps(fn)
     def wrapped(*args):
-        with mesh, nn.logical_axis_rules(rules):
+        with nn.logical_axis_rules(rules):
             return fn(*args)
 
     return wrapped
@@ -124,7 +138,7 @@ def make_trainer(cfg: Config, mesh, strategy: str) -> Trainer:
     rules = rules_for(strategy)
     model, tx = build(cfg.model), make_optimizer(cfg)
     init_fn = functools.partial(_init_state, model=model, tx=tx, seq_len=cfg.seq_len)
-    with mesh, nn.logical_axis_rules(rules):
+    with _mesh_scope(mesh), nn.logical_axis_rules(rules):
         abstract_boxed = jax.eval_shape(init_fn, jax.random.key(0))
     _check_state(abstract_boxed, mesh, rules)
     state_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_boxed), mesh, rules)
@@ -138,10 +152,10 @@ def make_trainer(cfg: Config, mesh, strategy: str) -> Trainer:
     batch_sh = NamedSharding(mesh, P(batch_axes, None))
     replicated = NamedSharding(mesh, P())
     unboxed_init = lambda key: nn.meta.unbox(init_fn(key))
-    init = jax.jit(_in_context(unboxed_init, mesh, rules), out_shardings=state_sh)
+    init = jax.jit(_with_rules(unboxed_init, rules), out_shardings=state_sh)
     step_fn = functools.partial(train_step, model=model, tx=tx, loss_scale=loss_scale_of(cfg))
     step = jax.jit(
-        _in_context(step_fn, mesh, rules),
+        _with_rules(step_fn, rules),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, replicated),
         donate_argnums=0,
@@ -151,7 +165,7 @@ def make_trainer(cfg: Config, mesh, strategy: str) -> Trainer:
         nn.meta.unbox(abstract_boxed),
         state_sh,
     )
-    return Trainer(cfg, mesh, rules, state_sh, batch_sh, abstract, init, step)
+    return Trainer(cfg, mesh, rules, state_sh, batch_sh, abstract, init_jit=init, step_jit=step)
 
 
 def compile_step(cfg: Config, mesh, strategy: str = "dp"):

@@ -1,0 +1,79 @@
+"""`python -m lab.run key=value ...`: train the transformer on a device mesh, on any backend.
+
+Thin on purpose: parse, prepare the devices, build the mesh and the trainer, then hand over
+to lab/loop.py. Every user mistake ends here as one line on stderr and exit code 2.
+"""
+
+import dataclasses
+import os
+import sys
+import time
+
+from lab.config import Config, ConfigError, help_text, parse_args
+from lab.errors import RunError
+
+
+def resolve(cfg: Config, backend: str, sizes: dict[str, int]) -> tuple[Config, str]:
+    """Fill the `auto` choices for this backend: compute dtype, data, strategy, name."""
+    from lab.mesh import auto_strategy
+
+    model = cfg.model
+    if model.dtype == "auto":
+        model = dataclasses.replace(model, dtype="float32" if backend == "cpu" else "bfloat16")
+    data = cfg.data if cfg.data != "auto" else ("text" if model.vocab_size == 256 else "synthetic")
+    name = cfg.name or f"{cfg.preset}-{cfg.mesh}-{time.strftime('%Y%m%d-%H%M%S')}"
+    strategy = cfg.strategy if cfg.strategy != "auto" else auto_strategy(sizes)
+    cfg = dataclasses.replace(cfg, model=model, data=data, name=name, strategy=strategy)
+    if cfg.data == "text" and model.vocab_size < 256:
+        raise ConfigError(f"data=text needs vocab_size >= 256 (bytes), got {model.vocab_size}")
+    return cfg, strategy
+
+
+def setup(cfg: Config):
+    """Devices, mesh and trainer; mesh problems become ConfigError (exit 2)."""
+    from lab import devices
+    from lab.mesh import MeshSpecError, make_mesh
+    from lab.train import make_trainer
+
+    devices.prepare(
+        cfg.mesh,
+        cpu_devices=cfg.cpu_devices,
+        coordinator=cfg.coordinator,
+        num_processes=cfg.num_processes,
+        process_id=cfg.process_id,
+    )
+    info = devices.describe()
+    try:
+        sizes = devices.check_mesh_fits(cfg.mesh, info)
+        cfg, strategy = resolve(cfg, info.backend, sizes)
+        mesh = make_mesh(cfg.mesh)
+        trainer = make_trainer(cfg, mesh, strategy)
+    except MeshSpecError as e:
+        raise ConfigError(str(e)) from None
+    return cfg, info, trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(help_text())
+        return 0
+    try:
+        cfg = parse_args(argv)
+        if cfg.resume and not cfg.name:
+            raise ConfigError("resume=true needs the run's name=NAME")
+        cfg, info, trainer = setup(cfg)
+        from lab.loop import run_training  # heavy imports only once the config is sound
+
+        return run_training(cfg, info, trainer)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""What `lab.run` prints and saves: the header, the compiled analysis, the final summary.
+
+Every figure here is either measured in this run (step times, compiled memory and FLOPs) or
+derived from measured figures plus a spec-table entry whose source is recorded; MFU on CPU
+is against the matmul peak measured on this machine, and says so.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import jax
+from rich.table import Table
+
+from lab.config import Config
+from lab.devices import DeviceInfo
+from lab.measure import ceilings, cost, memory, specs
+from lab.model import count_nonembedding_params, count_params
+
+GIB = 2**30
+
+
+def header(cfg: Config, info: DeviceInfo, trainer) -> str:
+    m = cfg.model
+    sizes = " × ".join(f"{a}={n}" for a, n in trainer.mesh.shape.items() if n > 1) or "1 device"
+    n = count_params(trainer.abstract_state.params)
+    return "\n".join(
+        [
+            f"[bold]lab.run[/bold] {cfg.name}",
+            f"  devices   {info.header()}",
+            f"  mesh      {sizes}  (mesh={cfg.mesh}, strategy={cfg.strategy})",
+            f"  model     {cfg.preset}: {n / 1e6:.2f}M params, d_model={m.d_model}, "
+            f"layers={m.n_layers}, heads={m.n_heads}/{m.n_kv_heads} kv, attention={m.attention}, "
+            f"remat={m.remat}",
+            f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32",
+            f"  data      {cfg.data}, batch {cfg.batch_size} × {cfg.seq_len} tokens, {cfg.steps} steps",
+        ]
+    )
+
+
+def flops_per_token(cfg: Config, params) -> tuple[float, str]:
+    n = count_nonembedding_params(params, cfg.model)
+    m = cfg.model
+    f = cost.transformer_flops_per_token(n, m.n_layers, cfg.seq_len, m.d_model, training=True)
+    return f, "6·N (N non-embedding params) + 12·layers·seq·d_model attention, per token"
+
+
+def analyse(compiled, cfg: Config, info: DeviceInfo, trainer) -> dict:
+    """Compiled memory and cost per device, and the model's FLOPs per token."""
+    fpt, convention = flops_per_token(cfg, trainer.abstract_state.params)
+    n_params = count_params(trainer.abstract_state.params)
+    return {
+        "params": n_params,
+        "model_flops_per_token": fpt,
+        "flops_convention": convention,
+        "compiled_memory_per_device": memory.compiled_memory(compiled),
+        "compiled_cost_per_device": cost.compiled_cost(compiled),
+        "device_kind": info.device_kind,
+        "devices": info.count,
+        "simulated": info.simulated,
+    }
+
+
+def _needed_bytes(analysis: dict) -> int | None:
+    mem = analysis["compiled_memory_per_device"]
+    return mem.get("total_bytes") if mem else None
+
+
+def memory_problem(analysis: dict, info: DeviceInfo) -> str | None:
+    """One line if the compiled step cannot fit the device, else None."""
+    need = _needed_bytes(analysis)
+    cap = memory.device_capacity_bytes(jax.local_devices()[0])
+    if not need or not cap:
+        return None
+    # Simulated CPU devices share one host's memory.
+    need_total = need * (info.local_count if info.backend == "cpu" else 1)
+    if need_total <= cap:
+        return None
+    return (
+        f"the compiled step needs {need_total / GIB:.2f} GiB per device but the device has "
+        f"{cap / GIB:.2f} GiB: try a smaller batch_size, remat=full, or a mesh over more "
+        "devices with strategy=fsdp"
+    )
+
+
+def _peak(cfg: Config, info: DeviceInfo) -> tuple[float | None, str]:
+    """Peak FLOP/s of the whole mesh and where the figure comes from."""
+    if info.backend == "cpu":
+        peak = ceilings.matmul_peak(cfg.model.dtype)
+        return peak, f"measured {cfg.model.dtype} matmul peak of this host (all cores)"
+    per_device = specs.peak_flops(info.device_kind, cfg.model.dtype)
+    if per_device is None:
+        return None, f"no spec-table entry for {info.device_kind!r}: MFU unavailable"
+    return per_device * info.count, f"spec-table {cfg.model.dtype} peak × {info.count} devices"
+
+
+def summarise_run(cfg: Config, info: DeviceInfo, analysis: dict, times, losses) -> dict:
+    tokens_per_s = cfg.batch_size * cfg.seq_len / times.median_s
+    achieved = analysis["model_flops_per_token"] * tokens_per_s
+    peak, peak_source = _peak(cfg, info)
+    stats = memory.device_memory_stats(jax.local_devices()[0])
+    return {
+        **analysis,
+        "step_time": times.as_dict(),
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / info.count,
+        "model_flops_per_s": achieved,
+        "peak_flops_per_s": peak,
+        "peak_source": peak_source,
+        "mfu": achieved / peak if peak else None,
+        "memory_stats": stats,
+        "loss_first": losses[0][1] if losses else None,
+        "loss_last": losses[-1][1] if losses else None,
+        "steps_run": len(losses),
+    }
+
+
+def _fmt_bytes(n) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def analysis_table(analysis: dict, compile_s: float) -> Table:
+    t = Table(title="compiled step (per device)", show_header=False)
+    mem = analysis["compiled_memory_per_device"] or {}
+    for k, v in mem.items():
+        t.add_row(k, _fmt_bytes(v) if isinstance(v, int | float) else str(v))
+    c = analysis["compiled_cost_per_device"] or {}
+    t.add_row("compiled FLOPs", f"{c.get('flops', math.nan):.4g}")
+    t.add_row("compiled bytes accessed", _fmt_bytes(c.get("bytes accessed")))
+    t.add_row("model FLOPs / token", f"{analysis['model_flops_per_token']:.4g}")
+    t.add_row("compile time", f"{compile_s:.2f} s")
+    return t
+
+
+def summary_table(s: dict) -> Table:
+    t = Table(title="summary", show_header=False)
+    st = s["step_time"]
+    t.add_row(
+        "step time (median)",
+        f"{st['median_s'] * 1e3:.2f} ms  "
+        f"(p10 {st['p10_s'] * 1e3:.2f}, p90 {st['p90_s'] * 1e3:.2f}, {st['runs']} steps)",
+    )
+    t.add_row("compile time", f"{st['compile_s']:.2f} s (not in the step time)")
+    t.add_row(
+        "tokens/s",
+        f"{s['tokens_per_s']:,.0f} global, {s['tokens_per_s_per_device']:,.0f} per device",
+    )
+    t.add_row("model FLOPs/token", f"{s['model_flops_per_token']:.4g}  [{s['flops_convention']}]")
+    mfu = "unavailable" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+    t.add_row("MFU", f"{mfu}  (vs {s['peak_source']})")
+    mem = s["compiled_memory_per_device"] or {}
+    t.add_row(
+        "memory / device",
+        f"{_fmt_bytes(mem.get('total_bytes'))} compiled"
+        + (
+            f", {_fmt_bytes(s['memory_stats'].get('peak_bytes_in_use'))} peak in use"
+            if s["memory_stats"]
+            else ""
+        ),
+    )
+    if s["loss_first"] is not None:
+        t.add_row("loss", f"{s['loss_first']:.4f} → {s['loss_last']:.4f}")
+    return t
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -1,0 +1,97 @@
+"""Config parsing: typed values, presets, and one clear line for every mistake."""
+
+import pytest
+
+from lab.config import PRESETS, ConfigError, help_text, parse_args
+from lab.run import main
+
+
+def test_presets_and_overrides():
+    cfg = parse_args(
+        [
+            "model=small",
+            "n_layers=3",
+            "lr=1e-3",
+            "tie_embeddings=false",
+            "dtype=bf16",
+            "mesh=4x2",
+            "strategy=fsdp+tp",
+            "remat=dots",
+        ]
+    )
+    assert cfg.preset == "small"
+    assert cfg.model.d_model == PRESETS["small"]["d_model"]
+    assert cfg.model.n_layers == 3 and cfg.lr == 1e-3
+    assert cfg.model.tie_embeddings is False
+    assert cfg.model.dtype == "bfloat16" and cfg.model.remat == "dots"
+    assert cfg.mesh == "4x2" and cfg.strategy == "fsdp+tp"
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_is_valid(name):
+    cfg = parse_args([f"model={name}"])
+    assert cfg.model.d_model % cfg.model.n_heads == 0
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["modle=tiny"], "unknown key 'modle' (did you mean model?)"),
+        (["setps=3"], "did you mean steps?"),
+        (["steps=ten"], "steps='ten': expected an integer"),
+        (["lr=fast"], "lr='fast': expected a number"),
+        (["steps=-1"], "steps='-1': must be >= 0"),
+        (["dtype=int7"], "dtype='int7': expected one of float32, bfloat16, float16"),
+        (["remat=some"], "remat='some': expected one of none | full | dots"),
+        (["resume=maybe"], "resume='maybe': expected a boolean"),
+        (["mesh=4y2"], "mesh='4y2'"),
+        (["mesh=data:2,pipe:2"], "unknown axis 'pipe'"),
+        (["mesh=-1x-1"], "at most one axis may be -1"),
+        (["n_heads=4", "n_kv_heads=3"], "n_kv_heads=3 must divide n_heads=4"),
+        (["steps"], "arguments are key=value"),
+        (["steps=1", "steps=2"], "steps is given more than once"),
+    ],
+)
+def test_errors_are_one_line(argv, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["modle=tiny"], "did you mean model?"),
+        (["mesh=16"], "mesh=16 needs 16 devices but only 8 are present"),
+        (["mesh=3"], "does not divide the 8 present"),
+        (["mesh=4x2", "batch_size=6"], "does not divide mesh axis"),
+        (["mesh=1x8", "n_heads=4", "n_kv_heads=4"], "does not divide mesh axis ('model',)"),
+        (["resume=true"], "resume=true needs the run's name=NAME"),
+    ],
+)
+def test_cli_exit_code_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err
+    assert len(err.splitlines()) == 1
+
+
+def test_help_lists_every_key(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for key in (
+        "model",
+        "mesh",
+        "strategy",
+        "batch_size",
+        "d_model",
+        "attention",
+        "remat",
+        "checkpoint_every",
+        "resume",
+        "compile_only",
+        "coordinator",
+    ):
+        assert f"  {key} " in out
+    assert help_text() in out

@@ -1,0 +1,67 @@
+"""Mesh specs, device meshes and the logical→mesh rule tables."""
+
+import jax
+import pytest
+
+from lab.mesh import (
+    RULES,
+    MeshSpecError,
+    auto_strategy,
+    check_divisible,
+    make_mesh,
+    parse_mesh_spec,
+    resolve_shape,
+)
+
+
+@pytest.mark.parametrize(
+    "spec, want",
+    [
+        ("8", {"data": 8, "fsdp": 1, "model": 1}),
+        ("4x2", {"data": 4, "fsdp": 1, "model": 2}),
+        ("2x2x2", {"data": 2, "fsdp": 2, "model": 2}),
+        ("data:2,fsdp:2,model:2", {"data": 2, "fsdp": 2, "model": 2}),
+        ("model:2,data:-1", {"data": 4, "fsdp": 1, "model": 2}),
+        ("-1", {"data": 8, "fsdp": 1, "model": 1}),
+        ("4", {"data": 4, "fsdp": 1, "model": 1}),
+    ],
+)
+def test_resolve_shape(spec, want):
+    assert resolve_shape(spec, 8) == want
+
+
+@pytest.mark.parametrize("spec", ["0", "4x2x1x1", "a", "data:2,data:2", "3x-1"])
+def test_bad_specs(spec):
+    with pytest.raises(MeshSpecError):
+        resolve_shape(spec, 8)
+
+
+def test_make_mesh_axes_and_size():
+    mesh = make_mesh("4x2")
+    assert mesh.axis_names == ("data", "fsdp", "model")
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "model": 2}
+    assert mesh.devices.size == 8
+    assert len(make_mesh("2").devices.flatten()) == 2  # a divisor of the devices is allowed
+    assert parse_mesh_spec("4x2") == {"data": 4, "model": 2}
+
+
+def test_auto_strategy():
+    assert auto_strategy({"data": 8, "fsdp": 1, "model": 1}) == "dp"
+    assert auto_strategy({"data": 4, "fsdp": 1, "model": 2}) == "tp"
+    assert auto_strategy({"data": 1, "fsdp": 8, "model": 1}) == "fsdp"
+    assert auto_strategy({"data": 2, "fsdp": 2, "model": 2}) == "fsdp+tp"
+
+
+def test_rule_tables_are_short_and_use_mesh_axes():
+    for name, rules in RULES.items():
+        assert 1 <= len(rules) <= 6, name
+        for _, axes in rules:
+            assert set(axes) <= {"data", "fsdp", "model"}
+
+
+def test_check_divisible_names_tensor_and_axis():
+    mesh = make_mesh("4x2")
+    check_divisible("ok", (8, 6), (("data",), ("model",)), mesh)
+    with pytest.raises(MeshSpecError, match=r"wq: dimension 1 \(size 3\).*\('model',\) \(size 2\)"):
+        check_divisible("wq", (8, 3), (None, ("model",)), mesh)
+    assert jax.device_count() == 8
