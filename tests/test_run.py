@@ -1,0 +1,78 @@
+"""lab.run end to end on CPU: loss falls, resume is exact, failures are one clear line."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lab import summary
+from lab.run import main
+
+TINY = ["model=tiny", "batch_size=8", "seq_len=32", "log_every=1", "warmup_steps=2"]
+
+
+def _run(tmp_path, *args) -> int:
+    return main([*TINY, f"out_dir={tmp_path}", *args])
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def test_loss_falls_on_text_and_summary_is_written(tmp_path):
+    assert _run(tmp_path, "name=fall", "steps=40", "lr=1e-2", "data=text") == 0
+    run_dir = tmp_path / "fall"
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["loss_last"] < s["loss_first"] - 1.0
+    assert s["steps_run"] == 40 and s["tokens_per_s"] > 0
+    assert s["step_time"]["compile_s"] > 0 and s["mfu"] is not None
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["model"]["dtype"] == "float32" and cfg["data"] == "text"
+
+
+def test_resume_reproduces_uninterrupted_losses(tmp_path):
+    assert _run(tmp_path, "name=full", "steps=8") == 0
+    assert _run(tmp_path, "name=cut", "steps=8", "checkpoint_every=4") == 0
+    ckpts = tmp_path / "cut" / "checkpoints"
+    shutil.rmtree(ckpts / "8")  # as if the run had died after step 4's checkpoint
+    assert _run(tmp_path, "name=cut", "steps=8", "resume=true", "checkpoint_every=4") == 0
+    full, cut = _losses(tmp_path / "full"), _losses(tmp_path / "cut")
+    assert list(cut) == list(range(1, 9))
+    for step in range(5, 9):
+        assert cut[step] == pytest.approx(full[step], rel=1e-6)
+
+
+def test_corrupt_checkpoint_is_skipped(tmp_path, capsys):
+    assert _run(tmp_path, "name=c", "steps=4", "checkpoint_every=2") == 0
+    for f in (tmp_path / "c" / "checkpoints" / "4").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    assert _run(tmp_path, "name=c", "steps=4", "resume=true") == 0
+    out = capsys.readouterr()
+    assert "checkpoint step 4 is damaged, skipped" in out.err
+    assert "resumed from checkpoint at step 2" in out.out
+
+
+def test_nan_loss_stops_with_the_step(tmp_path, capsys):
+    assert _run(tmp_path, "name=nan", "steps=6", "lr=1e30", "grad_clip=0", "warmup_steps=0") == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: loss is nan at step") or err.startswith("error: loss is inf")
+    assert len(err.splitlines()) == 1
+
+
+def test_memory_too_big_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(summary.memory, "device_capacity_bytes", lambda device: 1024)
+    assert _run(tmp_path, "name=mem", "steps=3") == 1
+    err = capsys.readouterr().err
+    assert "GiB per device but the device has" in err and "smaller batch_size" in err
+    assert not (tmp_path / "mem" / "metrics.jsonl").exists()
+
+
+def test_compile_only_prints_analysis(tmp_path, capsys):
+    assert _run(tmp_path, "name=co", "compile_only=true", "mesh=4x2") == 0
+    out = capsys.readouterr().out
+    assert "compiled step" in out and "model FLOPs / token" in out
+    s = json.loads((tmp_path / "co" / "summary.json").read_text())
+    assert s["compiled_memory_per_device"]["total_bytes"] > 0
