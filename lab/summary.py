@@ -33,7 +33,8 @@ def header(cfg: Config, info: DeviceInfo, trainer) -> str:
             f"layers={m.n_layers}, heads={m.n_heads}/{m.n_kv_heads} kv, attention={m.attention}, "
             f"remat={m.remat}",
             f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32",
-            f"  data      {cfg.data}, batch {cfg.batch_size} × {cfg.seq_len} tokens, {cfg.steps} steps",
+            f"  data      {cfg.data}, batch {cfg.batch_size} × {cfg.seq_len} tokens, "
+            f"{cfg.steps} steps",
         ]
     )
 
