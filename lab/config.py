@@ -196,13 +196,26 @@ def _split(arg: str) -> tuple[str, str]:
     return key, raw.strip()
 
 
-def parse_args(argv: list[str], **defaults) -> Config:
-    """`["model=small", "mesh=4x2", "steps=20"]` → Config; raises ConfigError (one line)."""
+# What a run does when the user names nothing, per backend: a CPU run should finish in about
+# a minute and show learning; an accelerator run should be big enough to measure.
+BACKEND_DEFAULTS: dict[str, dict] = {
+    "cpu": {},
+    "gpu": {"preset": "base", "batch_size": 32, "seq_len": 1024, "steps": 100},
+    "tpu": {"preset": "base", "batch_size": 32, "seq_len": 1024, "steps": 100},
+}
+
+
+def parse_args(argv: list[str], *, backend: str = "cpu") -> Config:
+    """`["model=small", "mesh=4x2", "steps=20"]` → Config; raises ConfigError (one line).
+
+    Keys the user leaves out take the backend's defaults (BACKEND_DEFAULTS), then the
+    dataclass defaults.
+    """
     pairs = [_split(a) for a in argv]
     for key, _ in pairs:
         if sum(k == key for k, _ in pairs) > 1:
             raise ConfigError(f"{key} is given more than once")
-    run_kw = dict(defaults)
+    run_kw = dict(BACKEND_DEFAULTS.get(backend, {}))
     model_kw = {}
     for key, raw in pairs:
         if key in RUN_FIELDS:
@@ -247,4 +260,8 @@ def help_text() -> str:
     for f in MODEL_FIELDS.values():
         lines.append(f"  {f.name:<18} {str(f.default)!r:<12} {f.metadata['help']}")
     lines += ["", "presets: " + ", ".join(PRESETS)]
+    for backend, over in BACKEND_DEFAULTS.items():
+        if over:
+            keys = " ".join(f"{'model' if k == 'preset' else k}={v}" for k, v in over.items())
+            lines.append(f"defaults on {backend}: {keys}")
     return "\n".join(lines)

@@ -29,8 +29,11 @@ def resolve(cfg: Config, backend: str, sizes: dict[str, int]) -> tuple[Config, s
     return cfg, strategy
 
 
-def setup(cfg: Config):
-    """Devices, mesh and trainer; mesh problems become ConfigError (exit 2)."""
+def setup(cfg: Config, argv: list[str] | None = None):
+    """Devices, mesh and trainer; mesh problems become ConfigError (exit 2).
+
+    `argv` (the user's keys) lets an accelerator re-read them under its own defaults.
+    """
     from lab import devices
     from lab.mesh import MeshSpecError, make_mesh
     from lab.train import make_trainer
@@ -43,6 +46,8 @@ def setup(cfg: Config):
         process_id=cfg.process_id,
     )
     info = devices.describe()
+    if argv is not None and info.backend != "cpu":
+        cfg = parse_args(argv, backend=info.backend)
     try:
         sizes = devices.check_mesh_fits(cfg.mesh, info)
         cfg, strategy = resolve(cfg, info.backend, sizes)
@@ -62,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         if cfg.resume and not cfg.name:
             raise ConfigError("resume=true needs the run's name=NAME")
-        cfg, info, trainer = setup(cfg)
+        cfg, info, trainer = setup(cfg, argv)
         from lab.loop import run_training  # heavy imports only once the config is sound
 
         return run_training(cfg, info, trainer)

@@ -76,3 +76,34 @@ def test_compile_only_prints_analysis(tmp_path, capsys):
     assert "compiled step" in out and "model FLOPs / token" in out
     s = json.loads((tmp_path / "co" / "summary.json").read_text())
     assert s["compiled_memory_per_device"]["total_bytes"] > 0
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "lab.run",
+        *TINY,
+        f"out_dir={tmp_path}",
+        "name=sig",
+        "steps=100000",
+        "checkpoint_every=100000",
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "sig" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err
+    assert "SIGTERM: checkpoint saved at step" in out
+    assert any((tmp_path / "sig" / "checkpoints").iterdir())
