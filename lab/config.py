@@ -129,6 +129,11 @@ class Config:
     checkpoint_every: int = _f(0, "steps between checkpoints; 0 = no checkpoints", min=0)
     resume: bool = _f(False, "continue from the latest complete checkpoint of this run name")
     compile_only: bool = _f(False, "compile the step, print memory and cost, do not train")
+    target: str = _f(
+        "",
+        "compile ahead of time for a TPU slice, e.g. tpu:v5e:2x4 (needs "
+        "libtpu; implies compile_only)",
+    )
     profile: bool = _f(False, "capture a jax.profiler trace of a few steps into the run folder")
     coordinator: str = _f("", "jax.distributed coordinator host:port (multi-host)")
     num_processes: int = _f(1, "jax.distributed process count", min=1)
@@ -246,6 +251,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"process_id={cfg.process_id} must be < num_processes={cfg.num_processes}"
         )
+    if cfg.target:
+        from lab.aot import parse_target
+
+        parse_target(cfg.target)
     if cfg.num_processes > 1 and not cfg.coordinator:
         raise ConfigError("num_processes > 1 needs coordinator=host:port")
 
@@ -259,7 +268,9 @@ def help_text() -> str:
     lines += ["", "model keys (override the preset):"]
     for f in MODEL_FIELDS.values():
         lines.append(f"  {f.name:<18} {str(f.default)!r:<12} {f.metadata['help']}")
-    lines += ["", "presets: " + ", ".join(PRESETS)]
+    from lab.aot import target_help
+
+    lines += ["", "presets: " + ", ".join(PRESETS), "targets (e.g.): " + target_help()]
     for backend, over in BACKEND_DEFAULTS.items():
         if over:
             keys = " ".join(f"{'model' if k == 'preset' else k}={v}" for k, v in over.items())

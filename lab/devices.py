@@ -24,9 +24,11 @@ class DeviceInfo:
     process_count: int  # jax.distributed processes (hosts)
     process_index: int  # this process
     simulated: bool  # CPU devices beyond one share the same cores: simulated
+    aot: bool = False  # a TPU topology compiled for ahead of time: nothing runs
 
     def header(self) -> str:
         sim = " (simulated CPU devices)" if self.simulated else ""
+        sim = " (ahead-of-time target: compiled, not run)" if self.aot else sim
         hosts = f", {self.process_count} processes" if self.process_count > 1 else ""
         return f"{self.backend} · {self.device_kind} × {self.count}{sim}{hosts}"
 
@@ -81,6 +83,21 @@ def describe() -> DeviceInfo:
         process_count=jax.process_count(),
         process_index=jax.process_index(),
         simulated=backend == "cpu" and len(devices) > 1,
+    )
+
+
+def describe_target(devices: list) -> DeviceInfo:
+    """A TPU slice known only from its topology (lab/aot.py)."""
+    n = len(devices)
+    return DeviceInfo(
+        backend="tpu",
+        device_kind=devices[0].device_kind,
+        count=n,
+        local_count=n,
+        process_count=1,
+        process_index=0,
+        simulated=False,
+        aot=True,
     )
 
 

@@ -34,7 +34,11 @@ def setup(cfg: Config, argv: list[str] | None = None):
 
     `argv` (the user's keys) lets an accelerator re-read them under its own defaults.
     """
-    from lab import devices
+    if cfg.target:
+        from lab.aot import prepare_host
+
+        prepare_host(cfg.target)
+    from lab import aot, devices
     from lab.mesh import MeshSpecError, make_mesh
     from lab.train import make_trainer
 

@@ -138,8 +138,9 @@ def make_trainer(cfg: Config, mesh, strategy: str) -> Trainer:
     rules = rules_for(strategy)
     model, tx = build(cfg.model), make_optimizer(cfg)
     init_fn = functools.partial(_init_state, model=model, tx=tx, seq_len=cfg.seq_len)
+    key = jax.eval_shape(jax.random.key, 0)  # abstract: the mesh may be a TPU topology
     with _mesh_scope(mesh), nn.logical_axis_rules(rules):
-        abstract_boxed = jax.eval_shape(init_fn, jax.random.key(0))
+        abstract_boxed = jax.eval_shape(init_fn, key)
     _check_state(abstract_boxed, mesh, rules)
     state_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_boxed), mesh, rules)
     batch_axes = dict(rules).get("batch")
