@@ -42,20 +42,27 @@ def setup(cfg: Config, argv: list[str] | None = None):
     from lab.mesh import MeshSpecError, make_mesh
     from lab.train import make_trainer
 
-    devices.prepare(
-        cfg.mesh,
-        cpu_devices=cfg.cpu_devices,
-        coordinator=cfg.coordinator,
-        num_processes=cfg.num_processes,
-        process_id=cfg.process_id,
-    )
-    info = devices.describe()
+    target_devices = None
+    if cfg.target:
+        target_devices = aot.topology_devices(cfg.target)
+        info = devices.describe_target(target_devices)
+    else:
+        devices.prepare(
+            cfg.mesh,
+            cpu_devices=cfg.cpu_devices,
+            coordinator=cfg.coordinator,
+            num_processes=cfg.num_processes,
+            process_id=cfg.process_id,
+        )
+        info = devices.describe()
     if argv is not None and info.backend != "cpu":
         cfg = parse_args(argv, backend=info.backend)
+    if cfg.target:
+        cfg = dataclasses.replace(cfg, compile_only=True)  # a plan: nothing can run
     try:
         sizes = devices.check_mesh_fits(cfg.mesh, info)
         cfg, strategy = resolve(cfg, info.backend, sizes)
-        mesh = make_mesh(cfg.mesh)
+        mesh = make_mesh(cfg.mesh, target_devices)
         trainer = make_trainer(cfg, mesh, strategy)
     except MeshSpecError as e:
         raise ConfigError(str(e)) from None
