@@ -6,6 +6,7 @@ number of simulated devices. `prepare` does both; `describe` reports what came o
 """
 
 import dataclasses
+import glob
 import os
 
 import jax
@@ -31,6 +32,19 @@ class DeviceInfo:
         sim = " (ahead-of-time target: compiled, not run)" if self.aot else sim
         hosts = f", {self.process_count} processes" if self.process_count > 1 else ""
         return f"{self.backend} · {self.device_kind} × {self.count}{sim}{hosts}"
+
+
+def quiet_libtpu_off_tpu(generation: str = "v5e") -> None:
+    """With libtpu installed on a machine without TPU chips, JAX's start-up makes libtpu query
+    a TPU VM's metadata server and print several lines of errors. Give it a local answer."""
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return  # a real TPU VM: leave the runtime alone
+    for var, value in (
+        ("TPU_SKIP_MDS_QUERY", "1"),
+        ("TPU_WORKER_HOSTNAMES", "localhost"),
+        ("TPU_ACCELERATOR_TYPE", f"{generation}-8"),
+    ):
+        os.environ.setdefault(var, value)
 
 
 def _tpu_pod() -> bool:
@@ -66,6 +80,7 @@ def prepare(
     process_id: int = 0,
 ) -> None:
     """Call before any JAX operation: joins hosts, then sizes the simulated CPU devices."""
+    quiet_libtpu_off_tpu()
     _init_distributed(coordinator, num_processes, process_id)
     wanted = cpu_devices or known_size(mesh)
     if wanted > 1:

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 from rich.table import Table
 
+from lab import aot
 from lab.config import Config
 from lab.devices import DeviceInfo
 from lab.measure import ceilings, cost, memory, specs
@@ -50,15 +51,41 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer) -> dict:
     """Compiled memory and cost per device, and the model's FLOPs per token."""
     fpt, convention = flops_per_token(cfg, trainer.abstract_state.params)
     n_params = count_params(trainer.abstract_state.params)
-    return {
+    out = {
         "params": n_params,
         "model_flops_per_token": fpt,
         "flops_convention": convention,
         "compiled_memory_per_device": memory.compiled_memory(compiled),
         "compiled_cost_per_device": cost.compiled_cost(compiled),
+        "capacity_bytes_per_device": capacity_bytes(info),
         "device_kind": info.device_kind,
         "devices": info.count,
         "simulated": info.simulated,
+    }
+    if info.aot:
+        out["aot"] = _aot_plan(compiled, cfg, info, fpt)
+    return out
+
+
+def capacity_bytes(info: DeviceInfo) -> float | None:
+    """Memory one device has: the allocator's limit, host RAM on CPU, the spec for a target."""
+    if info.aot:
+        spec = specs.lookup(info.device_kind)
+        return spec.memory_bytes if spec else None
+    return memory.device_capacity_bytes(jax.local_devices()[0])
+
+
+def _aot_plan(compiled, cfg: Config, info: DeviceInfo, fpt: float) -> dict:
+    """What the compiler predicts for a TPU slice that is not here: compiled, not run."""
+    est_s = aot.estimated_seconds(compiled)
+    peak = specs.peak_flops(info.device_kind, cfg.model.dtype)
+    step_flops = fpt * cfg.batch_size * cfg.seq_len
+    mfu = step_flops / (est_s * peak * info.count) if est_s and peak else None
+    return {
+        "label": "compiled, not run",
+        "estimated_step_s": est_s,
+        "peak_flops_per_device": peak,
+        "implied_mfu": mfu,
     }
 
 
@@ -70,8 +97,8 @@ def _needed_bytes(analysis: dict) -> int | None:
 def memory_problem(analysis: dict, info: DeviceInfo) -> str | None:
     """One line if the compiled step cannot fit the device, else None."""
     need = _needed_bytes(analysis)
-    cap = memory.device_capacity_bytes(jax.local_devices()[0])
-    if not need or not cap:
+    cap = analysis["capacity_bytes_per_device"]
+    if not need or not cap or info.aot:  # a plan reports the fit instead of refusing
         return None
     # Simulated CPU devices share one host's memory.
     need_total = need * (info.local_count if info.backend == "cpu" else 1)
@@ -130,7 +157,26 @@ def analysis_table(analysis: dict, compile_s: float) -> Table:
     t.add_row("compiled bytes accessed", _fmt_bytes(c.get("bytes accessed")))
     t.add_row("model FLOPs / token", f"{analysis['model_flops_per_token']:.4g}")
     t.add_row("compile time", f"{compile_s:.2f} s")
+    if "aot" in analysis:
+        _aot_rows(t, analysis)
     return t
+
+
+def _aot_rows(t: Table, analysis: dict) -> None:
+    plan, cap = analysis["aot"], analysis["capacity_bytes_per_device"]
+    need = _needed_bytes(analysis)
+    if cap and need:
+        verdict = "fits" if need <= cap else "does NOT fit"
+        t.add_row(
+            "HBM per chip (spec)",
+            f"{cap / GIB:.1f} GiB: {verdict}, "
+            f"{abs(cap - need) / GIB:.2f} GiB {'spare' if need <= cap else 'short'}",
+        )
+    est = plan["estimated_step_s"]
+    t.add_row("compiler's step estimate", "n/a" if est is None else f"{est * 1e3:.3f} ms")
+    mfu = plan["implied_mfu"]
+    t.add_row("implied MFU", "n/a" if mfu is None else f"{100 * mfu:.1f}%")
+    t.add_row("label", plan["label"])
 
 
 def summary_table(s: dict) -> Table:
