@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Create a GPU VM on Compute Engine, ready for tpu/setup.sh --hosts and tpu/run.sh --hosts.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+usage() {
+  cat <<'EOF_USAGE'
+Usage: tpu/gpu_create.sh --name NAME --zone ZONE --machine-type TYPE [options]
+
+Create a Compute Engine VM with NVIDIA GPUs from a Deep Learning VM image (the NVIDIA
+driver installs itself on first boot; jax's cuda extra brings CUDA and cuDNN), then
+write an ssh alias NAME.ZONE.PROJECT for it (gcloud compute config-ssh), which is the
+host to give tpu/setup.sh, tpu/run.sh and tpu/fetch.sh as --hosts.
+Billing runs until tpu/delete.sh --gpu.
+
+  --name NAME            VM name
+  --zone ZONE            a zone that has the GPU, e.g. us-central1-a
+  --machine-type TYPE    a3-highgpu-8g (8x H100 80GB), a2-ultragpu-1g (1x A100 80GB),
+                         a2-highgpu-1g (1x A100 40GB), g2-standard-8 (1x L4): these
+                         include their GPUs; an N1 type (n1-standard-8) needs --gpu
+  --gpu TYPE             attach GPUs of TYPE, e.g. nvidia-tesla-t4 (N1 machine types)
+  --gpu-count N          how many --gpu GPUs (default 1)
+  --image-family FAMILY  default common-cu124-debian-11-py310; list others with
+                         gcloud compute images list --project deeplearning-platform-release
+  --image-project PROJ   default deeplearning-platform-release
+  --disk-size GB         boot disk size in GB (default 200)
+  --spot                 spot VM: much cheaper, may be preempted (it is then stopped)
+  --project PROJECT      Google Cloud project (default: gcloud's configured project)
+  --dry-run              print the commands, one per line, and run nothing
+  -h, --help             this help
+
+Example:
+  tpu/gpu_create.sh --name lab-h100 --zone us-central1-a --machine-type a3-highgpu-8g
+EOF_USAGE
+}
+
+MACHINE=""
+GPU_TYPE=""
+GPU_COUNT=1
+IMAGE_FAMILY=common-cu124-debian-11-py310
+IMAGE_PROJECT=deeplearning-platform-release
+DISK_GB=200
+SPOT=0
+split_eq "$@"
+set -- ${ARGS[@]+"${ARGS[@]}"}
+while (($#)); do
+  case $1 in
+    --name) need "$@"; NAME=$2; shift 2 ;;
+    --zone) need "$@"; ZONE=$2; shift 2 ;;
+    --machine-type) need "$@"; MACHINE=$2; shift 2 ;;
+    --gpu) need "$@"; GPU_TYPE=$2; shift 2 ;;
+    --gpu-count) need "$@"; GPU_COUNT=$2; shift 2 ;;
+    --image-family) need "$@"; IMAGE_FAMILY=$2; shift 2 ;;
+    --image-project) need "$@"; IMAGE_PROJECT=$2; shift 2 ;;
+    --disk-size) need "$@"; DISK_GB=$2; shift 2 ;;
+    --spot) SPOT=1; shift ;;
+    --project) need "$@"; PROJECT=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h | --help) usage; exit 0 ;;
+    *) bad_flag "$1" ;;
+  esac
+done
+
+check_required --name "$NAME" lab-h100
+check_required --zone "$ZONE" us-central1-a
+check_required --machine-type "$MACHINE" a3-highgpu-8g
+check_name "$NAME"
+check_zone "$ZONE"
+check_uint --gpu-count "$GPU_COUNT"
+check_uint --disk-size "$DISK_GB"
+((GPU_COUNT >= 1)) || die "--gpu-count must be at least 1"
+if [[ $MACHINE == n1-* && -z $GPU_TYPE ]]; then
+  die "--machine-type $MACHINE has no GPU of its own; add --gpu, e.g. --gpu nvidia-tesla-t4"
+fi
+
+gcloud_where
+EXTRA=()
+if [[ -n $GPU_TYPE ]]; then
+  EXTRA+=("--accelerator=type=$GPU_TYPE,count=$GPU_COUNT")
+fi
+EXTRA+=("--image-family=$IMAGE_FAMILY" "--image-project=$IMAGE_PROJECT")
+EXTRA+=("--boot-disk-size=${DISK_GB}GB" --maintenance-policy=TERMINATE)
+EXTRA+=(--metadata=install-nvidia-driver=True)
+if ((SPOT)); then
+  EXTRA+=(--provisioning-model=SPOT --instance-termination-action=STOP)
+fi
+run gcloud compute instances create "$NAME" "${WHERE[@]}" "--machine-type=$MACHINE" "${EXTRA[@]}"
+if [[ -n $PROJECT ]]; then
+  run gcloud compute config-ssh "--project=$PROJECT"
+else
+  run gcloud compute config-ssh
+fi
+((DRY_RUN)) || note "next: tpu/setup.sh --hosts $NAME.$ZONE.${PROJECT:-PROJECT}" \
+  "(the alias gcloud compute config-ssh wrote to ~/.ssh/config)"

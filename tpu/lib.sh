@@ -1,0 +1,175 @@
+# shellcheck shell=bash disable=SC2034  # variables here are used by the scripts that source it
+# Shared by the tpu/ scripts: flag checks, shell quoting, and --dry-run execution.
+#
+# Every command a script would run goes through `run` (or `run_bg`): under --dry-run it is
+# printed on stdout, one command per line, quoted so that the line can be pasted into a
+# shell; otherwise it is echoed on stderr with a "+ " prefix and executed. Notes and errors
+# go to stderr, so stdout under --dry-run is exactly the list of commands.
+# Only bash 3.2 features (macOS's /bin/bash): no mapfile, no ${x,,}, guarded empty arrays.
+
+PROG=$(basename "$0")
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) # the lab checkout these scripts are in
+TMP=${TMPDIR:-/tmp}
+TMP=${TMP%/}
+LAB_DIR=lab          # the checkout on each remote machine, relative to its home directory
+ARCHIVE=lab-src.tar.gz # the copied source on each remote machine
+OUT_ARCHIVE=lab-out.tar.gz
+DRY_RUN=0
+PROJECT=""
+BG_PIDS=()
+
+die() {
+  printf '%s: error: %s\n' "$PROG" "$*" >&2
+  exit 2
+}
+
+note() { printf '%s: %s\n' "$PROG" "$*" >&2; }
+
+bad_flag() {
+  case $1 in
+    -*) die "unknown flag $1 (see --help)" ;;
+    *) die "unexpected argument '$1' (see --help)" ;;
+  esac
+}
+
+# need FLAG [VALUE]: FLAG takes a value, and it is not missing or another flag.
+need() {
+  [[ $# -ge 2 && -n $2 && $2 != -* ]] || die "$1 needs a value (see --help)"
+}
+
+# split_eq ARG...: "--flag=value" → "--flag" "value" (up to a bare "--"), into ARGS.
+split_eq() {
+  ARGS=()
+  while (($#)); do
+    case $1 in
+      --) ARGS+=("$@") && return ;;
+      --*=*) ARGS+=("${1%%=*}" "${1#*=}") ;;
+      *) ARGS+=("$1") ;;
+    esac
+    shift
+  done
+}
+
+# quote WORD: WORD as a POSIX shell word, in single quotes only when it needs them.
+quote() {
+  local w=$1
+  if [[ -n $w && $w != *[!A-Za-z0-9_./:=,@%+-]* ]]; then
+    printf '%s' "$w"
+  else
+    printf "'%s'" "${w//\'/\'\\\'\'}"
+  fi
+}
+
+# quote_cmd WORD...: the words quoted and joined by spaces, on one line.
+quote_cmd() {
+  local out="" w
+  for w in "$@"; do
+    out+="${out:+ }$(quote "$w")"
+  done
+  printf '%s\n' "$out"
+}
+
+run() {
+  if ((DRY_RUN)); then
+    quote_cmd "$@"
+  else
+    printf '+ %s\n' "$(quote_cmd "$@")" >&2
+    "$@"
+  fi
+}
+
+# run_bg CMD...: like run, but in the background; wait_bg waits for all of them.
+run_bg() {
+  if ((DRY_RUN)); then
+    quote_cmd "$@"
+  else
+    printf '+ %s &\n' "$(quote_cmd "$@")" >&2
+    "$@" &
+    BG_PIDS+=("$!")
+  fi
+}
+
+kill_bg() {
+  local pid
+  for pid in ${BG_PIDS[@]+"${BG_PIDS[@]}"}; do
+    kill "$pid" 2>/dev/null || true
+  done
+}
+
+# wait_bg: wait for every run_bg command; fail (status 1) if any of them failed.
+wait_bg() {
+  local pid failed=0
+  for pid in ${BG_PIDS[@]+"${BG_PIDS[@]}"}; do
+    if ! wait "$pid"; then
+      failed=1
+    fi
+  done
+  BG_PIDS=()
+  if ((failed)); then
+    note "a command failed (see its output above)"
+    return 1
+  fi
+}
+
+# --- values -------------------------------------------------------------------------------
+
+check_name() { # a Compute Engine / Cloud TPU resource name
+  [[ $1 =~ ^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$ ]] ||
+    die "--name '$1': use lower-case letters, digits and '-', starting with a letter"
+}
+
+check_zone() {
+  [[ $1 =~ ^[a-z]+(-[a-z]+[0-9]+)+-[a-z]$ ]] || die "--zone '$1' is not a zone like us-central2-b"
+}
+
+check_uint() { # FLAG VALUE
+  [[ $2 =~ ^[0-9]+$ ]] || die "$1 '$2' is not a whole number"
+}
+
+check_required() { # FLAG VALUE EXAMPLE
+  [[ -n $2 ]] || die "$1 is required (e.g. $1 $3)"
+}
+
+# --- where commands go: a Cloud TPU VM (every worker) or a list of ssh hosts ---------------
+
+NAME=""
+ZONE=""
+HOSTS_CSV=""
+HOSTS=()
+
+# check_target: exactly one of --name/--zone (TPU VM) and --hosts (ssh hosts).
+check_target() {
+  if [[ -n $HOSTS_CSV ]]; then
+    [[ -z $NAME && -z $ZONE ]] ||
+      die "give --name/--zone (a TPU VM) or --hosts (ssh hosts), not both"
+    [[ $HOSTS_CSV =~ ^[^,[:space:]]+(,[^,[:space:]]+)*$ ]] ||
+      die "--hosts '$HOSTS_CSV' is not a comma-separated list like gpu-0,gpu-1"
+    IFS=, read -r -a HOSTS <<<"$HOSTS_CSV"
+  else
+    [[ -n $NAME || -n $ZONE ]] || die "give --name and --zone (a TPU VM) or --hosts (ssh hosts)"
+    check_required --name "$NAME" my-tpu
+    check_required --zone "$ZONE" us-central2-b
+    check_name "$NAME"
+    check_zone "$ZONE"
+  fi
+}
+
+# gcloud_where: the flags that place a gcloud command (zone, and project when given).
+gcloud_where() {
+  WHERE=("--zone=$ZONE")
+  if [[ -n $PROJECT ]]; then
+    WHERE+=("--project=$PROJECT")
+  fi
+}
+
+# tpu_ssh WORKER COMMAND: run COMMAND on TPU VM worker(s) WORKER ("all" = every worker at once).
+tpu_ssh() {
+  gcloud_where
+  run gcloud compute tpus tpu-vm ssh "$NAME" "${WHERE[@]}" "--worker=$1" --command "$2"
+}
+
+# tpu_scp WORKER SRC DEST: copy to/from TPU VM worker(s); remote paths are "$NAME:path".
+tpu_scp() {
+  gcloud_where
+  run gcloud compute tpus tpu-vm scp "$2" "$3" "${WHERE[@]}" "--worker=$1"
+}

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Put the lab on every worker of a TPU VM (or on a list of ssh hosts) and install it.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+usage() {
+  cat <<'EOF_USAGE'
+Usage: tpu/setup.sh (--name NAME --zone ZONE | --hosts HOST,...) [options]
+
+On every TPU worker (all at once), or on every ssh host: put the lab in ~/lab, make
+~/lab/.venv with uv (installed on first use from astral.sh; it fetches a Python
+when the image's is too old) and install the lab with its extra: pip install -e '.[tpu]'
+on TPU VMs, '.[cuda]' on --hosts. Safe to run again: the venv is kept, files updated.
+
+By default the source is this checkout at --ref (git archive; uncommitted changes are
+not included), copied over with scp. With --repo, each machine clones or fetches URL.
+
+  --name NAME          TPU VM name (every worker of a pod slice is set up)
+  --zone ZONE          its zone
+  --hosts H0,H1,...    ssh hosts instead (e.g. GPU VMs: NAME.ZONE.PROJECT after
+                       gcloud compute config-ssh, or user@address)
+  --repo URL           clone URL on each machine instead of copying this checkout
+  --ref REF            what to install (default HEAD; with --repo, origin/HEAD)
+  --extra EXTRA        pyproject extra to install (default tpu, or cuda with --hosts;
+                       none = no extra)
+  --python VERSION     Python for the venv, as uv understands it (default 3.12)
+  --project PROJECT    Google Cloud project (default: gcloud's configured project)
+  --dry-run            print the commands, one per line, and run nothing
+  -h, --help           this help
+
+Example:
+  tpu/setup.sh --name lab-v5e --zone us-west4-a
+EOF_USAGE
+}
+
+REPO=""
+REF=""
+EXTRA=""
+PYTHON=3.12
+split_eq "$@"
+set -- ${ARGS[@]+"${ARGS[@]}"}
+while (($#)); do
+  case $1 in
+    --name) need "$@"; NAME=$2; shift 2 ;;
+    --zone) need "$@"; ZONE=$2; shift 2 ;;
+    --hosts) need "$@"; HOSTS_CSV=$2; shift 2 ;;
+    --repo) need "$@"; REPO=$2; shift 2 ;;
+    --ref) need "$@"; REF=$2; shift 2 ;;
+    --extra) need "$@"; EXTRA=$2; shift 2 ;;
+    --python) need "$@"; PYTHON=$2; shift 2 ;;
+    --project) need "$@"; PROJECT=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h | --help) usage; exit 0 ;;
+    *) bad_flag "$1" ;;
+  esac
+done
+
+check_target
+if [[ -z $EXTRA ]]; then
+  EXTRA=tpu
+  [[ -z $HOSTS_CSV ]] || EXTRA=cuda
+fi
+[[ $EXTRA =~ ^[a-z0-9_,-]+$ ]] || die "--extra '$EXTRA' is not an extra name like tpu or cuda"
+[[ $PYTHON =~ ^[A-Za-z0-9_.+-]+$ ]] || die "--python '$PYTHON' is not a version like 3.12"
+SPEC=".[$EXTRA]"
+[[ $EXTRA != none ]] || SPEC=.
+
+# The install, run in ~ on each machine once the source is in ~/lab.
+INSTALL="cd $LAB_DIR"
+# shellcheck disable=SC2016  # $HOME and $PATH are the remote machine's
+INSTALL+=' && export PATH="$HOME/.local/bin:$PATH"'
+INSTALL+=' && { command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh; }'
+INSTALL+=" && { test -x .venv/bin/python || uv venv --python $PYTHON .venv; }"
+INSTALL+=" && uv pip install --quiet --python .venv/bin/python -e \"$SPEC\""
+
+if [[ -n $REPO ]]; then
+  REF=${REF:-origin/HEAD}
+  url=$(quote "$REPO")
+  ref=$(quote "$REF")
+  REMOTE="{ test -d $LAB_DIR/.git || git clone --quiet $url $LAB_DIR; }"
+  REMOTE+=" && git -C $LAB_DIR fetch --quiet origin"
+  REMOTE+=" && git -C $LAB_DIR checkout --quiet --force $ref && $INSTALL"
+else
+  REF=${REF:-HEAD}
+  git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1 ||
+    die "$ROOT is not a git checkout; use --repo URL"
+  git -C "$ROOT" rev-parse --quiet --verify "$REF^{commit}" >/dev/null ||
+    die "--ref '$REF' is not a commit in $ROOT"
+  if [[ -n $(git -C "$ROOT" status --porcelain --untracked-files=no) ]]; then
+    note "uncommitted changes in $ROOT are not copied (it copies $REF)"
+  fi
+  LOCAL_ARCHIVE="$TMP/$ARCHIVE"
+  REMOTE="mkdir -p $LAB_DIR && tar -xzf $ARCHIVE -C $LAB_DIR && rm $ARCHIVE && $INSTALL"
+  run git -C "$ROOT" archive --format=tar.gz "--output=$LOCAL_ARCHIVE" "$REF"
+fi
+
+if [[ -z $HOSTS_CSV ]]; then
+  [[ -n $REPO ]] || tpu_scp all "$LOCAL_ARCHIVE" "$NAME:$ARCHIVE"
+  tpu_ssh all "$REMOTE"
+else
+  if [[ -z $REPO ]]; then
+    for host in "${HOSTS[@]}"; do
+      run scp "$LOCAL_ARCHIVE" "$host:$ARCHIVE"
+    done
+  fi
+  trap kill_bg INT TERM
+  for host in "${HOSTS[@]}"; do
+    run_bg ssh "$host" "$REMOTE"
+  done
+  wait_bg
+fi
+((DRY_RUN)) || note "done; next: tpu/run.sh with the same --name/--zone or --hosts"
