@@ -1,0 +1,93 @@
+"""FLOPs and bytes: what the compiler counted, and the analytic formulas with their conventions.
+
+One FLOP is one floating-point add or multiply, so a fused multiply-add counts 2 and a matmul
+of (M×K)·(K×N) is 2·M·N·K. XLA's cost analysis uses the same convention, which is why the
+tests can hold the two against each other. Everything here is per *step of work asked for*;
+divide by a measured time to get FLOP/s.
+"""
+
+import math
+
+# Keys of XLA's per-program cost dict that are totals (the rest are per-operand details
+# such as "bytes accessed0{}").
+_TOTAL_KEYS = ("flops", "bytes accessed", "transcendentals", "optimal_seconds", "utilization")
+
+
+def compiled_cost(compiled) -> dict | None:
+    """{"flops", "bytes accessed", …} per device from `compiled.cost_analysis()`, or None.
+
+    Under SPMD the compiled program is the one each device runs, so these are per-device
+    figures. Older JAX returns a list with one dict per program, newer a dict; both are
+    handled. None when the backend does not implement cost analysis.
+    """
+    try:
+        raw = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 — some backends raise NotImplementedError or XlaRuntimeError
+        return None
+    if isinstance(raw, list | tuple):
+        raw = raw[0] if raw else None
+    if not raw:
+        return None
+    out = {k: float(v) for k, v in raw.items() if k in _TOTAL_KEYS}
+    out.setdefault("flops", None)
+    out.setdefault("bytes accessed", None)
+    return out
+
+
+def matmul_flops(m: int, n: int, k: int, *, batch: int = 1) -> int:
+    """2·M·N·K (one multiply and one add per term) for (M×K)·(K×N), times `batch`."""
+    return 2 * batch * m * n * k
+
+
+def matmul_bytes(m: int, n: int, k: int, itemsize: int, *, batch: int = 1) -> int:
+    """Minimum HBM traffic of a matmul: read both inputs once, write the output once."""
+    return batch * itemsize * (m * k + k * n + m * n)
+
+
+def attention_flops(
+    b: int, h: int, sq: int, sk: int, d: int, *, causal: bool, backward: bool = False
+) -> float:
+    """Matmul FLOPs of softmax(Q·Kᵀ)·V over B batch, H heads, Sq queries, Sk keys, D head dim.
+
+    Forward: Q·Kᵀ (2·Sq·Sk·D) plus P·V (2·Sq·Sk·D) = 4·B·H·Sq·Sk·D. Causal: ½ of that, the
+    share of the score matrix a kernel that skips masked blocks computes (a naive kernel
+    computes it all; count it with causal=False). Backward (returned alone, not added to the
+    forward): 2.5× forward, the FlashAttention-2 convention — five matmuls (Q·Kᵀ recomputed,
+    dV, dP, dQ, dK) against the forward's two. Softmax exp/max/sum are not counted.
+    """
+    fwd = 4.0 * b * h * sq * sk * d
+    if causal:
+        fwd *= 0.5
+    return 2.5 * fwd if backward else fwd
+
+
+def transformer_flops_per_token(
+    n_params_nonembed: int, n_layers: int, seq_len: int, d_model: int, *, training: bool = True
+) -> float:
+    """Model FLOPs per token, the PaLM convention (Chowdhery et al. 2022, appendix B).
+
+    Training: 6·N + 12·n_layers·seq_len·d_model. 6·N: every weight does a multiply-add per
+    token in the forward (2·N) and two in the backward (4·N, gradients of activations and of
+    weights). Attention adds Q·Kᵀ and P·V per layer, 2·2·seq_len·d_model per token forward,
+    ×3 with the backward = 12·L·S·D. The causal mask is *not* halved (as in PaLM): this is the
+    work a plain implementation does, and it keeps MFU comparable with published figures.
+    Inference (training=False): the forward third, 2·N + 4·L·S·D. Rematerialisation is not
+    counted: recomputation is overhead, not model FLOPs (that is the "M" in MFU).
+    N excludes the input embedding table (a lookup, no FLOPs); an output head counts.
+    """
+    attention = 4 * n_layers * seq_len * d_model
+    per_token = 2 * n_params_nonembed + attention
+    return 3.0 * per_token if training else float(per_token)
+
+
+def gpt3_training_flops(n_params: float, n_tokens: float) -> float:
+    """C = 6·N·D for N parameters trained on D tokens (Kaplan et al. 2020; attention omitted).
+
+    GPT-3 175B on 300B tokens: 6 × 175e9 × 300e9 = 3.15e23 FLOPs.
+    """
+    return 6.0 * n_params * n_tokens
+
+
+def arithmetic_intensity(flops: float, bytes_accessed: float) -> float:
+    """FLOPs per byte moved: where an op sits on the roofline's x axis."""
+    return flops / bytes_accessed if bytes_accessed else math.inf
