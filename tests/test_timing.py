@@ -1,0 +1,108 @@
+"""bench() and compare(): they wait for the work, keep compile time apart, rotate inputs."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lab.measure import timing
+
+
+class SlowLeaf:
+    """A pytree leaf whose work is 'done' only when block_until_ready returns."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def block_until_ready(self):
+        time.sleep(self.seconds)
+        return self
+
+
+def test_bench_blocks_on_every_leaf():
+    # The slow leaf is the second output: blocking on the first leaf alone would miss it.
+    fn = lambda x: (x, {"late": SlowLeaf(0.03)})
+    r = timing.bench(fn, jnp.ones(3), warmup=0, min_runs=3, budget_s=0.0)
+    assert r.median_s >= 0.03
+    assert r.runs == 3
+
+
+@jax.jit
+def _heavy(x_NxN):
+    """~0.7 GFLOP of dependent matmuls: tens of ms on a CPU, dispatched in well under 1 ms."""
+    return jax.lax.fori_loop(0, 20, lambda i, y: jnp.tanh(y @ x_NxN), x_NxN)
+
+
+def test_skipping_block_until_ready_would_be_visibly_wrong(monkeypatch):
+    x = timing.random_normal(jax.random.key(0), (256, 256), scale=0.05)
+    honest = timing.bench(_heavy, x, budget_s=0.2, min_runs=5)
+    t0 = time.perf_counter()
+    jax.block_until_ready(_heavy(x))
+    one_call_s = time.perf_counter() - t0
+    # JAX dispatches asynchronously: without the block, bench would time the dispatch only.
+    monkeypatch.setattr(jax, "block_until_ready", lambda tree: tree)
+    broken = timing.bench(_heavy, x, budget_s=0.0, warmup=0, min_runs=5)
+    monkeypatch.undo()
+    jax.block_until_ready(_heavy(x))  # drain what the broken run queued
+    assert honest.median_s > 0.3 * one_call_s
+    assert broken.median_s < honest.median_s / 5, (broken.median_s, honest.median_s)
+
+
+def test_compile_time_is_reported_apart():
+    def slow_to_trace(x):
+        time.sleep(0.2)  # runs once, while tracing
+        return x + 1
+
+    r = timing.bench(jax.jit(slow_to_trace), jnp.ones(4), budget_s=0.05)
+    assert r.compile_s >= 0.2
+    assert r.median_s < 0.1
+    assert r.p10_s <= r.median_s <= r.p90_s
+    assert "times_s" not in r.as_dict()
+
+
+def test_rotate_cycles_through_input_sets():
+    seen = []
+    fn = lambda a: seen.append(a) or a
+    timing.bench(fn, rotate=[(1,), (2,), (3,)], warmup=0, min_runs=6, budget_s=0.0)
+    assert seen[:3] == [1, 2, 3]  # each set once up front (compile / first placement)
+    assert seen[3:9] == [1, 2, 3, 1, 2, 3]
+
+
+def test_budget_bounds_the_runs():
+    r = timing.bench(lambda: None, min_runs=5, max_runs=50, budget_s=10.0)
+    assert r.runs == 50
+    r = timing.bench(lambda: time.sleep(0.01), min_runs=3, budget_s=0.0)
+    assert r.runs == 3
+
+
+def test_compare_alternates_and_reports_ratios():
+    order = []
+    fast = lambda x: order.append("fast") or x
+    slow = lambda x: order.append("slow") or time.sleep(0.005) or x
+    out = timing.compare({"fast": fast, "slow": slow}, 1, baseline="slow", min_runs=4, budget_s=0)
+    assert out["slow"]["ratio"] == pytest.approx(1.0)
+    assert out["fast"]["ratio"] < 0.5
+    timed = order[6:]  # after one compile call each and two warm-up rounds
+    assert len(timed) >= 8 and timed == ["fast", "slow"] * (len(timed) // 2)
+    with pytest.raises(ValueError, match="baseline"):
+        timing.compare({"a": fast}, 1, baseline="b")
+
+
+def test_summarise_percentiles():
+    r = timing.summarise([float(i) for i in range(1, 101)], compile_s=0.5)
+    assert r.median_s == pytest.approx(50.5)
+    assert r.p10_s == pytest.approx(10.9)
+    assert r.p90_s == pytest.approx(90.1)
+    assert r.runs == 100 and r.compile_s == 0.5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_random_inputs_are_never_zero_and_differ(dtype):
+    a, b = timing.random_inputs(0, [(64, 64), (64, 64)], dtype)
+    assert a.dtype == dtype and a.shape == (64, 64)
+    assert np.count_nonzero(np.asarray(a, np.float32)) > 0.99 * a.size
+    assert not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    again = timing.random_inputs(0, [(64, 64), (64, 64)], dtype)[0]  # same seed, same data
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(again, np.float32))
