@@ -1,0 +1,95 @@
+"""One JSON record per measurement, carrying the environment it was measured in.
+
+A number without its backend, device kind, device count and library versions cannot be
+compared with another run's, so `make_record` stamps every record with them; reports are
+rendered from records, never from numbers typed into code. Files are JSON Lines, appended,
+so several runs (and several backends) can write into one results folder and be merged.
+"""
+
+import datetime
+import functools
+import json
+import os
+import platform
+import socket
+import sys
+from collections.abc import Iterable
+from importlib import metadata
+from pathlib import Path
+
+import jax
+
+LABELS = ("measured", "predicted", "compiled, not run", "derived")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _load_avg() -> float | None:
+    """Runnable processes (1-minute average): a busy host makes every time slower."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+@functools.cache
+def environment() -> dict:
+    """Backend, devices and versions of this process (fixed once JAX has started)."""
+    devices = jax.devices()
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "local_device_count": jax.local_device_count(),
+        "process_count": jax.process_count(),
+        "jax_version": jax.__version__,
+        "jaxlib_version": _version("jaxlib"),
+        "flax_version": _version("flax"),
+        "python_version": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "platform": f"{sys.platform}-{platform.machine()}",
+    }
+
+
+def make_record(what: str, value, unit: str, *, label: str = "measured", **config) -> dict:
+    """{what, value, unit, label, config, <environment>, timestamp} for one measurement.
+
+    `label` says how the figure was obtained (DESIGN.md, "honest numbers"): measured here,
+    predicted from measurements and a spec entry, compiled but not run, or derived.
+    `config` holds whatever identifies the measurement (shape, dtype, precision, …).
+    """
+    if label not in LABELS:
+        raise ValueError(f"label={label!r}: expected one of {', '.join(LABELS)}")
+    return {
+        "what": what,
+        "value": value,
+        "unit": unit,
+        "label": label,
+        "config": config,
+        **environment(),
+        "load_avg_1m": _load_avg(),
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_records(path, records: dict | Iterable[dict]) -> Path:
+    """Append records (one dict or many) to a JSON Lines file, creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(records, dict):
+        records = [records]
+    with path.open("a") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str) + "\n")
+    return path
+
+
+def read_records(path) -> list[dict]:
+    """Every record of a JSON Lines file (blank lines skipped)."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
