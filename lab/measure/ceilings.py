@@ -1,0 +1,241 @@
+"""Ceilings of the device present, measured: matmul FLOP/s per dtype and precision, memory
+copy bandwidth, host↔device bandwidth, and a roofline sweep with its measured ridge point.
+
+These are the "100%" every other figure is held against where no datasheet applies (on CPU
+the measured matmul peak is the reference for MFU) and the check on the datasheet where one
+does (achieved / spec peak). Sizes are chosen per backend so the whole set runs in well under
+two minutes on a laptop CPU and in seconds on an accelerator. Every time comes from
+`timing.bench`: compile apart, blocked on the outputs, median over a time budget.
+
+`python -m lab.measure` runs `run_all` and prints, saves and plots the results.
+"""
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lab.measure import cost, records, roofline, specs, timing
+
+MiB = 2**20
+
+
+def backend() -> str:
+    return jax.default_backend()
+
+
+def matmul_n(backend_name: str | None = None) -> int:
+    """Square matmul size: big enough to fill the device, small enough for ~0.1 s on a CPU."""
+    return 2048 if (backend_name or backend()) == "cpu" else 8192
+
+
+def _sizes(backend_name: str) -> dict[str, int]:
+    """Bytes per buffer for the bandwidth tests: well past the caches of each backend."""
+    if backend_name == "cpu":
+        return {"copy": 64 * MiB, "transfer": 64 * MiB, "poly": 16 * 2**20, "mm_n": 2048}
+    return {"copy": 1024 * MiB, "transfer": 256 * MiB, "poly": 64 * 2**20, "mm_n": 8192}
+
+
+def _precision_name(precision) -> str:
+    if precision is None:
+        return "default"
+    return getattr(precision, "name", str(precision)).lower()
+
+
+def _array_dtype(dtype) -> str:
+    """The array dtype of a matmul at `dtype` ("tf32" is float32 at default precision)."""
+    name = specs.canonical_dtype(dtype)
+    name = "float32" if name == "tf32" else name
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r}: matmul ceilings cover float32, bfloat16, float16")
+    return name
+
+
+def measure_matmul(
+    dtype="float32", *, precision=None, n: int | None = None, budget_s: float = 1.0
+) -> dict:
+    """FLOP/s of a jitted n×n·n×n matmul on the default device (2·n³ FLOPs per call).
+
+    Two random input pairs are rotated so no call reuses the last call's operands.
+    """
+    n = n or matmul_n()
+    dtype = jnp.dtype(_array_dtype(dtype))
+    fn = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision))
+    inputs = timing.random_inputs(0, [(n, n)] * 4, dtype)
+    result = timing.bench(fn, rotate=[inputs[:2], inputs[2:]], budget_s=budget_s)
+    flops = cost.matmul_flops(n, n, n)
+    return {
+        "dtype": dtype.name,
+        "precision": _precision_name(precision),
+        "n": n,
+        "flops": flops,
+        "flops_per_s": flops / result.median_s,
+        **result.as_dict(),
+    }
+
+
+@functools.cache
+def _cached_peak(backend_name: str, dtype: str, precision: str, n: int, budget_s: float):
+    precision_arg = None if precision == "default" else precision
+    return measure_matmul(dtype, precision=precision_arg, n=n, budget_s=budget_s)["flops_per_s"]
+
+
+def matmul_peak(
+    dtype="float32", *, precision=None, n: int | None = None, budget_s: float = 0.5
+) -> float:
+    """Measured matmul FLOP/s at `dtype`, cached for the process (so `lab.run` can ask often).
+
+    On CPU this is the reference for MFU (no datasheet applies); about a second the first
+    time, free afterwards.
+    """
+    return _cached_peak(
+        backend(), _array_dtype(dtype), _precision_name(precision), n or matmul_n(), budget_s
+    )
+
+
+def numpy_matmul(n: int = 2048, *, budget_s: float = 1.0) -> dict:
+    """FLOP/s of numpy's BLAS on the same float32 matmul: an outside check of the CPU figure."""
+    rng = np.random.default_rng(0)
+    pairs = [tuple(rng.standard_normal((2, n, n), dtype=np.float32)) for _ in range(2)]
+    result = timing.bench(np.matmul, rotate=pairs, budget_s=budget_s)
+    flops = cost.matmul_flops(n, n, n)
+    return {"n": n, "flops": flops, "flops_per_s": flops / result.median_s, **result.as_dict()}
+
+
+def copy_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
+    """Device-memory bandwidth of y = x·s: every byte read once and written once (2·nbytes)."""
+    nbytes = nbytes or _sizes(backend())["copy"]
+    n = nbytes // 4
+    xs = timing.random_inputs(10, [(n,)] * 2, jnp.float32)
+    scale = jnp.float32(1.0001)
+    fn = jax.jit(lambda x, s: x * s)
+    result = timing.bench(fn, rotate=[(x, scale) for x in xs], budget_s=budget_s)
+    moved = 2 * n * 4
+    return {"bytes": moved, "bytes_per_s": moved / result.median_s, **result.as_dict()}
+
+
+def _cpu_device():
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def host_to_device(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
+    """numpy → default device with `jax.device_put` (a forced copy even on CPU)."""
+    nbytes = nbytes or _sizes(backend())["transfer"]
+    rng = np.random.default_rng(1)
+    hosts = [(rng.standard_normal(nbytes // 4, dtype=np.float32),) for _ in range(2)]
+    device = jax.devices()[0]
+    fn = lambda a: jax.device_put(a, device, may_alias=False)
+    result = timing.bench(fn, rotate=hosts, budget_s=budget_s)
+    return {"bytes": nbytes, "bytes_per_s": nbytes / result.median_s, **result.as_dict()}
+
+
+def device_to_host(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
+    """Default device → host memory.
+
+    On an accelerator: `jax.device_put` onto the CPU device. On CPU, where host and device
+    are the same memory, the same call with may_alias=False: a host memcpy, labelled so.
+    """
+    nbytes = nbytes or _sizes(backend())["transfer"]
+    target = _cpu_device()
+    if target is None:
+        return {"bytes": nbytes, "bytes_per_s": None, "note": "no CPU backend in this process"}
+    xs = [(x,) for x in timing.random_inputs(11, [(nbytes // 4,)] * 2, jnp.float32)]
+    fn = lambda x: jax.device_put(x, target, may_alias=False)
+    result = timing.bench(fn, rotate=xs, budget_s=budget_s)
+    return {"bytes": nbytes, "bytes_per_s": nbytes / result.median_s, **result.as_dict()}
+
+
+def matmul_configs(backend_name: str) -> list[tuple[str, str | None]]:
+    """(dtype, precision) pairs worth measuring: f32 exact and default, then half types."""
+    configs = [("float32", "highest"), ("float32", None), ("bfloat16", None)]
+    if backend_name == "gpu":
+        configs.append(("float16", None))
+    return configs
+
+
+def _sweep_ops(backend_name: str, quick: bool):
+    sizes = _sizes(backend_name)
+    n_el, n = sizes["poly"], sizes["mm_n"]
+    if quick:
+        n_el, n = n_el // 16, n // 4
+    dtype = jnp.float32 if backend_name == "cpu" else jnp.bfloat16
+    degrees = (1, 4, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    ms = (1, 8, 64, n) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, n)
+    return roofline.poly_ops(n_el, degrees) + roofline.matmul_ops(n, sorted(set(ms)), dtype=dtype)
+
+
+def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
+    """Every ceiling of the default device: records, roofline points and roofs.
+
+    `quick` shrinks every size (a code-path check for tests: the numbers mean little).
+    """
+    t0 = time.perf_counter()
+    be = backend()
+    n = matmul_n(be) // (8 if quick else 1)
+    sizes = {k: v // (16 if quick else 1) for k, v in _sizes(be).items()}
+    recs, rows = [], []
+
+    def add(what, value, unit, note="", **config):
+        recs.append(records.make_record(what, value, unit, **config))
+        rows.append((what, value, unit, note))
+
+    matmuls = {}
+    for dtype, precision in matmul_configs(be):
+        m = measure_matmul(dtype, precision=precision, n=n, budget_s=budget_s)
+        matmuls[(dtype, m["precision"])] = m
+        add(
+            f"matmul {dtype} precision={m['precision']}",
+            m["flops_per_s"],
+            "FLOP/s",
+            f"n={n}, compile {m['compile_s']:.2f} s",
+            **{k: m[k] for k in ("dtype", "precision", "n", "median_s", "p10_s", "p90_s", "runs")},
+        )
+    if be == "cpu":
+        npm = numpy_matmul(n, budget_s=budget_s)
+        jax_f32 = matmuls[("float32", "default")]["flops_per_s"]
+        add("matmul float32 numpy BLAS", npm["flops_per_s"], "FLOP/s", f"n={n}", n=n)
+        add(
+            "matmul float32 jax / numpy",
+            jax_f32 / npm["flops_per_s"],
+            "ratio",
+            "issue 3 asks for 0.8–1.2",
+            n=n,
+        )
+    copy = copy_bandwidth(sizes["copy"], budget_s=budget_s)
+    add("copy bandwidth (read+write)", copy["bytes_per_s"], "B/s", f"{sizes['copy'] // MiB} MiB")
+    cpu_note = " (CPU: host memcpy, same memory)" if be == "cpu" else ""
+    for name, fn in (("host→device", host_to_device), ("device→host", device_to_host)):
+        r = fn(sizes["transfer"], budget_s=budget_s)
+        add(f"{name} bandwidth", r["bytes_per_s"], "B/s", f"{r['bytes'] // MiB} MiB{cpu_note}")
+    peak = max(m["flops_per_s"] for m in matmuls.values())
+    points = roofline.sweep(_sweep_ops(be, quick), budget_s=budget_s / 4)
+    ridge = roofline.ridge_point(peak, copy["bytes_per_s"])
+    add("ridge point (matmul peak / copy bandwidth)", ridge, "FLOP/B", "measured roofs")
+    for p in points:
+        add(
+            f"roofline {p.name}",
+            p.flops_per_s,
+            "FLOP/s",
+            f"intensity {p.intensity:.3g} FLOP/B, "
+            f"{p.flops_per_s / roofline.attainable(p.intensity, peak, copy['bytes_per_s']):.0%}"
+            " of roof",
+            intensity=p.intensity,
+            flops=p.flops,
+            bytes=p.bytes,
+            median_s=p.median_s,
+        )
+    return {
+        "records": recs,
+        "rows": rows,
+        "points": points,
+        "peak_flops": peak,
+        "bandwidth": copy["bytes_per_s"],
+        "ridge": ridge,
+        "spec": specs.lookup(records.environment()["device_kind"]),
+        "elapsed_s": time.perf_counter() - t0,
+    }

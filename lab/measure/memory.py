@@ -1,0 +1,275 @@
+"""Memory, measured and predicted: what the compiler allocates, what the device saw, and a
+calculator that says what a transformer's training step *should* need before compiling it.
+
+Measured: `compiled_memory` (XLA's buffer assignment for one device), `device_memory_stats`
+(the allocator's peak, GPU/TPU only), `process_rss_bytes` (the host process, for CPU).
+Predicted: `predict_training_memory`, plain arithmetic over a model's shape with every term
+written out, so a claim like "weights 40 GB + activations 20 GB + gradients 40 GB + optimizer
+80 GB" can be recomputed, and the same arithmetic checked against `compiled_memory` of the
+lab's real step (tests/test_memory.py).
+"""
+
+import math
+import os
+import resource
+import sys
+
+# --- measured ----------------------------------------------------------------------------
+
+
+def compiled_memory(compiled) -> dict | None:
+    """Bytes one device needs for a compiled program, from `compiled.memory_analysis()`.
+
+    total_bytes = arguments + outputs − aliased + temporaries: outputs that reuse a donated
+    argument's buffer (`alias`) are not allocated twice. Generated code is reported apart
+    (on CPU it lives in host memory, on GPU it is a few MB at most). None when the backend
+    has no memory analysis.
+    """
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 — NotImplementedError / XlaRuntimeError on some backends
+        return None
+    if m is None:
+        return None
+    out = {
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "alias_bytes": int(m.alias_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "generated_code_bytes": int(m.generated_code_size_in_bytes),
+    }
+    out["total_bytes"] = (
+        out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+    )
+    return out
+
+
+def device_memory_stats(device) -> dict | None:
+    """The allocator's own counters (bytes_in_use, peak_bytes_in_use, bytes_limit) or None.
+
+    GPU and TPU report them; the CPU backend returns None (use `process_rss_bytes` there).
+    """
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 — unimplemented on some backends
+        return None
+    if not stats:
+        return None
+    keep = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "largest_alloc_size")
+    return {k: int(stats[k]) for k in keep if k in stats}
+
+
+def process_rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc), else its peak (getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return process_peak_rss_bytes()
+
+
+def process_peak_rss_bytes() -> int:
+    """Peak resident memory of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of the host."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def device_capacity_bytes(device) -> int | None:
+    """Memory one device can allocate: the allocator's bytes_limit, or host RAM on CPU."""
+    stats = device_memory_stats(device)
+    if stats and stats.get("bytes_limit"):
+        return stats["bytes_limit"]
+    if device.platform == "cpu":
+        return host_memory_bytes()
+    return None
+
+
+# --- predicted ---------------------------------------------------------------------------
+
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "lion": 1, "momentum": 1, "sgd": 0}
+REMATS = ("none", "full", "dots")
+F32 = 4
+
+
+def _layer_activation_bytes(
+    d, d_kv, f, h, s, c, *, model: int, attention: str
+) -> tuple[float, float, float]:
+    """Bytes per token of one block: (saved with no remat, saved under remat=dots, transient).
+
+    Saved for the backward, per token (c = compute-dtype bytes; the lab's block is pre-norm
+    attention + SwiGLU, softmax in float32):
+      residual stream, replicated over the model axis: block input, first norm's output,
+        the residual after attention, second norm's output: 4·D
+      split over the model axis (heads / MLP columns): q, k, v as the kernel sees them
+        (naive attention repeats k and v to all heads: 3·D; flash keeps D + 2·D_kv), the
+        attention output (D), gate, up, silu(gate) and their product (4·F)
+      naive attention, split over heads: scores, masked scores and probabilities in float32
+        (3·H·S·4 bytes), plus the probabilities cast to c when c is not float32
+      flash attention: one float32 log-sum-exp per head instead.
+    remat=dots keeps only matmul outputs (jax's dots_with_no_batch_dims_saveable): the block
+      input, q, k, v before any repeat, both projections back to D, gate and up.
+    Transient (one block at a time, during its backward): naive attention's gradient of the
+      scores and of the probabilities and the re-formed softmax, 3·H·S·4 bytes.
+    """
+    naive = attention == "naive"
+    qkv = 3 * d if naive else d + 2 * d_kv
+    split = c * (qkv + d + 4 * f)
+    if naive:
+        split += 3 * h * s * F32 + (h * s * c if c != F32 else 0)
+    else:
+        split += h * F32
+    saved = c * 4 * d + split / model
+    dots = c * 3 * d + c * (d + 2 * d_kv + 2 * f) / model
+    transient = (3 * h * s * F32 / model) if naive else 0.0
+    return saved, dots, transient
+
+
+def predict_training_memory(
+    *,
+    n_params: float,
+    n_layers: int,
+    d_model: int,
+    n_heads: int,
+    seq_len: int,
+    batch: int,
+    vocab: int,
+    d_ff: int | None = None,
+    n_kv_heads: int | None = None,
+    param_bytes: int = 4,
+    compute_bytes: int = 4,
+    grad_bytes: int | None = None,
+    optimizer: str = "adam",
+    opt_state_bytes: int | None = None,
+    master_bytes: int = 0,
+    remat: str = "none",
+    attention: str = "naive",
+    data: int = 1,
+    fsdp: int = 1,
+    model: int = 1,
+) -> dict:
+    """Bytes per device of one training step of a decoder-only transformer, by component.
+
+    Inputs are plain numbers: `n_params` (all weights), the shape, the global `batch` of
+    `seq_len`-token sequences, storage dtypes in bytes (`param_bytes`; `grad_bytes` defaults
+    to it, as jax.grad returns the parameters' dtype; Adam moments default to it too, as
+    optax keeps them; `master_bytes`=4 adds an fp32 master copy for the mixed-precision
+    recipe that stores bf16 weights), `compute_bytes` for activations, `remat` in
+    none | full | dots, `attention` naive | flash, and a mesh of `data` × `fsdp` × `model`.
+
+    Formulas (all per device, P = fsdp·model, T = batch·seq_len / (data·fsdp) tokens):
+      params     = n_params·param_bytes / P          (ZeRO-3 / tensor parallel split weights)
+      grads      = n_params·grad_bytes / P
+      optimizer  = n_params·(states·opt_state_bytes + master_bytes) / P, states: adam 2, sgd 0
+      activations= T·n_layers·A_layer                    remat=none
+                 = T·(n_layers·c·D + A_layer)            remat=full (block inputs, then one
+                                                         block recomputed during its backward)
+                 = T·(n_layers·A_dots + A_layer)         remat=dots
+      workspace  = T·transient (one block's attention backward)
+                 + 2·T·vocab·4 / model (float32 logits and the softmax the loss gradient needs)
+                 + under fsdp > 1, the all-gathered weights in compute dtype: every layer's
+                   with remat=none (kept from the forward for the backward), else two layers'
+      total      = params + grads + optimizer + activations + workspace
+    A_layer, A_dots and transient are per-token bytes of one block, itemised in
+    `_layer_activation_bytes`. What is left out: the int32 batch, XLA's fusion scratch and
+    layout copies, allocator fragmentation — the compiled figure is usually a few % higher.
+    """
+    if remat not in REMATS:
+        raise ValueError(f"remat={remat!r}: expected one of {', '.join(REMATS)}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZER_STATES)}")
+    if attention not in ("naive", "flash"):
+        raise ValueError(f"attention={attention!r}: expected naive or flash")
+    d_ff = 4 * d_model if d_ff is None else d_ff
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    grad_bytes = param_bytes if grad_bytes is None else grad_bytes
+    opt_state_bytes = param_bytes if opt_state_bytes is None else opt_state_bytes
+    c, shards, batch_shards = compute_bytes, fsdp * model, data * fsdp
+    tokens = batch * seq_len / batch_shards
+
+    d_kv = n_kv_heads * (d_model // n_heads)
+    a_layer, a_dots, transient = _layer_activation_bytes(
+        d_model, d_kv, d_ff, n_heads, seq_len, c, model=model, attention=attention
+    )
+    per_token = {
+        "none": n_layers * a_layer,
+        "full": n_layers * c * d_model + a_layer,
+        "dots": n_layers * a_dots + a_layer,
+    }[remat]
+    gathered = 0.0
+    if fsdp > 1:
+        layers_kept = n_layers if remat == "none" else min(2, n_layers)
+        gathered = n_params * c / model * layers_kept / n_layers
+    states = OPTIMIZER_STATES[optimizer]
+    out = {
+        "params": n_params * param_bytes / shards,
+        "grads": n_params * grad_bytes / shards,
+        "optimizer": n_params * (states * opt_state_bytes + master_bytes) / shards,
+        "activations": tokens * per_token,
+        "workspace": tokens * (transient + 2 * vocab * F32 / model) + gathered,
+    }
+    out["total"] = sum(out.values())
+    out["devices"] = data * fsdp * model
+    out["tokens_per_device"] = tokens
+    return out
+
+
+def lab_param_count(model_cfg) -> int:
+    """Parameters of lab/model.py's transformer for a ModelConfig, without building it."""
+    m = model_cfg
+    d, k = m.d_model, m.d_model // m.n_heads
+    per_layer = 2 * d + d * k * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * d * m.d_ff
+    head = 0 if m.tie_embeddings else m.vocab_size * d
+    return m.vocab_size * d + head + m.n_layers * per_layer + d
+
+
+def lab_axes(strategy: str, sizes: dict[str, int]) -> dict[str, int]:
+    """The calculator's data/fsdp/model split for the lab's rule tables (lab/mesh.py).
+
+    dp and fsdp put the batch over every mesh axis; tp splits heads over `model` only and
+    leaves `fsdp` as more data parallelism; fsdp+tp uses the three axes as named.
+    """
+    a, b, m = (sizes.get(k, 1) for k in ("data", "fsdp", "model"))
+    return {
+        "dp": dict(data=a * b * m, fsdp=1, model=1),
+        "fsdp": dict(data=a, fsdp=b * m, model=1),
+        "tp": dict(data=a * b, fsdp=1, model=m),
+        "fsdp+tp": dict(data=a, fsdp=b, model=m),
+    }[strategy]
+
+
+def predict_lab_step(
+    model_cfg, *, batch: int, seq_len: int, strategy: str = "dp", sizes=None
+) -> dict:
+    """`predict_training_memory` for the lab's own step: AdamW, dtypes and remat from the
+    ModelConfig (compute dtype must be resolved, not "auto"), naive attention."""
+    m = model_cfg
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
+    return predict_training_memory(
+        n_params=lab_param_count(m),
+        n_layers=m.n_layers,
+        d_model=m.d_model,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        d_ff=m.d_ff,
+        seq_len=seq_len,
+        batch=batch,
+        vocab=m.vocab_size,
+        param_bytes=itemsize[m.param_dtype],
+        compute_bytes=itemsize[m.dtype],
+        optimizer="adamw",
+        remat=m.remat,
+        **lab_axes(strategy, sizes or {}),
+    )
+
+
+def fits(prediction: dict, capacity_bytes: float) -> bool:
+    """Whether a prediction's per-device total fits a device of `capacity_bytes`."""
+    return prediction["total"] <= capacity_bytes and not math.isnan(prediction["total"])
