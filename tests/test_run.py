@@ -9,7 +9,7 @@ import pytest
 from lab import summary
 from lab.run import main
 
-TINY = ["model=tiny", "batch_size=8", "seq_len=32", "log_every=1", "warmup_steps=2"]
+TINY = ["model=tiny", "batch_size=8", "seq_len=32", "log_every=1"]
 
 
 def _run(tmp_path, *args) -> int:
@@ -22,7 +22,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_loss_falls_on_text_and_summary_is_written(tmp_path):
-    assert _run(tmp_path, "name=fall", "steps=40", "lr=1e-2", "data=text") == 0
+    assert _run(tmp_path, "name=fall", "steps=40", "lr=1e-2", "data=text", "warmup_steps=2") == 0
     run_dir = tmp_path / "fall"
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["loss_last"] < s["loss_first"] - 1.0
