@@ -151,6 +151,7 @@ def predict_training_memory(
     master_bytes: int = 0,
     remat: str = "none",
     attention: str = "naive",
+    tied_embeddings: bool = False,
     data: int = 1,
     fsdp: int = 1,
     model: int = 1,
@@ -174,6 +175,8 @@ def predict_training_memory(
                  = T·(n_layers·A_dots + A_layer)         remat=dots
       workspace  = T·transient (one block's attention backward)
                  + 2·T·vocab·4 / model (float32 logits and the softmax the loss gradient needs)
+                 + vocab·D·grad_bytes / P with tied embeddings (the lookup's scatter and the
+                   output head each produce a full embedding gradient before they are summed)
                  + under fsdp > 1, the all-gathered weights in compute dtype: every layer's
                    with remat=none (kept from the forward for the backward), else two layers'
       total      = params + grads + optimizer + activations + workspace
@@ -207,6 +210,8 @@ def predict_training_memory(
     if fsdp > 1:
         layers_kept = n_layers if remat == "none" else min(2, n_layers)
         gathered = n_params * c / model * layers_kept / n_layers
+    if tied_embeddings:
+        gathered += vocab * d_model * grad_bytes / shards
     states = OPTIMIZER_STATES[optimizer]
     out = {
         "params": n_params * param_bytes / shards,
@@ -266,6 +271,7 @@ def predict_lab_step(
         compute_bytes=itemsize[m.dtype],
         optimizer="adamw",
         remat=m.remat,
+        tied_embeddings=m.tie_embeddings,
         **lab_axes(strategy, sizes or {}),
     )
 
