@@ -1,0 +1,60 @@
+"""Ceilings and roofline: the code path at tiny sizes (no timed assertion), the roof maths."""
+
+import json
+import math
+
+import pytest
+
+from lab.measure import __main__ as measure_main
+from lab.measure import ceilings, records, roofline
+
+
+def test_roof_maths():
+    assert roofline.ridge_point(100.0, 10.0) == 10.0
+    assert roofline.attainable(1.0, 100.0, 10.0) == 10.0  # memory-bound
+    assert roofline.attainable(50.0, 100.0, 10.0) == 100.0  # compute-bound
+    p = roofline.Point("mm_1", flops=8.0, bytes=4.0, median_s=2.0)
+    assert (p.intensity, p.flops_per_s) == (2.0, 4.0)
+
+
+def test_python_m_lab_measure_quick(tmp_path, capsys):
+    """The whole `python -m lab.measure` path at tiny sizes: table, records, PNG."""
+    assert measure_main.main(["--quick", "--budget", "0.02", "--out", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "ceilings · cpu" in shown and "GFLOP/s" in shown and "GB/s" in shown
+    (jsonl,) = tmp_path.glob("ceilings-cpu-*.jsonl")
+    recs = records.read_records(jsonl)
+    assert {r["backend"] for r in recs} == {"cpu"}
+    by_what = {r["what"]: r for r in recs}
+    for what in (
+        "matmul float32 precision=highest",
+        "matmul float32 precision=default",
+        "matmul bfloat16 precision=default",
+        "matmul float32 numpy BLAS",
+        "copy bandwidth (read+write)",
+        "host→device bandwidth",
+        "device→host bandwidth",
+        "ridge point (matmul peak / copy bandwidth)",
+    ):
+        assert by_what[what]["value"] > 0, what
+    sweep = [r for r in recs if r["what"].startswith("roofline ")]
+    assert len(sweep) >= 6 and all(r["config"]["intensity"] > 0 for r in sweep)
+    intensities = sorted(r["config"]["intensity"] for r in sweep)
+    assert intensities[0] < 1 < 10 < intensities[-1]  # both sides of any plausible ridge
+    (png,) = tmp_path.glob("roofline-cpu-*.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    json.dumps(recs)
+
+
+def test_matmul_peak_is_cached_per_process():
+    first = ceilings.matmul_peak("float32", n=128, budget_s=0.01)
+    assert first > 0 and math.isfinite(first)
+    assert ceilings.matmul_peak("f32", n=128, budget_s=0.01) == first  # alias, same entry
+    assert ceilings._cached_peak.cache_info().hits >= 1
+
+
+def test_matmul_dtypes():
+    r = ceilings.measure_matmul("bf16", n=64, budget_s=0.01)
+    assert (r["dtype"], r["precision"], r["flops"]) == ("bfloat16", "default", 2 * 64**3)
+    with pytest.raises(ValueError, match="dtype"):
+        ceilings.measure_matmul("int8", n=64)
