@@ -89,7 +89,8 @@ def test_lab_step_flops_match_the_analytic_count():
     from lab.model import count_nonembedding_params
     from lab.train import make_trainer
 
-    cfg = parse_args(["model=small", "batch_size=8", "seq_len=128", "mesh=1", "dtype=float32"])
+    keys = ["model=small", "n_layers=2", "batch_size=8", "seq_len=128", "mesh=1", "dtype=float32"]
+    cfg = parse_args(keys)
     trainer = make_trainer(cfg, make_mesh(cfg.mesh), "dp")
     compiled = trainer.lower().compile()
     n = count_nonembedding_params(trainer.abstract_state.params, cfg.model)
