@@ -201,6 +201,13 @@ def _split(arg: str) -> tuple[str, str]:
     return key, raw.strip()
 
 
+def resolve_dtype(model: ModelConfig, platform: str) -> ModelConfig:
+    """`dtype=auto` → float32 on CPU (no fast bf16 units), bfloat16 on GPU and TPU."""
+    if model.dtype != "auto":
+        return model
+    return dataclasses.replace(model, dtype="float32" if platform == "cpu" else "bfloat16")
+
+
 # What a run does when the user names nothing, per backend: a CPU run should finish in about
 # a minute and show learning; an accelerator run should be big enough to measure.
 BACKEND_DEFAULTS: dict[str, dict] = {

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from lab.config import Config, ConfigError, help_text, parse_args
+from lab.config import Config, ConfigError, help_text, parse_args, resolve_dtype
 from lab.errors import RunError
 
 
@@ -17,9 +17,7 @@ def resolve(cfg: Config, backend: str, sizes: dict[str, int]) -> tuple[Config, s
     """Fill the `auto` choices for this backend: compute dtype, data, strategy, name."""
     from lab.mesh import auto_strategy
 
-    model = cfg.model
-    if model.dtype == "auto":
-        model = dataclasses.replace(model, dtype="float32" if backend == "cpu" else "bfloat16")
+    model = resolve_dtype(cfg.model, backend)
     data = cfg.data if cfg.data != "auto" else ("text" if model.vocab_size == 256 else "synthetic")
     name = cfg.name or f"{cfg.preset}-{cfg.mesh}-{time.strftime('%Y%m%d-%H%M%S')}"
     strategy = cfg.strategy if cfg.strategy != "auto" else auto_strategy(sizes)

@@ -56,6 +56,13 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer) -> dict:
         "model_flops_per_token": fpt,
         "flops_convention": convention,
         "compiled_memory_per_device": memory.compiled_memory(compiled),
+        "predicted_memory_per_device": memory.predict_lab_step(
+            trainer.cfg.model,
+            batch=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            strategy=cfg.strategy,
+            sizes=dict(trainer.mesh.shape),
+        ),
         "compiled_cost_per_device": cost.compiled_cost(compiled),
         "capacity_bytes_per_device": capacity_bytes(info),
         "device_kind": info.device_kind,
@@ -152,6 +159,17 @@ def analysis_table(analysis: dict, compile_s: float) -> Table:
     mem = analysis["compiled_memory_per_device"] or {}
     for k, v in mem.items():
         t.add_row(k, _fmt_bytes(v) if isinstance(v, int | float) else str(v))
+    pred = analysis["predicted_memory_per_device"]
+    t.add_row(
+        "predicted total (calculator)",
+        _fmt_bytes(pred["total"])
+        + "  ("
+        + ", ".join(
+            f"{k} {_fmt_bytes(pred[k])}"
+            for k in ("params", "grads", "optimizer", "activations", "workspace")
+        )
+        + ")",
+    )
     c = analysis["compiled_cost_per_device"] or {}
     t.add_row("compiled FLOPs", f"{c.get('flops', math.nan):.4g}")
     t.add_row("compiled bytes accessed", _fmt_bytes(c.get("bytes accessed")))

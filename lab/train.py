@@ -17,7 +17,7 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lab.config import Config
+from lab.config import Config, resolve_dtype
 from lab.mesh import check_divisible, rules_for
 from lab.model import build
 
@@ -136,6 +136,7 @@ def _check_state(abstract_boxed, mesh, rules) -> None:
 def make_trainer(cfg: Config, mesh, strategy: str) -> Trainer:
     """Shardings from logical names, a jitted sharded init, a jitted donated step."""
     rules = rules_for(strategy)
+    cfg = dataclasses.replace(cfg, model=resolve_dtype(cfg.model, mesh.devices.flat[0].platform))
     model, tx = build(cfg.model), make_optimizer(cfg)
     init_fn = functools.partial(_init_state, model=model, tx=tx, seq_len=cfg.seq_len)
     key = jax.eval_shape(jax.random.key, 0)  # abstract: the mesh may be a TPU topology
