@@ -83,14 +83,26 @@ def capacity_bytes(info: DeviceInfo) -> float | None:
 
 
 def _aot_plan(compiled, cfg: Config, info: DeviceInfo, fpt: float) -> dict:
-    """What the compiler predicts for a TPU slice that is not here: compiled, not run."""
-    est_s = aot.estimated_seconds(compiled)
+    """What the compiler predicts for a TPU slice that is not here: compiled, not run.
+
+    Step time: the compiler's own estimate where it gives a positive one, else a roofline
+    bound from the compiled per-device FLOPs and bytes and the chip's spec-sheet peaks.
+    """
+    spec = specs.lookup(info.device_kind)
     peak = specs.peak_flops(info.device_kind, cfg.model.dtype)
+    c = cost.compiled_cost(compiled) or {}
+    est_s, source = aot.estimated_seconds(compiled), "compiler estimate"
+    if est_s is None and peak and spec and c.get("flops"):
+        compute_s = c["flops"] / peak
+        memory_s = c.get("bytes accessed", 0) / spec.memory_bandwidth
+        est_s = max(compute_s, memory_s)
+        source = f"roofline bound ({'compute' if compute_s >= memory_s else 'memory'}-bound)"
     step_flops = fpt * cfg.batch_size * cfg.seq_len
     mfu = step_flops / (est_s * peak * info.count) if est_s and peak else None
     return {
         "label": "compiled, not run",
         "estimated_step_s": est_s,
+        "estimate_source": source,
         "peak_flops_per_device": peak,
         "implied_mfu": mfu,
     }
@@ -191,7 +203,10 @@ def _aot_rows(t: Table, analysis: dict) -> None:
             f"{abs(cap - need) / GIB:.2f} GiB {'spare' if need <= cap else 'short'}",
         )
     est = plan["estimated_step_s"]
-    t.add_row("compiler's step estimate", "n/a" if est is None else f"{est * 1e3:.3f} ms")
+    t.add_row(
+        "estimated step time",
+        "n/a" if est is None else f"{est * 1e3:.3f} ms ({plan['estimate_source']})",
+    )
     mfu = plan["implied_mfu"]
     t.add_row("implied MFU", "n/a" if mfu is None else f"{100 * mfu:.1f}%")
     t.add_row("label", plan["label"])

@@ -38,7 +38,7 @@ def test_plan_compiles_and_matches_the_calculator(tmp_path, capsys, target, mesh
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "compiled, not run" in out and "compiler's step estimate" in out
+    assert "compiled, not run" in out and "estimated step time" in out
     s = json.loads((tmp_path / "plan" / "summary.json").read_text())
     assert s["aot"]["label"] == "compiled, not run"
     cfg = json.loads((tmp_path / "plan" / "config.json").read_text())
