@@ -32,10 +32,19 @@ def matmul_n(backend_name: str | None = None) -> int:
 
 
 def _sizes(backend_name: str) -> dict[str, int]:
-    """Bytes per buffer for the bandwidth tests: well past the caches of each backend."""
+    """Bytes per buffer for the bandwidth tests, rotated over `SETS` buffers.
+
+    CPU: 24 MiB, four of them (96 MiB, three times a 32 MiB L3). Not more per buffer: glibc
+    serves allocations above 32 MiB with fresh mmap pages, so every output would be zeroed
+    by page faults inside the timed call (XLA's x·s measured 2.8 GB/s at 64 MiB against
+    12–15 GB/s at 24 MiB on the same host). Accelerators: large, their allocators reuse.
+    """
     if backend_name == "cpu":
-        return {"copy": 64 * MiB, "transfer": 64 * MiB, "poly": 16 * 2**20, "mm_n": 2048}
+        return {"copy": 24 * MiB, "transfer": 24 * MiB, "poly": 6 * 2**20, "mm_n": 2048}
     return {"copy": 1024 * MiB, "transfer": 256 * MiB, "poly": 64 * 2**20, "mm_n": 8192}
+
+
+SETS = 4
 
 
 def _precision_name(precision) -> str:
@@ -108,12 +117,25 @@ def copy_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
     """Device-memory bandwidth of y = x·s: every byte read once and written once (2·nbytes)."""
     nbytes = nbytes or _sizes(backend())["copy"]
     n = nbytes // 4
-    xs = timing.random_inputs(10, [(n,)] * 2, jnp.float32)
+    xs = timing.random_inputs(10, [(n,)] * SETS, jnp.float32)
     scale = jnp.float32(1.0001)
     fn = jax.jit(lambda x, s: x * s)
     result = timing.bench(fn, rotate=[(x, scale) for x in xs], budget_s=budget_s)
     moved = 2 * n * 4
     return {"bytes": moved, "bytes_per_s": moved / result.median_s, **result.as_dict()}
+
+
+def numpy_copy_bandwidth(nbytes: int, *, budget_s: float = 1.0) -> dict:
+    """np.multiply(x, s, out=y) into preallocated buffers: the host's memory bandwidth as
+    numpy sees it (one core), beside XLA's figure on CPU."""
+    rng = np.random.default_rng(2)
+    n = nbytes // 4
+    pairs = [
+        (rng.standard_normal(n, dtype=np.float32), np.empty(n, np.float32)) for _ in range(SETS)
+    ]
+    fn = lambda x, y: np.multiply(x, np.float32(1.0001), out=y)
+    result = timing.bench(fn, rotate=pairs, budget_s=budget_s)
+    return {"bytes": 2 * nbytes, "bytes_per_s": 2 * nbytes / result.median_s, **result.as_dict()}
 
 
 def _cpu_device():
@@ -127,7 +149,7 @@ def host_to_device(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
     """numpy → default device with `jax.device_put` (a forced copy even on CPU)."""
     nbytes = nbytes or _sizes(backend())["transfer"]
     rng = np.random.default_rng(1)
-    hosts = [(rng.standard_normal(nbytes // 4, dtype=np.float32),) for _ in range(2)]
+    hosts = [(rng.standard_normal(nbytes // 4, dtype=np.float32),) for _ in range(SETS)]
     device = jax.devices()[0]
     fn = lambda a: jax.device_put(a, device, may_alias=False)
     result = timing.bench(fn, rotate=hosts, budget_s=budget_s)
@@ -144,7 +166,7 @@ def device_to_host(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
     target = _cpu_device()
     if target is None:
         return {"bytes": nbytes, "bytes_per_s": None, "note": "no CPU backend in this process"}
-    xs = [(x,) for x in timing.random_inputs(11, [(nbytes // 4,)] * 2, jnp.float32)]
+    xs = [(x,) for x in timing.random_inputs(11, [(nbytes // 4,)] * SETS, jnp.float32)]
     fn = lambda x: jax.device_put(x, target, may_alias=False)
     result = timing.bench(fn, rotate=xs, budget_s=budget_s)
     return {"bytes": nbytes, "bytes_per_s": nbytes / result.median_s, **result.as_dict()}
@@ -207,11 +229,15 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
             n=n,
         )
     copy = copy_bandwidth(sizes["copy"], budget_s=budget_s)
-    add("copy bandwidth (read+write)", copy["bytes_per_s"], "B/s", f"{sizes['copy'] // MiB} MiB")
+    mib = f"{sizes['copy'] / MiB:g} MiB × {SETS} rotated"
+    add("copy bandwidth (read+write)", copy["bytes_per_s"], "B/s", f"XLA y = x·s, {mib}")
+    if be == "cpu":
+        npc = numpy_copy_bandwidth(sizes["copy"], budget_s=budget_s)
+        add("copy bandwidth numpy (out=)", npc["bytes_per_s"], "B/s", f"one core, {mib}")
     cpu_note = " (CPU: host memcpy, same memory)" if be == "cpu" else ""
     for name, fn in (("host→device", host_to_device), ("device→host", device_to_host)):
         r = fn(sizes["transfer"], budget_s=budget_s)
-        add(f"{name} bandwidth", r["bytes_per_s"], "B/s", f"{r['bytes'] // MiB} MiB{cpu_note}")
+        add(f"{name} bandwidth", r["bytes_per_s"], "B/s", f"{r['bytes'] / MiB:g} MiB{cpu_note}")
     peak = max(m["flops_per_s"] for m in matmuls.values())
     points = roofline.sweep(_sweep_ops(be, quick), budget_s=budget_s / 4)
     ridge = roofline.ridge_point(peak, copy["bytes_per_s"])

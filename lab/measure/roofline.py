@@ -67,7 +67,7 @@ def _horner(x, degree: int):
     return y
 
 
-def poly_ops(n_elements: int, degrees: Sequence[int], *, dtype=jnp.float32, sets: int = 2):
+def poly_ops(n_elements: int, degrees: Sequence[int], *, dtype=jnp.float32, sets: int = 4):
     """Elementwise ops of intensity degree/itemsize: the memory-bound side of the roof."""
     xs = [(x,) for x in timing.random_inputs(1, [(n_elements,)] * sets, dtype)]
     itemsize = jnp.dtype(dtype).itemsize
