@@ -1,0 +1,403 @@
+"""A sharding strategy explained by the compiler: per-device bytes and collectives, vs analytic.
+
+Two tables for one compiled train step. Memory: the per-device bytes of parameters,
+gradients and optimizer state (exact, from the shardings), beside the training-memory
+calculator (lab.measure.memory) and XLA's own buffer assignment (`memory_analysis`).
+Communication: the collectives read from the compiled HLO (lab.parallel.collectives_hlo),
+grouped by role, beside the analytic figure (ring algorithm, bytes each device sends):
+
+    all-gather / reduce-scatter of V over W devices   V·(W-1)/W
+    all-reduce of V over W devices                    2·V·(W-1)/W
+
+Roles and what the analytic model assumes (scaling-book style, per step):
+  grad reduction    every device's gradient summed over the batch axes. DP: one all-reduce
+                    of all gradients. FSDP: reduce-scatter over the weight-shard axes, then
+                    all-reduce of the shard over the remaining batch axes. A tied embedding
+                    has two uses whose partial gradients XLA reduces separately, so it counts
+                    twice. The CPU compiler has no reduce-scatter pass: there the
+                    reduce-scatter runs as an all-reduce plus a local slice (2× the bytes),
+                    and the analytic figure says so.
+  param all-gather  FSDP gathers each weight before each use in the forward (the tied
+                    embedding twice: lookup and head). ZeRO-3 gathers again in the backward;
+                    XLA instead keeps the gathered weight live when nothing forces it out, and
+                    re-gathers only weights of rematerialised blocks. The expectation is that
+                    rule; the range runs from forward-only to forward+backward for everything.
+  activation        tensor parallel (Megatron): an all-reduce of B·L·D activations after each
+  all-reduce        row-parallel matmul (attention out, MLP down: 2 per layer forward), after
+                    the vocab-parallel embedding lookup, and in the backward one per
+                    column-parallel matmul's input gradient (wq, wk, wv, w_gate, w_up: 5 per
+                    layer; Megatron's `g` operator sums those partials first and sends 2),
+                    one for the vocab-parallel head, plus three B·L float32 reductions of the
+                    sharded softmax. remat=full recomputes the forward ones a block's
+                    backward needs (attention out; not the block's last output).
+"""
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from rich.table import Table
+
+from lab.mesh import RULES
+from lab.parallel import collectives_hlo
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """What one role should move per step, per device."""
+
+    role: str
+    kind: str  # the collective kind expected on this backend
+    axes: tuple[str, ...]
+    bus_bytes: float  # point estimate (the rule in the module docstring)
+    low: float  # the least the strategy can move (FSDP: forward gathers only)
+    high: float  # the textbook's most (FSDP: ZeRO-3, every weight gathered again backward)
+    formula: str  # the arithmetic, for the reader
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One role: measured beside expected."""
+
+    role: str
+    expected: Expected | None
+    measured_bus_bytes: float
+    measured_ops: int
+    measured: tuple  # ((kind, axes, ops, bus_bytes), ...) of the collectives in this role
+
+    @property
+    def ratio(self) -> float | None:
+        if not self.expected or not self.expected.bus_bytes:
+            return None
+        return self.measured_bus_bytes / self.expected.bus_bytes
+
+
+# --- the strategy's geometry ---------------------------------------------------------------
+
+
+def _live(axes, sizes: dict[str, int]) -> tuple[str, ...]:
+    """Mesh axes of a rule that really split something (size > 1), in mesh order."""
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return tuple(a for a in sizes if a in names and sizes[a] > 1)
+
+
+def _prod(axes, sizes) -> int:
+    return math.prod(sizes[a] for a in axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    sizes: dict[str, int]  # mesh axis sizes
+    batch_axes: tuple[str, ...]  # the batch is split over these
+    shard_axes: tuple[str, ...]  # FSDP: weights split over these, gathered per use
+    tensor_axes: tuple[str, ...]  # TP: heads/mlp/vocab split over these
+
+    @classmethod
+    def of(cls, rules, sizes: dict[str, int]) -> "Geometry":
+        r = dict(rules)
+        tensor = _live(r.get("heads"), sizes)
+        return cls(
+            sizes=dict(sizes),
+            batch_axes=_live(r.get("batch"), sizes),
+            shard_axes=_live(r.get("embed"), sizes),
+            tensor_axes=tensor,
+        )
+
+
+def _leaf_bytes(x) -> tuple[int, int, tuple[str, ...]]:
+    """(full bytes, bytes on one device, mesh axes it is split over) of a sharded leaf."""
+    itemsize = np.dtype(x.dtype).itemsize
+    full = math.prod(x.shape) * itemsize
+    local = math.prod(x.sharding.shard_shape(x.shape)) * itemsize
+    axes = []
+    for entry in x.sharding.spec:
+        axes += [entry] if isinstance(entry, str) else list(entry or ())
+    return full, local, tuple(axes)
+
+
+def per_device_bytes(tree) -> int:
+    return sum(_leaf_bytes(x)[1] for x in jax.tree.leaves(tree))
+
+
+def _params(abstract_params):
+    """(path, full, local, axes) for every parameter."""
+    out = []
+    for path, x in jax.tree_util.tree_leaves_with_path(abstract_params):
+        full, local, axes = _leaf_bytes(x)
+        out.append((jax.tree_util.keystr(path), full, local, axes))
+    return out
+
+
+def _uses(path: str, model_cfg) -> int:
+    """How many times the forward uses a weight: a tied embedding is lookup and head."""
+    return 2 if model_cfg.tie_embeddings and "'embed'" in path else 1
+
+
+def _in_block(path: str) -> bool:
+    return "block" in path
+
+
+# --- the analytic expectations --------------------------------------------------------------
+
+
+def expect_grad_reduction(params, geo: Geometry, model_cfg, reduce_scatter: bool) -> Expected:
+    B = geo.batch_axes
+    WB = _prod(B, geo.sizes)
+    total, moved = 0.0, 0.0
+    for path, _, local, axes in params:
+        S = tuple(a for a in geo.shard_axes if a in axes)
+        WS = _prod(S, geo.sizes)
+        G = local * WS * _uses(path, model_cfg)  # the gradient one device holds before the sum
+        total += G
+        if reduce_scatter and WS > 1:
+            WR = WB // WS
+            moved += G * (WS - 1) / WS + 2 * (G / WS) * (WR - 1) / WR
+        else:
+            moved += 2 * G * (WB - 1) / WB
+    kind = "reduce-scatter + all-reduce" if reduce_scatter and geo.shard_axes else "all-reduce"
+    if geo.shard_axes and not reduce_scatter:
+        kind = "all-reduce (reduce-scatter as all-reduce + slice: no RS pass on CPU)"
+    formula = f"G={total / MiB:.2f} MiB grads (tied embedding ×2) over W={WB}: " + (
+        "RS V(W-1)/W + AR of the shard" if reduce_scatter and geo.shard_axes else "2G(W-1)/W"
+    )
+    return Expected("grad reduction", kind, B, moved, moved, moved, formula)
+
+
+def expect_param_gather(params, geo: Geometry, model_cfg) -> Expected | None:
+    if not geo.shard_axes:
+        return None
+    fwd = bwd_remat = bwd_all = 0.0
+    for path, _, local, axes in params:
+        S = tuple(a for a in geo.shard_axes if a in axes)
+        WS = _prod(S, geo.sizes)
+        if WS == 1:
+            continue
+        once = local * WS * (WS - 1) / WS
+        fwd += once * _uses(path, model_cfg)
+        bwd_all += once
+        bwd_remat += once if (_in_block(path) and model_cfg.remat != "none") else 0.0
+    point = fwd + bwd_remat
+    formula = (
+        f"forward {fwd / MiB:.2f} MiB (V·(W-1)/W per use) + backward re-gathers of "
+        f"rematerialised blocks {bwd_remat / MiB:.2f} MiB; ZeRO-3 would add {bwd_all / MiB:.2f}"
+    )
+    return Expected(
+        "param all-gather", "all-gather", geo.shard_axes, point, fwd, fwd + bwd_all, formula
+    )
+
+
+def expect_activation_reduce(cfg, geo: Geometry) -> Expected | None:
+    if not geo.tensor_axes:
+        return None
+    m = cfg.model
+    W = _prod(geo.tensor_axes, geo.sizes)
+    b_local = cfg.batch_size // _prod(geo.batch_axes, geo.sizes)
+    c = np.dtype(m.dtype).itemsize
+    act = b_local * cfg.seq_len * m.d_model * c
+    lookup = b_local * cfg.seq_len * m.d_model * np.dtype(m.param_dtype).itemsize
+    L = m.n_layers
+    # remat=full recomputes each block's forward but not its last output (attention out only)
+    recompute = {"none": 0, "full": L, "dots": 0}[m.remat]
+    n_act = 2 * L + 5 * L + 1 + recompute  # fwd row-parallel, bwd column-parallel, head bwd
+    softmax = 3 * b_local * cfg.seq_len * 4
+    V = n_act * act + lookup + softmax
+    ar = lambda v: 2 * v * (W - 1) / W
+    high = V + (L * act if m.remat == "dots" else 0)
+    megatron = (4 * L + 1) * act + lookup + softmax
+    formula = (
+        f"{n_act}+1 all-reduces of B·L·D ({act / MiB:.3f} MiB) + softmax stats over W={W}; "
+        f"Megatron's fused backward: {4 * L + 1}+1 → {ar(megatron) / MiB:.2f} MiB"
+    )
+    return Expected(
+        "activation all-reduce", "all-reduce", geo.tensor_axes, ar(V), ar(V), ar(high), formula
+    )
+
+
+def expectations(cfg, trainer, reduce_scatter: bool) -> list[Expected]:
+    geo = Geometry.of(trainer.rules, dict(trainer.mesh.shape))
+    params = _params(trainer.abstract_state.params)
+    out = [
+        expect_grad_reduction(params, geo, cfg.model, reduce_scatter),
+        expect_param_gather(params, geo, cfg.model),
+        expect_activation_reduce(cfg, geo),
+    ]
+    return [e for e in out if e is not None]
+
+
+# --- measured, by role -----------------------------------------------------------------------
+
+
+def role_of(c: collectives_hlo.Collective, geo: Geometry) -> str:
+    axes = set(c.axes)
+    if c.kind == "all-gather" and axes and axes <= set(geo.shard_axes):
+        return "param all-gather"
+    if c.kind in ("all-reduce", "reduce-scatter") and axes and axes <= set(geo.batch_axes):
+        return "grad reduction"
+    if c.kind == "all-reduce" and axes and axes <= set(geo.tensor_axes):
+        return "activation all-reduce"
+    return "other"
+
+
+def compare(collectives, expected: list[Expected], geo: Geometry) -> list[Row]:
+    by_role: dict[str, dict] = {}
+    for c in collectives:
+        if c.group_size <= 1 and c.kind != "collective-permute":
+            continue
+        role = role_of(c, geo)
+        key = (c.kind, c.axes)
+        ops, bus = by_role.setdefault(role, {}).get(key, (0, 0.0))
+        by_role[role][key] = (ops + c.count, bus + c.total_bus_bytes)
+    rows = []
+    for e in expected:
+        got = by_role.pop(e.role, {})
+        rows.append(_row(e.role, e, got))
+    for role, got in by_role.items():
+        rows.append(_row(role, None, got))
+    return rows
+
+
+def _row(role, expected, got: dict) -> Row:
+    measured = tuple((k, a, ops, bus) for (k, a), (ops, bus) in got.items())
+    return Row(
+        role=role,
+        expected=expected,
+        measured_bus_bytes=sum(m[3] for m in measured),
+        measured_ops=sum(m[2] for m in measured),
+        measured=measured,
+    )
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+
+def memory_rows(cfg, trainer, compiled, strategy: str) -> dict:
+    """Per-device bytes: exact from shardings, predicted by the calculator, compiled by XLA."""
+    state = trainer.abstract_state
+    params, opt = per_device_bytes(state.params), per_device_bytes(state.opt_state)
+    out = {"sharded": {"params": params, "grads": params, "optimizer": opt}}
+    try:
+        from lab.measure import memory
+
+        pred = memory.predict_lab_step(
+            cfg.model,
+            batch=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            strategy=strategy,
+            sizes=dict(trainer.mesh.shape),
+        )
+        out["predicted"] = pred
+        out["compiled"] = memory.compiled_memory(compiled) if compiled is not None else None
+    except (ImportError, AttributeError, KeyError, ValueError) as e:  # the calculator's hook
+        out["predicted"] = {"error": str(e)}
+    return out
+
+
+# --- putting it together --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    strategy: str
+    mesh: dict
+    backend: str
+    rows: list[Row]
+    memory: dict
+    collectives: list
+
+    def as_dict(self) -> dict:
+        rows = []
+        for r in self.rows:
+            e = r.expected
+            rows.append(
+                {
+                    "role": r.role,
+                    "measured_bus_bytes": r.measured_bus_bytes,
+                    "measured_ops": r.measured_ops,
+                    "measured": [
+                        {"kind": k, "axes": list(a), "ops": o, "bus_bytes": b}
+                        for k, a, o, b in r.measured
+                    ],
+                    "expected": dataclasses.asdict(e) if e else None,
+                    "ratio": r.ratio,
+                }
+            )
+        return {
+            "strategy": self.strategy,
+            "mesh": self.mesh,
+            "backend": self.backend,
+            "collectives": rows,
+            "memory": self.memory,
+        }
+
+
+def strategy_of(rules) -> str:
+    """The name of a rule table (cfg.strategy may still say auto)."""
+    return next((name for name, r in RULES.items() if tuple(r) == tuple(rules)), "custom")
+
+
+def explain(cfg, trainer, compiled=None) -> Explanation:
+    """Compile (unless given) and explain the step of `trainer` (lab.train.make_trainer)."""
+    compiled = compiled if compiled is not None else trainer.lower().compile()
+    mesh = trainer.mesh
+    backend = mesh.devices.flat[0].platform
+    strategy = strategy_of(trainer.rules)
+    geo = Geometry.of(trainer.rules, dict(mesh.shape))
+    colls = collectives_hlo.from_compiled(compiled, mesh)
+    expected = expectations(cfg, trainer, reduce_scatter=backend != "cpu")
+    return Explanation(
+        strategy=strategy,
+        mesh=dict(mesh.shape),
+        backend=backend,
+        rows=compare(colls, expected, geo),
+        memory=memory_rows(cfg, trainer, compiled, strategy),
+        collectives=colls,
+    )
+
+
+def _mib(x) -> str:
+    return "—" if x is None else f"{x / MiB:,.3f}"
+
+
+def collectives_table(ex: Explanation) -> Table:
+    sizes = " × ".join(f"{a}={n}" for a, n in ex.mesh.items())
+    t = Table(title=f"collectives per step, per device — {ex.strategy} on {sizes} ({ex.backend})")
+    for col in ("role", "measured (kind @ axes: ops)", "MiB sent", "analytic MiB", "ratio"):
+        t.add_column(col)
+    for r in ex.rows:
+        what = "; ".join(f"{k} @ {','.join(a)}: {o}" for k, a, o, _ in r.measured) or "none"
+        e = r.expected
+        analytic = _mib(e.bus_bytes) if e else "—"
+        if e and e.high > e.low * 1.001:
+            analytic += f" ({_mib(e.low)}–{_mib(e.high)})"
+        ratio = f"{r.ratio:.3f}" if r.ratio is not None else "—"
+        t.add_row(r.role, what, _mib(r.measured_bus_bytes), analytic, ratio)
+    for r in ex.rows:
+        if r.expected:
+            t.add_row("", f"[dim]{r.role}: expected {r.expected.kind}; {r.expected.formula}", "")
+    return t
+
+
+def memory_table(ex: Explanation) -> Table:
+    m = ex.memory
+    pred, comp = m.get("predicted") or {}, m.get("compiled") or {}
+    t = Table(title="memory per device (MiB)")
+    for col in ("component", "from shardings (exact)", "calculator (predicted)", "compiled"):
+        t.add_column(col)
+    for k in ("params", "grads", "optimizer"):
+        t.add_row(k, _mib(m["sharded"][k]), _mib(pred.get(k)), "")
+    t.add_row("activations", "", _mib(pred.get("activations")), "")
+    t.add_row("workspace", "", _mib(pred.get("workspace")), "")
+    t.add_row("arguments (params, optimizer, batch)", "", "", _mib(comp.get("argument_bytes")))
+    t.add_row("temporaries (grads, activations, …)", "", "", _mib(comp.get("temp_bytes")))
+    t.add_row("total", "", _mib(pred.get("total")), _mib(comp.get("total_bytes")))
+    if "error" in pred:
+        t.add_row("calculator", f"unavailable: {pred['error']}", "", "")
+    return t
+
+
+def render(ex: Explanation, console) -> None:
+    console.print(memory_table(ex))
+    console.print(collectives_table(ex))
