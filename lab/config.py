@@ -129,6 +129,9 @@ class Config:
     checkpoint_every: int = _f(0, "steps between checkpoints; 0 = no checkpoints", min=0)
     resume: bool = _f(False, "continue from the latest complete checkpoint of this run name")
     compile_only: bool = _f(False, "compile the step, print memory and cost, do not train")
+    explain: bool = _f(
+        False, "print per-device memory and the compiled step's collectives vs analytic"
+    )
     target: str = _f(
         "",
         "compile ahead of time for a TPU slice, e.g. tpu:v5e:2x4 (needs "

@@ -140,6 +140,10 @@ def run_training(cfg: Config, info: DeviceInfo, trainer) -> int:
     t0 = time.perf_counter()
     compiled = trainer.lower().compile()
     compile_s = time.perf_counter() - t0
+    if cfg.explain:
+        from lab.parallel import explain
+
+        explain.render(explain.explain(cfg, trainer, compiled), console)
     analysis = summary.analyse(compiled, cfg, info, trainer)
     problem = summary.memory_problem(analysis, info)
     if problem:
