@@ -24,6 +24,7 @@ from lab.errors import RunError
 from lab.measure.timing import summarise
 
 WARMUP_STEPS = 2  # excluded from the step-time median (allocation, first transfers)
+PROFILE_STEPS = 4  # profile=true traces this many steps after warm-up (steps 4-7 of a fresh run)
 
 
 class _Stop:
@@ -84,15 +85,39 @@ def _progress(console: Console) -> Progress:
     )
 
 
+class _Tracer:
+    """A jax.profiler trace that is always closed, even when the run ends (NaN, signal, fewer
+    steps than the window) before the last traced step."""
+
+    def __init__(self, path: Path):
+        self.path, self.active = path, False
+
+    def start(self):
+        jax.profiler.start_trace(str(self.path))
+        self.active = True
+
+    def stop(self):
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
 def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist):
     tokens_per_step = cfg.batch_size * cfg.seq_len
     batch = _batch(cfg, trainer, start)
-    with _Stop() as stop, _progress(console) as progress:
+    tracer = _Tracer(Path(cfg.out_dir) / cfg.name / "profile")
+    with _Stop() as stop, _progress(console) as progress, tracer:
         task = progress.add_task("train", total=cfg.steps, completed=start, loss=math.nan, tps=0.0)
         last = time.perf_counter()
         for step in range(start, cfg.steps):
             if cfg.profile and step == start + WARMUP_STEPS + 1:
-                jax.profiler.start_trace(str(Path(cfg.out_dir) / cfg.name / "profile"))
+                tracer.start()
             state, metrics = compiled(state, batch)
             if step + 1 < cfg.steps:
                 batch = _batch(cfg, trainer, step + 1)  # host work overlaps the device's
@@ -100,8 +125,8 @@ def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist)
             now = time.perf_counter()
             hist.step_s.append(now - last)
             last = now
-            if cfg.profile and step == start + WARMUP_STEPS + 4:
-                jax.profiler.stop_trace()
+            if step == start + WARMUP_STEPS + PROFILE_STEPS:
+                tracer.stop()
             if not math.isfinite(loss):
                 kept = f"; last good checkpoint kept in {mngr.directory}" if mngr else ""
                 raise RunError(f"loss is {loss} at step {step + 1}: training stopped{kept}")

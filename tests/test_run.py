@@ -107,3 +107,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert "Traceback" not in err
     assert "SIGTERM: checkpoint saved at step" in out
     assert any((tmp_path / "sig" / "checkpoints").iterdir())
+
+
+def test_profile_trace_is_closed_even_when_the_run_is_shorter_than_the_window(tmp_path):
+    assert _run(tmp_path, "name=prof", "steps=5", "profile=true") == 0
+    traces = list((tmp_path / "prof" / "profile").rglob("*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0
