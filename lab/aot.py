@@ -9,6 +9,7 @@ labelled *compiled, not run*.
 import os
 
 from lab.config import ConfigError
+from lab.devices import quiet_libtpu_off_tpu
 
 # Generation → example topologies (chips per axis). Any topology libtpu accepts will do.
 TPU_TARGETS = {
@@ -45,12 +46,7 @@ def prepare_host(target: str) -> None:
     """Before JAX starts: the local backend only hosts the compiler, so keep libtpu from
     probing this machine for chips (it would look up a TPU VM's metadata and complain)."""
     gen, _ = parse_target(target)
-    for var, value in (
-        ("TPU_SKIP_MDS_QUERY", "1"),
-        ("TPU_WORKER_HOSTNAMES", "localhost"),
-        ("TPU_ACCELERATOR_TYPE", f"{gen}-8"),
-    ):
-        os.environ.setdefault(var, value)
+    quiet_libtpu_off_tpu(gen)
     if not os.environ.get("JAX_PLATFORMS"):
         import jax
 
