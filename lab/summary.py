@@ -7,6 +7,7 @@ is against the matmul peak measured on this machine, and says so.
 
 import json
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -130,11 +131,20 @@ def memory_problem(analysis: dict, info: DeviceInfo) -> str | None:
     )
 
 
+def _busy() -> str:
+    """A warning when other work shares the CPU: the run and the peak then see different
+    machines, and their ratio (CPU MFU) can land anywhere, above 100% included."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load <= 1.5 * cores:
+        return ""
+    return f"; host busy: load {load:.1f} on {cores} cores, CPU figures unreliable"
+
+
 def _peak(cfg: Config, info: DeviceInfo) -> tuple[float | None, str]:
     """Peak FLOP/s of the whole mesh and where the figure comes from."""
     if info.backend == "cpu":
         peak = ceilings.matmul_peak(cfg.model.dtype)
-        return peak, f"measured {cfg.model.dtype} matmul peak of this host (all cores)"
+        return peak, f"measured {cfg.model.dtype} matmul peak of this host (all cores)" + _busy()
     per_device = specs.peak_flops(info.device_kind, cfg.model.dtype)
     if per_device is None:
         return None, f"no spec-table entry for {info.device_kind!r}: MFU unavailable"
@@ -227,6 +237,8 @@ def summary_table(s: dict) -> Table:
     )
     t.add_row("model FLOPs/token", f"{s['model_flops_per_token']:.4g}  [{s['flops_convention']}]")
     mfu = "unavailable" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+    if s["mfu"] is not None and s["mfu"] > 1:
+        mfu += " [above the peak: the load on the host changed between run and peak]"
     t.add_row("MFU", f"{mfu}  (vs {s['peak_source']})")
     mem = s["compiled_memory_per_device"] or {}
     t.add_row(
