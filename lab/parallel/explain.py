@@ -20,8 +20,10 @@ Roles and what the analytic model assumes (scaling-book style, per step):
   param all-gather  FSDP gathers each weight before each use in the forward (the tied
                     embedding twice: lookup and head). ZeRO-3 gathers again in the backward;
                     XLA instead keeps the gathered weight live when nothing forces it out, and
-                    re-gathers only weights of rematerialised blocks. The expectation is that
-                    rule; the range runs from forward-only to forward+backward for everything.
+                    re-gathers only weights of rematerialised or scanned blocks (a scan's
+                    backward loop saves the sharded weight, not the gathered one). The
+                    expectation is that rule; the range runs from forward-only to
+                    forward+backward for everything.
   activation        tensor parallel (Megatron): an all-reduce of B·L·D activations after each
   all-reduce        row-parallel matmul (attention out, MLP down: 2 per layer forward), after
                     the vocab-parallel embedding lookup, and in the backward one per
@@ -178,11 +180,13 @@ def expect_param_gather(params, geo: Geometry, model_cfg) -> Expected | None:
         once = local * WS * (WS - 1) / WS
         fwd += once * _uses(path, model_cfg)
         bwd_all += once
-        bwd_remat += once if (_in_block(path) and model_cfg.remat != "none") else 0.0
+        regathered = model_cfg.remat != "none" or model_cfg.scan_layers
+        bwd_remat += once if (_in_block(path) and regathered) else 0.0
     point = fwd + bwd_remat
     formula = (
         f"forward {fwd / MiB:.2f} MiB (V·(W-1)/W per use) + backward re-gathers of "
-        f"rematerialised blocks {bwd_remat / MiB:.2f} MiB; ZeRO-3 would add {bwd_all / MiB:.2f}"
+        f"rematerialised/scanned blocks {bwd_remat / MiB:.2f} MiB; "
+        f"ZeRO-3 would add {bwd_all / MiB:.2f}"
     )
     return Expected(
         "param all-gather", "all-gather", geo.shard_axes, point, fwd, fwd + bwd_all, formula
