@@ -75,6 +75,12 @@ def visible(q_pos, k_pos, *, causal: bool, kv_len: int, offset: int):
     return ok
 
 
+def _div(a, b: int):
+    """Integer division of a non-negative traced index (lax.div: lowers everywhere, any x64)."""
+    a = jnp.asarray(a)
+    return lax.div(a, jnp.asarray(b, a.dtype))
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Static sizes of one call, shared by a kernel's forward and backward (hashable: a jit key).
@@ -117,10 +123,10 @@ class Geometry:
         """One past the last key block query block i sees: the causal loop bound."""
         if not self.causal:
             return self.n_k
-        return jnp.minimum(self.n_k, lax.div(i * self.bq + self.bq - 1 + self.offset, self.bk) + 1)
+        return jnp.minimum(self.n_k, _div(i * self.bq + self.bq - 1 + self.offset, self.bk) + 1)
 
     def q_blocks_start(self, j):
         """First query block that sees any key of block j."""
         if not self.causal:
             return 0
-        return lax.div(jnp.maximum(j * self.bk - self.offset, 0), self.bq)
+        return _div(jnp.maximum(j * self.bk - self.offset, 0), self.bq)

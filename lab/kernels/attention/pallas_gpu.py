@@ -1,0 +1,344 @@
+"""Flash attention as a Pallas GPU kernel (Triton lowering): forward, dQ and dK/dV kernels.
+
+Why Triton and not Mosaic GPU. JAX offers two Pallas GPU back ends. Mosaic GPU
+(`jax.experimental.pallas.mosaic_gpu`) exposes Hopper's TMA, warpgroup MMA and barriers and is
+the faster path on H100/B200, but its kernels are written per architecture (explicit
+pipelining, warp specialisation) and do not run on Ampere or older. The Triton lowering
+(`jax.experimental.pallas.triton`) takes the same block-level program as the TPU kernel
+— load a tile, `dot`, elementwise, store — and lets the Triton compiler pick layouts,
+pipelining (`num_stages`) and parallelism (`num_warps`) on every NVIDIA GPU since Volta (and
+ROCm). For a lab whose point is comparing one algorithm across backends, one portable kernel
+that reads like the TPU one wins; a Mosaic GPU variant belongs to the GPU-speed issue.
+
+GPU form of the algorithm: one program per (query block, batch, head); the program loops over
+key blocks *inside* the kernel (`fori_loop`, upper bound at the causal diagonal), with the
+running max, sum and accumulator in registers. The dK/dV kernel runs one program per (key
+block, batch, kv head) and loops over the G query heads of its group and the query blocks
+from the diagonal down, so grouped-query heads are neither repeated in memory nor reduced
+afterwards.
+
+Block sizes, warps and stages come from `BLOCK_SIZES`, a table keyed by `device_kind`: data
+that the GPU-speed issue fills by search. Without a GPU nothing here has been tuned.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from lab.kernels.attention.common import (
+    MASK_VALUE,
+    Geometry,
+    check_dtype,
+    check_qkv,
+    default_scale,
+    visible,
+)
+from lab.kernels.attention.reference import attention_reference
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+HEAD_DIMS = (16, 32, 64, 128, 256)  # Triton tiles are powers of two, tl.dot needs >= 16
+
+
+def _power_of_two(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles and Triton launch parameters of the three kernels."""
+
+    block_q: int = 64  # forward: query rows per program
+    block_k: int = 64  # forward: key columns per loop step
+    block_q_dq: int = 64  # dQ kernel: query rows per program
+    block_k_dq: int = 64  # dQ kernel: key columns per loop step
+    block_q_dkv: int = 64  # dK/dV kernel: query rows per loop step
+    block_k_dkv: int = 64  # dK/dV kernel: key columns per program
+    num_warps: int = 4  # forward: warps per program (Triton)
+    num_stages: int = 2  # forward: software-pipelining depth of the key loop (Triton)
+    num_warps_bwd: int = 4  # both backward kernels
+    num_stages_bwd: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name.startswith("block_") and not (_power_of_two(value) and value >= 16):
+                raise ValueError(f"BlockSizes.{field.name}={value!r}: must be a power of two >= 16")
+            if field.name.startswith("num_warps") and not (_power_of_two(value) and value <= 32):
+                raise ValueError(f"BlockSizes.{field.name}={value!r}: must be a power of two <= 32")
+            if field.name.startswith("num_stages") and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"BlockSizes.{field.name}={value!r}: must be an int >= 1")
+
+
+# device_kind -> tuned BlockSizes. Data, filled by the GPU-speed issue's search on real GPUs;
+# "default" (the shapes of JAX's bundled Triton attention) applies to every other kind.
+BLOCK_SIZES: dict[str, BlockSizes] = {
+    "default": BlockSizes(),
+}
+
+
+def block_sizes_for(device_kind: str) -> BlockSizes:
+    """The table entry for this GPU, or the default."""
+    return BLOCK_SIZES.get(device_kind, BLOCK_SIZES["default"])
+
+
+def _scores(q_QxD, k_CxD, i, j, g: Geometry):
+    """Scaled, masked f32 scores of query block i against key block j."""
+    s_QxC = plgpu.dot(q_QxD, k_CxD, trans_b=True).astype(jnp.float32) * g.scale
+    if not g.needs_mask:
+        return s_QxC
+    q_pos_Qx1 = (i * g.bq + jnp.arange(g.bq))[:, None]
+    k_pos_1xC = (j * g.bk + jnp.arange(g.bk))[None, :]
+    ok_QxC = visible(q_pos_Qx1, k_pos_1xC, causal=g.causal, kv_len=g.S, offset=g.offset)
+    return jnp.where(ok_QxC, s_QxC, MASK_VALUE)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, g: Geometry):
+    # q_ref, o_ref: [Q, D]; k_ref, v_ref: [Sp, D] (the whole padded sequence); lse_ref: [Q]
+    i = pl.program_id(0)
+    q_QxD = q_ref[...]
+
+    def step(j, carry):
+        o_QxD, max_Q, sum_Q = carry
+        keys = pl.ds(j * g.bk, g.bk)
+        s_QxC = _scores(q_QxD, k_ref[keys, :], i, j, g)
+        new_max_Q = jnp.maximum(max_Q, s_QxC.max(axis=1))
+        p_QxC = jnp.exp(s_QxC - new_max_Q[:, None])
+        alpha_Q = jnp.exp(max_Q - new_max_Q)
+        pv_QxD = plgpu.dot(p_QxC.astype(v_ref.dtype), v_ref[keys, :]).astype(jnp.float32)
+        return alpha_Q[:, None] * o_QxD + pv_QxD, new_max_Q, alpha_Q * sum_Q + p_QxC.sum(axis=1)
+
+    init = (
+        jnp.zeros(q_QxD.shape, jnp.float32),
+        jnp.full((g.bq,), MASK_VALUE, jnp.float32),
+        jnp.zeros((g.bq,), jnp.float32),
+    )
+    o_QxD, max_Q, sum_Q = jax.lax.fori_loop(0, g.k_blocks_end(i), step, init)
+    o_ref[...] = (o_QxD / sum_Q[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = max_Q + jnp.log(sum_Q)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, g: Geometry):
+    # q_ref, do_ref, dq_ref: [Q, D]; k_ref, v_ref: [Sp, D]; lse_ref, delta_ref: [Q]
+    i = pl.program_id(0)
+    q_QxD, do_QxD = q_ref[...], do_ref[...]
+    lse_Qx1, delta_Qx1 = lse_ref[...][:, None], delta_ref[...][:, None]
+
+    def step(j, dq_QxD):
+        keys = pl.ds(j * g.bk, g.bk)
+        k_CxD = k_ref[keys, :]
+        p_QxC = jnp.exp(_scores(q_QxD, k_CxD, i, j, g) - lse_Qx1)
+        dp_QxC = plgpu.dot(do_QxD, v_ref[keys, :], trans_b=True).astype(jnp.float32)
+        ds_QxC = (p_QxC * (dp_QxC - delta_Qx1) * g.scale).astype(k_CxD.dtype)
+        return dq_QxD + plgpu.dot(ds_QxC, k_CxD).astype(jnp.float32)
+
+    dq_QxD = jax.lax.fori_loop(0, g.k_blocks_end(i), step, jnp.zeros(q_QxD.shape, jnp.float32))
+    dq_ref[...] = dq_QxD.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, g: Geometry):
+    # q_ref, do_ref: [Lp, G, D] (the group's query heads); lse_ref, delta_ref: [G, Lp]
+    # k_ref, v_ref, dk_ref, dv_ref: [C, D]
+    j = pl.program_id(0)
+    k_CxD, v_CxD = k_ref[...], v_ref[...]
+
+    def step(i, carry, member):
+        dk_CxD, dv_CxD = carry
+        rows = pl.ds(i * g.bq, g.bq)
+        q_QxD, do_QxD = q_ref[rows, member, :], do_ref[rows, member, :]
+        lse_Qx1, delta_Qx1 = lse_ref[member, rows][:, None], delta_ref[member, rows][:, None]
+        p_QxC = jnp.exp(_scores(q_QxD, k_CxD, i, j, g) - lse_Qx1)
+        dv_CxD += plgpu.dot(p_QxC.astype(do_QxD.dtype), do_QxD, trans_a=True).astype(jnp.float32)
+        dp_QxC = plgpu.dot(do_QxD, v_CxD, trans_b=True).astype(jnp.float32)
+        ds_QxC = (p_QxC * (dp_QxC - delta_Qx1) * g.scale).astype(q_QxD.dtype)
+        dk_CxD += plgpu.dot(ds_QxC, q_QxD, trans_a=True).astype(jnp.float32)
+        return dk_CxD, dv_CxD
+
+    def one_member(member, carry):
+        return jax.lax.fori_loop(
+            g.q_blocks_start(j), g.n_q, functools.partial(step, member=member), carry
+        )
+
+    zeros_CxD = jnp.zeros(k_CxD.shape, jnp.float32)
+    dk_CxD, dv_CxD = jax.lax.fori_loop(0, g.G, one_member, (zeros_CxD, zeros_CxD))
+    dk_ref[...] = dk_CxD.astype(dk_ref.dtype)
+    dv_ref[...] = dv_CxD.astype(dv_ref.dtype)
+
+
+def _pad(x_BxNxHxW, length: int, axis: int = 1):
+    """Zero-pad one sequence axis to `length`: padded keys are masked, padded rows dropped."""
+    widths = [(0, 0)] * x_BxNxHxW.ndim
+    widths[axis] = (0, length - x_BxNxHxW.shape[axis])
+    return jnp.pad(x_BxNxHxW, widths) if widths[axis][1] else x_BxNxHxW
+
+
+def _triton(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _forward(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry, bs: BlockSizes, interpret: bool):
+    B, L, H, D = q_BxLxHxD.shape
+    Lp, Sp = g.n_q * g.bq, g.n_k * g.bk
+    q_spec = pl.BlockSpec((None, g.bq, None, D), lambda i, b, h: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // g.G, 0))
+    o_BxLxHxD, lse_BxHxL = pl.pallas_call(
+        functools.partial(_fwd_kernel, g=g),
+        grid=(g.n_q, B, H),
+        in_specs=[q_spec, kv_spec, kv_spec],
+        out_specs=[q_spec, pl.BlockSpec((None, None, g.bq), lambda i, b, h: (b, h, i))],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Lp, H, D), q_BxLxHxD.dtype),
+            jax.ShapeDtypeStruct((B, H, Lp), jnp.float32),
+        ],
+        compiler_params=_triton(bs.num_warps, bs.num_stages),
+        interpret=interpret,
+        name="flash_attention_fwd",
+    )(_pad(q_BxLxHxD, Lp), _pad(k_BxSxKxD, Sp), _pad(v_BxSxKxD, Sp))
+    return o_BxLxHxD[:, :L], lse_BxHxL[:, :, :L]
+
+
+def _dq(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, do_BxLxHxD, lse_BxHxL, delta_BxHxL, g, bs, interpret):
+    B, L, H, D = q_BxLxHxD.shape
+    Lp, Sp = g.n_q * g.bq, g.n_k * g.bk
+    q_spec = pl.BlockSpec((None, g.bq, None, D), lambda i, b, h: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // g.G, 0))
+    row_spec = pl.BlockSpec((None, None, g.bq), lambda i, b, h: (b, h, i))
+    dq_BxLxHxD = pl.pallas_call(
+        functools.partial(_dq_kernel, g=g),
+        grid=(g.n_q, B, H),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct((B, Lp, H, D), q_BxLxHxD.dtype),
+        compiler_params=_triton(bs.num_warps_bwd, bs.num_stages_bwd),
+        interpret=interpret,
+        name="flash_attention_dq",
+    )(
+        _pad(q_BxLxHxD, Lp),
+        _pad(k_BxSxKxD, Sp),
+        _pad(v_BxSxKxD, Sp),
+        _pad(do_BxLxHxD, Lp),
+        _pad(lse_BxHxL, Lp, axis=2),
+        _pad(delta_BxHxL, Lp, axis=2),
+    )
+    return dq_BxLxHxD[:, :L]
+
+
+def _dkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, do_BxLxHxD, lse_BxHxL, delta_BxHxL, g, bs, interpret):
+    B, S, K, D = k_BxSxKxD.shape
+    Lp, Sp = g.n_q * g.bq, g.n_k * g.bk
+    group_spec = pl.BlockSpec((None, Lp, g.G, D), lambda j, b, kv: (b, 0, kv, 0))
+    group_rows_spec = pl.BlockSpec((None, g.G, Lp), lambda j, b, kv: (b, kv, 0))
+    kv_spec = pl.BlockSpec((None, g.bk, None, D), lambda j, b, kv: (b, j, kv, 0))
+    dk_BxSxKxD, dv_BxSxKxD = pl.pallas_call(
+        functools.partial(_dkv_kernel, g=g),
+        grid=(g.n_k, B, K),
+        in_specs=[group_spec, kv_spec, kv_spec, group_spec, group_rows_spec, group_rows_spec],
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Sp, K, D), k_BxSxKxD.dtype),
+            jax.ShapeDtypeStruct((B, Sp, K, D), v_BxSxKxD.dtype),
+        ],
+        compiler_params=_triton(bs.num_warps_bwd, bs.num_stages_bwd),
+        interpret=interpret,
+        name="flash_attention_dkv",
+    )(
+        _pad(q_BxLxHxD, Lp),
+        _pad(k_BxSxKxD, Sp),
+        _pad(v_BxSxKxD, Sp),
+        _pad(do_BxLxHxD, Lp),
+        _pad(lse_BxHxL, Lp, axis=2),
+        _pad(delta_BxHxL, Lp, axis=2),
+    )
+    return dk_BxSxKxD[:, :S], dv_BxSxKxD[:, :S]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Geometry of each kernel (their tiles differ) plus launch parameters: one jit key."""
+
+    fwd: Geometry
+    dq: Geometry
+    dkv: Geometry
+    block_sizes: BlockSizes
+    interpret: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, plan: _Plan):
+    return _forward(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, plan.fwd, plan.block_sizes, plan.interpret)[0]
+
+
+def _flash_fwd(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, plan: _Plan):
+    o_BxLxHxD, lse_BxHxL = _forward(
+        q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, plan.fwd, plan.block_sizes, plan.interpret
+    )
+    return o_BxLxHxD, (q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, o_BxLxHxD, lse_BxHxL)
+
+
+def _flash_bwd(plan: _Plan, residuals, do_BxLxHxD):
+    q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, o_BxLxHxD, lse_BxHxL = residuals
+    # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row.
+    delta_BxHxL = jnp.einsum(
+        "blhd,blhd->bhl", o_BxLxHxD.astype(jnp.float32), do_BxLxHxD.astype(jnp.float32)
+    )
+    args = (q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, do_BxLxHxD, lse_BxHxL, delta_BxHxL)
+    dq_BxLxHxD = _dq(*args, plan.dq, plan.block_sizes, plan.interpret)
+    dk_BxSxKxD, dv_BxSxKxD = _dkv(*args, plan.dkv, plan.block_sizes, plan.interpret)
+    return dq_BxLxHxD, dk_BxSxKxD, dv_BxSxKxD
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def check_inputs(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, *, causal: bool) -> None:
+    """What this kernel accepts (the dispatch asks before choosing it)."""
+    check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+    check_dtype(q_BxLxHxD, DTYPES, "pallas_gpu")
+    if q_BxLxHxD.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"{q_BxLxHxD.shape=}: pallas_gpu supports head_dim in {HEAD_DIMS}")
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
+def flash_attention_gpu(
+    q_BxLxHxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+):
+    """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim]; any length (padded and masked).
+
+    `block_sizes=None` looks the device up in `BLOCK_SIZES`; `interpret=True` runs the same
+    kernels through the Pallas interpreter (CPU tests).
+    """
+    check_inputs(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+    if block_sizes is None:
+        block_sizes = block_sizes_for(jax.devices()[0].device_kind)
+    _, L, H, D = q_BxLxHxD.shape
+    S, K = k_BxSxKxD.shape[1:3]
+
+    def geometry(block_q, block_k):  # shrink tiles to the (power-of-two) sequence lengths
+        bq = min(block_q, max(16, pl.next_power_of_2(L)))
+        bk = min(block_k, max(16, pl.next_power_of_2(S)))
+        return Geometry(
+            L=L, S=S, K=K, G=H // K, bq=bq, bk=bk, causal=causal, scale=default_scale(D, scale)
+        )
+
+    bs = block_sizes
+    plan = _Plan(
+        fwd=geometry(bs.block_q, bs.block_k),
+        dq=geometry(bs.block_q_dq, bs.block_k_dq),
+        dkv=geometry(bs.block_q_dkv, bs.block_k_dkv),
+        block_sizes=bs,
+        interpret=interpret,
+    )
+    return _flash(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, plan)
+
+
+flash_attention_gpu_reference = attention_reference  # the template keeps one beside the kernel

@@ -1,0 +1,267 @@
+"""Every attention implementation against the float64 reference: forward and dQ, dK, dV.
+
+Product: causal × GQA ratio (1, 2, 4) × dtype (f32, bf16) × length (64: whole blocks, 130:
+padded and masked) × head_dim (64, 128), all of it for naive and blockwise; the interpreted
+Pallas classes rerun a pairwise-covering subset (every pair of factor levels appears at least
+once) because the interpreter costs seconds per shape. Small blocks (16/32) so that the short
+sequences still cross several tiles and the causal diagonal.
+"""
+
+import dataclasses
+import functools
+import itertools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lab.kernels.attention import (
+    IMPLS,
+    attention,
+    available_impls,
+    blockwise,
+    pallas_gpu,
+    pallas_tpu,
+)
+from lab.kernels.attention.reference import attention_reference
+
+# max |impl - f64 reference| / max |reference|, per input dtype. f32 measures ~1e-6 (sums of
+# ~130 products at 2^-24 each); bf16 measures ~4e-3 (the output and the probabilities fed to the
+# P·V and dS·K products are rounded to bf16, 2^-8 relative).
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+HEADS = 4  # query heads; kv heads = HEADS // ratio
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    causal: bool
+    ratio: int  # query heads per kv head
+    dtype: str
+    seq: int
+    head_dim: int
+
+    def __str__(self):
+        mask = "causal" if self.causal else "full"
+        return f"{mask}-g{self.ratio}-{self.dtype}-L{self.seq}-D{self.head_dim}"
+
+
+FULL = [Case(*c) for c in itertools.product((True, False), (1, 2, 4), TOL, (64, 130), (64, 128))]
+PAIRWISE = [
+    Case(True, 1, "float32", 64, 64),
+    Case(False, 1, "bfloat16", 130, 128),
+    Case(True, 2, "bfloat16", 130, 64),
+    Case(False, 2, "float32", 64, 128),
+    Case(True, 4, "float32", 130, 128),
+    Case(False, 4, "bfloat16", 64, 64),
+]
+# LLVM at -O0: compiles in half the time; the HLO, i.e. the algorithm under test, is unchanged.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def pytest_generate_tests(metafunc):
+    """Each class says which cases it runs (`CASES`): full product or the pairwise subset."""
+    if "case" in metafunc.fixturenames:
+        metafunc.parametrize("case", metafunc.cls.CASES, ids=str)
+
+
+def random_qkv(seed: int, L: int, S: int, H: int, K: int, D: int, dtype):
+    """Fresh normal q, k, v and output cotangent (never zeros)."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    shapes = [(1, L, H, D), (1, S, K, D), (1, S, K, D), (1, L, H, D)]
+    return [
+        jax.random.normal(k, s, jnp.float32).astype(dtype)
+        for k, s in zip(keys, shapes, strict=True)
+    ]
+
+
+def output_and_grads(fn, q, k, v, do):
+    """fn's output and the vjp of do, compiled as one program."""
+
+    def both(q, k, v, do):
+        o, vjp = jax.vjp(fn, q, k, v)
+        return (o, *vjp(do))
+
+    return jax.jit(both).lower(q, k, v, do).compile(compiler_options=FAST_COMPILE)(q, k, v, do)
+
+
+@functools.partial(jax.jit, static_argnames="causal")
+def _reference_jit(q, k, v, do, causal: bool):
+    o, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=causal), q, k, v)
+    return (o, *vjp(do))
+
+
+def reference_f64(q, k, v, do, causal: bool):
+    """The same quantities in float64 from the same (rounded) inputs; one compile per shape
+    (module-level jit), shared by every implementation and dtype."""
+    with jax.enable_x64(True):
+        args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do)]
+        return [np.asarray(x) for x in _reference_jit(*args, causal=causal)]
+
+
+def assert_close(got, want, dtype: str):
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert g.dtype == jnp.dtype(dtype), (name, g.dtype)
+        err = np.abs(np.asarray(g, np.float64) - w).max() / np.abs(w).max()
+        assert err < TOL[dtype], f"{name}: max error {err:.2e} relative to max |ref|"
+
+
+class AttentionCase:
+    """Base: one implementation, run over `CASES`."""
+
+    impl = "blockwise"
+    interpret = False
+    block_sizes = blockwise.BlockSizes(16, 32)
+    CASES = FULL
+
+    def run(self, q, k, v, do, causal):
+        fn = lambda q, k, v: attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            impl=self.impl,
+            interpret=self.interpret,
+            block_sizes=self.block_sizes,
+        )
+        return output_and_grads(fn, q, k, v, do)
+
+    def test_matches_float64_reference(self, case: Case):
+        K = HEADS // case.ratio
+        seed = zlib.crc32(str(case).encode())  # fresh per case, reproducible
+        q, k, v, do = random_qkv(seed, case.seq, case.seq, HEADS, K, case.head_dim, case.dtype)
+        got = self.run(q, k, v, do, case.causal)
+        assert_close(got, reference_f64(q, k, v, do, case.causal), case.dtype)
+
+    def test_shorter_queries_than_keys(self):
+        """Causal with L < S (decoding against a cache): the mask is aligned bottom-right."""
+        q, k, v, do = random_qkv(7, 40, 100, HEADS, 2, 64, "float32")
+        got = self.run(q, k, v, do, True)
+        assert_close(got, reference_f64(q, k, v, do, True), "float32")
+
+
+class TestBlockwise(AttentionCase):
+    pass
+
+
+class TestNaive(AttentionCase):
+    impl = "naive"
+    block_sizes = None
+
+
+class TestXla(AttentionCase):
+    """The library baseline, on the pairwise subset (it is JAX's, not ours)."""
+
+    impl = "xla"
+    block_sizes = None
+    CASES = PAIRWISE
+
+    def test_shorter_queries_than_keys(self):
+        q, k, v, _ = random_qkv(7, 40, 100, HEADS, 2, 64, "float32")
+        with pytest.raises(ValueError, match="aligns the causal mask top-left"):
+            attention(q, k, v, causal=True, impl="xla")
+
+
+class TestPallasTpuInterpret(AttentionCase):
+    impl = "pallas_tpu"
+    interpret = True
+    block_sizes = pallas_tpu.BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
+    CASES = PAIRWISE
+
+
+class TestPallasGpuInterpret(AttentionCase):
+    impl = "pallas_gpu"
+    interpret = True
+    block_sizes = pallas_gpu.BlockSizes(16, 32, 32, 16, 16, 32)
+    CASES = PAIRWISE
+
+
+# ---------------------------------------------------------------------------- dispatch
+
+
+@pytest.mark.parametrize(
+    "kwargs, module, name",
+    [
+        ({"impl": "auto"}, blockwise, "blockwise_attention"),
+        ({"impl": "pallas", "interpret": True}, pallas_tpu, "flash_attention_tpu"),
+        ({"impl": "pallas_gpu", "interpret": True}, pallas_gpu, "flash_attention_gpu"),
+    ],
+)
+def test_dispatch_on_cpu(monkeypatch, kwargs, module, name):
+    """auto -> blockwise on CPU; pallas + interpret -> the TPU kernel, interpreted."""
+    seen = {}
+    monkeypatch.setattr(module, name, lambda *a, **kw: seen.setdefault("kw", kw) and "ran")
+    assert attention(*_qkv(), **kwargs) == "ran"
+    assert seen["kw"].get("interpret", False) == kwargs.get("interpret", False)
+
+
+def test_available_impls_per_backend():
+    assert available_impls("cpu") == ("naive", "blockwise", "xla")
+    assert set(available_impls("cpu", interpret=True)) == set(IMPLS) - {"cudnn"}
+    assert {"pallas", "pallas_tpu"} <= set(
+        available_impls("tpu")
+    ) and "cudnn" not in available_impls("tpu")
+    assert {"pallas", "pallas_gpu", "cudnn"} <= set(available_impls("gpu"))
+    assert set(available_impls()) == set(available_impls("cpu"))  # these tests run on CPU
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _qkv(H=4, K=2, D=64, L=32, S=32, dtype="float32"):
+    q, k, v, _ = random_qkv(0, L, S, H, K, D, dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, needle",
+    [
+        (_qkv(H=3, K=2), {}, "query heads must be a multiple of kv heads"),
+        (_qkv(L=40, S=20), {"causal": True}, "causal attention needs q seq <= kv seq"),
+        (_qkv(), {"impl": "flash"}, "attention impl='flash': choose one of naive, blockwise"),
+        (_qkv(), {"impl": "pallas"}, "impl='pallas' has no compiled kernel on backend 'cpu'"),
+        (_qkv(), {"impl": "cudnn"}, "impl='cudnn' has no compiled kernel on backend 'cpu'"),
+        (_qkv(), {"impl": "naive", "interpret": True}, "interpret=True applies to impl in"),
+        (
+            _qkv(D=96),
+            {"impl": "pallas_tpu", "interpret": True},
+            "pallas_tpu supports head_dim in (64, 128, 256)",
+        ),
+        (
+            _qkv(D=48),
+            {"impl": "pallas_gpu", "interpret": True},
+            "pallas_gpu supports head_dim in (16, 32",
+        ),
+        (_qkv(dtype="int32"), {"impl": "blockwise"}, "impl='blockwise' supports dtypes float32"),
+        (
+            _qkv(dtype="float16"),
+            {"impl": "pallas_tpu", "interpret": True},
+            "supports dtypes float32, bfloat16",
+        ),
+    ],
+)
+def test_bad_input_names_the_constraint(args, kwargs, needle):
+    with pytest.raises(ValueError, match="shape=|dtype=|impl=|interpret=") as info:
+        attention(*args, **kwargs)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda: blockwise.BlockSizes(block_q=12), "block_q=12: must be a positive multiple of 8"),
+        (lambda: pallas_tpu.BlockSizes(block_k=20), "block_k=20: must be a positive multiple of 8"),
+        (lambda: pallas_tpu.BlockSizes(block_k=64).check_compiled(), "needs a multiple of 128"),
+        (lambda: pallas_gpu.BlockSizes(block_q=48), "block_q=48: must be a power of two >= 16"),
+        (lambda: pallas_gpu.BlockSizes(num_warps=3), "num_warps=3: must be a power of two"),
+    ],
+)
+def test_block_sizes_validate_themselves(make, needle):
+    with pytest.raises(ValueError) as info:
+        make()
+    assert needle in str(info.value)
+
+
+def test_gpu_block_table_falls_back_to_default():
+    assert pallas_gpu.block_sizes_for("no such GPU") == pallas_gpu.BLOCK_SIZES["default"]
