@@ -15,6 +15,10 @@ which broadcast against a (rows × keys) tile with no relayout.
 Grouped-query heads are never repeated in memory: the key/value index maps send query head h
 to kv head h // G, and the dK/dV kernel reduces over the G query heads of a group inside its
 grid (axes kv-block, group member, query block), so dK/dV come out at kv-head size.
+
+Under a multi-device mesh, call it inside `jax.shard_map(..., check_vma=False)`: XLA cannot
+partition a Mosaic custom call, and `pallas_call` outputs carry no varying-axes type
+(tests/test_attention_aot.py compiles it that way for v5e and v4 topologies).
 """
 
 import dataclasses
