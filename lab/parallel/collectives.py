@@ -1,0 +1,303 @@
+"""`python -m lab.parallel.collectives`: time each collective over each mesh axis, nccl-tests style.
+
+Five collectives, written by hand with shard_map so that exactly one op runs per call:
+all-reduce (psum), all-gather, reduce-scatter (psum_scatter), all-to-all and ppermute (a
+ring shift). For a message of S bytes over a group of W devices, nccl-tests reports
+
+    algbw = S / t        busbw = algbw · factor
+    factor: all-reduce 2(W-1)/W; all-gather, reduce-scatter, all-to-all (W-1)/W; ppermute 1
+
+where S is the all-reduce buffer, the all-gather *output*, the reduce-scatter *input*, the
+all-to-all buffer and the ppermute buffer, per device. busbw is what one device's link
+carries under a bandwidth-optimal ring, so it compares across W and with the link's spec
+(the same bus-bytes rule as lab.parallel.collectives_hlo). On CPU the devices are simulated:
+every "device" is a slice of the same host, and the figures are memory copies, not a link.
+
+Times come from lab.measure.timing.bench (median after warm-up, blocked on the output);
+records from lab.measure.records; a PNG of busbw against size per op and axis.
+"""
+
+import argparse
+import dataclasses
+import re
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from rich.console import Console
+from rich.table import Table
+
+from lab.measure import records, timing
+from lab.parallel.collectives_hlo import bus_bytes
+from lab.parallel.shmap import shard_map
+
+OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ppermute")
+HLO_KIND = {"ppermute": "collective-permute"}  # the name collectives_hlo uses for the factor
+ITEMSIZE = 4  # float32 messages
+KiB, MiB = 2**10, 2**20
+
+
+def bus_factor(op: str, group_size: int) -> float:
+    """busbw / algbw for `op` over `group_size` devices (nccl-tests PERFORMANCE.md)."""
+    return bus_bytes(HLO_KIND.get(op, op), 1.0, group_size)
+
+
+def _local_fn(op: str, axis: str, W: int):
+    """What each device does with its local block x_N (N elements)."""
+    if op == "all-reduce":
+        return lambda x_N: lax.psum(x_N, axis)
+    if op == "all-gather":
+        return lambda x_N: lax.all_gather(x_N, axis, tiled=True)
+    if op == "reduce-scatter":
+        return lambda x_N: lax.psum_scatter(x_N, axis, tiled=True)
+    if op == "all-to-all":
+        return lambda x_N: lax.all_to_all(x_N, axis, 0, 0, tiled=True)
+    if op == "ppermute":
+        ring = [(i, (i + 1) % W) for i in range(W)]
+        return lambda x_N: lax.ppermute(x_N, axis, ring)
+    raise ValueError(f"op={op!r}: expected one of {', '.join(OPS)}")
+
+
+def input_elems(op: str, size_bytes: int, W: int) -> int:
+    """Elements of each device's input so that the nccl-tests message size is `size_bytes`
+    (all-gather: the output is S, so the input is S/W); a multiple of W so every op splits."""
+    n = size_bytes // ITEMSIZE // (W if op == "all-gather" else 1)
+    return max(W, n - n % W)
+
+
+def message_bytes(op: str, n_elems: int, W: int) -> int:
+    """S in the nccl-tests sense for a per-device input of `n_elems` float32."""
+    return n_elems * ITEMSIZE * (W if op == "all-gather" else 1)
+
+
+def collective(op: str, mesh, axis: str):
+    """jit(shard_map) of `op` over `axis`: global x of shape (devices·N,), one block each."""
+    spec = P(tuple(mesh.axis_names))
+    fn = shard_map(_local_fn(op, axis, mesh.shape[axis]), mesh=mesh, in_specs=spec, out_specs=spec)
+    return jax.jit(fn)
+
+
+def global_input(mesh, n_elems: int, seed: int = 0):
+    """Random (never zero) float32 input, each device holding its own N elements."""
+    (x,) = timing.random_inputs(seed, [(mesh.size * n_elems,)])
+    return jax.device_put(x, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One timed collective."""
+
+    op: str
+    axis: str
+    group_size: int  # W
+    size_bytes: int  # S, nccl-tests convention
+    result: timing.BenchResult
+
+    @property
+    def algbw(self) -> float:
+        return self.size_bytes / self.result.median_s
+
+    @property
+    def busbw(self) -> float:
+        return self.algbw * bus_factor(self.op, self.group_size)
+
+
+def time_one(op: str, mesh, axis: str, size_bytes: int, budget_s: float) -> Point:
+    W = mesh.shape[axis]
+    n = input_elems(op, size_bytes, W)
+    fn = collective(op, mesh, axis)
+    x = global_input(mesh, n)
+    result = timing.bench(fn, x, warmup=2, min_runs=5, budget_s=budget_s)
+    return Point(op, axis, W, message_bytes(op, n, W), result)
+
+
+def sizes_between(lo: int, hi: int, step: int = 4) -> list[int]:
+    """Message sizes lo, lo·step, … up to hi (bytes)."""
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= step
+    return out
+
+
+def bench_axes(mesh) -> list[str]:
+    """Every mesh axis that holds more than one device."""
+    return [a for a in mesh.axis_names if mesh.shape[a] > 1]
+
+
+def run(mesh, sizes: list[int], ops=OPS, axes=None, budget_s: float = 0.3) -> list[Point]:
+    points = []
+    for axis in axes or bench_axes(mesh):
+        for op in ops:
+            for size in sizes:
+                points.append(time_one(op, mesh, axis, size, budget_s))
+    return points
+
+
+def to_records(points: list[Point], simulated: bool) -> list[dict]:
+    out = []
+    for p in points:
+        cfg = dict(
+            op=p.op,
+            axis=p.axis,
+            group_size=p.group_size,
+            size_bytes=p.size_bytes,
+            median_s=p.result.median_s,
+            p10_s=p.result.p10_s,
+            p90_s=p.result.p90_s,
+            runs=p.result.runs,
+            simulated_devices=simulated,
+        )
+        out.append(records.make_record("collective algbw", p.algbw, "B/s", **cfg))
+        out.append(records.make_record("collective busbw", p.busbw, "B/s", **cfg))
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n / MiB:g} MiB" if n >= MiB else f"{n / KiB:g} KiB"
+
+
+def table(points: list[Point], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("op", "axis", "W", "size", "time (µs)", "algbw GB/s", "busbw GB/s"):
+        t.add_column(col, justify="right" if col not in ("op", "axis") else "left")
+    for p in points:
+        t.add_row(
+            p.op,
+            p.axis,
+            str(p.group_size),
+            _size(p.size_bytes),
+            f"{p.result.median_s * 1e6:,.1f}",
+            f"{p.algbw / 1e9:,.2f}",
+            f"{p.busbw / 1e9:,.2f}",
+        )
+    return t
+
+
+def plot(points: list[Point], path, title: str) -> Path:
+    """busbw against message size, one line per (op, axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key in dict.fromkeys((p.op, p.axis) for p in points):
+        pts = [p for p in points if (p.op, p.axis) == key]
+        ax.plot(
+            [p.size_bytes for p in pts], [p.busbw / 1e9 for p in pts], "o-", label="@".join(key)
+        )
+    ax.set(xscale="log", yscale="log", xlabel="message size S (bytes)", ylabel="busbw (GB/s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def parse_size(text: str) -> int:
+    """'4KB' / '16MiB' / '1024' → bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)i?b?\s*", text.lower())
+    if not m:
+        raise ValueError(f"size {text!r}: expected e.g. 4KB, 16MB, 1024")
+    return int(m.group(1)) * {"": 1, "k": KiB, "m": MiB, "g": 1024 * MiB}[m.group(2)]
+
+
+def default_mesh(n_devices: int) -> str:
+    """Two axes of different sizes where possible, so per-axis figures differ: 4x2 on 8."""
+    return f"{n_devices // 2}x2" if n_devices >= 4 and n_devices % 2 == 0 else str(n_devices)
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="python -m lab.parallel.collectives", description=__doc__)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--mesh", default="", help="mesh spec (lab.mesh); default 4x2-like")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of the five")
+    p.add_argument("--min-size", default="4KB", help="smallest message S")
+    p.add_argument("--max-size", default="", help="largest S; default 4MB on CPU, 256MB else")
+    p.add_argument("--quick", action="store_true", help="two small sizes: checks the code path")
+    p.add_argument("--budget", type=float, default=0.3, help="seconds of timed calls per point")
+    p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU")
+    p.add_argument("--out", default="results", help="folder for the records and the plot")
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def _setup(args):
+    """Devices, mesh and sizes; bad input raises ValueError with one line for the user."""
+    from lab import devices
+    from lab.mesh import make_mesh
+
+    devices.prepare(args.mesh or "1", cpu_devices=args.cpu_devices)
+    mesh = make_mesh(args.mesh or default_mesh(jax.device_count()))
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise ValueError(f"--ops {','.join(bad)}: expected some of {', '.join(OPS)}")
+    cpu = jax.default_backend() == "cpu"
+    lo = parse_size(args.min_size)
+    hi = parse_size(args.max_size) if args.max_size else (4 * MiB if cpu else 256 * MiB)
+    sizes = [4 * KiB, 64 * KiB] if args.quick else sizes_between(lo, hi)
+    if not sizes:
+        raise ValueError(f"--min-size {args.min_size} is above --max-size {args.max_size}")
+    if not bench_axes(mesh):
+        raise ValueError(f"mesh={args.mesh or mesh.shape}: no axis holds more than one device")
+    return mesh, ops, sizes
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    console = Console()
+    try:
+        mesh, ops, sizes = _setup(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    env = records.environment()
+    simulated = env["backend"] == "cpu" and env["device_count"] > 1
+    where = "simulated devices (one host's memory, not an interconnect)" if simulated else "devices"
+    shape = " × ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    title = f"collectives · {env['device_kind']} × {env['device_count']} {where} · {shape}"
+    t0 = time.perf_counter()
+    points = run(mesh, sizes, ops, budget_s=args.budget)
+    console.print(table(points, title))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out)
+    path = records.write_records(
+        out / f"collectives-{env['backend']}-{stamp}.jsonl", to_records(points, simulated)
+    )
+    console.print(f"records → {path}")
+    if not args.no_plot:
+        png = plot(points, out / f"collectives-{env['backend']}-{stamp}.png", title)
+        console.print(f"plot → {png}")
+    console.print(f"done in {time.perf_counter() - t0:.1f} s; busbw = algbw · nccl-tests factor")
+    return 0
+
+
+def reference(op: str, blocks_WxN: np.ndarray) -> np.ndarray:
+    """What each of W devices holds after `op`, from their inputs, in numpy (for tests)."""
+    W, N = blocks_WxN.shape
+    if op == "all-reduce":
+        return np.tile(blocks_WxN.sum(0), (W, 1))
+    if op == "all-gather":
+        return np.tile(blocks_WxN.reshape(-1), (W, 1))
+    if op == "reduce-scatter":
+        return blocks_WxN.sum(0).reshape(W, N // W)
+    if op == "all-to-all":
+        chunks_WxWxC = blocks_WxN.reshape(W, W, N // W)
+        return chunks_WxWxC.transpose(1, 0, 2).reshape(W, N)
+    if op == "ppermute":
+        return np.roll(blocks_WxN, 1, axis=0)
+    raise ValueError(op)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

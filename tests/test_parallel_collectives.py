@@ -1,0 +1,73 @@
+"""The benchmarked collectives compute what they claim (against numpy, on every mesh axis),
+and their bandwidth bookkeeping follows the nccl-tests conventions."""
+
+import json
+
+import numpy as np
+import pytest
+
+from lab.mesh import make_mesh
+from lab.parallel import collectives as C
+
+
+def _expected(op, blocks, mesh, axis):
+    """Apply the numpy reference along `axis` of the (data, fsdp, model) grid of blocks."""
+    shape = tuple(mesh.shape.values())
+    k = list(mesh.axis_names).index(axis)
+    grid = np.moveaxis(blocks.reshape(*shape, -1), k, -2)  # (..., W, N)
+    flat = grid.reshape(-1, *grid.shape[-2:])
+    out = np.stack([C.reference(op, g) for g in flat])
+    out = out.reshape(*grid.shape[:-2], *out.shape[-2:])
+    return np.moveaxis(out, -2, k).reshape(-1)
+
+
+@pytest.mark.parametrize("axis", ["data", "model"])
+@pytest.mark.parametrize("op", C.OPS)
+def test_collective_values_match_numpy(op, axis):
+    mesh = make_mesh("4x2")
+    W = mesh.shape[axis]
+    n = C.input_elems(op, 64, W)
+    x = C.global_input(mesh, n, seed=1)
+    got = np.asarray(C.collective(op, mesh, axis)(x))
+    blocks = np.asarray(x).reshape(mesh.size, n)
+    np.testing.assert_allclose(got, _expected(op, blocks, mesh, axis), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "op, W, factor",
+    [
+        ("all-reduce", 8, 2 * 7 / 8),
+        ("all-reduce", 2, 1.0),
+        ("all-gather", 4, 3 / 4),
+        ("reduce-scatter", 4, 3 / 4),
+        ("all-to-all", 8, 7 / 8),
+        ("ppermute", 4, 1.0),
+    ],
+)
+def test_bus_factor_is_nccl_tests(op, W, factor):
+    assert C.bus_factor(op, W) == pytest.approx(factor)
+
+
+def test_message_size_is_the_all_gather_output():
+    assert C.message_bytes("all-gather", C.input_elems("all-gather", 4096, 4), 4) == 4096
+    assert C.message_bytes("all-reduce", C.input_elems("all-reduce", 4096, 4), 4) == 4096
+    assert C.parse_size("4KB") == 4096 and C.parse_size("16MiB") == 16 * 2**20
+    with pytest.raises(ValueError, match="expected e.g."):
+        C.parse_size("lots")
+
+
+def test_main_writes_records_and_plot(tmp_path, capsys):
+    argv = ["--quick", "--mesh", "4x2", "--ops", "all-reduce,ppermute", "--budget", "0.01"]
+    assert C.main([*argv, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "simulated devices" in out
+    recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.open()]
+    assert len(recs) == 2 * 2 * 2 * 2  # ops × axes × sizes × (algbw, busbw)
+    ar = [r for r in recs if r["config"]["op"] == "all-reduce" and r["what"].endswith("busbw")]
+    assert all(r["value"] > 0 and r["config"]["simulated_devices"] for r in ar)
+    assert list(tmp_path.glob("*.png"))
+
+
+def test_bad_op_is_one_line_and_exit_2(capsys):
+    assert C.main(["--ops", "broadcast", "--no-plot"]) == 2
+    assert "broadcast" in capsys.readouterr().err
