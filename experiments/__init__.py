@@ -1,0 +1,43 @@
+"""The claims ledger's experiments: one module per topic, each answering some claim ids.
+
+Every module declares `CLAIMS = ("C01", ...)` and `run(size) -> list[record]` with size
+`tiny` (the test suite), `quick` (the default on CPU: the whole set well under 15 minutes on
+two cores) or `full`. `python -m experiments` runs them and writes a results folder.
+"""
+
+import importlib
+
+from lab.report.claims import BY_ID
+
+MODULES = (
+    "matmul",
+    "roofline",
+    "attention",
+    "memory",
+    "parallel",
+    "training",
+    "inference",
+    "hardware",
+)
+
+
+def load(name: str):
+    return importlib.import_module(f"experiments.{name}")
+
+
+def parse_only(text: str | None) -> tuple[str, ...] | None:
+    """'C03,c08' → ('C03', 'C08'); unknown ids are an error naming the known ones."""
+    if not text:
+        return None
+    ids = tuple(x.strip().upper() for x in text.split(",") if x.strip())
+    bad = [x for x in ids if x not in BY_ID]
+    if bad:
+        raise ValueError(f"only={text!r}: unknown claim ids {bad}; known: {', '.join(BY_ID)}")
+    return ids
+
+
+def select(only: tuple[str, ...] | None) -> list[str]:
+    """Module names whose claims meet `only` (all when None), in report order. Read from the
+    claims table, so choosing costs no imports (each module pulls in JAX pieces of its own)."""
+    wanted = {BY_ID[i].topic for i in only} if only else set(MODULES)
+    return [m for m in MODULES if m in wanted]

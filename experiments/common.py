@@ -1,0 +1,320 @@
+"""What every experiment shares: the record shape, sizes, and probes of the lab's real step.
+
+A record for the claims ledger is `lab.measure.records.make_record` with four keys in its
+config: `claim` (C01…), `metric` (the `Stated.metric` it answers, or None for context and
+plot data), `role` (evidence | context | reference) and, where they differ from the process,
+`on` (the backend measured) and `target` (the device a prediction is about). Predictions
+name the measured inputs they were derived from in `inputs` and the spec entry in `spec`.
+"""
+
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+from lab.measure import ceilings, cost, memory, records, specs, timing
+
+SIZES = ("tiny", "quick", "full")
+# The lab step every training topic times, per size, and the time budget for timing it: one
+# config shared by memory, training and parallel, so a process compiles and times it once.
+STEP_ARGS = {
+    "tiny": ("model=tiny", "batch_size=2", "seq_len=32", "data=synthetic"),
+    "quick": ("model=small", "batch_size=8", "seq_len=256", "data=synthetic"),
+    "full": ("model=small", "batch_size=16", "seq_len=1024", "data=synthetic"),
+}
+STEP_BUDGET_S = {"tiny": 0.01, "quick": 0.5, "full": 2.0}
+YEAR_S = 365.25 * 24 * 3600
+DAY_S = 24 * 3600
+
+# Accelerators the predictions are made for (spec-table keys), and the articles' names.
+REFERENCE_GPUS = {"t4": "T4", "rtx-4090": "RTX 4090", "a100-sxm4-80gb": "A100", "h100-sxm": "H100"}
+
+
+def record(
+    claim: str | None,
+    metric: str | None,
+    what: str,
+    value,
+    unit: str,
+    *,
+    label: str = "measured",
+    role: str = "evidence",
+    on: str | None = None,
+    target: str | None = None,
+    **config,
+) -> dict:
+    """One ledger record (see the module docstring for the keys a verdict reads)."""
+    if isinstance(value, bool):
+        value = float(value)
+    elif value is not None and not isinstance(value, int | float):
+        value = float(value)
+    cfg = {"claim": claim, "metric": metric, "role": role, **config}
+    if on:
+        cfg["on"] = on
+    if target:
+        cfg["target"] = target
+    return records.make_record(what, value, unit, label=label, **cfg)
+
+
+def backend() -> str:
+    return jax.default_backend()
+
+
+def cpu_device():
+    """The host CPU as a JAX device (present next to any accelerator)."""
+    return jax.devices("cpu")[0]
+
+
+def pick(size: str, **by_size):
+    """`pick(size, tiny=1, quick=2, full=3)` with a clear error for a bad size."""
+    if size not in SIZES:
+        raise ValueError(f"size={size!r}: expected one of {', '.join(SIZES)}")
+    return by_size[size]
+
+
+def matmul_rate(
+    n: int, dtype="float32", precision=None, *, device=None, budget_s: float = 0.5
+) -> dict:
+    """FLOP/s of a jitted n×n matmul on `device` (default: the default device), rotating two
+    random input pairs; median of `timing.bench` after compile and warm-up."""
+    device = device or jax.devices()[0]
+    fn = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision))
+    xs = [jax.device_put(x, device) for x in timing.random_inputs(0, [(n, n)] * 4, dtype)]
+    result = timing.bench(fn, rotate=[xs[:2], xs[2:]], budget_s=budget_s, warmup=1, min_runs=3)
+    flops = cost.matmul_flops(n, n, n)
+    return {"n": n, "flops": flops, "flops_per_s": flops / result.median_s, **result.as_dict()}
+
+
+@functools.cache
+def host_peak(n: int, budget_s: float = 0.5) -> float:
+    """Measured float32 matmul FLOP/s of this process's CPU: MFU's 100% on CPU, cached."""
+    if backend() == "cpu":
+        return ceilings.matmul_peak("float32", n=n, budget_s=budget_s)
+    return matmul_rate(n, device=cpu_device(), budget_s=budget_s)["flops_per_s"]
+
+
+def mfu_peak(size: str) -> float:
+    """MFU's 100%: the matmul peak measured in this process, in the step's compute dtype
+    (float32 on CPU, bf16 on accelerators), so MFU here never rests on a datasheet."""
+    n = pick(size, tiny=256, quick=1024, full=2048 if backend() == "cpu" else 8192)
+    if backend() == "cpu":
+        return host_peak(n)
+    return ceilings.matmul_peak("bfloat16", n=n)
+
+
+def shared_step(size: str) -> dict:
+    """The shared step (STEP_ARGS) timed in the backend's compute dtype; cached."""
+    return train_probe(step_args(size), budget_s=STEP_BUDGET_S[size])
+
+
+def mfu_here(size: str) -> float:
+    """Model FLOP/s of the shared step over the matmul peak measured here."""
+    return shared_step(size)["model_flops_per_s"] / mfu_peak(size)
+
+
+def accel_peak(spec_key: str) -> tuple[float, str]:
+    """(half-precision dense peak FLOP/s, dtype) of a spec entry: the rate training and
+    inference are predicted at (bf16, or fp16 where the device has no bf16 units)."""
+    spec = specs.SPECS[spec_key]
+    best = max(("bfloat16", "float16"), key=lambda d: spec.peak_flops.get(d, 0.0))
+    return spec.peak_flops[best], best
+
+
+def spec_inputs(spec_key: str, *fields: str) -> dict:
+    """The spec-table numbers a prediction used, each with its source."""
+    spec = specs.SPECS[spec_key]
+    out = {"spec": spec_key, "spec_name": spec.name}
+    for f in fields:
+        value = spec.numbers().get(f)
+        out[f] = value
+        out[f"{f} source"] = spec.source_of(f)
+    return out
+
+
+# --- the lab's training step ------------------------------------------------------------
+
+
+def _resolved(argv: list[str], devices, mesh: str):
+    """(cfg, strategy) for `key=value` args on `devices`, as lab.run resolves them."""
+    from lab.config import parse_args
+    from lab.mesh import resolve_shape
+    from lab.run import resolve
+
+    cfg = parse_args([*argv, f"mesh={mesh}", "steps=1000", "warmup_steps=1"])
+    sizes = resolve_shape(cfg.mesh, len(devices))
+    return resolve(cfg, devices[0].platform, sizes)
+
+
+def build_trainer(argv: list[str], *, devices=None, mesh: str = "1"):
+    """(cfg, trainer) for `key=value` args on `devices` (default: the default backend's)."""
+    from lab.mesh import make_mesh
+    from lab.train import make_trainer
+
+    devices = list(devices or jax.devices())
+    cfg, strategy = _resolved(argv, devices, mesh)
+    return cfg, make_trainer(cfg, make_mesh(cfg.mesh, devices), strategy)
+
+
+# Several topics look at the same step (memory's remat=none is training's float32 step): one
+# compile and one timing per distinct resolved config per process, keyed by what it resolves to.
+_PROBES: dict = {}
+
+
+def _probe_key(argv, devices, mesh, *extra):
+    devices = list(devices or jax.devices())
+    cfg, strategy = _resolved(argv, devices, mesh)
+    cfg = dataclasses.replace(cfg, name="")  # resolve() stamps the time into the name
+    return (repr(cfg), strategy, tuple(str(d) for d in devices), *extra)
+
+
+def compile_probe(argv: list[str], *, devices=None, mesh: str = "1") -> dict:
+    """Compile the lab's step: compiled memory and cost per device, the calculator's
+    prediction for the same step, model FLOPs per token. Nothing runs. Cached per config."""
+    key = _probe_key(argv, devices, mesh, "compile")
+    if key not in _PROBES:
+        _PROBES[key] = _compile_probe(argv, devices=devices, mesh=mesh)
+    return _PROBES[key]
+
+
+def _compile_probe(argv: list[str], *, devices=None, mesh: str = "1") -> dict:
+    from lab.model import count_nonembedding_params, count_params
+
+    cfg, trainer = build_trainer(argv, devices=devices, mesh=mesh)
+    t0 = time.perf_counter()
+    compiled = trainer.lower().compile()
+    compile_s = time.perf_counter() - t0
+    params = trainer.abstract_state.params
+    m = cfg.model
+    n_nonembed = count_nonembedding_params(params, m)
+    fpt = cost.transformer_flops_per_token(n_nonembed, m.n_layers, cfg.seq_len, m.d_model)
+    sizes = dict(trainer.mesh.shape)
+    return {
+        "cfg": cfg,
+        "trainer": trainer,
+        "compiled": compiled,
+        "compile_s": compile_s,
+        "memory": memory.compiled_memory(compiled),
+        "cost": cost.compiled_cost(compiled),
+        "predicted": memory.predict_lab_step(
+            m, batch=cfg.batch_size, seq_len=cfg.seq_len, strategy=cfg.strategy, sizes=sizes
+        ),
+        "params": count_params(params),
+        "nonembed_params": n_nonembed,
+        "flops_per_token": fpt,
+        "tokens_per_step": cfg.batch_size * cfg.seq_len,
+    }
+
+
+def train_probe(
+    argv: list[str],
+    *,
+    devices=None,
+    mesh: str = "1",
+    budget_s: float = 1.0,
+    min_runs: int = 3,
+    loss_steps: int = 0,
+) -> dict:
+    """`compile_probe` plus the step run: median step time (timing.bench, blocked on the whole
+    new state), tokens/s, model FLOP/s; with `loss_steps`, the losses of that many steps on
+    fresh batches first (the same batches for every config: a function of seed and step).
+    Cached per config, so a step two topics time is timed once."""
+    key = _probe_key(argv, devices, mesh, "train", budget_s, min_runs, loss_steps)
+    if key not in _PROBES:
+        _PROBES[key] = _train_probe(
+            argv,
+            devices=devices,
+            mesh=mesh,
+            budget_s=budget_s,
+            min_runs=min_runs,
+            loss_steps=loss_steps,
+        )
+    return _PROBES[key]
+
+
+def _train_probe(argv, *, devices, mesh, budget_s, min_runs, loss_steps) -> dict:
+    from lab.data import host_batch, to_global
+
+    p = compile_probe(argv, devices=devices, mesh=mesh)
+    cfg, trainer, compiled = p["cfg"], p["trainer"], p["compiled"]
+
+    def batch(step):
+        tokens = host_batch(
+            cfg.data, cfg.seed, step, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size
+        )
+        return to_global(tokens, trainer.batch_sharding)
+
+    state = trainer.init(jax.random.key(cfg.seed))
+    losses = []
+    for step in range(loss_steps):
+        state, metrics = compiled(state, batch(step))
+        losses.append(float(metrics["loss"]))
+    tokens = batch(loss_steps)
+    box = [state]
+
+    def call():
+        box[0], metrics = compiled(box[0], tokens)
+        return box[0], metrics
+
+    r = timing.bench(call, budget_s=budget_s, warmup=1, min_runs=min_runs, max_runs=200)
+    tokens_per_s = p["tokens_per_step"] / r.median_s
+    return {
+        **p,
+        "step": r.as_dict(),
+        "tokens_per_s": tokens_per_s,
+        "model_flops_per_s": p["flops_per_token"] * tokens_per_s,
+        "losses": losses,
+    }
+
+
+def step_args(size: str, *extra: str) -> list[str]:
+    """The shared step's `key=value` args for a size, `extra` overriding keys it repeats."""
+    args = dict(a.split("=", 1) for a in (*pick(size, **STEP_ARGS), *extra))
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+def forward_probe(argv: list[str], *, batch: int, seq_len: int, device=None, budget_s=1.0):
+    """Inference: the lab's transformer forward (no grad) on `batch` × `seq_len` tokens.
+
+    Returns seconds per call, requests/s (one request = one sequence), tokens/s and the
+    forward's model FLOPs per sequence (2·N + attention, cost.transformer_flops_per_token).
+    """
+    from lab.config import parse_args
+    from lab.model import build, count_nonembedding_params
+
+    device = device or jax.devices()[0]
+    cfg = parse_args([*argv, f"seq_len={seq_len}", f"batch_size={batch}"])
+    m = cfg.model
+    if m.dtype == "auto":
+        import dataclasses
+
+        m = dataclasses.replace(m, dtype="float32" if device.platform == "cpu" else "bfloat16")
+    model = build(m)
+    tokens = jax.device_put(
+        jax.random.randint(jax.random.key(0), (batch, seq_len), 0, m.vocab_size), device
+    )
+    params = jax.jit(model.init)(jax.device_put(jax.random.key(1), device), tokens)["params"]
+    fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
+    r = timing.bench(fwd, params, tokens, budget_s=budget_s, warmup=1, min_runs=3, max_runs=200)
+    n = count_nonembedding_params(params, m)
+    per_token = cost.transformer_flops_per_token(n, m.n_layers, seq_len, m.d_model, training=False)
+    return {
+        "batch": batch,
+        "seq_len": seq_len,
+        "median_s": r.median_s,
+        "compile_s": r.compile_s,
+        "runs": r.runs,
+        "requests_per_s": batch / r.median_s,
+        "tokens_per_s": batch * seq_len / r.median_s,
+        "flops_per_request": per_token * seq_len,
+        "flops_per_s": per_token * seq_len * batch / r.median_s,
+        "model": m,
+    }
+
+
+def ratio(a, b) -> float | None:
+    if a is None or b is None or b == 0 or not math.isfinite(a) or not math.isfinite(b):
+        return None
+    return a / b

@@ -1,0 +1,223 @@
+"""`python -m experiments.compare DIR DIR ... [out=results]`: several backends side by side.
+
+Each DIR is a folder `python -m experiments` wrote (CPU here, a GPU VM, a TPU VM). The
+records are merged into one list, figures that need two backends at once are derived from
+them (labelled `derived`, backend `multi` where the claim is about a pair: C19's TPU/H100 and
+MI300X/H100 ratios; C02's accelerator-over-CPU training speedup on the accelerator's
+backend), and one report sets the articles' "GPU vs TPU vs CPU" figures beside each other:
+the measured numbers per folder, then every claim's verdict per folder and merged.
+"""
+
+import datetime
+import sys
+from pathlib import Path
+
+from lab.measure import records as rec
+from lab.report import markdown
+from lab.report.verdict import judge_all
+
+USAGE = "usage: python -m experiments.compare RESULTS_DIR RESULTS_DIR ... [out=results]"
+
+
+def _train(c: dict) -> bool:
+    return c.get("series") == "train_throughput"
+
+
+def _bf16(c: dict) -> bool:
+    return c.get("metric") == "bf16_matmul_flops"
+
+
+# Row of the side-by-side table → how to find its record in one folder.
+FIGURES = (
+    (
+        "matmul float32, no TF32",
+        lambda c: (
+            c.get("series") == "matmul_precision"
+            and c.get("dtype") == "float32"
+            and c.get("precision") == "highest"
+        ),
+    ),
+    ("matmul bf16", _bf16),
+    ("matmul peak (roof)", lambda c: c.get("series") == "roof" and c.get("roof") == "peak"),
+    ("copy bandwidth (roof)", lambda c: c.get("series") == "roof" and c.get("roof") == "bandwidth"),
+    ("host→device copy", lambda c: c.get("metric") == "pcie_bandwidth"),
+    ("training tokens/s (lab step, one device)", _train),
+    (
+        "compiled step memory",
+        lambda c: c.get("series") == "memory_breakdown" and c.get("case") == "remat=none",
+    ),
+    (
+        "classifier requests/s (best batch)",
+        lambda c: c.get("metric") in ("cpu16_rps", "gpu_rps") and "target" not in c,
+    ),
+    ("naive over flash attention time", lambda c: c.get("metric") == "flash_speedup"),
+)
+
+
+def load(folder) -> dict:
+    """One results folder: its records and a column name (backend · device kind)."""
+    folder = Path(folder)
+    path = folder / "records.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{folder}: no records.jsonl (not a python -m experiments folder)")
+    records = rec.read_records(path)
+    if not records:
+        raise ValueError(f"{path}: empty")
+    r = records[0]
+    return {"dir": folder, "records": records, "name": f"{r['backend']} · {r['device_kind']}"}
+
+
+def _find(records, match) -> dict | None:
+    hits = [r for r in records if isinstance(r.get("value"), int | float) and match(r["config"])]
+    return max(hits, key=lambda r: r["value"]) if hits else None
+
+
+def _kind(folder: dict) -> str:
+    return markdown.slug(folder["name"])
+
+
+def _pair_record(claim, metric, what, num: dict, den: dict, **config) -> dict:
+    value = num["value"] / den["value"]
+    r = rec.make_record(
+        what,
+        value,
+        "×",
+        label="derived",
+        claim=claim,
+        metric=metric,
+        role="evidence",
+        inputs={"numerator": num["value"], "denominator": den["value"]},
+        **config,
+    )
+    return r
+
+
+def derived(folders: list[dict]) -> list[dict]:
+    """Figures only a merge can give: ratios between folders of different hardware."""
+    out = []
+    train = {_kind(f): _find(f["records"], _train) for f in folders}
+    bf16 = {_kind(f): _find(f["records"], _bf16) for f in folders}
+    tpu = next((k for k in train if k.startswith("tpu") and train[k]), None)
+    h100 = next((k for k in train if "h100" in k and train[k]), None)
+    cpu = next((k for k in train if k.startswith("cpu") and train[k]), None)
+    if tpu and h100:
+        out.append(
+            _pair_record(
+                "C19",
+                "tpu_over_h100",
+                f"training tokens/s per chip, {tpu} over {h100}",
+                train[tpu],
+                train[h100],
+                on="multi",
+            )
+        )
+    mi = next((k for k in bf16 if "mi300" in k and bf16[k]), None)
+    h100_mm = next((k for k in bf16 if "h100" in k and bf16[k]), None)
+    if mi and h100_mm:
+        out.append(
+            _pair_record(
+                "C19",
+                "mi300x_over_h100",
+                f"bf16 matmul FLOP/s, {mi} over {h100_mm}",
+                bf16[mi],
+                bf16[h100_mm],
+                on="multi",
+            )
+        )
+    for k, r in train.items():
+        if cpu and r and not k.startswith("cpu"):
+            out.append(
+                _pair_record(
+                    "C02",
+                    "gpu_cpu_train_speedup",
+                    f"training tokens/s, {k} over {cpu} (two machines)",
+                    r,
+                    train[cpu],
+                    on=r["backend"],
+                    target=r["device_kind"],
+                )
+            )
+    return out
+
+
+def side_by_side(folders: list[dict]) -> list[str]:
+    """The articles' GPU vs TPU vs CPU table, with this lab's measured numbers."""
+    head = "| figure | " + " | ".join(f["name"] for f in folders) + " |"
+    rows = [head, "|---" * (len(folders) + 1) + "|"]
+    for name, match in FIGURES:
+        cells = []
+        for f in folders:
+            r = _find(f["records"], match)
+            cells.append(markdown.fmt(r["value"], r["unit"]) + f" *{r['label']}*" if r else "—")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def verdict_grid(folders: list[dict], merged_verdicts) -> list[str]:
+    per = [{v.claim.id: v.status for v in judge_all(f["records"])} for f in folders]
+    head = "| id | " + " | ".join(f["name"] for f in folders) + " | merged |"
+    rows = [head, "|---" * (len(folders) + 2) + "|"]
+    for v in merged_verdicts:
+        cells = [p[v.claim.id] for p in per]
+        rows.append(f"| {v.claim.id} | " + " | ".join(cells) + f" | **{v.status}** |")
+    return rows
+
+
+def merge(dirs, out_root="results") -> dict:
+    """Merge result folders into out_root/compare-<timestamp>/ (records.jsonl, REPORT.md)."""
+    folders = [load(d) for d in dirs]
+    records = [r for f in folders for r in f["records"]]
+    records += derived(folders)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(out_root) / f"compare-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    rec.write_records(out / "records.jsonl", records)
+    report = markdown.write_report(out, records=records, meta={"merged": [str(d) for d in dirs]})
+    text = report["path"].read_text()
+    intro = [
+        "# Across backends",
+        "",
+        *[f"- `{f['dir']}`: {f['name']}, {len(f['records'])} records" for f in folders],
+        "",
+        "## Side by side (measured unless labelled)",
+        "",
+        *side_by_side(folders),
+        "",
+        "## Verdicts per machine and merged",
+        "",
+        *verdict_grid(folders, report["verdicts"]),
+        "",
+    ]
+    report["path"].write_text("\n".join(intro) + "\n" + text)
+    return {**report, "dir": out, "folders": folders}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0 if argv else 2
+    out = "results"
+    dirs = []
+    for a in argv:
+        if a.startswith("out="):
+            out = a.split("=", 1)[1]
+        elif "=" in a:
+            print(f"error: {a!r}: {USAGE}", file=sys.stderr)
+            return 2
+        else:
+            dirs.append(a)
+    try:
+        result = merge(dirs, out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from rich.console import Console
+
+    Console().print(markdown.verdict_table(result["verdicts"]))
+    print(f"{len(result['records'])} records from {len(dirs)} folders → {result['path']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""C19, C20: what the device says about itself, and TPU against H100.
+
+C20: the device's own report (kind, count, streaming multiprocessors where the GPU backend
+exposes `core_count`, memory from the allocator) against the spec table and the articles.
+Off a GPU the articles' H100 figures are set beside the spec table as reference (no verdict:
+nothing was measured). C19: with libtpu installed, the lab's step is compiled ahead of time
+for a TPU v5e chip and for four chips at four times the batch (weak scaling); the compiler's
+step-time estimates give the per-chip throughput and the scaling efficiency, labelled
+*compiled, not run*. On a TPU the same ratio is measured. `python -m experiments.compare`
+puts several backends' results side by side for the rest of C19.
+"""
+
+import jax
+
+from experiments.common import (
+    STEP_BUDGET_S,
+    backend,
+    record,
+    spec_inputs,
+    step_args,
+    train_probe,
+)
+from lab.measure import memory, specs
+
+CLAIMS = ("C19", "C20")
+
+HOPPER_FP32_CORES_PER_SM = 128  # NVIDIA H100 whitepaper: 128 FP32 CUDA cores per SM
+ARTICLE_H100 = {"cuda_cores": (16896, 18432), "device_memory": 192e9}
+TPU_TARGET = "tpu:v5e:2x2"
+TPU_CHIPS = 4
+
+
+def _c20() -> list[dict]:
+    dev = jax.devices()[0]
+    recs = [
+        record(
+            "C20",
+            None,
+            f"device kind reported: {dev.device_kind}",
+            len(jax.devices()),
+            "devices",
+            role="context",
+            device_kind=dev.device_kind,
+        ),
+    ]
+    cap = memory.device_capacity_bytes(dev)
+    what = "host memory (CPU)" if dev.platform == "cpu" else "device memory (allocator limit)"
+    recs.append(
+        record(
+            "C20",
+            "device_memory" if dev.platform == "gpu" else None,
+            what,
+            cap,
+            "B",
+            role="evidence" if dev.platform == "gpu" else "context",
+        )
+    )
+    sms = getattr(dev, "core_count", None)
+    if dev.platform == "gpu" and sms:
+        recs.append(
+            record("C20", None, "streaming multiprocessors reported", sms, "SMs", role="context")
+        )
+        recs.append(
+            record(
+                "C20",
+                "cuda_cores",
+                f"SMs × {HOPPER_FP32_CORES_PER_SM} FP32 cores",
+                sms * HOPPER_FP32_CORES_PER_SM,
+                "cores",
+                label="derived",
+            )
+        )
+    for key in ("h100-sxm", "h100-nvl"):
+        s = specs.SPECS[key]
+        recs.append(
+            record(
+                "C20",
+                "device_memory",
+                f"{s.name}: memory in the spec table",
+                s.memory_bytes,
+                "B",
+                label="derived",
+                role="reference",
+                target=key,
+                source=s.source_of("memory_bytes"),
+            )
+        )
+    return recs
+
+
+def _aot_step(devices, mesh: str, argv: list[str]) -> dict:
+    """Compile the lab step for TPU devices that are not here; the compiler's plan."""
+    from experiments.common import build_trainer
+    from lab import devices as lab_devices
+    from lab import summary
+
+    cfg, trainer = build_trainer(argv, devices=devices, mesh=mesh)
+    compiled = trainer.lower().compile()
+    plan = summary.analyse(compiled, cfg, lab_devices.describe_target(devices), trainer)
+    return {"cfg": cfg, "plan": plan, "tokens": cfg.batch_size * cfg.seq_len}
+
+
+def _tpu_devices():
+    from lab import aot
+    from lab.config import ConfigError
+
+    try:
+        return aot.topology_devices(TPU_TARGET)
+    except ConfigError:
+        return None
+
+
+def roofline_seconds(compiled_cost: dict, key: str) -> float:
+    """Lower bound on a step's time on a spec entry: its FLOPs at the bf16 peak or its bytes
+    at the HBM bandwidth, whichever is longer."""
+    spec = specs.SPECS[key]
+    return max(
+        compiled_cost["flops"] / spec.peak_flops["bfloat16"],
+        compiled_cost.get("bytes accessed", 0.0) / spec.memory_bandwidth,
+    )
+
+
+def _c19_predicted(size: str) -> list[dict]:
+    chips = _tpu_devices()
+    if not chips:
+        return [
+            record("C19", None, "libtpu absent: no TPU plan compiled", None, "", role="context")
+        ]
+    base = step_args(size)
+    batch = int(dict(a.split("=") for a in base)["batch_size"])
+    one = _aot_step(chips[:1], "1", base)
+    four = _aot_step(chips[:TPU_CHIPS], str(TPU_CHIPS), step_args(size, f"batch_size={batch * 4}"))
+    t1, t4 = (x["plan"]["aot"]["estimated_step_s"] for x in (one, four))
+    per_chip = one["tokens"] / t1
+    compiled = one["plan"]["compiled_cost_per_device"]
+    bound = {k: roofline_seconds(compiled, k) for k in ("tpu-v5e", "h100-sxm")}
+    common = {
+        "target_topology": TPU_TARGET,
+        "estimate_source": one["plan"]["aot"]["estimate_source"],
+    }
+    return [
+        record(
+            "C19",
+            None,
+            "TPU v5e, 1 chip: training tokens/s from the compiler's step estimate",
+            per_chip,
+            "tokens/s",
+            label="compiled, not run",
+            role="context",
+            target="tpu-v5e",
+            step_s=t1,
+            memory=one["plan"]["compiled_memory_per_device"],
+            **common,
+        ),
+        record(
+            "C19",
+            "tpu_scaling_efficiency",
+            f"TPU v5e: per-chip tokens/s on {TPU_CHIPS} chips "
+            "(4× batch) over 1 chip, compiler estimates",
+            (four["tokens"] / t4 / TPU_CHIPS) / per_chip,
+            "×",
+            label="compiled, not run",
+            target="tpu-v5e",
+            step_s=[t1, t4],
+            **common,
+        ),
+        record(
+            "C19",
+            "tpu_over_h100",
+            "TPU v5e chip over an H100: roofline bound of the same "
+            "compiled step (its FLOPs and bytes over each chip's bf16 peak and HBM bandwidth)",
+            bound["h100-sxm"] / bound["tpu-v5e"],
+            "×",
+            label="predicted",
+            target="tpu-v5e",
+            bound_s=bound,
+            compiled_cost=compiled,
+            **spec_inputs("tpu-v5e", "memory_bandwidth"),
+            **common,
+        ),
+    ]
+
+
+def _c19_measured(size: str) -> list[dict]:
+    """On a TPU: per-chip throughput on every chip (weak scaling) over one chip's."""
+    n = len(jax.devices())
+    base = step_args(size)
+    batch = int(dict(a.split("=") for a in base)["batch_size"])
+    one = train_probe(base, devices=jax.devices()[:1], budget_s=STEP_BUDGET_S[size])
+    many = train_probe(
+        step_args(size, f"batch_size={batch * n}"), mesh=str(n), budget_s=STEP_BUDGET_S[size]
+    )
+    return [
+        record(
+            "C19",
+            "tpu_scaling_efficiency",
+            f"per-chip tokens/s on {n} chips over 1",
+            many["tokens_per_s"] / n / one["tokens_per_s"],
+            "×",
+            label="derived",
+            chips=n,
+        )
+    ]
+
+
+def _c19_reference() -> list[dict]:
+    mi, h = specs.SPECS["mi300x"], specs.SPECS["h100-sxm"]
+    return [
+        record(
+            "C19",
+            None,
+            "MI300X over H100, bf16 datasheet peaks (reference, not measured)",
+            mi.peak_flops["bfloat16"] / h.peak_flops["bfloat16"],
+            "×",
+            label="derived",
+            role="reference",
+            target="mi300x",
+            source=mi.source_of("peak_flops.bfloat16"),
+        )
+    ]
+
+
+def run(size: str = "quick") -> list[dict]:
+    if backend() == "tpu":
+        c19 = _c19_measured(size) if len(jax.devices()) > 1 else []
+    else:
+        c19 = _c19_predicted(size)
+    return _c20() + c19 + _c19_reference()

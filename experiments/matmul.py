@@ -1,0 +1,217 @@
+"""C01, C03, C05: what a matrix multiply costs and how fast each precision runs.
+
+C01: XLA's FLOP count of the 10,000² matmul (compiled, never run: the count does not need
+the hardware), the float32 matmul rate of the CPU and, where present, the accelerator.
+C03: one device's matmul rate at float32 precision=highest (no TF32), at default precision
+(TF32 on Ampere and later) and in bf16/fp16. C05: the bf16 rate against the article's figure
+for the GPU present. Without an accelerator the speedup is predicted from the spec table's
+peak (an upper bound: no matmul reaches it) over the CPU rate measured here.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from experiments.common import REFERENCE_GPUS, backend, cpu_device, matmul_rate, pick, record
+from lab.measure import cost, specs
+
+CLAIMS = ("C01", "C03", "C05")
+ARTICLE_N = 10_000  # "Multiplying a 10,000×10,000 matrix"
+# C05's table (seed 003) and seed 002's H100 figure: the article's numbers, held against the
+# spec table in reference records (no verdict rests on them).
+ARTICLE_FP16_TFLOPS = {"v100-sxm2-32gb": 125, "a100-sxm4-80gb": 312, "h100-sxm": 989, "h200": 989}
+
+
+def _precisions(be: str) -> list[tuple[str, str | None, str]]:
+    """(dtype, precision, label) measured on this backend."""
+    out = [
+        ("float32", "highest", "float32, precision=highest (no TF32)"),
+        ("float32", None, "float32, default precision (TF32 on Ampere+)"),
+        ("bfloat16", None, "bfloat16"),
+    ]
+    if be == "gpu":
+        out.append(("float16", None, "float16"))
+    return out
+
+
+def flop_count(n: int) -> float | None:
+    """FLOPs XLA's cost analysis counts for an n×n·n×n float32 matmul (compiled, not run)."""
+    a = jax.ShapeDtypeStruct((n, n), jnp.float32)
+    compiled = jax.jit(jnp.matmul).lower(a, a).compile()
+    return (cost.compiled_cost(compiled) or {}).get("flops")
+
+
+def _c01(n: int, budget_s: float, be: str) -> list[dict]:
+    recs = []
+    counted = flop_count(ARTICLE_N)
+    recs.append(
+        record(
+            "C01",
+            "matmul_10k_flops",
+            f"FLOPs of a {ARTICLE_N:,}² float32 matmul (XLA cost analysis of the compiled program)",
+            counted,
+            "FLOP",
+            n=ARTICLE_N,
+            method="jax.jit(jnp.matmul).lower(...).compile().cost_analysis()",
+        )
+    )
+    recs.append(
+        record(
+            "C01",
+            None,
+            "analytic count 2·n³ for the same matmul",
+            cost.matmul_flops(ARTICLE_N, ARTICLE_N, ARTICLE_N),
+            "FLOP",
+            role="reference",
+            label="derived",
+            n=ARTICLE_N,
+        )
+    )
+    cpu = matmul_rate(min(n, 4096), device=cpu_device(), budget_s=budget_s)
+    recs.append(
+        record(
+            "C01",
+            None,
+            f"CPU float32 matmul rate, n={n}",
+            cpu["flops_per_s"],
+            "FLOP/s",
+            on="cpu",
+            role="context",
+            **cpu,
+        )
+    )
+    if be != "cpu":
+        acc = matmul_rate(ARTICLE_N, budget_s=budget_s)
+        recs.append(
+            record(
+                "C01",
+                None,
+                f"{be} float32 matmul rate, n={ARTICLE_N}",
+                acc["flops_per_s"],
+                "FLOP/s",
+                role="context",
+                **acc,
+            )
+        )
+        recs.append(
+            record(
+                "C01",
+                "gpu_cpu_matmul_speedup",
+                f"{be} over CPU float32 matmul FLOP/s (both measured here)",
+                acc["flops_per_s"] / cpu["flops_per_s"],
+                "×",
+                label="derived",
+                inputs={"accelerator_flops_per_s": acc["flops_per_s"], "cpu": cpu["flops_per_s"]},
+            )
+        )
+        return recs
+    for key, name in REFERENCE_GPUS.items():
+        spec = specs.SPECS[key]
+        # A float32 matmul at default precision runs as TF32 where the GPU has TF32 units.
+        has_tf32 = spec.peak_flops.get("tf32", 0.0) > spec.peak_flops["float32"]
+        dtype = "tf32" if has_tf32 else "float32"
+        peak = spec.peak_flops[dtype]
+        recs.append(
+            record(
+                "C01",
+                "gpu_cpu_matmul_speedup",
+                f"{name} {dtype} datasheet peak over this CPU's measured float32 matmul rate "
+                "(upper bound)",
+                peak / cpu["flops_per_s"],
+                "×",
+                label="predicted",
+                target=key,
+                inputs={"cpu_flops_per_s": cpu["flops_per_s"], "n": n},
+                spec=key,
+                spec_peak_flops=peak,
+                spec_dtype=dtype,
+                spec_source=spec.source_of(f"peak_flops.{dtype}"),
+                assumption="the GPU runs the matmul at its datasheet peak (real: a fraction)",
+            )
+        )
+    return recs
+
+
+def _c03_c05(n: int, budget_s: float, be: str) -> list[dict]:
+    recs, rates = [], {}
+    for dtype, precision, label in _precisions(be):
+        r = matmul_rate(n, getattr(jnp, dtype), precision, budget_s=budget_s)
+        rates[(dtype, precision)] = r["flops_per_s"]
+        recs.append(
+            record(
+                "C03",
+                None,
+                f"matmul {label}, n={n}",
+                r["flops_per_s"],
+                "FLOP/s",
+                role="context",
+                series="matmul_precision",
+                dtype=dtype,
+                precision=precision or "default",
+                **r,
+            )
+        )
+    fp32 = rates[("float32", "highest")]
+    half = max(v for (d, _), v in rates.items() if d in ("bfloat16", "float16"))
+    tensor = record(
+        "C03",
+        "tensor_core_speedup",
+        f"{be}: best half-precision over float32 precision=highest matmul FLOP/s",
+        half / fp32,
+        "×",
+        label="derived",
+        inputs={"half_flops_per_s": half, "float32_highest_flops_per_s": fp32},
+    )
+    if be == "cpu":  # a CPU has no Tensor Cores: the same ratio, shown as context
+        tensor["config"]["role"] = "context"
+        tensor["what"] += " (a CPU has no Tensor Cores)"
+    recs.append(tensor)
+    recs.append(
+        record(
+            "C05",
+            "bf16_matmul_flops",
+            f"bfloat16 matmul FLOP/s on {jax.devices()[0].device_kind}, n={n}",
+            rates[("bfloat16", None)],
+            "FLOP/s",
+            role="evidence" if be == "gpu" else "context",
+            n=n,
+        )
+    )
+    for key, name in REFERENCE_GPUS.items():  # datasheet ratios the claim is about
+        spec = specs.SPECS[key]
+        half_peak = max(spec.peak_flops.get(d, 0.0) for d in ("bfloat16", "float16"))
+        recs.append(
+            record(
+                "C03",
+                None,
+                f"{name} datasheet: half-precision Tensor Core peak over FP32 peak",
+                half_peak / spec.peak_flops["float32"],
+                "×",
+                label="derived",
+                role="reference",
+                target=key,
+                spec_source=spec.source_of("peak_flops.float32"),
+            )
+        )
+    for key, tflops in ARTICLE_FP16_TFLOPS.items():
+        spec = specs.SPECS[key]
+        recs.append(
+            record(
+                "C05",
+                None,
+                f"{spec.name}: the article's {tflops} TFLOP/s over the spec table's dense fp16",
+                tflops * 1e12 / spec.peak_flops["float16"],
+                "×",
+                label="derived",
+                role="reference",
+                target=key,
+                spec_source=spec.source_of("peak_flops.float16"),
+            )
+        )
+    return recs
+
+
+def run(size: str = "quick") -> list[dict]:
+    be = backend()
+    n = pick(size, tiny=128, quick=1024, full=4096 if be == "cpu" else 8192)
+    budget = pick(size, tiny=0.02, quick=0.4, full=2.0)
+    return _c01(n, budget, be) + _c03_c05(n, budget, be)

@@ -1,0 +1,277 @@
+"""C09–C12: what a training step needs in memory, and what remat and batch size change.
+
+C09: the calculator (lab.measure.memory) splits the lab's real step into weights, gradients,
+optimizer state, activations and workspace; the compiler's buffer assignment of the same step
+is the measurement it is held against. C10: the same calculator, so validated, for Llama-2
+7B and 70B shapes (Touvron et al. 2023), against an H100's memory from the spec table:
+predicted. C11: the step compiled with remat none / full / dots: memory and FLOPs from the
+compiler, step time measured. C12: the step over batch sizes: compiled memory and tokens/s.
+"""
+
+import math
+
+from experiments.common import STEP_BUDGET_S, compile_probe, pick, record, step_args, train_probe
+from lab.measure import memory, specs
+
+CLAIMS = ("C09", "C10", "C11", "C12")
+
+# Llama-2 shapes (Touvron et al. 2023, table 1 and the released configs).
+LLAMA = {
+    "7B": dict(n_params=6.74e9, n_layers=32, d_model=4096, n_heads=32, d_ff=11008, vocab=32000),
+    "70B": dict(
+        n_params=68.98e9,
+        n_layers=80,
+        d_model=8192,
+        n_heads=64,
+        n_kv_heads=8,
+        d_ff=28672,
+        vocab=32000,
+    ),
+}
+# Storage bytes per recipe: (weights, compute, gradients, Adam moments, fp32 master copy).
+RECIPES = {
+    "mixed precision (fp32 weights, bf16 compute, fp32 AdamW)": (4, 2, 4, 4, 0),
+    "float32 throughout": (4, 4, 4, 4, 0),
+    "bf16 weights and AdamW, fp32 master copy": (2, 2, 2, 2, 4),
+    "bf16 weights, gradients and AdamW (no master copy)": (2, 2, 2, 2, 0),
+}
+PRIMARY = next(iter(RECIPES))
+SEQ = 2048  # tokens per sequence for the 7B/70B predictions
+
+
+def _breakdown_record(claim, metric, case, probe) -> dict:
+    pred, mem = probe["predicted"], probe["memory"] or {}
+    return record(
+        claim,
+        metric,
+        f"compiled memory per device, {case}",
+        mem.get("total_bytes"),
+        "B",
+        series="memory_breakdown",
+        case=case,
+        predicted={
+            k: pred[k] for k in ("params", "grads", "optimizer", "activations", "workspace")
+        },
+        predicted_total=pred["total"],
+        compiled=mem,
+    )
+
+
+def _c09_c11(argv: list[str], budget_s: float) -> tuple[list[dict], float]:
+    recs, probes = [], {}
+    for remat in ("none", "full", "dots"):
+        probes[remat] = p = compile_probe([*argv, f"remat={remat}"])
+        recs.append(
+            _breakdown_record("C09" if remat == "none" else "C11", None, f"remat={remat}", p)
+        )
+    validation = []
+    for remat, p in probes.items():
+        ratio = p["predicted"]["total"] / p["memory"]["total_bytes"]
+        validation.append(ratio)
+        recs.append(
+            record(
+                "C09",
+                "components_over_compiled",
+                f"calculator's weights+grads+optimizer+activations+workspace over the "
+                f"compiled step, remat={remat} ({' '.join(argv)})",
+                ratio,
+                "×",
+                label="derived",
+                remat=remat,
+                argv=argv,
+                predicted=p["predicted"],
+                compiled=p["memory"],
+            )
+        )
+    none, full = probes["none"], probes["full"]
+    recs.append(
+        record(
+            "C11",
+            "remat_memory_ratio",
+            "compiled memory, remat=full over remat=none",
+            full["memory"]["total_bytes"] / none["memory"]["total_bytes"],
+            "×",
+            label="derived",
+            argv=argv,
+        )
+    )
+    recs.append(
+        record(
+            "C11",
+            "remat_flops_ratio",
+            "compiled FLOPs, remat=full over remat=none",
+            full["cost"]["flops"] / none["cost"]["flops"],
+            "×",
+            label="derived",
+            argv=argv,
+        )
+    )
+    recs.append(
+        record(
+            "C11",
+            None,
+            "compiled memory, remat=dots over remat=none",
+            probes["dots"]["memory"]["total_bytes"] / none["memory"]["total_bytes"],
+            "×",
+            label="derived",
+            role="context",
+            argv=argv,
+        )
+    )
+    times = {
+        r: train_probe([*argv, f"remat={r}"], budget_s=budget_s)["step"] for r in ("none", "full")
+    }
+    recs.append(
+        record(
+            "C11",
+            None,
+            "step time, remat=full over remat=none (measured)",
+            times["full"]["median_s"] / times["none"]["median_s"],
+            "×",
+            label="derived",
+            role="context",
+            times=times,
+        )
+    )
+    # The calculator's worst error on this machine: carried into the C10 predictions.
+    return recs, max(abs(math.log(v)) for v in validation)
+
+
+def _predict(shape: dict, recipe: str, **kw) -> dict:
+    w, c, g, o, master = RECIPES[recipe]
+    return memory.predict_training_memory(
+        **shape,
+        seq_len=SEQ,
+        param_bytes=w,
+        compute_bytes=c,
+        grad_bytes=g,
+        opt_state_bytes=o,
+        master_bytes=master,
+        optimizer="adamw",
+        attention="flash",
+        **kw,
+    )
+
+
+def _c10(log_err: float) -> list[dict]:
+    h100 = specs.SPECS["h100-sxm"]
+    cap = h100.memory_bytes
+    inputs = {
+        "calculator_max_log_error_here": log_err,
+        "h100_memory_bytes": cap,
+        "h100_memory_source": h100.source_of("memory_bytes"),
+    }
+    recs = []
+    for recipe in RECIPES:
+        p = _predict(LLAMA["7B"], recipe, batch=1)
+        recs.append(
+            record(
+                "C10",
+                "train_memory_7b" if recipe == PRIMARY else None,
+                f"7B training step, {recipe}, 1 × {SEQ} tokens, flash attention",
+                p["total"],
+                "B",
+                label="predicted",
+                role="evidence" if recipe == PRIMARY else "context",
+                target="h100-sxm",
+                recipe=recipe,
+                breakdown=p,
+                inputs=inputs,
+            )
+        )
+    dp = _predict(LLAMA["70B"], PRIMARY, batch=1)
+    recs.append(
+        record(
+            "C10",
+            "train_memory_70b_dp_over_h100",
+            f"70B, whole model on every device ({PRIMARY}), per-device memory over one H100's",
+            dp["total"] / cap,
+            "× H100 memory",
+            label="predicted",
+            target="h100-sxm",
+            breakdown=dp,
+            inputs=inputs,
+        )
+    )
+    needed, n = None, 1
+    while n <= 4096 and needed is None:
+        p = _predict(LLAMA["70B"], PRIMARY, batch=n, fsdp=n)
+        if p["total"] <= cap:
+            needed = n
+        n *= 2
+    recs.append(
+        record(
+            "C10",
+            "h100s_needed_70b",
+            f"70B sharded (FSDP), one {SEQ}-token sequence per device: fewest "
+            "power-of-two H100s that fit",
+            needed,
+            "H100s",
+            label="predicted",
+            target="h100-sxm",
+            recipe=PRIMARY,
+            inputs=inputs,
+            per_device_bytes=p["total"] if needed else None,
+        )
+    )
+    return recs
+
+
+def _c12(argv: list[str], batches, budget_s: float) -> list[dict]:
+    recs, rows = [], []
+    for b in batches:
+        p = train_probe([*argv, f"batch_size={b}"], budget_s=budget_s)
+        rows.append((b, p["memory"]["total_bytes"], p["tokens_per_s"]))
+        recs.append(
+            record(
+                "C12",
+                None,
+                f"training tokens/s at batch {b}",
+                p["tokens_per_s"],
+                "tokens/s",
+                role="context",
+                series="batch_sweep",
+                batch=b,
+                memory_bytes=p["memory"]["total_bytes"],
+                step=p["step"],
+                argv=argv,
+            )
+        )
+    (b0, m0, t0), (b1, m1, t1) = rows[0], rows[-1]
+    recs.append(
+        record(
+            "C12",
+            "small_batch_memory_ratio",
+            f"compiled memory at batch {b0} over batch {b1}",
+            m0 / m1,
+            "×",
+            label="derived",
+            argv=argv,
+        )
+    )
+    recs.append(
+        record(
+            "C12",
+            "small_batch_throughput_ratio",
+            f"tokens/s at batch {b0} over batch {b1}",
+            t0 / t1,
+            "×",
+            label="derived",
+            argv=argv,
+        )
+    )
+    return recs
+
+
+def run(size: str = "quick") -> list[dict]:
+    sweep_args = pick(
+        size,
+        tiny=["model=tiny", "seq_len=32", "data=synthetic"],
+        quick=["model=tiny", "seq_len=128", "data=synthetic"],
+        full=["model=small", "seq_len=256", "data=synthetic"],
+    )
+    # tiny: batch 2 is the shared step (cached), so the sweep adds one compile
+    batches = pick(size, tiny=(2, 8), quick=(1, 4, 16, 64), full=(1, 4, 16, 64))
+    budget = STEP_BUDGET_S[size]
+    recs, log_err = _c09_c11(step_args(size), budget)
+    return recs + _c10(log_err) + _c12(sweep_args, batches, budget)

@@ -1,0 +1,252 @@
+"""C13, C14: what data parallelism costs in communication, and what sharding the model saves.
+
+C14: the same step compiled on the same mesh under pure data parallelism, FSDP and tensor
+parallelism; the compiler's per-device memory for each (on CPU the devices are simulated, but
+the buffer assignment is the real one for that mesh). C13: the data-parallel step's gradient
+all-reduce is read from the compiled program (lab.parallel.collectives_hlo: bus bytes per
+device), its compute from the step's compiled FLOPs; scaled to N devices with the ring
+all-reduce rule and timed at a GPU's link speeds, the step becomes communication-bound at some
+N: predicted, with the MFU measured here. Where lab.parallel.collectives exists, an all-reduce
+of the gradients' size is also timed on the devices present (context: on CPU a memcpy).
+"""
+
+import jax
+
+from experiments.common import (
+    STEP_BUDGET_S,
+    accel_peak,
+    compile_probe,
+    mfu_here,
+    pick,
+    record,
+    spec_inputs,
+    step_args,
+)
+from lab.parallel import collectives_hlo
+
+CLAIMS = ("C13", "C14")
+
+# An H100 node has 8 GPUs on NVLink; past 8, each GPU reaches the others through its own
+# 400 Gb/s InfiniBand NIC (NVIDIA DGX H100 datasheet: 8× ConnectX-7, 400 Gb/s each) =
+# 50 GB/s per direction. NVLink 4 is 900 GB/s both directions = 450 GB/s one way.
+NODE_GPUS = 8
+IB_BYTES_PER_S = 400e9 / 8
+IB_SOURCE = "NVIDIA DGX H100 datasheet: 8× ConnectX-7 400 Gb/s InfiniBand, one per GPU"
+DEVICE_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STRATEGIES = {"dp": "data:{n}", "fsdp": "fsdp:{n}", "tp": "data:{d},model:2"}
+
+
+def _mesh_for(strategy: str, n: int) -> str:
+    return STRATEGIES[strategy].format(n=n, d=n // 2)
+
+
+def _args(size: str, n: int) -> list[str]:
+    """The shared step with a batch that every strategy's data axis divides."""
+    batch = pick(size, tiny=8, quick=32, full=64)
+    return step_args(size, f"batch_size={max(batch, n)}")
+
+
+def _c14(size: str, n: int) -> tuple[list[dict], dict]:
+    recs, probes = [], {}
+    for strategy in STRATEGIES:
+        p = compile_probe([*_args(size, n), f"strategy={strategy}"], mesh=_mesh_for(strategy, n))
+        probes[strategy] = p
+        recs.append(
+            record(
+                "C14",
+                None,
+                f"compiled memory per device, {strategy} over {n} devices",
+                p["memory"]["total_bytes"],
+                "B",
+                role="context",
+                series="strategy_memory",
+                strategy=strategy,
+                devices=n,
+                mesh=_mesh_for(strategy, n),
+                compiled=p["memory"],
+                predicted_total=p["predicted"]["total"],
+            )
+        )
+    dp = probes["dp"]["memory"]["total_bytes"]
+    recs.append(
+        record(
+            "C14",
+            "sharded_over_dp_memory",
+            f"per-device memory, FSDP over pure data parallelism, {n} devices",
+            probes["fsdp"]["memory"]["total_bytes"] / dp,
+            "×",
+            label="derived",
+            devices=n,
+        )
+    )
+    recs.append(
+        record(
+            "C14",
+            None,
+            f"per-device memory, tensor parallel (model=2) over data parallel, {n} devices",
+            probes["tp"]["memory"]["total_bytes"] / dp,
+            "×",
+            label="derived",
+            role="context",
+            devices=n,
+        )
+    )
+    return recs, probes["dp"]
+
+
+def gradient_allreduce(probe: dict) -> dict:
+    """All-reduce traffic of the compiled data-parallel step: buffer and bus bytes per device."""
+    ops = collectives_hlo.from_compiled(probe["compiled"], probe["trainer"].mesh)
+    rows = [v for (kind, _), v in collectives_hlo.totals(ops).items() if kind == "all-reduce"]
+    return {
+        "buffer_bytes": sum(r["buffer_bytes"] for r in rows),
+        "bus_bytes": sum(r["bus_bytes"] for r in rows),
+        "ops": sum(r["ops"] for r in rows),
+    }
+
+
+def link_bytes_per_s(key: str, n: int) -> float:
+    """One-way bandwidth per device for an all-reduce over n devices of a spec entry."""
+    ici = spec_inputs(key, "interconnect_bandwidth")["interconnect_bandwidth"]
+    if key.startswith("tpu"):
+        return ici / 2  # ICI is a torus inside the slice: the same links at every size
+    return ici / 2 if n <= NODE_GPUS else IB_BYTES_PER_S
+
+
+def _efficiency(compute_s: float, buffer_bytes: float, key: str) -> list[tuple[int, float]]:
+    """(devices, compute / (compute + all-reduce)) with no overlap, weak scaling."""
+    out = []
+    for n in DEVICE_COUNTS:
+        comm_s = collectives_hlo.bus_bytes("all-reduce", buffer_bytes, n) / link_bytes_per_s(key, n)
+        out.append((n, compute_s / (compute_s + comm_s)))
+    return out
+
+
+def _c13(size: str, dp_probe: dict, n: int) -> list[dict]:
+    ar = gradient_allreduce(dp_probe)
+    mfu = mfu_here(size)
+    flops = dp_probe["cost"]["flops"]
+    recs = [
+        record(
+            "C13",
+            None,
+            f"gradient all-reduce of the compiled dp step over {n} devices: bus bytes per device",
+            ar["bus_bytes"],
+            "B",
+            role="context",
+            label="compiled, not run",
+            devices=n,
+            **ar,
+        )
+    ]
+    buffer = ar["buffer_bytes"]
+    for key in ("h100-sxm", "tpu-v5e"):
+        peak, dtype = accel_peak(key)
+        compute_s = flops / (peak * mfu)
+        curve = _efficiency(compute_s, buffer, key)
+        inputs = {
+            "compiled_flops_per_device": flops,
+            "mfu_here": mfu,
+            "buffer_bytes": buffer,
+            "ib_bytes_per_s": IB_BYTES_PER_S,
+            "ib_source": IB_SOURCE,
+        }
+        for devices, eff in curve:
+            recs.append(
+                record(
+                    "C13",
+                    None,
+                    f"data-parallel efficiency on {devices} × {key}",
+                    eff,
+                    "×",
+                    label="predicted",
+                    role="context",
+                    series="dp_scaling",
+                    target=key,
+                    devices=devices,
+                )
+            )
+        tokens = dp_probe["tokens_per_step"] / n
+        for where, devices in (("NVLink", NODE_GPUS), ("InfiniBand", 2 * NODE_GPUS)):
+            comm_s = collectives_hlo.bus_bytes("all-reduce", buffer, devices) / link_bytes_per_s(
+                key, devices
+            )
+            recs.append(
+                record(
+                    "C13",
+                    None,
+                    f"{key}, {devices} devices ({where if key == 'h100-sxm' else 'ICI'}): "
+                    "tokens per device per step below which the all-reduce outlasts the compute",
+                    tokens * comm_s / compute_s,
+                    "tokens",
+                    label="predicted",
+                    role="context",
+                    target=key,
+                    inputs=inputs,
+                )
+            )
+        if key != "h100-sxm":
+            continue
+        bound = next((d for d, eff in curve if eff < 0.5), None)
+        recs.append(
+            record(
+                "C13",
+                "dp_comm_bound_devices",
+                "fewest H100s at which the all-reduce outlasts the compute (weak scaling, no "
+                "overlap)",
+                bound,
+                "devices",
+                label="predicted",
+                target=key,
+                compute_s=compute_s,
+                inputs=inputs,
+                **spec_inputs(key, f"peak_flops.{dtype}", "interconnect_bandwidth"),
+            )
+        )
+    return recs + _timed_allreduce(buffer, size)
+
+
+def _timed_allreduce(buffer_bytes: float, size: str) -> list[dict]:
+    """All-reduce of the gradients' size on the devices present, where the lab can time it."""
+    try:
+        from lab.parallel import collectives
+    except ImportError:
+        return []
+    from lab.mesh import make_mesh
+
+    devices = jax.devices()
+    if len(devices) < 2:
+        return []
+    mesh = make_mesh(f"data:{len(devices)}", devices)
+    nbytes = max(4 * len(devices), int(buffer_bytes) // (4 * len(devices)) * 4 * len(devices))
+    pt = collectives.time_one("all-reduce", mesh, "data", nbytes, STEP_BUDGET_S[size])
+    sim = " (simulated CPU devices: a memcpy)" if devices[0].platform == "cpu" else ""
+    return [
+        record(
+            "C13",
+            None,
+            f"all-reduce of {nbytes / 2**20:.1f} MiB over {len(devices)} devices: bus bandwidth"
+            + sim,
+            pt.busbw,
+            "B/s",
+            role="context",
+            devices=len(devices),
+            median_s=pt.result.median_s,
+        )
+    ]
+
+
+def run(size: str = "quick") -> list[dict]:
+    n = len(jax.devices())
+    if n < 2:
+        return [
+            record(
+                "C14", None, "devices present: one, nothing to shard", n, "devices", role="context"
+            ),
+            record(
+                "C13", None, "devices present: one, no collective", n, "devices", role="context"
+            ),
+        ]
+    n = n if n % 2 == 0 else n - 1
+    recs, dp = _c14(size, n)
+    return recs + _c13(size, dp, n)

@@ -1,0 +1,232 @@
+"""C06, C07: the roofline of the device present, and the bandwidth of its links.
+
+C06: the two roofs are measured (best matmul FLOP/s, copy bandwidth), then ops of growing
+arithmetic intensity (elementwise polynomials, x·W from matrix-vector to square) are timed
+under them: where an elementwise op lands against the matmul peak, and where the ridge is.
+C07: host→device and device→host copies and, with two or more accelerators, a
+device→device copy. On a CPU every one of these is a memcpy in host memory: recorded as
+context, no PCIe or NVLink is crossed.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from experiments.common import backend, pick, record
+from lab.measure import ceilings, roofline, specs, timing
+
+CLAIMS = ("C06", "C07")
+MiB = 2**20
+
+
+def _peak(be: str, n: int, budget_s: float) -> tuple[float, str]:
+    """Best matmul FLOP/s over the precisions this backend runs fast."""
+    best = (0.0, "")
+    for dtype, precision in ceilings.matmul_configs(be):
+        r = ceilings.measure_matmul(dtype, precision=precision, n=n, budget_s=budget_s)
+        best = max(best, (r["flops_per_s"], f"{dtype} precision={r['precision']}"))
+    return best
+
+
+def device_to_device(nbytes: int, budget_s: float) -> dict | None:
+    """Copy from device 0 to device 1 (jax.device_put): NVLink/ICI where the devices have it."""
+    devices = jax.devices()
+    if len(devices) < 2:
+        return None
+    xs = [
+        (jax.device_put(x, devices[0]),)
+        for x in timing.random_inputs(12, [(nbytes // 4,)] * 2, jnp.float32)
+    ]
+    r = timing.bench(lambda x: jax.device_put(x, devices[1]), rotate=xs, budget_s=budget_s)
+    return {"bytes": nbytes, "bytes_per_s": nbytes / r.median_s, **r.as_dict()}
+
+
+def _c06(be, sizes, budget) -> list[dict]:
+    peak, peak_name = _peak(be, sizes["mm_n"], budget)
+    copy = ceilings.copy_bandwidth(sizes["copy"], budget_s=budget)
+    bw = copy["bytes_per_s"]
+    dtype = jnp.float32 if be == "cpu" else jnp.bfloat16
+    ops = roofline.poly_ops(sizes["poly"], sizes["degrees"]) + roofline.matmul_ops(
+        sizes["mm_n"], sizes["ms"], dtype=dtype
+    )
+    points = roofline.sweep(ops, budget_s=budget / 2)
+    recs = [
+        record(
+            "C06",
+            None,
+            f"roof: matmul peak ({peak_name}, n={sizes['mm_n']})",
+            peak,
+            "FLOP/s",
+            role="context",
+            series="roof",
+            roof="peak",
+        ),
+        record(
+            "C06",
+            None,
+            f"roof: copy bandwidth y=x·s ({sizes['copy'] // MiB} MiB, read+write)",
+            bw,
+            "B/s",
+            role="context",
+            series="roof",
+            roof="bandwidth",
+            **copy,
+        ),
+    ]
+    for p in points:
+        recs.append(
+            record(
+                "C06",
+                None,
+                f"roofline {p.name}",
+                p.flops_per_s,
+                "FLOP/s",
+                role="context",
+                series="roofline",
+                name=p.name,
+                flops=p.flops,
+                bytes=p.bytes,
+                median_s=p.median_s,
+                intensity=p.intensity,
+                roof=roofline.attainable(p.intensity, peak, bw),
+            )
+        )
+    poly1 = next(p for p in points if p.name == "poly_1")
+    recs.append(
+        record(
+            "C06",
+            "elementwise_fraction_of_peak",
+            f"elementwise op (poly_1, {poly1.intensity:.2g} FLOP/B) over the matmul peak",
+            poly1.flops_per_s / peak,
+            "× peak",
+            label="derived",
+            inputs={"poly_1_flops_per_s": poly1.flops_per_s, "peak_flops_per_s": peak},
+        )
+    )
+    recs.append(
+        record(
+            "C06",
+            "ridge_point",
+            "ridge point: measured matmul peak / copy bandwidth",
+            roofline.ridge_point(peak, bw),
+            "FLOP/B",
+            label="derived",
+            inputs={"peak_flops_per_s": peak, "bytes_per_s": bw},
+        )
+    )
+    for key in ("h100-sxm", "tpu-v5e"):
+        spec = specs.SPECS[key]
+        recs.append(
+            record(
+                "C06",
+                None,
+                f"{spec.name}: datasheet ridge (bf16 peak / HBM bandwidth)",
+                spec.peak_flops["bfloat16"] / spec.memory_bandwidth,
+                "FLOP/B",
+                label="derived",
+                role="reference",
+                target=key,
+                spec_source=spec.source_of("memory_bandwidth"),
+            )
+        )
+    return recs
+
+
+def _c07(be, sizes, budget) -> list[dict]:
+    recs = []
+    memcpy = " (CPU: a memcpy in host memory, no PCIe)" if be == "cpu" else ""
+    role = "context" if be == "cpu" else "evidence"
+    h2d = ceilings.host_to_device(sizes["transfer"], budget_s=budget)
+    d2h = ceilings.device_to_host(sizes["transfer"], budget_s=budget)
+    recs.append(
+        record(
+            "C07",
+            "pcie_bandwidth",
+            f"host→device copy{memcpy}",
+            h2d["bytes_per_s"],
+            "B/s",
+            role=role,
+            **h2d,
+        )
+    )
+    recs.append(
+        record(
+            "C07",
+            None,
+            f"device→host copy{memcpy}",
+            d2h["bytes_per_s"],
+            "B/s",
+            role="context",
+            **{k: v for k, v in d2h.items() if k != "bytes_per_s"},
+        )
+    )
+    d2d = device_to_device(sizes["transfer"], budget)
+    if d2d:
+        sim = " (simulated CPU devices: memcpy)" if be == "cpu" else ""
+        recs.append(
+            record(
+                "C07",
+                "nvlink_bandwidth",
+                f"device 0 → device 1 copy{sim}",
+                d2d["bytes_per_s"],
+                "B/s",
+                role=role,
+                **d2d,
+            )
+        )
+        recs.append(
+            record(
+                "C07",
+                "nvlink_over_pcie",
+                f"device→device over host→device{sim}",
+                d2d["bytes_per_s"] / h2d["bytes_per_s"],
+                "×",
+                label="derived",
+                role=role,
+            )
+        )
+    spec = specs.SPECS["h100-sxm"]
+    recs.append(
+        record(
+            "C07",
+            None,
+            f"{spec.name}: datasheet NVLink over PCIe Gen5 x16 (both directions each)",
+            spec.interconnect_bandwidth / spec.host_bandwidth,
+            "×",
+            label="derived",
+            role="reference",
+            target="h100-sxm",
+            spec_source=spec.source_of("interconnect_bandwidth"),
+        )
+    )
+    return recs
+
+
+def run(size: str = "quick") -> list[dict]:
+    be = backend()
+    full = ceilings._sizes(be)
+    sizes = pick(
+        size,
+        tiny={
+            "copy": 4 * MiB,
+            "transfer": 4 * MiB,
+            "poly": 2**18,
+            "mm_n": 128,
+            "degrees": (1, 16),
+            "ms": (1, 128),
+        },
+        quick={
+            "copy": 64 * MiB,
+            "transfer": 64 * MiB,
+            "poly": 2**22,
+            "mm_n": 1024,
+            "degrees": (1, 4, 16, 64),
+            "ms": (1, 8, 64, 1024),
+        },
+        full={
+            **full,
+            "degrees": (1, 2, 4, 8, 16, 32, 64, 128, 256),
+            "ms": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, full["mm_n"]),
+        },
+    )
+    budget = pick(size, tiny=0.01, quick=0.3, full=1.0)
+    return _c06(be, sizes, budget) + _c07(be, sizes, budget)

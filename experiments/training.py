@@ -1,0 +1,313 @@
+"""C02, C04, C15, C17: how fast the lab's training step runs, in float32 and in bf16 compute.
+
+One step (experiments.common.STEP_ARGS) is compiled and timed in float32 and in bfloat16
+compute with float32 weights and AdamW state (the articles' mixed-precision recipe). From
+it: C04's memory ratio and loss agreement (measured on any backend; the speedup only means
+something where matrix units exist); the step's model FLOP/s and MFU against the matmul peak
+measured in the same process. C15 and C17 divide published model sizes by that measured
+FLOP/s. Figures for hardware that is absent (T4, RTX 4090, H100, A100 clusters) are
+predicted: the device's datasheet peak × the MFU measured here, labelled so.
+"""
+
+from experiments.common import (
+    DAY_S,
+    STEP_BUDGET_S,
+    YEAR_S,
+    accel_peak,
+    backend,
+    cpu_device,
+    mfu_peak,
+    pick,
+    record,
+    spec_inputs,
+    step_args,
+    train_probe,
+)
+from lab.measure import cost, specs
+
+CLAIMS = ("C02", "C04", "C15", "C17")
+
+# GPT-3 175B on 300B tokens (Brown et al. 2020, table 2.1 and section 2.2).
+GPT3_PARAMS, GPT3_TOKENS = 175e9, 300e9
+# GPT-2 small (Radford et al. 2019): 12 layers, d_model 768, 1024 context; 124M parameters of
+# which 85M outside the embeddings. C17's "GPT-like model" is read as this size.
+GPT2_SMALL = {"nonembed": 85e6, "n_layers": 12, "seq_len": 1024, "d_model": 768}
+A100_CLUSTER = 1024  # GPUs of the GPT-3-scale run in Narayanan et al. 2021
+SPEEDUP_TARGETS = {"t4": "T4 (the article's BERT GPU)", "h100-sxm": "H100"}
+
+
+def gpt2_small_flops_per_token() -> float:
+    g = GPT2_SMALL
+    return cost.transformer_flops_per_token(
+        g["nonembed"], g["n_layers"], g["seq_len"], g["d_model"]
+    )
+
+
+def _precision_pair(size: str) -> dict:
+    """The same step in float32 and in bf16 compute, with losses over the same batches."""
+    budget, steps = STEP_BUDGET_S[size], pick(size, tiny=3, quick=8, full=30)
+    return {
+        dtype: train_probe(step_args(size, f"dtype={dtype}"), budget_s=budget, loss_steps=steps)
+        for dtype in ("float32", "bfloat16")
+    }
+
+
+def _c04(pair: dict) -> list[dict]:
+    f32, b16 = pair["float32"], pair["bfloat16"]
+    m32, m16 = f32["memory"]["total_bytes"], b16["memory"]["total_bytes"]
+    recs = [
+        record(
+            "C04",
+            "mixed_precision_memory_ratio",
+            "compiled memory of the step, bf16 compute (fp32 weights and AdamW) over float32",
+            m16 / m32,
+            "×",
+            label="derived",
+            bytes_bf16=m16,
+            bytes_float32=m32,
+            compiled_bf16=b16["memory"],
+            compiled_float32=f32["memory"],
+        ),
+        record(
+            "C04",
+            "mixed_precision_speedup",
+            "step time, float32 over bf16 compute (measured here)",
+            f32["step"]["median_s"] / b16["step"]["median_s"],
+            "×",
+            label="derived",
+            step_float32=f32["step"],
+            step_bf16=b16["step"],
+        ),
+    ]
+    for dtype, p in pair.items():
+        recs.append(
+            record(
+                "C04",
+                None,
+                f"loss after {len(p['losses'])} steps, {dtype} compute",
+                p["losses"][-1],
+                "loss",
+                role="context",
+                series="loss_curve",
+                dtype=dtype,
+                losses=p["losses"],
+            )
+        )
+    gap = max(abs(a - b) for a, b in zip(f32["losses"], b16["losses"], strict=True))
+    recs.append(
+        record(
+            "C04",
+            None,
+            "largest |loss float32 − loss bf16| over the same steps",
+            gap,
+            "loss",
+            label="derived",
+            role="context",
+        )
+    )
+    return recs
+
+
+def _throughput(p: dict, peak: float) -> list[dict]:
+    """Context: the step's tokens/s, model FLOP/s and MFU on this backend."""
+    cfg = p["cfg"]
+    common = {
+        "argv": cfg.preset,
+        "batch": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "params": p["params"],
+        "step": p["step"],
+        "flops_per_token": p["flops_per_token"],
+    }
+    return [
+        record(
+            "C17",
+            None,
+            f"training tokens/s, lab model '{cfg.preset}' ({p['params']:,} params)",
+            p["tokens_per_s"],
+            "tokens/s",
+            role="context",
+            series="train_throughput",
+            mesh=cfg.mesh,
+            **common,
+        ),
+        record(
+            "C17",
+            None,
+            "training model FLOP/s of the step (6·N + attention per token)",
+            p["model_flops_per_s"],
+            "FLOP/s",
+            label="derived",
+            role="context",
+            **common,
+        ),
+        record(
+            "C17",
+            None,
+            "MFU: model FLOP/s over the matmul peak measured here",
+            p["model_flops_per_s"] / peak,
+            "×",
+            label="derived",
+            role="context",
+            peak_flops_per_s=peak,
+        ),
+    ]
+
+
+def _c17(p: dict, mfu: float) -> list[dict]:
+    fpt = gpt2_small_flops_per_token()
+    inputs = {
+        "model_flops_per_s_here": p["model_flops_per_s"],
+        "mfu_here": mfu,
+        "gpt2_small_flops_per_token": fpt,
+    }
+    recs = [
+        record(
+            "C17",
+            "cpu_train_tokens_per_s" if backend() == "cpu" else None,
+            "GPT-2-small training tokens/s at the model FLOP/s measured here",
+            p["model_flops_per_s"] / fpt,
+            "tokens/s",
+            label="derived",
+            inputs=inputs,
+        )
+    ]
+    if backend() == "gpu":
+        recs.append(
+            record(
+                "C17",
+                "gpu_train_tokens_per_s",
+                "GPT-2-small training tokens/s at the model FLOP/s measured on this GPU",
+                p["model_flops_per_s"] / fpt,
+                "tokens/s",
+                label="derived",
+                inputs=inputs,
+            )
+        )
+    for key, devices, metric in (
+        ("rtx-4090", 1, "gpu_train_tokens_per_s"),
+        ("h100-sxm", 8, "cluster_train_tokens_per_s"),
+    ):
+        peak, dtype = accel_peak(key)
+        recs.append(
+            record(
+                "C17",
+                metric,
+                f"GPT-2-small training tokens/s on {devices} × "
+                f"{specs.SPECS[key].name}: {dtype} peak × MFU measured here",
+                devices * peak * mfu / fpt,
+                "tokens/s",
+                label="predicted",
+                target=key,
+                devices=devices,
+                inputs=inputs,
+                **spec_inputs(key, f"peak_flops.{dtype}"),
+            )
+        )
+    return recs
+
+
+def _cpu_probe(size: str, p_here: dict) -> dict:
+    """The same step on the host CPU: the process's own probe on CPU, a second one elsewhere."""
+    if backend() == "cpu":
+        return p_here
+    return train_probe(
+        step_args(size, "dtype=float32"), devices=[cpu_device()], budget_s=STEP_BUDGET_S[size]
+    )
+
+
+def _c02(p_here: dict, p_cpu: dict, mfu: float) -> list[dict]:
+    cpu_rate = p_cpu["model_flops_per_s"]
+    if backend() != "cpu":
+        return [
+            record(
+                "C02",
+                "gpu_cpu_train_speedup",
+                f"{backend()} over CPU training tokens/s, the same step",
+                p_here["tokens_per_s"] / p_cpu["tokens_per_s"],
+                "×",
+                label="derived",
+                inputs={"here": p_here["tokens_per_s"], "cpu": p_cpu["tokens_per_s"]},
+            )
+        ]
+    recs = []
+    for key, name in SPEEDUP_TARGETS.items():
+        peak, dtype = accel_peak(key)
+        recs.append(
+            record(
+                "C02",
+                "gpu_cpu_train_speedup",
+                f"{name} ({dtype} peak × MFU measured here) over this CPU's measured "
+                "training FLOP/s",
+                peak * mfu / cpu_rate,
+                "×",
+                label="predicted",
+                target=key,
+                inputs={"cpu_model_flops_per_s": cpu_rate, "mfu": mfu},
+                **spec_inputs(key, f"peak_flops.{dtype}"),
+            )
+        )
+    return recs
+
+
+def _c15(p_cpu: dict, mfu: float) -> list[dict]:
+    flops = cost.gpt3_training_flops(GPT3_PARAMS, GPT3_TOKENS)
+    cpu_rate = p_cpu["model_flops_per_s"]
+    peak, dtype = accel_peak("a100-sxm4-80gb")
+    cluster = A100_CLUSTER * peak * mfu
+    return [
+        record(
+            "C15",
+            None,
+            "GPT-3 training FLOPs, 6·N·D (175e9 params × 300e9 tokens)",
+            flops,
+            "FLOP",
+            label="derived",
+            role="reference",
+        ),
+        record(
+            "C15",
+            "gpt3_cpu_years",
+            "GPT-3 FLOPs over the training FLOP/s measured on this CPU",
+            flops / cpu_rate / YEAR_S,
+            "years",
+            label="derived",
+            on="cpu",
+            inputs={"cpu_model_flops_per_s": cpu_rate, "gpt3_flops": flops},
+        ),
+        record(
+            "C15",
+            None,
+            "FLOP/s that 355 years implies (the article's figure, for scale)",
+            flops / (355 * YEAR_S),
+            "FLOP/s",
+            label="derived",
+            role="reference",
+        ),
+        record(
+            "C15",
+            "gpt3_gpu_days",
+            f"GPT-3 on {A100_CLUSTER} A100s at the MFU measured here",
+            flops / cluster / DAY_S,
+            "days",
+            label="predicted",
+            target="a100-sxm4-80gb",
+            inputs={"mfu": mfu, "gpus": A100_CLUSTER, "gpt3_flops": flops},
+            **spec_inputs("a100-sxm4-80gb", f"peak_flops.{dtype}"),
+        ),
+    ]
+
+
+def run(size: str = "quick") -> list[dict]:
+    pair = _precision_pair(size)
+    here = pair["float32"] if backend() == "cpu" else pair["bfloat16"]
+    peak = mfu_peak(size)
+    mfu = here["model_flops_per_s"] / peak
+    p_cpu = _cpu_probe(size, here)
+    return (
+        _c04(pair)
+        + _throughput(here, peak)
+        + _c17(here, mfu)
+        + _c02(here, p_cpu, mfu)
+        + _c15(p_cpu, mfu)
+    )

@@ -1,0 +1,267 @@
+"""REPORT.md from a results folder's records: the verdict table, then one section per topic.
+
+Everything printed is read from records.jsonl (numbers) and lab/report/claims.py (the
+articles' words and ranges). A predicted figure always says so; an `off` verdict says by how
+much and, where the claims file knows it, why the article is likely wrong.
+"""
+
+import datetime
+import json
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from lab.measure import records as rec
+from lab.report import plots
+from lab.report.claims import BY_ID, CLAIMS, SOURCES, TOPICS
+from lab.report.verdict import MISSING, NA, OFF, PREDICTED, Verdict, judge_all, outside
+
+CAVEAT = (
+    "Times are medians after warm-up, blocked on every output; on a machine shared with other "
+    "work they are noisy. Figures labelled *predicted* were not measured on the hardware they "
+    "describe: they combine a number measured here with a spec-table entry, whose source each "
+    "record names."
+)
+_PREFIX = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def results_dir(root, env: dict) -> Path:
+    """results/<backend>-<device>-<timestamp>/ (created)."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = Path(root) / f"{env['backend']}-{slug(env['device_kind'])}-{stamp}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in _PREFIX:
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def fmt(value, unit: str) -> str:
+    """A value with its unit, readable: 2e12 FLOP, 45.1 GFLOP/s, 80 GB, 20,000×."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if unit in ("FLOP",):
+        return f"{value:.3g} FLOP"
+    if unit in ("FLOP/s", "B/s", "tokens/s", "req/s"):
+        return _si(value, unit)
+    if unit == "B":
+        return _si(value, "B")
+    if unit.startswith("×"):
+        text = f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+        return f"{text}{unit}"
+    if unit == "$":
+        return f"${value:.3g}"
+    return f"{value:.3g} {unit}"
+
+
+def fmt_range(lo, hi, unit: str, strict: bool) -> str:
+    lt, gt = ("<", ">") if strict else ("≤", "≥")
+    if lo is not None and hi is not None:
+        return f"{fmt(lo, unit)} … {fmt(hi, unit)}"
+    if hi is not None:
+        return f"{lt} {fmt(hi, unit)}"
+    if lo is not None:
+        return f"{gt} {fmt(lo, unit)}"
+    return "any"
+
+
+def _tag(r: dict) -> str:
+    on = r["config"].get("on") or r["backend"]
+    target = r["config"].get("target")
+    where = f"for {target}" if target else f"{on}, {r['device_kind']} × {r['device_count']}"
+    return f"*{r['label']}*, {where}"
+
+
+def _reading_text(x) -> str:
+    unit = x.record["unit"]
+    text = f"{fmt(x.record['value'], unit)} ({_tag(x.record)})"
+    if not x.in_range:
+        text += (
+            f" — outside {fmt_range(x.lo, x.hi, unit, False)} by ×{x.factor:,.3g} ({x.direction})"
+        )
+    return text
+
+
+def measured_cell(v: Verdict, records: Sequence[dict]) -> str:
+    """The table's 'measured' column: the deciding figures, else what was recorded."""
+    parts = []
+    for c in v.checks:
+        for x in c.readings[:2]:
+            parts.append(
+                f"{fmt(x.record['value'], x.record['unit'])}"
+                + (" (pred.)" if c.status == PREDICTED else "")
+                + ("" if x.in_range else f" ×{x.factor:,.3g} {x.direction}")
+            )
+    if not parts and v.records:
+        r = records[v.records[0]]
+        parts.append(f"context: {fmt(r['value'], r['unit'])} ({r['what']})")
+    return "; ".join(parts) or "—"
+
+
+def _env_lines(records: Sequence[dict], meta: dict) -> list[str]:
+    envs = {(r["backend"], r["device_kind"], r["device_count"], r["jax_version"]) for r in records}
+    lines = [f"- backend {b}, {k} × {n}, jax {j}" for b, k, n, j in sorted(envs)]
+    if meta:
+        lines.append(f"- size `{meta.get('size')}`, wall time {meta.get('wall_s', 0):.0f} s")
+        for name, m in meta.get("modules", {}).items():
+            err = f" — **failed**: {m['error']}" if m.get("error") else ""
+            lines.append(f"  - `{name}`: {m['wall_s']:.0f} s, {m['records']} records{err}")
+    return lines
+
+
+def verdict_rows(verdicts: Sequence[Verdict], records: Sequence[dict]) -> list[str]:
+    rows = ["| id | claim | source | measured | verdict |", "|---|---|---|---|---|"]
+    for v in verdicts:
+        c = v.claim
+        cell = measured_cell(v, records).replace("|", "\\|")
+        rows.append(f"| {c.id} | {c.text} | {', '.join(c.sources)} | {cell} | **{v.status}** |")
+    return rows
+
+
+def stated_range(s) -> str:
+    """The stated range as text: one range, or one per device kind."""
+    if not s.devices:
+        return fmt_range(s.lo, s.hi, s.unit, s.strict)
+    parts = [f"{k} {fmt_range(lo, hi, s.unit, s.strict)}" for k, (lo, hi) in s.devices.items()]
+    return "per device: " + ", ".join(parts)
+
+
+def _reference_notes(c, records: Sequence[dict]) -> list[str]:
+    """Reference figures (spec table, not measured) that carry this part's metric: whether
+    they contradict the article and by how much. Never a verdict: nothing was measured."""
+    out = []
+    for i in c.context:
+        r = records[i]
+        if r["config"].get("role") != "reference" or not isinstance(r["value"], int | float):
+            continue
+        bounds = c.stated.range_for(r["config"].get("target") or r["device_kind"])
+        if bounds is None:
+            continue
+        factor, direction = outside(r["value"], *bounds, c.stated.strict)
+        where = (
+            "inside the stated range"
+            if factor is None
+            else (f"outside {fmt_range(*bounds, r['unit'], False)} by ×{factor:,.3g} ({direction})")
+        )
+        out.append(
+            f"  - reference, not a verdict: {r['what']} = {fmt(r['value'], r['unit'])}, {where}"
+        )
+    contradicted = any("outside" in line for line in out)
+    if contradicted and c.status in (NA, MISSING, PREDICTED) and c.stated.if_off:
+        out.append(f"  - why the article is likely wrong: {c.stated.if_off}")
+    return out
+
+
+def _check_lines(v: Verdict, records: Sequence[dict]) -> list[str]:
+    lines = []
+    for c in v.checks:
+        s = c.stated
+        lines.append(
+            f"- **{s.metric}** — *{s.quote}* ({s.source}); stated range {stated_range(s)}. "
+            f"{s.reading}"
+        )
+        lines.append(f"  - verdict: **{c.status}**")
+        for x in c.readings:
+            lines.append(f"  - {x.record['what']}: {_reading_text(x)}")
+        if c.status == OFF and s.if_off:
+            lines.append(f"  - why the article is likely wrong: {s.if_off}")
+        if c.status == PREDICTED:
+            inside = sum(x.in_range for x in c.readings)
+            lines.append(f"  - predictions inside the stated range: {inside} of {len(c.readings)}")
+        if c.status in (NA, MISSING) and not c.context:
+            lines.append("  - nothing recorded for this part on this backend")
+        lines += _reference_notes(c, records)
+    shown = {x.index for c in v.checks for x in c.readings}
+    rest = [i for i in v.records if i not in shown]
+    if rest:
+        lines.append("- context and reference records:")
+        for i in rest:
+            r = records[i]
+            lines.append(
+                f"  - {r['what']}: {fmt(r['value'], r['unit'])} ({_tag(r)}"
+                + (f", {r['config']['role']}" if r["config"].get("role") != "evidence" else "")
+                + ")"
+            )
+    return lines
+
+
+def render(
+    records: Sequence[dict], verdicts: Sequence[Verdict], plot_files: dict, meta=None
+) -> str:
+    out = [
+        "# Claims ledger",
+        "",
+        *_env_lines(records, meta or {}),
+        "",
+        CAVEAT,
+        "",
+        "## Verdicts",
+        "",
+        *verdict_rows(verdicts, records),
+        "",
+    ]
+    counts = {}
+    for v in verdicts:
+        counts[v.status] = counts.get(v.status, 0) + 1
+    out += [", ".join(f"{k}: {n}" for k, n in counts.items()), ""]
+    by_topic = {}
+    for v in verdicts:
+        by_topic.setdefault(v.claim.topic, []).append(v)
+    for topic, title in TOPICS.items():
+        if topic not in by_topic and topic not in plot_files:
+            continue
+        out += [f"## {title}", ""]
+        for name in plot_files.get(topic, ()):
+            out += [f"![{topic}]({name})", ""]
+        for v in by_topic.get(topic, []):
+            out += [
+                f"### {v.claim.id} — {v.status}",
+                "",
+                f"> {v.claim.text}",
+                "",
+                f"Measures: {v.claim.measure}.",
+                "",
+                *_check_lines(v, records),
+                "",
+            ]
+    out += ["## Sources", ""]
+    out += [f"- {k}: *{title}* (`seeds/{name}`)" for k, (name, title) in SOURCES.items()]
+    return "\n".join(out) + "\n"
+
+
+def write_report(out_dir, *, meta: dict | None = None, only=None, records=None) -> dict:
+    """Judge the folder's records, plot, write REPORT.md and run.json; return what was made."""
+    out_dir = Path(out_dir)
+    records = rec.read_records(out_dir / "records.jsonl") if records is None else records
+    claims = [BY_ID[i] for i in only] if only else list(CLAIMS)
+    verdicts = judge_all(records, claims)
+    plot_files = plots.make_all(records, out_dir)
+    path = out_dir / "REPORT.md"
+    path.write_text(render(records, verdicts, plot_files, meta))
+    summary = {v.claim.id: v.status for v in verdicts}
+    (out_dir / "run.json").write_text(json.dumps({**(meta or {}), "verdicts": summary}, indent=2))
+    return {"path": path, "verdicts": verdicts, "plots": plot_files, "records": records}
+
+
+def verdict_table(verdicts: Sequence[Verdict]):
+    """The verdicts as a rich table for the terminal."""
+    from rich.table import Table
+
+    colours = {"holds": "green", "off": "red", "predicted": "yellow"}
+    t = Table(title="claims ledger")
+    for col in ("id", "claim", "verdict"):
+        t.add_column(col)
+    for v in verdicts:
+        colour = colours.get(v.status, "dim")
+        text = v.claim.text if len(v.claim.text) < 70 else v.claim.text[:67] + "…"
+        t.add_row(v.claim.id, text, f"[{colour}]{v.status}[/{colour}]")
+    return t

@@ -1,0 +1,104 @@
+"""Verdicts and the report from synthetic records: no JAX work, so every claim's range can be
+pushed in and out without running anything."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lab.measure import records as rec
+from lab.report import claims, markdown
+from lab.report.verdict import HOLDS, MISSING, NA, OFF, PREDICTED, judge, judge_all
+
+IDS = [f"C{i:02d}" for i in range(1, 21)]
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "CLAIMS.md"
+
+
+def _record(claim, stated, value, *, label="measured", backend=None, **config):
+    r = rec.make_record(
+        "synthetic",
+        value,
+        stated.unit,
+        label=label,
+        claim=claim,
+        metric=stated.metric,
+        role="evidence",
+        **config,
+    )
+    r["backend"] = backend or stated.backends[0]
+    return r
+
+
+def _inside_and_outside(stated, device=None):
+    """A value inside the stated range and one outside it (device kinds: that device's)."""
+    lo, hi = stated.range_for(device) if stated.devices else (stated.lo, stated.hi)
+    if lo is not None and hi is not None:
+        return (lo + hi) / 2, hi * 3
+    if lo is not None:
+        return (lo * 2 if lo > 0 else 1.0), (lo / 3 if lo > 0 else -1.0)
+    return hi / 2, hi * 3
+
+
+def test_every_claim_id_has_its_ranges_as_data():
+    assert [c.id for c in claims.CLAIMS] == IDS
+    if SHARED.exists():  # the shared ledger's ids and sources are the ones judged here
+        table = re.findall(r"^\| (C\d\d) \|.*\| ([\d, ]+) \| [^|]+\|$", SHARED.read_text(), re.M)
+        assert [t[0] for t in table] == IDS
+        for (cid, sources), c in zip(table, claims.CLAIMS, strict=True):
+            assert tuple(s.strip() for s in sources.split(",")) == c.sources, cid
+    for c in claims.CLAIMS:
+        assert c.stated and c.topic in claims.TOPICS
+        for s in c.stated:
+            assert s.devices or s.lo is not None or s.hi is not None, (c.id, s.metric)
+
+
+def test_no_verdict_without_a_record():
+    verdicts = judge_all([])
+    assert {v.status for v in verdicts} == {MISSING}
+    other = _record("C02", claims.get("C02").stated[0], 100.0, backend="gpu")
+    for v in judge_all([other]):
+        assert (v.status == MISSING) == (v.claim.id != "C02")
+
+
+@pytest.mark.parametrize("claim", claims.CLAIMS, ids=lambda c: c.id)
+def test_changing_the_measured_value_changes_the_verdict(claim):
+    for stated in claim.stated:
+        device = next(iter(stated.devices)) if stated.devices else None
+        inside, out = _inside_and_outside(stated, device)
+        kind = {"device_kind": device} if device else {}
+        for value, want in ((inside, HOLDS), (out, OFF)):
+            r = _record(claim.id, stated, value, **kind)
+            if device:
+                r["device_kind"] = device
+            check = next(c for c in judge(claim, [r]).checks if c.stated is stated)
+            assert check.status == want, (claim.id, stated.metric, value)
+
+
+def test_labels_and_backends_decide_what_a_record_can_say():
+    stated = claims.get("C03").stated[0]  # Tensor Cores: a GPU statement
+    gpu = _record("C03", stated, 10.0, backend="gpu", label="derived")
+    cpu = _record("C03", stated, 10.0, backend="cpu", label="derived")
+    pred = _record("C03", stated, 10.0, backend="cpu", label="predicted", target="h100-sxm")
+    ctx = _record("C03", stated, 10.0, backend="gpu", label="derived")
+    ctx["config"]["role"] = "context"
+    c03 = claims.get("C03")
+    assert judge(c03, [gpu]).status == HOLDS
+    assert judge(c03, [cpu]).status == NA
+    assert judge(c03, [pred]).status == PREDICTED
+    assert judge(c03, [ctx]).status == NA
+    assert judge(c03, [pred, gpu]).status == HOLDS  # a measurement outranks a prediction
+
+
+def test_report_says_how_far_off_and_why(tmp_path):
+    c01 = claims.get("C01")
+    flops = _record("C01", c01.stated[0], 2e12, backend="cpu")
+    ref = _record("C20", claims.get("C20").stated[1], 80e9, label="derived", target="h100-sxm")
+    ref["config"]["role"] = "reference"
+    rec.write_records(tmp_path / "records.jsonl", [flops, ref])
+    out = markdown.write_report(tmp_path)
+    text = out["path"].read_text()
+    for cid in IDS:
+        assert f"| {cid} |" in text
+    assert "×1.6e+04 (above)" in text and c01.stated[0].if_off in text
+    assert "reference, not a verdict" in text and "×2.29 (below)" in text
+    assert "**no record**" in text  # claims without records say so, not a verdict
