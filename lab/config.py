@@ -20,8 +20,8 @@ DTYPES = {
     "f16": "float16",
     "fp16": "float16",
 }
-ATTENTION_IMPLS = ("auto", "naive", "blockwise", "pallas", "xla", "cudnn")
-STRATEGIES = ("auto", "dp", "fsdp", "tp", "fsdp+tp")
+ATTENTION_IMPLS = ("auto", "naive", "blockwise", "pallas", "xla", "cudnn", "ring")
+STRATEGIES = ("auto", "dp", "fsdp", "tp", "fsdp+tp", "cp")
 
 
 class ConfigError(ValueError):
@@ -50,7 +50,10 @@ class ModelConfig:
         "auto", "compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU", kind="dtype"
     )
     attention: str = _f(
-        "auto", "attention implementation (lab.kernels.attention)", choices=ATTENTION_IMPLS
+        "auto",
+        "attention implementation (lab.kernels.attention); ring = lab.parallel.ring_attention "
+        "over the sequence axis (needs strategy=cp)",
+        choices=ATTENTION_IMPLS,
     )
     remat: str = _f(
         "none",
@@ -103,7 +106,9 @@ class Config:
         kind="mesh",
     )
     strategy: str = _f(
-        "auto", "sharding rules: dp | fsdp | tp | fsdp+tp; auto from the mesh", choices=STRATEGIES
+        "auto",
+        "sharding rules: dp | fsdp | tp | fsdp+tp | cp (sequence over model); auto from the mesh",
+        choices=STRATEGIES,
     )
     cpu_devices: int = _f(0, "simulated CPU devices; 0 = as many as the mesh needs", min=0)
     batch_size: int = _f(16, "global batch (sequences per step)", min=1)
@@ -257,6 +262,11 @@ def validate(cfg: Config) -> None:
         )
     if cfg.data == "text" and m.vocab_size < 256:
         raise ConfigError(f"data=text needs vocab_size >= 256 (bytes), got {m.vocab_size}")
+    if m.attention == "ring" and cfg.strategy != "cp":
+        raise ConfigError(
+            "attention=ring passes keys/values around the sequence axis: add strategy=cp "
+            "(the sequence split over the mesh's model axis, e.g. mesh=2x4)"
+        )
     if cfg.process_id >= cfg.num_processes:
         raise ConfigError(
             f"process_id={cfg.process_id} must be < num_processes={cfg.num_processes}"

@@ -34,6 +34,8 @@ RULES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("mlp", ("model",)),
         ("vocab", ("model",)),
     ),
+    # Context parallel: the sequence split over `model` (attention=ring passes K/V around it).
+    "cp": (("batch", ("data", "fsdp")), ("seq", ("model",))),
 }
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from lab.config import ModelConfig
 from lab.kernels.attention import attention
+from lab.parallel.ring_attention import ring_attention_in_model
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
@@ -84,7 +85,10 @@ class Attention(nn.Module):
         k_BxLxGxK = _constrain(
             rope(k_BxLxGxK, pos_L, c.rope_theta), ("batch", "seq", "heads", "kv")
         )
-        o_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, impl=c.attention)
+        if c.attention == "ring":  # context parallel: K/V blocks travel around the seq axis
+            o_BxLxHxK = ring_attention_in_model(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True)
+        else:
+            o_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, impl=c.attention)
         o_BxLxHxK = _constrain(o_BxLxHxK, ("batch", "seq", "heads", "kv"))
         return jnp.einsum("blhk,hkd->bld", o_BxLxHxK, wo_HxKxD.astype(c.dtype))
 

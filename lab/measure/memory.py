@@ -247,6 +247,7 @@ def lab_axes(strategy: str, sizes: dict[str, int]) -> dict[str, int]:
         "fsdp": dict(data=a, fsdp=b * m, model=1),
         "tp": dict(data=a * b, fsdp=1, model=m),
         "fsdp+tp": dict(data=a, fsdp=b, model=m),
+        "cp": dict(data=a * b * m, fsdp=1, model=1),  # tokens split over every axis
     }[strategy]
 
 

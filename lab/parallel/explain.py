@@ -101,9 +101,10 @@ class Geometry:
     def of(cls, rules, sizes: dict[str, int]) -> "Geometry":
         r = dict(rules)
         tensor = _live(r.get("heads"), sizes)
+        tokens = tuple(r.get("batch") or ()) + tuple(r.get("seq") or ())  # cp splits seq too
         return cls(
             sizes=dict(sizes),
-            batch_axes=_live(r.get("batch"), sizes),
+            batch_axes=_live(tokens, sizes),
             shard_axes=_live(r.get("embed"), sizes),
             tensor_axes=tensor,
         )

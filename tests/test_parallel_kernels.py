@@ -1,0 +1,135 @@
+"""Hand-written shard_map kernels equal the plain jit computation, forward and gradient:
+the collective matmul, ring attention, and attention=ring inside the model (strategy=cp)."""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lab.config import ConfigError, ModelConfig, parse_args
+from lab.kernels.attention import attention_reference
+from lab.measure.timing import random_inputs
+from lab.mesh import make_mesh, rules_for
+from lab.model import build
+from lab.parallel.collective_matmul import collective_matmul, gathered_matmul, matmul_reference
+from lab.parallel.ring_attention import block_attention, combine, ring_attention
+from lab.train import _mesh_scope
+
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+def _close(got, want, dtype=jnp.float32):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL[dtype])
+
+
+def _value_and_grads(fn, *args):
+    """Output and the gradient of a random-weighted sum of it (one compile: forward + vjp)."""
+    shape = jax.eval_shape(fn, *args).shape
+    weights = random_inputs(99, [shape])[0]
+
+    @jax.jit
+    def both(*a):
+        out, vjp = jax.vjp(fn, *a)
+        return out, vjp(weights)
+
+    return both(*args)
+
+
+@pytest.mark.parametrize(
+    "mesh_spec, axis, M, K, N", [("2x4", "model", 32, 16, 24), ("8", "data", 64, 8, 64)]
+)
+def test_collective_matmul_equals_jit(mesh_spec, axis, M, K, N):
+    mesh = make_mesh(mesh_spec)
+    x_MxK, w_KxN = random_inputs(M + N, [(M, K), (K, N)])
+    ring = functools.partial(collective_matmul, mesh=mesh, axis=axis)
+    _close(_value_and_grads(ring, x_MxK, w_KxN), _value_and_grads(matmul_reference, x_MxK, w_KxN))
+    plain = functools.partial(gathered_matmul, mesh=mesh, axis=axis)
+    _close(jax.jit(plain)(x_MxK, w_KxN), matmul_reference(x_MxK, w_KxN))
+
+
+def test_collective_matmul_rejects_indivisible_shapes():
+    with pytest.raises(ValueError, match="divisible by model=4"):
+        collective_matmul(jnp.ones((6, 4)), jnp.ones((4, 8)), mesh=make_mesh("2x4"), axis="model")
+
+
+def test_collective_matmul_sends_a_ring_of_permutes_not_a_gather():
+    from lab.parallel import collectives_hlo
+
+    mesh = make_mesh("2x4")
+    x_MxK, w_KxN = random_inputs(0, [(32, 16), (16, 24)])
+    fn = jax.jit(functools.partial(collective_matmul, mesh=mesh, axis="model"))
+    kinds = {c.kind for c in collectives_hlo.from_compiled(fn.lower(x_MxK, w_KxN).compile(), mesh)}
+    assert kinds == {"collective-permute"}
+
+
+def test_combining_partial_softmaxes_is_exact():
+    q, k, v = random_inputs(3, [(1, 8, 2, 4), (1, 16, 2, 4), (1, 16, 2, 4)])
+    part = functools.partial(block_attention, q_start=0, causal=False, scale=0.5)
+
+    @jax.jit
+    def split_in_two(q, k, v):
+        o_a, lse_a = part(q, k[:, :5], v[:, :5], k_start=0)
+        o_b, lse_b = part(q, k[:, 5:], v[:, 5:], k_start=5)
+        return combine(o_a, lse_a, o_b, lse_b)[0]
+
+    _close(split_in_two(q, k, v), attention_reference(q, k, v, causal=False, scale=0.5))
+
+
+@pytest.mark.parametrize(
+    "mesh_spec, seq_axis, batch_axes, shapes, causal",
+    [
+        ("2x4", "model", "data", (2, 32, 4, 2, 8), True),  # B, L, H, G (grouped-query), K
+        ("8", "data", None, (1, 64, 2, 2, 16), True),
+        ("4x2", "model", "data", (4, 16, 6, 3, 8), False),
+    ],
+)
+def test_ring_attention_equals_reference(mesh_spec, seq_axis, batch_axes, shapes, causal):
+    B, L, H, G, K = shapes
+    mesh = make_mesh(mesh_spec)
+    q, k, v = random_inputs(L + H, [(B, L, H, K), (B, L, G, K), (B, L, G, K)])
+    ring = functools.partial(
+        ring_attention, mesh=mesh, seq_axis=seq_axis, batch_axes=batch_axes, causal=causal
+    )
+    ref = functools.partial(attention_reference, causal=causal)
+    _close(_value_and_grads(ring, q, k, v), _value_and_grads(ref, q, k, v))
+
+
+def test_ring_attention_rejects_indivisible_length():
+    q = jnp.ones((1, 6, 2, 4))
+    with pytest.raises(ValueError, match="divisible by model=4"):
+        ring_attention(q, q, q, mesh=make_mesh("2x4"), seq_axis="model")
+
+
+def _model_loss(cfg: ModelConfig, mesh, strategy: str, tokens_BxL, params=None):
+    """Loss and parameter gradients of the model, traced under the mesh and rules like train."""
+    model = build(cfg)
+    with _mesh_scope(mesh), nn.logical_axis_rules(rules_for(strategy)):
+        if params is None:
+            params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), tokens_BxL)["params"])
+
+        def loss(p):
+            logits = model.apply({"params": p}, tokens_BxL)
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+        return params, jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_model_with_ring_attention_equals_naive():
+    mesh = make_mesh("2x4")
+    base = ModelConfig(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, dtype="float32")
+    tokens_BxL = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+    params, want = _model_loss(dataclasses.replace(base, attention="naive"), mesh, "dp", tokens_BxL)
+    ring_cfg = dataclasses.replace(base, attention="ring")
+    _, got = _model_loss(ring_cfg, mesh, "cp", tokens_BxL, params)
+    _close(got, want)
+
+
+def test_ring_attention_needs_the_cp_strategy():
+    with pytest.raises(ConfigError, match="strategy=cp"):
+        parse_args(["attention=ring", "mesh=2x4"])
+    assert parse_args(["attention=ring", "mesh=2x4", "strategy=cp"]).strategy == "cp"
