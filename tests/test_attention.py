@@ -265,3 +265,76 @@ def test_block_sizes_validate_themselves(make, needle):
 
 def test_gpu_block_table_falls_back_to_default():
     assert pallas_gpu.block_sizes_for("no such GPU") == pallas_gpu.BLOCK_SIZES["default"]
+
+
+# ---------------------------------------------------------------------------- the model switch
+
+
+def _train_losses(attention_impl: str, steps: int = 3) -> list[float]:
+    """A tiny model trained a few steps on one device with the given `attention=`."""
+    from lab.config import parse_args
+    from lab.data import host_batch, to_global
+    from lab.mesh import make_mesh
+    from lab.train import make_trainer
+
+    argv = ["model=tiny", "batch_size=4", "seq_len=64", "dtype=float32", "mesh=1"]
+    cfg = parse_args([*argv, f"attention={attention_impl}"])
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh), "dp")
+    state = trainer.init(jax.random.key(0))
+    losses = []
+    for step in range(steps):
+        tokens = host_batch("text", 0, step, cfg.batch_size, cfg.seq_len, 256)
+        state, metrics = trainer.step(state, to_global(tokens, trainer.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+def test_model_trained_with_blockwise_matches_naive(monkeypatch):
+    """attention=blockwise goes through the dispatch, and training follows the same losses.
+
+    The model passes no block sizes, so 16×16 tiles are patched in as the default: the 64-token
+    sequence then crosses 4×4 tiles and the causal skip, forward and backward.
+    """
+    naive = _train_losses("naive")
+    tiles = blockwise.BlockSizes(16, 16)
+    monkeypatch.setattr(blockwise, "BlockSizes", lambda: tiles)
+    calls = []
+    real = blockwise.blockwise_attention
+    monkeypatch.setattr(
+        blockwise, "blockwise_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw)
+    )
+    got = _train_losses("blockwise")
+    assert calls and calls[0]["block_sizes"] == tiles
+    np.testing.assert_allclose(got, naive, rtol=2e-5)
+    assert got[-1] < got[0]  # it trains
+
+
+def test_model_with_pallas_on_cpu_says_what_runs_here():
+    """No compiled Pallas kernel on CPU, and a model never runs the interpreter: clear error."""
+    with pytest.raises(ValueError, match="impl='pallas' has no compiled kernel on backend 'cpu'"):
+        _train_losses("pallas", steps=1)
+
+
+# ---------------------------------------------------------------------------- the benchmark
+
+
+def test_bench_sweep_records_and_skips_what_does_not_fit(monkeypatch, tmp_path):
+    """One tiny point of the sweep: every figure recorded per impl; an impl whose compiled
+    program would not fit is compiled, not run (its memory still reported)."""
+    from lab.kernels.attention import bench
+
+    # room for blockwise's tiles but not for naive's L×S scores
+    monkeypatch.setattr(bench, "_free_bytes", lambda: 2 * 6_000_000)
+    records = bench.sweep(
+        (384,), causal=(True,), modes=("fwd+bwd",), impls=("naive", "blockwise"),
+        budget_s=0.0, min_runs=1, warmup=0,
+    )  # fmt: skip
+    rows = {r["impl"]: r for r in bench.rows_of(records)}
+    blockwise_row, naive_row = rows["blockwise"], rows["naive"]
+    assert blockwise_row["attention max error"] < 1e-5
+    assert blockwise_row["attention TFLOP/s"] > 0 and "attention time" in blockwise_row
+    assert "attention time" not in naive_row and "needs" in naive_row["attention skipped"]
+    assert naive_row["memory label"] == "compiled, not run"
+    assert naive_row["attention peak temp memory"] > blockwise_row["attention peak temp memory"]
+    assert "skipped" in str(bench.table(records, "t").columns[4]._cells)
+    assert bench.plot(records, tmp_path / "a.png", "t").stat().st_size > 0

@@ -1,0 +1,485 @@
+"""`python -m lab.kernels.attention.bench [--quick|--full] [--seqs ...] [--impls ...]`.
+
+Sweeps sequence length, causal and not, forward and forward+backward, for every attention
+implementation that runs compiled on this backend (interpreted Pallas kernels are left out:
+they test correctness, and the interpreter's speed says nothing about the kernel's). Per
+implementation and shape it reports, in one run:
+
+- time: median of `lab.measure.timing.compare` (all contenders alternated call by call on the
+  same random inputs, warm-up and compile apart);
+- TFLOP/s: `lab.measure.cost.attention_flops` over the median time. Convention: 2 FLOPs per
+  multiply-add, matmuls only (softmax not counted); forward 4·B·H·L·S·D, backward 2.5× that;
+  causal counts *half* of the score matrix for every implementation — the useful work — so a
+  naive kernel that computes the masked half too shows a lower figure, not a higher one;
+- peak memory: XLA's temporary allocation of the compiled program (`memory_analysis`, via
+  `lab.measure.memory.compiled_memory`); arguments and outputs are the same for every
+  implementation and left out, so this is the memory the algorithm itself needs;
+- max error: max |out − ref| / max |ref| against the float64 reference, on the last 128 query
+  rows (exact for causal too: the mask is bottom-right aligned), and for fwd+bwd also on dQ of
+  those rows (dQ of a row depends only on that row's output cotangent);
+- ratio: median time / the library baseline's (`xla`: `jax.nn.dot_product_attention`).
+
+Implementations whose compiled program needs more memory than half of what the host (CPU) or
+device has free are compiled but not run: their memory is reported (*compiled, not run*) and
+their time is "skipped". On GPU, cuDNN and JAX's bundled Pallas attention ops join as peers:
+`jax.experimental.pallas.ops.gpu.attention.mha` (Triton; kv heads repeated, it has no grouped
+heads) and `attention_mgpu.attention` (Mosaic GPU, Hopper and later, bf16/f16; forward only
+here, it takes no softmax scale, so q is scaled before the call).
+
+`sweep(...)` returns the records (`lab.measure.records`) so experiments can call it; the
+module also prints a table, appends the records to results/attention-<backend>-<time>.jsonl
+and draws a PNG.
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lab.kernels.attention import attention, available_impls
+from lab.kernels.attention.reference import attention_reference
+from lab.measure import records as rec
+from lab.measure.cost import attention_flops
+from lab.measure.memory import compiled_memory, device_capacity_bytes, device_memory_stats
+from lab.measure.timing import compare, random_inputs
+
+BASELINE = "xla"
+MODES = ("fwd", "fwd+bwd")
+ERROR_ROWS = 128  # query rows held against the float64 reference
+CPU_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+GPU_SEQS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+QUICK_SEQS = (256, 512)
+FIT_SHARE = 0.5  # run only programs needing at most this share of the free memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Everything but the sequence length (L = S: self-attention)."""
+
+    batch: int = 1
+    heads: int = 2  # query heads
+    kv_heads: int = 1  # grouped-query: heads // kv_heads query heads per kv head
+    head_dim: int = 64
+    dtype: str = "float32"
+
+    def arrays(self, seq: int, seed: int = 0):
+        """Fresh random q, k, v and output cotangent (never zeros)."""
+        B, H, K, D = self.batch, self.heads, self.kv_heads, self.head_dim
+        shapes = [(B, seq, H, D), (B, seq, K, D), (B, seq, K, D), (B, seq, H, D)]
+        return random_inputs(seed, shapes, jnp.dtype(self.dtype))
+
+
+# ---------------------------------------------------------------------------- contenders
+
+
+def _library_peers() -> dict:
+    """JAX's own Pallas attention kernels (GPU only), as f(q, k, v, causal) -> out."""
+    peers = {}
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as triton_ops
+
+        def triton_mha(q, k, v, causal):
+            G = q.shape[2] // k.shape[2]
+            k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+            scale = 1.0 / math.sqrt(q.shape[-1])
+            return triton_ops.mha(q, k, v, None, sm_scale=scale, causal=causal)
+
+        peers["jax_pallas_triton"] = triton_mha
+    except ImportError:
+        pass
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        def mgpu(q, k, v, causal):
+            config = attention_mgpu.TuningConfig(
+                block_q=128, block_kv=128, max_concurrent_steps=2, causal=causal
+            )
+            q = (q * (1.0 / math.sqrt(q.shape[-1]))).astype(q.dtype)
+            return attention_mgpu.attention(q, k, v, config)
+
+        peers["jax_pallas_mgpu"] = mgpu
+    except ImportError:
+        pass
+    return peers
+
+
+def default_impls(backend: str | None = None) -> tuple[str, ...]:
+    """Every compiled implementation on this backend, plus JAX's bundled kernels on GPU."""
+    backend = backend or jax.default_backend()
+    own = [i for i in available_impls(backend) if i != "pallas"]  # pallas = pallas_<backend>
+    return tuple(own + (list(_library_peers()) if backend == "gpu" else []))
+
+
+def _op(impl: str, causal: bool):
+    peers = _library_peers()
+    if impl in peers:
+        return functools.partial(peers[impl], causal=causal)
+    return functools.partial(attention, causal=causal, impl=impl)
+
+
+def _program(impl: str, causal: bool, mode: str):
+    """f(q, k, v, do) -> out (fwd) or (out, dq, dk, dv) (fwd+bwd), not yet compiled."""
+    op = _op(impl, causal)
+    if mode == "fwd":
+        return lambda q, k, v, do: op(q, k, v)
+
+    def fwd_bwd(q, k, v, do):
+        out, vjp = jax.vjp(op, q, k, v)
+        return (out, *vjp(do))
+
+    return fwd_bwd
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def _free_bytes() -> int | None:
+    """Memory a new program may take: the allocator's headroom, or the host's available RAM."""
+    device = jax.devices()[0]
+    stats = device_memory_stats(device)
+    if stats and stats.get("bytes_limit"):
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return device_capacity_bytes(device)
+
+
+def _reference_rows(q, k, v, do, causal: bool, mode: str):
+    """Float64 output (and dQ) of the last ERROR_ROWS query rows."""
+    rows = slice(q.shape[1] - min(ERROR_ROWS, q.shape[1]), None)
+    with jax.enable_x64(True):
+        q64, k64, v64, do64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do))
+        ref = functools.partial(attention_reference, causal=causal)
+        out, vjp = jax.vjp(ref, q64[:, rows], k64, v64)
+        want = [out] if mode == "fwd" else [out, vjp(do64[:, rows])[0]]
+        return rows, [np.asarray(x) for x in want]
+
+
+def _max_error(outputs, rows, want) -> float:
+    got = [outputs] if not isinstance(outputs, tuple) else outputs[: len(want)]
+    errs = [
+        np.abs(np.asarray(g[:, rows], np.float64) - w).max() / np.abs(w).max()
+        for g, w in zip(got, want, strict=True)
+    ]
+    return float(max(errs))
+
+
+def _compile(impl, causal, mode, args):
+    """(compiled, seconds, memory dict) or (None, 0, reason) where it does not build here."""
+    t0 = time.perf_counter()
+    try:
+        compiled = jax.jit(_program(impl, causal, mode)).lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 — a peer's constraints (dtype, arch, shape) differ
+        return None, 0.0, f"does not compile here: {str(e).strip().splitlines()[0][:80]}"
+    return compiled, time.perf_counter() - t0, compiled_memory(compiled)
+
+
+def _measure_one(impls, shape: Shape, seq: int, causal: bool, mode: str, timing: dict) -> list:
+    """Rows for every impl at one (seq, causal, mode): compile all, run those that fit."""
+    args = shape.arrays(seq, seed=seq + 2 * causal + (mode == "fwd"))
+    free = _free_bytes()
+    rows, runnable = [], {}
+    for impl in impls:
+        compiled, compile_s, memory = _compile(impl, causal, mode, args)
+        row = {"impl": impl, "compile_s": compile_s, "memory": memory, "skipped": None}
+        if compiled is None:
+            row.update(memory=None, skipped=memory)
+        elif free is not None and memory and memory["total_bytes"] > FIT_SHARE * free:
+            need = memory["total_bytes"] / 2**30
+            row["skipped"] = f"needs {need:.1f} GiB > {FIT_SHARE:.0%} of {free / 2**30:.1f} free"
+        else:
+            runnable[impl] = compiled
+        rows.append(row)
+    if runnable:
+        names = list(runnable)
+        baseline = BASELINE if BASELINE in runnable else names[0]
+        times = compare(runnable, *args, baseline=baseline, **timing)
+        ref_rows, want = _reference_rows(*args, causal=causal, mode=mode)
+        for row in rows:
+            if row["impl"] in runnable:
+                row["time"] = times[row["impl"]]
+                row["time"]["baseline"] = baseline
+                row["max_error"] = _max_error(runnable[row["impl"]](*args), ref_rows, want)
+    return rows
+
+
+def _records(row: dict, shape: Shape, seq: int, causal: bool, mode: str) -> list[dict]:
+    """One record per figure of a row; all share the row's config."""
+    config = dict(
+        op="attention",
+        impl=row["impl"],
+        seq=seq,
+        causal=causal,
+        mode=mode,
+        **dataclasses.asdict(shape),
+    )
+    flops = attention_flops(shape.batch, shape.heads, seq, seq, shape.head_dim, causal=causal)
+    if mode == "fwd+bwd":
+        flops *= 3.5  # forward + backward (2.5× forward): cost.attention_flops' convention
+    out = []
+    ran = "time" in row
+    memory = row["memory"]
+    if memory:
+        label = "measured" if ran else "compiled, not run"
+        out.append(
+            rec.make_record(
+                "attention peak temp memory",
+                memory["temp_bytes"],
+                "B",
+                label=label,
+                total_bytes=memory["total_bytes"],
+                **config,
+            )
+        )
+    if row["skipped"]:
+        out.append(rec.make_record("attention skipped", row["skipped"], "reason", **config))
+    if not ran:
+        return out
+    t = row["time"]
+    timing = {k: t[k] for k in ("p10_s", "p90_s", "runs")}
+    out += [
+        rec.make_record(
+            "attention time", t["median_s"], "s", compile_s=row["compile_s"], **timing, **config
+        ),
+        rec.make_record(
+            "attention TFLOP/s",
+            flops / t["median_s"] / 1e12,
+            "TFLOP/s",
+            label="derived",
+            flops=flops,
+            **config,
+        ),
+        rec.make_record(
+            "attention max error", row["max_error"], "relative", rows=ERROR_ROWS, **config
+        ),
+        rec.make_record(
+            f"attention time ratio vs {t['baseline']}", t["ratio"], "x", label="derived", **config
+        ),
+    ]
+    return out
+
+
+def sweep(
+    seqs=CPU_SEQS,
+    *,
+    causal=(True, False),
+    modes=MODES,
+    impls=None,
+    shape: Shape = Shape(),
+    budget_s: float = 1.0,
+    min_runs: int = 3,
+    warmup: int = 1,
+    progress=None,
+) -> list[dict]:
+    """Measure every impl over seqs × causal × modes; returns `lab.measure.records` records.
+
+    Records of one (impl, seq, causal, mode) share `config`: time (s), TFLOP/s, peak temp
+    memory (B), max error, time ratio vs the baseline, or the reason it was skipped.
+    """
+    impls = tuple(impls or default_impls())
+    timing = dict(budget_s=budget_s, min_runs=min_runs, warmup=warmup)
+    out = []
+    for seq in seqs:
+        for c in causal:
+            for mode in modes:
+                if progress:
+                    progress(f"L=S={seq} causal={c} {mode}")
+                for row in _measure_one(impls, shape, seq, c, mode, timing):
+                    out += _records(row, shape, seq, c, mode)
+    return out
+
+
+# ---------------------------------------------------------------------------- reporting
+
+
+def rows_of(records: list[dict]) -> list[dict]:
+    """Group records back into one dict per (impl, seq, causal, mode): {what: value, ...}."""
+    rows: dict[str, dict] = {}
+    for r in records:
+        c = r["config"]
+        key = json.dumps([c[k] for k in ("impl", "seq", "causal", "mode")])
+        row = rows.setdefault(key, {k: c[k] for k in ("impl", "seq", "causal", "mode")})
+        row[r["what"]] = r["value"]
+        if r["what"] == "attention peak temp memory":
+            row["memory label"] = r["label"]
+    return list(rows.values())
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def table(records: list[dict], title: str):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in (
+        "L=S",
+        "causal",
+        "mode",
+        "impl",
+        "time",
+        f"vs {BASELINE}",
+        "TFLOP/s",
+        "peak temp mem",
+        "max error",
+    ):
+        t.add_column(col, justify="right")
+    for r in rows_of(records):
+        ratio = next((v for k, v in r.items() if k.startswith("attention time ratio")), None)
+        mem = r.get("attention peak temp memory")
+        mem_s = "n/a" if mem is None else _gib(mem)
+        if r.get("memory label") == "compiled, not run":
+            mem_s += " (compiled, not run)"
+        ran = "attention time" in r
+        t.add_row(
+            str(r["seq"]),
+            "yes" if r["causal"] else "no",
+            r["mode"],
+            r["impl"],
+            f"{r['attention time'] * 1e3:,.1f} ms"
+            if ran
+            else f"skipped: {r.get('attention skipped')}",
+            f"{ratio:.2f}x" if ratio is not None else "",
+            f"{r['attention TFLOP/s']:.3f}" if ran else "",
+            mem_s,
+            f"{r['attention max error']:.1e}" if ran else "",
+        )
+    return t
+
+
+def plot(records: list[dict], path, title: str) -> Path:
+    """Time per call and peak temp memory against sequence length, one line per impl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = rows_of(records)
+    panels = [(c, m) for c in (True, False) for m in MODES]
+    fig, grid = plt.subplots(2, 3, figsize=(15, 8))
+    axes = list(grid.flat)
+    axes[-1].axis("off")
+    impls = sorted({r["impl"] for r in rows})
+    for ax, (c, m) in zip(axes, panels, strict=False):
+        for impl in impls:
+            pts = sorted(
+                (r["seq"], r["attention time"])
+                for r in rows
+                if r["impl"] == impl
+                and r["causal"] == c
+                and r["mode"] == m
+                and "attention time" in r
+            )
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
+        ax.set(title=f"{m}, {'causal' if c else 'full'}", xlabel="L = S", ylabel="s per call")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    ax = axes[len(panels)]
+    for impl in impls:
+        pts = sorted(
+            (r["seq"], r["attention peak temp memory"])
+            for r in rows
+            if r["impl"] == impl
+            and r["causal"]
+            and r["mode"] == "fwd+bwd"
+            and "attention peak temp memory" in r
+        )
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
+    ax.set(title="fwd+bwd causal: peak temp memory", xlabel="L = S", ylabel="bytes")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def _parser():
+    p = argparse.ArgumentParser(
+        prog="python -m lab.kernels.attention.bench", description=__doc__.split("\n")[0]
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help=f"seqs {QUICK_SEQS}, short budget")
+    size.add_argument("--full", action="store_true", help="the full sweep (the default)")
+    p.add_argument("--seqs", type=int, nargs="+", help="sequence lengths (default per backend)")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--impls", nargs="+", help=f"default: all compiled here ({BASELINE} always)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU/TPU, float32 on CPU")
+    p.add_argument("--budget", type=float, default=1.0, help="seconds of timed runs per impl")
+    p.add_argument("--out", default="results", help="folder for the records and the plot")
+    p.add_argument("--no-plot", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+
+    args = _parser().parse_args(argv)
+    console = Console(width=150)
+    backend = jax.default_backend()
+    seqs = args.seqs or (QUICK_SEQS if args.quick else GPU_SEQS if backend == "gpu" else CPU_SEQS)
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
+    shape = Shape(args.batch, args.heads, args.kv_heads, args.head_dim, dtype)
+    impls = list(args.impls or default_impls())
+    if BASELINE not in impls:
+        impls.append(BASELINE)
+    causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > (os.cpu_count() or 1) * 0.5:
+        console.print(f"[yellow]host load average {load:.1f}: times will be slow and noisy")
+    t0 = time.perf_counter()
+    records = sweep(
+        seqs,
+        causal=causal,
+        modes=tuple(args.modes),
+        impls=impls,
+        shape=shape,
+        budget_s=0.2 if args.quick else args.budget,
+        progress=console.log,
+    )
+    env = rec.environment()
+    title = (
+        f"attention · {backend} · {env['device_kind']} · jax {env['jax_version']} · "
+        f"B={shape.batch} H={shape.heads} K={shape.kv_heads} D={shape.head_dim} {dtype}"
+    )
+    console.print(table(records, title))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out)
+    console.print(
+        f"records → {rec.write_records(out / f'attention-{backend}-{stamp}.jsonl', records)}"
+    )
+    if not args.no_plot:
+        console.print(f"plot → {plot(records, out / f'attention-{backend}-{stamp}.png', title)}")
+    console.print(f"done in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
