@@ -1,5 +1,6 @@
 """The Pallas TPU flash kernel, forward and backward, compiled through Mosaic for real TPU
-topologies ahead of time on this CPU machine (needs libtpu; nothing runs, it only compiles).
+topologies ahead of time on this CPU machine (needs libtpu; nothing runs, it only compiles),
+and the Pallas GPU kernel lowered through Triton for CUDA.
 
 Under a multi-device mesh a Mosaic kernel has to sit inside `shard_map`: XLA cannot partition
 a custom call, so each device gets its own (batch, head) shard and runs the kernel on it.
@@ -15,8 +16,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lab import aot
 from lab.kernels.attention import pallas_tpu
-
-libtpu = pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
 
 SPEC = PartitionSpec("data", None, "model", None)  # batch over data, heads over model
 
@@ -46,6 +45,7 @@ def _abstract(mesh, shape, dtype):
     ],
 )
 def test_forward_and_backward_compile_through_mosaic(target, causal, dtype, head_dim, seq):
+    pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
     mesh = _mesh(target)
     attn = _sharded_attention(mesh, causal)
     kv_heads = mesh.shape["model"]  # one kv head and its 2 query heads per device
@@ -65,3 +65,22 @@ def test_forward_and_backward_compile_through_mosaic(target, causal, dtype, head
         assert all(name in text for name in names), names  # the Mosaic custom calls are there
         compiled = lowered.compile()
         assert compiled.memory_analysis() is not None
+
+
+@pytest.mark.parametrize(
+    "causal, dtype, seq", [(True, jnp.bfloat16, 300), (False, jnp.float32, 256)]
+)
+def test_gpu_kernel_lowers_through_triton_for_cuda(causal, dtype, seq):
+    """The Pallas GPU kernels, forward and backward, lowered to Triton IR for CUDA on this CPU
+    machine: lowered, not compiled (PTX needs the CUDA plugin), but every kernel construct
+    went through Pallas' Triton lowering rules. Needs no libtpu; lives here as the other
+    ahead-of-time check."""
+    from lab.kernels.attention import pallas_gpu
+
+    q = jax.ShapeDtypeStruct((1, seq, 4, 128), dtype)
+    kv = jax.ShapeDtypeStruct((1, seq, 2, 128), dtype)
+    attn = functools.partial(pallas_gpu.flash_attention_gpu, causal=causal)
+    grads = jax.grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    for fn, kernels in ((attn, 1), (grads, 3)):
+        lowered = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("xla.gpu.triton") == kernels

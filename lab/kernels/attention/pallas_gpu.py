@@ -85,9 +85,17 @@ def block_sizes_for(device_kind: str) -> BlockSizes:
     return BLOCK_SIZES.get(device_kind, BLOCK_SIZES["default"])
 
 
+def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+    """a·b (optionally transposed) accumulated in f32: the lax.dot_general that `pl.dot` wraps,
+    written out because that helper moved between JAX versions. Triton transposes in
+    registers; f32 inputs get IEEE precision (not TF32) under the default precision."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
 def _scores(q_QxD, k_CxD, i, j, g: Geometry):
     """Scaled, masked f32 scores of query block i against key block j."""
-    s_QxC = plgpu.dot(q_QxD, k_CxD, trans_b=True).astype(jnp.float32) * g.scale
+    s_QxC = _dot(q_QxD, k_CxD, trans_b=True) * g.scale
     if not g.needs_mask:
         return s_QxC
     q_pos_Qx1 = (i * g.bq + jnp.arange(g.bq))[:, None]
@@ -108,7 +116,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, g: Geometry):
         new_max_Q = jnp.maximum(max_Q, s_QxC.max(axis=1))
         p_QxC = jnp.exp(s_QxC - new_max_Q[:, None])
         alpha_Q = jnp.exp(max_Q - new_max_Q)
-        pv_QxD = plgpu.dot(p_QxC.astype(v_ref.dtype), v_ref[keys, :]).astype(jnp.float32)
+        pv_QxD = _dot(p_QxC.astype(v_ref.dtype), v_ref[keys, :])
         return alpha_Q[:, None] * o_QxD + pv_QxD, new_max_Q, alpha_Q * sum_Q + p_QxC.sum(axis=1)
 
     init = (
@@ -131,9 +139,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, g: Ge
         keys = pl.ds(j * g.bk, g.bk)
         k_CxD = k_ref[keys, :]
         p_QxC = jnp.exp(_scores(q_QxD, k_CxD, i, j, g) - lse_Qx1)
-        dp_QxC = plgpu.dot(do_QxD, v_ref[keys, :], trans_b=True).astype(jnp.float32)
+        dp_QxC = _dot(do_QxD, v_ref[keys, :], trans_b=True)
         ds_QxC = (p_QxC * (dp_QxC - delta_Qx1) * g.scale).astype(k_CxD.dtype)
-        return dq_QxD + plgpu.dot(ds_QxC, k_CxD).astype(jnp.float32)
+        return dq_QxD + _dot(ds_QxC, k_CxD)
 
     dq_QxD = jax.lax.fori_loop(0, g.k_blocks_end(i), step, jnp.zeros(q_QxD.shape, jnp.float32))
     dq_ref[...] = dq_QxD.astype(dq_ref.dtype)
@@ -151,10 +159,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         q_QxD, do_QxD = q_ref[rows, member, :], do_ref[rows, member, :]
         lse_Qx1, delta_Qx1 = lse_ref[member, rows][:, None], delta_ref[member, rows][:, None]
         p_QxC = jnp.exp(_scores(q_QxD, k_CxD, i, j, g) - lse_Qx1)
-        dv_CxD += plgpu.dot(p_QxC.astype(do_QxD.dtype), do_QxD, trans_a=True).astype(jnp.float32)
-        dp_QxC = plgpu.dot(do_QxD, v_CxD, trans_b=True).astype(jnp.float32)
+        dv_CxD += _dot(p_QxC.astype(do_QxD.dtype), do_QxD, trans_a=True)
+        dp_QxC = _dot(do_QxD, v_CxD, trans_b=True)
         ds_QxC = (p_QxC * (dp_QxC - delta_Qx1) * g.scale).astype(q_QxD.dtype)
-        dk_CxD += plgpu.dot(ds_QxC, q_QxD, trans_a=True).astype(jnp.float32)
+        dk_CxD += _dot(ds_QxC, q_QxD, trans_a=True)
         return dk_CxD, dv_CxD
 
     def one_member(member, carry):
