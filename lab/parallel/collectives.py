@@ -19,6 +19,7 @@ records from lab.measure.records; a PNG of busbw against size per op and axis.
 
 import argparse
 import dataclasses
+import math
 import re
 import sys
 import time
@@ -75,10 +76,17 @@ def message_bytes(op: str, n_elems: int, W: int) -> int:
     return n_elems * ITEMSIZE * (W if op == "all-gather" else 1)
 
 
-def collective(op: str, mesh, axis: str):
+def group_size(mesh, axis) -> int:
+    """Devices in one group of a collective over `axis` (a mesh axis name or a tuple of them)."""
+    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def collective(op: str, mesh, axis):
     """jit(shard_map) of `op` over `axis`: global x of shape (devices·N,), one block each."""
     spec = P(tuple(mesh.axis_names))
-    fn = shard_map(_local_fn(op, axis, mesh.shape[axis]), mesh=mesh, in_specs=spec, out_specs=spec)
+    local = _local_fn(op, axis, group_size(mesh, axis))
+    fn = shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)
     return jax.jit(fn)
 
 
@@ -93,7 +101,7 @@ class Point:
     """One timed collective."""
 
     op: str
-    axis: str
+    axis: str | tuple  # mesh axis, or several taken together
     group_size: int  # W
     size_bytes: int  # S, nccl-tests convention
     result: timing.BenchResult
@@ -107,8 +115,9 @@ class Point:
         return self.algbw * bus_factor(self.op, self.group_size)
 
 
-def time_one(op: str, mesh, axis: str, size_bytes: int, budget_s: float) -> Point:
-    W = mesh.shape[axis]
+def time_one(op: str, mesh, axis, size_bytes: int, budget_s: float) -> Point:
+    """One collective of nccl-tests message size `size_bytes` over `axis`, timed."""
+    W = group_size(mesh, axis)
     n = input_elems(op, size_bytes, W)
     fn = collective(op, mesh, axis)
     x = global_input(mesh, n)

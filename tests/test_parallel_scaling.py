@@ -1,0 +1,65 @@
+"""The scaling, extrapolation and remat experiments produce labelled records from real compiled
+steps (tiny size, dp only: the machinery, not the numbers), tables and a plot."""
+
+import pytest
+from rich.console import Console
+
+from lab.parallel import scaling
+
+
+@pytest.fixture(scope="module")
+def recs():
+    return scaling.run("tiny", strategies=("dp",))
+
+
+def _values(recs, experiment, what):
+    return {
+        tuple(sorted((k, v) for k, v in r["config"].items() if k in ("devices", "remat"))): r
+        for r in recs
+        if r["config"].get("experiment") == experiment and r["what"] == what
+    }
+
+
+def test_scaling_records_per_device_count(recs):
+    steps = _values(recs, "scaling", "step time")
+    assert sorted(k[0][1] for k in steps) == [1, 2]
+    assert all(r["value"] > 0 and r["label"] == "measured" for r in steps.values())
+    mem = {k[0][1]: r["value"] for k, r in _values(recs, "scaling", "memory per device").items()}
+    assert mem[2] < mem[1]  # dp halves the activations per device
+    comm = _values(recs, "scaling", "collective time (HLO bytes / measured busbw)")
+    assert all(r["label"] == "derived" for r in comm.values())
+    assert comm[(("devices", 1),)]["value"] == 0 < comm[(("devices", 2),)]["value"]
+
+
+def test_extrapolation_is_labelled_and_bounded(recs):
+    eff = [r for r in recs if r["config"].get("experiment") == "dp extrapolation"]
+    assert {r["config"]["devices"] for r in eff} == set(scaling.EXTRAPOLATE_TO)
+    assert all("extrapolated" in r["what"] and r["label"] == "predicted" for r in eff)
+    assert all(0 < r["value"] <= 1 for r in eff)
+    assert "measured here" in eff[0]["config"]["bandwidth_source"]  # CPU: no spec entry
+
+
+def test_remat_records_from_the_compiled_step(recs):
+    peak = _values(recs, "remat", "peak memory per device")
+    assert {dict(k)["remat"] for k in peak} == {"none", "full"}
+    temp = {dict(k)["remat"]: r["config"]["temp_bytes"] for k, r in peak.items()}
+    assert temp["full"] <= temp["none"]
+
+
+def test_tables_and_plot(recs, tmp_path):
+    console = Console(record=True, width=140)
+    for table in (scaling.scaling_table(recs), scaling.extrapolation_table(recs)):
+        console.print(table)
+    console.print(scaling.remat_table(recs))
+    text = console.export_text()
+    assert "EXTRAPOLATED" in text and "simulated CPU devices" in text
+    assert scaling.plot(recs, tmp_path / "s.png").stat().st_size > 0
+
+
+def test_meshes_and_bad_input(capsys):
+    assert scaling.mesh_spec("tp", 8) == "data:4,model:2"
+    assert scaling.mesh_spec("fsdp", 4) == "fsdp:4"
+    assert scaling.main(["--strategies", "zero3"]) == 2
+    assert "zero3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="size='huge'"):
+        scaling.run("huge")
