@@ -1,81 +1,23 @@
 """C08: naive attention against flash attention — error, time and memory over sequence length.
 
-Every implementation runs the same causal attention on the same random inputs, forward and
-forward+backward (the gradient of ⟨o, do⟩ for a random do). Time is `timing.bench`'s median;
-memory is the compiler's temporaries for that jitted call (what XLA must allocate beyond
-inputs and outputs: the naive form's L×S scores, the flash form's tiles). The speedup part
-of C08 is about on-chip SRAM, so only an accelerator's figure can decide it; the CPU's is
-recorded as context.
+The measurements are lab.kernels.attention.bench's `sweep`: every implementation compiled
+on this backend (naive, blockwise flash in jnp, the backend's Pallas kernel, the library's
+`jax.nn.dot_product_attention`, cuDNN on GPU) on the same random causal inputs, forward and
+forward+backward, timed call by call against each other; memory is XLA's temporary
+allocation of each compiled program; error is against a float64 reference. This module
+turns those records into the ledger's: the worst flash error, the naive/flash time ratio at
+the longest sequence (only an accelerator has the on-chip SRAM the claim is about: on CPU it
+is context) and the slope of flash's memory against sequence length.
 """
 
-import functools
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import backend, pick, record
-from lab.kernels.attention.reference import attention_reference
-from lab.measure import memory, timing
+from lab.kernels.attention import bench
 
 CLAIMS = ("C08",)
-
-
-def _library(q, k, v):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-
-
-def implementations(be: str) -> dict:
-    """name → (fn(q, k, v), is_flash). Flash kinds present on this backend, plus the naive
-    reference and, on accelerators, the library call (cuDNN's fused kernel on GPU)."""
-    from lab.kernels import attention as dispatch
-    from lab.kernels.attention.blockwise import blockwise_attention
-
-    impls = {
-        "naive": (functools.partial(attention_reference, causal=True), False),
-        "flash (blockwise jnp)": (functools.partial(blockwise_attention, causal=True), True),
-    }
-    kernel = {"tpu": "pallas", "gpu": "pallas"}.get(be)
-    if kernel and kernel in getattr(dispatch, "IMPLS", ()):
-        impls[f"flash ({kernel} {be})"] = (
-            functools.partial(dispatch.attention, causal=True, impl=kernel),
-            True,
-        )
-    if be == "gpu":
-        impls["library (cuDNN)"] = (
-            functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"),
-            True,
-        )
-    elif be == "tpu":
-        impls["library (XLA)"] = (_library, False)
-    return impls
-
-
-def _fwd_bwd(fn):
-    def loss(q, k, v, do):
-        return jnp.sum(fn(q, k, v).astype(jnp.float32) * do)
-
-    return jax.grad(loss, argnums=(0, 1, 2))
-
-
-def _measure(fn, args, budget_s: float) -> dict:
-    jitted = jax.jit(fn)
-    mem = memory.compiled_memory(jitted.lower(*args).compile()) or {}
-    r = timing.bench(jitted, *args, budget_s=budget_s, warmup=1, min_runs=3, max_runs=100)
-    return {
-        "median_s": r.median_s,
-        "compile_s": r.compile_s,
-        "runs": r.runs,
-        "temp_bytes": mem.get("temp_bytes"),
-        "out": jitted(*args),
-    }
-
-
-def _max_err(a, b) -> float:
-    leaves = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    return max(
-        float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) for x, y in leaves
-    )
+NAIVE = "naive"
+FLASH = ("blockwise", "pallas_tpu", "pallas_gpu", "cudnn")  # kernels that never form L×L
 
 
 def exponent(seq_lens, values) -> float | None:
@@ -87,92 +29,122 @@ def exponent(seq_lens, values) -> float | None:
     return float(np.polyfit(x, y, 1)[0])
 
 
+def _rows(bench_records: list[dict]) -> dict:
+    """(impl, mode, seq) → {time, memory, error} from the bench's one-figure records."""
+    keys = {
+        "attention time": "median_s",
+        "attention peak temp memory": "temp_bytes",
+        "attention max error": "max_error",
+    }
+    rows: dict = {}
+    for r in bench_records:
+        c = r["config"]
+        if r["what"] in keys:
+            row = rows.setdefault((c["impl"], c["mode"], c["seq"]), {})
+            row[keys[r["what"]]] = r["value"]
+            row["label"] = r["label"]
+    return rows
+
+
+def _context(rows: dict, shape: bench.Shape) -> list[dict]:
+    out = []
+    for (impl, mode, seq), row in sorted(rows.items()):
+        if "median_s" not in row:
+            continue
+        out.append(
+            record(
+                "C08",
+                None,
+                f"{impl} {mode}, L={seq}",
+                row["median_s"],
+                "s",
+                role="context",
+                series="attention",
+                impl=impl,
+                mode=mode,
+                seq_len=seq,
+                temp_bytes=row.get("temp_bytes"),
+                max_error=row.get("max_error"),
+                shape=[shape.batch, seq, shape.heads, shape.kv_heads, shape.head_dim],
+                causal=True,
+                dtype=shape.dtype,
+                median_s=row["median_s"],
+            )
+        )
+    return out
+
+
+def _evidence(rows: dict, seqs) -> list[dict]:
+    out = []
+    impls = sorted({k[0] for k in rows})
+    longest = max(seqs)
+    for impl in impls:
+        flash = impl in FLASH
+        errors = [r["max_error"] for k, r in rows.items() if k[0] == impl and "max_error" in r]
+        if errors:
+            out.append(
+                record(
+                    "C08",
+                    "flash_max_error" if flash else None,
+                    f"{impl}: largest error against the float64 reference (relative to "
+                    "its largest output), outputs and dQ, every L",
+                    max(errors),
+                    "max |Δ|",
+                    label="derived",
+                    role="evidence" if flash else "context",
+                    impl=impl,
+                )
+            )
+        temps = [rows.get((impl, "fwd+bwd", s), {}).get("temp_bytes") for s in seqs]
+        out.append(
+            record(
+                "C08",
+                "flash_memory_exponent" if flash else None,
+                f"{impl} fwd+bwd: slope of log(temporary bytes) on log(L), L={min(seqs)}…{longest}",
+                exponent(seqs, temps),
+                "exponent",
+                label="derived",
+                role="evidence" if flash else "context",
+                impl=impl,
+                temp_bytes=temps,
+                seq_lens=list(seqs),
+            )
+        )
+        naive = rows.get((NAIVE, "fwd+bwd", longest), {}).get("median_s")
+        mine = rows.get((impl, "fwd+bwd", longest), {}).get("median_s")
+        if impl != NAIVE and naive and mine:
+            out.append(
+                record(
+                    "C08",
+                    "flash_speedup" if flash else None,
+                    f"naive over {impl} time, fwd+bwd, L={longest}",
+                    naive / mine,
+                    "×",
+                    label="derived",
+                    role="evidence" if flash else "context",
+                    impl=impl,
+                    seq_len=longest,
+                )
+            )
+    return out
+
+
 def run(size: str = "quick") -> list[dict]:
     be = backend()
-    B, H, K, D = pick(size, tiny=(1, 2, 1, 16), quick=(1, 4, 2, 64), full=(2, 8, 4, 64))
-    seq_lens = pick(
+    shape = pick(
+        size,
+        tiny=bench.Shape(1, 2, 1, 16),
+        quick=bench.Shape(1, 4, 2, 64),
+        full=bench.Shape(2, 8, 4, 64),
+    )
+    seqs = pick(
         size,
         tiny=(64, 128),
         quick=(256, 512, 1024, 2048),
         full=(512, 1024, 2048, 4096) if be == "cpu" else (1024, 2048, 4096, 8192, 16384),
     )
-    budget = pick(size, tiny=0.01, quick=0.15, full=1.0)
-    dtype = jnp.float32
-    impls = implementations(be)
-    recs, by = [], {}
-    for L in seq_lens:
-        q, k, v, do = timing.random_inputs(
-            L, [(B, L, H, D), (B, L, K, D), (B, L, K, D), (B, L, H, D)], dtype
-        )
-        outs = {}
-        for name, (fn, _) in impls.items():
-            for mode, f, args in (("fwd", fn, (q, k, v)), ("fwd+bwd", _fwd_bwd(fn), (q, k, v, do))):
-                m = _measure(f, args, budget)
-                outs[(name, mode)] = m.pop("out")
-                by[(name, mode, L)] = m
-                recs.append(
-                    record(
-                        "C08",
-                        None,
-                        f"{name} {mode}, L={L}",
-                        m["median_s"],
-                        "s",
-                        series="attention",
-                        impl=name,
-                        mode=mode,
-                        seq_len=L,
-                        shape=[B, L, H, K, D],
-                        dtype="float32",
-                        **m,
-                    )
-                )
-        for name, (_, is_flash) in impls.items():
-            if name == "naive":
-                continue
-            err = max(_max_err(outs[(name, m)], outs[("naive", m)]) for m in ("fwd", "fwd+bwd"))
-            recs.append(
-                record(
-                    "C08",
-                    "flash_max_error" if is_flash else None,
-                    f"{name}: max |Δ| against naive (outputs and gradients), L={L}",
-                    err,
-                    "max |Δ|",
-                    role="evidence" if is_flash else "context",
-                    impl=name,
-                    seq_len=L,
-                )
-            )
-    longest = seq_lens[-1]
-    for name, (_, is_flash) in impls.items():
-        temps = [by[(name, "fwd+bwd", L)]["temp_bytes"] for L in seq_lens]
-        recs.append(
-            record(
-                "C08",
-                "flash_memory_exponent" if is_flash else None,
-                f"{name} fwd+bwd: slope of log(temporary bytes) on log(L), "
-                f"L={seq_lens[0]}…{longest}",
-                exponent(seq_lens, temps),
-                "exponent",
-                role="evidence" if is_flash else "context",
-                impl=name,
-                temp_bytes=temps,
-                seq_lens=list(seq_lens),
-            )
-        )
-        if name == "naive":
-            continue
-        naive_s = by[("naive", "fwd+bwd", longest)]["median_s"]
-        recs.append(
-            record(
-                "C08",
-                "flash_speedup" if is_flash else None,
-                f"naive over {name} time, fwd+bwd, L={longest}",
-                naive_s / by[(name, "fwd+bwd", longest)]["median_s"],
-                "×",
-                label="derived",
-                role="evidence" if is_flash else "context",
-                impl=name,
-                seq_len=longest,
-            )
-        )
-    return recs
+    budget = pick(size, tiny=0.01, quick=0.3, full=1.0)
+    modes = pick(size, tiny=("fwd+bwd",), quick=bench.MODES, full=bench.MODES)
+    raw = bench.sweep(seqs, causal=(True,), modes=modes, shape=shape, budget_s=budget)
+    rows = _rows(raw)
+    return _context(rows, shape) + _evidence(rows, seqs)

@@ -20,10 +20,12 @@ from lab.measure import ceilings, cost, memory, records, specs, timing
 SIZES = ("tiny", "quick", "full")
 # The lab step every training topic times, per size, and the time budget for timing it: one
 # config shared by memory, training and parallel, so a process compiles and times it once.
+# Naive attention: the same program on every backend (results compare across machines), and
+# the one lab.measure.memory's calculator models (C09 holds the calculator against it).
 STEP_ARGS = {
-    "tiny": ("model=tiny", "batch_size=2", "seq_len=32", "data=synthetic"),
-    "quick": ("model=small", "batch_size=8", "seq_len=256", "data=synthetic"),
-    "full": ("model=small", "batch_size=16", "seq_len=1024", "data=synthetic"),
+    "tiny": ("model=tiny", "batch_size=2", "seq_len=32", "data=synthetic", "attention=naive"),
+    "quick": ("model=small", "batch_size=8", "seq_len=256", "data=synthetic", "attention=naive"),
+    "full": ("model=small", "batch_size=16", "seq_len=1024", "data=synthetic", "attention=naive"),
 }
 STEP_BUDGET_S = {"tiny": 0.01, "quick": 0.5, "full": 2.0}
 YEAR_S = 365.25 * 24 * 3600
@@ -295,7 +297,11 @@ def forward_probe(argv: list[str], *, batch: int, seq_len: int, device=None, bud
     tokens = jax.device_put(
         jax.random.randint(jax.random.key(0), (batch, seq_len), 0, m.vocab_size), device
     )
-    params = jax.jit(model.init)(jax.device_put(jax.random.key(1), device), tokens)["params"]
+    key = ("params", repr(m), seq_len, str(device))
+    if key not in _PROBES:  # parameters do not depend on the batch: one init per model
+        init = jax.jit(model.init)(jax.device_put(jax.random.key(1), device), tokens[:1])
+        _PROBES[key] = init["params"]
+    params = _PROBES[key]
     fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
     r = timing.bench(fwd, params, tokens, budget_s=budget_s, warmup=1, min_runs=3, max_runs=200)
     n = count_nonembedding_params(params, m)

@@ -324,8 +324,9 @@ CLAIMS: tuple[Claim, ...] = (
                 "max |Δ|",
                 lo=0,
                 hi=1e-4,
-                reading="'same result': the largest |flash − naive| over all outputs, float32, "
-                "at most 1e-4 (rounding, not a different computation)",
+                reading="'same result': the largest error of flash attention against a float64 "
+                "reference (relative to the largest output; outputs and dQ, every sequence "
+                "length), float32 inputs, at most 1e-4: rounding, not a different computation",
             ),
             Stated(
                 "flash_speedup",

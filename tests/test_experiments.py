@@ -1,0 +1,121 @@
+"""The claims ledger end to end: every experiment in tiny mode, once, in one process-wide
+fixture (compiles are the cost: the experiments share one cached step), then the report,
+its plots and a cross-backend merge read from that one results folder."""
+
+import json
+import shutil
+
+import pytest
+
+import experiments
+from experiments import __main__ as cli
+from experiments import compare
+from lab.measure import records as rec
+from lab.report.claims import CLAIMS
+from lab.report.verdict import MISSING, judge_all
+
+IDS = [f"C{i:02d}" for i in range(1, 21)]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """`python -m experiments size=tiny` in this process; its folder, records and run.json."""
+    root = tmp_path_factory.mktemp("results")
+    rc = cli.main(["size=tiny", f"out={root}"])
+    (folder,) = root.iterdir()
+    return {
+        "rc": rc,
+        "dir": folder,
+        "records": rec.read_records(folder / "records.jsonl"),
+        "run": json.loads((folder / "run.json").read_text()),
+    }
+
+
+def test_every_module_runs_tiny_and_answers_its_claims(tiny_run):
+    assert tiny_run["rc"] == 0, tiny_run["run"]["modules"]
+    modules = tiny_run["run"]["modules"]
+    assert list(modules) == list(experiments.MODULES)
+    covered = set()
+    for name in experiments.MODULES:
+        assert modules[name]["error"] is None and modules[name]["records"] > 0, name
+        module = experiments.load(name)
+        covered |= set(module.CLAIMS)
+        claims_seen = {
+            r["config"]["claim"] for r in tiny_run["records"] if r["config"]["experiment"] == name
+        }
+        assert claims_seen <= set(module.CLAIMS), (name, claims_seen)
+        assert claims_seen == set(module.CLAIMS), (name, claims_seen)
+    assert covered == set(IDS)
+
+
+def test_report_table_has_every_claim_and_the_plots(tiny_run):
+    text = (tiny_run["dir"] / "REPORT.md").read_text()
+    for cid in IDS:
+        assert f"| {cid} |" in text
+    for png in ("roofline.png", "matmul.png", "attention.png", "memory.png", "scaling.png"):
+        assert (tiny_run["dir"] / png).stat().st_size > 1000, png
+        assert f"({png})" in text
+
+
+def test_every_verdict_rests_on_records(tiny_run):
+    records = tiny_run["records"]
+    for v in judge_all(records):
+        assert v.status != MISSING, v.claim.id
+        assert v.records, v.claim.id
+        for check in v.checks:
+            for reading in check.readings:
+                assert records[reading.index]["config"]["claim"] == v.claim.id
+
+
+def test_article_arithmetic_error_is_reported_with_its_factor(tiny_run):
+    """'100 million operations' against XLA's count of 2·10¹² FLOPs: off by 20,000×."""
+    text = (tiny_run["dir"] / "REPORT.md").read_text()
+    (c01,) = [r for r in tiny_run["records"] if r["config"]["metric"] == "matmul_10k_flops"]
+    assert c01["value"] == pytest.approx(2e12, rel=1e-3)
+    assert "×1.6e+04 (above)" in text and "2·n³" in text
+
+
+def test_cli_rejects_bad_arguments_with_one_line(capsys):
+    for argv in (["only=C99"], ["size=huge"], ["colour=red"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error:"), err
+
+
+def test_only_selects_modules_without_importing_the_rest():
+    assert experiments.select(experiments.parse_only("c03,C08")) == ["matmul", "attention"]
+    assert experiments.select(None) == list(experiments.MODULES)
+    assert {c.topic for c in CLAIMS} == set(experiments.MODULES)
+
+
+def _relabel(src, dst, backend: str, kind: str):
+    shutil.copytree(src, dst)
+    rows = rec.read_records(dst / "records.jsonl")
+    for r in rows:
+        r.update(backend=backend, device_kind=kind)
+    (dst / "records.jsonl").unlink()
+    rec.write_records(dst / "records.jsonl", rows)
+    return dst
+
+
+def test_compare_merges_backends_side_by_side(tiny_run, tmp_path, capsys):
+    """A real tiny folder beside two relabelled copies (a TPU and an H100 in name only, to
+    exercise the merge): the pair ratios C19 needs appear as derived, multi-backend records."""
+    tpu = _relabel(tiny_run["dir"], tmp_path / "tpu", "tpu", "TPU v5 lite")
+    h100 = _relabel(tiny_run["dir"], tmp_path / "h100", "gpu", "NVIDIA H100 80GB HBM3")
+    argv = [str(tiny_run["dir"]), str(tpu), str(h100), f"out={tmp_path / 'cmp'}"]
+    assert compare.main(argv) == 0
+    (out,) = (tmp_path / "cmp").iterdir()
+    text = (out / "REPORT.md").read_text()
+    assert "cpu · cpu" in text and "tpu · TPU v5 lite" in text and "H100" in text
+    merged = rec.read_records(out / "records.jsonl")
+    (ratio,) = [
+        r
+        for r in merged
+        if r["config"].get("metric") == "tpu_over_h100" and r["config"].get("on") == "multi"
+    ]
+    assert ratio["value"] == pytest.approx(1.0) and ratio["label"] == "derived"
+    c19 = next(v for v in judge_all(merged) if v.claim.id == "C19")
+    tpu_check = next(c for c in c19.checks if c.stated.metric == "tpu_over_h100")
+    assert tpu_check.status == "off"  # equal throughput is not 'underperforms'
+    assert compare.main([str(tmp_path / "nothing-here")]) == 2
