@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 records = module.run(opts["size"])
                 for r in records:
-                    r["config"]["experiment"] = name
+                    r["config"]["module"] = name
                 rec.write_records(out_dir / "records.jsonl", records)
                 error = None
             except Exception as e:  # noqa: BLE001 — one failed topic must not lose the others

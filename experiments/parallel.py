@@ -6,9 +6,13 @@ the buffer assignment is the real one for that mesh). C13: the data-parallel ste
 all-reduce is read from the compiled program (lab.parallel.collectives_hlo: bus bytes per
 device), its compute from the step's compiled FLOPs; scaled to N devices with the ring
 all-reduce rule and timed at a GPU's link speeds, the step becomes communication-bound at some
-N: predicted, with the MFU measured here. Where lab.parallel.collectives exists, an all-reduce
-of the gradients' size is also timed on the devices present (context: on CPU a memcpy).
+N: predicted, with the MFU measured here. An all-reduce of the gradients' size is timed on
+the devices present, and (quick, full) lab.parallel.scaling measures the data-parallel step
+over 1…8 devices with its collective/compute split: context (on CPU a memcpy between
+simulated devices, not a link).
 """
+
+import dataclasses
 
 import jax
 
@@ -210,11 +214,8 @@ def _c13(size: str, dp_probe: dict, n: int) -> list[dict]:
 
 def _timed_allreduce(buffer_bytes: float, size: str) -> list[dict]:
     """All-reduce of the gradients' size on the devices present, where the lab can time it."""
-    try:
-        from lab.parallel import collectives
-    except ImportError:
-        return []
     from lab.mesh import make_mesh
+    from lab.parallel import collectives
 
     devices = jax.devices()
     if len(devices) < 2:
@@ -238,6 +239,20 @@ def _timed_allreduce(buffer_bytes: float, size: str) -> list[dict]:
     ]
 
 
+def measured_scaling(size: str) -> list[dict]:
+    """lab.parallel.scaling's data-parallel runs over 1…n devices (step time, collective time
+    from HLO bytes over measured bus bandwidth, compute) and its extrapolation, as context:
+    on CPU the devices are simulated slices of one host. Not in tiny (the test suite)."""
+    from lab.parallel import scaling
+
+    counts = tuple(c for c in (1, 2, 4, 8) if c <= len(jax.devices()))
+    s = dataclasses.replace(scaling.SIZES[size], device_counts=counts)
+    recs = scaling.scaling(s, ("dp",)) + scaling.extrapolate(s)
+    for r in recs:
+        r["config"].update(claim="C13", metric=None, role="context", series="dp_measured")
+    return recs
+
+
 def run(size: str = "quick") -> list[dict]:
     n = len(jax.devices())
     if n < 2:
@@ -251,4 +266,5 @@ def run(size: str = "quick") -> list[dict]:
         ]
     n = n if n % 2 == 0 else n - 1
     recs, dp = _c14(size, n)
-    return recs + _c13(size, dp, n)
+    measured = [] if size == "tiny" else measured_scaling(size)
+    return recs + _c13(size, dp, n) + measured

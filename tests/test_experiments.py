@@ -41,7 +41,7 @@ def test_every_module_runs_tiny_and_answers_its_claims(tiny_run):
         module = experiments.load(name)
         covered |= set(module.CLAIMS)
         claims_seen = {
-            r["config"]["claim"] for r in tiny_run["records"] if r["config"]["experiment"] == name
+            r["config"]["claim"] for r in tiny_run["records"] if r["config"]["module"] == name
         }
         assert claims_seen <= set(module.CLAIMS), (name, claims_seen)
         assert claims_seen == set(module.CLAIMS), (name, claims_seen)

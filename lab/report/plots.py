@@ -141,14 +141,36 @@ def memory(records, path) -> Path | None:
     return path
 
 
+def _measured_split(ax, rows) -> None:
+    """Measured data-parallel step over the devices present: step, collective, compute."""
+    for what, style in (("step time", "o-"), ("collective time", "s--"), ("compute time", "^:")):
+        pts = sorted(
+            (r["config"]["devices"], r["value"]) for r in rows if r["what"].startswith(what)
+        )
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], style, label=what)
+    ax.set(xlabel="devices (data parallel)", ylabel="ms (measured / derived)")
+    ax.set_title(
+        "measured here" + (" (simulated CPU devices)" if rows[0]["backend"] == "cpu" else ""),
+        fontsize=9,
+    )
+    ax.legend(fontsize=7)
+
+
 def scaling(records, path) -> Path | None:
-    """Data-parallel efficiency against device count (predicted) and per-strategy memory."""
+    """Data-parallel efficiency against device count (predicted), per-strategy memory, and the
+    measured step split where lab.parallel.scaling ran."""
     eff = series(records, "dp_scaling")
     mem = series(records, "strategy_memory")
+    measured = [
+        r for r in series(records, "dp_measured") if r["config"].get("experiment") == "scaling"
+    ]
     if not eff and not mem:
         return None
     plt = _plt()
-    fig, (ax_e, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    panels = 3 if measured else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    ax_e, ax_m = axes[0], axes[1]
     by_target = defaultdict(list)
     for r in eff:
         by_target[r["config"].get("target", "")].append((r["config"]["devices"], r["value"]))
@@ -172,6 +194,8 @@ def scaling(records, path) -> Path | None:
             ylabel="MiB per device (compiled)",
             title=f"same step, {mem[0]['config'].get('devices')} devices, per strategy",
         )
+    if measured:
+        _measured_split(axes[2], measured)
     fig.suptitle(f"scaling · {_label((eff or mem)[0])}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
