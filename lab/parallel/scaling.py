@@ -428,14 +428,13 @@ def plot(recs: list[dict], path) -> Path:
             "o-",
             label=strategy,
         )
-    axes[0].set(xscale="log", xlabel="devices", ylabel="step time (ms)", title="measured step time")
+    axes[0].set(xlabel="devices", ylabel="step time (ms)", title="measured step time")
     for what, style in (("no overlap", "o-"), ("perfect overlap", "s--")):
         pts = _by(recs, "dp extrapolation", f"DP efficiency (extrapolated, {what})")
         axes[1].plot(
             [r["config"]["devices"] for r in pts], [r["value"] for r in pts], style, label=what
         )
     axes[1].set(
-        xscale="log",
         ylim=(0, 1.05),
         xlabel="devices",
         ylabel="efficiency",
@@ -454,6 +453,12 @@ def plot(recs: list[dict], path) -> Path:
             label=f"remat={remat}",
         )
     axes[2].set(xlabel="batch", ylabel="peak MiB per device", title="remat × batch (compiled step)")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
@@ -487,7 +492,7 @@ def main(argv=None) -> int:
     from lab import devices
 
     devices.prepare("1", cpu_devices=args.cpu_devices)
-    console = Console()
+    console = Console(width=max(120, Console().width))  # the tables are wider than 80
     t0 = time.perf_counter()
     recs = run(args.size, strategies)
     for table in (scaling_table(recs), extrapolation_table(recs), remat_table(recs)):
