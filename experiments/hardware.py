@@ -208,7 +208,7 @@ def _c19_reference() -> list[dict]:
     return [
         record(
             "C19",
-            None,
+            "mi300x_over_h100",  # reference: shown against the range, never a verdict
             "MI300X over H100, bf16 datasheet peaks (reference, not measured)",
             mi.peak_flops["bfloat16"] / h.peak_flops["bfloat16"],
             "×",

@@ -182,7 +182,7 @@ def _c03_c05(n: int, budget_s: float, be: str) -> list[dict]:
         recs.append(
             record(
                 "C03",
-                None,
+                "tensor_core_speedup",  # reference: shown against the range, never a verdict
                 f"{name} datasheet: half-precision Tensor Core peak over FP32 peak",
                 half_peak / spec.peak_flops["float32"],
                 "×",

@@ -118,7 +118,7 @@ def _c06(be, sizes, budget) -> list[dict]:
         recs.append(
             record(
                 "C06",
-                None,
+                "ridge_point",  # reference: shown against the range, never a verdict
                 f"{spec.name}: datasheet ridge (bf16 peak / HBM bandwidth)",
                 spec.peak_flops["bfloat16"] / spec.memory_bandwidth,
                 "FLOP/B",
@@ -188,7 +188,7 @@ def _c07(be, sizes, budget) -> list[dict]:
     recs.append(
         record(
             "C07",
-            None,
+            "nvlink_over_pcie",  # reference: shown against the range, never a verdict
             f"{spec.name}: datasheet NVLink over PCIe Gen5 x16 (both directions each)",
             spec.interconnect_bandwidth / spec.host_bandwidth,
             "×",
