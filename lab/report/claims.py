@@ -576,8 +576,9 @@ CLAIMS: tuple[Claim, ...] = (
                 "req/s",
                 **about(10, 1.5),
                 backends=("cpu",),
-                reading="a BERT-base-sized classifier, 128 tokens per request, best batch size; "
-                "per 16 cores at this CPU's per-core rate; ~10 read as 10 ÷/× 1.5",
+                reading="the lab's transformer at BERT-base size (12 layers, d_model 768) as the "
+                "classifier, 128 tokens per request, forward only, best batch size; scaled to 16 "
+                "cores from the cores this process used; ~10 read as 10 ÷/× 1.5",
             ),
             Stated(
                 "gpu_rps",
@@ -605,8 +606,9 @@ CLAIMS: tuple[Claim, ...] = (
                 "tokens/s",
                 **about(1, 2),
                 backends=("cpu",),
-                reading="training tokens/s of the lab's GPT-2-small-sized transformer on this "
-                "CPU; '1 token/second' read within a factor of 2",
+                reading="GPT-2-small (124M parameters, 1024 context) training tokens/s on this "
+                "CPU: the model FLOP/s the lab's training step reaches here over GPT-2-small's "
+                "FLOPs per token; '1 token/second' read within a factor of 2",
                 if_off="the article names no model size; tokens/s scales inversely with "
                 "parameters, so a bare figure cannot hold for 'a GPT-like model' in general",
             ),
