@@ -23,8 +23,9 @@ Implementations whose compiled program needs more memory than half of what the h
 device has free are compiled but not run: their memory is reported (*compiled, not run*) and
 their time is "skipped". On GPU, cuDNN and JAX's bundled Pallas attention ops join as peers:
 `jax.experimental.pallas.ops.gpu.attention.mha` (Triton; kv heads repeated, it has no grouped
-heads) and `attention_mgpu.attention` (Mosaic GPU, Hopper and later, bf16/f16; forward only
-here, it takes no softmax scale, so q is scaled before the call).
+heads) and `attention_mgpu.attention` (Mosaic GPU, Hopper and later, bf16/f16, lengths in
+whole 128-blocks; it takes no softmax scale, so q is scaled before the call). A peer that
+refuses a shape or device is listed as "does not compile here" with its reason.
 
 `sweep(...)` returns the records (`lab.measure.records`) so experiments can call it; the
 module also prints a table, appends the records to results/attention-<backend>-<time>.jsonl
@@ -209,7 +210,8 @@ def _measure_one(impls, shape: Shape, seq: int, causal: bool, mode: str, timing:
         for row in rows:
             if row["impl"] in runnable:
                 row["time"] = times[row["impl"]]
-                row["time"]["baseline"] = baseline
+                if baseline != BASELINE:  # the baseline did not run: no ratio to give
+                    row["time"]["ratio"] = None
                 row["max_error"] = _max_error(runnable[row["impl"]](*args), ref_rows, want)
     return rows
 
@@ -263,10 +265,10 @@ def _records(row: dict, shape: Shape, seq: int, causal: bool, mode: str) -> list
         rec.make_record(
             "attention max error", row["max_error"], "relative", rows=ERROR_ROWS, **config
         ),
-        rec.make_record(
-            f"attention time ratio vs {t['baseline']}", t["ratio"], "x", label="derived", **config
-        ),
     ]
+    if t["ratio"] is not None:
+        ratio = f"attention time ratio vs {BASELINE}"
+        out.append(rec.make_record(ratio, t["ratio"], "x", label="derived", **config))
     return out
 
 
@@ -285,7 +287,8 @@ def sweep(
     """Measure every impl over seqs × causal × modes; returns `lab.measure.records` records.
 
     Records of one (impl, seq, causal, mode) share `config`: time (s), TFLOP/s, peak temp
-    memory (B), max error, time ratio vs the baseline, or the reason it was skipped.
+    memory (B), max error, time ratio vs the baseline (absent where the baseline did not run),
+    or the reason it was skipped.
     """
     impls = tuple(impls or default_impls())
     timing = dict(budget_s=budget_s, min_runs=min_runs, warmup=warmup)
@@ -387,7 +390,8 @@ def plot(records: list[dict], path, title: str) -> Path:
         ax.set(title=f"{m}, {'causal' if c else 'full'}", xlabel="L = S", ylabel="s per call")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.legend(fontsize=7)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
     ax = axes[len(panels)]
     for impl in impls:
         pts = sorted(
@@ -403,7 +407,8 @@ def plot(records: list[dict], path, title: str) -> Path:
     ax.set(title="fwd+bwd causal: peak temp memory", xlabel="L = S", ylabel="bytes")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.legend(fontsize=7)
+    if ax.get_lines():
+        ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)

@@ -91,6 +91,9 @@ def _grouped(x_BxLxHxD, g: Geometry):
 
 
 def _forward(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry):
+    """(out [B, L, H, D], lse [N, B, K, G, Q]): the log-sum-exp per query row in block layout
+    (query block n, row q of head k·G + g), natural log, f32 (f64 for f64 inputs); padded
+    query rows included. What a caller combining partial attentions (ring attention) needs."""
     acc = jnp.promote_types(q_BxLxHxD.dtype, jnp.float32)
     q_NxBxQxKxGxD = _grouped(q_BxLxHxD, g)
     k_MxBxCxKxD = _blocks(pad_seq(k_BxSxKxD, g.n_k * g.bk), g.bk)
