@@ -4,7 +4,9 @@ Product: causal × GQA ratio (1, 2, 4) × dtype (f32, bf16) × length (64: whole
 padded and masked) × head_dim (64, 128), all of it for naive and blockwise; the interpreted
 Pallas classes rerun a pairwise-covering subset (every pair of factor levels appears at least
 once) because the interpreter costs seconds per shape. Small blocks (16/32) so that the short
-sequences still cross several tiles and the causal diagonal.
+sequences still cross several tiles and the causal diagonal. Also here: dispatch rules, bad
+input, the model's `attention=` switch (blockwise trains with naive's losses) and one tiny
+point of the benchmark sweep. Ahead-of-time compiles live in tests/test_attention_aot.py.
 """
 
 import dataclasses
