@@ -20,7 +20,17 @@ DTYPES = {
     "f16": "float16",
     "fp16": "float16",
 }
-ATTENTION_IMPLS = ("auto", "naive", "blockwise", "pallas", "xla", "cudnn", "ring")
+ATTENTION_IMPLS = (
+    "auto",
+    "naive",
+    "blockwise",
+    "pallas",
+    "pallas_tpu",
+    "pallas_gpu",
+    "xla",
+    "cudnn",
+    "ring",
+)
 STRATEGIES = ("auto", "dp", "fsdp", "tp", "fsdp+tp", "cp")
 
 

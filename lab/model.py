@@ -88,7 +88,10 @@ class Attention(nn.Module):
         if c.attention == "ring":  # context parallel: K/V blocks travel around the seq axis
             o_BxLxHxK = ring_attention_in_model(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True)
         else:
-            o_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, impl=c.attention)
+            spec = nn.logical_to_mesh_axes(("batch", "seq", "heads", "kv"))
+            o_BxLxHxK = attention(
+                q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, impl=c.attention, shard_spec=spec
+            )
         o_BxLxHxK = _constrain(o_BxLxHxK, ("batch", "seq", "heads", "kv"))
         return jnp.einsum("blhk,hkd->bld", o_BxLxHxK, wo_HxKxD.astype(c.dtype))
 

@@ -18,6 +18,7 @@ def resolve(cfg: Config, backend: str, sizes: dict[str, int]) -> tuple[Config, s
     from lab.mesh import auto_strategy
 
     model = resolve_dtype(cfg.model, backend)
+    model = dataclasses.replace(model, attention=_attention_impl(model, cfg.seq_len, backend))
     data = cfg.data if cfg.data != "auto" else ("text" if model.vocab_size == 256 else "synthetic")
     name = cfg.name or f"{cfg.preset}-{cfg.mesh}-{time.strftime('%Y%m%d-%H%M%S')}"
     strategy = cfg.strategy if cfg.strategy != "auto" else auto_strategy(sizes)
@@ -25,6 +26,26 @@ def resolve(cfg: Config, backend: str, sizes: dict[str, int]) -> tuple[Config, s
     if cfg.data == "text" and model.vocab_size < 256:
         raise ConfigError(f"data=text needs vocab_size >= 256 (bytes), got {model.vocab_size}")
     return cfg, strategy
+
+
+def _attention_impl(model, seq_len: int, backend: str) -> str:
+    """The kernel `attention=` runs on this backend (auto resolved, so the header and
+    config.json name it); one the inputs do not fit is a ConfigError before any tracing."""
+    if model.attention == "ring":
+        return "ring"  # checked against the strategy in lab.config
+    import jax
+    import jax.numpy as jnp
+
+    from lab.kernels.attention import choose
+
+    dtype = jnp.dtype(model.dtype)
+    q = jax.ShapeDtypeStruct((1, seq_len, model.n_heads, model.head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((1, seq_len, model.n_kv_heads, model.head_dim), dtype)
+    try:
+        impl = choose(model.attention, q, kv, kv, causal=True, backend=backend)
+    except ValueError as e:
+        raise ConfigError(f"attention={model.attention}: {e}") from None
+    return impl if model.attention == "auto" else model.attention
 
 
 def setup(cfg: Config, argv: list[str] | None = None):

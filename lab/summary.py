@@ -63,6 +63,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer) -> dict:
             seq_len=cfg.seq_len,
             strategy=cfg.strategy,
             sizes=dict(trainer.mesh.shape),
+            backend=trainer.mesh.devices.flat[0].platform,  # the target's, for AOT plans
         ),
         "compiled_cost_per_device": cost.compiled_cost(compiled),
         "capacity_bytes_per_device": capacity_bytes(info),

@@ -69,3 +69,16 @@ def test_bad_targets_are_one_line(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_plan_runs_the_pallas_kernel_inside_the_sharded_step():
+    """attention=auto on a TPU target picks the Mosaic kernel (head_dim 64 here), run per
+    shard under shard_map in the tensor-parallel step: the compiled step holds its calls."""
+    from lab.run import setup
+
+    argv = ["target=tpu:v5e:2x2", "mesh=2x2", "model=small", "d_model=512"]
+    argv += ["batch_size=8", "seq_len=256"]
+    cfg, info, trainer = setup(parse_args(argv), argv)
+    assert cfg.model.attention == "pallas_tpu" and info.backend == "tpu"
+    hlo = trainer.lower().compile().as_text()
+    assert hlo.count("tpu_custom_call") >= 3 * cfg.model.n_layers  # forward, dq, dk/dv

@@ -14,6 +14,8 @@ import os
 import resource
 import sys
 
+import jax
+
 # --- measured ----------------------------------------------------------------------------
 
 
@@ -99,8 +101,11 @@ REMATS = ("none", "full", "dots")
 F32 = 4
 
 
+ATTENTION_KINDS = ("naive", "flash", "blockwise")
+
+
 def _layer_activation_bytes(
-    d, d_kv, f, h, s, c, *, model: int, attention: str
+    d, d_kv, f, h, s, c, *, model: int, attention: str, tile: int = 256
 ) -> tuple[float, float, float]:
     """Bytes per token of one block: (saved with no remat, saved under remat=dots, transient).
 
@@ -113,11 +118,14 @@ def _layer_activation_bytes(
         attention output (D), gate, up, silu(gate) and their product (4·F)
       naive attention, split over heads: scores, masked scores and probabilities in float32
         (3·H·S·4 bytes), plus the probabilities cast to c when c is not float32
-      flash attention: one float32 log-sum-exp per head instead.
+      flash attention (fused or blockwise): one float32 log-sum-exp per head instead.
     remat=dots keeps only matmul outputs (jax's dots_with_no_batch_dims_saveable): the block
       input, q, k, v before any repeat, both projections back to D, gate and up.
     Transient (one block at a time, during its backward): naive attention's gradient of the
-      scores and of the probabilities and the re-formed softmax, 3·H·S·4 bytes.
+      scores and of the probabilities and the re-formed softmax, 3·H·S·4 bytes. A fused
+      flash kernel keeps its tiles on chip (0); blockwise flash in plain JAX writes one
+      `tile`×`tile` tile of the same three to device memory, 3·H·tile²/S·4 bytes per token, and
+      accumulates dq, dk and dv in float32, 4·(D + 2·D_kv).
     """
     naive = attention == "naive"
     qkv = 3 * d if naive else d + 2 * d_kv
@@ -128,7 +136,12 @@ def _layer_activation_bytes(
         split += h * F32
     saved = c * 4 * d + split / model
     dots = c * 3 * d + c * (d + 2 * d_kv + 2 * f) / model
-    transient = (3 * h * s * F32 / model) if naive else 0.0
+    transient = 0.0
+    if naive:
+        transient = 3 * h * s * F32 / model
+    elif attention == "blockwise":
+        t = min(tile, s)
+        transient = (3 * h * t * t / s * F32 + F32 * (d + 2 * d_kv)) / model
     return saved, dots, transient
 
 
@@ -151,6 +164,7 @@ def predict_training_memory(
     master_bytes: int = 0,
     remat: str = "none",
     attention: str = "naive",
+    attention_tile: int = 256,
     tied_embeddings: bool = False,
     data: int = 1,
     fsdp: int = 1,
@@ -163,7 +177,8 @@ def predict_training_memory(
     to it, as jax.grad returns the parameters' dtype; Adam moments default to it too, as
     optax keeps them; `master_bytes`=4 adds an fp32 master copy for the mixed-precision
     recipe that stores bf16 weights), `compute_bytes` for activations, `remat` in
-    none | full | dots, `attention` naive | flash, and a mesh of `data` × `fsdp` × `model`.
+    none | full | dots, `attention` naive | flash (fused kernel) | blockwise (flash in plain
+    JAX, `attention_tile`-sized tiles in device memory), a mesh of `data` × `fsdp` × `model`.
 
     Formulas (all per device, P = fsdp·model, T = batch·seq_len / (data·fsdp) tokens):
       params     = n_params·param_bytes / P          (ZeRO-3 / tensor parallel split weights)
@@ -188,8 +203,8 @@ def predict_training_memory(
         raise ValueError(f"remat={remat!r}: expected one of {', '.join(REMATS)}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZER_STATES)}")
-    if attention not in ("naive", "flash"):
-        raise ValueError(f"attention={attention!r}: expected naive or flash")
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention={attention!r}: expected one of {', '.join(ATTENTION_KINDS)}")
     d_ff = 4 * d_model if d_ff is None else d_ff
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     grad_bytes = param_bytes if grad_bytes is None else grad_bytes
@@ -199,7 +214,15 @@ def predict_training_memory(
 
     d_kv = n_kv_heads * (d_model // n_heads)
     a_layer, a_dots, transient = _layer_activation_bytes(
-        d_model, d_kv, d_ff, n_heads, seq_len, c, model=model, attention=attention
+        d_model,
+        d_kv,
+        d_ff,
+        n_heads,
+        seq_len,
+        c,
+        model=model,
+        attention=attention,
+        tile=attention_tile,
     )
     per_token = {
         "none": n_layers * a_layer,
@@ -251,12 +274,32 @@ def lab_axes(strategy: str, sizes: dict[str, int]) -> dict[str, int]:
     }[strategy]
 
 
+def lab_attention_kind(impl: str, backend: str) -> str:
+    """The calculator's attention kind for a `lab.kernels.attention` impl on `backend`:
+    naive and xla form the L×S scores; blockwise and ring (whose local blocks are plain JAX)
+    write tiles to device memory; fused kernels (pallas, cudnn) keep them on chip. `auto` is
+    blockwise on CPU and a fused kernel on GPU and TPU, as the dispatch picks."""
+    if impl == "auto":
+        return "blockwise" if backend == "cpu" else "flash"
+    if impl in ("naive", "xla"):
+        return "naive"
+    return "blockwise" if impl in ("blockwise", "ring") else "flash"
+
+
 def predict_lab_step(
-    model_cfg, *, batch: int, seq_len: int, strategy: str = "dp", sizes=None
+    model_cfg,
+    *,
+    batch: int,
+    seq_len: int,
+    strategy: str = "dp",
+    sizes=None,
+    backend: str | None = None,
 ) -> dict:
     """`predict_training_memory` for the lab's own step: AdamW, dtypes and remat from the
-    ModelConfig (compute dtype must be resolved, not "auto"), naive attention."""
+    ModelConfig (compute dtype must be resolved, not "auto"), and the attention kind its
+    `attention=` runs on `backend` (default: JAX's; pass the target's for AOT plans)."""
     m = model_cfg
+    kind = lab_attention_kind(m.attention, backend or jax.default_backend())
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     return predict_training_memory(
         n_params=lab_param_count(m),
@@ -273,6 +316,7 @@ def predict_lab_step(
         optimizer="adamw",
         remat=m.remat,
         tied_embeddings=m.tie_embeddings,
+        attention=kind,
         **lab_axes(strategy, sizes or {}),
     )
 

@@ -22,13 +22,21 @@ the kernel through the Pallas interpreter on any backend (slow: tests, debugging
 `impl="pallas", interpret=True` means the TPU kernel. Sequence lengths that are not block
 multiples are padded and masked inside every kernel; bad shapes, head dims or dtypes raise a
 ValueError that names the constraint.
+
+Inside a jitted program under a mesh (`jax.set_mesh`), the backend is the mesh's platform, so
+an ahead-of-time plan for a TPU slice picks the TPU kernel on a CPU host; a Pallas kernel is
+opaque to XLA's partitioner, so with `shard_spec` (the PartitionSpec of q, k and v) it runs
+once per shard under `shard_map`: batch and heads split, sequence whole.
 """
+
+import functools
 
 import jax
 
 from lab.kernels.attention import blockwise, pallas_gpu, pallas_tpu
 from lab.kernels.attention.common import check_qkv
 from lab.kernels.attention.reference import attention_reference
+from lab.parallel.shmap import shard_map
 
 IMPLS = ("naive", "blockwise", "pallas", "pallas_tpu", "pallas_gpu", "xla", "cudnn")
 PALLAS = ("pallas", "pallas_tpu", "pallas_gpu")
@@ -60,6 +68,42 @@ def _resolve(impl: str, interpret: bool, backend: str) -> str:
         f"attention impl={impl!r} has no compiled kernel on backend {backend!r}: choose one of "
         f"{', '.join(available_impls(backend))}{hint}"
     )
+
+
+def platform() -> str:
+    """The platform the program is being built for: the context mesh's (an AOT target's TPU
+    devices on a CPU host), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
+
+
+def _fit(spec, shapes, mesh):
+    """`spec` with the mesh axes dropped from any dimension they do not divide in every one
+    of q, k, v (model init traces a batch of one; query and kv heads must split alike for
+    the grouped-query mapping): that dimension is then whole on every device."""
+    out = []
+    for i, axes in enumerate(spec):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = 1
+        for a in names:
+            size *= mesh.shape[a]
+        out.append(axes if names and all(shape[i] % size == 0 for shape in shapes) else None)
+    return jax.sharding.PartitionSpec(*out)
+
+
+def _per_shard(fn, shard_spec, *args):
+    """`fn` (a Pallas kernel) run on each device's block of q, k, v under the context mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if shard_spec is None or mesh.empty or mesh.size == 1:
+        return fn(*args)
+    if len(shard_spec) > 1 and shard_spec[1] is not None:
+        raise ValueError(
+            f"q/k/v sharded along the sequence ({shard_spec}): a Pallas kernel needs whole "
+            "sequences per device; use attention=ring for context parallelism"
+        )
+    spec = _fit(shard_spec, [x.shape for x in args], mesh)
+    return shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(*args)
 
 
 def _auto(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal: bool, backend: str) -> str:
@@ -94,6 +138,26 @@ def _check(impl, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal: bool) -> None:
                 raise ValueError(f"{q_BxLxHxD.shape=}: impl='cudnn' supports head_dim <= 128")
 
 
+def choose(
+    impl, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, interpret=False, backend=None
+) -> str:
+    """The implementation `attention` runs for these inputs (arrays or ShapeDtypeStructs) on
+    `backend` (default: `platform()`), or a ValueError naming the constraint; lab.run asks
+    before tracing so that a bad choice is one line, not a traceback from inside jit."""
+    if impl not in (*IMPLS, "auto"):
+        raise ValueError(f"attention impl={impl!r}: choose one of {', '.join(IMPLS)} or auto")
+    if interpret and impl not in PALLAS:
+        raise ValueError(f"interpret=True applies to impl in {PALLAS}, not impl={impl!r}")
+    check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+    backend = backend or platform()
+    if impl == "auto":
+        impl = _auto(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal, backend)
+    else:
+        impl = _resolve(impl, interpret, backend)
+    _check(impl, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal)
+    return impl
+
+
 def attention(
     q_BxLxHxD,
     k_BxSxKxD,
@@ -104,23 +168,15 @@ def attention(
     scale: float | None = None,
     interpret: bool = False,
     block_sizes=None,
+    shard_spec=None,
 ):
     """softmax(Q·Kᵀ·scale)·V with layout [batch, seq, heads, head_dim]; scale 1/√D by default.
 
     k and v may have fewer heads than q (grouped-query: query head h reads kv head h // G).
-    `block_sizes` is the chosen kernel's own BlockSizes (None: its default).
+    `block_sizes` is the chosen kernel's own BlockSizes (None: its default). `shard_spec`:
+    how q, k, v are split over the context mesh, for the Pallas kernels' shard_map.
     """
-    if impl not in (*IMPLS, "auto"):
-        raise ValueError(f"attention impl={impl!r}: choose one of {', '.join(IMPLS)} or auto")
-    if interpret and impl not in PALLAS:
-        raise ValueError(f"interpret=True applies to impl in {PALLAS}, not impl={impl!r}")
-    check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
-    backend = jax.default_backend()
-    if impl == "auto":
-        impl = _auto(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal, backend)
-    else:
-        impl = _resolve(impl, interpret, backend)
-    _check(impl, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal)
+    impl = choose(impl, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal, interpret=interpret)
     args = (q_BxLxHxD, k_BxSxKxD, v_BxSxKxD)
     if impl == "naive":
         return attention_reference(*args, causal=causal, scale=scale)
@@ -129,13 +185,23 @@ def attention(
         return blockwise.blockwise_attention(*args, causal=causal, scale=scale, block_sizes=bs)
     if impl == "pallas_tpu":
         bs = block_sizes or pallas_tpu.BlockSizes()
-        return pallas_tpu.flash_attention_tpu(
-            *args, causal=causal, scale=scale, block_sizes=bs, interpret=interpret
+        kernel = functools.partial(
+            pallas_tpu.flash_attention_tpu,
+            causal=causal,
+            scale=scale,
+            block_sizes=bs,
+            interpret=interpret,
         )
+        return _per_shard(kernel, shard_spec, *args)
     if impl == "pallas_gpu":
-        return pallas_gpu.flash_attention_gpu(
-            *args, causal=causal, scale=scale, block_sizes=block_sizes, interpret=interpret
+        kernel = functools.partial(
+            pallas_gpu.flash_attention_gpu,
+            causal=causal,
+            scale=scale,
+            block_sizes=block_sizes,
+            interpret=interpret,
         )
+        return _per_shard(kernel, shard_spec, *args)
     return jax.nn.dot_product_attention(*args, scale=scale, is_causal=causal, implementation=impl)
 
 
