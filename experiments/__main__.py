@@ -6,6 +6,7 @@ REPORT.md and the plots from those records and prints the verdict table. On CPU 
 simulates 8 devices (as the tests do) so the parallelism experiments have a mesh.
 """
 
+import difflib
 import os
 import sys
 import time
@@ -13,6 +14,14 @@ import traceback
 
 SIZES = ("tiny", "quick", "full")
 USAGE = "usage: python -m experiments [size=tiny|quick|full] [only=C03,C08] [out=results]"
+
+
+def _unknown(arg: str) -> str:
+    """One line for an argument that is not a key: the close key when there is one."""
+    key = arg.split("=", 1)[0].lstrip("-")
+    close = difflib.get_close_matches(key, ("size", "only", "out"), n=1)
+    hint = f"did you mean {close[0]}=? " if close else ""
+    return f"{arg!r}: unknown argument; {hint}{USAGE}"
 
 
 def parse(argv: list[str]) -> dict:
@@ -24,7 +33,7 @@ def parse(argv: list[str]) -> dict:
             key, value = arg.split("=", 1)
             opts[key] = value
         else:
-            raise ValueError(f"{arg!r}: {USAGE}")
+            raise ValueError(_unknown(arg))
     if opts["size"] not in SIZES:
         raise ValueError(f"size={opts['size']!r}: expected one of {', '.join(SIZES)}")
     return opts

@@ -80,6 +80,8 @@ def test_cli_rejects_bad_arguments_with_one_line(capsys):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error:"), err
+    assert cli.main(["sise=tiny"]) == 2
+    assert "did you mean size=?" in capsys.readouterr().err
 
 
 def test_only_selects_modules_without_importing_the_rest():

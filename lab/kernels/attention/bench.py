@@ -446,7 +446,12 @@ def _parser():
 def main(argv=None) -> int:
     from rich.console import Console
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for name in ("seqs", "batch", "heads", "kv_heads", "head_dim"):
+        value = getattr(args, name)
+        if value is not None and min(value if isinstance(value, list) else [value]) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     console = Console(width=150)
     backend = jax.default_backend()
     seqs = args.seqs or (QUICK_SEQS if args.quick else GPU_SEQS if backend == "gpu" else CPU_SEQS)
