@@ -127,9 +127,17 @@ def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist)
             last = now
             if step == start + WARMUP_STEPS + PROFILE_STEPS:
                 tracer.stop()
-            if not math.isfinite(loss):
+            grad_norm = float(metrics["grad_norm"])
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                # Checked before this step's state can be saved: a non-finite gradient has
+                # already poisoned the update even where the loss itself is still finite.
                 kept = f"; last good checkpoint kept in {mngr.directory}" if mngr else ""
-                raise RunError(f"loss is {loss} at step {step + 1}: training stopped{kept}")
+                what = (
+                    f"loss is {loss}"
+                    if not math.isfinite(loss)
+                    else f"gradient norm is {grad_norm}"
+                )
+                raise RunError(f"{what} at step {step + 1}: training stopped{kept}")
             hist.losses.append((step + 1, loss))
             progress.update(
                 task, completed=step + 1, loss=loss, tps=tokens_per_step / hist.step_s[-1]
@@ -138,7 +146,7 @@ def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist)
                 rec = {
                     "step": step + 1,
                     "loss": loss,
-                    "grad_norm": float(metrics["grad_norm"]),
+                    "grad_norm": grad_norm,
                     "step_s": hist.step_s[-1],
                     "tokens_per_s": tokens_per_step / hist.step_s[-1],
                 }
@@ -152,6 +160,16 @@ def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist)
                     console.print(f"{stop.signal}: checkpoint saved at step {step + 1}")
                 return state, stop.signal
     return state, None
+
+
+def _keep_metrics_before(path: Path, start: int) -> None:
+    """Drop logged steps past `start` (a resume repeats them from its checkpoint; a fresh
+    run starts the file anew), so every step appears once in metrics.jsonl."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True) if start else []
+    kept = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= start]
+    path.write_text("".join(kept))
 
 
 def run_training(cfg: Config, info: DeviceInfo, trainer) -> int:
@@ -181,8 +199,9 @@ def run_training(cfg: Config, info: DeviceInfo, trainer) -> int:
     mngr = checkpoint.manager(run_dir) if (cfg.checkpoint_every or cfg.resume) else None
     state, start = _initial_state(cfg, trainer, mngr, console)
     hist = History()
-    mode = "a" if start else "w"
-    with open(run_dir / "metrics.jsonl", mode) if is_main else _null() as metrics_f:
+    if is_main:
+        _keep_metrics_before(run_dir / "metrics.jsonl", start)
+    with open(run_dir / "metrics.jsonl", "a") if is_main else _null() as metrics_f:
         try:
             state, stopped = _train(
                 cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist

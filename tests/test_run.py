@@ -39,7 +39,8 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
     shutil.rmtree(ckpts / "8")  # as if the run had died after step 4's checkpoint
     assert _run(tmp_path, "name=cut", "steps=8", "resume=true", "checkpoint_every=4") == 0
     full, cut = _losses(tmp_path / "full"), _losses(tmp_path / "cut")
-    assert list(cut) == list(range(1, 9))
+    steps = [json.loads(x)["step"] for x in (tmp_path / "cut" / "metrics.jsonl").open()]
+    assert steps == list(range(1, 9))  # steps 5-8 of the first attempt are not repeated
     for step in range(5, 9):
         assert cut[step] == pytest.approx(full[step], rel=1e-6)
 
@@ -58,8 +59,41 @@ def test_corrupt_checkpoint_is_skipped(tmp_path, capsys):
 def test_nan_loss_stops_with_the_step(tmp_path, capsys):
     assert _run(tmp_path, "name=nan", "steps=6", "lr=1e30", "grad_clip=0", "warmup_steps=0") == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: loss is nan at step") or err.startswith("error: loss is inf")
+    # lr=1e30 overflows the second step's gradient before its loss: either stops the run
+    assert err.startswith(("error: loss is nan at step", "error: loss is inf at step")) or (
+        err.startswith("error: gradient norm is") and "at step" in err
+    ), err
     assert len(err.splitlines()) == 1
+
+
+def test_non_finite_gradient_stops_before_its_update_is_saved(tmp_path, capsys, monkeypatch):
+    """A gradient that overflows poisons the update while the loss is still finite: the run
+    must stop at that step, and every checkpoint it left must hold finite numbers only."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from lab import checkpoint, train
+
+    real = train.train_step
+
+    def poisoned(state, tokens, **kw):  # step 3's gradient is inf, its loss stays finite
+        new, metrics = real(state, tokens, **kw)
+        bad = state.step == 2
+        poison = lambda x: jnp.where(bad, jnp.inf, x).astype(x.dtype)
+        params = jax.tree.map(poison, new.params)
+        grad_norm = jnp.where(bad, jnp.inf, metrics["grad_norm"])
+        return new.replace(params=params), {**metrics, "grad_norm": grad_norm}
+
+    monkeypatch.setattr(train, "train_step", poisoned)
+    assert _run(tmp_path, "name=inf", "steps=6", "checkpoint_every=1") == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: gradient norm is inf at step 3: training stopped"), err
+    mngr = checkpoint.manager(tmp_path / "inf")
+    assert sorted(mngr.all_steps()) == [1, 2]
+    for step in mngr.all_steps():
+        for leaf in jax.tree.leaves(mngr.restore(step)):
+            assert np.isfinite(np.asarray(leaf)).all()
 
 
 def test_memory_too_big_is_refused_before_training(tmp_path, capsys, monkeypatch):
@@ -113,3 +147,17 @@ def test_profile_trace_is_closed_even_when_the_run_is_shorter_than_the_window(tm
     assert _run(tmp_path, "name=prof", "steps=5", "profile=true") == 0
     traces = list((tmp_path / "prof" / "profile").rglob("*.xplane.pb"))
     assert traces and traces[0].stat().st_size > 0
+
+
+def test_mfu_peak_counts_the_devices_the_mesh_uses():
+    """mesh=2 on an 8-GPU host runs on 2 GPUs: MFU is against their peak, not all eight."""
+    from lab.config import parse_args
+    from lab.devices import DeviceInfo
+    from lab.measure import specs
+
+    kind = "NVIDIA H100 80GB HBM3"
+    info = DeviceInfo(
+        "gpu", kind, count=8, local_count=8, process_count=1, process_index=0, simulated=False
+    )
+    peak, source = summary._peak(parse_args(["dtype=bfloat16"]), info, 2)
+    assert peak == 2 * specs.peak_flops(kind, "bfloat16") and "× 2 devices" in source
