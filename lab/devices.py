@@ -7,6 +7,7 @@ number of simulated devices. `prepare` does both; `describe` reports what came o
 
 import dataclasses
 import glob
+import math
 import os
 
 import jax
@@ -119,7 +120,14 @@ def describe_target(devices: list) -> DeviceInfo:
 def check_mesh_fits(mesh: str, info: DeviceInfo) -> dict[str, int]:
     """Mesh sizes for the devices present; an error with both numbers when it does not fit."""
     try:
-        return resolve_shape(mesh, info.count)
+        sizes = resolve_shape(mesh, info.count)
     except MeshSpecError as e:
         hint = " (on CPU, cpu_devices=N simulates more)" if info.backend == "cpu" else ""
         raise MeshSpecError(f"{e} [{info.backend}: {info.device_kind}]{hint}") from None
+    used = math.prod(sizes.values())
+    if info.aot and used != info.count:  # a plan is for the whole slice, as a real job runs
+        raise MeshSpecError(
+            f"mesh={mesh} uses {used} of the target's {info.count} devices: a TPU slice runs "
+            f"one program over all of them (e.g. mesh={info.count} or mesh=-1)"
+        )
+    return sizes

@@ -68,11 +68,12 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer) -> dict:
         "compiled_cost_per_device": cost.compiled_cost(compiled),
         "capacity_bytes_per_device": capacity_bytes(info),
         "device_kind": info.device_kind,
-        "devices": info.count,
+        "devices": trainer.mesh.size,  # the mesh's, which may be fewer than are present
+        "devices_present": info.count,
         "simulated": info.simulated,
     }
     if info.aot:
-        out["aot"] = _aot_plan(compiled, cfg, info, fpt)
+        out["aot"] = _aot_plan(compiled, cfg, info, fpt, trainer.mesh.size)
     return out
 
 
@@ -84,7 +85,7 @@ def capacity_bytes(info: DeviceInfo) -> float | None:
     return memory.device_capacity_bytes(jax.local_devices()[0])
 
 
-def _aot_plan(compiled, cfg: Config, info: DeviceInfo, fpt: float) -> dict:
+def _aot_plan(compiled, cfg: Config, info: DeviceInfo, fpt: float, n_devices: int) -> dict:
     """What the compiler predicts for a TPU slice that is not here: compiled, not run.
 
     Step time: the compiler's own estimate where it gives a positive one, else a roofline
@@ -100,7 +101,7 @@ def _aot_plan(compiled, cfg: Config, info: DeviceInfo, fpt: float) -> dict:
         est_s = max(compute_s, memory_s)
         source = f"roofline bound ({'compute' if compute_s >= memory_s else 'memory'}-bound)"
     step_flops = fpt * cfg.batch_size * cfg.seq_len
-    mfu = step_flops / (est_s * peak * info.count) if est_s and peak else None
+    mfu = step_flops / (est_s * peak * n_devices) if est_s and peak else None
     return {
         "label": "compiled, not run",
         "estimated_step_s": est_s,
@@ -141,27 +142,27 @@ def _busy() -> str:
     return f"; host busy: load {load:.1f} on {cores} cores, CPU figures unreliable"
 
 
-def _peak(cfg: Config, info: DeviceInfo) -> tuple[float | None, str]:
-    """Peak FLOP/s of the whole mesh and where the figure comes from."""
+def _peak(cfg: Config, info: DeviceInfo, n_devices: int) -> tuple[float | None, str]:
+    """Peak FLOP/s of the devices the mesh uses and where the figure comes from."""
     if info.backend == "cpu":
         peak = ceilings.matmul_peak(cfg.model.dtype)
         return peak, f"measured {cfg.model.dtype} matmul peak of this host (all cores)" + _busy()
     per_device = specs.peak_flops(info.device_kind, cfg.model.dtype)
     if per_device is None:
         return None, f"no spec-table entry for {info.device_kind!r}: MFU unavailable"
-    return per_device * info.count, f"spec-table {cfg.model.dtype} peak × {info.count} devices"
+    return per_device * n_devices, f"spec-table {cfg.model.dtype} peak × {n_devices} devices"
 
 
 def summarise_run(cfg: Config, info: DeviceInfo, analysis: dict, times, losses) -> dict:
     tokens_per_s = cfg.batch_size * cfg.seq_len / times.median_s
     achieved = analysis["model_flops_per_token"] * tokens_per_s
-    peak, peak_source = _peak(cfg, info)
+    peak, peak_source = _peak(cfg, info, analysis["devices"])
     stats = memory.device_memory_stats(jax.local_devices()[0])
     return {
         **analysis,
         "step_time": times.as_dict(),
         "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_device": tokens_per_s / info.count,
+        "tokens_per_s_per_device": tokens_per_s / analysis["devices"],
         "model_flops_per_s": achieved,
         "peak_flops_per_s": peak,
         "peak_source": peak_source,

@@ -63,6 +63,7 @@ def _sizes(mesh: str) -> tuple[int, int, int]:
         (["target=tpu:v9:2x2"], "unknown TPU generation 'v9'"),
         (["target=gpu:h100"], "expected tpu:GENERATION:TOPOLOGY"),
         (["target=tpu:v5e:2x2", "mesh=16"], "mesh=16 needs 16 devices but only 4 are present"),
+        (["target=tpu:v5e:2x4", "mesh=2"], "mesh=2 uses 2 of the target's 8 devices"),
     ],
 )
 def test_bad_targets_are_one_line(argv, needle, capsys):
