@@ -1,9 +1,10 @@
 """Every attention implementation against the float64 reference: forward and dQ, dK, dV.
 
 Product: causal × GQA ratio (1, 2, 4) × dtype (f32, bf16) × length (64: whole blocks, 130:
-padded and masked) × head_dim (64, 128), all of it for naive and blockwise; the interpreted
-Pallas classes rerun a pairwise-covering subset (every pair of factor levels appears at least
-once) because the interpreter costs seconds per shape. Small blocks (16/32) so that the short
+padded and masked) × head_dim (64, 128), all of it for every implementation: naive, blockwise,
+xla, and both Pallas kernels through the interpreter (1-3 s a case). The GPU kernel's second
+variant (the mask on every block) reruns a pairwise-covering subset (every pair of factor
+levels appears at least once). Small blocks (16/32) so that the short
 sequences still cross several tiles and the causal diagonal. Also here: dispatch rules, bad
 input, the model's `attention=` switch (blockwise trains with naive's losses) and one tiny
 point of the benchmark sweep. Ahead-of-time compiles live in tests/test_attention_aot.py.
@@ -153,11 +154,10 @@ class TestNaive(AttentionCase):
 
 
 class TestXla(AttentionCase):
-    """The library baseline, on the pairwise subset (it is JAX's, not ours)."""
+    """The library baseline: also the reference's independent cross-check."""
 
     impl = "xla"
     block_sizes = None
-    CASES = PAIRWISE
 
     def test_shorter_queries_than_keys(self):
         q, k, v, _ = random_qkv(7, 40, 100, HEADS, 2, 64, "float32")
@@ -169,13 +169,18 @@ class TestPallasTpuInterpret(AttentionCase):
     impl = "pallas_tpu"
     interpret = True
     block_sizes = pallas_tpu.BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
-    CASES = PAIRWISE
 
 
 class TestPallasGpuInterpret(AttentionCase):
     impl = "pallas_gpu"
     interpret = True
-    block_sizes = pallas_gpu.BlockSizes(16, 32, 32, 16, 16, 32)
+    block_sizes = pallas_gpu.BlockSizes(16, 32, 32, 16, 16, 32)  # split_mask: whole blocks unmasked
+
+
+class TestPallasGpuInterpretMaskEveryBlock(TestPallasGpuInterpret):
+    """The other variant the tuner chooses between: the mask applied on every block."""
+
+    block_sizes = pallas_gpu.BlockSizes(16, 32, 32, 16, 16, 32, split_mask=False)
     CASES = PAIRWISE
 
 

@@ -130,3 +130,28 @@ class Geometry:
         if not self.causal:
             return 0
         return _div(jnp.maximum(j * self.bk - self.offset, 0), self.bq)
+
+    def k_blocks_whole(self, i):
+        """Key blocks 0 … n-1 that every row of query block i sees whole (no causal cut, no
+        padded key): a kernel may run them without a mask, and mask only the rest.
+
+        Block j is whole iff it holds no padded key ((j+1)·bk <= S) and, when causal, its last
+        key is visible to the block's first query: j·bk + bk - 1 <= i·bq + offset.
+        """
+        whole = self.S // self.bk
+        if not self.causal:
+            return whole
+        return jnp.minimum(whole, _div(i * self.bq + self.offset + 1, self.bk))
+
+    def q_blocks_masked_end(self, j):
+        """One past the last query block that needs the mask against key block j: blocks from
+        here to n_q see it whole (none do if block j holds padded keys)."""
+        start = self.q_blocks_start(j)
+        if self.causal:
+            # first i with i·bq + offset >= j·bk + bk - 1 (its first row sees the last key)
+            need = jnp.maximum(j * self.bk + self.bk - 1 - self.offset, 0)
+            first_whole = jnp.maximum(_div(need + self.bq - 1, self.bq), start)
+        else:
+            first_whole = jnp.asarray(start, jnp.int32)
+        padded = (j + 1) * self.bk > self.S
+        return jnp.where(padded, self.n_q, jnp.minimum(first_whole, self.n_q))

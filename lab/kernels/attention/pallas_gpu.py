@@ -17,12 +17,16 @@ block, batch, kv head) and loops over the G query heads of its group and the que
 from the diagonal down, so grouped-query heads are neither repeated in memory nor reduced
 afterwards.
 
-Block sizes, warps and stages come from `BLOCK_SIZES`, a table keyed by `device_kind`: data
-that the GPU-speed issue fills by search. Without a GPU nothing here has been tuned.
+Block sizes, warps, stages and the mask-split variant come from `tuned/<gpu>.json`, keyed by
+`device_kind` and head_dim and written by the recorded search `python -m
+lab.kernels.attention.tune`; a GPU with no file gets `BLOCK_SIZES["default"]`. No GPU has been
+searched yet: the folder is empty until one is.
 """
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +65,10 @@ class BlockSizes:
     num_stages: int = 2  # forward: software-pipelining depth of the key loop (Triton)
     num_warps_bwd: int = 4  # both backward kernels
     num_stages_bwd: int = 2
+    # Variant: run the key (or query) blocks that a tile sees whole in a loop without the
+    # iota/compare/select of the mask, and mask only the diagonal and padded blocks (the
+    # FlashAttention-2 split). Same result; whether it is faster is the tuner's to measure.
+    split_mask: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -71,18 +79,41 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{field.name}={value!r}: must be a power of two <= 32")
             if field.name.startswith("num_stages") and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"BlockSizes.{field.name}={value!r}: must be an int >= 1")
+        if not isinstance(self.split_mask, bool):
+            raise ValueError(f"BlockSizes.split_mask={self.split_mask!r}: must be a bool")
 
 
-# device_kind -> tuned BlockSizes. Data, filled by the GPU-speed issue's search on real GPUs;
-# "default" (the shapes of JAX's bundled Triton attention) applies to every other kind.
+# The shapes of JAX's bundled Triton attention: what every GPU gets until it has been searched.
 BLOCK_SIZES: dict[str, BlockSizes] = {
     "default": BlockSizes(),
 }
+TUNED_DIR = Path(__file__).parent / "tuned"
 
 
-def block_sizes_for(device_kind: str) -> BlockSizes:
-    """The table entry for this GPU, or the default."""
-    return BLOCK_SIZES.get(device_kind, BLOCK_SIZES["default"])
+def load_tuned(folder: Path = TUNED_DIR) -> dict[str, dict[int, BlockSizes]]:
+    """device_kind -> head_dim -> BlockSizes, from the JSON files `python -m
+    lab.kernels.attention.tune --write` leaves in `tuned/` (one per GPU kind, with the search
+    that chose them). Data, not code: a new GPU is one file."""
+    table: dict[str, dict[int, BlockSizes]] = {}
+    for path in sorted(folder.glob("*.json")):
+        entry = json.loads(path.read_text())
+        by_dim = {int(d): BlockSizes(**fields) for d, fields in entry["by_head_dim"].items()}
+        table[entry["device_kind"]] = by_dim
+    return table
+
+
+TUNED = load_tuned()
+
+
+def block_sizes_for(device_kind: str, head_dim: int | None = None) -> BlockSizes:
+    """The searched entry for this GPU and head_dim (the nearest searched head_dim), else the
+    default."""
+    by_dim = TUNED.get(device_kind)
+    if not by_dim:
+        return BLOCK_SIZES.get(device_kind, BLOCK_SIZES["default"])
+    if head_dim is None or head_dim not in by_dim:
+        head_dim = min(by_dim, key=lambda d: (abs(d - (head_dim or 0)), d))
+    return by_dim[head_dim]
 
 
 def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
@@ -93,10 +124,10 @@ def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _scores(q_QxD, k_CxD, i, j, g: Geometry):
-    """Scaled, masked f32 scores of query block i against key block j."""
+def _scores(q_QxD, k_CxD, i, j, g: Geometry, masked: bool):
+    """Scaled f32 scores of query block i against key block j, masked where `masked`."""
     s_QxC = _dot(q_QxD, k_CxD, trans_b=True) * g.scale
-    if not g.needs_mask:
+    if not masked:
         return s_QxC
     q_pos_Qx1 = (i * g.bq + jnp.arange(g.bq))[:, None]
     k_pos_1xC = (j * g.bk + jnp.arange(g.bk))[None, :]
@@ -104,15 +135,44 @@ def _scores(q_QxD, k_CxD, i, j, g: Geometry):
     return jnp.where(ok_QxC, s_QxC, MASK_VALUE)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, g: Geometry):
+def _loops(step, carry, spans):
+    """Run `step(n, carry, masked=...)` over consecutive spans [(lo, hi, masked), ...]."""
+    for lo, hi, masked in spans:
+        carry = jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+    return carry
+
+
+def _key_spans(i, g: Geometry, split: bool):
+    """The key blocks query block i sees, as spans: whole blocks unmasked, then the rest."""
+    end = g.k_blocks_end(i)
+    if not g.needs_mask:
+        return [(0, end, False)]
+    if not split:
+        return [(0, end, True)]
+    whole = g.k_blocks_whole(i)
+    return [(0, whole, False), (whole, end, True)]
+
+
+def _query_spans(j, g: Geometry, split: bool):
+    """The query blocks that see key block j, as spans: masked ones, then whole ones."""
+    start = g.q_blocks_start(j)
+    if not g.needs_mask:
+        return [(start, g.n_q, False)]
+    if not split:
+        return [(start, g.n_q, True)]
+    mid = g.q_blocks_masked_end(j)
+    return [(start, mid, True), (mid, g.n_q, False)]
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, g: Geometry, split: bool):
     # q_ref, o_ref: [Q, D]; k_ref, v_ref: [Sp, D] (the whole padded sequence); lse_ref: [Q]
     i = pl.program_id(0)
     q_QxD = q_ref[...]
 
-    def step(j, carry):
+    def step(j, carry, masked):
         o_QxD, max_Q, sum_Q = carry
         keys = pl.ds(j * g.bk, g.bk)
-        s_QxC = _scores(q_QxD, k_ref[keys, :], i, j, g)
+        s_QxC = _scores(q_QxD, k_ref[keys, :], i, j, g, masked)
         new_max_Q = jnp.maximum(max_Q, s_QxC.max(axis=1))
         p_QxC = jnp.exp(s_QxC - new_max_Q[:, None])
         alpha_Q = jnp.exp(max_Q - new_max_Q)
@@ -124,41 +184,43 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, g: Geometry):
         jnp.full((g.bq,), MASK_VALUE, jnp.float32),
         jnp.zeros((g.bq,), jnp.float32),
     )
-    o_QxD, max_Q, sum_Q = jax.lax.fori_loop(0, g.k_blocks_end(i), step, init)
+    o_QxD, max_Q, sum_Q = _loops(step, init, _key_spans(i, g, split))
     o_ref[...] = (o_QxD / sum_Q[:, None]).astype(o_ref.dtype)
     lse_ref[...] = max_Q + jnp.log(sum_Q)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, g: Geometry):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, g: Geometry, split):
     # q_ref, do_ref, dq_ref: [Q, D]; k_ref, v_ref: [Sp, D]; lse_ref, delta_ref: [Q]
     i = pl.program_id(0)
     q_QxD, do_QxD = q_ref[...], do_ref[...]
     lse_Qx1, delta_Qx1 = lse_ref[...][:, None], delta_ref[...][:, None]
 
-    def step(j, dq_QxD):
+    def step(j, dq_QxD, masked):
         keys = pl.ds(j * g.bk, g.bk)
         k_CxD = k_ref[keys, :]
-        p_QxC = jnp.exp(_scores(q_QxD, k_CxD, i, j, g) - lse_Qx1)
+        p_QxC = jnp.exp(_scores(q_QxD, k_CxD, i, j, g, masked) - lse_Qx1)
         dp_QxC = _dot(do_QxD, v_ref[keys, :], trans_b=True)
         ds_QxC = (p_QxC * (dp_QxC - delta_Qx1) * g.scale).astype(k_CxD.dtype)
         return dq_QxD + _dot(ds_QxC, k_CxD)
 
-    dq_QxD = jax.lax.fori_loop(0, g.k_blocks_end(i), step, jnp.zeros(q_QxD.shape, jnp.float32))
+    dq_QxD = _loops(step, jnp.zeros(q_QxD.shape, jnp.float32), _key_spans(i, g, split))
     dq_ref[...] = dq_QxD.astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, g: Geometry):
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, g: Geometry, split: bool
+):
     # q_ref, do_ref: [Lp, G, D] (the group's query heads); lse_ref, delta_ref: [G, Lp]
     # k_ref, v_ref, dk_ref, dv_ref: [C, D]
     j = pl.program_id(0)
     k_CxD, v_CxD = k_ref[...], v_ref[...]
 
-    def step(i, carry, member):
+    def step(i, carry, member, masked):
         dk_CxD, dv_CxD = carry
         rows = pl.ds(i * g.bq, g.bq)
         q_QxD, do_QxD = q_ref[rows, member, :], do_ref[rows, member, :]
         lse_Qx1, delta_Qx1 = lse_ref[member, rows][:, None], delta_ref[member, rows][:, None]
-        p_QxC = jnp.exp(_scores(q_QxD, k_CxD, i, j, g) - lse_Qx1)
+        p_QxC = jnp.exp(_scores(q_QxD, k_CxD, i, j, g, masked) - lse_Qx1)
         dv_CxD += _dot(p_QxC.astype(do_QxD.dtype), do_QxD, trans_a=True)
         dp_QxC = _dot(do_QxD, v_CxD, trans_b=True)
         ds_QxC = (p_QxC * (dp_QxC - delta_Qx1) * g.scale).astype(q_QxD.dtype)
@@ -166,9 +228,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         return dk_CxD, dv_CxD
 
     def one_member(member, carry):
-        return jax.lax.fori_loop(
-            g.q_blocks_start(j), g.n_q, functools.partial(step, member=member), carry
-        )
+        return _loops(functools.partial(step, member=member), carry, _query_spans(j, g, split))
 
     zeros_CxD = jnp.zeros(k_CxD.shape, jnp.float32)
     dk_CxD, dv_CxD = jax.lax.fori_loop(0, g.G, one_member, (zeros_CxD, zeros_CxD))
@@ -193,7 +253,7 @@ def _forward(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry, bs: BlockSizes, inter
     q_spec = pl.BlockSpec((None, g.bq, None, D), lambda i, b, h: (b, i, h, 0))
     kv_spec = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // g.G, 0))
     o_BxLxHxD, lse_BxHxL = pl.pallas_call(
-        functools.partial(_fwd_kernel, g=g),
+        functools.partial(_fwd_kernel, g=g, split=bs.split_mask),
         grid=(g.n_q, B, H),
         in_specs=[q_spec, kv_spec, kv_spec],
         out_specs=[q_spec, pl.BlockSpec((None, None, g.bq), lambda i, b, h: (b, h, i))],
@@ -215,7 +275,7 @@ def _dq(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, do_BxLxHxD, lse_BxHxL, delta_BxHxL, g, 
     kv_spec = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // g.G, 0))
     row_spec = pl.BlockSpec((None, None, g.bq), lambda i, b, h: (b, h, i))
     dq_BxLxHxD = pl.pallas_call(
-        functools.partial(_dq_kernel, g=g),
+        functools.partial(_dq_kernel, g=g, split=bs.split_mask),
         grid=(g.n_q, B, H),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
         out_specs=q_spec,
@@ -241,7 +301,7 @@ def _dkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, do_BxLxHxD, lse_BxHxL, delta_BxHxL, g,
     group_rows_spec = pl.BlockSpec((None, g.G, Lp), lambda j, b, kv: (b, kv, 0))
     kv_spec = pl.BlockSpec((None, g.bk, None, D), lambda j, b, kv: (b, j, kv, 0))
     dk_BxSxKxD, dv_BxSxKxD = pl.pallas_call(
-        functools.partial(_dkv_kernel, g=g),
+        functools.partial(_dkv_kernel, g=g, split=bs.split_mask),
         grid=(g.n_k, B, K),
         in_specs=[group_spec, kv_spec, kv_spec, group_spec, group_rows_spec, group_rows_spec],
         out_specs=[kv_spec, kv_spec],
@@ -327,7 +387,7 @@ def flash_attention_gpu(
     """
     check_inputs(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
     if block_sizes is None:
-        block_sizes = block_sizes_for(jax.devices()[0].device_kind)
+        block_sizes = block_sizes_for(jax.devices()[0].device_kind, q_BxLxHxD.shape[-1])
     _, L, H, D = q_BxLxHxD.shape
     S, K = k_BxSxKxD.shape[1:3]
 
