@@ -1,0 +1,94 @@
+"""The block-size search (lab/kernels/attention/tune.py), run through the Pallas interpreter.
+
+On CPU the times mean nothing; what is tested is the machinery a GPU run relies on: every
+candidate checked against the reference, refused ones recorded and never chosen, scores from
+the timed ratios, the winner written as data and read back by the kernel.
+"""
+
+import dataclasses
+import json
+
+import pytest
+
+from lab.kernels.attention import pallas_gpu, tune
+
+SEARCH = tune.Search(
+    head_dim=16,
+    seqs=(40,),
+    causal=(True,),
+    batch=1,
+    heads=2,
+    kv_heads=1,
+    dtype="float32",
+    interpret=True,
+)
+
+
+def test_interpret_search_chooses_writes_and_the_kernel_reads_it(tmp_path):
+    best, records, summary = tune.search_block_sizes(SEARCH, budget_s=0.01)
+    assert [s["stage"] for s in summary["stages"]] == ["fwd", "bwd", "variant"]
+    assert summary["baseline"] == "xla"
+    ratios = [r for r in records if r["what"] == "tune time ratio vs baseline"]
+    assert len(ratios) == sum(len(s["candidates"]) for s in summary["stages"])  # one case each
+    assert all(r["value"] > 0 and r["config"]["interpret"] for r in ratios)
+    final = summary["stages"][-1]
+    assert best == final["candidates"][final["best"]]
+    assert final["scores"][final["best"]] == min(final["scores"])
+
+    path = tune.write_entry("Test GPU 80GB", SEARCH, best, summary, folder=tmp_path)
+    assert path.name == "test-gpu-80gb.json"
+    entry = json.loads(path.read_text())
+    assert entry["search"]["16"]["baseline"] == "xla" and entry["search"]["16"]["candidates"] == 6
+    table = pallas_gpu.load_tuned(tmp_path)
+    assert table == {"Test GPU 80GB": {16: best}}
+
+
+def test_block_sizes_for_takes_the_nearest_searched_head_dim(monkeypatch):
+    a, b = pallas_gpu.BlockSizes(block_q=32), pallas_gpu.BlockSizes(block_q=128)
+    monkeypatch.setattr(pallas_gpu, "TUNED", {"GPU": {64: a, 128: b}})
+    assert pallas_gpu.block_sizes_for("GPU", 64) == a
+    assert pallas_gpu.block_sizes_for("GPU", 256) == b
+    assert pallas_gpu.block_sizes_for("GPU", 32) == a
+    assert pallas_gpu.block_sizes_for("other", 64) == pallas_gpu.BLOCK_SIZES["default"]
+
+
+def test_a_wrong_candidate_is_recorded_and_never_chosen(monkeypatch):
+    real = tune._kernel_program
+
+    def program(bs, causal, mode, interpret):
+        fn = real(bs, causal, mode, interpret)
+        if bs.block_q != 32:
+            return fn
+        return lambda *args: jax_tree_scale(fn(*args), 1.5)  # a broken kernel: 50% off
+
+    monkeypatch.setattr(tune, "_kernel_program", program)
+    candidates = [
+        dataclasses.replace(pallas_gpu.BlockSizes(), **o) for o in tune.INTERPRET_SPACE["fwd"]
+    ]
+    timing = dict(budget_s=0.01, min_runs=1, warmup=0)
+    records, scores, best = tune.run_stage("fwd", candidates, SEARCH, "fwd", "xla", timing)
+    assert candidates[best].block_q == 16 and scores[1] == float("inf")
+    rejected = [r for r in records if r["what"] == "tune rejected"]
+    assert len(rejected) == 1 and rejected[0]["value"].startswith("max error")
+
+
+def jax_tree_scale(tree, factor):
+    import jax
+
+    return jax.tree.map(lambda x: x * factor, tree)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--interpret", "--write"], "interpret-mode times measure nothing"),
+        ([], "compiles only on a GPU"),
+        (["--interpret", "--head-dims", "48"], "--head-dims 48"),
+        (["--interpret", "--heads", "3", "--kv-heads", "2"], "not a multiple"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        tune.main(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
