@@ -90,6 +90,25 @@ def test_compare_alternates_and_reports_ratios():
         timing.compare({"a": fast}, 1, baseline="b")
 
 
+def test_inner_calls_queue_and_block_once_per_sample():
+    """inner=4: four calls per sample, one block on the last, time per call."""
+    calls, blocks = [], []
+
+    class Leaf:
+        def block_until_ready(self):
+            blocks.append(len(calls))
+            time.sleep(0.02)  # the queued work finishing: paid once per sample
+            return self
+
+    fn = lambda x: calls.append(x) or Leaf()
+    out = timing.compare({"f": fn}, 1, baseline="f", warmup=0, min_runs=3, budget_s=0, inner=4)
+    assert out["f"]["runs"] == 3
+    assert blocks[1:] == [5, 9, 13]  # after the compile call, every 4th call
+    assert 0.004 < out["f"]["median_s"] < 0.02  # 20 ms over 4 calls, not 20 ms a call
+    with pytest.raises(ValueError, match="inner=0"):
+        timing.compare({"f": fn}, 1, baseline="f", inner=0)
+
+
 def test_summarise_percentiles():
     r = timing.summarise([float(i) for i in range(1, 101)], compile_s=0.5)
     assert r.median_s == pytest.approx(50.5)
