@@ -350,6 +350,27 @@ def test_bench_sweep_records_and_skips_what_does_not_fit(monkeypatch, tmp_path):
 # ------------------------------------------------------------------ under a multi-device mesh
 
 
+def test_torch_sdpa_peer_matches_the_reference_and_is_timed_like_jax():
+    """The bench's PyTorch peer on this CPU: same numbers in (DLPack), same answers out
+    (forward and dQ against float64), and the timer blocks through its block_until_ready."""
+    pytest.importorskip("torch", reason="PyTorch not installed: the bench's optional peer")
+    from lab.kernels.attention import bench
+
+    records = bench.sweep(
+        (96,),
+        causal=(True, False),
+        impls=("xla", "torch_sdpa"),
+        shape=bench.Shape(1, 4, 2, 32),
+        budget_s=0.01,
+    )
+    rows = {(r["impl"], r["causal"], r["mode"]): r for r in bench.rows_of(records)}
+    assert len(rows) == 8
+    for (impl, _, _), r in rows.items():
+        assert r["attention max error"] < 1e-5, (impl, r)
+        assert r["attention time"] > 0
+    assert rows[("torch_sdpa", True, "fwd")].get("attention peak temp memory") is None
+
+
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
 def test_pallas_kernel_runs_per_shard_under_a_mesh(impl):
     """A Pallas call is opaque to XLA's partitioner: with `shard_spec` the dispatch runs it on

@@ -17,15 +17,25 @@ implementation and shape it reports, in one run:
 - max error: max |out − ref| / max |ref| against the float64 reference, on the last 128 query
   rows (exact for causal too: the mask is bottom-right aligned), and for fwd+bwd also on dQ of
   those rows (dQ of a row depends only on that row's output cotangent);
-- ratio: median time / the library baseline's (`xla`: `jax.nn.dot_product_attention`).
+- ratio: median time / the baseline's (`--baseline`, default `xla`:
+  `jax.nn.dot_product_attention`; `cudnn` for the GPU targets).
+
+Sub-millisecond kernels are timed as `inner` queued calls blocked once (`timing.compare`),
+with `inner` chosen per shape so that a sample lasts about 2 ms: a host synchronisation per
+call would otherwise be a fair share of the figure. The same `inner` applies to every
+contender of a shape.
 
 Implementations whose compiled program needs more memory than half of what the host (CPU) or
 device has free are compiled but not run: their memory is reported (*compiled, not run*) and
 their time is "skipped". On GPU, cuDNN and JAX's bundled Pallas attention ops join as peers:
 `jax.experimental.pallas.ops.gpu.attention.mha` (Triton; kv heads repeated, it has no grouped
 heads) and `attention_mgpu.attention` (Mosaic GPU, Hopper and later, bf16/f16, lengths in
-whole 128-blocks; it takes no softmax scale, so q is scaled before the call). A peer that
-refuses a shape or device is listed as "does not compile here" with its reason.
+whole 128-blocks; it takes no softmax scale, so q is scaled before the call). Where PyTorch
+is installed, `torch_sdpa` (`torch.nn.functional.scaled_dot_product_attention`, PyTorch's
+own choice of flash / memory-efficient / math kernel) joins on the same device, fed the same
+numbers through DLPack and synchronised as part of each timed call; its memory is not
+XLA's and is reported as n/a. A peer that refuses a shape or device is listed as "does not
+compile here" with its reason.
 
 `sweep(...)` returns the records (`lab.measure.records`) so experiments can call it; the
 module also prints a table, appends the records to results/attention-<backend>-<time>.jsonl
@@ -59,6 +69,8 @@ CPU_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 GPU_SEQS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_SEQS = (256, 512)
 FIT_SHARE = 0.5  # run only programs needing at most this share of the free memory
+SAMPLE_S = 2e-3  # `inner` queues calls until one timed sample lasts about this long
+MAX_INNER = 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +124,70 @@ def _library_peers() -> dict:
     return peers
 
 
+class _TorchDone:
+    """What a torch_sdpa call returns: `jax.block_until_ready` calls this method, so the
+    timer waits for PyTorch's queued work exactly as it waits for JAX's."""
+
+    def __init__(self, torch, device):
+        self.torch, self.device = torch, device
+
+    def block_until_ready(self):
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+        return self
+
+
+class TorchSDPA:
+    """PyTorch's scaled_dot_product_attention on q, k, v (and the cotangent) of one shape,
+    converted once, laid out [batch, heads, seq, head_dim] as PyTorch wants them."""
+
+    def __init__(self, causal: bool, mode: str, q, k, v, do):
+        import torch
+
+        self.torch, self.causal, self.mode = torch, causal, mode
+        to_t = lambda x: torch.from_dlpack(x).transpose(1, 2).contiguous()
+        self.q, self.k, self.v, self.do = (to_t(x) for x in (q, k, v, do))
+        self.gqa = q.shape[2] != k.shape[2]
+        if mode != "fwd":
+            for t in (self.q, self.k, self.v):
+                t.requires_grad_(True)
+
+    def _run(self):
+        F = self.torch.nn.functional
+        out = F.scaled_dot_product_attention(
+            self.q, self.k, self.v, is_causal=self.causal, enable_gqa=self.gqa
+        )
+        if self.mode == "fwd":
+            return (out,)
+        return (out, *self.torch.autograd.grad(out, (self.q, self.k, self.v), self.do))
+
+    def __call__(self, *_args):
+        with self.torch.inference_mode(self.mode == "fwd"):
+            self._run()
+        return _TorchDone(self.torch, self.q.device)
+
+    def outputs(self):
+        """out (and dq, dk, dv) as float32 numpy in the lab's [batch, seq, heads, dim]."""
+        with self.torch.inference_mode(self.mode == "fwd"):
+            got = self._run()
+        return tuple(x.detach().float().transpose(1, 2).cpu().numpy() for x in got)
+
+
+def _torch_available(backend: str) -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return backend == "cpu" or (backend == "gpu" and torch.cuda.is_available())
+
+
 def default_impls(backend: str | None = None) -> tuple[str, ...]:
-    """Every compiled implementation on this backend, plus JAX's bundled kernels on GPU."""
+    """Every compiled implementation on this backend, JAX's bundled kernels on GPU, and
+    PyTorch's SDPA where PyTorch is installed for this device."""
     backend = backend or jax.default_backend()
     own = [i for i in available_impls(backend) if i != "pallas"]  # pallas = pallas_<backend>
-    return tuple(own + (list(_library_peers()) if backend == "gpu" else []))
+    own += list(_library_peers()) if backend == "gpu" else []
+    return tuple(own + (["torch_sdpa"] if _torch_available(backend) else []))
 
 
 def _op(impl: str, causal: bool):
@@ -169,6 +240,7 @@ def _reference_rows(q, k, v, do, causal: bool, mode: str):
 
 def _max_error(outputs, rows, want) -> float:
     got = [outputs] if not isinstance(outputs, tuple) else outputs[: len(want)]
+    got = [np.asarray(g, np.float64) for g in got]
     errs = [
         np.abs(np.asarray(g[:, rows], np.float64) - w).max() / np.abs(w).max()
         for g, w in zip(got, want, strict=True)
@@ -180,10 +252,27 @@ def _compile(impl, causal, mode, args):
     """(compiled, seconds, memory dict) or (None, 0, reason) where it does not build here."""
     t0 = time.perf_counter()
     try:
+        if impl == "torch_sdpa":
+            return TorchSDPA(causal, mode, *args), time.perf_counter() - t0, None
         compiled = jax.jit(_program(impl, causal, mode)).lower(*args).compile()
     except Exception as e:  # noqa: BLE001 — a peer's constraints (dtype, arch, shape) differ
         return None, 0.0, f"does not compile here: {str(e).strip().splitlines()[0][:80]}"
     return compiled, time.perf_counter() - t0, compiled_memory(compiled)
+
+
+def _outputs(fn, args):
+    return fn.outputs() if isinstance(fn, TorchSDPA) else fn(*args)
+
+
+def _inner(runnable: dict, args) -> int:
+    """Calls per timed sample: enough that the fastest contender's sample lasts SAMPLE_S."""
+    fastest = math.inf
+    for fn in runnable.values():
+        jax.block_until_ready(fn(*args))  # first call: allocation, autotuning
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        fastest = min(fastest, time.perf_counter() - t0)
+    return max(1, min(MAX_INNER, math.ceil(SAMPLE_S / max(fastest, 1e-9))))
 
 
 def _measure_one(impls, shape: Shape, seq: int, causal: bool, mode: str, timing: dict) -> list:
@@ -203,20 +292,22 @@ def _measure_one(impls, shape: Shape, seq: int, causal: bool, mode: str, timing:
             runnable[impl] = compiled
         rows.append(row)
     if runnable:
-        names = list(runnable)
-        baseline = BASELINE if BASELINE in runnable else names[0]
-        times = compare(runnable, *args, baseline=baseline, **timing)
+        timing = dict(timing)
+        wanted = timing.pop("baseline", BASELINE)
+        baseline = wanted if wanted in runnable else next(iter(runnable))
+        inner = timing.pop("inner", None) or _inner(runnable, args)
+        times = compare(runnable, *args, baseline=baseline, inner=inner, **timing)
         ref_rows, want = _reference_rows(*args, causal=causal, mode=mode)
         for row in rows:
             if row["impl"] in runnable:
-                row["time"] = times[row["impl"]]
-                if baseline != BASELINE:  # the baseline did not run: no ratio to give
+                row["time"] = {**times[row["impl"]], "inner": inner}
+                if baseline != wanted:  # the baseline did not run: no ratio to give
                     row["time"]["ratio"] = None
-                row["max_error"] = _max_error(runnable[row["impl"]](*args), ref_rows, want)
+                row["max_error"] = _max_error(_outputs(runnable[row["impl"]], args), ref_rows, want)
     return rows
 
 
-def _records(row: dict, shape: Shape, seq: int, causal: bool, mode: str) -> list[dict]:
+def _records(row, shape: Shape, seq: int, causal: bool, mode: str, baseline=BASELINE) -> list:
     """One record per figure of a row; all share the row's config."""
     config = dict(
         op="attention",
@@ -249,7 +340,7 @@ def _records(row: dict, shape: Shape, seq: int, causal: bool, mode: str) -> list
     if not ran:
         return out
     t = row["time"]
-    timing = {k: t[k] for k in ("p10_s", "p90_s", "runs")}
+    timing = {k: t[k] for k in ("p10_s", "p90_s", "runs", "inner")}
     out += [
         rec.make_record(
             "attention time", t["median_s"], "s", compile_s=row["compile_s"], **timing, **config
@@ -267,7 +358,7 @@ def _records(row: dict, shape: Shape, seq: int, causal: bool, mode: str) -> list
         ),
     ]
     if t["ratio"] is not None:
-        ratio = f"attention time ratio vs {BASELINE}"
+        ratio = f"attention time ratio vs {baseline}"
         out.append(rec.make_record(ratio, t["ratio"], "x", label="derived", **config))
     return out
 
@@ -282,6 +373,8 @@ def sweep(
     budget_s: float = 1.0,
     min_runs: int = 3,
     warmup: int = 1,
+    baseline: str = BASELINE,
+    inner: int | None = None,
     progress=None,
 ) -> list[dict]:
     """Measure every impl over seqs × causal × modes; returns `lab.measure.records` records.
@@ -292,6 +385,7 @@ def sweep(
     """
     impls = tuple(impls or default_impls())
     timing = dict(budget_s=budget_s, min_runs=min_runs, warmup=warmup)
+    timing.update(baseline=baseline, inner=inner)  # inner None: chosen per shape
     out = []
     for seq in seqs:
         for c in causal:
@@ -299,7 +393,7 @@ def sweep(
                 if progress:
                     progress(f"L=S={seq} causal={c} {mode}")
                 for row in _measure_one(impls, shape, seq, c, mode, timing):
-                    out += _records(row, shape, seq, c, mode)
+                    out += _records(row, shape, seq, c, mode, baseline)
     return out
 
 
@@ -323,6 +417,16 @@ def _gib(n) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
+def baseline_of(records: list[dict]) -> str:
+    """The impl the ratios of these records are taken against."""
+    prefix = "attention time ratio vs "
+    return next((r["what"][len(prefix) :] for r in records if r["what"].startswith(prefix)), "")
+
+
+def _time(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s >= 1e-3 else f"{s * 1e6:,.0f} µs"
+
+
 def table(records: list[dict], title: str):
     from rich.table import Table
 
@@ -333,7 +437,7 @@ def table(records: list[dict], title: str):
         "mode",
         "impl",
         "time",
-        f"vs {BASELINE}",
+        f"vs {baseline_of(records) or BASELINE}",
         "TFLOP/s",
         "peak temp mem",
         "max error",
@@ -351,9 +455,7 @@ def table(records: list[dict], title: str):
             "yes" if r["causal"] else "no",
             r["mode"],
             r["impl"],
-            f"{r['attention time'] * 1e3:,.1f} ms"
-            if ran
-            else f"skipped: {r.get('attention skipped')}",
+            _time(r["attention time"]) if ran else f"skipped: {r.get('attention skipped')}",
             f"{ratio:.2f}x" if ratio is not None else "",
             f"{r['attention TFLOP/s']:.3f}" if ran else "",
             mem_s,
@@ -431,7 +533,9 @@ def _parser():
     p.add_argument("--seqs", type=int, nargs="+", help="sequence lengths (default per backend)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--impls", nargs="+", help=f"default: all compiled here ({BASELINE} always)")
+    p.add_argument("--impls", nargs="+", help="default: all compiled here (the baseline always)")
+    p.add_argument("--baseline", default=BASELINE, help=f"ratios against this impl ({BASELINE})")
+    p.add_argument("--inner", type=int, help="calls per timed sample (default: ~2 ms a sample)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--kv-heads", type=int, default=1)
@@ -448,7 +552,7 @@ def main(argv=None) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
-    for name in ("seqs", "batch", "heads", "kv_heads", "head_dim"):
+    for name in ("seqs", "batch", "heads", "kv_heads", "head_dim", "inner"):
         value = getattr(args, name)
         if value is not None and min(value if isinstance(value, list) else [value]) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -458,8 +562,8 @@ def main(argv=None) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
     shape = Shape(args.batch, args.heads, args.kv_heads, args.head_dim, dtype)
     impls = list(args.impls or default_impls())
-    if BASELINE not in impls:
-        impls.append(BASELINE)
+    if args.baseline not in impls:
+        impls.append(args.baseline)
     causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > (os.cpu_count() or 1) * 0.5:
@@ -472,6 +576,8 @@ def main(argv=None) -> int:
         impls=impls,
         shape=shape,
         budget_s=0.2 if args.quick else args.budget,
+        baseline=args.baseline,
+        inner=args.inner,
         progress=console.log,
     )
     env = rec.environment()
