@@ -142,7 +142,7 @@ def _busy() -> str:
     return f"; host busy: load {load:.1f} on {cores} cores, CPU figures unreliable"
 
 
-def _peak(cfg: Config, info: DeviceInfo, n_devices: int) -> tuple[float | None, str]:
+def mesh_peak(cfg: Config, info: DeviceInfo, n_devices: int) -> tuple[float | None, str]:
     """Peak FLOP/s of the devices the mesh uses and where the figure comes from."""
     if info.backend == "cpu":
         peak = ceilings.matmul_peak(cfg.model.dtype)
@@ -156,7 +156,7 @@ def _peak(cfg: Config, info: DeviceInfo, n_devices: int) -> tuple[float | None, 
 def summarise_run(cfg: Config, info: DeviceInfo, analysis: dict, times, losses) -> dict:
     tokens_per_s = cfg.batch_size * cfg.seq_len / times.median_s
     achieved = analysis["model_flops_per_token"] * tokens_per_s
-    peak, peak_source = _peak(cfg, info, analysis["devices"])
+    peak, peak_source = mesh_peak(cfg, info, analysis["devices"])
     stats = memory.device_memory_stats(jax.local_devices()[0])
     return {
         **analysis,

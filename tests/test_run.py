@@ -159,5 +159,5 @@ def test_mfu_peak_counts_the_devices_the_mesh_uses():
     info = DeviceInfo(
         "gpu", kind, count=8, local_count=8, process_count=1, process_index=0, simulated=False
     )
-    peak, source = summary._peak(parse_args(["dtype=bfloat16"]), info, 2)
+    peak, source = summary.mesh_peak(parse_args(["dtype=bfloat16"]), info, 2)
     assert peak == 2 * specs.peak_flops(kind, "bfloat16") and "× 2 devices" in source

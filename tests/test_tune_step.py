@@ -1,0 +1,56 @@
+"""lab.tune_step: remat × batch measured on the real step; what does not fit is refused."""
+
+import json
+
+import pytest
+
+from lab import summary, tune_step
+
+TINY = ["model=tiny", "seq_len=32"]
+
+
+def test_search_times_every_candidate_and_names_the_best(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = [*TINY, "remats=none,full", "batches=2,4", "budget=0.05"]
+    assert tune_step.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "best: python -m lab.run model=tiny seq_len=32 remat=" in out
+    (path,) = (tmp_path / "results").glob("tune_step-*.jsonl")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    tps = [r for r in recs if r["what"] == "training tokens/s"]
+    assert {(r["config"]["remat"], r["config"]["batch"]) for r in tps} == {
+        ("none", 2),
+        ("none", 4),
+        ("full", 2),
+        ("full", 4),
+    }
+    assert all(r["value"] > 0 and r["config"]["runs"] >= 3 for r in tps)
+    mfu = [r for r in recs if r["what"] == "training MFU"]
+    assert len(mfu) == 4 and all(0 < r["value"] for r in mfu)
+    best = max(tps, key=lambda r: r["value"])["config"]
+    assert f"remat={best['remat']} batch_size={best['batch']}" in out
+
+
+def test_what_does_not_fit_is_refused_not_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(summary.memory, "device_capacity_bytes", lambda device: 1024)
+    rows = tune_step.search(TINY, ("none",), (2,), 0.05, log=lambda *_: None)
+    assert rows[0]["skipped"].startswith("the compiled step needs") and "step_s" not in rows[0]
+    assert tune_step.best(rows) is None
+    assert tune_step.main([*TINY, "remats=none", "batches=2"]) == 1
+    assert "no candidate fits this device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["remats=none,sometimes"], "each must be one of none, dots, full"),
+        (["batches=8,x"], "takes integers"),
+        (["batch_size=8"], "use remats=/batches="),
+        (["modle=tiny"], "did you mean"),
+    ],
+)
+def test_bad_keys_are_one_line_and_exit_2(argv, needle, capsys):
+    assert tune_step.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
