@@ -213,6 +213,46 @@ def test_available_impls_per_backend():
     assert set(available_impls()) == set(available_impls("cpu"))  # these tests run on CPU
 
 
+@pytest.mark.parametrize(
+    "backend, dtype, head_dim, causal_lengths, want",
+    [
+        ("gpu", "bfloat16", 128, (32, 32), "cudnn"),
+        ("gpu", "float32", 128, (32, 32), "pallas_gpu"),  # cuDNN: bf16/f16 only
+        ("gpu", "bfloat16", 256, (32, 32), "pallas_gpu"),  # cuDNN: head_dim <= 128
+        ("gpu", "bfloat16", 64, (16, 32), "pallas_gpu"),  # cuDNN's causal mask is top-left
+        ("gpu", "float32", 48, (32, 32), "blockwise"),  # Triton tiles: powers of two only
+        ("tpu", "bfloat16", 128, (32, 32), "pallas_tpu"),
+        ("cpu", "bfloat16", 128, (32, 32), "blockwise"),
+    ],
+)
+def test_auto_picks_per_backend_and_falls_back_on_what_it_cannot_take(
+    backend, dtype, head_dim, causal_lengths, want
+):
+    from lab.kernels.attention import choose
+
+    L, S = causal_lengths
+    q = jax.ShapeDtypeStruct((1, L, 4, head_dim), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct((1, S, 2, head_dim), jnp.dtype(dtype))
+    assert choose("auto", q, kv, kv, causal=True, backend=backend) == want
+
+
+@pytest.mark.parametrize(
+    "impl, interpret",
+    [
+        ("naive", False),
+        ("blockwise", False),
+        ("xla", False),
+        ("pallas_tpu", True),
+        ("pallas_gpu", True),
+    ],
+)
+def test_a_given_scale_is_used(impl, interpret):
+    q, k, v = _qkv()
+    want = attention_reference(q * 0.3, k, v, causal=True, scale=1.0)
+    got = attention(q, k, v, causal=True, impl=impl, scale=0.3, interpret=interpret)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
