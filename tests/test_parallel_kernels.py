@@ -133,3 +133,15 @@ def test_ring_attention_needs_the_cp_strategy():
     with pytest.raises(ConfigError, match="strategy=cp"):
         parse_args(["attention=ring", "mesh=2x4"])
     assert parse_args(["attention=ring", "mesh=2x4", "strategy=cp"]).strategy == "cp"
+
+
+def test_collective_matmul_command(capsys):
+    from lab.parallel import collective_matmul
+
+    assert collective_matmul.main(["--mesh", "2x4", "--size", "256", "--budget", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "over model=4" in out and "collective matmul (ring)" in out
+    err = float(out.split("max |ring - jnp| = ")[1].split()[0])
+    assert err < 1e-3
+    assert collective_matmul.main(["--mesh", "2x4", "--size", "250"]) == 2
+    assert "need x rows and w columns divisible by model=4" in capsys.readouterr().err
