@@ -8,6 +8,7 @@ is against the matmul peak measured on this machine, and says so.
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import jax
@@ -17,6 +18,7 @@ from lab import aot
 from lab.config import Config
 from lab.devices import DeviceInfo
 from lab.measure import ceilings, cost, memory, specs
+from lab.measure import records as rec
 from lab.model import count_nonembedding_params, count_params
 
 GIB = 2**30
@@ -257,5 +259,44 @@ def summary_table(s: dict) -> Table:
     return t
 
 
+def run_records(s: dict, run: str) -> list[dict]:
+    """The run's headline figures as lab.measure records (versions, device, time stamped),
+    so a run folder reads like any other result and merges with the experiments'."""
+    plan = "aot" in s
+    mem = s.get("compiled_memory_per_device")
+    out = []
+    if mem:
+        label = "compiled, not run" if plan else "measured"
+        out.append(
+            rec.make_record(
+                "compiled memory per device", mem["total_bytes"], "B", label=label, run=run, **mem
+            )
+        )
+    if s.get("step_time"):
+        t = s["step_time"]
+        timing = {k: t[k] for k in ("p10_s", "p90_s", "runs", "compile_s")}
+        out.append(rec.make_record("training step time", t["median_s"], "s", run=run, **timing))
+        out.append(rec.make_record("training tokens/s", s["tokens_per_s"], "tokens/s", run=run))
+    if s.get("mfu") is not None:
+        out.append(
+            rec.make_record(
+                "training MFU",
+                s["mfu"],
+                "fraction",
+                label="derived",
+                run=run,
+                peak_source=s["peak_source"],
+                convention=s["flops_convention"],
+            )
+        )
+    return out
+
+
 def write_summary(run_dir: Path, summary: dict) -> None:
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    """summary.json (every figure, plus the environment it was measured in) and
+    records.jsonl (the headline figures as records)."""
+    env = {"environment": rec.environment(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (run_dir / "summary.json").write_text(json.dumps({**summary, **env}, indent=2, default=str))
+    path = run_dir / "records.jsonl"
+    path.unlink(missing_ok=True)  # a resumed run rewrites its figures, not appends to them
+    rec.write_records(path, run_records(summary, run_dir.name))

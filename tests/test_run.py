@@ -30,6 +30,11 @@ def test_loss_falls_on_text_and_summary_is_written(tmp_path):
     assert s["step_time"]["compile_s"] > 0 and s["mfu"] is not None
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["model"]["dtype"] == "float32" and cfg["data"] == "text"
+    assert s["environment"]["jax_version"] and s["environment"]["backend"] == "cpu"
+    recs = {r["what"]: r for r in map(json.loads, (run_dir / "records.jsonl").open())}
+    assert recs["training tokens/s"]["value"] == pytest.approx(s["tokens_per_s"])
+    assert recs["training MFU"]["label"] == "derived" and recs["training MFU"]["jax_version"]
+    assert recs["training step time"]["config"]["runs"] == 40 - 2  # warm-up steps apart
 
 
 def test_resume_reproduces_uninterrupted_losses(tmp_path):
