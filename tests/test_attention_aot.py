@@ -68,9 +68,14 @@ def test_forward_and_backward_compile_through_mosaic(target, causal, dtype, head
 
 
 @pytest.mark.parametrize(
-    "causal, dtype, seq", [(True, jnp.bfloat16, 300), (False, jnp.float32, 256)]
+    "causal, dtype, seq, split",
+    [
+        (True, jnp.bfloat16, 300, True),
+        (False, jnp.float32, 256, True),
+        (True, jnp.float16, 256, False),
+    ],
 )
-def test_gpu_kernel_lowers_through_triton_for_cuda(causal, dtype, seq):
+def test_gpu_kernel_lowers_through_triton_for_cuda(causal, dtype, seq, split):
     """The Pallas GPU kernels, forward and backward, lowered to Triton IR for CUDA on this CPU
     machine: lowered, not compiled (PTX needs the CUDA plugin), but every kernel construct
     went through Pallas' Triton lowering rules. Needs no libtpu; lives here as the other
@@ -79,7 +84,8 @@ def test_gpu_kernel_lowers_through_triton_for_cuda(causal, dtype, seq):
 
     q = jax.ShapeDtypeStruct((1, seq, 4, 128), dtype)
     kv = jax.ShapeDtypeStruct((1, seq, 2, 128), dtype)
-    attn = functools.partial(pallas_gpu.flash_attention_gpu, causal=causal)
+    bs = pallas_gpu.BlockSizes(split_mask=split)  # both variants the tuner chooses between
+    attn = functools.partial(pallas_gpu.flash_attention_gpu, causal=causal, block_sizes=bs)
     grads = jax.grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     for fn, kernels in ((attn, 1), (grads, 3)):
         lowered = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
