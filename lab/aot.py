@@ -79,3 +79,27 @@ def estimated_seconds(compiled) -> float | None:
     costs = costs[0] if isinstance(costs, list | tuple) and costs else costs
     value = (costs or {}).get("optimal_seconds")
     return float(value) if value and value > 0 else None
+
+
+def step_seconds(compiled, flops_per_device: float, spec, peak: float | None):
+    """(seconds, source) for one call on the target: the compiler's estimate, floored by the
+    roofline of the chip (spec-sheet peak and bandwidth).
+
+    Why a floor: a Pallas (Mosaic) kernel is a custom call that XLA's cost model cannot see
+    into — it counts ~0 FLOPs for it, and its estimate can then imply more than the chip's
+    peak. `flops_per_device` (the analytic count) keeps the compute side honest.
+    """
+    from lab.measure import cost
+
+    c = cost.compiled_cost(compiled) or {}
+    est = estimated_seconds(compiled)
+    if not (peak and spec):
+        return est, "compiler estimate" if est else "none: no estimate and no spec entry"
+    compute_s = max(c.get("flops") or 0.0, flops_per_device) / peak
+    memory_s = (c.get("bytes accessed") or 0.0) / spec.memory_bandwidth
+    floor = max(compute_s, memory_s)
+    if est and est >= floor:
+        return est, "compiler estimate"
+    bound = "compute" if compute_s >= memory_s else "memory"
+    above = "; the compiler's estimate was below it" if est else ""
+    return floor, f"roofline floor ({bound}-bound{above}): no faster, likely slower"

@@ -90,19 +90,13 @@ def capacity_bytes(info: DeviceInfo) -> float | None:
 def _aot_plan(compiled, cfg: Config, info: DeviceInfo, fpt: float, n_devices: int) -> dict:
     """What the compiler predicts for a TPU slice that is not here: compiled, not run.
 
-    Step time: the compiler's own estimate where it gives a positive one, else a roofline
-    bound from the compiled per-device FLOPs and bytes and the chip's spec-sheet peaks.
+    Step time: the compiler's own estimate, floored by the roofline of the model's FLOPs and
+    the compiled bytes at the chip's spec-sheet peaks (`aot.step_seconds`).
     """
     spec = specs.lookup(info.device_kind)
     peak = specs.peak_flops(info.device_kind, cfg.model.dtype)
-    c = cost.compiled_cost(compiled) or {}
-    est_s, source = aot.estimated_seconds(compiled), "compiler estimate"
-    if est_s is None and peak and spec and c.get("flops"):
-        compute_s = c["flops"] / peak
-        memory_s = c.get("bytes accessed", 0) / spec.memory_bandwidth
-        est_s = max(compute_s, memory_s)
-        source = f"roofline bound ({'compute' if compute_s >= memory_s else 'memory'}-bound)"
     step_flops = fpt * cfg.batch_size * cfg.seq_len
+    est_s, source = aot.step_seconds(compiled, step_flops / n_devices, spec, peak)
     mfu = step_flops / (est_s * peak * n_devices) if est_s and peak else None
     return {
         "label": "compiled, not run",

@@ -7,6 +7,7 @@ a custom call, so each device gets its own (batch, head) shard and runs the kern
 """
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -90,3 +91,50 @@ def test_gpu_kernel_lowers_through_triton_for_cuda(causal, dtype, seq, split):
     for fn, kernels in ((attn, 1), (grads, 3)):
         lowered = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("xla.gpu.triton") == kernels
+
+
+def test_kernel_plan_command(tmp_path, capsys):
+    """python -m lab.kernels.attention.plan: memory, FLOPs and a time floor for a slice."""
+    pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
+    from lab.kernels.attention import plan
+
+    argv = [
+        "--target",
+        "tpu:v5e:2x2",
+        "--seq",
+        "1024",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    assert plan.main(argv) == 0
+    assert "fwd+bwd" in capsys.readouterr().out
+    (path,) = tmp_path.glob("attention-plan-*.jsonl")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(recs) == 4 and {r["label"] for r in recs} == {"compiled, not run"}
+    times = [r for r in recs if r["what"] == "attention plan step time"]
+    sources = {r["config"]["source"].split(" (")[0] for r in times}
+    assert sources <= {"compiler estimate", "roofline floor"}, sources
+    rows = plan.plan(
+        "tpu:v5e:2x2",
+        batch=4,
+        heads=4,
+        kv_heads=2,
+        seq=1024,
+        head_dim=128,
+        dtype="bfloat16",
+        causal=True,
+        data=2,
+    )
+    fwd, both = rows
+    assert 0 < fwd["memory"]["total_bytes"] < fwd["hbm_bytes"]
+    assert both["analytic_flops_per_device"] == pytest.approx(
+        3.5 * fwd["analytic_flops_per_device"]
+    )
+    assert both["estimated_s"] > fwd["estimated_s"] > 0
+    assert fwd["peak_share"] <= 1.0 and both["peak_share"] <= 1.0  # the floor holds
+    assert plan.main(["--target", "tpu:v5e:2x2", "--kv-heads", "3", "--heads", "6"]) == 2
+    assert "kv heads over model" in capsys.readouterr().err
