@@ -151,3 +151,30 @@ def test_loop_bodies_count_once_per_trip():
     gathers = [c for c in ex.collectives if c.kind == "all-gather"]
     assert any(c.count == 2 for c in gathers)  # inside the scanned 2-layer body
     assert _row(ex, "param all-gather").ratio == pytest.approx(1.0, abs=0.1)
+
+
+def test_explain_from_the_command_line(tmp_path, capsys):
+    """lab.run explain=true: the memory and collectives tables, before (here instead of)
+    training."""
+    from lab.run import main
+
+    argv = [
+        "mesh=2x2x2",
+        "strategy=fsdp+tp",
+        "explain=true",
+        "compile_only=true",
+        "batch_size=8",
+        "seq_len=32",
+        f"out_dir={tmp_path}",
+        "name=x",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for needle in (
+        "memory per device",
+        "collectives per step",
+        "grad reduction",
+        "param all-gather",
+        "activation",
+    ):
+        assert needle in out, needle

@@ -64,3 +64,18 @@ def test_remat_and_scan_keep_the_loss(single_device, extra):
         assert abs(losses[0] - single_device[0]) < 0.5 and losses[-1] < losses[0]
     else:
         np.testing.assert_allclose(losses, single_device, rtol=2e-5)
+
+
+def test_1b_preset_compiles_with_its_state_at_12_bytes_a_parameter():
+    """model=1b only has to build and compile on CPU (issue: the foundation): ~1B parameters,
+    and the compiled step's arguments are the f32 parameters and two AdamW moments."""
+    from lab.config import parse_args
+    from lab.measure.memory import compiled_memory
+    from lab.model import count_params
+    from lab.run import setup
+
+    cfg, _, trainer = setup(parse_args(["model=1b", "seq_len=128", "batch_size=2"]))
+    n = count_params(trainer.abstract_state.params)
+    assert 0.9e9 < n < 1.1e9
+    mem = compiled_memory(trainer.lower().compile())
+    assert mem["argument_bytes"] == pytest.approx(12 * n, rel=0.001)
