@@ -69,15 +69,44 @@ def test_collective_matmul_sends_a_ring_of_permutes_not_a_gather():
 
 def test_combining_partial_softmaxes_is_exact():
     q, k, v = random_inputs(3, [(1, 8, 2, 4), (1, 16, 2, 4), (1, 16, 2, 4)])
-    part = functools.partial(block_attention, q_start=0, causal=False, scale=0.5)
+    part = functools.partial(block_attention, causal=False, scale=0.5)
 
     @jax.jit
     def split_in_two(q, k, v):
-        o_a, lse_a = part(q, k[:, :5], v[:, :5], k_start=0)
-        o_b, lse_b = part(q, k[:, 5:], v[:, 5:], k_start=5)
+        o_a, lse_a = part(q, k[:, :5], v[:, :5])
+        o_b, lse_b = part(q, k[:, 5:], v[:, 5:])
         return combine(o_a, lse_a, o_b, lse_b)[0]
 
     _close(split_in_two(q, k, v), attention_reference(q, k, v, causal=False, scale=0.5))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_lse_and_its_gradient_equal_the_plain_log_sum_exp(causal):
+    """The local block's LSE output is differentiable: a loss on both outputs has the
+    gradient of the same loss computed the plain way (scores in full, logsumexp)."""
+    from lab.kernels.attention import blockwise
+
+    q, k, v = random_inputs(5, [(2, 24, 4, 8), (2, 40, 2, 8), (2, 40, 2, 8)])
+    w_o, w_lse = random_inputs(6, [(2, 24, 4, 8), (2, 24, 4)])
+    tiles = blockwise.BlockSizes(8, 16)
+
+    def flash(q, k, v):
+        o, lse = blockwise.blockwise_attention_with_lse(q, k, v, causal=causal, block_sizes=tiles)
+        return o, lse
+
+    def plain(q, k, v):
+        s = jnp.einsum("blhd,bshd->bhls", q, jnp.repeat(k, 2, axis=2)) / jnp.sqrt(8.0)
+        if causal:
+            L, S = s.shape[-2:]
+            s = jnp.where(jnp.arange(S)[None, :] <= jnp.arange(L)[:, None] + S - L, s, -1e30)
+        lse = jax.nn.logsumexp(s, axis=-1)
+        o = jnp.einsum("bhls,bshd->blhd", jnp.exp(s - lse[..., None]), jnp.repeat(v, 2, axis=2))
+        return o, jnp.moveaxis(lse, 1, 2)
+
+    loss = lambda f: lambda *a: jnp.sum(f(*a)[0] * w_o) + jnp.sum(f(*a)[1] * w_lse)
+    _close(flash(q, k, v), plain(q, k, v))
+    got = jax.grad(loss(flash), argnums=(0, 1, 2))(q, k, v)
+    _close(got, jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v))
 
 
 @pytest.mark.parametrize(

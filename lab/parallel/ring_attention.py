@@ -9,13 +9,16 @@ normalised within the block and its log-sum-exp (LSE); two partial results combi
     lse = logaddexp(lse_a, lse_b)      o = o_a·exp(lse_a - lse) + o_b·exp(lse_b - lse)
 
 (Liu et al., "Ring Attention with Blockwise Transformers", 2023). Memory per device is one
-block's scores, never the full L×L matrix; communication is (W-1) blocks of K and V per
+tile of scores, never the full L×L matrix; communication is (W-1) blocks of K and V per
 layer, overlappable with the block's compute.
 
-The local block is the plain reference computation extended to return its LSE: the lab's
-public kernels (lab.kernels.attention) return only the output, and the combination needs
-the LSE. Causal masking uses global positions; blocks wholly above the diagonal contribute
-exp(-huge) = 0 (they are computed, not skipped: the ring keeps every device in step).
+The local block is the lab's flash kernel in plain JAX (`lab.kernels.attention.blockwise`),
+in the form that also returns each row's LSE: its custom VJP takes the LSE's cotangent too
+(dS = P·(dP − δ + dLSE)), so the backward recomputes scores block by block instead of storing
+them, and per-device memory stays linear in the local length. The own block is attended
+causally (the diagonal); a visiting block from earlier in the sequence is attended in full;
+one from later is computed and then given LSE = −huge, i.e. weight 0 (computed, not skipped:
+the ring keeps every device in step).
 
 Letters: B batch, L local query rows, C local key columns, H query heads, G kv heads,
 R = H/G query heads per kv head, K head dim.
@@ -29,34 +32,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from lab.kernels.attention import blockwise
 from lab.parallel.shmap import shard_map
 
 MASK = -1e30  # finite: a fully masked row stays finite and gets weight exp(MASK - lse) = 0
 
 
-def block_attention(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, *, q_start, k_start, causal, scale):
-    """One query block against one key block: (output_BxLxHxK in f32, lse_BxLxH)."""
-    B, L, H, K = q_BxLxHxK.shape
-    G = k_BxCxGxK.shape[2]
-    q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
-    s_BxGxRxLxC = jnp.einsum(
-        "blgrk,bcgk->bgrlc", q_BxLxGxRxK, k_BxCxGxK, preferred_element_type=jnp.float32
+def block_attention(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, *, causal: bool, scale: float):
+    """One query block against one key block: (output_BxLxHxK in f32, lse_BxLxH), by the
+    blockwise flash kernel; `causal` aligns the mask to the diagonal (own block, L == C)."""
+    o_BxLxHxK, lse_BxLxH = blockwise.blockwise_attention_with_lse(
+        q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, causal=causal, scale=scale
     )
-    s_BxGxRxLxC = s_BxGxRxLxC * scale
-    if causal:
-        q_pos_L = q_start + jnp.arange(L)
-        k_pos_C = k_start + jnp.arange(k_BxCxGxK.shape[1])
-        s_BxGxRxLxC = jnp.where(q_pos_L[:, None] >= k_pos_C[None, :], s_BxGxRxLxC, MASK)
-    m_BxGxRxL = jnp.max(s_BxGxRxLxC, axis=-1)
-    p_BxGxRxLxC = jnp.exp(s_BxGxRxLxC - m_BxGxRxL[..., None])
-    l_BxGxRxL = jnp.sum(p_BxGxRxLxC, axis=-1)
-    o_BxLxGxRxK = (
-        jnp.einsum("bgrlc,bcgk->blgrk", p_BxGxRxLxC, v_BxCxGxK.astype(jnp.float32))
-        / jnp.moveaxis(l_BxGxRxL, -1, 1)[..., None]
-    )
-    lse_BxGxRxL = m_BxGxRxL + jnp.log(l_BxGxRxL)
-    lse_BxLxH = jnp.moveaxis(lse_BxGxRxL, -1, 1).reshape(B, L, H)
-    return o_BxLxGxRxK.reshape(B, L, H, K), lse_BxLxH
+    return o_BxLxHxK.astype(jnp.float32), lse_BxLxH.astype(jnp.float32)
 
 
 def combine(o_a, lse_a, o_b, lse_b):
@@ -69,15 +57,16 @@ def combine(o_a, lse_a, o_b, lse_b):
 def _ring(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, *, axis: str, W: int, causal: bool, scale: float):
     """Per device: local queries against every key block as it passes by."""
     i = lax.axis_index(axis)
-    L, C = q_BxLxHxK.shape[1], k_BxCxGxK.shape[1]
     ring = [(d, (d + 1) % W) for d in range(W)]
-    attend = functools.partial(block_attention, q_start=i * L, causal=causal, scale=scale)
-    o, lse = attend(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, k_start=i * C)  # own block: the diagonal
+    attend = functools.partial(block_attention, scale=scale)
+    o, lse = attend(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, causal=causal)  # own block: the diagonal
 
     def step(carry, t):
         k_BxCxGxK, v_BxCxGxK, o, lse = carry
         k_BxCxGxK, v_BxCxGxK = lax.ppermute((k_BxCxGxK, v_BxCxGxK), axis, ring)
-        o_t, lse_t = attend(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, k_start=((i - t) % W) * C)
+        o_t, lse_t = attend(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, causal=False)
+        if causal:  # the block came from device (i - t) mod W: later in the sequence → unseen
+            lse_t = jnp.where((i - t) % W > i, MASK, lse_t)
         o, lse = combine(o, lse, o_t, lse_t)
         return (k_BxCxGxK, v_BxCxGxK, o, lse), None
 

@@ -134,12 +134,29 @@ def _forward(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry):
     return o_BxLxHxD, lse_NxBxKxGxQ
 
 
-def _backward(g: Geometry, residuals, do_BxLxHxD):
+def _row_blocks(x_BxLxH, g: Geometry):
+    """A per-row quantity [B, L, H] -> the kernel's block layout [N, B, K, G, Q]."""
+    return jnp.einsum("nbqkg->nbkgq", _grouped(x_BxLxH[..., None], g)[..., 0])
+
+
+def _row_unblocks(x_NxBxKxGxQ, g: Geometry):
+    """Inverse of `_row_blocks`: [N, B, K, G, Q] -> [B, L, H] (padded rows dropped)."""
+    x_BxLpxKxG = _unblocks(jnp.einsum("nbkgq->nbqkg", x_NxBxKxGxQ))
+    B, Lp = x_BxLpxKxG.shape[:2]
+    return x_BxLpxKxG.reshape(B, Lp, g.K * g.G)[:, : g.L]
+
+
+def _backward(g: Geometry, residuals, do_BxLxHxD, dlse_BxLxH=None):
+    """dQ, dK, dV; with `dlse_BxLxH` (the cotangent of the log-sum-exp output, see
+    `blockwise_attention_with_lse`) folded in: d lse_i / d s_ij = P_ij, so
+    dS = P·(dP − δ + dlse)."""
     q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, o_BxLxHxD, lse_NxBxKxGxQ = residuals
     acc = jnp.promote_types(q_BxLxHxD.dtype, jnp.float32)
     # delta_i = Σ_d dO_id·O_id = Σ_j P_ij·dP_ij: the softmax-backward row term, linear in L.
     delta_BxLxH = jnp.einsum("blhd,blhd->blh", o_BxLxHxD.astype(acc), do_BxLxHxD.astype(acc))
-    delta_NxBxKxGxQ = jnp.einsum("nbqkg->nbkgq", _grouped(delta_BxLxH[..., None], g)[..., 0])
+    if dlse_BxLxH is not None:
+        delta_BxLxH = delta_BxLxH - dlse_BxLxH.astype(acc)
+    delta_NxBxKxGxQ = _row_blocks(delta_BxLxH, g)
     q_NxBxQxKxGxD = _grouped(q_BxLxHxD, g)
     do_NxBxQxKxGxD = _grouped(do_BxLxHxD, g)
     k_MxBxCxKxD = _blocks(pad_seq(k_BxSxKxD, g.n_k * g.bk), g.bk)
@@ -208,6 +225,25 @@ def _flash_fwd(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry):
 _flash.defvjp(_flash_fwd, _backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash_lse(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry):
+    o_BxLxHxD, lse_NxBxKxGxQ = _forward(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)
+    return o_BxLxHxD, _row_unblocks(lse_NxBxKxGxQ, g)
+
+
+def _flash_lse_fwd(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry):
+    o_BxLxHxD, residuals = _flash_fwd(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)
+    return (o_BxLxHxD, _row_unblocks(residuals[-1], g)), residuals
+
+
+def _flash_lse_bwd(g: Geometry, residuals, cotangents):
+    do_BxLxHxD, dlse_BxLxH = cotangents
+    return _backward(g, residuals, do_BxLxHxD, dlse_BxLxH)
+
+
+_flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes"))
 def blockwise_attention(
     q_BxLxHxD,
@@ -228,6 +264,30 @@ def blockwise_attention(
         L=L, S=S, K=K, G=H // K, bq=bq, bk=bk, causal=causal, scale=default_scale(D, scale)
     )
     return _flash(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes"))
+def blockwise_attention_with_lse(
+    q_BxLxHxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    block_sizes: BlockSizes = BlockSizes(),
+):
+    """(out [B, L, H, D], lse [B, L, H] in f32): the output and each row's log-sum-exp of the
+    scaled scores, both differentiable. Partial attentions over disjoint key sets combine
+    exactly through the LSE (ring attention), which is why a caller may need it."""
+    check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+    check_dtype(q_BxLxHxD, DTYPES, "blockwise")
+    _, L, H, D = q_BxLxHxD.shape
+    S, K = k_BxSxKxD.shape[1:3]
+    bq, bk = block_sizes.fit(L, S)
+    g = Geometry(
+        L=L, S=S, K=K, G=H // K, bq=bq, bk=bk, causal=causal, scale=default_scale(D, scale)
+    )
+    return _flash_lse(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)
 
 
 blockwise_reference = attention_reference  # the template keeps a reference beside each kernel
