@@ -216,7 +216,8 @@ def _aot_rows(t: Table, analysis: dict) -> None:
         "n/a" if est is None else f"{est * 1e3:.3f} ms ({plan['estimate_source']})",
     )
     mfu = plan["implied_mfu"]
-    t.add_row("implied MFU", "n/a" if mfu is None else f"{100 * mfu:.1f}%")
+    bound = "at most " if plan["estimate_source"].startswith("roofline floor") else ""
+    t.add_row("implied MFU", "n/a" if mfu is None else f"{bound}{100 * mfu:.1f}%")
     t.add_row("label", plan["label"])
 
 

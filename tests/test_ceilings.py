@@ -34,16 +34,32 @@ def test_python_m_lab_measure_quick(tmp_path, capsys):
         "copy bandwidth (read+write)",
         "host→device bandwidth",
         "device→host bandwidth",
-        "ridge point (matmul peak / copy bandwidth)",
+        "memory roof",
+        "ridge point (compute roof / memory roof)",
     ):
         assert by_what[what]["value"] > 0, what
     sweep = [r for r in recs if r["what"].startswith("roofline ")]
     assert len(sweep) >= 6 and all(r["config"]["intensity"] > 0 for r in sweep)
     intensities = sorted(r["config"]["intensity"] for r in sweep)
+    assert by_what["memory roof"]["value"] >= by_what["copy bandwidth (read+write)"]["value"]
     assert intensities[0] < 1 < 10 < intensities[-1]  # both sides of any plausible ridge
     (png,) = tmp_path.glob("roofline-cpu-*.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     json.dumps(recs)
+
+
+def test_roofs_are_the_best_measured_so_no_op_sits_above_them():
+    """A copy measured low on a noisy host must not leave sweep points at 450% of the roof
+    (seen here: copy 8.0 GB/s while poly_1 moved 36 GB/s)."""
+    mm = {("float32", "default"): {"flops_per_s": 100.0}}
+    fast = roofline.Point("poly_1", flops=1.0, bytes=36.0, median_s=1.0)  # 36 B/s
+    slow = roofline.Point("mm_8", flops=50.0, bytes=2.0, median_s=1.0)
+    peak, bw, how = ceilings.roofs(mm, 8.0, [fast, slow])
+    assert (peak, bw) == (100.0, 36.0) and how.startswith("poly_1 moved bytes faster")
+    assert "78% below it" in how
+    for p in (fast, slow):
+        assert p.flops_per_s <= roofline.attainable(p.intensity, peak, bw) * (1 + 1e-9)
+    assert ceilings.roofs(mm, 40.0, [fast, slow])[1:] == (40.0, "the copy kernel's (y = x·s)")
 
 
 def test_matmul_peak_is_cached_per_process():

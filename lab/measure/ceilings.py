@@ -113,6 +113,24 @@ def numpy_matmul(n: int = 2048, *, budget_s: float = 1.0) -> dict:
     return {"n": n, "flops": flops, "flops_per_s": flops / result.median_s, **result.as_dict()}
 
 
+def roofs(matmuls: dict, copy_bytes_per_s: float, points) -> tuple[float, float, str]:
+    """(compute roof, memory roof, how the memory roof was set): the best figures measured.
+
+    A roof is what the device can be seen to reach: no op may sit above it. The copy kernel
+    sets the memory roof unless an op of the sweep moved bytes faster (a noisy host can
+    slow one measurement and not another), in which case that op's bandwidth is the roof and
+    the note says by how much the copy figure fell short.
+    """
+    peak = max([m["flops_per_s"] for m in matmuls.values()] + [p.flops_per_s for p in points])
+    best = max(points, key=lambda p: p.bytes / p.median_s, default=None)
+    best_bw = best.bytes / best.median_s if best else 0.0
+    if best_bw <= copy_bytes_per_s:
+        return peak, copy_bytes_per_s, "the copy kernel's (y = x·s)"
+    short = 1 - copy_bytes_per_s / best_bw
+    note = f"{best.name} moved bytes faster; the copy figure is {short:.0%} below it (noisy host?)"
+    return peak, best_bw, note
+
+
 def copy_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
     """Device-memory bandwidth of y = x·s: every byte read once and written once (2·nbytes)."""
     nbytes = nbytes or _sizes(backend())["copy"]
@@ -238,17 +256,18 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
     for name, fn in (("host→device", host_to_device), ("device→host", device_to_host)):
         r = fn(sizes["transfer"], budget_s=budget_s)
         add(f"{name} bandwidth", r["bytes_per_s"], "B/s", f"{r['bytes'] / MiB:g} MiB{cpu_note}")
-    peak = max(m["flops_per_s"] for m in matmuls.values())
     points = roofline.sweep(_sweep_ops(be, quick), budget_s=budget_s / 4)
-    ridge = roofline.ridge_point(peak, copy["bytes_per_s"])
-    add("ridge point (matmul peak / copy bandwidth)", ridge, "FLOP/B", "measured roofs")
+    peak, bandwidth, how = roofs(matmuls, copy["bytes_per_s"], points)
+    add("memory roof", bandwidth, "B/s", how)
+    ridge = roofline.ridge_point(peak, bandwidth)
+    add("ridge point (compute roof / memory roof)", ridge, "FLOP/B", "measured roofs")
     for p in points:
         add(
             f"roofline {p.name}",
             p.flops_per_s,
             "FLOP/s",
             f"intensity {p.intensity:.3g} FLOP/B, "
-            f"{p.flops_per_s / roofline.attainable(p.intensity, peak, copy['bytes_per_s']):.0%}"
+            f"{p.flops_per_s / roofline.attainable(p.intensity, peak, bandwidth):.0%}"
             " of roof",
             intensity=p.intensity,
             flops=p.flops,
@@ -260,7 +279,7 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
         "rows": rows,
         "points": points,
         "peak_flops": peak,
-        "bandwidth": copy["bytes_per_s"],
+        "bandwidth": bandwidth,
         "ridge": ridge,
         "spec": specs.lookup(records.environment()["device_kind"]),
         "elapsed_s": time.perf_counter() - t0,
