@@ -199,7 +199,12 @@ def _op(impl: str, causal: bool):
 
 def _program(impl: str, causal: bool, mode: str):
     """f(q, k, v, do) -> out (fwd) or (out, dq, dk, dv) (fwd+bwd), not yet compiled."""
-    op = _op(impl, causal)
+    return program(_op(impl, causal), mode)
+
+
+def program(op, mode: str):
+    """The timed program of an op f(q, k, v) -> out: forward only, or forward and the vjp of
+    the cotangent `do` (one compiled program either way)."""
     if mode == "fwd":
         return lambda q, k, v, do: op(q, k, v)
 

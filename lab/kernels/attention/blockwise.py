@@ -244,6 +244,17 @@ def _flash_lse_bwd(g: Geometry, residuals, cotangents):
 _flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
 
 
+def _geometry(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal, scale, block_sizes) -> Geometry:
+    """The inputs checked, and the static sizes of one call (tiles fitted to the lengths)."""
+    check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+    check_dtype(q_BxLxHxD, DTYPES, "blockwise")
+    _, L, H, D = q_BxLxHxD.shape
+    S, K = k_BxSxKxD.shape[1:3]
+    bq, bk = block_sizes.fit(L, S)
+    scale = default_scale(D, scale)
+    return Geometry(L=L, S=S, K=K, G=H // K, bq=bq, bk=bk, causal=causal, scale=scale)
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes"))
 def blockwise_attention(
     q_BxLxHxD,
@@ -255,14 +266,7 @@ def blockwise_attention(
     block_sizes: BlockSizes = BlockSizes(),
 ):
     """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim], grouped kv heads, any length."""
-    check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
-    check_dtype(q_BxLxHxD, DTYPES, "blockwise")
-    _, L, H, D = q_BxLxHxD.shape
-    S, K = k_BxSxKxD.shape[1:3]
-    bq, bk = block_sizes.fit(L, S)
-    g = Geometry(
-        L=L, S=S, K=K, G=H // K, bq=bq, bk=bk, causal=causal, scale=default_scale(D, scale)
-    )
+    g = _geometry(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal, scale, block_sizes)
     return _flash(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)
 
 
@@ -279,14 +283,7 @@ def blockwise_attention_with_lse(
     """(out [B, L, H, D], lse [B, L, H] in f32): the output and each row's log-sum-exp of the
     scaled scores, both differentiable. Partial attentions over disjoint key sets combine
     exactly through the LSE (ring attention), which is why a caller may need it."""
-    check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
-    check_dtype(q_BxLxHxD, DTYPES, "blockwise")
-    _, L, H, D = q_BxLxHxD.shape
-    S, K = k_BxSxKxD.shape[1:3]
-    bq, bk = block_sizes.fit(L, S)
-    g = Geometry(
-        L=L, S=S, K=K, G=H // K, bq=bq, bk=bk, causal=causal, scale=default_scale(D, scale)
-    )
+    g = _geometry(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal, scale, block_sizes)
     return _flash_lse(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)
 
 

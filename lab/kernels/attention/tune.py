@@ -113,14 +113,7 @@ def _kernel_program(bs: pallas_gpu.BlockSizes, causal: bool, mode: str, interpre
     op = functools.partial(
         pallas_gpu.flash_attention_gpu, causal=causal, block_sizes=bs, interpret=interpret
     )
-    if mode == "fwd":
-        return lambda q, k, v, do: op(q, k, v)
-
-    def fwd_bwd(q, k, v, do):
-        out, vjp = jax.vjp(op, q, k, v)
-        return (out, *vjp(do))
-
-    return fwd_bwd
+    return bench.program(op, mode)
 
 
 def _first_line(e: Exception) -> str:
