@@ -162,6 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(__doc__.strip())
+        print(
+            f"\nown keys: remats= (default {','.join(REMATS)}), batches= (default "
+            f"{','.join(map(str, BATCHES))}), budget= (seconds of timed steps, default 5); "
+            "every other key is lab.run's (python -m lab.run --help)"
+        )
+        return 0
     console = Console(width=150)
     try:
         own, rest = _split(argv)

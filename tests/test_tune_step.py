@@ -54,3 +54,9 @@ def test_bad_keys_are_one_line_and_exit_2(argv, needle, capsys):
     assert tune_step.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_help(capsys):
+    assert tune_step.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "remats=" in out and "batches=" in out and "python -m lab.run --help" in out
