@@ -108,6 +108,8 @@ def make_mesh(spec: str, devices=None):
 
         grid = mesh_utils.create_device_mesh(shape, devices=devices)
     except (ValueError, AssertionError, NotImplementedError):
+        # mesh_utils places axes along the physical interconnect but refuses some device sets
+        # (a subset of a slice, simulated CPU devices, AOT topologies): then take them in order
         grid = np.asarray(devices).reshape(shape)
     return jax.sharding.Mesh(grid, AXES)
 

@@ -102,6 +102,10 @@ def search(argv: list[str], remats, batches, budget_s: float, log=print) -> list
                 rows.append(measure(argv, remat, batch, budget_s))
             except ConfigError as e:  # e.g. a batch the mesh's data axes do not divide
                 rows.append(dict(remat=remat, batch=batch, skipped=str(e)))
+            except RuntimeError as e:  # the allocator ran out where the compiled figure fit
+                if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                    raise
+                rows.append(dict(remat=remat, batch=batch, skipped="out of memory when run"))
     return rows
 
 

@@ -92,3 +92,13 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, needle, capsys):
         tune.main(argv)
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_search_with_no_working_candidate_is_one_line(monkeypatch, capsys):
+    def broken(*_a, **_k):
+        raise RuntimeError("no candidate compiled and matched the reference")
+
+    monkeypatch.setattr(tune, "search_block_sizes", broken)
+    assert tune.main(["--interpret"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: head_dim 16: no candidate compiled and matched the reference"

@@ -60,3 +60,17 @@ def test_help(capsys):
     assert tune_step.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "remats=" in out and "batches=" in out and "python -m lab.run --help" in out
+
+
+def test_out_of_memory_at_run_time_skips_the_candidate_and_keeps_the_rest(monkeypatch):
+    real = tune_step.measure
+
+    def measure(argv, remat, batch, budget_s):
+        if batch == 4:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return real(argv, remat, batch, budget_s)
+
+    monkeypatch.setattr(tune_step, "measure", measure)
+    rows = tune_step.search(TINY, ("none",), (2, 4), 0.05, log=lambda *_: None)
+    assert rows[1]["skipped"] == "out of memory when run" and "tokens_per_s" in rows[0]
+    assert tune_step.best(rows) is rows[0]

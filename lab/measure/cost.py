@@ -22,8 +22,8 @@ def compiled_cost(compiled) -> dict | None:
     """
     try:
         raw = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 — some backends raise NotImplementedError or XlaRuntimeError
-        return None
+    except (NotImplementedError, RuntimeError):  # backends without it (XlaRuntimeError is a
+        return None  # RuntimeError); anything else is a bug and should surface
     if isinstance(raw, list | tuple):
         raw = raw[0] if raw else None
     if not raw:

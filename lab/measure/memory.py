@@ -29,8 +29,8 @@ def compiled_memory(compiled) -> dict | None:
     """
     try:
         m = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001 — NotImplementedError / XlaRuntimeError on some backends
-        return None
+    except (NotImplementedError, RuntimeError):  # backends without it (XlaRuntimeError is a
+        return None  # RuntimeError); anything else is a bug and should surface
     if m is None:
         return None
     out = {

@@ -153,7 +153,7 @@ def table(rows: list[dict], title: str):
     for r in rows:
         need = r["memory"]["total_bytes"] if r["memory"] else None
         hbm = f"{need / r['hbm_bytes']:.1%}" if need and r["hbm_bytes"] else "–"
-        compiled_g = (r["compiled_flops"] or 0) / 1e9
+        compiled_g = max(r["compiled_flops"] or 0.0, 0.0) / 1e9  # XLA can report -0
         flops = f"{compiled_g:,.1f} | {r['analytic_flops_per_device'] / 1e9:,.1f} G"
         t.add_row(
             r["mode"],

@@ -361,9 +361,13 @@ def main(argv=None) -> int:
             interpret=args.interpret,
         )
         t0 = time.perf_counter()
-        best, records, summary = search_block_sizes(
-            search, args.space, budget_s=args.budget, log=console.log
-        )
+        try:
+            best, records, summary = search_block_sizes(
+                search, args.space, budget_s=args.budget, log=console.log
+            )
+        except RuntimeError as e:
+            print(f"error: head_dim {head_dim}: {e}", file=sys.stderr)
+            return 1
         rec.write_records(out, records)
         for s in summary["stages"]:
             console.print(stage_table(s, summary["baseline"]))
