@@ -1,6 +1,6 @@
 """C08: naive attention against flash attention — error, time and memory over sequence length.
 
-The measurements are lab.kernels.attention.bench's `sweep`: every implementation compiled
+The measurements are lab.studies.attention's `sweep`: every implementation compiled
 on this backend (naive, blockwise flash in jnp, the backend's Pallas kernel, the library's
 `jax.nn.dot_product_attention`, cuDNN on GPU) on the same random causal inputs, forward and
 forward+backward, timed call by call against each other; memory is XLA's temporary
@@ -13,7 +13,7 @@ is context) and the slope of flash's memory against sequence length.
 import numpy as np
 
 from experiments.common import backend, pick, record
-from lab.kernels.attention import bench
+from lab.studies import attention as bench
 
 CLAIMS = ("C08",)
 NAIVE = "naive"

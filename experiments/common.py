@@ -7,7 +7,6 @@ plot data), `role` (evidence | context | reference) and, where they differ from 
 name the measured inputs they were derived from in `inputs` and the spec entry in `spec`.
 """
 
-import dataclasses
 import functools
 import math
 import time
@@ -15,6 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from lab.config import Config, make_config, override
 from lab.measure import ceilings, cost, memory, records, specs, timing
 
 SIZES = ("tiny", "quick", "full")
@@ -22,10 +22,11 @@ SIZES = ("tiny", "quick", "full")
 # config shared by memory, training and parallel, so a process compiles and times it once.
 # Naive attention: the same program on every backend (results compare across machines), and
 # the one lab.measure.memory's calculator models (C09 holds the calculator against it).
-STEP_ARGS = {
-    "tiny": ("model=tiny", "batch_size=2", "seq_len=32", "data=synthetic", "attention=naive"),
-    "quick": ("model=small", "batch_size=8", "seq_len=256", "data=synthetic", "attention=naive"),
-    "full": ("model=small", "batch_size=16", "seq_len=1024", "data=synthetic", "attention=naive"),
+_STEP = dict(data="synthetic", attention="naive")
+STEP = {
+    "tiny": dict(preset="tiny", batch_size=2, seq_len=32, **_STEP),
+    "quick": dict(preset="small", batch_size=8, seq_len=256, **_STEP),
+    "full": dict(preset="small", batch_size=16, seq_len=1024, **_STEP),
 }
 STEP_BUDGET_S = {"tiny": 0.01, "quick": 0.5, "full": 2.0}
 YEAR_S = 365.25 * 24 * 3600
@@ -108,8 +109,8 @@ def mfu_peak(size: str) -> float:
 
 
 def shared_step(size: str) -> dict:
-    """The shared step (STEP_ARGS) timed in the backend's compute dtype; cached."""
-    return train_probe(step_args(size), budget_s=STEP_BUDGET_S[size])
+    """The shared step (STEP) timed in the backend's compute dtype; cached."""
+    return train_probe(step_config(size), budget_s=STEP_BUDGET_S[size])
 
 
 def mfu_here(size: str) -> float:
@@ -139,52 +140,54 @@ def spec_inputs(spec_key: str, *fields: str) -> dict:
 # --- the lab's training step ------------------------------------------------------------
 
 
-def _resolved(argv: list[str], devices, mesh: str):
-    """(cfg, strategy) for `key=value` args on `devices`, as lab.run resolves them."""
-    from lab.config import parse_args
-    from lab.mesh import resolve_shape
-    from lab.run import resolve
-
-    cfg = parse_args([*argv, f"mesh={mesh}", "steps=1000", "warmup_steps=1"])
-    sizes = resolve_shape(cfg.mesh, len(devices))
-    return resolve(cfg, devices[0].platform, sizes)
+def step_config(size: str, **fields) -> Config:
+    """The shared step's config for a size (STEP), `fields` overriding it (typed, checked)."""
+    return make_config(**{**pick(size, **STEP), **fields})
 
 
-def build_trainer(argv: list[str], *, devices=None, mesh: str = "1"):
-    """(cfg, trainer) for `key=value` args on `devices` (default: the default backend's)."""
+def describe(cfg: Config) -> str:
+    """The step in a few words, for a record's text: 'small, batch 8 × 256, naive, remat=none'."""
+    m = cfg.model
+    return (
+        f"{cfg.preset}, batch {cfg.batch_size} × {cfg.seq_len}, {m.attention} attention, "
+        f"remat={m.remat}, dtype={m.dtype}, mesh={cfg.mesh}"
+    )
+
+
+def build_trainer(cfg: Config, *, devices=None):
+    """(resolved cfg, trainer) for `cfg` on `devices` (default: the default backend's)."""
     from lab.mesh import make_mesh
     from lab.train import make_trainer
 
     devices = list(devices or jax.devices())
-    cfg, strategy = _resolved(argv, devices, mesh)
-    return cfg, make_trainer(cfg, make_mesh(cfg.mesh, devices), strategy)
+    cfg = override(cfg, steps=1000, warmup_steps=1)
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh, devices))
+    return trainer.cfg, trainer
 
 
 # Several topics look at the same step (memory's remat=none is training's float32 step): one
-# compile and one timing per distinct resolved config per process, keyed by what it resolves to.
+# compile and one timing per distinct config and device set per process.
 _PROBES: dict = {}
 
 
-def _probe_key(argv, devices, mesh, *extra):
+def _probe_key(cfg: Config, devices, *extra):
     devices = list(devices or jax.devices())
-    cfg, strategy = _resolved(argv, devices, mesh)
-    cfg = dataclasses.replace(cfg, name="")  # resolve() stamps the time into the name
-    return (repr(cfg), strategy, tuple(str(d) for d in devices), *extra)
+    return (cfg, tuple(str(d) for d in devices), *extra)
 
 
-def compile_probe(argv: list[str], *, devices=None, mesh: str = "1") -> dict:
+def compile_probe(cfg: Config, *, devices=None) -> dict:
     """Compile the lab's step: compiled memory and cost per device, the calculator's
     prediction for the same step, model FLOPs per token. Nothing runs. Cached per config."""
-    key = _probe_key(argv, devices, mesh, "compile")
+    key = _probe_key(cfg, devices, "compile")
     if key not in _PROBES:
-        _PROBES[key] = _compile_probe(argv, devices=devices, mesh=mesh)
+        _PROBES[key] = _compile_probe(cfg, devices=devices)
     return _PROBES[key]
 
 
-def _compile_probe(argv: list[str], *, devices=None, mesh: str = "1") -> dict:
+def _compile_probe(cfg: Config, *, devices=None) -> dict:
     from lab.model import count_nonembedding_params, count_params
 
-    cfg, trainer = build_trainer(argv, devices=devices, mesh=mesh)
+    cfg, trainer = build_trainer(cfg, devices=devices)
     t0 = time.perf_counter()
     compiled = trainer.lower().compile()
     compile_s = time.perf_counter() - t0
@@ -192,7 +195,6 @@ def _compile_probe(argv: list[str], *, devices=None, mesh: str = "1") -> dict:
     m = cfg.model
     n_nonembed = count_nonembedding_params(params, m)
     fpt = cost.transformer_flops_per_token(n_nonembed, m.n_layers, cfg.seq_len, m.d_model)
-    sizes = dict(trainer.mesh.shape)
     return {
         "cfg": cfg,
         "trainer": trainer,
@@ -201,7 +203,7 @@ def _compile_probe(argv: list[str], *, devices=None, mesh: str = "1") -> dict:
         "memory": memory.compiled_memory(compiled),
         "cost": cost.compiled_cost(compiled),
         "predicted": memory.predict_lab_step(
-            m, batch=cfg.batch_size, seq_len=cfg.seq_len, strategy=cfg.strategy, sizes=sizes
+            cfg, sizes=dict(trainer.mesh.shape), backend=trainer.mesh.devices.flat[0].platform
         ),
         "params": count_params(params),
         "nonembed_params": n_nonembed,
@@ -211,10 +213,9 @@ def _compile_probe(argv: list[str], *, devices=None, mesh: str = "1") -> dict:
 
 
 def train_probe(
-    argv: list[str],
+    cfg: Config,
     *,
     devices=None,
-    mesh: str = "1",
     budget_s: float = 1.0,
     min_runs: int = 3,
     loss_steps: int = 0,
@@ -223,23 +224,18 @@ def train_probe(
     new state), tokens/s, model FLOP/s; with `loss_steps`, the losses of that many steps on
     fresh batches first (the same batches for every config: a function of seed and step).
     Cached per config, so a step two topics time is timed once."""
-    key = _probe_key(argv, devices, mesh, "train", budget_s, min_runs, loss_steps)
+    key = _probe_key(cfg, devices, "train", budget_s, min_runs, loss_steps)
     if key not in _PROBES:
         _PROBES[key] = _train_probe(
-            argv,
-            devices=devices,
-            mesh=mesh,
-            budget_s=budget_s,
-            min_runs=min_runs,
-            loss_steps=loss_steps,
+            cfg, devices=devices, budget_s=budget_s, min_runs=min_runs, loss_steps=loss_steps
         )
     return _PROBES[key]
 
 
-def _train_probe(argv, *, devices, mesh, budget_s, min_runs, loss_steps) -> dict:
+def _train_probe(cfg: Config, *, devices, budget_s, min_runs, loss_steps) -> dict:
     from lab.data import host_batch, to_global
 
-    p = compile_probe(argv, devices=devices, mesh=mesh)
+    p = compile_probe(cfg, devices=devices)
     cfg, trainer, compiled = p["cfg"], p["trainer"], p["compiled"]
 
     def batch(step):
@@ -254,12 +250,7 @@ def _train_probe(argv, *, devices, mesh, budget_s, min_runs, loss_steps) -> dict
         state, metrics = compiled(state, batch(step))
         losses.append(float(metrics["loss"]))
     tokens = batch(loss_steps)
-    box = [state]
-
-    def call():
-        box[0], metrics = compiled(box[0], tokens)
-        return box[0], metrics
-
+    call = timing.threaded(lambda st: compiled(st, tokens)[0], state)
     r = timing.bench(call, budget_s=budget_s, warmup=1, min_runs=min_runs, max_runs=200)
     tokens_per_s = p["tokens_per_step"] / r.median_s
     return {
@@ -271,33 +262,22 @@ def _train_probe(argv, *, devices, mesh, budget_s, min_runs, loss_steps) -> dict
     }
 
 
-def step_args(size: str, *extra: str) -> list[str]:
-    """The shared step's `key=value` args for a size, `extra` overriding keys it repeats."""
-    args = dict(a.split("=", 1) for a in (*pick(size, **STEP_ARGS), *extra))
-    return [f"{k}={v}" for k, v in args.items()]
-
-
-def forward_probe(argv: list[str], *, batch: int, seq_len: int, device=None, budget_s=1.0):
+def forward_probe(model_cfg, *, batch: int, seq_len: int, device=None, budget_s=1.0):
     """Inference: the lab's transformer forward (no grad) on `batch` × `seq_len` tokens.
 
     Returns seconds per call, requests/s (one request = one sequence), tokens/s and the
     forward's model FLOPs per sequence (2·N + attention, cost.transformer_flops_per_token).
     """
-    from lab.config import parse_args
+    from lab.config import resolve_dtype
     from lab.model import build, count_nonembedding_params
 
     device = device or jax.devices()[0]
-    cfg = parse_args([*argv, f"seq_len={seq_len}", f"batch_size={batch}"])
-    m = cfg.model
-    if m.dtype == "auto":
-        import dataclasses
-
-        m = dataclasses.replace(m, dtype="float32" if device.platform == "cpu" else "bfloat16")
+    m = resolve_dtype(model_cfg, device.platform)
     model = build(m)
     tokens = jax.device_put(
         jax.random.randint(jax.random.key(0), (batch, seq_len), 0, m.vocab_size), device
     )
-    key = ("params", repr(m), seq_len, str(device))
+    key = ("params", m, seq_len, str(device))
     if key not in _PROBES:  # parameters do not depend on the batch: one init per model
         init = jax.jit(model.init)(jax.device_put(jax.random.key(1), device), tokens[:1])
         _PROBES[key] = init["params"]

@@ -1,4 +1,4 @@
-"""`python -m experiments.compare DIR DIR ... [out=results]`: several backends side by side.
+"""`python -m experiments.compare dirs=DIR,DIR,...`: several backends side by side.
 
 Each DIR is a folder `python -m experiments` wrote (CPU here, a GPU VM, a TPU VM). The
 records are merged into one list, figures that need two backends at once are derived from
@@ -8,15 +8,24 @@ backend), and one report sets the articles' "GPU vs TPU vs CPU" figures beside e
 the measured numbers per folder, then every claim's verdict per folder and merged.
 """
 
+import dataclasses
 import datetime
 import sys
 from pathlib import Path
 
+from lab.config import cli, field
+from lab.errors import ConfigError
 from lab.measure import records as rec
-from lab.report import markdown
+from lab.report import markdown, progress, tables
 from lab.report.verdict import judge_all
 
-USAGE = "usage: python -m experiments.compare RESULTS_DIR RESULTS_DIR ... [out=results]"
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    dirs: tuple = field(
+        (), "results folders of python -m experiments, comma-separated", kind="names"
+    )
+    out_dir: str = field("results", "where compare-<time>/ is written", kind="path")
 
 
 def _train(c: dict) -> bool:
@@ -169,8 +178,7 @@ def merge(dirs, out_root="results") -> dict:
     records = [r for f in folders for r in f["records"]]
     records += derived(folders)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(out_root) / f"compare-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = rec.writable_dir(Path(out_root) / f"compare-{stamp}")
     rec.write_records(out / "records.jsonl", records)
     report = markdown.write_report(out, records=records, meta={"merged": [str(d) for d in dirs]})
     text = report["path"].read_text()
@@ -192,31 +200,20 @@ def merge(dirs, out_root="results") -> dict:
     return {**report, "dir": out, "folders": folders}
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
-        return 0 if argv else 2
-    out = "results"
-    dirs = []
-    for a in argv:
-        if a.startswith("out="):
-            out = a.split("=", 1)[1]
-        elif "=" in a:
-            print(f"error: {a!r}: {USAGE}", file=sys.stderr)
-            return 2
-        else:
-            dirs.append(a)
+def run(o: Options) -> int:
+    if len(o.dirs) < 1:
+        raise ConfigError("dirs=: give the results folders to merge, e.g. dirs=results/cpu-…")
     try:
-        result = merge(dirs, out)
+        result = merge(o.dirs, o.out_dir)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from rich.console import Console
-
-    Console().print(markdown.verdict_table(result["verdicts"]))
-    print(f"{len(result['records'])} records from {len(dirs)} folders → {result['path']}")
+        raise ConfigError(str(e)) from None
+    progress.console().print(tables.verdicts(result["verdicts"]))
+    print(f"{len(result['records'])} records from {len(o.dirs)} folders → {result['path']}")
     return 0
+
+
+def main(argv=None) -> int:
+    return cli(Options, run, prog="python -m experiments.compare", doc=__doc__, argv=argv)
 
 
 if __name__ == "__main__":

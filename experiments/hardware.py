@@ -17,15 +17,15 @@ from experiments.common import (
     backend,
     record,
     spec_inputs,
-    step_args,
+    step_config,
     train_probe,
 )
+from lab.config import override
 from lab.measure import memory, specs
 
 CLAIMS = ("C19", "C20")
 
 HOPPER_FP32_CORES_PER_SM = 128  # NVIDIA H100 whitepaper: 128 FP32 CUDA cores per SM
-ARTICLE_H100 = {"cuda_cores": (16896, 18432), "device_memory": 192e9}
 TPU_TARGET = "tpu:v5e:2x2"
 TPU_CHIPS = 4
 
@@ -88,24 +88,24 @@ def _c20() -> list[dict]:
     return recs
 
 
-def _aot_step(devices, mesh: str, argv: list[str]) -> dict:
+def _aot_step(devices, cfg) -> dict:
     """Compile the lab step for TPU devices that are not here; the compiler's plan."""
     from experiments.common import build_trainer
     from lab import devices as lab_devices
     from lab import summary
 
-    cfg, trainer = build_trainer(argv, devices=devices, mesh=mesh)
+    cfg, trainer = build_trainer(cfg, devices=devices)
     compiled = trainer.lower().compile()
     plan = summary.analyse(compiled, cfg, lab_devices.describe_target(devices), trainer)
     return {"cfg": cfg, "plan": plan, "tokens": cfg.batch_size * cfg.seq_len}
 
 
 def _tpu_devices():
-    from lab import aot
-    from lab.config import ConfigError
+    from lab import plans
+    from lab.errors import ConfigError
 
     try:
-        return aot.topology_devices(TPU_TARGET)
+        return plans.topology_devices(TPU_TARGET)
     except ConfigError:
         return None
 
@@ -126,10 +126,12 @@ def _c19_predicted(size: str) -> list[dict]:
         return [
             record("C19", None, "libtpu absent: no TPU plan compiled", None, "", role="context")
         ]
-    base = step_args(size)
-    batch = int(dict(a.split("=") for a in base)["batch_size"])
-    one = _aot_step(chips[:1], "1", base)
-    four = _aot_step(chips[:TPU_CHIPS], str(TPU_CHIPS), step_args(size, f"batch_size={batch * 4}"))
+    base = step_config(size)
+    one = _aot_step(chips[:1], base)
+    four = _aot_step(
+        chips[:TPU_CHIPS],
+        override(base, mesh=str(TPU_CHIPS), batch_size=base.batch_size * TPU_CHIPS),
+    )
     t1, t4 = (x["plan"]["aot"]["estimated_step_s"] for x in (one, four))
     per_chip = one["tokens"] / t1
     compiled = one["plan"]["compiled_cost_per_device"]
@@ -184,11 +186,11 @@ def _c19_predicted(size: str) -> list[dict]:
 def _c19_measured(size: str) -> list[dict]:
     """On a TPU: per-chip throughput on every chip (weak scaling) over one chip's."""
     n = len(jax.devices())
-    base = step_args(size)
-    batch = int(dict(a.split("=") for a in base)["batch_size"])
+    base = step_config(size)
     one = train_probe(base, devices=jax.devices()[:1], budget_s=STEP_BUDGET_S[size])
     many = train_probe(
-        step_args(size, f"batch_size={batch * n}"), mesh=str(n), budget_s=STEP_BUDGET_S[size]
+        override(base, mesh=str(n), batch_size=base.batch_size * n),
+        budget_s=STEP_BUDGET_S[size],
     )
     return [
         record(

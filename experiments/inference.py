@@ -22,11 +22,12 @@ from experiments.common import (
     spec_inputs,
 )
 from experiments.memory import LLAMA
+from lab.config import make_config
 from lab.measure import cost, specs
 
 CLAIMS = ("C16", "C18")
 
-BERT_BASE = ("n_layers=12", "d_model=768", "n_heads=12", "n_kv_heads=12", "d_ff=3072")
+BERT_BASE = dict(n_layers=12, d_model=768, n_heads=12, n_kv_heads=12, d_ff=3072)
 ARTICLE_CORES = 16  # "CPU (16-core)"
 REQUEST_TOKENS = 128
 RPS_TARGETS = {"rtx-4090": "RTX 4090", "h100-sxm": "H100"}
@@ -43,13 +44,12 @@ def cores_used() -> int:
 
 
 def _sweep(size: str) -> list[dict]:
-    argv = pick(
-        size, tiny=["model=tiny"], quick=["model=tiny", *BERT_BASE], full=["model=tiny", *BERT_BASE]
-    )
+    shape = pick(size, tiny={}, quick=BERT_BASE, full=BERT_BASE)
+    model = make_config(preset="tiny", **shape).model
     seq = pick(size, tiny=32, quick=REQUEST_TOKENS, full=REQUEST_TOKENS)
     budget = pick(size, tiny=0.01, quick=0.5, full=2.0)
     return [
-        forward_probe(argv, batch=b, seq_len=seq, budget_s=budget)
+        forward_probe(model, batch=b, seq_len=seq, budget_s=budget)
         for b in pick(size, tiny=(1, 4), quick=(1, 8), full=(1, 8, 32))
     ]
 
@@ -119,7 +119,7 @@ def _c16(rows: list[dict], mfu: float) -> list[dict]:
 
 
 def _prefill_flops_per_token(shape: dict) -> float:
-    embed = shape["vocab"] * shape["d_model"]
+    embed = shape["vocab_size"] * shape["d_model"]
     return cost.transformer_flops_per_token(
         shape["n_params"] - embed, shape["n_layers"], PREFILL_SEQ, shape["d_model"], training=False
     )

@@ -10,14 +10,25 @@ compiler, step time measured. C12: the step over batch sizes: compiled memory an
 
 import math
 
-from experiments.common import STEP_BUDGET_S, compile_probe, pick, record, step_args, train_probe
+from experiments.common import (
+    STEP_BUDGET_S,
+    compile_probe,
+    describe,
+    pick,
+    record,
+    step_config,
+    train_probe,
+)
+from lab.config import Config, make_config, override
 from lab.measure import memory, specs
 
 CLAIMS = ("C09", "C10", "C11", "C12")
 
 # Llama-2 shapes (Touvron et al. 2023, table 1 and the released configs).
 LLAMA = {
-    "7B": dict(n_params=6.74e9, n_layers=32, d_model=4096, n_heads=32, d_ff=11008, vocab=32000),
+    "7B": dict(
+        n_params=6.74e9, n_layers=32, d_model=4096, n_heads=32, d_ff=11008, vocab_size=32000
+    ),
     "70B": dict(
         n_params=68.98e9,
         n_layers=80,
@@ -25,7 +36,7 @@ LLAMA = {
         n_heads=64,
         n_kv_heads=8,
         d_ff=28672,
-        vocab=32000,
+        vocab_size=32000,
     ),
 }
 # Storage bytes per recipe: (weights, compute, gradients, Adam moments, fp32 master copy).
@@ -58,12 +69,12 @@ def _breakdown_record(claim, metric, case, probe) -> dict:
     )
 
 
-def _c09_c11(argv: list[str], budget_s: float, remats, timed: bool) -> tuple[list[dict], float]:
+def _c09_c11(cfg: Config, budget_s: float, remats, timed: bool) -> tuple[list[dict], float]:
     """C09 and C11 from the step compiled under each remat policy; `timed` adds the measured
     step-time cost of remat=full (context: the claim's 'cost' is the recompute, in FLOPs)."""
     recs, probes = [], {}
     for remat in remats:
-        probes[remat] = p = compile_probe([*argv, f"remat={remat}"])
+        probes[remat] = p = compile_probe(override(cfg, remat=remat))
         recs.append(
             _breakdown_record("C09" if remat == "none" else "C11", None, f"remat={remat}", p)
         )
@@ -76,14 +87,14 @@ def _c09_c11(argv: list[str], budget_s: float, remats, timed: bool) -> tuple[lis
                 "C09",
                 "components_over_compiled",
                 f"calculator's weights+grads+optimizer+activations+workspace over the "
-                f"compiled step, remat={remat} ({' '.join(argv)})",
+                f"compiled step, remat={remat} ({describe(cfg)})",
                 ratio,
                 "×",
                 label="derived",
                 # the claim's sum is the plain step's; remat policies are shown beside it
                 role="evidence" if remat == "none" else "context",
                 remat=remat,
-                argv=argv,
+                step=describe(cfg),
                 predicted=p["predicted"],
                 compiled=p["memory"],
             )
@@ -97,7 +108,7 @@ def _c09_c11(argv: list[str], budget_s: float, remats, timed: bool) -> tuple[lis
             full["memory"]["total_bytes"] / none["memory"]["total_bytes"],
             "×",
             label="derived",
-            argv=argv,
+            step=describe(cfg),
         )
     )
     recs.append(
@@ -108,7 +119,7 @@ def _c09_c11(argv: list[str], budget_s: float, remats, timed: bool) -> tuple[lis
             full["cost"]["flops"] / none["cost"]["flops"],
             "×",
             label="derived",
-            argv=argv,
+            step=describe(cfg),
         )
     )
     if "dots" in probes:
@@ -121,18 +132,18 @@ def _c09_c11(argv: list[str], budget_s: float, remats, timed: bool) -> tuple[lis
                 "×",
                 label="derived",
                 role="context",
-                argv=argv,
+                step=describe(cfg),
             )
         )
     if timed:
-        recs.append(_remat_time(argv, budget_s))
+        recs.append(_remat_time(cfg, budget_s))
     # The calculator's worst error on this machine: carried into the C10 predictions.
     return recs, max(abs(math.log(v)) for v in validation)
 
 
-def _remat_time(argv: list[str], budget_s: float) -> dict:
+def _remat_time(cfg: Config, budget_s: float) -> dict:
     times = {
-        r: train_probe([*argv, f"remat={r}"], budget_s=budget_s)["step"] for r in ("none", "full")
+        r: train_probe(override(cfg, remat=r), budget_s=budget_s)["step"] for r in ("none", "full")
     }
     return record(
         "C11",
@@ -172,7 +183,7 @@ def _c10(log_err: float) -> list[dict]:
     }
     recs = []
     for recipe in RECIPES:
-        p = _predict(LLAMA["7B"], recipe, batch=1)
+        p = _predict(LLAMA["7B"], recipe, batch_size=1)
         recs.append(
             record(
                 "C10",
@@ -188,7 +199,7 @@ def _c10(log_err: float) -> list[dict]:
                 inputs=inputs,
             )
         )
-    dp = _predict(LLAMA["70B"], PRIMARY, batch=1)
+    dp = _predict(LLAMA["70B"], PRIMARY, batch_size=1)
     recs.append(
         record(
             "C10",
@@ -205,7 +216,7 @@ def _c10(log_err: float) -> list[dict]:
     needed, n = None, 1
     while n <= 4096 and needed is None:
         # remat=full: one 2048-token sequence of 70B keeps ~50 GB of activations otherwise
-        p = _predict(LLAMA["70B"], PRIMARY, batch=n, fsdp=n, remat="full")
+        p = _predict(LLAMA["70B"], PRIMARY, batch_size=n, fsdp=n, remat="full")
         if p["total"] <= cap:
             needed = n
         n *= 2
@@ -227,10 +238,10 @@ def _c10(log_err: float) -> list[dict]:
     return recs
 
 
-def _c12(argv: list[str], batches, budget_s: float) -> list[dict]:
+def _c12(cfg: Config, batches, budget_s: float) -> list[dict]:
     recs, rows = [], []
     for b in batches:
-        p = train_probe([*argv, f"batch_size={b}"], budget_s=budget_s)
+        p = train_probe(override(cfg, batch_size=b), budget_s=budget_s)
         rows.append((b, p["memory"]["total_bytes"], p["tokens_per_s"]))
         recs.append(
             record(
@@ -243,8 +254,8 @@ def _c12(argv: list[str], batches, budget_s: float) -> list[dict]:
                 series="batch_sweep",
                 batch=b,
                 memory_bytes=p["memory"]["total_bytes"],
-                step=p["step"],
-                argv=argv,
+                step_time=p["step"],
+                step=describe(cfg),
             )
         )
     (b0, m0, t0), (b1, m1, t1) = rows[0], rows[-1]
@@ -256,7 +267,7 @@ def _c12(argv: list[str], batches, budget_s: float) -> list[dict]:
             m0 / m1,
             "×",
             label="derived",
-            argv=argv,
+            step=describe(cfg),
         )
     )
     recs.append(
@@ -267,22 +278,26 @@ def _c12(argv: list[str], batches, budget_s: float) -> list[dict]:
             t0 / t1,
             "×",
             label="derived",
-            argv=argv,
+            step=describe(cfg),
         )
     )
     return recs
 
 
 def run(size: str = "quick") -> list[dict]:
-    sweep_args = pick(
-        size,
-        tiny=["model=tiny", "seq_len=32", "data=synthetic", "attention=naive"],
-        quick=["model=tiny", "seq_len=128", "data=synthetic", "attention=naive"],
-        full=["model=small", "seq_len=256", "data=synthetic", "attention=naive"],
+    sweep = make_config(
+        **pick(
+            size,
+            tiny=dict(preset="tiny", seq_len=32),
+            quick=dict(preset="tiny", seq_len=128),
+            full=dict(preset="small", seq_len=256),
+        ),
+        data="synthetic",
+        attention="naive",
     )
     # tiny: batch 2 is the shared step (cached), so the sweep adds one compile
     batches = pick(size, tiny=(2, 8), quick=(1, 4, 16, 64), full=(1, 4, 16, 64))
     budget = STEP_BUDGET_S[size]
     remats = pick(size, tiny=("none", "full"), quick=REMATS, full=REMATS)
-    recs, log_err = _c09_c11(step_args(size), budget, remats, timed=size != "tiny")
-    return recs + _c10(log_err) + _c12(sweep_args, batches, budget)
+    recs, log_err = _c09_c11(step_config(size), budget, remats, timed=size != "tiny")
+    return recs + _c10(log_err) + _c12(sweep, batches, budget)

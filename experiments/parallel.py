@@ -7,7 +7,7 @@ all-reduce is read from the compiled program (lab.parallel.collectives_hlo: bus 
 device), its compute from the step's compiled FLOPs; scaled to N devices with the ring
 all-reduce rule and timed at a GPU's link speeds, the step becomes communication-bound at some
 N: predicted, with the MFU measured here. An all-reduce of the gradients' size is timed on
-the devices present, and (quick, full) lab.parallel.scaling measures the data-parallel step
+the devices present, and (quick, full) lab.studies.scaling measures the data-parallel step
 over 1…8 devices with its collective/compute split: context (on CPU a memcpy between
 simulated devices, not a link).
 """
@@ -24,7 +24,7 @@ from experiments.common import (
     pick,
     record,
     spec_inputs,
-    step_args,
+    step_config,
 )
 from lab.parallel import collectives_hlo
 
@@ -44,17 +44,19 @@ def _mesh_for(strategy: str, n: int) -> str:
     return STRATEGIES[strategy].format(n=n, d=n // 2)
 
 
-def _args(size: str, n: int) -> list[str]:
-    """The shared step with a batch that every strategy's data axis divides."""
+def _config(size: str, n: int, strategy: str):
+    """The shared step with a batch that every strategy's data axis divides, on its mesh."""
     batch = pick(size, tiny=8, quick=32, full=64)
-    return step_args(size, f"batch_size={max(batch, n)}")
+    return step_config(
+        size, batch_size=max(batch, n), strategy=strategy, mesh=_mesh_for(strategy, n)
+    )
 
 
 def _c14(size: str, n: int) -> tuple[list[dict], dict]:
     recs, probes = [], {}
     # tiny (the test suite) leaves out tensor parallelism: context only, one compile less
     for strategy in pick(size, tiny=("dp", "fsdp"), quick=STRATEGIES, full=STRATEGIES):
-        p = compile_probe([*_args(size, n), f"strategy={strategy}"], mesh=_mesh_for(strategy, n))
+        p = compile_probe(_config(size, n, strategy))
         probes[strategy] = p
         recs.append(
             record(
@@ -214,8 +216,8 @@ def _c13(size: str, dp_probe: dict, n: int) -> list[dict]:
 
 def _timed_allreduce(buffer_bytes: float, size: str) -> list[dict]:
     """All-reduce of the gradients' size on the devices present, where the lab can time it."""
+    from lab.measure import collectives
     from lab.mesh import make_mesh
-    from lab.parallel import collectives
 
     devices = jax.devices()
     if len(devices) < 2:
@@ -240,10 +242,10 @@ def _timed_allreduce(buffer_bytes: float, size: str) -> list[dict]:
 
 
 def measured_scaling(size: str) -> list[dict]:
-    """lab.parallel.scaling's data-parallel runs over 1…n devices (step time, collective time
+    """lab.studies.scaling's data-parallel runs over 1…n devices (step time, collective time
     from HLO bytes over measured bus bandwidth, compute) and its extrapolation, as context:
     on CPU the devices are simulated slices of one host. Not in tiny (the test suite)."""
-    from lab.parallel import scaling
+    from lab.studies import scaling
 
     counts = tuple(c for c in (1, 2, 4, 8) if c <= len(jax.devices()))
     s = dataclasses.replace(scaling.SIZES[size], device_counts=counts)

@@ -18,15 +18,6 @@ CLAIMS = ("C06", "C07")
 MiB = 2**20
 
 
-def _peak(be: str, n: int, budget_s: float) -> tuple[float, str]:
-    """Best matmul FLOP/s over the precisions this backend runs fast."""
-    best = (0.0, "")
-    for dtype, precision in ceilings.matmul_configs(be):
-        r = ceilings.measure_matmul(dtype, precision=precision, n=n, budget_s=budget_s)
-        best = max(best, (r["flops_per_s"], f"{dtype} precision={r['precision']}"))
-    return best
-
-
 def device_to_device(nbytes: int, budget_s: float) -> dict | None:
     """Copy from device 0 to device 1 (jax.device_put): NVLink/ICI where the devices have it."""
     devices = jax.devices()
@@ -40,20 +31,15 @@ def device_to_device(nbytes: int, budget_s: float) -> dict | None:
     return {"bytes": nbytes, "bytes_per_s": nbytes / r.median_s, **r.as_dict()}
 
 
-def _c06(be, sizes, budget) -> list[dict]:
-    peak, peak_name = _peak(be, sizes["mm_n"], budget)
-    copy = ceilings.copy_bandwidth(sizes["copy"], budget_s=budget)
-    bw = copy["bytes_per_s"]
-    dtype = jnp.float32 if be == "cpu" else jnp.bfloat16
-    ops = roofline.poly_ops(sizes["poly"], sizes["degrees"]) + roofline.matmul_ops(
-        sizes["mm_n"], sizes["ms"], dtype=dtype
-    )
-    points = roofline.sweep(ops, budget_s=budget / 2)
+def _c06(be, size, budget) -> list[dict]:
+    roof = ceilings.roofline_ceilings(size, budget_s=budget)
+    peak, bw, points = roof["peak_flops"], roof["bandwidth"], roof["points"]
+    copy, sz = roof["copy"], roof["sizes"]
     recs = [
         record(
             "C06",
             None,
-            f"roof: matmul peak ({peak_name}, n={sizes['mm_n']})",
+            f"roof: matmul peak ({roof['peak_name']})",
             peak,
             "FLOP/s",
             role="context",
@@ -63,15 +49,29 @@ def _c06(be, sizes, budget) -> list[dict]:
         record(
             "C06",
             None,
-            f"roof: copy bandwidth y=x·s ({sizes['copy'] // MiB} MiB, read+write)",
+            f"roof: memory bandwidth, the best measured ({roof['bandwidth_note']}; copy "
+            f"y=x·s {sz['copy'] // MiB} MiB × {ceilings.SETS} rotated)",
             bw,
             "B/s",
             role="context",
             series="roof",
             roof="bandwidth",
-            **copy,
+            copy_bytes_per_s=copy["bytes_per_s"],
+            **{k: v for k, v in copy.items() if k != "bytes_per_s"},
         ),
     ]
+    for p, share in roof["above_roof"]:
+        recs.append(
+            record(
+                "C06",
+                None,
+                f"MEASUREMENT ERROR: roofline {p.name} at {share:.0%} of its roof",
+                share,
+                "× roof",
+                role="context",
+                label="derived",
+            )
+        )
     for p in points:
         recs.append(
             record(
@@ -202,31 +202,8 @@ def _c07(be, sizes, budget) -> list[dict]:
 
 
 def run(size: str = "quick") -> list[dict]:
+    """C06 and C07 with the ceilings' own sizes (lab.measure.ceilings.sizes): one
+    implementation of every roof for the ledger and lab.tools.ceilings."""
     be = backend()
-    full = ceilings._sizes(be)
-    sizes = pick(
-        size,
-        tiny={
-            "copy": 4 * MiB,
-            "transfer": 4 * MiB,
-            "poly": 2**18,
-            "mm_n": 128,
-            "degrees": (1, 16),
-            "ms": (1, 128),
-        },
-        quick={
-            "copy": 64 * MiB,
-            "transfer": 64 * MiB,
-            "poly": 2**22,
-            "mm_n": 1024,
-            "degrees": (1, 4, 16, 64),
-            "ms": (1, 8, 64, 1024),
-        },
-        full={
-            **full,
-            "degrees": (1, 2, 4, 8, 16, 32, 64, 128, 256),
-            "ms": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, full["mm_n"]),
-        },
-    )
     budget = pick(size, tiny=0.01, quick=0.3, full=1.0)
-    return _c06(be, sizes, budget) + _c07(be, sizes, budget)
+    return _c06(be, size, budget) + _c07(be, ceilings.sizes(be, size), budget)

@@ -20,7 +20,7 @@ from experiments.common import (
     pick,
     record,
     spec_inputs,
-    step_args,
+    step_config,
     train_probe,
 )
 from lab.measure import cost, specs
@@ -47,7 +47,7 @@ def _precision_pair(size: str) -> dict:
     """The same step in float32 and in bf16 compute, with losses over the same batches."""
     budget, steps = STEP_BUDGET_S[size], pick(size, tiny=3, quick=8, full=30)
     return {
-        dtype: train_probe(step_args(size, f"dtype={dtype}"), budget_s=budget, loss_steps=steps)
+        dtype: train_probe(step_config(size, dtype=dtype), budget_s=budget, loss_steps=steps)
         for dtype in ("float32", "bfloat16")
     }
 
@@ -212,7 +212,7 @@ def _cpu_probe(size: str, p_here: dict) -> dict:
     if backend() == "cpu":
         return p_here
     return train_probe(
-        step_args(size, "dtype=float32"), devices=[cpu_device()], budget_s=STEP_BUDGET_S[size]
+        step_config(size, dtype="float32"), devices=[cpu_device()], budget_s=STEP_BUDGET_S[size]
     )
 
 

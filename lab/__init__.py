@@ -1,10 +1,13 @@
 """lab: measure what an accelerator buys you, with the same JAX code on CPU, GPU and TPU.
 
-Importing the package quiets libtpu on machines without TPU chips: with the `tpu` extra
+Importing the package quiets the compilers for absent hardware: with the `tpu` extra
 installed (for ahead-of-time TPU plans), JAX's start-up would otherwise make libtpu query a
-TPU VM's metadata server and print a screen of errors before every CPU or GPU run.
+TPU VM's metadata server, and with the `gpu-plan` extra the CUDA plugin look for CUDA
+libraries, each printing a screen of errors before every CPU run.
 """
 
-from lab.devices import quiet_libtpu_off_tpu
+from lab.plans.gpu import quiet_cuda_off_gpu
+from lab.plans.tpu import quiet_libtpu_off_tpu
 
 quiet_libtpu_off_tpu()
+quiet_cuda_off_gpu()

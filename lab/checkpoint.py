@@ -1,42 +1,176 @@
-"""Checkpoints with orbax: atomic saves, and restores that never load a damaged step.
+"""A run folder's checkpoints: atomic saves of finite state, restores that never load a damaged
+step, damaged steps moved aside (never deleted), and a lock so a folder belongs to one live run.
 
 Orbax writes each step to a temporary folder and renames it when complete, so an interrupted
-save is never listed. A step that is listed but fails to restore (a file truncated or
-deleted afterwards) is skipped with a warning and the next older one is tried.
+save is never listed (and its leftover temporary folder is cleaned at the next start). A step
+that is listed but does not restore — a file truncated, deleted or overwritten afterwards, an
+empty step folder — is moved to `checkpoints-damaged/<step>-<time>/` with a one-line warning, and
+the next older step is tried; each step is read on its own (orbax's manager infers the layout
+of every step from the newest one, so one broken step used to make all of them unreadable).
+A step whose arrays have other shapes than the model's is not damaged: the run asked for
+another model, which is a ConfigError before anything is moved.
 """
 
+import fcntl
 import os
-import sys
+import time
+from pathlib import Path
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from lab.errors import ConfigError
 
-def manager(run_dir: str, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-    return ocp.CheckpointManager(
-        os.path.abspath(os.path.join(run_dir, "checkpoints")), options=options
+ITEM = "default"  # the name orbax's manager gives a single saved item
+
+
+def folder(run_dir) -> Path:
+    return Path(run_dir).absolute() / "checkpoints"
+
+
+def check_folder(run_dir) -> None:
+    """The checkpoints folder can be written: a ConfigError (one line) before the run starts,
+    instead of a save that waits forever on a file or a read-only folder."""
+    path = folder(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a folder: move it away to checkpoint here")
+    if path.exists() and not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{path} is not writable: checkpoints cannot be saved there")
+
+
+def manager(run_dir, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True
+    )
+    return ocp.CheckpointManager(folder(run_dir), options=options)
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state, *, wait: bool = False) -> bool:
+    """Save `state` as `step` unless that step is already saved (a signal arriving on a
+    checkpoint step asks for the same step twice); True if it saved."""
+    if step in mngr.all_steps():
+        if wait:
+            mngr.wait_until_finished()
+        return False
+    mngr.save(step, args=ocp.args.StandardSave(state))
+    if wait:
+        mngr.wait_until_finished()
+    return True
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:160]
+
+
+def _shape_mismatch(path: Path, abstract_state) -> str | None:
+    """'params.…: saved (64, 256), this model (128, 256)' for the first leaf whose saved shape
+    differs from the model's; None when they agree or the metadata cannot be read whole (then
+    the restore decides whether the step is damaged). lab.rundir.check_same_state catches a
+    changed model from config.json first; this is the check of the arrays themselves."""
+    try:
+        meta = ocp.StandardCheckpointer().metadata(path)
+        meta = getattr(meta, "item_metadata", meta)
+        saved = jax.tree_util.tree_leaves_with_path(meta)
+    except Exception:  # noqa: BLE001 — unreadable metadata: a damaged step, judged by restore
+        return None
+    want = jax.tree_util.tree_leaves_with_path(abstract_state)
+    if len(saved) != len(want):  # a partial or unreadable tree: the restore judges the damage
+        return None
+    saved_shapes = {_names(p): tuple(getattr(x, "shape", ()) or ()) for p, x in saved}
+    for p, x in want:
+        shape = saved_shapes.get(_names(p))
+        if shape is not None and shape != tuple(x.shape):
+            return f"{jax.tree_util.keystr(p)}: saved {shape}, this model {tuple(x.shape)}"
+    return None
+
+
+def _names(path) -> tuple:
+    """A key path as plain names: dict keys, attribute names and indices alike (the saved
+    metadata has dicts where the state has optax's named tuples)."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def quarantine(run_dir, step: int, why: str, warn) -> Path:
+    """Move a damaged step out of the checkpoints folder (never delete it) and say so."""
+    src = folder(run_dir) / str(step)
+    dst = (
+        Path(run_dir).absolute()
+        / "checkpoints-damaged"
+        / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    src.rename(dst)
+    warn(f"warning: checkpoint step {step} is damaged ({why}); moved to {dst}")
+    return dst
+
+
+def _finite(state) -> bool:
+    return all(
+        np.isfinite(np.asarray(x)).all()
+        for x in jax.tree.leaves(state)
+        if np.issubdtype(np.asarray(x).dtype, np.floating)
     )
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, *, wait: bool = False) -> None:
-    mngr.save(step, args=ocp.args.StandardSave(state), force=True)
-    if wait:
-        mngr.wait_until_finished()
+def restore_latest(run_dir, abstract_state, *, warn=print):
+    """(step, state) from the newest step that restores whole and finite, or (None, None).
 
-
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state):
-    """(step, state) from the newest checkpoint that restores whole, or (None, None)."""
-    for step in sorted(mngr.all_steps(), reverse=True):
+    Damaged steps are moved aside as they are found; a step saved for another model shape
+    raises ConfigError (one line) and nothing is moved.
+    """
+    path = folder(run_dir)
+    steps = sorted((int(p.name) for p in path.glob("[0-9]*") if p.name.isdigit()), reverse=True)
+    for step in steps:
+        item = path / str(step) / ITEM
+        mismatch = _shape_mismatch(item, abstract_state)
+        if mismatch:
+            raise ConfigError(
+                f"resume=true: checkpoint step {step} holds another model ({mismatch}); "
+                "resume with the run's own model keys, or start a new name="
+            )
         try:
-            state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
-        except Exception as e:  # orbax raises many types for damaged files; all mean "skip"
-            first_line = (
-                str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-            )
-            print(
-                f"warning: checkpoint step {step} is damaged, skipped ({first_line})",
-                file=sys.stderr,
-            )
+            state = ocp.StandardCheckpointer().restore(item, abstract_state)
+        except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for damage
+            quarantine(run_dir, step, _first_line(e), warn)
+            continue
+        if not _finite(state):
+            quarantine(run_dir, step, "non-finite values", warn)
             continue
         return step, state
     return None, None
+
+
+class Lock:
+    """An exclusive lock on the run folder for the life of the process (fcntl: released by
+    the kernel when the process dies, so a crash never leaves a stale lock)."""
+
+    def __init__(self, run_dir):
+        self.path = Path(run_dir) / ".lock"
+        self._f = None
+
+    def __enter__(self):
+        self._f = open(self.path, "a+")  # noqa: SIM115 — held open for the lock's life
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.seek(0)
+            holder = self._f.read().strip() or "another process"
+            self._f.close()
+            raise ConfigError(
+                f"run folder {self.path.parent} is in use by {holder}: wait for it, or choose "
+                "another name="
+            ) from None
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(f"pid {os.getpid()}")
+        self._f.flush()
+        return self
+
+    def __exit__(self, *exc):
+        if self._f:
+            self._f.seek(0)
+            self._f.truncate()
+            fcntl.flock(self._f, fcntl.LOCK_UN)
+            self._f.close()

@@ -1,76 +1,199 @@
-"""Configuration: two frozen dataclasses, presets, and `key=value` parsing with clear errors.
+"""Configuration: frozen dataclasses, presets, and the one `key=value` grammar of every command.
 
-Every field carries its meaning in `help` (shown by `python -m lab.run --help`), so the
-dataclass is the single source of truth for defaults, types, ranges and documentation.
-Keys are flat on the command line: a key names either a run field or a model field.
+Every field carries its meaning in `help` (and its range, choices or kind) in the field's
+metadata, so a dataclass is the single source of truth for defaults, types, ranges and
+documentation. `Config` (with its `ModelConfig`) is what `python -m lab.run` trains; every
+other command declares its own options as a frozen dataclass of the same kind and runs through
+`cli`, which gives all of them the same behaviour: `--help` lists every key, a typo gets the
+close match, a bad value is one line and exit code 2.
+
+Library code never writes `key=value` strings: it builds configs with `make_config` and
+`override` (typed keyword arguments, checked like parsed ones) or `dataclasses.replace`.
 """
 
 import dataclasses
 import difflib
+import math
+import sys
+import typing
+from pathlib import PurePath
 
+from lab.errors import ConfigError, RunError
 from lab.mesh import MeshSpecError, parse_mesh_spec
+from lab.names import ATTENTION_IMPLS, DTYPES, REMATS, STRATEGIES
 
-DTYPES = {
-    "float32": "float32",
-    "f32": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "f16": "float16",
-    "fp16": "float16",
-}
-ATTENTION_IMPLS = (
-    "auto",
-    "naive",
-    "blockwise",
-    "pallas",
-    "pallas_tpu",
-    "pallas_gpu",
-    "xla",
-    "cudnn",
-    "ring",
-)
-STRATEGIES = ("auto", "dp", "fsdp", "tp", "fsdp+tp", "cp")
+# ------------------------------------------------------------------------ fields and values
 
 
-class ConfigError(ValueError):
-    """A bad key or value: one line for the user, exit code 2."""
-
-
-def _f(default, help: str, *, choices=None, min=None, kind=None):
-    meta = {"help": help, "choices": choices, "min": min, "kind": kind}
+def field(default, help: str, *, choices=None, min=None, max=None, kind=None):
+    """A dataclass field with its documentation: `help`, allowed `choices`, a `min`/`max`, or
+    a `kind` the parser knows (dtype, mesh, ints, names, path)."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "kind": kind}
     return dataclasses.field(default=default, metadata=meta)
+
+
+def _parse_bool(key: str, raw: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}={raw!r}: expected a boolean (true/false)")
+
+
+def _parse_number(key: str, raw: str, cast):
+    try:
+        value = cast(raw)
+    except ValueError:
+        what = "an integer" if cast is int else "a number"
+        raise ConfigError(f"{key}={raw!r}: expected {what}") from None
+    if cast is float and not math.isfinite(value):
+        raise ConfigError(f"{key}={raw!r}: expected a finite number")
+    return value
+
+
+def _check_range(key: str, raw, value, meta) -> None:
+    if meta.get("min") is not None and value < meta["min"]:
+        raise ConfigError(f"{key}={raw!r}: must be >= {meta['min']}")
+    if meta.get("max") is not None and value > meta["max"]:
+        raise ConfigError(f"{key}={raw!r}: must be <= {meta['max']}")
+
+
+def _check_choice(key: str, raw, value, choices) -> None:
+    if choices and value not in choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{key}={raw!r}: expected one of {' | '.join(choices)}{hint}")
+
+
+def _parse_list(key: str, raw: str, meta, cast) -> tuple:
+    items = [x.strip() for x in raw.split(",") if x.strip()]
+    if not items:
+        raise ConfigError(f"{key}={raw!r}: expected a comma-separated list")
+    values = []
+    for item in items:
+        try:
+            value = _parse_number(key, item, cast) if cast is not str else item
+        except ConfigError:
+            what = "an integer" if cast is int else "a finite number"
+            raise ConfigError(f"{key}={raw!r}: {item!r} is not {what}") from None
+        if cast is not str:
+            _check_range(key, raw, value, meta)
+        _check_choice(key, raw, value, meta.get("choices"))
+        values.append(value)
+    return tuple(values)
+
+
+def parse_value(f: dataclasses.Field, typ, raw: str):
+    """The typed value of `raw` for field `f` (its resolved type `typ`), or a ConfigError."""
+    key, meta = f.name, f.metadata
+    kind = meta.get("kind")
+    if kind == "dtype":
+        if raw.lower() not in DTYPES and not (raw == "auto" and f.default == "auto"):
+            extra = ", auto" if f.default == "auto" else ""
+            raise ConfigError(f"{key}={raw!r}: expected one of float32, bfloat16, float16{extra}")
+        return DTYPES.get(raw.lower(), raw)
+    if kind == "mesh":
+        try:
+            parse_mesh_spec(raw)
+        except MeshSpecError as e:
+            raise ConfigError(f"mesh={raw!r}: {e}") from None
+        return raw
+    if kind == "ints":
+        return _parse_list(key, raw, meta, int)
+    if kind == "floats":
+        return _parse_list(key, raw, meta, float)
+    if kind == "names":
+        return _parse_list(key, raw, meta, str)
+    if typ is bool:
+        return _parse_bool(key, raw)
+    if typ in (int, float):
+        value = _parse_number(key, raw, typ)
+        _check_range(key, raw, value, meta)
+        return value
+    _check_choice(key, raw, raw, meta.get("choices"))
+    if kind == "path" and "\0" in raw:
+        raise ConfigError(f"{key}={raw!r}: not a path")
+    return raw
+
+
+def check_value(f: dataclasses.Field, value) -> None:
+    """The checks `parse_value` makes, for a typed value given by library code."""
+    meta = f.metadata
+    if meta.get("kind") in ("ints", "floats", "names"):
+        for v in value:
+            if meta.get("kind") != "names":
+                _check_range(f.name, value, v, meta)
+            _check_choice(f.name, value, v, meta.get("choices"))
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        _check_choice(f.name, value, value, meta.get("choices"))
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{f.name}={value!r}: expected a finite number")
+    _check_range(f.name, value, value, meta)
+
+
+def fields_of(cls) -> dict[str, tuple[dataclasses.Field, type]]:
+    """name → (field, resolved type) of a flat options dataclass."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def _pairs(argv: list[str], known: typing.Collection[str], aliases: dict) -> list[tuple]:
+    """`["a=1", "b=x"]` → [("a", "1"), ("b", "x")]; unknown and repeated keys refused."""
+    pairs = []
+    for arg in argv:
+        if "=" not in arg:
+            raise ConfigError(f"{arg!r}: arguments are key=value (see --help)")
+        key, raw = arg.split("=", 1)
+        key = aliases.get(key.strip(), key.strip())
+        if key not in known:
+            close = difflib.get_close_matches(key, [*known, *aliases], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else " (see --help)"
+            raise ConfigError(f"unknown key {key!r}{hint}")
+        if any(k == key for k, _ in pairs):
+            raise ConfigError(f"{key} is given more than once")
+        pairs.append((key, raw.strip()))
+    return pairs
+
+
+def parse_options(cls, argv: list[str]):
+    """`key=value` arguments → an instance of the options dataclass `cls`."""
+    fields = fields_of(cls)
+    kw = {k: parse_value(*fields[k], raw) for k, raw in _pairs(argv, fields, {})}
+    return cls(**kw)
+
+
+# ------------------------------------------------------------------------ the run config
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of the decoder-only transformer (lab/model.py)."""
 
-    vocab_size: int = _f(256, "vocabulary size (256 = bytes, for data=text)", min=2)
-    d_model: int = _f(64, "width of the residual stream", min=1)
-    n_layers: int = _f(2, "number of transformer blocks", min=1)
-    n_heads: int = _f(4, "query heads per attention layer", min=1)
-    n_kv_heads: int = _f(2, "key/value heads (grouped-query); must divide n_heads", min=1)
-    d_ff: int = _f(192, "hidden width of the SwiGLU MLP", min=1)
-    tie_embeddings: bool = _f(True, "reuse the token embedding as the output head")
-    rope_theta: float = _f(10000.0, "rotary embedding base", min=1.0)
-    param_dtype: str = _f("float32", "dtype the parameters are stored in", kind="dtype")
-    dtype: str = _f(
+    vocab_size: int = field(256, "vocabulary size (256 = bytes, for data=text)", min=2)
+    d_model: int = field(64, "width of the residual stream", min=1)
+    n_layers: int = field(2, "number of transformer blocks", min=1)
+    n_heads: int = field(4, "query heads per attention layer", min=1)
+    n_kv_heads: int = field(2, "key/value heads (grouped-query); must divide n_heads", min=1)
+    d_ff: int = field(192, "hidden width of the SwiGLU MLP", min=1)
+    tie_embeddings: bool = field(True, "reuse the token embedding as the output head")
+    rope_theta: float = field(10000.0, "rotary embedding base", min=1.0)
+    param_dtype: str = field("float32", "dtype the parameters are stored in", kind="dtype")
+    dtype: str = field(
         "auto", "compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU", kind="dtype"
     )
-    attention: str = _f(
+    attention: str = field(
         "auto",
-        "attention implementation (lab.kernels.attention); ring = lab.parallel.ring_attention "
-        "over the sequence axis (needs strategy=cp)",
-        choices=ATTENTION_IMPLS,
+        "attention implementation (lab.kernels.attention); ring passes keys/values around "
+        "the sequence axis (needs strategy=cp)",
+        choices=("auto", *ATTENTION_IMPLS),
     )
-    remat: str = _f(
-        "none",
-        "rematerialise each block: none | full | dots (save matmuls)",
-        choices=("none", "full", "dots"),
+    remat: str = field(
+        "none", "rematerialise each block: none | full | dots (save matmuls)", choices=REMATS
     )
-    scan_layers: bool = _f(False, "stack the blocks with nn.scan (one compiled body)")
+    scan_layers: bool = field(False, "stack the blocks with nn.scan (one compiled body)")
 
     @property
     def head_dim(self) -> int:
@@ -106,117 +229,64 @@ class Config:
     """One run of `python -m lab.run`: the model plus how to train and measure it."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    preset: str = _f(
+    preset: str = field(
         "tiny", "model preset (model=NAME); model fields override it", choices=tuple(PRESETS)
     )
-    mesh: str = _f(
+    mesh: str = field(
         "1",
         "device mesh: 4x2 (data x model), 2x2x2 (data x fsdp x model), "
         "data:2,fsdp:2,model:2; -1 fills the rest",
         kind="mesh",
     )
-    strategy: str = _f(
+    strategy: str = field(
         "auto",
         "sharding rules: dp | fsdp | tp | fsdp+tp | cp (sequence over model); auto from the mesh",
-        choices=STRATEGIES,
+        choices=("auto", *STRATEGIES),
     )
-    cpu_devices: int = _f(0, "simulated CPU devices; 0 = as many as the mesh needs", min=0)
-    batch_size: int = _f(16, "global batch (sequences per step)", min=1)
-    seq_len: int = _f(128, "tokens per sequence", min=2)
-    steps: int = _f(150, "training steps", min=0)
-    lr: float = _f(3e-3, "peak learning rate (AdamW)", min=0.0)
-    warmup_steps: int = _f(20, "linear warm-up steps before the cosine decay", min=0)
-    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr", min=0.0)
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay", min=0.0)
-    grad_clip: float = _f(1.0, "clip gradients to this global norm; 0 = off", min=0.0)
-    loss_scale: float = _f(
+    cpu_devices: int = field(0, "simulated CPU devices; 0 = as many as the mesh needs", min=0)
+    batch_size: int = field(16, "global batch (sequences per step)", min=1)
+    seq_len: int = field(128, "tokens per sequence", min=2)
+    steps: int = field(150, "training steps", min=0)
+    lr: float = field(3e-3, "peak learning rate (AdamW)", min=0.0)
+    warmup_steps: int = field(20, "linear warm-up steps before the cosine decay", min=0)
+    min_lr_ratio: float = field(0.1, "final learning rate as a fraction of lr", min=0.0)
+    weight_decay: float = field(0.1, "AdamW decoupled weight decay", min=0.0)
+    grad_clip: float = field(1.0, "clip gradients to this global norm; 0 = off", min=0.0)
+    loss_scale: float = field(
         0.0, "static loss scale for float16; 0 = auto (2^15 for fp16, else 1)", min=0.0
     )
-    data: str = _f(
+    data: str = field(
         "auto",
         "synthetic | text (bundled corpus, bytes); auto = text if vocab is 256",
         choices=("auto", "synthetic", "text"),
     )
-    seed: int = _f(0, "seed for parameters and data: same seed, same run", min=0)
-    name: str = _f("", "run name (folder under out_dir); empty = model-mesh-time")
-    out_dir: str = _f("runs", "where run folders are written")
-    log_every: int = _f(10, "steps between metric records", min=1)
-    checkpoint_every: int = _f(0, "steps between checkpoints; 0 = no checkpoints", min=0)
-    resume: bool = _f(False, "continue from the latest complete checkpoint of this run name")
-    compile_only: bool = _f(False, "compile the step, print memory and cost, do not train")
-    explain: bool = _f(
+    seed: int = field(0, "seed for parameters and data: same seed, same run", min=0)
+    name: str = field("", "run name: one folder name under out_dir; empty = model-mesh-time")
+    out_dir: str = field("runs", "where run folders are written", kind="path")
+    log_every: int = field(10, "steps between metric records", min=1)
+    checkpoint_every: int = field(0, "steps between checkpoints; 0 = no checkpoints", min=0)
+    resume: bool = field(False, "continue from the newest good checkpoint of run name=NAME")
+    compile_only: bool = field(False, "compile the step, print memory and cost, do not train")
+    explain: bool = field(
         False, "print per-device memory and the compiled step's collectives vs analytic"
     )
-    target: str = _f(
+    target: str = field(
         "",
-        "compile ahead of time for a TPU slice, e.g. tpu:v5e:2x4 (needs "
-        "libtpu; implies compile_only)",
+        "compile ahead of time for hardware that is not here (implies compile_only): "
+        "tpu:GEN:TOPOLOGY (libtpu), e.g. tpu:v5e:2x4, or gpu:KIND[:N], e.g. gpu:h100:8",
     )
-    profile: bool = _f(False, "capture a jax.profiler trace of a few steps into the run folder")
-    coordinator: str = _f("", "jax.distributed coordinator host:port (multi-host)")
-    num_processes: int = _f(1, "jax.distributed process count", min=1)
-    process_id: int = _f(0, "jax.distributed id of this process", min=0)
+    profile: bool = field(False, "capture a jax.profiler trace of a few steps into the run folder")
+    coordinator: str = field("", "jax.distributed coordinator host:port (multi-host)")
+    coordinator_timeout: int = field(
+        60, "seconds to wait for the coordinator and every process to join", min=1
+    )
+    num_processes: int = field(1, "jax.distributed process count", min=1)
+    process_id: int = field(0, "jax.distributed id of this process", min=0)
 
 
-RUN_FIELDS = {f.name: f for f in dataclasses.fields(Config) if f.name != "model"}
-MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+RUN_FIELDS = {k: v for k, v in fields_of(Config).items() if k != "model"}
+MODEL_FIELDS = fields_of(ModelConfig)
 ALIASES = {"model": "preset"}
-
-
-def _parse_bool(key: str, raw: str) -> bool:
-    low = raw.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{key}={raw!r}: expected a boolean (true/false)")
-
-
-def _parse_value(field: dataclasses.Field, raw: str):
-    key, meta = field.name, field.metadata
-    typ = field.type
-    if meta.get("kind") == "dtype":
-        if raw.lower() not in DTYPES and raw != "auto":
-            raise ConfigError(
-                f"{key}={raw!r}: expected one of float32, bfloat16, float16"
-                + (", auto" if field.default == "auto" else "")
-            )
-        return DTYPES.get(raw.lower(), raw)
-    if meta.get("kind") == "mesh":
-        try:
-            parse_mesh_spec(raw)
-        except MeshSpecError as e:
-            raise ConfigError(f"mesh={raw!r}: {e}") from None
-        return raw
-    if typ in (bool, "bool"):
-        return _parse_bool(key, raw)
-    if typ in (int, "int", float, "float"):
-        cast = int if typ in (int, "int") else float
-        try:
-            value = cast(raw)
-        except ValueError:
-            raise ConfigError(
-                f"{key}={raw!r}: expected {'an integer' if cast is int else 'a number'}"
-            ) from None
-        if meta.get("min") is not None and value < meta["min"]:
-            raise ConfigError(f"{key}={raw!r}: must be >= {meta['min']}")
-        return value
-    if meta.get("choices") and raw not in meta["choices"]:
-        raise ConfigError(f"{key}={raw!r}: expected one of {' | '.join(meta['choices'])}")
-    return raw
-
-
-def _split(arg: str) -> tuple[str, str]:
-    if "=" not in arg:
-        raise ConfigError(f"{arg!r}: arguments are key=value (see --help)")
-    key, raw = arg.split("=", 1)
-    key = ALIASES.get(key.strip(), key.strip())
-    if key not in RUN_FIELDS and key not in MODEL_FIELDS:
-        known = [*RUN_FIELDS, *MODEL_FIELDS, *ALIASES]
-        close = difflib.get_close_matches(key, known, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else " (see --help)"
-        raise ConfigError(f"unknown key {key!r}{hint}")
-    return key, raw.strip()
 
 
 def resolve_dtype(model: ModelConfig, platform: str) -> ModelConfig:
@@ -235,28 +305,64 @@ BACKEND_DEFAULTS: dict[str, dict] = {
 }
 
 
+def make_config(*, backend: str = "cpu", **fields) -> Config:
+    """A validated Config from typed keyword arguments: any run or model field, or `preset`
+    (alias `model`); keys left out take the backend's defaults, then the dataclasses'."""
+    fields = {ALIASES.get(k, k): v for k, v in fields.items()}
+    kw = {**BACKEND_DEFAULTS.get(backend, {}), **fields}
+    preset = kw.pop("preset", RUN_FIELDS["preset"][0].default)
+    return override(Config(model=ModelConfig(**PRESETS[preset])), preset=preset, **kw)
+
+
+def override(cfg: Config, **fields) -> Config:
+    """`cfg` with run or model fields replaced (typed values, checked as parsed ones are);
+    `preset=` starts the model from that preset before the other model fields apply."""
+    fields = {ALIASES.get(k, k): v for k, v in fields.items()}
+    run_kw, model_kw = {}, {}
+    for key, value in fields.items():
+        if key in RUN_FIELDS:
+            check_value(RUN_FIELDS[key][0], value)
+            run_kw[key] = value
+        elif key in MODEL_FIELDS:
+            check_value(MODEL_FIELDS[key][0], value)
+            model_kw[key] = value
+        else:
+            close = difflib.get_close_matches(key, [*RUN_FIELDS, *MODEL_FIELDS], n=1)
+            raise ConfigError(
+                f"unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else "")
+            )
+    model = cfg.model
+    if "preset" in run_kw:
+        model = ModelConfig(**PRESETS[run_kw["preset"]])
+    model = dataclasses.replace(model, **model_kw)
+    cfg = dataclasses.replace(cfg, model=model, **run_kw)
+    validate(cfg)
+    return cfg
+
+
+def parse_keys(argv: list[str]) -> dict:
+    """`["model=small", "steps=20"]` → {"preset": "small", "steps": 20}: the keys the user
+    gave, typed and checked one by one (ConfigError, one line)."""
+    known = {**RUN_FIELDS, **MODEL_FIELDS}
+    return {k: parse_value(*known[k], raw) for k, raw in _pairs(argv, known, ALIASES)}
+
+
 def parse_args(argv: list[str], *, backend: str = "cpu") -> Config:
     """`["model=small", "mesh=4x2", "steps=20"]` → Config; raises ConfigError (one line).
 
     Keys the user leaves out take the backend's defaults (BACKEND_DEFAULTS), then the
     dataclass defaults.
     """
-    pairs = [_split(a) for a in argv]
-    for key, _ in pairs:
-        if sum(k == key for k, _ in pairs) > 1:
-            raise ConfigError(f"{key} is given more than once")
-    run_kw = dict(BACKEND_DEFAULTS.get(backend, {}))
-    model_kw = {}
-    for key, raw in pairs:
-        if key in RUN_FIELDS:
-            run_kw[key] = _parse_value(RUN_FIELDS[key], raw)
-        else:
-            model_kw[key] = _parse_value(MODEL_FIELDS[key], raw)
-    preset = run_kw.get("preset", RUN_FIELDS["preset"].default)
-    model = ModelConfig(**{**PRESETS[preset], **model_kw})
-    cfg = Config(model=model, **run_kw)
-    validate(cfg)
-    return cfg
+    return make_config(backend=backend, **parse_keys(argv))
+
+
+def check_name(name: str) -> None:
+    """A run name is one folder name under out_dir: never a path that leaves it."""
+    if name and (PurePath(name).name != name or name in (".", "..") or "\0" in name):
+        raise ConfigError(
+            f"name={name!r}: a run name is one folder name (no '/' or '..'); "
+            "choose the location with out_dir="
+        )
 
 
 def validate(cfg: Config) -> None:
@@ -281,28 +387,87 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"process_id={cfg.process_id} must be < num_processes={cfg.num_processes}"
         )
-    if cfg.target:
-        from lab.aot import parse_target
-
-        parse_target(cfg.target)
     if cfg.num_processes > 1 and not cfg.coordinator:
         raise ConfigError("num_processes > 1 needs coordinator=host:port")
+    if cfg.target and cfg.target.split(":")[0] not in ("tpu", "gpu"):
+        raise ConfigError(
+            f"target={cfg.target!r}: expected tpu:GEN:TOPOLOGY or gpu:KIND[:N] (see --help)"
+        )
+    check_name(cfg.name)
+
+
+def _key_lines(fields: dict, rename: dict | None = None) -> list[str]:
+    lines = []
+    for f, _ in fields.values():
+        key = (rename or {}).get(f.name, f.name)
+        default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+        lines.append(f"  {key:<18} {str(default)!r:<12} {f.metadata['help']}")
+    return lines
 
 
 def help_text() -> str:
-    """Every key with its default and meaning, for `python -m lab.run --help`."""
+    """Every key of `python -m lab.run` with its default and meaning."""
     lines = ["usage: python -m lab.run [key=value ...]", "", "run keys:"]
-    for f in RUN_FIELDS.values():
-        key = "model" if f.name == "preset" else f.name
-        lines.append(f"  {key:<18} {str(f.default)!r:<12} {f.metadata['help']}")
-    lines += ["", "model keys (override the preset):"]
-    for f in MODEL_FIELDS.values():
-        lines.append(f"  {f.name:<18} {str(f.default)!r:<12} {f.metadata['help']}")
-    from lab.aot import target_help
-
-    lines += ["", "presets: " + ", ".join(PRESETS), "targets (e.g.): " + target_help()]
+    lines += _key_lines(RUN_FIELDS, {"preset": "model"})
+    lines += ["", "model keys (override the preset):", *_key_lines(MODEL_FIELDS)]
+    lines += ["", "presets: " + ", ".join(PRESETS)]
     for backend, over in BACKEND_DEFAULTS.items():
         if over:
             keys = " ".join(f"{'model' if k == 'preset' else k}={v}" for k, v in over.items())
             lines.append(f"defaults on {backend}: {keys}")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ commands
+
+
+def options_help(cls, prog: str, doc: str, *, run_keys: bool = False) -> str:
+    """`--help` of a command: its doc, then every key with its default and meaning."""
+    head = f"usage: {prog} [key=value ...]"
+    lines = [head, "", doc.strip(), "", "keys:", *_key_lines(fields_of(cls))]
+    if run_keys:
+        lines += ["", "and every key of python -m lab.run (python -m lab.run --help)"]
+    return "\n".join(lines)
+
+
+def parse_with_run_keys(cls, argv: list[str]) -> tuple:
+    """(options, run keys) from one argument list: the command's own keys to `cls`, the rest
+    typed as lab.run's (`make_config(**keys)` builds the Config, under the backend's
+    defaults where the command knows it); a key neither knows gets the close match."""
+    own = fields_of(cls)
+    known = {**RUN_FIELDS, **MODEL_FIELDS}
+    pairs = _pairs(argv, [*own, *known], ALIASES)
+    opts = cls(**{k: parse_value(*own[k], raw) for k, raw in pairs if k in own})
+    keys = {k: parse_value(*known[k], raw) for k, raw in pairs if k not in own}
+    return opts, keys
+
+
+def cli(cls, run, *, prog: str, doc: str, argv=None, run_keys: bool = False) -> int:
+    """The shared main of every command: help, parse `cls` (and lab.run's keys with
+    `run_keys`), call `run(options)` or `run(options, run_keys)`; a user mistake is one
+    line on stderr and exit 2, a run that cannot go on exit 1, Ctrl-C exit 130."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(options_help(cls, prog, doc, run_keys=run_keys))
+        return 0
+    if run_keys:
+        return exit_code(lambda: run(*parse_with_run_keys(cls, argv)))
+    return exit_code(lambda: run(parse_options(cls, argv)))
+
+
+def exit_code(fn) -> int:
+    """`fn()`'s exit code (None is 0), with the errors a user sees as one line on stderr: a
+    mistake (ConfigError) exits 2, a run that cannot go on (RunError) 1, Ctrl-C 130."""
+    try:
+        return fn() or 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            "interrupted (Ctrl-C): nothing was written after the last saved file", file=sys.stderr
+        )
+        return 130

@@ -6,12 +6,14 @@ number of simulated devices. `prepare` does both; `describe` reports what came o
 """
 
 import dataclasses
-import glob
 import math
 import os
+import socket
+import time
 
 import jax
 
+from lab.errors import ConfigError
 from lab.mesh import MeshSpecError, known_size, resolve_shape
 
 
@@ -26,7 +28,7 @@ class DeviceInfo:
     process_count: int  # jax.distributed processes (hosts)
     process_index: int  # this process
     simulated: bool  # CPU devices beyond one share the same cores: simulated
-    aot: bool = False  # a TPU topology compiled for ahead of time: nothing runs
+    aot: bool = False  # a target compiled for ahead of time (lab/plans): nothing runs
 
     def header(self) -> str:
         sim = " (simulated CPU devices)" if self.simulated else ""
@@ -35,31 +37,55 @@ class DeviceInfo:
         return f"{self.backend} · {self.device_kind} × {self.count}{sim}{hosts}"
 
 
-def quiet_libtpu_off_tpu(generation: str = "v5e") -> None:
-    """With libtpu installed on a machine without TPU chips, JAX's start-up makes libtpu query
-    a TPU VM's metadata server and print several lines of errors. Give it a local answer."""
-    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
-        return  # a real TPU VM: leave the runtime alone
-    for var, value in (
-        ("TPU_SKIP_MDS_QUERY", "1"),
-        ("TPU_WORKER_HOSTNAMES", "localhost"),
-        ("TPU_ACCELERATOR_TYPE", f"{generation}-8"),
-    ):
-        os.environ.setdefault(var, value)
-
-
 def _tpu_pod() -> bool:
     """A multi-host TPU slice: the runtime lists several worker hostnames."""
     return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
-def _init_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
+def _reach(coordinator: str, timeout_s: float) -> None:
+    """Wait until the coordinator accepts a TCP connection, or raise ConfigError. The runtime's
+    own wait ends in a C++ abort with a stack trace, so a process that joins checks first."""
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"coordinator={coordinator!r}: expected host:port")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"coordinator={coordinator}: not reachable within {timeout_s:g} s "
+                    f"(coordinator_timeout=); is process 0 started and the address right? "
+                    f"({e.strerror or e})"
+                ) from None
+            time.sleep(0.5)
+
+
+def _init_distributed(
+    coordinator: str, num_processes: int, process_id: int, timeout_s: int = 60
+) -> None:
     if coordinator:
         # CPU processes need a collectives library to talk; gloo ships with jaxlib.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
-        )
+        if process_id > 0:
+            _reach(coordinator, timeout_s)
+        try:
+            jax.distributed.initialize(
+                coordinator_address=coordinator,
+                num_processes=num_processes,
+                process_id=process_id,
+                initialization_timeout=timeout_s,
+                shutdown_timeout_seconds=min(timeout_s, 30),
+            )
+        except Exception as e:  # noqa: BLE001 — the runtime raises XlaRuntimeError and others
+            first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"coordinator={coordinator}: process {process_id} of {num_processes} could not "
+                f"join within {timeout_s} s (coordinator_timeout=); is the address right and "
+                f"every process started? ({first})"
+            ) from None
     elif _tpu_pod():
         jax.distributed.initialize()  # TPU pods describe themselves through the environment
 
@@ -79,10 +105,10 @@ def prepare(
     coordinator: str = "",
     num_processes: int = 1,
     process_id: int = 0,
+    coordinator_timeout: int = 60,
 ) -> None:
     """Call before any JAX operation: joins hosts, then sizes the simulated CPU devices."""
-    quiet_libtpu_off_tpu()
-    _init_distributed(coordinator, num_processes, process_id)
+    _init_distributed(coordinator, num_processes, process_id, coordinator_timeout)
     wanted = cpu_devices or known_size(mesh)
     if wanted > 1:
         _set_cpu_devices(max(1, wanted // num_processes))
@@ -103,10 +129,10 @@ def describe() -> DeviceInfo:
 
 
 def describe_target(devices: list) -> DeviceInfo:
-    """A TPU slice known only from its topology (lab/aot.py)."""
+    """A slice known only from its topology (lab/plans): compiled for, never run on."""
     n = len(devices)
     return DeviceInfo(
-        backend="tpu",
+        backend={"cuda": "gpu", "rocm": "gpu"}.get(devices[0].platform, devices[0].platform),
         device_kind=devices[0].device_kind,
         count=n,
         local_count=n,
@@ -127,7 +153,7 @@ def check_mesh_fits(mesh: str, info: DeviceInfo) -> dict[str, int]:
     used = math.prod(sizes.values())
     if info.aot and used != info.count:  # a plan is for the whole slice, as a real job runs
         raise MeshSpecError(
-            f"mesh={mesh} uses {used} of the target's {info.count} devices: a TPU slice runs "
+            f"mesh={mesh} uses {used} of the target's {info.count} devices: a slice runs "
             f"one program over all of them (e.g. mesh={info.count} or mesh=-1)"
         )
     return sizes

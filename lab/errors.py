@@ -1,4 +1,13 @@
-"""Errors the user sees as one line (config mistakes live in lab.config.ConfigError)."""
+"""The errors a user sees as one line: what every entry point catches and turns into an exit code.
+
+`ConfigError` is a mistake in what the user asked for (a key, a value, a mesh that does not
+fit, a damaged run folder, a missing compiler package): exit code 2. `RunError` is a run that
+cannot go on after it started (a NaN loss, memory the device does not have): exit code 1.
+"""
+
+
+class ConfigError(ValueError):
+    """A bad key, value or input: one line for the user, exit code 2."""
 
 
 class RunError(Exception):

@@ -5,26 +5,37 @@ while the next batch is built on the host during the device's work; the median e
 the first steps, and compile time is reported on its own.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
 import signal
+import sys
 import time
 from pathlib import Path
 
 import jax
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from lab import checkpoint, summary
+from lab import checkpoint, plans, rundir, summary
 from lab.config import Config
 from lab.data import host_batch, to_global
-from lab.devices import DeviceInfo
 from lab.errors import RunError
+from lab.measure.records import writable_dir
 from lab.measure.timing import summarise
+from lab.report import progress, tables
+from lab.session import Session
 
 WARMUP_STEPS = 2  # excluded from the step-time median (allocation, first transfers)
 PROFILE_STEPS = 4  # profile=true traces this many steps after warm-up (steps 4-7 of a fresh run)
+
+
+def _non_finite(**values) -> str | None:
+    """'loss is nan' / 'gradient norm is inf' / 'weights are inf' for the first non-finite."""
+    words = {"loss": "loss is", "grad_norm": "gradient norm is", "param_norm": "weights are"}
+    for key, value in values.items():
+        if not math.isfinite(value):
+            return f"{words[key]} {value}"
+    return None
 
 
 class _Stop:
@@ -56,33 +67,10 @@ def _batch(cfg: Config, trainer, step: int):
     return to_global(tokens, trainer.batch_sharding)
 
 
-def _initial_state(cfg: Config, trainer, mngr, console):
-    if cfg.resume and mngr is not None:
-        step, state = checkpoint.restore_latest(mngr, trainer.abstract_state)
-        if step is not None:
-            console.print(f"resumed from checkpoint at step {step}")
-            return state, step
-        console.print("no complete checkpoint found: starting from step 0")
-    return trainer.init(jax.random.key(cfg.seed)), 0
-
-
 @dataclasses.dataclass
 class History:
     losses: list = dataclasses.field(default_factory=list)  # (step, loss)
     step_s: list = dataclasses.field(default_factory=list)
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("step {task.completed:>5}/{task.total}"),
-        BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TextColumn("{task.fields[tps]:,.0f} tok/s"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-        disable=not console.is_terminal,
-    )
 
 
 class _Tracer:
@@ -112,8 +100,8 @@ def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     batch = _batch(cfg, trainer, start)
     tracer = _Tracer(Path(cfg.out_dir) / cfg.name / "profile")
-    with _Stop() as stop, _progress(console) as progress, tracer:
-        task = progress.add_task("train", total=cfg.steps, completed=start, loss=math.nan, tps=0.0)
+    with _Stop() as stop, progress.training(console) as bar, tracer:
+        task = bar.add_task("train", total=cfg.steps, completed=start, loss=math.nan, tps=0.0)
         last = time.perf_counter()
         for step in range(start, cfg.steps):
             if cfg.profile and step == start + WARMUP_STEPS + 1:
@@ -128,20 +116,16 @@ def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist)
             if step == start + WARMUP_STEPS + PROFILE_STEPS:
                 tracer.stop()
             grad_norm = float(metrics["grad_norm"])
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            param_norm = float(metrics["param_norm"])
+            bad = _non_finite(loss=loss, grad_norm=grad_norm, param_norm=param_norm)
+            if bad:
                 # Checked before this step's state can be saved: a non-finite gradient has
-                # already poisoned the update even where the loss itself is still finite.
+                # already poisoned the update even where the loss itself is still finite, and
+                # a finite gradient times a huge learning rate can still overflow the weights.
                 kept = f"; last good checkpoint kept in {mngr.directory}" if mngr else ""
-                what = (
-                    f"loss is {loss}"
-                    if not math.isfinite(loss)
-                    else f"gradient norm is {grad_norm}"
-                )
-                raise RunError(f"{what} at step {step + 1}: training stopped{kept}")
+                raise RunError(f"{bad} at step {step + 1}: training stopped{kept}")
             hist.losses.append((step + 1, loss))
-            progress.update(
-                task, completed=step + 1, loss=loss, tps=tokens_per_step / hist.step_s[-1]
-            )
+            bar.update(task, completed=step + 1, loss=loss, tps=tokens_per_step / hist.step_s[-1])
             if metrics_f and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
                 rec = {
                     "step": step + 1,
@@ -156,52 +140,96 @@ def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist)
                 checkpoint.save(mngr, step + 1, state)
             if stop.signal:
                 if mngr:
-                    checkpoint.save(mngr, step + 1, state, wait=True)
+                    checkpoint.save(mngr, step + 1, state, wait=True)  # a no-op if just saved
                     console.print(f"{stop.signal}: checkpoint saved at step {step + 1}")
                 return state, stop.signal
     return state, None
 
 
-def _keep_metrics_before(path: Path, start: int) -> None:
-    """Drop logged steps past `start` (a resume repeats them from its checkpoint; a fresh
-    run starts the file anew), so every step appears once in metrics.jsonl."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True) if start else []
-    kept = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= start]
-    path.write_text("".join(kept))
+def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
+    """(state, step): the newest good checkpoint of a resumed run, or a fresh state."""
+    if cfg.resume:
+        warn = lambda msg: print(msg, file=sys.stderr) if is_main else None
+        step, state = checkpoint.restore_latest(run_dir, trainer.abstract_state, warn=warn)
+        if step is not None:
+            rundir.check_steps(step, cfg.steps)
+            console.print(f"resumed from checkpoint at step {step}")
+            return state, step
+        console.print("no good checkpoint in the run folder: starting from step 0")
+    return trainer.init(jax.random.key(cfg.seed)), 0
 
 
-def run_training(cfg: Config, info: DeviceInfo, trainer) -> int:
-    is_main = info.process_index == 0
-    console = Console(stderr=False, quiet=not is_main)
+def _open_run_dir(cfg: Config, is_main: bool) -> Path:
+    """The run folder, checked before anything compiles: writable, and on resume holding a
+    run of the same model (ConfigError, one line)."""
     run_dir = Path(cfg.out_dir) / cfg.name
+    writable_dir(cfg.out_dir)
+    if cfg.resume:
+        rundir.check_same_state(rundir.saved_config(run_dir), dataclasses.asdict(cfg))
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    console.print(summary.header(cfg, info, trainer))
+        writable_dir(run_dir)
+        if cfg.checkpoint_every or cfg.resume:
+            checkpoint.check_folder(run_dir)
+    return run_dir
+
+
+def _analyse(cfg, info, trainer, console):
+    """Compile, explain, analyse; refuse a step the device cannot hold. (analysis, compiled,
+    compile_s). A plan's compile also reads every GPU kernel's resources (lab/plans)."""
     t0 = time.perf_counter()
-    compiled = trainer.lower().compile()
+    if info.aot:
+        compiled, kernels = plans.compile_plan(trainer.lower, list(trainer.mesh.devices.flat))
+    else:
+        compiled, kernels = trainer.lower().compile(), []
     compile_s = time.perf_counter() - t0
     if cfg.explain:
         from lab.parallel import explain
 
-        explain.render(explain.explain(cfg, trainer, compiled), console)
-    analysis = summary.analyse(compiled, cfg, info, trainer)
+        ex = explain.explain(trainer, compiled)
+        console.print(tables.explain_memory(ex))
+        console.print(tables.explain_collectives(ex))
+    analysis = summary.analyse(compiled, cfg, info, trainer, kernels)
     problem = summary.memory_problem(analysis, info)
     if problem:
         raise RunError(problem)
+    return analysis, compiled, compile_s
+
+
+def run_training(session: Session) -> int:
+    cfg, info, trainer = session.cfg, session.info, session.trainer
+    is_main = info.process_index == 0
+    run_dir = _open_run_dir(cfg, is_main)
+    lock = checkpoint.Lock(run_dir) if is_main else contextlib.nullcontext()
+    with lock:
+        if is_main:
+            rundir.quiet_libraries(run_dir)
+        return _run(cfg, info, trainer, run_dir, is_main)
+
+
+def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
+    console = progress.console(quiet=not is_main)
+    n_params = sum(x.size for x in jax.tree.leaves(trainer.abstract_state.params))
+    console.print(tables.run_header(cfg, info, n_params, dict(trainer.mesh.shape)))
+    state, start = (
+        (None, 0) if cfg.compile_only else _restore(cfg, trainer, run_dir, is_main, console)
+    )
+    if is_main:
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    analysis, compiled, compile_s = _analyse(cfg, info, trainer, console)
     if cfg.compile_only:
-        console.print(summary.analysis_table(analysis, compile_s))
+        console.print(tables.analysis(analysis, compile_s))
+        if analysis.get("aot", {}).get("kernels"):
+            title = f"GPU kernels of one step ({info.device_kind}): compiled, not run"
+            console.print(tables.kernels(analysis["aot"]["kernels"], title))
         if is_main:
             summary.write_summary(run_dir, {"compile_s": compile_s, **analysis})
         return 0
     mngr = checkpoint.manager(run_dir) if (cfg.checkpoint_every or cfg.resume) else None
-    state, start = _initial_state(cfg, trainer, mngr, console)
     hist = History()
     if is_main:
-        _keep_metrics_before(run_dir / "metrics.jsonl", start)
-    with open(run_dir / "metrics.jsonl", "a") if is_main else _null() as metrics_f:
+        rundir.keep_metrics_before(run_dir, start)
+    metrics = open(run_dir / "metrics.jsonl", "a") if is_main else contextlib.nullcontext()
+    with metrics as metrics_f:
         try:
             state, stopped = _train(
                 cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist
@@ -211,16 +239,8 @@ def run_training(cfg: Config, info: DeviceInfo, trainer) -> int:
                 mngr.wait_until_finished()
     times = summarise(hist.step_s[WARMUP_STEPS:] or hist.step_s or [math.nan], compile_s)
     result = summary.summarise_run(cfg, info, analysis, times, hist.losses)
-    console.print(summary.summary_table(result))
+    console.print(tables.run_summary(result))
     if is_main:
         summary.write_summary(run_dir, result)
         console.print(f"run folder: {run_dir}")
     return {None: 0, "SIGINT": 130, "SIGTERM": 143}[stopped]
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -10,37 +10,35 @@ import math
 
 import numpy as np
 
-AXES = ("data", "fsdp", "model")
-POSITIONAL = {1: ("data",), 2: ("data", "model"), 3: ("data", "fsdp", "model")}
+from lab.errors import ConfigError
+from lab.names import BATCH, DATA, EMBED, FSDP, HEADS, MESH_AXES, MLP, MODEL, SEQ, VOCAB
+
+AXES = MESH_AXES
+POSITIONAL = {1: (DATA,), 2: (DATA, MODEL), 3: (DATA, FSDP, MODEL)}
 
 # Logical axis → mesh axes, one table per strategy. Names not listed are replicated.
 RULES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     # Data parallel: every device holds all weights and a slice of the batch.
-    "dp": (("batch", ("data", "fsdp", "model")),),
+    "dp": ((BATCH, (DATA, FSDP, MODEL)),),
     # Fully sharded data parallel (ZeRO-3): weights split along embed, gathered per use.
-    "fsdp": (("batch", ("data", "fsdp", "model")), ("embed", ("fsdp", "model"))),
+    "fsdp": ((BATCH, (DATA, FSDP, MODEL)), (EMBED, (FSDP, MODEL))),
     # Tensor parallel (Megatron): attention heads and MLP columns/rows split over `model`.
-    "tp": (
-        ("batch", ("data", "fsdp")),
-        ("heads", ("model",)),
-        ("mlp", ("model",)),
-        ("vocab", ("model",)),
-    ),
+    "tp": ((BATCH, (DATA, FSDP)), (HEADS, (MODEL,)), (MLP, (MODEL,)), (VOCAB, (MODEL,))),
     # Both: embed over fsdp, heads/mlp/vocab over model, batch over data and fsdp.
     "fsdp+tp": (
-        ("batch", ("data", "fsdp")),
-        ("embed", ("fsdp",)),
-        ("heads", ("model",)),
-        ("mlp", ("model",)),
-        ("vocab", ("model",)),
+        (BATCH, (DATA, FSDP)),
+        (EMBED, (FSDP,)),
+        (HEADS, (MODEL,)),
+        (MLP, (MODEL,)),
+        (VOCAB, (MODEL,)),
     ),
     # Context parallel: the sequence split over `model` (attention=ring passes K/V around it).
-    "cp": (("batch", ("data", "fsdp")), ("seq", ("model",))),
+    "cp": ((BATCH, (DATA, FSDP)), (SEQ, (MODEL,))),
 }
 
 
-class MeshSpecError(ValueError):
-    """A mesh that cannot be built: one line for the user."""
+class MeshSpecError(ConfigError):
+    """A mesh that cannot be built: one line for the user (exit 2, like any config error)."""
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:
@@ -116,7 +114,7 @@ def make_mesh(spec: str, devices=None):
 
 def auto_strategy(sizes: dict[str, int]) -> str:
     """Pick the rules that use every axis the user asked for."""
-    fsdp, model = sizes.get("fsdp", 1) > 1, sizes.get("model", 1) > 1
+    fsdp, model = sizes.get(FSDP, 1) > 1, sizes.get(MODEL, 1) > 1
     return {(True, True): "fsdp+tp", (False, True): "tp", (True, False): "fsdp"}.get(
         (fsdp, model), "dp"
     )

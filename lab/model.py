@@ -1,9 +1,9 @@
 """A decoder-only transformer in flax.linen: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-Letters in tensor names and einsum strings: B batch, L sequence, D d_model, H query heads,
-G key/value heads, K head dim, F MLP hidden, V vocabulary. Weights carry logical axis names
-(lab/mesh.py maps them to the mesh); parameters live in `param_dtype`, matmuls run in `dtype`,
-softmax and the loss in float32.
+Letters in tensor names and einsum strings (lab/names.py): B batch, L sequence, D d_model,
+H query heads, G key/value heads, K head dim, F MLP hidden, V vocabulary. Weights and
+activations carry logical axis names (lab/names.py; lab/mesh.py maps them to the mesh);
+parameters live in `param_dtype`, matmuls run in `dtype`, softmax and the loss in float32.
 """
 
 import functools
@@ -14,7 +14,9 @@ import jax.numpy as jnp
 
 from lab.config import ModelConfig
 from lab.kernels.attention import attention
-from lab.parallel.ring_attention import ring_attention_in_model
+from lab.names import BATCH, EMBED, HEAD_DIM, HEADS, LAYERS, MLP, NORM, SEQ, VOCAB
+
+QKV = (BATCH, SEQ, HEADS, HEAD_DIM)  # q, k, v and the attention output
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
@@ -51,7 +53,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x_BxLxD):
         scale_D = self.param(
             "scale",
-            nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+            nn.with_logical_partitioning(nn.initializers.ones, (NORM,)),
             (x_BxLxD.shape[-1],),
             self.param_dtype,
         )
@@ -68,31 +70,28 @@ class Attention(nn.Module):
         c = self.cfg
         D, H, G, K = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
         std = D**-0.5
-        wq_DxHxK = self.param("wq", _init(std, ("embed", "heads", "kv")), (D, H, K), c.param_dtype)
-        wk_DxGxK = self.param("wk", _init(std, ("embed", "heads", "kv")), (D, G, K), c.param_dtype)
-        wv_DxGxK = self.param("wv", _init(std, ("embed", "heads", "kv")), (D, G, K), c.param_dtype)
+        wq_DxHxK = self.param("wq", _init(std, (EMBED, HEADS, HEAD_DIM)), (D, H, K), c.param_dtype)
+        wk_DxGxK = self.param("wk", _init(std, (EMBED, HEADS, HEAD_DIM)), (D, G, K), c.param_dtype)
+        wv_DxGxK = self.param("wv", _init(std, (EMBED, HEADS, HEAD_DIM)), (D, G, K), c.param_dtype)
         wo_HxKxD = self.param(
-            "wo", _init((H * K) ** -0.5, ("heads", "kv", "embed")), (H, K, D), c.param_dtype
+            "wo", _init((H * K) ** -0.5, (HEADS, HEAD_DIM, EMBED)), (H, K, D), c.param_dtype
         )
         x = x_BxLxD.astype(c.dtype)
         q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x, wq_DxHxK.astype(c.dtype))
         k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x, wk_DxGxK.astype(c.dtype))
         v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x, wv_DxGxK.astype(c.dtype))
         pos_L = jnp.arange(x.shape[1])
-        q_BxLxHxK = _constrain(
-            rope(q_BxLxHxK, pos_L, c.rope_theta), ("batch", "seq", "heads", "kv")
+        q_BxLxHxK = _constrain(rope(q_BxLxHxK, pos_L, c.rope_theta), QKV)
+        k_BxLxGxK = _constrain(rope(k_BxLxGxK, pos_L, c.rope_theta), QKV)
+        o_BxLxHxK = attention(
+            q_BxLxHxK,
+            k_BxLxGxK,
+            v_BxLxGxK,
+            causal=True,
+            impl=c.attention,
+            shard_spec=nn.logical_to_mesh_axes(QKV),  # Pallas kernels and ring run per shard
         )
-        k_BxLxGxK = _constrain(
-            rope(k_BxLxGxK, pos_L, c.rope_theta), ("batch", "seq", "heads", "kv")
-        )
-        if c.attention == "ring":  # context parallel: K/V blocks travel around the seq axis
-            o_BxLxHxK = ring_attention_in_model(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True)
-        else:
-            spec = nn.logical_to_mesh_axes(("batch", "seq", "heads", "kv"))
-            o_BxLxHxK = attention(
-                q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, impl=c.attention, shard_spec=spec
-            )
-        o_BxLxHxK = _constrain(o_BxLxHxK, ("batch", "seq", "heads", "kv"))
+        o_BxLxHxK = _constrain(o_BxLxHxK, QKV)
         return jnp.einsum("blhk,hkd->bld", o_BxLxHxK, wo_HxKxD.astype(c.dtype))
 
 
@@ -105,13 +104,13 @@ class Mlp(nn.Module):
     def __call__(self, x_BxLxD):
         c = self.cfg
         D, F = c.d_model, c.d_ff
-        w_gate_DxF = self.param("w_gate", _init(D**-0.5, ("embed", "mlp")), (D, F), c.param_dtype)
-        w_up_DxF = self.param("w_up", _init(D**-0.5, ("embed", "mlp")), (D, F), c.param_dtype)
-        w_down_FxD = self.param("w_down", _init(F**-0.5, ("mlp", "embed")), (F, D), c.param_dtype)
+        w_gate_DxF = self.param("w_gate", _init(D**-0.5, (EMBED, MLP)), (D, F), c.param_dtype)
+        w_up_DxF = self.param("w_up", _init(D**-0.5, (EMBED, MLP)), (D, F), c.param_dtype)
+        w_down_FxD = self.param("w_down", _init(F**-0.5, (MLP, EMBED)), (F, D), c.param_dtype)
         x = x_BxLxD.astype(c.dtype)
         gate_BxLxF = jnp.einsum("bld,df->blf", x, w_gate_DxF.astype(c.dtype))
         up_BxLxF = jnp.einsum("bld,df->blf", x, w_up_DxF.astype(c.dtype))
-        h_BxLxF = _constrain(nn.silu(gate_BxLxF) * up_BxLxF, ("batch", "seq", "mlp"))
+        h_BxLxF = _constrain(nn.silu(gate_BxLxF) * up_BxLxF, (BATCH, SEQ, MLP))
         return jnp.einsum("blf,fd->bld", h_BxLxF, w_down_FxD.astype(c.dtype))
 
 
@@ -125,7 +124,7 @@ class Block(nn.Module):
         c = self.cfg
         x_BxLxD = x_BxLxD + Attention(c, name="attn")(RMSNorm(param_dtype=c.param_dtype)(x_BxLxD))
         x_BxLxD = x_BxLxD + Mlp(c, name="mlp")(RMSNorm(param_dtype=c.param_dtype)(x_BxLxD))
-        return _constrain(x_BxLxD, ("batch", "seq", "embed")), None
+        return _constrain(x_BxLxD, (BATCH, SEQ, EMBED)), None
 
 
 def _block_class(cfg: ModelConfig):
@@ -143,13 +142,16 @@ class Transformer(nn.Module):
     def __call__(self, tokens_BxL):
         c = self.cfg
         embed_VxD = self.param(
-            "embed", _init(1.0, ("vocab", "embed")), (c.vocab_size, c.d_model), c.param_dtype
+            "embed", _init(1.0, (VOCAB, EMBED)), (c.vocab_size, c.d_model), c.param_dtype
         )
         # Gather the table whole along embed before the lookup (an FSDP all-gather): a lookup
         # into an embed-sharded table would leave activations sharded the wrong way.
-        table_VxD = _constrain(embed_VxD, ("vocab", None))
+        table_VxD = _constrain(embed_VxD, (VOCAB, None))
         x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0).astype(c.dtype)
-        x_BxLxD = _constrain(x_BxLxD, ("batch", "seq", "embed"))
+        # A no-op unless a `perturbations` collection is passed: then the gradient with
+        # respect to each position's input arrives there (tests/test_model.py: causality).
+        x_BxLxD = self.perturb("embedded", x_BxLxD)
+        x_BxLxD = _constrain(x_BxLxD, (BATCH, SEQ, EMBED))
         block = _block_class(c)
         if c.scan_layers:
             stack = nn.scan(
@@ -157,7 +159,7 @@ class Transformer(nn.Module):
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
                 length=c.n_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
+                metadata_params={nn.PARTITION_NAME: LAYERS},
             )
             x_BxLxD, _ = stack(c, name="blocks")(x_BxLxD, None)
         else:
@@ -169,14 +171,14 @@ class Transformer(nn.Module):
         else:
             head_DxV = self.param(
                 "head",
-                _init(c.d_model**-0.5, ("embed", "vocab")),
+                _init(c.d_model**-0.5, (EMBED, VOCAB)),
                 (c.d_model, c.vocab_size),
                 c.param_dtype,
             )
         logits_BxLxV = jnp.einsum(
             "bld,dv->blv", x_BxLxD, head_DxV.astype(c.dtype), preferred_element_type=jnp.float32
         )
-        return _constrain(logits_BxLxV, ("batch", "seq", "vocab"))
+        return _constrain(logits_BxLxV, (BATCH, SEQ, VOCAB))
 
 
 def count_params(params) -> int:

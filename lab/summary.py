@@ -12,35 +12,17 @@ import time
 from pathlib import Path
 
 import jax
-from rich.table import Table
 
-from lab import aot
-from lab.config import Config
+from lab import plans
+from lab.config import Config, override
 from lab.devices import DeviceInfo
+from lab.errors import ConfigError
 from lab.measure import ceilings, cost, memory, specs
 from lab.measure import records as rec
 from lab.model import count_nonembedding_params, count_params
+from lab.plans import resources
 
 GIB = 2**30
-
-
-def header(cfg: Config, info: DeviceInfo, trainer) -> str:
-    m = cfg.model
-    sizes = " × ".join(f"{a}={n}" for a, n in trainer.mesh.shape.items() if n > 1) or "1 device"
-    n = count_params(trainer.abstract_state.params)
-    return "\n".join(
-        [
-            f"[bold]lab.run[/bold] {cfg.name}",
-            f"  devices   {info.header()}",
-            f"  mesh      {sizes}  (mesh={cfg.mesh}, strategy={cfg.strategy})",
-            f"  model     {cfg.preset}: {n / 1e6:.2f}M params, d_model={m.d_model}, "
-            f"layers={m.n_layers}, heads={m.n_heads}/{m.n_kv_heads} kv, attention={m.attention}, "
-            f"remat={m.remat}",
-            f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32",
-            f"  data      {cfg.data}, batch {cfg.batch_size} × {cfg.seq_len} tokens, "
-            f"{cfg.steps} steps",
-        ]
-    )
 
 
 def flops_per_token(cfg: Config, params) -> tuple[float, str]:
@@ -50,8 +32,9 @@ def flops_per_token(cfg: Config, params) -> tuple[float, str]:
     return f, "6·N (N non-embedding params) + 12·layers·seq·d_model attention, per token"
 
 
-def analyse(compiled, cfg: Config, info: DeviceInfo, trainer) -> dict:
-    """Compiled memory and cost per device, and the model's FLOPs per token."""
+def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dict:
+    """Compiled memory and cost per device, and the model's FLOPs per token; for a plan, the
+    fit against the device's memory, the time floor and every GPU kernel's resources."""
     fpt, convention = flops_per_token(cfg, trainer.abstract_state.params)
     n_params = count_params(trainer.abstract_state.params)
     out = {
@@ -60,10 +43,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer) -> dict:
         "flops_convention": convention,
         "compiled_memory_per_device": memory.compiled_memory(compiled),
         "predicted_memory_per_device": memory.predict_lab_step(
-            trainer.cfg.model,
-            batch=cfg.batch_size,
-            seq_len=cfg.seq_len,
-            strategy=cfg.strategy,
+            trainer.cfg,
             sizes=dict(trainer.mesh.shape),
             backend=trainer.mesh.devices.flat[0].platform,  # the target's, for AOT plans
         ),
@@ -76,7 +56,48 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer) -> dict:
     }
     if info.aot:
         out["aot"] = _aot_plan(compiled, cfg, info, fpt, trainer.mesh.size)
+        out["aot"]["kernels"] = resources.as_dicts(kernels)
+        out["aot"]["fit"] = fit_advice(trainer, out)
     return out
+
+
+def _changes(cfg: Config, sizes: dict) -> list[tuple[str, dict]]:
+    """Single changes that lower the memory per device, smallest first."""
+    batch_axes = math.prod(n for a, n in sizes.items() if a != "model")
+    out = []
+    if cfg.model.remat != "full":
+        out.append(("remat=full", {"remat": "full"}))
+    for k in (2, 4, 8):
+        if cfg.batch_size % k == 0 and (cfg.batch_size // k) % batch_axes == 0:
+            out.append((f"batch_size={cfg.batch_size // k}", {"batch_size": cfg.batch_size // k}))
+    if cfg.strategy not in ("fsdp", "fsdp+tp"):
+        out.append(("strategy=fsdp", {"strategy": "fsdp"}))
+    return out
+
+
+def fit_advice(trainer, analysis: dict) -> str:
+    """Whether the compiled step fits the target's memory, by how much, or the smallest single
+    change that would: the calculator's figure for each change, scaled by how far the compiled
+    figure sits from the calculator's own for this step (labelled predicted)."""
+    cfg, need = trainer.cfg, _needed_bytes(analysis)
+    cap = analysis["capacity_bytes_per_device"]
+    if not (need and cap):
+        return "no memory figure"
+    if need <= cap:
+        return f"fits, {(cap - need) / GIB:.2f} GiB spare"
+    sizes = dict(trainer.mesh.shape)
+    backend = trainer.mesh.devices.flat[0].platform
+    scale = need / analysis["predicted_memory_per_device"]["total"]
+    short = f"does NOT fit: {(need - cap) / GIB:.2f} GiB short"
+    for text, change in _changes(cfg, sizes):
+        try:
+            changed = override(cfg, **change)
+        except ConfigError:
+            continue
+        predicted = memory.predict_lab_step(changed, sizes=sizes, backend=backend)["total"] * scale
+        if predicted <= cap:
+            return f"{short}; {text} would fit ({predicted / GIB:.1f} GiB, predicted)"
+    return f"{short}; more devices (a larger target) with strategy=fsdp"
 
 
 def capacity_bytes(info: DeviceInfo) -> float | None:
@@ -88,15 +109,15 @@ def capacity_bytes(info: DeviceInfo) -> float | None:
 
 
 def _aot_plan(compiled, cfg: Config, info: DeviceInfo, fpt: float, n_devices: int) -> dict:
-    """What the compiler predicts for a TPU slice that is not here: compiled, not run.
+    """What the compiler predicts for a slice that is not here: compiled, not run.
 
     Step time: the compiler's own estimate, floored by the roofline of the model's FLOPs and
-    the compiled bytes at the chip's spec-sheet peaks (`aot.step_seconds`).
+    the compiled bytes at the chip's spec-sheet peaks (`plans.step_seconds`).
     """
     spec = specs.lookup(info.device_kind)
     peak = specs.peak_flops(info.device_kind, cfg.model.dtype)
     step_flops = fpt * cfg.batch_size * cfg.seq_len
-    est_s, source = aot.step_seconds(compiled, step_flops / n_devices, spec, peak)
+    est_s, source = plans.step_seconds(compiled, step_flops / n_devices, spec, peak)
     mfu = step_flops / (est_s * peak * n_devices) if est_s and peak else None
     return {
         "label": "compiled, not run",
@@ -168,90 +189,6 @@ def summarise_run(cfg: Config, info: DeviceInfo, analysis: dict, times, losses) 
         "loss_last": losses[-1][1] if losses else None,
         "steps_run": len(losses),
     }
-
-
-def _fmt_bytes(n) -> str:
-    return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
-
-
-def analysis_table(analysis: dict, compile_s: float) -> Table:
-    t = Table(title="compiled step (per device)", show_header=False)
-    mem = analysis["compiled_memory_per_device"] or {}
-    for k, v in mem.items():
-        t.add_row(k, _fmt_bytes(v) if isinstance(v, int | float) else str(v))
-    pred = analysis["predicted_memory_per_device"]
-    t.add_row(
-        "predicted total (calculator)",
-        _fmt_bytes(pred["total"])
-        + "  ("
-        + ", ".join(
-            f"{k} {_fmt_bytes(pred[k])}"
-            for k in ("params", "grads", "optimizer", "activations", "workspace")
-        )
-        + ")",
-    )
-    c = analysis["compiled_cost_per_device"] or {}
-    t.add_row("compiled FLOPs", f"{c.get('flops', math.nan):.4g}")
-    t.add_row("compiled bytes accessed", _fmt_bytes(c.get("bytes accessed")))
-    t.add_row("model FLOPs / token", f"{analysis['model_flops_per_token']:.4g}")
-    t.add_row("compile time", f"{compile_s:.2f} s")
-    if "aot" in analysis:
-        _aot_rows(t, analysis)
-    return t
-
-
-def _aot_rows(t: Table, analysis: dict) -> None:
-    plan, cap = analysis["aot"], analysis["capacity_bytes_per_device"]
-    need = _needed_bytes(analysis)
-    if cap and need:
-        verdict = "fits" if need <= cap else "does NOT fit"
-        t.add_row(
-            "HBM per chip (spec)",
-            f"{cap / GIB:.1f} GiB: {verdict}, "
-            f"{abs(cap - need) / GIB:.2f} GiB {'spare' if need <= cap else 'short'}",
-        )
-    est = plan["estimated_step_s"]
-    t.add_row(
-        "estimated step time",
-        "n/a" if est is None else f"{est * 1e3:.3f} ms ({plan['estimate_source']})",
-    )
-    mfu = plan["implied_mfu"]
-    bound = "at most " if plan["estimate_source"].startswith("roofline floor") else ""
-    t.add_row("implied MFU", "n/a" if mfu is None else f"{bound}{100 * mfu:.1f}%")
-    t.add_row("label", plan["label"])
-
-
-def summary_table(s: dict) -> Table:
-    t = Table(title="summary", show_header=False)
-    st = s["step_time"]
-    t.add_row(
-        "step time (median)",
-        f"{st['median_s'] * 1e3:.2f} ms  "
-        f"(p10 {st['p10_s'] * 1e3:.2f}, p90 {st['p90_s'] * 1e3:.2f}, {st['runs']} steps)",
-    )
-    t.add_row("compile time", f"{st['compile_s']:.2f} s (not in the step time)")
-    t.add_row(
-        "tokens/s",
-        f"{s['tokens_per_s']:,.0f} global, {s['tokens_per_s_per_device']:,.0f} per device",
-    )
-    t.add_row("model FLOPs/token", f"{s['model_flops_per_token']:.4g}  [{s['flops_convention']}]")
-    mfu = "unavailable" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
-    if s["mfu"] is not None and s["mfu"] > 1:
-        mfu += " [above the peak: the load on the host changed between run and peak]"
-    t.add_row("MFU", f"{mfu}  (vs {s['peak_source']})")
-    mem = s["compiled_memory_per_device"] or {}
-    t.add_row(
-        "memory / device",
-        f"{_fmt_bytes(mem.get('total_bytes'))} compiled"
-        + (
-            f", {_fmt_bytes(s['memory_stats'].get('peak_bytes_in_use'))} peak in use"
-            if s["memory_stats"]
-            else ""
-        ),
-    )
-    if s["loss_first"] is not None:
-        t.add_row("loss", f"{s['loss_first']:.4f} → {s['loss_last']:.4f}")
-    return t
 
 
 def run_records(s: dict, run: str) -> list[dict]:

@@ -17,9 +17,12 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lab.config import Config, resolve_dtype
-from lab.mesh import check_divisible, rules_for
+from lab.config import Config, resolve_dtype, validate
+from lab.errors import ConfigError
+from lab.kernels.attention import choose
+from lab.mesh import auto_strategy, check_divisible, rules_for
 from lab.model import build
+from lab.names import BATCH
 
 
 class TrainState(struct.PyTreeNode):
@@ -70,7 +73,13 @@ def train_step(state: TrainState, tokens_BxL1, *, model, tx, loss_scale: float):
     grads = jax.tree.map(lambda g: g / loss_scale, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    # param_norm: a finite gradient times a huge learning rate can overflow the weights; the
+    # loop stops before such a state is saved (lab/loop.py)
+    metrics = {
+        "loss": loss,
+        "grad_norm": optax.tree.norm(grads),
+        "param_norm": optax.tree.norm(params),
+    }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -97,21 +106,16 @@ class Trainer:
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
 
     def init(self, key) -> TrainState:
-        with _mesh_scope(self.mesh):
+        with jax.set_mesh(self.mesh):
             return self.init_jit(key)
 
     def step(self, state: TrainState, tokens_BxL1):
-        with _mesh_scope(self.mesh):
+        with jax.set_mesh(self.mesh):
             return self.step_jit(state, tokens_BxL1)
 
     def lower(self):
-        with _mesh_scope(self.mesh):
+        with jax.set_mesh(self.mesh):
             return self.step_jit.lower(self.abstract_state, self.batch_shape())
-
-
-def _mesh_scope(mesh):
-    """`jax.set_mesh` where it exists (JAX >= 0.7); the Mesh context manager before that."""
-    return jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else mesh
 
 
 def _with_rules(fn, rules):
@@ -133,18 +137,49 @@ def _check_state(abstract_boxed, mesh, rules) -> None:
         check_divisible(jax.tree_util.keystr(path), leaf.shape, spec, mesh)
 
 
-def make_trainer(cfg: Config, mesh, strategy: str) -> Trainer:
-    """Shardings from logical names, a jitted sharded init, a jitted donated step."""
-    rules = rules_for(strategy)
-    cfg = dataclasses.replace(cfg, model=resolve_dtype(cfg.model, mesh.devices.flat[0].platform))
+def backend_of(mesh) -> str:
+    """cpu | gpu | tpu of the mesh's devices (an ahead-of-time target's included)."""
+    platform = mesh.devices.flat[0].platform
+    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+
+
+def resolve(cfg: Config, mesh) -> Config:
+    """Every `auto` of `cfg` filled for `mesh`, in one place: the compute dtype (bfloat16 on
+    GPU/TPU, float32 on CPU), the data (text for a byte vocabulary), the strategy (the rules
+    that use every axis the mesh names) and the attention kernel (the dispatch's choice for
+    this backend and shape, so the header and config.json name what ran). An attention
+    implementation the inputs do not fit is a ConfigError before anything is traced."""
+    backend = backend_of(mesh)
+    model = resolve_dtype(cfg.model, backend)
+    data = cfg.data if cfg.data != "auto" else ("text" if model.vocab_size == 256 else "synthetic")
+    strategy = cfg.strategy if cfg.strategy != "auto" else auto_strategy(dict(mesh.shape))
+    if model.attention != "ring":
+        dtype = jnp.dtype(model.dtype)
+        q = jax.ShapeDtypeStruct((1, cfg.seq_len, model.n_heads, model.head_dim), dtype)
+        kv = jax.ShapeDtypeStruct((1, cfg.seq_len, model.n_kv_heads, model.head_dim), dtype)
+        try:
+            impl = choose(model.attention, q, kv, kv, causal=True, backend=backend)
+        except ValueError as e:
+            raise ConfigError(f"attention={model.attention}: {e}") from None
+        model = dataclasses.replace(model, attention=impl)
+    cfg = dataclasses.replace(cfg, model=model, data=data, strategy=strategy)
+    validate(cfg)
+    return cfg
+
+
+def make_trainer(cfg: Config, mesh) -> Trainer:
+    """Shardings from logical names, a jitted sharded init, a jitted donated step; `cfg`
+    resolved for the mesh first (`resolve`), and kept resolved in `Trainer.cfg`."""
+    cfg = resolve(cfg, mesh)
+    rules = rules_for(cfg.strategy)
     model, tx = build(cfg.model), make_optimizer(cfg)
     init_fn = functools.partial(_init_state, model=model, tx=tx, seq_len=cfg.seq_len)
     key = jax.eval_shape(jax.random.key, 0)  # abstract: the mesh may be a TPU topology
-    with _mesh_scope(mesh), nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         abstract_boxed = jax.eval_shape(init_fn, key)
     _check_state(abstract_boxed, mesh, rules)
     state_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_boxed), mesh, rules)
-    batch_axes = dict(rules).get("batch")
+    batch_axes = dict(rules).get(BATCH)
     check_divisible(
         "batch (batch_size x seq_len+1)",
         (cfg.batch_size, cfg.seq_len + 1),
@@ -170,6 +205,6 @@ def make_trainer(cfg: Config, mesh, strategy: str) -> Trainer:
     return Trainer(cfg, mesh, rules, state_sh, batch_sh, abstract, init_jit=init, step_jit=step)
 
 
-def compile_step(cfg: Config, mesh, strategy: str = "dp"):
+def compile_step(cfg: Config, mesh):
     """The compiled train step for `cfg` on `mesh` (for memory and cost analysis)."""
-    return make_trainer(cfg, mesh, strategy).lower().compile()
+    return make_trainer(cfg, mesh).lower().compile()

@@ -42,10 +42,11 @@ def test_plan_compiles_and_matches_the_calculator(tmp_path, capsys, target, mesh
     s = json.loads((tmp_path / "plan" / "summary.json").read_text())
     assert s["aot"]["label"] == "compiled, not run"
     cfg = json.loads((tmp_path / "plan" / "config.json").read_text())
-    model = parse_args([f"model={preset}", "dtype=bfloat16", "attention=naive"]).model
+    keys = [f"model={preset}", "dtype=bfloat16", "attention=naive", "batch_size=16"]
+    run_cfg = parse_args([*keys, "seq_len=256", f"strategy={cfg['strategy']}"])
     assert cfg["model"]["dtype"] == "bfloat16"  # TPU defaults: bf16 compute
     sizes = {a: n for a, n in zip(("data", "fsdp", "model"), _sizes(mesh), strict=True)}
-    pred = predict_lab_step(model, batch=16, seq_len=256, strategy=cfg["strategy"], sizes=sizes)
+    pred = predict_lab_step(run_cfg, sizes=sizes, backend="tpu")
     state = s["compiled_memory_per_device"]["argument_bytes"]  # params + Adam moments + batch
     if preset == "tiny":
         return  # d_model=64 is half a TPU (8, 128) tile: padding, not the model, dominates
@@ -61,7 +62,7 @@ def _sizes(mesh: str) -> tuple[int, int, int]:
     "argv, needle",
     [
         (["target=tpu:v9:2x2"], "unknown TPU generation 'v9'"),
-        (["target=gpu:h100"], "expected tpu:GENERATION:TOPOLOGY"),
+        (["target=cpu:h100"], "expected tpu:GEN:TOPOLOGY"),
         (["target=tpu:v5e:2x2", "mesh=16"], "mesh=16 needs 16 devices but only 4 are present"),
         (["target=tpu:v5e:2x4", "mesh=2"], "mesh=2 uses 2 of the target's 8 devices"),
     ],
@@ -75,11 +76,13 @@ def test_bad_targets_are_one_line(argv, needle, capsys):
 def test_plan_runs_the_pallas_kernel_inside_the_sharded_step():
     """attention=auto on a TPU target picks the Mosaic kernel (head_dim 64 here), run per
     shard under shard_map in the tensor-parallel step: the compiled step holds its calls."""
-    from lab.run import setup
+    from lab.config import parse_keys
+    from lab.session import open_session
 
     argv = ["target=tpu:v5e:2x2", "mesh=2x2", "model=small", "d_model=512"]
     argv += ["batch_size=8", "seq_len=256"]
-    cfg, info, trainer = setup(parse_args(argv), argv)
+    s = open_session(keys=parse_keys(argv))
+    cfg, info, trainer = s.cfg, s.info, s.trainer
     assert cfg.model.attention == "pallas_tpu" and info.backend == "tpu"
     hlo = trainer.lower().compile().as_text()
     assert hlo.count("tpu_custom_call") >= 3 * cfg.model.n_layers  # forward, dq, dk/dv

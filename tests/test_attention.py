@@ -205,7 +205,8 @@ def test_dispatch_on_cpu(monkeypatch, kwargs, module, name):
 
 def test_available_impls_per_backend():
     assert available_impls("cpu") == ("naive", "blockwise", "xla")
-    assert set(available_impls("cpu", interpret=True)) == set(IMPLS) - {"cudnn"}
+    # ring is not a kernel of a backend: it runs anywhere, under a mesh that splits the sequence
+    assert set(available_impls("cpu", interpret=True)) == set(IMPLS) - {"cudnn", "ring"}
     assert {"pallas", "pallas_tpu"} <= set(
         available_impls("tpu")
     ) and "cudnn" not in available_impls("tpu")
@@ -326,7 +327,7 @@ def _train_losses(attention_impl: str, steps: int = 3) -> list[float]:
 
     argv = ["model=tiny", "batch_size=4", "seq_len=64", "dtype=float32", "mesh=1"]
     cfg = parse_args([*argv, f"attention={attention_impl}"])
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh), "dp")
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
     state = trainer.init(jax.random.key(0))
     losses = []
     for step in range(steps):
@@ -368,7 +369,8 @@ def test_model_with_pallas_on_cpu_says_what_runs_here():
 def test_bench_sweep_records_and_skips_what_does_not_fit(monkeypatch, tmp_path):
     """One tiny point of the sweep: every figure recorded per impl; an impl whose compiled
     program would not fit is compiled, not run (its memory still reported)."""
-    from lab.kernels.attention import bench
+    from lab.report import plots, tables
+    from lab.studies import attention as bench
 
     # room for blockwise's tiles but not for naive's L×S scores
     monkeypatch.setattr(bench, "_free_bytes", lambda: 2 * 6_000_000)
@@ -383,8 +385,9 @@ def test_bench_sweep_records_and_skips_what_does_not_fit(monkeypatch, tmp_path):
     assert "attention time" not in naive_row and "needs" in naive_row["attention skipped"]
     assert naive_row["memory label"] == "compiled, not run"
     assert naive_row["attention peak temp memory"] > blockwise_row["attention peak temp memory"]
-    assert "skipped" in str(bench.table(records, "t").columns[4]._cells)
-    assert bench.plot(records, tmp_path / "a.png", "t").stat().st_size > 0
+    table_rows = bench.rows_of(records)
+    assert "skipped" in str(tables.attention_sweep(table_rows, "xla", "t").columns[4]._cells)
+    assert plots.attention_sweep(table_rows, tmp_path / "a.png", "t").stat().st_size > 0
 
 
 # ------------------------------------------------------------------ under a multi-device mesh
@@ -394,7 +397,7 @@ def test_torch_sdpa_peer_matches_the_reference_and_is_timed_like_jax():
     """The bench's PyTorch peer on this CPU: same numbers in (DLPack), same answers out
     (forward and dQ against float64), and the timer blocks through its block_until_ready."""
     pytest.importorskip("torch", reason="PyTorch not installed: the bench's optional peer")
-    from lab.kernels.attention import bench
+    from lab.studies import attention as bench
 
     records = bench.sweep(
         (96,),

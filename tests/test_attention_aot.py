@@ -1,6 +1,6 @@
 """The Pallas TPU flash kernel, forward and backward, compiled through Mosaic for real TPU
-topologies ahead of time on this CPU machine (needs libtpu; nothing runs, it only compiles),
-and the Pallas GPU kernel lowered through Triton for CUDA.
+topologies ahead of time on this CPU machine (needs libtpu; nothing runs, it only compiles).
+The GPU kernels are compiled for H100 in tests/test_gpu_plans.py.
 
 Under a multi-device mesh a Mosaic kernel has to sit inside `shard_map`: XLA cannot partition
 a custom call, so each device gets its own (batch, head) shard and runs the kernel on it.
@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lab import aot
+from lab import plans
 from lab.kernels.attention import pallas_tpu
 
 SPEC = PartitionSpec("data", None, "model", None)  # batch over data, heads over model
 
 
 def _mesh(target: str):
-    aot.prepare_host(target)
-    devices = aot.topology_devices(target)
+    plans.prepare_host(target)
+    devices = plans.topology_devices(target)
     return jax.sharding.Mesh(np.array(devices).reshape(2, -1), ("data", "model"))
 
 
@@ -68,49 +68,14 @@ def test_forward_and_backward_compile_through_mosaic(target, causal, dtype, head
         assert compiled.memory_analysis() is not None
 
 
-@pytest.mark.parametrize(
-    "causal, dtype, seq, split",
-    [
-        (True, jnp.bfloat16, 300, True),
-        (False, jnp.float32, 256, True),
-        (True, jnp.float16, 256, False),
-    ],
-)
-def test_gpu_kernel_lowers_through_triton_for_cuda(causal, dtype, seq, split):
-    """The Pallas GPU kernels, forward and backward, lowered to Triton IR for CUDA on this CPU
-    machine: lowered, not compiled (PTX needs the CUDA plugin), but every kernel construct
-    went through Pallas' Triton lowering rules. Needs no libtpu; lives here as the other
-    ahead-of-time check."""
-    from lab.kernels.attention import pallas_gpu
-
-    q = jax.ShapeDtypeStruct((1, seq, 4, 128), dtype)
-    kv = jax.ShapeDtypeStruct((1, seq, 2, 128), dtype)
-    bs = pallas_gpu.BlockSizes(split_mask=split)  # both variants the tuner chooses between
-    attn = functools.partial(pallas_gpu.flash_attention_gpu, causal=causal, block_sizes=bs)
-    grads = jax.grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-    for fn, kernels in ((attn, 1), (grads, 3)):
-        lowered = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
-        assert lowered.as_text().count("xla.gpu.triton") == kernels
-
-
 def test_kernel_plan_command(tmp_path, capsys):
-    """python -m lab.kernels.attention.plan: memory, FLOPs and a time floor for a slice."""
+    """python -m lab.tools.attention_plan: memory, FLOPs and a time floor for a slice."""
     pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
-    from lab.kernels.attention import plan
+    from lab.studies import plan
+    from lab.tools import attention_plan
 
-    argv = [
-        "--target",
-        "tpu:v5e:2x2",
-        "--seq",
-        "1024",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--out",
-        str(tmp_path),
-    ]
-    assert plan.main(argv) == 0
+    argv = ["target=tpu:v5e:2x2", "seq=1024", "heads=4", "kv_heads=2", f"out_dir={tmp_path}"]
+    assert attention_plan.main(argv) == 0
     assert "fwd+bwd" in capsys.readouterr().out
     (path,) = tmp_path.glob("attention-plan-*.jsonl")
     recs = [json.loads(x) for x in path.read_text().splitlines()]
@@ -136,5 +101,5 @@ def test_kernel_plan_command(tmp_path, capsys):
     )
     assert both["estimated_s"] > fwd["estimated_s"] > 0
     assert fwd["peak_share"] <= 1.0 and both["peak_share"] <= 1.0  # the floor holds
-    assert plan.main(["--target", "tpu:v5e:2x2", "--kv-heads", "3", "--heads", "6"]) == 2
+    assert attention_plan.main(["target=tpu:v5e:2x2", "kv_heads=3", "heads=6"]) == 2
     assert "kv heads over model" in capsys.readouterr().err

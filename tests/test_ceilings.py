@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from lab.measure import __main__ as measure_main
 from lab.measure import ceilings, records, roofline
+from lab.tools import ceilings as ceilings_tool
 
 
 def test_roof_maths():
@@ -17,9 +17,9 @@ def test_roof_maths():
     assert (p.intensity, p.flops_per_s) == (2.0, 4.0)
 
 
-def test_python_m_lab_measure_quick(tmp_path, capsys):
-    """The whole `python -m lab.measure` path at tiny sizes: table, records, PNG."""
-    assert measure_main.main(["--quick", "--budget", "0.02", "--out", str(tmp_path)]) == 0
+def test_python_m_lab_tools_ceilings_quick(tmp_path, capsys):
+    """The whole `python -m lab.tools.ceilings` path at tiny sizes: table, records, PNG."""
+    assert ceilings_tool.main(["quick=true", "budget=0.02", f"out_dir={tmp_path}"]) == 0
     shown = capsys.readouterr().out
     assert "ceilings · cpu" in shown and "GFLOP/s" in shown and "GB/s" in shown
     (jsonl,) = tmp_path.glob("ceilings-cpu-*.jsonl")
@@ -43,7 +43,7 @@ def test_python_m_lab_measure_quick(tmp_path, capsys):
     intensities = sorted(r["config"]["intensity"] for r in sweep)
     assert by_what["memory roof"]["value"] >= by_what["copy bandwidth (read+write)"]["value"]
     assert intensities[0] < 1 < 10 < intensities[-1]  # both sides of any plausible ridge
-    (png,) = tmp_path.glob("roofline-cpu-*.png")
+    (png,) = tmp_path.glob("ceilings-cpu-*.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     json.dumps(recs)
 
@@ -74,3 +74,12 @@ def test_matmul_dtypes():
     assert (r["dtype"], r["precision"], r["flops"]) == ("bfloat16", "default", 2 * 64**3)
     with pytest.raises(ValueError, match="dtype"):
         ceilings.measure_matmul("int8", n=64)
+
+
+@pytest.mark.parametrize(
+    "argv, needle", [(["budget=-1"], "budget='-1': must be >= 0.01"), (["quik=true"], "quick")]
+)
+def test_bad_options_are_one_line_and_exit_2(argv, needle, capsys):
+    assert ceilings_tool.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1

@@ -91,7 +91,7 @@ def test_lab_step_flops_match_the_analytic_count():
 
     keys = ["model=small", "n_layers=2", "batch_size=8", "seq_len=128", "mesh=1", "dtype=float32"]
     cfg = parse_args(keys)
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh), "dp")
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
     compiled = trainer.lower().compile()
     n = count_nonembedding_params(trainer.abstract_state.params, cfg.model)
     m = cfg.model

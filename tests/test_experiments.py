@@ -21,7 +21,7 @@ IDS = [f"C{i:02d}" for i in range(1, 21)]
 def tiny_run(tmp_path_factory):
     """`python -m experiments size=tiny` in this process; its folder, records and run.json."""
     root = tmp_path_factory.mktemp("results")
-    rc = cli.main(["size=tiny", f"out={root}"])
+    rc = cli.main(["size=tiny", f"out_dir={root}"])
     (folder,) = root.iterdir()
     return {
         "rc": rc,
@@ -81,7 +81,7 @@ def test_cli_rejects_bad_arguments_with_one_line(capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error:"), err
     assert cli.main(["sise=tiny"]) == 2
-    assert "did you mean size=?" in capsys.readouterr().err
+    assert "did you mean size?" in capsys.readouterr().err
 
 
 def test_only_selects_modules_without_importing_the_rest():
@@ -105,7 +105,7 @@ def test_compare_merges_backends_side_by_side(tiny_run, tmp_path, capsys):
     exercise the merge): the pair ratios C19 needs appear as derived, multi-backend records."""
     tpu = _relabel(tiny_run["dir"], tmp_path / "tpu", "tpu", "TPU v5 lite")
     h100 = _relabel(tiny_run["dir"], tmp_path / "h100", "gpu", "NVIDIA H100 80GB HBM3")
-    argv = [str(tiny_run["dir"]), str(tpu), str(h100), f"out={tmp_path / 'cmp'}"]
+    argv = [f"dirs={tiny_run['dir']},{tpu},{h100}", f"out_dir={tmp_path / 'cmp'}"]
     assert compare.main(argv) == 0
     (out,) = (tmp_path / "cmp").iterdir()
     text = (out / "REPORT.md").read_text()
@@ -120,4 +120,22 @@ def test_compare_merges_backends_side_by_side(tiny_run, tmp_path, capsys):
     c19 = next(v for v in judge_all(merged) if v.claim.id == "C19")
     tpu_check = next(c for c in c19.checks if c.stated.metric == "tpu_over_h100")
     assert tpu_check.status == "off"  # equal throughput is not 'underperforms'
-    assert compare.main([str(tmp_path / "nothing-here")]) == 2
+    assert compare.main([f"dirs={tmp_path / 'nothing-here'}"]) == 2
+
+
+def test_roofline_points_lie_under_their_roofs(tiny_run):
+    """One implementation of the ceilings (lab.measure.ceilings) for the ledger and the tool:
+    the roofs are the best rates measured, so no point sits above min(peak, I × bandwidth)."""
+    points = [r for r in tiny_run["records"] if r["config"].get("series") == "roofline"]
+    roofs = {
+        r["config"]["roof"]: r["value"]
+        for r in tiny_run["records"]
+        if r["config"].get("series") == "roof"
+    }
+    assert len(points) >= 6 and set(roofs) == {"peak", "bandwidth"}
+    for p in points:
+        c = p["config"]
+        attainable = min(roofs["peak"], c["intensity"] * roofs["bandwidth"])
+        assert c["roof"] == pytest.approx(attainable)
+        assert p["value"] <= 1.1 * attainable, c["name"]
+    assert not [r for r in tiny_run["records"] if r["what"].startswith("MEASUREMENT ERROR")]

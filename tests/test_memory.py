@@ -52,10 +52,16 @@ def test_measured_helpers_are_none_safe():
 # --- the articles' examples ----------------------------------------------------------------
 
 # A 10B-parameter shape (4·D² + 3·D·F per layer) for the activation term.
-TEN_B = dict(n_layers=40, d_model=4608, n_heads=36, d_ff=12288, vocab=32000, seq_len=2048)
+TEN_B = dict(n_layers=40, d_model=4608, n_heads=36, d_ff=12288, vocab_size=32000, seq_len=2048)
 # Llama-2-7B and -70B shapes.
 LLAMA_7B = dict(
-    n_params=6.74e9, n_layers=32, d_model=4096, n_heads=32, d_ff=11008, vocab=32000, seq_len=2048
+    n_params=6.74e9,
+    n_layers=32,
+    d_model=4096,
+    n_heads=32,
+    d_ff=11008,
+    vocab_size=32000,
+    seq_len=2048,
 )
 LLAMA_70B = dict(
     n_params=70e9,
@@ -64,7 +70,7 @@ LLAMA_70B = dict(
     n_heads=64,
     n_kv_heads=8,
     d_ff=28672,
-    vocab=32000,
+    vocab_size=32000,
     seq_len=2048,
 )
 
@@ -77,7 +83,7 @@ def test_article_40_20_40_80():
     are 28 GB — the article's 20 GB lies between."""
     one, two = (
         memory.predict_training_memory(
-            n_params=10e9, **TEN_B, batch=b, compute_bytes=2, attention="flash"
+            n_params=10e9, **TEN_B, batch_size=b, compute_bytes=2, attention="flash"
         )
         for b in (1, 2)
     )
@@ -90,7 +96,7 @@ def test_7b_needs_about_80_gb():
     """Seed 003: "Training a 7B model needs ~80GB VRAM (params + optimizer state +
     activations). A single A100 80GB barely fits." — true only with bf16 weights, gradients
     and Adam moments (8 bytes/parameter); fp32 or the fp32-master mixed recipe needs more."""
-    kw = dict(LLAMA_7B, batch=1, attention="flash")
+    kw = dict(LLAMA_7B, batch_size=1, attention="flash")
     fp32 = memory.predict_training_memory(**kw)
     bf16 = memory.predict_training_memory(**kw, param_bytes=2, compute_bytes=2)
     mixed = memory.predict_training_memory(
@@ -104,7 +110,7 @@ def test_7b_needs_about_80_gb():
 
 def test_70b_fits_h100s_only_when_sharded():
     """Seed 003: "H100 + model parallelism can fit a 70B model"."""
-    kw = dict(LLAMA_70B, batch=8, attention="flash", param_bytes=2, compute_bytes=2)
+    kw = dict(LLAMA_70B, batch_size=8, attention="flash", param_bytes=2, compute_bytes=2)
     one = memory.predict_training_memory(**kw, remat="full")
     assert one["params"] == 140 * GB and one["total"] > 7 * 80 * GB
     fsdp8 = memory.predict_training_memory(**kw, remat="full", fsdp=8)
@@ -113,7 +119,9 @@ def test_70b_fits_h100s_only_when_sharded():
 
 
 def test_calculator_terms():
-    kw = dict(n_params=1e6, n_layers=2, d_model=64, n_heads=4, seq_len=32, batch=8, vocab=256)
+    kw = dict(
+        n_params=1e6, n_layers=2, d_model=64, n_heads=4, seq_len=32, batch_size=8, vocab_size=256
+    )
     base = memory.predict_training_memory(**kw)
     assert base["total"] == pytest.approx(
         sum(base[k] for k in ("params", "grads", "optimizer", "activations", "workspace"))
@@ -144,7 +152,7 @@ BASE = dict(
 CASES = [
     ({}, "1", "dp"),
     ({"batch_size": 16, "seq_len": 256}, "1", "dp"),
-    ({"n_layers": 8, "scan_layers": "true", "remat": "full"}, "1", "dp"),
+    ({"n_layers": 8, "scan_layers": True, "remat": "full"}, "1", "dp"),
     ({"vocab_size": 8192, "data": "synthetic"}, "8", "dp"),
     ({}, "2x4", "fsdp"),
     ({}, "2x4", "tp"),
@@ -158,32 +166,25 @@ CASES = [
 
 @pytest.mark.parametrize("extra, mesh, strategy", CASES)
 def test_calculator_within_15_percent_of_the_compiled_step(extra, mesh, strategy):
-    from lab.config import parse_args
+    from lab.config import make_config
     from lab.mesh import make_mesh, resolve_shape
     from lab.train import compile_step
 
-    keys = {**BASE, **extra, "mesh": mesh}
-    cfg = parse_args([f"{k}={v}" for k, v in keys.items()])
-    compiled = memory.compiled_memory(compile_step(cfg, make_mesh(cfg.mesh), strategy))
-    predicted = memory.predict_lab_step(
-        cfg.model,
-        batch=cfg.batch_size,
-        seq_len=cfg.seq_len,
-        strategy=strategy,
-        sizes=resolve_shape(cfg.mesh, len(jax.devices())),
-    )
+    cfg = make_config(**{**BASE, **extra, "mesh": mesh, "strategy": strategy})
+    compiled = memory.compiled_memory(compile_step(cfg, make_mesh(cfg.mesh)))
+    predicted = memory.predict_lab_step(cfg, sizes=resolve_shape(cfg.mesh, len(jax.devices())))
     ratio = predicted["total"] / compiled["total_bytes"]
     print(f"{extra} mesh={mesh} {strategy}: predicted/compiled = {ratio:.3f}")
     assert 0.85 <= ratio <= 1.15, ratio
 
 
 def test_lab_param_count_matches_the_model():
-    from lab.config import parse_args
+    from lab.config import make_config
     from lab.mesh import make_mesh
     from lab.model import count_params
     from lab.train import make_trainer
 
-    for extra in ([], ["tie_embeddings=false", "n_kv_heads=8"]):
-        cfg = parse_args(["model=small", "dtype=float32", *extra])
-        trainer = make_trainer(cfg, make_mesh("1"), "dp")
+    for extra in ({}, {"tie_embeddings": False, "n_kv_heads": 8}):
+        cfg = make_config(preset="small", dtype="float32", **extra)
+        trainer = make_trainer(cfg, make_mesh("1"))
         assert memory.lab_param_count(cfg.model) == count_params(trainer.abstract_state.params)

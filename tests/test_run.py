@@ -57,17 +57,17 @@ def test_corrupt_checkpoint_is_skipped(tmp_path, capsys):
             f.write_bytes(b"garbage")
     assert _run(tmp_path, "name=c", "steps=4", "resume=true") == 0
     out = capsys.readouterr()
-    assert "checkpoint step 4 is damaged, skipped" in out.err
+    assert "checkpoint step 4 is damaged" in out.err and "moved to" in out.err
     assert "resumed from checkpoint at step 2" in out.out
 
 
 def test_nan_loss_stops_with_the_step(tmp_path, capsys):
     assert _run(tmp_path, "name=nan", "steps=6", "lr=1e30", "grad_clip=0", "warmup_steps=0") == 1
     err = capsys.readouterr().err.strip()
-    # lr=1e30 overflows the second step's gradient before its loss: either stops the run
-    assert err.startswith(("error: loss is nan at step", "error: loss is inf at step")) or (
-        err.startswith("error: gradient norm is") and "at step" in err
-    ), err
+    # lr=1e30 overflows the first update's weights, or the next gradient before its loss:
+    # any of them stops the run
+    stops = ("error: loss is", "error: gradient norm is", "error: weights are")
+    assert err.startswith(stops) and "at step" in err, err
     assert len(err.splitlines()) == 1
 
 

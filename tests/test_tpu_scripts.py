@@ -236,8 +236,8 @@ EXACT = {
     ),
     "run-one-host-module": (
         "run.sh",
-        ["--hosts", "box", "--module", "experiments", "--", "--quick", "only=C03,C08"],
-        "ssh box 'cd lab && .venv/bin/python -m experiments --quick only=C03,C08'\n",
+        ["--hosts", "box", "--module", "experiments", "--", "size=quick", "only=C03,C08"],
+        "ssh box 'cd lab && .venv/bin/python -m experiments size=quick only=C03,C08'\n",
     ),
     "fetch-tpu": (
         "fetch.sh",

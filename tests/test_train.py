@@ -14,8 +14,8 @@ BASE = ["model=tiny", "batch_size=8", "seq_len=32", "dtype=float32", "attention=
 
 
 def _losses(mesh_spec: str, strategy: str, extra=()) -> list[float]:
-    cfg = parse_args([*BASE, f"mesh={mesh_spec}", *extra])
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh), strategy)
+    cfg = parse_args([*BASE, f"mesh={mesh_spec}", f"strategy={strategy}", *extra])
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
     state = trainer.init(jax.random.key(0))
     out = []
     for step in range(STEPS):
@@ -48,9 +48,9 @@ def test_sharded_losses_match_one_device(single_device, mesh_spec, strategy):
 
 
 def test_params_are_really_sharded():
-    cfg = parse_args([*BASE, "mesh=2x2x2"])
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh), "fsdp+tp")
-    wq = trainer.abstract_state.params["block_0"]["attn"]["wq"]  # (embed, heads, kv)
+    cfg = parse_args([*BASE, "mesh=2x2x2", "strategy=fsdp+tp"])
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    wq = trainer.abstract_state.params["block_0"]["attn"]["wq"]  # (embed, heads, head_dim)
     assert wq.sharding.spec[:2] == ("fsdp", "model")
     mu = trainer.abstract_state.opt_state[1][0].mu["block_0"]["attn"]["wq"]
     assert mu.sharding.spec == wq.sharding.spec  # Adam moments follow their parameter
@@ -72,9 +72,9 @@ def test_1b_preset_compiles_with_its_state_at_12_bytes_a_parameter():
     from lab.config import parse_args
     from lab.measure.memory import compiled_memory
     from lab.model import count_params
-    from lab.run import setup
+    from lab.session import open_session
 
-    cfg, _, trainer = setup(parse_args(["model=1b", "seq_len=128", "batch_size=2"]))
+    trainer = open_session(parse_args(["model=1b", "seq_len=128", "batch_size=2"])).trainer
     n = count_params(trainer.abstract_state.params)
     assert 0.9e9 < n < 1.1e9
     mem = compiled_memory(trainer.lower().compile())

@@ -1,12 +1,15 @@
-"""lab.tune_step: remat × batch measured on the real step; what does not fit is refused."""
+"""lab.tools.tune_step: remat × batch measured on the real step; what does not fit is refused."""
 
 import json
 
 import pytest
 
-from lab import summary, tune_step
+from lab import summary
+from lab.studies import step
+from lab.tools import tune_step
 
 TINY = ["model=tiny", "seq_len=32"]
+KEYS = {"preset": "tiny", "seq_len": 32}
 
 
 def test_search_times_every_candidate_and_names_the_best(tmp_path, monkeypatch, capsys):
@@ -34,18 +37,18 @@ def test_search_times_every_candidate_and_names_the_best(tmp_path, monkeypatch, 
 def test_what_does_not_fit_is_refused_not_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(summary.memory, "device_capacity_bytes", lambda device: 1024)
-    rows = tune_step.search(TINY, ("none",), (2,), 0.05, log=lambda *_: None)
+    rows = step.tune(KEYS, ("none",), (2,), 0.05)
     assert rows[0]["skipped"].startswith("the compiled step needs") and "step_s" not in rows[0]
-    assert tune_step.best(rows) is None
+    assert step.best(rows) is None
     assert tune_step.main([*TINY, "remats=none", "batches=2"]) == 1
-    assert "no candidate fits this device" in capsys.readouterr().out
+    assert "no candidate fits this device" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["remats=none,sometimes"], "each must be one of none, dots, full"),
-        (["batches=8,x"], "takes integers"),
+        (["remats=none,sometimes"], "expected one of none | full | dots"),
+        (["batches=8,x"], "batches='8,x': 'x' is not an integer"),
         (["batch_size=8"], "use remats=/batches="),
         (["modle=tiny"], "did you mean"),
     ],
@@ -63,14 +66,14 @@ def test_help(capsys):
 
 
 def test_out_of_memory_at_run_time_skips_the_candidate_and_keeps_the_rest(monkeypatch):
-    real = tune_step.measure
+    real = step.measure
 
-    def measure(argv, remat, batch, budget_s):
+    def measure(keys, remat, batch, budget_s):
         if batch == 4:
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
-        return real(argv, remat, batch, budget_s)
+        return real(keys, remat, batch, budget_s)
 
-    monkeypatch.setattr(tune_step, "measure", measure)
-    rows = tune_step.search(TINY, ("none",), (2, 4), 0.05, log=lambda *_: None)
+    monkeypatch.setattr(step, "measure", measure)
+    rows = step.tune(KEYS, ("none",), (2, 4), 0.05)
     assert rows[1]["skipped"] == "out of memory when run" and "tokens_per_s" in rows[0]
-    assert tune_step.best(rows) is rows[0]
+    assert step.best(rows) is rows[0]

@@ -7,7 +7,7 @@ does (achieved / spec peak). Sizes are chosen per backend so the whole set runs 
 two minutes on a laptop CPU and in seconds on an accelerator. Every time comes from
 `timing.bench`: compile apart, blocked on the outputs, median over a time budget.
 
-`python -m lab.measure` runs `run_all` and prints, saves and plots the results.
+`python -m lab.tools.ceilings` runs `run_all` and prints, saves and plots the results.
 """
 
 import functools
@@ -198,15 +198,64 @@ def matmul_configs(backend_name: str) -> list[tuple[str, str | None]]:
     return configs
 
 
-def _sweep_ops(backend_name: str, quick: bool):
-    sizes = _sizes(backend_name)
-    n_el, n = sizes["poly"], sizes["mm_n"]
-    if quick:
-        n_el, n = n_el // 16, n // 4
-    dtype = jnp.float32 if backend_name == "cpu" else jnp.bfloat16
-    degrees = (1, 4, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    ms = (1, 8, 64, n) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, n)
-    return roofline.poly_ops(n_el, degrees) + roofline.matmul_ops(n, sorted(set(ms)), dtype=dtype)
+def sizes(backend_name: str, size: str = "full") -> dict:
+    """Buffer sizes and the sweep of one run. quick keeps the full buffers (on CPU a smaller
+    one is timed in cache, a bigger one on fresh pages: see `_sizes`) and halves the matmul;
+    tiny (the tests) shrinks everything, since its numbers only exercise the code."""
+    base = _sizes(backend_name)
+    if size == "tiny":
+        out = {k: v // 16 for k, v in base.items()} | {"mm_n": 128}
+    elif size == "quick":
+        out = base | {"mm_n": base["mm_n"] // 2}
+    else:
+        out = dict(base)
+    n = out["mm_n"]
+    wide = size == "full"
+    out["degrees"] = (1, 2, 4, 8, 16, 32, 64, 128, 256) if wide else (1, 4, 16, 64)
+    out["ms"] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, n) if wide else (1, 8, 64, n)
+    return out
+
+
+OUTLIER = 1.1  # a point this far above its roof is a measurement error, reported as one
+
+
+def roofline_ceilings(size: str = "full", *, budget_s: float = 1.0, matmuls=None) -> dict:
+    """The roofline of the default device, measured in one place for lab.tools.ceilings and
+    the ledger (C06): matmul peaks (or the given `matmuls`), the copy bandwidth, the sweep of
+    ops of growing intensity, the roofs as the best rates measured (`roofs`), the ridge, and
+    every point that still sits more than 10% above min(peak, intensity × bandwidth): with
+    roofs taken as the best measured there should be none, so one is a measurement error."""
+    be = backend()
+    sz = sizes(be, size)
+    if matmuls is None:
+        matmuls = {}
+        for dtype, precision in matmul_configs(be):
+            m = measure_matmul(dtype, precision=precision, n=sz["mm_n"], budget_s=budget_s)
+            matmuls[(dtype, m["precision"])] = m
+    copy = copy_bandwidth(sz["copy"], budget_s=budget_s)
+    dtype = jnp.float32 if be == "cpu" else jnp.bfloat16
+    ops = roofline.poly_ops(sz["poly"], sz["degrees"])
+    ops += roofline.matmul_ops(sz["mm_n"], sorted(set(sz["ms"])), dtype=dtype)
+    points = roofline.sweep(ops, budget_s=budget_s / 4)
+    peak, bandwidth, how = roofs(matmuls, copy["bytes_per_s"], points)
+    above = [
+        (p, p.flops_per_s / roofline.attainable(p.intensity, peak, bandwidth))
+        for p in points
+        if p.flops_per_s > OUTLIER * roofline.attainable(p.intensity, peak, bandwidth)
+    ]
+    best = max(matmuls.values(), key=lambda m: m["flops_per_s"])
+    return {
+        "sizes": sz,
+        "matmuls": matmuls,
+        "peak_name": f"{best['dtype']} precision={best['precision']}, n={best['n']}",
+        "copy": copy,
+        "points": points,
+        "peak_flops": peak,
+        "bandwidth": bandwidth,
+        "bandwidth_note": how,
+        "ridge": roofline.ridge_point(peak, bandwidth),
+        "above_roof": above,
+    }
 
 
 def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
@@ -216,8 +265,9 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
     """
     t0 = time.perf_counter()
     be = backend()
-    n = matmul_n(be) // (8 if quick else 1)
-    sizes = {k: v // (16 if quick else 1) for k, v in _sizes(be).items()}
+    size = "tiny" if quick else "full"
+    sz = sizes(be, size)
+    n = sz["mm_n"]
     recs, rows = [], []
 
     def add(what, value, unit, note="", **config):
@@ -246,29 +296,27 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
             "issue 3 asks for 0.8–1.2",
             n=n,
         )
-    copy = copy_bandwidth(sizes["copy"], budget_s=budget_s)
-    mib = f"{sizes['copy'] / MiB:g} MiB × {SETS} rotated"
-    add("copy bandwidth (read+write)", copy["bytes_per_s"], "B/s", f"XLA y = x·s, {mib}")
+    roof = roofline_ceilings(size, budget_s=budget_s, matmuls=matmuls)
+    mib = f"{sz['copy'] / MiB:g} MiB × {SETS} rotated"
+    add("copy bandwidth (read+write)", roof["copy"]["bytes_per_s"], "B/s", f"XLA y = x·s, {mib}")
     if be == "cpu":
-        npc = numpy_copy_bandwidth(sizes["copy"], budget_s=budget_s)
+        npc = numpy_copy_bandwidth(sz["copy"], budget_s=budget_s)
         add("copy bandwidth numpy (out=)", npc["bytes_per_s"], "B/s", f"one core, {mib}")
     cpu_note = " (CPU: host memcpy, same memory)" if be == "cpu" else ""
     for name, fn in (("host→device", host_to_device), ("device→host", device_to_host)):
-        r = fn(sizes["transfer"], budget_s=budget_s)
+        r = fn(sz["transfer"], budget_s=budget_s)
         add(f"{name} bandwidth", r["bytes_per_s"], "B/s", f"{r['bytes'] / MiB:g} MiB{cpu_note}")
-    points = roofline.sweep(_sweep_ops(be, quick), budget_s=budget_s / 4)
-    peak, bandwidth, how = roofs(matmuls, copy["bytes_per_s"], points)
-    add("memory roof", bandwidth, "B/s", how)
-    ridge = roofline.ridge_point(peak, bandwidth)
-    add("ridge point (compute roof / memory roof)", ridge, "FLOP/B", "measured roofs")
-    for p in points:
+    peak, bandwidth = roof["peak_flops"], roof["bandwidth"]
+    add("memory roof", bandwidth, "B/s", roof["bandwidth_note"])
+    add("ridge point (compute roof / memory roof)", roof["ridge"], "FLOP/B", "measured roofs")
+    for p in roof["points"]:
+        share = p.flops_per_s / roofline.attainable(p.intensity, peak, bandwidth)
         add(
             f"roofline {p.name}",
             p.flops_per_s,
             "FLOP/s",
-            f"intensity {p.intensity:.3g} FLOP/B, "
-            f"{p.flops_per_s / roofline.attainable(p.intensity, peak, bandwidth):.0%}"
-            " of roof",
+            f"intensity {p.intensity:.3g} FLOP/B, {share:.0%} of roof"
+            + (" — MEASUREMENT ERROR: above its roof" if share > OUTLIER else ""),
             intensity=p.intensity,
             flops=p.flops,
             bytes=p.bytes,
@@ -277,10 +325,11 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
     return {
         "records": recs,
         "rows": rows,
-        "points": points,
+        "points": roof["points"],
         "peak_flops": peak,
         "bandwidth": bandwidth,
-        "ridge": ridge,
+        "ridge": roof["ridge"],
+        "above_roof": roof["above_roof"],
         "spec": specs.lookup(records.environment()["device_kind"]),
         "elapsed_s": time.perf_counter() - t0,
     }

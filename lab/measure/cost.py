@@ -91,3 +91,17 @@ def gpt3_training_flops(n_params: float, n_tokens: float) -> float:
 def arithmetic_intensity(flops: float, bytes_accessed: float) -> float:
     """FLOPs per byte moved: where an op sits on the roofline's x axis."""
     return flops / bytes_accessed if bytes_accessed else math.inf
+
+
+def bus_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
+    """Per-device bytes on the wire for one collective of buffer V over W devices, in the
+    nccl-tests "bus bytes" convention (a bandwidth-optimal ring): all-reduce 2·V·(W-1)/W;
+    all-gather (V = output), reduce-scatter (V = input), all-to-all V·(W-1)/W; a
+    collective-permute sends its whole buffer once."""
+    W = group_size
+    if kind == "collective-permute":
+        return float(buffer_bytes)
+    if W <= 1:
+        return 0.0
+    factor = 2.0 if kind == "all-reduce" else 1.0
+    return factor * buffer_bytes * (W - 1) / W

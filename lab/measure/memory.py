@@ -9,7 +9,6 @@ written out, so a claim like "weights 40 GB + activations 20 GB + gradients 40 G
 lab's real step (tests/test_memory.py).
 """
 
-import math
 import os
 import resource
 import sys
@@ -97,10 +96,8 @@ def device_capacity_bytes(device) -> int | None:
 # --- predicted ---------------------------------------------------------------------------
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "lion": 1, "momentum": 1, "sgd": 0}
-REMATS = ("none", "full", "dots")
+REMATS = ("none", "full", "dots")  # lab.names.REMATS
 F32 = 4
-
-
 ATTENTION_KINDS = ("naive", "flash", "blockwise")
 
 
@@ -152,8 +149,8 @@ def predict_training_memory(
     d_model: int,
     n_heads: int,
     seq_len: int,
-    batch: int,
-    vocab: int,
+    batch_size: int,
+    vocab_size: int,
     d_ff: int | None = None,
     n_kv_heads: int | None = None,
     param_bytes: int = 4,
@@ -165,22 +162,23 @@ def predict_training_memory(
     remat: str = "none",
     attention: str = "naive",
     attention_tile: int = 256,
-    tied_embeddings: bool = False,
+    tie_embeddings: bool = False,
     data: int = 1,
     fsdp: int = 1,
     model: int = 1,
 ) -> dict:
     """Bytes per device of one training step of a decoder-only transformer, by component.
 
-    Inputs are plain numbers: `n_params` (all weights), the shape, the global `batch` of
-    `seq_len`-token sequences, storage dtypes in bytes (`param_bytes`; `grad_bytes` defaults
-    to it, as jax.grad returns the parameters' dtype; Adam moments default to it too, as
-    optax keeps them; `master_bytes`=4 adds an fp32 master copy for the mixed-precision
-    recipe that stores bf16 weights), `compute_bytes` for activations, `remat` in
-    none | full | dots, `attention` naive | flash (fused kernel) | blockwise (flash in plain
-    JAX, `attention_tile`-sized tiles in device memory), a mesh of `data` × `fsdp` × `model`.
+    The shape takes the lab's config field names (lab.config.ModelConfig and Config):
+    `n_params` (all weights), the global `batch_size` of `seq_len`-token sequences, storage
+    dtypes in bytes (`param_bytes`; `grad_bytes` defaults to it, as jax.grad returns the
+    parameters' dtype; Adam moments default to it too, as optax keeps them; `master_bytes`=4
+    adds an fp32 master copy for the mixed-precision recipe that stores bf16 weights),
+    `compute_bytes` for activations, `remat` in none | full | dots, `attention` naive | flash
+    (fused kernel) | blockwise (flash in plain JAX, `attention_tile`-sized tiles in device
+    memory), a mesh of `data` × `fsdp` × `model`.
 
-    Formulas (all per device, P = fsdp·model, T = batch·seq_len / (data·fsdp) tokens):
+    Formulas (all per device, P = fsdp·model, T = batch_size·seq_len / (data·fsdp) tokens):
       params     = n_params·param_bytes / P          (ZeRO-3 / tensor parallel split weights)
       grads      = n_params·grad_bytes / P
       optimizer  = n_params·(states·opt_state_bytes + master_bytes) / P, states: adam 2, sgd 0
@@ -189,9 +187,11 @@ def predict_training_memory(
                                                          block recomputed during its backward)
                  = T·(n_layers·A_dots + A_layer)         remat=dots
       workspace  = T·transient (one block's attention backward)
-                 + 2·T·vocab·4 / model (float32 logits and the softmax the loss gradient needs)
-                 + vocab·D·grad_bytes / P with tied embeddings (the lookup's scatter and the
-                   output head each produce a full embedding gradient before they are summed)
+                 + 2·T·vocab_size·4 / model (float32 logits and the softmax the loss gradient
+                   needs)
+                 + vocab_size·D·grad_bytes / P with tied embeddings (the lookup's scatter and
+                   the output head each produce a full embedding gradient before they are
+                   summed)
                  + under fsdp > 1, the all-gathered weights in compute dtype: every layer's
                    with remat=none (kept from the forward for the backward), else two layers'
       total      = params + grads + optimizer + activations + workspace
@@ -210,7 +210,7 @@ def predict_training_memory(
     grad_bytes = param_bytes if grad_bytes is None else grad_bytes
     opt_state_bytes = param_bytes if opt_state_bytes is None else opt_state_bytes
     c, shards, batch_shards = compute_bytes, fsdp * model, data * fsdp
-    tokens = batch * seq_len / batch_shards
+    tokens = batch_size * seq_len / batch_shards
 
     d_kv = n_kv_heads * (d_model // n_heads)
     a_layer, a_dots, transient = _layer_activation_bytes(
@@ -233,15 +233,15 @@ def predict_training_memory(
     if fsdp > 1:
         layers_kept = n_layers if remat == "none" else min(2, n_layers)
         gathered = n_params * c / model * layers_kept / n_layers
-    if tied_embeddings:
-        gathered += vocab * d_model * grad_bytes / shards
+    if tie_embeddings:
+        gathered += vocab_size * d_model * grad_bytes / shards
     states = OPTIMIZER_STATES[optimizer]
     out = {
         "params": n_params * param_bytes / shards,
         "grads": n_params * grad_bytes / shards,
         "optimizer": n_params * (states * opt_state_bytes + master_bytes) / shards,
         "activations": tokens * per_token,
-        "workspace": tokens * (transient + 2 * vocab * F32 / model) + gathered,
+        "workspace": tokens * (transient + 2 * vocab_size * F32 / model) + gathered,
     }
     out["total"] = sum(out.values())
     out["devices"] = data * fsdp * model
@@ -286,19 +286,12 @@ def lab_attention_kind(impl: str, backend: str) -> str:
     return "blockwise" if impl in ("blockwise", "ring") else "flash"
 
 
-def predict_lab_step(
-    model_cfg,
-    *,
-    batch: int,
-    seq_len: int,
-    strategy: str = "dp",
-    sizes=None,
-    backend: str | None = None,
-) -> dict:
-    """`predict_training_memory` for the lab's own step: AdamW, dtypes and remat from the
-    ModelConfig (compute dtype must be resolved, not "auto"), and the attention kind its
-    `attention=` runs on `backend` (default: JAX's; pass the target's for AOT plans)."""
-    m = model_cfg
+def predict_lab_step(cfg, *, sizes=None, backend: str | None = None) -> dict:
+    """`predict_training_memory` for the lab's own step of a run config (lab.config.Config:
+    batch_size, seq_len, strategy and the model, compute dtype resolved, not "auto"): AdamW,
+    dtypes and remat from the model, the attention kind its `attention=` runs on `backend`
+    (default: JAX's; pass the target's for ahead-of-time plans), the mesh `sizes`."""
+    m = cfg.model
     kind = lab_attention_kind(m.attention, backend or jax.default_backend())
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     return predict_training_memory(
@@ -308,19 +301,14 @@ def predict_lab_step(
         n_heads=m.n_heads,
         n_kv_heads=m.n_kv_heads,
         d_ff=m.d_ff,
-        seq_len=seq_len,
-        batch=batch,
-        vocab=m.vocab_size,
+        seq_len=cfg.seq_len,
+        batch_size=cfg.batch_size,
+        vocab_size=m.vocab_size,
         param_bytes=itemsize[m.param_dtype],
         compute_bytes=itemsize[m.dtype],
         optimizer="adamw",
         remat=m.remat,
-        tied_embeddings=m.tie_embeddings,
+        tie_embeddings=m.tie_embeddings,
         attention=kind,
-        **lab_axes(strategy, sizes or {}),
+        **lab_axes(cfg.strategy, sizes or {}),
     )
-
-
-def fits(prediction: dict, capacity_bytes: float) -> bool:
-    """Whether a prediction's per-device total fits a device of `capacity_bytes`."""
-    return prediction["total"] <= capacity_bytes and not math.isnan(prediction["total"])

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import jax
 
+from lab.errors import ConfigError
+
 LABELS = ("measured", "predicted", "compiled, not run", "derived")
 
 
@@ -77,10 +79,31 @@ def make_record(what: str, value, unit: str, *, label: str = "measured", **confi
     }
 
 
+def writable_dir(folder) -> Path:
+    """`folder`, created if needed; a ConfigError (one line) where it cannot be written, so a
+    command can refuse a bad out_dir= before it measures anything."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write to {str(folder)!r}: {e.strerror or e}") from None
+    return folder
+
+
+def output_stem(folder, name: str) -> Path:
+    """folder/name-<backend>-<time> (no suffix): where a command writes its records and plots;
+    the folder is created and checked first."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return writable_dir(folder) / f"{name}-{jax.default_backend()}-{stamp}"
+
+
 def write_records(path, records: dict | Iterable[dict]) -> Path:
     """Append records (one dict or many) to a JSON Lines file, creating its folder."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    writable_dir(path.parent)
     if isinstance(records, dict):
         records = [records]
     with path.open("a") as f:

@@ -130,6 +130,19 @@ def compare(
     return {n: {**r.as_dict(), "ratio": r.median_s / base_s} for n, r in results.items()}
 
 
+def threaded(fn: Callable, state) -> Callable:
+    """A zero-argument call that advances its own state, `state = fn(state)`, and returns it:
+    a step that donates its state can be timed (each call passes the last call's output, so
+    donation stays legal), and the timer blocks on every leaf of the update."""
+    box = [state]
+
+    def call():
+        box[0] = fn(box[0])
+        return box[0]
+
+    return call
+
+
 def random_normal(key, shape, dtype=jnp.float32, scale: float = 1.0):
     """Random inputs for benchmarks and tests: never zeros, which some hardware fast-paths."""
     return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)

@@ -1,7 +1,6 @@
-"""Parallelism: what each sharding strategy moves, collective benchmarks, shard_map kernels.
+"""Analysis of compiled programs: the collectives a compiled step really holds
+(`collectives_hlo`), held against the analytic figures of its sharding strategy (`explain`).
 
-`collectives_hlo` reads the collectives of a compiled step, `explain` holds them against the
-analytic figures, `collectives` times them (nccl-tests conventions), `collective_matmul` and
-`ring_attention` are hand-written shard_map kernels (`shmap` papers over the JAX versions),
-`scaling` runs the scaling, DP-extrapolation and remat × batch experiments.
+Hand-written shard_map kernels live in lab/kernels; the studies that time steps and
+collectives in lab/studies and lab/measure.
 """

@@ -22,6 +22,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from lab.measure.cost import bus_bytes
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _OP_RE = re.compile(
@@ -56,17 +58,6 @@ class Collective:
     @property
     def total_bus_bytes(self) -> float:
         return self.bus_bytes * self.count
-
-
-def bus_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
-    """Per-device bytes on the wire for one collective of buffer V over W devices."""
-    W = group_size
-    if kind == "collective-permute":
-        return float(buffer_bytes)
-    if W <= 1:
-        return 0.0
-    factor = 2.0 if kind == "all-reduce" else 1.0
-    return factor * buffer_bytes * (W - 1) / W
 
 
 def dtype_bytes(dtype: str) -> int:

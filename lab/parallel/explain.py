@@ -39,9 +39,9 @@ import math
 
 import jax
 import numpy as np
-from rich.table import Table
 
-from lab.mesh import RULES
+from lab.measure import memory
+from lab.names import BATCH, EMBED, HEADS, SEQ
 from lab.parallel import collectives_hlo
 
 MiB = 2**20
@@ -100,12 +100,12 @@ class Geometry:
     @classmethod
     def of(cls, rules, sizes: dict[str, int]) -> "Geometry":
         r = dict(rules)
-        tensor = _live(r.get("heads"), sizes)
-        tokens = tuple(r.get("batch") or ()) + tuple(r.get("seq") or ())  # cp splits seq too
+        tensor = _live(r.get(HEADS), sizes)
+        tokens = tuple(r.get(BATCH) or ()) + tuple(r.get(SEQ) or ())  # cp splits seq too
         return cls(
             sizes=dict(sizes),
             batch_axes=_live(tokens, sizes),
-            shard_axes=_live(r.get("embed"), sizes),
+            shard_axes=_live(r.get(EMBED), sizes),
             tensor_axes=tensor,
         )
 
@@ -278,25 +278,15 @@ def _row(role, expected, got: dict) -> Row:
 # --- memory ---------------------------------------------------------------------------------
 
 
-def memory_rows(cfg, trainer, compiled, strategy: str) -> dict:
+def memory_rows(cfg, trainer, compiled) -> dict:
     """Per-device bytes: exact from shardings, predicted by the calculator, compiled by XLA."""
     state = trainer.abstract_state
     params, opt = per_device_bytes(state.params), per_device_bytes(state.opt_state)
     out = {"sharded": {"params": params, "grads": params, "optimizer": opt}}
-    try:
-        from lab.measure import memory
-
-        pred = memory.predict_lab_step(
-            cfg.model,
-            batch=cfg.batch_size,
-            seq_len=cfg.seq_len,
-            strategy=strategy,
-            sizes=dict(trainer.mesh.shape),
-        )
-        out["predicted"] = pred
-        out["compiled"] = memory.compiled_memory(compiled) if compiled is not None else None
-    except (ImportError, AttributeError, KeyError, ValueError) as e:  # the calculator's hook
-        out["predicted"] = {"error": str(e)}
+    out["predicted"] = memory.predict_lab_step(
+        cfg, sizes=dict(trainer.mesh.shape), backend=trainer.mesh.devices.flat[0].platform
+    )
+    out["compiled"] = memory.compiled_memory(compiled) if compiled is not None else None
     return out
 
 
@@ -338,17 +328,12 @@ class Explanation:
         }
 
 
-def strategy_of(rules) -> str:
-    """The name of a rule table (cfg.strategy may still say auto)."""
-    return next((name for name, r in RULES.items() if tuple(r) == tuple(rules)), "custom")
-
-
-def explain(cfg, trainer, compiled=None) -> Explanation:
+def explain(trainer, compiled=None) -> Explanation:
     """Compile (unless given) and explain the step of `trainer` (lab.train.make_trainer)."""
     compiled = compiled if compiled is not None else trainer.lower().compile()
-    mesh = trainer.mesh
+    cfg, mesh = trainer.cfg, trainer.mesh
     backend = mesh.devices.flat[0].platform
-    strategy = strategy_of(trainer.rules)
+    strategy = cfg.strategy
     geo = Geometry.of(trainer.rules, dict(mesh.shape))
     colls = collectives_hlo.from_compiled(compiled, mesh)
     expected = expectations(cfg, trainer, reduce_scatter=backend != "cpu")
@@ -357,52 +342,6 @@ def explain(cfg, trainer, compiled=None) -> Explanation:
         mesh=dict(mesh.shape),
         backend=backend,
         rows=compare(colls, expected, geo),
-        memory=memory_rows(cfg, trainer, compiled, strategy),
+        memory=memory_rows(cfg, trainer, compiled),
         collectives=colls,
     )
-
-
-def _mib(x) -> str:
-    return "—" if x is None else f"{x / MiB:,.3f}"
-
-
-def collectives_table(ex: Explanation) -> Table:
-    sizes = " × ".join(f"{a}={n}" for a, n in ex.mesh.items())
-    t = Table(title=f"collectives per step, per device — {ex.strategy} on {sizes} ({ex.backend})")
-    for col in ("role", "measured (kind @ axes: ops)", "MiB sent", "analytic MiB", "ratio"):
-        t.add_column(col)
-    for r in ex.rows:
-        what = "; ".join(f"{k} @ {','.join(a)}: {o}" for k, a, o, _ in r.measured) or "none"
-        e = r.expected
-        analytic = _mib(e.bus_bytes) if e else "—"
-        if e and e.high > e.low * 1.001:
-            analytic += f" ({_mib(e.low)}–{_mib(e.high)})"
-        ratio = f"{r.ratio:.3f}" if r.ratio is not None else "—"
-        t.add_row(r.role, what, _mib(r.measured_bus_bytes), analytic, ratio)
-    for r in ex.rows:
-        if r.expected:
-            t.add_row("", f"[dim]{r.role}: expected {r.expected.kind}; {r.expected.formula}", "")
-    return t
-
-
-def memory_table(ex: Explanation) -> Table:
-    m = ex.memory
-    pred, comp = m.get("predicted") or {}, m.get("compiled") or {}
-    t = Table(title="memory per device (MiB)")
-    for col in ("component", "from shardings (exact)", "calculator (predicted)", "compiled"):
-        t.add_column(col)
-    for k in ("params", "grads", "optimizer"):
-        t.add_row(k, _mib(m["sharded"][k]), _mib(pred.get(k)), "")
-    t.add_row("activations", "", _mib(pred.get("activations")), "")
-    t.add_row("workspace", "", _mib(pred.get("workspace")), "")
-    t.add_row("arguments (params, optimizer, batch)", "", "", _mib(comp.get("argument_bytes")))
-    t.add_row("temporaries (grads, activations, …)", "", "", _mib(comp.get("temp_bytes")))
-    t.add_row("total", "", _mib(pred.get("total")), _mib(comp.get("total_bytes")))
-    if "error" in pred:
-        t.add_row("calculator", f"unavailable: {pred['error']}", "", "")
-    return t
-
-
-def render(ex: Explanation, console) -> None:
-    console.print(memory_table(ex))
-    console.print(collectives_table(ex))

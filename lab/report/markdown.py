@@ -7,7 +7,6 @@ much and, where the claims file knows it, why the article is likely wrong.
 
 import datetime
 import json
-import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 from lab.measure import records as rec
 from lab.report import plots
 from lab.report.claims import BY_ID, CLAIMS, SOURCES, TOPICS
+from lab.report.format import fmt, fmt_range, ratio
 from lab.report.verdict import MISSING, NA, OFF, PREDICTED, Verdict, judge_all, outside
 
 CAVEAT = (
@@ -23,7 +23,6 @@ CAVEAT = (
     "describe: they combine a number measured here with a spec-table entry, whose source each "
     "record names."
 )
-_PREFIX = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 
 
 def slug(text: str) -> str:
@@ -36,42 +35,6 @@ def results_dir(root, env: dict) -> Path:
     path = Path(root) / f"{env['backend']}-{slug(env['device_kind'])}-{stamp}"
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def _si(value: float, unit: str) -> str:
-    for scale, prefix in _PREFIX:
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
-
-
-def fmt(value, unit: str) -> str:
-    """A value with its unit, readable: 2e12 FLOP, 45.1 GFLOP/s, 80 GB, 20,000×."""
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "n/a"
-    if unit in ("FLOP",):
-        return f"{value:.3g} FLOP"
-    if unit in ("FLOP/s", "B/s", "tokens/s", "req/s"):
-        return _si(value, unit)
-    if unit == "B":
-        return _si(value, "B")
-    if unit.startswith("×"):
-        text = f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
-        return f"{text}{unit}"
-    if unit == "$":
-        return f"${value:.3g}"
-    return f"{value:.3g} {unit}"
-
-
-def fmt_range(lo, hi, unit: str, strict: bool) -> str:
-    lt, gt = ("<", ">") if strict else ("≤", "≥")
-    if lo is not None and hi is not None:
-        return f"{fmt(lo, unit)} … {fmt(hi, unit)}"
-    if hi is not None:
-        return f"{lt} {fmt(hi, unit)}"
-    if lo is not None:
-        return f"{gt} {fmt(lo, unit)}"
-    return "any"
 
 
 def _tag(r: dict) -> str:
@@ -252,16 +215,29 @@ def write_report(out_dir, *, meta: dict | None = None, only=None, records=None) 
     return {"path": path, "verdicts": verdicts, "plots": plot_files, "records": records}
 
 
-def verdict_table(verdicts: Sequence[Verdict]):
-    """The verdicts as a rich table for the terminal."""
-    from rich.table import Table
-
-    colours = {"holds": "green", "off": "red", "predicted": "yellow"}
-    t = Table(title="claims ledger")
-    for col in ("id", "claim", "verdict"):
-        t.add_column(col)
+def targets_block(verdicts: list[dict], env: dict, command: str, date: str) -> str:
+    """A block to paste into BENCHMARKS.md: what ran where, and every GPU-speed point's
+    verdict (lab.studies.targets)."""
+    met = sum(v["met"] for v in verdicts)
+    lines = [
+        f"### Flash attention targets — `{command}`",
+        "",
+        f"{date}, {env['device_kind']} × {env['device_count']}, "
+        f"jax {env['jax_version']}, jaxlib {env['jaxlib_version']}. bf16, B=2, H=32. "
+        f"Speed = reference time / pallas_gpu time (median of alternated calls). "
+        f"**{met} of {len(verdicts)} points meet their target.**",
+        "",
+        "| D | L=S | causal | mode | reference | speed | target | pallas TFLOP/s | "
+        "ref TFLOP/s | ahead of | met | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for v in verdicts:
-        colour = colours.get(v.status, "dim")
-        text = v.claim.text if len(v.claim.text) < 70 else v.claim.text[:67] + "…"
-        t.add_row(v.claim.id, text, f"[{colour}]{v.status}[/{colour}]")
-    return t
+        tf = f"{v['pallas_tflops']:.0f}" if v.get("pallas_tflops") else "–"
+        ref_tf = f"{v['reference_tflops']:.0f}" if v.get("reference_tflops") else "–"
+        lines.append(
+            f"| {v['head_dim']} | {v['seq']} | {'yes' if v['causal'] else 'no'} | {v['mode']} | "
+            f"{v.get('reference') or '–'} | {ratio(v.get('speed')) or '–'} | ≥ {v['target']}× | "
+            f"{tf} | {ref_tf} | {', '.join(v.get('ahead_of', [])) or '–'} | "
+            f"{'yes' if v['met'] else 'no'} | {v['note']} |"
+        )
+    return "\n".join(lines) + "\n"

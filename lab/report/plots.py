@@ -1,8 +1,10 @@
-"""PNG plots from records only: roofline, matmul by precision, attention time and memory
-against sequence length, memory breakdown, scaling, batch size, inference, loss curves.
+"""Every PNG the lab draws (matplotlib lives here and nowhere else).
 
-Each plot reads the records whose config carries its `series` and returns None when there
-are none, so a partial run (only=C08) plots what it has.
+The ledger's plots read records only: roofline, matmul by precision, attention time and memory
+against sequence length, memory breakdown, scaling, batch size, inference, loss curves. Each
+reads the records whose config carries its `series` and returns None when there are none, so
+a partial run (only=C08) plots what it has. The commands' plots (the measured roofline, the
+attention sweep, collectives, the scaling study) take what their study returns.
 """
 
 from collections import defaultdict
@@ -19,6 +21,16 @@ def _plt():
     return plt
 
 
+def _save(fig, path, **kw) -> Path:
+    plt = _plt()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=kw.get("dpi", 110))
+    plt.close(fig)
+    return path
+
+
 def series(records: Sequence[dict], name: str) -> list[dict]:
     return [r for r in records if r.get("config", {}).get("series") == name]
 
@@ -27,9 +39,38 @@ def _label(r: dict) -> str:
     return f"{r['backend']} · {r['device_kind']}"
 
 
+def roofline_points(points, *, peak_flops: float, bandwidth: float, path, title: str) -> Path:
+    """Log-log roofline: measured points (lab.measure.roofline.Point), the measured roofs,
+    the ridge point."""
+    import numpy as np
+
+    plt = _plt()
+    ai = np.logspace(-2, 4, 200)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.loglog(ai, np.minimum(peak_flops, ai * bandwidth), "k-", label="attainable (measured roofs)")
+    ridge = peak_flops / bandwidth
+    ax.axvline(ridge, ls="--", lw=1, color="tab:red")
+    ax.annotate(f"ridge {ridge:.1f} FLOP/B", (ridge, peak_flops / 20), fontsize=8, color="tab:red")
+    for family, marker in (("poly", "o"), ("mm", "s")):
+        pts = [p for p in points if p.name.startswith(family)]
+        if pts:
+            ax.loglog(
+                [p.intensity for p in pts],
+                [p.flops_per_s for p in pts],
+                marker,
+                label={"poly": "elementwise polynomial", "mm": "x(m×n)·w(n×n)"}[family],
+            )
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("FLOP/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    return _save(fig, path, dpi=120)
+
+
 def roofline(records, path) -> Path | None:
-    """Measured points under the measured roofs (lab.measure.roofline.plot)."""
-    from lab.measure.roofline import Point, plot
+    """Measured points under the measured roofs."""
+    from lab.measure.roofline import Point
 
     pts = series(records, "roofline")
     roofs = {r["config"]["roof"]: r["value"] for r in series(records, "roof")}
@@ -42,7 +83,7 @@ def roofline(records, path) -> Path | None:
         for r in pts
     ]
     title = f"roofline · {_label(pts[0])} (measured roofs and points)"
-    return plot(
+    return roofline_points(
         points, peak_flops=roofs["peak"], bandwidth=roofs["bandwidth"], path=path, title=title
     )
 
@@ -60,10 +101,7 @@ def matmul(records, path) -> Path | None:
     ax.set_title(
         f"matmul n={rows[0]['config'].get('n')} by precision · {_label(rows[0])}", fontsize=9
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def attention(records, path) -> Path | None:
@@ -101,10 +139,7 @@ def attention(records, path) -> Path | None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"attention · {_label(rows[0])}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "workspace")
@@ -135,10 +170,7 @@ def memory(records, path) -> Path | None:
     ax.set_ylabel("MiB per device")
     ax.set_title(f"training memory: calculator vs compiler · {_label(rows[0])}", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _measured_split(ax, rows) -> None:
@@ -159,7 +191,7 @@ def _measured_split(ax, rows) -> None:
 
 def scaling(records, path) -> Path | None:
     """Data-parallel efficiency against device count (predicted), per-strategy memory, and the
-    measured step split where lab.parallel.scaling ran."""
+    measured step split where lab.studies.scaling ran."""
     eff = series(records, "dp_scaling")
     mem = series(records, "strategy_memory")
     measured = [
@@ -197,10 +229,7 @@ def scaling(records, path) -> Path | None:
     if measured:
         _measured_split(axes[2], measured)
     fig.suptitle(f"scaling · {_label((eff or mem)[0])}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def batch_sweep(records, path) -> Path | None:
@@ -218,10 +247,7 @@ def batch_sweep(records, path) -> Path | None:
     )
     ax2.set_ylabel("MiB compiled", color="tab:red")
     ax.set_title(f"batch size: throughput and memory · {_label(rows[0])}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def losses(records, path) -> Path | None:
@@ -235,10 +261,7 @@ def losses(records, path) -> Path | None:
         ax.plot(range(1, len(ys) + 1), ys, label=r["config"]["dtype"])
     ax.set(xlabel="step", ylabel="loss", title="the same steps in float32 and bf16 compute")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def inference(records, path) -> Path | None:
@@ -254,10 +277,7 @@ def inference(records, path) -> Path | None:
     ax2.set_ylabel("latency per batch (ms)", color="tab:red")
     ax.set(xlabel="batch size", ylabel="requests/s (measured)")
     ax.set_title(f"classifier inference · {_label(rows[0])}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # topic → [(file name, plot function)], in the order the report shows them.
@@ -280,3 +300,113 @@ def make_all(records: Sequence[dict], out_dir) -> dict[str, list[str]]:
             if fn(records, Path(out_dir) / name) is not None:
                 out.setdefault(topic, []).append(name)
     return out
+
+
+# ------------------------------------------------------------------------ the commands' plots
+
+
+def _log2_lines(ax, lines: dict, *, xlabel: str, ylabel: str, title: str) -> None:
+    """One line per label from {label: [(x, y), ...]} on log-log axes (x in powers of two)."""
+    for label, pts in lines.items():
+        if pts:
+            ax.plot(*zip(*sorted(pts), strict=True), marker="o", label=label)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    if ax.get_lines():
+        ax.legend(fontsize=7)
+
+
+def attention_sweep(rows: list[dict], path, title: str) -> Path:
+    """`lab.studies.attention.rows_of(records)`: time per call against sequence length per
+    (causal, mode), one line per impl, and the fwd+bwd causal peak temp memory."""
+    plt = _plt()
+    panels = [(c, m) for c in (True, False) for m in ("fwd", "fwd+bwd")]
+    fig, grid = plt.subplots(2, 3, figsize=(15, 8))
+    axes = list(grid.flat)
+    axes[-1].axis("off")
+    impls = sorted({r["impl"] for r in rows})
+
+    def pick(what, causal, mode):
+        return {
+            impl: [
+                (r["seq"], r[what])
+                for r in rows
+                if r["impl"] == impl and r["causal"] == causal and r["mode"] == mode and what in r
+            ]
+            for impl in impls
+        }
+
+    for ax, (c, m) in zip(axes, panels, strict=False):
+        _log2_lines(
+            ax,
+            pick("attention time", c, m),
+            xlabel="L = S",
+            ylabel="s per call",
+            title=f"{m}, {'causal' if c else 'full'}",
+        )
+    _log2_lines(
+        axes[len(panels)],
+        pick("attention peak temp memory", True, "fwd+bwd"),
+        xlabel="L = S",
+        ylabel="bytes",
+        title="fwd+bwd causal: peak temp memory",
+    )
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def collectives(points, path, title: str) -> Path:
+    """busbw against message size, one line per (op, axis)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key in dict.fromkeys((p.op, str(p.axis)) for p in points):
+        pts = [p for p in points if (p.op, str(p.axis)) == key]
+        ax.plot(
+            [p.size_bytes for p in pts], [p.busbw / 1e9 for p in pts], "o-", label="@".join(key)
+        )
+    ax.set(xscale="log", yscale="log", xlabel="message size S (bytes)", ylabel="busbw (GB/s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, path, dpi=120)
+
+
+def _study(recs: list[dict], experiment: str, what: str) -> list[dict]:
+    return [r for r in recs if r["config"].get("experiment") == experiment and r["what"] == what]
+
+
+def scaling_study(recs: list[dict], path, title: str) -> Path:
+    """Step time per strategy vs devices; extrapolated DP efficiency; memory per remat vs batch."""
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    steps = _study(recs, "scaling", "step time")
+    for strategy in dict.fromkeys(r["config"]["strategy"] for r in steps):
+        pts = [r for r in steps if r["config"]["strategy"] == strategy]
+        xs, ys = [r["config"]["devices"] for r in pts], [r["value"] * 1e3 for r in pts]
+        axes[0].plot(xs, ys, "o-", label=strategy)
+    axes[0].set(xlabel="devices", ylabel="step time (ms)", title="measured step time")
+    for what, style in (("no overlap", "o-"), ("perfect overlap", "s--")):
+        pts = _study(recs, "dp extrapolation", f"DP efficiency (extrapolated, {what})")
+        xs, ys = [r["config"]["devices"] for r in pts], [r["value"] for r in pts]
+        axes[1].plot(xs, ys, style, label=what)
+    axes[1].set(
+        ylim=(0, 1.05), xlabel="devices", ylabel="efficiency", title="DP efficiency — EXTRAPOLATED"
+    )
+    mems = _study(recs, "remat", "peak memory per device")
+    for remat in dict.fromkeys(r["config"]["remat"] for r in mems):
+        pts = [r for r in mems if r["config"]["remat"] == remat]
+        xs, ys = [r["config"]["batch"] for r in pts], [r["value"] / 2**20 for r in pts]
+        axes[2].plot(xs, ys, "o-", label=f"remat={remat}")
+    axes[2].set(xlabel="batch", ylabel="peak MiB per device", title="remat × batch (compiled step)")
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)

@@ -8,12 +8,14 @@ pallas          the Pallas kernel of this backend: pallas_tpu on TPU, pallas_gpu
 pallas_tpu      pallas_tpu.py: Mosaic kernel (TPU; elsewhere only with interpret=True)
 pallas_gpu      pallas_gpu.py: Triton kernel (GPU; elsewhere only with interpret=True)
 xla, cudnn      jax.nn.dot_product_attention(implementation=...): the library baselines
+ring            ring.py: context parallel, the sequence split over a mesh axis (`shard_spec`
+                names it), K/V blocks passed around the ring, each by the blockwise kernel
 auto            the best available for the backend, never an interpreted kernel:
                 TPU -> pallas_tpu; GPU -> cudnn where its constraints hold (bf16/f16,
                 head_dim <= 128), else pallas_gpu; CPU -> blockwise, which measured faster
                 than naive and xla for fwd+bwd at every length from 512 to 16384 on the
                 lab's 2-core CPU (0.95x naive at 512 full, 0.17x at 16384 causal; f32,
-                H=2, D=64: `python -m lab.kernels.attention.bench`), and within 10% of it
+                H=2, K=64: `python -m lab.tools.attention_bench`), and within 10% of it
                 at 256. Falls back to blockwise when the chosen kernel does not take the
                 input (dtype, head_dim).
 
@@ -33,12 +35,12 @@ import functools
 
 import jax
 
-from lab.kernels.attention import blockwise, pallas_gpu, pallas_tpu
-from lab.kernels.attention.common import check_qkv
+from lab.kernels.attention import blockwise, pallas_gpu, pallas_tpu, ring
+from lab.kernels.attention.common import check_qkv, platform, target_device
 from lab.kernels.attention.reference import attention_reference
-from lab.parallel.shmap import shard_map
+from lab.names import ATTENTION_IMPLS
 
-IMPLS = ("naive", "blockwise", "pallas", "pallas_tpu", "pallas_gpu", "xla", "cudnn")
+IMPLS = ATTENTION_IMPLS
 PALLAS = ("pallas", "pallas_tpu", "pallas_gpu")
 _NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # backend -> its compiled Pallas kernel
 
@@ -59,6 +61,8 @@ def available_impls(backend: str | None = None, *, interpret: bool = False) -> t
 
 def _resolve(impl: str, interpret: bool, backend: str) -> str:
     """Map pallas to this backend's kernel; refuse what cannot run here, saying what can."""
+    if impl == "ring":  # runs on every backend, under a mesh that splits the sequence
+        return impl
     if impl == "pallas":
         impl = _NATIVE.get(backend, "pallas_tpu" if interpret else "pallas")
     if impl in available_impls(backend, interpret=interpret):
@@ -70,12 +74,17 @@ def _resolve(impl: str, interpret: bool, backend: str) -> str:
     )
 
 
-def platform() -> str:
-    """The platform the program is being built for: the context mesh's (an AOT target's TPU
-    devices on a CPU host), else JAX's default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    return getattr(device, "platform", None) or jax.default_backend()
+def _cudnn_here() -> bool:
+    """cuDNN's fused attention needs the cuDNN library to compile: present on a GPU machine
+    (jax[cuda]), absent where a GPU plan is compiled without one (the gpu-plan extra)."""
+    if jax.default_backend() == "gpu" or target_device() is None:
+        return True
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("nvidia.cudnn") is not None
+    except ImportError:  # no nvidia namespace package at all
+        return False
 
 
 def _fit(spec, shapes, mesh):
@@ -103,43 +112,71 @@ def _per_shard(fn, shard_spec, *args):
             "sequences per device; use attention=ring for context parallelism"
         )
     spec = _fit(shard_spec, [x.shape for x in args], mesh)
-    return shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(
+        *args
+    )
 
 
-def _auto(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal: bool, backend: str) -> str:
+def _ring(args, *, causal, scale, shard_spec):
+    """Ring attention over the mesh axis `shard_spec` gives the sequence; batch and heads
+    keep their split where it divides (the model's init traces a batch of one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    seq = shard_spec[1] if shard_spec is not None and len(shard_spec) > 1 else None
+    seq_axes = (seq,) if isinstance(seq, str) else tuple(seq or ())
+    if mesh.empty or len(seq_axes) != 1:
+        raise ValueError(
+            f"impl='ring' runs over one mesh axis that splits the sequence (strategy=cp); "
+            f"the sharding gives seq={seq!r}"
+        )
+    spec = _fit(shard_spec, [x.shape for x in args], mesh)
+    return ring.ring_attention(
+        *args,
+        mesh=mesh,
+        seq_axis=seq_axes[0],
+        batch_axes=spec[0],
+        head_axes=spec[2],
+        causal=causal,
+        scale=scale,
+    )
+
+
+def _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, backend: str) -> str:
     """The fastest implementation that accepts this input; see the module docstring."""
-    candidates = {"tpu": ["pallas_tpu"], "gpu": ["cudnn", "pallas_gpu"]}.get(backend, [])
+    gpu = ["cudnn", "pallas_gpu"] if _cudnn_here() else ["pallas_gpu"]
+    candidates = {"tpu": ["pallas_tpu"], "gpu": gpu}.get(backend, [])
     for impl in candidates:
         try:
-            _check(impl, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal)
+            _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal)
             return impl
         except ValueError:
             continue
     return "blockwise"
 
 
-def _check(impl, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal: bool) -> None:
+def _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool) -> None:
     """Constraints beyond the shared ones, per implementation (ValueError naming them)."""
     if impl == "pallas_tpu":
-        pallas_tpu.check_inputs(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+        pallas_tpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     elif impl == "pallas_gpu":
-        pallas_gpu.check_inputs(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+        pallas_gpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    elif impl == "ring" and q_BxLxHxK.shape[1] != k_BxSxGxK.shape[1]:
+        raise ValueError(f"{q_BxLxHxK.shape=} {k_BxSxGxK.shape=}: impl='ring' needs L == S")
     elif impl in ("xla", "cudnn"):
-        L, S = q_BxLxHxD.shape[1], k_BxSxKxD.shape[1]
+        L, S = q_BxLxHxK.shape[1], k_BxSxGxK.shape[1]
         if causal and L != S:
             raise ValueError(
-                f"{q_BxLxHxD.shape=} {k_BxSxKxD.shape=}: impl={impl!r} aligns the causal mask "
+                f"{q_BxLxHxK.shape=} {k_BxSxGxK.shape=}: impl={impl!r} aligns the causal mask "
                 "top-left, so it needs q seq == kv seq (the others align it bottom-right)"
             )
         if impl == "cudnn":
-            if q_BxLxHxD.dtype.name not in ("bfloat16", "float16"):
-                raise ValueError(f"{q_BxLxHxD.dtype=}: impl='cudnn' supports bfloat16, float16")
-            if q_BxLxHxD.shape[-1] > 128:
-                raise ValueError(f"{q_BxLxHxD.shape=}: impl='cudnn' supports head_dim <= 128")
+            if q_BxLxHxK.dtype.name not in ("bfloat16", "float16"):
+                raise ValueError(f"{q_BxLxHxK.dtype=}: impl='cudnn' supports bfloat16, float16")
+            if q_BxLxHxK.shape[-1] > 128:
+                raise ValueError(f"{q_BxLxHxK.shape=}: impl='cudnn' supports head_dim <= 128")
 
 
 def choose(
-    impl, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, interpret=False, backend=None
+    impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal=True, interpret=False, backend=None
 ) -> str:
     """The implementation `attention` runs for these inputs (arrays or ShapeDtypeStructs) on
     `backend` (default: `platform()`), or a ValueError naming the constraint; lab.run asks
@@ -148,20 +185,20 @@ def choose(
         raise ValueError(f"attention impl={impl!r}: choose one of {', '.join(IMPLS)} or auto")
     if interpret and impl not in PALLAS:
         raise ValueError(f"interpret=True applies to impl in {PALLAS}, not impl={impl!r}")
-    check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     backend = backend or platform()
     if impl == "auto":
-        impl = _auto(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal, backend)
+        impl = _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, backend)
     else:
         impl = _resolve(impl, interpret, backend)
-    _check(impl, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal)
+    _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal)
     return impl
 
 
 def attention(
-    q_BxLxHxD,
-    k_BxSxKxD,
-    v_BxSxKxD,
+    q_BxLxHxK,
+    k_BxSxGxK,
+    v_BxSxGxK,
     *,
     causal: bool = True,
     impl: str = "auto",
@@ -170,16 +207,18 @@ def attention(
     block_sizes=None,
     shard_spec=None,
 ):
-    """softmax(Q·Kᵀ·scale)·V with layout [batch, seq, heads, head_dim]; scale 1/√D by default.
+    """softmax(Q·Kᵀ·scale)·V with layout [batch, seq, heads, head_dim]; scale 1/√K by default.
 
-    k and v may have fewer heads than q (grouped-query: query head h reads kv head h // G).
+    k and v may have fewer heads than q (grouped-query: query head h reads kv head h // R, R = H/G).
     `block_sizes` is the chosen kernel's own BlockSizes (None: its default). `shard_spec`:
     how q, k, v are split over the context mesh, for the Pallas kernels' shard_map.
     """
-    impl = choose(impl, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal, interpret=interpret)
-    args = (q_BxLxHxD, k_BxSxKxD, v_BxSxKxD)
+    impl = choose(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, interpret=interpret)
+    args = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK)
     if impl == "naive":
         return attention_reference(*args, causal=causal, scale=scale)
+    if impl == "ring":
+        return _ring(args, causal=causal, scale=scale, shard_spec=shard_spec)
     if impl == "blockwise":
         bs = block_sizes or blockwise.BlockSizes()
         return blockwise.blockwise_attention(*args, causal=causal, scale=scale, block_sizes=bs)

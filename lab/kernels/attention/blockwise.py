@@ -13,8 +13,9 @@ feed dV, dK and dQ together (dQ is accumulated in place in a full-size f32 buffe
 in L), which on CPU is cheaper than FlashAttention-2's separate dQ and dK/dV passes, because
 exp() over the tile is the expensive part there.
 
-Letters: B batch, L query seq, S key seq, H query heads, K key/value heads, G = H/K query
-heads per kv head, D head dim, N/M number of query/key blocks, Q/C rows/columns of one block.
+Letters (lab/names.py): B batch, H query heads, G key/value heads, R = H/G query heads per kv
+head, K head dim. Inside the loops a tile has L query rows and S key columns; l and s count the
+query and key blocks (q_lxBxLxGxRxK: l blocks of L rows).
 """
 
 import dataclasses
@@ -34,7 +35,6 @@ from lab.kernels.attention.common import (
     round_up,
     visible,
 )
-from lab.kernels.attention.reference import attention_reference
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
@@ -57,234 +57,234 @@ class BlockSizes:
         return min(self.block_q, round_up(L, 8)), min(self.block_k, round_up(S, 8))
 
 
-def _blocks(x_BxNxRest, block: int):
+def _blocks(x_BxSxRest, block: int):
     """[B, n·block, ...] -> [n, B, block, ...]: the loop axis first."""
-    B, n = x_BxNxRest.shape[0], x_BxNxRest.shape[1] // block
-    return jnp.swapaxes(x_BxNxRest.reshape(B, n, block, *x_BxNxRest.shape[2:]), 0, 1)
+    B, n = x_BxSxRest.shape[0], x_BxSxRest.shape[1] // block
+    return jnp.swapaxes(x_BxSxRest.reshape(B, n, block, *x_BxSxRest.shape[2:]), 0, 1)
 
 
-def _unblocks(x_NxBxQxRest):
+def _unblocks(x_lxBxLxRest):
     """Inverse of `_blocks`."""
-    N, B, Q = x_NxBxQxRest.shape[:3]
-    return jnp.swapaxes(x_NxBxQxRest, 0, 1).reshape(B, N * Q, *x_NxBxQxRest.shape[3:])
+    l, B, L = x_lxBxLxRest.shape[:3]
+    return jnp.swapaxes(x_lxBxLxRest, 0, 1).reshape(B, l * L, *x_lxBxLxRest.shape[3:])
 
 
-def _scores(q_BxQxKxGxD, k_BxCxKxD, n, m, g: Geometry, acc):
+def _scores(q_BxLxGxRxK, k_BxSxGxK, n, m, g: Geometry, acc):
     """Scaled, masked scores of query block n against key block m."""
-    s_BxKxGxQxC = jnp.einsum(
-        "bqkgd,bckd->bkgqc", q_BxQxKxGxD, k_BxCxKxD, preferred_element_type=acc
+    s_BxGxRxLxS = jnp.einsum(
+        "blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK, preferred_element_type=acc
     )
-    s_BxKxGxQxC = s_BxKxGxQxC * g.scale
+    s_BxGxRxLxS = s_BxGxRxLxS * g.scale
     if not g.needs_mask:
-        return s_BxKxGxQxC
-    q_pos_Qx1 = (n * g.bq + jnp.arange(g.bq))[:, None]
-    k_pos_1xC = (m * g.bk + jnp.arange(g.bk))[None, :]
-    ok_QxC = visible(q_pos_Qx1, k_pos_1xC, causal=g.causal, kv_len=g.S, offset=g.offset)
-    return jnp.where(ok_QxC, s_BxKxGxQxC, MASK_VALUE)
+        return s_BxGxRxLxS
+    q_pos_Lx1 = (n * g.bq + jnp.arange(g.bq))[:, None]
+    k_pos_1xS = (m * g.bk + jnp.arange(g.bk))[None, :]
+    ok_LxS = visible(q_pos_Lx1, k_pos_1xS, causal=g.causal, kv_len=g.S, offset=g.offset)
+    return jnp.where(ok_LxS, s_BxGxRxLxS, MASK_VALUE)
 
 
-def _grouped(x_BxLxHxD, g: Geometry):
-    """[B, L, H, D] -> query blocks [N, B, Q, K, G, D]; head h = k·G + g, as jnp.repeat makes."""
-    B, L, H, D = x_BxLxHxD.shape
-    x_BxLpxKxGxD = pad_seq(x_BxLxHxD, g.n_q * g.bq).reshape(B, g.n_q * g.bq, g.K, g.G, D)
-    return _blocks(x_BxLpxKxGxD, g.bq)
+def _grouped(x_BxLxHxK, g: Geometry):
+    """[B, L, H, K] -> query blocks [l, B, L, G, R, K]; head h = g·R + r, as jnp.repeat makes."""
+    B, L, H, K = x_BxLxHxK.shape
+    x_BxLpxGxRxK = pad_seq(x_BxLxHxK, g.n_q * g.bq).reshape(B, g.n_q * g.bq, g.G, g.R, K)
+    return _blocks(x_BxLpxGxRxK, g.bq)
 
 
-def _forward(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry):
-    """(out [B, L, H, D], lse [N, B, K, G, Q]): the log-sum-exp per query row in block layout
-    (query block n, row q of head k·G + g), natural log, f32 (f64 for f64 inputs); padded
+def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry):
+    """(out [B, L, H, K], lse [l, B, G, R, L]): the log-sum-exp per query row in block layout
+    (query block n, row r of head g·R + r), natural log, f32 (f64 for f64 inputs); padded
     query rows included. What a caller combining partial attentions (ring attention) needs."""
-    acc = jnp.promote_types(q_BxLxHxD.dtype, jnp.float32)
-    q_NxBxQxKxGxD = _grouped(q_BxLxHxD, g)
-    k_MxBxCxKxD = _blocks(pad_seq(k_BxSxKxD, g.n_k * g.bk), g.bk)
-    v_MxBxCxKxD = _blocks(pad_seq(v_BxSxKxD, g.n_k * g.bk), g.bk)
+    acc = jnp.promote_types(q_BxLxHxK.dtype, jnp.float32)
+    q_lxBxLxGxRxK = _grouped(q_BxLxHxK, g)
+    k_sxBxSxGxK = _blocks(pad_seq(k_BxSxGxK, g.n_k * g.bk), g.bk)
+    v_sxBxSxGxK = _blocks(pad_seq(v_BxSxGxK, g.n_k * g.bk), g.bk)
 
     def one_q_block(args):
-        n, q_BxQxKxGxD = args
+        n, q_BxLxGxRxK = args
 
         def step(m, carry):
-            o_BxKxGxQxD, max_BxKxGxQ, sum_BxKxGxQ = carry
-            s_BxKxGxQxC = _scores(q_BxQxKxGxD, k_MxBxCxKxD[m], n, m, g, acc)
-            new_max_BxKxGxQ = jnp.maximum(max_BxKxGxQ, s_BxKxGxQxC.max(-1))
-            p_BxKxGxQxC = jnp.exp(s_BxKxGxQxC - new_max_BxKxGxQ[..., None])
-            alpha_BxKxGxQ = jnp.exp(max_BxKxGxQ - new_max_BxKxGxQ)
-            pv_BxKxGxQxD = jnp.einsum(
-                "bkgqc,bckd->bkgqd",
-                p_BxKxGxQxC.astype(v_MxBxCxKxD.dtype),
-                v_MxBxCxKxD[m],
+            o_BxGxRxLxK, max_BxGxRxL, sum_BxGxRxL = carry
+            s_BxGxRxLxS = _scores(q_BxLxGxRxK, k_sxBxSxGxK[m], n, m, g, acc)
+            new_max_BxGxRxL = jnp.maximum(max_BxGxRxL, s_BxGxRxLxS.max(-1))
+            p_BxGxRxLxS = jnp.exp(s_BxGxRxLxS - new_max_BxGxRxL[..., None])
+            alpha_BxGxRxL = jnp.exp(max_BxGxRxL - new_max_BxGxRxL)
+            pv_BxGxRxLxK = jnp.einsum(
+                "bgrls,bsgk->bgrlk",
+                p_BxGxRxLxS.astype(v_sxBxSxGxK.dtype),
+                v_sxBxSxGxK[m],
                 preferred_element_type=acc,
             )
-            o_BxKxGxQxD = alpha_BxKxGxQ[..., None] * o_BxKxGxQxD + pv_BxKxGxQxD
-            sum_BxKxGxQ = alpha_BxKxGxQ * sum_BxKxGxQ + p_BxKxGxQxC.sum(-1)
-            return o_BxKxGxQxD, new_max_BxKxGxQ, sum_BxKxGxQ
+            o_BxGxRxLxK = alpha_BxGxRxL[..., None] * o_BxGxRxLxK + pv_BxGxRxLxK
+            sum_BxGxRxL = alpha_BxGxRxL * sum_BxGxRxL + p_BxGxRxLxS.sum(-1)
+            return o_BxGxRxLxK, new_max_BxGxRxL, sum_BxGxRxL
 
-        B, Q, K, G, D = q_BxQxKxGxD.shape
+        B, L, G, R, K = q_BxLxGxRxK.shape
         init = (
-            jnp.zeros((B, K, G, Q, D), acc),
-            jnp.full((B, K, G, Q), MASK_VALUE, acc),
-            jnp.zeros((B, K, G, Q), acc),
+            jnp.zeros((B, G, R, L, K), acc),
+            jnp.full((B, G, R, L), MASK_VALUE, acc),
+            jnp.zeros((B, G, R, L), acc),
         )
-        o_BxKxGxQxD, max_BxKxGxQ, sum_BxKxGxQ = lax.fori_loop(0, g.k_blocks_end(n), step, init)
-        o_BxQxKxGxD = jnp.einsum("bkgqd->bqkgd", o_BxKxGxQxD / sum_BxKxGxQ[..., None])
-        return o_BxQxKxGxD.astype(q_BxLxHxD.dtype), max_BxKxGxQ + jnp.log(sum_BxKxGxQ)
+        o_BxGxRxLxK, max_BxGxRxL, sum_BxGxRxL = lax.fori_loop(0, g.k_blocks_end(n), step, init)
+        o_BxLxGxRxK = jnp.einsum("bgrlk->blgrk", o_BxGxRxLxK / sum_BxGxRxL[..., None])
+        return o_BxLxGxRxK.astype(q_BxLxHxK.dtype), max_BxGxRxL + jnp.log(sum_BxGxRxL)
 
-    o_NxBxQxKxGxD, lse_NxBxKxGxQ = lax.map(one_q_block, (jnp.arange(g.n_q), q_NxBxQxKxGxD))
-    B, L, H, D = q_BxLxHxD.shape
-    o_BxLxHxD = _unblocks(o_NxBxQxKxGxD).reshape(B, -1, H, D)[:, :L]
-    return o_BxLxHxD, lse_NxBxKxGxQ
+    o_lxBxLxGxRxK, lse_lxBxGxRxL = lax.map(one_q_block, (jnp.arange(g.n_q), q_lxBxLxGxRxK))
+    B, L, H, K = q_BxLxHxK.shape
+    o_BxLxHxK = _unblocks(o_lxBxLxGxRxK).reshape(B, -1, H, K)[:, :L]
+    return o_BxLxHxK, lse_lxBxGxRxL
 
 
 def _row_blocks(x_BxLxH, g: Geometry):
-    """A per-row quantity [B, L, H] -> the kernel's block layout [N, B, K, G, Q]."""
-    return jnp.einsum("nbqkg->nbkgq", _grouped(x_BxLxH[..., None], g)[..., 0])
+    """A per-row quantity [B, L, H] -> the kernel's block layout [l, B, G, R, L]."""
+    return jnp.moveaxis(_grouped(x_BxLxH[..., None], g)[..., 0], 2, -1)
 
 
-def _row_unblocks(x_NxBxKxGxQ, g: Geometry):
-    """Inverse of `_row_blocks`: [N, B, K, G, Q] -> [B, L, H] (padded rows dropped)."""
-    x_BxLpxKxG = _unblocks(jnp.einsum("nbkgq->nbqkg", x_NxBxKxGxQ))
-    B, Lp = x_BxLpxKxG.shape[:2]
-    return x_BxLpxKxG.reshape(B, Lp, g.K * g.G)[:, : g.L]
+def _row_unblocks(x_lxBxGxRxL, g: Geometry):
+    """Inverse of `_row_blocks`: [l, B, G, R, L] -> [B, L, H] (padded rows dropped)."""
+    x_BxLpxGxR = _unblocks(jnp.moveaxis(x_lxBxGxRxL, -1, 2))
+    B, Lp = x_BxLpxGxR.shape[:2]
+    return x_BxLpxGxR.reshape(B, Lp, g.G * g.R)[:, : g.L]
 
 
-def _backward(g: Geometry, residuals, do_BxLxHxD, dlse_BxLxH=None):
+def _group_sum(p_BxGxRxLxS, x_BxLxGxRxK, acc):
+    """Σ over r, l of p[b,g,r,l,s]·x[b,l,g,r,k] → [B, S, G, K]: a key block's dK or dV from
+    every query row of its kv head's R query heads. lax.dot_general written out to contract
+    (R, L) in that order: jnp.einsum orders contracted letters alphabetically, and (L, R) made
+    XLA:CPU keep one more tile (+0.5 MiB of temporaries at L = 1024, f32)."""
+    dims = (((3, 1), (2, 3)), ((0, 2), (0, 1)))  # x's (r, l) with p's (r, l); batch (b, g)
+    out_BxGxKxS = lax.dot_general(x_BxLxGxRxK, p_BxGxRxLxS, dims, preferred_element_type=acc)
+    return jnp.transpose(out_BxGxKxS, (0, 3, 1, 2))
+
+
+def _backward(g: Geometry, residuals, do_BxLxHxK, dlse_BxLxH=None):
     """dQ, dK, dV; with `dlse_BxLxH` (the cotangent of the log-sum-exp output, see
     `blockwise_attention_with_lse`) folded in: d lse_i / d s_ij = P_ij, so
     dS = P·(dP − δ + dlse)."""
-    q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, o_BxLxHxD, lse_NxBxKxGxQ = residuals
-    acc = jnp.promote_types(q_BxLxHxD.dtype, jnp.float32)
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_lxBxGxRxL = residuals
+    acc = jnp.promote_types(q_BxLxHxK.dtype, jnp.float32)
     # delta_i = Σ_d dO_id·O_id = Σ_j P_ij·dP_ij: the softmax-backward row term, linear in L.
-    delta_BxLxH = jnp.einsum("blhd,blhd->blh", o_BxLxHxD.astype(acc), do_BxLxHxD.astype(acc))
+    delta_BxLxH = jnp.einsum("blhk,blhk->blh", o_BxLxHxK.astype(acc), do_BxLxHxK.astype(acc))
     if dlse_BxLxH is not None:
         delta_BxLxH = delta_BxLxH - dlse_BxLxH.astype(acc)
-    delta_NxBxKxGxQ = _row_blocks(delta_BxLxH, g)
-    q_NxBxQxKxGxD = _grouped(q_BxLxHxD, g)
-    do_NxBxQxKxGxD = _grouped(do_BxLxHxD, g)
-    k_MxBxCxKxD = _blocks(pad_seq(k_BxSxKxD, g.n_k * g.bk), g.bk)
-    v_MxBxCxKxD = _blocks(pad_seq(v_BxSxKxD, g.n_k * g.bk), g.bk)
+    delta_lxBxGxRxL = _row_blocks(delta_BxLxH, g)
+    q_lxBxLxGxRxK = _grouped(q_BxLxHxK, g)
+    do_lxBxLxGxRxK = _grouped(do_BxLxHxK, g)
+    k_sxBxSxGxK = _blocks(pad_seq(k_BxSxGxK, g.n_k * g.bk), g.bk)
+    v_sxBxSxGxK = _blocks(pad_seq(v_BxSxGxK, g.n_k * g.bk), g.bk)
 
-    def one_k_block(dq_NxBxQxKxGxD, args):
-        m, k_BxCxKxD, v_BxCxKxD = args
+    def one_k_block(dq_lxBxLxGxRxK, args):
+        m, k_BxSxGxK, v_BxSxGxK = args
 
         def step(n, carry):
-            dk_BxCxKxD, dv_BxCxKxD, dq_NxBxQxKxGxD = carry
-            q_BxQxKxGxD, do_BxQxKxGxD = q_NxBxQxKxGxD[n], do_NxBxQxKxGxD[n]
-            s_BxKxGxQxC = _scores(q_BxQxKxGxD, k_BxCxKxD, n, m, g, acc)
-            p_BxKxGxQxC = jnp.exp(s_BxKxGxQxC - lse_NxBxKxGxQ[n][..., None])
-            dv_BxCxKxD += jnp.einsum(
-                "bkgqc,bqkgd->bckd",
-                p_BxKxGxQxC.astype(do_BxQxKxGxD.dtype),
-                do_BxQxKxGxD,
-                preferred_element_type=acc,
+            dk_BxSxGxK, dv_BxSxGxK, dq_lxBxLxGxRxK = carry
+            q_BxLxGxRxK, do_BxLxGxRxK = q_lxBxLxGxRxK[n], do_lxBxLxGxRxK[n]
+            s_BxGxRxLxS = _scores(q_BxLxGxRxK, k_BxSxGxK, n, m, g, acc)
+            p_BxGxRxLxS = jnp.exp(s_BxGxRxLxS - lse_lxBxGxRxL[n][..., None])
+            dv_BxSxGxK += _group_sum(p_BxGxRxLxS.astype(do_BxLxGxRxK.dtype), do_BxLxGxRxK, acc)
+            dp_BxGxRxLxS = jnp.einsum(
+                "blgrk,bsgk->bgrls", do_BxLxGxRxK, v_BxSxGxK, preferred_element_type=acc
             )
-            dp_BxKxGxQxC = jnp.einsum(
-                "bqkgd,bckd->bkgqc", do_BxQxKxGxD, v_BxCxKxD, preferred_element_type=acc
+            ds_BxGxRxLxS = p_BxGxRxLxS * (dp_BxGxRxLxS - delta_lxBxGxRxL[n][..., None])
+            ds_BxGxRxLxS = (ds_BxGxRxLxS * g.scale).astype(q_BxLxGxRxK.dtype)
+            dk_BxSxGxK += _group_sum(ds_BxGxRxLxS, q_BxLxGxRxK, acc)
+            dq_BxLxGxRxK = jnp.einsum(
+                "bgrls,bsgk->blgrk", ds_BxGxRxLxS, k_BxSxGxK, preferred_element_type=acc
             )
-            ds_BxKxGxQxC = p_BxKxGxQxC * (dp_BxKxGxQxC - delta_NxBxKxGxQ[n][..., None])
-            ds_BxKxGxQxC = (ds_BxKxGxQxC * g.scale).astype(q_BxQxKxGxD.dtype)
-            dk_BxCxKxD += jnp.einsum(
-                "bkgqc,bqkgd->bckd", ds_BxKxGxQxC, q_BxQxKxGxD, preferred_element_type=acc
-            )
-            dq_BxQxKxGxD = jnp.einsum(
-                "bkgqc,bckd->bqkgd", ds_BxKxGxQxC, k_BxCxKxD, preferred_element_type=acc
-            )
-            return dk_BxCxKxD, dv_BxCxKxD, dq_NxBxQxKxGxD.at[n].add(dq_BxQxKxGxD)
+            return dk_BxSxGxK, dv_BxSxGxK, dq_lxBxLxGxRxK.at[n].add(dq_BxLxGxRxK)
 
-        zeros_BxCxKxD = jnp.zeros(k_BxCxKxD.shape, acc)
-        dk_BxCxKxD, dv_BxCxKxD, dq_NxBxQxKxGxD = lax.fori_loop(
-            g.q_blocks_start(m), g.n_q, step, (zeros_BxCxKxD, zeros_BxCxKxD, dq_NxBxQxKxGxD)
+        zeros_BxSxGxK = jnp.zeros(k_BxSxGxK.shape, acc)
+        dk_BxSxGxK, dv_BxSxGxK, dq_lxBxLxGxRxK = lax.fori_loop(
+            g.q_blocks_start(m), g.n_q, step, (zeros_BxSxGxK, zeros_BxSxGxK, dq_lxBxLxGxRxK)
         )
-        return dq_NxBxQxKxGxD, (dk_BxCxKxD, dv_BxCxKxD)
+        return dq_lxBxLxGxRxK, (dk_BxSxGxK, dv_BxSxGxK)
 
-    dq_NxBxQxKxGxD, (dk_MxBxCxKxD, dv_MxBxCxKxD) = lax.scan(
+    dq_lxBxLxGxRxK, (dk_sxBxSxGxK, dv_sxBxSxGxK) = lax.scan(
         one_k_block,
-        jnp.zeros(q_NxBxQxKxGxD.shape, acc),
-        (jnp.arange(g.n_k), k_MxBxCxKxD, v_MxBxCxKxD),
+        jnp.zeros(q_lxBxLxGxRxK.shape, acc),
+        (jnp.arange(g.n_k), k_sxBxSxGxK, v_sxBxSxGxK),
     )
-    B, L, H, D = q_BxLxHxD.shape
-    S = k_BxSxKxD.shape[1]
-    dq_BxLxHxD = _unblocks(dq_NxBxQxKxGxD).reshape(B, -1, H, D)[:, :L]
-    dk_BxSxKxD = _unblocks(dk_MxBxCxKxD)[:, :S]
-    dv_BxSxKxD = _unblocks(dv_MxBxCxKxD)[:, :S]
+    B, L, H, K = q_BxLxHxK.shape
+    S = k_BxSxGxK.shape[1]
+    dq_BxLxHxK = _unblocks(dq_lxBxLxGxRxK).reshape(B, -1, H, K)[:, :L]
+    dk_BxSxGxK = _unblocks(dk_sxBxSxGxK)[:, :S]
+    dv_BxSxGxK = _unblocks(dv_sxBxSxGxK)[:, :S]
     return (
-        dq_BxLxHxD.astype(q_BxLxHxD.dtype),
-        dk_BxSxKxD.astype(k_BxSxKxD.dtype),
-        dv_BxSxKxD.astype(v_BxSxKxD.dtype),
+        dq_BxLxHxK.astype(q_BxLxHxK.dtype),
+        dk_BxSxGxK.astype(k_BxSxGxK.dtype),
+        dv_BxSxGxK.astype(v_BxSxGxK.dtype),
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry):
-    return _forward(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)[0]
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry):
+    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)[0]
 
 
-def _flash_fwd(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry):
-    o_BxLxHxD, lse_NxBxKxGxQ = _forward(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)
-    return o_BxLxHxD, (q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, o_BxLxHxD, lse_NxBxKxGxQ)
+def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry):
+    o_BxLxHxK, lse_lxBxGxRxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)
+    return o_BxLxHxK, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_lxBxGxRxL)
 
 
 _flash.defvjp(_flash_fwd, _backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash_lse(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry):
-    o_BxLxHxD, lse_NxBxKxGxQ = _forward(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)
-    return o_BxLxHxD, _row_unblocks(lse_NxBxKxGxQ, g)
+def _flash_lse(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry):
+    o_BxLxHxK, lse_lxBxGxRxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)
+    return o_BxLxHxK, _row_unblocks(lse_lxBxGxRxL, g)
 
 
-def _flash_lse_fwd(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g: Geometry):
-    o_BxLxHxD, residuals = _flash_fwd(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)
-    return (o_BxLxHxD, _row_unblocks(residuals[-1], g)), residuals
+def _flash_lse_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry):
+    o_BxLxHxK, residuals = _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)
+    return (o_BxLxHxK, _row_unblocks(residuals[-1], g)), residuals
 
 
 def _flash_lse_bwd(g: Geometry, residuals, cotangents):
-    do_BxLxHxD, dlse_BxLxH = cotangents
-    return _backward(g, residuals, do_BxLxHxD, dlse_BxLxH)
+    do_BxLxHxK, dlse_BxLxH = cotangents
+    return _backward(g, residuals, do_BxLxHxK, dlse_BxLxH)
 
 
 _flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
 
 
-def _geometry(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal, scale, block_sizes) -> Geometry:
+def _geometry(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, scale, block_sizes) -> Geometry:
     """The inputs checked, and the static sizes of one call (tiles fitted to the lengths)."""
-    check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
-    check_dtype(q_BxLxHxD, DTYPES, "blockwise")
-    _, L, H, D = q_BxLxHxD.shape
-    S, K = k_BxSxKxD.shape[1:3]
+    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    check_dtype(q_BxLxHxK, DTYPES, "blockwise")
+    _, L, H, K = q_BxLxHxK.shape
+    S, G = k_BxSxGxK.shape[1:3]
     bq, bk = block_sizes.fit(L, S)
-    scale = default_scale(D, scale)
-    return Geometry(L=L, S=S, K=K, G=H // K, bq=bq, bk=bk, causal=causal, scale=scale)
+    scale = default_scale(K, scale)
+    return Geometry(L=L, S=S, G=G, R=H // G, bq=bq, bk=bk, causal=causal, scale=scale)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes"))
 def blockwise_attention(
-    q_BxLxHxD,
-    k_BxSxKxD,
-    v_BxSxKxD,
+    q_BxLxHxK,
+    k_BxSxGxK,
+    v_BxSxGxK,
     *,
     causal: bool = True,
     scale: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
 ):
     """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim], grouped kv heads, any length."""
-    g = _geometry(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal, scale, block_sizes)
-    return _flash(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)
+    g = _geometry(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, scale, block_sizes)
+    return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes"))
 def blockwise_attention_with_lse(
-    q_BxLxHxD,
-    k_BxSxKxD,
-    v_BxSxKxD,
+    q_BxLxHxK,
+    k_BxSxGxK,
+    v_BxSxGxK,
     *,
     causal: bool = True,
     scale: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
 ):
-    """(out [B, L, H, D], lse [B, L, H] in f32): the output and each row's log-sum-exp of the
+    """(out [B, L, H, K], lse [B, L, H] in f32): the output and each row's log-sum-exp of the
     scaled scores, both differentiable. Partial attentions over disjoint key sets combine
     exactly through the LSE (ring attention), which is why a caller may need it."""
-    g = _geometry(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal, scale, block_sizes)
-    return _flash_lse(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, g)
-
-
-blockwise_reference = attention_reference  # the template keeps a reference beside each kernel
+    g = _geometry(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, scale, block_sizes)
+    return _flash_lse(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)

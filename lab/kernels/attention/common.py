@@ -9,6 +9,7 @@ with L > S would leave the first rows with no key at all, so it is refused.
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -16,9 +17,27 @@ from jax import lax
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, *, causal: bool) -> None:
+def target_device():
+    """The context mesh's abstract device (an ahead-of-time target's), or None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else getattr(mesh, "abstract_device", None)
+
+
+def platform() -> str:
+    """The platform the program is being built for: the context mesh's (an AOT target's TPU
+    or GPU devices on a CPU host), else JAX's default backend; cpu, gpu or tpu."""
+    name = getattr(target_device(), "platform", None) or jax.default_backend()
+    return {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+
+
+def device_kind() -> str:
+    """The device kind the program is built for: a target's under its mesh, else device 0's."""
+    return getattr(target_device(), "device_kind", None) or jax.devices()[0].device_kind
+
+
+def check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool) -> None:
     """Shape rules every implementation needs; raise ValueError naming the broken one."""
-    q, k, v = q_BxLxHxD, k_BxSxKxD, v_BxSxKxD
+    q, k, v = q_BxLxHxK, k_BxSxGxK, v_BxSxGxK
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"{q.shape=} {k.shape=} {v.shape=}: expected [batch, seq, heads, head_dim]"
@@ -41,11 +60,11 @@ def check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, *, causal: bool) -> None:
         raise ValueError(f"{q.dtype=} {k.dtype=} {v.dtype=}: q, k, v must share one dtype")
 
 
-def check_dtype(q_BxLxHxD, allowed: tuple, impl: str) -> None:
+def check_dtype(q_BxLxHxK, allowed: tuple, impl: str) -> None:
     """Kernels support a few dtypes; name them in the error."""
-    if q_BxLxHxD.dtype not in [jnp.dtype(d) for d in allowed]:
+    if q_BxLxHxK.dtype not in [jnp.dtype(d) for d in allowed]:
         names = ", ".join(jnp.dtype(d).name for d in allowed)
-        raise ValueError(f"{q_BxLxHxD.dtype=}: impl={impl!r} supports dtypes {names}")
+        raise ValueError(f"{q_BxLxHxK.dtype=}: impl={impl!r} supports dtypes {names}")
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
@@ -56,12 +75,12 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def pad_seq(x_BxNxHxD, length: int):
+def pad_seq(x_BxSxHxK, length: int):
     """Zero-pad the sequence axis to `length`; padded keys are masked, padded queries dropped."""
-    extra = length - x_BxNxHxD.shape[1]
+    extra = length - x_BxSxHxK.shape[1]
     if extra == 0:
-        return x_BxNxHxD
-    return jnp.pad(x_BxNxHxD, ((0, 0), (0, extra), (0, 0), (0, 0)))
+        return x_BxSxHxK
+    return jnp.pad(x_BxSxHxK, ((0, 0), (0, extra), (0, 0), (0, 0)))
 
 
 def visible(q_pos, k_pos, *, causal: bool, kv_len: int, offset: int):
@@ -91,8 +110,8 @@ class Geometry:
 
     L: int  # query length before padding
     S: int  # key length before padding
-    K: int  # kv heads
-    G: int  # query heads per kv head
+    G: int  # kv heads
+    R: int  # query heads per kv head
     bq: int  # query rows per block
     bk: int  # key columns per block
     causal: bool

@@ -13,7 +13,7 @@ statistics (log-sum-exp, the backward's delta) are stored as [batch, heads, seq,
 which broadcast against a (rows × keys) tile with no relayout.
 
 Grouped-query heads are never repeated in memory: the key/value index maps send query head h
-to kv head h // G, and the dK/dV kernel reduces over the G query heads of a group inside its
+to kv head h // R, and the dK/dV kernel reduces over the R query heads of a group inside its
 grid (axes kv-block, group member, query block), so dK/dV come out at kv-head size.
 
 Under a multi-device mesh, call it inside `jax.shard_map(..., check_vma=False)`: XLA cannot
@@ -39,7 +39,6 @@ from lab.kernels.attention.common import (
     round_up,
     visible,
 )
-from lab.kernels.attention.reference import attention_reference
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 HEAD_DIMS = (64, 128, 256)  # compiled ahead of time for v4 and v5e (tests/test_attention_aot.py)
@@ -80,15 +79,15 @@ class BlockSizes:
                 )
 
 
-def _scores(q_QxD, k_CxD, i, j, g: Geometry):
+def _scores(q_LxK, k_SxK, i, j, g: Geometry):
     """Scaled, masked f32 scores of query block i against key block j."""
-    s_QxC = lax.dot_general(q_QxD, k_CxD, NT_DIMS, preferred_element_type=jnp.float32) * g.scale
+    s_LxS = lax.dot_general(q_LxK, k_SxK, NT_DIMS, preferred_element_type=jnp.float32) * g.scale
     if not g.needs_mask:
-        return s_QxC
-    q_pos_QxC = i * g.bq + lax.broadcasted_iota(jnp.int32, s_QxC.shape, 0)
-    k_pos_QxC = j * g.bk + lax.broadcasted_iota(jnp.int32, s_QxC.shape, 1)
-    ok_QxC = visible(q_pos_QxC, k_pos_QxC, causal=g.causal, kv_len=g.S, offset=g.offset)
-    return jnp.where(ok_QxC, s_QxC, MASK_VALUE)
+        return s_LxS
+    q_pos_LxS = i * g.bq + lax.broadcasted_iota(jnp.int32, s_LxS.shape, 0)
+    k_pos_LxS = j * g.bk + lax.broadcasted_iota(jnp.int32, s_LxS.shape, 1)
+    ok_LxS = visible(q_pos_LxS, k_pos_LxS, causal=g.causal, kv_len=g.S, offset=g.offset)
+    return jnp.where(ok_LxS, s_LxS, MASK_VALUE)
 
 
 def _when_seen(i, j, g: Geometry):
@@ -97,8 +96,8 @@ def _when_seen(i, j, g: Geometry):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, sum_ref, acc_ref, *, g: Geometry):
-    # q_ref, o_ref: [Q, D]; k_ref, v_ref: [C, D]; lse_ref: [Q, 1]
-    # scratch: max_ref, sum_ref: [Q, 1] f32; acc_ref: [Q, D] f32, alive across key blocks j
+    # q_ref, o_ref: [L, K]; k_ref, v_ref: [S, K]; lse_ref: [L, 1]
+    # scratch: max_ref, sum_ref: [L, 1] f32; acc_ref: [L, K] f32, alive across key blocks j
     i, j = pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -109,15 +108,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, sum_ref, acc_ref, 
 
     @_when_seen(i, j, g)
     def _step():
-        s_QxC = _scores(q_ref[...], k_ref[...], i, j, g)
-        max_prev_Qx1 = max_ref[...]
-        max_Qx1 = jnp.maximum(max_prev_Qx1, s_QxC.max(axis=1, keepdims=True))
-        p_QxC = jnp.exp(s_QxC - max_Qx1)
-        alpha_Qx1 = jnp.exp(max_prev_Qx1 - max_Qx1)
-        sum_ref[...] = alpha_Qx1 * sum_ref[...] + p_QxC.sum(axis=1, keepdims=True)
-        pv_QxD = jnp.dot(p_QxC.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
-        acc_ref[...] = alpha_Qx1 * acc_ref[...] + pv_QxD
-        max_ref[...] = max_Qx1
+        s_LxS = _scores(q_ref[...], k_ref[...], i, j, g)
+        max_prev_Lx1 = max_ref[...]
+        max_Lx1 = jnp.maximum(max_prev_Lx1, s_LxS.max(axis=1, keepdims=True))
+        p_LxS = jnp.exp(s_LxS - max_Lx1)
+        alpha_Lx1 = jnp.exp(max_prev_Lx1 - max_Lx1)
+        sum_ref[...] = alpha_Lx1 * sum_ref[...] + p_LxS.sum(axis=1, keepdims=True)
+        pv_LxK = jnp.dot(p_LxS.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
+        acc_ref[...] = alpha_Lx1 * acc_ref[...] + pv_LxK
+        max_ref[...] = max_Lx1
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
@@ -126,8 +125,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, sum_ref, acc_ref, 
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, *, g: Geometry):
-    # q_ref, do_ref, dq_ref: [Q, D]; k_ref, v_ref: [C, D]; lse_ref, delta_ref: [Q, 1]
-    # scratch dq_acc: [Q, D] f32, alive across key blocks j
+    # q_ref, do_ref, dq_ref: [L, K]; k_ref, v_ref: [S, K]; lse_ref, delta_ref: [L, 1]
+    # scratch dq_acc: [L, K] f32, alive across key blocks j
     i, j = pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -136,13 +135,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, 
 
     @_when_seen(i, j, g)
     def _step():
-        k_CxD = k_ref[...]
-        p_QxC = jnp.exp(_scores(q_ref[...], k_CxD, i, j, g) - lse_ref[...])
-        dp_QxC = lax.dot_general(
+        k_SxK = k_ref[...]
+        p_LxS = jnp.exp(_scores(q_ref[...], k_SxK, i, j, g) - lse_ref[...])
+        dp_LxS = lax.dot_general(
             do_ref[...], v_ref[...], NT_DIMS, preferred_element_type=jnp.float32
         )
-        ds_QxC = (p_QxC * (dp_QxC - delta_ref[...]) * g.scale).astype(k_CxD.dtype)
-        dq_acc[...] += jnp.dot(ds_QxC, k_CxD, preferred_element_type=jnp.float32)
+        ds_LxS = (p_LxS * (dp_LxS - delta_ref[...]) * g.scale).astype(k_SxK.dtype)
+        dq_acc[...] += jnp.dot(ds_LxS, k_SxK, preferred_element_type=jnp.float32)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
@@ -152,8 +151,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, 
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc, *, g: Geometry
 ):
-    # q_ref, do_ref: [Q, D] of query head kv·G + member; k_ref, v_ref, dk_ref, dv_ref: [C, D]
-    # lse_ref, delta_ref: [Q, 1]; scratch dk_acc, dv_acc: [C, D] f32, alive across (member, i)
+    # q_ref, do_ref: [L, K] of query head kv·R + member; k_ref, v_ref, dk_ref, dv_ref: [S, K]
+    # lse_ref, delta_ref: [L, 1]; scratch dk_acc, dv_acc: [S, K] f32, alive across (member, i)
     j, member, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
 
     @pl.when((member == 0) & (i == 0))
@@ -163,14 +162,14 @@ def _dkv_kernel(
 
     @_when_seen(i, j, g)
     def _step():
-        q_QxD, do_QxD = q_ref[...], do_ref[...]
-        p_QxC = jnp.exp(_scores(q_QxD, k_ref[...], i, j, g) - lse_ref[...])
+        q_LxK, do_LxK = q_ref[...], do_ref[...]
+        p_LxS = jnp.exp(_scores(q_LxK, k_ref[...], i, j, g) - lse_ref[...])
         dv_acc[...] += jnp.dot(
-            p_QxC.astype(do_QxD.dtype).T, do_QxD, preferred_element_type=jnp.float32
+            p_LxS.astype(do_LxK.dtype).T, do_LxK, preferred_element_type=jnp.float32
         )
-        dp_QxC = lax.dot_general(do_QxD, v_ref[...], NT_DIMS, preferred_element_type=jnp.float32)
-        ds_QxC = (p_QxC * (dp_QxC - delta_ref[...]) * g.scale).astype(q_QxD.dtype)
-        dk_acc[...] += jnp.dot(ds_QxC.T, q_QxD, preferred_element_type=jnp.float32)
+        dp_LxS = lax.dot_general(do_LxK, v_ref[...], NT_DIMS, preferred_element_type=jnp.float32)
+        ds_LxS = (p_LxS * (dp_LxS - delta_ref[...]) * g.scale).astype(q_LxK.dtype)
+        dk_acc[...] += jnp.dot(ds_LxS.T, q_LxK, preferred_element_type=jnp.float32)
 
     @pl.when((member == pl.num_programs(3) - 1) & (i == pl.num_programs(4) - 1))
     def _finish():
@@ -182,10 +181,10 @@ def _row_spec(block: int, width: int, index_map):
     return pl.BlockSpec((None, None, block, width), index_map)
 
 
-def _pad(x_BxHxNxW, length: int):
+def _pad(x_BxHxSxK, length: int):
     """Zero-pad the sequence axis (2) to `length`: padded keys are masked, padded rows dropped."""
-    extra = length - x_BxHxNxW.shape[2]
-    return jnp.pad(x_BxHxNxW, ((0, 0), (0, 0), (0, extra), (0, 0))) if extra else x_BxHxNxW
+    extra = length - x_BxHxSxK.shape[2]
+    return jnp.pad(x_BxHxSxK, ((0, 0), (0, 0), (0, extra), (0, 0))) if extra else x_BxHxSxK
 
 
 def _padded(g: Geometry, q_rows: tuple, kv_rows: tuple) -> list:
@@ -198,134 +197,134 @@ def _params(n_parallel: int, n_arbitrary: int):
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def _forward(q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, g: Geometry, interpret: bool):
-    B, H, L, D = q_BxHxLxD.shape
-    q_BxHxLxD, k_BxKxSxD, v_BxKxSxD = _padded(g, (q_BxHxLxD,), (k_BxKxSxD, v_BxKxSxD))
+def _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g: Geometry, interpret: bool):
+    B, H, L, K = q_BxHxLxK.shape
+    q_BxHxLxK, k_BxGxSxK, v_BxGxSxK = _padded(g, (q_BxHxLxK,), (k_BxGxSxK, v_BxGxSxK))
 
     def kv_index(b, h, i, j):  # clamp skipped causal tiles to the last useful one: no DMA
         j = jnp.minimum(j, g.k_blocks_end(i) - 1) if g.causal else j
-        return b, h // g.G, j, 0
+        return b, h // g.R, j, 0
 
     q_index = lambda b, h, i, j: (b, h, i, 0)
-    q_spec, kv_spec = _row_spec(g.bq, D, q_index), _row_spec(g.bk, D, kv_index)
-    o_BxHxLxD, lse_BxHxLx1 = pl.pallas_call(
+    q_spec, kv_spec = _row_spec(g.bq, K, q_index), _row_spec(g.bk, K, kv_index)
+    o_BxHxLxK, lse_BxHxLx1 = pl.pallas_call(
         functools.partial(_fwd_kernel, g=g),
         grid=(B, H, g.n_q, g.n_k),
         in_specs=[q_spec, kv_spec, kv_spec],
         out_specs=[q_spec, _row_spec(g.bq, 1, q_index)],
         out_shape=[
-            jax.ShapeDtypeStruct(q_BxHxLxD.shape, q_BxHxLxD.dtype),
-            jax.ShapeDtypeStruct((*q_BxHxLxD.shape[:3], 1), jnp.float32),
+            jax.ShapeDtypeStruct(q_BxHxLxK.shape, q_BxHxLxK.dtype),
+            jax.ShapeDtypeStruct((*q_BxHxLxK.shape[:3], 1), jnp.float32),
         ],
         scratch_shapes=[
             pltpu.VMEM((g.bq, 1), jnp.float32),
             pltpu.VMEM((g.bq, 1), jnp.float32),
-            pltpu.VMEM((g.bq, D), jnp.float32),
+            pltpu.VMEM((g.bq, K), jnp.float32),
         ],
         compiler_params=_params(3, 1),
         interpret=interpret,
         name="flash_attention_fwd",
-    )(q_BxHxLxD, k_BxKxSxD, v_BxKxSxD)
-    return o_BxHxLxD[:, :, :L], lse_BxHxLx1[:, :, :L]
+    )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK)
+    return o_BxHxLxK[:, :, :L], lse_BxHxLx1[:, :, :L]
 
 
-def _dq(q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, do_BxHxLxD, lse_BxHxLx1, delta_BxHxLx1, g, interpret):
-    B, H, L, D = q_BxHxLxD.shape
-    q_rows = (q_BxHxLxD, do_BxHxLxD, lse_BxHxLx1, delta_BxHxLx1)
-    q_BxHxLxD, do_BxHxLxD, lse_BxHxLx1, delta_BxHxLx1, k_BxKxSxD, v_BxKxSxD = _padded(
-        g, q_rows, (k_BxKxSxD, v_BxKxSxD)
+def _dq(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1, g, interpret):
+    B, H, L, K = q_BxHxLxK.shape
+    q_rows = (q_BxHxLxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1)
+    q_BxHxLxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1, k_BxGxSxK, v_BxGxSxK = _padded(
+        g, q_rows, (k_BxGxSxK, v_BxGxSxK)
     )
 
     def kv_index(b, h, i, j):
         j = jnp.minimum(j, g.k_blocks_end(i) - 1) if g.causal else j
-        return b, h // g.G, j, 0
+        return b, h // g.R, j, 0
 
     q_index = lambda b, h, i, j: (b, h, i, 0)
-    q_spec, kv_spec = _row_spec(g.bq, D, q_index), _row_spec(g.bk, D, kv_index)
+    q_spec, kv_spec = _row_spec(g.bq, K, q_index), _row_spec(g.bk, K, kv_index)
     row_spec = _row_spec(g.bq, 1, q_index)
-    dq_BxHxLxD = pl.pallas_call(
+    dq_BxHxLxK = pl.pallas_call(
         functools.partial(_dq_kernel, g=g),
         grid=(B, H, g.n_q, g.n_k),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q_BxHxLxD.shape, q_BxHxLxD.dtype),
-        scratch_shapes=[pltpu.VMEM((g.bq, D), jnp.float32)],
+        out_shape=jax.ShapeDtypeStruct(q_BxHxLxK.shape, q_BxHxLxK.dtype),
+        scratch_shapes=[pltpu.VMEM((g.bq, K), jnp.float32)],
         compiler_params=_params(3, 1),
         interpret=interpret,
         name="flash_attention_dq",
-    )(q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, do_BxHxLxD, lse_BxHxLx1, delta_BxHxLx1)
-    return dq_BxHxLxD[:, :, :L]
+    )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1)
+    return dq_BxHxLxK[:, :, :L]
 
 
-def _dkv(q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, do_BxHxLxD, lse_BxHxLx1, delta_BxHxLx1, g, interpret):
-    B, K, S, D = k_BxKxSxD.shape
-    q_rows = (q_BxHxLxD, do_BxHxLxD, lse_BxHxLx1, delta_BxHxLx1)
-    q_BxHxLxD, do_BxHxLxD, lse_BxHxLx1, delta_BxHxLx1, k_BxKxSxD, v_BxKxSxD = _padded(
-        g, q_rows, (k_BxKxSxD, v_BxKxSxD)
+def _dkv(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1, g, interpret):
+    B, G, S, K = k_BxGxSxK.shape
+    q_rows = (q_BxHxLxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1)
+    q_BxHxLxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1, k_BxGxSxK, v_BxGxSxK = _padded(
+        g, q_rows, (k_BxGxSxK, v_BxGxSxK)
     )
 
     def q_index(b, kv, j, member, i):  # clamp skipped causal tiles to the first useful one
         i = jnp.maximum(i, g.q_blocks_start(j)) if g.causal else i
-        return b, kv * g.G + member, i, 0
+        return b, kv * g.R + member, i, 0
 
     kv_index = lambda b, kv, j, member, i: (b, kv, j, 0)
-    q_spec, kv_spec = _row_spec(g.bq, D, q_index), _row_spec(g.bk, D, kv_index)
+    q_spec, kv_spec = _row_spec(g.bq, K, q_index), _row_spec(g.bk, K, kv_index)
     row_spec = _row_spec(g.bq, 1, q_index)
-    dk_BxKxSxD, dv_BxKxSxD = pl.pallas_call(
+    dk_BxGxSxK, dv_BxGxSxK = pl.pallas_call(
         functools.partial(_dkv_kernel, g=g),
-        grid=(B, K, g.n_k, g.G, g.n_q),
+        grid=(B, G, g.n_k, g.R, g.n_q),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
         out_specs=[kv_spec, kv_spec],
         out_shape=[
-            jax.ShapeDtypeStruct(k_BxKxSxD.shape, k_BxKxSxD.dtype),
-            jax.ShapeDtypeStruct(v_BxKxSxD.shape, v_BxKxSxD.dtype),
+            jax.ShapeDtypeStruct(k_BxGxSxK.shape, k_BxGxSxK.dtype),
+            jax.ShapeDtypeStruct(v_BxGxSxK.shape, v_BxGxSxK.dtype),
         ],
-        scratch_shapes=[pltpu.VMEM((g.bk, D), jnp.float32), pltpu.VMEM((g.bk, D), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((g.bk, K), jnp.float32), pltpu.VMEM((g.bk, K), jnp.float32)],
         compiler_params=_params(3, 2),
         interpret=interpret,
         name="flash_attention_dkv",
-    )(q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, do_BxHxLxD, lse_BxHxLx1, delta_BxHxLx1)
-    return dk_BxKxSxD[:, :, :S], dv_BxKxSxD[:, :, :S]
+    )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1)
+    return dk_BxGxSxK[:, :, :S], dv_BxGxSxK[:, :, :S]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _flash(q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, g: Geometry, g_bwd: Geometry, interpret: bool):
-    return _forward(q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, g, interpret)[0]
+def _flash(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g: Geometry, g_bwd: Geometry, interpret: bool):
+    return _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g, interpret)[0]
 
 
-def _flash_fwd(q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, g, g_bwd, interpret):
-    o_BxHxLxD, lse_BxHxLx1 = _forward(q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, g, interpret)
-    return o_BxHxLxD, (q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, o_BxHxLxD, lse_BxHxLx1)
+def _flash_fwd(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g, g_bwd, interpret):
+    o_BxHxLxK, lse_BxHxLx1 = _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g, interpret)
+    return o_BxHxLxK, (q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, o_BxHxLxK, lse_BxHxLx1)
 
 
-def _flash_bwd(g, g_bwd, interpret, residuals, do_BxHxLxD):
-    q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, o_BxHxLxD, lse_BxHxLx1 = residuals
+def _flash_bwd(g, g_bwd, interpret, residuals, do_BxHxLxK):
+    q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, o_BxHxLxK, lse_BxHxLx1 = residuals
     # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row.
     delta_BxHxLx1 = jnp.sum(
-        o_BxHxLxD.astype(jnp.float32) * do_BxHxLxD.astype(jnp.float32), axis=-1, keepdims=True
+        o_BxHxLxK.astype(jnp.float32) * do_BxHxLxK.astype(jnp.float32), axis=-1, keepdims=True
     )
-    args = (q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, do_BxHxLxD, lse_BxHxLx1, delta_BxHxLx1)
-    dq_BxHxLxD = _dq(*args, g_bwd, interpret)
-    dk_BxKxSxD, dv_BxKxSxD = _dkv(*args, g_bwd, interpret)
-    return dq_BxHxLxD, dk_BxKxSxD, dv_BxKxSxD
+    args = (q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1)
+    dq_BxHxLxK = _dq(*args, g_bwd, interpret)
+    dk_BxGxSxK, dv_BxGxSxK = _dkv(*args, g_bwd, interpret)
+    return dq_BxHxLxK, dk_BxGxSxK, dv_BxGxSxK
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def check_inputs(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, *, causal: bool) -> None:
+def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool) -> None:
     """What this kernel accepts (the dispatch asks before choosing it)."""
-    check_qkv(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
-    check_dtype(q_BxLxHxD, DTYPES, "pallas_tpu")
-    if q_BxLxHxD.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"{q_BxLxHxD.shape=}: pallas_tpu supports head_dim in {HEAD_DIMS}")
+    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    check_dtype(q_BxLxHxK, DTYPES, "pallas_tpu")
+    if q_BxLxHxK.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"{q_BxLxHxK.shape=}: pallas_tpu supports head_dim in {HEAD_DIMS}")
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
 def flash_attention_tpu(
-    q_BxLxHxD,
-    k_BxSxKxD,
-    v_BxSxKxD,
+    q_BxLxHxK,
+    k_BxSxGxK,
+    v_BxSxGxK,
     *,
     causal: bool = True,
     scale: float | None = None,
@@ -338,26 +337,23 @@ def flash_attention_tpu(
     then only need multiples of 8. Each kernel pads its inputs to its own blocks, so forward
     and backward may use different tiles.
     """
-    check_inputs(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+    check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     if not interpret:
         block_sizes.check_compiled()
-    _, L, H, D = q_BxLxHxD.shape
-    S, K = k_BxSxKxD.shape[1:3]
+    _, L, H, K = q_BxLxHxK.shape
+    S, G = k_BxSxGxK.shape[1:3]
     align = 8 if interpret else LANES
 
     def geometry(block_q, block_k):
         bq, bk = min(block_q, round_up(L, align)), min(block_k, round_up(S, align))
         return Geometry(
-            L=L, S=S, K=K, G=H // K, bq=bq, bk=bk, causal=causal, scale=default_scale(D, scale)
+            L=L, S=S, G=G, R=H // G, bq=bq, bk=bk, causal=causal, scale=default_scale(K, scale)
         )
 
     g = geometry(block_sizes.block_q, block_sizes.block_k)
     g_bwd = geometry(block_sizes.block_q_bwd, block_sizes.block_k_bwd)
-    q_BxHxLxD = jnp.swapaxes(q_BxLxHxD, 1, 2)
-    k_BxKxSxD = jnp.swapaxes(k_BxSxKxD, 1, 2)
-    v_BxKxSxD = jnp.swapaxes(v_BxSxKxD, 1, 2)
-    o_BxHxLxD = _flash(q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, g, g_bwd, interpret)
-    return jnp.swapaxes(o_BxHxLxD, 1, 2)
-
-
-flash_attention_tpu_reference = attention_reference  # the template keeps one beside the kernel
+    q_BxHxLxK = jnp.swapaxes(q_BxLxHxK, 1, 2)
+    k_BxGxSxK = jnp.swapaxes(k_BxSxGxK, 1, 2)
+    v_BxGxSxK = jnp.swapaxes(v_BxSxGxK, 1, 2)
+    o_BxHxLxK = _flash(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g, g_bwd, interpret)
+    return jnp.swapaxes(o_BxHxLxK, 1, 2)

@@ -12,12 +12,11 @@ import pytest
 
 from lab.config import ConfigError, ModelConfig, parse_args
 from lab.kernels.attention import attention_reference
+from lab.kernels.attention.ring import block_attention, combine, ring_attention
+from lab.kernels.collective_matmul import collective_matmul, gathered_matmul, matmul_reference
 from lab.measure.timing import random_inputs
 from lab.mesh import make_mesh, rules_for
 from lab.model import build
-from lab.parallel.collective_matmul import collective_matmul, gathered_matmul, matmul_reference
-from lab.parallel.ring_attention import block_attention, combine, ring_attention
-from lab.train import _mesh_scope
 
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5)}
 
@@ -137,7 +136,7 @@ def test_ring_attention_rejects_indivisible_length():
 def _model_loss(cfg: ModelConfig, mesh, strategy: str, tokens_BxL, params=None):
     """Loss and parameter gradients of the model, traced under the mesh and rules like train."""
     model = build(cfg)
-    with _mesh_scope(mesh), nn.logical_axis_rules(rules_for(strategy)):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules_for(strategy)):
         if params is None:
             params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), tokens_BxL)["params"])
 
@@ -165,12 +164,12 @@ def test_ring_attention_needs_the_cp_strategy():
 
 
 def test_collective_matmul_command(capsys):
-    from lab.parallel import collective_matmul
+    from lab.tools import collective_matmul
 
-    assert collective_matmul.main(["--mesh", "2x4", "--size", "256", "--budget", "0.01"]) == 0
+    assert collective_matmul.main(["mesh=2x4", "size=256", "budget=0.01"]) == 0
     out = capsys.readouterr().out
-    assert "over model=4" in out and "collective matmul (ring)" in out
+    assert "over model=4" in out and "collective matmul" in out
     err = float(out.split("max |ring - jnp| = ")[1].split()[0])
     assert err < 1e-3
-    assert collective_matmul.main(["--mesh", "2x4", "--size", "250"]) == 2
+    assert collective_matmul.main(["mesh=2x4", "size=250"]) == 2
     assert "need x rows and w columns divisible by model=4" in capsys.readouterr().err

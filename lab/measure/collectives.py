@@ -1,4 +1,4 @@
-"""`python -m lab.parallel.collectives`: time each collective over each mesh axis, nccl-tests style.
+"""Each collective timed over each mesh axis, nccl-tests style (`python -m lab.tools.collectives`).
 
 Five collectives, written by hand with shard_map so that exactly one op runs per call:
 all-reduce (psum), all-gather, reduce-scatter (psum_scatter), all-to-all and ppermute (a
@@ -10,32 +10,25 @@ ring shift). For a message of S bytes over a group of W devices, nccl-tests repo
 where S is the all-reduce buffer, the all-gather *output*, the reduce-scatter *input*, the
 all-to-all buffer and the ppermute buffer, per device. busbw is what one device's link
 carries under a bandwidth-optimal ring, so it compares across W and with the link's spec
-(the same bus-bytes rule as lab.parallel.collectives_hlo). On CPU the devices are simulated:
+(the same bus-bytes rule, lab.measure.cost.bus_bytes, reads the compiled programs' HLO in
+lab.parallel.collectives_hlo). On CPU the devices are simulated:
 every "device" is a slice of the same host, and the figures are memory copies, not a link.
 
 Times come from lab.measure.timing.bench (median after warm-up, blocked on the output);
-records from lab.measure.records; a PNG of busbw against size per op and axis.
+records from lab.measure.records.
 """
 
-import argparse
 import dataclasses
 import math
-import re
-import sys
-import time
-from pathlib import Path
 
 import jax
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from rich.console import Console
-from rich.table import Table
 
 from lab.measure import records, timing
-from lab.parallel.collectives_hlo import bus_bytes
-from lab.parallel.shmap import shard_map
+from lab.measure.cost import bus_bytes
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ppermute")
 HLO_KIND = {"ppermute": "collective-permute"}  # the name collectives_hlo uses for the factor
@@ -86,7 +79,7 @@ def collective(op: str, mesh, axis):
     """jit(shard_map) of `op` over `axis`: global x of shape (devices·N,), one block each."""
     spec = P(tuple(mesh.axis_names))
     local = _local_fn(op, axis, group_size(mesh, axis))
-    fn = shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
     return jax.jit(fn)
 
 
@@ -167,128 +160,9 @@ def to_records(points: list[Point], simulated: bool) -> list[dict]:
     return out
 
 
-def _size(n: int) -> str:
-    return f"{n / MiB:g} MiB" if n >= MiB else f"{n / KiB:g} KiB"
-
-
-def table(points: list[Point], title: str) -> Table:
-    t = Table(title=title)
-    for col in ("op", "axis", "W", "size", "time (µs)", "algbw GB/s", "busbw GB/s"):
-        t.add_column(col, justify="right" if col not in ("op", "axis") else "left")
-    for p in points:
-        t.add_row(
-            p.op,
-            p.axis,
-            str(p.group_size),
-            _size(p.size_bytes),
-            f"{p.result.median_s * 1e6:,.1f}",
-            f"{p.algbw / 1e9:,.2f}",
-            f"{p.busbw / 1e9:,.2f}",
-        )
-    return t
-
-
-def plot(points: list[Point], path, title: str) -> Path:
-    """busbw against message size, one line per (op, axis)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for key in dict.fromkeys((p.op, p.axis) for p in points):
-        pts = [p for p in points if (p.op, p.axis) == key]
-        ax.plot(
-            [p.size_bytes for p in pts], [p.busbw / 1e9 for p in pts], "o-", label="@".join(key)
-        )
-    ax.set(xscale="log", yscale="log", xlabel="message size S (bytes)", ylabel="busbw (GB/s)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-def parse_size(text: str) -> int:
-    """'4KB' / '16MiB' / '1024' → bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)i?b?\s*", text.lower())
-    if not m:
-        raise ValueError(f"size {text!r}: expected e.g. 4KB, 16MB, 1024")
-    return int(m.group(1)) * {"": 1, "k": KiB, "m": MiB, "g": 1024 * MiB}[m.group(2)]
-
-
 def default_mesh(n_devices: int) -> str:
     """Two axes of different sizes where possible, so per-axis figures differ: 4x2 on 8."""
     return f"{n_devices // 2}x2" if n_devices >= 4 and n_devices % 2 == 0 else str(n_devices)
-
-
-def _args(argv):
-    p = argparse.ArgumentParser(prog="python -m lab.parallel.collectives", description=__doc__)
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--mesh", default="", help="mesh spec (lab.mesh); default 4x2-like")
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of the five")
-    p.add_argument("--min-size", default="4KB", help="smallest message S")
-    p.add_argument("--max-size", default="", help="largest S; default 4MB on CPU, 256MB else")
-    p.add_argument("--quick", action="store_true", help="two small sizes: checks the code path")
-    p.add_argument("--budget", type=float, default=0.3, help="seconds of timed calls per point")
-    p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU")
-    p.add_argument("--out", default="results", help="folder for the records and the plot")
-    p.add_argument("--no-plot", action="store_true")
-    return p.parse_args(argv)
-
-
-def _setup(args):
-    """Devices, mesh and sizes; bad input raises ValueError with one line for the user."""
-    from lab import devices
-    from lab.mesh import make_mesh
-
-    devices.prepare(args.mesh or "1", cpu_devices=args.cpu_devices)
-    mesh = make_mesh(args.mesh or default_mesh(jax.device_count()))
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    bad = [o for o in ops if o not in OPS]
-    if bad:
-        raise ValueError(f"--ops {','.join(bad)}: expected some of {', '.join(OPS)}")
-    cpu = jax.default_backend() == "cpu"
-    lo = parse_size(args.min_size)
-    hi = parse_size(args.max_size) if args.max_size else (4 * MiB if cpu else 256 * MiB)
-    sizes = [4 * KiB, 64 * KiB] if args.quick else sizes_between(lo, hi)
-    if not sizes:
-        raise ValueError(f"--min-size {args.min_size} is above --max-size {args.max_size}")
-    if not bench_axes(mesh):
-        raise ValueError(f"mesh={args.mesh or mesh.shape}: no axis holds more than one device")
-    return mesh, ops, sizes
-
-
-def main(argv=None) -> int:
-    args = _args(argv)
-    console = Console()
-    try:
-        mesh, ops, sizes = _setup(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    env = records.environment()
-    simulated = env["backend"] == "cpu" and env["device_count"] > 1
-    where = "simulated devices (one host's memory, not an interconnect)" if simulated else "devices"
-    shape = " × ".join(f"{a}={n}" for a, n in mesh.shape.items())
-    title = f"collectives · {env['device_kind']} × {env['device_count']} {where} · {shape}"
-    t0 = time.perf_counter()
-    points = run(mesh, sizes, ops, budget_s=args.budget)
-    console.print(table(points, title))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out)
-    path = records.write_records(
-        out / f"collectives-{env['backend']}-{stamp}.jsonl", to_records(points, simulated)
-    )
-    console.print(f"records → {path}")
-    if not args.no_plot:
-        png = plot(points, out / f"collectives-{env['backend']}-{stamp}.png", title)
-        console.print(f"plot → {png}")
-    console.print(f"done in {time.perf_counter() - t0:.1f} s; busbw = algbw · nccl-tests factor")
-    return 0
 
 
 def reference(op: str, blocks_WxN: np.ndarray) -> np.ndarray:
@@ -306,7 +180,3 @@ def reference(op: str, blocks_WxN: np.ndarray) -> np.ndarray:
     if op == "ppermute":
         return np.roll(blocks_WxN, 1, axis=0)
     raise ValueError(op)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

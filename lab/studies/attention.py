@@ -1,4 +1,5 @@
-"""`python -m lab.kernels.attention.bench [--quick|--full] [--seqs ...] [--impls ...]`.
+"""The attention sweep (`python -m lab.tools.attention_bench`): every implementation timed,
+sized and checked over sequence lengths.
 
 Sweeps sequence length, causal and not, forward and forward+backward, for every attention
 implementation that runs compiled on this backend (interpreted Pallas kernels are left out:
@@ -37,19 +38,15 @@ numbers through DLPack and synchronised as part of each timed call; its memory i
 XLA's and is reported as n/a. A peer that refuses a shape or device is listed as "does not
 compile here" with its reason.
 
-`sweep(...)` returns the records (`lab.measure.records`) so experiments can call it; the
-module also prints a table, appends the records to results/attention-<backend>-<time>.jsonl
-and draws a PNG.
+`sweep(...)` returns the records (`lab.measure.records`); the tool prints them as a table
+(lab/report/tables.py) and a PNG (lab/report/plots.py), the ledger judges them (C08).
 """
 
-import argparse
 import dataclasses
 import functools
 import json
 import math
-import os
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -85,8 +82,8 @@ class Shape:
 
     def arrays(self, seq: int, seed: int = 0):
         """Fresh random q, k, v and output cotangent (never zeros)."""
-        B, H, K, D = self.batch, self.heads, self.kv_heads, self.head_dim
-        shapes = [(B, seq, H, D), (B, seq, K, D), (B, seq, K, D), (B, seq, H, D)]
+        B, H, G, K = self.batch, self.heads, self.kv_heads, self.head_dim
+        shapes = [(B, seq, H, K), (B, seq, G, K), (B, seq, G, K), (B, seq, H, K)]
         return random_inputs(seed, shapes, jnp.dtype(self.dtype))
 
 
@@ -100,8 +97,8 @@ def _library_peers() -> dict:
         from jax.experimental.pallas.ops.gpu import attention as triton_ops
 
         def triton_mha(q, k, v, causal):
-            G = q.shape[2] // k.shape[2]
-            k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+            R = q.shape[2] // k.shape[2]
+            k, v = jnp.repeat(k, R, axis=2), jnp.repeat(v, R, axis=2)
             scale = 1.0 / math.sqrt(q.shape[-1])
             return triton_ops.mha(q, k, v, None, sm_scale=scale, causal=causal)
 
@@ -181,6 +178,21 @@ def _torch_available(backend: str) -> bool:
     return backend == "cpu" or (backend == "gpu" and torch.cuda.is_available())
 
 
+def default_seqs(backend: str, quick: bool) -> tuple[int, ...]:
+    return QUICK_SEQS if quick else GPU_SEQS if backend == "gpu" else CPU_SEQS
+
+
+def check_impls(impls, backend: str | None = None) -> None:
+    """ValueError naming what runs here, for an impl that is unknown or does not run here."""
+    here = default_impls(backend)
+    bad = [i for i in impls if i not in here]
+    if bad:
+        raise ValueError(
+            f"impls={','.join(bad)}: not an implementation that runs compiled here; "
+            f"choose from {','.join(here)}"
+        )
+
+
 def default_impls(backend: str | None = None) -> tuple[str, ...]:
     """Every compiled implementation on this backend, JAX's bundled kernels on GPU, and
     PyTorch's SDPA where PyTorch is installed for this device."""
@@ -197,7 +209,7 @@ def _op(impl: str, causal: bool):
     return functools.partial(attention, causal=causal, impl=impl)
 
 
-def _program(impl: str, causal: bool, mode: str):
+def impl_program(impl: str, causal: bool, mode: str):
     """f(q, k, v, do) -> out (fwd) or (out, dq, dk, dv) (fwd+bwd), not yet compiled."""
     return program(_op(impl, causal), mode)
 
@@ -232,7 +244,7 @@ def _free_bytes() -> int | None:
         return device_capacity_bytes(device)
 
 
-def _reference_rows(q, k, v, do, causal: bool, mode: str):
+def reference_rows(q, k, v, do, causal: bool, mode: str):
     """Float64 output (and dQ) of the last ERROR_ROWS query rows."""
     rows = slice(q.shape[1] - min(ERROR_ROWS, q.shape[1]), None)
     with jax.enable_x64(True):
@@ -243,7 +255,7 @@ def _reference_rows(q, k, v, do, causal: bool, mode: str):
         return rows, [np.asarray(x) for x in want]
 
 
-def _max_error(outputs, rows, want) -> float:
+def max_error(outputs, rows, want) -> float:
     got = [outputs] if not isinstance(outputs, tuple) else outputs[: len(want)]
     got = [np.asarray(g, np.float64) for g in got]
     errs = [
@@ -259,7 +271,7 @@ def _compile(impl, causal, mode, args):
     try:
         if impl == "torch_sdpa":
             return TorchSDPA(causal, mode, *args), time.perf_counter() - t0, None
-        compiled = jax.jit(_program(impl, causal, mode)).lower(*args).compile()
+        compiled = jax.jit(impl_program(impl, causal, mode)).lower(*args).compile()
     except Exception as e:  # noqa: BLE001 — a peer's constraints (dtype, arch, shape) differ
         return None, 0.0, f"does not compile here: {str(e).strip().splitlines()[0][:80]}"
     return compiled, time.perf_counter() - t0, compiled_memory(compiled)
@@ -307,13 +319,13 @@ def _measure_one(impls, shape: Shape, seq: int, causal: bool, mode: str, timing:
         baseline = wanted if wanted in runnable else next(iter(runnable))
         inner = timing.pop("inner", None) or _inner(runnable, args)
         times = compare(runnable, *args, baseline=baseline, inner=inner, **timing)
-        ref_rows, want = _reference_rows(*args, causal=causal, mode=mode)
+        ref_rows, want = reference_rows(*args, causal=causal, mode=mode)
         for row in rows:
             if row["impl"] in runnable:
                 row["time"] = {**times[row["impl"]], "inner": inner}
                 if baseline != wanted:  # the baseline did not run: no ratio to give
                     row["time"]["ratio"] = None
-                row["max_error"] = _max_error(_outputs(runnable[row["impl"]], args), ref_rows, want)
+                row["max_error"] = max_error(_outputs(runnable[row["impl"]], args), ref_rows, want)
     return rows
 
 
@@ -423,189 +435,7 @@ def rows_of(records: list[dict]) -> list[dict]:
     return list(rows.values())
 
 
-def _gib(n) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
 def baseline_of(records: list[dict]) -> str:
     """The impl the ratios of these records are taken against."""
     prefix = "attention time ratio vs "
     return next((r["what"][len(prefix) :] for r in records if r["what"].startswith(prefix)), "")
-
-
-def _time(s: float) -> str:
-    return f"{s * 1e3:,.1f} ms" if s >= 1e-3 else f"{s * 1e6:,.0f} µs"
-
-
-def table(records: list[dict], title: str):
-    from rich.table import Table
-
-    t = Table(title=title)
-    for col in (
-        "L=S",
-        "causal",
-        "mode",
-        "impl",
-        "time",
-        f"vs {baseline_of(records) or BASELINE}",
-        "TFLOP/s",
-        "peak temp mem",
-        "max error",
-    ):
-        t.add_column(col, justify="right")
-    for r in rows_of(records):
-        ratio = next((v for k, v in r.items() if k.startswith("attention time ratio")), None)
-        mem = r.get("attention peak temp memory")
-        mem_s = "n/a" if mem is None else _gib(mem)
-        if r.get("memory label") == "compiled, not run":
-            mem_s += " (compiled, not run)"
-        ran = "attention time" in r
-        t.add_row(
-            str(r["seq"]),
-            "yes" if r["causal"] else "no",
-            r["mode"],
-            r["impl"],
-            _time(r["attention time"]) if ran else f"skipped: {r.get('attention skipped')}",
-            f"{ratio:.2f}x" if ratio is not None else "",
-            f"{r['attention TFLOP/s']:.3f}" if ran else "",
-            mem_s,
-            f"{r['attention max error']:.1e}" if ran else "",
-        )
-    return t
-
-
-def plot(records: list[dict], path, title: str) -> Path:
-    """Time per call and peak temp memory against sequence length, one line per impl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = rows_of(records)
-    panels = [(c, m) for c in (True, False) for m in MODES]
-    fig, grid = plt.subplots(2, 3, figsize=(15, 8))
-    axes = list(grid.flat)
-    axes[-1].axis("off")
-    impls = sorted({r["impl"] for r in rows})
-    for ax, (c, m) in zip(axes, panels, strict=False):
-        for impl in impls:
-            pts = sorted(
-                (r["seq"], r["attention time"])
-                for r in rows
-                if r["impl"] == impl
-                and r["causal"] == c
-                and r["mode"] == m
-                and "attention time" in r
-            )
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
-        ax.set(title=f"{m}, {'causal' if c else 'full'}", xlabel="L = S", ylabel="s per call")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        if ax.get_lines():
-            ax.legend(fontsize=7)
-    ax = axes[len(panels)]
-    for impl in impls:
-        pts = sorted(
-            (r["seq"], r["attention peak temp memory"])
-            for r in rows
-            if r["impl"] == impl
-            and r["causal"]
-            and r["mode"] == "fwd+bwd"
-            and "attention peak temp memory" in r
-        )
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
-    ax.set(title="fwd+bwd causal: peak temp memory", xlabel="L = S", ylabel="bytes")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    if ax.get_lines():
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-# ---------------------------------------------------------------------------- entry point
-
-
-def _parser():
-    p = argparse.ArgumentParser(
-        prog="python -m lab.kernels.attention.bench", description=__doc__.split("\n")[0]
-    )
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help=f"seqs {QUICK_SEQS}, short budget")
-    size.add_argument("--full", action="store_true", help="the full sweep (the default)")
-    p.add_argument("--seqs", type=int, nargs="+", help="sequence lengths (default per backend)")
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--impls", nargs="+", help="default: all compiled here (the baseline always)")
-    p.add_argument("--baseline", default=BASELINE, help=f"ratios against this impl ({BASELINE})")
-    p.add_argument("--inner", type=int, help="calls per timed sample (default: ~2 ms a sample)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--kv-heads", type=int, default=1)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU/TPU, float32 on CPU")
-    p.add_argument("--budget", type=float, default=1.0, help="seconds of timed runs per impl")
-    p.add_argument("--out", default="results", help="folder for the records and the plot")
-    p.add_argument("--no-plot", action="store_true")
-    return p
-
-
-def main(argv=None) -> int:
-    from rich.console import Console
-
-    parser = _parser()
-    args = parser.parse_args(argv)
-    for name in ("seqs", "batch", "heads", "kv_heads", "head_dim", "inner"):
-        value = getattr(args, name)
-        if value is not None and min(value if isinstance(value, list) else [value]) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    console = Console(width=150)
-    backend = jax.default_backend()
-    seqs = args.seqs or (QUICK_SEQS if args.quick else GPU_SEQS if backend == "gpu" else CPU_SEQS)
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
-    shape = Shape(args.batch, args.heads, args.kv_heads, args.head_dim, dtype)
-    impls = list(args.impls or default_impls())
-    if args.baseline not in impls:
-        impls.append(args.baseline)
-    causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if load > (os.cpu_count() or 1) * 0.5:
-        console.print(f"[yellow]host load average {load:.1f}: times will be slow and noisy")
-    t0 = time.perf_counter()
-    records = sweep(
-        seqs,
-        causal=causal,
-        modes=tuple(args.modes),
-        impls=impls,
-        shape=shape,
-        budget_s=0.2 if args.quick else args.budget,
-        baseline=args.baseline,
-        inner=args.inner,
-        progress=console.log,
-    )
-    env = rec.environment()
-    title = (
-        f"attention · {backend} · {env['device_kind']} · jax {env['jax_version']} · "
-        f"B={shape.batch} H={shape.heads} K={shape.kv_heads} D={shape.head_dim} {dtype}"
-    )
-    console.print(table(records, title))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out)
-    console.print(
-        f"records → {rec.write_records(out / f'attention-{backend}-{stamp}.jsonl', records)}"
-    )
-    if not args.no_plot:
-        console.print(f"plot → {plot(records, out / f'attention-{backend}-{stamp}.png', title)}")
-    console.print(f"done in {time.perf_counter() - t0:.0f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,7 +4,9 @@ steps (tiny size, dp only: the machinery, not the numbers), tables and a plot.""
 import pytest
 from rich.console import Console
 
-from lab.parallel import scaling
+from lab.report import plots, tables
+from lab.studies import scaling
+from lab.tools import scaling as scaling_tool
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +50,17 @@ def test_remat_records_from_the_compiled_step(recs):
 
 def test_tables_and_plot(recs, tmp_path):
     console = Console(record=True, width=140)
-    for table in (scaling.scaling_table(recs), scaling.extrapolation_table(recs)):
+    for table in tables.scaling(recs):
         console.print(table)
-    console.print(scaling.remat_table(recs))
     text = console.export_text()
     assert "EXTRAPOLATED" in text and "simulated CPU devices" in text
-    assert scaling.plot(recs, tmp_path / "s.png").stat().st_size > 0
+    assert plots.scaling_study(recs, tmp_path / "s.png", "t").stat().st_size > 0
 
 
 def test_meshes_and_bad_input(capsys):
     assert scaling.mesh_spec("tp", 8) == "data:4,model:2"
     assert scaling.mesh_spec("fsdp", 4) == "fsdp:4"
-    assert scaling.main(["--strategies", "zero3"]) == 2
+    assert scaling_tool.main(["strategies=zero3"]) == 2
     assert "zero3" in capsys.readouterr().err
     with pytest.raises(ValueError, match="size='huge'"):
         scaling.run("huge")

@@ -20,8 +20,8 @@ BASE = ["model=tiny", "batch_size=8", "seq_len=32", "dtype=float32", "attention=
 @functools.cache
 def _explained(mesh: str, strategy: str, *extra: str):
     cfg = parse_args([*BASE, f"mesh={mesh}", f"strategy={strategy}", *extra])
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh), strategy)
-    return trainer, explain.explain(cfg, trainer)
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    return trainer, explain.explain(trainer)
 
 
 def _row(ex, role):
@@ -93,9 +93,12 @@ def test_per_device_parameter_bytes_shrink_under_fsdp_and_tp():
 def test_explain_table_renders():
     from rich.console import Console
 
+    from lab.report import tables
+
     _, ex = _explained("4x2", "tp")
     console = Console(record=True, width=160)
-    explain.render(ex, console)
+    console.print(tables.explain_memory(ex))
+    console.print(tables.explain_collectives(ex))
     text = console.export_text()
     assert "activation all-reduce" in text and "all-reduce @ model" in text
     assert ex.as_dict()["collectives"][0]["expected"]["kind"]

@@ -1,9 +1,12 @@
-"""The GPU-speed targets' judge (lab/kernels/attention/targets.py), on records built the way
-bench.sweep builds them: which reference, which speed, which verdict."""
+"""The GPU-speed targets' judge (lab/studies/targets.py), on records built the way the
+attention sweep builds them: which reference, which speed, which verdict."""
 
 import pytest
 
-from lab.kernels.attention import bench, targets
+from lab.report import markdown
+from lab.studies import attention as bench
+from lab.studies import targets
+from lab.tools import attention_targets
 
 SHAPE = bench.Shape(batch=2, heads=32, kv_heads=32, head_dim=128, dtype="bfloat16")
 
@@ -50,10 +53,11 @@ def test_without_cudnn_the_faster_fallback_is_the_reference():
     (v,) = targets.judge(recs, 128)
     assert v["reference"] == "jax_pallas_mgpu" and v["speed"] == pytest.approx(0.8)
     assert not v["met"] and "jax_pallas_triton did not run" in v["note"]
-    md = targets.markdown(
+    md = markdown.targets_block(
         [v],
         {"device_kind": "H100", "device_count": 1, "jax_version": "x", "jaxlib_version": "y"},
-        "python -m lab.kernels.attention.targets",
+        "python -m lab.tools.attention_targets",
+        "2026-11-23",
     )
     assert "**0 of 1 points meet their target.**" in md and "| 128 | 4096 | yes | fwd |" in md
 
@@ -65,6 +69,5 @@ def test_a_kernel_that_did_not_run_fails_with_the_reason():
 
 
 def test_on_cpu_the_command_says_it_needs_a_gpu(capsys):
-    with pytest.raises(SystemExit) as e:
-        targets.main([])
-    assert e.value.code == 2 and "compare compiled GPU kernels" in capsys.readouterr().err
+    assert attention_targets.main([]) == 2
+    assert "compare compiled GPU kernels" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The block-size search (lab/kernels/attention/tune.py), run through the Pallas interpreter.
+"""The block-size search (lab/studies/tune.py), run through the Pallas interpreter.
 
 On CPU the times mean nothing; what is tested is the machinery a GPU run relies on: every
 candidate checked against the reference, refused ones recorded and never chosen, scores from
@@ -10,7 +10,9 @@ import json
 
 import pytest
 
-from lab.kernels.attention import pallas_gpu, tune
+from lab.kernels.attention import pallas_gpu
+from lab.studies import tune
+from lab.tools import attention_tune
 
 SEARCH = tune.Search(
     head_dim=16,
@@ -81,24 +83,25 @@ def jax_tree_scale(tree, factor):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--interpret", "--write"], "interpret-mode times measure nothing"),
+        (["interpret=true", "write=true"], "interpret-mode times measure nothing"),
         ([], "compiles only on a GPU"),
-        (["--interpret", "--head-dims", "48"], "--head-dims 48"),
-        (["--interpret", "--heads", "3", "--kv-heads", "2"], "not a multiple"),
+        (["interpret=true", "head_dims=48"], "head_dims=[48]"),
+        (["interpret=true", "heads=3", "kv_heads=2"], "not a multiple"),
+        (["interpret=ture"], "expected a boolean"),
+        (["head_dim=64"], "did you mean head_dims?"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv, needle, capsys):
-    with pytest.raises(SystemExit) as e:
-        tune.main(argv)
-    assert e.value.code == 2
-    assert needle in capsys.readouterr().err
+    assert attention_tune.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
 
 
-def test_a_search_with_no_working_candidate_is_one_line(monkeypatch, capsys):
+def test_a_search_with_no_working_candidate_is_one_line(monkeypatch, capsys, tmp_path):
     def broken(*_a, **_k):
         raise RuntimeError("no candidate compiled and matched the reference")
 
     monkeypatch.setattr(tune, "search_block_sizes", broken)
-    assert tune.main(["--interpret"]) == 1
+    assert attention_tune.main(["interpret=true", f"out_dir={tmp_path}"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == "error: head_dim 16: no candidate compiled and matched the reference"

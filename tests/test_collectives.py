@@ -6,8 +6,10 @@ import json
 import numpy as np
 import pytest
 
+from lab.errors import ConfigError
+from lab.measure import collectives as C
 from lab.mesh import make_mesh
-from lab.parallel import collectives as C
+from lab.tools import collectives as tool
 
 
 def _expected(op, blocks, mesh, axis):
@@ -51,14 +53,14 @@ def test_bus_factor_is_nccl_tests(op, W, factor):
 def test_message_size_is_the_all_gather_output():
     assert C.message_bytes("all-gather", C.input_elems("all-gather", 4096, 4), 4) == 4096
     assert C.message_bytes("all-reduce", C.input_elems("all-reduce", 4096, 4), 4) == 4096
-    assert C.parse_size("4KB") == 4096 and C.parse_size("16MiB") == 16 * 2**20
-    with pytest.raises(ValueError, match="expected e.g."):
-        C.parse_size("lots")
+    assert tool.parse_size("k", "4KB") == 4096 and tool.parse_size("k", "16MiB") == 16 * 2**20
+    with pytest.raises(ConfigError, match="expected a size like"):
+        tool.parse_size("min_size", "lots")
 
 
 def test_main_writes_records_and_plot(tmp_path, capsys):
-    argv = ["--quick", "--mesh", "4x2", "--ops", "all-reduce,ppermute", "--budget", "0.01"]
-    assert C.main([*argv, "--out", str(tmp_path)]) == 0
+    argv = ["quick=true", "mesh=4x2", "ops=all-reduce,ppermute", "budget=0.01"]
+    assert tool.main([*argv, f"out_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "simulated devices" in out
     recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.open()]
@@ -69,5 +71,5 @@ def test_main_writes_records_and_plot(tmp_path, capsys):
 
 
 def test_bad_op_is_one_line_and_exit_2(capsys):
-    assert C.main(["--ops", "broadcast", "--no-plot"]) == 2
+    assert tool.main(["ops=broadcast", "plot=false"]) == 2
     assert "broadcast" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`python -m lab.kernels.attention.tune`: a recorded search for the Pallas GPU kernel's tiles.
+"""A recorded search for the Pallas GPU kernel's tiles (`python -m lab.tools.attention_tune`).
 
 Why a search: tile sizes, warps and pipeline depth trade registers, shared memory and
 occupancy against each other, and the best choice moves with the GPU, the head_dim and the
@@ -19,12 +19,11 @@ that Triton refuses (shared memory, registers) or that misses the tolerance is r
 its reason and never chosen.
 
 Output: every candidate's records in `results/tune-<backend>-<time>.jsonl`, a table per stage,
-and with `--write` the winner per head_dim in `tuned/<gpu>.json` beside the kernel, which
-`pallas_gpu` loads at import. `--interpret` runs the same search through the Pallas
-interpreter on tiny shapes, for the tests: its times say nothing, so `--write` refuses it.
+and with `write=true` the winner per head_dim in `tuned/<gpu>.json` beside the kernel, which
+`pallas_gpu` loads at import. `interpret=true` runs the same search through the Pallas
+interpreter on tiny shapes, for the tests: its times say nothing, so `write=true` refuses it.
 """
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -36,9 +35,10 @@ from pathlib import Path
 
 import jax
 
-from lab.kernels.attention import bench, pallas_gpu
+from lab.kernels.attention import pallas_gpu
 from lab.measure import records as rec
 from lab.measure.timing import compare
+from lab.studies import attention as bench
 
 TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}  # max error vs float64, relative
 
@@ -100,6 +100,10 @@ class Search:
     kv_heads: int = 32
     dtype: str = "bfloat16"
     interpret: bool = False
+    # Compile every candidate first and drop those that spill registers or overflow shared
+    # memory, before anything is timed: "" off, "here" the GPU present, or a plan target
+    # ("gpu:h100:1": compiled deviceless, lab/plans).
+    static: str = ""
 
     @property
     def shape(self) -> bench.Shape:
@@ -116,6 +120,98 @@ def _kernel_program(bs: pallas_gpu.BlockSizes, causal: bool, mode: str, interpre
     return bench.program(op, mode)
 
 
+def static_kernels(bs, search: Search, causal: bool, mode: str) -> list:
+    """The candidate's kernels (lab.plans.resources.Kernel) as the compiler builds them for
+    `search.static`'s GPU, at the search's shape; nothing runs."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from lab import plans
+
+    B, H, G, K = search.batch, search.heads, search.kv_heads, search.head_dim
+    L, dtype = min(search.seqs), jax.numpy.dtype(search.dtype)
+    program = _kernel_program(bs, causal, mode, interpret=False)
+    if search.static == "here":
+        devices = jax.devices()[:1]
+    else:
+        plans.prepare_host(search.static)
+        devices = plans.topology_devices(search.static)[:1]
+    mesh = jax.sharding.Mesh(devices, ("data",))
+    sh = NamedSharding(mesh, P())
+    args = [jax.ShapeDtypeStruct(s, dtype, sharding=sh) for s in
+            ((B, L, H, K), (B, L, G, K), (B, L, G, K), (B, L, H, K))]  # fmt: skip
+
+    def lower():
+        with jax.sharding.set_mesh(mesh):
+            return jax.jit(program).lower(*args)
+
+    kind = plans.gpu_kind(devices) or plans.gpu_kind_of(devices[0].device_kind)
+    return plans.resources.compile_with_kernels(lower, kind)[1]
+
+
+def static_reason(kernels, smem_limit: int) -> str | None:
+    """Why a candidate is dropped before timing (spills, shared memory), or None."""
+    for k in kernels:
+        if k.spill_bytes:
+            return f"spills {k.spill_bytes} B in {k.name} ({k.registers} registers)"
+        if k.smem > smem_limit:
+            return f"{k.name} needs {k.smem} B of shared memory > {smem_limit}"
+    return None
+
+
+def static_filter(candidates, search: Search, mode: str, log=None) -> tuple[dict, list]:
+    """{index: reason} of the candidates dropped by the static pass, and its records (every
+    kernel's registers, spills, shared memory per candidate, compiled, not run)."""
+    from lab import plans
+
+    dropped, records = {}, []
+    if not search.static:
+        return dropped, records
+    for i, bs in enumerate(candidates):
+        cand = dataclasses.asdict(bs)
+        for causal in search.causal:
+            try:
+                kernels = static_kernels(bs, search, causal, mode)
+            except Exception as e:  # noqa: BLE001 — Triton's refusals (smem, shapes) vary
+                dropped[i] = f"does not compile for {search.static}: {_first_line(e)}"
+                break
+            kind = plans.gpu_kind_of(kernels_device(search))
+            limit = plans.gpu.GPUS[kind].smem_per_block if kind else 1 << 62
+            for k in kernels:
+                records.append(
+                    rec.make_record(
+                        "tune kernel registers",
+                        k.registers,
+                        "registers",
+                        label="compiled, not run",
+                        candidate=cand,
+                        causal=causal,
+                        mode=mode,
+                        kernel=k.name,
+                        spill_bytes=k.spill_bytes,
+                        smem=k.smem,
+                        blocks_per_sm=k.blocks_per_sm,
+                        target=search.static,
+                    )
+                )
+            reason = static_reason(kernels, limit)
+            if reason:
+                dropped[i] = reason
+                break
+        if log and i in dropped:
+            log(f"static pass: candidate {i} dropped: {dropped[i]}")
+    return dropped, records
+
+
+def kernels_device(search: Search) -> str:
+    """The device kind the static pass compiles for."""
+    from lab import plans
+
+    if search.static == "here":
+        return jax.devices()[0].device_kind
+    return plans.gpu.GPUS[plans.gpu.parse_target(search.static)[0]].device_kind
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:120]
@@ -125,7 +221,7 @@ def _compile_checked(program, args, ref_rows, want, tol: float):
     """(compiled, None) or (None, reason): Triton refused it, or it is not accurate."""
     try:
         compiled = jax.jit(program).lower(*args).compile()
-        err = bench._max_error(compiled(*args), ref_rows, want)
+        err = bench.max_error(compiled(*args), ref_rows, want)
     except Exception as e:  # noqa: BLE001 — Triton's refusals come in many types
         return None, f"does not compile or run: {_first_line(e)}"
     if not err < tol:
@@ -139,20 +235,27 @@ def baseline_impl(search: Search) -> str:
         return "xla"
     args = search.shape.arrays(search.seqs[0])
     try:
-        jax.jit(bench._program("cudnn", True, "fwd")).lower(*args).compile()
+        jax.jit(bench.impl_program("cudnn", True, "fwd")).lower(*args).compile()
         return "cudnn"
     except Exception:  # noqa: BLE001 — cuDNN missing, too old, or refusing this shape
         return "xla"
 
 
 def run_stage(stage, candidates, search: Search, mode: str, baseline: str, timing, log=None):
-    """Score every candidate (a BlockSizes) on every case; records and the best index."""
+    """Score every candidate (a BlockSizes) on every case; records and the best index. With
+    `search.static`, candidates that spill or overflow shared memory are dropped first."""
     out, ratios = [], {i: [] for i in range(len(candidates))}
+    dropped, static_records = static_filter(candidates, search, mode, log)
+    out += static_records
+    for i, reason in dropped.items():
+        ratios[i].append(math.inf)
+        cand = dataclasses.asdict(candidates[i])
+        out.append(rec.make_record("tune rejected", reason, "reason", candidate=cand, stage=stage))
     for seq, causal in search.cases():
         if log:
             log(f"{stage}: {len(candidates)} candidates, L=S={seq} causal={causal} {mode}")
         args = search.shape.arrays(seq, seed=seq + causal)
-        ref_rows, want = bench._reference_rows(*args, causal=causal, mode=mode)
+        ref_rows, want = bench.reference_rows(*args, causal=causal, mode=mode)
         config = dict(
             op="attention tune",
             stage=stage,
@@ -165,6 +268,8 @@ def run_stage(stage, candidates, search: Search, mode: str, baseline: str, timin
         )
         runnable = {}
         for i, bs in enumerate(candidates):
+            if i in dropped:
+                continue
             program = _kernel_program(bs, causal, mode, search.interpret)
             compiled, reason = _compile_checked(program, args, ref_rows, want, TOL[search.dtype])
             if compiled is None:
@@ -177,7 +282,7 @@ def run_stage(stage, candidates, search: Search, mode: str, baseline: str, timin
                 runnable[str(i)] = compiled
         if not runnable:
             continue
-        runnable["baseline"] = jax.jit(bench._program(baseline, causal, mode))
+        runnable["baseline"] = jax.jit(bench.impl_program(baseline, causal, mode))
         times = compare(runnable, *args, baseline="baseline", **timing)
         for name, t in times.items():
             if name == "baseline":
@@ -250,133 +355,8 @@ def write_entry(device_kind: str, search: Search, best, summary: dict, folder=No
         "candidates": sum(len(s["candidates"]) for s in summary["stages"]),
         "date": time.strftime("%Y-%m-%d"),
         "versions": {k: v for k, v in rec.environment().items() if k.endswith("_version")},
-        "command": "python -m lab.kernels.attention.tune " + " ".join(sys.argv[1:]),
+        "command": "python -m lab.tools.attention_tune " + " ".join(sys.argv[1:]),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(entry, indent=2) + "\n")
     return path
-
-
-def stage_table(summary_stage: dict, baseline: str):
-    from rich.table import Table
-
-    s = summary_stage
-    t = Table(title=f"stage {s['stage']} ({s['mode']}): geometric-mean time / {baseline}")
-    fields = sorted(
-        {k for c in s["candidates"] for k, v in dataclasses.asdict(c).items()}
-        - _constant_fields(s["candidates"])
-    )
-    for col in (*fields, f"vs {baseline}", ""):
-        t.add_column(col, justify="right")
-    order = sorted(range(len(s["candidates"])), key=lambda i: s["scores"][i])
-    for i in order:
-        c = dataclasses.asdict(s["candidates"][i])
-        score = s["scores"][i]
-        t.add_row(
-            *(str(c[f]) for f in fields),
-            f"{score:.3f}x" if math.isfinite(score) else "rejected",
-            "← chosen" if i == s["best"] else "",
-        )
-    return t
-
-
-def _constant_fields(candidates) -> set[str]:
-    rows = [dataclasses.asdict(c) for c in candidates]
-    return {k for k in rows[0] if len({r[k] for r in rows}) == 1} if len(rows) > 1 else set()
-
-
-# ---------------------------------------------------------------------------- entry point
-
-
-def _parser():
-    p = argparse.ArgumentParser(
-        prog="python -m lab.kernels.attention.tune", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--head-dims", type=int, nargs="+", help="default 64 128 (interpret: 16)")
-    p.add_argument("--seqs", type=int, nargs="+", help="default 4096 16384 (interpret: 40)")
-    p.add_argument("--batch", type=int, help="default 2 (interpret: 1)")
-    p.add_argument("--heads", type=int, help="default 32 (interpret: 2)")
-    p.add_argument("--kv-heads", type=int, help="default: as many as --heads (interpret: 1)")
-    p.add_argument("--dtype", help="default bfloat16 (interpret: float32)", choices=sorted(TOL))
-    p.add_argument("--space", default="full", choices=sorted(FWD_SPACE))
-    p.add_argument("--budget", type=float, default=0.2, help="seconds of timed runs per impl")
-    p.add_argument("--interpret", action="store_true", help="Pallas interpreter, tiny shapes")
-    p.add_argument("--write", action="store_true", help="store the winners in tuned/<gpu>.json")
-    p.add_argument("--out", default="results", help="folder for the records")
-    return p
-
-
-def _defaults(args) -> None:
-    """The issue's GPU shapes, or tiny ones for the interpreter (which takes minutes per
-    candidate at GPU sizes)."""
-    tiny = args.interpret
-    pick = lambda value, gpu, interp: value if value is not None else (interp if tiny else gpu)
-    args.head_dims = pick(args.head_dims, [64, 128], [16])
-    args.seqs = pick(args.seqs, list(Search.seqs), [40])
-    args.batch = pick(args.batch, 2, 1)
-    args.heads = pick(args.heads, 32, 2)
-    args.kv_heads = pick(args.kv_heads, args.heads, 1)
-    args.dtype = pick(args.dtype, "bfloat16", "float32")
-
-
-def _check_args(parser, args) -> None:
-    backend = jax.default_backend()
-    if args.write and args.interpret:
-        parser.error("--write stores measured winners; interpret-mode times measure nothing")
-    if backend != "gpu" and not args.interpret:
-        parser.error(
-            f"the Pallas GPU kernel compiles only on a GPU (this backend: {backend}); "
-            "--interpret runs the search's machinery on tiny shapes"
-        )
-    for d in args.head_dims:
-        if d not in pallas_gpu.HEAD_DIMS:
-            parser.error(f"--head-dims {d}: the kernel takes head_dim in {pallas_gpu.HEAD_DIMS}")
-    for name in ("seqs", "batch", "heads", "kv_heads"):
-        value = getattr(args, name)
-        if value is not None and min(value if isinstance(value, list) else [value]) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.heads % args.kv_heads:
-        parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
-
-
-def main(argv=None) -> int:
-    from rich.console import Console
-
-    parser = _parser()
-    args = parser.parse_args(argv)
-    _defaults(args)
-    _check_args(parser, args)
-    console = Console(width=150)
-    kind = jax.devices()[0].device_kind
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) / f"tune-{jax.default_backend()}-{stamp}.jsonl"
-    for head_dim in args.head_dims:
-        search = Search(
-            head_dim=head_dim,
-            seqs=tuple(args.seqs),
-            batch=args.batch,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            dtype=args.dtype,
-            interpret=args.interpret,
-        )
-        t0 = time.perf_counter()
-        try:
-            best, records, summary = search_block_sizes(
-                search, args.space, budget_s=args.budget, log=console.log
-            )
-        except RuntimeError as e:
-            print(f"error: head_dim {head_dim}: {e}", file=sys.stderr)
-            return 1
-        rec.write_records(out, records)
-        for s in summary["stages"]:
-            console.print(stage_table(s, summary["baseline"]))
-        console.print(f"head_dim {head_dim}: {best} ({time.perf_counter() - t0:.0f} s)")
-        if args.write:
-            console.print(f"table → {write_entry(kind, search, best, summary)}")
-    console.print(f"records → {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

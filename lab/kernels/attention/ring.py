@@ -20,29 +20,29 @@ causally (the diagonal); a visiting block from earlier in the sequence is attend
 one from later is computed and then given LSE = −huge, i.e. weight 0 (computed, not skipped:
 the ring keeps every device in step).
 
-Letters: B batch, L local query rows, C local key columns, H query heads, G kv heads,
-R = H/G query heads per kv head, K head dim.
+Inside the lab's model it runs through the attention dispatch (`impl="ring"`), over the
+mesh axis the model's sharding gives the sequence (strategy=cp: `model`).
+
+Letters (lab/names.py): B batch, L local query rows, S local key columns, H query heads,
+G kv heads, K head dim.
 """
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from lab.kernels.attention import blockwise
-from lab.parallel.shmap import shard_map
-
-MASK = -1e30  # finite: a fully masked row stays finite and gets weight exp(MASK - lse) = 0
+from lab.kernels.attention.common import MASK_VALUE
 
 
-def block_attention(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, *, causal: bool, scale: float):
+def block_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool, scale: float):
     """One query block against one key block: (output_BxLxHxK in f32, lse_BxLxH), by the
     blockwise flash kernel; `causal` aligns the mask to the diagonal (own block, L == C)."""
     o_BxLxHxK, lse_BxLxH = blockwise.blockwise_attention_with_lse(
-        q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, causal=causal, scale=scale
+        q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, scale=scale
     )
     return o_BxLxHxK.astype(jnp.float32), lse_BxLxH.astype(jnp.float32)
 
@@ -54,30 +54,30 @@ def combine(o_a, lse_a, o_b, lse_b):
     return o, lse
 
 
-def _ring(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, *, axis: str, W: int, causal: bool, scale: float):
+def _ring(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, axis: str, W: int, causal: bool, scale: float):
     """Per device: local queries against every key block as it passes by."""
     i = lax.axis_index(axis)
     ring = [(d, (d + 1) % W) for d in range(W)]
     attend = functools.partial(block_attention, scale=scale)
-    o, lse = attend(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, causal=causal)  # own block: the diagonal
+    o, lse = attend(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)  # own block: the diagonal
 
     def step(carry, t):
-        k_BxCxGxK, v_BxCxGxK, o, lse = carry
-        k_BxCxGxK, v_BxCxGxK = lax.ppermute((k_BxCxGxK, v_BxCxGxK), axis, ring)
-        o_t, lse_t = attend(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, causal=False)
+        k_BxSxGxK, v_BxSxGxK, o, lse = carry
+        k_BxSxGxK, v_BxSxGxK = lax.ppermute((k_BxSxGxK, v_BxSxGxK), axis, ring)
+        o_t, lse_t = attend(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=False)
         if causal:  # the block came from device (i - t) mod W: later in the sequence → unseen
-            lse_t = jnp.where((i - t) % W > i, MASK, lse_t)
+            lse_t = jnp.where((i - t) % W > i, MASK_VALUE, lse_t)
         o, lse = combine(o, lse, o_t, lse_t)
-        return (k_BxCxGxK, v_BxCxGxK, o, lse), None
+        return (k_BxSxGxK, v_BxSxGxK, o, lse), None
 
-    (_, _, o, _), _ = lax.scan(step, (k_BxCxGxK, v_BxCxGxK, o, lse), jnp.arange(1, W))
+    (_, _, o, _), _ = lax.scan(step, (k_BxSxGxK, v_BxSxGxK, o, lse), jnp.arange(1, W))
     return o.astype(q_BxLxHxK.dtype)
 
 
 def ring_attention(
     q_BxLxHxK,
-    k_BxLxGxK,
-    v_BxLxGxK,
+    k_BxSxGxK,
+    v_BxSxGxK,
     *,
     mesh,
     seq_axis: str,
@@ -90,60 +90,18 @@ def ring_attention(
     over `seq_axis` of `mesh` (batch and heads optionally over other axes). Equal to
     lab.kernels.attention.attention_reference; L must divide by the axis size."""
     W = mesh.shape[seq_axis]
-    if q_BxLxHxK.shape[1] != k_BxLxGxK.shape[1] or q_BxLxHxK.shape[1] % W:
+    if q_BxLxHxK.shape[1] != k_BxSxGxK.shape[1] or q_BxLxHxK.shape[1] % W:
         raise ValueError(
-            f"{q_BxLxHxK.shape=} {k_BxLxGxK.shape=}: ring attention needs equal q and kv "
+            f"{q_BxLxHxK.shape=} {k_BxSxGxK.shape=}: ring attention needs equal q and kv "
             f"lengths divisible by {seq_axis}={W}"
         )
     scale = q_BxLxHxK.shape[-1] ** -0.5 if scale is None else scale
     spec = P(batch_axes, seq_axis, head_axes, None)
-    fn = shard_map(
+    fn = jax.shard_map(
         functools.partial(_ring, axis=seq_axis, W=W, causal=causal, scale=scale),
         mesh=mesh,
         in_specs=(spec, spec, spec),
         out_specs=spec,
+        check_vma=False,
     )
-    return fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
-
-
-def _context_mesh():
-    """The mesh the caller traces under (jax.set_mesh, or the Mesh context before JAX 0.7)."""
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get() if get else None
-    if mesh is None or not mesh.axis_names:
-        from jax._src import mesh as mesh_lib
-
-        mesh = mesh_lib.thread_resources.env.physical_mesh
-    return mesh
-
-
-def _fits(axes, size: int, mesh) -> bool:
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    n = 1
-    for a in names:
-        n *= mesh.shape[a]
-    return size % n == 0
-
-
-def ring_attention_in_model(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, causal: bool = True):
-    """`attention=ring` inside lab.model: the ring runs over the mesh axis the logical rules
-    give `seq` (strategy=cp). Batch and heads keep their sharding where they divide (the
-    model's init traces a batch of one)."""
-    mesh = _context_mesh()
-    batch, seq, heads, _ = nn.logical_to_mesh_axes(("batch", "seq", "heads", "kv"))
-    if not mesh.axis_names or seq is None:
-        raise ValueError("attention=ring needs a mesh axis for the sequence: use strategy=cp")
-    seq_axes = (seq,) if isinstance(seq, str) else tuple(seq)
-    if len(seq_axes) != 1:
-        raise ValueError(f"attention=ring runs over one mesh axis, the rules give seq={seq_axes}")
-    B, G = q_BxLxHxK.shape[0], k_BxLxGxK.shape[2]
-    return ring_attention(
-        q_BxLxHxK,
-        k_BxLxGxK,
-        v_BxLxGxK,
-        mesh=mesh,
-        seq_axis=seq_axes[0],
-        batch_axes=batch if _fits(batch, B, mesh) else None,
-        head_axes=heads if _fits(heads, G, mesh) else None,
-        causal=causal,
-    )
+    return fn(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK)

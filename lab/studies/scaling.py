@@ -1,4 +1,4 @@
-"""`python -m lab.parallel.scaling`: one model over 1, 2, 4, 8 devices per strategy; remat; batch.
+"""One model over 1, 2, 4, 8 devices per strategy; remat; batch (`python -m lab.tools.scaling`).
 
 Three experiments on the real compiled train step (lab.train.make_trainer), one record each
 figure (lab.measure.records):
@@ -8,7 +8,7 @@ figure (lab.measure.records):
    and the split of the step into collectives and compute. The collective time is derived:
    the collectives the compiled step really holds (lab.parallel.collectives_hlo), each
    kind's bus bytes divided by the bus bandwidth that kind measured here at its mean message
-   size (lab.parallel.collectives); compute is the rest of the step.
+   size (lab.measure.collectives); compute is the rest of the step.
 2. Data-parallel efficiency at 16, 64 and 256 devices, *extrapolated* (weak scaling: the
    per-device batch of the largest measured run). Compute is measured: one device running
    that per-device batch (scanned blocks, the remat experiment's remat=none step).
@@ -27,24 +27,19 @@ On CPU the devices are simulated (slices of one host): the split and the trend a
 properties of the compiled programs, the absolute times are not an interconnect's.
 """
 
-import argparse
 import dataclasses
 import functools
 import math
-import sys
-import time
-from pathlib import Path
 
 import jax
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
-from lab.config import parse_args
+from lab.config import Config, make_config, override
 from lab.data import synthetic_batch, to_global
-from lab.measure import memory, records, specs, timing
+from lab.measure import collectives, memory, records, specs, timing
 from lab.mesh import make_mesh
-from lab.parallel import collectives, collectives_hlo
+from lab.names import DATA
+from lab.parallel import collectives_hlo
 from lab.train import make_trainer
 
 STRATEGIES = ("dp", "fsdp", "tp", "fsdp+tp")
@@ -56,7 +51,7 @@ OP_OF_KIND = {"collective-permute": "ppermute"}
 class Size:
     """How big and how long: quick for CPU and CI, full for an accelerator."""
 
-    model: tuple[str, ...]  # lab.run keys of the model
+    model: dict  # model fields (and preset) of the runs
     batch: int  # global batch of the scaling runs
     seq_len: int
     device_counts: tuple[int, ...]
@@ -66,10 +61,12 @@ class Size:
 
 
 SIZES = {
-    "tiny": Size(("model=tiny", "n_layers=1"), 8, 32, (1, 2), ("none", "full"), (4,), 0.02),
-    "quick": Size(("model=tiny",), 16, 64, (1, 2, 4, 8), ("none", "full", "dots"), (2, 8, 32), 0.3),
+    "tiny": Size(dict(preset="tiny", n_layers=1), 8, 32, (1, 2), ("none", "full"), (4,), 0.02),
+    "quick": Size(
+        dict(preset="tiny"), 16, 64, (1, 2, 4, 8), ("none", "full", "dots"), (2, 8, 32), 0.3
+    ),
     "full": Size(
-        ("model=small",), 32, 256, (1, 2, 4, 8), ("none", "full", "dots"), (8, 16, 32, 64), 2.0
+        dict(preset="small"), 32, 256, (1, 2, 4, 8), ("none", "full", "dots"), (8, 16, 32, 64), 2.0
     ),
 }
 
@@ -86,10 +83,21 @@ def mesh_spec(strategy: str, n: int) -> str:
     }[strategy]
 
 
-def _config(size: Size, mesh: str, strategy: str, batch: int, *extra: str):
-    keys = [*size.model, f"mesh={mesh}", f"strategy={strategy}", f"batch_size={batch}"]
-    keys += [f"seq_len={size.seq_len}", "dtype=float32", "data=synthetic", *extra]
-    return parse_args(keys)
+def _config(size: Size, mesh: str, strategy: str, batch: int, **extra) -> Config:
+    cfg = make_config(
+        **size.model,
+        mesh=mesh,
+        strategy=strategy,
+        batch_size=batch,
+        seq_len=size.seq_len,
+        dtype="float32",
+        data="synthetic",
+    )
+    return override(cfg, **extra)
+
+
+def _model_name(size: Size) -> str:
+    return " ".join(f"{k}={v}" for k, v in size.model.items())
 
 
 @dataclasses.dataclass
@@ -118,10 +126,10 @@ def random_state(abstract_state, seed: int):
 
 
 @functools.cache  # the experiments share configurations (extrapolation and remat=none)
-def measure_step(cfg, strategy: str, n: int, budget_s: float) -> Measured:
+def measure_step(cfg, n: int, budget_s: float) -> Measured:
     """Compile and time the real train step of `cfg` on the first n devices."""
     mesh = make_mesh(cfg.mesh, jax.devices()[:n])
-    trainer = make_trainer(cfg, mesh, strategy)
+    trainer = make_trainer(cfg, mesh)
     compiled = trainer.lower().compile()
     tokens = synthetic_batch(cfg.seed, 0, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size)
     batch = to_global(tokens, trainer.batch_sharding)
@@ -174,7 +182,7 @@ def scaling(size: Size, strategies=STRATEGIES) -> list[dict]:
         for n in counts:
             spec = mesh_spec(strategy, n)
             cfg = _config(size, spec, strategy, size.batch)
-            m = measure_step(cfg, strategy, n, size.budget_s)
+            m = measure_step(cfg, n, size.budget_s)
             comm = collective_seconds(m, size.budget_s)
             common = dict(
                 experiment="scaling",
@@ -183,7 +191,7 @@ def scaling(size: Size, strategies=STRATEGIES) -> list[dict]:
                 mesh=spec,
                 batch=size.batch,
                 seq_len=size.seq_len,
-                model=" ".join(size.model),
+                model=_model_name(size),
                 **_env_note(),
             )
             out += [
@@ -222,16 +230,16 @@ def dp_bandwidth(mesh, budget_s: float) -> tuple[float, str]:
     if spec is not None and spec.interconnect_bandwidth:
         src = spec.source_of("interconnect_bandwidth")
         return spec.interconnect_bandwidth, f"{spec.interconnect} spec ({src})"
-    bw = _busbw("all-reduce", mesh, ("data",), 1 << 20, budget_s)
-    return bw, f"1 MiB all-reduce busbw measured here on {mesh.shape['data']} {kind} devices"
+    bw = _busbw("all-reduce", mesh, (DATA,), 1 << 20, budget_s)
+    return bw, f"1 MiB all-reduce busbw measured here on {mesh.shape[DATA]} {kind} devices"
 
 
 def extrapolate(size: Size) -> list[dict]:
     """Experiment 2: DP efficiency at 16/64/256 devices, extrapolated (weak scaling)."""
     n_max = max(n for n in size.device_counts if n <= jax.device_count())
     per_device = max(1, size.batch // n_max)
-    cfg = _config(size, "1", "dp", per_device, "remat=none", "scan_layers=true")
-    one = measure_step(cfg, "dp", 1, size.budget_s)
+    cfg = _config(size, "1", "dp", per_device, remat="none", scan_layers=True)
+    one = measure_step(cfg, 1, size.budget_s)
     if n_max > 1:
         bw, source = dp_bandwidth(make_mesh(f"data:{n_max}", jax.devices()[:n_max]), size.budget_s)
     else:
@@ -249,7 +257,7 @@ def extrapolate(size: Size) -> list[dict]:
             grad_bytes=one.grad_bytes,
             bandwidth=bw,
             bandwidth_source=source,
-            model=" ".join(size.model),
+            model=_model_name(size),
             seq_len=size.seq_len,
             **_env_note(),
         )
@@ -275,14 +283,14 @@ def remat_batch(size: Size) -> list[dict]:
     out = []
     for remat in size.remats:
         for batch in size.batches:
-            cfg = _config(size, "1", "dp", batch, f"remat={remat}", "scan_layers=true")
-            m = measure_step(cfg, "dp", 1, size.budget_s)
+            cfg = _config(size, "1", "dp", batch, remat=remat, scan_layers=True)
+            m = measure_step(cfg, 1, size.budget_s)
             common = dict(
                 experiment="remat",
                 remat=remat,
                 batch=batch,
                 seq_len=size.seq_len,
-                model=" ".join(size.model),
+                model=_model_name(size),
                 scan_layers=True,
             )
             out += [
@@ -307,205 +315,3 @@ def run(size: str = "quick", strategies=STRATEGIES) -> list[dict]:
         raise ValueError(f"size={size!r}: expected one of {', '.join(SIZES)}")
     s = SIZES[size]
     return scaling(s, strategies) + extrapolate(s) + remat_batch(s)
-
-
-# --- presenting the records ---------------------------------------------------------------
-
-
-def _by(recs: list[dict], experiment: str, what: str) -> list[dict]:
-    return [r for r in recs if r["config"].get("experiment") == experiment and r["what"] == what]
-
-
-def _value(recs, experiment, what, **match):
-    for r in _by(recs, experiment, what):
-        if all(r["config"].get(k) == v for k, v in match.items()):
-            return r["value"]
-    return None
-
-
-def _ms(x) -> str:
-    return "—" if x is None else f"{x * 1e3:,.2f}"
-
-
-def _mib(x) -> str:
-    return "—" if x is None else f"{x / 2**20:,.2f}"
-
-
-def scaling_table(recs: list[dict]) -> Table:
-    sim = any(r["config"].get("simulated_devices") for r in recs)
-    t = Table(
-        title="scaling (strong, fixed global batch)" + (" · simulated CPU devices" if sim else "")
-    )
-    t.caption = "collectives: HLO bus bytes / busbw measured per kind (derived); compute: the rest"
-    for col in (
-        "strategy",
-        "devices",
-        "mesh",
-        "step ms",
-        "collectives ms",
-        "compute ms",
-        "MiB/dev",
-    ):
-        t.add_column(col, no_wrap=True)
-    for r in _by(recs, "scaling", "step time"):
-        c = r["config"]
-        key = dict(strategy=c["strategy"], devices=c["devices"])
-        comm = _value(recs, "scaling", "collective time (HLO bytes / measured busbw)", **key)
-        comp = _value(recs, "scaling", "compute time (step - collectives)", **key)
-        mem = _value(recs, "scaling", "memory per device", **key)
-        t.add_row(
-            c["strategy"],
-            str(c["devices"]),
-            c["mesh"],
-            _ms(r["value"]),
-            _ms(comm),
-            _ms(comp),
-            _mib(mem),
-        )
-    return t
-
-
-def extrapolation_table(recs: list[dict]) -> Table:
-    rows = _by(recs, "dp extrapolation", "DP efficiency (extrapolated, no overlap)")
-    src = rows[0]["config"]["bandwidth_source"] if rows else ""
-    t = Table(title=f"data-parallel efficiency — EXTRAPOLATED, not measured (bandwidth: {src})")
-    for col in (
-        "devices",
-        "per-device batch",
-        "compute ms (measured)",
-        "all-reduce ms (model)",
-        "efficiency",
-        "with overlap",
-    ):
-        t.add_column(col)
-    for r in rows:
-        c = r["config"]
-        over = _value(
-            recs,
-            "dp extrapolation",
-            "DP efficiency (extrapolated, perfect overlap)",
-            devices=c["devices"],
-        )
-        t.add_row(
-            str(c["devices"]),
-            str(c["per_device_batch"]),
-            _ms(c["compute_s"]),
-            _ms(c["comm_s"]),
-            f"{r['value']:.1%}",
-            f"{over:.1%}",
-        )
-    return t
-
-
-def remat_table(recs: list[dict]) -> Table:
-    t = Table(title="remat × batch on one device (scanned blocks): the real compiled step")
-    for col in ("remat", "batch", "step ms", "peak MiB (memory_analysis)", "temporaries MiB"):
-        t.add_column(col)
-    for r in _by(recs, "remat", "peak memory per device"):
-        c = r["config"]
-        step = _value(recs, "remat", "step time", remat=c["remat"], batch=c["batch"])
-        t.add_row(
-            c["remat"], str(c["batch"]), _ms(step), _mib(r["value"]), _mib(c.get("temp_bytes"))
-        )
-    return t
-
-
-def plot(recs: list[dict], path) -> Path:
-    """Step time per strategy vs devices; extrapolated DP efficiency; memory per remat vs batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for strategy in dict.fromkeys(
-        r["config"]["strategy"] for r in _by(recs, "scaling", "step time")
-    ):
-        pts = [r for r in _by(recs, "scaling", "step time") if r["config"]["strategy"] == strategy]
-        axes[0].plot(
-            [r["config"]["devices"] for r in pts],
-            [r["value"] * 1e3 for r in pts],
-            "o-",
-            label=strategy,
-        )
-    axes[0].set(xlabel="devices", ylabel="step time (ms)", title="measured step time")
-    for what, style in (("no overlap", "o-"), ("perfect overlap", "s--")):
-        pts = _by(recs, "dp extrapolation", f"DP efficiency (extrapolated, {what})")
-        axes[1].plot(
-            [r["config"]["devices"] for r in pts], [r["value"] for r in pts], style, label=what
-        )
-    axes[1].set(
-        ylim=(0, 1.05),
-        xlabel="devices",
-        ylabel="efficiency",
-        title="DP efficiency — EXTRAPOLATED",
-    )
-    for remat in dict.fromkeys(
-        r["config"]["remat"] for r in _by(recs, "remat", "peak memory per device")
-    ):
-        pts = [
-            r for r in _by(recs, "remat", "peak memory per device") if r["config"]["remat"] == remat
-        ]
-        axes[2].plot(
-            [r["config"]["batch"] for r in pts],
-            [r["value"] / 2**20 for r in pts],
-            "o-",
-            label=f"remat={remat}",
-        )
-    axes[2].set(xlabel="batch", ylabel="peak MiB per device", title="remat × batch (compiled step)")
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
-
-    for ax in axes[:2]:
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    env = records.environment()
-    fig.suptitle(f"{env['device_kind']} ({env['backend']}) · jax {env['jax_version']}", fontsize=9)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m lab.parallel.scaling", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--size", default="quick", choices=tuple(SIZES), help="tiny | quick | full")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
-    p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU")
-    p.add_argument("--out", default="results", help="folder for the records and the plot")
-    p.add_argument("--no-plot", action="store_true")
-    args = p.parse_args(argv)
-    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
-    bad = [s for s in strategies if s not in STRATEGIES]
-    if bad:
-        print(
-            f"error: --strategies {','.join(bad)}: expected some of {', '.join(STRATEGIES)}",
-            file=sys.stderr,
-        )
-        return 2
-    from lab import devices
-
-    devices.prepare("1", cpu_devices=args.cpu_devices)
-    console = Console(width=max(120, Console().width))  # the tables are wider than 80
-    t0 = time.perf_counter()
-    recs = run(args.size, strategies)
-    for table in (scaling_table(recs), extrapolation_table(recs), remat_table(recs)):
-        console.print(table)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    backend = records.environment()["backend"]
-    path = records.write_records(Path(args.out) / f"scaling-{backend}-{stamp}.jsonl", recs)
-    console.print(f"records → {path}")
-    if not args.no_plot:
-        console.print(f"plot → {plot(recs, Path(args.out) / f'scaling-{backend}-{stamp}.png')}")
-    console.print(f"done in {time.perf_counter() - t0:.1f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""Plans for hardware that is not here: the real program compiled ahead of time for a target.
+
+A target names a slice of accelerators: `tpu:GEN:TOPOLOGY` (libtpu compiles for a TPU slice
+from any Linux machine; lab/plans/tpu.py) or `gpu:KIND[:N]` (JAX's CUDA plugin and ptxas compile
+for N NVIDIA GPUs from any Linux machine; lab/plans/gpu.py). The target's devices are abstract:
+a mesh over them, inputs as `ShapeDtypeStruct`s with shardings, and `jax.jit(...).lower(...)
+.compile()` give the compiler's view — per-device memory, FLOPs and bytes, the resources of
+every GPU kernel (lab/plans/resources.py) — and nothing runs. Every figure from here is
+labelled *compiled, not run*.
+"""
+
+import os
+
+from lab.errors import ConfigError
+from lab.plans import gpu, resources, tpu
+
+PLATFORMS = {"tpu": tpu, "gpu": gpu}
+
+
+def _module(target: str):
+    platform = target.split(":", 1)[0]
+    if platform not in PLATFORMS:
+        raise ConfigError(f"target={target!r}: expected {target_help()}")
+    return PLATFORMS[platform]
+
+
+def target_help() -> str:
+    """Examples of every kind of target, for --help and errors."""
+    return ", ".join(m.target_help() for m in PLATFORMS.values())
+
+
+def parse_target(target: str):
+    """The platform's parsed form of `target`; a ConfigError lists what is valid."""
+    return _module(target).parse_target(target)
+
+
+def prepare_host(target: str) -> None:
+    """Before JAX starts: the local backend only hosts the compiler (JAX platform cpu), and
+    the target's compiler is quieted where it would probe this machine for chips."""
+    _module(target).prepare_host(target)
+    if not os.environ.get("JAX_PLATFORMS"):
+        import jax
+
+        try:
+            jax.config.update("jax_platforms", "cpu")
+        except RuntimeError:  # backends already up: too late, harmless
+            pass
+
+
+def topology_devices(target: str) -> list:
+    """The abstract devices of `target`, for ahead-of-time compilation."""
+    return _module(target).topology_devices(target)
+
+
+def gpu_kind(devices) -> str | None:
+    """The lab's name (h100, …) of GPU devices (abstract or real), None for anything else."""
+    return gpu_kind_of(devices[0].device_kind) if devices else None
+
+
+def gpu_kind_of(device_kind: str) -> str | None:
+    """'NVIDIA H100 80GB HBM3' → 'h100'; None for a kind the lab does not describe."""
+    exact = next((k for k, g in gpu.GPUS.items() if g.device_kind == device_kind), None)
+    if exact:
+        return exact
+    lowered = device_kind.lower()
+    return next((k for k in gpu.GPUS if k in lowered), None)
+
+
+def compile_plan(lower, devices) -> tuple:
+    """(compiled, kernels): `lower()` compiled for the target's devices; on a GPU target with
+    every kernel's registers, spills and shared memory (lab/plans/resources.py), else []."""
+    kind = gpu_kind(devices)
+    if kind is None:
+        return lower().compile(), []
+    return resources.compile_with_kernels(lower, kind)
+
+
+def estimated_seconds(compiled) -> float | None:
+    """The compiler's own estimate of one call's time ('optimal_seconds'), where it gives one."""
+    try:
+        costs = compiled.cost_analysis()
+    except (NotImplementedError, RuntimeError):
+        return None
+    costs = costs[0] if isinstance(costs, list | tuple) and costs else costs
+    value = (costs or {}).get("optimal_seconds")
+    return float(value) if value and value > 0 else None
+
+
+def step_seconds(compiled, flops_per_device: float, spec, peak: float | None):
+    """(seconds, source) for one call on the target: the compiler's estimate, floored by the
+    roofline of the chip (spec-sheet peak and bandwidth).
+
+    Why a floor: a Pallas kernel is a custom call that XLA's cost model cannot see into — it
+    counts ~0 FLOPs for it, and its estimate can then imply more than the chip's peak.
+    `flops_per_device` (the analytic count) keeps the compute side honest. Where the compiler
+    gives no cost analysis (XLA:GPU ahead of time), the bytes side is the least any program
+    moves: its arguments read and its outputs written once (memory_analysis).
+    """
+    from lab.measure import cost, memory
+
+    c = cost.compiled_cost(compiled) or {}
+    est = estimated_seconds(compiled)
+    if not (peak and spec):
+        return est, "compiler estimate" if est else "none: no estimate and no spec entry"
+    moved = c.get("bytes accessed")
+    if not moved:
+        mem = memory.compiled_memory(compiled) or {}
+        moved = mem.get("argument_bytes", 0) + mem.get("output_bytes", 0)
+    compute_s = max(c.get("flops") or 0.0, flops_per_device) / peak
+    memory_s = (moved or 0.0) / spec.memory_bandwidth
+    floor = max(compute_s, memory_s)
+    if est and est >= floor:
+        return est, "compiler estimate"
+    bound = "compute" if compute_s >= memory_s else "memory"
+    above = "; the compiler's estimate was below it" if est else ""
+    return floor, f"roofline floor ({bound}-bound{above}): no faster, likely slower"

@@ -1,0 +1,288 @@
+"""What every GPU kernel of a compiled program uses, read from the compiler: registers, spills,
+shared memory, threads, grid, and the blocks per SM those allow.
+
+`compile_with_kernels` compiles with two per-compile options, `xla_dump_to` (a temporary folder)
+and `xla_dump_emitter_re="ptx"` (newer jax writes the per-kernel .ptx only with it), so nothing
+has to be set before JAX starts. The dump's `*thunk_sequence.txt` holds every launch's grid,
+threads per block and dynamic shared memory; `ptxas -v` on each .ptx, with the ptxas XLA itself
+uses, gives registers, spill bytes, stack and static shared memory (the same figures XLA logs
+for its own ptxas run). Mosaic GPU kernels are compiled by their custom call, not by XLA: they
+are read from `MOSAIC_GPU_DUMP_TO`, which Mosaic reads at every kernel compile (during lowering
+on jax 0.10, during the compile on newer), so it is set around both. Nothing here runs a kernel:
+every figure is *compiled, not run*.
+"""
+
+import contextlib
+import dataclasses
+import glob
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from lab.errors import ConfigError
+from lab.plans import gpu as gpus
+
+# Occupancy rules of compute capability 8.x/9.x (CUDA Programming Guide, occupancy calculator):
+# registers are allocated per warp in units of 256, shared memory in units of 128 bytes, and the
+# driver reserves 1 KiB of shared memory per resident block.
+MAX_BLOCKS_PER_SM = 32
+MAX_WARPS_PER_SM = 64
+REG_ALLOC_UNIT = 256
+SMEM_ALLOC_UNIT = 128
+SMEM_RESERVED_PER_BLOCK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One GPU kernel of a compiled program, as the compiler built it."""
+
+    name: str
+    launches: int  # times the program launches it (0: a Mosaic kernel, not counted)
+    grid: tuple | None  # blocks (x, y, z); None where the dump does not say
+    threads: int  # per block
+    registers: int  # per thread
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_bytes: int  # per thread: local memory for spills and local arrays
+    static_smem: int  # bytes, from ptxas
+    dynamic_smem: int  # bytes, from the launch
+    blocks_per_sm: int  # resident blocks one SM holds (0: it cannot launch)
+    limiter: str  # what bounds blocks_per_sm: regs, smem, warps, blocks (or why it cannot run)
+    occupancy: float  # resident warps / 64
+    notes: tuple = ()  # ptxas performance remarks, e.g. C7515 (wgmma serialised)
+
+    @property
+    def smem(self) -> int:
+        return self.static_smem + self.dynamic_smem
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.spill_store_bytes + self.spill_load_bytes
+
+
+def occupancy(kind: str, *, threads: int, registers: int, smem: int) -> tuple[int, str, float]:
+    """(blocks per SM, the limiting resource, warp occupancy), as the CUDA occupancy calculator."""
+    g = gpus.GPUS[kind]
+    warps = math.ceil(threads / 32)
+    if threads > 1024:
+        return 0, "threads > 1024", 0.0
+    if smem > g.smem_per_block:
+        return 0, f"smem > {g.smem_per_block}", 0.0
+    regs_per_warp = math.ceil(max(registers, 1) * 32 / REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    if regs_per_warp * warps > g.regs_per_sm:
+        return 0, "registers > block limit", 0.0
+    smem_block = math.ceil(smem / SMEM_ALLOC_UNIT) * SMEM_ALLOC_UNIT + SMEM_RESERVED_PER_BLOCK
+    limits = {
+        "regs": (g.regs_per_sm // regs_per_warp) // warps,
+        "smem": g.smem_per_sm // smem_block,
+        "warps": MAX_WARPS_PER_SM // warps,
+        "blocks": MAX_BLOCKS_PER_SM,
+    }
+    limiter = min(limits, key=limits.get)  # dicts keep order: regs first on a tie
+    return limits[limiter], limiter, limits[limiter] * warps / MAX_WARPS_PER_SM
+
+
+def _kernel(kind, name, launches, grid, threads, dynamic_smem, st) -> Kernel:
+    smem = st["static_smem"] + dynamic_smem
+    blocks, limiter, occ = occupancy(kind, threads=threads, registers=st["registers"], smem=smem)
+    return Kernel(
+        name=name,
+        launches=launches,
+        grid=grid,
+        threads=threads,
+        registers=st["registers"],
+        spill_store_bytes=st["spill_store_bytes"],
+        spill_load_bytes=st["spill_load_bytes"],
+        stack_bytes=st["stack_bytes"],
+        static_smem=st["static_smem"],
+        dynamic_smem=dynamic_smem,
+        blocks_per_sm=blocks,
+        limiter=limiter,
+        occupancy=occ,
+        notes=st.get("notes", ()),
+    )
+
+
+# ------------------------------------------------------------------------------- ptxas
+
+
+def parse_ptxas(log: str, ptx: str = "") -> dict[str, dict]:
+    """`ptxas -v` output → {entry: registers, spills, stack, static smem, notes}."""
+    out, notes, props = {}, {}, {}
+    current = func = None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '([^']+)'", line):
+            current = m.group(1)
+        elif m := re.search(r"Function properties for (\S+)", line):
+            func = m.group(1)
+        elif m := re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line
+        ):
+            props[func] = tuple(int(x) for x in m.groups())
+        elif (m := re.search(r"Used (\d+) registers", line)) and current:
+            smem = re.search(r"(\d+) bytes smem", line)
+            stack, stores, loads = props.get(current, (0, 0, 0))
+            out[current] = dict(
+                registers=int(m.group(1)),
+                stack_bytes=stack,
+                spill_store_bytes=stores,
+                spill_load_bytes=loads,
+                static_smem=int(smem.group(1)) if smem else 0,
+            )
+        elif "Potential Performance Loss" in line:
+            where = re.search(r"in the function '([^']+)'", line)
+            code = re.search(r"\((C\d+)\)", line)
+            if where:
+                notes.setdefault(where.group(1), []).append(code.group(1) if code else "remark")
+    for name, found in notes.items():
+        if name in out:
+            out[name]["notes"] = tuple(found)
+    for m in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx):  # threads of kernels with no launch
+        header = ptx[m.end() : ptx.find("{", m.end())]
+        ntid = re.search(r"\.(?:reqntid|maxntid)\s+([\d, ]+)", header)
+        if ntid and m.group(1) in out:
+            out[m.group(1)]["ptx_threads"] = math.prod(int(x) for x in ntid.group(1).split(","))
+    return out
+
+
+def _run_ptxas(paths: list[str]) -> dict[str, dict]:
+    exe = gpus.ptxas()
+    if exe is None:
+        raise ConfigError(f"reading GPU kernel resources needs ptxas: {gpus.INSTALL}")
+
+    def one(path):
+        text = Path(path).read_text()
+        target = re.search(r"^\.target\s+(\w+)", text, re.M)
+        if not target or ".entry" not in text:
+            return {}
+        cmd = [exe, "-v", f"--gpu-name={target.group(1)}", path, "-o", os.devnull]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"ptxas failed on {path}: {done.stderr.strip()[:300]}")
+        return parse_ptxas(done.stdout + done.stderr, text)
+
+    out: dict[str, dict] = {}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        for found in pool.map(one, paths):
+            out.update(found)
+    return out
+
+
+# ------------------------------------------------------------------------------- dumps
+
+_LAUNCH = re.compile(
+    r"(?P<name>[\w.\-$]+) grid: \[(?P<g>[\d, ]+)\] threads: \[(?P<t>[\d, ]+)\]\s+"
+    r"shared_memory: (?P<smem>\d+) bytes"
+)
+
+
+def xla_kernels(dump_dir: str, kind: str) -> list[Kernel]:
+    """XLA's and Pallas Triton's kernels of a dump: launches from the thunk sequence, figures
+    from ptxas on each .ptx."""
+    launches: dict[str, dict] = {}
+    for path in sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt"))):
+        for line in Path(path).read_text().splitlines():
+            if m := _LAUNCH.search(line):
+                grid = tuple(int(x) for x in m.group("g").split(","))
+                threads = math.prod(int(x) for x in m.group("t").split(","))
+                entry = launches.setdefault(
+                    m.group("name"), dict(grid=grid, threads=threads, smem=int(m["smem"]), n=0)
+                )
+                entry["n"] += 1
+    stats = _run_ptxas(sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))))
+    out = []
+    for name, launch in launches.items():
+        st = stats.get(name) or stats.get(name.replace(".", "_"))
+        if st is not None:
+            out.append(
+                _kernel(
+                    kind, name, launch["n"], launch["grid"], launch["threads"], launch["smem"], st
+                )
+            )
+    return out
+
+
+def _mosaic_launch(log: str) -> tuple:
+    """(grid, threads per block, dynamic smem) of the first gpu.launch of a Mosaic GPU
+    mlir-passes log, its constants resolved in the same IR dump."""
+    for section in log.split("// -----// IR Dump"):
+        launch = re.search(
+            r"gpu\.launch\b[^\n]*?blocks\([^)]*\) in \(([^)]*)\) threads\([^)]*\) in \(([^)]*)\)"
+            r"[^\n]*?dynamic_shared_memory_size (%[\w]+)",
+            section,
+        )
+        if not launch:
+            continue
+        consts = {k: int(v) for k, v in re.findall(r"(%[\w]+) = arith\.constant (\d+)", section)}
+        dims = [
+            [consts.get(v.split("=")[1].strip()) for v in group.split(",")]
+            for group in (launch.group(1), launch.group(2))
+        ]
+        if any(d is None for d in dims[0] + dims[1]):
+            continue
+        return tuple(dims[0]), math.prod(dims[1]), consts.get(launch.group(3))
+    return None, None, None
+
+
+def mosaic_kernels(dump_dir: str, kind: str) -> list[Kernel]:
+    """Mosaic GPU kernels of a MOSAIC_GPU_DUMP_TO folder: Mosaic's own ptxas log per kernel,
+    the launch from its MLIR passes log (or the scratch size jax 0.12+ records)."""
+    out = []
+    for ptxas_file in sorted(glob.glob(os.path.join(dump_dir, "*.ptxas"))):
+        base = ptxas_file[: -len(".ptxas")]
+        ptx = Path(base + ".ptx").read_text() if os.path.exists(base + ".ptx") else ""
+        passes = Path(base + ".mlir-passes.log")
+        grid, threads, smem = _mosaic_launch(passes.read_text() if passes.exists() else "")
+        resources = Path(base + ".resources.txt")
+        if smem is None and resources.exists():
+            m = re.search(r"smem_scratch_bytes=(\d+)", resources.read_text())
+            smem = int(m.group(1)) if m else None
+        for name, st in parse_ptxas(Path(ptxas_file).read_text(), ptx).items():
+            threads_ = threads or st.get("ptx_threads", 0)
+            out.append(_kernel(kind, name, 0, grid, threads_, smem or 0, st))
+    return out
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def compile_with_kernels(lower, kind: str):
+    """(compiled, kernels): `lower()` → a jax Lowered, compiled for the GPU `kind` with every
+    kernel's resources read from the compiler. `lower` runs inside the caller's mesh."""
+    tmp = tempfile.mkdtemp(prefix="lab-gpu-")
+    xla_dir, mosaic_dir = os.path.join(tmp, "xla"), os.path.join(tmp, "mosaic")
+    os.makedirs(mosaic_dir)
+    options = {"xla_dump_to": xla_dir, "xla_dump_emitter_re": "ptx"}
+    try:
+        with _env("MOSAIC_GPU_DUMP_TO", mosaic_dir):
+            compiled = lower().compile(compiler_options=options)
+        if not glob.glob(os.path.join(xla_dir, "*thunk_sequence.txt")):
+            raise RuntimeError(
+                "XLA wrote no dump: the executable came from jax's persistent compilation "
+                "cache; turn it off (jax_enable_compilation_cache=false) to read kernels"
+            )
+        kernels = xla_kernels(xla_dir, kind) + mosaic_kernels(mosaic_dir, kind)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return compiled, kernels
+
+
+def as_dicts(kernels: list[Kernel]) -> list[dict]:
+    return [
+        {**dataclasses.asdict(k), "smem": k.smem, "spill_bytes": k.spill_bytes} for k in kernels
+    ]

@@ -1,0 +1,75 @@
+"""TPU targets: `tpu:GEN:TOPOLOGY`, compiled with libtpu (the `tpu` extra) on any Linux machine.
+
+With `libtpu` installed, XLA compiles for a TPU slice that is not attached
+(`jax.experimental.topologies.get_topology_desc("v5e:2x4", platform="tpu")`).
+"""
+
+import glob
+import os
+
+from lab.errors import ConfigError
+
+# Generation → example topologies (chips per axis). Any topology libtpu accepts will do.
+TPU_TARGETS = {
+    "v4": ("2x2x1", "2x2x2", "4x4x4"),
+    "v5e": ("2x2", "2x4", "4x4", "8x16"),
+    "v5p": ("2x2x1", "2x2x2", "4x4x4"),
+    "v6e": ("2x2", "2x4", "4x4", "16x16"),
+}
+
+
+def target_help() -> str:
+    return ", ".join(f"tpu:{g}:{t}" for g, tops in TPU_TARGETS.items() for t in tops[:2])
+
+
+def parse_target(target: str) -> tuple[str, str]:
+    """'tpu:v5e:2x4' → ('v5e', '2x4'); errors list what is valid."""
+    parts = target.split(":")
+    if len(parts) != 3 or parts[0] != "tpu":
+        raise ConfigError(
+            f"target={target!r}: expected tpu:GENERATION:TOPOLOGY, e.g. {target_help()}"
+        )
+    _, gen, topo = parts
+    if gen not in TPU_TARGETS:
+        raise ConfigError(
+            f"target={target!r}: unknown TPU generation {gen!r}; "
+            f"choose one of {', '.join(TPU_TARGETS)}"
+        )
+    if not all(p.isdigit() for p in topo.split("x")):
+        raise ConfigError(f"target={target!r}: topology {topo!r} is not like 2x4 or 2x2x1")
+    return gen, topo
+
+
+def quiet_libtpu_off_tpu(generation: str = "v5e") -> None:
+    """With libtpu installed on a machine without TPU chips, JAX's start-up makes libtpu query
+    a TPU VM's metadata server and print several lines of errors. Give it a local answer."""
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return  # a real TPU VM: leave the runtime alone
+    for var, value in (
+        ("TPU_SKIP_MDS_QUERY", "1"),
+        ("TPU_WORKER_HOSTNAMES", "localhost"),
+        ("TPU_ACCELERATOR_TYPE", f"{generation}-8"),
+    ):
+        os.environ.setdefault(var, value)
+
+
+def prepare_host(target: str) -> None:
+    gen, _ = parse_target(target)
+    quiet_libtpu_off_tpu(gen)
+
+
+def topology_devices(target: str) -> list:
+    """The devices of a TPU slice that is not attached, for ahead-of-time compilation."""
+    gen, topo = parse_target(target)
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise ConfigError("target=tpu:... needs libtpu: pip install -e '.[tpu]'") from None
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(f"{gen}:{topo}", platform="tpu")
+    except Exception as e:  # libtpu reports bad layouts as several exception types
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"target={target!r}: libtpu refused the topology ({msg})") from None
+    return list(topology.devices)

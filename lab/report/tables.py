@@ -1,0 +1,470 @@
+"""Every table the lab prints in a terminal (rich), built from plain dicts and records.
+
+The library returns numbers; the commands hand them here. Numbers become text only through
+lab/report/format.py, so a figure reads the same in every table.
+"""
+
+import dataclasses
+import math
+
+from rich.table import Table
+
+from lab.report.format import duration, mib, percent, rate, ratio, size
+
+GIB = 2**30
+
+# ------------------------------------------------------------------------------- lab.run
+
+
+def run_header(cfg, info, n_params: int, mesh_shape: dict) -> str:
+    """The lines lab.run prints before compiling (rich markup)."""
+    m = cfg.model
+    sizes = " × ".join(f"{a}={n}" for a, n in mesh_shape.items() if n > 1) or "1 device"
+    return "\n".join(
+        [
+            f"[bold]lab.run[/bold] {cfg.name}",
+            f"  devices   {info.header()}",
+            f"  mesh      {sizes}  (mesh={cfg.mesh}, strategy={cfg.strategy})",
+            f"  model     {cfg.preset}: {n_params / 1e6:.2f}M params, d_model={m.d_model}, "
+            f"layers={m.n_layers}, heads={m.n_heads}/{m.n_kv_heads} kv, attention={m.attention}, "
+            f"remat={m.remat}",
+            f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32",
+            f"  data      {cfg.data}, batch {cfg.batch_size} × {cfg.seq_len} tokens, "
+            f"{cfg.steps} steps",
+        ]
+    )
+
+
+def _mem(n) -> str:
+    return "n/a" if n is None else f"{mib(n)} MiB"
+
+
+def analysis(a: dict, compile_s: float) -> Table:
+    """The compiled step per device: memory (compiled and predicted), FLOPs, bytes; a plan's
+    fit, time and MFU."""
+    t = Table(title="compiled step (per device)", show_header=False)
+    for k, v in (a["compiled_memory_per_device"] or {}).items():
+        t.add_row(k, _mem(v) if isinstance(v, int | float) else str(v))
+    pred = a["predicted_memory_per_device"]
+    parts = ", ".join(
+        f"{k} {_mem(pred[k])}" for k in ("params", "grads", "optimizer", "activations", "workspace")
+    )
+    t.add_row("predicted total (calculator)", f"{_mem(pred['total'])}  ({parts})")
+    c = a["compiled_cost_per_device"] or {}
+    t.add_row("compiled FLOPs", f"{c.get('flops', math.nan):.4g}")
+    t.add_row("compiled bytes accessed", _mem(c.get("bytes accessed")))
+    t.add_row("model FLOPs / token", f"{a['model_flops_per_token']:.4g}")
+    t.add_row("compile time", f"{compile_s:.2f} s")
+    if "aot" in a:
+        _plan_rows(t, a)
+    return t
+
+
+def _plan_rows(t: Table, a: dict) -> None:
+    plan, cap = a["aot"], a["capacity_bytes_per_device"]
+    if cap:
+        t.add_row("memory per device (spec)", f"{cap / GIB:.1f} GiB: {plan['fit']}")
+    est = plan["estimated_step_s"]
+    t.add_row(
+        "estimated step time",
+        "n/a" if est is None else f"{duration(est)} ({plan['estimate_source']})",
+    )
+    mfu = plan["implied_mfu"]
+    bound = "at most " if plan["estimate_source"].startswith("roofline floor") else ""
+    t.add_row("implied MFU", "n/a" if mfu is None else f"{bound}{percent(mfu)}")
+    t.add_row("label", plan["label"])
+
+
+def run_summary(s: dict) -> Table:
+    t = Table(title="summary", show_header=False)
+    st = s["step_time"]
+    t.add_row(
+        "step time (median)",
+        f"{duration(st['median_s'])}  (p10 {duration(st['p10_s'])}, "
+        f"p90 {duration(st['p90_s'])}, {st['runs']} steps)",
+    )
+    t.add_row("compile time", f"{st['compile_s']:.2f} s (not in the step time)")
+    t.add_row(
+        "tokens/s",
+        f"{s['tokens_per_s']:,.0f} global, {s['tokens_per_s_per_device']:,.0f} per device",
+    )
+    t.add_row("model FLOPs/token", f"{s['model_flops_per_token']:.4g}  [{s['flops_convention']}]")
+    mfu = "unavailable" if s["mfu"] is None else percent(s["mfu"])
+    if s["mfu"] is not None and s["mfu"] > 1:
+        mfu += " [above the peak: the load on the host changed between run and peak]"
+    t.add_row("MFU", f"{mfu}  (vs {s['peak_source']})")
+    mem = s["compiled_memory_per_device"] or {}
+    peak = (s["memory_stats"] or {}).get("peak_bytes_in_use")
+    t.add_row(
+        "memory / device",
+        f"{_mem(mem.get('total_bytes'))} compiled"
+        + (f", {_mem(peak)} peak in use" if peak is not None else ""),
+    )
+    if s["loss_first"] is not None:
+        t.add_row("loss", f"{s['loss_first']:.4f} → {s['loss_last']:.4f}")
+    return t
+
+
+def kernels(rows: list[dict], title: str) -> Table:
+    """Every GPU kernel of a compiled program (lab/plans/resources.py), compiled, not run."""
+    t = Table(title=title)
+    cols = ("kernel", "launches", "grid", "threads", "registers", "spills (st/ld)", "smem")
+    for col in (*cols, "blocks/SM", "limit", "occupancy"):
+        t.add_column(col, justify="left" if col == "kernel" else "right")
+    for k in rows:
+        spill = f"{k['spill_store_bytes']}/{k['spill_load_bytes']} B"
+        t.add_row(
+            k["name"][:48],
+            str(k["launches"] or "–"),
+            "×".join(map(str, k["grid"])) if k["grid"] else "?",
+            str(k["threads"]),
+            str(k["registers"]),
+            f"[red]{spill}" if k["spill_bytes"] else spill,
+            size(k["smem"]),
+            str(k["blocks_per_sm"]),
+            k["limiter"],
+            percent(k["occupancy"], 0),
+        )
+    return t
+
+
+# ------------------------------------------------------------------------------- explain
+
+
+def explain_memory(ex) -> Table:
+    """Per-device bytes from the shardings, the calculator and the compiler (MiB)."""
+    m = ex.memory
+    pred, comp = m.get("predicted") or {}, m.get("compiled") or {}
+    t = Table(title="memory per device (MiB)")
+    for col in ("component", "from shardings (exact)", "calculator (predicted)", "compiled"):
+        t.add_column(col)
+    for k in ("params", "grads", "optimizer"):
+        t.add_row(k, mib(m["sharded"][k], 3), mib(pred.get(k), 3), "")
+    t.add_row("activations", "", mib(pred.get("activations"), 3), "")
+    t.add_row("workspace", "", mib(pred.get("workspace"), 3), "")
+    t.add_row("arguments (params, optimizer, batch)", "", "", mib(comp.get("argument_bytes"), 3))
+    t.add_row("temporaries (grads, activations, …)", "", "", mib(comp.get("temp_bytes"), 3))
+    t.add_row("total", "", mib(pred.get("total"), 3), mib(comp.get("total_bytes"), 3))
+    if "error" in pred:
+        t.add_row("calculator", f"unavailable: {pred['error']}", "", "")
+    return t
+
+
+def explain_collectives(ex) -> Table:
+    """Each role's collectives read from the compiled HLO beside the analytic figure."""
+    sizes = " × ".join(f"{a}={n}" for a, n in ex.mesh.items())
+    t = Table(title=f"collectives per step, per device — {ex.strategy} on {sizes} ({ex.backend})")
+    for col in ("role", "measured (kind @ axes: ops)", "MiB sent", "analytic MiB", "ratio"):
+        t.add_column(col)
+    for r in ex.rows:
+        what = "; ".join(f"{k} @ {','.join(a)}: {o}" for k, a, o, _ in r.measured) or "none"
+        e = r.expected
+        analytic = mib(e.bus_bytes, 3) if e else "—"
+        if e and e.high > e.low * 1.001:
+            analytic += f" ({mib(e.low, 3)}–{mib(e.high, 3)})"
+        t.add_row(r.role, what, mib(r.measured_bus_bytes, 3), analytic, ratio(r.ratio, 3) or "—")
+    for r in ex.rows:
+        if r.expected:
+            t.add_row("", f"[dim]{r.role}: expected {r.expected.kind}; {r.expected.formula}", "")
+    return t
+
+
+# ------------------------------------------------------------------------------- attention
+
+
+def attention_sweep(rows: list[dict], baseline: str, title: str) -> Table:
+    """`lab.studies.attention.rows_of(records)`: one line per (seq, causal, mode, impl)."""
+    t = Table(title=title)
+    cols = ("L=S", "causal", "mode", "impl", "time", f"vs {baseline}", "TFLOP/s")
+    for col in (*cols, "peak temp mem", "max error"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        rat = next((v for k, v in r.items() if k.startswith("attention time ratio")), None)
+        mem = size(r.get("attention peak temp memory"))
+        if r.get("memory label") == "compiled, not run":
+            mem += " (compiled, not run)"
+        ran = "attention time" in r
+        t.add_row(
+            str(r["seq"]),
+            "yes" if r["causal"] else "no",
+            r["mode"],
+            r["impl"],
+            duration(r["attention time"]) if ran else f"skipped: {r.get('attention skipped')}",
+            ratio(rat),
+            f"{r['attention TFLOP/s']:.3f}" if ran else "",
+            mem,
+            f"{r['attention max error']:.1e}" if ran else "",
+        )
+    return t
+
+
+def _varying_fields(candidates) -> list[str]:
+    rows = [dataclasses.asdict(c) for c in candidates]
+    if len(rows) < 2:
+        return sorted(rows[0]) if rows else []
+    return sorted(k for k in rows[0] if len({r[k] for r in rows}) > 1)
+
+
+def tune_stage(stage: dict, baseline: str) -> Table:
+    """One stage of the tile search: every candidate's score, best first."""
+    t = Table(title=f"stage {stage['stage']} ({stage['mode']}): geometric-mean time / {baseline}")
+    fields = _varying_fields(stage["candidates"])
+    for col in (*fields, f"vs {baseline}", ""):
+        t.add_column(col, justify="right")
+    for i in sorted(range(len(stage["candidates"])), key=lambda i: stage["scores"][i]):
+        c = dataclasses.asdict(stage["candidates"][i])
+        score = stage["scores"][i]
+        t.add_row(
+            *(str(c[f]) for f in fields),
+            ratio(score, 3) if math.isfinite(score) else "rejected",
+            "← chosen" if i == stage["best"] else "",
+        )
+    return t
+
+
+def static_pass(candidates, dropped: dict, records: list[dict], title: str) -> Table:
+    """The tuner's static pass: per candidate, its worst kernel's registers, spills and shared
+    memory (compiled, not run), and whether it was kept."""
+    t = Table(title=f"static pass · {title} · compiled, not run")
+    fields = _varying_fields(candidates)
+    for col in (*fields, "max registers", "spill bytes", "max smem", "kept"):
+        t.add_column(col, justify="right")
+    for i, c in enumerate(candidates):
+        mine = [r for r in records if r["config"]["candidate"] == dataclasses.asdict(c)]
+        regs = max((r["value"] for r in mine), default=None)
+        spill = sum(r["config"]["spill_bytes"] for r in mine)
+        smem = max((r["config"]["smem"] for r in mine), default=None)
+        t.add_row(
+            *(str(dataclasses.asdict(c)[f]) for f in fields),
+            "–" if regs is None else str(regs),
+            f"[red]{spill}" if spill else "0",
+            size(smem),
+            f"[red]no: {dropped[i]}" if i in dropped else "yes",
+        )
+    return t
+
+
+def attention_plan(rows: list[dict], title: str) -> Table:
+    """The kernel compiled for a target: memory, FLOPs, time floor (compiled, not run)."""
+    t = Table(title=title)
+    cols = ("mode", "memory / device", "of HBM", "FLOPs / device (compiled | analytic)")
+    for col in (*cols, "est. time", "TFLOP/s", "of peak", "estimate"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        need = r["memory"]["total_bytes"] if r["memory"] else None
+        hbm = percent(need / r["hbm_bytes"]) if need and r["hbm_bytes"] else "–"
+        compiled_g = max(r["compiled_flops"] or 0.0, 0.0) / 1e9  # XLA can report -0
+        t.add_row(
+            r["mode"],
+            _mem(need) if need else "–",
+            hbm,
+            f"{compiled_g:,.1f} | {r['analytic_flops_per_device'] / 1e9:,.1f} G",
+            duration(r["estimated_s"]) if r["estimated_s"] else "–",
+            f"{r['tflops']:.1f}" if r["tflops"] else "–",
+            percent(r["peak_share"], 0) if r["peak_share"] else "–",
+            r["estimate_source"],
+        )
+    return t
+
+
+def attention_targets(verdicts: list[dict]) -> Table:
+    t = Table(title="pallas_gpu against the GPU-speed targets")
+    for col in ("D", "L=S", "causal", "mode", "reference", "speed", "target", "met", "note"):
+        t.add_column(col, justify="right")
+    for v in verdicts:
+        t.add_row(
+            str(v["head_dim"]),
+            str(v["seq"]),
+            "yes" if v["causal"] else "no",
+            v["mode"],
+            v.get("reference") or "–",
+            ratio(v.get("speed")) or "–",
+            f">= {v['target']}x",
+            "[green]yes" if v["met"] else "[red]no",
+            v["note"],
+        )
+    return t
+
+
+# ------------------------------------------------------------------------------- parallelism
+
+
+def collectives(points, title: str) -> Table:
+    t = Table(title=title)
+    for col in ("op", "axis", "W", "size", "time", "algbw GB/s", "busbw GB/s"):
+        t.add_column(col, justify="right" if col not in ("op", "axis") else "left")
+    for p in points:
+        t.add_row(
+            p.op,
+            str(p.axis),
+            str(p.group_size),
+            size(p.size_bytes),
+            duration(p.result.median_s),
+            f"{p.algbw / 1e9:,.2f}",
+            f"{p.busbw / 1e9:,.2f}",
+        )
+    return t
+
+
+def _by(recs: list[dict], experiment: str, what: str) -> list[dict]:
+    return [r for r in recs if r["config"].get("experiment") == experiment and r["what"] == what]
+
+
+def _value(recs, experiment, what, **match):
+    for r in _by(recs, experiment, what):
+        if all(r["config"].get(k) == v for k, v in match.items()):
+            return r["value"]
+    return None
+
+
+def _ms(x) -> str:
+    return "—" if x is None else f"{x * 1e3:,.2f}"
+
+
+def scaling(recs: list[dict]) -> list[Table]:
+    """The scaling study's three tables: strong scaling, DP extrapolation, remat × batch."""
+    sim = any(r["config"].get("simulated_devices") for r in recs)
+    t1 = Table(
+        title="scaling (strong, fixed global batch)" + (" · simulated CPU devices" if sim else "")
+    )
+    t1.caption = "collectives: HLO bus bytes / busbw measured per kind (derived); compute: the rest"
+    cols = ("strategy", "devices", "mesh", "step ms", "collectives ms", "compute ms", "MiB/dev")
+    for col in cols:
+        t1.add_column(col, no_wrap=True)
+    for r in _by(recs, "scaling", "step time"):
+        c = r["config"]
+        key = dict(strategy=c["strategy"], devices=c["devices"])
+        comm = _value(recs, "scaling", "collective time (HLO bytes / measured busbw)", **key)
+        comp = _value(recs, "scaling", "compute time (step - collectives)", **key)
+        mem = _value(recs, "scaling", "memory per device", **key)
+        t1.add_row(
+            c["strategy"],
+            str(c["devices"]),
+            c["mesh"],
+            _ms(r["value"]),
+            _ms(comm),
+            _ms(comp),
+            mib(mem, 2),
+        )
+    rows = _by(recs, "dp extrapolation", "DP efficiency (extrapolated, no overlap)")
+    src = rows[0]["config"]["bandwidth_source"] if rows else ""
+    t2 = Table(title=f"data-parallel efficiency — EXTRAPOLATED, not measured (bandwidth: {src})")
+    for col in (
+        "devices",
+        "per-device batch",
+        "compute ms (measured)",
+        "all-reduce ms (model)",
+        "efficiency",
+        "with overlap",
+    ):
+        t2.add_column(col)
+    for r in rows:
+        c = r["config"]
+        what = "DP efficiency (extrapolated, perfect overlap)"
+        over = _value(recs, "dp extrapolation", what, devices=c["devices"])
+        t2.add_row(
+            str(c["devices"]),
+            str(c["per_device_batch"]),
+            _ms(c["compute_s"]),
+            _ms(c["comm_s"]),
+            percent(r["value"]),
+            percent(over),
+        )
+    t3 = Table(title="remat × batch on one device (scanned blocks): the real compiled step")
+    for col in ("remat", "batch", "step ms", "peak MiB (memory_analysis)", "temporaries MiB"):
+        t3.add_column(col)
+    for r in _by(recs, "remat", "peak memory per device"):
+        c = r["config"]
+        step = _value(recs, "remat", "step time", remat=c["remat"], batch=c["batch"])
+        t3.add_row(
+            c["remat"],
+            str(c["batch"]),
+            _ms(step),
+            mib(r["value"], 2),
+            mib(c.get("temp_bytes"), 2),
+        )
+    return [t1, t2, t3]
+
+
+# ------------------------------------------------------------------------------- steps
+
+
+def step_compare(results: dict, title: str, baseline: str = "bare") -> Table:
+    """`lab.measure.timing.compare` results: times and the ratio to the baseline."""
+    t = Table(title=title)
+    for col in ("", "median", "p10", "p90", "runs", f"ratio vs {baseline}"):
+        t.add_column(col, justify="right")
+    for name, r in results.items():
+        t.add_row(
+            name,
+            duration(r["median_s"]),
+            duration(r["p10_s"]),
+            duration(r["p90_s"]),
+            str(r["runs"]),
+            f"{r['ratio']:.3f}",
+        )
+    return t
+
+
+def tune_step(rows: list[dict], top: dict | None, title: str) -> Table:
+    t = Table(title=title)
+    for col in ("remat", "batch", "compiled MiB/device", "step", "tokens/s", "MFU", ""):
+        t.add_column(col, justify="right")
+    for r in rows:
+        ran = "tokens_per_s" in r
+        t.add_row(
+            r["remat"],
+            str(r["batch"]),
+            mib(r.get("memory_bytes"), 0) if r.get("memory_bytes") else "–",
+            duration(r["step_s"]) if ran else f"skipped: {r['skipped']}",
+            f"{r['tokens_per_s']:,.0f}" if ran else "",
+            percent(r["mfu"]) if ran and r["mfu"] is not None else "",
+            "← best" if r is top else "",
+        )
+    return t
+
+
+# ------------------------------------------------------------------------------- ceilings
+
+
+def _vs_spec(what: str, value, spec) -> str:
+    """Share of the datasheet figure, where the device has a spec entry."""
+    if spec is None or value is None:
+        return ""
+    if what.startswith("matmul ") and "numpy" not in what and "/" not in what:
+        dtype = what.split()[1]
+        key = "tf32" if dtype == "float32" and "default" in what else dtype
+        peak = spec.peak_flops.get(key)
+        return f"{percent(value / peak, 0)} of {key} spec" if peak else ""
+    if what.startswith("copy"):
+        return f"{percent(value / spec.memory_bandwidth, 0)} of spec"
+    return ""
+
+
+def ceilings(result: dict, title: str) -> Table:
+    t = Table(title=title)
+    for col in ("measurement", "value", "note", "vs datasheet"):
+        t.add_column(col)
+    for what, value, unit, note in result["rows"]:
+        if value is None:
+            text = "n/a"
+        else:
+            text = rate(value, unit) if unit in ("FLOP/s", "B/s") else f"{value:.3g} {unit}"
+        t.add_row(what, text, note, _vs_spec(what, value, result["spec"]))
+    return t
+
+
+# ------------------------------------------------------------------------------- ledger
+
+
+def verdicts(vs) -> Table:
+    """The claims ledger's verdicts for the terminal."""
+    colours = {"holds": "green", "off": "red", "predicted": "yellow"}
+    t = Table(title="claims ledger")
+    for col in ("id", "claim", "verdict"):
+        t.add_column(col)
+    for v in vs:
+        colour = colours.get(v.status, "dim")
+        text = v.claim.text if len(v.claim.text) < 70 else v.claim.text[:67] + "…"
+        t.add_row(v.claim.id, text, f"[{colour}]{v.status}[/{colour}]")
+    return t

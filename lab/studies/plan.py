@@ -1,0 +1,148 @@
+"""The Pallas flash kernel compiled for a slice that is not here — *compiled, not run*
+(`python -m lab.tools.attention_plan target=tpu:v5e:2x2 seq=4096`).
+
+The kernel is the lab's dispatch's `pallas` for the target (pallas_tpu through Mosaic with
+libtpu; pallas_gpu through Triton with the CUDA plugin), run per device under `shard_map`
+(batch over one mesh axis, heads over the other) as inside the sharded training step; forward
+and forward + backward are compiled. On a GPU target every kernel's registers, spill bytes,
+shared memory and blocks per SM come back from the compiler. For each the plan prints the
+per-device memory from
+`memory_analysis()` against the chip's HBM, the compiled FLOPs per device beside the analytic
+count (`lab.measure.cost.attention_flops`: XLA's cost analysis cannot see inside the Mosaic
+call and counts ~0 for it), the time per call (the compiler's estimate, floored by the
+roofline of the analytic FLOPs and the compiled bytes at the spec sheet's peaks, since that
+estimate misses the kernel's FLOPs too), and the TFLOP/s and share of peak it implies.
+Records go to results/.
+"""
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lab import plans
+from lab.errors import ConfigError
+from lab.measure import cost, specs
+from lab.measure import records as rec
+from lab.measure.memory import compiled_memory
+from lab.names import DATA, MODEL
+from lab.plans import resources
+
+SPEC = P(DATA, None, MODEL, None)  # batch over data, heads over model
+
+
+def _sharded(causal: bool, impl: str):
+    """The target's Pallas kernel through the lab's dispatch, as the model calls it: under
+    the target's mesh `pallas` is its platform's kernel, run per shard under shard_map."""
+    from lab.kernels.attention import attention
+
+    return functools.partial(attention, causal=causal, impl=impl, shard_spec=SPEC)
+
+
+def _programs(attn):
+    def fwd_bwd(q, k, v):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return (out, *vjp(out))
+
+    return {"fwd": attn, "fwd+bwd": fwd_bwd}
+
+
+def mesh_for(devices, data: int):
+    if len(devices) % data:
+        raise ConfigError(f"data={data} does not divide the target's {len(devices)} devices")
+    return jax.sharding.Mesh(np.array(devices).reshape(data, -1), (DATA, MODEL))
+
+
+def plan(
+    target: str, *, batch, heads, kv_heads, seq, head_dim, dtype, causal, data, impl="pallas"
+) -> list:
+    """One row per mode: the compiler's figures for the kernel on `target` (on a GPU target,
+    every kernel's registers, spills and shared memory too)."""
+    plans.prepare_host(target)
+    devices = plans.topology_devices(target)
+    mesh = mesh_for(devices, data)
+    n_model = mesh.shape[MODEL]
+    if batch % mesh.shape[DATA] or kv_heads % n_model or heads % kv_heads:
+        raise ConfigError(
+            f"batch={batch} heads={heads} kv_heads={kv_heads} on mesh data={mesh.shape[DATA]} "
+            f"x model={n_model}: batch must split over data, kv heads over model, and heads "
+            "must be a multiple of kv heads"
+        )
+    sh = NamedSharding(mesh, SPEC)
+    q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.dtype(dtype), sharding=sh)
+    kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.dtype(dtype), sharding=sh)
+    kind = devices[0].device_kind
+    spec, peak = specs.lookup(kind), specs.peak_flops(kind, dtype)
+    rows = []
+    for mode, fn in _programs(_sharded(causal, impl)).items():
+        t0 = time.perf_counter()
+
+        def lower(fn=fn):
+            with jax.sharding.set_mesh(mesh):
+                return jax.jit(fn).lower(q, kv, kv)
+
+        try:
+            compiled, kernels = plans.compile_plan(lower, devices)
+        except ValueError as e:  # the dispatch's one-line refusal (shape, dtype, head_dim)
+            raise ConfigError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 — compilers' refusals (tiles, VMEM, smem) vary
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"{mode}: the compiler refused the kernel for {target}: {first}"
+            ) from None
+        analytic = cost.attention_flops(batch, heads, seq, seq, head_dim, causal=causal)
+        analytic *= 1.0 if mode == "fwd" else 3.5  # backward = 2.5x forward (the convention)
+        per_device = analytic / len(devices)
+        c = cost.compiled_cost(compiled) or {}
+        est, source = plans.step_seconds(compiled, per_device, spec, peak)
+        rows.append(
+            dict(
+                mode=mode,
+                device_kind=kind,
+                devices=len(devices),
+                compile_s=time.perf_counter() - t0,
+                memory=compiled_memory(compiled),
+                hbm_bytes=spec.memory_bytes if spec else None,
+                compiled_flops=c.get("flops"),
+                analytic_flops_per_device=per_device,
+                estimated_s=est,
+                estimate_source=source,
+                tflops=per_device / est / 1e12 if est else None,
+                peak_share=per_device / est / peak if est and peak else None,
+                kernels=resources.as_dicts(kernels),
+            )
+        )
+    return rows
+
+
+def to_records(rows: list[dict], config: dict) -> list[dict]:
+    out = []
+    for r in rows:
+        c = dict(op="attention plan", mode=r["mode"], target_kind=r["device_kind"], **config)
+        label = "compiled, not run"
+        if r["memory"]:
+            out.append(
+                rec.make_record(
+                    "attention plan memory per device",
+                    r["memory"]["total_bytes"],
+                    "B",
+                    label=label,
+                    **c,
+                )
+            )
+        if r["estimated_s"]:
+            out.append(
+                rec.make_record(
+                    "attention plan step time",
+                    r["estimated_s"],
+                    "s",
+                    label=label,
+                    source=r["estimate_source"],
+                    **c,
+                )
+            )
+    return out

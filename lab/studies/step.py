@@ -1,0 +1,156 @@
+"""The lab's real training step, measured: against a bare step, and over remat × batch.
+
+`compare_with_bare` asks whether the lab's machinery costs anything (`python -m
+lab.tools.bench_step`): it builds the lab's step (shardings, logical constraints, donation,
+loss scaling hooks) and a bare step written the plain way (`jax.jit` of `model.apply` +
+`optax.adamw`, no shardings) for the same model on the same batch, and times them alternately
+in one run (lab.measure.timing.compare). Ratio = lab / bare.
+
+`tune` asks which remat policy and batch size give the step its highest MFU (`python -m
+lab.tools.tune_step`). Memory decides what can run (remat trades recomputation for
+activations, a bigger batch amortises the weights' traffic), so the answer is measured, not
+guessed: for every (remat, batch_size) pair it builds lab.run's real sharded step with the
+other keys as given, compiles it, refuses it where the compiled memory does not fit the device
+(the check lab.run makes before training), times the others (`lab.measure.timing.bench`:
+warm-up and compile apart, the donated state threaded through, blocked on every leaf), and
+reports tokens/s and MFU in lab.run's convention (model FLOPs per token from 6·N + attention;
+the spec-table peak of the devices the mesh uses, or this CPU's measured matmul peak).
+"""
+
+import time
+
+import jax
+import optax
+
+from lab import summary
+from lab.config import make_config
+from lab.data import host_batch, to_global
+from lab.errors import ConfigError
+from lab.measure import records as rec
+from lab.measure.timing import bench, compare, threaded
+from lab.model import build
+from lab.session import Session, open_session
+from lab.train import cross_entropy, make_optimizer
+
+REMATS = ("none", "dots", "full")
+BATCHES = (8, 16, 32)
+STEPS = 1000  # the schedule's length: the timed steps sit in its warm-up, as early training does
+
+
+def bare_step_fn(model, tx):
+    """The step a user would write first: no shardings, no constraints, no donation."""
+
+    @jax.jit
+    def step(params, opt_state, tokens_BxL1):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, tokens_BxL1[:, :-1])
+            return cross_entropy(logits, tokens_BxL1[:, 1:])
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def _tokens(s: Session):
+    cfg = s.cfg
+    batch = host_batch(cfg.data, cfg.seed, 0, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size)
+    return to_global(batch, s.trainer.batch_sharding)
+
+
+def compare_with_bare(s: Session, budget_s: float = 5.0) -> dict:
+    """{bare, lab}: the timing.compare results of both steps on one batch (ratio vs bare)."""
+    cfg, trainer = s.cfg, s.trainer
+    tokens = _tokens(s)
+    compiled = trainer.lower().compile()
+    lab_call = threaded(lambda st: compiled(st, tokens)[0], trainer.init(jax.random.key(cfg.seed)))
+    params = jax.device_put(trainer.init(jax.random.key(cfg.seed)).params, jax.devices()[0])
+    tx = make_optimizer(cfg)  # the same optimizer: only the machinery differs
+    bare = bare_step_fn(build(cfg.model), tx)
+    bare_call = threaded(lambda st: bare(*st, tokens)[:2], (params, tx.init(params)))
+    return compare({"bare": bare_call, "lab": lab_call}, baseline="bare", budget_s=budget_s)
+
+
+def measure(keys: dict, remat: str, batch: int, budget_s: float) -> dict:
+    """One candidate: compiled memory, and (if it fits) step time, tokens/s and MFU."""
+    s = open_session(keys={**keys, "remat": remat, "batch_size": batch, "steps": STEPS})
+    cfg, info, trainer = s.cfg, s.info, s.trainer
+    t0 = time.perf_counter()
+    compiled = trainer.lower().compile()
+    compile_s = time.perf_counter() - t0
+    analysis = summary.analyse(compiled, cfg, info, trainer)
+    mem = analysis["compiled_memory_per_device"] or {}
+    row = dict(remat=remat, batch=batch, compile_s=compile_s, memory_bytes=mem.get("total_bytes"))
+    problem = summary.memory_problem(analysis, info)
+    if problem:
+        return {**row, "skipped": problem.split(":")[0]}
+    tokens = _tokens(s)
+    call = threaded(lambda st: compiled(st, tokens)[0], trainer.init(jax.random.key(cfg.seed)))
+    timed = bench(call, warmup=2, min_runs=3, budget_s=budget_s)
+    tokens_per_s = batch * cfg.seq_len / timed.median_s
+    peak, source = summary.mesh_peak(cfg, info, analysis["devices"])
+    achieved = analysis["model_flops_per_token"] * tokens_per_s
+    return {
+        **row,
+        "step_s": timed.median_s,
+        "runs": timed.runs,
+        "tokens_per_s": tokens_per_s,
+        "mfu": achieved / peak if peak else None,
+        "peak_source": source,
+        "convention": analysis["flops_convention"],
+        "device": f"{info.device_kind} × {analysis['devices']}",
+    }
+
+
+def tune(keys: dict, remats=REMATS, batches=BATCHES, budget_s: float = 5.0, log=None) -> list:
+    """Every (remat, batch) measured; a row each (skipped rows say why)."""
+    for key in ("remat", "batch_size", "steps"):
+        if key in keys:
+            raise ConfigError(f"{key}= is what tune_step varies or sets; use remats=/batches=")
+    make_config(**keys)  # lab.run's own keys: a bad combination is one line before compiling
+    rows = []
+    for remat in remats:
+        for batch in batches:
+            if log:
+                log(f"remat={remat} batch_size={batch}")
+            try:
+                rows.append(measure(keys, remat, batch, budget_s))
+            except ConfigError as e:  # e.g. a batch the mesh's data axes do not divide
+                rows.append(dict(remat=remat, batch=batch, skipped=str(e)))
+            except RuntimeError as e:  # the allocator ran out where the compiled figure fit
+                if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                    raise
+                rows.append(dict(remat=remat, batch=batch, skipped="out of memory when run"))
+    return rows
+
+
+def best(rows: list[dict]) -> dict | None:
+    ran = [r for r in rows if "tokens_per_s" in r]
+    return max(ran, key=lambda r: r["tokens_per_s"]) if ran else None
+
+
+def tune_records(rows: list[dict], keys: dict) -> list[dict]:
+    out = []
+    for r in rows:
+        config = dict(experiment="tune_step", keys=keys, remat=r["remat"], batch=r["batch"])
+        if "tokens_per_s" not in r:
+            out.append(rec.make_record("tune_step skipped", r["skipped"], "reason", **config))
+            continue
+        extra = dict(step_s=r["step_s"], runs=r["runs"], memory_bytes=r["memory_bytes"])
+        out.append(
+            rec.make_record("training tokens/s", r["tokens_per_s"], "tokens/s", **config, **extra)
+        )
+        if r["mfu"] is not None:
+            out.append(
+                rec.make_record(
+                    "training MFU",
+                    r["mfu"],
+                    "fraction",
+                    label="derived",
+                    peak_source=r["peak_source"],
+                    convention=r["convention"],
+                    **config,
+                )
+            )
+    return out

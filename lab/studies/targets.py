@@ -1,0 +1,85 @@
+"""The GPU-speed targets, measured side by side and judged (python -m lab.tools.attention_targets).
+
+The grid of the GPU-speed issue: bfloat16, B=2, H=32 (as many kv heads), S = L ∈ {2048, 4096,
+8192, 16384}, head_dim ∈ {64, 128}, causal and not, forward and forward + backward. At every
+point the lab's compiled Pallas kernel (`pallas_gpu`, block sizes from `tuned/`) runs in one
+`bench.sweep` with its peers: cuDNN and XLA through `jax.nn.dot_product_attention`, JAX's
+bundled Pallas kernels (Triton and Mosaic GPU) and PyTorch's SDPA where installed.
+
+Targets, per point, from the medians of that one run:
+
+- speed = reference time / pallas_gpu time ≥ 1.0 forward, ≥ 0.8 forward + backward, where the
+  reference is cuDNN, or, where cuDNN does not run, the faster of PyTorch SDPA and JAX's Mosaic
+  GPU attention at that point;
+- ahead of JAX's bundled Pallas (Triton) attention and of XLA's attention.
+
+The tool prints the verdict table and writes the records plus a Markdown block for BENCHMARKS.md
+(date, device, versions, command) to `results/`. Needs an NVIDIA GPU: elsewhere the lab's
+GPU kernel runs only through the interpreter, whose times say nothing.
+"""
+
+from lab.studies import attention as bench
+
+SEQS = (2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128)
+OURS = "pallas_gpu"
+IMPLS = (OURS, "cudnn", "xla", "jax_pallas_triton", "jax_pallas_mgpu", "torch_sdpa")
+FALLBACK_REFERENCES = ("torch_sdpa", "jax_pallas_mgpu")  # where cuDNN does not run
+MUST_BEAT = ("jax_pallas_triton", "xla")
+SPEED_TARGET = {"fwd": 1.0, "fwd+bwd": 0.8}
+
+
+def judge(records: list[dict], head_dim: int) -> list[dict]:
+    """One verdict per (seq, causal, mode) of one head_dim's sweep records."""
+    points: dict[tuple, dict] = {}
+    for r in bench.rows_of(records):
+        key = (r["seq"], r["causal"], r["mode"])
+        points.setdefault(key, {})[r["impl"]] = r
+    out = []
+    for (seq, causal, mode), by_impl in sorted(points.items()):
+        t = {i: r["attention time"] for i, r in by_impl.items() if "attention time" in r}
+        row = dict(head_dim=head_dim, seq=seq, causal=causal, mode=mode, target=SPEED_TARGET[mode])
+        if OURS not in t:
+            why = by_impl.get(OURS, {}).get("attention skipped", "not in this run")
+            out.append({**row, "met": False, "note": f"{OURS} did not run: {why}"})
+            continue
+        fallback = [i for i in FALLBACK_REFERENCES if i in t]
+        ref = "cudnn" if "cudnn" in t else min(fallback, key=t.get) if fallback else None
+        beat = {p: t[OURS] < t[p] for p in MUST_BEAT if p in t}
+        speed = t[ref] / t[OURS] if ref else None
+        met = speed is not None and speed >= SPEED_TARGET[mode] and all(beat.values())
+        notes = [f"behind {p}" for p, ok in beat.items() if not ok]
+        notes += [f"{p} did not run" for p in MUST_BEAT if p not in t]
+        notes += [] if ref else ["no reference ran (cudnn, torch_sdpa, jax_pallas_mgpu)"]
+        out.append(
+            {
+                **row,
+                "reference": ref,
+                "speed": speed,
+                "pallas_tflops": by_impl[OURS]["attention TFLOP/s"],
+                "reference_tflops": by_impl[ref]["attention TFLOP/s"] if ref else None,
+                "ahead_of": sorted(p for p, ok in beat.items() if ok),
+                "met": met,
+                "note": "; ".join(notes),
+            }
+        )
+    return out
+
+
+def run(head_dims=HEAD_DIMS, seqs=SEQS, *, budget_s: float = 0.3, progress=None):
+    """(records, verdicts): one bench sweep per head_dim on the GPU-speed grid, judged."""
+    impls = [i for i in IMPLS if i in bench.default_impls("gpu")]
+    records, verdicts = [], []
+    for d in head_dims:
+        shape = bench.Shape(batch=2, heads=32, kv_heads=32, head_dim=d, dtype="bfloat16")
+        recs = bench.sweep(
+            tuple(seqs),
+            impls=impls,
+            shape=shape,
+            budget_s=budget_s,
+            baseline="cudnn",
+            progress=progress,
+        )
+        records += recs
+        verdicts += judge(recs, d)
+    return records, verdicts

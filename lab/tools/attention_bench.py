@@ -1,0 +1,92 @@
+"""`python -m lab.tools.attention_bench`: every attention implementation over sequence lengths.
+
+Time (median of alternated calls), TFLOP/s, compiled peak memory, error against float64 and
+the ratio to a baseline, for L = S from 512 to 16384 (CPU; to 32k on GPU), causal and not,
+forward and forward + backward; a table, records and a PNG. See lab/studies/attention.py for
+the method. quick=true: L = 256 and 512 with a short budget.
+"""
+
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+
+from lab.config import cli, field
+from lab.errors import ConfigError
+from lab.measure import records as rec
+from lab.names import DTYPES
+from lab.report import plots, progress, tables
+from lab.studies import attention as study
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    quick: bool = field(False, f"seqs {','.join(map(str, study.QUICK_SEQS))}, short budget")
+    seqs: tuple = field(
+        (), "sequence lengths, e.g. 1024,4096 (default per backend)", kind="ints", min=1
+    )
+    causal: str = field("both", "causal masks to run", choices=("both", "yes", "no"))
+    modes: tuple = field(study.MODES, "fwd and/or fwd+bwd", kind="names", choices=study.MODES)
+    impls: tuple = field((), "implementations (default: all compiled here)", kind="names")
+    baseline: str = field(study.BASELINE, "ratios against this implementation")
+    inner: int = field(0, "calls per timed sample; 0 = about 2 ms a sample", min=0)
+    batch: int = field(1, "B", min=1)
+    heads: int = field(2, "H, query heads", min=1)
+    kv_heads: int = field(1, "G, key/value heads (must divide heads)", min=1)
+    head_dim: int = field(64, "K", min=1)
+    dtype: str = field("auto", "auto = bfloat16 on GPU/TPU, float32 on CPU", kind="dtype")
+    budget: float = field(1.0, "seconds of timed runs per implementation", min=0.01)
+    out_dir: str = field("results", "folder for the records and the plot", kind="path")
+    plot: bool = field(True, "draw the PNG")
+
+
+def run(o: Options) -> int:
+    backend = jax.default_backend()
+    if o.heads % o.kv_heads:
+        raise ConfigError(f"heads={o.heads} must be a multiple of kv_heads={o.kv_heads}")
+    impls = list(o.impls or study.default_impls())
+    impls += [o.baseline] if o.baseline not in impls else []
+    try:
+        study.check_impls(impls)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    stem = rec.output_stem(o.out_dir, "attention")
+    dtype = o.dtype if o.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
+    shape = study.Shape(o.batch, o.heads, o.kv_heads, o.head_dim, DTYPES[dtype])
+    con = progress.console(width=150)
+    if os.getloadavg()[0] > (os.cpu_count() or 1) * 0.5:
+        con.print(f"[yellow]host load average {os.getloadavg()[0]:.1f}: times will be noisy")
+    t0 = time.perf_counter()
+    records = study.sweep(
+        o.seqs or study.default_seqs(backend, o.quick),
+        causal={"both": (True, False), "yes": (True,), "no": (False,)}[o.causal],
+        modes=o.modes,
+        impls=impls,
+        shape=shape,
+        budget_s=0.2 if o.quick else o.budget,
+        baseline=o.baseline,
+        inner=o.inner or None,
+        progress=con.log,
+    )
+    env = rec.environment()
+    title = (
+        f"attention · {backend} · {env['device_kind']} · jax {env['jax_version']} · "
+        f"B={shape.batch} H={shape.heads} G={shape.kv_heads} K={shape.head_dim} {dtype}"
+    )
+    rows = study.rows_of(records)
+    con.print(tables.attention_sweep(rows, study.baseline_of(records) or o.baseline, title))
+    con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), records)}")
+    if o.plot:
+        con.print(f"plot → {plots.attention_sweep(rows, stem.with_suffix('.png'), title)}")
+    con.print(f"done in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli(Options, run, prog="python -m lab.tools.attention_bench", doc=__doc__, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

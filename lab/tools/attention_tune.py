@@ -1,0 +1,150 @@
+"""`python -m lab.tools.attention_tune`: a recorded search for the Pallas GPU kernel's tiles.
+
+Three stages (forward tiles, backward tiles, the mask-split variant), every candidate checked
+against float64 and scored by its geometric-mean time over the library baseline (cuDNN where
+it runs) in the same run; write=true stores the winners in lab/kernels/attention/tuned/<gpu>.json,
+which the kernel loads. Needs a GPU; interpret=true runs the machinery on tiny shapes through
+the Pallas interpreter (its times say nothing). See lab/studies/tune.py.
+"""
+
+import dataclasses
+import sys
+import time
+
+import jax
+
+from lab.config import cli, field
+from lab.errors import ConfigError, RunError
+from lab.kernels.attention import pallas_gpu
+from lab.measure import records as rec
+from lab.report import progress, tables
+from lab.studies import tune
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    head_dims: tuple = field(
+        (), "head dims to search (default 64,128; interpret: 16)", kind="ints", min=1
+    )
+    seqs: tuple = field(
+        (), "sequence lengths (default 4096,16384; interpret: 40)", kind="ints", min=1
+    )
+    batch: int = field(0, "B (default 2; interpret: 1)", min=0)
+    heads: int = field(0, "H (default 32; interpret: 2)", min=0)
+    kv_heads: int = field(0, "G (default: as many as heads; interpret: 1)", min=0)
+    dtype: str = field("", "default bfloat16 (interpret: float32)", choices=("", *sorted(tune.TOL)))
+    space: str = field("full", "search space", choices=tuple(sorted(tune.FWD_SPACE)))
+    budget: float = field(0.2, "seconds of timed runs per implementation", min=0.01)
+    interpret: bool = field(False, "the Pallas interpreter on tiny shapes (tests the machinery)")
+    static: str = field(
+        "auto",
+        "compile candidates first and drop those that spill or overflow shared memory: auto "
+        "(the GPU present; off elsewhere), off, or a plan target like gpu:h100:1 (deviceless)",
+    )
+    static_only: bool = field(
+        False, "only the static pass (every candidate's kernels vs the target): runs on CPU"
+    )
+    write: bool = field(False, "store the winners in tuned/<gpu>.json")
+    out_dir: str = field("results", "folder for the records", kind="path")
+
+
+def _static(o: Options) -> str:
+    if o.static == "auto":
+        return "here" if jax.default_backend() == "gpu" else ""
+    if o.static == "off":
+        return ""
+    if not o.static.startswith("gpu:"):
+        raise ConfigError(f"static={o.static!r}: expected auto, off or gpu:KIND[:N]")
+    from lab import plans
+
+    plans.prepare_host(o.static)  # the plugin and ptxas, one line if missing
+    return o.static
+
+
+def searches(o: Options) -> list[tune.Search]:
+    """The issue's GPU shapes, or tiny ones for the interpreter (minutes per candidate at GPU
+    sizes), with what the user set."""
+    tiny = o.interpret
+    heads = o.heads or (2 if tiny else 32)
+    kv_heads = o.kv_heads or (1 if tiny else heads)
+    if heads % kv_heads:
+        raise ConfigError(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
+    bad = [d for d in o.head_dims if d not in pallas_gpu.HEAD_DIMS]
+    if bad:
+        raise ConfigError(f"head_dims={bad}: the kernel takes head_dim in {pallas_gpu.HEAD_DIMS}")
+    common = dict(
+        seqs=o.seqs or ((40,) if tiny else tune.Search.seqs),
+        batch=o.batch or (1 if tiny else 2),
+        heads=heads,
+        kv_heads=kv_heads,
+        dtype=o.dtype or ("float32" if tiny else "bfloat16"),
+        interpret=tiny,
+        static=_static(o),
+    )
+    return [
+        tune.Search(head_dim=d, **common) for d in o.head_dims or ((16,) if tiny else (64, 128))
+    ]
+
+
+def static_only(o: Options) -> int:
+    """Every candidate of the forward and backward spaces compiled for the target: which
+    spill, which fit; nothing is timed (so it runs on a machine without a GPU)."""
+    if not _static(o):
+        raise ConfigError("static_only=true needs a GPU or static=gpu:KIND (a plan target)")
+    stem = rec.output_stem(o.out_dir, "tune-static")
+    con = progress.console(width=150)
+    for search in searches(o):
+        base = pallas_gpu.BlockSizes()
+        for stage, mode in (("fwd", "fwd"), ("bwd", "fwd+bwd")):
+            space = tune.FWD_SPACE[o.space] if stage == "fwd" else tune.BWD_SPACE[o.space]
+            candidates = [dataclasses.replace(base, **c) for c in space]
+            dropped, records = tune.static_filter(candidates, search, mode, log=con.log)
+            rec.write_records(stem.with_suffix(".jsonl"), records)
+            con.print(
+                tables.static_pass(candidates, dropped, records, f"{stage} K={search.head_dim}")
+            )
+    con.print(f"records → {stem.with_suffix('.jsonl')}")
+    return 0
+
+
+def run(o: Options) -> int:
+    if o.static_only:
+        return static_only(o)
+    if o.write and o.interpret:
+        raise ConfigError(
+            "write=true stores measured winners; interpret-mode times measure nothing"
+        )
+    backend = jax.default_backend()
+    if backend != "gpu" and not o.interpret:
+        raise ConfigError(
+            f"the Pallas GPU kernel compiles only on a GPU (this backend: {backend}); "
+            "interpret=true runs the search's machinery on tiny shapes"
+        )
+    todo = searches(o)
+    stem = rec.output_stem(o.out_dir, "tune")
+    con = progress.console(width=150)
+    kind = jax.devices()[0].device_kind
+    for search in todo:
+        t0 = time.perf_counter()
+        try:
+            best, records, summary = tune.search_block_sizes(
+                search, o.space, budget_s=o.budget, log=con.log
+            )
+        except RuntimeError as e:
+            raise RunError(f"head_dim {search.head_dim}: {e}") from None
+        rec.write_records(stem.with_suffix(".jsonl"), records)
+        for stage in summary["stages"]:
+            con.print(tables.tune_stage(stage, summary["baseline"]))
+        con.print(f"head_dim {search.head_dim}: {best} ({time.perf_counter() - t0:.0f} s)")
+        if o.write:
+            con.print(f"table → {tune.write_entry(kind, search, best, summary)}")
+    con.print(f"records → {stem.with_suffix('.jsonl')}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli(Options, run, prog="python -m lab.tools.attention_tune", doc=__doc__, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

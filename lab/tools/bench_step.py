@@ -1,0 +1,37 @@
+"""`python -m lab.tools.bench_step model=small`: does the lab's machinery cost anything?
+
+The lab's real training step (shardings, logical constraints, donation) against a bare
+flax+optax step for the same model on the same batch, timed alternately in one run; ratio =
+lab / bare. Takes every key of lab.run. See lab/studies/step.py.
+"""
+
+import dataclasses
+import sys
+
+from lab.config import cli, field
+from lab.report import progress, tables
+from lab.session import open_session
+from lab.studies import step
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    budget: float = field(5.0, "seconds of alternated timed steps", min=0.01)
+
+
+def run(o: Options, keys: dict) -> int:
+    s = open_session(keys={**keys, "steps": step.STEPS})
+    results = step.compare_with_bare(s, budget_s=o.budget)
+    title = f"{s.info.header()}; model={s.cfg.preset}, batch {s.cfg.batch_size}×{s.cfg.seq_len}"
+    progress.console().print(tables.step_compare(results, title))
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli(
+        Options, run, prog="python -m lab.tools.bench_step", doc=__doc__, argv=argv, run_keys=True
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""`python -m lab.tools.ceilings`: this device's ceilings, measured.
+
+Matmul FLOP/s per dtype and precision (numpy beside it on CPU), copy and host↔device
+bandwidth, and a roofline sweep with its PNG (about 30 s on 2 cores; quick=true in seconds).
+"""
+
+import dataclasses
+import os
+import sys
+
+from lab.config import cli, field
+from lab.measure import ceilings, records
+from lab.report import plots, progress, tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    quick: bool = field(False, "tiny sizes: checks the code path only")
+    budget: float = field(1.0, "seconds of timed runs per figure", min=0.01)
+    out_dir: str = field("results", "folder for the records and the plot", kind="path")
+    plot: bool = field(True, "draw the roofline PNG")
+
+
+def run(o: Options) -> int:
+    stem = records.output_stem(o.out_dir, "ceilings")
+    con = progress.console()
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1) * 0.5:
+        con.print(f"[yellow]host load average {load:.1f}: figures will be low and noisy")
+    result = ceilings.run_all(budget_s=o.budget, quick=o.quick)
+    env = records.environment()
+    title = (
+        f"ceilings · {env['backend']} · {env['device_kind']} × {env['device_count']} · "
+        f"jax {env['jax_version']}"
+    )
+    con.print(tables.ceilings(result, title))
+    con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), result['records'])}")
+    if o.plot:
+        png = plots.roofline_points(
+            result["points"],
+            peak_flops=result["peak_flops"],
+            bandwidth=result["bandwidth"],
+            path=stem.with_suffix(".png"),
+            title=f"{env['device_kind']} ({env['backend']}): measured roofline",
+        )
+        con.print(f"roofline → {png}")
+    con.print(f"done in {result['elapsed_s']:.1f} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli(Options, run, prog="python -m lab.tools.ceilings", doc=__doc__, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""`python -m lab.tools.collective_matmul mesh=1x8`: the ppermute-ring matmul (the all-gather
+hidden behind compute) against all-gather-then-multiply on one input, both checked against
+plain jnp. See lab/kernels/collective_matmul.py.
+"""
+
+import dataclasses
+import functools
+import sys
+
+import jax
+import numpy as np
+
+from lab import devices
+from lab.config import cli, field
+from lab.errors import ConfigError
+from lab.kernels import collective_matmul as cm
+from lab.measure import records, timing
+from lab.mesh import make_mesh
+from lab.names import MESH_AXES, MODEL
+from lab.report import progress, tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    mesh: str = field("1x8", "mesh (lab.run's grammar): data x model", kind="mesh")
+    axis: str = field(MODEL, "the axis x's rows and w's columns split over", choices=MESH_AXES)
+    size: int = field(2048, "rows = contraction = columns", min=1)
+    budget: float = field(0.5, "seconds of timed calls per implementation", min=0.01)
+
+
+def run(o: Options) -> int:
+    devices.prepare(o.mesh)
+    mesh = make_mesh(o.mesh)
+    if mesh.shape.get(o.axis, 1) < 2:
+        raise ConfigError(f"axis={o.axis}: the mesh {dict(mesh.shape)} gives it < 2 devices")
+    n = o.size
+    x, w = timing.random_inputs(0, [(n, n), (n, n)])
+    try:
+        got = cm.collective_matmul(x, w, mesh=mesh, axis=o.axis)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    err = float(np.abs(np.asarray(got) - np.asarray(cm.matmul_reference(x, w))).max())
+    impls = {
+        "collective matmul (ring)": jax.jit(
+            functools.partial(cm.collective_matmul, mesh=mesh, axis=o.axis)
+        ),
+        "all-gather then matmul": jax.jit(
+            functools.partial(cm.gathered_matmul, mesh=mesh, axis=o.axis)
+        ),
+    }
+    results = timing.compare(impls, x, w, baseline="all-gather then matmul", budget_s=o.budget)
+    env = records.environment()
+    sim = " (simulated devices: one host, no link to hide)" if env["backend"] == "cpu" else ""
+    title = f"{n}×{n}×{n} over {o.axis}={mesh.shape[o.axis]} on {env['device_kind']}{sim}"
+    con = progress.console()
+    con.print(tables.step_compare(results, title, baseline="all-gather then matmul"))
+    con.print(f"max |ring - jnp| = {err:.1e}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli(Options, run, prog="python -m lab.tools.collective_matmul", doc=__doc__, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

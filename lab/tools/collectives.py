@@ -1,0 +1,84 @@
+"""`python -m lab.tools.collectives mesh=4x2`: each collective timed over each mesh axis.
+
+all-reduce, all-gather, reduce-scatter, all-to-all and ppermute, nccl-tests style: algbw and
+busbw per message size, a table, records and a PNG of busbw against size. On CPU the devices
+are simulated (slices of one host): the figures are memory copies, not a link. See
+lab/measure/collectives.py.
+"""
+
+import dataclasses
+import re
+import sys
+import time
+
+import jax
+
+from lab import devices
+from lab.config import cli, field
+from lab.errors import ConfigError
+from lab.measure import collectives as coll
+from lab.measure import records
+from lab.mesh import make_mesh
+from lab.report import plots, progress, tables
+
+KiB, MiB = 2**10, 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    mesh: str = field(
+        "", "mesh (lab.run's grammar); default 4x2-like over the devices", kind="mesh"
+    )
+    ops: tuple = field(coll.OPS, "collectives to time", kind="names", choices=coll.OPS)
+    min_size: str = field("4KB", "smallest message S, e.g. 4KB")
+    max_size: str = field("", "largest S; default 4MB on CPU, 256MB elsewhere")
+    quick: bool = field(False, "two small sizes: checks the code path")
+    budget: float = field(0.3, "seconds of timed calls per point", min=0.01)
+    cpu_devices: int = field(8, "simulated devices on CPU", min=1)
+    out_dir: str = field("results", "folder for the records and the plot", kind="path")
+    plot: bool = field(True, "draw the PNG")
+
+
+def parse_size(key: str, text: str) -> int:
+    """'4KB' / '16MiB' / '1024' → bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)i?b?\s*", text.lower())
+    if not m:
+        raise ConfigError(f"{key}={text!r}: expected a size like 4KB, 16MB or 1024")
+    return int(m.group(1)) * {"": 1, "k": KiB, "m": MiB, "g": 1024 * MiB}[m.group(2)]
+
+
+def run(o: Options) -> int:
+    devices.prepare(o.mesh or "1", cpu_devices=o.cpu_devices)
+    mesh = make_mesh(o.mesh or coll.default_mesh(jax.device_count()))
+    if not coll.bench_axes(mesh):
+        raise ConfigError(f"mesh={o.mesh or dict(mesh.shape)}: no axis holds more than one device")
+    lo = parse_size("min_size", o.min_size)
+    cpu = jax.default_backend() == "cpu"
+    hi = parse_size("max_size", o.max_size) if o.max_size else (4 * MiB if cpu else 256 * MiB)
+    sizes = [4 * KiB, 64 * KiB] if o.quick else coll.sizes_between(lo, hi)
+    if not sizes:
+        raise ConfigError(f"min_size={o.min_size} is above max_size={o.max_size}")
+    stem = records.output_stem(o.out_dir, "collectives")
+    env = records.environment()
+    simulated = env["backend"] == "cpu" and env["device_count"] > 1
+    where = "simulated devices (one host's memory, not an interconnect)" if simulated else "devices"
+    shape = " × ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    title = f"collectives · {env['device_kind']} × {env['device_count']} {where} · {shape}"
+    t0 = time.perf_counter()
+    points = coll.run(mesh, sizes, o.ops, budget_s=o.budget)
+    con = progress.console()
+    con.print(tables.collectives(points, title))
+    path = records.write_records(stem.with_suffix(".jsonl"), coll.to_records(points, simulated))
+    con.print(f"records → {path}")
+    if o.plot:
+        con.print(f"plot → {plots.collectives(points, stem.with_suffix('.png'), title)}")
+    con.print(f"done in {time.perf_counter() - t0:.1f} s; busbw = algbw · nccl-tests factor")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli(Options, run, prog="python -m lab.tools.collectives", doc=__doc__, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""`python -m lab.tools.scaling size=quick`: one model over 1, 2, 4, 8 devices per strategy.
+
+Strong scaling (step time, the collective/compute split, memory per device), data-parallel
+efficiency extrapolated to 16-256 devices, and remat × batch on one device: tables, records and
+a PNG. On CPU the devices are simulated. See lab/studies/scaling.py.
+"""
+
+import dataclasses
+import sys
+import time
+
+from lab import devices
+from lab.config import cli, field
+from lab.measure import records
+from lab.report import plots, progress, tables
+from lab.studies import scaling
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    size: str = field("quick", "tiny | quick | full", choices=tuple(scaling.SIZES))
+    strategies: tuple = field(
+        scaling.STRATEGIES, "strategies to scale", kind="names", choices=scaling.STRATEGIES
+    )
+    cpu_devices: int = field(8, "simulated devices on CPU", min=1)
+    out_dir: str = field("results", "folder for the records and the plot", kind="path")
+    plot: bool = field(True, "draw the PNG")
+
+
+def run(o: Options) -> int:
+    devices.prepare("1", cpu_devices=o.cpu_devices)
+    stem = records.output_stem(o.out_dir, "scaling")
+    con = progress.console(width=max(120, progress.console().width))  # the tables are wide
+    t0 = time.perf_counter()
+    recs = scaling.run(o.size, o.strategies)
+    for table in tables.scaling(recs):
+        con.print(table)
+    con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), recs)}")
+    if o.plot:
+        env = records.environment()
+        title = f"{env['device_kind']} ({env['backend']}) · jax {env['jax_version']}"
+        con.print(f"plot → {plots.scaling_study(recs, stem.with_suffix('.png'), title)}")
+    con.print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli(Options, run, prog="python -m lab.tools.scaling", doc=__doc__, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

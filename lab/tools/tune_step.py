@@ -1,0 +1,54 @@
+"""`python -m lab.tools.tune_step model=1b remats=none,full batches=4,8,16`: which remat policy
+and batch size give lab.run's step its highest MFU on this device?
+
+For every (remat, batch_size) it compiles lab.run's real sharded step with the other keys as
+given, refuses what does not fit the device's memory, times the rest, and prints tokens/s and
+MFU (lab.run's convention), the winner and the `python -m lab.run` command that trains with it;
+records go to out_dir. Takes every key of lab.run but remat, batch_size and steps. See
+lab/studies/step.py.
+"""
+
+import dataclasses
+import sys
+
+from lab.config import cli, field
+from lab.errors import RunError
+from lab.measure import records as rec
+from lab.names import REMATS
+from lab.report import progress, tables
+from lab.report.format import key_args
+from lab.studies import step
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    remats: tuple = field(step.REMATS, "remat policies to try", kind="names", choices=REMATS)
+    batches: tuple = field(step.BATCHES, "batch sizes to try", kind="ints", min=1)
+    budget: float = field(5.0, "seconds of timed steps per candidate", min=0.01)
+    out_dir: str = field("results", "folder for the records", kind="path")
+
+
+def run(o: Options, keys: dict) -> int:
+    stem = rec.output_stem(o.out_dir, "tune_step")
+    con = progress.console(width=150)
+    rows = step.tune(keys, o.remats, o.batches, o.budget, log=con.log)
+    top = step.best(rows)
+    title = "remat × batch" + (f" · {top['device']} · MFU: {top['convention']}" if top else "")
+    con.print(tables.tune_step(rows, top, title))
+    path = rec.write_records(stem.with_suffix(".jsonl"), step.tune_records(rows, keys))
+    con.print(f"records → {path}")
+    if top is None:
+        raise RunError("no candidate fits this device: try more devices or a smaller model")
+    best = key_args({**keys, "remat": top["remat"], "batch_size": top["batch"]})
+    con.print(f"best: python -m lab.run {' '.join(best)}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli(
+        Options, run, prog="python -m lab.tools.tune_step", doc=__doc__, argv=argv, run_keys=True
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

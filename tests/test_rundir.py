@@ -1,0 +1,241 @@
+"""The run folder under a demanding user: damaged, incomplete and non-finite checkpoints, a
+changed model, two runs at once, torn metrics, paths, hangs and signals. Every refusal is one
+line and exit 2; no good checkpoint or metrics line is lost.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lab import checkpoint
+from lab.run import main
+
+TINY = ["model=tiny", "n_layers=1", "batch_size=4", "seq_len=16", "log_every=1"]
+
+
+def _run(tmp_path, *args) -> int:
+    return main([*TINY, f"out_dir={tmp_path}", *args])
+
+
+def _one_line_error(capsys, needle: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert needle in err, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A run saved at steps 2, 4, 6 (max_to_keep=3)."""
+    assert _run(tmp_path, "name=R", "steps=6", "checkpoint_every=2") == 0
+    return tmp_path, tmp_path / "R"
+
+
+def _damage_metadata(step_dir: Path):
+    (step_dir / "default" / "_METADATA").unlink()
+
+
+def _damage_data(step_dir: Path):
+    for f in (step_dir / "default").rglob("d/*"):  # the array data files
+        f.write_bytes(b"garbage")
+
+
+def _truncate_data(step_dir: Path):
+    for f in (step_dir / "default").rglob("d/*"):
+        f.write_bytes(f.read_bytes()[:7])
+
+
+def _damage_manifest(step_dir: Path):
+    (step_dir / "default" / "manifest.ocdbt").write_bytes(b"\x00not a manifest")
+
+
+def _remove_item(step_dir: Path):
+    import shutil
+
+    shutil.rmtree(step_dir / "default")
+
+
+def _empty_folder(step_dir: Path):
+    import shutil
+
+    shutil.rmtree(step_dir)
+    step_dir.mkdir()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_damage_metadata, _damage_data, _truncate_data, _damage_manifest, _remove_item, _empty_folder],
+)
+def test_a_damaged_newest_step_is_moved_aside_and_the_run_goes_on(saved, capsys, damage):
+    tmp_path, run_dir = saved
+    damage(run_dir / "checkpoints" / "6")
+    capsys.readouterr()
+    assert _run(tmp_path, "name=R", "steps=8", "checkpoint_every=2", "resume=true") == 0
+    out = capsys.readouterr()
+    assert "resumed from checkpoint at step 4" in out.out
+    assert "checkpoint step 6 is damaged" in out.err and len(out.err.strip().splitlines()) == 1
+    (moved,) = (run_dir / "checkpoints-damaged").iterdir()  # moved aside, never deleted
+    assert moved.name.startswith("6-")
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [4, 6, 8]
+    assert _steps(run_dir) == list(range(1, 9))  # every step once
+    superseded = run_dir / "metrics-superseded.jsonl"  # the repeated steps 5-6, not deleted
+    assert [json.loads(x)["step"] for x in superseded.read_text().splitlines()] == [5, 6]
+    # and the folder resumes again, from the step the second run saved
+    assert _run(tmp_path, "name=R", "steps=10", "checkpoint_every=2", "resume=true") == 0
+    assert "resumed from checkpoint at step 8" in capsys.readouterr().out
+
+
+def test_resuming_with_another_model_is_refused_and_changes_nothing(saved, capsys):
+    tmp_path, run_dir = saved
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    assert _run(tmp_path, "name=R", "steps=8", "resume=true", "d_model=128") == 2
+    _one_line_error(capsys, "d_model=64 → 128")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+
+
+def test_steps_below_the_saved_step_are_refused_and_the_summary_kept(saved, capsys):
+    tmp_path, run_dir = saved
+    summary = (run_dir / "summary.json").read_text()
+    assert _run(tmp_path, "name=R", "steps=4", "resume=true") == 2
+    _one_line_error(capsys, "saved at step 6 and steps=4 leaves nothing to train")
+    assert (run_dir / "summary.json").read_text() == summary
+
+
+def test_a_torn_metrics_line_is_kept_apart_and_the_run_resumes(saved, capsys):
+    tmp_path, run_dir = saved
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "loss": 3.1')  # a kill during the write
+    assert _run(tmp_path, "name=R", "steps=8", "resume=true", "checkpoint_every=2") == 0
+    assert _steps(run_dir) == list(range(1, 9))
+    assert (run_dir / "metrics-torn.jsonl").read_text().startswith('{"step": 7')
+
+
+def test_nan_at_step_1_saves_no_checkpoint_of_it(tmp_path, capsys):
+    """lr=1e39: the first update overflows the weights while loss and gradient are finite."""
+    args = ["name=N", "steps=5", "checkpoint_every=1", "lr=1e39", "warmup_steps=0"]
+    assert _run(tmp_path, *args) == 1
+    _one_line_error(capsys, "weights are inf at step 1: training stopped")
+    assert not list((tmp_path / "N" / "checkpoints").glob("[0-9]*"))
+
+
+def test_a_run_folder_belongs_to_one_live_run(saved, capsys):
+    tmp_path, run_dir = saved
+    with checkpoint.Lock(run_dir):
+        assert _run(tmp_path, "name=R", "steps=8", "resume=true") == 2
+    _one_line_error(capsys, f"run folder {run_dir} is in use by pid {os.getpid()}")
+
+
+def test_checkpoints_that_are_a_file_are_refused(tmp_path, capsys):
+    (tmp_path / "F").mkdir()
+    (tmp_path / "F" / "checkpoints").write_text("not a folder")
+    assert _run(tmp_path, "name=F", "steps=2", "checkpoint_every=1") == 2
+    _one_line_error(capsys, "checkpoints is a file, not a folder")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["name=never", "resume=true"], "no run named 'never'"),
+        (["name=../../x"], "a run name is one folder name"),
+        (["name=/elsewhere/x"], "a run name is one folder name"),
+        (["lr=nan"], "lr='nan': expected a finite number"),
+        (["lr=inf"], "lr='inf': expected a finite number"),
+        (["seq_len=20000", "data=text"], "is longer than the bundled text"),
+        (["out_dir=/dev/null/x", "name=a"], "cannot write to '/dev/null/x'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, needle):
+    given = {a.split("=")[0] for a in args}
+    base = [a for a in [*TINY, f"out_dir={tmp_path}"] if a.split("=")[0] not in given]
+    assert main([*base, *args]) == 2
+    _one_line_error(capsys, needle)
+
+
+def test_a_read_only_out_dir_is_one_line(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as a user who may write anywhere (root)")
+        assert main([*TINY, f"out_dir={ro}", "name=a"]) == 2
+        _one_line_error(capsys, "cannot write to")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_ctrl_c_during_compilation_is_one_line(tmp_path, capsys, monkeypatch):
+    from lab import train
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train.Trainer, "lower", interrupted)
+    assert _run(tmp_path, "name=k", "steps=2") == 130
+    err = capsys.readouterr().err.strip()
+    assert "interrupted" in err and len(err.splitlines()) == 1
+
+
+def test_an_unreachable_coordinator_is_one_line_within_its_timeout():
+    cmd = [sys.executable, "-m", "lab.run", *TINY, "coordinator=127.0.0.1:9"]
+    cmd += ["num_processes=2", "process_id=1", "coordinator_timeout=5"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    lines = [x for x in proc.stderr.strip().splitlines() if x.startswith("error:")]
+    assert lines and "coordinator=127.0.0.1:9" in lines[0] and "within 5 s" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def _wait_for(path: Path, lines: int, proc, timeout_s: float = 180):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError(f"{path} did not reach {lines} lines")
+
+
+def test_a_signal_on_a_checkpoint_step_saves_once_and_exits_143(tmp_path):
+    """checkpoint_every=1: every step is a checkpoint step, so SIGTERM lands on one."""
+    cmd = [sys.executable, "-m", "lab.run", *TINY, f"out_dir={tmp_path}", "name=T"]
+    cmd += ["steps=100000", "checkpoint_every=1"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "T" / "metrics.jsonl", 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "SIGTERM: checkpoint saved at step" in out
+    saved = int(out.split("checkpoint saved at step ")[1].split()[0])
+    assert saved in [int(p.name) for p in (tmp_path / "T" / "checkpoints").iterdir()]
+
+
+def test_sigterm_to_the_launcher_reaches_its_processes(tmp_path):
+    cmd = [sys.executable, "-m", "lab.tools.launch", "processes=2", "mesh=2", *TINY]
+    cmd += [f"out_dir={tmp_path}", "name=L", "steps=100000", "checkpoint_every=2"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    _wait_for(tmp_path / "L" / "metrics.jsonl", 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out[-3000:]
+    assert "[p0] SIGTERM: checkpoint saved at step" in out
+    ps = subprocess.run(["pgrep", "-f", f"out_dir={tmp_path}"], capture_output=True, text=True)
+    assert ps.stdout.strip() == "", "a child process outlived the launcher"
