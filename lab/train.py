@@ -158,7 +158,8 @@ def resolve(cfg: Config, mesh) -> Config:
         q = jax.ShapeDtypeStruct((1, cfg.seq_len, model.n_heads, model.head_dim), dtype)
         kv = jax.ShapeDtypeStruct((1, cfg.seq_len, model.n_kv_heads, model.head_dim), dtype)
         try:
-            impl = choose(model.attention, q, kv, kv, causal=True, backend=backend)
+            with jax.set_mesh(mesh):  # a plan's target decides (no cuDNN where none is here)
+                impl = choose(model.attention, q, kv, kv, causal=True, backend=backend)
         except ValueError as e:
             raise ConfigError(f"attention={model.attention}: {e}") from None
         model = dataclasses.replace(model, attention=impl)

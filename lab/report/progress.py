@@ -1,5 +1,7 @@
 """Progress bars and the console every command prints through (rich)."""
 
+import sys
+
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -11,7 +13,9 @@ from rich.progress import (
 
 
 def console(*, quiet: bool = False, width: int | None = None) -> Console:
-    """The terminal: `quiet` for the processes of a multi-host run other than the first."""
+    """The terminal: `quiet` for the processes of a multi-host run other than the first. Output
+    that is not a terminal (a log, a pipe) gets 120 columns: tables stay readable."""
+    width = width or (None if sys.stdout.isatty() else 120)
     return Console(quiet=quiet, width=width)
 
 

@@ -6,6 +6,7 @@ lab/report/format.py, so a figure reads the same in every table.
 
 import dataclasses
 import math
+import re
 
 from rich.table import Table
 
@@ -105,13 +106,25 @@ def run_summary(s: dict) -> Table:
     return t
 
 
+_XLA_KERNEL = re.compile(
+    r"^(loop_|input_|wrapped_|gemm_|fusion|triton_gemm|triton_softmax|copy|transpose|"
+    r"reduce|concatenate|dynamic|bitcast|convert|slice|cutlass|rng|select|scatter|gather)"
+)
+
+
 def kernels(rows: list[dict], title: str) -> Table:
-    """Every GPU kernel of a compiled program (lab/plans/resources.py), compiled, not run."""
+    """The custom (Pallas, Mosaic) kernels of a compiled program one by one, XLA's own in one
+    summary row (every one is in summary.json): lab/plans/resources.py, compiled, not run."""
     t = Table(title=title)
     cols = ("kernel", "launches", "grid", "threads", "registers", "spills (st/ld)", "smem")
     for col in (*cols, "blocks/SM", "limit", "occupancy"):
-        t.add_column(col, justify="left" if col == "kernel" else "right")
-    for k in rows:
+        left = col == "kernel"
+        t.add_column(
+            col, justify="left" if left else "right", no_wrap=left, min_width=20 if left else None
+        )
+    xla = [k for k in rows if _XLA_KERNEL.match(k["name"])]
+    custom = [k for k in rows if not _XLA_KERNEL.match(k["name"])]
+    for k in custom:
         spill = f"{k['spill_store_bytes']}/{k['spill_load_bytes']} B"
         t.add_row(
             k["name"][:48],
@@ -124,6 +137,20 @@ def kernels(rows: list[dict], title: str) -> Table:
             str(k["blocks_per_sm"]),
             k["limiter"],
             percent(k["occupancy"], 0),
+        )
+    if xla:
+        spills = sum(k["spill_bytes"] for k in xla)
+        t.add_row(
+            f"[dim]{len(xla)} XLA kernels",
+            str(sum(k["launches"] for k in xla)),
+            "",
+            "",
+            f"≤ {max(k['registers'] for k in xla)}",
+            f"[red]{spills} B" if spills else "0 B",
+            f"≤ {size(max(k['smem'] for k in xla))}",
+            f"≥ {min(k['blocks_per_sm'] for k in xla)}",
+            "",
+            "",
         )
     return t
 
