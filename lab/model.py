@@ -1,9 +1,16 @@
 """A decoder-only transformer in flax.linen: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-Letters in tensor names and einsum strings (lab/names.py): B batch, L sequence, D d_model,
-H query heads, G key/value heads, K head dim, F MLP hidden, V vocabulary. Weights and
+Letters in tensor names and einsum strings (lab/names.py): B batch, L sequence, S cache slots,
+D d_model, H query heads, G key/value heads, K head dim, F MLP hidden, V vocabulary. Weights and
 activations carry logical axis names (lab/names.py; lab/mesh.py maps them to the mesh);
 parameters live in `param_dtype`, matmuls run in `dtype`, softmax and the loss in float32.
+
+Training calls the model on tokens alone. Serving (lab/decode.py) passes a key/value cache
+too: each attention layer writes the new tokens' keys and values into it at each sequence's
+own length (ragged batches), rotates positions from there, and attends either the new tokens
+among themselves (prefill from an empty cache) or one new token against the cache (a decode
+step, lab.kernels.attention.decode_attention); the call returns the logits and the new
+cache. Weights may be int8 (lab/quant.py: Int8Weight), multiplied without dequantising.
 """
 
 import functools
@@ -11,12 +18,37 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
+from lab import quant
 from lab.config import ModelConfig
-from lab.kernels.attention import attention
+from lab.kernels.attention import attention, decode_attention
 from lab.names import BATCH, EMBED, HEAD_DIM, HEADS, LAYERS, MLP, NORM, SEQ, VOCAB
 
 QKV = (BATCH, SEQ, HEADS, HEAD_DIM)  # q, k, v and the attention output
+CACHE = (BATCH, HEADS, None, HEAD_DIM)  # a cache [B, G, S, K]: its slots are never split
+
+
+@struct.dataclass
+class LayerKV:
+    """One attention layer's key/value cache in the decode kernels' layout [B, G, S, K]
+    (stacked [layers, B, G, S, K] under scan_layers); an int8 cache carries one float32 scale
+    per (token, kv head), [B, G, 1, S] (lab/quant.py)."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+
+@struct.dataclass
+class KVCache:
+    """Every layer's cache (a tuple of LayerKV, or one stacked LayerKV under scan_layers)
+    and the valid slots of each sequence, lengths [B] int32."""
+
+    layers: tuple | LayerKV
+    lengths: jax.Array
+
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
@@ -32,12 +64,14 @@ def _constrain(x, names: tuple):
     return nn.with_logical_constraint(x, names)
 
 
-def rope(x_BxLxHxK, positions_L, theta: float):
-    """Rotary embeddings: rotate pairs of features by a position-dependent angle."""
+def rope(x_BxLxHxK, positions, theta: float):
+    """Rotary embeddings: rotate pairs of features by a position-dependent angle. `positions`
+    is [L] (every sequence from 0) or [B, L] (decoding: each from its own length)."""
     K = x_BxLxHxK.shape[-1]
     freq_K2 = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
-    angle_LxK2 = positions_L[:, None].astype(jnp.float32) * freq_K2[None, :]
-    sin, cos = jnp.sin(angle_LxK2)[None, :, None, :], jnp.cos(angle_LxK2)[None, :, None, :]
+    pos_BxL = positions if positions.ndim == 2 else positions[None]
+    angle_BxLxK2 = pos_BxL[..., None].astype(jnp.float32) * freq_K2
+    sin, cos = jnp.sin(angle_BxLxK2)[:, :, None, :], jnp.cos(angle_BxLxK2)[:, :, None, :]
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxHxK.dtype)
@@ -62,11 +96,46 @@ class RMSNorm(nn.Module):
         return (x * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
+def _write(cache_BxGxSxK, new_BxLxGxK, start_B):
+    """The L new entries of each sequence written at its own slot start[b]."""
+    new_BxGxLxK = jnp.swapaxes(new_BxLxGxK, 1, 2).astype(cache_BxGxSxK.dtype)
+    put = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0))  # noqa: E731
+    return jax.vmap(put)(cache_BxGxSxK, new_BxGxLxK, start_B)
+
+
+def _write_int8(kv, new_BxLxGxK, start_B, which: str):
+    """Quantize the new entries per (token, kv head) and write codes and scales."""
+    codes, scale = quant.quantize_kv(jnp.swapaxes(new_BxLxGxK, 1, 2))  # [B,G,L,K], [B,G,1,L]
+    cache, scales = getattr(kv, which), getattr(kv, f"{which}_scale")
+    put = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0))  # noqa: E731
+    put_scale = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, 0, s))  # noqa: E731
+    cache = jax.vmap(put)(cache, codes, start_B)
+    scales = jax.vmap(put_scale)(scales, scale.astype(scales.dtype), start_B)
+    return cache, scales
+
+
+def update_cache(kv: LayerKV, k_BxLxGxK, v_BxLxGxK, start_B) -> LayerKV:
+    """`kv` with L new keys and values per sequence at slots start[b] … start[b]+L-1."""
+    if kv.k.dtype == jnp.int8:
+        k, k_scale = _write_int8(kv, k_BxLxGxK, start_B, "k")
+        v, v_scale = _write_int8(kv, v_BxLxGxK, start_B, "v")
+        return LayerKV(k, v, k_scale, v_scale)
+    return kv.replace(k=_write(kv.k, k_BxLxGxK, start_B), v=_write(kv.v, v_BxLxGxK, start_B))
+
+
+def decode_impl(attention_impl: str) -> str:
+    """The decode kernel of a training `attention=`: a Pallas choice keeps Pallas (the
+    backend's decode kernel), auto stays auto, every other is the plain-JAX reference."""
+    if attention_impl in ("auto", "pallas", "pallas_tpu", "pallas_gpu"):
+        return attention_impl
+    return "reference"
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD):
+    def __call__(self, x_BxLxD, kv: LayerKV | None = None, lengths_B=None):
         c = self.cfg
         D, H, G, K = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
         std = D**-0.5
@@ -76,23 +145,36 @@ class Attention(nn.Module):
         wo_HxKxD = self.param(
             "wo", _init((H * K) ** -0.5, (HEADS, HEAD_DIM, EMBED)), (H, K, D), c.param_dtype
         )
-        x = x_BxLxD.astype(c.dtype)
-        q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x, wq_DxHxK.astype(c.dtype))
-        k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x, wk_DxGxK.astype(c.dtype))
-        v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x, wv_DxGxK.astype(c.dtype))
-        pos_L = jnp.arange(x.shape[1])
-        q_BxLxHxK = _constrain(rope(q_BxLxHxK, pos_L, c.rope_theta), QKV)
-        k_BxLxGxK = _constrain(rope(k_BxLxGxK, pos_L, c.rope_theta), QKV)
-        o_BxLxHxK = attention(
-            q_BxLxHxK,
-            k_BxLxGxK,
-            v_BxLxGxK,
-            causal=True,
-            impl=c.attention,
-            shard_spec=nn.logical_to_mesh_axes(QKV),  # Pallas kernels and ring run per shard
-        )
+        q_BxLxHxK = quant.matmul("bld,dhk->blhk", x_BxLxD, wq_DxHxK, c.dtype)
+        k_BxLxGxK = quant.matmul("bld,dgk->blgk", x_BxLxD, wk_DxGxK, c.dtype)
+        v_BxLxGxK = quant.matmul("bld,dgk->blgk", x_BxLxD, wv_DxGxK, c.dtype)
+        L = x_BxLxD.shape[1]
+        pos = jnp.arange(L) if kv is None else lengths_B[:, None] + jnp.arange(L)[None, :]
+        q_BxLxHxK = _constrain(rope(q_BxLxHxK, pos, c.rope_theta), QKV)
+        k_BxLxGxK = _constrain(rope(k_BxLxGxK, pos, c.rope_theta), QKV)
+        spec = nn.logical_to_mesh_axes(QKV)  # Pallas kernels and ring run per shard
+        if kv is not None:
+            kv = update_cache(kv, k_BxLxGxK, v_BxLxGxK, lengths_B)
+            kv = jax.tree.map(lambda a: _constrain(a, CACHE[: a.ndim]), kv)
+        if kv is not None and L == 1:  # a decode step: the new token against the cache
+            o_BxHxK = decode_attention(
+                q_BxLxHxK[:, 0],
+                kv.k,
+                kv.v,
+                lengths_B + 1,
+                kv.k_scale,
+                kv.v_scale,
+                impl=decode_impl(c.attention),
+                shard_spec=nn.logical_to_mesh_axes(CACHE),
+            )
+            o_BxLxHxK = o_BxHxK[:, None]
+        else:  # training, or a prefill from an empty cache: the new tokens among themselves
+            o_BxLxHxK = attention(
+                q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, impl=c.attention, shard_spec=spec
+            )
         o_BxLxHxK = _constrain(o_BxLxHxK, QKV)
-        return jnp.einsum("blhk,hkd->bld", o_BxLxHxK, wo_HxKxD.astype(c.dtype))
+        y_BxLxD = quant.matmul("blhk,hkd->bld", o_BxLxHxK, wo_HxKxD, c.dtype)
+        return y_BxLxD if kv is None else (y_BxLxD, kv)
 
 
 class Mlp(nn.Module):
@@ -107,24 +189,26 @@ class Mlp(nn.Module):
         w_gate_DxF = self.param("w_gate", _init(D**-0.5, (EMBED, MLP)), (D, F), c.param_dtype)
         w_up_DxF = self.param("w_up", _init(D**-0.5, (EMBED, MLP)), (D, F), c.param_dtype)
         w_down_FxD = self.param("w_down", _init(F**-0.5, (MLP, EMBED)), (F, D), c.param_dtype)
-        x = x_BxLxD.astype(c.dtype)
-        gate_BxLxF = jnp.einsum("bld,df->blf", x, w_gate_DxF.astype(c.dtype))
-        up_BxLxF = jnp.einsum("bld,df->blf", x, w_up_DxF.astype(c.dtype))
+        gate_BxLxF = quant.matmul("bld,df->blf", x_BxLxD, w_gate_DxF, c.dtype)
+        up_BxLxF = quant.matmul("bld,df->blf", x_BxLxD, w_up_DxF, c.dtype)
         h_BxLxF = _constrain(nn.silu(gate_BxLxF) * up_BxLxF, (BATCH, SEQ, MLP))
-        return jnp.einsum("blf,fd->bld", h_BxLxF, w_down_FxD.astype(c.dtype))
+        return quant.matmul("blf,fd->bld", h_BxLxF, w_down_FxD, c.dtype)
 
 
 class Block(nn.Module):
-    """Pre-norm residual block; returns (x, None) so nn.scan can stack it."""
+    """Pre-norm residual block; returns (x, new cache or None) so nn.scan can stack it."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD, _=None):
+    def __call__(self, x_BxLxD, kv=None, lengths_B=None):
         c = self.cfg
-        x_BxLxD = x_BxLxD + Attention(c, name="attn")(RMSNorm(param_dtype=c.param_dtype)(x_BxLxD))
+        h_BxLxD = RMSNorm(param_dtype=c.param_dtype)(x_BxLxD)
+        out = Attention(c, name="attn")(h_BxLxD, kv, lengths_B)
+        y_BxLxD, kv = out if kv is not None else (out, None)
+        x_BxLxD = x_BxLxD + y_BxLxD
         x_BxLxD = x_BxLxD + Mlp(c, name="mlp")(RMSNorm(param_dtype=c.param_dtype)(x_BxLxD))
-        return _constrain(x_BxLxD, (BATCH, SEQ, EMBED)), None
+        return _constrain(x_BxLxD, (BATCH, SEQ, EMBED)), kv
 
 
 def _block_class(cfg: ModelConfig):
@@ -134,12 +218,13 @@ def _block_class(cfg: ModelConfig):
 
 
 class Transformer(nn.Module):
-    """tokens_BxL (int) → logits_BxLxV (float32)."""
+    """tokens_BxL (int) → logits_BxLxV (float32); with a KVCache, (logits, the new cache),
+    the tokens written at each sequence's length (lengths are advanced by lab/decode.py)."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxL):
+    def __call__(self, tokens_BxL, cache: KVCache | None = None):
         c = self.cfg
         embed_VxD = self.param(
             "embed", _init(1.0, (VOCAB, EMBED)), (c.vocab_size, c.d_model), c.param_dtype
@@ -153,18 +238,25 @@ class Transformer(nn.Module):
         x_BxLxD = self.perturb("embedded", x_BxLxD)
         x_BxLxD = _constrain(x_BxLxD, (BATCH, SEQ, EMBED))
         block = _block_class(c)
+        lengths_B = None if cache is None else cache.lengths
         if c.scan_layers:
             stack = nn.scan(
                 block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
+                in_axes=(0, nn.broadcast),
                 length=c.n_layers,
                 metadata_params={nn.PARTITION_NAME: LAYERS},
             )
-            x_BxLxD, _ = stack(c, name="blocks")(x_BxLxD, None)
+            kv = None if cache is None else cache.layers
+            x_BxLxD, layers = stack(c, name="blocks")(x_BxLxD, kv, lengths_B)
         else:
+            layers = []
             for i in range(c.n_layers):
-                x_BxLxD, _ = block(c, name=f"block_{i}")(x_BxLxD, None)
+                kv = None if cache is None else cache.layers[i]
+                x_BxLxD, kv = block(c, name=f"block_{i}")(x_BxLxD, kv, lengths_B)
+                layers.append(kv)
+            layers = tuple(layers)
         x_BxLxD = RMSNorm(param_dtype=c.param_dtype, name="final_norm")(x_BxLxD)
         if c.tie_embeddings:  # unit-variance embeddings, so scale the head to unit logits
             head_DxV = embed_VxD.T * c.d_model**-0.5
@@ -175,14 +267,24 @@ class Transformer(nn.Module):
                 (c.d_model, c.vocab_size),
                 c.param_dtype,
             )
-        logits_BxLxV = jnp.einsum(
-            "bld,dv->blv", x_BxLxD, head_DxV.astype(c.dtype), preferred_element_type=jnp.float32
-        )
-        return _constrain(logits_BxLxV, (BATCH, SEQ, VOCAB))
+        if isinstance(head_DxV, quant.Int8Weight):
+            logits_BxLxV = quant.matmul("bld,dv->blv", x_BxLxD, head_DxV, c.dtype)
+            logits_BxLxV = logits_BxLxV.astype(jnp.float32)
+        else:
+            logits_BxLxV = jnp.einsum(
+                "bld,dv->blv", x_BxLxD, head_DxV.astype(c.dtype), preferred_element_type=jnp.float32
+            )
+        logits_BxLxV = _constrain(logits_BxLxV, (BATCH, SEQ, VOCAB))
+        return logits_BxLxV if cache is None else (logits_BxLxV, cache.replace(layers=layers))
 
 
 def count_params(params) -> int:
-    return sum(x.size for x in jax.tree.leaves(params))
+    """Parameters (an int8 weight counts its codes, not its scales)."""
+    q = lambda w: w.q if isinstance(w, quant.Int8Weight) else w  # noqa: E731
+    leaves = jax.tree.leaves(
+        jax.tree.map(q, params, is_leaf=lambda w: isinstance(w, quant.Int8Weight))
+    )
+    return sum(x.size for x in leaves)
 
 
 def count_nonembedding_params(params, cfg: ModelConfig) -> int:

@@ -19,6 +19,10 @@ auto            the best available for the backend, never an interpreted kernel:
                 at 256. Falls back to blockwise when the chosen kernel does not take the
                 input (dtype, head_dim).
 
+Decoding (one query token per sequence against a key/value cache) has its own dispatch,
+`decode_attention` (decode.py): reference (plain JAX), pallas_tpu, pallas_gpu; auto is the
+backend's Pallas kernel on TPU and GPU, the reference on CPU.
+
 Interpret mode is opt-in only: `interpret=True` with impl pallas / pallas_tpu / pallas_gpu runs
 the kernel through the Pallas interpreter on any backend (slow: tests, debugging). On CPU,
 `impl="pallas", interpret=True` means the TPU kernel. Sequence lengths that are not block
@@ -34,8 +38,9 @@ once per shard under `shard_map`: batch and heads split, sequence whole.
 import functools
 
 import jax
+from jax.sharding import PartitionSpec as P
 
-from lab.kernels.attention import blockwise, pallas_gpu, pallas_tpu, ring
+from lab.kernels.attention import blockwise, decode, pallas_gpu, pallas_tpu, ring
 from lab.kernels.attention.common import check_qkv, platform, target_device
 from lab.kernels.attention.reference import attention_reference
 from lab.names import ATTENTION_IMPLS
@@ -244,4 +249,70 @@ def attention(
     return jax.nn.dot_product_attention(*args, scale=scale, is_causal=causal, implementation=impl)
 
 
-__all__ = ["IMPLS", "attention", "attention_reference", "available_impls"]
+DECODE_IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_gpu")
+
+
+def choose_decode(impl: str, *, interpret: bool = False, backend: str | None = None) -> str:
+    """The decode kernel `decode_attention` runs: auto is the backend's Pallas kernel on TPU
+    and GPU, the plain-JAX reference on CPU (an interpreted kernel only when asked)."""
+    if impl not in (*DECODE_IMPLS, "auto"):
+        raise ValueError(f"decode impl={impl!r}: choose one of {', '.join(DECODE_IMPLS)} or auto")
+    backend = backend or platform()
+    native = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
+    if impl == "auto":
+        return native.get(backend, "reference")
+    if impl == "pallas":
+        impl = native.get(backend, "pallas_tpu" if interpret else "reference")
+    if impl.startswith("pallas") and impl != native.get(backend) and not interpret:
+        raise ValueError(
+            f"decode impl={impl!r} has no compiled kernel on backend {backend!r}: use "
+            f"{native.get(backend, 'reference')} or interpret=True (slow; tests)"
+        )
+    return impl
+
+
+def decode_attention(
+    q_BxHxK,
+    k_BxGxSxK,
+    v_BxGxSxK,
+    lengths_B,
+    k_scale_BxGx1xS=None,
+    v_scale_BxGx1xS=None,
+    *,
+    impl: str = "auto",
+    scale: float | None = None,
+    interpret: bool = False,
+    block_sizes=None,
+    shard_spec=None,
+):
+    """One query token per sequence against its cache (decode.py): q [B, H, K], caches
+    [B, G, S, K] (int8 with [B, G, 1, S] scales, or q's dtype), lengths [B] valid slots.
+    `shard_spec`: how the cache [B, G, S, K] is split over the context mesh (batch and kv
+    heads; the slots whole), for the Pallas kernels' shard_map."""
+    impl = choose_decode(impl, interpret=interpret)
+    args = (q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
+    if impl == "reference":
+        return decode.decode_attention_reference(*args, scale=scale)
+    kernel = decode.decode_attention_tpu if impl == "pallas_tpu" else decode.decode_attention_gpu
+    bs = block_sizes or (decode.BlockSizesTPU() if impl == "pallas_tpu" else decode.BlockSizesGPU())
+    fn = functools.partial(kernel, scale=scale, block_sizes=bs, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if shard_spec is None or mesh.empty or mesh.size == 1:
+        return fn(*args)
+    b, g = shard_spec[0], shard_spec[1]
+    cache = _fit(P(b, g, None, None), [k_BxGxSxK.shape], mesh)
+    b, g = cache[0], cache[1]
+    q = P(b, g, None)
+    row = P(b)
+    scales = P(b, g, None, None) if k_scale_BxGx1xS is not None else None
+    specs = (q, cache, cache, row, scales, scales)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=q, check_vma=False)(*args)
+
+
+__all__ = [
+    "IMPLS",
+    "attention",
+    "attention_reference",
+    "available_impls",
+    "decode_attention",
+]

@@ -1,0 +1,238 @@
+"""Serving the lab's transformer: prefill and decode with a key/value cache, and sampling.
+
+Pure functions over pytrees: the parameters, the cache (lab.model.KVCache: every layer's keys
+and values [B, G, S, K], int8 with per-token scales or the compute dtype, and each sequence's
+length) and the sampling key go in, the new cache and the tokens come out.
+
+    prefill(params, prompts_BxP, prompt_lengths_B, cache)  → (next logits [B, V], cache)
+        the prompts (right-padded to P) through the model at once, their keys and values
+        written to slots 0 … P-1, each sequence's length set to its own prompt length; the
+        logits of each prompt's last real token
+    step(params, tokens_B, cache) → (logits [B, V], cache)
+        one token per sequence at its own length, attended against its cache
+        (lab.kernels.attention.decode_attention), every length + 1
+
+`make_decoder` jits them for a mesh with shardings like the trainer's: the batch over the data
+axes, kv heads over `model`, the cache donated so each step updates it in place.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lab import quant
+from lab.config import ModelConfig
+from lab.errors import ConfigError
+from lab.mesh import check_divisible
+from lab.model import CACHE, KVCache, LayerKV, build
+from lab.names import BATCH, LAYERS
+
+
+def cache_shapes(m: ModelConfig, batch: int, max_len: int, *, int8: bool) -> KVCache:
+    """The cache as ShapeDtypeStructs: every layer's [B, G, S, K] keys and values (int8 with
+    [B, G, 1, S] float32 scales, or the compute dtype), stacked under scan_layers."""
+    G, K = m.n_kv_heads, m.head_dim
+    dtype = jnp.int8 if int8 else jnp.dtype(m.dtype)
+    lead = (m.n_layers,) if m.scan_layers else ()
+    kv = jax.ShapeDtypeStruct((*lead, batch, G, max_len, K), dtype)
+    sc = jax.ShapeDtypeStruct((*lead, batch, G, 1, max_len), jnp.float32) if int8 else None
+    layer = LayerKV(kv, kv, sc, sc)
+    layers = layer if m.scan_layers else (layer,) * m.n_layers
+    return KVCache(layers, jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+def _slots_axis(x) -> int:
+    """Where the cache slots are: [.., S, K] for keys and values, [.., 1, S] for scales."""
+    return -1 if x.shape[-2] == 1 else -2
+
+
+def cache_bytes(cache: KVCache, lengths=None) -> int:
+    """Bytes a decode step reads from the cache: every layer's keys, values (and scales) up to
+    each sequence's length (every slot when `lengths` is None)."""
+    total = 0.0
+    for x in jax.tree.leaves(cache.layers):
+        batch, slots = x.shape[-4], x.shape[_slots_axis(x)]
+        per_slot = x.size * jnp.dtype(x.dtype).itemsize / (batch * slots)
+        total += per_slot * (batch * slots if lengths is None else sum(int(n) for n in lengths))
+    return int(total)
+
+
+def _cache_logical(cache: KVCache) -> KVCache:
+    """Logical axes of every cache leaf: [layers?, batch, kv heads, slots, head_dim]; the
+    slots and head_dim are never split (the decode kernel reads a sequence's cache whole)."""
+
+    def axes(x):
+        lead = (LAYERS,) if x.ndim == 5 else ()
+        return lead + (CACHE if _slots_axis(x) == -2 else (*CACHE[:2], None, None))
+
+    return KVCache(jax.tree.map(axes, cache.layers), (BATCH,))
+
+
+def sample(logits_BxV, key, temperature: float):
+    """Greedy (temperature 0) or a draw from softmax(logits / temperature)."""
+    if temperature == 0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits_BxV / temperature).astype(jnp.int32)
+
+
+def prefill(params, prompts_BxP, prompt_lengths_B, cache: KVCache, *, model):
+    """(logits of each prompt's last real token [B, V], the cache holding the prompts)."""
+    empty = cache.replace(lengths=jnp.zeros_like(cache.lengths))
+    logits_BxPxV, cache = model.apply({"params": params}, prompts_BxP, empty)
+    last_B = prompt_lengths_B - 1
+    logits_BxV = jnp.take_along_axis(logits_BxPxV, last_B[:, None, None], axis=1)[:, 0]
+    return logits_BxV, cache.replace(lengths=prompt_lengths_B.astype(jnp.int32))
+
+
+def step(params, tokens_B, cache: KVCache, *, model):
+    """(logits [B, V] of the next token, the cache with this token written)."""
+    logits_Bx1xV, cache = model.apply({"params": params}, tokens_B[:, None], cache)
+    return logits_Bx1xV[:, 0], cache.replace(lengths=cache.lengths + 1)
+
+
+def generate(params, logits_BxV, cache: KVCache, key, *, steps: int, temperature: float, model):
+    """`steps` tokens per sequence from the prefill's logits: (tokens [B, steps], cache)."""
+
+    def one(carry, key):
+        logits_BxV, cache = carry
+        tokens_B = sample(logits_BxV, key, temperature)
+        logits_BxV, cache = step(params, tokens_B, cache, model=model)
+        return (logits_BxV, cache), tokens_B
+
+    (_, cache), tokens_SxB = jax.lax.scan(one, (logits_BxV, cache), jax.random.split(key, steps))
+    return tokens_SxB.T, cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """prefill, step and generate for one model on one mesh, jitted with shardings."""
+
+    model_cfg: ModelConfig
+    mesh: Any
+    rules: tuple
+    batch: int
+    max_len: int
+    int8_cache: bool
+    abstract_cache: KVCache
+    cache_sharding: Any
+    batch_sharding: NamedSharding
+    prefill: Any
+    step: Any
+    generate: Any
+
+    def empty_cache(self) -> KVCache:
+        """A zeroed cache on its shardings (lengths 0)."""
+        make = jax.jit(
+            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.abstract_cache),
+            out_shardings=self.cache_sharding,
+        )
+        with jax.set_mesh(self.mesh):
+            return make()
+
+
+def _with_rules(fn, rules):
+    @functools.wraps(fn)
+    def wrapped(*args, **kw):
+        with nn.logical_axis_rules(rules):
+            return fn(*args, **kw)
+
+    return wrapped
+
+
+def make_decoder(
+    model_cfg: ModelConfig,
+    mesh,
+    rules,
+    param_shardings,
+    *,
+    batch: int,
+    max_len: int,
+    int8_cache: bool = False,
+    steps: int = 1,
+    temperature: float = 0.0,
+) -> Decoder:
+    """Jitted prefill / step / generate: the batch over the rules' batch axes, the cache
+    sharded like the activations (kv heads over `model`) and donated to every call."""
+    if model_cfg.dtype == "auto":
+        raise ValueError("make_decoder needs a resolved compute dtype (lab.train.resolve)")
+    model = build(model_cfg)
+    batch_axes = dict(rules).get(BATCH)
+    n_batch = math.prod(mesh.shape[a] for a in (batch_axes or ()))
+    if batch % n_batch:
+        raise ConfigError(
+            f"batch={batch} does not split over the mesh's batch axes {batch_axes} "
+            f"({n_batch} devices): choose a multiple of {n_batch}"
+        )
+    abstract = cache_shapes(model_cfg, batch, max_len, int8=int8_cache)
+    logical = _cache_logical(abstract)
+    is_names = lambda x: isinstance(x, tuple) and all(isinstance(n, str | None) for n in x)  # noqa: E731
+    with nn.logical_axis_rules(rules):
+        specs = jax.tree.map(nn.logical_to_mesh_axes, logical, is_leaf=is_names)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    for leaf, spec in zip(
+        jax.tree.leaves(abstract), jax.tree.leaves(specs, is_leaf=is_spec), strict=True
+    ):
+        check_divisible("the cache", leaf.shape, spec, mesh)
+    cache_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=is_spec)
+    batch_sh = NamedSharding(mesh, P(batch_axes))
+    tokens_sh = NamedSharding(mesh, P(batch_axes, None))
+    replicated = NamedSharding(mesh, P())
+    logits_sh = NamedSharding(mesh, P(batch_axes, None))
+    prefill_jit = jax.jit(
+        _with_rules(functools.partial(prefill, model=model), rules),
+        in_shardings=(param_shardings, tokens_sh, batch_sh, cache_sh),
+        out_shardings=(logits_sh, cache_sh),
+        donate_argnums=3,
+    )
+    step_jit = jax.jit(
+        _with_rules(functools.partial(step, model=model), rules),
+        in_shardings=(param_shardings, batch_sh, cache_sh),
+        out_shardings=(logits_sh, cache_sh),
+        donate_argnums=2,
+    )
+    gen_jit = jax.jit(
+        _with_rules(
+            functools.partial(generate, steps=steps, temperature=temperature, model=model), rules
+        ),
+        in_shardings=(param_shardings, logits_sh, cache_sh, replicated),
+        out_shardings=(tokens_sh, cache_sh),
+        donate_argnums=2,
+    )
+    return Decoder(
+        model_cfg,
+        mesh,
+        rules,
+        batch,
+        max_len,
+        int8_cache,
+        abstract,
+        cache_sh,
+        batch_sh,
+        prefill_jit,
+        step_jit,
+        gen_jit,
+    )
+
+
+def check_prompts(prompt_lengths, max_len: int, steps: int = 0) -> None:
+    """A prompt (plus the tokens to generate) longer than the cache is one line."""
+    longest = max(int(n) for n in prompt_lengths)
+    if longest + steps > max_len:
+        raise ConfigError(
+            f"a prompt of {longest} tokens plus {steps} to generate does not fit a cache of "
+            f"{max_len} slots: raise max_len= or shorten the prompt"
+        )
+    if min(int(n) for n in prompt_lengths) < 1:
+        raise ConfigError("every prompt needs at least one token")
+
+
+def quantize(params):
+    """int8 weights, one scale per output channel (lab/quant.py); the lookup table stays."""
+    return quant.quantize_params(params)

@@ -1,0 +1,148 @@
+"""Decoding with the key/value cache gives the logits of the full forward pass over the same
+tokens: ragged prompts, several steps, scanned and unscanned layers, one device and a 4x2
+mesh; the int8 cache and int8 weights within their stated bounds; bad input one line."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lab import decode
+from lab.config import make_config
+from lab.errors import ConfigError
+from lab.mesh import make_mesh, rules_for
+from lab.model import build
+from lab.train import make_trainer
+
+PROMPTS = (5, 9, 1, 12)  # ragged prompt lengths (right-padded to 12)
+STEPS = 4  # decode steps after the prefill
+MAX_LEN = 24
+
+
+def _setup(mesh="1", strategy="dp", **fields):
+    cfg = make_config(
+        preset="tiny",
+        dtype="float32",
+        attention="naive",
+        mesh=mesh,
+        strategy=strategy,
+        batch_size=len(PROMPTS),
+        seq_len=MAX_LEN,
+        **fields,
+    )
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    params = trainer.init(jax.random.key(0)).params
+    return trainer, params
+
+
+def _tokens(seed=1):
+    """Right-padded prompts and the tokens fed at the decode steps."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, 256, (len(PROMPTS), max(PROMPTS))).astype(np.int32)
+    fed = rng.integers(0, 256, (len(PROMPTS), STEPS)).astype(np.int32)
+    return prompts, fed
+
+
+def _decoded_logits(trainer, params, *, int8_cache=False):
+    """[B, STEPS+1, V]: the prefill's next-token logits, then one per decode step."""
+    dec = decode.make_decoder(
+        trainer.cfg.model,
+        trainer.mesh,
+        trainer.rules,
+        trainer.state_shardings.params,
+        batch=len(PROMPTS),
+        max_len=MAX_LEN,
+        int8_cache=int8_cache,
+    )
+    prompts, fed = _tokens()
+    with jax.set_mesh(trainer.mesh):
+        lengths = np.asarray(PROMPTS, np.int32)
+        logits, cache = dec.prefill(params, prompts, lengths, dec.empty_cache())
+        out = [np.asarray(logits)]
+        for t in range(STEPS):
+            logits, cache = dec.step(params, fed[:, t], cache)
+            out.append(np.asarray(logits))
+    assert list(np.asarray(cache.lengths)) == [p + STEPS for p in PROMPTS]
+    return np.stack(out, axis=1)
+
+
+def _full_logits(trainer, params):
+    """The same positions from the plain forward pass over each whole sequence."""
+    prompts, fed = _tokens()
+    model = build(trainer.cfg.model)
+    rows = []
+    for b, p in enumerate(PROMPTS):
+        seq = np.concatenate([prompts[b, :p], fed[b]])[None]
+        logits = model.apply({"params": jax.device_get(params)}, seq)[0]
+        rows.append(np.asarray(logits[p - 1 : p + STEPS]))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_decoding_equals_the_full_forward_pass(scan_layers):
+    trainer, params = _setup(scan_layers=scan_layers)
+    got, want = _decoded_logits(trainer, params), _full_logits(trainer, params)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_on_a_4x2_mesh_equals_one_device():
+    """Batch over data, kv heads over model (tp): the cache sharded like the activations."""
+    trainer, params = _setup(mesh="4x2", strategy="tp")
+    spec = trainer.state_shardings.params["block_0"]["attn"]["wk"].spec
+    assert spec[1] == "model"  # kv heads split: the cache follows them
+    got = _decoded_logits(trainer, params)
+    one, one_params = _setup()
+    np.testing.assert_allclose(got, _full_logits(one, one_params), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_cache_stays_within_its_bound():
+    """Keys and values int8 with a scale per (token, kv head): logits move by < 2e-2 of their
+    spread (the cache's error bound is tests/test_quant.py's; here it is end to end)."""
+    trainer, params = _setup()
+    exact = _full_logits(trainer, params)
+    got = _decoded_logits(trainer, params, int8_cache=True)
+    assert np.abs(got - exact).max() / np.abs(exact).max() < 2e-2
+
+
+def test_int8_weights_stay_within_their_bound():
+    trainer, params = _setup()
+    exact = _full_logits(trainer, params)
+    got = _decoded_logits(trainer, decode.quantize(params))
+    err = np.abs(got - exact).max() / np.abs(exact).max()
+    assert 0 < err < 5e-2, err  # per-channel int8: ~1 % per matmul, a few matmuls deep
+
+
+def test_sampling_greedy_and_temperature():
+    logits = jnp.asarray([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
+    assert list(decode.sample(logits, jax.random.key(0), 0.0)) == [1, 0]
+    draws = jax.vmap(lambda k: decode.sample(logits[:1], k, 1.0))(
+        jax.random.split(jax.random.key(1), 2000)
+    )
+    share = float(jnp.mean(draws == 1))
+    assert abs(share - float(jax.nn.softmax(logits[0])[1])) < 0.05
+
+
+def test_cache_bytes_count_what_a_step_reads():
+    m = make_config(preset="tiny", dtype="float32").model
+    cache = decode.cache_shapes(m, batch=2, max_len=16, int8=False)
+    per_slot = 2 * m.n_layers * m.n_kv_heads * m.head_dim * 4  # keys and values, f32
+    assert decode.cache_bytes(cache) == 2 * 16 * per_slot
+    assert decode.cache_bytes(cache, lengths=[3, 5]) == 8 * per_slot
+    int8 = decode.cache_shapes(m, batch=2, max_len=16, int8=True)
+    scales = 2 * m.n_layers * m.n_kv_heads * 4
+    assert decode.cache_bytes(int8, lengths=[3, 5]) == 8 * (per_slot // 4 + scales)
+
+
+def test_bad_input_is_one_line():
+    with pytest.raises(ConfigError, match="does not fit a cache of 24 slots"):
+        decode.check_prompts([20, 3], MAX_LEN, steps=8)
+    trainer, _ = _setup(mesh="4x2", strategy="tp")
+    with pytest.raises(ConfigError, match="batch=3"):
+        decode.make_decoder(
+            trainer.cfg.model,
+            trainer.mesh,
+            rules_for("tp"),
+            trainer.state_shardings.params,
+            batch=3,
+            max_len=MAX_LEN,
+        )

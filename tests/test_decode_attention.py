@@ -1,0 +1,282 @@
+"""Both decode kernels (lab/kernels/attention/decode.py) through the Pallas interpreter against
+the float64 reference; the TPU kernel compiled ahead of time for a v5e topology (Mosaic, needs
+libtpu) and the GPU kernel for an H100 (Triton, needs the gpu-plan extra).
+
+Product: kernel (tpu, gpu) × GQA ratio (1, 2, 4) × dtype (f32, bf16); every case has one
+batch of ragged lengths — 1, the full cache, and lengths that are not block multiples — over
+a cache of S = 200 slots, which is not a block multiple either (block_k 32: 6¼ blocks).
+Slots past each length hold NaN: a kernel that reads or weighs them fails. The splits change
+with the ratio so that 1, 3 and 4 parts are all exercised on both kernels.
+"""
+
+import dataclasses
+import functools
+import itertools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lab import quant
+from lab.kernels.attention import decode
+
+# max |kernel - f64 reference| / max |reference|, per input dtype. Both sides start from the
+# same rounded inputs, so what differs is the kernel's own rounding. f32: sums of <= 200
+# products at 2^-24 each; measured <= 1.1e-7 (float and int8 caches). bf16: two roundings to
+# bf16 of at most 2^-9 relative each — the probabilities (times the value scales, for int8)
+# fed to the P·V product, and the output — so at most 2^-8 = 3.9e-3 of max |ref|; measured
+# <= 1.2e-3 with bf16 caches, <= 3.5e-3 with int8 caches (there the largest outputs, the
+# length-1 rows, are dequantised values that bf16 cannot hold exactly). 1e-2 leaves margin.
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+B, G_MAX, S, K = 4, 2, 200, 64  # kv heads G = 2; query heads H = G · ratio
+LENGTHS = (1, S, 37, 130)  # one, full, and two that end inside a block
+BLOCK_K = 32  # interpret mode: small blocks so S = 200 spans several and ends in a partial one
+SPLITS = {1: 1, 2: 3, 4: 4}  # ratio → num_splits: every path of split_range on both kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    impl: str
+    ratio: int
+    dtype: str
+
+    def __str__(self):
+        return f"{self.impl}-r{self.ratio}-{self.dtype}"
+
+
+CASES = [Case(*c) for c in itertools.product(("tpu", "gpu"), (1, 2, 4), TOL)]
+
+
+def kernel(impl: str, splits: int):
+    if impl == "tpu":
+        bs = decode.BlockSizesTPU(block_k=BLOCK_K, num_splits=splits)
+        return functools.partial(decode.decode_attention_tpu, block_sizes=bs, interpret=True)
+    bs = decode.BlockSizesGPU(block_k=BLOCK_K, num_splits=splits)
+    return functools.partial(decode.decode_attention_gpu, block_sizes=bs, interpret=True)
+
+
+def random_inputs(seed: int, ratio: int, dtype, lengths=LENGTHS, garbage=jnp.nan):
+    """Normal q, k, v (never zeros); cache slots past each length set to `garbage`."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    G = G_MAX
+    q = jax.random.normal(kq, (B, G * ratio, K), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (B, G, S, K), jnp.float32)
+    v = jax.random.normal(kv, (B, G, S, K), jnp.float32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    valid = (jnp.arange(S)[None, :] < lengths[:, None])[:, None, :, None]
+    k = jnp.where(valid, k, garbage).astype(dtype)
+    v = jnp.where(valid, v, garbage).astype(dtype)
+    return q, k, v, lengths
+
+
+@jax.jit
+def _reference_jit(q, k, v, lengths, k_scale=None, v_scale=None):
+    return decode.decode_attention_reference(q, k, v, lengths, k_scale, v_scale)
+
+
+def reference_f64(q, k, v, lengths, k_scale=None, v_scale=None):
+    """The reference in float64 from the same (rounded) inputs; int8 caches stay int8."""
+    with jax.enable_x64(True):
+        f64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
+        k, v = (x if x.dtype == jnp.int8 else f64(x) for x in (k, v))
+        return np.asarray(_reference_jit(f64(q), k, v, lengths, f64(k_scale), f64(v_scale)))
+
+
+def relative_error(got, want) -> float:
+    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernel_matches_float64_reference(case: Case):
+    seed = zlib.crc32(str(case).encode())  # fresh per case, reproducible
+    q, k, v, lengths = random_inputs(seed, case.ratio, case.dtype)
+    got = kernel(case.impl, SPLITS[case.ratio])(q, k, v, lengths)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    want = reference_f64(q, k, v, lengths)
+    assert np.isfinite(want).all()
+    err = relative_error(got, want)
+    assert err < TOL[case.dtype], f"max error {err:.2e} relative to max |ref|"
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_int8_cache_matches_reference(impl: str, dtype: str):
+    """int8 k/v with per-(token, head) scales, dequantised inside the kernel. Against the
+    reference on the *same* int8 cache (the quantization error is test_quant.py's business);
+    scales past the length are NaN."""
+    q, k, v, lengths = random_inputs(11, 2, jnp.float32, garbage=0.0)
+    (k_i8, k_scale), (v_i8, v_scale) = quant.quantize_kv(k), quant.quantize_kv(v)
+    invalid = (jnp.arange(S)[None, :] >= lengths[:, None])[:, None, None, :]
+    k_scale, v_scale = (jnp.where(invalid, jnp.nan, s) for s in (k_scale, v_scale))
+    q = q.astype(dtype)
+    got = kernel(impl, 3)(q, k_i8, v_i8, lengths, k_scale, v_scale)
+    want = reference_f64(q, k_i8, v_i8, lengths, k_scale, v_scale)
+    err = relative_error(got, want)
+    assert err < TOL[dtype], f"max error {err:.2e} relative to max |ref|"
+
+
+def test_reference_against_a_plain_loop():
+    """The reference itself, against numpy one sequence and head at a time (float64)."""
+    q, k, v, lengths = random_inputs(3, 2, jnp.float32)
+    want = reference_f64(q, k, v, lengths)
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    for b, h in itertools.product(range(B), range(q.shape[1])):
+        n, g = int(lengths[b]), h // 2
+        s = k[b, g, :n] @ q[b, h] / np.sqrt(K)
+        p = np.exp(s - s.max())
+        np.testing.assert_allclose(want[b, h], p @ v[b, g, :n] / p.sum(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_empty_and_overlong_lengths(impl: str):
+    """Length 0 gives zeros; a length past the cache is the whole cache."""
+    q, k, v, _ = random_inputs(5, 1, jnp.float32, lengths=(S,) * B)
+    fn = kernel(impl, 2)
+    out = fn(q, k, v, jnp.array([0, S, S + 50, 7], jnp.int32))
+    full = fn(q, k, v, jnp.full((B,), S, jnp.int32))
+    assert (np.asarray(out[0]) == 0).all()
+    np.testing.assert_allclose(out[2], full[2], rtol=1e-6, atol=1e-6)
+
+
+def test_splits_default_fills_the_gpu():
+    bs = decode.BlockSizesGPU()
+    assert bs.splits_for(batch=1, kv_heads=8, n_blocks=1000) == 33  # 8 · 33 >= 264
+    assert bs.splits_for(batch=64, kv_heads=8, n_blocks=1000) == 1
+    assert bs.splits_for(batch=1, kv_heads=1, n_blocks=5) == 5  # never more than the blocks
+    assert decode.BlockSizesGPU(num_splits=4).splits_for(1, 1, 1000) == 4
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda a: {**a, "q": a["q"][:, None]}, "expected q"),
+        (lambda a: {**a, "q": a["q"][:, :3]}, "multiple of kv heads"),
+        (lambda a: {**a, "v": a["v"][:, :, :10]}, "caches must match"),
+        (lambda a: {**a, "lengths": a["lengths"].astype(jnp.float32)}, "expected int32"),
+        (
+            lambda a: {**a, "k": a["k"].astype(jnp.bfloat16), "v": a["v"].astype(jnp.bfloat16)},
+            "the cache is q's dtype or int8",
+        ),
+        (
+            lambda a: {**a, "k": a["k"].astype(jnp.int8), "v": a["v"].astype(jnp.int8)},
+            "needs k_scale of floats",
+        ),
+        (lambda a: {**a, "k_scale": jnp.ones((B, G_MAX, 1, S))}, "only for an int8 cache"),
+    ],
+)
+def test_bad_inputs_raise_naming_the_shape(change, match):
+    q, k, v, lengths = random_inputs(1, 2, jnp.float32)
+    args = change({"q": q, "k": k, "v": v, "lengths": lengths, "k_scale": None})
+    for fn in (decode.decode_attention_reference, kernel("tpu", 1), kernel("gpu", 1)):
+        with pytest.raises(ValueError, match=match):
+            fn(args["q"], args["k"], args["v"], args["lengths"], args["k_scale"], None)
+
+
+def test_kernel_limits():
+    q, k, v, lengths = random_inputs(1, 2, jnp.float16)
+    with pytest.raises(ValueError, match="decode_attention_tpu supports dtypes float32, bfloat16"):
+        kernel("tpu", 1)(q, k, v, lengths)
+    q, k, v, lengths = (x[..., :48] if x.ndim > 1 else x for x in random_inputs(1, 1, "float32"))
+    with pytest.raises(ValueError, match="supports head_dim"):
+        kernel("tpu", 1)(q, k, v, lengths)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        decode.decode_attention_tpu(
+            *random_inputs(1, 1, jnp.float32), block_sizes=decode.BlockSizesTPU(block_k=64)
+        )
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: decode.BlockSizesTPU(block_k=12), "BlockSizesTPU.block_k=12"),
+        (lambda: decode.BlockSizesTPU(num_splits=0), "BlockSizesTPU.num_splits=0"),
+        (lambda: decode.BlockSizesGPU(block_k=48), "BlockSizesGPU.block_k=48"),
+        (lambda: decode.BlockSizesGPU(num_warps=3), "BlockSizesGPU.num_warps=3"),
+        (lambda: decode.BlockSizesGPU(num_splits=-1), "BlockSizesGPU.num_splits=-1"),
+        (lambda: decode.BlockSizesGPU(num_stages=0), "BlockSizesGPU.num_stages=0"),
+    ],
+)
+def test_block_sizes_validate_themselves(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+# ---------------------------------------------------------------------------- ahead of time
+
+
+def _tpu_mesh():
+    pytest.importorskip("libtpu", reason="libtpu not installed: pip install 'jax[tpu]'")
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc("v5e:2x2", platform="tpu").devices
+    return jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("data", "model"))
+
+
+@pytest.mark.parametrize(
+    "dtype, ratio, seq, block_k, splits, int8",
+    [
+        (jnp.bfloat16, 4, 4096, 512, 1, False),  # the default tiles
+        (jnp.float32, 1, 1000, 256, 2, False),  # S not a block multiple; 2 splits (megacore)
+        (jnp.bfloat16, 2, 2048, 512, 1, True),  # int8 cache, scales [B, G, 1, S]
+    ],
+)
+def test_tpu_kernel_compiles_for_v5e(dtype, ratio, seq, block_k, splits, int8):
+    """Mosaic compile for a v5e 2x2 slice on this CPU machine (compiled, not run). Under a
+    multi-device mesh the kernel sits in shard_map: batch over `data`, kv heads over
+    `model` (XLA cannot partition a Mosaic custom call)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _tpu_mesh()
+    Bc, Gc, Kc = 4, 4, 128
+    q_spec, kv_spec, len_spec = P("data", "model", None), P("data", "model", None, None), P("data")
+    fn = functools.partial(
+        decode.decode_attention_tpu, block_sizes=decode.BlockSizesTPU(block_k, splits)
+    )
+    specs = (q_spec, kv_spec, kv_spec, len_spec) + ((kv_spec, kv_spec) if int8 else ())
+    sharded = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
+
+    def arg(shape, dt, spec):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+
+    cache = arg((Bc, Gc, seq, Kc), jnp.int8 if int8 else dtype, kv_spec)
+    args = [arg((Bc, Gc * ratio, Kc), dtype, q_spec), cache, cache, arg((Bc,), jnp.int32, len_spec)]
+    if int8:
+        args += [arg((Bc, Gc, 1, seq), jnp.float32, kv_spec)] * 2
+    lowered = jax.jit(sharded).lower(*args)
+    assert "decode_attention_tpu" in lowered.as_text()  # the Mosaic custom call is there
+    compiled = lowered.compile()
+    assert "tpu_custom_call" in compiled.as_text()
+    assert compiled.memory_analysis() is not None
+
+
+def test_gpu_kernel_compiles_for_h100():
+    """Compiled (Triton → PTX → cubin by ptxas) for an H100 (lab/plans), an int8 cache with
+    bf16 queries, its resources read back: no spill, shared memory within the SM's limit."""
+    from lab.plans import gpu as gpus
+
+    if gpus._pjrt() is None or gpus.ptxas() is None:
+        pytest.skip("the CUDA plugin or ptxas is missing: pip install -e '.[gpu-plan]'")
+    from lab import plans
+
+    devices = plans.topology_devices("gpu:h100:1")
+    mesh = jax.sharding.Mesh(devices, ("x",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    Bc, Gc, Rc, Sc, Kc = 2, 4, 4, 1000, 128
+    args = [jax.ShapeDtypeStruct((Bc, Gc * Rc, Kc), jnp.bfloat16, sharding=rep)]
+    args += [jax.ShapeDtypeStruct((Bc, Gc, Sc, Kc), jnp.int8, sharding=rep)] * 2
+    args += [jax.ShapeDtypeStruct((Bc,), jnp.int32, sharding=rep)]
+    args += [jax.ShapeDtypeStruct((Bc, Gc, 1, Sc), jnp.float32, sharding=rep)] * 2
+
+    def lower():
+        with jax.sharding.set_mesh(mesh):
+            return jax.jit(decode.decode_attention_gpu).lower(*args)
+
+    _, kernels = plans.compile_plan(lower, devices)
+    (k,) = [k for k in kernels if k.name.startswith("decode_attention_gpu")]
+    assert k.spill_bytes == 0 and 0 < k.smem <= gpus.GPUS["h100"].smem_per_block, k
