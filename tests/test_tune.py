@@ -2,7 +2,10 @@
 
 On CPU the times mean nothing; what is tested is the machinery a GPU run relies on: every
 candidate checked against the reference, refused ones recorded and never chosen, scores from
-the timed ratios, the winner written as data and read back by the kernel.
+the timed ratios, the winner written as data and read back by the kernel. With the gpu-plan
+extra, the static pass is tested for real: candidates compiled for an H100 (deviceless, through
+JAX's CUDA plugin and ptxas) and dropped before timing when the compiler says they spill or
+overflow shared memory.
 """
 
 import dataclasses
@@ -89,6 +92,8 @@ def jax_tree_scale(tree, factor):
         (["interpret=true", "heads=3", "kv_heads=2"], "not a multiple"),
         (["interpret=ture"], "expected a boolean"),
         (["head_dim=64"], "did you mean head_dims?"),
+        (["static_only=true", "static=tpu:v5e:2x2"], "expected auto, off or gpu:KIND[:N]"),
+        (["static_only=true", "static=off"], "needs a GPU or static=gpu:KIND"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv, needle, capsys):
@@ -105,3 +110,63 @@ def test_a_search_with_no_working_candidate_is_one_line(monkeypatch, capsys, tmp
     assert attention_tune.main(["interpret=true", f"out_dir={tmp_path}"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == "error: head_dim 16: no candidate compiled and matched the reference"
+
+
+def _gpu_plans_missing() -> bool:
+    from lab.plans import gpu
+
+    return gpu._pjrt() is None or gpu.ptxas() is None
+
+
+@pytest.mark.skipif(_gpu_plans_missing(), reason="needs the gpu-plan extra (CUDA plugin, ptxas)")
+def test_static_pass_drops_spills_and_smem_overflows_before_timing(monkeypatch):
+    """static=gpu:h100:1: every candidate is compiled for sm_90a first; the one that spills
+    registers and the one whose pipeline overflows shared memory are dropped with the
+    compiler's figures, and only the one that fits reaches the timed stage."""
+    search = dataclasses.replace(
+        SEARCH, head_dim=128, seqs=(256,), dtype="bfloat16", static="gpu:h100:1"
+    )
+    candidates = [
+        dataclasses.replace(pallas_gpu.BlockSizes(), **o)
+        for o in (
+            dict(block_q=64, block_k=64, num_warps=4, num_stages=2),  # fits
+            dict(block_q=128, block_k=64, num_warps=4, num_stages=2),  # 4 warps, 128 rows: spills
+            dict(block_q=128, block_k=128, num_warps=8, num_stages=4),  # 4 K/V stages > 227 KiB
+        )
+    ]
+    real, timed = tune._kernel_program, []
+
+    def program(bs, causal, mode, interpret):
+        if interpret:  # the timed stage's program (the static pass compiles interpret=False)
+            timed.append(candidates.index(bs))
+        return real(bs, causal, mode, interpret)
+
+    monkeypatch.setattr(tune, "_kernel_program", program)
+    # the timed stage's compile-and-check is where timing starts: stop there
+    monkeypatch.setattr(tune, "_compile_checked", lambda *a: (None, "not timed in this test"))
+    timing = dict(budget_s=0.01, min_runs=1, warmup=0)
+    records, scores, _ = tune.run_stage("fwd", candidates, search, "fwd", "xla", timing)
+
+    assert timed == [0]  # the dropped ones never reach the timed stage
+    assert scores[1] == scores[2] == float("inf")
+    cands = [dataclasses.asdict(c) for c in candidates]
+    kernels = {}  # candidate → its kernel's figures, as the compiler reported them
+    for r in records:
+        if r["what"] == "tune kernel registers":
+            assert r["label"] == "compiled, not run" and r["config"]["target"] == "gpu:h100:1"
+            kernels[cands.index(r["config"]["candidate"])] = {
+                "registers": r["value"],
+                **r["config"],
+            }
+    assert kernels[0]["spill_bytes"] == 0 and 0 < kernels[0]["registers"] <= 255
+    assert kernels[0]["smem"] <= 232448 and kernels[0]["blocks_per_sm"] >= 1
+    assert kernels[1]["spill_bytes"] > 0 and kernels[1]["registers"] == 255
+    assert 2 not in kernels  # Triton refused to build it: no kernel to read
+    static = {  # the static pass's rejections (the timed stage's carry the shape: seq)
+        cands.index(r["config"]["candidate"]): r["value"]
+        for r in records
+        if r["what"] == "tune rejected" and "seq" not in r["config"]
+    }
+    assert sorted(static) == [1, 2], static
+    assert static[1].startswith("spills ") and "flash_attention_fwd" in static[1]
+    assert "Shared memory size limit exceeded" in static[2]

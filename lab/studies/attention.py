@@ -28,10 +28,14 @@ contender of a shape.
 
 Implementations whose compiled program needs more memory than half of what the host (CPU) or
 device has free are compiled but not run: their memory is reported (*compiled, not run*) and
-their time is "skipped". On GPU, cuDNN and JAX's bundled Pallas attention ops join as peers:
+their time is "skipped". On GPU the lab's own kernels are `pallas_gpu` (Triton) and, on
+Hopper, `pallas_mgpu` (Mosaic GPU); cuDNN and JAX's bundled Pallas attention ops join as peers:
 `jax.experimental.pallas.ops.gpu.attention.mha` (Triton; kv heads repeated, it has no grouped
 heads) and `attention_mgpu.attention` (Mosaic GPU, Hopper and later, bf16/f16, lengths in
-whole 128-blocks; it takes no softmax scale, so q is scaled before the call). Where PyTorch
+whole 128-blocks; it takes no softmax scale, so q is scaled before the call). Where tokamax is
+installed (`pip install -e '.[peers]'`), `tokamax` (`tokamax.dot_product_attention`, the
+library JAX points Pallas GPU users to, with its own choice of Mosaic, Triton or XLA kernel)
+joins on every backend. Where PyTorch
 is installed, `torch_sdpa` (`torch.nn.functional.scaled_dot_product_attention`, PyTorch's
 own choice of flash / memory-efficient / math kernel) joins on the same device, fed the same
 numbers through DLPack and synchronised as part of each timed call; its memory is not
@@ -90,8 +94,12 @@ class Shape:
 # ---------------------------------------------------------------------------- contenders
 
 
+GPU_PEERS = ("jax_pallas_triton", "jax_pallas_mgpu")  # peers that compile only for a GPU
+
+
 def _library_peers() -> dict:
-    """JAX's own Pallas attention kernels (GPU only), as f(q, k, v, causal) -> out."""
+    """JAX's own Pallas attention kernels (GPU only) and tokamax's attention (where it is
+    installed), as f(q, k, v, causal) -> out."""
     peers = {}
     try:
         from jax.experimental.pallas.ops.gpu import attention as triton_ops
@@ -116,6 +124,15 @@ def _library_peers() -> dict:
             return attention_mgpu.attention(q, k, v, config)
 
         peers["jax_pallas_mgpu"] = mgpu
+    except ImportError:
+        pass
+    try:
+        import tokamax
+
+        def tokamax_attention(q, k, v, causal):  # L = S here: its top-left causal mask agrees
+            return tokamax.dot_product_attention(q, k, v, is_causal=causal)
+
+        peers["tokamax"] = tokamax_attention
     except ImportError:
         pass
     return peers
@@ -194,11 +211,11 @@ def check_impls(impls, backend: str | None = None) -> None:
 
 
 def default_impls(backend: str | None = None) -> tuple[str, ...]:
-    """Every compiled implementation on this backend, JAX's bundled kernels on GPU, and
-    PyTorch's SDPA where PyTorch is installed for this device."""
+    """Every compiled implementation on this backend, JAX's bundled kernels on GPU, tokamax
+    where installed, and PyTorch's SDPA where PyTorch is installed for this device."""
     backend = backend or jax.default_backend()
     own = [i for i in available_impls(backend) if i != "pallas"]  # pallas = pallas_<backend>
-    own += list(_library_peers()) if backend == "gpu" else []
+    own += [p for p in _library_peers() if backend == "gpu" or p not in GPU_PEERS]
     return tuple(own + (["torch_sdpa"] if _torch_available(backend) else []))
 
 

@@ -2,15 +2,16 @@
 
 The grid of the GPU-speed issue: bfloat16, B=2, H=32 (as many kv heads), S = L ∈ {2048, 4096,
 8192, 16384}, head_dim ∈ {64, 128}, causal and not, forward and forward + backward. At every
-point the lab's compiled Pallas kernel (`pallas_gpu`, block sizes from `tuned/`) runs in one
-`bench.sweep` with its peers: cuDNN and XLA through `jax.nn.dot_product_attention`, JAX's
-bundled Pallas kernels (Triton and Mosaic GPU) and PyTorch's SDPA where installed.
+point the lab's compiled Pallas kernels (`pallas_mgpu` on Hopper, `pallas_gpu` everywhere;
+block sizes from `tuned/`) run in one `bench.sweep` with their peers: cuDNN and XLA through
+`jax.nn.dot_product_attention`, JAX's bundled Pallas kernels (Triton and Mosaic GPU), tokamax
+and PyTorch's SDPA where installed. Each lab kernel that is in the run gets its own verdicts.
 
-Targets, per point, from the medians of that one run:
+Targets, per point and lab kernel, from the medians of that one run:
 
-- speed = reference time / pallas_gpu time ≥ 1.0 forward, ≥ 0.8 forward + backward, where the
-  reference is cuDNN, or, where cuDNN does not run, the faster of PyTorch SDPA and JAX's Mosaic
-  GPU attention at that point;
+- speed = reference time / kernel time ≥ 1.0 forward, ≥ 0.8 forward + backward, where the
+  reference is cuDNN, or, where cuDNN does not run, the fastest of PyTorch SDPA, JAX's Mosaic
+  GPU attention and tokamax at that point;
 - ahead of JAX's bundled Pallas (Triton) attention and of XLA's attention.
 
 The tool prints the verdict table and writes the records plus a Markdown block for BENCHMARKS.md
@@ -22,41 +23,55 @@ from lab.studies import attention as bench
 
 SEQS = (2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
-OURS = "pallas_gpu"
-IMPLS = (OURS, "cudnn", "xla", "jax_pallas_triton", "jax_pallas_mgpu", "torch_sdpa")
-FALLBACK_REFERENCES = ("torch_sdpa", "jax_pallas_mgpu")  # where cuDNN does not run
+OURS = ("pallas_mgpu", "pallas_gpu")  # the lab's kernels, each judged where it ran
+IMPLS = (*OURS, "cudnn", "xla", "jax_pallas_triton", "jax_pallas_mgpu", "tokamax", "torch_sdpa")
+FALLBACK_REFERENCES = ("torch_sdpa", "jax_pallas_mgpu", "tokamax")  # where cuDNN does not run
 MUST_BEAT = ("jax_pallas_triton", "xla")
 SPEED_TARGET = {"fwd": 1.0, "fwd+bwd": 0.8}
 
 
 def judge(records: list[dict], head_dim: int) -> list[dict]:
-    """One verdict per (seq, causal, mode) of one head_dim's sweep records."""
+    """One verdict per (seq, causal, mode) and lab kernel of one head_dim's sweep records:
+    every kernel of OURS the sweep included (pallas_gpu's, as 'not in this run', if none)."""
     points: dict[tuple, dict] = {}
     for r in bench.rows_of(records):
         key = (r["seq"], r["causal"], r["mode"])
         points.setdefault(key, {})[r["impl"]] = r
+    present = {impl for by_impl in points.values() for impl in by_impl}
+    ours = [k for k in OURS if k in present] or [OURS[-1]]
+    return [v for k in ours for v in _judge_kernel(points, head_dim, k)]
+
+
+def _judge_kernel(points: dict, head_dim: int, ours: str) -> list[dict]:
     out = []
     for (seq, causal, mode), by_impl in sorted(points.items()):
         t = {i: r["attention time"] for i, r in by_impl.items() if "attention time" in r}
-        row = dict(head_dim=head_dim, seq=seq, causal=causal, mode=mode, target=SPEED_TARGET[mode])
-        if OURS not in t:
-            why = by_impl.get(OURS, {}).get("attention skipped", "not in this run")
-            out.append({**row, "met": False, "note": f"{OURS} did not run: {why}"})
+        row = dict(
+            kernel=ours,
+            head_dim=head_dim,
+            seq=seq,
+            causal=causal,
+            mode=mode,
+            target=SPEED_TARGET[mode],
+        )
+        if ours not in t:
+            why = by_impl.get(ours, {}).get("attention skipped", "not in this run")
+            out.append({**row, "met": False, "note": f"{ours} did not run: {why}"})
             continue
         fallback = [i for i in FALLBACK_REFERENCES if i in t]
         ref = "cudnn" if "cudnn" in t else min(fallback, key=t.get) if fallback else None
-        beat = {p: t[OURS] < t[p] for p in MUST_BEAT if p in t}
-        speed = t[ref] / t[OURS] if ref else None
+        beat = {p: t[ours] < t[p] for p in MUST_BEAT if p in t}
+        speed = t[ref] / t[ours] if ref else None
         met = speed is not None and speed >= SPEED_TARGET[mode] and all(beat.values())
         notes = [f"behind {p}" for p, ok in beat.items() if not ok]
         notes += [f"{p} did not run" for p in MUST_BEAT if p not in t]
-        notes += [] if ref else ["no reference ran (cudnn, torch_sdpa, jax_pallas_mgpu)"]
+        notes += [] if ref else [f"no reference ran (cudnn, {', '.join(FALLBACK_REFERENCES)})"]
         out.append(
             {
                 **row,
                 "reference": ref,
                 "speed": speed,
-                "pallas_tflops": by_impl[OURS]["attention TFLOP/s"],
+                "pallas_tflops": by_impl[ours]["attention TFLOP/s"],
                 "reference_tflops": by_impl[ref]["attention TFLOP/s"] if ref else None,
                 "ahead_of": sorted(p for p, ok in beat.items() if ok),
                 "met": met,

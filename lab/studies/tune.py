@@ -1,4 +1,4 @@
-"""A recorded search for the Pallas GPU kernel's tiles (`python -m lab.tools.attention_tune`).
+"""A recorded search for the Pallas GPU kernels' tiles (`python -m lab.tools.attention_tune`).
 
 Why a search: tile sizes, warps and pipeline depth trade registers, shared memory and
 occupancy against each other, and the best choice moves with the GPU, the head_dim and the
@@ -18,10 +18,17 @@ geometric mean over the shapes of its time / the baseline's: below 1 beats the l
 that Triton refuses (shared memory, registers) or that misses the tolerance is recorded with
 its reason and never chosen.
 
+The Mosaic GPU kernel (`kernel=pallas_mgpu`, Hopper) has two stages, forward and backward:
+its space is the streamed tile (block_k of the forward, the key tile of dQ and the query tile of
+dK/dV), the pipeline depth (`max_stages`, shared-memory slots the TMA producer runs ahead by)
+and the compute warpgroups per CTA; each warpgroup's own tile stays 64 rows (one wgmma M).
+
 Output: every candidate's records in `results/tune-<backend>-<time>.jsonl`, a table per stage,
-and with `write=true` the winner per head_dim in `tuned/<gpu>.json` beside the kernel, which
-`pallas_gpu` loads at import. `interpret=true` runs the same search through the Pallas
-interpreter on tiny shapes, for the tests: its times say nothing, so `write=true` refuses it.
+and with `write=true` the winner per head_dim in `tuned/<gpu>.json` (`tuned/<gpu>-mgpu.json`
+for the Mosaic kernel) beside the kernel, which `pallas_gpu` (`pallas_mgpu`) loads at import.
+`interpret=true` runs the same search through the Pallas interpreter (the GPU interpreter for
+the Mosaic kernel, jax >= 0.11) on tiny shapes, for the tests: its times say nothing, so
+`write=true` refuses it.
 """
 
 import dataclasses
@@ -35,7 +42,7 @@ from pathlib import Path
 
 import jax
 
-from lab.kernels.attention import pallas_gpu
+from lab.kernels.attention import pallas_gpu, pallas_mgpu
 from lab.measure import records as rec
 from lab.measure.timing import compare
 from lab.studies import attention as bench
@@ -87,6 +94,53 @@ INTERPRET_SPACE = {  # tiny tiles for the interpreter (tests): the machinery, no
     "variant": VARIANT_SPACE,
 }
 
+# The Mosaic GPU kernel: streamed tiles, pipeline depth, compute warpgroups. Each warpgroup's
+# own tile is one wgmma M (64 rows); shared memory grows with block_k x stages (D=128: 2 stages
+# of 128-key tiles fit the forward, 3 do not), which the static pass checks per candidate.
+MGPU_FWD_SPACE = {
+    "full": [
+        dict(block_k=bk, max_stages=st, compute_wgs=w)
+        for bk in (64, 128, 192, 256)
+        for st in (2, 3, 4)
+        for w in (1, 2)
+    ],
+    "quick": [dict(block_k=bk, max_stages=st) for bk in (64, 128) for st in (2, 3)],
+}
+
+
+def _mgpu_bwd(b: int, st: int) -> dict:
+    """dQ: key tiles of `b` streamed past 64-row query tiles; dK/dV: query tiles of `b`."""
+    return dict(block_k_dq=b, block_q_dkv=b, max_stages=st)
+
+
+MGPU_BWD_SPACE = {
+    "full": [_mgpu_bwd(b, st) for b in (64, 128) for st in (2, 3, 4)],
+    "quick": [_mgpu_bwd(b, st) for b in (64, 128) for st in (2, 3)],
+}
+MGPU_INTERPRET_SPACE = {  # GPU interpreter (jax >= 0.11, tests): the machinery, not the speed
+    "fwd": [dict(block_k=64), dict(block_k=128)],
+    "bwd": [_mgpu_bwd(64, 2), _mgpu_bwd(64, 1)],
+}
+KERNELS = ("pallas_gpu", "pallas_mgpu")
+
+
+def spaces(kernel: str, space: str, interpret: bool) -> dict:
+    """stage -> candidate overrides, in the order the search runs them."""
+    if kernel == "pallas_mgpu":
+        if interpret:
+            return MGPU_INTERPRET_SPACE
+        return {"fwd": MGPU_FWD_SPACE[space], "bwd": MGPU_BWD_SPACE[space]}
+    if interpret:
+        return INTERPRET_SPACE
+    return {"fwd": FWD_SPACE[space], "bwd": BWD_SPACE[space], "variant": VARIANT_SPACE}
+
+
+def default_block_sizes(kernel: str, head_dim: int):
+    """Where a search starts: the kernel's untuned default for this head_dim."""
+    if kernel == "pallas_mgpu":
+        return pallas_mgpu.BLOCK_SIZES[head_dim]
+    return pallas_gpu.BlockSizes()
+
 
 @dataclasses.dataclass(frozen=True)
 class Search:
@@ -104,6 +158,7 @@ class Search:
     # memory, before anything is timed: "" off, "here" the GPU present, or a plan target
     # ("gpu:h100:1": compiled deviceless, lab/plans).
     static: str = ""
+    kernel: str = "pallas_gpu"  # or pallas_mgpu (Mosaic GPU, Hopper)
 
     @property
     def shape(self) -> bench.Shape:
@@ -113,10 +168,11 @@ class Search:
         return [(seq, c) for seq in self.seqs for c in self.causal]
 
 
-def _kernel_program(bs: pallas_gpu.BlockSizes, causal: bool, mode: str, interpret: bool):
-    op = functools.partial(
-        pallas_gpu.flash_attention_gpu, causal=causal, block_sizes=bs, interpret=interpret
-    )
+def _kernel_program(bs, causal: bool, mode: str, interpret: bool):
+    """The timed program of one candidate; the kernel is the one `bs` belongs to."""
+    mgpu = isinstance(bs, pallas_mgpu.BlockSizes)
+    kernel = pallas_mgpu.flash_attention_mgpu if mgpu else pallas_gpu.flash_attention_gpu
+    op = functools.partial(kernel, causal=causal, block_sizes=bs, interpret=interpret)
     return bench.program(op, mode)
 
 
@@ -316,16 +372,13 @@ def _geomean(xs) -> float:
 
 def search_block_sizes(search: Search, space: str = "full", *, budget_s=0.2, log=None):
     """The staged search for one head_dim: (best BlockSizes, records, per-stage summaries)."""
-    spaces = (
-        INTERPRET_SPACE
-        if search.interpret
-        else {"fwd": FWD_SPACE[space], "bwd": BWD_SPACE[space], "variant": VARIANT_SPACE}
-    )
+    todo = spaces(search.kernel, space, search.interpret)
     baseline = baseline_impl(search)
     timing = dict(budget_s=budget_s, min_runs=3, warmup=1)
-    best, records, stages = pallas_gpu.BlockSizes(), [], []
-    for stage, mode in (("fwd", "fwd"), ("bwd", "fwd+bwd"), ("variant", "fwd+bwd")):
-        candidates = [dataclasses.replace(best, **o) for o in spaces[stage]]
+    best, records, stages = default_block_sizes(search.kernel, search.head_dim), [], []
+    for stage, overrides in todo.items():
+        mode = "fwd" if stage == "fwd" else "fwd+bwd"
+        candidates = [dataclasses.replace(best, **o) for o in overrides]
         recs, scores, i = run_stage(stage, candidates, search, mode, baseline, timing, log)
         records += recs
         stages.append(dict(stage=stage, mode=mode, candidates=candidates, scores=scores, best=i))
@@ -338,14 +391,18 @@ def search_block_sizes(search: Search, space: str = "full", *, budget_s=0.2, log
 # ---------------------------------------------------------------------------- the table
 
 
-def table_path(device_kind: str, folder: Path = pallas_gpu.TUNED_DIR) -> Path:
-    return folder / (re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") + ".json")
+def table_path(device_kind: str, folder: Path = pallas_gpu.TUNED_DIR, kernel="pallas_gpu"):
+    slug = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
+    return folder / (slug + ("-mgpu" if kernel == "pallas_mgpu" else "") + ".json")
 
 
 def write_entry(device_kind: str, search: Search, best, summary: dict, folder=None) -> Path:
-    """Merge this head_dim's winner and its search into the GPU's table file."""
-    path = table_path(device_kind, folder or pallas_gpu.TUNED_DIR)
+    """Merge this head_dim's winner and its search into the GPU's table file (one per kernel;
+    the Mosaic kernel's entries say `kernel: pallas_mgpu`)."""
+    path = table_path(device_kind, folder or pallas_gpu.TUNED_DIR, search.kernel)
     entry = json.loads(path.read_text()) if path.exists() else {"device_kind": device_kind}
+    if search.kernel != "pallas_gpu":
+        entry["kernel"] = search.kernel
     entry.setdefault("by_head_dim", {})[str(search.head_dim)] = dataclasses.asdict(best)
     final = summary["stages"][-1]
     entry.setdefault("search", {})[str(search.head_dim)] = {

@@ -9,7 +9,7 @@ and hands what it returns to lab/report (tables, plots) and to records.
   attention_bench    every attention implementation over sequence lengths
   attention_tune     the recorded tile search of the Pallas GPU kernel
   attention_plan     the Pallas attention kernel compiled for a TPU slice (compiled, not run)
-  attention_targets  the GPU-speed targets of pallas_gpu, judged (GPU only)
+  attention_targets  the GPU-speed targets of pallas_mgpu / pallas_gpu, judged (GPU only)
   collectives        all-reduce, all-gather, … per mesh axis, nccl-tests style
   collective_matmul  the ppermute ring against gather-then-multiply
   scaling            one model over 1-8 devices per strategy, DP extrapolated, remat × batch

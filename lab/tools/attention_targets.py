@@ -1,9 +1,10 @@
-"""`python -m lab.tools.attention_targets`: the GPU-speed targets of pallas_gpu, measured, judged.
+"""`python -m lab.tools.attention_targets`: the GPU-speed targets of the lab's GPU kernels.
 
 bfloat16, B=2, H=32, L = S in 2048…16384, head_dim 64 and 128, causal and not, forward and
-forward + backward: pallas_gpu against cuDNN (or the best fallback), JAX's bundled Pallas
-kernels, XLA and PyTorch SDPA in one sweep per head_dim. Prints the verdicts and writes the
-records and a Markdown block for BENCHMARKS.md. Needs an NVIDIA GPU. See lab/studies/targets.py.
+forward + backward: pallas_mgpu (Hopper) and pallas_gpu against cuDNN (or the best fallback),
+JAX's bundled Pallas kernels, XLA, tokamax and PyTorch SDPA in one sweep per head_dim. Prints
+the verdicts and writes the records and a Markdown block for BENCHMARKS.md. Needs an NVIDIA
+GPU. See lab/studies/targets.py.
 """
 
 import dataclasses

@@ -1,10 +1,13 @@
-"""`python -m lab.tools.attention_tune`: a recorded search for the Pallas GPU kernel's tiles.
+"""`python -m lab.tools.attention_tune`: a recorded search for the Pallas GPU kernels' tiles.
 
 Three stages (forward tiles, backward tiles, the mask-split variant), every candidate checked
 against float64 and scored by its geometric-mean time over the library baseline (cuDNN where
 it runs) in the same run; write=true stores the winners in lab/kernels/attention/tuned/<gpu>.json,
-which the kernel loads. Needs a GPU; interpret=true runs the machinery on tiny shapes through
-the Pallas interpreter (its times say nothing). See lab/studies/tune.py.
+which the kernel loads. `kernel=pallas_mgpu` searches the Mosaic GPU kernel instead (Hopper:
+streamed tiles, pipeline depth, warpgroups; forward and backward stages; tuned/<gpu>-mgpu.json).
+Needs a GPU; interpret=true runs the machinery on tiny shapes through the Pallas interpreter
+(its times say nothing); static_only=true static=gpu:h100:1 compiles every candidate for an
+H100 on this machine and shows which spill or overflow shared memory. See lab/studies/tune.py.
 """
 
 import dataclasses
@@ -12,10 +15,11 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 
 from lab.config import cli, field
 from lab.errors import ConfigError, RunError
-from lab.kernels.attention import pallas_gpu
+from lab.kernels.attention import pallas_gpu, pallas_mgpu
 from lab.measure import records as rec
 from lab.report import progress, tables
 from lab.studies import tune
@@ -36,6 +40,9 @@ class Options:
     space: str = field("full", "search space", choices=tuple(sorted(tune.FWD_SPACE)))
     budget: float = field(0.2, "seconds of timed runs per implementation", min=0.01)
     interpret: bool = field(False, "the Pallas interpreter on tiny shapes (tests the machinery)")
+    kernel: str = field(
+        "pallas_gpu", "the kernel searched: Triton, or Mosaic GPU (Hopper)", choices=tune.KERNELS
+    )
     static: str = field(
         "auto",
         "compile candidates first and drop those that spill or overflow shared memory: auto "
@@ -64,26 +71,35 @@ def _static(o: Options) -> str:
 def searches(o: Options) -> list[tune.Search]:
     """The issue's GPU shapes, or tiny ones for the interpreter (minutes per candidate at GPU
     sizes), with what the user set."""
-    tiny = o.interpret
+    tiny, mgpu = o.interpret, o.kernel == "pallas_mgpu"
     heads = o.heads or (2 if tiny else 32)
     kv_heads = o.kv_heads or (1 if tiny else heads)
     if heads % kv_heads:
         raise ConfigError(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
-    bad = [d for d in o.head_dims if d not in pallas_gpu.HEAD_DIMS]
+    kernel = pallas_mgpu if mgpu else pallas_gpu
+    bad = [d for d in o.head_dims if d not in kernel.HEAD_DIMS]
     if bad:
-        raise ConfigError(f"head_dims={bad}: the kernel takes head_dim in {pallas_gpu.HEAD_DIMS}")
+        raise ConfigError(f"head_dims={bad}: {o.kernel} takes head_dim in {kernel.HEAD_DIMS}")
+    if mgpu and o.dtype not in ("", *(jnp.dtype(d).name for d in pallas_mgpu.DTYPES)):
+        raise ConfigError(f"dtype={o.dtype}: pallas_mgpu takes bfloat16 or float16")
+    if mgpu and tiny and not pallas_mgpu.interpretable():
+        raise ConfigError(
+            f"interpret=true kernel=pallas_mgpu needs jax >= 0.11's GPU interpreter "
+            f"(this is {jax.__version__})"
+        )
     common = dict(
         seqs=o.seqs or ((40,) if tiny else tune.Search.seqs),
         batch=o.batch or (1 if tiny else 2),
         heads=heads,
         kv_heads=kv_heads,
-        dtype=o.dtype or ("float32" if tiny else "bfloat16"),
+        dtype=o.dtype or ("float32" if tiny and not mgpu else "bfloat16"),
         interpret=tiny,
         static=_static(o),
+        kernel=o.kernel,
     )
-    return [
-        tune.Search(head_dim=d, **common) for d in o.head_dims or ((16,) if tiny else (64, 128))
-    ]
+    tiny_dim = 64 if mgpu else 16
+    dims = o.head_dims or ((tiny_dim,) if tiny else (64, 128))
+    return [tune.Search(head_dim=d, **common) for d in dims]
 
 
 def static_only(o: Options) -> int:
@@ -94,10 +110,10 @@ def static_only(o: Options) -> int:
     stem = rec.output_stem(o.out_dir, "tune-static")
     con = progress.console(width=150)
     for search in searches(o):
-        base = pallas_gpu.BlockSizes()
+        base = tune.default_block_sizes(search.kernel, search.head_dim)
+        todo = tune.spaces(search.kernel, o.space, interpret=False)
         for stage, mode in (("fwd", "fwd"), ("bwd", "fwd+bwd")):
-            space = tune.FWD_SPACE[o.space] if stage == "fwd" else tune.BWD_SPACE[o.space]
-            candidates = [dataclasses.replace(base, **c) for c in space]
+            candidates = [dataclasses.replace(base, **c) for c in todo[stage]]
             dropped, records = tune.static_filter(candidates, search, mode, log=con.log)
             rec.write_records(stem.with_suffix(".jsonl"), records)
             con.print(
@@ -120,6 +136,9 @@ def run(o: Options) -> int:
             f"the Pallas GPU kernel compiles only on a GPU (this backend: {backend}); "
             "interpret=true runs the search's machinery on tiny shapes"
         )
+    here = jax.devices()[0].device_kind
+    if o.kernel == "pallas_mgpu" and not o.interpret and not pallas_mgpu.runs_on(here):
+        raise ConfigError(f"kernel=pallas_mgpu needs a Hopper GPU (H100/H200); this is {here}")
     todo = searches(o)
     stem = rec.output_stem(o.out_dir, "tune")
     con = progress.console(width=150)

@@ -4,15 +4,20 @@ impl            what runs
 --------------  ---------------------------------------------------------------------------
 naive           reference.py: the full L×S score matrix (memory quadratic in length)
 blockwise       blockwise.py: flash algorithm in pure JAX, any backend, memory linear
-pallas          the Pallas kernel of this backend: pallas_tpu on TPU, pallas_gpu on GPU
+pallas          the Pallas kernel of this backend: pallas_tpu on TPU; on GPU pallas_mgpu on
+                Hopper where it takes the input (bf16/f16, head_dim 64/128), else pallas_gpu
 pallas_tpu      pallas_tpu.py: Mosaic kernel (TPU; elsewhere only with interpret=True)
-pallas_gpu      pallas_gpu.py: Triton kernel (GPU; elsewhere only with interpret=True)
+pallas_gpu      pallas_gpu.py: Triton kernel, any NVIDIA GPU since Volta (elsewhere only with
+                interpret=True)
+pallas_mgpu     pallas_mgpu.py: Mosaic GPU kernel for Hopper (H100/H200: TMA, wgmma, warp
+                specialisation); elsewhere only with interpret=True, from jax 0.11
 xla, cudnn      jax.nn.dot_product_attention(implementation=...): the library baselines
 ring            ring.py: context parallel, the sequence split over a mesh axis (`shard_spec`
                 names it), K/V blocks passed around the ring, each by the blockwise kernel
 auto            the best available for the backend, never an interpreted kernel:
                 TPU -> pallas_tpu; GPU -> cudnn where its constraints hold (bf16/f16,
-                head_dim <= 128), else pallas_gpu; CPU -> blockwise, which measured faster
+                head_dim <= 128) and cuDNN is here, else the GPU's pallas (pallas_mgpu on
+                Hopper, pallas_gpu otherwise); CPU -> blockwise, which measured faster
                 than naive and xla for fwd+bwd at every length from 512 to 16384 on the
                 lab's 2-core CPU (0.95x naive at 512 full, 0.17x at 16384 causal; f32,
                 H=2, K=64: `python -m lab.tools.attention_bench`), and within 10% of it
@@ -23,14 +28,16 @@ Decoding (one query token per sequence against a key/value cache) has its own di
 `decode_attention` (decode.py): reference (plain JAX), pallas_tpu, pallas_gpu; auto is the
 backend's Pallas kernel on TPU and GPU, the reference on CPU.
 
-Interpret mode is opt-in only: `interpret=True` with impl pallas / pallas_tpu / pallas_gpu runs
-the kernel through the Pallas interpreter on any backend (slow: tests, debugging). On CPU,
+Interpret mode is opt-in only: `interpret=True` with impl pallas / pallas_tpu / pallas_gpu /
+pallas_mgpu runs the kernel through the Pallas interpreter on any backend (slow: tests,
+debugging; pallas_mgpu through JAX's GPU interpreter, jax >= 0.11). On CPU,
 `impl="pallas", interpret=True` means the TPU kernel. Sequence lengths that are not block
 multiples are padded and masked inside every kernel; bad shapes, head dims or dtypes raise a
 ValueError that names the constraint.
 
 Inside a jitted program under a mesh (`jax.set_mesh`), the backend is the mesh's platform, so
-an ahead-of-time plan for a TPU slice picks the TPU kernel on a CPU host; a Pallas kernel is
+an ahead-of-time plan for a TPU slice picks the TPU kernel on a CPU host (and a plan for an
+H100 the Mosaic GPU kernel: the device kind is the target's); a Pallas kernel is
 opaque to XLA's partitioner, so with `shard_spec` (the PartitionSpec of q, k and v) it runs
 once per shard under `shard_map`: batch and heads split, sequence whole.
 """
@@ -40,14 +47,24 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
-from lab.kernels.attention import blockwise, decode, pallas_gpu, pallas_tpu, ring
-from lab.kernels.attention.common import check_qkv, platform, target_device
+from lab.kernels.attention import blockwise, decode, pallas_gpu, pallas_mgpu, pallas_tpu, ring
+from lab.kernels.attention.common import check_qkv, device_kind, platform, target_device
 from lab.kernels.attention.reference import attention_reference
 from lab.names import ATTENTION_IMPLS
 
 IMPLS = ATTENTION_IMPLS
-PALLAS = ("pallas", "pallas_tpu", "pallas_gpu")
+PALLAS = ("pallas", "pallas_tpu", "pallas_gpu", "pallas_mgpu")
 _NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # backend -> its compiled Pallas kernel
+
+
+def gpu_kernels() -> list[str]:
+    """The compiled Pallas kernels of the GPU being built for (a target's under its mesh),
+    best first: the Mosaic GPU kernel on Hopper where this JAX has Mosaic GPU, then Triton."""
+    return (["pallas_mgpu"] if pallas_mgpu.runs_on(device_kind()) else []) + ["pallas_gpu"]
+
+
+def _interpretable(impl: str) -> bool:
+    return impl != "pallas_mgpu" or pallas_mgpu.interpretable()
 
 
 def available_impls(backend: str | None = None, *, interpret: bool = False) -> tuple[str, ...]:
@@ -55,12 +72,12 @@ def available_impls(backend: str | None = None, *, interpret: bool = False) -> t
     kernels that run only through the interpreter there."""
     backend = backend or jax.default_backend()
     impls = ["naive", "blockwise", "xla"]
-    if backend in _NATIVE:
-        impls += ["pallas", _NATIVE[backend]]
     if backend == "gpu":
-        impls.append("cudnn")
+        impls += ["pallas", *gpu_kernels(), "cudnn"]
+    elif backend in _NATIVE:
+        impls += ["pallas", _NATIVE[backend]]
     if interpret:
-        impls += [k for k in PALLAS if k not in impls]
+        impls += [k for k in PALLAS if k not in impls and _interpretable(k)]
     return tuple(impls)
 
 
@@ -73,6 +90,10 @@ def _resolve(impl: str, interpret: bool, backend: str) -> str:
     if impl in available_impls(backend, interpret=interpret):
         return impl
     hint = " or pass interpret=True (slow; tests)" if impl in PALLAS else ""
+    if impl == "pallas_mgpu" and backend == "gpu":
+        hint = f" (pallas_mgpu needs a Hopper GPU, H100/H200; this one is {device_kind()!r})"
+    elif impl == "pallas_mgpu" and not pallas_mgpu.interpretable():
+        hint = " (pallas_mgpu is interpreted on CPU only from jax 0.11)"
     raise ValueError(
         f"attention impl={impl!r} has no compiled kernel on backend {backend!r}: choose one of "
         f"{', '.join(available_impls(backend))}{hint}"
@@ -147,15 +168,21 @@ def _ring(args, *, causal, scale, shard_spec):
 
 def _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, backend: str) -> str:
     """The fastest implementation that accepts this input; see the module docstring."""
-    gpu = ["cudnn", "pallas_gpu"] if _cudnn_here() else ["pallas_gpu"]
-    candidates = {"tpu": ["pallas_tpu"], "gpu": gpu}.get(backend, [])
+    candidates = {"tpu": ["pallas_tpu"]}.get(backend, [])
+    if backend == "gpu":
+        candidates = (["cudnn"] if _cudnn_here() else []) + gpu_kernels()
+    return _first_fit(candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal) or "blockwise"
+
+
+def _first_fit(candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool) -> str | None:
+    """The first implementation of `candidates` that takes this input, or None."""
     for impl in candidates:
         try:
             _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal)
             return impl
         except ValueError:
             continue
-    return "blockwise"
+    return None
 
 
 def _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool) -> None:
@@ -164,6 +191,8 @@ def _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool) -> None:
         pallas_tpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     elif impl == "pallas_gpu":
         pallas_gpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    elif impl == "pallas_mgpu":
+        pallas_mgpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     elif impl == "ring" and q_BxLxHxK.shape[1] != k_BxSxGxK.shape[1]:
         raise ValueError(f"{q_BxLxHxK.shape=} {k_BxSxGxK.shape=}: impl='ring' needs L == S")
     elif impl in ("xla", "cudnn"):
@@ -194,6 +223,8 @@ def choose(
     backend = backend or platform()
     if impl == "auto":
         impl = _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, backend)
+    elif impl == "pallas" and backend == "gpu":  # the best GPU kernel that takes the input
+        impl = _first_fit(gpu_kernels(), q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal) or "pallas_gpu"
     else:
         impl = _resolve(impl, interpret, backend)
     _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal)
@@ -240,6 +271,15 @@ def attention(
     if impl == "pallas_gpu":
         kernel = functools.partial(
             pallas_gpu.flash_attention_gpu,
+            causal=causal,
+            scale=scale,
+            block_sizes=block_sizes,
+            interpret=interpret,
+        )
+        return _per_shard(kernel, shard_spec, *args)
+    if impl == "pallas_mgpu":
+        kernel = functools.partial(
+            pallas_mgpu.flash_attention_mgpu,
             causal=causal,
             scale=scale,
             block_sizes=block_sizes,

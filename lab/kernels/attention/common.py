@@ -75,12 +75,15 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def pad_seq(x_BxSxHxK, length: int):
-    """Zero-pad the sequence axis to `length`; padded keys are masked, padded queries dropped."""
-    extra = length - x_BxSxHxK.shape[1]
+def pad_seq(x_BxSxHxK, length: int, axis: int = 1):
+    """Zero-pad the sequence axis to `length`; padded keys are masked, padded queries dropped.
+    `axis`: 1 in [B, S, H, K]; 2 for per-row statistics [B, H, L] (log-sum-exp, delta)."""
+    extra = length - x_BxSxHxK.shape[axis]
     if extra == 0:
         return x_BxSxHxK
-    return jnp.pad(x_BxSxHxK, ((0, 0), (0, extra), (0, 0), (0, 0)))
+    widths = [(0, 0)] * x_BxSxHxK.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x_BxSxHxK, widths)
 
 
 def visible(q_pos, k_pos, *, causal: bool, kv_len: int, offset: int):

@@ -8,7 +8,8 @@ pipelining, warp specialisation) and do not run on Ampere or older. The Triton l
 — load a tile, `dot`, elementwise, store — and lets the Triton compiler pick layouts,
 pipelining (`num_stages`) and parallelism (`num_warps`) on every NVIDIA GPU since Volta (and
 ROCm). For a lab whose point is comparing one algorithm across backends, one portable kernel
-that reads like the TPU one wins; a Mosaic GPU variant belongs to the GPU-speed issue.
+that reads like the TPU one wins. The Hopper kernel is Mosaic GPU's (pallas_mgpu.py), which the
+dispatch prefers on H100/H200; this one stays for every other GPU and input.
 
 GPU form of the algorithm: one program per (query block, batch, head); the program loops over
 key blocks *inside* the kernel (`fori_loop`, upper bound at the causal diagonal), with the
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lab.kernels import triton_deprecation
 from lab.kernels.attention.common import (
     MASK_VALUE,
     Geometry,
@@ -104,6 +106,8 @@ def load_tuned(folder: Path = TUNED_DIR) -> dict[str, dict[int, BlockSizes]]:
     table: dict[str, dict[int, BlockSizes]] = {}
     for path in sorted(folder.glob("*.json")):
         entry = json.loads(path.read_text())
+        if entry.get("kernel", "pallas_gpu") != "pallas_gpu":  # pallas_mgpu's own files
+            continue
         by_dim = {int(d): BlockSizes(**fields) for d, fields in entry["by_head_dim"].items()}
         table[entry["device_kind"]] = by_dim
     return table
@@ -393,6 +397,8 @@ def flash_attention_gpu(
     kernels through the Pallas interpreter (CPU tests).
     """
     check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    if not interpret:
+        triton_deprecation.explain()  # jax >= 0.11: one line instead of a warning per kernel
     if block_sizes is None:
         block_sizes = block_sizes_for(device_kind(), q_BxLxHxK.shape[-1])
     _, L, H, K = q_BxLxHxK.shape

@@ -1,0 +1,865 @@
+"""Flash attention for Hopper (sm_90a) as Mosaic GPU Pallas kernels: forward, dQ and dK/dV.
+
+Every kernel is one CTA of `compute_wgs` compute warpgroups plus one producer warpgroup
+(warp specialisation, `plgpu.kernel(num_threads=compute_wgs + 1)`):
+
+- the producer issues TMA copies (`copy_gmem_to_smem`) of the streamed tiles into a ring of
+  `max_stages` shared-memory slots; a slot's "loaded" barrier completes when its bytes land,
+  and the producer refills the slot only after every compute warpgroup arrived on its "free"
+  barrier (a multi-stage pipeline with the copy engine running ahead of the tensor cores);
+- each compute warpgroup owns one 64-row tile (query rows in the forward and dQ kernels, key
+  rows in the dK/dV kernel) that it loaded once by TMA, and runs `wgmma` on the streamed tiles
+  with operands in swizzled shared memory and accumulators in registers.
+
+Forward, per query tile and key step: S = Q·Kᵀ (wgmma into a `pl.run_scoped` accumulator),
+the online softmax in registers in base 2 (scores pre-multiplied by scale·log2 e, so every
+exponential is one `ex2`), P rounded to the input dtype and stored to shared memory, then
+P·V (wgmma into a second scoped accumulator) added to the rescaled output carry. The output
+leaves through shared memory and a TMA store, with the base-2 log-sum-exp per row (the
+backward's residual). Backward: dQ = scale·dS·K with the key/value tiles streamed past a query
+tile; dK = scale·dSᵀ·Q and dV = Pᵀ·dO with query tiles streamed past a key tile, where the dK
+and dV accumulators stay in two scoped wgmma accumulators for the whole loop.
+
+Why the accumulators are scoped, P goes through shared memory, and the output is rescaled in
+registers (rather than FlashAttention-3's P in registers and a rescaled accumulator fed back
+with `pl.run_state`): JAX's GPU interpreter, which runs these kernels on CPU with a race
+detector, supports `wgmma` only with both operands in shared memory and accumulators only as
+zero-initialised `pl.run_scoped` allocations (no `pl.run_state`, no stores into an
+accumulator). Writing the kernels inside that subset is what lets CPU tests check them.
+
+Causal block skipping, from `Geometry` (common.py): the producer of a CTA loads only the
+blocks some warpgroup of the CTA sees (keys up to the diagonal of its last query tile; for
+dK/dV, query blocks from the first that sees its first key tile). In the forward and dQ kernels
+each warpgroup runs its key blocks in three spans: whole blocks without the mask, the diagonal
+and padded blocks with it, and the blocks past its own diagonal (which its sibling still
+needs) only as barrier bookkeeping (wait on the load, arrive on free). The dK/dV kernel runs
+one flat loop over its stream and applies the mask (`lax.cond`) to the blocks that need it:
+nested loops around its two accumulators spilled registers at head_dim 128, so a block only
+the sibling key tile sees is computed fully masked instead of skipped (at most one per head).
+Grouped-query heads: the forward and dQ kernels read kv head h // R; the dK/dV kernel runs per
+kv head and streams the query tiles of all R heads of its group through one pipeline, so
+dK/dV are accumulated at kv-head size (no repeat of K/V, no reduction afterwards).
+
+Precision: every product accumulates in f32. P (forward, dV) and dS (dQ, dK) are rounded to
+the input dtype as wgmma operands; the dK/dV kernel forms dS from that rounded P too (keeping
+P in f32 until then cost 8 bytes of spill at head_dim 128). Tests: tests/test_pallas_mgpu.py.
+
+Any sequence length: q/k/v are zero-padded to whole CTAs (query rows) and whole key blocks;
+padded keys are masked, padded query rows computed and dropped (their backward log-sum-exp is
+set to 0 and dO to 0, so they add nothing to dK/dV). Tiles made only of padding (a CTA's last
+query or key tile) skip their compute.
+
+Where it runs: compiled, on Hopper (sm_90a: H100, H200; `runs_on`), on every JAX the lab
+supports (`plgpu.kernel`, 0.10 and newer; `pl.pallas_call` for Mosaic GPU is deprecated on 0.10
+and gone on 0.11); interpreted on CPU from JAX 0.11 (`interpretable`: 0.10's interpreter has no
+rule for `layout_cast` and cannot read a transposed shared-memory wgmma operand). The dispatch
+(`impl=pallas` and `auto` on Hopper) picks it; `pallas_gpu` (Triton) stays the portable kernel.
+Block sizes: `tuned/<gpu>-mgpu.json` from the tuner (`attention_tune kernel=pallas_mgpu`), else
+`BLOCK_SIZES[head_dim]`, the tiles that fit shared memory and spill nothing on sm_90a (tests).
+Resources per kernel (registers, spills, shared memory) come from Mosaic's own ptxas run
+(lab/plans/resources.py). Nothing here has run on a GPU yet: figures are *compiled, not run*.
+"""
+
+import dataclasses
+import functools
+import inspect
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Mosaic GPU ships with jaxlib; a build without it leaves the Triton kernel only
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - every jaxlib the lab supports has it
+    plgpu = None
+
+from lab.kernels.attention.common import (
+    MASK_VALUE,
+    Geometry,
+    check_dtype,
+    check_qkv,
+    default_scale,
+    device_kind,
+    pad_seq,
+    round_up,
+    visible,
+)
+from lab.kernels.attention.reference import attention_reference
+
+DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma on 16-bit inputs; f32 stays with pallas_gpu
+HEAD_DIMS = (64, 128)
+# Every tile edge is a multiple of 64: a warpgroup's wgmma covers 64 rows (M), and a row of 64
+# 16-bit elements fills the 128-byte swizzle, the only one Mosaic stores a WGMMA-layout register
+# tile into (P, dS; a 32-column tile with a 64-byte swizzle failed its layout inference).
+TILE = 64
+SWIZZLE = 128
+MAX_WGMMA_N = 256
+LOG2E = math.log2(math.e)
+# Registers per thread after `setmaxnreg`: the producer keeps 24 (it only issues TMA and waits)
+# and the compute warpgroups share the rest of the SM's 64K (512 per thread of one warpgroup),
+# rounded down to 8 and at most 256: 240 each for two (128 · (240 + 240 + 24) = 64512), as
+# FlashAttention-3 does. With 232/40 the D=128 dK/dV kernel spilled (ptxas, sm_90a).
+PRODUCER_REGS = 24
+COMPUTE_REGS = {w: min(256, (512 - PRODUCER_REGS) // w // 8 * 8) for w in (1, 2)}
+
+
+def _multiple(n, m) -> bool:
+    return isinstance(n, int) and n > 0 and n % m == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles, warpgroups and pipeline depth of the three kernels."""
+
+    block_q: int = 64  # forward: query rows per compute warpgroup (wgmma M)
+    block_k: int = 128  # forward: key rows per pipeline stage (wgmma N of Q·Kᵀ)
+    block_q_dq: int = 64  # dQ kernel: query rows per compute warpgroup
+    block_k_dq: int = 64  # dQ kernel: key rows per pipeline stage
+    block_q_dkv: int = 64  # dK/dV kernel: query rows per pipeline stage
+    block_k_dkv: int = 64  # dK/dV kernel: key rows per compute warpgroup
+    compute_wgs: int = 2  # compute warpgroups per CTA (each owns one tile), plus one producer
+    max_stages: int = 2  # shared-memory slots of the streamed tiles (TMA runs this far ahead)
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name.startswith("block_") and (
+                not _multiple(value, TILE) or value > MAX_WGMMA_N
+            ):
+                raise ValueError(
+                    f"BlockSizes.{field.name}={value!r}: must be a multiple of {TILE} and "
+                    f"<= {MAX_WGMMA_N} (a warpgroup's wgmma covers {TILE} rows; a streamed "
+                    f"tile's 16-bit rows must fill the {SWIZZLE}-byte swizzle that the "
+                    "scores are stored into)"
+                )
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"BlockSizes.compute_wgs={self.compute_wgs!r}: must be 1 or 2")
+        if not isinstance(self.max_stages, int) or not 1 <= self.max_stages <= 4:
+            raise ValueError(f"BlockSizes.max_stages={self.max_stages!r}: must be an int in 1..4")
+
+
+# Per head_dim defaults (the smem and register budgets differ); a tuner may replace them.
+BLOCK_SIZES: dict[int, BlockSizes] = {
+    64: BlockSizes(block_k=128, max_stages=2),
+    128: BlockSizes(block_k=128, max_stages=2),
+}
+TUNED_DIR = Path(__file__).parent / "tuned"
+KERNEL = "pallas_mgpu"  # the `kernel` of its entries in tuned/ (pallas_gpu's have none)
+# Device kinds with the sm_90a features the kernels use (wgmma, TMA, setmaxnreg): Hopper.
+# Blackwell (sm_100) has no wgmma; Ampere and older have no TMA.
+HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+
+def load_tuned(folder: Path = TUNED_DIR) -> dict[str, dict[int, BlockSizes]]:
+    """device_kind -> head_dim -> BlockSizes from the tuner's `kernel: pallas_mgpu` files."""
+    table: dict[str, dict[int, BlockSizes]] = {}
+    for path in sorted(folder.glob("*.json")):
+        entry = json.loads(path.read_text())
+        if entry.get("kernel") == KERNEL:
+            by_dim = {int(d): BlockSizes(**f) for d, f in entry["by_head_dim"].items()}
+            table[entry["device_kind"]] = by_dim
+    return table
+
+
+TUNED = load_tuned()
+
+
+def block_sizes_for(device_kind: str, head_dim: int) -> BlockSizes:
+    """The searched entry for this GPU and head_dim, else the default for the head_dim."""
+    return TUNED.get(device_kind, {}).get(head_dim) or BLOCK_SIZES[head_dim]
+
+
+def usable() -> bool:
+    """Whether this JAX builds Mosaic GPU kernels with `plgpu.kernel` (0.10 and newer)."""
+    return plgpu is not None and hasattr(plgpu, "kernel")
+
+
+def interpretable() -> bool:
+    """Whether JAX's GPU interpreter runs these kernels on CPU (public from jax 0.11; 0.10's
+    lacks layout_cast and transposed smem wgmma operands)."""
+    return usable() and hasattr(plgpu, "InterpretGPUParams")
+
+
+def runs_on(device_kind: str) -> bool:
+    """Whether the kernels compile for this device kind (a Hopper GPU, real or a target's)
+    with this JAX."""
+    kind = device_kind.upper()
+    return usable() and "NVIDIA" in kind and any(h in kind for h in HOPPER_KINDS)
+
+
+# ---------------------------------------------------------------------------- version shims
+
+
+def _t(ref):
+    """The transposed view of a 2-D shared-memory ref (a wgmma operand read as Kᵀ)."""
+    return ref.transpose((1, 0))
+
+
+# jax 0.10: load(ref, idx)
+_LOAD_TAKES_IDX = usable() and "idx" in inspect.signature(plgpu.load).parameters
+
+
+def _load(ref, layout):
+    """A shared-memory vector into registers in `layout` (0.10 takes an index argument)."""
+    if _LOAD_TAKES_IDX:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def interpret_params(detect_races: bool = True, **kwargs):
+    """Parameters of JAX's GPU interpreter (public from jax 0.11, private in 0.10)."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params(detect_races=detect_races, **kwargs)
+
+
+def _interpret_arg(interpret):
+    if interpret is False or interpret is None:
+        return None
+    return interpret_params(detect_races=False) if interpret is True else interpret
+
+
+# ---------------------------------------------------------------------------- shared pieces
+
+
+def _smem(shape, dtype):
+    """A wgmma operand tile in shared memory: (8, 64) element tiles, 128-byte swizzle."""
+    cols = SWIZZLE // jnp.dtype(dtype).itemsize
+    transforms = (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(SWIZZLE))
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _i32(x):
+    return jnp.asarray(x, jnp.int32)
+
+
+def _slot(t, stages: int):
+    return lax.rem(t, jnp.int32(stages))
+
+
+def _zeros(shape, layout):
+    return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), layout)
+
+
+def _fresh(index):
+    """`index` as a value LLVM must recompute at every use (an empty inline asm marked as a
+    side effect): a shared-memory tile indexed by it inside a loop then has its wgmma
+    descriptors and store addresses formed in the loop, from uniform registers, instead of
+    hoisted out of it and held in ordinary registers for the whole loop."""
+    return lax.optimization_barrier(index)
+
+
+def _bcast(vec, shape, dim: int):
+    """Row (dim=0) or column (dim=1) vector broadcast over a 2-D tile."""
+    return lax.broadcast_in_dim(vec, shape, [dim])
+
+
+def _matmul(a_smem, b_smem, shape):
+    """a·b with both operands in shared memory, through a fresh (zeroed) scoped accumulator."""
+
+    def scope(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem)
+        return acc_ref[...]  # waits for the wgmma
+
+    return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
+
+
+def _mask(s_2d, row0, col0, g: Geometry, transposed: bool):
+    """Scores of one tile with invisible (query, key) pairs set to MASK_VALUE.
+
+    Rows are queries and columns keys, or the other way round when `transposed` (dK/dV).
+    Positions are a row vector and a column vector broadcast over the tile, not 2-D iotas: a
+    2-D iota is one loop-invariant register per element of the thread's fragment, which LLVM
+    hoists out of the key loop (the causal D=128 forward spilled 16 bytes on jax 0.10 so). The
+    query vector exists only when causal: a vector no comparison uses leaves Mosaic's layout
+    inference with nothing to anchor it (it fails)."""
+    shape = s_2d.shape
+    k_dim = 0 if transposed else 1
+    k_pos = _positions(shape, k_dim, row0 if transposed else col0)
+    q_pos = _positions(shape, 1 - k_dim, col0 if transposed else row0) if g.causal else None
+    ok = visible(q_pos, k_pos, causal=g.causal, kv_len=g.S, offset=g.offset)
+    return jnp.where(ok, s_2d, MASK_VALUE)
+
+
+def _positions(shape, dim: int, start):
+    """start + index along `dim` of a WGMMA-layout tile, broadcast over the other dim."""
+    layout = plgpu.Layout.WGMMA.reduce(1 - dim)  # a row index varies along dim 0
+    vec = plgpu.broadcasted_iota(jnp.int32, (shape[dim],), 0, layout=layout) + start
+    return _bcast(vec, shape, dim)
+
+
+def _spans(whole, end, g: Geometry):
+    """[(lo, hi, masked)] of a query tile's key loop: whole blocks bare, the rest masked."""
+    if not g.needs_mask:
+        return [(0, end, False)]
+    return [(0, whole, False), (whole, end, True)]
+
+
+def _producer_regs():
+    plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+
+
+def _compute_regs(W: int):
+    plgpu.set_max_registers(COMPUTE_REGS[W], action="increase")
+
+
+def _produce(n_steps, stages: int, load, free_barriers):
+    """The producer warpgroup's loop: prime the ring, refill each slot once it is free, then
+    observe the last completions of every free barrier (so that every barrier phase the
+    producer could see is seen: the interpreter checks this, and it is free on hardware)."""
+    for s in range(stages):
+        pl.when(s < n_steps)(functools.partial(load, s, s))
+
+    def refill(t, carry):
+        slot = _slot(t, stages)
+        for free in free_barriers:
+            plgpu.barrier_wait(free.at[slot])
+        load(t, slot)
+        return carry
+
+    lax.fori_loop(_i32(stages), n_steps, refill, None)
+
+    def drain(t, carry):
+        for free in free_barriers:
+            plgpu.barrier_wait(free.at[_slot(t, stages)])
+        return carry
+
+    lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, None)
+
+
+def _skip(t, stages: int, pairs):
+    """A streamed step this warpgroup does not compute: observe its loads, release its slot."""
+    slot = _slot(t, stages)
+    for loaded, _ in pairs:
+        plgpu.barrier_wait(loaded.at[slot])
+    for _, free in pairs:
+        plgpu.barrier_arrive(free.at[slot])
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(
+    q_ref, k_ref, v_ref, o_ref, lse_ref,
+    q_smem, k_smem, v_smem, p_smem, lse_smem,
+    q_bar, k_bar, v_bar, k_free, v_free,
+    *, g: Geometry, W: int, stages: int,
+):  # fmt: skip
+    # gmem: q_ref, o_ref [B, Lp, H, K]; k_ref, v_ref [B, Sp, G, K]; lse_ref [B, H, Lp]
+    # smem: q_smem [W, bq, K] (Q, then O); k_smem, v_smem [st, bk, K]; p_smem [W, bq, bk];
+    #       lse_smem [W, bq]. st = stages, W = compute warpgroups.
+    bq, bk, K = g.bq, g.bk, q_smem.shape[-1]
+    dtype = q_smem.dtype
+    h, cta, b = lax.axis_index("heads"), lax.axis_index("q"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    kv = lax.div(h, jnp.int32(g.R))
+    # The CTA's key steps: up to the last block its last query tile with real rows sees.
+    last_real = jnp.minimum(cta * W + W - 1, g.n_q - 1)
+    n_steps = _i32(g.k_blocks_end(last_real))
+
+    def _compute():
+        _compute_regs(W)
+        i = cta * W + wg  # this warpgroup's query block
+        real = i < g.n_q
+        end = jnp.where(real, _i32(g.k_blocks_end(i)), 0)
+        q_tile, p_tile = q_smem.at[wg], p_smem.at[wg]
+        rows = pl.ds(i * bq, bq)
+
+        @pl.when(real)
+        def _attend():
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_tile, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+
+            def step(t, carry, masked: bool):
+                o_LxK, m_L, l_L = carry
+                slot = _slot(t, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                s_LxS = _matmul(q_tile, _t(k_smem.at[slot]), (bq, bk))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s_LxS = s_LxS * (g.scale * LOG2E)  # base-2 logits
+                if masked:
+                    s_LxS = _mask(s_LxS, i * bq, t * bk, g, transposed=False)
+                new_m_L = jnp.maximum(m_L, s_LxS.max(axis=1))
+                alpha_L = jnp.exp2(m_L - new_m_L)
+                p_LxS = jnp.exp2(s_LxS - _bcast(new_m_L, s_LxS.shape, 0))
+                l_L = l_L * alpha_L + p_LxS.sum(axis=1)
+                p_tile[...] = p_LxS.astype(dtype)
+                plgpu.commit_smem()  # P visible to the tensor cores
+                plgpu.barrier_wait(v_bar.at[slot])
+                pv_LxK = _matmul(p_tile, v_smem.at[slot], (bq, K))
+                plgpu.barrier_arrive(v_free.at[slot])
+                o_LxK = o_LxK * _bcast(alpha_L, o_LxK.shape, 0) + pv_LxK
+                return o_LxK, new_m_L, l_L
+
+            row = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
+            carry = (
+                _zeros((bq, K), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), row),
+                _zeros((bq,), row),
+            )
+            whole = jnp.minimum(_i32(g.k_blocks_whole(i)), end)
+            for lo, hi, masked in _spans(whole, end, g):
+                carry = lax.fori_loop(
+                    _i32(lo), _i32(hi), functools.partial(step, masked=masked), carry
+                )
+            o_LxK, m_L, l_L = carry
+            q_tile[...] = (o_LxK * _bcast(1.0 / l_L, o_LxK.shape, 0)).astype(dtype)
+            lse_smem.at[wg][...] = m_L + jnp.log2(l_L)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, rows, h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        pairs = ((k_bar, k_free), (v_bar, v_free))
+        lax.fori_loop(end, n_steps, lambda t, c: _skip(t, stages, pairs), None)
+
+    def _producer():
+        _producer_regs()
+
+        def load(t, slot):
+            keys = pl.ds(t * bk, bk)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv], v_smem.at[slot], v_bar.at[slot])
+
+        _produce(n_steps, stages, load, (k_free, v_free))
+
+    # One if/else, compute or producer: the shape ptxas needs to honour setmaxnreg.
+    lax.cond(wg < W, _compute, _producer)
+
+
+def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry, bs: BlockSizes, interpret):
+    B, L, H, K = q_BxLxHxK.shape
+    W, stages = bs.compute_wgs, min(bs.max_stages, g.n_k)  # no slot that is never filled
+    n_cta = -(-g.n_q // W)
+    Lp, Sp = n_cta * W * g.bq, g.n_k * g.bk
+    dtype = q_BxLxHxK.dtype
+    o_BxLxHxK, lse_BxHxL = plgpu.kernel(
+        functools.partial(_fwd_kernel, g=g, W=W, stages=stages),
+        out_type=(
+            jax.ShapeDtypeStruct((B, Lp, H, K), dtype),
+            jax.ShapeDtypeStruct((B, H, Lp), jnp.float32),
+        ),
+        scratch_types=(
+            _smem((W, g.bq, K), dtype),
+            _smem((stages, g.bk, K), dtype),
+            _smem((stages, g.bk, K), dtype),
+            _smem((W, g.bq, g.bk), dtype),
+            plgpu.SMEM((W, g.bq), jnp.float32),
+            plgpu.Barrier(num_barriers=W),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+        ),
+        grid=(H, n_cta, B),
+        grid_names=("heads", "q", "batch"),
+        num_threads=W + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_arg(interpret),
+        kernel_name="flash_attention_mgpu_fwd",
+    )(pad_seq(q_BxLxHxK, Lp), pad_seq(k_BxSxGxK, Sp), pad_seq(v_BxSxGxK, Sp))
+    return o_BxLxHxK[:, :L], lse_BxHxL[:, :, :L]
+
+
+# ---------------------------------------------------------------------------- dQ
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+    q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem,
+    q_bar, k_bar, v_bar, k_free, v_free,
+    *, g: Geometry, W: int, stages: int,
+):  # fmt: skip
+    # gmem: q_ref, do_ref, dq_ref [B, Lp, H, K]; k_ref, v_ref [B, Sp, G, K];
+    #       lse_ref, delta_ref [B, H, Lp]
+    # smem: q_smem, do_smem [W, bq, K] (q_smem holds dQ at the end); k_smem, v_smem
+    #       [st, bk, K]; ds_smem [W, bq, bk]; lse_smem, delta_smem [W, bq]
+    bq, bk, K = g.bq, g.bk, q_smem.shape[-1]
+    dtype = q_smem.dtype
+    h, cta, b = lax.axis_index("heads"), lax.axis_index("q"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    kv = lax.div(h, jnp.int32(g.R))
+    last_real = jnp.minimum(cta * W + W - 1, g.n_q - 1)
+    n_steps = _i32(g.k_blocks_end(last_real))
+
+    def _compute():
+        _compute_regs(W)
+        i = cta * W + wg
+        real = i < g.n_q
+        end = jnp.where(real, _i32(g.k_blocks_end(i)), 0)
+        q_tile, do_tile, ds_tile = q_smem.at[wg], do_smem.at[wg], ds_smem.at[wg]
+        rows = pl.ds(i * bq, bq)
+
+        @pl.when(real)
+        def _grad():
+            bar = q_bar.at[wg]  # one barrier, four copies
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_tile, bar)
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_tile, bar)
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[wg], bar)
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[wg], bar)
+            plgpu.barrier_wait(bar)
+            lse_L = _load(lse_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+            delta_L = _load(delta_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+
+            def scope(dq_acc):
+                def step(t, carry, masked: bool):
+                    slot = _slot(t, stages)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    s_LxS = _matmul(q_tile, _t(k_smem.at[slot]), (bq, bk))
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    dp_LxS = _matmul(do_tile, _t(v_smem.at[slot]), (bq, bk))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    s_LxS = s_LxS * (g.scale * LOG2E)
+                    if masked:
+                        s_LxS = _mask(s_LxS, i * bq, t * bk, g, transposed=False)
+                    p_LxS = jnp.exp2(s_LxS - _bcast(lse_L, s_LxS.shape, 0))
+                    ds_LxS = p_LxS * (dp_LxS - _bcast(delta_L, s_LxS.shape, 0))
+                    ds_tile[...] = ds_LxS.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.wgmma(dq_acc, ds_tile, k_smem.at[slot])  # dQ += dS·K
+                    plgpu.wgmma_wait(0)  # K and the dS tile are read: free / rewrite them
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    return carry
+
+                whole = jnp.minimum(_i32(g.k_blocks_whole(i)), end)
+                for lo, hi, masked in _spans(whole, end, g):
+                    lax.fori_loop(_i32(lo), _i32(hi), functools.partial(step, masked=masked), None)
+                return dq_acc[...]
+
+            dq_LxK = pl.run_scoped(scope, plgpu.ACC((bq, K), jnp.float32))
+            q_tile[...] = (dq_LxK * g.scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, rows, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        pairs = ((k_bar, k_free), (v_bar, v_free))
+        lax.fori_loop(end, n_steps, lambda t, c: _skip(t, stages, pairs), None)
+
+    def _producer():
+        _producer_regs()
+
+        def load(t, slot):
+            keys = pl.ds(t * bk, bk)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv], v_smem.at[slot], v_bar.at[slot])
+
+        _produce(n_steps, stages, load, (k_free, v_free))
+
+    # One if/else, compute or producer: the shape ptxas needs to honour setmaxnreg.
+    lax.cond(wg < W, _compute, _producer)
+
+
+# ---------------------------------------------------------------------------- dK/dV
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+    k_smem, v_smem, q_smem, do_smem, pt_smem, dst_smem, lse_smem, delta_smem,
+    kv_bar, q_bar, free,
+    *, g: Geometry, W: int, stages: int,
+):  # fmt: skip
+    # gmem: q_ref, do_ref [B, Lp, H, K]; k_ref, v_ref, dk_ref, dv_ref [B, Sp, G, K];
+    #       lse_ref, delta_ref [B, H, Lp]
+    # smem: k_smem, v_smem [W, bk, K] (this CTA's key tiles, then dK, dV); q_smem, do_smem
+    #       [st, bq, K] (the ring); pt_smem, dst_smem [W, bk, bq]; lse_smem, delta_smem [st, bq]
+    bq, bk, K = g.bq, g.bk, k_smem.shape[-1]
+    dtype = k_smem.dtype
+    kv, cta, b = lax.axis_index("kv_heads"), lax.axis_index("k"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    # The stream: for each of the R query heads of this kv head, query blocks start .. n_q-1,
+    # from the first block the CTA's first key tile sees.
+    start = _i32(g.q_blocks_start(cta * W))
+    n_blocks = g.n_q - start
+    n_steps = g.R * n_blocks
+
+    def _compute():
+        _compute_regs(W)
+        j = cta * W + wg  # this warpgroup's key block
+        real = j < g.n_k
+        k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+        keys = pl.ds(j * bk, bk)
+        # Query blocks before `mid` need the mask against this key block: those on its causal
+        # diagonal, and (when W > 1) those only a sibling key block sees, which are wholly
+        # masked here. The latter cost a wasted step each instead of a separate skip loop: one
+        # flat loop over the stream keeps the dK and dV accumulators in one loop, which is what
+        # lets the D=128 kernel fit its registers (nested loops spilled).
+        mid = _i32(g.q_blocks_masked_end(j))
+
+        def step(t, dk_acc, dv_acc):
+            # This warpgroup's tiles, indexed by a `_fresh` wg: indexed by wg itself, LLVM
+            # hoisted their 24 wgmma descriptors and 8 store addresses (64-bit values) out of
+            # the loop, live throughout it, and the D=128 kernel spilled 8-12 bytes (R = 1, or
+            # no mask). Formed in the loop, it spills nothing with 24 registers to spare.
+            w = _fresh(wg)
+            k_tile, v_tile = k_smem.at[w], v_smem.at[w]
+            pt_tile, dst_tile = pt_smem.at[w], dst_smem.at[w]
+            slot = _slot(t, stages)
+            i = start + lax.rem(t, n_blocks)  # the streamed query block
+            plgpu.barrier_wait(q_bar.at[slot])
+            st_SxL = _matmul(k_tile, _t(q_smem.at[slot]), (bk, bq))
+            st_SxL = st_SxL * (g.scale * LOG2E)
+            if g.needs_mask:
+                st_SxL = lax.cond(
+                    i < mid,
+                    lambda x: _mask(x, j * bk, i * bq, g, transposed=True),
+                    lambda x: x,
+                    st_SxL,
+                )
+            lse_L = _load(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+            pt_SxL = jnp.exp2(st_SxL - _bcast(lse_L, st_SxL.shape, 1))
+            # P rounded to the input dtype serves both dV (as the wgmma operand) and dS:
+            # holding it in f32 until dS cost the causal D=128 kernel 8 bytes of spill.
+            pt_SxL = pt_SxL.astype(dtype)
+            pt_tile[...] = pt_SxL
+            plgpu.commit_smem()
+            plgpu.wgmma(dv_acc, pt_tile, do_smem.at[slot])  # dV += Pᵀ·dO
+            dpt_SxL = _matmul(v_tile, _t(do_smem.at[slot]), (bk, bq))  # waits for dV too
+            delta_L = _load(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+            dpt_SxL = dpt_SxL - _bcast(delta_L, dpt_SxL.shape, 1)
+            dst_tile[...] = (pt_SxL.astype(jnp.float32) * dpt_SxL).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.wgmma(dk_acc, dst_tile, q_smem.at[slot])  # dK += dSᵀ·Q
+            plgpu.wgmma_wait(0)  # Q, dO, Pᵀ, dSᵀ all read: the slot and both tiles are free
+            plgpu.barrier_arrive(free.at[slot])
+
+        def scope(dk_acc, dv_acc):
+            lax.fori_loop(0, n_steps, lambda t, c: step(t, dk_acc, dv_acc), None)
+            return dk_acc[...], dv_acc[...]
+
+        @pl.when(real)
+        def _grad():
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv], k_tile, kv_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv], v_tile, kv_bar.at[wg])
+            plgpu.barrier_wait(kv_bar.at[wg])
+            dk_SxK, dv_SxK = pl.run_scoped(
+                scope, plgpu.ACC((bk, K), jnp.float32), plgpu.ACC((bk, K), jnp.float32)
+            )
+            k_tile[...] = (dk_SxK * g.scale).astype(dtype)
+            v_tile[...] = dv_SxK.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[b, keys, kv])
+            plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[b, keys, kv])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(~real)
+        def _idle():  # a key tile of padding only: keep the pipeline's books, compute nothing
+            pairs = ((q_bar, free),)
+            lax.fori_loop(0, n_steps, lambda t, c: _skip(t, stages, pairs), None)
+
+    def _producer():
+        _producer_regs()
+
+        def load(t, slot):
+            member = lax.div(t, n_blocks)
+            i = start + lax.rem(t, n_blocks)
+            h = kv * g.R + member
+            rows = pl.ds(i * bq, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_bar.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], q_bar.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], q_bar.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], q_bar.at[slot])
+
+        _produce(n_steps, stages, load, (free,))
+
+    # One if/else, compute or producer: the shape ptxas needs to honour setmaxnreg.
+    lax.cond(wg < W, _compute, _producer)
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+def _backward(q, k, v, o, lse, do, plan):
+    """dQ, dK, dV from the forward's base-2 log-sum-exp (two kernels)."""
+    B, L, H, K = q.shape
+    _, S, G, _ = k.shape
+    dtype = q.dtype
+    bs = plan.block_sizes
+    W = bs.compute_wgs
+    # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row.
+    delta_BxHxL = jnp.einsum("blhk,blhk->bhl", o.astype(jnp.float32), do.astype(jnp.float32))
+    interpret = _interpret_arg(plan.interpret)
+
+    gq = plan.dq
+    stages = min(bs.max_stages, gq.n_k)
+    n_cta = -(-gq.n_q // W)
+    Lp, Sp = n_cta * W * gq.bq, gq.n_k * gq.bk
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, g=gq, W=W, stages=stages),
+        out_type=jax.ShapeDtypeStruct((B, Lp, H, K), dtype),
+        scratch_types=(
+            _smem((W, gq.bq, K), dtype),
+            _smem((W, gq.bq, K), dtype),
+            _smem((stages, gq.bk, K), dtype),
+            _smem((stages, gq.bk, K), dtype),
+            _smem((W, gq.bq, gq.bk), dtype),
+            plgpu.SMEM((W, gq.bq), jnp.float32),
+            plgpu.SMEM((W, gq.bq), jnp.float32),
+            plgpu.Barrier(num_arrivals=4, num_barriers=W),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+        ),
+        grid=(H, n_cta, B),
+        grid_names=("heads", "q", "batch"),
+        num_threads=W + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+        kernel_name="flash_attention_mgpu_dq",
+    )(
+        pad_seq(q, Lp),
+        pad_seq(k, Sp),
+        pad_seq(v, Sp),
+        pad_seq(do, Lp),
+        pad_seq(lse, Lp, axis=2),
+        pad_seq(delta_BxHxL, Lp, axis=2),
+    )[:, :L]
+
+    gk = plan.dkv
+    stages = min(bs.max_stages, gk.R * gk.n_q)
+    n_cta = -(-gk.n_k // W)
+    Lp, Sp = gk.n_q * gk.bq, n_cta * W * gk.bk
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkv_kernel, g=gk, W=W, stages=stages),
+        out_type=(
+            jax.ShapeDtypeStruct((B, Sp, G, K), dtype),
+            jax.ShapeDtypeStruct((B, Sp, G, K), dtype),
+        ),
+        scratch_types=(
+            _smem((W, gk.bk, K), dtype),
+            _smem((W, gk.bk, K), dtype),
+            _smem((stages, gk.bq, K), dtype),
+            _smem((stages, gk.bq, K), dtype),
+            _smem((W, gk.bk, gk.bq), dtype),
+            _smem((W, gk.bk, gk.bq), dtype),
+            plgpu.SMEM((stages, gk.bq), jnp.float32),
+            plgpu.SMEM((stages, gk.bq), jnp.float32),
+            plgpu.Barrier(num_arrivals=2, num_barriers=W),
+            plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # Q, lse, dO, delta of a slot
+            plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+        ),
+        grid=(G, n_cta, B),
+        grid_names=("kv_heads", "k", "batch"),
+        num_threads=W + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+        kernel_name="flash_attention_mgpu_dkv",
+    )(
+        pad_seq(q, Lp),
+        pad_seq(k, Sp),
+        pad_seq(v, Sp),
+        pad_seq(do, Lp),
+        pad_seq(lse, Lp, axis=2),
+        pad_seq(delta_BxHxL, Lp, axis=2),
+    )
+    return dq, dk[:, :S], dv[:, :S]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Geometry of each kernel (their tiles differ) plus launch parameters: one jit key."""
+
+    fwd: Geometry
+    dq: Geometry
+    dkv: Geometry
+    block_sizes: BlockSizes
+    interpret: object  # False, True, or the interpreter's parameters (hashable)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan: _Plan):
+    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan.fwd, plan.block_sizes, plan.interpret)[0]
+
+
+def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan: _Plan):
+    o_BxLxHxK, lse_BxHxL = _forward(
+        q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan.fwd, plan.block_sizes, plan.interpret
+    )
+    return o_BxLxHxK, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_BxHxL)
+
+
+def _flash_bwd(plan: _Plan, residuals, do_BxLxHxK):
+    q, k, v, o, lse = residuals
+    return _backward(q, k, v, o, lse, do_BxLxHxK, plan)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool) -> None:
+    """What this kernel accepts (the dispatch asks before choosing it)."""
+    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    if not usable():
+        raise ValueError(f"impl='pallas_mgpu': this jax ({jax.__version__}) has no Mosaic GPU")
+    check_dtype(q_BxLxHxK, DTYPES, "pallas_mgpu")
+    if q_BxLxHxK.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"{q_BxLxHxK.shape=}: pallas_mgpu supports head_dim in {HEAD_DIMS}")
+
+
+def plan_for(q_shape, k_shape, *, causal: bool, scale, block_sizes: BlockSizes, interpret):
+    """The three kernels' geometries for these shapes (key tiles shrink to short sequences)."""
+    _, L, H, K = q_shape
+    S, G = k_shape[1:3]
+
+    def geometry(bq, bk):
+        bk = min(bk, round_up(S, TILE))  # no key tile longer than the (64-rounded) keys
+        return Geometry(
+            L=L, S=S, G=G, R=H // G, bq=bq, bk=bk, causal=causal, scale=default_scale(K, scale)
+        )
+
+    bs = block_sizes
+    return _Plan(
+        fwd=geometry(bs.block_q, bs.block_k),
+        dq=geometry(bs.block_q_dq, bs.block_k_dq),
+        dkv=geometry(bs.block_q_dkv, bs.block_k_dkv),
+        block_sizes=bs,
+        interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
+def flash_attention_mgpu(
+    q_BxLxHxK,
+    k_BxSxGxK,
+    v_BxSxGxK,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret=False,
+):
+    """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim]; any length (padded and masked).
+
+    `block_sizes=None` takes the device's tuned entry, else `BLOCK_SIZES[head_dim]`.
+    `interpret=True` runs the kernels in JAX's GPU interpreter on CPU (jax >= 0.11); pass
+    `interpret_params(detect_races=True)` (or any `InterpretGPUParams`) to choose its
+    options, e.g. the race detector.
+    """
+    check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    if interpret is not False and interpret is not None and not interpretable():
+        raise ValueError(
+            f"interpret={interpret!r}: JAX's GPU interpreter runs pallas_mgpu from jax 0.11 "
+            f"(this is {jax.__version__}: no layout_cast rule, no transposed smem operand)"
+        )
+    if block_sizes is None:
+        block_sizes = block_sizes_for(device_kind(), q_BxLxHxK.shape[-1])
+    plan = plan_for(
+        q_BxLxHxK.shape,
+        k_BxSxGxK.shape,
+        causal=causal,
+        scale=scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+    return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan)
+
+
+flash_attention_mgpu_reference = attention_reference  # the template keeps one beside the kernel

@@ -1,0 +1,465 @@
+"""The Mosaic GPU (Hopper) flash kernel, lab/kernels/attention/pallas_mgpu.py.
+
+1. In JAX's GPU interpreter on CPU (jax >= 0.11; the 3.12 leg), against the float64 reference:
+   forward output and dQ, dK, dV, with the race detector on. The interpreter runs each CTA's
+   three warpgroups (two compute, one TMA producer) as concurrent threads and checks every
+   shared-memory access against the barriers; a test plants a race to show it is looking.
+   Axes: causal × GQA ratio (1, 2, 4) × dtype (bf16, f16) × head_dim (64, 128) at lengths that
+   are multiples of no tile: 130 (with 64-row tiles and two compute warpgroups, two CTAs whose
+   last query tile is pure padding, skipped; three key blocks, the last with 62 padded keys;
+   unmasked whole blocks before the causal diagonal; for dK/dV a CTA whose second key tile is
+   pure padding), and 40 queries against 200 keys (the bottom-right causal mask). The cases are
+   a pairwise-covering set: every pair of two axes' levels appears at least once, in 6 of the
+   24 combinations of the full product (each takes seconds in the interpreter). Dropped: the
+   18 others, e.g. causal-r1-f16-K128, each of whose pairs runs in another case. One case also
+   runs one compute warpgroup with three stages of 128-key tiles.
+2. Compiled deviceless for sm_90a (both legs, needs the gpu-plan extra): forward and backward,
+   zero spill bytes and shared memory within an H100 block's limit, read from Mosaic's own
+   ptxas run and launch (lab/plans/resources.py). Two of the four (head_dim × dtype × causal)
+   pairwise points run on both legs, the other two once (slow_plan), one of them as the
+   training-step plan of 8 H100s (`lab.run target=gpu:h100:8 mesh=4x2 attention=pallas`).
+3. The model trains with attention=pallas_mgpu in the interpreter with blockwise's losses.
+4. Dispatch: on Hopper (a real device kind or a target's) `pallas` and `auto` pick it where it
+   takes the input; pallas_gpu elsewhere. The tuner's static pass drops a candidate that
+   overflows shared memory. Bad input is one ValueError naming the constraint.
+"""
+
+import dataclasses
+import functools
+import types
+import zlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lab.kernels.attention import attention, choose, pallas_mgpu
+from lab.kernels.attention.reference import attention_reference
+from lab.plans import gpu as gpus
+
+# max |kernel - f64 reference| / max |reference|, per input dtype. The kernels accumulate every
+# product in f32; the error is the rounding of the 16-bit operands of the second matmuls (P for
+# O and dV, dS for dQ and dK, P again inside dS for dK) and of the outputs, each at most half an
+# ulp relative to the largest entry it touches: u = 2^-8 for bf16 (3.9e-3), 2^-11 for f16
+# (4.9e-4). Three such roundings on one path bound it near 1.5u; measured over the full product
+# in scratch (jax 0.12.0.1): bf16 up to 6.0e-3 (1.5u, a dQ), f16 up to 6.5e-4 (1.3u). The table
+# allows about 5u, so a real bug (a wrong mask, a lost tile: errors of order 1) cannot hide.
+TOL = {"bfloat16": 2e-2, "float16": 2.5e-3}
+SEQ = 130
+TILES = pallas_mgpu.BlockSizes(block_k=64)  # 64-row key tiles in the forward: 3 blocks at 130
+H100 = gpus.GPUS["h100"]
+
+needs_interpreter = pytest.mark.skipif(
+    not pallas_mgpu.interpretable(),
+    reason="jax < 0.11: the GPU interpreter has no rule for layout_cast or plgpu.load and "
+    "cannot read a transposed smem ref as a wgmma operand",
+)
+needs_plugin = pytest.mark.skipif(
+    gpus._pjrt() is None or gpus.ptxas() is None,
+    reason="the CUDA plugin or ptxas is missing: pip install -e '.[gpu-plan]'",
+)
+# LLVM at -O0 for the interpreter's callback program: compiles faster, same arithmetic.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    causal: bool
+    ratio: int  # query heads per kv head
+    dtype: str
+    head_dim: int
+    L: int = SEQ
+    S: int = SEQ
+    block_sizes: pallas_mgpu.BlockSizes = TILES
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """(H, G): two kv heads where the ratio allows (the h // R mapping), else one."""
+        H = 2 if self.ratio == 1 else 4
+        return H, H // self.ratio
+
+    def __str__(self):
+        mask = "causal" if self.causal else "full"
+        tiles = "" if self.block_sizes == TILES else "-w1-3stages-bk128"
+        return f"{mask}-r{self.ratio}-{self.dtype}-L{self.L}-S{self.S}-K{self.head_dim}{tiles}"
+
+
+# Pairwise covering: per ratio, two complementary (causal, dtype, head_dim) rows; across ratios
+# every (causal, dtype), (causal, head_dim) and (dtype, head_dim) pair occurs. Two rows also
+# carry a variant: queries shorter than keys (the bottom-right causal mask, 40 and 200: neither
+# a tile multiple), and one compute warpgroup with three stages of 128-key tiles.
+PAIRWISE = [
+    Case(True, 1, "bfloat16", 64, L=40, S=200),
+    Case(False, 1, "float16", 128),
+    Case(True, 2, "float16", 128),
+    Case(False, 2, "bfloat16", 64),
+    Case(True, 4, "bfloat16", 128),
+    Case(False, 4, "float16", 64, block_sizes=pallas_mgpu.BlockSizes(compute_wgs=1, max_stages=3)),
+]
+
+
+def random_qkv(seed: int, L: int, S: int, H: int, G: int, K: int, dtype):
+    """Fresh normal q, k, v and output cotangent (never zeros)."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    shapes = [(1, L, H, K), (1, S, G, K), (1, S, G, K), (1, L, H, K)]
+    return [
+        jax.random.normal(k, s, jnp.float32).astype(dtype)
+        for k, s in zip(keys, shapes, strict=True)
+    ]
+
+
+def interpreted(q, k, v, do, *, causal: bool, block_sizes=TILES):
+    """Output and q/k/v gradients through the dispatch in the GPU interpreter, races checked."""
+    params = pallas_mgpu.interpret_params(detect_races=True)
+
+    def both(q, k, v, do):
+        fn = functools.partial(
+            attention, causal=causal, impl="pallas_mgpu", block_sizes=block_sizes, interpret=params
+        )
+        o, vjp = jax.vjp(fn, q, k, v)
+        return (o, *vjp(do))
+
+    return jax.jit(both).lower(q, k, v, do).compile(compiler_options=FAST_COMPILE)(q, k, v, do)
+
+
+@functools.partial(jax.jit, static_argnames="causal")
+def _reference_jit(q, k, v, do, causal: bool):
+    o, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=causal), q, k, v)
+    return (o, *vjp(do))
+
+
+def reference_f64(q, k, v, do, causal: bool):
+    """The same quantities in float64 from the same (rounded) inputs."""
+    with jax.enable_x64(True):
+        args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do)]
+        return [np.asarray(x) for x in _reference_jit(*args, causal=causal)]
+
+
+def max_errors(got, want) -> dict[str, float]:
+    return {
+        name: float(np.abs(np.asarray(g, np.float64) - w).max() / np.abs(w).max())
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
+    }
+
+
+def races_found() -> bool:
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    return bool(interpret_pallas_call.get_races().races_found)
+
+
+@pytest.fixture
+def fresh_interpreter():
+    """The interpreter keeps its race record (and, after an error, its state) per process."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+    yield
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+# ---------------------------------------------------------------------------- interpreter
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", PAIRWISE, ids=str)
+def test_matches_float64_reference_without_races(case: Case, fresh_interpreter):
+    seed = zlib.crc32(str(case).encode())  # fresh per case, reproducible
+    q, k, v, do = random_qkv(seed, case.L, case.S, *case.heads, case.head_dim, case.dtype)
+    got = interpreted(q, k, v, do, causal=case.causal, block_sizes=case.block_sizes)
+    assert not races_found()
+    for name, g in zip(("out", "dq", "dk", "dv"), got, strict=True):
+        assert g.dtype == jnp.dtype(case.dtype), (name, g.dtype)
+        assert g.shape == (q if name in ("out", "dq") else k).shape, (name, g.shape)
+    errors = max_errors(got, reference_f64(q, k, v, do, case.causal))
+    assert max(errors.values()) < TOL[case.dtype], errors
+
+
+@needs_interpreter
+def test_the_race_detector_sees_this_kernel(fresh_interpreter):
+    """Drop the fence between the forward's output stores and its TMA store to global memory:
+    the interpreter must report the race (so 'no race' above means something)."""
+    source = Path(pallas_mgpu.__file__).read_text()
+    fence = (
+        "            plgpu.commit_smem()\n"
+        "            plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, rows, h])\n"
+    )
+    assert source.count(fence) == 1
+    mutant = types.ModuleType("pallas_mgpu_mutant")
+    mutant.__file__ = pallas_mgpu.__file__  # its tuned/ folder
+    code = source.replace(fence, fence.split("\n", 1)[1])
+    exec(compile(code, "pallas_mgpu_mutant.py", "exec"), mutant.__dict__)
+    q, k, v, _ = random_qkv(3, 64, 64, 2, 1, 64, "bfloat16")
+    params = mutant.interpret_params(detect_races=True, on_race="warn")
+    out = mutant.flash_attention_mgpu(q, k, v, causal=False, interpret=params)
+    jax.block_until_ready(out)
+    assert races_found()
+
+
+def _train_losses(attention_impl: str, steps: int = 3) -> list[float]:
+    """A tiny model (one layer, head_dim 64, 2 query heads per kv head, bf16), a few steps."""
+    from lab.config import parse_args
+    from lab.data import host_batch, to_global
+    from lab.mesh import make_mesh
+    from lab.train import make_trainer
+
+    argv = ["model=tiny", "d_model=128", "n_heads=2", "n_kv_heads=1", "n_layers=1"]
+    argv += ["dtype=bfloat16", "batch_size=2", "seq_len=70", "mesh=1"]
+    cfg = parse_args([*argv, f"attention={attention_impl}"])
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    assert trainer.cfg.model.attention == attention_impl
+    state = trainer.init(jax.random.key(0))
+    losses = []
+    for step in range(steps):
+        tokens = host_batch("text", 0, step, cfg.batch_size, cfg.seq_len, 256)
+        state, metrics = trainer.step(state, to_global(tokens, trainer.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+@needs_interpreter
+def test_model_trains_with_it_in_the_interpreter_like_blockwise(monkeypatch):
+    """attention=pallas_mgpu through the model and the dispatch, the kernels interpreted (a
+    model never asks for the interpreter, so the test passes interpret=True in), follows
+    blockwise's losses to bf16's tolerance over 3 steps of a 70-token (padded) sequence."""
+    from lab import model, train
+    from lab.kernels import attention as dispatch
+
+    want = _train_losses("blockwise")
+    calls = []
+    real = pallas_mgpu.flash_attention_mgpu
+    monkeypatch.setattr(
+        pallas_mgpu, "flash_attention_mgpu", lambda *a, **kw: calls.append(kw) or real(*a, **kw)
+    )
+    monkeypatch.setattr(train, "choose", functools.partial(dispatch.choose, interpret=True))
+    monkeypatch.setattr(model, "attention", functools.partial(dispatch.attention, interpret=True))
+    got = _train_losses("pallas_mgpu")
+    assert calls and calls[0]["interpret"] is True
+    np.testing.assert_allclose(got, want, rtol=TOL["bfloat16"])
+    assert got[-1] < got[0]  # it trains
+
+
+# ---------------------------------------------------------------------------- dispatch
+
+
+@pytest.mark.parametrize(
+    "impl, dtype, head_dim, kind, want",
+    [
+        ("pallas", "bfloat16", 64, "NVIDIA H100 80GB HBM3", "pallas_mgpu"),
+        ("auto", "float16", 128, "NVIDIA H200 141GB HBM3e", "pallas_mgpu"),
+        ("pallas", "float32", 64, "NVIDIA H100 80GB HBM3", "pallas_gpu"),  # wgmma: 16-bit
+        ("pallas", "bfloat16", 32, "NVIDIA H100 80GB HBM3", "pallas_gpu"),  # head_dim 64/128
+        ("pallas", "bfloat16", 64, "NVIDIA A100-SXM4-80GB", "pallas_gpu"),  # no TMA, no wgmma
+        ("auto", "bfloat16", 64, "NVIDIA A100-SXM4-80GB", "pallas_gpu"),
+    ],
+)
+def test_hopper_picks_the_mosaic_kernel_where_it_takes_the_input(
+    monkeypatch, impl, dtype, head_dim, kind, want
+):
+    from lab.kernels import attention as dispatch
+
+    monkeypatch.setattr(dispatch, "device_kind", lambda: kind)
+    monkeypatch.setattr(dispatch, "_cudnn_here", lambda: False)  # a plan without cuDNN
+    q = jax.ShapeDtypeStruct((1, 130, 4, head_dim), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct((1, 130, 2, head_dim), jnp.dtype(dtype))
+    assert choose(impl, q, kv, kv, causal=True, backend="gpu") == want
+    assert ("pallas_mgpu" in dispatch.available_impls("gpu")) == ("H100" in kind or "H200" in kind)
+
+
+def test_without_mosaic_gpu_hopper_keeps_the_triton_kernel(monkeypatch):
+    from lab.kernels import attention as dispatch
+
+    monkeypatch.setattr(dispatch, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(pallas_mgpu, "usable", lambda: False)
+    q = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
+    assert choose("pallas", q, q, q, causal=True, backend="gpu") == "pallas_gpu"
+    with pytest.raises(ValueError, match="pallas_mgpu needs a Hopper GPU"):
+        choose("pallas_mgpu", q, q, q, causal=True, backend="gpu")
+
+
+def test_on_cpu_it_runs_only_interpreted_and_only_from_jax_0_11():
+    q = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="impl='pallas_mgpu' has no compiled kernel on backend"):
+        choose("pallas_mgpu", q, q, q, causal=True, backend="cpu")
+    if pallas_mgpu.interpretable():
+        assert choose("pallas_mgpu", q, q, q, causal=True, interpret=True) == "pallas_mgpu"
+    else:
+        with pytest.raises(ValueError, match="interpreted on CPU only from jax 0.11"):
+            choose("pallas_mgpu", q, q, q, causal=True, interpret=True, backend="cpu")
+
+
+def _qkv(H=4, G=2, K=64, L=32, S=32, dtype="bfloat16"):
+    return random_qkv(0, L, S, H, G, K, dtype)[:3]
+
+
+@pytest.mark.parametrize(
+    "args, causal, needle",
+    [
+        (_qkv(dtype="float32"), True, "pallas_mgpu' supports dtypes bfloat16, float16"),
+        (_qkv(K=96), True, "pallas_mgpu supports head_dim in (64, 128)"),
+        (_qkv(H=3, G=2), True, "query heads must be a multiple of kv heads"),
+        (_qkv(L=40, S=20), True, "causal attention needs q seq <= kv seq"),
+    ],
+)
+def test_bad_input_names_the_constraint(args, causal, needle):
+    with pytest.raises(ValueError, match="shape=|dtype=") as info:
+        pallas_mgpu.flash_attention_mgpu(*args, causal=causal)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"block_q": 32}, "block_q=32: must be a multiple of 64"),
+        ({"block_k": 96}, "block_k=96: must be a multiple of 64"),
+        ({"block_k_dq": 320}, "block_k_dq=320: must be a multiple of 64 and <= 256"),
+        ({"compute_wgs": 3}, "compute_wgs=3: must be 1 or 2"),
+        ({"max_stages": 0}, "max_stages=0: must be an int in 1..4"),
+    ],
+)
+def test_block_sizes_validate_themselves(kwargs, needle):
+    with pytest.raises(ValueError) as info:
+        pallas_mgpu.BlockSizes(**kwargs)
+    assert needle in str(info.value)
+
+
+def test_targets_judge_both_lab_kernels():
+    """With pallas_mgpu in the run (Hopper), each lab kernel gets its own verdict per point."""
+    from lab.studies import attention as bench
+    from lab.studies import targets
+
+    shape = bench.Shape(batch=2, heads=32, kv_heads=32, head_dim=128, dtype="bfloat16")
+    recs = []
+    for impl, t in {"pallas_mgpu": 0.9, "pallas_gpu": 1.2, "cudnn": 1.0, "xla": 3.0}.items():
+        time = {"median_s": t, "p10_s": t, "p90_s": t, "runs": 5, "inner": 1, "ratio": None}
+        row = {"impl": impl, "compile_s": 1.0, "memory": None, "skipped": None, "time": time}
+        recs += bench._records({**row, "max_error": 1e-3}, shape, 4096, True, "fwd", "cudnn")
+    mgpu, triton = targets.judge(recs, 128)
+    assert (mgpu["kernel"], triton["kernel"]) == ("pallas_mgpu", "pallas_gpu")
+    assert mgpu["speed"] == pytest.approx(1 / 0.9) and triton["speed"] == pytest.approx(1 / 1.2)
+
+
+def test_tokamax_peer_matches_the_reference_where_installed():
+    """The bench's tokamax peer (tokamax.dot_product_attention, its own kernel choice: XLA on
+    this CPU) on every backend where tokamax is installed: same answers as float64, timed."""
+    pytest.importorskip("tokamax", reason="tokamax not installed: pip install -e '.[peers]'")
+    from lab.studies import attention as bench
+
+    assert "tokamax" in bench.default_impls()
+    shape = bench.Shape(1, 4, 2, 32)
+    records = bench.sweep(
+        (96,), causal=(True,), impls=("xla", "tokamax"), shape=shape, budget_s=0.01
+    )
+    rows = {(r["impl"], r["mode"]): r for r in bench.rows_of(records)}
+    assert len(rows) == 4
+    for key, r in rows.items():
+        assert r["attention max error"] < 1e-5 and r["attention time"] > 0, key
+
+
+# ---------------------------------------------------------------------------- sm_90a compile
+
+
+def _h100_kernels(fn, *shapes):
+    """The Mosaic kernels of jit(fn) compiled for an abstract H100 (lab/plans), by kernel."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from lab import plans
+
+    devices = plans.topology_devices("gpu:h100:1")
+    mesh = jax.sharding.Mesh(devices, ("data",))
+    args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P())) for s, d in shapes]
+
+    def lower():
+        with jax.sharding.set_mesh(mesh):
+            return jax.jit(fn).lower(*args)
+
+    _, kernels = plans.compile_plan(lower, devices)
+    return {k.name.removesuffix("_mosaic_gpu_kernel"): k for k in kernels if "mgpu" in k.name}
+
+
+def _assert_fits_h100(kernels: dict) -> None:
+    """Each kernel: no spill byte, no stack, 3 warpgroups, shared memory within the opt-in
+    limit of one H100 block, registers within 255, one resident CTA per SM."""
+    names = {f"flash_attention_mgpu_{k}" for k in ("fwd", "dq", "dkv")}
+    assert set(kernels) == names, sorted(kernels)
+    for name, k in kernels.items():
+        assert k.spill_bytes == 0 and k.stack_bytes == 0, (name, k)
+        assert k.threads == 3 * 128, (name, k)
+        assert 0 < k.smem <= H100.smem_per_block, (name, k)
+        assert 0 < k.registers <= 255 and k.blocks_per_sm >= 1, (name, k)
+
+
+COMPILE_CASES = [
+    pytest.param(128, "bfloat16", True, 2, id="K128-bf16-causal-gqa4"),
+    pytest.param(64, "float16", False, 2, id="K64-f16-full-gqa4"),
+    # one kv head per query head (MHA, as Llama-2 7B): at head_dim 128 the dK/dV kernel
+    # spilled 12 B on jax 0.12 until its per-warpgroup tiles were indexed inside the loop
+    pytest.param(128, "bfloat16", False, 8, id="K128-bf16-full-mha"),
+    pytest.param(128, "bfloat16", True, 8, id="K128-bf16-causal-mha"),
+    pytest.param(64, "bfloat16", True, 8, id="K64-bf16-causal-mha"),
+    pytest.param(64, "bfloat16", False, 8, id="K64-bf16-full-mha"),
+    pytest.param(128, "float16", False, 2, id="K128-f16-full-gqa4", marks=pytest.mark.slow_plan),
+]
+
+
+@needs_plugin
+@pytest.mark.parametrize("head_dim, dtype, causal, kv_heads", COMPILE_CASES)
+def test_forward_and_backward_compile_for_h100_without_spills(head_dim, dtype, causal, kv_heads):
+    """jit(grad) through the dispatch (`impl=pallas` under an H100's mesh is this kernel),
+    compiled with no GPU: the forward, dQ and dK/dV kernels as ptxas and the launch report
+    them. Length 1000 (not a tile multiple), 8 query heads over 2 kv heads (GQA) or 8 (MHA)."""
+    attn = functools.partial(attention, causal=causal, impl="pallas")
+    grad = jax.grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    L, H, G = 1000, 8, kv_heads
+    q, kv = ((1, L, H, head_dim), dtype), ((1, L, G, head_dim), dtype)
+    _assert_fits_h100(_h100_kernels(grad, q, kv, kv))
+
+
+@needs_plugin
+@pytest.mark.slow_plan
+def test_training_plan_on_h100_lists_the_mosaic_kernels(tmp_path, capsys):
+    """`lab.run target=gpu:h100:8 mesh=4x2 attention=pallas` (head_dim 64, bf16 on a GPU,
+    causal): the dispatch picks pallas_mgpu for the target and runs it per shard (shard_map:
+    batch over data, heads over model); the plan's kernel table shows its three kernels with
+    the compiler's figures (compiled, not run)."""
+    import json
+
+    from lab.run import main
+
+    argv = ["target=gpu:h100:8", "mesh=4x2", "model=tiny", "d_model=256", "n_heads=4"]
+    argv += ["n_kv_heads=2", "seq_len=256", "batch_size=8", "attention=pallas"]
+    assert main([*argv, f"out_dir={tmp_path}", "name=p"]) == 0
+    out = capsys.readouterr().out
+    assert "attention=pallas_mgpu" in out and "flash_attention_mgpu_dkv" in out
+    s = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert s["devices"] == 8
+    kernels = {
+        k["name"].removesuffix("_mosaic_gpu_kernel"): types.SimpleNamespace(**k)
+        for k in s["aot"]["kernels"]
+        if "mgpu" in k["name"]
+    }
+    _assert_fits_h100(kernels)
+
+
+@needs_plugin
+def test_tuner_static_pass_drops_what_overflows_shared_memory():
+    """The tuner's static pass on the Mosaic kernel (forward, head_dim 128, compiled for an
+    H100): two stages of 128-key tiles fit, a third overflows the 227 KiB a block can have
+    (Mosaic refuses it at compile time) and is dropped before anything is timed. (512 keys:
+    the kernel never allocates more slots than key blocks.)"""
+    from lab.studies import tune
+
+    search = tune.Search(
+        head_dim=128, seqs=(512,), causal=(True,), batch=1, heads=2, kv_heads=1,
+        static="gpu:h100:1", kernel="pallas_mgpu",
+    )  # fmt: skip
+    base = tune.default_block_sizes("pallas_mgpu", 128)
+    candidates = [base, dataclasses.replace(base, max_stages=3)]
+    dropped, records = tune.static_filter(candidates, search, "fwd")
+    assert list(dropped) == [1] and "exceeds available shared memory" in dropped[1], dropped
+    (kept,) = [r for r in records if "mgpu" in r["config"]["kernel"]]
+    assert kept["config"]["kernel"].startswith("flash_attention_mgpu_fwd")
+    assert kept["config"]["spill_bytes"] == 0 and kept["label"] == "compiled, not run"
