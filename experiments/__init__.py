@@ -2,7 +2,8 @@
 
 Every module declares `CLAIMS = ("C01", ...)` and `run(size) -> list[record]` with size
 `tiny` (the test suite), `quick` (the default on CPU: the whole set well under 15 minutes on
-two cores) or `full`. `python -m experiments` runs them and writes a results folder.
+two cores) or `full`; memory and parallel also take `plans` (C10, C14 from the compiler for
+H100s). `python -m experiments` runs them and writes a results folder.
 """
 
 import importlib
@@ -19,6 +20,17 @@ MODULES = (
     "inference",
     "hardware",
 )
+
+# Modules whose run() also takes `plans`: the 7B/70B steps compiled for H100s (gpu_plans.py),
+# slow enough (minutes) to stay out of the tiny and quick ledgers unless asked for.
+PLANNED = ("memory", "parallel", "inference")
+
+
+def plan_kwargs(name: str, plans: str, size: str) -> dict:
+    """`run()`'s extra keywords for module `name`: plans=on|off, or auto (on with size=full)."""
+    if name not in PLANNED:
+        return {}
+    return {"plans": plans == "on" or (plans == "auto" and size == "full")}
 
 
 def load(name: str):

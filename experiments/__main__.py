@@ -1,9 +1,15 @@
-"""`python -m experiments [size=tiny|quick|full] [only=C03,C08] [out_dir=results]`: the ledger.
+"""`python -m experiments [size=tiny|quick|full] [only=C03,C08] [plans=auto|on|off]
+[out_dir=results]`: the ledger.
 
 Runs the experiment modules with a progress bar, appends every record to
 results/<backend>-<device>-<timestamp>/records.jsonl as each module finishes, then renders
 REPORT.md and the plots from those records and prints the verdict table. On CPU the process
 simulates 8 devices (as the tests do) so the parallelism experiments have a mesh.
+
+plans=on (or size=full) adds C10's and C14's plans: the Llama-2-7B step compiled for 1 H100,
+the 70B step for 8, 16 and 32 H100s under dp, fsdp and tp, each with the compiler's memory
+per device beside the calculator's (compiled, not run; experiments/gpu_plans.py). E.g.
+`python -m experiments only=C10,C14 plans=on`.
 """
 
 import dataclasses
@@ -23,10 +29,16 @@ class Options:
     out_dir: str = field(
         "results", "where results/<backend>-<device>-<time>/ is written", kind="path"
     )
+    plans: str = field(
+        "auto",
+        "compile the Llama-2 7B/70B training steps for 1-32 H100s (C10, C14; compiled, not run;"
+        " needs the gpu-plan extra, a few minutes on 2 cores): on, off, auto (on with size=full)",
+        choices=("auto", "on", "off"),
+    )
 
 
 def run(o: Options) -> int:
-    from experiments import load, parse_only, select
+    from experiments import load, parse_only, plan_kwargs, select
     from lab.errors import ConfigError
 
     try:
@@ -60,7 +72,7 @@ def run(o: Options) -> int:
             bar.update(task, description=f"{name} ({', '.join(module.CLAIMS)})")
             start = time.perf_counter()
             try:
-                records = module.run(o.size)
+                records = module.run(o.size, **plan_kwargs(name, o.plans, o.size))
                 for r in records:
                     r["config"]["module"] = name
                 rec.write_records(out_dir / "records.jsonl", records)

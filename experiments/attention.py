@@ -17,7 +17,7 @@ from lab.studies import attention as bench
 
 CLAIMS = ("C08",)
 NAIVE = "naive"
-FLASH = ("blockwise", "pallas_tpu", "pallas_gpu", "cudnn")  # kernels that never form L×L
+FLASH = ("blockwise", "pallas_tpu", "pallas_gpu", "pallas_mgpu", "cudnn")  # never form L×L
 
 
 def exponent(seq_lens, values) -> float | None:

@@ -19,8 +19,10 @@ MARGIN = 0.15
 @pytest.mark.parametrize(
     "target, mesh, preset",
     [
-        ("tpu:v5e:2x2", "2x2", "tiny"),
-        ("tpu:v5e:2x2", "4", "small"),
+        # v5e once per CI (the slowest two); v4 on both legs: a TPU plan compiles, and the
+        # calculator holds (2x2x2, small)
+        pytest.param("tpu:v5e:2x2", "2x2", "tiny", marks=pytest.mark.slow_plan),
+        pytest.param("tpu:v5e:2x2", "4", "small", marks=pytest.mark.slow_plan),
         ("tpu:v4:2x2x1", "4x2", "tiny"),
         ("tpu:v4:2x2x1", "2x2x2", "small"),
     ],
@@ -73,6 +75,7 @@ def test_bad_targets_are_one_line(argv, needle, capsys):
     assert needle in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow_plan  # once per CI; test_attention_aot.py compiles the kernel on both legs
 def test_plan_runs_the_pallas_kernel_inside_the_sharded_step():
     """attention=auto on a TPU target picks the Mosaic kernel (head_dim 64 here), run per
     shard under shard_map in the tensor-parallel step: the compiled step holds its calls."""

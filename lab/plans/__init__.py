@@ -9,8 +9,6 @@ every GPU kernel (lab/plans/resources.py) — and nothing runs. Every figure fro
 labelled *compiled, not run*.
 """
 
-import os
-
 from lab.errors import ConfigError
 from lab.plans import gpu, resources, tpu
 
@@ -38,9 +36,11 @@ def prepare_host(target: str) -> None:
     """Before JAX starts: the local backend only hosts the compiler (JAX platform cpu), and
     the target's compiler is quieted where it would probe this machine for chips."""
     _module(target).prepare_host(target)
-    if not os.environ.get("JAX_PLATFORMS"):
-        import jax
+    import jax
 
+    # jax's setting, not the environment: JAX_PLATFORMS set after jax was imported (lab's own
+    # quieting, when a script imports jax first) never reached it
+    if not jax.config.jax_platforms:
         try:
             jax.config.update("jax_platforms", "cpu")
         except RuntimeError:  # backends already up: too late, harmless
@@ -64,6 +64,20 @@ def gpu_kind_of(device_kind: str) -> str | None:
         return exact
     lowered = device_kind.lower()
     return next((k for k in gpu.GPUS if k in lowered), None)
+
+
+def refusal(error: Exception) -> str | None:
+    """A compiler's out-of-memory refusal in a few words ('needs 17.38G, 15.75G available':
+    XLA:TPU will not compile a program its HBM cannot hold), None for any other error."""
+    import re
+
+    message = str(error)
+    if "RESOURCE_EXHAUSTED" not in message:
+        return None
+    sizes = re.findall(r"\(([\d.]+[KMGT]?)\)", message)
+    if len(sizes) >= 2:
+        return f"needs {sizes[0]}, {sizes[1]} available"
+    return message.split("RESOURCE_EXHAUSTED:")[-1].strip()[:120]
 
 
 def compile_plan(lower, devices) -> tuple:

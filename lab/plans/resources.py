@@ -8,8 +8,13 @@ threads per block and dynamic shared memory; `ptxas -v` on each .ptx, with the p
 uses, gives registers, spill bytes, stack and static shared memory (the same figures XLA logs
 for its own ptxas run). Mosaic GPU kernels are compiled by their custom call, not by XLA: they
 are read from `MOSAIC_GPU_DUMP_TO`, which Mosaic reads at every kernel compile (during lowering
-on jax 0.10, during the compile on newer), so it is set around both. Nothing here runs a kernel:
-every figure is *compiled, not run*.
+on jax 0.10, during the compile on newer), so it is set around both. With a folder set, Mosaic
+dumps every stage of every kernel (jaxlib/mosaic/gpu/dump.cc turns on all of
+MOSAIC_GPU_DUMP_PTXAS, _PTX, _MLIR_PASSES and _SASS): its own ptxas `-v` log (registers,
+spills), the PTX (threads), the MLIR pass log (tens of MB; its `gpu.launch` has the grid and
+dynamic shared memory) and SASS through nvdisasm (the gpu-plan extra brings it; without it
+Mosaic prints "nvdisasm invocation failed" per kernel and goes on). Nothing here runs a
+kernel: every figure is *compiled, not run*.
 """
 
 import contextlib

@@ -2,7 +2,8 @@
 (`python -m lab.tools.attention_plan target=tpu:v5e:2x2 seq=4096`).
 
 The kernel is the lab's dispatch's `pallas` for the target (pallas_tpu through Mosaic with
-libtpu; pallas_gpu through Triton with the CUDA plugin), run per device under `shard_map`
+libtpu; on an H100/H200 pallas_mgpu through Mosaic GPU, elsewhere pallas_gpu through Triton,
+with the CUDA plugin; `impl=` names one), run per device under `shard_map`
 (batch over one mesh axis, heads over the other) as inside the sharded training step; forward
 and forward + backward are compiled. On a GPU target every kernel's registers, spill bytes,
 shared memory and blocks per SM come back from the compiler. For each the plan prints the
@@ -119,10 +120,24 @@ def plan(
     return rows
 
 
+def grid(target: str, *, seqs, head_dims, progress=None, **config) -> list:
+    """`plan` for every sequence length × head dim: the rows, each with its `seq` and
+    `head_dim`. `progress(label)` is called before each point."""
+    rows = []
+    for seq in seqs:
+        for head_dim in head_dims:
+            if progress:
+                progress(f"L={seq} K={head_dim}")
+            for r in plan(target, seq=seq, head_dim=head_dim, **config):
+                rows.append({"seq": seq, "head_dim": head_dim, **r})
+    return rows
+
+
 def to_records(rows: list[dict], config: dict) -> list[dict]:
     out = []
     for r in rows:
         c = dict(op="attention plan", mode=r["mode"], target_kind=r["device_kind"], **config)
+        c.update({k: r[k] for k in ("seq", "head_dim") if k in r})
         label = "compiled, not run"
         if r["memory"]:
             out.append(

@@ -1,5 +1,6 @@
-"""`python -m lab.tools.attention_plan target=tpu:v5e:2x2 seq=4096` (or target=gpu:h100): the
-Pallas flash kernel compiled for hardware that is not here — compiled, not run.
+"""`python -m lab.tools.attention_plan target=tpu:v5e:2x2 seq=4096` (or target=gpu:h100
+seq=1024,4096 head_dim=64,128 for a grid): the Pallas flash kernel compiled for hardware that
+is not here — compiled, not run.
 
 The kernel runs per device under shard_map (batch over `data`, heads over `model`), as in the
 sharded training step; forward and forward + backward are compiled for the target. Per mode:
@@ -25,28 +26,49 @@ class Options:
     batch: int = field(4, "B", min=1)
     heads: int = field(8, "H, query heads", min=1)
     kv_heads: int = field(8, "G, key/value heads", min=1)
-    seq: int = field(4096, "L = S", min=1)
-    head_dim: int = field(128, "K", min=1)
+    seq: tuple = field((4096,), "L = S; several (1024,4096) make a grid", kind="ints", min=1)
+    head_dim: tuple = field((128,), "K; several (64,128) make a grid", kind="ints", min=1)
     dtype: str = field("bfloat16", "compute dtype", choices=("bfloat16", "float32", "float16"))
     causal: bool = field(True, "causal mask")
     data: int = field(2, "mesh axis the batch splits over (the rest: heads)", min=1)
+    impl: str = field(
+        "pallas",
+        "the kernel: pallas = the target's (Mosaic on TPU; on a GPU Mosaic GPU where it takes "
+        "the input on Hopper, else Triton), or one by name",
+        choices=("pallas", "pallas_tpu", "pallas_gpu", "pallas_mgpu"),
+    )
     out_dir: str = field("results", "folder for the records", kind="path")
 
 
 def run(o: Options) -> int:
     stem = rec.output_stem(o.out_dir, "attention-plan")
-    config = {k: v for k, v in dataclasses.asdict(o).items() if k not in ("target", "out_dir")}
-    rows = plan.plan(o.target, **config)
-    title = (
-        f"flash attention plan · {o.target} ({rows[0]['device_kind']} × {rows[0]['devices']})"
-        f" · B={o.batch} H={o.heads}/{o.kv_heads} L=S={o.seq} K={o.head_dim} "
-        f"{o.dtype} causal={o.causal} · compiled, not run"
-    )
+    skip = ("target", "out_dir", "seq", "head_dim")
+    config = {k: v for k, v in dataclasses.asdict(o).items() if k not in skip}
     con = progress.console(width=150)
+    with progress.tasks(con) as bar:
+        task = bar.add_task("compiling", total=len(o.seq) * len(o.head_dim))
+
+        done = iter(range(len(o.seq) * len(o.head_dim)))
+
+        def tick(label):  # called before each point: the ones before it are done
+            bar.update(task, description=label, completed=next(done))
+
+        rows = plan.grid(o.target, seqs=o.seq, head_dims=o.head_dim, progress=tick, **config)
+        bar.update(task, completed=len(o.seq) * len(o.head_dim))
+    title = (
+        f"flash attention plan ({o.impl}) · {o.target} ({rows[0]['device_kind']} × "
+        f"{rows[0]['devices']}) · B={o.batch} H={o.heads}/{o.kv_heads} {o.dtype} "
+        f"causal={o.causal} · compiled, not run"
+    )
     con.print(tables.attention_plan(rows, title))
-    for r in rows:
-        if r["kernels"]:
-            con.print(tables.kernels(r["kernels"], f"{r['mode']}: GPU kernels, compiled, not run"))
+    if len(rows) > 2 and any(r["kernels"] for r in rows):  # a grid: one table of them all
+        con.print(tables.kernel_grid(rows, "GPU kernels of fwd+bwd, compiled, not run"))
+    else:
+        for r in rows:
+            if r["kernels"]:
+                con.print(
+                    tables.kernels(r["kernels"], f"{r['mode']}: GPU kernels, compiled, not run")
+                )
     recs = plan.to_records(rows, {"target": o.target, **config})
     con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
     return 0
