@@ -7,6 +7,14 @@ forward_probe). C16 scales the best CPU rate to the article's 16 cores by the co
 process used; the GPUs' rates are predicted from their datasheet peak × the forward's MFU
 measured here. C18 prices prefill tokens of Llama-2 7B and 70B on H100s the same way, with
 the rental price of the spec table.
+
+C18 (output tokens), C21, C22: the lab's model is served (lab.studies.serving) on the backend
+present — prefill and decode timed apart, decode over a batch sweep against the measured memory
+roof — and what a self-hoster pays per output token is predicted for Llama-2 7B/70B on H100s
+from the bytes a decode step must move, at the share of the memory roof decode reached here.
+C22 sizes a 70B model's serving memory (weights + KV cache) at bf16, int8 and int4 and with
+weights offloaded to host memory (calculator), and under size=full compiles the int8 decode
+step for one H100 (lab.plans; compiled, not run).
 """
 
 import math
@@ -22,10 +30,14 @@ from experiments.common import (
     spec_inputs,
 )
 from experiments.memory import LLAMA
+from lab import plans
 from lab.config import make_config
-from lab.measure import cost, specs
+from lab.errors import ConfigError
+from lab.measure import cost, memory, specs
+from lab.session import open_session
+from lab.studies import serving
 
-CLAIMS = ("C16", "C18")
+CLAIMS = ("C16", "C18", "C21", "C22")
 
 BERT_BASE = dict(n_layers=12, d_model=768, n_heads=12, n_kv_heads=12, d_ff=3072)
 ARTICLE_CORES = 16  # "CPU (16-core)"
@@ -172,8 +184,252 @@ def _c18(mfu: float) -> list[dict]:
     return recs
 
 
-def run(size: str = "quick") -> list[dict]:
+# --- serving: prefill and decode of the lab's model, then 7B/70B on H100s -----------------
+
+SERVE_CONTEXT = PREFILL_SEQ  # tokens of KV cache per sequence in the 7B/70B predictions
+MAX_SERVING_BATCH = 256
+C22_BATCH, C22_CONTEXT = 1, 4096  # the stated batch and context of the 70B serving memory
+HBM_USE = 0.9  # share of a card's memory a server fills (the rest: runtime, fragmentation)
+
+
+def _serving_study(size: str) -> dict:
+    """lab.studies.serving on the backend present: the `base` preset from quick on (weights
+    several times a CPU's last-level cache), tiny for the test suite."""
+    preset = pick(size, tiny="tiny", quick="base", full="base")
+    session = open_session(make_config(preset=preset, steps=0, backend=backend()))
+    session, params, source = serving.load_params(session, None, seed=0)
+    plan = serving.Plan(
+        batches=pick(size, tiny=(1, 2), quick=(1, 4, 16), full=(1, 2, 4, 8, 16, 32, 64)),
+        prefill_batches=pick(size, tiny=(1,), quick=(1,), full=(1, 4)),
+        prompt_len=pick(size, tiny=8, quick=128, full=128),
+        steps=pick(size, tiny=4, quick=16, full=32),
+        budget_s=pick(size, tiny=0.01, quick=0.3, full=1.0),
+        int8=size == "full",
+    )
+    out = serving.measure(session, params, plan)
+    out["preset"], out["source"] = preset, source
+    return out
+
+
+def _serving_records(out: dict) -> list[dict]:
+    """The study's own records (the decode plot's series) and C21/C22's measured evidence."""
+    config = {"preset": out["preset"], "weights": out["source"], "claim": "C21", "metric": None}
+    recs = serving.to_records(out, {**config, "role": "context"})
+    s, roofs = out["summary"], out["roofs"]
+    one = min(out["decode"], key=lambda r: r["batch"])
+    recs.append(
+        record(
+            "C21",
+            "output_input_cost_ratio",
+            f"prefill tokens/s over decode tokens/s, best batch of each ({out['preset']})",
+            s["output_input_cost_ratio"],
+            "×",
+            label="derived",
+            prefill=s["best_prefill"]["tokens_per_s"],
+            prefill_batch=s["best_prefill"]["batch"],
+            decode=s["best_decode"]["tokens_per_s"],
+            decode_batch=s["best_decode"]["batch"],
+            batch1_ratio=s["output_input_cost_ratio_batch1"],
+        )
+    )
+    recs.append(
+        record(
+            "C21",
+            None,
+            f"decode at batch 1 ({out['preset']}): achieved bandwidth over the memory roof",
+            one["memory_roof_share"],
+            "×",
+            label="derived",
+            role="context",
+            bytes_per_s=one["bytes_per_s"],
+            memory_roof=roofs.bandwidth,
+        )
+    )
+    recs.append(
+        record(
+            "C22",
+            "decode_intensity_over_ridge",
+            f"decode at batch 1 ({out['preset']}): FLOPs per byte over the ridge point",
+            one["intensity"] / roofs.ridge,
+            "×",
+            label="derived",
+            intensity=one["intensity"],
+            ridge=roofs.ridge,
+            memory_roof_share=one["memory_roof_share"],
+        )
+    )
+    return recs
+
+
+def _llama_model(name: str):
+    return make_config(preset=f"llama2-{name.lower()}").model
+
+
+def _decode_rate(name: str, gpus: int, bandwidth_share: float, key: str = "h100-sxm") -> dict:
+    """Predicted decode tokens/s of Llama-2 `name` on `gpus` H100s (tensor parallel): each step
+    moves the bf16 weights and the batch's bf16 KV cache at `bandwidth_share` of HBM bandwidth
+    (or is bound by the FLOPs, whichever is slower), with as many sequences as fit."""
+    spec = specs.SPECS[key]
+    model = _llama_model(name)
+    peak, _ = accel_peak(key)
+    one = memory.predict_serving_memory(model, batch=1, context=SERVE_CONTEXT, devices=gpus)
+    free = HBM_USE * spec.memory_bytes - one["weights"]
+    batch = max(1, min(MAX_SERVING_BATCH, int(free // one["kv_cache"])))
+    per_gpu = memory.predict_serving_memory(
+        model, batch=batch, context=SERVE_CONTEXT, devices=gpus
+    )["total"]
+    step_s = max(
+        per_gpu / (spec.memory_bandwidth * bandwidth_share),
+        serving.step_flops(model, batch, SERVE_CONTEXT) / (gpus * peak),
+    )
+    return {"batch": batch, "tokens_per_s": batch / step_s, "bytes_per_gpu": per_gpu}
+
+
+def _c18_c21_output(out: dict, mfu: float) -> list[dict]:
+    key = "h100-sxm"
+    spec = specs.SPECS[key]
+    share = min(1.0, min(out["decode"], key=lambda r: r["batch"])["memory_roof_share"])
+    peak, dtype = accel_peak(key)
+    recs = []
+    for name, metric in (
+        ("7B", "usd_per_m_output_tokens_7b"),
+        ("70B", "usd_per_m_output_tokens_70b"),
+    ):
+        shape = LLAMA[name]
+        gpus = math.ceil(2 * shape["n_params"] / spec.memory_bytes)
+        d = _decode_rate(name, gpus, share)
+        usd = gpus * spec.price_usd_per_hour / (d["tokens_per_s"] * 3600) * 1e6
+        inputs = {"memory_roof_share": share, "mfu_forward": mfu}
+        recs.append(
+            record(
+                "C18",
+                metric,
+                f"Llama-2 {name} decode on {gpus} × H100, batch {d['batch']} (as many 2048-token "
+                "caches as fit), at the share of the memory roof decode reached here: $ per 1M "
+                "output tokens",
+                usd,
+                "$",
+                label="predicted",
+                target=key,
+                gpus=gpus,
+                inputs=inputs,
+                **d,
+                **spec_inputs(key, "memory_bandwidth", "memory_bytes", "price_usd_per_hour"),
+            )
+        )
+        if name == "7B":
+            prefill = gpus * peak * mfu / _prefill_flops_per_token(shape)
+            recs.append(
+                record(
+                    "C21",
+                    "output_input_cost_ratio",
+                    f"Llama-2 7B on {gpus} × H100: prefill tokens/s (forward MFU measured here) "
+                    f"over decode tokens/s (batch {d['batch']})",
+                    prefill / d["tokens_per_s"],
+                    "×",
+                    label="predicted",
+                    target=key,
+                    prefill_tokens_per_s=prefill,
+                    decode_tokens_per_s=d["tokens_per_s"],
+                    inputs=inputs,
+                    **spec_inputs(key, f"peak_flops.{dtype}", "memory_bandwidth"),
+                )
+            )
+    return recs
+
+
+def _c22_memory() -> list[dict]:
+    """A 70B model's serving memory on one card, by the calculator: bf16, int8, int4 weights
+    (the cache int8 with int8 and int4 weights), and bf16 with weights offloaded to host."""
+    key = "h100-sxm"
+    spec = specs.SPECS[key]
+    model = _llama_model("70B")
+    kw = dict(batch=C22_BATCH, context=C22_CONTEXT)
+    recs = []
+    for name, wb, cb in (("bf16", 2, 2), ("int8", 1, 1), ("int4", 0.5, 1)):
+        m = memory.predict_serving_memory(model, weight_bytes=wb, cache_bytes=cb, **kw)
+        recs.append(
+            record(
+                "C22",
+                "serving_memory_70b_int8" if name == "int8" else None,
+                f"Llama-2 70B serving memory, {name} weights, batch {C22_BATCH}, context "
+                f"{C22_CONTEXT} (calculator; an H100 holds {spec.memory_bytes / 1e9:.0f} GB)",
+                m["total"],
+                "B",
+                label="predicted",
+                role="evidence" if name == "int8" else "context",
+                target=key,
+                **m,
+            )
+        )
+    bf16 = memory.predict_serving_memory(model, **kw)
+    cache = bf16["kv_cache"]
+    fraction = max(0.0, 1 - (HBM_USE * spec.memory_bytes - cache) / bf16["weights"])
+    m = memory.predict_serving_memory(model, offload_fraction=fraction, **kw)
+    link = spec.host_bandwidth / 2  # one direction of the host link
+    recs.append(
+        record(
+            "C22",
+            None,
+            f"Llama-2 70B bf16 with {fraction:.0%} of the weights in host memory: the time each "
+            "decode step spends streaming them over PCIe (host link, one direction)",
+            m["host_weights"] / link,
+            "s",
+            label="predicted",
+            role="context",
+            target=key,
+            offload_fraction=fraction,
+            **m,
+            **spec_inputs(key, "host_bandwidth", "memory_bandwidth"),
+        )
+    )
+    return recs
+
+
+def _c22_plan() -> list[dict]:
+    """The 70B int8 decode step compiled for one H100 (size=full; needs the gpu-plan extra)."""
+    target = "gpu:h100:1"
+    try:
+        plans.parse_target(target)
+        cfg = make_config(preset="llama2-70b", param_dtype="bfloat16", target=target)
+        session = open_session(cfg)
+        r = serving.plan_serving(session, batch=C22_BATCH, context=C22_CONTEXT, int8=True)
+    except ConfigError as e:  # no CUDA plugin or ptxas here: the calculator stands alone
+        return [
+            record(
+                "C22",
+                None,
+                f"70B int8 plan for {target} not compiled: {e}",
+                None,
+                "B",
+                label="compiled, not run",
+                role="context",
+            )
+        ]
+    got = (r["compiled"] or {}).get("total_bytes")
+    return [
+        record(
+            "C22",
+            "serving_memory_70b_int8",
+            f"Llama-2 70B decode step, int8 weights and cache, batch {C22_BATCH}, context "
+            f"{C22_CONTEXT}: compiled memory on one H100",
+            got,
+            "B",
+            label="compiled, not run",
+            target="h100-sxm",
+            predicted=r["predicted"]["total"],
+            compile_s=r["compile_s"],
+        )
+    ]
+
+
+def run(size: str = "quick", plans: bool | None = None) -> list[dict]:
     rows = _sweep(size)
     best = max(rows, key=lambda r: r["flops_per_s"])
     mfu = best["flops_per_s"] / mfu_peak(size)
-    return _c16(rows, mfu) + _c18(mfu)
+    out = _serving_study(size)
+    recs = _c16(rows, mfu) + _c18(mfu) + _serving_records(out) + _c18_c21_output(out, mfu)
+    recs += _c22_memory()
+    if size == "full" if plans is None else plans:
+        recs += _c22_plan()
+    return recs

@@ -114,11 +114,12 @@ def _finite(state) -> bool:
     )
 
 
-def restore_latest(run_dir, abstract_state, *, warn=print):
+def restore_latest(run_dir, abstract_state, *, warn=print, why: str = "resume=true"):
     """(step, state) from the newest step that restores whole and finite, or (None, None).
 
     Damaged steps are moved aside as they are found; a step saved for another model shape
-    raises ConfigError (one line) and nothing is moved.
+    raises ConfigError (one line, starting with `why`: what asked for the state) and nothing
+    is moved.
     """
     path = folder(run_dir)
     steps = sorted((int(p.name) for p in path.glob("[0-9]*") if p.name.isdigit()), reverse=True)
@@ -127,8 +128,9 @@ def restore_latest(run_dir, abstract_state, *, warn=print):
         mismatch = _shape_mismatch(item, abstract_state)
         if mismatch:
             raise ConfigError(
-                f"resume=true: checkpoint step {step} holds another model ({mismatch}); "
-                "resume with the run's own model keys, or start a new name="
+                f"{why}: checkpoint step {step} holds another model ({mismatch}); "
+                "use the run's own model keys"
+                + (", or start a new name=" if why == "resume=true" else "")
             )
         try:
             state = ocp.StandardCheckpointer().restore(item, abstract_state)

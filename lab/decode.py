@@ -30,8 +30,9 @@ from jax.sharding import PartitionSpec as P
 from lab import quant
 from lab.config import ModelConfig
 from lab.errors import ConfigError
+from lab.kernels.attention import choose_decode
 from lab.mesh import check_divisible
-from lab.model import CACHE, KVCache, LayerKV, build
+from lab.model import CACHE, KVCache, LayerKV, build, decode_impl
 from lab.names import BATCH, LAYERS
 
 
@@ -221,13 +222,41 @@ def make_decoder(
     )
 
 
+def unstack_layers(params, n_layers: int):
+    """Parameters of a scan_layers model (every block's weights stacked [n_layers, ...] under
+    `blocks`) as the unscanned model's (`block_0` … `block_{n-1}`). Decoding runs unscanned:
+    each layer's cache is then its own donated buffer, updated in place, where a scan would
+    gather the layers' new caches into a fresh stack every step (a full copy of the cache in
+    temporary memory, and its bytes moved twice more per step)."""
+    if "blocks" not in params:
+        return params
+    out = {k: v for k, v in params.items() if k != "blocks"}
+    for i in range(n_layers):
+        out[f"block_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["blocks"])
+    return out
+
+
+def batch_multiple(trainer) -> int:
+    """Devices the batch is split over (the rules' batch axes): every serving batch is a
+    multiple of it."""
+    axes = dict(trainer.rules).get(BATCH) or ()
+    return math.prod(trainer.mesh.shape[a] for a in axes)
+
+
+def reads_whole_cache(attention_impl: str, backend: str) -> bool:
+    """Whether a decode step reads every slot of the cache (the plain-JAX reference masks
+    past each length) rather than stopping at each sequence's length (the Pallas kernels)."""
+    impl = decode_impl(attention_impl)
+    return choose_decode(impl, backend=backend) == "reference"
+
+
 def check_prompts(prompt_lengths, max_len: int, steps: int = 0) -> None:
     """A prompt (plus the tokens to generate) longer than the cache is one line."""
     longest = max(int(n) for n in prompt_lengths)
     if longest + steps > max_len:
         raise ConfigError(
             f"a prompt of {longest} tokens plus {steps} to generate does not fit a cache of "
-            f"{max_len} slots: raise max_len= or shorten the prompt"
+            f"{max_len} slots: raise context= or shorten the prompt"
         )
     if min(int(n) for n in prompt_lengths) < 1:
         raise ConfigError("every prompt needs at least one token")

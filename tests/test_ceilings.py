@@ -30,6 +30,7 @@ def test_python_m_lab_tools_ceilings_quick(tmp_path, capsys):
         "matmul float32 precision=highest",
         "matmul float32 precision=default",
         "matmul bfloat16 precision=default",
+        "matmul int8 precision=default",
         "matmul float32 numpy BLAS",
         "copy bandwidth (read+write)",
         "host→device bandwidth",
@@ -72,8 +73,20 @@ def test_matmul_peak_is_cached_per_process():
 def test_matmul_dtypes():
     r = ceilings.measure_matmul("bf16", n=64, budget_s=0.01)
     assert (r["dtype"], r["precision"], r["flops"]) == ("bfloat16", "default", 2 * 64**3)
+    r = ceilings.measure_matmul("int8", n=64, budget_s=0.01)  # int8 × int8 → int32
+    assert (r["dtype"], r["flops"]) == ("int8", 2 * 64**3) and r["flops_per_s"] > 0
     with pytest.raises(ValueError, match="dtype"):
-        ceilings.measure_matmul("int8", n=64)
+        ceilings.measure_matmul("int4", n=64)
+
+
+def test_the_compute_roof_is_a_float_matmul():
+    """int8 (and fp8) run on other units at other rates: they are measured, but the roof
+    float ops are held against is the best float matmul."""
+    mm = {
+        ("float32", "default"): {"flops_per_s": 100.0},
+        ("int8", "default"): {"flops_per_s": 400.0},
+    }
+    assert ceilings.roofs(mm, 10.0, [])[0] == 100.0
 
 
 @pytest.mark.parametrize(

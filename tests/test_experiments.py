@@ -14,7 +14,7 @@ from lab.measure import records as rec
 from lab.report.claims import CLAIMS
 from lab.report.verdict import MISSING, judge_all
 
-IDS = [f"C{i:02d}" for i in range(1, 21)]
+IDS = [f"C{i:02d}" for i in range(1, 23)]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,14 @@ def test_report_table_has_every_claim_and_the_plots(tiny_run):
     text = (tiny_run["dir"] / "REPORT.md").read_text()
     for cid in IDS:
         assert f"| {cid} |" in text
-    for png in ("roofline.png", "matmul.png", "attention.png", "memory.png", "scaling.png"):
+    for png in (
+        "roofline.png",
+        "matmul.png",
+        "attention.png",
+        "memory.png",
+        "scaling.png",
+        "decode.png",
+    ):
         assert (tiny_run["dir"] / png).stat().st_size > 1000, png
         assert f"({png})" in text
 
@@ -139,3 +146,31 @@ def test_roofline_points_lie_under_their_roofs(tiny_run):
         assert c["roof"] == pytest.approx(attainable)
         assert p["value"] <= 1.1 * attainable, c["name"]
     assert not [r for r in tiny_run["records"] if r["what"].startswith("MEASUREMENT ERROR")]
+
+
+def test_h100_plans_are_opt_in_shaped_like_llama_and_say_why_when_they_cannot_run(monkeypatch):
+    """The 7B/70B H100 plans (C10, C14) run only with plans=on or size=full; their configs are
+    the Llama-2 shapes on the named meshes; without the CUDA plugin they leave one context
+    record saying so instead of failing the topic. (The compiles themselves take minutes: run
+    `python -m experiments only=C10,C14 plans=on`.)"""
+    from experiments import gpu_plans, plan_kwargs
+    from experiments.memory import LLAMA
+    from lab.config import make_config
+    from lab.measure.memory import lab_param_count
+    from lab.plans import gpu
+
+    assert plan_kwargs("memory", "auto", "quick") == {"plans": False}
+    assert plan_kwargs("memory", "auto", "full") == {"plans": True}
+    assert plan_kwargs("parallel", "on", "tiny") == {"plans": True}
+    assert plan_kwargs("parallel", "off", "full") == {"plans": False}
+    assert plan_kwargs("matmul", "on", "full") == {}
+    for name, shape in LLAMA.items():
+        cfg = make_config(**gpu_plans.llama_keys(shape, 16, "tp"))
+        assert cfg.mesh == "data:2,model:8" and cfg.target == "gpu:h100:16", name
+        assert cfg.batch_size == 16 and cfg.seq_len == 2048 and cfg.model.scan_layers
+        assert abs(lab_param_count(cfg.model) / shape["n_params"] - 1) < 1e-3, name
+    monkeypatch.setattr(gpu, "_pjrt", lambda: None)
+    for recs, claim in ((gpu_plans.c10(LLAMA), "C10"), (gpu_plans.c14(LLAMA), "C14")):
+        (r,) = recs
+        assert r["config"]["claim"] == claim and r["config"]["role"] == "context"
+        assert "pip install -e '.[gpu-plan]'" in r["what"] and r["value"] is None

@@ -10,7 +10,7 @@ from lab.measure import records as rec
 from lab.report import claims, markdown
 from lab.report.verdict import HOLDS, MISSING, NA, OFF, PREDICTED, judge, judge_all
 
-IDS = [f"C{i:02d}" for i in range(1, 21)]
+IDS = [f"C{i:02d}" for i in range(1, 23)]
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "CLAIMS.md"
 
 

@@ -53,13 +53,28 @@ def _precision_name(precision) -> str:
     return getattr(precision, "name", str(precision)).lower()
 
 
+MATMUL_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")
+# What a matmul of each input dtype accumulates in (int8 × int8 → int32: the integer units'
+# path, IMMA on GPU and the MXU's int8 mode on TPU; fp8 → float32 as the fp8 Tensor Cores do).
+ACCUMULATE = {"int8": jnp.int32, "float8_e4m3fn": jnp.float32}
+
+
 def _array_dtype(dtype) -> str:
     """The array dtype of a matmul at `dtype` ("tf32" is float32 at default precision)."""
     name = specs.canonical_dtype(dtype)
-    name = "float32" if name == "tf32" else name
-    if name not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype={dtype!r}: matmul ceilings cover float32, bfloat16, float16")
+    name = {"tf32": "float32", "float8": "float8_e4m3fn"}.get(name, name)
+    if name not in MATMUL_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: matmul ceilings cover {', '.join(MATMUL_DTYPES)}")
     return name
+
+
+def _matmul_inputs(n: int, dtype) -> list:
+    """Four random n×n operands: normal values for floats, uniform codes in [-127, 127] for
+    int8 (never zeros; no hardware fast path applies)."""
+    if dtype == jnp.int8:
+        keys = jax.random.split(jax.random.key(0), 4)
+        return [jax.random.randint(k, (n, n), -127, 128, jnp.int32).astype(jnp.int8) for k in keys]
+    return timing.random_inputs(0, [(n, n)] * 4, dtype)
 
 
 def measure_matmul(
@@ -71,8 +86,9 @@ def measure_matmul(
     """
     n = n or matmul_n()
     dtype = jnp.dtype(_array_dtype(dtype))
-    fn = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision))
-    inputs = timing.random_inputs(0, [(n, n)] * 4, dtype)
+    acc = ACCUMULATE.get(dtype.name)
+    fn = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision, preferred_element_type=acc))
+    inputs = _matmul_inputs(n, dtype)
     result = timing.bench(fn, rotate=[inputs[:2], inputs[2:]], budget_s=budget_s)
     flops = cost.matmul_flops(n, n, n)
     return {
@@ -121,7 +137,8 @@ def roofs(matmuls: dict, copy_bytes_per_s: float, points) -> tuple[float, float,
     slow one measurement and not another), in which case that op's bandwidth is the roof and
     the note says by how much the copy figure fell short.
     """
-    peak = max([m["flops_per_s"] for m in matmuls.values()] + [p.flops_per_s for p in points])
+    floats = [m["flops_per_s"] for (dtype, _), m in matmuls.items() if dtype not in ACCUMULATE]
+    peak = max(floats + [p.flops_per_s for p in points])
     best = max(points, key=lambda p: p.bytes / p.median_s, default=None)
     best_bw = best.bytes / best.median_s if best else 0.0
     if best_bw <= copy_bytes_per_s:
@@ -190,11 +207,24 @@ def device_to_host(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
     return {"bytes": nbytes, "bytes_per_s": nbytes / result.median_s, **result.as_dict()}
 
 
+def has_fp8(device=None) -> bool:
+    """fp8 matmul units: NVIDIA compute capability 8.9+ (Ada, Hopper and later)."""
+    device = device or jax.devices()[0]
+    try:
+        return device.platform == "gpu" and float(device.compute_capability) >= 8.9
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def matmul_configs(backend_name: str) -> list[tuple[str, str | None]]:
-    """(dtype, precision) pairs worth measuring: f32 exact and default, then half types."""
+    """(dtype, precision) pairs worth measuring: f32 exact and default, then half types, int8
+    (what quantized inference multiplies in) and fp8 where the device has fp8 units."""
     configs = [("float32", "highest"), ("float32", None), ("bfloat16", None)]
     if backend_name == "gpu":
         configs.append(("float16", None))
+    configs.append(("int8", None))
+    if backend_name == "gpu" and has_fp8():
+        configs.append(("float8_e4m3fn", None))
     return configs
 
 
@@ -243,7 +273,10 @@ def roofline_ceilings(size: str = "full", *, budget_s: float = 1.0, matmuls=None
         for p in points
         if p.flops_per_s > OUTLIER * roofline.attainable(p.intensity, peak, bandwidth)
     ]
-    best = max(matmuls.values(), key=lambda m: m["flops_per_s"])
+    best = max(
+        (m for (dtype, _), m in matmuls.items() if dtype not in ACCUMULATE),
+        key=lambda m: m["flops_per_s"],
+    )
     return {
         "sizes": sz,
         "matmuls": matmuls,

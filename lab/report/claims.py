@@ -35,7 +35,7 @@ TOPICS = {
     "memory": "Training memory",
     "parallel": "Parallelism",
     "training": "Training speed and cost",
-    "inference": "Inference throughput and price",
+    "inference": "Inference",
     "hardware": "The hardware itself",
 }
 
@@ -79,7 +79,7 @@ def normalise(device_kind: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    id: str  # C01 … C20, as in ../shared/CLAIMS.md
+    id: str  # C01 … C22, as in ../shared/CLAIMS.md
     text: str  # the claim as the articles state it
     sources: tuple[str, ...]  # seed ids
     topic: str  # experiments module that measures it (a key of TOPICS)
@@ -380,8 +380,9 @@ CLAIMS: tuple[Claim, ...] = (
         "A 7B model needs ~80 GB to train; a 70B model fits on H100s only with model parallelism",
         ("003",),
         "memory",
-        "the memory calculator for 7B/70B under fp32/bf16/Adam and sharding over N devices, "
-        "validated on small models where it can be measured",
+        "the memory calculator for 7B/70B under fp32/bf16/Adam and sharding over N devices "
+        "(FSDP, and a pipeline with the optimizer state in host memory), validated on small "
+        "models where it can be measured",
         (
             Stated(
                 "train_memory_7b",
@@ -426,7 +427,8 @@ CLAIMS: tuple[Claim, ...] = (
         "Gradient checkpointing saves memory at the cost of recompute",
         ("000", "002"),
         "memory",
-        "peak memory and step time with and without remat, per remat policy",
+        "peak memory and step time with and without remat, per remat policy; remat=offload "
+        "(block inputs in host memory) by the calculator and compiled for an H100",
         (
             Stated(
                 "remat_memory_ratio",
@@ -455,7 +457,8 @@ CLAIMS: tuple[Claim, ...] = (
         "Smaller batches use less memory but run slower",
         ("000", "002"),
         "memory",
-        "peak memory and throughput across batch sizes",
+        "peak memory and throughput across batch sizes; the largest batch as accumulated "
+        "microbatches of the smallest (accumulate=K)",
         (
             Stated(
                 "small_batch_memory_ratio",
@@ -507,7 +510,8 @@ CLAIMS: tuple[Claim, ...] = (
         "Model (layer/tensor) parallelism is necessary for models too big for one device",
         ("000", "003"),
         "parallel",
-        "per-device memory under DP, FSDP and tensor parallel on the same mesh",
+        "per-device memory under DP, FSDP, tensor and pipeline parallel on the same mesh, and "
+        "their step times",
         (
             Stated(
                 "sharded_over_dp_memory",
@@ -660,6 +664,33 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="the same for a 70B model on as many H100s as its bf16 weights need; "
                 "within a factor of 2",
             ),
+            Stated(
+                "usd_per_m_output_tokens_7b",
+                "Self-hosted (7B): ~$0.1 input / $0.3 output per 1M tokens",
+                "003",
+                "$",
+                **about(0.3, 2),
+                backends=("gpu",),
+                reading="$/hour of an H100 over output (decode) tokens per hour of a 7B model: "
+                "each decode step moves the bf16 weights and the batch's KV cache (2048 "
+                "tokens each), at the share of the memory roof decode reached on the backend "
+                "measured, with as many sequences as fit beside the weights (at most 256); "
+                "within a factor of 2",
+                if_off="decode is priced by bytes, not FLOPs: the batch a server keeps in "
+                "flight (how many caches fit beside the weights) sets the price",
+            ),
+            Stated(
+                "usd_per_m_output_tokens_70b",
+                "Self-hosted (70B): ~$1 input / $3 output per 1M tokens",
+                "003",
+                "$",
+                **about(3.0, 2),
+                backends=("gpu",),
+                reading="the same for a 70B model on as many H100s as its bf16 weights need; "
+                "within a factor of 2",
+                if_off="decode is priced by bytes, not FLOPs: the batch a server keeps in "
+                "flight (how many caches fit beside the weights) sets the price",
+            ),
         ),
     ),
     Claim(
@@ -733,6 +764,71 @@ CLAIMS: tuple[Claim, ...] = (
                 "against 192 GB ± 5%",
                 if_off="no H100 has 192 GB: the SXM and PCIe cards have 80 GB, the NVL 94 GB; "
                 "192 GB is an MI300X or B200",
+            ),
+        ),
+    ),
+    Claim(
+        "C21",
+        "Self-hosted output tokens cost ~3× input tokens ($0.1 in / $0.3 out for 7B; $1 / $3 for "
+        '70B); "Inference needs low latency + high throughput + low cost"',
+        ("003",),
+        "inference",
+        "prefill (input) and decode (output) tokens/s of the same model on the backend present, "
+        "their ratio, and $/1M output tokens from them; decode's achieved bandwidth against the "
+        "memory roof",
+        (
+            Stated(
+                "output_input_cost_ratio",
+                "Self-hosted (7B): ~$0.1 input / $0.3 output per 1M tokens; Self-hosted (70B): "
+                "~$1 input / $3 output",
+                "003",
+                "×",
+                **about(3.0, 1.5),
+                reading="device time per output token over device time per input token of the "
+                "same model on one device: prefill tokens/s over decode tokens/s, each at its "
+                "best batch of the sweep (measured here), or predicted for a 7B model on an "
+                "H100 from the same inputs as C18; '~3×' read as 2–4.5",
+                if_off="the ratio is not a constant: prefill is compute-bound and decode "
+                "memory-bound, so it is their rates' ratio at the batch a server runs — large "
+                "at batch 1, falling as batching amortises the weights' bytes",
+            ),
+        ),
+    ),
+    Claim(
+        "C22",
+        '"Every trick that fits a 70B model on one card (quantization, CPU offloading, '
+        'PagedAttention)"; "deep learning bottleneck is usually VRAM, not compute"',
+        ("003",),
+        "inference",
+        "serving memory of a 70B-shaped model (weights + KV cache at a stated batch and context) "
+        "at bf16, int8 and int4, with offloading, on one 80 GB card: compiled plans where the "
+        "planner can, the calculator elsewhere",
+        (
+            Stated(
+                "serving_memory_70b_int8",
+                "Every trick that fits a 70B model on one card (quantization, CPU offloading, "
+                "PagedAttention)",
+                "003",
+                "B",
+                hi=80e9,
+                reading="a Llama-2-70B-shaped model served with int8 weights (one scale per "
+                "output channel) and an int8 KV cache, batch 1, 4096 tokens of context: bytes "
+                "on one 80 GB H100, compiled for it where the plan ran (size=full), the "
+                "calculator otherwise; at most 80 GB fits",
+                if_off="int8 weights alone are 69 GB: a long context or a bigger batch adds "
+                "cache bytes until int4 or offloading is needed",
+            ),
+            Stated(
+                "decode_intensity_over_ridge",
+                "The deep learning bottleneck is usually VRAM, not compute",
+                "003",
+                "×",
+                lo=0,
+                hi=1,
+                strict=True,
+                reading="a decode step at batch 1 of the lab's model on the backend present: its "
+                "FLOPs per byte moved over the measured ridge point (compute roof / memory "
+                "roof); below 1 it waits on memory, not on arithmetic",
             ),
         ),
     ),

@@ -280,6 +280,37 @@ def inference(records, path) -> Path | None:
     return _save(fig, path)
 
 
+def decode(records, path) -> Path | None:
+    """Decode tokens/s against batch (float and int8) and the share of the measured memory
+    roof each reaches; the critical batch where one is recorded."""
+    rows = sorted(series(records, "decode_batch"), key=lambda r: r["config"]["batch"])
+    if not rows:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax2 = ax.twinx()
+    for int8, style in ((False, "o-"), (True, "^-")):
+        pts = [r for r in rows if bool(r["config"].get("int8")) == int8]
+        if not pts:
+            continue
+        b = [r["config"]["batch"] for r in pts]
+        name = "int8 weights + cache" if int8 else "float"
+        ax.loglog(b, [r["value"] for r in pts], style, base=2, label=f"tokens/s, {name}")
+        share = [100 * r["config"]["memory_roof_share"] for r in pts]
+        ax2.semilogx(b, share, style.replace("-", "--"), base=2, color="tab:red", alpha=0.7)
+    crit = [r for r in records if r.get("config", {}).get("metric") == "decode_critical_batch"]
+    if crit and crit[0]["value"] and crit[0]["value"] < 1e9:
+        ax.axvline(crit[0]["value"], color="gray", ls=":", label="critical batch (ridge)")
+    ax.set(xlabel="batch (sequences decoded together)", ylabel="decode tokens/s (measured)")
+    ax2.set_ylabel("% of the measured memory roof (dashed)", color="tab:red")
+    ax2.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title(
+        f"decode: memory-bound until the batch fills the ridge · {_label(rows[0])}", fontsize=9
+    )
+    return _save(fig, path)
+
+
 # topic → [(file name, plot function)], in the order the report shows them.
 PLOTS = {
     "matmul": [("matmul.png", matmul)],
@@ -288,7 +319,7 @@ PLOTS = {
     "memory": [("memory.png", memory), ("batch.png", batch_sweep)],
     "parallel": [("scaling.png", scaling)],
     "training": [("losses.png", losses)],
-    "inference": [("inference.png", inference)],
+    "inference": [("inference.png", inference), ("decode.png", decode)],
 }
 
 

@@ -32,8 +32,24 @@ def run_header(cfg, info, n_params: int, mesh_shape: dict) -> str:
             f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32",
             f"  data      {cfg.data}, batch {cfg.batch_size} × {cfg.seq_len} tokens, "
             f"{cfg.steps} steps",
+            *_fitting_header(cfg),
         ]
     )
+
+
+def _fitting_header(cfg) -> list[str]:
+    """The header's line for a pipeline, gradient accumulation or offloading, if any."""
+    m, parts = cfg.model, []
+    if cfg.strategy.startswith("pp") and m.microbatches:
+        kind = "GPipe" if m.pipeline_repeats == 1 else f"circular × {m.pipeline_repeats}"
+        parts.append(f"pipeline of {m.microbatches} microbatches ({kind})")
+    if cfg.accumulate > 1:
+        parts.append(f"gradients accumulated over {cfg.accumulate} microbatches")
+    offloaded = ["optimizer state"] if cfg.offload_optimizer else []
+    offloaded += ["block inputs"] if m.remat == "offload" else []
+    if offloaded:
+        parts.append(f"in host memory: {' and '.join(offloaded)}")
+    return [f"  fitting   {'; '.join(parts)}"] if parts else []
 
 
 def _mem(n) -> str:
@@ -45,20 +61,56 @@ def analysis(a: dict, compile_s: float) -> Table:
     fit, time and MFU."""
     t = Table(title="compiled step (per device)", show_header=False)
     for k, v in (a["compiled_memory_per_device"] or {}).items():
+        if k.startswith("host_") and not v:
+            continue  # nothing in host memory: the usual case, not worth a row
         t.add_row(k, _mem(v) if isinstance(v, int | float) else str(v))
     pred = a["predicted_memory_per_device"]
     parts = ", ".join(
         f"{k} {_mem(pred[k])}" for k in ("params", "grads", "optimizer", "activations", "workspace")
     )
+    if pred.get("host"):
+        parts += f"; in host memory {_mem(pred['host'])}"
     t.add_row("predicted total (calculator)", f"{_mem(pred['total'])}  ({parts})")
     c = a["compiled_cost_per_device"] or {}
     t.add_row("compiled FLOPs", f"{c.get('flops', math.nan):.4g}")
     t.add_row("compiled bytes accessed", _mem(c.get("bytes accessed")))
     t.add_row("model FLOPs / token", f"{a['model_flops_per_token']:.4g}")
     t.add_row("compile time", f"{compile_s:.2f} s")
+    _fitting_rows(t, a)
     if "aot" in a:
         _plan_rows(t, a)
     return t
+
+
+def pipeline_line(p: dict) -> str:
+    """The bubble of a pipelined step, analytic beside the compiled schedule's."""
+    compiled = "n/a" if p["compiled_bubble"] is None else f"{p['compiled_bubble']:.3f}"
+    kind = "GPipe" if p["repeats"] == 1 else f"circular × {p['repeats']}"
+    return (
+        f"{p['bubble']:.3f} analytic (P-1)/(R·M+P-1), {compiled} from the compiled schedule "
+        f"({p['compiled_ticks']} ticks; {kind}, P={p['stages']} stages, M={p['microbatches']})"
+    )
+
+
+def offload_line(o: dict) -> str:
+    """Bytes offloading moves per step and the time they would add (predicted)."""
+    moved = f"{mib(o['bytes_to_device'])} MiB in, {mib(o['bytes_to_host'])} MiB out per step"
+    if o["added_step_s"] is None:
+        return f"{moved}; no host-link bandwidth ({o['bandwidth_source']})"
+    return (
+        f"{moved}: ≤ {duration(o['added_step_s'])} added, predicted, no overlap "
+        f"({o['bandwidth_source']})"
+    )
+
+
+def _fitting_rows(t: Table, a: dict) -> None:
+    """Pipeline bubble, offloading's traffic and what the backend did not do (lab.run)."""
+    if a.get("pipeline"):
+        t.add_row("pipeline bubble", pipeline_line(a["pipeline"]))
+    if a.get("offload"):
+        t.add_row("host offload", offload_line(a["offload"]))
+    for note in a.get("notes", ()):
+        t.add_row("note", note)
 
 
 def _plan_rows(t: Table, a: dict) -> None:
@@ -103,6 +155,7 @@ def run_summary(s: dict) -> Table:
     )
     if s["loss_first"] is not None:
         t.add_row("loss", f"{s['loss_first']:.4f} → {s['loss_last']:.4f}")
+    _fitting_rows(t, s)
     return t
 
 
@@ -155,6 +208,20 @@ def kernels(rows: list[dict], title: str) -> Table:
     return t
 
 
+def kernel_grid(rows: list[dict], title: str) -> Table:
+    """One kernel table for a grid of attention plans (lab.studies.plan.grid): every point's
+    forward + backward kernels, each named by its L=S and K; XLA's kernels in one row."""
+    named = []
+    for r in rows:
+        if r["mode"] != "fwd+bwd":
+            continue
+        for k in r["kernels"]:
+            name = k["name"].removesuffix("_mosaic_gpu_kernel").removeprefix("flash_attention_")
+            custom = not _XLA_KERNEL.match(k["name"])
+            named.append({**k, "name": f"L={r['seq']} K={r['head_dim']} {name}"} if custom else k)
+    return kernels(named, title)
+
+
 # ------------------------------------------------------------------------------- explain
 
 
@@ -174,6 +241,26 @@ def explain_memory(ex) -> Table:
     t.add_row("total", "", mib(pred.get("total"), 3), mib(comp.get("total_bytes"), 3))
     if "error" in pred:
         t.add_row("calculator", f"unavailable: {pred['error']}", "", "")
+    return t
+
+
+def explain_pipeline(p: dict) -> Table:
+    """A pipelined step's stage permutes and ticks: the compiled program against the schedule."""
+    t = Table(title="pipeline: stage-to-stage traffic per step, per device")
+    for col in ("", "compiled", "analytic"):
+        t.add_column(col)
+    t.add_row("ticks (loop trip count)", str(p["compiled_ticks"]), str(p["ticks"]))
+    bubble = p["compiled_bubble"]
+    t.add_row("bubble", "n/a" if bubble is None else f"{bubble:.3f}", f"{p['bubble']:.3f}")
+    t.add_row("microbatch activation a", "", f"{p['microbatch_bytes']:,} B")
+    for d in ("forward", "backward"):
+        r = p[d]
+        t.add_row(
+            f"{d} collective-permutes",
+            f"{r['ops']} op × {r['executions']} runs, {r['bytes_per_device']:,} B",
+            f"ticks × a = {p['bytes_per_device']:,} B",
+        )
+    t.add_row("useful per data replica, each way", "", f"M·(R·P-1)·a = {p['useful_bytes']:,} B")
     return t
 
 
@@ -274,14 +361,18 @@ def static_pass(candidates, dropped: dict, records: list[dict], title: str) -> T
 def attention_plan(rows: list[dict], title: str) -> Table:
     """The kernel compiled for a target: memory, FLOPs, time floor (compiled, not run)."""
     t = Table(title=title)
-    cols = ("mode", "memory / device", "of HBM", "FLOPs / device (compiled | analytic)")
-    for col in (*cols, "est. time", "TFLOP/s", "of peak", "estimate"):
+    cols = ("L=S", "K", "mode", "memory / device", "of HBM")
+    for col in (*cols, "FLOPs / device (compiled | analytic)", "est. time", "TFLOP/s"):
+        t.add_column(col, justify="right")
+    for col in ("of peak", "estimate"):
         t.add_column(col, justify="right")
     for r in rows:
         need = r["memory"]["total_bytes"] if r["memory"] else None
         hbm = percent(need / r["hbm_bytes"]) if need and r["hbm_bytes"] else "–"
         compiled_g = max(r["compiled_flops"] or 0.0, 0.0) / 1e9  # XLA can report -0
         t.add_row(
+            str(r.get("seq", "")),
+            str(r.get("head_dim", "")),
             r["mode"],
             _mem(need) if need else "–",
             hbm,
@@ -295,8 +386,9 @@ def attention_plan(rows: list[dict], title: str) -> Table:
 
 
 def attention_targets(verdicts: list[dict]) -> Table:
-    t = Table(title="pallas_gpu against the GPU-speed targets")
-    for col in ("D", "L=S", "causal", "mode", "reference", "speed", "target", "met", "note"):
+    t = Table(title="the lab's GPU kernels against the GPU-speed targets")
+    cols = ("D", "L=S", "causal", "mode", "kernel", "reference", "speed", "target", "met", "note")
+    for col in cols:
         t.add_column(col, justify="right")
     for v in verdicts:
         t.add_row(
@@ -304,6 +396,7 @@ def attention_targets(verdicts: list[dict]) -> Table:
             str(v["seq"]),
             "yes" if v["causal"] else "no",
             v["mode"],
+            v.get("kernel", "pallas_gpu"),
             v.get("reference") or "–",
             ratio(v.get("speed")) or "–",
             f">= {v['target']}x",
@@ -494,4 +587,130 @@ def verdicts(vs) -> Table:
         colour = colours.get(v.status, "dim")
         text = v.claim.text if len(v.claim.text) < 70 else v.claim.text[:67] + "…"
         t.add_row(v.claim.id, text, f"[{colour}]{v.status}[/{colour}]")
+    return t
+
+
+# ------------------------------------------------------------------------------- serving
+
+
+def serving_prefill(rows: list[dict], title: str) -> Table:
+    """Prefill points of lab.studies.serving: the prompt through the model at once."""
+    t = Table(title=title)
+    for col in ("batch", "prompt", "latency", "p10–p90", "tokens/s", "GFLOP/s", "compile"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(
+            str(r["batch"]),
+            str(r["prompt_len"]),
+            duration(r["median_s"]),
+            f"{duration(r['p10_s'])}–{duration(r['p90_s'])}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['flops_per_s'] / 1e9:,.1f}",
+            duration(r["compile_s"]),
+        )
+    return t
+
+
+def serving_decode(rows: list[dict], title: str, *, ridge: float) -> Table:
+    """Decode points: time per step, tokens/s, bytes a step must move, the bandwidth that
+    makes and its share of the measured memory roof; FLOPs per byte against the ridge."""
+    t = Table(title=title)
+    cols = ("batch", "weights", "cache", "ms/step", "tokens/s", "bytes/step", "GB/s", "% roof")
+    for col in (*cols, "FLOP/B", "bound"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(
+            str(r["batch"]),
+            "int8" if r.get("int8_weights") else "float",
+            "int8" if r["int8_cache"] else "float",
+            f"{r['ms_per_token']:,.2f}",
+            f"{r['tokens_per_s']:,.1f}",
+            size(r["bytes"]),
+            f"{r['bytes_per_s'] / 1e9:,.2f}",
+            percent(r["memory_roof_share"], 0),
+            f"{r['intensity']:.2f}",
+            "memory" if r["intensity"] < ridge else "compute",
+        )
+    return t
+
+
+def serving_int8(e: dict, speedup: dict) -> Table:
+    """What int8 weights and an int8 KV cache cost in accuracy and buy in bytes and speed."""
+    t = Table(title="int8 weights (per output channel) and int8 KV cache", show_header=False)
+    t.add_row(
+        "weights",
+        f"{size(e['weight_bytes_float'])} → {size(e['weight_bytes_int8'])} "
+        f"({ratio(e['weight_bytes_float'] / e['weight_bytes_int8'])} smaller)",
+    )
+    t.add_row(
+        "loss on the bundled text",
+        f"{e['loss_float']:.4f} float, {e['loss_int8']:.4f} "
+        f"int8 weights ({e['loss_int8'] - e['loss_float']:+.4f})",
+    )
+    t.add_row(
+        "decode logits vs float",
+        f"relative RMS {e['logits_rel_rms']:.2e}, max |Δ| "
+        f"{e['logits_max_abs']:.3g} (logits up to {e['logits_scale']:.3g}); same top-1 "
+        f"token {percent(e['top1_agreement'], 1)}",
+    )
+    for b, x in sorted(speedup.items()):
+        t.add_row(f"decode speed-up, batch {b}", ratio(x))
+    return t
+
+
+def serving_summary(s: dict, roofs) -> Table:
+    """The derived figures of a serving study (lab.studies.serving.summarise)."""
+    t = Table(title="what decoding is bound by", show_header=False)
+    t.add_row(
+        "memory roof (measured copy)",
+        f"{roofs.bandwidth / 1e9:,.2f} GB/s; compute roof {roofs.peak_flops / 1e9:,.1f} "
+        f"GFLOP/s ({roofs.dtype} matmul); ridge {roofs.ridge:.1f} FLOP/B",
+    )
+    t.add_row(
+        "batch 1",
+        f"{percent(s['batch1_roof_share'], 0)} of the memory roof, {s['batch1_intensity']:.2f} "
+        "FLOP/B: memory-bound"
+        if s["batch1_intensity"] < roofs.ridge
+        else "compute-bound",
+    )
+    crit = s["critical_batch"]
+    t.add_row(
+        "critical batch (intensity = ridge)",
+        "never (the cache's bytes grow with the FLOPs)" if math.isinf(crit) else f"{crit:,.1f}",
+    )
+    if "output_input_cost_ratio" in s:
+        p, d = s["best_prefill"], s["best_decode"]
+        t.add_row(
+            "output / input token cost",
+            f"{s['output_input_cost_ratio']:,.1f}× at the best rates (prefill "
+            f"{p['tokens_per_s']:,.0f} tok/s at batch {p['batch']}, decode "
+            f"{d['tokens_per_s']:,.1f} tok/s at batch {d['batch']}); "
+            f"{s['output_input_cost_ratio_batch1']:,.0f}× against decode at batch 1",
+        )
+    return t
+
+
+def serving_plans(rows: list[dict], title: str) -> Table:
+    """Decode steps compiled for a target: memory per device, compiler beside calculator."""
+    t = Table(title=title)
+    cols = ("weights/cache", "batch", "context", "compiled/device", "calculator", "HBM", "fits")
+    for col in cols:
+        t.add_column(col, justify="right")
+    for r in rows:
+        got = (r["compiled"] or {}).get("total_bytes")
+        cap = r["capacity_bytes"]
+        fits = "n/a" if got is None or cap is None else ("yes" if got <= cap else "no")
+        if fits != "n/a":
+            fits += f" ({size(abs(cap - got))} {'free' if got <= cap else 'over'})"
+        elif r.get("refused"):
+            fits = f"no: the compiler refused it ({r['refused']})"
+        t.add_row(
+            "int8" if r["int8"] else "float",
+            str(r["batch"]),
+            str(r["context"]),
+            size(got),
+            size(r["predicted"]["total"]),
+            size(cap),
+            fits,
+        )
     return t

@@ -63,6 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from lab.kernels import triton_deprecation
 from lab.kernels.attention.common import MASK_VALUE, default_scale
 
 TPU_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -502,6 +503,8 @@ def decode_attention_gpu(
         GPU_HEAD_DIMS,
         "decode_attention_gpu",
     )
+    if not interpret:
+        triton_deprecation.explain()  # jax >= 0.11: one line instead of a warning per kernel
     B, H, K = q_BxHxK.shape
     G, S = k_BxGxSxK.shape[1:3]
     R = H // G

@@ -1,0 +1,157 @@
+"""`python -m lab.serve key=value ...`: serve the transformer and measure what a token costs.
+
+Loads a trained run's newest checkpoint (`run=NAME`, from out_dir) or random weights of a
+preset (`model=base`, the default: its weights are several times a CPU's last-level cache),
+then measures on this machine: prefill latency and tokens/s; decode ms/token and tokens/s over
+a batch sweep; the bytes a decode step must move (weights + KV cache), the bandwidth that
+achieves and its share of the measured copy bandwidth; the step's FLOPs per byte and the batch
+where it crosses the ridge; int8 weights and an int8 cache (error on the bundled text, bytes,
+speed). A trained byte-level model (data=text) also prints a generated sample. With
+`target=tpu:...` or `target=gpu:...` the decode step is compiled for that slice instead
+(weights + cache per device against HBM, float and int8): compiled, not run.
+
+Takes every key of lab.run (model, mesh, dtype, attention, ...). See lab/studies/serving.py.
+"""
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from lab import data
+from lab.config import cli, field, make_config
+from lab.errors import ConfigError
+from lab.measure import records as rec
+from lab.report import plots, progress, tables
+from lab.session import open_session
+from lab.studies import serving
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    run: str = field(
+        "", "a trained run's name under out_dir (its newest checkpoint); empty = random weights"
+    )
+    batches: tuple = field((1, 2, 4, 8, 16, 32, 64), "decode batch sizes", kind="ints", min=1)
+    prefill_batches: tuple = field((1, 4), "prefill batch sizes", kind="ints", min=1)
+    prompt_len: int = field(128, "prompt tokens per sequence", min=1)
+    decode_steps: int = field(
+        32, "decode steps timed at most per batch (the cache holds them)", min=1
+    )
+    context: int = field(
+        0, "cache slots per sequence; 0 = prompt_len + decode_steps + 3 warm-up steps", min=0
+    )
+    budget: float = field(1.0, "seconds of timed calls per point", min=0.01)
+    int8: bool = field(True, "also measure int8 weights + int8 KV cache (error, bytes, speed)")
+    sample: int = field(
+        200, "tokens of generated text for a trained byte-level model; 0 = none", min=0
+    )
+    prompt: str = field("", "the sample's prompt; empty = the start of the bundled text")
+    temperature: float = field(0.8, "sampling temperature of the sample (0 = greedy)", min=0.0)
+    plan_batch: int = field(8, "target= plans: sequences decoded together", min=1)
+    plan_context: int = field(4096, "target= plans: cache slots per sequence", min=1)
+    results: str = field("results", "folder for the records and the PNG", kind="path")
+    plot: bool = field(True, "write the decode PNG")
+    seed: int = field(0, "random weights and sampling", min=0)
+
+
+def _session(o: Options, keys: dict):
+    if o.run:
+        run_dir = Path(keys.get("out_dir", "runs")) / o.run
+        if not run_dir.is_dir():
+            raise ConfigError(
+                f"run={o.run}: no run folder {run_dir} (out_dir= says where runs are)"
+            )
+        cfg = serving.serving_config(make_config(), run_dir, keys)
+        return open_session(cfg), run_dir
+    keys = {"preset": "base", **keys}
+    return open_session(keys={**keys, "steps": 0}), None
+
+
+def _plan(o: Options, s, con) -> int:
+    rows = []
+    for int8 in (False, True) if o.int8 else (False,):
+        con.print(f"compiling the decode step for {s.cfg.target} ({'int8' if int8 else 'float'}) …")
+        rows.append(serving.plan_serving(s, batch=o.plan_batch, context=o.plan_context, int8=int8))
+    r = rows[0]
+    title = (
+        f"serving plan · {s.cfg.target} ({r['device_kind']} × {r['devices']}) · "
+        f"model={s.cfg.preset} params {s.cfg.model.param_dtype} · compiled, not run"
+    )
+    con.print(tables.serving_plans(rows, title))
+    config = {"preset": s.cfg.preset, "mesh": s.cfg.mesh, "target": s.cfg.target}
+    recs = serving.plan_records(rows, config)
+    stem = rec.output_stem(o.results, "serve-plan")
+    con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
+    return 0
+
+
+def run(o: Options, keys: dict) -> int:
+    s, run_dir = _session(o, keys)
+    con = progress.console()
+    con.print(
+        f"[bold]lab.serve[/bold] {s.info.header()} · model={s.cfg.preset} mesh={s.cfg.mesh} "
+        f"compute {s.cfg.model.dtype}, attention {s.cfg.model.attention}"
+    )
+    if s.cfg.target:
+        return _plan(o, s, con)
+    serving.check_batches(s, (*o.batches, *o.prefill_batches))  # before any weights are made
+    s, params, source = serving.load_params(s, run_dir, o.seed, warn=con.print)
+    con.print(f"  weights   {source}")
+    trained_text = run_dir is not None and s.cfg.data == "text" and s.cfg.model.vocab_size == 256
+    if o.sample and trained_text:
+        prompt = o.prompt or bytes(data.corpus_bytes()[:64]).decode("utf-8", "replace")
+        text = serving.sample_text(
+            s, params, prompt=prompt, tokens=o.sample, temperature=o.temperature, seed=o.seed
+        )
+        con.print(
+            f"[bold]sample[/bold] (temperature {o.temperature}):\n[dim]{prompt}[/dim]{text}\n"
+        )
+    study = serving.Plan(
+        o.batches,
+        o.prefill_batches,
+        o.prompt_len,
+        o.decode_steps,
+        o.budget,
+        o.int8,
+        o.seed,
+        context=o.context,
+    )
+    n = len(o.batches) + len(o.prefill_batches) + 1 + (3 if o.int8 else 0)
+    with progress.tasks(con) as bar:
+        task = bar.add_task("serving", total=n)
+
+        def tick(label):
+            bar.update(task, description=label[:28], advance=0 if label.startswith("roofs") else 1)
+
+        out = serving.measure(s, params, study, progress=tick)
+        bar.update(task, completed=n)
+    what = f"model={s.cfg.preset}, prompt {o.prompt_len}, {s.info.header()}"
+    con.print(tables.serving_prefill(out["prefill"], f"prefill · {what}"))
+    rows = out["decode"] + out["decode_int8"]
+    con.print(tables.serving_decode(rows, f"decode · {what}", ridge=out["roofs"].ridge))
+    if out["int8"]:
+        con.print(tables.serving_int8(out["int8"], out["summary"].get("int8_speedup", {})))
+    con.print(tables.serving_summary(out["summary"], out["roofs"]))
+    config = {
+        "preset": s.cfg.preset,
+        "mesh": s.cfg.mesh,
+        "dtype": s.cfg.model.dtype,
+        "weights": source,
+        "prompt_len": o.prompt_len,
+    }
+    recs = serving.to_records(out, config)
+    stem = rec.output_stem(o.results, "serve")
+    con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
+    if o.plot:
+        con.print(f"plot    → {plots.decode(recs, stem.with_suffix('.png'))}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli(Options, run, prog="python -m lab.serve", doc=__doc__, argv=argv, run_keys=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""lab.serve end to end on CPU (tiny shapes: the numbers only exercise the code; the
+benchmark is in BENCHMARKS.md): random weights and a trained run, the records and the PNG,
+the derived figures against their definitions, a plan compiled for H100 and a TPU slice, and
+bad input as one line with exit code 2."""
+
+import json
+
+import pytest
+
+from lab.run import main as train
+from lab.serve import main as serve
+
+FAST = [
+    "model=tiny",
+    "prompt_len=8",
+    "decode_steps=4",
+    "prefill_batches=1",
+    "budget=0.01",
+]
+
+
+def _records(folder):
+    (path,) = folder.glob("serve-*.jsonl")
+    return [json.loads(line) for line in path.open()]
+
+
+def test_random_weights_sweep_records_and_plot(tmp_path, capsys):
+    assert serve([*FAST, "batches=2", f"results={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "random weights" in out and "critical batch" in out and "int8" in out
+    recs = _records(tmp_path)
+    assert list(tmp_path.glob("serve-*.png"))
+    decode = [r for r in recs if r["config"].get("series") == "decode_batch"]
+    assert {(r["config"]["batch"], r["config"]["int8"]) for r in decode} == {(2, False), (2, True)}
+    for r in decode:
+        c = r["config"]
+        # the figures are what their definitions say, from the measured time
+        assert r["value"] == pytest.approx(c["batch"] / c["median_s"])
+        assert c["bytes"] == c["weight_bytes"] + c["cache_bytes"] > 0
+        assert c["intensity"] == pytest.approx(c["flops"] / c["bytes"])
+        assert c["runs"] <= 4  # never more steps than the cache holds
+    f32, i8 = (next(r for r in decode if r["config"]["int8"] == q) for q in (False, True))
+    # int8 weights: a quarter of the float32 bytes, plus one f32 scale per output channel
+    assert i8["config"]["weight_bytes"] < 0.4 * f32["config"]["weight_bytes"]
+    err = next(r for r in recs if "relative RMS" in r["what"])
+    assert 0 < err["value"] < 5e-2
+    crit = next(r for r in recs if r["config"].get("metric") == "decode_critical_batch")
+    assert crit["value"] is None or crit["value"] > 0
+
+
+def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
+    args = ["model=tiny", "batch_size=8", "seq_len=32", "data=text", f"out_dir={tmp_path}"]
+    assert train([*args, "name=t", "steps=4", "checkpoint_every=4"]) == 0
+    capsys.readouterr()
+    keys = [f"out_dir={tmp_path}", f"results={tmp_path}", "run=t", "sample=12", "int8=false"]
+    assert serve([*FAST[1:], "batches=1", "plot=false", *keys]) == 0
+    out = capsys.readouterr().out
+    assert "run t, step 4" in out and "sample" in out
+    # the same run asked for another shape: refused before anything loads
+    assert serve([*keys, "d_model=128"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds another model" in err and "d_model" in err
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["run=nowhere"], "no run folder"),
+        (["context=10"], "does not fit a cache of 10 slots"),
+        (["mesh=2", "batches=1,2"], "batches [1] do not split"),
+        (["batches=1,x"], "'x' is not an integer"),
+        (["bacthes=1"], "did you mean batches"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, capsys, args, words):
+    assert serve([*FAST, f"results={tmp_path}", f"out_dir={tmp_path}", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+
+
+def _plan_tools_missing(target: str) -> str | None:
+    if target.startswith("gpu"):
+        from lab.plans import gpu
+
+        if gpu._pjrt() is None or gpu.ptxas() is None:
+            return "the CUDA plugin or ptxas is missing: pip install -e '.[gpu-plan]'"
+        return None
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return "libtpu not installed: pip install -e '.[tpu]'"
+    return None
+
+
+@pytest.mark.parametrize("target, mesh", [("gpu:h100:1", "1"), ("tpu:v5e:2x2", "1x4")])
+def test_serving_plan_compiles_for_a_target(target, mesh, tmp_path, capsys):
+    """The decode step (float and int8 weights and cache) compiled for H100 and for a TPU
+    slice (kv heads over `model`): the compiler's memory per device beside the calculator's."""
+    missing = _plan_tools_missing(target)
+    if missing:
+        pytest.skip(missing)
+    args = ["model=small", "scan_layers=true", f"target={target}", f"mesh={mesh}"]
+    assert serve([*args, "plan_batch=8", "plan_context=512", f"results={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled, not run" in out and "int8" in out and "yes" in out
+    (path,) = tmp_path.glob("serve-plan-*.jsonl")
+    plans = {r["config"]["int8"]: r for r in map(json.loads, path.open())}
+    for r in plans.values():
+        c = r["config"]
+        assert r["label"] == "compiled, not run" and c["compiled_memory"]["argument_bytes"] > 0
+        # the calculator's weights + cache against what the compiled step takes as arguments
+        got = c["compiled_memory"]["argument_bytes"]
+        assert abs(c["predicted"]["total"] - got) / got < 0.15, (c["predicted"], got)
+    # int8 weights (f32 here) and cache (bf16): under half the bytes the step takes in (the
+    # total also holds temporaries: on TPU the int8 weights' conversion to bf16 shows there)
+    args = {q: r["config"]["compiled_memory"]["argument_bytes"] for q, r in plans.items()}
+    assert args[True] < 0.5 * args[False], args
+
+
+def test_calculator_kv_cache_bytes_are_the_cache_arrays():
+    """2 · layers · kv heads · head_dim · context · batch · bytes (+ int8's per-token scales)
+    equals the bytes of the cache lab.decode allocates, float and int8."""
+    from lab import decode
+    from lab.config import make_config
+    from lab.measure import memory
+
+    m = make_config(preset="small", n_kv_heads=2, scan_layers=True, dtype="bfloat16").model
+    for int8 in (False, True):
+        cache = decode.cache_shapes(m, batch=3, max_len=40, int8=int8)
+        predicted = memory.kv_cache_bytes(
+            n_layers=m.n_layers,
+            n_kv_heads=m.n_kv_heads,
+            head_dim=m.head_dim,
+            context=40,
+            batch=3,
+            bytes_per_value=1 if int8 else 2,
+            int8_scales=int8,
+        )
+        assert predicted == decode.cache_bytes(cache)
