@@ -6,11 +6,16 @@ is the measurement it is held against. C10: the same calculator, so validated, f
 7B and 70B shapes (Touvron et al. 2023), against an H100's memory from the spec table:
 predicted. C11: the step compiled with remat none / full / dots: memory and FLOPs from the
 compiler, step time measured. C12: the step over batch sizes: compiled memory and tokens/s.
+Issue 17's levers (`fitting`): the 70B plan with a pipeline and the optimizer state offloaded
+(C10, calculator), remat=offload (C11, calculator; compiled for an H100 with plans), the
+largest batch as accumulated microbatches of the smallest (C12).
 """
 
 import math
 
+from experiments import gpu_plans
 from experiments.common import (
+    STEP,
     STEP_BUDGET_S,
     compile_probe,
     describe,
@@ -20,6 +25,7 @@ from experiments.common import (
     train_probe,
 )
 from lab.config import Config, make_config, override
+from lab.errors import ConfigError
 from lab.measure import memory, specs
 
 CLAIMS = ("C09", "C10", "C11", "C12")
@@ -284,7 +290,161 @@ def _c12(cfg: Config, batches, budget_s: float) -> list[dict]:
     return recs
 
 
-def run(size: str = "quick") -> list[dict]:
+# --- issue 17: the pipeline, gradient accumulation and host offloading in C10-C12 ----------
+
+
+def _c10_fitting(log_err: float) -> list[dict]:
+    """70B on H100s with the levers of issue 17, by the calculator (predicted): the 80 layers
+    over 8 pipeline stages (one H100 each, 8 microbatches of one 2048-token sequence), then the
+    AdamW state in host memory, then pipeline × FSDP over 16 H100s; remat=full throughout."""
+    h100 = specs.SPECS["h100-sxm"]
+    inputs = {
+        "calculator_max_log_error_here": log_err,
+        "h100_memory_bytes": h100.memory_bytes,
+        "h100_memory_source": h100.source_of("memory_bytes"),
+    }
+    layouts = (
+        ("8 pipeline stages of 10 layers on 8 H100s", dict(stage=8, batch_size=8)),
+        ("8 pipeline stages × FSDP over 2 on 16 H100s", dict(stage=8, fsdp=2, batch_size=16)),
+    )
+    recs = []
+    for (where, kw), host in ((lo, h) for lo in layouts for h in (False, True)):
+        p = _predict(
+            LLAMA["70B"], PRIMARY, remat="full", microbatches=8, offload_optimizer=host, **kw
+        )
+        text = f"{where}, 8 microbatches" + (", AdamW state in host memory" if host else "")
+        recs.append(
+            record(
+                "C10",
+                None,
+                f"70B, {text}, remat=full: per-device memory "
+                f"({'fits' if p['total'] <= h100.memory_bytes else 'does not fit'} one H100)",
+                p["total"],
+                "B",
+                label="predicted",
+                role="context",
+                target="h100-sxm",
+                recipe=PRIMARY,
+                host_bytes=p["host"],
+                breakdown=p,
+                inputs=inputs,
+            )
+        )
+    return recs
+
+
+def _c11_offload(size: str, plans: bool) -> list[dict]:
+    """remat=offload beside remat=full for the shared step: the calculator's device
+    activations (the block inputs move to host memory); with `plans`, the step compiled for
+    one H100 (host memory is the device's own RAM on CPU: nothing to measure here)."""
+    p = compile_probe(step_config(size))  # the shared step, compiled already by C09
+    cfg, mesh = p["cfg"], p["trainer"].mesh
+    pred = {
+        r: memory.predict_lab_step(
+            override(cfg, remat=r), sizes=dict(mesh.shape), backend=mesh.devices.flat[0].platform
+        )
+        for r in ("full", "offload")
+    }
+    recs = [
+        record(
+            "C11",
+            None,
+            "calculator: device memory of the shared step, remat=offload over remat=full (the "
+            "block inputs in host memory instead)",
+            pred["offload"]["total"] / pred["full"]["total"],
+            "×",
+            label="predicted",
+            role="context",
+            step=describe(cfg),
+            host_bytes=pred["offload"]["host"],
+            predicted=pred,
+        )
+    ]
+    return recs + (_c11_offload_plan(size) if plans else [])
+
+
+def _c11_offload_plan(size: str) -> list[dict]:
+    keys = {**pick(size, **STEP), "scan_layers": True, "target": "gpu:h100:1", "mesh": "1"}
+    try:
+        full, off = (gpu_plans.plan({**keys, "remat": r}) for r in ("full", "offload"))
+    except ConfigError as e:  # no CUDA plugin or ptxas (the gpu-plan extra)
+        return [record("C11", None, f"H100 offload plan not compiled: {e}", None, "")]
+    mem_full, mem_off = full["compiled_memory_per_device"], off["compiled_memory_per_device"]
+    return [
+        record(
+            "C11",
+            None,
+            "compiled for one H100: device memory, remat=offload over remat=full (the block "
+            "inputs in host memory instead)",
+            mem_off["total_bytes"] / mem_full["total_bytes"],
+            "×",
+            label="compiled, not run",
+            role="context",
+            target=gpu_plans.SPEC_KEY,
+            host_temp_bytes=mem_off.get("host_temp_bytes"),
+            compiled={"full": mem_full, "offload": mem_off},
+            offload=off.get("offload"),
+        )
+    ]
+
+
+def _c12_accumulate(cfg: Config, batches, budget_s: float, timed: bool) -> list[dict]:
+    """The largest batch of the sweep run as K microbatches of the smallest (accumulate=K):
+    the big batch's update at the small batch's memory; its tokens/s where timed."""
+    b0, b1 = batches[0], batches[-1]
+    k = b1 // b0
+    big, acc, small = (
+        compile_probe(override(cfg, batch_size=b, accumulate=a))
+        for b, a in ((b1, 1), (b1, k), (b0, 1))
+    )
+    mem = lambda p: p["memory"]["total_bytes"]  # noqa: E731
+    recs = [
+        record(
+            "C12",
+            None,
+            f"compiled memory, batch {b1} as {k} accumulated microbatches of {b0} over batch "
+            f"{b1} in one",
+            mem(acc) / mem(big),
+            "×",
+            label="derived",
+            role="context",
+            series="accumulate",
+            over_batch_small=mem(acc) / mem(small),
+            step=describe(cfg),
+        )
+    ]
+    if timed:
+        rate = lambda b, a: train_probe(  # noqa: E731
+            override(cfg, batch_size=b, accumulate=a), budget_s=budget_s
+        )["tokens_per_s"]
+        recs.append(
+            record(
+                "C12",
+                None,
+                f"tokens/s, batch {b1} as {k} accumulated microbatches of {b0} over batch {b1} "
+                "in one (measured)",
+                rate(b1, k) / rate(b1, 1),
+                "×",
+                label="derived",
+                role="context",
+                step=describe(cfg),
+            )
+        )
+    return recs
+
+
+def fitting(size: str, sweep: Config, batches, budget_s: float, log_err: float, plans: bool):
+    """Issue 17's records: the 70B plan with a pipeline and offloading (C10), remat=offload
+    (C11), gradient accumulation (C12)."""
+    return (
+        _c10_fitting(log_err)
+        + _c11_offload(size, plans)
+        + _c12_accumulate(sweep, batches, budget_s, timed=size != "tiny")
+    )
+
+
+def run(size: str = "quick", *, plans: bool = False) -> list[dict]:
+    """`plans`: also the 7B and 70B steps compiled for H100s (experiments/gpu_plans.py)."""
     sweep = make_config(
         **pick(
             size,
@@ -300,4 +460,6 @@ def run(size: str = "quick") -> list[dict]:
     budget = STEP_BUDGET_S[size]
     remats = pick(size, tiny=("none", "full"), quick=REMATS, full=REMATS)
     recs, log_err = _c09_c11(step_config(size), budget, remats, timed=size != "tiny")
-    return recs + _c10(log_err) + _c12(sweep, batches, budget)
+    compiled = gpu_plans.c10(LLAMA) if plans else []
+    recs += _c10(log_err) + compiled + _c12(sweep, batches, budget)
+    return recs + fitting(size, sweep, batches, budget, log_err, plans)

@@ -2,7 +2,8 @@
 
 C14: the same step compiled on the same mesh under pure data parallelism, FSDP and tensor
 parallelism; the compiler's per-device memory for each (on CPU the devices are simulated, but
-the buffer assignment is the real one for that mesh). C13: the data-parallel step's gradient
+the buffer assignment is the real one for that mesh); (quick, full) the same with its layers
+pipelined over 2 stages, and all four timed. C13: the data-parallel step's gradient
 all-reduce is read from the compiled program (lab.parallel.collectives_hlo: bus bytes per
 device), its compute from the step's compiled FLOPs; scaled to N devices with the ring
 all-reduce rule and timed at a GPU's link speeds, the step becomes communication-bound at some
@@ -16,6 +17,7 @@ import dataclasses
 
 import jax
 
+from experiments import gpu_plans
 from experiments.common import (
     STEP_BUDGET_S,
     accel_peak,
@@ -25,8 +27,10 @@ from experiments.common import (
     record,
     spec_inputs,
     step_config,
+    train_probe,
 )
-from lab.parallel import collectives_hlo
+from experiments.memory import LLAMA
+from lab.parallel import collectives_hlo, pipeline_hlo
 
 CLAIMS = ("C13", "C14")
 
@@ -255,10 +259,82 @@ def measured_scaling(size: str) -> list[dict]:
     return recs
 
 
-def run(size: str = "quick") -> list[dict]:
+# --- issue 17: the pipeline beside dp, fsdp and tp on the same devices ---------------------
+
+
+def _pp_config(size: str, n: int):
+    """The shared step pipelined over 2 stages (its layers split in two), the rest of the
+    devices data parallel, 4 microbatches; the batch of `_config`."""
+    batch = pick(size, tiny=8, quick=32, full=64)
+    mesh = f"data:{n // 2},stage:2"
+    return step_config(size, batch_size=max(batch, n), strategy="pp", mesh=mesh, microbatches=4)
+
+
+def _c14_pipeline(size: str, n: int) -> list[dict]:
+    """C14 with the pipeline: its per-device memory beside pure data parallelism's (compiled),
+    and the step time of dp, fsdp, tp and pp on the same n devices (measured; on CPU the
+    devices are simulated slices of one host, so the times rank the programs' work, not links)."""
+    pp = compile_probe(_pp_config(size, n))
+    dp = compile_probe(_config(size, n, "dp"))
+    trainer = pp["trainer"]
+    reading = pipeline_hlo.from_trainer(
+        collectives_hlo.from_compiled(pp["compiled"], trainer.mesh), trainer
+    )
+    recs = [
+        record(
+            "C14",
+            None,
+            f"compiled memory per device, pp over {n} devices (2 stages)",
+            pp["memory"]["total_bytes"],
+            "B",
+            role="context",
+            series="strategy_memory",
+            strategy="pp",
+            devices=n,
+            mesh=trainer.cfg.mesh,
+            compiled=pp["memory"],
+            predicted_total=pp["predicted"]["total"],
+            pipeline=reading.as_dict(),
+        ),
+        record(
+            "C14",
+            None,
+            f"per-device memory, pipeline (2 stages) over pure data parallelism, {n} devices",
+            pp["memory"]["total_bytes"] / dp["memory"]["total_bytes"],
+            "×",
+            label="derived",
+            role="context",
+            devices=n,
+        ),
+    ]
+    budget = STEP_BUDGET_S[size]
+    for strategy in (*STRATEGIES, "pp"):
+        cfg = _pp_config(size, n) if strategy == "pp" else _config(size, n, strategy)
+        t = train_probe(cfg, budget_s=budget)
+        recs.append(
+            record(
+                "C14",
+                None,
+                f"step time, {strategy} over {n} devices (measured)",
+                t["step"]["median_s"],
+                "s",
+                role="context",
+                series="strategy_step_time",
+                strategy=strategy,
+                devices=n,
+                step=t["step"],
+                memory_bytes=t["memory"]["total_bytes"],
+            )
+        )
+    return recs
+
+
+def run(size: str = "quick", *, plans: bool = False) -> list[dict]:
+    """`plans`: also the 70B step compiled for 8 and 16 H100s (experiments/gpu_plans.py)."""
+    compiled = gpu_plans.c14(LLAMA) if plans else []
     n = len(jax.devices())
     if n < 2:
-        return [
+        return compiled + [
             record(
                 "C14", None, "devices present: one, nothing to shard", n, "devices", role="context"
             ),
@@ -268,5 +344,6 @@ def run(size: str = "quick") -> list[dict]:
         ]
     n = n if n % 2 == 0 else n - 1
     recs, dp = _c14(size, n)
+    recs += [] if size == "tiny" else _c14_pipeline(size, n)  # tiny: the test suite's, fast
     measured = [] if size == "tiny" else measured_scaling(size)
-    return recs + _c13(size, dp, n) + measured
+    return recs + compiled + _c13(size, dp, n) + measured

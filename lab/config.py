@@ -19,8 +19,8 @@ import typing
 from pathlib import PurePath
 
 from lab.errors import ConfigError, RunError
-from lab.mesh import MeshSpecError, parse_mesh_spec
-from lab.names import ATTENTION_IMPLS, DTYPES, REMATS, STRATEGIES
+from lab.mesh import MeshSpecError, parse_mesh_spec, strategy_mesh
+from lab.names import ATTENTION_IMPLS, DTYPES, PIPELINE_STRATEGIES, REMATS, STRATEGIES
 
 # ------------------------------------------------------------------------ fields and values
 
@@ -191,9 +191,26 @@ class ModelConfig:
         choices=("auto", *ATTENTION_IMPLS),
     )
     remat: str = field(
-        "none", "rematerialise each block: none | full | dots (save matmuls)", choices=REMATS
+        "none",
+        "rematerialise each block: none | full | dots (save matmuls) | offload (as full, each "
+        "block's input kept in host memory: GPU/TPU)",
+        choices=REMATS,
     )
-    scan_layers: bool = field(False, "stack the blocks with nn.scan (one compiled body)")
+    scan_layers: bool = field(
+        False, "stack the blocks with nn.scan (one compiled body); pipelines need it"
+    )
+    microbatches: int = field(
+        0,
+        "M: the pipeline's microbatches, passed stage to stage over the mesh's stage axis "
+        "(strategy=pp*); bubble (P-1)/(R·M+P-1) for P stages; 0 = one per stage",
+        min=0,
+    )
+    pipeline_repeats: int = field(
+        1,
+        "R: 1 = GPipe; R > 1 = circular, each stage holds R chunks of layers and a microbatch "
+        "goes round the stages R times (needs microbatches >= stages)",
+        min=1,
+    )
 
     @property
     def head_dim(self) -> int:
@@ -221,6 +238,28 @@ PRESETS: dict[str, dict] = {
         d_ff=5632,
         tie_embeddings=False,
     ),
+    # Llama-2 shapes (Touvron et al. 2023, table 1 and the released configs), for plans of
+    # hardware that is not here (target=...): training and serving memory, compiled, not run.
+    "llama2-7b": dict(
+        vocab_size=32000,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        d_ff=11008,
+        tie_embeddings=False,
+        scan_layers=True,
+    ),
+    "llama2-70b": dict(
+        vocab_size=32000,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        d_ff=28672,
+        tie_embeddings=False,
+        scan_layers=True,
+    ),
 }
 
 
@@ -235,16 +274,26 @@ class Config:
     mesh: str = field(
         "1",
         "device mesh: 4x2 (data x model), 2x2x2 (data x fsdp x model), "
-        "data:2,fsdp:2,model:2; -1 fills the rest",
+        "data:2,fsdp:2,model:2, data:2,stage:4 (pipeline stages); -1 fills the rest",
         kind="mesh",
     )
     strategy: str = field(
         "auto",
-        "sharding rules: dp | fsdp | tp | fsdp+tp | cp (sequence over model); auto from the mesh",
+        "sharding rules: dp | fsdp | tp | fsdp+tp | cp (sequence over model) | pp | pp+fsdp | "
+        "pp+tp (layers over stage; scan_layers on); auto from the mesh",
         choices=("auto", *STRATEGIES),
     )
     cpu_devices: int = field(0, "simulated CPU devices; 0 = as many as the mesh needs", min=0)
     batch_size: int = field(16, "global batch (sequences per step)", min=1)
+    accumulate: int = field(
+        1,
+        "K: gradient accumulation, the batch run as K microbatches of batch_size/K whose "
+        "gradients are summed before one update (activation peak / K)",
+        min=1,
+    )
+    offload_optimizer: bool = field(
+        False, "keep the AdamW state in host memory (pinned_host), moved in for the update"
+    )
     seq_len: int = field(128, "tokens per sequence", min=2)
     steps: int = field(150, "training steps", min=0)
     lr: float = field(3e-3, "peak learning rate (AdamW)", min=0.0)
@@ -336,6 +385,7 @@ def override(cfg: Config, **fields) -> Config:
         model = ModelConfig(**PRESETS[run_kw["preset"]])
     model = dataclasses.replace(model, **model_kw)
     cfg = dataclasses.replace(cfg, model=model, **run_kw)
+    cfg = dataclasses.replace(cfg, mesh=strategy_mesh(cfg.mesh, cfg.strategy))
     validate(cfg)
     return cfg
 
@@ -383,6 +433,12 @@ def validate(cfg: Config) -> None:
             "attention=ring passes keys/values around the sequence axis: add strategy=cp "
             "(the sequence split over the mesh's model axis, e.g. mesh=2x4)"
         )
+    if cfg.batch_size % cfg.accumulate:
+        raise ConfigError(
+            f"accumulate={cfg.accumulate} must divide batch_size={cfg.batch_size} "
+            "(K microbatches of batch_size/K sequences)"
+        )
+    _validate_pipeline(cfg)
     if cfg.process_id >= cfg.num_processes:
         raise ConfigError(
             f"process_id={cfg.process_id} must be < num_processes={cfg.num_processes}"
@@ -394,6 +450,23 @@ def validate(cfg: Config) -> None:
             f"target={cfg.target!r}: expected tpu:GEN:TOPOLOGY or gpu:KIND[:N] (see --help)"
         )
     check_name(cfg.name)
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """The pipeline's keys against each other and the batch; the stage count is the mesh's
+    and is checked with it (lab/train.py)."""
+    m, pipelined = cfg.model, cfg.strategy in PIPELINE_STRATEGIES
+    if m.microbatches and cfg.strategy not in ("auto", *PIPELINE_STRATEGIES):
+        raise ConfigError(
+            f"microbatches={m.microbatches} feeds a pipeline: it needs strategy=pp, pp+fsdp or "
+            "pp+tp and a stage axis (e.g. mesh=data:2,stage:4)"
+        )
+    if m.pipeline_repeats > 1 and not (m.microbatches or pipelined):
+        raise ConfigError("pipeline_repeats > 1 is the circular pipeline: it needs strategy=pp")
+    rows = cfg.batch_size // cfg.accumulate
+    if m.microbatches and rows % m.microbatches:
+        per = f"batch_size/accumulate={rows}" if cfg.accumulate > 1 else f"batch_size={rows}"
+        raise ConfigError(f"microbatches={m.microbatches} must divide {per}")
 
 
 def _key_lines(fields: dict, rename: dict | None = None) -> list[str]:

@@ -178,7 +178,15 @@ def _analyse(cfg, info, trainer, console):
     compile_s). A plan's compile also reads every GPU kernel's resources (lab/plans)."""
     t0 = time.perf_counter()
     if info.aot:
-        compiled, kernels = plans.compile_plan(trainer.lower, list(trainer.mesh.devices.flat))
+        try:
+            compiled, kernels = plans.compile_plan(trainer.lower, list(trainer.mesh.devices.flat))
+        except RuntimeError as e:  # XLA:TPU refuses a step its HBM cannot hold
+            refused = plans.refusal(e)
+            if refused is None:
+                raise
+            raise RunError(
+                f"target={cfg.target}: {summary.refused_advice(trainer, refused)}"
+            ) from None
     else:
         compiled, kernels = trainer.lower().compile(), []
     compile_s = time.perf_counter() - t0
@@ -188,6 +196,8 @@ def _analyse(cfg, info, trainer, console):
         ex = explain.explain(trainer, compiled)
         console.print(tables.explain_memory(ex))
         console.print(tables.explain_collectives(ex))
+        if ex.pipeline:
+            console.print(tables.explain_pipeline(ex.pipeline.as_dict()))
     analysis = summary.analyse(compiled, cfg, info, trainer, kernels)
     problem = summary.memory_problem(analysis, info)
     if problem:

@@ -1,9 +1,9 @@
 """The device mesh and the logical→mesh rules that place weights and activations on it.
 
-One physical mesh always has the axes (data, fsdp, model); axes the user did not name have
-size 1, so every rule table can name every axis. Weights and activations carry *logical*
-names (batch, seq, embed, heads, kv, mlp, vocab); one short table per strategy says which
-mesh axes each logical name is split over.
+One physical mesh always has the axes (data, stage, fsdp, model); axes the user did not name
+have size 1, so every rule table can name every axis. Weights and activations carry *logical*
+names (batch, seq, embed, heads, kv, mlp, vocab, layers); one short table per strategy says
+which mesh axes each logical name is split over.
 """
 
 import math
@@ -11,7 +11,20 @@ import math
 import numpy as np
 
 from lab.errors import ConfigError
-from lab.names import BATCH, DATA, EMBED, FSDP, HEADS, MESH_AXES, MLP, MODEL, SEQ, VOCAB
+from lab.names import (
+    BATCH,
+    DATA,
+    EMBED,
+    FSDP,
+    HEADS,
+    LAYERS,
+    MESH_AXES,
+    MLP,
+    MODEL,
+    SEQ,
+    STAGE,
+    VOCAB,
+)
 
 AXES = MESH_AXES
 POSITIONAL = {1: (DATA,), 2: (DATA, MODEL), 3: (DATA, FSDP, MODEL)}
@@ -34,7 +47,62 @@ RULES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     ),
     # Context parallel: the sequence split over `model` (attention=ring passes K/V around it).
     "cp": ((BATCH, (DATA, FSDP)), (SEQ, (MODEL,))),
+    # Pipeline parallel (lab/kernels/pipeline.py): the stacked layers split over `stage`, each
+    # stage a contiguous block of them. Outside the pipeline (embedding, head, loss) the batch
+    # is split over the stages too, and the embedding and head tables along the vocabulary
+    # (gathered per use); inside a stage `stage` and `data` are manual (lab/model.py).
+    "pp": ((BATCH, (STAGE, DATA, FSDP, MODEL)), (LAYERS, (STAGE,)), (VOCAB, (STAGE,))),
+    # Pipeline + ZeRO-3 inside each stage: the stage's weights split along embed over fsdp.
+    "pp+fsdp": (
+        (BATCH, (STAGE, DATA, FSDP)),
+        (LAYERS, (STAGE,)),
+        (EMBED, (FSDP,)),
+        (VOCAB, (STAGE,)),
+    ),
+    # Pipeline + tensor parallel (Megatron) inside each stage.
+    "pp+tp": (
+        (BATCH, (STAGE, DATA, FSDP)),
+        (LAYERS, (STAGE,)),
+        (HEADS, (MODEL,)),
+        (MLP, (MODEL,)),
+        (VOCAB, (MODEL,)),
+    ),
 }
+
+
+# The mesh axes each strategy exists for: on a mesh where all of them have size 1 the strategy
+# splits nothing (strategy=fsdp on mesh=data:8 is data parallelism), which train.resolve refuses.
+STRATEGY_AXES = {
+    "fsdp": (FSDP, MODEL),
+    "tp": (MODEL,),
+    "fsdp+tp": (FSDP, MODEL),
+    "cp": (MODEL,),
+    "pp": (STAGE,),
+    "pp+fsdp": (STAGE,),
+    "pp+tp": (STAGE,),
+}
+
+
+def strategy_mesh(spec: str, strategy: str) -> str:
+    """A bare device count follows an explicit strategy's axis: mesh=8 strategy=fsdp is
+    fsdp:8 (not data:8, on which fsdp would split nothing), tp and cp model:8, pp stage:8.
+    Any other spec is the user's word and is kept."""
+    text = str(spec).strip()
+    axes = STRATEGY_AXES.get(strategy)
+    if not axes or ":" in text or "x" in text.lower() or strategy == "fsdp+tp":
+        return spec
+    return f"{axes[0]}:{text}"
+
+
+def check_strategy_axes(strategy: str, sizes: dict[str, int], spec: str) -> None:
+    """One line when an explicit strategy's axes all have size 1 on a mesh of several
+    devices: it would silently run as data parallelism."""
+    axes = STRATEGY_AXES.get(strategy, ())
+    if axes and math.prod(sizes.values()) > 1 and all(sizes.get(a, 1) == 1 for a in axes):
+        raise MeshSpecError(
+            f"strategy={strategy} splits over the {' or '.join(axes)} axis, which mesh={spec} "
+            f"does not have: name it (e.g. mesh={axes[0]}:{math.prod(sizes.values())})"
+        )
 
 
 class MeshSpecError(ConfigError):
@@ -77,7 +145,8 @@ def known_size(spec: str) -> int:
 
 
 def resolve_shape(spec: str, n_devices: int) -> dict[str, int]:
-    """Full (data, fsdp, model) sizes for `n_devices`, -1 filled; errors name the numbers."""
+    """Full (data, stage, fsdp, model) sizes for `n_devices`, -1 filled; errors name the
+    numbers."""
     sizes = {a: 1 for a in AXES} | parse_mesh_spec(spec)
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if -1 in sizes.values():
@@ -94,7 +163,7 @@ def resolve_shape(spec: str, n_devices: int) -> dict[str, int]:
 
 
 def make_mesh(spec: str, devices=None):
-    """A jax Mesh with axes (data, fsdp, model) over `devices` (default: all devices)."""
+    """A jax Mesh with axes (data, stage, fsdp, model) over `devices` (default: all devices)."""
     import jax
 
     devices = jax.devices() if devices is None else devices
@@ -115,6 +184,8 @@ def make_mesh(spec: str, devices=None):
 def auto_strategy(sizes: dict[str, int]) -> str:
     """Pick the rules that use every axis the user asked for."""
     fsdp, model = sizes.get(FSDP, 1) > 1, sizes.get(MODEL, 1) > 1
+    if sizes.get(STAGE, 1) > 1:
+        return "pp+tp" if model else ("pp+fsdp" if fsdp else "pp")
     return {(True, True): "fsdp+tp", (False, True): "tp", (True, False): "fsdp"}.get(
         (fsdp, model), "dp"
     )

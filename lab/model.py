@@ -19,11 +19,25 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.ad_checkpoint import checkpoint_name
 
 from lab import quant
 from lab.config import ModelConfig
+from lab.kernels import pipeline
 from lab.kernels.attention import attention, decode_attention
-from lab.names import BATCH, EMBED, HEAD_DIM, HEADS, LAYERS, MLP, NORM, SEQ, VOCAB
+from lab.names import (
+    BATCH,
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    HOST_MEMORY,
+    LAYERS,
+    MLP,
+    NORM,
+    SEQ,
+    STAGE,
+    VOCAB,
+)
 
 QKV = (BATCH, SEQ, HEADS, HEAD_DIM)  # q, k, v and the attention output
 CACHE = (BATCH, HEADS, None, HEAD_DIM)  # a cache [B, G, S, K]: its slots are never split
@@ -50,9 +64,18 @@ class KVCache:
     lengths: jax.Array
 
 
+BLOCK_INPUT = "block_input"  # checkpoint name of each block's input (the residual stream)
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+    # as full, but each block's input is kept in host memory instead of device memory: copied
+    # out after the forward, back in for the block's backward (MaxText's offload policies)
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[BLOCK_INPUT],
+        offload_src="device",
+        offload_dst=HOST_MEMORY,
+    ),
 }
 
 
@@ -128,6 +151,8 @@ def decode_impl(attention_impl: str) -> str:
     backend's decode kernel), auto stays auto, every other is the plain-JAX reference."""
     if attention_impl in ("auto", "pallas", "pallas_tpu", "pallas_gpu"):
         return attention_impl
+    if attention_impl == "pallas_mgpu":  # no Mosaic GPU decode kernel: the GPU's Triton one
+        return "pallas_gpu"
     return "reference"
 
 
@@ -203,6 +228,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD, kv=None, lengths_B=None):
         c = self.cfg
+        x_BxLxD = checkpoint_name(x_BxLxD, BLOCK_INPUT)
         h_BxLxD = RMSNorm(param_dtype=c.param_dtype)(x_BxLxD)
         out = Attention(c, name="attn")(h_BxLxD, kv, lengths_B)
         y_BxLxD, kv = out if kv is not None else (out, None)
@@ -249,7 +275,12 @@ class Transformer(nn.Module):
                 metadata_params={nn.PARTITION_NAME: LAYERS},
             )
             kv = None if cache is None else cache.layers
-            x_BxLxD, layers = stack(c, name="blocks")(x_BxLxD, kv, lengths_B)
+            blocks = stack(c, name="blocks")
+            if cache is None and _pipelined(c) and not self.is_initializing():
+                x_BxLxD = _pipelined_blocks(c, self.variables["params"]["blocks"], x_BxLxD)
+                layers = None
+            else:
+                x_BxLxD, layers = blocks(x_BxLxD, kv, lengths_B)
         else:
             layers = []
             for i in range(c.n_layers):
@@ -276,6 +307,61 @@ class Transformer(nn.Module):
             )
         logits_BxLxV = _constrain(logits_BxLxV, (BATCH, SEQ, VOCAB))
         return logits_BxLxV if cache is None else (logits_BxLxV, cache.replace(layers=layers))
+
+
+def _pipelined(c: ModelConfig) -> bool:
+    """Whether the blocks run as a pipeline: microbatches asked for, a stage axis to use."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return bool(c.microbatches) and not mesh.empty and mesh.shape.get(STAGE, 1) > 1
+
+
+def _names(axes) -> tuple:
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+def _without(rules, axes) -> tuple:
+    """The logical rules with some mesh axes taken out (they are manual inside a shard_map)."""
+    return tuple((name, tuple(a for a in _names(m) if a not in axes) or None) for name, m in rules)
+
+
+def _pipelined_blocks(c: ModelConfig, stacked_params, x_BxLxD):
+    """The scanned blocks run as a pipeline over the context mesh's `stage` axis
+    (lab/kernels/pipeline.py).
+
+    The parameters are nn.scan's own (leading axis n_layers, logical name `layers`, which the
+    pp rules put on `stage`), so a pipelined and an unpipelined model share parameters and
+    checkpoints. Each stage scans `Block(cfg).apply` over its layers with the model's remat
+    policy per layer. The mesh axes the batch is split over and no weight is (`data`) are
+    manual inside the pipeline with `stage`; fsdp and model stay automatic, and the block's
+    own sharding constraints apply under the rules without the manual axes.
+    """
+    rules = nn.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = tuple(a for a in _names(dict(rules).get(BATCH)) if a != STAGE)
+    weights = {a for name, m in rules if name not in (BATCH, SEQ) for a in _names(m)}
+    manual = tuple(a for a in batch if a not in weights and mesh.shape.get(a, 1) > 1)
+    inner = _without(rules, (STAGE, *manual))
+
+    def layer(p, x_BxLxD):
+        with nn.logical_axis_rules(inner):
+            return Block(c).apply({"params": p}, x_BxLxD)[0]
+
+    remat = c.remat != "none"
+    stage_fn = pipeline.scan_layers(layer, remat=remat, remat_policy=REMAT_POLICIES.get(c.remat))
+    io = "stage" if STAGE in _names(dict(rules).get(BATCH)) else "replicated"
+    return pipeline.pipeline_apply(
+        stage_fn,
+        stacked_params,
+        x_BxLxD,
+        microbatches=c.microbatches,
+        repeats=c.pipeline_repeats,
+        batch_axes=manual,
+        batch_layout=tuple(a for a in batch if mesh.shape.get(a, 1) > 1),
+        io=io if c.microbatches % mesh.shape[STAGE] == 0 else "replicated",
+        # the blockwise loop and the Pallas kernels carry no varying-axes types (they are
+        # written for shard_map(check_vma=False)): JAX's type check for naive attention only
+        check_vma=c.attention == "naive",
+    )
 
 
 def count_params(params) -> int:

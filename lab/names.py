@@ -19,12 +19,14 @@ VOCAB = "vocab"  # V
 LAYERS = "layers"  # the stacked blocks of scan_layers=true
 NORM = "norm"  # RMSNorm scales (tiny: replicated)
 
-# Mesh axes: one physical mesh always has all of them (size 1 where unused).
-DATA, FSDP, MODEL = "data", "fsdp", "model"
-MESH_AXES = (DATA, FSDP, MODEL)
+# Mesh axes: one physical mesh always has all of them (size 1 where unused). `stage` holds
+# pipeline stages (lab/kernels/pipeline.py): neighbours exchange one microbatch per tick.
+DATA, STAGE, FSDP, MODEL = "data", "stage", "fsdp", "model"
+MESH_AXES = (DATA, STAGE, FSDP, MODEL)
 
 # Sharding strategies (lab/mesh.py has their rule tables); auto picks from the mesh.
-STRATEGIES = ("dp", "fsdp", "tp", "fsdp+tp", "cp")
+STRATEGIES = ("dp", "fsdp", "tp", "fsdp+tp", "cp", "pp", "pp+fsdp", "pp+tp")
+PIPELINE_STRATEGIES = ("pp", "pp+fsdp", "pp+tp")
 
 # Attention implementations (lab/kernels/attention dispatches on these names). auto picks the
 # best one for the backend.
@@ -34,13 +36,18 @@ ATTENTION_IMPLS = (
     "pallas",
     "pallas_tpu",
     "pallas_gpu",
+    "pallas_mgpu",
     "xla",
     "cudnn",
     "ring",
 )
 
-# Remat (activation checkpointing) policies of a block (lab/model.py).
-REMATS = ("none", "full", "dots")
+# Remat (activation checkpointing) policies of a block (lab/model.py); offload is full remat
+# with each block's input kept in host memory instead of device memory.
+REMATS = ("none", "full", "dots", "offload")
+
+# Memory kind of host memory a device can address (JAX memory kinds: device, pinned_host).
+HOST_MEMORY = "pinned_host"
 
 # Storage and compute dtypes a user may name, with their aliases.
 DTYPES = {

@@ -50,6 +50,18 @@ def _check_data(cfg: Config) -> None:
         )
 
 
+def _check_offload(cfg: Config, info: DeviceInfo) -> None:
+    """Offloading to host memory on CPU: the CPU's host memory kinds are its device memory."""
+    asked = ["offload_optimizer=true"] if cfg.offload_optimizer else []
+    asked += ["remat=offload"] if cfg.model.remat == "offload" else []
+    if asked and info.backend == "cpu":
+        raise ConfigError(
+            f"{' and '.join(asked)}: the cpu backend has no separate host memory (its "
+            "pinned_host memory kind is the same RAM as its device memory), so nothing would "
+            "move; plan it for an accelerator with target=tpu:v5e:2x4 or target=gpu:h100:1"
+        )
+
+
 def open_session(cfg: Config | None = None, *, keys: dict | None = None) -> Session:
     """A session for `cfg`, or for the user's typed `keys` (lab.config.parse_keys): then the
     keys left out take the defaults of the backend found (a GPU run is bigger than a CPU one)."""
@@ -60,6 +72,7 @@ def open_session(cfg: Config | None = None, *, keys: dict | None = None) -> Sess
         cfg = make_config(backend=info.backend, **keys)
     if cfg.target:
         cfg = override(cfg, compile_only=True)  # a plan: nothing can run
+    _check_offload(cfg, info)
     devices.check_mesh_fits(cfg.mesh, info)
     trainer = make_trainer(cfg, make_mesh(cfg.mesh, target_devices))
     _check_data(trainer.cfg)

@@ -5,6 +5,7 @@ derived from measured figures plus a spec-table entry whose source is recorded; 
 is against the matmul peak measured on this machine, and says so.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -20,6 +21,8 @@ from lab.errors import ConfigError
 from lab.measure import ceilings, cost, memory, specs
 from lab.measure import records as rec
 from lab.model import count_nonembedding_params, count_params
+from lab.names import HOST_MEMORY
+from lab.parallel import collectives_hlo, pipeline_hlo
 from lab.plans import resources
 
 GIB = 2**30
@@ -43,7 +46,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         "flops_convention": convention,
         "compiled_memory_per_device": memory.compiled_memory(compiled),
         "predicted_memory_per_device": memory.predict_lab_step(
-            trainer.cfg,
+            _as_compiled(trainer),
             sizes=dict(trainer.mesh.shape),
             backend=trainer.mesh.devices.flat[0].platform,  # the target's, for AOT plans
         ),
@@ -53,7 +56,14 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         "devices": trainer.mesh.size,  # the mesh's, which may be fewer than are present
         "devices_present": info.count,
         "simulated": info.simulated,
+        "notes": list(trainer.notes),
     }
+    if trainer.schedule is not None:
+        colls = collectives_hlo.from_compiled(compiled, trainer.mesh)
+        out["pipeline"] = pipeline_hlo.from_trainer(colls, trainer).as_dict()
+    offload = offload_cost(out["compiled_memory_per_device"], info)
+    if offload:
+        out["offload"] = offload
     if info.aot:
         out["aot"] = _aot_plan(compiled, cfg, info, fpt, trainer.mesh.size)
         out["aot"]["kernels"] = resources.as_dicts(kernels)
@@ -98,6 +108,79 @@ def fit_advice(trainer, analysis: dict) -> str:
         if predicted <= cap:
             return f"{short}; {text} would fit ({predicted / GIB:.1f} GiB, predicted)"
     return f"{short}; more devices (a larger target) with strategy=fsdp"
+
+
+def refused_advice(trainer, refusal: str) -> str:
+    """A step the target's compiler would not compile for lack of memory: that, and the
+    smallest single change the calculator predicts would fit (labelled predicted)."""
+    cfg = trainer.cfg
+    sizes = dict(trainer.mesh.shape)
+    device = trainer.mesh.devices.flat[0]
+    backend = device.platform
+    cap = memory.device_capacity_bytes(device) or getattr(
+        specs.lookup(device.device_kind), "memory_bytes", None
+    )
+    short = f"does NOT fit: the compiler refused the step ({refusal})"
+    for text, change in _changes(cfg, sizes) if cap else ():
+        try:
+            changed = override(cfg, **change)
+        except ConfigError:
+            continue
+        predicted = memory.predict_lab_step(changed, sizes=sizes, backend=backend)["total"]
+        if predicted <= cap:
+            return f"{short}; {text} would fit ({predicted / GIB:.1f} GiB, predicted)"
+    return f"{short}; more devices (a larger target) with strategy=fsdp"
+
+
+def _as_compiled(trainer) -> Config:
+    """The config the compiled program really is: an optimizer state the devices could not
+    put in host memory (a GPU plan's abstract devices list no memory kinds) stayed on them."""
+    cfg = trainer.cfg
+    kinds = {s.memory_kind for s in jax.tree.leaves(trainer.state_shardings.opt_state)}
+    if cfg.offload_optimizer and HOST_MEMORY not in kinds:
+        return dataclasses.replace(cfg, offload_optimizer=False)
+    return cfg
+
+
+def host_link(info: DeviceInfo) -> tuple[float | None, float | None, str]:
+    """(host→device, device→host) bytes/s and where they come from: measured here on a real
+    accelerator (lab.measure.ceilings), the spec table's host link for a plan (half of its
+    both-directions figure each way), None where neither exists."""
+    if not info.aot:
+        h2d = ceilings.host_to_device(budget_s=0.5)["bytes_per_s"]
+        d2h = ceilings.device_to_host(budget_s=0.5)["bytes_per_s"]
+        return h2d, d2h, f"measured here ({info.device_kind}, lab.measure.ceilings)"
+    spec = specs.lookup(info.device_kind)
+    if spec is None or spec.host_bandwidth is None:
+        return None, None, f"no host-link figure for {info.device_kind} in the spec table"
+    each = spec.host_bandwidth / 2
+    return (
+        each,
+        each,
+        f"spec table: {spec.name} host link, half of {spec.source_of('host_bandwidth')}",
+    )
+
+
+def offload_cost(mem: dict | None, info: DeviceInfo) -> dict | None:
+    """What offloading moves per step and what it would cost at the host link's bandwidth:
+    offloaded activations out in the forward and back in the backward (2 × host temp), the
+    optimizer state in (host arguments) and out (host outputs). No overlap with compute is
+    assumed, so the time is what the step would grow by at most: predicted."""
+    if not mem or not (mem.get("host_temp_bytes") or mem.get("host_argument_bytes")):
+        return None
+    to_device = mem["host_temp_bytes"] + mem["host_argument_bytes"]
+    to_host = mem["host_temp_bytes"] + mem["host_output_bytes"]
+    h2d, d2h, source = host_link(info)
+    seconds = to_device / h2d + to_host / d2h if h2d and d2h else None
+    return {
+        "bytes_to_device": to_device,
+        "bytes_to_host": to_host,
+        "host_to_device_bytes_per_s": h2d,
+        "device_to_host_bytes_per_s": d2h,
+        "bandwidth_source": source,
+        "added_step_s": seconds,
+        "label": "predicted",
+    }
 
 
 def capacity_bytes(info: DeviceInfo) -> float | None:

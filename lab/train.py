@@ -3,6 +3,13 @@
 The state is first built abstractly (`jax.eval_shape`), its logical axis names turned into
 mesh shardings, and only then materialised by a jitted init whose `out_shardings` put every
 parameter and optimizer slot straight onto its devices: no host copy of the full model.
+
+Fitting bigger models: `accumulate=K` runs the batch as K microbatches in a `lax.scan` and sums
+their gradients before the one update (the same update as the whole batch, one microbatch's
+activations live at a time); `offload_optimizer=true` keeps the AdamW state in host memory
+(its shardings' memory kind), brought to the device for the update and sent back by the
+step's `out_shardings`; a pipeline (strategy=pp*) is the model's business (lab/model.py), its
+schedule is kept here for the analysis (`Trainer.schedule`).
 """
 
 import dataclasses
@@ -20,9 +27,10 @@ from jax.sharding import PartitionSpec as P
 from lab.config import Config, resolve_dtype, validate
 from lab.errors import ConfigError
 from lab.kernels.attention import choose
-from lab.mesh import auto_strategy, check_divisible, rules_for
+from lab.kernels.pipeline import Schedule
+from lab.mesh import auto_strategy, axis_size, check_divisible, check_strategy_axes, rules_for
 from lab.model import build
-from lab.names import BATCH
+from lab.names import BATCH, HOST_MEMORY, PIPELINE_STRATEGIES, STAGE
 
 
 class TrainState(struct.PyTreeNode):
@@ -61,17 +69,71 @@ def cross_entropy(logits_BxLxV, targets_BxL) -> jax.Array:
     return jnp.mean(losses_BxL)
 
 
-def train_step(state: TrainState, tokens_BxL1, *, model, tx, loss_scale: float):
-    """One optimizer step on a batch of seq_len+1 tokens; returns (new state, metrics)."""
+def split_microbatches(batch_BxX, k: int):
+    """[B, ...] → [K, B/K, ...], microbatch k = rows {i·K + k}: a device's contiguous block of
+    rows splits into whole groups of K, so every device keeps its own rows (no data moves)."""
 
-    def loss_fn(params):
+    def one(a):
+        if a.shape[0] % k:
+            raise ValueError(f"{a.shape=}: batch {a.shape[0]} does not divide into {k=}")
+        return jnp.swapaxes(a.reshape((a.shape[0] // k, k) + a.shape[1:]), 0, 1)
+
+    return jax.tree.map(one, batch_BxX)
+
+
+def accumulated_grad(loss_fn, params, batch_BxX, k: int, *, constrain=None):
+    """(grads, aux) of `loss_fn(params, batch) -> (loss, aux)` averaged over K equal
+    microbatches, run one after another in a `lax.scan` (one microbatch's activations live at
+    a time), summed in float32; k=1 is plain `jax.grad`. With a mean loss this is the whole
+    batch's gradient. `constrain(microbatch)` pins each microbatch's sharding."""
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+    if k == 1:
+        return grad_fn(params, batch_BxX)
+
+    def body(total, micro):
+        g, aux = grad_fn(params, micro if constrain is None else constrain(micro))
+        return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, g), aux
+
+    f32 = lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32))  # noqa: E731
+    total, aux_K = jax.lax.scan(body, jax.tree.map(f32, params), split_microbatches(batch_BxX, k))
+    grads = jax.tree.map(lambda t, p: (t / k).astype(p.dtype), total, params)
+    return grads, jax.tree.map(lambda a: jnp.mean(a, axis=0), aux_K)
+
+
+def train_step(
+    state: TrainState,
+    tokens_BxL1,
+    *,
+    model,
+    tx,
+    loss_scale: float,
+    accumulate: int = 1,
+    batch_sharding=None,
+    opt_device_shardings=None,
+):
+    """One optimizer step on a batch of seq_len+1 tokens; returns (new state, metrics).
+
+    accumulate=K: the gradient summed over K microbatches of B/K rows (each kept on its
+    devices by `batch_sharding`) before the one update. opt_device_shardings: the optimizer
+    state lives in host memory and is brought to these device shardings for the update.
+    """
+
+    def loss_fn(params, tokens_BxL1):
         logits_BxLxV = model.apply({"params": params}, tokens_BxL1[:, :-1])
         loss = cross_entropy(logits_BxLxV, tokens_BxL1[:, 1:])
         return loss * loss_scale, loss
 
-    grads, loss = jax.grad(loss_fn, has_aux=True)(state.params)
+    constrain = None
+    if batch_sharding is not None:
+        constrain = lambda t: jax.lax.with_sharding_constraint(t, batch_sharding)  # noqa: E731
+    grads, loss = accumulated_grad(
+        loss_fn, state.params, tokens_BxL1, accumulate, constrain=constrain
+    )
     grads = jax.tree.map(lambda g: g / loss_scale, grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    opt_state = state.opt_state
+    if opt_device_shardings is not None:
+        opt_state = jax.device_put(opt_state, opt_device_shardings)
+    updates, opt_state = tx.update(grads, opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # param_norm: a finite gradient times a huge learning rate can overflow the weights; the
     # loop stops before such a state is saved (lab/loop.py)
@@ -100,6 +162,8 @@ class Trainer:
     abstract_state: Any  # ShapeDtypeStructs of the unboxed state, with shardings
     init_jit: Any  # key → TrainState, sharded
     step_jit: Any  # (TrainState, tokens_BxL1) → (TrainState, metrics), state donated
+    schedule: Schedule | None = None  # the pipeline's, under strategy=pp*
+    notes: tuple[str, ...] = ()  # what the backend did not do that the config asked for
 
     def batch_shape(self) -> jax.ShapeDtypeStruct:
         shape = (self.cfg.batch_size, self.cfg.seq_len + 1)
@@ -153,6 +217,7 @@ def resolve(cfg: Config, mesh) -> Config:
     model = resolve_dtype(cfg.model, backend)
     data = cfg.data if cfg.data != "auto" else ("text" if model.vocab_size == 256 else "synthetic")
     strategy = cfg.strategy if cfg.strategy != "auto" else auto_strategy(dict(mesh.shape))
+    check_strategy_axes(strategy, dict(mesh.shape), cfg.mesh)
     if model.attention != "ring":
         dtype = jnp.dtype(model.dtype)
         q = jax.ShapeDtypeStruct((1, cfg.seq_len, model.n_heads, model.head_dim), dtype)
@@ -163,9 +228,57 @@ def resolve(cfg: Config, mesh) -> Config:
         except ValueError as e:
             raise ConfigError(f"attention={model.attention}: {e}") from None
         model = dataclasses.replace(model, attention=impl)
+    model = _resolve_pipeline(model, strategy, dict(mesh.shape))
+    _check_pipeline_offload(model, strategy, dict(mesh.shape), backend)
     cfg = dataclasses.replace(cfg, model=model, data=data, strategy=strategy)
     validate(cfg)
     return cfg
+
+
+def _check_pipeline_offload(model, strategy: str, sizes: dict[str, int], backend: str) -> None:
+    """XLA:GPU (jax 0.10 and 0.12) fails to compile host-offloaded residuals stacked by two
+    nested loops (a stage's layers inside the pipeline's ticks) with an internal layout error;
+    one layer per stage, and TPU, compile."""
+    stages = sizes.get(STAGE, 1)
+    if (
+        backend == "gpu"
+        and model.remat == "offload"
+        and strategy in PIPELINE_STRATEGIES
+        and stages > 1
+        and model.n_layers > stages * model.pipeline_repeats
+    ):
+        raise ConfigError(
+            f"remat=offload in a pipeline stage of {model.n_layers // stages} layers does not "
+            "compile for GPU (XLA:GPU's layout assignment fails on host-offloaded residuals of "
+            "nested loops): use remat=full, or one layer per stage"
+        )
+
+
+def _resolve_pipeline(model, strategy: str, sizes: dict[str, int]):
+    """A pipeline's model: stacked layers (scan_layers on), one microbatch per stage unless
+    the user chose; the stages must split the layers (× repeats) evenly."""
+    stages = sizes.get(STAGE, 1)
+    if strategy not in PIPELINE_STRATEGIES:
+        if stages > 1:
+            raise ConfigError(
+                f"the mesh has stage={stages} but strategy={strategy} does not use it: "
+                "use strategy=pp, pp+fsdp or pp+tp (or strategy=auto)"
+            )
+        return model
+    model = dataclasses.replace(model, scan_layers=True, microbatches=model.microbatches or stages)
+    R = model.pipeline_repeats
+    if model.n_layers % (stages * R):
+        repeats = f" x pipeline_repeats={R}" if R > 1 else ""
+        raise ConfigError(
+            f"n_layers={model.n_layers} does not divide into stage={stages} stages{repeats}: "
+            "choose n_layers or the mesh's stage size so that each stage holds whole layers"
+        )
+    if R > 1 and model.microbatches < stages:
+        raise ConfigError(
+            f"pipeline_repeats={R} (circular) needs microbatches >= stage={stages}, got "
+            f"microbatches={model.microbatches}"
+        )
+    return model
 
 
 def make_trainer(cfg: Config, mesh) -> Trainer:
@@ -187,11 +300,21 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
         (batch_axes, None),
         mesh,
     )
+    _check_microbatches(cfg, batch_axes, mesh)
     batch_sh = NamedSharding(mesh, P(batch_axes, None))
     replicated = NamedSharding(mesh, P())
+    state_sh, opt_device_sh, notes = _offload_optimizer(cfg, state_sh, mesh)
     unboxed_init = lambda key: nn.meta.unbox(init_fn(key))
     init = jax.jit(_with_rules(unboxed_init, rules), out_shardings=state_sh)
-    step_fn = functools.partial(train_step, model=model, tx=tx, loss_scale=loss_scale_of(cfg))
+    step_fn = functools.partial(
+        train_step,
+        model=model,
+        tx=tx,
+        loss_scale=loss_scale_of(cfg),
+        accumulate=cfg.accumulate,
+        batch_sharding=batch_sh if cfg.accumulate > 1 else None,
+        opt_device_shardings=opt_device_sh,
+    )
     step = jax.jit(
         _with_rules(step_fn, rules),
         in_shardings=(state_sh, batch_sh),
@@ -203,7 +326,73 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
         nn.meta.unbox(abstract_boxed),
         state_sh,
     )
-    return Trainer(cfg, mesh, rules, state_sh, batch_sh, abstract, init_jit=init, step_jit=step)
+    schedule = None
+    if cfg.strategy in PIPELINE_STRATEGIES and mesh.shape[STAGE] > 1:
+        schedule = Schedule(mesh.shape[STAGE], cfg.model.microbatches, cfg.model.pipeline_repeats)
+    return Trainer(
+        cfg,
+        mesh,
+        rules,
+        state_sh,
+        batch_sh,
+        abstract,
+        init_jit=init,
+        step_jit=step,
+        schedule=schedule,
+        notes=notes,
+    )
+
+
+def _check_microbatches(cfg: Config, batch_axes, mesh) -> None:
+    """Each accumulation microbatch, and each pipeline microbatch inside it, still splits over
+    the devices the batch is split over (the stage axis aside: the pipeline passes microbatches
+    along it)."""
+    rows = cfg.batch_size // cfg.accumulate
+    if cfg.accumulate > 1:
+        check_divisible(
+            f"microbatch (batch_size/accumulate={rows} x seq_len+1)",
+            (rows, cfg.seq_len + 1),
+            (batch_axes, None),
+            mesh,
+        )
+    M = cfg.model.microbatches
+    if cfg.strategy in PIPELINE_STRATEGIES and M:
+        inner = tuple(a for a in (batch_axes or ()) if a != STAGE)
+        if (rows // M) % axis_size(mesh, inner):
+            raise ConfigError(
+                f"pipeline microbatches: {rows} rows / microbatches={M} = {rows // M} rows do "
+                f"not split over mesh axes {inner} (size {axis_size(mesh, inner)}); choose a "
+                "batch_size, microbatches or mesh that divide"
+            )
+
+
+def host_memory_kinds(mesh) -> bool:
+    """Whether the mesh's devices can address host memory (a `pinned_host` memory kind)."""
+    try:
+        memories = mesh.devices.flat[0].addressable_memories()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return False
+    return HOST_MEMORY in {m.kind for m in memories}
+
+
+def _offload_optimizer(cfg: Config, state_sh, mesh) -> tuple:
+    """(state shardings, the optimizer state's device shardings or None, notes): with
+    offload_optimizer the optimizer state's shardings move to host memory."""
+    if not cfg.offload_optimizer:
+        return state_sh, None, ()
+    if not host_memory_kinds(mesh):
+        kind = mesh.devices.flat[0].device_kind
+        return (
+            state_sh,
+            None,
+            (
+                f"offload_optimizer: the {kind} devices here list no host memory kind (a GPU "
+                "plan's abstract devices list none), so the optimizer state stays in device "
+                "memory in this program",
+            ),
+        )
+    host = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), state_sh.opt_state)
+    return state_sh.replace(opt_state=host), state_sh.opt_state, ()
 
 
 def compile_step(cfg: Config, mesh):

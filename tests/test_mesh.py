@@ -3,6 +3,8 @@
 import jax
 import pytest
 
+from lab.config import parse_args
+from lab.errors import ConfigError
 from lab.mesh import (
     RULES,
     MeshSpecError,
@@ -17,13 +19,14 @@ from lab.mesh import (
 @pytest.mark.parametrize(
     "spec, want",
     [
-        ("8", {"data": 8, "fsdp": 1, "model": 1}),
-        ("4x2", {"data": 4, "fsdp": 1, "model": 2}),
-        ("2x2x2", {"data": 2, "fsdp": 2, "model": 2}),
-        ("data:2,fsdp:2,model:2", {"data": 2, "fsdp": 2, "model": 2}),
-        ("model:2,data:-1", {"data": 4, "fsdp": 1, "model": 2}),
-        ("-1", {"data": 8, "fsdp": 1, "model": 1}),
-        ("4", {"data": 4, "fsdp": 1, "model": 1}),
+        ("8", {"data": 8, "stage": 1, "fsdp": 1, "model": 1}),
+        ("4x2", {"data": 4, "stage": 1, "fsdp": 1, "model": 2}),
+        ("2x2x2", {"data": 2, "stage": 1, "fsdp": 2, "model": 2}),
+        ("data:2,fsdp:2,model:2", {"data": 2, "stage": 1, "fsdp": 2, "model": 2}),
+        ("model:2,data:-1", {"data": 4, "stage": 1, "fsdp": 1, "model": 2}),
+        ("-1", {"data": 8, "stage": 1, "fsdp": 1, "model": 1}),
+        ("4", {"data": 4, "stage": 1, "fsdp": 1, "model": 1}),
+        ("data:2,stage:4", {"data": 2, "stage": 4, "fsdp": 1, "model": 1}),
     ],
 )
 def test_resolve_shape(spec, want):
@@ -38,8 +41,8 @@ def test_bad_specs(spec):
 
 def test_make_mesh_axes_and_size():
     mesh = make_mesh("4x2")
-    assert mesh.axis_names == ("data", "fsdp", "model")
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "model": 2}
+    assert mesh.axis_names == ("data", "stage", "fsdp", "model")
+    assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 1, "model": 2}
     assert mesh.devices.size == 8
     assert len(make_mesh("2").devices.flatten()) == 2  # a divisor of the devices is allowed
     assert parse_mesh_spec("4x2") == {"data": 4, "model": 2}
@@ -50,13 +53,16 @@ def test_auto_strategy():
     assert auto_strategy({"data": 4, "fsdp": 1, "model": 2}) == "tp"
     assert auto_strategy({"data": 1, "fsdp": 8, "model": 1}) == "fsdp"
     assert auto_strategy({"data": 2, "fsdp": 2, "model": 2}) == "fsdp+tp"
+    assert auto_strategy({"data": 2, "stage": 4, "fsdp": 1, "model": 1}) == "pp"
+    assert auto_strategy({"stage": 2, "fsdp": 2, "model": 1}) == "pp+fsdp"
+    assert auto_strategy({"stage": 2, "fsdp": 2, "model": 2}) == "pp+tp"
 
 
 def test_rule_tables_are_short_and_use_mesh_axes():
     for name, rules in RULES.items():
         assert 1 <= len(rules) <= 6, name
         for _, axes in rules:
-            assert set(axes) <= {"data", "fsdp", "model"}
+            assert set(axes) <= {"data", "stage", "fsdp", "model"}
 
 
 def test_check_divisible_names_tensor_and_axis():
@@ -65,3 +71,30 @@ def test_check_divisible_names_tensor_and_axis():
     with pytest.raises(MeshSpecError, match=r"wq: dimension 1 \(size 3\).*\('model',\) \(size 2\)"):
         check_divisible("wq", (8, 3), (None, ("model",)), mesh)
     assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize(
+    "strategy, want",
+    [("fsdp", "fsdp:8"), ("tp", "model:8"), ("cp", "model:8"), ("pp", "stage:8"), ("dp", "8")],
+)
+def test_a_bare_device_count_follows_the_strategys_axis(strategy, want):
+    # mesh=8 strategy=fsdp used to be data:8, on which fsdp split nothing
+    assert parse_args(["mesh=8", f"strategy={strategy}"]).mesh == want
+    assert parse_args(["mesh=4x2", f"strategy={strategy}"]).mesh == "4x2"  # the user's word
+
+
+def test_fsdp_on_a_mesh_without_its_axis_is_refused():
+    from lab.train import make_trainer
+
+    cfg = parse_args(["mesh=data:8", "strategy=fsdp", "model=tiny"])
+    with pytest.raises(ConfigError, match="strategy=fsdp splits over the fsdp or model axis"):
+        make_trainer(cfg, make_mesh(cfg.mesh))
+
+
+def test_fsdp_on_a_bare_count_shards_the_weights():
+    from lab.train import make_trainer
+
+    cfg = parse_args(["mesh=8", "strategy=fsdp", "model=tiny"])
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    specs = [s.spec for s in jax.tree.leaves(trainer.state_shardings.params)]
+    assert any("fsdp" in str(spec) for spec in specs)

@@ -17,13 +17,17 @@ import jax
 
 # --- measured ----------------------------------------------------------------------------
 
+HOST_FIELDS = ("argument", "output", "alias", "temp")  # memory_analysis() host_*_size_in_bytes
+
 
 def compiled_memory(compiled) -> dict | None:
     """Bytes one device needs for a compiled program, from `compiled.memory_analysis()`.
 
     total_bytes = arguments + outputs − aliased + temporaries: outputs that reuse a donated
     argument's buffer (`alias`) are not allocated twice. Generated code is reported apart
-    (on CPU it lives in host memory, on GPU it is a few MB at most). None when the backend
+    (on CPU it lives in host memory, on GPU it is a few MB at most). What the program keeps in
+    host memory (memory kind pinned_host: offloaded activations and optimizer state) is in the
+    host_* fields, where the backend reports them, not in total_bytes. None when the backend
     has no memory analysis.
     """
     try:
@@ -42,6 +46,10 @@ def compiled_memory(compiled) -> dict | None:
     out["total_bytes"] = (
         out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
     )
+    if hasattr(m, "host_temp_size_in_bytes"):
+        host = {f: int(getattr(m, f"host_{f}_size_in_bytes")) for f in HOST_FIELDS}
+        out.update({f"host_{f}_bytes": v for f, v in host.items()})
+        out["host_total_bytes"] = host["argument"] + host["output"] - host["alias"] + host["temp"]
     return out
 
 
@@ -96,7 +104,7 @@ def device_capacity_bytes(device) -> int | None:
 # --- predicted ---------------------------------------------------------------------------
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "lion": 1, "momentum": 1, "sgd": 0}
-REMATS = ("none", "full", "dots")  # lab.names.REMATS
+REMATS = ("none", "full", "dots", "offload")  # lab.names.REMATS
 F32 = 4
 ATTENTION_KINDS = ("naive", "flash", "blockwise")
 
@@ -166,6 +174,11 @@ def predict_training_memory(
     data: int = 1,
     fsdp: int = 1,
     model: int = 1,
+    stage: int = 1,
+    microbatches: int = 1,
+    pipeline_repeats: int = 1,
+    accumulate: int = 1,
+    offload_optimizer: bool = False,
 ) -> dict:
     """Bytes per device of one training step of a decoder-only transformer, by component.
 
@@ -174,18 +187,29 @@ def predict_training_memory(
     dtypes in bytes (`param_bytes`; `grad_bytes` defaults to it, as jax.grad returns the
     parameters' dtype; Adam moments default to it too, as optax keeps them; `master_bytes`=4
     adds an fp32 master copy for the mixed-precision recipe that stores bf16 weights),
-    `compute_bytes` for activations, `remat` in none | full | dots, `attention` naive | flash
-    (fused kernel) | blockwise (flash in plain JAX, `attention_tile`-sized tiles in device
-    memory), a mesh of `data` × `fsdp` × `model`.
+    `compute_bytes` for activations, `remat` in none | full | dots | offload, `attention`
+    naive | flash (fused kernel) | blockwise (flash in plain JAX, `attention_tile`-sized tiles
+    in device memory), a mesh of `data` × `stage` × `fsdp` × `model`; a pipeline of
+    `microbatches` (and `pipeline_repeats`) over `stage`; `accumulate` = K microbatches per
+    update; `offload_optimizer` keeps the optimizer state in host memory.
 
-    Formulas (all per device, P = fsdp·model, T = batch_size·seq_len / (data·fsdp) tokens):
-      params     = n_params·param_bytes / P          (ZeRO-3 / tensor parallel split weights)
+    Formulas (all per device, P = stage·fsdp·model, T = batch_size·seq_len / (data·stage·fsdp·K)
+    tokens of one accumulation microbatch):
+      params     = n_params·param_bytes / P          (ZeRO-3 / tensor parallel / pipeline
+                                                      split weights)
       grads      = n_params·grad_bytes / P
       optimizer  = n_params·(states·opt_state_bytes + master_bytes) / P, states: adam 2, sgd 0
+                   (in host memory with offload_optimizer: `host`, not in the total)
       activations= T·n_layers·A_layer                    remat=none
                  = T·(n_layers·c·D + A_layer)            remat=full (block inputs, then one
                                                          block recomputed during its backward)
                  = T·(n_layers·A_dots + A_layer)         remat=dots
+                 = T·A_layer                             remat=offload (block inputs in host
+                                                         memory: T·n_layers·c·D in `host`)
+                   With a pipeline of S = stage stages, M microbatches, R repeats, a stage
+                   keeps the residuals of its n_layers/S layers for a microbatch of T·S/M
+                   tokens at every tick, bubble ticks included: n_layers → n_layers·ticks/M,
+                   ticks = R·M + S - 1, and the one recomputed block sees T·S/M tokens.
       workspace  = T·transient (one block's attention backward)
                  + 2·T·vocab_size·4 / model (float32 logits and the softmax the loss gradient
                    needs)
@@ -194,7 +218,9 @@ def predict_training_memory(
                    summed)
                  + under fsdp > 1, the all-gathered weights in compute dtype: every layer's
                    with remat=none (kept from the forward for the backward), else two layers'
-      total      = params + grads + optimizer + activations + workspace
+                 + with K > 1, the float32 gradient accumulator, n_params·4 / P
+      total      = params + grads + optimizer + activations + workspace (device memory)
+      host       = what offloading keeps in host memory instead
     A_layer, A_dots and transient are per-token bytes of one block, itemised in
     `_layer_activation_bytes`. What is left out: the int32 batch, XLA's fusion scratch and
     layout copies, allocator fragmentation — the compiled figure is usually a few % higher.
@@ -209,8 +235,8 @@ def predict_training_memory(
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     grad_bytes = param_bytes if grad_bytes is None else grad_bytes
     opt_state_bytes = param_bytes if opt_state_bytes is None else opt_state_bytes
-    c, shards, batch_shards = compute_bytes, fsdp * model, data * fsdp
-    tokens = batch_size * seq_len / batch_shards
+    c, shards, batch_shards = compute_bytes, fsdp * model * stage, data * fsdp * stage
+    tokens = batch_size * seq_len / batch_shards / accumulate
 
     d_kv = n_kv_heads * (d_model // n_heads)
     a_layer, a_dots, transient = _layer_activation_bytes(
@@ -224,27 +250,36 @@ def predict_training_memory(
         attention=attention,
         tile=attention_tile,
     )
+    ticks = pipeline_repeats * microbatches + stage - 1 if stage > 1 else 1
+    resident = n_layers * ticks / microbatches if stage > 1 else n_layers
+    tick = stage / microbatches if stage > 1 else 1  # a microbatch's tokens over T
     per_token = {
-        "none": n_layers * a_layer,
-        "full": n_layers * c * d_model + a_layer,
-        "dots": n_layers * a_dots + a_layer,
+        "none": resident * a_layer,
+        "full": resident * c * d_model + tick * a_layer,
+        "dots": resident * a_dots + tick * a_layer,
+        "offload": tick * a_layer,
     }[remat]
+    host = tokens * resident * c * d_model if remat == "offload" else 0.0
     gathered = 0.0
     if fsdp > 1:
         layers_kept = n_layers if remat == "none" else min(2, n_layers)
         gathered = n_params * c / model * layers_kept / n_layers
     if tie_embeddings:
         gathered += vocab_size * d_model * grad_bytes / shards
+    if accumulate > 1:
+        gathered += n_params * F32 / shards
     states = OPTIMIZER_STATES[optimizer]
+    optimizer_bytes = n_params * (states * opt_state_bytes + master_bytes) / shards
     out = {
         "params": n_params * param_bytes / shards,
         "grads": n_params * grad_bytes / shards,
-        "optimizer": n_params * (states * opt_state_bytes + master_bytes) / shards,
+        "optimizer": 0.0 if offload_optimizer else optimizer_bytes,
         "activations": tokens * per_token,
-        "workspace": tokens * (transient + 2 * vocab_size * F32 / model) + gathered,
+        "workspace": tokens * (tick * transient + 2 * vocab_size * F32 / model) + gathered,
     }
     out["total"] = sum(out.values())
-    out["devices"] = data * fsdp * model
+    out["host"] = host + (optimizer_bytes if offload_optimizer else 0.0)
+    out["devices"] = data * fsdp * model * stage
     out["tokens_per_device"] = tokens
     return out
 
@@ -259,18 +294,23 @@ def lab_param_count(model_cfg) -> int:
 
 
 def lab_axes(strategy: str, sizes: dict[str, int]) -> dict[str, int]:
-    """The calculator's data/fsdp/model split for the lab's rule tables (lab/mesh.py).
+    """The calculator's data/fsdp/model (and stage) split for the lab's rule tables
+    (lab/mesh.py).
 
     dp and fsdp put the batch over every mesh axis; tp splits heads over `model` only and
-    leaves `fsdp` as more data parallelism; fsdp+tp uses the three axes as named.
+    leaves `fsdp` as more data parallelism; fsdp+tp uses the three axes as named; the
+    pipelines split the layers over `stage` and, inside a stage, are dp, fsdp or tp.
     """
-    a, b, m = (sizes.get(k, 1) for k in ("data", "fsdp", "model"))
+    a, s, b, m = (sizes.get(k, 1) for k in ("data", "stage", "fsdp", "model"))
     return {
         "dp": dict(data=a * b * m, fsdp=1, model=1),
         "fsdp": dict(data=a, fsdp=b * m, model=1),
         "tp": dict(data=a * b, fsdp=1, model=m),
         "fsdp+tp": dict(data=a, fsdp=b, model=m),
         "cp": dict(data=a * b * m, fsdp=1, model=1),  # tokens split over every axis
+        "pp": dict(data=a * b * m, fsdp=1, model=1, stage=s),
+        "pp+fsdp": dict(data=a, fsdp=b, model=1, stage=s),
+        "pp+tp": dict(data=a * b, fsdp=1, model=m, stage=s),
     }[strategy]
 
 
@@ -290,7 +330,8 @@ def predict_lab_step(cfg, *, sizes=None, backend: str | None = None) -> dict:
     """`predict_training_memory` for the lab's own step of a run config (lab.config.Config:
     batch_size, seq_len, strategy and the model, compute dtype resolved, not "auto"): AdamW,
     dtypes and remat from the model, the attention kind its `attention=` runs on `backend`
-    (default: JAX's; pass the target's for ahead-of-time plans), the mesh `sizes`."""
+    (default: JAX's; pass the target's for ahead-of-time plans), the mesh `sizes`, the
+    pipeline, gradient accumulation and offloading the config asks for."""
     m = cfg.model
     kind = lab_attention_kind(m.attention, backend or jax.default_backend())
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -310,5 +351,68 @@ def predict_lab_step(cfg, *, sizes=None, backend: str | None = None) -> dict:
         remat=m.remat,
         tie_embeddings=m.tie_embeddings,
         attention=kind,
+        microbatches=max(m.microbatches, 1),
+        pipeline_repeats=m.pipeline_repeats,
+        accumulate=cfg.accumulate,
+        offload_optimizer=cfg.offload_optimizer,
         **lab_axes(cfg.strategy, sizes or {}),
     )
+
+
+# ------------------------------------------------------------------------------- serving
+
+
+def kv_cache_bytes(
+    *,
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    context: int,
+    batch: int,
+    bytes_per_value: float = 2,
+    int8_scales: bool = False,
+) -> float:
+    """Keys and values of every layer for `batch` sequences of `context` tokens:
+    2 · layers · kv heads · head_dim · context · batch · bytes. An int8 cache (lab/quant.py)
+    adds one float32 scale per (layer, k or v, kv head, token, sequence)."""
+    values = 2 * n_layers * n_kv_heads * head_dim * context * batch
+    scales = 2 * n_layers * n_kv_heads * context * batch * F32 if int8_scales else 0
+    return values * bytes_per_value + scales
+
+
+def predict_serving_memory(
+    model_cfg,
+    *,
+    batch: int,
+    context: int,
+    weight_bytes: float = 2,
+    cache_bytes: float = 2,
+    devices: int = 1,
+    offload_fraction: float = 0.0,
+) -> dict:
+    """Bytes per device to serve `model_cfg` (a lab.config.ModelConfig or anything with its
+    field names): the weights (`weight_bytes` per parameter: 2 for bf16, 1 for int8, 0.5 for
+    int4; int8/int4 add one float32 scale per output channel, ignored here: < 0.1 %), the KV
+    cache at `batch` × `context` (`cache_bytes` per value; 1 = int8 with its per-token
+    scales), both split evenly over `devices` (tensor parallel: heads and MLP columns), and
+    `offload_fraction` of the weights held in host memory instead (streamed in per step).
+    Activations of one decode step are a few vectors per sequence: not counted."""
+    m = model_cfg
+    weights = lab_param_count(m) * weight_bytes
+    cache = kv_cache_bytes(
+        n_layers=m.n_layers,
+        n_kv_heads=m.n_kv_heads,
+        head_dim=m.d_model // m.n_heads,
+        context=context,
+        batch=batch,
+        bytes_per_value=cache_bytes,
+        int8_scales=cache_bytes == 1,
+    )
+    host = weights * offload_fraction
+    out = {
+        "weights": (weights - host) / devices,
+        "kv_cache": cache / devices,
+        "host_weights": host / devices,
+    }
+    out["total"] = out["weights"] + out["kv_cache"]
+    return out

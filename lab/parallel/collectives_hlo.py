@@ -12,7 +12,9 @@ nccl-tests "bus bytes" convention (what a bandwidth-optimal ring moves per devic
     all-to-all       V·(W-1)/W       V = the buffer
     collective-permute  V            every device sends its whole buffer once
 
-Ops inside a while loop with a known trip count (nn.scan over layers) count once per trip.
+Ops inside a while loop with a known trip count (nn.scan over layers, a pipeline's ticks) count
+once per trip: the count is the loop's `known_trip_count` where the compiler keeps it (CPU,
+GPU), else read from its condition `i < constant(N)` (XLA:TPU drops the backend config).
 """
 
 import dataclasses
@@ -36,6 +38,8 @@ _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _WHILE_RE = re.compile(r"body=%?(?P<body>[\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(?P<n>\d+)\"")
 _CALL_RE = re.compile(r"(?:calls|body|branch_computations)=\{?%?(?P<callee>[\w.\-]+)")
 _OPNAME_RE = re.compile(r'op_name="(?P<op>[^"]*)"')
+_COND_RE = re.compile(r"condition=%?(?P<cond>[\w.\-]+),\s*body=%?(?P<body>[\w.\-]+)")
+_CONST_RE = re.compile(r"\s*%?(?P<name>[\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((?P<n>\d+)\)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,9 +162,31 @@ def axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, .
     return tuple(n for n in names if n in varying)
 
 
+def _condition_trip_counts(lines: list[str]) -> dict[str, int]:
+    """Trip counts of loop conditions whose root is `compare(i, constant(N)), direction=LT`."""
+    out, comp, consts = {}, None, {}
+    for line in lines:
+        m = _COMP_RE.match(line)
+        if m and not line.startswith(" "):
+            comp, consts = m.group("name"), {}
+            continue
+        if comp is None:
+            continue
+        c = _CONST_RE.match(line)
+        if c:
+            consts[c.group("name")] = int(c.group("n"))
+        if "ROOT" in line and "compare(" in line and "direction=LT" in line:
+            args = re.search(r"compare\(([^)]*)\)", line).group(1)
+            names = [a.strip().split(" ")[-1].lstrip("%") for a in args.split(",")]
+            if len(names) == 2 and names[1] in consts:
+                out[comp] = consts[names[1]]
+    return out
+
+
 def _computation_counts(lines: list[str]) -> dict[str, int]:
     """How many times each computation runs per step: loop bodies run their trip count."""
     comp, calls, counts = None, defaultdict(list), {}
+    by_condition = _condition_trip_counts(lines)
     for line in lines:
         m = _COMP_RE.match(line)
         if m and not line.startswith(" "):
@@ -171,6 +197,11 @@ def _computation_counts(lines: list[str]) -> dict[str, int]:
         w = _WHILE_RE.search(line)
         if w:
             calls[comp].append((w.group("body"), int(w.group("n"))))
+        elif " while(" in line:
+            cb = _COND_RE.search(line)
+            if cb and cb.group("cond") in by_condition:
+                w = cb
+                calls[comp].append((w.group("body"), by_condition[w.group("cond")]))
         for c in _CALL_RE.finditer(line):
             if not (w and c.group("callee") == w.group("body")):
                 calls[comp].append((c.group("callee"), 1))
@@ -191,6 +222,8 @@ def _computation_counts(lines: list[str]) -> dict[str, int]:
 def _buffer_bytes(kind: str, start: bool, sizes: list[int], W: int) -> int:
     """V for the bus-bytes formula, from the sizes in the op's result type."""
     if start and kind in ("all-gather", "collective-permute", "reduce-scatter"):
+        if kind == "collective-permute" and len(sizes) > 2:
+            sizes = sizes[:2]  # XLA:TPU appends two u32[] context scalars to (operand, output)
         sizes = sizes[len(sizes) // 2 :]  # async start ops return (operands, outputs)
     total = sum(sizes)
     return total * W if kind == "reduce-scatter" else total

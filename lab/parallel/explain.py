@@ -32,6 +32,12 @@ Roles and what the analytic model assumes (scaling-book style, per step):
                     one for the vocab-parallel head, plus three B·L float32 reductions of the
                     sharded softmax. remat=full recomputes the forward ones a block's
                     backward needs (attention out; not the block's last output).
+  stage permute     a pipeline (strategy=pp*): one microbatch's activations sent to the next
+                    stage at every tick of the forward and back at every tick of the backward,
+                    ticks = repeats·M + P - 1 each way (lab/parallel/pipeline_hlo.py). Block
+                    parameters split over `stage` are never gathered and their gradients are
+                    reduced over the data axes only; tables split over `stage` along the
+                    vocabulary are gathered per use, as FSDP does.
 """
 
 import dataclasses
@@ -41,8 +47,8 @@ import jax
 import numpy as np
 
 from lab.measure import memory
-from lab.names import BATCH, EMBED, HEADS, SEQ
-from lab.parallel import collectives_hlo
+from lab.names import BATCH, EMBED, HEADS, LAYERS, SEQ, STAGE, VOCAB
+from lab.parallel import collectives_hlo, pipeline_hlo
 
 MiB = 2**20
 
@@ -96,18 +102,31 @@ class Geometry:
     batch_axes: tuple[str, ...]  # the batch is split over these
     shard_axes: tuple[str, ...]  # FSDP: weights split over these, gathered per use
     tensor_axes: tuple[str, ...]  # TP: heads/mlp/vocab split over these
+    stage_axes: tuple[str, ...] = ()  # PP: the stacked layers split over these, never gathered
 
     @classmethod
     def of(cls, rules, sizes: dict[str, int]) -> "Geometry":
         r = dict(rules)
         tensor = _live(r.get(HEADS), sizes)
         tokens = tuple(r.get(BATCH) or ()) + tuple(r.get(SEQ) or ())  # cp splits seq too
+        batch = _live(tokens, sizes)
+        # a table split along the vocabulary over batch axes (pp) is gathered per use: FSDP
+        gathered = _live(r.get(EMBED), sizes) + tuple(
+            a for a in _live(r.get(VOCAB), sizes) if a in batch
+        )
         return cls(
             sizes=dict(sizes),
-            batch_axes=_live(tokens, sizes),
-            shard_axes=_live(r.get(EMBED), sizes),
+            batch_axes=batch,
+            shard_axes=tuple(a for a in sizes if a in gathered),
             tensor_axes=tensor,
+            stage_axes=_live(r.get(LAYERS), sizes),
         )
+
+    def split(self, path: str, axes) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(gathered axes, stage axes) of one parameter: the stacked blocks' layer axis is
+        split over `stage` and stays split; any other split over a shard axis is gathered."""
+        staged = tuple(a for a in self.stage_axes if a in axes and _in_block(path))
+        return tuple(a for a in self.shard_axes if a in axes and a not in staged), staged
 
 
 def _leaf_bytes(x) -> tuple[int, int, tuple[str, ...]]:
@@ -151,15 +170,16 @@ def expect_grad_reduction(params, geo: Geometry, model_cfg, reduce_scatter: bool
     WB = _prod(B, geo.sizes)
     total, moved = 0.0, 0.0
     for path, _, local, axes in params:
-        S = tuple(a for a in geo.shard_axes if a in axes)
+        S, staged = geo.split(path, axes)
         WS = _prod(S, geo.sizes)
         G = local * WS * _uses(path, model_cfg)  # the gradient one device holds before the sum
         total += G
+        W = WB // _prod(staged, geo.sizes)  # a stage's layers are summed over its replicas
         if reduce_scatter and WS > 1:
-            WR = WB // WS
+            WR = W // WS
             moved += G * (WS - 1) / WS + 2 * (G / WS) * (WR - 1) / WR
         else:
-            moved += 2 * G * (WB - 1) / WB
+            moved += 2 * G * (W - 1) / W
     kind = "reduce-scatter + all-reduce" if reduce_scatter and geo.shard_axes else "all-reduce"
     if geo.shard_axes and not reduce_scatter:
         kind = "all-reduce (reduce-scatter as all-reduce + slice: no RS pass on CPU)"
@@ -174,7 +194,7 @@ def expect_param_gather(params, geo: Geometry, model_cfg) -> Expected | None:
         return None
     fwd = bwd_remat = bwd_all = 0.0
     for path, _, local, axes in params:
-        S = tuple(a for a in geo.shard_axes if a in axes)
+        S, _ = geo.split(path, axes)
         WS = _prod(S, geo.sizes)
         if WS == 1:
             continue
@@ -221,6 +241,21 @@ def expect_activation_reduce(cfg, geo: Geometry) -> Expected | None:
     )
 
 
+def expect_stage_permutes(trainer) -> Expected | None:
+    """A pipeline's activations, stage to stage, both directions (pipeline_hlo's analytic)."""
+    s = trainer.schedule
+    if s is None:
+        return None
+    a = pipeline_hlo.microbatch_bytes(trainer.cfg, trainer.rules, dict(trainer.mesh.shape))
+    per_device = s.permute_bytes(a)["per_device"]
+    formula = (
+        f"ticks={s.ticks} (repeats·M+P-1, M={s.microbatches}, P={s.stages}) × a={a:,} B "
+        "(one microbatch's B·L·D per device) each way, forward and backward"
+    )
+    v = 2 * per_device
+    return Expected("stage permute", "collective-permute", (STAGE,), v, v, v, formula)
+
+
 def expectations(cfg, trainer, reduce_scatter: bool) -> list[Expected]:
     geo = Geometry.of(trainer.rules, dict(trainer.mesh.shape))
     params = _params(trainer.abstract_state.params)
@@ -228,6 +263,7 @@ def expectations(cfg, trainer, reduce_scatter: bool) -> list[Expected]:
         expect_grad_reduction(params, geo, cfg.model, reduce_scatter),
         expect_param_gather(params, geo, cfg.model),
         expect_activation_reduce(cfg, geo),
+        expect_stage_permutes(trainer),
     ]
     return [e for e in out if e is not None]
 
@@ -237,6 +273,10 @@ def expectations(cfg, trainer, reduce_scatter: bool) -> list[Expected]:
 
 def role_of(c: collectives_hlo.Collective, geo: Geometry) -> str:
     axes = set(c.axes)
+    if c.kind == "collective-permute" and c.axes == (STAGE,) and "ppermute" in c.op_name:
+        return "stage permute"
+    if axes == {STAGE} and "shard_map/" in c.op_name and c.kind != "collective-permute":
+        return "pipeline input/output"  # microbatches gathered to stage 0, results scattered
     if c.kind == "all-gather" and axes and axes <= set(geo.shard_axes):
         return "param all-gather"
     if c.kind in ("all-reduce", "reduce-scatter") and axes and axes <= set(geo.batch_axes):
@@ -301,6 +341,7 @@ class Explanation:
     rows: list[Row]
     memory: dict
     collectives: list
+    pipeline: pipeline_hlo.PipelineReading | None = None
 
     def as_dict(self) -> dict:
         rows = []
@@ -325,6 +366,7 @@ class Explanation:
             "backend": self.backend,
             "collectives": rows,
             "memory": self.memory,
+            "pipeline": self.pipeline.as_dict() if self.pipeline else None,
         }
 
 
@@ -344,4 +386,5 @@ def explain(trainer, compiled=None) -> Explanation:
         rows=compare(colls, expected, geo),
         memory=memory_rows(cfg, trainer, compiled),
         collectives=colls,
+        pipeline=pipeline_hlo.from_trainer(colls, trainer),
     )

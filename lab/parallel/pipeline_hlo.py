@@ -1,0 +1,122 @@
+"""What a pipelined step really sends between stages, read from its compiled HLO.
+
+The collective-permutes over the `stage` axis that JAX's `ppermute` produced are the pipeline's
+traffic (lab/kernels/pipeline.py): one per tick in the forward loop, one per tick in the
+backward loop (the transposed ppermute). Each sits in a while loop of the schedule's
+ticks = repeats·M + P - 1 trips, so the compiled program itself says how many ticks it runs,
+and the bubble follows from counting them: (ticks - repeats·M) / ticks. Bytes are per device,
+from each op's buffer (lab/parallel/collectives_hlo.py).
+
+Analytic, per device: a microbatch's activation a = B/(K·M·W)·L·D·c (B the batch, K the
+accumulation steps, W the devices the rows split over besides the stages, c the compute
+dtype's bytes); every device runs every tick, so it sends ticks·a per direction, of which the
+useful part, summed over a data replica's P stages, is M·(repeats·P - 1)·a.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from lab.names import BATCH, STAGE
+from lab.parallel.collectives_hlo import Collective
+
+
+@dataclasses.dataclass(frozen=True)
+class Direction:
+    """The stage permutes of one direction, as the compiled program runs them."""
+
+    ops: int  # collective-permute instructions in the HLO
+    executions: int  # per step per device (an op in a loop runs once per trip)
+    trip_counts: tuple[int, ...]  # of the loops they sit in
+    bytes_per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineReading:
+    """A pipelined step: the schedule on paper beside what the compiled program does."""
+
+    stages: int
+    microbatches: int
+    repeats: int
+    microbatch_bytes: int  # a: one microbatch's activations on one device
+    ticks: int  # analytic
+    bubble: float  # analytic, (P-1)/(repeats·M+P-1)
+    bytes_per_device: int  # analytic, per direction: ticks·a
+    useful_bytes: int  # analytic, per direction, per data replica: M·(repeats·P-1)·a
+    forward: Direction
+    backward: Direction
+
+    @property
+    def compiled_ticks(self) -> int | None:
+        """The forward tick loop's trip count in the compiled program."""
+        return max(self.forward.trip_counts, default=None)
+
+    @property
+    def compiled_bubble(self) -> float | None:
+        """The bubble counted from the compiled schedule: idle ticks over ticks."""
+        t = self.compiled_ticks
+        return (t - self.repeats * self.microbatches) / t if t else None
+
+    def as_dict(self) -> dict:
+        return {
+            **dataclasses.asdict(self),
+            "compiled_ticks": self.compiled_ticks,
+            "compiled_bubble": self.compiled_bubble,
+        }
+
+
+def stage_permutes(collectives: list[Collective]) -> dict[str, list[Collective]]:
+    """The pipeline's collective-permutes over `stage` (from `ppermute`; XLA's own permutes,
+    e.g. a reshuffle of parameters, are left out), split forward / backward."""
+    out = {"forward": [], "backward": []}
+    for c in collectives:
+        if c.kind == "collective-permute" and c.axes == (STAGE,) and "ppermute" in c.op_name:
+            out["backward" if "transpose(" in c.op_name else "forward"].append(c)
+    return out
+
+
+def _direction(ops: list[Collective]) -> Direction:
+    return Direction(
+        ops=len(ops),
+        executions=sum(c.count for c in ops),
+        trip_counts=tuple(sorted({c.count for c in ops})),
+        bytes_per_device=sum(c.buffer_bytes * c.count for c in ops),
+    )
+
+
+def microbatch_bytes(cfg, rules, sizes: dict[str, int]) -> int:
+    """One pipeline microbatch's activations [B, L, D] on one device, in the compute dtype."""
+    axes = dict(rules).get(BATCH) or ()
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    W = math.prod(sizes.get(a, 1) for a in axes if a != STAGE)
+    rows = cfg.batch_size // (cfg.accumulate * cfg.model.microbatches * W)
+    return rows * cfg.seq_len * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
+
+
+def read(collectives: list[Collective], schedule, microbatch_bytes: int) -> PipelineReading:
+    """The compiled pipeline (`collectives` of its step) against `schedule`
+    (lab.kernels.pipeline.Schedule: stages, microbatches, repeats, ticks, bubble,
+    permute_bytes)."""
+    found = stage_permutes(collectives)
+    want = schedule.permute_bytes(microbatch_bytes)
+    return PipelineReading(
+        stages=schedule.stages,
+        microbatches=schedule.microbatches,
+        repeats=schedule.repeats,
+        microbatch_bytes=microbatch_bytes,
+        ticks=schedule.ticks,
+        bubble=schedule.bubble,
+        bytes_per_device=want["per_device"],
+        useful_bytes=want["useful"],
+        forward=_direction(found["forward"]),
+        backward=_direction(found["backward"]),
+    )
+
+
+def from_trainer(collectives: list[Collective], trainer) -> PipelineReading | None:
+    """`read` for a lab Trainer (lab.train.make_trainer); None when it runs no pipeline."""
+    if trainer.schedule is None:
+        return None
+    a = microbatch_bytes(trainer.cfg, trainer.rules, dict(trainer.mesh.shape))
+    return read(collectives, trainer.schedule, a)

@@ -1,0 +1,133 @@
+"""Host offloading (offload_optimizer=true, remat=offload) changes no numbers where it runs
+(CPU, through the library: the optimizer state really sits in pinned_host memory), lab.run
+refuses it on CPU in one line (host memory is the device's own RAM there), and ahead of time
+for a TPU slice and an H100 the bytes move from device to host memory."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from lab.config import parse_args
+from lab.data import host_batch, to_global
+from lab.mesh import make_mesh
+from lab.run import main
+from lab.train import make_trainer
+
+BASE = [
+    "model=tiny",
+    "n_layers=4",
+    "scan_layers=true",
+    "batch_size=16",
+    "seq_len=16",
+    "dtype=float32",
+    "attention=naive",
+    "mesh=2",
+]
+
+
+def _two_steps(argv):
+    cfg = parse_args([*BASE, *argv])
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    state, losses = trainer.init(jax.random.key(0)), []
+    for step in range(2):
+        tokens = host_batch("text", 0, step, cfg.batch_size, cfg.seq_len, 256)
+        state, metrics = trainer.step(state, to_global(tokens, trainer.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _two_steps([])
+
+
+@pytest.mark.parametrize("argv", [["offload_optimizer=true"], ["remat=offload"]])
+def test_offloading_changes_no_numbers(plain, argv):
+    """Two AdamW steps against the plain step's: the optimizer state in host memory gives the
+    same numbers bit for bit; remat=offload recomputes each block from its saved input, whose
+    fusions sum in another order (float32 within 1e-5; the CPU compiler keeps the saved inputs
+    in device memory, the same RAM)."""
+    losses, state = _two_steps(argv)
+    if argv == ["offload_optimizer=true"]:
+        assert losses == plain[0]
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(plain[1]), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        kinds = {a.sharding.memory_kind for a in jax.tree.leaves(state.opt_state)}
+        assert kinds == {"pinned_host"}
+        return
+    np.testing.assert_allclose(losses, plain[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(plain[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("argv", [["offload_optimizer=true"], ["remat=offload"]])
+def test_offload_on_cpu_is_one_line(argv, capsys):
+    assert main([*argv, "steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the cpu backend has no separate host memory" in err and len(err.splitlines()) == 1
+
+
+# --- ahead of time: bytes from device to host memory ----------------------------------------
+
+
+def _plans(tmp_path, capsys, target, variants) -> dict[str, dict]:
+    out = {}
+    for name, extra in variants.items():
+        argv = [
+            f"target={target}",
+            "mesh=-1",
+            "model=small",
+            "scan_layers=true",
+            "batch_size=64",
+            "seq_len=256",
+            f"out_dir={tmp_path}",
+            f"name={name}",
+            *extra,
+        ]
+        assert main(argv) == 0
+        capsys.readouterr()
+        out[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    return out
+
+
+LAYER_INPUTS = 4 * 8 * 256 * 256 * 2  # small: 4 layers × 8 rows per device × L × D, bf16
+
+
+@pytest.mark.slow_plan
+def test_tpu_plan_moves_the_bytes_to_host_memory(tmp_path, capsys):
+    """v5e 2x4, data over 8 chips (libtpu): the AdamW moments leave the device arguments and
+    appear as host arguments; each block's input is kept in host memory between forward and
+    backward. (XLA:TPU keeps small buffers on chip, in memory space S(1), which temp does not
+    count: the device temp of a plan this small is not a signal.)"""
+    pytest.importorskip("libtpu")
+    variants = {"full": ["remat=full"], "offload": ["remat=offload", "offload_optimizer=true"]}
+    s = _plans(tmp_path, capsys, "tpu:v5e:2x4", variants)
+    full, off = (s[k]["compiled_memory_per_device"] for k in ("full", "offload"))
+    moments = 2 * full["argument_bytes"] / 3  # params + mu + nu, all float32
+    assert off["host_argument_bytes"] == pytest.approx(moments, rel=1e-3)
+    assert full["argument_bytes"] - off["argument_bytes"] == pytest.approx(moments, rel=1e-3)
+    assert off["host_temp_bytes"] == LAYER_INPUTS and full["host_total_bytes"] == 0
+    moved = s["offload"]["offload"]
+    assert moved["bytes_to_host"] == LAYER_INPUTS + off["host_output_bytes"]
+    assert moved["added_step_s"] is None  # the spec table has no TPU host-link figure
+
+
+@pytest.mark.slow_plan
+def test_gpu_plan_offloads_activations_not_the_optimizer(tmp_path, capsys):
+    """One H100 (CUDA plugin): remat=offload keeps the block inputs in host memory and the
+    device total falls; the plugin's abstract devices list no memory kinds, so the optimizer
+    state cannot be put in host memory in a plan, and the plan says so."""
+    from lab.plans import gpu
+
+    if gpu._pjrt() is None or gpu.ptxas() is None:
+        pytest.skip("the CUDA plugin or ptxas is missing: pip install -e '.[gpu-plan]'")
+    variants = {"full": ["remat=full"], "offload": ["remat=offload", "offload_optimizer=true"]}
+    s = _plans(tmp_path, capsys, "gpu:h100:1", variants)
+    full, off = (s[k]["compiled_memory_per_device"] for k in ("full", "offload"))
+    assert off["host_temp_bytes"] == 4 * 64 * 256 * 256 * 2  # one device: all 64 rows
+    assert off["total_bytes"] < full["total_bytes"]
+    assert s["offload"]["offload"]["added_step_s"] > 0  # the spec table's PCIe host link
+    assert off["host_argument_bytes"] == 0  # the optimizer state could not move
+    assert any("stays in device memory" in n for n in s["offload"]["notes"])

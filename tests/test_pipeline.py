@@ -1,0 +1,316 @@
+"""Pipeline parallelism (lab/kernels/pipeline.py) equals the unpipelined computation, forward and
+gradient, float32 within 1e-5: a toy layer over several stage and microbatch counts, the lab's
+transformer under the pp rule tables (with data parallelism, fsdp and tp inside the stages,
+GPipe and circular), the sharded train step; what the compiled program sends (CPU, and ahead
+of time for a TPU slice and H100s); bad input as one line."""
+
+import dataclasses
+import functools
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lab.config import parse_args
+from lab.data import host_batch, to_global
+from lab.kernels.pipeline import (
+    Schedule,
+    from_microbatches,
+    pipeline_apply,
+    scan_layers,
+    stage_major,
+    to_microbatches,
+    to_stage_major_order,
+)
+from lab.measure.timing import random_inputs
+from lab.mesh import make_mesh, rules_for
+from lab.model import build
+from lab.parallel import collectives_hlo, pipeline_hlo
+from lab.run import main
+from lab.train import cross_entropy, make_trainer
+
+# float32: the same sums over a few hundred terms in another order (microbatches, stages)
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _close(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+
+
+# --- the schedule on paper ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("S, M, R", [(4, 4, 1), (2, 3, 1), (4, 4, 2), (2, 5, 3)])
+def test_schedule_table_counts_the_bubble(S, M, R):
+    s = Schedule(S, M, R)
+    table = s.table()
+    assert len(table) == s.ticks == R * M + S - 1
+    for stage in range(S):  # every stage works on each (repeat, microbatch) once, in order
+        work = [row[stage] for row in table if row[stage] is not None]
+        assert work == [(r, m) for r in range(R) for m in range(M)]
+    idle = sum(row[stage] is None for row in table for stage in range(S))
+    assert idle / (len(table) * S) == pytest.approx(s.bubble) == (S - 1) / (R * M + S - 1)
+    assert s.permute_bytes(10)["useful"] == M * (R * S - 1) * 10
+
+
+def test_stage_major_is_the_circular_layer_order():
+    layers = jnp.arange(8)
+    assert stage_major(layers, 2, 1).tolist() == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    # 2 repeats of 2 stages, chunks of 2 layers: stage 0 holds layers 0,1 and 4,5
+    assert stage_major(layers, 2, 2).tolist() == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert to_stage_major_order(layers, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+
+
+@pytest.mark.parametrize("M, groups", [(4, (1, 2)), (8, (4, 2)), (4, (4, 1))])
+def test_microbatches_keep_every_devices_rows(M, groups):
+    x = jnp.arange(32)
+    mb = to_microbatches(x, M, groups)
+    assert from_microbatches(mb, groups).tolist() == x.tolist()
+    S, G = groups  # block (s, g) of the batch: microbatches of stage s, rows of device g
+    blocks = x.reshape(S * G, -1)
+    for s in range(S):
+        for g in range(G):
+            mine = mb.reshape(S, M // S, G, -1)[s, :, g].ravel()
+            assert sorted(mine.tolist()) == blocks[s * G + g].tolist()
+
+
+# --- a toy layer: pipeline_apply against the plain scan ----------------------------------
+
+
+def _toy_layer(p, x_BxLxD):
+    return x_BxLxD + jnp.tanh(x_BxLxD @ p["w"] + p["b"])
+
+
+@pytest.mark.parametrize(
+    "shape, M, R, io, vma",
+    [
+        ((2, 4), 4, 1, "replicated", True),  # data:2, stage:4
+        ((2, 4), 8, 1, "stage", True),  # input gathered to stage 0, output scattered
+        ((1, 8), 3, 1, "replicated", True),  # 8 stages, M not a multiple of them
+        ((4, 2), 2, 1, "stage", False),  # check_vma off (the lab's kernels need it)
+        ((2, 2), 3, 2, "replicated", True),  # circular, M > P: the ring's buffer waits
+    ],
+)
+def test_pipeline_apply_equals_unpipelined(shape, M, R, io, vma):
+    data, S = shape
+    mesh = Mesh(np.array(jax.devices()[: data * S]).reshape(shape), ("data", "stage"))
+    n_layers, D = 2 * S * R, 8
+    w, b, x, weights = random_inputs(
+        S * 10 + M, [(n_layers, D, D), (n_layers, D), (M * data * 2, 3, D), (M * data * 2, 3, D)]
+    )
+    params = jax.device_put({"w": w * D**-0.5, "b": b * 0.1}, NamedSharding(mesh, P("stage")))
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    stage_fn = scan_layers(_toy_layer)
+    piped = functools.partial(
+        pipeline_apply,
+        stage_fn,
+        mesh=mesh,
+        microbatches=M,
+        repeats=R,
+        batch_axes=("data",),
+        io=io,
+        check_vma=vma,
+    )
+
+    def loss_and_grads(fn):
+        return jax.jit(jax.value_and_grad(lambda p, x: jnp.mean(fn(p, x) * weights), (0, 1)))
+
+    with jax.set_mesh(mesh):
+        got = loss_and_grads(piped)(params, x)
+    _close(got, loss_and_grads(stage_fn)(params, x))
+
+
+def test_circular_with_stage_major_storage_sends_no_reshuffle():
+    """Stored stage-major, the circular schedule's parameters need no all-to-all per step,
+    and the result is the same model (its layers in natural order)."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "stage"))
+    S, R, M, D = 4, 2, 4, 8
+    w, b, x = random_inputs(7, [(S * R, D, D), (S * R, D), (16, 3, D)])
+    params = {"w": w * D**-0.5, "b": b * 0.1}
+    stored = jax.device_put(to_stage_major_order(params, S, R), NamedSharding(mesh, P("stage")))
+    fn = scan_layers(_toy_layer)
+    piped = functools.partial(
+        pipeline_apply,
+        fn,
+        mesh=mesh,
+        microbatches=M,
+        repeats=R,
+        batch_axes=("data",),
+        layer_order="stage_major",
+    )
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    with jax.set_mesh(mesh):
+        grad = jax.jit(jax.grad(lambda p, x: jnp.mean(piped(p, x) ** 2)))
+        kinds = {
+            c.kind for c in collectives_hlo.from_compiled(grad.lower(stored, x).compile(), mesh)
+        }
+        got = jax.jit(piped)(stored, x)
+    _close(got, fn(params, x))
+    assert "all-to-all" not in kinds and "collective-permute" in kinds
+
+
+def test_pipeline_apply_rejects_bad_shapes():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "stage"))
+    fn = scan_layers(_toy_layer)
+    p = {"w": jnp.ones((8, 4, 4)), "b": jnp.ones((8, 4))}
+    x = jnp.ones((8, 2, 4))
+    with pytest.raises(ValueError, match="microbatches=3"):
+        pipeline_apply(fn, p, x, mesh=mesh, microbatches=3)
+    with pytest.raises(ValueError, match="must be >= stages=4"):
+        pipeline_apply(fn, p, x, mesh=mesh, microbatches=2, repeats=2)
+    with pytest.raises(ValueError, match="do not divide into stages=4"):
+        pipeline_apply(fn, {"w": jnp.ones((6, 4, 4))}, x, mesh=mesh, microbatches=4)
+
+
+# --- the lab's transformer -------------------------------------------------------------
+
+BASE = ["model=tiny", "n_layers=4", "scan_layers=true", "dtype=float32", "attention=naive"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The unpipelined scanned model on one device: params, tokens, loss and gradients."""
+    cfg = parse_args([*BASE, "batch_size=16", "seq_len=16"])
+    model = build(cfg.model)
+    tokens = jax.random.randint(jax.random.key(1), (16, 17), 0, 256)
+    params = nn.meta.unbox(model.init(jax.random.key(0), tokens[:, :-1])["params"])
+    return cfg, params, tokens, jax.jit(jax.value_and_grad(_loss(model)))(params, tokens)
+
+
+def _loss(model):
+    def f(params, tokens):
+        return cross_entropy(model.apply({"params": params}, tokens[:, :-1]), tokens[:, 1:])
+
+    return f
+
+
+@pytest.mark.parametrize(
+    "mesh_spec, strategy, M, R, extra",
+    [
+        ("data:2,stage:4", "pp", 4, 1, {}),  # M % P == 0: the batch split over stages outside
+        ("stage:2,fsdp:2,data:2", "pp+fsdp", 2, 1, {}),
+        ("stage:2,model:2,data:2", "pp+tp", 2, 1, {"remat": "full"}),
+        # circular (2 stages x 2 repeats x 1 layer) with the blockwise kernel: check_vma off
+        ("data:4,stage:2", "pp", 2, 2, {"attention": "blockwise"}),
+    ],
+)
+def test_model_pipeline_equals_unpipelined(reference, mesh_spec, strategy, M, R, extra):
+    cfg, params, tokens, (loss0, grads0) = reference
+    mc = dataclasses.replace(cfg.model, microbatches=M, pipeline_repeats=R, **extra)
+    model, rules = build(mc), rules_for(strategy)
+    mesh = make_mesh(mesh_spec)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        abstract = jax.eval_shape(lambda k: model.init(k, tokens[:, :-1]), jax.random.key(0))
+        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+        placed = jax.device_put(params, shardings["params"])
+        assert placed["blocks"]["attn"]["wq"].sharding.spec[0] == "stage"
+        loss, grads = jax.jit(jax.value_and_grad(_loss(model)))(placed, tokens)
+    _close((loss, grads), (loss0, grads0))
+
+
+def test_train_step_pp_matches_one_device():
+    """One AdamW step of the pipelined step (data:2, stage:4, M=4) equals one device's; the
+    parameters and their Adam moments live 1/S per stage device; the compiled program's stage
+    permutes are one per tick forward and backward, in loops of ticks = M + P - 1 trips, each
+    one microbatch's activations; no weight is saved once per tick."""
+    tokens = host_batch("text", 0, 0, 16, 16, 256)
+    out = {}
+    for mesh in ("1", "data:2,stage:4"):
+        cfg = parse_args([*BASE, "batch_size=16", "seq_len=16", "microbatches=4", f"mesh={mesh}"])
+        cfg = dataclasses.replace(cfg, strategy="pp")  # on one device: the same model unpiped
+        trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+        compiled = trainer.lower().compile()
+        state, metrics = compiled(
+            trainer.init(jax.random.key(0)), to_global(tokens, trainer.batch_sharding)
+        )
+        out[mesh] = (float(metrics["loss"]), state.params)
+    np.testing.assert_allclose(out["data:2,stage:4"][0], out["1"][0], rtol=1e-5)
+    _close(out["data:2,stage:4"][1], out["1"][1])
+    assert trainer.schedule == Schedule(4, 4)
+    wq = trainer.abstract_state.params["blocks"]["attn"]["wq"]
+    mu = trainer.abstract_state.opt_state[1][0].mu["blocks"]["attn"]["wq"]
+    assert wq.sharding.spec[0] == mu.sharding.spec[0] == "stage"
+    for leaf in jax.tree.leaves(trainer.abstract_state.params["blocks"]):
+        assert leaf.sharding.shard_shape(leaf.shape)[0] == leaf.shape[0] // 4
+    r = pipeline_hlo.from_trainer(collectives_hlo.from_compiled(compiled, trainer.mesh), trainer)
+    a = (16 // 4 // 2) * 16 * 64 * 4  # rows per device x L x D x f32
+    assert r.microbatch_bytes == a and r.ticks == r.compiled_ticks == 7
+    for d in (r.forward, r.backward):
+        assert d.trip_counts == (7,) and d.bytes_per_device == 7 * a == r.bytes_per_device
+    assert r.compiled_bubble == pytest.approx(r.bubble) == pytest.approx(3 / 7)
+    # the weights are kept once for the backward, not once per tick: no [ticks, layers, D, F]
+    assert "[7,1,64,192]" not in compiled.as_text()
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["mesh=data:2,stage:4", "n_layers=6"], "n_layers=6 does not divide into stage=4"),
+        (["mesh=data:2,stage:4", "n_layers=4", "microbatches=3"], "microbatches=3 must divide"),
+        (["mesh=data:2,stage:4", "n_layers=4", "strategy=dp"], "strategy=dp does not use it"),
+        (["mesh=4x2", "microbatches=2"], "microbatches=2 feeds a pipeline"),
+        (
+            ["mesh=stage:4,data:2", "n_layers=8", "microbatches=2", "pipeline_repeats=2"],
+            "needs microbatches >= stage=4",
+        ),
+    ],
+)
+def test_bad_pipeline_input_is_one_line(argv, needle, capsys):
+    assert main([*argv, "steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err and len(err.splitlines()) == 1
+
+
+# --- ahead of time: a TPU slice and H100s --------------------------------------------------
+
+
+def _plan(tmp_path, capsys, target, mesh, extra=()):
+    argv = [
+        "model=small",  # d_model 256, 4 layers: one per stage; TPU tiles pad tiny arrays
+        f"target={target}",
+        f"mesh={mesh}",
+        "batch_size=16",
+        "seq_len=128",
+        "microbatches=4",
+        "explain=true",
+        f"out_dir={tmp_path}",
+        "name=plan",
+        *extra,
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "compiled, not run" in out and "stage-to-stage traffic" in out
+    return json.loads((tmp_path / "plan" / "summary.json").read_text())
+
+
+@pytest.mark.slow_plan
+def test_tpu_plan_splits_the_layers_over_stages(tmp_path, capsys):
+    """v5e 2x4 ahead of time (libtpu): every device holds 1/S of the block parameters, and the
+    compiled loops run ticks = 7 with one bf16 microbatch per permute (the TPU trip count is
+    read from the loop condition, the permute's size without XLA:TPU's context scalars)."""
+    pytest.importorskip("libtpu")
+    s = _plan(tmp_path, capsys, "tpu:v5e:2x4", "data:2,stage:4")
+    p = s["pipeline"]
+    assert p["compiled_ticks"] == p["ticks"] == 7
+    assert p["forward"]["bytes_per_device"] == p["bytes_per_device"] == 7 * 2 * 128 * 256 * 2
+    pred = s["predicted_memory_per_device"]  # the calculator's state: 1/S of the model's
+    state = s["compiled_memory_per_device"]["argument_bytes"]
+    assert abs(pred["params"] + pred["optimizer"] - state) / state < 0.15
+
+
+@pytest.mark.slow_plan
+def test_gpu_plan_pipelines_over_h100s(tmp_path, capsys):
+    from lab.plans import gpu
+
+    if gpu._pjrt() is None or gpu.ptxas() is None:
+        pytest.skip("the CUDA plugin or ptxas is missing: pip install -e '.[gpu-plan]'")
+    s = _plan(tmp_path, capsys, "gpu:h100:8", "data:2,stage:4", ["attention=naive"])
+    p = s["pipeline"]
+    assert p["compiled_ticks"] == p["ticks"] == 7 and p["compiled_bubble"] == pytest.approx(3 / 7)
+    assert p["backward"]["bytes_per_device"] == p["bytes_per_device"]
