@@ -88,7 +88,6 @@ from lab.kernels.attention.common import (
     round_up,
     visible,
 )
-from lab.kernels.attention.reference import attention_reference
 
 DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma on 16-bit inputs; f32 stays with pallas_gpu
 HEAD_DIMS = (64, 128)
@@ -860,6 +859,3 @@ def flash_attention_mgpu(
         interpret=interpret,
     )
     return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan)
-
-
-flash_attention_mgpu_reference = attention_reference  # the template keeps one beside the kernel
