@@ -343,6 +343,17 @@ def _skip(t, stages: int, pairs):
 # ---------------------------------------------------------------------------- forward
 
 
+def _query_cta(g: Geometry, W: int):
+    """Where a query-tiled CTA (forward, dQ) stands: (query head, CTA, batch, warpgroup, kv
+    head, key steps). Its key steps run up to the last block its last query tile with real
+    rows sees."""
+    h, cta, b = lax.axis_index("heads"), lax.axis_index("q"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    kv = lax.div(h, jnp.int32(g.R))
+    last_real = jnp.minimum(cta * W + W - 1, g.n_q - 1)
+    return h, cta, b, wg, kv, _i32(g.k_blocks_end(last_real))
+
+
 def _fwd_kernel(
     q_ref, k_ref, v_ref, o_ref, lse_ref,
     q_smem, k_smem, v_smem, p_smem, lse_smem,
@@ -354,12 +365,7 @@ def _fwd_kernel(
     #       lse_smem [W, bq]. st = stages, W = compute warpgroups.
     bq, bk, K = g.bq, g.bk, q_smem.shape[-1]
     dtype = q_smem.dtype
-    h, cta, b = lax.axis_index("heads"), lax.axis_index("q"), lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    kv = lax.div(h, jnp.int32(g.R))
-    # The CTA's key steps: up to the last block its last query tile with real rows sees.
-    last_real = jnp.minimum(cta * W + W - 1, g.n_q - 1)
-    n_steps = _i32(g.k_blocks_end(last_real))
+    h, cta, b, wg, kv, n_steps = _query_cta(g, W)
 
     def _compute():
         _compute_regs(W)
@@ -481,11 +487,7 @@ def _dq_kernel(
     #       [st, bk, K]; ds_smem [W, bq, bk]; lse_smem, delta_smem [W, bq]
     bq, bk, K = g.bq, g.bk, q_smem.shape[-1]
     dtype = q_smem.dtype
-    h, cta, b = lax.axis_index("heads"), lax.axis_index("q"), lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    kv = lax.div(h, jnp.int32(g.R))
-    last_real = jnp.minimum(cta * W + W - 1, g.n_q - 1)
-    n_steps = _i32(g.k_blocks_end(last_real))
+    h, cta, b, wg, kv, n_steps = _query_cta(g, W)
 
     def _compute():
         _compute_regs(W)
