@@ -13,18 +13,17 @@ nccl-tests "bus bytes" convention (what a bandwidth-optimal ring moves per devic
     collective-permute  V            every device sends its whole buffer once
 
 Ops inside a while loop with a known trip count (nn.scan over layers, a pipeline's ticks) count
-once per trip: the count is the loop's `known_trip_count` where the compiler keeps it (CPU,
-GPU), else read from its condition `i < constant(N)` (XLA:TPU drops the backend config).
+once per trip, counted as every cost of a compiled program is (lab/measure/hlo.py).
 """
 
 import dataclasses
 import math
 import re
-from collections import defaultdict
 
 import numpy as np
 
 from lab.measure.cost import bus_bytes
+from lab.measure.hlo import computation_counts, shape_sizes
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -33,13 +32,8 @@ _OP_RE = re.compile(
     r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
     r"(?P<start>-start)?\("
 )
-_SHAPE_RE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
-_WHILE_RE = re.compile(r"body=%?(?P<body>[\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(?P<n>\d+)\"")
-_CALL_RE = re.compile(r"(?:calls|body|branch_computations)=\{?%?(?P<callee>[\w.\-]+)")
 _OPNAME_RE = re.compile(r'op_name="(?P<op>[^"]*)"')
-_COND_RE = re.compile(r"condition=%?(?P<cond>[\w.\-]+),\s*body=%?(?P<body>[\w.\-]+)")
-_CONST_RE = re.compile(r"\s*%?(?P<name>[\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((?P<n>\d+)\)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,23 +56,6 @@ class Collective:
     @property
     def total_bus_bytes(self) -> float:
         return self.bus_bytes * self.count
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of an HLO element type (f32 → 4, bf16 → 2, pred → 1, f8e4m3fn → 1)."""
-    if dtype == "pred":
-        return 1
-    bits = re.match(r"[a-z]+(\d+)", dtype)
-    return max(1, int(bits.group(1)) // 8) if bits else 0
-
-
-def shape_sizes(shape_text: str) -> list[int]:
-    """Byte sizes of every array in an HLO result type (a tuple gives several)."""
-    out = []
-    for dtype, dims in _SHAPE_RE.findall(shape_text):
-        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        out.append(n * dtype_bytes(dtype))
-    return out
 
 
 def _iota_groups(text: str) -> list[list[int]] | None:
@@ -162,63 +139,6 @@ def axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, .
     return tuple(n for n in names if n in varying)
 
 
-def _condition_trip_counts(lines: list[str]) -> dict[str, int]:
-    """Trip counts of loop conditions whose root is `compare(i, constant(N)), direction=LT`."""
-    out, comp, consts = {}, None, {}
-    for line in lines:
-        m = _COMP_RE.match(line)
-        if m and not line.startswith(" "):
-            comp, consts = m.group("name"), {}
-            continue
-        if comp is None:
-            continue
-        c = _CONST_RE.match(line)
-        if c:
-            consts[c.group("name")] = int(c.group("n"))
-        if "ROOT" in line and "compare(" in line and "direction=LT" in line:
-            args = re.search(r"compare\(([^)]*)\)", line).group(1)
-            names = [a.strip().split(" ")[-1].lstrip("%") for a in args.split(",")]
-            if len(names) == 2 and names[1] in consts:
-                out[comp] = consts[names[1]]
-    return out
-
-
-def _computation_counts(lines: list[str]) -> dict[str, int]:
-    """How many times each computation runs per step: loop bodies run their trip count."""
-    comp, calls, counts = None, defaultdict(list), {}
-    by_condition = _condition_trip_counts(lines)
-    for line in lines:
-        m = _COMP_RE.match(line)
-        if m and not line.startswith(" "):
-            comp = m.group("name")
-            continue
-        if comp is None:
-            continue
-        w = _WHILE_RE.search(line)
-        if w:
-            calls[comp].append((w.group("body"), int(w.group("n"))))
-        elif " while(" in line:
-            cb = _COND_RE.search(line)
-            if cb and cb.group("cond") in by_condition:
-                w = cb
-                calls[comp].append((w.group("body"), by_condition[w.group("cond")]))
-        for c in _CALL_RE.finditer(line):
-            if not (w and c.group("callee") == w.group("body")):
-                calls[comp].append((c.group("callee"), 1))
-    entry = next((_COMP_RE.match(l).group("name") for l in lines if l.startswith("ENTRY")), None)
-
-    def visit(name: str, mult: int, depth: int = 0) -> None:
-        if depth > 50:
-            return
-        counts[name] = max(counts.get(name, 0), mult)
-        for callee, n in calls.get(name, ()):
-            visit(callee, mult * n, depth + 1)
-
-    if entry:
-        visit(entry, 1)
-    return counts
-
-
 def _buffer_bytes(kind: str, start: bool, sizes: list[int], W: int) -> int:
     """V for the bus-bytes formula, from the sizes in the op's result type."""
     if start and kind in ("all-gather", "collective-permute", "reduce-scatter"):
@@ -232,7 +152,7 @@ def _buffer_bytes(kind: str, start: bool, sizes: list[int], W: int) -> int:
 def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
     """Every collective in a compiled HLO module; `mesh_shape` is `dict(mesh.shape)`."""
     lines = hlo_text.splitlines()
-    counts = _computation_counts(lines)
+    counts = computation_counts(hlo_text)
     n_devices = math.prod(mesh_shape.values())
     out, comp = [], None
     for line in lines:

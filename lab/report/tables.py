@@ -10,6 +10,7 @@ import re
 
 from rich.table import Table
 
+from lab.measure import cost
 from lab.report.format import duration, mib, percent, rate, ratio, size
 
 GIB = 2**30
@@ -72,8 +73,11 @@ def analysis(a: dict, compile_s: float) -> Table:
         parts += f"; in host memory {_mem(pred['host'])}"
     t.add_row("predicted total (calculator)", f"{_mem(pred['total'])}  ({parts})")
     c = a["compiled_cost_per_device"] or {}
-    t.add_row("compiled FLOPs", f"{c.get('flops', math.nan):.4g}")
-    t.add_row("compiled bytes accessed", _mem(c.get("bytes accessed")))
+    note = cost.lower_bound_note(c)
+    loops = [n for _, n in c.get("loops", []) if n]
+    how = f"  (loops counted × their trips: {', '.join(map(str, loops))})" if loops else ""
+    t.add_row("compiled FLOPs", f"{c.get('flops') or math.nan:.4g}{note}{how}")
+    t.add_row("compiled bytes accessed", _mem(c.get("bytes accessed")) + note)
     t.add_row("model FLOPs / token", f"{a['model_flops_per_token']:.4g}")
     t.add_row("compile time", f"{compile_s:.2f} s")
     _fitting_rows(t, a)
