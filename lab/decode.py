@@ -92,10 +92,21 @@ def prefill(params, prompts_BxP, prompt_lengths_B, cache: KVCache, *, model):
     return logits_BxV, cache.replace(lengths=prompt_lengths_B.astype(jnp.int32))
 
 
+def cache_slots(cache: KVCache) -> int:
+    """S: the slots each sequence's cache holds."""
+    x = jax.tree.leaves(cache.layers)[0]
+    return x.shape[_slots_axis(x)]
+
+
 def step(params, tokens_B, cache: KVCache, *, model):
-    """(logits [B, V] of the next token, the cache with this token written)."""
-    logits_Bx1xV, cache = model.apply({"params": params}, tokens_B[:, None], cache)
-    return logits_Bx1xV[:, 0], cache.replace(lengths=cache.lengths + 1)
+    """(logits [B, V] of the next token, the cache with this token written).
+
+    A sequence whose cache is full gets NaN logits and its cache left untouched: writing past
+    the last slot would otherwise overwrite it silently (dynamic_update_slice clamps)."""
+    logits_Bx1xV, new = model.apply({"params": params}, tokens_B[:, None], cache)
+    full_B = cache.lengths + 1 > cache_slots(cache)
+    logits_BxV = jnp.where(full_B[:, None], jnp.nan, logits_Bx1xV[:, 0])
+    return logits_BxV, new.replace(lengths=cache.lengths + 1)
 
 
 def generate(params, logits_BxV, cache: KVCache, key, *, steps: int, temperature: float, model):

@@ -119,21 +119,37 @@ class RMSNorm(nn.Module):
         return (x * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
+def _overflowing(start_B, L: int, S: int):
+    """[B] bool: sequences whose L new entries would run past the cache's S slots."""
+    return start_B + L > S
+
+
+def _put(cache, new, start_B, axis: int):
+    """`new` written per sequence at slot start[b] along `axis` (2: [B,G,S,K]; 3: scales
+    [B,G,1,S]), except for a sequence that would run past the cache: there
+    `dynamic_update_slice` would clamp the start and silently overwrite the last slots, so that
+    sequence's cache is left as it was (lab/decode.py turns its logits into NaN)."""
+    L, S = new.shape[axis], cache.shape[axis]
+    idx = lambda s: tuple(s if d == axis - 1 else 0 for d in range(cache.ndim - 1))  # noqa: E731
+    size = lambda c: tuple(L if d == axis - 1 else n for d, n in enumerate(c.shape))  # noqa: E731
+    old = jax.vmap(lambda c, s: jax.lax.dynamic_slice(c, idx(s), size(c)))(cache, start_B)
+    keep = _overflowing(start_B, L, S).reshape((-1,) + (1,) * (new.ndim - 1))
+    new = jnp.where(keep, old, new.astype(cache.dtype))
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, idx(s)))(cache, new, start_B)
+
+
 def _write(cache_BxGxSxK, new_BxLxGxK, start_B):
     """The L new entries of each sequence written at its own slot start[b]."""
     new_BxGxLxK = jnp.swapaxes(new_BxLxGxK, 1, 2).astype(cache_BxGxSxK.dtype)
-    put = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0))  # noqa: E731
-    return jax.vmap(put)(cache_BxGxSxK, new_BxGxLxK, start_B)
+    return _put(cache_BxGxSxK, new_BxGxLxK, start_B, axis=2)
 
 
 def _write_int8(kv, new_BxLxGxK, start_B, which: str):
     """Quantize the new entries per (token, kv head) and write codes and scales."""
     codes, scale = quant.quantize_kv(jnp.swapaxes(new_BxLxGxK, 1, 2))  # [B,G,L,K], [B,G,1,L]
     cache, scales = getattr(kv, which), getattr(kv, f"{which}_scale")
-    put = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0))  # noqa: E731
-    put_scale = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, 0, s))  # noqa: E731
-    cache = jax.vmap(put)(cache, codes, start_B)
-    scales = jax.vmap(put_scale)(scales, scale.astype(scales.dtype), start_B)
+    cache = _put(cache, codes, start_B, axis=2)
+    scales = _put(scales, scale.astype(scales.dtype), start_B, axis=3)
     return cache, scales
 
 

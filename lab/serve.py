@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from lab import data
-from lab.config import cli, field, make_config
+from lab.config import check_name, cli, field, make_config
 from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.report import plots, progress, tables
@@ -57,6 +57,13 @@ class Options:
 
 def _session(o: Options, keys: dict):
     if o.run:
+        try:
+            check_name(o.run)
+        except ConfigError:
+            raise ConfigError(
+                f"run={o.run!r}: a run is one folder name under out_dir (no '/' or '..'); "
+                "say where runs are with out_dir="
+            ) from None
         run_dir = Path(keys.get("out_dir", "runs")) / o.run
         if not run_dir.is_dir():
             raise ConfigError(
@@ -94,8 +101,21 @@ def run(o: Options, keys: dict) -> int:
         f"compute {s.cfg.model.dtype}, attention {s.cfg.model.attention}"
     )
     if s.cfg.target:
+        rec.writable_dir(o.results)  # refused before the compile, not after
         return _plan(o, s, con)
     serving.check_batches(s, (*o.batches, *o.prefill_batches))  # before any weights are made
+    stem = rec.output_stem(o.results, "serve")  # a folder that cannot be written: refused now
+    study = serving.Plan(
+        o.batches,
+        o.prefill_batches,
+        o.prompt_len,
+        o.decode_steps,
+        o.budget,
+        o.int8,
+        o.seed,
+        context=o.context,
+    )
+    serving.check_memory(s, study)  # before weights, cache or prompts are made
     s, params, source = serving.load_params(s, run_dir, o.seed, warn=con.print)
     con.print(f"  weights   {source}")
     trained_text = run_dir is not None and s.cfg.data == "text" and s.cfg.model.vocab_size == 256
@@ -107,16 +127,6 @@ def run(o: Options, keys: dict) -> int:
         con.print(
             f"[bold]sample[/bold] (temperature {o.temperature}):\n[dim]{prompt}[/dim]{text}\n"
         )
-    study = serving.Plan(
-        o.batches,
-        o.prefill_batches,
-        o.prompt_len,
-        o.decode_steps,
-        o.budget,
-        o.int8,
-        o.seed,
-        context=o.context,
-    )
     n = len(o.batches) + len(o.prefill_batches) + 1 + (3 if o.int8 else 0)
     with progress.tasks(con) as bar:
         task = bar.add_task("serving", total=n)
@@ -141,7 +151,6 @@ def run(o: Options, keys: dict) -> int:
         "prompt_len": o.prompt_len,
     }
     recs = serving.to_records(out, config)
-    stem = rec.output_stem(o.results, "serve")
     con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
     if o.plot:
         con.print(f"plot    → {plots.decode(recs, stem.with_suffix('.png'))}")

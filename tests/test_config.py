@@ -93,3 +93,13 @@ def test_help_lists_every_key(capsys):
         assert line is not None, f"--help does not list {key}"
         assert len(line.split(maxsplit=2)) == 3, f"--help gives {key} no default or meaning"
     assert help_text() in out
+
+
+@pytest.mark.parametrize("keys", [["cpu_devices=100000"], ["mesh=data:100000"]])
+def test_simulated_device_counts_are_bounded(keys, capsys):
+    """A device count no CPU can simulate is one line, before any device is created."""
+    from lab.run import main
+
+    assert main(keys) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "simulated CPU devices" in err, err

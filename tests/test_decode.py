@@ -146,3 +146,34 @@ def test_bad_input_is_one_line():
             batch=3,
             max_len=MAX_LEN,
         )
+
+
+@pytest.mark.parametrize("int8_cache", [False, True])
+def test_a_step_past_the_cache_never_overwrites_it(int8_cache):
+    """A sequence whose cache is full gets NaN logits and keeps its cache as it was; the
+    others decode as usual (dynamic_update_slice would clamp and overwrite the last slot)."""
+    trainer, params = _setup()
+    slots = 13  # the longest prompt (12) fills all but one slot
+    dec = decode.make_decoder(
+        trainer.cfg.model,
+        trainer.mesh,
+        trainer.rules,
+        trainer.state_shardings.params,
+        batch=len(PROMPTS),
+        max_len=slots,
+        int8_cache=int8_cache,
+    )
+    prompts, fed = _tokens()
+    with jax.set_mesh(trainer.mesh):
+        lengths = np.asarray(PROMPTS, np.int32)
+        _, cache = dec.prefill(params, prompts, lengths, dec.empty_cache())
+        logits, cache = dec.step(params, fed[:, 0], cache)  # slot 12: the last one
+        assert np.isfinite(np.asarray(logits)).all()
+        before = jax.tree.map(np.asarray, cache.layers)
+        logits, after = dec.step(params, fed[:, 1], cache)  # the longest is now full
+    full = np.asarray(PROMPTS) + 2 > slots
+    assert full.tolist() == [False, False, False, True]
+    logits = np.asarray(logits)
+    assert np.isnan(logits[full]).all() and np.isfinite(logits[~full]).all()
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(after.layers), strict=True):
+        np.testing.assert_array_equal(np.asarray(new)[full], old[full])

@@ -70,6 +70,9 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         (["mesh=2", "batches=1,2"], "batches [1] do not split"),
         (["batches=1,x"], "'x' is not an integer"),
         (["bacthes=1"], "did you mean batches"),
+        (["run=../elsewhere"], "one folder name under out_dir"),
+        (["run=a/b"], "one folder name under out_dir"),
+        (["context=20000000", "batches=64"], "more than 80% of this machine's"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, words):
@@ -137,3 +140,12 @@ def test_calculator_kv_cache_bytes_are_the_cache_arrays():
             int8_scales=int8,
         )
         assert predicted == decode.cache_bytes(cache)
+
+
+def test_an_unwritable_results_folder_is_refused_before_measuring(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert serve([*FAST, "batches=1", f"results={blocker}"]) == 2
+    err = capsys.readouterr()
+    assert len(err.err.strip().splitlines()) == 1 and "cannot write" in err.err
+    assert "weights" not in err.out  # refused before any weights were made

@@ -21,6 +21,7 @@ peak at the compute dtype), in the same process, before the sweep.
 
 import dataclasses
 import math
+import os
 import time
 from pathlib import Path
 
@@ -407,11 +408,52 @@ def check_batches(session: Session, batches) -> None:
         )
 
 
+def memory_needed(model, plan: Plan) -> dict[str, float]:
+    """Bytes the study holds at its peak, by part: the weights, the KV cache of the largest
+    decode batch (keys and values of every layer, every slot, in the compute dtype) and the
+    prefill's logits of the largest prefill batch ([B, prompt, vocab] float32)."""
+    itemsize = jnp.dtype(model.dtype).itemsize
+    per_slot = 2 * model.n_layers * model.n_kv_heads * model.head_dim * itemsize
+    return {
+        "weights": float(nonembed_params(model) + model.vocab_size * model.d_model) * 4,
+        "cache": float(per_slot * max(plan.batches) * plan.slots()),
+        "prefill logits": 4.0 * max(plan.prefill_batches) * plan.prompt_len * model.vocab_size,
+    }
+
+
+def host_memory_bytes() -> float | None:
+    """This machine's physical memory, where the OS says."""
+    try:
+        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(session: Session, plan: Plan) -> None:
+    """On CPU, a study that cannot fit this machine's memory is one line before anything is
+    allocated (a long prompt at a big batch would otherwise swap or run for hours)."""
+    total = host_memory_bytes()
+    if session.info.backend != "cpu" or not total:
+        return
+    parts = memory_needed(session.cfg.model, plan)
+    need = sum(parts.values())
+    if need > 0.8 * total:
+        biggest = max(parts, key=parts.get)
+        raise ConfigError(
+            f"prompt_len={plan.prompt_len}, {plan.slots():,} cache slots, batches up to "
+            f"{max(plan.batches)}: needs "
+            f"{need / 2**30:,.1f} GiB ({biggest} {parts[biggest] / 2**30:,.1f} GiB), more than "
+            f"80% of this machine's {total / 2**30:,.1f} GiB; shorten the prompt or the "
+            "batches, or plan it for an accelerator with target="
+        )
+
+
 def measure(session: Session, params, plan: Plan, *, progress=None) -> dict:
     """The whole study: roofs, prefill, decode over the batch sweep (float, then int8 weights
     and cache at the smallest and largest batch), int8 error. `progress(label)` is called
     before each point (a progress bar's advance)."""
     check_batches(session, (*plan.batches, *plan.prefill_batches))
+    check_memory(session, plan)
     decode.check_prompts([plan.prompt_len], plan.slots(), WARM_STEPS + plan.steps)
     tick = progress or (lambda label: None)
     model = session.cfg.model
