@@ -149,3 +149,21 @@ def test_an_unwritable_results_folder_is_refused_before_measuring(tmp_path, caps
     err = capsys.readouterr()
     assert len(err.err.strip().splitlines()) == 1 and "cannot write" in err.err
     assert "weights" not in err.out  # refused before any weights were made
+
+
+def test_the_memory_roof_is_the_best_bandwidth_measured():
+    """As in the ledger: a decode step faster than the copy kernel raises the roof, so no
+    point sits above it; otherwise the copy kernel's figure stands."""
+    from lab.studies.serving import Roofs, best_roofs
+
+    roofs = Roofs(bandwidth=10e9, peak_flops=1e11, dtype="float32", copy={"bytes_per_s": 10e9})
+    slow = [{"batch": 1, "bytes_per_s": 8e9, "memory_roof_share": 0.8}]
+    assert best_roofs(roofs, slow) is roofs
+    points = [
+        {"batch": 1, "bytes_per_s": 24.7e9, "memory_roof_share": 2.47},
+        {"batch": 8, "bytes_per_s": 12e9, "memory_roof_share": 1.2},
+    ]
+    raised = best_roofs(roofs, points)
+    assert raised.bandwidth == 24.7e9 and "batch 1" in raised.how
+    assert max(p["memory_roof_share"] for p in points) == 1.0
+    assert points[1]["memory_roof_share"] == pytest.approx(12 / 24.7)
