@@ -219,7 +219,11 @@ def run_training(session: Session) -> int:
 def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
     console = progress.console(quiet=not is_main)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.abstract_state.params))
-    console.print(tables.run_header(cfg, info, n_params, dict(trainer.mesh.shape)))
+    console.print(
+        tables.run_header(
+            cfg, info, n_params, dict(trainer.mesh.shape), attention_note=trainer.attention_note
+        )
+    )
     state, start = (
         (None, 0) if cfg.compile_only else _restore(cfg, trainer, run_dir, is_main, console)
     )
@@ -230,7 +234,8 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
         console.print(tables.analysis(analysis, compile_s))
         if analysis.get("aot", {}).get("kernels"):
             title = f"GPU kernels of one step ({info.device_kind}): compiled, not run"
-            console.print(tables.kernels(analysis["aot"]["kernels"], title))
+            aot = analysis["aot"]
+            console.print(tables.kernels(aot["kernels"], title, aot.get("toolchain")))
         if is_main:
             summary.write_summary(run_dir, {"compile_s": compile_s, **analysis})
         return 0

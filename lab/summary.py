@@ -18,7 +18,7 @@ from lab import plans
 from lab.config import Config, override
 from lab.devices import DeviceInfo
 from lab.errors import ConfigError
-from lab.measure import ceilings, cost, memory, specs
+from lab.measure import ceilings, cost, memory, specs, toolchain
 from lab.measure import records as rec
 from lab.model import count_nonembedding_params, count_params
 from lab.names import HOST_MEMORY
@@ -57,6 +57,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         "devices_present": info.count,
         "simulated": info.simulated,
         "notes": list(trainer.notes),
+        "attention_note": trainer.attention_note,
     }
     if trainer.schedule is not None:
         colls = collectives_hlo.from_compiled(compiled, trainer.mesh)
@@ -67,6 +68,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
     if info.aot:
         out["aot"] = _aot_plan(compiled, cfg, info, fpt, trainer.mesh.size)
         out["aot"]["kernels"] = resources.as_dicts(kernels)
+        out["aot"]["toolchain"] = toolchain.probe().record()  # the kernels are ptxas's
         out["aot"]["fit"] = fit_advice(trainer, out)
     return out
 

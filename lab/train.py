@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from lab.config import Config, resolve_dtype, validate
 from lab.errors import ConfigError
-from lab.kernels.attention import choose
+from lab.kernels.attention import choose_noted
 from lab.kernels.pipeline import Schedule
 from lab.mesh import auto_strategy, axis_size, check_divisible, check_strategy_axes, rules_for
 from lab.model import build
@@ -164,6 +164,7 @@ class Trainer:
     step_jit: Any  # (TrainState, tokens_BxL1) → (TrainState, metrics), state donated
     schedule: Schedule | None = None  # the pipeline's, under strategy=pp*
     notes: tuple[str, ...] = ()  # what the backend did not do that the config asked for
+    attention_note: str | None = None  # why auto/pallas passed over a kernel (the toolchain)
 
     def batch_shape(self) -> jax.ShapeDtypeStruct:
         shape = (self.cfg.batch_size, self.cfg.seq_len + 1)
@@ -213,7 +214,14 @@ def resolve(cfg: Config, mesh) -> Config:
     that use every axis the mesh names) and the attention kernel (the dispatch's choice for
     this backend and shape, so the header and config.json name what ran). An attention
     implementation the inputs do not fit is a ConfigError before anything is traced."""
+    return resolve_noted(cfg, mesh)[0]
+
+
+def resolve_noted(cfg: Config, mesh) -> tuple[Config, str | None]:
+    """`resolve`, with the dispatch's note where auto/pallas passed over the kernel it
+    prefers because this toolchain miscompiles it (the run header prints it), or None."""
     backend = backend_of(mesh)
+    note = None
     model = resolve_dtype(cfg.model, backend)
     data = cfg.data if cfg.data != "auto" else ("text" if model.vocab_size == 256 else "synthetic")
     strategy = cfg.strategy if cfg.strategy != "auto" else auto_strategy(dict(mesh.shape))
@@ -224,7 +232,7 @@ def resolve(cfg: Config, mesh) -> Config:
         kv = jax.ShapeDtypeStruct((1, cfg.seq_len, model.n_kv_heads, model.head_dim), dtype)
         try:
             with jax.set_mesh(mesh):  # a plan's target decides (no cuDNN where none is here)
-                impl = choose(model.attention, q, kv, kv, causal=True, backend=backend)
+                impl, note = choose_noted(model.attention, q, kv, kv, causal=True, backend=backend)
         except ValueError as e:
             raise ConfigError(f"attention={model.attention}: {e}") from None
         model = dataclasses.replace(model, attention=impl)
@@ -232,7 +240,7 @@ def resolve(cfg: Config, mesh) -> Config:
     _check_pipeline_offload(model, strategy, dict(mesh.shape), backend)
     cfg = dataclasses.replace(cfg, model=model, data=data, strategy=strategy)
     validate(cfg)
-    return cfg
+    return cfg, note
 
 
 def _check_pipeline_offload(model, strategy: str, sizes: dict[str, int], backend: str) -> None:
@@ -284,7 +292,7 @@ def _resolve_pipeline(model, strategy: str, sizes: dict[str, int]):
 def make_trainer(cfg: Config, mesh) -> Trainer:
     """Shardings from logical names, a jitted sharded init, a jitted donated step; `cfg`
     resolved for the mesh first (`resolve`), and kept resolved in `Trainer.cfg`."""
-    cfg = resolve(cfg, mesh)
+    cfg, attention_note = resolve_noted(cfg, mesh)
     rules = rules_for(cfg.strategy)
     model, tx = build(cfg.model), make_optimizer(cfg)
     init_fn = functools.partial(_init_state, model=model, tx=tx, seq_len=cfg.seq_len)
@@ -340,6 +348,7 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
         step_jit=step,
         schedule=schedule,
         notes=notes,
+        attention_note=attention_note,
     )
 
 

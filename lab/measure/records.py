@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 
 from lab.errors import ConfigError
+from lab.measure import toolchain
 
 LABELS = ("measured", "predicted", "compiled, not run", "derived")
 
@@ -41,7 +42,9 @@ def _load_avg() -> float | None:
 
 @functools.cache
 def environment() -> dict:
-    """Backend, devices and versions of this process (fixed once JAX has started)."""
+    """Backend, devices and versions of this process (fixed once JAX has started), with the
+    ptxas, CUDA runtime and JAX CUDA plugin that compile its GPU kernels (a GPU figure, or a
+    GPU plan's, is the compiler's as much as the kernel's; None where there is none)."""
     devices = jax.devices()
     return {
         "backend": jax.default_backend(),
@@ -52,6 +55,7 @@ def environment() -> dict:
         "jax_version": jax.__version__,
         "jaxlib_version": _version("jaxlib"),
         "flax_version": _version("flax"),
+        **toolchain.probe().record(),
         "python_version": platform.python_version(),
         "hostname": socket.gethostname(),
         "platform": f"{sys.platform}-{platform.machine()}",

@@ -17,11 +17,10 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 
 from lab.errors import ConfigError
-from lab.measure import specs
+from lab.measure import specs, toolchain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,20 +161,13 @@ def _pjrt() -> tuple[str, str] | None:
 
 
 def cuda_root() -> str | None:
-    """The folder jax hands XLA as xla_gpu_cuda_data_dir ($CUDA_ROOT, else NVIDIA's wheels)."""
-    from jax._src import lib  # private: exactly what jax passes to XLA, on 0.10 and newer
-
-    path = getattr(lib, "cuda_path", None)
-    return None if path in (None, "None") else str(path)
+    """The folder jax hands XLA as xla_gpu_cuda_data_dir (lab/measure/toolchain.py)."""
+    return toolchain.cuda_root()
 
 
 def ptxas() -> str | None:
-    """The ptxas XLA will run: <cuda_root>/bin/ptxas, else PATH, else /usr/local/cuda."""
-    root = cuda_root()
-    candidates = [Path(root, "bin", "ptxas")] if root else []
-    candidates += [Path(p) for p in filter(None, [shutil.which("ptxas")])]
-    candidates += [Path("/usr/local/cuda/bin/ptxas")]
-    return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+    """The ptxas XLA will run (lab/measure/toolchain.py finds it: records name its version)."""
+    return toolchain.ptxas_path()
 
 
 def check_compiler() -> None:

@@ -18,8 +18,9 @@ GIB = 2**30
 # ------------------------------------------------------------------------------- lab.run
 
 
-def run_header(cfg, info, n_params: int, mesh_shape: dict) -> str:
-    """The lines lab.run prints before compiling (rich markup)."""
+def run_header(cfg, info, n_params: int, mesh_shape: dict, attention_note=None) -> str:
+    """The lines lab.run prints before compiling (rich markup); `attention_note`: why the
+    dispatch passed over the kernel it prefers here (lab.kernels.attention.choose_noted)."""
     m = cfg.model
     sizes = " × ".join(f"{a}={n}" for a, n in mesh_shape.items() if n > 1) or "1 device"
     return "\n".join(
@@ -30,6 +31,7 @@ def run_header(cfg, info, n_params: int, mesh_shape: dict) -> str:
             f"  model     {cfg.preset}: {n_params / 1e6:.2f}M params, d_model={m.d_model}, "
             f"layers={m.n_layers}, heads={m.n_heads}/{m.n_kv_heads} kv, attention={m.attention}, "
             f"remat={m.remat}",
+            *([f"  attention [yellow]{attention_note}"] if attention_note else []),
             f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32",
             f"  data      {cfg.data}, batch {cfg.batch_size} × {cfg.seq_len} tokens, "
             f"{cfg.steps} steps",
@@ -169,10 +171,12 @@ _XLA_KERNEL = re.compile(
 )
 
 
-def kernels(rows: list[dict], title: str) -> Table:
+def kernels(rows: list[dict], title: str, toolchain: dict | None = None) -> Table:
     """The custom (Pallas, Mosaic) kernels of a compiled program one by one, XLA's own in one
-    summary row (every one is in summary.json): lab/plans/resources.py, compiled, not run."""
-    t = Table(title=title)
+    summary row (every one is in summary.json): lab/plans/resources.py, compiled, not run.
+    `toolchain` (lab.measure.toolchain.Toolchain.record) is the caption: registers and spills
+    are ptxas's, so the table names the ptxas and plugin it came from."""
+    t = Table(title=title, caption=toolchain_line(toolchain) if toolchain else None)
     cols = ("kernel", "launches", "grid", "threads", "registers", "spills (st/ld)", "smem")
     for col in (*cols, "blocks/SM", "limit", "occupancy"):
         left = col == "kernel"
@@ -212,7 +216,17 @@ def kernels(rows: list[dict], title: str) -> Table:
     return t
 
 
-def kernel_grid(rows: list[dict], title: str) -> Table:
+def toolchain_line(tc: dict) -> str:
+    """'compiled by ptxas 13.5.37 · jax-cuda13-plugin 0.10.2 · CUDA runtime 13.5'."""
+    parts = [f"ptxas {tc['ptxas_version']}" if tc.get("ptxas_version") else "no ptxas found"]
+    if tc.get("cuda_plugin_version"):
+        parts.append(tc["cuda_plugin_version"])
+    if tc.get("cuda_runtime_version"):
+        parts.append(f"CUDA runtime {tc['cuda_runtime_version']}")
+    return "compiled by " + " · ".join(parts)
+
+
+def kernel_grid(rows: list[dict], title: str, toolchain: dict | None = None) -> Table:
     """One kernel table for a grid of attention plans (lab.studies.plan.grid): every point's
     forward + backward kernels, each named by its L=S and K; XLA's kernels in one row."""
     named = []
@@ -223,7 +237,7 @@ def kernel_grid(rows: list[dict], title: str) -> Table:
             name = k["name"].removesuffix("_mosaic_gpu_kernel").removeprefix("flash_attention_")
             custom = not _XLA_KERNEL.match(k["name"])
             named.append({**k, "name": f"L={r['seq']} K={r['head_dim']} {name}"} if custom else k)
-    return kernels(named, title)
+    return kernels(named, title, toolchain)
 
 
 # ------------------------------------------------------------------------------- explain

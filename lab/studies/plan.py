@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from lab import plans
 from lab.errors import ConfigError
-from lab.measure import cost, specs
+from lab.measure import cost, specs, toolchain
 from lab.measure import records as rec
 from lab.measure.memory import compiled_memory
 from lab.names import DATA, MODEL
@@ -78,6 +78,8 @@ def plan(
     kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.dtype(dtype), sharding=sh)
     kind = devices[0].device_kind
     spec, peak = specs.lookup(kind), specs.peak_flops(kind, dtype)
+    chosen, note = _chosen(impl, q, kv, causal, mesh)
+    tc = toolchain.probe().record() if plans.gpu_kind(devices) else None
     rows = []
     for mode, fn in _programs(_sharded(causal, impl)).items():
         t0 = time.perf_counter()
@@ -115,9 +117,24 @@ def plan(
                 tflops=per_device / est / 1e12 if est else None,
                 peak_share=per_device / est / peak if est and peak else None,
                 kernels=resources.as_dicts(kernels),
+                impl=chosen,
+                attention_note=note,
+                toolchain=tc,
             )
         )
     return rows
+
+
+def _chosen(impl: str, q, kv, causal: bool, mesh) -> tuple[str, str | None]:
+    """(the kernel the dispatch compiles for the target, why it passed over the one it
+    prefers there or None); a kernel it refuses is the dispatch's one line (ConfigError)."""
+    from lab.kernels.attention import choose_noted
+
+    try:
+        with jax.sharding.set_mesh(mesh):  # the target's platform and device kind decide
+            return choose_noted(impl, q, kv, kv, causal=causal)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def grid(target: str, *, seqs, head_dims, progress=None, **config) -> list:
@@ -137,6 +154,7 @@ def to_records(rows: list[dict], config: dict) -> list[dict]:
     out = []
     for r in rows:
         c = dict(op="attention plan", mode=r["mode"], target_kind=r["device_kind"], **config)
+        c.update(chosen_impl=r.get("impl"), attention_note=r.get("attention_note"))
         c.update({k: r[k] for k in ("seq", "head_dim") if k in r})
         label = "compiled, not run"
         if r["memory"]:

@@ -24,6 +24,12 @@ auto            the best available for the backend, never an interpreted kernel:
                 at 256. Falls back to blockwise when the chosen kernel does not take the
                 input (dtype, head_dim).
 
+The toolchain counts too: ptxas of CUDA 12.8.0 up to 12.9.1 miscompiles pallas_mgpu's causal
+mask (lab/measure/toolchain.py). There `impl=pallas_mgpu` with causal=True is refused (one
+line naming the ptxas and the way out), and `auto`/`pallas` pass it over for the next kernel
+that takes the input; `choose_noted` says so, and lab.run's header and the attention plan
+print it. Interpreted kernels run no ptxas and are not checked.
+
 Decoding (one query token per sequence against a key/value cache) has its own dispatch,
 `decode_attention` (decode.py): reference (plain JAX), pallas_tpu, pallas_gpu; auto is the
 backend's Pallas kernel on TPU and GPU, the reference on CPU.
@@ -50,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 from lab.kernels.attention import blockwise, decode, pallas_gpu, pallas_mgpu, pallas_tpu, ring
 from lab.kernels.attention.common import check_qkv, device_kind, platform, target_device
 from lab.kernels.attention.reference import attention_reference
+from lab.measure import toolchain
 from lab.names import ATTENTION_IMPLS
 
 IMPLS = ATTENTION_IMPLS
@@ -166,23 +173,50 @@ def _ring(args, *, causal, scale, shard_spec):
     )
 
 
-def _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, backend: str) -> str:
-    """The fastest implementation that accepts this input; see the module docstring."""
+def _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, backend: str) -> tuple:
+    """(the fastest implementation that accepts this input, why a faster one was passed over
+    or None); see the module docstring."""
     candidates = {"tpu": ["pallas_tpu"]}.get(backend, [])
     if backend == "gpu":
         candidates = (["cudnn"] if _cudnn_here() else []) + gpu_kernels()
-    return _first_fit(candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal) or "blockwise"
+    impl, note = _first_fit(candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal)
+    return impl or "blockwise", note
 
 
-def _first_fit(candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool) -> str | None:
-    """The first implementation of `candidates` that takes this input, or None."""
+def _first_fit(candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, interpret=False):
+    """(the first implementation of `candidates` that takes this input and that this
+    toolchain compiles correctly, or None; why one before it that takes the input was passed
+    over for the toolchain, or None). Only the toolchain's reason is kept: an input a kernel
+    does not take is the ordinary case, a compiler that would miscompile it is news."""
+    note = None
     for impl in candidates:
         try:
             _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal)
-            return impl
         except ValueError:
             continue
+        problem = _toolchain_problem(impl, causal, interpret)
+        if problem is None:
+            return impl, note
+        note = note or (impl, problem)
+    return None, note
+
+
+def _toolchain_problem(impl: str, causal: bool, interpret: bool) -> str | None:
+    """Why this toolchain must not compile `impl` for this mask (None: it may); interpreted
+    kernels run no ptxas."""
+    if impl == "pallas_mgpu" and not interpret:
+        return pallas_mgpu.toolchain_problem(causal=causal)
     return None
+
+
+def _passed_over(note, chosen: str) -> str | None:
+    if note is None:
+        return None
+    skipped, problem = note
+    return (
+        f"{chosen} instead of {skipped}: {problem}; a CUDA toolchain >= "
+        f"{toolchain.FIXED_IN} brings {skipped} back"
+    )
 
 
 def _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool) -> None:
@@ -215,20 +249,35 @@ def choose(
     """The implementation `attention` runs for these inputs (arrays or ShapeDtypeStructs) on
     `backend` (default: `platform()`), or a ValueError naming the constraint; lab.run asks
     before tracing so that a bad choice is one line, not a traceback from inside jit."""
+    return choose_noted(
+        impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, interpret=interpret, backend=backend
+    )[0]
+
+
+def choose_noted(
+    impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal=True, interpret=False, backend=None
+) -> tuple[str, str | None]:
+    """`choose`, with one line saying why `auto`/`pallas` passed over the kernel they prefer
+    here (this toolchain miscompiles it), or None: a run's header and a plan print it, so a
+    slower kernel is never a silent surprise. A kernel named explicitly is refused instead."""
     if impl not in (*IMPLS, "auto"):
         raise ValueError(f"attention impl={impl!r}: choose one of {', '.join(IMPLS)} or auto")
     if interpret and impl not in PALLAS:
         raise ValueError(f"interpret=True applies to impl in {PALLAS}, not impl={impl!r}")
     check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     backend = backend or platform()
+    note = None
     if impl == "auto":
-        impl = _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, backend)
+        impl, note = _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, backend)
     elif impl == "pallas" and backend == "gpu":  # the best GPU kernel that takes the input
-        impl = _first_fit(gpu_kernels(), q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal) or "pallas_gpu"
+        impl, note = _first_fit(gpu_kernels(), q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, interpret)
+        impl = impl or "pallas_gpu"
     else:
         impl = _resolve(impl, interpret, backend)
     _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal)
-    return impl
+    if impl == "pallas_mgpu" and not interpret:  # named explicitly: refused, not replaced
+        pallas_mgpu.check_toolchain(causal=causal)
+    return impl, _passed_over(note, impl)
 
 
 def attention(
@@ -354,5 +403,7 @@ __all__ = [
     "attention",
     "attention_reference",
     "available_impls",
+    "choose",
+    "choose_noted",
     "decode_attention",
 ]

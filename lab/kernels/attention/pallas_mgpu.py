@@ -88,6 +88,7 @@ from lab.kernels.attention.common import (
     round_up,
     visible,
 )
+from lab.measure import toolchain
 
 DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma on 16-bit inputs; f32 stays with pallas_gpu
 HEAD_DIMS = (64, 128)
@@ -805,6 +806,32 @@ def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool) -> None:
         raise ValueError(f"{q_BxLxHxK.shape=}: pallas_mgpu supports head_dim in {HEAD_DIMS}")
 
 
+def toolchain_problem(*, causal: bool) -> str | None:
+    """Why the ptxas that would compile these kernels must not (None: it may). With a causal
+    mask, ptxas of CUDA 12.8.0 up to 12.9.1 miscompiles their masked wgmma code
+    (lab/measure/toolchain.py; JAX's own Mosaic GPU attention refuses the same range). Without
+    the mask no masked wgmma is emitted, so any release compiles them."""
+    tc = toolchain.probe()
+    if not (causal and toolchain.miscompiles_causal_wgmma(tc)):
+        return None
+    return (
+        f"{tc.compiler} miscompiles its causal-masked wgmma code (every ptxas from "
+        f"{toolchain.range_text()} does)"
+    )
+
+
+def check_toolchain(*, causal: bool) -> None:
+    """`toolchain_problem` as a one-line ValueError that names the way out. Only compiled
+    kernels ask: the interpreter runs no ptxas."""
+    problem = toolchain_problem(causal=causal)
+    if problem:
+        raise ValueError(
+            f"impl='pallas_mgpu' with a causal mask: {problem}; choose pallas_gpu or cudnn "
+            f"instead, or a CUDA toolchain >= {toolchain.FIXED_IN} (e.g. pip install -U "
+            "'nvidia-cuda-nvcc-cu12>=12.9.86')"
+        )
+
+
 def plan_for(q_shape, k_shape, *, causal: bool, scale, block_sizes: BlockSizes, interpret):
     """The three kernels' geometries for these shapes (key tiles shrink to short sequences)."""
     _, L, H, K = q_shape
@@ -850,6 +877,8 @@ def flash_attention_mgpu(
             f"interpret={interpret!r}: JAX's GPU interpreter runs pallas_mgpu from jax 0.11 "
             f"(this is {jax.__version__}: no layout_cast rule, no transposed smem operand)"
         )
+    if interpret is False or interpret is None:
+        check_toolchain(causal=causal)
     if block_sizes is None:
         block_sizes = block_sizes_for(device_kind(), q_BxLxHxK.shape[-1])
     plan = plan_for(

@@ -1,0 +1,168 @@
+"""The CUDA toolchain that compiles the lab's GPU kernels: which ptxas, which CUDA runtime,
+which JAX CUDA plugin, and the releases whose ptxas is known to miscompile the lab's kernels.
+
+Why it is recorded: a GPU kernel's registers, spills and even its correctness are the
+compiler's, not only the source's. XLA and Mosaic GPU hand their PTX to ptxas (the one in the
+folder jax passes XLA as `xla_gpu_cuda_data_dir`, else on PATH), so a kernel table, a plan or
+a benchmark record that does not name the ptxas it came from cannot be compared with another.
+
+Why it is checked: ptxas of CUDA 12.8.0 up to (not including) 12.9.1 miscompiles the masked
+wgmma code of a causal Mosaic GPU attention kernel; JAX's own Mosaic GPU attention
+(jax/experimental/pallas/ops/gpu/attention_mgpu.py) refuses causal masking on those runtimes
+for that reason. `jax[cuda12]` can install such a toolchain, so the lab checks the same range
+before it compiles its own (lab/kernels/attention/pallas_mgpu.py).
+
+Which version counts: ptxas's own (`ptxas --version`), since ptxas is what miscompiles; only
+where no ptxas is found (a GPU machine that compiles through the driver or nvJitLink of its
+CUDA runtime) the CUDA runtime that jax's plugin loaded. The runtime reports no update number,
+so 12.9 from it counts as 12.9.0, as JAX's own check counts it.
+"""
+
+import dataclasses
+import functools
+import os
+import re
+import shutil
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+# CUDA releases [first, end) whose ptxas miscompiles causal-masked wgmma attention code.
+CAUSAL_WGMMA_MISCOMPILED = ((12, 8, 0), (12, 9, 1))
+FIXED_IN = ".".join(map(str, CAUSAL_WGMMA_MISCOMPILED[1]))  # '12.9.1', for messages
+
+# ptxas prints its build ("release 12.9, V12.9.86"), not the CUDA update it shipped in. The
+# first build of each update of the releases the range needs; NVIDIA's nvcc wheels carry the
+# same numbers (nvidia-cuda-nvcc-cu12 12.9.86 is CUDA 12.9.1, 12.8.61 is 12.8.0).
+_UPDATE_BUILDS = {(12, 8): ((61, 0), (93, 1)), (12, 9): ((41, 0), (86, 1))}
+_PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cuda_root() -> str | None:
+    """The folder jax hands XLA as xla_gpu_cuda_data_dir ($CUDA_ROOT, else NVIDIA's wheels)."""
+    from jax._src import lib  # private: exactly what jax passes to XLA, on 0.10 and newer
+
+    path = getattr(lib, "cuda_path", None)
+    return None if path in (None, "None") else str(path)
+
+
+def ptxas_path() -> str | None:
+    """The ptxas XLA will run: <cuda_root>/bin/ptxas, else PATH, else /usr/local/cuda."""
+    root = cuda_root()
+    candidates = [Path(root, "bin", "ptxas")] if root else []
+    candidates += [Path(p) for p in filter(None, [shutil.which("ptxas")])]
+    candidates += [Path("/usr/local/cuda/bin/ptxas")]
+    return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+
+
+def parse_ptxas_version(text: str) -> str | None:
+    """'Cuda compilation tools, release 12.9, V12.9.86' → '12.9.86'."""
+    m = re.search(r"\bV(\d+\.\d+\.\d+)", text)
+    return m.group(1) if m else None
+
+
+@functools.cache
+def _ptxas_version(path: str) -> str | None:
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_ptxas_version(done.stdout + done.stderr)
+
+
+def _cuda_runtime() -> str | None:
+    """The CUDA runtime jax's plugin loaded ('12.9'), None without a plugin or a runtime."""
+    try:
+        from jax._src.lib import cuda_versions  # private: what JAX's own kernels check
+    except ImportError:
+        return None
+    if cuda_versions is None:
+        return None
+    try:
+        v = int(cuda_versions.cuda_runtime_get_version())  # 1000 * major + 10 * minor
+    except Exception:  # noqa: BLE001 — no runtime library loadable: nothing to report
+        return None
+    return f"{v // 1000}.{v % 1000 // 10}" if v > 0 else None
+
+
+def release_of_ptxas(version: str) -> tuple[int, int, int]:
+    """The CUDA release a ptxas build shipped in: '12.9.86' → (12, 9, 1); builds of releases
+    whose updates the lab does not list count as update 0."""
+    major, minor, build = (int(x) for x in version.split("."))
+    update = 0
+    for first_build, u in _UPDATE_BUILDS.get((major, minor), ()):
+        if build >= first_build:
+            update = u
+    return major, minor, update
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    """The CUDA compiler and runtime this process compiles GPU kernels with."""
+
+    ptxas: str | None  # its version as it prints it ('12.9.86'); None where none is found
+    ptxas_path: str | None
+    cuda_runtime: str | None  # the runtime jax's CUDA plugin loaded ('12.9'), if any
+    cuda_plugin: str | None  # 'jax-cuda13-plugin 0.10.2', if installed
+
+    @property
+    def release(self) -> tuple[int, int, int] | None:
+        """The CUDA release that compiles kernels here: ptxas's, else the runtime's."""
+        if self.ptxas:
+            return release_of_ptxas(self.ptxas)
+        if self.cuda_runtime:
+            major, minor = (int(x) for x in self.cuda_runtime.split("."))
+            return major, minor, 0
+        return None
+
+    @property
+    def compiler(self) -> str:
+        """'ptxas 12.8.61 (CUDA 12.8.0)', or the runtime where no ptxas is found."""
+        if self.ptxas:
+            r = self.release
+            known = r[:2] in _UPDATE_BUILDS  # else ptxas's build does not say the update
+            return f"ptxas {self.ptxas} (CUDA {'.'.join(map(str, r if known else r[:2]))})"
+        if self.cuda_runtime:
+            return f"CUDA runtime {self.cuda_runtime} (no ptxas found)"
+        return "no CUDA toolchain"
+
+    def record(self) -> dict:
+        """The fields every record carries (lab/measure/records.py)."""
+        return {
+            "ptxas_version": self.ptxas,
+            "cuda_runtime_version": self.cuda_runtime,
+            "cuda_plugin_version": self.cuda_plugin,
+        }
+
+
+@functools.cache
+def probe() -> Toolchain:
+    """This process's toolchain, found once (the ptxas and the plugin do not change while it
+    runs). Tests replace this function to fake a version."""
+    path = ptxas_path()
+    plugin = next(((d, v) for d in _PLUGINS if (v := _dist_version(d))), None)
+    return Toolchain(
+        ptxas=_ptxas_version(path) if path else None,
+        ptxas_path=path,
+        cuda_runtime=_cuda_runtime() if plugin else None,
+        cuda_plugin=f"{plugin[0]} {plugin[1]}" if plugin else None,
+    )
+
+
+def miscompiles_causal_wgmma(tc: Toolchain) -> bool:
+    """Whether `tc`'s release is in CAUSAL_WGMMA_MISCOMPILED (unknown: no, nothing compiles)."""
+    first, end = CAUSAL_WGMMA_MISCOMPILED
+    return tc.release is not None and first <= tc.release < end
+
+
+def range_text() -> str:
+    """'CUDA 12.8.0 up to 12.9.1' for messages."""
+    first, end = CAUSAL_WGMMA_MISCOMPILED
+    return f"CUDA {'.'.join(map(str, first))} up to {'.'.join(map(str, end))}"
