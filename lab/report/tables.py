@@ -680,9 +680,10 @@ def serving_summary(s: dict, roofs) -> Table:
     """The derived figures of a serving study (lab.studies.serving.summarise)."""
     t = Table(title="what decoding is bound by", show_header=False)
     t.add_row(
-        "memory roof (measured copy)",
-        f"{roofs.bandwidth / 1e9:,.2f} GB/s; compute roof {roofs.peak_flops / 1e9:,.1f} "
-        f"GFLOP/s ({roofs.dtype} matmul); ridge {roofs.ridge:.1f} FLOP/B",
+        "memory roof (best measured)",
+        f"{roofs.bandwidth / 1e9:,.2f} GB/s, set by {roofs.how}; compute roof "
+        f"{roofs.peak_flops / 1e9:,.1f} GFLOP/s ({roofs.dtype} matmul); "
+        f"ridge {roofs.ridge:.1f} FLOP/B",
     )
     t.add_row(
         "batch 1",
