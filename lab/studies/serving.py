@@ -180,7 +180,7 @@ class Roofs:
     peak_flops: float
     dtype: str
     copy: dict
-    how: str = "the copy kernel's (y = x·s)"  # what set the memory roof
+    how: str = "the copy kernel (y = x·s)"  # what set the memory roof
 
     @property
     def ridge(self) -> float:
@@ -503,8 +503,8 @@ def best_roofs(roofs: Roofs, points: list[dict]) -> Roofs:
         return roofs
     short = 1 - roofs.bandwidth / best["bytes_per_s"]
     how = (
-        f"decode at batch {best['batch']} moved bytes faster; the copy figure is {short:.0%} "
-        "below it (noisy host?)"
+        f"decode at batch {best['batch']}, which moved bytes faster (the copy figure is "
+        f"{short:.0%} below it: a noisy host?)"
     )
     for p in points:
         p["memory_roof_share"] = p["bytes_per_s"] / best["bytes_per_s"]
