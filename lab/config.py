@@ -445,11 +445,27 @@ def validate(cfg: Config) -> None:
         )
     if cfg.num_processes > 1 and not cfg.coordinator:
         raise ConfigError("num_processes > 1 needs coordinator=host:port")
+    if cfg.coordinator:
+        _check_coordinator(cfg.coordinator)
     if cfg.target and cfg.target.split(":")[0] not in ("tpu", "gpu"):
         raise ConfigError(
             f"target={cfg.target!r}: expected tpu:GEN:TOPOLOGY or gpu:KIND[:N] (see --help)"
         )
     check_name(cfg.name)
+
+
+def _check_coordinator(address: str) -> None:
+    """host:port with a port in 1..65535 (an IPv6 host in brackets): checked before any
+    process starts, so a typo is one line here and never a join that times out."""
+    host, colon, port = address.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    bare = host[1:-1] if bracketed else host
+    if not colon or not bare or any(c in bare for c in " /[]") or (":" in bare and not bracketed):
+        raise ConfigError(
+            f"coordinator={address!r}: expected host:port (e.g. localhost:1234 or [::1]:1234)"
+        )
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"coordinator={address!r}: the port must be a number in 1..65535")
 
 
 def _validate_pipeline(cfg: Config) -> None:

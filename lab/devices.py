@@ -3,15 +3,24 @@
 Two things must happen before the first JAX operation: `jax.distributed.initialize` (the
 multi-controller runtime that joins hosts into one set of global devices) and, on CPU, the
 number of simulated devices. `prepare` does both; `describe` reports what came of it.
+
+Joining never ends in the runtime's C++ abort (a stack trace, exit 134): a process that joins
+first waits for the coordinator's port, and every process's whole join is bounded by a watchdog
+that prints one line and exits 2 when coordinator_timeout runs out. Once joined, `agreed_stop`
+makes a signal to any one process stop every process after the same step.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
 import socket
+import sys
+import threading
 import time
 
 import jax
+from jax._src import distributed as _distributed  # the key-value store of the runtime
 
 from lab.errors import ConfigError
 from lab.mesh import MeshSpecError, known_size, resolve_shape
@@ -42,25 +51,60 @@ def _tpu_pod() -> bool:
     return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
-def _reach(coordinator: str, timeout_s: float) -> None:
-    """Wait until the coordinator accepts a TCP connection, or raise ConfigError. The runtime's
-    own wait ends in a C++ abort with a stack trace, so a process that joins checks first."""
+STOP_KEYS = "lab/stop/"  # where a signalled process posts "STEP SIGNAL" in the key-value store
+STOP_LINE = "{signal} to process {process}: every process stops after step {step}"
+
+
+def _reach(coordinator: str) -> None:
+    """Wait until the coordinator accepts a TCP connection (the watchdog bounds the wait): a
+    process that joins before process 0 listens would otherwise wait inside the runtime."""
     host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"coordinator={coordinator!r}: expected host:port")
-    deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host, int(port)), timeout=2):
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
                 return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise ConfigError(
-                    f"coordinator={coordinator}: not reachable within {timeout_s:g} s "
-                    f"(coordinator_timeout=); is process 0 started and the address right? "
-                    f"({e.strerror or e})"
-                ) from None
+        except OSError:
             time.sleep(0.5)
+
+
+def _resolve(coordinator: str) -> None:
+    """ConfigError (one line) for a host name that does not resolve: the runtime would retry
+    it until its timeout and then abort."""
+    host, _, port = coordinator.rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ConfigError(f"coordinator={coordinator}: unknown host {host!r} ({e})") from None
+
+
+def _join_timeout(coordinator: str, num_processes: int, process_id: int, timeout_s: int, reached):
+    """The one line for a join that did not finish within timeout_s."""
+    where = f"coordinator={coordinator}: process {process_id} of {num_processes}"
+    if not reached.is_set():
+        return (
+            f"{where} could not reach the coordinator within {timeout_s} s "
+            "(coordinator_timeout=): is process 0 started and the address right?"
+        )
+    waited = "for the other processes to join" if process_id == 0 else "to join"
+    return (
+        f"{where} waited {timeout_s} s (coordinator_timeout=) {waited}; start every process "
+        "with the same coordinator= and num_processes=, or raise coordinator_timeout="
+    )
+
+
+def _watchdog(timeout_s: int, line) -> threading.Timer:
+    """A timer that ends this process with `line()` and exit 2 unless cancelled within
+    timeout_s. The runtime's own wait for a join ends later in a C++ abort with a stack trace,
+    and a thread can still print while the main thread is blocked inside the runtime."""
+
+    def give_up():
+        print(f"error: {line()}", file=sys.stderr, flush=True)
+        os._exit(2)
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _init_distributed(
@@ -69,25 +113,76 @@ def _init_distributed(
     if coordinator:
         # CPU processes need a collectives library to talk; gloo ships with jaxlib.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        if process_id > 0:
-            _reach(coordinator, timeout_s)
-        try:
-            jax.distributed.initialize(
-                coordinator_address=coordinator,
-                num_processes=num_processes,
-                process_id=process_id,
-                initialization_timeout=timeout_s,
-                shutdown_timeout_seconds=min(timeout_s, 30),
-            )
-        except Exception as e:  # noqa: BLE001 — the runtime raises XlaRuntimeError and others
-            first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-            raise ConfigError(
-                f"coordinator={coordinator}: process {process_id} of {num_processes} could not "
-                f"join within {timeout_s} s (coordinator_timeout=); is the address right and "
-                f"every process started? ({first})"
-            ) from None
+        _join(coordinator, num_processes, process_id, timeout_s)
     elif _tpu_pod():
+        _no_preemption_notifier()
         jax.distributed.initialize()  # TPU pods describe themselves through the environment
+
+
+def _no_preemption_notifier() -> None:
+    """The runtime's preemption notifier takes SIGTERM for itself and swallows it (a process
+    signalled before the training loop would never stop); `agreed_stop` does its work."""
+    jax.config.update("jax_enable_preemption_service", False)
+
+
+def _join(coordinator: str, num_processes: int, process_id: int, timeout_s: int) -> None:
+    _no_preemption_notifier()
+    reached = threading.Event()
+    timer = _watchdog(
+        timeout_s, lambda: _join_timeout(coordinator, num_processes, process_id, timeout_s, reached)
+    )
+    try:
+        _resolve(coordinator)
+        if process_id > 0:
+            _reach(coordinator)
+        reached.set()
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=timeout_s,
+            shutdown_timeout_seconds=min(timeout_s, 30),
+        )
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 — the runtime raises XlaRuntimeError and others
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"coordinator={coordinator}: process {process_id} of {num_processes} could not "
+            f"join ({first}); is the address right and every process started?"
+        ) from None
+    finally:
+        timer.cancel()
+
+
+def agreed_stop(stop, step: int) -> bool:
+    """Asked by the training loop after every completed `step`: stop now? The same answer on
+    every process. `stop.signal` is the name of the signal this process got (or None); a
+    process that got none takes the name of the one every process stops on.
+
+    One process stops on its own signal at once. Several must stop after the same step, or
+    one waits in its checkpoint save (or its exit) for a peer blocked in the next step's
+    collectives: a signalled process posts step + 1 to the runtime's key-value store (its
+    peers may already be inside step + 1, and none can finish it without this process), and
+    every process stops once the earliest posted step is reached."""
+    client = _distributed.global_state.client
+    if client is None:
+        return stop.signal is not None
+    me = f"{STOP_KEYS}{jax.process_index()}"
+    posted = dict(client.key_value_dir_get(STOP_KEYS))
+    if stop.signal and me not in posted:
+        posted[me] = f"{step + 1} {stop.signal}"
+        client.key_value_set(me, posted[me])
+        line = STOP_LINE.format(signal=stop.signal, process=jax.process_index(), step=step + 1)
+        with contextlib.suppress(OSError):  # the launcher that reads it may be gone
+            print(line, file=sys.stderr, flush=True)
+    if not posted:
+        return False
+    at, name = min((int(v.split()[0]), v.split()[1]) for v in posted.values())
+    if step < at:
+        return False
+    stop.signal = stop.signal or name
+    return True
 
 
 # Simulated CPU devices per process: 4,096 take ~3 s and 0.7 GB to create on 2 cores; the cost

@@ -19,6 +19,7 @@ import jax
 from lab import checkpoint, plans, rundir, summary
 from lab.config import Config
 from lab.data import host_batch, to_global
+from lab.devices import agreed_stop
 from lab.errors import RunError
 from lab.measure.records import writable_dir
 from lab.measure.timing import summarise
@@ -138,7 +139,7 @@ def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist)
                 metrics_f.flush()
             if mngr and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 checkpoint.save(mngr, step + 1, state)
-            if stop.signal:
+            if agreed_stop(stop, step + 1):  # the same step on every process
                 if mngr:
                     checkpoint.save(mngr, step + 1, state, wait=True)  # a no-op if just saved
                     console.print(f"{stop.signal}: checkpoint saved at step {step + 1}")

@@ -1,13 +1,19 @@
 """lab.tools.launch: two jax.distributed processes of four simulated devices each train exactly like
 one process of eight; bad input and failing processes end with a clear non-zero exit."""
 
+import fcntl
 import io
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from lab.config import make_config
 from lab.run import main as run_main
 from lab.tools import launch
 
@@ -50,3 +56,211 @@ def test_one_failure_stops_the_others_and_sets_the_exit_code():
     out = io.StringIO()
     assert launch.run([sleeper, failer], timeout_s=30, out=out) == 3
     assert "[p1] boom" in out.getvalue()
+
+
+# A job must end as a whole: a process of it cannot go on alone (its next collective waits for
+# every peer), so whatever happens to one process (a signal, SIGKILL, a failed join, its
+# launcher killed), every process ends within coordinator_timeout and a step, and one line
+# says what happened. The jobs below are tiny and every wait is bounded, so a regression
+# fails instead of hanging.
+
+LONG = [*TINY[:-1], "mesh=4x2", "steps=100000", "coordinator_timeout=10"]
+JOIN_S = 10  # coordinator_timeout of the jobs below
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _launch(tmp_path: Path, *keys: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "lab.tools.launch", "processes=2", *LONG, *keys]
+    cmd += [f"out_dir={tmp_path}", "name=J"]
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _training(tmp_path: Path, proc: subprocess.Popen, steps: int = 3, timeout_s: float = 90):
+    """Wait until the job has trained `steps` steps; the pids of its lab.run processes."""
+    metrics = tmp_path / "J" / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the job did not start training"
+        time.sleep(0.2)
+    pids = _children(tmp_path)
+    assert sorted(pids) == [0, 1], pids
+    return pids
+
+
+def _children(tmp_path: Path) -> dict[int, int]:
+    """process_id → pid of the lab.run processes that write under tmp_path."""
+    ps = subprocess.run(["pgrep", "-af", f"out_dir={tmp_path}"], capture_output=True, text=True)
+    found = {}
+    for line in ps.stdout.splitlines():
+        if "lab.run" in line and "process_id=" in line:
+            pid, rest = line.split(" ", 1)
+            found[int(rest.split("process_id=")[1].split()[0])] = int(pid)
+    return found
+
+
+def _ended(proc: subprocess.Popen, within_s: float) -> tuple[str, str, float]:
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the job hung:\n{out[-2000:]}\n{err[-2000:]}") from None
+    return out, err, time.monotonic() - t0
+
+
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
+    proc = _launch(tmp_path, "checkpoint_every=1000")  # the stop's save is the only one
+    pids = _training(tmp_path, proc)
+    os.kill(pids[1], signal.SIGTERM)
+    out, err, took = _ended(proc, within_s=JOIN_S + 30)
+    assert proc.returncode == 143, err[-3000:]
+    assert took < JOIN_S + 15  # one step, one save, the runtime's shutdown
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("launch: process 1 got SIGTERM: every process stopped after step"), last
+    step = int(last.split("after step ")[1].split()[0])
+    assert [int(p.name) for p in (tmp_path / "J" / "checkpoints").iterdir()] == [step]
+    assert f"[p0] SIGTERM: checkpoint saved at step {step}" in out
+    assert "Traceback" not in out + err and "Check failure" not in out + err
+    assert not _children(tmp_path)
+
+
+@pytest.mark.parametrize("victim", [0, 1])  # process 0 also hosts the coordinator
+def test_sigkill_to_one_process_is_named_and_stops_the_rest(tmp_path, victim):
+    proc = _launch(tmp_path)
+    pids = _training(tmp_path, proc)
+    os.kill(pids[victim], signal.SIGKILL)
+    out, err, took = _ended(proc, within_s=JOIN_S + 30)
+    assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert took < launch.KILL_AFTER_S + 5
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"launch: process {victim} was killed by SIGKILL; process "), last
+    assert "Traceback" not in out and "Check failure" not in out  # the survivor's echo
+    assert not _children(tmp_path)
+
+
+def test_sigkill_to_the_launcher_takes_its_processes_with_it(tmp_path):
+    proc = _launch(tmp_path)
+    pids = _training(tmp_path, proc)
+    proc.kill()
+    proc.communicate(timeout=10)
+    deadline = time.monotonic() + JOIN_S + 15  # they stop like signalled processes
+    while any(map(_alive, pids.values())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in pids.values() if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes outlived their launcher: {left} of {pids}"
+    with open(tmp_path / "J" / ".lock", "a+") as f:  # the run folder is free again
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+@pytest.mark.parametrize(
+    "process_id, address, needle",
+    [
+        (0, "", "process 0 of 2 waited 3 s (coordinator_timeout=) for the other processes to join"),
+        (1, "", "process 1 of 2 could not reach the coordinator within 3 s (coordinator_timeout=)"),
+        (1, "no.such.host.invalid:1234", "unknown host 'no.such.host.invalid'"),
+    ],
+)
+def test_a_join_that_cannot_finish_is_one_line_and_exit_2(tmp_path, process_id, address, needle):
+    """Process 0 waiting for a peer that never starts, a process whose coordinator never
+    answers, a host that does not resolve: one line, before the runtime's own abort (a C++
+    stack trace, exit 134) and never past coordinator_timeout."""
+    address = address or f"localhost:{launch.free_port()}"
+    cmd = [sys.executable, "-m", "lab.run", *TINY, "mesh=4x2", f"out_dir={tmp_path}", "name=j"]
+    cmd += ["num_processes=2", f"process_id={process_id}", "coordinator_timeout=3"]
+    cmd += [f"coordinator={address}"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "address, needle",
+    [
+        ("nonsense", "expected host:port"),
+        ("localhost:99999", "the port must be a number in 1..65535"),
+        ("localhost:", "the port must be a number in 1..65535"),
+        (":1234", "expected host:port"),
+        ("::1:1234", "expected host:port"),
+    ],
+)
+def test_a_bad_coordinator_is_one_line_and_exit_2_never_a_join_timeout(address, needle, capsys):
+    args = [*TINY, "mesh=4x2", f"coordinator={address}", "num_processes=2", "process_id=0"]
+    assert run_main([*args, "coordinator_timeout=5"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+    assert "join" not in err
+
+
+def test_good_coordinators_pass():
+    for address in ("localhost:1234", "10.0.0.1:80", "[::1]:1234", "host-1.example.com:65535"):
+        assert make_config(coordinator=address, num_processes=2).coordinator == address
+
+
+# The launcher's own rules, on plain processes (fast).
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def test_a_process_killed_by_a_signal_is_named_with_it_and_sets_128_plus_n():
+    killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    err = io.StringIO()
+    t0 = time.monotonic()
+    assert launch.run([SLEEPER, killed], out=io.StringIO(), err=err) == 137
+    assert time.monotonic() - t0 < 10  # the sleeper was stopped, not waited for
+    line = err.getvalue()
+    assert line.count("\n") == 1
+    assert line.startswith("launch: process 1 was killed by SIGKILL; process 0 was stopped by")
+
+
+def test_a_survivors_traceback_is_left_out_and_the_first_failures_is_shown():
+    """A process that fails because another died prints the echo of that death (gloo: the
+    connection was closed); the launcher keeps it to one line. The first failure's own
+    traceback is the story, and it is shown."""
+    dies = [sys.executable, "-c", "import os, signal, time; time.sleep(1); os.kill(os.getpid(), 9)"]
+    echo = "def f(*_):\n    raise RuntimeError('gloo: Connection closed by peer')\n"
+    echo += "import signal, time\nsignal.signal(signal.SIGTERM, f)\ntime.sleep(60)\n"
+    out, err = io.StringIO(), io.StringIO()
+    assert launch.run([dies, [sys.executable, "-c", echo]], out=out, err=err) == 137
+    assert "Traceback" not in out.getvalue(), out.getvalue()
+    assert "[p1] (" in out.getvalue() and "lines of errors left out" in out.getvalue()
+    assert err.getvalue().startswith("launch: process 0 was killed by SIGKILL")
+    bug = [sys.executable, "-c", "raise ValueError('a bug')"]
+    out = io.StringIO()
+    assert launch.run([SLEEPER, bug], out=out, err=io.StringIO()) == 1
+    assert "[p1] Traceback" in out.getvalue() and "[p1] ValueError: a bug" in out.getvalue()
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_processes_die_with_their_launcher(tmp_path):
+    """SIGKILL to the launcher: no handler runs, the kernel tells the children (Linux)."""
+    pidfile = tmp_path / "pids"
+    child = f"import os, time; open({str(pidfile)!r}, 'a').write(f'{{os.getpid()}}\\n'); "
+    child += "time.sleep(60)"
+    script = "import sys\nfrom lab.tools import launch\n"
+    script += f"launch.run([[sys.executable, '-c', {child!r}]] * 2)\n"
+    proc = subprocess.Popen([sys.executable, "-c", script], env=ENV)
+    deadline = time.monotonic() + 30
+    while not (pidfile.exists() and len(pidfile.read_text().split()) == 2):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait(timeout=10)
+    pids = [int(p) for p in pidfile.read_text().split()]
+    deadline = time.monotonic() + 10
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, "a child outlived its launcher"

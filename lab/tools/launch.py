@@ -4,15 +4,37 @@ Multi-host JAX for real, on one machine: N processes of `python -m lab.run`, eac
 `jax.distributed` (coordinator on localhost, a free port; gloo collectives on CPU) and each
 holding mesh_size/N simulated CPU devices, form one global mesh: the same program a TPU pod
 slice or a GPU cluster runs, with every cross-process collective going through the network
-stack. Their output is gathered line by line, prefixed with the process id. The exit code is
-the first failure's, and the others are stopped at once (they would wait for it forever).
-SIGINT and SIGTERM sent to the launcher reach every process: each finishes its step, saves a
-checkpoint when checkpointing is on, and exits (130/143), and so does the launcher. Takes every
-key of lab.run but coordinator, num_processes and process_id, which it sets.
+stack. Their output is gathered line by line, prefixed with the process id. Takes every key of
+lab.run but coordinator, num_processes and process_id, which it sets.
+
+What the launcher guarantees, because a process of such a job cannot go on alone (its next
+collective waits for every peer, forever):
+
+- A signal to one process stops every process after the same step. The signalled process posts
+  the step it will stop after to the runtime's key-value store, every process checks it after
+  each step, and each one saves its checkpoint (checkpoint_every > 0) and exits 130/143 there;
+  the launcher exits with the same code.
+- SIGINT and SIGTERM to the launcher are sent on to every process and end the same way.
+- A process that dies (a crash, SIGKILL, an abort) or stops on its own ends the job: the rest
+  are sent SIGTERM at once, and SIGKILL 5 s later if a collective holds them. After a stop
+  every process agreed on, or a process that finished, the rest get coordinator_timeout
+  seconds to finish too. So every process has ended within coordinator_timeout seconds and
+  one step of the first one's end, and no process waits for a peer that is gone.
+- The launcher's last line says which process ended the job and how (its exit code, or the
+  signal that killed it), and what became of the others; the exit code is that process's
+  (128 + N for a signal N), 124 for timeout=, 0 when every process finished. A process's
+  traceback or the runtime's fatal log is shown when that process failed first, and left out
+  in one line when it only echoes another's death.
+- The processes die with the launcher, even when it is killed with SIGKILL (on Linux the kernel
+  sends them SIGTERM, so they stop at an agreed step as above): none is left training and
+  holding the run folder's lock.
+- Joining is bounded: a process that cannot join within coordinator_timeout prints one line
+  and exits 2 (never the runtime's abort and stack trace), and so does the launcher.
 """
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,14 +43,29 @@ import threading
 import time
 
 from lab.config import cli, field, make_config
+from lab.devices import STOP_LINE
 from lab.errors import ConfigError
 from lab.measure.records import writable_dir
 from lab.mesh import known_size
 from lab.report.format import key_args
 
 OWN_KEYS = ("coordinator", "num_processes", "process_id")  # set here, per process
-NOISE = ("[Gloo] Rank",)  # gloo's per-connection chatter: one line per peer, per collective group
-GRACE_S = 60.0  # after forwarding a signal: time for every process to save and exit
+# gloo's per-connection chatter: one line per peer and collective group (at times cut in two)
+NOISE = re.compile(r"\s*(\[Gloo\] Rank|\d* ?is connected to \d+ peer ranks)")
+GRACE_S = 60.0  # after a signal or a stop every process agreed on: time to save and exit
+KILL_AFTER_S = 5.0  # after SIGTERM from the launcher: a process blocked in a collective ignores it
+# A process's errors once it is dying (a Python traceback, the runtime's fatal log and stack):
+# held until it is known whether they are the job's cause or an echo of another's death.
+FATAL = re.compile(
+    r"(Traceback \(most recent call last\)|\*\*\* Check failure|F\d{4} |E\d{4} .*coordination)"
+)
+RUNTIME_LOG = re.compile(r"([EWF]\d{4} \d|\s+@\s+0x|\s*\[type\.googleapis)")  # glog, C++ frames
+STOP_RE = re.compile(
+    re.escape(STOP_LINE)
+    .replace(r"\{signal\}", r"(SIG[A-Z]+)")
+    .replace(r"\{process\}", r"(\d+)")
+    .replace(r"\{step\}", r"(\d+)")
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +73,10 @@ class Options:
     processes: int = field(2, "local jax.distributed processes", min=1)
     timeout: float = field(0.0, "stop every process after this many seconds; 0 = never", min=0.0)
     coordinator_timeout: int = field(
-        60, "seconds each process waits for the others to join before giving up", min=1
+        60,
+        "seconds each process waits for the others to join, and the others get to finish "
+        "once one has stopped, before they are stopped",
+        min=1,
     )
 
 
@@ -75,21 +115,143 @@ def commands(processes: int, keys: dict, port: int, join_timeout: int = 60) -> l
     ]
 
 
-def _pump(stream, prefix: str, out, lock: threading.Lock) -> None:
-    for line in stream:
-        if line.lstrip().startswith(NOISE):
-            continue
-        with lock:
-            out.write(f"{prefix}{line}")
-            out.flush()
+# Run before a child's own command (Linux): the kernel sends it SIGTERM when the launcher dies,
+# even by SIGKILL, which no handler sees; the setting survives the exec. A trampoline, not a
+# preexec_fn: forking a process that runs threads (JAX's) and then running Python is unsafe.
+_DIE_WITH_PARENT = """import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # the launcher died before the call: nobody would tell
+    sys.exit(143)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _dies_with_launcher(cmd: list[str]) -> list[str]:
+    """`cmd`, started so that it stops like a signalled process when the launcher dies instead
+    of training on as an orphan that holds the run folder's lock."""
+    if not sys.platform.startswith("linux"):
+        return cmd
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+
+
+def _fate(code: int) -> str:
+    if code == -signal.SIGABRT:
+        return "aborted in the runtime (SIGABRT)"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    if code > 128 and code - 128 in (signal.SIGINT, signal.SIGTERM):
+        return f"stopped on {signal.Signals(code - 128).name} (exit {code})"
+    said = {0: "finished", 2: "exited 2 (a user error: its line is above)"}
+    return said.get(code, f"exited {code}")
+
+
+class _Job:
+    """N processes, their output relayed line by line (`[pI] `), and what became of each."""
+
+    def __init__(self, cmds: list[list[str]], out, grace_s: float):
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.out, self.grace_s, self.lock = out, grace_s, threading.Lock()
+        self.ended: dict[int, float] = {}  # process → when its output ended (monotonic)
+        self.signalled: dict[int, tuple[str, int]] = {}  # process → (signal, agreed stop step)
+        self.stopped: dict[int, set] = {}  # process → the signals the launcher sent it
+        # a process group of its own: a Ctrl-C in the terminal reaches the launcher only,
+        # which forwards it once to each child
+        self.procs = [
+            subprocess.Popen(
+                _dies_with_launcher(cmd),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+            )
+            for cmd in cmds
+        ]
+        self.pumps = [
+            threading.Thread(target=self._pump, args=(i,), daemon=True)
+            for i in range(len(self.procs))
+        ]
+        for t in self.pumps:
+            t.start()
+
+    def _write(self, i: int, line: str) -> None:
+        with self.lock:
+            self.out.write(f"[p{i}] {line}")
+            self.out.flush()
+
+    def _failed_before(self, i: int) -> int | None:
+        """Another process that has already ended badly on its own (not stopped by the
+        launcher): i's errors are then the echo of its end."""
+        for j, p in enumerate(self.procs):
+            if j != i and j not in self.stopped and p.poll() not in (None, 0):
+                return j
+        return None
+
+    def _pump(self, i: int) -> None:
+        held: list[str] = []  # a dying process's errors, kept until we know whose fault
+        for line in self.procs[i].stdout:
+            if NOISE.match(line):
+                continue
+            if m := STOP_RE.search(line):
+                self.signalled[int(m[2])] = (m[1], int(m[3]))
+            if held or FATAL.match(line):
+                held.append(line)
+            elif RUNTIME_LOG.match(line) and self._failed_before(i) is not None:
+                continue  # the runtime's complaints about a peer that is gone
+            else:
+                self._write(i, line)
+        self.ended.setdefault(i, time.monotonic())
+        if held:
+            other = self._failed_before(i)
+            if other is None:  # this process failed first: its errors are the story
+                for line in held:
+                    self._write(i, line)
+            else:
+                self._write(
+                    i,
+                    f"({len(held)} lines of errors left out: this process cannot go on "
+                    f"without process {other})\n",
+                )
+
+    def alive(self) -> list[int]:
+        return [i for i, p in enumerate(self.procs) if p.poll() is None]
+
+    def first_end(self) -> int | None:
+        """The process that ended first (by its output's end, which its exit closes)."""
+        done = [i for i, p in enumerate(self.procs) if p.poll() is not None]
+        return min(done, key=lambda i: self.ended.get(i, time.monotonic())) if done else None
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        for i in self.alive():
+            self.stopped.setdefault(i, set()).add(sig)
+            self.procs[i].send_signal(sig)
+
+    def join(self) -> None:
+        for p in self.procs:
+            p.wait()
+        for t in self.pumps:
+            t.join(timeout=5)
+
+    def fates(self, skip: int | None = None) -> str:
+        parts = []
+        for i, p in enumerate(self.procs):
+            if i == skip:
+                continue
+            rc, sent = p.returncode, self.stopped.get(i, set())
+            by = next((s for s in sent if rc in (-s, 128 + s)), None)
+            how = f"was stopped by the launcher ({by.name})" if by else _fate(rc)
+            parts.append(f"process {i} {how}")
+        return "; ".join(parts)
 
 
 class _Forward:
     """SIGINT/SIGTERM to the launcher → the same signal to every child (which checkpoints and
     exits); the launcher then waits for them instead of leaving them orphaned."""
 
-    def __init__(self, procs):
-        self.procs, self.signal, self._old = procs, None, {}
+    def __init__(self, job: _Job):
+        self.job, self.signal, self._old = job, None, {}
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -101,75 +263,97 @@ class _Forward:
 
     def _handle(self, signum, _frame):
         self.signal = signum
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+        for i in self.job.alive():
+            self.job.procs[i].send_signal(signum)
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
 
-def run(cmds: list[list[str]], *, timeout_s: float | None = None, out=None) -> int:
-    """Start every process, relay their output prefixed `[pI] `, return the first non-zero
-    exit code (0 if all succeed); once one fails or time runs out, the rest are stopped."""
-    out = out or sys.stdout
-    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    lock = threading.Lock()
-    procs, pumps = [], []
-    for i, cmd in enumerate(cmds):
-        # a process group of its own: a Ctrl-C in the terminal reaches the launcher only,
-        # which forwards it once to each child
-        p = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}] ", out, lock), daemon=True)
-        t.start()
-        procs.append(p)
-        pumps.append(t)
-    with _Forward(procs) as fwd:
-        code = _wait(procs, timeout_s, fwd)
-    for t in pumps:
-        t.join(timeout=5)
+def run(
+    cmds: list[list[str]],
+    *,
+    timeout_s: float | None = None,
+    grace_s: float = GRACE_S,
+    out=None,
+    err=None,
+) -> int:
+    """Start every process, relay their output prefixed `[pI] `, return the job's exit code
+    and say in one line on `err` how it ended when it did not end well (see the module's
+    docstring for the guarantees)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    job = _Job(cmds, out, grace_s)
+    try:
+        with _Forward(job) as fwd:
+            cause = _wait(job, timeout_s, grace_s, fwd)
+    finally:
+        for i in job.alive():  # the launcher itself failed: never leave a child behind
+            job.procs[i].kill()
+        job.join()
+    code, line = _verdict(job, cause, timeout_s, fwd.signal)
+    if line:
+        with job.lock:
+            print(f"launch: {line}", file=err, flush=True)
     return code
 
 
-def _wait(procs, timeout_s: float | None, fwd: _Forward) -> int:
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    late = False
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if fwd.signal is not None:  # the children were told: give them time to save
-            deadline = min(deadline or float("inf"), time.monotonic() + GRACE_S)
-            if all(c is not None for c in codes):
-                break
-        elif failed:
-            break
-        late = deadline is not None and time.monotonic() > deadline
-        if late or all(c == 0 for c in codes):
-            break
+def _wait(job: _Job, timeout_s: float | None, grace_s: float, fwd: _Forward) -> str | None:
+    """Wait until every process has ended, stopping the rest once one has (see the module's
+    docstring); what ended the job first: "signal", "process", "timeout" or None."""
+    start = time.monotonic()
+    stop_at = kill_at = None  # when the rest get SIGTERM, then SIGKILL
+    cause = None  # "signal" | "process" | "timeout": what ended the job first
+    while job.alive():
+        now = time.monotonic()
+        if cause is None:
+            first = job.first_end()
+            if fwd.signal is not None:  # the children were told: give them time to save
+                cause, stop_at = "signal", now + grace_s
+            elif first is not None:
+                cause = "process"
+                # it finished, or stopped at the step every process agreed on: the rest are
+                # finishing too. Anything else: the rest wait for it in a collective, forever.
+                rc = job.procs[first].returncode
+                agreed = rc == 0 or (job.signalled and rc in (130, 143))
+                stop_at = now + grace_s if agreed else now
+            elif timeout_s is not None and now > start + timeout_s:
+                cause, stop_at = "timeout", now
+        if stop_at is not None and kill_at is None and now >= stop_at:
+            job.stop()
+            kill_at = now + KILL_AFTER_S
+        if kill_at is not None and now >= kill_at:
+            job.stop(signal.SIGKILL)
+            kill_at = float("inf")
         time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    if fwd.signal is not None:
-        return 128 + fwd.signal
-    if late and not failed:
-        return 124
-    return failed[0] if failed else 0
+    return cause
+
+
+def _verdict(job: _Job, cause, timeout_s, launcher_signal) -> tuple[int, str]:
+    """(the launcher's exit code, its last line: '' when every process finished)."""
+    codes, fates = [p.returncode for p in job.procs], job.fates()
+    if cause == "signal":
+        name = signal.Signals(launcher_signal).name
+        return 128 + launcher_signal, f"{name} to the launcher, sent on to every process: {fates}"
+    if cause == "timeout":
+        return 124, f"timeout={timeout_s:g} s reached: stopped every process ({fates})"
+    if not any(codes):
+        return 0, ""
+    if job.signalled:  # a signal to one process: every process was to stop at the posted step
+        i = min(job.signalled, key=lambda j: job.signalled[j][1])
+        name, step = job.signalled[i]
+        if all(c in (130, 143) for c in codes):
+            how = f"every process stopped after step {step} ({fates})"
+        else:
+            how = f"every process was to stop after step {step}; {fates}"
+        return 128 + signal.Signals[name].value, f"process {i} got {name}: {how}"
+    # the first process to end badly on its own is the cause; the others' ends follow from it
+    bad = sorted((i for i in range(len(codes)) if codes[i]), key=lambda i: job.ended.get(i, 0))
+    first = next((i for i in bad if i not in job.stopped), bad[0])
+    code = 128 - codes[first] if codes[first] < 0 else codes[first]
+    if first in job.stopped:  # none failed: this one was still running after the others ended
+        return code, f"process {first} had not ended {job.grace_s:g} s after the others; {fates}"
+    return code, f"process {first} {_fate(codes[first])}; {job.fates(skip=first)}"
 
 
 def main(argv=None) -> int:
@@ -178,7 +362,7 @@ def main(argv=None) -> int:
         cmds = commands(o.processes, keys, free_port(), o.coordinator_timeout)
         print(f"launching {o.processes} processes of lab.run: {' '.join(key_args(keys))}")
         sys.stdout.flush()
-        return run(cmds, timeout_s=o.timeout or None)
+        return run(cmds, timeout_s=o.timeout or None, grace_s=o.coordinator_timeout)
 
     return cli(
         Options, launch, prog="python -m lab.tools.launch", doc=__doc__, argv=argv, run_keys=True
