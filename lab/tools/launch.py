@@ -19,7 +19,7 @@ collective waits for every peer, forever):
   are sent SIGTERM at once, and SIGKILL 5 s later if a collective holds them. After a stop
   every process agreed on, or a process that finished, the rest get coordinator_timeout
   seconds to finish too. So every process has ended within coordinator_timeout seconds and
-  one step of the first one's end, and no process waits for a peer that is gone.
+  one step of a signal or of the first one's end, and none waits for a peer that is gone.
 - The launcher's last line says which process ended the job and how (its exit code, or the
   signal that killed it), and what became of the others; the exit code is that process's
   (128 + N for a signal N), 124 for timeout=, 0 when every process finished. A process's
@@ -74,8 +74,8 @@ class Options:
     timeout: float = field(0.0, "stop every process after this many seconds; 0 = never", min=0.0)
     coordinator_timeout: int = field(
         60,
-        "seconds each process waits for the others to join, and the others get to finish "
-        "once one has stopped, before they are stopped",
+        "seconds a process waits for the others to join; also the time the others get to "
+        "finish once one has finished or stopped at an agreed step",
         min=1,
     )
 
