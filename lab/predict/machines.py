@@ -1,0 +1,109 @@
+"""Machines for the step-time model: a datasheet entry with its links, or this CPU as measured.
+
+Links, per device and direction (what one device can send on a mesh axis while the ring
+algorithm runs):
+- TPU: the chip's ICI figure (both directions, all links: lab/measure/specs.py) shared by the
+  torus axes of the slice; a bidirectional ring on one axis uses both directions of its
+  links, so an axis gets total / (torus dimensions).
+- NVIDIA GPU: NVLink through NVSwitch inside a host of 8 (the datasheet's total over 2 per
+  direction); an axis that spans hosts runs at the host's network share per GPU (one 400 Gb/s
+  InfiniBand NIC per GPU on DGX H100 / H200 systems, 50 GB/s: NVIDIA DGX H100 user guide,
+  "networking": eight single-port ConnectX-7 400 Gb/s).
+- CPU (simulated devices): every "link" is a memory copy at the measured copy bandwidth, and
+  all simulated devices share the same cores, so an op costs its time × devices.
+"""
+
+import math
+
+from lab.measure import specs
+from lab.predict.model import Machine
+
+IB_PER_GPU = 50e9  # bytes/s: 400 Gb/s per GPU (DGX H100 user guide, networking)
+MESH_ORDER = ("data", "stage", "fsdp", "model")  # lab/mesh.py: the innermost axis is last
+
+# The model's free parameters for accelerators: efficiencies and fixed costs, fitted on the
+# calibration subset of the published measurements (lab/predict/validation.py), never per
+# point. Before any fit they are 1 and 0: the pure roofline of each op.
+DEFAULT_FIT = {
+    "compute_efficiency": 1.0,
+    "memory_efficiency": 1.0,
+    "op_overhead_s": 0.0,
+    "link_latency_s": 0.0,
+}
+
+
+def tpu_machine(spec: specs.DeviceSpec, topology: str, mesh_shape: dict, fit=None) -> Machine:
+    dims = max(1, len([d for d in topology.split("x") if int(d) > 1]))
+    per_axis = (spec.interconnect_bandwidth or 0.0) / dims or 45e9
+    return Machine(
+        name=spec.name,
+        peak_flops=dict(spec.peak_flops),
+        memory_bandwidth=spec.memory_bandwidth,
+        link_bandwidth={a: per_axis for a in mesh_shape},
+        source=f"{spec.source_of('*')}; ICI {per_axis / 1e9:.0f} GB/s per axis ({dims}-D torus)",
+        **(fit or DEFAULT_FIT),
+    )
+
+
+def gpu_machine(spec: specs.DeviceSpec, mesh_shape: dict, per_host: int = 8, fit=None) -> Machine:
+    nvlink = (spec.interconnect_bandwidth or 0.0) / 2 or 25e9
+    links, inner = {}, 1
+    for axis in reversed(
+        [a for a in MESH_ORDER if a in mesh_shape] + [a for a in mesh_shape if a not in MESH_ORDER]
+    ):
+        inner *= mesh_shape[axis]
+        links[axis] = nvlink if inner <= per_host else IB_PER_GPU
+    return Machine(
+        name=spec.name,
+        peak_flops=dict(spec.peak_flops),
+        memory_bandwidth=spec.memory_bandwidth,
+        link_bandwidth=links,
+        source=(
+            f"{spec.source_of('*')}; NVLink {nvlink / 1e9:.0f} GB/s per direction inside "
+            f"{per_host} GPUs, InfiniBand {IB_PER_GPU / 1e9:.0f} GB/s per GPU across hosts"
+        ),
+        **(fit or DEFAULT_FIT),
+    )
+
+
+def cpu_machine(
+    peak_flops: dict, copy_bytes_per_s: float, n_devices: int, fit=None, source: str = ""
+) -> Machine:
+    return Machine(
+        name="this CPU (measured)",
+        peak_flops=dict(peak_flops),
+        memory_bandwidth=copy_bytes_per_s,
+        link_bandwidth={a: copy_bytes_per_s for a in MESH_ORDER},
+        devices_per_core_group=max(1, n_devices),
+        source=source or "measured matmul peak and copy bandwidth of this host",
+        **(fit or DEFAULT_FIT),
+    )
+
+
+def fit(points, params=("compute_efficiency", "memory_efficiency", "op_overhead_s")) -> dict:
+    """Free parameters that minimise the median |log(predicted / measured)| over `points`,
+    each a callable `predict(**fit) -> seconds` with its measured seconds: (predict, measured).
+    A coarse grid, then a finer one around the best: a handful of parameters, few points."""
+    import numpy as np
+
+    grids = {
+        "compute_efficiency": np.geomspace(0.05, 1.0, 14),
+        "memory_efficiency": np.geomspace(0.05, 4.0, 16),
+        "op_overhead_s": np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 13)]),
+        "link_latency_s": np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 9)]),
+    }
+    best = dict(DEFAULT_FIT)
+
+    def score(candidate) -> float:
+        errors = [abs(math.log(max(p(**candidate), 1e-12) / m)) for p, m in points]
+        return float(np.median(errors)) + 0.1 * float(np.max(errors))
+
+    current = score(best)
+    for _ in range(3):  # coordinate descent over the grids
+        for name in params:
+            for value in grids[name]:
+                trial = {**best, name: float(value)}
+                s = score(trial)
+                if s < current:
+                    best, current = trial, s
+    return best

@@ -1,0 +1,294 @@
+"""A step-time model of a compiled program: every op of the optimized HLO, timed on a machine.
+
+The program is the one XLA compiled for the target (fusions, sharding, collectives and the
+schedule as the compiler chose them), read by lab/measure/hlo.py: each instruction of a
+non-fused computation runs `count` times per call (loop bodies their trip count). Each is
+timed as follows, per execution:
+
+    compute / memory op   max(FLOPs / (peak[dtype] · e_c), bytes / (bandwidth · e_m)) + t_op
+    collective            bus bytes / (link bandwidth of its mesh axes) + t_link
+    custom call           as a compute / memory op from the FLOPs and bytes given for it
+                          (XLA counts none for a Pallas kernel: `custom_flops` supplies them)
+
+where the bus bytes follow the ring algorithm (lab/measure/cost.bus_bytes), e_c and e_m are
+the efficiencies a unit reaches on real shapes (fitted, never per point), and t_op, t_link a
+fixed cost per launched op and per collective. An asynchronous collective (`*-start` …
+`*-done`) overlaps the compute scheduled between its start and its done: only what that
+compute does not cover is exposed. The step is the sum over the schedule.
+
+What this leaves out, on purpose: cache effects, the shape efficiency of each individual
+matmul (tile padding is folded into e_c), contention between overlapped ops.
+"""
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+from lab.measure import cost as costs
+from lab.measure import hlo
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPES = {
+    "f32": "float32",
+    "bf16": "bfloat16",
+    "f16": "float16",
+    "s8": "int8",
+    "u8": "int8",
+    "f8e4m3fn": "float8",
+    "f8e5m2": "float8",
+    "f64": "float32",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What the model needs to know of a target, each figure with where it came from."""
+
+    name: str
+    peak_flops: Mapping[str, float]  # dtype → FLOP/s of one device (dense)
+    memory_bandwidth: float  # bytes/s of one device's memory
+    link_bandwidth: Mapping[str, float]  # mesh axis → bytes/s one device sends over it
+    compute_efficiency: float = 1.0  # e_c: share of peak a matmul reaches (fitted)
+    memory_efficiency: float = 1.0  # e_m: share of the bandwidth a memory-bound op reaches
+    op_overhead_s: float = 0.0  # t_op: fixed cost of launching one op
+    link_latency_s: float = 0.0  # t_link: fixed cost of one collective
+    devices_per_core_group: int = 1  # simulated devices sharing one set of cores (CPU: all)
+    source: str = ""  # where the figures come from
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s at `dtype`; a dtype without its own figure runs at the float32 one (or
+        the slowest listed)."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        return self.peak_flops.get("float32") or min(self.peak_flops.values())
+
+    def link(self, axes: tuple[str, ...]) -> float:
+        """Bandwidth of a collective over `axes`: the slowest axis it spans."""
+        known = [self.link_bandwidth[a] for a in axes if a in self.link_bandwidth]
+        if known:
+            return min(known)
+        return min(self.link_bandwidth.values()) if self.link_bandwidth else float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTime:
+    """One instruction of the schedule, as the model times it (all executions per call)."""
+
+    name: str
+    opcode: str
+    kind: str  # compute | memory | collective | custom | overhead
+    count: int  # executions per call
+    flops: float  # per execution
+    bytes: float  # per execution (bus bytes for a collective)
+    seconds: float  # all executions
+    exposed_s: float  # of `seconds`, what no overlapped compute hides (collectives)
+    op_name: str = ""  # the JAX op it came from
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """The predicted time of one call of a compiled program, and where it goes."""
+
+    seconds: float
+    compute_s: float  # compute-bound ops
+    memory_s: float  # memory-bound ops
+    collective_s: float  # every collective, overlapped or not
+    exposed_collective_s: float  # the part no compute hides
+    custom_s: float  # custom calls (Pallas / Mosaic kernels)
+    overhead_s: float  # fixed per-op costs
+    ops: tuple[OpTime, ...]
+    machine: str
+
+    def top(self, n: int = 8) -> list[OpTime]:
+        return sorted(self.ops, key=lambda o: -o.exposed_s)[:n]
+
+    def breakdown(self) -> dict[str, float]:
+        return {
+            "compute": self.compute_s,
+            "memory": self.memory_s,
+            "exposed communication": self.exposed_collective_s,
+            "custom kernels": self.custom_s,
+            "op overhead": self.overhead_s,
+        }
+
+    def as_dict(self, top: int = 8) -> dict:
+        return {
+            "seconds": self.seconds,
+            "breakdown": self.breakdown(),
+            "collective_s": self.collective_s,
+            "machine": self.machine,
+            "top_ops": [dataclasses.asdict(o) for o in self.top(top)],
+        }
+
+
+def _dtype_of(ins: hlo.Instruction, program: hlo.Program) -> str:
+    """The dtype a compute op runs at: its first dot's operand (inside a fusion), else its
+    result's."""
+    shape = ins.shape
+    for callee in re.findall(r"calls=%?([\w.\-]+)", ins.attrs):
+        for inner in program.computations.get(callee, ()):
+            if inner.opcode in ("dot", "convolution") and inner.operands:
+                shape = program.shapes.get(inner.operands[0], shape)
+                break
+    if ins.opcode in ("dot", "convolution", "custom-call") and ins.operands:
+        shape = program.shapes.get(ins.operands[0], shape)
+    arrays = hlo.arrays(shape)
+    return _DTYPES.get(arrays[0][0], "float32") if arrays else "float32"
+
+
+def _fused_flops(program: hlo.Program, name: str, depth: int = 0) -> float:
+    """FLOPs of a fused computation, nested fusions included."""
+    total = 0.0
+    for ins in program.computations.get(name, ()):
+        total += hlo.instruction_cost(ins, program, name).flops
+        if depth < 8:
+            for callee in re.findall(r"calls=%?([\w.\-]+)", ins.attrs):
+                total += _fused_flops(program, callee, depth + 1)
+    return total
+
+
+_SKIP = hlo._NO_BYTES | {"copy-done", "send-done", "recv-done", "all-gather-done"}
+
+
+def _collective(ins: hlo.Instruction) -> str | None:
+    base = ins.opcode.removesuffix("-start")
+    return base if base in COLLECTIVES else None
+
+
+def predict(
+    program: hlo.Program,
+    machine: Machine,
+    collectives: Mapping[str, object] | None = None,
+    *,
+    custom_flops: float = 0.0,
+) -> Prediction:
+    """The predicted time of one call of `program` on `machine`.
+
+    `collectives`: instruction name → lab.parallel.collectives_hlo.Collective (bus bytes and
+    mesh axes of each collective); a collective missing there moves its result's bytes over
+    the slowest link. `custom_flops`: the FLOPs of the program's custom calls per call (XLA
+    counts none inside a Pallas kernel), shared among them by their bytes.
+    """
+    collectives = collectives or {}
+    customs = [
+        (name, ins)
+        for name, n in program.counts.items()
+        if name not in program.fused
+        for ins in program.computations.get(name, ())
+        if ins.opcode == "custom-call" and not any(t in ins.attrs for t in hlo._GEMM_TARGETS)
+    ]
+    custom_bytes = sum(
+        hlo.instruction_cost(i, program, c).bytes * program.counts[c] for c, i in customs
+    )
+    ops: list[OpTime] = []
+    sums = dict(compute=0.0, memory=0.0, collective=0.0, exposed=0.0, custom=0.0, overhead=0.0)
+    for comp, count in program.counts.items():
+        if comp in program.fused:
+            continue
+        pending: dict[str, list] = {}  # async collective name → [seconds, compute seen since]
+        for ins in program.computations.get(comp, ()):
+            op = ins.opcode
+            if op.endswith("-done"):
+                start = ins.operands[0] if ins.operands else ""
+                if start in pending:
+                    seconds, covered, index = pending.pop(start)
+                    exposed = max(0.0, seconds - covered)
+                    ops[index] = dataclasses.replace(ops[index], exposed_s=exposed * count)
+                    sums["exposed"] += exposed * count
+                continue
+            if op in _SKIP:
+                continue
+            kind = _collective(ins)
+            if kind:
+                c = collectives.get(ins.name)
+                if c is not None:
+                    moved, axes = c.bus_bytes, c.axes
+                else:
+                    moved = costs.bus_bytes(kind, sum(hlo.shape_sizes(ins.shape)), 2)
+                    axes = ()
+                seconds = moved / machine.link(axes) + machine.link_latency_s if moved else 0.0
+                is_async = op.endswith("-start")
+                ops.append(
+                    OpTime(
+                        ins.name,
+                        op,
+                        "collective",
+                        count,
+                        0.0,
+                        moved,
+                        seconds * count,
+                        0.0 if is_async else seconds * count,
+                        _op_name(ins),
+                    )
+                )
+                sums["collective"] += seconds * count
+                if is_async:
+                    pending[ins.name] = [seconds, 0.0, len(ops) - 1]
+                else:
+                    sums["exposed"] += seconds * count
+                continue
+            c = hlo.instruction_cost(ins, program, comp)
+            flops = c.flops
+            for callee in re.findall(r"calls=%?([\w.\-]+)", ins.attrs):
+                flops += _fused_flops(program, callee)
+            nbytes = c.bytes
+            custom = op == "custom-call" and not any(t in ins.attrs for t in hlo._GEMM_TARGETS)
+            if custom and custom_flops and custom_bytes:
+                flops = custom_flops * nbytes / custom_bytes
+            if not flops and not nbytes:
+                continue
+            compute_s = flops / (machine.peak(_dtype_of(ins, program)) * machine.compute_efficiency)
+            memory_s = nbytes / (machine.memory_bandwidth * machine.memory_efficiency)
+            busy = max(compute_s, memory_s) * machine.devices_per_core_group
+            seconds = busy + machine.op_overhead_s
+            which = "custom" if custom else ("compute" if compute_s >= memory_s else "memory")
+            ops.append(
+                OpTime(
+                    ins.name,
+                    op,
+                    which,
+                    count,
+                    flops,
+                    nbytes,
+                    seconds * count,
+                    seconds * count,
+                    _op_name(ins),
+                )
+            )
+            sums[which] += busy * count
+            sums["overhead"] += machine.op_overhead_s * count
+            for p in pending.values():
+                p[1] += seconds
+        for seconds, covered, index in pending.values():  # started, never awaited here
+            exposed = max(0.0, seconds - covered)
+            ops[index] = dataclasses.replace(ops[index], exposed_s=exposed * count)
+            sums["exposed"] += exposed * count
+    total = sums["compute"] + sums["memory"] + sums["custom"] + sums["overhead"] + sums["exposed"]
+    return Prediction(
+        seconds=total,
+        compute_s=sums["compute"],
+        memory_s=sums["memory"],
+        collective_s=sums["collective"],
+        exposed_collective_s=sums["exposed"],
+        custom_s=sums["custom"],
+        overhead_s=sums["overhead"],
+        ops=tuple(ops),
+        machine=machine.name,
+    )
+
+
+def _op_name(ins: hlo.Instruction) -> str:
+    m = re.search(r'op_name="([^"]*)"', ins.attrs)
+    return m.group(1) if m else ""
+
+
+def predict_compiled(compiled, machine: Machine, mesh=None, *, custom_flops: float = 0.0):
+    """`predict` for a `jax.jit(...).lower(...).compile()` result on `mesh` (None: one device)."""
+    text = compiled.as_text()
+    program = hlo.parse(text)
+    found = {}
+    if mesh is not None:
+        from lab.parallel import collectives_hlo
+
+        found = {c.name: c for c in collectives_hlo.parse(text, dict(mesh.shape))}
+    return predict(program, machine, found, custom_flops=custom_flops)

@@ -1,0 +1,122 @@
+"""The step-time model against hand-computed answers: a matmul, a copy, an all-gather and an
+all-reduce on a known mesh, an overlapped collective; and the machines built from specs."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lab.measure import hlo, specs
+from lab.parallel import collectives_hlo
+from lab.predict import machines
+from lab.predict.model import Machine, predict, predict_compiled
+
+PEAK, BW, LINK = 100e9, 10e9, 5e9
+
+
+def _machine(**kw) -> Machine:
+    return Machine("test", {"float32": PEAK}, BW, {"data": LINK, "model": LINK / 2}, **kw)
+
+
+def test_matmul_is_compute_bound_at_peak_times_efficiency():
+    m = k = n = 256
+    a, b = jnp.ones((m, k)), jnp.ones((k, n))
+    compiled = jax.jit(jnp.matmul).lower(a, b).compile()
+    machine = _machine(compute_efficiency=0.5, op_overhead_s=1e-6)
+    p = predict_compiled(compiled, machine)
+    flops = 2 * m * n * k
+    moved = 4 * (m * k + k * n + m * n)
+    assert flops / (0.5 * PEAK) > moved / BW  # compute-bound at these figures
+    assert p.seconds == pytest.approx(flops / (0.5 * PEAK) + 1e-6, rel=1e-6)
+    assert p.compute_s == pytest.approx(flops / (0.5 * PEAK), rel=1e-6)
+
+
+def test_copy_is_memory_bound_at_bandwidth():
+    n = 1 << 20
+    compiled = jax.jit(lambda x: x * 1.5).lower(jnp.ones((n,))).compile()
+    p = predict_compiled(compiled, _machine(memory_efficiency=0.8))
+    assert p.memory_s == pytest.approx(2 * 4 * n / (0.8 * BW), rel=1e-3)
+    assert p.seconds == pytest.approx(p.memory_s, rel=1e-6)
+
+
+_GATHER = """HloModule m
+
+ENTRY %main (p: f32[1024,256]) -> f32[8192,256] {
+  %p = f32[1024,256]{1,0} parameter(0)
+  ROOT %g = f32[8192,256]{1,0} all-gather(%p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true
+}
+"""
+_REDUCE = """HloModule m
+
+ENTRY %main (p: f32[1024,256]) -> f32[1024,256] {
+  %p = f32[1024,256]{1,0} parameter(0)
+  ROOT %g = f32[1024,256]{1,0} all-reduce(%p), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "text, buffer, factor",
+    [
+        (_GATHER, 8192 * 256 * 4, 7 / 8),  # V(W-1)/W, V the gathered output
+        (_REDUCE, 1024 * 256 * 4, 2 * 7 / 8),  # 2V(W-1)/W
+    ],
+    ids=["all-gather", "all-reduce"],
+)
+def test_collectives_on_a_known_mesh(text, buffer, factor):
+    program = hlo.parse(text)
+    found = {c.name: c for c in collectives_hlo.parse(text, {"data": 8})}
+    p = predict(program, _machine(link_latency_s=2e-6), found)
+    want = factor * buffer / LINK + 2e-6
+    assert p.seconds == pytest.approx(want, rel=1e-6)
+    assert p.exposed_collective_s == pytest.approx(want, rel=1e-6)
+
+
+_OVERLAP = """HloModule m
+
+ENTRY %main (p: f32[1024,256], a: f32[{m},512], b: f32[512,512]) -> (f32[1024,256], f32[{m},512]) {{
+  %p = f32[1024,256]{{1,0}} parameter(0)
+  %a = f32[{m},512]{{1,0}} parameter(1)
+  %b = f32[512,512]{{1,0}} parameter(2)
+  %s = f32[1024,256]{{1,0}} all-reduce-start(%p), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %d = f32[{m},512]{{1,0}} dot(%a, %b), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %e = f32[1024,256]{{1,0}} all-reduce-done(%s)
+  ROOT %t = (f32[1024,256]{{1,0}}, f32[{m},512]{{1,0}}) tuple(%e, %d)
+}}
+"""
+
+
+@pytest.mark.parametrize("m", [64, 4096])
+def test_an_async_collective_hides_behind_the_compute_between_start_and_done(m):
+    text = _OVERLAP.format(m=m)
+    program = hlo.parse(text)
+    found = {c.name: c for c in collectives_hlo.parse(text, {"data": 8})}
+    p = predict(program, _machine(), found)
+    comm = 2 * 7 / 8 * 1024 * 256 * 4 / LINK
+    dot = max(2 * m * 512 * 512 / PEAK, 4 * (m * 512 * 2 + 512 * 512) / BW)
+    assert p.collective_s == pytest.approx(comm, rel=1e-6)
+    assert p.exposed_collective_s == pytest.approx(max(0.0, comm - dot), rel=1e-6)
+    assert p.seconds == pytest.approx(dot + max(0.0, comm - dot), rel=1e-6)
+
+
+def test_gpu_links_nvlink_inside_a_host_infiniband_across():
+    spec = specs.lookup("NVIDIA H100 80GB HBM3")
+    m = machines.gpu_machine(spec, {"data": 4, "fsdp": 8})
+    assert m.link_bandwidth["fsdp"] == spec.interconnect_bandwidth / 2  # inside 8 GPUs
+    assert m.link_bandwidth["data"] == machines.IB_PER_GPU  # across hosts
+    assert m.link(("data", "fsdp")) == machines.IB_PER_GPU  # the slowest axis it spans
+
+
+def test_tpu_links_share_the_chip_ici_among_torus_axes():
+    spec = specs.lookup("TPU v5 lite")
+    m = machines.tpu_machine(spec, "16x16", {"fsdp": 256})
+    assert m.link_bandwidth["fsdp"] == spec.interconnect_bandwidth / 2
+
+
+def test_fit_recovers_known_parameters_on_its_calibration_points():
+    """Points made with efficiency 0.4: the fit finds (close to) it from those points alone."""
+
+    def point(flops):
+        return lambda **fit: flops / (PEAK * fit["compute_efficiency"]), flops / (PEAK * 0.4)
+
+    fitted = machines.fit([point(f) for f in (1e9, 3e9, 1e10)], params=("compute_efficiency",))
+    assert fitted["compute_efficiency"] == pytest.approx(0.4, rel=0.15)
