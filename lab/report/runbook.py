@@ -1,0 +1,212 @@
+"""The runbook's outcome as BENCHMARKS-ready Markdown: one row per step, read from its records.
+
+A row: step, status (with the reason where it did not finish), seconds, the headline figures
+its records hold, the lab's predicted figure for the same program where there is one, and the
+record files it came from. Every figure is read from the records the step wrote (JSON lines)
+or its summary files; nothing here measures anything.
+"""
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from lab.report.format import NA, duration, fmt
+
+PREDICTED_NOTE = (
+    "*predicted*: the training step's time floor (its model FLOPs at the peak the run names, "
+    "as `lab.run target=…` plans it); the other steps have no predicted figure for the same "
+    "program yet, so their column is empty."
+)
+
+
+def _fmt(r: dict) -> str:
+    if r["unit"] == "fraction":
+        return f"{100 * r['value']:.1f}%"
+    if r["unit"] == "relative":
+        return f"{r['value']:.2g}"
+    return fmt(r["value"], r["unit"])
+
+
+def _what(records, what: str) -> list[dict]:
+    return [r for r in records if r["what"] == what and isinstance(r["value"], int | float)]
+
+
+def correctness(records: Sequence[dict], folder: Path) -> tuple[str, str]:
+    """The largest error vs float64 of each impl (and why an impl did not run)."""
+    errors: dict[str, float] = {}
+    for r in _what(records, "attention max error"):
+        impl = r["config"]["impl"]
+        errors[impl] = max(errors.get(impl, 0.0), r["value"])
+    parts = [f"{impl} max error {e:.2g}" for impl, e in sorted(errors.items())]
+    skipped = {r["config"]["impl"]: r["value"] for r in records if r["what"] == "attention skipped"}
+    parts += [f"{impl} did not run: {why}" for impl, why in sorted(skipped.items())]
+    return "; ".join(parts), ""
+
+
+def ceilings(records: Sequence[dict], folder: Path) -> tuple[str, str]:
+    """Matmul FLOP/s per dtype (JAX's, not numpy's), copy bandwidth, the memory roof, ridge."""
+    parts = [
+        f"{r['what'].replace(' precision=default', '')} {_fmt(r)}"
+        for r in records
+        if r["what"].startswith("matmul ") and r["unit"] == "FLOP/s" and "numpy" not in r["what"]
+    ]
+    for what, name in (("copy bandwidth (read+write)", "copy"), ("memory roof", "memory roof")):
+        parts += [f"{name} {_fmt(r)}" for r in _what(records, what)]
+    parts += [f"ridge {_fmt(r)}" for r in records if r["what"].startswith("ridge point")]
+    return "; ".join(parts), ""
+
+
+def targets(records: Sequence[dict], folder: Path) -> tuple[str, str]:
+    """The 'N of M points meet their target' line of the Markdown the targets wrote."""
+    for md in sorted(folder.glob("*.md")):
+        m = re.search(r"\*\*(\d+ of \d+ points meet their target)\.\*\*", md.read_text())
+        if m:
+            return m.group(1), ""
+    return "", ""
+
+
+def attention(records: Sequence[dict], folder: Path) -> tuple[str, str]:
+    """Each impl's best TFLOP/s and where it was reached."""
+    best: dict[str, dict] = {}
+    for r in _what(records, "attention TFLOP/s"):
+        impl = r["config"]["impl"]
+        if impl not in best or r["value"] > best[impl]["value"]:
+            best[impl] = r
+    parts = []
+    for impl, r in sorted(best.items(), key=lambda kv: -kv[1]["value"]):
+        c = r["config"]
+        where = f"L={c['seq']}{' causal' if c.get('causal') else ''} {c['mode']}"
+        parts.append(f"{impl} {r['value']:.3g} TFLOP/s ({where})")
+    return "; ".join(parts), ""
+
+
+def tune_step(records: Sequence[dict], folder: Path) -> tuple[str, str]:
+    rows = _what(records, "training tokens/s")
+    if not rows:
+        return "", ""
+    best = max(rows, key=lambda r: r["value"])
+    c = best["config"]
+    return f"best remat={c['remat']} batch {c['batch']}: {_fmt(best)}", ""
+
+
+def train(records: Sequence[dict], folder: Path) -> tuple[str, str]:
+    """Step time, tokens/s and MFU; predicted: the time floor, model FLOPs at the peak."""
+    picked = _what(records, "training step time") + _what(records, "training tokens/s")
+    picked += _what(records, "training MFU")
+    measured = "; ".join(f"{r['what'].removeprefix('training ')} {_fmt(r)}" for r in picked)
+    predicted = ""
+    for path in sorted(folder.rglob("summary.json")):
+        s = json.loads(path.read_text())
+        if s.get("mfu") and s.get("step_time"):
+            floor = s["step_time"]["median_s"] * s["mfu"]  # FLOPs per step / peak
+            source = s["peak_source"].split(";")[0]  # not the busy-host note: it is the run's
+            predicted = f"step ≥ {duration(floor)} (model FLOPs at the {source})"
+    return measured, predicted
+
+
+def serve(records: Sequence[dict], folder: Path) -> tuple[str, str]:
+    rows = [r for r in _what(records, "decode tokens/s, batch 1, float")]
+    decode = [r for r in records if r["what"].startswith("decode tokens/s")]
+    parts = [f"decode batch 1 {_fmt(r)}" for r in rows]
+    if decode:
+        top = max(decode, key=lambda r: r["value"])
+        parts.append(f"best {top['what'].removeprefix('decode tokens/s, ')} {_fmt(top)}")
+    parts += [f"memory roof {_fmt(r)}" for r in _what(records, "memory roof")]
+    return "; ".join(parts), ""
+
+
+def ledger(records: Sequence[dict], folder: Path) -> tuple[str, str]:
+    """The verdicts' counts (run.json) and the report's path."""
+    for path in sorted(folder.rglob("run.json")):
+        verdicts = json.loads(path.read_text()).get("verdicts", {})
+        counts: dict[str, int] = {}
+        for status in verdicts.values():
+            counts[status] = counts.get(status, 0) + 1
+        text = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        return f"{len(verdicts)} claims: {text} ({path.parent / 'REPORT.md'})", ""
+    return "", ""
+
+
+HEADLINES: dict[str, Callable] = {
+    "correctness": correctness,
+    "ceilings": ceilings,
+    "targets": targets,
+    "attention": attention,
+    "tune-step": tune_step,
+    "train": train,
+    "serve": serve,
+    "ledger": ledger,
+}
+
+
+def headline(kind: str, records: Sequence[dict], folder: Path, log: str = "") -> tuple[str, str]:
+    """(measured, predicted) for a step of `kind`; a step with no reader of its own, or whose
+    records hold none of the figures looked for, shows its first few records or its log."""
+    measured, predicted = HEADLINES.get(kind, lambda r, f: ("", ""))(records, folder)
+    if not measured and records:
+        measured = "; ".join(f"{r['what']} {_fmt(r)}" for r in records[:3])
+    if not measured and log:
+        measured = f"no records; see {log}"
+    return measured, predicted
+
+
+def _relative(path: str, root: Path | None) -> str:
+    try:
+        return str(Path(path).relative_to(root)) if root else path
+    except ValueError:
+        return path
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ") if text not in (None, "") else "–"
+
+
+def rows(
+    steps: Sequence, state: dict, gather: Callable[[str], list[dict]], root: Path | None = None
+) -> list[dict]:
+    """One dict per step: name, status, seconds, measured, predicted, records (file names,
+    relative to `root` where they are under it)."""
+    out = []
+    for step in steps:
+        entry = state["steps"].get(step.name, {})
+        status = entry.get("status", "not started")
+        if entry.get("reason"):
+            status = f"{status}: {entry['reason']}"
+        folder = Path(entry["folder"]) if entry.get("folder") else None
+        records = gather(entry["folder"]) if folder else []
+        measured, predicted = (
+            headline(step.kind, records, folder, entry.get("log", "")) if folder else ("", "")
+        )
+        files = sorted({_relative(r["_file"], root) for r in records})
+        out.append(
+            dict(
+                step=step.name,
+                status=status,
+                seconds=entry.get("seconds"),
+                measured=measured,
+                predicted=predicted,
+                records=files,
+            )
+        )
+    return out
+
+
+def markdown(table: Sequence[dict], platform: dict, command: str, date: str) -> str:
+    """The block for BENCHMARKS.md: a heading with the machine, the table, the column's note."""
+    kind = platform.get("device_kind", "unknown")
+    lines = [
+        f"### GPU runbook — `{command}`",
+        "",
+        f"{date}, {kind} × {platform.get('device_count', '?')} "
+        f"({platform.get('backend', 'unknown')}), jax {platform.get('jax_version', NA)}.",
+        "",
+        "| step | status | seconds | measured | predicted | records |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        seconds = f"{r['seconds']:.1f}" if r["seconds"] is not None else "–"
+        files = ", ".join(f"`{f}`" for f in r["records"])
+        cells = (r["step"], r["status"], seconds, r["measured"], r["predicted"], files)
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join([*lines, "", PREDICTED_NOTE, ""])

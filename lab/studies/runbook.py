@@ -1,0 +1,521 @@
+"""The GPU runbook as data: its steps in priority order, each a subprocess under its own budget.
+
+An accelerator is lent rarely, often for under an hour, in commands that must each end within
+ten minutes. So every step of BENCHMARKS.md's runbook is one existing command run as a
+subprocess with a time budget (killed past it, recorded as cut short), the whole bounded by one
+budget, and every outcome is written to a state file as soon as it is known: a rerun skips what
+finished and starts where the last one stopped. Steps write their records into a folder of
+their own (`<root>/steps/<step>/try-<n>/`); `lab.report.runbook` turns them into Markdown rows.
+
+The parent process never initialises a JAX backend: on a GPU that would take the device's
+memory from the steps. What the steps will see is found by a probe subprocess.
+"""
+
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+STATE = "state.json"
+ROWS = "BENCHMARKS-rows.md"
+FINISHED = ("done", "failed")  # ran to its end: a rerun skips it unless redo= names it
+MAX_STEP_S = 570.0  # under the ten minutes a lent machine gives one command
+KILL_GRACE_S = 5.0  # SIGTERM, then this long before SIGKILL
+GPU_REASON = "needs an NVIDIA GPU; this machine's backend is {backend}"
+KERNELS_ON_CPU = (
+    " (on CPU the kernels are checked in JAX's interpreter: "
+    "pytest tests/test_pallas_mgpu.py tests/test_attention.py)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One command of the runbook. `args` follow `python`; `{out}` is the step's folder and
+    `{tuned}` the remat and batch size the `tune-step-*` steps found best (else `fallback`)."""
+
+    name: str  # its key in the state file, steps= and redo=
+    what: str  # one line: what it measures
+    args: tuple  # after `python`, e.g. ("-m", "lab.tools.ceilings", "out_dir={out}")
+    budget_s: float = 300.0  # killed past this (and past the run's budget=)
+    needs_gpu: bool = False  # skipped, with its reason, on any other backend
+    kind: str = ""  # how its records read as a headline (lab.report.runbook)
+    skip_reason: str = ""  # added to the GPU reason where one applies
+    fallback: tuple = ()  # `{tuned}` before the tune-step-* steps have a best point
+
+
+def _bench(name, what, extra, budget, kind="attention", needs_gpu=False, skip=""):
+    args = ("-m", "lab.tools.attention_bench", *extra, "plot=false", "out_dir={out}")
+    return Step(name, what, args, budget, needs_gpu, kind, skip)
+
+
+def _mfu(name, attention, size):
+    if size == "tiny":
+        args = ("model=tiny", "steps=6", f"attention={attention}", "{tuned}")
+    else:
+        args = ("model=1b", "seq_len=2048", "steps=60", f"attention={attention}", "{tuned}")
+    return Step(
+        name,
+        f"the training step, attention={attention}: step time, tokens/s, MFU",
+        ("-m", "lab.run", *args, f"name={name}", "out_dir={out}"),
+        540,
+        kind="train",
+        fallback=("remat=full", "batch_size=8"),
+    )
+
+
+def plan(size: str) -> list[Step]:
+    """The runbook in priority order: the kernels' correctness on the device, ceilings,
+    attention against cuDNN, the step's MFU, serving, the ledger, then tuning."""
+    tiny = size == "tiny"
+    gpu_kernels = "impls=pallas_mgpu,pallas_gpu,cudnn", "heads=8", "kv_heads=2", "quick=true"
+    steps = [
+        _bench(
+            f"kernels-k{k}",
+            f"Mosaic GPU and Triton kernels vs float64 (and cuDNN), K={k}",
+            (*gpu_kernels, f"head_dim={k}"),
+            300,
+            "correctness",
+            True,
+            KERNELS_ON_CPU,
+        )
+        for k in (64, 128)
+    ]
+    ceilings = ("quick=true", "plot=false") if tiny else ()
+    steps.append(
+        Step(
+            "ceilings",
+            "matmul peaks per dtype, copy bandwidth, roofline",
+            ("-m", "lab.tools.ceilings", *ceilings, "out_dir={out}"),
+            240,
+            kind="ceilings",
+        )
+    )
+    steps += [
+        Step(
+            f"targets-k{k}",
+            f"the GPU-speed grid against cuDNN, judged, K={k}",
+            ("-m", "lab.tools.attention_targets", f"head_dims={k}", "out_dir={out}"),
+            540,
+            needs_gpu=True,
+            kind="targets",
+        )
+        for k in (64, 128)
+    ]
+    for mode in ("fwd", "fwd+bwd"):  # four steps: one full sweep may outlast ten minutes
+        for causal in ("yes", "no"):
+            name = f"attention-{mode.replace('+', '-')}-{'causal' if causal == 'yes' else 'full'}"
+            what = f"every impl and peer, {mode}, causal={causal}: TFLOP/s, memory"
+            extra = ("quick=true", "seqs=128", "impls=blockwise,xla", "budget=0.05") if tiny else ()
+            steps.append(_bench(name, what, (*extra, f"modes={mode}", f"causal={causal}"), 540))
+    # one step per remat policy: each compiles lab.run's real step for every batch size
+    remats = ("none",) if tiny else ("none", "dots", "full")
+    batches = "batches=2" if tiny else "batches=4,8,16"
+    model = (
+        ("model=tiny", "budget=0.2") if tiny else ("model=1b", "attention=pallas", "seq_len=2048")
+    )
+    steps += [
+        Step(
+            f"tune-step-{remat}",
+            f"batch sizes by MFU at remat={remat}",
+            ("-m", "lab.tools.tune_step", *model, f"remats={remat}", batches, "out_dir={out}"),
+            540,
+            kind="tune-step",
+        )
+        for remat in remats
+    ]
+    steps += [
+        _mfu("mfu-kernel", "blockwise" if tiny else "pallas", size),
+        _mfu("mfu-xla", "xla", size),
+    ]
+    bench = ("model=tiny", "budget=0.5") if tiny else ()
+    steps.append(
+        Step(
+            "bench-step",
+            "the lab's step against a bare flax + optax step",
+            ("-m", "lab.tools.bench_step", *bench),
+            300,
+            kind="log",
+        )
+    )
+    serve = (
+        (
+            "model=tiny",
+            "batches=1,2",
+            "prefill_batches=1",
+            "prompt_len=8",
+            "decode_steps=2",
+            "int8=false",
+            "budget=0.05",
+        )
+        if tiny
+        else ()
+    )
+    steps.append(
+        Step(
+            "serve",
+            "prefill, decode over batch vs HBM bandwidth, int8",
+            ("-m", "lab.serve", *serve, "plot=false", "results={out}"),
+            540,
+            kind="serve",
+        )
+    )
+    steps.append(
+        Step(
+            "serve-1b",
+            "a bigger model, where decode meets the ridge",
+            (
+                "-m",
+                "lab.serve",
+                "model=1b",
+                "batches=1,4,16,64,256",
+                "prompt_len=512",
+                "plot=false",
+                "results={out}",
+            ),
+            540,
+            needs_gpu=True,
+            kind="serve",
+        )
+    )
+    groups = {
+        "compute": "C01,C03,C05,C06,C07,C19,C20",
+        "training": "C02,C04,C08,C15,C17",
+        "memory": "C09,C10,C11,C12,C13,C14",
+        "inference": "C16,C18,C21,C22",
+    }
+    steps += [
+        Step(
+            f"ledger-{g}",
+            f"the claims ledger: {claims}",
+            ("-m", "experiments", f"size={size}", f"only={claims}", "out_dir={out}"),
+            570,
+            kind="ledger",
+        )
+        for g, claims in groups.items()
+    ]
+    steps += [
+        Step(
+            f"tune-{kernel}-k{k}",
+            f"{kernel} block sizes against cuDNN, K={k} (records only)",
+            (
+                "-m",
+                "lab.tools.attention_tune",
+                f"kernel={kernel}",
+                f"head_dims={k}",
+                *(("space=quick",) if kernel == "pallas_mgpu" else ()),
+                "out_dir={out}",
+            ),
+            570,
+            needs_gpu=True,
+            kind="log",
+        )
+        for kernel in ("pallas_gpu", "pallas_mgpu")
+        for k in (64, 128)
+    ]
+    return steps
+
+
+# ------------------------------------------------------------------------------ the platform
+
+
+PROBE = (
+    "import json, jax; d = jax.devices(); print(json.dumps({'backend': jax.default_backend(), "
+    "'device_kind': d[0].device_kind, 'device_count': len(d), 'jax_version': jax.__version__}))"
+)
+
+
+def probe_platform(timeout_s: float = 180.0) -> dict:
+    """Backend, device kind and count and jax version, as the steps' subprocesses see them."""
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=timeout_s
+    )
+    if out.returncode:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"backend": "unknown", "device_kind": "unknown", "error": tail}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------- the state
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
+    """The state file for this machine and size; one for another is kept beside it and a fresh
+    one begins (a CPU outcome says nothing about a GPU). A step left `running` was stopped with
+    the runbook itself (killed, or the machine went away): it is cut short."""
+    path = root / STATE
+    fresh = {"platform": platform, "size": size, "steps": {}}
+    if not path.exists():
+        return fresh
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        say(f"{path} could not be read ({e}): starting afresh")
+        return fresh
+    same = state.get("size") == size and all(
+        state.get("platform", {}).get(k) == platform.get(k) for k in ("backend", "device_kind")
+    )
+    if not same:
+        old = state.get("platform", {})
+        keep = (
+            root
+            / f"state-{old.get('backend', 'unknown')}-{state.get('size')}-{int(time.time())}.json"
+        )
+        path.rename(keep)
+        say(f"{path} was for {old.get('device_kind')} size={state.get('size')}: kept as {keep}")
+        return fresh
+    for entry in state["steps"].values():
+        if entry.get("status") == "running":
+            entry.update(status="cut short", reason="the runbook itself was stopped mid-step")
+    return state
+
+
+def save_state(root: Path, state: dict) -> None:
+    """Written whole and renamed into place: a kill mid-write leaves the previous state."""
+    tmp = root / f".{STATE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(state, indent=2, default=str))
+    os.replace(tmp, root / STATE)
+
+
+# ------------------------------------------------------------------------------- the command
+
+
+def read_records(folder: Path) -> list[dict]:
+    """Every record under `folder` (lines of any *.jsonl with a `what`); a torn last line, as a
+    killed step may leave, is passed over."""
+    out = []
+    for path in sorted(folder.rglob("*.jsonl")) if folder.is_dir() else []:
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(r, dict) and "what" in r and "value" in r:
+                out.append({**r, "_file": str(path)})
+    return out
+
+
+def tuned_args(root: Path, state: dict, fallback: tuple) -> tuple:
+    """remat= and batch_size= of the best point by tokens/s the tune-step-* steps found (any
+    attempt's records), else `fallback`."""
+    rows = [
+        r
+        for name, entry in state["steps"].items()
+        if name.startswith("tune-step") and entry.get("folder")
+        for r in read_records(Path(entry["folder"]))
+        if r["what"] == "training tokens/s"
+    ]
+    if not rows:
+        return fallback
+    best = max(rows, key=lambda r: r["value"])["config"]
+    return (f"remat={best['remat']}", f"batch_size={best['batch']}")
+
+
+def command(step: Step, out: Path, root: Path, state: dict) -> list[str]:
+    argv = [sys.executable]
+    for a in step.args:
+        if a == "{tuned}":
+            argv += tuned_args(root, state, step.fallback)
+        else:
+            argv.append(a.replace("{out}", str(out)))
+    return argv
+
+
+def shown(argv: list[str]) -> str:
+    return " ".join(["python", *argv[1:]])
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: str  # done | failed | cut short
+    reason: str
+    seconds: float
+    returncode: int | None
+
+
+def run_bounded(argv: list[str], log: Path, limit_s: float, why: str) -> Outcome:
+    """`argv` in its own process group, output to `log`, killed past `limit_s` (SIGTERM, then
+    SIGKILL). Ctrl-C or SIGTERM to the runbook stops the step the same way, then goes on up."""
+    t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "1"}
+    with log.open("w") as f:
+        p = subprocess.Popen(
+            argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            rc = p.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            _stop(p)
+            return Outcome("cut short", why, time.perf_counter() - t0, None)
+        except BaseException:
+            _stop(p)
+            raise
+    seconds = time.perf_counter() - t0
+    if rc:
+        return Outcome("failed", f"exit code {rc}: {_last_line(log)}", seconds, rc)
+    return Outcome("done", "", seconds, 0)
+
+
+def _stop(p: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _last_line(log: Path) -> str:
+    lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    return lines[-1][:200] if lines else "no output"
+
+
+# ---------------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    budget_s: float  # the whole invocation's wall time
+    spent_s: float  # of it, before the first step (the platform probe)
+    min_step_s: float  # a step starts only with this much budget left
+    redo: tuple = ()  # step names, "failed" or "all": run again though finished
+    only: tuple = ()  # step names to consider; () = all
+
+
+def wants_redo(name: str, entry: dict, redo: tuple) -> bool:
+    return "all" in redo or name in redo or ("failed" in redo and entry.get("status") == "failed")
+
+
+def execute(
+    steps: list[Step],
+    root: Path,
+    platform: dict,
+    state: dict,
+    req: Request,
+    *,
+    judge: Callable[[Step, dict], tuple[str, str] | None] = lambda step, entry: None,
+    after_step: Callable[[dict], None] = lambda state: None,
+    say=print,
+    clock=time.perf_counter,
+) -> dict:
+    """Run the steps in order under `req`, saving `state` after each. `judge(step, entry)` may
+    turn a finished step into a failure: (status, reason), e.g. a kernel's error over its
+    tolerance. `after_step(state)` runs after every step (the Markdown rows)."""
+    t0 = clock() - req.spent_s
+    backend = platform.get("backend", "unknown")
+    chosen = [s for s in steps if not req.only or s.name in req.only]
+    for i, step in enumerate(chosen, 1):
+        entry = state["steps"].get(step.name, {})
+        head = f"[{i}/{len(chosen)}] {step.name}"
+        if entry.get("status") in FINISHED and not wants_redo(step.name, entry, req.redo):
+            say(f"{head}: {entry['status']} before ({entry.get('seconds', 0):.0f} s), skipped")
+            continue
+        if step.needs_gpu and backend != "gpu":
+            reason = GPU_REASON.format(backend=backend) + step.skip_reason
+            state["steps"][step.name] = {"status": "skipped", "reason": reason}
+            say(f"{head}: skipped: {reason}")
+            save_state(root, state)
+            continue
+        left = req.budget_s - (clock() - t0)
+        if left < req.min_step_s:
+            spent = f"the run's budget={req.budget_s:g} was spent"
+            reason = f"not started: {spent} ({max(left, 0):.0f} s left)"
+            if entry.get("status") in FINISHED:
+                say(f"{head}: {reason} (the previous outcome stands)")
+                continue
+            state["steps"][step.name] = {**entry, "status": "not started", "reason": reason}
+            say(f"{head}: {reason}")
+            save_state(root, state)
+            continue
+        limit = min(step.budget_s, left)
+        why = (
+            f"past its budget of {limit:g} s"
+            if limit == step.budget_s
+            else f"the run's budget={req.budget_s:g} ran out ({limit:.0f} s were left for it)"
+        )
+        attempt = int(entry.get("attempt", 0)) + 1
+        out = root / "steps" / step.name / f"try-{attempt}"
+        out.mkdir(parents=True, exist_ok=True)
+        argv = command(step, out, root, state)
+        log = out / "output.log"
+        entry = {
+            "status": "running",
+            "attempt": attempt,
+            "folder": str(out),
+            "log": str(log),
+            "command": shown(argv),
+            "budget_s": round(limit, 1),
+            "started": _now(),
+        }
+        state["steps"][step.name] = entry
+        save_state(root, state)
+        say(f"{head}: {shown(argv)}  (at most {limit:.0f} s)")
+        try:
+            result = run_bounded(argv, log, limit, why)
+        except BaseException:
+            entry.update(status="cut short", reason="the runbook was interrupted", ended=_now())
+            save_state(root, state)
+            raise
+        entry.update(
+            status=result.status,
+            reason=result.reason,
+            seconds=round(result.seconds, 1),
+            returncode=result.returncode,
+            ended=_now(),
+        )
+        verdict = judge(step, entry) if result.status == "done" else None
+        if verdict:
+            entry["status"], entry["reason"] = verdict
+        tail = f": {entry['reason']}" if entry["reason"] else ""
+        say(f"{head}: {entry['status']} in {result.seconds:.1f} s{tail}  (log {log})")
+        save_state(root, state)
+        after_step(state)
+    return state
+
+
+# ------------------------------------------------------------------------------- the verdict
+
+KERNELS = ("pallas_mgpu", "pallas_gpu")  # what the correctness steps are for (cuDNN is a peer)
+
+
+def judge(step: Step, entry: dict) -> tuple[str, str] | None:
+    """A correctness step that ran is failed when a kernel under test did not run or its error
+    against float64 is over the tuner's tolerance for the dtype; None otherwise."""
+    if step.kind != "correctness":
+        return None
+    from lab.studies.tune import TOL  # jax is imported, no backend started
+
+    records = read_records(Path(entry["folder"]))
+    problems = []
+    for impl in KERNELS:
+        errors = [
+            r for r in records if r["what"] == "attention max error" and r["config"]["impl"] == impl
+        ]
+        if not errors:
+            why = [
+                r["value"]
+                for r in records
+                if r["what"] == "attention skipped" and r["config"]["impl"] == impl
+            ]
+            problems.append(f"{impl} did not run" + (f" ({why[0]})" if why else ""))
+            continue
+        worst = max(errors, key=lambda r: r["value"])
+        dtype = str(worst["config"].get("dtype", ""))
+        name = max((n for n in TOL if n in dtype), key=len, default=None)  # not float16 in bf16
+        tol = TOL.get(name)
+        if tol is not None and not worst["value"] <= tol:
+            problems.append(f"{impl} max error {worst['value']:.2g} > {tol:g} ({dtype})")
+    return ("failed", "; ".join(problems)) if problems else None

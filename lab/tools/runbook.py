@@ -1,0 +1,170 @@
+"""`python -m lab.tools.runbook budget=SECONDS`: BENCHMARKS.md's GPU runbook as one command.
+
+Each step (the kernels' correctness on the device first, then ceilings, attention against
+cuDNN, the step's MFU, serving, the ledger, tuning) is the existing command run as a
+subprocess under its own time budget, killed and recorded as cut short past it; the whole run
+stops starting steps when budget= is spent. Outcomes go to <out_dir>/runbook/state.json as
+they happen, so a rerun skips what finished (redo= names what to run again) and a job cut
+short loses nothing. The records every step wrote become BENCHMARKS-ready Markdown rows in
+<out_dir>/runbook/BENCHMARKS-rows.md, printed at the end. Steps that need a GPU are skipped on
+any other backend, with the reason; size=tiny runs the rest at tiny sizes (minutes on CPU: a
+check of the machinery). dry_run=true prints the plan (steps, budgets, commands) and runs nothing.
+"""
+
+import contextlib
+import dataclasses
+import difflib
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from lab.config import cli, field
+from lab.errors import ConfigError
+from lab.measure import records as rec
+from lab.report import runbook as rows
+from lab.studies import runbook
+
+SIZES = ("full", "tiny")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    budget: float = field(
+        570.0, "seconds for the whole run (steps are killed when it is spent)", min=1.0
+    )
+    size: str = field(
+        "full", "full (a GPU's sizes) | tiny (minutes on CPU: checks the machinery)", choices=SIZES
+    )
+    steps: tuple = field((), "only these steps, in the plan's order (default: all)", kind="names")
+    redo: tuple = field(
+        (), "run these again though finished: step names, failed, or all", kind="names"
+    )
+    min_step: float = field(
+        20.0, "a step starts only with at least this many seconds of budget left", min=0.0
+    )
+    out_dir: str = field("results", "the runbook's folder is <out_dir>/runbook", kind="path")
+    dry_run: bool = field(False, "print the plan (steps, budgets, commands) and run nothing")
+
+
+def _check_names(key: str, given: tuple, known: list[str], extra: tuple = ()) -> None:
+    for name in given:
+        if name not in known and name not in extra:
+            close = difflib.get_close_matches(name, [*known, *extra], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{key}={name!r}: no such step{hint}; steps: {', '.join(known)}")
+
+
+def _print_plan(steps, o: Options, root: Path) -> None:
+    """Each step's budget, command and, where a state file is there, its last outcome."""
+    path = root / runbook.STATE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):  # none yet, or unreadable: the plan alone
+        state = {"steps": {}}
+    print(f"runbook plan · size={o.size} · budget={o.budget:g} s · folder {root}")
+    if state["steps"]:
+        where = state.get("platform", {}).get("device_kind")
+        print(f"outcomes so far ({path}: {where}, size={state.get('size')}):")
+    for i, s in enumerate(steps, 1):
+        argv = runbook.command(s, root / "steps" / s.name / "try-N", root, state)
+        gpu = " · needs a GPU" if s.needs_gpu else ""
+        last = state["steps"].get(s.name, {}).get("status")
+        print(f"{i:2}. {s.name} ({s.budget_s:.0f} s{gpu}): {s.what}{f' [{last}]' if last else ''}")
+        print(f"    {runbook.shown(argv)}")
+
+
+def _command_line(o: Options) -> str:
+    """The command that asked for this run: its keys that differ from the defaults."""
+    keys = []
+    for f in dataclasses.fields(o):
+        value = getattr(o, f.name)
+        if value != f.default and f.name != "dry_run":
+            text = (
+                ",".join(value)
+                if isinstance(value, tuple)
+                else f"{value:g}"
+                if isinstance(value, float)
+                else str(value)
+            )
+            keys.append(f"{f.name}={text}")
+    return " ".join(["python -m lab.tools.runbook", *keys])
+
+
+@contextlib.contextmanager
+def _sigterm_stops_the_step():
+    """SIGTERM (a job scheduler's stop) reads as Ctrl-C: the step in flight is stopped and the
+    state saved. Only the main thread may set a handler; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(o: Options, *, steps=None, probe=None) -> int:
+    """`steps` and `probe` replace the plan and the platform probe (the tests' seam)."""
+    steps = runbook.plan(o.size) if steps is None else steps
+    names = [s.name for s in steps]
+    _check_names("steps", o.steps, names)
+    _check_names("redo", o.redo, names, extra=("failed", "all"))
+    root = Path(o.out_dir) / "runbook"
+    chosen = [s for s in steps if not o.steps or s.name in o.steps]
+    if o.dry_run:
+        _print_plan(chosen, o, root)
+        return 0
+    rec.writable_dir(root)
+    t0 = time.perf_counter()
+    platform = (probe or runbook.probe_platform)()
+    if platform.get("error"):
+        print(f"note: the platform probe failed ({platform['error']}); GPU steps are skipped")
+    print(
+        f"runbook · {platform.get('device_kind')} × {platform.get('device_count', '?')} "
+        f"({platform.get('backend')}) · size={o.size} · budget={o.budget:g} s → {root}"
+    )
+    state = runbook.load_state(root, platform, o.size)
+    command = _command_line(o)
+    date = time.strftime("%Y-%m-%d")
+
+    def write_rows(state) -> str:
+        table = rows.rows(chosen, state, lambda f: runbook.read_records(Path(f)), root)
+        text = rows.markdown(table, platform, command, date)
+        (root / runbook.ROWS).write_text(text)
+        return text
+
+    request = runbook.Request(
+        budget_s=o.budget,
+        spent_s=time.perf_counter() - t0,
+        min_step_s=o.min_step,
+        redo=o.redo,
+        only=o.steps,
+    )
+    with _sigterm_stops_the_step():
+        try:
+            state = runbook.execute(
+                steps, root, platform, state, request, judge=runbook.judge, after_step=write_rows
+            )
+        finally:
+            write_rows(state)
+    print()
+    print(write_rows(state))
+    print(f"rows → {root / runbook.ROWS} · state → {root / runbook.STATE}")
+    bad = [n for n, e in state["steps"].items() if e.get("status") == "failed" and n in names]
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    return cli(Options, run, prog="python -m lab.tools.runbook", doc=__doc__, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""The GPU runbook as one resumable command (lab/tools/runbook.py, lab/studies/runbook.py).
+
+On CPU with tiny budgets: every step runs or is skipped with its reason; a rerun resumes
+(finished steps are not run again); a step past its budget is killed and recorded as cut
+short; the Markdown rows are written. Fake steps (short `python -c` programs) come in through
+the tool's `steps=` seam, and a fake platform through `probe=`, so the tests take seconds.
+"""
+
+import json
+import textwrap
+
+import pytest
+
+from lab.report import runbook as rows
+from lab.studies import runbook
+from lab.studies.runbook import Step
+from lab.tools import runbook as tool
+
+CPU = {"backend": "cpu", "device_kind": "cpu", "device_count": 1, "jax_version": "0"}
+GPU = {"backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3", "device_count": 1}
+
+# Writes one record into the step's folder (its first argument), then exits with argv[2].
+WRITE = textwrap.dedent(
+    """
+    import json, pathlib, sys
+    r = {"what": "copy bandwidth", "value": 2.5e12, "unit": "B/s", "config": {}}
+    (pathlib.Path(sys.argv[1]) / "x.jsonl").write_text(json.dumps(r) + "\\n")
+    print("wrote a record"); sys.exit(int(sys.argv[2]))
+    """
+)
+
+
+def fake(name, code=0, budget=30.0, **kw):
+    return Step(name, f"fake {name}", ("-c", WRITE, "{out}", str(code)), budget, **kw)
+
+
+def sleeper(name, budget):
+    return Step(name, "sleeps", ("-c", "import time; time.sleep(60)"), budget)
+
+
+def options(tmp_path, **kw):
+    return tool.Options(**{"budget": 60.0, "min_step": 0.1, "out_dir": str(tmp_path), **kw})
+
+
+def state_of(tmp_path):
+    return json.loads((tmp_path / "runbook" / runbook.STATE).read_text())["steps"]
+
+
+def test_plan_in_priority_order_each_step_under_ten_minutes():
+    for size in tool.SIZES:
+        steps = runbook.plan(size)
+        names = [s.name for s in steps]
+        assert names[:3] == ["kernels-k64", "kernels-k128", "ceilings"]
+        assert names.index("targets-k64") < names.index("mfu-kernel") < names.index("serve")
+        assert names.index("serve") < names.index("ledger-compute")
+        assert len(set(names)) == len(names)
+        assert all(0 < s.budget_s <= runbook.MAX_STEP_S < 600 for s in steps)
+        assert all(s.kind in (*rows.HEADLINES, "log") for s in steps)
+
+
+def test_tiny_budget_every_step_runs_or_is_skipped_with_its_reason(tmp_path, capsys):
+    """The real tiny plan on CPU with 2 s of budget: GPU steps skipped (why), the first CPU
+    step started and cut short by the run's budget, every later one not started (why)."""
+    o = options(tmp_path, size="tiny", budget=2.0, min_step=0.5)
+    assert tool.run(o, probe=lambda: CPU) == 0
+    steps = state_of(tmp_path)
+    plan = runbook.plan("tiny")
+    assert set(steps) == {s.name for s in plan}
+    for s in plan:
+        entry = steps[s.name]
+        assert entry["status"] in ("done", "skipped", "cut short", "not started"), entry
+        if entry["status"] != "done":
+            assert entry["reason"], entry
+        if s.needs_gpu:
+            assert entry["status"] == "skipped" and "needs an NVIDIA GPU" in entry["reason"]
+    assert steps["ceilings"]["status"] == "cut short"
+    assert "budget=2 ran out" in steps["ceilings"]["reason"]
+    assert steps["serve"]["status"] == "not started" and "budget=2" in steps["serve"]["reason"]
+    md = (tmp_path / "runbook" / runbook.ROWS).read_text()
+    assert "| ceilings | cut short: the run's budget=2 ran out" in md
+    assert "### GPU runbook — `python -m lab.tools.runbook budget=2 size=tiny min_step=0.5" in md
+    assert md in capsys.readouterr().out
+
+
+def test_rerun_resumes_and_redo_runs_again(tmp_path, capsys):
+    steps = [fake("one"), fake("two", code=3), fake("gpu", needs_gpu=True)]
+    assert tool.run(options(tmp_path), steps=steps, probe=lambda: CPU) == 1  # a step failed
+    first = state_of(tmp_path)
+    assert [first[n]["status"] for n in ("one", "two", "gpu")] == ["done", "failed", "skipped"]
+    assert first["two"]["reason"] == "exit code 3: wrote a record"
+    md = (tmp_path / "runbook" / runbook.ROWS).read_text()
+    assert "| one | done |" in md and "copy bandwidth 2.5 TB/s" in md
+    assert "steps/one/try-1/x.jsonl" in md
+    capsys.readouterr()
+
+    tool.run(options(tmp_path), steps=steps, probe=lambda: CPU)
+    again = state_of(tmp_path)
+    assert again["one"]["attempt"] == again["two"]["attempt"] == 1  # finished: not rerun
+    assert "one: done before" in capsys.readouterr().out
+
+    tool.run(options(tmp_path, redo=("failed",)), steps=steps, probe=lambda: CPU)
+    assert state_of(tmp_path)["one"]["attempt"] == 1
+    assert state_of(tmp_path)["two"]["attempt"] == 2
+    tool.run(options(tmp_path, redo=("one",), steps=("one",)), steps=steps, probe=lambda: CPU)
+    assert state_of(tmp_path)["one"]["attempt"] == 2
+
+
+def test_step_past_its_budget_is_killed_and_cut_short_then_rerun(tmp_path):
+    steps = [sleeper("slow", budget=0.5), fake("after")]
+    assert tool.run(options(tmp_path), steps=steps, probe=lambda: CPU) == 0
+    entry = state_of(tmp_path)["slow"]
+    assert entry["status"] == "cut short" and entry["reason"] == "past its budget of 0.5 s"
+    assert entry["seconds"] < 5
+    assert state_of(tmp_path)["after"]["status"] == "done"  # the next step still ran
+    tool.run(options(tmp_path), steps=steps, probe=lambda: CPU)
+    assert state_of(tmp_path)["slow"]["attempt"] == 2  # not finished: tried again
+    assert state_of(tmp_path)["after"]["attempt"] == 1
+
+
+def test_a_step_left_running_reads_as_cut_short_and_another_machine_starts_afresh(tmp_path):
+    root = tmp_path / "runbook"
+    root.mkdir()
+    state = {"platform": CPU, "size": "full", "steps": {"a": {"status": "running"}}}
+    runbook.save_state(root, state)
+    loaded = runbook.load_state(root, CPU, "full", say=lambda _: None)
+    assert loaded["steps"]["a"]["status"] == "cut short"
+    said = []
+    assert runbook.load_state(root, GPU, "full", say=said.append)["steps"] == {}
+    assert "kept as" in said[0] and not (root / runbook.STATE).exists()
+    assert len(list(root.glob("state-cpu-full-*.json"))) == 1
+
+
+def test_correctness_fails_on_an_error_over_tolerance_or_a_kernel_that_did_not_run(tmp_path):
+    def record(impl, what, value, dtype="bfloat16"):
+        return {"what": what, "value": value, "unit": "x", "config": {"impl": impl, "dtype": dtype}}
+
+    step = runbook.plan("full")[0]
+    good = [record("pallas_mgpu", "attention max error", 4e-3)]
+    good += [record("pallas_gpu", "attention max error", 3e-3)]
+    for name, recs, want in [
+        ("ok", good, None),
+        ("over", [*good[:1], record("pallas_gpu", "attention max error", 0.3)], "0.3 > 0.02"),
+        ("gone", [*good[1:], record("pallas_mgpu", "attention skipped", "ptxas")], "(ptxas)"),
+    ]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        verdict = runbook.judge(step, {"folder": str(folder)})
+        assert verdict is None if want is None else want in verdict[1], (name, verdict)
+
+
+def test_training_row_puts_the_predicted_floor_beside_the_measured_step(tmp_path):
+    summary = {"mfu": 0.5, "step_time": {"median_s": 0.2}, "peak_source": "spec-table peak"}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    recs = [{"what": "training MFU", "value": 0.5, "unit": "fraction", "config": {}}]
+    measured, predicted = rows.headline("train", recs, tmp_path)
+    assert (
+        measured == "MFU 50.0%"
+        and predicted == "step ≥ 100.00 ms (model FLOPs at the spec-table peak)"
+    )
+
+
+def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
+    assert tool.main(["dry_run=true", f"out_dir={tmp_path}", "steps=ceilings,serve"]) == 0
+    out = capsys.readouterr().out
+    assert "python -m lab.tools.ceilings" in out and "python -m lab.serve" in out
+    assert "kernels-k64" not in out and not (tmp_path / "runbook").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["budget=0"], "budget='0': must be >= 1.0"),
+        (["redo=ceilngs"], "redo='ceilngs': no such step (did you mean ceilings?)"),
+        (["steps=serving"], "steps='serving': no such step (did you mean serve?)"),
+        (["size=huge"], "size='huge': expected one of full | tiny"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert tool.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_the_training_step_runs_at_the_best_point_tune_step_found(tmp_path):
+    step = next(s for s in runbook.plan("full") if s.name == "mfu-kernel")
+    state = {"steps": {}}
+    argv = runbook.command(step, tmp_path, tmp_path, state)
+    assert "remat=full" in argv and "batch_size=8" in argv  # nothing tuned yet: the fallback
+    recs = [
+        {"what": "training tokens/s", "value": v, "unit": "tokens/s", "config": c}
+        for v, c in [(9.0, {"remat": "dots", "batch": 16}), (7.0, {"remat": "none", "batch": 4})]
+    ]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    state["steps"]["tune-step-dots"] = {"status": "done", "folder": str(tmp_path)}
+    argv = runbook.command(step, tmp_path, tmp_path, state)
+    assert "remat=dots" in argv and "batch_size=16" in argv and "remat=full" not in argv
