@@ -9,10 +9,16 @@ the next older step is tried; each step is read on its own (orbax's manager infe
 of every step from the newest one, so one broken step used to make all of them unreadable).
 A step whose arrays have other shapes than the model's is not damaged: the run asked for
 another model, which is a ConfigError before anything is moved.
+
+A save that fails (a full disk) is reported once, as a SaveError naming its step, the folder
+and the operating system's reason, wherever orbax raises it (`Saver`); its unfinished folder
+keeps its temporary name, so it is never listed as a step, and is removed at the next start.
 """
 
+import contextlib
 import fcntl
 import os
+import re
 import time
 from pathlib import Path
 
@@ -46,17 +52,65 @@ def manager(run_dir, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(folder(run_dir), options=options)
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, *, wait: bool = False) -> bool:
-    """Save `state` as `step` unless that step is already saved (a signal arriving on a
-    checkpoint step asks for the same step twice); True if it saved."""
-    if step in mngr.all_steps():
-        if wait:
-            mngr.wait_until_finished()
-        return False
-    mngr.save(step, args=ocp.args.StandardSave(state))
-    if wait:
-        mngr.wait_until_finished()
-    return True
+def saved_steps(run_dir) -> list[int]:
+    """The steps whose saves completed (orbax renames a step's folder to its number only when
+    the save is whole; an unfinished one keeps a temporary name), oldest first."""
+    path = folder(run_dir)
+    if not path.is_dir():
+        return []
+    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit())
+
+
+def failure_reason(e: BaseException) -> str:
+    """Why a write failed, in a few words: the operating system's words where the error
+    carries its code (TensorStore writes `[os_error_code='28']` into its message), else the
+    error's first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    return os.strerror(int(code.group(1))) if code else _first_line(e)
+
+
+class SaveError(Exception):
+    """A checkpoint that could not be written (a full disk, a folder gone): which step, where
+    and why, in one line."""
+
+    def __init__(self, step: int | None, path, reason: str):
+        what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+        super().__init__(f"{what} could not be saved in {path} ({reason})")
+        self.step = step
+
+
+class Saver:
+    """Saves of one run through orbax's manager, each awaited before the next starts, so a
+    failure is reported with the step that failed (orbax raises it at the next call, in the
+    words of a background thread), and `pending` names a save still being written."""
+
+    def __init__(self, mngr: ocp.CheckpointManager):
+        self.mngr = mngr
+        self.pending: int | None = None
+
+    def save(self, step: int, state) -> bool:
+        """Start saving `state` as `step` unless that step is already saved (a signal arriving
+        on a checkpoint step asks for the same step twice); True if it started one."""
+        self.finish()
+        if step in self.mngr.all_steps():
+            return False
+        self.pending = step
+        try:
+            self.mngr.save(step, args=ocp.args.StandardSave(state))
+        except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for a failed write
+            self.pending = None
+            raise SaveError(step, self.mngr.directory, failure_reason(e)) from e
+        return True
+
+    def finish(self) -> None:
+        """Wait for the save in flight; SaveError if it failed."""
+        step, self.pending = self.pending, None
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 — as in save()
+            raise SaveError(step, self.mngr.directory, failure_reason(e)) from e
 
 
 def _first_line(e: Exception) -> str:
@@ -153,7 +207,8 @@ class Lock:
         self._f = None
 
     def __enter__(self):
-        self._f = open(self.path, "a+")  # noqa: SIM115 — held open for the lock's life
+        # held open for the lock's life; a damaged lock file is read, never a UnicodeDecodeError
+        self._f = open(self.path, "a+", errors="replace")  # noqa: SIM115
         try:
             fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -164,15 +219,20 @@ class Lock:
                 f"run folder {self.path.parent} is in use by {holder}: wait for it, or choose "
                 "another name="
             ) from None
-        self._f.seek(0)
-        self._f.truncate()
-        self._f.write(f"pid {os.getpid()}")
-        self._f.flush()
+        try:  # who holds it, for the message above; the lock holds without it (a full disk)
+            self._f.seek(0)
+            self._f.truncate()
+            self._f.write(f"pid {os.getpid()}")
+            self._f.flush()
+        except OSError:
+            pass
         return self
 
     def __exit__(self, *exc):
         if self._f:
-            self._f.seek(0)
-            self._f.truncate()
+            with contextlib.suppress(OSError):
+                self._f.seek(0)
+                self._f.truncate()
             fcntl.flock(self._f, fcntl.LOCK_UN)
-            self._f.close()
+            with contextlib.suppress(OSError):
+                self._f.close()

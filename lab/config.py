@@ -315,6 +315,11 @@ class Config:
     log_every: int = field(10, "steps between metric records", min=1)
     checkpoint_every: int = field(0, "steps between checkpoints; 0 = no checkpoints", min=0)
     resume: bool = field(False, "continue from the newest good checkpoint of run name=NAME")
+    overwrite: bool = field(
+        False,
+        "clear an earlier run from the folder name=NAME before this one writes there (once this "
+        "run's step has compiled and fits); without it a fresh run refuses a used folder",
+    )
     compile_only: bool = field(False, "compile the step, print memory and cost, do not train")
     explain: bool = field(
         False, "print per-device memory and the compiled step's collectives vs analytic"
@@ -442,6 +447,10 @@ def validate(cfg: Config) -> None:
     if cfg.process_id >= cfg.num_processes:
         raise ConfigError(
             f"process_id={cfg.process_id} must be < num_processes={cfg.num_processes}"
+        )
+    if cfg.overwrite and cfg.resume:
+        raise ConfigError(
+            "overwrite=true clears the folder's run and resume=true continues it: choose one"
         )
     if cfg.num_processes > 1 and not cfg.coordinator:
         raise ConfigError("num_processes > 1 needs coordinator=host:port")

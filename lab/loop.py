@@ -3,12 +3,17 @@
 Step time is the interval between successive completed steps (each blocked on its loss),
 while the next batch is built on the host during the device's work; the median excludes
 the first steps, and compile time is reported on its own.
+
+Every way out of the loop ends the same way: the summary is written, the checkpoint in flight
+is finished (under the signal handler, so a signal during the last save is a request to stop,
+not a kill), and one line says why the run stopped and what the folder keeps, read from the
+folder itself. A write that fails (a full disk) stops the run the same way, in one line.
 """
 
 import contextlib
 import dataclasses
-import json
 import math
+import os
 import signal
 import sys
 import time
@@ -20,7 +25,7 @@ from lab import checkpoint, plans, rundir, summary
 from lab.config import Config
 from lab.data import host_batch, to_global
 from lab.devices import agreed_stop
-from lab.errors import RunError
+from lab.errors import ConfigError, RunError
 from lab.measure.records import writable_dir
 from lab.measure.timing import summarise
 from lab.report import progress, tables
@@ -40,10 +45,15 @@ def _non_finite(**values) -> str | None:
 
 
 class _Stop:
-    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (state stays valid)."""
+    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (state stays valid).
 
-    def __init__(self):
-        self.signal = None
+    A second signal is final: `final(name)` says in one line what is left unfinished, and the
+    process exits at once (130/143) without waiting for a save in flight."""
+
+    def __init__(self, final=None):
+        self.signal = None  # the signal to stop on (this process's own, or its peers')
+        self.final = final
+        self._received = 0  # signals this process got
         self._old = {}
 
     def __enter__(self):
@@ -55,8 +65,16 @@ class _Stop:
         return self
 
     def _handle(self, signum, _frame):
-        self.signal = signal.Signals(signum).name
-        signal.signal(signum, self._old.get(signum, signal.SIG_DFL))  # a second one is final
+        self._received += 1
+        if self._received == 1:
+            self.signal = self.signal or signal.Signals(signum).name
+            return
+        with contextlib.suppress(Exception):  # exiting is what was asked, whatever happens
+            if self.final:
+                self.final(signal.Signals(signum).name)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(128 + signum)
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
@@ -72,6 +90,7 @@ def _batch(cfg: Config, trainer, step: int):
 class History:
     losses: list = dataclasses.field(default_factory=list)  # (step, loss)
     step_s: list = dataclasses.field(default_factory=list)
+    step: int = 0  # the last step trained whole (finite, its metrics written)
 
 
 class _Tracer:
@@ -97,11 +116,14 @@ class _Tracer:
         self.stop()
 
 
-def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist):
+def _train(cfg, trainer, compiled, state, start, saver, log, console, hist, stop) -> str | None:
+    """Train to cfg.steps; None when it got there, else why it stopped: a signal's name, or
+    'loss is nan at step N: training stopped'. A write that fails (metrics: OSError,
+    checkpoint: checkpoint.SaveError) is raised. hist.step is the last step trained."""
     tokens_per_step = cfg.batch_size * cfg.seq_len
     batch = _batch(cfg, trainer, start)
     tracer = _Tracer(Path(cfg.out_dir) / cfg.name / "profile")
-    with _Stop() as stop, progress.training(console) as bar, tracer:
+    with progress.training(console) as bar, tracer:
         task = bar.add_task("train", total=cfg.steps, completed=start, loss=math.nan, tps=0.0)
         last = time.perf_counter()
         for step in range(start, cfg.steps):
@@ -123,11 +145,10 @@ def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist)
                 # Checked before this step's state can be saved: a non-finite gradient has
                 # already poisoned the update even where the loss itself is still finite, and
                 # a finite gradient times a huge learning rate can still overflow the weights.
-                kept = f"; last good checkpoint kept in {mngr.directory}" if mngr else ""
-                raise RunError(f"{bad} at step {step + 1}: training stopped{kept}")
+                return f"{bad} at step {step + 1}: training stopped"
             hist.losses.append((step + 1, loss))
             bar.update(task, completed=step + 1, loss=loss, tps=tokens_per_step / hist.step_s[-1])
-            if metrics_f and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+            if log and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
                 rec = {
                     "step": step + 1,
                     "loss": loss,
@@ -135,16 +156,43 @@ def _train(cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist)
                     "step_s": hist.step_s[-1],
                     "tokens_per_s": tokens_per_step / hist.step_s[-1],
                 }
-                metrics_f.write(json.dumps(rec) + "\n")
-                metrics_f.flush()
-            if mngr and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                checkpoint.save(mngr, step + 1, state)
+                log.write(rec)
+            hist.step = step + 1
+            if saver and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                saver.save(step + 1, state)
             if agreed_stop(stop, step + 1):  # the same step on every process
-                if mngr:
-                    checkpoint.save(mngr, step + 1, state, wait=True)  # a no-op if just saved
-                    console.print(f"{stop.signal}: checkpoint saved at step {step + 1}")
-                return state, stop.signal
-    return state, None
+                if saver:
+                    saver.save(step + 1, state)  # a no-op if just saved; awaited by the caller
+                return stop.signal
+    return None
+
+
+def _kept(cfg: Config, run_dir: Path, log) -> str:
+    """What the run folder keeps, read from the folder (never assumed): the newest complete
+    checkpoint, and the last step in metrics.jsonl."""
+    steps = checkpoint.saved_steps(run_dir)
+    if steps:
+        ckpt = f"checkpoint step {steps[-1]} in {checkpoint.folder(run_dir)}"
+    elif cfg.checkpoint_every:
+        ckpt = "no checkpoint (none saved yet)"
+    else:
+        ckpt = "no checkpoint (checkpoint_every=0)"
+    if log is None:
+        return f"kept: {ckpt}"
+    last = log.last_step
+    if last is None:
+        records, _ = rundir.read_metrics(run_dir / "metrics.jsonl")
+        last = max((r["step"] for r in records), default=None)
+    metrics = f"metrics.jsonl to step {last}" if last is not None else "no metrics"
+    return f"kept in {run_dir}: {ckpt}; {metrics}"
+
+
+def _write_failure(e: Exception, run_dir: Path) -> str:
+    """'metrics.jsonl could not be written (No space left on device)' for a failed write."""
+    if isinstance(e, checkpoint.SaveError):
+        return str(e)
+    name = Path(e.filename).name if getattr(e, "filename", None) else "a file"
+    return f"{name} could not be written in {run_dir} ({checkpoint.failure_reason(e)})"
 
 
 def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
@@ -166,6 +214,12 @@ def _open_run_dir(cfg: Config, is_main: bool) -> Path:
     run_dir = Path(cfg.out_dir) / cfg.name
     writable_dir(cfg.out_dir)
     if cfg.resume:
+        if cfg.compile_only:
+            raise ConfigError(
+                "compile_only=true writes a config.json and summary.json of its own, which "
+                "would replace those of the run it resumes: leave out resume=true and give it "
+                "another name="
+            )
         rundir.check_same_state(rundir.saved_config(run_dir), dataclasses.asdict(cfg))
     if is_main:
         writable_dir(run_dir)
@@ -213,8 +267,25 @@ def run_training(session: Session) -> int:
     lock = checkpoint.Lock(run_dir) if is_main else contextlib.nullcontext()
     with lock:
         if is_main:
+            if not (cfg.resume or cfg.overwrite):
+                rundir.check_fresh(run_dir)  # under the lock: no run can start in between
             rundir.quiet_libraries(run_dir)
         return _run(cfg, info, trainer, run_dir, is_main)
+
+
+def _start_folder(cfg: Config, run_dir: Path, console) -> None:
+    """Once the step has compiled and fits: clear an earlier run (overwrite=true; never for
+    a run that is refused) and write this run's config.json."""
+    try:
+        if cfg.overwrite:
+            cleared = rundir.clear(run_dir)
+            if cleared:
+                console.print(
+                    f"overwrite=true: cleared the earlier run from {run_dir}", soft_wrap=True
+                )
+        rundir.write_json(run_dir / "config.json", dataclasses.asdict(cfg))
+    except OSError as e:
+        raise RunError(f"{_write_failure(e, run_dir)}: nothing was run") from None
 
 
 def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
@@ -228,9 +299,9 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
     state, start = (
         (None, 0) if cfg.compile_only else _restore(cfg, trainer, run_dir, is_main, console)
     )
-    if is_main:
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     analysis, compiled, compile_s = _analyse(cfg, info, trainer, console)
+    if is_main:
+        _start_folder(cfg, run_dir, console)
     if cfg.compile_only:
         console.print(tables.analysis(analysis, compile_s))
         if analysis.get("aot", {}).get("kernels"):
@@ -238,25 +309,109 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
             aot = analysis["aot"]
             console.print(tables.kernels(aot["kernels"], title, aot.get("toolchain")))
         if is_main:
-            summary.write_summary(run_dir, {"compile_s": compile_s, **analysis})
+            _write_summary(run_dir, {"compile_s": compile_s, **analysis})
         return 0
-    mngr = checkpoint.manager(run_dir) if (cfg.checkpoint_every or cfg.resume) else None
-    hist = History()
     if is_main:
-        rundir.keep_metrics_before(run_dir, start)
-    metrics = open(run_dir / "metrics.jsonl", "a") if is_main else contextlib.nullcontext()
-    with metrics as metrics_f:
         try:
-            state, stopped = _train(
-                cfg, trainer, compiled, state, start, mngr, metrics_f, console, hist
-            )
-        finally:
-            if mngr:
-                mngr.wait_until_finished()
-    times = summarise(hist.step_s[WARMUP_STEPS:] or hist.step_s or [math.nan], compile_s)
-    result = summary.summarise_run(cfg, info, analysis, times, hist.losses)
-    console.print(tables.run_summary(result))
-    if is_main:
+            rundir.keep_metrics_before(run_dir, start)
+        except OSError as e:
+            raise RunError(f"{_write_failure(e, run_dir)}: nothing was run") from None
+    try:
+        mngr = checkpoint.manager(run_dir) if (cfg.checkpoint_every or cfg.resume) else None
+        log = rundir.MetricsLog(run_dir / "metrics.jsonl") if is_main else None
+    except OSError as e:
+        raise RunError(f"{_write_failure(e, run_dir)}: nothing was run") from None
+    saver = checkpoint.Saver(mngr) if mngr else None
+    hist = History(step=start)
+    end = _End(cfg, info, analysis, compile_s, run_dir, is_main, console, hist, saver, log)
+    with _Stop(final=end.final) as stop, log or contextlib.nullcontext():
+        try:
+            end.why = _train(cfg, trainer, compiled, state, start, saver, log, console, hist, stop)
+        except (OSError, checkpoint.SaveError) as e:
+            end.failed = _write_failure(e, run_dir)
+        end.write_summary()
+        end.finish_saves()
+        return end.report(stop.signal)
+
+
+def _write_summary(run_dir: Path, result: dict) -> None:
+    try:
         summary.write_summary(run_dir, result)
-        console.print(f"run folder: {run_dir}")
-    return {None: 0, "SIGINT": 130, "SIGTERM": 143}[stopped]
+    except OSError as e:
+        raise RunError(_write_failure(e, run_dir)) from None
+
+
+@dataclasses.dataclass
+class _End:
+    """How a run that entered the loop ends: its summary, its last save, one line."""
+
+    cfg: Config
+    info: object
+    analysis: dict
+    compile_s: float
+    run_dir: Path
+    is_main: bool
+    console: object
+    hist: History
+    saver: checkpoint.Saver | None
+    log: rundir.MetricsLog | None
+    why: str | None = None  # a signal's name, or a non-finite value's line
+    failed: str | None = None  # the first write that failed
+    summary_written: bool = False
+
+    def _result(self) -> dict:
+        hist = self.hist
+        times = summarise(hist.step_s[WARMUP_STEPS:] or hist.step_s or [math.nan], self.compile_s)
+        return summary.summarise_run(self.cfg, self.info, self.analysis, times, hist.losses)
+
+    def write_summary(self, *, show: bool = True) -> None:
+        result = self._result()
+        if show:
+            self.console.print(tables.run_summary(result))
+        if self.is_main:
+            try:
+                summary.write_summary(self.run_dir, result)
+                self.summary_written = True
+            except OSError as e:
+                self.failed = self.failed or _write_failure(e, self.run_dir)
+
+    def finish_saves(self) -> None:
+        if self.saver:
+            try:
+                self.saver.finish()
+            except checkpoint.SaveError as e:
+                self.failed = self.failed or str(e)
+
+    def report(self, signal_name: str | None) -> int:
+        kept = _kept(self.cfg, self.run_dir, self.log)
+        step = self.hist.step
+        if self.failed:
+            ended = "ended" if step == self.cfg.steps else "stopped"
+            raise RunError(f"{self.failed}: training {ended} at step {step}; {kept}")
+        if self.why and not self.why.startswith("SIG"):
+            raise RunError(f"{self.why}; {kept}")
+        if signal_name:
+            saved = checkpoint.saved_steps(self.run_dir)
+            if self.saver and saved and saved[-1] == step:
+                self.console.print(f"{signal_name}: checkpoint saved at step {step}")
+            else:
+                self.console.print(f"{signal_name}: stopped at step {step}; {kept}", soft_wrap=True)
+        if self.is_main:
+            self.console.print(f"run folder: {self.run_dir}")
+        return {None: 0, "SIGINT": 130, "SIGTERM": 143}[signal_name]
+
+    def final(self, signal_name: str) -> None:
+        """A second signal: one line on what is left unfinished, before the process exits."""
+        pending = self.saver.pending if self.saver else None
+        if pending in checkpoint.saved_steps(self.run_dir):
+            pending = None  # it completed before the signal: the kept list names it
+        left = (
+            f"checkpoint step {pending} was not finished (its temporary folder is removed at "
+            "the next start); "
+            if pending is not None
+            else ""
+        )
+        if self.is_main and not self.summary_written:
+            self.write_summary(show=False)  # the figures of the steps run, in milliseconds
+        kept = _kept(self.cfg, self.run_dir, self.log)
+        print(f"{signal_name} again: exiting at once; {left}{kept}", file=sys.stderr)

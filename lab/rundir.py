@@ -1,14 +1,23 @@
 """The run folder `out_dir/name/`: what may go in it, who may write it, and how its files survive.
 
-A run folder belongs to one live run (a lock), a resume must ask for the model the folder holds
-(checked against its config.json before anything runs), metrics lines are never deleted (a
-resume that repeats steps moves the repeated lines to metrics-superseded.jsonl; a line torn by a
-kill mid-write is kept in metrics-torn.jsonl), and libraries' log output goes to lab.log in the
-folder, so the user reads the lab's own one-line messages.
+A run folder belongs to one run: a fresh run refuses a folder an earlier run left output in
+(resume it, pick another name, or clear it with overwrite=true), and to one live run at a time
+(a lock). A resume must ask for the model the folder holds (checked against its config.json
+before anything runs). Metrics lines are never deleted (a resume that repeats steps moves the
+repeated lines to metrics-superseded.jsonl; a line that is not a whole record, torn by a kill
+or a full disk mid-write or not text at all, is kept byte for byte in metrics-torn.jsonl), a
+line is appended whole or not at all, and the JSON files are replaced whole (written aside,
+then renamed). Libraries' log output, including errors their threads cannot raise, goes to
+lab.log in the folder, so the user reads the lab's own one-line messages.
 """
 
+import contextlib
 import json
 import logging
+import os
+import shutil
+import sys
+import threading
 from pathlib import Path
 
 from lab.errors import ConfigError
@@ -27,6 +36,66 @@ STATE_FIELDS = (
 )
 
 
+# What the folder holds for its run's sake, not as the run's output: the lock of the live run and
+# the libraries' log, which every run in the folder appends to.
+NOT_OUTPUT = (".lock", "lab.log")
+
+
+def previous_run(run_dir: Path) -> list[str]:
+    """The names an earlier run left in the folder (none for a new or empty folder)."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in NOT_OUTPUT)
+
+
+def check_fresh(run_dir: Path) -> None:
+    """A run that neither resumes nor overwrites needs a folder with no earlier run in it:
+    two runs' checkpoints, metrics and summaries in one folder cannot be told apart, and a
+    resume would load whichever saved the highest step. ConfigError (one line) otherwise."""
+    left = previous_run(run_dir)
+    if left:
+        shown = ", ".join(left[:4]) + (", …" if len(left) > 4 else "")
+        raise ConfigError(
+            f"run folder {run_dir} already holds a run ({shown}): a folder belongs to one run; "
+            "continue it with resume=true, choose another name=, or clear it first with "
+            "overwrite=true"
+        )
+
+
+def clear(run_dir: Path) -> list[str]:
+    """Remove the earlier run from the folder for overwrite=true (the caller holds the folder's
+    lock, which stays, and lab.log, which is appended to). Every entry is first renamed into one
+    hidden folder, so an interrupted clear never leaves a mix of two runs in place (the next
+    overwrite removes the leftover), then that folder is deleted; links are removed, never
+    followed. Returns what was removed."""
+    left = previous_run(run_dir)
+    if not left:
+        return []
+    trash = run_dir / f".overwritten-{os.getpid()}"
+    try:
+        trash.mkdir()
+        for name in left:
+            (run_dir / name).rename(trash / name)
+        shutil.rmtree(trash)
+    except OSError as e:
+        raise ConfigError(
+            f"overwrite=true: could not clear {run_dir} ({e.strerror or e}); "
+            f"what was not removed is in {run_dir} or {trash}"
+        ) from None
+    return left
+
+
+def write_json(path: Path, obj) -> None:
+    """Replace `path` with `obj` as JSON whole or not at all: written beside it, then renamed
+    over it (a full disk leaves the old file, never a torn one). OSError for the caller."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def saved_config(run_dir: Path) -> dict:
     """config.json of an earlier run in this folder; ConfigError if there is none to resume."""
     path = run_dir / "config.json"
@@ -36,9 +105,12 @@ def saved_config(run_dir: Path) -> dict:
             "(nothing to resume; leave out resume=true to start it)"
         )
     try:
-        return json.loads(path.read_text())
+        saved = json.loads(path.read_bytes())  # bytes: JSON's own UTF-8 check, as ValueError
     except (OSError, ValueError) as e:
-        raise ConfigError(f"resume=true: {path} is damaged ({e})") from None
+        raise ConfigError(f"resume=true: {path} is damaged ({str(e)[:160]})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise ConfigError(f"resume=true: {path} is damaged (not a run's config)")
+    return saved
 
 
 def check_same_state(saved: dict, new: dict) -> None:
@@ -66,46 +138,126 @@ def check_steps(saved_step: int, steps: int) -> None:
         )
 
 
-def read_metrics(path: Path) -> tuple[list[dict], list[str]]:
-    """(records, torn lines): every line of metrics.jsonl that parses, and those that do not
-    (a kill mid-write leaves a partial last line)."""
+def _record(line: bytes) -> dict | None:
+    """The metrics record on one line, or None where the line is not one (torn by a kill or a
+    full disk, bytes that are not UTF-8, JSON that is not a record with an integer step)."""
+    try:
+        rec = json.loads(line)
+    except ValueError:  # UnicodeDecodeError is a ValueError
+        return None
+    ok = isinstance(rec, dict) and type(rec.get("step")) is int
+    return rec if ok else None
+
+
+def read_metrics(path: Path) -> tuple[list[dict], list[bytes]]:
+    """(records, other lines): every line of metrics.jsonl that is a record, and the bytes of
+    every non-empty line that is not one."""
     if not path.exists():
         return [], []
     good, torn = [], []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().split(b"\n"):
         if not line.strip():
             continue
-        try:
-            good.append(json.loads(line))
-        except ValueError:
+        rec = _record(line)
+        if rec is None:
             torn.append(line)
+        else:
+            good.append(rec)
     return good, torn
 
 
 def keep_metrics_before(run_dir: Path, start: int) -> None:
     """metrics.jsonl keeps the steps up to `start` (where the run resumes); the steps after
-    it, which this run will log again, move to metrics-superseded.jsonl, and torn lines to
-    metrics-torn.jsonl: every step appears once in metrics.jsonl, and no line is lost."""
+    it, which this run will log again, move to metrics-superseded.jsonl, and lines that are not
+    records to metrics-torn.jsonl (as they were, bytes and all): every step appears once in
+    metrics.jsonl, and no line is lost. The moved lines are written before metrics.jsonl is
+    replaced (whole, by a rename), so a failure part-way loses nothing."""
     path = run_dir / "metrics.jsonl"
     good, torn = read_metrics(path)
-    kept = [r for r in good if r.get("step", 0) <= start]
-    moved = [r for r in good if r.get("step", 0) > start]
+    kept = [r for r in good if r["step"] <= start]
+    moved = [r for r in good if r["step"] > start]
+    if not moved and not torn:
+        return
     if moved:
         with open(run_dir / "metrics-superseded.jsonl", "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in moved)
     if torn:
-        with open(run_dir / "metrics-torn.jsonl", "a") as f:
-            f.writelines(line + "\n" for line in torn)
-    if path.exists():
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        with open(run_dir / "metrics-torn.jsonl", "ab") as f:
+            f.writelines(line + b"\n" for line in torn)
+    tmp = run_dir / f".metrics.jsonl.{os.getpid()}.tmp"
+    try:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class MetricsLog:
+    """metrics.jsonl, appended one whole line at a time: a line that cannot be written whole
+    (a full disk) is cut off again, so the file never ends in a line this run tore; the OSError
+    goes to the caller, who reports it. `last_step` is the last step written."""
+
+    def __init__(self, path: Path):
+        self.path, self.last_step = path, None
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, rec: dict) -> None:
+        data = memoryview((json.dumps(rec) + "\n").encode())
+        end = os.fstat(self._fd).st_size
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
+        self.last_step = rec["step"]
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _LogHandler(logging.FileHandler):
+    """lab.log: a record that cannot be written (a full disk) is dropped, not printed to the
+    terminal with a traceback (logging's default); the lab reports the disk itself."""
+
+    def handleError(self, record):  # noqa: N802 — logging's name
+        pass
 
 
 def quiet_libraries(run_dir: Path) -> None:
     """Python logging of the libraries (orbax, absl, TensorStore's Python side) to lab.log in
-    the run folder instead of the terminal."""
-    handler = logging.FileHandler(run_dir / "lab.log")
+    the run folder instead of the terminal, and so are the errors their background threads
+    cannot raise (a failed checkpoint write fails every pending write of its step, each in its
+    own thread or coroutine, some only found at interpreter exit): the lab reports the
+    failure once, in one line, where it surfaces in the loop."""
+    handler = _LogHandler(run_dir / "lab.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    for name in ("absl", "orbax", "jax._src.distributed", "tensorstore"):
+    for name in ("absl", "orbax", "jax._src.distributed", "tensorstore", "concurrent", "asyncio"):
         log = logging.getLogger(name)
         log.handlers = [handler]
         log.propagate = False
+    lab_log = logging.getLogger("lab.background")
+    lab_log.handlers, lab_log.propagate = [handler], False
+
+    def unraisable(u):
+        with contextlib.suppress(Exception):  # at interpreter exit even logging may be gone
+            where = f" in {u.object!r}" if u.object is not None else ""
+            exc = (u.exc_type, u.exc_value, u.exc_traceback)
+            lab_log.error("unraisable error%s", where, exc_info=exc)
+
+    def thread_error(a):
+        with contextlib.suppress(Exception):
+            exc = (a.exc_type, a.exc_value, a.exc_traceback)
+            lab_log.error("error in thread %s", getattr(a.thread, "name", "?"), exc_info=exc)
+
+    sys.unraisablehook = unraisable
+    threading.excepthook = thread_error

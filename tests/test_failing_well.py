@@ -1,0 +1,428 @@
+"""What a run folder guarantees when things go wrong, each held for its whole class: a folder
+belongs to one run (a fresh run never mixes into an earlier one; overwrite=true clears it, and
+only once the new run is sure to start), every way out of the loop finishes or reports its
+save and writes summary.json, a write that fails (a full disk) is one line naming the folder
+and what it keeps, a metrics or config file that is not what the lab wrote is kept apart or
+refused in one line, and every message about checkpoints says what the folder really holds.
+"""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab import checkpoint, rundir
+from lab.run import main
+
+TINY = ["model=tiny", "n_layers=1", "batch_size=4", "seq_len=16", "log_every=1"]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _run(out, *args) -> int:
+    return main([*TINY, f"out_dir={out}", *args])
+
+
+def _one_line_error(capsys, *needles: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def _snapshot(folder: Path) -> dict:
+    """Every file under the folder with its bytes (the lock's content comes and goes)."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def earlier(tmp_path_factory):
+    """Folders an earlier run left: a finished run with checkpoints, and a compile-only run
+    (config.json and summary.json, nothing else)."""
+    out = tmp_path_factory.mktemp("earlier")
+    assert _run(out, "name=ckpt", "steps=6", "checkpoint_every=2") == 0
+    assert _run(out, "name=compiled", "compile_only=true") == 0
+    return out
+
+
+def _copy(earlier: Path, name: str, tmp_path: Path) -> Path:
+    shutil.copytree(earlier / name, tmp_path / name)
+    return tmp_path / name
+
+
+# ---------------------------------------------------------------- a folder belongs to one run
+
+
+@pytest.mark.parametrize("name", ["ckpt", "compiled"])
+@pytest.mark.parametrize(
+    "new",
+    [
+        ["steps=4", "checkpoint_every=2"],  # the same model, fewer steps: saves would be dropped
+        ["compile_only=true"],
+        ["steps=2", "d_model=128"],  # another model
+    ],
+)
+def test_a_fresh_run_refuses_a_folder_that_holds_a_run(earlier, tmp_path, capsys, name, new):
+    run_dir = _copy(earlier, name, tmp_path)
+    before = _snapshot(run_dir)
+    capsys.readouterr()
+    assert _run(tmp_path, f"name={name}", *new) == 2
+    _one_line_error(capsys, f"run folder {run_dir} already holds a run", "resume=true")
+    assert _snapshot(run_dir) == before  # nothing written, nothing removed
+
+
+def test_overwrite_clears_the_earlier_run_and_the_folder_resumes_with_the_new_model(
+    earlier, tmp_path, capsys
+):
+    run_dir = _copy(earlier, "ckpt", tmp_path)  # d_model=64, saved at steps 2, 4, 6
+    args = ["name=ckpt", "checkpoint_every=2", "d_model=128"]
+    assert _run(tmp_path, *args, "steps=4", "overwrite=true") == 0
+    assert "cleared the earlier run" in capsys.readouterr().out
+    assert checkpoint.saved_steps(run_dir) == [2, 4]  # the new run's own saves, kept
+    assert json.loads((run_dir / "config.json").read_text())["model"]["d_model"] == 128
+    assert _steps(run_dir) == [1, 2, 3, 4]
+    assert not list(run_dir.glob("metrics-*")) and not list(run_dir.glob(".overwritten*"))
+    assert _run(tmp_path, *args, "steps=6", "resume=true") == 0
+    assert "resumed from checkpoint at step 4" in capsys.readouterr().out
+
+
+def _refuse_memory(monkeypatch):
+    from lab import summary
+
+    monkeypatch.setattr(summary.memory, "device_capacity_bytes", lambda device: 1024)
+
+
+@pytest.mark.parametrize(
+    "args, code, needle",
+    [
+        (["resume=true"], 2, "choose one"),
+        (["lr=-1"], 2, "lr="),
+        (["refuse_memory"], 1, "the device has"),
+    ],
+)
+def test_overwrite_never_costs_the_earlier_run_of_a_run_that_is_refused(
+    earlier, tmp_path, capsys, monkeypatch, args, code, needle
+):
+    run_dir = _copy(earlier, "ckpt", tmp_path)
+    before = _snapshot(run_dir)
+    if args == ["refuse_memory"]:
+        _refuse_memory(monkeypatch)
+        args = []
+    capsys.readouterr()
+    assert _run(tmp_path, "name=ckpt", "steps=4", "overwrite=true", *args) == code
+    _one_line_error(capsys, needle)
+    assert _snapshot(run_dir) == before
+
+
+def test_compile_only_never_shares_the_folder_of_the_run_it_would_resume(earlier, tmp_path, capsys):
+    run_dir = _copy(earlier, "ckpt", tmp_path)
+    before = _snapshot(run_dir)
+    capsys.readouterr()
+    assert _run(tmp_path, "name=ckpt", "compile_only=true", "resume=true") == 2
+    _one_line_error(capsys, "compile_only=true writes a config.json and summary.json")
+    assert _snapshot(run_dir) == before
+
+
+def test_an_interrupted_overwrite_leaves_no_mix_and_the_next_one_finishes(tmp_path):
+    run_dir = tmp_path / "R"
+    (run_dir / "checkpoints" / "6").mkdir(parents=True)
+    (run_dir / "config.json").write_text("{}")
+    (run_dir / ".overwritten-1").mkdir()  # what a clear killed part-way leaves
+    (run_dir / ".overwritten-1" / "metrics.jsonl").write_text("{}\n")
+    (run_dir / "lab.log").write_text("log\n")
+    (run_dir / "outside").symlink_to(tmp_path)  # a link is removed, never followed
+    (tmp_path / "keep.txt").write_text("not the run's")
+    assert rundir.clear(run_dir) == [".overwritten-1", "checkpoints", "config.json", "outside"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["lab.log"]
+    assert (tmp_path / "keep.txt").read_text() == "not the run's"
+
+
+# ------------------------------------------------- every way out of the loop finishes its save
+
+_SIGNAL_SCRIPT = """
+import os, signal, sys
+from lab import loop
+from lab.run import main
+
+SIG, COUNT = getattr(signal, sys.argv[1]), int(sys.argv[2])
+real = loop._End.finish_saves
+
+def signalled(self):  # the signal(s) arrive while the last checkpoint is being written
+    for _ in range(COUNT):
+        os.kill(os.getpid(), SIG)
+    return real(self)
+
+loop._End.finish_saves = signalled
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "sig, count, every, code",
+    [("SIGTERM", 1, 2, 143), ("SIGINT", 1, 0, 130), ("SIGTERM", 2, 2, 143)],
+)
+def test_a_signal_while_the_last_checkpoint_is_written_is_reported_in_one_line(
+    tmp_path, sig, count, every, code
+):
+    args = [*TINY, f"out_dir={tmp_path}", "name=S", "steps=4", f"checkpoint_every={every}"]
+    cmd = [sys.executable, "-c", _SIGNAL_SCRIPT, sig, str(count), *args]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    run_dir = tmp_path / "S"
+    assert json.loads((run_dir / "summary.json").read_text())["steps_run"] == 4
+    if count == 1 and every:
+        assert f"{sig}: checkpoint saved at step 4" in proc.stdout and proc.stderr == ""
+        assert checkpoint.saved_steps(run_dir) == [2, 4]
+        assert not list((run_dir / "checkpoints").glob("*tmp*"))
+    elif count == 1:
+        assert f"{sig}: stopped at step 4; kept in {run_dir}: no checkpoint" in proc.stdout
+    else:  # a second signal is final: it says what it leaves unfinished, and what is kept
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"{sig} again: exiting at once; "), line
+        newest = checkpoint.saved_steps(run_dir)[-1]
+        assert f"checkpoint step {newest} in" in line
+        assert ("checkpoint step 4 was not finished" in line) == (newest != 4), line
+
+
+# ------------------------------------------------------------- a write that fails: one line
+
+
+def _enospc(path="") -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def _fill_metrics_at_line(monkeypatch, n: int):
+    """The n-th line of metrics.jsonl hits a full disk after part of it is written."""
+    real, lines = os.write, []
+
+    def write(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl"):
+            lines.append(data)
+            if len(lines) >= n:
+                real(fd, bytes(data[:9]))  # a torn start of the line
+                raise _enospc()
+        return real(fd, data)
+
+    monkeypatch.setattr(rundir.os, "write", write)
+
+
+def _fill_checkpoint(monkeypatch, at_step: int, *, in_background: bool):
+    """Orbax's words for a full disk (TensorStore's error, raised by save or by the wait)."""
+    import orbax.checkpoint as ocp
+
+    err = ValueError(
+        'OUT_OF_RANGE: Error writing "params" in OCDBT database: Failed to write 631715 bytes '
+        "to file 6: No space left on device [os_error_code='28']"
+    )
+    save, wait, started = ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished, []
+
+    def failing_save(self, step, *a, **kw):
+        if step == at_step and not in_background:
+            raise err
+        done = save(self, step, *a, **kw)
+        started.append(step)
+        return done
+
+    def failing_wait(self):
+        wait(self)
+        if in_background and started and started[-1] == at_step:
+            started.clear()  # the step's folder stays unfinished, as a failed write leaves it
+            step_dir = Path(str(self.directory)) / str(at_step)
+            step_dir.rename(step_dir.with_name(f"{at_step}.orbax-checkpoint-tmp-0"))
+            raise err
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", failing_save)
+    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", failing_wait)
+
+
+def _fill_summary(monkeypatch):
+    from lab import summary
+
+    def write(run_dir, _):
+        raise _enospc(str(run_dir / "summary.json"))
+
+    monkeypatch.setattr(summary, "write_summary", write)
+
+
+def _fill_config(monkeypatch):
+    real = rundir.write_json
+
+    def write(path, obj):
+        if path.name == "config.json":
+            raise _enospc(str(path))
+        real(path, obj)
+
+    monkeypatch.setattr(rundir, "write_json", write)
+
+
+DISK_FULL = {
+    "metrics line 3": (
+        lambda mp: _fill_metrics_at_line(mp, 3),
+        "metrics.jsonl could not be written in {run_dir} (No space left on device): training "
+        "stopped at step 2; kept in {run_dir}: checkpoint step 2",
+    ),
+    "checkpoint 4 (save)": (
+        lambda mp: _fill_checkpoint(mp, 4, in_background=False),
+        "checkpoint step 4 could not be saved in {run_dir}/checkpoints (No space left on "
+        "device): training stopped at step 4; kept in {run_dir}: checkpoint step 2",
+    ),
+    "checkpoint 4 (background)": (
+        lambda mp: _fill_checkpoint(mp, 4, in_background=True),
+        "checkpoint step 4 could not be saved in {run_dir}/checkpoints (No space left on "
+        "device): training ended at step 6; kept in {run_dir}: checkpoint step 2",
+    ),
+    "last checkpoint": (
+        lambda mp: _fill_checkpoint(mp, 6, in_background=True),
+        "checkpoint step 6 could not be saved in {run_dir}/checkpoints (No space left on "
+        "device): training ended at step 6; kept in {run_dir}: checkpoint step 4",
+    ),
+    "summary.json": (
+        _fill_summary,
+        "summary.json could not be written in {run_dir} (No space left on device): training "
+        "ended at step 6; kept in {run_dir}: checkpoint step 6",
+    ),
+    "config.json": (
+        _fill_config,
+        "config.json could not be written in {run_dir} (No space left on device): nothing was run",
+    ),
+}
+
+
+@pytest.mark.parametrize("where", DISK_FULL)
+def test_a_full_disk_is_one_line_naming_the_folder_and_what_it_keeps(
+    tmp_path, capsys, monkeypatch, where
+):
+    fill, message = DISK_FULL[where]
+    fill(monkeypatch)
+    run_dir = tmp_path / "D"
+    assert _run(tmp_path, "name=D", "steps=6", "checkpoint_every=2") == 1
+    _one_line_error(capsys, message.format(run_dir=run_dir))
+    monkeypatch.undo()
+    if (run_dir / "metrics.jsonl").exists():  # whole lines only: none torn by the failure
+        lines = (run_dir / "metrics.jsonl").read_bytes().splitlines()
+        assert all(rundir._record(line) for line in lines)
+    if "background" in where:  # and the folder resumes from what it kept
+        assert _run(tmp_path, "name=D", "steps=8", "resume=true") == 0
+        assert not list((run_dir / "checkpoints").glob("*tmp*"))  # the unfinished save
+
+
+_FSIZE_SCRIPT = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+from lab.run import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_real_failed_checkpoint_write_is_one_line_and_nothing_else(tmp_path):
+    """The operating system refuses the write inside TensorStore's threads (files over 100 kB
+    fail): once the noise of every failing thread and coroutine went to the terminal."""
+    args = [*TINY, f"out_dir={tmp_path}", "name=F", "steps=6", "checkpoint_every=2"]
+    cmd = [sys.executable, "-c", _FSIZE_SCRIPT, *args]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    run_dir = tmp_path / "F"
+    assert proc.stderr.splitlines() == [
+        f"error: checkpoint step 2 could not be saved in {run_dir}/checkpoints (File too "
+        f"large): training stopped at step 4; kept in {run_dir}: no checkpoint (none saved "
+        "yet); metrics.jsonl to step 4"
+    ]
+    assert "Traceback" not in proc.stdout
+
+
+# --------------------------- files that are not what the lab wrote: kept apart, or one line
+
+TAILS = {
+    "torn json": b'{"step": 7, "loss": 3.1',
+    "not utf-8": b'{"step": 7, "loss": \xff\xfe3.1}',
+    "zero bytes": b"\x00" * 64,
+    "not a record": b"[7, 3.1]",
+    "no integer step": b'{"step": "7", "loss": 3.1}',
+}
+
+
+@pytest.mark.parametrize("tail", TAILS)
+def test_metrics_lines_that_are_not_records_are_kept_apart_byte_for_byte(tmp_path, tail):
+    good = b"".join(json.dumps({"step": s, "loss": 1.0}).encode() + b"\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_bytes(good + TAILS[tail] + b"\n" + b'{"step": 4}')
+    rundir.keep_metrics_before(tmp_path, 2)
+    assert _steps(tmp_path) == [1, 2]
+    superseded = (tmp_path / "metrics-superseded.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in superseded] == [3, 4]
+    assert (tmp_path / "metrics-torn.jsonl").read_bytes() == TAILS[tail] + b"\n"
+
+
+def test_resume_after_non_utf8_bytes_at_the_end_of_metrics(earlier, tmp_path, capsys):
+    run_dir = _copy(earlier, "ckpt", tmp_path)
+    with open(run_dir / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 7, "lo\xe9\x80')  # a kill or a full disk mid-write
+    assert _run(tmp_path, "name=ckpt", "steps=8", "checkpoint_every=2", "resume=true") == 0
+    assert _steps(run_dir) == list(range(1, 9))
+    assert (run_dir / "metrics-torn.jsonl").read_bytes() == b'{"step": 7, "lo\xe9\x80\n'
+
+
+@pytest.mark.parametrize(
+    "content", [b'{"model": {"d_model": \xff}}', b"[1, 2]", b'{"steps": 6}', b"", b"\x00" * 8]
+)
+def test_a_config_json_that_is_not_a_runs_config_is_one_line(tmp_path, content):
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(rundir.ConfigError, match="config.json is damaged"):
+        rundir.saved_config(tmp_path)
+
+
+def test_a_lock_file_with_any_bytes_in_it_still_locks(tmp_path):
+    (tmp_path / ".lock").write_bytes(b"\xff\xfe pid")
+    with checkpoint.Lock(tmp_path):
+        pass
+
+
+# ------------------------------------------------- messages say what the folder really holds
+
+
+def _nan_at_step_3(monkeypatch):
+    import jax.numpy as jnp
+
+    from lab import train
+
+    real = train.train_step
+
+    def poisoned(state, tokens, **kw):
+        new, metrics = real(state, tokens, **kw)
+        return new, {**metrics, "loss": jnp.where(state.step == 2, jnp.nan, metrics["loss"])}
+
+    monkeypatch.setattr(train, "train_step", poisoned)
+
+
+@pytest.mark.parametrize(
+    "every, kept",
+    [
+        (0, "no checkpoint (checkpoint_every=0)"),
+        (5, "no checkpoint (none saved yet)"),
+        (1, "checkpoint step 2 in {run_dir}/checkpoints"),
+    ],
+)
+def test_a_stopped_run_names_the_checkpoint_it_really_kept(
+    tmp_path, capsys, monkeypatch, every, kept
+):
+    _nan_at_step_3(monkeypatch)
+    run_dir = tmp_path / "N"
+    assert _run(tmp_path, "name=N", "steps=6", f"checkpoint_every={every}") == 1
+    err = _one_line_error(capsys, "loss is nan at step 3: training stopped; kept in")
+    assert kept.format(run_dir=run_dir) in err and "last good" not in err
+    assert checkpoint.saved_steps(run_dir) == ([1, 2] if every == 1 else [])
+    assert json.loads((run_dir / "summary.json").read_text())["steps_run"] == 2
