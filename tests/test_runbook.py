@@ -78,6 +78,7 @@ def test_tiny_budget_every_step_runs_or_is_skipped_with_its_reason(tmp_path, cap
     assert steps["serve"]["status"] == "not started" and "budget=2" in steps["serve"]["reason"]
     md = (tmp_path / "runbook" / runbook.ROWS).read_text()
     assert "| ceilings | cut short: the run's budget=2 ran out" in md
+    assert "| serve | not started: the run's budget=2 was spent" in md
     assert "### GPU runbook — `python -m lab.tools.runbook budget=2 size=tiny min_step=0.5" in md
     assert md in capsys.readouterr().out
 

@@ -432,12 +432,12 @@ def execute(
         left = req.budget_s - (clock() - t0)
         if left < req.min_step_s:
             spent = f"the run's budget={req.budget_s:g} was spent"
-            reason = f"not started: {spent} ({max(left, 0):.0f} s left)"
+            reason = f"{spent} ({max(left, 0):.0f} s left)"
             if entry.get("status") in FINISHED:
-                say(f"{head}: {reason} (the previous outcome stands)")
+                say(f"{head}: not started: {reason} (the previous outcome stands)")
                 continue
             state["steps"][step.name] = {**entry, "status": "not started", "reason": reason}
-            say(f"{head}: {reason}")
+            say(f"{head}: not started: {reason}")
             save_state(root, state)
             continue
         limit = min(step.budget_s, left)
