@@ -196,3 +196,13 @@ def test_the_training_step_runs_at_the_best_point_tune_step_found(tmp_path):
     state["steps"]["tune-step-dots"] = {"status": "done", "folder": str(tmp_path)}
     argv = runbook.command(step, tmp_path, tmp_path, state)
     assert "remat=dots" in argv and "batch_size=16" in argv and "remat=full" not in argv
+
+
+def test_bench_step_row_is_read_from_its_log(tmp_path):
+    (tmp_path / "output.log").write_text(
+        "┃      ┃   median ┃      p10 ┃      p90 ┃ runs ┃ ratio vs bare ┃\n"
+        "│ bare │ 43.25 ms │ 36.04 ms │ 47.53 ms │   12 │         1.000 │\n"
+        "│  lab │ 42.79 ms │ 38.39 ms │ 51.23 ms │   12 │         0.989 │\n"
+    )
+    measured, _ = rows.headline("bench-step", [], tmp_path, "output.log")
+    assert measured == "bare 43.25 ms, lab 42.79 ms: ratio 0.989 (medians; from its log)"

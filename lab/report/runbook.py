@@ -94,7 +94,11 @@ def train(records: Sequence[dict], folder: Path) -> tuple[str, str]:
     """Step time, tokens/s and MFU; predicted: the time floor, model FLOPs at the peak."""
     picked = _what(records, "training step time") + _what(records, "training tokens/s")
     picked += _what(records, "training MFU")
-    measured = "; ".join(f"{r['what'].removeprefix('training ')} {_fmt(r)}" for r in picked)
+    names = {"training tokens/s": ""}  # the unit says it
+    measured = "; ".join(
+        f"{names.get(r['what'], r['what'].removeprefix('training ') + ' ')}{_fmt(r)}"
+        for r in picked
+    )
     predicted = ""
     for path in sorted(folder.rglob("summary.json")):
         s = json.loads(path.read_text())
@@ -103,6 +107,20 @@ def train(records: Sequence[dict], folder: Path) -> tuple[str, str]:
             source = s["peak_source"].split(";")[0]  # not the busy-host note: it is the run's
             predicted = f"step ≥ {duration(floor)} (model FLOPs at the {source})"
     return measured, predicted
+
+
+def bench_step(records: Sequence[dict], folder: Path) -> tuple[str, str]:
+    """bench_step writes no records: its table's bare and lab rows, read from its log."""
+    log = folder / "output.log"
+    cells = {}
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        row = [c.strip() for c in line.strip().strip("│").split("│")]
+        if len(row) == 6 and row[0] in ("bare", "lab"):
+            cells[row[0]] = row
+    if set(cells) != {"bare", "lab"}:
+        return "", ""
+    bare, lab = cells["bare"], cells["lab"]
+    return f"bare {bare[1]}, lab {lab[1]}: ratio {lab[5]} (medians; from its log)", ""
 
 
 def serve(records: Sequence[dict], folder: Path) -> tuple[str, str]:
@@ -135,6 +153,7 @@ HEADLINES: dict[str, Callable] = {
     "attention": attention,
     "tune-step": tune_step,
     "train": train,
+    "bench-step": bench_step,
     "serve": serve,
     "ledger": ledger,
 }
@@ -176,7 +195,9 @@ def rows(
         folder = Path(entry["folder"]) if entry.get("folder") else None
         records = gather(entry["folder"]) if folder else []
         measured, predicted = (
-            headline(step.kind, records, folder, entry.get("log", "")) if folder else ("", "")
+            headline(step.kind, records, folder, _relative(entry.get("log", ""), root))
+            if folder
+            else ("", "")
         )
         files = sorted({_relative(r["_file"], root) for r in records})
         out.append(

@@ -140,7 +140,7 @@ def plan(size: str) -> list[Step]:
             "the lab's step against a bare flax + optax step",
             ("-m", "lab.tools.bench_step", *bench),
             300,
-            kind="log",
+            kind="bench-step",
         )
     )
     serve = (
