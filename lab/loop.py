@@ -329,6 +329,9 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
             end.why = _train(cfg, trainer, compiled, state, start, saver, log, console, hist, stop)
         except (OSError, checkpoint.SaveError) as e:
             end.failed = _write_failure(e, run_dir)
+        except BaseException:  # a fault of the lab's own: its traceback, after the save in flight
+            end.finish_saves()
+            raise
         end.write_summary()
         end.finish_saves()
         return end.report(stop.signal)
