@@ -24,6 +24,7 @@ from lab.model import count_nonembedding_params, count_params
 from lab.names import HOST_MEMORY
 from lab.parallel import collectives_hlo, pipeline_hlo
 from lab.plans import resources
+from lab.predict.step import predict_step
 
 GIB = 2**30
 
@@ -44,6 +45,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         "params": n_params,
         "model_flops_per_token": fpt,
         "flops_convention": convention,
+        "tokens_per_step": cfg.batch_size * cfg.seq_len,
         "compiled_memory_per_device": memory.compiled_memory(compiled),
         "predicted_memory_per_device": memory.predict_lab_step(
             _as_compiled(trainer),
@@ -59,6 +61,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         "notes": list(trainer.notes),
         "attention_note": trainer.attention_note,
     }
+    out["predicted_step"] = predict_step(compiled, trainer.cfg, info, trainer.mesh)
     if trainer.schedule is not None:
         colls = collectives_hlo.from_compiled(compiled, trainer.mesh)
         out["pipeline"] = pipeline_hlo.from_trainer(colls, trainer).as_dict()
@@ -66,7 +69,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
     if offload:
         out["offload"] = offload
     if info.aot:
-        out["aot"] = _aot_plan(compiled, cfg, info, fpt, trainer.mesh.size)
+        out["aot"] = _aot_plan(compiled, cfg, info, fpt, trainer.mesh.size, out["predicted_step"])
         out["aot"]["kernels"] = resources.as_dicts(kernels)
         out["aot"]["toolchain"] = toolchain.probe().record()  # the kernels are ptxas's
         out["aot"]["fit"] = fit_advice(trainer, out)
@@ -193,16 +196,23 @@ def capacity_bytes(info: DeviceInfo) -> float | None:
     return memory.device_capacity_bytes(jax.local_devices()[0])
 
 
-def _aot_plan(compiled, cfg: Config, info: DeviceInfo, fpt: float, n_devices: int) -> dict:
-    """What the compiler predicts for a slice that is not here: compiled, not run.
+def _aot_plan(
+    compiled, cfg: Config, info: DeviceInfo, fpt: float, n_devices: int, predicted=None
+) -> dict:
+    """What the model predicts for a slice that is not here: compiled, not run.
 
-    Step time: the compiler's own estimate, floored by the roofline of the model's FLOPs and
-    the compiled bytes at the chip's spec-sheet peaks (`plans.step_seconds`).
+    Step time: the step-time model over the compiled program (lab/predict), labelled
+    predicted with its measured error; where the target has no spec entry, the compiler's own
+    estimate floored by the roofline of the model's FLOPs (`plans.step_seconds`).
     """
     spec = specs.lookup(info.device_kind)
     peak = specs.peak_flops(info.device_kind, cfg.model.dtype)
     step_flops = fpt * cfg.batch_size * cfg.seq_len
-    est_s, source = plans.step_seconds(compiled, step_flops / n_devices, spec, peak)
+    if predicted:
+        est_s = predicted["seconds"]
+        source = f"predicted by the step-time model; {predicted['error']}"
+    else:
+        est_s, source = plans.step_seconds(compiled, step_flops / n_devices, spec, peak)
     mfu = step_flops / (est_s * peak * n_devices) if est_s and peak else None
     return {
         "label": "compiled, not run",
@@ -269,10 +279,24 @@ def summarise_run(cfg: Config, info: DeviceInfo, analysis: dict, times, losses) 
         "peak_flops_per_s": peak,
         "peak_source": peak_source,
         "mfu": achieved / peak if peak else None,
+        "predicted_step_time": _predicted_vs_measured(analysis.get("predicted_step"), times),
         "memory_stats": stats,
         "loss_first": losses[0][1] if losses else None,
         "loss_last": losses[-1][1] if losses else None,
         "steps_run": len(losses),
+    }
+
+
+def _predicted_vs_measured(predicted: dict | None, times) -> dict | None:
+    """The model's step time beside the measured median: seconds, breakdown, their ratio."""
+    if not predicted:
+        return None
+    return {
+        "seconds": predicted["seconds"],
+        "breakdown": predicted["breakdown"],
+        "ratio_to_measured": predicted["seconds"] / times.median_s,
+        "error": predicted["error"],
+        "label": "predicted",
     }
 
 

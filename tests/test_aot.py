@@ -40,7 +40,8 @@ def test_plan_compiles_and_matches_the_calculator(tmp_path, capsys, target, mesh
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "compiled, not run" in out and "estimated step time" in out
+    assert "compiled, not run" in out and "predicted step time" in out
+    assert s_pred(tmp_path)["label"] == "predicted"
     s = json.loads((tmp_path / "plan" / "summary.json").read_text())
     assert s["aot"]["label"] == "compiled, not run"
     cfg = json.loads((tmp_path / "plan" / "config.json").read_text())
@@ -89,3 +90,12 @@ def test_plan_runs_the_pallas_kernel_inside_the_sharded_step():
     assert cfg.model.attention == "pallas_tpu" and info.backend == "tpu"
     hlo = trainer.lower().compile().as_text()
     assert hlo.count("tpu_custom_call") >= 3 * cfg.model.n_layers  # forward, dq, dk/dv
+
+
+def s_pred(tmp_path) -> dict:
+    """The plan's predicted step (lab/predict): seconds and where they go."""
+    s = json.loads((tmp_path / "plan" / "summary.json").read_text())
+    p = s["predicted_step"]
+    assert p["seconds"] > 0 and sum(p["breakdown"].values()) == pytest.approx(p["seconds"])
+    assert s["aot"]["estimated_step_s"] == p["seconds"]
+    return p

@@ -120,6 +120,13 @@ def matmul_peak(
     )
 
 
+@functools.cache
+def copy_peak(nbytes: int | None = None, budget_s: float = 0.5, cached: bool = False) -> float:
+    """Measured copy bandwidth (bytes/s, y = x·s), cached for the process like `matmul_peak`:
+    the memory side of this device's roofline, for the step-time model on CPU."""
+    return copy_bandwidth(nbytes, budget_s=budget_s, cached=cached)["bytes_per_s"]
+
+
 def numpy_matmul(n: int = 2048, *, budget_s: float = 1.0) -> dict:
     """FLOP/s of numpy's BLAS on the same float32 matmul: an outside check of the CPU figure."""
     rng = np.random.default_rng(0)
@@ -148,11 +155,13 @@ def roofs(matmuls: dict, copy_bytes_per_s: float, points) -> tuple[float, float,
     return peak, best_bw, note
 
 
-def copy_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
-    """Device-memory bandwidth of y = x·s: every byte read once and written once (2·nbytes)."""
+def copy_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0, cached: bool = False):
+    """Device-memory bandwidth of y = x·s: every byte read once and written once (2·nbytes).
+    Inputs rotate among several sets so no cache holds the last call's; `cached=True` reuses
+    one (small) input instead: the bandwidth of an array that stays in the cache."""
     nbytes = nbytes or _sizes(backend())["copy"]
     n = nbytes // 4
-    xs = timing.random_inputs(10, [(n,)] * SETS, jnp.float32)
+    xs = timing.random_inputs(10, [(n,)] * (1 if cached else SETS), jnp.float32)
     scale = jnp.float32(1.0001)
     fn = jax.jit(lambda x, s: x * s)
     result = timing.bench(fn, rotate=[(x, scale) for x in xs], budget_s=budget_s)

@@ -66,10 +66,35 @@ def gpu_machine(spec: specs.DeviceSpec, mesh_shape: dict, per_host: int = 8, fit
     )
 
 
+def last_level_cache_bytes() -> int:
+    """This host's last-level cache per socket (sysfs), 0 where it cannot be read."""
+    from pathlib import Path
+
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        value = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        best = max(best, value)
+    return best
+
+
 def cpu_machine(
-    peak_flops: dict, copy_bytes_per_s: float, n_devices: int, fit=None, source: str = ""
+    peak_flops: dict,
+    copy_bytes_per_s: float,
+    n_devices: int,
+    fit=None,
+    source: str = "",
+    *,
+    cache_bytes: float = 0.0,
+    cache_bytes_per_s: float = 0.0,
 ) -> Machine:
     return Machine(
+        cache_bytes=cache_bytes,
+        cache_bandwidth=cache_bytes_per_s,
         name="this CPU (measured)",
         peak_flops=dict(peak_flops),
         memory_bandwidth=copy_bytes_per_s,
@@ -80,7 +105,10 @@ def cpu_machine(
     )
 
 
-def fit(points, params=("compute_efficiency", "memory_efficiency", "op_overhead_s")) -> dict:
+FIT_PARAMS = ("compute_efficiency", "memory_efficiency", "op_overhead_s", "link_latency_s")
+
+
+def fit(points, params=FIT_PARAMS[:3]) -> dict:
     """Free parameters that minimise the median |log(predicted / measured)| over `points`,
     each a callable `predict(**fit) -> seconds` with its measured seconds: (predict, measured).
     A coarse grid, then a finer one around the best: a handful of parameters, few points."""

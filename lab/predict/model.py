@@ -53,6 +53,8 @@ class Machine:
     op_overhead_s: float = 0.0  # t_op: fixed cost of launching one op
     link_latency_s: float = 0.0  # t_link: fixed cost of one collective
     devices_per_core_group: int = 1  # simulated devices sharing one set of cores (CPU: all)
+    cache_bytes: float = 0.0  # an op whose bytes (× devices sharing it) fit here runs at …
+    cache_bandwidth: float = 0.0  # … this bandwidth instead (CPU: the last-level cache)
     source: str = ""  # where the figures come from
 
     def peak(self, dtype: str) -> float:
@@ -238,7 +240,12 @@ def predict(
             if not flops and not nbytes:
                 continue
             compute_s = flops / (machine.peak(_dtype_of(ins, program)) * machine.compute_efficiency)
-            memory_s = nbytes / (machine.memory_bandwidth * machine.memory_efficiency)
+            bandwidth = machine.memory_bandwidth
+            if machine.cache_bandwidth and nbytes * machine.devices_per_core_group <= (
+                machine.cache_bytes
+            ):
+                bandwidth = machine.cache_bandwidth
+            memory_s = nbytes / (bandwidth * machine.memory_efficiency)
             busy = max(compute_s, memory_s) * machine.devices_per_core_group
             seconds = busy + machine.op_overhead_s
             which = "custom" if custom else ("compute" if compute_s >= memory_s else "memory")

@@ -124,14 +124,39 @@ def _plan_rows(t: Table, a: dict) -> None:
     if cap:
         t.add_row("memory per device (spec)", f"{cap / GIB:.1f} GiB: {plan['fit']}")
     est = plan["estimated_step_s"]
+    predicted = a.get("predicted_step")
     t.add_row(
-        "estimated step time",
+        "predicted step time" if predicted else "estimated step time",
         "n/a" if est is None else f"{duration(est)} ({plan['estimate_source']})",
     )
+    if predicted:
+        t.add_row("  where it goes", breakdown_line(predicted))
+        t.add_row("  top ops", top_ops_line(predicted))
+        tokens = a.get("tokens_per_step")
+        if tokens and est:
+            t.add_row("predicted tokens/s", f"{tokens / est:,.0f}")
     mfu = plan["implied_mfu"]
     bound = "at most " if plan["estimate_source"].startswith("roofline floor") else ""
     t.add_row("implied MFU", "n/a" if mfu is None else f"{bound}{percent(mfu)}")
     t.add_row("label", plan["label"])
+
+
+def breakdown_line(predicted: dict) -> str:
+    """'compute 61%, memory 30%, exposed communication 9%': where a predicted step goes."""
+    parts = predicted["breakdown"]
+    total = sum(parts.values()) or 1.0
+    shown = [(k, v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v / total >= 0.01]
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in shown)
+
+
+def top_ops_line(predicted: dict, n: int = 3) -> str:
+    """The ops the predicted step spends most on, with their share."""
+    total = predicted["seconds"] or 1.0
+    out = []
+    for op in predicted.get("top_ops", [])[:n]:
+        what = op["op_name"].rsplit("/", 1)[-1] or op["opcode"]
+        out.append(f"{op['name']} ({what}, {op['kind']}) {op['exposed_s'] / total:.0%}")
+    return "; ".join(out)
 
 
 def run_summary(s: dict) -> Table:
@@ -142,6 +167,13 @@ def run_summary(s: dict) -> Table:
         f"{duration(st['median_s'])}  (p10 {duration(st['p10_s'])}, "
         f"p90 {duration(st['p90_s'])}, {st['runs']} steps)",
     )
+    p = s.get("predicted_step_time")
+    if p:
+        t.add_row(
+            "predicted step time",
+            f"{duration(p['seconds'])}  ({p['ratio_to_measured']:.2f}× the measured; "
+            f"{breakdown_line(p)}; {p['error']})",
+        )
     t.add_row("compile time", f"{st['compile_s']:.2f} s (not in the step time)")
     t.add_row(
         "tokens/s",
@@ -732,4 +764,52 @@ def serving_plans(rows: list[dict], title: str) -> Table:
             size(cap),
             fits,
         )
+    return t
+
+
+def prediction_rows(rows, fits: dict) -> Table:
+    """One row per published point: what was measured, what the model predicts, the error,
+    and whether the point calibrated the model or was held out (lab.studies.prediction)."""
+    t = Table(title="the step-time model against published measurements (predicted)")
+    for col in (
+        "point",
+        "publisher",
+        "hardware",
+        "work",
+        "published",
+        "predicted",
+        "error",
+        "role",
+    ):
+        t.add_column(col)
+    for r in sorted(rows, key=lambda r: (r.role == "dropped", r.hardware, r.id)):
+        unit = r.unit.split("(")[0].strip()
+        pred = "—" if r.predicted is None else f"{r.predicted:,.4g}"
+        err = "—" if r.error is None else f"{r.error:+.0%}"
+        role = r.role if r.role != "dropped" else f"dropped: {r.note}"
+        t.add_row(
+            r.id, r.publisher, r.hardware, r.workload, f"{r.published:,.4g} {unit}", pred, err, role
+        )
+    for v, f in fits.items():
+        t.caption = (t.caption + "; " if t.caption else "fitted on the calibration points: ") + (
+            f"{v}: compute {f['compute_efficiency']:.2f}, memory {f['memory_efficiency']:.2f}, "
+            f"op {f['op_overhead_s'] * 1e6:.1f} µs, collective {f['link_latency_s'] * 1e6:.1f} µs"
+        )
+    return t
+
+
+def prediction_cpu_rows(rows, fit: dict) -> Table:
+    """The CPU self-check: each lab.run configuration measured here and predicted."""
+    t = Table(title="the step-time model on this CPU (measured vs predicted, one run)")
+    for col in ("lab.run keys", "measured", "predicted", "error", "role"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            r.config, duration(r.measured_s), duration(r.predicted_s), f"{r.error:+.0%}", r.role
+        )
+    t.caption = (
+        f"fitted on the calibration rows: compute {fit['compute_efficiency']:.2f} of the "
+        f"measured matmul peak, memory {fit['memory_efficiency']:.2f} of the measured copy "
+        f"bandwidth, {fit['op_overhead_s'] * 1e6:.1f} µs per op"
+    )
     return t

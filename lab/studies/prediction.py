@@ -1,0 +1,468 @@
+"""How wrong the step-time model is: predictions of published measurements, compiled here.
+
+Each point of `lab/predict/published.json` (a figure some publisher measured, the line it was
+read from, the lab configuration that reproduces it and what differs) is compiled for its
+target ahead of time — the training step of `lab.run`, a GEMM, a copy or an all-reduce — and
+the model (lab/predict/model.py) predicts its time on the target's spec entry. The figure is
+compared in the publisher's own unit (TFLOP/s per chip from the lab's analytic model FLOPs,
+tokens/s per chip, MFU, bus bandwidth, TFLOP/s, GB/s).
+
+Honest fitting: the model's free parameters (compute and memory efficiency, the fixed cost
+per op and per collective) are fitted per vendor on the CALIBRATION points only: for each
+(hardware, workload) group of usable points, the first by id. Every other usable point is
+held out, and the error reported is the held-out one. Points the lab cannot express stay in
+the file with their reason and are listed as dropped.
+
+Compiled programs are cached as HLO text under `cache_dir`, keyed by the point, its lab
+configuration and the jax version, so a second run only re-predicts.
+"""
+
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lab import plans
+from lab.config import make_config
+from lab.errors import ConfigError
+from lab.measure import hlo, specs
+from lab.parallel import collectives_hlo
+from lab.predict import machines
+from lab.predict.model import predict
+from lab.predict.step import FITS, attention_flops_per_device
+from lab.session import open_session
+from lab.summary import flops_per_token
+
+POINTS = Path(__file__).resolve().parents[1] / "predict" / "published.json"
+_HW = {
+    "tpu-v4": "tpu-v4",
+    "tpu-v5e": "tpu-v5e",
+    "tpu-v5p": "tpu-v5p",
+    "tpu-v6e": "tpu-v6e",
+    "h100": "h100-sxm",
+    "h200": "h200",
+    "a100": "a100-sxm4-80gb",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One published point beside the model's prediction of it."""
+
+    id: str
+    publisher: str
+    hardware: str  # e.g. tpu-v5p × 64
+    workload: str
+    unit: str
+    published: float
+    predicted: float | None
+    role: str  # calibration | held-out | dropped
+    note: str = ""  # why dropped, or what the comparison assumes
+
+    @property
+    def error(self) -> float | None:
+        """predicted / published − 1."""
+        if self.predicted is None or not self.published:
+            return None
+        return self.predicted / self.published - 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    rows: tuple[Row, ...]
+    fits: dict  # vendor → fitted parameters
+    held_out: dict  # vendor or 'all' → {"n", "median", "worst"}
+    calibration: dict
+
+
+def load_points(only: tuple[str, ...] = ()) -> list[dict]:
+    points = json.loads(POINTS.read_text())["points"]
+    if only:
+        unknown = sorted(set(only) - {p["id"] for p in points})
+        if unknown:
+            raise ConfigError(f"only={','.join(unknown)}: no such point in {POINTS.name}")
+        points = [p for p in points if p["id"] in only]
+    return points
+
+
+def vendor(point: dict) -> str:
+    return "tpu" if point["hardware"]["kind"].startswith("tpu") else "gpu"
+
+
+def calibration_ids(points: list[dict]) -> set[str]:
+    """The calibration set, by rule: the first usable point (by id) of each (hardware,
+    workload) group. Everything else usable is held out."""
+    first: dict[tuple, str] = {}
+    for p in sorted(points, key=lambda p: p["id"]):
+        if p.get("usable") and _expressible(p) is None:
+            first.setdefault((p["hardware"]["kind"], p["workload"]), p["id"])
+    return set(first.values())
+
+
+def _expressible(point: dict) -> str | None:
+    """Why the lab cannot predict this point (None if it can)."""
+    if not point.get("usable"):
+        return point.get("why_not") or "not usable"
+    if point["workload"] in ("decode", "prefill"):
+        return "serving points are not compiled by this study yet (lab.serve plans)"
+    if point["workload"] == "train" and not point.get("lab_config"):
+        return "no lab configuration"
+    return None
+
+
+# ---------------------------------------------------------------------------- programs
+
+
+def _key(point: dict) -> str:
+    what = json.dumps([point["id"], point.get("lab_config"), point.get("lab_program")], sort_keys=1)
+    return hashlib.sha256(f"{what}|{jax.__version__}".encode()).hexdigest()[:16]
+
+
+def _train_program(point: dict) -> dict:
+    cfg = make_config(**{**point["lab_config"], "compile_only": True})
+    session = open_session(cfg)
+    t = session.trainer
+    compiled = t.lower().compile()
+    fpt, _ = flops_per_token(t.cfg, t.abstract_state.params)
+    return {
+        "hlo": compiled.as_text(),
+        "mesh": dict(t.mesh.shape),
+        "devices": t.mesh.size,
+        "tokens": t.cfg.batch_size * t.cfg.seq_len,
+        "model_flops": fpt * t.cfg.batch_size * t.cfg.seq_len,
+        "custom_flops": attention_flops_per_device(t.cfg, t.mesh.size),
+        "dtype": t.cfg.model.dtype,
+        "device_kind": session.info.device_kind,
+        "topology": t.cfg.target.split(":")[-1],
+    }
+
+
+def _op_program(point: dict) -> dict:
+    prog = point["lab_program"]
+    target = prog["target"]
+    plans.prepare_host(target)
+    devices = plans.topology_devices(target)
+    op = prog["op"]
+    if op == "matmul":
+        dtype = jnp.dtype(prog["dtype"])
+        m, n, k = prog["m"], prog["n"], prog["k"]
+        mesh = jax.sharding.Mesh(np.array(devices[:1]), ("data",))
+        sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        a = jax.ShapeDtypeStruct((m, k), dtype, sharding=sh)
+        b = jax.ShapeDtypeStruct((k, n), dtype, sharding=sh)
+        fn = lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)  # noqa: E731
+        compiled = jax.jit(fn).lower(a, b).compile()
+        return {"hlo": compiled.as_text(), "mesh": {"data": 1}, "flops": 2.0 * m * n * k}
+    if op == "copy":
+        n = (1 << 30) // 4  # 1 GiB of float32: far past any cache
+        mesh = jax.sharding.Mesh(np.array(devices[:1]), ("data",))
+        sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        x = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sh)
+        compiled = jax.jit(lambda x: x * 1.0001).lower(x).compile()
+        return {"hlo": compiled.as_text(), "mesh": {"data": 1}, "bytes": 2.0 * 4 * n}
+    if op == "all-reduce":
+        w = prog["devices"]
+        mesh = jax.sharding.Mesh(np.array(devices[:w]), ("data",))
+        per = prog["bytes"] // 4
+        sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        x = jax.ShapeDtypeStruct((per * w,), jnp.float32, sharding=sh)
+        body = jax.shard_map(
+            lambda x: jax.lax.psum(x, "data"),
+            mesh=mesh,
+            in_specs=jax.sharding.PartitionSpec("data"),
+            out_specs=jax.sharding.PartitionSpec("data"),
+        )
+        compiled = jax.jit(body).lower(x).compile()
+        return {"hlo": compiled.as_text(), "mesh": {"data": w}, "bytes": float(prog["bytes"])}
+    raise ConfigError(f"{point['id']}: unknown op {op!r}")
+
+
+def program(point: dict, cache_dir: Path) -> dict:
+    """The compiled program of a point (HLO text and what the comparison needs), cached."""
+    path = Path(cache_dir) / f"{point['id']}-{_key(point)}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    t0 = time.perf_counter()
+    out = _train_program(point) if point["workload"] == "train" else _op_program(point)
+    out["compile_s"] = time.perf_counter() - t0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out))
+    return out
+
+
+# ---------------------------------------------------------------------------- prediction
+
+
+def _machine(point: dict, prog: dict, fit: dict | None):
+    spec = specs.SPECS[_HW[point["hardware"]["kind"]]]
+    if vendor(point) == "tpu":
+        return machines.tpu_machine(spec, prog.get("topology", "1x1"), prog["mesh"], fit)
+    return machines.gpu_machine(spec, prog["mesh"], fit=fit)
+
+
+class Predictor:
+    """A point's program parsed once, predicted under any fit (the fit re-times it only)."""
+
+    def __init__(self, point: dict, prog: dict):
+        self.point, self.prog = point, prog
+        self.program = hlo.parse(prog["hlo"])
+        found = collectives_hlo.parse(prog["hlo"], prog["mesh"])
+        self.collectives = {c.name: c for c in found}
+
+    def seconds(self, **fit) -> float:
+        machine = _machine(self.point, self.prog, fit or None)
+        p = predict(
+            self.program,
+            machine,
+            self.collectives,
+            custom_flops=self.prog.get("custom_flops", 0.0),
+        )
+        return p.seconds
+
+    def figure(self, seconds: float) -> float:
+        """The published figure's unit, from a predicted time."""
+        unit = self.point["figure"]["unit"]
+        prog, chips = self.prog, self.point["hardware"]["chips"]
+        if self.point["workload"] == "train":
+            if unit.startswith("TFLOP/s per chip"):
+                return prog["model_flops"] / seconds / chips / 1e12
+            if unit.startswith("tokens/s per chip"):
+                return prog["tokens"] / seconds / chips
+            if unit == "MFU":
+                spec = specs.SPECS[_HW[self.point["hardware"]["kind"]]]
+                peak = spec.peak_flops.get(prog["dtype"]) or spec.peak_flops["bfloat16"]
+                return prog["model_flops"] / seconds / (chips * peak)
+        if self.point["workload"] == "gemm":
+            return prog["flops"] / seconds / 1e12
+        if self.point["workload"] == "copy":
+            return prog["bytes"] / seconds / 1e9
+        if self.point["workload"] == "all-reduce":
+            w = prog["mesh"]["data"]
+            return prog["bytes"] / seconds * 2 * (w - 1) / w / 1e9
+        raise ConfigError(f"{self.point['id']}: cannot compare in {unit!r}")
+
+    def measured_seconds(self) -> float:
+        """The published figure as the time of the same program (what the fit matches)."""
+        return self.figure(1.0) / float(self.point["figure"]["value"])  # figure ∝ 1 / time
+
+
+def _stats(rows: list[Row]) -> dict:
+    errs = [abs(r.error) for r in rows if r.error is not None]
+    ratios = [max(r.predicted / r.published, r.published / r.predicted) for r in rows if r.error]
+    if not errs:
+        return {"n": 0}
+    return {
+        "n": len(errs),
+        "median": float(np.median(errs)),
+        "worst": float(max(ratios, default=1.0)),
+        "what": "published points",
+    }
+
+
+def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool = False):
+    """Every point compiled (or read from the cache), the fit per vendor on the calibration
+    points, then every usable point predicted with it."""
+    tick = progress or (lambda label: None)
+    calib = calibration_ids(load_points())  # the rule runs over the whole file, always
+    predictors, dropped = {}, []
+    for p in points:
+        why = _expressible(p)
+        if why:
+            dropped.append(p)
+            continue
+        tick(f"compile {p['id']}")
+        predictors[p["id"]] = Predictor(p, program(p, cache_dir))
+    fits = {}
+    for v in ("tpu", "gpu"):
+        pts = [
+            (pr.seconds, pr.measured_seconds())
+            for i, pr in predictors.items()
+            if i in calib and vendor(pr.point) == v
+        ]
+        if pts:
+            tick(f"fit {v} on {len(pts)} calibration points")
+            fits[v] = machines.fit(pts, params=machines.FIT_PARAMS)
+    rows = []
+    for p in points:
+        pid = p["id"]
+        fig = p["figure"]
+        base = dict(
+            id=pid,
+            publisher=p["publisher"],
+            hardware=f"{p['hardware']['kind']} × {p['hardware']['chips']}",
+            workload=p["workload"],
+            unit=fig["unit"],
+            published=float(fig["value"]),
+        )
+        if pid not in predictors:
+            rows.append(Row(**base, predicted=None, role="dropped", note=_expressible(p) or ""))
+            continue
+        pr = predictors[pid]
+        fit = fits.get(vendor(p))
+        rows.append(
+            Row(
+                **base,
+                predicted=pr.figure(pr.seconds(**(fit or {}))),
+                role="calibration" if pid in calib else "held-out",
+            )
+        )
+    held = [r for r in rows if r.role == "held-out"]
+    held_out = {"all": _stats(held)}
+    for v in ("tpu", "gpu"):
+        held_out[v] = _stats([r for r in held if r.hardware.startswith("tpu") == (v == "tpu")])
+    calibration = _stats([r for r in rows if r.role == "calibration"])
+    summary = Summary(tuple(rows), fits, held_out, calibration)
+    if write_fits and len(points) == len(load_points()):
+        save_fits(summary, calib, points)
+    return summary
+
+
+def save_fits(summary: Summary, calib: set[str], points: list[dict]) -> Path:
+    """lab/predict/fits.json: what lab.run's predictions print as the model's error."""
+    data = json.loads(FITS.read_text()) if FITS.exists() else {}
+    for v in ("tpu", "gpu"):
+        if v in summary.fits:
+            data[v] = {
+                "fit": summary.fits[v],
+                "calibration": sorted(
+                    p["id"] for p in points if p["id"] in calib and vendor(p) == v
+                ),
+                "held_out": summary.held_out[v] if summary.held_out[v].get("n") else None,
+                "source": "python -m lab.tools.prediction (published points, held out)",
+            }
+    FITS.write_text(json.dumps(data, indent=1) + "\n")
+    return FITS
+
+
+def log_error(summary: Summary) -> str:
+    s = summary.held_out["all"]
+    if not s.get("n"):
+        return "held-out: no points"
+    return f"held-out: {s['n']} points, median |error| {s['median']:.0%}, worst {s['worst']:.2f}×"
+
+
+# ---------------------------------------------------------------------------- this CPU
+
+# lab.run configurations of the CPU self-check: models, meshes (1, 4x2, 2x2x2), strategies
+# and attention impls. The first three calibrate the CPU's free parameters; the rest are held
+# out.
+CPU_CONFIGS = (
+    dict(model="small", mesh="1"),
+    dict(model="small", mesh="4x2"),
+    dict(model="tiny", mesh="1"),
+    dict(model="small", mesh="2x2x2", strategy="fsdp+tp"),
+    dict(model="small", mesh="8", strategy="fsdp"),
+    dict(model="small", mesh="1", seq_len=256),
+    dict(model="small", mesh="1", attention="naive"),
+    dict(model="small", mesh="1", remat="full"),
+    dict(model="tiny", mesh="4x2"),
+    dict(model="small", mesh="1", scan_layers=True),
+)
+CPU_CALIBRATION = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuRow:
+    config: str  # the lab.run keys
+    measured_s: float  # median step time
+    predicted_s: float
+    role: str  # calibration | held-out
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.measured_s - 1.0
+
+
+def measure_step(cfg_keys: dict, *, budget_s: float = 2.0):
+    """(compiled step, mesh, median seconds of the real step) for a lab.run configuration."""
+    from lab.measure import timing
+    from lab.mesh import make_mesh
+    from lab.train import make_trainer
+
+    cfg = make_config(**cfg_keys)
+    mesh = make_mesh(cfg.mesh)
+    trainer = make_trainer(cfg, mesh)
+    compiled = trainer.lower().compile()
+    state = [trainer.init(jax.random.key(0))]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.model.vocab_size, (cfg.batch_size, cfg.seq_len + 1))
+    tokens = jax.device_put(tokens.astype(np.int32), trainer.batch_sharding)
+
+    def step():
+        state[0], metrics = trainer.step(state[0], tokens)
+        return metrics
+
+    result = timing.bench(step, warmup=2, min_runs=5, budget_s=budget_s)
+    return compiled, mesh, trainer.cfg, result.median_s
+
+
+def cpu_check(
+    configs=CPU_CONFIGS, calibration: int = CPU_CALIBRATION, *, budget_s=2.0, progress=None
+):
+    """The model on this CPU: every configuration measured and predicted (one process, one
+    run), the CPU's free parameters fitted on the first `calibration` configurations, the
+    error reported on the rest. Returns (rows, fit)."""
+    from lab.predict.step import cpu_machine_measured
+
+    tick = progress or (lambda label: None)
+    measured = []
+    for keys in configs:
+        label = " ".join(f"{k}={v}" for k, v in keys.items())
+        tick(f"measure {label}")
+        compiled, mesh, cfg, seconds = measure_step(keys, budget_s=budget_s)
+        text = compiled.as_text()
+        pr = hlo.parse(text)
+        found = {c.name: c for c in collectives_hlo.parse(text, dict(mesh.shape))}
+        measured.append((label, pr, found, mesh.size, cfg.model.dtype, seconds))
+
+    def predicted(entry, fit):
+        _, pr, found, n, dtype, _ = entry
+        return predict(pr, cpu_machine_measured(dtype, n, fit or None), found).seconds
+
+    calib = measured[:calibration]
+    fit = machines.fit(
+        [(lambda e=e, **f: predicted(e, f), e[-1]) for e in calib],
+        params=("compute_efficiency", "memory_efficiency", "op_overhead_s"),
+    )
+    rows = [
+        CpuRow(e[0], e[-1], predicted(e, fit), "calibration" if i < calibration else "held-out")
+        for i, e in enumerate(measured)
+    ]
+    return rows, fit
+
+
+def save_cpu_fit(rows: list[CpuRow], fit: dict) -> Path:
+    held = [r for r in rows if r.role == "held-out"]
+    errs = [abs(r.error) for r in held]
+    worst = max((max(1 + r.error, 1 / (1 + r.error)) for r in held), default=1.0)
+    data = json.loads(FITS.read_text()) if FITS.exists() else {}
+    data["cpu"] = {
+        "fit": fit,
+        "calibration": [r.config for r in rows if r.role == "calibration"],
+        "held_out": {
+            "n": len(held),
+            "median": float(np.median(errs)) if errs else 0.0,
+            "worst": float(worst),
+            "what": "lab.run configurations on this CPU",
+        },
+        "source": "python -m lab.tools.prediction cpu=true",
+    }
+    FITS.write_text(json.dumps(data, indent=1) + "\n")
+    return FITS
+
+
+def cpu_error_line(rows: list[CpuRow]) -> str:
+    held = [r for r in rows if r.role == "held-out"]
+    if not held:
+        return "held-out: no configurations"
+    errs = [abs(r.error) for r in held]
+    worst = max(max(1 + r.error, 1 / (1 + r.error)) for r in held)
+    return (
+        f"held-out: {len(held)} configurations, median |predicted/measured - 1| "
+        f"{float(np.median(errs)):.0%}, worst {worst:.2f}×"
+    )

@@ -1,0 +1,77 @@
+"""The prediction's validation: published points compiled for their targets and compared in
+the publisher's unit, the calibration named by rule, the held-out error computed apart; and
+the self-check on this CPU (lab.run prints and saves the prediction beside the measurement)."""
+
+import json
+
+import pytest
+
+from lab.run import main as train
+from lab.studies import prediction
+from lab.tools.prediction import main as tool
+
+
+def test_the_published_points_are_data_with_sources():
+    points = prediction.load_points()
+    assert len(points) >= 24 and len({p["publisher"] for p in points}) >= 4
+    for p in points:
+        assert p["quote"].strip() and p["source"].strip(), p["id"]
+        assert p["usable"] or p["why_not"], p["id"]
+    calib = prediction.calibration_ids(points)
+    groups = {(p["hardware"]["kind"], p["workload"]) for p in points if p["id"] in calib}
+    assert len(groups) == len(calib)  # one calibration point per (hardware, workload) group
+
+
+def test_unknown_points_are_one_line(capsys):
+    assert tool(["only=nope", "save=false"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no such point" in err
+
+
+def test_gpu_op_points_compile_and_predict(tmp_path, capsys):
+    """GEMM, copy and all-reduce points compiled for H100 / A100 here: each predicted in its
+    own unit, calibration and held-out apart, the last line the held-out error."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="the gpu-plan extra compiles for H100")
+    only = [
+        "azure-a100-gemm-fp16-8192",
+        "azure-h100-gemm-fp8-8192",
+        "azure-h100-hbm-copy",
+        "azure-h100x8-allreduce-64m",
+        "azure-h100x8-allreduce-1m",
+    ]
+    assert tool([f"only={','.join(only)}", f"cache_dir={tmp_path}", "save=false"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out:" in out.splitlines()[-1]
+    summary = prediction.run(prediction.load_points(tuple(only)), tmp_path)  # from the cache
+    roles = {r.id: r.role for r in summary.rows}
+    assert roles["azure-a100-gemm-fp16-8192"] == "calibration"
+    assert roles["azure-h100-gemm-fp8-8192"] == "held-out"
+    for r in summary.rows:
+        assert r.predicted and 0.2 < r.predicted / r.published < 5, r
+
+
+def test_lab_run_prints_and_saves_the_prediction_beside_the_measurement(tmp_path, capsys):
+    """A CPU run: the model fed with this host's measured ceilings predicts the step; the
+    summary keeps both. (How close they are is a benchmark: python -m lab.tools.prediction
+    cpu=true; here only a gross bound, since CI hosts are noisy.)"""
+    argv = ["model=tiny", "steps=8", "mesh=4x2", f"out_dir={tmp_path}", "name=p"]
+    assert train(argv) == 0
+    assert "predicted step time" in capsys.readouterr().out
+    s = json.loads((tmp_path / "p" / "summary.json").read_text())
+    p = s["predicted_step_time"]
+    assert p["label"] == "predicted" and p["seconds"] > 0
+    assert sum(p["breakdown"].values()) == pytest.approx(p["seconds"])
+    assert 0.05 < p["ratio_to_measured"] < 20, p
+
+
+def test_cpu_check_fits_on_calibration_and_reports_held_out():
+    configs = (
+        dict(model="tiny", mesh="1"),
+        dict(model="tiny", mesh="1", seq_len=256),
+        dict(model="tiny", mesh="4x2"),
+    )
+    rows, fit = prediction.cpu_check(configs, calibration=2, budget_s=0.3)
+    assert [r.role for r in rows] == ["calibration", "calibration", "held-out"]
+    assert set(fit) >= {"compute_efficiency", "memory_efficiency", "op_overhead_s"}
+    assert all(r.predicted_s > 0 and r.measured_s > 0 for r in rows)
+    assert "held-out: 1 configurations" in prediction.cpu_error_line(rows)
