@@ -39,7 +39,9 @@ def test_gpu_op_points_compile_and_predict(tmp_path, capsys):
         "azure-h100x8-allreduce-64m",
         "azure-h100x8-allreduce-1m",
     ]
-    assert tool([f"only={','.join(only)}", f"cache_dir={tmp_path}", "save=false"]) == 0
+    argv = [f"only={','.join(only)}", f"cache_dir={tmp_path}", f"results={tmp_path}"]
+    assert tool([*argv, "save=false"]) == 0
+    assert list(tmp_path.glob("prediction-*.png")) and list(tmp_path.glob("prediction-*.jsonl"))
     out = capsys.readouterr().out
     assert "held-out:" in out.splitlines()[-1]
     summary = prediction.run(prediction.load_points(tuple(only)), tmp_path)  # from the cache

@@ -441,3 +441,36 @@ def scaling_study(recs: list[dict], path, title: str) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     return _save(fig, path)
+
+
+def prediction(rows, path, title: str) -> Path | None:
+    """Predicted against published, log-log, one marker per (vendor, role), with the ±15%
+    band: the step-time model's error on the points it was not fitted on shows as distance
+    from the diagonal (lab.studies.prediction)."""
+    pts = [r for r in rows if r.predicted and r.published]
+    if not pts:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.6, 5.2))
+    lo = min(min(r.published, r.predicted) for r in pts) / 1.5
+    hi = max(max(r.published, r.predicted) for r in pts) * 1.5
+    xs = [lo, hi]
+    ax.loglog(xs, xs, color="black", lw=0.8, label="predicted = published")
+    ax.fill_between(xs, [x / 1.15 for x in xs], [x * 1.15 for x in xs], color="gray", alpha=0.2,
+                    label="±15%")  # fmt: skip
+    styles = {"calibration": "s", "held-out": "o"}
+    for role, marker in styles.items():
+        for vendor, color in (("tpu", "tab:blue"), ("gpu", "tab:green")):
+            sel = [
+                r
+                for r in pts
+                if r.role == role and r.hardware.startswith("tpu") == (vendor == "tpu")
+            ]
+            if sel:
+                ax.loglog([r.published for r in sel], [r.predicted for r in sel], marker,
+                          color=color, mfc="none" if role == "calibration" else color,
+                          label=f"{vendor}, {role}")  # fmt: skip
+    ax.set(xlabel="published (its own unit)", ylabel="predicted by the model (same unit)")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)

@@ -269,14 +269,22 @@ def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool 
     points, then every usable point predicted with it."""
     tick = progress or (lambda label: None)
     calib = calibration_ids(load_points())  # the rule runs over the whole file, always
-    predictors, dropped = {}, []
+    predictors, dropped, refused = {}, [], {}
     for p in points:
         why = _expressible(p)
         if why:
             dropped.append(p)
             continue
         tick(f"compile {p['id']}")
-        predictors[p["id"]] = Predictor(p, program(p, cache_dir))
+        try:
+            predictors[p["id"]] = Predictor(p, program(p, cache_dir))
+        except ConfigError as e:
+            refused[p["id"]] = str(e)
+        except Exception as e:  # noqa: BLE001 — a compiler's refusal (memory, tiles) varies
+            why = plans.refusal(e)
+            first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+            refused[p["id"]] = f"the compiler refuses it here: {why or first}"
+            dropped.append(p)
     fits = {}
     for v in ("tpu", "gpu"):
         pts = [
@@ -300,7 +308,8 @@ def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool 
             published=float(fig["value"]),
         )
         if pid not in predictors:
-            rows.append(Row(**base, predicted=None, role="dropped", note=_expressible(p) or ""))
+            why = refused.get(pid) or _expressible(p) or ""
+            rows.append(Row(**base, predicted=None, role="dropped", note=why))
             continue
         pr = predictors[pid]
         fit = fits.get(vendor(p))
@@ -466,3 +475,41 @@ def cpu_error_line(rows: list[CpuRow]) -> str:
         f"held-out: {len(held)} configurations, median |predicted/measured - 1| "
         f"{float(np.median(errs)):.0%}, worst {worst:.2f}×"
     )
+
+
+def to_records(summary: Summary) -> list[dict]:
+    """One record per predicted point (label predicted, the published figure beside it), and
+    the held-out error as a derived record."""
+    from lab.measure import records
+
+    out = []
+    for r in summary.rows:
+        if r.predicted is None:
+            continue
+        out.append(
+            records.make_record(
+                "predicted published point",
+                r.predicted,
+                r.unit,
+                label="predicted",
+                point=r.id,
+                publisher=r.publisher,
+                hardware=r.hardware,
+                workload=r.workload,
+                published=r.published,
+                role=r.role,
+            )
+        )
+    s = summary.held_out["all"]
+    if s.get("n"):
+        out.append(
+            records.make_record(
+                "prediction held-out median |error|",
+                s["median"],
+                "fraction",
+                label="derived",
+                points=s["n"],
+                worst_ratio=s["worst"],
+            )
+        )
+    return out

@@ -13,7 +13,8 @@ import dataclasses
 import sys
 
 from lab.config import cli, field
-from lab.report import progress, tables
+from lab.measure import records
+from lab.report import plots, progress, tables
 from lab.studies import prediction
 
 
@@ -28,6 +29,7 @@ class Options:
         False, "instead: the self-check on this CPU (lab.run configurations, measured here)"
     )
     budget: float = field(2.0, "cpu=true: seconds of timed steps per configuration", min=0.1)
+    results: str = field("results", "folder for the records and the PNG", kind="path")
 
 
 def run(o: Options) -> int:
@@ -44,6 +46,12 @@ def run(o: Options) -> int:
             write_fits=o.save,
         )
     con.print(tables.prediction_rows(summary.rows, summary.fits))
+    stem = records.output_stem(o.results, "prediction")
+    recs = prediction.to_records(summary)
+    con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), recs)}")
+    png = plots.prediction(summary.rows, stem.with_suffix(".png"), prediction.log_error(summary))
+    if png:
+        con.print(f"plot    → {png}")
     cal = summary.calibration
     if cal.get("n"):
         con.print(
