@@ -40,6 +40,7 @@ ATTENTION_IMPLS = (
     "xla",
     "cudnn",
     "ring",
+    "cpu_flash",
 )
 
 # Remat (activation checkpointing) policies of a block (lab/model.py); offload is full remat

@@ -25,6 +25,7 @@ from lab.kernels.attention import (
     attention,
     available_impls,
     blockwise,
+    cpu_flash,
     pallas_gpu,
     pallas_mgpu,
     pallas_tpu,
@@ -191,13 +192,21 @@ class TestPallasGpuInterpretMaskEveryBlock(TestPallasGpuInterpret):
 @pytest.mark.parametrize(
     "kwargs, module, name",
     [
-        ({"impl": "auto"}, blockwise, "blockwise_attention"),
+        (
+            {"impl": "auto"},
+            *(
+                (cpu_flash, "cpu_flash_attention")
+                if cpu_flash.available()
+                else (blockwise, "blockwise_attention")
+            ),
+        ),
         ({"impl": "pallas", "interpret": True}, pallas_tpu, "flash_attention_tpu"),
         ({"impl": "pallas_gpu", "interpret": True}, pallas_gpu, "flash_attention_gpu"),
     ],
 )
 def test_dispatch_on_cpu(monkeypatch, kwargs, module, name):
-    """auto -> blockwise on CPU; pallas + interpret -> the TPU kernel, interpreted."""
+    """auto -> cpu_flash on CPU (blockwise where it is not built); pallas + interpret -> the
+    TPU kernel, interpreted."""
     seen = {}
     monkeypatch.setattr(module, name, lambda *a, **kw: seen.setdefault("kw", kw) and "ran")
     assert attention(*_qkv(), **kwargs) == "ran"
@@ -205,10 +214,13 @@ def test_dispatch_on_cpu(monkeypatch, kwargs, module, name):
 
 
 def test_available_impls_per_backend():
-    assert available_impls("cpu") == ("naive", "blockwise", "xla")
+    native = ("cpu_flash",) if cpu_flash.available() else ()  # built on first use, if it can be
+    assert available_impls("cpu") == ("naive", "blockwise", "xla", *native)
     # ring is not a kernel of a backend: it runs anywhere, under a mesh that splits the sequence;
     # pallas_mgpu is interpreted only from jax 0.11 (tests/test_pallas_mgpu.py)
     not_here = {"cudnn", "ring"} | (set() if pallas_mgpu.interpretable() else {"pallas_mgpu"})
+    not_here |= set() if native else {"cpu_flash"}
+    assert "cpu_flash" not in available_impls("tpu") + available_impls("gpu")
     assert set(available_impls("cpu", interpret=True)) == set(IMPLS) - not_here
     assert {"pallas", "pallas_tpu"} <= set(
         available_impls("tpu")
@@ -226,7 +238,7 @@ def test_available_impls_per_backend():
         ("gpu", "bfloat16", 64, (16, 32), "pallas_gpu"),  # cuDNN's causal mask is top-left
         ("gpu", "float32", 48, (32, 32), "blockwise"),  # Triton tiles: powers of two only
         ("tpu", "bfloat16", 128, (32, 32), "pallas_tpu"),
-        ("cpu", "bfloat16", 128, (32, 32), "blockwise"),
+        ("cpu", "float16", 128, (32, 32), "blockwise"),  # cpu_flash: f32/bf16 only
     ],
 )
 def test_auto_picks_per_backend_and_falls_back_on_what_it_cannot_take(

@@ -14,15 +14,20 @@ pallas_mgpu     pallas_mgpu.py: Mosaic GPU kernel for Hopper (H100/H200: TMA, wg
 xla, cudnn      jax.nn.dot_product_attention(implementation=...): the library baselines
 ring            ring.py: context parallel, the sequence split over a mesh axis (`shard_spec`
                 names it), K/V blocks passed around the ring, each by the blockwise kernel
+cpu_flash       cpu_flash.py: native CPU kernel, flash attention in C++ (cpu_flash.cc) called
+                through jax.ffi; compiled on first use by the system C++ compiler, absent
+                (one line on stderr) where there is none; f32 and bf16
 auto            the best available for the backend, never an interpreted kernel:
                 TPU -> pallas_tpu; GPU -> cudnn where its constraints hold (bf16/f16,
                 head_dim <= 128) and cuDNN is here, else the GPU's pallas (pallas_mgpu on
-                Hopper, pallas_gpu otherwise); CPU -> blockwise, which measured faster
-                than naive and xla for fwd+bwd at every length from 512 to 16384 on the
-                lab's 2-core CPU (0.95x naive at 512 full, 0.17x at 16384 causal; f32,
-                H=2, K=64: `python -m lab.tools.attention_bench`), and within 10% of it
-                at 256. Falls back to blockwise when the chosen kernel does not take the
-                input (dtype, head_dim).
+                Hopper, pallas_gpu otherwise); CPU -> cpu_flash where it is built and
+                takes the input (f32/bf16; q, k, v whole sequences per device), which
+                measured faster than blockwise and PyTorch's SDPA (BENCHMARKS.md), else
+                blockwise, which measured faster than naive and xla for fwd+bwd at every
+                length from 512 to 16384 on the lab's 2-core CPU (0.95x naive at 512 full,
+                0.17x at 16384 causal; f32, H=2, K=64: `python -m lab.tools.attention_bench`),
+                and within 10% of it at 256. Falls back to blockwise when the chosen kernel
+                does not take the input (dtype, head_dim).
 
 The toolchain counts too: ptxas of CUDA 12.8.0 up to 12.9.1 miscompiles pallas_mgpu's causal
 mask (lab/measure/toolchain.py). There `impl=pallas_mgpu` with causal=True is refused (one
@@ -53,7 +58,15 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
-from lab.kernels.attention import blockwise, decode, pallas_gpu, pallas_mgpu, pallas_tpu, ring
+from lab.kernels.attention import (
+    blockwise,
+    cpu_flash,
+    decode,
+    pallas_gpu,
+    pallas_mgpu,
+    pallas_tpu,
+    ring,
+)
 from lab.kernels.attention.common import check_qkv, device_kind, platform, target_device
 from lab.kernels.attention.reference import attention_reference
 from lab.measure import toolchain
@@ -79,6 +92,8 @@ def available_impls(backend: str | None = None, *, interpret: bool = False) -> t
     kernels that run only through the interpreter there."""
     backend = backend or jax.default_backend()
     impls = ["naive", "blockwise", "xla"]
+    if backend == "cpu" and cpu_flash.available():
+        impls += ["cpu_flash"]
     if backend == "gpu":
         impls += ["pallas", *gpu_kernels(), "cudnn"]
     elif backend in _NATIVE:
@@ -101,6 +116,8 @@ def _resolve(impl: str, interpret: bool, backend: str) -> str:
         hint = f" (pallas_mgpu needs a Hopper GPU, H100/H200; this one is {device_kind()!r})"
     elif impl == "pallas_mgpu" and not pallas_mgpu.interpretable():
         hint = " (pallas_mgpu is interpreted on CPU only from jax 0.11)"
+    elif impl == "cpu_flash" and backend == "cpu":
+        hint = " (cpu_flash is not built here: no C++ compiler, a failed build or LAB_CPU_FLASH=0)"
     raise ValueError(
         f"attention impl={impl!r} has no compiled kernel on backend {backend!r}: choose one of "
         f"{', '.join(available_impls(backend))}{hint}"
@@ -134,15 +151,27 @@ def _fit(spec, shapes, mesh):
     return jax.sharding.PartitionSpec(*out)
 
 
+def _splits_seq(shard_spec) -> bool:
+    """Whether `shard_spec` splits the sequence over a context mesh of more than one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if shard_spec is None or len(shard_spec) < 2 or shard_spec[1] is None or mesh.empty:
+        return False
+    names = (shard_spec[1],) if isinstance(shard_spec[1], str) else tuple(shard_spec[1])
+    size = 1
+    for a in names:
+        size *= mesh.shape[a]
+    return size > 1
+
+
 def _per_shard(fn, shard_spec, *args):
     """`fn` (a Pallas kernel) run on each device's block of q, k, v under the context mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     if shard_spec is None or mesh.empty or mesh.size == 1:
         return fn(*args)
-    if len(shard_spec) > 1 and shard_spec[1] is not None:
+    if _splits_seq(shard_spec):
         raise ValueError(
-            f"q/k/v sharded along the sequence ({shard_spec}): a Pallas kernel needs whole "
-            "sequences per device; use attention=ring for context parallelism"
+            f"q/k/v sharded along the sequence ({shard_spec}): a Pallas or native kernel needs "
+            "whole sequences per device; use attention=ring for context parallelism"
         )
     spec = _fit(shard_spec, [x.shape for x in args], mesh)
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(
@@ -177,6 +206,8 @@ def _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, backend: str) -> tuple:
     """(the fastest implementation that accepts this input, why a faster one was passed over
     or None); see the module docstring."""
     candidates = {"tpu": ["pallas_tpu"]}.get(backend, [])
+    if backend == "cpu" and cpu_flash.available():
+        candidates = ["cpu_flash"]
     if backend == "gpu":
         candidates = (["cudnn"] if _cudnn_here() else []) + gpu_kernels()
     impl, note = _first_fit(candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal)
@@ -227,6 +258,8 @@ def _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool) -> None:
         pallas_gpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     elif impl == "pallas_mgpu":
         pallas_mgpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    elif impl == "cpu_flash":
+        cpu_flash.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     elif impl == "ring" and q_BxLxHxK.shape[1] != k_BxSxGxK.shape[1]:
         raise ValueError(f"{q_BxLxHxK.shape=} {k_BxSxGxK.shape=}: impl='ring' needs L == S")
     elif impl in ("xla", "cudnn"):
@@ -298,7 +331,10 @@ def attention(
     `block_sizes` is the chosen kernel's own BlockSizes (None: its default). `shard_spec`:
     how q, k, v are split over the context mesh, for the Pallas kernels' shard_map.
     """
+    asked = impl
     impl = choose(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, interpret=interpret)
+    if impl == "cpu_flash" and asked == "auto" and _splits_seq(shard_spec):
+        impl = "blockwise"  # XLA partitions blockwise along the sequence; the FFI call it cannot
     args = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK)
     if impl == "naive":
         return attention_reference(*args, causal=causal, scale=scale)
@@ -307,6 +343,12 @@ def attention(
     if impl == "blockwise":
         bs = block_sizes or blockwise.BlockSizes()
         return blockwise.blockwise_attention(*args, causal=causal, scale=scale, block_sizes=bs)
+    if impl == "cpu_flash":  # an FFI call is opaque to XLA's partitioner, as a Pallas kernel
+        bs = block_sizes or cpu_flash.BlockSizes()
+        kernel = functools.partial(
+            cpu_flash.cpu_flash_attention, causal=causal, scale=scale, block_sizes=bs
+        )
+        return _per_shard(kernel, shard_spec, *args)
     if impl == "pallas_tpu":
         bs = block_sizes or pallas_tpu.BlockSizes()
         kernel = functools.partial(

@@ -1,0 +1,576 @@
+// Flash attention for the CPU, registered with XLA through jax.ffi (cpu_flash.py builds and
+// loads it). Forward with the log-sum-exp saved; backward as FlashAttention-2: a dQ pass over
+// query blocks and a dK/dV pass over key blocks, each recomputing the probabilities.
+//
+// Layout as the lab's other kernels: q [B, L, H, K], k and v [B, S, G, K] (grouped-query:
+// query head h reads kv head h / R, R = H / G; K/V are never repeated), lse [B, H, L] f32.
+// Leading dimensions before the last three are folded into B (jax.vmap's broadcast_all).
+// Causal mask aligned bottom-right (lab/kernels/attention/common.py): key j is visible to
+// query i iff j <= i + S - L. Block skipping mirrors common.Geometry (k_blocks_end,
+// q_blocks_start). Inputs f32 or bf16; every tile is packed into f32 and every sum is f32.
+//
+// Work is split over std::threads: (batch, head, query block) items for the forward and dQ,
+// (batch, kv head, key block) items for dK/dV, heaviest first (causal blocks differ in work).
+// The inner products run in one register-blocked micro-kernel written with GCC/Clang vector
+// extensions, so the compiler emits whatever vector ISA -march gives it (AVX-512 here,
+// SSE2 on a portable build).
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ------------------------------------------------------------------------- numbers
+
+constexpr float kMask = -0.7f * FLT_MAX;  // common.MASK_VALUE: exp(kMask - m) == 0, never NaN
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <typename T>
+inline float load(const T* p, int64_t i);
+template <>
+inline float load<float>(const float* p, int64_t i) { return p[i]; }
+template <>
+inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+
+template <typename T>
+inline void store(T* p, int64_t i, float x);
+template <>
+inline void store<float>(float* p, int64_t i, float x) { p[i] = x; }
+template <>
+inline void store<uint16_t>(uint16_t* p, int64_t i, float x) { p[i] = f32_to_bf16(x); }
+
+// exp(x) for x <= ~88 (Cephes expf: 2^n · p(r), |r| <= ln2/2, ~1 ulp); 0 below -87.
+// Branch-free so that the loops calling it vectorise.
+#pragma omp declare simd
+inline float fast_exp(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float magic = 12582912.0f;  // 1.5·2^23: adding it rounds to an integer
+  const float n = (xc * 1.44269504088896341f + magic) - magic;
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &e, 4);
+  return x < -87.0f ? 0.0f : y * two_n;
+}
+
+// ------------------------------------------------------------------------- micro-kernel
+
+typedef float v16 __attribute__((vector_size(64)));
+
+#if defined(__AVX512F__)
+constexpr int kMR = 8;  // rows of C per micro-tile
+constexpr int kNV = 2;  // 16-float vectors per row of a micro-tile: 8×32 floats in 16 zmm
+#else
+constexpr int kMR = 4;
+constexpr int kNV = 1;
+#endif
+constexpr int kNR = 16 * kNV;
+constexpr int kAlign = 32;  // block sizes and the padded head dim are multiples of this
+
+inline v16 vload(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// max(init, row[0..n)), n % 16 == 0: written with vectors (GCC leaves a max reduction scalar).
+inline float row_max(const float* row, int64_t n, float init) {
+  v16 m = v16{} + init;
+  for (int64_t c = 0; c < n; c += 16) {
+    const v16 x = vload(row + c);
+    m = x > m ? x : m;
+  }
+  float out = init;
+  for (int i = 0; i < 16; ++i) out = std::max(out, m[i]);
+  return out;
+}
+
+// C[M×N] (+)= A[M×kd] · B[kd×N], all row-major f32; M % kMR == 0, N % kNR == 0.
+void gemm(int M, int N, int kd, const float* A, int64_t lda, const float* B, int64_t ldb,
+          float* C, int64_t ldc, bool accumulate) {
+  for (int i0 = 0; i0 < M; i0 += kMR) {
+    for (int j0 = 0; j0 < N; j0 += kNR) {
+      v16 c[kMR][kNV];
+#pragma GCC unroll 8
+      for (int r = 0; r < kMR; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < kNV; ++v)
+          c[r][v] = accumulate ? vload(C + (i0 + r) * ldc + j0 + 16 * v) : v16{};
+      const float* a = A + i0 * lda;
+      const float* b = B + j0;
+      for (int p = 0; p < kd; ++p) {
+        v16 bv[kNV];
+#pragma GCC unroll 4
+        for (int v = 0; v < kNV; ++v) bv[v] = vload(b + p * ldb + 16 * v);
+#pragma GCC unroll 8
+        for (int r = 0; r < kMR; ++r) {
+          const float s = a[r * lda + p];
+#pragma GCC unroll 4
+          for (int v = 0; v < kNV; ++v) c[r][v] += s * bv[v];
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < kMR; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < kNV; ++v) vstore(C + (i0 + r) * ldc + j0 + 16 * v, c[r][v]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------- geometry
+
+struct Geo {
+  int64_t B, L, S, H, G, R, K;  // B folds every leading dimension
+  int64_t Kp;                   // K rounded up to kAlign (zero-padded in every packed tile)
+  int64_t bq, bk, nq, nk;
+  bool causal;
+  float scale;
+  int threads;
+
+  int64_t offset() const { return S - L; }
+  // One past the last key block query block i sees (common.Geometry.k_blocks_end).
+  int64_t k_end(int64_t i) const {
+    if (!causal) return nk;
+    return std::min(nk, (i * bq + bq - 1 + offset()) / bk + 1);
+  }
+  // First query block that sees key block j (common.Geometry.q_blocks_start).
+  int64_t q_start(int64_t j) const {
+    if (!causal) return 0;
+    return std::max<int64_t>(j * bk - offset(), 0) / bq;
+  }
+  // Whether every (query, key) pair of tile (i, j) is visible: no mask needed.
+  bool whole(int64_t i, int64_t j) const {
+    if ((i + 1) * bq > L || (j + 1) * bk > S) return false;
+    return !causal || j * bk + bk - 1 <= i * bq + offset();
+  }
+  bool visible(int64_t qpos, int64_t kpos) const {
+    return qpos < L && kpos < S && (!causal || kpos <= qpos + offset());
+  }
+  int64_t q_index(int64_t b, int64_t l, int64_t h) const { return ((b * L + l) * H + h) * K; }
+  int64_t kv_index(int64_t b, int64_t s, int64_t g) const { return ((b * S + s) * G + g) * K; }
+  int64_t row_index(int64_t b, int64_t h, int64_t l) const { return (b * H + h) * L + l; }
+};
+
+// Rows [r0, r0 + rows) of x [B, N, heads, K] at (b, head), times `mul`, into dst [rows×Kp]
+// (transposed: dst [Kp×rows]); rows past `n` and columns past K are zeros.
+template <typename T>
+void pack(const T* x, int64_t base, int64_t row_stride, int64_t r0, int64_t rows, int64_t n,
+          int64_t K, int64_t Kp, float mul, float* dst, bool transposed) {
+  if (transposed) std::fill(dst, dst + rows * Kp, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = x + base + (r0 + r) * row_stride;
+    if (transposed) {
+      if (r0 + r < n)
+        for (int64_t d = 0; d < K; ++d) dst[d * rows + r] = load(src, d) * mul;
+      continue;
+    }
+    float* out = dst + r * Kp;
+    const int64_t real = r0 + r < n ? K : 0;
+#pragma omp simd
+    for (int64_t d = 0; d < real; ++d) out[d] = load(src, d) * mul;
+    std::fill(out + real, out + Kp, 0.0f);
+  }
+}
+
+// Every block of x [B, N, heads, K] packed once, as `pack` lays one out: block `blk` of head
+// `hd` of batch b at ((b · heads + hd) · nblocks + blk) · block · Kp. Tiles that many work
+// items read (K and V in the forward and dQ, q and dO in dK/dV) are packed here, not per item.
+template <typename T>
+std::vector<float> pack_all(const Geo& g, const T* x, int64_t N, int64_t heads, int64_t block,
+                            float mul, bool transposed) {
+  const int64_t nblocks = (N + block - 1) / block, size = block * g.Kp;
+  std::vector<float> out(g.B * heads * nblocks * size);
+  parallel_for(g.B * heads * nblocks, g.threads, [&](int64_t item) {
+    const int64_t b = item / (heads * nblocks), hd = item / nblocks % heads, blk = item % nblocks;
+    const int64_t base = (b * N * heads + hd) * g.K;
+    pack(x, base, heads * g.K, blk * block, block, N, g.K, g.Kp, mul, out.data() + item * size,
+         transposed);
+  });
+  return out;
+}
+
+// Run fn(item) for item in [0, n) over the threads, each taking the next item in order.
+template <typename Fn>
+void parallel_for(int64_t n, int threads, Fn fn) {
+  const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    for (int64_t item = next++; item < n; item = next++) fn(item);
+  };
+  if (workers == 1) return worker();
+  std::vector<std::thread> pool;
+  pool.reserve(workers - 1);
+  for (int t = 1; t < workers; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+}
+
+// ------------------------------------------------------------------------- forward
+
+template <typename T>
+void forward(const Geo& g, const T* q, const T* k, const T* v, T* o, float* lse) {
+  const int64_t bq = g.bq, bk = g.bk, Kp = g.Kp;
+  const std::vector<float> kt_all = pack_all(g, k, g.S, g.G, bk, 1.0f, true);
+  const std::vector<float> v_all = pack_all(g, v, g.S, g.G, bk, 1.0f, false);
+  // Heaviest first: for causal, late query blocks see the most keys.
+  parallel_for(g.nq * g.B * g.H, g.threads, [&](int64_t item) {
+    thread_local std::vector<float> buf;
+    buf.resize(bq * Kp * 2 + bq * bk + 2 * bq);
+    float* qs = buf.data();     // [bq×Kp] q · scale
+    float* acc = qs + bq * Kp;  // [bq×Kp] unnormalised output
+    float* s = acc + bq * Kp;   // [bq×bk] scores, then probabilities
+    float* mx = s + bq * bk;    // [bq] running max
+    float* sum = mx + bq;       // [bq] running sum
+    const int64_t i = g.nq - 1 - item / (g.B * g.H);
+    const int64_t bh = item % (g.B * g.H), b = bh / g.H, h = bh % g.H, kvh = h / g.R;
+    const int64_t q0 = i * bq;
+    pack(q, g.q_index(b, 0, h), g.H * g.K, q0, bq, g.L, g.K, Kp, g.scale, qs, false);
+    std::fill(acc, acc + bq * Kp, 0.0f);
+    std::fill(mx, mx + bq, kMask);
+    std::fill(sum, sum + bq, 0.0f);
+    for (int64_t j = 0, end = g.k_end(i); j < end; ++j) {
+      const int64_t k0 = j * bk, at = ((b * g.G + kvh) * g.nk + j) * bk * Kp;
+      const float *kt = kt_all.data() + at, *vr = v_all.data() + at;  // [Kp×bk], [bk×Kp]
+      gemm(bq, bk, g.K, qs, Kp, kt, bk, s, bk, false);
+      const bool masked = !g.whole(i, j);
+      for (int64_t r = 0; r < bq; ++r) {
+        float* row = s + r * bk;
+        if (masked)
+          for (int64_t c = 0; c < bk; ++c)
+            if (!g.visible(q0 + r, k0 + c)) row[c] = kMask;
+        const float m = row_max(row, bk, mx[r]);
+        const float alpha = fast_exp(mx[r] - m);
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t c = 0; c < bk; ++c) {
+          row[c] = fast_exp(row[c] - m);
+          total += row[c];
+        }
+        mx[r] = m;
+        sum[r] = sum[r] * alpha + total;
+        float* out = acc + r * Kp;
+#pragma omp simd
+        for (int64_t d = 0; d < Kp; ++d) out[d] *= alpha;
+      }
+      gemm(bq, Kp, bk, s, bk, vr, Kp, acc, Kp, true);
+    }
+    for (int64_t r = 0; r < bq && q0 + r < g.L; ++r) {
+      const float inv = 1.0f / sum[r];
+      T* dst = o + g.q_index(b, q0 + r, h);
+      for (int64_t d = 0; d < g.K; ++d) store(dst, d, acc[r * Kp + d] * inv);
+      lse[g.row_index(b, h, q0 + r)] = mx[r] + std::log(sum[r]);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------- backward
+
+// delta_i = Σ_d dO_id · O_id (= Σ_j P_ij · dP_ij), one per query row: [B, H, L].
+template <typename T>
+void row_deltas(const Geo& g, const T* o, const T* d_o, float* delta) {
+  parallel_for(g.B * g.H, g.threads, [&](int64_t bh) {
+    const int64_t b = bh / g.H, h = bh % g.H;
+    for (int64_t l = 0; l < g.L; ++l) {
+      const int64_t at = g.q_index(b, l, h);
+      float total = 0.0f;
+      for (int64_t d = 0; d < g.K; ++d) total += load(o, at + d) * load(d_o, at + d);
+      delta[g.row_index(b, h, l)] = total;
+    }
+  });
+}
+
+// dQ = scale · Σ_j dS_j · K_j with dS = P ⊙ (dP − δ), P = exp(S − lse), dP = dO · Vᵀ.
+template <typename T>
+void backward_dq(const Geo& g, const T* q, const T* k, const T* v, const float* lse,
+                 const float* delta, const T* d_o, T* dq) {
+  const int64_t bq = g.bq, bk = g.bk, Kp = g.Kp;
+  const std::vector<float> kt_all = pack_all(g, k, g.S, g.G, bk, 1.0f, true);
+  const std::vector<float> kr_all = pack_all(g, k, g.S, g.G, bk, 1.0f, false);
+  const std::vector<float> vt_all = pack_all(g, v, g.S, g.G, bk, 1.0f, true);
+  parallel_for(g.nq * g.B * g.H, g.threads, [&](int64_t item) {
+    thread_local std::vector<float> buf;
+    buf.resize(3 * bq * Kp + 2 * bq * bk + 2 * bq);
+    float* qs = buf.data();       // [bq×Kp]
+    float* dor = qs + bq * Kp;    // [bq×Kp] dO
+    float* acc = dor + bq * Kp;   // [bq×Kp] dQ / scale
+    float* p = acc + bq * Kp;     // [bq×bk] P, then dS
+    float* dp = p + bq * bk;      // [bq×bk]
+    float* lse_r = dp + bq * bk;  // [bq]
+    float* del_r = lse_r + bq;    // [bq]
+    const int64_t i = g.nq - 1 - item / (g.B * g.H);
+    const int64_t bh = item % (g.B * g.H), b = bh / g.H, h = bh % g.H, kvh = h / g.R;
+    const int64_t q0 = i * bq;
+    pack(q, g.q_index(b, 0, h), g.H * g.K, q0, bq, g.L, g.K, Kp, g.scale, qs, false);
+    pack(d_o, g.q_index(b, 0, h), g.H * g.K, q0, bq, g.L, g.K, Kp, 1.0f, dor, false);
+    for (int64_t r = 0; r < bq; ++r) {
+      const bool real = q0 + r < g.L;
+      lse_r[r] = real ? lse[g.row_index(b, h, q0 + r)] : 0.0f;
+      del_r[r] = real ? delta[g.row_index(b, h, q0 + r)] : 0.0f;
+    }
+    std::fill(acc, acc + bq * Kp, 0.0f);
+    for (int64_t j = 0, end = g.k_end(i); j < end; ++j) {
+      const int64_t k0 = j * bk, at = ((b * g.G + kvh) * g.nk + j) * bk * Kp;
+      const float* kt = kt_all.data() + at;  // [Kp×bk]
+      const float* kr = kr_all.data() + at;  // [bk×Kp]
+      const float* vt = vt_all.data() + at;  // [Kp×bk]
+      gemm(bq, bk, g.K, qs, Kp, kt, bk, p, bk, false);
+      gemm(bq, bk, g.K, dor, Kp, vt, bk, dp, bk, false);
+      const bool masked = !g.whole(i, j);
+      for (int64_t r = 0; r < bq; ++r) {
+        float* pr = p + r * bk;
+        const float* dpr = dp + r * bk;
+        const float m = lse_r[r], dl = del_r[r];
+#pragma omp simd
+        for (int64_t c = 0; c < bk; ++c) {
+          const float prob = fast_exp(pr[c] - m);
+          pr[c] = prob * (dpr[c] - dl);
+        }
+        if (masked)
+          for (int64_t c = 0; c < bk; ++c)
+            if (!g.visible(q0 + r, k0 + c)) pr[c] = 0.0f;
+      }
+      gemm(bq, Kp, bk, p, bk, kr, Kp, acc, Kp, true);
+    }
+    for (int64_t r = 0; r < bq && q0 + r < g.L; ++r) {
+      T* dst = dq + g.q_index(b, q0 + r, h);
+      for (int64_t d = 0; d < g.K; ++d) store(dst, d, acc[r * Kp + d] * g.scale);
+    }
+  });
+}
+
+// dV = Σ Pᵀ · dO and dK = Σ dSᵀ · (q · scale) over the R query heads of kv head g and the
+// query blocks that see key block j; tiles computed transposed ([keys × queries]).
+template <typename T>
+void backward_dkdv(const Geo& g, const T* q, const T* k, const T* v, const float* lse,
+                   const float* delta, const T* d_o, T* dk, T* dv) {
+  const int64_t bq = g.bq, bk = g.bk, Kp = g.Kp;
+  const std::vector<float> qs_all = pack_all(g, q, g.L, g.H, bq, g.scale, false);
+  const std::vector<float> qst_all = pack_all(g, q, g.L, g.H, bq, g.scale, true);
+  const std::vector<float> dor_all = pack_all(g, d_o, g.L, g.H, bq, 1.0f, false);
+  const std::vector<float> dot_all = pack_all(g, d_o, g.L, g.H, bq, 1.0f, true);
+  parallel_for(g.nk * g.B * g.G, g.threads, [&](int64_t item) {
+    thread_local std::vector<float> buf;
+    buf.resize(4 * bk * Kp + 2 * bk * bq + 2 * bq);
+    float* kr = buf.data();        // [bk×Kp]
+    float* vr = kr + bk * Kp;      // [bk×Kp]
+    float* dk_acc = vr + bk * Kp;  // [bk×Kp]
+    float* dv_acc = dk_acc + bk * Kp;
+    float* pt = dv_acc + bk * Kp;  // [bk×bq] Pᵀ
+    float* dpt = pt + bk * bq;     // [bk×bq] dPᵀ, then dSᵀ
+    float* lse_r = dpt + bk * bq;  // [bq]
+    float* del_r = lse_r + bq;     // [bq]
+    const int64_t j = item / (g.B * g.G);  // key block 0 sees the most query blocks (causal)
+    const int64_t bg = item % (g.B * g.G), b = bg / g.G, kvh = bg % g.G;
+    const int64_t k0 = j * bk, base = g.kv_index(b, 0, kvh);
+    pack(k, base, g.G * g.K, k0, bk, g.S, g.K, Kp, 1.0f, kr, false);
+    pack(v, base, g.G * g.K, k0, bk, g.S, g.K, Kp, 1.0f, vr, false);
+    std::fill(dk_acc, dk_acc + 2 * bk * Kp, 0.0f);
+    for (int64_t rr = 0; rr < g.R; ++rr) {
+      const int64_t h = kvh * g.R + rr;
+      for (int64_t i = g.q_start(j); i < g.nq; ++i) {
+        const int64_t q0 = i * bq, at = ((b * g.H + h) * g.nq + i) * bq * Kp;
+        const float* qs = qs_all.data() + at;    // [bq×Kp] q · scale
+        const float* qst = qst_all.data() + at;  // [Kp×bq]
+        const float* dor = dor_all.data() + at;  // [bq×Kp] dO
+        const float* dot = dot_all.data() + at;  // [Kp×bq]
+        for (int64_t r = 0; r < bq; ++r) {
+          const bool real = q0 + r < g.L;
+          lse_r[r] = real ? lse[g.row_index(b, h, q0 + r)] : 0.0f;
+          del_r[r] = real ? delta[g.row_index(b, h, q0 + r)] : 0.0f;
+        }
+        gemm(bk, bq, g.K, kr, Kp, qst, bq, pt, bq, false);
+        gemm(bk, bq, g.K, vr, Kp, dot, bq, dpt, bq, false);
+        const bool masked = !g.whole(i, j);
+        for (int64_t c = 0; c < bk; ++c) {
+          float* prow = pt + c * bq;
+          float* drow = dpt + c * bq;
+#pragma omp simd
+          for (int64_t r = 0; r < bq; ++r) {
+            const float prob = fast_exp(prow[r] - lse_r[r]);
+            prow[r] = prob;
+            drow[r] = prob * (drow[r] - del_r[r]);
+          }
+          if (masked)
+            for (int64_t r = 0; r < bq; ++r)
+              if (!g.visible(q0 + r, k0 + c)) prow[r] = drow[r] = 0.0f;
+        }
+        gemm(bk, Kp, bq, pt, bq, dor, Kp, dv_acc, Kp, true);
+        gemm(bk, Kp, bq, dpt, bq, qs, Kp, dk_acc, Kp, true);
+      }
+    }
+    for (int64_t c = 0; c < bk && k0 + c < g.S; ++c) {
+      T* dst_k = dk + g.kv_index(b, k0 + c, kvh);
+      T* dst_v = dv + g.kv_index(b, k0 + c, kvh);
+      for (int64_t d = 0; d < g.K; ++d) {
+        store(dst_k, d, dk_acc[c * Kp + d]);
+        store(dst_v, d, dv_acc[c * Kp + d]);
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------- FFI
+
+int default_threads() {
+  if (const char* env = std::getenv("LAB_CPU_FLASH_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+ffi::Error geometry(ffi::AnyBuffer q, ffi::AnyBuffer k, int64_t causal, float scale,
+                    int64_t block_q, int64_t block_k, int64_t threads, Geo* g) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() < 4 || kd.size() != qd.size())
+    return ffi::Error::InvalidArgument("cpu_flash: q, k, v must be [..., seq, heads, dim]");
+  const size_t n = qd.size();
+  g->B = 1;
+  for (size_t a = 0; a + 3 < n; ++a) g->B *= qd[a];
+  g->L = qd[n - 3], g->H = qd[n - 2], g->K = qd[n - 1];
+  g->S = kd[n - 3], g->G = kd[n - 2];
+  if (g->G <= 0 || g->H % g->G || kd[n - 1] != g->K)
+    return ffi::Error::InvalidArgument("cpu_flash: bad kv heads or head dim");
+  if (block_q <= 0 || block_k <= 0 || block_q % kAlign || block_k % kAlign)
+    return ffi::Error::InvalidArgument("cpu_flash: block sizes must be multiples of 32");
+  g->R = g->H / g->G;
+  g->Kp = round_up(g->K, kAlign);
+  g->bq = block_q, g->bk = block_k;
+  g->nq = round_up(g->L, g->bq) / g->bq, g->nk = round_up(g->S, g->bk) / g->bk;
+  g->causal = causal != 0;
+  g->scale = scale;
+  g->threads = threads > 0 ? static_cast<int>(threads) : default_threads();
+  if (g->causal && g->L > g->S)
+    return ffi::Error::InvalidArgument("cpu_flash: causal attention needs q seq <= kv seq");
+  return ffi::Error::Success();
+}
+
+ffi::Error Forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   int64_t causal, float scale, int64_t block_q, int64_t block_k,
+                   int64_t threads) {
+  Geo g;
+  if (auto e = geometry(q, k, causal, scale, block_q, block_k, threads, &g); e.failure())
+    return e;
+  if (g.B * g.L == 0 || g.H == 0 || g.K == 0) return ffi::Error::Success();
+  float* lse_p = lse->typed_data();
+  if (q.element_type() == ffi::DataType::F32) {
+    forward(g, static_cast<const float*>(q.untyped_data()),
+            static_cast<const float*>(k.untyped_data()),
+            static_cast<const float*>(v.untyped_data()), static_cast<float*>(o->untyped_data()),
+            lse_p);
+  } else if (q.element_type() == ffi::DataType::BF16) {
+    forward(g, static_cast<const uint16_t*>(q.untyped_data()),
+            static_cast<const uint16_t*>(k.untyped_data()),
+            static_cast<const uint16_t*>(v.untyped_data()),
+            static_cast<uint16_t*>(o->untyped_data()), lse_p);
+  } else {
+    return ffi::Error::InvalidArgument("cpu_flash: dtypes float32 and bfloat16 only");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename T>
+void backward(const Geo& g, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+              ffi::AnyBuffer o, const float* lse, ffi::AnyBuffer d_o, void* dq, void* dk,
+              void* dv) {
+  auto in = [](ffi::AnyBuffer x) { return static_cast<const T*>(x.untyped_data()); };
+  std::vector<float> delta(g.B * g.H * g.L);
+  row_deltas(g, in(o), in(d_o), delta.data());
+  backward_dq(g, in(q), in(k), in(v), lse, delta.data(), in(d_o), static_cast<T*>(dq));
+  backward_dkdv(g, in(q), in(k), in(v), lse, delta.data(), in(d_o), static_cast<T*>(dk),
+                static_cast<T*>(dv));
+}
+
+ffi::Error Backward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                    ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_o,
+                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::Result<ffi::AnyBuffer> dv, int64_t causal, float scale,
+                    int64_t block_q, int64_t block_k, int64_t threads) {
+  Geo g;
+  if (auto e = geometry(q, k, causal, scale, block_q, block_k, threads, &g); e.failure())
+    return e;
+  if (g.B * g.S * g.G * g.K == 0) return ffi::Error::Success();
+  if (g.L == 0) {  // no query: no gradient reaches k or v
+    std::memset(dk->untyped_data(), 0, dk->size_bytes());
+    std::memset(dv->untyped_data(), 0, dv->size_bytes());
+    return ffi::Error::Success();
+  }
+  void *dq_p = dq->untyped_data(), *dk_p = dk->untyped_data(), *dv_p = dv->untyped_data();
+  if (q.element_type() == ffi::DataType::F32)
+    backward<float>(g, q, k, v, o, lse.typed_data(), d_o, dq_p, dk_p, dv_p);
+  else if (q.element_type() == ffi::DataType::BF16)
+    backward<uint16_t>(g, q, k, v, o, lse.typed_data(), d_o, dq_p, dk_p, dv_p);
+  else
+    return ffi::Error::InvalidArgument("cpu_flash: dtypes float32 and bfloat16 only");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuFlashForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Attr<int64_t>("causal")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_k")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuFlashBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Attr<int64_t>("causal")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_k")
+                                  .Attr<int64_t>("threads"));

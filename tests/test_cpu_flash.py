@@ -1,0 +1,260 @@
+"""The native CPU kernel (cpu_flash: C++ through jax.ffi) against the float64 reference.
+
+Product: causal × GQA ratio (1, 2, 4) × dtype (f32, bf16) × length (1; 127: one partial block;
+256: whole 128-blocks; 1000: several blocks and a partial one) × head_dim (64, 128), forward
+and dQ, dK, dV. Also: L < S (bottom-right mask), L > S without a mask, a given scale, vmap,
+the dispatch (auto picks it on CPU, falls back to blockwise for what it does not take), the
+build (no compiler: one line; a cached build is reused; workers share one build), and lab.run
+on a 4x2 mesh (the kernel per shard under shard_map) with blockwise's losses.
+"""
+
+import dataclasses
+import functools
+import itertools
+import json
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lab.kernels.attention import attention, available_impls, choose, cpu_flash
+from lab.kernels.attention.reference import attention_reference
+
+pytestmark = pytest.mark.skipif(not cpu_flash.available(), reason="cpu_flash is not built here")
+
+# max |kernel - f64 reference| / max |reference|, per input dtype. f32 measures ≤ 2.4e-6 (sums
+# of up to 1000 products at 2^-24 each, all in f32); bf16 inputs are exact in f32 and every
+# sum is f32, so the error is the final rounding of out, dq, dk, dv to bf16 (≤ 2^-8 relative):
+# measured ≤ 2.6e-3.
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+HEADS = 4  # query heads; kv heads = HEADS // ratio
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    causal: bool
+    ratio: int  # query heads per kv head
+    dtype: str
+    seq: int
+    head_dim: int
+
+    def __str__(self):
+        mask = "causal" if self.causal else "full"
+        return f"{mask}-g{self.ratio}-{self.dtype}-L{self.seq}-D{self.head_dim}"
+
+
+CASES = [
+    Case(*c)
+    for c in itertools.product((True, False), (1, 2, 4), TOL, (1, 127, 256, 1000), (64, 128))
+]
+
+
+def random_qkv(seed: int, L: int, S: int, H: int, G: int, K: int, dtype, B: int = 1):
+    """Fresh normal q, k, v and output cotangent (never zeros), drawn by numpy: no compile."""
+    rng = np.random.default_rng(seed)
+    shapes = [(B, L, H, K), (B, S, G, K), (B, S, G, K), (B, L, H, K)]
+    return [
+        jnp.asarray(rng.standard_normal(s, np.float32).astype(jnp.dtype(dtype))) for s in shapes
+    ]
+
+
+def output_and_grads(fn, q, k, v, do):
+    def both(q, k, v, do):
+        o, vjp = jax.vjp(fn, q, k, v)
+        return (o, *vjp(do))
+
+    return jax.jit(both)(q, k, v, do)
+
+
+# LLVM at -O0 for the reference: it compiles in half the time, the HLO is unchanged.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.cache
+def _reference_program(shapes, causal: bool, scale):
+    def both(q, k, v, do):
+        fn = lambda q, k, v: attention_reference(q, k, v, causal=causal, scale=scale)
+        o, vjp = jax.vjp(fn, q, k, v)
+        return (o, *vjp(do))
+
+    args = [jax.ShapeDtypeStruct(s, jnp.float64) for s in shapes]
+    return jax.jit(both).lower(*args).compile(compiler_options=FAST_COMPILE)
+
+
+def reference_f64(q, k, v, do, causal: bool, scale=None):
+    """The same quantities in float64 from the same (rounded) inputs: one compile per shape,
+    shared by both dtypes."""
+    with jax.enable_x64(True):
+        args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do)]
+        program = _reference_program(tuple(x.shape for x in args), causal, scale)
+        return [np.asarray(x) for x in program(*args)]
+
+
+@functools.partial(jax.jit, static_argnames="causal")
+def _kernel_jit(q, k, v, do, causal: bool):
+    o, vjp = jax.vjp(kernel(causal), q, k, v)
+    return (o, *vjp(do))
+
+
+def assert_close(got, want, dtype: str):
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert g.dtype == jnp.dtype(dtype), (name, g.dtype)
+        # one key (L = S = 1): softmax is constant, dq and dk are exactly zero
+        scale = np.abs(w).max() or 1.0
+        err = np.abs(np.asarray(g, np.float64) - w).max() / scale
+        assert err < TOL[dtype], f"{name}: max error {err:.2e} relative to max |ref|"
+
+
+def kernel(causal, scale=None):
+    return lambda q, k, v: cpu_flash.cpu_flash_attention(q, k, v, causal=causal, scale=scale)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_float64_reference(case: Case):
+    seed = zlib.crc32(str(case).encode())
+    q, k, v, do = random_qkv(
+        seed, case.seq, case.seq, HEADS, HEADS // case.ratio, case.head_dim, case.dtype
+    )
+    got = _kernel_jit(q, k, v, do, causal=case.causal)
+    assert_close(got, reference_f64(q, k, v, do, case.causal), case.dtype)
+
+
+@pytest.mark.parametrize("causal, L, S", [(True, 40, 300), (False, 300, 40), (False, 1, 129)])
+def test_unequal_lengths(causal, L, S):
+    """Causal L < S: the mask is aligned bottom-right (decoding against a cache)."""
+    q, k, v, do = random_qkv(L * S, L, S, HEADS, 2, 64, "float32", B=2)
+    got = output_and_grads(kernel(causal), q, k, v, do)
+    assert_close(got, reference_f64(q, k, v, do, causal), "float32")
+
+
+def test_a_given_scale_is_used():
+    q, k, v, do = random_qkv(3, 130, 130, HEADS, 1, 64, "float32")
+    got = output_and_grads(kernel(True, scale=0.3), q, k, v, do)
+    assert_close(got, reference_f64(q, k, v, do, True, scale=0.3), "float32")
+
+
+def test_block_sizes_do_not_change_the_result():
+    q, k, v, do = random_qkv(4, 300, 300, HEADS, 2, 64, "float32")
+    want = reference_f64(q, k, v, do, True)
+    for bs in (cpu_flash.BlockSizes(32, 64), cpu_flash.BlockSizes(96, 32)):
+        fn = lambda q, k, v, bs=bs: cpu_flash.cpu_flash_attention(q, k, v, block_sizes=bs)
+        assert_close(output_and_grads(fn, q, k, v, do), want, "float32")
+
+
+def test_vmap_over_a_leading_axis():
+    """ffi_call's broadcast_all: the vmapped axis is folded into the batch inside the kernel."""
+    q, k, v, do = random_qkv(5, 70, 70, HEADS, 2, 64, "float32", B=3)
+    fn = jax.vmap(kernel(True), in_axes=(0, 0, None))
+    stack = lambda x: jnp.stack([x, 2 * x])
+    got = output_and_grads(fn, stack(q), stack(k), v, stack(do))
+    for i in range(2):
+        want = output_and_grads(kernel(True), stack(q)[i], stack(k)[i], v, stack(do)[i])
+        for g, w in zip(got[:3], want[:3], strict=True):
+            np.testing.assert_allclose(np.asarray(g[i]), np.asarray(w), rtol=1e-5, atol=1e-6)
+    dv_sum = sum(
+        output_and_grads(kernel(True), stack(q)[i], stack(k)[i], v, stack(do)[i])[3]
+        for i in range(2)
+    )
+    np.testing.assert_allclose(np.asarray(got[3]), np.asarray(dv_sum), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- dispatch
+
+
+def _spec(dtype, head_dim=64, L=32, S=32):
+    q = jax.ShapeDtypeStruct((1, L, 4, head_dim), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct((1, S, 2, head_dim), jnp.dtype(dtype))
+    return q, kv, kv
+
+
+@pytest.mark.parametrize(
+    "dtype, want", [("float32", "cpu_flash"), ("bfloat16", "cpu_flash"), ("float16", "blockwise")]
+)
+def test_auto_picks_it_on_cpu_where_it_takes_the_input(dtype, want):
+    assert "cpu_flash" in available_impls("cpu")
+    assert choose("auto", *_spec(dtype), causal=True, backend="cpu") == want
+    assert choose("auto", *_spec(dtype), causal=True, backend="tpu") != "cpu_flash"
+
+
+def test_named_elsewhere_or_on_a_bad_dtype_it_is_refused_in_one_line():
+    with pytest.raises(
+        ValueError, match="impl='cpu_flash' has no compiled kernel on backend 'tpu'"
+    ):
+        choose("cpu_flash", *_spec("float32"), backend="tpu")
+    with pytest.raises(ValueError, match="impl='cpu_flash' supports dtypes float32, bfloat16"):
+        choose("cpu_flash", *_spec("float16"), backend="cpu")
+
+
+def test_without_the_kernel_auto_keeps_blockwise(monkeypatch):
+    monkeypatch.setattr(cpu_flash, "available", lambda: False)
+    assert choose("auto", *_spec("float32"), causal=True, backend="cpu") == "blockwise"
+    assert "cpu_flash" not in available_impls("cpu")
+    with pytest.raises(ValueError, match="cpu_flash is not built here"):
+        choose("cpu_flash", *_spec("float32"), backend="cpu")
+
+
+def test_dispatch_runs_it():
+    q, k, v, do = random_qkv(6, 64, 64, HEADS, 2, 64, "float32")
+    got = output_and_grads(lambda q, k, v: attention(q, k, v, impl="cpu_flash"), q, k, v, do)
+    assert_close(got, reference_f64(q, k, v, do, True), "float32")
+
+
+# ---------------------------------------------------------------------------- build
+
+
+def test_no_compiler_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(cpu_flash, "_compiler", lambda: None)
+    assert cpu_flash._build() is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no C++ compiler" in err[0] and "JAX kernels" in err[0]
+
+
+def test_a_build_is_cached_and_shared(monkeypatch, tmp_path):
+    """One compile per key: a second process finds the library (the lock serialises them)."""
+    calls = []
+
+    def fake_compile(cxx, opt, out):
+        calls.append(opt)
+        out.write_bytes(b"library")
+
+    monkeypatch.setenv("LAB_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_flash, "_compile", fake_compile)
+    first = cpu_flash._build()
+    assert first is not None and first.read_bytes() == b"library"
+    assert cpu_flash._build() == first and len(calls) == 1
+    assert first.parent.parent == tmp_path
+
+
+def test_a_failed_native_build_falls_back_to_the_portable_one(monkeypatch, tmp_path, capsys):
+    def fake_compile(cxx, opt, out):
+        if "-march=native" in opt:
+            return "error: unknown target CPU"
+        out.write_bytes(b"portable")
+
+    monkeypatch.setenv("LAB_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_flash, "_compile", fake_compile)
+    assert cpu_flash._build().read_bytes() == b"portable"
+    assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------------------- lab.run
+
+
+def test_lab_run_on_a_4x2_mesh_matches_blockwise(tmp_path):
+    """The kernel runs once per shard (shard_map over data=4, model=2: batch and heads split)
+    inside the jitted training step, and trains with blockwise's losses."""
+    from lab.run import main
+
+    losses = {}
+    for impl in ("cpu_flash", "blockwise"):
+        args = ["model=tiny", "n_layers=1", "batch_size=8", "seq_len=32", "log_every=1", "steps=3"]
+        assert (
+            main([*args, "mesh=4x2", f"attention={impl}", f"name={impl}", f"out_dir={tmp_path}"])
+            == 0
+        )
+        lines = (tmp_path / impl / "metrics.jsonl").read_text().splitlines()
+        losses[impl] = [json.loads(x)["loss"] for x in lines]
+    assert len(losses["cpu_flash"]) == 3
+    np.testing.assert_allclose(losses["cpu_flash"], losses["blockwise"], rtol=1e-5, atol=1e-5)
