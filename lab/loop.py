@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -337,9 +338,26 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
         return end.report(stop.signal)
 
 
+def _summary_whole(run_dir: Path, result: dict) -> None:
+    """summary.json and records.jsonl, each replaced whole or not at all: written in a staging
+    folder named like the run (the records carry its name), then renamed into the run folder.
+    OSError for the caller; a full disk leaves the earlier files, never torn ones."""
+    staging = run_dir / ".summary-staging" / run_dir.name
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        summary.write_summary(staging, result)
+        for name in ("records.jsonl", "summary.json"):  # summary.json last: it says done
+            if (staging / name).exists():
+                (staging / name).replace(run_dir / name)
+            else:  # as write_summary itself leaves it: a run's figures, not an earlier run's
+                (run_dir / name).unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(staging.parent, ignore_errors=True)
+
+
 def _write_summary(run_dir: Path, result: dict) -> None:
     try:
-        summary.write_summary(run_dir, result)
+        _summary_whole(run_dir, result)
     except OSError as e:
         raise RunError(_write_failure(e, run_dir)) from None
 
@@ -373,7 +391,7 @@ class _End:
             self.console.print(tables.run_summary(result))
         if self.is_main:
             try:
-                summary.write_summary(self.run_dir, result)
+                _summary_whole(self.run_dir, result)
                 self.summary_written = True
             except OSError as e:
                 self.failed = self.failed or _write_failure(e, self.run_dir)

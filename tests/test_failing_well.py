@@ -252,8 +252,9 @@ def _fill_checkpoint(monkeypatch, at_step: int, *, in_background: bool):
 def _fill_summary(monkeypatch):
     from lab import summary
 
-    def write(run_dir, _):
-        raise _enospc(str(run_dir / "summary.json"))
+    def write(folder, _):
+        (folder / "summary.json").write_text('{"steps_run": ')  # torn by the full disk
+        raise _enospc(str(folder / "summary.json"))
 
     monkeypatch.setattr(summary, "write_summary", write)
 
@@ -315,6 +316,9 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_what_it_keeps(
     if (run_dir / "metrics.jsonl").exists():  # whole lines only: none torn by the failure
         lines = (run_dir / "metrics.jsonl").read_bytes().splitlines()
         assert all(rundir._record(line) for line in lines)
+    if (run_dir / "summary.json").exists():  # replaced whole or not at all
+        json.loads((run_dir / "summary.json").read_text())
+    assert not list(run_dir.glob(".*staging*")) and not list(run_dir.glob(".*.tmp"))
     if "background" in where:  # and the folder resumes from what it kept
         assert _run(tmp_path, "name=D", "steps=8", "resume=true") == 0
         assert not list((run_dir / "checkpoints").glob("*tmp*"))  # the unfinished save
