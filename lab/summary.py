@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from lab import plans
+from lab import plans, rundir
 from lab.config import Config, override
 from lab.devices import DeviceInfo
 from lab.errors import ConfigError
@@ -337,7 +337,8 @@ def write_summary(run_dir: Path, summary: dict) -> None:
     """summary.json (every figure, plus the environment it was measured in) and
     records.jsonl (the headline figures as records)."""
     env = {"environment": rec.environment(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    (run_dir / "summary.json").write_text(json.dumps({**summary, **env}, indent=2, default=str))
+    # whole or not at all: a full disk leaves the previous summary, never a torn one
+    rundir.write_json(run_dir / "summary.json", {**summary, **env})
     path = run_dir / "records.jsonl"
     path.unlink(missing_ok=True)  # a resumed run rewrites its figures, not appends to them
     rec.write_records(path, run_records(summary, run_dir.name))
