@@ -4,6 +4,11 @@ Two things must happen before the first JAX operation: `jax.distributed.initiali
 multi-controller runtime that joins hosts into one set of global devices) and, on CPU, the
 number of simulated devices. `prepare` does both; `describe` reports what came of it.
 
+A process joins when given coordinator= (and num_processes=, process_id=), when it is one task
+of a SLURM step of several tasks (`srun python -m lab.run …`: JAX's own SLURM detection fills
+the coordinator, the process count and id; `slurm_step` checks the variables it reads first),
+or on a multi-host TPU slice.
+
 Joining never ends in the runtime's C++ abort (a stack trace, exit 134): a process that joins
 first waits for the coordinator's port, and every process's whole join is bounded by a watchdog
 that prints one line and exits 2 when coordinator_timeout runs out. Once joined, `agreed_stop`
@@ -14,6 +19,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import socket
 import sys
 import threading
@@ -21,6 +27,7 @@ import time
 
 import jax
 from jax._src import distributed as _distributed  # the key-value store of the runtime
+from jax._src.clusters.slurm_cluster import SlurmCluster  # JAX's own reading of SLURM's variables
 
 from lab.errors import ConfigError
 from lab.mesh import MeshSpecError, known_size, resolve_shape
@@ -38,11 +45,14 @@ class DeviceInfo:
     process_index: int  # this process
     simulated: bool  # CPU devices beyond one share the same cores: simulated
     aot: bool = False  # a target compiled for ahead of time (lab/plans): nothing runs
+    joined: str = ""  # how the processes found each other when not through coordinator=
 
     def header(self) -> str:
         sim = " (simulated CPU devices)" if self.simulated else ""
         sim = " (ahead-of-time target: compiled, not run)" if self.aot else sim
         hosts = f", {self.process_count} processes" if self.process_count > 1 else ""
+        if hosts and self.joined:
+            hosts = f", joined {self.process_count} processes {self.joined}"
         return f"{self.backend} · {self.device_kind} × {self.count}{sim}{hosts}"
 
 
@@ -67,28 +77,40 @@ def _reach(coordinator: str) -> None:
             time.sleep(0.5)
 
 
-def _resolve(coordinator: str) -> None:
+def _resolve(coordinator: str, where: str) -> None:
     """ConfigError (one line) for a host name that does not resolve: the runtime would retry
     it until its timeout and then abort."""
     host, _, port = coordinator.rpartition(":")
     try:
         socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     except OSError as e:
-        raise ConfigError(f"coordinator={coordinator}: unknown host {host!r} ({e})") from None
+        raise ConfigError(f"{where}: unknown host {host!r} ({e})") from None
 
 
-def _join_timeout(coordinator: str, num_processes: int, process_id: int, timeout_s: int, reached):
+@dataclasses.dataclass(frozen=True)
+class _Join:
+    """One process's join, and the words its errors use."""
+
+    where: str  # what the user gave: "coordinator=HOST:PORT" or the SLURM job
+    coordinator: str  # host:port of process 0's coordination service
+    num_processes: int
+    process_id: int
+    start_hint: str  # how to start every process the same way
+    kwargs: dict  # for jax.distributed.initialize, besides the timeouts
+
+
+def _join_timeout(j: _Join, timeout_s: int, reached) -> str:
     """The one line for a join that did not finish within timeout_s."""
-    where = f"coordinator={coordinator}: process {process_id} of {num_processes}"
+    where = f"{j.where}: process {j.process_id} of {j.num_processes}"
     if not reached.is_set():
         return (
             f"{where} could not reach the coordinator within {timeout_s} s "
             "(coordinator_timeout=): is process 0 started and the address right?"
         )
-    waited = "for the other processes to join" if process_id == 0 else "to join"
+    waited = "for the other processes to join" if j.process_id == 0 else "to join"
     return (
-        f"{where} waited {timeout_s} s (coordinator_timeout=) {waited}; start every process "
-        "with the same coordinator= and num_processes=, or raise coordinator_timeout="
+        f"{where} waited {timeout_s} s (coordinator_timeout=) {waited}; {j.start_hint}, "
+        "or raise coordinator_timeout="
     )
 
 
@@ -107,13 +129,114 @@ def _watchdog(timeout_s: int, line) -> threading.Timer:
     return timer
 
 
+# --- SLURM: the variables JAX's SLURM detection reads (jax/_src/clusters/slurm_cluster.py) ---
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmStep:
+    """One task of a SLURM step of several tasks, its variables checked."""
+
+    job: str  # SLURM_JOB_ID: JAX derives the coordinator's port from it
+    tasks: int  # SLURM_NTASKS: the process count
+    task: int  # SLURM_PROCID: this process's id
+    node_list: str  # SLURM_STEP_NODELIST: JAX puts the coordinator on its first node
+    coordinator: str  # host:port, as JAX derives it
+
+    def joined(self) -> str:
+        where = f"job {self.job}, node list {self.node_list}, coordinator {self.coordinator}"
+        return f"through SLURM ({where})"
+
+
+# A SLURM node list ("node001,gpu[003-005,007]"), and a host name with a letter in it (an
+# all-digit name like "001" would be taken for an IP address).
+_RANGES = r"\[\d+(-\d+)?(,\d+(-\d+)?)*\]"
+_NODE_LIST = re.compile(rf"([A-Za-z0-9._-]|{_RANGES})+(,([A-Za-z0-9._-]|{_RANGES})+)*")
+_HOST = re.compile(r"(?=.*[A-Za-z])[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+
+def _slurm_int(env, name: str, low: int, high: int | None = None, why: str = "") -> int:
+    value = env.get(name)
+    if value is None:
+        raise ConfigError(f"{name} is unset in a SLURM step of several tasks ({why})")
+    if (
+        not (value.isascii() and value.isdigit())
+        or int(value) < low
+        or (high is not None and int(value) >= high)
+    ):
+        bound = f"in {low}..{high - 1}" if high is not None else f"≥ {low}"
+        raise ConfigError(f"{name}={value!r} is not a whole number {bound} ({why})")
+    return int(value)
+
+
+def slurm_step() -> SlurmStep | None:
+    """This process as a task of a SLURM step of several tasks; None outside SLURM or for a
+    single task. ConfigError (one line) for variables JAX could not use: it would fail on them
+    with a traceback, or wait for processes that never come."""
+    env = os.environ  # what JAX reads
+    if "SLURM_JOB_ID" not in env or "SLURM_NTASKS" not in env:
+        return None
+    tasks = _slurm_int(env, "SLURM_NTASKS", 1, why="the number of processes to join")
+    if tasks == 1:
+        return None
+    job = env["SLURM_JOB_ID"]
+    if "SLURM_STEP_NODELIST" not in env:
+        raise ConfigError(
+            f"SLURM job {job} has SLURM_NTASKS={tasks} but this process is not a task of an "
+            "srun step (no SLURM_STEP_NODELIST): start every task with srun (srun python -m "
+            "lab.run …), or give coordinator=, num_processes= and process_id="
+        )
+    task = _slurm_int(env, "SLURM_PROCID", 0, tasks, why=f"this task's id, of SLURM_NTASKS={tasks}")
+    _slurm_int(env, "SLURM_LOCALID", 0, why="this task's index on its node")
+    port = env.get("JAX_COORDINATOR_PORT")
+    if port is None:
+        _slurm_int(env, "SLURM_JOB_ID", 0, why="JAX derives the coordinator's port from it")
+    elif not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"JAX_COORDINATOR_PORT={port!r}: the port must be a number in 1..65535")
+    node_list = env["SLURM_STEP_NODELIST"]
+    if given := env.get("JAX_COORDINATOR_ADDRESS"):  # initialize() prefers it to SLURM's
+        return SlurmStep(job, tasks, task, node_list, given)
+    # the coordinator initialize() will derive: the node list's first host, the job's port
+    coordinator = SlurmCluster.get_coordinator_address(None, override_coordinator_port=port)
+    host = coordinator.rpartition(":")[0]
+    if not _NODE_LIST.fullmatch(node_list) or not _HOST.fullmatch(host):
+        raise ConfigError(
+            f"SLURM_STEP_NODELIST={node_list!r} is not a node list JAX can take the coordinator's "
+            f"host from (its first node; read as {host!r}): expected host names like "
+            "node001,node002 or node[001-004]"
+        )
+    return SlurmStep(job, tasks, task, node_list, coordinator)
+
+
 def _init_distributed(
     coordinator: str, num_processes: int, process_id: int, timeout_s: int = 60
 ) -> None:
     if coordinator:
         # CPU processes need a collectives library to talk; gloo ships with jaxlib.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        _join(coordinator, num_processes, process_id, timeout_s)
+        given = dict(coordinator_address=coordinator, num_processes=num_processes)
+        j = _Join(
+            where=f"coordinator={coordinator}",
+            coordinator=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            start_hint="start every process with the same coordinator= and num_processes=",
+            kwargs={**given, "process_id": process_id},
+        )
+        _join(j, timeout_s)
+    elif step := slurm_step():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        j = _Join(
+            where=f"SLURM job {step.job}, coordinator {step.coordinator} "
+            f"(SLURM_STEP_NODELIST={step.node_list})",
+            coordinator=step.coordinator,
+            num_processes=step.tasks,
+            process_id=step.task,
+            start_hint=f"every one of the step's SLURM_NTASKS={step.tasks} tasks must run lab.run",
+            # no coordinator, count or id: JAX's SLURM detection fills them (named, so that no
+            # other cluster whose variables happen to be set is taken first)
+            kwargs={"cluster_detection_method": SlurmCluster.name},
+        )
+        _join(j, timeout_s)
     elif _tpu_pod():
         _no_preemption_notifier()
         jax.distributed.initialize()  # TPU pods describe themselves through the environment
@@ -125,21 +248,17 @@ def _no_preemption_notifier() -> None:
     jax.config.update("jax_enable_preemption_service", False)
 
 
-def _join(coordinator: str, num_processes: int, process_id: int, timeout_s: int) -> None:
+def _join(j: _Join, timeout_s: int) -> None:
     _no_preemption_notifier()
     reached = threading.Event()
-    timer = _watchdog(
-        timeout_s, lambda: _join_timeout(coordinator, num_processes, process_id, timeout_s, reached)
-    )
+    timer = _watchdog(timeout_s, lambda: _join_timeout(j, timeout_s, reached))
     try:
-        _resolve(coordinator)
-        if process_id > 0:
-            _reach(coordinator)
+        _resolve(j.coordinator, j.where)
+        if j.process_id > 0:
+            _reach(j.coordinator)
         reached.set()
         jax.distributed.initialize(
-            coordinator_address=coordinator,
-            num_processes=num_processes,
-            process_id=process_id,
+            **j.kwargs,
             initialization_timeout=timeout_s,
             shutdown_timeout_seconds=min(timeout_s, 30),
         )
@@ -148,7 +267,7 @@ def _join(coordinator: str, num_processes: int, process_id: int, timeout_s: int)
     except Exception as e:  # noqa: BLE001 — the runtime raises XlaRuntimeError and others
         first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
         raise ConfigError(
-            f"coordinator={coordinator}: process {process_id} of {num_processes} could not "
+            f"{j.where}: process {j.process_id} of {j.num_processes} could not "
             f"join ({first}); is the address right and every process started?"
         ) from None
     finally:
@@ -209,6 +328,8 @@ def prepare(
     coordinator_timeout: int = 60,
 ) -> None:
     """Call before any JAX operation: joins hosts, then sizes the simulated CPU devices."""
+    if not coordinator and (step := slurm_step()):
+        num_processes = step.tasks  # checked here, before the size check that divides by it
     wanted = cpu_devices or known_size(mesh)
     if wanted // max(num_processes, 1) > MAX_CPU_DEVICES and jax.config.jax_platforms in (
         None,
@@ -237,7 +358,18 @@ def describe() -> DeviceInfo:
         process_count=jax.process_count(),
         process_index=jax.process_index(),
         simulated=backend == "cpu" and len(devices) > 1,
+        joined=_joined(),
     )
+
+
+def _joined() -> str:
+    """How the processes joined when JAX's SLURM detection set the coordinator, else ""."""
+    coordinator = _distributed.global_state.coordinator_address
+    with contextlib.suppress(ConfigError):  # joined by coordinator=: SLURM's variables unused
+        step = slurm_step()
+        if step and coordinator == step.coordinator:
+            return step.joined()
+    return ""
 
 
 def describe_target(devices: list) -> DeviceInfo:

@@ -17,8 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TPU = ROOT / "tpu"
-SCRIPTS = ("create.sh", "setup.sh", "run.sh", "fetch.sh", "delete.sh", "gpu_create.sh")
-FAKES = ("gcloud", "ssh", "scp", "curl")
+SCRIPTS = ("create.sh", "setup.sh", "run.sh", "fetch.sh", "delete.sh", "gpu_create.sh", "slurm.sh")
+FAKES = ("gcloud", "ssh", "scp", "curl", "sbatch")
 # setup.sh copies this checkout with git archive unless given --repo.
 IN_GIT = (
     shutil.which("git") is not None
@@ -72,6 +72,7 @@ def fake_calls(env):
 
 def expand(text, env):
     """The expected text with <root> and <tmp> made concrete (quoted as the scripts quote)."""
+    text = text.replace("<root-cuda>", shlex.quote(f"{ROOT}[cuda]"))
     return text.replace("<root>", shlex.quote(str(ROOT))).replace("<tmp>", env["TMPDIR"])
 
 
@@ -260,6 +261,33 @@ EXACT = {
         "tar -xzf <tmp>/lab-out-gpu-1.tar.gz -C 'out dir'\n"
         "rm <tmp>/lab-out-gpu-1.tar.gz\n",
     ),
+    "slurm-two-nodes": (
+        "slurm.sh",
+        ["--nodes", "2", "--", "name=two", "mesh=16x1", "tag=a b"],
+        "sbatch --job-name=lab --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 --exclusive"
+        " --time=01:00:00 --chdir=<root> --export=ALL,XLA_PYTHON_CLIENT_MEM_FRACTION=0.90,"
+        "NCCL_DEBUG=WARN,PYTHONUNBUFFERED=1 --wrap "
+        + remote(
+            f"srun --kill-on-bad-exit=1 {shlex.quote(str(ROOT / '.venv/bin/python'))}"
+            " -m lab.run name=two mesh=16x1 'tag=a b'"
+        )
+        + "\n",
+    ),
+    "slurm-setup-and-options": (
+        "slurm.sh",
+        ["--nodes=4", "--gpus-per-node=4", "--partition", "gpu", "--account", "acme"]
+        + ["--time", "1-12:00:00", "--job-name", "big", "--venv", "/opt/lab venv", "--setup"]
+        + ["--python", "python3.12", "--mem-fraction", ".8", "--nccl-ifname", "ib0"]
+        + ["--module", "experiments", "size=quick"],
+        "python3.12 -m venv '/opt/lab venv'\n"
+        "'/opt/lab venv/bin/pip' install --quiet -e <root-cuda>\n"
+        "sbatch --job-name=big --nodes=4 --ntasks-per-node=4 --gpus-per-node=4 --exclusive"
+        " --time=1-12:00:00 --partition=gpu --account=acme --chdir=<root>"
+        " --export=ALL,XLA_PYTHON_CLIENT_MEM_FRACTION=.8,NCCL_DEBUG=WARN,PYTHONUNBUFFERED=1,"
+        "NCCL_SOCKET_IFNAME=ib0 --wrap "
+        + remote("srun --kill-on-bad-exit=1 '/opt/lab venv/bin/python' -m experiments size=quick")
+        + "\n",
+    ),
 }
 
 
@@ -395,6 +423,16 @@ BAD = [
     ("fetch.sh", ["--hosts", "a", "--worker", "1"], "only 1 hosts"),
     ("fetch.sh", ["--name", "a", "--zone", "us-west4-a", "--worker", "x"], "--worker 'x'"),
     ("fetch.sh", ["--name", "a", "--zone", "us-west4-a", "--dest"], "--dest needs a value"),
+    ("slurm.sh", ["mesh=16x1"], "--nodes is required"),
+    ("slurm.sh", ["--nodes", "two"], "--nodes 'two' is not a whole number"),
+    ("slurm.sh", ["--nodes", "0"], "--nodes must be at least 1"),
+    ("slurm.sh", ["--nodes", "2", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
+    ("slurm.sh", ["--nodes", "2", "--mem-fraction", "1.5"], "--mem-fraction '1.5'"),
+    ("slurm.sh", ["--nodes", "2", "--mem-fraction", "0"], "--mem-fraction '0'"),
+    ("slurm.sh", ["--nodes", "2", "--time", "1 hour"], "--time '1 hour'"),
+    ("slurm.sh", ["--nodes", "2", "--partition", "a,b c"], "--partition 'a,b c'"),
+    ("slurm.sh", ["--nodes", "2", "--nccl-ifname", "ib0,eth0"], "--nccl-ifname"),
+    ("slurm.sh", ["--nodes", "2", "--venv", "a,b"], "--venv 'a,b'"),
 ]
 
 
@@ -450,3 +488,21 @@ def test_shellcheck_passes():
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_slurm_submits_what_dry_run_printed(env, tmp_path):
+    """Against a fake sbatch: the one command runs as printed; a missing venv is one line."""
+    args = ["--nodes", "2", "--venv", str(tmp_path / "no-venv"), "--", "mesh=16x1"]
+    out = sh("slurm.sh", *args, env=env)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "add --setup" in out.stderr and fake_calls(env) == []
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    args[3] = str(tmp_path / "venv")
+    dry = sh("slurm.sh", "--dry-run", *args, env=env).stdout.splitlines()
+    out = sh("slurm.sh", *args, env=env)
+    assert out.returncode == 0, out.stderr
+    assert [line[2:] for line in out.stderr.splitlines() if line[:2] == "+ "] == dry
+    assert fake_calls(env) == [shlex.split(line) for line in dry]

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Submit one lab.run job over N GPU nodes of a SLURM cluster (sbatch + srun, one task per GPU).
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+usage() {
+  cat <<'EOF_USAGE'
+Usage: tpu/slurm.sh --nodes N [options] [--] [KEY=VALUE ...]
+
+Run on a SLURM cluster's login node, in this checkout (which the GPU nodes must see:
+a shared file system). Submits one batch job: srun starts one task of
+`python -m lab.run KEY=VALUE ...` per GPU on every node, and each task joins the
+same jax.distributed job through the variables SLURM sets (JAX's own SLURM
+detection: the coordinator is the first node, on a port derived from the job id;
+task i of a node drives GPU i). No coordinator= keys: SLURM says who is who.
+Give a mesh over all N x G GPUs, e.g. mesh=16x1 or mesh=data:-1.
+
+The job's environment: XLA_PYTHON_CLIENT_MEM_FRACTION (JAX preallocates that share
+of each GPU's memory; the rest is left to NCCL's buffers and the CUDA context),
+NCCL_DEBUG=WARN (NCCL's problems in the log, not its chatter), PYTHONUNBUFFERED=1
+(each task's lines as they come), and NCCL_SOCKET_IFNAME with --nccl-ifname.
+The job asks for whole nodes (--exclusive): a shared node's traffic skews the
+step times. Output goes to slurm-JOBID.out in this checkout; runs/ as usual.
+
+  --nodes N            GPU nodes
+  --gpus-per-node G    GPUs (and tasks) per node (default 8)
+  --partition P        SLURM partition (default: the cluster's default)
+  --account A          SLURM account to charge (default: yours)
+  --time T             time limit, as sbatch reads it (default 01:00:00)
+  --job-name NAME      default lab
+  --venv DIR           the virtual environment with the lab (default: .venv here)
+  --setup              first make --venv (python3 -m venv) and pip install -e '.[cuda]'
+                       in it, on this node (JAX's CUDA wheels bring CUDA and cuDNN;
+                       the nodes need only NVIDIA's driver)
+  --python PYTHON      the Python --setup makes the venv with (default python3;
+                       the lab needs 3.11 or newer)
+  --mem-fraction F     XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.90)
+  --nccl-ifname IF     NCCL_SOCKET_IFNAME: the network interface between the nodes
+                       (e.g. ib0), when NCCL's own choice is wrong
+  --module MODULE      python module to run (default lab.run; e.g. experiments)
+  --dry-run            print the commands, one per line, and run nothing
+  -h, --help           this help
+  KEY=VALUE ...        the module's arguments; everything after -- is passed as is
+
+Examples:
+  tpu/slurm.sh --nodes 2 --setup --dry-run -- name=two mesh=16x1 model=1b
+  tpu/slurm.sh --nodes 2 --partition gpu -- name=two mesh=16x1 model=1b
+EOF_USAGE
+}
+
+NODES=""
+GPUS=8
+PARTITION=""
+ACCOUNT=""
+TIME=01:00:00
+JOB_NAME=lab
+VENV=$ROOT/.venv
+SETUP=0
+PYTHON=python3
+MEM_FRACTION=0.90
+NCCL_IFNAME=""
+MODULE=lab.run
+LAB_ARGS=()
+split_eq "$@"
+set -- ${ARGS[@]+"${ARGS[@]}"}
+while (($#)); do
+  case $1 in
+    --nodes) need "$@"; NODES=$2; shift 2 ;;
+    --gpus-per-node) need "$@"; GPUS=$2; shift 2 ;;
+    --partition) need "$@"; PARTITION=$2; shift 2 ;;
+    --account) need "$@"; ACCOUNT=$2; shift 2 ;;
+    --time) need "$@"; TIME=$2; shift 2 ;;
+    --job-name) need "$@"; JOB_NAME=$2; shift 2 ;;
+    --venv) need "$@"; VENV=$2; shift 2 ;;
+    --setup) SETUP=1; shift ;;
+    --python) need "$@"; PYTHON=$2; shift 2 ;;
+    --mem-fraction) need "$@"; MEM_FRACTION=$2; shift 2 ;;
+    --nccl-ifname) need "$@"; NCCL_IFNAME=$2; shift 2 ;;
+    --module) need "$@"; MODULE=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h | --help) usage; exit 0 ;;
+    --) shift; LAB_ARGS+=("$@"); break ;;
+    -*) bad_flag "$1" ;;
+    *) LAB_ARGS+=("$1"); shift ;;
+  esac
+done
+
+check_required --nodes "$NODES" 2
+check_uint --nodes "$NODES"
+check_uint --gpus-per-node "$GPUS"
+((NODES >= 1)) || die "--nodes must be at least 1"
+((GPUS >= 1)) || die "--gpus-per-node must be at least 1"
+name='^[A-Za-z0-9_.-]+$'
+[[ -z $PARTITION || $PARTITION =~ $name ]] || die "--partition '$PARTITION' is not a partition name"
+[[ -z $ACCOUNT || $ACCOUNT =~ $name ]] || die "--account '$ACCOUNT' is not an account name"
+[[ $JOB_NAME =~ $name ]] || die "--job-name '$JOB_NAME': use letters, digits, '_', '.' and '-'"
+[[ $TIME =~ ^[0-9]+([-:][0-9]+){0,3}$ ]] ||
+  die "--time '$TIME' is not a time limit like 01:00:00, 90 or 1-12:00:00"
+[[ $MEM_FRACTION =~ ^(0?\.[0-9]*[1-9][0-9]*|1(\.0*)?)$ ]] ||
+  die "--mem-fraction '$MEM_FRACTION' is not a fraction in (0, 1], like 0.90"
+[[ -z $NCCL_IFNAME || $NCCL_IFNAME =~ ^\^?[A-Za-z0-9_.=-]+$ ]] ||
+  die "--nccl-ifname '$NCCL_IFNAME' is not an interface name like ib0"
+[[ $MODULE =~ ^[A-Za-z_][A-Za-z0-9_.]*$ ]] || die "--module '$MODULE' is not a module name"
+[[ $VENV != *,* ]] || die "--venv '$VENV': a path without commas, please"
+
+if ((!DRY_RUN)); then
+  command -v sbatch >/dev/null || die "sbatch not found: run this on the cluster's login node"
+fi
+if ((SETUP)); then
+  run "$PYTHON" -m venv "$VENV"
+  run "$VENV/bin/pip" install --quiet -e "${ROOT}[cuda]"
+elif ((!DRY_RUN)) && [[ ! -x $VENV/bin/python ]]; then
+  die "no $VENV/bin/python: add --setup (or --venv DIR) to make it"
+fi
+
+# What every task runs: srun starts one per GPU, and ends them all if one fails (a task of a
+# jax.distributed job cannot go on alone: its next collective waits for every peer).
+step="srun --kill-on-bad-exit=1 $(quote "$VENV/bin/python") -m $MODULE"
+for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
+  step+=" $(quote "$a")"
+done
+export_vars="ALL,XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM_FRACTION,NCCL_DEBUG=WARN,PYTHONUNBUFFERED=1"
+[[ -z $NCCL_IFNAME ]] || export_vars+=",NCCL_SOCKET_IFNAME=$NCCL_IFNAME"
+SBATCH=(sbatch "--job-name=$JOB_NAME" "--nodes=$NODES" "--ntasks-per-node=$GPUS")
+SBATCH+=("--gpus-per-node=$GPUS" --exclusive "--time=$TIME")
+[[ -z $PARTITION ]] || SBATCH+=("--partition=$PARTITION")
+[[ -z $ACCOUNT ]] || SBATCH+=("--account=$ACCOUNT")
+SBATCH+=("--chdir=$ROOT" "--export=$export_vars" --wrap "$step")
+run "${SBATCH[@]}"
+((DRY_RUN)) || note "submitted; follow it with squeue --me and tail -f $ROOT/slurm-JOBID.out"
