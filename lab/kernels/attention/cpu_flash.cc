@@ -12,8 +12,8 @@
 // Work is split over std::threads: (batch, head, query block) items for the forward and dQ,
 // (batch, kv head, key block) items for dK/dV, heaviest first (causal blocks differ in work).
 // The inner products run in one register-blocked micro-kernel written with GCC/Clang vector
-// extensions, so the compiler emits whatever vector ISA -march gives it (AVX-512 here,
-// SSE2 on a portable build).
+// extensions, sized to the vector ISA the build targets (AVX-512 with -march=native here;
+// SSE2 or NEON on a portable build).
 
 #include <algorithm>
 #include <atomic>
@@ -89,34 +89,41 @@ inline float fast_exp(float x) {
 
 // ------------------------------------------------------------------------- micro-kernel
 
-typedef float v16 __attribute__((vector_size(64)));
-
+// The widest vector register the build targets, in floats, and the micro-tile that fills the
+// register file: kMR rows × kNV vectors of accumulators, plus kNV vectors of B.
 #if defined(__AVX512F__)
-constexpr int kMR = 8;  // rows of C per micro-tile
-constexpr int kNV = 2;  // 16-float vectors per row of a micro-tile: 8×32 floats in 16 zmm
-#else
+constexpr int kVW = 16;  // zmm: 8 × 32 floats in 16 of 32 registers
+constexpr int kMR = 8;
+#elif defined(__AVX__)
+constexpr int kVW = 8;  // ymm: 4 × 16 floats in 8 of 16 registers
 constexpr int kMR = 4;
-constexpr int kNV = 1;
+#else
+constexpr int kVW = 4;  // SSE2 / NEON: 4 × 8 floats in 8 of 16 (32 on NEON) registers
+constexpr int kMR = 4;
 #endif
-constexpr int kNR = 16 * kNV;
+constexpr int kNV = 2;
+constexpr int kNR = kVW * kNV;
 constexpr int kAlign = 32;  // block sizes and the padded head dim are multiples of this
+static_assert(kAlign % kNR == 0 && kAlign % kMR == 0, "tiles must hold whole micro-tiles");
 
-inline v16 vload(const float* p) {
-  v16 v;
+typedef float vf __attribute__((vector_size(4 * kVW)));
+
+inline vf vload(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void vstore(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
-// max(init, row[0..n)), n % 16 == 0: written with vectors (GCC leaves a max reduction scalar).
+// max(init, row[0..n)), n % kVW == 0: written with vectors (GCC leaves a max reduction scalar).
 inline float row_max(const float* row, int64_t n, float init) {
-  v16 m = v16{} + init;
-  for (int64_t c = 0; c < n; c += 16) {
-    const v16 x = vload(row + c);
+  vf m = vf{} + init;
+  for (int64_t c = 0; c < n; c += kVW) {
+    const vf x = vload(row + c);
     m = x > m ? x : m;
   }
   float out = init;
-  for (int i = 0; i < 16; ++i) out = std::max(out, m[i]);
+  for (int i = 0; i < kVW; ++i) out = std::max(out, m[i]);
   return out;
 }
 
@@ -125,18 +132,18 @@ void gemm(int M, int N, int kd, const float* A, int64_t lda, const float* B, int
           float* C, int64_t ldc, bool accumulate) {
   for (int i0 = 0; i0 < M; i0 += kMR) {
     for (int j0 = 0; j0 < N; j0 += kNR) {
-      v16 c[kMR][kNV];
+      vf c[kMR][kNV];
 #pragma GCC unroll 8
       for (int r = 0; r < kMR; ++r)
 #pragma GCC unroll 4
         for (int v = 0; v < kNV; ++v)
-          c[r][v] = accumulate ? vload(C + (i0 + r) * ldc + j0 + 16 * v) : v16{};
+          c[r][v] = accumulate ? vload(C + (i0 + r) * ldc + j0 + kVW * v) : vf{};
       const float* a = A + i0 * lda;
       const float* b = B + j0;
       for (int p = 0; p < kd; ++p) {
-        v16 bv[kNV];
+        vf bv[kNV];
 #pragma GCC unroll 4
-        for (int v = 0; v < kNV; ++v) bv[v] = vload(b + p * ldb + 16 * v);
+        for (int v = 0; v < kNV; ++v) bv[v] = vload(b + p * ldb + kVW * v);
 #pragma GCC unroll 8
         for (int r = 0; r < kMR; ++r) {
           const float s = a[r * lda + p];
@@ -147,7 +154,7 @@ void gemm(int M, int N, int kd, const float* A, int64_t lda, const float* B, int
 #pragma GCC unroll 8
       for (int r = 0; r < kMR; ++r)
 #pragma GCC unroll 4
-        for (int v = 0; v < kNV; ++v) vstore(C + (i0 + r) * ldc + j0 + 16 * v, c[r][v]);
+        for (int v = 0; v < kNV; ++v) vstore(C + (i0 + r) * ldc + j0 + kVW * v, c[r][v]);
     }
   }
 }
