@@ -123,19 +123,23 @@ class Prediction:
         }
 
 
-def _dtype_of(ins: hlo.Instruction, program: hlo.Program) -> str:
+def _dtype_of(ins: hlo.Instruction, program: hlo.Program, machine: Machine) -> str:
     """The dtype a compute op runs at: its first dot's operand (inside a fusion), else its
-    result's."""
-    shape = ins.shape
+    result's. A float32 dot at default precision runs as TF32 where the machine has it
+    (XLA:GPU's default on Ampere and later); `operand_precision={highest…}` keeps float32."""
+    shape, attrs = ins.shape, ins.attrs
     for callee in re.findall(r"calls=%?([\w.\-]+)", ins.attrs):
         for inner in program.computations.get(callee, ()):
             if inner.opcode in ("dot", "convolution") and inner.operands:
-                shape = program.shapes.get(inner.operands[0], shape)
+                shape, attrs = program.shapes.get(inner.operands[0], shape), inner.attrs
                 break
     if ins.opcode in ("dot", "convolution", "custom-call") and ins.operands:
         shape = program.shapes.get(ins.operands[0], shape)
     arrays = hlo.arrays(shape)
-    return _DTYPES.get(arrays[0][0], "float32") if arrays else "float32"
+    dtype = _DTYPES.get(arrays[0][0], "float32") if arrays else "float32"
+    if dtype == "float32" and "tf32" in machine.peak_flops and "highest" not in attrs:
+        return "tf32"
+    return dtype
 
 
 def _fused_flops(program: hlo.Program, name: str, depth: int = 0) -> float:
@@ -239,7 +243,9 @@ def predict(
                 flops = custom_flops * nbytes / custom_bytes
             if not flops and not nbytes:
                 continue
-            compute_s = flops / (machine.peak(_dtype_of(ins, program)) * machine.compute_efficiency)
+            compute_s = flops / (
+                machine.peak(_dtype_of(ins, program, machine)) * machine.compute_efficiency
+            )
             bandwidth = machine.memory_bandwidth
             if machine.cache_bandwidth and nbytes * machine.devices_per_core_group <= (
                 machine.cache_bytes
