@@ -8,6 +8,9 @@ Every way out of the loop ends the same way: the summary is written, the checkpo
 is finished (under the signal handler, so a signal during the last save is a request to stop,
 not a kill), and one line says why the run stopped and what the folder keeps, read from the
 folder itself. A write that fails (a full disk) stops the run the same way, in one line.
+
+Each logged step's record goes to metrics.jsonl and, as TensorBoard scalars, to the run's
+event file (lab/tensorboard.py), both from process 0 only.
 """
 
 import contextlib
@@ -21,16 +24,19 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
-from lab import checkpoint, plans, rundir, summary
+from lab import checkpoint, plans, rundir, summary, tensorboard
 from lab.config import Config
 from lab.data import host_batch, to_global
 from lab.devices import agreed_stop
 from lab.errors import ConfigError, RunError
+from lab.measure import memory
 from lab.measure.records import writable_dir
 from lab.measure.timing import summarise
 from lab.report import progress, tables
 from lab.session import Session
+from lab.train import lr_schedule
 
 WARMUP_STEPS = 2  # excluded from the step-time median (allocation, first transfers)
 PROFILE_STEPS = 4  # profile=true traces this many steps after warm-up (steps 4-7 of a fresh run)
@@ -94,6 +100,63 @@ class History:
     step: int = 0  # the last step trained whole (finite, its metrics written)
 
 
+def _memory_now() -> dict:
+    """Memory in use after a step: the device allocator's counters where it keeps them (GPU,
+    TPU), else the process's resident memory (CPU devices live in the host's memory)."""
+    stats = memory.device_memory_stats(jax.local_devices()[0]) or {}
+    if "bytes_in_use" in stats:
+        rec = {"device_bytes_in_use": stats["bytes_in_use"]}
+        if "peak_bytes_in_use" in stats:
+            rec["device_peak_bytes_in_use"] = stats["peak_bytes_in_use"]
+        return rec
+    return {"host_rss_bytes": memory.process_rss_bytes()}
+
+
+@dataclasses.dataclass
+class _Records:
+    """Each logged step's record (process 0): to metrics.jsonl, then to the TensorBoard event
+    file. Beside the step's loss, gradient norm, time and tokens/s: the learning rate its
+    update used, its MFU (the summary's model FLOPs and peak) and the memory in use after it."""
+
+    log: rundir.MetricsLog
+    events: tensorboard.EventFile
+    lr: np.ndarray  # the optimizer's schedule at every update, computed once before training
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops_per_s: float | None  # None: no peak known for the device, no MFU
+
+    def write(self, step: int, loss: float, grad_norm: float, step_s: float) -> None:
+        tokens_per_s = self.tokens_per_step / step_s
+        rec = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "step_s": step_s,
+            "tokens_per_s": tokens_per_s,
+            "learning_rate": float(self.lr[step - 1]),  # update `step` uses count step - 1
+        }
+        if self.peak_flops_per_s:
+            rec["mfu"] = self.flops_per_token * tokens_per_s / self.peak_flops_per_s
+        rec.update(_memory_now(), wall_time=time.time())
+        self.log.write(rec)
+        self.events.write(rec)
+
+
+def _records(cfg, info, analysis, run_dir: Path, log) -> _Records:
+    """The records' writer, once metrics.jsonl keeps only the steps before this run's first:
+    the TensorBoard folder is rebuilt from it (OSError for the caller)."""
+    events = tensorboard.start(run_dir, rundir.read_metrics(run_dir / "metrics.jsonl")[0])
+    peak, _ = summary.mesh_peak(cfg, info, analysis["devices"])
+    return _Records(
+        log,
+        events,
+        np.asarray(lr_schedule(cfg)(np.arange(cfg.steps))),
+        cfg.batch_size * cfg.seq_len,
+        analysis["model_flops_per_token"],
+        peak,
+    )
+
+
 class _Tracer:
     """A jax.profiler trace that is always closed, even when the run ends (NaN, signal, fewer
     steps than the window) before the last traced step."""
@@ -117,7 +180,7 @@ class _Tracer:
         self.stop()
 
 
-def _train(cfg, trainer, compiled, state, start, saver, log, console, hist, stop) -> str | None:
+def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, stop) -> str | None:
     """Train to cfg.steps; None when it got there, else why it stopped: a signal's name, or
     'loss is nan at step N: training stopped'. A write that fails (metrics: OSError,
     checkpoint: checkpoint.SaveError) is raised. hist.step is the last step trained."""
@@ -149,15 +212,8 @@ def _train(cfg, trainer, compiled, state, start, saver, log, console, hist, stop
                 return f"{bad} at step {step + 1}: training stopped"
             hist.losses.append((step + 1, loss))
             bar.update(task, completed=step + 1, loss=loss, tps=tokens_per_step / hist.step_s[-1])
-            if log and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
-                rec = {
-                    "step": step + 1,
-                    "loss": loss,
-                    "grad_norm": grad_norm,
-                    "step_s": hist.step_s[-1],
-                    "tokens_per_s": tokens_per_step / hist.step_s[-1],
-                }
-                log.write(rec)
+            if records and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+                records.write(step + 1, loss, grad_norm, hist.step_s[-1])
             hist.step = step + 1
             if saver and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 saver.save(step + 1, state)
@@ -320,14 +376,18 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
     try:
         mngr = checkpoint.manager(run_dir) if (cfg.checkpoint_every or cfg.resume) else None
         log = rundir.MetricsLog(run_dir / "metrics.jsonl") if is_main else None
+        records = _records(cfg, info, analysis, run_dir, log) if is_main else None
     except OSError as e:
         raise RunError(f"{_write_failure(e, run_dir)}: nothing was run") from None
     saver = checkpoint.Saver(mngr) if mngr else None
     hist = History(step=start)
     end = _End(cfg, info, analysis, compile_s, run_dir, is_main, console, hist, saver, log)
-    with _Stop(final=end.final) as stop, log or contextlib.nullcontext():
+    events = records.events if records else contextlib.nullcontext()
+    with _Stop(final=end.final) as stop, log or contextlib.nullcontext(), events:
         try:
-            end.why = _train(cfg, trainer, compiled, state, start, saver, log, console, hist, stop)
+            end.why = _train(
+                cfg, trainer, compiled, state, start, saver, records, console, hist, stop
+            )
         except (OSError, checkpoint.SaveError) as e:
             end.failed = _write_failure(e, run_dir)
         except BaseException:  # a fault of the lab's own: its traceback, after the save in flight

@@ -39,15 +39,21 @@ class TrainState(struct.PyTreeNode):
     opt_state: Any
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """AdamW with linear warm-up then cosine decay; clipping first; no decay on vectors."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def lr_schedule(cfg: Config) -> optax.Schedule:
+    """Learning rate by update count (0 for the first update): linear warm-up, cosine decay.
+    The optimizer's own, and the loop's for the learning rate it logs."""
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.lr,
         warmup_steps=cfg.warmup_steps,
         decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
         end_value=cfg.lr * cfg.min_lr_ratio,
     )
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """AdamW with linear warm-up then cosine decay; clipping first; no decay on vectors."""
+    schedule = lr_schedule(cfg)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask)
     clip = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []

@@ -1,0 +1,135 @@
+"""TensorBoard scalars of a training run: `run_dir/tensorboard/`, read by `tensorboard --logdir`.
+
+The event file is a second view of metrics.jsonl: every record the loop logs there is appended
+here as one event (its scalars under the tags of `TAGS`, at its step). A run that starts or
+resumes rebuilds the folder from metrics.jsonl as the loop has left it (the steps up to the
+checkpoint it resumes from), so a run stopped and resumed is one curve with each step once, in
+strictly increasing steps, for any reader: nothing rests on a reader purging the steps a
+resume repeats (TensorBoard's purge_step), and nothing is lost by dropping them, since
+metrics-superseded.jsonl keeps their records.
+
+tensorboardX makes the events (its protocol buffers, scalar summaries and record checksums,
+without TensorFlow). Its SummaryWriter is not used: it writes from a thread, where a full disk
+is an error nobody sees and its queue then blocks the loop for good. Here each event is
+appended whole in the caller's thread, or cut off again, with the OSError for the caller, as
+metrics.jsonl lines are (lab.rundir.MetricsLog).
+"""
+
+import contextlib
+import functools
+import os
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+FOLDER = "tensorboard"
+
+# metrics.jsonl key → TensorBoard tag; a record writes the keys it has (memory: the device's
+# allocator where it reports one, GPU and TPU; the process's resident memory on CPU)
+TAGS = {
+    "loss": "train/loss",
+    "learning_rate": "train/learning_rate",
+    "grad_norm": "train/grad_norm",
+    "step_s": "perf/step_time_s",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "device_bytes_in_use": "memory/device_bytes_in_use",
+    "device_peak_bytes_in_use": "memory/device_peak_bytes_in_use",
+    "host_rss_bytes": "memory/host_rss_bytes",
+}
+
+
+@functools.cache
+def _tbx() -> SimpleNamespace:
+    """tensorboardX's Event, scalar summary and record checksum, imported when a run first
+    writes. Its package imports torch wherever torch is installed (for its SummaryWriter, not
+    used here), seconds at every run's start: unless torch is loaded already, that import is
+    turned away for the while (an ImportError, which tensorboardX expects where torch is absent).
+    """
+    turned_away = "torch" not in sys.modules
+    if turned_away:
+        sys.modules["torch"] = None
+    try:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.record_writer import masked_crc32c
+        from tensorboardX.summary import scalar
+    finally:
+        if turned_away and sys.modules.get("torch", False) is None:
+            del sys.modules["torch"]
+    return SimpleNamespace(Event=Event, crc=masked_crc32c, scalar=scalar)
+
+
+def _framed(event) -> bytes:
+    """One TFRecord: length, its checksum, the event, its checksum."""
+    crc = _tbx().crc
+    data = event.SerializeToString()
+    header = struct.pack("<Q", len(data))
+    return header + struct.pack("<I", crc(header)) + data + struct.pack("<I", crc(data))
+
+
+def _event(rec: dict):
+    """The scalars of one metrics record, at its step and wall time."""
+    tbx = _tbx()
+    event = tbx.Event(wall_time=rec.get("wall_time", time.time()), step=rec["step"])
+    for key, tag in TAGS.items():
+        if rec.get(key) is not None:
+            event.summary.value.extend(tbx.scalar(tag, rec[key]).value)
+    return event
+
+
+def _first() -> bytes:
+    return _framed(_tbx().Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+
+class EventFile:
+    """The run's one event file, appended one whole event at a time (OSError for the caller,
+    the file cut back to its last whole event)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, rec: dict) -> None:
+        data = memoryview(_framed(_event(rec)))
+        end = os.fstat(self._fd).st_size
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def start(run_dir: Path, records: list[dict]) -> EventFile:
+    """The folder rebuilt to hold `records` (metrics.jsonl's, in order) and nothing else: a new
+    event file is written aside, renamed in, and only then are the earlier event files removed
+    (a failure part-way leaves them as they were). Returns it open for this run's records;
+    OSError for the caller."""
+    folder = run_dir / FOLDER
+    folder.mkdir(exist_ok=True)
+    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.lab"
+    tmp = folder / f".rebuild-{os.getpid()}.tmp"  # readers read only names with 'tfevents'
+    try:
+        tmp.write_bytes(_first() + b"".join(_framed(_event(r)) for r in records))
+        tmp.replace(folder / name)
+    finally:
+        tmp.unlink(missing_ok=True)
+    for old in folder.glob("events.out.tfevents.*"):
+        if old.name != name:
+            old.unlink()
+    return EventFile(folder / name)

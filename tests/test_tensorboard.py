@@ -1,0 +1,178 @@
+"""TensorBoard scalars of lab.run, read back from the event files: every scalar at every logged
+step, one unbroken curve across a stop and a resume, process 0 only, a full disk in one line."""
+
+import errno
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.record_writer import masked_crc32c
+
+from lab import tensorboard
+from lab.run import main
+
+TINY = ["model=tiny", "n_layers=1", "batch_size=4", "seq_len=16", "log_every=1"]
+
+
+def _run(tmp_path, *args) -> int:
+    return main([*TINY, f"out_dir={tmp_path}", *args])
+
+
+def _read_records(path: Path) -> list[Event]:
+    """The events of one TFRecord file (length, its checksum, data, its checksum), every
+    checksum checked: a torn or misframed record fails here."""
+    data, events, i = path.read_bytes(), [], 0
+    while i < len(data):
+        header = data[i : i + 8]
+        (n,) = struct.unpack("<Q", header)
+        assert struct.unpack("<I", data[i + 8 : i + 12])[0] == masked_crc32c(header)
+        body = data[i + 12 : i + 12 + n]
+        assert struct.unpack("<I", data[i + 12 + n : i + 16 + n])[0] == masked_crc32c(body)
+        events.append(Event.FromString(body))
+        i += 16 + n
+    return events
+
+
+def _curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """tag → [(step, value)] in file order, over every event file of the run."""
+    files = sorted((run_dir / tensorboard.FOLDER).glob("*tfevents*"))
+    assert files, f"no event file in {run_dir}"
+    curves: dict[str, list] = {}
+    for f in files:
+        events = _read_records(f)
+        assert events[0].file_version == "brain.Event:2"
+        for e in events[1:]:
+            for v in e.summary.value:
+                curves.setdefault(v.tag, []).append((e.step, v.simple_value))
+    return curves
+
+
+def _in_tensorboard(run_dir: Path) -> dict[str, list[int]] | None:
+    """tag → steps as TensorBoard's own reader loads them, where the tensorboard package is
+    installed (it is not a dependency of the lab); None elsewhere."""
+    try:
+        from tensorboard.backend.event_processing import event_accumulator as ea
+    except ImportError:
+        return None
+    acc = ea.EventAccumulator(str(run_dir / tensorboard.FOLDER))
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+CPU_TAGS = {t for k, t in tensorboard.TAGS.items() if not k.startswith("device_")}
+
+
+def test_every_scalar_is_written_at_every_logged_step(tmp_path):
+    assert _run(tmp_path, "name=A", "steps=5", "warmup_steps=2") == 0
+    run_dir = tmp_path / "A"
+    curves = _curves(run_dir)
+    assert set(curves) == CPU_TAGS  # CPU: the process's memory, no device allocator
+    for tag, points in curves.items():
+        assert [s for s, _ in points] == [1, 2, 3, 4, 5], tag
+    recs = _metrics(run_dir)
+    for key, tag in tensorboard.TAGS.items():
+        if tag in curves:  # the event file and metrics.jsonl carry the same numbers
+            want = np.float32([r[key] for r in recs])
+            assert [v for _, v in curves[tag]] == pytest.approx(want, rel=1e-6), key
+    lr = [v for _, v in curves["train/learning_rate"]]
+    assert lr[0] == 0.0 and lr[1] == pytest.approx(1.5e-3)  # warm-up from 0 to lr=3e-3
+    assert all(0 < v < 1 for _, v in curves["perf/mfu"])
+    seen = _in_tensorboard(run_dir)
+    assert seen is None or seen == {tag: [1, 2, 3, 4, 5] for tag in CPU_TAGS}
+
+
+def _wait_for_lines(path: Path, lines: int, proc, timeout_s: float = 180):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError(f"{path} did not reach {lines} lines")
+
+
+def test_a_run_stopped_and_resumed_is_one_curve(tmp_path):
+    """SIGTERM mid-run, then the newest checkpoint lost (as a kill before it was written would
+    leave it): the resume repeats the steps after the older checkpoint, and the curve still
+    holds each step once, strictly increasing, every step from 1 to the end."""
+    run_dir = tmp_path / "S"
+    cmd = [sys.executable, "-m", "lab.run", *TINY, f"out_dir={tmp_path}", "name=S"]
+    cmd += ["steps=100000", "checkpoint_every=3"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_lines(run_dir / "metrics.jsonl", 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    stopped = _metrics(run_dir)[-1]["step"]
+    assert [s for s, _ in _curves(run_dir)["train/loss"]] == list(range(1, stopped + 1))
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    (run_dir / "checkpoints" / str(saved[-1])).rename(run_dir / "newest-lost")
+    assert saved[-2] < stopped  # the resume repeats steps already in the event file
+
+    end = stopped + 3
+    assert _run(tmp_path, "name=S", f"steps={end}", "resume=true", "checkpoint_every=3") == 0
+    curves = _curves(run_dir)
+    assert len(list((run_dir / tensorboard.FOLDER).glob("*tfevents*"))) == 1
+    for tag, points in curves.items():
+        assert [s for s, _ in points] == list(range(1, end + 1)), tag
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, end + 1))
+    seen = _in_tensorboard(run_dir)
+    assert seen is None or seen == {tag: list(range(1, end + 1)) for tag in CPU_TAGS}
+
+
+def test_only_process_0_writes_events(tmp_path, monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax, "process_index", lambda *a, **k: 1)
+    assert _run(tmp_path, "name=P", "steps=2") == 0
+    assert not (tmp_path / "P" / tensorboard.FOLDER).exists()
+
+
+def test_a_full_disk_in_the_event_file_is_one_line_and_leaves_whole_events(
+    tmp_path, capsys, monkeypatch
+):
+    real, writes = os.write, []
+
+    def write(fd, data):
+        if "tfevents" in os.readlink(f"/proc/self/fd/{fd}"):
+            writes.append(data)
+            if len(writes) >= 3:
+                real(fd, bytes(data[:5]))  # a torn start of the event
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+
+    monkeypatch.setattr(tensorboard.os, "write", write)
+    assert _run(tmp_path, "name=D", "steps=6") == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: events.out.tfevents."), err
+    assert "could not be written in" in err and "(No space left on device)" in err, err
+    assert "training stopped at step 2" in err, err
+    monkeypatch.undo()
+    assert [s for s, _ in _curves(tmp_path / "D")["train/loss"]] == [1, 2]
+
+
+def test_memory_is_the_device_allocators_where_it_keeps_counters(monkeypatch):
+    """GPU and TPU report their allocator's bytes; CPU (no counters) the process's memory."""
+    from lab import loop
+
+    stats = {"bytes_in_use": 5, "peak_bytes_in_use": 7, "bytes_limit": 9}
+    monkeypatch.setattr(loop.memory, "device_memory_stats", lambda _: stats)
+    rec = {"step": 3, **loop._memory_now()}
+    assert rec == {"step": 3, "device_bytes_in_use": 5, "device_peak_bytes_in_use": 7}
+    tags = {v.tag: v.simple_value for v in tensorboard._event(rec).summary.value}
+    assert tags == {"memory/device_bytes_in_use": 5, "memory/device_peak_bytes_in_use": 7}
+    monkeypatch.setattr(loop.memory, "device_memory_stats", lambda _: None)
+    assert list(loop._memory_now()) == ["host_rss_bytes"]
