@@ -195,6 +195,22 @@ def test_without_the_kernel_auto_keeps_blockwise(monkeypatch):
         choose("cpu_flash", *_spec("float32"), backend="cpu")
 
 
+def test_auto_keeps_blockwise_where_the_sequence_is_split(monkeypatch):
+    """strategy=cp splits the sequence: XLA partitions blockwise, an FFI call it cannot."""
+    from jax.sharding import PartitionSpec as P
+
+    from lab.kernels.attention import blockwise
+
+    seen = []
+    monkeypatch.setattr(blockwise, "blockwise_attention", lambda q, *a, **kw: seen.append(1) or q)
+    q, k, v, _ = random_qkv(8, 64, 64, HEADS, 2, 64, "float32")
+    with jax.set_mesh(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])):
+        attention(q, k, v, impl="auto", shard_spec=P(None, "data", None, None))
+        assert seen
+        with pytest.raises(ValueError, match="sharded along the sequence"):
+            attention(q, k, v, impl="cpu_flash", shard_spec=P(None, "data", None, None))
+
+
 def test_dispatch_runs_it():
     q, k, v, do = random_qkv(6, 64, 64, HEADS, 2, 64, "float32")
     got = output_and_grads(lambda q, k, v: attention(q, k, v, impl="cpu_flash"), q, k, v, do)

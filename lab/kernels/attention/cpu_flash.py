@@ -24,6 +24,7 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -93,6 +94,10 @@ def _cache_root() -> Path:
 def _compile(cxx: str, opt: list[str], out: Path) -> str | None:
     """Build the library at `out` (atomically); the compiler's first error line, or None."""
     cmd = [cxx, *opt, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o"]
+    print(
+        f"lab: building the cpu_flash attention kernel once ({' '.join(opt)}) → {out}",
+        file=sys.stderr,
+    )
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
         done = subprocess.run([*cmd, str(partial), "-lpthread"], capture_output=True, text=True)
@@ -120,7 +125,7 @@ def _build() -> Path | None:
         key = hashlib.sha256()
         for part in (SOURCE.read_bytes(), " ".join(opt + _FLAGS).encode(), cxx.encode()):
             key.update(part)
-        key.update(f"jaxlib {jax.lib.__version__}\n{_cpu_id()}".encode())
+        key.update(f"jaxlib {importlib.metadata.version('jaxlib')}\n{_cpu_id()}".encode())
         folder = _cache_root() / key.hexdigest()[:16]
         lib = folder / "libcpu_flash.so"
         if lib.exists():
