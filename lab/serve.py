@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from lab import data
+from lab import data, rundir
 from lab.config import check_name, cli, field, make_config
 from lab.errors import ConfigError
 from lab.measure import records as rec
@@ -94,6 +94,10 @@ def _plan(o: Options, s, con) -> int:
 
 
 def run(o: Options, keys: dict) -> int:
+    # The libraries' own logging (absl, orbax, TensorStore, asyncio: a damaged checkpoint makes
+    # them print thousands of lines) goes to lab.log in the results folder, as lab.run sends
+    # it to the run folder's; the lab says what went wrong in one line.
+    rundir.quiet_libraries(rec.writable_dir(o.results))
     s, run_dir = _session(o, keys)
     con = progress.console()
     con.print(

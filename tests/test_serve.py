@@ -167,3 +167,27 @@ def test_the_memory_roof_is_the_best_bandwidth_measured():
     assert raised.bandwidth == 24.7e9 and "batch 1" in raised.how
     assert max(p["memory_roof_share"] for p in points) == 1.0
     assert points[1]["memory_roof_share"] == pytest.approx(12 / 24.7)
+
+
+def test_a_damaged_run_is_a_few_lines_not_a_flood(tmp_path):
+    """Every checkpoint of the run damaged: the libraries' logging goes to lab.log in the
+    results folder, the terminal gets a warning per damaged step and one error line."""
+    import subprocess
+    import sys
+
+    args = ["model=tiny", "batch_size=8", "seq_len=32", f"out_dir={tmp_path}"]
+    assert train([*args, "name=t", "steps=4", "checkpoint_every=2"]) == 0
+    for f in (tmp_path / "t" / "checkpoints").rglob("*"):
+        if f.is_file() and f.stat().st_size > 100:
+            f.write_bytes(b"\xd4\xc0 not a checkpoint" * 3)
+    keys = [f"out_dir={tmp_path}", f"results={tmp_path / 'res'}", "run=t", "plot=false"]
+    p = subprocess.run(
+        [sys.executable, "-m", "lab.serve", *FAST[1:], "batches=1", *keys],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    text = p.stdout + p.stderr
+    assert "Traceback" not in text and len(text.splitlines()) <= 10, text[-3000:]
+    assert "no checkpoint to serve" in p.stderr
