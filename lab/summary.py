@@ -6,7 +6,6 @@ is against the matmul peak measured on this machine, and says so.
 """
 
 import dataclasses
-import json
 import math
 import os
 import time

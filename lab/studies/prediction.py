@@ -188,7 +188,14 @@ def program(point: dict, cache_dir: Path) -> dict:
     if path.exists():
         return json.loads(path.read_text())
     t0 = time.perf_counter()
-    out = _train_program(point) if point["workload"] == "train" else _op_program(point)
+    try:
+        out = _train_program(point) if point["workload"] == "train" else _op_program(point)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 — a compiler's refusal (memory, tiles) varies
+        why = plans.refusal(e)
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        out = {"refused": f"the compiler refuses it here: {why or first}"}
     out["compile_s"] = time.perf_counter() - t0
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
@@ -269,22 +276,20 @@ def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool 
     points, then every usable point predicted with it."""
     tick = progress or (lambda label: None)
     calib = calibration_ids(load_points())  # the rule runs over the whole file, always
-    predictors, dropped, refused = {}, [], {}
+    predictors, refused = {}, {}
     for p in points:
-        why = _expressible(p)
-        if why:
-            dropped.append(p)
+        if _expressible(p):
             continue
         tick(f"compile {p['id']}")
         try:
-            predictors[p["id"]] = Predictor(p, program(p, cache_dir))
+            prog = program(p, cache_dir)
         except ConfigError as e:
             refused[p["id"]] = str(e)
-        except Exception as e:  # noqa: BLE001 — a compiler's refusal (memory, tiles) varies
-            why = plans.refusal(e)
-            first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-            refused[p["id"]] = f"the compiler refuses it here: {why or first}"
-            dropped.append(p)
+            continue
+        if "refused" in prog:  # e.g. the lab's step needs more HBM than the chip has
+            refused[p["id"]] = prog["refused"]
+            continue
+        predictors[p["id"]] = Predictor(p, prog)
     fits = {}
     for v in ("tpu", "gpu"):
         pts = [
@@ -327,11 +332,11 @@ def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool 
     calibration = _stats([r for r in rows if r.role == "calibration"])
     summary = Summary(tuple(rows), fits, held_out, calibration)
     if write_fits and len(points) == len(load_points()):
-        save_fits(summary, calib, points)
+        save_fits(summary)
     return summary
 
 
-def save_fits(summary: Summary, calib: set[str], points: list[dict]) -> Path:
+def save_fits(summary: Summary) -> Path:
     """lab/predict/fits.json: what lab.run's predictions print as the model's error."""
     data = json.loads(FITS.read_text()) if FITS.exists() else {}
     for v in ("tpu", "gpu"):
@@ -339,7 +344,9 @@ def save_fits(summary: Summary, calib: set[str], points: list[dict]) -> Path:
             data[v] = {
                 "fit": summary.fits[v],
                 "calibration": sorted(
-                    p["id"] for p in points if p["id"] in calib and vendor(p) == v
+                    r.id
+                    for r in summary.rows
+                    if r.role == "calibration" and r.hardware.startswith("tpu") == (v == "tpu")
                 ),
                 "held_out": summary.held_out[v] if summary.held_out[v].get("n") else None,
                 "source": "python -m lab.tools.prediction (published points, held out)",
