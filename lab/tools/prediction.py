@@ -12,6 +12,7 @@ prediction.
 import dataclasses
 import sys
 
+from lab import devices
 from lab.config import cli, field
 from lab.measure import records
 from lab.report import plots, progress, tables
@@ -63,6 +64,8 @@ def run(o: Options) -> int:
 
 
 def _cpu(o: Options, con) -> int:
+    # the configurations' meshes need up to 8 simulated CPU devices, set before JAX starts
+    devices.prepare("8", cpu_devices=8)
     n = len(prediction.CPU_CONFIGS)
     with progress.tasks(con) as bar:
         task = bar.add_task("cpu self-check", total=n)
