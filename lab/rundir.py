@@ -96,20 +96,24 @@ def write_json(path: Path, obj) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def saved_config(run_dir: Path) -> dict:
-    """config.json of an earlier run in this folder; ConfigError if there is none to resume."""
+def saved_config(run_dir: Path, asked: str = "resume=true") -> dict:
+    """config.json of an earlier run in this folder; ConfigError if there is none to resume.
+    `asked`: the key the user gave that needs it (resume=true, or lab.serve's run=NAME), so
+    the refusal names what the user actually asked for."""
     path = run_dir / "config.json"
     if not path.exists():
         raise ConfigError(
-            f"resume=true: no run named {run_dir.name!r} in {str(run_dir.parent)!r} "
+            f"{asked}: no run named {run_dir.name!r} in {str(run_dir.parent)!r} "
             "(nothing to resume; leave out resume=true to start it)"
+            if asked == "resume=true"
+            else f"{asked}: {run_dir} holds no config.json (not a run folder, or a damaged one)"
         )
     try:
         saved = json.loads(path.read_bytes())  # bytes: JSON's own UTF-8 check, as ValueError
     except (OSError, ValueError) as e:
-        raise ConfigError(f"resume=true: {path} is damaged ({str(e)[:160]})") from None
+        raise ConfigError(f"{asked}: {path} is damaged ({str(e)[:160]})") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-        raise ConfigError(f"resume=true: {path} is damaged (not a run's config)")
+        raise ConfigError(f"{asked}: {path} is damaged (not a run's config)")
     return saved
 
 

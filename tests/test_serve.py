@@ -191,3 +191,14 @@ def test_a_damaged_run_is_a_few_lines_not_a_flood(tmp_path):
     text = p.stdout + p.stderr
     assert "Traceback" not in text and len(text.splitlines()) <= 10, text[-3000:]
     assert "no checkpoint to serve" in p.stderr
+
+
+def test_a_damaged_config_names_run_not_resume(tmp_path, capsys):
+    """Serving reads a run's config.json: its refusal names run=, the key the user gave."""
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"broken')
+    assert serve([*FAST, "run=c", f"out_dir={tmp_path}", f"results={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: run=c:") and "damaged" in err
+    assert "resume" not in err

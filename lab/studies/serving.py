@@ -43,7 +43,7 @@ from lab.train import cross_entropy, make_trainer
 
 def config_of_run(run_dir: Path) -> Config:
     """The Config a run folder was trained with (its config.json)."""
-    saved = saved_config(run_dir)
+    saved = saved_config(run_dir, asked=f"run={run_dir.name}")
     try:
         model = ModelConfig(**saved["model"])
         rest = {k: v for k, v in saved.items() if k != "model"}
