@@ -244,7 +244,9 @@ def test_model_trains_with_it_in_the_interpreter_like_blockwise(monkeypatch):
     monkeypatch.setattr(
         pallas_mgpu, "flash_attention_mgpu", lambda *a, **kw: calls.append(kw) or real(*a, **kw)
     )
-    monkeypatch.setattr(train, "choose", functools.partial(dispatch.choose, interpret=True))
+    monkeypatch.setattr(
+        train, "choose_noted", functools.partial(dispatch.choose_noted, interpret=True)
+    )
     monkeypatch.setattr(model, "attention", functools.partial(dispatch.attention, interpret=True))
     got = _train_losses("pallas_mgpu")
     assert calls and calls[0]["interpret"] is True
