@@ -6,9 +6,9 @@ is the measurement it is held against. C10: the same calculator, so validated, f
 7B and 70B shapes (Touvron et al. 2023), against an H100's memory from the spec table:
 predicted. C11: the step compiled with remat none / full / dots: memory and FLOPs from the
 compiler, step time measured. C12: the step over batch sizes: compiled memory and tokens/s.
-Issue 17's levers (`fitting`): the 70B plan with a pipeline and the optimizer state offloaded
-(C10, calculator), remat=offload (C11, calculator; compiled for an H100 with plans), the
-largest batch as accumulated microbatches of the smallest (C12).
+The levers for fitting bigger models (`fitting`): the 70B plan with a pipeline and the
+optimizer state offloaded (C10, calculator), remat=offload (C11, calculator; compiled for an
+H100 with plans), the largest batch as accumulated microbatches of the smallest (C12).
 """
 
 import math
@@ -290,13 +290,14 @@ def _c12(cfg: Config, batches, budget_s: float) -> list[dict]:
     return recs
 
 
-# --- issue 17: the pipeline, gradient accumulation and host offloading in C10-C12 ----------
+# --- fitting bigger models: the pipeline, gradient accumulation and host offloading, C10-C12
 
 
 def _c10_fitting(log_err: float) -> list[dict]:
-    """70B on H100s with the levers of issue 17, by the calculator (predicted): the 80 layers
-    over 8 pipeline stages (one H100 each, 8 microbatches of one 2048-token sequence), then the
-    AdamW state in host memory, then pipeline × FSDP over 16 H100s; remat=full throughout."""
+    """70B on H100s with the levers for fitting a bigger model, by the calculator (predicted):
+    the 80 layers over 8 pipeline stages (one H100 each, 8 microbatches of one 2048-token
+    sequence), then the AdamW state in host memory, then pipeline × FSDP over 16 H100s;
+    remat=full throughout."""
     h100 = specs.SPECS["h100-sxm"]
     inputs = {
         "calculator_max_log_error_here": log_err,
@@ -434,8 +435,8 @@ def _c12_accumulate(cfg: Config, batches, budget_s: float, timed: bool) -> list[
 
 
 def fitting(size: str, sweep: Config, batches, budget_s: float, log_err: float, plans: bool):
-    """Issue 17's records: the 70B plan with a pipeline and offloading (C10), remat=offload
-    (C11), gradient accumulation (C12)."""
+    """Fitting bigger models, the records: the 70B plan with a pipeline and offloading (C10),
+    remat=offload (C11), gradient accumulation (C12)."""
     return (
         _c10_fitting(log_err)
         + _c11_offload(size, plans)

@@ -259,7 +259,7 @@ def measured_scaling(size: str) -> list[dict]:
     return recs
 
 
-# --- issue 17: the pipeline beside dp, fsdp and tp on the same devices ---------------------
+# --- the pipeline beside dp, fsdp and tp on the same devices -------------------------------
 
 
 def _pp_config(size: str, n: int):

@@ -196,17 +196,17 @@ def keep_metrics_before(run_dir: Path, start: int) -> None:
         tmp.unlink(missing_ok=True)
 
 
-class MetricsLog:
-    """metrics.jsonl, appended one whole line at a time: a line that cannot be written whole
-    (a full disk) is cut off again, so the file never ends in a line this run tore; the OSError
-    goes to the caller, who reports it. `last_step` is the last step written."""
+class WholeAppends:
+    """A file appended one whole record at a time: a record that cannot be written whole (a
+    full disk) is cut off again, so the file never ends in a record this run tore; the
+    OSError, naming the file, goes to the caller, who reports it."""
 
     def __init__(self, path: Path):
-        self.path, self.last_step = path, None
+        self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def write(self, rec: dict) -> None:
-        data = memoryview((json.dumps(rec) + "\n").encode())
+    def append(self, data: bytes) -> None:
+        data = memoryview(data)
         end = os.fstat(self._fd).st_size
         try:
             while data:
@@ -215,7 +215,6 @@ class MetricsLog:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, end)
             raise OSError(e.errno, e.strerror, str(self.path)) from None
-        self.last_step = rec["step"]
 
     def close(self) -> None:
         if self._fd is not None:
@@ -227,6 +226,18 @@ class MetricsLog:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class MetricsLog(WholeAppends):
+    """metrics.jsonl, one whole JSON line per record; `last_step` is the last step written."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.last_step = None
+
+    def write(self, rec: dict) -> None:
+        self.append((json.dumps(rec) + "\n").encode())
+        self.last_step = rec["step"]
 
 
 class _LogHandler(logging.FileHandler):

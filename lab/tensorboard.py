@@ -15,7 +15,6 @@ appended whole in the caller's thread, or cut off again, with the OSError for th
 metrics.jsonl lines are (lab.rundir.MetricsLog).
 """
 
-import contextlib
 import functools
 import os
 import socket
@@ -24,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+from lab import rundir
 
 FOLDER = "tensorboard"
 
@@ -84,35 +85,12 @@ def _first() -> bytes:
     return _framed(_tbx().Event(wall_time=time.time(), file_version="brain.Event:2"))
 
 
-class EventFile:
+class EventFile(rundir.WholeAppends):
     """The run's one event file, appended one whole event at a time (OSError for the caller,
     the file cut back to its last whole event)."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
     def write(self, rec: dict) -> None:
-        data = memoryview(_framed(_event(rec)))
-        end = os.fstat(self._fd).st_size
-        try:
-            while data:
-                data = data[os.write(self._fd, data) :]
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, end)
-            raise OSError(e.errno, e.strerror, str(self.path)) from None
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        self.append(_framed(_event(rec)))
 
 
 def start(run_dir: Path, records: list[dict]) -> EventFile:
