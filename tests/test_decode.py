@@ -43,17 +43,21 @@ def _tokens(seed=1):
     return prompts, fed
 
 
-def _decoded_logits(trainer, params, *, int8_cache=False):
-    """[B, STEPS+1, V]: the prefill's next-token logits, then one per decode step."""
-    dec = decode.make_decoder(
+def _decoder(trainer, *, int8_cache=False, max_len=MAX_LEN):
+    return decode.make_decoder(
         trainer.cfg.model,
         trainer.mesh,
         trainer.rules,
         trainer.state_shardings.params,
         batch=len(PROMPTS),
-        max_len=MAX_LEN,
+        max_len=max_len,
         int8_cache=int8_cache,
     )
+
+
+def _decoded_logits(trainer, params, *, int8_cache=False):
+    """[B, STEPS+1, V]: the prefill's next-token logits, then one per decode step."""
+    dec = _decoder(trainer, int8_cache=int8_cache)
     prompts, fed = _tokens()
     with jax.set_mesh(trainer.mesh):
         lengths = np.asarray(PROMPTS, np.int32)
@@ -154,15 +158,7 @@ def test_a_step_past_the_cache_never_overwrites_it(int8_cache):
     others decode as usual (dynamic_update_slice would clamp and overwrite the last slot)."""
     trainer, params = _setup()
     slots = 13  # the longest prompt (12) fills all but one slot
-    dec = decode.make_decoder(
-        trainer.cfg.model,
-        trainer.mesh,
-        trainer.rules,
-        trainer.state_shardings.params,
-        batch=len(PROMPTS),
-        max_len=slots,
-        int8_cache=int8_cache,
-    )
+    dec = _decoder(trainer, int8_cache=int8_cache, max_len=slots)
     prompts, fed = _tokens()
     with jax.set_mesh(trainer.mesh):
         lengths = np.asarray(PROMPTS, np.int32)
