@@ -45,4 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    from lab.report.progress import survive_lost_output
+
+    survive_lost_output()
     sys.exit(main())

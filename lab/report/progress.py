@@ -1,5 +1,6 @@
 """Progress bars and the console every command prints through (rich)."""
 
+import os
 import sys
 
 from rich.console import Console
@@ -10,6 +11,54 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+
+
+class _Unread:
+    """A text stream that goes quiet, instead of raising, once nobody reads it: a run whose
+    launcher (or terminal, or `| head`) went away must still finish its step and save its
+    checkpoint, and an error raised from a print would lose both."""
+
+    def __init__(self, stream):
+        self._stream, self._gone = stream, False
+
+    def _lost(self) -> None:
+        self._gone = True
+        try:  # the runtime's own C++ logging writes to the descriptor, not through Python
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except (BrokenPipeError, ConnectionResetError):
+                self._lost()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                self._lost()
+
+    def isatty(self) -> bool:
+        return not self._gone and self._stream.isatty()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def survive_lost_output() -> None:
+    """Keep stdout and stderr writable for the whole process even after their reader is gone
+    (called first by the long-running commands)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Unread):
+            setattr(sys, name, _Unread(stream))
 
 
 def console(*, quiet: bool = False, width: int | None = None) -> Console:
