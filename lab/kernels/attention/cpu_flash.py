@@ -21,30 +21,22 @@ the host's cores).
 
 import ctypes
 import dataclasses
-import fcntl
 import functools
-import hashlib
-import importlib.metadata
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lab.kernels import native
 from lab.kernels.attention.common import check_dtype, check_qkv, default_scale, round_up
 
 SOURCE = Path(__file__).with_name("cpu_flash.cc")
 DTYPES = (jnp.float32, jnp.bfloat16)
 ALIGN = 32  # block sizes are multiples of this (the C++ micro-kernel's tile)
 _FWD, _BWD = "lab_cpu_flash_forward", "lab_cpu_flash_backward"
-_FLAGS = ["-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-w"]
-NATIVE, PORTABLE = ["-O3", "-march=native"], ["-O3"]
+_WHAT = "cpu_flash attention kernel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,77 +62,25 @@ class BlockSizes:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: the machine and its CPU model and flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = [x for x in text.splitlines() if x.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "\n" + "\n".join(lines)
-
-
-def _cache_root() -> Path:
-    env = os.environ.get("LAB_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "lab-kernels"
+    return native.compiler()
 
 
 def _compile(cxx: str, opt: list[str], out: Path) -> str | None:
     """Build the library at `out` (atomically); the compiler's first error line, or None."""
-    cmd = [cxx, *opt, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o"]
-    print(
-        f"lab: building the cpu_flash attention kernel once ({' '.join(opt)}) → {out}",
-        file=sys.stderr,
-    )
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        partial = Path(tmp) / out.name
-        done = subprocess.run([*cmd, str(partial), "-lpthread"], capture_output=True, text=True)
-        if done.returncode:
-            errors = [x for x in done.stderr.splitlines() if "error" in x] or ["failed"]
-            return errors[0].strip()
-        os.replace(partial, out)
-    return None
+    return native.compile_library(cxx, opt, SOURCE, out, _WHAT)
 
 
 def _build() -> Path | None:
     """The compiled library, built now if no cached one matches; None (one line printed) if
-    there is no compiler or the build fails."""
-    cxx = _compiler()
-    if cxx is None:
-        print(
-            "lab: no C++ compiler (set CXX or install g++): the cpu_flash attention kernel is "
-            "off, CPU attention runs the JAX kernels",
-            file=sys.stderr,
-        )
-        return None
-    attempts = [PORTABLE] if os.environ.get("LAB_CPU_FLASH_PORTABLE") == "1" else [NATIVE, PORTABLE]
-    error = None
-    for opt in attempts:
-        key = hashlib.sha256()
-        for part in (SOURCE.read_bytes(), " ".join(opt + _FLAGS).encode(), cxx.encode()):
-            key.update(part)
-        key.update(f"jaxlib {importlib.metadata.version('jaxlib')}\n{_cpu_id()}".encode())
-        folder = _cache_root() / key.hexdigest()[:16]
-        lib = folder / "libcpu_flash.so"
-        if lib.exists():
-            return lib
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait
-            error = None if lib.exists() else _compile(cxx, opt, lib)
-        if error is None:
-            return lib
-    print(
-        f"lab: cpu_flash did not build ({error}): CPU attention runs the JAX kernels",
-        file=sys.stderr,
+    there is no compiler or the build fails (lab/kernels/native.py)."""
+    return native.build(
+        SOURCE,
+        what=_WHAT,
+        fallback="CPU attention runs the JAX kernels",
+        cxx=_compiler(),
+        compile_fn=_compile,
+        portable=os.environ.get("LAB_CPU_FLASH_PORTABLE") == "1",
     )
-    return None
 
 
 @functools.cache

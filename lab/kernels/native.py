@@ -1,0 +1,102 @@
+"""Building the lab's native CPU kernels: C++ sources that ship in the package, compiled on first
+use against the FFI headers jaxlib ships (`jax.ffi.include_dir()`), and loaded with ctypes.
+
+The system C++ compiler (`$CXX`, else c++ / g++ / clang++) builds each source into
+`~/.cache/lab-kernels/<key>/` (or `$LAB_KERNEL_CACHE`), keyed by the source, the flags, the
+compiler, jaxlib's version and the host CPU; a file lock and an atomic rename let parallel test
+workers share one build. `-O3 -march=native` first, falling back to a portable `-O3` build. No
+compiler, or a failed build: one line on stderr and `build` returns None, so the caller keeps
+its JAX kernels.
+"""
+
+import fcntl
+import hashlib
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+FLAGS = ["-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-w"]
+NATIVE, PORTABLE = ["-O3", "-march=native"], ["-O3"]
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with: $CXX, else the first of c++, g++, clang++ on PATH."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def cpu_id() -> str:
+    """What -march=native depends on: the machine and its CPU model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [x for x in text.splitlines() if x.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "\n" + "\n".join(lines)
+
+
+def cache_root() -> Path:
+    env = os.environ.get("LAB_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "lab-kernels"
+
+
+def compile_library(cxx: str, opt: list[str], source: Path, out: Path, what: str) -> str | None:
+    """Build `source` into the library at `out` (atomically); the compiler's first error line,
+    or None."""
+    cmd = [cxx, *opt, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o"]
+    print(f"lab: building the {what} once ({' '.join(opt)}) → {out}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        partial = Path(tmp) / out.name
+        done = subprocess.run([*cmd, str(partial), "-lpthread"], capture_output=True, text=True)
+        if done.returncode:
+            errors = [x for x in done.stderr.splitlines() if "error" in x] or ["failed"]
+            return errors[0].strip()
+        os.replace(partial, out)
+    return None
+
+
+def build(
+    source: Path,
+    *,
+    what: str,
+    fallback: str,
+    cxx: str | None,
+    compile_fn: Callable[[str, list[str], Path], str | None],
+    portable: bool = False,
+) -> Path | None:
+    """The compiled library of `source`, built now if no cached one matches; None (one line
+    printed, ending in `fallback`: what runs instead) if there is no compiler or every build
+    fails. `compile_fn(cxx, opt, out)` builds one attempt (its error line, or None)."""
+    if cxx is None:
+        print(f"lab: no C++ compiler (set CXX or install g++): the {what} is off, {fallback}",
+              file=sys.stderr)  # fmt: skip
+        return None
+    attempts = [PORTABLE] if portable else [NATIVE, PORTABLE]
+    error = None
+    for opt in attempts:
+        key = hashlib.sha256()
+        for part in (source.read_bytes(), " ".join(opt + FLAGS).encode(), cxx.encode()):
+            key.update(part)
+        key.update(f"jaxlib {importlib.metadata.version('jaxlib')}\n{cpu_id()}".encode())
+        folder = cache_root() / key.hexdigest()[:16]
+        lib = folder / f"lib{source.stem}.so"
+        if lib.exists():
+            return lib
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait
+            error = None if lib.exists() else compile_fn(cxx, opt, lib)
+        if error is None:
+            return lib
+    print(f"lab: the {what} did not build ({error}): {fallback}", file=sys.stderr)
+    return None
