@@ -274,25 +274,28 @@ def _join(j: _Join, timeout_s: int) -> None:
         timer.cancel()
 
 
-def agreed_stop(stop, step: int) -> bool:
-    """Asked by the training loop after every completed `step`: stop now? The same answer on
-    every process. `stop.signal` is the name of the signal this process got (or None); a
+def agreed_stop(stop, step: int, ahead: int = 1) -> bool:
+    """Asked by the training loop after it has queued `step`: stop after it? The same answer
+    on every process. `stop.signal` is the name of the signal this process got (or None); a
     process that got none takes the name of the one every process stops on.
 
     One process stops on its own signal at once. Several must stop after the same step, or
     one waits in its checkpoint save (or its exit) for a peer blocked in the next step's
-    collectives: a signalled process posts step + 1 to the runtime's key-value store (its
-    peers may already be inside step + 1, and none can finish it without this process), and
-    every process stops once the earliest posted step is reached."""
+    collectives: a signalled process posts step + `ahead` to the runtime's key-value store
+    (its peers may already be inside the `ahead` steps after this one, and none can finish
+    them without this process), and every process stops once the earliest posted step is
+    reached. `ahead` is 1 for a loop that waits for each step before queuing the next, 2 for
+    one that reads each step's results one step late."""
     client = _distributed.global_state.client
     if client is None:
         return stop.signal is not None
     me = f"{STOP_KEYS}{jax.process_index()}"
     posted = dict(client.key_value_dir_get(STOP_KEYS))
     if stop.signal and me not in posted:
-        posted[me] = f"{step + 1} {stop.signal}"
+        posted[me] = f"{step + ahead} {stop.signal}"
         client.key_value_set(me, posted[me])
-        line = STOP_LINE.format(signal=stop.signal, process=jax.process_index(), step=step + 1)
+        at = step + ahead
+        line = STOP_LINE.format(signal=stop.signal, process=jax.process_index(), step=at)
         with contextlib.suppress(OSError):  # the launcher that reads it may be gone
             print(line, file=sys.stderr, flush=True)
     if not posted:

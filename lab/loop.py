@@ -183,45 +183,94 @@ class _Tracer:
 def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, stop) -> str | None:
     """Train to cfg.steps; None when it got there, else why it stopped: a signal's name, or
     'loss is nan at step N: training stopped'. A write that fails (metrics: OSError,
-    checkpoint: checkpoint.SaveError) is raised. hist.step is the last step trained."""
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    checkpoint: checkpoint.SaveError) is raised. hist.step is the last step trained.
+
+    Each step's metrics are read one step late: step n + 1 is dispatched before the host
+    waits for step n, so the host's work between steps (the next batch, the records, the
+    progress bar, the stop check) overlaps the device's instead of leaving it idle. A step
+    whose state is kept (a checkpoint, the agreed stop) is read before the next is
+    dispatched: its metrics are checked before the state is saved, and the next step would
+    donate the state's buffers."""
     batch = _batch(cfg, trainer, start)
     tracer = _Tracer(Path(cfg.out_dir) / cfg.name / "profile")
     with progress.training(console) as bar, tracer:
-        task = bar.add_task("train", total=cfg.steps, completed=start, loss=math.nan, tps=0.0)
-        last = time.perf_counter()
-        for step in range(start, cfg.steps):
-            if cfg.profile and step == start + WARMUP_STEPS + 1:
-                tracer.start()
-            state, metrics = compiled(state, batch)
-            if step + 1 < cfg.steps:
-                batch = _batch(cfg, trainer, step + 1)  # host work overlaps the device's
-            loss = float(metrics["loss"])  # blocks on this step
-            now = time.perf_counter()
-            hist.step_s.append(now - last)
-            last = now
-            if step == start + WARMUP_STEPS + PROFILE_STEPS:
-                tracer.stop()
-            grad_norm = float(metrics["grad_norm"])
-            param_norm = float(metrics["param_norm"])
-            bad = _non_finite(loss=loss, grad_norm=grad_norm, param_norm=param_norm)
-            if bad:
-                # Checked before this step's state can be saved: a non-finite gradient has
-                # already poisoned the update even where the loss itself is still finite, and
-                # a finite gradient times a huge learning rate can still overflow the weights.
-                return f"{bad} at step {step + 1}: training stopped"
-            hist.losses.append((step + 1, loss))
-            bar.update(task, completed=step + 1, loss=loss, tps=tokens_per_step / hist.step_s[-1])
-            if records and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
-                records.write(step + 1, loss, grad_norm, hist.step_s[-1])
-            hist.step = step + 1
-            if saver and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                saver.save(step + 1, state)
-            if agreed_stop(stop, step + 1):  # the same step on every process
-                if saver:
-                    saver.save(step + 1, state)  # a no-op if just saved; awaited by the caller
-                return stop.signal
+        reader = _Reader(cfg, bar, tracer, records, hist, start)
+        pending = None  # the step dispatched but not read yet: (step, metrics)
+        for step in range(start + 1, cfg.steps + 1):  # the step's number once it has run
+            reader.before(step)
+            state, metrics = compiled(state, batch)  # queued: the device runs it from here
+            if step < cfg.steps:
+                batch = _batch(cfg, trainer, step)  # host work overlaps the device's
+            if pending:
+                bad = reader.read(*pending)  # the step before: done, or nearly
+                if bad:
+                    return bad
+            pending = (step, metrics)
+            save = saver and cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+            # Peers may be two steps ahead: each reads a step only after queuing the next.
+            stopping = agreed_stop(stop, step, ahead=2)  # the same step on every process
+            if save or stopping or reader.wait_at(step):
+                bad = reader.read(*pending)
+                pending = None
+                if bad:
+                    return bad  # checked before this step's state can be saved
+                if save:
+                    saver.save(step, state)
+                if stopping:
+                    if saver:
+                        saver.save(step, state)  # a no-op if just saved; awaited by the caller
+                    return stop.signal
+        if pending:
+            return reader.read(*pending)
     return None
+
+
+class _Reader:
+    """Reads a finished step's metrics on the host: its time, the non-finite check, the
+    progress bar, the records, hist.step; and the profiler's window around the steps."""
+
+    def __init__(self, cfg, bar, tracer: _Tracer, records, hist: History, start: int):
+        self.cfg, self.bar, self.tracer, self.records, self.hist = cfg, bar, tracer, records, hist
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        # profile=true traces steps first..last (numbered from 1); the steps at the window's
+        # edges are read before the next is queued, so that it holds those steps only
+        self.first = start + WARMUP_STEPS + 2
+        self.last = self.first + PROFILE_STEPS - 1
+        self.task = bar.add_task("train", total=cfg.steps, completed=start, loss=math.nan, tps=0.0)
+        self.clock = time.perf_counter()
+
+    def before(self, step: int) -> None:
+        if self.cfg.profile and step == self.first:
+            self.tracer.start()
+
+    def wait_at(self, step: int) -> bool:
+        """Must `step` be read before the next is queued? The profiler's window's edges."""
+        return self.cfg.profile and step in (self.first - 1, self.last)
+
+    def read(self, step: int, metrics) -> str | None:
+        """Waits for `step`'s metrics; None, or the line that stops training there."""
+        hist = self.hist
+        loss = float(metrics["loss"])  # blocks until this step has run
+        now = time.perf_counter()
+        hist.step_s.append(now - self.clock)  # between successive finished steps
+        self.clock = now
+        if step == self.last:
+            self.tracer.stop()
+        grad_norm = float(metrics["grad_norm"])
+        param_norm = float(metrics["param_norm"])
+        bad = _non_finite(loss=loss, grad_norm=grad_norm, param_norm=param_norm)
+        if bad:
+            # Checked before this step's state can be saved: a non-finite gradient has
+            # already poisoned the update even where the loss itself is still finite, and
+            # a finite gradient times a huge learning rate can still overflow the weights.
+            return f"{bad} at step {step}: training stopped"
+        hist.losses.append((step, loss))
+        tps = self.tokens_per_step / hist.step_s[-1]
+        self.bar.update(self.task, completed=step, loss=loss, tps=tps)
+        if self.records and (step % self.cfg.log_every == 0 or step == self.cfg.steps):
+            self.records.write(step, loss, grad_norm, hist.step_s[-1])
+        hist.step = step
+        return None
 
 
 def _kept(cfg: Config, run_dir: Path, log) -> str:
