@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from lab import quant
 from lab.config import ModelConfig
 from lab.errors import ConfigError
+from lab.kernels import cpu_gemv
 from lab.kernels.attention import choose_decode
 from lab.mesh import check_divisible
 from lab.model import CACHE, KVCache, LayerKV, build, decode_impl
@@ -138,6 +139,7 @@ class Decoder:
     prefill: Any
     step: Any
     generate: Any
+    matmul: str = "xla"  # how the weights are multiplied (MATMULS), `auto` resolved
 
     def empty_cache(self) -> KVCache:
         """A zeroed cache on its shardings (lengths 0)."""
@@ -149,10 +151,41 @@ class Decoder:
             return make()
 
 
-def _with_rules(fn, rules):
+# How a decoder multiplies by its weights: XLA's dot (`xla`; int8 weights weight-only, their
+# codes converted to the compute dtype), XLA's int8 × int8 → int32 dot for int8 weights
+# (`w8a8`), or the native CPU kernel for decode's few rows (`native`, lab/kernels/cpu_gemv.py:
+# every weight read once in its own dtype; prefill's many rows keep XLA's dot). `auto`: native
+# on a one-device CPU mesh where the kernel builds, else xla. lab.serve measures them.
+MATMULS = ("auto", "xla", "w8a8", "native")
+
+
+def resolve_matmul(matmul: str, mesh) -> str:
+    """`auto` made concrete for this mesh; a name outside MATMULS is a ValueError."""
+    if matmul not in MATMULS:
+        raise ValueError(f"{matmul=}: choose one of {', '.join(MATMULS)}")
+    if matmul != "auto":
+        return matmul
+    one_cpu = mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
+    return "native" if one_cpu and cpu_gemv.available() else "xla"
+
+
+def matmuls(matmul: str) -> quant.Matmuls:
+    """What lab.quant.matmul runs while a decoder's functions are traced."""
+    if matmul == "native" and not cpu_gemv.available():
+        raise ConfigError(
+            "matmul=native: the native CPU matmul kernel is not built here (no C++ compiler, "
+            "a failed build, or LAB_CPU_GEMV=0): use matmul=xla"
+        )
+    return quant.Matmuls(
+        int8_activations=matmul == "w8a8",
+        native=cpu_gemv.model_matmul if matmul == "native" else None,
+    )
+
+
+def _with_rules(fn, rules, matmul: str = "xla"):
     @functools.wraps(fn)
     def wrapped(*args, **kw):
-        with nn.logical_axis_rules(rules):
+        with nn.logical_axis_rules(rules), quant.using(matmuls(matmul)):
             return fn(*args, **kw)
 
     return wrapped
@@ -169,9 +202,13 @@ def make_decoder(
     int8_cache: bool = False,
     steps: int = 1,
     temperature: float = 0.0,
+    matmul: str = "auto",
 ) -> Decoder:
     """Jitted prefill / step / generate: the batch over the rules' batch axes, the cache
-    sharded like the activations (kv heads over `model`) and donated to every call."""
+    sharded like the activations (kv heads over `model`) and donated to every call; the
+    weights multiplied as `matmul` says (MATMULS)."""
+    matmul = resolve_matmul(matmul, mesh)
+    matmuls(matmul)  # a kernel that is not built: one line now, not while tracing
     if model_cfg.dtype == "auto":
         raise ValueError("make_decoder needs a resolved compute dtype (lab.train.resolve)")
     model = build(model_cfg)
@@ -198,20 +235,22 @@ def make_decoder(
     replicated = NamedSharding(mesh, P())
     logits_sh = NamedSharding(mesh, P(batch_axes, None))
     prefill_jit = jax.jit(
-        _with_rules(functools.partial(prefill, model=model), rules),
+        _with_rules(functools.partial(prefill, model=model), rules, matmul),
         in_shardings=(param_shardings, tokens_sh, batch_sh, cache_sh),
         out_shardings=(logits_sh, cache_sh),
         donate_argnums=3,
     )
     step_jit = jax.jit(
-        _with_rules(functools.partial(step, model=model), rules),
+        _with_rules(functools.partial(step, model=model), rules, matmul),
         in_shardings=(param_shardings, batch_sh, cache_sh),
         out_shardings=(logits_sh, cache_sh),
         donate_argnums=2,
     )
     gen_jit = jax.jit(
         _with_rules(
-            functools.partial(generate, steps=steps, temperature=temperature, model=model), rules
+            functools.partial(generate, steps=steps, temperature=temperature, model=model),
+            rules,
+            matmul,
         ),
         in_shardings=(param_shardings, logits_sh, cache_sh, replicated),
         out_shardings=(tokens_sh, cache_sh),
@@ -230,6 +269,7 @@ def make_decoder(
         prefill_jit,
         step_jit,
         gen_jit,
+        matmul,
     )
 
 

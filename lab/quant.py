@@ -38,7 +38,18 @@ model's dot in f32, and AQT needs every einsum rewritten as a module with conver
 The lab needs weight-only int8 with per-channel scales and an int8 cache in its decode
 kernel's layout: this file is the whole implementation (qwix is the route for quantization-aware
 training, int4 or sub-channel scales).
+
+How `matmul` runs is chosen by the caller (`using(Matmuls(...))`, lab/decode.py does): XLA's
+einsum (weight-only: XLA:CPU converts the whole int8 weight to float before the dot), the W8A8
+int8 × int8 → int32 dot, or a native kernel (lab/kernels/cpu_gemv.py on CPU: the codes widened
+in registers, the scale applied to the sum).
 """
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -164,11 +175,71 @@ def quantize_params(params):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+@dataclasses.dataclass(frozen=True)
+class Matmuls:
+    """How `matmul` multiplies while a function is traced under `using(...)`.
+
+    int8_activations: an Int8Weight's product runs W8A8 (the activations quantized per row,
+      an int8 × int8 dot accumulated in int32) instead of weight-only.
+    native: a kernel for the 2-D product, `native(x_MxC, w_CxN, scale_N or None, dtype)` →
+      y [M, N] in `dtype`, or None where it does not take these operands (then the einsum
+      runs). lab/decode.py passes the CPU kernel (lab/kernels/cpu_gemv.py) for decode steps.
+    """
+
+    int8_activations: bool = False
+    native: Callable | None = None
+
+
+_MATMULS: contextvars.ContextVar = contextvars.ContextVar("lab_matmuls", default=None)
+
+
+@contextlib.contextmanager
+def using(choice: Matmuls):
+    """`matmul` follows `choice` inside the block (read while tracing, as flax reads its
+    logical axis rules)."""
+    token = _MATMULS.set(choice)
+    try:
+        yield
+    finally:
+        _MATMULS.reset(token)
+
+
+def _as_2d(eqn: str, x, w):
+    """(x [M, C], w [C, N], output shape) where eqn is x = kept + contracted, w = contracted
+    + outputs (every matmul of the model is); None for any other einsum."""
+    x_subs, w_subs, out = _parse(eqn)
+    c = len(w_subs) - len([a for a in w_subs if a in out])
+    kept, contracted = x_subs[: len(x_subs) - c], x_subs[len(x_subs) - c :]
+    if w_subs[:c] != contracted or out != kept + w_subs[c:] or set(kept) & set(w_subs):
+        return None
+    m = x.shape[: len(kept)]
+    x_MxC = x.reshape(math.prod(m), -1)
+    return x_MxC, w.reshape(x_MxC.shape[1], -1), (*m, *w.shape[c:])
+
+
+def _native(eqn: str, x, w, dtype, kernel):
+    w_arr = w.q if isinstance(w, Int8Weight) else w
+    two_d = _as_2d(eqn, x, w_arr)
+    if two_d is None:
+        return None
+    x_MxC, w_CxN, shape = two_d
+    scale_N = w.scale.reshape(-1) if isinstance(w, Int8Weight) else None
+    y_MxN = kernel(x_MxC.astype(dtype), w_CxN, scale_N, dtype)
+    return None if y_MxN is None else y_MxN.reshape(shape)
+
+
 def matmul(eqn: str, x, w, dtype):
     """einsum(eqn, x, w) in `dtype`: a float weight cast to it, an Int8Weight multiplied
-    weight-only (its codes converted, its scale applied to the output)."""
+    weight-only (its codes converted, its scale applied to the output) or W8A8; a native
+    kernel first where `using` gives one and it takes the operands."""
+    choice = _MATMULS.get() or Matmuls()
+    if choice.native is not None:
+        y = _native(eqn, x, w, dtype, choice.native)
+        if y is not None:
+            return y
     if isinstance(w, Int8Weight):
-        return int8_einsum(eqn, x.astype(dtype), w.q, w.scale)
+        act = "int8" if choice.int8_activations else "float"
+        return int8_einsum(eqn, x.astype(dtype), w.q, w.scale, activations=act)
     return jnp.einsum(eqn, x.astype(dtype), w.astype(dtype))
 
 

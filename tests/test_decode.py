@@ -10,6 +10,7 @@ import pytest
 from lab import decode
 from lab.config import make_config
 from lab.errors import ConfigError
+from lab.kernels import cpu_gemv
 from lab.mesh import make_mesh, rules_for
 from lab.model import build
 from lab.train import make_trainer
@@ -43,7 +44,7 @@ def _tokens(seed=1):
     return prompts, fed
 
 
-def _decoder(trainer, *, int8_cache=False, max_len=MAX_LEN):
+def _decoder(trainer, *, int8_cache=False, max_len=MAX_LEN, matmul="auto"):
     return decode.make_decoder(
         trainer.cfg.model,
         trainer.mesh,
@@ -52,12 +53,13 @@ def _decoder(trainer, *, int8_cache=False, max_len=MAX_LEN):
         batch=len(PROMPTS),
         max_len=max_len,
         int8_cache=int8_cache,
+        matmul=matmul,
     )
 
 
-def _decoded_logits(trainer, params, *, int8_cache=False):
+def _decoded_logits(trainer, params, *, int8_cache=False, matmul="auto"):
     """[B, STEPS+1, V]: the prefill's next-token logits, then one per decode step."""
-    dec = _decoder(trainer, int8_cache=int8_cache)
+    dec = _decoder(trainer, int8_cache=int8_cache, matmul=matmul)
     prompts, fed = _tokens()
     with jax.set_mesh(trainer.mesh):
         lengths = np.asarray(PROMPTS, np.int32)
@@ -108,12 +110,27 @@ def test_int8_cache_stays_within_its_bound():
     assert np.abs(got - exact).max() / np.abs(exact).max() < 2e-2
 
 
-def test_int8_weights_stay_within_their_bound():
+@pytest.mark.parametrize("matmul", ["auto", "w8a8"])
+def test_int8_weights_stay_within_their_bound(matmul):
+    """Weight-only (the native CPU kernel where it builds, `auto` on one CPU device) and
+    W8A8 (XLA's int8 × int8 → int32 dot, the activations quantized per row too)."""
     trainer, params = _setup()
     exact = _full_logits(trainer, params)
-    got = _decoded_logits(trainer, decode.quantize(params))
+    got = _decoded_logits(trainer, decode.quantize(params), matmul=matmul)
     err = np.abs(got - exact).max() / np.abs(exact).max()
     assert 0 < err < 5e-2, err  # per-channel int8: ~1 % per matmul, a few matmuls deep
+
+
+def test_auto_matmul_is_the_native_kernel_on_one_cpu_device(monkeypatch):
+    mesh = make_mesh(make_config(preset="tiny", mesh="1").mesh)
+    want = "native" if cpu_gemv.available() else "xla"
+    assert decode.resolve_matmul("auto", mesh) == want
+    monkeypatch.setattr(cpu_gemv, "available", lambda: False)
+    assert decode.resolve_matmul("auto", mesh) == "xla"
+    with pytest.raises(ConfigError, match="matmul=native"):
+        decode.matmuls("native")
+    with pytest.raises(ValueError, match="choose one of"):
+        decode.resolve_matmul("fast", mesh)
 
 
 def test_sampling_greedy_and_temperature():

@@ -1,0 +1,350 @@
+// Small-batch matmul for the CPU (decode's GEMV), registered with XLA through jax.ffi
+// (cpu_gemv.py builds and loads it).
+//
+//   y[M, N] = x[M, C] · w[C, N] (· scale[N])
+//
+// x is float32 or bfloat16 (the model's compute dtype), w float32, bfloat16 or int8 codes with
+// one float32 scale per output column (lab/quant.py's per-channel Int8Weight). The weight is
+// read once, in its own dtype, and widened to f32 in registers: an int8 weight is never
+// dequantised into memory; its scale is constant along the contraction, so it multiplies the
+// f32 sum once per output. Every sum is f32; y takes x's dtype.
+//
+// Decode is memory-bound: the kernel streams w row by row, four rows at a time, each thread
+// over its own contiguous range of output columns (a strip whose accumulators stay in L1),
+// so every weight byte is read from memory exactly once per call whatever M is. The inner
+// loop is written with GCC/Clang vector extensions sized to the ISA the build targets
+// (AVX-512 with -march=native here; SSE2 or NEON on a portable build). The threads are a
+// persistent pool (a decode step makes ~100 of these calls; a thread started per call would
+// cost tens of microseconds each).
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kVW = 16;
+#elif defined(__AVX__)
+constexpr int kVW = 8;
+#else
+constexpr int kVW = 4;
+#endif
+typedef float vf __attribute__((vector_size(4 * kVW)));
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// One element and one vector of kVW elements of a weight row, widened to f32.
+inline float scalar(const float* p) { return *p; }
+inline float scalar(const uint16_t* p) { return bf16_to_f32(*p); }
+inline float scalar(const int8_t* p) { return static_cast<float>(*p); }
+
+inline vf vec(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+// The widening loads use intrinsics where the ISA has them: GCC scalarises
+// __builtin_convertvector from 8- and 16-bit lanes (a byte extract per element).
+inline vf vec(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m512i u = _mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return (vf)_mm512_castsi512_ps(u);
+#elif defined(__AVX2__)
+  const __m256i u = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return (vf)_mm256_castsi256_ps(u);
+#else
+  vf v;
+  for (int i = 0; i < kVW; ++i) v[i] = bf16_to_f32(p[i]);
+  return v;
+#endif
+}
+inline vf vec(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vf v;
+  for (int i = 0; i < kVW; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// ------------------------------------------------------------------------- the pool
+
+// A persistent pool whose workers help rather than own: a call is cut into parts, and the
+// caller and every awake worker claim parts from one counter until none is left; the caller
+// then waits only for parts already being run. A worker that is slow to wake (a busy host,
+// more threads than cores) costs nothing: the caller runs its parts. Never a deadlock, even
+// when XLA runs two of these calls at once (they share the parts of whichever came first;
+// the second caller claims its own parts alone).
+class Pool {
+ public:
+  explicit Pool(int workers) {
+    for (int t = 1; t < workers; ++t) threads_.emplace_back([this] { loop(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      gen_.fetch_add(1);
+    }
+    start_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  int size() const { return static_cast<int>(threads_.size()) + 1; }
+
+  // fn(i) for every i in [0, parts), on the caller and the pool's threads.
+  void run(int parts, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> call(call_mu_, std::try_to_lock);
+    if (!call.owns_lock() || threads_.empty() || parts <= 1) {
+      for (int i = 0; i < parts; ++i) fn(i);
+      return;
+    }
+    const uint64_t g = gen_.load() + 1;
+    job_ = &fn;
+    parts_.store(parts);
+    done_.store(0);
+    ticket_.store(g << 32, std::memory_order_release);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      gen_.store(g);
+    }
+    start_.notify_all();
+    claim(g);
+    for (int spin = 0; done_.load(std::memory_order_acquire) < parts; ++spin)
+      if (spin > 1024) std::this_thread::yield();
+  }
+
+ private:
+  // Run unclaimed parts of generation g until none is left.
+  void claim(uint64_t g) {
+    for (;;) {
+      uint64_t t = ticket_.load(std::memory_order_acquire);
+      const int parts = parts_.load();
+      if ((t >> 32) != g || static_cast<int>(t & 0xffffffffu) >= parts) return;
+      if (!ticket_.compare_exchange_weak(t, t + 1)) continue;
+      (*job_)(static_cast<int>(t & 0xffffffffu));
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      // spin a little first: decode calls the kernel back to back
+      for (int spin = 0; spin < 20000 && gen_.load(std::memory_order_acquire) == seen; ++spin) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        start_.wait(lock, [&] { return gen_.load() != seen; });
+        seen = gen_.load();
+        if (stop_) return;
+      }
+      claim(seen);
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex mu_, call_mu_;
+  std::condition_variable start_;
+  std::atomic<uint64_t> gen_{0}, ticket_{0};
+  std::atomic<int> parts_{0}, done_{0};
+  const std::function<void(int)>* job_ = nullptr;
+  bool stop_ = false;
+};
+
+int default_threads() {
+  if (const char* env = std::getenv("LAB_CPU_GEMV_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+Pool& pool() {
+  static Pool p(default_threads());
+  return p;
+}
+
+// ------------------------------------------------------------------------- the kernel
+
+// acc[M, width] += x[M, C] · w[C, n0 : n0 + width], acc zeroed first. Four weight rows per
+// pass: each is loaded and widened once, then used by every row of x.
+template <typename W>
+void strip(const float* x, int64_t M, int64_t C, const W* w, int64_t N, int64_t n0,
+           int64_t width, float* acc) {
+  std::fill(acc, acc + M * width, 0.0f);
+  const int64_t nv = width / kVW * kVW;
+  int64_t d = 0;
+  for (; d + 4 <= C; d += 4) {
+    const W* r0 = w + d * N + n0;
+    const W* r1 = r0 + N;
+    const W* r2 = r1 + N;
+    const W* r3 = r2 + N;
+    for (int64_t j = 0; j < nv; j += kVW) {
+      const vf w0 = vec(r0 + j), w1 = vec(r1 + j), w2 = vec(r2 + j), w3 = vec(r3 + j);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * C + d;
+        float* a = acc + m * width + j;
+        vf s;
+        std::memcpy(&s, a, sizeof s);
+        s += xm[0] * w0 + xm[1] * w1 + xm[2] * w2 + xm[3] * w3;
+        std::memcpy(a, &s, sizeof s);
+      }
+    }
+    for (int64_t j = nv; j < width; ++j) {
+      const float w0 = scalar(r0 + j), w1 = scalar(r1 + j), w2 = scalar(r2 + j),
+                  w3 = scalar(r3 + j);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * C + d;
+        acc[m * width + j] += xm[0] * w0 + xm[1] * w1 + xm[2] * w2 + xm[3] * w3;
+      }
+    }
+  }
+  for (; d < C; ++d) {
+    const W* r0 = w + d * N + n0;
+    for (int64_t j = 0; j < nv; j += kVW) {
+      const vf w0 = vec(r0 + j);
+      for (int64_t m = 0; m < M; ++m) {
+        float* a = acc + m * width + j;
+        vf s;
+        std::memcpy(&s, a, sizeof s);
+        s += x[m * C + d] * w0;
+        std::memcpy(a, &s, sizeof s);
+      }
+    }
+    for (int64_t j = nv; j < width; ++j)
+      for (int64_t m = 0; m < M; ++m) acc[m * width + j] += x[m * C + d] * scalar(r0 + j);
+  }
+}
+
+template <typename T>
+void store(const float* acc, int64_t M, int64_t width, const float* scale, int64_t N,
+           int64_t n0, T* y) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < width; ++j) {
+      float v = acc[m * width + j];
+      if (scale) v *= scale[n0 + j];
+      if constexpr (sizeof(T) == 4)
+        y[m * N + n0 + j] = v;
+      else
+        y[m * N + n0 + j] = f32_to_bf16(v);
+    }
+}
+
+constexpr int64_t kAccFloats = 4096;  // one strip's accumulators: 16 KiB, well inside L1
+
+template <typename W, typename T>
+void gemv(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const float* scale,
+          T* y, int threads) {
+  // Parts: column strips whose accumulators fit kAccFloats, at least one per thread, each a
+  // multiple of the vector width (the last takes the rest).
+  const int64_t acc_w = std::max<int64_t>(kVW, kAccFloats / std::max<int64_t>(M, 1) / kVW * kVW);
+  const int64_t by_threads = (N + threads - 1) / threads;
+  const int64_t width = std::max<int64_t>(
+      kVW, (std::min(std::min<int64_t>(acc_w, 1024), by_threads) + kVW - 1) / kVW * kVW);
+  const int parts = static_cast<int>((N + width - 1) / width);
+  auto part = [&](int i) {
+    const int64_t n0 = i * width, n1 = std::min(N, n0 + width);
+    std::vector<float> acc(static_cast<size_t>(M * (n1 - n0)));
+    strip(x, M, C, w, N, n0, n1 - n0, acc.data());
+    store(acc.data(), M, n1 - n0, scale, N, n0, y);
+  };
+  if (threads <= 1) {
+    for (int i = 0; i < parts; ++i) part(i);
+  } else {
+    pool().run(parts, part);
+  }
+}
+
+template <typename T>
+void run_typed(ffi::AnyBuffer w, const float* x, int64_t M, int64_t C, int64_t N,
+               const float* scale, T* y, int threads) {
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      return gemv(x, M, C, static_cast<const float*>(w.untyped_data()), N, scale, y, threads);
+    case ffi::DataType::BF16:
+      return gemv(x, M, C, static_cast<const uint16_t*>(w.untyped_data()), N, scale, y, threads);
+    default:
+      return gemv(x, M, C, static_cast<const int8_t*>(w.untyped_data()), N, scale, y, threads);
+  }
+}
+
+ffi::Error Gemv(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+                ffi::Result<ffi::AnyBuffer> y, int64_t threads) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("cpu_gemv: x must be [M, C] and w [C, N]");
+  const int64_t M = xd[0], C = xd[1], N = wd[1];
+  const int64_t n_scale = scale.element_count();
+  if (n_scale != 0 && n_scale != N)
+    return ffi::Error::InvalidArgument("cpu_gemv: scale must hold one value per column or none");
+  const auto wt = w.element_type(), xt = x.element_type();
+  if (wt != ffi::DataType::F32 && wt != ffi::DataType::BF16 && wt != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("cpu_gemv: weights float32, bfloat16 or int8 only");
+  if (xt != ffi::DataType::F32 && xt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("cpu_gemv: x float32 or bfloat16 only");
+  if (M * N == 0) return ffi::Error::Success();
+  // x widened to f32 once (it is small: M rows of C)
+  std::vector<float> xf(static_cast<size_t>(M * C));
+  if (xt == ffi::DataType::F32) {
+    std::memcpy(xf.data(), x.untyped_data(), xf.size() * 4);
+  } else {
+    const uint16_t* xs = static_cast<const uint16_t*>(x.untyped_data());
+    for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_f32(xs[i]);
+  }
+  const float* sc = n_scale ? scale.typed_data() : nullptr;
+  const int n_threads = threads > 0 ? static_cast<int>(threads) : default_threads();
+  if (xt == ffi::DataType::F32)
+    run_typed(w, xf.data(), M, C, N, sc, static_cast<float*>(y->untyped_data()), n_threads);
+  else
+    run_typed(w, xf.data(), M, C, N, sc, static_cast<uint16_t*>(y->untyped_data()), n_threads);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuGemv, Gemv,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, C]
+                                  .Arg<ffi::AnyBuffer>()  // w [C, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [N] or [0]
+                                  .Ret<ffi::AnyBuffer>()  // y [M, N]
+                                  .Attr<int64_t>("threads"));

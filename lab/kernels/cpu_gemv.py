@@ -1,0 +1,107 @@
+"""Small-batch matmul in C++ for the CPU (cpu_gemv.cc), called through XLA's FFI (`jax.ffi`):
+decode's matmuls, which are memory-bound.
+
+Why it exists: a decode step multiplies a few rows of activations by every weight of the model,
+so its speed is the rate the weights stream from memory. XLA:CPU reached ~50–65% of the copy
+roof with float32 weights, and with int8 weights it converts the whole weight to float before
+each dot (a dequantised copy written and read again every step), which made int8 decode
+~10× *slower* than float32 where it should be ~4× faster. This kernel reads each weight once in
+its own dtype (float32, bfloat16, or int8 codes with one float32 scale per output column),
+widens it in registers, sums in float32 and multiplies the scale into the sum (it is constant
+along the contraction), threaded over output columns.
+
+    y[M, N] = x[M, C] · w[C, N] (· scale[N]),   x float32 or bfloat16, y in x's dtype
+
+Inference only: the op has no gradient (no custom_vjp), and `jax.grad` through it is an error.
+Decoding never differentiates; training keeps XLA's dot.
+
+Build: lab/kernels/native.py (first use, cached; no compiler: one line, `available()` is False
+and the callers keep XLA's dot). LAB_CPU_GEMV=0 turns it off; LAB_CPU_GEMV_THREADS sets the
+thread count (default: the host's cores).
+"""
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lab.kernels import native
+
+SOURCE = Path(__file__).with_name("cpu_gemv.cc")
+X_DTYPES = (jnp.float32, jnp.bfloat16)
+W_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
+_TARGET = "lab_cpu_gemv"
+_WHAT = "cpu_gemv matmul kernel"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA (builds it on the first call)."""
+    if os.environ.get("LAB_CPU_GEMV") == "0":
+        return False
+    lib_path = native.build(
+        SOURCE,
+        what=_WHAT,
+        fallback="decode's matmuls run XLA's dot",
+        cxx=native.compiler(),
+        compile_fn=lambda cxx, opt, out: native.compile_library(cxx, opt, SOURCE, out, _WHAT),
+        portable=os.environ.get("LAB_CPU_GEMV_PORTABLE") == "1",
+    )
+    if lib_path is None:
+        return False
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.LabCpuGemv), platform="cpu")
+    return True
+
+
+def check_inputs(x_MxC, w_CxN, scale_N=None) -> None:
+    """ValueError naming what this kernel does not take, or that it is not built here."""
+    if x_MxC.ndim != 2 or w_CxN.ndim != 2 or x_MxC.shape[1] != w_CxN.shape[0]:
+        raise ValueError(f"{x_MxC.shape=} {w_CxN.shape=}: cpu_gemv multiplies x [M, C] by w [C, N]")
+    if x_MxC.dtype not in X_DTYPES:
+        raise ValueError(f"{x_MxC.dtype=}: cpu_gemv takes float32 or bfloat16 activations")
+    if w_CxN.dtype not in W_DTYPES:
+        raise ValueError(f"{w_CxN.dtype=}: cpu_gemv takes float32, bfloat16 or int8 weights")
+    if (w_CxN.dtype == jnp.int8) != (scale_N is not None):
+        raise ValueError(f"{w_CxN.dtype=}: int8 weights need a scale per column, floats none")
+    if scale_N is not None and scale_N.shape != (w_CxN.shape[1],):
+        raise ValueError(f"{scale_N.shape=} {w_CxN.shape=}: one scale per output column")
+    if not available():
+        raise ValueError(
+            "cpu_gemv is not built here (no C++ compiler, a failed build, or LAB_CPU_GEMV=0)"
+        )
+
+
+def cpu_gemv(x_MxC, w_CxN, scale_N=None, *, threads: int = 0):
+    """x · w (· scale per column) on the CPU, float32 sums, in x's dtype. `threads` 0: every
+    core (or LAB_CPU_GEMV_THREADS)."""
+    check_inputs(x_MxC, w_CxN, scale_N)
+    scale = jnp.zeros((0,), jnp.float32) if scale_N is None else scale_N.astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((x_MxC.shape[0], w_CxN.shape[1]), x_MxC.dtype)
+    call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")
+    return call(x_MxC, w_CxN, scale, threads=np.int64(threads))
+
+
+def gemv_reference(x_MxC, w_CxN, scale_N=None):
+    """The same product in float64 with numpy (the tests' reference)."""
+    y = np.asarray(x_MxC, np.float64) @ np.asarray(w_CxN, np.float64)
+    return y if scale_N is None else y * np.asarray(scale_N, np.float64)
+
+
+MAX_ROWS = 16  # rows of x the kernel takes in a model: decode's; prefill's many rows use XLA
+
+
+def model_matmul(x_MxC, w_CxN, scale_N, dtype):
+    """`lab.quant.Matmuls.native`: y [M, N] in `dtype` through this kernel, or None where it
+    does not take the operands (more than MAX_ROWS rows, other dtypes, not built)."""
+    ok = (
+        x_MxC.shape[0] <= MAX_ROWS
+        and jnp.dtype(dtype) in X_DTYPES
+        and w_CxN.dtype in W_DTYPES
+        and available()
+    )
+    return cpu_gemv(x_MxC.astype(dtype), w_CxN, scale_N) if ok else None

@@ -1,0 +1,100 @@
+"""The native CPU matmul (lab/kernels/cpu_gemv.py) against a float64 reference: float32,
+bfloat16 and int8 weights (per-column scales), float32 and bfloat16 activations, lengths that
+are not multiples of the vector width; the model's einsums through `lab.quant.matmul`; bad
+input one line. Inference only: the kernel has no gradient, so none is tested."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lab import quant
+from lab.kernels import cpu_gemv
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="cpu_gemv is not built here")
+
+# Relative to max |y|. float32 sums of C <= 300 products: ~1e-6. A bfloat16 output rounds to
+# 8 bits of mantissa (2^-9 ≈ 2e-3 relative); bfloat16 inputs are exact in the reference (it
+# takes the rounded values), so only the output's rounding and f32 sums remain.
+TOL = {"float32": 2e-5, "bfloat16": 8e-3}
+
+
+def _operands(rng, M, C, N, w_dtype, x_dtype):
+    x = jnp.asarray(rng.standard_normal((M, C)), x_dtype)
+    if w_dtype == "int8":
+        w = jnp.asarray(rng.integers(-127, 128, (C, N)), jnp.int8)
+        scale = jnp.asarray(rng.uniform(0.001, 0.02, N), jnp.float32)
+    else:
+        w, scale = jnp.asarray(rng.standard_normal((C, N)), w_dtype), None
+    return x, w, scale
+
+
+@pytest.mark.parametrize("M,C,N", [(1, 300, 77), (5, 37, 130)])
+@pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_matches_the_float64_reference(M, C, N, w_dtype, x_dtype):
+    x, w, scale = _operands(np.random.default_rng(M * C + N), M, C, N, w_dtype, x_dtype)
+    got = jax.jit(cpu_gemv.cpu_gemv)(x, w, scale)
+    assert got.shape == (M, N) and got.dtype == x.dtype
+    f32 = lambda a: None if a is None else np.asarray(a.astype(jnp.float32))  # noqa: E731
+    want = cpu_gemv.gemv_reference(f32(x), f32(w), f32(scale))
+    err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+    assert err < TOL[x_dtype], err
+
+
+def test_one_thread_gives_the_same_sums():
+    x, w, scale = _operands(np.random.default_rng(0), 3, 64, 200, "int8", "float32")
+    many = cpu_gemv.cpu_gemv(x, w, scale)
+    one = cpu_gemv.cpu_gemv(x, w, scale, threads=1)
+    np.testing.assert_array_equal(np.asarray(many), np.asarray(one))
+
+
+@pytest.mark.parametrize("name", ["wq", "wo", "w_down"])
+def test_the_models_einsums_through_quant_matmul(name):
+    """quant.matmul with the native kernel gives the einsum's result for the model's weight
+    layouts (several contracted or output axes), float and int8."""
+    eqn = quant.EINSUMS[name]
+    shapes = {"wq": (16, 4, 8), "wo": (4, 8, 16), "w_down": (48, 16)}
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal(shapes[name]), jnp.float32)
+    x_subs = eqn.split(",")[0]
+    dims = dict(zip(eqn.split(",")[1].split("->")[0], shapes[name], strict=True))
+    x = jnp.asarray(
+        rng.standard_normal([{"b": 2, "l": 1}.get(c) or dims[c] for c in x_subs]), jnp.float32
+    )
+    native = quant.Matmuls(native=cpu_gemv.model_matmul)
+    for weight in (w, quant.quantize_params({name: w})[name]):
+        want = quant.matmul(eqn, x, weight, jnp.float32)
+        with quant.using(native):
+            got = jax.jit(lambda x, w: quant.matmul(eqn, x, w, jnp.float32))(x, weight)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_many_rows_and_an_unbuilt_kernel_leave_it_to_xla(monkeypatch):
+    x = jnp.ones((cpu_gemv.MAX_ROWS + 1, 8), jnp.float32)
+    assert cpu_gemv.model_matmul(x, jnp.ones((8, 4)), None, jnp.float32) is None
+    monkeypatch.setattr(cpu_gemv, "available", lambda: False)
+    assert cpu_gemv.model_matmul(x[:1], jnp.ones((8, 4)), None, jnp.float32) is None
+
+
+@pytest.mark.parametrize(
+    "x,w,scale,words",
+    [
+        ((2, 8), (9, 4), None, "multiplies x [M, C] by w [C, N]"),
+        ((2, 8), (8, 4), (4,), "need a scale per column"),
+        ((2, 8), ("int8", 8, 4), None, "need a scale per column"),
+        ((2, 8), ("int8", 8, 4), (5,), "one scale per output column"),
+        (("int32", 2, 8), (8, 4), None, "float32 or bfloat16 activations"),
+    ],
+)
+def test_bad_input_is_one_line(x, w, scale, words):
+    def make(spec):
+        if spec is None:
+            return None
+        dtype, shape = (spec[0], spec[1:]) if isinstance(spec[0], str) else ("float32", spec)
+        return jnp.ones(shape, dtype)
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        cpu_gemv.cpu_gemv(make(x), make(w), make(scale))
