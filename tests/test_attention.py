@@ -236,7 +236,7 @@ def test_available_impls_per_backend():
         ("gpu", "float32", 128, (32, 32), "pallas_gpu"),  # cuDNN: bf16/f16 only
         ("gpu", "bfloat16", 256, (32, 32), "pallas_gpu"),  # cuDNN: head_dim <= 128
         ("gpu", "bfloat16", 64, (16, 32), "pallas_gpu"),  # cuDNN's causal mask is top-left
-        ("gpu", "float32", 48, (32, 32), "blockwise"),  # Triton tiles: powers of two only
+        ("gpu", "float32", 44, (32, 32), "blockwise"),  # Triton kernel: multiples of 8 only
         ("tpu", "bfloat16", 128, (32, 32), "pallas_tpu"),
         ("cpu", "float16", 128, (32, 32), "blockwise"),  # cpu_flash: f32/bf16 only
     ],
@@ -281,7 +281,14 @@ def _qkv(H=4, K=2, D=64, L=32, S=32, dtype="float32"):
     "args, kwargs, needle",
     [
         (_qkv(H=3, K=2), {}, "query heads must be a multiple of kv heads"),
-        (_qkv(L=40, S=20), {"causal": True}, "causal attention needs q seq <= kv seq"),
+        (
+            _qkv(L=40, S=20),
+            {"causal": True, "impl": "pallas_tpu", "interpret": True},
+            "impl='pallas_tpu' does not support causal attention with more queries than keys",
+        ),
+        (_qkv(), {"window": (4, -1)}, "window=(4, -1): expected (left, right)"),
+        (_qkv(), {"sinks": jnp.zeros(3)}, "attention sinks are one logit per query head"),
+        (_qkv(), {"softcap": -1.0}, "softcap=-1.0: expected a positive number"),
         (_qkv(), {"impl": "flash"}, "attention impl='flash': choose one of naive, blockwise"),
         (_qkv(), {"impl": "pallas"}, "impl='pallas' has no compiled kernel on backend 'cpu'"),
         (_qkv(), {"impl": "cudnn"}, "impl='cudnn' has no compiled kernel on backend 'cpu'"),
@@ -289,12 +296,12 @@ def _qkv(H=4, K=2, D=64, L=32, S=32, dtype="float32"):
         (
             _qkv(D=96),
             {"impl": "pallas_tpu", "interpret": True},
-            "pallas_tpu supports head_dim in (64, 128, 256)",
+            "pallas_tpu supports q/k head_dim in (64, 128, 256)",
         ),
         (
-            _qkv(D=48),
+            _qkv(D=44),
             {"impl": "pallas_gpu", "interpret": True},
-            "pallas_gpu supports head_dim in (16, 32",
+            "pallas_gpu supports q/k head_dim a multiple of 8 up to 256",
         ),
         (_qkv(dtype="int32"), {"impl": "blockwise"}, "impl='blockwise' supports dtypes float32"),
         (
@@ -305,7 +312,7 @@ def _qkv(H=4, K=2, D=64, L=32, S=32, dtype="float32"):
     ],
 )
 def test_bad_input_names_the_constraint(args, kwargs, needle):
-    with pytest.raises(ValueError, match="shape=|dtype=|impl=|interpret=") as info:
+    with pytest.raises(ValueError, match="shape=|dtype=|impl=|interpret=|window=|softcap=") as info:
         attention(*args, **kwargs)
     assert needle in str(info.value)
 

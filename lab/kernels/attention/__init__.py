@@ -56,6 +56,7 @@ once per shard under `shard_map`: batch and heads split, sequence whole.
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from lab.kernels.attention import (
@@ -67,7 +68,15 @@ from lab.kernels.attention import (
     pallas_tpu,
     ring,
 )
-from lab.kernels.attention.common import check_qkv, device_kind, platform, target_device
+from lab.kernels.attention import reference as _reference
+from lab.kernels.attention.common import (
+    FEATURE_NAMES,
+    Mask,
+    check_qkv,
+    device_kind,
+    platform,
+    target_device,
+)
 from lab.kernels.attention.reference import attention_reference
 from lab.measure import toolchain
 from lab.names import ATTENTION_IMPLS
@@ -75,6 +84,49 @@ from lab.names import ATTENTION_IMPLS
 IMPLS = ATTENTION_IMPLS
 PALLAS = ("pallas", "pallas_tpu", "pallas_gpu", "pallas_mgpu")
 _NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # backend -> its compiled Pallas kernel
+# What jax.nn.dot_product_attention takes: per-sequence lengths and a local window (its
+# causal mask is aligned top-left, so L == S there; see _check).
+_LIBRARY_FEATURES = frozenset({"lengths", "window"})
+_MODULES = {
+    "naive": _reference,
+    "blockwise": blockwise,
+    "ring": ring,
+    "cpu_flash": cpu_flash,
+    "pallas_tpu": pallas_tpu,
+    "pallas_gpu": pallas_gpu,
+    "pallas_mgpu": pallas_mgpu,
+}
+
+
+def supported_features(impl: str) -> frozenset:
+    """The common.FEATURE_NAMES `impl` takes (each kernel module lists its own in FEATURES)."""
+    if impl in ("xla", "cudnn"):
+        return _LIBRARY_FEATURES
+    return getattr(_MODULES.get(impl), "FEATURES", frozenset())
+
+
+def features_of(
+    q_BxLxHxK,
+    k_BxSxGxK,
+    v_BxSxGxV,
+    *,
+    mask: Mask | None = None,
+    softcap=None,
+    sinks=None,
+    return_lse: bool = False,
+) -> frozenset:
+    """The features one call needs (what `_check` holds against `supported_features`)."""
+    L, S = q_BxLxHxK.shape[1], k_BxSxGxK.shape[1]
+    out = set() if mask is None else mask.features(L, S)
+    if softcap is not None:
+        out.add("softcap")
+    if sinks is not None:
+        out.add("sinks")
+    if return_lse:
+        out.add("lse")
+    if v_BxSxGxV.shape[-1] != k_BxSxGxK.shape[-1]:
+        out.add("value_dim")
+    return frozenset(out)
 
 
 def gpu_kernels() -> list[str]:
@@ -163,23 +215,41 @@ def _splits_seq(shard_spec) -> bool:
     return size > 1
 
 
-def _per_shard(fn, shard_spec, *args):
-    """`fn` (a Pallas kernel) run on each device's block of q, k, v under the context mesh."""
+def _per_shard(fn, shard_spec, *args, extras=None):
+    """`fn` (a Pallas kernel) run on each device's block of q, k, v under the context mesh;
+    `extras` (keyword arguments: a Mask, sinks, softcap, return_lse) split alike."""
+    extras = extras or {}
     mesh = jax.sharding.get_abstract_mesh()
     if shard_spec is None or mesh.empty or mesh.size == 1:
-        return fn(*args)
+        return fn(*args, **extras)
     if _splits_seq(shard_spec):
         raise ValueError(
             f"q/k/v sharded along the sequence ({shard_spec}): a Pallas or native kernel needs "
             "whole sequences per device; use attention=ring for context parallelism"
         )
     spec = _fit(shard_spec, [x.shape for x in args], mesh)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(
-        *args
-    )
+    arrays = {k: x for k, x in extras.items() if k in ("mask", "sinks")}
+    static = {k: x for k, x in extras.items() if k not in arrays}
+    arrays_spec = {k: _extras_spec(x, spec) for k, x in arrays.items()}
+    out_spec = (spec, P(spec[0], None, spec[2])) if static.get("return_lse") else spec
+    return jax.shard_map(
+        lambda q, k, v, arrays: fn(q, k, v, **arrays, **static),
+        mesh=mesh,
+        in_specs=((spec,) * 3 + (arrays_spec,)),
+        out_specs=out_spec,
+        check_vma=False,
+    )(*args, arrays)
 
 
-def _ring(args, *, causal, scale, shard_spec):
+def _extras_spec(x, spec):
+    """The PartitionSpec tree of a Mask (per-sequence arrays split like the batch) or of the
+    sinks [H] (split like the heads)."""
+    if isinstance(x, Mask):
+        return jax.tree.map(lambda a: P(spec[0], *([None] * (a.ndim - 1))), x)
+    return P(spec[2])
+
+
+def _ring(args, *, causal, scale, shard_spec, extras=None):
     """Ring attention over the mesh axis `shard_spec` gives the sequence; batch and heads
     keep their split where it divides (the model's init traces a batch of one)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -199,10 +269,13 @@ def _ring(args, *, causal, scale, shard_spec):
         head_axes=spec[2],
         causal=causal,
         scale=scale,
+        **(extras or {}),
     )
 
 
-def _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, backend: str) -> tuple:
+def _auto(
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, backend: str, features=frozenset()
+) -> tuple:
     """(the fastest implementation that accepts this input, why a faster one was passed over
     or None); see the module docstring."""
     candidates = {"tpu": ["pallas_tpu"]}.get(backend, [])
@@ -210,11 +283,13 @@ def _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, backend: str) -> tuple:
         candidates = ["cpu_flash"]
     if backend == "gpu":
         candidates = (["cudnn"] if _cudnn_here() else []) + gpu_kernels()
-    impl, note = _first_fit(candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal)
+    impl, note = _first_fit(candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, False, features)
     return impl or "blockwise", note
 
 
-def _first_fit(candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, interpret=False):
+def _first_fit(
+    candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, interpret=False, features=()
+):
     """(the first implementation of `candidates` that takes this input and that this
     toolchain compiles correctly, or None; why one before it that takes the input was passed
     over for the toolchain, or None). Only the toolchain's reason is kept: an input a kernel
@@ -222,7 +297,7 @@ def _first_fit(candidates, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, interp
     note = None
     for impl in candidates:
         try:
-            _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal)
+            _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, features)
         except ValueError:
             continue
         problem = _toolchain_problem(impl, causal, interpret)
@@ -250,8 +325,18 @@ def _passed_over(note, chosen: str) -> str | None:
     )
 
 
-def _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool) -> None:
+def _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, features=frozenset()) -> None:
     """Constraints beyond the shared ones, per implementation (ValueError naming them)."""
+    missing = sorted(set(features) - supported_features(impl))
+    if missing:
+        takers = [
+            i for i in ("blockwise", "cpu_flash", "naive") if set(features) <= supported_features(i)
+        ]
+        raise ValueError(
+            f"attention impl={impl!r} does not support {FEATURE_NAMES[missing[0]]}"
+            + (f" (nor: {', '.join(missing[1:])})" if missing[1:] else "")
+            + f"; use {' or '.join(takers)}"
+        )
     if impl == "pallas_tpu":
         pallas_tpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     elif impl == "pallas_gpu":
@@ -277,18 +362,42 @@ def _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool) -> None:
 
 
 def choose(
-    impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal=True, interpret=False, backend=None
+    impl,
+    q_BxLxHxK,
+    k_BxSxGxK,
+    v_BxSxGxK,
+    *,
+    causal=True,
+    interpret=False,
+    backend=None,
+    features=frozenset(),
 ) -> str:
     """The implementation `attention` runs for these inputs (arrays or ShapeDtypeStructs) on
     `backend` (default: `platform()`), or a ValueError naming the constraint; lab.run asks
-    before tracing so that a bad choice is one line, not a traceback from inside jit."""
+    before tracing so that a bad choice is one line, not a traceback from inside jit.
+    `features`: what the call needs beyond plain attention (`features_of`)."""
     return choose_noted(
-        impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, interpret=interpret, backend=backend
+        impl,
+        q_BxLxHxK,
+        k_BxSxGxK,
+        v_BxSxGxK,
+        causal=causal,
+        interpret=interpret,
+        backend=backend,
+        features=features,
     )[0]
 
 
 def choose_noted(
-    impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal=True, interpret=False, backend=None
+    impl,
+    q_BxLxHxK,
+    k_BxSxGxK,
+    v_BxSxGxK,
+    *,
+    causal=True,
+    interpret=False,
+    backend=None,
+    features=frozenset(),
 ) -> tuple[str, str | None]:
     """`choose`, with one line saying why `auto`/`pallas` passed over the kernel they prefer
     here (this toolchain miscompiles it), or None: a run's header and a plan print it, so a
@@ -297,17 +406,19 @@ def choose_noted(
         raise ValueError(f"attention impl={impl!r}: choose one of {', '.join(IMPLS)} or auto")
     if interpret and impl not in PALLAS:
         raise ValueError(f"interpret=True applies to impl in {PALLAS}, not impl={impl!r}")
-    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, empty_rows=True, value_dim=True)
     backend = backend or platform()
     note = None
     if impl == "auto":
-        impl, note = _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, backend)
+        impl, note = _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, backend, features)
     elif impl == "pallas" and backend == "gpu":  # the best GPU kernel that takes the input
-        impl, note = _first_fit(gpu_kernels(), q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, interpret)
+        impl, note = _first_fit(
+            gpu_kernels(), q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, interpret, features
+        )
         impl = impl or "pallas_gpu"
     else:
         impl = _resolve(impl, interpret, backend)
-    _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal)
+    _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, features)
     if impl == "pallas_mgpu" and not interpret:  # named explicitly: refused, not replaced
         pallas_mgpu.check_toolchain(causal=causal)
     return impl, _passed_over(note, impl)
@@ -316,7 +427,7 @@ def choose_noted(
 def attention(
     q_BxLxHxK,
     k_BxSxGxK,
-    v_BxSxGxK,
+    v_BxSxGxV,
     *,
     causal: bool = True,
     impl: str = "auto",
@@ -324,31 +435,102 @@ def attention(
     interpret: bool = False,
     block_sizes=None,
     shard_spec=None,
+    window: tuple | None = None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    q_lengths=None,
+    kv_lengths=None,
+    softcap: float | None = None,
+    sinks=None,
+    return_lse: bool = False,
 ):
     """softmax(Q·Kᵀ·scale)·V with layout [batch, seq, heads, head_dim]; scale 1/√K by default.
 
-    k and v may have fewer heads than q (grouped-query: query head h reads kv head h // R, R = H/G).
+    k and v may have fewer heads than q (grouped-query: query head h reads kv head h // R, R = H/G);
+    v's head dim may differ from q's and k's (the output takes v's).
     `block_sizes` is the chosen kernel's own BlockSizes (None: its default). `shard_spec`:
     how q, k, v are split over the context mesh, for the Pallas kernels' shard_map.
+
+    The mask (common.Mask; every clause must hold): `causal` (bottom-right aligned),
+    `window=(left, right)` (key j seen by query i iff i+S-L-left <= j <= i+S-L+right; None
+    sides unbounded), `q_segment_ids` [B, L] and `kv_segment_ids` [B, S] (packed sequences:
+    only equal ids attend; kv defaults to q's when L == S), `q_lengths` / `kv_lengths` [B]
+    (right padding). A row that sees no key gives 0. `softcap`: scores become
+    softcap·tanh(scores/softcap) after scaling. `sinks` [H]: a learned logit per query head in
+    every row's softmax denominator. `return_lse=True`: (out, lse) with lse [B, L, H] f32, the
+    log of each row's softmax denominator (differentiable; -inf for a row that sees nothing).
+    An implementation that lacks a feature the call needs refuses in one line naming it;
+    `auto` picks the fastest one that has them all.
     """
+    if q_segment_ids is not None and kv_segment_ids is None:
+        if q_BxLxHxK.shape[1] != k_BxSxGxK.shape[1]:
+            raise ValueError(
+                f"{q_BxLxHxK.shape=} {k_BxSxGxK.shape=}: q and kv lengths differ, so pass "
+                "kv_segment_ids as well as q_segment_ids"
+            )
+        kv_segment_ids = q_segment_ids
+    mask = Mask.make(
+        causal=causal,
+        window=window,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+    )
+    B, L, H = q_BxLxHxK.shape[:3]
+    mask.check(B, L, k_BxSxGxK.shape[1])
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap={softcap!r}: expected a positive number")
+    if sinks is not None and tuple(sinks.shape) != (H,):
+        raise ValueError(f"{sinks.shape=}: attention sinks are one logit per query head, ({H},)")
+    features = features_of(
+        q_BxLxHxK,
+        k_BxSxGxK,
+        v_BxSxGxV,
+        mask=mask,
+        softcap=softcap,
+        sinks=sinks,
+        return_lse=return_lse,
+    )
     asked = impl
-    impl = choose(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, interpret=interpret)
+    impl = choose(
+        impl,
+        q_BxLxHxK,
+        k_BxSxGxK,
+        v_BxSxGxV,
+        causal=causal,
+        interpret=interpret,
+        features=features,
+    )
     if impl == "cpu_flash" and asked == "auto" and _splits_seq(shard_spec):
         impl = "blockwise"  # XLA partitions blockwise along the sequence; the FFI call it cannot
-    args = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK)
+    args = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV)
+    # Kernels are given the new arguments only when a call uses them, so a kernel that takes
+    # none of them keeps its plain signature.
+    extras = {}
+    if mask.dynamic or mask.window is not None or "empty_rows" in features:
+        extras["mask"] = mask
+    if softcap is not None:
+        extras["softcap"] = float(softcap)
+    if sinks is not None:
+        extras["sinks"] = sinks
+    if return_lse:
+        extras["return_lse"] = True
     if impl == "naive":
-        return attention_reference(*args, causal=causal, scale=scale)
+        return attention_reference(*args, causal=causal, scale=scale, **_sinks_H(extras))
     if impl == "ring":
-        return _ring(args, causal=causal, scale=scale, shard_spec=shard_spec)
+        return _ring(args, causal=causal, scale=scale, shard_spec=shard_spec, extras=extras)
     if impl == "blockwise":
         bs = block_sizes or blockwise.BlockSizes()
-        return blockwise.blockwise_attention(*args, causal=causal, scale=scale, block_sizes=bs)
+        return blockwise.blockwise_attention(
+            *args, causal=causal, scale=scale, block_sizes=bs, **extras
+        )
     if impl == "cpu_flash":  # an FFI call is opaque to XLA's partitioner, as a Pallas kernel
         bs = block_sizes or cpu_flash.BlockSizes()
         kernel = functools.partial(
             cpu_flash.cpu_flash_attention, causal=causal, scale=scale, block_sizes=bs
         )
-        return _per_shard(kernel, shard_spec, *args)
+        return _per_shard(kernel, shard_spec, *args, extras=extras)
     if impl == "pallas_tpu":
         bs = block_sizes or pallas_tpu.BlockSizes()
         kernel = functools.partial(
@@ -358,7 +540,7 @@ def attention(
             block_sizes=bs,
             interpret=interpret,
         )
-        return _per_shard(kernel, shard_spec, *args)
+        return _per_shard(kernel, shard_spec, *args, extras=extras)
     if impl == "pallas_gpu":
         kernel = functools.partial(
             pallas_gpu.flash_attention_gpu,
@@ -367,7 +549,7 @@ def attention(
             block_sizes=block_sizes,
             interpret=interpret,
         )
-        return _per_shard(kernel, shard_spec, *args)
+        return _per_shard(kernel, shard_spec, *args, extras=extras)
     if impl == "pallas_mgpu":
         kernel = functools.partial(
             pallas_mgpu.flash_attention_mgpu,
@@ -376,8 +558,39 @@ def attention(
             block_sizes=block_sizes,
             interpret=interpret,
         )
-        return _per_shard(kernel, shard_spec, *args)
-    return jax.nn.dot_product_attention(*args, scale=scale, is_causal=causal, implementation=impl)
+        return _per_shard(kernel, shard_spec, *args, extras=extras)
+    return _library(args, mask=mask, scale=scale, impl=impl)
+
+
+def _sinks_H(extras: dict) -> dict:
+    """The reference's spelling of the extras (sinks_H for sinks)."""
+    out = dict(extras)
+    if "sinks" in out:
+        out["sinks_H"] = out.pop("sinks")
+    return out
+
+
+def _library(args, *, mask: Mask, scale, impl: str):
+    """jax.nn.dot_product_attention with the mask features it has (lengths, a local window);
+    rows that see no key are set to 0, as every other implementation gives them."""
+    q_BxLxHxK, k_BxSxGxK, _ = args
+    L, S = q_BxLxHxK.shape[1], k_BxSxGxK.shape[1]
+    window = None
+    if mask.window is not None:
+        window = tuple(S + L if w is None else w for w in mask.window)
+    o_BxLxHxK = jax.nn.dot_product_attention(
+        *args,
+        scale=scale,
+        is_causal=mask.causal,
+        query_seq_lengths=mask.q_lengths,
+        key_value_seq_lengths=mask.kv_lengths,
+        local_window_size=window,
+        implementation=impl,
+    )
+    if not mask.lengths:
+        return o_BxLxHxK
+    seen_BxL = mask.dense(q_BxLxHxK.shape[0], L, S).any(-1)
+    return jnp.where(seen_BxL[:, :, None, None], o_BxLxHxK, 0).astype(o_BxLxHxK.dtype)
 
 
 DECODE_IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_gpu")

@@ -3,7 +3,14 @@
 Causal convention (the reference's): query row i may see key column j when
 j <= i + (S - L), i.e. the mask is aligned to the bottom-right corner, which is what decoding
 with a key/value cache needs. For L == S this is the usual lower triangle. Causal attention
-with L > S would leave the first rows with no key at all, so it is refused.
+with L > S leaves the first rows with no key at all: kernels that take a `Mask` give such rows
+the output 0 (FlashAttention's convention); the others refuse it (`check_qkv`).
+
+`Mask` is the one description of which (query, key) pairs take part, shared by every
+implementation: causal, a sliding window, segment ids (packed sequences), per-sequence
+lengths, and any combination. `Mask.block_map` classifies every (query block, key block) tile
+as empty, partial or full before a kernel runs, so kernels skip the empty tiles and apply the
+mask only to the partial ones.
 """
 
 import dataclasses
@@ -11,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 # A large finite negative instead of -inf: exp(MASK - m) is exactly 0 and never inf - inf = NaN.
@@ -35,15 +43,32 @@ def device_kind() -> str:
     return getattr(target_device(), "device_kind", None) or jax.devices()[0].device_kind
 
 
-def check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool) -> None:
-    """Shape rules every implementation needs; raise ValueError naming the broken one."""
+def check_qkv(
+    q_BxLxHxK,
+    k_BxSxGxK,
+    v_BxSxGxK,
+    *,
+    causal: bool,
+    empty_rows: bool = False,
+    value_dim: bool = False,
+) -> None:
+    """Shape rules every implementation needs; raise ValueError naming the broken one.
+
+    `empty_rows`: the caller gives rows with no visible key the output 0 (causal L > S is
+    then allowed); `value_dim`: the caller takes a value head dim unlike the query/key one.
+    """
     q, k, v = q_BxLxHxK, k_BxSxGxK, v_BxSxGxK
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"{q.shape=} {k.shape=} {v.shape=}: expected [batch, seq, heads, head_dim]"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"{k.shape=} {v.shape=}: keys and values must have the same shape")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"{k.shape=} {v.shape=}: keys and values must share batch, seq and heads")
+    if not value_dim and k.shape != v.shape:
+        raise ValueError(
+            f"{k.shape=} {v.shape=}: this implementation needs the value head dim equal to "
+            "the key head dim"
+        )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"{q.shape=} {k.shape=}: batch and head_dim of q and k must match")
     if q.shape[2] % k.shape[2]:
@@ -51,7 +76,7 @@ def check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool) -> None:
             f"{q.shape=} {k.shape=}: query heads must be a multiple of kv heads "
             "(grouped-query attention)"
         )
-    if causal and q.shape[1] > k.shape[1]:
+    if causal and not empty_rows and q.shape[1] > k.shape[1]:
         raise ValueError(
             f"{q.shape=} {k.shape=}: causal attention needs q seq <= kv seq "
             "(bottom-right aligned mask; earlier rows would see no key)"
@@ -177,3 +202,274 @@ class Geometry:
             first_whole = jnp.asarray(start, jnp.int32)
         padded = (j + 1) * self.bk > self.S
         return jnp.where(padded, self.n_q, jnp.minimum(first_whole, self.n_q))
+
+
+# ---------------------------------------------------------------------------- masks
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # a tile's kind in `BlockMap.kind`
+
+# What an implementation may take beyond plain (causal or full) attention; each kernel module
+# lists the ones it supports in FEATURES, and the dispatch refuses the rest in one line.
+FEATURE_NAMES = {
+    "empty_rows": "causal attention with more queries than keys (rows with no key give 0)",
+    "segments": "segment ids (packed sequences)",
+    "lengths": "per-sequence query/key lengths",
+    "window": "a sliding window",
+    "softcap": "logit soft-capping",
+    "sinks": "attention sinks",
+    "lse": "return_lse=True",
+    "value_dim": "a value head dim unlike the query/key head dim",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMap:
+    """Every (query block, key block) tile classified before a kernel runs.
+
+    kind      [B, n_q, n_k] int32  EMPTY (skip), PARTIAL (apply the mask) or FULL (no mask)
+    kv_blocks [B, n_q, n_k] int32  per query block, its non-empty key blocks ascending, then the
+                                   last of them repeated (a Pallas index_map that repeats a block
+                                   fetches nothing new)
+    kv_count  [B, n_q]      int32  how many of kv_blocks are real
+    q_blocks  [B, n_k, n_q] int32  per key block, its non-empty query blocks (backward dK/dV)
+    q_count   [B, n_k]      int32
+
+    B is the batch when the mask depends on per-sequence arrays (segment ids, lengths), else 1
+    (the same map for every sequence). NumPy arrays where the mask is static (the kernel may
+    read them at trace time), jax arrays otherwise.
+    """
+
+    kind: object
+    kv_blocks: object
+    kv_count: object
+    q_blocks: object
+    q_count: object
+
+    @property
+    def static(self) -> bool:
+        return isinstance(self.kind, np.ndarray)
+
+    def merged(self) -> "BlockMap":
+        """One map for the whole batch (B = 1): a tile is empty only if empty in every
+        sequence, full only if full in every one; for kernels whose tile spans the batch."""
+        if self.kind.shape[0] == 1:
+            return self
+        xp = np if self.static else jnp
+        kind = xp.where(
+            (self.kind == EMPTY).all(0), EMPTY, xp.where((self.kind == FULL).all(0), FULL, PARTIAL)
+        )
+        return BlockMap.from_kind(kind[None], xp)
+
+    @staticmethod
+    def from_kind(kind, xp) -> "BlockMap":
+        def lists(kind_BxNxM):
+            nonempty = kind_BxNxM != EMPTY
+            count = nonempty.sum(-1).astype(np.int32)
+            if xp is np:
+                order = np.argsort(~nonempty, axis=-1, kind="stable")
+            else:
+                order = jnp.argsort(~nonempty, axis=-1, stable=True)
+            last = xp.take_along_axis(order, xp.maximum(count - 1, 0)[..., None], axis=-1)
+            t = xp.arange(kind_BxNxM.shape[-1])
+            return xp.where(t < count[..., None], order, last).astype(np.int32), count
+
+        kind = kind.astype(np.int32)
+        kv_blocks, kv_count = lists(kind)
+        q_blocks, q_count = lists(xp.swapaxes(kind, 1, 2))
+        return BlockMap(kind, kv_blocks, kv_count, q_blocks, q_count)
+
+
+def _block_min_max(ids_BxN, block: int, n_blocks: int):
+    """Per-block (min, max) of segment ids [B, N]; the tail padded with its last id."""
+    pad = n_blocks * block - ids_BxN.shape[1]
+    ids = jnp.pad(ids_BxN, ((0, 0), (0, pad)), mode="edge").reshape(ids_BxN.shape[0], -1, block)
+    return ids.min(-1), ids.max(-1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """Which (query i, key j) pairs of one call take part; every clause must hold.
+
+    causal          j <= i + (S - L): bottom-right aligned (module docstring)
+    window          (left, right): i + (S-L) - left <= j <= i + (S-L) + right, each side an
+                    int >= 0 or None (unbounded); FlashAttention's window_size, inclusive:
+                    (1023, 0) with causal is "the last 1,024 tokens, itself included"
+    q_segment_ids   [B, L] int, kv_segment_ids [B, S] int: packed sequences, a query sees
+                    only keys of its own segment
+    q_lengths       [B] int: rows i >= q_lengths[b] see nothing (output 0)
+    kv_lengths      [B] int: keys j >= kv_lengths[b] are padding
+
+    The diagonal stays at the padded shapes' offset S - L: lengths mark right padding, they do
+    not move it. A row that sees no key gets the output 0 and log-sum-exp -inf (with
+    attention sinks: the output 0 and the sink's logit). A pytree: the arrays are its leaves,
+    causal and window its static part, so a Mask passes through jit and shard_map.
+    """
+
+    q_segment_ids: object = None
+    kv_segment_ids: object = None
+    q_lengths: object = None
+    kv_lengths: object = None
+    causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    window: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @staticmethod
+    def make(
+        *,
+        causal: bool = False,
+        window=None,
+        q_segment_ids=None,
+        kv_segment_ids=None,
+        q_lengths=None,
+        kv_lengths=None,
+    ) -> "Mask":
+        """A checked Mask (window normalised to a tuple of two ints or Nones)."""
+        if window is not None:
+            if not (isinstance(window, (tuple, list)) and len(window) == 2) or any(
+                w is not None
+                and (isinstance(w, bool) or not isinstance(w, (int, np.integer)))
+                or (w is not None and w < 0)
+                for w in window
+            ):
+                raise ValueError(
+                    f"window={window!r}: expected (left, right), each an int >= 0 or None"
+                )
+            window = tuple(None if w is None else int(w) for w in window)
+            if window == (None, None):
+                window = None
+        if (q_segment_ids is None) != (kv_segment_ids is None):
+            raise ValueError("segment ids: pass both q_segment_ids and kv_segment_ids, or neither")
+        return Mask(q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, bool(causal), window)
+
+    @property
+    def segments(self) -> bool:
+        return self.q_segment_ids is not None
+
+    @property
+    def lengths(self) -> bool:
+        return self.q_lengths is not None or self.kv_lengths is not None
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the mask depends on arrays (segment ids, lengths): a per-sequence map."""
+        return self.segments or self.lengths
+
+    def features(self, L: int, S: int) -> set:
+        """The FEATURE_NAMES this mask needs from a kernel."""
+        out = set()
+        if self.segments:
+            out.add("segments")
+        if self.lengths:
+            out.add("lengths")
+        if self.window is not None:
+            out.add("window")
+        if self.causal and L > S:
+            out.add("empty_rows")
+        return out
+
+    def check(self, B: int, L: int, S: int) -> None:
+        """ValueError naming a mask array whose shape or dtype does not fit q [B, L, ...]."""
+        for name, want in (
+            ("q_segment_ids", (B, L)),
+            ("kv_segment_ids", (B, S)),
+            ("q_lengths", (B,)),
+            ("kv_lengths", (B,)),
+        ):
+            x = getattr(self, name)
+            if x is None:
+                continue
+            if tuple(x.shape) != want or not jnp.issubdtype(x.dtype, jnp.integer):
+                raise ValueError(
+                    f"{name}.shape={tuple(x.shape)} dtype={x.dtype}: expected integers of "
+                    f"shape {want} for q [B={B}, L={L}] and k [B, S={S}]"
+                )
+
+    def band(self, L: int, S: int) -> tuple:
+        """(lo, hi): key offsets from the diagonal i + S - L that row i may see (None:
+        unbounded), causal and window combined."""
+        left, right = self.window or (None, None)
+        if self.causal:
+            right = 0 if right is None else min(right, 0)
+        return (None if left is None else -left), right
+
+    def visible(
+        self, q_pos, k_pos, *, L: int, S: int, q_seg=None, kv_seg=None, q_len=None, kv_len=None
+    ):
+        """Elementwise: whether query position q_pos sees key position k_pos (broadcasting).
+
+        The caller passes the tile's slices of the mask arrays, shaped to broadcast against
+        the positions: q_seg like q_pos, kv_seg like k_pos, lengths [B, 1, 1]-like. Positions
+        past L or S (block padding) are never visible.
+        """
+        lo, hi = self.band(L, S)
+        ok = (q_pos < L) & (k_pos < S)
+        d = k_pos - q_pos - (S - L)
+        if lo is not None:
+            ok = ok & (d >= lo)
+        if hi is not None:
+            ok = ok & (d <= hi)
+        if q_len is not None:
+            ok = ok & (q_pos < q_len)
+        if kv_len is not None:
+            ok = ok & (k_pos < kv_len)
+        if q_seg is not None:
+            ok = ok & (q_seg == kv_seg)
+        return ok
+
+    def dense(self, B: int, L: int, S: int):
+        """The full [B, L, S] boolean mask (the reference's; quadratic memory)."""
+        q_pos = jnp.arange(L)[None, :, None]
+        k_pos = jnp.arange(S)[None, None, :]
+        seg_q = None if not self.segments else self.q_segment_ids[:, :, None]
+        seg_k = None if not self.segments else self.kv_segment_ids[:, None, :]
+        q_len = None if self.q_lengths is None else self.q_lengths[:, None, None]
+        kv_len = None if self.kv_lengths is None else self.kv_lengths[:, None, None]
+        ok = self.visible(
+            q_pos, k_pos, L=L, S=S, q_seg=seg_q, kv_seg=seg_k, q_len=q_len, kv_len=kv_len
+        )
+        return jnp.broadcast_to(ok, (B, L, S))
+
+    def block_map(self, L: int, S: int, bq: int, bk: int) -> BlockMap:
+        """Classify each (query block, key block) tile: EMPTY, PARTIAL or FULL.
+
+        The band (causal, window) and the static lengths L, S are exact per tile; lengths per
+        sequence shrink the tile to its real rows and columns; segment ids compare the tile's
+        min/max ids (tiles whose id ranges overlap without being one segment are PARTIAL,
+        which is safe: the kernel applies the exact mask there). NumPy when static.
+        """
+        xp = jnp if self.dynamic else np
+        n_q, n_k = round_up(L, bq) // bq, round_up(S, bk) // bk
+        i0 = xp.arange(n_q)[None, :, None] * bq  # first row of each query block
+        j0 = xp.arange(n_k)[None, None, :] * bk
+        i_end = xp.minimum(i0 + bq, L)  # one past the last real row
+        j_end = xp.minimum(j0 + bk, S)
+        if self.q_lengths is not None:
+            i_end = xp.minimum(i_end, self.q_lengths[:, None, None])
+        if self.kv_lengths is not None:
+            j_end = xp.minimum(j_end, self.kv_lengths[:, None, None])
+        i1, j1 = i_end - 1, j_end - 1  # last real row / column (may be < first: none)
+        any_ = (i0 <= i1) & (j0 <= j1)
+        all_ = (i_end == i0 + bq) & (j_end == j0 + bk)
+        lo, hi = self.band(L, S)
+        off = S - L
+        # Row r sees keys [r + off + lo, r + off + hi]; consecutive rows' ranges overlap, so
+        # the tile's rows together see [i0 + off + lo, i1 + off + hi], and each row sees the
+        # whole tile iff the last row's lower bound and the first row's upper bound allow it.
+        if lo is not None:
+            any_ = any_ & (j1 >= i0 + off + lo)
+            all_ = all_ & (j0 >= i1 + off + lo)
+        if hi is not None:
+            any_ = any_ & (j0 <= i1 + off + hi)
+            all_ = all_ & (j1 <= i0 + off + hi)
+        if self.segments:
+            q_min, q_max = _block_min_max(self.q_segment_ids, bq, n_q)
+            k_min, k_max = _block_min_max(self.kv_segment_ids, bk, n_k)
+            q_min, q_max = q_min[:, :, None], q_max[:, :, None]
+            k_min, k_max = k_min[:, None, :], k_max[:, None, :]
+            any_ = any_ & (q_min <= k_max) & (k_min <= q_max)
+            all_ = all_ & (q_min == q_max) & (k_min == k_max) & (q_min == k_min)
+        all_ = all_ & any_
+        kind = xp.where(all_, FULL, xp.where(any_, PARTIAL, EMPTY))
+        B = max(kind.shape[0], 1)
+        kind = xp.broadcast_to(kind, (B, n_q, n_k))
+        return BlockMap.from_kind(kind, xp)
