@@ -28,6 +28,7 @@ def test_random_weights_sweep_records_and_plot(tmp_path, capsys):
     assert serve([*FAST, "batches=2", f"results={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "random weights" in out and "critical batch" in out and "int8" in out
+    assert "matmul  batch 2 float:" in out and "matmul  batch 2 int8:" in out
     recs = _records(tmp_path)
     assert list(tmp_path.glob("serve-*.png"))
     decode = [r for r in recs if r["config"].get("series") == "decode_batch"]
@@ -38,7 +39,10 @@ def test_random_weights_sweep_records_and_plot(tmp_path, capsys):
         assert r["value"] == pytest.approx(c["batch"] / c["median_s"])
         assert c["bytes"] == c["weight_bytes"] + c["cache_bytes"] > 0
         assert c["intensity"] == pytest.approx(c["flops"] / c["bytes"])
-        assert c["runs"] <= 4  # never more steps than the cache holds
+        # every way to multiply the weights was timed and the fastest kept, by name
+        assert c["matmul"] in c["matmuls"] and "xla" in c["matmuls"]
+        assert r["value"] == pytest.approx(max(c["matmuls"].values()))
+        assert ("w8a8" in c["matmuls"]) == c["int8_weights"]
     f32, i8 = (next(r for r in decode if r["config"]["int8"] == q) for q in (False, True))
     # int8 weights: a quarter of the float32 bytes, plus one f32 scale per output channel
     assert i8["config"]["weight_bytes"] < 0.4 * f32["config"]["weight_bytes"]
@@ -202,3 +206,28 @@ def test_a_damaged_config_names_run_not_resume(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: run=c:") and "damaged" in err
     assert "resume" not in err
+
+
+STRATEGIES = {
+    "dp": ["mesh=data:2"],
+    "fsdp": ["mesh=fsdp:2"],
+    "tp": ["mesh=model:2"],
+    "fsdp+tp": ["mesh=fsdp:2,model:2"],
+    "pp": ["mesh=stage:2"],
+    "pp+fsdp": ["mesh=stage:2,fsdp:2"],
+    "pp+tp": ["mesh=stage:2,model:2"],
+    "circular": ["mesh=stage:2", "n_layers=4", "pipeline_repeats=2", "microbatches=2"],
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_run_of_every_strategy_is_served(strategy, tmp_path, capsys):
+    """The decoder of a trained run is its request resolved again for decoding (unscanned,
+    no pipeline: a stage's devices join the batch's), and the run's weights load into it."""
+    args = ["model=tiny", "batch_size=8", "seq_len=16", f"out_dir={tmp_path}"]
+    assert train([*args, *STRATEGIES[strategy], "name=r", "steps=1", "checkpoint_every=1"]) == 0
+    capsys.readouterr()
+    keys = [f"out_dir={tmp_path}", f"results={tmp_path}", "run=r", "sample=0", "int8=false"]
+    fast = ["prompt_len=4", "decode_steps=2", "budget=0.01", "plot=false"]
+    assert serve([*fast, "batches=4", "prefill_batches=4", *keys]) == 0, capsys.readouterr().err
+    assert "run r, step 1" in capsys.readouterr().out

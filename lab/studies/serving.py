@@ -202,11 +202,20 @@ def _prompts(vocab: int, batch: int, length: int, seed: int):
     return rng.integers(0, vocab, (batch, length)).astype(np.int32)
 
 
-def make_decoder(session: Session, params, *, batch: int, max_len: int, int8_cache: bool):
+def make_decoder(
+    session: Session, params, *, batch: int, max_len: int, int8_cache: bool, matmul: str = "auto"
+):
     t = session.trainer
     shardings = param_shardings(t.state_shardings.params, params)
     return decode.make_decoder(
-        t.cfg.model, t.mesh, t.rules, shardings, batch=batch, max_len=max_len, int8_cache=int8_cache
+        t.cfg.model,
+        t.mesh,
+        t.rules,
+        shardings,
+        batch=batch,
+        max_len=max_len,
+        int8_cache=int8_cache,
+        matmul=matmul,
     )
 
 
@@ -220,30 +229,79 @@ def time_prefill(dec, params, prompts, *, budget_s: float) -> timing.BenchResult
         return timing.bench(call, warmup=1, min_runs=3, budget_s=budget_s)
 
 
-def time_decode(dec, params, prompts, *, steps: int, budget_s: float) -> timing.BenchResult:
-    """Decode steps after a prefill, each one token per sequence written into the cache: at
-    most `steps` timed (the cache has room for the compile call, warm-up and them)."""
+def time_decode(
+    dec, params, prompts, *, steps: int, budget_s: float, queued: bool = True
+) -> timing.BenchResult:
+    """Seconds per decode step after a prefill, one token per sequence written into the cache.
+
+    queued (what a server does): each sample is `steps` steps dispatched back to back and
+    blocked once at the end, the cache's lengths then rewound to where the sample began (the
+    same slots are written again: the same work, and a cache of prompt + WARM_STEPS + steps
+    slots times any number of samples). Not queued: every step blocked on its own, at most
+    `steps` of them, which adds the host's wait and the next dispatch to every token."""
     lengths = np.full((prompts.shape[0],), prompts.shape[1], np.int32)
     tokens = prompts[:, -1]
     with jax.set_mesh(dec.mesh):
         _, cache = dec.prefill(params, prompts, lengths, dec.empty_cache())
-        call = timing.threaded(lambda c: dec.step(params, tokens, c)[1], cache)
-        return timing.bench(
-            call, warmup=2, min_runs=min(5, steps), max_runs=steps, budget_s=budget_s
-        )
+        if not queued:
+            call = timing.threaded(lambda c: dec.step(params, tokens, c)[1], cache)
+            return timing.bench(
+                call, warmup=2, min_runs=min(5, steps), max_runs=steps, budget_s=budget_s
+            )
+        t0 = time.perf_counter()
+        for _ in range(WARM_STEPS):  # the compile call and warm-up
+            cache = dec.step(params, tokens, cache)[1]
+        cache = jax.block_until_ready(cache)
+        compile_s = time.perf_counter() - t0
+        start = np.asarray(cache.lengths)  # a copy: the cache's own buffers are donated
+        times_s: list[float] = []
+        begun = time.perf_counter()
+        while len(times_s) < 3 or time.perf_counter() - begun < budget_s:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                cache = dec.step(params, tokens, cache)[1]
+            cache = jax.block_until_ready(cache)
+            times_s.append((time.perf_counter() - t0) / steps)
+            cache = cache.replace(lengths=jax.device_put(start, dec.batch_sharding))
+    return timing.summarise(times_s, compile_s)
 
 
 WARM_STEPS = 3  # cache slots the compile call and warm-up of time_decode use
 
 
+def matmul_candidates(session: Session, params) -> tuple[str, ...]:
+    """The ways a decoder can multiply these weights here (lab.decode.MATMULS): XLA's dot,
+    its int8 × int8 dot where the weights are int8, the native CPU kernel on one CPU device
+    where it builds."""
+    out = ["xla"]
+    if is_int8(params):
+        out.append("w8a8")
+    if decode.resolve_matmul("auto", session.trainer.mesh) == "native":
+        out.append("native")
+    return tuple(out)
+
+
 def decode_point(
-    session, params, roofs: Roofs, *, batch, prompt_len, steps, budget_s, int8_cache, max_len
+    session,
+    params,
+    roofs: Roofs,
+    *,
+    batch,
+    prompt_len,
+    steps,
+    budget_s,
+    int8_cache,
+    max_len,
+    matmul: str = "auto",
+    queued: bool = True,
 ):
     """One decode batch size: its time, tokens/s, bytes, bandwidth, FLOPs and intensity."""
     model = session.cfg.model
-    dec = make_decoder(session, params, batch=batch, max_len=max_len, int8_cache=int8_cache)
+    dec = make_decoder(
+        session, params, batch=batch, max_len=max_len, int8_cache=int8_cache, matmul=matmul
+    )
     prompts = _prompts(model.vocab_size, batch, prompt_len, seed=batch)
-    r = time_decode(dec, params, prompts, steps=steps, budget_s=budget_s)
+    r = time_decode(dec, params, prompts, steps=steps, budget_s=budget_s, queued=queued)
     # The plain-JAX decode attention reads every slot of the cache; a Pallas kernel stops
     # at each sequence's length (on average halfway through the timed steps).
     impl = session.cfg.model.attention
@@ -258,6 +316,7 @@ def decode_point(
         "batch": batch,
         "int8_weights": is_int8(params),
         "int8_cache": int8_cache,
+        "matmul": dec.matmul,
         "median_s": r.median_s,
         "p10_s": r.p10_s,
         "p90_s": r.p90_s,
@@ -475,13 +534,13 @@ def measure(session: Session, params, plan: Plan, *, progress=None) -> dict:
     )
     for b in plan.batches:
         tick(f"decode batch {b}")
-        out["decode"].append(decode_point(session, params, roofs, batch=b, int8_cache=False, **kw))
+        out["decode"].append(fastest_point(session, params, roofs, batch=b, int8_cache=False, **kw))
     if plan.int8:
         params_i8 = jax.jit(quant.quantize_params)(params)
         for b in sorted({min(plan.batches), max(plan.batches)}):
             tick(f"decode batch {b}, int8 weights and cache")
             out["decode_int8"].append(
-                decode_point(session, params_i8, roofs, batch=b, int8_cache=True, **kw)
+                fastest_point(session, params_i8, roofs, batch=b, int8_cache=True, **kw)
             )
         tick("int8 error on the bundled text")
         n = decode.batch_multiple(session.trainer)
@@ -490,6 +549,27 @@ def measure(session: Session, params, plan: Plan, *, progress=None) -> dict:
         )
     out["roofs"] = roofs = best_roofs(roofs, out["decode"] + out["decode_int8"])
     out["summary"] = summarise(session, out)
+    return out
+
+
+def fastest_point(session, params, roofs: Roofs, **kw) -> dict:
+    """decode_point with each of matmul_candidates, the fastest kept; `matmuls` on it holds
+    every candidate's tokens/s (the run says which it used and what the others did)."""
+    points = [
+        decode_point(session, params, roofs, matmul=m, **kw)
+        for m in matmul_candidates(session, params)
+    ]
+    best = max(points, key=lambda p: p["tokens_per_s"])
+    return {**best, "matmuls": {p["matmul"]: p["tokens_per_s"] for p in points}}
+
+
+def matmul_lines(points: list[dict]) -> list[str]:
+    """One line per decode point: the matmul it kept and every candidate's tokens/s."""
+    out = []
+    for p in points:
+        weights = "int8" if p["int8_weights"] else "float"
+        tried = ", ".join(f"{m} {v:,.1f}" for m, v in p.get("matmuls", {}).items())
+        out.append(f"batch {p['batch']} {weights}: {p['matmul']} (tokens/s: {tried})")
     return out
 
 
