@@ -206,28 +206,3 @@ def test_a_damaged_config_names_run_not_resume(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: run=c:") and "damaged" in err
     assert "resume" not in err
-
-
-STRATEGIES = {
-    "dp": ["mesh=data:2"],
-    "fsdp": ["mesh=fsdp:2"],
-    "tp": ["mesh=model:2"],
-    "fsdp+tp": ["mesh=fsdp:2,model:2"],
-    "pp": ["mesh=stage:2"],
-    "pp+fsdp": ["mesh=stage:2,fsdp:2"],
-    "pp+tp": ["mesh=stage:2,model:2"],
-    "circular": ["mesh=stage:2", "n_layers=4", "pipeline_repeats=2", "microbatches=2"],
-}
-
-
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_a_run_of_every_strategy_is_served(strategy, tmp_path, capsys):
-    """The decoder of a trained run is its request resolved again for decoding (unscanned,
-    no pipeline: a stage's devices join the batch's), and the run's weights load into it."""
-    args = ["model=tiny", "batch_size=8", "seq_len=16", f"out_dir={tmp_path}"]
-    assert train([*args, *STRATEGIES[strategy], "name=r", "steps=1", "checkpoint_every=1"]) == 0
-    capsys.readouterr()
-    keys = [f"out_dir={tmp_path}", f"results={tmp_path}", "run=r", "sample=0", "int8=false"]
-    fast = ["prompt_len=4", "decode_steps=2", "budget=0.01", "plot=false"]
-    assert serve([*fast, "batches=4", "prefill_batches=4", *keys]) == 0, capsys.readouterr().err
-    assert "run r, step 1" in capsys.readouterr().out
