@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from lab import quant
 from lab.config import ModelConfig
@@ -347,15 +348,15 @@ def _pipelined_blocks(c: ModelConfig, stacked_params, x_BxLxD):
     The parameters are nn.scan's own (leading axis n_layers, logical name `layers`, which the
     pp rules put on `stage`), so a pipelined and an unpipelined model share parameters and
     checkpoints. Each stage scans `Block(cfg).apply` over its layers with the model's remat
-    policy per layer. The mesh axes the batch is split over and no weight is (`data`) are
-    manual inside the pipeline with `stage`; fsdp and model stay automatic, and the block's
-    own sharding constraints apply under the rules without the manual axes.
+    policy per layer. The mesh axes the batch is split over are manual inside the pipeline
+    with `stage`: `data`, and `fsdp` under pp+fsdp, whose weights each stage gathers once per
+    step (and whose gradients it reduce-scatters once); `model` stays automatic, and the
+    block's own sharding constraints apply under the rules without the manual axes.
     """
     rules = nn.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
     batch = tuple(a for a in _names(dict(rules).get(BATCH)) if a != STAGE)
-    weights = {a for name, m in rules if name not in (BATCH, SEQ) for a in _names(m)}
-    manual = tuple(a for a in batch if a not in weights and mesh.shape.get(a, 1) > 1)
+    manual = tuple(a for a in batch if mesh.shape.get(a, 1) > 1)
     inner = _without(rules, (STAGE, *manual))
 
     def layer(p, x_BxLxD):
@@ -372,12 +373,32 @@ def _pipelined_blocks(c: ModelConfig, stacked_params, x_BxLxD):
         microbatches=c.microbatches,
         repeats=c.pipeline_repeats,
         batch_axes=manual,
-        batch_layout=tuple(a for a in batch if mesh.shape.get(a, 1) > 1),
+        batch_layout=manual,
+        weight_specs=_block_specs(c, rules, manual, x_BxLxD),
         io=io if c.microbatches % mesh.shape[STAGE] == 0 else "replicated",
         # the blockwise loop and the Pallas kernels carry no varying-axes types (they are
         # written for shard_map(check_vma=False)): JAX's type check for naive attention only
         check_vma=c.attention == "naive",
     )
+
+
+def _block_specs(c: ModelConfig, rules, axes: tuple, x_BxLxD):
+    """Where each block weight is split over the mesh `axes` (a PartitionSpec over its dims,
+    the other axes left out); None when no weight is split over any of them."""
+    x = jax.ShapeDtypeStruct((1,) + x_BxLxD.shape[1:], x_BxLxD.dtype)
+    boxed = jax.eval_shape(lambda x: Block(c).init(jax.random.key(0), x), x)["params"]
+    meshed = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules)
+    keep = lambda m: tuple(a for a in _names(m) if a in axes) or None  # noqa: E731
+    specs = jax.tree.map(
+        lambda spec, leaf: P(*(keep(m) for m in tuple(spec) + (None,) * (leaf.ndim - len(spec)))),
+        meshed,
+        nn.meta.unbox(boxed),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    split = any(
+        m for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)) for m in spec
+    )
+    return specs if split else None
 
 
 def count_params(params) -> int:

@@ -30,7 +30,7 @@ from lab.kernels.pipeline import (
 from lab.measure.timing import random_inputs
 from lab.mesh import make_mesh, rules_for
 from lab.model import build
-from lab.parallel import collectives_hlo, pipeline_hlo
+from lab.parallel import collectives_hlo, explain, pipeline_hlo
 from lab.run import main
 from lab.train import cross_entropy, make_trainer
 
@@ -210,8 +210,28 @@ def test_model_pipeline_equals_unpipelined(reference, mesh_spec, strategy, M, R,
         shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
         placed = jax.device_put(params, shardings["params"])
         assert placed["blocks"]["attn"]["wq"].sharding.spec[0] == "stage"
-        loss, grads = jax.jit(jax.value_and_grad(_loss(model)))(placed, tokens)
+        compiled = jax.jit(jax.value_and_grad(_loss(model))).lower(placed, tokens).compile()
+        loss, grads = compiled(placed, tokens)
     _close((loss, grads), (loss0, grads0))
+    if strategy == "pp+fsdp":
+        _gathers_each_stage_weight_once(compiled, mesh, placed["blocks"])
+
+
+def _gathers_each_stage_weight_once(compiled, mesh, blocks):
+    """Each block weight split over fsdp is all-gathered once per step inside the pipeline and
+    its gradient reduce-scattered once; no fsdp collective runs inside the tick loop."""
+    split = [w for w in jax.tree.leaves(blocks) if "fsdp" in w.sharding.spec]
+    colls = collectives_hlo.from_compiled(compiled, mesh)
+    fsdp = [c for c in colls if "fsdp" in c.axes]
+    weights = pipeline_hlo.stage_weight_collectives(colls)
+    assert len(split) == 7  # wq, wk, wv, wo and the MLP's three: split along embed
+    for kind in ("gather", "scatter"):
+        assert len(weights[kind]) == len(split) and {c.count for c in weights[kind]} == {1}
+    assert {c.count for c in fsdp} == {1}, [(c.kind, c.count, c.op_name) for c in fsdp]
+    # every fsdp all-gather of the step: the stages' weights once, the tied embedding table
+    # (split along embed too) once for its lookup and once for the head
+    gathers = sum(c.count for c in fsdp if c.kind == "all-gather")
+    assert gathers == len(split) + 2
 
 
 def test_train_step_pp_matches_one_device():
@@ -246,6 +266,24 @@ def test_train_step_pp_matches_one_device():
     assert r.compiled_bubble == pytest.approx(r.bubble) == pytest.approx(3 / 7)
     # the weights are kept once for the backward, not once per tick: no [ticks, layers, D, F]
     assert "[7,1,64,192]" not in compiled.as_text()
+
+
+def test_explain_counts_the_pp_fsdp_stage_weight_collectives():
+    """explain=true's reading of a pp+fsdp step (4 layers, 5 ticks): the 7 block weights
+    gathered once per step (not 7 per layer per tick: 70), their gradients reduce-scattered
+    once, bytes as the analytic figure."""
+    argv = [*BASE, "batch_size=16", "seq_len=16", "microbatches=4"]
+    cfg = parse_args([*argv, "mesh=stage:2,fsdp:2,data:2", "strategy=pp+fsdp"])
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    ex = explain.explain(trainer)
+    r = ex.pipeline
+    assert r.ticks == r.compiled_ticks == 5 and r.weights_split == 7
+    for d in (r.weight_gathers, r.weight_scatters):
+        assert d.ops == d.executions == 7 and d.trip_counts == (1,)
+    rows = {row.role: row for row in ex.rows}
+    for role in ("stage weight gather", "stage weight grad reduce-scatter"):
+        assert rows[role].measured_ops == 7 and rows[role].ratio == pytest.approx(1.0, abs=0.01)
+    assert "7 ops once per step" in rows["stage weight gather"].expected.formula
 
 
 @pytest.mark.parametrize(

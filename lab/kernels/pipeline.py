@@ -30,12 +30,15 @@ tick: GPipe takes its stage's layers outside the tick loop (a loop constant, who
 values JAX's scan hoists); indexed inside, every tick would save its own copy of them (seen:
 a 70B stage's weights × 15 ticks in an H100 plan).
 
-The shard_map is manual over `stage` and the pure data-parallel axes only: fsdp and model stay
-automatic, so inside a stage XLA gathers FSDP weights and splits tensor-parallel matmuls as in
-the unpipelined step. Manual data axes keep the gradient reduction out of the tick loop: the
-parameters are cast to "varying" over them once before the loop, and the transpose of that
-cast is the one reduction per step (without it XLA all-reduces the stage's gradient at every
-tick).
+The shard_map is manual over `stage` and the batch axes (data, and fsdp under pp+fsdp); model
+stays automatic, so inside a stage XLA splits tensor-parallel matmuls as in the unpipelined
+step. Manual batch axes keep every weight collective out of the tick loop: the parameters are
+cast to "varying" over the data axes once before the loop, and the transpose of that cast is
+the one reduction per step (without it XLA all-reduces the stage's gradient at every tick);
+weights split over fsdp (`weight_specs`) are all-gathered once before the loop, and the
+transpose of that gather is their gradient's one reduce-scatter (left automatic, XLA gathers
+every weight of every layer at every tick, forward and backward, as MaxText's
+pipeline_fsdp_ag_once avoids).
 """
 
 from __future__ import annotations
@@ -185,12 +188,40 @@ def to_stage_major_order(stacked_params, stages: int, repeats: int):
 # --- the schedule run ------------------------------------------------------------------------
 
 
+def _spec_axes(specs) -> set:
+    """Every mesh axis a pytree of PartitionSpecs names."""
+    if specs is None:
+        return set()
+    out = set()
+    for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)):
+        for axes in spec:
+            out.update((axes,) if isinstance(axes, str) else tuple(axes or ()))
+    return out
+
+
 def _varying(tree, axes):
     """Values marked as differing per device along `axes` (vma typing), once, before the tick
     loop: the transpose of this cast is the backward's one reduction over those axes."""
     if not axes or not hasattr(jax.lax, "pcast"):
         return tree
     return jax.tree.map(lambda a: jax.lax.pcast(a, tuple(axes), to="varying"), tree)
+
+
+def _gathered(params, specs):
+    """The stage's weights whole over the axes `specs` name (a PartitionSpec per leaf, over
+    its dims after the layer axis): one all-gather per weight before the tick loop, whose
+    transpose is the gradient's one reduce-scatter after it (ZeRO-3 once per step, not once
+    per layer per tick)."""
+    if specs is None:
+        return params
+
+    def one(a, spec):
+        for dim, axes in enumerate(spec, start=2):  # a: [repeats, C, ...]
+            if axes:
+                a = jax.lax.all_gather(a, axes, axis=dim, tiled=True)
+        return a
+
+    return jax.tree.map(one, params, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def _chunk(params, r):
@@ -210,7 +241,16 @@ def _in_float32(collective, x):
 
 
 def _ticks(
-    stage_fn, params, x_MxBxLxD, *, schedule: Schedule, batch_axes, io, check_vma, remat_stage
+    stage_fn,
+    params,
+    x_MxBxLxD,
+    *,
+    schedule: Schedule,
+    batch_axes,
+    weight_specs,
+    io,
+    check_vma,
+    remat_stage,
 ):
     """Per device (manual over the stage and batch axes): the tick loop of one stage."""
     P_, M, R = schedule.stages, schedule.microbatches, schedule.repeats
@@ -218,7 +258,16 @@ def _ticks(
     s = jax.lax.axis_index(STAGE)
     vary = _varying if check_vma else (lambda tree, axes: tree)
     params = jax.tree.map(lambda a: a[0], params)  # this stage's chunks: [repeats, C, ...]
-    params = vary(params, batch_axes)
+    if weight_specs is None:
+        params = vary(params, batch_axes)
+    else:  # each weight over the batch axes it is not split over (those it is are gathered)
+        params = jax.tree.map(
+            lambda a, spec: vary(a, tuple(x for x in batch_axes if x not in _spec_axes(spec))),
+            params,
+            weight_specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        params = _gathered(params, weight_specs)
     if io == "stage":  # each stage brought M/P microbatches: stage 0 needs them all
         gather = functools.partial(jax.lax.all_gather, axis_name=STAGE, axis=0, tiled=True)
         x_MxBxLxD = _in_float32(gather, x_MxBxLxD)
@@ -279,6 +328,7 @@ def pipeline_apply(
     mesh=None,
     batch_axes: tuple[str, ...] = (),
     batch_layout: tuple[str, ...] | None = None,
+    weight_specs=None,
     io: str = "replicated",
     layer_order: str = "natural",
     remat_stage: bool = False,
@@ -297,6 +347,13 @@ def pipeline_apply(
       batch_axes; with fsdp inside the stages, fsdp too, which stays automatic). Microbatches
       are cut so that each device keeps its own rows (`to_microbatches`); the result comes
       back in the same order, so the row assignment is invisible outside.
+    weight_specs: None, or a PartitionSpec per leaf of stacked_params over its dims after the
+      layer axis, naming batch_axes the weights are split over too (ZeRO-3 inside the
+      stages: fsdp). Each stage gathers its weights over them once per step, before the tick
+      loop, and reduce-scatters their gradient once after it; without it (fsdp automatic),
+      XLA gathers every weight at every tick and reduces its gradient at every tick. The
+      cost: a stage's weights are whole on its devices for the step (MaxText's
+      pipeline_fsdp_ag_once).
     io: "replicated": x and the result are whole on every stage (the result by a psum over
       `stage`). "stage": both split over `stage` along the microbatch axis (M % P == 0), the
       batch outside laid out as (stage, *batch_layout): the input is all-gathered to stage 0,
@@ -330,6 +387,12 @@ def pipeline_apply(
             f"{x_BxLxD.shape=}: batch {B} must divide into microbatches={M} whose rows split "
             f"over {layout} ({groups[1]} devices)"
         )
+    stray = _spec_axes(weight_specs) - set(batch_axes)
+    if stray:
+        raise ValueError(
+            f"weight_specs split weights over {sorted(stray)}: gathered inside the pipeline, "
+            f"they must be manual batch_axes too (got {batch_axes})"
+        )
     if layer_order == "stage_major":
         chunks = jax.tree.map(
             lambda a: a.reshape((P_, repeats, a.shape[0] // (P_ * repeats)) + a.shape[1:]),
@@ -344,15 +407,25 @@ def pipeline_apply(
         stage_fn,
         schedule=schedule,
         batch_axes=batch_axes,
+        weight_specs=weight_specs,
         io=io,
         check_vma=check_vma,
         remat_stage=remat_stage,
     )
     x_spec = P(STAGE if io == "stage" else None, batch_axes or None)
+    if weight_specs is None:
+        chunk_specs = jax.tree.map(lambda _: P(STAGE), chunks)
+    else:  # [P, repeats, C, ...]: the stage's weights arrive split as they are stored
+        chunk_specs = jax.tree.map(
+            lambda _, spec: P(STAGE, None, None, *spec),
+            chunks,
+            weight_specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
     y_MxBxLxD = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(jax.tree.map(lambda _: P(STAGE), chunks), x_spec),
+        in_specs=(chunk_specs, x_spec),
         out_specs=x_spec,
         axis_names={STAGE, *batch_axes},
         check_vma=check_vma,

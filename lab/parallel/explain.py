@@ -38,6 +38,11 @@ Roles and what the analytic model assumes (scaling-book style, per step):
                     parameters split over `stage` are never gathered and their gradients are
                     reduced over the data axes only; tables split over `stage` along the
                     vocabulary are gathered per use, as FSDP does.
+  stage weight      pp+fsdp: each stage gathers its block weights over fsdp once per step,
+  gather / grad     before the tick loop (one all-gather per weight, V·(W-1)/W), and
+  reduce-scatter    reduce-scatters their gradient once after it; the rest of their gradient
+                    reduction is an all-reduce of the shard over the data axes. Not once per
+                    layer per tick, as XLA's automatic gathers inside the loop would be.
 """
 
 import dataclasses
@@ -165,7 +170,15 @@ def _in_block(path: str) -> bool:
 # --- the analytic expectations --------------------------------------------------------------
 
 
-def expect_grad_reduction(params, geo: Geometry, model_cfg, reduce_scatter: bool) -> Expected:
+def _stage_gathered(path: str, S, geo: Geometry, pipelined: bool) -> bool:
+    """A pipeline's block weight split over a shard axis: gathered once per step inside the
+    pipeline, its gradient reduce-scattered there (lab/kernels/pipeline.py)."""
+    return pipelined and bool(S) and _in_block(path) and bool(geo.stage_axes)
+
+
+def expect_grad_reduction(
+    params, geo: Geometry, model_cfg, reduce_scatter: bool, pipelined: bool = False
+) -> Expected:
     B = geo.batch_axes
     WB = _prod(B, geo.sizes)
     total, moved = 0.0, 0.0
@@ -175,7 +188,10 @@ def expect_grad_reduction(params, geo: Geometry, model_cfg, reduce_scatter: bool
         G = local * WS * _uses(path, model_cfg)  # the gradient one device holds before the sum
         total += G
         W = WB // _prod(staged, geo.sizes)  # a stage's layers are summed over its replicas
-        if reduce_scatter and WS > 1:
+        if _stage_gathered(path, S, geo, pipelined):  # the shard's all-reduce only
+            WR = W // WS
+            moved += 2 * (G / WS) * (WR - 1) / WR
+        elif reduce_scatter and WS > 1:
             WR = W // WS
             moved += G * (WS - 1) / WS + 2 * (G / WS) * (WR - 1) / WR
         else:
@@ -189,14 +205,14 @@ def expect_grad_reduction(params, geo: Geometry, model_cfg, reduce_scatter: bool
     return Expected("grad reduction", kind, B, moved, moved, moved, formula)
 
 
-def expect_param_gather(params, geo: Geometry, model_cfg) -> Expected | None:
+def expect_param_gather(params, geo: Geometry, model_cfg, pipelined=False) -> Expected | None:
     if not geo.shard_axes:
         return None
     fwd = bwd_remat = bwd_all = 0.0
     for path, _, local, axes in params:
         S, _ = geo.split(path, axes)
         WS = _prod(S, geo.sizes)
-        if WS == 1:
+        if WS == 1 or _stage_gathered(path, S, geo, pipelined):
             continue
         once = local * WS * (WS - 1) / WS
         fwd += once * _uses(path, model_cfg)
@@ -256,14 +272,41 @@ def expect_stage_permutes(trainer) -> Expected | None:
     return Expected("stage permute", "collective-permute", (STAGE,), v, v, v, formula)
 
 
+def expect_stage_weights(params, geo: Geometry, pipelined: bool) -> list[Expected]:
+    """pp+fsdp: each stage's block weights gathered once per step, their gradient
+    reduce-scattered once (one op each per weight), over the shard axes."""
+    n, once, axes = 0, 0.0, set()
+    for path, _, local, leaf_axes in params:
+        S, _ = geo.split(path, leaf_axes)
+        if not _stage_gathered(path, S, geo, pipelined):
+            continue
+        WS = _prod(S, geo.sizes)
+        n, once, axes = n + 1, once + local * WS * (WS - 1) / WS, axes | set(S)
+    if not n:
+        return []
+    axes = tuple(a for a in geo.sizes if a in axes)
+    formula = (
+        f"{n} block weights split over {','.join(axes)}: {n} ops once per step, none per "
+        f"tick; the stage's weights V·(W-1)/W = {once / MiB:.3f} MiB"
+    )
+    return [
+        Expected("stage weight gather", "all-gather", axes, once, once, once, formula),
+        Expected(
+            "stage weight grad reduce-scatter", "reduce-scatter", axes, once, once, once, formula
+        ),
+    ]
+
+
 def expectations(cfg, trainer, reduce_scatter: bool) -> list[Expected]:
     geo = Geometry.of(trainer.rules, dict(trainer.mesh.shape))
     params = _params(trainer.abstract_state.params)
+    piped = trainer.schedule is not None
     out = [
-        expect_grad_reduction(params, geo, cfg.model, reduce_scatter),
-        expect_param_gather(params, geo, cfg.model),
+        expect_grad_reduction(params, geo, cfg.model, reduce_scatter, piped),
+        expect_param_gather(params, geo, cfg.model, piped),
         expect_activation_reduce(cfg, geo),
         expect_stage_permutes(trainer),
+        *expect_stage_weights(params, geo, piped),
     ]
     return [e for e in out if e is not None]
 
@@ -277,6 +320,11 @@ def role_of(c: collectives_hlo.Collective, geo: Geometry) -> str:
         return "stage permute"
     if axes == {STAGE} and "shard_map/" in c.op_name and c.kind != "collective-permute":
         return "pipeline input/output"  # microbatches gathered to stage 0, results scattered
+    if "shard_map/" in c.op_name and geo.stage_axes and axes and axes <= set(geo.shard_axes):
+        if c.kind == "all-gather":  # a stage's weights, once per step (lab/kernels/pipeline.py)
+            return "stage weight gather"
+        if c.kind == "reduce-scatter":
+            return "stage weight grad reduce-scatter"
     if c.kind == "all-gather" and axes and axes <= set(geo.shard_axes):
         return "param all-gather"
     if c.kind in ("all-reduce", "reduce-scatter") and axes and axes <= set(geo.batch_axes):

@@ -11,11 +11,17 @@ Analytic, per device: a microbatch's activation a = B/(K·M·W)·L·D·c (B the 
 accumulation steps, W the devices the rows split over besides the stages, c the compute
 dtype's bytes); every device runs every tick, so it sends ticks·a per direction, of which the
 useful part, summed over a data replica's P stages, is M·(repeats·P - 1)·a.
+
+Under pp+fsdp the stages' weights are split over fsdp as well: each stage gathers its own once
+per step, before the tick loop, and reduce-scatters their gradient once after it (the
+shard_map's all_gather and its transpose). The reading counts those ops and where they run:
+once per step each, for every block weight split over fsdp, none inside the tick loop.
 """
 
 import dataclasses
 import math
 
+import jax
 import numpy as np
 
 from lab.names import BATCH, STAGE
@@ -46,6 +52,9 @@ class PipelineReading:
     useful_bytes: int  # analytic, per direction, per data replica: M·(repeats·P-1)·a
     forward: Direction
     backward: Direction
+    weights_split: int = 0  # analytic: block weights split over a batch axis (fsdp) as well
+    weight_gathers: Direction | None = None  # compiled: their all-gathers in the pipeline
+    weight_scatters: Direction | None = None  # compiled: their gradients' reduce-scatters
 
     @property
     def compiled_ticks(self) -> int | None:
@@ -76,6 +85,36 @@ def stage_permutes(collectives: list[Collective]) -> dict[str, list[Collective]]
     return out
 
 
+def stage_weight_collectives(collectives: list[Collective]) -> dict[str, list[Collective]]:
+    """The pipeline's gathers of its stages' weights over the axes besides `stage` (fsdp),
+    and their gradients' reduce-scatters: the pipeline shard_map's own all_gather and its
+    transpose (its input and output move over `stage` alone, and are left out)."""
+    out = {"gather": [], "scatter": []}
+    for c in collectives:
+        if "shard_map/" not in c.op_name or not c.axes or STAGE in c.axes:
+            continue
+        if c.kind == "all-gather":
+            out["gather"].append(c)
+        elif c.kind == "reduce-scatter":
+            out["scatter"].append(c)
+    return out
+
+
+def weights_split(params, rules, sizes: dict[str, int]) -> int:
+    """Block weights (the stacked layers) split over a batch axis besides `stage`: those a
+    pipeline gathers once per step (pp+fsdp)."""
+    axes = dict(rules).get(BATCH) or ()
+    batch = {a for a in ((axes,) if isinstance(axes, str) else axes) if a != STAGE}
+    batch = {a for a in batch if sizes.get(a, 1) > 1}
+    n = 0
+    for leaf in jax.tree.leaves(params.get("blocks", {})):
+        used = set()
+        for entry in leaf.sharding.spec:
+            used.update((entry,) if isinstance(entry, str) else tuple(entry or ()))
+        n += bool(used & batch)
+    return n
+
+
 def _direction(ops: list[Collective]) -> Direction:
     return Direction(
         ops=len(ops),
@@ -94,11 +133,14 @@ def microbatch_bytes(cfg, rules, sizes: dict[str, int]) -> int:
     return rows * cfg.seq_len * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
 
 
-def read(collectives: list[Collective], schedule, microbatch_bytes: int) -> PipelineReading:
+def read(
+    collectives: list[Collective], schedule, microbatch_bytes: int, weights_split: int = 0
+) -> PipelineReading:
     """The compiled pipeline (`collectives` of its step) against `schedule`
     (lab.kernels.pipeline.Schedule: stages, microbatches, repeats, ticks, bubble,
-    permute_bytes)."""
+    permute_bytes); `weights_split` block weights are gathered once per step."""
     found = stage_permutes(collectives)
+    weights = stage_weight_collectives(collectives)
     want = schedule.permute_bytes(microbatch_bytes)
     return PipelineReading(
         stages=schedule.stages,
@@ -111,6 +153,9 @@ def read(collectives: list[Collective], schedule, microbatch_bytes: int) -> Pipe
         useful_bytes=want["useful"],
         forward=_direction(found["forward"]),
         backward=_direction(found["backward"]),
+        weights_split=weights_split,
+        weight_gathers=_direction(weights["gather"]),
+        weight_scatters=_direction(weights["scatter"]),
     )
 
 
@@ -118,5 +163,7 @@ def from_trainer(collectives: list[Collective], trainer) -> PipelineReading | No
     """`read` for a lab Trainer (lab.train.make_trainer); None when it runs no pipeline."""
     if trainer.schedule is None:
         return None
-    a = microbatch_bytes(trainer.cfg, trainer.rules, dict(trainer.mesh.shape))
-    return read(collectives, trainer.schedule, a)
+    sizes = dict(trainer.mesh.shape)
+    a = microbatch_bytes(trainer.cfg, trainer.rules, sizes)
+    n = weights_split(trainer.abstract_state.params, trainer.rules, sizes)
+    return read(collectives, trainer.schedule, a, n)
