@@ -146,6 +146,8 @@ def run(o: Options, keys: dict) -> int:
     con.print(tables.serving_decode(rows, f"decode · {what}", ridge=out["roofs"].ridge))
     for line in serving.matmul_lines(rows):  # which matmul each point kept, and the others
         con.print(f"  matmul  {line}")
+    for line in serving.torch_lines(out["torch"]):  # the peer, where PyTorch is installed
+        con.print(f"  peer    {line}")
     if out["int8"]:
         con.print(tables.serving_int8(out["int8"], out["summary"].get("int8_speedup", {})))
     con.print(tables.serving_summary(out["summary"], out["roofs"]))

@@ -3,6 +3,7 @@ benchmark is in BENCHMARKS.md): random weights and a trained run, the records an
 the derived figures against their definitions, a plan compiled for H100 and a TPU slice, and
 bad input as one line with exit code 2."""
 
+import importlib.util
 import json
 
 import pytest
@@ -30,6 +31,8 @@ def test_random_weights_sweep_records_and_plot(tmp_path, capsys):
     assert "random weights" in out and "critical batch" in out and "int8" in out
     assert "matmul  batch 2 float:" in out and "matmul  batch 2 int8:" in out
     recs = _records(tmp_path)
+    peers = [r for r in recs if r["config"].get("peer") == "torch"]
+    assert len(peers) == (1 if importlib.util.find_spec("torch") else 0)
     assert list(tmp_path.glob("serve-*.png"))
     decode = [r for r in recs if r["config"].get("series") == "decode_batch"]
     assert {(r["config"]["batch"], r["config"]["int8"]) for r in decode} == {(2, False), (2, True)}

@@ -535,6 +535,7 @@ def measure(session: Session, params, plan: Plan, *, progress=None) -> dict:
     for b in plan.batches:
         tick(f"decode batch {b}")
         out["decode"].append(fastest_point(session, params, roofs, batch=b, int8_cache=False, **kw))
+    out["torch"] = torch_peer(session, params, plan, out["decode"])
     if plan.int8:
         params_i8 = jax.jit(quant.quantize_params)(params)
         for b in sorted({min(plan.batches), max(plan.batches)}):
@@ -561,6 +562,34 @@ def fastest_point(session, params, roofs: Roofs, **kw) -> dict:
     ]
     best = max(points, key=lambda p: p["tokens_per_s"])
     return {**best, "matmuls": {p["matmul"]: p["tokens_per_s"] for p in points}}
+
+
+def torch_peer(session: Session, params, plan: Plan, points: list[dict]) -> list[dict]:
+    """The PyTorch decoder of the same shape and weights (lab/studies/torch_decoder.py) timed
+    at every decode batch, beside the lab's float points; none where PyTorch is not installed
+    or the decoder is not on CPU."""
+    from lab.studies import torch_decoder  # beside this study; only serving times the peer
+
+    if not torch_decoder.available() or session.info.backend != "cpu":
+        return []
+    host = jax.device_get(params)
+    rows = []
+    for p in points:
+        prompts = _prompts(session.cfg.model.vocab_size, p["batch"], plan.prompt_len, p["batch"])
+        r = torch_decoder.time_decode(
+            session.cfg.model, host, prompts, steps=plan.steps, budget_s=plan.budget_s
+        )
+        rows.append({**r, "lab_over_torch": p["tokens_per_s"] / r["tokens_per_s"]})
+    return rows
+
+
+def torch_lines(rows: list[dict]) -> list[str]:
+    """One line per batch: the PyTorch decoder's tokens/s and lab.serve's over it."""
+    return [
+        f"batch {r['batch']}: PyTorch {r['torch']} ({r['threads']} threads) "
+        f"{r['tokens_per_s']:,.1f} tokens/s; lab.serve {r['lab_over_torch']:.2f}× that"
+        for r in rows
+    ]
 
 
 def matmul_lines(points: list[dict]) -> list[str]:
@@ -732,6 +761,16 @@ def to_records(out: dict, config: dict) -> list[dict]:
                 "tokens/s",
                 series="decode_batch",
                 int8=r["int8_cache"],
+                **{**config, **r},
+            )
+        )
+    for r in out.get("torch", []):
+        recs.append(
+            records.make_record(
+                f"PyTorch decoder tokens/s, batch {r['batch']}, float",
+                r["tokens_per_s"],
+                "tokens/s",
+                peer="torch",
                 **{**config, **r},
             )
         )
