@@ -26,34 +26,30 @@ class _Logged(dict):
         return super().__getitem__(key)
 
 
-def test_each_step_is_read_after_the_next_is_queued(tmp_path, monkeypatch):
-    events = []
+def _logging_steps(monkeypatch, events: list) -> None:
+    """The compiled step wrapped: ("queued", n) when step n is called, ("read", n) when the
+    loop reads its loss."""
     real = loop._analyse
 
     def analyse(*args):
         analysis, compiled, compile_s = real(*args)
 
         def step(state, batch):
-            k = sum(e[0] == "queued" for e in events) + 1
-            events.append(("queued", k))
+            n = sum(e[0] == "queued" for e in events) + 1
+            events.append(("queued", n))
             state, metrics = compiled(state, batch)
-            return state, _Logged(metrics, k, events)
+            return state, _Logged(metrics, n, events)
 
         return analysis, step, compile_s
 
     monkeypatch.setattr(loop, "_analyse", analyse)
-    args = [*TINY, f"out_dir={tmp_path}", "name=lag", "steps=6", "checkpoint_every=3"]
-    assert main(args) == 0
-    q = lambda k: ("queued", k)  # noqa: E731
-    r = lambda k: ("read", k)  # noqa: E731
-    # step 3 is a checkpoint step: read before its save and before step 4 is queued
-    assert events == [q(1), q(2), r(1), q(3), r(2), r(3), q(4), q(5), r(4), q(6), r(5), r(6)]
-    assert sorted(checkpoint.manager(tmp_path / "lag").all_steps()) == [3, 6]
 
 
-def test_a_non_finite_step_read_late_stops_before_the_next_save(tmp_path, capsys, monkeypatch):
-    """Step 3's gradient is inf (its loss finite) and it is read only after step 4 is queued;
-    step 4 is a checkpoint step: the run stops at step 3, and only step 2's state is kept."""
+def test_steps_are_read_late_and_checked_before_their_state_is_saved(tmp_path, capsys, monkeypatch):
+    """checkpoint_every=2, and step 3's gradient is inf (its loss finite, its update
+    poisoned). Step 1 is read after step 2 is queued; step 2, a checkpoint step, is read and
+    saved before step 3 is queued; step 3 is read only after step 4 is queued, and its
+    non-finite gradient stops the run there: step 4's state is never saved, only step 2's."""
     real = train.train_step
 
     def poisoned(state, tokens, **kw):
@@ -64,13 +60,18 @@ def test_a_non_finite_step_read_late_stops_before_the_next_save(tmp_path, capsys
         return new.replace(params=params), {**metrics, "grad_norm": grad_norm}
 
     monkeypatch.setattr(train, "train_step", poisoned)
+    events = []
+    _logging_steps(monkeypatch, events)
     args = [*TINY, f"out_dir={tmp_path}", "name=inf", "steps=6", "checkpoint_every=2"]
     assert main(args) == 1
+    q = lambda n: ("queued", n)  # noqa: E731
+    r = lambda n: ("read", n)  # noqa: E731
+    assert events == [q(1), q(2), r(1), r(2), q(3), q(4), r(3)]
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: gradient norm is inf at step 3: training stopped"), err
     mngr = checkpoint.manager(tmp_path / "inf")
     assert sorted(mngr.all_steps()) == [2]
     for leaf in jax.tree.leaves(mngr.restore(2)):
         assert np.isfinite(np.asarray(leaf)).all()
-    steps = [line for line in (tmp_path / "inf" / "metrics.jsonl").read_text().splitlines()]
-    assert len(steps) == 2  # steps 1 and 2: the non-finite step is not recorded
+    metrics = (tmp_path / "inf" / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 2  # steps 1 and 2: the non-finite step is not recorded
