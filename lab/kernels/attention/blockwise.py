@@ -6,9 +6,11 @@ autodiff saves it for the backward). The saved residuals are q, k, v, the output
 log-sum-exp per query row; every L×S quantity lives one (block_q × block_k) tile at a time.
 
 Loop structure: queries are cut into blocks (`lax.map`, sequential); for each query block a
-`fori_loop` walks the key blocks, with an upper bound that stops at the causal diagonal, so
-causal attention does about half the work. The backward is one pass over key blocks (`scan`),
-each walking the query blocks from the diagonal down: the probabilities are recomputed once and
+`fori_loop` walks only the key blocks the mask leaves non-empty (`common.Mask.block_map`: the
+causal diagonal, a sliding window, segment ids, lengths), applying the mask only to partial
+tiles, so causal attention does about half the work and a window of W keys about W/S of it.
+The backward is one pass over key blocks (`scan`), each walking its non-empty query blocks:
+the probabilities are recomputed once and
 feed dV, dK and dQ together (dQ is accumulated in place in a full-size f32 buffer, still linear
 in L), which on CPU is cheaper than FlashAttention-2's separate dQ and dK/dV passes, because
 exp() over the tile is the expensive part there.
@@ -26,17 +28,23 @@ import jax.numpy as jnp
 from jax import lax
 
 from lab.kernels.attention.common import (
+    FULL,
     MASK_VALUE,
+    PARTIAL,
+    BlockMap,
     Geometry,
+    Mask,
     check_dtype,
     check_qkv,
     default_scale,
     pad_seq,
     round_up,
-    visible,
 )
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+FEATURES = frozenset(
+    {"empty_rows", "segments", "lengths", "window", "softcap", "sinks", "lse", "value_dim"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,18 +77,50 @@ def _unblocks(x_lxBxLxRest):
     return jnp.swapaxes(x_lxBxLxRest, 0, 1).reshape(B, l * L, *x_lxBxLxRest.shape[3:])
 
 
-def _scores(q_BxLxGxRxK, k_BxSxGxK, n, m, g: Geometry, acc):
-    """Scaled, masked scores of query block n against key block m."""
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The static part of one call (hashable: a custom_vjp static argument)."""
+
+    g: Geometry
+    softcap: float | None
+    sinks: bool  # whether per-head sink logits are given
+
+
+def _mask_blocks(mask: Mask, g: Geometry):
+    """The mask's per-sequence arrays cut into the kernel's blocks: query segment ids
+    [l, B, L] and key segment ids [s, B, S] (None without segments)."""
+    if not mask.segments:
+        return None, None
+    q_seg = pad_seq(mask.q_segment_ids, g.n_q * g.bq)
+    kv_seg = pad_seq(mask.kv_segment_ids, g.n_k * g.bk)
+    return _blocks(q_seg, g.bq), _blocks(kv_seg, g.bk)
+
+
+def _tile_visible(mask: Mask, g: Geometry, n, m, q_seg_lxBxL, kv_seg_sxBxS):
+    """[B or 1, 1, 1, L, S]: which pairs of tile (n, m) take part (broadcasts over G, R)."""
+    q_pos = (n * g.bq + jnp.arange(g.bq))[None, :, None]
+    k_pos = (m * g.bk + jnp.arange(g.bk))[None, None, :]
+    q_seg = None if q_seg_lxBxL is None else q_seg_lxBxL[n][:, :, None]
+    kv_seg = None if kv_seg_sxBxS is None else kv_seg_sxBxS[m][:, None, :]
+    q_len = None if mask.q_lengths is None else mask.q_lengths[:, None, None]
+    kv_len = None if mask.kv_lengths is None else mask.kv_lengths[:, None, None]
+    ok = mask.visible(
+        q_pos, k_pos, L=g.L, S=g.S, q_seg=q_seg, kv_seg=kv_seg, q_len=q_len, kv_len=kv_len
+    )
+    return ok[:, None, None]
+
+
+def _scores(q_BxLxGxRxK, k_BxSxGxK, st: _Static, acc):
+    """Scaled (and soft-capped) scores of a query block against a key block; with softcap
+    also tanh(scores/cap), which the backward's chain rule needs."""
     s_BxGxRxLxS = jnp.einsum(
         "blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK, preferred_element_type=acc
     )
-    s_BxGxRxLxS = s_BxGxRxLxS * g.scale
-    if not g.needs_mask:
-        return s_BxGxRxLxS
-    q_pos_Lx1 = (n * g.bq + jnp.arange(g.bq))[:, None]
-    k_pos_1xS = (m * g.bk + jnp.arange(g.bk))[None, :]
-    ok_LxS = visible(q_pos_Lx1, k_pos_1xS, causal=g.causal, kv_len=g.S, offset=g.offset)
-    return jnp.where(ok_LxS, s_BxGxRxLxS, MASK_VALUE)
+    s_BxGxRxLxS = s_BxGxRxLxS * st.g.scale
+    if st.softcap is None:
+        return s_BxGxRxLxS, None
+    t_BxGxRxLxS = jnp.tanh(s_BxGxRxLxS / st.softcap)
+    return st.softcap * t_BxGxRxLxS, t_BxGxRxLxS
 
 
 def _grouped(x_BxLxHxK, g: Geometry):
@@ -90,48 +130,88 @@ def _grouped(x_BxLxHxK, g: Geometry):
     return _blocks(x_BxLpxGxRxK, g.bq)
 
 
-def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry):
-    """(out [B, L, H, K], lse [l, B, G, R, L]): the log-sum-exp per query row in block layout
-    (query block n, row r of head g·R + r), natural log, f32 (f64 for f64 inputs); padded
-    query rows included. What a caller combining partial attentions (ring attention) needs."""
+def _by_kind(kind, has_partial: bool, has_full: bool, step):
+    """Run `step(masked)` as the tile's kind asks: the mask only on PARTIAL tiles."""
+    if not has_full:
+        return step(True)
+    if not has_partial:
+        return step(False)
+    return lax.cond(kind == FULL, lambda: step(False), lambda: step(True))
+
+
+def _kinds_present(bm: BlockMap) -> tuple[bool, bool]:
+    """(may a tile be PARTIAL, may one be FULL): static where the map is."""
+    if not bm.static:
+        return True, True
+    return bool((bm.kind == PARTIAL).any()), bool((bm.kind == FULL).any())
+
+
+def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks_H, st: _Static):
+    """(out [B, L, H, V], lse [l, B, G, R, L]): the log-sum-exp per query row in block layout
+    (query block n, row r of head g·R + r), natural log, f32 (f64 for f64 inputs), +inf for a
+    row that sees nothing (so the backward's exp(s - lse) is 0 there); padded query rows
+    included. What a caller combining partial attentions (ring attention) needs."""
+    g = st.g
     acc = jnp.promote_types(q_BxLxHxK.dtype, jnp.float32)
     q_lxBxLxGxRxK = _grouped(q_BxLxHxK, g)
     k_sxBxSxGxK = _blocks(pad_seq(k_BxSxGxK, g.n_k * g.bk), g.bk)
-    v_sxBxSxGxK = _blocks(pad_seq(v_BxSxGxK, g.n_k * g.bk), g.bk)
+    v_sxBxSxGxV = _blocks(pad_seq(v_BxSxGxV, g.n_k * g.bk), g.bk)
+    q_seg, kv_seg = _mask_blocks(mask, g)
+    bm = mask.block_map(g.L, g.S, g.bq, g.bk).merged()
+    has_partial, has_full = _kinds_present(bm)
+    kind_lxs, kv_blocks_lxs, kv_count_l = (
+        jnp.asarray(x[0]) for x in (bm.kind, bm.kv_blocks, bm.kv_count)
+    )
 
     def one_q_block(args):
         n, q_BxLxGxRxK = args
 
-        def step(m, carry):
-            o_BxGxRxLxK, max_BxGxRxL, sum_BxGxRxL = carry
-            s_BxGxRxLxS = _scores(q_BxLxGxRxK, k_sxBxSxGxK[m], n, m, g, acc)
-            new_max_BxGxRxL = jnp.maximum(max_BxGxRxL, s_BxGxRxLxS.max(-1))
-            p_BxGxRxLxS = jnp.exp(s_BxGxRxLxS - new_max_BxGxRxL[..., None])
-            alpha_BxGxRxL = jnp.exp(max_BxGxRxL - new_max_BxGxRxL)
-            pv_BxGxRxLxK = jnp.einsum(
-                "bgrls,bsgk->bgrlk",
-                p_BxGxRxLxS.astype(v_sxBxSxGxK.dtype),
-                v_sxBxSxGxK[m],
-                preferred_element_type=acc,
-            )
-            o_BxGxRxLxK = alpha_BxGxRxL[..., None] * o_BxGxRxLxK + pv_BxGxRxLxK
-            sum_BxGxRxL = alpha_BxGxRxL * sum_BxGxRxL + p_BxGxRxLxS.sum(-1)
-            return o_BxGxRxLxK, new_max_BxGxRxL, sum_BxGxRxL
+        def step(t, carry):
+            m = kv_blocks_lxs[n, t]
 
-        B, L, G, R, K = q_BxLxGxRxK.shape
-        init = (
-            jnp.zeros((B, G, R, L, K), acc),
-            jnp.full((B, G, R, L), MASK_VALUE, acc),
-            jnp.zeros((B, G, R, L), acc),
-        )
-        o_BxGxRxLxK, max_BxGxRxL, sum_BxGxRxL = lax.fori_loop(0, g.k_blocks_end(n), step, init)
-        o_BxLxGxRxK = jnp.einsum("bgrlk->blgrk", o_BxGxRxLxK / sum_BxGxRxL[..., None])
-        return o_BxLxGxRxK.astype(q_BxLxHxK.dtype), max_BxGxRxL + jnp.log(sum_BxGxRxL)
+            def tile(masked: bool):
+                o_BxGxRxLxV, max_BxGxRxL, sum_BxGxRxL = carry
+                s_BxGxRxLxS, _ = _scores(q_BxLxGxRxK, k_sxBxSxGxK[m], st, acc)
+                if masked:
+                    ok = _tile_visible(mask, g, n, m, q_seg, kv_seg)
+                    s_BxGxRxLxS = jnp.where(ok, s_BxGxRxLxS, MASK_VALUE)
+                new_max_BxGxRxL = jnp.maximum(max_BxGxRxL, s_BxGxRxLxS.max(-1))
+                p_BxGxRxLxS = jnp.exp(s_BxGxRxLxS - new_max_BxGxRxL[..., None])
+                if masked:  # a row that has seen only masked keys has max MASK_VALUE: exp = 1
+                    p_BxGxRxLxS = jnp.where(ok, p_BxGxRxLxS, 0.0)
+                alpha_BxGxRxL = jnp.exp(max_BxGxRxL - new_max_BxGxRxL)
+                pv_BxGxRxLxV = jnp.einsum(
+                    "bgrls,bsgv->bgrlv",
+                    p_BxGxRxLxS.astype(v_sxBxSxGxV.dtype),
+                    v_sxBxSxGxV[m],
+                    preferred_element_type=acc,
+                )
+                o_BxGxRxLxV = alpha_BxGxRxL[..., None] * o_BxGxRxLxV + pv_BxGxRxLxV
+                sum_BxGxRxL = alpha_BxGxRxL * sum_BxGxRxL + p_BxGxRxLxS.sum(-1)
+                return o_BxGxRxLxV, new_max_BxGxRxL, sum_BxGxRxL
 
-    o_lxBxLxGxRxK, lse_lxBxGxRxL = lax.map(one_q_block, (jnp.arange(g.n_q), q_lxBxLxGxRxK))
-    B, L, H, K = q_BxLxHxK.shape
-    o_BxLxHxK = _unblocks(o_lxBxLxGxRxK).reshape(B, -1, H, K)[:, :L]
-    return o_BxLxHxK, lse_lxBxGxRxL
+            return _by_kind(kind_lxs[n, m], has_partial, has_full, tile)
+
+        B, L, G, R, _ = q_BxLxGxRxK.shape
+        V = v_BxSxGxV.shape[-1]
+        if st.sinks:  # the sink is one more logit per row, with no value: max = sink, sum = 1
+            max_BxGxRxL = jnp.broadcast_to(sinks_H.astype(acc).reshape(1, G, R, 1), (B, G, R, L))
+            sum_BxGxRxL = jnp.ones((B, G, R, L), acc)
+        else:
+            max_BxGxRxL = jnp.full((B, G, R, L), MASK_VALUE, acc)
+            sum_BxGxRxL = jnp.zeros((B, G, R, L), acc)
+        init = (jnp.zeros((B, G, R, L, V), acc), max_BxGxRxL, sum_BxGxRxL)
+        o_BxGxRxLxV, max_BxGxRxL, sum_BxGxRxL = lax.fori_loop(0, kv_count_l[n], step, init)
+        seen_BxGxRxL = sum_BxGxRxL > 0
+        safe_BxGxRxL = jnp.where(seen_BxGxRxL, sum_BxGxRxL, 1.0)
+        o_BxLxGxRxV = jnp.einsum("bgrlv->blgrv", o_BxGxRxLxV / safe_BxGxRxL[..., None])
+        lse_BxGxRxL = jnp.where(seen_BxGxRxL, max_BxGxRxL + jnp.log(safe_BxGxRxL), jnp.inf)
+        return o_BxLxGxRxV.astype(q_BxLxHxK.dtype), lse_BxGxRxL
+
+    o_lxBxLxGxRxV, lse_lxBxGxRxL = lax.map(one_q_block, (jnp.arange(g.n_q), q_lxBxLxGxRxK))
+    B, L, H, _ = q_BxLxHxK.shape
+    o_BxLxHxV = _unblocks(o_lxBxLxGxRxV).reshape(B, -1, H, v_BxSxGxV.shape[-1])[:, :L]
+    return o_BxLxHxV, lse_lxBxGxRxL
 
 
 def _row_blocks(x_BxLxH, g: Geometry):
@@ -146,6 +226,13 @@ def _row_unblocks(x_lxBxGxRxL, g: Geometry):
     return x_BxLpxGxR.reshape(B, Lp, g.G * g.R)[:, : g.L]
 
 
+def _user_lse(lse_lxBxGxRxL, g: Geometry):
+    """The residual's log-sum-exp as the caller sees it: [B, L, H], -inf (log 0) for a row
+    that sees nothing (the residual keeps +inf there for the backward)."""
+    lse = _row_unblocks(lse_lxBxGxRxL, g)
+    return jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
 def _group_sum(p_BxGxRxLxS, x_BxLxGxRxK, acc):
     """Σ over r, l of p[b,g,r,l,s]·x[b,l,g,r,k] → [B, S, G, K]: a key block's dK or dV from
     every query row of its kv head's R query heads. lax.dot_general written out to contract
@@ -156,135 +243,174 @@ def _group_sum(p_BxGxRxLxS, x_BxLxGxRxK, acc):
     return jnp.transpose(out_BxGxKxS, (0, 3, 1, 2))
 
 
-def _backward(g: Geometry, residuals, do_BxLxHxK, dlse_BxLxH=None):
-    """dQ, dK, dV; with `dlse_BxLxH` (the cotangent of the log-sum-exp output, see
-    `blockwise_attention_with_lse`) folded in: d lse_i / d s_ij = P_ij, so
-    dS = P·(dP − δ + dlse)."""
-    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_lxBxGxRxL = residuals
+def _backward(st: _Static, residuals, do_BxLxHxV, dlse_BxLxH=None):
+    """dQ, dK, dV (and the sinks' gradient); with `dlse_BxLxH` (the cotangent of the
+    log-sum-exp output, see `blockwise_attention_with_lse`) folded in: d lse_i / d s_ij =
+    P_ij, so dS = P·(dP − δ + dlse). Soft-capping multiplies dS by 1 − tanh²; a sink's logit
+    gets Σ_rows −P_sink·(δ − dlse)."""
+    g = st.g
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_lxBxGxRxL, mask, sinks_H = residuals
     acc = jnp.promote_types(q_BxLxHxK.dtype, jnp.float32)
     # delta_i = Σ_d dO_id·O_id = Σ_j P_ij·dP_ij: the softmax-backward row term, linear in L.
-    delta_BxLxH = jnp.einsum("blhk,blhk->blh", o_BxLxHxK.astype(acc), do_BxLxHxK.astype(acc))
+    delta_BxLxH = jnp.einsum("blhv,blhv->blh", o_BxLxHxV.astype(acc), do_BxLxHxV.astype(acc))
     if dlse_BxLxH is not None:
-        delta_BxLxH = delta_BxLxH - dlse_BxLxH.astype(acc)
+        delta_BxLxH = delta_BxLxH - jnp.where(jnp.isfinite(dlse_BxLxH), dlse_BxLxH, 0).astype(acc)
     delta_lxBxGxRxL = _row_blocks(delta_BxLxH, g)
     q_lxBxLxGxRxK = _grouped(q_BxLxHxK, g)
-    do_lxBxLxGxRxK = _grouped(do_BxLxHxK, g)
+    do_lxBxLxGxRxV = _grouped(do_BxLxHxV, g)
     k_sxBxSxGxK = _blocks(pad_seq(k_BxSxGxK, g.n_k * g.bk), g.bk)
-    v_sxBxSxGxK = _blocks(pad_seq(v_BxSxGxK, g.n_k * g.bk), g.bk)
+    v_sxBxSxGxV = _blocks(pad_seq(v_BxSxGxV, g.n_k * g.bk), g.bk)
+    q_seg, kv_seg = _mask_blocks(mask, g)
+    bm = mask.block_map(g.L, g.S, g.bq, g.bk).merged()
+    has_partial, has_full = _kinds_present(bm)
+    kind_lxs, q_blocks_sxl, q_count_s = (
+        jnp.asarray(x[0]) for x in (bm.kind, bm.q_blocks, bm.q_count)
+    )
 
     def one_k_block(dq_lxBxLxGxRxK, args):
-        m, k_BxSxGxK, v_BxSxGxK = args
+        m, k_BxSxGxK, v_BxSxGxV = args
 
-        def step(n, carry):
-            dk_BxSxGxK, dv_BxSxGxK, dq_lxBxLxGxRxK = carry
-            q_BxLxGxRxK, do_BxLxGxRxK = q_lxBxLxGxRxK[n], do_lxBxLxGxRxK[n]
-            s_BxGxRxLxS = _scores(q_BxLxGxRxK, k_BxSxGxK, n, m, g, acc)
-            p_BxGxRxLxS = jnp.exp(s_BxGxRxLxS - lse_lxBxGxRxL[n][..., None])
-            dv_BxSxGxK += _group_sum(p_BxGxRxLxS.astype(do_BxLxGxRxK.dtype), do_BxLxGxRxK, acc)
-            dp_BxGxRxLxS = jnp.einsum(
-                "blgrk,bsgk->bgrls", do_BxLxGxRxK, v_BxSxGxK, preferred_element_type=acc
-            )
-            ds_BxGxRxLxS = p_BxGxRxLxS * (dp_BxGxRxLxS - delta_lxBxGxRxL[n][..., None])
-            ds_BxGxRxLxS = (ds_BxGxRxLxS * g.scale).astype(q_BxLxGxRxK.dtype)
-            dk_BxSxGxK += _group_sum(ds_BxGxRxLxS, q_BxLxGxRxK, acc)
-            dq_BxLxGxRxK = jnp.einsum(
-                "bgrls,bsgk->blgrk", ds_BxGxRxLxS, k_BxSxGxK, preferred_element_type=acc
-            )
-            return dk_BxSxGxK, dv_BxSxGxK, dq_lxBxLxGxRxK.at[n].add(dq_BxLxGxRxK)
+        def step(t, carry):
+            n = q_blocks_sxl[m, t]
 
-        zeros_BxSxGxK = jnp.zeros(k_BxSxGxK.shape, acc)
-        dk_BxSxGxK, dv_BxSxGxK, dq_lxBxLxGxRxK = lax.fori_loop(
-            g.q_blocks_start(m), g.n_q, step, (zeros_BxSxGxK, zeros_BxSxGxK, dq_lxBxLxGxRxK)
+            def tile(masked: bool):
+                dk_BxSxGxK, dv_BxSxGxV, dq_lxBxLxGxRxK = carry
+                q_BxLxGxRxK, do_BxLxGxRxV = q_lxBxLxGxRxK[n], do_lxBxLxGxRxV[n]
+                s_BxGxRxLxS, t_BxGxRxLxS = _scores(q_BxLxGxRxK, k_BxSxGxK, st, acc)
+                p_BxGxRxLxS = jnp.exp(s_BxGxRxLxS - lse_lxBxGxRxL[n][..., None])
+                if masked:
+                    ok = _tile_visible(mask, g, n, m, q_seg, kv_seg)
+                    p_BxGxRxLxS = jnp.where(ok, p_BxGxRxLxS, 0.0)
+                dv_BxSxGxV += _group_sum(p_BxGxRxLxS.astype(do_BxLxGxRxV.dtype), do_BxLxGxRxV, acc)
+                dp_BxGxRxLxS = jnp.einsum(
+                    "blgrv,bsgv->bgrls", do_BxLxGxRxV, v_BxSxGxV, preferred_element_type=acc
+                )
+                ds_BxGxRxLxS = p_BxGxRxLxS * (dp_BxGxRxLxS - delta_lxBxGxRxL[n][..., None])
+                if st.softcap is not None:
+                    ds_BxGxRxLxS = ds_BxGxRxLxS * (1.0 - t_BxGxRxLxS * t_BxGxRxLxS)
+                ds_BxGxRxLxS = (ds_BxGxRxLxS * g.scale).astype(q_BxLxGxRxK.dtype)
+                dk_BxSxGxK += _group_sum(ds_BxGxRxLxS, q_BxLxGxRxK, acc)
+                dq_BxLxGxRxK = jnp.einsum(
+                    "bgrls,bsgk->blgrk", ds_BxGxRxLxS, k_BxSxGxK, preferred_element_type=acc
+                )
+                return dk_BxSxGxK, dv_BxSxGxV, dq_lxBxLxGxRxK.at[n].add(dq_BxLxGxRxK)
+
+            return _by_kind(kind_lxs[n, m], has_partial, has_full, tile)
+
+        init = (
+            jnp.zeros(k_BxSxGxK.shape, acc),
+            jnp.zeros(v_BxSxGxV.shape, acc),
+            dq_lxBxLxGxRxK,
         )
-        return dq_lxBxLxGxRxK, (dk_BxSxGxK, dv_BxSxGxK)
+        dk_BxSxGxK, dv_BxSxGxV, dq_lxBxLxGxRxK = lax.fori_loop(0, q_count_s[m], step, init)
+        return dq_lxBxLxGxRxK, (dk_BxSxGxK, dv_BxSxGxV)
 
-    dq_lxBxLxGxRxK, (dk_sxBxSxGxK, dv_sxBxSxGxK) = lax.scan(
+    dq_lxBxLxGxRxK, (dk_sxBxSxGxK, dv_sxBxSxGxV) = lax.scan(
         one_k_block,
         jnp.zeros(q_lxBxLxGxRxK.shape, acc),
-        (jnp.arange(g.n_k), k_sxBxSxGxK, v_sxBxSxGxK),
+        (jnp.arange(g.n_k), k_sxBxSxGxK, v_sxBxSxGxV),
     )
     B, L, H, K = q_BxLxHxK.shape
     S = k_BxSxGxK.shape[1]
     dq_BxLxHxK = _unblocks(dq_lxBxLxGxRxK).reshape(B, -1, H, K)[:, :L]
     dk_BxSxGxK = _unblocks(dk_sxBxSxGxK)[:, :S]
-    dv_BxSxGxK = _unblocks(dv_sxBxSxGxK)[:, :S]
+    dv_BxSxGxV = _unblocks(dv_sxBxSxGxV)[:, :S]
+    dsinks_H = None
+    if st.sinks:
+        sink_1x1xGxRx1 = sinks_H.astype(acc).reshape(1, 1, g.G, g.R, 1)
+        p_sink_lxBxGxRxL = jnp.exp(sink_1x1xGxRx1 - lse_lxBxGxRxL)
+        dsinks_H = -(p_sink_lxBxGxRxL * delta_lxBxGxRxL).sum((0, 1, 4)).reshape(-1)
+        dsinks_H = dsinks_H.astype(sinks_H.dtype)
     return (
         dq_BxLxHxK.astype(q_BxLxHxK.dtype),
         dk_BxSxGxK.astype(k_BxSxGxK.dtype),
-        dv_BxSxGxK.astype(v_BxSxGxK.dtype),
+        dv_BxSxGxV.astype(v_BxSxGxV.dtype),
+        None,
+        dsinks_H,
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry):
-    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks_H, st: _Static):
+    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks_H, st)[0]
 
 
-def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry):
-    o_BxLxHxK, lse_lxBxGxRxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)
-    return o_BxLxHxK, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_lxBxGxRxL)
+def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks_H, st: _Static):
+    o_BxLxHxV, lse_lxBxGxRxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks_H, st)
+    return o_BxLxHxV, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_lxBxGxRxL, mask, sinks_H)
 
 
 _flash.defvjp(_flash_fwd, _backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash_lse(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry):
-    o_BxLxHxK, lse_lxBxGxRxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)
-    return o_BxLxHxK, _row_unblocks(lse_lxBxGxRxL, g)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash_lse(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks_H, st: _Static):
+    o_BxLxHxV, lse_lxBxGxRxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks_H, st)
+    return o_BxLxHxV, _user_lse(lse_lxBxGxRxL, st.g)
 
 
-def _flash_lse_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry):
-    o_BxLxHxK, residuals = _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)
-    return (o_BxLxHxK, _row_unblocks(residuals[-1], g)), residuals
+def _flash_lse_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks_H, st: _Static):
+    o_BxLxHxV, residuals = _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks_H, st)
+    return (o_BxLxHxV, _user_lse(residuals[4], st.g)), residuals
 
 
-def _flash_lse_bwd(g: Geometry, residuals, cotangents):
-    do_BxLxHxK, dlse_BxLxH = cotangents
-    return _backward(g, residuals, do_BxLxHxK, dlse_BxLxH)
+def _flash_lse_bwd(st: _Static, residuals, cotangents):
+    do_BxLxHxV, dlse_BxLxH = cotangents
+    return _backward(st, residuals, do_BxLxHxV, dlse_BxLxH)
 
 
 _flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
 
 
-def _geometry(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, scale, block_sizes) -> Geometry:
+def _static(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, softcap, sinks, scale, block_sizes) -> _Static:
     """The inputs checked, and the static sizes of one call (tiles fitted to the lengths)."""
-    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=mask.causal, empty_rows=True, value_dim=True)
     check_dtype(q_BxLxHxK, DTYPES, "blockwise")
-    _, L, H, K = q_BxLxHxK.shape
+    B, L, H, K = q_BxLxHxK.shape
     S, G = k_BxSxGxK.shape[1:3]
+    mask.check(B, L, S)
+    if sinks is not None and tuple(sinks.shape) != (H,):
+        raise ValueError(f"{sinks.shape=}: attention sinks are one logit per query head, ({H},)")
     bq, bk = block_sizes.fit(L, S)
     scale = default_scale(K, scale)
-    return Geometry(L=L, S=S, G=G, R=H // G, bq=bq, bk=bk, causal=causal, scale=scale)
+    g = Geometry(L=L, S=S, G=G, R=H // G, bq=bq, bk=bk, causal=mask.causal, scale=scale)
+    return _Static(
+        g=g, softcap=None if softcap is None else float(softcap), sinks=sinks is not None
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes"))
+@functools.partial(
+    jax.jit, static_argnames=("causal", "scale", "block_sizes", "softcap", "return_lse")
+)
 def blockwise_attention(
     q_BxLxHxK,
     k_BxSxGxK,
-    v_BxSxGxK,
+    v_BxSxGxV,
     *,
     causal: bool = True,
     scale: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
+    mask: Mask | None = None,
+    softcap: float | None = None,
+    sinks=None,
+    return_lse: bool = False,
 ):
-    """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim], grouped kv heads, any length."""
-    g = _geometry(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, scale, block_sizes)
-    return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)
+    """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim], grouped kv heads, any length.
+
+    `mask` (common.Mask; default `causal` alone) says which pairs take part: tiles it leaves
+    empty are skipped in the forward and the backward, and only partial ones are masked; a
+    row that sees nothing gives 0. `softcap`: cap·tanh(scores/cap). `sinks` [H]: one logit
+    per query head in each row's softmax denominator (differentiable). `return_lse`: (out,
+    lse [B, L, H] f32), both differentiable. v's head dim may differ from q's and k's.
+    """
+    mask = Mask.make(causal=causal) if mask is None else mask
+    st = _static(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, softcap, sinks, scale, block_sizes)
+    fn = _flash_lse if return_lse else _flash
+    return fn(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks, st)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes"))
-def blockwise_attention_with_lse(
-    q_BxLxHxK,
-    k_BxSxGxK,
-    v_BxSxGxK,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
-    block_sizes: BlockSizes = BlockSizes(),
-):
-    """(out [B, L, H, K], lse [B, L, H] in f32): the output and each row's log-sum-exp of the
+def blockwise_attention_with_lse(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, **kwargs):
+    """(out [B, L, H, V], lse [B, L, H] in f32): the output and each row's log-sum-exp of the
     scaled scores, both differentiable. Partial attentions over disjoint key sets combine
     exactly through the LSE (ring attention), which is why a caller may need it."""
-    g = _geometry(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, scale, block_sizes)
-    return _flash_lse(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g)
+    return blockwise_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, return_lse=True, **kwargs)
