@@ -20,7 +20,7 @@ from pathlib import PurePath
 
 from lab.errors import ConfigError, RunError
 from lab.mesh import MeshSpecError, parse_mesh_spec, strategy_mesh
-from lab.names import ATTENTION_IMPLS, DTYPES, PIPELINE_STRATEGIES, REMATS, STRATEGIES
+from lab.names import ATTENTION_IMPLS, DTYPES, REMATS, STRATEGIES
 
 # ------------------------------------------------------------------------ fields and values
 
@@ -360,8 +360,10 @@ BACKEND_DEFAULTS: dict[str, dict] = {
 
 
 def make_config(*, backend: str = "cpu", **fields) -> Config:
-    """A validated Config from typed keyword arguments: any run or model field, or `preset`
-    (alias `model`); keys left out take the backend's defaults, then the dataclasses'."""
+    """A Config from typed keyword arguments: any run or model field, or `preset` (alias
+    `model`), each checked alone; keys left out take the backend's defaults, then the
+    dataclasses'. The rules that tie fields together are checked once the platform is known
+    (lab/resolve.py)."""
     fields = {ALIASES.get(k, k): v for k, v in fields.items()}
     kw = {**BACKEND_DEFAULTS.get(backend, {}), **fields}
     preset = kw.pop("preset", RUN_FIELDS["preset"][0].default)
@@ -381,18 +383,20 @@ def override(cfg: Config, **fields) -> Config:
             check_value(MODEL_FIELDS[key][0], value)
             model_kw[key] = value
         else:
-            close = difflib.get_close_matches(key, [*RUN_FIELDS, *MODEL_FIELDS], n=1)
-            raise ConfigError(
-                f"unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else "")
-            )
+            raise unknown_key(key)
     model = cfg.model
     if "preset" in run_kw:
         model = ModelConfig(**PRESETS[run_kw["preset"]])
     model = dataclasses.replace(model, **model_kw)
     cfg = dataclasses.replace(cfg, model=model, **run_kw)
     cfg = dataclasses.replace(cfg, mesh=strategy_mesh(cfg.mesh, cfg.strategy))
-    validate(cfg)
+    _check_alone(cfg)
     return cfg
+
+
+def unknown_key(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, [*RUN_FIELDS, *MODEL_FIELDS, *ALIASES], n=1)
+    return ConfigError(f"unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else ""))
 
 
 def parse_keys(argv: list[str]) -> dict:
@@ -420,40 +424,9 @@ def check_name(name: str) -> None:
         )
 
 
-def validate(cfg: Config) -> None:
-    """Cross-field checks that a single value's type cannot express."""
-    m = cfg.model
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"n_kv_heads={m.n_kv_heads} must divide n_heads={m.n_heads}")
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"n_heads={m.n_heads} must divide d_model={m.d_model}")
-    if m.head_dim % 2:
-        raise ConfigError(
-            f"head_dim=d_model/n_heads={m.head_dim} must be even for rotary embeddings"
-        )
-    if cfg.data == "text" and m.vocab_size < 256:
-        raise ConfigError(f"data=text needs vocab_size >= 256 (bytes), got {m.vocab_size}")
-    if m.attention == "ring" and cfg.strategy != "cp":
-        raise ConfigError(
-            "attention=ring passes keys/values around the sequence axis: add strategy=cp "
-            "(the sequence split over the mesh's model axis, e.g. mesh=2x4)"
-        )
-    if cfg.batch_size % cfg.accumulate:
-        raise ConfigError(
-            f"accumulate={cfg.accumulate} must divide batch_size={cfg.batch_size} "
-            "(K microbatches of batch_size/K sequences)"
-        )
-    _validate_pipeline(cfg)
-    if cfg.process_id >= cfg.num_processes:
-        raise ConfigError(
-            f"process_id={cfg.process_id} must be < num_processes={cfg.num_processes}"
-        )
-    if cfg.overwrite and cfg.resume:
-        raise ConfigError(
-            "overwrite=true clears the folder's run and resume=true continues it: choose one"
-        )
-    if cfg.num_processes > 1 and not cfg.coordinator:
-        raise ConfigError("num_processes > 1 needs coordinator=host:port")
+def _check_alone(cfg: Config) -> None:
+    """The checks of single fields that their type cannot express (every rule that ties
+    fields together is lab/resolve.py's, checked once the platform is known)."""
     if cfg.coordinator:
         _check_coordinator(cfg.coordinator)
     if cfg.target and cfg.target.split(":")[0] not in ("tpu", "gpu"):
@@ -475,23 +448,6 @@ def _check_coordinator(address: str) -> None:
         )
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ConfigError(f"coordinator={address!r}: the port must be a number in 1..65535")
-
-
-def _validate_pipeline(cfg: Config) -> None:
-    """The pipeline's keys against each other and the batch; the stage count is the mesh's
-    and is checked with it (lab/train.py)."""
-    m, pipelined = cfg.model, cfg.strategy in PIPELINE_STRATEGIES
-    if m.microbatches and cfg.strategy not in ("auto", *PIPELINE_STRATEGIES):
-        raise ConfigError(
-            f"microbatches={m.microbatches} feeds a pipeline: it needs strategy=pp, pp+fsdp or "
-            "pp+tp and a stage axis (e.g. mesh=data:2,stage:4)"
-        )
-    if m.pipeline_repeats > 1 and not (m.microbatches or pipelined):
-        raise ConfigError("pipeline_repeats > 1 is the circular pipeline: it needs strategy=pp")
-    rows = cfg.batch_size // cfg.accumulate
-    if m.microbatches and rows % m.microbatches:
-        per = f"batch_size/accumulate={rows}" if cfg.accumulate > 1 else f"batch_size={rows}"
-        raise ConfigError(f"microbatches={m.microbatches} must divide {per}")
 
 
 def _key_lines(fields: dict, rename: dict | None = None) -> list[str]:
@@ -558,8 +514,9 @@ def exit_code(fn) -> int:
     mistake (ConfigError) exits 2, a run that cannot go on (RunError) 1, Ctrl-C 130."""
     try:
         return fn() or 0
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ConfigError as e:  # a request that breaks several rules: a line for each
+        for line in str(e).splitlines() or [""]:
+            print(f"error: {line}", file=sys.stderr)
         return 2
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,7 +17,6 @@ makes a signal to any one process stop every process after the same step.
 
 import contextlib
 import dataclasses
-import math
 import os
 import re
 import socket
@@ -30,7 +29,7 @@ from jax._src import distributed as _distributed  # the key-value store of the r
 from jax._src.clusters.slurm_cluster import SlurmCluster  # JAX's own reading of SLURM's variables
 
 from lab.errors import ConfigError
-from lab.mesh import MeshSpecError, known_size, resolve_shape
+from lab.mesh import known_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,19 +387,3 @@ def describe_target(devices: list) -> DeviceInfo:
         simulated=False,
         aot=True,
     )
-
-
-def check_mesh_fits(mesh: str, info: DeviceInfo) -> dict[str, int]:
-    """Mesh sizes for the devices present; an error with both numbers when it does not fit."""
-    try:
-        sizes = resolve_shape(mesh, info.count)
-    except MeshSpecError as e:
-        hint = " (on CPU, cpu_devices=N simulates more)" if info.backend == "cpu" else ""
-        raise MeshSpecError(f"{e} [{info.backend}: {info.device_kind}]{hint}") from None
-    used = math.prod(sizes.values())
-    if info.aot and used != info.count:  # a plan is for the whole slice, as a real job runs
-        raise MeshSpecError(
-            f"mesh={mesh} uses {used} of the target's {info.count} devices: a slice runs "
-            f"one program over all of them (e.g. mesh={info.count} or mesh=-1)"
-        )
-    return sizes

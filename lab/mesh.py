@@ -71,7 +71,7 @@ RULES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 
 
 # The mesh axes each strategy exists for: on a mesh where all of them have size 1 the strategy
-# splits nothing (strategy=fsdp on mesh=data:8 is data parallelism), which train.resolve refuses.
+# splits nothing (strategy=fsdp on mesh=data:8 is data parallelism), which lab.resolve refuses.
 STRATEGY_AXES = {
     "fsdp": (FSDP, MODEL),
     "tp": (MODEL,),
@@ -92,17 +92,6 @@ def strategy_mesh(spec: str, strategy: str) -> str:
     if not axes or ":" in text or "x" in text.lower() or strategy == "fsdp+tp":
         return spec
     return f"{axes[0]}:{text}"
-
-
-def check_strategy_axes(strategy: str, sizes: dict[str, int], spec: str) -> None:
-    """One line when an explicit strategy's axes all have size 1 on a mesh of several
-    devices: it would silently run as data parallelism."""
-    axes = STRATEGY_AXES.get(strategy, ())
-    if axes and math.prod(sizes.values()) > 1 and all(sizes.get(a, 1) == 1 for a in axes):
-        raise MeshSpecError(
-            f"strategy={strategy} splits over the {' or '.join(axes)} axis, which mesh={spec} "
-            f"does not have: name it (e.g. mesh={axes[0]}:{math.prod(sizes.values())})"
-        )
 
 
 class MeshSpecError(ConfigError):

@@ -1,30 +1,19 @@
 """`python -m lab.run key=value ...`: train the transformer on a device mesh, on any backend.
 
-Thin on purpose: parse, open a session (devices, mesh, trainer: lab/session.py), then hand over
-to lab/loop.py. Every user mistake ends here as one line on stderr and exit code 2.
+Thin on purpose: parse, open a session (platform, resolve, trainer: lab/session.py), then
+hand over to lab/loop.py. Every user mistake ends here as one line on stderr (a line for each
+broken rule) and exit code 2.
 """
 
 import os
 import sys
-import time
 
 from lab import plans
-from lab.config import exit_code, help_text, make_config, parse_keys
-from lab.errors import ConfigError
+from lab.config import exit_code, help_text, parse_keys
 
 
 def _help() -> str:
     return f"{help_text()}\ntargets (e.g.): {plans.target_help()}"
-
-
-def _named(keys: dict) -> dict:
-    """The run folder's name: the user's, or model-mesh-time."""
-    if keys.get("name"):
-        return keys
-    if keys.get("resume"):
-        raise ConfigError("resume=true needs the run's name=NAME")
-    cfg = make_config(**keys)
-    return {**keys, "name": f"{cfg.preset}-{cfg.mesh}-{time.strftime('%Y%m%d-%H%M%S')}"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,11 +23,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     def run() -> int:
-        keys = _named(parse_keys(argv))
-        from lab.loop import run_training  # heavy imports only once the keys are sound
+        keys = parse_keys(argv)  # each key checked alone, before anything heavy is imported
+        from lab.loop import run_training
+        from lab.resolve import Request
         from lab.session import open_session
 
-        return run_training(open_session(keys=keys))
+        # the rules, the backend's defaults and the run's name: once the platform is known
+        return run_training(open_session(request=Request(tuple(keys.items()))))
 
     return exit_code(run)
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from lab import data, rundir
-from lab.config import check_name, cli, field, make_config
+from lab.config import check_name, cli, field
 from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.report import plots, progress, tables
@@ -69,8 +69,7 @@ def _session(o: Options, keys: dict):
             raise ConfigError(
                 f"run={o.run}: no run folder {run_dir} (out_dir= says where runs are)"
             )
-        cfg = serving.serving_config(make_config(), run_dir, keys)
-        return open_session(cfg), run_dir
+        return open_session(request=serving.serving_request(run_dir, keys)), run_dir
     keys = {"preset": "base", **keys}
     return open_session(keys={**keys, "steps": 0}), None
 

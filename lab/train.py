@@ -24,13 +24,12 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lab.config import Config, resolve_dtype, validate
-from lab.errors import ConfigError
-from lab.kernels.attention import choose_noted
+from lab.config import Config
 from lab.kernels.pipeline import Schedule
-from lab.mesh import auto_strategy, axis_size, check_divisible, check_strategy_axes, rules_for
+from lab.mesh import axis_size, check_divisible, rules_for
 from lab.model import build
 from lab.names import BATCH, HOST_MEMORY, PIPELINE_STRATEGIES, STAGE
+from lab.resolve import Platform, Request, Resolved, resolve
 
 
 class TrainState(struct.PyTreeNode):
@@ -171,6 +170,7 @@ class Trainer:
     schedule: Schedule | None = None  # the pipeline's, under strategy=pp*
     notes: tuple[str, ...] = ()  # what the backend did not do that the config asked for
     attention_note: str | None = None  # why auto/pallas passed over a kernel (the toolchain)
+    resolved: Resolved | None = None  # what the trainer was built from
 
     def batch_shape(self) -> jax.ShapeDtypeStruct:
         shape = (self.cfg.batch_size, self.cfg.seq_len + 1)
@@ -208,97 +208,20 @@ def _check_state(abstract_boxed, mesh, rules) -> None:
         check_divisible(jax.tree_util.keystr(path), leaf.shape, spec, mesh)
 
 
-def backend_of(mesh) -> str:
-    """cpu | gpu | tpu of the mesh's devices (an ahead-of-time target's included)."""
-    platform = mesh.devices.flat[0].platform
-    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+def resolved_for(cfg, mesh=None, purpose: str = "train") -> Resolved:
+    """`cfg` as the builders take it: a Resolved as it is; a Config built in code resolved
+    for `mesh` (lab/resolve.py), as a request of all its fields."""
+    if isinstance(cfg, Resolved):
+        return cfg
+    return resolve(Request.from_config(cfg), Platform.of_mesh(mesh), purpose)
 
 
-def resolve(cfg: Config, mesh) -> Config:
-    """Every `auto` of `cfg` filled for `mesh`, in one place: the compute dtype (bfloat16 on
-    GPU/TPU, float32 on CPU), the data (text for a byte vocabulary), the strategy (the rules
-    that use every axis the mesh names) and the attention kernel (the dispatch's choice for
-    this backend and shape, so the header and config.json name what ran). An attention
-    implementation the inputs do not fit is a ConfigError before anything is traced."""
-    return resolve_noted(cfg, mesh)[0]
-
-
-def resolve_noted(cfg: Config, mesh) -> tuple[Config, str | None]:
-    """`resolve`, with the dispatch's note where auto/pallas passed over the kernel it
-    prefers because this toolchain miscompiles it (the run header prints it), or None."""
-    backend = backend_of(mesh)
-    note = None
-    model = resolve_dtype(cfg.model, backend)
-    data = cfg.data if cfg.data != "auto" else ("text" if model.vocab_size == 256 else "synthetic")
-    strategy = cfg.strategy if cfg.strategy != "auto" else auto_strategy(dict(mesh.shape))
-    check_strategy_axes(strategy, dict(mesh.shape), cfg.mesh)
-    if model.attention != "ring":
-        dtype = jnp.dtype(model.dtype)
-        q = jax.ShapeDtypeStruct((1, cfg.seq_len, model.n_heads, model.head_dim), dtype)
-        kv = jax.ShapeDtypeStruct((1, cfg.seq_len, model.n_kv_heads, model.head_dim), dtype)
-        try:
-            with jax.set_mesh(mesh):  # a plan's target decides (no cuDNN where none is here)
-                impl, note = choose_noted(model.attention, q, kv, kv, causal=True, backend=backend)
-        except ValueError as e:
-            raise ConfigError(f"attention={model.attention}: {e}") from None
-        model = dataclasses.replace(model, attention=impl)
-    model = _resolve_pipeline(model, strategy, dict(mesh.shape))
-    _check_pipeline_offload(model, strategy, dict(mesh.shape), backend)
-    cfg = dataclasses.replace(cfg, model=model, data=data, strategy=strategy)
-    validate(cfg)
-    return cfg, note
-
-
-def _check_pipeline_offload(model, strategy: str, sizes: dict[str, int], backend: str) -> None:
-    """XLA:GPU (jax 0.10 and 0.12) fails to compile host-offloaded residuals stacked by two
-    nested loops (a stage's layers inside the pipeline's ticks) with an internal layout error;
-    one layer per stage, and TPU, compile."""
-    stages = sizes.get(STAGE, 1)
-    if (
-        backend == "gpu"
-        and model.remat == "offload"
-        and strategy in PIPELINE_STRATEGIES
-        and stages > 1
-        and model.n_layers > stages * model.pipeline_repeats
-    ):
-        raise ConfigError(
-            f"remat=offload in a pipeline stage of {model.n_layers // stages} layers does not "
-            "compile for GPU (XLA:GPU's layout assignment fails on host-offloaded residuals of "
-            "nested loops): use remat=full, or one layer per stage"
-        )
-
-
-def _resolve_pipeline(model, strategy: str, sizes: dict[str, int]):
-    """A pipeline's model: stacked layers (scan_layers on), one microbatch per stage unless
-    the user chose; the stages must split the layers (× repeats) evenly."""
-    stages = sizes.get(STAGE, 1)
-    if strategy not in PIPELINE_STRATEGIES:
-        if stages > 1:
-            raise ConfigError(
-                f"the mesh has stage={stages} but strategy={strategy} does not use it: "
-                "use strategy=pp, pp+fsdp or pp+tp (or strategy=auto)"
-            )
-        return model
-    model = dataclasses.replace(model, scan_layers=True, microbatches=model.microbatches or stages)
-    R = model.pipeline_repeats
-    if model.n_layers % (stages * R):
-        repeats = f" x pipeline_repeats={R}" if R > 1 else ""
-        raise ConfigError(
-            f"n_layers={model.n_layers} does not divide into stage={stages} stages{repeats}: "
-            "choose n_layers or the mesh's stage size so that each stage holds whole layers"
-        )
-    if R > 1 and model.microbatches < stages:
-        raise ConfigError(
-            f"pipeline_repeats={R} (circular) needs microbatches >= stage={stages}, got "
-            f"microbatches={model.microbatches}"
-        )
-    return model
-
-
-def make_trainer(cfg: Config, mesh) -> Trainer:
-    """Shardings from logical names, a jitted sharded init, a jitted donated step; `cfg`
-    resolved for the mesh first (`resolve`), and kept resolved in `Trainer.cfg`."""
-    cfg, attention_note = resolve_noted(cfg, mesh)
+def make_trainer(resolved: Resolved | Config, mesh=None) -> Trainer:
+    """Shardings from logical names, a jitted sharded init, a jitted donated step for a
+    resolved config (lab/resolve.py; a Config with its mesh is resolved first), kept in
+    `Trainer.cfg`. The rules were checked there: here they are trusted."""
+    r = resolved_for(resolved, mesh)
+    cfg, mesh = r.cfg, r.mesh
     rules = rules_for(cfg.strategy)
     model, tx = build(cfg.model), make_optimizer(cfg)
     init_fn = functools.partial(_init_state, model=model, tx=tx, seq_len=cfg.seq_len)
@@ -308,16 +231,10 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
     _check_state(abstract_boxed, mesh, rules)
     state_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_boxed), mesh, rules)
     batch_axes = dict(rules).get(BATCH)
-    check_divisible(
-        "batch (batch_size x seq_len+1)",
-        (cfg.batch_size, cfg.seq_len + 1),
-        (batch_axes, None),
-        mesh,
-    )
-    _check_microbatches(cfg, batch_axes, mesh)
+    assert cfg.batch_size % axis_size(mesh, batch_axes) == 0, (cfg.batch_size, batch_axes)
     batch_sh = NamedSharding(mesh, P(batch_axes, None))
     replicated = NamedSharding(mesh, P())
-    state_sh, opt_device_sh, notes = _offload_optimizer(cfg, state_sh, mesh)
+    state_sh, opt_device_sh = _offload_optimizer(r, state_sh)
     unboxed_init = lambda key: nn.meta.unbox(init_fn(key))
     init = jax.jit(_with_rules(unboxed_init, rules), out_shardings=state_sh)
     step_fn = functools.partial(
@@ -353,63 +270,21 @@ def make_trainer(cfg: Config, mesh) -> Trainer:
         init_jit=init,
         step_jit=step,
         schedule=schedule,
-        notes=notes,
-        attention_note=attention_note,
+        notes=r.notes,
+        attention_note=r.attention_note,
+        resolved=r,
     )
 
 
-def _check_microbatches(cfg: Config, batch_axes, mesh) -> None:
-    """Each accumulation microbatch, and each pipeline microbatch inside it, still splits over
-    the devices the batch is split over (the stage axis aside: the pipeline passes microbatches
-    along it)."""
-    rows = cfg.batch_size // cfg.accumulate
-    if cfg.accumulate > 1:
-        check_divisible(
-            f"microbatch (batch_size/accumulate={rows} x seq_len+1)",
-            (rows, cfg.seq_len + 1),
-            (batch_axes, None),
-            mesh,
-        )
-    M = cfg.model.microbatches
-    if cfg.strategy in PIPELINE_STRATEGIES and M:
-        inner = tuple(a for a in (batch_axes or ()) if a != STAGE)
-        if (rows // M) % axis_size(mesh, inner):
-            raise ConfigError(
-                f"pipeline microbatches: {rows} rows / microbatches={M} = {rows // M} rows do "
-                f"not split over mesh axes {inner} (size {axis_size(mesh, inner)}); choose a "
-                "batch_size, microbatches or mesh that divide"
-            )
-
-
-def host_memory_kinds(mesh) -> bool:
-    """Whether the mesh's devices can address host memory (a `pinned_host` memory kind)."""
-    try:
-        memories = mesh.devices.flat[0].addressable_memories()
-    except (NotImplementedError, RuntimeError, AttributeError):
-        return False
-    return HOST_MEMORY in {m.kind for m in memories}
-
-
-def _offload_optimizer(cfg: Config, state_sh, mesh) -> tuple:
-    """(state shardings, the optimizer state's device shardings or None, notes): with
-    offload_optimizer the optimizer state's shardings move to host memory."""
-    if not cfg.offload_optimizer:
-        return state_sh, None, ()
-    if not host_memory_kinds(mesh):
-        kind = mesh.devices.flat[0].device_kind
-        return (
-            state_sh,
-            None,
-            (
-                f"offload_optimizer: the {kind} devices here list no host memory kind (a GPU "
-                "plan's abstract devices list none), so the optimizer state stays in device "
-                "memory in this program",
-            ),
-        )
+def _offload_optimizer(r: Resolved, state_sh) -> tuple:
+    """(state shardings, the optimizer state's device shardings or None): where the resolve
+    step placed the optimizer state in host memory, its shardings move there."""
+    if not r.offload_optimizer:
+        return state_sh, None
     host = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), state_sh.opt_state)
-    return state_sh.replace(opt_state=host), state_sh.opt_state, ()
+    return state_sh.replace(opt_state=host), state_sh.opt_state
 
 
-def compile_step(cfg: Config, mesh):
-    """The compiled train step for `cfg` on `mesh` (for memory and cost analysis)."""
+def compile_step(cfg: Resolved | Config, mesh=None):
+    """The compiled train step for `cfg` (on `mesh`, for a Config), for memory and cost."""
     return make_trainer(cfg, mesh).lower().compile()

@@ -103,7 +103,7 @@ def test_bad_accumulate_is_one_line(capsys):
     assert "accumulate=3 must divide batch_size=16" in err and len(err.splitlines()) == 1
     assert main(["mesh=8", "accumulate=4", "batch_size=16", "steps=1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "microbatch (batch_size/accumulate=4" in err and len(err.splitlines()) == 1
+    assert "batch_size/accumulate=4 rows do not split" in err and len(err.splitlines()) == 1
 
 
 # --- ahead of time: the activation peak / K on a TPU slice and an H100 ----------------------

@@ -16,7 +16,7 @@ import pytest
 from lab.config import make_config
 from lab.mesh import make_mesh, rules_for
 from lab.model import build
-from lab.train import resolve
+from lab.train import resolved_for
 
 L, T = 24, 10  # sequence length; the position whose loss is differentiated
 
@@ -55,7 +55,7 @@ def test_the_loss_at_t_does_not_depend_on_later_inputs(mesh, strategy, attention
         preset="tiny", batch_size=4, seq_len=L, mesh=mesh, strategy=strategy, attention=attention
     )
     m = make_mesh(mesh)
-    cfg = resolve(cfg, m)
+    cfg = resolved_for(cfg, m).cfg
     g_BxLxD = _input_gradient(cfg, m)
     chex.assert_shape(g_BxLxD, (4, L, cfg.model.d_model))
     np.testing.assert_array_equal(g_BxLxD[:, T + 1 :], 0.0)  # exactly: masked, not small

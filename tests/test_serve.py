@@ -3,6 +3,7 @@ benchmark is in BENCHMARKS.md): random weights and a trained run, the records an
 the derived figures against their definitions, a plan compiled for H100 and a TPU slice, and
 bad input as one line with exit code 2."""
 
+import functools
 import importlib.util
 import json
 
@@ -209,3 +210,87 @@ def test_a_damaged_config_names_run_not_resume(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: run=c:") and "damaged" in err
     assert "resume" not in err
+
+
+STRATEGIES = {
+    "dp": {"mesh": "data:2"},
+    "fsdp": {"mesh": "fsdp:2"},
+    "tp": {"mesh": "model:2"},
+    "fsdp+tp": {"mesh": "fsdp:2,model:2"},
+    "pp": {"mesh": "stage:2"},
+    "pp+fsdp": {"mesh": "stage:2,fsdp:2"},
+    "pp+tp": {"mesh": "stage:2,model:2"},
+    "circular": {"mesh": "stage:2", "n_layers": 4, "pipeline_repeats": 2, "microbatches": 2},
+}
+
+
+def _saved_run(run_dir, keys):
+    """(the session, its parameters on the host) of a run folder as lab.run leaves it
+    (config.json, a checkpoint), its state random and placed on the trained shardings."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from lab import checkpoint, rundir
+    from lab.resolve import Request
+    from lab.session import open_session
+
+    s = open_session(request=Request.of(**keys))
+    rng = np.random.default_rng(1)
+
+    def leaf(a):
+        x = rng.standard_normal(a.shape) * 0.1 if a.dtype.kind == "f" else np.ones(a.shape)
+        return jax.device_put(x.astype(a.dtype), a.sharding)
+
+    state = jax.tree.map(leaf, s.trainer.abstract_state)
+    run_dir.mkdir()
+    rundir.write_json(run_dir / "config.json", dataclasses.asdict(s.cfg))
+    saver = checkpoint.Saver(checkpoint.manager(run_dir))
+    saver.save(1, state)
+    saver.finish()
+    return s, jax.device_get(state.params)
+
+
+@functools.cache
+def _plain_forward(model_cfg):
+    """The model on one device, compiled once per shape: the reference."""
+    import jax
+
+    from lab.model import build
+
+    return jax.jit(lambda params, tokens: build(model_cfg).apply({"params": params}, tokens))
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_run_of_every_strategy_is_served(strategy, tmp_path):
+    """lab.serve's steps for a run trained with each strategy: its request resolved again for
+    decoding (unscanned, no pipeline: a stage's devices join the batch's), the checkpoint
+    restored as trained and loaded into the decoder, whose prefill matches the plain model
+    on one device."""
+    import jax
+    import numpy as np
+
+    from lab import decode, serve
+    from lab.studies import serving
+
+    keys = {"preset": "tiny", "batch_size": 8, "seq_len": 16, "attention": "naive"}
+    trained, saved = _saved_run(tmp_path / "r", {**keys, **STRATEGIES[strategy]})
+    assert trained.cfg.strategy == strategy.replace("circular", "pp")
+    o = serve.Options(run="r", batches=(4,), prefill_batches=(4,))
+    s, run_dir = serve._session(o, {"out_dir": str(tmp_path)})
+    serving.check_batches(s, (4,))
+    s, params, source = serving.load_params(s, run_dir, 0)
+    assert source == "run r, step 1" and not s.cfg.model.scan_layers
+    assert s.cfg.strategy in ("dp", "fsdp", "tp", "fsdp+tp")
+    expected = decode.unstack_layers(saved, trained.cfg.model.n_layers)  # layer i = block_i
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), expected)
+    t = s.trainer
+    dec = decode.make_decoder(
+        s.cfg.model, t.mesh, t.rules, t.state_shardings.params, batch=4, max_len=8
+    )
+    prompts = np.random.default_rng(0).integers(0, 256, (4, 6), dtype=np.int32)
+    with jax.set_mesh(dec.mesh):
+        logits, _ = dec.prefill(params, prompts, np.full((4,), 6, np.int32), dec.empty_cache())
+    full = _plain_forward(s.cfg.model)(jax.device_get(params), prompts)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, -1]), rtol=1e-5, atol=1e-5)

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lab import devices as devices_lib
 from lab import plans
 from lab.errors import ConfigError
 from lab.measure import cost, specs, toolchain
@@ -32,6 +33,7 @@ from lab.measure import records as rec
 from lab.measure.memory import compiled_memory
 from lab.names import DATA, MODEL
 from lab.plans import resources
+from lab.resolve import Platform, target_note
 
 SPEC = P(DATA, None, MODEL, None)  # batch over data, heads over model
 
@@ -79,6 +81,9 @@ def plan(
     kind = devices[0].device_kind
     spec, peak = specs.lookup(kind), specs.peak_flops(kind, dtype)
     chosen, note = _chosen(impl, q, kv, causal, mesh)
+    target_platform = Platform.of(devices_lib.describe_target(devices), devices, target=target)
+    target_line = target_note(target_platform, impl, chosen, q, kv, causal=causal)
+    note = "; ".join(n for n in (target_line, note) if n) or None
     tc = toolchain.probe().record() if plans.gpu_kind(devices) else None
     rows = []
     for mode, fn in _programs(_sharded(causal, impl)).items():
@@ -127,7 +132,8 @@ def plan(
 
 def _chosen(impl: str, q, kv, causal: bool, mesh) -> tuple[str, str | None]:
     """(the kernel the dispatch compiles for the target, why it passed over the one it
-    prefers there or None); a kernel it refuses is the dispatch's one line (ConfigError)."""
+    prefers there or None); a kernel it refuses is the dispatch's one line (ConfigError).
+    `plan` adds where the target would run cuDNN but this host compiles another kernel."""
     from lab.kernels.attention import choose_noted
 
     try:

@@ -34,9 +34,10 @@ from lab.config import Config, ModelConfig, override
 from lab.errors import ConfigError
 from lab.measure import ceilings, cost, memory, records, roofline, specs, timing
 from lab.model import build
+from lab.resolve import Request, resolve
 from lab.rundir import STATE_FIELDS, saved_config
-from lab.session import Session
-from lab.train import cross_entropy, make_trainer
+from lab.session import Session, session_for
+from lab.train import cross_entropy
 
 # ---------------------------------------------------------------------------- weights
 
@@ -54,11 +55,10 @@ def config_of_run(run_dir: Path) -> Config:
         ) from None
 
 
-def serving_config(cfg: Config, run_dir: Path | None, keys: dict) -> Config:
-    """A trained run's config with the user's keys over it (a model field that changes the
-    weights' shapes is refused: those weights would not load), or the keys alone."""
-    if run_dir is None:
-        return cfg
+def serving_request(run_dir: Path, keys: dict) -> Request:
+    """The request that serves a trained run: the run's own fields (config.json) with the
+    user's keys over them (a model field that changes the weights' shapes is refused: those
+    weights would not load); resolved on this platform like any request."""
     saved = config_of_run(run_dir)
     shape_keys = {k: v for k, v in keys.items() if k in STATE_FIELDS or k in ("preset", "model")}
     if shape_keys:
@@ -75,16 +75,18 @@ def serving_config(cfg: Config, run_dir: Path | None, keys: dict) -> Config:
             )
     run_keys = {k: v for k, v in keys.items() if k not in shape_keys}
     # serving needs neither the run's name, steps nor its checkpoint cadence
-    return override(saved, **{**run_keys, "name": "", "resume": False, "steps": 0})
+    over = {**run_keys, "name": "", "resume": False, "overwrite": False, "steps": 0}
+    return Request.from_config(saved).with_keys(**over)
 
 
 def for_decoding(session: Session) -> Session:
-    """The session with the model unscanned (lab.decode.unstack_layers says why); the same
-    mesh, rules and everything else."""
+    """The session of the decoder (lab.decode.unstack_layers says why it runs unscanned):
+    the session's request resolved again for decoding on the same platform, never its
+    resolved config edited (a pipeline's scan and stage axis are the trainer's)."""
     if not session.cfg.model.scan_layers:
         return session
-    trainer = make_trainer(override(session.cfg, scan_layers=False), session.trainer.mesh)
-    return dataclasses.replace(session, cfg=trainer.cfg, trainer=trainer)
+    r = session.resolved
+    return session_for(resolve(r.request, r.platform, "decode"))
 
 
 def load_params(session: Session, run_dir: Path | None, seed: int, warn=print):
@@ -271,13 +273,13 @@ WARM_STEPS = 3  # cache slots the compile call and warm-up of time_decode use
 
 def matmul_candidates(session: Session, params) -> tuple[str, ...]:
     """The ways a decoder can multiply these weights here (lab.decode.MATMULS): XLA's dot,
-    its int8 × int8 dot where the weights are int8, the native CPU kernel on one CPU device
-    where it builds."""
+    its int8 × int8 dot where the weights are int8, the native CPU kernel (threaded, and on
+    one thread) on one CPU device where it builds."""
     out = ["xla"]
     if is_int8(params):
         out.append("w8a8")
     if decode.resolve_matmul("auto", session.trainer.mesh) == "native":
-        out.append("native")
+        out += ["native", "native1"]
     return tuple(out)
 
 

@@ -1,0 +1,704 @@
+"""Request → Platform → resolve → Resolved: every default and every rule of a run, once.
+
+`Request` is what the user said: the keys given, each typed and checked alone (type, range,
+choices), no defaults applied. `Platform` is what it will run on, found once: the backend,
+device kind and count (a target's, for a plan), and what that hardware can do (host memory
+apart from device memory, cuDNN's fused attention) beside what this host can compile.
+`resolve(request, platform, purpose)` (purpose: train, decode or plan) applies the backend's
+defaults, fills every `auto` (dtype, data, strategy, the mesh's -1, attention, microbatches,
+scan_layers, the optimizer's offload), checks every rule that ties fields together from the
+one list `RULES` (all broken rules reported together, one line each: exit 2) and names the
+run. `Resolved` is frozen and has no `auto` left: the mesh, trainer and decoder builders take
+it and trust it. A derived config (serving a trained run, its decoder) is resolved again
+from a request, never made by editing a resolved one.
+"""
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lab import data, devices, plans
+from lab.config import (
+    ALIASES,
+    MODEL_FIELDS,
+    RUN_FIELDS,
+    Config,
+    check_value,
+    make_config,
+    parse_keys,
+    resolve_dtype,
+    unknown_key,
+)
+from lab.devices import DeviceInfo
+from lab.errors import ConfigError
+from lab.kernels.attention import choose_noted
+from lab.mesh import AXES, STRATEGY_AXES, MeshSpecError, auto_strategy, make_mesh, resolve_shape
+from lab.mesh import RULES as MESH_RULES
+from lab.names import BATCH, DATA, HOST_MEMORY, PIPELINE_STRATEGIES, STAGE
+
+PURPOSES = ("train", "decode", "plan")
+
+# What the decoder runs for a pipelined run: no pipeline (one token per step), the rules
+# that split each stage's weights kept, the stage axis's devices added to the batch's.
+UNPIPELINED = {"pp": "dp", "pp+fsdp": "fsdp", "pp+tp": "tp"}
+
+
+# ------------------------------------------------------------------------ the request
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """The user's keys (run and model fields, `preset` for the model's), each checked alone;
+    nothing filled in."""
+
+    keys: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, **keys) -> "Request":
+        """From typed keyword arguments (`model=` is `preset=`), checked as parsed ones are."""
+        out = {}
+        for key, value in keys.items():
+            key = ALIASES.get(key, key)
+            known = RUN_FIELDS.get(key) or MODEL_FIELDS.get(key)
+            if known is None:
+                raise unknown_key(key)
+            check_value(known[0], value)
+            out[key] = value
+        return cls(tuple(out.items()))
+
+    @classmethod
+    def parse(cls, argv: list[str]) -> "Request":
+        """From `key=value` arguments (lab.config's grammar)."""
+        return cls(tuple(parse_keys(argv).items()))
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Request":
+        """Every field of `cfg` as a key: a config built in code, asked for as it is."""
+        keys = {k: getattr(cfg, k) for k in RUN_FIELDS}
+        keys.update({k: getattr(cfg.model, k) for k in MODEL_FIELDS})
+        return cls(tuple(keys.items()))
+
+    def dict(self) -> dict:
+        return dict(self.keys)
+
+    def get(self, key: str, default=None):
+        return self.dict().get(key, default)
+
+    def with_keys(self, **keys) -> "Request":
+        """A new request: these keys over this one's (checked as any are)."""
+        return Request.of(**{**self.dict(), **keys})
+
+
+# ------------------------------------------------------------------------ the platform
+
+
+def _backend(device) -> str:
+    return {"cuda": "gpu", "rocm": "gpu"}.get(device.platform, device.platform)
+
+
+def _lists_host_memory(device) -> bool:
+    """Whether `device` can address a `pinned_host` memory kind in this program."""
+    try:
+        memories = device.addressable_memories()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return False
+    return HOST_MEMORY in {m.kind for m in memories}
+
+
+def _cudnn_library_here() -> bool:
+    """Whether this host has the cuDNN library a cuDNN kernel needs to be compiled."""
+    if jax.default_backend() == "gpu":
+        return True
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("nvidia.cudnn") is not None
+    except ImportError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """What a run runs on (or, for a plan, is compiled for), found once."""
+
+    backend: str  # cpu | gpu | tpu
+    device_kind: str
+    count: int
+    aot: bool = False  # a target compiled for ahead of time: nothing runs
+    target: str = ""
+    # the hardware keeps host memory apart from its device memory (GPU, TPU; a target's too)
+    host_memory: bool = False
+    # this program's devices list a pinned_host memory kind (a GPU plan's abstract ones do not)
+    host_memory_here: bool = False
+    cudnn: bool = False  # the hardware runs cuDNN's fused attention (every CUDA GPU)
+    cudnn_here: bool = False  # this host can compile it (the cuDNN library is present)
+    jax_version: str = jax.__version__
+    info: DeviceInfo | None = dataclasses.field(default=None, compare=False, repr=False)
+    devices: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    mesh: Any = dataclasses.field(default=None, compare=False, repr=False)  # a caller's mesh
+
+    @classmethod
+    def of(cls, info: DeviceInfo, devs, *, target: str = "", mesh=None) -> "Platform":
+        devs = tuple(devs)
+        gpu = info.backend == "gpu"
+        here = _lists_host_memory(devs[0])
+        return cls(
+            backend=info.backend,
+            device_kind=info.device_kind,
+            count=info.count,
+            aot=info.aot,
+            target=target,
+            # a mesh built in code is taken at its devices' word (the library moves the
+            # optimizer state into a CPU's pinned_host memory, to test that nothing changes)
+            host_memory=info.backend in ("gpu", "tpu") or (mesh is not None and here),
+            host_memory_here=here,
+            cudnn=gpu,
+            cudnn_here=gpu and _cudnn_library_here(),
+            info=info,
+            devices=devs,
+            mesh=mesh,
+        )
+
+    @classmethod
+    def found(cls, request: Request) -> "Platform":
+        """A target's abstract devices (`target=`), or this machine's, prepared for the
+        request (jax.distributed joined, simulated CPU devices sized for its mesh)."""
+        check(request, stage="request")  # what must hold before any process joins
+        keys = {k: f.default for k, (f, _) in RUN_FIELDS.items()} | request.dict()
+        if keys["target"]:
+            plans.prepare_host(keys["target"])
+            devs = plans.topology_devices(keys["target"])
+            return cls.of(devices.describe_target(devs), devs, target=keys["target"])
+        devices.prepare(
+            keys["mesh"],
+            cpu_devices=keys["cpu_devices"],
+            coordinator=keys["coordinator"],
+            num_processes=keys["num_processes"],
+            process_id=keys["process_id"],
+            coordinator_timeout=keys["coordinator_timeout"],
+        )
+        return cls.of(devices.describe(), jax.devices())
+
+    @classmethod
+    def of_mesh(cls, mesh) -> "Platform":
+        """The platform of a mesh a caller built (its shape is then the run's mesh)."""
+        devs = tuple(mesh.devices.flat)
+        backend = _backend(devs[0])
+        aot = backend != jax.default_backend()
+        info = DeviceInfo(
+            backend=backend,
+            device_kind=devs[0].device_kind,
+            count=len(devs),
+            local_count=len(devs),
+            process_count=1 if aot else jax.process_count(),
+            process_index=0 if aot else jax.process_index(),
+            simulated=backend == "cpu" and len(devs) > 1,
+            aot=aot,
+        )
+        return cls.of(info, devs, mesh=mesh)
+
+
+# ------------------------------------------------------------------------ the rules
+
+
+@dataclasses.dataclass
+class _Draft:
+    """A config on its way to resolved: what the rules read."""
+
+    cfg: Config
+    platform: Platform
+    purpose: str
+    sizes: dict | None = None  # None: the mesh does not fit (the mesh rule says why)
+    asked_attention: str = "auto"
+    mesh_problem: str | None = None
+
+    @property
+    def model(self):
+        return self.cfg.model
+
+    @property
+    def stages(self) -> int:
+        return (self.sizes or {}).get(STAGE, 1)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.cfg.strategy in PIPELINE_STRATEGIES
+
+    def batch_split(self, without=()) -> int:
+        """Devices the batch is split over (the strategy's rules), axes in `without` aside."""
+        axes = dict(MESH_RULES.get(self.cfg.strategy, ())).get(BATCH) or ()
+        return math.prod((self.sizes or {}).get(a, 1) for a in axes if a not in without)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One requirement that ties fields together. `check` returns the line that says what is
+    wrong, or None; `example` is a command line that breaks it (the tests run each);
+    `stage` "request" rules hold before any device is touched (joining processes)."""
+
+    name: str
+    check: Callable[[_Draft], str | None]
+    example: tuple[str, ...]
+    needs_mesh: bool = False
+    stage: str = "platform"
+
+
+def _kv_heads(d: _Draft):
+    m = d.model
+    if m.n_heads % m.n_kv_heads:
+        return f"n_kv_heads={m.n_kv_heads} must divide n_heads={m.n_heads}"
+
+
+def _heads(d: _Draft):
+    m = d.model
+    if m.d_model % m.n_heads:
+        return f"n_heads={m.n_heads} must divide d_model={m.d_model}"
+
+
+def _rotary(d: _Draft):
+    m = d.model
+    if m.d_model % m.n_heads == 0 and m.head_dim % 2:
+        return f"head_dim=d_model/n_heads={m.head_dim} must be even for rotary embeddings"
+
+
+def _text_vocab(d: _Draft):
+    if d.cfg.data == "text" and d.model.vocab_size < 256:
+        return f"data=text needs vocab_size >= 256 (bytes), got {d.model.vocab_size}"
+
+
+def _text_length(d: _Draft):
+    size = len(data.corpus_bytes())
+    if d.cfg.data == "text" and d.purpose != "decode" and d.cfg.seq_len + 1 >= size:
+        return (
+            f"seq_len={d.cfg.seq_len} is longer than the bundled text ({size} bytes): choose a "
+            "shorter seq_len or data=synthetic"
+        )
+
+
+def _ring(d: _Draft):
+    if d.model.attention == "ring" and d.cfg.strategy != "cp":
+        return (
+            "attention=ring passes keys/values around the sequence axis: add strategy=cp "
+            "(the sequence split over the mesh's model axis, e.g. mesh=2x4)"
+        )
+
+
+def _accumulate(d: _Draft):
+    if d.cfg.batch_size % d.cfg.accumulate:
+        return (
+            f"accumulate={d.cfg.accumulate} must divide batch_size={d.cfg.batch_size} "
+            "(K microbatches of batch_size/K sequences)"
+        )
+
+
+def _microbatches_need_pipeline(d: _Draft):
+    m = d.model
+    if m.microbatches and not d.pipelined:
+        return (
+            f"microbatches={m.microbatches} feeds a pipeline: it needs strategy=pp, pp+fsdp or "
+            "pp+tp and a stage axis (e.g. mesh=data:2,stage:4)"
+        )
+
+
+def _repeats_need_pipeline(d: _Draft):
+    if d.model.pipeline_repeats > 1 and not d.pipelined:
+        return "pipeline_repeats > 1 is the circular pipeline: it needs strategy=pp"
+
+
+def _microbatches_divide(d: _Draft):
+    rows, M = d.cfg.batch_size // d.cfg.accumulate, d.model.microbatches
+    if M and d.cfg.batch_size % d.cfg.accumulate == 0 and rows % M:
+        per = f"batch_size/accumulate={rows}" if d.cfg.accumulate > 1 else f"batch_size={rows}"
+        return f"microbatches={M} must divide {per}"
+
+
+def _process_id(d: _Draft):
+    if d.cfg.process_id >= d.cfg.num_processes:
+        return f"process_id={d.cfg.process_id} must be < num_processes={d.cfg.num_processes}"
+
+
+def _coordinator(d: _Draft):
+    if d.cfg.num_processes > 1 and not d.cfg.coordinator:
+        return "num_processes > 1 needs coordinator=host:port"
+
+
+def _overwrite_resume(d: _Draft):
+    if d.cfg.overwrite and d.cfg.resume:
+        return "overwrite=true clears the folder's run and resume=true continues it: choose one"
+
+
+def _resume_name(d: _Draft):
+    if d.cfg.resume and not d.cfg.name:
+        return "resume=true needs the run's name=NAME"
+
+
+def _mesh_fits(d: _Draft):
+    if d.sizes is None:
+        return d.mesh_problem
+
+
+def _strategy_axes(d: _Draft):
+    """An explicit strategy whose axes all have size 1 would silently run as data parallel."""
+    axes = STRATEGY_AXES.get(d.cfg.strategy, ())
+    n = math.prod(d.sizes.values())
+    if axes and n > 1 and all(d.sizes.get(a, 1) == 1 for a in axes):
+        return (
+            f"strategy={d.cfg.strategy} splits over the {' or '.join(axes)} axis, which "
+            f"mesh={d.cfg.mesh} does not have: name it (e.g. mesh={axes[0]}:{n})"
+        )
+
+
+def _stage_needs_pipeline(d: _Draft):
+    if d.stages > 1 and not d.pipelined:
+        return (
+            f"the mesh has stage={d.stages} but strategy={d.cfg.strategy} does not use it: "
+            "use strategy=pp, pp+fsdp or pp+tp (or strategy=auto)"
+        )
+
+
+def _stages_split_layers(d: _Draft):
+    R = d.model.pipeline_repeats
+    if d.pipelined and d.model.n_layers % (d.stages * R):
+        repeats = f" x pipeline_repeats={R}" if R > 1 else ""
+        return (
+            f"n_layers={d.model.n_layers} does not divide into stage={d.stages} "
+            f"stages{repeats}: choose n_layers or the mesh's stage size so that each stage "
+            "holds whole layers"
+        )
+
+
+def _circular(d: _Draft):
+    R, M = d.model.pipeline_repeats, d.model.microbatches or d.stages
+    if d.pipelined and R > 1 and M < d.stages:
+        return (
+            f"pipeline_repeats={R} (circular) needs microbatches >= stage={d.stages}, got "
+            f"microbatches={M}"
+        )
+
+
+def _offload_host(d: _Draft):
+    asked = ["offload_optimizer=true"] if d.cfg.offload_optimizer else []
+    asked += ["remat=offload"] if d.model.remat == "offload" else []
+    if asked and not d.platform.host_memory:
+        return (
+            f"{' and '.join(asked)}: the {d.platform.backend} backend has no separate host "
+            "memory (its pinned_host memory kind is the same RAM as its device memory), so "
+            "nothing would move; plan it for an accelerator with target=tpu:v5e:2x4 or "
+            "target=gpu:h100:1"
+        )
+
+
+def _offload_pipeline(d: _Draft):
+    """XLA:GPU (jax 0.10 and 0.12) fails to compile host-offloaded residuals stacked by two
+    nested loops (a stage's layers inside the pipeline's ticks) with an internal layout
+    error; one layer per stage, and TPU, compile."""
+    m = d.model
+    if (
+        d.platform.backend == "gpu"
+        and m.remat == "offload"
+        and d.pipelined
+        and d.stages > 1
+        and m.n_layers > d.stages * m.pipeline_repeats
+    ):
+        return (
+            f"remat=offload in a pipeline stage of {m.n_layers // d.stages} layers does not "
+            "compile for GPU (XLA:GPU's layout assignment fails on host-offloaded residuals of "
+            "nested loops): use remat=full, or one layer per stage"
+        )
+
+
+def _batch_splits(d: _Draft):
+    n = d.batch_split()
+    if d.purpose != "decode" and d.cfg.batch_size % n:
+        return (
+            f"batch_size={d.cfg.batch_size} does not split over the {n} devices the batch is "
+            f"split over (strategy={d.cfg.strategy}, mesh={d.cfg.mesh}): choose a multiple of {n}"
+        )
+
+
+def _accumulation_splits(d: _Draft):
+    n, K = d.batch_split(), d.cfg.accumulate
+    rows = d.cfg.batch_size // K
+    if d.purpose != "decode" and K > 1 and d.cfg.batch_size % K == 0 and rows % n:
+        return (
+            f"accumulate={K}: microbatches of batch_size/accumulate={rows} rows do not split "
+            f"over the batch's {n} devices: choose a batch_size, accumulate or mesh that divide"
+        )
+
+
+def _pipeline_microbatch_splits(d: _Draft):
+    rows = d.cfg.batch_size // d.cfg.accumulate
+    M = d.model.microbatches or d.stages
+    inner = d.batch_split(without=(STAGE,))
+    if d.pipelined and d.purpose != "decode" and rows % M == 0 and (rows // M) % inner:
+        return (
+            f"pipeline microbatches: {rows} rows / microbatches={M} = {rows // M} rows do not "
+            f"split over the {inner} devices of the stage's batch; choose a batch_size, "
+            "microbatches or mesh that divide"
+        )
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "process id",
+        _process_id,
+        ("num_processes=2", "process_id=2", "coordinator=localhost:1234"),
+        stage="request",
+    ),
+    Rule("multi-host needs a coordinator", _coordinator, ("num_processes=2",), stage="request"),
+    Rule(
+        "overwrite or resume",
+        _overwrite_resume,
+        ("name=x", "overwrite=true", "resume=true"),
+        stage="request",
+    ),
+    Rule("resume needs a name", _resume_name, ("resume=true",), stage="request"),
+    Rule("kv heads divide heads", _kv_heads, ("n_heads=4", "n_kv_heads=3")),
+    Rule("heads divide d_model", _heads, ("d_model=60", "n_heads=8", "n_kv_heads=4")),
+    Rule("even head_dim", _rotary, ("d_model=12", "n_heads=4", "n_kv_heads=2")),
+    Rule("text needs bytes", _text_vocab, ("vocab_size=100", "data=text")),
+    Rule("text longer than a sequence", _text_length, ("data=text", "seq_len=10000000")),
+    Rule("ring needs cp", _ring, ("attention=ring",)),
+    Rule("accumulate divides batch", _accumulate, ("batch_size=16", "accumulate=3")),
+    Rule("microbatches need a pipeline", _microbatches_need_pipeline, ("microbatches=2",)),
+    Rule("repeats need a pipeline", _repeats_need_pipeline, ("pipeline_repeats=2",)),
+    Rule(
+        "microbatches divide the batch",
+        _microbatches_divide,
+        ("mesh=stage:2", "batch_size=16", "microbatches=3"),
+    ),
+    Rule("offload needs host memory", _offload_host, ("offload_optimizer=true",)),
+    Rule("mesh fits the devices", _mesh_fits, ("mesh=16",)),
+    Rule(
+        "strategy has its axes",
+        _strategy_axes,
+        ("mesh=data:2", "strategy=tp"),
+        needs_mesh=True,
+    ),
+    Rule(
+        "stage axis needs a pipeline",
+        _stage_needs_pipeline,
+        ("mesh=stage:2", "strategy=dp"),
+        needs_mesh=True,
+    ),
+    Rule(
+        "stages split the layers",
+        _stages_split_layers,
+        ("mesh=stage:2", "n_layers=3"),
+        needs_mesh=True,
+    ),
+    Rule(
+        "circular needs microbatches >= stages",
+        _circular,
+        ("mesh=stage:2", "n_layers=4", "pipeline_repeats=2", "microbatches=1"),
+        needs_mesh=True,
+    ),
+    Rule(
+        "no offloaded residuals in GPU pipeline stages",
+        _offload_pipeline,
+        ("target=gpu:h100:2", "mesh=stage:2", "n_layers=4", "remat=offload", "model=tiny"),
+        needs_mesh=True,
+    ),
+    Rule("batch splits over the mesh", _batch_splits, ("mesh=8", "batch_size=12"), True),
+    Rule(
+        "accumulation microbatches split over the mesh",
+        _accumulation_splits,
+        ("mesh=8", "batch_size=16", "accumulate=4"),
+        needs_mesh=True,
+    ),
+    Rule(
+        "pipeline microbatches split over the mesh",
+        _pipeline_microbatch_splits,
+        ("mesh=data:4,stage:2", "batch_size=16", "microbatches=8"),
+        needs_mesh=True,
+    ),
+)
+
+
+def _broken(d: _Draft, stage: str | None = None) -> list[str]:
+    out = []
+    for rule in RULES:
+        if stage and rule.stage != stage:
+            continue
+        if rule.needs_mesh and d.sizes is None:
+            continue
+        line = rule.check(d)
+        if line:
+            out.append(line)
+    return out
+
+
+def _raise(lines: list[str]) -> None:
+    if lines:
+        raise ConfigError("\n".join(dict.fromkeys(lines)))
+
+
+def check(request: Request, *, stage: str = "request") -> None:
+    """The rules of `stage` that need no platform ("request": process ids, the coordinator,
+    resume and overwrite), all broken ones together."""
+    cfg = make_config(**request.dict())
+    platform = Platform("cpu", "", 1)
+    _raise(_broken(_Draft(cfg, platform, "train"), stage))
+
+
+# ------------------------------------------------------------------------ resolve
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A config with every default applied, every `auto` filled and every rule checked, for
+    one platform and purpose; the builders take it as it is."""
+
+    cfg: Config
+    platform: Platform
+    purpose: str
+    sizes: tuple[tuple[str, int], ...]  # the mesh: (data, stage, fsdp, model) sizes
+    notes: tuple[str, ...] = ()  # what the compiled program does not do that was asked for
+    attention_note: str | None = None  # why the attention kernel is not the one preferred
+    offload_optimizer: bool = False  # the optimizer state compiled into host memory
+    request: Request = dataclasses.field(default_factory=Request, compare=False)
+    mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        c, m = self.cfg, self.cfg.model
+        assert "auto" not in (c.strategy, c.data, m.dtype, m.attention), self.cfg
+        assert dict(self.sizes).keys() == set(AXES), self.sizes
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+
+def mesh_spec(sizes: dict[str, int]) -> str:
+    """{data: 4, model: 2, ...} → 'data:4,model:2' (axes of size 1 left out)."""
+    return ",".join(f"{a}:{n}" for a, n in sizes.items() if n > 1) or "1"
+
+
+def _sizes(cfg: Config, platform: Platform) -> tuple[dict | None, str | None]:
+    if platform.mesh is not None:
+        return {a: 1 for a in AXES} | dict(platform.mesh.shape), None
+    try:
+        sizes = resolve_shape(cfg.mesh, platform.count)
+    except MeshSpecError as e:
+        hint = " (on CPU, cpu_devices=N simulates more)" if platform.backend == "cpu" else ""
+        return None, f"{e} [{platform.backend}: {platform.device_kind}]{hint}"
+    used = math.prod(sizes.values())
+    if platform.aot and used != platform.count:  # a plan is for the whole slice
+        return None, (
+            f"mesh={cfg.mesh} uses {used} of the target's {platform.count} devices: a slice "
+            f"runs one program over all of them (e.g. mesh={platform.count} or mesh=-1)"
+        )
+    return sizes, None
+
+
+def _build_mesh(sizes: dict, platform: Platform):
+    if platform.mesh is not None and dict(platform.mesh.shape) == sizes:
+        return platform.mesh
+    devs = platform.devices or tuple(jax.devices())
+    return make_mesh(mesh_spec(sizes), devs)
+
+
+def _attention(d: _Draft, mesh) -> tuple[str, str | None]:
+    """(the kernel compiled, why it is not the one preferred here, or None): the dispatch's
+    choice for the platform and shape; on a GPU the target's capabilities decide what would
+    run, and a plan says when this host compiles another kernel."""
+    m = d.model
+    if m.attention == "ring":
+        return "ring", None
+    dtype = jnp.dtype(m.dtype)
+    q = jax.ShapeDtypeStruct((1, d.cfg.seq_len, m.n_heads, m.head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((1, d.cfg.seq_len, m.n_kv_heads, m.head_dim), dtype)
+    with jax.set_mesh(mesh):  # the target's platform and device kind decide
+        impl, note = choose_noted(m.attention, q, kv, kv, causal=True, backend=d.platform.backend)
+        target = target_note(d.platform, m.attention, impl, q, kv, causal=True)
+    return impl, "; ".join(n for n in (target, note) if n) or None
+
+
+def target_note(platform: Platform, asked: str, impl: str, q, kv, *, causal: bool):
+    """Where `auto` compiled `impl` on this host although the target would run cuDNN's fused
+    attention (a GPU runs it; this host lacks the library to compile it): one line that says
+    so, else None."""
+    if asked != "auto" or impl == "cudnn" or not platform.cudnn or platform.cudnn_here:
+        return None
+    try:
+        choose_noted("cudnn", q, kv, kv, causal=causal, backend="gpu")
+    except ValueError:  # cuDNN does not take this input: the target would not run it either
+        return None
+    return (
+        f"cuDNN would run here ({platform.device_kind}); compiled with {impl}: this host has "
+        "no cuDNN library to compile it"
+    )
+
+
+def resolve(request: Request, platform: Platform, purpose: str = "train") -> Resolved:
+    """`request` on `platform` for `purpose` (train, decode or plan): the backend's defaults
+    applied, every `auto` filled, every rule of `RULES` checked (all broken ones raised
+    together as one ConfigError, a line each), the run named."""
+    assert purpose in PURPOSES, purpose
+    cfg = make_config(backend=platform.backend, **request.dict())
+    model = resolve_dtype(cfg.model, platform.backend)
+    fills = {}
+    if cfg.data == "auto":
+        fills["data"] = "text" if model.vocab_size == 256 else "synthetic"
+    if platform.aot or purpose == "plan":
+        fills["compile_only"] = True
+    cfg = dataclasses.replace(cfg, model=model, **fills)
+    sizes, problem = _sizes(cfg, platform)
+    if sizes is not None and cfg.strategy == "auto":
+        cfg = dataclasses.replace(cfg, strategy=auto_strategy(sizes))
+    draft = _Draft(cfg, platform, purpose, sizes, model.attention, problem)
+    _raise(_broken(draft))
+    if draft.pipelined and purpose != "decode":
+        model = dataclasses.replace(
+            cfg.model, scan_layers=True, microbatches=cfg.model.microbatches or draft.stages
+        )
+        cfg = dataclasses.replace(cfg, model=model)
+    if purpose == "decode":
+        cfg, sizes = _for_decoding(cfg, sizes)
+    draft = _Draft(cfg, platform, purpose, sizes, asked_attention=draft.asked_attention)
+    mesh = _build_mesh(sizes, platform)
+    try:
+        impl, attention_note = _attention(draft, mesh)
+    except ValueError as e:
+        raise ConfigError(f"attention={cfg.model.attention}: {e}") from None
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=impl))
+    notes, offload = (), False
+    if cfg.offload_optimizer and purpose != "decode":
+        offload = platform.host_memory_here
+        if not offload:
+            notes = (
+                f"offload_optimizer: the {platform.device_kind} devices of this plan list no "
+                "host memory kind (the hardware has one), so the optimizer state is compiled "
+                "in device memory",
+            )
+    if purpose in ("train", "plan") and not cfg.name:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        cfg = dataclasses.replace(cfg, name=f"{cfg.preset}-{cfg.mesh}-{stamp}")
+    return Resolved(
+        cfg,
+        platform,
+        purpose,
+        tuple(sizes.items()),
+        notes=notes,
+        attention_note=attention_note,
+        offload_optimizer=offload,
+        request=request,
+        mesh=mesh,
+    )
+
+
+def _for_decoding(cfg: Config, sizes: dict) -> tuple[Config, dict]:
+    """The decoder's config: layers unscanned (one token per step needs no scan; the cache
+    is per layer), no pipeline (its stage axis's devices join the batch's)."""
+    sizes = dict(sizes)
+    strategy = UNPIPELINED.get(cfg.strategy, cfg.strategy)
+    if sizes.get(STAGE, 1) > 1:
+        sizes[DATA], sizes[STAGE] = sizes[DATA] * sizes[STAGE], 1
+    model = dataclasses.replace(cfg.model, scan_layers=False, microbatches=0, pipeline_repeats=1)
+    mesh = mesh_spec(sizes) if strategy != cfg.strategy else cfg.mesh
+    return dataclasses.replace(cfg, model=model, strategy=strategy, mesh=mesh), sizes

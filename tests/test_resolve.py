@@ -1,0 +1,127 @@
+"""Request → Platform → resolve → Resolved: every rule in one list, each broken from the
+command line (one line, exit 2), all broken rules reported together; the backend's defaults
+before the rules; a GPU plan's choices from the target's capabilities."""
+
+import dataclasses
+
+import pytest
+
+from lab import devices, plans, resolve
+from lab.config import ConfigError
+from lab.resolve import RULES, Platform, Request
+from lab.run import main
+
+
+def _recording(monkeypatch) -> list:
+    """Which rules broke during the next command."""
+    fired = []
+
+    def wrap(rule):
+        def check(d):
+            line = rule.check(d)
+            if line:
+                fired.append(rule.name)
+            return line
+
+        return dataclasses.replace(rule, check=check)
+
+    monkeypatch.setattr(resolve, "RULES", tuple(wrap(r) for r in RULES))
+    return fired
+
+
+def _gpu_plans_here() -> bool:
+    from lab.plans import gpu
+
+    return gpu._pjrt() is not None and gpu.ptxas() is not None
+
+
+def _needs_gpu_plans(argv=("target=gpu",)):
+    if any(a.startswith("target=gpu") for a in argv) and not _gpu_plans_here():
+        pytest.skip("the CUDA plugin or ptxas is missing: pip install -e '.[gpu-plan]'")
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_every_rule_breaks_from_the_command_line(rule, monkeypatch, capsys):
+    _needs_gpu_plans(rule.example)
+    fired = _recording(monkeypatch)
+    assert main(list(rule.example)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert fired == [rule.name], (fired, err)
+    assert len(err) == 1 and err[0].startswith("error: "), err
+
+
+def test_three_broken_rules_are_three_lines(capsys):
+    argv = ["n_heads=4", "n_kv_heads=3", "accumulate=3", "attention=ring"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err), err
+    for needle in ("n_kv_heads=3 must divide", "accumulate=3 must divide", "attention=ring"):
+        assert sum(needle in line for line in err) == 1, err
+
+
+def test_the_rules_have_unique_names_and_examples():
+    assert len({r.name for r in RULES}) == len(RULES)
+    assert all(r.example for r in RULES)
+
+
+def _cpu_platform():
+    return Platform.of(devices.describe(), __import__("jax").devices())
+
+
+def _gpu_target(target="gpu:h100:1"):
+    _needs_gpu_plans()
+    devs = plans.topology_devices(target)
+    return Platform.of(devices.describe_target(devs), devs, target=target)
+
+
+def test_rules_see_the_backends_defaults():
+    """accumulate=32 divides a GPU run's batch of 32 (refused only against CPU's 16); the run
+    is named from the preset that trains, not the CPU's."""
+    request = Request.of(accumulate=32)
+    with pytest.raises(ConfigError, match="must divide batch_size=16"):
+        resolve.resolve(request, _cpu_platform(), "train")
+    r = resolve.resolve(request, _gpu_target(), "plan")
+    assert r.cfg.batch_size == 32 and r.cfg.accumulate == 32 and r.cfg.preset == "base"
+    assert r.cfg.name.startswith("base-") and r.cfg.compile_only
+    c, m = r.cfg, r.cfg.model
+    assert "auto" not in (c.strategy, c.data, m.dtype, m.attention)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.cfg = c
+
+
+def test_a_gpu_plan_chooses_attention_by_the_targets_capabilities():
+    platform = _gpu_target()
+    assert platform.cudnn  # an H100 with jax[cuda] runs cuDNN whatever this host has
+    r = resolve.resolve(Request.of(), platform, "plan")
+    if platform.cudnn_here:
+        assert r.cfg.model.attention == "cudnn"
+    else:
+        assert r.attention_note.startswith("cuDNN would run here")
+        assert f"compiled with {r.cfg.model.attention}" in r.attention_note
+
+
+def test_offloading_is_one_rule_on_every_platform():
+    """CPU has no host memory apart from its device memory: refused; a GPU target has it
+    (remat=offload compiles there), and a plan whose abstract devices list no host memory
+    kind says that the optimizer state is compiled in device memory."""
+    for keys in ({"offload_optimizer": True}, {"remat": "offload"}):
+        with pytest.raises(ConfigError, match="no separate host memory"):
+            resolve.resolve(Request.of(**keys), _cpu_platform(), "train")
+    platform = _gpu_target()
+    assert platform.host_memory
+    r = resolve.resolve(Request.of(remat="offload", offload_optimizer=True), platform, "plan")
+    assert r.cfg.model.remat == "offload"
+    assert r.offload_optimizer == platform.host_memory_here
+    assert bool(r.notes) != platform.host_memory_here
+
+
+def test_a_derived_request_is_resolved_again():
+    """Decoding a pipelined run: its own request resolved for decoding (no scan, no stage
+    axis: the stage's devices join the batch's), never the trained config edited."""
+    request = Request.of(mesh="stage:2", n_layers=4)
+    trained = resolve.resolve(request, _cpu_platform(), "train")
+    assert trained.cfg.strategy == "pp" and trained.cfg.model.scan_layers
+    decoding = resolve.resolve(trained.request, trained.platform, "decode")
+    assert decoding.cfg.strategy == "dp" and not decoding.cfg.model.scan_layers
+    assert decoding.mesh_shape["stage"] == 1 and decoding.mesh_shape["data"] == 2
+    assert trained.cfg.model.scan_layers  # untouched
