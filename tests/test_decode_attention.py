@@ -71,17 +71,18 @@ def random_inputs(seed: int, ratio: int, dtype, lengths=LENGTHS, garbage=jnp.nan
     return q, k, v, lengths
 
 
-@jax.jit
-def _reference_jit(q, k, v, lengths, k_scale=None, v_scale=None):
-    return decode.decode_attention_reference(q, k, v, lengths, k_scale, v_scale)
+@functools.partial(jax.jit, static_argnames="window")
+def _reference_jit(q, k, v, lengths, k_scale=None, v_scale=None, window=None):
+    return decode.decode_attention_reference(q, k, v, lengths, k_scale, v_scale, window=window)
 
 
-def reference_f64(q, k, v, lengths, k_scale=None, v_scale=None):
+def reference_f64(q, k, v, lengths, k_scale=None, v_scale=None, window=None):
     """The reference in float64 from the same (rounded) inputs; int8 caches stay int8."""
     with jax.enable_x64(True):
         f64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
         k, v = (x if x.dtype == jnp.int8 else f64(x) for x in (k, v))
-        return np.asarray(_reference_jit(f64(q), k, v, lengths, f64(k_scale), f64(v_scale)))
+        args = (f64(q), k, v, lengths, f64(k_scale), f64(v_scale))
+        return np.asarray(_reference_jit(*args, window=window))
 
 
 def relative_error(got, want) -> float:
@@ -138,6 +139,30 @@ def test_empty_and_overlong_lengths(impl: str):
     full = fn(q, k, v, jnp.full((B,), S, jnp.int32))
     assert (np.asarray(out[0]) == 0).all()
     np.testing.assert_allclose(out[2], full[2], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_sliding_window_sees_only_the_last_slots(impl: str):
+    """window=40 (Mistral's local attention at decode): the last 40 valid slots of each
+    sequence; slots before the window hold NaN like those past the length, so a kernel that
+    reads them fails. Lengths 1 and 37 fit the window whole; 130 starts it inside a block
+    (slot 90), the full cache at a block edge (160); 3 splits share the window's blocks."""
+    q, k, v, lengths = random_inputs(21, 2, jnp.float32)
+    W = 40
+    seen = (jnp.arange(S)[None, :] >= lengths[:, None] - W)[:, None, :, None]
+    k, v = (jnp.where(seen, x, jnp.nan) for x in (k, v))
+    fn = kernel(impl, 3)
+    got = fn(q, k, v, lengths, window=W)
+    want = reference_f64(q, k, v, lengths, window=W)
+    assert np.isfinite(want).all()
+    assert relative_error(got, want) < TOL["float32"]
+    # the window is a real restriction: without it the answer differs (and reads NaN)
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
+        nowin = decode.decode_attention_reference(*f64, lengths)
+    assert np.isnan(np.asarray(nowin)[2:]).any()
+    with pytest.raises(ValueError, match="window=0: must be a positive int"):
+        fn(q, k, v, lengths, window=0)
 
 
 def test_splits_default_fills_the_gpu():

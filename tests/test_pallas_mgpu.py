@@ -195,7 +195,7 @@ def test_the_race_detector_sees_this_kernel(fresh_interpreter):
     source = Path(pallas_mgpu.__file__).read_text()
     fence = (
         "            plgpu.commit_smem()\n"
-        "            plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, rows, h])\n"
+        "            plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, rows, h])\n"
     )
     assert source.count(fence) == 1
     mutant = types.ModuleType("pallas_mgpu_mutant")
@@ -311,7 +311,7 @@ def _qkv(H=4, G=2, K=64, L=32, S=32, dtype="bfloat16"):
     "args, causal, needle",
     [
         (_qkv(dtype="float32"), True, "pallas_mgpu' supports dtypes bfloat16, float16"),
-        (_qkv(K=96), True, "pallas_mgpu supports head_dim in (64, 128)"),
+        (_qkv(K=96), True, "pallas_mgpu supports q/k head_dim in (64, 128"),
         (_qkv(H=3, G=2), True, "query heads must be a multiple of kv heads"),
         (_qkv(L=40, S=20), True, "causal attention needs q seq <= kv seq"),
     ],
@@ -393,14 +393,14 @@ def _h100_kernels(fn, *shapes):
     return {k.name.removesuffix("_mosaic_gpu_kernel"): k for k in kernels if "mgpu" in k.name}
 
 
-def _assert_fits_h100(kernels: dict) -> None:
-    """Each kernel: no spill byte, no stack, 3 warpgroups, shared memory within the opt-in
-    limit of one H100 block, registers within 255, one resident CTA per SM."""
-    names = {f"flash_attention_mgpu_{k}" for k in ("fwd", "dq", "dkv")}
-    assert set(kernels) == names, sorted(kernels)
+def _assert_fits_h100(kernels: dict, names=("fwd", "dq", "dkv"), warpgroups: int = 2) -> None:
+    """Each kernel: no spill byte, no stack, `warpgroups` compute warpgroups and a producer,
+    shared memory within the opt-in limit of one H100 block, registers within 255, one
+    resident CTA per SM."""
+    assert set(kernels) == {f"flash_attention_mgpu_{k}" for k in names}, sorted(kernels)
     for name, k in kernels.items():
         assert k.spill_bytes == 0 and k.stack_bytes == 0, (name, k)
-        assert k.threads == 3 * 128, (name, k)
+        assert k.threads == (warpgroups + 1) * 128, (name, k)
         assert 0 < k.smem <= H100.smem_per_block, (name, k)
         assert 0 < k.registers <= 255 and k.blocks_per_sm >= 1, (name, k)
 
@@ -429,6 +429,72 @@ def test_forward_and_backward_compile_for_h100_without_spills(head_dim, dtype, c
     L, H, G = 1000, 8, kv_heads
     q, kv = ((1, L, H, head_dim), dtype), ((1, L, G, head_dim), dtype)
     _assert_fits_h100(_h100_kernels(grad, q, kv, kv))
+
+
+# Soft-capping (a tanh and its 1 - t² in both backward kernels), a value head dim unlike the
+# query/key one, and the log-sum-exp output with its cotangent, through the kernel's own entry.
+OPTION_CASES = [
+    pytest.param(128, 128, "bfloat16", True, 30.0, 8, id="K128-bf16-causal-mha-softcap"),
+    pytest.param(
+        64, 128, "float16", False, None, 2, id="K64-V128-f16-full-gqa4", marks=pytest.mark.slow_plan
+    ),
+    pytest.param(
+        128,
+        64,
+        "bfloat16",
+        True,
+        30.0,
+        2,
+        id="K128-V64-bf16-causal-gqa4-softcap",
+        marks=pytest.mark.slow_plan,
+    ),
+]
+
+
+@needs_plugin
+@pytest.mark.parametrize("head_dim, value_dim, dtype, causal, softcap, kv_heads", OPTION_CASES)
+def test_options_compile_for_h100_without_spills(
+    head_dim, value_dim, dtype, causal, softcap, kv_heads
+):
+    attn = functools.partial(
+        pallas_mgpu.flash_attention_mgpu, causal=causal, softcap=softcap, return_lse=True
+    )
+
+    def loss(*args):
+        o, lse = attn(*args)
+        return o.astype(jnp.float32).sum() + lse.sum()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    L, H, G = 1000, 8, kv_heads
+    q, k = ((1, L, H, head_dim), dtype), ((1, L, G, head_dim), dtype)
+    _assert_fits_h100(_h100_kernels(grad, q, k, ((1, L, G, value_dim), dtype)))
+
+
+@needs_plugin
+@pytest.mark.parametrize(
+    "dtype, causal, softcap, value_dim",
+    [
+        ("bfloat16", True, None, 256),
+        pytest.param("float16", False, 30.0, 64, marks=pytest.mark.slow_plan),
+    ],
+)
+def test_head_dim_256_compiles_for_h100_without_spills(dtype, causal, softcap, value_dim):
+    """Head dim 256 on its default tiles (one compute warpgroup): the forward and dQ kernels
+    as launches of 128 output columns, dK and dV as one launch each where both are 256 wide;
+    every launch spills nothing and fits shared memory (compiled for sm_90a, no GPU)."""
+    attn = functools.partial(pallas_mgpu.flash_attention_mgpu, causal=causal, softcap=softcap)
+    grad = jax.grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    L, H, G, K = 1000, 8, 2, 256
+    q, k, v = ((1, L, H, K), dtype), ((1, L, G, K), dtype), ((1, L, G, value_dim), dtype)
+
+    def names(kernel, width):
+        parts = pallas_mgpu.column_parts(width)
+        return [kernel if len(parts) == 1 else f"{kernel}_cols{c}" for c, _ in parts]
+
+    launches = pallas_mgpu.dkv_launches(K, value_dim)
+    want = names("fwd", value_dim) + names("dq", K)
+    want += ["dkv"] if len(launches) == 1 else [p for (p,) in launches]
+    _assert_fits_h100(_h100_kernels(grad, q, k, v), names=want, warpgroups=1)
 
 
 @needs_plugin

@@ -22,6 +22,12 @@ Grouped-query heads: q [B, H, K] is viewed as [B, G, R, K] (free reshape, h = g�
 program works on one kv head and all R query heads that share it, so each K/V block is read
 from memory once for the whole group (no jnp.repeat, no R× traffic).
 
+Sliding window: `window=W` attends to the last W valid slots of each sequence only (slots
+lengths[b] - W .. lengths[b] - 1: the current token and the W - 1 before it; a Mask window
+(W - 1, 0) in common.py's terms, as Mistral's and Gemma's local layers). The blocks wholly
+before the window are skipped like the blocks past the length (no DMA, no loop step), and
+the splits cut only the blocks the window covers.
+
 Ragged lengths: `lengths[b]` valid slots (1..S; larger values are clamped to S, 0 gives a zero
 output). Slots at and beyond the length are never trusted: their scores are masked, their
 values zeroed before the P·V product (garbage may be NaN), and the kernels do not even read
@@ -189,6 +195,17 @@ def _check_kernel(q_BxHxK, scales, dtypes, head_dims, impl: str) -> None:
 # ---------------------------------------------------------------------------- reference
 
 
+def check_window(window) -> int | None:
+    """None (the whole cache) or a positive int: how many of the last valid slots are seen."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"window={window!r}: must be a positive int (the last W tokens) or None (all)"
+        )
+    return window
+
+
 def decode_attention_reference(
     q_BxHxK,
     k_BxGxSxK,
@@ -198,13 +215,16 @@ def decode_attention_reference(
     v_scale_BxGx1xS=None,
     *,
     scale=None,
+    window: int | None = None,
 ):
-    """softmax over the first lengths[b] slots, materialised; f32 math (f64 for f64 inputs).
+    """softmax over the first lengths[b] slots (the last `window` of them, if given),
+    materialised; f32 math (f64 for f64 inputs).
 
-    Slots past the length are zeroed before any product, so garbage (NaN included) there
-    never reaches the output; a length of 0 gives zeros, as in the kernels.
+    Slots outside are zeroed before any product, so garbage (NaN included) there never
+    reaches the output; a length of 0 gives zeros, as in the kernels.
     """
     check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
+    window = check_window(window)
     B, H, K = q_BxHxK.shape
     G, S = k_BxGxSxK.shape[1:3]
     acc = jnp.promote_types(q_BxHxK.dtype, jnp.float32)
@@ -212,7 +232,11 @@ def decode_attention_reference(
     if k_scale_BxGx1xS is not None:
         k_BxGxSxK = k_BxGxSxK * jnp.swapaxes(k_scale_BxGx1xS, 2, 3).astype(acc)
         v_BxGxSxK = v_BxGxSxK * jnp.swapaxes(v_scale_BxGx1xS, 2, 3).astype(acc)
-    valid_Bx1xS = (jnp.arange(S)[None, :] < lengths_B[:, None])[:, None, :]
+    slot_1xS = jnp.arange(S)[None, :]
+    valid_BxS = slot_1xS < lengths_B[:, None]
+    if window is not None:
+        valid_BxS = valid_BxS & (slot_1xS >= lengths_B[:, None] - window)
+    valid_Bx1xS = valid_BxS[:, None, :]
     k_BxGxSxK = jnp.where(valid_Bx1xS[..., None], k_BxGxSxK, 0)
     v_BxGxSxK = jnp.where(valid_Bx1xS[..., None], v_BxGxSxK, 0)
     q_BxGxRxK = q_BxHxK.reshape(B, G, H // G, K).astype(acc)
@@ -233,15 +257,23 @@ def _cdiv(a, b: int):
     return lax.div(a + (b - 1), jnp.asarray(b, a.dtype))
 
 
-def split_range(length, split, *, block_k: int, num_splits: int):
+def first_slot(length, window: int | None):
+    """The first slot a sequence with `length` valid slots attends to (0 without a window)."""
+    return 0 if window is None else jnp.maximum(length - window, 0)
+
+
+def split_range(length, split, *, block_k: int, num_splits: int, window: int | None = None):
     """Cache blocks [lo, hi) that part `split` of a sequence with `length` valid slots covers.
 
-    Each sequence's own valid blocks are cut into num_splits near-equal parts, so a short
-    sequence's programs finish early and a long one's share its work evenly.
+    Each sequence's own visible blocks (from the window's first to the length's last) are
+    cut into num_splits near-equal parts, so a short sequence's programs finish early and a
+    long one's share its work evenly.
     """
+    first = jnp.asarray(first_slot(length, window))
+    first = lax.div(first, jnp.asarray(block_k, first.dtype))
     n_valid = _cdiv(length, block_k)
-    per = _cdiv(n_valid, num_splits)
-    lo = split * per
+    per = _cdiv(n_valid - first, num_splits)
+    lo = first + split * per
     return lo, jnp.minimum(lo + per, n_valid)
 
 
@@ -269,7 +301,7 @@ def _prepare(q_BxHxK, k_BxGxSxK, lengths_B):
 # ---------------------------------------------------------------------------- TPU (Mosaic)
 
 
-def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quantized):
+def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quantized, window):
     # lengths_ref: [B] int32 in SMEM (scalar prefetch); q_ref: [R, K]; k_ref, v_ref: [C, K]
     # quantized: ks_ref, vs_ref: [1, C] f32 scale rows of this block
     # outputs o_ref: [R, K] f32 (unnormalised), m_ref, l_ref: [R, 1] f32 for this split
@@ -279,8 +311,9 @@ def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quan
     o_ref, m_ref, l_ref, m_scr, l_scr, acc_scr = refs
     b, split, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     length = lengths_ref[b]
-    lo, hi = split_range(length, split, block_k=bk, num_splits=splits)
+    lo, hi = split_range(length, split, block_k=bk, num_splits=splits, window=window)
     start = (lo + j) * bk  # first cache slot of this block
+    first = first_slot(length, window)  # the first slot attended to
 
     @pl.when(j == 0)
     def _init():
@@ -295,8 +328,9 @@ def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quan
         s_RxC = s_RxC * scale
         if quantized:
             s_RxC = s_RxC * ks_ref[...]  # σ_s (q · k_s): the key scale on the score row
-        if masked:  # the block holding the length: slots past it are garbage
-            valid_1xC = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1) < length
+        if masked:  # the block holding the length (slots past it are garbage) or the window's start
+            slot_1xC = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            valid_1xC = (slot_1xC < length) & (slot_1xC >= first)
             s_RxC = jnp.where(valid_1xC, s_RxC, MASK_VALUE)
         m_prev_Rx1 = m_scr[...]
         m_Rx1 = jnp.maximum(m_prev_Rx1, s_RxC.max(axis=1, keepdims=True))
@@ -305,7 +339,8 @@ def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quan
         l_scr[...] = alpha_Rx1 * l_scr[...] + p_RxC.sum(axis=1, keepdims=True)
         v_CxK = v_ref[...]
         if masked:  # 0 · NaN is NaN: zero the garbage values themselves
-            valid_Cx1 = start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < length
+            slot_Cx1 = start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+            valid_Cx1 = (slot_Cx1 < length) & (slot_Cx1 >= first)
             v_CxK = jnp.where(valid_Cx1, v_CxK, jnp.zeros((), v_CxK.dtype))
         if quantized:
             vs_1xC = vs_ref[...]
@@ -319,7 +354,7 @@ def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quan
         m_scr[...] = m_Rx1
 
     live = lo + j < hi
-    whole = start + bk <= length
+    whole = (start + bk <= length) & (start >= first)
 
     @pl.when(live & whole)
     def _whole():
@@ -336,7 +371,7 @@ def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quan
         l_ref[...] = l_scr[...]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "block_sizes", "interpret"))
 def decode_attention_tpu(
     q_BxHxK,
     k_BxGxSxK,
@@ -346,11 +381,13 @@ def decode_attention_tpu(
     v_scale_BxGx1xS=None,
     *,
     scale: float | None = None,
+    window: int | None = None,
     block_sizes: BlockSizesTPU = BlockSizesTPU(),
     interpret: bool = False,
 ):
     """Decode attention on TPU: grid (batch, kv head, split, cache block), last axis sequential.
 
+    `window=W`: only the last W valid slots of each sequence (blocks before them skipped).
     `interpret=True` runs the kernel through the Pallas interpreter (CPU); block_k then only
     needs a multiple of 8. A cache length S that is not a multiple of block_k is fine: the
     last grid block hangs over the end and its slots are masked (S >= length).
@@ -363,6 +400,7 @@ def decode_attention_tpu(
         TPU_HEAD_DIMS,
         "decode_attention_tpu",
     )
+    window = check_window(window)
     if not interpret:
         block_sizes.check_compiled()
     B, H, K = q_BxHxK.shape
@@ -377,7 +415,7 @@ def decode_attention_tpu(
 
     def kv_index(b, g, split, j, lengths_ref):
         # Blocks past this split's last valid block map to it: same index, no new DMA.
-        lo, hi = split_range(lengths_ref[b], split, block_k=bk, num_splits=splits)
+        lo, hi = split_range(lengths_ref[b], split, block_k=bk, num_splits=splits, window=window)
         return b, g, jnp.maximum(jnp.minimum(lo + j, hi - 1), 0), 0
 
     def scale_index(b, g, split, j, lengths_ref):
@@ -403,6 +441,7 @@ def decode_attention_tpu(
             splits=splits,
             scale=default_scale(K, scale),
             quantized=quantized,
+            window=window,
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -437,7 +476,7 @@ def _dot(a, b, *, trans_b: bool = False):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _gpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quantized):
+def _gpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quantized, window):
     # lengths_ref: [] int32 (this sequence); q_ref: [Rp, K] (R heads padded to >= 16 rows)
     # k_ref, v_ref: [S, K] the whole cache row of (b, g); quantized: ks_ref, vs_ref: [S] f32
     # outputs o_ref: [Rp, K] f32 (unnormalised), m_ref, l_ref: [Rp] f32 for this split
@@ -445,13 +484,15 @@ def _gpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quan
         ks_ref, vs_ref, *refs = refs
     o_ref, m_ref, l_ref = refs
     length = lengths_ref[...]
-    lo, hi = split_range(length, pl.program_id(2), block_k=bk, num_splits=splits)
+    lo, hi = split_range(length, pl.program_id(2), block_k=bk, num_splits=splits, window=window)
+    first = first_slot(length, window)
     q_RxK = q_ref[...]
 
     def body(blk, carry):
         acc_RxK, m_R, l_R = carry
         slots = pl.ds(blk * bk, bk)
-        valid_C = blk * bk + jnp.arange(bk) < length
+        slot_C = blk * bk + jnp.arange(bk)
+        valid_C = (slot_C < length) & (slot_C >= first)
         # Masked loads: slots past the length (or the cache) are never read, 0 stands in.
         k_CxK = plgpu.load(k_ref.at[slots, :], mask=valid_C[:, None], other=0)
         v_CxK = plgpu.load(v_ref.at[slots, :], mask=valid_C[:, None], other=0)
@@ -480,7 +521,7 @@ def _gpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quan
     l_ref[...] = l_R
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "block_sizes", "interpret"))
 def decode_attention_gpu(
     q_BxHxK,
     k_BxGxSxK,
@@ -490,11 +531,13 @@ def decode_attention_gpu(
     v_scale_BxGx1xS=None,
     *,
     scale: float | None = None,
+    window: int | None = None,
     block_sizes: BlockSizesGPU = BlockSizesGPU(),
     interpret: bool = False,
 ):
     """Decode attention on GPU (Pallas Triton): grid (batch, kv head, split), each program
-    loops over its part of the cache; partials merged by `combine_splits`."""
+    loops over its part of the cache; partials merged by `combine_splits`. `window=W`: only
+    the last W valid slots of each sequence (the loop starts at the window's block)."""
     check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
     _check_kernel(
         q_BxHxK,
@@ -503,6 +546,7 @@ def decode_attention_gpu(
         GPU_HEAD_DIMS,
         "decode_attention_gpu",
     )
+    window = check_window(window)
     if not interpret:
         triton_deprecation.explain()  # jax >= 0.11: one line instead of a warning per kernel
     B, H, K = q_BxHxK.shape
@@ -534,6 +578,7 @@ def decode_attention_gpu(
             splits=splits,
             scale=default_scale(K, scale),
             quantized=quantized,
+            window=window,
         ),
         grid=(B, G, splits),
         in_specs=in_specs,

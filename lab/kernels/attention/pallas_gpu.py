@@ -18,6 +18,12 @@ block, batch, kv head) and loops over the R query heads of its group and the que
 from the diagonal down, so grouped-query heads are neither repeated in memory nor reduced
 afterwards.
 
+Options (keyword-only on `flash_attention_gpu`; dtypes float32, bfloat16, float16): head dims
+any multiple of 8 up to 256 for q/k and for v, which may differ (zero-padded to Triton's
+power-of-two tiles in the wrapper); `softcap` (cap·tanh(scores / cap) before the mask, its
+1 - tanh² in both backward kernels); `return_lse` (each row's natural log-sum-exp as a second,
+differentiable output: its cotangent enters the backward as delta - dlse).
+
 Block sizes, warps, stages and the mask-split variant come from `tuned/<gpu>.json`, keyed by
 `device_kind` and head_dim and written by the recorded search `python -m
 lab.tools.attention_tune`; a GPU with no file gets `BLOCK_SIZES["default"]`. No GPU has been
@@ -46,11 +52,22 @@ from lab.kernels.attention.common import (
 )
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-HEAD_DIMS = (16, 32, 64, 128, 256)  # Triton tiles are powers of two, tl.dot needs >= 16
+# Head dims (q/k and v alike): any multiple of 8 up to 256. Triton tiles are powers of two and
+# tl.dot needs >= 16, so the wrapper zero-pads the head dims to the next such tile (zero
+# columns add nothing to Q·Kᵀ, and the output's padded columns are dropped).
+HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 8, 256
+HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, MAX_HEAD_DIM + 1, HEAD_DIM_MULTIPLE))
+# What the dispatch may pass beyond plain attention (common.FEATURE_NAMES).
+FEATURES = frozenset({"softcap", "lse", "value_dim"})
 
 
 def _power_of_two(n) -> bool:
     return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def _tile_dim(head_dim: int) -> int:
+    """The power-of-two (>= 16) tile a head dim is padded to."""
+    return max(16, pl.next_power_of_2(head_dim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,15 +152,25 @@ def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _scores(q_LxK, k_SxK, i, j, g: Geometry, masked: bool):
-    """Scaled f32 scores of query block i against key block j, masked where `masked`."""
+def _scores(q_LxK, k_SxK, i, j, g: Geometry, masked: bool, cap: float | None):
+    """Scaled (and soft-capped) f32 scores of query block i against key block j, masked where
+    `masked`; with the cap also tanh(scores / cap), whose 1 - t² the backward needs."""
     s_LxS = _dot(q_LxK, k_SxK, trans_b=True) * g.scale
-    if not masked:
-        return s_LxS
-    q_pos_Lx1 = (i * g.bq + jnp.arange(g.bq))[:, None]
-    k_pos_1xS = (j * g.bk + jnp.arange(g.bk))[None, :]
-    ok_LxS = visible(q_pos_Lx1, k_pos_1xS, causal=g.causal, kv_len=g.S, offset=g.offset)
-    return jnp.where(ok_LxS, s_LxS, MASK_VALUE)
+    t_LxS = None
+    if cap is not None:
+        t_LxS = jnp.tanh(s_LxS * (1.0 / cap))
+        s_LxS = cap * t_LxS
+    if masked:
+        q_pos_Lx1 = (i * g.bq + jnp.arange(g.bq))[:, None]
+        k_pos_1xS = (j * g.bk + jnp.arange(g.bk))[None, :]
+        ok_LxS = visible(q_pos_Lx1, k_pos_1xS, causal=g.causal, kv_len=g.S, offset=g.offset)
+        s_LxS = jnp.where(ok_LxS, s_LxS, MASK_VALUE)
+    return s_LxS, t_LxS
+
+
+def _capped_grad(ds_LxS, t_LxS):
+    """dL/d(scale·q·k) from dL/d(cap·tanh(·/cap)): times 1 - tanh²."""
+    return ds_LxS if t_LxS is None else ds_LxS * (1.0 - t_LxS * t_LxS)
 
 
 def _loops(step, carry, spans):
@@ -175,15 +202,16 @@ def _query_spans(j, g: Geometry, split: bool):
     return [(start, mid, True), (mid, g.n_q, False)]
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, g: Geometry, split: bool):
-    # q_ref, o_ref: [L, K]; k_ref, v_ref: [Sp, K] (the whole padded sequence); lse_ref: [L]
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, g: Geometry, split: bool, cap):
+    # q_ref: [L, K]; k_ref: [Sp, K], v_ref: [Sp, Kv] (the whole padded sequence);
+    # o_ref: [L, Kv]; lse_ref: [L]
     i = pl.program_id(0)
     q_LxK = q_ref[...]
 
     def step(j, carry, masked):
         o_LxK, max_Q, sum_Q = carry
         keys = pl.ds(j * g.bk, g.bk)
-        s_LxS = _scores(q_LxK, k_ref[keys, :], i, j, g, masked)
+        s_LxS, _ = _scores(q_LxK, k_ref[keys, :], i, j, g, masked, cap)
         new_max_Q = jnp.maximum(max_Q, s_LxS.max(axis=1))
         p_LxS = jnp.exp(s_LxS - new_max_Q[:, None])
         alpha_Q = jnp.exp(max_Q - new_max_Q)
@@ -191,7 +219,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, g: Geometry, split: bool
         return alpha_Q[:, None] * o_LxK + pv_LxK, new_max_Q, alpha_Q * sum_Q + p_LxS.sum(axis=1)
 
     init = (
-        jnp.zeros(q_LxK.shape, jnp.float32),
+        jnp.zeros(o_ref.shape, jnp.float32),
         jnp.full((g.bq,), MASK_VALUE, jnp.float32),
         jnp.zeros((g.bq,), jnp.float32),
     )
@@ -200,8 +228,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, g: Geometry, split: bool
     lse_ref[...] = max_Q + jnp.log(sum_Q)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, g: Geometry, split):
-    # q_ref, do_ref, dq_ref: [L, K]; k_ref, v_ref: [Sp, K]; lse_ref, delta_ref: [L]
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, g: Geometry, split, cap):
+    # q_ref, dq_ref: [L, K]; do_ref: [L, Kv]; k_ref: [Sp, K]; v_ref: [Sp, Kv];
+    # lse_ref, delta_ref: [L]
     i = pl.program_id(0)
     q_LxK, do_LxK = q_ref[...], do_ref[...]
     lse_Lx1, delta_Lx1 = lse_ref[...][:, None], delta_ref[...][:, None]
@@ -209,9 +238,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, g: Ge
     def step(j, dq_LxK, masked):
         keys = pl.ds(j * g.bk, g.bk)
         k_SxK = k_ref[keys, :]
-        p_LxS = jnp.exp(_scores(q_LxK, k_SxK, i, j, g, masked) - lse_Lx1)
+        s_LxS, t_LxS = _scores(q_LxK, k_SxK, i, j, g, masked, cap)
+        p_LxS = jnp.exp(s_LxS - lse_Lx1)
         dp_LxS = _dot(do_LxK, v_ref[keys, :], trans_b=True)
-        ds_LxS = (p_LxS * (dp_LxS - delta_Lx1) * g.scale).astype(k_SxK.dtype)
+        ds_LxS = _capped_grad(p_LxS * (dp_LxS - delta_Lx1), t_LxS)
+        ds_LxS = (ds_LxS * g.scale).astype(k_SxK.dtype)
         return dq_LxK + _dot(ds_LxS, k_SxK)
 
     dq_LxK = _loops(step, jnp.zeros(q_LxK.shape, jnp.float32), _key_spans(i, g, split))
@@ -219,10 +250,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, g: Ge
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, g: Geometry, split: bool
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, g: Geometry, split, cap
 ):
-    # q_ref, do_ref: [Lp, R, K] (the group's query heads); lse_ref, delta_ref: [R, Lp]
-    # k_ref, v_ref, dk_ref, dv_ref: [S, K]
+    # q_ref: [Lp, R, K], do_ref: [Lp, R, Kv] (the group's query heads); lse_ref, delta_ref:
+    # [R, Lp]; k_ref, dk_ref: [S, K]; v_ref, dv_ref: [S, Kv]
     j = pl.program_id(0)
     k_SxK, v_SxK = k_ref[...], v_ref[...]
 
@@ -231,24 +262,27 @@ def _dkv_kernel(
         rows = pl.ds(i * g.bq, g.bq)
         q_LxK, do_LxK = q_ref[rows, member, :], do_ref[rows, member, :]
         lse_Lx1, delta_Lx1 = lse_ref[member, rows][:, None], delta_ref[member, rows][:, None]
-        p_LxS = jnp.exp(_scores(q_LxK, k_SxK, i, j, g, masked) - lse_Lx1)
+        s_LxS, t_LxS = _scores(q_LxK, k_SxK, i, j, g, masked, cap)
+        p_LxS = jnp.exp(s_LxS - lse_Lx1)
         dv_SxK += _dot(p_LxS.astype(do_LxK.dtype), do_LxK, trans_a=True)
         dp_LxS = _dot(do_LxK, v_SxK, trans_b=True)
-        ds_LxS = (p_LxS * (dp_LxS - delta_Lx1) * g.scale).astype(q_LxK.dtype)
+        ds_LxS = _capped_grad(p_LxS * (dp_LxS - delta_Lx1), t_LxS)
+        ds_LxS = (ds_LxS * g.scale).astype(q_LxK.dtype)
         dk_SxK += _dot(ds_LxS, q_LxK, trans_a=True)
         return dk_SxK, dv_SxK
 
     def one_member(member, carry):
         return _loops(functools.partial(step, member=member), carry, _query_spans(j, g, split))
 
-    zeros_SxK = jnp.zeros(k_SxK.shape, jnp.float32)
-    dk_SxK, dv_SxK = jax.lax.fori_loop(0, g.R, one_member, (zeros_SxK, zeros_SxK))
+    zeros = (jnp.zeros(k_SxK.shape, jnp.float32), jnp.zeros(v_SxK.shape, jnp.float32))
+    dk_SxK, dv_SxK = jax.lax.fori_loop(0, g.R, one_member, zeros)
     dk_ref[...] = dk_SxK.astype(dk_ref.dtype)
     dv_ref[...] = dv_SxK.astype(dv_ref.dtype)
 
 
 def _pad(x_BxSxHxK, length: int, axis: int = 1):
-    """Zero-pad one sequence axis to `length`: padded keys are masked, padded rows dropped."""
+    """Zero-pad one axis to `length`: padded keys are masked, padded rows dropped, padded head
+    dim columns add zeros to every product."""
     widths = [(0, 0)] * x_BxSxHxK.ndim
     widths[axis] = (0, length - x_BxSxHxK.shape[axis])
     return jnp.pad(x_BxSxHxK, widths) if widths[axis][1] else x_BxSxHxK
@@ -258,80 +292,92 @@ def _triton(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry, bs: BlockSizes, interpret: bool):
+def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan"):
     B, L, H, K = q_BxLxHxK.shape
+    V = v_BxSxGxV.shape[-1]
+    bs = plan.block_sizes
     Lp, Sp = g.n_q * g.bq, g.n_k * g.bk
     q_spec = pl.BlockSpec((None, g.bq, None, K), lambda i, b, h: (b, i, h, 0))
-    kv_spec = pl.BlockSpec((None, Sp, None, K), lambda i, b, h: (b, 0, h // g.R, 0))
-    o_BxLxHxK, lse_BxHxL = pl.pallas_call(
-        functools.partial(_fwd_kernel, g=g, split=bs.split_mask),
+    o_spec = pl.BlockSpec((None, g.bq, None, V), lambda i, b, h: (b, i, h, 0))
+    k_spec = pl.BlockSpec((None, Sp, None, K), lambda i, b, h: (b, 0, h // g.R, 0))
+    v_spec = pl.BlockSpec((None, Sp, None, V), lambda i, b, h: (b, 0, h // g.R, 0))
+    o_BxLxHxV, lse_BxHxL = pl.pallas_call(
+        functools.partial(_fwd_kernel, g=g, split=bs.split_mask, cap=plan.softcap),
         grid=(g.n_q, B, H),
-        in_specs=[q_spec, kv_spec, kv_spec],
-        out_specs=[q_spec, pl.BlockSpec((None, None, g.bq), lambda i, b, h: (b, h, i))],
+        in_specs=[q_spec, k_spec, v_spec],
+        out_specs=[o_spec, pl.BlockSpec((None, None, g.bq), lambda i, b, h: (b, h, i))],
         out_shape=[
-            jax.ShapeDtypeStruct((B, Lp, H, K), q_BxLxHxK.dtype),
+            jax.ShapeDtypeStruct((B, Lp, H, V), q_BxLxHxK.dtype),
             jax.ShapeDtypeStruct((B, H, Lp), jnp.float32),
         ],
         compiler_params=_triton(bs.num_warps, bs.num_stages),
-        interpret=interpret,
+        interpret=plan.interpret,
         name="flash_attention_fwd",
-    )(_pad(q_BxLxHxK, Lp), _pad(k_BxSxGxK, Sp), _pad(v_BxSxGxK, Sp))
-    return o_BxLxHxK[:, :L], lse_BxHxL[:, :, :L]
+    )(_pad(q_BxLxHxK, Lp), _pad(k_BxSxGxK, Sp), _pad(v_BxSxGxV, Sp))
+    return o_BxLxHxV[:, :L], lse_BxHxL[:, :, :L]
 
 
-def _dq(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, do_BxLxHxK, lse_BxHxL, delta_BxHxL, g, bs, interpret):
+def _dq(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g, plan):
     B, L, H, K = q_BxLxHxK.shape
+    V = v_BxSxGxV.shape[-1]
+    bs = plan.block_sizes
     Lp, Sp = g.n_q * g.bq, g.n_k * g.bk
     q_spec = pl.BlockSpec((None, g.bq, None, K), lambda i, b, h: (b, i, h, 0))
-    kv_spec = pl.BlockSpec((None, Sp, None, K), lambda i, b, h: (b, 0, h // g.R, 0))
+    do_spec = pl.BlockSpec((None, g.bq, None, V), lambda i, b, h: (b, i, h, 0))
+    k_spec = pl.BlockSpec((None, Sp, None, K), lambda i, b, h: (b, 0, h // g.R, 0))
+    v_spec = pl.BlockSpec((None, Sp, None, V), lambda i, b, h: (b, 0, h // g.R, 0))
     row_spec = pl.BlockSpec((None, None, g.bq), lambda i, b, h: (b, h, i))
     dq_BxLxHxK = pl.pallas_call(
-        functools.partial(_dq_kernel, g=g, split=bs.split_mask),
+        functools.partial(_dq_kernel, g=g, split=bs.split_mask, cap=plan.softcap),
         grid=(g.n_q, B, H),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+        in_specs=[q_spec, k_spec, v_spec, do_spec, row_spec, row_spec],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct((B, Lp, H, K), q_BxLxHxK.dtype),
         compiler_params=_triton(bs.num_warps_bwd, bs.num_stages_bwd),
-        interpret=interpret,
+        interpret=plan.interpret,
         name="flash_attention_dq",
     )(
         _pad(q_BxLxHxK, Lp),
         _pad(k_BxSxGxK, Sp),
-        _pad(v_BxSxGxK, Sp),
-        _pad(do_BxLxHxK, Lp),
+        _pad(v_BxSxGxV, Sp),
+        _pad(do_BxLxHxV, Lp),
         _pad(lse_BxHxL, Lp, axis=2),
         _pad(delta_BxHxL, Lp, axis=2),
     )
     return dq_BxLxHxK[:, :L]
 
 
-def _dkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, do_BxLxHxK, lse_BxHxL, delta_BxHxL, g, bs, interpret):
+def _dkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g, plan):
     B, S, G, K = k_BxSxGxK.shape
+    V = v_BxSxGxV.shape[-1]
+    bs = plan.block_sizes
     Lp, Sp = g.n_q * g.bq, g.n_k * g.bk
-    group_spec = pl.BlockSpec((None, Lp, g.R, K), lambda j, b, kv: (b, 0, kv, 0))
+    q_spec = pl.BlockSpec((None, Lp, g.R, K), lambda j, b, kv: (b, 0, kv, 0))
+    do_spec = pl.BlockSpec((None, Lp, g.R, V), lambda j, b, kv: (b, 0, kv, 0))
     group_rows_spec = pl.BlockSpec((None, g.R, Lp), lambda j, b, kv: (b, kv, 0))
-    kv_spec = pl.BlockSpec((None, g.bk, None, K), lambda j, b, kv: (b, j, kv, 0))
-    dk_BxSxGxK, dv_BxSxGxK = pl.pallas_call(
-        functools.partial(_dkv_kernel, g=g, split=bs.split_mask),
+    k_spec = pl.BlockSpec((None, g.bk, None, K), lambda j, b, kv: (b, j, kv, 0))
+    v_spec = pl.BlockSpec((None, g.bk, None, V), lambda j, b, kv: (b, j, kv, 0))
+    dk_BxSxGxK, dv_BxSxGxV = pl.pallas_call(
+        functools.partial(_dkv_kernel, g=g, split=bs.split_mask, cap=plan.softcap),
         grid=(g.n_k, B, G),
-        in_specs=[group_spec, kv_spec, kv_spec, group_spec, group_rows_spec, group_rows_spec],
-        out_specs=[kv_spec, kv_spec],
+        in_specs=[q_spec, k_spec, v_spec, do_spec, group_rows_spec, group_rows_spec],
+        out_specs=[k_spec, v_spec],
         out_shape=[
             jax.ShapeDtypeStruct((B, Sp, G, K), k_BxSxGxK.dtype),
-            jax.ShapeDtypeStruct((B, Sp, G, K), v_BxSxGxK.dtype),
+            jax.ShapeDtypeStruct((B, Sp, G, V), v_BxSxGxV.dtype),
         ],
         compiler_params=_triton(bs.num_warps_bwd, bs.num_stages_bwd),
-        interpret=interpret,
+        interpret=plan.interpret,
         name="flash_attention_dkv",
     )(
         _pad(q_BxLxHxK, Lp),
         _pad(k_BxSxGxK, Sp),
-        _pad(v_BxSxGxK, Sp),
-        _pad(do_BxLxHxK, Lp),
+        _pad(v_BxSxGxV, Sp),
+        _pad(do_BxLxHxV, Lp),
         _pad(lse_BxHxL, Lp, axis=2),
         _pad(delta_BxHxL, Lp, axis=2),
     )
-    return dk_BxSxGxK[:, :S], dv_BxSxGxK[:, :S]
+    return dk_BxSxGxK[:, :S], dv_BxSxGxV[:, :S]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,66 +389,107 @@ class _Plan:
     dkv: Geometry
     block_sizes: BlockSizes
     interpret: bool
+    softcap: float | None = None  # scores become softcap·tanh(scores / softcap)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan: _Plan):
-    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan.fwd, plan.block_sizes, plan.interpret)[0]
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan: _Plan):
+    """(output [B, L, H, V], log-sum-exp [B, H, L] f32): both differentiable."""
+    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan)
 
 
-def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan: _Plan):
-    o_BxLxHxK, lse_BxHxL = _forward(
-        q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan.fwd, plan.block_sizes, plan.interpret
-    )
-    return o_BxLxHxK, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_BxHxL)
+def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan: _Plan):
+    o_BxLxHxV, lse_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan)
+    return (o_BxLxHxV, lse_BxHxL), (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL)
 
 
-def _flash_bwd(plan: _Plan, residuals, do_BxLxHxK):
-    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_BxHxL = residuals
-    # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row.
+def _flash_bwd(plan: _Plan, residuals, cotangents):
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL = residuals
+    do_BxLxHxV, dlse_BxHxL = cotangents
+    # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row. A
+    # cotangent on the log-sum-exp adds dlse_i·P_ij to dS_ij: the same as delta_i - dlse_i.
     delta_BxHxL = jnp.einsum(
-        "blhk,blhk->bhl", o_BxLxHxK.astype(jnp.float32), do_BxLxHxK.astype(jnp.float32)
+        "blhk,blhk->bhl", o_BxLxHxV.astype(jnp.float32), do_BxLxHxV.astype(jnp.float32)
     )
-    args = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, do_BxLxHxK, lse_BxHxL, delta_BxHxL)
-    dq_BxLxHxK = _dq(*args, plan.dq, plan.block_sizes, plan.interpret)
-    dk_BxSxGxK, dv_BxSxGxK = _dkv(*args, plan.dkv, plan.block_sizes, plan.interpret)
-    return dq_BxLxHxK, dk_BxSxGxK, dv_BxSxGxK
+    delta_BxHxL = delta_BxHxL - dlse_BxHxL
+    args = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL)
+    dq_BxLxHxK = _dq(*args, plan.dq, plan)
+    dk_BxSxGxK, dv_BxSxGxV = _dkv(*args, plan.dkv, plan)
+    return dq_BxLxHxK, dk_BxSxGxK, dv_BxSxGxV
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool) -> None:
-    """What this kernel accepts (the dispatch asks before choosing it)."""
-    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+def _check_head_dim(x, what: str) -> None:
+    d = x.shape[-1]
+    if d % HEAD_DIM_MULTIPLE or not 0 < d <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"{x.shape=}: pallas_gpu supports {what} head_dim a multiple of "
+            f"{HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} (dtypes float32, bfloat16, float16)"
+        )
+
+
+def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, *, causal: bool) -> None:
+    """What this kernel accepts (the dispatch asks before choosing it): dtypes float32,
+    bfloat16, float16; q/k and v head dims each a multiple of 8 up to 256 (v's may differ)."""
+    check_qkv(q_BxLxHxK, k_BxSxGxK, k_BxSxGxK, causal=causal)
+    k, v = k_BxSxGxK, v_BxSxGxV
+    if v.ndim != 4 or v.shape[:3] != k.shape[:3] or v.dtype != k.dtype:
+        raise ValueError(
+            f"{k.shape=} {v.shape=} {k.dtype=} {v.dtype=}: keys and values must share batch, "
+            "length, heads and dtype (only the head dim may differ)"
+        )
     check_dtype(q_BxLxHxK, DTYPES, "pallas_gpu")
-    if q_BxLxHxK.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"{q_BxLxHxK.shape=}: pallas_gpu supports head_dim in {HEAD_DIMS}")
+    _check_head_dim(q_BxLxHxK, "q/k")
+    _check_head_dim(v_BxSxGxV, "v")
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
+def check_softcap(softcap) -> float | None:
+    """None (no cap) or a positive finite float."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap > 0:
+        raise ValueError(f"softcap={softcap!r}: must be a positive number (or None: no cap)")
+    if softcap == float("inf"):
+        raise ValueError(f"softcap={softcap!r}: must be finite (None means no cap)")
+    return float(softcap)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("causal", "scale", "softcap", "return_lse", "block_sizes", "interpret"),
+)
 def flash_attention_gpu(
     q_BxLxHxK,
     k_BxSxGxK,
-    v_BxSxGxK,
+    v_BxSxGxV,
     *,
     causal: bool = True,
     scale: float | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ):
     """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim]; any length (padded and masked).
 
+    dtypes float32, bfloat16, float16; head dims any multiple of 8 up to 256, and v's head
+    dim may differ from q/k's (the output takes v's). `softcap`: the scores become
+    softcap·tanh(scores / softcap) before the softmax (Gemma 2), gradient included.
+    `return_lse=True` returns (out, lse) with lse [batch, seq, heads] f32, each row's
+    natural log-sum-exp of the (capped) scaled scores; both are differentiable.
     `block_sizes=None` looks the device up in `BLOCK_SIZES`; `interpret=True` runs the same
     kernels through the Pallas interpreter (CPU tests).
     """
-    check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=causal)
+    softcap = check_softcap(softcap)
     if not interpret:
         triton_deprecation.explain()  # jax >= 0.11: one line instead of a warning per kernel
-    if block_sizes is None:
-        block_sizes = block_sizes_for(device_kind(), q_BxLxHxK.shape[-1])
     _, L, H, K = q_BxLxHxK.shape
-    S, G = k_BxSxGxK.shape[1:3]
+    S, G, V = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2], v_BxSxGxV.shape[-1]
+    if block_sizes is None:
+        block_sizes = block_sizes_for(device_kind(), K)
 
     def geometry(block_q, block_k):  # shrink tiles to the (power-of-two) sequence lengths
         bq = min(block_q, max(16, pl.next_power_of_2(L)))
@@ -418,5 +505,12 @@ def flash_attention_gpu(
         dkv=geometry(bs.block_q_dkv, bs.block_k_dkv),
         block_sizes=bs,
         interpret=interpret,
+        softcap=softcap,
     )
-    return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan)
+    Kt, Vt = _tile_dim(K), _tile_dim(V)  # Triton's power-of-two tiles
+    q, k = _pad(q_BxLxHxK, Kt, axis=3), _pad(k_BxSxGxK, Kt, axis=3)
+    o_BxLxHxV, lse_BxHxL = _flash(q, k, _pad(v_BxSxGxV, Vt, axis=3), plan)
+    o_BxLxHxV = o_BxLxHxV[..., :V]
+    if not return_lse:
+        return o_BxLxHxV
+    return o_BxLxHxV, jnp.swapaxes(lse_BxHxL, 1, 2)

@@ -49,6 +49,18 @@ padded keys are masked, padded query rows computed and dropped (their backward l
 set to 0 and dO to 0, so they add nothing to dK/dV). Tiles made only of padding (a CTA's last
 query or key tile) skip their compute.
 
+Options (keyword-only on `flash_attention_mgpu`; dtypes bfloat16 and float16, head dims 64, 128
+and 256 for q/k and for v, which may differ): `softcap` turns the scores into
+cap·tanh(scores / cap) before the mask and the softmax, and the backward multiplies dS by
+1 - tanh² (in the dK/dV kernel that factor waits in the dSᵀ tile's shared memory, in the input
+dtype: held in registers it spilled); `return_lse` also returns each row's natural
+log-sum-exp (the kernel's base-2 one times ln 2), differentiable: its cotangent enters the
+backward as delta - dlse. Head dim 256 runs on one compute warpgroup (shared memory), and no
+warpgroup accumulates more than 128 f32 columns of 64 rows in registers: the forward and dQ
+kernels run one launch per 128 output columns (each recomputing the scores), the dK/dV kernel
+one launch per gradient where K + V > 256 (`column_parts`, `dkv_launches`); every launch
+compiles with no spill for sm_90a (tests/test_pallas_mgpu.py).
+
 Where it runs: compiled, on Hopper (sm_90a: H100, H200; `runs_on`), on every JAX the lab
 supports (`plgpu.kernel`, 0.10 and newer; `pl.pallas_call` for Mosaic GPU is deprecated on 0.10
 and gone on 0.11); interpreted on CPU from JAX 0.11 (`interpretable`: 0.10's interpreter has no
@@ -91,7 +103,13 @@ from lab.kernels.attention.common import (
 from lab.measure import toolchain
 
 DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma on 16-bit inputs; f32 stays with pallas_gpu
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # q/k and v alike (v's may differ); each compiled with 0 spills
+# What the dispatch may pass beyond plain attention (common.FEATURE_NAMES).
+FEATURES = frozenset({"softcap", "lse", "value_dim"})
+# Above this sum of the q/k and v head dims the dK/dV kernel runs as two launches (dkv_launches).
+MAX_DKV_COLUMNS = 256
+# Widest output a forward or dQ launch accumulates in registers; wider ones run in parts.
+MAX_ACC_COLUMNS = 128
 # Every tile edge is a multiple of 64: a warpgroup's wgmma covers 64 rows (M), and a row of 64
 # 16-bit elements fills the 128-byte swizzle, the only one Mosaic stores a WGMMA-layout register
 # tile into (P, dS; a 32-column tile with a 64-byte swizzle failed its layout inference).
@@ -146,6 +164,10 @@ class BlockSizes:
 BLOCK_SIZES: dict[int, BlockSizes] = {
     64: BlockSizes(block_k=128, max_stages=2),
     128: BlockSizes(block_k=128, max_stages=2),
+    # One compute warpgroup: two would need 2 × 64 × 256 × 2 B of Q (and of dO in dQ) next
+    # to the streamed tiles, past the 227 KiB of shared memory a block can have; and the
+    # 64 × 256 f32 accumulators take 128 of its registers. 64-key tiles for the same reason.
+    256: BlockSizes(block_k=64, compute_wgs=1, max_stages=2),
 }
 TUNED_DIR = Path(__file__).parent / "tuned"
 KERNEL = "pallas_mgpu"  # the `kernel` of its entries in tuned/ (pallas_gpu's have none)
@@ -293,6 +315,20 @@ def _positions(shape, dim: int, start):
     return _bcast(vec, shape, dim)
 
 
+def _logits2(s_2d, g: Geometry, cap):
+    """Raw Q·Kᵀ scores to base-2 logits: (scale·s or cap·tanh(scale·s / cap))·log2 e; with a
+    cap also tanh(scale·s / cap), whose 1 - t² the backward needs (else None)."""
+    if cap is None:
+        return s_2d * (g.scale * LOG2E), None
+    t_2d = jnp.tanh(s_2d * (g.scale / cap))
+    return t_2d * (cap * LOG2E), t_2d
+
+
+def _capped_grad(ds_2d, t_2d):
+    """dL/d(scale·q·k) from dL/d(cap·tanh(·/cap)): times 1 - tanh²."""
+    return ds_2d if t_2d is None else ds_2d * (1.0 - t_2d * t_2d)
+
+
 def _spans(whole, end, g: Geometry):
     """[(lo, hi, masked)] of a query tile's key loop: whole blocks bare, the rest masked."""
     if not g.needs_mask:
@@ -358,13 +394,16 @@ def _query_cta(g: Geometry, W: int):
 def _fwd_kernel(
     q_ref, k_ref, v_ref, o_ref, lse_ref,
     q_smem, k_smem, v_smem, p_smem, lse_smem,
-    q_bar, k_bar, v_bar, k_free, v_free,
-    *, g: Geometry, W: int, stages: int,
+    q_bar, k_bar, v_bar, k_free, v_free, *o_smem,
+    g: Geometry, W: int, stages: int, cap,
 ):  # fmt: skip
-    # gmem: q_ref, o_ref [B, Lp, H, K]; k_ref, v_ref [B, Sp, G, K]; lse_ref [B, H, Lp]
-    # smem: q_smem [W, bq, K] (Q, then O); k_smem, v_smem [st, bk, K]; p_smem [W, bq, bk];
-    #       lse_smem [W, bq]. st = stages, W = compute warpgroups.
-    bq, bk, K = g.bq, g.bk, q_smem.shape[-1]
+    # gmem: q_ref [B, Lp, H, K]; o_ref [B, Lp, H, V]; k_ref [B, Sp, G, K]; v_ref [B, Sp, G, V];
+    #       lse_ref [B, H, Lp]
+    # smem: q_smem [W, bq, K] (Q, then O where V == K); k_smem [st, bk, K]; v_smem
+    #       [st, bk, V]; p_smem [W, bq, bk]; lse_smem [W, bq]; o_smem [W, bq, V] only where
+    #       V != K. st = stages, W = compute warpgroups.
+    bq, bk, V = g.bq, g.bk, v_smem.shape[-1]
+    o_smem = o_smem[0] if o_smem else q_smem
     dtype = q_smem.dtype
     h, cta, b, wg, kv, n_steps = _query_cta(g, W)
 
@@ -373,7 +412,7 @@ def _fwd_kernel(
         i = cta * W + wg  # this warpgroup's query block
         real = i < g.n_q
         end = jnp.where(real, _i32(g.k_blocks_end(i)), 0)
-        q_tile, p_tile = q_smem.at[wg], p_smem.at[wg]
+        q_tile, p_tile, o_tile = q_smem.at[wg], p_smem.at[wg], o_smem.at[wg]
         rows = pl.ds(i * bq, bq)
 
         @pl.when(real)
@@ -387,7 +426,7 @@ def _fwd_kernel(
                 plgpu.barrier_wait(k_bar.at[slot])
                 s_LxS = _matmul(q_tile, _t(k_smem.at[slot]), (bq, bk))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s_LxS = s_LxS * (g.scale * LOG2E)  # base-2 logits
+                s_LxS, _ = _logits2(s_LxS, g, cap)  # base-2 logits
                 if masked:
                     s_LxS = _mask(s_LxS, i * bq, t * bk, g, transposed=False)
                 new_m_L = jnp.maximum(m_L, s_LxS.max(axis=1))
@@ -397,14 +436,14 @@ def _fwd_kernel(
                 p_tile[...] = p_LxS.astype(dtype)
                 plgpu.commit_smem()  # P visible to the tensor cores
                 plgpu.barrier_wait(v_bar.at[slot])
-                pv_LxK = _matmul(p_tile, v_smem.at[slot], (bq, K))
+                pv_LxV = _matmul(p_tile, v_smem.at[slot], (bq, V))
                 plgpu.barrier_arrive(v_free.at[slot])
-                o_LxK = o_LxK * _bcast(alpha_L, o_LxK.shape, 0) + pv_LxK
+                o_LxK = o_LxK * _bcast(alpha_L, o_LxK.shape, 0) + pv_LxV
                 return o_LxK, new_m_L, l_L
 
             row = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
             carry = (
-                _zeros((bq, K), plgpu.Layout.WGMMA),
+                _zeros((bq, V), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), row),
                 _zeros((bq,), row),
             )
@@ -414,10 +453,10 @@ def _fwd_kernel(
                     _i32(lo), _i32(hi), functools.partial(step, masked=masked), carry
                 )
             o_LxK, m_L, l_L = carry
-            q_tile[...] = (o_LxK * _bcast(1.0 / l_L, o_LxK.shape, 0)).astype(dtype)
+            o_tile[...] = (o_LxK * _bcast(1.0 / l_L, o_LxK.shape, 0)).astype(dtype)
             lse_smem.at[wg][...] = m_L + jnp.log2(l_L)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, rows, h])
+            plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, rows, h])
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
             plgpu.wait_smem_to_gmem(0)
 
@@ -438,22 +477,45 @@ def _fwd_kernel(
     lax.cond(wg < W, _compute, _producer)
 
 
-def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry, bs: BlockSizes, interpret):
+def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan"):
+    """(O, base-2 log-sum-exp): one launch, or one per column part of V (column_parts),
+    each with the same scores and statistics and its own columns of O."""
+    V = v_BxSxGxV.shape[-1]
+    outs = [
+        _forward_part(
+            q_BxLxHxK,
+            k_BxSxGxK,
+            v_BxSxGxV[..., c : c + n],
+            g,
+            plan,
+            _part_name("flash_attention_mgpu_fwd", (c, n), V),
+        )
+        for c, n in column_parts(V)
+    ]
+    if len(outs) == 1:
+        return outs[0]
+    return jnp.concatenate([o for o, _ in outs], axis=-1), outs[0][1]
+
+
+def _forward_part(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan", name: str):
     B, L, H, K = q_BxLxHxK.shape
+    V = v_BxSxGxV.shape[-1]
+    bs = plan.block_sizes
     W, stages = bs.compute_wgs, min(bs.max_stages, g.n_k)  # no slot that is never filled
     n_cta = -(-g.n_q // W)
     Lp, Sp = n_cta * W * g.bq, g.n_k * g.bk
     dtype = q_BxLxHxK.dtype
-    o_BxLxHxK, lse_BxHxL = plgpu.kernel(
-        functools.partial(_fwd_kernel, g=g, W=W, stages=stages),
+    o_smem = () if V == K else (_smem((W, g.bq, V), dtype),)  # else O goes out through Q's
+    o_BxLxHxV, lse_BxHxL = plgpu.kernel(
+        functools.partial(_fwd_kernel, g=g, W=W, stages=stages, cap=plan.softcap),
         out_type=(
-            jax.ShapeDtypeStruct((B, Lp, H, K), dtype),
+            jax.ShapeDtypeStruct((B, Lp, H, V), dtype),
             jax.ShapeDtypeStruct((B, H, Lp), jnp.float32),
         ),
         scratch_types=(
             _smem((W, g.bq, K), dtype),
             _smem((stages, g.bk, K), dtype),
-            _smem((stages, g.bk, K), dtype),
+            _smem((stages, g.bk, V), dtype),
             _smem((W, g.bq, g.bk), dtype),
             plgpu.SMEM((W, g.bq), jnp.float32),
             plgpu.Barrier(num_barriers=W),
@@ -461,16 +523,17 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry, bs: BlockSizes, inter
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=W, num_barriers=stages),
             plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+            *o_smem,
         ),
         grid=(H, n_cta, B),
         grid_names=("heads", "q", "batch"),
         num_threads=W + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_arg(interpret),
-        kernel_name="flash_attention_mgpu_fwd",
-    )(pad_seq(q_BxLxHxK, Lp), pad_seq(k_BxSxGxK, Sp), pad_seq(v_BxSxGxK, Sp))
-    return o_BxLxHxK[:, :L], lse_BxHxL[:, :, :L]
+        interpret=_interpret_arg(plan.interpret),
+        kernel_name=name,
+    )(pad_seq(q_BxLxHxK, Lp), pad_seq(k_BxSxGxK, Sp), pad_seq(v_BxSxGxV, Sp))
+    return o_BxLxHxV[:, :L], lse_BxHxL[:, :, :L]
 
 
 # ---------------------------------------------------------------------------- dQ
@@ -479,14 +542,19 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, g: Geometry, bs: BlockSizes, inter
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem,
-    q_bar, k_bar, v_bar, k_free, v_free,
-    *, g: Geometry, W: int, stages: int,
+    q_bar, k_bar, v_bar, k_free, v_free, *out_smem,
+    g: Geometry, W: int, stages: int, cap, cols: tuple,
 ):  # fmt: skip
-    # gmem: q_ref, do_ref, dq_ref [B, Lp, H, K]; k_ref, v_ref [B, Sp, G, K];
-    #       lse_ref, delta_ref [B, H, Lp]
-    # smem: q_smem, do_smem [W, bq, K] (q_smem holds dQ at the end); k_smem, v_smem
-    #       [st, bk, K]; ds_smem [W, bq, bk]; lse_smem, delta_smem [W, bq]
-    bq, bk, K = g.bq, g.bk, q_smem.shape[-1]
+    # gmem: q_ref [B, Lp, H, K]; dq_ref [B, Lp, H, C]; do_ref [B, Lp, H, V]; k_ref
+    #       [B, Sp, G, K]; v_ref [B, Sp, G, V]; lse_ref, delta_ref [B, H, Lp]
+    # smem: q_smem [W, bq, K] (holds dQ at the end); do_smem [W, bq, V]; k_smem [st, bk, K];
+    #       v_smem [st, bk, V]; ds_smem [W, bq, bk]; lse_smem, delta_smem [W, bq];
+    #       out_smem [W, bq, C] only where C != K (else dQ goes out through Q's tile)
+    # `cols` = (first, C): the columns of dQ this launch accumulates (all K, or a 128-wide
+    # part where a 64 × K f32 accumulator would not fit next to the score tiles).
+    bq, bk = g.bq, g.bk
+    first, C = cols
+    dq_cols = pl.ds(first, C)
     dtype = q_smem.dtype
     h, cta, b, wg, kv, n_steps = _query_cta(g, W)
 
@@ -517,14 +585,15 @@ def _dq_kernel(
                     plgpu.barrier_wait(v_bar.at[slot])
                     dp_LxS = _matmul(do_tile, _t(v_smem.at[slot]), (bq, bk))
                     plgpu.barrier_arrive(v_free.at[slot])
-                    s_LxS = s_LxS * (g.scale * LOG2E)
+                    s_LxS, t_LxS = _logits2(s_LxS, g, cap)
                     if masked:
                         s_LxS = _mask(s_LxS, i * bq, t * bk, g, transposed=False)
                     p_LxS = jnp.exp2(s_LxS - _bcast(lse_L, s_LxS.shape, 0))
                     ds_LxS = p_LxS * (dp_LxS - _bcast(delta_L, s_LxS.shape, 0))
+                    ds_LxS = _capped_grad(ds_LxS, t_LxS)
                     ds_tile[...] = ds_LxS.astype(dtype)
                     plgpu.commit_smem()
-                    plgpu.wgmma(dq_acc, ds_tile, k_smem.at[slot])  # dQ += dS·K
+                    plgpu.wgmma(dq_acc, ds_tile, k_smem.at[slot, :, dq_cols])  # dQ += dS·K
                     plgpu.wgmma_wait(0)  # K and the dS tile are read: free / rewrite them
                     plgpu.barrier_arrive(k_free.at[slot])
                     return carry
@@ -534,10 +603,11 @@ def _dq_kernel(
                     lax.fori_loop(_i32(lo), _i32(hi), functools.partial(step, masked=masked), None)
                 return dq_acc[...]
 
-            dq_LxK = pl.run_scoped(scope, plgpu.ACC((bq, K), jnp.float32))
-            q_tile[...] = (dq_LxK * g.scale).astype(dtype)
+            dq_LxC = pl.run_scoped(scope, plgpu.ACC((bq, C), jnp.float32))
+            out_tile = out_smem[0].at[wg] if out_smem else q_tile
+            out_tile[...] = (dq_LxC * g.scale).astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, rows, h])
+            plgpu.copy_smem_to_gmem(out_tile, dq_ref.at[b, rows, h])
             plgpu.wait_smem_to_gmem(0)
 
         pairs = ((k_bar, k_free), (v_bar, v_free))
@@ -561,16 +631,21 @@ def _dq_kernel(
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-    k_smem, v_smem, q_smem, do_smem, pt_smem, dst_smem, lse_smem, delta_smem,
-    kv_bar, q_bar, free,
-    *, g: Geometry, W: int, stages: int,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
+    g: Geometry, W: int, stages: int, cap, parts: tuple,
 ):  # fmt: skip
-    # gmem: q_ref, do_ref [B, Lp, H, K]; k_ref, v_ref, dk_ref, dv_ref [B, Sp, G, K];
-    #       lse_ref, delta_ref [B, H, Lp]
-    # smem: k_smem, v_smem [W, bk, K] (this CTA's key tiles, then dK, dV); q_smem, do_smem
-    #       [st, bq, K] (the ring); pt_smem, dst_smem [W, bk, bq]; lse_smem, delta_smem [st, bq]
-    bq, bk, K = g.bq, g.bk, k_smem.shape[-1]
+    # gmem: q_ref [B, Lp, H, K]; do_ref [B, Lp, H, V]; k_ref, dk_ref [B, Sp, G, K];
+    #       v_ref, dv_ref [B, Sp, G, V]; lse_ref, delta_ref [B, H, Lp]
+    # `parts`: the gradients this kernel accumulates, ("dk", "dv") or one of them (head dims
+    # whose two accumulators would not fit a warpgroup's registers: one launch each); its
+    # outputs (dk_ref, dv_ref or one of them) come first in `refs`, then the scratch.
+    # smem: k_smem [W, bk, K], v_smem [W, bk, V] (this CTA's key tiles, then dK, dV); q_smem
+    #       [st, bq, K], do_smem [st, bq, V] (the ring); pt_smem, dst_smem [W, bk, bq];
+    #       lse_smem, delta_smem [st, bq]
+    out_refs = dict(zip(parts, refs[: len(parts)], strict=True))
+    (k_smem, v_smem, q_smem, do_smem, pt_smem, dst_smem, lse_smem, delta_smem,
+     kv_bar, q_bar, free) = refs[len(parts):]  # fmt: skip
+    bq, bk = g.bq, g.bk
     dtype = k_smem.dtype
     kv, cta, b = lax.axis_index("kv_heads"), lax.axis_index("k"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
@@ -593,7 +668,7 @@ def _dkv_kernel(
         # lets the D=128 kernel fit its registers (nested loops spilled).
         mid = _i32(g.q_blocks_masked_end(j))
 
-        def step(t, dk_acc, dv_acc):
+        def step(t, acc):
             # This warpgroup's tiles, indexed by a `_fresh` wg: indexed by wg itself, LLVM
             # hoisted their 24 wgmma descriptors and 8 store addresses (64-bit values) out of
             # the loop, live throughout it, and the D=128 kernel spilled 8-12 bytes (R = 1, or
@@ -605,7 +680,12 @@ def _dkv_kernel(
             i = start + lax.rem(t, n_blocks)  # the streamed query block
             plgpu.barrier_wait(q_bar.at[slot])
             st_SxL = _matmul(k_tile, _t(q_smem.at[slot]), (bk, bq))
-            st_SxL = st_SxL * (g.scale * LOG2E)
+            st_SxL, tt_SxL = _logits2(st_SxL, g, cap)
+            if cap is not None and "dk" in parts:
+                # 1 - t² waits in the dSᵀ tile (free until dSᵀ is written), in the input
+                # dtype: held in registers across the two products below, the D=128 kernel
+                # spilled 64 bytes (jax 0.10, sm_90a).
+                dst_tile[...] = (1.0 - tt_SxL * tt_SxL).astype(dtype)
             if g.needs_mask:
                 st_SxL = lax.cond(
                     i < mid,
@@ -618,35 +698,45 @@ def _dkv_kernel(
             # P rounded to the input dtype serves both dV (as the wgmma operand) and dS:
             # holding it in f32 until dS cost the causal D=128 kernel 8 bytes of spill.
             pt_SxL = pt_SxL.astype(dtype)
-            pt_tile[...] = pt_SxL
-            plgpu.commit_smem()
-            plgpu.wgmma(dv_acc, pt_tile, do_smem.at[slot])  # dV += Pᵀ·dO
-            dpt_SxL = _matmul(v_tile, _t(do_smem.at[slot]), (bk, bq))  # waits for dV too
-            delta_L = _load(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-            dpt_SxL = dpt_SxL - _bcast(delta_L, dpt_SxL.shape, 1)
-            dst_tile[...] = (pt_SxL.astype(jnp.float32) * dpt_SxL).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.wgmma(dk_acc, dst_tile, q_smem.at[slot])  # dK += dSᵀ·Q
+            if "dv" in parts:
+                pt_tile[...] = pt_SxL
+                plgpu.commit_smem()
+                plgpu.wgmma(acc["dv"], pt_tile, do_smem.at[slot])  # dV += Pᵀ·dO
+            if "dk" in parts:
+                dpt_SxL = _matmul(v_tile, _t(do_smem.at[slot]), (bk, bq))  # waits for dV too
+                delta_L = _load(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                dpt_SxL = dpt_SxL - _bcast(delta_L, dpt_SxL.shape, 1)
+                dst_SxL = pt_SxL.astype(jnp.float32) * dpt_SxL
+                if cap is not None:
+                    dst_SxL = dst_SxL * _load(dst_tile, plgpu.Layout.WGMMA).astype(jnp.float32)
+                dst_tile[...] = dst_SxL.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.wgmma(acc["dk"], dst_tile, q_smem.at[slot])  # dK += dSᵀ·Q
             plgpu.wgmma_wait(0)  # Q, dO, Pᵀ, dSᵀ all read: the slot and both tiles are free
             plgpu.barrier_arrive(free.at[slot])
 
-        def scope(dk_acc, dv_acc):
-            lax.fori_loop(0, n_steps, lambda t, c: step(t, dk_acc, dv_acc), None)
-            return dk_acc[...], dv_acc[...]
+        def scope(*accs):
+            acc = dict(zip(parts, accs, strict=True))
+            lax.fori_loop(0, n_steps, lambda t, c: step(t, acc), None)
+            return tuple(a[...] for a in accs)
 
         @pl.when(real)
         def _grad():
             plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv], k_tile, kv_bar.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv], v_tile, kv_bar.at[wg])
             plgpu.barrier_wait(kv_bar.at[wg])
-            dk_SxK, dv_SxK = pl.run_scoped(
-                scope, plgpu.ACC((bk, K), jnp.float32), plgpu.ACC((bk, K), jnp.float32)
-            )
-            k_tile[...] = (dk_SxK * g.scale).astype(dtype)
-            v_tile[...] = dv_SxK.astype(dtype)
+            widths = {"dk": k_smem.shape[-1], "dv": v_smem.shape[-1]}
+            accs = [plgpu.ACC((bk, widths[p]), jnp.float32) for p in parts]
+            grads = dict(zip(parts, pl.run_scoped(scope, *accs), strict=True))
+            if "dk" in parts:
+                k_tile[...] = (grads["dk"] * g.scale).astype(dtype)
+            if "dv" in parts:
+                v_tile[...] = grads["dv"].astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[b, keys, kv])
-            plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[b, keys, kv])
+            if "dk" in parts:
+                plgpu.copy_smem_to_gmem(k_tile, out_refs["dk"].at[b, keys, kv])
+            if "dv" in parts:
+                plgpu.copy_smem_to_gmem(v_tile, out_refs["dv"].at[b, keys, kv])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(~real)
@@ -676,85 +766,25 @@ def _dkv_kernel(
 # ---------------------------------------------------------------------------- backward
 
 
-def _backward(q, k, v, o, lse, do, plan):
-    """dQ, dK, dV from the forward's base-2 log-sum-exp (two kernels)."""
+def _backward(q, k, v, o, lse, do, dlse, plan):
+    """dQ, dK, dV from the forward's base-2 log-sum-exp (two kernels); `dlse`: the cotangent
+    of the natural log-sum-exp output [B, H, L]."""
     B, L, H, K = q.shape
-    _, S, G, _ = k.shape
+    _, S, G, V = v.shape
     dtype = q.dtype
     bs = plan.block_sizes
     W = bs.compute_wgs
-    # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row.
+    # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row. A
+    # cotangent on the log-sum-exp adds dlse_i·P_ij to dS_ij: the same as delta_i - dlse_i.
     delta_BxHxL = jnp.einsum("blhk,blhk->bhl", o.astype(jnp.float32), do.astype(jnp.float32))
+    delta_BxHxL = delta_BxHxL - dlse
     interpret = _interpret_arg(plan.interpret)
 
     gq = plan.dq
     stages = min(bs.max_stages, gq.n_k)
     n_cta = -(-gq.n_q // W)
     Lp, Sp = n_cta * W * gq.bq, gq.n_k * gq.bk
-    dq = plgpu.kernel(
-        functools.partial(_dq_kernel, g=gq, W=W, stages=stages),
-        out_type=jax.ShapeDtypeStruct((B, Lp, H, K), dtype),
-        scratch_types=(
-            _smem((W, gq.bq, K), dtype),
-            _smem((W, gq.bq, K), dtype),
-            _smem((stages, gq.bk, K), dtype),
-            _smem((stages, gq.bk, K), dtype),
-            _smem((W, gq.bq, gq.bk), dtype),
-            plgpu.SMEM((W, gq.bq), jnp.float32),
-            plgpu.SMEM((W, gq.bq), jnp.float32),
-            plgpu.Barrier(num_arrivals=4, num_barriers=W),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=W, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=W, num_barriers=stages),
-        ),
-        grid=(H, n_cta, B),
-        grid_names=("heads", "q", "batch"),
-        num_threads=W + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret,
-        kernel_name="flash_attention_mgpu_dq",
-    )(
-        pad_seq(q, Lp),
-        pad_seq(k, Sp),
-        pad_seq(v, Sp),
-        pad_seq(do, Lp),
-        pad_seq(lse, Lp, axis=2),
-        pad_seq(delta_BxHxL, Lp, axis=2),
-    )[:, :L]
-
-    gk = plan.dkv
-    stages = min(bs.max_stages, gk.R * gk.n_q)
-    n_cta = -(-gk.n_k // W)
-    Lp, Sp = gk.n_q * gk.bq, n_cta * W * gk.bk
-    dk, dv = plgpu.kernel(
-        functools.partial(_dkv_kernel, g=gk, W=W, stages=stages),
-        out_type=(
-            jax.ShapeDtypeStruct((B, Sp, G, K), dtype),
-            jax.ShapeDtypeStruct((B, Sp, G, K), dtype),
-        ),
-        scratch_types=(
-            _smem((W, gk.bk, K), dtype),
-            _smem((W, gk.bk, K), dtype),
-            _smem((stages, gk.bq, K), dtype),
-            _smem((stages, gk.bq, K), dtype),
-            _smem((W, gk.bk, gk.bq), dtype),
-            _smem((W, gk.bk, gk.bq), dtype),
-            plgpu.SMEM((stages, gk.bq), jnp.float32),
-            plgpu.SMEM((stages, gk.bq), jnp.float32),
-            plgpu.Barrier(num_arrivals=2, num_barriers=W),
-            plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # Q, lse, dO, delta of a slot
-            plgpu.Barrier(num_arrivals=W, num_barriers=stages),
-        ),
-        grid=(G, n_cta, B),
-        grid_names=("kv_heads", "k", "batch"),
-        num_threads=W + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret,
-        kernel_name="flash_attention_mgpu_dkv",
-    )(
+    args = (
         pad_seq(q, Lp),
         pad_seq(k, Sp),
         pad_seq(v, Sp),
@@ -762,7 +792,105 @@ def _backward(q, k, v, o, lse, do, plan):
         pad_seq(lse, Lp, axis=2),
         pad_seq(delta_BxHxL, Lp, axis=2),
     )
-    return dq, dk[:, :S], dv[:, :S]
+    parts = []
+    for cols in column_parts(K):
+        parts.append(
+            plgpu.kernel(
+                functools.partial(
+                    _dq_kernel, g=gq, W=W, stages=stages, cap=plan.softcap, cols=cols
+                ),
+                out_type=jax.ShapeDtypeStruct((B, Lp, H, cols[1]), dtype),
+                scratch_types=(
+                    _smem((W, gq.bq, K), dtype),
+                    _smem((W, gq.bq, V), dtype),
+                    _smem((stages, gq.bk, K), dtype),
+                    _smem((stages, gq.bk, V), dtype),
+                    _smem((W, gq.bq, gq.bk), dtype),
+                    plgpu.SMEM((W, gq.bq), jnp.float32),
+                    plgpu.SMEM((W, gq.bq), jnp.float32),
+                    plgpu.Barrier(num_arrivals=4, num_barriers=W),
+                    plgpu.Barrier(num_barriers=stages),
+                    plgpu.Barrier(num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+                    *([] if cols[1] == K else [_smem((W, gq.bq, cols[1]), dtype)]),
+                ),
+                grid=(H, n_cta, B),
+                grid_names=("heads", "q", "batch"),
+                num_threads=W + 1,
+                thread_name="wg",
+                compiler_params=plgpu.CompilerParams(approx_math=True),
+                interpret=interpret,
+                kernel_name=_part_name("flash_attention_mgpu_dq", cols, K),
+            )(*args)
+        )
+    dq = jnp.concatenate(parts, axis=-1)[:, :L] if len(parts) > 1 else parts[0][:, :L]
+
+    gk = plan.dkv
+    stages = min(bs.max_stages, gk.R * gk.n_q)
+    n_cta = -(-gk.n_k // W)
+    Lp, Sp = gk.n_q * gk.bq, n_cta * W * gk.bk
+    widths = {"dk": K, "dv": V}
+    args = (
+        pad_seq(q, Lp),
+        pad_seq(k, Sp),
+        pad_seq(v, Sp),
+        pad_seq(do, Lp),
+        pad_seq(lse, Lp, axis=2),
+        pad_seq(delta_BxHxL, Lp, axis=2),
+    )
+    grads = {}
+    for parts in dkv_launches(K, V):
+        outs = plgpu.kernel(
+            functools.partial(_dkv_kernel, g=gk, W=W, stages=stages, cap=plan.softcap, parts=parts),
+            out_type=tuple(jax.ShapeDtypeStruct((B, Sp, G, widths[p]), dtype) for p in parts),
+            scratch_types=(
+                _smem((W, gk.bk, K), dtype),
+                _smem((W, gk.bk, V), dtype),
+                _smem((stages, gk.bq, K), dtype),
+                _smem((stages, gk.bq, V), dtype),
+                _smem((W, gk.bk, gk.bq), dtype),
+                _smem((W, gk.bk, gk.bq), dtype),
+                plgpu.SMEM((stages, gk.bq), jnp.float32),
+                plgpu.SMEM((stages, gk.bq), jnp.float32),
+                plgpu.Barrier(num_arrivals=2, num_barriers=W),
+                plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # Q, lse, dO, delta
+                plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+            ),
+            grid=(G, n_cta, B),
+            grid_names=("kv_heads", "k", "batch"),
+            num_threads=W + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+            interpret=interpret,
+            kernel_name="flash_attention_mgpu_" + ("dkv" if len(parts) == 2 else parts[0]),
+        )(*args)
+        grads.update(zip(parts, outs, strict=True))
+    return dq, grads["dk"][:, :S], grads["dv"][:, :S]
+
+
+def column_parts(width: int) -> tuple:
+    """(first, count) column ranges of an output accumulated one launch each: the whole width
+    up to MAX_ACC_COLUMNS, else parts of that many. A 64-row f32 accumulator of 256 columns
+    takes 128 registers per thread of a warpgroup, and the forward's and dQ kernel's score
+    tiles next to it spilled (sm_90a); each launch recomputes the scores for its part."""
+    if width <= MAX_ACC_COLUMNS:
+        return ((0, width),)
+    return tuple((c, min(MAX_ACC_COLUMNS, width - c)) for c in range(0, width, MAX_ACC_COLUMNS))
+
+
+def _part_name(name: str, cols, width) -> str:
+    """A launch's kernel name: `name`, with its first column where it computes a part."""
+    if cols == (0, width):
+        return name
+    return f"{name}_cols{cols[0]}"
+
+
+def dkv_launches(K: int, V: int) -> tuple:
+    """The dK/dV kernel's launches: one accumulating both, or (head dims summing past 256)
+    one per gradient: a warpgroup's two f32 accumulators of 64 rows would need (K + V) / 2
+    registers per thread, past what setmaxnreg gives it next to the score tiles."""
+    return (("dk", "dv"),) if K + V <= MAX_DKV_COLUMNS else (("dk",), ("dv",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -774,36 +902,64 @@ class _Plan:
     dkv: Geometry
     block_sizes: BlockSizes
     interpret: object  # False, True, or the interpreter's parameters (hashable)
+    softcap: float | None = None  # scores become softcap·tanh(scores / softcap)
+
+
+LN2 = math.log(2.0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan: _Plan):
-    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan.fwd, plan.block_sizes, plan.interpret)[0]
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan: _Plan):
+    """(output [B, L, H, V], natural log-sum-exp [B, H, L] f32): both differentiable."""
+    o_BxLxHxV, lse2_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan)
+    return o_BxLxHxV, lse2_BxHxL * LN2
 
 
-def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan: _Plan):
-    o_BxLxHxK, lse_BxHxL = _forward(
-        q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan.fwd, plan.block_sizes, plan.interpret
-    )
-    return o_BxLxHxK, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_BxHxL)
+def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan: _Plan):
+    o_BxLxHxV, lse2_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan)
+    residuals = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse2_BxHxL)
+    return (o_BxLxHxV, lse2_BxHxL * LN2), residuals
 
 
-def _flash_bwd(plan: _Plan, residuals, do_BxLxHxK):
-    q, k, v, o, lse = residuals
-    return _backward(q, k, v, o, lse, do_BxLxHxK, plan)
+def _flash_bwd(plan: _Plan, residuals, cotangents):
+    q, k, v, o, lse2 = residuals
+    do_BxLxHxV, dlse_BxHxL = cotangents
+    return _backward(q, k, v, o, lse2, do_BxLxHxV, dlse_BxHxL, plan)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool) -> None:
-    """What this kernel accepts (the dispatch asks before choosing it)."""
-    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, *, causal: bool) -> None:
+    """What this kernel accepts (the dispatch asks before choosing it): dtypes bfloat16 and
+    float16; q/k and v head dims each in HEAD_DIMS (v's may differ)."""
+    check_qkv(q_BxLxHxK, k_BxSxGxK, k_BxSxGxK, causal=causal)
+    k, v = k_BxSxGxK, v_BxSxGxV
+    if v.ndim != 4 or v.shape[:3] != k.shape[:3] or v.dtype != k.dtype:
+        raise ValueError(
+            f"{k.shape=} {v.shape=} {k.dtype=} {v.dtype=}: keys and values must share batch, "
+            "length, heads and dtype (only the head dim may differ)"
+        )
     if not usable():
         raise ValueError(f"impl='pallas_mgpu': this jax ({jax.__version__}) has no Mosaic GPU")
     check_dtype(q_BxLxHxK, DTYPES, "pallas_mgpu")
-    if q_BxLxHxK.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"{q_BxLxHxK.shape=}: pallas_mgpu supports head_dim in {HEAD_DIMS}")
+    for what, x in (("q/k", q_BxLxHxK), ("v", v)):
+        if x.shape[-1] not in HEAD_DIMS:
+            raise ValueError(
+                f"{x.shape=}: pallas_mgpu supports {what} head_dim in {HEAD_DIMS} "
+                "(dtypes bfloat16, float16)"
+            )
+
+
+def check_softcap(softcap) -> float | None:
+    """None (no cap) or a positive finite float."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap > 0:
+        raise ValueError(f"softcap={softcap!r}: must be a positive number (or None: no cap)")
+    if softcap == float("inf"):
+        raise ValueError(f"softcap={softcap!r}: must be finite (None means no cap)")
+    return float(softcap)
 
 
 def toolchain_problem(*, causal: bool) -> str | None:
@@ -832,7 +988,9 @@ def check_toolchain(*, causal: bool) -> None:
         )
 
 
-def plan_for(q_shape, k_shape, *, causal: bool, scale, block_sizes: BlockSizes, interpret):
+def plan_for(
+    q_shape, k_shape, *, causal: bool, scale, block_sizes: BlockSizes, interpret, softcap=None
+):
     """The three kernels' geometries for these shapes (key tiles shrink to short sequences)."""
     _, L, H, K = q_shape
     S, G = k_shape[1:3]
@@ -850,28 +1008,41 @@ def plan_for(q_shape, k_shape, *, causal: bool, scale, block_sizes: BlockSizes, 
         dkv=geometry(bs.block_q_dkv, bs.block_k_dkv),
         block_sizes=bs,
         interpret=interpret,
+        softcap=softcap,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("causal", "scale", "softcap", "return_lse", "block_sizes", "interpret"),
+)
 def flash_attention_mgpu(
     q_BxLxHxK,
     k_BxSxGxK,
-    v_BxSxGxK,
+    v_BxSxGxV,
     *,
     causal: bool = True,
     scale: float | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret=False,
 ):
     """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim]; any length (padded and masked).
 
-    `block_sizes=None` takes the device's tuned entry, else `BLOCK_SIZES[head_dim]`.
+    dtypes bfloat16, float16; head dims in HEAD_DIMS, and v's may differ from q/k's (the
+    output takes v's). `softcap`: the scores become softcap·tanh(scores / softcap) before the
+    softmax (Gemma 2), gradient included. `return_lse=True` returns (out, lse) with lse
+    [batch, seq, heads] f32, each row's natural log-sum-exp of the (capped) scaled scores;
+    both are differentiable.
+    `block_sizes=None` takes the device's tuned entry, else `BLOCK_SIZES[head_dim]` (the
+    wider of the q/k and v head dims).
     `interpret=True` runs the kernels in JAX's GPU interpreter on CPU (jax >= 0.11); pass
     `interpret_params(detect_races=True)` (or any `InterpretGPUParams`) to choose its
     options, e.g. the race detector.
     """
-    check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=causal)
+    softcap = check_softcap(softcap)
     if interpret is not False and interpret is not None and not interpretable():
         raise ValueError(
             f"interpret={interpret!r}: JAX's GPU interpreter runs pallas_mgpu from jax 0.11 "
@@ -880,7 +1051,8 @@ def flash_attention_mgpu(
     if interpret is False or interpret is None:
         check_toolchain(causal=causal)
     if block_sizes is None:
-        block_sizes = block_sizes_for(device_kind(), q_BxLxHxK.shape[-1])
+        # the wider head dim sets the tiles: shared memory holds tiles of both widths
+        block_sizes = block_sizes_for(device_kind(), max(q_BxLxHxK.shape[-1], v_BxSxGxV.shape[-1]))
     plan = plan_for(
         q_BxLxHxK.shape,
         k_BxSxGxK.shape,
@@ -888,5 +1060,9 @@ def flash_attention_mgpu(
         scale=scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        softcap=softcap,
     )
-    return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, plan)
+    o_BxLxHxV, lse_BxHxL = _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan)
+    if not return_lse:
+        return o_BxLxHxV
+    return o_BxLxHxV, jnp.swapaxes(lse_BxHxL, 1, 2)

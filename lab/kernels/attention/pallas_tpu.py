@@ -16,6 +16,11 @@ Grouped-query heads are never repeated in memory: the key/value index maps send 
 to kv head h // R, and the dK/dV kernel reduces over the R query heads of a group inside its
 grid (axes kv-block, group member, query block), so dK/dV come out at kv-head size.
 
+Options (keyword-only on `flash_attention_tpu`; dtypes float32 and bfloat16, head dims 64, 128,
+256 for q/k and for v, which may differ): `softcap` (cap·tanh(scores / cap) before the mask,
+its 1 - tanh² in both backward kernels) and `return_lse` (each row's natural log-sum-exp as a
+second, differentiable output: its cotangent enters the backward as delta - dlse).
+
 Under a multi-device mesh, call it inside `jax.shard_map(..., check_vma=False)`: XLA cannot
 partition a Mosaic custom call, and `pallas_call` outputs carry no varying-axes type
 (tests/test_attention_aot.py compiles it that way for v5e and v4 topologies).
@@ -41,7 +46,11 @@ from lab.kernels.attention.common import (
 )
 
 DTYPES = (jnp.float32, jnp.bfloat16)
-HEAD_DIMS = (64, 128, 256)  # compiled ahead of time for v4 and v5e (tests/test_attention_aot.py)
+# q/k and v head dims, each (v's may differ from q/k's): compiled ahead of time for v4 and
+# v5e (tests/test_attention_aot.py); Mosaic tiles the head dim on the 128 lanes.
+HEAD_DIMS = (64, 128, 256)
+# What the dispatch may pass beyond plain attention (common.FEATURE_NAMES).
+FEATURES = frozenset({"softcap", "lse", "value_dim"})
 LANES = 128  # Mosaic's lane width: the key block is the lane dim of every score tile
 NT_DIMS = (((1,), (1,)), ((), ()))  # a·bᵀ without materialising the transpose
 
@@ -79,15 +88,25 @@ class BlockSizes:
                 )
 
 
-def _scores(q_LxK, k_SxK, i, j, g: Geometry):
-    """Scaled, masked f32 scores of query block i against key block j."""
+def _scores(q_LxK, k_SxK, i, j, g: Geometry, cap):
+    """Scaled (soft-capped), masked f32 scores of query block i against key block j; with a
+    cap also tanh(scores / cap), whose 1 - t² the backward needs (else None)."""
     s_LxS = lax.dot_general(q_LxK, k_SxK, NT_DIMS, preferred_element_type=jnp.float32) * g.scale
+    t_LxS = None
+    if cap is not None:
+        t_LxS = jnp.tanh(s_LxS * (1.0 / cap))
+        s_LxS = cap * t_LxS
     if not g.needs_mask:
-        return s_LxS
+        return s_LxS, t_LxS
     q_pos_LxS = i * g.bq + lax.broadcasted_iota(jnp.int32, s_LxS.shape, 0)
     k_pos_LxS = j * g.bk + lax.broadcasted_iota(jnp.int32, s_LxS.shape, 1)
     ok_LxS = visible(q_pos_LxS, k_pos_LxS, causal=g.causal, kv_len=g.S, offset=g.offset)
-    return jnp.where(ok_LxS, s_LxS, MASK_VALUE)
+    return jnp.where(ok_LxS, s_LxS, MASK_VALUE), t_LxS
+
+
+def _capped_grad(ds_LxS, t_LxS):
+    """dL/d(scale·q·k) from dL/d(cap·tanh(·/cap)): times 1 - tanh²."""
+    return ds_LxS if t_LxS is None else ds_LxS * (1.0 - t_LxS * t_LxS)
 
 
 def _when_seen(i, j, g: Geometry):
@@ -95,9 +114,11 @@ def _when_seen(i, j, g: Geometry):
     return pl.when(g.sees(i, j)) if g.causal else (lambda body: body())
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, sum_ref, acc_ref, *, g: Geometry):
-    # q_ref, o_ref: [L, K]; k_ref, v_ref: [S, K]; lse_ref: [L, 1]
-    # scratch: max_ref, sum_ref: [L, 1] f32; acc_ref: [L, K] f32, alive across key blocks j
+def _fwd_kernel(
+    q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, sum_ref, acc_ref, *, g: Geometry, cap
+):
+    # q_ref: [L, K]; k_ref: [S, K]; v_ref: [S, V]; o_ref: [L, V]; lse_ref: [L, 1]
+    # scratch: max_ref, sum_ref: [L, 1] f32; acc_ref: [L, V] f32, alive across key blocks j
     i, j = pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -108,7 +129,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, sum_ref, acc_ref, 
 
     @_when_seen(i, j, g)
     def _step():
-        s_LxS = _scores(q_ref[...], k_ref[...], i, j, g)
+        s_LxS, _ = _scores(q_ref[...], k_ref[...], i, j, g, cap)
         max_prev_Lx1 = max_ref[...]
         max_Lx1 = jnp.maximum(max_prev_Lx1, s_LxS.max(axis=1, keepdims=True))
         p_LxS = jnp.exp(s_LxS - max_Lx1)
@@ -124,8 +145,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, sum_ref, acc_ref, 
         lse_ref[...] = max_ref[...] + jnp.log(sum_ref[...])
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, *, g: Geometry):
-    # q_ref, do_ref, dq_ref: [L, K]; k_ref, v_ref: [S, K]; lse_ref, delta_ref: [L, 1]
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, *, g: Geometry, cap
+):
+    # q_ref, dq_ref: [L, K]; do_ref: [L, V]; k_ref: [S, K]; v_ref: [S, V]
+    # lse_ref, delta_ref: [L, 1]
     # scratch dq_acc: [L, K] f32, alive across key blocks j
     i, j = pl.program_id(2), pl.program_id(3)
 
@@ -136,11 +160,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, 
     @_when_seen(i, j, g)
     def _step():
         k_SxK = k_ref[...]
-        p_LxS = jnp.exp(_scores(q_ref[...], k_SxK, i, j, g) - lse_ref[...])
+        s_LxS, t_LxS = _scores(q_ref[...], k_SxK, i, j, g, cap)
+        p_LxS = jnp.exp(s_LxS - lse_ref[...])
         dp_LxS = lax.dot_general(
             do_ref[...], v_ref[...], NT_DIMS, preferred_element_type=jnp.float32
         )
-        ds_LxS = (p_LxS * (dp_LxS - delta_ref[...]) * g.scale).astype(k_SxK.dtype)
+        ds_LxS = _capped_grad(p_LxS * (dp_LxS - delta_ref[...]), t_LxS)
+        ds_LxS = (ds_LxS * g.scale).astype(k_SxK.dtype)
         dq_acc[...] += jnp.dot(ds_LxS, k_SxK, preferred_element_type=jnp.float32)
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -149,10 +175,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, 
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc, *, g: Geometry
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc, *, g, cap
 ):
-    # q_ref, do_ref: [L, K] of query head kv·R + member; k_ref, v_ref, dk_ref, dv_ref: [S, K]
-    # lse_ref, delta_ref: [L, 1]; scratch dk_acc, dv_acc: [S, K] f32, alive across (member, i)
+    # q_ref: [L, K], do_ref: [L, V] of query head kv·R + member; k_ref, dk_ref: [S, K];
+    # v_ref, dv_ref: [S, V]; lse_ref, delta_ref: [L, 1]; scratch dk_acc: [S, K], dv_acc:
+    # [S, V] f32, alive across (member, i)
     j, member, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
 
     @pl.when((member == 0) & (i == 0))
@@ -163,12 +190,14 @@ def _dkv_kernel(
     @_when_seen(i, j, g)
     def _step():
         q_LxK, do_LxK = q_ref[...], do_ref[...]
-        p_LxS = jnp.exp(_scores(q_LxK, k_ref[...], i, j, g) - lse_ref[...])
+        s_LxS, t_LxS = _scores(q_LxK, k_ref[...], i, j, g, cap)
+        p_LxS = jnp.exp(s_LxS - lse_ref[...])
         dv_acc[...] += jnp.dot(
             p_LxS.astype(do_LxK.dtype).T, do_LxK, preferred_element_type=jnp.float32
         )
         dp_LxS = lax.dot_general(do_LxK, v_ref[...], NT_DIMS, preferred_element_type=jnp.float32)
-        ds_LxS = (p_LxS * (dp_LxS - delta_ref[...]) * g.scale).astype(q_LxK.dtype)
+        ds_LxS = _capped_grad(p_LxS * (dp_LxS - delta_ref[...]), t_LxS)
+        ds_LxS = (ds_LxS * g.scale).astype(q_LxK.dtype)
         dk_acc[...] += jnp.dot(ds_LxS.T, q_LxK, preferred_element_type=jnp.float32)
 
     @pl.when((member == pl.num_programs(3) - 1) & (i == pl.num_programs(4) - 1))
@@ -197,42 +226,45 @@ def _params(n_parallel: int, n_arbitrary: int):
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g: Geometry, interpret: bool):
+def _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, g: Geometry, opts: "_Options"):
     B, H, L, K = q_BxHxLxK.shape
-    q_BxHxLxK, k_BxGxSxK, v_BxGxSxK = _padded(g, (q_BxHxLxK,), (k_BxGxSxK, v_BxGxSxK))
+    V = v_BxGxSxV.shape[-1]
+    q_BxHxLxK, k_BxGxSxK, v_BxGxSxV = _padded(g, (q_BxHxLxK,), (k_BxGxSxK, v_BxGxSxV))
 
     def kv_index(b, h, i, j):  # clamp skipped causal tiles to the last useful one: no DMA
         j = jnp.minimum(j, g.k_blocks_end(i) - 1) if g.causal else j
         return b, h // g.R, j, 0
 
     q_index = lambda b, h, i, j: (b, h, i, 0)
-    q_spec, kv_spec = _row_spec(g.bq, K, q_index), _row_spec(g.bk, K, kv_index)
-    o_BxHxLxK, lse_BxHxLx1 = pl.pallas_call(
-        functools.partial(_fwd_kernel, g=g),
+    q_spec, o_spec = _row_spec(g.bq, K, q_index), _row_spec(g.bq, V, q_index)
+    k_spec, v_spec = _row_spec(g.bk, K, kv_index), _row_spec(g.bk, V, kv_index)
+    o_BxHxLxV, lse_BxHxLx1 = pl.pallas_call(
+        functools.partial(_fwd_kernel, g=g, cap=opts.softcap),
         grid=(B, H, g.n_q, g.n_k),
-        in_specs=[q_spec, kv_spec, kv_spec],
-        out_specs=[q_spec, _row_spec(g.bq, 1, q_index)],
+        in_specs=[q_spec, k_spec, v_spec],
+        out_specs=[o_spec, _row_spec(g.bq, 1, q_index)],
         out_shape=[
-            jax.ShapeDtypeStruct(q_BxHxLxK.shape, q_BxHxLxK.dtype),
+            jax.ShapeDtypeStruct((*q_BxHxLxK.shape[:3], V), q_BxHxLxK.dtype),
             jax.ShapeDtypeStruct((*q_BxHxLxK.shape[:3], 1), jnp.float32),
         ],
         scratch_shapes=[
             pltpu.VMEM((g.bq, 1), jnp.float32),
             pltpu.VMEM((g.bq, 1), jnp.float32),
-            pltpu.VMEM((g.bq, K), jnp.float32),
+            pltpu.VMEM((g.bq, V), jnp.float32),
         ],
         compiler_params=_params(3, 1),
-        interpret=interpret,
+        interpret=opts.interpret,
         name="flash_attention_fwd",
-    )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK)
-    return o_BxHxLxK[:, :, :L], lse_BxHxLx1[:, :, :L]
+    )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV)
+    return o_BxHxLxV[:, :, :L], lse_BxHxLx1[:, :, :L]
 
 
-def _dq(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1, g, interpret):
+def _dq(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1, g, opts):
     B, H, L, K = q_BxHxLxK.shape
-    q_rows = (q_BxHxLxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1)
-    q_BxHxLxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1, k_BxGxSxK, v_BxGxSxK = _padded(
-        g, q_rows, (k_BxGxSxK, v_BxGxSxK)
+    V = v_BxGxSxV.shape[-1]
+    q_rows = (q_BxHxLxK, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1)
+    q_BxHxLxK, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1, k_BxGxSxK, v_BxGxSxV = _padded(
+        g, q_rows, (k_BxGxSxK, v_BxGxSxV)
     )
 
     def kv_index(b, h, i, j):
@@ -240,27 +272,29 @@ def _dq(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1,
         return b, h // g.R, j, 0
 
     q_index = lambda b, h, i, j: (b, h, i, 0)
-    q_spec, kv_spec = _row_spec(g.bq, K, q_index), _row_spec(g.bk, K, kv_index)
+    q_spec, do_spec = _row_spec(g.bq, K, q_index), _row_spec(g.bq, V, q_index)
+    k_spec, v_spec = _row_spec(g.bk, K, kv_index), _row_spec(g.bk, V, kv_index)
     row_spec = _row_spec(g.bq, 1, q_index)
     dq_BxHxLxK = pl.pallas_call(
-        functools.partial(_dq_kernel, g=g),
+        functools.partial(_dq_kernel, g=g, cap=opts.softcap),
         grid=(B, H, g.n_q, g.n_k),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+        in_specs=[q_spec, k_spec, v_spec, do_spec, row_spec, row_spec],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q_BxHxLxK.shape, q_BxHxLxK.dtype),
         scratch_shapes=[pltpu.VMEM((g.bq, K), jnp.float32)],
         compiler_params=_params(3, 1),
-        interpret=interpret,
+        interpret=opts.interpret,
         name="flash_attention_dq",
-    )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1)
+    )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1)
     return dq_BxHxLxK[:, :, :L]
 
 
-def _dkv(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1, g, interpret):
+def _dkv(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1, g, opts):
     B, G, S, K = k_BxGxSxK.shape
-    q_rows = (q_BxHxLxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1)
-    q_BxHxLxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1, k_BxGxSxK, v_BxGxSxK = _padded(
-        g, q_rows, (k_BxGxSxK, v_BxGxSxK)
+    V = v_BxGxSxV.shape[-1]
+    q_rows = (q_BxHxLxK, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1)
+    q_BxHxLxK, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1, k_BxGxSxK, v_BxGxSxV = _padded(
+        g, q_rows, (k_BxGxSxK, v_BxGxSxV)
     )
 
     def q_index(b, kv, j, member, i):  # clamp skipped causal tiles to the first useful one
@@ -268,76 +302,123 @@ def _dkv(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1
         return b, kv * g.R + member, i, 0
 
     kv_index = lambda b, kv, j, member, i: (b, kv, j, 0)
-    q_spec, kv_spec = _row_spec(g.bq, K, q_index), _row_spec(g.bk, K, kv_index)
+    q_spec, do_spec = _row_spec(g.bq, K, q_index), _row_spec(g.bq, V, q_index)
+    k_spec, v_spec = _row_spec(g.bk, K, kv_index), _row_spec(g.bk, V, kv_index)
     row_spec = _row_spec(g.bq, 1, q_index)
-    dk_BxGxSxK, dv_BxGxSxK = pl.pallas_call(
-        functools.partial(_dkv_kernel, g=g),
+    dk_BxGxSxK, dv_BxGxSxV = pl.pallas_call(
+        functools.partial(_dkv_kernel, g=g, cap=opts.softcap),
         grid=(B, G, g.n_k, g.R, g.n_q),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-        out_specs=[kv_spec, kv_spec],
+        in_specs=[q_spec, k_spec, v_spec, do_spec, row_spec, row_spec],
+        out_specs=[k_spec, v_spec],
         out_shape=[
             jax.ShapeDtypeStruct(k_BxGxSxK.shape, k_BxGxSxK.dtype),
-            jax.ShapeDtypeStruct(v_BxGxSxK.shape, v_BxGxSxK.dtype),
+            jax.ShapeDtypeStruct(v_BxGxSxV.shape, v_BxGxSxV.dtype),
         ],
-        scratch_shapes=[pltpu.VMEM((g.bk, K), jnp.float32), pltpu.VMEM((g.bk, K), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((g.bk, K), jnp.float32), pltpu.VMEM((g.bk, V), jnp.float32)],
         compiler_params=_params(3, 2),
-        interpret=interpret,
+        interpret=opts.interpret,
         name="flash_attention_dkv",
-    )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1)
-    return dk_BxGxSxK[:, :, :S], dv_BxGxSxK[:, :, :S]
+    )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1)
+    return dk_BxGxSxK[:, :, :S], dv_BxGxSxV[:, :, :S]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """What every kernel of one call shares besides its Geometry (hashable: a jit key)."""
+
+    interpret: bool
+    softcap: float | None = None  # scores become softcap·tanh(scores / softcap)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _flash(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g: Geometry, g_bwd: Geometry, interpret: bool):
-    return _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g, interpret)[0]
+def _flash(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, g: Geometry, g_bwd: Geometry, opts: _Options):
+    """(output [B, H, L, V], log-sum-exp [B, H, L, 1] f32): both differentiable."""
+    return _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, g, opts)
 
 
-def _flash_fwd(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g, g_bwd, interpret):
-    o_BxHxLxK, lse_BxHxLx1 = _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g, interpret)
-    return o_BxHxLxK, (q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, o_BxHxLxK, lse_BxHxLx1)
+def _flash_fwd(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, g, g_bwd, opts):
+    o_BxHxLxV, lse_BxHxLx1 = _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, g, opts)
+    residuals = (q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, o_BxHxLxV, lse_BxHxLx1)
+    return (o_BxHxLxV, lse_BxHxLx1), residuals
 
 
-def _flash_bwd(g, g_bwd, interpret, residuals, do_BxHxLxK):
-    q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, o_BxHxLxK, lse_BxHxLx1 = residuals
-    # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row.
+def _flash_bwd(g, g_bwd, opts, residuals, cotangents):
+    q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, o_BxHxLxV, lse_BxHxLx1 = residuals
+    do_BxHxLxV, dlse_BxHxLx1 = cotangents
+    # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row. A
+    # cotangent on the log-sum-exp adds dlse_i·P_ij to dS_ij: the same as delta_i - dlse_i.
     delta_BxHxLx1 = jnp.sum(
-        o_BxHxLxK.astype(jnp.float32) * do_BxHxLxK.astype(jnp.float32), axis=-1, keepdims=True
+        o_BxHxLxV.astype(jnp.float32) * do_BxHxLxV.astype(jnp.float32), axis=-1, keepdims=True
     )
-    args = (q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, do_BxHxLxK, lse_BxHxLx1, delta_BxHxLx1)
-    dq_BxHxLxK = _dq(*args, g_bwd, interpret)
-    dk_BxGxSxK, dv_BxGxSxK = _dkv(*args, g_bwd, interpret)
-    return dq_BxHxLxK, dk_BxGxSxK, dv_BxGxSxK
+    delta_BxHxLx1 = delta_BxHxLx1 - dlse_BxHxLx1
+    args = (q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1)
+    dq_BxHxLxK = _dq(*args, g_bwd, opts)
+    dk_BxGxSxK, dv_BxGxSxV = _dkv(*args, g_bwd, opts)
+    return dq_BxHxLxK, dk_BxGxSxK, dv_BxGxSxV
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool) -> None:
-    """What this kernel accepts (the dispatch asks before choosing it)."""
-    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, *, causal: bool) -> None:
+    """What this kernel accepts (the dispatch asks before choosing it): dtypes float32 and
+    bfloat16; q/k and v head dims each in HEAD_DIMS (v's may differ)."""
+    check_qkv(q_BxLxHxK, k_BxSxGxK, k_BxSxGxK, causal=causal)
+    k, v = k_BxSxGxK, v_BxSxGxV
+    if v.ndim != 4 or v.shape[:3] != k.shape[:3] or v.dtype != k.dtype:
+        raise ValueError(
+            f"{k.shape=} {v.shape=} {k.dtype=} {v.dtype=}: keys and values must share batch, "
+            "length, heads and dtype (only the head dim may differ)"
+        )
     check_dtype(q_BxLxHxK, DTYPES, "pallas_tpu")
-    if q_BxLxHxK.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"{q_BxLxHxK.shape=}: pallas_tpu supports head_dim in {HEAD_DIMS}")
+    for what, x in (("q/k", q_BxLxHxK), ("v", v)):
+        if x.shape[-1] not in HEAD_DIMS:
+            raise ValueError(
+                f"{x.shape=}: pallas_tpu supports {what} head_dim in {HEAD_DIMS} "
+                "(dtypes float32, bfloat16)"
+            )
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
+def check_softcap(softcap) -> float | None:
+    """None (no cap) or a positive finite float."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap > 0:
+        raise ValueError(f"softcap={softcap!r}: must be a positive number (or None: no cap)")
+    if softcap == float("inf"):
+        raise ValueError(f"softcap={softcap!r}: must be finite (None means no cap)")
+    return float(softcap)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("causal", "scale", "softcap", "return_lse", "block_sizes", "interpret"),
+)
 def flash_attention_tpu(
     q_BxLxHxK,
     k_BxSxGxK,
-    v_BxSxGxK,
+    v_BxSxGxV,
     *,
     causal: bool = True,
     scale: float | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool = False,
 ):
     """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim]; any length (padded and masked).
 
+    dtypes float32, bfloat16; head dims 64, 128, 256, and v's may differ from q/k's (the
+    output takes v's). `softcap`: the scores become softcap·tanh(scores / softcap) before the
+    softmax (Gemma 2), gradient included. `return_lse=True` returns (out, lse) with lse
+    [batch, seq, heads] f32, each row's natural log-sum-exp of the (capped) scaled scores;
+    both are differentiable.
     `interpret=True` runs the same kernels through the Pallas interpreter (CPU tests); blocks
     then only need multiples of 8. Each kernel pads its inputs to its own blocks, so forward
     and backward may use different tiles.
     """
-    check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=causal)
+    softcap = check_softcap(softcap)
     if not interpret:
         block_sizes.check_compiled()
     _, L, H, K = q_BxLxHxK.shape
@@ -354,6 +435,10 @@ def flash_attention_tpu(
     g_bwd = geometry(block_sizes.block_q_bwd, block_sizes.block_k_bwd)
     q_BxHxLxK = jnp.swapaxes(q_BxLxHxK, 1, 2)
     k_BxGxSxK = jnp.swapaxes(k_BxSxGxK, 1, 2)
-    v_BxGxSxK = jnp.swapaxes(v_BxSxGxK, 1, 2)
-    o_BxHxLxK = _flash(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, g, g_bwd, interpret)
-    return jnp.swapaxes(o_BxHxLxK, 1, 2)
+    v_BxGxSxV = jnp.swapaxes(v_BxSxGxV, 1, 2)
+    opts = _Options(interpret=interpret, softcap=softcap)
+    o_BxHxLxV, lse_BxHxLx1 = _flash(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, g, g_bwd, opts)
+    o_BxLxHxV = jnp.swapaxes(o_BxHxLxV, 1, 2)
+    if not return_lse:
+        return o_BxLxHxV
+    return o_BxLxHxV, jnp.swapaxes(lse_BxHxLx1[..., 0], 1, 2)

@@ -1,0 +1,164 @@
+"""The Pallas flash kernels' options beyond plain softmax attention, each kernel in interpret
+mode against a float64 reference, forward and all three gradients: logit soft-capping
+(cap·tanh(s / cap), Gemma 2), a value head dim different from the query/key one, the
+log-sum-exp as a second, differentiable output (its cotangent is random too), and on the
+Triton kernel head dims that are multiples of 8 but not powers of two. Shapes are tiny
+(lengths of a few blocks, not block multiples) so each case takes seconds; the Mosaic GPU
+kernel's cases live in tests/test_pallas_mgpu.py (the GPU interpreter).
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lab.kernels.attention import pallas_gpu, pallas_mgpu, pallas_tpu
+
+# max |kernel - f64| / max |f64| per dtype, as tests/test_attention.py and
+# tests/test_pallas_mgpu.py derive them: f32 sums of ~100 products at 2^-24; bf16 and f16
+# round P and dS to 2^-8 (2^-11) before their products, about 5 such units allowed.
+TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2.5e-3}
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def reference(q, k, v, *, causal: bool, softcap=None, scale=None):
+    """(out [B, L, H, V], lse [B, L, H]) in the inputs' dtype (float64 here), materialised."""
+    _, L, H, K = q.shape
+    S, G = k.shape[1:3]
+    scale = K**-0.5 if scale is None else scale
+    k, v = jnp.repeat(k, H // G, axis=2), jnp.repeat(v, H // G, axis=2)
+    s = jnp.einsum("blhk,bshk->bhls", q, k) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    if causal:
+        s = jnp.where(jnp.arange(L)[:, None] + (S - L) >= jnp.arange(S)[None, :], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    o = jnp.einsum("bhls,bshk->blhk", jnp.exp(s - lse[..., None]), v)
+    return o, jnp.swapaxes(lse, 1, 2)
+
+
+def random_inputs(seed, L, S, H, G, K, V, dtype):
+    """q, k, v, and the cotangents of out and lse: normal, never zeros."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    shapes = [(1, L, H, K), (1, S, G, K), (1, S, G, V), (1, L, H, V), (1, L, H)]
+    xs = [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)]
+    return [x.astype(dtype) for x in xs[:4]] + [xs[4]]
+
+
+def values_and_grads(fn, q, k, v, do, dlse, compile_options=None):
+    """(out, lse, dq, dk, dv) of fn(q, k, v) -> (out, lse) with cotangents (do, dlse)."""
+
+    def both(q, k, v, do, dlse):
+        (o, lse), vjp = jax.vjp(fn, q, k, v)
+        return (o, lse, *vjp((do, dlse)))
+
+    lowered = jax.jit(both).lower(q, k, v, do, dlse)
+    return lowered.compile(compiler_options=compile_options)(q, k, v, do, dlse)
+
+
+def reference_f64(q, k, v, do, dlse, **kwargs):
+    with jax.enable_x64(True):
+        args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do, dlse)]
+        fn = functools.partial(reference, **kwargs)
+        return [np.asarray(x) for x in values_and_grads(fn, *args)]
+
+
+def assert_close(got, want, dtype):
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        err = np.abs(np.asarray(g, np.float64) - w).max() / np.abs(w).max()
+        assert err < TOL[dtype], f"{name}: max error {err:.2e} relative to max |ref|"
+
+
+def check(kernel, *, L, S, H, G, K, V, dtype, causal, softcap):
+    seed = zlib.crc32(f"{L}{S}{H}{G}{K}{V}{dtype}{causal}{softcap}".encode())
+    q, k, v, do, dlse = random_inputs(seed, L, S, H, G, K, V, dtype)
+    q = q * 4  # large logits, so that the cap bends them
+    fn = functools.partial(kernel, causal=causal, softcap=softcap, return_lse=True)
+    got = values_and_grads(fn, q, k, v, do, dlse, FAST_COMPILE)
+    assert got[0].dtype == q.dtype and got[1].dtype == jnp.float32
+    assert_close(got, reference_f64(q, k, v, do, dlse, causal=causal, softcap=softcap), dtype)
+
+
+GPU = functools.partial(
+    pallas_gpu.flash_attention_gpu,
+    block_sizes=pallas_gpu.BlockSizes(16, 32, 32, 16, 16, 32),
+    interpret=True,
+)
+MGPU = functools.partial(
+    pallas_mgpu.flash_attention_mgpu,
+    block_sizes=pallas_mgpu.BlockSizes(block_k=64),
+    interpret=True,
+)
+TPU = functools.partial(
+    pallas_tpu.flash_attention_tpu,
+    block_sizes=pallas_tpu.BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16),
+    interpret=True,
+)
+
+
+@pytest.mark.parametrize(
+    "K, V, dtype, causal, softcap",
+    [
+        (40, 24, "float32", True, 5.0),  # neither a power of two: padded to 64 and 32 tiles
+        (8, 256, "bfloat16", False, None),  # below tl.dot's 16; v the widest head dim
+    ],
+)
+def test_triton_kernel_options_match_float64(K, V, dtype, causal, softcap):
+    check(GPU, L=20, S=40, H=2, G=1, K=K, V=V, dtype=dtype, causal=causal, softcap=softcap)
+
+
+@pytest.mark.parametrize(
+    "K, V, dtype, causal, softcap",
+    [(64, 128, "float32", True, 5.0)],
+)
+def test_tpu_kernel_options_match_float64(K, V, dtype, causal, softcap):
+    check(TPU, L=20, S=40, H=4, G=2, K=K, V=V, dtype=dtype, causal=causal, softcap=softcap)
+
+
+@pytest.mark.skipif(
+    not pallas_mgpu.interpretable(), reason="jax < 0.11: no GPU interpreter for pallas_mgpu"
+)
+@pytest.mark.parametrize(
+    "K, V, dtype, causal, softcap",
+    [(64, 128, "bfloat16", True, 5.0)],  # f16 and the other tiles: tests/test_pallas_mgpu.py
+)
+def test_mosaic_gpu_kernel_options_match_float64(K, V, dtype, causal, softcap):
+    """In JAX's GPU interpreter; 70 queries against 130 keys: a CTA's second query tile is
+    padding only, the last key block is partly padding, the causal mask is bottom-right."""
+    check(MGPU, L=70, S=130, H=2, G=1, K=K, V=V, dtype=dtype, causal=causal, softcap=softcap)
+
+
+@pytest.mark.skipif(
+    not pallas_mgpu.interpretable(), reason="jax < 0.11: no GPU interpreter for pallas_mgpu"
+)
+def test_mosaic_gpu_kernel_head_dim_256_matches_float64():
+    """Head dim 256 (its default tiles: one compute warpgroup, 64-key blocks): the forward and
+    dQ kernels run as two launches of 128 output columns each, dK and dV as one launch each
+    (pallas_mgpu.column_parts, dkv_launches); 40 queries against 100 keys, soft-capped."""
+    mgpu = functools.partial(pallas_mgpu.flash_attention_mgpu, interpret=True)
+    check(mgpu, L=40, S=100, H=2, G=1, K=256, V=256, dtype="float16", causal=True, softcap=8.0)
+
+
+@pytest.mark.parametrize(
+    "kernel, shapes, kwargs, needle",
+    [
+        (GPU, (44, 44), {}, "pallas_gpu supports q/k head_dim a multiple of 8 up to 256"),
+        (GPU, (264, 264), {}, "multiple of 8 up to 256 (dtypes float32, bfloat16, float16)"),
+        (GPU, (64, 12), {}, "pallas_gpu supports v head_dim a multiple of 8"),
+        (GPU, (64, 64), {"softcap": -1.0}, "softcap=-1.0: must be a positive number"),
+        (TPU, (64, 96), {}, "pallas_tpu supports v head_dim in (64, 128, 256)"),
+        (MGPU, (64, 96), {}, "pallas_mgpu supports v head_dim in (64, 128"),
+        (TPU, (64, 64), {"softcap": 0}, "softcap=0: must be a positive number"),
+    ],
+)
+def test_bad_options_name_the_constraint(kernel, shapes, kwargs, needle):
+    K, V = shapes
+    dtype = jnp.bfloat16 if kernel is MGPU else jnp.float32
+    q, k, v = (jnp.ones((1, 16, n, d), dtype) for n, d in ((2, K), (1, K), (1, V)))
+    with pytest.raises(ValueError) as info:
+        kernel(q, k, v, causal=True, **kwargs)
+    assert needle in str(info.value)
