@@ -419,6 +419,11 @@ def choose_noted(
     else:
         impl = _resolve(impl, interpret, backend)
     _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, features)
+    if impl == "xla" and backend == "cpu" and q_BxLxHxK.dtype == jnp.float16:
+        raise ValueError(
+            f"{q_BxLxHxK.dtype=}: impl='xla' on CPU does not take float16 (XLA:CPU has no "
+            "float16 dot with float32 accumulation); use blockwise or float32"
+        )
     if impl == "pallas_mgpu" and not interpret:  # named explicitly: refused, not replaced
         pallas_mgpu.check_toolchain(causal=causal)
     return impl, _passed_over(note, impl)

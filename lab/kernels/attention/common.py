@@ -279,10 +279,10 @@ class BlockMap:
         return BlockMap(kind, kv_blocks, kv_count, q_blocks, q_count)
 
 
-def _block_min_max(ids_BxN, block: int, n_blocks: int):
+def _block_min_max(ids_BxN, block: int, n_blocks: int, xp):
     """Per-block (min, max) of segment ids [B, N]; the tail padded with its last id."""
     pad = n_blocks * block - ids_BxN.shape[1]
-    ids = jnp.pad(ids_BxN, ((0, 0), (0, pad)), mode="edge").reshape(ids_BxN.shape[0], -1, block)
+    ids = xp.pad(ids_BxN, ((0, 0), (0, pad)), mode="edge").reshape(ids_BxN.shape[0], -1, block)
     return ids.min(-1), ids.max(-1)
 
 
@@ -435,9 +435,11 @@ class Mask:
         The band (causal, window) and the static lengths L, S are exact per tile; lengths per
         sequence shrink the tile to its real rows and columns; segment ids compare the tile's
         min/max ids (tiles whose id ranges overlap without being one segment are PARTIAL,
-        which is safe: the kernel applies the exact mask there). NumPy when static.
+        which is safe: the kernel applies the exact mask there). NumPy when static, or when
+        every mask array is a NumPy array.
         """
-        xp = jnp if self.dynamic else np
+        arrays = [x for x in jax.tree.leaves(self) if x is not None]
+        xp = np if all(isinstance(x, np.ndarray) for x in arrays) else jnp
         n_q, n_k = round_up(L, bq) // bq, round_up(S, bk) // bk
         i0 = xp.arange(n_q)[None, :, None] * bq  # first row of each query block
         j0 = xp.arange(n_k)[None, None, :] * bk
@@ -462,8 +464,8 @@ class Mask:
             any_ = any_ & (j0 <= i1 + off + hi)
             all_ = all_ & (j1 <= i0 + off + hi)
         if self.segments:
-            q_min, q_max = _block_min_max(self.q_segment_ids, bq, n_q)
-            k_min, k_max = _block_min_max(self.kv_segment_ids, bk, n_k)
+            q_min, q_max = _block_min_max(self.q_segment_ids, bq, n_q, xp)
+            k_min, k_max = _block_min_max(self.kv_segment_ids, bk, n_k, xp)
             q_min, q_max = q_min[:, :, None], q_max[:, :, None]
             k_min, k_max = k_min[:, None, :], k_max[:, None, :]
             any_ = any_ & (q_min <= k_max) & (k_min <= q_max)

@@ -1,0 +1,265 @@
+"""Masks and the scalar features of attention, every implementation against float64.
+
+Mask kinds (lab.kernels.attention.common.Mask): packed sequences (segment ids), per-sequence
+lengths, a sliding window, causal with more queries than keys (rows with no key give 0), and
+their combination; scalar features: soft-capping, attention sinks, the log-sum-exp as an
+output, a value head dim unlike the query/key one. Each case compares the output (and the
+LSE) and the gradients of q, k, v (and of the sinks) with the float64 reference, on random
+inputs whose lengths are not block multiples (72 rows against 16/32 tiles: padded, partial
+and full tiles, empty ones skipped). Tolerances as tests/test_attention.py (f32 1e-5, bf16
+2e-2, relative to the largest reference entry). Cases ported from peers' grids: splash's
+packed segments with causal and a local window, FlashAttention's window (left, right) with
+right > 0 and its causal L > S rows (zero output), tokamax's padded lengths with GQA.
+Also here: block classification against the dense mask, and the one-line refusals.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lab.kernels.attention import attention, blockwise
+from lab.kernels.attention.common import EMPTY, FULL, Mask
+from lab.kernels.attention.reference import attention_reference
+
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+B, H = 2, 4
+
+
+def _segments(n: int, seed: int):
+    """Packed documents: [B, n] ids rising at random boundaries (about one per 16 tokens)."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.cumsum(rng.random((B, n)) < 1 / 16, axis=1).astype(np.int32))
+
+
+def _case(kind: str):
+    """(shapes (L, S, G, D, Dv), the attention keyword arguments) of one mask kind."""
+    sinks = jnp.asarray(np.random.default_rng(7).normal(size=H), jnp.float32)
+    seg = _segments(72, 3)
+    table = {
+        "segments": ((72, 72, 2, 32, 32), dict(causal=True, q_segment_ids=seg)),
+        "lengths": (
+            (72, 72, 1, 32, 32),
+            dict(causal=True, q_lengths=jnp.array([50, 72]), kv_lengths=jnp.array([41, 72])),
+        ),
+        "window": ((72, 72, 2, 32, 32), dict(causal=True, window=(17, 0))),
+        "window_lr": ((72, 72, 4, 32, 32), dict(causal=False, window=(9, 5), return_lse=True)),
+        "causal_short": ((40, 24, 2, 32, 32), dict(causal=True)),
+        "sinks": ((72, 72, 2, 32, 32), dict(causal=True, sinks=sinks)),
+        "value_dim": ((72, 72, 2, 32, 16), dict(causal=True, softcap=2.0)),
+        "combo": (
+            (72, 72, 2, 32, 16),
+            dict(
+                causal=True,
+                q_segment_ids=seg,
+                q_lengths=jnp.array([60, 72]),
+                kv_lengths=jnp.array([55, 70]),
+                window=(20, 0),
+                softcap=3.0,
+                sinks=sinks,
+                return_lse=True,
+            ),
+        ),
+    }
+    return table[kind]
+
+
+def _inputs(shapes, dtype):
+    L, S, G, D, Dv = shapes
+    keys = jax.random.split(jax.random.key(L + S + G + D + Dv), 5)
+    dims = [(B, L, H, D), (B, S, G, D), (B, S, G, Dv), (B, L, H, Dv)]
+    q, k, v, do = (
+        jax.random.normal(key, s).astype(dtype) for key, s in zip(keys[:4], dims, strict=True)
+    )
+    return q, k, v, do, jax.random.normal(keys[4], (B, L, H))
+
+
+def _run(fn, kwargs, q, k, v, do, dlse):
+    """Outputs and cotangents of q, k, v (and sinks) of fn, one compiled program."""
+    sinks = kwargs.get("sinks")
+    rest = {name: x for name, x in kwargs.items() if name != "sinks"}
+
+    def both(q, k, v, sinks, do, dlse):
+        def f(q, k, v, sinks):
+            return fn(q, k, v, **rest, **({} if sinks is None else {"sinks": sinks}))
+
+        out, vjp = jax.vjp(f, q, k, v, sinks)
+        grads = vjp((do, dlse) if rest.get("return_lse") else do)
+        outs = out if isinstance(out, tuple) else (out,)
+        return [*outs, *(g for g in grads if g is not None)]
+
+    args = (q, k, v, sinks, do, dlse)
+    return jax.jit(both).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+
+
+def _reference(kwargs, q, k, v, do, dlse):
+    def ref(
+        q,
+        k,
+        v,
+        *,
+        causal,
+        window=None,
+        q_segment_ids=None,
+        q_lengths=None,
+        kv_lengths=None,
+        sinks=None,
+        **rest,
+    ):
+        mask = Mask.make(
+            causal=causal,
+            window=window,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=q_segment_ids,
+            q_lengths=q_lengths,
+            kv_lengths=kv_lengths,
+        )
+        return attention_reference(q, k, v, mask=mask, sinks_H=sinks, **rest)
+
+    with jax.enable_x64(True):
+        f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
+        kw = dict(kwargs)
+        if "sinks" in kw:
+            kw["sinks"] = f64(kw["sinks"])
+        got = _run(ref, kw, *(f64(x) for x in (q, k, v, do, dlse)))
+        return [np.asarray(x) for x in got]
+
+
+def assert_close(got, want, dtype: str, what: str):
+    names = ["out", "lse", "dq", "dk", "dv", "dsinks"] if len(got) > 5 else None
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        g = np.asarray(g, np.float64)
+        finite = np.isfinite(w)
+        assert (np.isfinite(g) == finite).all(), f"{what} #{i}: -inf rows differ"
+        err = np.abs(g[finite] - w[finite]).max() / np.abs(w[finite]).max()
+        name = names[i] if names else f"#{i}"
+        assert err < TOL[dtype], f"{what} {name}: max error {err:.2e} relative to max |ref|"
+
+
+# Each feature at least once alone and all of them together (combo), f32; bf16 on combo.
+CASES = [
+    ("segments", "float32"),
+    ("lengths", "float32"),
+    ("window_lr", "float32"),
+    ("causal_short", "float32"),
+    ("value_dim", "float32"),
+    ("sinks", "float32"),
+    ("combo", "float32"),
+    ("combo", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("kind, dtype", CASES, ids=lambda x: str(x))
+def test_blockwise_matches_float64(kind, dtype):
+    shapes, kwargs = _case(kind)
+    q, k, v, do, dlse = _inputs(shapes, dtype)
+    kw = dict(kwargs, impl="blockwise", block_sizes=blockwise.BlockSizes(16, 32))
+    got = _run(attention, kw, q, k, v, do, dlse)
+    assert_close(got, _reference(kwargs, q, k, v, do, dlse), dtype, f"blockwise {kind}")
+
+
+@pytest.mark.parametrize("kind", ["combo"])
+def test_naive_matches_float64_in_bfloat16(kind):
+    """The naive implementation keeps P in f32 for P·V (rounding it to bf16 cost splash's
+    bf16 gradient tolerance up to 7×)."""
+    shapes, kwargs = _case(kind)
+    q, k, v, do, dlse = _inputs(shapes, "bfloat16")
+    got = _run(attention, dict(kwargs, impl="naive"), q, k, v, do, dlse)
+    assert_close(got, _reference(kwargs, q, k, v, do, dlse), "bfloat16", f"naive {kind}")
+
+
+@pytest.mark.parametrize("kind", ["lengths", "window"])
+def test_xla_matches_float64(kind):
+    shapes, kwargs = _case(kind)
+    q, k, v, do, dlse = _inputs(shapes, "float32")
+    got = _run(attention, dict(kwargs, impl="xla"), q, k, v, do, dlse)
+    assert_close(got, _reference(kwargs, q, k, v, do, dlse), "float32", f"xla {kind}")
+
+
+def _dense(mask: Mask, L: int, S: int):
+    """The mask written out pair by pair from its definition (NumPy, independent of Mask)."""
+    i, j = np.arange(L)[None, :, None], np.arange(S)[None, None, :]
+    d = j - i - (S - L)
+    ok = np.ones((B, L, S), bool)
+    left, right = mask.window or (None, None)
+    if mask.causal:
+        ok &= d <= 0
+    if left is not None:
+        ok &= d >= -left
+    if right is not None:
+        ok &= d <= right
+    if mask.q_lengths is not None:
+        ok &= (i < mask.q_lengths[:, None, None]) & (j < mask.kv_lengths[:, None, None])
+    if mask.segments:
+        ok &= mask.q_segment_ids[:, :, None] == mask.kv_segment_ids[:, None, :]
+    return ok
+
+
+def test_block_map_is_exact_where_static_and_safe_with_segments():
+    """Every tile classified against the mask written out: EMPTY only if no pair is
+    visible, FULL only if every pair is; without segment ids the classification is exact."""
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        L, S = (int(x) for x in rng.integers(1, 70, 2))
+        bq, bk = int(rng.choice([8, 16])), int(rng.choice([8, 16, 32]))
+        window = None
+        if rng.integers(2):
+            window = tuple(None if rng.integers(3) == 0 else int(rng.integers(0, 20)) for _ in "lr")
+        kw = {}
+        if rng.integers(2):
+            kw["q_segment_ids"] = np.sort(rng.integers(0, 4, (B, L)), 1)
+            kw["kv_segment_ids"] = np.sort(rng.integers(0, 4, (B, S)), 1)
+        if rng.integers(2):
+            kw["q_lengths"] = rng.integers(0, L + 1, (B,))
+            kw["kv_lengths"] = rng.integers(0, S + 1, (B,))
+        mask = Mask.make(causal=bool(rng.integers(2)), window=window, **kw)
+        n_q, n_k = -(-L // bq), -(-S // bk)
+        kind = np.broadcast_to(mask.block_map(L, S, bq, bk).kind, (B, n_q, n_k))
+        dense = np.zeros((B, n_q * bq, n_k * bk), bool)
+        dense[:, :L, :S] = _dense(mask, L, S)
+        for b, i, j in itertools.product(range(B), range(n_q), range(n_k)):
+            tile = dense[b, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+            where = (mask, L, S, bq, bk, b, i, j)
+            assert kind[b, i, j] != EMPTY or not tile.any(), where
+            assert kind[b, i, j] != FULL or tile.all(), where
+            if not mask.segments:
+                assert (kind[b, i, j] == FULL) == tile.all(), where
+                assert (kind[b, i, j] == EMPTY) == (not tile.any()), where
+
+
+def test_block_map_lists_the_tiles_a_window_leaves():
+    """A causal window of 1,024 keys at S = 8,192 in 256-tiles: each query block sees at most
+    5 key blocks (4 partial-free ones and the diagonal), a small share of causal's 528."""
+    causal = Mask.make(causal=True).block_map(8192, 8192, 256, 256)
+    window = Mask.make(causal=True, window=(1023, 0)).block_map(8192, 8192, 256, 256)
+    assert int(causal.kv_count.sum()) == 528
+    assert int(window.kv_count.max()) == 5 and int(window.kv_count.sum()) == 32 * 5 - 4 - 3 - 2 - 1
+    first = window.kv_blocks[0, 10, : window.kv_count[0, 10]]
+    assert list(first) == [6, 7, 8, 9, 10]
+
+
+@pytest.mark.parametrize(
+    "impl, kwargs, needle",
+    [
+        ("xla", {"q_segment_ids": jnp.zeros((1, 32), jnp.int32)}, "does not support segment ids"),
+        ("xla", {"softcap": 5.0}, "does not support logit soft-capping"),
+        ("xla", {"return_lse": True}, "does not support return_lse=True"),
+        ("blockwise", {"window": (3,)}, "window=(3,): expected (left, right)"),
+        ("blockwise", {"q_lengths": jnp.zeros((2,), jnp.int32)}, "q_lengths.shape=(2,)"),
+    ],
+)
+def test_features_an_impl_lacks_are_refused_in_one_line(impl, kwargs, needle):
+    q = jnp.ones((1, 32, 2, 8))
+    with pytest.raises(ValueError) as info:
+        attention(q, q, q, impl=impl, **kwargs)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_xla_float16_on_cpu_is_refused_in_one_line():
+    q = jnp.ones((1, 32, 2, 8), jnp.float16)
+    with pytest.raises(ValueError, match="impl='xla' on CPU does not take float16") as info:
+        jax.jit(lambda q: attention(q, q, q, impl="xla", causal=False))(q)
+    assert "\n" not in str(info.value)
