@@ -216,6 +216,7 @@ class _Draft:
     sizes: dict | None = None  # None: the mesh does not fit (the mesh rule says why)
     asked_attention: str = "auto"
     mesh_problem: str | None = None
+    mesh: Any = None  # built once the first pass holds (the filled rules read it)
 
     @property
     def model(self):
@@ -246,6 +247,7 @@ class Rule:
     example: tuple[str, ...]
     needs_mesh: bool = False
     stage: str = "platform"
+    filled: bool = False  # checked on the filled config and its built mesh (a second pass)
 
 
 def _kv_heads(d: _Draft):
@@ -443,6 +445,39 @@ def _pipeline_microbatch_splits(d: _Draft):
         )
 
 
+def _weights_split(d: _Draft):
+    """Every weight splits evenly over the mesh axes its logical axes map to (the strategy's
+    rules): a line for each size that does not, naming the first weight it breaks."""
+    import flax.linen as nn
+
+    from lab.model import build
+
+    m = d.model
+    rules = MESH_RULES[d.cfg.strategy]
+    model = build(dataclasses.replace(m, attention="naive"))  # same weights, any kernel
+    key = jax.eval_shape(jax.random.key, 0)
+    tokens = jax.ShapeDtypeStruct((1, d.cfg.seq_len), jnp.int32)
+    with jax.set_mesh(d.mesh), nn.logical_axis_rules(rules):
+        boxed = jax.eval_shape(model.init, key, tokens)["params"]
+    specs = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules)
+    leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(boxed))
+    spec_leaves = jax.tree.leaves(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    lines = {}
+    for (path, leaf), spec in zip(leaves, spec_leaves, strict=True):
+        for dim, (size, axes) in enumerate(zip(leaf.shape, tuple(spec), strict=False)):
+            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            n = math.prod(d.sizes.get(a, 1) for a in names)
+            if size % n and (size, names) not in lines:
+                lines[(size, names)] = (
+                    f"params{jax.tree_util.keystr(path)}: dimension {dim} (size {size}) does "
+                    f"not divide mesh axis {axes} (size {n}); change the mesh, the strategy or "
+                    "the model size"
+                )
+    return "\n".join(lines.values()) or None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         "process id",
@@ -517,13 +552,20 @@ RULES: tuple[Rule, ...] = (
         ("mesh=data:4,stage:2", "batch_size=16", "microbatches=8"),
         needs_mesh=True,
     ),
+    Rule(
+        "weights split over the mesh",
+        _weights_split,
+        ("mesh=1x8", "n_heads=4", "n_kv_heads=4"),
+        needs_mesh=True,
+        filled=True,
+    ),
 )
 
 
-def _broken(d: _Draft, stage: str | None = None) -> list[str]:
+def _broken(d: _Draft, stage: str | None = None, *, filled: bool = False) -> list[str]:
     out = []
     for rule in RULES:
-        if stage and rule.stage != stage:
+        if (stage and rule.stage != stage) or rule.filled != filled:
             continue
         if rule.needs_mesh and d.sizes is None:
             continue
@@ -660,8 +702,9 @@ def resolve(request: Request, platform: Platform, purpose: str = "train") -> Res
         cfg = dataclasses.replace(cfg, model=model)
     if purpose == "decode":
         cfg, sizes = _for_decoding(cfg, sizes)
-    draft = _Draft(cfg, platform, purpose, sizes, asked_attention=draft.asked_attention)
     mesh = _build_mesh(sizes, platform)
+    draft = _Draft(cfg, platform, purpose, sizes, draft.asked_attention, mesh=mesh)
+    _raise(_broken(draft, filled=True))
     try:
         impl, attention_note = _attention(draft, mesh)
     except ValueError as e:

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from lab.config import Config
 from lab.kernels.pipeline import Schedule
-from lab.mesh import axis_size, check_divisible, rules_for
+from lab.mesh import axis_size, rules_for
 from lab.model import build
 from lab.names import BATCH, HOST_MEMORY, PIPELINE_STRATEGIES, STAGE
 from lab.resolve import Platform, Request, Resolved, resolve
@@ -200,14 +200,6 @@ def _with_rules(fn, rules):
     return wrapped
 
 
-def _check_state(abstract_boxed, mesh, rules) -> None:
-    specs = nn.logical_to_mesh(nn.get_partition_spec(abstract_boxed), rules)
-    leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(abstract_boxed))
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    for (path, leaf), spec in zip(leaves, spec_leaves, strict=True):
-        check_divisible(jax.tree_util.keystr(path), leaf.shape, spec, mesh)
-
-
 def resolved_for(cfg, mesh=None, purpose: str = "train") -> Resolved:
     """`cfg` as the builders take it: a Resolved as it is; a Config built in code resolved
     for `mesh` (lab/resolve.py), as a request of all its fields."""
@@ -228,7 +220,6 @@ def make_trainer(resolved: Resolved | Config, mesh=None) -> Trainer:
     key = jax.eval_shape(jax.random.key, 0)  # abstract: the mesh may be a TPU topology
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         abstract_boxed = jax.eval_shape(init_fn, key)
-    _check_state(abstract_boxed, mesh, rules)
     state_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_boxed), mesh, rules)
     batch_axes = dict(rules).get(BATCH)
     assert cfg.batch_size % axis_size(mesh, batch_axes) == 0, (cfg.batch_size, batch_axes)
