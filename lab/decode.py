@@ -154,9 +154,11 @@ class Decoder:
 # How a decoder multiplies by its weights: XLA's dot (`xla`; int8 weights weight-only, their
 # codes converted to the compute dtype), XLA's int8 × int8 → int32 dot for int8 weights
 # (`w8a8`), or the native CPU kernel for decode's few rows (`native`, lab/kernels/cpu_gemv.py:
-# every weight read once in its own dtype; prefill's many rows keep XLA's dot). `auto`: native
-# on a one-device CPU mesh where the kernel builds, else xla. lab.serve measures them.
-MATMULS = ("auto", "xla", "w8a8", "native")
+# every weight read once in its own dtype; prefill's many rows keep XLA's dot), threaded over
+# the host's cores, or on the calling thread alone (`native1`: on a busy host a second thread
+# that the OS has paused makes every call wait for it). `auto`: native on a one-device CPU
+# mesh where the kernel builds, else xla. lab.serve measures them all and keeps the fastest.
+MATMULS = ("auto", "xla", "w8a8", "native", "native1")
 
 
 def resolve_matmul(matmul: str, mesh) -> str:
@@ -171,14 +173,17 @@ def resolve_matmul(matmul: str, mesh) -> str:
 
 def matmuls(matmul: str) -> quant.Matmuls:
     """What lab.quant.matmul runs while a decoder's functions are traced."""
-    if matmul == "native" and not cpu_gemv.available():
+    native = matmul in ("native", "native1")
+    if native and not cpu_gemv.available():
         raise ConfigError(
             "matmul=native: the native CPU matmul kernel is not built here (no C++ compiler, "
             "a failed build, or LAB_CPU_GEMV=0): use matmul=xla"
         )
     return quant.Matmuls(
         int8_activations=matmul == "w8a8",
-        native=cpu_gemv.model_matmul if matmul == "native" else None,
+        native=functools.partial(cpu_gemv.model_matmul, threads=1 if matmul == "native1" else 0)
+        if native
+        else None,
     )
 
 
@@ -210,7 +215,7 @@ def make_decoder(
     matmul = resolve_matmul(matmul, mesh)
     matmuls(matmul)  # a kernel that is not built: one line now, not while tracing
     if model_cfg.dtype == "auto":
-        raise ValueError("make_decoder needs a resolved compute dtype (lab.train.resolve)")
+        raise ValueError("make_decoder needs a resolved compute dtype (lab.resolve.resolve)")
     model = build(model_cfg)
     batch_axes = dict(rules).get(BATCH)
     n_batch = math.prod(mesh.shape[a] for a in (batch_axes or ()))

@@ -166,7 +166,7 @@ class Pool {
     uint64_t seen = 0;
     for (;;) {
       // spin a little first: decode calls the kernel back to back
-      for (int spin = 0; spin < 20000 && gen_.load(std::memory_order_acquire) == seen; ++spin) {
+      for (int spin = 0; spin < 2000 && gen_.load(std::memory_order_acquire) == seen; ++spin) {
 #if defined(__x86_64__)
         __builtin_ia32_pause();
 #endif

@@ -95,7 +95,7 @@ def gemv_reference(x_MxC, w_CxN, scale_N=None):
 MAX_ROWS = 16  # rows of x the kernel takes in a model: decode's; prefill's many rows use XLA
 
 
-def model_matmul(x_MxC, w_CxN, scale_N, dtype):
+def model_matmul(x_MxC, w_CxN, scale_N, dtype, *, threads: int = 0):
     """`lab.quant.Matmuls.native`: y [M, N] in `dtype` through this kernel, or None where it
     does not take the operands (more than MAX_ROWS rows, other dtypes, not built)."""
     ok = (
@@ -104,4 +104,4 @@ def model_matmul(x_MxC, w_CxN, scale_N, dtype):
         and w_CxN.dtype in W_DTYPES
         and available()
     )
-    return cpu_gemv(x_MxC.astype(dtype), w_CxN, scale_N) if ok else None
+    return cpu_gemv(x_MxC.astype(dtype), w_CxN, scale_N, threads=threads) if ok else None
