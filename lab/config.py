@@ -401,9 +401,17 @@ def unknown_key(key: str) -> ConfigError:
 
 def parse_keys(argv: list[str]) -> dict:
     """`["model=small", "steps=20"]` → {"preset": "small", "steps": 20}: the keys the user
-    gave, typed and checked one by one (ConfigError, one line)."""
+    gave, typed and checked one by one; every bad value is a line of one ConfigError."""
     known = {**RUN_FIELDS, **MODEL_FIELDS}
-    return {k: parse_value(*known[k], raw) for k, raw in _pairs(argv, known, ALIASES)}
+    keys, errors = {}, []
+    for k, raw in _pairs(argv, known, ALIASES):
+        try:
+            keys[k] = parse_value(*known[k], raw)
+        except ConfigError as e:
+            errors.append(str(e))
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return keys
 
 
 def parse_args(argv: list[str], *, backend: str = "cpu") -> Config:

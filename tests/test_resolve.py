@@ -59,6 +59,12 @@ def test_three_broken_rules_are_three_lines(capsys):
         assert sum(needle in line for line in err) == 1, err
 
 
+def test_every_bad_value_is_a_line(capsys):
+    assert main(["steps=ten", "lr=fast", "n_heads=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "steps='ten'" in err[0] and "lr='fast'" in err[1], err
+
+
 def test_the_rules_have_unique_names_and_examples():
     assert len({r.name for r in RULES}) == len(RULES)
     assert all(r.example for r in RULES)
