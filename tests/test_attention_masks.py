@@ -263,3 +263,29 @@ def test_xla_float16_on_cpu_is_refused_in_one_line():
     with pytest.raises(ValueError, match="impl='xla' on CPU does not take float16") as info:
         jax.jit(lambda q: attention(q, q, q, impl="xla", causal=False))(q)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_matches_float64(causal):
+    """Ring attention over 4 devices: segment ids travel with their keys, global lengths
+    become local ones, softcap, sinks and the LSE (every feature ring takes, at once)."""
+    from lab.kernels.attention.ring import ring_attention
+
+    shapes, kwargs = _case("combo")
+    kwargs = {name: x for name, x in kwargs.items() if name != "window"}
+    kwargs["causal"] = causal
+    q, k, v, do, dlse = _inputs(shapes, "float32")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("model",))
+
+    def ring(q, k, v, *, causal, q_segment_ids, q_lengths, kv_lengths, **rest):
+        mask = Mask.make(
+            causal=causal,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=q_segment_ids,
+            q_lengths=q_lengths,
+            kv_lengths=kv_lengths,
+        )
+        return ring_attention(q, k, v, mesh=mesh, seq_axis="model", mask=mask, **rest)
+
+    got = _run(ring, kwargs, q, k, v, do, dlse)
+    assert_close(got, _reference(kwargs, q, k, v, do, dlse), "float32", "ring")
