@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lab.kernels.attention import attention, blockwise
+from lab.kernels.attention import attention, blockwise, cpu_flash
 from lab.kernels.attention.common import EMPTY, FULL, Mask
 from lab.kernels.attention.reference import attention_reference
 
@@ -289,3 +289,36 @@ def test_ring_matches_float64(causal):
 
     got = _run(ring, kwargs, q, k, v, do, dlse)
     assert_close(got, _reference(kwargs, q, k, v, do, dlse), "float32", "ring")
+
+
+def test_flops_count_only_the_tiles_the_mask_leaves():
+    """A causal window of 1,024 at S = 8,192 in 256-tiles computes 150 tiles, packed causal
+    documents of 1,024 8·(4·5/2) = 80, plain causal 528, of the 1,024 a full mask has."""
+    from lab.kernels.attention.common import attention_tile_flops
+    from lab.measure.cost import attention_flops
+
+    def share(**kw):
+        got = attention_tile_flops(Mask.make(**kw), 1, 2, 8192, 8192, 64, bq=256, bk=256)
+        return got / attention_flops(1, 2, 8192, 8192, 64, causal=False)
+
+    docs = np.repeat(np.arange(8, dtype=np.int32), 1024)[None]
+    assert share(causal=False) == 1.0
+    assert share(causal=True) == 528 / 1024
+    assert share(causal=True, window=(1023, 0)) == 150 / 1024
+    assert share(causal=True, q_segment_ids=docs, kv_segment_ids=docs) == 80 / 1024
+    mask = Mask.make(causal=True)
+    bwd = attention_tile_flops(mask, 1, 2, 512, 512, 64, bq=256, bk=256, backward=True)
+    fwd = attention_tile_flops(mask, 1, 2, 512, 512, 64, bq=256, bk=256)
+    assert bwd == 2.5 * fwd
+
+
+def test_auto_on_cpu_takes_the_kernel_that_has_the_feature():
+    """The native CPU kernel takes no mask features yet: auto falls back to blockwise."""
+    from lab.kernels.attention import choose
+
+    q = jnp.ones((1, 32, 2, 8))
+    assert choose("auto", q, q, q, features=frozenset({"window"}), backend="cpu") == "blockwise"
+    if not cpu_flash.available():
+        return
+    with pytest.raises(ValueError, match="impl='cpu_flash' does not support a sliding window"):
+        choose("cpu_flash", q, q, q, features=frozenset({"window"}), backend="cpu")

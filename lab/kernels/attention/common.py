@@ -475,3 +475,32 @@ class Mask:
         B = max(kind.shape[0], 1)
         kind = xp.broadcast_to(kind, (B, n_q, n_k))
         return BlockMap.from_kind(kind, xp)
+
+
+def attention_tile_flops(
+    mask: Mask,
+    B: int,
+    H: int,
+    L: int,
+    S: int,
+    K: int,
+    V: int | None = None,
+    *,
+    bq: int,
+    bk: int,
+    backward: bool = False,
+) -> float:
+    """Matmul FLOPs a block-skipping kernel does under `mask`: only the tiles the block map
+    leaves non-empty are counted, each whole (bq·bk scores: a partial tile costs a full one).
+
+    Forward per tile: Q·Kᵀ (2·bq·bk·K) + P·V (2·bq·bk·V); backward (returned alone): the
+    recomputed Q·Kᵀ, dP = dO·Vᵀ, dV, dQ and dK, i.e. 2·bq·bk·(3·K + 2·V), the
+    FlashAttention-2 count (2.5× the forward when V = K). Softmax exp/max/sum not counted.
+    Dividing by `attention_flops(causal=False)` in lab/measure/cost.py gives the share of the
+    full score matrix the mask leaves.
+    """
+    V = K if V is None else V
+    tiles = np.asarray(mask.block_map(L, S, bq, bk).kind != EMPTY).sum(axis=(1, 2))
+    tiles = float(tiles.sum()) if tiles.shape[0] == B else float(tiles.sum()) * B
+    per_tile = 2.0 * bq * bk * ((3 * K + 2 * V) if backward else (K + V))
+    return H * tiles * per_tile
