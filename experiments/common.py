@@ -55,6 +55,8 @@ def record(
     elif value is not None and not isinstance(value, int | float):
         value = float(value)
     cfg = {"claim": claim, "metric": metric, "role": role, **config}
+    if label == "predicted" and config.get("model_error"):  # how wrong such a prediction is
+        what = f"{what} — predicted by the {config['model_error']}"
     if on:
         cfg["on"] = on
     if target:
@@ -135,6 +137,105 @@ def spec_inputs(spec_key: str, *fields: str) -> dict:
         out[f] = value
         out[f"{f} source"] = spec.source_of(f)
     return out
+
+
+# --- predictions ---------------------------------------------------------------------------
+
+# The GPUs the lab compiles for here (lab/plans/gpu.py): spec key → target kind.
+COMPILED_GPUS = {"h100-sxm": "h100", "h200": "h200", "a100-sxm4-80gb": "a100"}
+# TPU slices the step is compiled for (libtpu): (spec key, chips) → target.
+TPU_TOPOLOGIES = {("tpu-v5e", 1): "tpu:v5e:1x1", ("tpu-v5e", 4): "tpu:v5e:2x2"}
+
+
+def fallback(mfu: float) -> str:
+    """The error statement of the old rule (datasheet peak × MFU measured here), measured now
+    on the held-out published training points (lab.studies.prediction)."""
+    from lab.studies import prediction
+
+    return prediction.fallback_statement(mfu)
+
+
+def predicted_step(size: str, spec_key: str, chips: int = 1, **fields) -> dict | None:
+    """The shared step (STEP, bf16 compute, batch × chips, data-parallel) compiled for
+    `chips` of a GPU or TPU slice the lab compiles for and timed by the step-time model with
+    its fitted parameters (lab.predict): {"tokens_per_s", "model_flops_per_s", "mfu",
+    "seconds", "breakdown", "collective_s", "statement", "target"}; None where no program
+    can be compiled here (no compiler for the chip, the gpu-plan extra absent, the compiler
+    refuses it)."""
+    from lab.studies import prediction
+
+    kind = COMPILED_GPUS.get(spec_key) or TPU_TOPOLOGIES.get((spec_key, chips))
+    if kind is None:
+        return None
+    keys = {**pick(size, **STEP), "dtype": "bfloat16", **fields}
+    keys["batch_size"] = keys["batch_size"] * chips
+    if kind.startswith("tpu:"):
+        target, hw = kind, spec_key
+    else:
+        target, hw = (f"gpu:{kind}:{chips}" if chips > 1 else f"gpu:{kind}"), kind
+    point = {
+        "id": f"ledger-{size}-{hw}x{chips}",
+        "workload": "train",
+        "hardware": {"kind": hw, "chips": chips},
+        "lab_config": {**keys, "target": target, "mesh": str(chips)},
+        "figure": {"unit": "tokens/s per chip", "value": 1.0},
+    }
+    try:
+        out = prediction.predict_with_fit(point)
+    except Exception:  # noqa: BLE001 — a missing plugin or ptxas: the fallback rule stays
+        return None
+    if out is None:
+        return None
+    prog, seconds = out["program"], out["seconds"]
+    peak, _ = accel_peak(spec_key)
+    return {
+        "tokens_per_s": prog["tokens"] / seconds,
+        "model_flops_per_s": prog["model_flops"] / seconds,
+        "mfu": prog["model_flops"] / seconds / (chips * peak),
+        "seconds": seconds,
+        "breakdown": out["breakdown"],
+        "collective_s": out["collective_s"],
+        "statement": out["statement"],
+        "target": target,
+    }
+
+
+def predicted_gemm(spec_key: str, n: int, dtype: str = "bfloat16", *, spec=None) -> dict | None:
+    """An n×n×n matmul compiled for one GPU the lab compiles for (`spec_key`) and timed by
+    the step-time model: {"flops_per_s", "seconds", "statement", "target"}. `spec`: predict
+    the same program on another chip's spec entry (a chip with no compiler here: MI300X),
+    labelled so. None where nothing compiles here."""
+    from lab.studies import prediction
+
+    kind = COMPILED_GPUS.get(spec_key)
+    if kind is None:
+        return None
+    point = {
+        "id": f"ledger-gemm-{kind}-{dtype}-{n}",
+        "workload": "gemm",
+        "hardware": {"kind": kind, "chips": 1, **({"spec": spec} if spec else {})},
+        "lab_program": {"op": "matmul", "target": f"gpu:{kind}", "dtype": dtype}
+        | {"m": n, "n": n, "k": n},
+        "figure": {"unit": "TFLOP/s", "value": 1.0},
+    }
+    try:
+        out = prediction.predict_with_fit(point)
+    except Exception:  # noqa: BLE001 — a missing plugin or ptxas: no prediction
+        return None
+    if out is None:
+        return None
+    statement = out["statement"]
+    if spec:
+        statement = (
+            f"{statement}; the program compiled for the {kind.upper()} (no compiler for "
+            f"{specs.SPECS[spec].name} here) timed on its own spec entry"
+        )
+    return {
+        "flops_per_s": out["figure"] * 1e12,
+        "seconds": out["seconds"],
+        "statement": statement,
+        "target": f"gpu:{kind}",
+    }
 
 
 # --- the lab's training step ------------------------------------------------------------

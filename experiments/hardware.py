@@ -15,6 +15,8 @@ import jax
 from experiments.common import (
     STEP_BUDGET_S,
     backend,
+    predicted_gemm,
+    predicted_step,
     record,
     spec_inputs,
     step_config,
@@ -28,6 +30,7 @@ CLAIMS = ("C19", "C20")
 HOPPER_FP32_CORES_PER_SM = 128  # NVIDIA H100 whitepaper: 128 FP32 CUDA cores per SM
 TPU_TARGET = "tpu:v5e:2x2"
 TPU_CHIPS = 4
+MATMUL_N = 8192  # the size of the published GEMM figures (lab/predict/published.json)
 
 
 def _c20() -> list[dict]:
@@ -177,6 +180,7 @@ def _c19_predicted(size: str) -> list[dict]:
             target="tpu-v5e",
             bound_s=bound,
             compiled_cost=compiled,
+            model_error="roofline bound of the compiled step (plans=on: the step-time model)",
             **spec_inputs("tpu-v5e", "memory_bandwidth"),
             **common,
         ),
@@ -222,9 +226,68 @@ def _c19_reference() -> list[dict]:
     ]
 
 
-def run(size: str = "quick") -> list[dict]:
+def _c19_model(size: str) -> list[dict]:
+    """C19 by the step-time model (lab.predict): the step compiled for one TPU v5e chip, for
+    four (4× batch) and for one H100; the MI300X from the matmul compiled for the H100 timed
+    on the MI300X's own spec entry (JAX's ROCm plugin does not compile without an AMD GPU:
+    `jax-rocm7-plugin` 0.12.0 stops with 'No AMD GPUs were found' and
+    `get_topology_desc(platform="rocm")` is not implemented). Empty where nothing compiles."""
+    tpu1, tpu4 = predicted_step(size, "tpu-v5e", 1), predicted_step(size, "tpu-v5e", TPU_CHIPS)
+    h100 = predicted_step(size, "h100-sxm", 1)
+    recs = []
+    if tpu1 and h100:
+        recs.append(
+            record(
+                "C19",
+                "tpu_over_h100",
+                f"TPU v5e chip over an H100: tokens/s of the same step (bf16) compiled for "
+                f"{tpu1['target']} and {h100['target']}",
+                tpu1["tokens_per_s"] / h100["tokens_per_s"],
+                "×",
+                label="predicted",
+                target="tpu-v5e",
+                tokens_per_s={"tpu-v5e": tpu1["tokens_per_s"], "h100-sxm": h100["tokens_per_s"]},
+                model_error=f"{tpu1['statement']} (TPU); {h100['statement']} (GPU)",
+            )
+        )
+    if tpu1 and tpu4:
+        recs.append(
+            record(
+                "C19",
+                "tpu_scaling_efficiency",
+                f"TPU v5e: per-chip tokens/s on {TPU_CHIPS} chips (4× batch, {tpu4['target']}) "
+                "over 1 chip",
+                tpu4["tokens_per_s"] / TPU_CHIPS / tpu1["tokens_per_s"],
+                "×",
+                label="predicted",
+                target="tpu-v5e",
+                model_error=tpu1["statement"],
+            )
+        )
+    mi = predicted_gemm("h100-sxm", MATMUL_N, spec="mi300x")
+    h = predicted_gemm("h100-sxm", MATMUL_N)
+    if mi and h:
+        recs.append(
+            record(
+                "C19",
+                "mi300x_over_h100",
+                f"MI300X over H100: bf16 matmul FLOP/s (n={MATMUL_N}), the H100's compiled "
+                "matmul timed on each chip's spec entry",
+                mi["flops_per_s"] / h["flops_per_s"],
+                "×",
+                label="predicted",
+                target="mi300x",
+                flops_per_s={"mi300x": mi["flops_per_s"], "h100-sxm": h["flops_per_s"]},
+                model_error=mi["statement"],
+            )
+        )
+    return recs
+
+
+def run(size: str = "quick", plans: bool = False) -> list[dict]:
+    """plans=True: C19's predictions from the step-time model over compiled programs."""
     if backend() == "tpu":
         c19 = _c19_measured(size) if len(jax.devices()) > 1 else []
     else:
-        c19 = _c19_predicted(size)
+        c19 = (_c19_model(size) if plans else []) or _c19_predicted(size)
     return _c20() + c19 + _c19_reference()

@@ -14,7 +14,9 @@ roof — and what a self-hoster pays per output token is predicted for Llama-2 7
 from the bytes a decode step must move, at the share of the memory roof decode reached here.
 C22 sizes a 70B model's serving memory (weights + KV cache) at bf16, int8 and int4 and with
 weights offloaded to host memory (calculator), and under size=full compiles the int8 decode
-step for one H100 (lab.plans; compiled, not run).
+step for one H100 (lab.plans; compiled, not run). These predictions still use the fallback
+rules (datasheet peak × MFU, bytes at the roof share), each record labelled with the rule
+and its error as measured on the held-out published points (lab.studies.prediction).
 """
 
 import math
@@ -23,6 +25,7 @@ import os
 from experiments.common import (
     accel_peak,
     backend,
+    fallback,
     forward_probe,
     mfu_peak,
     pick,
@@ -44,6 +47,10 @@ ARTICLE_CORES = 16  # "CPU (16-core)"
 REQUEST_TOKENS = 128
 RPS_TARGETS = {"rtx-4090": "RTX 4090", "h100-sxm": "H100"}
 RENTAL = ("t4", "rtx-4090", "a100-sxm4-80gb", "h100-sxm", "h200", "mi300x")
+# How decode is predicted here: the bytes a step moves over the datasheet's HBM bandwidth, at
+# the share of the memory roof decode reached on the backend measured. Not yet held against
+# published decode figures, so its error is unknown (python -m lab.tools.prediction).
+DECODE_RULE = "decode roofline rule (bytes at the roof share reached here): error not measured"
 PREFILL_SEQ = 2048  # context over which the 7B/70B prefill's attention is counted
 
 
@@ -124,6 +131,7 @@ def _c16(rows: list[dict], mfu: float) -> list[dict]:
                 label="predicted",
                 target=key,
                 inputs={"mfu_forward": mfu, "flops_per_request": best["flops_per_request"]},
+                model_error=fallback(mfu),
                 **spec_inputs(key, f"peak_flops.{dtype}"),
             )
         )
@@ -163,6 +171,7 @@ def _c18(mfu: float) -> list[dict]:
                 gpus=gpus,
                 tokens_per_s=tokens_per_s,
                 inputs={"mfu_forward": mfu},
+                model_error=fallback(mfu),
                 **spec_inputs(key, f"peak_flops.{dtype}", "price_usd_per_hour"),
             )
         )
@@ -313,6 +322,7 @@ def _c18_c21_output(out: dict, mfu: float) -> list[dict]:
                 target=key,
                 gpus=gpus,
                 inputs=inputs,
+                model_error=DECODE_RULE,
                 **d,
                 **spec_inputs(key, "memory_bandwidth", "memory_bytes", "price_usd_per_hour"),
             )
@@ -332,6 +342,7 @@ def _c18_c21_output(out: dict, mfu: float) -> list[dict]:
                     prefill_tokens_per_s=prefill,
                     decode_tokens_per_s=d["tokens_per_s"],
                     inputs=inputs,
+                    model_error=f"{fallback(mfu)} (prefill); {DECODE_RULE} (decode)",
                     **spec_inputs(key, f"peak_flops.{dtype}", "memory_bandwidth"),
                 )
             )

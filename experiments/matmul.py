@@ -11,10 +11,20 @@ peak (an upper bound: no matmul reaches it) over the CPU rate measured here.
 import jax
 import jax.numpy as jnp
 
-from experiments.common import REFERENCE_GPUS, backend, cpu_device, matmul_rate, pick, record
+from experiments.common import (
+    COMPILED_GPUS,
+    REFERENCE_GPUS,
+    backend,
+    cpu_device,
+    matmul_rate,
+    pick,
+    predicted_gemm,
+    record,
+)
 from lab.measure import cost, specs
 
 CLAIMS = ("C01", "C03", "C05")
+MODEL_N = 8192
 ARTICLE_N = 10_000  # "Multiplying a 10,000×10,000 matrix"
 # C05's table (seed 003) and seed 002's H100 figure: the article's numbers, held against the
 # spec table in reference records (no verdict rests on them).
@@ -40,7 +50,7 @@ def flop_count(n: int) -> float | None:
     return (cost.compiled_cost(compiled) or {}).get("flops")
 
 
-def _c01(n: int, budget_s: float, be: str) -> list[dict]:
+def _c01(n: int, budget_s: float, be: str, plans: bool = False) -> list[dict]:
     recs = []
     counted = flop_count(ARTICLE_N)
     recs.append(
@@ -106,6 +116,23 @@ def _c01(n: int, budget_s: float, be: str) -> list[dict]:
         return recs
     for key, name in REFERENCE_GPUS.items():
         spec = specs.SPECS[key]
+        pred = predicted_gemm(key, ARTICLE_N, "float32") if plans else None
+        if pred:  # the model of the float32 matmul compiled for the GPU (TF32 at default)
+            recs.append(
+                record(
+                    "C01",
+                    "gpu_cpu_matmul_speedup",
+                    f"{name}: float32 matmul FLOP/s (n={ARTICLE_N}) predicted for the program "
+                    f"compiled for {pred['target']}, over this CPU's measured float32 rate",
+                    pred["flops_per_s"] / cpu["flops_per_s"],
+                    "×",
+                    label="predicted",
+                    target=key,
+                    inputs={"cpu_flops_per_s": cpu["flops_per_s"], "n": n},
+                    model_error=pred["statement"],
+                )
+            )
+            continue
         # A float32 matmul at default precision runs as TF32 where the GPU has TF32 units.
         has_tf32 = spec.peak_flops.get("tf32", 0.0) > spec.peak_flops["float32"]
         dtype = "tf32" if has_tf32 else "float32"
@@ -126,6 +153,7 @@ def _c01(n: int, budget_s: float, be: str) -> list[dict]:
                 spec_dtype=dtype,
                 spec_source=spec.source_of(f"peak_flops.{dtype}"),
                 assumption="the GPU runs the matmul at its datasheet peak (real: a fraction)",
+                model_error="datasheet peak, an upper bound (no compiled program for it here)",
             )
         )
     return recs
@@ -210,8 +238,34 @@ def _c03_c05(n: int, budget_s: float, be: str) -> list[dict]:
     return recs
 
 
-def run(size: str = "quick") -> list[dict]:
+def _c05_model() -> list[dict]:
+    """bf16 matmul FLOP/s of each GPU the lab compiles for, predicted by the step-time model
+    from the matmul compiled for it (n = MODEL_N: the size the published GEMM figures use)."""
+    recs = []
+    for key in COMPILED_GPUS:
+        pred = predicted_gemm(key, MODEL_N)
+        if pred is None:
+            continue
+        recs.append(
+            record(
+                "C05",
+                "bf16_matmul_flops",
+                f"bfloat16 matmul FLOP/s, n={MODEL_N}, compiled for {pred['target']}",
+                pred["flops_per_s"],
+                "FLOP/s",
+                label="predicted",
+                target=key,
+                n=MODEL_N,
+                model_error=pred["statement"],
+            )
+        )
+    return recs
+
+
+def run(size: str = "quick", plans: bool = False) -> list[dict]:
+    """plans=True adds C05's GPUs predicted by the step-time model from compiled matmuls."""
     be = backend()
     n = pick(size, tiny=128, quick=1024, full=4096 if be == "cpu" else 8192)
     budget = pick(size, tiny=0.02, quick=0.4, full=2.0)
-    return _c01(n, budget, be) + _c03_c05(n, budget, be)
+    model = _c05_model() if plans and be != "gpu" else []
+    return _c01(n, budget, be, plans) + _c03_c05(n, budget, be) + model

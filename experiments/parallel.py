@@ -22,8 +22,10 @@ from experiments.common import (
     STEP_BUDGET_S,
     accel_peak,
     compile_probe,
+    fallback,
     mfu_here,
     pick,
+    predicted_step,
     record,
     spec_inputs,
     step_config,
@@ -134,7 +136,38 @@ def _efficiency(compute_s: float, buffer_bytes: float, key: str) -> list[tuple[i
     return out
 
 
-def _c13(size: str, dp_probe: dict, n: int) -> list[dict]:
+MODEL_GPU_COUNTS = (8, 16, 32)  # H100s the dp step is compiled for (plans=on)
+
+
+def _c13_model(size: str) -> dict | None:
+    """The fewest H100s at which the gradient all-reduce outlasts the rest of the step, from
+    the dp step (batch × GPUs) compiled for 8, 16 and 32 H100s and timed by the step-time
+    model (every collective against everything else, no overlap counted, as the claim
+    reads); None where no program compiles here."""
+    found, rows = None, {}
+    for devices in MODEL_GPU_COUNTS:
+        pred = predicted_step(size, "h100-sxm", devices)
+        if pred is None:
+            return None
+        rest = pred["seconds"] - pred["breakdown"]["exposed communication"]
+        rows[devices] = {"collective_s": pred["collective_s"], "rest_s": rest}
+        if found is None and pred["collective_s"] > rest:
+            found = devices
+    return record(
+        "C13",
+        "dp_comm_bound_devices",
+        "fewest H100s at which the gradient all-reduce outlasts the rest of the step: the dp "
+        f"step compiled for {', '.join(map(str, MODEL_GPU_COUNTS))} H100s (None: none of them)",
+        found,
+        "devices",
+        label="predicted",
+        target="h100-sxm",
+        steps=rows,
+        model_error=pred["statement"],
+    )
+
+
+def _c13(size: str, dp_probe: dict, n: int, plans: bool = False) -> list[dict]:
     ar = gradient_allreduce(dp_probe)
     mfu = mfu_here(size)
     flops = dp_probe["cost"]["flops"]
@@ -199,6 +232,10 @@ def _c13(size: str, dp_probe: dict, n: int) -> list[dict]:
             )
         if key != "h100-sxm":
             continue
+        modelled = _c13_model(size) if plans else None
+        if modelled:
+            recs.append(modelled)
+            continue
         bound = next((d for d, eff in curve if eff < 0.5), None)
         recs.append(
             record(
@@ -212,6 +249,7 @@ def _c13(size: str, dp_probe: dict, n: int) -> list[dict]:
                 target=key,
                 compute_s=compute_s,
                 inputs=inputs,
+                model_error=fallback(mfu),
                 **spec_inputs(key, f"peak_flops.{dtype}", "interconnect_bandwidth"),
             )
         )
@@ -346,4 +384,4 @@ def run(size: str = "quick", *, plans: bool = False) -> list[dict]:
     recs, dp = _c14(size, n)
     recs += [] if size == "tiny" else _c14_pipeline(size, n)  # tiny: the test suite's, fast
     measured = [] if size == "tiny" else measured_scaling(size)
-    return recs + compiled + _c13(size, dp, n) + measured
+    return recs + compiled + _c13(size, dp, n, plans) + measured

@@ -6,7 +6,10 @@ it: C04's memory ratio and loss agreement (measured on any backend; the speedup 
 something where matrix units exist); the step's model FLOP/s and MFU against the matmul peak
 measured in the same process. C15 and C17 divide published model sizes by that measured
 FLOP/s. Figures for hardware that is absent (T4, RTX 4090, H100, A100 clusters) are
-predicted: the device's datasheet peak × the MFU measured here, labelled so.
+predicted: with plans=on, from the same step compiled for the GPUs the lab compiles for
+(H100, A100) and timed by the step-time model (lab.predict); otherwise, and for GPUs with no
+compiler here (T4, RTX 4090), by the fallback rule (the device's datasheet peak × the MFU
+measured here). Each carries its error, measured on held-out published points.
 """
 
 from experiments.common import (
@@ -16,8 +19,10 @@ from experiments.common import (
     accel_peak,
     backend,
     cpu_device,
+    fallback,
     mfu_peak,
     pick,
+    predicted_step,
     record,
     spec_inputs,
     step_config,
@@ -154,7 +159,7 @@ def _throughput(p: dict, peak: float) -> list[dict]:
     ]
 
 
-def _c17(p: dict, mfu: float) -> list[dict]:
+def _c17(p: dict, mfu: float, size: str, plans: bool) -> list[dict]:
     fpt = gpt2_small_flops_per_token()
     inputs = {
         "model_flops_per_s_here": p["model_flops_per_s"],
@@ -188,19 +193,38 @@ def _c17(p: dict, mfu: float) -> list[dict]:
         ("rtx-4090", 1, "gpu_train_tokens_per_s"),
         ("h100-sxm", 8, "cluster_train_tokens_per_s"),
     ):
+        name = f"{devices} × {specs.SPECS[key].name}"
+        pred = predicted_step(size, key, devices) if plans else None
+        if pred:  # the step compiled for the GPUs, its model FLOP/s over GPT-2-small's FLOPs
+            recs.append(
+                record(
+                    "C17",
+                    metric,
+                    f"GPT-2-small training tokens/s on {name}: the model FLOP/s predicted for "
+                    f"the lab's step compiled for {pred['target']}",
+                    pred["model_flops_per_s"] / fpt,
+                    "tokens/s",
+                    label="predicted",
+                    target=key,
+                    devices=devices,
+                    inputs={**inputs, "predicted_mfu": pred["mfu"]},
+                    model_error=pred["statement"],
+                )
+            )
+            continue
         peak, dtype = accel_peak(key)
         recs.append(
             record(
                 "C17",
                 metric,
-                f"GPT-2-small training tokens/s on {devices} × "
-                f"{specs.SPECS[key].name}: {dtype} peak × MFU measured here",
+                f"GPT-2-small training tokens/s on {name}: {dtype} peak × MFU measured here",
                 devices * peak * mfu / fpt,
                 "tokens/s",
                 label="predicted",
                 target=key,
                 devices=devices,
                 inputs=inputs,
+                model_error=fallback(mfu),
                 **spec_inputs(key, f"peak_flops.{dtype}"),
             )
         )
@@ -216,7 +240,7 @@ def _cpu_probe(size: str, p_here: dict) -> dict:
     )
 
 
-def _c02(p_here: dict, p_cpu: dict, mfu: float) -> list[dict]:
+def _c02(p_here: dict, p_cpu: dict, mfu: float, size: str, plans: bool) -> list[dict]:
     cpu_rate = p_cpu["model_flops_per_s"]
     if backend() != "cpu":
         return [
@@ -232,6 +256,23 @@ def _c02(p_here: dict, p_cpu: dict, mfu: float) -> list[dict]:
         ]
     recs = []
     for key, name in SPEEDUP_TARGETS.items():
+        pred = predicted_step(size, key) if plans else None
+        if pred:
+            recs.append(
+                record(
+                    "C02",
+                    "gpu_cpu_train_speedup",
+                    f"{name}: tokens/s predicted for the same step (bf16) compiled for "
+                    f"{pred['target']}, over this CPU's measured training tokens/s",
+                    pred["tokens_per_s"] / p_cpu["tokens_per_s"],
+                    "×",
+                    label="predicted",
+                    target=key,
+                    inputs={"cpu_tokens_per_s": p_cpu["tokens_per_s"], "mfu": pred["mfu"]},
+                    model_error=pred["statement"],
+                )
+            )
+            continue
         peak, dtype = accel_peak(key)
         recs.append(
             record(
@@ -244,17 +285,25 @@ def _c02(p_here: dict, p_cpu: dict, mfu: float) -> list[dict]:
                 label="predicted",
                 target=key,
                 inputs={"cpu_model_flops_per_s": cpu_rate, "mfu": mfu},
+                model_error=fallback(mfu),
                 **spec_inputs(key, f"peak_flops.{dtype}"),
             )
         )
     return recs
 
 
-def _c15(p_cpu: dict, mfu: float) -> list[dict]:
+def _c15(p_cpu: dict, mfu: float, size: str, plans: bool) -> list[dict]:
     flops = cost.gpt3_training_flops(GPT3_PARAMS, GPT3_TOKENS)
     cpu_rate = p_cpu["model_flops_per_s"]
     peak, dtype = accel_peak("a100-sxm4-80gb")
-    cluster = A100_CLUSTER * peak * mfu
+    pred = predicted_step(size, "a100-sxm4-80gb") if plans else None
+    gpu_mfu = pred["mfu"] if pred else mfu
+    cluster = A100_CLUSTER * peak * gpu_mfu
+    how = (
+        f"the MFU predicted for the lab's step compiled for {pred['target']}"
+        if pred
+        else "the MFU measured here"
+    )
     return [
         record(
             "C15",
@@ -287,18 +336,21 @@ def _c15(p_cpu: dict, mfu: float) -> list[dict]:
         record(
             "C15",
             "gpt3_gpu_days",
-            f"GPT-3 on {A100_CLUSTER} A100s at the MFU measured here",
+            f"GPT-3 on {A100_CLUSTER} A100s ({dtype} peak) at {how}",
             flops / cluster / DAY_S,
             "days",
             label="predicted",
             target="a100-sxm4-80gb",
-            inputs={"mfu": mfu, "gpus": A100_CLUSTER, "gpt3_flops": flops},
+            inputs={"mfu": gpu_mfu, "gpus": A100_CLUSTER, "gpt3_flops": flops},
+            model_error=pred["statement"] if pred else fallback(mfu),
             **spec_inputs("a100-sxm4-80gb", f"peak_flops.{dtype}"),
         ),
     ]
 
 
-def run(size: str = "quick") -> list[dict]:
+def run(size: str = "quick", plans: bool = False) -> list[dict]:
+    """plans=True: the accelerators' figures from the step compiled for them and the
+    step-time model (lab.predict); otherwise the fallback rule, each labelled with its error."""
     pair = _precision_pair(size)
     here = pair["float32"] if backend() == "cpu" else pair["bfloat16"]
     peak = mfu_peak(size)
@@ -307,7 +359,7 @@ def run(size: str = "quick") -> list[dict]:
     return (
         _c04(pair)
         + _throughput(here, peak)
-        + _c17(here, mfu)
-        + _c02(here, p_cpu, mfu)
-        + _c15(p_cpu, mfu)
+        + _c17(here, mfu, size, plans)
+        + _c02(here, p_cpu, mfu, size, plans)
+        + _c15(p_cpu, mfu, size, plans)
     )

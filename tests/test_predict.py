@@ -30,6 +30,20 @@ def test_matmul_is_compute_bound_at_peak_times_efficiency():
     assert p.compute_s == pytest.approx(flops / (0.5 * PEAK), rel=1e-6)
 
 
+def test_an_accelerator_overlaps_launches_with_work():
+    """async_launch: an op costs max(work, launch), not their sum: the matmul above (work
+    far longer than 1 µs) costs its work alone; with a launch longer than the work, the
+    launch."""
+    m = k = n = 256
+    compiled = jax.jit(jnp.matmul).lower(jnp.ones((m, k)), jnp.ones((k, n))).compile()
+    work = 2 * m * n * k / PEAK
+    p = predict_compiled(compiled, _machine(op_overhead_s=1e-6, async_launch=True))
+    assert p.seconds == pytest.approx(work, rel=1e-6) and p.overhead_s == 0.0
+    slow = predict_compiled(compiled, _machine(op_overhead_s=10 * work, async_launch=True))
+    assert slow.seconds == pytest.approx(10 * work, rel=1e-6)
+    assert slow.overhead_s == pytest.approx(9 * work, rel=1e-6)
+
+
 def test_copy_is_memory_bound_at_bandwidth():
     n = 1 << 20
     compiled = jax.jit(lambda x: x * 1.5).lower(jnp.ones((n,))).compile()

@@ -41,6 +41,7 @@ def tpu_machine(spec: specs.DeviceSpec, topology: str, mesh_shape: dict, fit=Non
         memory_bandwidth=spec.memory_bandwidth,
         link_bandwidth={a: per_axis for a in mesh_shape},
         source=f"{spec.source_of('*')}; ICI {per_axis / 1e9:.0f} GB/s per axis ({dims}-D torus)",
+        async_launch=True,
         **(fit or DEFAULT_FIT),
     )
 
@@ -62,6 +63,7 @@ def gpu_machine(spec: specs.DeviceSpec, mesh_shape: dict, per_host: int = 8, fit
             f"{spec.source_of('*')}; NVLink {nvlink / 1e9:.0f} GB/s per direction inside "
             f"{per_host} GPUs, InfiniBand {IB_PER_GPU / 1e9:.0f} GB/s per GPU across hosts"
         ),
+        async_launch=True,
         **(fit or DEFAULT_FIT),
     )
 

@@ -37,6 +37,7 @@ TOPICS = {
     "training": "Training speed and cost",
     "inference": "Inference",
     "hardware": "The hardware itself",
+    "prediction": "Prediction: the step-time model against published measurements",
 }
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lab.measure import records as rec
-from lab.report import plots
+from lab.report import plots, tables
 from lab.report.claims import BY_ID, CLAIMS, SOURCES, TOPICS
 from lab.report.format import fmt, fmt_range, ratio
 from lab.report.verdict import MISSING, NA, OFF, PREDICTED, Verdict, judge_all, outside
@@ -180,11 +180,14 @@ def render(
     for v in verdicts:
         by_topic.setdefault(v.claim.topic, []).append(v)
     for topic, title in TOPICS.items():
-        if topic not in by_topic and topic not in plot_files:
+        shown = topic in by_topic or topic in plot_files
+        if not shown and not (topic == "prediction" and tables.prediction_markdown(records)):
             continue
         out += [f"## {title}", ""]
         for name in plot_files.get(topic, ()):
             out += [f"![{topic}]({name})", ""]
+        if topic == "prediction":
+            out += tables.prediction_markdown(records)
         for v in by_topic.get(topic, []):
             out += [
                 f"### {v.claim.id} — {v.status}",

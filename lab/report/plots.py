@@ -320,6 +320,7 @@ PLOTS = {
     "parallel": [("scaling.png", scaling)],
     "training": [("losses.png", losses)],
     "inference": [("inference.png", inference), ("decode.png", decode)],
+    "prediction": [("prediction.png", lambda records, path: prediction_records(records, path))],
 }
 
 
@@ -474,3 +475,26 @@ def prediction(rows, path, title: str) -> Path | None:
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
     return _save(fig, path)
+
+
+def prediction_records(records: Sequence[dict], path) -> Path | None:
+    """The ledger's prediction plot, from the records of experiments/prediction.py."""
+    from types import SimpleNamespace
+
+    rows = [
+        SimpleNamespace(
+            published=r["config"]["published"],
+            predicted=r["value"],
+            role=r["config"]["fit_role"],
+            hardware=r["config"]["hardware"],
+        )
+        for r in series(records, "prediction_point")
+    ]
+    held = series(records, "prediction_error")
+    title = (
+        f"held-out: {held[0]['config']['points']} points, median |error| {held[0]['value']:.0%}, "
+        f"worst {held[0]['config']['worst_ratio']:.2f}×"
+        if held
+        else "the step-time model against published figures"
+    )
+    return prediction(rows, path, title)

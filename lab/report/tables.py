@@ -813,3 +813,35 @@ def prediction_cpu_rows(rows, fit: dict) -> Table:
         f"bandwidth, {fit['op_overhead_s'] * 1e6:.1f} µs per op"
     )
     return t
+
+
+def prediction_markdown(records) -> list[str]:
+    """The ledger's prediction section as Markdown lines: the error lines, then one table row
+    per published point (records of experiments/prediction.py; empty without them)."""
+    points = [r for r in records if r["config"].get("series") == "prediction_point"]
+    if not points:
+        return []
+    lines = []
+    for name in ("prediction_error", "prediction_fallback_error"):
+        for r in (x for x in records if x["config"].get("series") == name):
+            c = r["config"]
+            lines.append(
+                f"- {r['what']}: **{r['value']:.0%}**, worst {c['worst_ratio']:.2f}×, over "
+                f"{c['points']} points" + (f" ({c['source']})" if c.get("source") else "")
+            )
+    lines += [
+        "",
+        "| point | publisher | hardware | work | published | predicted | error | role |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = {"held-out": 0, "calibration": 1, "dropped": 2}
+    for r in sorted(points, key=lambda r: (order.get(r["config"]["fit_role"], 3), r["what"])):
+        c = r["config"]
+        unit = r["unit"].split("(")[0].strip()
+        pred = "—" if r["value"] is None else f"{r['value']:,.4g}"
+        err = "—" if c.get("error") is None else f"{c['error']:+.0%}"
+        role = c["fit_role"] + (f": {c['note']}" if c.get("note") else "")
+        cells = [c["point"], c["publisher"], c["hardware"], c["workload"]]
+        cells += [f"{c['published']:,.4g} {unit}", pred, err, role.replace("|", "/")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]

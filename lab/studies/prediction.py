@@ -47,7 +47,9 @@ _HW = {
     "h100": "h100-sxm",
     "h200": "h200",
     "a100": "a100-sxm4-80gb",
+    "mi300x": "mi300x",
 }
+CACHE_DIR = Path("results/prediction-cache")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +110,34 @@ def _expressible(point: dict) -> str | None:
     """Why the lab cannot predict this point (None if it can)."""
     if not point.get("usable"):
         return point.get("why_not") or "not usable"
-    if point["workload"] in ("decode", "prefill"):
-        return "serving points are not compiled by this study yet (lab.serve plans)"
     if point["workload"] == "train" and not point.get("lab_config"):
         return "no lab configuration"
     return None
 
 
 # ---------------------------------------------------------------------------- programs
+
+
+def why_refused(point: dict, refusal: str) -> str:
+    """A compiler's refusal with what the lab would need to express the published run: a
+    training step that needs more HBM than the chip has under the lab's nearest remat option
+    (MaxText's `minimal` saves fewer activations than the lab's `dots`, which saves every
+    matmul output; `full` would fit but recompute more than the published run)."""
+    if point["workload"] != "train" or "available" not in refusal:
+        return refusal
+    stated = (point.get("setup") or {}).get("remat_policy")
+    lab = (point.get("lab_config") or {}).get("remat")
+    if stated == "minimal":
+        why = (
+            f"MaxText's remat_policy=minimal keeps less than the lab's nearest option "
+            f"(remat={lab}); remat=full would recompute more than the published run, so the "
+            "point is dropped, not bent"
+        )
+    elif stated:
+        why = f"the lab's step under remat={lab} keeps more than MaxText's {stated} run did"
+    else:
+        why = f"MaxText's remat policy is not stated; the lab's remat={lab} keeps more"
+    return f"{refusal}; {why}"
 
 
 def _key(point: dict) -> str:
@@ -136,6 +158,58 @@ def _train_program(point: dict) -> dict:
         "tokens": t.cfg.batch_size * t.cfg.seq_len,
         "model_flops": fpt * t.cfg.batch_size * t.cfg.seq_len,
         "custom_flops": attention_flops_per_device(t.cfg, t.mesh.size),
+        "dtype": t.cfg.model.dtype,
+        "device_kind": session.info.device_kind,
+        "topology": t.cfg.target.split(":")[-1],
+    }
+
+
+SERVE_KEYS = ("module", "plan_batch", "plan_context", "prefill_batches", "prompt_len", "int8")
+
+
+def _serve_program(point: dict) -> dict:
+    """A serving point's program: lab.serve's decode step (one token for every sequence of the
+    batch over a cache of `plan_context` slots) or its prefill (`prompt_len` tokens), compiled
+    for the target with the weights sharded as lab.serve shards them (unscanned layers)."""
+    from lab import decode, quant
+    from lab.studies import serving
+
+    lc = point["lab_config"]
+    keys = {k: v for k, v in lc.items() if k not in SERVE_KEYS}
+    cfg = make_config(**{**keys, "compile_only": True, "scan_layers": False})
+    session = open_session(cfg)
+    t = session.trainer
+    abstract = t.abstract_state.params
+    if lc.get("int8"):
+        abstract = jax.eval_shape(quant.quantize_params, abstract)
+    shardings = serving.param_shardings(t.state_shardings.params, abstract)
+    sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
+    abstract = jax.tree.map(sds, abstract, shardings)
+    prefill = point["workload"] == "prefill"
+    if prefill:
+        batch, context = int(str(lc.get("prefill_batches", 1)).split(",")[0]), lc["prompt_len"]
+    else:
+        batch, context = int(lc["plan_batch"]), int(lc["plan_context"])
+    dec = decode.make_decoder(t.cfg.model, t.mesh, t.rules, shardings, batch=batch, max_len=context)
+    cache = jax.tree.map(sds, dec.abstract_cache, dec.cache_sharding)
+    rows = dec.batch_sharding
+    with jax.set_mesh(t.mesh):
+        if prefill:
+            prompts_sh = jax.sharding.NamedSharding(
+                t.mesh, jax.sharding.PartitionSpec(*rows.spec, None)
+            )
+            prompts = jax.ShapeDtypeStruct((batch, context), jnp.int32, sharding=prompts_sh)
+            lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+            compiled = dec.prefill.lower(abstract, prompts, lengths, cache).compile()
+        else:
+            tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+            compiled = dec.step.lower(abstract, tokens, cache).compile()
+    return {
+        "hlo": compiled.as_text(),
+        "mesh": dict(t.mesh.shape),
+        "devices": t.mesh.size,
+        "batch": batch,
+        "context": context,
         "dtype": t.cfg.model.dtype,
         "device_kind": session.info.device_kind,
         "topology": t.cfg.target.split(":")[-1],
@@ -189,7 +263,8 @@ def program(point: dict, cache_dir: Path) -> dict:
         return json.loads(path.read_text())
     t0 = time.perf_counter()
     try:
-        out = _train_program(point) if point["workload"] == "train" else _op_program(point)
+        build = {"train": _train_program, "decode": _serve_program, "prefill": _serve_program}
+        out = build.get(point["workload"], _op_program)(point)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 — a compiler's refusal (memory, tiles) varies
@@ -205,8 +280,15 @@ def program(point: dict, cache_dir: Path) -> dict:
 # ---------------------------------------------------------------------------- prediction
 
 
+def spec_key(point: dict) -> str:
+    """The spec entry a point is predicted on: its hardware's, or `hardware.spec` where the
+    program compiled for one chip is predicted on another chip's datasheet (MI300X from the
+    H100's program: no compiler for it here)."""
+    return point["hardware"].get("spec") or _HW[point["hardware"]["kind"]]
+
+
 def _machine(point: dict, prog: dict, fit: dict | None):
-    spec = specs.SPECS[_HW[point["hardware"]["kind"]]]
+    spec = specs.SPECS[spec_key(point)]
     if vendor(point) == "tpu":
         return machines.tpu_machine(spec, prog.get("topology", "1x1"), prog["mesh"], fit)
     return machines.gpu_machine(spec, prog["mesh"], fit=fit)
@@ -221,15 +303,18 @@ class Predictor:
         found = collectives_hlo.parse(prog["hlo"], prog["mesh"])
         self.collectives = {c.name: c for c in found}
 
-    def seconds(self, **fit) -> float:
+    def prediction(self, **fit):
+        """The model's full prediction (time, breakdown, top ops) under `fit`."""
         machine = _machine(self.point, self.prog, fit or None)
-        p = predict(
+        return predict(
             self.program,
             machine,
             self.collectives,
             custom_flops=self.prog.get("custom_flops", 0.0),
         )
-        return p.seconds
+
+    def seconds(self, **fit) -> float:
+        return self.prediction(**fit).seconds
 
     def figure(self, seconds: float) -> float:
         """The published figure's unit, from a predicted time."""
@@ -241,9 +326,14 @@ class Predictor:
             if unit.startswith("tokens/s per chip"):
                 return prog["tokens"] / seconds / chips
             if unit == "MFU":
-                spec = specs.SPECS[_HW[self.point["hardware"]["kind"]]]
+                spec = specs.SPECS[spec_key(self.point)]
                 peak = spec.peak_flops.get(prog["dtype"]) or spec.peak_flops["bfloat16"]
                 return prog["model_flops"] / seconds / (chips * peak)
+        if self.point["workload"] == "decode":  # one token per sequence per step
+            per_chip = unit.startswith("tokens/s per chip")
+            return prog["batch"] / seconds / (chips if per_chip else 1)
+        if self.point["workload"] == "prefill" and unit.startswith("ms"):
+            return seconds * 1e3
         if self.point["workload"] == "gemm":
             return prog["flops"] / seconds / 1e12
         if self.point["workload"] == "copy":
@@ -255,7 +345,10 @@ class Predictor:
 
     def measured_seconds(self) -> float:
         """The published figure as the time of the same program (what the fit matches)."""
-        return self.figure(1.0) / float(self.point["figure"]["value"])  # figure ∝ 1 / time
+        value = float(self.point["figure"]["value"])
+        if self.point["figure"]["unit"].startswith("ms"):  # a time, not a rate
+            return value / 1e3
+        return self.figure(1.0) / value  # figure ∝ 1 / time
 
 
 def _stats(rows: list[Row]) -> dict:
@@ -287,7 +380,7 @@ def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool 
             refused[p["id"]] = str(e)
             continue
         if "refused" in prog:  # e.g. the lab's step needs more HBM than the chip has
-            refused[p["id"]] = prog["refused"]
+            refused[p["id"]] = why_refused(p, prog["refused"])
             continue
         predictors[p["id"]] = Predictor(p, prog)
     fits = {}
@@ -351,8 +444,104 @@ def save_fits(summary: Summary) -> Path:
                 "held_out": summary.held_out[v] if summary.held_out[v].get("n") else None,
                 "source": "python -m lab.tools.prediction (published points, held out)",
             }
+    data["validation"] = {
+        "rows": [{**dataclasses.asdict(r), "error": r.error} for r in summary.rows],
+        "held_out": summary.held_out,
+        "calibration": summary.calibration,
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "source": "python -m lab.tools.prediction",
+    }
     FITS.write_text(json.dumps(data, indent=1) + "\n")
     return FITS
+
+
+def saved_rows() -> list[Row]:
+    """The validation table as last measured (lab/predict/fits.json), for the ledger."""
+    from lab.predict.step import fits
+
+    rows = (fits().get("validation") or {}).get("rows") or []
+    return [Row(**{k: v for k, v in r.items() if k != "error"}) for r in rows]
+
+
+def published_mfu(point: dict) -> float | None:
+    """The MFU a training point's figure states, or its TFLOP/s per chip over the chip's
+    datasheet peak at bf16 (None for a unit that needs the publisher's FLOP count)."""
+    fig = point["figure"]
+    if fig.get("mfu"):
+        return float(fig["mfu"])
+    if fig["unit"] == "MFU":
+        return float(fig["value"])
+    if fig["unit"].startswith("TFLOP/s per chip"):
+        return float(fig["value"]) * 1e12 / specs.SPECS[spec_key(point)].peak_flops["bfloat16"]
+    return None
+
+
+def fallback_error(mfu: float, ids=None) -> dict:
+    """The old rule's error on the same held-out points: an accelerator's step predicted as its
+    datasheet peak × the MFU measured on this CPU, i.e. every training point predicted at MFU
+    `mfu`. It predicts nothing but training, so only the held-out training points count
+    (`ids`; default: those of the last validation, lab/predict/fits.json)."""
+    if ids is None:
+        ids = {r.id for r in saved_rows() if r.role == "held-out" and r.workload == "train"}
+    errs, ratios = [], []
+    for p in load_points():
+        pub = published_mfu(p) if p["id"] in ids else None
+        if pub:
+            errs.append(abs(mfu / pub - 1.0))
+            ratios.append(max(mfu / pub, pub / mfu))
+    if not errs:
+        return {"n": 0}
+    return {"n": len(errs), "median": float(np.median(errs)), "worst": float(max(ratios))}
+
+
+def fallback_statement(mfu: float) -> str:
+    """'fallback rule (datasheet peak × MFU measured here): its error 85% median, worst 7×, on
+    5 held-out published training points', measured now for this `mfu`."""
+    e = fallback_error(mfu)
+    rule = "fallback rule (datasheet peak × MFU measured here)"
+    if not e["n"]:
+        return f"{rule}: its error not measured (no held-out training point)"
+    return (
+        f"{rule}: its error {e['median']:.0%} median, worst {e['worst']:.3g}×, on {e['n']} "
+        "held-out published training points"
+    )
+
+
+def model_statement(vendor_name: str) -> str:
+    """'predicted by the step-time model of the compiled program; model error …' for a
+    machine class (gpu, tpu), read from lab/predict/fits.json."""
+    from lab.predict.step import error_statement
+
+    return f"step-time model of the compiled program; {error_statement(vendor_name)}"
+
+
+def predict_with_fit(point: dict, cache_dir=CACHE_DIR) -> dict | None:
+    """A figure outside the validation set (a ledger claim) predicted by the fitted model:
+    the point's program compiled for its target (cached like the validation's) and timed with
+    the vendor's fitted parameters. {"seconds", "breakdown", "collective_s", "figure" (the
+    point's unit), "statement", "program"}; None where the compiler refuses it or the target
+    cannot compile here."""
+    try:
+        prog = program(point, Path(cache_dir))
+    except ConfigError:
+        return None
+    if "refused" in prog:
+        return None
+    pr = Predictor(point, prog)
+    from lab.predict.step import fits
+
+    v = vendor(point)
+    p = pr.prediction(**((fits().get(v) or {}).get("fit") or {}))
+    seconds = p.seconds
+    return {
+        "seconds": seconds,
+        "breakdown": p.breakdown(),
+        "collective_s": p.collective_s,
+        "figure": pr.figure(seconds),
+        "statement": model_statement(v),
+        "program": {k: prog[k] for k in prog if k != "hlo"},
+    }
 
 
 def log_error(summary: Summary) -> str:

@@ -1,0 +1,102 @@
+"""The step-time model in the claims ledger: the prediction section (its table, plot and
+error lines from the saved validation), every predicted figure carrying its error, the
+fallback rule's error on the same held-out points, and programs predicted on another chip's
+spec entry (MI300X from the H100's matmul)."""
+
+import functools
+
+import pytest
+
+from experiments import common
+from experiments import prediction as section
+from lab.measure import specs
+from lab.predict.step import fits
+from lab.report import markdown, plots, tables
+from lab.studies import prediction
+
+
+def test_fallback_error_is_the_rule_held_against_published_mfu():
+    """The old rule predicts every training point at the MFU measured here: known answers on
+    a point whose published MFU is 0.41 (Megatron 1.7B on H100s)."""
+    ids = {"megatron-h100-1.7b"}
+    assert prediction.published_mfu(prediction.load_points(ids)[0]) == pytest.approx(0.41)
+    exact = prediction.fallback_error(0.41, ids)
+    assert exact["n"] == 1 and exact["median"] == pytest.approx(0.0)
+    double = prediction.fallback_error(0.82, ids)
+    assert double["median"] == pytest.approx(1.0) and double["worst"] == pytest.approx(2.0)
+    assert prediction.fallback_statement(0.82).startswith("fallback rule (datasheet peak")
+
+
+def test_published_mfu_from_tflops_per_chip_uses_the_chip_peak():
+    point = next(p for p in prediction.load_points() if p["id"] == "maxtext-a3-h100x8-llama2-7b")
+    peak = specs.SPECS["h100-sxm"].peak_flops["bfloat16"]
+    assert prediction.published_mfu(point) == pytest.approx(492e12 / peak)
+
+
+def test_serving_figures_follow_the_unit():
+    """Decode: sequences / step time (per chip where the unit says so); prefill in ms is the
+    time itself, and its 'measured seconds' is the figure / 1000, not its inverse."""
+    pr = object.__new__(prediction.Predictor)
+    pr.prog = {"batch": 60}
+    pr.point = {
+        "workload": "decode",
+        "hardware": {"kind": "a100", "chips": 2},
+        "figure": {"unit": "tokens/s per chip (output tokens)", "value": 1000.0},
+    }
+    assert pr.figure(0.03) == pytest.approx(1000.0)
+    assert pr.measured_seconds() == pytest.approx(0.03)
+    pr.point = {**pr.point, "workload": "prefill"}
+    pr.point["figure"] = {"unit": "ms (time to first token)", "value": 133.0}
+    assert pr.figure(0.1) == pytest.approx(100.0) and pr.measured_seconds() == 0.133
+
+
+def test_a_predicted_record_carries_its_error():
+    r = common.record("C02", "m", "x over y", 2.0, "×", label="predicted", model_error="rule E")
+    assert r["what"] == "x over y — predicted by the rule E"
+    assert r["config"]["model_error"] == "rule E"
+    assert common.record("C02", "m", "x", 2.0, "×", label="derived")["what"] == "x"
+
+
+def test_the_ledger_section_renders_the_saved_validation(tmp_path, monkeypatch):
+    """Records from lab/predict/fits.json (no compile): one per point, the held-out error read
+    from the file, the fallback rule's error on the same held-out training points; the report
+    section has the table and the log-log plot."""
+    monkeypatch.setattr(section, "mfu_here", lambda size: 0.3)
+    saved = fits()["validation"]
+    recs = section.run("tiny")
+    for r in recs:
+        r["config"]["module"] = "prediction"
+    points = plots.series(recs, "prediction_point")
+    assert len(points) == len(saved["rows"])
+    (held,) = plots.series(recs, "prediction_error")
+    assert held["value"] == saved["held_out"]["all"]["median"]
+    (fb,) = plots.series(recs, "prediction_fallback_error")
+    ids = {r["id"] for r in saved["rows"] if r["role"] == "held-out" and r["workload"] == "train"}
+    assert fb["value"] == prediction.fallback_error(0.3, ids)["median"]
+    lines = tables.prediction_markdown(recs)
+    assert sum(line.startswith("| ") for line in lines) == len(points) + 1
+    report = markdown.write_report(tmp_path, records=recs, only=())
+    text = report["path"].read_text()
+    assert "## Prediction" in text and "(prediction.png)" in text
+    assert (tmp_path / "prediction.png").stat().st_size > 1000
+
+
+def test_a_chip_without_a_compiler_is_predicted_on_its_own_spec(tmp_path, monkeypatch):
+    """MI300X: the H100's compiled bf16 matmul timed on the MI300X's spec entry. A large
+    matmul is compute-bound: each time is its FLOPs at the fitted share of the chip's bf16 peak
+    plus the fitted fixed cost of one op (hand-computed here)."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="the gpu-plan extra compiles for H100")
+    cached = functools.partial(prediction.predict_with_fit, cache_dir=tmp_path)
+    monkeypatch.setattr(prediction, "predict_with_fit", cached)
+    n = 4096
+    mi = common.predicted_gemm("h100-sxm", n, spec="mi300x")
+    h = common.predicted_gemm("h100-sxm", n)
+    fit = fits()["gpu"]["fit"]
+
+    def hand(key):
+        peak = specs.SPECS[key].peak_flops["bfloat16"] * fit["compute_efficiency"]
+        return 2 * n**3 / peak + fit["op_overhead_s"]
+
+    assert mi["seconds"] == pytest.approx(hand("mi300x"), rel=0.01)
+    assert h["seconds"] == pytest.approx(hand("h100-sxm"), rel=0.01)
+    assert "MI300X" in mi["statement"] and "model error" in mi["statement"]
