@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from lab.kernels.attention import pallas_gpu, pallas_mgpu, pallas_tpu
+from lab.kernels.attention.common import Mask
+from lab.kernels.attention.reference import attention_reference
 
 # max |kernel - f64| / max |f64| per dtype, as tests/test_attention.py and
 # tests/test_pallas_mgpu.py derive them: f32 sums of ~100 products at 2^-24; bf16 and f16
@@ -162,3 +164,78 @@ def test_bad_options_name_the_constraint(kernel, shapes, kwargs, needle):
     with pytest.raises(ValueError) as info:
         kernel(q, k, v, causal=True, **kwargs)
     assert needle in str(info.value)
+
+
+# ---------------------------------------------------------------------------- masks
+
+
+def mask_case(kind: str, B: int, L: int, S: int) -> Mask:
+    """One common.Mask of each kind, on per-sequence arrays where the kind has them."""
+    if kind == "causal-more-queries":  # the first L - S rows see no key: output 0
+        return Mask.make(causal=True)
+    if kind == "window":
+        return Mask.make(causal=True, window=(9, 0))
+    docs = np.array([[0] * 13 + [1] * 20 + [2] * (L - 33), [5] * 7 + [6] * (L - 7)])[:B]
+    if kind == "segments":  # packed documents (ids need not start at 0)
+        return Mask.make(q_segment_ids=jnp.asarray(docs), kv_segment_ids=jnp.asarray(docs))
+    if kind == "lengths":
+        return Mask.make(q_lengths=jnp.array([L - 5, 0][:B]), kv_lengths=jnp.array([S, 9][:B]))
+    # all of them at once, a window open on both sides and no causal clause
+    return Mask.make(
+        window=(6, 3),
+        q_segment_ids=jnp.asarray(docs),
+        kv_segment_ids=jnp.asarray(docs),
+        kv_lengths=jnp.array([S - 3, 20][:B]),
+    )
+
+
+def masked_reference_f64(q, k, v, do, dlse, mask, softcap):
+    with jax.enable_x64(True):
+        args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do, dlse)]
+        fn = functools.partial(
+            attention_reference, causal=False, mask=mask, softcap=softcap, return_lse=True
+        )
+        return [np.asarray(x) for x in values_and_grads(fn, *args)]
+
+
+def assert_masked_close(got, want, dtype):
+    """As assert_close, with rows that see no key: lse -inf on both sides, output 0."""
+    o, lse, *grads = got
+    w_o, w_lse, *w_grads = want
+    empty = np.isneginf(w_lse)
+    assert (np.isneginf(np.asarray(lse)) == empty).all()
+    assert (np.asarray(o, np.float64)[empty] == 0).all()
+    lse, w_lse = np.where(empty, 0, lse), np.where(empty, 0, w_lse)
+    assert_close([o, lse, *grads], [w_o, w_lse, *w_grads], dtype)
+
+
+MASK_CASES = [  # pairwise over (kind, dtype, GQA ratio): each kind once, both dtypes and ratios
+    ("causal-more-queries", "float32", 2, 48, 24, None),
+    ("window", "bfloat16", 1, 40, 40, 5.0),
+    ("segments", "float32", 2, 40, 40, None),
+    ("lengths", "bfloat16", 2, 40, 40, None),
+    ("combined", "float32", 1, 40, 40, 5.0),
+]
+
+
+@pytest.mark.parametrize("kind, dtype, ratio, L, S, softcap", MASK_CASES)
+def test_triton_kernel_masks_match_float64(kind, dtype, ratio, L, S, softcap):
+    """Every Mask kind through the Triton kernel (16-row, 16/32-key tiles, so the maps hold
+    empty, partial and full tiles), forward and the three gradients, lse included. Keys in
+    16-key blocks that no query sees hold NaN in the kernel's inputs (not the reference's):
+    in the lengths and combined cases whole tiles of every kernel's map, so a kernel that
+    visited an empty tile (forward, dQ or dK/dV) would return NaN."""
+    B, H = 2, 2
+    seed = zlib.crc32(f"{kind}{dtype}{ratio}".encode())
+    q, k, v, do, dlse = random_inputs(seed, L, S, H, H // ratio, 24, 40, dtype)
+    q, k, v, do = (jnp.concatenate([x, x[:, ::-1] * 0.5]) for x in (q, k, v, do))  # B = 2
+    dlse = jnp.concatenate([dlse, -dlse])
+    mask = mask_case(kind, B, L, S)
+    bm = mask.block_map(L, S, 16, 16)  # the dK/dV kernel's tiles, the finest key blocks
+    unseen_B1xS11 = np.repeat(np.asarray(bm.kind).max(axis=1) == 0, 16, axis=1)[:, None, :S]
+    unseen_B1xS11 = jnp.asarray(unseen_B1xS11.reshape(-1, 1, S, 1, 1)[:, 0])
+    k_nan, v_nan = (jnp.where(unseen_B1xS11, jnp.nan, x) for x in (k, v))
+    fn = functools.partial(GPU, causal=False, mask=mask, softcap=softcap, return_lse=True)
+    got = values_and_grads(fn, q, k_nan, v_nan, do, dlse, FAST_COMPILE)
+    want = masked_reference_f64(q, k, v, do, dlse, mask, softcap)
+    assert_masked_close(got, want, dtype)

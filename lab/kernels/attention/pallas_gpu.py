@@ -42,8 +42,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from lab.kernels import triton_deprecation
 from lab.kernels.attention.common import (
+    FULL,
     MASK_VALUE,
     Geometry,
+    Mask,
     check_dtype,
     check_qkv,
     default_scale,
@@ -58,7 +60,7 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 8, 256
 HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, MAX_HEAD_DIM + 1, HEAD_DIM_MULTIPLE))
 # What the dispatch may pass beyond plain attention (common.FEATURE_NAMES).
-FEATURES = frozenset({"softcap", "lse", "value_dim"})
+FEATURES = frozenset({"softcap", "lse", "value_dim", "empty_rows", "segments", "lengths", "window"})
 
 
 def _power_of_two(n) -> bool:
@@ -152,20 +154,128 @@ def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _scores(q_LxK, k_SxK, i, j, g: Geometry, masked: bool, cap: float | None):
+def _scores(q_LxK, k_SxK, i, j, g: Geometry, masked: bool, cap: float | None, tiles=None):
     """Scaled (and soft-capped) f32 scores of query block i against key block j, masked where
-    `masked`; with the cap also tanh(scores / cap), whose 1 - t² the backward needs."""
+    `masked` (by the Mask's `tiles` where given, else causal and padding); with the cap also
+    tanh(scores / cap), whose 1 - t² the backward needs; and the tile's mask (or None)."""
     s_LxS = _dot(q_LxK, k_SxK, trans_b=True) * g.scale
-    t_LxS = None
+    t_LxS = ok_LxS = None
     if cap is not None:
         t_LxS = jnp.tanh(s_LxS * (1.0 / cap))
         s_LxS = cap * t_LxS
     if masked:
+        if tiles is not None:
+            ok_LxS = tiles.visible(i, j)
+        else:
+            q_pos_Lx1 = (i * g.bq + jnp.arange(g.bq))[:, None]
+            k_pos_1xS = (j * g.bk + jnp.arange(g.bk))[None, :]
+            ok_LxS = visible(q_pos_Lx1, k_pos_1xS, causal=g.causal, kv_len=g.S, offset=g.offset)
+        s_LxS = jnp.where(ok_LxS, s_LxS, MASK_VALUE)
+    return s_LxS, t_LxS, ok_LxS
+
+
+@dataclasses.dataclass(frozen=True)
+class _MaskPlan:
+    """The static side of a Mask for the kernels (hashable: part of the jit key): its causal
+    and window clauses, which of its arrays ride along as kernel inputs, and whether the
+    block map is per sequence."""
+
+    mask: Mask  # causal and window only (no arrays)
+    segments: bool
+    q_lengths: bool
+    kv_lengths: bool
+    per_seq: bool
+
+    @staticmethod
+    def of(mask: Mask, per_seq: bool) -> "_MaskPlan":
+        return _MaskPlan(
+            Mask.make(causal=mask.causal, window=mask.window),
+            mask.segments,
+            mask.q_lengths is not None,
+            mask.kv_lengths is not None,
+            per_seq,
+        )
+
+    def arrays(self, mask: Mask, bm, g: Geometry, query_major: bool) -> list:
+        """One kernel's mask inputs: its block-map rows (count, block list, kinds), then the
+        segment ids padded to whole blocks, then the lengths."""
+        if query_major:
+            maps = [bm.kv_count, bm.kv_blocks, bm.kind]
+        else:  # per key block: its query blocks, and the kinds of that column
+            maps = [bm.q_count, bm.q_blocks, jnp.swapaxes(jnp.asarray(bm.kind), 1, 2)]
+        out = [jnp.asarray(x, jnp.int32) for x in maps]
+        if self.segments:
+            out.append(_pad(mask.q_segment_ids.astype(jnp.int32), g.n_q * g.bq))
+            out.append(_pad(mask.kv_segment_ids.astype(jnp.int32), g.n_k * g.bk))
+        for present, x in ((self.q_lengths, mask.q_lengths), (self.kv_lengths, mask.kv_lengths)):
+            if present:
+                out.append(x.astype(jnp.int32))
+        return out
+
+    def specs(self, g: Geometry, query_major: bool) -> list:
+        """BlockSpecs of `arrays` for a grid (query or key block, batch, head)."""
+        seq = (lambda b: b) if self.per_seq else (lambda b: 0)
+        n = g.n_k if query_major else g.n_q
+        out = [
+            pl.BlockSpec((None, None), lambda x, b, h: (seq(b), x)),
+            pl.BlockSpec((None, None, n), lambda x, b, h: (seq(b), x, 0)),
+            pl.BlockSpec((None, None, n), lambda x, b, h: (seq(b), x, 0)),
+        ]
+        if self.segments:
+            Lp, Sp = g.n_q * g.bq, g.n_k * g.bk
+            if query_major:
+                out.append(pl.BlockSpec((None, g.bq), lambda i, b, h: (b, i)))
+                out.append(pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)))
+            else:
+                out.append(pl.BlockSpec((None, Lp), lambda j, b, h: (b, 0)))
+                out.append(pl.BlockSpec((None, g.bk), lambda j, b, h: (b, j)))
+        out += [pl.BlockSpec((None,), lambda x, b, h: (b,))] * (self.q_lengths + self.kv_lengths)
+        return out
+
+
+class _Tiles:
+    """Inside a kernel: its block map row (which blocks to visit, which need the mask) and
+    the mask of one (query block i, key block j) tile, from the mask inputs."""
+
+    def __init__(self, mp: _MaskPlan, refs, g: Geometry, query_major: bool):
+        self.mp, self.g, self.query_major = mp, g, query_major
+        self.count, self.blocks, self.kinds, *rest = refs
+        rest = iter(rest)
+        self.q_seg, self.kv_seg = (next(rest), next(rest)) if mp.segments else (None, None)
+        self.q_len = next(rest) if mp.q_lengths else None
+        self.kv_len = next(rest) if mp.kv_lengths else None
+
+    def visible(self, i, j):
+        g = self.g
         q_pos_Lx1 = (i * g.bq + jnp.arange(g.bq))[:, None]
         k_pos_1xS = (j * g.bk + jnp.arange(g.bk))[None, :]
-        ok_LxS = visible(q_pos_Lx1, k_pos_1xS, causal=g.causal, kv_len=g.S, offset=g.offset)
-        s_LxS = jnp.where(ok_LxS, s_LxS, MASK_VALUE)
-    return s_LxS, t_LxS
+        extra = {}
+        if self.q_seg is not None:
+            if self.query_major:
+                q_seg, kv_seg = self.q_seg[...], self.kv_seg[pl.ds(j * g.bk, g.bk)]
+            else:
+                q_seg, kv_seg = self.q_seg[pl.ds(i * g.bq, g.bq)], self.kv_seg[...]
+            extra.update(q_seg=q_seg[:, None], kv_seg=kv_seg[None, :])
+        if self.q_len is not None:
+            extra["q_len"] = self.q_len[...]
+        if self.kv_len is not None:
+            extra["kv_len"] = self.kv_len[...]
+        return self.mp.mask.visible(q_pos_Lx1, k_pos_1xS, L=g.L, S=g.S, **extra)
+
+    def loop(self, step, carry):
+        """`step(n, carry, masked=...)` over this row's non-empty blocks n: full ones bare,
+        partial ones masked; empty ones never visited."""
+
+        def body(t, carry):
+            n = self.blocks[t]
+            return jax.lax.cond(
+                self.kinds[n] == FULL,
+                functools.partial(step, n, masked=False),
+                functools.partial(step, n, masked=True),
+                carry,
+            )
+
+        return jax.lax.fori_loop(0, self.count[...], body, carry)
 
 
 def _capped_grad(ds_LxS, t_LxS):
@@ -202,18 +312,22 @@ def _query_spans(j, g: Geometry, split: bool):
     return [(start, mid, True), (mid, g.n_q, False)]
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, g: Geometry, split: bool, cap):
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, g: Geometry, split: bool, cap, mp=None):
     # q_ref: [L, K]; k_ref: [Sp, K], v_ref: [Sp, Kv] (the whole padded sequence);
-    # o_ref: [L, Kv]; lse_ref: [L]
+    # refs: the mask inputs (with a Mask: _MaskPlan.arrays), then o_ref: [L, Kv]; lse_ref: [L]
+    *mask_refs, o_ref, lse_ref = refs
+    tiles = None if mp is None else _Tiles(mp, mask_refs, g, query_major=True)
     i = pl.program_id(0)
     q_LxK = q_ref[...]
 
     def step(j, carry, masked):
         o_LxK, max_Q, sum_Q = carry
         keys = pl.ds(j * g.bk, g.bk)
-        s_LxS, _ = _scores(q_LxK, k_ref[keys, :], i, j, g, masked, cap)
+        s_LxS, _, ok_LxS = _scores(q_LxK, k_ref[keys, :], i, j, g, masked, cap, tiles)
         new_max_Q = jnp.maximum(max_Q, s_LxS.max(axis=1))
         p_LxS = jnp.exp(s_LxS - new_max_Q[:, None])
+        if tiles is not None and masked:  # a row may have seen no key yet: its max is MASK
+            p_LxS = jnp.where(ok_LxS, p_LxS, 0.0)
         alpha_Q = jnp.exp(max_Q - new_max_Q)
         pv_LxK = _dot(p_LxS.astype(v_ref.dtype), v_ref[keys, :])
         return alpha_Q[:, None] * o_LxK + pv_LxK, new_max_Q, alpha_Q * sum_Q + p_LxS.sum(axis=1)
@@ -223,14 +337,24 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, g: Geometry, split: bool
         jnp.full((g.bq,), MASK_VALUE, jnp.float32),
         jnp.zeros((g.bq,), jnp.float32),
     )
-    o_LxK, max_Q, sum_Q = _loops(step, init, _key_spans(i, g, split))
-    o_ref[...] = (o_LxK / sum_Q[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = max_Q + jnp.log(sum_Q)
+    if tiles is None:
+        o_LxK, max_Q, sum_Q = _loops(step, init, _key_spans(i, g, split))
+        o_ref[...] = (o_LxK / sum_Q[:, None]).astype(o_ref.dtype)
+        lse_ref[...] = max_Q + jnp.log(sum_Q)
+        return
+    o_LxK, max_Q, sum_Q = tiles.loop(step, init)
+    seen_Q = sum_Q > 0  # a row that sees no key: output 0, log-sum-exp +inf (its P is 0)
+    o_ref[...] = (o_LxK / jnp.where(seen_Q, sum_Q, 1.0)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen_Q, max_Q + jnp.log(sum_Q), jnp.inf)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, g: Geometry, split, cap):
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g: Geometry, split, cap, mp=None
+):
     # q_ref, dq_ref: [L, K]; do_ref: [L, Kv]; k_ref: [Sp, K]; v_ref: [Sp, Kv];
-    # lse_ref, delta_ref: [L]
+    # lse_ref, delta_ref: [L]; refs: the mask inputs, then dq_ref
+    *mask_refs, dq_ref = refs
+    tiles = None if mp is None else _Tiles(mp, mask_refs, g, query_major=True)
     i = pl.program_id(0)
     q_LxK, do_LxK = q_ref[...], do_ref[...]
     lse_Lx1, delta_Lx1 = lse_ref[...][:, None], delta_ref[...][:, None]
@@ -238,22 +362,28 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, g: Ge
     def step(j, dq_LxK, masked):
         keys = pl.ds(j * g.bk, g.bk)
         k_SxK = k_ref[keys, :]
-        s_LxS, t_LxS = _scores(q_LxK, k_SxK, i, j, g, masked, cap)
+        s_LxS, t_LxS, _ = _scores(q_LxK, k_SxK, i, j, g, masked, cap, tiles)
         p_LxS = jnp.exp(s_LxS - lse_Lx1)
         dp_LxS = _dot(do_LxK, v_ref[keys, :], trans_b=True)
         ds_LxS = _capped_grad(p_LxS * (dp_LxS - delta_Lx1), t_LxS)
         ds_LxS = (ds_LxS * g.scale).astype(k_SxK.dtype)
         return dq_LxK + _dot(ds_LxS, k_SxK)
 
-    dq_LxK = _loops(step, jnp.zeros(q_LxK.shape, jnp.float32), _key_spans(i, g, split))
+    zeros = jnp.zeros(q_LxK.shape, jnp.float32)
+    if tiles is None:
+        dq_LxK = _loops(step, zeros, _key_spans(i, g, split))
+    else:
+        dq_LxK = tiles.loop(step, zeros)
     dq_ref[...] = dq_LxK.astype(dq_ref.dtype)
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, g: Geometry, split, cap
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g: Geometry, split, cap, mp=None
 ):
     # q_ref: [Lp, R, K], do_ref: [Lp, R, Kv] (the group's query heads); lse_ref, delta_ref:
-    # [R, Lp]; k_ref, dk_ref: [S, K]; v_ref, dv_ref: [S, Kv]
+    # [R, Lp]; k_ref, dk_ref: [S, K]; v_ref, dv_ref: [S, Kv]; refs: the mask inputs, dk, dv
+    *mask_refs, dk_ref, dv_ref = refs
+    tiles = None if mp is None else _Tiles(mp, mask_refs, g, query_major=False)
     j = pl.program_id(0)
     k_SxK, v_SxK = k_ref[...], v_ref[...]
 
@@ -262,7 +392,7 @@ def _dkv_kernel(
         rows = pl.ds(i * g.bq, g.bq)
         q_LxK, do_LxK = q_ref[rows, member, :], do_ref[rows, member, :]
         lse_Lx1, delta_Lx1 = lse_ref[member, rows][:, None], delta_ref[member, rows][:, None]
-        s_LxS, t_LxS = _scores(q_LxK, k_SxK, i, j, g, masked, cap)
+        s_LxS, t_LxS, _ = _scores(q_LxK, k_SxK, i, j, g, masked, cap, tiles)
         p_LxS = jnp.exp(s_LxS - lse_Lx1)
         dv_SxK += _dot(p_LxS.astype(do_LxK.dtype), do_LxK, trans_a=True)
         dp_LxS = _dot(do_LxK, v_SxK, trans_b=True)
@@ -272,7 +402,10 @@ def _dkv_kernel(
         return dk_SxK, dv_SxK
 
     def one_member(member, carry):
-        return _loops(functools.partial(step, member=member), carry, _query_spans(j, g, split))
+        member_step = functools.partial(step, member=member)
+        if tiles is not None:
+            return tiles.loop(member_step, carry)
+        return _loops(member_step, carry, _query_spans(j, g, split))
 
     zeros = (jnp.zeros(k_SxK.shape, jnp.float32), jnp.zeros(v_SxK.shape, jnp.float32))
     dk_SxK, dv_SxK = jax.lax.fori_loop(0, g.R, one_member, zeros)
@@ -292,7 +425,7 @@ def _triton(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan"):
+def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan", masks=()):
     B, L, H, K = q_BxLxHxK.shape
     V = v_BxSxGxV.shape[-1]
     bs = plan.block_sizes
@@ -302,9 +435,9 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan"):
     k_spec = pl.BlockSpec((None, Sp, None, K), lambda i, b, h: (b, 0, h // g.R, 0))
     v_spec = pl.BlockSpec((None, Sp, None, V), lambda i, b, h: (b, 0, h // g.R, 0))
     o_BxLxHxV, lse_BxHxL = pl.pallas_call(
-        functools.partial(_fwd_kernel, g=g, split=bs.split_mask, cap=plan.softcap),
+        functools.partial(_fwd_kernel, g=g, split=bs.split_mask, cap=plan.softcap, mp=plan.mp),
         grid=(g.n_q, B, H),
-        in_specs=[q_spec, k_spec, v_spec],
+        in_specs=[q_spec, k_spec, v_spec, *_mask_specs(plan, g, query_major=True)],
         out_specs=[o_spec, pl.BlockSpec((None, None, g.bq), lambda i, b, h: (b, h, i))],
         out_shape=[
             jax.ShapeDtypeStruct((B, Lp, H, V), q_BxLxHxK.dtype),
@@ -313,11 +446,11 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan"):
         compiler_params=_triton(bs.num_warps, bs.num_stages),
         interpret=plan.interpret,
         name="flash_attention_fwd",
-    )(_pad(q_BxLxHxK, Lp), _pad(k_BxSxGxK, Sp), _pad(v_BxSxGxV, Sp))
+    )(_pad(q_BxLxHxK, Lp), _pad(k_BxSxGxK, Sp), _pad(v_BxSxGxV, Sp), *masks)
     return o_BxLxHxV[:, :L], lse_BxHxL[:, :, :L]
 
 
-def _dq(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g, plan):
+def _dq(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g, plan, masks):
     B, L, H, K = q_BxLxHxK.shape
     V = v_BxSxGxV.shape[-1]
     bs = plan.block_sizes
@@ -328,9 +461,12 @@ def _dq(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g, 
     v_spec = pl.BlockSpec((None, Sp, None, V), lambda i, b, h: (b, 0, h // g.R, 0))
     row_spec = pl.BlockSpec((None, None, g.bq), lambda i, b, h: (b, h, i))
     dq_BxLxHxK = pl.pallas_call(
-        functools.partial(_dq_kernel, g=g, split=bs.split_mask, cap=plan.softcap),
+        functools.partial(_dq_kernel, g=g, split=bs.split_mask, cap=plan.softcap, mp=plan.mp),
         grid=(g.n_q, B, H),
-        in_specs=[q_spec, k_spec, v_spec, do_spec, row_spec, row_spec],
+        in_specs=[
+            *(q_spec, k_spec, v_spec, do_spec, row_spec, row_spec),
+            *_mask_specs(plan, g, query_major=True),
+        ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct((B, Lp, H, K), q_BxLxHxK.dtype),
         compiler_params=_triton(bs.num_warps_bwd, bs.num_stages_bwd),
@@ -343,11 +479,12 @@ def _dq(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g, 
         _pad(do_BxLxHxV, Lp),
         _pad(lse_BxHxL, Lp, axis=2),
         _pad(delta_BxHxL, Lp, axis=2),
+        *masks,
     )
     return dq_BxLxHxK[:, :L]
 
 
-def _dkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g, plan):
+def _dkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g, plan, masks):
     B, S, G, K = k_BxSxGxK.shape
     V = v_BxSxGxV.shape[-1]
     bs = plan.block_sizes
@@ -358,9 +495,12 @@ def _dkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g,
     k_spec = pl.BlockSpec((None, g.bk, None, K), lambda j, b, kv: (b, j, kv, 0))
     v_spec = pl.BlockSpec((None, g.bk, None, V), lambda j, b, kv: (b, j, kv, 0))
     dk_BxSxGxK, dv_BxSxGxV = pl.pallas_call(
-        functools.partial(_dkv_kernel, g=g, split=bs.split_mask, cap=plan.softcap),
+        functools.partial(_dkv_kernel, g=g, split=bs.split_mask, cap=plan.softcap, mp=plan.mp),
         grid=(g.n_k, B, G),
-        in_specs=[q_spec, k_spec, v_spec, do_spec, group_rows_spec, group_rows_spec],
+        in_specs=[
+            *(q_spec, k_spec, v_spec, do_spec, group_rows_spec, group_rows_spec),
+            *_mask_specs(plan, g, query_major=False),
+        ],
         out_specs=[k_spec, v_spec],
         out_shape=[
             jax.ShapeDtypeStruct((B, Sp, G, K), k_BxSxGxK.dtype),
@@ -376,6 +516,7 @@ def _dkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g,
         _pad(do_BxLxHxV, Lp),
         _pad(lse_BxHxL, Lp, axis=2),
         _pad(delta_BxHxL, Lp, axis=2),
+        *masks,
     )
     return dk_BxSxGxK[:, :S], dv_BxSxGxV[:, :S]
 
@@ -390,21 +531,28 @@ class _Plan:
     block_sizes: BlockSizes
     interpret: bool
     softcap: float | None = None  # scores become softcap·tanh(scores / softcap)
+    mp: _MaskPlan | None = None  # with a Mask: its static side (else causal and padding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan: _Plan):
-    """(output [B, L, H, V], log-sum-exp [B, H, L] f32): both differentiable."""
-    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan)
+def _mask_specs(plan: _Plan, g: Geometry, query_major: bool) -> list:
+    return [] if plan.mp is None else plan.mp.specs(g, query_major)
 
 
-def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan: _Plan):
-    o_BxLxHxV, lse_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan)
-    return (o_BxLxHxV, lse_BxHxL), (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, masks, plan: _Plan):
+    """(output [B, L, H, V], log-sum-exp [B, H, L] f32): both differentiable. `masks`: the
+    forward, dQ and dK/dV kernels' mask inputs (three lists; empty without a Mask)."""
+    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan, masks[0])
+
+
+def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, masks, plan: _Plan):
+    o_BxLxHxV, lse_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan, masks[0])
+    residuals = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL, masks)
+    return (o_BxLxHxV, lse_BxHxL), residuals
 
 
 def _flash_bwd(plan: _Plan, residuals, cotangents):
-    q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL = residuals
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL, masks = residuals
     do_BxLxHxV, dlse_BxHxL = cotangents
     # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row. A
     # cotangent on the log-sum-exp adds dlse_i·P_ij to dS_ij: the same as delta_i - dlse_i.
@@ -413,9 +561,9 @@ def _flash_bwd(plan: _Plan, residuals, cotangents):
     )
     delta_BxHxL = delta_BxHxL - dlse_BxHxL
     args = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL)
-    dq_BxLxHxK = _dq(*args, plan.dq, plan)
-    dk_BxSxGxK, dv_BxSxGxV = _dkv(*args, plan.dkv, plan)
-    return dq_BxLxHxK, dk_BxSxGxK, dv_BxSxGxV
+    dq_BxLxHxK = _dq(*args, plan.dq, plan, masks[1])
+    dk_BxSxGxK, dv_BxSxGxV = _dkv(*args, plan.dkv, plan, masks[2])
+    return dq_BxLxHxK, dk_BxSxGxK, dv_BxSxGxV, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -433,7 +581,7 @@ def _check_head_dim(x, what: str) -> None:
 def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, *, causal: bool) -> None:
     """What this kernel accepts (the dispatch asks before choosing it): dtypes float32,
     bfloat16, float16; q/k and v head dims each a multiple of 8 up to 256 (v's may differ)."""
-    check_qkv(q_BxLxHxK, k_BxSxGxK, k_BxSxGxK, causal=causal)
+    check_qkv(q_BxLxHxK, k_BxSxGxK, k_BxSxGxK, causal=causal, empty_rows=True)
     k, v = k_BxSxGxK, v_BxSxGxV
     if v.ndim != 4 or v.shape[:3] != k.shape[:3] or v.dtype != k.dtype:
         raise ValueError(
@@ -467,6 +615,7 @@ def flash_attention_gpu(
     *,
     causal: bool = True,
     scale: float | None = None,
+    mask: Mask | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
     block_sizes: BlockSizes | None = None,
@@ -479,6 +628,10 @@ def flash_attention_gpu(
     softcap·tanh(scores / softcap) before the softmax (Gemma 2), gradient included.
     `return_lse=True` returns (out, lse) with lse [batch, seq, heads] f32, each row's
     natural log-sum-exp of the (capped) scaled scores; both are differentiable.
+    `mask` (common.Mask: causal, a window, segment ids, lengths, combined with `causal`):
+    each kernel visits only the tiles its block map (Mask.block_map) does not classify empty,
+    and applies the mask only to the partial ones; a row that sees no key gives 0 (lse -inf).
+    Causal with more queries than keys takes this path too.
     `block_sizes=None` looks the device up in `BLOCK_SIZES`; `interpret=True` runs the same
     kernels through the Pallas interpreter (CPU tests).
     """
@@ -486,8 +639,14 @@ def flash_attention_gpu(
     softcap = check_softcap(softcap)
     if not interpret:
         triton_deprecation.explain()  # jax >= 0.11: one line instead of a warning per kernel
-    _, L, H, K = q_BxLxHxK.shape
+    B, L, H, K = q_BxLxHxK.shape
     S, G, V = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2], v_BxSxGxV.shape[-1]
+    if mask is None and causal and L > S:  # rows with no key: the Mask path gives them 0
+        mask = Mask.make(causal=True)
+    if mask is not None:
+        mask.check(B, L, S)
+        if causal and not mask.causal:
+            mask = dataclasses.replace(mask, causal=True)
     if block_sizes is None:
         block_sizes = block_sizes_for(device_kind(), K)
 
@@ -506,11 +665,19 @@ def flash_attention_gpu(
         block_sizes=bs,
         interpret=interpret,
         softcap=softcap,
+        mp=None if mask is None else _MaskPlan.of(mask, per_seq=mask.dynamic),
     )
+    masks = ([], [], [])
+    if mask is not None:  # each kernel's block map, classified before it runs
+        masks = tuple(
+            plan.mp.arrays(mask, mask.block_map(L, S, g.bq, g.bk), g, query_major)
+            for g, query_major in ((plan.fwd, True), (plan.dq, True), (plan.dkv, False))
+        )
     Kt, Vt = _tile_dim(K), _tile_dim(V)  # Triton's power-of-two tiles
     q, k = _pad(q_BxLxHxK, Kt, axis=3), _pad(k_BxSxGxK, Kt, axis=3)
-    o_BxLxHxV, lse_BxHxL = _flash(q, k, _pad(v_BxSxGxV, Vt, axis=3), plan)
+    o_BxLxHxV, lse_BxHxL = _flash(q, k, _pad(v_BxSxGxV, Vt, axis=3), masks, plan)
     o_BxLxHxV = o_BxLxHxV[..., :V]
     if not return_lse:
         return o_BxLxHxV
+    lse_BxHxL = jnp.where(lse_BxHxL == jnp.inf, -jnp.inf, lse_BxHxL)  # rows that saw no key
     return o_BxLxHxV, jnp.swapaxes(lse_BxHxL, 1, 2)
