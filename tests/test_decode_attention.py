@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from lab import quant
-from lab.kernels.attention import decode
+from lab.kernels.attention import decode, decode_attention
 
 # max |kernel - f64 reference| / max |reference|, per input dtype. Both sides start from the
 # same rounded inputs, so what differs is the kernel's own rounding. f32: sums of <= 200
@@ -152,7 +152,10 @@ def test_sliding_window_sees_only_the_last_slots(impl: str):
     seen = (jnp.arange(S)[None, :] >= lengths[:, None] - W)[:, None, :, None]
     k, v = (jnp.where(seen, x, jnp.nan) for x in (k, v))
     fn = kernel(impl, 3)
-    got = fn(q, k, v, lengths, window=W)
+    bs = fn.keywords["block_sizes"]
+    got = decode_attention(  # through the dispatch, as lab.serve calls it
+        q, k, v, lengths, impl=f"pallas_{impl}", window=W, interpret=True, block_sizes=bs
+    )
     want = reference_f64(q, k, v, lengths, window=W)
     assert np.isfinite(want).all()
     assert relative_error(got, want) < TOL["float32"]

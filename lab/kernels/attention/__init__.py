@@ -630,21 +630,23 @@ def decode_attention(
     *,
     impl: str = "auto",
     scale: float | None = None,
+    window: int | None = None,
     interpret: bool = False,
     block_sizes=None,
     shard_spec=None,
 ):
     """One query token per sequence against its cache (decode.py): q [B, H, K], caches
-    [B, G, S, K] (int8 with [B, G, 1, S] scales, or q's dtype), lengths [B] valid slots.
+    [B, G, S, K] (int8 with [B, G, 1, S] scales, or q's dtype), lengths [B] valid slots;
+    `window=W`: only the last W of them (a sliding-window layer: Mask window (W - 1, 0)).
     `shard_spec`: how the cache [B, G, S, K] is split over the context mesh (batch and kv
     heads; the slots whole), for the Pallas kernels' shard_map."""
     impl = choose_decode(impl, interpret=interpret)
     args = (q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
     if impl == "reference":
-        return decode.decode_attention_reference(*args, scale=scale)
+        return decode.decode_attention_reference(*args, scale=scale, window=window)
     kernel = decode.decode_attention_tpu if impl == "pallas_tpu" else decode.decode_attention_gpu
     bs = block_sizes or (decode.BlockSizesTPU() if impl == "pallas_tpu" else decode.BlockSizesGPU())
-    fn = functools.partial(kernel, scale=scale, block_sizes=bs, interpret=interpret)
+    fn = functools.partial(kernel, scale=scale, window=window, block_sizes=bs, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if shard_spec is None or mesh.empty or mesh.size == 1:
         return fn(*args)
