@@ -313,12 +313,37 @@ def test_flops_count_only_the_tiles_the_mask_leaves():
 
 
 def test_auto_on_cpu_takes_the_kernel_that_has_the_feature():
-    """The native CPU kernel takes no mask features yet: auto falls back to blockwise."""
+    """The native CPU kernel takes the masks but not soft-capping yet: auto keeps it for a
+    window and falls back to blockwise for softcap."""
     from lab.kernels.attention import choose
 
     q = jnp.ones((1, 32, 2, 8))
-    assert choose("auto", q, q, q, features=frozenset({"window"}), backend="cpu") == "blockwise"
+    assert choose("auto", q, q, q, features=frozenset({"softcap"}), backend="cpu") == "blockwise"
     if not cpu_flash.available():
         return
-    with pytest.raises(ValueError, match="impl='cpu_flash' does not support a sliding window"):
-        choose("cpu_flash", q, q, q, features=frozenset({"window"}), backend="cpu")
+    assert choose("auto", q, q, q, features=frozenset({"window"}), backend="cpu") == "cpu_flash"
+    with pytest.raises(ValueError, match="impl='cpu_flash' does not support logit soft-capping"):
+        choose("cpu_flash", q, q, q, features=frozenset({"softcap"}), backend="cpu")
+
+
+CPU_FLASH_CASES = [
+    ("segments", "float32"),
+    ("lengths", "float32"),
+    ("window_lr", "float32"),
+    ("causal_short", "float32"),
+    ("combo", "bfloat16"),
+]
+
+
+@pytest.mark.skipif(not cpu_flash.available(), reason="the native CPU kernel is not built here")
+@pytest.mark.parametrize("kind, dtype", CPU_FLASH_CASES, ids=lambda x: str(x))
+def test_cpu_flash_matches_float64(kind, dtype):
+    """The native kernel takes the masks (not yet softcap, sinks, the LSE or a value dim of
+    its own): those features are dropped from the case, the mask kept."""
+    shapes, kwargs = _case(kind)
+    kwargs = {n: x for n, x in kwargs.items() if n not in ("softcap", "sinks", "return_lse")}
+    L, S, G, D, _ = shapes
+    q, k, v, do, dlse = _inputs((L, S, G, D, D), dtype)
+    kw = dict(kwargs, impl="cpu_flash", block_sizes=cpu_flash.BlockSizes(32, 32))
+    got = _run(attention, kw, q, k, v, do, dlse)
+    assert_close(got, _reference(kwargs, q, k, v, do, dlse), dtype, f"cpu_flash {kind}")

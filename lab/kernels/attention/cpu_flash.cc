@@ -5,9 +5,9 @@
 // Layout as the lab's other kernels: q [B, L, H, K], k and v [B, S, G, K] (grouped-query:
 // query head h reads kv head h / R, R = H / G; K/V are never repeated), lse [B, H, L] f32.
 // Leading dimensions before the last three are folded into B (jax.vmap's broadcast_all).
-// Causal mask aligned bottom-right (lab/kernels/attention/common.py): key j is visible to
-// query i iff j <= i + S - L. Block skipping mirrors common.Geometry (k_blocks_end,
-// q_blocks_start). Inputs f32 or bf16; every tile is packed into f32 and every sum is f32.
+// Masks as lab/kernels/attention/common.py's Mask (causal aligned bottom-right, a sliding
+// window, segment ids, lengths); the tiles to skip or mask come from its block map, passed in;
+// a row that sees no key gives 0. Inputs f32 or bf16; every tile is packed into f32 and every sum is f32.
 //
 // Work is split over std::threads: (batch, head, query block) items for the forward and dQ,
 // (batch, kv head, key block) items for dK/dV, heaviest first (causal blocks differ in work).
@@ -168,25 +168,25 @@ struct Geo {
   bool causal;
   float scale;
   int threads;
+  // The mask (lab/kernels/attention/common.py, Mask): key j is visible to query i iff
+  // lo <= j - i - (S - L) <= hi (each side only where has_lo / has_hi: causal and a window),
+  // i < q_len[b], j < kv_len[b], q_seg[b, i] == kv_seg[b, j]. kind [B, nq, nk]: the block
+  // map (0 empty: skipped, 1 partial: masked, 2 full: no mask), computed by Mask.block_map.
+  bool has_lo = false, has_hi = false;
+  int64_t lo = 0, hi = 0;
+  const int32_t* q_seg = nullptr;  // [B, L]
+  const int32_t* kv_seg = nullptr;  // [B, S]
+  const int32_t* q_len = nullptr;  // [B]
+  const int32_t* kv_len = nullptr;  // [B]
+  const int32_t* kinds = nullptr;  // [B, nq, nk]
 
   int64_t offset() const { return S - L; }
-  // One past the last key block query block i sees (common.Geometry.k_blocks_end).
-  int64_t k_end(int64_t i) const {
-    if (!causal) return nk;
-    return std::min(nk, (i * bq + bq - 1 + offset()) / bk + 1);
-  }
-  // First query block that sees key block j (common.Geometry.q_blocks_start).
-  int64_t q_start(int64_t j) const {
-    if (!causal) return 0;
-    return std::max<int64_t>(j * bk - offset(), 0) / bq;
-  }
-  // Whether every (query, key) pair of tile (i, j) is visible: no mask needed.
-  bool whole(int64_t i, int64_t j) const {
-    if ((i + 1) * bq > L || (j + 1) * bk > S) return false;
-    return !causal || j * bk + bk - 1 <= i * bq + offset();
-  }
-  bool visible(int64_t qpos, int64_t kpos) const {
-    return qpos < L && kpos < S && (!causal || kpos <= qpos + offset());
+  int32_t kind(int64_t b, int64_t i, int64_t j) const { return kinds[(b * nq + i) * nk + j]; }
+  bool visible(int64_t b, int64_t qpos, int64_t kpos) const {
+    if (qpos >= L || kpos >= S || qpos >= q_len[b] || kpos >= kv_len[b]) return false;
+    const int64_t d = kpos - qpos - offset();
+    if ((has_lo && d < lo) || (has_hi && d > hi)) return false;
+    return q_seg[b * L + qpos] == kv_seg[b * S + kpos];
   }
   int64_t q_index(int64_t b, int64_t l, int64_t h) const { return ((b * L + l) * H + h) * K; }
   int64_t kv_index(int64_t b, int64_t s, int64_t g) const { return ((b * S + s) * G + g) * K; }
@@ -270,17 +270,23 @@ void forward(const Geo& g, const T* q, const T* k, const T* v, T* o, float* lse)
     std::fill(acc, acc + bq * Kp, 0.0f);
     std::fill(mx, mx + bq, kMask);
     std::fill(sum, sum + bq, 0.0f);
-    for (int64_t j = 0, end = g.k_end(i); j < end; ++j) {
+    for (int64_t j = 0; j < g.nk; ++j) {
+      const int32_t kind = g.kind(b, i, j);
+      if (kind == 0) continue;  // no visible pair in this tile
       const int64_t k0 = j * bk, at = ((b * g.G + kvh) * g.nk + j) * bk * Kp;
       const float *kt = kt_all.data() + at, *vr = v_all.data() + at;  // [Kp×bk], [bk×Kp]
       gemm(bq, bk, g.K, qs, Kp, kt, bk, s, bk, false);
-      const bool masked = !g.whole(i, j);
+      const bool masked = kind == 1;
       for (int64_t r = 0; r < bq; ++r) {
         float* row = s + r * bk;
         if (masked)
           for (int64_t c = 0; c < bk; ++c)
-            if (!g.visible(q0 + r, k0 + c)) row[c] = kMask;
+            if (!g.visible(b, q0 + r, k0 + c)) row[c] = kMask;
         const float m = row_max(row, bk, mx[r]);
+        if (m == kMask) {  // the row has seen no visible key yet: nothing to add
+          std::fill(row, row + bk, 0.0f);
+          continue;
+        }
         const float alpha = fast_exp(mx[r] - m);
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
@@ -297,10 +303,12 @@ void forward(const Geo& g, const T* q, const T* k, const T* v, T* o, float* lse)
       gemm(bq, Kp, bk, s, bk, vr, Kp, acc, Kp, true);
     }
     for (int64_t r = 0; r < bq && q0 + r < g.L; ++r) {
-      const float inv = 1.0f / sum[r];
+      // A row that saw no key: output 0, and lse +inf so the backward's exp(s - lse) is 0.
+      const bool seen = sum[r] > 0.0f;
+      const float inv = seen ? 1.0f / sum[r] : 0.0f;
       T* dst = o + g.q_index(b, q0 + r, h);
       for (int64_t d = 0; d < g.K; ++d) store(dst, d, acc[r * Kp + d] * inv);
-      lse[g.row_index(b, h, q0 + r)] = mx[r] + std::log(sum[r]);
+      lse[g.row_index(b, h, q0 + r)] = seen ? mx[r] + std::log(sum[r]) : INFINITY;
     }
   });
 }
@@ -350,14 +358,16 @@ void backward_dq(const Geo& g, const T* q, const T* k, const T* v, const float* 
       del_r[r] = real ? delta[g.row_index(b, h, q0 + r)] : 0.0f;
     }
     std::fill(acc, acc + bq * Kp, 0.0f);
-    for (int64_t j = 0, end = g.k_end(i); j < end; ++j) {
+    for (int64_t j = 0; j < g.nk; ++j) {
+      const int32_t kind = g.kind(b, i, j);
+      if (kind == 0) continue;
       const int64_t k0 = j * bk, at = ((b * g.G + kvh) * g.nk + j) * bk * Kp;
       const float* kt = kt_all.data() + at;  // [Kp×bk]
       const float* kr = kr_all.data() + at;  // [bk×Kp]
       const float* vt = vt_all.data() + at;  // [Kp×bk]
       gemm(bq, bk, g.K, qs, Kp, kt, bk, p, bk, false);
       gemm(bq, bk, g.K, dor, Kp, vt, bk, dp, bk, false);
-      const bool masked = !g.whole(i, j);
+      const bool masked = kind == 1;
       for (int64_t r = 0; r < bq; ++r) {
         float* pr = p + r * bk;
         const float* dpr = dp + r * bk;
@@ -369,7 +379,7 @@ void backward_dq(const Geo& g, const T* q, const T* k, const T* v, const float* 
         }
         if (masked)
           for (int64_t c = 0; c < bk; ++c)
-            if (!g.visible(q0 + r, k0 + c)) pr[c] = 0.0f;
+            if (!g.visible(b, q0 + r, k0 + c)) pr[c] = 0.0f;
       }
       gemm(bq, Kp, bk, p, bk, kr, Kp, acc, Kp, true);
     }
@@ -409,7 +419,9 @@ void backward_dkdv(const Geo& g, const T* q, const T* k, const T* v, const float
     std::fill(dk_acc, dk_acc + 2 * bk * Kp, 0.0f);
     for (int64_t rr = 0; rr < g.R; ++rr) {
       const int64_t h = kvh * g.R + rr;
-      for (int64_t i = g.q_start(j); i < g.nq; ++i) {
+      for (int64_t i = 0; i < g.nq; ++i) {
+        const int32_t kind = g.kind(b, i, j);
+        if (kind == 0) continue;
         const int64_t q0 = i * bq, at = ((b * g.H + h) * g.nq + i) * bq * Kp;
         const float* qs = qs_all.data() + at;    // [bq×Kp] q · scale
         const float* qst = qst_all.data() + at;  // [Kp×bq]
@@ -422,7 +434,7 @@ void backward_dkdv(const Geo& g, const T* q, const T* k, const T* v, const float
         }
         gemm(bk, bq, g.K, kr, Kp, qst, bq, pt, bq, false);
         gemm(bk, bq, g.K, vr, Kp, dot, bq, dpt, bq, false);
-        const bool masked = !g.whole(i, j);
+        const bool masked = kind == 1;
         for (int64_t c = 0; c < bk; ++c) {
           float* prow = pt + c * bq;
           float* drow = dpt + c * bq;
@@ -434,7 +446,7 @@ void backward_dkdv(const Geo& g, const T* q, const T* k, const T* v, const float
           }
           if (masked)
             for (int64_t r = 0; r < bq; ++r)
-              if (!g.visible(q0 + r, k0 + c)) prow[r] = drow[r] = 0.0f;
+              if (!g.visible(b, q0 + r, k0 + c)) prow[r] = drow[r] = 0.0f;
         }
         gemm(bk, Kp, bq, pt, bq, dor, Kp, dv_acc, Kp, true);
         gemm(bk, Kp, bq, dpt, bq, qs, Kp, dk_acc, Kp, true);
@@ -463,8 +475,14 @@ int default_threads() {
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+struct MaskArgs {
+  ffi::Buffer<ffi::S32> q_seg, kv_seg, q_len, kv_len, kinds;
+  int64_t has_lo, lo, has_hi, hi;
+};
+
 ffi::Error geometry(ffi::AnyBuffer q, ffi::AnyBuffer k, int64_t causal, float scale,
-                    int64_t block_q, int64_t block_k, int64_t threads, Geo* g) {
+                    int64_t block_q, int64_t block_k, int64_t threads, const MaskArgs& m,
+                    Geo* g) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() < 4 || kd.size() != qd.size())
     return ffi::Error::InvalidArgument("cpu_flash: q, k, v must be [..., seq, heads, dim]");
@@ -484,17 +502,29 @@ ffi::Error geometry(ffi::AnyBuffer q, ffi::AnyBuffer k, int64_t causal, float sc
   g->causal = causal != 0;
   g->scale = scale;
   g->threads = threads > 0 ? static_cast<int>(threads) : default_threads();
-  if (g->causal && g->L > g->S)
-    return ffi::Error::InvalidArgument("cpu_flash: causal attention needs q seq <= kv seq");
+  if (m.q_seg.element_count() != static_cast<size_t>(g->B * g->L) ||
+      m.kv_seg.element_count() != static_cast<size_t>(g->B * g->S) ||
+      m.q_len.element_count() != static_cast<size_t>(g->B) ||
+      m.kv_len.element_count() != static_cast<size_t>(g->B) ||
+      m.kinds.element_count() != static_cast<size_t>(g->B * g->nq * g->nk))
+    return ffi::Error::InvalidArgument("cpu_flash: mask arrays do not match q and k");
+  g->has_lo = m.has_lo != 0, g->lo = m.lo, g->has_hi = m.has_hi != 0, g->hi = m.hi;
+  g->q_seg = m.q_seg.typed_data(), g->kv_seg = m.kv_seg.typed_data();
+  g->q_len = m.q_len.typed_data(), g->kv_len = m.kv_len.typed_data();
+  g->kinds = m.kinds.typed_data();
   return ffi::Error::Success();
 }
 
 ffi::Error Forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                   int64_t causal, float scale, int64_t block_q, int64_t block_k,
-                   int64_t threads) {
+                   ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
+                   ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
+                   ffi::Buffer<ffi::S32> kinds, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::Result<ffi::Buffer<ffi::F32>> lse, int64_t causal, float scale,
+                   int64_t block_q, int64_t block_k, int64_t threads, int64_t has_lo,
+                   int64_t lo, int64_t has_hi, int64_t hi) {
   Geo g;
-  if (auto e = geometry(q, k, causal, scale, block_q, block_k, threads, &g); e.failure())
+  const MaskArgs m{q_seg, kv_seg, q_len, kv_len, kinds, has_lo, lo, has_hi, hi};
+  if (auto e = geometry(q, k, causal, scale, block_q, block_k, threads, m, &g); e.failure())
     return e;
   if (g.B * g.L == 0 || g.H == 0 || g.K == 0) return ffi::Error::Success();
   float* lse_p = lse->typed_data();
@@ -527,12 +557,16 @@ void backward(const Geo& g, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
 }
 
 ffi::Error Backward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
-                    ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_o,
+                    ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_o, ffi::Buffer<ffi::S32> q_seg,
+                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len,
+                    ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> kinds,
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, int64_t causal, float scale,
-                    int64_t block_q, int64_t block_k, int64_t threads) {
+                    int64_t block_q, int64_t block_k, int64_t threads, int64_t has_lo,
+                    int64_t lo, int64_t has_hi, int64_t hi) {
   Geo g;
-  if (auto e = geometry(q, k, causal, scale, block_q, block_k, threads, &g); e.failure())
+  const MaskArgs m{q_seg, kv_seg, q_len, kv_len, kinds, has_lo, lo, has_hi, hi};
+  if (auto e = geometry(q, k, causal, scale, block_q, block_k, threads, m, &g); e.failure())
     return e;
   if (g.B * g.S * g.G * g.K == 0) return ffi::Error::Success();
   if (g.L == 0) {  // no query: no gradient reaches k or v
@@ -557,13 +591,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuFlashForward, Forward,
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_seg [B, L]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_seg [B, S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_len [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_len [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kinds [B, nq, nk]
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Attr<int64_t>("causal")
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("block_k")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("has_lo")
+                                  .Attr<int64_t>("lo")
+                                  .Attr<int64_t>("has_hi")
+                                  .Attr<int64_t>("hi"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuFlashBackward, Backward,
                               ffi::Ffi::Bind()
@@ -573,6 +616,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuFlashBackward, Backward,
                                   .Arg<ffi::AnyBuffer>()  // out
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lse
                                   .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_seg [B, L]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_seg [B, S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_len [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_len [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kinds [B, nq, nk]
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
@@ -580,4 +628,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuFlashBackward, Backward,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("block_k")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("has_lo")
+                                  .Attr<int64_t>("lo")
+                                  .Attr<int64_t>("has_hi")
+                                  .Attr<int64_t>("hi"));

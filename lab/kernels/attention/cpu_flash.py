@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lab.kernels import native
-from lab.kernels.attention.common import check_dtype, check_qkv, default_scale, round_up
+from lab.kernels.attention.common import Mask, check_dtype, check_qkv, default_scale, round_up
 
 SOURCE = Path(__file__).with_name("cpu_flash.cc")
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -100,6 +100,9 @@ def available() -> bool:
 # ---------------------------------------------------------------------------- the op
 
 
+FEATURES = frozenset({"empty_rows", "segments", "lengths", "window"})
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """What the C++ kernel takes as attributes (hashable: a custom_vjp static argument)."""
@@ -108,6 +111,8 @@ class _Static:
     scale: float
     block_q: int
     block_k: int
+    lo: int | None = None  # the mask's band (common.Mask.band): key offsets from the diagonal
+    hi: int | None = None
 
     def attrs(self) -> dict:
         return dict(
@@ -116,10 +121,27 @@ class _Static:
             block_q=np.int64(self.block_q),
             block_k=np.int64(self.block_k),
             threads=np.int64(0),  # 0: LAB_CPU_FLASH_THREADS or every core
+            has_lo=np.int64(self.lo is not None),
+            lo=np.int64(self.lo or 0),
+            has_hi=np.int64(self.hi is not None),
+            hi=np.int64(self.hi or 0),
         )
 
 
-def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, st: _Static):
+def _mask_arrays(mask: Mask, B: int, L: int, S: int, st: _Static) -> tuple:
+    """What the C++ kernel reads of the mask, every array int32 and per sequence: segment ids
+    [B, L] and [B, S] (0 without), lengths [B] (L and S without), the block map [B, nq, nk]."""
+    i32 = jnp.int32
+    q_seg = jnp.zeros((B, L), i32) if not mask.segments else mask.q_segment_ids.astype(i32)
+    kv_seg = jnp.zeros((B, S), i32) if not mask.segments else mask.kv_segment_ids.astype(i32)
+    q_len = jnp.full((B,), L, i32) if mask.q_lengths is None else mask.q_lengths.astype(i32)
+    kv_len = jnp.full((B,), S, i32) if mask.kv_lengths is None else mask.kv_lengths.astype(i32)
+    kind = mask.block_map(L, S, st.block_q, st.block_k).kind
+    kind = jnp.broadcast_to(jnp.asarray(kind, i32), (B, *kind.shape[1:]))
+    return q_seg, kv_seg, q_len, kv_len, kind
+
+
+def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st: _Static):
     """(out [B, L, H, K], lse [B, H, L] f32); vmap adds leading axes the kernel folds into B."""
     *lead, L, H, _ = q_BxLxHxK.shape
     out = (
@@ -127,24 +149,26 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, st: _Static):
         jax.ShapeDtypeStruct((*lead, H, L), jnp.float32),
     )
     call = jax.ffi.ffi_call(_FWD, out, vmap_method="broadcast_all")
-    return call(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, **st.attrs())
+    return call(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *m, **st.attrs())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, st: _Static):
-    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st: _Static):
+    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st)[0]
 
 
-def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, st: _Static):
-    o_BxLxHxK, lse_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, st)
-    return o_BxLxHxK, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_BxHxL)
+def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st: _Static):
+    o_BxLxHxK, lse_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st)
+    return o_BxLxHxK, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_BxHxL, m)
 
 
 def _flash_bwd(st: _Static, residuals, do_BxLxHxK):
+    *residuals, m = residuals
     q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, _, _ = residuals
     out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK))
     call = jax.ffi.ffi_call(_BWD, out, vmap_method="broadcast_all")
-    return call(*residuals, do_BxLxHxK.astype(q_BxLxHxK.dtype), **st.attrs())
+    grads = call(*residuals, do_BxLxHxK.astype(q_BxLxHxK.dtype), *m, **st.attrs())
+    return (*grads, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -152,7 +176,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool) -> None:
     """ValueError naming what this kernel does not take, or that it is not built here."""
-    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+    check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, empty_rows=True)
     check_dtype(q_BxLxHxK, DTYPES, "cpu_flash")
     if not available():
         raise ValueError(
@@ -170,10 +194,20 @@ def cpu_flash_attention(
     causal: bool = True,
     scale: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
+    mask: Mask | None = None,
 ):
-    """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim], grouped kv heads, any length."""
-    check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
-    L, K = q_BxLxHxK.shape[1], q_BxLxHxK.shape[3]
-    bq, bk = block_sizes.fit(L, k_BxSxGxK.shape[1])
-    st = _Static(causal=causal, scale=default_scale(K, scale), block_q=bq, block_k=bk)
-    return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, st)
+    """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim], grouped kv heads, any length.
+
+    `mask` (common.Mask; default `causal` alone): causal, a sliding window, segment ids,
+    lengths; tiles its block map leaves empty are skipped in the forward and both backward
+    passes, only partial ones are masked, and a row that sees no key gives 0."""
+    mask = Mask.make(causal=causal) if mask is None else mask
+    check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=mask.causal)
+    B, L, _, K = q_BxLxHxK.shape
+    S = k_BxSxGxK.shape[1]
+    mask.check(B, L, S)
+    bq, bk = block_sizes.fit(L, S)
+    lo, hi = mask.band(L, S)
+    st = _Static(mask.causal, default_scale(K, scale), bq, bk, lo, hi)
+    m = _mask_arrays(mask, B, L, S, st)
+    return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st)
