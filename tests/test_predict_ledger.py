@@ -100,3 +100,11 @@ def test_a_chip_without_a_compiler_is_predicted_on_its_own_spec(tmp_path, monkey
     assert mi["seconds"] == pytest.approx(hand("mi300x"), rel=0.01)
     assert h["seconds"] == pytest.approx(hand("h100-sxm"), rel=0.01)
     assert "MI300X" in mi["statement"] and "model error" in mi["statement"]
+
+
+def test_a_memory_refusal_names_the_remat_policy_the_lab_lacks():
+    point = next(p for p in prediction.load_points() if p["id"] == "maxtext-v5p-32b")
+    why = prediction.why_refused(point, "needs 122.45G, 95.74G available")
+    assert why.startswith("needs 122.45G") and "remat_policy=minimal" in why
+    assert "remat=dots" in why and "dropped, not bent" in why
+    assert prediction.why_refused(point, "tile too large") == "tile too large"
