@@ -35,6 +35,16 @@ line naming the ptxas and the way out), and `auto`/`pallas` pass it over for the
 that takes the input; `choose_noted` says so, and lab.run's header and the attention plan
 print it. Interpreted kernels run no ptxas and are not checked.
 
+Masks and features (common.Mask; keyword arguments of `attention`): causal, a sliding window,
+segment ids (packed sequences), per-sequence lengths, causal with L > S (rows with no key give
+0), soft-capping, attention sinks, the log-sum-exp as an output, a value head dim of its own.
+Each implementation lists what it takes in its module's FEATURES (naive and blockwise: all;
+ring: all but a window and L > S; cpu_flash: the masks; xla/cudnn: lengths and a window,
+what jax.nn.dot_product_attention takes; the Pallas kernels: what their modules declare) and
+is refused in one line for the rest; `auto` passes over a kernel that lacks a feature the
+call needs. Block-skipping kernels classify each tile empty/partial/full before running
+(`Mask.block_map`), skip empty tiles and mask only partial ones.
+
 Decoding (one query token per sequence against a key/value cache) has its own dispatch,
 `decode_attention` (decode.py): reference (plain JAX), pallas_tpu, pallas_gpu; auto is the
 backend's Pallas kernel on TPU and GPU, the reference on CPU.

@@ -6,8 +6,9 @@ compiles its tiles into loops that do not keep a tile in registers. This kernel 
 into f32, multiplies in a register-blocked micro-kernel and runs the online softmax on the
 packed tile, over std::threads (batch × heads × query blocks). Forward saves the log-sum-exp;
 the backward is FlashAttention-2's: a dQ pass over query blocks and a dK/dV pass over key
-blocks. Grouped-query heads read their kv head in place (no repeat); bottom-right causal mask
-and block skipping as `common.Geometry`; any length; f32 and bf16 (f32 accumulation).
+blocks. Grouped-query heads read their kv head in place (no repeat); masks as
+`common.Mask` (causal bottom-right, a sliding window, segment ids, lengths) with the tiles to
+skip or mask from its block map; any length; f32 and bf16 (f32 accumulation).
 
 Build: the source ships in the package and is compiled on first use by the system C++
 compiler (`$CXX`, else c++ / g++ / clang++) into `~/.cache/lab-kernels/<key>/` (or
