@@ -225,9 +225,22 @@ def test_triton_kernel_masks_match_float64(kind, dtype, ratio, L, S, softcap):
     16-key blocks that no query sees hold NaN in the kernel's inputs (not the reference's):
     in the lengths and combined cases whole tiles of every kernel's map, so a kernel that
     visited an empty tile (forward, dQ or dK/dV) would return NaN."""
+    check_masks(GPU, kind, dtype, ratio, L, S, softcap, K=24, V=40)
+
+
+@pytest.mark.parametrize(
+    "kind, dtype, ratio, L, S, softcap",
+    [("causal-more-queries", "bfloat16", 1, 48, 24, None), ("combined", "float32", 2, 40, 40, 5.0)],
+)
+def test_tpu_kernel_masks_match_float64(kind, dtype, ratio, L, S, softcap):
+    """The TPU kernel's grid visits the block map's non-empty tiles (scalar-prefetched)."""
+    check_masks(TPU, kind, dtype, ratio, L, S, softcap, K=64, V=64)
+
+
+def check_masks(kernel, kind, dtype, ratio, L, S, softcap, *, K, V):
     B, H = 2, 2
     seed = zlib.crc32(f"{kind}{dtype}{ratio}".encode())
-    q, k, v, do, dlse = random_inputs(seed, L, S, H, H // ratio, 24, 40, dtype)
+    q, k, v, do, dlse = random_inputs(seed, L, S, H, H // ratio, K, V, dtype)
     q, k, v, do = (jnp.concatenate([x, x[:, ::-1] * 0.5]) for x in (q, k, v, do))  # B = 2
     dlse = jnp.concatenate([dlse, -dlse])
     mask = mask_case(kind, B, L, S)
@@ -235,7 +248,7 @@ def test_triton_kernel_masks_match_float64(kind, dtype, ratio, L, S, softcap):
     unseen_B1xS11 = np.repeat(np.asarray(bm.kind).max(axis=1) == 0, 16, axis=1)[:, None, :S]
     unseen_B1xS11 = jnp.asarray(unseen_B1xS11.reshape(-1, 1, S, 1, 1)[:, 0])
     k_nan, v_nan = (jnp.where(unseen_B1xS11, jnp.nan, x) for x in (k, v))
-    fn = functools.partial(GPU, causal=False, mask=mask, softcap=softcap, return_lse=True)
+    fn = functools.partial(kernel, causal=False, mask=mask, softcap=softcap, return_lse=True)
     got = values_and_grads(fn, q, k_nan, v_nan, do, dlse, FAST_COMPILE)
     want = masked_reference_f64(q, k, v, do, dlse, mask, softcap)
     assert_masked_close(got, want, dtype)
