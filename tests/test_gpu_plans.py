@@ -257,3 +257,46 @@ def test_attention_plan_compiles_a_grid_for_h100(tmp_path, capsys):
     recs = [json.loads(x) for x in next(tmp_path.glob("attention-plan-*.jsonl")).open()]
     seen = {(r["config"]["seq"], r["config"]["mode"]) for r in recs}
     assert seen == {(s, m) for s in (256, 300) for m in ("fwd", "fwd+bwd")}
+
+
+@needs_plugin
+@pytest.mark.slow_plan
+def test_masked_triton_kernels_compile_for_h100_without_spills():
+    """pallas_gpu with a Mask (causal window, segment ids, key lengths: the block map and the
+    arrays as kernel inputs, a cond per visited tile), forward and backward for sm_90a: three
+    kernels, no spill."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from lab import plans
+    from lab.kernels.attention import pallas_gpu
+    from lab.kernels.attention.common import Mask
+
+    devices = plans.topology_devices("gpu:h100:1")
+    mesh = jax.sharding.Mesh(devices, ("data",))
+    sh = NamedSharding(mesh, P())
+    B, L, H, K = 2, 512, 4, 128
+    q = jax.ShapeDtypeStruct((B, L, H, K), "bfloat16", sharding=sh)
+    kv = jax.ShapeDtypeStruct((B, L, 2, K), "bfloat16", sharding=sh)
+    seg = jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=sh)
+
+    def loss(q, k, v, seg):
+        mask = Mask.make(
+            causal=True,
+            window=(127, 0),
+            q_segment_ids=seg,
+            kv_segment_ids=seg,
+            kv_lengths=seg[:, 0],
+        )
+        o = pallas_gpu.flash_attention_gpu(q, k, v, causal=True, mask=mask)
+        return o.astype(jnp.float32).sum()
+
+    def lower():
+        with jax.sharding.set_mesh(mesh):
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg)
+
+    _, kernels = plans.compile_plan(lower, devices)
+    flash = [k for k in kernels if k.name.startswith("flash_attention")]
+    assert len(flash) == 3 and not any(k.spill_bytes for k in flash), flash
