@@ -311,17 +311,17 @@ def test_flops_count_only_the_tiles_the_mask_leaves():
 
 
 def test_auto_on_cpu_takes_the_kernel_that_has_the_feature():
-    """The native CPU kernel takes the masks but not soft-capping yet: auto keeps it for a
-    window and falls back to blockwise for softcap."""
+    """The native CPU kernel takes the masks and softcap but not sinks yet: auto keeps it
+    for a window and falls back to blockwise for sinks."""
     from lab.kernels.attention import choose
 
     q = jnp.ones((1, 32, 2, 8))
-    assert choose("auto", q, q, q, features=frozenset({"softcap"}), backend="cpu") == "blockwise"
+    assert choose("auto", q, q, q, features=frozenset({"sinks"}), backend="cpu") == "blockwise"
     if not cpu_flash.available():
         return
     assert choose("auto", q, q, q, features=frozenset({"window"}), backend="cpu") == "cpu_flash"
-    with pytest.raises(ValueError, match="impl='cpu_flash' does not support logit soft-capping"):
-        choose("cpu_flash", q, q, q, features=frozenset({"softcap"}), backend="cpu")
+    with pytest.raises(ValueError, match="impl='cpu_flash' does not support attention sinks"):
+        choose("cpu_flash", q, q, q, features=frozenset({"sinks"}), backend="cpu")
 
 
 CPU_FLASH_CASES = [
@@ -329,6 +329,7 @@ CPU_FLASH_CASES = [
     ("lengths", "float32"),
     ("window_lr", "float32"),
     ("causal_short", "float32"),
+    ("value_dim", "float32"),
     ("combo", "bfloat16"),
 ]
 
@@ -336,10 +337,10 @@ CPU_FLASH_CASES = [
 @pytest.mark.skipif(not cpu_flash.available(), reason="the native CPU kernel is not built here")
 @pytest.mark.parametrize("kind, dtype", CPU_FLASH_CASES, ids=lambda x: str(x))
 def test_cpu_flash_matches_float64(kind, dtype):
-    """The native kernel takes the masks (not yet softcap, sinks, the LSE or a value dim of
-    its own): those features are dropped from the case, the mask kept."""
+    """The native kernel takes the masks and softcap (not yet sinks, the LSE or a value dim
+    of its own): those features are dropped from the case, the rest kept."""
     shapes, kwargs = _case(kind)
-    kwargs = {n: x for n, x in kwargs.items() if n not in ("softcap", "sinks", "return_lse")}
+    kwargs = {n: x for n, x in kwargs.items() if n not in ("sinks", "return_lse")}
     L, S, G, D, _ = shapes
     q, k, v, do, dlse = _inputs((L, S, G, D, D), dtype)
     kw = dict(kwargs, impl="cpu_flash", block_sizes=cpu_flash.BlockSizes(32, 32))

@@ -172,6 +172,7 @@ struct Geo {
   // lo <= j - i - (S - L) <= hi (each side only where has_lo / has_hi: causal and a window),
   // i < q_len[b], j < kv_len[b], q_seg[b, i] == kv_seg[b, j]. kind [B, nq, nk]: the block
   // map (0 empty: skipped, 1 partial: masked, 2 full: no mask), computed by Mask.block_map.
+  float softcap = 0.0f;  // > 0: scores become softcap · tanh(scores / softcap)
   bool has_lo = false, has_hi = false;
   int64_t lo = 0, hi = 0;
   const int32_t* q_seg = nullptr;  // [B, L]
@@ -181,6 +182,7 @@ struct Geo {
   const int32_t* kinds = nullptr;  // [B, nq, nk]
 
   int64_t offset() const { return S - L; }
+  float inv_cap() const { return softcap > 0.0f ? 1.0f / softcap : 0.0f; }
   int32_t kind(int64_t b, int64_t i, int64_t j) const { return kinds[(b * nq + i) * nk + j]; }
   bool visible(int64_t b, int64_t qpos, int64_t kpos) const {
     if (qpos >= L || kpos >= S || qpos >= q_len[b] || kpos >= kv_len[b]) return false;
@@ -247,6 +249,14 @@ void parallel_for(int64_t n, int threads, Fn fn) {
   for (auto& t : pool) t.join();
 }
 
+// Soft-capping in place: x -> softcap · tanh(x / softcap) (nothing without softcap). The
+// backward's chain rule reads tanh back as capped / softcap: d capped / d x = 1 - tanh².
+inline void cap(const Geo& g, float* x, int64_t n) {
+  if (g.softcap <= 0.0f) return;
+  const float c = g.softcap, inv = 1.0f / g.softcap;
+  for (int64_t i = 0; i < n; ++i) x[i] = c * std::tanh(x[i] * inv);
+}
+
 // ------------------------------------------------------------------------- forward
 
 template <typename T>
@@ -276,6 +286,7 @@ void forward(const Geo& g, const T* q, const T* k, const T* v, T* o, float* lse)
       const int64_t k0 = j * bk, at = ((b * g.G + kvh) * g.nk + j) * bk * Kp;
       const float *kt = kt_all.data() + at, *vr = v_all.data() + at;  // [Kp×bk], [bk×Kp]
       gemm(bq, bk, g.K, qs, Kp, kt, bk, s, bk, false);
+      cap(g, s, bq * bk);
       const bool masked = kind == 1;
       for (int64_t r = 0; r < bq; ++r) {
         float* row = s + r * bk;
@@ -366,16 +377,17 @@ void backward_dq(const Geo& g, const T* q, const T* k, const T* v, const float* 
       const float* kr = kr_all.data() + at;  // [bk×Kp]
       const float* vt = vt_all.data() + at;  // [Kp×bk]
       gemm(bq, bk, g.K, qs, Kp, kt, bk, p, bk, false);
+      cap(g, p, bq * bk);
       gemm(bq, bk, g.K, dor, Kp, vt, bk, dp, bk, false);
       const bool masked = kind == 1;
       for (int64_t r = 0; r < bq; ++r) {
         float* pr = p + r * bk;
         const float* dpr = dp + r * bk;
-        const float m = lse_r[r], dl = del_r[r];
+        const float m = lse_r[r], dl = del_r[r], inv_cap = g.inv_cap();
 #pragma omp simd
         for (int64_t c = 0; c < bk; ++c) {
-          const float prob = fast_exp(pr[c] - m);
-          pr[c] = prob * (dpr[c] - dl);
+          const float prob = fast_exp(pr[c] - m), t = pr[c] * inv_cap;  // t: tanh, or 0
+          pr[c] = prob * (dpr[c] - dl) * (1.0f - t * t);
         }
         if (masked)
           for (int64_t c = 0; c < bk; ++c)
@@ -433,16 +445,18 @@ void backward_dkdv(const Geo& g, const T* q, const T* k, const T* v, const float
           del_r[r] = real ? delta[g.row_index(b, h, q0 + r)] : 0.0f;
         }
         gemm(bk, bq, g.K, kr, Kp, qst, bq, pt, bq, false);
+        cap(g, pt, bk * bq);
         gemm(bk, bq, g.K, vr, Kp, dot, bq, dpt, bq, false);
         const bool masked = kind == 1;
         for (int64_t c = 0; c < bk; ++c) {
           float* prow = pt + c * bq;
           float* drow = dpt + c * bq;
+          const float inv_cap = g.inv_cap();
 #pragma omp simd
           for (int64_t r = 0; r < bq; ++r) {
-            const float prob = fast_exp(prow[r] - lse_r[r]);
+            const float prob = fast_exp(prow[r] - lse_r[r]), t = prow[r] * inv_cap;
             prow[r] = prob;
-            drow[r] = prob * (drow[r] - del_r[r]);
+            drow[r] = prob * (drow[r] - del_r[r]) * (1.0f - t * t);
           }
           if (masked)
             for (int64_t r = 0; r < bq; ++r)
@@ -478,6 +492,7 @@ int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 struct MaskArgs {
   ffi::Buffer<ffi::S32> q_seg, kv_seg, q_len, kv_len, kinds;
   int64_t has_lo, lo, has_hi, hi;
+  float softcap;
 };
 
 ffi::Error geometry(ffi::AnyBuffer q, ffi::AnyBuffer k, int64_t causal, float scale,
@@ -508,6 +523,7 @@ ffi::Error geometry(ffi::AnyBuffer q, ffi::AnyBuffer k, int64_t causal, float sc
       m.kv_len.element_count() != static_cast<size_t>(g->B) ||
       m.kinds.element_count() != static_cast<size_t>(g->B * g->nq * g->nk))
     return ffi::Error::InvalidArgument("cpu_flash: mask arrays do not match q and k");
+  g->softcap = m.softcap;
   g->has_lo = m.has_lo != 0, g->lo = m.lo, g->has_hi = m.has_hi != 0, g->hi = m.hi;
   g->q_seg = m.q_seg.typed_data(), g->kv_seg = m.kv_seg.typed_data();
   g->q_len = m.q_len.typed_data(), g->kv_len = m.kv_len.typed_data();
@@ -521,9 +537,9 @@ ffi::Error Forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::S32> kinds, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::Buffer<ffi::F32>> lse, int64_t causal, float scale,
                    int64_t block_q, int64_t block_k, int64_t threads, int64_t has_lo,
-                   int64_t lo, int64_t has_hi, int64_t hi) {
+                   int64_t lo, int64_t has_hi, int64_t hi, float softcap) {
   Geo g;
-  const MaskArgs m{q_seg, kv_seg, q_len, kv_len, kinds, has_lo, lo, has_hi, hi};
+  const MaskArgs m{q_seg, kv_seg, q_len, kv_len, kinds, has_lo, lo, has_hi, hi, softcap};
   if (auto e = geometry(q, k, causal, scale, block_q, block_k, threads, m, &g); e.failure())
     return e;
   if (g.B * g.L == 0 || g.H == 0 || g.K == 0) return ffi::Error::Success();
@@ -563,9 +579,9 @@ ffi::Error Backward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, int64_t causal, float scale,
                     int64_t block_q, int64_t block_k, int64_t threads, int64_t has_lo,
-                    int64_t lo, int64_t has_hi, int64_t hi) {
+                    int64_t lo, int64_t has_hi, int64_t hi, float softcap) {
   Geo g;
-  const MaskArgs m{q_seg, kv_seg, q_len, kv_len, kinds, has_lo, lo, has_hi, hi};
+  const MaskArgs m{q_seg, kv_seg, q_len, kv_len, kinds, has_lo, lo, has_hi, hi, softcap};
   if (auto e = geometry(q, k, causal, scale, block_q, block_k, threads, m, &g); e.failure())
     return e;
   if (g.B * g.S * g.G * g.K == 0) return ffi::Error::Success();
@@ -606,7 +622,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuFlashForward, Forward,
                                   .Attr<int64_t>("has_lo")
                                   .Attr<int64_t>("lo")
                                   .Attr<int64_t>("has_hi")
-                                  .Attr<int64_t>("hi"));
+                                  .Attr<int64_t>("hi")
+                                  .Attr<float>("softcap"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuFlashBackward, Backward,
                               ffi::Ffi::Bind()
@@ -632,4 +649,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuFlashBackward, Backward,
                                   .Attr<int64_t>("has_lo")
                                   .Attr<int64_t>("lo")
                                   .Attr<int64_t>("has_hi")
-                                  .Attr<int64_t>("hi"));
+                                  .Attr<int64_t>("hi")
+                                  .Attr<float>("softcap"));

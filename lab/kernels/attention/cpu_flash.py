@@ -101,7 +101,7 @@ def available() -> bool:
 # ---------------------------------------------------------------------------- the op
 
 
-FEATURES = frozenset({"empty_rows", "segments", "lengths", "window"})
+FEATURES = frozenset({"empty_rows", "segments", "lengths", "window", "softcap"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +114,7 @@ class _Static:
     block_k: int
     lo: int | None = None  # the mask's band (common.Mask.band): key offsets from the diagonal
     hi: int | None = None
+    softcap: float | None = None  # scores -> softcap · tanh(scores / softcap)
 
     def attrs(self) -> dict:
         return dict(
@@ -126,6 +127,7 @@ class _Static:
             lo=np.int64(self.lo or 0),
             has_hi=np.int64(self.hi is not None),
             hi=np.int64(self.hi or 0),
+            softcap=np.float32(self.softcap or 0.0),
         )
 
 
@@ -186,7 +188,7 @@ def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *, causal: bool) -> None:
         )
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "softcap"))
 def cpu_flash_attention(
     q_BxLxHxK,
     k_BxSxGxK,
@@ -196,12 +198,14 @@ def cpu_flash_attention(
     scale: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     mask: Mask | None = None,
+    softcap: float | None = None,
 ):
     """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim], grouped kv heads, any length.
 
     `mask` (common.Mask; default `causal` alone): causal, a sliding window, segment ids,
     lengths; tiles its block map leaves empty are skipped in the forward and both backward
-    passes, only partial ones are masked, and a row that sees no key gives 0."""
+    passes, only partial ones are masked, and a row that sees no key gives 0. `softcap`:
+    scores become softcap·tanh(scores/softcap) after scaling (gradient included)."""
     mask = Mask.make(causal=causal) if mask is None else mask
     check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=mask.causal)
     B, L, _, K = q_BxLxHxK.shape
@@ -209,6 +213,7 @@ def cpu_flash_attention(
     mask.check(B, L, S)
     bq, bk = block_sizes.fit(L, S)
     lo, hi = mask.band(L, S)
-    st = _Static(mask.causal, default_scale(K, scale), bq, bk, lo, hi)
+    cap = None if softcap is None else float(softcap)
+    st = _Static(mask.causal, default_scale(K, scale), bq, bk, lo, hi, cap)
     m = _mask_arrays(mask, B, L, S, st)
     return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st)
