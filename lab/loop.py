@@ -402,6 +402,8 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
             cfg, info, n_params, dict(trainer.mesh.shape), attention_note=trainer.attention_note
         )
     )
+    for note in trainer.notes:  # what the compiled program does not do that was asked for
+        console.print(f"  note      [yellow]{note}")
     state, start = (
         (None, 0) if cfg.compile_only else _restore(cfg, trainer, run_dir, is_main, console)
     )

@@ -716,8 +716,8 @@ def resolve(request: Request, platform: Platform, purpose: str = "train") -> Res
         if not offload:
             notes = (
                 f"offload_optimizer: the {platform.device_kind} devices of this plan list no "
-                "host memory kind (the hardware has one), so the optimizer state is compiled "
-                "in device memory",
+                "host memory kind (the hardware has one), so the optimizer state stays in "
+                "device memory in this program",
             )
     if purpose in ("train", "plan") and not cfg.name:
         stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -87,8 +87,9 @@ def _plans(tmp_path, capsys, target, variants) -> dict[str, dict]:
             *extra,
         ]
         assert main(argv) == 0
-        capsys.readouterr()
+        printed = capsys.readouterr().out
         out[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        out[name]["printed"] = printed
     return out
 
 
@@ -131,3 +132,4 @@ def test_gpu_plan_offloads_activations_not_the_optimizer(tmp_path, capsys):
     assert s["offload"]["offload"]["added_step_s"] > 0  # the spec table's PCIe host link
     assert off["host_argument_bytes"] == 0  # the optimizer state could not move
     assert any("stays in device memory" in n for n in s["offload"]["notes"])
+    assert "stays in device memory" in s["offload"]["printed"]  # said, not only recorded
