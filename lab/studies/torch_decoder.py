@@ -2,7 +2,9 @@
 PyTorch is installed (the `peers` extra): the same shape, the same weights, the same
 arithmetic (pre-norm RMSNorm blocks, rotary embeddings, grouped-query attention over a
 key/value cache, SwiGLU, an untied or tied head), run eagerly by PyTorch's CPU kernels
-(`torch.inference_mode`, `scaled_dot_product_attention`, its own threads), so that decode's
+(`torch.inference_mode`, its matmuls, `scaled_dot_product_attention` for the prompt and two
+matmuls for a decode step's one query, which ran ~16 ms faster per layer than SDPA there; its
+own threads), so that decode's
 tokens/s can be compared in one process. Float weights only (the int8 path has no PyTorch
 counterpart here); every prompt of a batch has the same length (as lab.serve's are).
 """
@@ -86,6 +88,7 @@ class TorchDecoder:
 
     def _forward(self, tokens_BxL):
         """Logits [B, L, V] (float32) of tokens written at slots length … length + L - 1."""
+        import torch
         import torch.nn.functional as F
 
         c, w = self.cfg, self.weights
@@ -101,14 +104,18 @@ class TorchDecoder:
             v = (h @ p["wv"]).view(B, L, G, K)
             self.k_cache[i][:, :, start:end] = k.transpose(1, 2)
             self.v_cache[i][:, :, start:end] = v.transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                self.k_cache[i][:, :, :end],
-                self.v_cache[i][:, :, :end],
-                is_causal=start == 0 and L > 1,
-                enable_gqa=G != H,
-            )
-            x = x + o.transpose(1, 2).reshape(B, L, H * K) @ p["wo"]
+            keys, values = self.k_cache[i][:, :, :end], self.v_cache[i][:, :, :end]
+            if L == 1:  # a decode step: two small matmuls (SDPA took ~16 ms per call here)
+                q_BxGxRxK = q.view(B, G, H // G, K)
+                s_BxGxRxS = (q_BxGxRxK @ keys.transpose(2, 3)).float() * K**-0.5
+                p_BxGxRxS = torch.softmax(s_BxGxRxS, dim=-1).to(values.dtype)
+                o = (p_BxGxRxS @ values).reshape(B, 1, H * K)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys, values, is_causal=start == 0, enable_gqa=G != H
+                )
+                o = o.transpose(1, 2).reshape(B, L, H * K)
+            x = x + o @ p["wo"]
             h = self._norm(x, p["norm2"])
             x = x + (F.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
         x = self._norm(x, w["final_norm"])
@@ -134,17 +141,7 @@ class TorchDecoder:
             return self._forward(tokens)[:, 0]
 
 
-def time_decode(cfg: ModelConfig, params, prompts, *, steps: int, budget_s: float) -> dict:
-    """Seconds per decode step of the PyTorch decoder after a prefill, as lab.serve times its
-    own (samples of `steps` steps, the cache rewound between them): median and tokens/s."""
-    import torch
-
-    batch = prompts.shape[0]
-    dec = TorchDecoder.build(cfg, params, batch=batch, max_len=prompts.shape[1] + 3 + steps)
-    dec.prefill(prompts)
-    tokens = prompts[:, -1]
-    for _ in range(3):
-        dec.step(tokens)
+def _time(dec: TorchDecoder, tokens, *, steps: int, budget_s: float) -> list[float]:
     start, times = dec.length, []
     begun = time.perf_counter()
     while len(times) < 3 or time.perf_counter() - begun < budget_s:
@@ -153,12 +150,36 @@ def time_decode(cfg: ModelConfig, params, prompts, *, steps: int, budget_s: floa
             dec.step(tokens)
         times.append((time.perf_counter() - t0) / steps)
         dec.length = start
-    median = float(np.median(times))
+    return times
+
+
+def time_decode(cfg: ModelConfig, params, prompts, *, steps: int, budget_s: float) -> dict:
+    """Seconds per decode step of the PyTorch decoder after a prefill, as lab.serve times its
+    own (samples of `steps` steps, the cache rewound between them), with PyTorch's own thread
+    count and with one thread (on a busy host its OpenMP threads wait on each other: ~10 ms
+    per small op was seen here); the faster kept: median, tokens/s and the threads it used."""
+    import torch
+
+    batch = prompts.shape[0]
+    dec = TorchDecoder.build(cfg, params, batch=batch, max_len=prompts.shape[1] + 3 + steps)
+    dec.prefill(prompts)
+    tokens = prompts[:, -1]
+    for _ in range(3):
+        dec.step(tokens)
+    default = torch.get_num_threads()
+    medians = {}
+    try:
+        for threads in sorted({default, 1}, reverse=True):
+            torch.set_num_threads(threads)
+            medians[threads] = float(np.median(_time(dec, tokens, steps=steps, budget_s=budget_s)))
+    finally:
+        torch.set_num_threads(default)
+    threads = min(medians, key=medians.get)
     return {
         "batch": batch,
-        "median_s": median,
-        "tokens_per_s": batch / median,
-        "runs": len(times),
-        "threads": torch.get_num_threads(),
+        "median_s": medians[threads],
+        "tokens_per_s": batch / medians[threads],
+        "threads": threads,
+        "tokens_per_s_by_threads": {t: batch / m for t, m in medians.items()},
         "torch": torch.__version__,
     }
