@@ -588,6 +588,19 @@ def check(request: Request, *, stage: str = "request") -> None:
     _raise(_broken(_Draft(cfg, platform, "train"), stage))
 
 
+def check_on_cpu(request: Request, count: int) -> None:
+    """Every rule that needs no built mesh, for `count` CPU devices: what a launcher checks
+    before it starts processes that would each refuse the same request (all broken rules
+    together, a line each)."""
+    cfg = make_config(backend="cpu", **request.dict())
+    platform = Platform("cpu", "cpu", count)
+    sizes, problem = _sizes(cfg, platform)
+    if sizes is not None and cfg.strategy == "auto":
+        cfg = dataclasses.replace(cfg, strategy=auto_strategy(sizes))
+    draft = _Draft(cfg, platform, "train", sizes, cfg.model.attention, problem)
+    _raise(_broken(draft))
+
+
 # ------------------------------------------------------------------------ resolve
 
 

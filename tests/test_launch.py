@@ -42,6 +42,8 @@ def test_two_processes_train_like_one(tmp_path, capsys):
         (["processes=2", "mesh=4x2", "process_id=1"], "process_id: set by lab.tools.launch"),
         (["processes=2", "mesh=4x2", "stepz=3"], "unknown key 'stepz'"),
         (["processes=0", "mesh=4x2"], "must be >= 1"),
+        # a rule between keys: refused before any process starts, not once by each
+        (["processes=2", "mesh=4x2", "batch_size=8", "accumulate=3"], "must divide batch_size=8"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):

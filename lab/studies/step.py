@@ -108,7 +108,7 @@ def tune(keys: dict, remats=REMATS, batches=BATCHES, budget_s: float = 5.0, log=
     for key in ("remat", "batch_size", "steps"):
         if key in keys:
             raise ConfigError(f"{key}= is what tune_step varies or sets; use remats=/batches=")
-    make_config(**keys)  # lab.run's own keys: a bad combination is one line before compiling
+    make_config(**keys)  # each key alone: one line before compiling (rules between keys: per row)
     rows = []
     for remat in remats:
         for batch in batches:

@@ -48,6 +48,7 @@ from lab.errors import ConfigError
 from lab.measure.records import writable_dir
 from lab.mesh import known_size
 from lab.report.format import key_args
+from lab.resolve import Request, check_on_cpu
 
 OWN_KEYS = ("coordinator", "num_processes", "process_id")  # set here, per process
 # gloo's per-connection chatter: one line per peer and collective group (at times cut in two)
@@ -101,6 +102,8 @@ def check(processes: int, keys: dict) -> dict:
             f"processes={processes} does not divide the {devices} devices of mesh={cfg.mesh}: "
             "every process must hold the same number of devices"
         )
+    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":  # the children's platform, known
+        check_on_cpu(Request.of(**keys), devices)  # every process would refuse it alike
     writable_dir(cfg.out_dir)  # refused here, not by one process while the others wait for it
     name = keys.get("name") or f"launch-{cfg.mesh}-{time.strftime('%Y%m%d-%H%M%S')}"
     return {**keys, "name": name}  # one name for all: process 0 writes the run folder
