@@ -277,10 +277,10 @@ def _backward(st: _Static, residuals, do_BxLxHxV, dlse_BxLxH=None):
                 dk_BxSxGxK, dv_BxSxGxV, dq_lxBxLxGxRxK = carry
                 q_BxLxGxRxK, do_BxLxGxRxV = q_lxBxLxGxRxK[n], do_lxBxLxGxRxV[n]
                 s_BxGxRxLxS, t_BxGxRxLxS = _scores(q_BxLxGxRxK, k_BxSxGxK, st, acc)
-                p_BxGxRxLxS = jnp.exp(s_BxGxRxLxS - lse_lxBxGxRxL[n][..., None])
-                if masked:
+                if masked:  # exp(MASK_VALUE - lse) is 0, also where lse is +inf (no key)
                     ok = _tile_visible(mask, g, n, m, q_seg, kv_seg)
-                    p_BxGxRxLxS = jnp.where(ok, p_BxGxRxLxS, 0.0)
+                    s_BxGxRxLxS = jnp.where(ok, s_BxGxRxLxS, MASK_VALUE)
+                p_BxGxRxLxS = jnp.exp(s_BxGxRxLxS - lse_lxBxGxRxL[n][..., None])
                 dv_BxSxGxV += _group_sum(p_BxGxRxLxS.astype(do_BxLxGxRxV.dtype), do_BxLxGxRxV, acc)
                 dp_BxGxRxLxS = jnp.einsum(
                     "blgrv,bsgv->bgrls", do_BxLxGxRxV, v_BxSxGxV, preferred_element_type=acc
