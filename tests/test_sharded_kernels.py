@@ -158,9 +158,14 @@ def test_model_with_ring_attention_equals_naive():
 
 
 def test_ring_attention_needs_the_cp_strategy():
+    """A rule between keys: refused when the request is resolved, not when it is parsed."""
+    from lab.resolve import Platform, Request, resolve
+
+    platform = Platform.of_mesh(make_mesh("2x4"))
     with pytest.raises(ConfigError, match="strategy=cp"):
-        parse_args(["attention=ring", "mesh=2x4"])
-    assert parse_args(["attention=ring", "mesh=2x4", "strategy=cp"]).strategy == "cp"
+        resolve(Request.parse(["attention=ring", "mesh=2x4"]), platform)
+    ok = resolve(Request.parse(["attention=ring", "mesh=2x4", "strategy=cp"]), platform)
+    assert ok.cfg.strategy == "cp" and ok.cfg.model.attention == "ring"
 
 
 def test_collective_matmul_command(capsys):

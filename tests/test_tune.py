@@ -88,7 +88,7 @@ def jax_tree_scale(tree, factor):
     [
         (["interpret=true", "write=true"], "interpret-mode times measure nothing"),
         ([], "compiles only on a GPU"),
-        (["interpret=true", "head_dims=48"], "head_dims=[48]"),
+        (["interpret=true", "head_dims=44"], "head_dims=[44]"),  # not a multiple of 8
         (["interpret=true", "heads=3", "kv_heads=2"], "not a multiple"),
         (["interpret=ture"], "expected a boolean"),
         (["head_dim=64"], "did you mean head_dims?"),
