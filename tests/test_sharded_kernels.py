@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lab.config import ConfigError, ModelConfig, parse_args
+from lab.config import ConfigError, ModelConfig
 from lab.kernels.attention import attention_reference
 from lab.kernels.attention.ring import block_attention, combine, ring_attention
 from lab.kernels.collective_matmul import collective_matmul, gathered_matmul, matmul_reference
