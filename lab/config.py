@@ -212,9 +212,47 @@ class ModelConfig:
         min=1,
     )
 
+    window: int = field(
+        0,
+        "sliding-window attention: a local layer's token sees itself and the window-1 tokens "
+        "before it (Mistral 4096, Gemma 2 4096); 0 = every layer sees its whole past",
+        min=0,
+    )
+    window_pattern: str = field(
+        "",
+        "which layers are local (windowed) and which global: a comma-separated cycle of "
+        "local|global repeated over the layers from the first, e.g. local,global (Gemma 2: "
+        "layer 0 local, 1 global, 2 local, ...) or local,local,local,global; empty = every "
+        "layer local; needs window > 0",
+    )
+    softcap: float = field(
+        0.0,
+        "attention logit soft-cap: scaled scores s -> softcap·tanh(s/softcap) before the "
+        "softmax (Gemma 2: 50); 0 = off",
+        min=0.0,
+    )
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def pattern(self) -> tuple[str, ...]:
+        """window_pattern's cycle as a tuple of words (("local",) when empty)."""
+        words = (
+            tuple(w.strip() for w in self.window_pattern.split(",")) if self.window_pattern else ()
+        )
+        return words or ("local",)
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's window (tokens it sees, itself included), None for a global layer."""
+        if not self.window or self.pattern[i % len(self.pattern)] != "local":
+            return None
+        return self.window
+
+    @property
+    def layer_windows(self) -> tuple:
+        return tuple(self.layer_window(i) for i in range(self.n_layers))
 
 
 PRESETS: dict[str, dict] = {
@@ -308,6 +346,12 @@ class Config:
         "auto",
         "synthetic | text (bundled corpus, bytes); auto = text if vocab is 256",
         choices=("auto", "synthetic", "text"),
+    )
+    pack: bool = field(
+        False,
+        "data=text: each row packs whole documents (the corpus's titled sections) one after "
+        "another, cut at the row's end; attention stays within a document and positions restart "
+        "at each (segment ids); no padding, so every target counts in the loss",
     )
     seed: int = field(0, "seed for parameters and data: same seed, same run", min=0)
     name: str = field("", "run name: one folder name under out_dir; empty = model-mesh-time")

@@ -89,7 +89,9 @@ class _Stop:
 
 
 def _batch(cfg: Config, trainer, step: int):
-    tokens = host_batch(cfg.data, cfg.seed, step, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size)
+    tokens = host_batch(
+        cfg.data, cfg.seed, step, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, cfg.pack
+    )
     return to_global(tokens, trainer.batch_sharding)
 
 

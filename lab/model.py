@@ -120,6 +120,28 @@ class RMSNorm(nn.Module):
         return (x * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
+def segment_positions(segments_BxL):
+    """Each token's position within its document: packed rows (segment ids, one id per
+    document, runs of equal ids) restart the rotary positions at every document's first token."""
+    B, L = segments_BxL.shape
+    i_L = jnp.arange(L, dtype=jnp.int32)
+    first_BxL = jnp.concatenate(
+        [jnp.ones((B, 1), bool), segments_BxL[:, 1:] != segments_BxL[:, :-1]], axis=1
+    )
+    start_BxL = jax.lax.cummax(jnp.where(first_BxL, i_L[None], 0), axis=1)
+    return i_L[None] - start_BxL
+
+
+def _by_layer(fn, windows: tuple, kind):
+    """fn(window) for this layer: windows[0] when every layer is alike (kind None), else the
+    scanned layer's own, chosen by `kind` (its index in windows) with lax.switch: the mask's
+    window is static in every kernel, so each distinct window is its own branch and a layer
+    runs only its own."""
+    if kind is None:
+        return fn(windows[0])
+    return jax.lax.switch(kind, [functools.partial(fn, w) for w in windows])
+
+
 def _overflowing(start_B, L: int, S: int):
     """[B] bool: sequences whose L new entries would run past the cache's S slots."""
     return start_B + L > S
@@ -174,10 +196,18 @@ def decode_impl(attention_impl: str) -> str:
 
 
 class Attention(nn.Module):
+    """Grouped-query attention, causal; `windows` (static): the layer's window (tokens seen,
+    itself included; None = its whole past), or under scan_layers the distinct windows of the
+    pattern, `kind` picking the layer's. Packed rows pass segments_BxL: attention stays within
+    a document and the rotary positions restart at each."""
+
     cfg: ModelConfig
+    windows: tuple = (None,)
 
     @nn.compact
-    def __call__(self, x_BxLxD, kv: LayerKV | None = None, lengths_B=None):
+    def __call__(
+        self, x_BxLxD, kv: LayerKV | None = None, lengths_B=None, segments_BxL=None, kind=None
+    ):
         c = self.cfg
         D, H, G, K = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
         std = D**-0.5
@@ -191,29 +221,53 @@ class Attention(nn.Module):
         k_BxLxGxK = quant.matmul("bld,dgk->blgk", x_BxLxD, wk_DxGxK, c.dtype)
         v_BxLxGxK = quant.matmul("bld,dgk->blgk", x_BxLxD, wv_DxGxK, c.dtype)
         L = x_BxLxD.shape[1]
-        pos = jnp.arange(L) if kv is None else lengths_B[:, None] + jnp.arange(L)[None, :]
+        if kv is not None:
+            pos = lengths_B[:, None] + jnp.arange(L)[None, :]
+        elif segments_BxL is not None:
+            pos = segment_positions(segments_BxL)
+        else:
+            pos = jnp.arange(L)
         q_BxLxHxK = _constrain(rope(q_BxLxHxK, pos, c.rope_theta), QKV)
         k_BxLxGxK = _constrain(rope(k_BxLxGxK, pos, c.rope_theta), QKV)
         spec = nn.logical_to_mesh_axes(QKV)  # Pallas kernels and ring run per shard
         if kv is not None:
             kv = update_cache(kv, k_BxLxGxK, v_BxLxGxK, lengths_B)
             kv = jax.tree.map(lambda a: _constrain(a, CACHE[: a.ndim]), kv)
+        softcap = c.softcap or None
         if kv is not None and L == 1:  # a decode step: the new token against the cache
-            o_BxHxK = decode_attention(
-                q_BxLxHxK[:, 0],
-                kv.k,
-                kv.v,
-                lengths_B + 1,
-                kv.k_scale,
-                kv.v_scale,
-                impl=decode_impl(c.attention),
-                shard_spec=nn.logical_to_mesh_axes(CACHE),
-            )
-            o_BxLxHxK = o_BxHxK[:, None]
+
+            def attend(window):
+                return decode_attention(
+                    q_BxLxHxK[:, 0],
+                    kv.k,
+                    kv.v,
+                    lengths_B + 1,
+                    kv.k_scale,
+                    kv.v_scale,
+                    impl=decode_impl(c.attention) if softcap is None else "reference",
+                    shard_spec=nn.logical_to_mesh_axes(CACHE),
+                    window=window,
+                    softcap=softcap,
+                )
+
+            o_BxLxHxK = _by_layer(attend, self.windows, kind)[:, None]
         else:  # training, or a prefill from an empty cache: the new tokens among themselves
-            o_BxLxHxK = attention(
-                q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, impl=c.attention, shard_spec=spec
-            )
+
+            def attend(window):
+                return attention(
+                    q_BxLxHxK,
+                    k_BxLxGxK,
+                    v_BxLxGxK,
+                    causal=True,
+                    impl=c.attention,
+                    shard_spec=spec,
+                    window=None if window is None else (window - 1, 0),
+                    q_segment_ids=segments_BxL,
+                    kv_segment_ids=segments_BxL,
+                    softcap=softcap,
+                )
+
+            o_BxLxHxK = _by_layer(attend, self.windows, kind)
         o_BxLxHxK = _constrain(o_BxLxHxK, QKV)
         y_BxLxD = quant.matmul("blhk,hkd->bld", o_BxLxHxK, wo_HxKxD, c.dtype)
         return y_BxLxD if kv is None else (y_BxLxD, kv)
@@ -241,13 +295,14 @@ class Block(nn.Module):
     """Pre-norm residual block; returns (x, new cache or None) so nn.scan can stack it."""
 
     cfg: ModelConfig
+    windows: tuple = (None,)  # Attention's
 
     @nn.compact
-    def __call__(self, x_BxLxD, kv=None, lengths_B=None):
+    def __call__(self, x_BxLxD, kv=None, lengths_B=None, segments_BxL=None, kind=None):
         c = self.cfg
         x_BxLxD = checkpoint_name(x_BxLxD, BLOCK_INPUT)
         h_BxLxD = RMSNorm(param_dtype=c.param_dtype)(x_BxLxD)
-        out = Attention(c, name="attn")(h_BxLxD, kv, lengths_B)
+        out = Attention(c, self.windows, name="attn")(h_BxLxD, kv, lengths_B, segments_BxL, kind)
         y_BxLxD, kv = out if kv is not None else (out, None)
         x_BxLxD = x_BxLxD + y_BxLxD
         x_BxLxD = x_BxLxD + Mlp(c, name="mlp")(RMSNorm(param_dtype=c.param_dtype)(x_BxLxD))
@@ -262,12 +317,13 @@ def _block_class(cfg: ModelConfig):
 
 class Transformer(nn.Module):
     """tokens_BxL (int) → logits_BxLxV (float32); with a KVCache, (logits, the new cache),
-    the tokens written at each sequence's length (lengths are advanced by lab/decode.py)."""
+    the tokens written at each sequence's length (lengths are advanced by lab/decode.py).
+    Packed rows (training) pass segments_BxL, one id per document (lab/data.py)."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxL, cache: KVCache | None = None):
+    def __call__(self, tokens_BxL, cache: KVCache | None = None, segments_BxL=None):
         c = self.cfg
         embed_VxD = self.param(
             "embed", _init(1.0, (VOCAB, EMBED)), (c.vocab_size, c.d_model), c.param_dtype
@@ -283,26 +339,33 @@ class Transformer(nn.Module):
         block = _block_class(c)
         lengths_B = None if cache is None else cache.lengths
         if c.scan_layers:
+            windows = tuple(dict.fromkeys(c.layer_windows))  # distinct, in order of use
+            kinds = None  # every layer alike: its window is static in the one scanned body
+            if len(windows) > 1:  # a local/global pattern: each layer's index, scanned
+                kinds = jnp.array([windows.index(w) for w in c.layer_windows], jnp.int32)
             stack = nn.scan(
                 block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast),
+                in_axes=(0, nn.broadcast, nn.broadcast, 0),
                 length=c.n_layers,
                 metadata_params={nn.PARTITION_NAME: LAYERS},
             )
             kv = None if cache is None else cache.layers
-            blocks = stack(c, name="blocks")
+            blocks = stack(c, windows, name="blocks")
             if cache is None and _pipelined(c) and not self.is_initializing():
                 x_BxLxD = _pipelined_blocks(c, self.variables["params"]["blocks"], x_BxLxD)
                 layers = None
             else:
-                x_BxLxD, layers = blocks(x_BxLxD, kv, lengths_B)
+                x_BxLxD, layers = blocks(x_BxLxD, kv, lengths_B, segments_BxL, kinds)
         else:
             layers = []
             for i in range(c.n_layers):
                 kv = None if cache is None else cache.layers[i]
-                x_BxLxD, kv = block(c, name=f"block_{i}")(x_BxLxD, kv, lengths_B)
+                windows = (c.layer_window(i),)
+                x_BxLxD, kv = block(c, windows, name=f"block_{i}")(
+                    x_BxLxD, kv, lengths_B, segments_BxL
+                )
                 layers.append(kv)
             layers = tuple(layers)
         x_BxLxD = RMSNorm(param_dtype=c.param_dtype, name="final_norm")(x_BxLxD)
@@ -361,7 +424,8 @@ def _pipelined_blocks(c: ModelConfig, stacked_params, x_BxLxD):
 
     def layer(p, x_BxLxD):
         with nn.logical_axis_rules(inner):
-            return Block(c).apply({"params": p}, x_BxLxD)[0]
+            # one window for every layer (resolve's rule for pipelines)
+            return Block(c, (c.layer_window(0),)).apply({"params": p}, x_BxLxD)[0]
 
     remat = c.remat != "none"
     stage_fn = pipeline.scan_layers(layer, remat=remat, remat_policy=REMAT_POLICIES.get(c.remat))

@@ -282,6 +282,47 @@ def _text_length(d: _Draft):
         )
 
 
+def _window_pattern(d: _Draft):
+    m = d.model
+    bad = [w for w in m.pattern if w not in ("local", "global")]
+    if bad:
+        return (
+            f"window_pattern={m.window_pattern!r}: expected a comma-separated cycle of local and "
+            "global, e.g. local,global"
+        )
+
+
+def _pattern_window(d: _Draft):
+    m = d.model
+    if m.window_pattern and not m.window:
+        return f"window_pattern={m.window_pattern!r} needs a window: add window=N (N >= 1)"
+
+
+def _window_pipeline(d: _Draft):
+    """A pipeline stage scans its layers with one body, so every layer must attend alike."""
+    if d.pipelined and len(set(d.model.layer_windows)) > 1:
+        return (
+            f"window_pattern={d.model.window_pattern!r} mixes local and global layers, which a "
+            "pipeline stage (one scanned body for all its layers) cannot: use one window for "
+            "every layer, or strategy without pp"
+        )
+
+
+def _pack(d: _Draft):
+    if d.cfg.pack and d.cfg.data != "text":
+        return (
+            f"pack=true packs the text corpus's documents: needs data=text, got data={d.cfg.data}"
+        )
+
+
+def _pack_pipeline(d: _Draft):
+    if d.cfg.pack and d.pipelined and d.purpose != "decode":
+        return (
+            "pack=true: a pipeline passes only the residual stream stage to stage, not the "
+            "documents' segment ids: train packed documents without strategy=pp*"
+        )
+
+
 def _ring(d: _Draft):
     if d.model.attention == "ring" and d.cfg.strategy != "cp":
         return (
@@ -498,6 +539,9 @@ RULES: tuple[Rule, ...] = (
     Rule("even head_dim", _rotary, ("d_model=12", "n_heads=4", "n_kv_heads=2")),
     Rule("text needs bytes", _text_vocab, ("vocab_size=100", "data=text")),
     Rule("text longer than a sequence", _text_length, ("data=text", "seq_len=10000000")),
+    Rule("window pattern", _window_pattern, ("window=16", "window_pattern=local,glob")),
+    Rule("window pattern needs a window", _pattern_window, ("window_pattern=local,global",)),
+    Rule("pack needs text", _pack, ("data=synthetic", "pack=true")),
     Rule("ring needs cp", _ring, ("attention=ring",)),
     Rule("accumulate divides batch", _accumulate, ("batch_size=16", "accumulate=3")),
     Rule("microbatches need a pipeline", _microbatches_need_pipeline, ("microbatches=2",)),
@@ -519,6 +563,18 @@ RULES: tuple[Rule, ...] = (
         "stage axis needs a pipeline",
         _stage_needs_pipeline,
         ("mesh=stage:2", "strategy=dp"),
+        needs_mesh=True,
+    ),
+    Rule(
+        "one window per pipeline layer",
+        _window_pipeline,
+        ("mesh=stage:2", "n_layers=4", "window=8", "window_pattern=local,global"),
+        needs_mesh=True,
+    ),
+    Rule(
+        "no packed documents in a pipeline",
+        _pack_pipeline,
+        ("mesh=stage:2", "data=text", "pack=true"),
         needs_mesh=True,
     ),
     Rule(

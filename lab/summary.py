@@ -31,8 +31,17 @@ GIB = 2**30
 def flops_per_token(cfg: Config, params) -> tuple[float, str]:
     n = count_nonembedding_params(params, cfg.model)
     m = cfg.model
-    f = cost.transformer_flops_per_token(n, m.n_layers, cfg.seq_len, m.d_model, training=True)
-    return f, "6·N (N non-embedding params) + 12·layers·seq·d_model attention, per token"
+    keys = [cost.visible_keys(cfg.seq_len, w) for w in m.layer_windows]
+    f = cost.transformer_flops_per_token(
+        n, m.n_layers, cfg.seq_len, m.d_model, training=True, keys_per_layer=keys
+    )
+    label = (
+        "6·N (N non-embedding params) + 12·d_model·keys seen per query, summed over layers, "
+        "per token: only unmasked pairs (causal ≈ seq/2"
+    )
+    label += f", a window of {m.window}: ≤ {m.window}" if m.window else ""
+    label += "; packed documents' masked pairs still counted)" if cfg.pack else ")"
+    return f, label
 
 
 def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dict:

@@ -117,6 +117,8 @@ def train_step(
     opt_device_shardings=None,
 ):
     """One optimizer step on a batch of seq_len+1 tokens; returns (new state, metrics).
+    A packed batch [B, 2, seq_len+1] (lab/data.py) carries each token's document too: the
+    model attends within documents and restarts positions at each; every target counts.
 
     accumulate=K: the gradient summed over K microbatches of B/K rows (each kept on its
     devices by `batch_sharding`) before the one update. opt_device_shardings: the optimizer
@@ -124,7 +126,10 @@ def train_step(
     """
 
     def loss_fn(params, tokens_BxL1):
-        logits_BxLxV = model.apply({"params": params}, tokens_BxL1[:, :-1])
+        segments_BxL = None
+        if tokens_BxL1.ndim == 3:  # packed: tokens, segment ids
+            tokens_BxL1, segments_BxL = tokens_BxL1[:, 0], tokens_BxL1[:, 1, :-1]
+        logits_BxLxV = model.apply({"params": params}, tokens_BxL1[:, :-1], None, segments_BxL)
         loss = cross_entropy(logits_BxLxV, tokens_BxL1[:, 1:])
         return loss * loss_scale, loss
 
@@ -174,6 +179,8 @@ class Trainer:
 
     def batch_shape(self) -> jax.ShapeDtypeStruct:
         shape = (self.cfg.batch_size, self.cfg.seq_len + 1)
+        if self.cfg.pack:  # tokens and segment ids (lab/data.py)
+            shape = (shape[0], 2, shape[1])
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
 
     def init(self, key) -> TrainState:

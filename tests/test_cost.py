@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -75,6 +76,17 @@ def test_transformer_and_gpt3_conventions():
     assert per_token == 6 * 1000 + 12 * 2 * 16 * 8
     assert cost.transformer_flops_per_token(1000, 2, 16, 8, training=False) == per_token / 3
     assert cost.gpt3_training_flops(175e9, 300e9) == pytest.approx(3.15e23)
+
+
+def test_visible_keys_count_the_unmasked_pairs():
+    """Causal and sliding-window keys per query, against counting the mask's pairs."""
+    for seq, window in [(16, None), (16, 4), (16, 16), (16, 40), (7, 1)]:
+        i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+        seen = (j <= i) & (j > i - (window or seq))
+        assert cost.visible_keys(seq, window) == pytest.approx(seen.sum() / seq)
+    keys = [cost.visible_keys(16), cost.visible_keys(16, 4)]
+    per_token = cost.transformer_flops_per_token(1000, 2, 16, 8, keys_per_layer=keys)
+    assert per_token == pytest.approx(6 * 1000 + 12 * 8 * (8.5 + (10 + 12 * 4) / 16))
 
 
 def test_lab_step_flops_match_the_analytic_count():

@@ -2,6 +2,9 @@
 tokens: ragged prompts, several steps, scanned and unscanned layers, one device and a 4x2
 mesh; the int8 cache and int8 weights within their stated bounds; bad input one line."""
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,6 +92,21 @@ def test_decoding_equals_the_full_forward_pass(scan_layers):
     trainer, params = _setup(scan_layers=scan_layers)
     got, want = _decoded_logits(trainer, params), _full_logits(trainer, params)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_a_windowed_softcapped_model_decodes_as_its_forward_pass(scan_layers):
+    """A local layer of window 4 then a global one (scanned: the window switched per layer),
+    soft-capped logits: prefill and each decode step attend to the last 4 tokens in the local
+    layer, as the full forward pass does."""
+    trainer, params = _setup(
+        scan_layers=scan_layers, window=4, window_pattern="local,global", softcap=5.0
+    )
+    got, want = _decoded_logits(trainer, params), _full_logits(trainer, params)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    plain = dataclasses.replace(trainer.cfg.model, window=0, window_pattern="", softcap=0.0)
+    unmasked = _full_logits(types.SimpleNamespace(cfg=types.SimpleNamespace(model=plain)), params)
+    assert np.abs(unmasked - want).max() > 1e-3  # the window and cap did change the logits
 
 
 def test_decoding_on_a_4x2_mesh_equals_one_device():

@@ -108,8 +108,22 @@ def attention_flops(
     return 2.5 * fwd if backward else fwd
 
 
+def visible_keys(seq_len: int, window: int | None = None) -> float:
+    """Keys a query sees on average in a causal sequence of seq_len: (seq_len + 1) / 2, or
+    with a sliding window of W (itself and the W - 1 before it) the mean of min(i + 1, W)."""
+    W = seq_len if window is None else min(window, seq_len)
+    # queries 0 … W-1 see i + 1 keys; the seq_len - W after them see W each
+    return (W * (W + 1) / 2 + (seq_len - W) * W) / seq_len
+
+
 def transformer_flops_per_token(
-    n_params_nonembed: int, n_layers: int, seq_len: int, d_model: int, *, training: bool = True
+    n_params_nonembed: int,
+    n_layers: int,
+    seq_len: int,
+    d_model: int,
+    *,
+    training: bool = True,
+    keys_per_layer=None,
 ) -> float:
     """Model FLOPs per token, the PaLM convention (Chowdhery et al. 2022, appendix B).
 
@@ -121,8 +135,11 @@ def transformer_flops_per_token(
     Inference (training=False): the forward third, 2·N + 4·L·S·D. Rematerialisation is not
     counted: recomputation is overhead, not model FLOPs (that is the "M" in MFU).
     N excludes the input embedding table (a lookup, no FLOPs); an output head counts.
+    `keys_per_layer`: the keys a query sees in each layer (e.g. `visible_keys`, causal or
+    windowed), in place of seq_len: only the unmasked (query, key) pairs counted.
     """
-    attention = 4 * n_layers * seq_len * d_model
+    keys = n_layers * seq_len if keys_per_layer is None else sum(keys_per_layer)
+    attention = 4 * keys * d_model
     per_token = 2 * n_params_nonembed + attention
     return 3.0 * per_token if training else float(per_token)
 

@@ -71,13 +71,16 @@ def cpu_machine_measured(dtype: str, n_devices: int, fit=None) -> Machine:
 def attention_flops_per_device(cfg, n_devices: int) -> float:
     """FLOPs of the attention kernels of one step per device, for a kernel XLA cannot see
     into (a Pallas custom call): forward, backward (2.5×) and remat's second forward, causal
-    blocks skipped (lab.measure.cost.attention_flops)."""
+    blocks skipped (lab.measure.cost.attention_flops); a windowed layer's by the share of
+    keys its window leaves (lab.measure.cost.visible_keys)."""
     m = cfg.model
     fwd = cost.attention_flops(
         cfg.batch_size, m.n_heads, cfg.seq_len, cfg.seq_len, m.head_dim, causal=True
     )
+    causal = cost.visible_keys(cfg.seq_len)
+    layers = sum(cost.visible_keys(cfg.seq_len, w) / causal for w in m.layer_windows)
     recompute = 1.0 if m.remat in ("full", "offload") else 0.0
-    return fwd * (1.0 + 2.5 + recompute) * m.n_layers / max(n_devices, 1)
+    return fwd * (1.0 + 2.5 + recompute) * layers / max(n_devices, 1)
 
 
 def predict_step(compiled, cfg, info: DeviceInfo, mesh) -> dict | None:

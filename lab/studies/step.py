@@ -55,7 +55,9 @@ def bare_step_fn(model, tx):
 
 def _tokens(s: Session):
     cfg = s.cfg
-    batch = host_batch(cfg.data, cfg.seed, 0, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size)
+    batch = host_batch(
+        cfg.data, cfg.seed, 0, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, cfg.pack
+    )
     return to_global(batch, s.trainer.batch_sharding)
 
 

@@ -216,9 +216,11 @@ def decode_attention_reference(
     *,
     scale=None,
     window: int | None = None,
+    softcap: float | None = None,
 ):
     """softmax over the first lengths[b] slots (the last `window` of them, if given),
-    materialised; f32 math (f64 for f64 inputs).
+    materialised; f32 math (f64 for f64 inputs); `softcap`: scaled scores s → softcap·tanh(s /
+    softcap) before the softmax, as in attention().
 
     Slots outside are zeroed before any product, so garbage (NaN included) there never
     reaches the output; a length of 0 gives zeros, as in the kernels.
@@ -242,6 +244,8 @@ def decode_attention_reference(
     q_BxGxRxK = q_BxHxK.reshape(B, G, H // G, K).astype(acc)
     s_BxGxRxS = jnp.einsum("bgrk,bgsk->bgrs", q_BxGxRxK, k_BxGxSxK)
     s_BxGxRxS = s_BxGxRxS * default_scale(K, scale)
+    if softcap is not None:
+        s_BxGxRxS = softcap * jnp.tanh(s_BxGxRxS / softcap)
     s_BxGxRxS = jnp.where(valid_Bx1xS[:, :, None, :], s_BxGxRxS, MASK_VALUE)
     p_BxGxRxS = jax.nn.softmax(s_BxGxRxS, axis=-1)
     o_BxGxRxK = jnp.einsum("bgrs,bgsk->bgrk", p_BxGxRxS, v_BxGxSxK)
