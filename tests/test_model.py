@@ -6,6 +6,8 @@ position t with respect to the embedded inputs is zero at every later position a
 at t and before.
 """
 
+import dataclasses
+
 import chex
 import flax.linen as nn
 import jax
@@ -65,8 +67,7 @@ def test_the_loss_at_t_does_not_depend_on_later_inputs(mesh, strategy, attention
 SEGMENTS_L = np.repeat([0, 1, 2], [8, 10, 6])  # three packed documents in a row of L
 
 
-@pytest.mark.parametrize("attention", ["naive", "blockwise"])
-def test_packed_documents_do_not_see_each_other(attention):
+def test_packed_documents_do_not_see_each_other(attention="blockwise"):
     """The loss of a packed row's middle document has zero gradient with respect to the other
     documents' inputs (exactly), and its logits are those of the document alone at the start
     of a row: attention stays within it and its rotary positions restart."""
@@ -84,7 +85,7 @@ def test_packed_documents_do_not_see_each_other(attention):
         )
         return jnp.sum(logits[:, mine] @ w_V)
 
-    g_BxLxD = np.asarray(jax.grad(middle_loss)(zeros)["embedded"])
+    g_BxLxD = np.asarray(jax.jit(jax.grad(middle_loss))(zeros)["embedded"])
     np.testing.assert_array_equal(g_BxLxD[:, ~mine], 0.0)
     assert np.all(np.abs(g_BxLxD[:, mine]).sum(-1) > 0)
     packed = model.apply({"params": params}, tokens_BxL, None, segments_BxL)[:, mine]
@@ -94,28 +95,39 @@ def test_packed_documents_do_not_see_each_other(attention):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_a_sliding_window_limits_what_each_layer_sees(scan_layers):
-    """Two local layers of window 4: the logits at T see inputs T-6 … T and nothing before;
-    a local,global pattern (the second layer global, scanned: switched per layer) sees all."""
-    keys = dict(preset="tiny", dtype="float32", attention="naive", scan_layers=scan_layers)
+    """Unscanned, two local layers of window 4: the logits at T see inputs T-6 … T and nothing
+    before. Scanned, local,global (each layer's window switched in the one body): all of the
+    past, and the logits of the unscanned model with the same weights, not a global model's."""
+    cfg = make_config(
+        preset="tiny",
+        dtype="float32",
+        attention="naive",
+        window=4,
+        scan_layers=scan_layers,
+        window_pattern="local,global" if scan_layers else "",
+    )
+    model = build(cfg.model)
+    tokens_BxL = jax.random.randint(jax.random.key(1), (2, L), 0, 256)
+    variables = model.init(jax.random.key(0), tokens_BxL)
+    params, zeros = variables["params"], jax.tree.map(jnp.zeros_like, variables["perturbations"])
+    w_V = jax.random.normal(jax.random.key(2), (256,))
 
-    def gradient(**model_keys):
-        model = build(make_config(**keys, **model_keys).model)
-        tokens_BxL = jax.random.randint(jax.random.key(1), (2, L), 0, 256)
-        variables = model.init(jax.random.key(0), tokens_BxL)
-        params = variables["params"]
-        zeros = jax.tree.map(jnp.zeros_like, variables["perturbations"])
-        w_V = jax.random.normal(jax.random.key(2), (256,))
+    def loss_at_t(p):
+        return jnp.sum(model.apply({"params": params, "perturbations": p}, tokens_BxL)[:, T] @ w_V)
 
-        def loss_at_t(p):
-            logits = model.apply({"params": params, "perturbations": p}, tokens_BxL)
-            return jnp.sum(logits[:, T] @ w_V)
-
-        return np.abs(np.asarray(jax.grad(loss_at_t)(zeros)["embedded"])).sum(-1)
-
-    local = gradient(window=4)
-    np.testing.assert_array_equal(local[:, : T - 6], 0.0)
-    assert np.all(local[:, T - 6 : T + 1] > 0)
-    np.testing.assert_array_equal(local[:, T + 1 :], 0.0)
-    mixed = gradient(window=4, window_pattern="local,global")
-    assert np.all(mixed[:, : T + 1] > 0)
-    np.testing.assert_array_equal(mixed[:, T + 1 :], 0.0)
+    seen = np.abs(np.asarray(jax.jit(jax.grad(loss_at_t))(zeros)["embedded"])).sum(-1)
+    first = 0 if scan_layers else T - 6
+    np.testing.assert_array_equal(seen[:, :first], 0.0)
+    assert np.all(seen[:, first : T + 1] > 0)
+    np.testing.assert_array_equal(seen[:, T + 1 :], 0.0)
+    if scan_layers:
+        layers = {
+            f"block_{i}": jax.tree.map(lambda a, i=i: a[i], params["blocks"]) for i in range(2)
+        }
+        unscanned = {**{k: v for k, v in params.items() if k != "blocks"}, **layers}
+        logits = model.apply({"params": params}, tokens_BxL)
+        same = dataclasses.replace(cfg.model, scan_layers=False)
+        want = build(same).apply({"params": unscanned}, tokens_BxL)
+        np.testing.assert_allclose(logits, want, atol=1e-5, rtol=1e-5)
+        every = build(dataclasses.replace(same, window=0, window_pattern=""))
+        assert np.abs(every.apply({"params": unscanned}, tokens_BxL) - want).max() > 1e-3

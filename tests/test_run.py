@@ -180,12 +180,12 @@ MASKED = ["data=text", "pack=true", "window=8", "window_pattern=local,global", "
 def test_packed_windowed_softcapped_model_trains_as_naive(tmp_path, mesh, extra):
     """Packed documents, a local/global sliding-window pattern and soft-capped logits at once:
     the loss falls, and the default kernel's losses equal the float32 reference's."""
-    args = ["n_layers=2", "steps=6", "lr=1e-2", "warmup_steps=1", f"mesh={mesh}", *MASKED, *extra]
+    args = ["n_layers=2", "steps=4", "lr=1e-2", "warmup_steps=1", f"mesh={mesh}", *MASKED, *extra]
     losses = {}
     for impl in ("auto", "naive"):
         assert _run(tmp_path, *args, f"attention={impl}", f"name={impl}", "dtype=float32") == 0
         losses[impl] = _losses(tmp_path / impl)
-    assert losses["auto"][6] < losses["auto"][1] - 1.0, losses["auto"]
+    assert losses["auto"][4] < losses["auto"][1] - 1.0, losses["auto"]
     steps = sorted(losses["naive"])
     np.testing.assert_allclose(
         [losses["auto"][s] for s in steps], [losses["naive"][s] for s in steps], atol=1e-5, rtol=0
