@@ -36,7 +36,7 @@ from lab.config import (
 )
 from lab.devices import DeviceInfo
 from lab.errors import ConfigError
-from lab.kernels.attention import choose_noted
+from lab.kernels.attention import choose_noted, supported_features
 from lab.mesh import AXES, STRATEGY_AXES, MeshSpecError, auto_strategy, make_mesh, resolve_shape
 from lab.mesh import RULES as MESH_RULES
 from lab.names import BATCH, DATA, HOST_MEMORY, PIPELINE_STRATEGIES, STAGE
@@ -714,30 +714,51 @@ def _build_mesh(sizes: dict, platform: Platform):
     return make_mesh(mesh_spec(sizes), devs)
 
 
+def mask_features(d: _Draft) -> frozenset:
+    """What the model's attention calls need beyond causal (common.FEATURE_NAMES): a window,
+    soft-capping, and segment ids for packed training rows."""
+    m, out = d.model, set()
+    if any(w is not None for w in m.layer_windows):
+        out.add("window")
+    if m.softcap:
+        out.add("softcap")
+    if d.cfg.pack and d.purpose != "decode":
+        out.add("segments")
+    return frozenset(out)
+
+
 def _attention(d: _Draft, mesh) -> tuple[str, str | None]:
     """(the kernel compiled, why it is not the one preferred here, or None): the dispatch's
     choice for the platform and shape; on a GPU the target's capabilities decide what would
     run, and a plan says when this host compiles another kernel."""
     m = d.model
+    features = mask_features(d)
     if m.attention == "ring":
+        missing = features - supported_features("ring")
+        if missing:
+            raise ValueError(f"impl=ring does not take {', '.join(sorted(missing))}")
         return "ring", None
     dtype = jnp.dtype(m.dtype)
     q = jax.ShapeDtypeStruct((1, d.cfg.seq_len, m.n_heads, m.head_dim), dtype)
     kv = jax.ShapeDtypeStruct((1, d.cfg.seq_len, m.n_kv_heads, m.head_dim), dtype)
     with jax.set_mesh(mesh):  # the target's platform and device kind decide
-        impl, note = choose_noted(m.attention, q, kv, kv, causal=True, backend=d.platform.backend)
-        target = target_note(d.platform, m.attention, impl, q, kv, causal=True)
+        impl, note = choose_noted(
+            m.attention, q, kv, kv, causal=True, backend=d.platform.backend, features=features
+        )
+        target = target_note(d.platform, m.attention, impl, q, kv, causal=True, features=features)
     return impl, "; ".join(n for n in (target, note) if n) or None
 
 
-def target_note(platform: Platform, asked: str, impl: str, q, kv, *, causal: bool):
+def target_note(
+    platform: Platform, asked: str, impl: str, q, kv, *, causal: bool, features=frozenset()
+):
     """Where `auto` compiled `impl` on this host although the target would run cuDNN's fused
     attention (a GPU runs it; this host lacks the library to compile it): one line that says
     so, else None."""
     if asked != "auto" or impl == "cudnn" or not platform.cudnn or platform.cudnn_here:
         return None
     try:
-        choose_noted("cudnn", q, kv, kv, causal=causal, backend="gpu")
+        choose_noted("cudnn", q, kv, kv, causal=causal, backend="gpu", features=features)
     except ValueError:  # cuDNN does not take this input: the target would not run it either
         return None
     return (
