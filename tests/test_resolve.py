@@ -106,6 +106,22 @@ def test_a_gpu_plan_chooses_attention_by_the_targets_capabilities():
         assert f"compiled with {r.cfg.model.attention}" in r.attention_note
 
 
+def test_the_attention_choice_takes_the_models_masks():
+    """A window, soft-capping and packed documents: auto picks a kernel that takes them all
+    (cuDNN takes no soft-cap or segments, so a GPU plan does not claim it would run), a kernel
+    named that lacks one is one line."""
+    from lab.kernels.attention import supported_features
+
+    masks = dict(window=64, softcap=30.0, data="text", pack=True)
+    for platform, purpose in ((_cpu_platform(), "train"), (_gpu_target(), "plan")):
+        r = resolve.resolve(Request.of(**masks), platform, purpose)
+        need = {"window", "softcap", "segments"}
+        assert need <= supported_features(r.cfg.model.attention), r.cfg.model.attention
+        assert not (r.attention_note or "").startswith("cuDNN would run")
+    with pytest.raises(ConfigError, match="attention=xla: .*soft-capping"):
+        resolve.resolve(Request.of(softcap=30.0, attention="xla"), _cpu_platform(), "train")
+
+
 def test_offloading_is_one_rule_on_every_platform():
     """CPU has no host memory apart from its device memory: refused; a GPU target has it
     (remat=offload compiles there), and a plan whose abstract devices list no host memory
