@@ -42,9 +42,13 @@ def bare_step_fn(model, tx):
 
     @jax.jit
     def step(params, opt_state, tokens_BxL1):
+        tokens, segments = tokens_BxL1, None
+        if tokens_BxL1.ndim == 3:  # packed (pack=true): tokens, segment ids
+            tokens, segments = tokens_BxL1[:, 0], tokens_BxL1[:, 1, :-1]
+
         def loss_fn(p):
-            logits = model.apply({"params": p}, tokens_BxL1[:, :-1])
-            return cross_entropy(logits, tokens_BxL1[:, 1:])
+            logits = model.apply({"params": p}, tokens[:, :-1], None, segments)
+            return cross_entropy(logits, tokens[:, 1:])
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
