@@ -11,6 +11,13 @@ own length (ragged batches), rotates positions from there, and attends either th
 among themselves (prefill from an empty cache) or one new token against the cache (a decode
 step, lab.kernels.attention.decode_attention); the call returns the logits and the new
 cache. Weights may be int8 (lab/quant.py: Int8Weight), multiplied without dequantising.
+
+Masks (ModelConfig): `window` makes a layer local (it sees itself and the window-1 tokens
+before it, in training, prefill and decode alike), `window_pattern` which layers are (static
+per layer unscanned; under scan_layers each layer's index into the pattern's distinct windows
+is a scanned input and lax.switch runs that window's branch; a pipeline stage takes one window
+for all layers); `softcap` caps the attention logits; packed training rows pass segment ids,
+so attention stays within a document and the rotary positions restart at each.
 """
 
 import functools
