@@ -504,3 +504,14 @@ def attention_tile_flops(
     tiles = float(tiles.sum()) if tiles.shape[0] == B else float(tiles.sum()) * B
     per_tile = 2.0 * bq * bk * ((3 * K + 2 * V) if backward else (K + V))
     return H * tiles * per_tile
+
+
+def check_softcap(softcap) -> float | None:
+    """None (no cap) or a positive finite float: what every kernel taking `softcap=` checks."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap > 0:
+        raise ValueError(f"softcap={softcap!r}: must be a positive number (or None: no cap)")
+    if softcap == float("inf"):
+        raise ValueError(f"softcap={softcap!r}: must be finite (None means no cap)")
+    return float(softcap)

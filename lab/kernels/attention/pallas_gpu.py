@@ -48,6 +48,7 @@ from lab.kernels.attention.common import (
     Mask,
     check_dtype,
     check_qkv,
+    check_softcap,
     default_scale,
     device_kind,
     visible,
@@ -591,17 +592,6 @@ def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, *, causal: bool) -> None:
     check_dtype(q_BxLxHxK, DTYPES, "pallas_gpu")
     _check_head_dim(q_BxLxHxK, "q/k")
     _check_head_dim(v_BxSxGxV, "v")
-
-
-def check_softcap(softcap) -> float | None:
-    """None (no cap) or a positive finite float."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap > 0:
-        raise ValueError(f"softcap={softcap!r}: must be a positive number (or None: no cap)")
-    if softcap == float("inf"):
-        raise ValueError(f"softcap={softcap!r}: must be finite (None means no cap)")
-    return float(softcap)
 
 
 @functools.partial(

@@ -94,6 +94,7 @@ from lab.kernels.attention.common import (
     Geometry,
     check_dtype,
     check_qkv,
+    check_softcap,
     default_scale,
     device_kind,
     pad_seq,
@@ -949,17 +950,6 @@ def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, *, causal: bool) -> None:
                 f"{x.shape=}: pallas_mgpu supports {what} head_dim in {HEAD_DIMS} "
                 "(dtypes bfloat16, float16)"
             )
-
-
-def check_softcap(softcap) -> float | None:
-    """None (no cap) or a positive finite float."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap > 0:
-        raise ValueError(f"softcap={softcap!r}: must be a positive number (or None: no cap)")
-    if softcap == float("inf"):
-        raise ValueError(f"softcap={softcap!r}: must be finite (None means no cap)")
-    return float(softcap)
 
 
 def toolchain_problem(*, causal: bool) -> str | None:
