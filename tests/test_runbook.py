@@ -206,3 +206,27 @@ def test_bench_step_row_is_read_from_its_log(tmp_path):
     )
     measured, _ = rows.headline("bench-step", [], tmp_path, "output.log")
     assert measured == "bare 43.25 ms, lab 42.79 ms: ratio 0.989 (medians; from its log)"
+
+
+def test_prediction_row_states_the_model_error_on_the_device_steps(tmp_path):
+    def rec(config, measured, predicted):
+        c = {"config": config, "predicted_s": predicted}
+        return {"what": "step time, measured and predicted", "value": measured, "unit": "s",
+                "config": c}  # fmt: skip
+
+    recs = [rec("model=base", 0.1, 0.09), rec("model=1b", 0.4, 0.5), rec("bad", None, None)]
+    measured, predicted = rows.headline("prediction", recs, tmp_path)
+    assert "model=base 100.00 ms" in measured and "model=1b" in measured
+    assert predicted == "model error on 2 steps: median 18%, worst 1.25×"
+
+
+def test_training_row_prefers_the_step_time_model_to_the_floor(tmp_path):
+    summary = {
+        "mfu": 0.5,
+        "step_time": {"median_s": 0.2},
+        "peak_source": "spec-table peak",
+        "predicted_step_time": {"seconds": 0.18, "ratio_to_measured": 0.9},
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    _, predicted = rows.headline("train", [], tmp_path)
+    assert predicted == "step 180.00 ms (-10% of measured; step-time model)"

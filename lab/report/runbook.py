@@ -8,15 +8,17 @@ or its summary files; nothing here measures anything.
 
 import json
 import re
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lab.report.format import NA, duration, fmt
 
 PREDICTED_NOTE = (
-    "*predicted*: the training step's time floor (its model FLOPs at the peak the run names, "
-    "as `lab.run target=…` plans it); the other steps have no predicted figure for the same "
-    "program yet, so their column is empty."
+    "*predicted*: the step-time model's figure for the same compiled program (the training "
+    "step's, and each configuration of the prediction step; where a run has none, the step's "
+    "time floor: its model FLOPs at the peak the run names); the other steps have no predicted "
+    "figure for the same program yet, so their column is empty."
 )
 
 
@@ -91,7 +93,8 @@ def tune_step(records: Sequence[dict], folder: Path) -> tuple[str, str]:
 
 
 def train(records: Sequence[dict], folder: Path) -> tuple[str, str]:
-    """Step time, tokens/s and MFU; predicted: the time floor, model FLOPs at the peak."""
+    """Step time, tokens/s and MFU; predicted: the step-time model's figure for the same
+    compiled step where the run has one, else the time floor (model FLOPs at the peak)."""
     picked = _what(records, "training step time") + _what(records, "training tokens/s")
     picked += _what(records, "training MFU")
     names = {"training tokens/s": ""}  # the unit says it
@@ -102,7 +105,13 @@ def train(records: Sequence[dict], folder: Path) -> tuple[str, str]:
     predicted = ""
     for path in sorted(folder.rglob("summary.json")):
         s = json.loads(path.read_text())
-        if s.get("mfu") and s.get("step_time"):
+        model = s.get("predicted_step_time")
+        if model and model.get("seconds"):  # the step-time model of the same compiled program
+            predicted = (
+                f"step {duration(model['seconds'])} "
+                f"({model['ratio_to_measured'] - 1:+.0%} of measured; step-time model)"
+            )
+        elif s.get("mfu") and s.get("step_time"):
             floor = s["step_time"]["median_s"] * s["mfu"]  # FLOPs per step / peak
             source = s["peak_source"].split(";")[0]  # not the busy-host note: it is the run's
             predicted = f"step ≥ {duration(floor)} (model FLOPs at the {source})"
@@ -146,7 +155,23 @@ def ledger(records: Sequence[dict], folder: Path) -> tuple[str, str]:
     return "", ""
 
 
+def prediction(records: Sequence[dict], folder: Path) -> tuple[str, str]:
+    """The step times measured on the device, and the model's error on them (held out)."""
+    rows = [r for r in _what(records, "step time, measured and predicted")]
+    rows = [r for r in rows if r["config"].get("predicted_s")]
+    if not rows:
+        return "", ""
+    errs = [abs(r["config"]["predicted_s"] / r["value"] - 1) for r in rows]
+    worst = max(max(x, 1 / x) for x in (r["config"]["predicted_s"] / r["value"] for r in rows))
+    measured = "; ".join(f"{r['config']['config']} {fmt(r['value'], 's')}" for r in rows[:3]) + (
+        f"; {len(rows) - 3} more" if len(rows) > 3 else ""
+    )
+    median = statistics.median(errs)
+    return measured, f"model error on {len(rows)} steps: median {median:.0%}, worst {worst:.2f}×"
+
+
 HEADLINES: dict[str, Callable] = {
+    "prediction": prediction,
     "correctness": correctness,
     "ceilings": ceilings,
     "targets": targets,

@@ -815,6 +815,24 @@ def prediction_cpu_rows(rows, fit: dict) -> Table:
     return t
 
 
+def prediction_here_rows(rows, device_kind: str) -> Table:
+    """The model against the accelerator at hand: measured, predicted, the error and where the
+    predicted time goes (nothing fitted on these rows: all held out)."""
+    t = Table(title=f"the step-time model on {device_kind} (measured vs predicted, held out)")
+    for col in ("lab.run keys", "measured", "predicted", "error", "predicted breakdown"):
+        t.add_column(col)
+    for r in rows:
+        if r.error is None:
+            t.add_row(r.config, "—", "—", "—", r.error_text)
+            continue
+        parts = sorted(r.breakdown.items(), key=lambda kv: -kv[1])[:3]
+        where = ", ".join(f"{k} {duration(v)}" for k, v in parts if v)
+        t.add_row(
+            r.config, duration(r.measured_s), duration(r.predicted_s), f"{r.error:+.0%}", where
+        )
+    return t
+
+
 def prediction_markdown(records) -> list[str]:
     """The ledger's prediction section as Markdown lines: the error lines, then one table row
     per published point (records of experiments/prediction.py; empty without them)."""

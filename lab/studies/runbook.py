@@ -96,6 +96,16 @@ def plan(size: str) -> list[Step]:
             kind="ceilings",
         )
     )
+    steps.append(
+        Step(
+            "prediction",
+            "the step-time model against this GPU: lab.run steps timed and predicted, held out",
+            ("-m", "lab.tools.prediction", "here=true", "results={out}"),
+            420,
+            needs_gpu=True,
+            kind="prediction",
+        )
+    )
     steps += [
         Step(
             f"targets-k{k}",

@@ -7,14 +7,24 @@ hardware, published, predicted, error, calibration or held-out (dropped points w
 reason). The last line is the held-out error. With every point (no only=), the fit and its
 held-out error are written to lab/predict/fits.json, which lab.run prints beside each
 prediction.
+
+cpu=true checks the model on this CPU (lab.run configurations timed here, the CPU's free
+parameters fitted on the first three). here=true, on a GPU, times lab.run configurations that
+fill the chip and predicts each from its own compiled program with the published fit: nothing
+is fitted on them, every row is held out, and the rows join lab/predict/measured/, whose error
+lab.run prints beside every GPU prediction.
 """
 
 import dataclasses
 import sys
 
+import jax
+
 from lab import devices
 from lab.config import cli, field
+from lab.errors import ConfigError
 from lab.measure import records
+from lab.predict import step
 from lab.report import plots, progress, tables
 from lab.studies import prediction
 
@@ -25,11 +35,25 @@ class Options:
     cache_dir: str = field(
         "results/prediction-cache", "compiled programs of the points, reused", kind="path"
     )
-    save: bool = field(True, "write the fit and its held-out error to lab/predict/fits.json")
+    save: bool = field(
+        True,
+        "write the fit and its held-out error to lab/predict/fits.json; with here=true, add "
+        "the measured steps to lab/predict/measured/ (the device checks lab.run cites)",
+    )
     cpu: bool = field(
         False, "instead: the self-check on this CPU (lab.run configurations, measured here)"
     )
-    budget: float = field(2.0, "cpu=true: seconds of timed steps per configuration", min=0.1)
+    here: bool = field(
+        False,
+        "instead: the model against the accelerator at hand (a GPU: lab.run configurations "
+        "timed here, predicted from their compiled programs with the published fit)",
+    )
+    configs: tuple = field(
+        (), "here=true: only these configurations, by number from 1 (default: all)", kind="ints"
+    )
+    budget: float = field(
+        2.0, "cpu=true / here=true: seconds of timed steps per configuration", min=0.1
+    )
     results: str = field("results", "folder for the records and the PNG", kind="path")
 
 
@@ -37,6 +61,8 @@ def run(o: Options) -> int:
     con = progress.console()
     if o.cpu:
         return _cpu(o, con)
+    if o.here:
+        return _here(o, con)
     points = prediction.load_points(tuple(o.only))
     with progress.tasks(con) as bar:
         task = bar.add_task("prediction", total=len(points) + 2)
@@ -77,6 +103,59 @@ def _cpu(o: Options, con) -> int:
     if o.save:
         con.print(f"fit → {prediction.save_cpu_fit(rows, fit)}")
     con.print(prediction.cpu_error_line(rows))
+    return 0
+
+
+def _here(o: Options, con) -> int:
+    info = devices.describe()
+    if info.backend == "cpu":
+        raise ConfigError("here=true measures an accelerator; on this CPU, cpu=true is the check")
+    configs = prediction.GPU_CONFIGS
+    if o.configs:
+        bad = [i for i in o.configs if not 1 <= i <= len(configs)]
+        if bad:
+            raise ConfigError(
+                f"configs={bad[0]}: there are {len(configs)} configurations (1-based)"
+            )
+        configs = tuple(configs[i - 1] for i in o.configs)
+    path = records.output_stem(o.results, "prediction-here").with_suffix(".jsonl")
+
+    def write(r) -> None:  # each row as soon as it is known: a run cut short keeps them
+        rec = records.make_record(
+            "step time, measured and predicted",
+            r.measured_s,
+            "s",
+            label="measured",
+            predicted_s=r.predicted_s,
+            breakdown=r.breakdown,
+            top_ops=list(r.top_ops),
+            config=r.config,
+            device_kind=info.device_kind,
+            jax=jax.__version__,
+            failed=r.error_text or None,
+        )
+        records.write_records(path, rec)
+        if o.save and r.error is not None:  # the lab's store of device checks (held out)
+            records.write_records(step.MEASURED / f"{step.slug(info.device_kind)}.jsonl", rec)
+        if r.error is None:
+            con.print(f"{r.config}: no figures ({r.error_text})")
+        else:
+            con.print(
+                f"{r.config}: measured {r.measured_s * 1e3:.2f} ms, predicted "
+                f"{r.predicted_s * 1e3:.2f} ms ({r.error:+.0%})"
+            )
+
+    with progress.tasks(con) as bar:
+        task = bar.add_task("here", total=len(configs))
+        rows = prediction.here_check(
+            configs,
+            budget_s=o.budget,
+            progress=lambda label: bar.update(task, description=label[:40], advance=1),
+            on_row=write,
+        )
+    con.print(tables.prediction_here_rows(rows, info.device_kind))
+    con.print(f"records → {path}")
+    con.print(prediction.here_error_line(rows, info.device_kind))
     return 0
 
 
