@@ -77,3 +77,54 @@ def test_cpu_check_fits_on_calibration_and_reports_held_out():
     assert set(fit) >= {"compute_efficiency", "memory_efficiency", "op_overhead_s"}
     assert all(r.predicted_s > 0 and r.measured_s > 0 for r in rows)
     assert "held-out: 1 configurations" in prediction.cpu_error_line(rows)
+
+
+def test_here_check_predicts_each_step_from_its_own_program_and_keeps_going():
+    """The device check's machinery on this CPU: each configuration timed and predicted from
+    its compiled program, rows shown as they come, a failing configuration a row with its
+    reason (the others still measured)."""
+    seen = []
+    configs = (dict(model="tiny", mesh="1"), dict(model="tiny", mesh="1", attention="bogus"))
+    rows = prediction.here_check(configs, budget_s=0.2, on_row=seen.append)
+    assert seen == rows and len(rows) == 2
+    good, bad = rows
+    assert good.measured_s > 0 and good.predicted_s > 0 and good.error is not None
+    assert sum(good.breakdown.values()) == pytest.approx(good.predicted_s)
+    assert bad.error is None and "bogus" in bad.error_text
+    assert "1 configurations" in prediction.here_error_line(rows, "cpu")
+
+
+def test_device_checks_state_the_error_of_steps_measured_on_a_device(tmp_path):
+    from lab.predict import step
+
+    def rec(measured, predicted, kind="NVIDIA H100 80GB HBM3", backend="gpu"):
+        cfg = {"predicted_s": predicted, "config": "model=base"}
+        return {"value": measured, "config": cfg, "device_kind": kind, "backend": backend,
+                "timestamp": "2026-11-27T01:31:18+00:00"}  # fmt: skip
+
+    lines = [rec(0.1, 0.08), rec(0.2, 0.22), rec(0.1, 0.1), rec(None, 0.1), rec(0.3, None)]
+    (tmp_path / "h100.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + "{bad\n")
+    (tmp_path / "v5e.jsonl").write_text(json.dumps(rec(1.0, 2.0, "TPU v5 lite", "tpu")) + "\n")
+    checks = step.device_checks(tmp_path)
+    h100 = checks["NVIDIA H100 80GB HBM3"]
+    assert h100["n"] == 3 and h100["dates"] == ["2026-11-27"]
+    assert h100["median"] == pytest.approx(0.1) and h100["worst"] == pytest.approx(1.25)
+    assert checks["TPU v5 lite"]["worst"] == pytest.approx(2.0)
+    assert step.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def test_gpu_predictions_cite_the_steps_measured_on_a_gpu():
+    """The shipped device checks (lab/predict/measured/) reach every GPU prediction's error."""
+    from lab.predict import step
+
+    checks = step.device_checks()
+    gpu = [k for k, c in checks.items() if c["backend"] == "gpu"]
+    assert gpu, "no GPU step measurements shipped in lab/predict/measured/"
+    text = step.error_statement("gpu")
+    assert f"measured on an {gpu[0]}" in text and "lab.run steps" in text
+    assert "measured on" not in step.error_statement("cpu")
+
+
+def test_here_on_cpu_is_one_line(capsys):
+    assert tool(["here=true"]) == 2
+    assert "accelerator" in capsys.readouterr().err

@@ -16,6 +16,10 @@ from lab.predict import machines
 from lab.predict.model import Machine, predict_compiled
 
 FITS = Path(__file__).with_name("fits.json")
+# Step times measured on accelerators lent to the lab, each beside the model's prediction for
+# the same compiled program (`python -m lab.tools.prediction here=true` on the device): one
+# JSON Lines file per device kind. Nothing is fitted on them, so they are held-out checks.
+MEASURED = Path(__file__).with_name("measured")
 
 
 def fits() -> dict:
@@ -26,16 +30,62 @@ def fits() -> dict:
         return {}
 
 
+def slug(device_kind: str) -> str:
+    """'NVIDIA H100 80GB HBM3' → 'nvidia-h100-80gb-hbm3' (the file name of its checks)."""
+    return "-".join("".join(c if c.isalnum() else " " for c in device_kind.lower()).split())
+
+
+def device_checks(folder: Path = MEASURED) -> dict[str, dict]:
+    """Per device kind: {"n", "median", "worst", "dates", "backend"} of |predicted/measured − 1|
+    over the steps measured on it (records without both figures are skipped)."""
+    out = {}
+    for path in sorted(Path(folder).glob("*.jsonl")):
+        ratios, dates, kind, backend = [], set(), None, None
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                predicted, measured = r["config"].get("predicted_s"), r["value"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if predicted and measured:
+                ratios.append(predicted / measured)
+                dates.add(r.get("timestamp", "")[:10])
+                kind, backend = r.get("device_kind", path.stem), r.get("backend")
+        if ratios:
+            errs = sorted(abs(x - 1) for x in ratios)
+            mid = len(errs) // 2
+            median = errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
+            out[kind] = {
+                "n": len(ratios),
+                "median": median,
+                "worst": max(max(x, 1 / x) for x in ratios),
+                "mean_ratio": sum(ratios) / len(ratios),
+                "dates": sorted(d for d in dates if d),
+                "backend": backend,
+            }
+    return out
+
+
 def error_statement(kind: str) -> str:
-    """'model error 11% median, worst 1.6×, on 16 held-out points (…)' or why there is none."""
+    """'model error 11% median, worst 1.6×, on 16 held-out points (…)' or why there is none;
+    for a GPU or TPU, also the error on the steps measured on such a device, where there are."""
     entry = fits().get(kind) or {}
     err = entry.get("held_out")
     if not err:
-        return "model error not measured yet for this machine class"
-    return (
-        f"model error {err['median']:.0%} median, worst {err['worst']:.2f}×, on {err['n']} "
-        f"held-out {err['what']}"
-    )
+        text = "model error not measured yet for this machine class"
+    else:
+        text = (
+            f"model error {err['median']:.0%} median, worst {err['worst']:.2f}×, on {err['n']} "
+            f"held-out {err['what']}"
+        )
+    if kind in ("gpu", "tpu"):
+        for device, c in device_checks().items():
+            if (c["backend"] == "tpu") == (kind == "tpu"):
+                text += (
+                    f"; {c['median']:.0%} median, worst {c['worst']:.2f}×, on {c['n']} lab.run "
+                    f"steps measured on an {device} ({', '.join(c['dates'])})"
+                )
+    return text
 
 
 def machine_for(info: DeviceInfo, target: str, mesh_shape: dict, dtype: str) -> Machine | None:
