@@ -5,6 +5,7 @@ the ptxas releases known to miscompile it, and every record, plan and kernel tab
 The version probe is faked (monkeypatch): no GPU and no second CUDA toolchain are needed.
 """
 
+import dataclasses
 import functools
 import json
 
@@ -131,6 +132,36 @@ def test_without_the_causal_mask_it_compiles_in_the_range(use, hopper, version):
     assert choose_noted("auto", *_qkv(), causal=False, backend="gpu") == ("pallas_mgpu", None)
 
 
+@pytest.mark.parametrize("nvjitlink", OK + BAD)
+def test_nvjitlink_in_the_range_is_refused_whatever_ptxas_says(use, hopper, nvjitlink):
+    """XLA (and Mosaic GPU through it) assembles with libnvJitLink before the ptxas binary
+    where the library loads: its release counts as much as ptxas's."""
+    use(dataclasses.replace(fake("12.9.86"), nvjitlink=nvjitlink))
+    if nvjitlink not in BAD:
+        assert choose("pallas_mgpu", *_qkv(), causal=True, backend="gpu") == "pallas_mgpu"
+        return
+    with pytest.raises(ValueError, match=rf"nvJitLink {nvjitlink}") as e:
+        choose("pallas_mgpu", *_qkv(), causal=True, backend="gpu")
+    assert "ptxas 12.9.86" not in str(e.value) and len(str(e.value).splitlines()) == 1
+    chosen, note = choose_noted("auto", *_qkv(), causal=True, backend="gpu")
+    assert chosen == "pallas_gpu" and f"nvJitLink {nvjitlink}" in note
+
+
+def test_keys_padded_to_a_tile_are_masked_too(use, hopper):
+    """Without causal masking, keys that do not fill whole tiles still take the masked path:
+    refused in the range, accepted outside it."""
+    q = jax.ShapeDtypeStruct((1, 200, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16)
+    use(fake("12.8.61"))
+    with pytest.raises(ValueError, match="keys padded to a whole tile"):
+        choose("pallas_mgpu", q, kv, kv, causal=False, backend="gpu")
+    fn = functools.partial(pallas_mgpu.flash_attention_mgpu, causal=False)
+    with pytest.raises(ValueError, match="keys padded"):
+        jax.eval_shape(fn, q, kv, kv)
+    use(fake("12.9.86"))
+    assert choose("pallas_mgpu", q, kv, kv, causal=False, backend="gpu") == "pallas_mgpu"
+
+
 @pytest.mark.parametrize("impl", ["auto", "pallas"])
 @pytest.mark.parametrize("version", ["12.7.99", "12.8.61", "12.9.41", "12.9.86", "13.0.48"])
 def test_auto_and_pallas_fall_back_and_say_why(use, hopper, impl, version):
@@ -244,6 +275,9 @@ def test_every_record_names_its_toolchain(use):
     assert r["ptxas_version"] == "12.9.86" and r["cuda_runtime_version"] == "12.9"
     assert r["cuda_plugin_version"] == "jax-cuda12-plugin 0.10.2"
     json.dumps(r)  # plain JSON
+    use(dataclasses.replace(fake("12.9.86"), nvjitlink="12.8.93"))
+    assert records.make_record("x", 1.0, "s")["nvjitlink_version"] == "12.8.93"
+    assert "nvJitLink 12.8.93" in tables.toolchain_line(toolchain.probe().record())
 
 
 def test_a_kernel_table_is_captioned_with_its_ptxas():
@@ -287,3 +321,9 @@ def test_a_training_plan_names_its_toolchain(tmp_path, capsys):
     s = json.loads((tmp_path / "plan" / "summary.json").read_text())
     assert s["aot"]["toolchain"] == tc and s["aot"]["kernels"]
     assert s["environment"]["ptxas_version"] == tc["ptxas_version"]
+
+
+def test_the_tuners_static_pass_is_captioned_with_its_compiler():
+    tc = {"ptxas_version": "13.5.37", "cuda_plugin_version": "jax-cuda13-plugin 0.10.2"}
+    t = tables.static_pass([], {}, [], "fwd K=64", tc)
+    assert t.caption == "compiled by ptxas 13.5.37 · jax-cuda13-plugin 0.10.2"

@@ -12,10 +12,13 @@ wgmma code of a causal Mosaic GPU attention kernel; JAX's own Mosaic GPU attenti
 for that reason. `jax[cuda12]` can install such a toolchain, so the lab checks the same range
 before it compiles its own (lab/kernels/attention/pallas_mgpu.py).
 
-Which version counts: ptxas's own (`ptxas --version`), since ptxas is what miscompiles; only
-where no ptxas is found (a GPU machine that compiles through the driver or nvJitLink of its
-CUDA runtime) the CUDA runtime that jax's plugin loaded. The runtime reports no update number,
-so 12.9 from it counts as 12.9.0, as JAX's own check counts it.
+Which version counts: ptxas's own (`ptxas --version`), and nvJitLink's where its library is
+installed (`nvidia-nvjitlink-cu12` / `nvidia-nvjitlink`): XLA's compilation provider, which
+Mosaic GPU uses too, prefers libnvJitLink to the ptxas binary when it loads, and nvJitLink
+carries the same PTX assembler as the ptxas of its release. Either one in the range is a
+problem. Only where neither is found (a GPU machine that compiles through the driver) the CUDA
+runtime that jax's plugin loaded counts. The runtime reports no update number, so 12.9 from it
+counts as 12.9.0, as JAX's own check counts it.
 """
 
 import dataclasses
@@ -36,6 +39,7 @@ FIXED_IN = ".".join(map(str, CAUSAL_WGMMA_MISCOMPILED[1]))  # '12.9.1', for mess
 # same numbers (nvidia-cuda-nvcc-cu12 12.9.86 is CUDA 12.9.1, 12.8.61 is 12.8.0).
 _UPDATE_BUILDS = {(12, 8): ((61, 0), (93, 1)), (12, 9): ((41, 0), (86, 1))}
 _PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")
+_NVJITLINK = ("nvidia-nvjitlink", "nvidia-nvjitlink-cu12")  # CUDA 13's wheel, CUDA 12's
 
 
 def _dist_version(dist: str) -> str | None:
@@ -111,32 +115,45 @@ class Toolchain:
     ptxas_path: str | None
     cuda_runtime: str | None  # the runtime jax's CUDA plugin loaded ('12.9'), if any
     cuda_plugin: str | None  # 'jax-cuda13-plugin 0.10.2', if installed
+    nvjitlink: str | None = None  # the nvJitLink wheel's version ('12.8.93'), if installed
+
+    def compilers(self) -> list[tuple[str, tuple[int, int, int]]]:
+        """(name, CUDA release) of each PTX assembler that may compile kernels here: ptxas
+        and nvJitLink where found, else the runtime's (update 0); empty when none is."""
+        out = []
+        for name, version in (("ptxas", self.ptxas), ("nvJitLink", self.nvjitlink)):
+            if version:
+                out.append((f"{name} {version}", release_of_ptxas(version)))
+        if not out and self.cuda_runtime:
+            major, minor = (int(x) for x in self.cuda_runtime.split("."))
+            out.append((f"CUDA runtime {self.cuda_runtime} (no ptxas found)", (major, minor, 0)))
+        return out
 
     @property
     def release(self) -> tuple[int, int, int] | None:
-        """The CUDA release that compiles kernels here: ptxas's, else the runtime's."""
-        if self.ptxas:
-            return release_of_ptxas(self.ptxas)
-        if self.cuda_runtime:
-            major, minor = (int(x) for x in self.cuda_runtime.split("."))
-            return major, minor, 0
-        return None
+        """The CUDA release that compiles kernels here: the oldest of ptxas's and nvJitLink's,
+        else the runtime's."""
+        found = [r for _, r in self.compilers()]
+        return min(found) if found else None
 
     @property
     def compiler(self) -> str:
-        """'ptxas 12.8.61 (CUDA 12.8.0)', or the runtime where no ptxas is found."""
-        if self.ptxas:
-            r = self.release
-            known = r[:2] in _UPDATE_BUILDS  # else ptxas's build does not say the update
-            return f"ptxas {self.ptxas} (CUDA {'.'.join(map(str, r if known else r[:2]))})"
-        if self.cuda_runtime:
-            return f"CUDA runtime {self.cuda_runtime} (no ptxas found)"
-        return "no CUDA toolchain"
+        """'ptxas 12.8.61 (CUDA 12.8.0)' (and nvJitLink's, where installed), or the runtime
+        where neither is found."""
+        parts = []
+        for name, r in self.compilers():
+            if name.startswith("CUDA runtime"):
+                parts.append(name)
+                continue
+            known = r[:2] in _UPDATE_BUILDS  # else the build does not say the update
+            parts.append(f"{name} (CUDA {'.'.join(map(str, r if known else r[:2]))})")
+        return " and ".join(parts) or "no CUDA toolchain"
 
     def record(self) -> dict:
         """The fields every record carries (lab/measure/records.py)."""
         return {
             "ptxas_version": self.ptxas,
+            "nvjitlink_version": self.nvjitlink,
             "cuda_runtime_version": self.cuda_runtime,
             "cuda_plugin_version": self.cuda_plugin,
         }
@@ -153,13 +170,25 @@ def probe() -> Toolchain:
         ptxas_path=path,
         cuda_runtime=_cuda_runtime() if plugin else None,
         cuda_plugin=f"{plugin[0]} {plugin[1]}" if plugin else None,
+        nvjitlink=next(filter(None, map(_dist_version, _NVJITLINK)), None) if plugin else None,
     )
 
 
-def miscompiles_causal_wgmma(tc: Toolchain) -> bool:
-    """Whether `tc`'s release is in CAUSAL_WGMMA_MISCOMPILED (unknown: no, nothing compiles)."""
+def miscompiling(tc: Toolchain) -> list[str]:
+    """The compilers of `tc` whose release is in CAUSAL_WGMMA_MISCOMPILED, as text
+    ('nvJitLink 12.8.93 (CUDA 12.8.1)'); empty when none is (or none is found)."""
     first, end = CAUSAL_WGMMA_MISCOMPILED
-    return tc.release is not None and first <= tc.release < end
+    out = []
+    for name, r in tc.compilers():
+        if first <= r < end:
+            known = r[:2] in _UPDATE_BUILDS and not name.startswith("CUDA runtime")
+            out.append(name if not known else f"{name} (CUDA {'.'.join(map(str, r))})")
+    return out
+
+
+def miscompiles_causal_wgmma(tc: Toolchain) -> bool:
+    """Whether a compiler of `tc` is in CAUSAL_WGMMA_MISCOMPILED (unknown: no, none runs)."""
+    return bool(miscompiling(tc))
 
 
 def range_text() -> str:

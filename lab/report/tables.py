@@ -251,6 +251,8 @@ def kernels(rows: list[dict], title: str, toolchain: dict | None = None) -> Tabl
 def toolchain_line(tc: dict) -> str:
     """'compiled by ptxas 13.5.37 · jax-cuda13-plugin 0.10.2 · CUDA runtime 13.5'."""
     parts = [f"ptxas {tc['ptxas_version']}" if tc.get("ptxas_version") else "no ptxas found"]
+    if tc.get("nvjitlink_version"):
+        parts.append(f"nvJitLink {tc['nvjitlink_version']}")
     if tc.get("cuda_plugin_version"):
         parts.append(tc["cuda_plugin_version"])
     if tc.get("cuda_runtime_version"):
@@ -386,10 +388,14 @@ def tune_stage(stage: dict, baseline: str) -> Table:
     return t
 
 
-def static_pass(candidates, dropped: dict, records: list[dict], title: str) -> Table:
+def static_pass(
+    candidates, dropped: dict, records: list[dict], title: str, toolchain: dict | None = None
+) -> Table:
     """The tuner's static pass: per candidate, its worst kernel's registers, spills and shared
-    memory (compiled, not run), and whether it was kept."""
+    memory (compiled, not run), and whether it was kept; the caption names the compiler."""
     t = Table(title=f"static pass · {title} · compiled, not run")
+    if toolchain:
+        t.caption = toolchain_line(toolchain)
     fields = _varying_fields(candidates)
     for col in (*fields, "max registers", "spill bytes", "max smem", "kept"):
         t.add_column(col, justify="right")

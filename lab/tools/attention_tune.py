@@ -21,6 +21,7 @@ from lab.config import cli, field
 from lab.errors import ConfigError, RunError
 from lab.kernels.attention import pallas_gpu, pallas_mgpu
 from lab.measure import records as rec
+from lab.measure import toolchain
 from lab.report import progress, tables
 from lab.studies import tune
 
@@ -117,7 +118,13 @@ def static_only(o: Options) -> int:
             dropped, records = tune.static_filter(candidates, search, mode, log=con.log)
             rec.write_records(stem.with_suffix(".jsonl"), records)
             con.print(
-                tables.static_pass(candidates, dropped, records, f"{stage} K={search.head_dim}")
+                tables.static_pass(
+                    candidates,
+                    dropped,
+                    records,
+                    f"{stage} K={search.head_dim}",
+                    toolchain.probe().record(),
+                )
             )
     con.print(f"records → {stem.with_suffix('.jsonl')}")
     return 0

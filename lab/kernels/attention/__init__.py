@@ -310,18 +310,19 @@ def _first_fit(
             _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, features)
         except ValueError:
             continue
-        problem = _toolchain_problem(impl, causal, interpret)
+        problem = _toolchain_problem(impl, causal, interpret, k_BxSxGxK.shape[1])
         if problem is None:
             return impl, note
         note = note or (impl, problem)
     return None, note
 
 
-def _toolchain_problem(impl: str, causal: bool, interpret: bool) -> str | None:
+def _toolchain_problem(impl: str, causal: bool, interpret: bool, S: int = 0) -> str | None:
     """Why this toolchain must not compile `impl` for this mask (None: it may); interpreted
-    kernels run no ptxas."""
+    kernels run no ptxas. Keys that do not fill whole tiles are masked too: any S that is not
+    a multiple of the largest key tile (128) counts, whatever tiles a table picks."""
     if impl == "pallas_mgpu" and not interpret:
-        return pallas_mgpu.toolchain_problem(causal=causal)
+        return pallas_mgpu.toolchain_problem(causal=causal, masked=S % 128 != 0)
     return None
 
 
@@ -435,7 +436,7 @@ def choose_noted(
             "float16 dot with float32 accumulation); use blockwise or float32"
         )
     if impl == "pallas_mgpu" and not interpret:  # named explicitly: refused, not replaced
-        pallas_mgpu.check_toolchain(causal=causal)
+        pallas_mgpu.check_toolchain(causal=causal, masked=k_BxSxGxK.shape[1] % 128 != 0)
     return impl, _passed_over(note, impl)
 
 

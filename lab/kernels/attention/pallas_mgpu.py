@@ -952,27 +952,29 @@ def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, *, causal: bool) -> None:
             )
 
 
-def toolchain_problem(*, causal: bool) -> str | None:
-    """Why the ptxas that would compile these kernels must not (None: it may). With a causal
-    mask, ptxas of CUDA 12.8.0 up to 12.9.1 miscompiles their masked wgmma code
-    (lab/measure/toolchain.py; JAX's own Mosaic GPU attention refuses the same range). Without
-    the mask no masked wgmma is emitted, so any release compiles them."""
-    tc = toolchain.probe()
-    if not (causal and toolchain.miscompiles_causal_wgmma(tc)):
+def toolchain_problem(*, causal: bool, masked: bool = False) -> str | None:
+    """Why the PTX assembler that would compile these kernels must not (None: it may). With a
+    mask in the tiles (causal, or keys padded to a whole tile: `masked`), ptxas and nvJitLink
+    of CUDA 12.8.0 up to 12.9.1 miscompile their masked wgmma code (lab/measure/toolchain.py;
+    JAX's own Mosaic GPU attention refuses causal masking on the same range). Without a mask
+    no masked wgmma is emitted, so any release compiles them."""
+    bad = toolchain.miscompiling(toolchain.probe())
+    if not ((causal or masked) and bad):
         return None
     return (
-        f"{tc.compiler} miscompiles its causal-masked wgmma code (every ptxas from "
+        f"{' and '.join(bad)} miscompiles its masked wgmma code (every PTX assembler from "
         f"{toolchain.range_text()} does)"
     )
 
 
-def check_toolchain(*, causal: bool) -> None:
+def check_toolchain(*, causal: bool, masked: bool = False) -> None:
     """`toolchain_problem` as a one-line ValueError that names the way out. Only compiled
     kernels ask: the interpreter runs no ptxas."""
-    problem = toolchain_problem(causal=causal)
+    problem = toolchain_problem(causal=causal, masked=masked)
     if problem:
+        what = "a causal mask" if causal else "keys padded to a whole tile"
         raise ValueError(
-            f"impl='pallas_mgpu' with a causal mask: {problem}; choose pallas_gpu or cudnn "
+            f"impl='pallas_mgpu' with {what}: {problem}; choose pallas_gpu or cudnn "
             f"instead, or a CUDA toolchain >= {toolchain.FIXED_IN} (e.g. pip install -U "
             "'nvidia-cuda-nvcc-cu12>=12.9.86')"
         )
@@ -1038,8 +1040,6 @@ def flash_attention_mgpu(
             f"interpret={interpret!r}: JAX's GPU interpreter runs pallas_mgpu from jax 0.11 "
             f"(this is {jax.__version__}: no layout_cast rule, no transposed smem operand)"
         )
-    if interpret is False or interpret is None:
-        check_toolchain(causal=causal)
     if block_sizes is None:
         # the wider head dim sets the tiles: shared memory holds tiles of both widths
         block_sizes = block_sizes_for(device_kind(), max(q_BxLxHxK.shape[-1], v_BxSxGxV.shape[-1]))
@@ -1052,6 +1052,9 @@ def flash_attention_mgpu(
         interpret=interpret,
         softcap=softcap,
     )
+    if interpret is False or interpret is None:
+        masked = any(g.needs_mask for g in (plan.fwd, plan.dq, plan.dkv))
+        check_toolchain(causal=causal, masked=masked)
     o_BxLxHxV, lse_BxHxL = _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan)
     if not return_lse:
         return o_BxLxHxV
