@@ -55,6 +55,10 @@ def _programs(attn):
 
 
 def mesh_for(devices, data: int):
+    """A (data, model) mesh of the target's devices; data=0: 2 where the devices split in two,
+    else 1 (a one-GPU target)."""
+    if data == 0:
+        data = 2 if len(devices) % 2 == 0 else 1
     if len(devices) % data:
         raise ConfigError(f"data={data} does not divide the target's {len(devices)} devices")
     return jax.sharding.Mesh(np.array(devices).reshape(data, -1), (DATA, MODEL))

@@ -30,7 +30,12 @@ class Options:
     head_dim: tuple = field((128,), "K; several (64,128) make a grid", kind="ints", min=1)
     dtype: str = field("bfloat16", "compute dtype", choices=("bfloat16", "float32", "float16"))
     causal: bool = field(True, "causal mask")
-    data: int = field(2, "mesh axis the batch splits over (the rest: heads)", min=1)
+    data: int = field(
+        0,
+        "mesh axis the batch splits over (the rest: heads); 0 = 2, or 1 where the target's "
+        "devices do not split in two (one GPU)",
+        min=0,
+    )
     impl: str = field(
         "pallas",
         "the kernel: pallas = the target's (Mosaic on TPU; on a GPU Mosaic GPU where it takes "
