@@ -7,7 +7,10 @@ the tool's `steps=` seam, and a fake platform through `probe=`, so the tests tak
 """
 
 import json
+import os
+import signal
 import textwrap
+import threading
 
 import pytest
 
@@ -104,6 +107,8 @@ def test_rerun_resumes_and_redo_runs_again(tmp_path, capsys):
     assert state_of(tmp_path)["two"]["attempt"] == 2
     tool.run(options(tmp_path, redo=("one",), steps=("one",)), steps=steps, probe=lambda: CPU)
     assert state_of(tmp_path)["one"]["attempt"] == 2
+    md = (tmp_path / "runbook" / runbook.ROWS).read_text()  # a piece keeps the earlier rows
+    assert "| one | done |" in md and "| two | failed" in md and "| gpu | skipped" in md
 
 
 def test_step_past_its_budget_is_killed_and_cut_short_then_rerun(tmp_path):
@@ -230,3 +235,30 @@ def test_training_row_prefers_the_step_time_model_to_the_floor(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     _, predicted = rows.headline("train", [], tmp_path)
     assert predicted == "step 180.00 ms (-10% of measured; step-time model)"
+
+
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(),
+    reason="a signal handler needs the main thread",
+)
+def test_sigterm_stops_the_step_in_flight_keeps_the_state_and_a_rerun_goes_on(tmp_path):
+    """A job scheduler's SIGTERM mid-step: the step is stopped and recorded as cut short, the
+    rows are written, and the next run starts that step again and then the rest."""
+    steps = [fake("first"), sleeper("slow", budget=30), fake("after")]
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tool.run(options(tmp_path), steps=steps, probe=lambda: CPU)
+    finally:
+        timer.cancel()
+    state = state_of(tmp_path)
+    assert state["first"]["status"] == "done" and "after" not in state
+    assert state["slow"]["status"] == "cut short"
+    assert state["slow"]["reason"] == "the runbook was interrupted"
+    assert "| slow | cut short" in (tmp_path / "runbook" / runbook.ROWS).read_text()
+    fast = [fake("first"), fake("slow"), fake("after")]  # the same names, now quick
+    assert tool.run(options(tmp_path), steps=fast, probe=lambda: CPU) == 0
+    state = state_of(tmp_path)
+    assert state["first"]["attempt"] == 1 and state["slow"]["attempt"] == 2
+    assert state["after"]["status"] == "done"

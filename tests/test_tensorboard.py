@@ -56,8 +56,8 @@ def _curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def _in_tensorboard(run_dir: Path) -> dict[str, list[int]] | None:
-    """tag → steps as TensorBoard's own reader loads them, where the tensorboard package is
-    installed (it is not a dependency of the lab); None elsewhere."""
+    """tag → steps as TensorBoard's own reader loads them (the dev extra installs the
+    tensorboard package; the lab itself does not need it); None where it is missing."""
     try:
         from tensorboard.backend.event_processing import event_accumulator as ea
     except ImportError:

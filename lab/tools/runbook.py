@@ -136,7 +136,10 @@ def run(o: Options, *, steps=None, probe=None) -> int:
     date = time.strftime("%Y-%m-%d")
 
     def write_rows(state) -> str:
-        table = rows.rows(chosen, state, lambda f: runbook.read_records(Path(f)), root)
+        # every step of the plan this run chose or an earlier run tried: a runbook run in
+        # pieces (steps=…) keeps the rows of the pieces before
+        shown = [s for s in steps if s in chosen or s.name in state["steps"]]
+        table = rows.rows(shown, state, lambda f: runbook.read_records(Path(f)), root)
         text = rows.markdown(table, platform, command, date)
         (root / runbook.ROWS).write_text(text)
         return text
