@@ -1,6 +1,6 @@
 """Numbers as text: the one place the lab turns bytes, seconds, rates and ratios into words.
 
-Tables (lab/report/tables.py), REPORT.md (markdown.py) and every command's output use these,
+Tables (lab/report/tables/), REPORT.md (markdown.py) and every command's output use these,
 so one figure reads the same everywhere.
 """
 

@@ -43,7 +43,7 @@ XLA's and is reported as n/a. A peer that refuses a shape or device is listed as
 compile here" with its reason.
 
 `sweep(...)` returns the records (`lab.measure.records`); the tool prints them as a table
-(lab/report/tables.py) and a PNG (lab/report/plots.py), the ledger judges them (C08).
+(lab/report/tables/attention.py) and a PNG (lab/report/plots.py), the ledger judges them (C08).
 """
 
 import dataclasses

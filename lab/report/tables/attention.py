@@ -1,0 +1,82 @@
+"""Attention studies: the benchmark sweep, the kernel compiled for a target, and the GPU kernels
+against their speed targets.
+"""
+
+from rich.table import Table
+
+from lab.report.format import duration, percent, ratio, size
+from lab.report.tables.common import _mem
+
+
+def attention_sweep(rows: list[dict], baseline: str, title: str) -> Table:
+    """`lab.studies.attention.rows_of(records)`: one line per (seq, causal, mode, impl)."""
+    t = Table(title=title)
+    cols = ("L=S", "causal", "mode", "impl", "time", f"vs {baseline}", "TFLOP/s")
+    for col in (*cols, "peak temp mem", "max error"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        rat = next((v for k, v in r.items() if k.startswith("attention time ratio")), None)
+        mem = size(r.get("attention peak temp memory"))
+        if r.get("memory label") == "compiled, not run":
+            mem += " (compiled, not run)"
+        ran = "attention time" in r
+        t.add_row(
+            str(r["seq"]),
+            "yes" if r["causal"] else "no",
+            r["mode"],
+            r["impl"],
+            duration(r["attention time"]) if ran else f"skipped: {r.get('attention skipped')}",
+            ratio(rat),
+            f"{r['attention TFLOP/s']:.3f}" if ran else "",
+            mem,
+            f"{r['attention max error']:.1e}" if ran else "",
+        )
+    return t
+
+
+def attention_plan(rows: list[dict], title: str) -> Table:
+    """The kernel compiled for a target: memory, FLOPs, time floor (compiled, not run)."""
+    t = Table(title=title)
+    cols = ("L=S", "K", "mode", "memory / device", "of HBM")
+    for col in (*cols, "FLOPs / device (compiled | analytic)", "est. time", "TFLOP/s"):
+        t.add_column(col, justify="right")
+    for col in ("of peak", "estimate"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        need = r["memory"]["total_bytes"] if r["memory"] else None
+        hbm = percent(need / r["hbm_bytes"]) if need and r["hbm_bytes"] else "–"
+        compiled_g = max(r["compiled_flops"] or 0.0, 0.0) / 1e9  # XLA can report -0
+        t.add_row(
+            str(r.get("seq", "")),
+            str(r.get("head_dim", "")),
+            r["mode"],
+            _mem(need) if need else "–",
+            hbm,
+            f"{compiled_g:,.1f} | {r['analytic_flops_per_device'] / 1e9:,.1f} G",
+            duration(r["estimated_s"]) if r["estimated_s"] else "–",
+            f"{r['tflops']:.1f}" if r["tflops"] else "–",
+            percent(r["peak_share"], 0) if r["peak_share"] else "–",
+            r["estimate_source"],
+        )
+    return t
+
+
+def attention_targets(verdicts: list[dict]) -> Table:
+    t = Table(title="the lab's GPU kernels against the GPU-speed targets")
+    cols = ("D", "L=S", "causal", "mode", "kernel", "reference", "speed", "target", "met", "note")
+    for col in cols:
+        t.add_column(col, justify="right")
+    for v in verdicts:
+        t.add_row(
+            str(v["head_dim"]),
+            str(v["seq"]),
+            "yes" if v["causal"] else "no",
+            v["mode"],
+            v.get("kernel", "pallas_gpu"),
+            v.get("reference") or "–",
+            ratio(v.get("speed")) or "–",
+            f">= {v['target']}x",
+            "[green]yes" if v["met"] else "[red]no",
+            v["note"],
+        )
+    return t

@@ -1,0 +1,65 @@
+"""lab.run explain=true: memory per device, a pipeline's stage traffic and each role's
+collectives, the compiled program beside the analytic figures.
+"""
+
+from rich.table import Table
+
+from lab.report.format import mib, ratio
+
+
+def explain_memory(ex) -> Table:
+    """Per-device bytes from the shardings, the calculator and the compiler (MiB)."""
+    m = ex.memory
+    pred, comp = m.get("predicted") or {}, m.get("compiled") or {}
+    t = Table(title="memory per device (MiB)")
+    for col in ("component", "from shardings (exact)", "calculator (predicted)", "compiled"):
+        t.add_column(col)
+    for k in ("params", "grads", "optimizer"):
+        t.add_row(k, mib(m["sharded"][k], 3), mib(pred.get(k), 3), "")
+    t.add_row("activations", "", mib(pred.get("activations"), 3), "")
+    t.add_row("workspace", "", mib(pred.get("workspace"), 3), "")
+    t.add_row("arguments (params, optimizer, batch)", "", "", mib(comp.get("argument_bytes"), 3))
+    t.add_row("temporaries (grads, activations, …)", "", "", mib(comp.get("temp_bytes"), 3))
+    t.add_row("total", "", mib(pred.get("total"), 3), mib(comp.get("total_bytes"), 3))
+    if "error" in pred:
+        t.add_row("calculator", f"unavailable: {pred['error']}", "", "")
+    return t
+
+
+def explain_pipeline(p: dict) -> Table:
+    """A pipelined step's stage permutes and ticks: the compiled program against the schedule."""
+    t = Table(title="pipeline: stage-to-stage traffic per step, per device")
+    for col in ("", "compiled", "analytic"):
+        t.add_column(col)
+    t.add_row("ticks (loop trip count)", str(p["compiled_ticks"]), str(p["ticks"]))
+    bubble = p["compiled_bubble"]
+    t.add_row("bubble", "n/a" if bubble is None else f"{bubble:.3f}", f"{p['bubble']:.3f}")
+    t.add_row("microbatch activation a", "", f"{p['microbatch_bytes']:,} B")
+    for d in ("forward", "backward"):
+        r = p[d]
+        t.add_row(
+            f"{d} collective-permutes",
+            f"{r['ops']} op × {r['executions']} runs, {r['bytes_per_device']:,} B",
+            f"ticks × a = {p['bytes_per_device']:,} B",
+        )
+    t.add_row("useful per data replica, each way", "", f"M·(R·P-1)·a = {p['useful_bytes']:,} B")
+    return t
+
+
+def explain_collectives(ex) -> Table:
+    """Each role's collectives read from the compiled HLO beside the analytic figure."""
+    sizes = " × ".join(f"{a}={n}" for a, n in ex.mesh.items())
+    t = Table(title=f"collectives per step, per device — {ex.strategy} on {sizes} ({ex.backend})")
+    for col in ("role", "measured (kind @ axes: ops)", "MiB sent", "analytic MiB", "ratio"):
+        t.add_column(col)
+    for r in ex.rows:
+        what = "; ".join(f"{k} @ {','.join(a)}: {o}" for k, a, o, _ in r.measured) or "none"
+        e = r.expected
+        analytic = mib(e.bus_bytes, 3) if e else "—"
+        if e and e.high > e.low * 1.001:
+            analytic += f" ({mib(e.low, 3)}–{mib(e.high, 3)})"
+        t.add_row(r.role, what, mib(r.measured_bus_bytes, 3), analytic, ratio(r.ratio, 3) or "—")
+    for r in ex.rows:
+        if r.expected:
+            t.add_row("", f"[dim]{r.role}: expected {r.expected.kind}; {r.expected.formula}", "")
+    return t

@@ -1,0 +1,16 @@
+"""The claims ledger's verdicts in the terminal."""
+
+from rich.table import Table
+
+
+def verdicts(vs) -> Table:
+    """The claims ledger's verdicts for the terminal."""
+    colours = {"holds": "green", "off": "red", "predicted": "yellow"}
+    t = Table(title="claims ledger")
+    for col in ("id", "claim", "verdict"):
+        t.add_column(col)
+    for v in vs:
+        colour = colours.get(v.status, "dim")
+        text = v.claim.text if len(v.claim.text) < 70 else v.claim.text[:67] + "…"
+        t.add_row(v.claim.id, text, f"[{colour}]{v.status}[/{colour}]")
+    return t

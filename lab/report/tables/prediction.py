@@ -1,0 +1,105 @@
+"""The step-time model against published measurements, this CPU and the accelerator at hand;
+the ledger's prediction section as Markdown.
+"""
+
+from rich.table import Table
+
+from lab.report.format import duration
+
+
+def prediction_rows(rows, fits: dict) -> Table:
+    """One row per published point: what was measured, what the model predicts, the error,
+    and whether the point calibrated the model or was held out (lab.studies.prediction)."""
+    t = Table(title="the step-time model against published measurements (predicted)")
+    for col in (
+        "point",
+        "publisher",
+        "hardware",
+        "work",
+        "published",
+        "predicted",
+        "error",
+        "role",
+    ):
+        t.add_column(col)
+    for r in sorted(rows, key=lambda r: (r.role == "dropped", r.hardware, r.id)):
+        unit = r.unit.split("(")[0].strip()
+        pred = "—" if r.predicted is None else f"{r.predicted:,.4g}"
+        err = "—" if r.error is None else f"{r.error:+.0%}"
+        role = r.role if r.role != "dropped" else f"dropped: {r.note}"
+        t.add_row(
+            r.id, r.publisher, r.hardware, r.workload, f"{r.published:,.4g} {unit}", pred, err, role
+        )
+    for v, f in fits.items():
+        t.caption = (t.caption + "; " if t.caption else "fitted on the calibration points: ") + (
+            f"{v}: compute {f['compute_efficiency']:.2f}, memory {f['memory_efficiency']:.2f}, "
+            f"op {f['op_overhead_s'] * 1e6:.1f} µs, collective {f['link_latency_s'] * 1e6:.1f} µs"
+        )
+    return t
+
+
+def prediction_cpu_rows(rows, fit: dict) -> Table:
+    """The CPU self-check: each lab.run configuration measured here and predicted."""
+    t = Table(title="the step-time model on this CPU (measured vs predicted, one run)")
+    for col in ("lab.run keys", "measured", "predicted", "error", "role"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            r.config, duration(r.measured_s), duration(r.predicted_s), f"{r.error:+.0%}", r.role
+        )
+    t.caption = (
+        f"fitted on the calibration rows: compute {fit['compute_efficiency']:.2f} of the "
+        f"measured matmul peak, memory {fit['memory_efficiency']:.2f} of the measured copy "
+        f"bandwidth, {fit['op_overhead_s'] * 1e6:.1f} µs per op"
+    )
+    return t
+
+
+def prediction_here_rows(rows, device_kind: str) -> Table:
+    """The model against the accelerator at hand: measured, predicted, the error and where the
+    predicted time goes (nothing fitted on these rows: all held out)."""
+    t = Table(title=f"the step-time model on {device_kind} (measured vs predicted, held out)")
+    for col in ("lab.run keys", "measured", "predicted", "error", "predicted breakdown"):
+        t.add_column(col)
+    for r in rows:
+        if r.error is None:
+            t.add_row(r.config, "—", "—", "—", r.error_text)
+            continue
+        parts = sorted(r.breakdown.items(), key=lambda kv: -kv[1])[:3]
+        where = ", ".join(f"{k} {duration(v)}" for k, v in parts if v)
+        t.add_row(
+            r.config, duration(r.measured_s), duration(r.predicted_s), f"{r.error:+.0%}", where
+        )
+    return t
+
+
+def prediction_markdown(records) -> list[str]:
+    """The ledger's prediction section as Markdown lines: the error lines, then one table row
+    per published point (records of experiments/prediction.py; empty without them)."""
+    points = [r for r in records if r["config"].get("series") == "prediction_point"]
+    if not points:
+        return []
+    lines = []
+    for name in ("prediction_error", "prediction_fallback_error"):
+        for r in (x for x in records if x["config"].get("series") == name):
+            c = r["config"]
+            lines.append(
+                f"- {r['what']}: **{r['value']:.0%}**, worst {c['worst_ratio']:.2f}×, over "
+                f"{c['points']} points" + (f" ({c['source']})" if c.get("source") else "")
+            )
+    lines += [
+        "",
+        "| point | publisher | hardware | work | published | predicted | error | role |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = {"held-out": 0, "calibration": 1, "dropped": 2}
+    for r in sorted(points, key=lambda r: (order.get(r["config"]["fit_role"], 3), r["what"])):
+        c = r["config"]
+        unit = r["unit"].split("(")[0].strip()
+        pred = "—" if r["value"] is None else f"{r['value']:,.4g}"
+        err = "—" if c.get("error") is None else f"{c['error']:+.0%}"
+        role = c["fit_role"] + (f": {c['note']}" if c.get("note") else "")
+        cells = [c["point"], c["publisher"], c["hardware"], c["workload"]]
+        cells += [f"{c['published']:,.4g} {unit}", pred, err, role.replace("|", "/")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]

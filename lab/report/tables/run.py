@@ -1,0 +1,186 @@
+"""lab.run's terminal output: the header before compiling, the compiled step per device (memory,
+FLOPs, a plan's fit and predicted time), the pipeline and offloading lines, the summary.
+"""
+
+import math
+
+from rich.table import Table
+
+from lab.measure import cost
+from lab.report.format import duration, mib, percent
+from lab.report.tables.common import GIB, _mem
+
+
+def run_header(cfg, info, n_params: int, mesh_shape: dict, attention_note=None) -> str:
+    """The lines lab.run prints before compiling (rich markup); `attention_note`: why the
+    dispatch passed over the kernel it prefers here (lab.kernels.attention.choose_noted)."""
+    m = cfg.model
+    sizes = " × ".join(f"{a}={n}" for a, n in mesh_shape.items() if n > 1) or "1 device"
+    return "\n".join(
+        [
+            f"[bold]lab.run[/bold] {cfg.name}",
+            f"  devices   {info.header()}",
+            f"  mesh      {sizes}  (mesh={cfg.mesh}, strategy={cfg.strategy})",
+            f"  model     {cfg.preset}: {n_params / 1e6:.2f}M params, d_model={m.d_model}, "
+            f"layers={m.n_layers}, heads={m.n_heads}/{m.n_kv_heads} kv, attention={m.attention}, "
+            f"remat={m.remat}",
+            *([f"  attention [yellow]{attention_note}"] if attention_note else []),
+            f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32",
+            f"  data      {cfg.data}, batch {cfg.batch_size} × {cfg.seq_len} tokens, "
+            f"{cfg.steps} steps",
+            *_fitting_header(cfg),
+        ]
+    )
+
+
+def _fitting_header(cfg) -> list[str]:
+    """The header's line for a pipeline, gradient accumulation or offloading, if any."""
+    m, parts = cfg.model, []
+    if cfg.strategy.startswith("pp") and m.microbatches:
+        kind = "GPipe" if m.pipeline_repeats == 1 else f"circular × {m.pipeline_repeats}"
+        parts.append(f"pipeline of {m.microbatches} microbatches ({kind})")
+    if cfg.accumulate > 1:
+        parts.append(f"gradients accumulated over {cfg.accumulate} microbatches")
+    offloaded = ["optimizer state"] if cfg.offload_optimizer else []
+    offloaded += ["block inputs"] if m.remat == "offload" else []
+    if offloaded:
+        parts.append(f"in host memory: {' and '.join(offloaded)}")
+    return [f"  fitting   {'; '.join(parts)}"] if parts else []
+
+
+def analysis(a: dict, compile_s: float) -> Table:
+    """The compiled step per device: memory (compiled and predicted), FLOPs, bytes; a plan's
+    fit, time and MFU."""
+    t = Table(title="compiled step (per device)", show_header=False)
+    for k, v in (a["compiled_memory_per_device"] or {}).items():
+        if k.startswith("host_") and not v:
+            continue  # nothing in host memory: the usual case, not worth a row
+        t.add_row(k, _mem(v) if isinstance(v, int | float) else str(v))
+    pred = a["predicted_memory_per_device"]
+    parts = ", ".join(
+        f"{k} {_mem(pred[k])}" for k in ("params", "grads", "optimizer", "activations", "workspace")
+    )
+    if pred.get("host"):
+        parts += f"; in host memory {_mem(pred['host'])}"
+    t.add_row("predicted total (calculator)", f"{_mem(pred['total'])}  ({parts})")
+    c = a["compiled_cost_per_device"] or {}
+    note = cost.lower_bound_note(c)
+    loops = [n for _, n in c.get("loops", []) if n]
+    how = f"  (loops counted × their trips: {', '.join(map(str, loops))})" if loops else ""
+    t.add_row("compiled FLOPs", f"{c.get('flops') or math.nan:.4g}{note}{how}")
+    t.add_row("compiled bytes accessed", _mem(c.get("bytes accessed")) + note)
+    t.add_row("model FLOPs / token", f"{a['model_flops_per_token']:.4g}")
+    t.add_row("compile time", f"{compile_s:.2f} s")
+    _fitting_rows(t, a)
+    if "aot" in a:
+        _plan_rows(t, a)
+    return t
+
+
+def pipeline_line(p: dict) -> str:
+    """The bubble of a pipelined step, analytic beside the compiled schedule's."""
+    compiled = "n/a" if p["compiled_bubble"] is None else f"{p['compiled_bubble']:.3f}"
+    kind = "GPipe" if p["repeats"] == 1 else f"circular × {p['repeats']}"
+    return (
+        f"{p['bubble']:.3f} analytic (P-1)/(R·M+P-1), {compiled} from the compiled schedule "
+        f"({p['compiled_ticks']} ticks; {kind}, P={p['stages']} stages, M={p['microbatches']})"
+    )
+
+
+def offload_line(o: dict) -> str:
+    """Bytes offloading moves per step and the time they would add (predicted)."""
+    moved = f"{mib(o['bytes_to_device'])} MiB in, {mib(o['bytes_to_host'])} MiB out per step"
+    if o["added_step_s"] is None:
+        return f"{moved}; no host-link bandwidth ({o['bandwidth_source']})"
+    return (
+        f"{moved}: ≤ {duration(o['added_step_s'])} added, predicted, no overlap "
+        f"({o['bandwidth_source']})"
+    )
+
+
+def _fitting_rows(t: Table, a: dict) -> None:
+    """Pipeline bubble, offloading's traffic and what the backend did not do (lab.run)."""
+    if a.get("pipeline"):
+        t.add_row("pipeline bubble", pipeline_line(a["pipeline"]))
+    if a.get("offload"):
+        t.add_row("host offload", offload_line(a["offload"]))
+    for note in a.get("notes", ()):
+        t.add_row("note", note)
+
+
+def _plan_rows(t: Table, a: dict) -> None:
+    plan, cap = a["aot"], a["capacity_bytes_per_device"]
+    if cap:
+        t.add_row("memory per device (spec)", f"{cap / GIB:.1f} GiB: {plan['fit']}")
+    est = plan["estimated_step_s"]
+    predicted = a.get("predicted_step")
+    t.add_row(
+        "predicted step time" if predicted else "estimated step time",
+        "n/a" if est is None else f"{duration(est)} ({plan['estimate_source']})",
+    )
+    if predicted:
+        t.add_row("  where it goes", breakdown_line(predicted))
+        t.add_row("  top ops", top_ops_line(predicted))
+        tokens = a.get("tokens_per_step")
+        if tokens and est:
+            t.add_row("predicted tokens/s", f"{tokens / est:,.0f}")
+    mfu = plan["implied_mfu"]
+    bound = "at most " if plan["estimate_source"].startswith("roofline floor") else ""
+    t.add_row("implied MFU", "n/a" if mfu is None else f"{bound}{percent(mfu)}")
+    t.add_row("label", plan["label"])
+
+
+def breakdown_line(predicted: dict) -> str:
+    """'compute 61%, memory 30%, exposed communication 9%': where a predicted step goes."""
+    parts = predicted["breakdown"]
+    total = sum(parts.values()) or 1.0
+    shown = [(k, v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v / total >= 0.01]
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in shown)
+
+
+def top_ops_line(predicted: dict, n: int = 3) -> str:
+    """The ops the predicted step spends most on, with their share."""
+    total = predicted["seconds"] or 1.0
+    out = []
+    for op in predicted.get("top_ops", [])[:n]:
+        what = op["op_name"].rsplit("/", 1)[-1] or op["opcode"]
+        out.append(f"{op['name']} ({what}, {op['kind']}) {op['exposed_s'] / total:.0%}")
+    return "; ".join(out)
+
+
+def run_summary(s: dict) -> Table:
+    t = Table(title="summary", show_header=False)
+    st = s["step_time"]
+    t.add_row(
+        "step time (median)",
+        f"{duration(st['median_s'])}  (p10 {duration(st['p10_s'])}, "
+        f"p90 {duration(st['p90_s'])}, {st['runs']} steps)",
+    )
+    p = s.get("predicted_step_time")
+    if p:
+        t.add_row(
+            "predicted step time",
+            f"{duration(p['seconds'])}  ({p['ratio_to_measured']:.2f}× the measured; "
+            f"{breakdown_line(p)}; {p['error']})",
+        )
+    t.add_row("compile time", f"{st['compile_s']:.2f} s (not in the step time)")
+    t.add_row(
+        "tokens/s",
+        f"{s['tokens_per_s']:,.0f} global, {s['tokens_per_s_per_device']:,.0f} per device",
+    )
+    t.add_row("model FLOPs/token", f"{s['model_flops_per_token']:.4g}  [{s['flops_convention']}]")
+    mfu = "unavailable" if s["mfu"] is None else percent(s["mfu"])
+    if s["mfu"] is not None and s["mfu"] > 1:
+        mfu += " [above the peak: the load on the host changed between run and peak]"
+    t.add_row("MFU", f"{mfu}  (vs {s['peak_source']})")
+    mem = s["compiled_memory_per_device"] or {}
+    peak = (s["memory_stats"] or {}).get("peak_bytes_in_use")
+    t.add_row(
+        "memory / device",
+        f"{_mem(mem.get('total_bytes'))} compiled"
+        + (f", {_mem(peak)} peak in use" if peak is not None else ""),
+    )
+    if s["loss_first"] is not None:
+        t.add_row("loss", f"{s['loss_first']:.4f} → {s['loss_last']:.4f}")
+    _fitting_rows(t, s)
+    return t
