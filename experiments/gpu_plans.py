@@ -117,12 +117,13 @@ def c10(llama: dict) -> list[dict]:
     """7B on one H100 against '~80 GB'; 70B whole on every GPU against one H100's memory; the
     fewest H100s over which the 70B step, sharded (FSDP) with remat=full, fits."""
     try:
-        return _c10(llama)
+        return _llama_memory_compiled(llama)
     except ConfigError as e:  # no CUDA plugin or ptxas (the gpu-plan extra): say so, go on
         return _skipped(("C10",), str(e))
 
 
-def _c10(llama: dict) -> list[dict]:
+def _llama_memory_compiled(llama: dict) -> list[dict]:
+    """C10: the 7B and 70B steps compiled for H100s, memory per device (what c10 says)."""
     cap = specs.SPECS[SPEC_KEY].memory_bytes
     keys = llama_keys(llama["7B"], 1, "dp")
     p = plan(keys)
@@ -206,12 +207,14 @@ def c14(llama: dict, counts=(8, 16)) -> list[dict]:
     """70B on n H100s under dp, fsdp and tp, the same global batch: the compiler's memory per
     device for each, and FSDP's and TP's over DP's."""
     try:
-        return [r for n in counts for r in _c14(llama["70B"], n)]
+        return [r for n in counts for r in _strategy_memory_compiled(llama["70B"], n)]
     except ConfigError as e:
         return _skipped(("C14",), str(e))
 
 
-def _c14(shape: dict, n: int) -> list[dict]:
+def _strategy_memory_compiled(shape: dict, n: int) -> list[dict]:
+    """C14: 70B compiled for n H100s under dp, fsdp and tp: memory per device, and FSDP's
+    and TP's over DP's."""
     recs, totals = [], {}
     for strategy in MESHES:
         keys = llama_keys(shape, n, strategy)

@@ -33,7 +33,9 @@ TPU_CHIPS = 4
 MATMUL_N = 8192  # the size of the published GEMM figures (lab/predict/published.json)
 
 
-def _c20() -> list[dict]:
+def _device_report() -> list[dict]:
+    """C20: what the device reports about itself (kind, count, memory; SMs and the CUDA cores
+    they imply) beside the H100 memory of the spec table."""
     dev = jax.devices()[0]
     recs = [
         record(
@@ -123,7 +125,9 @@ def roofline_seconds(compiled_cost: dict, key: str) -> float:
     )
 
 
-def _c19_predicted(size: str) -> list[dict]:
+def _tpu_step_compiled(size: str) -> list[dict]:
+    """C19 without the step-time model: the step compiled for one TPU v5e chip and for four
+    (the compiler's estimates), and a TPU chip over an H100 by the roofline bound of that step."""
     chips = _tpu_devices()
     if not chips:
         return [
@@ -187,8 +191,8 @@ def _c19_predicted(size: str) -> list[dict]:
     ]
 
 
-def _c19_measured(size: str) -> list[dict]:
-    """On a TPU: per-chip throughput on every chip (weak scaling) over one chip's."""
+def _tpu_weak_scaling_measured(size: str) -> list[dict]:
+    """C19 on a TPU: per-chip throughput on every chip (weak scaling) over one chip's."""
     n = len(jax.devices())
     base = step_config(size)
     one = train_probe(base, devices=jax.devices()[:1], budget_s=STEP_BUDGET_S[size])
@@ -209,7 +213,8 @@ def _c19_measured(size: str) -> list[dict]:
     ]
 
 
-def _c19_reference() -> list[dict]:
+def _mi300x_over_h100_datasheet() -> list[dict]:
+    """C19: MI300X over H100 from the bf16 datasheet peaks (reference, never a verdict)."""
     mi, h = specs.SPECS["mi300x"], specs.SPECS["h100-sxm"]
     return [
         record(
@@ -226,7 +231,7 @@ def _c19_reference() -> list[dict]:
     ]
 
 
-def _c19_model(size: str) -> list[dict]:
+def _tpu_and_mi300x_predicted(size: str) -> list[dict]:
     """C19 by the step-time model (lab.predict): the step compiled for one TPU v5e chip, for
     four (4× batch) and for one H100; the MI300X from the matmul compiled for the H100 timed
     on the MI300X's own spec entry (JAX's ROCm plugin does not compile without an AMD GPU:
@@ -287,7 +292,7 @@ def _c19_model(size: str) -> list[dict]:
 def run(size: str = "quick", plans: bool = False) -> list[dict]:
     """plans=True: C19's predictions from the step-time model over compiled programs."""
     if backend() == "tpu":
-        c19 = _c19_measured(size) if len(jax.devices()) > 1 else []
+        c19 = _tpu_weak_scaling_measured(size) if len(jax.devices()) > 1 else []
     else:
-        c19 = (_c19_model(size) if plans else []) or _c19_predicted(size)
-    return _c20() + c19 + _c19_reference()
+        c19 = (_tpu_and_mi300x_predicted(size) if plans else []) or _tpu_step_compiled(size)
+    return _device_report() + c19 + _mi300x_over_h100_datasheet()

@@ -73,7 +73,9 @@ def _sweep(size: str) -> list[dict]:
     ]
 
 
-def _c16(rows: list[dict], mfu: float) -> list[dict]:
+def _classifier_requests_per_s(rows: list[dict], mfu: float) -> list[dict]:
+    """C16: classifier requests/s at each batch measured here; on CPU the best scaled to the
+    article's 16 cores, the GPUs' rates predicted."""
     recs = []
     for r in rows:
         recs.append(
@@ -145,7 +147,9 @@ def _prefill_flops_per_token(shape: dict) -> float:
     )
 
 
-def _c18(mfu: float) -> list[dict]:
+def _input_token_cost(mfu: float) -> list[dict]:
+    """C18: $ per 1M input tokens, Llama-2 7B and 70B prefill on H100s at the forward MFU
+    measured here (predicted)."""
     key = "h100-sxm"
     spec = specs.SPECS[key]
     peak, dtype = accel_peak(key)
@@ -294,7 +298,9 @@ def _decode_rate(name: str, gpus: int, bandwidth_share: float, key: str = "h100-
     return {"batch": batch, "tokens_per_s": batch / step_s, "bytes_per_gpu": per_gpu}
 
 
-def _c18_c21_output(out: dict, mfu: float) -> list[dict]:
+def _output_token_cost(out: dict, mfu: float) -> list[dict]:
+    """C18, C21: $ per 1M output tokens, Llama-2 7B and 70B decode on H100s at the share of
+    the memory roof decode reached here, and output over input cost (predicted)."""
     key = "h100-sxm"
     spec = specs.SPECS[key]
     share = min(1.0, min(out["decode"], key=lambda r: r["batch"])["memory_roof_share"])
@@ -349,8 +355,8 @@ def _c18_c21_output(out: dict, mfu: float) -> list[dict]:
     return recs
 
 
-def _c22_memory() -> list[dict]:
-    """A 70B model's serving memory on one card, by the calculator: bf16, int8, int4 weights
+def _serving_memory_70b() -> list[dict]:
+    """C22: a 70B model's serving memory on one card, by the calculator: bf16, int8, int4 weights
     (the cache int8 with int8 and int4 weights), and bf16 with weights offloaded to host."""
     key = "h100-sxm"
     spec = specs.SPECS[key]
@@ -397,8 +403,8 @@ def _c22_memory() -> list[dict]:
     return recs
 
 
-def _c22_plan() -> list[dict]:
-    """The 70B int8 decode step compiled for one H100 (size=full; needs the gpu-plan extra)."""
+def _serving_plan_70b_int8() -> list[dict]:
+    """C22: the 70B int8 decode step compiled for one H100 (size=full; needs the gpu-plan extra)."""
     target = "gpu:h100:1"
     try:
         plans.parse_target(target)
@@ -439,8 +445,13 @@ def run(size: str = "quick", plans: bool | None = None) -> list[dict]:
     best = max(rows, key=lambda r: r["flops_per_s"])
     mfu = best["flops_per_s"] / mfu_peak(size)
     out = _serving_study(size)
-    recs = _c16(rows, mfu) + _c18(mfu) + _serving_records(out) + _c18_c21_output(out, mfu)
-    recs += _c22_memory()
+    recs = (
+        _classifier_requests_per_s(rows, mfu)
+        + _input_token_cost(mfu)
+        + _serving_records(out)
+        + _output_token_cost(out, mfu)
+    )
+    recs += _serving_memory_70b()
     if size == "full" if plans is None else plans:
-        recs += _c22_plan()
+        recs += _serving_plan_70b_int8()
     return recs

@@ -50,7 +50,9 @@ def flop_count(n: int) -> float | None:
     return (cost.compiled_cost(compiled) or {}).get("flops")
 
 
-def _c01(n: int, budget_s: float, be: str, plans: bool = False) -> list[dict]:
+def _matmul_flops_and_speedup(n: int, budget_s: float, be: str, plans: bool = False) -> list[dict]:
+    """C01: the FLOPs of the 10,000² matmul and the float32 matmul rates; the accelerator
+    over the CPU, measured or predicted."""
     recs = []
     counted = flop_count(ARTICLE_N)
     recs.append(
@@ -159,7 +161,9 @@ def _c01(n: int, budget_s: float, be: str, plans: bool = False) -> list[dict]:
     return recs
 
 
-def _c03_c05(n: int, budget_s: float, be: str) -> list[dict]:
+def _matmul_rate_per_precision(n: int, budget_s: float, be: str) -> list[dict]:
+    """C03, C05: one device's matmul rate per precision (float32 highest, default, bf16/fp16);
+    the half-precision speedup and the bf16 rate against the article's figure."""
     recs, rates = [], {}
     for dtype, precision, label in _precisions(be):
         r = matmul_rate(n, getattr(jnp, dtype), precision, budget_s=budget_s)
@@ -238,8 +242,8 @@ def _c03_c05(n: int, budget_s: float, be: str) -> list[dict]:
     return recs
 
 
-def _c05_model() -> list[dict]:
-    """bf16 matmul FLOP/s of each GPU the lab compiles for, predicted by the step-time model
+def _bf16_matmul_predicted() -> list[dict]:
+    """C05: bf16 matmul FLOP/s of each GPU the lab compiles for, predicted by the step-time model
     from the matmul compiled for it (n = MODEL_N: the size the published GEMM figures use)."""
     recs = []
     for key in COMPILED_GPUS:
@@ -267,5 +271,9 @@ def run(size: str = "quick", plans: bool = False) -> list[dict]:
     be = backend()
     n = pick(size, tiny=128, quick=1024, full=4096 if be == "cpu" else 8192)
     budget = pick(size, tiny=0.02, quick=0.4, full=2.0)
-    model = _c05_model() if plans and be != "gpu" else []
-    return _c01(n, budget, be, plans) + _c03_c05(n, budget, be) + model
+    model = _bf16_matmul_predicted() if plans and be != "gpu" else []
+    return (
+        _matmul_flops_and_speedup(n, budget, be, plans)
+        + _matmul_rate_per_precision(n, budget, be)
+        + model
+    )

@@ -75,7 +75,9 @@ def _breakdown_record(claim, metric, case, probe) -> dict:
     )
 
 
-def _c09_c11(cfg: Config, budget_s: float, remats, timed: bool) -> tuple[list[dict], float]:
+def _remat_memory_and_time(
+    cfg: Config, budget_s: float, remats, timed: bool
+) -> tuple[list[dict], float]:
     """C09 and C11 from the step compiled under each remat policy; `timed` adds the measured
     step-time cost of remat=full (context: the claim's 'cost' is the recompute, in FLOPs)."""
     recs, probes = [], {}
@@ -179,7 +181,9 @@ def _predict(shape: dict, recipe: str, **kw) -> dict:
     )
 
 
-def _c10(log_err: float) -> list[dict]:
+def _llama_training_memory(log_err: float) -> list[dict]:
+    """C10: Llama-2 7B and 70B training memory by the calculator, per precision recipe,
+    against an H100's memory (predicted)."""
     h100 = specs.SPECS["h100-sxm"]
     cap = h100.memory_bytes
     inputs = {
@@ -244,7 +248,9 @@ def _c10(log_err: float) -> list[dict]:
     return recs
 
 
-def _c12(cfg: Config, batches, budget_s: float) -> list[dict]:
+def _batch_memory_and_speed(cfg: Config, batches, budget_s: float) -> list[dict]:
+    """C12: compiled memory and training tokens/s over batch sizes; the smallest batch's
+    memory and speed over the largest's."""
     recs, rows = [], []
     for b in batches:
         p = train_probe(override(cfg, batch_size=b), budget_s=budget_s)
@@ -293,8 +299,8 @@ def _c12(cfg: Config, batches, budget_s: float) -> list[dict]:
 # --- fitting bigger models: the pipeline, gradient accumulation and host offloading, C10-C12
 
 
-def _c10_fitting(log_err: float) -> list[dict]:
-    """70B on H100s with the levers for fitting a bigger model, by the calculator (predicted):
+def _fitting_70b(log_err: float) -> list[dict]:
+    """C10: 70B on H100s with the levers for fitting a bigger model, by the calculator (predicted):
     the 80 layers over 8 pipeline stages (one H100 each, 8 microbatches of one 2048-token
     sequence), then the AdamW state in host memory, then pipeline × FSDP over 16 H100s;
     remat=full throughout."""
@@ -334,8 +340,8 @@ def _c10_fitting(log_err: float) -> list[dict]:
     return recs
 
 
-def _c11_offload(size: str, plans: bool) -> list[dict]:
-    """remat=offload beside remat=full for the shared step: the calculator's device
+def _remat_offload_memory(size: str, plans: bool) -> list[dict]:
+    """C11: remat=offload beside remat=full for the shared step: the calculator's device
     activations (the block inputs move to host memory); with `plans`, the step compiled for
     one H100 (host memory is the device's own RAM on CPU: nothing to measure here)."""
     p = compile_probe(step_config(size))  # the shared step, compiled already by C09
@@ -361,10 +367,11 @@ def _c11_offload(size: str, plans: bool) -> list[dict]:
             predicted=pred,
         )
     ]
-    return recs + (_c11_offload_plan(size) if plans else [])
+    return recs + (_remat_offload_plan(size) if plans else [])
 
 
-def _c11_offload_plan(size: str) -> list[dict]:
+def _remat_offload_plan(size: str) -> list[dict]:
+    """C11: device memory of the step compiled for one H100, remat=offload over remat=full."""
     keys = {**pick(size, **STEP), "scan_layers": True, "target": "gpu:h100:1", "mesh": "1"}
     try:
         full, off = (gpu_plans.plan({**keys, "remat": r}) for r in ("full", "offload"))
@@ -389,8 +396,8 @@ def _c11_offload_plan(size: str) -> list[dict]:
     ]
 
 
-def _c12_accumulate(cfg: Config, batches, budget_s: float, timed: bool) -> list[dict]:
-    """The largest batch of the sweep run as K microbatches of the smallest (accumulate=K):
+def _accumulated_microbatches(cfg: Config, batches, budget_s: float, timed: bool) -> list[dict]:
+    """C12: the largest batch of the sweep run as K microbatches of the smallest (accumulate=K):
     the big batch's update at the small batch's memory; its tokens/s where timed."""
     b0, b1 = batches[0], batches[-1]
     k = b1 // b0
@@ -438,9 +445,9 @@ def fitting(size: str, sweep: Config, batches, budget_s: float, log_err: float, 
     """Fitting bigger models, the records: the 70B plan with a pipeline and offloading (C10),
     remat=offload (C11), gradient accumulation (C12)."""
     return (
-        _c10_fitting(log_err)
-        + _c11_offload(size, plans)
-        + _c12_accumulate(sweep, batches, budget_s, timed=size != "tiny")
+        _fitting_70b(log_err)
+        + _remat_offload_memory(size, plans)
+        + _accumulated_microbatches(sweep, batches, budget_s, timed=size != "tiny")
     )
 
 
@@ -460,7 +467,9 @@ def run(size: str = "quick", *, plans: bool = False) -> list[dict]:
     batches = pick(size, tiny=(2, 8), quick=(1, 4, 16, 64), full=(1, 4, 16, 64))
     budget = STEP_BUDGET_S[size]
     remats = pick(size, tiny=("none", "full"), quick=REMATS, full=REMATS)
-    recs, log_err = _c09_c11(step_config(size), budget, remats, timed=size != "tiny")
+    recs, log_err = _remat_memory_and_time(step_config(size), budget, remats, timed=size != "tiny")
     compiled = gpu_plans.c10(LLAMA) if plans else []
-    recs += _c10(log_err) + compiled + _c12(sweep, batches, budget)
+    recs += (
+        _llama_training_memory(log_err) + compiled + _batch_memory_and_speed(sweep, batches, budget)
+    )
     return recs + fitting(size, sweep, batches, budget, log_err, plans)

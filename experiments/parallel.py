@@ -58,7 +58,9 @@ def _config(size: str, n: int, strategy: str):
     )
 
 
-def _c14(size: str, n: int) -> tuple[list[dict], dict]:
+def _strategy_memory(size: str, n: int) -> tuple[list[dict], dict]:
+    """C14: the same step compiled under each strategy on n devices: memory per device, and
+    the sharded over pure data parallelism's; the dp probe is returned for C13."""
     recs, probes = [], {}
     # tiny (the test suite) leaves out tensor parallelism: context only, one compile less
     for strategy in pick(size, tiny=("dp", "fsdp"), quick=STRATEGIES, full=STRATEGIES):
@@ -139,8 +141,8 @@ def _efficiency(compute_s: float, buffer_bytes: float, key: str) -> list[tuple[i
 MODEL_GPU_COUNTS = (8, 16, 32)  # H100s the dp step is compiled for (plans=on)
 
 
-def _c13_model(size: str) -> dict | None:
-    """The fewest H100s at which the gradient all-reduce outlasts the rest of the step, from
+def _fewest_h100s_comm_bound(size: str) -> dict | None:
+    """C13: the fewest H100s at which the gradient all-reduce outlasts the rest of the step, from
     the dp step (batch × GPUs) compiled for 8, 16 and 32 H100s and timed by the step-time
     model (every collective against everything else, no overlap counted, as the claim
     reads); None where no program compiles here."""
@@ -167,7 +169,9 @@ def _c13_model(size: str) -> dict | None:
     )
 
 
-def _c13(size: str, dp_probe: dict, n: int, plans: bool = False) -> list[dict]:
+def _data_parallel_efficiency(size: str, dp_probe: dict, n: int, plans: bool = False) -> list[dict]:
+    """C13: the dp step's gradient all-reduce read from the compiled program, and the
+    data-parallel efficiency over N H100s and TPU v5e chips (predicted)."""
     ar = gradient_allreduce(dp_probe)
     mfu = mfu_here(size)
     flops = dp_probe["cost"]["flops"]
@@ -232,7 +236,7 @@ def _c13(size: str, dp_probe: dict, n: int, plans: bool = False) -> list[dict]:
             )
         if key != "h100-sxm":
             continue
-        modelled = _c13_model(size) if plans else None
+        modelled = _fewest_h100s_comm_bound(size) if plans else None
         if modelled:
             recs.append(modelled)
             continue
@@ -308,7 +312,7 @@ def _pp_config(size: str, n: int):
     return step_config(size, batch_size=max(batch, n), strategy="pp", mesh=mesh, microbatches=4)
 
 
-def _c14_pipeline(size: str, n: int) -> list[dict]:
+def _pipeline_memory_and_strategy_times(size: str, n: int) -> list[dict]:
     """C14 with the pipeline: its per-device memory beside pure data parallelism's (compiled),
     and the step time of dp, fsdp, tp and pp on the same n devices (measured; on CPU the
     devices are simulated slices of one host, so the times rank the programs' work, not links)."""
@@ -381,7 +385,8 @@ def run(size: str = "quick", *, plans: bool = False) -> list[dict]:
             ),
         ]
     n = n if n % 2 == 0 else n - 1
-    recs, dp = _c14(size, n)
-    recs += [] if size == "tiny" else _c14_pipeline(size, n)  # tiny: the test suite's, fast
+    recs, dp = _strategy_memory(size, n)
+    # tiny: the test suite's, fast
+    recs += [] if size == "tiny" else _pipeline_memory_and_strategy_times(size, n)
     measured = [] if size == "tiny" else measured_scaling(size)
-    return recs + compiled + _c13(size, dp, n, plans) + measured
+    return recs + compiled + _data_parallel_efficiency(size, dp, n, plans) + measured

@@ -31,7 +31,9 @@ def device_to_device(nbytes: int, budget_s: float) -> dict | None:
     return {"bytes": nbytes, "bytes_per_s": nbytes / r.median_s, **r.as_dict()}
 
 
-def _c06(be, size, budget) -> list[dict]:
+def _roofline_measured(be, size, budget) -> list[dict]:
+    """C06: the two roofs measured (matmul peak, copy bandwidth) and ops of growing arithmetic
+    intensity timed under them."""
     roof = ceilings.roofline_ceilings(size, budget_s=budget)
     peak, bw, points = roof["peak_flops"], roof["bandwidth"], roof["points"]
     copy, sz = roof["copy"], roof["sizes"]
@@ -131,7 +133,8 @@ def _c06(be, size, budget) -> list[dict]:
     return recs
 
 
-def _c07(be, sizes, budget) -> list[dict]:
+def _copy_bandwidths(be, sizes, budget) -> list[dict]:
+    """C07: host→device, device→host and (with two accelerators) device→device copy bandwidth."""
     recs = []
     memcpy = " (CPU: a memcpy in host memory, no PCIe)" if be == "cpu" else ""
     role = "context" if be == "cpu" else "evidence"
@@ -206,4 +209,6 @@ def run(size: str = "quick") -> list[dict]:
     implementation of every roof for the ledger and lab.tools.ceilings."""
     be = backend()
     budget = pick(size, tiny=0.01, quick=0.3, full=1.0)
-    return _c06(be, size, budget) + _c07(be, ceilings.sizes(be, size), budget)
+    return _roofline_measured(be, size, budget) + _copy_bandwidths(
+        be, ceilings.sizes(be, size), budget
+    )

@@ -57,7 +57,9 @@ def _precision_pair(size: str) -> dict:
     }
 
 
-def _c04(pair: dict) -> list[dict]:
+def _mixed_precision_memory_and_speed(pair: dict) -> list[dict]:
+    """C04: bf16 compute against float32 in the same step: compiled memory, step time and
+    loss agreement."""
     f32, b16 = pair["float32"], pair["bfloat16"]
     m32, m16 = f32["memory"]["total_bytes"], b16["memory"]["total_bytes"]
     recs = [
@@ -159,7 +161,9 @@ def _throughput(p: dict, peak: float) -> list[dict]:
     ]
 
 
-def _c17(p: dict, mfu: float, size: str, plans: bool) -> list[dict]:
+def _gpt_training_tokens_per_s(p: dict, mfu: float, size: str, plans: bool) -> list[dict]:
+    """C17: GPT-2-small training tokens/s at the model FLOP/s measured here, and on the GPUs
+    (measured or predicted)."""
     fpt = gpt2_small_flops_per_token()
     inputs = {
         "model_flops_per_s_here": p["model_flops_per_s"],
@@ -240,7 +244,11 @@ def _cpu_probe(size: str, p_here: dict) -> dict:
     )
 
 
-def _c02(p_here: dict, p_cpu: dict, mfu: float, size: str, plans: bool) -> list[dict]:
+def _gpu_over_cpu_training_speed(
+    p_here: dict, p_cpu: dict, mfu: float, size: str, plans: bool
+) -> list[dict]:
+    """C02: GPU over CPU training speed of the same step, measured where a GPU is present,
+    predicted otherwise."""
     cpu_rate = p_cpu["model_flops_per_s"]
     if backend() != "cpu":
         return [
@@ -292,7 +300,9 @@ def _c02(p_here: dict, p_cpu: dict, mfu: float, size: str, plans: bool) -> list[
     return recs
 
 
-def _c15(p_cpu: dict, mfu: float, size: str, plans: bool) -> list[dict]:
+def _gpt3_training_time(p_cpu: dict, mfu: float, size: str, plans: bool) -> list[dict]:
+    """C15: GPT-3's training time on this CPU (measured rate) and on an A100 cluster
+    (predicted)."""
     flops = cost.gpt3_training_flops(GPT3_PARAMS, GPT3_TOKENS)
     cpu_rate = p_cpu["model_flops_per_s"]
     peak, dtype = accel_peak("a100-sxm4-80gb")
@@ -357,9 +367,9 @@ def run(size: str = "quick", plans: bool = False) -> list[dict]:
     mfu = here["model_flops_per_s"] / peak
     p_cpu = _cpu_probe(size, here)
     return (
-        _c04(pair)
+        _mixed_precision_memory_and_speed(pair)
         + _throughput(here, peak)
-        + _c17(here, mfu, size, plans)
-        + _c02(here, p_cpu, mfu, size, plans)
-        + _c15(p_cpu, mfu, size, plans)
+        + _gpt_training_tokens_per_s(here, mfu, size, plans)
+        + _gpu_over_cpu_training_speed(here, p_cpu, mfu, size, plans)
+        + _gpt3_training_time(p_cpu, mfu, size, plans)
     )
