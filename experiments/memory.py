@@ -24,26 +24,19 @@ from experiments.common import (
     step_config,
     train_probe,
 )
-from lab.config import Config, make_config, override
+from lab.config import PRESETS, Config, make_config, override
 from lab.errors import ConfigError
 from lab.measure import memory, specs
 
 CLAIMS = ("C09", "C10", "C11", "C12")
 
-# Llama-2 shapes (Touvron et al. 2023, table 1 and the released configs).
+# Llama-2 shapes: the model fields of the presets (lab.config.PRESETS, from the released
+# configs), so the lab holds them once, plus the parameter count the paper states (Touvron et
+# al. 2023, table 1), which is no config field: the calculator and the cost rules take it.
+SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
 LLAMA = {
-    "7B": dict(
-        n_params=6.74e9, n_layers=32, d_model=4096, n_heads=32, d_ff=11008, vocab_size=32000
-    ),
-    "70B": dict(
-        n_params=68.98e9,
-        n_layers=80,
-        d_model=8192,
-        n_heads=64,
-        n_kv_heads=8,
-        d_ff=28672,
-        vocab_size=32000,
-    ),
+    name: dict(n_params=n_params, **{k: PRESETS[preset][k] for k in SHAPE_FIELDS})
+    for name, preset, n_params in (("7B", "llama2-7b", 6.74e9), ("70B", "llama2-70b", 68.98e9))
 }
 # Storage bytes per recipe: (weights, compute, gradients, Adam moments, fp32 master copy).
 RECIPES = {
