@@ -198,3 +198,21 @@ def test_13b_tpu_plan_counts_every_layer():
     per_token = 6 * (L * block + V * D) + 2 * L * (block - D * F)
     want = per_token * 256 * 2048 / 256
     assert c["flops"] == pytest.approx(want, rel=0.05), (c["flops"], want)
+
+
+def test_an_attention_plan_row_says_when_its_flops_are_a_lower_bound():
+    from rich.console import Console
+
+    from lab.report import tables
+
+    row = dict(
+        seq=1024, head_dim=64, mode="fwd", memory=None, hbm_bytes=None, compiled_flops=2e9,
+        compiled_flops_note=cost.lower_bound_note({"unknown_loops": 1}),
+        analytic_flops_per_device=2.1e9, estimated_s=None, tflops=None, peak_share=None,
+        estimate_source="floor",
+    )  # fmt: skip
+    console = Console(width=300, record=True)
+    console.print(tables.attention_plan([row], "plan"))
+    assert "2.0 (at least: 1 loop(s) of unknown trip count counted once) | 2.1 G" in (
+        console.export_text()
+    )

@@ -120,6 +120,7 @@ def plan(
                 memory=compiled_memory(compiled),
                 hbm_bytes=spec.memory_bytes if spec else None,
                 compiled_flops=c.get("flops"),
+                compiled_flops_note=cost.lower_bound_note(c),  # a loop of unknown trips
                 analytic_flops_per_device=per_device,
                 estimated_s=est,
                 estimate_source=source,

@@ -52,7 +52,8 @@ def attention_plan(rows: list[dict], title: str) -> Table:
             r["mode"],
             _mem(need) if need else "–",
             hbm,
-            f"{compiled_g:,.1f} | {r['analytic_flops_per_device'] / 1e9:,.1f} G",
+            f"{compiled_g:,.1f}{r.get('compiled_flops_note', '')} | "
+            f"{r['analytic_flops_per_device'] / 1e9:,.1f} G",
             duration(r["estimated_s"]) if r["estimated_s"] else "–",
             f"{r['tflops']:.1f}" if r["tflops"] else "–",
             percent(r["peak_share"], 0) if r["peak_share"] else "–",
