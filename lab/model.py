@@ -443,6 +443,10 @@ def _pipelined_blocks(c: ModelConfig, stacked_params, x_BxLxD):
         x_BxLxD,
         microbatches=c.microbatches,
         repeats=c.pipeline_repeats,
+        # circular: the stacked blocks are stored stage-major (lab.kernels.pipeline), so the
+        # layer axis split over `stage` already gives each stage its chunks, and no all-to-all
+        # of the weights and their gradients runs every step
+        layer_order=layer_order(c),
         batch_axes=manual,
         batch_layout=manual,
         weight_specs=_block_specs(c, rules, manual, x_BxLxD),
@@ -451,6 +455,20 @@ def _pipelined_blocks(c: ModelConfig, stacked_params, x_BxLxD):
         # written for shard_map(check_vma=False)): JAX's type check for naive attention only
         check_vma=c.attention == "naive",
     )
+
+
+def layer_order(c: ModelConfig) -> str:
+    """How a pipelined model stores its stacked blocks: "stage_major" under the circular
+    schedule (stored index s·R·C + r·C + j holds layer (r·P + s)·C + j), else "natural". The
+    checkpoint keeps that storage; `natural_layers` turns it back into layer order."""
+    return "stage_major" if c.pipeline_repeats > 1 else "natural"
+
+
+def natural_layers(c: ModelConfig, stacked_params, stages: int):
+    """A pipelined model's stacked blocks in layer order (leaf index = layer)."""
+    if layer_order(c) == "stage_major":
+        return pipeline.from_stage_major_order(stacked_params, stages, c.pipeline_repeats)
+    return stacked_params
 
 
 def _block_specs(c: ModelConfig, rules, axes: tuple, x_BxLxD):

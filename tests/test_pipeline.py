@@ -21,6 +21,7 @@ from lab.data import host_batch, to_global
 from lab.kernels.pipeline import (
     Schedule,
     from_microbatches,
+    from_stage_major_order,
     pipeline_apply,
     scan_layers,
     stage_major,
@@ -29,7 +30,7 @@ from lab.kernels.pipeline import (
 )
 from lab.measure.timing import random_inputs
 from lab.mesh import make_mesh, rules_for
-from lab.model import build
+from lab.model import build, natural_layers
 from lab.parallel import collectives_hlo, explain, pipeline_hlo
 from lab.run import main
 from lab.train import cross_entropy, make_trainer
@@ -65,6 +66,9 @@ def test_stage_major_is_the_circular_layer_order():
     # 2 repeats of 2 stages, chunks of 2 layers: stage 0 holds layers 0,1 and 4,5
     assert stage_major(layers, 2, 2).tolist() == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
     assert to_stage_major_order(layers, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    for S, R in ((2, 2), (2, 1), (4, 2)):  # and back: serving reads layer order
+        stored = to_stage_major_order(layers, S, R)
+        assert from_stage_major_order(stored, S, R).tolist() == layers.tolist()
 
 
 @pytest.mark.parametrize("M, groups", [(4, (1, 2)), (8, (4, 2)), (4, (4, 1))])
@@ -208,10 +212,18 @@ def test_model_pipeline_equals_unpipelined(reference, mesh_spec, strategy, M, R,
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         abstract = jax.eval_shape(lambda k: model.init(k, tokens[:, :-1]), jax.random.key(0))
         shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
-        placed = jax.device_put(params, shardings["params"])
+        stored = params
+        if R > 1:  # circular runs store their blocks stage-major (lab.model.layer_order)
+            S = mesh.shape["stage"]
+            stored = {**params, "blocks": to_stage_major_order(params["blocks"], S, R)}
+        placed = jax.device_put(stored, shardings["params"])
         assert placed["blocks"]["attn"]["wq"].sharding.spec[0] == "stage"
         compiled = jax.jit(jax.value_and_grad(_loss(model))).lower(placed, tokens).compile()
         loss, grads = compiled(placed, tokens)
+    if R > 1:
+        grads = {**grads, "blocks": natural_layers(mc, grads["blocks"], mesh.shape["stage"])}
+        kinds = {c.kind for c in collectives_hlo.from_compiled(compiled, mesh)}
+        assert "all-to-all" not in kinds, kinds  # no reshuffle of the weights per step
     _close((loss, grads), (loss0, grads0))
     if strategy == "pp+fsdp":
         _gathers_each_stage_weight_once(compiled, mesh, placed["blocks"])

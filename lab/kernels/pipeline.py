@@ -185,6 +185,18 @@ def to_stage_major_order(stacked_params, stages: int, repeats: int):
     )
 
 
+def from_stage_major_order(stacked_params, stages: int, repeats: int):
+    """The inverse of `to_stage_major_order`: stage-major storage → layer order (leaf index =
+    layer), e.g. to serve a circular run's weights unscanned."""
+
+    def one(a):
+        n = a.shape[0]
+        a = a.reshape((stages, repeats, n // (stages * repeats)) + a.shape[1:])
+        return jnp.swapaxes(a, 0, 1).reshape((n,) + a.shape[3:])
+
+    return jax.tree.map(one, stacked_params)
+
+
 # --- the schedule run ------------------------------------------------------------------------
 
 

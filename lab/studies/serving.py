@@ -33,7 +33,8 @@ from lab import checkpoint, data, decode, plans, quant
 from lab.config import Config, ModelConfig, override
 from lab.errors import ConfigError
 from lab.measure import ceilings, cost, memory, records, roofline, specs, timing
-from lab.model import build
+from lab.model import build, natural_layers
+from lab.names import STAGE
 from lab.resolve import Request, resolve
 from lab.rundir import STATE_FIELDS, saved_config
 from lab.session import Session, session_for
@@ -99,6 +100,10 @@ def load_params(session: Session, run_dir: Path | None, seed: int, warn=print):
         return decoding, state.params, f"random weights (seed {seed})"
     params, source = _restore(session, run_dir, warn)
     if decoding is not session:
+        stages = dict(session.trainer.mesh.shape).get(STAGE, 1)
+        if stages > 1:  # a circular run stores its blocks stage-major: back to layer order
+            blocks = natural_layers(session.cfg.model, params["blocks"], stages)
+            params = {**params, "blocks": blocks}
         params = decode.unstack_layers(params, session.cfg.model.n_layers)
         params = jax.device_put(params, decoding.trainer.state_shardings.params)
     return decoding, params, source
