@@ -115,6 +115,88 @@ ENTRY %main (a: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
     assert hlo.repeated_cost(program).flops == 4 * 32
 
 
+def test_computation_shared_by_two_loops_counts_both():
+    """A body two loops share (XLA deduplicates identical computations) runs once per trip
+    of each: its count is the sum over call sites of caller count × trips, here 3 + 2·5."""
+    text = """HloModule m
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %y = f32[4,8]{1,0} multiply(%x, %x)
+  ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%i, %y)
+}
+
+%cond1 (q: (s32[], f32[4,8])) -> pred[] {
+  %q = (s32[], f32[4,8]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %c = s32[] constant(1)
+  ROOT %lt = pred[] compare(%j, %c), direction=LT
+}
+
+%cond3 (q: (s32[], f32[4,8])) -> pred[] {
+  %q = (s32[], f32[4,8]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %c = s32[] constant(3)
+  ROOT %lt = pred[] compare(%j, %c), direction=LT
+}
+
+%cond5 (q: (s32[], f32[4,8])) -> pred[] {
+  %q = (s32[], f32[4,8]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %c = s32[] constant(5)
+  ROOT %lt = pred[] compare(%j, %c), direction=LT
+}
+
+%twice (r: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %r = (s32[], f32[4,8]{1,0}) parameter(0)
+  %w1 = (s32[], f32[4,8]{1,0}) while(%r), condition=%cond5, body=%body
+  ROOT %w2 = (s32[], f32[4,8]{1,0}) while(%w1), condition=%cond5, body=%body
+}
+
+ENTRY %main (a: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %a = (s32[], f32[4,8]{1,0}) parameter(0)
+  %w0 = (s32[], f32[4,8]{1,0}) while(%a), condition=%cond3, body=%body
+  ROOT %o = (s32[], f32[4,8]{1,0}) while(%w0), condition=%cond1, body=%twice
+}
+"""
+    program = hlo.parse(text)
+    assert program.counts["twice"] == 1
+    assert program.counts["body"] == 3 + 5 + 5
+    assert hlo.total_cost(program).flops == 13 * 4 * 8
+    assert hlo.repeated_cost(program).flops == 12 * 4 * 8
+
+
+def test_bitcast_of_in_place_update_writes_the_update():
+    """A fusion whose root is a bitcast of a dynamic-update-slice into a stacked [L, ...]
+    buffer (a scan writing one layer's gradient) reads and writes that layer's slice, not the
+    whole stack, as the same update without the bitcast does."""
+    text = """HloModule m
+
+%fused (b: f32[6,32,16], u: f32[32,16], i: s32[]) -> f32[6,512] {
+  %b = f32[6,32,16]{2,1,0} parameter(0)
+  %u = f32[32,16]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %u3 = f32[1,32,16]{2,1,0} bitcast(%u)
+  %z = s32[] constant(0)
+  %d = f32[6,32,16]{2,1,0} dynamic-update-slice(%b, %u3, %i, %z, %z)
+  ROOT %r = f32[6,512]{1,0} bitcast(%d)
+}
+
+ENTRY %main (s: f32[6,32,16], g: f32[32,16], k: s32[]) -> f32[6,512] {
+  %s = f32[6,32,16]{2,1,0} parameter(0)
+  %g = f32[32,16]{1,0} parameter(1)
+  %k = s32[] parameter(2)
+  ROOT %f = f32[6,512]{1,0} fusion(%s, %g, %k), kind=kLoop, calls=%fused
+}
+"""
+    program = hlo.parse(text)
+    fusion = program.computations["main"][-1]
+    # the update read, the same bytes written, the index read
+    assert hlo.instruction_cost(fusion, program, "main").bytes == 2 * 32 * 16 * 4 + 4
+
+
 def test_dot_and_convolution_formulas():
     """2·out·contracted for a dot; valid taps only for a dilated, padded convolution."""
     text = """HloModule m

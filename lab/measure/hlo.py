@@ -58,6 +58,9 @@ _NO_BYTES = {
     "add-dependency",
     "domain",
 }
+# The second and third halves of an async pair name the computation the start runs; they do
+# not run it again.
+_NOT_A_CALL = {"async-update", "async-done"}
 _TRANSCENDENTAL = {
     "exponential",
     "exponential-minus-one",
@@ -243,6 +246,40 @@ def _condition_trip_counts(comps: dict[str, tuple[Instruction, ...]], text: dict
     return out
 
 
+def _counts(entry: str | None, calls: dict[str, list[tuple[str, int]]]) -> dict[str, int]:
+    """Executions per call of every computation reached from `entry`: the sum, over its call
+    sites, of the caller's executions times the site's trips (1, or a loop's trip count).
+
+    A sum, not a maximum: a computation called from two loops (XLA shares a body or a fused
+    computation between identical call sites) runs once per trip of each. Counted in
+    topological order of the call graph, so each call site adds its caller's final count."""
+    if not entry:
+        return {}
+    order: list[str] = []
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack = [(entry, iter(calls.get(entry, ())))]
+    state[entry] = 1
+    while stack:
+        name, edges = stack[-1]
+        for callee, _ in edges:
+            if callee not in state:  # a cycle (none in valid HLO) is cut where it closes
+                state[callee] = 1
+                stack.append((callee, iter(calls.get(callee, ()))))
+                break
+        else:
+            stack.pop()
+            state[name] = 2
+            order.append(name)
+    counts = dict.fromkeys(order, 0)
+    counts[entry] = 1
+    position = {name: i for i, name in enumerate(order)}
+    for name in reversed(order):  # callers before callees
+        for callee, n in calls.get(name, ()):
+            if position[callee] < position[name]:  # not a back edge of a cycle
+                counts[callee] += counts[name] * n
+    return counts
+
+
 def parse(hlo_text: str) -> Program:
     """Every computation of an HLO module, its instructions, and its executions per call."""
     text: dict[str, list[str]] = {}
@@ -278,21 +315,13 @@ def parse(hlo_text: str) -> Program:
                 loops.append((cb["body"], n))
                 calls[name].append((cb["body"], n if n is not None else 1))
                 continue
+            if ins.opcode in _NOT_A_CALL:
+                continue
             for c in _CALL_RE.finditer(ins.attrs):
                 calls[name].append((c["callee"], 1))
                 if ins.opcode == "fusion":
                     fused.add(c["callee"])
-    counts: dict[str, int] = {}
-
-    def visit(name: str, mult: int, depth: int = 0) -> None:
-        if depth > 64:
-            return
-        counts[name] = max(counts.get(name, 0), mult)
-        for callee, n in calls.get(name, ()):
-            visit(callee, mult * n, depth + 1)
-
-    if entry:
-        visit(entry, 1)
+    counts = _counts(entry, calls)
     # A fusion's nested computations are fused too.
     stack = list(fused)
     while stack:
@@ -434,7 +463,8 @@ def _flops(ins: Instruction, program: Program) -> tuple[float, float]:
 def _fusion_bytes(ins: Instruction, program: Program) -> float:
     """Operands read and results written by a fusion: a parameter only sliced inside reads
     the slices; a result made by dynamic-update-slice of a parameter (alone or in a tuple of
-    results) writes the update in place and does not read the rest of the buffer."""
+    results, bitcast or not) writes the update in place and does not read the rest of the
+    buffer."""
     callee = _CALL_RE.search(ins.attrs)
     body = program.computations.get(callee["callee"], ()) if callee else ()
     if not body:
@@ -462,6 +492,9 @@ def _fusion_bytes(ins: Instruction, program: Program) -> float:
     in_place: set[str] = set()
     written = 0.0
     for out in outputs:
+        # a bitcast of the updated buffer is the same buffer, still updated in place
+        while out.opcode == "bitcast" and out.operands and out.operands[0] in by_name:
+            out = by_name[out.operands[0]]
         if out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
             in_place.add(source(out.operands[0]))
             written += (
