@@ -298,3 +298,27 @@ def test_an_attention_plan_row_says_when_its_flops_are_a_lower_bound():
     assert "2.0 (at least: 1 loop(s) of unknown trip count counted once) | 2.1 G" in (
         console.export_text()
     )
+
+
+def test_compiler_estimate_dropped_where_a_loop_repeats():
+    """XLA's optimal_seconds counts each loop body once: a plan's step time does not use it
+    for a scanned program, and does for the same program unrolled. (XLA:CPU gives no
+    estimate, so the compiler's answer is stood in for; the programs are the real ones.)"""
+    from lab import plans
+
+    class WithEstimate:
+        def __init__(self, compiled, seconds):
+            self.text, self.seconds = compiled.as_text(), seconds
+
+        def cost_analysis(self):
+            return {"optimal_seconds": self.seconds}
+
+        def as_text(self):
+            return self.text
+
+    x, ws = _inputs()
+    seconds = float(jax.random.uniform(jax.random.key(2), minval=1e-6, maxval=1e-3))
+    unrolled = WithEstimate(jax.jit(_unrolled).lower(x, ws).compile(), seconds)
+    scanned = WithEstimate(jax.jit(_scanned).lower(x, ws).compile(), seconds)
+    assert plans.estimated_seconds(unrolled) == pytest.approx(seconds)
+    assert plans.estimated_seconds(scanned) is None

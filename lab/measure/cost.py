@@ -38,7 +38,7 @@ def compiled_cost(compiled) -> dict | None:
         raw = None  # RuntimeError); anything else is a bug and should surface
     if isinstance(raw, list | tuple):
         raw = raw[0] if raw else None
-    program = _program(compiled)
+    program = compiled_program(compiled)
     if not raw and program is None:
         return None
     if not raw:
@@ -66,7 +66,7 @@ def compiled_cost(compiled) -> dict | None:
     return out
 
 
-def _program(compiled):
+def compiled_program(compiled):
     """The optimized HLO of a compiled program, parsed; None where it cannot be printed."""
     try:
         text = compiled.as_text()

@@ -90,19 +90,35 @@ def compile_plan(lower, devices) -> tuple:
 
 
 def estimated_seconds(compiled) -> float | None:
-    """The compiler's own estimate of one call's time ('optimal_seconds'), where it gives one."""
+    """The compiler's own estimate of one call's time ('optimal_seconds'), where it gives one
+    and it covers the whole call.
+
+    None where the program has a while loop that runs more than once, or an unknown number of
+    times (a scanned model, a pipeline's tick loop, an accumulation scan): XLA's estimate, like
+    its FLOPs and bytes, counts each loop body once. It is not scaled by the trip counts
+    because XLA gives one total, not its split by computation, so there is nothing exact to
+    scale; a scanned plan then reads the roofline floor, labelled as such, instead of an
+    estimate that sits below the floor only because it left out all but one trip."""
     try:
         costs = compiled.cost_analysis()
     except (NotImplementedError, RuntimeError):
         return None
     costs = costs[0] if isinstance(costs, list | tuple) and costs else costs
     value = (costs or {}).get("optimal_seconds")
-    return float(value) if value and value > 0 else None
+    if not (value and value > 0):
+        return None
+    from lab.measure import cost
+
+    program = cost.compiled_program(compiled)
+    if program is None or any(n != 1 for _, n in program.loops):
+        return None
+    return float(value)
 
 
 def step_seconds(compiled, flops_per_device: float, spec, peak: float | None):
-    """(seconds, source) for one call on the target: the compiler's estimate, floored by the
-    roofline of the chip (spec-sheet peak and bandwidth).
+    """(seconds, source) for one call on the target: the compiler's estimate (none for a program
+    whose loops repeat: `estimated_seconds`), floored by the roofline of the chip (spec-sheet
+    peak and bandwidth).
 
     Why a floor: a Pallas kernel is a custom call that XLA's cost model cannot see into — it
     counts ~0 FLOPs for it, and its estimate can then imply more than the chip's peak.
