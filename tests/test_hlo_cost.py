@@ -223,13 +223,27 @@ CASES = [
     dict(mesh="data:2,fsdp:4", strategy="fsdp", remat="full"),
     dict(mesh="4x2", strategy="tp"),
     dict(mesh="2x4", strategy="dp", accumulate=4, batch_size=32),
+    dict(mesh="data:2,fsdp:4", strategy="fsdp", accumulate=4, batch_size=32),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
 def test_step_flops_agree_scanned_and_unrolled(case):
-    """The same training step, layers scanned or unrolled: compiled FLOPs within 2%; the
-    scanned step's bytes are no longer short by the layer count."""
+    """The same training step, layers scanned or unrolled: compiled FLOPs within 2%; bytes
+    within the traffic the scanned program really adds.
+
+    Bytes, scanned / unrolled, measured on XLA:CPU (JAX 0.10): dp 1.23, dp remat=full 1.15, fsdp
+    remat=full 1.06, tp 1.30, tp remat=full 1.14, dp accumulate=4 1.52, fsdp accumulate=4 1.57.
+    The walk counts each instruction as XLA's HloCostAnalysis does (one trip of each scanned
+    program: within 0.5% of XLA's own figure), so the excess is the scanned program's own
+    traffic, not a counting error: each trip copies its layer's weights out of the stacked [L,
+    ...] arrays (a dynamic-slice fusion; XLA:CPU's dot does not read a slice in place), writes
+    its gradients and saved residuals into [L, ...] stacks (dynamic-update-slice, the update
+    only), and before the loop the stacks are zeroed and copied into the loop's state (copy
+    insertion). With accumulation all of it repeats per microbatch, and under fsdp the scanned
+    step gathers each layer's weights every microbatch where the unrolled one gathers them once,
+    outside the accumulation loop. Never below the unrolled step: the scanned one does the same
+    work plus that stacking."""
     costs = {}
     for scan in (False, True):
         cfg = make_config(
@@ -238,7 +252,8 @@ def test_step_flops_agree_scanned_and_unrolled(case):
         trainer = make_trainer(cfg, make_mesh(cfg.mesh))
         costs[scan] = cost.compiled_cost(trainer.lower().compile())
     assert costs[True]["flops"] == pytest.approx(costs[False]["flops"], rel=0.02)
-    assert costs[True]["bytes accessed"] >= 0.9 * costs[False]["bytes accessed"]
+    ratio = costs[True]["bytes accessed"] / costs[False]["bytes accessed"]
+    assert 0.99 <= ratio <= (1.7 if case.get("accumulate") else 1.4), ratio
     assert costs[True]["unknown_loops"] == 0
 
 
