@@ -283,8 +283,8 @@ def _qkv(H=4, K=2, D=64, L=32, S=32, dtype="float32"):
         (_qkv(H=3, K=2), {}, "query heads must be a multiple of kv heads"),
         (
             _qkv(),
-            {"sinks": jnp.zeros(4), "impl": "pallas_tpu", "interpret": True},
-            "impl='pallas_tpu' does not support attention sinks",
+            {"sinks": jnp.zeros(4), "impl": "xla"},
+            "impl='xla' does not support attention sinks",
         ),
         (_qkv(), {"window": (4, -1)}, "window=(4, -1): expected (left, right)"),
         (_qkv(), {"sinks": jnp.zeros(3)}, "attention sinks are one logit per query head"),

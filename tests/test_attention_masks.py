@@ -311,17 +311,18 @@ def test_flops_count_only_the_tiles_the_mask_leaves():
 
 
 def test_auto_on_cpu_takes_the_kernel_that_has_the_feature():
-    """The native CPU kernel takes the masks and softcap but not sinks yet: auto keeps it
-    for a window and falls back to blockwise for sinks."""
+    """The native CPU kernel takes the masks, softcap and sinks but not the LSE as an output:
+    auto keeps it for a window and sinks and falls back to blockwise for return_lse."""
     from lab.kernels.attention import choose
 
     q = jnp.ones((1, 32, 2, 8))
-    assert choose("auto", q, q, q, features=frozenset({"sinks"}), backend="cpu") == "blockwise"
+    assert choose("auto", q, q, q, features=frozenset({"lse"}), backend="cpu") == "blockwise"
     if not cpu_flash.available():
         return
-    assert choose("auto", q, q, q, features=frozenset({"window"}), backend="cpu") == "cpu_flash"
-    with pytest.raises(ValueError, match="impl='cpu_flash' does not support attention sinks"):
-        choose("cpu_flash", q, q, q, features=frozenset({"sinks"}), backend="cpu")
+    for needs in ({"window"}, {"sinks", "window"}):
+        assert choose("auto", q, q, q, features=frozenset(needs), backend="cpu") == "cpu_flash"
+    with pytest.raises(ValueError, match="impl='cpu_flash' does not support return_lse=True"):
+        choose("cpu_flash", q, q, q, features=frozenset({"lse"}), backend="cpu")
 
 
 CPU_FLASH_CASES = [
@@ -330,6 +331,8 @@ CPU_FLASH_CASES = [
     ("window_lr", "float32"),
     ("causal_short", "float32"),
     ("value_dim", "float32"),
+    ("sinks", "float32"),
+    ("combo", "float32"),
     ("combo", "bfloat16"),
 ]
 
@@ -337,10 +340,11 @@ CPU_FLASH_CASES = [
 @pytest.mark.skipif(not cpu_flash.available(), reason="the native CPU kernel is not built here")
 @pytest.mark.parametrize("kind, dtype", CPU_FLASH_CASES, ids=lambda x: str(x))
 def test_cpu_flash_matches_float64(kind, dtype):
-    """The native kernel takes the masks and softcap (not yet sinks, the LSE or a value dim
-    of its own): those features are dropped from the case, the rest kept."""
+    """The native kernel takes the masks, softcap and sinks (the sinks folded in around the
+    C++ kernel through its log-sum-exp, their gradient checked too; not yet the LSE as an
+    output or a value dim of its own: those are dropped from the case, the rest kept)."""
     shapes, kwargs = _case(kind)
-    kwargs = {n: x for n, x in kwargs.items() if n not in ("sinks", "return_lse")}
+    kwargs = {n: x for n, x in kwargs.items() if n != "return_lse"}
     L, S, G, D, _ = shapes
     q, k, v, do, dlse = _inputs((L, S, G, D, D), dtype)
     kw = dict(kwargs, impl="cpu_flash", block_sizes=cpu_flash.BlockSizes(32, 32))

@@ -235,3 +235,44 @@ def check_masks(kernel, kind, dtype, ratio, L, S, softcap, *, K, V):
     got = values_and_grads(fn, q, k_nan, v_nan, do, dlse, FAST_COMPILE)
     want = masked_reference_f64(q, k, v, do, dlse, mask, softcap)
     assert_masked_close(got, want, dtype)
+
+
+# ---------------------------------------------------------------------------- attention sinks
+
+
+@pytest.mark.parametrize(
+    "kernel, K, V, dtype",
+    [(GPU, 24, 40, "bfloat16"), (TPU, 64, 128, "float32")],
+    ids=["triton", "tpu"],
+)
+def test_pallas_kernels_take_sinks_matching_float64(kernel, K, V, dtype):
+    """A learned logit per query head in the softmax denominator: output, lse and the
+    gradients of q, k, v and the sinks against float64, with the lse's cotangent random.
+    Per-sequence lengths leave the second sequence's last rows with no key (output 0, lse =
+    the sink) and a window leaves partial and empty tiles; a v head dim of its own."""
+    L, S, H = 40, 40, 2
+    seed = zlib.crc32(f"sinks{K}{V}{dtype}".encode())
+    q, k, v, do, dlse = random_inputs(seed, L, S, H, 1, K, V, dtype)
+    q, k, v, do = (jnp.concatenate([x, x[:, ::-1] * 0.5]) for x in (q, k, v, do))
+    dlse = jnp.concatenate([dlse, -dlse])
+    sinks = jax.random.normal(jax.random.key(seed), (H,)) * 2
+    mask = Mask.make(causal=True, window=(11, 0), q_lengths=jnp.array([L, 30]))
+
+    def run(fn, q, k, v, sinks, do, dlse):
+        (o, lse), vjp = jax.vjp(lambda *a: fn(*a[:3], sinks=a[3]), q, k, v, sinks)
+        return (o, lse, *vjp((do, dlse)))
+
+    fn = functools.partial(kernel, causal=True, mask=mask, return_lse=True)
+    args = (q, k, v, sinks, do, dlse)
+    got = jax.jit(functools.partial(run, fn)).lower(*args).compile(FAST_COMPILE)(*args)
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in args]
+        ref = functools.partial(attention_reference, mask=mask, return_lse=True)
+        want = [
+            np.asarray(x) for x in run(lambda q, k, v, sinks: ref(q, k, v, sinks_H=sinks), *f64)
+        ]
+    assert (np.asarray(got[0])[1, 30:] == 0).all() and np.isfinite(got[1]).all()
+    np.testing.assert_allclose(np.asarray(got[1])[1, 30:], np.broadcast_to(sinks, (10, H)))
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, want, strict=True):
+        err = np.abs(np.asarray(g, np.float64) - w).max() / np.abs(w).max()
+        assert err < TOL[dtype], f"{name}: max error {err:.2e} relative to max |ref|"

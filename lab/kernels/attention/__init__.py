@@ -39,8 +39,9 @@ Masks and features (common.Mask; keyword arguments of `attention`): causal, a sl
 segment ids (packed sequences), per-sequence lengths, causal with L > S (rows with no key give
 0), soft-capping, attention sinks, the log-sum-exp as an output, a value head dim of its own.
 Each implementation lists what it takes in its module's FEATURES (naive and blockwise: all;
-ring: all but a window and L > S; cpu_flash: the masks and softcap; xla/cudnn: lengths and a window,
-what jax.nn.dot_product_attention takes; the Pallas kernels: what their modules declare) and
+ring: all but a window and L > S; cpu_flash: the masks, softcap and sinks; xla/cudnn: lengths
+and a window, what jax.nn.dot_product_attention takes; the Pallas kernels: what their modules
+declare) and
 is refused in one line for the rest; `auto` passes over a kernel that lacks a feature the
 call needs. Block-skipping kernels classify each tile empty/partial/full before running
 (`Mask.block_map`), skip empty tiles and mask only partial ones.

@@ -515,3 +515,33 @@ def check_softcap(softcap) -> float | None:
     if softcap == float("inf"):
         raise ValueError(f"softcap={softcap!r}: must be finite (None means no cap)")
     return float(softcap)
+
+
+# ---------------------------------------------------------------------------- attention sinks
+
+
+def fold_sinks(lse, sink):
+    """(w, lse_sink), both shaped like `lse`: a kernel's output without sinks times w is its
+    output with a sink logit per row in the softmax denominator, and lse_sink is that
+    denominator's log. Exact, since O_sink = O·Σ_keys/(Σ_keys + e^sink) = O·exp(lse -
+    logaddexp(lse, sink)). `lse` follows the kernels' residual convention, +inf for a row that
+    sees no key (taken as log 0); lse_sink keeps it for a row with no key and no sink. Fed as
+    the residuals (O·w, lse_sink), a kernel's unchanged backward computes exact dQ, dK, dV:
+    P = exp(S - lse_sink) are the probabilities with the sink, and delta = Σ dO·O·w."""
+    keys = jnp.where(lse == jnp.inf, -jnp.inf, lse)
+    both = jnp.logaddexp(keys, sink.astype(jnp.float32))
+    w = jnp.where(both == -jnp.inf, 0.0, jnp.exp(keys - both))
+    return w, jnp.where(both == -jnp.inf, jnp.inf, both)
+
+
+def sink_grad(sink, lse_sink, delta):
+    """Each row's share of the sink logit's gradient, -P_sink·delta, shaped like `lse_sink`
+    (the caller sums it over the rows of each head): d O/d sink = -P_sink·O and d lse/d sink =
+    P_sink, so with delta = Σ dO·O - dlse the cotangent is -P_sink·delta."""
+    return -jnp.exp(sink.astype(jnp.float32) - lse_sink) * delta
+
+
+def check_sinks(sinks, H: int) -> None:
+    """None or one logit per query head, [H] (what every kernel taking `sinks=` checks)."""
+    if sinks is not None and tuple(sinks.shape) != (H,):
+        raise ValueError(f"{sinks.shape=}: attention sinks are one logit per query head, ({H},)")

@@ -31,7 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from lab.kernels import native
-from lab.kernels.attention.common import Mask, check_dtype, check_qkv, default_scale, round_up
+from lab.kernels.attention.common import (
+    Mask,
+    check_dtype,
+    check_qkv,
+    check_sinks,
+    default_scale,
+    fold_sinks,
+    round_up,
+    sink_grad,
+)
 
 SOURCE = Path(__file__).with_name("cpu_flash.cc")
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -101,7 +110,7 @@ def available() -> bool:
 # ---------------------------------------------------------------------------- the op
 
 
-FEATURES = frozenset({"empty_rows", "segments", "lengths", "window", "softcap"})
+FEATURES = frozenset({"empty_rows", "segments", "lengths", "window", "softcap", "sinks"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,23 +164,39 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st: _Static):
     return call(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *m, **st.attrs())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st: _Static):
-    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sinks_H, m, st: _Static):
+    """The output [B, L, H, K], differentiable. `sinks_H` (or None): one logit per query head
+    in every row's softmax denominator, folded into the C++ forward's output and log-sum-exp
+    (common.fold_sinks: exact); fed those as its residuals, the C++ backward computes exact
+    dQ, dK, dV unchanged, and the sinks' gradient is -Σ P_sink·delta per head (here in JAX)."""
+    return _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sinks_H, m, st)[0]
 
 
-def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st: _Static):
+def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sinks_H, m, st: _Static):
     o_BxLxHxK, lse_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st)
-    return o_BxLxHxK, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_BxHxL, m)
+    if sinks_H is not None:
+        w_BxHxL, lse_BxHxL = fold_sinks(lse_BxHxL, sinks_H[:, None])
+        w_BxLxHx1 = jnp.swapaxes(w_BxHxL, -1, -2)[..., None]
+        o_BxLxHxK = (o_BxLxHxK.astype(jnp.float32) * w_BxLxHx1).astype(o_BxLxHxK.dtype)
+    residuals = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_BxHxL, sinks_H, m)
+    return o_BxLxHxK, residuals
 
 
 def _flash_bwd(st: _Static, residuals, do_BxLxHxK):
-    *residuals, m = residuals
-    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, _, _ = residuals
+    *residuals, sinks_H, m = residuals
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_BxHxL = residuals
     out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK))
     call = jax.ffi.ffi_call(_BWD, out, vmap_method="broadcast_all")
-    grads = call(*residuals, do_BxLxHxK.astype(q_BxLxHxK.dtype), *m, **st.attrs())
-    return (*grads, None)
+    do_BxLxHxK = do_BxLxHxK.astype(q_BxLxHxK.dtype)
+    grads = call(*residuals, do_BxLxHxK, *m, **st.attrs())
+    dsinks_H = None
+    if sinks_H is not None:  # delta as the C++ backward computes it, Σ dO·O per row
+        delta_BxLxH = (do_BxLxHxK.astype(jnp.float32) * o_BxLxHxK.astype(jnp.float32)).sum(-1)
+        per_row_BxHxL = sink_grad(sinks_H[:, None], lse_BxHxL, jnp.swapaxes(delta_BxLxH, -1, -2))
+        lead = tuple(range(per_row_BxHxL.ndim - 2))
+        dsinks_H = per_row_BxHxL.sum((*lead, per_row_BxHxL.ndim - 1)).astype(sinks_H.dtype)
+    return (*grads, dsinks_H, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -199,21 +224,25 @@ def cpu_flash_attention(
     block_sizes: BlockSizes = BlockSizes(),
     mask: Mask | None = None,
     softcap: float | None = None,
+    sinks=None,
 ):
     """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim], grouped kv heads, any length.
 
     `mask` (common.Mask; default `causal` alone): causal, a sliding window, segment ids,
     lengths; tiles its block map leaves empty are skipped in the forward and both backward
     passes, only partial ones are masked, and a row that sees no key gives 0. `softcap`:
-    scores become softcap·tanh(scores/softcap) after scaling (gradient included)."""
+    scores become softcap·tanh(scores/softcap) after scaling (gradient included). `sinks`
+    [heads]: one learned logit per query head in every row's softmax denominator (its
+    gradient included), folded in around the C++ kernel exactly through its log-sum-exp."""
     mask = Mask.make(causal=causal) if mask is None else mask
     check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=mask.causal)
     B, L, _, K = q_BxLxHxK.shape
     S = k_BxSxGxK.shape[1]
     mask.check(B, L, S)
+    check_sinks(sinks, q_BxLxHxK.shape[2])
     bq, bk = block_sizes.fit(L, S)
     lo, hi = mask.band(L, S)
     cap = None if softcap is None else float(softcap)
     st = _Static(mask.causal, default_scale(K, scale), bq, bk, lo, hi, cap)
     m = _mask_arrays(mask, B, L, S, st)
-    return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st)
+    return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sinks, m, st)

@@ -21,8 +21,11 @@ afterwards.
 Options (keyword-only on `flash_attention_gpu`; dtypes float32, bfloat16, float16): head dims
 any multiple of 8 up to 256 for q/k and for v, which may differ (zero-padded to Triton's
 power-of-two tiles in the wrapper); `softcap` (cap·tanh(scores / cap) before the mask, its
-1 - tanh² in both backward kernels); `return_lse` (each row's natural log-sum-exp as a second,
-differentiable output: its cotangent enters the backward as delta - dlse).
+1 - tanh² in both backward kernels); `sinks` (a logit per query head in the softmax
+denominator, folded into the forward's output and log-sum-exp; the backward kernels then
+need no change, and the sinks' gradient is -Σ P_sink·delta per head); `return_lse` (each
+row's natural log-sum-exp as a second, differentiable output: its cotangent enters the
+backward as delta - dlse).
 
 Block sizes, warps, stages and the mask-split variant come from `tuned/<gpu>.json`, keyed by
 `device_kind` and head_dim and written by the recorded search `python -m
@@ -48,9 +51,12 @@ from lab.kernels.attention.common import (
     Mask,
     check_dtype,
     check_qkv,
+    check_sinks,
     check_softcap,
     default_scale,
     device_kind,
+    fold_sinks,
+    sink_grad,
     visible,
 )
 
@@ -61,7 +67,9 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 8, 256
 HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, MAX_HEAD_DIM + 1, HEAD_DIM_MULTIPLE))
 # What the dispatch may pass beyond plain attention (common.FEATURE_NAMES).
-FEATURES = frozenset({"softcap", "lse", "value_dim", "empty_rows", "segments", "lengths", "window"})
+FEATURES = frozenset(
+    {"softcap", "sinks", "lse", "value_dim", "empty_rows", "segments", "lengths", "window"}
+)
 
 
 def _power_of_two(n) -> bool:
@@ -539,21 +547,27 @@ def _mask_specs(plan: _Plan, g: Geometry, query_major: bool) -> list:
     return [] if plan.mp is None else plan.mp.specs(g, query_major)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, masks, plan: _Plan):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks_H, masks, plan: _Plan):
     """(output [B, L, H, V], log-sum-exp [B, H, L] f32): both differentiable. `masks`: the
-    forward, dQ and dK/dV kernels' mask inputs (three lists; empty without a Mask)."""
-    return _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan, masks[0])
+    forward, dQ and dK/dV kernels' mask inputs (three lists; empty without a Mask). `sinks_H`
+    (or None): one logit per query head in every row's denominator, folded into the kernels'
+    output and log-sum-exp (common.fold_sinks), which makes their backward exact unchanged."""
+    return _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks_H, masks, plan)[0]
 
 
-def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, masks, plan: _Plan):
+def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks_H, masks, plan: _Plan):
     o_BxLxHxV, lse_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan, masks[0])
-    residuals = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL, masks)
+    if sinks_H is not None:
+        w_BxHxL, lse_BxHxL = fold_sinks(lse_BxHxL, sinks_H[None, :, None])
+        w_BxLxHx1 = jnp.swapaxes(w_BxHxL, 1, 2)[..., None]
+        o_BxLxHxV = (o_BxLxHxV.astype(jnp.float32) * w_BxLxHx1).astype(o_BxLxHxV.dtype)
+    residuals = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL, sinks_H, masks)
     return (o_BxLxHxV, lse_BxHxL), residuals
 
 
 def _flash_bwd(plan: _Plan, residuals, cotangents):
-    q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL, masks = residuals
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL, sinks_H, masks = residuals
     do_BxLxHxV, dlse_BxHxL = cotangents
     # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row. A
     # cotangent on the log-sum-exp adds dlse_i·P_ij to dS_ij: the same as delta_i - dlse_i.
@@ -564,7 +578,11 @@ def _flash_bwd(plan: _Plan, residuals, cotangents):
     args = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL)
     dq_BxLxHxK = _dq(*args, plan.dq, plan, masks[1])
     dk_BxSxGxK, dv_BxSxGxV = _dkv(*args, plan.dkv, plan, masks[2])
-    return dq_BxLxHxK, dk_BxSxGxK, dv_BxSxGxV, None
+    dsinks_H = None
+    if sinks_H is not None:
+        dsinks_H = sink_grad(sinks_H[None, :, None], lse_BxHxL, delta_BxHxL).sum((0, 2))
+        dsinks_H = dsinks_H.astype(sinks_H.dtype)
+    return dq_BxLxHxK, dk_BxSxGxK, dv_BxSxGxV, dsinks_H, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -607,6 +625,7 @@ def flash_attention_gpu(
     scale: float | None = None,
     mask: Mask | None = None,
     softcap: float | None = None,
+    sinks=None,
     return_lse: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
@@ -618,6 +637,8 @@ def flash_attention_gpu(
     softcap·tanh(scores / softcap) before the softmax (Gemma 2), gradient included.
     `return_lse=True` returns (out, lse) with lse [batch, seq, heads] f32, each row's
     natural log-sum-exp of the (capped) scaled scores; both are differentiable.
+    `sinks` [heads]: one learned logit per query head in every row's softmax denominator
+    (no value; its gradient included), folded in exactly through the log-sum-exp.
     `mask` (common.Mask: causal, a window, segment ids, lengths, combined with `causal`):
     each kernel visits only the tiles its block map (Mask.block_map) does not classify empty,
     and applies the mask only to the partial ones; a row that sees no key gives 0 (lse -inf).
@@ -627,6 +648,7 @@ def flash_attention_gpu(
     """
     check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=causal)
     softcap = check_softcap(softcap)
+    check_sinks(sinks, q_BxLxHxK.shape[2])
     if not interpret:
         triton_deprecation.explain()  # jax >= 0.11: one line instead of a warning per kernel
     B, L, H, K = q_BxLxHxK.shape
@@ -665,7 +687,7 @@ def flash_attention_gpu(
         )
     Kt, Vt = _tile_dim(K), _tile_dim(V)  # Triton's power-of-two tiles
     q, k = _pad(q_BxLxHxK, Kt, axis=3), _pad(k_BxSxGxK, Kt, axis=3)
-    o_BxLxHxV, lse_BxHxL = _flash(q, k, _pad(v_BxSxGxV, Vt, axis=3), masks, plan)
+    o_BxLxHxV, lse_BxHxL = _flash(q, k, _pad(v_BxSxGxV, Vt, axis=3), sinks, masks, plan)
     o_BxLxHxV = o_BxLxHxV[..., :V]
     if not return_lse:
         return o_BxLxHxV

@@ -18,8 +18,11 @@ grid (axes kv-block, group member, query block), so dK/dV come out at kv-head si
 
 Options (keyword-only on `flash_attention_tpu`; dtypes float32 and bfloat16, head dims 64, 128,
 256 for q/k and for v, which may differ): `softcap` (cap·tanh(scores / cap) before the mask,
-its 1 - tanh² in both backward kernels) and `return_lse` (each row's natural log-sum-exp as a
-second, differentiable output: its cotangent enters the backward as delta - dlse).
+its 1 - tanh² in both backward kernels), `sinks` (a logit per query head in the softmax
+denominator, folded into the forward's output and log-sum-exp, so the backward kernels need
+no change; the sinks' gradient is -Σ P_sink·delta per head) and `return_lse` (each row's
+natural log-sum-exp as a second, differentiable output: its cotangent enters the backward as
+delta - dlse).
 
 Under a multi-device mesh, call it inside `jax.shard_map(..., check_vma=False)`: XLA cannot
 partition a Mosaic custom call, and `pallas_call` outputs carry no varying-axes type
@@ -42,9 +45,12 @@ from lab.kernels.attention.common import (
     Mask,
     check_dtype,
     check_qkv,
+    check_sinks,
     check_softcap,
     default_scale,
+    fold_sinks,
     round_up,
+    sink_grad,
     visible,
 )
 
@@ -53,7 +59,9 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 # v5e (tests/test_attention_aot.py); Mosaic tiles the head dim on the 128 lanes.
 HEAD_DIMS = (64, 128, 256)
 # What the dispatch may pass beyond plain attention (common.FEATURE_NAMES).
-FEATURES = frozenset({"softcap", "lse", "value_dim", "empty_rows", "segments", "lengths", "window"})
+FEATURES = frozenset(
+    {"softcap", "sinks", "lse", "value_dim", "empty_rows", "segments", "lengths", "window"}
+)
 LANES = 128  # Mosaic's lane width: the key block is the lane dim of every score tile
 NT_DIMS = (((1,), (1,)), ((), ()))  # a·bᵀ without materialising the transpose
 
@@ -507,21 +515,26 @@ class _Options:
     mp: _MaskPlan | None = None  # with a Mask: its static side (else causal and padding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, masks, g: Geometry, g_bwd: Geometry, opts: _Options):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, sinks_H, masks, g, g_bwd, opts: _Options):
     """(output [B, H, L, V], log-sum-exp [B, H, L, 1] f32): both differentiable. `masks`:
-    the forward, dQ and dK/dV kernels' (prefetch, segment ids) inputs, or Nones."""
-    return _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, g, opts, masks[0])
+    the forward, dQ and dK/dV kernels' (prefetch, segment ids) inputs, or Nones. `sinks_H`
+    (or None): one logit per query head in every row's denominator, folded into the kernels'
+    output and log-sum-exp (common.fold_sinks), which makes their backward exact unchanged."""
+    return _flash_fwd(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, sinks_H, masks, g, g_bwd, opts)[0]
 
 
-def _flash_fwd(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, masks, g, g_bwd, opts):
+def _flash_fwd(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, sinks_H, masks, g, g_bwd, opts):
     o_BxHxLxV, lse_BxHxLx1 = _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, g, opts, masks[0])
-    residuals = (q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, o_BxHxLxV, lse_BxHxLx1, masks)
+    if sinks_H is not None:
+        w_BxHxLx1, lse_BxHxLx1 = fold_sinks(lse_BxHxLx1, sinks_H[None, :, None, None])
+        o_BxHxLxV = (o_BxHxLxV.astype(jnp.float32) * w_BxHxLx1).astype(o_BxHxLxV.dtype)
+    residuals = (q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, o_BxHxLxV, lse_BxHxLx1, sinks_H, masks)
     return (o_BxHxLxV, lse_BxHxLx1), residuals
 
 
 def _flash_bwd(g, g_bwd, opts, residuals, cotangents):
-    q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, o_BxHxLxV, lse_BxHxLx1, masks = residuals
+    q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, o_BxHxLxV, lse_BxHxLx1, sinks_H, masks = residuals
     do_BxHxLxV, dlse_BxHxLx1 = cotangents
     # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row. A
     # cotangent on the log-sum-exp adds dlse_i·P_ij to dS_ij: the same as delta_i - dlse_i.
@@ -532,7 +545,12 @@ def _flash_bwd(g, g_bwd, opts, residuals, cotangents):
     args = (q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1)
     dq_BxHxLxK = _dq(*args, g_bwd, opts, masks[1])
     dk_BxGxSxK, dv_BxGxSxV = _dkv(*args, g_bwd, opts, masks[2])
-    return dq_BxHxLxK, dk_BxGxSxK, dv_BxGxSxV, None
+    dsinks_H = None
+    if sinks_H is not None:
+        sink_1xHx1x1 = sinks_H[None, :, None, None]
+        dsinks_H = sink_grad(sink_1xHx1x1, lse_BxHxLx1, delta_BxHxLx1).sum((0, 2, 3))
+        dsinks_H = dsinks_H.astype(sinks_H.dtype)
+    return dq_BxHxLxK, dk_BxGxSxK, dv_BxGxSxV, dsinks_H, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -570,6 +588,7 @@ def flash_attention_tpu(
     scale: float | None = None,
     mask: Mask | None = None,
     softcap: float | None = None,
+    sinks=None,
     return_lse: bool = False,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool = False,
@@ -580,7 +599,9 @@ def flash_attention_tpu(
     output takes v's). `softcap`: the scores become softcap·tanh(scores / softcap) before the
     softmax (Gemma 2), gradient included. `return_lse=True` returns (out, lse) with lse
     [batch, seq, heads] f32, each row's natural log-sum-exp of the (capped) scaled scores;
-    both are differentiable. `mask` (common.Mask: causal, a window, segment ids, lengths,
+    both are differentiable. `sinks` [heads]: one learned logit per query head in every
+    row's softmax denominator (no value; its gradient included), folded in exactly through the
+    log-sum-exp. `mask` (common.Mask: causal, a window, segment ids, lengths,
     combined with `causal`): the block map (Mask.block_map) is scalar-prefetched, each
     kernel's grid steps visit only the non-empty tiles (the index maps repeat the last block
     past them: no DMA), full tiles run bare, partial ones masked; a row that sees no key gives
@@ -591,6 +612,7 @@ def flash_attention_tpu(
     """
     check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=causal)
     softcap = check_softcap(softcap)
+    check_sinks(sinks, q_BxLxHxK.shape[2])
     if not interpret:
         block_sizes.check_compiled()
     B, L, H, K = q_BxLxHxK.shape
@@ -622,7 +644,7 @@ def flash_attention_tpu(
             (mp.prefetch(mask, gk, query_major), mp.segment_ids(mask, gk))
             for gk, query_major in ((g, True), (g_bwd, True), (g_bwd, False))
         )
-    o_BxHxLxV, lse_BxHxLx1 = _flash(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, masks, g, g_bwd, opts)
+    o_BxHxLxV, lse_BxHxLx1 = _flash(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, sinks, masks, g, g_bwd, opts)
     o_BxLxHxV = jnp.swapaxes(o_BxHxLxV, 1, 2)
     if not return_lse:
         return o_BxLxHxV
