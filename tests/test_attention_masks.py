@@ -265,19 +265,27 @@ def test_xla_float16_on_cpu_is_refused_in_one_line():
     assert "\n" not in str(info.value)
 
 
-def test_ring_matches_float64():
+@pytest.mark.parametrize("kind", ["combo", "window_lr", "causal_short", "causal_fewer"])
+def test_ring_matches_float64(kind):
     """Ring attention over 4 devices: segment ids travel with their keys, global lengths
-    become local ones, softcap, sinks and the LSE (every feature ring takes, at once)."""
+    become local ones, a window (causal, and open on both sides) becomes each step's static
+    band, causal with more queries than keys (rows with no key give 0) and fewer, softcap,
+    sinks and the LSE (combo: every feature at once)."""
     from lab.kernels.attention.ring import ring_attention
 
-    shapes, kwargs = _case("combo")
-    kwargs = {name: x for name, x in kwargs.items() if name != "window"}
+    if kind == "causal_fewer":  # 24 queries against 72 keys (the queries padded at the front)
+        shapes, kwargs = (24, 72, 2, 32, 32), dict(causal=True, return_lse=True)
+    else:
+        shapes, kwargs = _case(kind)
     q, k, v, do, dlse = _inputs(shapes, "float32")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("model",))
 
-    def ring(q, k, v, *, causal, q_segment_ids, q_lengths, kv_lengths, **rest):
+    def ring(
+        q, k, v, *, causal, q_segment_ids=None, q_lengths=None, kv_lengths=None, window=None, **rest
+    ):
         mask = Mask.make(
             causal=causal,
+            window=window,
             q_segment_ids=q_segment_ids,
             kv_segment_ids=q_segment_ids,
             q_lengths=q_lengths,
@@ -286,7 +294,20 @@ def test_ring_matches_float64():
         return ring_attention(q, k, v, mesh=mesh, seq_axis="model", mask=mask, **rest)
 
     got = _run(ring, kwargs, q, k, v, do, dlse)
-    assert_close(got, _reference(kwargs, q, k, v, do, dlse), "float32", "ring")
+    assert_close(got, _reference(kwargs, q, k, v, do, dlse), "float32", f"ring {kind}")
+
+
+def test_ring_with_a_window_stops_early_and_skips_empty_blocks():
+    """A causal window of 17 keys over 4 blocks of 18: each query block needs its own block
+    and the one before, so the ring takes 1 step, not 3, and never the wrapped-around one."""
+    from lab.kernels.attention.ring import _band
+
+    mask = Mask.make(causal=True, window=(17, 0))
+    C = 18
+    assert _band(mask, 0, C) == (17, 0)
+    assert _band(mask, -C, C) == (-1, 18)  # a block 18 keys earlier: local offsets 1..18
+    assert [_band(mask, -t * C, C) for t in (2, 3)] == ["empty", "empty"]
+    assert all(_band(mask, (4 - t) * C, C) == "empty" for t in (1, 2, 3))
 
 
 def test_flops_count_only_the_tiles_the_mask_leaves():

@@ -38,11 +38,10 @@ print it. Interpreted kernels run no ptxas and are not checked.
 Masks and features (common.Mask; keyword arguments of `attention`): causal, a sliding window,
 segment ids (packed sequences), per-sequence lengths, causal with L > S (rows with no key give
 0), soft-capping, attention sinks, the log-sum-exp as an output, a value head dim of its own.
-Each implementation lists what it takes in its module's FEATURES (naive and blockwise: all;
-ring: all but a window and L > S; cpu_flash: the masks, softcap and sinks; xla/cudnn: lengths
-and a window, what jax.nn.dot_product_attention takes; the Pallas kernels: what their modules
-declare) and
-is refused in one line for the rest; `auto` passes over a kernel that lacks a feature the
+Each implementation lists what it takes in its module's FEATURES (naive, blockwise, ring: all;
+cpu_flash: the masks, softcap and sinks; xla/cudnn: lengths and a window, what
+jax.nn.dot_product_attention takes; the Pallas kernels: what their modules declare) and is
+refused in one line for the rest; `auto` passes over a kernel that lacks a feature the
 call needs. Block-skipping kernels classify each tile empty/partial/full before running
 (`Mask.block_map`), skip empty tiles and mask only partial ones.
 
@@ -357,8 +356,6 @@ def _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, features=frozens
         pallas_mgpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     elif impl == "cpu_flash":
         cpu_flash.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
-    elif impl == "ring" and q_BxLxHxK.shape[1] != k_BxSxGxK.shape[1]:
-        raise ValueError(f"{q_BxLxHxK.shape=} {k_BxSxGxK.shape=}: impl='ring' needs L == S")
     elif impl in ("xla", "cudnn"):
         L, S = q_BxLxHxK.shape[1], k_BxSxGxK.shape[1]
         if causal and L != S:
