@@ -251,7 +251,7 @@ class Attention(nn.Module):
                     lengths_B + 1,
                     kv.k_scale,
                     kv.v_scale,
-                    impl=decode_impl(c.attention) if softcap is None else "reference",
+                    impl=decode_impl(c.attention),
                     shard_spec=nn.logical_to_mesh_axes(CACHE),
                     window=window,
                     softcap=softcap,

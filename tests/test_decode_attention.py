@@ -168,6 +168,26 @@ def test_sliding_window_sees_only_the_last_slots(impl: str):
         fn(q, k, v, lengths, window=0)
 
 
+@pytest.mark.parametrize("impl, dtype", [("tpu", "float32"), ("gpu", "bfloat16")])
+def test_softcap_matches_float64_reference(impl: str, dtype: str):
+    """Soft-capped logits (Gemma 2: cap·tanh(s / cap)) in both kernels, through the dispatch
+    as lab.serve calls it, with a window too; q scaled up so that the cap bends the logits
+    (without it the answer differs by far more than the tolerance)."""
+    q, k, v, lengths = random_inputs(zlib.crc32(f"cap{impl}{dtype}".encode()), 2, dtype)
+    q = (q.astype(jnp.float32) * 6).astype(dtype)
+    bs = kernel(impl, 3).keywords["block_sizes"]
+    kw = dict(impl=f"pallas_{impl}", window=150, interpret=True, block_sizes=bs)
+    got = decode_attention(q, k, v, lengths, softcap=5.0, **kw)
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
+        want = decode.decode_attention_reference(*f64, lengths, window=150, softcap=5.0)
+        uncapped = decode.decode_attention_reference(*f64, lengths, window=150)
+        want, uncapped = np.asarray(want), np.asarray(uncapped)
+    assert np.isfinite(want).all()
+    assert relative_error(got, want) < TOL[dtype]
+    assert relative_error(uncapped, want) > 10 * TOL[dtype]
+
+
 def test_splits_default_fills_the_gpu():
     bs = decode.BlockSizesGPU()
     assert bs.splits_for(batch=1, kv_heads=8, n_blocks=1000) == 33  # 8 · 33 >= 264

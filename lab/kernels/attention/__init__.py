@@ -650,18 +650,22 @@ def decode_attention(
     `window=W`: only the last W of them (a sliding-window layer: Mask window (W - 1, 0)).
     `shard_spec`: how the cache [B, G, S, K] is split over the context mesh (batch and kv
     heads; the slots whole), for the Pallas kernels' shard_map.
-    `softcap`: logits soft-capped as in attention(); only the reference has it (auto picks
-    the reference then; a Pallas impl asked for refuses in one line).
+    `softcap`: logits soft-capped as in attention(), in every decode impl.
     """
-    if softcap is not None and impl not in ("auto", "reference"):
-        raise ValueError(f"decode_attention: impl={impl} has no soft-cap; use impl=reference")
-    impl = "reference" if softcap is not None else choose_decode(impl, interpret=interpret)
+    impl = choose_decode(impl, interpret=interpret)
     args = (q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
     if impl == "reference":
         return decode.decode_attention_reference(*args, scale=scale, window=window, softcap=softcap)
     kernel = decode.decode_attention_tpu if impl == "pallas_tpu" else decode.decode_attention_gpu
     bs = block_sizes or (decode.BlockSizesTPU() if impl == "pallas_tpu" else decode.BlockSizesGPU())
-    fn = functools.partial(kernel, scale=scale, window=window, block_sizes=bs, interpret=interpret)
+    fn = functools.partial(
+        kernel,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        block_sizes=bs,
+        interpret=interpret,
+    )
     mesh = jax.sharding.get_abstract_mesh()
     if shard_spec is None or mesh.empty or mesh.size == 1:
         return fn(*args)

@@ -70,7 +70,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from lab.kernels import triton_deprecation
-from lab.kernels.attention.common import MASK_VALUE, default_scale
+from lab.kernels.attention.common import MASK_VALUE, check_softcap, default_scale
 
 TPU_DTYPES = (jnp.float32, jnp.bfloat16)
 GPU_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -305,7 +305,9 @@ def _prepare(q_BxHxK, k_BxGxSxK, lengths_B):
 # ---------------------------------------------------------------------------- TPU (Mosaic)
 
 
-def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quantized, window):
+def _tpu_kernel(
+    lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quantized, window, cap=None
+):
     # lengths_ref: [B] int32 in SMEM (scalar prefetch); q_ref: [R, K]; k_ref, v_ref: [C, K]
     # quantized: ks_ref, vs_ref: [1, C] f32 scale rows of this block
     # outputs o_ref: [R, K] f32 (unnormalised), m_ref, l_ref: [R, 1] f32 for this split
@@ -332,6 +334,8 @@ def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quan
         s_RxC = s_RxC * scale
         if quantized:
             s_RxC = s_RxC * ks_ref[...]  # σ_s (q · k_s): the key scale on the score row
+        if cap is not None:  # soft-capping, after every scale and before the mask
+            s_RxC = cap * jnp.tanh(s_RxC / cap)
         if masked:  # the block holding the length (slots past it are garbage) or the window's start
             slot_1xC = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             valid_1xC = (slot_1xC < length) & (slot_1xC >= first)
@@ -375,7 +379,9 @@ def _tpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quan
         l_ref[...] = l_scr[...]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "block_sizes", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "window", "softcap", "block_sizes", "interpret")
+)
 def decode_attention_tpu(
     q_BxHxK,
     k_BxGxSxK,
@@ -386,12 +392,15 @@ def decode_attention_tpu(
     *,
     scale: float | None = None,
     window: int | None = None,
+    softcap: float | None = None,
     block_sizes: BlockSizesTPU = BlockSizesTPU(),
     interpret: bool = False,
 ):
     """Decode attention on TPU: grid (batch, kv head, split, cache block), last axis sequential.
 
     `window=W`: only the last W valid slots of each sequence (blocks before them skipped).
+    `softcap`: scaled scores s → softcap·tanh(s / softcap) before the softmax (after the int8
+    key scale), as in attention().
     `interpret=True` runs the kernel through the Pallas interpreter (CPU); block_k then only
     needs a multiple of 8. A cache length S that is not a multiple of block_k is fine: the
     last grid block hangs over the end and its slots are masked (S >= length).
@@ -446,6 +455,7 @@ def decode_attention_tpu(
             scale=default_scale(K, scale),
             quantized=quantized,
             window=window,
+            cap=check_softcap(softcap),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -480,7 +490,9 @@ def _dot(a, b, *, trans_b: bool = False):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _gpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quantized, window):
+def _gpu_kernel(
+    lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quantized, window, cap=None
+):
     # lengths_ref: [] int32 (this sequence); q_ref: [Rp, K] (R heads padded to >= 16 rows)
     # k_ref, v_ref: [S, K] the whole cache row of (b, g); quantized: ks_ref, vs_ref: [S] f32
     # outputs o_ref: [Rp, K] f32 (unnormalised), m_ref, l_ref: [Rp] f32 for this split
@@ -503,6 +515,8 @@ def _gpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quan
         s_RxC = _dot(q_RxK, k_CxK.astype(q_RxK.dtype), trans_b=True) * scale
         if quantized:
             s_RxC = s_RxC * plgpu.load(ks_ref.at[slots], mask=valid_C, other=0.0)[None, :]
+        if cap is not None:  # soft-capping, after every scale and before the mask
+            s_RxC = cap * jnp.tanh(s_RxC / cap)
         s_RxC = jnp.where(valid_C[None, :], s_RxC, MASK_VALUE)
         m_new_R = jnp.maximum(m_R, s_RxC.max(axis=1))
         p_RxC = jnp.exp(s_RxC - m_new_R[:, None])
@@ -525,7 +539,9 @@ def _gpu_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs, bk, splits, scale, quan
     l_ref[...] = l_R
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "block_sizes", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "window", "softcap", "block_sizes", "interpret")
+)
 def decode_attention_gpu(
     q_BxHxK,
     k_BxGxSxK,
@@ -536,12 +552,15 @@ def decode_attention_gpu(
     *,
     scale: float | None = None,
     window: int | None = None,
+    softcap: float | None = None,
     block_sizes: BlockSizesGPU = BlockSizesGPU(),
     interpret: bool = False,
 ):
     """Decode attention on GPU (Pallas Triton): grid (batch, kv head, split), each program
     loops over its part of the cache; partials merged by `combine_splits`. `window=W`: only
-    the last W valid slots of each sequence (the loop starts at the window's block)."""
+    the last W valid slots of each sequence (the loop starts at the window's block).
+    `softcap`: scaled scores s → softcap·tanh(s / softcap) before the softmax (after the int8
+    key scale), as in attention()."""
     check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
     _check_kernel(
         q_BxHxK,
@@ -583,6 +602,7 @@ def decode_attention_gpu(
             scale=default_scale(K, scale),
             quantized=quantized,
             window=window,
+            cap=check_softcap(softcap),
         ),
         grid=(B, G, splits),
         in_specs=in_specs,
