@@ -337,3 +337,25 @@ def test_compiler_estimate_dropped_where_a_loop_repeats():
     scanned = WithEstimate(jax.jit(_scanned).lower(x, ws).compile(), seconds)
     assert plans.estimated_seconds(unrolled) == pytest.approx(seconds)
     assert plans.estimated_seconds(scanned) is None
+
+
+def test_a_cache_write_and_read_per_row_count_only_the_rows():
+    """A KV-cache step: each row reads its own slot (a vmapped dynamic_slice: a gather) and
+    writes one new entry there (a vmapped dynamic_update_slice: a scatter, in place on the
+    donated buffer). Only those rows move, not the whole cache."""
+    B, S, K = 8, 4096, 64
+    cache = jax.ShapeDtypeStruct((B, S, K), jnp.float32)
+    new = jax.ShapeDtypeStruct((B, 1, K), jnp.float32)
+    pos = jax.ShapeDtypeStruct((B,), jnp.int32)
+
+    def step(cache, new, pos):
+        put = lambda c, n, p: jax.lax.dynamic_update_slice(c, n, (p, 0))  # noqa: E731
+        get = lambda c, p: jax.lax.dynamic_slice(c, (p, 0), (1, K))  # noqa: E731
+        old = jax.vmap(get)(cache, pos)
+        return jax.vmap(put)(cache, jnp.where(pos[:, None, None] > 0, new, old), pos)
+
+    text = jax.jit(step, donate_argnums=0).lower(cache, new, pos).compile().as_text()
+    ops = {i.opcode for c in hlo.parse(text).computations.values() for i in c}
+    assert ops & {"scatter", "gather"}, ops  # the vmapped slices, as XLA writes them
+    moved = hlo.total_cost(hlo.parse(text)).bytes
+    assert moved < 0.05 * B * S * K * 4, moved  # a few rows' worth, not the 8 MiB cache

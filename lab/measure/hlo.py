@@ -461,10 +461,10 @@ def _flops(ins: Instruction, program: Program) -> tuple[float, float]:
 
 
 def _fusion_bytes(ins: Instruction, program: Program) -> float:
-    """Operands read and results written by a fusion: a parameter only sliced inside reads
-    the slices; a result made by dynamic-update-slice of a parameter (alone or in a tuple of
-    results, bitcast or not) writes the update in place and does not read the rest of the
-    buffer."""
+    """Operands read and results written by a fusion: a parameter only sliced (or gathered)
+    inside reads the slices; a result made by dynamic-update-slice or scatter into a parameter
+    (alone or in a tuple of results, bitcast or not) writes the update in place and does not
+    read the rest of the buffer."""
     callee = _CALL_RE.search(ins.attrs)
     body = program.computations.get(callee["callee"], ()) if callee else ()
     if not body:
@@ -495,21 +495,27 @@ def _fusion_bytes(ins: Instruction, program: Program) -> float:
         # a bitcast of the updated buffer is the same buffer, still updated in place
         while out.opcode == "bitcast" and out.operands and out.operands[0] in by_name:
             out = by_name[out.operands[0]]
+        # what a dynamic-update-slice (operand 1) or a one-buffer scatter (buffer, indices,
+        # updates: a vmapped dynamic-update-slice, e.g. a KV cache write) writes, in place
+        update = None
         if out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
+            update = out.operands[1]
+        elif out.opcode == "scatter" and len(out.operands) == 3:
+            update = out.operands[2]
+        if update is not None:
             in_place.add(source(out.operands[0]))
-            written += (
-                sum(shape_sizes(by_name[out.operands[1]].shape))
-                if out.operands[1] in by_name
-                else 0.0
-            )
+            written += sum(shape_sizes(by_name[update].shape)) if update in by_name else 0.0
         else:
             written += sum(shape_sizes(out.shape))
 
     def only_sliced(name: str, seen: int = 0) -> list[Instruction] | None:
-        """The slices that read `name` (through bitcasts), or None if anything else does."""
+        """The slices that read `name` (through bitcasts), or None if anything else does; a
+        gather from `name` (a vmapped dynamic-slice) reads only what it gathers."""
         found = []
         for u in users.get(name, []):
-            if u.opcode in ("dynamic-slice", "slice"):
+            if u.opcode in ("dynamic-slice", "slice") or (
+                u.opcode == "gather" and u.operands and u.operands[0] == name
+            ):
                 found.append(u)
             elif u.opcode == "bitcast" and seen < 8:
                 more = only_sliced(u.name, seen + 1)
@@ -542,7 +548,9 @@ def _bytes(ins: Instruction, program: Program) -> float:
     if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
         update = sum(shape_sizes(program.shapes.get(ins.operands[1], "")))
         return 2.0 * update
-    if ins.opcode in ("dynamic-slice", "slice"):
+    if ins.opcode == "scatter" and len(ins.operands) == 3:  # in place: the updates, twice
+        return 2.0 * sum(shape_sizes(program.shapes.get(ins.operands[2], "")))
+    if ins.opcode in ("dynamic-slice", "slice", "gather"):
         return 2.0 * sum(shape_sizes(ins.shape))
     read = sum(sum(shape_sizes(program.shapes.get(o, ""))) for o in ins.operands)
     return read + sum(shape_sizes(ins.shape))
