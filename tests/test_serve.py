@@ -150,12 +150,16 @@ def test_calculator_kv_cache_bytes_are_the_cache_arrays():
         assert predicted == decode.cache_bytes(cache)
 
 
-def test_an_unwritable_results_folder_is_refused_before_measuring(tmp_path, capsys):
+@pytest.mark.parametrize("where", ["file", "file/sub", "/dev/full"])
+def test_an_unwritable_results_folder_is_refused_before_measuring(tmp_path, capsys, where):
+    """A file, a path under a file, a device: named as not a folder, never 'File exists'."""
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    assert serve([*FAST, "batches=1", f"results={blocker}"]) == 2
+    results = where if where.startswith("/") else tmp_path / where
+    assert serve([*FAST, "batches=1", f"results={results}"]) == 2
     err = capsys.readouterr()
     assert len(err.err.strip().splitlines()) == 1 and "cannot write" in err.err
+    assert "is not a folder" in err.err and "File exists" not in err.err, err.err
     assert "weights" not in err.out  # refused before any weights were made
 
 

@@ -85,8 +85,14 @@ def make_record(what: str, value, unit: str, *, label: str = "measured", **confi
 
 def writable_dir(folder) -> Path:
     """`folder`, created if needed; a ConfigError (one line) where it cannot be written, so a
-    command can refuse a bad out_dir= before it measures anything."""
+    command can refuse a bad out_dir= before it measures anything. A path that is, or lies
+    under, something other than a folder (a file, /dev/full) is named as such: the operating
+    system's own words for it ("File exists", "Not a directory") do not say what is wrong."""
     folder = Path(folder)
+    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        what = "it" if blocker == folder else repr(str(blocker))
+        raise ConfigError(f"cannot write to {str(folder)!r}: {what} is not a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-test-{os.getpid()}"
