@@ -81,10 +81,15 @@ def _training(tmp_path: Path, proc: subprocess.Popen, steps: int = 3, timeout_s:
     """Wait until the job has trained `steps` steps; the pids of its lab.run processes."""
     metrics = tmp_path / "J" / "metrics.jsonl"
     deadline = time.monotonic() + timeout_s
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the job did not start training"
-        time.sleep(0.2)
+    try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+    except AssertionError:  # never leave a job of 100,000 steps training after the test
+        proc.kill()  # its processes stop with it (the kernel sends them SIGTERM)
+        proc.communicate()
+        raise
     pids = _children(tmp_path)
     assert sorted(pids) == [0, 1], pids
     return pids
