@@ -117,15 +117,18 @@ def _ended(proc: subprocess.Popen, within_s: float) -> tuple[str, str, float]:
     return out, err, time.monotonic() - t0
 
 
-def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
+@pytest.mark.parametrize("victim", [0, 1])  # process 0 also hosts the coordinator
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path, victim):
     proc = _launch(tmp_path, "checkpoint_every=1000")  # the stop's save is the only one
     pids = _training(tmp_path, proc)
-    os.kill(pids[1], signal.SIGTERM)
+    os.kill(pids[victim], signal.SIGTERM)
     out, err, took = _ended(proc, within_s=JOIN_S + 30)
     assert proc.returncode == 143, err[-3000:]
     assert took < JOIN_S + 15  # one step, one save, the runtime's shutdown
     last = err.strip().splitlines()[-1]
-    assert last.startswith("launch: process 1 got SIGTERM: every process stopped after step"), last
+    assert last.startswith(
+        f"launch: process {victim} got SIGTERM: every process stopped after step"
+    ), last
     step = int(last.split("after step ")[1].split()[0])
     assert [int(p.name) for p in (tmp_path / "J" / "checkpoints").iterdir()] == [step]
     assert f"[p0] SIGTERM: checkpoint saved at step {step}" in out
