@@ -128,3 +128,20 @@ def test_gpu_predictions_cite_the_steps_measured_on_a_gpu():
 def test_here_on_cpu_is_one_line(capsys):
     assert tool(["here=true"]) == 2
     assert "accelerator" in capsys.readouterr().err
+
+
+def test_a_failure_that_is_not_the_compilers_is_never_cached(tmp_path, monkeypatch):
+    """Only the compiler's own refusal of a point is kept in the cache: a failure of the lab
+    (an import error, a bug) is shown for this run and tried again next time."""
+    point = prediction.load_points(("azure-h100-gemm-fp8-8192",))[0]
+
+    def broken(point):
+        raise ImportError("cannot import name 'x'")
+
+    monkeypatch.setattr(prediction, "_op_program", broken)
+    with pytest.raises(ImportError):
+        prediction.program(point, tmp_path)
+    assert not list(tmp_path.iterdir())
+    summary = prediction.run([point], tmp_path)
+    row = next(r for r in summary.rows if r.id == point["id"])
+    assert "not cached" in (row.note or "") and not list(tmp_path.iterdir())

@@ -42,10 +42,13 @@ def parse_target(target: str) -> tuple[str, str]:
 
 def quiet_libtpu_off_tpu(generation: str = "v5e") -> None:
     """With libtpu installed on a machine without TPU chips, JAX's start-up makes libtpu query
-    a TPU VM's metadata server and print several lines of errors. Give it a local answer."""
+    a TPU VM's metadata server and print several lines of errors. Give it a local answer. And
+    libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) for the chips it would drive:
+    with no chip to share, two plans compiling at once would only refuse each other."""
     if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
         return  # a real TPU VM: leave the runtime alone
     for var, value in (
+        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
         ("TPU_SKIP_MDS_QUERY", "1"),
         ("TPU_WORKER_HOSTNAMES", "localhost"),
         ("TPU_ACCELERATOR_TYPE", f"{generation}-8"),

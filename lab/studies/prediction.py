@@ -269,6 +269,8 @@ def program(point: dict, cache_dir: Path) -> dict:
         raise
     except Exception as e:  # noqa: BLE001 — a compiler's refusal (memory, tiles) varies
         why = plans.refusal(e)
+        if why is None and not isinstance(e, jax.errors.JaxRuntimeError):
+            raise  # not the compiler's answer (e.g. the lab's own bug): never cached as one
         first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
         out = {"refused": f"the compiler refuses it here: {why or first}"}
     out["compile_s"] = time.perf_counter() - t0
@@ -378,6 +380,10 @@ def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool 
             prog = program(p, cache_dir)
         except ConfigError as e:
             refused[p["id"]] = str(e)
+            continue
+        except Exception as e:  # noqa: BLE001 — shown, not cached: the next run tries again
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            refused[p["id"]] = f"failed here ({type(e).__name__}: {first}); not cached"
             continue
         if "refused" in prog:  # e.g. the lab's step needs more HBM than the chip has
             refused[p["id"]] = why_refused(p, prog["refused"])
