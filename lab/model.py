@@ -194,9 +194,12 @@ def update_cache(kv: LayerKV, k_BxLxGxK, v_BxLxGxK, start_B) -> LayerKV:
 
 def decode_impl(attention_impl: str) -> str:
     """The decode kernel of a training `attention=`: a Pallas choice keeps Pallas (the
-    backend's decode kernel), auto stays auto, every other is the plain-JAX reference."""
+    backend's decode kernel), auto stays auto, the CPU's C++ flash attention decodes with the
+    CPU's C++ decode kernel (auto: it, where built), every other is the plain-JAX reference."""
     if attention_impl in ("auto", "pallas", "pallas_tpu", "pallas_gpu"):
         return attention_impl
+    if attention_impl == "cpu_flash":
+        return "auto"
     if attention_impl == "pallas_mgpu":  # no Mosaic GPU decode kernel: the GPU's Triton one
         return "pallas_gpu"
     return "reference"
@@ -335,10 +338,7 @@ class Transformer(nn.Module):
         embed_VxD = self.param(
             "embed", _init(1.0, (VOCAB, EMBED)), (c.vocab_size, c.d_model), c.param_dtype
         )
-        # Gather the table whole along embed before the lookup (an FSDP all-gather): a lookup
-        # into an embed-sharded table would leave activations sharded the wrong way.
-        table_VxD = _constrain(embed_VxD, (VOCAB, None))
-        x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0).astype(c.dtype)
+        x_BxLxD = embed_lookup(embed_VxD, tokens_BxL, c.dtype)
         # A no-op unless a `perturbations` collection is passed: then the gradient with
         # respect to each position's input arrives there (tests/test_model.py: causality).
         x_BxLxD = self.perturb("embedded", x_BxLxD)
@@ -376,8 +376,14 @@ class Transformer(nn.Module):
                 layers.append(kv)
             layers = tuple(layers)
         x_BxLxD = RMSNorm(param_dtype=c.param_dtype, name="final_norm")(x_BxLxD)
-        if c.tie_embeddings:  # unit-variance embeddings, so scale the head to unit logits
-            head_DxV = embed_VxD.T * c.d_model**-0.5
+        # The head through quant.matmul like every other weight: int8 with per-channel scales
+        # in a quantised model, the native kernel in decode (lab/decode.py), f32 logits.
+        if c.tie_embeddings:  # the table read in place as [V, D]; unit-variance embeddings,
+            # so the logits are scaled by d^-0.5 (on the V logits, not on a copy of the table)
+            logits_BxLxV = quant.matmul(
+                quant.TIED_HEAD, x_BxLxD, embed_VxD, c.dtype, out_dtype=jnp.float32
+            )
+            logits_BxLxV = logits_BxLxV * c.d_model**-0.5
         else:
             head_DxV = self.param(
                 "head",
@@ -385,15 +391,23 @@ class Transformer(nn.Module):
                 (c.d_model, c.vocab_size),
                 c.param_dtype,
             )
-        if isinstance(head_DxV, quant.Int8Weight):
-            logits_BxLxV = quant.matmul("bld,dv->blv", x_BxLxD, head_DxV, c.dtype)
-            logits_BxLxV = logits_BxLxV.astype(jnp.float32)
-        else:
-            logits_BxLxV = jnp.einsum(
-                "bld,dv->blv", x_BxLxD, head_DxV.astype(c.dtype), preferred_element_type=jnp.float32
+            logits_BxLxV = quant.matmul(
+                "bld,dv->blv", x_BxLxD, head_DxV, c.dtype, out_dtype=jnp.float32
             )
         logits_BxLxV = _constrain(logits_BxLxV, (BATCH, SEQ, VOCAB))
         return logits_BxLxV if cache is None else (logits_BxLxV, cache.replace(layers=layers))
+
+
+def embed_lookup(embed_VxD, tokens_BxL, dtype):
+    """The tokens' rows of the table in `dtype`; an int8 table (a tied model quantised: one
+    scale per row, lab/quant.py) has each row's codes times its scale."""
+    if isinstance(embed_VxD, quant.Int8Weight):
+        codes_BxLxD = jnp.take(_constrain(embed_VxD.q, (VOCAB, None)), tokens_BxL, axis=0)
+        scale_BxLx1 = jnp.take(embed_VxD.scale, tokens_BxL, axis=0)
+        return (codes_BxLxD.astype(jnp.float32) * scale_BxLx1).astype(dtype)
+    # Gather the table whole along embed before the lookup (an FSDP all-gather): a lookup
+    # into an embed-sharded table would leave activations sharded the wrong way.
+    return jnp.take(_constrain(embed_VxD, (VOCAB, None)), tokens_BxL, axis=0).astype(dtype)
 
 
 def _pipelined(c: ModelConfig) -> bool:

@@ -49,7 +49,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -156,18 +156,26 @@ EINSUMS = {
     "w_down": "blf,fd->bld",
     "head": "bld,dv->blv",
 }
+# A tied model's output head is its embedding table [V, D], read in place as "bld,vd->blv"
+# (no transposed copy): quantised, one scale per vocabulary row, which is both the head's
+# per-output-channel scale and the lookup's per-row one (lab/model.py `embed_lookup`).
+TIED_HEAD = "bld,vd->blv"
 
 
 def quantize_params(params):
-    """The model's matmul weights as Int8Weight (per output channel), every other leaf (the
-    embedding table, which a lookup reads a row of; norms) unchanged. Scanned layers keep
-    their leading layer axis out of the contraction."""
+    """The model's matmul weights as Int8Weight (per output channel), every other leaf (norms;
+    an untied model's embedding table, which only a lookup reads a row of) unchanged. A tied
+    model (no `head` beside `embed`) has its table quantised per row: it is the output head,
+    a quarter of a small model's bytes. Scanned layers keep their leading layer axis out of
+    the contraction."""
+    tied = isinstance(params, Mapping) and "embed" in params and "head" not in params
 
     def one(path, w):
         name = getattr(path[-1], "key", None)
-        if name not in EINSUMS:
+        eqn = TIED_HEAD if name == "embed" and tied and len(path) == 1 else EINSUMS.get(name)
+        if eqn is None:
             return w
-        _, w_subs, out = _parse(EINSUMS[name])
+        _, w_subs, out = _parse(eqn)
         stacked = w.ndim == len(w_subs) + 1  # nn.scan's leading layers axis
         contracted = [i + stacked for i, c in enumerate(w_subs) if c not in out]
         return Int8Weight(*quantize_int8(w, contracted))
@@ -181,9 +189,10 @@ class Matmuls:
 
     int8_activations: an Int8Weight's product runs W8A8 (the activations quantized per row,
       an int8 × int8 dot accumulated in int32) instead of weight-only.
-    native: a kernel for the 2-D product, `native(x_MxC, w_CxN, scale_N or None, dtype)` →
-      y [M, N] in `dtype`, or None where it does not take these operands (then the einsum
-      runs). lab/decode.py passes the CPU kernel (lab/kernels/cpu_gemv.py) for decode steps.
+    native: a kernel for the 2-D product, `native(x_MxC, w_CxN, scale_N or None, dtype,
+      transposed=False)` → y [M, N] in `dtype` (transposed: w is [N, C]), or None where it
+      does not take these operands (then the einsum runs). lab/decode.py passes the CPU
+      kernel (lab/kernels/cpu_gemv.py) for decode steps.
     """
 
     int8_activations: bool = False
@@ -205,16 +214,22 @@ def using(choice: Matmuls):
 
 
 def _as_2d(eqn: str, x, w):
-    """(x [M, C], w [C, N], output shape) where eqn is x = kept + contracted, w = contracted
-    + outputs (every matmul of the model is); None for any other einsum."""
+    """(x [M, C], w [C, N] or [N, C], transposed, output shape) where eqn is x = kept +
+    contracted and w = contracted + outputs (every matmul of the model), or w = outputs +
+    contracted with one output axis (a tied head: the embedding table read in place); None
+    for any other einsum."""
     x_subs, w_subs, out = _parse(eqn)
     c = len(w_subs) - len([a for a in w_subs if a in out])
     kept, contracted = x_subs[: len(x_subs) - c], x_subs[len(x_subs) - c :]
-    if w_subs[:c] != contracted or out != kept + w_subs[c:] or set(kept) & set(w_subs):
+    if set(kept) & set(w_subs):
         return None
     m = x.shape[: len(kept)]
     x_MxC = x.reshape(math.prod(m), -1)
-    return x_MxC, w.reshape(x_MxC.shape[1], -1), (*m, *w.shape[c:])
+    if w_subs[:c] == contracted and out == kept + w_subs[c:]:
+        return x_MxC, w.reshape(x_MxC.shape[1], -1), False, (*m, *w.shape[c:])
+    if len(w_subs) == c + 1 and w_subs[1:] == contracted and out == kept + w_subs[0]:
+        return x_MxC, w.reshape(-1, x_MxC.shape[1]), True, (*m, w.shape[0])
+    return None
 
 
 def _native(eqn: str, x, w, dtype, kernel):
@@ -222,24 +237,30 @@ def _native(eqn: str, x, w, dtype, kernel):
     two_d = _as_2d(eqn, x, w_arr)
     if two_d is None:
         return None
-    x_MxC, w_CxN, shape = two_d
+    x_MxC, w_2d, transposed, shape = two_d
     scale_N = w.scale.reshape(-1) if isinstance(w, Int8Weight) else None
-    y_MxN = kernel(x_MxC.astype(dtype), w_CxN, scale_N, dtype)
+    y_MxN = kernel(x_MxC.astype(dtype), w_2d, scale_N, dtype, transposed=transposed)
     return None if y_MxN is None else y_MxN.reshape(shape)
 
 
-def matmul(eqn: str, x, w, dtype):
+def matmul(eqn: str, x, w, dtype, out_dtype=None):
     """einsum(eqn, x, w) in `dtype`: a float weight cast to it, an Int8Weight multiplied
     weight-only (its codes converted, its scale applied to the output) or W8A8; a native
-    kernel first where `using` gives one and it takes the operands."""
+    kernel first where `using` gives one and it takes the operands. `out_dtype` (the head's
+    float32 logits): the result in it, summed in it, not rounded to `dtype` first."""
     choice = _MATMULS.get() or Matmuls()
+    out_dtype = jnp.dtype(out_dtype or dtype)
     if choice.native is not None:
-        y = _native(eqn, x, w, dtype, choice.native)
+        # the kernel sums in f32 whatever x's dtype; x in the output's dtype gives y in it
+        y = _native(eqn, x, w, jnp.promote_types(dtype, out_dtype), choice.native)
         if y is not None:
-            return y
+            return y.astype(out_dtype)
     if isinstance(w, Int8Weight):
         act = "int8" if choice.int8_activations else "float"
-        return int8_einsum(eqn, x.astype(dtype), w.q, w.scale, activations=act)
+        y = int8_einsum(eqn, x.astype(dtype), w.q, w.scale, activations=act)
+        return y.astype(out_dtype)
+    if out_dtype != jnp.dtype(dtype):
+        return jnp.einsum(eqn, x.astype(dtype), w.astype(dtype), preferred_element_type=out_dtype)
     return jnp.einsum(eqn, x.astype(dtype), w.astype(dtype))
 
 

@@ -3,6 +3,7 @@ bfloat16 and int8 weights (per-column scales), float32 and bfloat16 activations,
 are not multiples of the vector width; the model's einsums through `lab.quant.matmul`; bad
 input one line. Inference only: the kernel has no gradient, so none is tested."""
 
+import functools
 import re
 
 import jax
@@ -44,6 +45,24 @@ def test_matches_the_float64_reference(M, C, N, w_dtype, x_dtype):
     assert err < TOL[x_dtype], err
 
 
+@pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "int8"])
+def test_a_transposed_weight_matches_the_float64_reference(w_dtype):
+    """w [N, C] (a tied head: the embedding table read in place), N not a multiple of the
+    four rows taken at a time, C not a multiple of the vector width."""
+    rng = np.random.default_rng()
+    M, C, N = int(rng.integers(1, 6)), 101, 203
+    x, w_CxN, scale = _operands(rng, M, C, N, w_dtype, "float32")
+    w_NxC = jnp.asarray(w_CxN.T)
+    for threads in (0, 1):
+        call = functools.partial(cpu_gemv.cpu_gemv, threads=threads, transposed=True)
+        got = jax.jit(call)(x, w_NxC, scale)
+        f32 = lambda a: None if a is None else np.asarray(a.astype(jnp.float32))  # noqa: E731
+        want = cpu_gemv.gemv_reference(f32(x), f32(w_NxC), f32(scale), transposed=True)
+        assert got.shape == (M, N)
+        err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+        assert err < TOL["float32"], err
+
+
 def test_one_thread_gives_the_same_sums():
     x, w, scale = _operands(np.random.default_rng(0), 3, 64, 200, "int8", "float32")
     many = cpu_gemv.cpu_gemv(x, w, scale)
@@ -51,12 +70,13 @@ def test_one_thread_gives_the_same_sums():
     np.testing.assert_array_equal(np.asarray(many), np.asarray(one))
 
 
-@pytest.mark.parametrize("name", ["wq", "wo", "w_down"])
+@pytest.mark.parametrize("name", ["wq", "wo", "w_down", "head", "embed"])
 def test_the_models_einsums_through_quant_matmul(name):
     """quant.matmul with the native kernel gives the einsum's result for the model's weight
-    layouts (several contracted or output axes), float and int8."""
-    eqn = quant.EINSUMS[name]
-    shapes = {"wq": (16, 4, 8), "wo": (4, 8, 16), "w_down": (48, 16)}
+    layouts (several contracted or output axes; a tied head's table [V, D]), float and int8."""
+    eqn = quant.TIED_HEAD if name == "embed" else quant.EINSUMS[name]
+    shapes = {"wq": (16, 4, 8), "wo": (4, 8, 16), "w_down": (48, 16), "head": (16, 40)}
+    shapes["embed"] = (40, 16)
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal(shapes[name]), jnp.float32)
     x_subs = eqn.split(",")[0]

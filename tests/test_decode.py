@@ -14,6 +14,7 @@ from lab import decode
 from lab.config import make_config
 from lab.errors import ConfigError
 from lab.kernels import cpu_gemv
+from lab.kernels.attention import cpu_flash
 from lab.mesh import make_mesh, rules_for
 from lab.model import build
 from lab.train import make_trainer
@@ -23,11 +24,11 @@ STEPS = 4  # decode steps after the prefill
 MAX_LEN = 24
 
 
-def _setup(mesh="1", strategy="dp", **fields):
+def _setup(mesh="1", strategy="dp", attention="naive", **fields):
     cfg = make_config(
         preset="tiny",
         dtype="float32",
-        attention="naive",
+        attention=attention,
         mesh=mesh,
         strategy=strategy,
         batch_size=len(PROMPTS),
@@ -106,6 +107,29 @@ def test_a_windowed_softcapped_model_decodes_as_its_forward_pass(scan_layers=Tru
     plain = dataclasses.replace(trainer.cfg.model, window=0, window_pattern="", softcap=0.0)
     unmasked = _full_logits(types.SimpleNamespace(cfg=types.SimpleNamespace(model=plain)), params)
     assert np.abs(unmasked - want).max() > 1e-3  # the window and cap did change the logits
+
+
+@pytest.mark.skipif(
+    not (cpu_gemv.available() and cpu_flash.available()), reason="the CPU kernels are not built"
+)
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_cpu_kernels_decode_as_the_forward_pass(tied):
+    """attention=cpu_flash decodes with the C++ decode kernel, every matmul (the output head
+    included: a tied table read in place as [V, D], an untied head [D, V]) through the native
+    GEMV: the forward pass's logits within f32 rounding; with the int8 cache within its bound;
+    int8 weights (the head too, per-channel) within theirs."""
+    trainer, params = _setup(attention="cpu_flash", tie_embeddings=tied)
+    assert decode.decode_impl(trainer.cfg.model.attention) == "auto"
+    exact = _full_logits(trainer, params)
+    np.testing.assert_allclose(_decoded_logits(trainer, params), exact, rtol=1e-5, atol=1e-5)
+    got = _decoded_logits(trainer, params, int8_cache=True)
+    assert np.abs(got - exact).max() / np.abs(exact).max() < 2e-2
+    quantized = decode.quantize(params)
+    head = quantized["embed"] if tied else quantized["head"]
+    assert head.q.dtype == jnp.int8 and head.scale.shape == ((256, 1) if tied else (1, 256))
+    got = _decoded_logits(trainer, quantized, int8_cache=True)
+    err = np.abs(got - exact).max() / np.abs(exact).max()
+    assert 0 < err < 5e-2, err
 
 
 def test_decoding_on_a_4x2_mesh_equals_one_device():

@@ -1,8 +1,9 @@
-"""Both decode kernels (lab/kernels/attention/decode.py) through the Pallas interpreter against
-the float64 reference; the TPU kernel compiled ahead of time for a v5e topology (Mosaic, needs
-libtpu) and the GPU kernel for an H100 (Triton, needs the gpu-plan extra).
+"""The decode kernels (lab/kernels/attention/decode.py) against the float64 reference: both
+Pallas kernels through the interpreter, and the CPU's C++ kernel (`cpu`, where it builds); the
+TPU kernel compiled ahead of time for a v5e topology (Mosaic, needs libtpu) and the GPU kernel
+for an H100 (Triton, needs the gpu-plan extra).
 
-Product: kernel (tpu, gpu) × GQA ratio (1, 2, 4) × dtype (f32, bf16); every case has one
+Product: kernel (tpu, gpu, cpu) × GQA ratio (1, 2, 4) × dtype (f32, bf16); every case has one
 batch of ragged lengths — 1, the full cache, and lengths that are not block multiples — over
 a cache of S = 200 slots, which is not a block multiple either (block_k 32: 6¼ blocks).
 Slots past each length hold NaN: a kernel that reads or weighs them fails. The splits change
@@ -20,7 +21,17 @@ import numpy as np
 import pytest
 
 from lab import quant
+from lab.kernels import cpu_gemv
 from lab.kernels.attention import decode, decode_attention
+
+IMPLS = ("tpu", "gpu", "cpu")
+needs_cpu_kernel = pytest.mark.skipif(not cpu_gemv.available(), reason="cpu kernel not built")
+
+
+def impls():
+    """The kernels under test, `cpu` skipped where its C++ library does not build."""
+    return [pytest.param(i, marks=needs_cpu_kernel) if i == "cpu" else i for i in IMPLS]
+
 
 # max |kernel - f64 reference| / max |reference|, per input dtype. Both sides start from the
 # same rounded inputs, so what differs is the kernel's own rounding. f32: sums of <= 200
@@ -46,10 +57,15 @@ class Case:
         return f"{self.impl}-r{self.ratio}-{self.dtype}"
 
 
-CASES = [Case(*c) for c in itertools.product(("tpu", "gpu"), (1, 2, 4), TOL)]
+CASES = [
+    pytest.param(c, marks=needs_cpu_kernel) if c.impl == "cpu" else c
+    for c in (Case(*c) for c in itertools.product(IMPLS, (1, 2, 4), TOL))
+]
 
 
 def kernel(impl: str, splits: int):
+    if impl == "cpu":  # no blocks or splits: one (batch, kv head) per part, its slots whole
+        return decode.decode_attention_cpu
     if impl == "tpu":
         bs = decode.BlockSizesTPU(block_k=BLOCK_K, num_splits=splits)
         return functools.partial(decode.decode_attention_tpu, block_sizes=bs, interpret=True)
@@ -101,7 +117,7 @@ def test_kernel_matches_float64_reference(case: Case):
     assert err < TOL[case.dtype], f"max error {err:.2e} relative to max |ref|"
 
 
-@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("impl", impls())
 @pytest.mark.parametrize("dtype", list(TOL))
 def test_int8_cache_matches_reference(impl: str, dtype: str):
     """int8 k/v with per-(token, head) scales, dequantised inside the kernel. Against the
@@ -130,7 +146,7 @@ def test_reference_against_a_plain_loop():
         np.testing.assert_allclose(want[b, h], p @ v[b, g, :n] / p.sum(), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("impl", impls())
 def test_empty_and_overlong_lengths(impl: str):
     """Length 0 gives zeros; a length past the cache is the whole cache."""
     q, k, v, _ = random_inputs(5, 1, jnp.float32, lengths=(S,) * B)
@@ -141,7 +157,7 @@ def test_empty_and_overlong_lengths(impl: str):
     np.testing.assert_allclose(out[2], full[2], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("impl", impls())
 def test_sliding_window_sees_only_the_last_slots(impl: str):
     """window=40 (Mistral's local attention at decode): the last 40 valid slots of each
     sequence; slots before the window hold NaN like those past the length, so a kernel that
@@ -152,9 +168,16 @@ def test_sliding_window_sees_only_the_last_slots(impl: str):
     seen = (jnp.arange(S)[None, :] >= lengths[:, None] - W)[:, None, :, None]
     k, v = (jnp.where(seen, x, jnp.nan) for x in (k, v))
     fn = kernel(impl, 3)
-    bs = fn.keywords["block_sizes"]
+    bs = fn.keywords["block_sizes"] if impl != "cpu" else None
     got = decode_attention(  # through the dispatch, as lab.serve calls it
-        q, k, v, lengths, impl=f"pallas_{impl}", window=W, interpret=True, block_sizes=bs
+        q,
+        k,
+        v,
+        lengths,
+        impl="cpu" if impl == "cpu" else f"pallas_{impl}",
+        window=W,
+        interpret=impl != "cpu",
+        block_sizes=bs,
     )
     want = reference_f64(q, k, v, lengths, window=W)
     assert np.isfinite(want).all()

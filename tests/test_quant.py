@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from lab import quant
+from lab.kernels import cpu_gemv
 from lab.kernels.attention import decode
 
 # The lab's projections (lab/model.py): q/k/v in, output out (two contracted axes), MLP.
@@ -156,9 +157,11 @@ def test_write_kv_updates_one_slot_per_sequence():
     np.testing.assert_array_equal(scale2, want_scale)
 
 
-@pytest.mark.parametrize("impl", ["reference", "tpu", "gpu"])
+@pytest.mark.parametrize("impl", ["reference", "tpu", "gpu", "cpu"])
 def test_int8_cache_decode_error_within_bound(impl):
     """|o(int8 cache) - o(float cache)| <= quant.kv_error_bound for every (b, h)."""
+    if impl == "cpu" and not cpu_gemv.available():
+        pytest.skip("the CPU decode kernel is not built here")
     q, k, v, lengths = kv_inputs()
     (k_i8, ks), (v_i8, vs) = quant.quantize_kv(k), quant.quantize_kv(v)
     with jax.enable_x64(True):
@@ -173,6 +176,7 @@ def test_int8_cache_decode_error_within_bound(impl):
         "gpu": functools.partial(
             decode.decode_attention_gpu, block_sizes=decode.BlockSizesGPU(32, 2), interpret=True
         ),
+        "cpu": decode.decode_attention_cpu,
     }[impl]
     got = f64(fn(q, k_i8, v_i8, lengths, ks, vs))
     err_BxH = np.abs(got - want).max(-1)

@@ -2,6 +2,8 @@
 // (cpu_gemv.py builds and loads it).
 //
 //   y[M, N] = x[M, C] · w[C, N] (· scale[N])
+//   y[M, N] = x[M, C] · w[N, C]ᵀ (· scale[N])     transposed=1: a tied model's head, the
+//                                               embedding table [V, D] read in place
 //
 // x is float32 or bfloat16 (the model's compute dtype), w float32, bfloat16 or int8 codes with
 // one float32 scale per output column (lab/quant.py's per-channel Int8Weight). The weight is
@@ -18,6 +20,7 @@
 // cost tens of microseconds each).
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -294,25 +297,215 @@ void gemv(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const flo
   }
 }
 
-template <typename T>
-void run_typed(ffi::AnyBuffer w, const float* x, int64_t M, int64_t C, int64_t N,
-               const float* scale, T* y, int threads) {
-  switch (w.element_type()) {
-    case ffi::DataType::F32:
-      return gemv(x, M, C, static_cast<const float*>(w.untyped_data()), N, scale, y, threads);
-    case ffi::DataType::BF16:
-      return gemv(x, M, C, static_cast<const uint16_t*>(w.untyped_data()), N, scale, y, threads);
-    default:
-      return gemv(x, M, C, static_cast<const int8_t*>(w.untyped_data()), N, scale, y, threads);
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kVW; ++i) s += v[i];
+  return s;
+}
+
+// y[m, n] = Σ_c x[m, c] · w[n, c] for a weight stored [N, C] (rows are output channels):
+// each part takes a contiguous run of rows, so every thread streams its own stretch of
+// memory; four rows at a time, each dotted with every row of x while it is in L1.
+template <typename W, typename T>
+void gemv_t(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const float* scale,
+            T* y, int threads) {
+  const int64_t by_threads = (N + threads - 1) / threads;
+  const int64_t rows = std::max<int64_t>(4, std::min<int64_t>(256, by_threads) / 4 * 4);
+  const int parts = static_cast<int>((N + rows - 1) / rows);
+  const int64_t cv = C / kVW * kVW;
+  auto part = [&](int i) {
+    const int64_t n0 = i * rows, n1 = std::min(N, n0 + rows);
+    for (int64_t n = n0; n < n1; n += 4) {
+      const int64_t k = std::min<int64_t>(4, n1 - n);
+      const W* r[4];
+      for (int64_t q = 0; q < 4; ++q) r[q] = w + (n + std::min(q, k - 1)) * C;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * C;
+        vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+        for (int64_t j = 0; j < cv; j += kVW) {
+          const vf xv = vec(xm + j);
+          a0 += xv * vec(r[0] + j);
+          a1 += xv * vec(r[1] + j);
+          a2 += xv * vec(r[2] + j);
+          a3 += xv * vec(r[3] + j);
+        }
+        float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+        for (int64_t j = cv; j < C; ++j)
+          for (int q = 0; q < 4; ++q) s[q] += xm[j] * scalar(r[q] + j);
+        for (int64_t q = 0; q < k; ++q) {
+          float v = s[q];
+          if (scale) v *= scale[n + q];
+          if constexpr (sizeof(T) == 4)
+            y[m * N + n + q] = v;
+          else
+            y[m * N + n + q] = f32_to_bf16(v);
+        }
+      }
+    }
+  };
+  if (threads <= 1) {
+    for (int i = 0; i < parts; ++i) part(i);
+  } else {
+    pool().run(parts, part);
   }
 }
 
+template <typename W, typename T>
+void dispatch(bool transposed, const float* x, int64_t M, int64_t C, const W* w, int64_t N,
+              const float* scale, T* y, int threads) {
+  if (transposed)
+    gemv_t(x, M, C, w, N, scale, y, threads);
+  else
+    gemv(x, M, C, w, N, scale, y, threads);
+}
+
+template <typename T>
+void run_typed(ffi::AnyBuffer w, bool transposed, const float* x, int64_t M, int64_t C,
+               int64_t N, const float* scale, T* y, int threads) {
+  const void* p = w.untyped_data();
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      return dispatch(transposed, x, M, C, static_cast<const float*>(p), N, scale, y, threads);
+    case ffi::DataType::BF16:
+      return dispatch(transposed, x, M, C, static_cast<const uint16_t*>(p), N, scale, y,
+                      threads);
+    default:
+      return dispatch(transposed, x, M, C, static_cast<const int8_t*>(p), N, scale, y, threads);
+  }
+}
+
+// ------------------------------------------------------------------------- decode attention
+
+// One query token per sequence against its cache [B, G, S, K] (lab/kernels/attention/
+// decode.py's layout): o[b, g·R + r] = softmax_t(q · k_t · scale) · v_t over the valid slots
+// t in [first, length) only (slots past the length are never read, so their garbage never
+// reaches the output). An int8 cache's per-slot scales fold into the small operands, the
+// cache is read once in its own dtype and widened in registers:
+//   s_t = (q · k_code_t) · σ_k[t] · scale,   o = Σ_t (p_t · σ_v[t]) · v_code_t / Σ_t p_t
+// A part is one (b, g): its R query heads share the rows of K and V (read from memory once,
+// then from L1/L2 for the next head).
+template <typename KV>
+void attend_group(const float* q, const KV* k, const KV* v, const float* ks, const float* vs,
+                  int64_t R, int64_t K, int64_t lo, int64_t hi, float scale, float* o,
+                  float* s, float* acc) {
+  const int64_t kv = K / kVW * kVW;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* qr = q + r * K;
+    float* orow = o + r * K;
+    if (hi <= lo) {
+      std::fill(orow, orow + K, 0.0f);
+      continue;
+    }
+    float m = -3.0e38f;
+    for (int64_t t = lo; t < hi; ++t) {
+      const KV* kt = k + t * K;
+      vf a = {};
+      for (int64_t j = 0; j < kv; j += kVW) a += vec(qr + j) * vec(kt + j);
+      float d = hsum(a);
+      for (int64_t j = kv; j < K; ++j) d += qr[j] * scalar(kt + j);
+      d *= scale;
+      if (ks) d *= ks[t];
+      s[t - lo] = d;
+      m = std::max(m, d);
+    }
+    float l = 0.0f;
+    for (int64_t t = lo; t < hi; ++t) {
+      const float p = std::exp(s[t - lo] - m);
+      l += p;
+      s[t - lo] = vs ? p * vs[t] : p;
+    }
+    std::fill(acc, acc + K, 0.0f);
+    for (int64_t t = lo; t < hi; ++t) {
+      const KV* vt = v + t * K;
+      const float p = s[t - lo];
+      for (int64_t j = 0; j < kv; j += kVW) {
+        vf a;
+        std::memcpy(&a, acc + j, sizeof a);
+        a += p * vec(vt + j);
+        std::memcpy(acc + j, &a, sizeof a);
+      }
+      for (int64_t j = kv; j < K; ++j) acc[j] += p * scalar(vt + j);
+    }
+    const float inv = 1.0f / l;
+    for (int64_t j = 0; j < K; ++j) orow[j] = acc[j] * inv;
+  }
+}
+
+template <typename KV>
+void decode_attention(const float* q, const KV* k, const KV* v, const int32_t* lengths,
+                      const float* ks, const float* vs, int64_t B, int64_t H, int64_t G,
+                      int64_t S, int64_t K, float scale, int64_t window, float* o, int threads) {
+  const int64_t R = H / G;
+  auto part = [&](int i) {
+    const int64_t b = i / G, g = i % G;
+    const int64_t hi = std::min<int64_t>(std::max<int32_t>(lengths[b], 0), S);
+    const int64_t lo = window > 0 ? std::max<int64_t>(hi - window, 0) : 0;
+    std::vector<float> scratch(static_cast<size_t>(std::max<int64_t>(hi - lo, 1) + K));
+    const int64_t row = (b * G + g) * S;
+    attend_group(q + (b * H + g * R) * K, k + row * K, v + row * K, ks ? ks + row : nullptr,
+                 vs ? vs + row : nullptr, R, K, lo, hi, scale, o + (b * H + g * R) * K,
+                 scratch.data(), scratch.data() + std::max<int64_t>(hi - lo, 1));
+  };
+  const int parts = static_cast<int>(B * G);
+  if (threads <= 1) {
+    for (int i = 0; i < parts; ++i) part(i);
+  } else {
+    pool().run(parts, part);
+  }
+}
+
+ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> k_scale,
+                           ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::Buffer<ffi::F32>> o,
+                           float scale, int64_t window, int64_t threads) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || qd[0] != kd[0] || qd[2] != kd[3] || kd[1] == 0 ||
+      qd[1] % kd[1] != 0)
+    return ffi::Error::InvalidArgument(
+        "cpu decode attention: q [B, H, K] and caches [B, G, S, K] with H a multiple of G");
+  if (k.element_type() != v.element_type() || k.dimensions().size() != v.dimensions().size())
+    return ffi::Error::InvalidArgument("cpu decode attention: keys and values alike");
+  const int64_t B = kd[0], G = kd[1], S = kd[2], K = kd[3], H = qd[1];
+  if (lengths.element_count() != B)
+    return ffi::Error::InvalidArgument("cpu decode attention: one length per sequence");
+  const bool quantized = k.element_type() == ffi::DataType::S8;
+  if (quantized != (k_scale.element_count() == B * G * S) ||
+      v_scale.element_count() != k_scale.element_count())
+    return ffi::Error::InvalidArgument(
+        "cpu decode attention: an int8 cache needs [B, G, 1, S] scales, a float one none");
+  const float* ks = quantized ? k_scale.typed_data() : nullptr;
+  const float* vs = quantized ? v_scale.typed_data() : nullptr;
+  const int n_threads = threads > 0 ? static_cast<int>(threads) : default_threads();
+  const int32_t* len = lengths.typed_data();
+  float* out = o->typed_data();
+  switch (k.element_type()) {
+    case ffi::DataType::F32:
+      decode_attention(q.typed_data(), static_cast<const float*>(k.untyped_data()),
+                       static_cast<const float*>(v.untyped_data()), len, ks, vs, B, H, G, S, K,
+                       scale, window, out, n_threads);
+      break;
+    case ffi::DataType::BF16:
+      decode_attention(q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()),
+                       static_cast<const uint16_t*>(v.untyped_data()), len, ks, vs, B, H, G, S,
+                       K, scale, window, out, n_threads);
+      break;
+    case ffi::DataType::S8:
+      decode_attention(q.typed_data(), static_cast<const int8_t*>(k.untyped_data()),
+                       static_cast<const int8_t*>(v.untyped_data()), len, ks, vs, B, H, G, S, K,
+                       scale, window, out, n_threads);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("cpu decode attention: a float32, bfloat16 or int8 cache");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error Gemv(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
-                ffi::Result<ffi::AnyBuffer> y, int64_t threads) {
+                ffi::Result<ffi::AnyBuffer> y, int64_t threads, int64_t transposed) {
   auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("cpu_gemv: x must be [M, C] and w [C, N]");
-  const int64_t M = xd[0], C = xd[1], N = wd[1];
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[transposed ? 1 : 0])
+    return ffi::Error::InvalidArgument("cpu_gemv: x must be [M, C] and w [C, N] (or [N, C])");
+  const int64_t M = xd[0], C = xd[1], N = wd[transposed ? 0 : 1];
   const int64_t n_scale = scale.element_count();
   if (n_scale != 0 && n_scale != N)
     return ffi::Error::InvalidArgument("cpu_gemv: scale must hold one value per column or none");
@@ -333,9 +526,11 @@ ffi::Error Gemv(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
   const float* sc = n_scale ? scale.typed_data() : nullptr;
   const int n_threads = threads > 0 ? static_cast<int>(threads) : default_threads();
   if (xt == ffi::DataType::F32)
-    run_typed(w, xf.data(), M, C, N, sc, static_cast<float*>(y->untyped_data()), n_threads);
+    run_typed(w, transposed != 0, xf.data(), M, C, N, sc, static_cast<float*>(y->untyped_data()),
+              n_threads);
   else
-    run_typed(w, xf.data(), M, C, N, sc, static_cast<uint16_t*>(y->untyped_data()), n_threads);
+    run_typed(w, transposed != 0, xf.data(), M, C, N, sc,
+              static_cast<uint16_t*>(y->untyped_data()), n_threads);
   return ffi::Error::Success();
 }
 
@@ -347,4 +542,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuGemv, Gemv,
                                   .Arg<ffi::AnyBuffer>()  // w [C, N]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [N] or [0]
                                   .Ret<ffi::AnyBuffer>()  // y [M, N]
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [B, H, K]
+                                  .Arg<ffi::AnyBuffer>()  // k [B, G, S, K]
+                                  .Arg<ffi::AnyBuffer>()  // v [B, G, S, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales [B, G, 1, S] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales [B, G, 1, S] or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o [B, H, K]
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
                                   .Attr<int64_t>("threads"));

@@ -11,6 +11,8 @@ widens it in registers, sums in float32 and multiplies the scale into the sum (i
 along the contraction), threaded over output columns.
 
     y[M, N] = x[M, C] · w[C, N] (· scale[N]),   x float32 or bfloat16, y in x's dtype
+    transposed=True: w is [N, C] (a tied model's head: the embedding table read in place,
+    each output channel a contiguous row; no transposed copy made every step)
 
 Inference only: the op has no gradient (no custom_vjp), and `jax.grad` through it is an error.
 Decoding never differentiates; training keeps XLA's dot.
@@ -35,6 +37,9 @@ SOURCE = Path(__file__).with_name("cpu_gemv.cc")
 X_DTYPES = (jnp.float32, jnp.bfloat16)
 W_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 _TARGET = "lab_cpu_gemv"
+# The same library holds decode attention over the float or int8 cache (one build, one thread
+# pool): lab/kernels/attention/decode.py `decode_attention_cpu` calls it.
+ATTENTION_TARGET = "lab_cpu_decode_attention"
 _WHAT = "cpu_gemv matmul kernel"
 
 
@@ -55,20 +60,25 @@ def available() -> bool:
         return False
     lib = ctypes.cdll.LoadLibrary(str(lib_path))
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.LabCpuGemv), platform="cpu")
+    jax.ffi.register_ffi_target(
+        ATTENTION_TARGET, jax.ffi.pycapsule(lib.LabCpuDecodeAttention), platform="cpu"
+    )
     return True
 
 
-def check_inputs(x_MxC, w_CxN, scale_N=None) -> None:
+def check_inputs(x_MxC, w_CxN, scale_N=None, *, transposed: bool = False) -> None:
     """ValueError naming what this kernel does not take, or that it is not built here."""
-    if x_MxC.ndim != 2 or w_CxN.ndim != 2 or x_MxC.shape[1] != w_CxN.shape[0]:
-        raise ValueError(f"{x_MxC.shape=} {w_CxN.shape=}: cpu_gemv multiplies x [M, C] by w [C, N]")
+    c_axis, n_axis = (1, 0) if transposed else (0, 1)
+    if x_MxC.ndim != 2 or w_CxN.ndim != 2 or x_MxC.shape[1] != w_CxN.shape[c_axis]:
+        layout = "w [N, C] (transposed)" if transposed else "w [C, N]"
+        raise ValueError(f"{x_MxC.shape=} {w_CxN.shape=}: cpu_gemv multiplies x [M, C] by {layout}")
     if x_MxC.dtype not in X_DTYPES:
         raise ValueError(f"{x_MxC.dtype=}: cpu_gemv takes float32 or bfloat16 activations")
     if w_CxN.dtype not in W_DTYPES:
         raise ValueError(f"{w_CxN.dtype=}: cpu_gemv takes float32, bfloat16 or int8 weights")
     if (w_CxN.dtype == jnp.int8) != (scale_N is not None):
         raise ValueError(f"{w_CxN.dtype=}: int8 weights need a scale per column, floats none")
-    if scale_N is not None and scale_N.shape != (w_CxN.shape[1],):
+    if scale_N is not None and scale_N.shape != (w_CxN.shape[n_axis],):
         raise ValueError(f"{scale_N.shape=} {w_CxN.shape=}: one scale per output column")
     if not available():
         raise ValueError(
@@ -76,32 +86,39 @@ def check_inputs(x_MxC, w_CxN, scale_N=None) -> None:
         )
 
 
-def cpu_gemv(x_MxC, w_CxN, scale_N=None, *, threads: int = 0):
-    """x · w (· scale per column) on the CPU, float32 sums, in x's dtype. `threads` 0: every
-    core (or LAB_CPU_GEMV_THREADS)."""
-    check_inputs(x_MxC, w_CxN, scale_N)
+def cpu_gemv(x_MxC, w_CxN, scale_N=None, *, threads: int = 0, transposed: bool = False):
+    """x · w (· scale per column) on the CPU, float32 sums, in x's dtype; `transposed`: w is
+    [N, C] and y = x · wᵀ. `threads` 0: every core (or LAB_CPU_GEMV_THREADS)."""
+    check_inputs(x_MxC, w_CxN, scale_N, transposed=transposed)
     scale = jnp.zeros((0,), jnp.float32) if scale_N is None else scale_N.astype(jnp.float32)
-    out = jax.ShapeDtypeStruct((x_MxC.shape[0], w_CxN.shape[1]), x_MxC.dtype)
+    n = w_CxN.shape[0 if transposed else 1]
+    out = jax.ShapeDtypeStruct((x_MxC.shape[0], n), x_MxC.dtype)
     call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")
-    return call(x_MxC, w_CxN, scale, threads=np.int64(threads))
+    return call(
+        x_MxC, w_CxN, scale, threads=np.int64(threads), transposed=np.int64(bool(transposed))
+    )
 
 
-def gemv_reference(x_MxC, w_CxN, scale_N=None):
+def gemv_reference(x_MxC, w_CxN, scale_N=None, *, transposed: bool = False):
     """The same product in float64 with numpy (the tests' reference)."""
-    y = np.asarray(x_MxC, np.float64) @ np.asarray(w_CxN, np.float64)
+    w = np.asarray(w_CxN, np.float64)
+    y = np.asarray(x_MxC, np.float64) @ (w.T if transposed else w)
     return y if scale_N is None else y * np.asarray(scale_N, np.float64)
 
 
 MAX_ROWS = 16  # rows of x the kernel takes in a model: decode's; prefill's many rows use XLA
 
 
-def model_matmul(x_MxC, w_CxN, scale_N, dtype, *, threads: int = 0):
+def model_matmul(x_MxC, w_CxN, scale_N, dtype, *, threads: int = 0, transposed: bool = False):
     """`lab.quant.Matmuls.native`: y [M, N] in `dtype` through this kernel, or None where it
-    does not take the operands (more than MAX_ROWS rows, other dtypes, not built)."""
+    does not take the operands (more than MAX_ROWS rows, other dtypes, not built);
+    `transposed`: w is [N, C]."""
     ok = (
         x_MxC.shape[0] <= MAX_ROWS
         and jnp.dtype(dtype) in X_DTYPES
         and w_CxN.dtype in W_DTYPES
         and available()
     )
-    return cpu_gemv(x_MxC.astype(dtype), w_CxN, scale_N, threads=threads) if ok else None
+    if not ok:
+        return None
+    return cpu_gemv(x_MxC.astype(dtype), w_CxN, scale_N, threads=threads, transposed=transposed)

@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from lab.kernels import cpu_gemv
 from lab.kernels.attention import (
     blockwise,
     cpu_flash,
@@ -607,18 +608,29 @@ def _library(args, *, mask: Mask, scale, impl: str):
     return jnp.where(seen_BxL[:, :, None, None], o_BxLxHxK, 0).astype(o_BxLxHxK.dtype)
 
 
-DECODE_IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_gpu")
+DECODE_IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_gpu", "cpu")
 
 
 def choose_decode(impl: str, *, interpret: bool = False, backend: str | None = None) -> str:
     """The decode kernel `decode_attention` runs: auto is the backend's Pallas kernel on TPU
-    and GPU, the plain-JAX reference on CPU (an interpreted kernel only when asked)."""
+    and GPU, the C++ kernel on CPU where it is built (`cpu`, decode.decode_attention_cpu;
+    else the plain-JAX reference); an interpreted Pallas kernel only when asked."""
     if impl not in (*DECODE_IMPLS, "auto"):
         raise ValueError(f"decode impl={impl!r}: choose one of {', '.join(DECODE_IMPLS)} or auto")
     backend = backend or platform()
     native = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
     if impl == "auto":
+        if backend == "cpu" and cpu_gemv.available():
+            return "cpu"
         return native.get(backend, "reference")
+    if impl == "cpu":
+        if backend != "cpu" or not cpu_gemv.available():
+            raise ValueError(
+                f"decode impl=cpu runs on the CPU where its C++ kernel is built (backend "
+                f"{backend!r}; no C++ compiler, a failed build or LAB_CPU_GEMV=0 leave it out): "
+                "use reference"
+            )
+        return impl
     if impl == "pallas":
         impl = native.get(backend, "pallas_tpu" if interpret else "reference")
     if impl.startswith("pallas") and impl != native.get(backend) and not interpret:
@@ -649,23 +661,40 @@ def decode_attention(
     [B, G, S, K] (int8 with [B, G, 1, S] scales, or q's dtype), lengths [B] valid slots;
     `window=W`: only the last W of them (a sliding-window layer: Mask window (W - 1, 0)).
     `shard_spec`: how the cache [B, G, S, K] is split over the context mesh (batch and kv
-    heads; the slots whole), for the Pallas kernels' shard_map.
-    `softcap`: logits soft-capped as in attention(), in every decode impl.
+    heads; the slots whole), for the kernels' shard_map.
+    `softcap`: logits soft-capped as in attention(), in the Pallas kernels and the reference;
+    the CPU kernel has none (auto takes the reference then; impl=cpu asked for refuses).
     """
+    if softcap is not None and impl == "cpu":
+        raise ValueError("decode_attention: impl=cpu has no soft-cap; use impl=reference")
+    asked = impl
     impl = choose_decode(impl, interpret=interpret)
+    if (
+        impl == "cpu"
+        and asked == "auto"
+        and (softcap is not None or not decode.cpu_takes(q_BxHxK, k_BxGxSxK))
+    ):
+        impl = "reference"  # a soft-cap, float64 (tests) or float16: the reference's math
     args = (q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
     if impl == "reference":
         return decode.decode_attention_reference(*args, scale=scale, window=window, softcap=softcap)
-    kernel = decode.decode_attention_tpu if impl == "pallas_tpu" else decode.decode_attention_gpu
-    bs = block_sizes or (decode.BlockSizesTPU() if impl == "pallas_tpu" else decode.BlockSizesGPU())
-    fn = functools.partial(
-        kernel,
-        scale=scale,
-        window=window,
-        softcap=softcap,
-        block_sizes=bs,
-        interpret=interpret,
-    )
+    if impl == "cpu":
+        fn = functools.partial(decode.decode_attention_cpu, scale=scale, window=window)
+    else:
+        kernel = (
+            decode.decode_attention_tpu if impl == "pallas_tpu" else decode.decode_attention_gpu
+        )
+        bs = block_sizes or (
+            decode.BlockSizesTPU() if impl == "pallas_tpu" else decode.BlockSizesGPU()
+        )
+        fn = functools.partial(
+            kernel,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            block_sizes=bs,
+            interpret=interpret,
+        )
     mesh = jax.sharding.get_abstract_mesh()
     if shard_spec is None or mesh.empty or mesh.size == 1:
         return fn(*args)

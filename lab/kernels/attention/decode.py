@@ -64,6 +64,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -250,6 +251,70 @@ def decode_attention_reference(
     p_BxGxRxS = jax.nn.softmax(s_BxGxRxS, axis=-1)
     o_BxGxRxK = jnp.einsum("bgrs,bgsk->bgrk", p_BxGxRxS, v_BxGxSxK)
     return o_BxGxRxK.reshape(B, H, K).astype(q_BxHxK.dtype)
+
+
+CPU_DTYPES = (jnp.float32, jnp.bfloat16)  # q; the cache: these or int8
+
+
+def cpu_takes(q_BxHxK, k_BxGxSxK) -> bool:
+    """Whether `decode_attention_cpu` takes these operands here (built, dtypes it reads)."""
+    from lab.kernels import cpu_gemv  # the library that holds it (built on first use)
+
+    kv_ok = k_BxGxSxK.dtype in (*CPU_DTYPES, jnp.int8)
+    return q_BxHxK.dtype in CPU_DTYPES and kv_ok and cpu_gemv.available()
+
+
+def decode_attention_cpu(
+    q_BxHxK,
+    k_BxGxSxK,
+    v_BxGxSxK,
+    lengths_B,
+    k_scale_BxGx1xS=None,
+    v_scale_BxGx1xS=None,
+    *,
+    scale=None,
+    window: int | None = None,
+    threads: int = 0,
+):
+    """Decode attention in C++ on the CPU (lab/kernels/cpu_gemv.cc, through `jax.ffi`), the
+    reference's result without its float copy of the cache: the reference widens (and for an
+    int8 cache rescales) every slot of K and V into memory each step, then reads that copy
+    again; this reads each (b, kv head)'s valid slots once in the cache's own dtype, widens
+    them in registers, and folds an int8 cache's scales into the small operands:
+
+        s_t = (q · k_code_t) · σ_k[t] · scale,   o = Σ_t p_t σ_v[t] v_code_t / Σ_t p_t
+
+    Slots past each length (before the window) are never read. f32 math; q float32 or
+    bfloat16, the cache those or int8; threads over (batch, kv head) (0: every core).
+    Inference only (no gradient), as decode never differentiates.
+    """
+    from lab.kernels import cpu_gemv
+
+    check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
+    window = check_window(window)
+    if not cpu_takes(q_BxHxK, k_BxGxSxK):
+        raise ValueError(
+            f"decode_attention_cpu: q {q_BxHxK.dtype} / cache {k_BxGxSxK.dtype}: takes float32 "
+            "or bfloat16 queries and a float32, bfloat16 or int8 cache, where the kernel is built"
+        )
+    B, H, K = q_BxHxK.shape
+    none = jnp.zeros((0,), jnp.float32)
+    ks = none if k_scale_BxGx1xS is None else k_scale_BxGx1xS.astype(jnp.float32)
+    vs = none if v_scale_BxGx1xS is None else v_scale_BxGx1xS.astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((B, H, K), jnp.float32)
+    call = jax.ffi.ffi_call(cpu_gemv.ATTENTION_TARGET, out, vmap_method="sequential")
+    o_BxHxK = call(
+        q_BxHxK.astype(jnp.float32),
+        k_BxGxSxK,
+        v_BxGxSxK,
+        jnp.asarray(lengths_B, jnp.int32),
+        ks,
+        vs,
+        scale=np.float32(default_scale(K, scale)),
+        window=np.int64(window or 0),
+        threads=np.int64(threads),
+    )
+    return o_BxHxK.astype(q_BxHxK.dtype)
 
 
 # ---------------------------------------------------------------------------- shared
