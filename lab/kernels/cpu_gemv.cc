@@ -210,8 +210,10 @@ Pool& pool() {
 
 // acc[M, width] += x[M, C] · w[C, n0 : n0 + width], acc zeroed first. Four weight rows per
 // pass: each is loaded and widened once, then used by every row of x.
+// x's rows are xs floats apart (a part over a run of weight rows passes x and w offset to
+// the run's first row, C its length).
 template <typename W>
-void strip(const float* x, int64_t M, int64_t C, const W* w, int64_t N, int64_t n0,
+void strip(const float* x, int64_t M, int64_t xs, int64_t C, const W* w, int64_t N, int64_t n0,
            int64_t width, float* acc) {
   std::fill(acc, acc + M * width, 0.0f);
   const int64_t nv = width / kVW * kVW;
@@ -224,7 +226,7 @@ void strip(const float* x, int64_t M, int64_t C, const W* w, int64_t N, int64_t 
     for (int64_t j = 0; j < nv; j += kVW) {
       const vf w0 = vec(r0 + j), w1 = vec(r1 + j), w2 = vec(r2 + j), w3 = vec(r3 + j);
       for (int64_t m = 0; m < M; ++m) {
-        const float* xm = x + m * C + d;
+        const float* xm = x + m * xs + d;
         float* a = acc + m * width + j;
         vf s;
         std::memcpy(&s, a, sizeof s);
@@ -236,7 +238,7 @@ void strip(const float* x, int64_t M, int64_t C, const W* w, int64_t N, int64_t 
       const float w0 = scalar(r0 + j), w1 = scalar(r1 + j), w2 = scalar(r2 + j),
                   w3 = scalar(r3 + j);
       for (int64_t m = 0; m < M; ++m) {
-        const float* xm = x + m * C + d;
+        const float* xm = x + m * xs + d;
         acc[m * width + j] += xm[0] * w0 + xm[1] * w1 + xm[2] * w2 + xm[3] * w3;
       }
     }
@@ -249,12 +251,12 @@ void strip(const float* x, int64_t M, int64_t C, const W* w, int64_t N, int64_t 
         float* a = acc + m * width + j;
         vf s;
         std::memcpy(&s, a, sizeof s);
-        s += x[m * C + d] * w0;
+        s += x[m * xs + d] * w0;
         std::memcpy(a, &s, sizeof s);
       }
     }
     for (int64_t j = nv; j < width; ++j)
-      for (int64_t m = 0; m < M; ++m) acc[m * width + j] += x[m * C + d] * scalar(r0 + j);
+      for (int64_t m = 0; m < M; ++m) acc[m * width + j] += x[m * xs + d] * scalar(r0 + j);
   }
 }
 
@@ -274,9 +276,44 @@ void store(const float* acc, int64_t M, int64_t width, const float* scale, int64
 
 constexpr int64_t kAccFloats = 4096;  // one strip's accumulators: 16 KiB, well inside L1
 
+constexpr int64_t kRunRows = 128;  // weight rows per part when the parts split the rows
+
+// Few rows of x and a narrow enough output (all of decode's f32 batch-1 products): the parts
+// are runs of kRunRows weight rows, so each part streams one contiguous stretch of memory (a
+// column strip reads a short piece of every row: a new page, and a new prefetch stream, every
+// few KiB), into its own M × N partial sums, added in a fixed order after (the parts do not
+// depend on the thread count: one thread gives the same sums as many).
+template <typename W, typename T>
+bool gemv_rows(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const float* scale,
+               T* y, int threads) {
+  const int parts = static_cast<int>((C + kRunRows - 1) / kRunRows);
+  if (M * N > 32768 || parts < 2) return false;  // partials past L2: the column strips
+  std::vector<float> partial(static_cast<size_t>(parts * M * N));
+  auto part = [&](int i) {
+    const int64_t d0 = i * kRunRows, d1 = std::min(C, d0 + kRunRows);
+    strip(x + d0, M, C, d1 - d0, w + d0 * N, N, 0, N, partial.data() + i * M * N);
+  };
+  if (threads <= 1) {
+    for (int i = 0; i < parts; ++i) part(i);
+  } else {
+    pool().run(parts, part);
+  }
+  for (int64_t e = 0; e < M * N; ++e) {
+    float v = partial[e];
+    for (int i = 1; i < parts; ++i) v += partial[i * M * N + e];
+    if (scale) v *= scale[e % N];
+    if constexpr (sizeof(T) == 4)
+      y[e] = v;
+    else
+      y[e] = f32_to_bf16(v);
+  }
+  return true;
+}
+
 template <typename W, typename T>
 void gemv(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const float* scale,
           T* y, int threads) {
+  if (gemv_rows(x, M, C, w, N, scale, y, threads)) return;
   // Parts: column strips whose accumulators fit kAccFloats, at least one per thread, each a
   // multiple of the vector width (the last takes the rest).
   const int64_t acc_w = std::max<int64_t>(kVW, kAccFloats / std::max<int64_t>(M, 1) / kVW * kVW);
@@ -287,7 +324,7 @@ void gemv(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const flo
   auto part = [&](int i) {
     const int64_t n0 = i * width, n1 = std::min(N, n0 + width);
     std::vector<float> acc(static_cast<size_t>(M * (n1 - n0)));
-    strip(x, M, C, w, N, n0, n1 - n0, acc.data());
+    strip(x, M, C, C, w, N, n0, n1 - n0, acc.data());
     store(acc.data(), M, n1 - n0, scale, N, n0, y);
   };
   if (threads <= 1) {
