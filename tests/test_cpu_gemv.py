@@ -32,7 +32,7 @@ def _operands(rng, M, C, N, w_dtype, x_dtype):
     return x, w, scale
 
 
-@pytest.mark.parametrize("M,C,N", [(1, 300, 77), (5, 37, 130)])
+@pytest.mark.parametrize("M,C,N", [(1, 300, 77), (5, 37, 130), (3, 520, 90)])
 @pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
 def test_matches_the_float64_reference(M, C, N, w_dtype, x_dtype):
@@ -63,8 +63,9 @@ def test_a_transposed_weight_matches_the_float64_reference(w_dtype):
         assert err < TOL["float32"], err
 
 
-def test_one_thread_gives_the_same_sums():
-    x, w, scale = _operands(np.random.default_rng(0), 3, 64, 200, "int8", "float32")
+@pytest.mark.parametrize("C,N", [(64, 200), (300, 50)])  # column strips; runs of rows
+def test_one_thread_gives_the_same_sums(C, N):
+    x, w, scale = _operands(np.random.default_rng(), 3, C, N, "int8", "float32")
     many = cpu_gemv.cpu_gemv(x, w, scale)
     one = cpu_gemv.cpu_gemv(x, w, scale, threads=1)
     np.testing.assert_array_equal(np.asarray(many), np.asarray(one))
