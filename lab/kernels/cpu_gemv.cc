@@ -223,7 +223,16 @@ void strip(const float* x, int64_t M, int64_t xs, int64_t C, const W* w, int64_t
     const W* r1 = r0 + N;
     const W* r2 = r1 + N;
     const W* r3 = r2 + N;
-    for (int64_t j = 0; j < nv; j += kVW) {
+    if (M == 1) {  // decode at batch 1: x's four values held in registers across the row
+      const float x0 = x[d], x1 = x[d + 1], x2 = x[d + 2], x3 = x[d + 3];
+      for (int64_t j = 0; j < nv; j += kVW) {
+        vf s;
+        std::memcpy(&s, acc + j, sizeof s);
+        s += x0 * vec(r0 + j) + x1 * vec(r1 + j) + x2 * vec(r2 + j) + x3 * vec(r3 + j);
+        std::memcpy(acc + j, &s, sizeof s);
+      }
+    }
+    for (int64_t j = 0; j < (M == 1 ? 0 : nv); j += kVW) {
       const vf w0 = vec(r0 + j), w1 = vec(r1 + j), w2 = vec(r2 + j), w3 = vec(r3 + j);
       for (int64_t m = 0; m < M; ++m) {
         const float* xm = x + m * xs + d;
