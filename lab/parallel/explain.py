@@ -17,11 +17,12 @@ Roles and what the analytic model assumes (scaling-book style, per step):
                     twice. The CPU compiler has no reduce-scatter pass: there the
                     reduce-scatter runs as an all-reduce plus a local slice (2× the bytes),
                     and the analytic figure says so.
-  param all-gather  FSDP gathers each weight before each use in the forward (the tied
-                    embedding twice: lookup and head). ZeRO-3 gathers again in the backward;
-                    XLA instead keeps the gathered weight live when nothing forces it out, and
-                    re-gathers only weights of rematerialised or scanned blocks (a scan's
-                    backward loop saves the sharded weight, not the gathered one). The
+  param all-gather  FSDP gathers each weight once in the forward (a tied embedding's
+                    lookup and head read the same gathered table). ZeRO-3 gathers again in
+                    the backward; XLA instead keeps the gathered weight live when nothing
+                    forces it out, and re-gathers only weights of rematerialised or scanned
+                    blocks (a scan's backward loop saves the sharded weight, not the
+                    gathered one). The
                     expectation is that rule; the range runs from forward-only to
                     forward+backward for everything.
   activation        tensor parallel (Megatron): an all-reduce of B·L·D activations after each
@@ -215,7 +216,7 @@ def expect_param_gather(params, geo: Geometry, model_cfg, pipelined=False) -> Ex
         if WS == 1 or _stage_gathered(path, S, geo, pipelined):
             continue
         once = local * WS * (WS - 1) / WS
-        fwd += once * _uses(path, model_cfg)
+        fwd += once  # a tied table too: its lookup and the head read one gathered copy
         bwd_all += once
         regathered = model_cfg.remat != "none" or model_cfg.scan_layers
         bwd_remat += once if (_in_block(path) and regathered) else 0.0
