@@ -85,9 +85,8 @@ def test_unknown_trip_count_is_said():
     assert cost.lower_bound_note({"unknown_loops": 0}) == ""
 
 
-def test_trip_count_from_condition():
-    """XLA:TPU keeps no known_trip_count: the bound is read from the loop's condition."""
-    text = """HloModule m
+# a loop body the handwritten programs below share: 32 multiplies a trip
+HEAD = """HloModule m
 
 %body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
   %p = (s32[], f32[4,8]{1,0}) parameter(0)
@@ -96,7 +95,14 @@ def test_trip_count_from_condition():
   %y = f32[4,8]{1,0} multiply(%x, %x)
   ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%i, %y)
 }
+"""
 
+
+def test_trip_count_from_condition():
+    """XLA:TPU keeps no known_trip_count: the bound is read from the loop's condition."""
+    text = (
+        HEAD
+        + """
 %cond (q: (s32[], f32[4,8])) -> pred[] {
   %q = (s32[], f32[4,8]{1,0}) parameter(0)
   %c = s32[] constant(5)
@@ -109,6 +115,7 @@ ENTRY %main (a: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
   ROOT %w = (s32[], f32[4,8]{1,0}) while(%a), condition=%cond, body=%body
 }
 """
+    )
     program = hlo.parse(text)
     assert program.loops == (("body", 5),)
     assert hlo.total_cost(program).flops == 5 * 32
@@ -118,16 +125,9 @@ ENTRY %main (a: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
 def test_computation_shared_by_two_loops_counts_both():
     """A body two loops share (XLA deduplicates identical computations) runs once per trip
     of each: its count is the sum over call sites of caller count × trips, here 3 + 2·5."""
-    text = """HloModule m
-
-%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
-  %p = (s32[], f32[4,8]{1,0}) parameter(0)
-  %i = s32[] get-tuple-element(%p), index=0
-  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
-  %y = f32[4,8]{1,0} multiply(%x, %x)
-  ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%i, %y)
-}
-
+    text = (
+        HEAD
+        + """
 %cond1 (q: (s32[], f32[4,8])) -> pred[] {
   %q = (s32[], f32[4,8]{1,0}) parameter(0)
   %j = s32[] get-tuple-element(%q), index=0
@@ -161,6 +161,7 @@ ENTRY %main (a: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
   ROOT %o = (s32[], f32[4,8]{1,0}) while(%w0), condition=%cond1, body=%twice
 }
 """
+    )
     program = hlo.parse(text)
     assert program.counts["twice"] == 1
     assert program.counts["body"] == 3 + 5 + 5
