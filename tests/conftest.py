@@ -10,6 +10,30 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5e-8")
 
+
+def _fast_compiles():
+    """The suite compiles thousands of small programs, in its workers and in the lab processes
+    it starts, and compiling is most of its time: LLVM's optimisation of the generated CPU code
+    is skipped (the programs are tiny; numbers do not change) and every process shares one
+    persistent compilation cache for the session, so a program compiled by one test or
+    subprocess is loaded by the next. XLA_FLAGS naming an optimisation level, or
+    JAX_COMPILATION_CACHE_DIR, set by the caller win."""
+    import atexit
+    import shutil
+    import tempfile
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process (xdist's controller)
+        cache = tempfile.mkdtemp(prefix="lab-tests-compile-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = cache  # inherited by workers and subprocesses
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
+_fast_compiles()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -17,18 +41,38 @@ assert len(jax.devices()) == 8  # start the backend now: runs under test cannot 
 
 
 def pytest_collection_modifyitems(config, items):
-    """`slow_plan` tests (big ahead-of-time compiles) run once per CI: on the newest-JAX leg
-    (Python 3.12+), not on the 3.11 / JAX 0.10 leg, whose plans the quick tests already cover.
-    LAB_SLOW_PLANS=1 runs them anywhere, LAB_SLOW_PLANS=0 nowhere."""
+    """CI runs the suite on two legs (.ci/run). The newest-JAX leg (Python 3.12+) runs every
+    test. The oldest leg (Python 3.11, JAX 0.10) proves that every test function works on the
+    old JAX, at a fraction of the cost: of a parametrized test only its first case, and not the
+    tests marked `slow_plan` (big ahead-of-time compiles) or `once` (long multi-process or
+    end-to-end runs whose JAX-facing code shorter tests cover on both legs).
+    LAB_FULL=1 runs everything anywhere, LAB_FULL=0 the short set anywhere; LAB_SLOW_PLANS=1
+    adds the slow plans to the short set, LAB_SLOW_PLANS=0 drops them everywhere."""
     import sys
 
     import pytest
 
-    want = os.environ.get("LAB_SLOW_PLANS")
-    run = sys.version_info >= (3, 12) if want is None else want == "1"
-    if run:
-        return
-    skip = pytest.mark.skip(reason="slow plan: runs on the newest-JAX leg (LAB_SLOW_PLANS=1)")
+    want = os.environ.get("LAB_FULL")
+    full = sys.version_info >= (3, 12) if want is None else want == "1"
+    plans = os.environ.get("LAB_SLOW_PLANS")
+    plans = full if plans is None else plans == "1"
+    skip_plan = pytest.mark.skip(reason="slow plan: runs on the newest-JAX leg (LAB_SLOW_PLANS=1)")
+    skip_once = pytest.mark.skip(reason="long run: runs on the newest-JAX leg (LAB_FULL=1)")
+    skip_case = pytest.mark.skip(
+        reason="a further case of a parametrized test: runs on the newest-JAX leg (LAB_FULL=1)"
+    )
+    first_seen = set()
     for item in items:
         if "slow_plan" in item.keywords:
-            item.add_marker(skip)
+            if not plans:
+                item.add_marker(skip_plan)
+            continue
+        if full:
+            continue
+        if "once" in item.keywords:
+            item.add_marker(skip_once)
+        elif getattr(item, "callspec", None) is not None:
+            function = item.nodeid.split("[")[0]
+            if function in first_seen:
+                item.add_marker(skip_case)
+            first_seen.add(function)

@@ -31,6 +31,7 @@ def tiny_run(tmp_path_factory):
     }
 
 
+@pytest.mark.once
 def test_every_module_runs_tiny_and_answers_its_claims(tiny_run):
     assert tiny_run["rc"] == 0, tiny_run["run"]["modules"]
     modules = tiny_run["run"]["modules"]
@@ -48,6 +49,7 @@ def test_every_module_runs_tiny_and_answers_its_claims(tiny_run):
     assert covered == set(IDS)
 
 
+@pytest.mark.once
 def test_report_table_has_every_claim_and_the_plots(tiny_run):
     text = (tiny_run["dir"] / "REPORT.md").read_text()
     for cid in IDS:
@@ -65,6 +67,7 @@ def test_report_table_has_every_claim_and_the_plots(tiny_run):
         assert f"({png})" in text
 
 
+@pytest.mark.once
 def test_every_verdict_rests_on_records(tiny_run):
     records = tiny_run["records"]
     for v in judge_all(records):
@@ -75,6 +78,7 @@ def test_every_verdict_rests_on_records(tiny_run):
                 assert records[reading.index]["config"]["claim"] == v.claim.id
 
 
+@pytest.mark.once
 def test_article_arithmetic_error_is_reported_with_its_factor(tiny_run):
     """'100 million operations' against XLA's count of 2·10¹² FLOPs: off by 20,000×."""
     text = (tiny_run["dir"] / "REPORT.md").read_text()
@@ -108,6 +112,7 @@ def _relabel(src, dst, backend: str, kind: str):
     return dst
 
 
+@pytest.mark.once
 def test_compare_merges_backends_side_by_side(tiny_run, tmp_path, capsys):
     """A real tiny folder beside two relabelled copies (a TPU and an H100 in name only, to
     exercise the merge): the pair ratios C19 needs appear as derived, multi-backend records."""
@@ -131,6 +136,7 @@ def test_compare_merges_backends_side_by_side(tiny_run, tmp_path, capsys):
     assert compare.main([f"dirs={tmp_path / 'nothing-here'}"]) == 2
 
 
+@pytest.mark.once
 def test_roofline_points_lie_under_their_roofs(tiny_run):
     """One implementation of the ceilings (lab.measure.ceilings) for the ledger and the tool:
     the roofs are the best rates measured, so no point sits above min(peak, I × bandwidth)."""

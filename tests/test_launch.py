@@ -136,6 +136,7 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_pat
     assert not _children(tmp_path)
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("victim", [0, 1])  # process 0 also hosts the coordinator
 def test_sigkill_to_one_process_is_named_and_stops_the_rest(tmp_path, victim):
     proc = _launch(tmp_path)
@@ -150,6 +151,7 @@ def test_sigkill_to_one_process_is_named_and_stops_the_rest(tmp_path, victim):
     assert not _children(tmp_path)
 
 
+@pytest.mark.once
 def test_sigkill_to_the_launcher_takes_its_processes_with_it(tmp_path):
     """They stop like signalled processes (after the same step), although nobody reads
     their output any more, and free the run folder."""

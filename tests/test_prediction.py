@@ -67,6 +67,7 @@ def test_lab_run_prints_and_saves_the_prediction_beside_the_measurement(tmp_path
     assert 0.05 < p["ratio_to_measured"] < 20, p
 
 
+@pytest.mark.once
 def test_cpu_check_fits_on_calibration_and_reports_held_out():
     configs = (
         dict(model="tiny", mesh="1"),

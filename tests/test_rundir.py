@@ -225,6 +225,7 @@ def test_a_signal_on_a_checkpoint_step_saves_once_and_exits_143(tmp_path):
     assert saved in [int(p.name) for p in (tmp_path / "T" / "checkpoints").iterdir()]
 
 
+@pytest.mark.once
 def test_sigterm_to_the_launcher_reaches_its_processes(tmp_path):
     cmd = [sys.executable, "-m", "lab.tools.launch", "processes=2", "mesh=2", *TINY]
     cmd += [f"out_dir={tmp_path}", "name=L", "steps=100000", "checkpoint_every=2"]

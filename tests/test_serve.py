@@ -26,6 +26,7 @@ def _records(folder):
     return [json.loads(line) for line in path.open()]
 
 
+@pytest.mark.once
 def test_random_weights_sweep_records_and_plot(tmp_path, capsys):
     assert serve([*FAST, "batches=2", f"results={tmp_path}"]) == 0
     out = capsys.readouterr().out

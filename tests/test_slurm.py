@@ -89,6 +89,7 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").open()]
 
 
+@pytest.mark.once
 def test_two_slurm_tasks_train_like_one_process(tmp_path):
     """mesh=4x2 over two tasks of four simulated devices each, joined through SLURM's
     variables only, gives the losses of one process with all eight."""

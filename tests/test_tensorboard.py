@@ -103,6 +103,7 @@ def _wait_for_lines(path: Path, lines: int, proc, timeout_s: float = 180):
     raise AssertionError(f"{path} did not reach {lines} lines")
 
 
+@pytest.mark.once
 def test_a_run_stopped_and_resumed_is_one_curve(tmp_path):
     """SIGTERM mid-run, then the newest checkpoint lost (as a kill before it was written would
     leave it): the resume repeats the steps after the older checkpoint, and the curve still

@@ -12,6 +12,7 @@ TINY = ["model=tiny", "seq_len=32"]
 KEYS = {"preset": "tiny", "seq_len": 32}
 
 
+@pytest.mark.once
 def test_search_times_every_candidate_and_names_the_best(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     argv = [*TINY, "remats=none,full", "batches=2,4", "budget=0.05"]
