@@ -136,23 +136,31 @@ def numpy_matmul(n: int = 2048, *, budget_s: float = 1.0) -> dict:
     return {"n": n, "flops": flops, "flops_per_s": flops / result.median_s, **result.as_dict()}
 
 
-def roofs(matmuls: dict, copy_bytes_per_s: float, points) -> tuple[float, float, str]:
-    """(compute roof, memory roof, how the memory roof was set): the best figures measured.
+def memory_roof(copy_bytes_per_s: float, rates: dict[str, float]) -> tuple[float, str | None]:
+    """(memory roof, why it is not the copy kernel's, or None): the best bandwidth measured.
 
     A roof is what the device can be seen to reach: no op may sit above it. The copy kernel
-    sets the memory roof unless an op of the sweep moved bytes faster (a noisy host can
-    slow one measurement and not another), in which case that op's bandwidth is the roof and
-    the note says by how much the copy figure fell short.
-    """
+    sets the memory roof unless an op (`rates`: name → bytes/s) moved bytes faster (a noisy
+    host can slow one measurement and not another), in which case that op's bandwidth is the
+    roof and the note (a phrase: "set by <note>") names it and says by how much the copy
+    figure fell short."""
+    name, best = max(rates.items(), key=lambda kv: kv[1], default=("", 0.0))
+    if best <= copy_bytes_per_s:
+        return copy_bytes_per_s, None
+    short = 1 - copy_bytes_per_s / best
+    return best, (
+        f"{name}, which moved bytes faster (the copy figure is {short:.0%} below it: a noisy host?)"
+    )
+
+
+def roofs(matmuls: dict, copy_bytes_per_s: float, points) -> tuple[float, float, str]:
+    """(compute roof, memory roof, how the memory roof was set): the best figures measured
+    (`memory_roof`: an op of the sweep that moved bytes faster than the copy kernel raises
+    the memory roof to its own rate)."""
     floats = [m["flops_per_s"] for (dtype, _), m in matmuls.items() if dtype not in ACCUMULATE]
     peak = max(floats + [p.flops_per_s for p in points])
-    best = max(points, key=lambda p: p.bytes / p.median_s, default=None)
-    best_bw = best.bytes / best.median_s if best else 0.0
-    if best_bw <= copy_bytes_per_s:
-        return peak, copy_bytes_per_s, "the copy kernel's (y = x·s)"
-    short = 1 - copy_bytes_per_s / best_bw
-    note = f"{best.name} moved bytes faster; the copy figure is {short:.0%} below it (noisy host?)"
-    return peak, best_bw, note
+    bandwidth, note = memory_roof(copy_bytes_per_s, {p.name: p.bytes / p.median_s for p in points})
+    return peak, bandwidth, note or "the copy kernel's (y = x·s)"
 
 
 def copy_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0, cached: bool = False):

@@ -610,21 +610,17 @@ def matmul_lines(points: list[dict]) -> list[str]:
 
 
 def best_roofs(roofs: Roofs, points: list[dict]) -> Roofs:
-    """The memory roof as the best bandwidth measured, as the ledger defines it: a decode step
-    that moved bytes faster than the copy kernel (a busy host slows one measurement and not
-    another) raises the roof to its own rate, and every point's share is taken against it, so
-    no point sits above its roof."""
-    best = max(points, key=lambda p: p["bytes_per_s"], default=None)
-    if best is None or best["bytes_per_s"] <= roofs.bandwidth:
+    """The memory roof as the best bandwidth measured, as the ledger defines it
+    (ceilings.memory_roof): a decode step that moved bytes faster than the copy kernel raises
+    the roof to its own rate, and every point's share is taken against it, so no point sits
+    above its roof."""
+    rates = {f"decode at batch {p['batch']}": p["bytes_per_s"] for p in points}
+    bandwidth, how = ceilings.memory_roof(roofs.bandwidth, rates)
+    if how is None:
         return roofs
-    short = 1 - roofs.bandwidth / best["bytes_per_s"]
-    how = (
-        f"decode at batch {best['batch']}, which moved bytes faster (the copy figure is "
-        f"{short:.0%} below it: a noisy host?)"
-    )
     for p in points:
-        p["memory_roof_share"] = p["bytes_per_s"] / best["bytes_per_s"]
-    return dataclasses.replace(roofs, bandwidth=best["bytes_per_s"], how=how)
+        p["memory_roof_share"] = p["bytes_per_s"] / bandwidth
+    return dataclasses.replace(roofs, bandwidth=bandwidth, how=how)
 
 
 def summarise(session: Session, out: dict) -> dict:
