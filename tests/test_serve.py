@@ -303,3 +303,17 @@ def test_a_run_of_every_strategy_is_served(strategy, tmp_path):
         logits, _ = dec.prefill(params, prompts, np.full((4,), 6, np.int32), dec.empty_cache())
     full = _plain_forward(s.cfg.model)(jax.device_get(params), prompts)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, -1]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_prefill_says_how_long_a_run_takes_at_least():
+    """A 100,000-token prompt on the tiny model is minutes a run on a CPU: the progress label
+    says so (FLOPs and a floor at the measured peak) instead of standing still unexplained."""
+    from lab.config import make_config
+    from lab.studies.serving import prefill_estimate
+
+    model = make_config(model="tiny").model
+    assert prefill_estimate(model, 1, 128, peak_flops=50e9) == ""
+    long = prefill_estimate(model, 1, 100_000, peak_flops=50e9)
+    flops = float(long.split("(")[1].split()[0].replace(",", "")) * 1e12
+    minutes = float(long.split("at least ")[1].split()[0].replace(",", ""))
+    assert flops > 1e12 and minutes == pytest.approx(flops / 50e9 / 60, rel=0.05), long

@@ -344,6 +344,23 @@ def decode_point(
     }
 
 
+def prefill_estimate(model, batch: int, prompt_len: int, peak_flops: float) -> str:
+    """A long prompt's prefill can take minutes per run on a CPU (attention grows with the
+    square of the prompt): its FLOPs and the seconds one run takes at the measured matmul
+    peak (a floor), so a progress bar that stands still for long says why. Empty when short."""
+    flops = (
+        batch
+        * prompt_len
+        * cost.transformer_flops_per_token(
+            nonembed_params(model), model.n_layers, prompt_len, model.d_model, training=False
+        )
+    )
+    seconds = flops / peak_flops
+    if seconds < 10:
+        return ""
+    return f" ({flops / 1e12:,.1f} TFLOP: at least {seconds / 60:,.1f} min a run at the peak)"
+
+
 def prefill_point(session, params, *, batch, prompt_len, budget_s):
     model = session.cfg.model
     dec = make_decoder(session, params, batch=batch, max_len=prompt_len, int8_cache=False)
@@ -530,7 +547,7 @@ def measure(session: Session, params, plan: Plan, *, progress=None) -> dict:
     roofs = measure_roofs(model.dtype, budget_s=plan.budget_s)
     out = {"roofs": roofs, "prefill": [], "decode": [], "decode_int8": [], "int8": None}
     for b in plan.prefill_batches:
-        tick(f"prefill batch {b}")
+        tick(f"prefill batch {b}{prefill_estimate(model, b, plan.prompt_len, roofs.peak_flops)}")
         out["prefill"].append(
             prefill_point(
                 session, params, batch=b, prompt_len=plan.prompt_len, budget_s=plan.budget_s
