@@ -4,8 +4,9 @@ use against the FFI headers jaxlib ships (`jax.ffi.include_dir()`), and loaded w
 The system C++ compiler (`$CXX`, else c++ / g++ / clang++) builds each source into
 `~/.cache/lab-kernels/<key>/` (or `$LAB_KERNEL_CACHE`), keyed by the source, the flags, the
 compiler, jaxlib's version and the host CPU; a file lock and an atomic rename let parallel test
-workers share one build. `-O3 -march=native` first, falling back to a portable `-O3` build. No
-compiler, or a failed build: one line on stderr and `build` returns None, so the caller keeps
+workers share one build. `-O3 -march=native` first, falling back to a portable `-O3` build
+(LAB_KERNEL_SANITIZE=1: an AddressSanitizer and UndefinedBehaviorSanitizer build instead, for
+the tests). No compiler, or a failed build: one line on stderr and `build` returns None, so the caller keeps
 its JAX kernels.
 """
 
@@ -25,6 +26,10 @@ import jax
 
 FLAGS = ["-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-w"]
 NATIVE, PORTABLE = ["-O3", "-march=native"], ["-O3"]
+# LAB_KERNEL_SANITIZE=1: AddressSanitizer and UndefinedBehaviorSanitizer builds, any error
+# fatal, for the kernel tests (tests/test_sanitizers.py); the process must preload libasan.
+SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=all"]  # fmt: skip
 
 
 def compiler() -> str | None:
@@ -57,7 +62,10 @@ def compile_library(cxx: str, opt: list[str], source: Path, out: Path, what: str
     print(f"lab: building the {what} once ({' '.join(opt)}) → {out}", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
-        done = subprocess.run([*cmd, str(partial), "-lpthread"], capture_output=True, text=True)
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # a sanitized parent
+        done = subprocess.run(
+            [*cmd, str(partial), "-lpthread"], capture_output=True, text=True, env=env
+        )
         if done.returncode:
             errors = [x for x in done.stderr.splitlines() if "error" in x] or ["failed"]
             return errors[0].strip()
@@ -82,6 +90,8 @@ def build(
               file=sys.stderr)  # fmt: skip
         return None
     attempts = [PORTABLE] if portable else [NATIVE, PORTABLE]
+    if os.environ.get("LAB_KERNEL_SANITIZE") == "1":
+        attempts = [SANITIZE]
     error = None
     for opt in attempts:
         key = hashlib.sha256()
