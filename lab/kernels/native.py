@@ -6,8 +6,8 @@ The system C++ compiler (`$CXX`, else c++ / g++ / clang++) builds each source in
 compiler, jaxlib's version and the host CPU; a file lock and an atomic rename let parallel test
 workers share one build. `-O3 -march=native` first, falling back to a portable `-O3` build
 (LAB_KERNEL_SANITIZE=1: an AddressSanitizer and UndefinedBehaviorSanitizer build instead, for
-the tests). No compiler, or a failed build: one line on stderr and `build` returns None, so the caller keeps
-its JAX kernels.
+the tests). No compiler, or a failed build: one line on stderr and `build` returns None, so
+the caller keeps its JAX kernels.
 """
 
 import fcntl
