@@ -180,6 +180,9 @@ def test_the_memory_roof_is_the_best_bandwidth_measured():
     assert raised.bandwidth == 24.7e9 and "batch 1" in raised.how
     assert max(p["memory_roof_share"] for p in points) == 1.0
     assert points[1]["memory_roof_share"] == pytest.approx(12 / 24.7)
+    # an int8 step at the same batch, slower, after it: the float step's rate still sets it
+    both = [dict(points[0]), {"batch": 1, "bytes_per_s": 20e9, "int8_weights": True}]
+    assert best_roofs(roofs, both).bandwidth == 24.7e9
 
 
 def test_a_damaged_run_is_a_few_lines_not_a_flood(tmp_path):

@@ -22,9 +22,8 @@ Roles and what the analytic model assumes (scaling-book style, per step):
                     the backward; XLA instead keeps the gathered weight live when nothing
                     forces it out, and re-gathers only weights of rematerialised or scanned
                     blocks (a scan's backward loop saves the sharded weight, not the
-                    gathered one). The
-                    expectation is that rule; the range runs from forward-only to
-                    forward+backward for everything.
+                    gathered one). The expectation is that rule; the range runs from
+                    forward-only to forward+backward for everything.
   activation        tensor parallel (Megatron): an all-reduce of B·L·D activations after each
   all-reduce        row-parallel matmul (attention out, MLP down: 2 per layer forward), after
                     the vocab-parallel embedding lookup, and in the backward one per

@@ -631,7 +631,10 @@ def best_roofs(roofs: Roofs, points: list[dict]) -> Roofs:
     (ceilings.memory_roof): a decode step that moved bytes faster than the copy kernel raises
     the roof to its own rate, and every point's share is taken against it, so no point sits
     above its roof."""
-    rates = {f"decode at batch {p['batch']}": p["bytes_per_s"] for p in points}
+    rates: dict[str, float] = {}
+    for p in points:  # float and int8 steps share batch sizes: the best rate under each name
+        name = f"decode at batch {p['batch']}" + (" (int8)" if p.get("int8_weights") else "")
+        rates[name] = max(rates.get(name, 0.0), p["bytes_per_s"])
     bandwidth, how = ceilings.memory_roof(roofs.bandwidth, rates)
     if how is None:
         return roofs
