@@ -14,7 +14,7 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5e-8")
 def _fast_compiles():
     """The suite compiles thousands of small programs, in its workers and in the lab processes
     it starts, and compiling is most of its time: LLVM's optimisation of the generated CPU code
-    is skipped (the programs are tiny; numbers do not change) and every process shares one
+    is skipped (the programs are tiny; the HLO under test is unchanged) and every process shares one
     persistent compilation cache for the session, so a program compiled by one test or
     subprocess is loaded by the next. XLA_FLAGS naming an optimisation level, or
     JAX_COMPILATION_CACHE_DIR, set by the caller win."""
