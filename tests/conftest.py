@@ -16,7 +16,7 @@ def _fast_compiles():
     it starts, and compiling is most of its time: LLVM's optimisation of the generated CPU code
     is skipped (the programs are tiny; the HLO under test is unchanged) and every process shares one
     persistent compilation cache for the session, so a program compiled by one test or
-    subprocess is loaded by the next. XLA_FLAGS naming an optimisation level, or
+    subprocess is loaded by the next (a damaged entry is compiled afresh). XLA_FLAGS naming an optimisation level, or
     JAX_COMPILATION_CACHE_DIR, set by the caller win."""
     import atexit
     import shutil
@@ -30,6 +30,16 @@ def _fast_compiles():
         os.environ["JAX_COMPILATION_CACHE_DIR"] = cache  # inherited by workers and subprocesses
         atexit.register(shutil.rmtree, cache, ignore_errors=True)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    # JAX writes cache entries in place, not atomically: a process a test kills or limits
+    # (SIGKILL, RLIMIT_FSIZE) can leave a truncated entry, and a worker can read one another is
+    # still writing. JAX then compiles afresh and warns on stderr, which tests of the lab's
+    # one-line errors read; the warning is about the test harness's cache, so it is filtered.
+    quiet = [
+        f"ignore:Error {verb} persistent compilation cache entry:UserWarning"
+        for verb in ("reading", "writing")
+    ]
+    filters = [f for f in os.environ.get("PYTHONWARNINGS", "").split(",") if f]
+    os.environ["PYTHONWARNINGS"] = ",".join(filters + [q for q in quiet if q not in filters])
 
 
 _fast_compiles()
