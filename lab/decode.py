@@ -292,6 +292,21 @@ def unstack_layers(params, n_layers: int):
     return out
 
 
+def param_shardings(shardings, params):
+    """Shardings of `params` whose matmul weights may be int8 (quant.Int8Weight), from the
+    float weights' `shardings`: the codes take the float weight's sharding; the scales the
+    same, except on their contracted axes (size 1), which are never split."""
+
+    def one(sh, p):
+        if not isinstance(p, quant.Int8Weight):
+            return sh
+        spec = tuple(sh.spec) + (None,) * (p.scale.ndim - len(sh.spec))
+        kept = [a if n > 1 else None for a, n in zip(spec, p.scale.shape, strict=True)]
+        return quant.Int8Weight(sh, NamedSharding(sh.mesh, P(*kept)))
+
+    return jax.tree.map(one, shardings, params, is_leaf=lambda x: isinstance(x, quant.Int8Weight))
+
+
 def batch_multiple(trainer) -> int:
     """Devices the batch is split over (the rules' batch axes): every serving batch is a
     multiple of it."""

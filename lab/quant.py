@@ -264,6 +264,12 @@ def matmul(eqn: str, x, w, dtype, out_dtype=None):
     return jnp.einsum(eqn, x.astype(dtype), w.astype(dtype))
 
 
+def is_int8(params) -> bool:
+    """Whether any matmul weight of `params` is int8 (an Int8Weight)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int8Weight))
+    return any(isinstance(x, Int8Weight) for x in leaves)
+
+
 def weight_bytes(params) -> int:
     """Bytes the matmuls and the lookup read: int8 codes and their scales, or floats."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

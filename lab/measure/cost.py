@@ -8,7 +8,9 @@ divide by a measured time to get FLOP/s.
 
 import math
 
-from lab.measure import hlo
+import jax.numpy as jnp
+
+from lab.measure import hlo, memory
 
 # Keys of XLA's per-program cost dict that are totals (the rest are per-operand details
 # such as "bytes accessed0{}").
@@ -150,6 +152,69 @@ def gpt3_training_flops(n_params: float, n_tokens: float) -> float:
     GPT-3 175B on 300B tokens: 6 × 175e9 × 300e9 = 3.15e23 FLOPs.
     """
     return 6.0 * n_params * n_tokens
+
+
+# ------------------------------------------------------------------------------- serving
+# What a decode step of the lab's transformer must move and compute (MaxText's inference
+# microbenchmark, the scaling book's inference chapter); `model` is a ModelConfig.
+
+
+def nonembed_params(model) -> int:
+    """Parameters that do FLOPs: all but an untied input embedding table (a lookup)."""
+    embed = model.vocab_size * model.d_model
+    return memory.lab_param_count(model) - (0 if model.tie_embeddings else embed)
+
+
+def weight_read_bytes(weight_bytes: int, batch: int, *, table_bytes: int = 0, table_rows=1):
+    """Bytes of weights one forward step of `batch` sequences reads: all `weight_bytes` but
+    an untied embedding table's `table_bytes`, plus the B rows a lookup takes from it. A tied
+    table (table_bytes 0) is read whole: it is also the head."""
+    return int(weight_bytes - table_bytes + batch * (table_bytes // table_rows))
+
+
+def step_flops(model, batch: int, slots: int) -> float:
+    """B · (2·N + 4·layers·S·d_model): one token per sequence against S cache slots."""
+    return batch * transformer_flops_per_token(
+        nonembed_params(model), model.n_layers, slots, model.d_model, training=False
+    )
+
+
+def prefill_flops(model, batch: int, prompt_len: int) -> float:
+    """B · P · (2·N + 4·layers·P·d_model): every prompt token against the whole prompt (the
+    causal mask not halved, as transformer_flops_per_token counts it)."""
+    return (
+        batch
+        * prompt_len
+        * transformer_flops_per_token(
+            nonembed_params(model), model.n_layers, prompt_len, model.d_model, training=False
+        )
+    )
+
+
+def critical_batch(weight_bytes: float, flops_per_seq: float, cache_per_seq: float, ridge):
+    """The batch where a decode step's intensity reaches the ridge, or inf where the cache's
+    bytes grow as fast as the FLOPs (attention-dominated: never compute-bound).
+
+    Intensity B·f / (W + B·c) = ridge solves to B* = ridge · W / (f − ridge · c), with W the
+    weight bytes, f the FLOPs and c the cache bytes per sequence."""
+    denominator = flops_per_seq - ridge * cache_per_seq
+    return math.inf if denominator <= 0 else ridge * weight_bytes / denominator
+
+
+def serving_peak_bytes(
+    model, *, decode_batch: int, slots: int, prefill_batch: int, prompt_len: int
+) -> dict[str, float]:
+    """Bytes a serving study holds at its peak, by part: the float32 weights, the KV cache of
+    `decode_batch` sequences (keys and values of every layer, every one of `slots`, in the
+    compute dtype) and the prefill's logits of `prefill_batch` prompts ([B, P, vocab]
+    float32)."""
+    itemsize = jnp.dtype(model.dtype).itemsize
+    per_slot = 2 * model.n_layers * model.n_kv_heads * model.head_dim * itemsize
+    return {
+        "weights": float(nonembed_params(model) + model.vocab_size * model.d_model) * 4,
+        "cache": float(per_slot * decode_batch * slots),
+        "prefill logits": 4.0 * prefill_batch * prompt_len * model.vocab_size,
+    }
 
 
 def arithmetic_intensity(flops: float, bytes_accessed: float) -> float:
