@@ -37,8 +37,10 @@ from lab import plans
 from lab.config import make_config
 from lab.errors import ConfigError
 from lab.measure import cost, memory, specs
+from lab.measure.serving import Study
 from lab.session import open_session
-from lab.studies import serving
+from lab.studies.serving import compiled, study, weights
+from lab.studies.serving.records import to_records
 
 CLAIMS = ("C16", "C18", "C21", "C22")
 
@@ -205,13 +207,14 @@ C22_BATCH, C22_CONTEXT = 1, 4096  # the stated batch and context of the 70B serv
 HBM_USE = 0.9  # share of a card's memory a server fills (the rest: runtime, fragmentation)
 
 
-def _serving_study(size: str) -> dict:
+def _serving_study(size: str) -> tuple[Study, str, str]:
     """lab.studies.serving on the backend present: the `base` preset from quick on (weights
-    several times a CPU's last-level cache), tiny for the test suite."""
+    several times a CPU's last-level cache), tiny for the test suite; (the study, the preset,
+    where its weights came from)."""
     preset = pick(size, tiny="tiny", quick="base", full="base")
     session = open_session(make_config(preset=preset, steps=0, backend=backend()))
-    session, params, source = serving.load_params(session, None, seed=0)
-    plan = serving.Plan(
+    session, params, source = weights.load_params(session, None, seed=0)
+    plan = study.Plan(
         batches=pick(size, tiny=(1, 2), quick=(1, 4, 16), full=(1, 2, 4, 8, 16, 32, 64)),
         prefill_batches=pick(size, tiny=(1,), quick=(1,), full=(1, 4)),
         prompt_len=pick(size, tiny=8, quick=128, full=128),
@@ -219,42 +222,40 @@ def _serving_study(size: str) -> dict:
         budget_s=pick(size, tiny=0.01, quick=0.3, full=1.0),
         int8=size == "full",
     )
-    out = serving.measure(session, params, plan)
-    out["preset"], out["source"] = preset, source
-    return out
+    return study.measure(session, params, plan), preset, source
 
 
-def _serving_records(out: dict) -> list[dict]:
+def _serving_records(out: Study, preset: str, source: str) -> list[dict]:
     """The study's own records (the decode plot's series) and C21/C22's measured evidence."""
-    config = {"preset": out["preset"], "weights": out["source"], "claim": "C21", "metric": None}
-    recs = serving.to_records(out, {**config, "role": "context"})
-    s, roofs = out["summary"], out["roofs"]
-    one = min(out["decode"], key=lambda r: r["batch"])
+    config = {"preset": preset, "weights": source, "claim": "C21", "metric": None}
+    recs = to_records(out, {**config, "role": "context"})
+    s, roofs = out.summary, out.roofs
+    one = min(out.decode, key=lambda r: r.batch)
     recs.append(
         record(
             "C21",
             "output_input_cost_ratio",
-            f"prefill tokens/s over decode tokens/s, best batch of each ({out['preset']})",
-            s["output_input_cost_ratio"],
+            f"prefill tokens/s over decode tokens/s, best batch of each ({preset})",
+            s.output_input_cost_ratio,
             "×",
             label="derived",
-            prefill=s["best_prefill"]["tokens_per_s"],
-            prefill_batch=s["best_prefill"]["batch"],
-            decode=s["best_decode"]["tokens_per_s"],
-            decode_batch=s["best_decode"]["batch"],
-            batch1_ratio=s["output_input_cost_ratio_batch1"],
+            prefill=s.best_prefill.tokens_per_s,
+            prefill_batch=s.best_prefill.batch,
+            decode=s.best_decode.tokens_per_s,
+            decode_batch=s.best_decode.batch,
+            batch1_ratio=s.output_input_cost_ratio_batch1,
         )
     )
     recs.append(
         record(
             "C21",
             None,
-            f"decode at batch 1 ({out['preset']}): achieved bandwidth over the memory roof",
-            one["memory_roof_share"],
+            f"decode at batch 1 ({preset}): achieved bandwidth over the memory roof",
+            one.memory_roof_share,
             "×",
             label="derived",
             role="context",
-            bytes_per_s=one["bytes_per_s"],
+            bytes_per_s=one.bytes_per_s,
             memory_roof=roofs.bandwidth,
         )
     )
@@ -262,13 +263,13 @@ def _serving_records(out: dict) -> list[dict]:
         record(
             "C22",
             "decode_intensity_over_ridge",
-            f"decode at batch 1 ({out['preset']}): FLOPs per byte over the ridge point",
-            one["intensity"] / roofs.ridge,
+            f"decode at batch 1 ({preset}): FLOPs per byte over the ridge point",
+            one.intensity / roofs.ridge,
             "×",
             label="derived",
-            intensity=one["intensity"],
+            intensity=one.intensity,
             ridge=roofs.ridge,
-            memory_roof_share=one["memory_roof_share"],
+            memory_roof_share=one.memory_roof_share,
         )
     )
     return recs
@@ -293,17 +294,17 @@ def _decode_rate(name: str, gpus: int, bandwidth_share: float, key: str = "h100-
     )["total"]
     step_s = max(
         per_gpu / (spec.memory_bandwidth * bandwidth_share),
-        serving.step_flops(model, batch, SERVE_CONTEXT) / (gpus * peak),
+        cost.step_flops(model, batch, SERVE_CONTEXT) / (gpus * peak),
     )
     return {"batch": batch, "tokens_per_s": batch / step_s, "bytes_per_gpu": per_gpu}
 
 
-def _output_token_cost(out: dict, mfu: float) -> list[dict]:
+def _output_token_cost(out: Study, mfu: float) -> list[dict]:
     """C18, C21: $ per 1M output tokens, Llama-2 7B and 70B decode on H100s at the share of
     the memory roof decode reached here, and output over input cost (predicted)."""
     key = "h100-sxm"
     spec = specs.SPECS[key]
-    share = min(1.0, min(out["decode"], key=lambda r: r["batch"])["memory_roof_share"])
+    share = min(1.0, min(out.decode, key=lambda r: r.batch).memory_roof_share)
     peak, dtype = accel_peak(key)
     recs = []
     for name, metric in (
@@ -410,7 +411,7 @@ def _serving_plan_70b_int8() -> list[dict]:
         plans.parse_target(target)
         cfg = make_config(preset="llama2-70b", param_dtype="bfloat16", target=target)
         session = open_session(cfg)
-        r = serving.plan_serving(session, batch=C22_BATCH, context=C22_CONTEXT, int8=True)
+        r = compiled.plan_serving(session, batch=C22_BATCH, context=C22_CONTEXT, int8=True)
     except ConfigError as e:  # no CUDA plugin or ptxas here: the calculator stands alone
         return [
             record(
@@ -423,7 +424,7 @@ def _serving_plan_70b_int8() -> list[dict]:
                 role="context",
             )
         ]
-    got = (r["compiled"] or {}).get("total_bytes")
+    got = r.compiled_bytes
     return [
         record(
             "C22",
@@ -434,8 +435,8 @@ def _serving_plan_70b_int8() -> list[dict]:
             "B",
             label="compiled, not run",
             target="h100-sxm",
-            predicted=r["predicted"]["total"],
-            compile_s=r["compile_s"],
+            predicted=r.predicted["total"],
+            compile_s=r.compile_s,
         )
     ]
 
@@ -444,11 +445,11 @@ def run(size: str = "quick", plans: bool | None = None) -> list[dict]:
     rows = _sweep(size)
     best = max(rows, key=lambda r: r["flops_per_s"])
     mfu = best["flops_per_s"] / mfu_peak(size)
-    out = _serving_study(size)
+    out, preset, source = _serving_study(size)
     recs = (
         _classifier_requests_per_s(rows, mfu)
         + _input_token_cost(mfu)
-        + _serving_records(out)
+        + _serving_records(out, preset, source)
         + _output_token_cost(out, mfu)
     )
     recs += _serving_memory_70b()

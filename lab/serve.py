@@ -10,7 +10,7 @@ speed). A trained byte-level model (data=text) also prints a generated sample. W
 `target=tpu:...` or `target=gpu:...` the decode step is compiled for that slice instead
 (weights + cache per device against HBM, float and int8): compiled, not run.
 
-Takes every key of lab.run (model, mesh, dtype, attention, ...). See lab/studies/serving.py.
+Takes every key of lab.run (model, mesh, dtype, attention, ...). See lab/studies/serving/.
 """
 
 import dataclasses
@@ -24,7 +24,8 @@ from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.report import plots, progress, tables
 from lab.session import open_session
-from lab.studies import serving
+from lab.studies.serving import compiled, sample, study, weights
+from lab.studies.serving import records as serving_records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,7 @@ def _session(o: Options, keys: dict):
             raise ConfigError(
                 f"run={o.run}: no run folder {run_dir} (out_dir= says where runs are)"
             )
-        return open_session(request=serving.serving_request(run_dir, keys)), run_dir
+        return open_session(request=weights.serving_request(run_dir, keys)), run_dir
     keys = {"preset": "base", **keys}
     return open_session(keys={**keys, "steps": 0}), None
 
@@ -78,15 +79,15 @@ def _plan(o: Options, s, con) -> int:
     rows = []
     for int8 in (False, True) if o.int8 else (False,):
         con.print(f"compiling the decode step for {s.cfg.target} ({'int8' if int8 else 'float'}) …")
-        rows.append(serving.plan_serving(s, batch=o.plan_batch, context=o.plan_context, int8=int8))
+        rows.append(compiled.plan_serving(s, batch=o.plan_batch, context=o.plan_context, int8=int8))
     r = rows[0]
     title = (
-        f"serving plan · {s.cfg.target} ({r['device_kind']} × {r['devices']}) · "
+        f"serving plan · {s.cfg.target} ({r.device_kind} × {r.devices}) · "
         f"model={s.cfg.preset} params {s.cfg.model.param_dtype} · compiled, not run"
     )
     con.print(tables.serving_plans(rows, title))
     config = {"preset": s.cfg.preset, "mesh": s.cfg.mesh, "target": s.cfg.target}
-    recs = serving.plan_records(rows, config)
+    recs = serving_records.plan_records(rows, config)
     stem = rec.output_stem(o.results, "serve-plan")
     con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
     return 0
@@ -106,9 +107,9 @@ def run(o: Options, keys: dict) -> int:
     if s.cfg.target:
         rec.writable_dir(o.results)  # refused before the compile, not after
         return _plan(o, s, con)
-    serving.check_batches(s, (*o.batches, *o.prefill_batches))  # before any weights are made
+    study.check_batches(s, (*o.batches, *o.prefill_batches))  # before any weights are made
     stem = rec.output_stem(o.results, "serve")  # a folder that cannot be written: refused now
-    study = serving.Plan(
+    plan = study.Plan(
         o.batches,
         o.prefill_batches,
         o.prompt_len,
@@ -118,13 +119,13 @@ def run(o: Options, keys: dict) -> int:
         o.seed,
         context=o.context,
     )
-    serving.check_memory(s, study)  # before weights, cache or prompts are made
-    s, params, source = serving.load_params(s, run_dir, o.seed, warn=con.print)
+    study.check_memory(s, plan)  # before weights, cache or prompts are made
+    s, params, source = weights.load_params(s, run_dir, o.seed, warn=con.print)
     con.print(f"  weights   {source}")
     trained_text = run_dir is not None and s.cfg.data == "text" and s.cfg.model.vocab_size == 256
     if o.sample and trained_text:
         prompt = o.prompt or bytes(data.corpus_bytes()[:64]).decode("utf-8", "replace")
-        text = serving.sample_text(
+        text = sample.sample_text(
             s, params, prompt=prompt, tokens=o.sample, temperature=o.temperature, seed=o.seed
         )
         con.print(
@@ -137,19 +138,19 @@ def run(o: Options, keys: dict) -> int:
         def tick(label):
             bar.update(task, description=label[:28], advance=0 if label.startswith("roofs") else 1)
 
-        out = serving.measure(s, params, study, progress=tick)
+        out = study.measure(s, params, plan, progress=tick)
         bar.update(task, completed=n)
     what = f"model={s.cfg.preset}, prompt {o.prompt_len}, {s.info.header()}"
-    con.print(tables.serving_prefill(out["prefill"], f"prefill · {what}"))
-    rows = out["decode"] + out["decode_int8"]
-    con.print(tables.serving_decode(rows, f"decode · {what}", ridge=out["roofs"].ridge))
-    for line in serving.matmul_lines(rows):  # which matmul each point kept, and the others
+    con.print(tables.serving_prefill(out.prefill, f"prefill · {what}"))
+    rows = out.decode + out.decode_int8
+    con.print(tables.serving_decode(rows, f"decode · {what}", ridge=out.roofs.ridge))
+    for line in tables.serving_matmuls(rows):  # which matmul each point kept, and the others
         con.print(f"  matmul  {line}")
-    for line in serving.torch_lines(out["torch"]):  # the peer, where PyTorch is installed
+    for line in tables.serving_peers(out.torch):  # the peer, where PyTorch is installed
         con.print(f"  peer    {line}")
-    if out["int8"]:
-        con.print(tables.serving_int8(out["int8"], out["summary"].get("int8_speedup", {})))
-    con.print(tables.serving_summary(out["summary"], out["roofs"]))
+    if out.int8:
+        con.print(tables.serving_int8(out.int8, out.summary.int8_speedup))
+    con.print(tables.serving_summary(out.summary, out.roofs))
     config = {
         "preset": s.cfg.preset,
         "mesh": s.cfg.mesh,
@@ -157,7 +158,7 @@ def run(o: Options, keys: dict) -> int:
         "weights": source,
         "prompt_len": o.prompt_len,
     }
-    recs = serving.to_records(out, config)
+    recs = serving_records.to_records(out, config)
     con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
     if o.plot:
         con.print(f"plot    → {plots.decode(recs, stem.with_suffix('.png'))}")

@@ -167,22 +167,29 @@ def test_an_unwritable_results_folder_is_refused_before_measuring(tmp_path, caps
 def test_the_memory_roof_is_the_best_bandwidth_measured():
     """As in the ledger: a decode step faster than the copy kernel raises the roof, so no
     point sits above it; otherwise the copy kernel's figure stands."""
-    from lab.studies.serving import Roofs, best_roofs
+    from lab.measure.serving import DecodePoint, Roofs
+    from lab.measure.timing import BenchResult
+    from lab.studies.serving.roofs import against, best_roofs
+
+    def point(batch, bytes_per_s, int8=False):
+        """A decode step that moved 1 GB per second's `bytes_per_s` (a 1e9-byte step)."""
+        bench = BenchResult(1e9 / bytes_per_s, 0.0, 0.0, 3, 0.0)
+        return DecodePoint(batch, int8, int8, "xla", bench, int(1e9), 0, 1.0, 1, 1, 10e9)
 
     roofs = Roofs(bandwidth=10e9, peak_flops=1e11, dtype="float32", copy={"bytes_per_s": 10e9})
-    slow = [{"batch": 1, "bytes_per_s": 8e9, "memory_roof_share": 0.8}]
+    slow = [point(1, 8e9)]
+    assert slow[0].memory_roof_share == pytest.approx(0.8)
     assert best_roofs(roofs, slow) is roofs
-    points = [
-        {"batch": 1, "bytes_per_s": 24.7e9, "memory_roof_share": 2.47},
-        {"batch": 8, "bytes_per_s": 12e9, "memory_roof_share": 1.2},
-    ]
+    points = [point(1, 24.7e9), point(8, 12e9)]
+    assert points[0].memory_roof_share == pytest.approx(2.47)
     raised = best_roofs(roofs, points)
-    assert raised.bandwidth == 24.7e9 and "batch 1" in raised.how
-    assert max(p["memory_roof_share"] for p in points) == 1.0
-    assert points[1]["memory_roof_share"] == pytest.approx(12 / 24.7)
+    assert raised.bandwidth == pytest.approx(24.7e9) and "batch 1" in raised.how
+    points = against(points, raised)
+    assert max(p.memory_roof_share for p in points) == pytest.approx(1.0)
+    assert points[1].memory_roof_share == pytest.approx(12 / 24.7)
     # an int8 step at the same batch, slower, after it: the float step's rate still sets it
-    both = [dict(points[0]), {"batch": 1, "bytes_per_s": 20e9, "int8_weights": True}]
-    assert best_roofs(roofs, both).bandwidth == 24.7e9
+    both = [points[0], point(1, 20e9, int8=True)]
+    assert best_roofs(roofs, both).bandwidth == pytest.approx(24.7e9)
 
 
 def test_a_damaged_run_is_a_few_lines_not_a_flood(tmp_path):
@@ -281,15 +288,15 @@ def test_a_run_of_every_strategy_is_served(strategy, tmp_path):
 
     from lab import decode, serve
     from lab.model import natural_layers
-    from lab.studies import serving
+    from lab.studies.serving import study, weights
 
     keys = {"preset": "tiny", "batch_size": 8, "seq_len": 16, "attention": "naive"}
     trained, saved = _saved_run(tmp_path / "r", {**keys, **STRATEGIES[strategy]})
     assert trained.cfg.strategy == strategy.replace("circular", "pp")
     o = serve.Options(run="r", batches=(4,), prefill_batches=(4,))
     s, run_dir = serve._session(o, {"out_dir": str(tmp_path)})
-    serving.check_batches(s, (4,))
-    s, params, source = serving.load_params(s, run_dir, 0)
+    study.check_batches(s, (4,))
+    s, params, source = weights.load_params(s, run_dir, 0)
     assert source == "run r, step 1" and not s.cfg.model.scan_layers
     assert s.cfg.strategy in ("dp", "fsdp", "tp", "fsdp+tp")
     stages = dict(trained.trainer.mesh.shape).get("stage", 1)
@@ -312,7 +319,7 @@ def test_a_long_prefill_says_how_long_a_run_takes_at_least():
     """A 100,000-token prompt on the tiny model is minutes a run on a CPU: the progress label
     says so (FLOPs and a floor at the measured peak) instead of standing still unexplained."""
     from lab.config import make_config
-    from lab.studies.serving import prefill_estimate
+    from lab.studies.serving.points import prefill_estimate
 
     model = make_config(model="tiny").model
     assert prefill_estimate(model, 1, 128, peak_flops=50e9) == ""

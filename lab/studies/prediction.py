@@ -172,7 +172,6 @@ def _serve_program(point: dict) -> dict:
     batch over a cache of `plan_context` slots) or its prefill (`prompt_len` tokens), compiled
     for the target with the weights sharded as lab.serve shards them (unscanned layers)."""
     from lab import decode, quant
-    from lab.studies import serving
 
     lc = point["lab_config"]
     keys = {k: v for k, v in lc.items() if k not in SERVE_KEYS}
@@ -182,7 +181,7 @@ def _serve_program(point: dict) -> dict:
     abstract = t.abstract_state.params
     if lc.get("int8"):
         abstract = jax.eval_shape(quant.quantize_params, abstract)
-    shardings = serving.param_shardings(t.state_shardings.params, abstract)
+    shardings = decode.param_shardings(t.state_shardings.params, abstract)
     sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
     abstract = jax.tree.map(sds, abstract, shardings)
     prefill = point["workload"] == "prefill"

@@ -32,6 +32,8 @@ from lab.report.tables.run import (
 from lab.report.tables.serving import (
     serving_decode,
     serving_int8,
+    serving_matmuls,
+    serving_peers,
     serving_plans,
     serving_prefill,
     serving_summary,
@@ -64,6 +66,8 @@ __all__ = [
     "scaling",
     "serving_decode",
     "serving_int8",
+    "serving_matmuls",
+    "serving_peers",
     "serving_plans",
     "serving_prefill",
     "serving_summary",

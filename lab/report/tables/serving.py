@@ -1,33 +1,35 @@
 """lab.serve: prefill and decode points, int8's cost and gain, what decoding is bound by, and
-decode steps compiled for a target.
+decode steps compiled for a target. Each renderer takes the study's types
+(lab.measure.serving), whose fields and properties say what every figure is.
 """
 
 import math
 
 from rich.table import Table
 
+from lab.measure.serving import DecodePoint, Int8Error, PlanRow, PrefillPoint, Roofs, Summary
 from lab.report.format import duration, percent, ratio, size
 
 
-def serving_prefill(rows: list[dict], title: str) -> Table:
+def serving_prefill(rows: list[PrefillPoint], title: str) -> Table:
     """Prefill points of lab.studies.serving: the prompt through the model at once."""
     t = Table(title=title)
     for col in ("batch", "prompt", "latency", "p10–p90", "tokens/s", "GFLOP/s", "compile"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(
-            str(r["batch"]),
-            str(r["prompt_len"]),
-            duration(r["median_s"]),
-            f"{duration(r['p10_s'])}–{duration(r['p90_s'])}",
-            f"{r['tokens_per_s']:,.0f}",
-            f"{r['flops_per_s'] / 1e9:,.1f}",
-            duration(r["compile_s"]),
+            str(r.batch),
+            str(r.prompt_len),
+            duration(r.bench.median_s),
+            f"{duration(r.bench.p10_s)}–{duration(r.bench.p90_s)}",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.flops_per_s / 1e9:,.1f}",
+            duration(r.bench.compile_s),
         )
     return t
 
 
-def serving_decode(rows: list[dict], title: str, *, ridge: float) -> Table:
+def serving_decode(rows: list[DecodePoint], title: str, *, ridge: float) -> Table:
     """Decode points: time per step, tokens/s, bytes a step must move, the bandwidth that
     makes and its share of the measured memory roof; FLOPs per byte against the ridge."""
     t = Table(title=title)
@@ -36,46 +38,46 @@ def serving_decode(rows: list[dict], title: str, *, ridge: float) -> Table:
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(
-            str(r["batch"]),
-            "int8" if r.get("int8_weights") else "float",
-            "int8" if r["int8_cache"] else "float",
-            f"{r['ms_per_token']:,.2f}",
-            f"{r['tokens_per_s']:,.1f}",
-            size(r["bytes"]),
-            f"{r['bytes_per_s'] / 1e9:,.2f}",
-            percent(r["memory_roof_share"], 0),
-            f"{r['intensity']:.2f}",
-            "memory" if r["intensity"] < ridge else "compute",
+            str(r.batch),
+            "int8" if r.int8_weights else "float",
+            "int8" if r.int8_cache else "float",
+            f"{r.ms_per_token:,.2f}",
+            f"{r.tokens_per_s:,.1f}",
+            size(r.bytes),
+            f"{r.bytes_per_s / 1e9:,.2f}",
+            percent(r.memory_roof_share, 0),
+            f"{r.intensity:.2f}",
+            "memory" if r.intensity < ridge else "compute",
         )
     return t
 
 
-def serving_int8(e: dict, speedup: dict) -> Table:
-    """What int8 weights and an int8 KV cache cost in accuracy and buy in bytes and speed."""
+def serving_int8(e: Int8Error, speedup) -> Table:
+    """What int8 weights and an int8 KV cache cost in accuracy and buy in bytes and speed;
+    `speedup`: (batch, int8 tokens/s over float) pairs (Summary.int8_speedup)."""
     t = Table(title="int8 weights (per output channel) and int8 KV cache", show_header=False)
     t.add_row(
         "weights",
-        f"{size(e['weight_bytes_float'])} → {size(e['weight_bytes_int8'])} "
-        f"({ratio(e['weight_bytes_float'] / e['weight_bytes_int8'])} smaller)",
+        f"{size(e.weight_bytes_float)} → {size(e.weight_bytes_int8)} "
+        f"({ratio(e.weight_bytes_float / e.weight_bytes_int8)} smaller)",
     )
     t.add_row(
         "loss on the bundled text",
-        f"{e['loss_float']:.4f} float, {e['loss_int8']:.4f} "
-        f"int8 weights ({e['loss_int8'] - e['loss_float']:+.4f})",
+        f"{e.loss_float:.4f} float, {e.loss_int8:.4f} int8 weights ({e.loss_change:+.4f})",
     )
     t.add_row(
         "decode logits vs float",
-        f"relative RMS {e['logits_rel_rms']:.2e}, max |Δ| "
-        f"{e['logits_max_abs']:.3g} (logits up to {e['logits_scale']:.3g}); same top-1 "
-        f"token {percent(e['top1_agreement'], 1)}",
+        f"relative RMS {e.logits_rel_rms:.2e}, max |Δ| "
+        f"{e.logits_max_abs:.3g} (logits up to {e.logits_scale:.3g}); same top-1 "
+        f"token {percent(e.top1_agreement, 1)}",
     )
-    for b, x in sorted(speedup.items()):
+    for b, x in sorted(dict(speedup).items()):
         t.add_row(f"decode speed-up, batch {b}", ratio(x))
     return t
 
 
-def serving_summary(s: dict, roofs) -> Table:
-    """The derived figures of a serving study (lab.studies.serving.summarise)."""
+def serving_summary(s: Summary, roofs: Roofs) -> Table:
+    """The derived figures of a serving study (lab.studies.serving.study.summarise)."""
     t = Table(title="what decoding is bound by", show_header=False)
     t.add_row(
         "memory roof (best measured)",
@@ -85,49 +87,69 @@ def serving_summary(s: dict, roofs) -> Table:
     )
     t.add_row(
         "batch 1",
-        f"{percent(s['batch1_roof_share'], 0)} of the memory roof, {s['batch1_intensity']:.2f} "
+        f"{percent(s.batch1_roof_share, 0)} of the memory roof, {s.batch1_intensity:.2f} "
         "FLOP/B: memory-bound"
-        if s["batch1_intensity"] < roofs.ridge
+        if s.batch1_intensity < roofs.ridge
         else "compute-bound",
     )
-    crit = s["critical_batch"]
+    crit = s.critical_batch
     t.add_row(
         "critical batch (intensity = ridge)",
         "never (the cache's bytes grow with the FLOPs)" if math.isinf(crit) else f"{crit:,.1f}",
     )
-    if "output_input_cost_ratio" in s:
-        p, d = s["best_prefill"], s["best_decode"]
+    if s.best_prefill is not None:
+        p, d = s.best_prefill, s.best_decode
         t.add_row(
             "output / input token cost",
-            f"{s['output_input_cost_ratio']:,.1f}× at the best rates (prefill "
-            f"{p['tokens_per_s']:,.0f} tok/s at batch {p['batch']}, decode "
-            f"{d['tokens_per_s']:,.1f} tok/s at batch {d['batch']}); "
-            f"{s['output_input_cost_ratio_batch1']:,.0f}× against decode at batch 1",
+            f"{s.output_input_cost_ratio:,.1f}× at the best rates (prefill "
+            f"{p.tokens_per_s:,.0f} tok/s at batch {p.batch}, decode "
+            f"{d.tokens_per_s:,.1f} tok/s at batch {d.batch}); "
+            f"{s.output_input_cost_ratio_batch1:,.0f}× against decode at batch 1",
         )
     return t
 
 
-def serving_plans(rows: list[dict], title: str) -> Table:
+def serving_plans(rows: list[PlanRow], title: str) -> Table:
     """Decode steps compiled for a target: memory per device, compiler beside calculator."""
     t = Table(title=title)
     cols = ("weights/cache", "batch", "context", "compiled/device", "calculator", "HBM", "fits")
     for col in cols:
         t.add_column(col, justify="right")
     for r in rows:
-        got = (r["compiled"] or {}).get("total_bytes")
-        cap = r["capacity_bytes"]
+        got = r.compiled_bytes
+        cap = r.capacity_bytes
         fits = "n/a" if got is None or cap is None else ("yes" if got <= cap else "no")
         if fits != "n/a":
             fits += f" ({size(abs(cap - got))} {'free' if got <= cap else 'over'})"
-        elif r.get("refused"):
-            fits = f"no: the compiler refused it ({r['refused']})"
+        elif r.refused:
+            fits = f"no: the compiler refused it ({r.refused})"
         t.add_row(
-            "int8" if r["int8"] else "float",
-            str(r["batch"]),
-            str(r["context"]),
+            "int8" if r.int8 else "float",
+            str(r.batch),
+            str(r.context),
             size(got),
-            size(r["predicted"]["total"]),
+            size(r.predicted["total"]),
             size(cap),
             fits,
         )
     return t
+
+
+def serving_matmuls(points: list[DecodePoint]) -> list[str]:
+    """One line per decode point: the matmul it kept and every candidate's tokens/s."""
+    out = []
+    for p in points:
+        weights = "int8" if p.int8_weights else "float"
+        tried = ", ".join(f"{m} {v:,.1f}" for m, v in dict(p.matmuls).items())
+        out.append(f"batch {p.batch} {weights}: {p.matmul} (tokens/s: {tried})")
+    return out
+
+
+def serving_peers(rows: list[dict]) -> list[str]:
+    """One line per batch: the PyTorch decoder's tokens/s and lab.serve's over it
+    (lab.studies.torch_decoder.time_decode's rows with lab_over_torch)."""
+    return [
+        f"batch {r['batch']}: PyTorch {r['torch']} ({r['threads']} threads) "
+        f"{r['tokens_per_s']:,.1f} tokens/s; lab.serve {r['lab_over_torch']:.2f}× that"
+        for r in rows
+    ]

@@ -1,0 +1,101 @@
+"""The serving study's figures as lab.measure records, built from its types: one record per
+figure, `config` (model, mesh, options) on every one. The ledger, the experiments and the
+decode plot read these records by their keys, so the fields stay as they are."""
+
+from lab.measure import records
+from lab.measure.serving import PlanRow, Study
+
+
+def to_records(out: Study, config: dict) -> list[dict]:
+    """One record per figure of `measure` (series decode_batch / prefill_batch for the
+    plots)."""
+    roofs, s = out.roofs, out.summary
+    recs = [
+        records.make_record("copy bandwidth", roofs.copy["bytes_per_s"], "B/s", **config),
+        records.make_record(
+            "memory roof", roofs.bandwidth, "B/s", label="derived", note=roofs.how, **config
+        ),
+        records.make_record(f"matmul peak {roofs.dtype}", roofs.peak_flops, "FLOP/s", **config),
+        records.make_record("ridge point", roofs.ridge, "FLOP/B", label="derived", **config),
+        records.make_record(
+            "decode critical batch",
+            s.critical_batch_or_none,
+            "sequences",
+            label="derived",
+            **{**config, "metric": "decode_critical_batch"},
+        ),
+    ]
+    for p in out.prefill:
+        recs.append(
+            records.make_record(
+                f"prefill tokens/s, batch {p.batch}",
+                p.tokens_per_s,
+                "tokens/s",
+                series="prefill_batch",
+                **{**config, **p.record_config()},
+            )
+        )
+    for p in out.decode + out.decode_int8:
+        kind = "int8" if p.int8_cache else "float"
+        recs.append(
+            records.make_record(
+                f"decode tokens/s, batch {p.batch}, {kind}",
+                p.tokens_per_s,
+                "tokens/s",
+                series="decode_batch",
+                int8=p.int8_cache,
+                **{**config, **p.record_config()},
+            )
+        )
+    for r in out.torch:
+        recs.append(
+            records.make_record(
+                f"PyTorch decoder tokens/s, batch {r['batch']}, float",
+                r["tokens_per_s"],
+                "tokens/s",
+                peer="torch",
+                **{**config, **r},
+            )
+        )
+    if s.output_input_cost_ratio is not None:
+        recs.append(
+            records.make_record(
+                "output / input token cost (prefill tokens/s over decode tokens/s, best rates)",
+                s.output_input_cost_ratio,
+                "×",
+                label="derived",
+                **config,
+            )
+        )
+    if out.int8:
+        e = out.int8
+        for what, value, unit in (
+            ("int8 weights: loss change on the bundled text", e.loss_change, ""),
+            ("int8 weights + cache: decode logits relative RMS error", e.logits_rel_rms, ""),
+            ("int8 weights: bytes saved", e.bytes_saved, "B"),
+        ):
+            recs.append(
+                records.make_record(
+                    what, value, unit, label="derived", **{**config, **e.record_config()}
+                )
+            )
+    return recs
+
+
+def plan_records(rows: list[PlanRow], config: dict) -> list[dict]:
+    """One record per compiled serving plan: memory per device, compiled, not run, with the
+    calculator's figure and the chip's capacity beside it."""
+    out = []
+    for r in rows:
+        kind = "int8" if r.int8 else "float"
+        out.append(
+            records.make_record(
+                f"decode step memory per device, {kind} weights and cache",
+                r.compiled_bytes,
+                "B",
+                label="compiled, not run",
+                **{**config, **r.record_config()},
+                compiled_memory=r.compiled,
+            )
+        )
+    return out

@@ -1,0 +1,29 @@
+"""A short continuation of a prompt by a trained byte-level model: what lab.serve prints
+beside its figures, so a run's weights are seen to decode text."""
+
+import jax
+import numpy as np
+
+from lab import decode
+
+
+def sample_text(session, params, *, prompt: str, tokens: int, temperature: float, seed: int):
+    """A short continuation of `prompt` by a byte-level model (vocab 256): the text."""
+    raw = np.frombuffer(prompt.encode(), np.uint8).astype(np.int32)[None]
+    batch = decode.batch_multiple(session.trainer)
+    prompts = np.repeat(raw, batch, 0)
+    dec = decode.make_decoder(
+        session.cfg.model,
+        session.trainer.mesh,
+        session.trainer.rules,
+        session.trainer.state_shardings.params,
+        batch=batch,
+        max_len=raw.shape[1] + tokens + 1,
+        steps=tokens,
+        temperature=temperature,
+    )
+    lengths = np.full((batch,), raw.shape[1], np.int32)
+    with jax.set_mesh(dec.mesh):
+        logits, cache = dec.prefill(params, prompts, lengths, dec.empty_cache())
+        out, _ = dec.generate(params, logits, cache, jax.random.key(seed))
+    return bytes(np.asarray(out[0]).astype(np.uint8)).decode("utf-8", errors="replace")

@@ -1,0 +1,195 @@
+"""The whole serving study: what to measure (Plan), the checks that refuse it in one line
+before anything is allocated, the sweep (roofs, prefill, decode float and int8, int8's
+error, the PyTorch peer) and the figures derived from it."""
+
+import dataclasses
+import os
+
+import jax
+
+from lab import decode, quant
+from lab.errors import ConfigError
+from lab.measure import cost
+from lab.measure.serving import DecodePoint, PrefillPoint, Roofs, Study, Summary
+from lab.session import Session
+from lab.studies.serving.int8 import int8_error
+from lab.studies.serving.points import fastest_point, prefill_estimate, prefill_point
+from lab.studies.serving.roofs import against, best_roofs, measure_roofs
+from lab.studies.serving.timed import WARM_STEPS, random_prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What to measure (lab.serve's options without the presentation)."""
+
+    batches: tuple[int, ...]
+    prefill_batches: tuple[int, ...]
+    prompt_len: int
+    steps: int
+    budget_s: float
+    int8: bool
+    seed: int = 0
+    context: int = 0  # cache slots per sequence; 0 = prompt_len + WARM_STEPS + steps
+
+    def slots(self) -> int:
+        return self.context or self.prompt_len + WARM_STEPS + self.steps
+
+
+def check_batches(session: Session, batches) -> None:
+    """Every batch size splits over the mesh's batch axes: one line before any compile."""
+    n = decode.batch_multiple(session.trainer)
+    bad = sorted({b for b in batches if b % n})
+    if bad:
+        raise ConfigError(
+            f"batches {bad} do not split over the mesh's batch axes ({n} devices): use "
+            f"multiples of {n}"
+        )
+
+
+def memory_needed(model, plan: Plan) -> dict[str, float]:
+    """Bytes the study holds at its peak, by part (cost.serving_peak_bytes): the largest
+    decode batch's cache and the largest prefill batch's logits."""
+    return cost.serving_peak_bytes(
+        model,
+        decode_batch=max(plan.batches),
+        slots=plan.slots(),
+        prefill_batch=max(plan.prefill_batches),
+        prompt_len=plan.prompt_len,
+    )
+
+
+def host_memory_bytes() -> float | None:
+    """This machine's physical memory, where the OS says."""
+    try:
+        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(session: Session, plan: Plan) -> None:
+    """On CPU, a study that cannot fit this machine's memory is one line before anything is
+    allocated (a long prompt at a big batch would otherwise swap or run for hours)."""
+    total = host_memory_bytes()
+    if session.info.backend != "cpu" or not total:
+        return
+    parts = memory_needed(session.cfg.model, plan)
+    need = sum(parts.values())
+    if need > 0.8 * total:
+        biggest = max(parts, key=parts.get)
+        raise ConfigError(
+            f"prompt_len={plan.prompt_len}, {plan.slots():,} cache slots, batches up to "
+            f"{max(plan.batches)}: needs "
+            f"{need / 2**30:,.1f} GiB ({biggest} {parts[biggest] / 2**30:,.1f} GiB), more than "
+            f"80% of this machine's {total / 2**30:,.1f} GiB; shorten the prompt or the "
+            "batches, or plan it for an accelerator with target="
+        )
+
+
+def measure(session: Session, params, plan: Plan, *, progress=None) -> Study:
+    """The whole study: roofs, prefill, decode over the batch sweep (float, then int8 weights
+    and cache at the smallest and largest batch), int8 error. `progress(label)` is called
+    before each point (a progress bar's advance)."""
+    check_batches(session, (*plan.batches, *plan.prefill_batches))
+    check_memory(session, plan)
+    decode.check_prompts([plan.prompt_len], plan.slots(), WARM_STEPS + plan.steps)
+    tick = progress or (lambda label: None)
+    model = session.cfg.model
+    tick("roofs: copy bandwidth and matmul peak")
+    roofs = measure_roofs(model.dtype, budget_s=plan.budget_s)
+    prefill = []
+    for b in plan.prefill_batches:
+        tick(f"prefill batch {b}{prefill_estimate(model, b, plan.prompt_len, roofs.peak_flops)}")
+        prefill.append(
+            prefill_point(
+                session, params, batch=b, prompt_len=plan.prompt_len, budget_s=plan.budget_s
+            )
+        )
+    kw = dict(
+        prompt_len=plan.prompt_len, steps=plan.steps, budget_s=plan.budget_s, max_len=plan.slots()
+    )
+    points = []
+    for b in plan.batches:
+        tick(f"decode batch {b}")
+        points.append(fastest_point(session, params, roofs, batch=b, int8_cache=False, **kw))
+    torch = torch_peer(session, params, plan, points)
+    points_i8, error = [], None
+    if plan.int8:
+        params_i8 = jax.jit(quant.quantize_params)(params)
+        for b in sorted({min(plan.batches), max(plan.batches)}):
+            tick(f"decode batch {b}, int8 weights and cache")
+            points_i8.append(
+                fastest_point(session, params_i8, roofs, batch=b, int8_cache=True, **kw)
+            )
+        tick("int8 error on the bundled text")
+        n = decode.batch_multiple(session.trainer)
+        error = int8_error(session, params, params_i8, batch=n, prompt_len=plan.prompt_len, steps=8)
+    roofs = best_roofs(roofs, points + points_i8)
+    points, points_i8 = against(points, roofs), against(points_i8, roofs)
+    return Study(
+        roofs=roofs,
+        prefill=tuple(prefill),
+        decode=points,
+        decode_int8=points_i8,
+        int8=error,
+        summary=summarise(roofs, prefill, points, points_i8),
+        torch=tuple(torch),
+    )
+
+
+def torch_peer(session: Session, params, plan: Plan, points: list[DecodePoint]) -> list[dict]:
+    """The PyTorch decoder of the same shape and weights (lab/studies/torch_decoder.py) timed
+    at every decode batch, beside the lab's float points; none where PyTorch is not installed
+    or the decoder is not on CPU."""
+    from lab.studies import torch_decoder  # beside this study; only serving times the peer
+
+    if not torch_decoder.available() or session.info.backend != "cpu":
+        return []
+    host = jax.device_get(params)
+    rows = []
+    for p in points:
+        prompts = random_prompts(session.cfg.model.vocab_size, p.batch, plan.prompt_len, p.batch)
+        r = torch_decoder.time_decode(
+            session.cfg.model, host, prompts, steps=plan.steps, budget_s=plan.budget_s
+        )
+        rows.append({**r, "lab_over_torch": p.tokens_per_s / r["tokens_per_s"]})
+    return rows
+
+
+def summarise(
+    roofs: Roofs,
+    prefill: list[PrefillPoint],
+    points: list[DecodePoint],
+    points_i8: list[DecodePoint],
+) -> Summary:
+    """The derived figures: the ridge and critical batch (from the smallest float batch's
+    bytes and FLOPs per sequence), the best rates, the output/input price ratio on this
+    device and int8's speed-up at each batch it was measured at."""
+    one = min(points, key=lambda r: r.batch)
+    per_seq_cache = one.cache_bytes / one.batch
+    per_seq_flops = one.flops / one.batch
+    best_decode = max(points, key=lambda r: r.tokens_per_s)
+    best_prefill = max(prefill, key=lambda r: r.tokens_per_s, default=None)
+    float_at: dict[int, DecodePoint] = {}
+    for p in points:  # the first float point at each batch
+        float_at.setdefault(p.batch, p)
+    s = Summary(
+        ridge=roofs.ridge,
+        critical_batch=cost.critical_batch(
+            one.weight_bytes, per_seq_flops, per_seq_cache, roofs.ridge
+        ),
+        batch1_roof_share=one.memory_roof_share,
+        batch1_intensity=one.intensity,
+        best_decode=best_decode,
+        int8_speedup=tuple(
+            (p.batch, p.tokens_per_s / float_at[p.batch].tokens_per_s) for p in points_i8
+        ),
+    )
+    if best_prefill is None:
+        return s
+    # self-hosted price ∝ device time per token: output over input at the best rates
+    return dataclasses.replace(
+        s,
+        best_prefill=best_prefill,
+        output_input_cost_ratio=best_prefill.tokens_per_s / best_decode.tokens_per_s,
+        output_input_cost_ratio_batch1=best_prefill.tokens_per_s / one.tokens_per_s,
+    )

@@ -1,0 +1,100 @@
+"""The parameters lab.serve decodes with: a trained run's newest good checkpoint, or random
+weights of a preset, on the decoding session's shardings.
+
+Restoring needs a session (the trainer's abstract state and mesh), which lies above
+lab.decode in the layers: so this lives with the study, not with the decoder.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from lab import checkpoint, decode
+from lab.config import Config, ModelConfig, override
+from lab.errors import ConfigError
+from lab.model import natural_layers
+from lab.names import STAGE
+from lab.resolve import Request, resolve
+from lab.rundir import STATE_FIELDS, saved_config
+from lab.session import Session, session_for
+
+
+def config_of_run(run_dir: Path) -> Config:
+    """The Config a run folder was trained with (its config.json)."""
+    saved = saved_config(run_dir, asked=f"run={run_dir.name}")
+    try:
+        model = ModelConfig(**saved["model"])
+        rest = {k: v for k, v in saved.items() if k != "model"}
+        return dataclasses.replace(Config(model=model), **rest)
+    except (KeyError, TypeError) as e:
+        raise ConfigError(
+            f"run={run_dir.name}: {run_dir / 'config.json'} is damaged ({e})"
+        ) from None
+
+
+def serving_request(run_dir: Path, keys: dict) -> Request:
+    """The request that serves a trained run: the run's own fields (config.json) with the
+    user's keys over them (a model field that changes the weights' shapes is refused: those
+    weights would not load); resolved on this platform like any request."""
+    saved = config_of_run(run_dir)
+    shape_keys = {k: v for k, v in keys.items() if k in STATE_FIELDS or k in ("preset", "model")}
+    if shape_keys:
+        changed = override(saved, **shape_keys)
+        diffs = [
+            f"{k}={getattr(saved.model, k)!r} → {getattr(changed.model, k)!r}"
+            for k in STATE_FIELDS
+            if getattr(saved.model, k) != getattr(changed.model, k)
+        ]
+        if diffs:
+            raise ConfigError(
+                f"run={run_dir.name} holds another model than asked ({', '.join(diffs)}): "
+                "leave the model keys out to serve the run's own"
+            )
+    run_keys = {k: v for k, v in keys.items() if k not in shape_keys}
+    # serving needs neither the run's name, steps nor its checkpoint cadence
+    over = {**run_keys, "name": "", "resume": False, "overwrite": False, "steps": 0}
+    return Request.from_config(saved).with_keys(**over)
+
+
+def for_decoding(session: Session) -> Session:
+    """The session of the decoder (lab.decode.unstack_layers says why it runs unscanned):
+    the session's request resolved again for decoding on the same platform, never its
+    resolved config edited (a pipeline's scan and stage axis are the trainer's)."""
+    if not session.cfg.model.scan_layers:
+        return session
+    r = session.resolved
+    return session_for(resolve(r.request, r.platform, "decode"))
+
+
+def load_params(session: Session, run_dir: Path | None, seed: int, warn=print):
+    """(decoding session, parameters, where they came from): the newest good checkpoint of
+    `run_dir`, or random weights of the preset (the model's own initialisation) when there is
+    no run; unscanned for decoding (`for_decoding`) and placed on its shardings."""
+    decoding = for_decoding(session)
+    if run_dir is None:
+        state = decoding.trainer.init(jax.random.key(seed))
+        return decoding, state.params, f"random weights (seed {seed})"
+    params, source = _restore(session, run_dir, warn)
+    if decoding is not session:
+        stages = dict(session.trainer.mesh.shape).get(STAGE, 1)
+        if stages > 1:  # a circular run stores its blocks stage-major: back to layer order
+            blocks = natural_layers(session.cfg.model, params["blocks"], stages)
+            params = {**params, "blocks": blocks}
+        params = decode.unstack_layers(params, session.cfg.model.n_layers)
+        params = jax.device_put(params, decoding.trainer.state_shardings.params)
+    return decoding, params, source
+
+
+def _restore(session: Session, run_dir: Path, warn):
+    trainer = session.trainer  # serving only reads: a read-only run folder is fine
+    with jax.set_mesh(trainer.mesh):
+        step, state = checkpoint.restore_latest(
+            run_dir, trainer.abstract_state, warn=warn, why=f"run={run_dir.name}"
+        )
+    if state is None:
+        raise ConfigError(
+            f"run={run_dir.name}: no checkpoint to serve in {checkpoint.folder(run_dir)} "
+            "(train it with checkpoint_every=N, or leave run= out for random weights)"
+        )
+    return state.params, f"run {run_dir.name}, step {step}"
