@@ -14,10 +14,10 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5e-8")
 def _fast_compiles():
     """The suite compiles thousands of small programs, in its workers and in the lab processes
     it starts, and compiling is most of its time: LLVM's optimisation of the generated CPU code
-    is skipped (the programs are tiny; the HLO under test is unchanged) and every process shares one
-    persistent compilation cache for the session, so a program compiled by one test or
-    subprocess is loaded by the next (a damaged entry is compiled afresh). XLA_FLAGS naming an optimisation level, or
-    JAX_COMPILATION_CACHE_DIR, set by the caller win."""
+    is skipped (the programs are tiny; the HLO under test is unchanged) and every process
+    shares one persistent compilation cache for the session, so a program compiled by one test
+    or subprocess is loaded by the next (a damaged entry is compiled afresh). XLA_FLAGS naming
+    an optimisation level, or JAX_COMPILATION_CACHE_DIR, set by the caller win."""
     import atexit
     import shutil
     import tempfile
