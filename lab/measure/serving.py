@@ -1,6 +1,6 @@
 """What a serving study measured (lab.studies.serving), as frozen types: the roofs, a prefill
-point, a decode point, int8's error, the derived summary, the whole study and a decode step
-compiled for a target.
+point, a decode point, the PyTorch peer's point, int8's error, the derived summary, the whole
+study and a decode step compiled for a target.
 
 They sit here, below lab.report, so the renderers (lab/report/tables/serving.py) take the
 types instead of dicts whose keys they must know. Derived figures are properties computed
@@ -165,6 +165,23 @@ class Int8Error:
 
 
 @dataclasses.dataclass(frozen=True)
+class PeerPoint:
+    """The PyTorch decoder of the same shape and weights at one decode batch
+    (lab.studies.torch_decoder.time_decode's figures), beside the lab's float point."""
+
+    batch: int  # sequences decoded together
+    median_s: float  # seconds per decode step, at the faster thread count
+    tokens_per_s: float  # batch / median_s
+    threads: int  # PyTorch's threads at the faster count
+    tokens_per_s_by_threads: dict  # tokens/s at each thread count tried
+    torch: str  # PyTorch's version
+    lab_over_torch: float  # the lab's float tokens/s at this batch over PyTorch's
+
+    def record_config(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class Summary:
     """The derived figures of a serving study: the ridge and critical batch, batch 1 against
     the roofs, the best rates and the output/input price ratio on this device."""
@@ -197,7 +214,7 @@ class Study:
     decode_int8: tuple[DecodePoint, ...]  # int8 weights and cache; empty without int8
     int8: Int8Error | None  # None without int8
     summary: Summary
-    torch: tuple[dict, ...] = ()  # the PyTorch peer at each decode batch, where it runs
+    torch: tuple[PeerPoint, ...] = ()  # the PyTorch peer at each decode batch, where it runs
 
 
 @dataclasses.dataclass(frozen=True)

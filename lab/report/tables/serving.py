@@ -7,7 +7,15 @@ import math
 
 from rich.table import Table
 
-from lab.measure.serving import DecodePoint, Int8Error, PlanRow, PrefillPoint, Roofs, Summary
+from lab.measure.serving import (
+    DecodePoint,
+    Int8Error,
+    PeerPoint,
+    PlanRow,
+    PrefillPoint,
+    Roofs,
+    Summary,
+)
 from lab.report.format import duration, percent, ratio, size
 
 
@@ -145,11 +153,10 @@ def serving_matmuls(points: list[DecodePoint]) -> list[str]:
     return out
 
 
-def serving_peers(rows: list[dict]) -> list[str]:
-    """One line per batch: the PyTorch decoder's tokens/s and lab.serve's over it
-    (lab.studies.torch_decoder.time_decode's rows with lab_over_torch)."""
+def serving_peers(rows: list[PeerPoint]) -> list[str]:
+    """One line per batch: the PyTorch decoder's tokens/s and lab.serve's over it."""
     return [
-        f"batch {r['batch']}: PyTorch {r['torch']} ({r['threads']} threads) "
-        f"{r['tokens_per_s']:,.1f} tokens/s; lab.serve {r['lab_over_torch']:.2f}× that"
+        f"batch {r.batch}: PyTorch {r.torch} ({r.threads} threads) "
+        f"{r.tokens_per_s:,.1f} tokens/s; lab.serve {r.lab_over_torch:.2f}× that"
         for r in rows
     ]

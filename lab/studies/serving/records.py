@@ -50,11 +50,11 @@ def to_records(out: Study, config: dict) -> list[dict]:
     for r in out.torch:
         recs.append(
             records.make_record(
-                f"PyTorch decoder tokens/s, batch {r['batch']}, float",
-                r["tokens_per_s"],
+                f"PyTorch decoder tokens/s, batch {r.batch}, float",
+                r.tokens_per_s,
                 "tokens/s",
                 peer="torch",
-                **{**config, **r},
+                **{**config, **r.record_config()},
             )
         )
     if s.output_input_cost_ratio is not None:

@@ -10,7 +10,7 @@ import jax
 from lab import decode, quant
 from lab.errors import ConfigError
 from lab.measure import cost
-from lab.measure.serving import DecodePoint, PrefillPoint, Roofs, Study, Summary
+from lab.measure.serving import DecodePoint, PeerPoint, PrefillPoint, Roofs, Study, Summary
 from lab.session import Session
 from lab.studies.serving.int8 import int8_error
 from lab.studies.serving.points import fastest_point, prefill_estimate, prefill_point
@@ -136,7 +136,7 @@ def measure(session: Session, params, plan: Plan, *, progress=None) -> Study:
     )
 
 
-def torch_peer(session: Session, params, plan: Plan, points: list[DecodePoint]) -> list[dict]:
+def torch_peer(session: Session, params, plan: Plan, points: list[DecodePoint]) -> list[PeerPoint]:
     """The PyTorch decoder of the same shape and weights (lab/studies/torch_decoder.py) timed
     at every decode batch, beside the lab's float points; none where PyTorch is not installed
     or the decoder is not on CPU."""
@@ -151,7 +151,7 @@ def torch_peer(session: Session, params, plan: Plan, points: list[DecodePoint]) 
         r = torch_decoder.time_decode(
             session.cfg.model, host, prompts, steps=plan.steps, budget_s=plan.budget_s
         )
-        rows.append({**r, "lab_over_torch": p.tokens_per_s / r["tokens_per_s"]})
+        rows.append(PeerPoint(**r, lab_over_torch=p.tokens_per_s / r["tokens_per_s"]))
     return rows
 
 
