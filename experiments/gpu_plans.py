@@ -113,9 +113,9 @@ def _skipped(claims, error: str) -> list[dict]:
     ]
 
 
-def c10(llama: dict) -> list[dict]:
-    """7B on one H100 against '~80 GB'; 70B whole on every GPU against one H100's memory; the
-    fewest H100s over which the 70B step, sharded (FSDP) with remat=full, fits."""
+def llama_memory_per_h100(llama: dict) -> list[dict]:
+    """C10: 7B on one H100 against '~80 GB'; 70B whole on every GPU against one H100's memory;
+    the fewest H100s over which the 70B step, sharded (FSDP) with remat=full, fits."""
     try:
         return _llama_memory_compiled(llama)
     except ConfigError as e:  # no CUDA plugin or ptxas (the gpu-plan extra): say so, go on
@@ -123,7 +123,8 @@ def c10(llama: dict) -> list[dict]:
 
 
 def _llama_memory_compiled(llama: dict) -> list[dict]:
-    """C10: the 7B and 70B steps compiled for H100s, memory per device (what c10 says)."""
+    """The 7B and 70B steps compiled for H100s, memory per device (llama_memory_per_h100's
+    records, which fail with ConfigError where the step cannot be compiled)."""
     cap = specs.SPECS[SPEC_KEY].memory_bytes
     keys = llama_keys(llama["7B"], 1, "dp")
     p = plan(keys)
@@ -203,9 +204,9 @@ def _fewest_h100s(shape: dict, cap: float) -> list[dict]:
     return recs
 
 
-def c14(llama: dict, counts=(8, 16)) -> list[dict]:
-    """70B on n H100s under dp, fsdp and tp, the same global batch: the compiler's memory per
-    device for each, and FSDP's and TP's over DP's."""
+def llama70b_memory_per_strategy(llama: dict, counts=(8, 16)) -> list[dict]:
+    """C14: 70B on n H100s under dp, fsdp and tp, the same global batch: the compiler's memory
+    per device for each, and FSDP's and TP's over DP's."""
     try:
         return [r for n in counts for r in _strategy_memory_compiled(llama["70B"], n)]
     except ConfigError as e:
@@ -213,8 +214,8 @@ def c14(llama: dict, counts=(8, 16)) -> list[dict]:
 
 
 def _strategy_memory_compiled(shape: dict, n: int) -> list[dict]:
-    """C14: 70B compiled for n H100s under dp, fsdp and tp: memory per device, and FSDP's
-    and TP's over DP's."""
+    """70B compiled for n H100s under dp, fsdp and tp: memory per device, and FSDP's and TP's
+    over DP's."""
     recs, totals = [], {}
     for strategy in MESHES:
         keys = llama_keys(shape, n, strategy)

@@ -292,7 +292,7 @@ def _tpu_and_mi300x_predicted(size: str) -> list[dict]:
 def run(size: str = "quick", plans: bool = False) -> list[dict]:
     """plans=True: C19's predictions from the step-time model over compiled programs."""
     if backend() == "tpu":
-        c19 = _tpu_weak_scaling_measured(size) if len(jax.devices()) > 1 else []
+        tpu_step = _tpu_weak_scaling_measured(size) if len(jax.devices()) > 1 else []
     else:
-        c19 = (_tpu_and_mi300x_predicted(size) if plans else []) or _tpu_step_compiled(size)
-    return _device_report() + c19 + _mi300x_over_h100_datasheet()
+        tpu_step = (_tpu_and_mi300x_predicted(size) if plans else []) or _tpu_step_compiled(size)
+    return _device_report() + tpu_step + _mi300x_over_h100_datasheet()

@@ -203,7 +203,8 @@ def _input_token_cost(mfu: float) -> list[dict]:
 
 SERVE_CONTEXT = PREFILL_SEQ  # tokens of KV cache per sequence in the 7B/70B predictions
 MAX_SERVING_BATCH = 256
-C22_BATCH, C22_CONTEXT = 1, 4096  # the stated batch and context of the 70B serving memory
+# The batch and context at which the claim states the 70B serving memory
+SERVE_70B_BATCH, SERVE_70B_CONTEXT = 1, 4096
 HBM_USE = 0.9  # share of a card's memory a server fills (the rest: runtime, fragmentation)
 
 
@@ -362,7 +363,7 @@ def _serving_memory_70b() -> list[dict]:
     key = "h100-sxm"
     spec = specs.SPECS[key]
     model = _llama_model("70B")
-    kw = dict(batch=C22_BATCH, context=C22_CONTEXT)
+    kw = dict(batch=SERVE_70B_BATCH, context=SERVE_70B_CONTEXT)
     recs = []
     for name, wb, cb in (("bf16", 2, 2), ("int8", 1, 1), ("int4", 0.5, 1)):
         m = memory.predict_serving_memory(model, weight_bytes=wb, cache_bytes=cb, **kw)
@@ -370,8 +371,8 @@ def _serving_memory_70b() -> list[dict]:
             record(
                 "C22",
                 "serving_memory_70b_int8" if name == "int8" else None,
-                f"Llama-2 70B serving memory, {name} weights, batch {C22_BATCH}, context "
-                f"{C22_CONTEXT} (calculator; an H100 holds {spec.memory_bytes / 1e9:.0f} GB)",
+                f"Llama-2 70B serving memory, {name} weights, batch {SERVE_70B_BATCH}, context "
+                f"{SERVE_70B_CONTEXT} (calculator; an H100 holds {spec.memory_bytes / 1e9:.0f} GB)",
                 m["total"],
                 "B",
                 label="predicted",
@@ -411,7 +412,9 @@ def _serving_plan_70b_int8() -> list[dict]:
         plans.parse_target(target)
         cfg = make_config(preset="llama2-70b", param_dtype="bfloat16", target=target)
         session = open_session(cfg)
-        r = compiled.plan_serving(session, batch=C22_BATCH, context=C22_CONTEXT, int8=True)
+        r = compiled.plan_serving(
+            session, batch=SERVE_70B_BATCH, context=SERVE_70B_CONTEXT, int8=True
+        )
     except ConfigError as e:  # no CUDA plugin or ptxas here: the calculator stands alone
         return [
             record(
@@ -429,8 +432,8 @@ def _serving_plan_70b_int8() -> list[dict]:
         record(
             "C22",
             "serving_memory_70b_int8",
-            f"Llama-2 70B decode step, int8 weights and cache, batch {C22_BATCH}, context "
-            f"{C22_CONTEXT}: compiled memory on one H100",
+            f"Llama-2 70B decode step, int8 weights and cache, batch {SERVE_70B_BATCH}, context "
+            f"{SERVE_70B_CONTEXT}: compiled memory on one H100",
             got,
             "B",
             label="compiled, not run",

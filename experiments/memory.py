@@ -461,7 +461,7 @@ def run(size: str = "quick", *, plans: bool = False) -> list[dict]:
     budget = STEP_BUDGET_S[size]
     remats = pick(size, tiny=("none", "full"), quick=REMATS, full=REMATS)
     recs, log_err = _remat_memory_and_time(step_config(size), budget, remats, timed=size != "tiny")
-    compiled = gpu_plans.c10(LLAMA) if plans else []
+    compiled = gpu_plans.llama_memory_per_h100(LLAMA) if plans else []
     recs += (
         _llama_training_memory(log_err) + compiled + _batch_memory_and_speed(sweep, batches, budget)
     )

@@ -177,7 +177,10 @@ def test_h100_plans_are_opt_in_shaped_like_llama_and_say_why_when_they_cannot_ru
         assert cfg.batch_size == 16 and cfg.seq_len == 2048 and cfg.model.scan_layers
         assert abs(lab_param_count(cfg.model) / shape["n_params"] - 1) < 1e-3, name
     monkeypatch.setattr(gpu, "_pjrt", lambda: None)
-    for recs, claim in ((gpu_plans.c10(LLAMA), "C10"), (gpu_plans.c14(LLAMA), "C14")):
+    for recs, claim in (
+        (gpu_plans.llama_memory_per_h100(LLAMA), "C10"),
+        (gpu_plans.llama70b_memory_per_strategy(LLAMA), "C14"),
+    ):
         (r,) = recs
         assert r["config"]["claim"] == claim and r["config"]["role"] == "context"
         assert "pip install -e '.[gpu-plan]'" in r["what"] and r["value"] is None
