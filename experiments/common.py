@@ -14,7 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from lab.config import Config, make_config, override
+from lab.config import PRESETS, STATED_PARAMS, Config, make_config, override
 from lab.measure import ceilings, cost, memory, records, specs, timing
 
 SIZES = ("tiny", "quick", "full")
@@ -31,6 +31,9 @@ STEP = {
 STEP_BUDGET_S = {"tiny": 0.01, "quick": 0.5, "full": 2.0}
 YEAR_S = 365.25 * 24 * 3600
 DAY_S = 24 * 3600
+
+# The model fields the calculators (lab.measure.memory, lab.measure.cost) take for a shape.
+SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
 
 # Accelerators the predictions are made for (spec-table keys), and the articles' names.
 REFERENCE_GPUS = {"t4": "T4", "rtx-4090": "RTX 4090", "a100-sxm4-80gb": "A100", "h100-sxm": "H100"}
@@ -62,6 +65,19 @@ def record(
     if target:
         cfg["target"] = target
     return records.make_record(what, value, unit, label=label, **cfg)
+
+
+def llama_preset(size: str) -> str:
+    """Llama-2 "7B" or "70B" → its preset in lab.config.PRESETS."""
+    return f"llama2-{size.lower()}"
+
+
+def llama_shape(size: str) -> dict:
+    """Llama-2 `size` ("7B", "70B") as the calculators take it: its preset's model fields
+    (lab.config.PRESETS, from the released configs) and the parameter count the paper states
+    (lab.config.STATED_PARAMS), which is no config field."""
+    preset = llama_preset(size)
+    return dict(n_params=STATED_PARAMS[preset], **{k: PRESETS[preset][k] for k in SHAPE_FIELDS})
 
 
 def backend() -> str:

@@ -6,17 +6,18 @@ is compiled for N abstract H100s by JAX's CUDA plugin (lab/plans, the gpu-plan e
 compiler's per-device bytes (`memory_analysis()`) stand beside the calculator's for the same
 step. Nothing runs: every record here is labelled *compiled, not run* and names its target.
 
-The shapes: Llama-2-7B on 1 H100 (batch 1 × 2048, the articles' "~80 GB" case), Llama-2-70B on
-8, 16 and 32 H100s under dp, fsdp and tp (tensor parallel over the 8 GPUs of a host). Layers
-are stacked with `scan_layers` so a compile takes about as long for 80 layers as for 2: about
-20–40 s each on 2 CPU cores, a few minutes for the whole set. `python -m experiments plans=on`
-(or size=full) runs them; the quick and tiny ledgers do not.
+The shapes (lab.config's llama2-7b and llama2-70b presets): Llama-2-7B on 1 H100 (batch
+1 × 2048, the articles' "~80 GB" case), Llama-2-70B on 8, 16 and 32 H100s under dp, fsdp and
+tp (tensor parallel over the 8 GPUs of a host). Layers are stacked with `scan_layers` so a
+compile takes about as long for 80 layers as for 2: about 20–40 s each on 2 CPU cores, a few
+minutes for the whole set. `python -m experiments plans=on` (or size=full) runs them; the
+quick and tiny ledgers do not.
 """
 
 import time
 
-from experiments.common import record
-from lab.config import Config, make_config
+from experiments.common import SHAPE_FIELDS, llama_preset, record
+from lab.config import PRESETS, Config, make_config
 from lab.errors import ConfigError
 from lab.measure import specs
 
@@ -31,15 +32,16 @@ PARTS = ("params", "grads", "optimizer", "activations", "workspace")  # the calc
 _PLANS: dict = {}  # one compile per (target, keys) per process: C10 and C14 share some
 
 
-def llama_keys(shape: dict, n: int, strategy: str, **fields) -> dict:
-    """lab.config keys of a Llama-shaped step on n GPUs: `shape` is experiments.memory.LLAMA's
-    entry (its n_params is the paper's count, not a config field), one 2048-token sequence per
-    GPU, fp32 weights, bf16 compute, AdamW (the mixed-precision recipe), stacked layers."""
+def llama_keys(size: str, n: int, strategy: str, **fields) -> dict:
+    """lab.config keys of the Llama-2 `size` ("7B", "70B") step on n GPUs: its preset, one
+    2048-token sequence per GPU, fp32 weights, bf16 compute, AdamW (the mixed-precision
+    recipe), stacked layers. The preset's shape fields are written out too, so a record's keys
+    (which leave the preset out) name the model whole."""
     t = min(n, PER_HOST)
-    model = {k: v for k, v in shape.items() if k != "n_params"}
+    preset = llama_preset(size)
     return dict(
-        preset="1b",  # start from a config with untied embeddings; every shape field is set
-        **{"n_kv_heads": shape["n_heads"], **model},
+        preset=preset,
+        **{k: PRESETS[preset][k] for k in SHAPE_FIELDS},
         seq_len=SEQ,
         batch_size=n,
         mesh=MESHES[strategy].format(n=n, d=n // t, t=t),
@@ -113,20 +115,20 @@ def _skipped(claims, error: str) -> list[dict]:
     ]
 
 
-def llama_memory_per_h100(llama: dict) -> list[dict]:
+def llama_memory_per_h100() -> list[dict]:
     """C10: 7B on one H100 against '~80 GB'; 70B whole on every GPU against one H100's memory;
     the fewest H100s over which the 70B step, sharded (FSDP) with remat=full, fits."""
     try:
-        return _llama_memory_compiled(llama)
+        return _llama_memory_compiled()
     except ConfigError as e:  # no CUDA plugin or ptxas (the gpu-plan extra): say so, go on
         return _skipped(("C10",), str(e))
 
 
-def _llama_memory_compiled(llama: dict) -> list[dict]:
+def _llama_memory_compiled() -> list[dict]:
     """The 7B and 70B steps compiled for H100s, memory per device (llama_memory_per_h100's
     records, which fail with ConfigError where the step cannot be compiled)."""
     cap = specs.SPECS[SPEC_KEY].memory_bytes
-    keys = llama_keys(llama["7B"], 1, "dp")
+    keys = llama_keys("7B", 1, "dp")
     p = plan(keys)
     recs = [
         _plan_record(
@@ -140,7 +142,7 @@ def _llama_memory_compiled(llama: dict) -> list[dict]:
             keys,
         )
     ]
-    keys = llama_keys(llama["70B"], 8, "dp")
+    keys = llama_keys("70B", 8, "dp")
     p = plan(keys)
     recs.append(
         _plan_record(
@@ -155,13 +157,13 @@ def _llama_memory_compiled(llama: dict) -> list[dict]:
             h100_memory_bytes=cap,
         )
     )
-    return recs + _fewest_h100s(llama["70B"], cap)
+    return recs + _fewest_h100s(cap)
 
 
-def _fewest_h100s(shape: dict, cap: float) -> list[dict]:
+def _fewest_h100s(cap: float) -> list[dict]:
     recs, fits = [], None
     for n in (8, 16, 32):
-        keys = llama_keys(shape, n, "fsdp", remat="full")
+        keys = llama_keys("70B", n, "fsdp", remat="full")
         p = plan(keys)
         recs.append(
             _plan_record(
@@ -204,21 +206,21 @@ def _fewest_h100s(shape: dict, cap: float) -> list[dict]:
     return recs
 
 
-def llama70b_memory_per_strategy(llama: dict, counts=(8, 16)) -> list[dict]:
+def llama70b_memory_per_strategy(counts=(8, 16)) -> list[dict]:
     """C14: 70B on n H100s under dp, fsdp and tp, the same global batch: the compiler's memory
     per device for each, and FSDP's and TP's over DP's."""
     try:
-        return [r for n in counts for r in _strategy_memory_compiled(llama["70B"], n)]
+        return [r for n in counts for r in _strategy_memory_compiled(n)]
     except ConfigError as e:
         return _skipped(("C14",), str(e))
 
 
-def _strategy_memory_compiled(shape: dict, n: int) -> list[dict]:
+def _strategy_memory_compiled(n: int) -> list[dict]:
     """70B compiled for n H100s under dp, fsdp and tp: memory per device, and FSDP's and TP's
     over DP's."""
     recs, totals = [], {}
     for strategy in MESHES:
-        keys = llama_keys(shape, n, strategy)
+        keys = llama_keys("70B", n, strategy)
         p = plan(keys)
         totals[strategy] = _total(p)
         recs.append(

@@ -27,12 +27,13 @@ from experiments.common import (
     backend,
     fallback,
     forward_probe,
+    llama_preset,
+    llama_shape,
     mfu_peak,
     pick,
     record,
     spec_inputs,
 )
-from experiments.memory import LLAMA
 from lab import plans
 from lab.config import make_config
 from lab.errors import ConfigError
@@ -160,7 +161,7 @@ def _input_token_cost(mfu: float) -> list[dict]:
         ("7B", "usd_per_m_input_tokens_7b"),
         ("70B", "usd_per_m_input_tokens_70b"),
     ):
-        shape = LLAMA[name]
+        shape = llama_shape(name)
         gpus = math.ceil(2 * shape["n_params"] / spec.memory_bytes)  # bf16 weights must fit
         tokens_per_s = gpus * peak * mfu / _prefill_flops_per_token(shape)
         usd = gpus * spec.price_usd_per_hour / (tokens_per_s * 3600) * 1e6
@@ -277,7 +278,7 @@ def _serving_records(out: Study, preset: str, source: str) -> list[dict]:
 
 
 def _llama_model(name: str):
-    return make_config(preset=f"llama2-{name.lower()}").model
+    return make_config(preset=llama_preset(name)).model
 
 
 def _decode_rate(name: str, gpus: int, bandwidth_share: float, key: str = "h100-sxm") -> dict:
@@ -312,7 +313,7 @@ def _output_token_cost(out: Study, mfu: float) -> list[dict]:
         ("7B", "usd_per_m_output_tokens_7b"),
         ("70B", "usd_per_m_output_tokens_70b"),
     ):
-        shape = LLAMA[name]
+        shape = llama_shape(name)
         gpus = math.ceil(2 * shape["n_params"] / spec.memory_bytes)
         d = _decode_rate(name, gpus, share)
         usd = gpus * spec.price_usd_per_hour / (d["tokens_per_s"] * 3600) * 1e6
@@ -410,7 +411,7 @@ def _serving_plan_70b_int8() -> list[dict]:
     target = "gpu:h100:1"
     try:
         plans.parse_target(target)
-        cfg = make_config(preset="llama2-70b", param_dtype="bfloat16", target=target)
+        cfg = make_config(preset=llama_preset("70B"), param_dtype="bfloat16", target=target)
         session = open_session(cfg)
         r = compiled.plan_serving(
             session, batch=SERVE_70B_BATCH, context=SERVE_70B_CONTEXT, int8=True

@@ -19,25 +19,18 @@ from experiments.common import (
     STEP_BUDGET_S,
     compile_probe,
     describe,
+    llama_shape,
     pick,
     record,
     step_config,
     train_probe,
 )
-from lab.config import PRESETS, Config, make_config, override
+from lab.config import Config, make_config, override
 from lab.errors import ConfigError
 from lab.measure import memory, specs
 
 CLAIMS = ("C09", "C10", "C11", "C12")
 
-# Llama-2 shapes: the model fields of the presets (lab.config.PRESETS, from the released
-# configs), so the lab holds them once, plus the parameter count the paper states (Touvron et
-# al. 2023, table 1), which is no config field: the calculator and the cost rules take it.
-SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
-LLAMA = {
-    name: dict(n_params=n_params, **{k: PRESETS[preset][k] for k in SHAPE_FIELDS})
-    for name, preset, n_params in (("7B", "llama2-7b", 6.74e9), ("70B", "llama2-70b", 68.98e9))
-}
 # Storage bytes per recipe: (weights, compute, gradients, Adam moments, fp32 master copy).
 RECIPES = {
     "mixed precision (fp32 weights, bf16 compute, fp32 AdamW)": (4, 2, 4, 4, 0),
@@ -186,7 +179,7 @@ def _llama_training_memory(log_err: float) -> list[dict]:
     }
     recs = []
     for recipe in RECIPES:
-        p = _predict(LLAMA["7B"], recipe, batch_size=1)
+        p = _predict(llama_shape("7B"), recipe, batch_size=1)
         recs.append(
             record(
                 "C10",
@@ -202,7 +195,7 @@ def _llama_training_memory(log_err: float) -> list[dict]:
                 inputs=inputs,
             )
         )
-    dp = _predict(LLAMA["70B"], PRIMARY, batch_size=1)
+    dp = _predict(llama_shape("70B"), PRIMARY, batch_size=1)
     recs.append(
         record(
             "C10",
@@ -219,7 +212,7 @@ def _llama_training_memory(log_err: float) -> list[dict]:
     needed, n = None, 1
     while n <= 4096 and needed is None:
         # remat=full: one 2048-token sequence of 70B keeps ~50 GB of activations otherwise
-        p = _predict(LLAMA["70B"], PRIMARY, batch_size=n, fsdp=n, remat="full")
+        p = _predict(llama_shape("70B"), PRIMARY, batch_size=n, fsdp=n, remat="full")
         if p["total"] <= cap:
             needed = n
         n *= 2
@@ -310,7 +303,7 @@ def _fitting_70b(log_err: float) -> list[dict]:
     recs = []
     for (where, kw), host in ((lo, h) for lo in layouts for h in (False, True)):
         p = _predict(
-            LLAMA["70B"], PRIMARY, remat="full", microbatches=8, offload_optimizer=host, **kw
+            llama_shape("70B"), PRIMARY, remat="full", microbatches=8, offload_optimizer=host, **kw
         )
         text = f"{where}, 8 microbatches" + (", AdamW state in host memory" if host else "")
         recs.append(
@@ -461,7 +454,7 @@ def run(size: str = "quick", *, plans: bool = False) -> list[dict]:
     budget = STEP_BUDGET_S[size]
     remats = pick(size, tiny=("none", "full"), quick=REMATS, full=REMATS)
     recs, log_err = _remat_memory_and_time(step_config(size), budget, remats, timed=size != "tiny")
-    compiled = gpu_plans.llama_memory_per_h100(LLAMA) if plans else []
+    compiled = gpu_plans.llama_memory_per_h100() if plans else []
     recs += (
         _llama_training_memory(log_err) + compiled + _batch_memory_and_speed(sweep, batches, budget)
     )

@@ -31,7 +31,6 @@ from experiments.common import (
     step_config,
     train_probe,
 )
-from experiments.memory import LLAMA
 from lab.parallel import collectives_hlo, pipeline_hlo
 
 CLAIMS = ("C13", "C14")
@@ -373,7 +372,7 @@ def _pipeline_memory_and_strategy_times(size: str, n: int) -> list[dict]:
 
 def run(size: str = "quick", *, plans: bool = False) -> list[dict]:
     """`plans`: also the 70B step compiled for 8 and 16 H100s (experiments/gpu_plans.py)."""
-    compiled = gpu_plans.llama70b_memory_per_strategy(LLAMA) if plans else []
+    compiled = gpu_plans.llama70b_memory_per_strategy() if plans else []
     n = len(jax.devices())
     if n < 2:
         return compiled + [

@@ -299,6 +299,11 @@ PRESETS: dict[str, dict] = {
         scan_layers=True,
     ),
 }
+# The parameter count its paper states, for a preset that reproduces a published model
+# (Llama-2: Touvron et al. 2023, table 1). No ModelConfig field, so not in the preset itself
+# (a preset is ModelConfig's keyword arguments), but what a claim about the published model is
+# sized by; lab.measure.memory.lab_param_count, the lab's own build of the shape, is within 0.1%.
+STATED_PARAMS: dict[str, float] = {"llama2-7b": 6.74e9, "llama2-70b": 68.98e9}
 
 
 @dataclasses.dataclass(frozen=True)

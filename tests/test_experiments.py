@@ -161,8 +161,7 @@ def test_h100_plans_are_opt_in_shaped_like_llama_and_say_why_when_they_cannot_ru
     record saying so instead of failing the topic. (The compiles themselves take minutes: run
     `python -m experiments only=C10,C14 plans=on`.)"""
     from experiments import gpu_plans, plan_kwargs
-    from experiments.memory import LLAMA
-    from lab.config import make_config
+    from lab.config import STATED_PARAMS, make_config
     from lab.measure.memory import lab_param_count
     from lab.plans import gpu
 
@@ -171,15 +170,15 @@ def test_h100_plans_are_opt_in_shaped_like_llama_and_say_why_when_they_cannot_ru
     assert plan_kwargs("parallel", "on", "tiny") == {"plans": True}
     assert plan_kwargs("parallel", "off", "full") == {"plans": False}
     assert plan_kwargs("attention", "on", "full") == {}
-    for name, shape in LLAMA.items():
-        cfg = make_config(**gpu_plans.llama_keys(shape, 16, "tp"))
+    for name in ("7B", "70B"):
+        cfg = make_config(**gpu_plans.llama_keys(name, 16, "tp"))
         assert cfg.mesh == "data:2,model:8" and cfg.target == "gpu:h100:16", name
         assert cfg.batch_size == 16 and cfg.seq_len == 2048 and cfg.model.scan_layers
-        assert abs(lab_param_count(cfg.model) / shape["n_params"] - 1) < 1e-3, name
+        assert abs(lab_param_count(cfg.model) / STATED_PARAMS[cfg.preset] - 1) < 1e-3, name
     monkeypatch.setattr(gpu, "_pjrt", lambda: None)
     for recs, claim in (
-        (gpu_plans.llama_memory_per_h100(LLAMA), "C10"),
-        (gpu_plans.llama70b_memory_per_strategy(LLAMA), "C14"),
+        (gpu_plans.llama_memory_per_h100(), "C10"),
+        (gpu_plans.llama70b_memory_per_strategy(), "C14"),
     ):
         (r,) = recs
         assert r["config"]["claim"] == claim and r["config"]["role"] == "context"
