@@ -62,6 +62,10 @@ def _tpu_pod() -> bool:
 
 STOP_KEYS = "lab/stop/"  # where a signalled process posts "STEP SIGNAL" in the key-value store
 STOP_LINE = "{signal} to process {process}: every process stops after step {step}"
+# The signal the kernel sends a launched process when its launcher dies (PR_SET_PDEATHSIG).
+# Not SIGTERM: the kernel sends it once per launcher thread that had the process as child, as
+# those threads exit one by one, and a second SIGTERM means "exit now, unsaved".
+PARENT_DEATH_SIGNAL = "SIGUSR1"
 
 
 def _reach(coordinator: str) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 from lab import checkpoint, plans, rundir, summary, tensorboard
 from lab.config import Config
 from lab.data import host_batch, to_global
-from lab.devices import agreed_stop
+from lab.devices import PARENT_DEATH_SIGNAL, agreed_stop
 from lab.errors import ConfigError, RunError
 from lab.measure import memory
 from lab.measure.records import writable_dir
@@ -64,12 +64,22 @@ class _Stop:
         self._old = {}
 
     def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        handlers = {signal.SIGINT: self._handle, signal.SIGTERM: self._handle}
+        handlers[signal.Signals[PARENT_DEATH_SIGNAL]] = self._parent_died
+        for sig, handler in handlers.items():
             try:
-                self._old[sig] = signal.signal(sig, self._handle)
+                self._old[sig] = signal.signal(sig, handler)
             except ValueError:  # not the main thread: leave signals alone
                 pass
         return self
+
+    def _parent_died(self, _signum, _frame):
+        """The launcher of this process died (lab.tools.launch asks the kernel for this
+        signal then): stop as on a first SIGTERM. The kernel may send it several times, once
+        per launcher thread as they exit, so it never counts as a second signal."""
+        if self._received == 0:
+            self._received = 1
+            self.signal = self.signal or "SIGTERM"
 
     def _handle(self, signum, _frame):
         self._received += 1

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lab import checkpoint
 from lab.config import make_config
 from lab.run import main as run_main
 from lab.tools import launch
@@ -153,8 +154,10 @@ def test_sigkill_to_one_process_is_named_and_stops_the_rest(tmp_path, victim):
 
 @pytest.mark.once
 def test_sigkill_to_the_launcher_takes_its_processes_with_it(tmp_path):
-    """They stop like signalled processes (after the same step), although nobody reads
-    their output any more, and free the run folder."""
+    """They stop like signalled processes (after the same step, saving it), although nobody
+    reads their output any more, and free the run folder. The kernel's parent-death signal
+    can reach a process once per launcher thread: the repeats are not a second signal, which
+    would exit at once, unsaved."""
     proc = _launch(tmp_path, "checkpoint_every=1000")
     pids = _training(tmp_path, proc)
     proc.kill()
@@ -166,6 +169,7 @@ def test_sigkill_to_the_launcher_takes_its_processes_with_it(tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes outlived their launcher: {left} of {pids}"
+    assert len(checkpoint.saved_steps(tmp_path / "J")) == 1  # the stop's save: the only one
     with open(tmp_path / "J" / ".lock", "a+") as f:  # the run folder is free again
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 

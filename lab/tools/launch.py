@@ -26,8 +26,8 @@ collective waits for every peer, forever):
   traceback or the runtime's fatal log is shown when that process failed first, and left out
   in one line when it only echoes another's death.
 - The processes die with the launcher, even when it is killed with SIGKILL (on Linux the kernel
-  sends them SIGTERM, so they stop at an agreed step as above): none is left training and
-  holding the run folder's lock.
+  signals them, and they stop at an agreed step and save as on SIGTERM): none is left training
+  and holding the run folder's lock, and no checkpoint is lost.
 - Joining is bounded: a process that cannot join within coordinator_timeout prints one line
   and exits 2 (never the runtime's abort and stack trace), and so does the launcher.
 """
@@ -43,7 +43,7 @@ import threading
 import time
 
 from lab.config import cli, field, make_config
-from lab.devices import STOP_LINE
+from lab.devices import PARENT_DEATH_SIGNAL, STOP_LINE
 from lab.errors import ConfigError
 from lab.measure.records import writable_dir
 from lab.mesh import known_size
@@ -118,11 +118,12 @@ def commands(processes: int, keys: dict, port: int, join_timeout: int = 60) -> l
     ]
 
 
-# Run before a child's own command (Linux): the kernel sends it SIGTERM when the launcher dies,
-# even by SIGKILL, which no handler sees; the setting survives the exec. A trampoline, not a
+# Run before a child's own command (Linux): the kernel sends it PARENT_DEATH_SIGNAL when the
+# launcher dies, even by SIGKILL, which no handler sees; the setting survives the exec, and
+# lab.run stops on that signal as on SIGTERM, however many times it comes. A trampoline, not a
 # preexec_fn: forking a process that runs threads (JAX's) and then running Python is unsafe.
-_DIE_WITH_PARENT = """import ctypes, os, signal, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+_DIE_WITH_PARENT = f"""import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.{PARENT_DEATH_SIGNAL}, 0, 0, 0)  # PDEATHSIG
 if os.getppid() != int(sys.argv[1]):  # the launcher died before the call: nobody would tell
     sys.exit(143)
 os.execv(sys.argv[2], sys.argv[2:])
