@@ -370,7 +370,7 @@ def _analyse(cfg, info, trainer, console):
         console.print(tables.explain_memory(ex))
         console.print(tables.explain_collectives(ex))
         if ex.pipeline:
-            console.print(tables.explain_pipeline(ex.pipeline.as_dict()))
+            console.print(tables.explain_pipeline(ex.pipeline))
     analysis = summary.analyse(compiled, cfg, info, trainer, kernels)
     problem = summary.memory_problem(analysis, info)
     if problem:

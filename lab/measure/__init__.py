@@ -7,5 +7,6 @@ specs     datasheet peaks per device_kind, a source for every number
 ceilings  measured matmul peak, copy and transfer bandwidth (`python -m lab.measure`)
 roofline  the sweep of ops across arithmetic intensity, the ridge point, the plot
 records   one JSON record per figure, stamped with the environment
+pipeline  what a pipelined step sends between stages (the compiled reading, as types)
 serving   what a serving study measured, as frozen types (its points, int8 error, summary)
 """

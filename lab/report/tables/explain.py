@@ -4,6 +4,7 @@ collectives, the compiled program beside the analytic figures.
 
 from rich.table import Table
 
+from lab.measure.pipeline import PipelineReading
 from lab.report.format import mib, ratio
 
 
@@ -26,23 +27,22 @@ def explain_memory(ex) -> Table:
     return t
 
 
-def explain_pipeline(p: dict) -> Table:
+def explain_pipeline(p: PipelineReading) -> Table:
     """A pipelined step's stage permutes and ticks: the compiled program against the schedule."""
     t = Table(title="pipeline: stage-to-stage traffic per step, per device")
     for col in ("", "compiled", "analytic"):
         t.add_column(col)
-    t.add_row("ticks (loop trip count)", str(p["compiled_ticks"]), str(p["ticks"]))
-    bubble = p["compiled_bubble"]
-    t.add_row("bubble", "n/a" if bubble is None else f"{bubble:.3f}", f"{p['bubble']:.3f}")
-    t.add_row("microbatch activation a", "", f"{p['microbatch_bytes']:,} B")
-    for d in ("forward", "backward"):
-        r = p[d]
+    t.add_row("ticks (loop trip count)", str(p.compiled_ticks), str(p.ticks))
+    bubble = p.compiled_bubble
+    t.add_row("bubble", "n/a" if bubble is None else f"{bubble:.3f}", f"{p.bubble:.3f}")
+    t.add_row("microbatch activation a", "", f"{p.microbatch_bytes:,} B")
+    for d, r in (("forward", p.forward), ("backward", p.backward)):
         t.add_row(
             f"{d} collective-permutes",
-            f"{r['ops']} op × {r['executions']} runs, {r['bytes_per_device']:,} B",
-            f"ticks × a = {p['bytes_per_device']:,} B",
+            f"{r.ops} op × {r.executions} runs, {r.bytes_per_device:,} B",
+            f"ticks × a = {p.bytes_per_device:,} B",
         )
-    t.add_row("useful per data replica, each way", "", f"M·(R·P-1)·a = {p['useful_bytes']:,} B")
+    t.add_row("useful per data replica, each way", "", f"M·(R·P-1)·a = {p.useful_bytes:,} B")
     return t
 
 

@@ -1,0 +1,57 @@
+"""What a pipelined step sends between stages, as frozen types: one direction's stage
+permutes, and the whole reading (the schedule on paper beside the compiled program).
+
+lab.parallel.pipeline_hlo reads them from a compiled program; they sit here, below
+lab.report, so the renderer (lab/report/tables/explain.py) takes the reading itself and uses
+its fields and properties, instead of a dict whose keys it must know. `as_dict()` is the form
+the run's summary.json keeps.
+"""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Direction:
+    """The stage permutes of one direction, as the compiled program runs them."""
+
+    ops: int  # collective-permute instructions in the HLO
+    executions: int  # per step per device (an op in a loop runs once per trip)
+    trip_counts: tuple[int, ...]  # of the loops they sit in
+    bytes_per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineReading:
+    """A pipelined step: the schedule on paper beside what the compiled program does."""
+
+    stages: int
+    microbatches: int
+    repeats: int
+    microbatch_bytes: int  # a: one microbatch's activations on one device
+    ticks: int  # analytic
+    bubble: float  # analytic, (P-1)/(repeats·M+P-1)
+    bytes_per_device: int  # analytic, per direction: ticks·a
+    useful_bytes: int  # analytic, per direction, per data replica: M·(repeats·P-1)·a
+    forward: Direction
+    backward: Direction
+    weights_split: int = 0  # analytic: block weights split over a batch axis (fsdp) as well
+    weight_gathers: Direction | None = None  # compiled: their all-gathers in the pipeline
+    weight_scatters: Direction | None = None  # compiled: their gradients' reduce-scatters
+
+    @property
+    def compiled_ticks(self) -> int | None:
+        """The forward tick loop's trip count in the compiled program."""
+        return max(self.forward.trip_counts, default=None)
+
+    @property
+    def compiled_bubble(self) -> float | None:
+        """The bubble counted from the compiled schedule: idle ticks over ticks."""
+        t = self.compiled_ticks
+        return (t - self.repeats * self.microbatches) / t if t else None
+
+    def as_dict(self) -> dict:
+        return {
+            **dataclasses.asdict(self),
+            "compiled_ticks": self.compiled_ticks,
+            "compiled_bubble": self.compiled_bubble,
+        }
