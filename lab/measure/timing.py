@@ -90,7 +90,42 @@ def bench(
     return summarise(times_s, compile_s)
 
 
-def compare(
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """One implementation's times in a `comparison` and its baseline's median."""
+
+    name: str
+    bench: BenchResult  # its seconds per call
+    baseline_median_s: float  # the baseline's median in the same alternated run
+
+    @property
+    def ratio(self) -> float:
+        """Median over the baseline's median: below 1 is faster than the baseline."""
+        return self.bench.median_s / self.baseline_median_s
+
+    def as_dict(self) -> dict:
+        return {**self.bench.as_dict(), "ratio": self.ratio}
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Several implementations of one op timed alternately (`comparison`), in the order given."""
+
+    baseline: str  # the name every ratio is taken against
+    contenders: tuple[Contender, ...]
+
+    def __getitem__(self, name: str) -> Contender:
+        for c in self.contenders:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def as_dict(self) -> dict[str, dict]:
+        """Per name, the BenchResult fields plus `ratio`: `compare`'s form, which records keep."""
+        return {c.name: c.as_dict() for c in self.contenders}
+
+
+def comparison(
     impls: dict[str, Callable],
     *args,
     baseline: str,
@@ -98,13 +133,13 @@ def compare(
     min_runs: int = 5,
     budget_s: float = 1.0,
     inner: int = 1,
-) -> dict[str, dict]:
+) -> Comparison:
     """Time several implementations of one op on the same inputs, alternating call by call.
 
     Alternating spreads drift (thermal, other processes) evenly over the contenders, so the
-    ratios are fairer than timing one after the other. Returns, per name, the BenchResult
-    fields plus `ratio` = median / baseline median (below 1 is faster than the baseline).
-    `inner` > 1 makes each sample `inner` queued calls blocked once (see `_call_blocked`).
+    ratios are fairer than timing one after the other. Each contender's ratio is its median
+    over the baseline's (below 1 is faster than the baseline). `inner` > 1 makes each sample
+    `inner` queued calls blocked once (see `_call_blocked`).
     """
     if inner < 1:
         raise ValueError(f"inner={inner}: must be >= 1")
@@ -127,7 +162,13 @@ def compare(
         rounds += 1
     results = {name: summarise(t, compile_s[name]) for name, t in times_s.items()}
     base_s = results[baseline].median_s
-    return {n: {**r.as_dict(), "ratio": r.median_s / base_s} for n, r in results.items()}
+    return Comparison(baseline, tuple(Contender(n, r, base_s) for n, r in results.items()))
+
+
+def compare(impls: dict[str, Callable], *args, baseline: str, **kwargs) -> dict[str, dict]:
+    """`comparison` as plain dicts: per name, the BenchResult fields plus `ratio` = median /
+    baseline median. For callers that put the figures straight into records."""
+    return comparison(impls, *args, baseline=baseline, **kwargs).as_dict()
 
 
 def threaded(fn: Callable, state) -> Callable:

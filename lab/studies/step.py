@@ -27,7 +27,7 @@ from lab.config import make_config
 from lab.data import host_batch, to_global
 from lab.errors import ConfigError
 from lab.measure import records as rec
-from lab.measure.timing import bench, compare, threaded
+from lab.measure.timing import Comparison, bench, comparison, threaded
 from lab.model import build
 from lab.session import Session, open_session
 from lab.train import cross_entropy, make_optimizer
@@ -65,8 +65,8 @@ def _tokens(s: Session):
     return to_global(batch, s.trainer.batch_sharding)
 
 
-def compare_with_bare(s: Session, budget_s: float = 5.0) -> dict:
-    """{bare, lab}: the timing.compare results of both steps on one batch (ratio vs bare)."""
+def compare_with_bare(s: Session, budget_s: float = 5.0) -> Comparison:
+    """Both steps on one batch, timed alternately: bare (the baseline), then lab."""
     cfg, trainer = s.cfg, s.trainer
     tokens = _tokens(s)
     compiled = trainer.lower().compile()
@@ -75,7 +75,7 @@ def compare_with_bare(s: Session, budget_s: float = 5.0) -> dict:
     tx = make_optimizer(cfg)  # the same optimizer: only the machinery differs
     bare = bare_step_fn(build(cfg.model), tx)
     bare_call = threaded(lambda st: bare(*st, tokens)[:2], (params, tx.init(params)))
-    return compare({"bare": bare_call, "lab": lab_call}, baseline="bare", budget_s=budget_s)
+    return comparison({"bare": bare_call, "lab": lab_call}, baseline="bare", budget_s=budget_s)
 
 
 def measure(keys: dict, remat: str, batch: int, budget_s: float) -> dict:

@@ -1,24 +1,25 @@
-"""Step times side by side (lab.measure.timing.compare): a step against a bare one, or two
+"""Step times side by side (lab.measure.timing.comparison): a step against a bare one, or two
 ways to run a collective matmul.
 """
 
 from rich.table import Table
 
+from lab.measure.timing import Comparison
 from lab.report.format import duration
 
 
-def step_compare(results: dict, title: str, baseline: str = "bare") -> Table:
-    """`lab.measure.timing.compare` results: times and the ratio to the baseline."""
+def step_compare(c: Comparison, title: str) -> Table:
+    """Each contender's times and its ratio to the comparison's baseline."""
     t = Table(title=title)
-    for col in ("", "median", "p10", "p90", "runs", f"ratio vs {baseline}"):
+    for col in ("", "median", "p10", "p90", "runs", f"ratio vs {c.baseline}"):
         t.add_column(col, justify="right")
-    for name, r in results.items():
+    for r in c.contenders:
         t.add_row(
-            name,
-            duration(r["median_s"]),
-            duration(r["p10_s"]),
-            duration(r["p90_s"]),
-            str(r["runs"]),
-            f"{r['ratio']:.3f}",
+            r.name,
+            duration(r.bench.median_s),
+            duration(r.bench.p10_s),
+            duration(r.bench.p90_s),
+            str(r.bench.runs),
+            f"{r.ratio:.3f}",
         )
     return t
