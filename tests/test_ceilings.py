@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from lab.measure import ceilings, records, roofline
+from lab.measure import ceilings, records, roofline, specs
 from lab.tools import ceilings as ceilings_tool
 
 
@@ -96,3 +96,29 @@ def test_bad_options_are_one_line_and_exit_2(argv, needle, capsys):
     assert ceilings_tool.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_the_table_holds_each_row_against_its_datasheet_figure():
+    """A float32 matmul at default precision runs as TF32 on an H100, so its share is of the
+    TF32 peak; copies are held against the memory bandwidth; the rest against nothing."""
+    from rich.console import Console
+
+    from lab.report import tables
+
+    spec = specs.lookup("NVIDIA H100 80GB HBM3")
+    rows = (
+        ceilings.Row("matmul float32 precision=default", 247.25e12, "FLOP/s", "", "tf32"),
+        ceilings.Row("matmul bfloat16 precision=default", None, "FLOP/s", "", "bfloat16"),
+        ceilings.Row(
+            "copy bandwidth (read+write)", spec.memory_bandwidth / 2, "B/s", "", "memory_bandwidth"
+        ),
+        ceilings.Row("ridge point (compute roof / memory roof)", 300.0, "FLOP/B"),
+    )
+    c = ceilings.Ceilings(rows, (), (), 1e15, 3e12, (), spec, 1.0)
+    assert c.ridge == roofline.ridge_point(1e15, 3e12)
+    assert c.share_of_spec(rows[0]) == (247.25e12 / spec.peak_flops["tf32"], "tf32")
+    assert c.share_of_spec(rows[1]) is None and c.share_of_spec(rows[3]) is None
+    con = Console(width=200, record=True)
+    con.print(tables.ceilings(c, "t"))
+    text = con.export_text()
+    assert "50% of tf32 spec" in text and "50% of spec" in text and "n/a" in text

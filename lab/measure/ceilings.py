@@ -7,9 +7,13 @@ does (achieved / spec peak). Sizes are chosen per backend so the whole set runs 
 two minutes on a laptop CPU and in seconds on an accelerator. Every time comes from
 `timing.bench`: compile apart, blocked on the outputs, median over a time budget.
 
-`python -m lab.tools.ceilings` runs `run_all` and prints, saves and plots the results.
+`python -m lab.tools.ceilings` runs `run_all` and prints, saves and plots the results:
+`run_all` returns a `Ceilings` (its rows as `Row`s), typed here, below lab.report, so the
+terminal table (lab/report/tables/roofline.py) takes it instead of a dict whose keys it must
+know.
 """
 
+import dataclasses
 import functools
 import time
 
@@ -308,7 +312,55 @@ def roofline_ceilings(size: str = "full", *, budget_s: float = 1.0, matmuls=None
     }
 
 
-def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One figure of the ceilings table, as measured or derived (the record says which)."""
+
+    what: str  # the record's `what`
+    value: float | None  # None where it could not be measured here
+    unit: str  # FLOP/s, B/s, ratio, FLOP/B
+    note: str = ""  # how it was measured (size, method), or what it means
+    # the datasheet figure this is a share of: a DeviceSpec.peak_flops key (the matmul's
+    # dtype, tf32 for float32 at default precision), "memory_bandwidth", or None for none
+    spec_key: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """Every ceiling of the default device (`run_all`): the table's rows, their records, the
+    roofline sweep and the roofs taken from it."""
+
+    rows: tuple[Row, ...]  # in the order measured
+    records: tuple[dict, ...]  # one per row, as written to the .jsonl
+    points: tuple  # lab.measure.roofline.Point of the sweep
+    peak_flops: float  # FLOP/s: the compute roof, the best rate measured
+    bandwidth: float  # bytes/s: the memory roof, the best rate measured
+    above_roof: tuple  # (point, its rate over its roof) for points > OUTLIER above it
+    spec: specs.DeviceSpec | None  # the datasheet entry of this device, where there is one
+    elapsed_s: float  # seconds the whole set took
+
+    @property
+    def ridge(self) -> float:
+        """FLOP/B where the measured compute roof meets the measured memory roof."""
+        return roofline.ridge_point(self.peak_flops, self.bandwidth)
+
+    def share_of_spec(self, row: Row) -> tuple[float, str] | None:
+        """(the row's value over its datasheet figure, the figure's name), where both exist."""
+        if self.spec is None or row.value is None or row.spec_key is None:
+            return None
+        if row.spec_key == "memory_bandwidth":
+            return row.value / self.spec.memory_bandwidth, row.spec_key
+        peak = self.spec.peak_flops.get(row.spec_key)
+        return (row.value / peak, row.spec_key) if peak else None
+
+
+def _matmul_spec_key(dtype: str, precision: str) -> str:
+    """The datasheet peak a matmul is held against: float32 at default precision runs as TF32
+    on the GPUs that have it."""
+    return "tf32" if dtype == "float32" and precision == "default" else dtype
+
+
+def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
     """Every ceiling of the default device: records, roofline points and roofs.
 
     `quick` shrinks every size (a code-path check for tests: the numbers mean little).
@@ -320,9 +372,9 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
     n = sz["mm_n"]
     recs, rows = [], []
 
-    def add(what, value, unit, note="", **config):
+    def add(what, value, unit, note="", spec_key=None, **config):
         recs.append(records.make_record(what, value, unit, **config))
-        rows.append((what, value, unit, note))
+        rows.append(Row(what, value, unit, note, spec_key))
 
     matmuls = {}
     for dtype, precision in matmul_configs(be):
@@ -333,6 +385,7 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
             m["flops_per_s"],
             "FLOP/s",
             f"n={n}, compile {m['compile_s']:.2f} s",
+            spec_key=_matmul_spec_key(dtype, m["precision"]),
             **{k: m[k] for k in ("dtype", "precision", "n", "median_s", "p10_s", "p90_s", "runs")},
         )
     if be == "cpu":
@@ -348,10 +401,18 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
         )
     roof = roofline_ceilings(size, budget_s=budget_s, matmuls=matmuls)
     mib = f"{sz['copy'] / MiB:g} MiB × {SETS} rotated"
-    add("copy bandwidth (read+write)", roof["copy"]["bytes_per_s"], "B/s", f"XLA y = x·s, {mib}")
+    copy, note = roof["copy"]["bytes_per_s"], f"XLA y = x·s, {mib}"
+    add("copy bandwidth (read+write)", copy, "B/s", note, spec_key="memory_bandwidth")
     if be == "cpu":
         npc = numpy_copy_bandwidth(sz["copy"], budget_s=budget_s)
-        add("copy bandwidth numpy (out=)", npc["bytes_per_s"], "B/s", f"one core, {mib}")
+        note = f"one core, {mib}"
+        add(
+            "copy bandwidth numpy (out=)",
+            npc["bytes_per_s"],
+            "B/s",
+            note,
+            spec_key="memory_bandwidth",
+        )
     cpu_note = " (CPU: host memcpy, same memory)" if be == "cpu" else ""
     for name, fn in (("host→device", host_to_device), ("device→host", device_to_host)):
         r = fn(sz["transfer"], budget_s=budget_s)
@@ -372,14 +433,13 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> dict:
             bytes=p.bytes,
             median_s=p.median_s,
         )
-    return {
-        "records": recs,
-        "rows": rows,
-        "points": roof["points"],
-        "peak_flops": peak,
-        "bandwidth": bandwidth,
-        "ridge": roof["ridge"],
-        "above_roof": roof["above_roof"],
-        "spec": specs.lookup(records.environment()["device_kind"]),
-        "elapsed_s": time.perf_counter() - t0,
-    }
+    return Ceilings(
+        rows=tuple(rows),
+        records=tuple(recs),
+        points=tuple(roof["points"]),
+        peak_flops=peak,
+        bandwidth=bandwidth,
+        above_roof=tuple(roof["above_roof"]),
+        spec=specs.lookup(records.environment()["device_kind"]),
+        elapsed_s=time.perf_counter() - t0,
+    )

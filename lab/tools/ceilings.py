@@ -34,17 +34,17 @@ def run(o: Options) -> int:
         f"jax {env['jax_version']}"
     )
     con.print(tables.ceilings(result, title))
-    con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), result['records'])}")
+    con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), result.records)}")
     if o.plot:
         png = plots.roofline_points(
-            result["points"],
-            peak_flops=result["peak_flops"],
-            bandwidth=result["bandwidth"],
+            result.points,
+            peak_flops=result.peak_flops,
+            bandwidth=result.bandwidth,
             path=stem.with_suffix(".png"),
             title=f"{env['device_kind']} ({env['backend']}): measured roofline",
         )
         con.print(f"roofline → {png}")
-    con.print(f"done in {result['elapsed_s']:.1f} s")
+    con.print(f"done in {result.elapsed_s:.1f} s")
     return 0
 
 

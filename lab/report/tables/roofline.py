@@ -2,31 +2,33 @@
 
 from rich.table import Table
 
+from lab.measure.ceilings import Ceilings, Row
 from lab.report.format import percent, rate
 
 
-def _vs_spec(what: str, value, spec) -> str:
+def _vs_spec(c: Ceilings, row: Row) -> str:
     """Share of the datasheet figure, where the device has a spec entry."""
-    if spec is None or value is None:
+    share = c.share_of_spec(row)
+    if share is None:
         return ""
-    if what.startswith("matmul ") and "numpy" not in what and "/" not in what:
-        dtype = what.split()[1]
-        key = "tf32" if dtype == "float32" and "default" in what else dtype
-        peak = spec.peak_flops.get(key)
-        return f"{percent(value / peak, 0)} of {key} spec" if peak else ""
-    if what.startswith("copy"):
-        return f"{percent(value / spec.memory_bandwidth, 0)} of spec"
-    return ""
+    value, key = share
+    if key == "memory_bandwidth":
+        return f"{percent(value, 0)} of spec"
+    return f"{percent(value, 0)} of {key} spec"
 
 
-def ceilings(result: dict, title: str) -> Table:
+def ceilings(c: Ceilings, title: str) -> Table:
+    """Every row of lab.measure.ceilings.run_all: its value, how it was measured, and its share
+    of the datasheet where one applies."""
     t = Table(title=title)
     for col in ("measurement", "value", "note", "vs datasheet"):
         t.add_column(col)
-    for what, value, unit, note in result["rows"]:
-        if value is None:
+    for r in c.rows:
+        if r.value is None:
             text = "n/a"
         else:
-            text = rate(value, unit) if unit in ("FLOP/s", "B/s") else f"{value:.3g} {unit}"
-        t.add_row(what, text, note, _vs_spec(what, value, result["spec"]))
+            text = (
+                rate(r.value, r.unit) if r.unit in ("FLOP/s", "B/s") else f"{r.value:.3g} {r.unit}"
+            )
+        t.add_row(r.what, text, r.note, _vs_spec(c, r))
     return t
