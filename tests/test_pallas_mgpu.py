@@ -543,7 +543,8 @@ def test_tuner_static_pass_drops_what_overflows_shared_memory():
     )  # fmt: skip
     base = tune.default_block_sizes("pallas_mgpu", 128)
     candidates = [base, dataclasses.replace(base, max_stages=3)]
-    dropped, records = tune.static_filter(candidates, search, "fwd")
+    static = tune.static_filter(candidates, search, "fwd")
+    dropped, records = static.dropped, static.records()
     assert list(dropped) == [1] and "exceeds available shared memory" in dropped[1], dropped
     (kept,) = [r for r in records if "mgpu" in r["config"]["kernel"]]
     assert kept["config"]["kernel"].startswith("flash_attention_mgpu_fwd")

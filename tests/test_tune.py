@@ -31,14 +31,14 @@ SEARCH = tune.Search(
 
 def test_interpret_search_chooses_writes_and_the_kernel_reads_it(tmp_path):
     best, records, summary = tune.search_block_sizes(SEARCH, budget_s=0.01)
-    assert [s["stage"] for s in summary["stages"]] == ["fwd", "bwd", "variant"]
-    assert summary["baseline"] == "xla"
+    assert [s.stage for s in summary.stages] == ["fwd", "bwd", "variant"]
+    assert summary.baseline == "xla"
     ratios = [r for r in records if r["what"] == "tune time ratio vs baseline"]
-    assert len(ratios) == sum(len(s["candidates"]) for s in summary["stages"])  # one case each
+    assert len(ratios) == summary.candidates == 6  # one case each
     assert all(r["value"] > 0 and r["config"]["interpret"] for r in ratios)
-    final = summary["stages"][-1]
-    assert best == final["candidates"][final["best"]]
-    assert final["scores"][final["best"]] == min(final["scores"])
+    final = summary.stages[-1]
+    assert best == summary.best == final.candidates[final.best] == final.chosen
+    assert summary.best_score == final.scores[final.best] == min(final.scores)
 
     path = tune.write_entry("Test GPU 80GB", SEARCH, best, summary, folder=tmp_path)
     assert path.name == "test-gpu-80gb.json"
@@ -71,8 +71,8 @@ def test_a_wrong_candidate_is_recorded_and_never_chosen(monkeypatch):
         dataclasses.replace(pallas_gpu.BlockSizes(), **o) for o in tune.INTERPRET_SPACE["fwd"]
     ]
     timing = dict(budget_s=0.01, min_runs=1, warmup=0)
-    records, scores, best = tune.run_stage("fwd", candidates, SEARCH, "fwd", "xla", timing)
-    assert candidates[best].block_q == 16 and scores[1] == float("inf")
+    records, stage = tune.run_stage("fwd", candidates, SEARCH, "fwd", "xla", timing)
+    assert stage.chosen.block_q == 16 and stage.scores[1] == float("inf")
     rejected = [r for r in records if r["what"] == "tune rejected"]
     assert len(rejected) == 1 and rejected[0]["value"].startswith("max error")
 
@@ -145,10 +145,10 @@ def test_static_pass_drops_spills_and_smem_overflows_before_timing(monkeypatch):
     # the timed stage's compile-and-check is where timing starts: stop there
     monkeypatch.setattr(tune, "_compile_checked", lambda *a: (None, "not timed in this test"))
     timing = dict(budget_s=0.01, min_runs=1, warmup=0)
-    records, scores, _ = tune.run_stage("fwd", candidates, search, "fwd", "xla", timing)
+    records, stage = tune.run_stage("fwd", candidates, search, "fwd", "xla", timing)
 
     assert timed == [0]  # the dropped ones never reach the timed stage
-    assert scores[1] == scores[2] == float("inf")
+    assert stage.scores[1] == stage.scores[2] == float("inf")
     cands = [dataclasses.asdict(c) for c in candidates]
     kernels = {}  # candidate → its kernel's figures, as the compiler reported them
     for r in records:
@@ -170,3 +170,39 @@ def test_static_pass_drops_spills_and_smem_overflows_before_timing(monkeypatch):
     assert sorted(static) == [1, 2], static
     assert static[1].startswith("spills ") and "flash_attention_fwd" in static[1]
     assert "Shared memory size limit exceeded" in static[2]
+
+
+def test_static_pass_rows_and_records_come_from_its_kernels():
+    """A StaticPass renders each candidate's worst kernel and its verdict, and writes one
+    record per kernel with the fields the tuner's records have always had."""
+    from rich.console import Console
+
+    from lab.measure.tuning import KernelUse, StaticCandidate, StaticPass
+    from lab.report import tables
+
+    a, b = pallas_gpu.BlockSizes(block_q=64), pallas_gpu.BlockSizes(block_q=128)
+    fits = KernelUse(True, "fwd", 146, 0, 40960, 2)
+    spills = KernelUse(True, "fwd", 255, 96, 49152, 1)
+    p = StaticPass(
+        "gpu:h100:1",
+        "fwd",
+        (StaticCandidate(a, (fits,)), StaticCandidate(b, (fits, spills), "spills 96 B in fwd")),
+    )
+    assert p.dropped == {1: "spills 96 B in fwd"}
+    assert (p.candidates[1].max_registers, p.candidates[1].spill_bytes) == (255, 96)
+    recs = p.records()
+    assert [r["value"] for r in recs] == [146, 146, 255]
+    assert recs[2]["config"] == {
+        "candidate": dataclasses.asdict(b),
+        "causal": True,
+        "mode": "fwd",
+        "kernel": "fwd",
+        "spill_bytes": 96,
+        "smem": 49152,
+        "blocks_per_sm": 1,
+        "target": "gpu:h100:1",
+    }
+    con = Console(width=200, record=True)
+    con.print(tables.static_pass(p, "fwd K=64"))
+    text = con.export_text()
+    assert "no: spills 96 B in fwd" in text and "48.0 KiB" in text and "block_q" in text

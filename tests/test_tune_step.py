@@ -39,7 +39,8 @@ def test_what_does_not_fit_is_refused_not_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(summary.memory, "device_capacity_bytes", lambda device: 1024)
     rows = step.tune(KEYS, ("none",), (2,), 0.05)
-    assert rows[0]["skipped"].startswith("the compiled step needs") and "step_s" not in rows[0]
+    assert rows[0].skipped.startswith("the compiled step needs") and rows[0].step_s is None
+    assert rows[0].tokens_per_s is None and rows[0].mfu is None
     assert step.best(rows) is None
     assert tune_step.main([*TINY, "remats=none", "batches=2"]) == 1
     assert "no candidate fits this device" in capsys.readouterr().err
@@ -76,5 +77,6 @@ def test_out_of_memory_at_run_time_skips_the_candidate_and_keeps_the_rest(monkey
 
     monkeypatch.setattr(step, "measure", measure)
     rows = step.tune(KEYS, ("none",), (2, 4), 0.05)
-    assert rows[1]["skipped"] == "out of memory when run" and "tokens_per_s" in rows[0]
+    assert rows[1].skipped == "out of memory when run" and rows[0].ran
+    assert rows[0].tokens_per_s == 2 * 32 / rows[0].step_s
     assert step.best(rows) is rows[0]

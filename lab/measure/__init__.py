@@ -8,5 +8,6 @@ ceilings  measured matmul peak, copy and transfer bandwidth (`python -m lab.meas
 roofline  the sweep of ops across arithmetic intensity, the ridge point, the plot
 records   one JSON record per figure, stamped with the environment
 pipeline  what a pipelined step sends between stages (the compiled reading, as types)
+tuning    what the tuners measured, as frozen types (step candidates, tile stages, static pass)
 serving   what a serving study measured, as frozen types (its points, int8 error, summary)
 """

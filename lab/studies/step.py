@@ -28,6 +28,7 @@ from lab.data import host_batch, to_global
 from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.measure.timing import Comparison, bench, comparison, threaded
+from lab.measure.tuning import StepCandidate
 from lab.model import build
 from lab.session import Session, open_session
 from lab.train import cross_entropy, make_optimizer
@@ -78,7 +79,7 @@ def compare_with_bare(s: Session, budget_s: float = 5.0) -> Comparison:
     return comparison({"bare": bare_call, "lab": lab_call}, baseline="bare", budget_s=budget_s)
 
 
-def measure(keys: dict, remat: str, batch: int, budget_s: float) -> dict:
+def measure(keys: dict, remat: str, batch: int, budget_s: float) -> StepCandidate:
     """One candidate: compiled memory, and (if it fits) step time, tokens/s and MFU."""
     s = open_session(keys={**keys, "remat": remat, "batch_size": batch, "steps": STEPS})
     cfg, info, trainer = s.cfg, s.info, s.trainer
@@ -90,27 +91,28 @@ def measure(keys: dict, remat: str, batch: int, budget_s: float) -> dict:
     row = dict(remat=remat, batch=batch, compile_s=compile_s, memory_bytes=mem.get("total_bytes"))
     problem = summary.memory_problem(analysis, info)
     if problem:
-        return {**row, "skipped": problem.split(":")[0]}
+        return StepCandidate(**row, skipped=problem.split(":")[0])
     tokens = _tokens(s)
     call = threaded(lambda st: compiled(st, tokens)[0], trainer.init(jax.random.key(cfg.seed)))
     timed = bench(call, warmup=2, min_runs=3, budget_s=budget_s)
-    tokens_per_s = batch * cfg.seq_len / timed.median_s
     peak, source = summary.mesh_peak(cfg, info, analysis["devices"])
-    achieved = analysis["model_flops_per_token"] * tokens_per_s
-    return {
+    return StepCandidate(
         **row,
-        "step_s": timed.median_s,
-        "runs": timed.runs,
-        "tokens_per_s": tokens_per_s,
-        "mfu": achieved / peak if peak else None,
-        "peak_source": source,
-        "convention": analysis["flops_convention"],
-        "device": f"{info.device_kind} × {analysis['devices']}",
-    }
+        step_s=timed.median_s,
+        runs=timed.runs,
+        seq_len=cfg.seq_len,
+        model_flops_per_token=analysis["model_flops_per_token"],
+        peak_flops=peak,
+        peak_source=source,
+        convention=analysis["flops_convention"],
+        device=f"{info.device_kind} × {analysis['devices']}",
+    )
 
 
-def tune(keys: dict, remats=REMATS, batches=BATCHES, budget_s: float = 5.0, log=None) -> list:
-    """Every (remat, batch) measured; a row each (skipped rows say why)."""
+def tune(
+    keys: dict, remats=REMATS, batches=BATCHES, budget_s: float = 5.0, log=None
+) -> list[StepCandidate]:
+    """Every (remat, batch) measured, in that order; skipped ones say why."""
     for key in ("remat", "batch_size", "steps"):
         if key in keys:
             raise ConfigError(f"{key}= is what tune_step varies or sets; use remats=/batches=")
@@ -123,39 +125,41 @@ def tune(keys: dict, remats=REMATS, batches=BATCHES, budget_s: float = 5.0, log=
             try:
                 rows.append(measure(keys, remat, batch, budget_s))
             except ConfigError as e:  # e.g. a batch the mesh's data axes do not divide
-                rows.append(dict(remat=remat, batch=batch, skipped=str(e)))
+                rows.append(StepCandidate(remat, batch, skipped=str(e)))
             except RuntimeError as e:  # the allocator ran out where the compiled figure fit
                 if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                     raise
-                rows.append(dict(remat=remat, batch=batch, skipped="out of memory when run"))
+                rows.append(StepCandidate(remat, batch, skipped="out of memory when run"))
     return rows
 
 
-def best(rows: list[dict]) -> dict | None:
-    ran = [r for r in rows if "tokens_per_s" in r]
-    return max(ran, key=lambda r: r["tokens_per_s"]) if ran else None
+def best(rows: list[StepCandidate]) -> StepCandidate | None:
+    """The candidate that ran with the most tokens/s; None when none ran."""
+    ran = [r for r in rows if r.ran]
+    return max(ran, key=lambda r: r.tokens_per_s) if ran else None
 
 
-def tune_records(rows: list[dict], keys: dict) -> list[dict]:
+def tune_records(rows: list[StepCandidate], keys: dict) -> list[dict]:
+    """Per candidate: its tokens/s and MFU, or why it was skipped (the runbook reads these)."""
     out = []
     for r in rows:
-        config = dict(experiment="tune_step", keys=keys, remat=r["remat"], batch=r["batch"])
-        if "tokens_per_s" not in r:
-            out.append(rec.make_record("tune_step skipped", r["skipped"], "reason", **config))
+        config = dict(experiment="tune_step", keys=keys, remat=r.remat, batch=r.batch)
+        if not r.ran:
+            out.append(rec.make_record("tune_step skipped", r.skipped, "reason", **config))
             continue
-        extra = dict(step_s=r["step_s"], runs=r["runs"], memory_bytes=r["memory_bytes"])
+        extra = dict(step_s=r.step_s, runs=r.runs, memory_bytes=r.memory_bytes)
         out.append(
-            rec.make_record("training tokens/s", r["tokens_per_s"], "tokens/s", **config, **extra)
+            rec.make_record("training tokens/s", r.tokens_per_s, "tokens/s", **config, **extra)
         )
-        if r["mfu"] is not None:
+        if r.mfu is not None:
             out.append(
                 rec.make_record(
                     "training MFU",
-                    r["mfu"],
+                    r.mfu,
                     "fraction",
                     label="derived",
-                    peak_source=r["peak_source"],
-                    convention=r["convention"],
+                    peak_source=r.peak_source,
+                    convention=r.convention,
                     **config,
                 )
             )

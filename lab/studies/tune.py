@@ -44,7 +44,8 @@ import jax
 
 from lab.kernels.attention import pallas_gpu, pallas_mgpu
 from lab.measure import records as rec
-from lab.measure.timing import compare
+from lab.measure.timing import comparison
+from lab.measure.tuning import KernelUse, Stage, StaticCandidate, StaticPass, TileSearch
 from lab.studies import attention as bench
 
 TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}  # max error vs float64, relative
@@ -215,48 +216,36 @@ def static_reason(kernels, smem_limit: int) -> str | None:
     return None
 
 
-def static_filter(candidates, search: Search, mode: str, log=None) -> tuple[dict, list]:
-    """{index: reason} of the candidates dropped by the static pass, and its records (every
-    kernel's registers, spills, shared memory per candidate, compiled, not run)."""
+def static_filter(candidates, search: Search, mode: str, log=None) -> StaticPass:
+    """Every candidate compiled for `search.static`'s GPU (compiled, not run): each kernel's
+    registers, spills and shared memory, and which candidates are dropped and why. Nothing is
+    compiled when the static pass is off."""
     from lab import plans
 
-    dropped, records = {}, []
+    out = []
     if not search.static:
-        return dropped, records
+        return StaticPass(search.static, mode, ())
     for i, bs in enumerate(candidates):
-        cand = dataclasses.asdict(bs)
+        uses, reason = [], None
         for causal in search.causal:
             try:
                 kernels = static_kernels(bs, search, causal, mode)
             except Exception as e:  # noqa: BLE001 — Triton's refusals (smem, shapes) vary
-                dropped[i] = f"does not compile for {search.static}: {_first_line(e)}"
+                reason = f"does not compile for {search.static}: {_first_line(e)}"
                 break
             kind = plans.gpu_kind_of(kernels_device(search))
             limit = plans.gpu.GPUS[kind].smem_per_block if kind else 1 << 62
-            for k in kernels:
-                records.append(
-                    rec.make_record(
-                        "tune kernel registers",
-                        k.registers,
-                        "registers",
-                        label="compiled, not run",
-                        candidate=cand,
-                        causal=causal,
-                        mode=mode,
-                        kernel=k.name,
-                        spill_bytes=k.spill_bytes,
-                        smem=k.smem,
-                        blocks_per_sm=k.blocks_per_sm,
-                        target=search.static,
-                    )
-                )
+            uses += [
+                KernelUse(causal, k.name, k.registers, k.spill_bytes, k.smem, k.blocks_per_sm)
+                for k in kernels
+            ]
             reason = static_reason(kernels, limit)
             if reason:
-                dropped[i] = reason
                 break
-        if log and i in dropped:
-            log(f"static pass: candidate {i} dropped: {dropped[i]}")
-    return dropped, records
+        out.append(StaticCandidate(bs, tuple(uses), reason))
+        if log and reason:
+            log(f"static pass: candidate {i} dropped: {reason}")
+    return StaticPass(search.static, mode, tuple(out))
 
 
 def kernels_device(search: Search) -> str:
@@ -297,12 +286,16 @@ def baseline_impl(search: Search) -> str:
         return "xla"
 
 
-def run_stage(stage, candidates, search: Search, mode: str, baseline: str, timing, log=None):
-    """Score every candidate (a BlockSizes) on every case; records and the best index. With
-    `search.static`, candidates that spill or overflow shared memory are dropped first."""
+def run_stage(
+    stage: str, candidates, search: Search, mode: str, baseline: str, timing, log=None
+) -> tuple[list[dict], Stage]:
+    """Score every candidate (a BlockSizes) on every case: the records, and the Stage with
+    every score and the best index. With `search.static`, candidates that spill or overflow
+    shared memory are dropped first."""
     out, ratios = [], {i: [] for i in range(len(candidates))}
-    dropped, static_records = static_filter(candidates, search, mode, log)
-    out += static_records
+    static = static_filter(candidates, search, mode, log)
+    dropped = static.dropped
+    out += static.records()
     for i, reason in dropped.items():
         ratios[i].append(math.inf)
         cand = dataclasses.asdict(candidates[i])
@@ -339,29 +332,29 @@ def run_stage(stage, candidates, search: Search, mode: str, baseline: str, timin
         if not runnable:
             continue
         runnable["baseline"] = jax.jit(bench.impl_program(baseline, causal, mode))
-        times = compare(runnable, *args, baseline="baseline", **timing)
-        for name, t in times.items():
-            if name == "baseline":
+        times = comparison(runnable, *args, baseline="baseline", **timing)
+        for t in times.contenders:
+            if t.name == "baseline":
                 continue
-            i = int(name)
-            ratios[i].append(t["ratio"])
+            i = int(t.name)
+            ratios[i].append(t.ratio)
             cand = dataclasses.asdict(candidates[i])
-            timed = {k: t[k] for k in ("median_s", "p10_s", "p90_s", "runs")}
+            timed = {k: getattr(t.bench, k) for k in ("median_s", "p10_s", "p90_s", "runs")}
             out.append(
                 rec.make_record(
                     "tune time ratio vs baseline",
-                    t["ratio"],
+                    t.ratio,
                     "x",
                     label="derived",
                     candidate=cand,
-                    baseline_median_s=times["baseline"]["median_s"],
+                    baseline_median_s=t.baseline_median_s,
                     **timed,
                     **config,
                 )
             )
-    scores = [_geomean(ratios[i]) for i in range(len(candidates))]
+    scores = tuple(_geomean(ratios[i]) for i in range(len(candidates)))
     best = min(range(len(candidates)), key=lambda i: scores[i])
-    return out, scores, best
+    return out, Stage(stage, mode, tuple(candidates), scores, best)
 
 
 def _geomean(xs) -> float:
@@ -371,7 +364,7 @@ def _geomean(xs) -> float:
 
 
 def search_block_sizes(search: Search, space: str = "full", *, budget_s=0.2, log=None):
-    """The staged search for one head_dim: (best BlockSizes, records, per-stage summaries)."""
+    """The staged search for one head_dim: (best BlockSizes, records, the TileSearch)."""
     todo = spaces(search.kernel, space, search.interpret)
     baseline = baseline_impl(search)
     timing = dict(budget_s=budget_s, min_runs=3, warmup=1)
@@ -379,13 +372,13 @@ def search_block_sizes(search: Search, space: str = "full", *, budget_s=0.2, log
     for stage, overrides in todo.items():
         mode = "fwd" if stage == "fwd" else "fwd+bwd"
         candidates = [dataclasses.replace(best, **o) for o in overrides]
-        recs, scores, i = run_stage(stage, candidates, search, mode, baseline, timing, log)
+        recs, done = run_stage(stage, candidates, search, mode, baseline, timing, log)
         records += recs
-        stages.append(dict(stage=stage, mode=mode, candidates=candidates, scores=scores, best=i))
-        if not math.isfinite(scores[i]):
+        stages.append(done)
+        if not math.isfinite(done.best_score):
             raise RuntimeError(f"stage {stage}: no candidate compiled and matched the reference")
-        best = candidates[i]
-    return best, records, dict(baseline=baseline, stages=stages)
+        best = done.chosen
+    return best, records, TileSearch(baseline, tuple(stages))
 
 
 # ---------------------------------------------------------------------------- the table
@@ -396,7 +389,7 @@ def table_path(device_kind: str, folder: Path = pallas_gpu.TUNED_DIR, kernel="pa
     return folder / (slug + ("-mgpu" if kernel == "pallas_mgpu" else "") + ".json")
 
 
-def write_entry(device_kind: str, search: Search, best, summary: dict, folder=None) -> Path:
+def write_entry(device_kind: str, search: Search, best, summary: TileSearch, folder=None) -> Path:
     """Merge this head_dim's winner and its search into the GPU's table file (one per kernel;
     the Mosaic kernel's entries say `kernel: pallas_mgpu`)."""
     path = table_path(device_kind, folder or pallas_gpu.TUNED_DIR, search.kernel)
@@ -404,12 +397,11 @@ def write_entry(device_kind: str, search: Search, best, summary: dict, folder=No
     if search.kernel != "pallas_gpu":
         entry["kernel"] = search.kernel
     entry.setdefault("by_head_dim", {})[str(search.head_dim)] = dataclasses.asdict(best)
-    final = summary["stages"][-1]
     entry.setdefault("search", {})[str(search.head_dim)] = {
-        "score_vs_baseline": final["scores"][final["best"]],
-        "baseline": summary["baseline"],
+        "score_vs_baseline": summary.best_score,
+        "baseline": summary.baseline,
         "shapes": dataclasses.asdict(search),
-        "candidates": sum(len(s["candidates"]) for s in summary["stages"]),
+        "candidates": summary.candidates,
         "date": time.strftime("%Y-%m-%d"),
         "versions": {k: v for k, v in rec.environment().items() if k.endswith("_version")},
         "command": "python -m lab.tools.attention_tune " + " ".join(sys.argv[1:]),

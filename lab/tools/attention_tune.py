@@ -115,17 +115,10 @@ def static_only(o: Options) -> int:
         todo = tune.spaces(search.kernel, o.space, interpret=False)
         for stage, mode in (("fwd", "fwd"), ("bwd", "fwd+bwd")):
             candidates = [dataclasses.replace(base, **c) for c in todo[stage]]
-            dropped, records = tune.static_filter(candidates, search, mode, log=con.log)
-            rec.write_records(stem.with_suffix(".jsonl"), records)
-            con.print(
-                tables.static_pass(
-                    candidates,
-                    dropped,
-                    records,
-                    f"{stage} K={search.head_dim}",
-                    toolchain.probe().record(),
-                )
-            )
+            static = tune.static_filter(candidates, search, mode, log=con.log)
+            rec.write_records(stem.with_suffix(".jsonl"), static.records())
+            title = f"{stage} K={search.head_dim}"
+            con.print(tables.static_pass(static, title, toolchain.probe().record()))
     con.print(f"records → {stem.with_suffix('.jsonl')}")
     return 0
 
@@ -159,8 +152,8 @@ def run(o: Options) -> int:
         except RuntimeError as e:
             raise RunError(f"head_dim {search.head_dim}: {e}") from None
         rec.write_records(stem.with_suffix(".jsonl"), records)
-        for stage in summary["stages"]:
-            con.print(tables.tune_stage(stage, summary["baseline"]))
+        for stage in summary.stages:
+            con.print(tables.tune_stage(stage, summary.baseline))
         con.print(f"head_dim {search.head_dim}: {best} ({time.perf_counter() - t0:.0f} s)")
         if o.write:
             con.print(f"table → {tune.write_entry(kind, search, best, summary)}")

@@ -33,13 +33,13 @@ def run(o: Options, keys: dict) -> int:
     con = progress.console(width=150)
     rows = step.tune(keys, o.remats, o.batches, o.budget, log=con.log)
     top = step.best(rows)
-    title = "remat × batch" + (f" · {top['device']} · MFU: {top['convention']}" if top else "")
+    title = "remat × batch" + (f" · {top.device} · MFU: {top.convention}" if top else "")
     con.print(tables.tune_step(rows, top, title))
     path = rec.write_records(stem.with_suffix(".jsonl"), step.tune_records(rows, keys))
     con.print(f"records → {path}")
     if top is None:
         raise RunError("no candidate fits this device: try more devices or a smaller model")
-    best = key_args({**keys, "remat": top["remat"], "batch_size": top["batch"]})
+    best = key_args({**keys, "remat": top.remat, "batch_size": top.batch})
     con.print(f"best: python -m lab.run {' '.join(best)}")
     return 0
 

@@ -1,5 +1,5 @@
 """Tuning: the attention tile search (its stages and its static pass) and the remat × batch
-search of lab.tools.tune_step.
+search of lab.tools.tune_step. Each renderer takes the tuners' types (lab.measure.tuning).
 """
 
 import dataclasses
@@ -7,6 +7,7 @@ import math
 
 from rich.table import Table
 
+from lab.measure.tuning import Stage, StaticPass, StepCandidate
 from lab.report.format import duration, mib, percent, ratio, size
 from lab.report.tables.compiled import toolchain_line
 
@@ -18,62 +19,58 @@ def _varying_fields(candidates) -> list[str]:
     return sorted(k for k in rows[0] if len({r[k] for r in rows}) > 1)
 
 
-def tune_stage(stage: dict, baseline: str) -> Table:
+def tune_stage(stage: Stage, baseline: str) -> Table:
     """One stage of the tile search: every candidate's score, best first."""
-    t = Table(title=f"stage {stage['stage']} ({stage['mode']}): geometric-mean time / {baseline}")
-    fields = _varying_fields(stage["candidates"])
+    t = Table(title=f"stage {stage.stage} ({stage.mode}): geometric-mean time / {baseline}")
+    fields = _varying_fields(stage.candidates)
     for col in (*fields, f"vs {baseline}", ""):
         t.add_column(col, justify="right")
-    for i in sorted(range(len(stage["candidates"])), key=lambda i: stage["scores"][i]):
-        c = dataclasses.asdict(stage["candidates"][i])
-        score = stage["scores"][i]
+    for i in sorted(range(len(stage.candidates)), key=lambda i: stage.scores[i]):
+        c = dataclasses.asdict(stage.candidates[i])
+        score = stage.scores[i]
         t.add_row(
             *(str(c[f]) for f in fields),
             ratio(score, 3) if math.isfinite(score) else "rejected",
-            "← chosen" if i == stage["best"] else "",
+            "← chosen" if i == stage.best else "",
         )
     return t
 
 
-def static_pass(
-    candidates, dropped: dict, records: list[dict], title: str, toolchain: dict | None = None
-) -> Table:
+def static_pass(p: StaticPass, title: str, toolchain: dict | None = None) -> Table:
     """The tuner's static pass: per candidate, its worst kernel's registers, spills and shared
     memory (compiled, not run), and whether it was kept; the caption names the compiler."""
     t = Table(title=f"static pass · {title} · compiled, not run")
     if toolchain:
         t.caption = toolchain_line(toolchain)
-    fields = _varying_fields(candidates)
+    fields = _varying_fields([c.candidate for c in p.candidates])
     for col in (*fields, "max registers", "spill bytes", "max smem", "kept"):
         t.add_column(col, justify="right")
-    for i, c in enumerate(candidates):
-        mine = [r for r in records if r["config"]["candidate"] == dataclasses.asdict(c)]
-        regs = max((r["value"] for r in mine), default=None)
-        spill = sum(r["config"]["spill_bytes"] for r in mine)
-        smem = max((r["config"]["smem"] for r in mine), default=None)
+    for c in p.candidates:
+        regs, spill = c.max_registers, c.spill_bytes
         t.add_row(
-            *(str(dataclasses.asdict(c)[f]) for f in fields),
+            *(str(dataclasses.asdict(c.candidate)[f]) for f in fields),
             "–" if regs is None else str(regs),
             f"[red]{spill}" if spill else "0",
-            size(smem),
-            f"[red]no: {dropped[i]}" if i in dropped else "yes",
+            size(c.max_smem),
+            "yes" if c.kept else f"[red]no: {c.dropped}",
         )
     return t
 
 
-def tune_step(rows: list[dict], top: dict | None, title: str) -> Table:
+def tune_step(rows: list[StepCandidate], top: StepCandidate | None, title: str) -> Table:
+    """lab.tools.tune_step: every (remat, batch) with its compiled memory and, where it ran,
+    step time, tokens/s and MFU; the best one marked."""
     t = Table(title=title)
     for col in ("remat", "batch", "compiled MiB/device", "step", "tokens/s", "MFU", ""):
         t.add_column(col, justify="right")
     for r in rows:
-        ran = "tokens_per_s" in r
         t.add_row(
-            r["remat"],
-            str(r["batch"]),
-            mib(r.get("memory_bytes"), 0) if r.get("memory_bytes") else "–",
-            duration(r["step_s"]) if ran else f"skipped: {r['skipped']}",
-            f"{r['tokens_per_s']:,.0f}" if ran else "",
-            percent(r["mfu"]) if ran and r["mfu"] is not None else "",
+            r.remat,
+            str(r.batch),
+            mib(r.memory_bytes, 0) if r.memory_bytes else "–",
+            duration(r.step_s) if r.ran else f"skipped: {r.skipped}",
+            f"{r.tokens_per_s:,.0f}" if r.ran else "",
+            percent(r.mfu) if r.mfu is not None else "",
             "← best" if r is top else "",
         )
     return t
