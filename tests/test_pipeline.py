@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from rich.console import Console
 
 from lab.config import parse_args
 from lab.data import host_batch, to_global
@@ -32,6 +33,7 @@ from lab.measure.timing import random_inputs
 from lab.mesh import make_mesh, rules_for
 from lab.model import build, natural_layers
 from lab.parallel import collectives_hlo, explain, pipeline_hlo
+from lab.report import tables
 from lab.run import main
 from lab.train import cross_entropy, make_trainer
 
@@ -296,6 +298,10 @@ def test_explain_counts_the_pp_fsdp_stage_weight_collectives():
     for role in ("stage weight gather", "stage weight grad reduce-scatter"):
         assert rows[role].measured_ops == 7 and rows[role].ratio == pytest.approx(1.0, abs=0.01)
     assert "7 ops once per step" in rows["stage weight gather"].expected.formula
+    con = Console(width=200, record=True)
+    con.print(tables.explain_pipeline(r))  # the renderer takes the reading itself
+    text = con.export_text()
+    assert "ticks (loop trip count)" in text and f"{r.microbatch_bytes:,} B" in text
 
 
 @pytest.mark.parametrize(

@@ -125,3 +125,18 @@ def test_random_inputs_are_never_zero_and_differ(dtype):
     assert not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     again = timing.random_inputs(0, [(64, 64), (64, 64)], dtype)[0]  # same seed, same data
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(again, np.float32))
+
+
+def test_comparison_is_typed_and_compare_keeps_its_dicts():
+    """`comparison` gives each contender its bench and ratio (a property over the baseline's
+    median); `compare` is the same figures as the dicts records are made of."""
+    c = timing.comparison(
+        {"a": lambda x: x + 1, "b": lambda x: x * 2}, 1.0, baseline="b", min_runs=2, budget_s=0
+    )
+    assert c.baseline == "b" and [x.name for x in c.contenders] == ["a", "b"]
+    assert c["b"].ratio == 1.0 and c["a"].ratio == c["a"].bench.median_s / c["b"].bench.median_s
+    d = c.as_dict()
+    assert set(d["a"]) == {"median_s", "p10_s", "p90_s", "runs", "compile_s", "ratio"}
+    assert d["a"]["ratio"] == c["a"].ratio
+    with pytest.raises(KeyError):
+        c["c"]

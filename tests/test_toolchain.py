@@ -325,5 +325,7 @@ def test_a_training_plan_names_its_toolchain(tmp_path, capsys):
 
 def test_the_tuners_static_pass_is_captioned_with_its_compiler():
     tc = {"ptxas_version": "13.5.37", "cuda_plugin_version": "jax-cuda13-plugin 0.10.2"}
-    t = tables.static_pass([], {}, [], "fwd K=64", tc)
+    from lab.measure.tuning import StaticPass
+
+    t = tables.static_pass(StaticPass("gpu:h100:1", "fwd", ()), "fwd K=64", tc)
     assert t.caption == "compiled by ptxas 13.5.37 · jax-cuda13-plugin 0.10.2"
