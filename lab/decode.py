@@ -87,10 +87,9 @@ def sample(logits_BxV, key, temperature: float):
 def prefill(params, prompts_BxP, prompt_lengths_B, cache: KVCache, *, model):
     """(logits of each prompt's last real token [B, V], the cache holding the prompts)."""
     empty = cache.replace(lengths=jnp.zeros_like(cache.lengths))
-    logits_BxPxV, cache = model.apply({"params": params}, prompts_BxP, empty)
-    last_B = prompt_lengths_B - 1
-    logits_BxV = jnp.take_along_axis(logits_BxPxV, last_B[:, None, None], axis=1)[:, 0]
-    return logits_BxV, cache.replace(lengths=prompt_lengths_B.astype(jnp.int32))
+    last_B = prompt_lengths_B - 1  # the head runs on these positions only
+    logits_Bx1xV, cache = model.apply({"params": params}, prompts_BxP, empty, keep_B=last_B)
+    return logits_Bx1xV[:, 0], cache.replace(lengths=prompt_lengths_B.astype(jnp.int32))
 
 
 def cache_slots(cache: KVCache) -> int:

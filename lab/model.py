@@ -328,12 +328,15 @@ def _block_class(cfg: ModelConfig):
 class Transformer(nn.Module):
     """tokens_BxL (int) → logits_BxLxV (float32); with a KVCache, (logits, the new cache),
     the tokens written at each sequence's length (lengths are advanced by lab/decode.py).
-    Packed rows (training) pass segments_BxL, one id per document (lab/data.py)."""
+    Packed rows (training) pass segments_BxL, one id per document (lab/data.py). A prefill
+    passes `keep_B`, the one position per sequence whose logits it needs (its last real
+    token): the head then runs on B rows, not B·L ([B, 1, V] logits; at L = 100,000 and
+    V = 32,768 the whole [B, L, V] is 12 GiB a sequence)."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxL, cache: KVCache | None = None, segments_BxL=None):
+    def __call__(self, tokens_BxL, cache: KVCache | None = None, segments_BxL=None, keep_B=None):
         c = self.cfg
         embed_VxD = self.param(
             "embed", _init(1.0, (VOCAB, EMBED)), (c.vocab_size, c.d_model), c.param_dtype
@@ -375,6 +378,8 @@ class Transformer(nn.Module):
                 )
                 layers.append(kv)
             layers = tuple(layers)
+        if keep_B is not None:  # L becomes 1 from here
+            x_BxLxD = jnp.take_along_axis(x_BxLxD, keep_B[:, None, None], axis=1)
         x_BxLxD = RMSNorm(param_dtype=c.param_dtype, name="final_norm")(x_BxLxD)
         # The head through quant.matmul like every other weight: int8 with per-channel scales
         # in a quantised model, the native kernel in decode (lab/decode.py), f32 logits.

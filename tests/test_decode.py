@@ -3,6 +3,7 @@ tokens: ragged prompts, several steps, scanned and unscanned layers, one device 
 mesh; the int8 cache and int8 weights within their stated bounds; bad input one line."""
 
 import dataclasses
+import functools
 import types
 
 import jax
@@ -86,6 +87,26 @@ def _full_logits(trainer, params):
         logits = model.apply({"params": jax.device_get(params)}, seq)[0]
         rows.append(np.asarray(logits[p - 1 : p + STEPS]))
     return np.stack(rows)
+
+
+def test_the_prefill_runs_the_head_on_each_last_token_only():
+    """Its logits equal the forward pass's at each prompt's last token (above), and no value
+    of its program is as large as [B, P, V]: the head ran on B rows, not B·P."""
+    trainer, params = _setup()
+    prompts, _ = _tokens()
+    B, P = prompts.shape
+    model = build(trainer.cfg.model)
+    cache = _decoder(trainer).empty_cache()
+    fn = functools.partial(decode.prefill, model=model)
+    jaxpr = jax.make_jaxpr(fn)(params, prompts, np.asarray(PROMPTS, np.int32), cache)
+    sizes = [
+        int(np.prod(v.aval.shape))
+        for eqn in jaxpr.eqns
+        for v in eqn.outvars
+        if hasattr(v.aval, "shape")
+    ]
+    V = trainer.cfg.model.vocab_size
+    assert max(sizes) < B * P * V, (max(sizes), B * P * V)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

@@ -180,15 +180,15 @@ def step_flops(model, batch: int, slots: int) -> float:
 
 
 def prefill_flops(model, batch: int, prompt_len: int) -> float:
-    """B · P · (2·N + 4·layers·P·d_model): every prompt token against the whole prompt (the
-    causal mask not halved, as transformer_flops_per_token counts it)."""
-    return (
-        batch
-        * prompt_len
-        * transformer_flops_per_token(
-            nonembed_params(model), model.n_layers, prompt_len, model.d_model, training=False
-        )
+    """B · P · (2·(N − V·D) + 4·layers·P·d_model) + B · 2·V·D: every prompt token through the
+    blocks against the whole prompt (the causal mask not halved, as
+    transformer_flops_per_token counts it), and the head (V·D, tied or not) on each
+    sequence's last token only, the one whose logits a prefill returns."""
+    head = model.vocab_size * model.d_model
+    blocks = transformer_flops_per_token(
+        nonembed_params(model) - head, model.n_layers, prompt_len, model.d_model, training=False
     )
+    return batch * (prompt_len * blocks + 2.0 * head)
 
 
 def critical_batch(weight_bytes: float, flops_per_seq: float, cache_per_seq: float, ridge):
@@ -206,14 +206,16 @@ def serving_peak_bytes(
 ) -> dict[str, float]:
     """Bytes a serving study holds at its peak, by part: the float32 weights, the KV cache of
     `decode_batch` sequences (keys and values of every layer, every one of `slots`, in the
-    compute dtype) and the prefill's logits of `prefill_batch` prompts ([B, P, vocab]
-    float32)."""
+    compute dtype) and the prefill's logits of `prefill_batch` prompts ([B, vocab] float32:
+    the last token's only) with its widest activation ([B, P, max(d_ff, d_model)] float32,
+    the MLP's hidden layer)."""
     itemsize = jnp.dtype(model.dtype).itemsize
     per_slot = 2 * model.n_layers * model.n_kv_heads * model.head_dim * itemsize
     return {
         "weights": float(nonembed_params(model) + model.vocab_size * model.d_model) * 4,
         "cache": float(per_slot * decode_batch * slots),
-        "prefill logits": 4.0 * prefill_batch * prompt_len * model.vocab_size,
+        "prefill logits": 4.0 * prefill_batch * model.vocab_size,
+        "prefill activations": 4.0 * prefill_batch * prompt_len * max(model.d_ff, model.d_model),
     }
 
 
