@@ -17,6 +17,7 @@ from rich.console import Console
 from lab.kernels import attention as dispatch
 from lab.kernels.attention import choose, choose_noted, pallas_mgpu
 from lab.measure import records, toolchain
+from lab.measure.gpu_kernels import Kernel
 from lab.plans import gpu as gpus
 from lab.report import tables
 
@@ -305,6 +306,17 @@ def test_a_kernel_table_is_captioned_with_its_ptxas():
     assert (
         out.count("compiled by ptxas 13.0.48 · jax-cuda12-plugin 0.10.2 · CUDA runtime 13.0") == 2
     )
+
+
+def test_a_kernel_and_a_toolchain_read_back_from_their_records():
+    """summary.json holds kernels and the toolchain as records; lab.run reads them back into
+    the types its tables take, the same figures."""
+    k = Kernel("k", 2, (1, 2, 3), 128, 64, 4, 8, 16, 1024, 2048, 3, "regs", 0.5, ("C7515",))
+    r = json.loads(json.dumps(k.record()))
+    assert r["smem"] == 3072 and r["spill_bytes"] == 12
+    assert Kernel.from_record(r) == k
+    tc = fake("13.0.48", "13.0")
+    assert toolchain.Toolchain.from_record(tc.record()) == dataclasses.replace(tc, ptxas_path=None)
 
 
 @needs_plugin

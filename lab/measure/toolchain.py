@@ -158,6 +158,18 @@ class Toolchain:
             "cuda_plugin_version": self.cuda_plugin,
         }
 
+    @classmethod
+    def from_record(cls, r: dict) -> "Toolchain":
+        """The toolchain of a `record()` (a summary.json's, say). A record keeps no path, so
+        `ptxas_path` is None: what is read back names versions, not where they were found."""
+        return cls(
+            ptxas=r.get("ptxas_version"),
+            ptxas_path=None,
+            cuda_runtime=r.get("cuda_runtime_version"),
+            cuda_plugin=r.get("cuda_plugin_version"),
+            nvjitlink=r.get("nvjitlink_version"),
+        )
+
 
 @functools.cache
 def probe() -> Toolchain:

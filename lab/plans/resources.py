@@ -18,7 +18,6 @@ kernel: every figure is *compiled, not run*.
 """
 
 import contextlib
-import dataclasses
 import glob
 import math
 import os
@@ -30,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lab.errors import ConfigError
+from lab.measure.gpu_kernels import Kernel
 from lab.plans import gpu as gpus
 
 # Occupancy rules of compute capability 8.x/9.x (CUDA Programming Guide, occupancy calculator):
@@ -40,34 +40,6 @@ MAX_WARPS_PER_SM = 64
 REG_ALLOC_UNIT = 256
 SMEM_ALLOC_UNIT = 128
 SMEM_RESERVED_PER_BLOCK = 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """One GPU kernel of a compiled program, as the compiler built it."""
-
-    name: str
-    launches: int  # times the program launches it (0: a Mosaic kernel, not counted)
-    grid: tuple | None  # blocks (x, y, z); None where the dump does not say
-    threads: int  # per block
-    registers: int  # per thread
-    spill_store_bytes: int
-    spill_load_bytes: int
-    stack_bytes: int  # per thread: local memory for spills and local arrays
-    static_smem: int  # bytes, from ptxas
-    dynamic_smem: int  # bytes, from the launch
-    blocks_per_sm: int  # resident blocks one SM holds (0: it cannot launch)
-    limiter: str  # what bounds blocks_per_sm: regs, smem, warps, blocks (or why it cannot run)
-    occupancy: float  # resident warps / 64
-    notes: tuple = ()  # ptxas performance remarks, e.g. C7515 (wgmma serialised)
-
-    @property
-    def smem(self) -> int:
-        return self.static_smem + self.dynamic_smem
-
-    @property
-    def spill_bytes(self) -> int:
-        return self.spill_store_bytes + self.spill_load_bytes
 
 
 def occupancy(kind: str, *, threads: int, registers: int, smem: int) -> tuple[int, str, float]:
@@ -288,6 +260,5 @@ def compile_with_kernels(lower, kind: str):
 
 
 def as_dicts(kernels: list[Kernel]) -> list[dict]:
-    return [
-        {**dataclasses.asdict(k), "smem": k.smem, "spill_bytes": k.spill_bytes} for k in kernels
-    ]
+    """The kernels as summary.json holds them (Kernel.record)."""
+    return [k.record() for k in kernels]
