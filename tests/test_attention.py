@@ -400,13 +400,13 @@ def test_bench_sweep_records_and_skips_what_does_not_fit(monkeypatch, tmp_path):
         (384,), causal=(True,), modes=("fwd+bwd",), impls=("naive", "blockwise"),
         budget_s=0.0, min_runs=1, warmup=0,
     )  # fmt: skip
-    rows = {r["impl"]: r for r in bench.rows_of(records)}
+    rows = {r.impl: r for r in bench.rows_of(records)}
     blockwise_row, naive_row = rows["blockwise"], rows["naive"]
-    assert blockwise_row["attention max error"] < 1e-5
-    assert blockwise_row["attention TFLOP/s"] > 0 and "attention time" in blockwise_row
-    assert "attention time" not in naive_row and "needs" in naive_row["attention skipped"]
-    assert naive_row["memory label"] == "compiled, not run"
-    assert naive_row["attention peak temp memory"] > blockwise_row["attention peak temp memory"]
+    assert blockwise_row.max_error < 1e-5
+    assert blockwise_row.tflops > 0 and blockwise_row.ran
+    assert not naive_row.ran and "needs" in naive_row.skipped
+    assert naive_row.memory_label == "compiled, not run"
+    assert naive_row.peak_temp_bytes > blockwise_row.peak_temp_bytes
     table_rows = bench.rows_of(records)
     assert "skipped" in str(tables.attention_sweep(table_rows, "xla", "t").columns[4]._cells)
     assert plots.attention_sweep(table_rows, tmp_path / "a.png", "t").stat().st_size > 0
@@ -428,12 +428,12 @@ def test_torch_sdpa_peer_matches_the_reference_and_is_timed_like_jax():
         shape=bench.Shape(1, 4, 2, 32),
         budget_s=0.01,
     )
-    rows = {(r["impl"], r["causal"], r["mode"]): r for r in bench.rows_of(records)}
+    rows = {(r.impl, r.causal, r.mode): r for r in bench.rows_of(records)}
     assert len(rows) == 8
     for (impl, _, _), r in rows.items():
-        assert r["attention max error"] < 1e-5, (impl, r)
-        assert r["attention time"] > 0
-    assert rows[("torch_sdpa", True, "fwd")].get("attention peak temp memory") is None
+        assert r.max_error < 1e-5, (impl, r)
+        assert r.time_s > 0
+    assert rows[("torch_sdpa", True, "fwd")].peak_temp_bytes is None
 
 
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])

@@ -346,18 +346,20 @@ def test_block_sizes_validate_themselves(kwargs, needle):
 
 def test_targets_judge_both_lab_kernels():
     """With pallas_mgpu in the run (Hopper), each lab kernel gets its own verdict per point."""
+    from lab.measure.attention import Measured
+    from lab.measure.timing import BenchResult
     from lab.studies import attention as bench
     from lab.studies import targets
 
     shape = bench.Shape(batch=2, heads=32, kv_heads=32, head_dim=128, dtype="bfloat16")
     recs = []
     for impl, t in {"pallas_mgpu": 0.9, "pallas_gpu": 1.2, "cudnn": 1.0, "xla": 3.0}.items():
-        time = {"median_s": t, "p10_s": t, "p90_s": t, "runs": 5, "inner": 1, "ratio": None}
-        row = {"impl": impl, "compile_s": 1.0, "memory": None, "skipped": None, "time": time}
-        recs += bench._records({**row, "max_error": 1e-3}, shape, 4096, True, "fwd", "cudnn")
+        bench_t = BenchResult(t, t, t, 5, 1.0)
+        row = Measured(impl, 1.0, None, None, bench_t, inner=1, max_error=1e-3)
+        recs += bench._records(row, shape, 4096, True, "fwd", "cudnn")
     mgpu, triton = targets.judge(recs, 128)
-    assert (mgpu["kernel"], triton["kernel"]) == ("pallas_mgpu", "pallas_gpu")
-    assert mgpu["speed"] == pytest.approx(1 / 0.9) and triton["speed"] == pytest.approx(1 / 1.2)
+    assert (mgpu.kernel, triton.kernel) == ("pallas_mgpu", "pallas_gpu")
+    assert mgpu.speed == pytest.approx(1 / 0.9) and triton.speed == pytest.approx(1 / 1.2)
 
 
 def test_tokamax_peer_matches_the_reference_where_installed():
@@ -371,10 +373,10 @@ def test_tokamax_peer_matches_the_reference_where_installed():
     records = bench.sweep(
         (96,), causal=(True,), impls=("xla", "tokamax"), shape=shape, budget_s=0.01
     )
-    rows = {(r["impl"], r["mode"]): r for r in bench.rows_of(records)}
+    rows = {(r.impl, r.mode): r for r in bench.rows_of(records)}
     assert len(rows) == 4
     for key, r in rows.items():
-        assert r["attention max error"] < 1e-5 and r["attention time"] > 0, key
+        assert r.max_error < 1e-5 and r.time_s > 0, key
 
 
 # ---------------------------------------------------------------------------- sm_90a compile

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lab.measure import records as rec
+from lab.measure.attention import TargetVerdict
 from lab.report import plots, tables
 from lab.report.claims import BY_ID, CLAIMS, SOURCES, TOPICS
 from lab.report.format import fmt, fmt_range, ratio
@@ -220,10 +221,10 @@ def write_report(out_dir, *, meta: dict | None = None, only=None, records=None) 
     return {"path": path, "verdicts": verdicts, "plots": plot_files, "records": records}
 
 
-def targets_block(verdicts: list[dict], env: dict, command: str, date: str) -> str:
+def targets_block(verdicts: list[TargetVerdict], env: dict, command: str, date: str) -> str:
     """A block to paste into BENCHMARKS.md: what ran where, and every GPU-speed point's
     verdict (lab.studies.targets)."""
-    met = sum(v["met"] for v in verdicts)
+    met = sum(v.met for v in verdicts)
     lines = [
         f"### Flash attention targets — `{command}`",
         "",
@@ -237,13 +238,13 @@ def targets_block(verdicts: list[dict], env: dict, command: str, date: str) -> s
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in verdicts:
-        tf = f"{v['pallas_tflops']:.0f}" if v.get("pallas_tflops") else "–"
-        ref_tf = f"{v['reference_tflops']:.0f}" if v.get("reference_tflops") else "–"
+        tf = f"{v.kernel_tflops:.0f}" if v.kernel_tflops else "–"
+        ref_tf = f"{v.reference_tflops:.0f}" if v.reference_tflops else "–"
         lines.append(
-            f"| {v['head_dim']} | {v['seq']} | {'yes' if v['causal'] else 'no'} | {v['mode']} | "
-            f"{v.get('kernel', 'pallas_gpu')} | {v.get('reference') or '–'} | "
-            f"{ratio(v.get('speed')) or '–'} | ≥ {v['target']}× | "
-            f"{tf} | {ref_tf} | {', '.join(v.get('ahead_of', [])) or '–'} | "
-            f"{'yes' if v['met'] else 'no'} | {v['note']} |"
+            f"| {v.head_dim} | {v.seq} | {'yes' if v.causal else 'no'} | {v.mode} | "
+            f"{v.kernel} | {v.reference or '–'} | "
+            f"{ratio(v.speed) or '–'} | ≥ {v.target}× | "
+            f"{tf} | {ref_tf} | {', '.join(v.ahead_of) or '–'} | "
+            f"{'yes' if v.met else 'no'} | {v.note} |"
         )
     return "\n".join(lines) + "\n"

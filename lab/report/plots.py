@@ -11,6 +11,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from lab.measure.attention import SweepRow
+
 
 def _plt():
     import matplotlib
@@ -349,7 +351,7 @@ def _log2_lines(ax, lines: dict, *, xlabel: str, ylabel: str, title: str) -> Non
         ax.legend(fontsize=7)
 
 
-def attention_sweep(rows: list[dict], path, title: str) -> Path:
+def attention_sweep(rows: list[SweepRow], path, title: str) -> Path:
     """`lab.studies.attention.rows_of(records)`: time per call against sequence length per
     (causal, mode), one line per impl, and the fwd+bwd causal peak temp memory."""
     plt = _plt()
@@ -357,14 +359,15 @@ def attention_sweep(rows: list[dict], path, title: str) -> Path:
     fig, grid = plt.subplots(2, 3, figsize=(15, 8))
     axes = list(grid.flat)
     axes[-1].axis("off")
-    impls = sorted({r["impl"] for r in rows})
+    impls = sorted({r.impl for r in rows})
 
-    def pick(what, causal, mode):
+    def pick(field, causal, mode):  # a SweepRow field; None: no record of it
         return {
             impl: [
-                (r["seq"], r[what])
+                (r.seq, getattr(r, field))
                 for r in rows
-                if r["impl"] == impl and r["causal"] == causal and r["mode"] == mode and what in r
+                if (r.impl, r.causal, r.mode) == (impl, causal, mode)
+                and getattr(r, field) is not None
             ]
             for impl in impls
         }
@@ -372,14 +375,14 @@ def attention_sweep(rows: list[dict], path, title: str) -> Path:
     for ax, (c, m) in zip(axes, panels, strict=False):
         _log2_lines(
             ax,
-            pick("attention time", c, m),
+            pick("time_s", c, m),
             xlabel="L = S",
             ylabel="s per call",
             title=f"{m}, {'causal' if c else 'full'}",
         )
     _log2_lines(
         axes[len(panels)],
-        pick("attention peak temp memory", True, "fwd+bwd"),
+        pick("peak_temp_bytes", True, "fwd+bwd"),
         xlabel="L = S",
         ylabel="bytes",
         title="fwd+bwd causal: peak temp memory",

@@ -42,8 +42,10 @@ numbers through DLPack and synchronised as part of each timed call; its memory i
 XLA's and is reported as n/a. A peer that refuses a shape or device is listed as "does not
 compile here" with its reason.
 
-`sweep(...)` returns the records (`lab.measure.records`); the tool prints them as a table
-(lab/report/tables/attention.py) and a PNG (lab/report/plots.py), the ledger judges them (C08).
+`sweep(...)` returns the records (`lab.measure.records`); `rows_of(records)` gives them back as
+one `lab.measure.attention.SweepRow` per point, which the tool prints as a table
+(lab/report/tables/attention.py) and a PNG (lab/report/plots.py); the ledger judges the
+records (C08).
 """
 
 import dataclasses
@@ -59,9 +61,19 @@ import numpy as np
 from lab.kernels.attention import attention, available_impls
 from lab.kernels.attention.reference import attention_reference
 from lab.measure import records as rec
+from lab.measure.attention import (
+    MAX_ERROR,
+    PEAK_TEMP,
+    RATIO,
+    SKIPPED,
+    TFLOPS,
+    TIME,
+    Measured,
+    SweepRow,
+)
 from lab.measure.cost import attention_flops
 from lab.measure.memory import compiled_memory, device_capacity_bytes, device_memory_stats
-from lab.measure.timing import compare, random_inputs
+from lab.measure.timing import BenchResult, compare, random_inputs
 
 BASELINE = "xla"
 MODES = ("fwd", "fwd+bwd")
@@ -314,43 +326,53 @@ def _inner(runnable: dict, args) -> int:
     return max(1, min(MAX_INNER, math.ceil(SAMPLE_S / max(fastest, 1e-9))))
 
 
-def _measure_one(impls, shape: Shape, seq: int, causal: bool, mode: str, timing: dict) -> list:
-    """Rows for every impl at one (seq, causal, mode): compile all, run those that fit."""
+def _measure_one(
+    impls, shape: Shape, seq: int, causal: bool, mode: str, timing: dict
+) -> list[Measured]:
+    """Every impl at one (seq, causal, mode): compile all, run those that fit."""
     args = shape.arrays(seq, seed=seq + 2 * causal + (mode == "fwd"))
     free = _free_bytes()
     rows, runnable = [], {}
     for impl in impls:
         compiled, compile_s, memory = _compile(impl, causal, mode, args)
-        row = {"impl": impl, "compile_s": compile_s, "memory": memory, "skipped": None}
-        if compiled is None:
-            row.update(memory=None, skipped=memory)
+        if compiled is None:  # `memory` is the reason it did not build
+            rows.append(Measured(impl, compile_s, memory=None, skipped=memory))
         elif free is not None and memory and memory["total_bytes"] > FIT_SHARE * free:
             need = memory["total_bytes"] / 2**30
-            row["skipped"] = f"needs {need:.1f} GiB > {FIT_SHARE:.0%} of {free / 2**30:.1f} free"
+            why = f"needs {need:.1f} GiB > {FIT_SHARE:.0%} of {free / 2**30:.1f} free"
+            rows.append(Measured(impl, compile_s, memory, skipped=why))
         else:
             runnable[impl] = compiled
-        rows.append(row)
-    if runnable:
-        timing = dict(timing)
-        wanted = timing.pop("baseline", BASELINE)
-        baseline = wanted if wanted in runnable else next(iter(runnable))
-        inner = timing.pop("inner", None) or _inner(runnable, args)
-        times = compare(runnable, *args, baseline=baseline, inner=inner, **timing)
-        ref_rows, want = reference_rows(*args, causal=causal, mode=mode)
-        for row in rows:
-            if row["impl"] in runnable:
-                row["time"] = {**times[row["impl"]], "inner": inner}
-                if baseline != wanted:  # the baseline did not run: no ratio to give
-                    row["time"]["ratio"] = None
-                row["max_error"] = max_error(_outputs(runnable[row["impl"]], args), ref_rows, want)
-    return rows
+            rows.append(Measured(impl, compile_s, memory, skipped=None))
+    if not runnable:
+        return rows
+    timing = dict(timing)
+    wanted = timing.pop("baseline", BASELINE)
+    baseline = wanted if wanted in runnable else next(iter(runnable))
+    inner = timing.pop("inner", None) or _inner(runnable, args)
+    times = compare(runnable, *args, baseline=baseline, inner=inner, **timing)
+    ref_rows, want = reference_rows(*args, causal=causal, mode=mode)
+    out = []
+    for row in rows:
+        if row.impl in runnable:
+            t = dict(times[row.impl])
+            ratio = t.pop("ratio")
+            ratio = ratio if baseline == wanted else None  # the baseline did not run: no ratio
+            error = max_error(_outputs(runnable[row.impl], args), ref_rows, want)
+            row = dataclasses.replace(
+                row, bench=BenchResult(**t), inner=inner, ratio=ratio, max_error=error
+            )
+        out.append(row)
+    return out
 
 
-def _records(row, shape: Shape, seq: int, causal: bool, mode: str, baseline=BASELINE) -> list:
+def _records(
+    row: Measured, shape: Shape, seq: int, causal: bool, mode: str, baseline=BASELINE
+) -> list:
     """One record per figure of a row; all share the row's config."""
     config = dict(
         op="attention",
-        impl=row["impl"],
+        impl=row.impl,
         seq=seq,
         causal=causal,
         mode=mode,
@@ -360,13 +382,12 @@ def _records(row, shape: Shape, seq: int, causal: bool, mode: str, baseline=BASE
     if mode == "fwd+bwd":
         flops *= 3.5  # forward + backward (2.5× forward): cost.attention_flops' convention
     out = []
-    ran = "time" in row
-    memory = row["memory"]
+    memory = row.memory
     if memory:
-        label = "measured" if ran else "compiled, not run"
+        label = "measured" if row.ran else "compiled, not run"
         out.append(
             rec.make_record(
-                "attention peak temp memory",
+                PEAK_TEMP,
                 memory["temp_bytes"],
                 "B",
                 label=label,
@@ -374,31 +395,26 @@ def _records(row, shape: Shape, seq: int, causal: bool, mode: str, baseline=BASE
                 **config,
             )
         )
-    if row["skipped"]:
-        out.append(rec.make_record("attention skipped", row["skipped"], "reason", **config))
-    if not ran:
+    if row.skipped:
+        out.append(rec.make_record(SKIPPED, row.skipped, "reason", **config))
+    if not row.ran:
         return out
-    t = row["time"]
-    timing = {k: t[k] for k in ("p10_s", "p90_s", "runs", "inner")}
+    t = row.bench
+    timing = dict(p10_s=t.p10_s, p90_s=t.p90_s, runs=t.runs, inner=row.inner)
     out += [
+        rec.make_record(TIME, t.median_s, "s", compile_s=row.compile_s, **timing, **config),
         rec.make_record(
-            "attention time", t["median_s"], "s", compile_s=row["compile_s"], **timing, **config
-        ),
-        rec.make_record(
-            "attention TFLOP/s",
-            flops / t["median_s"] / 1e12,
+            TFLOPS,
+            flops / t.median_s / 1e12,
             "TFLOP/s",
             label="derived",
             flops=flops,
             **config,
         ),
-        rec.make_record(
-            "attention max error", row["max_error"], "relative", rows=ERROR_ROWS, **config
-        ),
+        rec.make_record(MAX_ERROR, row.max_error, "relative", rows=ERROR_ROWS, **config),
     ]
-    if t["ratio"] is not None:
-        ratio = f"attention time ratio vs {baseline}"
-        out.append(rec.make_record(ratio, t["ratio"], "x", label="derived", **config))
+    if row.ratio is not None:
+        out.append(rec.make_record(RATIO + baseline, row.ratio, "x", label="derived", **config))
     return out
 
 
@@ -439,20 +455,18 @@ def sweep(
 # ---------------------------------------------------------------------------- reporting
 
 
-def rows_of(records: list[dict]) -> list[dict]:
-    """Group records back into one dict per (impl, seq, causal, mode): {what: value, ...}."""
-    rows: dict[str, dict] = {}
+def rows_of(records: list[dict]) -> list[SweepRow]:
+    """The records (of `sweep`, or read back from its .jsonl) as one row per (impl, seq,
+    causal, mode), in the order the points first appear."""
+    points: dict[str, tuple[dict, list]] = {}
     for r in records:
         c = r["config"]
         key = json.dumps([c[k] for k in ("impl", "seq", "causal", "mode")])
-        row = rows.setdefault(key, {k: c[k] for k in ("impl", "seq", "causal", "mode")})
-        row[r["what"]] = r["value"]
-        if r["what"] == "attention peak temp memory":
-            row["memory label"] = r["label"]
-    return list(rows.values())
+        point = {k: c[k] for k in ("impl", "seq", "causal", "mode")}
+        points.setdefault(key, (point, []))[1].append(r)
+    return [SweepRow.from_records(point, recs) for point, recs in points.values()]
 
 
 def baseline_of(records: list[dict]) -> str:
     """The impl the ratios of these records are taken against."""
-    prefix = "attention time ratio vs "
-    return next((r["what"][len(prefix) :] for r in records if r["what"].startswith(prefix)), "")
+    return next((r["what"][len(RATIO) :] for r in records if r["what"].startswith(RATIO)), "")

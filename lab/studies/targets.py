@@ -19,6 +19,9 @@ The tool prints the verdict table and writes the records plus a Markdown block f
 GPU kernel runs only through the interpreter, whose times say nothing.
 """
 
+import dataclasses
+
+from lab.measure.attention import TargetVerdict
 from lab.studies import attention as bench
 
 SEQS = (2048, 4096, 8192, 16384)
@@ -30,22 +33,21 @@ MUST_BEAT = ("jax_pallas_triton", "xla")
 SPEED_TARGET = {"fwd": 1.0, "fwd+bwd": 0.8}
 
 
-def judge(records: list[dict], head_dim: int) -> list[dict]:
+def judge(records: list[dict], head_dim: int) -> list[TargetVerdict]:
     """One verdict per (seq, causal, mode) and lab kernel of one head_dim's sweep records:
     every kernel of OURS the sweep included (pallas_gpu's, as 'not in this run', if none)."""
     points: dict[tuple, dict] = {}
     for r in bench.rows_of(records):
-        key = (r["seq"], r["causal"], r["mode"])
-        points.setdefault(key, {})[r["impl"]] = r
+        points.setdefault((r.seq, r.causal, r.mode), {})[r.impl] = r
     present = {impl for by_impl in points.values() for impl in by_impl}
     ours = [k for k in OURS if k in present] or [OURS[-1]]
     return [v for k in ours for v in _judge_kernel(points, head_dim, k)]
 
 
-def _judge_kernel(points: dict, head_dim: int, ours: str) -> list[dict]:
+def _judge_kernel(points: dict, head_dim: int, ours: str) -> list[TargetVerdict]:
     out = []
     for (seq, causal, mode), by_impl in sorted(points.items()):
-        t = {i: r["attention time"] for i, r in by_impl.items() if "attention time" in r}
+        t = {i: r.time_s for i, r in by_impl.items() if r.ran}
         row = dict(
             kernel=ours,
             head_dim=head_dim,
@@ -55,33 +57,35 @@ def _judge_kernel(points: dict, head_dim: int, ours: str) -> list[dict]:
             target=SPEED_TARGET[mode],
         )
         if ours not in t:
-            why = by_impl.get(ours, {}).get("attention skipped", "not in this run")
-            out.append({**row, "met": False, "note": f"{ours} did not run: {why}"})
+            why = by_impl[ours].skipped if ours in by_impl else None
+            note = f"{ours} did not run: {why or 'not in this run'}"
+            out.append(TargetVerdict(**row, met=False, note=note))
             continue
         fallback = [i for i in FALLBACK_REFERENCES if i in t]
         ref = "cudnn" if "cudnn" in t else min(fallback, key=t.get) if fallback else None
         beat = {p: t[ours] < t[p] for p in MUST_BEAT if p in t}
-        speed = t[ref] / t[ours] if ref else None
-        met = speed is not None and speed >= SPEED_TARGET[mode] and all(beat.values())
         notes = [f"behind {p}" for p, ok in beat.items() if not ok]
         notes += [f"{p} did not run" for p in MUST_BEAT if p not in t]
         notes += [] if ref else [f"no reference ran (cudnn, {', '.join(FALLBACK_REFERENCES)})"]
-        out.append(
-            {
-                **row,
-                "reference": ref,
-                "speed": speed,
-                "pallas_tflops": by_impl[ours]["attention TFLOP/s"],
-                "reference_tflops": by_impl[ref]["attention TFLOP/s"] if ref else None,
-                "ahead_of": sorted(p for p, ok in beat.items() if ok),
-                "met": met,
-                "note": "; ".join(notes),
-            }
+        v = TargetVerdict(
+            **row,
+            met=False,
+            note="; ".join(notes),
+            reference=ref,
+            kernel_s=t[ours],
+            reference_s=t[ref] if ref else None,
+            kernel_tflops=by_impl[ours].tflops,
+            reference_tflops=by_impl[ref].tflops if ref else None,
+            ahead_of=tuple(sorted(p for p, ok in beat.items() if ok)),
         )
+        met = v.speed is not None and v.speed >= SPEED_TARGET[mode] and all(beat.values())
+        out.append(dataclasses.replace(v, met=met))
     return out
 
 
-def run(head_dims=HEAD_DIMS, seqs=SEQS, *, budget_s: float = 0.3, progress=None):
+def run(
+    head_dims=HEAD_DIMS, seqs=SEQS, *, budget_s: float = 0.3, progress=None
+) -> tuple[list[dict], list[TargetVerdict]]:
     """(records, verdicts): one bench sweep per head_dim on the GPU-speed grid, judged."""
     impls = [i for i in IMPLS if i in bench.default_impls("gpu")]
     records, verdicts = [], []

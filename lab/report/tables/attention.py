@@ -1,35 +1,35 @@
 """Attention studies: the benchmark sweep, the kernel compiled for a target, and the GPU kernels
-against their speed targets.
+against their speed targets. Each renderer takes the study's types (lab.measure.attention),
+whose fields and properties say what every figure is.
 """
 
 from rich.table import Table
 
+from lab.measure.attention import SweepRow, TargetVerdict
 from lab.report.format import duration, percent, ratio, size
 from lab.report.tables.common import _mem
 
 
-def attention_sweep(rows: list[dict], baseline: str, title: str) -> Table:
+def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
     """`lab.studies.attention.rows_of(records)`: one line per (seq, causal, mode, impl)."""
     t = Table(title=title)
     cols = ("L=S", "causal", "mode", "impl", "time", f"vs {baseline}", "TFLOP/s")
     for col in (*cols, "peak temp mem", "max error"):
         t.add_column(col, justify="right")
     for r in rows:
-        rat = next((v for k, v in r.items() if k.startswith("attention time ratio")), None)
-        mem = size(r.get("attention peak temp memory"))
-        if r.get("memory label") == "compiled, not run":
+        mem = size(r.peak_temp_bytes)
+        if r.memory_label == "compiled, not run":
             mem += " (compiled, not run)"
-        ran = "attention time" in r
         t.add_row(
-            str(r["seq"]),
-            "yes" if r["causal"] else "no",
-            r["mode"],
-            r["impl"],
-            duration(r["attention time"]) if ran else f"skipped: {r.get('attention skipped')}",
-            ratio(rat),
-            f"{r['attention TFLOP/s']:.3f}" if ran else "",
+            str(r.seq),
+            "yes" if r.causal else "no",
+            r.mode,
+            r.impl,
+            duration(r.time_s) if r.ran else f"skipped: {r.skipped}",
+            ratio(r.ratio),
+            f"{r.tflops:.3f}" if r.ran else "",
             mem,
-            f"{r['attention max error']:.1e}" if ran else "",
+            f"{r.max_error:.1e}" if r.ran else "",
         )
     return t
 
@@ -62,22 +62,23 @@ def attention_plan(rows: list[dict], title: str) -> Table:
     return t
 
 
-def attention_targets(verdicts: list[dict]) -> Table:
+def attention_targets(verdicts: list[TargetVerdict]) -> Table:
+    """One line per lab kernel and point of the GPU-speed grid (lab.studies.targets.judge)."""
     t = Table(title="the lab's GPU kernels against the GPU-speed targets")
     cols = ("D", "L=S", "causal", "mode", "kernel", "reference", "speed", "target", "met", "note")
     for col in cols:
         t.add_column(col, justify="right")
     for v in verdicts:
         t.add_row(
-            str(v["head_dim"]),
-            str(v["seq"]),
-            "yes" if v["causal"] else "no",
-            v["mode"],
-            v.get("kernel", "pallas_gpu"),
-            v.get("reference") or "–",
-            ratio(v.get("speed")) or "–",
-            f">= {v['target']}x",
-            "[green]yes" if v["met"] else "[red]no",
-            v["note"],
+            str(v.head_dim),
+            str(v.seq),
+            "yes" if v.causal else "no",
+            v.mode,
+            v.kernel,
+            v.reference or "–",
+            ratio(v.speed) or "–",
+            f">= {v.target}x",
+            "[green]yes" if v.met else "[red]no",
+            v.note,
         )
     return t

@@ -1,0 +1,110 @@
+"""What the attention studies measured, as frozen types: one implementation at one point of the
+sweep as it was measured (`Measured`) and as its records give it back (`SweepRow`), and a lab
+kernel's verdict against the GPU-speed targets (`TargetVerdict`).
+
+They sit here, below lab.report, so the renderers (lab/report/tables/attention.py,
+lab/report/plots.py, lab/report/markdown.py) take the types
+instead of dicts whose keys they must know. Derived figures are properties computed from the
+measured ones, so each has one definition. The records the studies write keep their fields:
+the ledger and the tests read them by key.
+"""
+
+import dataclasses
+
+from lab.measure.timing import BenchResult
+
+TIME = "attention time"
+TFLOPS = "attention TFLOP/s"
+MAX_ERROR = "attention max error"
+PEAK_TEMP = "attention peak temp memory"
+SKIPPED = "attention skipped"
+RATIO = "attention time ratio vs "  # + the baseline's name
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One implementation at one (seq, causal, mode) of the sweep, as it was measured:
+    compiled always (or refused), timed and checked where it fit."""
+
+    impl: str
+    compile_s: float  # seconds to build its program (0 where it did not build)
+    memory: dict | None  # lab.measure.memory.compiled_memory; None: not built, or not XLA's
+    skipped: str | None  # why it was not timed, or None
+    bench: BenchResult | None = None  # seconds per call (timing.compare); None: not timed
+    inner: int | None = None  # calls per timed sample (the same for every contender)
+    ratio: float | None = None  # median over the baseline's; None where the baseline did not run
+    max_error: float | None = None  # max |out − ref| / max |ref| against float64
+
+    @property
+    def ran(self) -> bool:
+        return self.bench is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepRow:
+    """One (impl, seq, causal, mode) of the sweep as its records hold it
+    (lab.studies.attention.rows_of): each figure None where no record gave it."""
+
+    impl: str
+    seq: int  # L = S
+    causal: bool
+    mode: str  # fwd or fwd+bwd
+    time_s: float | None = None  # median seconds per call; None where it was not timed
+    tflops: float | None = None  # analytic FLOPs over time_s (derived)
+    max_error: float | None = None  # relative, against float64
+    ratio: float | None = None  # time over the baseline's
+    peak_temp_bytes: float | None = None  # XLA's temporary allocation of the program
+    memory_label: str | None = None  # the memory's label: measured or compiled, not run
+    skipped: str | None = None  # why it was not timed
+
+    @property
+    def ran(self) -> bool:
+        return self.time_s is not None
+
+    @classmethod
+    def from_records(cls, point: dict, records: list[dict]) -> "SweepRow":
+        """The row of one point ({impl, seq, causal, mode}) from the records of that point."""
+        figures = {}
+        for r in records:
+            what = r["what"]
+            if what == TIME:
+                figures["time_s"] = r["value"]
+            elif what == TFLOPS:
+                figures["tflops"] = r["value"]
+            elif what == MAX_ERROR:
+                figures["max_error"] = r["value"]
+            elif what.startswith(RATIO):
+                figures["ratio"] = r["value"]
+            elif what == PEAK_TEMP:
+                figures.update(peak_temp_bytes=r["value"], memory_label=r["label"])
+            elif what == SKIPPED:
+                figures["skipped"] = r["value"]
+        return cls(**point, **figures)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetVerdict:
+    """A lab kernel at one point of the GPU-speed grid against its target
+    (lab.studies.targets.judge)."""
+
+    kernel: str  # the lab kernel judged (pallas_mgpu or pallas_gpu)
+    head_dim: int
+    seq: int  # L = S
+    causal: bool
+    mode: str  # fwd or fwd+bwd
+    target: float  # the speed it must reach: reference time / kernel time
+    met: bool  # speed at least the target and ahead of every peer it must beat that ran
+    note: str  # why it was not met ('' where nothing is to be said)
+    reference: str | None = None  # cuDNN, or the fastest fallback; None: none ran
+    kernel_s: float | None = None  # the kernel's median seconds per call; None: it did not run
+    reference_s: float | None = None  # the reference's median
+    kernel_tflops: float | None = None  # the kernel's TFLOP/s (derived)
+    reference_tflops: float | None = None  # the reference's
+    ahead_of: tuple[str, ...] = ()  # peers it must beat that it was faster than
+
+    @property
+    def speed(self) -> float | None:
+        """Reference time over the kernel's: above 1 the kernel is faster."""
+        if self.kernel_s is None or self.reference_s is None:
+            return None
+        return self.reference_s / self.kernel_s
