@@ -32,8 +32,10 @@ from lab.data import host_batch, to_global
 from lab.devices import PARENT_DEATH_SIGNAL, agreed_stop
 from lab.errors import ConfigError, RunError
 from lab.measure import memory
+from lab.measure.gpu_kernels import Kernel
 from lab.measure.records import writable_dir
 from lab.measure.timing import summarise
+from lab.measure.toolchain import Toolchain
 from lab.report import progress, tables
 from lab.session import Session
 from lab.train import lr_schedule
@@ -426,8 +428,10 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
         console.print(tables.analysis(analysis, compile_s))
         if analysis.get("aot", {}).get("kernels"):
             title = f"GPU kernels of one step ({info.device_kind}): compiled, not run"
-            aot = analysis["aot"]
-            console.print(tables.kernels(aot["kernels"], title, aot.get("toolchain")))
+            aot = analysis["aot"]  # as summary.json holds it: read back into the types
+            kernels = [Kernel.from_record(k) for k in aot["kernels"]]
+            tc = Toolchain.from_record(aot["toolchain"]) if aot.get("toolchain") else None
+            console.print(tables.kernels(kernels, title, tc))
         if is_main:
             _write_summary(run_dir, {"compile_s": compile_s, **analysis})
         return 0

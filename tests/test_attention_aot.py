@@ -95,12 +95,10 @@ def test_kernel_plan_command(tmp_path, capsys):
         data=2,
     )
     fwd, both = rows
-    assert 0 < fwd["memory"]["total_bytes"] < fwd["hbm_bytes"]
-    assert both["analytic_flops_per_device"] == pytest.approx(
-        3.5 * fwd["analytic_flops_per_device"]
-    )
-    assert both["estimated_s"] > fwd["estimated_s"] > 0
-    assert fwd["peak_share"] <= 1.0 and both["peak_share"] <= 1.0  # the floor holds
+    assert 0 < fwd.memory_bytes < fwd.hbm_bytes
+    assert both.analytic_flops_per_device == pytest.approx(3.5 * fwd.analytic_flops_per_device)
+    assert both.estimated_s > fwd.estimated_s > 0
+    assert fwd.peak_share <= 1.0 and both.peak_share <= 1.0  # the floor holds
     assert attention_plan.main(["target=tpu:v5e:2x2", "kv_heads=3", "heads=6"]) == 2
     assert "kv heads over model" in capsys.readouterr().err
 

@@ -86,15 +86,15 @@ def test_attention_kernels_spill_nothing_on_h100(head_dim, causal):
         data=1,
         impl="pallas_gpu",
     )
-    names = {k["name"].split("_kernel")[0] for r in rows for k in r["kernels"]}
+    names = {k.name.split("_kernel")[0] for r in rows for k in r.kernels}
     assert {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"} <= names, names
     for r in rows:
-        for k in r["kernels"]:
-            if not k["name"].startswith("flash_attention"):
+        for k in r.kernels:
+            if not k.name.startswith("flash_attention"):
                 continue
-            assert k["spill_bytes"] == 0, k
-            assert 0 < k["smem"] <= gpus.GPUS["h100"].smem_per_block, k
-            assert k["registers"] <= 255 and k["blocks_per_sm"] >= 1, k
+            assert k.spill_bytes == 0, k
+            assert 0 < k.smem <= gpus.GPUS["h100"].smem_per_block, k
+            assert k.registers <= 255 and k.blocks_per_sm >= 1, k
 
 
 def test_ptxas_log_is_read():

@@ -301,13 +301,15 @@ def test_13b_tpu_plan_counts_every_layer():
 def test_an_attention_plan_row_says_when_its_flops_are_a_lower_bound():
     from rich.console import Console
 
+    from lab.measure.attention import PlanPoint
     from lab.report import tables
 
-    row = dict(
-        seq=1024, head_dim=64, mode="fwd", memory=None, hbm_bytes=None, compiled_flops=2e9,
+    row = PlanPoint(
+        seq=1024, head_dim=64, mode="fwd", device_kind="TPU v5 lite", devices=4, compile_s=1.0,
+        memory=None, hbm_bytes=None, compiled_flops=2e9,
         compiled_flops_note=cost.lower_bound_note({"unknown_loops": 1}),
-        analytic_flops_per_device=2.1e9, estimated_s=None, tflops=None, peak_share=None,
-        estimate_source="floor",
+        analytic_flops_per_device=2.1e9, estimated_s=None, estimate_source="floor",
+        peak_flops=None, impl="pallas_tpu", attention_note=None,
     )  # fmt: skip
     console = Console(width=300, record=True)
     console.print(tables.attention_plan([row], "plan"))

@@ -17,6 +17,7 @@ from rich.console import Console
 from lab.kernels import attention as dispatch
 from lab.kernels.attention import choose, choose_noted, pallas_mgpu
 from lab.measure import records, toolchain
+from lab.measure.attention import PlanPoint
 from lab.measure.gpu_kernels import Kernel
 from lab.plans import gpu as gpus
 from lab.report import tables
@@ -260,8 +261,12 @@ def test_an_attention_plan_names_its_choice_and_reason(use):
     mesh = plan.mesh_for(plans.topology_devices("gpu:h100"), 1)
     chosen, note = plan._chosen("pallas", *_qkv()[:2], True, mesh)
     assert chosen == "pallas_gpu" and "ptxas 12.8.61" in note
-    row = dict(mode="fwd", device_kind=H100, memory={"total_bytes": 1}, estimated_s=None)
-    row.update(impl=chosen, attention_note=note)
+    row = PlanPoint(
+        mode="fwd", seq=None, head_dim=None, device_kind=H100, devices=1, compile_s=0.0,
+        memory={"total_bytes": 1}, hbm_bytes=None, compiled_flops=None, compiled_flops_note="",
+        analytic_flops_per_device=1.0, estimated_s=None, estimate_source="", peak_flops=None,
+        impl=chosen, attention_note=note,
+    )  # fmt: skip
     (r,) = plan.to_records([row], {"target": "gpu:h100", "impl": "pallas"})
     assert r["config"]["chosen_impl"] == "pallas_gpu" and "ptxas" in r["config"]["attention_note"]
     assert r["ptxas_version"] == "12.8.61"
@@ -278,11 +283,11 @@ def test_every_record_names_its_toolchain(use):
     json.dumps(r)  # plain JSON
     use(dataclasses.replace(fake("12.9.86"), nvjitlink="12.8.93"))
     assert records.make_record("x", 1.0, "s")["nvjitlink_version"] == "12.8.93"
-    assert "nvJitLink 12.8.93" in tables.toolchain_line(toolchain.probe().record())
+    assert "nvJitLink 12.8.93" in tables.toolchain_line(toolchain.probe())
 
 
 def test_a_kernel_table_is_captioned_with_its_ptxas():
-    kernel = dict(
+    kernel = Kernel(
         name="flash_attention_fwd",
         launches=1,
         grid=(2, 2, 8),
@@ -290,22 +295,28 @@ def test_a_kernel_table_is_captioned_with_its_ptxas():
         registers=128,
         spill_store_bytes=0,
         spill_load_bytes=0,
-        spill_bytes=0,
-        smem=32768,
+        stack_bytes=0,
+        static_smem=0,
+        dynamic_smem=32768,
         blocks_per_sm=2,
         limiter="regs",
         occupancy=0.25,
     )
-    tc = fake("13.0.48", "13.0").record()
+    point = PlanPoint(
+        mode="fwd+bwd", seq=256, head_dim=64, device_kind=H100, devices=1, compile_s=0.0,
+        memory=None, hbm_bytes=None, compiled_flops=None, compiled_flops_note="",
+        analytic_flops_per_device=1.0, estimated_s=None, estimate_source="", peak_flops=None,
+        impl="pallas_mgpu", attention_note=None, kernels=(kernel,),
+    )  # fmt: skip
+    tc = fake("13.0.48", "13.0")
     con = Console(width=200, record=True)
     con.print(tables.kernels([kernel], "kernels", tc))
-    con.print(
-        tables.kernel_grid([dict(mode="fwd+bwd", seq=256, head_dim=64, kernels=[kernel])], "g", tc)
-    )
+    con.print(tables.kernel_grid([point], "g", tc))
     out = con.export_text()
     assert (
         out.count("compiled by ptxas 13.0.48 · jax-cuda12-plugin 0.10.2 · CUDA runtime 13.0") == 2
     )
+    assert "L=256 K=64 fwd" in out and "32.0 KiB" in out
 
 
 def test_a_kernel_and_a_toolchain_read_back_from_their_records():
@@ -336,8 +347,8 @@ def test_a_training_plan_names_its_toolchain(tmp_path, capsys):
 
 
 def test_the_tuners_static_pass_is_captioned_with_its_compiler():
-    tc = {"ptxas_version": "13.5.37", "cuda_plugin_version": "jax-cuda13-plugin 0.10.2"}
     from lab.measure.tuning import StaticPass
 
+    tc = toolchain.Toolchain("13.5.37", None, None, "jax-cuda13-plugin 0.10.2")
     t = tables.static_pass(StaticPass("gpu:h100:1", "fwd", ()), "fwd K=64", tc)
     assert t.caption == "compiled by ptxas 13.5.37 · jax-cuda13-plugin 0.10.2"

@@ -1,9 +1,10 @@
 """What the attention studies measured, as frozen types: one implementation at one point of the
-sweep as it was measured (`Measured`) and as its records give it back (`SweepRow`), and a lab
-kernel's verdict against the GPU-speed targets (`TargetVerdict`).
+sweep as it was measured (`Measured`) and as its records give it back (`SweepRow`), a lab
+kernel's verdict against the GPU-speed targets (`TargetVerdict`) and the kernel compiled for a
+target (`PlanPoint`).
 
 They sit here, below lab.report, so the renderers (lab/report/tables/attention.py,
-lab/report/plots.py, lab/report/markdown.py) take the types
+lab/report/tables/compiled.py, lab/report/plots.py, lab/report/markdown.py) take the types
 instead of dicts whose keys they must know. Derived figures are properties computed from the
 measured ones, so each has one definition. The records the studies write keep their fields:
 the ledger and the tests read them by key.
@@ -11,7 +12,9 @@ the ledger and the tests read them by key.
 
 import dataclasses
 
+from lab.measure.gpu_kernels import Kernel
 from lab.measure.timing import BenchResult
+from lab.measure.toolchain import Toolchain
 
 TIME = "attention time"
 TFLOPS = "attention TFLOP/s"
@@ -108,3 +111,45 @@ class TargetVerdict:
         if self.kernel_s is None or self.reference_s is None:
             return None
         return self.reference_s / self.kernel_s
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanPoint:
+    """The attention kernel compiled for a target at one (seq, head_dim, mode): the
+    compiler's figures per device, the analytic FLOPs and the time floor they imply (compiled,
+    not run; lab.studies.plan)."""
+
+    mode: str  # fwd or fwd+bwd
+    seq: int | None  # L = S
+    head_dim: int | None  # K
+    device_kind: str  # the target's
+    devices: int  # devices of the mesh
+    compile_s: float
+    memory: dict | None  # lab.measure.memory.compiled_memory per device
+    hbm_bytes: float | None  # the chip's memory (spec sheet), where known
+    compiled_flops: float | None  # XLA's cost analysis per device (misses a Mosaic call)
+    compiled_flops_note: str  # '' or why compiled_flops is a lower bound
+    analytic_flops_per_device: float  # lab.measure.cost.attention_flops over the devices
+    estimated_s: float | None  # seconds per call: compiler estimate floored by the roofline
+    estimate_source: str  # how estimated_s was reached
+    peak_flops: float | None  # the chip's peak FLOP/s at the dtype (spec sheet)
+    impl: str  # the kernel the dispatch chose for the target
+    attention_note: str | None  # why it passed over the one it prefers there, or None
+    kernels: tuple[Kernel, ...] = ()  # on a GPU target, every kernel of the program
+    toolchain: Toolchain | None = None  # on a GPU target, the compiler the kernels are from
+
+    @property
+    def memory_bytes(self) -> float | None:
+        return self.memory["total_bytes"] if self.memory else None
+
+    @property
+    def tflops(self) -> float | None:
+        if not self.estimated_s:
+            return None
+        return self.analytic_flops_per_device / self.estimated_s / 1e12
+
+    @property
+    def peak_share(self) -> float | None:
+        if not (self.estimated_s and self.peak_flops):
+            return None
+        return self.analytic_flops_per_device / self.estimated_s / self.peak_flops

@@ -30,9 +30,9 @@ from lab import plans
 from lab.errors import ConfigError
 from lab.measure import cost, specs, toolchain
 from lab.measure import records as rec
+from lab.measure.attention import PlanPoint
 from lab.measure.memory import compiled_memory
 from lab.names import DATA, MODEL
-from lab.plans import resources
 from lab.resolve import Platform, target_note
 
 SPEC = P(DATA, None, MODEL, None)  # batch over data, heads over model
@@ -66,8 +66,8 @@ def mesh_for(devices, data: int):
 
 def plan(
     target: str, *, batch, heads, kv_heads, seq, head_dim, dtype, causal, data, impl="pallas"
-) -> list:
-    """One row per mode: the compiler's figures for the kernel on `target` (on a GPU target,
+) -> list[PlanPoint]:
+    """One point per mode: the compiler's figures for the kernel on `target` (on a GPU target,
     every kernel's registers, spills and shared memory too)."""
     plans.prepare_host(target)
     devices = plans.topology_devices(target)
@@ -88,7 +88,7 @@ def plan(
     target_platform = Platform.of(devices_lib.describe_target(devices), devices, target=target)
     target_line = target_note(target_platform, impl, chosen, q, kv, causal=causal)
     note = "; ".join(n for n in (target_line, note) if n) or None
-    tc = toolchain.probe().record() if plans.gpu_kind(devices) else None
+    tc = toolchain.probe() if plans.gpu_kind(devices) else None
     rows = []
     for mode, fn in _programs(_sharded(causal, impl)).items():
         t0 = time.perf_counter()
@@ -112,8 +112,10 @@ def plan(
         c = cost.compiled_cost(compiled) or {}
         est, source = plans.step_seconds(compiled, per_device, spec, peak)
         rows.append(
-            dict(
+            PlanPoint(
                 mode=mode,
+                seq=seq,
+                head_dim=head_dim,
                 device_kind=kind,
                 devices=len(devices),
                 compile_s=time.perf_counter() - t0,
@@ -124,11 +126,10 @@ def plan(
                 analytic_flops_per_device=per_device,
                 estimated_s=est,
                 estimate_source=source,
-                tflops=per_device / est / 1e12 if est else None,
-                peak_share=per_device / est / peak if est and peak else None,
-                kernels=resources.as_dicts(kernels),
+                peak_flops=peak,
                 impl=chosen,
                 attention_note=note,
+                kernels=tuple(kernels),
                 toolchain=tc,
             )
         )
@@ -148,44 +149,45 @@ def _chosen(impl: str, q, kv, causal: bool, mesh) -> tuple[str, str | None]:
         raise ConfigError(str(e)) from None
 
 
-def grid(target: str, *, seqs, head_dims, progress=None, **config) -> list:
-    """`plan` for every sequence length × head dim: the rows, each with its `seq` and
-    `head_dim`. `progress(label)` is called before each point."""
+def grid(target: str, *, seqs, head_dims, progress=None, **config) -> list[PlanPoint]:
+    """`plan` for every sequence length × head dim, in that order. `progress(label)` is
+    called before each point."""
     rows = []
     for seq in seqs:
         for head_dim in head_dims:
             if progress:
                 progress(f"L={seq} K={head_dim}")
-            for r in plan(target, seq=seq, head_dim=head_dim, **config):
-                rows.append({"seq": seq, "head_dim": head_dim, **r})
+            rows += plan(target, seq=seq, head_dim=head_dim, **config)
     return rows
 
 
-def to_records(rows: list[dict], config: dict) -> list[dict]:
+def to_records(rows: list[PlanPoint], config: dict) -> list[dict]:
+    """Per point, its memory and time floor as records; `config` (the command's options)
+    joins each point's mode, target kind, chosen kernel, seq and head_dim."""
     out = []
     for r in rows:
-        c = dict(op="attention plan", mode=r["mode"], target_kind=r["device_kind"], **config)
-        c.update(chosen_impl=r.get("impl"), attention_note=r.get("attention_note"))
-        c.update({k: r[k] for k in ("seq", "head_dim") if k in r})
+        c = dict(op="attention plan", mode=r.mode, target_kind=r.device_kind, **config)
+        c.update(chosen_impl=r.impl, attention_note=r.attention_note)
+        c.update({k: getattr(r, k) for k in ("seq", "head_dim") if getattr(r, k) is not None})
         label = "compiled, not run"
-        if r["memory"]:
+        if r.memory:
             out.append(
                 rec.make_record(
                     "attention plan memory per device",
-                    r["memory"]["total_bytes"],
+                    r.memory_bytes,
                     "B",
                     label=label,
                     **c,
                 )
             )
-        if r["estimated_s"]:
+        if r.estimated_s:
             out.append(
                 rec.make_record(
                     "attention plan step time",
-                    r["estimated_s"],
+                    r.estimated_s,
                     "s",
                     label=label,
-                    source=r["estimate_source"],
+                    source=r.estimate_source,
                     **c,
                 )
             )

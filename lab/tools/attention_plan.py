@@ -60,24 +60,24 @@ def run(o: Options) -> int:
 
         rows = plan.grid(o.target, seqs=o.seq, head_dims=o.head_dim, progress=tick, **config)
         bar.update(task, completed=len(o.seq) * len(o.head_dim))
-    chosen = ", ".join(dict.fromkeys(r["impl"] for r in rows))  # per point of a grid
+    chosen = ", ".join(dict.fromkeys(r.impl for r in rows))  # per point of a grid
     chosen = o.impl if chosen == o.impl else f"{o.impl} → {chosen}"
     title = (
-        f"flash attention plan ({chosen}) · {o.target} ({rows[0]['device_kind']} × "
-        f"{rows[0]['devices']}) · B={o.batch} H={o.heads}/{o.kv_heads} {o.dtype} "
+        f"flash attention plan ({chosen}) · {o.target} ({rows[0].device_kind} × "
+        f"{rows[0].devices}) · B={o.batch} H={o.heads}/{o.kv_heads} {o.dtype} "
         f"causal={o.causal} · compiled, not run"
     )
     con.print(tables.attention_plan(rows, title))
-    for note in dict.fromkeys(r["attention_note"] for r in rows if r["attention_note"]):
+    for note in dict.fromkeys(r.attention_note for r in rows if r.attention_note):
         con.print(f"[yellow]attention: {note}")
-    tc = rows[0]["toolchain"]
-    if len(rows) > 2 and any(r["kernels"] for r in rows):  # a grid: one table of them all
+    tc = rows[0].toolchain
+    if len(rows) > 2 and any(r.kernels for r in rows):  # a grid: one table of them all
         con.print(tables.kernel_grid(rows, "GPU kernels of fwd+bwd, compiled, not run", tc))
     else:
         for r in rows:
-            if r["kernels"]:
-                title = f"{r['mode']}: GPU kernels, compiled, not run"
-                con.print(tables.kernels(r["kernels"], title, tc))
+            if r.kernels:
+                title = f"{r.mode}: GPU kernels, compiled, not run"
+                con.print(tables.kernels(list(r.kernels), title, tc))
     recs = plan.to_records(rows, {"target": o.target, **config})
     con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
     return 0

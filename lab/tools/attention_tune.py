@@ -118,7 +118,7 @@ def static_only(o: Options) -> int:
             static = tune.static_filter(candidates, search, mode, log=con.log)
             rec.write_records(stem.with_suffix(".jsonl"), static.records())
             title = f"{stage} K={search.head_dim}"
-            con.print(tables.static_pass(static, title, toolchain.probe().record()))
+            con.print(tables.static_pass(static, title, toolchain.probe()))
     con.print(f"records → {stem.with_suffix('.jsonl')}")
     return 0
 

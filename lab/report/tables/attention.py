@@ -5,7 +5,7 @@ whose fields and properties say what every figure is.
 
 from rich.table import Table
 
-from lab.measure.attention import SweepRow, TargetVerdict
+from lab.measure.attention import PlanPoint, SweepRow, TargetVerdict
 from lab.report.format import duration, percent, ratio, size
 from lab.report.tables.common import _mem
 
@@ -34,7 +34,7 @@ def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
     return t
 
 
-def attention_plan(rows: list[dict], title: str) -> Table:
+def attention_plan(rows: list[PlanPoint], title: str) -> Table:
     """The kernel compiled for a target: memory, FLOPs, time floor (compiled, not run)."""
     t = Table(title=title)
     cols = ("L=S", "K", "mode", "memory / device", "of HBM")
@@ -43,21 +43,21 @@ def attention_plan(rows: list[dict], title: str) -> Table:
     for col in ("of peak", "estimate"):
         t.add_column(col, justify="right")
     for r in rows:
-        need = r["memory"]["total_bytes"] if r["memory"] else None
-        hbm = percent(need / r["hbm_bytes"]) if need and r["hbm_bytes"] else "–"
-        compiled_g = max(r["compiled_flops"] or 0.0, 0.0) / 1e9  # XLA can report -0
+        need = r.memory_bytes
+        hbm = percent(need / r.hbm_bytes) if need and r.hbm_bytes else "–"
+        compiled_g = max(r.compiled_flops or 0.0, 0.0) / 1e9  # XLA can report -0
         t.add_row(
-            str(r.get("seq", "")),
-            str(r.get("head_dim", "")),
-            r["mode"],
+            "" if r.seq is None else str(r.seq),
+            "" if r.head_dim is None else str(r.head_dim),
+            r.mode,
             _mem(need) if need else "–",
             hbm,
-            f"{compiled_g:,.1f}{r.get('compiled_flops_note', '')} | "
-            f"{r['analytic_flops_per_device'] / 1e9:,.1f} G",
-            duration(r["estimated_s"]) if r["estimated_s"] else "–",
-            f"{r['tflops']:.1f}" if r["tflops"] else "–",
-            percent(r["peak_share"], 0) if r["peak_share"] else "–",
-            r["estimate_source"],
+            f"{compiled_g:,.1f}{r.compiled_flops_note} | "
+            f"{r.analytic_flops_per_device / 1e9:,.1f} G",
+            duration(r.estimated_s) if r.estimated_s else "–",
+            f"{r.tflops:.1f}" if r.tflops else "–",
+            percent(r.peak_share, 0) if r.peak_share else "–",
+            r.estimate_source,
         )
     return t
 

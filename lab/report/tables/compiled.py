@@ -1,11 +1,17 @@
 """The kernels of a compiled GPU program (registers, spills, shared memory, occupancy) and the
 toolchain that compiled them: lab.run plans and lab.tools.attention_plan, compiled, not run.
+Each renderer takes the types (lab.measure.gpu_kernels.Kernel, lab.measure.toolchain.Toolchain,
+lab.measure.attention.PlanPoint), whose fields say what every figure is.
 """
 
+import dataclasses
 import re
 
 from rich.table import Table
 
+from lab.measure.attention import PlanPoint
+from lab.measure.gpu_kernels import Kernel
+from lab.measure.toolchain import Toolchain
 from lab.report.format import percent, size
 
 _XLA_KERNEL = re.compile(
@@ -14,10 +20,10 @@ _XLA_KERNEL = re.compile(
 )
 
 
-def kernels(rows: list[dict], title: str, toolchain: dict | None = None) -> Table:
+def kernels(rows: list[Kernel], title: str, toolchain: Toolchain | None = None) -> Table:
     """The custom (Pallas, Mosaic) kernels of a compiled program one by one, XLA's own in one
     summary row (every one is in summary.json): lab/plans/resources.py, compiled, not run.
-    `toolchain` (lab.measure.toolchain.Toolchain.record) is the caption: registers and spills
+    `toolchain` (lab.measure.toolchain.probe()) is the caption: registers and spills
     are ptxas's, so the table names the ptxas and plugin it came from."""
     t = Table(title=title, caption=toolchain_line(toolchain) if toolchain else None)
     cols = ("kernel", "launches", "grid", "threads", "registers", "spills (st/ld)", "smem")
@@ -26,60 +32,61 @@ def kernels(rows: list[dict], title: str, toolchain: dict | None = None) -> Tabl
         t.add_column(
             col, justify="left" if left else "right", no_wrap=left, min_width=20 if left else None
         )
-    xla = [k for k in rows if _XLA_KERNEL.match(k["name"])]
-    custom = [k for k in rows if not _XLA_KERNEL.match(k["name"])]
+    xla = [k for k in rows if _XLA_KERNEL.match(k.name)]
+    custom = [k for k in rows if not _XLA_KERNEL.match(k.name)]
     for k in custom:
-        spill = f"{k['spill_store_bytes']}/{k['spill_load_bytes']} B"
+        spill = f"{k.spill_store_bytes}/{k.spill_load_bytes} B"
         t.add_row(
-            k["name"][:48],
-            str(k["launches"] or "–"),
-            "×".join(map(str, k["grid"])) if k["grid"] else "?",
-            str(k["threads"]),
-            str(k["registers"]),
-            f"[red]{spill}" if k["spill_bytes"] else spill,
-            size(k["smem"]),
-            str(k["blocks_per_sm"]),
-            k["limiter"],
-            percent(k["occupancy"], 0),
+            k.name[:48],
+            str(k.launches or "–"),
+            "×".join(map(str, k.grid)) if k.grid else "?",
+            str(k.threads),
+            str(k.registers),
+            f"[red]{spill}" if k.spill_bytes else spill,
+            size(k.smem),
+            str(k.blocks_per_sm),
+            k.limiter,
+            percent(k.occupancy, 0),
         )
     if xla:
-        spills = sum(k["spill_bytes"] for k in xla)
+        spills = sum(k.spill_bytes for k in xla)
         t.add_row(
             f"[dim]{len(xla)} XLA kernels",
-            str(sum(k["launches"] for k in xla)),
+            str(sum(k.launches for k in xla)),
             "",
             "",
-            f"≤ {max(k['registers'] for k in xla)}",
+            f"≤ {max(k.registers for k in xla)}",
             f"[red]{spills} B" if spills else "0 B",
-            f"≤ {size(max(k['smem'] for k in xla))}",
-            f"≥ {min(k['blocks_per_sm'] for k in xla)}",
+            f"≤ {size(max(k.smem for k in xla))}",
+            f"≥ {min(k.blocks_per_sm for k in xla)}",
             "",
             "",
         )
     return t
 
 
-def toolchain_line(tc: dict) -> str:
+def toolchain_line(tc: Toolchain) -> str:
     """'compiled by ptxas 13.5.37 · jax-cuda13-plugin 0.10.2 · CUDA runtime 13.5'."""
-    parts = [f"ptxas {tc['ptxas_version']}" if tc.get("ptxas_version") else "no ptxas found"]
-    if tc.get("nvjitlink_version"):
-        parts.append(f"nvJitLink {tc['nvjitlink_version']}")
-    if tc.get("cuda_plugin_version"):
-        parts.append(tc["cuda_plugin_version"])
-    if tc.get("cuda_runtime_version"):
-        parts.append(f"CUDA runtime {tc['cuda_runtime_version']}")
+    parts = [f"ptxas {tc.ptxas}" if tc.ptxas else "no ptxas found"]
+    if tc.nvjitlink:
+        parts.append(f"nvJitLink {tc.nvjitlink}")
+    if tc.cuda_plugin:
+        parts.append(tc.cuda_plugin)
+    if tc.cuda_runtime:
+        parts.append(f"CUDA runtime {tc.cuda_runtime}")
     return "compiled by " + " · ".join(parts)
 
 
-def kernel_grid(rows: list[dict], title: str, toolchain: dict | None = None) -> Table:
+def kernel_grid(rows: list[PlanPoint], title: str, toolchain: Toolchain | None = None) -> Table:
     """One kernel table for a grid of attention plans (lab.studies.plan.grid): every point's
     forward + backward kernels, each named by its L=S and K; XLA's kernels in one row."""
     named = []
     for r in rows:
-        if r["mode"] != "fwd+bwd":
+        if r.mode != "fwd+bwd":
             continue
-        for k in r["kernels"]:
-            name = k["name"].removesuffix("_mosaic_gpu_kernel").removeprefix("flash_attention_")
-            custom = not _XLA_KERNEL.match(k["name"])
-            named.append({**k, "name": f"L={r['seq']} K={r['head_dim']} {name}"} if custom else k)
+        for k in r.kernels:
+            name = k.name.removesuffix("_mosaic_gpu_kernel").removeprefix("flash_attention_")
+            custom = not _XLA_KERNEL.match(k.name)
+            point = f"L={r.seq} K={r.head_dim} {name}"
+            named.append(dataclasses.replace(k, name=point) if custom else k)
     return kernels(named, title, toolchain)

@@ -7,6 +7,7 @@ import math
 
 from rich.table import Table
 
+from lab.measure.toolchain import Toolchain
 from lab.measure.tuning import Stage, StaticPass, StepCandidate
 from lab.report.format import duration, mib, percent, ratio, size
 from lab.report.tables.compiled import toolchain_line
@@ -36,7 +37,7 @@ def tune_stage(stage: Stage, baseline: str) -> Table:
     return t
 
 
-def static_pass(p: StaticPass, title: str, toolchain: dict | None = None) -> Table:
+def static_pass(p: StaticPass, title: str, toolchain: Toolchain | None = None) -> Table:
     """The tuner's static pass: per candidate, its worst kernel's registers, spills and shared
     memory (compiled, not run), and whether it was kept; the caption names the compiler."""
     t = Table(title=f"static pass · {title} · compiled, not run")
