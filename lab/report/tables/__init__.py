@@ -1,4 +1,5 @@
-"""Every table the lab prints in a terminal (rich), built from the studies' types and records.
+"""Every table the lab prints in a terminal (rich), built from the studies' types (lab.measure),
+plain dicts and records.
 
 The library returns numbers; the commands hand them here. Numbers become text only through
 lab/report/format.py, so a figure reads the same in every table.
