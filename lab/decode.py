@@ -149,6 +149,35 @@ class Decoder:
         with jax.set_mesh(self.mesh):
             return make()
 
+    def filled_cache(self, lengths_B, seed: int = 0) -> KVCache:
+        """A cache whose first lengths_B[b] slots of sequence b hold random entries, on its
+        shardings: what a decode step reads after a prefill of those lengths. A step's work
+        depends on the lengths, not on what the slots hold, so a benchmark of decode steps
+        at a long context costs this cache's bytes instead of a prefill (at 100,000 tokens a
+        prefill is minutes to hours on a CPU). Float entries ~ N(0, 1); int8 codes uniform in
+        [-127, 127] with scales ~ U(0.5, 1.5)/127."""
+
+        def leaf(key, path, s):
+            name = getattr(path[-1], "name", "")
+            if name == "lengths":
+                return jnp.zeros(s.shape, s.dtype)  # replaced below
+            if s.dtype == jnp.int8:
+                return jax.random.randint(key, s.shape, -127, 128, jnp.int32).astype(jnp.int8)
+            if name.endswith("_scale"):
+                return jax.random.uniform(key, s.shape, s.dtype, 0.5, 1.5) / 127
+            return jax.random.normal(key, s.shape, s.dtype)
+
+        def make(lengths_B):
+            leaves, tree = jax.tree_util.tree_flatten_with_path(self.abstract_cache)
+            keys = jax.random.split(jax.random.key(seed), len(leaves))
+            filled = [leaf(k, path, s) for k, (path, s) in zip(keys, leaves, strict=True)]
+            cache = jax.tree.unflatten(tree, filled)
+            return cache.replace(lengths=lengths_B.astype(jnp.int32))
+
+        fill = jax.jit(make, out_shardings=self.cache_sharding)
+        with jax.set_mesh(self.mesh):
+            return fill(jnp.asarray(lengths_B))
+
 
 # How a decoder multiplies by its weights: XLA's dot (`xla`; int8 weights weight-only, their
 # codes converted to the compute dtype), XLA's int8 × int8 → int32 dot for int8 weights

@@ -109,6 +109,27 @@ def test_the_prefill_runs_the_head_on_each_last_token_only():
     assert max(sizes) < B * P * V, (max(sizes), B * P * V)
 
 
+@pytest.mark.parametrize("int8_cache, scan_layers", [(True, True), (False, False)])
+def test_a_filled_cache_stands_in_for_a_prefill(int8_cache, scan_layers):
+    """Decode benchmarks start from Decoder.filled_cache: the empty cache's shapes, dtypes
+    and shardings, the given lengths, random entries that a step reads (its logits differ
+    from a zeroed cache's at the same lengths) and stay finite through."""
+    trainer, params = _setup(scan_layers=scan_layers)
+    dec = _decoder(trainer, int8_cache=int8_cache)
+    lengths = np.asarray(PROMPTS, np.int32)
+    filled, empty = dec.filled_cache(lengths), dec.empty_cache()
+    for a, b in zip(jax.tree.leaves(filled), jax.tree.leaves(empty), strict=True):
+        assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding)
+    np.testing.assert_array_equal(filled.lengths, lengths)
+    tokens = _tokens()[1][:, 0]
+    with jax.set_mesh(dec.mesh):
+        got, after = dec.step(params, tokens, filled)  # donates `filled`
+        zeroed, _ = dec.step(params, tokens, empty.replace(lengths=jnp.asarray(lengths)))
+    assert np.isfinite(np.asarray(got)).all()
+    assert np.abs(np.asarray(got) - np.asarray(zeroed)).max() > 1e-3
+    np.testing.assert_array_equal(after.lengths, lengths + 1)
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_decoding_equals_the_full_forward_pass(scan_layers):
     trainer, params = _setup(scan_layers=scan_layers)

@@ -51,7 +51,11 @@ def time_prefill(dec, params, prompts, *, budget_s: float) -> timing.BenchResult
 def time_decode(
     dec, params, prompts, *, steps: int, budget_s: float, queued: bool = True
 ) -> timing.BenchResult:
-    """Seconds per decode step after a prefill, one token per sequence written into the cache.
+    """Seconds per decode step at a context of the prompts' length, one token per sequence
+    written into the cache. The cache is filled with random entries up to that length
+    (Decoder.filled_cache) rather than by a prefill: a step reads the same slots either way,
+    and a long context's prefill would cost more than every step timed (prefills are timed
+    by time_prefill).
 
     queued (what a server does): each sample is `steps` steps dispatched back to back and
     blocked once at the end, the cache's lengths then rewound to where the sample began (the
@@ -61,7 +65,7 @@ def time_decode(
     lengths = np.full((prompts.shape[0],), prompts.shape[1], np.int32)
     tokens = prompts[:, -1]
     with jax.set_mesh(dec.mesh):
-        _, cache = dec.prefill(params, prompts, lengths, dec.empty_cache())
+        cache = dec.filled_cache(lengths)
         if not queued:
             call = timing.threaded(lambda c: dec.step(params, tokens, c)[1], cache)
             return timing.bench(
