@@ -327,3 +327,22 @@ def test_a_long_prefill_says_how_long_a_run_takes_at_least():
     flops = float(long.split("(")[1].split()[0].replace(",", "")) * 1e12
     minutes = float(long.split("at least ")[1].split()[0].replace(",", ""))
     assert flops > 1e12 and minutes == pytest.approx(flops / 50e9 / 60, rel=0.05), long
+
+
+def test_the_int8_error_of_a_prompt_longer_than_the_text_uses_the_whole_text(monkeypatch):
+    """The int8 error is measured on windows of the bundled text; a longer prompt is cut to
+    the text (and says so) rather than ending a whole study in an error."""
+    import jax
+
+    from lab import data, quant
+    from lab.resolve import Request
+    from lab.session import open_session
+    from lab.studies.serving.int8 import int8_error
+
+    text = data.corpus_bytes()[:300]
+    monkeypatch.setattr(data, "corpus_bytes", lambda: text)
+    s = open_session(request=Request.of(preset="tiny", batch_size=2, seq_len=16))
+    params = s.trainer.init(jax.random.key(0)).params
+    e = int8_error(s, params, quant.quantize_params(params), batch=2, prompt_len=1000, steps=4)
+    assert e.prompt_len == 300 - 4 - 1
+    assert 0 < e.logits_rel_rms < 5e-2 and abs(e.loss_change) < 0.1

@@ -143,6 +143,7 @@ class DecodePoint:
 class Int8Error:
     """What int8 costs in accuracy on the bundled text, and what it saves in bytes."""
 
+    prompt_len: int  # tokens of each text window before the decode steps (at most the text's)
     loss_float: float  # loss of the full forward pass, float weights
     loss_int8: float  # the same with int8 weights
     logits_rel_rms: float  # decode logits (int8 weights and cache) against float: RMS / RMS

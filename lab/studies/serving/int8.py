@@ -20,9 +20,11 @@ def corpus_tokens(batch: int, length: int, vocab: int) -> np.ndarray:
 def int8_error(session, params, params_i8, *, batch: int, prompt_len: int, steps: int) -> Int8Error:
     """The loss of the full forward pass with float and int8 weights, and the logits of
     prefill + decode steps with int8 weights and an int8 cache against float (relative RMS
-    and max |difference|)."""
+    and max |difference|). The prompts are windows of the bundled text, so a prompt longer
+    than the text is cut to it (Int8Error.prompt_len says how long they were)."""
     model = session.cfg.model
     t = session.trainer
+    prompt_len = min(prompt_len, len(data.corpus_bytes()) - steps - 1)
     seqs = corpus_tokens(batch, prompt_len + steps, model.vocab_size)
     net = build(model)
 
@@ -48,6 +50,7 @@ def int8_error(session, params, params_i8, *, batch: int, prompt_len: int, steps
     got = decoded(params_i8, True)
     diff = got - ref
     return Int8Error(
+        prompt_len=prompt_len,
         loss_float=loss(params),
         loss_int8=loss(params_i8),
         logits_rel_rms=float(np.sqrt(np.mean(diff**2) / np.mean(ref**2))),
