@@ -136,6 +136,10 @@ def run(o: Options, keys: dict) -> int:
         task = bar.add_task("serving", total=n)
 
         def tick(label):
+            # A label the bar cuts (a long prefill's FLOPs and minutes) is printed whole, and
+            # so is every step where the output is a file or a pipe, which shows no bar.
+            if len(label) > 28 or not con.is_terminal:
+                con.print(f"  {label}", soft_wrap=True)
             bar.update(task, description=label[:28], advance=0 if label.startswith("roofs") else 1)
 
         out = study.measure(s, params, plan, progress=tick)
