@@ -30,7 +30,7 @@ from lab import checkpoint, plans, rundir, summary, tensorboard
 from lab.config import Config
 from lab.data import host_batch, to_global
 from lab.devices import PARENT_DEATH_SIGNAL, agreed_stop
-from lab.errors import ConfigError, RunError
+from lab.errors import RunError
 from lab.measure import memory
 from lab.measure.gpu_kernels import Kernel
 from lab.measure.records import writable_dir
@@ -333,13 +333,7 @@ def _open_run_dir(cfg: Config, is_main: bool) -> Path:
     run of the same model (ConfigError, one line)."""
     run_dir = Path(cfg.out_dir) / cfg.name
     writable_dir(cfg.out_dir)
-    if cfg.resume:
-        if cfg.compile_only:
-            raise ConfigError(
-                "compile_only=true writes a config.json and summary.json of its own, which "
-                "would replace those of the run it resumes: leave out resume=true and give it "
-                "another name="
-            )
+    if cfg.resume:  # resolve refused resume with compile_only
         rundir.check_same_state(rundir.saved_config(run_dir), dataclasses.asdict(cfg))
     if is_main:
         writable_dir(run_dir)

@@ -380,6 +380,15 @@ def _resume_name(d: _Draft):
         return "resume=true needs the run's name=NAME"
 
 
+def _compile_only_resume(d: _Draft):
+    if d.cfg.resume and d.cfg.compile_only:
+        return (
+            "compile_only=true writes a config.json and summary.json of its own, which would "
+            "replace those of the run it resumes: leave out resume=true and give it another "
+            "name="
+        )
+
+
 def _mesh_fits(d: _Draft):
     if d.sizes is None:
         return d.mesh_problem
@@ -534,6 +543,12 @@ RULES: tuple[Rule, ...] = (
         stage="request",
     ),
     Rule("resume needs a name", _resume_name, ("resume=true",), stage="request"),
+    Rule(
+        "a plan resumes nothing",
+        _compile_only_resume,
+        ("name=x", "resume=true", "compile_only=true"),
+        stage="request",
+    ),
     Rule("kv heads divide heads", _kv_heads, ("n_heads=4", "n_kv_heads=3")),
     Rule("heads divide d_model", _heads, ("d_model=60", "n_heads=8", "n_kv_heads=4")),
     Rule("even head_dim", _rotary, ("d_model=12", "n_heads=4", "n_kv_heads=2")),
