@@ -1,7 +1,7 @@
 """The GPU-speed targets, measured side by side and judged (python -m lab.tools.attention_targets).
 
-The grid of the GPU-speed issue: bfloat16, B=2, H=32 (as many kv heads), S = L ∈ {2048, 4096,
-8192, 16384}, head_dim ∈ {64, 128}, causal and not, forward and forward + backward. At every
+The grid the targets are judged on: bfloat16, B=2, H=32 (as many kv heads), S = L ∈ {2048,
+4096, 8192, 16384}, head_dim ∈ {64, 128}, causal and not, forward and forward + backward. At every
 point the lab's compiled Pallas kernels (`pallas_mgpu` on Hopper, `pallas_gpu` everywhere;
 block sizes from `tuned/`) run in one `bench.sweep` with their peers: cuDNN and XLA through
 `jax.nn.dot_product_attention`, JAX's bundled Pallas kernels (Triton and Mosaic GPU), tokamax

@@ -70,8 +70,8 @@ def _static(o: Options) -> str:
 
 
 def searches(o: Options) -> list[tune.Search]:
-    """The issue's GPU shapes, or tiny ones for the interpreter (minutes per candidate at GPU
-    sizes), with what the user set."""
+    """The GPU-speed targets' shapes (lab.studies.targets), or tiny ones for the interpreter
+    (minutes per candidate at GPU sizes), with what the user set."""
     tiny, mgpu = o.interpret, o.kernel == "pallas_mgpu"
     heads = o.heads or (2 if tiny else 32)
     kv_heads = o.kv_heads or (1 if tiny else heads)
