@@ -192,6 +192,32 @@ def test_the_memory_roof_is_the_best_bandwidth_measured():
     assert best_roofs(roofs, both).bandwidth == pytest.approx(24.7e9)
 
 
+def test_the_summary_names_the_smallest_batch_it_measured():
+    """A mesh that splits the batch over two devices decodes batch 2 at the smallest: the
+    summary's row says batch 2, not batch 1, and states the bound either way."""
+    from rich.console import Console
+
+    from lab.measure.serving import DecodePoint, PrefillPoint, Roofs
+    from lab.measure.timing import BenchResult
+    from lab.report import tables
+    from lab.studies.serving.study import summarise
+
+    def decoded(batch, flops):  # a 1e9-byte step in 0.1 s
+        return DecodePoint(
+            batch, False, False, "xla", BenchResult(0.1, 0, 0, 3, 0), int(1e9), 0, flops, 1, 1, 10e9
+        )
+
+    roofs = Roofs(bandwidth=10e9, peak_flops=1e11, dtype="float32", copy={"bytes_per_s": 10e9})
+    prefill = [PrefillPoint(2, 8, BenchResult(0.01, 0, 0, 3, 0), 1e9)]
+    for flops, bound in ((1e9, "memory-bound"), (1e11, "compute-bound")):
+        s = summarise(roofs, prefill, [decoded(2, flops), decoded(4, flops)], [])
+        con = Console(width=200, record=True)
+        con.print(tables.serving_summary(s, roofs))
+        text = con.export_text()
+        assert "batch 2 " in text and "batch 1 " not in text and bound in text, text
+        assert "of the memory roof" in text and "against decode at batch 2" in text, text
+
+
 def test_a_damaged_run_is_a_few_lines_not_a_flood(tmp_path):
     """Every checkpoint of the run damaged: the libraries' logging goes to lab.log in the
     results folder, the terminal gets a warning per damaged step and one error line."""

@@ -192,6 +192,7 @@ class Summary:
     batch1_roof_share: float  # the smallest batch's share of the memory roof
     batch1_intensity: float  # the smallest batch's FLOPs per byte
     best_decode: DecodePoint  # the float decode point with the most tokens/s
+    smallest: DecodePoint  # the float decode point at the smallest batch (batch1_* are its)
     best_prefill: PrefillPoint | None = None  # the prefill point with the most tokens/s
     int8_speedup: tuple[tuple[int, float], ...] = ()  # (batch, int8 tokens/s over float)
     # self-hosted price ∝ device time per token: output over input at the best rates, and

@@ -93,12 +93,11 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
         f"{roofs.peak_flops / 1e9:,.1f} GFLOP/s ({roofs.dtype} matmul); "
         f"ridge {roofs.ridge:.1f} FLOP/B",
     )
-    t.add_row(
-        "batch 1",
+    bound = "memory-bound" if s.batch1_intensity < roofs.ridge else "compute-bound"
+    t.add_row(  # the smallest batch measured: batch 1 unless the mesh's batch split needs more
+        f"batch {s.smallest.batch}",
         f"{percent(s.batch1_roof_share, 0)} of the memory roof, {s.batch1_intensity:.2f} "
-        "FLOP/B: memory-bound"
-        if s.batch1_intensity < roofs.ridge
-        else "compute-bound",
+        f"FLOP/B: {bound}",
     )
     crit = s.critical_batch
     t.add_row(
@@ -112,7 +111,8 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
             f"{s.output_input_cost_ratio:,.1f}× at the best rates (prefill "
             f"{p.tokens_per_s:,.0f} tok/s at batch {p.batch}, decode "
             f"{d.tokens_per_s:,.1f} tok/s at batch {d.batch}); "
-            f"{s.output_input_cost_ratio_batch1:,.0f}× against decode at batch 1",
+            f"{s.output_input_cost_ratio_batch1:,.0f}× against decode at batch "
+            f"{s.smallest.batch}",
         )
     return t
 

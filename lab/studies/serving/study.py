@@ -180,6 +180,7 @@ def summarise(
         batch1_roof_share=one.memory_roof_share,
         batch1_intensity=one.intensity,
         best_decode=best_decode,
+        smallest=one,
         int8_speedup=tuple(
             (p.batch, p.tokens_per_s / float_at[p.batch].tokens_per_s) for p in points_i8
         ),
