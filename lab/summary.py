@@ -19,6 +19,7 @@ from lab.devices import DeviceInfo
 from lab.errors import ConfigError
 from lab.measure import ceilings, cost, memory, specs, toolchain
 from lab.measure import records as rec
+from lab.measure.predicted import PredictedStep
 from lab.model import count_nonembedding_params, count_params
 from lab.names import HOST_MEMORY
 from lab.parallel import collectives_hlo, pipeline_hlo
@@ -69,7 +70,8 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         "notes": list(trainer.notes),
         "attention_note": trainer.attention_note,
     }
-    out["predicted_step"] = predict_step(compiled, trainer.cfg, info, trainer.mesh)
+    predicted = predict_step(compiled, trainer.cfg, info, trainer.mesh)
+    out["predicted_step"] = predicted.record() if predicted else None
     if trainer.schedule is not None:
         colls = collectives_hlo.from_compiled(compiled, trainer.mesh)
         out["pipeline"] = pipeline_hlo.from_trainer(colls, trainer).as_dict()
@@ -77,7 +79,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
     if offload:
         out["offload"] = offload
     if info.aot:
-        out["aot"] = _aot_plan(compiled, cfg, info, fpt, trainer.mesh.size, out["predicted_step"])
+        out["aot"] = _aot_plan(compiled, cfg, info, fpt, trainer.mesh.size, predicted)
         out["aot"]["kernels"] = resources.as_dicts(kernels)
         out["aot"]["toolchain"] = toolchain.probe().record()  # the kernels are ptxas's
         out["aot"]["fit"] = fit_advice(trainer, out)
@@ -205,7 +207,12 @@ def capacity_bytes(info: DeviceInfo) -> float | None:
 
 
 def _aot_plan(
-    compiled, cfg: Config, info: DeviceInfo, fpt: float, n_devices: int, predicted=None
+    compiled,
+    cfg: Config,
+    info: DeviceInfo,
+    fpt: float,
+    n_devices: int,
+    predicted: PredictedStep | None = None,
 ) -> dict:
     """What the model predicts for a slice that is not here: compiled, not run.
 
@@ -217,8 +224,8 @@ def _aot_plan(
     peak = specs.peak_flops(info.device_kind, cfg.model.dtype)
     step_flops = fpt * cfg.batch_size * cfg.seq_len
     if predicted:
-        est_s = predicted["seconds"]
-        source = f"predicted by the step-time model; {predicted['error']}"
+        est_s = predicted.seconds
+        source = f"predicted by the step-time model; {predicted.error}"
     else:
         est_s, source = plans.step_seconds(compiled, step_flops / n_devices, spec, peak)
     mfu = step_flops / (est_s * peak * n_devices) if est_s and peak else None

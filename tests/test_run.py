@@ -192,3 +192,76 @@ def test_packed_windowed_softcapped_model_trains_as_naive(tmp_path, mesh, extra)
     )
     s = json.loads((tmp_path / "auto" / "summary.json").read_text())
     assert "only unmasked pairs" in s["flops_convention"]
+
+
+# --- lab.run's lines take the types; summary.json keeps their records ----------------------
+
+
+def _reading():
+    from lab.measure.pipeline import Direction, PipelineReading
+
+    fwd = Direction(ops=1, executions=3, trip_counts=(3,), bytes_per_device=96)
+    return PipelineReading(
+        stages=2,
+        microbatches=2,
+        repeats=1,
+        microbatch_bytes=32,
+        ticks=3,
+        bubble=1 / 3,
+        bytes_per_device=96,
+        useful_bytes=64,
+        forward=fwd,
+        backward=fwd,
+    )
+
+
+def test_pipeline_line_reads_the_reading_and_its_record_alike():
+    from lab.measure.pipeline import PipelineReading
+    from lab.report import tables
+
+    p = _reading()
+    back = PipelineReading.from_record(json.loads(json.dumps(p.as_dict())))
+    assert back == p and back.as_dict() == p.as_dict()
+    line = tables.pipeline_line(p)
+    assert line == tables.pipeline_line(back)
+    assert line.startswith("0.333 analytic") and "0.333 from the compiled schedule" in line
+    assert "(3 ticks; GPipe, P=2 stages, M=2)" in line
+
+
+def _predicted():
+    from lab.measure.predicted import OpTime, PredictedStep
+
+    op = lambda name, s, op_name: OpTime(name, "fusion", "compute", 1, 1.0, 1.0, s, s, op_name)
+    return PredictedStep(
+        seconds=1.0,
+        breakdown={"compute": 0.6, "memory": 0.395, "exposed communication": 0.005},
+        collective_s=0.01,
+        machine="m",
+        top_ops=(op("a", 0.5, "jit(step)/dot_general"), op("b", 0.25, ""), op("c", 0.1, "x")),
+        error="within 20%",
+        machine_source="spec table",
+    )
+
+
+def test_predicted_step_lines_and_record():
+    from lab.measure.predicted import PredictedStep
+    from lab.report import tables
+
+    p = _predicted()
+    r = p.record()
+    assert list(r) == [
+        "seconds",
+        "breakdown",
+        "collective_s",
+        "machine",
+        "top_ops",
+        "label",
+        "error",
+        "machine_source",
+    ]
+    assert PredictedStep.from_record(json.loads(json.dumps(r))) == p
+    assert tables.breakdown_line(p) == "compute 60%, memory 40%"  # under 1% left out
+    assert tables.top_ops_line(p) == (
+        "a (dot_general, compute) 50%; b (fusion, compute) 25%; c (x, compute) 10%"
+    )
+    assert tables.top_ops_line(p, n=1) == "a (dot_general, compute) 50%"

@@ -4,7 +4,7 @@ permutes, and the whole reading (the schedule on paper beside the compiled progr
 lab.parallel.pipeline_hlo reads them from a compiled program; they sit here, below
 lab.report, so the renderer (lab/report/tables/explain.py) takes the reading itself and uses
 its fields and properties, instead of a dict whose keys it must know. `as_dict()` is the form
-the run's summary.json keeps.
+the run's summary.json keeps, and `from_record()` reads that form back.
 """
 
 import dataclasses
@@ -18,6 +18,10 @@ class Direction:
     executions: int  # per step per device (an op in a loop runs once per trip)
     trip_counts: tuple[int, ...]  # of the loops they sit in
     bytes_per_device: int
+
+    @classmethod
+    def from_record(cls, d: dict) -> "Direction":
+        return cls(**{**d, "trip_counts": tuple(d["trip_counts"])})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,3 +59,14 @@ class PipelineReading:
             "compiled_ticks": self.compiled_ticks,
             "compiled_bubble": self.compiled_bubble,
         }
+
+    @classmethod
+    def from_record(cls, d: dict) -> "PipelineReading":
+        """The reading back from its `as_dict()` (a summary.json's "pipeline"): the derived
+        figures are dropped, since the properties compute them again from the fields."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kept = {k: v for k, v in d.items() if k in fields}
+        for k in ("forward", "backward", "weight_gathers", "weight_scatters"):
+            if kept.get(k) is not None:
+                kept[k] = Direction.from_record(kept[k])
+        return cls(**kept)

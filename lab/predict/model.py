@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 from lab.measure import cost as costs
 from lab.measure import hlo
+from lab.measure.predicted import OpTime
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPES = {
@@ -74,21 +75,6 @@ class Machine:
         if known:
             return min(known)
         return min(self.link_bandwidth.values()) if self.link_bandwidth else float("inf")
-
-
-@dataclasses.dataclass(frozen=True)
-class OpTime:
-    """One instruction of the schedule, as the model times it (all executions per call)."""
-
-    name: str
-    opcode: str
-    kind: str  # compute | memory | collective | custom | overhead
-    count: int  # executions per call
-    flops: float  # per execution
-    bytes: float  # per execution (bus bytes for a collective)
-    seconds: float  # all executions
-    exposed_s: float  # of `seconds`, what no overlapped compute hides (collectives)
-    op_name: str = ""  # the JAX op it came from
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from lab.devices import DeviceInfo
 from lab.measure import ceilings, cost, specs
+from lab.measure.predicted import PredictedStep
 from lab.predict import machines
 from lab.predict.model import Machine, predict_compiled
 
@@ -133,9 +134,9 @@ def attention_flops_per_device(cfg, n_devices: int) -> float:
     return fwd * (1.0 + 2.5 + recompute) * layers / max(n_devices, 1)
 
 
-def predict_step(compiled, cfg, info: DeviceInfo, mesh) -> dict | None:
-    """{"seconds", "breakdown", "top_ops", "machine", "label", "error"} for one step, or None
-    where the machine is unknown (no spec entry)."""
+def predict_step(compiled, cfg, info: DeviceInfo, mesh, top: int = 8) -> PredictedStep | None:
+    """One step's predicted time, where it goes and its `top` ops, labelled with the model's
+    error; None where the machine is unknown (no spec entry)."""
     machine = machine_for(info, cfg.target, dict(mesh.shape), cfg.model.dtype)
     if machine is None:
         return None
@@ -143,9 +144,12 @@ def predict_step(compiled, cfg, info: DeviceInfo, mesh) -> dict | None:
         compiled, machine, mesh, custom_flops=attention_flops_per_device(cfg, mesh.size)
     )
     kind = "cpu" if machine.name.startswith("this CPU") else info.backend
-    return {
-        **p.as_dict(),
-        "label": "predicted",
-        "error": error_statement("tpu" if kind == "tpu" else "gpu" if kind != "cpu" else "cpu"),
-        "machine_source": machine.source,
-    }
+    return PredictedStep(
+        seconds=p.seconds,
+        breakdown=p.breakdown(),
+        collective_s=p.collective_s,
+        machine=p.machine,
+        top_ops=tuple(p.top(top)),
+        error=error_statement("tpu" if kind == "tpu" else "gpu" if kind != "cpu" else "cpu"),
+        machine_source=machine.source,
+    )

@@ -705,8 +705,8 @@ def here_check(configs, *, budget_s: float = 2.0, progress=None, on_row=None) ->
         if p is None:
             rows.append(HereRow(label, seconds, None, {}, f"no spec entry for {info.device_kind}"))
             continue
-        top = tuple(p.get("top_ops", ())[:5])
-        rows.append(HereRow(label, seconds, p["seconds"], p.get("breakdown", {}), top_ops=top))
+        top = tuple(p.record()["top_ops"][:5])
+        rows.append(HereRow(label, seconds, p.seconds, dict(p.breakdown), top_ops=top))
     return list(rows)
 
 

@@ -7,6 +7,8 @@ import math
 from rich.table import Table
 
 from lab.measure import cost
+from lab.measure.pipeline import PipelineReading
+from lab.measure.predicted import PredictedStep
 from lab.report.format import duration, mib, percent
 from lab.report.tables.common import GIB, _mem
 
@@ -77,13 +79,13 @@ def analysis(a: dict, compile_s: float) -> Table:
     return t
 
 
-def pipeline_line(p: dict) -> str:
+def pipeline_line(p: PipelineReading) -> str:
     """The bubble of a pipelined step, analytic beside the compiled schedule's."""
-    compiled = "n/a" if p["compiled_bubble"] is None else f"{p['compiled_bubble']:.3f}"
-    kind = "GPipe" if p["repeats"] == 1 else f"circular × {p['repeats']}"
+    compiled = "n/a" if p.compiled_bubble is None else f"{p.compiled_bubble:.3f}"
+    kind = "GPipe" if p.repeats == 1 else f"circular × {p.repeats}"
     return (
-        f"{p['bubble']:.3f} analytic (P-1)/(R·M+P-1), {compiled} from the compiled schedule "
-        f"({p['compiled_ticks']} ticks; {kind}, P={p['stages']} stages, M={p['microbatches']})"
+        f"{p.bubble:.3f} analytic (P-1)/(R·M+P-1), {compiled} from the compiled schedule "
+        f"({p.compiled_ticks} ticks; {kind}, P={p.stages} stages, M={p.microbatches})"
     )
 
 
@@ -101,7 +103,7 @@ def offload_line(o: dict) -> str:
 def _fitting_rows(t: Table, a: dict) -> None:
     """Pipeline bubble, offloading's traffic and what the backend did not do (lab.run)."""
     if a.get("pipeline"):
-        t.add_row("pipeline bubble", pipeline_line(a["pipeline"]))
+        t.add_row("pipeline bubble", pipeline_line(PipelineReading.from_record(a["pipeline"])))
     if a.get("offload"):
         t.add_row("host offload", offload_line(a["offload"]))
     for note in a.get("notes", ()):
@@ -113,7 +115,7 @@ def _plan_rows(t: Table, a: dict) -> None:
     if cap:
         t.add_row("memory per device (spec)", f"{cap / GIB:.1f} GiB: {plan['fit']}")
     est = plan["estimated_step_s"]
-    predicted = a.get("predicted_step")
+    predicted = a.get("predicted_step") and PredictedStep.from_record(a["predicted_step"])
     t.add_row(
         "predicted step time" if predicted else "estimated step time",
         "n/a" if est is None else f"{duration(est)} ({plan['estimate_source']})",
@@ -130,22 +132,19 @@ def _plan_rows(t: Table, a: dict) -> None:
     t.add_row("label", plan["label"])
 
 
-def breakdown_line(predicted: dict) -> str:
-    """'compute 61%, memory 30%, exposed communication 9%': where a predicted step goes."""
-    parts = predicted["breakdown"]
-    total = sum(parts.values()) or 1.0
-    shown = [(k, v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v / total >= 0.01]
-    return ", ".join(f"{k} {v / total:.0%}" for k, v in shown)
+def breakdown_line(predicted: PredictedStep) -> str:
+    """'compute 61%, memory 30%, exposed communication 9%': where a predicted step goes (parts
+    under 1% left out, so the line stays short)."""
+    return ", ".join(f"{k} {share:.0%}" for k, share in predicted.shares if share >= 0.01)
 
 
-def top_ops_line(predicted: dict, n: int = 3) -> str:
+def top_ops_line(predicted: PredictedStep, n: int = 3) -> str:
     """The ops the predicted step spends most on, with their share."""
-    total = predicted["seconds"] or 1.0
-    out = []
-    for op in predicted.get("top_ops", [])[:n]:
-        what = op["op_name"].rsplit("/", 1)[-1] or op["opcode"]
-        out.append(f"{op['name']} ({what}, {op['kind']}) {op['exposed_s'] / total:.0%}")
-    return "; ".join(out)
+    total = predicted.seconds or 1.0
+    return "; ".join(
+        f"{op.name} ({op.what}, {op.kind}) {op.exposed_s / total:.0%}"
+        for op in predicted.top_ops[:n]
+    )
 
 
 def run_summary(s: dict) -> Table:
@@ -161,7 +160,7 @@ def run_summary(s: dict) -> Table:
         t.add_row(
             "predicted step time",
             f"{duration(p['seconds'])}  ({p['ratio_to_measured']:.2f}× the measured; "
-            f"{breakdown_line(p)}; {p['error']})",
+            f"{breakdown_line(PredictedStep.from_record(s['predicted_step']))}; {p['error']})",
         )
     t.add_row("compile time", f"{st['compile_s']:.2f} s (not in the step time)")
     t.add_row(
