@@ -19,6 +19,7 @@ from lab.devices import DeviceInfo
 from lab.errors import ConfigError
 from lab.measure import ceilings, cost, memory, specs, toolchain
 from lab.measure import records as rec
+from lab.measure.offload import OffloadCost
 from lab.measure.predicted import PredictedStep
 from lab.model import count_nonembedding_params, count_params
 from lab.names import HOST_MEMORY
@@ -77,7 +78,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         out["pipeline"] = pipeline_hlo.from_trainer(colls, trainer).as_dict()
     offload = offload_cost(out["compiled_memory_per_device"], info)
     if offload:
-        out["offload"] = offload
+        out["offload"] = offload.record()
     if info.aot:
         out["aot"] = _aot_plan(compiled, cfg, info, fpt, trainer.mesh.size, predicted)
         out["aot"]["kernels"] = resources.as_dicts(kernels)
@@ -176,7 +177,7 @@ def host_link(info: DeviceInfo) -> tuple[float | None, float | None, str]:
     )
 
 
-def offload_cost(mem: dict | None, info: DeviceInfo) -> dict | None:
+def offload_cost(mem: dict | None, info: DeviceInfo) -> OffloadCost | None:
     """What offloading moves per step and what it would cost at the host link's bandwidth:
     offloaded activations out in the forward and back in the backward (2 × host temp), the
     optimizer state in (host arguments) and out (host outputs). No overlap with compute is
@@ -187,15 +188,14 @@ def offload_cost(mem: dict | None, info: DeviceInfo) -> dict | None:
     to_host = mem["host_temp_bytes"] + mem["host_output_bytes"]
     h2d, d2h, source = host_link(info)
     seconds = to_device / h2d + to_host / d2h if h2d and d2h else None
-    return {
-        "bytes_to_device": to_device,
-        "bytes_to_host": to_host,
-        "host_to_device_bytes_per_s": h2d,
-        "device_to_host_bytes_per_s": d2h,
-        "bandwidth_source": source,
-        "added_step_s": seconds,
-        "label": "predicted",
-    }
+    return OffloadCost(
+        bytes_to_device=to_device,
+        bytes_to_host=to_host,
+        host_to_device_bytes_per_s=h2d,
+        device_to_host_bytes_per_s=d2h,
+        bandwidth_source=source,
+        added_step_s=seconds,
+    )
 
 
 def capacity_bytes(info: DeviceInfo) -> float | None:

@@ -265,3 +265,16 @@ def test_predicted_step_lines_and_record():
         "a (dot_general, compute) 50%; b (fusion, compute) 25%; c (x, compute) 10%"
     )
     assert tables.top_ops_line(p, n=1) == "a (dot_general, compute) 50%"
+
+
+def test_offload_line_reads_the_cost_and_its_record_alike():
+    from lab.measure.offload import OffloadCost
+    from lab.report import tables
+
+    o = OffloadCost(2 * 2**20, 3 * 2**20, 1e9, 1e9, "spec table", 0.005)
+    r = o.record()
+    assert list(r)[-2:] == ["added_step_s", "label"] and r["label"] == "predicted"
+    assert OffloadCost.from_record(json.loads(json.dumps(r))) == o
+    assert tables.offload_line(o).startswith("2.0 MiB in, 3.0 MiB out per step: ≤ ")
+    none = OffloadCost(2**20, 2**20, None, None, "no spec entry", None)
+    assert tables.offload_line(none).endswith("; no host-link bandwidth (no spec entry)")

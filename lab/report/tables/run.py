@@ -7,6 +7,7 @@ import math
 from rich.table import Table
 
 from lab.measure import cost
+from lab.measure.offload import OffloadCost
 from lab.measure.pipeline import PipelineReading
 from lab.measure.predicted import PredictedStep
 from lab.report.format import duration, mib, percent
@@ -89,14 +90,13 @@ def pipeline_line(p: PipelineReading) -> str:
     )
 
 
-def offload_line(o: dict) -> str:
+def offload_line(o: OffloadCost) -> str:
     """Bytes offloading moves per step and the time they would add (predicted)."""
-    moved = f"{mib(o['bytes_to_device'])} MiB in, {mib(o['bytes_to_host'])} MiB out per step"
-    if o["added_step_s"] is None:
-        return f"{moved}; no host-link bandwidth ({o['bandwidth_source']})"
+    moved = f"{mib(o.bytes_to_device)} MiB in, {mib(o.bytes_to_host)} MiB out per step"
+    if o.added_step_s is None:
+        return f"{moved}; no host-link bandwidth ({o.bandwidth_source})"
     return (
-        f"{moved}: ≤ {duration(o['added_step_s'])} added, predicted, no overlap "
-        f"({o['bandwidth_source']})"
+        f"{moved}: ≤ {duration(o.added_step_s)} added, predicted, no overlap ({o.bandwidth_source})"
     )
 
 
@@ -105,7 +105,7 @@ def _fitting_rows(t: Table, a: dict) -> None:
     if a.get("pipeline"):
         t.add_row("pipeline bubble", pipeline_line(PipelineReading.from_record(a["pipeline"])))
     if a.get("offload"):
-        t.add_row("host offload", offload_line(a["offload"]))
+        t.add_row("host offload", offload_line(OffloadCost.from_record(a["offload"])))
     for note in a.get("notes", ()):
         t.add_row("note", note)
 
