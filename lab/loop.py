@@ -363,7 +363,7 @@ def _analyse(cfg, info, trainer, console):
         from lab.parallel import explain
 
         ex = explain.explain(trainer, compiled)
-        console.print(tables.explain_memory(ex))
+        console.print(tables.explain_memory(ex.memory))
         console.print(tables.explain_collectives(ex))
         if ex.pipeline:
             console.print(tables.explain_pipeline(ex.pipeline))

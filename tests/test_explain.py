@@ -2,6 +2,7 @@
 with bytes within 10% of the analytic figure; per-device weights shrink under fsdp and tp."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from lab.config import parse_args
+from lab.measure.memory import MemorySplit
 from lab.mesh import make_mesh
 from lab.model import count_params
 from lab.parallel import collectives_hlo, explain
@@ -82,11 +84,11 @@ def test_per_device_parameter_bytes_shrink_under_fsdp_and_tp():
     tp, ex_tp = _explained("4x2", "tp")
     total = 4 * count_params(dp.abstract_state.params)
     norms = 4 * 64 * 5  # RMSNorm scales stay replicated
-    assert ex_dp.memory["sharded"]["params"] == total
-    assert ex_fsdp.memory["sharded"]["params"] == (total - norms) / 8 + norms
-    assert ex_tp.memory["sharded"]["params"] == (total - norms) / 2 + norms
+    assert ex_dp.memory.params == total
+    assert ex_fsdp.memory.params == (total - norms) / 8 + norms
+    assert ex_tp.memory.params == (total - norms) / 2 + norms
     # the compiler agrees: its argument buffers (params + Adam moments) shrink the same way
-    arg = lambda ex: ex.memory["compiled"]["argument_bytes"]
+    arg = lambda ex: ex.memory.compiled["argument_bytes"]
     assert arg(ex_fsdp) < arg(ex_dp) / 6 and arg(ex_tp) < arg(ex_dp) / 1.8
 
 
@@ -97,11 +99,13 @@ def test_explain_table_renders():
 
     _, ex = _explained("4x2", "tp")
     console = Console(record=True, width=160)
-    console.print(tables.explain_memory(ex))
+    console.print(tables.explain_memory(ex.memory))
     console.print(tables.explain_collectives(ex))
     text = console.export_text()
     assert "activation all-reduce" in text and "all-reduce @ model" in text
     assert ex.as_dict()["collectives"][0]["expected"]["kind"]
+    assert "temporaries" in text and "from shardings (exact)" in text
+    assert MemorySplit.from_record(json.loads(json.dumps(ex.as_dict()["memory"]))) == ex.memory
 
 
 def test_hlo_reader_on_hand_written_collectives():

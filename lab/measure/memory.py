@@ -9,6 +9,7 @@ written out, so a claim like "weights 40 GB + activations 20 GB + gradients 40 G
 lab's real step (tests/test_memory.py).
 """
 
+import dataclasses
 import os
 import resource
 import sys
@@ -18,6 +19,30 @@ import jax
 # --- measured ----------------------------------------------------------------------------
 
 HOST_FIELDS = ("argument", "output", "alias", "temp")  # memory_analysis() host_*_size_in_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MemorySplit:
+    """One device's bytes three ways, side by side (lab.run explain=true): exact from the
+    shardings, predicted by the calculator, allocated by the compiler. A renderer reads the
+    fields; `record()` is the dict form an explanation keeps, `from_record()` reads it back."""
+
+    params: int  # from the shardings, exact
+    grads: int  # as the params: the same shardings
+    optimizer: int  # from the shardings, exact
+    predicted: dict | None  # predict_lab_step; {"error": …} where the calculator has none
+    compiled: dict | None  # compiled_memory; None: not compiled, or not XLA's figures
+
+    def record(self) -> dict:
+        return {
+            "sharded": {"params": self.params, "grads": self.grads, "optimizer": self.optimizer},
+            "predicted": self.predicted,
+            "compiled": self.compiled,
+        }
+
+    @classmethod
+    def from_record(cls, d: dict) -> "MemorySplit":
+        return cls(**d["sharded"], predicted=d["predicted"], compiled=d["compiled"])
 
 
 def compiled_memory(compiled) -> dict | None:

@@ -52,6 +52,7 @@ import jax
 import numpy as np
 
 from lab.measure import memory
+from lab.measure.memory import MemorySplit
 from lab.names import BATCH, EMBED, HEADS, LAYERS, SEQ, STAGE, VOCAB
 from lab.parallel import collectives_hlo, pipeline_hlo
 
@@ -366,16 +367,19 @@ def _row(role, expected, got: dict) -> Row:
 # --- memory ---------------------------------------------------------------------------------
 
 
-def memory_rows(cfg, trainer, compiled) -> dict:
+def memory_rows(cfg, trainer, compiled) -> MemorySplit:
     """Per-device bytes: exact from shardings, predicted by the calculator, compiled by XLA."""
     state = trainer.abstract_state
-    params, opt = per_device_bytes(state.params), per_device_bytes(state.opt_state)
-    out = {"sharded": {"params": params, "grads": params, "optimizer": opt}}
-    out["predicted"] = memory.predict_lab_step(
-        cfg, sizes=dict(trainer.mesh.shape), backend=trainer.mesh.devices.flat[0].platform
+    params = per_device_bytes(state.params)
+    return MemorySplit(
+        params=params,
+        grads=params,
+        optimizer=per_device_bytes(state.opt_state),
+        predicted=memory.predict_lab_step(
+            cfg, sizes=dict(trainer.mesh.shape), backend=trainer.mesh.devices.flat[0].platform
+        ),
+        compiled=memory.compiled_memory(compiled) if compiled is not None else None,
     )
-    out["compiled"] = memory.compiled_memory(compiled) if compiled is not None else None
-    return out
 
 
 # --- putting it together --------------------------------------------------------------------
@@ -387,7 +391,7 @@ class Explanation:
     mesh: dict
     backend: str
     rows: list[Row]
-    memory: dict
+    memory: MemorySplit
     collectives: list
     pipeline: pipeline_hlo.PipelineReading | None = None
 
@@ -413,7 +417,7 @@ class Explanation:
             "mesh": self.mesh,
             "backend": self.backend,
             "collectives": rows,
-            "memory": self.memory,
+            "memory": self.memory.record(),
             "pipeline": self.pipeline.as_dict() if self.pipeline else None,
         }
 

@@ -4,19 +4,19 @@ collectives, the compiled program beside the analytic figures.
 
 from rich.table import Table
 
+from lab.measure.memory import MemorySplit
 from lab.measure.pipeline import PipelineReading
 from lab.report.format import mib, ratio
 
 
-def explain_memory(ex) -> Table:
+def explain_memory(m: MemorySplit) -> Table:
     """Per-device bytes from the shardings, the calculator and the compiler (MiB)."""
-    m = ex.memory
-    pred, comp = m.get("predicted") or {}, m.get("compiled") or {}
+    pred, comp = m.predicted or {}, m.compiled or {}
     t = Table(title="memory per device (MiB)")
     for col in ("component", "from shardings (exact)", "calculator (predicted)", "compiled"):
         t.add_column(col)
     for k in ("params", "grads", "optimizer"):
-        t.add_row(k, mib(m["sharded"][k], 3), mib(pred.get(k), 3), "")
+        t.add_row(k, mib(getattr(m, k), 3), mib(pred.get(k), 3), "")
     t.add_row("activations", "", mib(pred.get("activations"), 3), "")
     t.add_row("workspace", "", mib(pred.get("workspace"), 3), "")
     t.add_row("arguments (params, optimizer, batch)", "", "", mib(comp.get("argument_bytes"), 3))
