@@ -17,6 +17,8 @@ Per instruction, as XLA counts (one FLOP is one add or multiply):
     dot            2 · (output elements) · (contracted elements)
     convolution    2 · (output elements) · (kernel elements / output features)
     cuBLAS gemm    as a dot, from the dimension numbers in its backend config
+    Pallas kernel  the flops and transcendentals of its `cost_estimate` where the custom
+                   call carries it (Mosaic GPU, jax 0.11+); other kernels count 0
     elementwise    one FLOP per output element (exp, log, tanh, … are transcendentals instead)
     reduce         one FLOP per input element
 Bytes are counted at the level of what reads and writes memory: the instructions of
@@ -441,6 +443,19 @@ def _convolution_flops(ins: Instruction, program: Program) -> float:
     return 2.0 * fma
 
 
+_ESTIMATE_RE = re.compile(r'cost_estimate_json\s*=\s*"(?P<json>[^"]*)"')
+
+
+def _estimated(ins: Instruction) -> tuple[float, float]:
+    """(flops, transcendentals) a Pallas kernel's `cost_estimate` states: Mosaic GPU (jax
+    0.11+) writes it into its custom call's backend config as JSON, quotes escaped as \\22."""
+    m = _ESTIMATE_RE.search(ins.attrs)
+    if not m:
+        return 0.0, 0.0
+    est = json.loads(m["json"].replace("\\22", '"'))
+    return float(est.get("flops", 0)), float(est.get("transcendentals", 0))
+
+
 def _flops(ins: Instruction, program: Program) -> tuple[float, float]:
     """(flops, transcendentals) of one execution of one instruction."""
     op = ins.opcode
@@ -450,6 +465,8 @@ def _flops(ins: Instruction, program: Program) -> tuple[float, float]:
         return _convolution_flops(ins, program), 0.0
     if op == "custom-call" and any(t in ins.attrs for t in _GEMM_TARGETS):
         return _gemm_flops(ins, program), 0.0
+    if op == "custom-call" and "cost_estimate_json" in ins.attrs:
+        return _estimated(ins)
     if op in _TRANSCENDENTAL:
         return 0.0, float(elements(ins.shape))
     if op in _ELEMENTWISE:

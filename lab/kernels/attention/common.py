@@ -506,6 +506,115 @@ def attention_tile_flops(
     return H * tiles * per_tile
 
 
+@dataclasses.dataclass(frozen=True)
+class TileCost:
+    """What one kernel launch does over the tiles its block map leaves non-empty: the numbers
+    a `pl.CostEstimate` carries, and whether they are exact or an upper bound."""
+
+    flops: float
+    transcendentals: float
+    bytes_accessed: float
+    exact: bool  # False: the mask's arrays (segment ids, lengths) are data at trace time, so
+    # only its static part (causal, window, L, S) was counted: an upper bound
+
+    def __add__(self, other: "TileCost") -> "TileCost":
+        return TileCost(
+            self.flops + other.flops,
+            self.transcendentals + other.transcendentals,
+            self.bytes_accessed + other.bytes_accessed,
+            self.exact and other.exact,
+        )
+
+    def estimate(self):
+        """The Pallas `CostEstimate` of these figures (XLA wants integers)."""
+        from jax.experimental import pallas as pl
+
+        return pl.CostEstimate(
+            flops=int(self.flops),
+            transcendentals=int(self.transcendentals),
+            bytes_accessed=int(self.bytes_accessed),
+        )
+
+
+def visited_tiles(mask: "Mask | None", g: Geometry, B: int) -> tuple[float, bool]:
+    """(tiles a kernel of geometry `g` visits per head over B sequences, exact): those the
+    block map classifies non-empty (Mask.block_map; without a Mask, g's causal band and
+    padding). Where the mask's arrays are concrete (NumPy) the count is exact; where they are
+    traced (inside jit, the usual case) only the static part of the mask is known — its
+    causal and window band — and the count is an upper bound."""
+    mask = Mask.make(causal=g.causal) if mask is None else mask
+    arrays = [x for x in jax.tree.leaves(mask) if x is not None]
+    exact = all(isinstance(x, np.ndarray) for x in arrays)
+    if not exact:
+        mask = Mask.make(causal=mask.causal or g.causal, window=mask.window)
+    kind = np.asarray(mask.block_map(g.L, g.S, g.bq, g.bk).kind)
+    tiles = float((kind != EMPTY).sum())
+    return (tiles if kind.shape[0] == B else tiles * B), exact
+
+
+def tile_cost(
+    mask: "Mask | None",
+    g: Geometry,
+    *,
+    B: int,
+    H: int,
+    widths: int,
+    row_bytes: float,
+    tile_bytes: float,
+    rows: float,
+    dynamic: bool = False,
+) -> TileCost:
+    """A launch's cost over its visited tiles (`visited_tiles`) for H heads: per tile
+    2·bq·bk·`widths` FLOPs (`widths`: the sum over the tile's matmuls of the dimension each
+    contracts or produces besides the bq×bk score tile, e.g. K + V for the forward's Q·Kᵀ and
+    P·V) and bq·bk exponentials; bytes: `tile_bytes` read per visited tile (the other side's
+    blocks) plus `row_bytes` per row of its own side, `rows` of them per head (read and
+    written once). Softmax max/sum and masking are not counted, as in attention_flops.
+    `dynamic`: the kernel's mask has arrays it cannot see at trace time (segment ids,
+    lengths), so `mask` is only its static part and the cost an upper bound."""
+    tiles, exact = visited_tiles(mask, g, B)
+    exact = exact and not dynamic
+    per_head = tiles * g.bq * g.bk
+    return TileCost(
+        flops=2.0 * H * per_head * widths,
+        transcendentals=float(H * per_head),
+        bytes_accessed=H * (tiles * tile_bytes + B * rows * row_bytes),
+        exact=exact,
+    )
+
+
+def launch_cost(
+    g: Geometry, mask, dynamic, part: str, B: int, H: int, K: int, V: int, itemsize: int
+):
+    """One flash-attention launch's TileCost from the tiles it visits (tile_cost), as the
+    Pallas kernels (TPU, Triton) lay out their work: `part` fwd, dq or dkv; `dynamic`: the
+    mask's arrays are data here, so the count is an upper bound from `mask`, its static
+    part. Per tile: forward Q·Kᵀ and P·V (K + V); dQ Q·Kᵀ,
+    dO·Vᵀ, dS·K (2K + V); dK/dV Q·Kᵀ, Pᵀ·dO, dO·Vᵀ, dSᵀ·Q (2K + 2V): the backward
+    recomputes the scores and dP in both of its kernels."""
+    widths = {"fwd": K + V, "dq": 2 * K + V, "dkv": 2 * K + 2 * V}[part]
+    if part == "dkv":  # its own side is the keys: read K, V and write dK, dV once per kv head
+        rows, row_bytes, tile_bytes = (
+            g.n_k * g.bk / g.R,
+            2 * itemsize * (K + V),
+            g.bq * (itemsize * (K + V) + 8),
+        )
+    else:  # the queries: read q (and dO, lse, delta), write o or dQ once
+        rows, tile_bytes = g.n_q * g.bq, g.bk * itemsize * (K + V)
+        row_bytes = itemsize * (K + V) + 4 if part == "fwd" else itemsize * (2 * K + V) + 8
+    return tile_cost(
+        mask,
+        g,
+        B=B,
+        H=H,
+        widths=widths,
+        row_bytes=row_bytes,
+        tile_bytes=tile_bytes,
+        rows=rows,
+        dynamic=dynamic,
+    )
+
+
 def check_softcap(softcap) -> float | None:
     """None (no cap) or a positive finite float: what every kernel taking `softcap=` checks."""
     if softcap is None:

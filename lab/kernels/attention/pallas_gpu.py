@@ -49,6 +49,7 @@ from lab.kernels.attention.common import (
     MASK_VALUE,
     Geometry,
     Mask,
+    TileCost,
     check_dtype,
     check_qkv,
     check_sinks,
@@ -56,6 +57,7 @@ from lab.kernels.attention.common import (
     default_scale,
     device_kind,
     fold_sinks,
+    launch_cost,
     sink_grad,
     visible,
 )
@@ -455,6 +457,7 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan", masks=
         compiler_params=_triton(bs.num_warps, bs.num_stages),
         interpret=plan.interpret,
         name="flash_attention_fwd",
+        cost_estimate=_estimate(g, plan, "fwd", B, H, K, V, q_BxLxHxK.dtype.itemsize),
     )(_pad(q_BxLxHxK, Lp), _pad(k_BxSxGxK, Sp), _pad(v_BxSxGxV, Sp), *masks)
     return o_BxLxHxV[:, :L], lse_BxHxL[:, :, :L]
 
@@ -481,6 +484,7 @@ def _dq(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g, 
         compiler_params=_triton(bs.num_warps_bwd, bs.num_stages_bwd),
         interpret=plan.interpret,
         name="flash_attention_dq",
+        cost_estimate=_estimate(g, plan, "dq", B, H, K, V, q_BxLxHxK.dtype.itemsize),
     )(
         _pad(q_BxLxHxK, Lp),
         _pad(k_BxSxGxK, Sp),
@@ -518,6 +522,7 @@ def _dkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, do_BxLxHxV, lse_BxHxL, delta_BxHxL, g,
         compiler_params=_triton(bs.num_warps_bwd, bs.num_stages_bwd),
         interpret=plan.interpret,
         name="flash_attention_dkv",
+        cost_estimate=_estimate(g, plan, "dkv", B, G * g.R, K, V, q_BxLxHxK.dtype.itemsize),
     )(
         _pad(q_BxLxHxK, Lp),
         _pad(k_BxSxGxK, Sp),
@@ -541,6 +546,53 @@ class _Plan:
     interpret: bool
     softcap: float | None = None  # scores become softcap·tanh(scores / softcap)
     mp: _MaskPlan | None = None  # with a Mask: its static side (else causal and padding)
+
+
+def _estimate(g: Geometry, plan: _Plan, part: str, *sizes):
+    """The CostEstimate a launch's pallas_call carries: common.launch_cost of the mask's
+    static part (its arrays are traced here). The Triton lowering drops it (jax 0.10 to
+    0.12): a plan counts the same tiles with `kernel_cost` instead."""
+    mask, dynamic = (None, False) if plan.mp is None else (plan.mp.mask, plan.mp.per_seq)
+    return launch_cost(g, mask, dynamic, part, *sizes).estimate()
+
+
+def _geometries(q_shape, S: int, G: int, causal: bool, scale, bs) -> tuple:
+    """The forward, dQ and dK/dV kernels' Geometry: tiles shrink to the (power-of-two)
+    sequence lengths."""
+    _, L, H, K = q_shape
+
+    def geometry(block_q, block_k):
+        bq = min(block_q, max(16, pl.next_power_of_2(L)))
+        bk = min(block_k, max(16, pl.next_power_of_2(S)))
+        return Geometry(
+            L=L, S=S, G=G, R=H // G, bq=bq, bk=bk, causal=causal, scale=default_scale(K, scale)
+        )
+
+    return (
+        geometry(bs.block_q, bs.block_k),
+        geometry(bs.block_q_dq, bs.block_k_dq),
+        geometry(bs.block_q_dkv, bs.block_k_dkv),
+    )
+
+
+def kernel_cost(
+    q_shape, k_shape, v_dim: int, dtype, *, mask: Mask, backward: bool, block_sizes=None
+) -> TileCost:
+    """What the launches' cost estimates add up to for one call (forward, or forward, dQ and
+    dK/dV), from the same block classification; with a Mask of NumPy arrays (a plan's packed
+    documents) exact for them. `block_sizes=None`: the device's tuned entry, as the kernel."""
+    B, L, H, K = q_shape
+    S, G = k_shape[1:3]
+    bs = block_sizes or block_sizes_for(device_kind(), K)
+    geometries = _geometries(q_shape, S, G, mask.causal, None, bs)
+    Kt, Vt = _tile_dim(K), _tile_dim(v_dim)
+    itemsize = jnp.dtype(dtype).itemsize
+    parts = zip(geometries, ("fwd", "dq", "dkv")[: 3 if backward else 1], strict=False)
+    total = None
+    for g, part in parts:
+        c = launch_cost(g, mask, False, part, B, H, Kt, Vt, itemsize)
+        total = c if total is None else total + c
+    return total
 
 
 def _mask_specs(plan: _Plan, g: Geometry, query_major: bool) -> list:
@@ -662,18 +714,12 @@ def flash_attention_gpu(
     if block_sizes is None:
         block_sizes = block_sizes_for(device_kind(), K)
 
-    def geometry(block_q, block_k):  # shrink tiles to the (power-of-two) sequence lengths
-        bq = min(block_q, max(16, pl.next_power_of_2(L)))
-        bk = min(block_k, max(16, pl.next_power_of_2(S)))
-        return Geometry(
-            L=L, S=S, G=G, R=H // G, bq=bq, bk=bk, causal=causal, scale=default_scale(K, scale)
-        )
-
     bs = block_sizes
+    fwd, dq, dkv = _geometries(q_BxLxHxK.shape, S, G, causal, scale, bs)
     plan = _Plan(
-        fwd=geometry(bs.block_q, bs.block_k),
-        dq=geometry(bs.block_q_dq, bs.block_k_dq),
-        dkv=geometry(bs.block_q_dkv, bs.block_k_dkv),
+        fwd=fwd,
+        dq=dq,
+        dkv=dkv,
         block_sizes=bs,
         interpret=interpret,
         softcap=softcap,

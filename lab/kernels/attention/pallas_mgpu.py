@@ -92,6 +92,8 @@ except ImportError:  # pragma: no cover - every jaxlib the lab supports has it
 from lab.kernels.attention.common import (
     MASK_VALUE,
     Geometry,
+    Mask,
+    TileCost,
     check_dtype,
     check_qkv,
     check_softcap,
@@ -99,6 +101,7 @@ from lab.kernels.attention.common import (
     device_kind,
     pad_seq,
     round_up,
+    tile_cost,
     visible,
 )
 from lab.measure import toolchain
@@ -478,6 +481,73 @@ def _fwd_kernel(
     lax.cond(wg < W, _compute, _producer)
 
 
+def _launch_cost(g: Geometry, B: int, heads: int, widths: int, row_bytes, tile_bytes, rows):
+    """A launch's TileCost over the tiles it visits: the causal band and padding of `g` (this
+    kernel takes no other mask, so the count is exact). `widths`: per tile, the sum over its
+    matmuls of the width each contracts or produces (forward part of n value columns: K + n;
+    dQ part: K + V + n, the scores and dP recomputed per part; dK/dV: K + V plus K for dK and
+    V for dV)."""
+    return tile_cost(
+        None,
+        g,
+        B=B,
+        H=heads,
+        widths=widths,
+        row_bytes=row_bytes,
+        tile_bytes=tile_bytes,
+        rows=rows,
+    )
+
+
+def _estimate(cost: TileCost) -> dict:
+    """`cost_estimate=` for plgpu.kernel where it takes one (jax 0.11+: it rides in the custom
+    call's backend config as cost_estimate_json, which lab/measure/hlo.py reads); 0.10's
+    Mosaic GPU lowering drops it, and its plgpu.kernel has no such argument."""
+    if "cost_estimate" not in inspect.signature(plgpu.kernel).parameters:
+        return {}
+    return {"cost_estimate": cost.estimate()}
+
+
+def _forward_cost(g: Geometry, B, H, K, n, itemsize) -> TileCost:
+    return _launch_cost(
+        g, B, H, K + n, itemsize * (K + n) + 4, g.bk * itemsize * (K + n), g.n_q * g.bq
+    )
+
+
+def _dq_cost(g: Geometry, B, H, K, V, n, itemsize) -> TileCost:
+    row_bytes = itemsize * (K + V + n) + 8
+    return _launch_cost(g, B, H, K + V + n, row_bytes, g.bk * itemsize * (K + V), g.n_q * g.bq)
+
+
+def _dkv_cost(g: Geometry, B, H, K, V, parts, itemsize) -> TileCost:
+    widths = K + V + ("dk" in parts) * K + ("dv" in parts) * V
+    tile_bytes = g.bq * (itemsize * (K + V) + 8)
+    return _launch_cost(g, B, H, widths, 2 * itemsize * (K + V), tile_bytes, g.n_k * g.bk / g.R)
+
+
+def kernel_cost(
+    q_shape, k_shape, v_dim: int, dtype, *, mask: Mask, backward: bool, block_sizes=None
+) -> TileCost:
+    """What the launches' cost estimates add up to for one call (forward, or forward, dQ and
+    dK/dV, every column part), from the same tiles; `mask` must be causal or none (this
+    kernel takes no other). `block_sizes=None`: the device's tuned entry, as the kernel."""
+    B, L, H, K = q_shape
+    V = v_dim
+    bs = block_sizes or block_sizes_for(device_kind(), max(K, V))
+    plan = plan_for(
+        q_shape, k_shape, causal=mask.causal, scale=None, block_sizes=bs, interpret=False
+    )
+    itemsize = jnp.dtype(dtype).itemsize
+    costs = [_forward_cost(plan.fwd, B, H, K, n, itemsize) for _, n in column_parts(V)]
+    if backward:
+        costs += [_dq_cost(plan.dq, B, H, K, V, n, itemsize) for _, n in column_parts(K)]
+        costs += [_dkv_cost(plan.dkv, B, H, K, V, p, itemsize) for p in dkv_launches(K, V)]
+    total = costs[0]
+    for c in costs[1:]:
+        total = total + c
+    return total
+
+
 def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan"):
     """(O, base-2 log-sum-exp): one launch, or one per column part of V (column_parts),
     each with the same scores and statistics and its own columns of O."""
@@ -533,6 +603,7 @@ def _forward_part(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan", n
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_arg(plan.interpret),
         kernel_name=name,
+        **_estimate(_forward_cost(g, B, H, K, V, dtype.itemsize)),
     )(pad_seq(q_BxLxHxK, Lp), pad_seq(k_BxSxGxK, Sp), pad_seq(v_BxSxGxV, Sp))
     return o_BxLxHxV[:, :L], lse_BxHxL[:, :, :L]
 
@@ -823,6 +894,7 @@ def _backward(q, k, v, o, lse, do, dlse, plan):
                 compiler_params=plgpu.CompilerParams(approx_math=True),
                 interpret=interpret,
                 kernel_name=_part_name("flash_attention_mgpu_dq", cols, K),
+                **_estimate(_dq_cost(gq, B, H, K, V, cols[1], dtype.itemsize)),
             )(*args)
         )
     dq = jnp.concatenate(parts, axis=-1)[:, :L] if len(parts) > 1 else parts[0][:, :L]
@@ -865,6 +937,7 @@ def _backward(q, k, v, o, lse, do, dlse, plan):
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=interpret,
             kernel_name="flash_attention_mgpu_" + ("dkv" if len(parts) == 2 else parts[0]),
+            **_estimate(_dkv_cost(gk, B, G * gk.R, K, V, parts, dtype.itemsize)),
         )(*args)
         grads.update(zip(parts, outs, strict=True))
     return dq, grads["dk"][:, :S], grads["dv"][:, :S]

@@ -43,12 +43,14 @@ from lab.kernels.attention.common import (
     MASK_VALUE,
     Geometry,
     Mask,
+    TileCost,
     check_dtype,
     check_qkv,
     check_sinks,
     check_softcap,
     default_scale,
     fold_sinks,
+    launch_cost,
     round_up,
     sink_grad,
     visible,
@@ -365,6 +367,13 @@ def _query_block(g: Geometry, mp, b, j, t, pf):
     return jnp.maximum(t, g.q_blocks_start(j)) if g.causal else t
 
 
+def _estimate(g: Geometry, mp, part: str, *sizes):
+    """The CostEstimate a launch's pallas_call carries: common.launch_cost of the mask's
+    static part (the arrays are traced here)."""
+    mask, dynamic = (None, False) if mp is None else (mp.mask, mp.per_seq)
+    return launch_cost(g, mask, dynamic, part, *sizes).estimate()
+
+
 def _call(kernel, *, grid, in_specs, out_specs, scratch_shapes, mask_in, seg_specs, **kwargs):
     """pl.pallas_call, with a Mask's block map scalar-prefetched and its segment ids as
     extra inputs where `mask_in` = (prefetch arrays, segment id arrays) is given."""
@@ -423,6 +432,7 @@ def _forward(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, g: Geometry, opts: "_Options", mas
         compiler_params=_params(3, 1),
         interpret=opts.interpret,
         name="flash_attention_fwd",
+        cost_estimate=_estimate(g, mp, "fwd", B, H, K, V, q_BxHxLxK.dtype.itemsize),
     )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV)
     return o_BxHxLxV[:, :, :L], lse_BxHxLx1[:, :, :L]
 
@@ -460,6 +470,7 @@ def _dq(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1,
         compiler_params=_params(3, 1),
         interpret=opts.interpret,
         name="flash_attention_dq",
+        cost_estimate=_estimate(g, mp, "dq", B, H, K, V, q_BxHxLxK.dtype.itemsize),
     )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1)
     return dq_BxHxLxK[:, :, :L]
 
@@ -502,6 +513,7 @@ def _dkv(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1
         compiler_params=_params(3, 2),
         interpret=opts.interpret,
         name="flash_attention_dkv",
+        cost_estimate=_estimate(g, mp, "dkv", B, G * g.R, K, V, q_BxHxLxK.dtype.itemsize),
     )(q_BxHxLxK, k_BxGxSxK, v_BxGxSxV, do_BxHxLxV, lse_BxHxLx1, delta_BxHxLx1)
     return dk_BxGxSxK[:, :, :S], dv_BxGxSxV[:, :, :S]
 
@@ -575,6 +587,40 @@ def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, *, causal: bool) -> None:
             )
 
 
+def _geometries(q_shape, G: int, S: int, causal: bool, scale, block_sizes, interpret):
+    """(forward, backward) Geometry: the blocks shrink to short sequences."""
+    _, L, H, K = q_shape
+    align = 8 if interpret else LANES
+
+    def geometry(block_q, block_k):
+        bq, bk = min(block_q, round_up(L, align)), min(block_k, round_up(S, align))
+        return Geometry(
+            L=L, S=S, G=G, R=H // G, bq=bq, bk=bk, causal=causal, scale=default_scale(K, scale)
+        )
+
+    bs = block_sizes
+    return geometry(bs.block_q, bs.block_k), geometry(bs.block_q_bwd, bs.block_k_bwd)
+
+
+def kernellaunch_cost(
+    q_shape, k_shape, v_dim: int, dtype, *, mask: Mask, backward: bool, block_sizes=None
+) -> TileCost:
+    """What the launches' cost estimates add up to for one call (forward, or forward and
+    both backward kernels), counted from the same block classification. Given a Mask whose
+    arrays are NumPy (e.g. a plan's packed documents) the count is exact for them, where the
+    pallas_call's own estimate, built while tracing, sees only the mask's static part."""
+    B, L, H, K = q_shape
+    S, G = k_shape[1:3]
+    bs = block_sizes or BlockSizes()
+    g, g_bwd = _geometries(q_shape, G, S, mask.causal, None, bs, False)
+    itemsize = jnp.dtype(dtype).itemsize
+    total = launch_cost(g, mask, False, "fwd", B, H, K, v_dim, itemsize)
+    if backward:
+        for part in ("dq", "dkv"):
+            total = total + launch_cost(g_bwd, mask, False, part, B, H, K, v_dim, itemsize)
+    return total
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("causal", "scale", "softcap", "return_lse", "block_sizes", "interpret"),
@@ -617,7 +663,6 @@ def flash_attention_tpu(
         block_sizes.check_compiled()
     B, L, H, K = q_BxLxHxK.shape
     S, G = k_BxSxGxK.shape[1:3]
-    align = 8 if interpret else LANES
     if mask is None and causal and L > S:  # rows with no key: the Mask path gives them 0
         mask = Mask.make(causal=True)
     if mask is not None:
@@ -625,14 +670,7 @@ def flash_attention_tpu(
         if causal and not mask.causal:
             mask = dataclasses.replace(mask, causal=True)
 
-    def geometry(block_q, block_k):
-        bq, bk = min(block_q, round_up(L, align)), min(block_k, round_up(S, align))
-        return Geometry(
-            L=L, S=S, G=G, R=H // G, bq=bq, bk=bk, causal=causal, scale=default_scale(K, scale)
-        )
-
-    g = geometry(block_sizes.block_q, block_sizes.block_k)
-    g_bwd = geometry(block_sizes.block_q_bwd, block_sizes.block_k_bwd)
+    g, g_bwd = _geometries(q_BxLxHxK.shape, G, S, causal, scale, block_sizes, interpret)
     q_BxHxLxK = jnp.swapaxes(q_BxLxHxK, 1, 2)
     k_BxGxSxK = jnp.swapaxes(k_BxSxGxK, 1, 2)
     v_BxGxSxV = jnp.swapaxes(v_BxSxGxV, 1, 2)
