@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from lab import plans, rundir
 from lab.config import Config, override
+from lab.data import packed_text_batch
 from lab.devices import DeviceInfo
 from lab.errors import ConfigError
 from lab.measure import ceilings, cost, memory, specs, toolchain
@@ -30,20 +32,48 @@ from lab.predict.step import predict_step
 GIB = 2**30
 
 
-def flops_per_token(cfg: Config, params) -> tuple[float, str]:
+def flops_per_token(cfg: Config, params, steps=None) -> tuple[float, str]:
+    """Model FLOPs per token (lab.measure.cost.transformer_flops_per_token) and how they were
+    counted: attention only over the (query, key) pairs the mask leaves, per layer its
+    window's. Packed text (data=text pack=true): the keys of each query's own document up to
+    itself, the mean over the tokens of the batches of `steps` (default: the run's
+    cfg.steps), from their segment ids on the host."""
     n = count_nonembedding_params(params, cfg.model)
     m = cfg.model
-    keys = [cost.visible_keys(cfg.seq_len, w) for w in m.layer_windows]
+    packed = cfg.pack and cfg.data == "text"
+    if packed:
+        keys = packed_keys_per_layer(cfg, range(cfg.steps) if steps is None else steps)
+    else:
+        keys = [cost.visible_keys(cfg.seq_len, w) for w in m.layer_windows]
     f = cost.transformer_flops_per_token(
         n, m.n_layers, cfg.seq_len, m.d_model, training=True, keys_per_layer=keys
     )
     label = (
         "6·N (N non-embedding params) + 12·d_model·keys seen per query, summed over layers, "
-        "per token: only unmasked pairs (causal ≈ seq/2"
+        "per token: only unmasked pairs ("
     )
+    if packed:
+        label += (
+            f"packed documents: pairs within each query's document only, causal within it, "
+            f"{sum(keys) / len(keys):.1f} keys per query per layer on average over the "
+            "batches' segment ids"
+        )
+    else:
+        label += "causal ≈ seq/2"
     label += f", a window of {m.window}: ≤ {m.window}" if m.window else ""
-    label += "; packed documents' masked pairs still counted)" if cfg.pack else ")"
-    return f, label
+    return f, label + ")"
+
+
+def packed_keys_per_layer(cfg: Config, steps) -> list[float]:
+    """Per layer, the keys a query sees on average in the packed batches of `steps` (their
+    segment ids, lab.data.packed_text_batch, inputs only: the targets' extra byte dropped),
+    within its document and its layer's window (lab.measure.cost.packed_visible_keys)."""
+    ids = [
+        packed_text_batch(cfg.seed, step, cfg.batch_size, cfg.seq_len)[:, 1, :-1] for step in steps
+    ]
+    ids_NxL = np.concatenate(ids) if ids else np.zeros((0, cfg.seq_len), np.int32)
+    per_window = {w: cost.packed_visible_keys(ids_NxL, w) for w in set(cfg.model.layer_windows)}
+    return [per_window[w] for w in cfg.model.layer_windows]
 
 
 def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dict:

@@ -137,6 +137,46 @@ class PlanPoint:
     attention_note: str | None  # why it passed over the one it prefers there, or None
     kernels: tuple[Kernel, ...] = ()  # on a GPU target, every kernel of the program
     toolchain: Toolchain | None = None  # on a GPU target, the compiler the kernels are from
+    mask: str = ""  # the mask compiled: causal, full, "window 1,024", "docs of 1,024"
+    # FLOPs per device of the tiles the kernels visit, from the block map that skips them
+    # (each kernel's kernel_cost), with the segment ids known; None: a kernel with no count
+    kernel_flops: float | None = None
+    # the same from the mask's static part (causal, window): what the pallas_calls' cost
+    # estimates carry, since segment ids are data when they are traced
+    kernel_flops_static: float | None = None
+
+    @property
+    def estimate_compiled(self) -> bool:
+        """Whether the compiled count holds the kernels' cost estimates (Mosaic TPU; Mosaic
+        GPU from jax 0.11, read from its backend config): not where a lowering drops them
+        (Triton; Mosaic GPU on 0.10), leaving ~0 for the kernels."""
+        if self.compiled_flops is None or not self.kernel_flops_static:
+            return False
+        return self.compiled_flops >= 0.99 * self.kernel_flops_static
+
+    @property
+    def flops(self) -> float | None:
+        """FLOPs per device that count only the tiles the mask leaves: the compiled count
+        where it holds the kernels' estimates and they are exact, else the block map's."""
+        if self.kernel_flops is None:
+            return self.compiled_flops
+        if self.estimate_compiled and self.kernel_flops >= self.kernel_flops_static:
+            return self.compiled_flops
+        return self.kernel_flops
+
+    @property
+    def flops_source(self) -> str:
+        """Where `flops` comes from, in words."""
+        if self.kernel_flops is None:
+            return "compiled"
+        if not self.estimate_compiled:
+            return "block map (this lowering drops the cost estimate: compiled counts ~0)"
+        if self.kernel_flops < self.kernel_flops_static:
+            return (
+                "block map of the segment ids (compiled: an upper bound from the causal "
+                "band, the ids being data when traced)"
+            )
+        return "compiled (the kernels' cost estimates)"
 
     @property
     def memory_bytes(self) -> float | None:

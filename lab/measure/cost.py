@@ -118,6 +118,29 @@ def visible_keys(seq_len: int, window: int | None = None) -> float:
     return (W * (W + 1) / 2 + (seq_len - W) * W) / seq_len
 
 
+def packed_visible_keys(segment_ids_BxL, window: int | None = None) -> float:
+    """Keys a query sees on average in packed rows [B, L] of segment ids (a document's ids
+    contiguous, a new id where one starts): those of its own document up to itself (causal
+    within it), at most `window` of them; the mean over every token of the rows. A query at
+    position p of its document sees min(p + 1, window) keys, so a document of n tokens
+    contributes n·visible_keys(n, window)."""
+    import numpy as np
+
+    ids_BxL = np.asarray(segment_ids_BxL)
+    if ids_BxL.size == 0:
+        return 0.0
+    B, L = ids_BxL.shape
+    start_BxL = np.ones((B, L), bool)
+    start_BxL[:, 1:] = ids_BxL[:, 1:] != ids_BxL[:, :-1]
+    pos_L = np.arange(L)
+    # each token's document start: the last start at or before it, per row
+    first_BxL = np.maximum.accumulate(np.where(start_BxL, pos_L, 0), axis=1)
+    keys_BxL = pos_L - first_BxL + 1
+    if window is not None:
+        keys_BxL = np.minimum(keys_BxL, window)
+    return float(keys_BxL.mean())
+
+
 def transformer_flops_per_token(
     n_params_nonembed: int,
     n_layers: int,

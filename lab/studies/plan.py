@@ -16,6 +16,7 @@ estimate misses the kernel's FLOPs too), and the TFLOP/s and share of peak it im
 Records go to results/.
 """
 
+import dataclasses
 import functools
 import time
 
@@ -28,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from lab import devices as devices_lib
 from lab import plans
 from lab.errors import ConfigError
+from lab.kernels.attention.common import Mask
 from lab.measure import cost, specs, toolchain
 from lab.measure import records as rec
 from lab.measure.attention import PlanPoint
@@ -38,12 +40,67 @@ from lab.resolve import Platform, target_note
 SPEC = P(DATA, None, MODEL, None)  # batch over data, heads over model
 
 
-def _sharded(causal: bool, impl: str):
+@dataclasses.dataclass(frozen=True)
+class MaskChoice:
+    """One mask a plan compiles: plain (causal or not), a sliding window of the last `window`
+    keys, or packed documents of `doc_len` tokens each (segment ids restarting per document,
+    causal within it)."""
+
+    causal: bool
+    window: int | None = None  # keys a query sees, itself included: Mask window (W - 1, 0)
+    doc_len: int | None = None  # tokens per packed document
+
+    @property
+    def label(self) -> str:
+        if self.window:
+            return f"window {self.window:,}"
+        if self.doc_len:
+            return f"docs of {self.doc_len:,}"
+        return "causal" if self.causal else "full"
+
+    def kwargs(self, batch: int, seq: int) -> dict:
+        """The dispatch's mask keywords (segment ids as NumPy constants [batch, seq])."""
+        out = {}
+        if self.window:
+            out["window"] = (self.window - 1, 0)
+        if self.doc_len:
+            out["q_segment_ids"] = self.segment_ids(batch, seq)
+        return out
+
+    def segment_ids(self, batch: int, seq: int):
+        ids = (np.arange(seq) // self.doc_len).astype(np.int32)
+        return np.broadcast_to(ids, (batch, seq)).copy()
+
+    def mask(self, batch: int, seq: int) -> Mask:
+        """The common.Mask, its arrays NumPy (so a block map of it is exact)."""
+        kw = self.kwargs(batch, seq)
+        ids = kw.get("q_segment_ids")
+        return Mask.make(
+            causal=self.causal or self.doc_len is not None or self.window is not None,
+            window=kw.get("window"),
+            q_segment_ids=ids,
+            kv_segment_ids=ids,
+        )
+
+    def pairs(self, seq: int) -> float | None:
+        """Unmasked (query, key) pairs of one sequence and head (None: plain, whose FLOPs
+        keep attention_flops' convention)."""
+        if self.window:
+            return seq * cost.visible_keys(seq, self.window)
+        if self.doc_len:
+            whole, rest = divmod(seq, self.doc_len)
+            lens = [self.doc_len] * whole + ([rest] if rest else [])
+            return sum(n * cost.visible_keys(n) for n in lens)
+        return None
+
+
+def _sharded(causal: bool, impl: str, mask: MaskChoice | None = None, batch: int = 0, seq=0):
     """The target's Pallas kernel through the lab's dispatch, as the model calls it: under
     the target's mesh `pallas` is its platform's kernel, run per shard under shard_map."""
     from lab.kernels.attention import attention
 
-    return functools.partial(attention, causal=causal, impl=impl, shard_spec=SPEC)
+    extra = {} if mask is None else mask.kwargs(batch, seq)
+    return functools.partial(attention, causal=causal, impl=impl, shard_spec=SPEC, **extra)
 
 
 def _programs(attn):
@@ -65,10 +122,24 @@ def mesh_for(devices, data: int):
 
 
 def plan(
-    target: str, *, batch, heads, kv_heads, seq, head_dim, dtype, causal, data, impl="pallas"
+    target: str,
+    *,
+    batch,
+    heads,
+    kv_heads,
+    seq,
+    head_dim,
+    dtype,
+    causal,
+    data,
+    impl="pallas",
+    mask: MaskChoice | None = None,
 ) -> list[PlanPoint]:
     """One point per mode: the compiler's figures for the kernel on `target` (on a GPU target,
-    every kernel's registers, spills and shared memory too)."""
+    every kernel's registers, spills and shared memory too) under `mask` (None: plain,
+    `causal` or not)."""
+    mask = mask or MaskChoice(causal)
+    causal = causal or mask.window is not None or mask.doc_len is not None
     plans.prepare_host(target)
     devices = plans.topology_devices(target)
     mesh = mesh_for(devices, data)
@@ -84,13 +155,20 @@ def plan(
     kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.dtype(dtype), sharding=sh)
     kind = devices[0].device_kind
     spec, peak = specs.lookup(kind), specs.peak_flops(kind, dtype)
-    chosen, note = _chosen(impl, q, kv, causal, mesh)
+    full_mask = mask.mask(batch, seq)
+    features = frozenset(full_mask.features(seq, seq))
+    chosen, note = _chosen(impl, q, kv, causal, mesh, features)
     target_platform = Platform.of(devices_lib.describe_target(devices), devices, target=target)
-    target_line = target_note(target_platform, impl, chosen, q, kv, causal=causal)
+    target_line = target_note(
+        target_platform, impl, chosen, q, kv, causal=causal, features=features
+    )
     note = "; ".join(n for n in (target_line, note) if n) or None
     tc = toolchain.probe() if plans.gpu_kind(devices) else None
     rows = []
-    for mode, fn in _programs(_sharded(causal, impl)).items():
+    shard = (batch // mesh.shape[DATA], seq, heads // n_model, head_dim)
+    kv_shard = (shard[0], seq, kv_heads // n_model, head_dim)
+    attn = _sharded(causal, impl, mask, batch, seq)
+    for mode, fn in _programs(attn).items():
         t0 = time.perf_counter()
 
         def lower(fn=fn):
@@ -106,10 +184,16 @@ def plan(
             raise ConfigError(
                 f"{mode}: the compiler refused the kernel for {target}: {first}"
             ) from None
-        analytic = cost.attention_flops(batch, heads, seq, seq, head_dim, causal=causal)
+        pairs = mask.pairs(seq)
+        if pairs is None:
+            analytic = cost.attention_flops(batch, heads, seq, seq, head_dim, causal=causal)
+        else:  # only the unmasked pairs: Q·Kᵀ and P·V, 2·K FLOPs each per pair
+            analytic = 4.0 * batch * heads * head_dim * pairs
         analytic *= 1.0 if mode == "fwd" else 3.5  # backward = 2.5x forward (the convention)
         per_device = analytic / len(devices)
         c = cost.compiled_cost(compiled) or {}
+        with jax.sharding.set_mesh(mesh):  # the kernels' tuned tiles are the target's
+            tiles = _kernel_flops(chosen, shard, kv_shard, dtype, full_mask, mode, mesh)
         est, source = plans.step_seconds(compiled, per_device, spec, peak)
         rows.append(
             PlanPoint(
@@ -123,6 +207,9 @@ def plan(
                 hbm_bytes=spec.memory_bytes if spec else None,
                 compiled_flops=c.get("flops"),
                 compiled_flops_note=cost.lower_bound_note(c),  # a loop of unknown trips
+                mask=mask.label,
+                kernel_flops=None if tiles is None else tiles[0],
+                kernel_flops_static=None if tiles is None else tiles[1],
                 analytic_flops_per_device=per_device,
                 estimated_s=est,
                 estimate_source=source,
@@ -136,7 +223,32 @@ def plan(
     return rows
 
 
-def _chosen(impl: str, q, kv, causal: bool, mesh) -> tuple[str, str | None]:
+def _kernel_flops(chosen: str, shard, kv_shard, dtype, mask: Mask, mode: str, mesh):
+    """(FLOPs per device of the tiles the kernels visit under `mask`, counted from its
+    block map with the segment ids known; the same count from the mask's static part only,
+    what the pallas_calls' cost estimates carry), or None for a kernel that states none."""
+    from lab.kernels.attention import pallas_gpu, pallas_mgpu, pallas_tpu
+
+    module = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu, "pallas_mgpu": pallas_mgpu}
+    if chosen not in module:
+        return None
+    B = shard[0]
+    per_device = Mask(
+        *(None if x is None else x[:B] for x in (mask.q_segment_ids, mask.kv_segment_ids)),
+        causal=mask.causal,
+        window=mask.window,
+    )
+    static = Mask.make(causal=mask.causal, window=mask.window)
+    out = []
+    for m in (per_device, static):
+        c = module[chosen].kernel_cost(
+            shard, kv_shard, shard[-1], dtype, mask=m, backward=mode != "fwd"
+        )
+        out.append(c.flops)
+    return tuple(out)
+
+
+def _chosen(impl: str, q, kv, causal: bool, mesh, features=frozenset()):
     """(the kernel the dispatch compiles for the target, why it passed over the one it
     prefers there or None); a kernel it refuses is the dispatch's one line (ConfigError).
     `plan` adds where the target would run cuDNN but this host compiles another kernel."""
@@ -144,20 +256,31 @@ def _chosen(impl: str, q, kv, causal: bool, mesh) -> tuple[str, str | None]:
 
     try:
         with jax.sharding.set_mesh(mesh):  # the target's platform and device kind decide
-            return choose_noted(impl, q, kv, kv, causal=causal)
+            return choose_noted(impl, q, kv, kv, causal=causal, features=features)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def grid(target: str, *, seqs, head_dims, progress=None, **config) -> list[PlanPoint]:
-    """`plan` for every sequence length × head dim, in that order. `progress(label)` is
-    called before each point."""
+def masks_of(causal: bool, windows=(), doc_lens=()) -> list[MaskChoice]:
+    """The plain mask (`causal` or not), then one per sliding window and per packed document
+    length: the masks a plan compiles side by side."""
+    return [
+        MaskChoice(causal),
+        *(MaskChoice(True, window=w) for w in windows),
+        *(MaskChoice(True, doc_len=d) for d in doc_lens),
+    ]
+
+
+def grid(target: str, *, seqs, head_dims, masks=None, progress=None, **config) -> list[PlanPoint]:
+    """`plan` for every sequence length × head dim × mask (default: the plain one), in that
+    order. `progress(label)` is called before each point."""
     rows = []
     for seq in seqs:
         for head_dim in head_dims:
-            if progress:
-                progress(f"L={seq} K={head_dim}")
-            rows += plan(target, seq=seq, head_dim=head_dim, **config)
+            for mask in masks or [None]:
+                if progress:
+                    progress(f"L={seq} K={head_dim}" + (f" {mask.label}" if mask else ""))
+                rows += plan(target, seq=seq, head_dim=head_dim, mask=mask, **config)
     return rows
 
 
@@ -169,6 +292,7 @@ def to_records(rows: list[PlanPoint], config: dict) -> list[dict]:
         c = dict(op="attention plan", mode=r.mode, target_kind=r.device_kind, **config)
         c.update(chosen_impl=r.impl, attention_note=r.attention_note)
         c.update({k: getattr(r, k) for k in ("seq", "head_dim") if getattr(r, k) is not None})
+        c.update(mask=r.mask, flops_source=r.flops_source)
         label = "compiled, not run"
         if r.memory:
             out.append(
@@ -178,6 +302,12 @@ def to_records(rows: list[PlanPoint], config: dict) -> list[dict]:
                     "B",
                     label=label,
                     **c,
+                )
+            )
+        if r.flops is not None:
+            out.append(
+                rec.make_record(
+                    "attention plan FLOPs per device", r.flops, "FLOP", label=label, **c
                 )
             )
         if r.estimated_s:

@@ -7,7 +7,9 @@ sharded training step; forward and forward + backward are compiled for the targe
 memory per device against the chip's HBM, compiled FLOPs beside the analytic count, the time
 per call (the compiler's estimate floored by the roofline of the analytic FLOPs), the
 TFLOP/s and share of peak that implies; on a GPU, every kernel's registers, spills, shared
-memory and blocks per SM. See lab/studies/plan.py.
+memory and blocks per SM. `window=1024 docs=1024` compile a sliding window and packed
+documents beside the plain mask and print the FLOPs of each side by side: only the tiles the
+kernels' block maps leave are counted. See lab/studies/plan.py.
 """
 
 import dataclasses
@@ -42,24 +44,42 @@ class Options:
         "the input on Hopper, else Triton), or one by name",
         choices=("pallas", "pallas_tpu", "pallas_gpu", "pallas_mgpu"),
     )
+    window: tuple = field(
+        (),
+        "sliding windows to compile beside the plain mask (keys a query sees, itself "
+        "included), e.g. 1024",
+        kind="ints",
+        min=1,
+    )
+    docs: tuple = field(
+        (),
+        "packed-document lengths to compile beside the plain mask (segment ids restarting "
+        "every N tokens, causal within), e.g. 1024",
+        kind="ints",
+        min=1,
+    )
     out_dir: str = field("results", "folder for the records", kind="path")
 
 
 def run(o: Options) -> int:
     stem = rec.output_stem(o.out_dir, "attention-plan")
-    skip = ("target", "out_dir", "seq", "head_dim")
+    skip = ("target", "out_dir", "seq", "head_dim", "window", "docs")
     config = {k: v for k, v in dataclasses.asdict(o).items() if k not in skip}
+    masks = plan.masks_of(o.causal, o.window, o.docs)
+    n = len(o.seq) * len(o.head_dim) * len(masks)
     con = progress.console(width=150)
     with progress.tasks(con) as bar:
-        task = bar.add_task("compiling", total=len(o.seq) * len(o.head_dim))
+        task = bar.add_task("compiling", total=n)
 
-        done = iter(range(len(o.seq) * len(o.head_dim)))
+        done = iter(range(n))
 
         def tick(label):  # called before each point: the ones before it are done
             bar.update(task, description=label, completed=next(done))
 
-        rows = plan.grid(o.target, seqs=o.seq, head_dims=o.head_dim, progress=tick, **config)
-        bar.update(task, completed=len(o.seq) * len(o.head_dim))
+        rows = plan.grid(
+            o.target, seqs=o.seq, head_dims=o.head_dim, masks=masks, progress=tick, **config
+        )
+        bar.update(task, completed=n)
     chosen = ", ".join(dict.fromkeys(r.impl for r in rows))  # per point of a grid
     chosen = o.impl if chosen == o.impl else f"{o.impl} → {chosen}"
     title = (
@@ -68,6 +88,11 @@ def run(o: Options) -> int:
         f"causal={o.causal} · compiled, not run"
     )
     con.print(tables.attention_plan(rows, title))
+    if len(masks) > 1:
+        con.print(tables.attention_plan_masks(rows, "FLOPs per device by mask, compiled, not run"))
+        for source in dict.fromkeys(r.flops_source for r in rows):
+            named = dict.fromkeys(r.mask for r in rows if r.flops_source == source)
+            con.print(f"FLOPs of {', '.join(named)}: {source}")
     for note in dict.fromkeys(r.attention_note for r in rows if r.attention_note):
         con.print(f"[yellow]attention: {note}")
     tc = rows[0].toolchain

@@ -602,7 +602,7 @@ def _geometries(q_shape, G: int, S: int, causal: bool, scale, block_sizes, inter
     return geometry(bs.block_q, bs.block_k), geometry(bs.block_q_bwd, bs.block_k_bwd)
 
 
-def kernellaunch_cost(
+def kernel_cost(
     q_shape, k_shape, v_dim: int, dtype, *, mask: Mask, backward: bool, block_sizes=None
 ) -> TileCost:
     """What the launches' cost estimates add up to for one call (forward, or forward and

@@ -8,7 +8,12 @@ One module per command family; this package re-exports every public name, so cal
 writing `from lab.report import tables` and `tables.run_summary(...)`.
 """
 
-from lab.report.tables.attention import attention_plan, attention_sweep, attention_targets
+from lab.report.tables.attention import (
+    attention_plan,
+    attention_plan_masks,
+    attention_sweep,
+    attention_targets,
+)
 from lab.report.tables.common import GIB
 from lab.report.tables.compiled import kernel_grid, kernels, toolchain_line
 from lab.report.tables.explain import explain_collectives, explain_memory, explain_pipeline
@@ -46,6 +51,7 @@ __all__ = [
     "GIB",
     "analysis",
     "attention_plan",
+    "attention_plan_masks",
     "attention_sweep",
     "attention_targets",
     "breakdown_line",

@@ -37,7 +37,7 @@ def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
 def attention_plan(rows: list[PlanPoint], title: str) -> Table:
     """The kernel compiled for a target: memory, FLOPs, time floor (compiled, not run)."""
     t = Table(title=title)
-    cols = ("L=S", "K", "mode", "memory / device", "of HBM")
+    cols = ("L=S", "K", "mask", "mode", "memory / device", "of HBM")
     for col in (*cols, "FLOPs / device (compiled | analytic)", "est. time", "TFLOP/s"):
         t.add_column(col, justify="right")
     for col in ("of peak", "estimate"):
@@ -49,6 +49,7 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
         t.add_row(
             "" if r.seq is None else str(r.seq),
             "" if r.head_dim is None else str(r.head_dim),
+            r.mask,
             r.mode,
             _mem(need) if need else "–",
             hbm,
@@ -59,6 +60,33 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
             percent(r.peak_share, 0) if r.peak_share else "–",
             r.estimate_source,
         )
+    return t
+
+
+def attention_plan_masks(rows: list[PlanPoint], title: str) -> Table:
+    """The plan's FLOPs per device by mask, side by side: one line per (L, K, mode), the
+    first mask (the plain one) as the base of each ratio; `PlanPoint.flops_source` says
+    where each count comes from."""
+    masks = list(dict.fromkeys(r.mask for r in rows))
+    t = Table(title=title)
+    for col in ("L=S", "K", "mode", *masks):
+        t.add_column(col, justify="right")
+    points: dict[tuple, dict[str, PlanPoint]] = {}
+    for r in rows:
+        points.setdefault((r.seq, r.head_dim, r.mode), {})[r.mask] = r
+    for (seq, head_dim, mode), by_mask in points.items():
+        base = by_mask.get(masks[0])
+        cells = []
+        for m in masks:
+            r = by_mask.get(m)
+            if r is None or r.flops is None:
+                cells.append("–")
+                continue
+            cell = f"{r.flops / 1e9:,.1f} G"
+            if base is not None and base.flops and r is not base:
+                cell += f" ({base.flops / r.flops:.1f}x fewer)"
+            cells.append(cell)
+        t.add_row(str(seq), str(head_dim), mode, *cells)
     return t
 
 
