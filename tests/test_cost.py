@@ -141,3 +141,45 @@ def test_compiled_cost_shapes(raw, want):
 @pytest.mark.parametrize("raw", [None, [], {}, NotImplementedError("no cost analysis")])
 def test_compiled_cost_unavailable(raw):
     assert cost.compiled_cost(_Fake(raw)) is None
+
+
+def test_packed_visible_keys_count_each_document_by_hand():
+    """Row 0 holds documents of 3 and 5 tokens, row 1 one of 8: a query at position p of its
+    document sees p + 1 keys (at most the window), so the sums are 1+2+3 + 1+…+5 = 21 and
+    1+…+8 = 36 keys, over 16 tokens; with a window of 2: 1+2+2 + 1+2+2+2+2 = 14 and
+    1 + 2·7 = 15."""
+    ids = np.array([[0, 0, 0, 1, 1, 1, 1, 1], [4, 4, 4, 4, 4, 4, 4, 4]])
+    assert cost.packed_visible_keys(ids) == pytest.approx((21 + 36) / 16)
+    assert cost.packed_visible_keys(ids, 2) == pytest.approx((14 + 15) / 16)
+    one = np.zeros((1, 16), int)  # one document: the causal count
+    assert cost.packed_visible_keys(one, 4) == pytest.approx(cost.visible_keys(16, 4))
+
+
+def test_training_flops_of_packed_text_count_keys_within_documents(monkeypatch):
+    """data=text pack=true: the FLOPs per token take the keys of each query's own document
+    from the batches' segment ids. Every batch is made to hold documents of 4 tokens in a
+    row of 16 (10 keys per document: 1+2+3+4, 2.5 per query), so with 2 layers
+    12·d_model·2.5 per layer replaces 12·d_model·(16+1)/2, and the label says so."""
+    from lab import summary
+    from lab.config import parse_args
+    from lab.mesh import make_mesh
+    from lab.model import count_nonembedding_params
+    from lab.train import make_trainer
+
+    def docs_of_4(seed, step, batch, seq_len):
+        ids = np.broadcast_to(np.arange(seq_len + 1) // 4, (batch, seq_len + 1))
+        return np.stack([np.zeros_like(ids), ids], axis=1).astype(np.int32)
+
+    monkeypatch.setattr(summary, "packed_text_batch", docs_of_4)
+    cfg = parse_args(
+        ["model=tiny", "data=text", "pack=true", "seq_len=16", "batch_size=2", "steps=3"]
+    )
+    params = make_trainer(cfg, make_mesh(cfg.mesh)).abstract_state.params
+    n = count_nonembedding_params(params, cfg.model)
+    f, label = summary.flops_per_token(cfg, params)
+    m = cfg.model
+    expected = 3 * (2 * n + 4 * m.d_model * m.n_layers * 2.5)  # 2.5 keys per query, by hand
+    assert f == pytest.approx(expected)
+    plain = cost.transformer_flops_per_token(n, m.n_layers, 16, m.d_model)
+    assert f < plain  # the pairs across documents are gone
+    assert "only unmasked pairs" in label and "within each query's document" in label

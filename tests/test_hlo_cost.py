@@ -362,3 +362,58 @@ def test_a_cache_write_and_read_per_row_count_only_the_rows():
     assert ops & {"scatter", "gather"}, ops  # the vmapped slices, as XLA writes them
     moved = hlo.total_cost(hlo.parse(text)).bytes
     assert moved < 0.05 * B * S * K * 4, moved  # a few rows' worth, not the 8 MiB cache
+
+
+def test_the_walk_reads_a_mosaic_gpu_kernels_cost_estimate():
+    """Mosaic GPU (jax 0.11+) writes a kernel's cost_estimate into its custom call's backend
+    config as JSON (quotes escaped \\22); the walk counts its flops and transcendentals,
+    where XLA:GPU ahead of time gives no cost analysis at all."""
+    text = r"""
+ENTRY %main (x: f32[128,128]) -> f32[128,128] {
+  %x = f32[128,128]{1,0} parameter(0)
+  ROOT %k = f32[128,128]{1,0} custom-call(%x), custom_call_target="mosaic_gpu_v2", backend_config={cost_estimate_json = "{\22flops\22: 123456789, \22transcendentals\22: 7, \22bytes_accessed\22: 4242}", module = "x"}
+}
+"""  # noqa: E501
+    c = hlo.total_cost(hlo.parse(text))
+    assert (c.flops, c.transcendentals) == (123456789, 7)
+
+
+@pytest.mark.parametrize("kernel", ["pallas_tpu", "pallas_gpu", "pallas_mgpu"])
+def test_the_kernels_count_only_the_tiles_their_block_map_leaves(kernel):
+    """What the pallas_calls' cost estimates carry (kernel_cost, from the block map that
+    skips tiles), at S = 8,192: a window of 1,024 and 8 packed documents of 1,024 give at
+    least 3x fewer FLOPs than causal, forward and backward (the CPU benchmark's factor);
+    with the segment ids traced only the causal band is known, an upper bound, and says so.
+    pallas_mgpu takes no window or segment ids: its causal count against the full one."""
+    import numpy as np
+
+    from lab.kernels.attention import common, pallas_gpu, pallas_mgpu, pallas_tpu
+
+    module = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu, "pallas_mgpu": pallas_mgpu}
+    S, q, kv = 8192, (1, 8192, 2, 128), (1, 8192, 1, 128)
+    ids = (np.arange(S) // 1024).astype(np.int32)[None]
+    masks = {
+        "causal": common.Mask.make(causal=True),
+        "window": common.Mask.make(causal=True, window=(1023, 0)),
+        "docs": common.Mask.make(causal=True, q_segment_ids=ids, kv_segment_ids=ids),
+        "full": common.Mask.make(),
+    }
+    bs = {"pallas_gpu": pallas_gpu.BlockSizes(), "pallas_mgpu": pallas_mgpu.BLOCK_SIZES[128]}
+    for backward in (False, True):
+
+        def flops(name, backward=backward):
+            c = module[kernel].kernel_cost(
+                q, kv, 128, "bfloat16", mask=masks[name], backward=backward,
+                block_sizes=bs.get(kernel),
+            )  # fmt: skip
+            assert c.exact and c.flops > 0
+            return c.flops
+
+        if kernel == "pallas_mgpu":
+            assert flops("full") / flops("causal") > 1.9
+            continue
+        assert flops("causal") / flops("window") >= 3.0
+        assert flops("causal") / flops("docs") >= 3.0
+    g = common.Geometry(L=S, S=S, G=1, R=2, bq=128, bk=128, causal=True, scale=1.0)
+    traced = common.launch_cost(g, common.Mask.make(causal=True), True, "fwd", 1, 2, 128, 128, 2)
+    assert not traced.exact  # segment ids unseen: the causal band's count, an upper bound
