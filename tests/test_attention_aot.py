@@ -130,3 +130,27 @@ def test_masked_kernels_compile_through_mosaic():
         n in text for n in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv")
     )
     assert lowered.compile().memory_analysis() is not None
+
+
+@pytest.mark.slow_plan
+def test_plan_flops_fall_with_a_window_and_packed_documents_on_tpu():
+    """The TPU plan at S = 8,192: a window of 1,024 and 8 packed documents of 1,024 against
+    causal. The window's fall is in the compiled count itself (Mosaic keeps the kernels'
+    cost estimates); the documents' compiled count is only the causal band's (segment ids
+    are data when traced), so their fall is the block map's count of the ids, labelled."""
+    pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
+    from lab.studies import plan
+
+    rows = plan.grid(
+        "tpu:v5e:2x2", seqs=(8192,), head_dims=(128,), masks=plan.masks_of(True, (1024,), (1024,)),
+        batch=2, heads=2, kv_heads=2, dtype="bfloat16", causal=True, data=2,
+    )  # fmt: skip
+    by = {(r.mask, r.mode): r for r in rows}
+    for mode in ("fwd", "fwd+bwd"):
+        causal, window, docs = (by[m, mode] for m in ("causal", "window 1,024", "docs of 1,024"))
+        assert causal.estimate_compiled and window.estimate_compiled
+        assert causal.compiled_flops / window.compiled_flops >= 3.0
+        assert causal.flops_source.startswith("compiled") and window.flops == window.compiled_flops
+        assert docs.flops_source.startswith("block map of the segment ids")
+        assert docs.compiled_flops >= 0.99 * causal.compiled_flops  # the upper bound
+        assert causal.flops / docs.flops >= 3.0

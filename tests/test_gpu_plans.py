@@ -300,3 +300,28 @@ def test_masked_triton_kernels_compile_for_h100_without_spills():
     _, kernels = plans.compile_plan(lower, devices)
     flash = [k for k in kernels if k.name.startswith("flash_attention")]
     assert len(flash) == 3 and not any(k.spill_bytes for k in flash), flash
+
+
+@needs_plugin
+@pytest.mark.slow_plan
+def test_plan_flops_fall_with_a_window_and_packed_documents_on_h100():
+    """The H100 plan at S = 8,192: a window of 1,024 and 8 packed documents of 1,024 give at
+    least 3x fewer FLOPs than causal. The masked calls run the Triton kernel, whose lowering
+    drops the cost estimate (jax 0.10 to 0.12), so their FLOPs are the block map's count,
+    labelled as such; causal runs Mosaic GPU, whose estimate reaches the compiled count from
+    jax 0.11 (the HLO walk reads it) and is dropped on 0.10."""
+    from lab.studies import plan
+
+    rows = plan.grid(
+        "gpu:h100", seqs=(8192,), head_dims=(128,), masks=plan.masks_of(True, (1024,), (1024,)),
+        batch=1, heads=2, kv_heads=1, dtype="bfloat16", causal=True, data=1,
+    )  # fmt: skip
+    by = {(r.mask, r.mode): r for r in rows}
+    for mode in ("fwd", "fwd+bwd"):
+        causal, window, docs = (by[m, mode] for m in ("causal", "window 1,024", "docs of 1,024"))
+        for r in (causal, window, docs):
+            assert r.flops and r.kernel_flops, r
+            if not r.estimate_compiled:  # never a silent 0: the block map's count, labelled
+                assert r.flops == r.kernel_flops and "drops the cost estimate" in r.flops_source
+        assert causal.flops / window.flops >= 3.0
+        assert causal.flops / docs.flops >= 3.0
