@@ -79,7 +79,9 @@ def test_kernel_plan_command(tmp_path, capsys):
     assert "fwd+bwd" in capsys.readouterr().out
     (path,) = tmp_path.glob("attention-plan-*.jsonl")
     recs = [json.loads(x) for x in path.read_text().splitlines()]
-    assert len(recs) == 4 and {r["label"] for r in recs} == {"compiled, not run"}
+    assert len(recs) == 6 and {r["label"] for r in recs} == {"compiled, not run"}
+    flops = [r for r in recs if r["what"] == "attention plan FLOPs per device"]
+    assert len(flops) == 2 and all(r["config"]["flops_source"] for r in flops)
     times = [r for r in recs if r["what"] == "attention plan step time"]
     sources = {r["config"]["source"].split(" (")[0] for r in times}
     assert sources <= {"compiler estimate", "roofline floor"}, sources
