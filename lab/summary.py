@@ -32,17 +32,23 @@ from lab.predict.step import predict_step
 GIB = 2**30
 
 
+PACKED_SAMPLE = 64  # packed batches read for the keys per query: the mean settles long before
+
+
 def flops_per_token(cfg: Config, params, steps=None) -> tuple[float, str]:
     """Model FLOPs per token (lab.measure.cost.transformer_flops_per_token) and how they were
     counted: attention only over the (query, key) pairs the mask leaves, per layer its
     window's. Packed text (data=text pack=true): the keys of each query's own document up to
-    itself, the mean over the tokens of the batches of `steps` (default: the run's
-    cfg.steps), from their segment ids on the host."""
+    itself, the mean over the tokens of the run's batches (`steps`, default range(cfg.steps);
+    at most PACKED_SAMPLE of them, evenly spaced), from their segment ids on the host."""
     n = count_nonembedding_params(params, cfg.model)
     m = cfg.model
     packed = cfg.pack and cfg.data == "text"
     if packed:
-        keys = packed_keys_per_layer(cfg, range(cfg.steps) if steps is None else steps)
+        steps = list(range(cfg.steps) if steps is None else steps)
+        if len(steps) > PACKED_SAMPLE:
+            steps = [steps[i] for i in np.linspace(0, len(steps) - 1, PACKED_SAMPLE).astype(int)]
+        keys = packed_keys_per_layer(cfg, steps)
     else:
         keys = [cost.visible_keys(cfg.seq_len, w) for w in m.layer_windows]
     f = cost.transformer_flops_per_token(
@@ -55,8 +61,8 @@ def flops_per_token(cfg: Config, params, steps=None) -> tuple[float, str]:
     if packed:
         label += (
             f"packed documents: pairs within each query's document only, causal within it, "
-            f"{sum(keys) / len(keys):.1f} keys per query per layer on average over the "
-            "batches' segment ids"
+            f"{sum(keys) / len(keys):.1f} keys per query per layer on average over the segment "
+            f"ids of {len(steps)} of the run's batches"
         )
     else:
         label += "causal ≈ seq/2"
@@ -67,13 +73,16 @@ def flops_per_token(cfg: Config, params, steps=None) -> tuple[float, str]:
 def packed_keys_per_layer(cfg: Config, steps) -> list[float]:
     """Per layer, the keys a query sees on average in the packed batches of `steps` (their
     segment ids, lab.data.packed_text_batch, inputs only: the targets' extra byte dropped),
-    within its document and its layer's window (lab.measure.cost.packed_visible_keys)."""
-    ids = [
-        packed_text_batch(cfg.seed, step, cfg.batch_size, cfg.seq_len)[:, 1, :-1] for step in steps
-    ]
-    ids_NxL = np.concatenate(ids) if ids else np.zeros((0, cfg.seq_len), np.int32)
-    per_window = {w: cost.packed_visible_keys(ids_NxL, w) for w in set(cfg.model.layer_windows)}
-    return [per_window[w] for w in cfg.model.layer_windows]
+    within its document and its layer's window (lab.measure.cost.packed_visible_keys); every
+    batch has B·seq_len tokens, so the mean of the batches' means is the mean over tokens."""
+    windows = set(cfg.model.layer_windows)
+    sums = dict.fromkeys(windows, 0.0)
+    for step in steps:
+        ids_BxL = packed_text_batch(cfg.seed, step, cfg.batch_size, cfg.seq_len)[:, 1, :-1]
+        for w in windows:
+            sums[w] += cost.packed_visible_keys(ids_BxL, w)
+    n = max(len(steps), 1)
+    return [sums[w] / n for w in cfg.model.layer_windows]
 
 
 def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dict:

@@ -1,5 +1,6 @@
 """Analytic FLOPs against XLA's count of the compiled program."""
 
+import dataclasses
 import functools
 
 import jax
@@ -183,3 +184,10 @@ def test_training_flops_of_packed_text_count_keys_within_documents(monkeypatch):
     plain = cost.transformer_flops_per_token(n, m.n_layers, 16, m.d_model)
     assert f < plain  # the pairs across documents are gone
     assert "only unmasked pairs" in label and "within each query's document" in label
+    assert "of 3 of the run's batches" in label
+    # a long run reads an evenly spaced sample of its batches, not every one
+    read = []
+    monkeypatch.setattr(summary, "packed_text_batch", lambda *a: read.append(a[1]) or docs_of_4(*a))
+    long = dataclasses.replace(cfg, steps=10_000)
+    assert summary.flops_per_token(long, params)[0] == pytest.approx(expected)
+    assert len(read) == summary.PACKED_SAMPLE and read[0] == 0 and read[-1] == 9_999
