@@ -277,7 +277,9 @@ def build_trainer(cfg: Config, *, devices=None):
     from lab.train import make_trainer
 
     devices = list(devices or jax.devices())
-    cfg = override(cfg, steps=1000, warmup_steps=1)
+    from lab.resolve import defaults
+
+    cfg = defaults(override(cfg, steps=1000, warmup_steps=1))
     trainer = make_trainer(cfg, make_mesh(cfg.mesh, devices))
     return trainer.cfg, trainer
 

@@ -215,7 +215,6 @@ def _serving_study(size: str) -> tuple[Study, str, str]:
     where its weights came from)."""
     preset = pick(size, tiny="tiny", quick="base", full="base")
     session = open_session(make_config(preset=preset, steps=0, backend=backend()))
-    session, params, source = weights.load_params(session, None, seed=0)
     plan = study.Plan(
         batches=pick(size, tiny=(1, 2), quick=(1, 4, 16), full=(1, 2, 4, 8, 16, 32, 64)),
         prefill_batches=pick(size, tiny=(1,), quick=(1,), full=(1, 4)),
@@ -224,6 +223,8 @@ def _serving_study(size: str) -> tuple[Study, str, str]:
         budget_s=pick(size, tiny=0.01, quick=0.3, full=1.0),
         int8=size == "full",
     )
+    decoding = weights.for_decoding(session, (*plan.batches, *plan.prefill_batches))
+    session, params, source = weights.load_params(session, None, seed=0, decoding=decoding)
     return study.measure(session, params, plan), preset, source
 
 

@@ -19,7 +19,7 @@ import typing
 from pathlib import PurePath
 
 from lab.errors import ConfigError, RunError
-from lab.mesh import MeshSpecError, parse_mesh_spec, strategy_mesh
+from lab.mesh import MeshSpecError, parse_mesh_spec
 from lab.names import ATTENTION_IMPLS, DTYPES, REMATS, STRATEGIES
 
 # ------------------------------------------------------------------------ fields and values
@@ -438,7 +438,6 @@ def override(cfg: Config, **fields) -> Config:
         model = ModelConfig(**PRESETS[run_kw["preset"]])
     model = dataclasses.replace(model, **model_kw)
     cfg = dataclasses.replace(cfg, model=model, **run_kw)
-    cfg = dataclasses.replace(cfg, mesh=strategy_mesh(cfg.mesh, cfg.strategy))
     _check_alone(cfg)
     return cfg
 

@@ -239,7 +239,8 @@ def make_decoder(
 ) -> Decoder:
     """Jitted prefill / step / generate: the batch over the rules' batch axes, the cache
     sharded like the activations (kv heads over `model`) and donated to every call; the
-    weights multiplied as `matmul` says (MATMULS)."""
+    weights multiplied as `matmul` says (MATMULS). `batch` splits over the batch axes: a
+    decoding config resolved with it (lab.resolve, purpose decode, `batches=`) says so."""
     matmul = resolve_matmul(matmul, mesh)
     matmuls(matmul)  # a kernel that is not built: one line now, not while tracing
     if model_cfg.dtype == "auto":
@@ -247,11 +248,7 @@ def make_decoder(
     model = build(model_cfg)
     batch_axes = dict(rules).get(BATCH)
     n_batch = math.prod(mesh.shape[a] for a in (batch_axes or ()))
-    if batch % n_batch:
-        raise ConfigError(
-            f"batch={batch} does not split over the mesh's batch axes {batch_axes} "
-            f"({n_batch} devices): choose a multiple of {n_batch}"
-        )
+    assert batch % n_batch == 0, (batch, batch_axes, n_batch)  # lab.resolve's decode rule
     abstract = cache_shapes(model_cfg, batch, max_len, int8=int8_cache)
     logical = _cache_logical(abstract)
     is_names = lambda x: isinstance(x, tuple) and all(isinstance(n, str | None) for n in x)  # noqa: E731

@@ -332,8 +332,10 @@ def prepare(
     num_processes: int = 1,
     process_id: int = 0,
     coordinator_timeout: int = 60,
+    join: bool = True,
 ) -> None:
-    """Call before any JAX operation: joins hosts, then sizes the simulated CPU devices."""
+    """Call before any JAX operation: joins hosts (unless `join` is false: this process
+    alone, as for a request that cannot run), then sizes the simulated CPU devices."""
     if not coordinator and (step := slurm_step()):
         num_processes = step.tasks  # checked here, before the size check that divides by it
     wanted = cpu_devices or known_size(mesh)
@@ -348,7 +350,8 @@ def prepare(
             f"{MAX_CPU_DEVICES:,} a CPU can create in reasonable time and memory; use a smaller "
             "mesh, or plan a big slice with target=tpu:… / target=gpu:…"
         )
-    _init_distributed(coordinator, num_processes, process_id, coordinator_timeout)
+    if join:
+        _init_distributed(coordinator, num_processes, process_id, coordinator_timeout)
     if wanted > 1:
         _set_cpu_devices(max(1, wanted // num_processes))
 

@@ -37,7 +37,15 @@ from lab.config import (
 from lab.devices import DeviceInfo
 from lab.errors import ConfigError
 from lab.kernels.attention import choose_noted, supported_features
-from lab.mesh import AXES, STRATEGY_AXES, MeshSpecError, auto_strategy, make_mesh, resolve_shape
+from lab.mesh import (
+    AXES,
+    STRATEGY_AXES,
+    MeshSpecError,
+    auto_strategy,
+    make_mesh,
+    resolve_shape,
+    strategy_mesh,
+)
 from lab.mesh import RULES as MESH_RULES
 from lab.names import BATCH, DATA, HOST_MEMORY, PIPELINE_STRATEGIES, STAGE
 
@@ -167,13 +175,18 @@ class Platform:
     @classmethod
     def found(cls, request: Request) -> "Platform":
         """A target's abstract devices (`target=`), or this machine's, prepared for the
-        request (jax.distributed joined, simulated CPU devices sized for its mesh)."""
-        check(request, stage="request")  # what must hold before any process joins
+        request (jax.distributed joined, simulated CPU devices sized for its mesh).
+
+        A request that breaks a rule of stage "request" (process ids, the coordinator, resume
+        and overwrite) joins no process: the platform is this process's alone, counted as the
+        joined one would be (its devices times num_processes), and `resolve` reports that rule
+        with every other broken one, a line each."""
         keys = {k: f.default for k, (f, _) in RUN_FIELDS.items()} | request.dict()
         if keys["target"]:
             plans.prepare_host(keys["target"])
             devs = plans.topology_devices(keys["target"])
             return cls.of(devices.describe_target(devs), devs, target=keys["target"])
+        join = not broken_before_joining(request)
         devices.prepare(
             keys["mesh"],
             cpu_devices=keys["cpu_devices"],
@@ -181,8 +194,12 @@ class Platform:
             num_processes=keys["num_processes"],
             process_id=keys["process_id"],
             coordinator_timeout=keys["coordinator_timeout"],
+            join=join,
         )
-        return cls.of(devices.describe(), jax.devices())
+        info = devices.describe()
+        if not join:  # what the joined processes would count together
+            info = dataclasses.replace(info, count=info.count * keys["num_processes"])
+        return cls.of(info, jax.devices())
 
     @classmethod
     def of_mesh(cls, mesh) -> "Platform":
@@ -217,6 +234,7 @@ class _Draft:
     asked_attention: str = "auto"
     mesh_problem: str | None = None
     mesh: Any = None  # built once the first pass holds (the filled rules read it)
+    batches: tuple[int, ...] = ()  # purpose decode: the batch sizes decoders are built for
 
     @property
     def model(self):
@@ -240,7 +258,8 @@ class _Draft:
 class Rule:
     """One requirement that ties fields together. `check` returns the line that says what is
     wrong, or None; `example` is a command line that breaks it (the tests run each);
-    `stage` "request" rules hold before any device is touched (joining processes)."""
+    `stage` "request" rules hold before any device is touched (joining processes);
+    `command` is the module whose command line `example` is (lab.serve for a decoder's)."""
 
     name: str
     check: Callable[[_Draft], str | None]
@@ -248,6 +267,7 @@ class Rule:
     needs_mesh: bool = False
     stage: str = "platform"
     filled: bool = False  # checked on the filled config and its built mesh (a second pass)
+    command: str = "lab.run"
 
 
 def _kv_heads(d: _Draft):
@@ -495,6 +515,17 @@ def _pipeline_microbatch_splits(d: _Draft):
         )
 
 
+def _decode_batches(d: _Draft):
+    """Every batch a decoder is built for splits over the decoding mesh's batch axes."""
+    n = d.batch_split()
+    bad = sorted({b for b in d.batches if b % n})
+    if d.purpose == "decode" and bad:
+        return (
+            f"batches {bad} do not split over the mesh's batch axes ({n} devices): use "
+            f"multiples of {n}"
+        )
+
+
 def _weights_split(d: _Draft):
     """Every weight splits evenly over the mesh axes its logical axes map to (the strategy's
     rules): a line for each size that does not, naming the first weight it breaks."""
@@ -630,6 +661,14 @@ RULES: tuple[Rule, ...] = (
         needs_mesh=True,
         filled=True,
     ),
+    Rule(
+        "decode batches split over the mesh",
+        _decode_batches,
+        ("model=tiny", "mesh=2", "batches=3", "prefill_batches=2"),
+        needs_mesh=True,
+        filled=True,
+        command="lab.serve",
+    ),
 )
 
 
@@ -651,19 +690,18 @@ def _raise(lines: list[str]) -> None:
         raise ConfigError("\n".join(dict.fromkeys(lines)))
 
 
-def check(request: Request, *, stage: str = "request") -> None:
-    """The rules of `stage` that need no platform ("request": process ids, the coordinator,
-    resume and overwrite), all broken ones together."""
+def broken_before_joining(request: Request) -> list[str]:
+    """The lines of the rules of stage "request" that `request` breaks: what must hold before
+    any process joins (process ids, the coordinator, resume and overwrite)."""
     cfg = make_config(**request.dict())
-    platform = Platform("cpu", "", 1)
-    _raise(_broken(_Draft(cfg, platform, "train"), stage))
+    return _broken(_Draft(cfg, Platform("cpu", "", 1), "train"), "request")
 
 
 def check_on_cpu(request: Request, count: int) -> None:
     """Every rule that needs no built mesh, for `count` CPU devices: what a launcher checks
     before it starts processes that would each refuse the same request (all broken rules
     together, a line each)."""
-    cfg = make_config(backend="cpu", **request.dict())
+    cfg = defaults(make_config(backend="cpu", **request.dict()))
     platform = Platform("cpu", "cpu", count)
     sizes, problem = _sizes(cfg, platform)
     if sizes is not None and cfg.strategy == "auto":
@@ -687,6 +725,7 @@ class Resolved:
     notes: tuple[str, ...] = ()  # what the compiled program does not do that was asked for
     attention_note: str | None = None  # why the attention kernel is not the one preferred
     offload_optimizer: bool = False  # the optimizer state compiled into host memory
+    batches: tuple[int, ...] = ()  # purpose decode: the batch sizes decoders are built for
     request: Request = dataclasses.field(default_factory=Request, compare=False)
     mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -782,12 +821,38 @@ def target_note(
     )
 
 
-def resolve(request: Request, platform: Platform, purpose: str = "train") -> Resolved:
-    """`request` on `platform` for `purpose` (train, decode or plan): the backend's defaults
-    applied, every `auto` filled, every rule of `RULES` checked (all broken ones raised
-    together as one ConfigError, a line each), the run named."""
+def defaults(cfg: Config) -> Config:
+    """The defaults one key takes from another before the platform is known: a bare device
+    count follows an explicit strategy's axis (mesh=8 strategy=fsdp is fsdp:8; the rest of
+    lab.mesh.strategy_mesh)."""
+    return dataclasses.replace(cfg, mesh=strategy_mesh(cfg.mesh, cfg.strategy))
+
+
+def _buildable(sizes: dict | None, platform: Platform) -> bool:
+    """Whether the mesh of `sizes` can be built on `platform`'s devices (a platform found
+    alone, for a request that breaks a rule before joining, may hold fewer)."""
+    if sizes is None:
+        return False
+    if platform.mesh is not None:
+        return True
+    return math.prod(sizes.values()) <= len(platform.devices or jax.devices())
+
+
+def resolve(
+    request: Request, platform: Platform, purpose: str = "train", *, batches=()
+) -> Resolved:
+    """`request` on `platform` for `purpose` (train, decode or plan; `batches`: the batch
+    sizes decoders are built for): the backend's defaults applied, every `auto` filled, every
+    rule of `RULES` checked (all broken ones raised together as one ConfigError, a line each,
+    whichever pass finds them), the run named.
+
+    The rules of stage "request" and the first pass's are checked together; the filled rules
+    and the attention choice read the filled config and its built mesh, so they are checked
+    once the first pass's rules hold (those of stage "request" aside: they tie no shapes),
+    their lines joined to the request's."""
     assert purpose in PURPOSES, purpose
-    cfg = make_config(backend=platform.backend, **request.dict())
+    batches = tuple(batches)
+    cfg = defaults(make_config(backend=platform.backend, **request.dict()))
     model = resolve_dtype(cfg.model, platform.backend)
     fills = {}
     if cfg.data == "auto":
@@ -798,8 +863,10 @@ def resolve(request: Request, platform: Platform, purpose: str = "train") -> Res
     sizes, problem = _sizes(cfg, platform)
     if sizes is not None and cfg.strategy == "auto":
         cfg = dataclasses.replace(cfg, strategy=auto_strategy(sizes))
-    draft = _Draft(cfg, platform, purpose, sizes, model.attention, problem)
-    _raise(_broken(draft))
+    draft = _Draft(cfg, platform, purpose, sizes, model.attention, problem, batches=batches)
+    early, lines = _broken(draft, "request"), _broken(draft, "platform")
+    if lines or not _buildable(sizes, platform):
+        _raise(early + lines)
     if draft.pipelined and purpose != "decode":
         model = dataclasses.replace(
             cfg.model, scan_layers=True, microbatches=cfg.model.microbatches or draft.stages
@@ -808,12 +875,13 @@ def resolve(request: Request, platform: Platform, purpose: str = "train") -> Res
     if purpose == "decode":
         cfg, sizes = _for_decoding(cfg, sizes)
     mesh = _build_mesh(sizes, platform)
-    draft = _Draft(cfg, platform, purpose, sizes, draft.asked_attention, mesh=mesh)
-    _raise(_broken(draft, filled=True))
+    draft = _Draft(cfg, platform, purpose, sizes, draft.asked_attention, mesh=mesh, batches=batches)
+    lines = early + _broken(draft, filled=True)
     try:
         impl, attention_note = _attention(draft, mesh)
     except ValueError as e:
-        raise ConfigError(f"attention={cfg.model.attention}: {e}") from None
+        lines.append(f"attention={cfg.model.attention}: {e}")
+    _raise(lines)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=impl))
     notes, offload = (), False
     if cfg.offload_optimizer and purpose != "decode":
@@ -835,6 +903,7 @@ def resolve(request: Request, platform: Platform, purpose: str = "train") -> Res
         notes=notes,
         attention_note=attention_note,
         offload_optimizer=offload,
+        batches=batches,
         request=request,
         mesh=mesh,
     )

@@ -107,7 +107,8 @@ def run(o: Options, keys: dict) -> int:
     if s.cfg.target:
         rec.writable_dir(o.results)  # refused before the compile, not after
         return _plan(o, s, con)
-    study.check_batches(s, (*o.batches, *o.prefill_batches))  # before any weights are made
+    # resolved for decoding these batches (every rule: one line each) before any weights
+    decoding = weights.for_decoding(s, (*o.batches, *o.prefill_batches))
     stem = rec.output_stem(o.results, "serve")  # a folder that cannot be written: refused now
     plan = study.Plan(
         o.batches,
@@ -120,7 +121,7 @@ def run(o: Options, keys: dict) -> int:
         context=o.context,
     )
     study.check_memory(s, plan)  # before weights, cache or prompts are made
-    s, params, source = weights.load_params(s, run_dir, o.seed, warn=con.print)
+    s, params, source = weights.load_params(s, run_dir, o.seed, con.print, decoding=decoding)
     con.print(f"  weights   {source}")
     trained_text = run_dir is not None and s.cfg.data == "text" and s.cfg.model.vocab_size == 256
     if o.sample and trained_text:

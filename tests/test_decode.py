@@ -18,6 +18,7 @@ from lab.kernels import cpu_gemv
 from lab.kernels.attention import cpu_flash
 from lab.mesh import make_mesh, rules_for
 from lab.model import build
+from lab.resolve import Platform, Request, resolve
 from lab.train import make_trainer
 
 PROMPTS = (5, 9, 1, 12)  # ragged prompt lengths (right-padded to 12)
@@ -241,7 +242,10 @@ def test_bad_input_is_one_line():
     with pytest.raises(ConfigError, match="does not fit a cache of 24 slots"):
         decode.check_prompts([20, 3], MAX_LEN, steps=8)
     trainer, _ = _setup(mesh="4x2", strategy="tp")
-    with pytest.raises(ConfigError, match="batch=3"):
+    request = Request.of(mesh="4x2", strategy="tp")
+    with pytest.raises(ConfigError, match=r"batches \[3\] do not split .*\(4 devices\)"):
+        resolve(request, Platform.of_mesh(trainer.mesh), "decode", batches=(4, 8, 3))
+    with pytest.raises(AssertionError):  # the builder trusts a resolved batch
         decode.make_decoder(
             trainer.cfg.model,
             trainer.mesh,

@@ -14,6 +14,7 @@ from lab.mesh import (
     parse_mesh_spec,
     resolve_shape,
 )
+from lab.resolve import defaults
 
 
 @pytest.mark.parametrize(
@@ -79,8 +80,8 @@ def test_check_divisible_names_tensor_and_axis():
 )
 def test_a_bare_device_count_follows_the_strategys_axis(strategy, want):
     # mesh=8 strategy=fsdp used to be data:8, on which fsdp split nothing
-    assert parse_args(["mesh=8", f"strategy={strategy}"]).mesh == want
-    assert parse_args(["mesh=4x2", f"strategy={strategy}"]).mesh == "4x2"  # the user's word
+    assert defaults(parse_args(["mesh=8", f"strategy={strategy}"])).mesh == want
+    assert defaults(parse_args(["mesh=4x2", f"strategy={strategy}"])).mesh == "4x2"  # as given
 
 
 def test_fsdp_on_a_mesh_without_its_axis_is_refused():
@@ -94,7 +95,7 @@ def test_fsdp_on_a_mesh_without_its_axis_is_refused():
 def test_fsdp_on_a_bare_count_shards_the_weights():
     from lab.train import make_trainer
 
-    cfg = parse_args(["mesh=8", "strategy=fsdp", "model=tiny"])
+    cfg = defaults(parse_args(["mesh=8", "strategy=fsdp", "model=tiny"]))
     trainer = make_trainer(cfg, make_mesh(cfg.mesh))
     specs = [s.spec for s in jax.tree.leaves(trainer.state_shardings.params)]
     assert any("fsdp" in str(spec) for spec in specs)

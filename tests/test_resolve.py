@@ -3,6 +3,7 @@ command line (one line, exit 2), all broken rules reported together; the backend
 before the rules; a GPU plan's choices from the target's capabilities."""
 
 import dataclasses
+import importlib
 
 import pytest
 
@@ -41,12 +42,15 @@ def _needs_gpu_plans(argv=("target=gpu",)):
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
-def test_every_rule_breaks_from_the_command_line(rule, monkeypatch, capsys):
+def test_every_rule_breaks_from_the_command_line(rule, monkeypatch, capsys, tmp_path):
     _needs_gpu_plans(rule.example)
+    monkeypatch.chdir(tmp_path)  # lab.serve's results folder, should it get that far
     fired = _recording(monkeypatch)
-    assert main(list(rule.example)) == 2
+    command = importlib.import_module(rule.command)
+    assert command.main(list(rule.example)) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert fired == [rule.name], (fired, err)
+    # a rule of stage "request" is asked before joining, then again with the others
+    assert list(dict.fromkeys(fired)) == [rule.name], (fired, err)
     assert len(err) == 1 and err[0].startswith("error: "), err
 
 
@@ -57,6 +61,44 @@ def test_three_broken_rules_are_three_lines(capsys):
     assert len(err) == 3 and all(line.startswith("error: ") for line in err), err
     for needle in ("n_kv_heads=3 must divide", "accumulate=3 must divide", "attention=ring"):
         assert sum(needle in line for line in err) == 1, err
+
+
+def test_rules_broken_in_every_phase_are_reported_together(capsys):
+    """A rule checked before any process joins (resume), one of the first pass (accumulate),
+    one on the built mesh (the weights' split) and the attention choice: one line each, none
+    raised before the others are checked."""
+    argv = ["resume=true", "accumulate=3", "n_heads=4", "n_kv_heads=3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err), err
+    for needle in ("resume=true needs", "accumulate=3 must divide", "n_kv_heads=3 must divide"):
+        assert sum(needle in line for line in err) == 1, err
+    argv = ["resume=true", "mesh=1x8", "n_heads=4", "n_kv_heads=4", "softcap=30", "attention=xla"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3, err
+    for needle in ("resume=true needs", "does not divide mesh axis model", "attention=xla: "):
+        assert sum(needle in line for line in err) == 1, err
+
+
+def test_a_request_that_cannot_join_is_checked_on_this_process_alone(capsys):
+    """num_processes=2 without a coordinator joins nothing; the other rules are checked on
+    this process's devices counted as the two processes' would be (mesh=8 fits, no line)."""
+    assert main(["num_processes=2", "mesh=8", "strategy=tp", "accumulate=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err
+    assert "needs coordinator=" in err[0] and "accumulate=3 must divide" in err[1], err
+
+
+def test_a_bare_device_count_follows_the_strategy_in_resolve():
+    """The default is resolve's: make_config keeps the user's word, resolve names the axis."""
+    from lab.config import make_config
+
+    assert make_config(mesh="8", strategy="fsdp").mesh == "8"
+    r = resolve.resolve(Request.of(mesh="8", strategy="fsdp"), _cpu_platform(), "train")
+    assert r.cfg.mesh == "fsdp:8" and r.mesh_shape["fsdp"] == 8
+    r = resolve.resolve(Request.of(mesh="8", strategy="dp"), _cpu_platform(), "train")
+    assert r.cfg.mesh == "8" and r.mesh_shape["data"] == 8
 
 
 def test_every_bad_value_is_a_line(capsys):

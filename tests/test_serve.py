@@ -314,15 +314,15 @@ def test_a_run_of_every_strategy_is_served(strategy, tmp_path):
 
     from lab import decode, serve
     from lab.model import natural_layers
-    from lab.studies.serving import study, weights
+    from lab.studies.serving import weights
 
     keys = {"preset": "tiny", "batch_size": 8, "seq_len": 16, "attention": "naive"}
     trained, saved = _saved_run(tmp_path / "r", {**keys, **STRATEGIES[strategy]})
     assert trained.cfg.strategy == strategy.replace("circular", "pp")
     o = serve.Options(run="r", batches=(4,), prefill_batches=(4,))
     s, run_dir = serve._session(o, {"out_dir": str(tmp_path)})
-    study.check_batches(s, (4,))
-    s, params, source = weights.load_params(s, run_dir, 0)
+    decoding = weights.for_decoding(s, (4,))
+    s, params, source = weights.load_params(s, run_dir, 0, decoding=decoding)
     assert source == "run r, step 1" and not s.cfg.model.scan_layers
     assert s.cfg.strategy in ("dp", "fsdp", "tp", "fsdp+tp")
     stages = dict(trained.trainer.mesh.shape).get("stage", 1)

@@ -35,6 +35,7 @@ from lab.parallel import collectives_hlo
 from lab.predict import machines
 from lab.predict.model import predict
 from lab.predict.step import FITS, attention_flops_per_device
+from lab.resolve import defaults
 from lab.session import open_session
 from lab.summary import flops_per_token
 
@@ -594,7 +595,7 @@ def measure_step(cfg_keys: dict, *, budget_s: float = 2.0):
     from lab.mesh import make_mesh
     from lab.train import make_trainer
 
-    cfg = make_config(**cfg_keys)
+    cfg = defaults(make_config(**cfg_keys))
     mesh = make_mesh(cfg.mesh)
     trainer = make_trainer(cfg, mesh)
     compiled = trainer.lower().compile()

@@ -48,7 +48,7 @@ from lab.errors import ConfigError
 from lab.measure.records import writable_dir
 from lab.mesh import known_size
 from lab.report.format import key_args
-from lab.resolve import Request, check_on_cpu
+from lab.resolve import Request, check_on_cpu, defaults
 
 OWN_KEYS = ("coordinator", "num_processes", "process_id")  # set here, per process
 # gloo's per-connection chatter: one line per peer and collective group (at times cut in two)
@@ -95,7 +95,7 @@ def check(processes: int, keys: dict) -> dict:
         raise ConfigError(
             f"{', '.join(clash)}: set by lab.tools.launch for each process; leave out"
         )
-    cfg = make_config(**keys)
+    cfg = defaults(make_config(**keys))
     devices = cfg.cpu_devices or known_size(cfg.mesh)
     if devices % processes:
         raise ConfigError(

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 
 from lab import decode, plans, quant
-from lab.errors import ConfigError
 from lab.measure import memory, specs
 from lab.measure.serving import PlanRow
 from lab.session import Session
@@ -18,7 +17,7 @@ def plan_serving(session: Session, *, batch: int, context: int, int8: bool) -> P
     """The decode step of `batch` sequences over `context` cache slots, float or int8 weights
     and cache, compiled for the session's target; a compiler that refuses it (the program
     does not fit) is a row that says so."""
-    session = for_decoding(session)
+    session = for_decoding(session, (batch,))
     t = session.trainer
     model = t.cfg.model
     abstract = t.abstract_state.params
@@ -28,9 +27,6 @@ def plan_serving(session: Session, *, batch: int, context: int, int8: bool) -> P
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
-    n = decode.batch_multiple(t)
-    if batch % n:
-        raise ConfigError(f"batch={batch} does not split over the mesh's {n} batch devices")
     dec = decode.make_decoder(
         model, t.mesh, t.rules, shardings, batch=batch, max_len=context, int8_cache=int8
     )

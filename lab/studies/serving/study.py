@@ -35,17 +35,6 @@ class Plan:
         return self.context or self.prompt_len + WARM_STEPS + self.steps
 
 
-def check_batches(session: Session, batches) -> None:
-    """Every batch size splits over the mesh's batch axes: one line before any compile."""
-    n = decode.batch_multiple(session.trainer)
-    bad = sorted({b for b in batches if b % n})
-    if bad:
-        raise ConfigError(
-            f"batches {bad} do not split over the mesh's batch axes ({n} devices): use "
-            f"multiples of {n}"
-        )
-
-
 def memory_needed(model, plan: Plan) -> dict[str, float]:
     """Bytes the study holds at its peak, by part (cost.serving_peak_bytes): the largest
     decode batch's cache and the largest prefill batch's logits."""
@@ -88,8 +77,8 @@ def check_memory(session: Session, plan: Plan) -> None:
 def measure(session: Session, params, plan: Plan, *, progress=None) -> Study:
     """The whole study: roofs, prefill, decode over the batch sweep (float, then int8 weights
     and cache at the smallest and largest batch), int8 error. `progress(label)` is called
-    before each point (a progress bar's advance)."""
-    check_batches(session, (*plan.batches, *plan.prefill_batches))
+    before each point (a progress bar's advance). `session` decodes: resolved for decoding
+    with the plan's batches (weights.for_decoding), which split over its mesh."""
     check_memory(session, plan)
     decode.check_prompts([plan.prompt_len], plan.slots(), WARM_STEPS + plan.steps)
     tick = progress or (lambda label: None)

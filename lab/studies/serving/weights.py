@@ -57,32 +57,36 @@ def serving_request(run_dir: Path, keys: dict) -> Request:
     return Request.from_config(saved).with_keys(**over)
 
 
-def for_decoding(session: Session) -> Session:
+def for_decoding(session: Session, batches=()) -> Session:
     """The session of the decoder (lab.decode.unstack_layers says why it runs unscanned):
     the session's request resolved again for decoding on the same platform, never its
-    resolved config edited (a pipeline's scan and stage axis are the trainer's)."""
-    if not session.cfg.model.scan_layers:
-        return session
+    resolved config edited (a pipeline's scan and stage axis are the trainer's); the rules
+    of decoding checked there, `batches` (the batch sizes decoders will be built for)
+    splitting over its mesh among them. A session already resolved for decoding those
+    batches is its own."""
     r = session.resolved
-    return session_for(resolve(r.request, r.platform, "decode"))
+    if r.purpose == "decode" and set(batches) <= set(r.batches):
+        return session
+    return session_for(resolve(r.request, r.platform, "decode", batches=batches))
 
 
-def load_params(session: Session, run_dir: Path | None, seed: int, warn=print):
+def load_params(session: Session, run_dir: Path | None, seed: int, warn=print, *, decoding=None):
     """(decoding session, parameters, where they came from): the newest good checkpoint of
     `run_dir`, or random weights of the preset (the model's own initialisation) when there is
-    no run; unscanned for decoding (`for_decoding`) and placed on its shardings."""
-    decoding = for_decoding(session)
+    no run; unscanned for decoding (`decoding`, else `for_decoding`) and placed on its
+    shardings."""
+    decoding = decoding or for_decoding(session)
     if run_dir is None:
         state = decoding.trainer.init(jax.random.key(seed))
         return decoding, state.params, f"random weights (seed {seed})"
     params, source = _restore(session, run_dir, warn)
-    if decoding is not session:
+    if session.cfg.model.scan_layers:
         stages = dict(session.trainer.mesh.shape).get(STAGE, 1)
         if stages > 1:  # a circular run stores its blocks stage-major: back to layer order
             blocks = natural_layers(session.cfg.model, params["blocks"], stages)
             params = {**params, "blocks": blocks}
         params = decode.unstack_layers(params, session.cfg.model.n_layers)
-        params = jax.device_put(params, decoding.trainer.state_shardings.params)
+    params = jax.device_put(params, decoding.trainer.state_shardings.params)
     return decoding, params, source
 
 
