@@ -34,6 +34,7 @@ from lab.errors import RunError
 from lab.measure import memory
 from lab.measure.gpu_kernels import Kernel
 from lab.measure.records import writable_dir
+from lab.measure.run import RunSummary, StepAnalysis
 from lab.measure.timing import summarise
 from lab.measure.toolchain import Toolchain
 from lab.report import progress, tables
@@ -419,7 +420,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
     if is_main:
         _start_folder(cfg, run_dir, console)
     if cfg.compile_only:
-        console.print(tables.analysis(analysis, compile_s))
+        console.print(tables.analysis(StepAnalysis.from_record(analysis), compile_s))
         if analysis.get("aot", {}).get("kernels"):
             title = f"GPU kernels of one step ({info.device_kind}): compiled, not run"
             aot = analysis["aot"]  # as summary.json holds it: read back into the types
@@ -509,7 +510,7 @@ class _End:
     def write_summary(self, *, show: bool = True) -> None:
         result = self._result()
         if show:
-            self.console.print(tables.run_summary(result))
+            self.console.print(tables.run_summary(RunSummary.from_record(result)))
         if self.is_main:
             try:
                 _summary_whole(self.run_dir, result)

@@ -24,6 +24,7 @@ from lab import devices
 from lab.config import cli, field
 from lab.errors import ConfigError
 from lab.measure import records
+from lab.measure.fitted import Fit, fits_of
 from lab.predict import step
 from lab.report import plots, progress, tables
 from lab.studies import prediction
@@ -72,7 +73,7 @@ def run(o: Options) -> int:
             progress=lambda label: bar.update(task, description=label[:40], advance=1),
             write_fits=o.save,
         )
-    con.print(tables.prediction_rows(summary.rows, summary.fits))
+    con.print(tables.prediction_rows(summary.rows, fits_of(summary.fits)))
     stem = records.output_stem(o.results, "prediction")
     recs = prediction.to_records(summary)
     con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), recs)}")
@@ -99,7 +100,7 @@ def _cpu(o: Options, con) -> int:
             budget_s=o.budget,
             progress=lambda label: bar.update(task, description=label[:40], advance=1),
         )
-    con.print(tables.prediction_cpu_rows(rows, fit))
+    con.print(tables.prediction_cpu_rows(rows, Fit.from_record(fit)))
     if o.save:
         con.print(f"fit → {prediction.save_cpu_fit(rows, fit)}")
     con.print(prediction.cpu_error_line(rows))

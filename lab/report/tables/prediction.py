@@ -4,10 +4,11 @@ the ledger's prediction section as Markdown.
 
 from rich.table import Table
 
+from lab.measure.fitted import Fit
 from lab.report.format import duration
 
 
-def prediction_rows(rows, fits: dict) -> Table:
+def prediction_rows(rows, fits: dict[str, Fit]) -> Table:
     """One row per published point: what was measured, what the model predicts, the error,
     and whether the point calibrated the model or was held out (lab.studies.prediction)."""
     t = Table(title="the step-time model against published measurements (predicted)")
@@ -32,13 +33,13 @@ def prediction_rows(rows, fits: dict) -> Table:
         )
     for v, f in fits.items():
         t.caption = (t.caption + "; " if t.caption else "fitted on the calibration points: ") + (
-            f"{v}: compute {f['compute_efficiency']:.2f}, memory {f['memory_efficiency']:.2f}, "
-            f"op {f['op_overhead_s'] * 1e6:.1f} µs, collective {f['link_latency_s'] * 1e6:.1f} µs"
+            f"{v}: compute {f.compute_efficiency:.2f}, memory {f.memory_efficiency:.2f}, "
+            f"op {f.op_overhead_s * 1e6:.1f} µs, collective {f.link_latency_s * 1e6:.1f} µs"
         )
     return t
 
 
-def prediction_cpu_rows(rows, fit: dict) -> Table:
+def prediction_cpu_rows(rows, fit: Fit) -> Table:
     """The CPU self-check: each lab.run configuration measured here and predicted."""
     t = Table(title="the step-time model on this CPU (measured vs predicted, one run)")
     for col in ("lab.run keys", "measured", "predicted", "error", "role"):
@@ -48,9 +49,9 @@ def prediction_cpu_rows(rows, fit: dict) -> Table:
             r.config, duration(r.measured_s), duration(r.predicted_s), f"{r.error:+.0%}", r.role
         )
     t.caption = (
-        f"fitted on the calibration rows: compute {fit['compute_efficiency']:.2f} of the "
-        f"measured matmul peak, memory {fit['memory_efficiency']:.2f} of the measured copy "
-        f"bandwidth, {fit['op_overhead_s'] * 1e6:.1f} µs per op"
+        f"fitted on the calibration rows: compute {fit.compute_efficiency:.2f} of the "
+        f"measured matmul peak, memory {fit.memory_efficiency:.2f} of the measured copy "
+        f"bandwidth, {fit.op_overhead_s * 1e6:.1f} µs per op"
     )
     return t
 

@@ -6,10 +6,10 @@ import math
 
 from rich.table import Table
 
-from lab.measure import cost
 from lab.measure.offload import OffloadCost
 from lab.measure.pipeline import PipelineReading
 from lab.measure.predicted import PredictedStep
+from lab.measure.run import RunSummary, StepAnalysis
 from lab.report.format import duration, mib, percent
 from lab.report.tables.common import GIB, _mem
 
@@ -51,31 +51,29 @@ def _fitting_header(cfg) -> list[str]:
     return [f"  fitting   {'; '.join(parts)}"] if parts else []
 
 
-def analysis(a: dict, compile_s: float) -> Table:
+def analysis(a: StepAnalysis, compile_s: float) -> Table:
     """The compiled step per device: memory (compiled and predicted), FLOPs, bytes; a plan's
     fit, time and MFU."""
     t = Table(title="compiled step (per device)", show_header=False)
-    for k, v in (a["compiled_memory_per_device"] or {}).items():
+    for k, v in a.compiled_memory:
         if k.startswith("host_") and not v:
             continue  # nothing in host memory: the usual case, not worth a row
         t.add_row(k, _mem(v) if isinstance(v, int | float) else str(v))
-    pred = a["predicted_memory_per_device"]
-    parts = ", ".join(
-        f"{k} {_mem(pred[k])}" for k in ("params", "grads", "optimizer", "activations", "workspace")
-    )
-    if pred.get("host"):
-        parts += f"; in host memory {_mem(pred['host'])}"
-    t.add_row("predicted total (calculator)", f"{_mem(pred['total'])}  ({parts})")
-    c = a["compiled_cost_per_device"] or {}
-    note = cost.lower_bound_note(c)
-    loops = [n for _, n in c.get("loops", []) if n]
-    how = f"  (loops counted × their trips: {', '.join(map(str, loops))})" if loops else ""
-    t.add_row("compiled FLOPs", f"{c.get('flops') or math.nan:.4g}{note}{how}")
-    t.add_row("compiled bytes accessed", _mem(c.get("bytes accessed")) + note)
-    t.add_row("model FLOPs / token", f"{a['model_flops_per_token']:.4g}")
+    pred = a.predicted_memory
+    parts = ", ".join(f"{k} {_mem(v)}" for k, v in pred.parts)
+    if pred.host:
+        parts += f"; in host memory {_mem(pred.host)}"
+    t.add_row("predicted total (calculator)", f"{_mem(pred.total)}  ({parts})")
+    c = a.compiled_cost
+    note = c.lower_bound_note
+    trips = c.loop_trips
+    how = f"  (loops counted × their trips: {', '.join(map(str, trips))})" if trips else ""
+    t.add_row("compiled FLOPs", f"{c.flops or math.nan:.4g}{note}{how}")
+    t.add_row("compiled bytes accessed", _mem(c.bytes_accessed) + note)
+    t.add_row("model FLOPs / token", f"{a.model_flops_per_token:.4g}")
     t.add_row("compile time", f"{compile_s:.2f} s")
     _fitting_rows(t, a)
-    if "aot" in a:
+    if a.plan is not None:
         _plan_rows(t, a)
     return t
 
@@ -100,36 +98,36 @@ def offload_line(o: OffloadCost) -> str:
     )
 
 
-def _fitting_rows(t: Table, a: dict) -> None:
+def _fitting_rows(t: Table, a: StepAnalysis) -> None:
     """Pipeline bubble, offloading's traffic and what the backend did not do (lab.run)."""
-    if a.get("pipeline"):
-        t.add_row("pipeline bubble", pipeline_line(PipelineReading.from_record(a["pipeline"])))
-    if a.get("offload"):
-        t.add_row("host offload", offload_line(OffloadCost.from_record(a["offload"])))
-    for note in a.get("notes", ()):
+    if a.pipeline:
+        t.add_row("pipeline bubble", pipeline_line(a.pipeline))
+    if a.offload:
+        t.add_row("host offload", offload_line(a.offload))
+    for note in a.notes:
         t.add_row("note", note)
 
 
-def _plan_rows(t: Table, a: dict) -> None:
-    plan, cap = a["aot"], a["capacity_bytes_per_device"]
+def _plan_rows(t: Table, a: StepAnalysis) -> None:
+    plan, cap = a.plan, a.capacity_bytes
     if cap:
-        t.add_row("memory per device (spec)", f"{cap / GIB:.1f} GiB: {plan['fit']}")
-    est = plan["estimated_step_s"]
-    predicted = a.get("predicted_step") and PredictedStep.from_record(a["predicted_step"])
+        t.add_row("memory per device (spec)", f"{cap / GIB:.1f} GiB: {plan.fit}")
+    est = plan.estimated_step_s
+    predicted = a.predicted_step
     t.add_row(
         "predicted step time" if predicted else "estimated step time",
-        "n/a" if est is None else f"{duration(est)} ({plan['estimate_source']})",
+        "n/a" if est is None else f"{duration(est)} ({plan.estimate_source})",
     )
     if predicted:
         t.add_row("  where it goes", breakdown_line(predicted))
         t.add_row("  top ops", top_ops_line(predicted))
-        tokens = a.get("tokens_per_step")
+        tokens = a.tokens_per_step
         if tokens and est:
             t.add_row("predicted tokens/s", f"{tokens / est:,.0f}")
-    mfu = plan["implied_mfu"]
-    bound = "at most " if plan["estimate_source"].startswith("roofline floor") else ""
+    mfu = plan.implied_mfu
+    bound = "at most " if plan.mfu_is_a_bound else ""
     t.add_row("implied MFU", "n/a" if mfu is None else f"{bound}{percent(mfu)}")
-    t.add_row("label", plan["label"])
+    t.add_row("label", plan.label)
 
 
 def breakdown_line(predicted: PredictedStep) -> str:
@@ -147,39 +145,38 @@ def top_ops_line(predicted: PredictedStep, n: int = 3) -> str:
     )
 
 
-def run_summary(s: dict) -> Table:
+def run_summary(s: RunSummary) -> Table:
     t = Table(title="summary", show_header=False)
-    st = s["step_time"]
+    st, a = s.step_time, s.analysis
     t.add_row(
         "step time (median)",
-        f"{duration(st['median_s'])}  (p10 {duration(st['p10_s'])}, "
-        f"p90 {duration(st['p90_s'])}, {st['runs']} steps)",
+        f"{duration(st.median_s)}  (p10 {duration(st.p10_s)}, "
+        f"p90 {duration(st.p90_s)}, {st.runs} steps)",
     )
-    p = s.get("predicted_step_time")
+    p = s.predicted
     if p:
         t.add_row(
             "predicted step time",
-            f"{duration(p['seconds'])}  ({p['ratio_to_measured']:.2f}× the measured; "
-            f"{breakdown_line(PredictedStep.from_record(s['predicted_step']))}; {p['error']})",
+            f"{duration(p.seconds)}  ({p.ratio_to_measured:.2f}× the measured; "
+            f"{breakdown_line(a.predicted_step)}; {p.error})",
         )
-    t.add_row("compile time", f"{st['compile_s']:.2f} s (not in the step time)")
+    t.add_row("compile time", f"{st.compile_s:.2f} s (not in the step time)")
     t.add_row(
         "tokens/s",
-        f"{s['tokens_per_s']:,.0f} global, {s['tokens_per_s_per_device']:,.0f} per device",
+        f"{s.tokens_per_s:,.0f} global, {s.tokens_per_s_per_device:,.0f} per device",
     )
-    t.add_row("model FLOPs/token", f"{s['model_flops_per_token']:.4g}  [{s['flops_convention']}]")
-    mfu = "unavailable" if s["mfu"] is None else percent(s["mfu"])
-    if s["mfu"] is not None and s["mfu"] > 1:
+    t.add_row("model FLOPs/token", f"{a.model_flops_per_token:.4g}  [{a.flops_convention}]")
+    mfu = "unavailable" if s.mfu is None else percent(s.mfu)
+    if s.mfu is not None and s.mfu > 1:
         mfu += " [above the peak: the load on the host changed between run and peak]"
-    t.add_row("MFU", f"{mfu}  (vs {s['peak_source']})")
-    mem = s["compiled_memory_per_device"] or {}
-    peak = (s["memory_stats"] or {}).get("peak_bytes_in_use")
+    t.add_row("MFU", f"{mfu}  (vs {s.peak_source})")
+    peak = s.peak_bytes_in_use
     t.add_row(
         "memory / device",
-        f"{_mem(mem.get('total_bytes'))} compiled"
+        f"{_mem(a.compiled_total_bytes)} compiled"
         + (f", {_mem(peak)} peak in use" if peak is not None else ""),
     )
-    if s["loss_first"] is not None:
-        t.add_row("loss", f"{s['loss_first']:.4f} → {s['loss_last']:.4f}")
-    _fitting_rows(t, s)
+    if s.loss_first is not None:
+        t.add_row("loss", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
+    _fitting_rows(t, a)
     return t

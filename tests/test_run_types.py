@@ -1,0 +1,51 @@
+"""The types lab.run's and the prediction tool's renderers take: read from the JSON the lab
+keeps (summary.json, fits.json) and given back key for key."""
+
+from lab.measure.fitted import Fit, fits_of
+from lab.measure.run import RunSummary, StepAnalysis
+from lab.predict.step import fits
+from lab.report.tables import prediction_cpu_rows, run_summary
+
+SUMMARY = {
+    "compiled_memory_per_device": {"total_bytes": 2**20, "host_temp_bytes": 0},
+    "predicted_memory_per_device": {
+        **{k: 1024 for k in ("params", "grads", "optimizer", "activations", "workspace")},
+        "total": 5120,
+    },
+    "compiled_cost_per_device": {"flops": 1e9, "bytes accessed": 1e6, "loops": [["body", 4]]},
+    "model_flops_per_token": 7.9e5,
+    "flops_convention": "6·N",
+    "tokens_per_step": 2048,
+    "notes": ["a note"],
+    "capacity_bytes_per_device": None,
+    "predicted_step": None,
+    "step_time": {"median_s": 0.1, "p10_s": 0.09, "p90_s": 0.12, "runs": 3, "compile_s": 2.0},
+    "tokens_per_s": 20480.0,
+    "tokens_per_s_per_device": 20480.0,
+    "mfu": 0.4,
+    "peak_source": "measured",
+    "predicted_step_time": None,
+    "memory_stats": None,
+    "loss_first": 6.4,
+    "loss_last": 6.3,
+}
+
+
+def test_a_run_summary_reads_summary_json_and_gives_it_back():
+    s = RunSummary.from_record(SUMMARY)
+    assert s.record() == SUMMARY and s.step_time.runs == 3 and s.peak_bytes_in_use is None
+    a = s.analysis
+    assert a.compiled_total_bytes == 2**20 and a.compiled_cost.loop_trips == (4,)
+    assert a.predicted_memory.parts[0] == ("params", 1024) and a.plan is None
+    assert StepAnalysis.from_record(a.record()) == a
+    assert a.record().items() <= SUMMARY.items()
+    assert run_summary(s).row_count == 8  # the note among them
+
+
+def test_the_fits_read_and_given_back():
+    stored = {v: e["fit"] for v, e in fits().items() if isinstance(e, dict) and "fit" in e}
+    assert stored and all(f.record() == stored[v] for v, f in fits_of(stored).items())
+    cpu = {"compute_efficiency": 0.3, "memory_efficiency": 0.7, "op_overhead_s": 3e-6}
+    fit = Fit.from_record(cpu)
+    assert fit.record() == cpu and fit.link_latency_s is None
+    assert "compute 0.30 of the" in prediction_cpu_rows([], fit).caption
