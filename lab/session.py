@@ -30,16 +30,18 @@ def open_session(
     keys: dict | None = None,
     request: Request | None = None,
     purpose: str = "train",
+    batches=(),
 ) -> Session:
     """A session for a `request` (or the user's typed `keys`, lab.config.parse_keys: the
     keys left out take the defaults of the backend found, a GPU run is bigger than a CPU
-    one), or for a `cfg` built in code (every field as given)."""
+    one), or for a `cfg` built in code (every field as given); for decoding (purpose decode),
+    `batches` are the batch sizes its decoders will be built for."""
     if request is None:
         request = Request.from_config(cfg) if cfg is not None else Request.of(**(keys or {}))
     platform = Platform.found(request)
     if platform.aot and purpose == "train":
         purpose = "plan"  # a target's devices: nothing can run
-    return session_for(resolve(request, platform, purpose))
+    return session_for(resolve(request, platform, purpose, batches=batches))
 
 
 def session_for(resolved: Resolved) -> Session:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from lab.errors import ConfigError
 from lab.run import main as train
 from lab.studies import prediction
 from lab.tools.prediction import main as tool
@@ -147,3 +148,19 @@ def test_a_failure_that_is_not_the_compilers_is_never_cached(tmp_path, monkeypat
     summary = prediction.run([point], tmp_path)
     row = next(r for r in summary.rows if r.id == point["id"])
     assert "not cached" in (row.note or "") and not list(tmp_path.iterdir())
+
+
+def test_a_serving_point_whose_batch_does_not_split_is_one_line(tmp_path):
+    """A serving point is resolved for decoding its batch as lab.serve resolves it: a batch
+    that does not split over the mesh's batch axes is the resolver's one line, not a failed
+    assertion inside the decoder."""
+    point = {
+        "id": "bad-batch",
+        "workload": "decode",
+        "lab_config": {"module": "lab.serve", "model": "tiny", "mesh": "data:2"},
+    }
+    point["lab_config"] |= {"plan_batch": 3, "plan_context": 16}
+    with pytest.raises(ConfigError) as e:
+        prediction.program(point, tmp_path)
+    assert len(str(e.value).splitlines()) == 1 and "batches [3]" in str(e.value)
+    assert not list(tmp_path.iterdir())  # nothing cached

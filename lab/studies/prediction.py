@@ -171,13 +171,20 @@ SERVE_KEYS = ("module", "plan_batch", "plan_context", "prefill_batches", "prompt
 def _serve_program(point: dict) -> dict:
     """A serving point's program: lab.serve's decode step (one token for every sequence of the
     batch over a cache of `plan_context` slots) or its prefill (`prompt_len` tokens), compiled
-    for the target with the weights sharded as lab.serve shards them (unscanned layers)."""
+    for the target with the weights sharded as lab.serve shards them (unscanned layers). The
+    config is resolved for decoding that batch as lab.serve resolves it: a batch that does not
+    split over the mesh is one line, before anything is built."""
     from lab import decode, quant
 
     lc = point["lab_config"]
+    prefill = point["workload"] == "prefill"
+    if prefill:
+        batch, context = int(str(lc.get("prefill_batches", 1)).split(",")[0]), lc["prompt_len"]
+    else:
+        batch, context = int(lc["plan_batch"]), int(lc["plan_context"])
     keys = {k: v for k, v in lc.items() if k not in SERVE_KEYS}
     cfg = make_config(**{**keys, "compile_only": True, "scan_layers": False})
-    session = open_session(cfg)
+    session = open_session(cfg, purpose="decode", batches=(batch,))
     t = session.trainer
     abstract = t.abstract_state.params
     if lc.get("int8"):
@@ -185,11 +192,6 @@ def _serve_program(point: dict) -> dict:
     shardings = decode.param_shardings(t.state_shardings.params, abstract)
     sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
     abstract = jax.tree.map(sds, abstract, shardings)
-    prefill = point["workload"] == "prefill"
-    if prefill:
-        batch, context = int(str(lc.get("prefill_batches", 1)).split(",")[0]), lc["prompt_len"]
-    else:
-        batch, context = int(lc["plan_batch"]), int(lc["plan_context"])
     dec = decode.make_decoder(t.cfg.model, t.mesh, t.rules, shardings, batch=batch, max_len=context)
     cache = jax.tree.map(sds, dec.abstract_cache, dec.cache_sharding)
     rows = dec.batch_sharding
