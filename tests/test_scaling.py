@@ -4,14 +4,20 @@ steps (tiny size, dp only: the machinery, not the numbers), tables and a plot.""
 import pytest
 from rich.console import Console
 
+from lab.measure.scaling import ScalingStudy
 from lab.report import plots, tables
 from lab.studies import scaling
 from lab.tools import scaling as scaling_tool
 
 
 @pytest.fixture(scope="module")
-def recs():
+def study():
     return scaling.run("tiny", strategies=("dp",))
+
+
+@pytest.fixture(scope="module")
+def recs(study):
+    return study.records()
 
 
 def _values(recs, experiment, what):
@@ -48,13 +54,25 @@ def test_remat_records_from_the_compiled_step(recs):
     assert temp["full"] <= temp["none"]
 
 
-def test_tables_and_plot(recs, tmp_path):
+def test_the_rows_are_their_records(study, recs):
+    """Each row's fields are its records' figures; the records read back are the same rows,
+    and give back the same records."""
+    assert [(p.strategy, p.devices) for p in study.strong] == [("dp", 1), ("dp", 2)]
+    one = study.strong[0]
+    assert one.step_s == _values(recs, "scaling", "step time")[(("devices", 1),)]["value"]
+    assert study.simulated and all(0 < p.efficiency <= 1 for p in study.extrapolated)
+    assert [p.remat for p in study.remat] == ["none", "full"]
+    again = ScalingStudy.from_records(recs)
+    assert again == study and again.records() == recs
+
+
+def test_tables_and_plot(study, tmp_path):
     console = Console(record=True, width=140)
-    for table in tables.scaling(recs):
+    for table in tables.scaling(study):
         console.print(table)
     text = console.export_text()
     assert "EXTRAPOLATED" in text and "simulated CPU devices" in text
-    assert plots.scaling_study(recs, tmp_path / "s.png", "t").stat().st_size > 0
+    assert plots.scaling_study(study, tmp_path / "s.png", "t").stat().st_size > 0
 
 
 def test_meshes_and_bad_input(capsys):

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lab.measure.attention import SweepRow
+from lab.measure.scaling import ScalingStudy
 
 
 def _plt():
@@ -407,33 +408,29 @@ def collectives(points, path, title: str) -> Path:
     return _save(fig, path, dpi=120)
 
 
-def _study(recs: list[dict], experiment: str, what: str) -> list[dict]:
-    return [r for r in recs if r["config"].get("experiment") == experiment and r["what"] == what]
-
-
-def scaling_study(recs: list[dict], path, title: str) -> Path:
+def scaling_study(study: ScalingStudy, path, title: str) -> Path:
     """Step time per strategy vs devices; extrapolated DP efficiency; memory per remat vs batch."""
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    steps = _study(recs, "scaling", "step time")
-    for strategy in dict.fromkeys(r["config"]["strategy"] for r in steps):
-        pts = [r for r in steps if r["config"]["strategy"] == strategy]
-        xs, ys = [r["config"]["devices"] for r in pts], [r["value"] * 1e3 for r in pts]
+    steps = [p for p in study.strong if p.step_s is not None]
+    for strategy in dict.fromkeys(p.strategy for p in steps):
+        pts = [p for p in steps if p.strategy == strategy]
+        xs, ys = [p.devices for p in pts], [p.step_s * 1e3 for p in pts]
         axes[0].plot(xs, ys, "o-", label=strategy)
     axes[0].set(xlabel="devices", ylabel="step time (ms)", title="measured step time")
-    for what, style in (("no overlap", "o-"), ("perfect overlap", "s--")):
-        pts = _study(recs, "dp extrapolation", f"DP efficiency (extrapolated, {what})")
-        xs, ys = [r["config"]["devices"] for r in pts], [r["value"] for r in pts]
-        axes[1].plot(xs, ys, style, label=what)
+    for what, field in (("no overlap", "efficiency"), ("perfect overlap", "efficiency_overlap")):
+        pts = [p for p in study.extrapolated if getattr(p, field) is not None]
+        xs, ys = [p.devices for p in pts], [getattr(p, field) for p in pts]
+        axes[1].plot(xs, ys, "o-" if field == "efficiency" else "s--", label=what)
     axes[1].set(
         ylim=(0, 1.05), xlabel="devices", ylabel="efficiency", title="DP efficiency — EXTRAPOLATED"
     )
-    mems = _study(recs, "remat", "peak memory per device")
-    for remat in dict.fromkeys(r["config"]["remat"] for r in mems):
-        pts = [r for r in mems if r["config"]["remat"] == remat]
-        xs, ys = [r["config"]["batch"] for r in pts], [r["value"] / 2**20 for r in pts]
+    mems = [p for p in study.remat if p.peak_bytes is not None]
+    for remat in dict.fromkeys(p.remat for p in mems):
+        pts = [p for p in mems if p.remat == remat]
+        xs, ys = [p.batch for p in pts], [p.peak_bytes / 2**20 for p in pts]
         axes[2].plot(xs, ys, "o-", label=f"remat={remat}")
     axes[2].set(xlabel="batch", ylabel="peak MiB per device", title="remat × batch (compiled step)")
     for ax in axes[:2]:

@@ -1,7 +1,7 @@
 """One model over 1, 2, 4, 8 devices per strategy; remat; batch (`python -m lab.tools.scaling`).
 
 Three experiments on the real compiled train step (lab.train.make_trainer), one record each
-figure (lab.measure.records):
+figure (lab.measure.records), the records of one row held by its type (lab/measure/scaling.py):
 
 1. Scaling (strong: the global batch is fixed). Per strategy and device count: step time
    (lab.measure.timing.bench over the donated step), per-device memory (memory_analysis),
@@ -37,6 +37,7 @@ import numpy as np
 from lab.config import Config, make_config, override
 from lab.data import synthetic_batch, to_global
 from lab.measure import collectives, memory, records, specs, timing
+from lab.measure.scaling import DPExtrapolation, RematPoint, ScalingStudy, StrongPoint
 from lab.mesh import make_mesh
 from lab.names import DATA
 from lab.parallel import collectives_hlo
@@ -174,8 +175,9 @@ def _env_note() -> dict:
     return {"simulated_devices": env["backend"] == "cpu" and env["device_count"] > 1}
 
 
-def scaling(size: Size, strategies=STRATEGIES) -> list[dict]:
-    """Experiment 1: records of step time, collective/compute split and memory."""
+def scaling(size: Size, strategies=STRATEGIES) -> tuple[StrongPoint, ...]:
+    """Experiment 1: step time, collective/compute split and memory, a row per strategy and
+    device count (four records each)."""
     out = []
     counts = [n for n in size.device_counts if n <= jax.device_count()]
     for strategy in strategies:
@@ -194,7 +196,7 @@ def scaling(size: Size, strategies=STRATEGIES) -> list[dict]:
                 model=_model_name(size),
                 **_env_note(),
             )
-            out += [
+            recs = [
                 records.make_record(
                     "step time", m.step.median_s, "s", **common, **m.step.as_dict()
                 ),
@@ -220,7 +222,8 @@ def scaling(size: Size, strategies=STRATEGIES) -> list[dict]:
                     **common,
                 ),
             ]
-    return out
+            out.append(StrongPoint.from_records(recs))
+    return tuple(out)
 
 
 def dp_bandwidth(mesh, budget_s: float) -> tuple[float, str]:
@@ -234,8 +237,9 @@ def dp_bandwidth(mesh, budget_s: float) -> tuple[float, str]:
     return bw, f"1 MiB all-reduce busbw measured here on {mesh.shape[DATA]} {kind} devices"
 
 
-def extrapolate(size: Size) -> list[dict]:
-    """Experiment 2: DP efficiency at 16/64/256 devices, extrapolated (weak scaling)."""
+def extrapolate(size: Size) -> tuple[DPExtrapolation, ...]:
+    """Experiment 2: DP efficiency at 16/64/256 devices, extrapolated (weak scaling), a row
+    per device count."""
     n_max = max(n for n in size.device_counts if n <= jax.device_count())
     per_device = max(1, size.batch // n_max)
     cfg = _config(size, "1", "dp", per_device, remat="none", scan_layers=True)
@@ -263,7 +267,7 @@ def extrapolate(size: Size) -> list[dict]:
         )
         eff = t_c / (t_c + t_comm)
         eff_overlap = t_c / max(t_c, t_comm)
-        out += [
+        recs = [
             records.make_record(
                 "DP efficiency (extrapolated, no overlap)", eff, "1", label="predicted", **common
             ),
@@ -275,10 +279,11 @@ def extrapolate(size: Size) -> list[dict]:
                 **common,
             ),
         ]
-    return out
+        out.append(DPExtrapolation.from_records(recs))
+    return tuple(out)
 
 
-def remat_batch(size: Size) -> list[dict]:
+def remat_batch(size: Size) -> tuple[RematPoint, ...]:
     """Experiment 3: peak memory and step time per remat policy and batch, one device."""
     out = []
     for remat in size.remats:
@@ -293,7 +298,7 @@ def remat_batch(size: Size) -> list[dict]:
                 model=_model_name(size),
                 scan_layers=True,
             )
-            out += [
+            recs = [
                 records.make_record(
                     "step time", m.step.median_s, "s", **common, **m.step.as_dict()
                 ),
@@ -306,12 +311,13 @@ def remat_batch(size: Size) -> list[dict]:
                     **common,
                 ),
             ]
-    return out
+            out.append(RematPoint.from_records(recs))
+    return tuple(out)
 
 
-def run(size: str = "quick", strategies=STRATEGIES) -> list[dict]:
-    """All three experiments at `size` (tiny | quick | full): the records, for experiments/."""
+def run(size: str = "quick", strategies=STRATEGIES) -> ScalingStudy:
+    """All three experiments at `size` (tiny | quick | full); `.records()` is their records."""
     if size not in SIZES:
         raise ValueError(f"size={size!r}: expected one of {', '.join(SIZES)}")
     s = SIZES[size]
-    return scaling(s, strategies) + extrapolate(s) + remat_batch(s)
+    return ScalingStudy(scaling(s, strategies), extrapolate(s), remat_batch(s))

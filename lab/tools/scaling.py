@@ -32,14 +32,14 @@ def run(o: Options) -> int:
     stem = records.output_stem(o.out_dir, "scaling")
     con = progress.console(width=max(120, progress.console().width))  # the tables are wide
     t0 = time.perf_counter()
-    recs = scaling.run(o.size, o.strategies)
-    for table in tables.scaling(recs):
+    study = scaling.run(o.size, o.strategies)
+    for table in tables.scaling(study):
         con.print(table)
-    con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), recs)}")
+    con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), study.records())}")
     if o.plot:
         env = records.environment()
         title = f"{env['device_kind']} ({env['backend']}) · jax {env['jax_version']}"
-        con.print(f"plot → {plots.scaling_study(recs, stem.with_suffix('.png'), title)}")
+        con.print(f"plot → {plots.scaling_study(study, stem.with_suffix('.png'), title)}")
     con.print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0
 

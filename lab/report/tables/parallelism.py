@@ -2,6 +2,7 @@
 
 from rich.table import Table
 
+from lab.measure.scaling import ScalingStudy
 from lab.report.format import duration, mib, percent, size
 
 
@@ -22,24 +23,13 @@ def collectives(points, title: str) -> Table:
     return t
 
 
-def _by(recs: list[dict], experiment: str, what: str) -> list[dict]:
-    return [r for r in recs if r["config"].get("experiment") == experiment and r["what"] == what]
-
-
-def _value(recs, experiment, what, **match):
-    for r in _by(recs, experiment, what):
-        if all(r["config"].get(k) == v for k, v in match.items()):
-            return r["value"]
-    return None
-
-
 def _ms(x) -> str:
     return "—" if x is None else f"{x * 1e3:,.2f}"
 
 
-def scaling(recs: list[dict]) -> list[Table]:
+def scaling(study: ScalingStudy) -> list[Table]:
     """The scaling study's three tables: strong scaling, DP extrapolation, remat × batch."""
-    sim = any(r["config"].get("simulated_devices") for r in recs)
+    sim = study.simulated
     t1 = Table(
         title="scaling (strong, fixed global batch)" + (" · simulated CPU devices" if sim else "")
     )
@@ -47,23 +37,20 @@ def scaling(recs: list[dict]) -> list[Table]:
     cols = ("strategy", "devices", "mesh", "step ms", "collectives ms", "compute ms", "MiB/dev")
     for col in cols:
         t1.add_column(col, no_wrap=True)
-    for r in _by(recs, "scaling", "step time"):
-        c = r["config"]
-        key = dict(strategy=c["strategy"], devices=c["devices"])
-        comm = _value(recs, "scaling", "collective time (HLO bytes / measured busbw)", **key)
-        comp = _value(recs, "scaling", "compute time (step - collectives)", **key)
-        mem = _value(recs, "scaling", "memory per device", **key)
+    for p in study.strong:
+        if p.step_s is None:
+            continue
         t1.add_row(
-            c["strategy"],
-            str(c["devices"]),
-            c["mesh"],
-            _ms(r["value"]),
-            _ms(comm),
-            _ms(comp),
-            mib(mem, 2),
+            p.strategy,
+            str(p.devices),
+            p.mesh,
+            _ms(p.step_s),
+            _ms(p.collective_s),
+            _ms(p.compute_s),
+            mib(p.memory_bytes, 2),
         )
-    rows = _by(recs, "dp extrapolation", "DP efficiency (extrapolated, no overlap)")
-    src = rows[0]["config"]["bandwidth_source"] if rows else ""
+    rows = [p for p in study.extrapolated if p.efficiency is not None]
+    src = rows[0].bandwidth_source if rows else ""
     t2 = Table(title=f"data-parallel efficiency — EXTRAPOLATED, not measured (bandwidth: {src})")
     for col in (
         "devices",
@@ -74,29 +61,20 @@ def scaling(recs: list[dict]) -> list[Table]:
         "with overlap",
     ):
         t2.add_column(col)
-    for r in rows:
-        c = r["config"]
-        what = "DP efficiency (extrapolated, perfect overlap)"
-        over = _value(recs, "dp extrapolation", what, devices=c["devices"])
+    for p in rows:
         t2.add_row(
-            str(c["devices"]),
-            str(c["per_device_batch"]),
-            _ms(c["compute_s"]),
-            _ms(c["comm_s"]),
-            percent(r["value"]),
-            percent(over),
+            str(p.devices),
+            str(p.per_device_batch),
+            _ms(p.compute_s),
+            _ms(p.comm_s),
+            percent(p.efficiency),
+            percent(p.efficiency_overlap),
         )
     t3 = Table(title="remat × batch on one device (scanned blocks): the real compiled step")
     for col in ("remat", "batch", "step ms", "peak MiB (memory_analysis)", "temporaries MiB"):
         t3.add_column(col)
-    for r in _by(recs, "remat", "peak memory per device"):
-        c = r["config"]
-        step = _value(recs, "remat", "step time", remat=c["remat"], batch=c["batch"])
-        t3.add_row(
-            c["remat"],
-            str(c["batch"]),
-            _ms(step),
-            mib(r["value"], 2),
-            mib(c.get("temp_bytes"), 2),
-        )
+    for p in study.remat:
+        if p.peak_bytes is None:
+            continue
+        t3.add_row(p.remat, str(p.batch), _ms(p.step_s), mib(p.peak_bytes, 2), mib(p.temp_bytes, 2))
     return [t1, t2, t3]
