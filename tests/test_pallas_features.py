@@ -229,6 +229,8 @@ needs_mgpu_interpreter = pytest.mark.skipif(
 # most. Unseen keys hold NaN at its 64-key granularity.
 MGPU_MASK_CASES = [
     ("causal-more-queries", "bfloat16", 2, 200, 100, None),
+    ("window", "bfloat16", 1, 200, 200, 5.0),
+    ("lengths", "float16", 2, 130, 130, None),
 ]
 
 

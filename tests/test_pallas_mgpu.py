@@ -482,6 +482,7 @@ def test_options_compile_for_h100_without_spills(
 # registers), MHA where the dK/dV kernel is tightest.
 MASK_COMPILE_CASES = [
     pytest.param(("sinks", "empty_rows"), 2, id="sinks-causal-more-queries-gqa4"),
+    pytest.param(("window", "lengths"), 8, id="window-lengths-mha"),
 ]
 
 
