@@ -231,6 +231,8 @@ MGPU_MASK_CASES = [
     ("causal-more-queries", "bfloat16", 2, 200, 100, None),
     ("window", "bfloat16", 1, 200, 200, 5.0),
     ("lengths", "float16", 2, 130, 130, None),
+    ("segments", "float16", 1, 130, 130, None),
+    ("combined", "float16", 2, 100, 100, 5.0),
 ]
 
 

@@ -209,6 +209,46 @@ def test_the_race_detector_sees_this_kernel(fresh_interpreter):
     assert races_found()
 
 
+@needs_interpreter
+def test_masks_and_sinks_through_the_dispatch_without_races(fresh_interpreter):
+    """Every mask feature at once with sinks, through `attention` in the GPU interpreter with
+    the race detector on (the segment ids ride the TMA barriers of Q and K): packed
+    documents, per-sequence lengths, a window open on both sides, causal, GQA, two
+    sequences; output and the four gradients against float64."""
+    B, L, H, G, K = 2, 150, 4, 2, 64
+    keys = jax.random.split(jax.random.key(11), 5)
+    q, k, v, do = (
+        jax.random.normal(key, (B, L, n, K), jnp.float32).astype(jnp.bfloat16)
+        for key, n in zip(keys, (H, G, G, H), strict=False)
+    )
+    sinks = jax.random.normal(keys[4], (H,)) * 2
+    seg = jnp.asarray(np.array([[0] * 70 + [1] * 80, [3] * 20 + [4] * 130]))
+    mask = dict(
+        window=(40, 8), q_segment_ids=seg, q_lengths=jnp.array([150, 90]),
+        kv_lengths=jnp.array([140, 150]),
+    )  # fmt: skip
+    params = pallas_mgpu.interpret_params(detect_races=True)
+
+    def run(fn, q, k, v, sinks, do):
+        o, vjp = jax.vjp(fn, q, k, v, sinks)
+        return (o, *vjp(do))
+
+    attn = functools.partial(attention, causal=True, impl="pallas_mgpu", interpret=params, **mask)
+    fn = lambda q, k, v, s: attn(q, k, v, sinks=s)  # noqa: E731
+    args = (q, k, v, sinks, do)
+    got = jax.jit(functools.partial(run, fn)).lower(*args).compile(FAST_COMPILE)(*args)
+    assert not races_found()
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in args]
+        ref = functools.partial(attention, causal=True, impl="naive", **mask)
+        want = run(lambda q, k, v, s: ref(q, k, v, sinks=s), *f64)
+    errors = {}
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want, strict=True):
+        w = np.asarray(w)
+        errors[name] = float(np.abs(np.asarray(g, np.float64) - w).max() / np.abs(w).max())
+    assert max(errors.values()) < TOL["bfloat16"], errors
+
+
 def _train_losses(attention_impl: str, steps: int = 3) -> list[float]:
     """A tiny model (one layer, head_dim 64, 2 query heads per kv head, bf16), a few steps."""
     from lab.config import parse_args
@@ -483,6 +523,8 @@ def test_options_compile_for_h100_without_spills(
 MASK_COMPILE_CASES = [
     pytest.param(("sinks", "empty_rows"), 2, id="sinks-causal-more-queries-gqa4"),
     pytest.param(("window", "lengths"), 8, id="window-lengths-mha"),
+    # segment ids with a band: the forward's key tiles drop to 64 rows (plan_for)
+    pytest.param(("segments", "window", "lengths"), 8, id="segments-window-lengths-mha"),
 ]
 
 

@@ -113,7 +113,9 @@ from lab.measure import toolchain
 DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma on 16-bit inputs; f32 stays with pallas_gpu
 HEAD_DIMS = (64, 128, 256)  # q/k and v alike (v's may differ); each compiled with 0 spills
 # What the dispatch may pass beyond plain attention (common.FEATURE_NAMES).
-FEATURES = frozenset({"softcap", "sinks", "lse", "value_dim", "empty_rows", "lengths", "window"})
+FEATURES = frozenset(
+    {"softcap", "sinks", "lse", "value_dim", "empty_rows", "segments", "lengths", "window"}
+)
 # Above this sum of the q/k and v head dims the dK/dV kernel runs as two launches (dkv_launches).
 MAX_DKV_COLUMNS = 256
 # Widest output a forward or dQ launch accumulates in registers; wider ones run in parts.
