@@ -18,6 +18,8 @@
    ptxas run and launch (lab/plans/resources.py). Two of the four (head_dim × dtype × causal)
    pairwise points run on both legs, the other two once (slow_plan), one of them as the
    training-step plan of 8 H100s (`lab.run target=gpu:h100:8 mesh=4x2 attention=pallas`).
+   Masks and sinks: every mask feature with sinks through the dispatch, races checked (each
+   mask kind alone: tests/test_pallas_features.py); one compile per feature set, no spill.
 3. The model trains with attention=pallas_mgpu in the interpreter with blockwise's losses.
 4. Dispatch: on Hopper (a real device kind or a target's) `pallas` and `auto` pick it where it
    takes the input; pallas_gpu elsewhere. The tuner's static pass drops a candidate that

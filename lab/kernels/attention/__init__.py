@@ -29,11 +29,12 @@ auto            the best available for the backend, never an interpreted kernel:
                 and within 10% of it at 256. Falls back to blockwise when the chosen kernel
                 does not take the input (dtype, head_dim).
 
-The toolchain counts too: ptxas of CUDA 12.8.0 up to 12.9.1 miscompiles pallas_mgpu's causal
-mask (lab/measure/toolchain.py). There `impl=pallas_mgpu` with causal=True is refused (one
-line naming the ptxas and the way out), and `auto`/`pallas` pass it over for the next kernel
-that takes the input; `choose_noted` says so, and lab.run's header and the attention plan
-print it. Interpreted kernels run no ptxas and are not checked.
+The toolchain counts too: ptxas of CUDA 12.8.0 up to 12.9.1 miscompiles pallas_mgpu's masks
+(lab/measure/toolchain.py). There `impl=pallas_mgpu` with causal=True or any other mask (a
+window, lengths, segment ids, padded keys: `_masked`) is refused (one line naming the
+ptxas and the way out), and `auto`/`pallas` pass it over for the next kernel that takes the
+input; `choose_noted` says so, and lab.run's header and the attention plan print it.
+Interpreted kernels run no ptxas and are not checked.
 
 Masks and features (common.Mask; keyword arguments of `attention`): causal, a sliding window,
 segment ids (packed sequences), per-sequence lengths, causal with L > S (rows with no key give

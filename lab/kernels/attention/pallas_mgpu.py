@@ -36,6 +36,22 @@ needs) only as barrier bookkeeping (wait on the load, arrive on free). The dK/dV
 one flat loop over its stream and applies the mask (`lax.cond`) to the blocks that need it:
 nested loops around its two accumulators spilled registers at head_dim 128, so a block only
 the sibling key tile sees is computed fully masked instead of skipped (at most one per head).
+Masks (common.Mask: a window, per-sequence lengths, segment ids, causal with more queries
+than keys) take a second path, as pallas_gpu's and pallas_tpu's do: before the kernels run,
+`Mask.block_map` classifies every (query block, key block) tile at each kernel's tiles and
+`_ranges` turns it into each tile's (lo, hi, full_lo, full_hi) and each CTA's stream (first
+block, count), int32 arrays in global memory that the kernels read as scalars (per sequence
+where the mask has arrays). The producer loads only its CTA's stream; each warpgroup steps over
+the blocks outside its own range (barrier bookkeeping), runs its first run of full blocks
+without the mask and masks the rest (`_Tiles.mask`: the band and the lengths on the position
+vectors, segment ids as two id vectors, the tile's by TMA beside Q and the streamed block's
+beside K). A row that sees no key keeps the initial max: output 0, log-sum-exp +inf (the
+backward's P is then 0); a key tile no query sees is zeroed after the dK/dV kernel. With segment
+ids and a band or lengths the forward's key tiles are 64 rows (`plan_for`: 128 spilled).
+Attention sinks are folded into the output and log-sum-exp after the forward
+(common.fold_sinks), which leaves the backward kernels exact unchanged; their gradient is
+-Σ P_sink·delta per head, outside the kernels.
+
 Grouped-query heads: the forward and dQ kernels read kv head h // R; the dK/dV kernel runs per
 kv head and streams the query tiles of all R heads of its group through one pipeline, so
 dK/dV are accumulated at kv-head size (no repeat of K/V, no reduction afterwards).
@@ -50,16 +66,16 @@ set to 0 and dO to 0, so they add nothing to dK/dV). Tiles made only of padding 
 query or key tile) skip their compute.
 
 Options (keyword-only on `flash_attention_mgpu`; dtypes bfloat16 and float16, head dims 64, 128
-and 256 for q/k and for v, which may differ): `softcap` turns the scores into
-cap·tanh(scores / cap) before the mask and the softmax, and the backward multiplies dS by
-1 - tanh² (in the dK/dV kernel that factor waits in the dSᵀ tile's shared memory, in the input
-dtype: held in registers it spilled); `return_lse` also returns each row's natural
-log-sum-exp (the kernel's base-2 one times ln 2), differentiable: its cotangent enters the
-backward as delta - dlse. Head dim 256 runs on one compute warpgroup (shared memory), and no
-warpgroup accumulates more than 128 f32 columns of 64 rows in registers: the forward and dQ
-kernels run one launch per 128 output columns (each recomputing the scores), the dK/dV kernel
-one launch per gradient where K + V > 256 (`column_parts`, `dkv_launches`); every launch
-compiles with no spill for sm_90a (tests/test_pallas_mgpu.py).
+and 256 for q/k and for v, which may differ): `mask` and `sinks` (above); `softcap` turns the
+scores into cap·tanh(scores / cap) before the mask and the softmax, and the backward
+multiplies dS by 1 - tanh² (in the dK/dV kernel that factor waits in the dSᵀ tile's shared
+memory, in the input dtype: held in registers it spilled); `return_lse` also returns each
+row's natural log-sum-exp (the kernel's base-2 one times ln 2), differentiable: its cotangent
+enters the backward as delta - dlse. Head dim 256 runs on one compute warpgroup (shared
+memory), and no warpgroup accumulates more than 128 f32 columns of 64 rows in registers: the
+forward and dQ kernels run one launch per 128 output columns (each recomputing the scores),
+the dK/dV kernel one launch per gradient where K + V > 256 (`column_parts`,
+`dkv_launches`); every launch compiles with no spill for sm_90a (tests/test_pallas_mgpu.py).
 
 Where it runs: compiled, on Hopper (sm_90a: H100, H200; `runs_on`), on every JAX the lab
 supports (`plgpu.kernel`, 0.10 and newer; `pl.pallas_call` for Mosaic GPU is deprecated on 0.10
