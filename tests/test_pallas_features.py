@@ -2,9 +2,10 @@
 mode against a float64 reference, forward and all three gradients: logit soft-capping
 (cap·tanh(s / cap), Gemma 2), a value head dim different from the query/key one, the
 log-sum-exp as a second, differentiable output (its cotangent is random too), and on the
-Triton kernel head dims that are multiples of 8 but not powers of two. Shapes are tiny
-(lengths of a few blocks, not block multiples) so each case takes seconds; the Mosaic GPU
-kernel's cases live in tests/test_pallas_mgpu.py (the GPU interpreter).
+Triton kernel head dims that are multiples of 8 but not powers of two; the masks
+(common.Mask) and attention sinks on every kernel. Shapes are tiny (lengths of a few blocks,
+not block multiples) so each case takes seconds; the Mosaic GPU kernel's other cases live in
+tests/test_pallas_mgpu.py (the GPU interpreter).
 """
 
 import functools
@@ -220,15 +221,40 @@ def test_tpu_kernel_masks_match_float64(kind, dtype, ratio, L, S, softcap):
     check_masks(TPU, kind, dtype, ratio, L, S, softcap, K=64, V=128)
 
 
-def check_masks(kernel, kind, dtype, ratio, L, S, softcap, *, K, V):
+needs_mgpu_interpreter = pytest.mark.skipif(
+    not pallas_mgpu.interpretable(), reason="jax < 0.11: no GPU interpreter for pallas_mgpu"
+)
+# The Mosaic GPU kernel's cases: its tiles are 64 rows (64 keys in every kernel here), so the
+# lengths run past a few tiles to give its streams empty, partial and full blocks; GQA in
+# most. Unseen keys hold NaN at its 64-key granularity.
+MGPU_MASK_CASES = [
+    ("causal-more-queries", "bfloat16", 2, 200, 100, None),
+    ("window", "bfloat16", 1, 200, 200, 5.0),
+    ("lengths", "float16", 2, 130, 130, None),
+    ("segments", "float16", 1, 130, 130, None),
+    ("combined", "float16", 2, 100, 100, 5.0),
+]
+
+
+@needs_mgpu_interpreter
+@pytest.mark.parametrize("kind, dtype, ratio, L, S, softcap", MGPU_MASK_CASES)
+def test_mosaic_gpu_kernel_masks_match_float64(kind, dtype, ratio, L, S, softcap):
+    """The Mosaic GPU kernel in JAX's GPU interpreter: each CTA streams only the key (dK/dV:
+    query) blocks its tiles' ranges span (pallas_mgpu._ranges, from the block map), runs a
+    tile's full blocks bare and masks the rest; rows with no key give 0."""
+    check_masks(MGPU, kind, dtype, ratio, L, S, softcap, K=64, V=64, block=64)
+
+
+def check_masks(kernel, kind, dtype, ratio, L, S, softcap, *, K, V, block=16):
+    """`block`: the kernel's finest key tile; keys of blocks no query sees hold NaN."""
     B, H = 2, 2
     seed = zlib.crc32(f"{kind}{dtype}{ratio}".encode())
     q, k, v, do, dlse = random_inputs(seed, L, S, H, H // ratio, K, V, dtype)
     q, k, v, do = (jnp.concatenate([x, x[:, ::-1] * 0.5]) for x in (q, k, v, do))  # B = 2
     dlse = jnp.concatenate([dlse, -dlse])
     mask = mask_case(kind, B, L, S)
-    bm = mask.block_map(L, S, 16, 16)  # the dK/dV kernel's tiles, the finest key blocks
-    unseen_B1xS11 = np.repeat(np.asarray(bm.kind).max(axis=1) == 0, 16, axis=1)[:, None, :S]
+    bm = mask.block_map(L, S, 16, block)  # the dK/dV kernel's tiles, the finest key blocks
+    unseen_B1xS11 = np.repeat(np.asarray(bm.kind).max(axis=1) == 0, block, axis=1)[:, None, :S]
     unseen_B1xS11 = jnp.asarray(unseen_B1xS11.reshape(-1, 1, S, 1, 1)[:, 0])
     k_nan, v_nan = (jnp.where(unseen_B1xS11, jnp.nan, x) for x in (k, v))
     fn = functools.partial(kernel, causal=False, mask=mask, softcap=softcap, return_lse=True)
@@ -242,8 +268,12 @@ def check_masks(kernel, kind, dtype, ratio, L, S, softcap, *, K, V):
 
 @pytest.mark.parametrize(
     "kernel, K, V, dtype",
-    [(GPU, 24, 40, "bfloat16"), (TPU, 64, 128, "float32")],
-    ids=["triton", "tpu"],
+    [
+        (GPU, 24, 40, "bfloat16"),
+        (TPU, 64, 128, "float32"),
+        pytest.param(MGPU, 64, 128, "bfloat16", marks=needs_mgpu_interpreter),
+    ],
+    ids=["triton", "tpu", "mosaic-gpu"],
 )
 def test_pallas_kernels_take_sinks_matching_float64(kernel, K, V, dtype):
     """A learned logit per query head in the softmax denominator: output, lse and the

@@ -18,6 +18,8 @@
    ptxas run and launch (lab/plans/resources.py). Two of the four (head_dim × dtype × causal)
    pairwise points run on both legs, the other two once (slow_plan), one of them as the
    training-step plan of 8 H100s (`lab.run target=gpu:h100:8 mesh=4x2 attention=pallas`).
+   Masks and sinks: every mask feature with sinks through the dispatch, races checked (each
+   mask kind alone: tests/test_pallas_features.py); one compile per feature set, no spill.
 3. The model trains with attention=pallas_mgpu in the interpreter with blockwise's losses.
 4. Dispatch: on Hopper (a real device kind or a target's) `pallas` and `auto` pick it where it
    takes the input; pallas_gpu elsewhere. The tuner's static pass drops a candidate that
@@ -209,6 +211,46 @@ def test_the_race_detector_sees_this_kernel(fresh_interpreter):
     assert races_found()
 
 
+@needs_interpreter
+def test_masks_and_sinks_through_the_dispatch_without_races(fresh_interpreter):
+    """Every mask feature at once with sinks, through `attention` in the GPU interpreter with
+    the race detector on (the segment ids ride the TMA barriers of Q and K): packed
+    documents, per-sequence lengths, a window open on both sides, causal, GQA, two
+    sequences; output and the four gradients against float64."""
+    B, L, H, G, K = 2, 150, 4, 2, 64
+    keys = jax.random.split(jax.random.key(11), 5)
+    q, k, v, do = (
+        jax.random.normal(key, (B, L, n, K), jnp.float32).astype(jnp.bfloat16)
+        for key, n in zip(keys, (H, G, G, H), strict=False)
+    )
+    sinks = jax.random.normal(keys[4], (H,)) * 2
+    seg = jnp.asarray(np.array([[0] * 70 + [1] * 80, [3] * 20 + [4] * 130]))
+    mask = dict(
+        window=(40, 8), q_segment_ids=seg, q_lengths=jnp.array([150, 90]),
+        kv_lengths=jnp.array([140, 150]),
+    )  # fmt: skip
+    params = pallas_mgpu.interpret_params(detect_races=True)
+
+    def run(fn, q, k, v, sinks, do):
+        o, vjp = jax.vjp(fn, q, k, v, sinks)
+        return (o, *vjp(do))
+
+    attn = functools.partial(attention, causal=True, impl="pallas_mgpu", interpret=params, **mask)
+    fn = lambda q, k, v, s: attn(q, k, v, sinks=s)  # noqa: E731
+    args = (q, k, v, sinks, do)
+    got = jax.jit(functools.partial(run, fn)).lower(*args).compile(FAST_COMPILE)(*args)
+    assert not races_found()
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in args]
+        ref = functools.partial(attention, causal=True, impl="naive", **mask)
+        want = run(lambda q, k, v, s: ref(q, k, v, sinks=s), *f64)
+    errors = {}
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want, strict=True):
+        w = np.asarray(w)
+        errors[name] = float(np.abs(np.asarray(g, np.float64) - w).max() / np.abs(w).max())
+    assert max(errors.values()) < TOL["bfloat16"], errors
+
+
 def _train_losses(attention_impl: str, steps: int = 3) -> list[float]:
     """A tiny model (one layer, head_dim 64, 2 query heads per kv head, bf16), a few steps."""
     from lab.config import parse_args
@@ -319,7 +361,6 @@ def _qkv(H=4, G=2, K=64, L=32, S=32, dtype="bfloat16"):
         (_qkv(dtype="float32"), True, "pallas_mgpu' supports dtypes bfloat16, float16"),
         (_qkv(K=96), True, "pallas_mgpu supports q/k head_dim in (64, 128"),
         (_qkv(H=3, G=2), True, "query heads must be a multiple of kv heads"),
-        (_qkv(L=40, S=20), True, "causal attention needs q seq <= kv seq"),
     ],
 )
 def test_bad_input_names_the_constraint(args, causal, needle):
@@ -476,6 +517,50 @@ def test_options_compile_for_h100_without_spills(
     L, H, G = 1000, 8, kv_heads
     q, k = ((1, L, H, head_dim), dtype), ((1, L, G, head_dim), dtype)
     _assert_fits_h100(_h100_kernels(grad, q, k, ((1, L, G, value_dim), dtype)))
+
+
+# Masks (common.Mask) and sinks through the dispatch: the block ranges read from global memory,
+# the lengths as scalars, the segment ids by TMA beside Q and K. Head dim 128 (the tightest
+# registers), MHA where the dK/dV kernel is tightest.
+MASK_COMPILE_CASES = [
+    pytest.param(("sinks", "empty_rows"), 2, id="sinks-causal-more-queries-gqa4"),
+    pytest.param(("window", "lengths"), 8, id="window-lengths-mha"),
+    # segment ids with a band: the forward's key tiles drop to 64 rows (plan_for)
+    pytest.param(("segments", "window", "lengths"), 8, id="segments-window-lengths-mha"),
+]
+
+
+def _mask_arrays(features, B: int, H: int, L: int, S: int) -> dict:
+    """The features' array arguments of `attention`, as (shape, dtype)."""
+    out = {}
+    if "lengths" in features:
+        out |= {"q_lengths": ((B,), "int32"), "kv_lengths": ((B,), "int32")}
+    if "segments" in features:
+        out |= {"q_segment_ids": ((B, L), "int32"), "kv_segment_ids": ((B, S), "int32")}
+    if "sinks" in features:
+        out["sinks"] = ((H,), "float32")
+    return out
+
+
+@needs_plugin
+@pytest.mark.parametrize("features, kv_heads", MASK_COMPILE_CASES)
+def test_masks_and_sinks_compile_for_h100_without_spills(features, kv_heads):
+    """Forward and backward through the dispatch, causal, head dim 128, bf16, the features'
+    arrays inputs of the jitted gradient (per-sequence block maps; a window of 256 keys):
+    no spill in any of the three kernels. 1000 keys (with empty rows: 1200 queries)."""
+    B, H, K, S = 2, 8, 128, 1000
+    L = S + 200 if "empty_rows" in features else S
+    arrays = _mask_arrays(features, B, H, L, S)
+    window = (255, 0) if "window" in features else None
+
+    def loss(q, k, v, *xs):
+        extra = dict(zip(arrays, xs, strict=True))
+        o = attention(q, k, v, causal=True, impl="pallas", window=window, **extra)
+        return o.astype(jnp.float32).sum()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    q, kv = ((B, L, H, K), "bfloat16"), ((B, S, kv_heads, K), "bfloat16")
+    _assert_fits_h100(_h100_kernels(grad, q, kv, kv, *arrays.values()))
 
 
 @needs_plugin

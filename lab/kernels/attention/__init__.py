@@ -29,11 +29,12 @@ auto            the best available for the backend, never an interpreted kernel:
                 and within 10% of it at 256. Falls back to blockwise when the chosen kernel
                 does not take the input (dtype, head_dim).
 
-The toolchain counts too: ptxas of CUDA 12.8.0 up to 12.9.1 miscompiles pallas_mgpu's causal
-mask (lab/measure/toolchain.py). There `impl=pallas_mgpu` with causal=True is refused (one
-line naming the ptxas and the way out), and `auto`/`pallas` pass it over for the next kernel
-that takes the input; `choose_noted` says so, and lab.run's header and the attention plan
-print it. Interpreted kernels run no ptxas and are not checked.
+The toolchain counts too: ptxas of CUDA 12.8.0 up to 12.9.1 miscompiles pallas_mgpu's masks
+(lab/measure/toolchain.py). There `impl=pallas_mgpu` with causal=True or any other mask (a
+window, lengths, segment ids, padded keys: `_masked`) is refused (one line naming the
+ptxas and the way out), and `auto`/`pallas` pass it over for the next kernel that takes the
+input; `choose_noted` says so, and lab.run's header and the attention plan print it.
+Interpreted kernels run no ptxas and are not checked.
 
 Masks and features (common.Mask; keyword arguments of `attention`): causal, a sliding window,
 segment ids (packed sequences), per-sequence lengths, causal with L > S (rows with no key give
@@ -98,6 +99,8 @@ _NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # backend -> its compiled 
 # What jax.nn.dot_product_attention takes: per-sequence lengths and a local window (its
 # causal mask is aligned top-left, so L == S there; see _check).
 _LIBRARY_FEATURES = frozenset({"lengths", "window"})
+# The features that put a mask into a kernel's tiles (the rest change its arithmetic only).
+MASK_FEATURES = frozenset({"empty_rows", "segments", "lengths", "window"})
 _MODULES = {
     "naive": _reference,
     "blockwise": blockwise,
@@ -311,20 +314,28 @@ def _first_fit(
             _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, features)
         except ValueError:
             continue
-        problem = _toolchain_problem(impl, causal, interpret, k_BxSxGxK.shape[1])
+        problem = _toolchain_problem(impl, causal, interpret, k_BxSxGxK.shape[1], features)
         if problem is None:
             return impl, note
         note = note or (impl, problem)
     return None, note
 
 
-def _toolchain_problem(impl: str, causal: bool, interpret: bool, S: int = 0) -> str | None:
+def _toolchain_problem(
+    impl: str, causal: bool, interpret: bool, S: int = 0, features=()
+) -> str | None:
     """Why this toolchain must not compile `impl` for this mask (None: it may); interpreted
     kernels run no ptxas. Keys that do not fill whole tiles are masked too: any S that is not
-    a multiple of the largest key tile (128) counts, whatever tiles a table picks."""
+    a multiple of the largest key tile (128) counts, whatever tiles a table picks; so does
+    any mask feature (a window, lengths, segment ids, rows with no key)."""
     if impl == "pallas_mgpu" and not interpret:
-        return pallas_mgpu.toolchain_problem(causal=causal, masked=S % 128 != 0)
+        return pallas_mgpu.toolchain_problem(causal=causal, masked=_masked(S, features))
     return None
+
+
+def _masked(S: int, features) -> bool:
+    """Whether pallas_mgpu's tiles hold a mask beyond causal: padded keys or a Mask."""
+    return S % 128 != 0 or bool(set(features) & MASK_FEATURES)
 
 
 def _passed_over(note, chosen: str) -> str | None:
@@ -435,7 +446,7 @@ def choose_noted(
             "float16 dot with float32 accumulation); use blockwise or float32"
         )
     if impl == "pallas_mgpu" and not interpret:  # named explicitly: refused, not replaced
-        pallas_mgpu.check_toolchain(causal=causal, masked=k_BxSxGxK.shape[1] % 128 != 0)
+        pallas_mgpu.check_toolchain(causal=causal, masked=_masked(k_BxSxGxK.shape[1], features))
     return impl, _passed_over(note, impl)
 
 

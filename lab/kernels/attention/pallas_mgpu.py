@@ -36,6 +36,22 @@ needs) only as barrier bookkeeping (wait on the load, arrive on free). The dK/dV
 one flat loop over its stream and applies the mask (`lax.cond`) to the blocks that need it:
 nested loops around its two accumulators spilled registers at head_dim 128, so a block only
 the sibling key tile sees is computed fully masked instead of skipped (at most one per head).
+Masks (common.Mask: a window, per-sequence lengths, segment ids, causal with more queries
+than keys) take a second path, as pallas_gpu's and pallas_tpu's do: before the kernels run,
+`Mask.block_map` classifies every (query block, key block) tile at each kernel's tiles and
+`_ranges` turns it into each tile's (lo, hi, full_lo, full_hi) and each CTA's stream (first
+block, count), int32 arrays in global memory that the kernels read as scalars (per sequence
+where the mask has arrays). The producer loads only its CTA's stream; each warpgroup steps over
+the blocks outside its own range (barrier bookkeeping), runs its first run of full blocks
+without the mask and masks the rest (`_Tiles.mask`: the band and the lengths on the position
+vectors, segment ids as two id vectors, the tile's by TMA beside Q and the streamed block's
+beside K). A row that sees no key keeps the initial max: output 0, log-sum-exp +inf (the
+backward's P is then 0); a key tile no query sees is zeroed after the dK/dV kernel. With segment
+ids and a band or lengths the forward's key tiles are 64 rows (`plan_for`: 128 spilled).
+Attention sinks are folded into the output and log-sum-exp after the forward
+(common.fold_sinks), which leaves the backward kernels exact unchanged; their gradient is
+-Σ P_sink·delta per head, outside the kernels.
+
 Grouped-query heads: the forward and dQ kernels read kv head h // R; the dK/dV kernel runs per
 kv head and streams the query tiles of all R heads of its group through one pipeline, so
 dK/dV are accumulated at kv-head size (no repeat of K/V, no reduction afterwards).
@@ -50,16 +66,16 @@ set to 0 and dO to 0, so they add nothing to dK/dV). Tiles made only of padding 
 query or key tile) skip their compute.
 
 Options (keyword-only on `flash_attention_mgpu`; dtypes bfloat16 and float16, head dims 64, 128
-and 256 for q/k and for v, which may differ): `softcap` turns the scores into
-cap·tanh(scores / cap) before the mask and the softmax, and the backward multiplies dS by
-1 - tanh² (in the dK/dV kernel that factor waits in the dSᵀ tile's shared memory, in the input
-dtype: held in registers it spilled); `return_lse` also returns each row's natural
-log-sum-exp (the kernel's base-2 one times ln 2), differentiable: its cotangent enters the
-backward as delta - dlse. Head dim 256 runs on one compute warpgroup (shared memory), and no
-warpgroup accumulates more than 128 f32 columns of 64 rows in registers: the forward and dQ
-kernels run one launch per 128 output columns (each recomputing the scores), the dK/dV kernel
-one launch per gradient where K + V > 256 (`column_parts`, `dkv_launches`); every launch
-compiles with no spill for sm_90a (tests/test_pallas_mgpu.py).
+and 256 for q/k and for v, which may differ): `mask` and `sinks` (above); `softcap` turns the
+scores into cap·tanh(scores / cap) before the mask and the softmax, and the backward
+multiplies dS by 1 - tanh² (in the dK/dV kernel that factor waits in the dSᵀ tile's shared
+memory, in the input dtype: held in registers it spilled); `return_lse` also returns each
+row's natural log-sum-exp (the kernel's base-2 one times ln 2), differentiable: its cotangent
+enters the backward as delta - dlse. Head dim 256 runs on one compute warpgroup (shared
+memory), and no warpgroup accumulates more than 128 f32 columns of 64 rows in registers: the
+forward and dQ kernels run one launch per 128 output columns (each recomputing the scores),
+the dK/dV kernel one launch per gradient where K + V > 256 (`column_parts`,
+`dkv_launches`); every launch compiles with no spill for sm_90a (tests/test_pallas_mgpu.py).
 
 Where it runs: compiled, on Hopper (sm_90a: H100, H200; `runs_on`), on every JAX the lab
 supports (`plgpu.kernel`, 0.10 and newer; `pl.pallas_call` for Mosaic GPU is deprecated on 0.10
@@ -81,6 +97,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -90,17 +107,22 @@ except ImportError:  # pragma: no cover - every jaxlib the lab supports has it
     plgpu = None
 
 from lab.kernels.attention.common import (
+    EMPTY,
+    FULL,
     MASK_VALUE,
     Geometry,
     Mask,
     TileCost,
     check_dtype,
     check_qkv,
+    check_sinks,
     check_softcap,
     default_scale,
     device_kind,
+    fold_sinks,
     pad_seq,
     round_up,
+    sink_grad,
     tile_cost,
     visible,
 )
@@ -109,7 +131,9 @@ from lab.measure import toolchain
 DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma on 16-bit inputs; f32 stays with pallas_gpu
 HEAD_DIMS = (64, 128, 256)  # q/k and v alike (v's may differ); each compiled with 0 spills
 # What the dispatch may pass beyond plain attention (common.FEATURE_NAMES).
-FEATURES = frozenset({"softcap", "lse", "value_dim"})
+FEATURES = frozenset(
+    {"softcap", "sinks", "lse", "value_dim", "empty_rows", "segments", "lengths", "window"}
+)
 # Above this sum of the q/k and v head dims the dK/dV kernel runs as two launches (dkv_launches).
 MAX_DKV_COLUMNS = 256
 # Widest output a forward or dQ launch accumulates in registers; wider ones run in parts.
@@ -312,6 +336,130 @@ def _mask(s_2d, row0, col0, g: Geometry, transposed: bool):
     return jnp.where(ok, s_2d, MASK_VALUE)
 
 
+@dataclasses.dataclass(frozen=True)
+class _MaskPlan:
+    """The static side of a common.Mask for these kernels (hashable: part of the jit key):
+    its causal and window clauses, and which of its arrays ride along as kernel inputs."""
+
+    mask: Mask  # causal and window only (no arrays)
+    q_lengths: bool
+    kv_lengths: bool
+    segments: bool
+    per_seq: bool  # one block map per sequence (the mask depends on arrays)
+
+    @staticmethod
+    def of(mask: Mask) -> "_MaskPlan":
+        return _MaskPlan(
+            Mask.make(causal=mask.causal, window=mask.window),
+            mask.q_lengths is not None,
+            mask.kv_lengths is not None,
+            mask.segments,
+            mask.dynamic,
+        )
+
+    def arrays(self, mask: Mask, g: Geometry, W: int, query_major: bool) -> list:
+        """One kernel's mask inputs: its tiles' block ranges and its CTAs' streams (`_ranges`,
+        from the block map at its tiles), the lengths, then the segment ids padded to whole
+        CTAs (query-major: query rows; else key rows) and whole blocks of the other side."""
+        kind = mask.block_map(g.L, g.S, g.bq, g.bk).kind
+        if not query_major:
+            kind = kind.swapaxes(1, 2)
+        out = list(_ranges(kind, W))
+        for present, x in ((self.q_lengths, mask.q_lengths), (self.kv_lengths, mask.kv_lengths)):
+            if present:
+                out.append(jnp.asarray(x, jnp.int32))
+        if self.segments:
+            n_cta = -(-(g.n_q if query_major else g.n_k) // W)
+            Lp = n_cta * W * g.bq if query_major else g.n_q * g.bq
+            Sp = g.n_k * g.bk if query_major else n_cta * W * g.bk
+            out.append(pad_seq(jnp.asarray(mask.q_segment_ids, jnp.int32), Lp))
+            out.append(pad_seq(jnp.asarray(mask.kv_segment_ids, jnp.int32), Sp))
+        return out
+
+    @property
+    def n_inputs(self) -> int:
+        return 2 + self.q_lengths + self.kv_lengths + 2 * self.segments
+
+
+def _ranges(kind, W: int):
+    """(tiles [B', n_cta·W, 4], streams [B', n_cta, 2]) int32 from a block map's kinds
+    [B', n, m] (n tiles of this kernel, m streamed blocks each).
+
+    A tile's (lo, hi, full_lo, full_hi): blocks lo .. hi-1 span its non-empty ones, and
+    full_lo .. full_hi-1 is its first run of FULL blocks (run without the mask); the others
+    in lo .. hi-1 are run masked (an empty one among them, possible only with segment ids that
+    come and go, adds exactly nothing). A CTA streams (first, count): the blocks from the
+    first any of its W tiles needs to the last; a tile with no block has all four at `first`
+    (it steps over the whole stream and writes zeros). Padding tiles past n have none."""
+    xp = np if isinstance(kind, np.ndarray) else jnp
+    B, n, m = kind.shape
+    n_cta = -(-n // W)
+    idx = xp.arange(m)
+    nonempty, full = kind != EMPTY, kind == FULL
+    seen, any_full = nonempty.any(-1), full.any(-1)
+    lo = xp.where(seen, xp.argmax(nonempty, -1), 0)
+    hi = xp.where(seen, m - xp.argmax(nonempty[..., ::-1], -1), 0)
+    full_lo = xp.where(any_full, xp.argmax(full, -1), hi)
+    after = (idx >= full_lo[..., None]) & ~full
+    full_hi = xp.where(any_full, xp.where(after.any(-1), xp.argmax(after, -1), m), hi)
+    tiles = xp.stack([lo, hi, full_lo, full_hi], -1).astype(np.int32)
+    tiles = xp.pad(tiles, ((0, 0), (0, n_cta * W - n), (0, 0)))
+    seen = xp.pad(seen, ((0, 0), (0, n_cta * W - n)))
+    per_cta = tiles.reshape(B, n_cta, W, 4)
+    seen = seen.reshape(B, n_cta, W)
+    first = xp.where(seen, per_cta[..., 0], m).min(-1)
+    last = xp.where(seen, per_cta[..., 1], 0).max(-1)
+    first = xp.where(last > 0, first, 0)
+    streams = xp.stack([first, xp.maximum(last - first, 0)], -1).astype(np.int32)
+    per_cta = xp.where(seen[..., None], per_cta, first[..., None, None])
+    return per_cta.reshape(B, n_cta * W, 4).astype(np.int32), streams
+
+
+class _Tiles:
+    """Inside a kernel with a Mask: its CTA's stream, each tile's block ranges and the mask of
+    one tile, from the mask inputs (_MaskPlan.arrays) and the scratch of the segment ids."""
+
+    def __init__(self, mp: _MaskPlan, refs, b):
+        self.mp = mp
+        self.b = b if mp.per_seq else 0  # the block map's sequence
+        self.batch = b
+        self.tiles, self.streams, *rest = refs
+        rest = iter(rest)
+        self.q_len = next(rest) if mp.q_lengths else None
+        self.kv_len = next(rest) if mp.kv_lengths else None
+        self.q_seg, self.kv_seg = (next(rest), next(rest)) if mp.segments else (None, None)
+
+    def stream(self, cta):
+        """(first block, number of steps) of this CTA's stream."""
+        return self.streams[self.b, cta, 0], self.streams[self.b, cta, 1]
+
+    def tile(self, i):
+        """(lo, hi, full_lo, full_hi) of tile i, absolute block indices."""
+        return tuple(self.tiles[self.b, i, c] for c in range(4))
+
+    def mask(self, s_2d, row0, col0, g: Geometry, transposed: bool, segs=None):
+        """Scores of one tile with invisible pairs set to MASK_VALUE: keys past S, the band
+        (causal, window), the lengths, and `segs` = (query ids, key ids) vectors in the
+        tile's row and column layouts. As `_mask`: vectors broadcast, no 2-D iota."""
+        shape = s_2d.shape
+        k_dim = 0 if transposed else 1
+        k_pos = _positions(shape, k_dim, row0 if transposed else col0)
+        lo, hi = self.mp.mask.band(g.L, g.S)
+        ok = k_pos < (g.S if self.kv_len is None else jnp.minimum(g.S, self.kv_len[self.batch]))
+        if lo is not None or hi is not None or self.q_len is not None:
+            q_pos = _positions(shape, 1 - k_dim, col0 if transposed else row0)
+            if lo is not None:  # k - q - offset >= lo
+                ok = ok & (k_pos >= q_pos + (g.offset + lo))
+            if hi is not None:
+                ok = ok & (k_pos <= q_pos + (g.offset + hi))
+            if self.q_len is not None:
+                ok = ok & (q_pos < self.q_len[self.batch])
+        if segs is not None:
+            q_seg, kv_seg = segs
+            ok = ok & (_bcast(q_seg, shape, 1 - k_dim) == _bcast(kv_seg, shape, k_dim))
+        return jnp.where(ok, s_2d, MASK_VALUE)
+
+
 def _positions(shape, dim: int, start):
     """start + index along `dim` of a WGMMA-layout tile, broadcast over the other dim."""
     layout = plgpu.Layout.WGMMA.reduce(1 - dim)  # a row index varies along dim 0
@@ -396,33 +544,55 @@ def _query_cta(g: Geometry, W: int):
 
 
 def _fwd_kernel(
-    q_ref, k_ref, v_ref, o_ref, lse_ref,
-    q_smem, k_smem, v_smem, p_smem, lse_smem,
-    q_bar, k_bar, v_bar, k_free, v_free, *o_smem,
-    g: Geometry, W: int, stages: int, cap,
+    q_ref, k_ref, v_ref, *refs, g: Geometry, W: int, stages: int, cap, mp=None,
 ):  # fmt: skip
     # gmem: q_ref [B, Lp, H, K]; o_ref [B, Lp, H, V]; k_ref [B, Sp, G, K]; v_ref [B, Sp, G, V];
-    #       lse_ref [B, H, Lp]
+    #       lse_ref [B, H, Lp]; with a Mask first its inputs (_MaskPlan.arrays)
     # smem: q_smem [W, bq, K] (Q, then O where V == K); k_smem [st, bk, K]; v_smem
-    #       [st, bk, V]; p_smem [W, bq, bk]; lse_smem [W, bq]; o_smem [W, bq, V] only where
-    #       V != K. st = stages, W = compute warpgroups.
+    #       [st, bk, V]; p_smem [W, bq, bk]; lse_smem [W, bq]; with segment ids qs_smem
+    #       [W, bq] and ks_smem [st, bk] int32; o_smem [W, bq, V] only where V != K.
+    #       st = stages, W = compute warpgroups.
+    n_mask = 0 if mp is None else mp.n_inputs
+    mask_refs, refs = refs[:n_mask], refs[n_mask:]
+    (o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, lse_smem,
+     q_bar, k_bar, v_bar, k_free, v_free, *rest) = refs  # fmt: skip
+    qs_smem, ks_smem = rest[:2] if mp is not None and mp.segments else (None, None)
+    o_smem = rest[2 if qs_smem is not None else 0 :]
     bq, bk, V = g.bq, g.bk, v_smem.shape[-1]
     o_smem = o_smem[0] if o_smem else q_smem
     dtype = q_smem.dtype
     h, cta, b, wg, kv, n_steps = _query_cta(g, W)
+    tiles = None if mp is None else _Tiles(mp, mask_refs, b)
+    first = 0
+    if tiles is not None:
+        first, n_steps = tiles.stream(cta)
 
     def _compute():
         _compute_regs(W)
         i = cta * W + wg  # this warpgroup's query block
         real = i < g.n_q
-        end = jnp.where(real, _i32(g.k_blocks_end(i)), 0)
         q_tile, p_tile, o_tile = q_smem.at[wg], p_smem.at[wg], o_smem.at[wg]
         rows = pl.ds(i * bq, bq)
+        if tiles is None:
+            begin, end = 0, jnp.where(real, _i32(g.k_blocks_end(i)), 0)
+            whole = jnp.minimum(_i32(g.k_blocks_whole(i)), end)
+            spans = _spans(whole, end, g)
+        else:  # steps relative to the stream's first block
+            begin, end, full_lo, full_hi = (x - first for x in tiles.tile(i))
+            spans = [(begin, full_lo, True), (full_lo, full_hi, False), (full_hi, end, True)]
+        pairs = ((k_bar, k_free), (v_bar, v_free))
+        if tiles is not None:
+            lax.fori_loop(0, begin, lambda t, c: _skip(t, stages, pairs), None)
 
         @pl.when(real)
         def _attend():
             plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_tile, q_bar.at[wg])
+            if qs_smem is not None:
+                plgpu.copy_gmem_to_smem(tiles.q_seg.at[b, rows], qs_smem.at[wg], q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
+            q_seg = None
+            if qs_smem is not None:
+                q_seg = _load(qs_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
 
             def step(t, carry, masked: bool):
                 o_LxK, m_L, l_L = carry
@@ -431,8 +601,13 @@ def _fwd_kernel(
                 s_LxS = _matmul(q_tile, _t(k_smem.at[slot]), (bq, bk))
                 plgpu.barrier_arrive(k_free.at[slot])
                 s_LxS, _ = _logits2(s_LxS, g, cap)  # base-2 logits
-                if masked:
+                if masked and tiles is None:
                     s_LxS = _mask(s_LxS, i * bq, t * bk, g, transposed=False)
+                elif masked:
+                    segs = None
+                    if ks_smem is not None:
+                        segs = (q_seg, _load(ks_smem.at[slot], plgpu.Layout.WGMMA.reduce(0)))
+                    s_LxS = tiles.mask(s_LxS, i * bq, (first + t) * bk, g, False, segs)
                 new_m_L = jnp.maximum(m_L, s_LxS.max(axis=1))
                 alpha_L = jnp.exp2(m_L - new_m_L)
                 p_LxS = jnp.exp2(s_LxS - _bcast(new_m_L, s_LxS.shape, 0))
@@ -451,28 +626,36 @@ def _fwd_kernel(
                 plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), row),
                 _zeros((bq,), row),
             )
-            whole = jnp.minimum(_i32(g.k_blocks_whole(i)), end)
-            for lo, hi, masked in _spans(whole, end, g):
+            for lo, hi, masked in spans:
                 carry = lax.fori_loop(
                     _i32(lo), _i32(hi), functools.partial(step, masked=masked), carry
                 )
             o_LxK, m_L, l_L = carry
-            o_tile[...] = (o_LxK * _bcast(1.0 / l_L, o_LxK.shape, 0)).astype(dtype)
-            lse_smem.at[wg][...] = m_L + jnp.log2(l_L)
+            if tiles is None:
+                o_tile[...] = (o_LxK * _bcast(1.0 / l_L, o_LxK.shape, 0)).astype(dtype)
+                lse_smem.at[wg][...] = m_L + jnp.log2(l_L)
+            else:
+                # A row that saw no key kept the initial max (its masked scores' P, summed
+                # in l, were never rescaled away): output 0, log-sum-exp +inf (P = 0 after).
+                seen_L = m_L > MASK_VALUE
+                inv_L = jnp.where(seen_L, 1.0 / l_L, 0.0)
+                o_tile[...] = (o_LxK * _bcast(inv_L, o_LxK.shape, 0)).astype(dtype)
+                lse_smem.at[wg][...] = jnp.where(seen_L, m_L + jnp.log2(l_L), jnp.inf)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, rows, h])
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
             plgpu.wait_smem_to_gmem(0)
 
-        pairs = ((k_bar, k_free), (v_bar, v_free))
         lax.fori_loop(end, n_steps, lambda t, c: _skip(t, stages, pairs), None)
 
     def _producer():
         _producer_regs()
 
         def load(t, slot):
-            keys = pl.ds(t * bk, bk)
+            keys = pl.ds((first + t) * bk, bk)
             plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv], k_smem.at[slot], k_bar.at[slot])
+            if ks_smem is not None:
+                plgpu.copy_gmem_to_smem(tiles.kv_seg.at[b, keys], ks_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv], v_smem.at[slot], v_bar.at[slot])
 
         _produce(n_steps, stages, load, (k_free, v_free))
@@ -481,14 +664,17 @@ def _fwd_kernel(
     lax.cond(wg < W, _compute, _producer)
 
 
-def _launch_cost(g: Geometry, B: int, heads: int, widths: int, row_bytes, tile_bytes, rows):
-    """A launch's TileCost over the tiles it visits: the causal band and padding of `g` (this
-    kernel takes no other mask, so the count is exact). `widths`: per tile, the sum over its
-    matmuls of the width each contracts or produces (forward part of n value columns: K + n;
-    dQ part: K + V + n, the scores and dP recomputed per part; dK/dV: K + V plus K for dK and
-    V for dV)."""
+def _launch_cost(g: Geometry, B, heads, widths, row_bytes, tile_bytes, rows, mask=None):
+    """A launch's TileCost over the tiles it visits (common.tile_cost): the causal band and
+    padding of `g`, or `mask`'s block map — a _MaskPlan's static side inside the kernel
+    (exact for causal and window; with lengths or segment ids, data when traced, an upper
+    bound), or a Mask of NumPy arrays (kernel_cost: exact). `widths`: per tile, the sum over
+    its matmuls of the width each contracts or produces (forward part of n value columns:
+    K + n; dQ part: K + V + n, the scores and dP recomputed per part; dK/dV: K + V plus K
+    for dK and V for dV)."""
+    dynamic = isinstance(mask, _MaskPlan) and mask.per_seq
     return tile_cost(
-        None,
+        mask.mask if isinstance(mask, _MaskPlan) else mask,
         g,
         B=B,
         H=heads,
@@ -496,6 +682,7 @@ def _launch_cost(g: Geometry, B: int, heads: int, widths: int, row_bytes, tile_b
         row_bytes=row_bytes,
         tile_bytes=tile_bytes,
         rows=rows,
+        dynamic=dynamic,
     )
 
 
@@ -508,49 +695,60 @@ def _estimate(cost: TileCost) -> dict:
     return {"cost_estimate": cost.estimate()}
 
 
-def _forward_cost(g: Geometry, B, H, K, n, itemsize) -> TileCost:
+def _forward_cost(g: Geometry, B, H, K, n, itemsize, mask=None) -> TileCost:
     return _launch_cost(
-        g, B, H, K + n, itemsize * (K + n) + 4, g.bk * itemsize * (K + n), g.n_q * g.bq
+        g, B, H, K + n, itemsize * (K + n) + 4, g.bk * itemsize * (K + n), g.n_q * g.bq, mask
     )
 
 
-def _dq_cost(g: Geometry, B, H, K, V, n, itemsize) -> TileCost:
+def _dq_cost(g: Geometry, B, H, K, V, n, itemsize, mask=None) -> TileCost:
     row_bytes = itemsize * (K + V + n) + 8
-    return _launch_cost(g, B, H, K + V + n, row_bytes, g.bk * itemsize * (K + V), g.n_q * g.bq)
+    tile_bytes = g.bk * itemsize * (K + V)
+    return _launch_cost(g, B, H, K + V + n, row_bytes, tile_bytes, g.n_q * g.bq, mask)
 
 
-def _dkv_cost(g: Geometry, B, H, K, V, parts, itemsize) -> TileCost:
+def _dkv_cost(g: Geometry, B, H, K, V, parts, itemsize, mask=None) -> TileCost:
     widths = K + V + ("dk" in parts) * K + ("dv" in parts) * V
     tile_bytes = g.bq * (itemsize * (K + V) + 8)
-    return _launch_cost(g, B, H, widths, 2 * itemsize * (K + V), tile_bytes, g.n_k * g.bk / g.R)
+    rows = g.n_k * g.bk / g.R
+    return _launch_cost(g, B, H, widths, 2 * itemsize * (K + V), tile_bytes, rows, mask)
 
 
 def kernel_cost(
     q_shape, k_shape, v_dim: int, dtype, *, mask: Mask, backward: bool, block_sizes=None
 ) -> TileCost:
     """What the launches' cost estimates add up to for one call (forward, or forward, dQ and
-    dK/dV, every column part), from the same tiles; `mask` must be causal or none (this
-    kernel takes no other). `block_sizes=None`: the device's tuned entry, as the kernel."""
+    dK/dV, every column part), from the same tiles at the same tile sizes; with a Mask of
+    NumPy arrays (a plan's packed documents) exact for them. `block_sizes=None`: the device's
+    tuned entry, as the kernel."""
     B, L, H, K = q_shape
     V = v_dim
     bs = block_sizes or block_sizes_for(device_kind(), max(K, V))
     plan = plan_for(
-        q_shape, k_shape, causal=mask.causal, scale=None, block_sizes=bs, interpret=False
+        q_shape,
+        k_shape,
+        causal=mask.causal,
+        scale=None,
+        block_sizes=bs,
+        interpret=False,
+        mask=mask if (mask.window or mask.lengths or mask.segments) else None,
     )
     itemsize = jnp.dtype(dtype).itemsize
-    costs = [_forward_cost(plan.fwd, B, H, K, n, itemsize) for _, n in column_parts(V)]
+    m = None if plan.mp is None else mask
+    costs = [_forward_cost(plan.fwd, B, H, K, n, itemsize, m) for _, n in column_parts(V)]
     if backward:
-        costs += [_dq_cost(plan.dq, B, H, K, V, n, itemsize) for _, n in column_parts(K)]
-        costs += [_dkv_cost(plan.dkv, B, H, K, V, p, itemsize) for p in dkv_launches(K, V)]
+        costs += [_dq_cost(plan.dq, B, H, K, V, n, itemsize, m) for _, n in column_parts(K)]
+        costs += [_dkv_cost(plan.dkv, B, H, K, V, p, itemsize, m) for p in dkv_launches(K, V)]
     total = costs[0]
     for c in costs[1:]:
         total = total + c
     return total
 
 
-def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan"):
+def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan", masks=()):
     """(O, base-2 log-sum-exp): one launch, or one per column part of V (column_parts),
-    each with the same scores and statistics and its own columns of O."""
+    each with the same scores and statistics and its own columns of O. `masks`: the mask
+    inputs (_MaskPlan.arrays) where the plan has a Mask."""
     V = v_BxSxGxV.shape[-1]
     outs = [
         _forward_part(
@@ -560,6 +758,7 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan"):
             g,
             plan,
             _part_name("flash_attention_mgpu_fwd", (c, n), V),
+            masks,
         )
         for c, n in column_parts(V)
     ]
@@ -568,7 +767,7 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan"):
     return jnp.concatenate([o for o, _ in outs], axis=-1), outs[0][1]
 
 
-def _forward_part(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan", name: str):
+def _forward_part(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan", name, masks):
     B, L, H, K = q_BxLxHxK.shape
     V = v_BxSxGxV.shape[-1]
     bs = plan.block_sizes
@@ -576,9 +775,10 @@ def _forward_part(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan", n
     n_cta = -(-g.n_q // W)
     Lp, Sp = n_cta * W * g.bq, g.n_k * g.bk
     dtype = q_BxLxHxK.dtype
+    segs = int(plan.mp is not None and plan.mp.segments)
     o_smem = () if V == K else (_smem((W, g.bq, V), dtype),)  # else O goes out through Q's
     o_BxLxHxV, lse_BxHxL = plgpu.kernel(
-        functools.partial(_fwd_kernel, g=g, W=W, stages=stages, cap=plan.softcap),
+        functools.partial(_fwd_kernel, g=g, W=W, stages=stages, cap=plan.softcap, mp=plan.mp),
         out_type=(
             jax.ShapeDtypeStruct((B, Lp, H, V), dtype),
             jax.ShapeDtypeStruct((B, H, Lp), jnp.float32),
@@ -589,11 +789,12 @@ def _forward_part(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan", n
             _smem((stages, g.bk, V), dtype),
             _smem((W, g.bq, g.bk), dtype),
             plgpu.SMEM((W, g.bq), jnp.float32),
-            plgpu.Barrier(num_barriers=W),
-            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1 + segs, num_barriers=W),  # Q (and its segment ids)
+            plgpu.Barrier(num_arrivals=1 + segs, num_barriers=stages),  # K (and its ids)
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=W, num_barriers=stages),
             plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+            *_segment_smem(plan, W, g.bq, stages, g.bk),
             *o_smem,
         ),
         grid=(H, n_cta, B),
@@ -603,51 +804,82 @@ def _forward_part(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, g: Geometry, plan: "_Plan", n
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_arg(plan.interpret),
         kernel_name=name,
-        **_estimate(_forward_cost(g, B, H, K, V, dtype.itemsize)),
-    )(pad_seq(q_BxLxHxK, Lp), pad_seq(k_BxSxGxK, Sp), pad_seq(v_BxSxGxV, Sp))
+        **_estimate(_forward_cost(g, B, H, K, V, dtype.itemsize, plan.mp)),
+    )(pad_seq(q_BxLxHxK, Lp), pad_seq(k_BxSxGxK, Sp), pad_seq(v_BxSxGxV, Sp), *masks)
     return o_BxLxHxV[:, :L], lse_BxHxL[:, :, :L]
+
+
+def _segment_smem(plan: "_Plan", W: int, tile: int, stages: int, block: int) -> list:
+    """With segment ids, their shared memory: the W tiles' ids, then the ring's."""
+    if plan.mp is None or not plan.mp.segments:
+        return []
+    return [plgpu.SMEM((W, tile), jnp.int32), plgpu.SMEM((stages, block), jnp.int32)]
 
 
 # ---------------------------------------------------------------------------- dQ
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-    q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem,
-    q_bar, k_bar, v_bar, k_free, v_free, *out_smem,
-    g: Geometry, W: int, stages: int, cap, cols: tuple,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
+    g: Geometry, W: int, stages: int, cap, cols: tuple, mp=None,
 ):  # fmt: skip
     # gmem: q_ref [B, Lp, H, K]; dq_ref [B, Lp, H, C]; do_ref [B, Lp, H, V]; k_ref
-    #       [B, Sp, G, K]; v_ref [B, Sp, G, V]; lse_ref, delta_ref [B, H, Lp]
+    #       [B, Sp, G, K]; v_ref [B, Sp, G, V]; lse_ref, delta_ref [B, H, Lp]; with a Mask
+    #       its inputs come first in `refs` (_MaskPlan.arrays), then dq_ref and the scratch
     # smem: q_smem [W, bq, K] (holds dQ at the end); do_smem [W, bq, V]; k_smem [st, bk, K];
-    #       v_smem [st, bk, V]; ds_smem [W, bq, bk]; lse_smem, delta_smem [W, bq];
-    #       out_smem [W, bq, C] only where C != K (else dQ goes out through Q's tile)
-    # `cols` = (first, C): the columns of dQ this launch accumulates (all K, or a 128-wide
+    #       v_smem [st, bk, V]; ds_smem [W, bq, bk]; lse_smem, delta_smem [W, bq]; with
+    #       segment ids qs_smem [W, bq] and ks_smem [st, bk] int32; out_smem [W, bq, C] only
+    #       where C != K (else dQ goes out through Q's tile)
+    # `cols` = (col0, C): the columns of dQ this launch accumulates (all K, or a 128-wide
     # part where a 64 × K f32 accumulator would not fit next to the score tiles).
+    n_mask = 0 if mp is None else mp.n_inputs
+    mask_refs, refs = refs[:n_mask], refs[n_mask:]
+    (dq_ref, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem,
+     q_bar, k_bar, v_bar, k_free, v_free, *rest) = refs  # fmt: skip
+    qs_smem, ks_smem = rest[:2] if mp is not None and mp.segments else (None, None)
+    out_smem = rest[2 if qs_smem is not None else 0 :]
     bq, bk = g.bq, g.bk
-    first, C = cols
-    dq_cols = pl.ds(first, C)
+    col0, C = cols
+    dq_cols = pl.ds(col0, C)
     dtype = q_smem.dtype
     h, cta, b, wg, kv, n_steps = _query_cta(g, W)
+    tiles = None if mp is None else _Tiles(mp, mask_refs, b)
+    first = 0
+    if tiles is not None:
+        first, n_steps = tiles.stream(cta)
 
     def _compute():
         _compute_regs(W)
         i = cta * W + wg
         real = i < g.n_q
-        end = jnp.where(real, _i32(g.k_blocks_end(i)), 0)
         q_tile, do_tile, ds_tile = q_smem.at[wg], do_smem.at[wg], ds_smem.at[wg]
         rows = pl.ds(i * bq, bq)
+        if tiles is None:
+            begin, end = 0, jnp.where(real, _i32(g.k_blocks_end(i)), 0)
+            whole = jnp.minimum(_i32(g.k_blocks_whole(i)), end)
+            spans = _spans(whole, end, g)
+        else:  # steps relative to the stream's first block
+            begin, end, full_lo, full_hi = (x - first for x in tiles.tile(i))
+            spans = [(begin, full_lo, True), (full_lo, full_hi, False), (full_hi, end, True)]
+        pairs = ((k_bar, k_free), (v_bar, v_free))
+        if tiles is not None:
+            lax.fori_loop(0, begin, lambda t, c: _skip(t, stages, pairs), None)
 
         @pl.when(real)
         def _grad():
-            bar = q_bar.at[wg]  # one barrier, four copies
+            bar = q_bar.at[wg]  # one barrier, four copies (five with segment ids)
             plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_tile, bar)
             plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_tile, bar)
             plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[wg], bar)
             plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[wg], bar)
+            if qs_smem is not None:
+                plgpu.copy_gmem_to_smem(tiles.q_seg.at[b, rows], qs_smem.at[wg], bar)
             plgpu.barrier_wait(bar)
             lse_L = _load(lse_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
             delta_L = _load(delta_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+            q_seg = None
+            if qs_smem is not None:
+                q_seg = _load(qs_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
 
             def scope(dq_acc):
                 def step(t, carry, masked: bool):
@@ -658,8 +890,14 @@ def _dq_kernel(
                     dp_LxS = _matmul(do_tile, _t(v_smem.at[slot]), (bq, bk))
                     plgpu.barrier_arrive(v_free.at[slot])
                     s_LxS, t_LxS = _logits2(s_LxS, g, cap)
-                    if masked:
+                    if masked and tiles is None:
                         s_LxS = _mask(s_LxS, i * bq, t * bk, g, transposed=False)
+                    elif masked:
+                        segs = None
+                        if ks_smem is not None:
+                            kv_seg = _load(ks_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                            segs = (q_seg, kv_seg)
+                        s_LxS = tiles.mask(s_LxS, i * bq, (first + t) * bk, g, False, segs)
                     p_LxS = jnp.exp2(s_LxS - _bcast(lse_L, s_LxS.shape, 0))
                     ds_LxS = p_LxS * (dp_LxS - _bcast(delta_L, s_LxS.shape, 0))
                     ds_LxS = _capped_grad(ds_LxS, t_LxS)
@@ -670,8 +908,7 @@ def _dq_kernel(
                     plgpu.barrier_arrive(k_free.at[slot])
                     return carry
 
-                whole = jnp.minimum(_i32(g.k_blocks_whole(i)), end)
-                for lo, hi, masked in _spans(whole, end, g):
+                for lo, hi, masked in spans:
                     lax.fori_loop(_i32(lo), _i32(hi), functools.partial(step, masked=masked), None)
                 return dq_acc[...]
 
@@ -682,15 +919,16 @@ def _dq_kernel(
             plgpu.copy_smem_to_gmem(out_tile, dq_ref.at[b, rows, h])
             plgpu.wait_smem_to_gmem(0)
 
-        pairs = ((k_bar, k_free), (v_bar, v_free))
         lax.fori_loop(end, n_steps, lambda t, c: _skip(t, stages, pairs), None)
 
     def _producer():
         _producer_regs()
 
         def load(t, slot):
-            keys = pl.ds(t * bk, bk)
+            keys = pl.ds((first + t) * bk, bk)
             plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv], k_smem.at[slot], k_bar.at[slot])
+            if ks_smem is not None:
+                plgpu.copy_gmem_to_smem(tiles.kv_seg.at[b, keys], ks_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv], v_smem.at[slot], v_bar.at[slot])
 
         _produce(n_steps, stages, load, (k_free, v_free))
@@ -704,27 +942,36 @@ def _dq_kernel(
 
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
-    g: Geometry, W: int, stages: int, cap, parts: tuple,
+    g: Geometry, W: int, stages: int, cap, parts: tuple, mp=None,
 ):  # fmt: skip
     # gmem: q_ref [B, Lp, H, K]; do_ref [B, Lp, H, V]; k_ref, dk_ref [B, Sp, G, K];
     #       v_ref, dv_ref [B, Sp, G, V]; lse_ref, delta_ref [B, H, Lp]
     # `parts`: the gradients this kernel accumulates, ("dk", "dv") or one of them (head dims
-    # whose two accumulators would not fit a warpgroup's registers: one launch each); its
-    # outputs (dk_ref, dv_ref or one of them) come first in `refs`, then the scratch.
+    # whose two accumulators would not fit a warpgroup's registers: one launch each); in
+    # `refs` the mask inputs come first (with a Mask: _MaskPlan.arrays), then its outputs
+    # (dk_ref, dv_ref or one of them), then the scratch.
     # smem: k_smem [W, bk, K], v_smem [W, bk, V] (this CTA's key tiles, then dK, dV); q_smem
     #       [st, bq, K], do_smem [st, bq, V] (the ring); pt_smem, dst_smem [W, bk, bq];
-    #       lse_smem, delta_smem [st, bq]
+    #       lse_smem, delta_smem [st, bq]; with segment ids ks_smem [W, bk] and qs_smem
+    #       [st, bq] int32
+    n_mask = 0 if mp is None else mp.n_inputs
+    mask_refs, refs = refs[:n_mask], refs[n_mask:]
     out_refs = dict(zip(parts, refs[: len(parts)], strict=True))
     (k_smem, v_smem, q_smem, do_smem, pt_smem, dst_smem, lse_smem, delta_smem,
-     kv_bar, q_bar, free) = refs[len(parts):]  # fmt: skip
+     kv_bar, q_bar, free, *segs_smem) = refs[len(parts):]  # fmt: skip
+    ks_smem, qs_smem = segs_smem if segs_smem else (None, None)
     bq, bk = g.bq, g.bk
     dtype = k_smem.dtype
     kv, cta, b = lax.axis_index("kv_heads"), lax.axis_index("k"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
+    tiles = None if mp is None else _Tiles(mp, mask_refs, b)
     # The stream: for each of the R query heads of this kv head, query blocks start .. n_q-1,
-    # from the first block the CTA's first key tile sees.
-    start = _i32(g.q_blocks_start(cta * W))
-    n_blocks = g.n_q - start
+    # from the first block the CTA's first key tile sees (with a Mask: its CTA's stream).
+    if tiles is None:
+        start = _i32(g.q_blocks_start(cta * W))
+        n_blocks = g.n_q - start
+    else:
+        start, n_blocks = tiles.stream(cta)
     n_steps = g.R * n_blocks
 
     def _compute():
@@ -738,7 +985,13 @@ def _dkv_kernel(
         # masked here. The latter cost a wasted step each instead of a separate skip loop: one
         # flat loop over the stream keeps the dK and dV accumulators in one loop, which is what
         # lets the D=128 kernel fit its registers (nested loops spilled).
-        mid = _i32(g.q_blocks_masked_end(j))
+        if tiles is None:
+            mid = _i32(g.q_blocks_masked_end(j))
+            needs_mask = lambda i: i < mid  # noqa: E731
+        else:  # outside the tile's run of FULL blocks (its own range, and its sibling's)
+            lo, hi, full_lo, full_hi = tiles.tile(j)
+            needs_mask = lambda i: (i < full_lo) | (i >= full_hi)  # noqa: E731
+            real = real & (lo < hi)  # a key tile no query sees: zeros (set by the caller)
 
         def step(t, acc):
             # This warpgroup's tiles, indexed by a `_fresh` wg: indexed by wg itself, LLVM
@@ -758,9 +1011,19 @@ def _dkv_kernel(
                 # dtype: held in registers across the two products below, the D=128 kernel
                 # spilled 64 bytes (jax 0.10, sm_90a).
                 dst_tile[...] = (1.0 - tt_SxL * tt_SxL).astype(dtype)
-            if g.needs_mask:
+            if tiles is not None:
+
+                def masked(x):
+                    segs = None
+                    if qs_smem is not None:
+                        q_seg = _load(qs_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                        segs = (q_seg, _load(ks_smem.at[w], plgpu.Layout.WGMMA.reduce(1)))
+                    return tiles.mask(x, j * bk, i * bq, g, True, segs)
+
+                st_SxL = lax.cond(needs_mask(i), masked, lambda x: x, st_SxL)
+            elif g.needs_mask:
                 st_SxL = lax.cond(
-                    i < mid,
+                    needs_mask(i),
                     lambda x: _mask(x, j * bk, i * bq, g, transposed=True),
                     lambda x: x,
                     st_SxL,
@@ -796,6 +1059,8 @@ def _dkv_kernel(
         def _grad():
             plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv], k_tile, kv_bar.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv], v_tile, kv_bar.at[wg])
+            if ks_smem is not None:
+                plgpu.copy_gmem_to_smem(tiles.kv_seg.at[b, keys], ks_smem.at[wg], kv_bar.at[wg])
             plgpu.barrier_wait(kv_bar.at[wg])
             widths = {"dk": k_smem.shape[-1], "dv": v_smem.shape[-1]}
             accs = [plgpu.ACC((bk, widths[p]), jnp.float32) for p in parts]
@@ -828,6 +1093,8 @@ def _dkv_kernel(
             plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], q_bar.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], q_bar.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], q_bar.at[slot])
+            if qs_smem is not None:
+                plgpu.copy_gmem_to_smem(tiles.q_seg.at[b, rows], qs_smem.at[slot], q_bar.at[slot])
 
         _produce(n_steps, stages, load, (free,))
 
@@ -838,19 +1105,16 @@ def _dkv_kernel(
 # ---------------------------------------------------------------------------- backward
 
 
-def _backward(q, k, v, o, lse, do, dlse, plan):
-    """dQ, dK, dV from the forward's base-2 log-sum-exp (two kernels); `dlse`: the cotangent
-    of the natural log-sum-exp output [B, H, L]."""
+def _backward(q, k, v, lse, do, delta_BxHxL, plan, masks=((), ())):
+    """dQ, dK, dV from the forward's base-2 log-sum-exp (two kernels) and the row terms
+    delta [B, H, L]; `masks`: the dQ and dK/dV kernels' mask inputs."""
     B, L, H, K = q.shape
     _, S, G, V = v.shape
     dtype = q.dtype
     bs = plan.block_sizes
     W = bs.compute_wgs
-    # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row. A
-    # cotangent on the log-sum-exp adds dlse_i·P_ij to dS_ij: the same as delta_i - dlse_i.
-    delta_BxHxL = jnp.einsum("blhk,blhk->bhl", o.astype(jnp.float32), do.astype(jnp.float32))
-    delta_BxHxL = delta_BxHxL - dlse
     interpret = _interpret_arg(plan.interpret)
+    segs = int(plan.mp is not None and plan.mp.segments)
 
     gq = plan.dq
     stages = min(bs.max_stages, gq.n_k)
@@ -869,7 +1133,7 @@ def _backward(q, k, v, o, lse, do, dlse, plan):
         parts.append(
             plgpu.kernel(
                 functools.partial(
-                    _dq_kernel, g=gq, W=W, stages=stages, cap=plan.softcap, cols=cols
+                    _dq_kernel, g=gq, W=W, stages=stages, cap=plan.softcap, cols=cols, mp=plan.mp
                 ),
                 out_type=jax.ShapeDtypeStruct((B, Lp, H, cols[1]), dtype),
                 scratch_types=(
@@ -880,11 +1144,12 @@ def _backward(q, k, v, o, lse, do, dlse, plan):
                     _smem((W, gq.bq, gq.bk), dtype),
                     plgpu.SMEM((W, gq.bq), jnp.float32),
                     plgpu.SMEM((W, gq.bq), jnp.float32),
-                    plgpu.Barrier(num_arrivals=4, num_barriers=W),
-                    plgpu.Barrier(num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=4 + segs, num_barriers=W),
+                    plgpu.Barrier(num_arrivals=1 + segs, num_barriers=stages),
                     plgpu.Barrier(num_barriers=stages),
                     plgpu.Barrier(num_arrivals=W, num_barriers=stages),
                     plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+                    *_segment_smem(plan, W, gq.bq, stages, gq.bk),
                     *([] if cols[1] == K else [_smem((W, gq.bq, cols[1]), dtype)]),
                 ),
                 grid=(H, n_cta, B),
@@ -894,8 +1159,8 @@ def _backward(q, k, v, o, lse, do, dlse, plan):
                 compiler_params=plgpu.CompilerParams(approx_math=True),
                 interpret=interpret,
                 kernel_name=_part_name("flash_attention_mgpu_dq", cols, K),
-                **_estimate(_dq_cost(gq, B, H, K, V, cols[1], dtype.itemsize)),
-            )(*args)
+                **_estimate(_dq_cost(gq, B, H, K, V, cols[1], dtype.itemsize, plan.mp)),
+            )(*args, *masks[0])
         )
     dq = jnp.concatenate(parts, axis=-1)[:, :L] if len(parts) > 1 else parts[0][:, :L]
 
@@ -915,7 +1180,9 @@ def _backward(q, k, v, o, lse, do, dlse, plan):
     grads = {}
     for parts in dkv_launches(K, V):
         outs = plgpu.kernel(
-            functools.partial(_dkv_kernel, g=gk, W=W, stages=stages, cap=plan.softcap, parts=parts),
+            functools.partial(
+                _dkv_kernel, g=gk, W=W, stages=stages, cap=plan.softcap, parts=parts, mp=plan.mp
+            ),
             out_type=tuple(jax.ShapeDtypeStruct((B, Sp, G, widths[p]), dtype) for p in parts),
             scratch_types=(
                 _smem((W, gk.bk, K), dtype),
@@ -926,9 +1193,10 @@ def _backward(q, k, v, o, lse, do, dlse, plan):
                 _smem((W, gk.bk, gk.bq), dtype),
                 plgpu.SMEM((stages, gk.bq), jnp.float32),
                 plgpu.SMEM((stages, gk.bq), jnp.float32),
-                plgpu.Barrier(num_arrivals=2, num_barriers=W),
-                plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # Q, lse, dO, delta
+                plgpu.Barrier(num_arrivals=2 + segs, num_barriers=W),  # K, V (and key ids)
+                plgpu.Barrier(num_arrivals=4 + segs, num_barriers=stages),  # Q, lse, dO, delta
                 plgpu.Barrier(num_arrivals=W, num_barriers=stages),
+                *_segment_smem(plan, W, gk.bk, stages, gk.bq),
             ),
             grid=(G, n_cta, B),
             grid_names=("kv_heads", "k", "batch"),
@@ -937,10 +1205,15 @@ def _backward(q, k, v, o, lse, do, dlse, plan):
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=interpret,
             kernel_name="flash_attention_mgpu_" + ("dkv" if len(parts) == 2 else parts[0]),
-            **_estimate(_dkv_cost(gk, B, G * gk.R, K, V, parts, dtype.itemsize)),
-        )(*args)
+            **_estimate(_dkv_cost(gk, B, G * gk.R, K, V, parts, dtype.itemsize, plan.mp)),
+        )(*args, *masks[1])
         grads.update(zip(parts, outs, strict=True))
-    return dq, grads["dk"][:, :S], grads["dv"][:, :S]
+    dk, dv = grads["dk"], grads["dv"]
+    if plan.mp is not None:  # key tiles no query sees were never written: their zeros
+        tiles = masks[1][0]  # [B', n_cta·W, 4]
+        unseen_Bx1 = jnp.repeat(tiles[..., 0] >= tiles[..., 1], gk.bk, axis=1)[:, :, None, None]
+        dk, dv = (jnp.where(unseen_Bx1, jnp.zeros((), dtype), x) for x in (dk, dv))
+    return dq, dk[:, :S], dv[:, :S]
 
 
 def column_parts(width: int) -> tuple:
@@ -977,28 +1250,49 @@ class _Plan:
     block_sizes: BlockSizes
     interpret: object  # False, True, or the interpreter's parameters (hashable)
     softcap: float | None = None  # scores become softcap·tanh(scores / softcap)
+    mp: _MaskPlan | None = None  # with a Mask: its static side (else causal and padding)
 
 
 LN2 = math.log(2.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan: _Plan):
-    """(output [B, L, H, V], natural log-sum-exp [B, H, L] f32): both differentiable."""
-    o_BxLxHxV, lse2_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan)
-    return o_BxLxHxV, lse2_BxHxL * LN2
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks_H, masks, plan: _Plan):
+    """(output [B, L, H, V], natural log-sum-exp [B, H, L] f32, +inf for a row that sees no
+    key): both differentiable. `masks`: the forward, dQ and dK/dV kernels' mask inputs (empty
+    without a Mask). `sinks_H` (or None): one logit per query head in every row's
+    denominator, folded into the forward's output and log-sum-exp (common.fold_sinks), which
+    leaves the backward kernels exact unchanged."""
+    return _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks_H, masks, plan)[0]
 
 
-def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan: _Plan):
-    o_BxLxHxV, lse2_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan)
-    residuals = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse2_BxHxL)
-    return (o_BxLxHxV, lse2_BxHxL * LN2), residuals
+def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks_H, masks, plan: _Plan):
+    o_BxLxHxV, lse2_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan, masks[0])
+    lse_BxHxL = lse2_BxHxL * LN2
+    if sinks_H is not None:
+        w_BxHxL, lse_BxHxL = fold_sinks(lse_BxHxL, sinks_H[None, :, None])
+        w_BxLxHx1 = jnp.swapaxes(w_BxHxL, 1, 2)[..., None]
+        o_BxLxHxV = (o_BxLxHxV.astype(jnp.float32) * w_BxLxHx1).astype(o_BxLxHxV.dtype)
+    residuals = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL, sinks_H, masks)
+    return (o_BxLxHxV, lse_BxHxL), residuals
 
 
 def _flash_bwd(plan: _Plan, residuals, cotangents):
-    q, k, v, o, lse2 = residuals
+    q, k, v, o, lse_BxHxL, sinks_H, masks = residuals
     do_BxLxHxV, dlse_BxHxL = cotangents
-    return _backward(q, k, v, o, lse2, do_BxLxHxV, dlse_BxHxL, plan)
+    # delta_i = Σ_d dO_id·O_id: the softmax-backward row term, one f32 per query row. A
+    # cotangent on the log-sum-exp adds dlse_i·P_ij to dS_ij: the same as delta_i - dlse_i.
+    delta_BxHxL = jnp.einsum(
+        "blhk,blhk->bhl", o.astype(jnp.float32), do_BxLxHxV.astype(jnp.float32)
+    )
+    delta_BxHxL = delta_BxHxL - dlse_BxHxL
+    lse2_BxHxL = lse_BxHxL * (1.0 / LN2)  # the kernels' base 2 (+inf stays)
+    dq, dk, dv = _backward(q, k, v, lse2_BxHxL, do_BxLxHxV, delta_BxHxL, plan, masks[1:])
+    dsinks_H = None
+    if sinks_H is not None:
+        dsinks_H = sink_grad(sinks_H[None, :, None], lse_BxHxL, delta_BxHxL).sum((0, 2))
+        dsinks_H = dsinks_H.astype(sinks_H.dtype)
+    return dq, dk, dv, dsinks_H, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -1007,7 +1301,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, *, causal: bool) -> None:
     """What this kernel accepts (the dispatch asks before choosing it): dtypes bfloat16 and
     float16; q/k and v head dims each in HEAD_DIMS (v's may differ)."""
-    check_qkv(q_BxLxHxK, k_BxSxGxK, k_BxSxGxK, causal=causal)
+    check_qkv(q_BxLxHxK, k_BxSxGxK, k_BxSxGxK, causal=causal, empty_rows=True)
     k, v = k_BxSxGxK, v_BxSxGxV
     if v.ndim != 4 or v.shape[:3] != k.shape[:3] or v.dtype != k.dtype:
         raise ValueError(
@@ -1027,10 +1321,10 @@ def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, *, causal: bool) -> None:
 
 def toolchain_problem(*, causal: bool, masked: bool = False) -> str | None:
     """Why the PTX assembler that would compile these kernels must not (None: it may). With a
-    mask in the tiles (causal, or keys padded to a whole tile: `masked`), ptxas and nvJitLink
-    of CUDA 12.8.0 up to 12.9.1 miscompile their masked wgmma code (lab/measure/toolchain.py;
-    JAX's own Mosaic GPU attention refuses causal masking on the same range). Without a mask
-    no masked wgmma is emitted, so any release compiles them."""
+    mask in the tiles (causal, or keys padded to a whole tile or any common.Mask: `masked`),
+    ptxas and nvJitLink of CUDA 12.8.0 up to 12.9.1 miscompile their masked wgmma code
+    (lab/measure/toolchain.py; JAX's own Mosaic GPU attention refuses causal masking on the
+    same range). Without a mask no masked wgmma is emitted, so any release compiles them."""
     bad = toolchain.miscompiling(toolchain.probe())
     if not ((causal or masked) and bad):
         return None
@@ -1045,7 +1339,7 @@ def check_toolchain(*, causal: bool, masked: bool = False) -> None:
     kernels ask: the interpreter runs no ptxas."""
     problem = toolchain_problem(causal=causal, masked=masked)
     if problem:
-        what = "a causal mask" if causal else "keys padded to a whole tile"
+        what = "a causal mask" if causal else "a mask (keys padded to a whole tile, or a Mask)"
         raise ValueError(
             f"impl='pallas_mgpu' with {what}: {problem}; choose pallas_gpu or cudnn "
             f"instead, or a CUDA toolchain >= {toolchain.FIXED_IN} (e.g. pip install -U "
@@ -1054,7 +1348,15 @@ def check_toolchain(*, causal: bool, masked: bool = False) -> None:
 
 
 def plan_for(
-    q_shape, k_shape, *, causal: bool, scale, block_sizes: BlockSizes, interpret, softcap=None
+    q_shape,
+    k_shape,
+    *,
+    causal: bool,
+    scale,
+    block_sizes: BlockSizes,
+    interpret,
+    softcap=None,
+    mask: Mask | None = None,
 ):
     """The three kernels' geometries for these shapes (key tiles shrink to short sequences)."""
     _, L, H, K = q_shape
@@ -1067,13 +1369,20 @@ def plan_for(
         )
 
     bs = block_sizes
+    block_k = bs.block_k
+    if mask is not None and mask.segments and (mask.lengths or mask.window or mask.causal):
+        # segment ids with a band or lengths: the forward's 128-key tile holds the key ids and
+        # positions (32 values a thread each) next to the scores and a 128-wide output, and
+        # spilled 32 bytes at head_dim 128 (sm_90a); 64-key tiles spill nothing
+        block_k = min(block_k, TILE)
     return _Plan(
-        fwd=geometry(bs.block_q, bs.block_k),
+        fwd=geometry(bs.block_q, block_k),
         dq=geometry(bs.block_q_dq, bs.block_k_dq),
         dkv=geometry(bs.block_q_dkv, bs.block_k_dkv),
         block_sizes=bs,
         interpret=interpret,
         softcap=softcap,
+        mp=None if mask is None else _MaskPlan.of(mask),
     )
 
 
@@ -1088,7 +1397,9 @@ def flash_attention_mgpu(
     *,
     causal: bool = True,
     scale: float | None = None,
+    mask: Mask | None = None,
     softcap: float | None = None,
+    sinks=None,
     return_lse: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret=False,
@@ -1099,7 +1410,13 @@ def flash_attention_mgpu(
     output takes v's). `softcap`: the scores become softcap·tanh(scores / softcap) before the
     softmax (Gemma 2), gradient included. `return_lse=True` returns (out, lse) with lse
     [batch, seq, heads] f32, each row's natural log-sum-exp of the (capped) scaled scores;
-    both are differentiable.
+    both are differentiable. `sinks` [heads]: one learned logit per query head in every
+    row's softmax denominator (no value; its gradient included), folded in exactly through
+    the log-sum-exp. `mask` (common.Mask: causal, a window, segment ids, lengths, combined
+    with `causal`): each kernel streams only the blocks its CTA's tiles see (`_ranges`, from
+    Mask.block_map), runs a tile's run of full blocks without the mask and masks the rest; a
+    row that sees no key gives 0 (lse -inf). Causal with more queries than keys takes this
+    path too.
     `block_sizes=None` takes the device's tuned entry, else `BLOCK_SIZES[head_dim]` (the
     wider of the q/k and v head dims).
     `interpret=True` runs the kernels in JAX's GPU interpreter on CPU (jax >= 0.11); pass
@@ -1108,6 +1425,15 @@ def flash_attention_mgpu(
     """
     check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=causal)
     softcap = check_softcap(softcap)
+    check_sinks(sinks, q_BxLxHxK.shape[2])
+    B, L = q_BxLxHxK.shape[:2]
+    S = k_BxSxGxK.shape[1]
+    if mask is None and causal and L > S:  # rows with no key: the Mask path gives them 0
+        mask = Mask.make(causal=True)
+    if mask is not None:
+        mask.check(B, L, S)
+        if causal and not mask.causal:
+            mask = dataclasses.replace(mask, causal=True)
     if interpret is not False and interpret is not None and not interpretable():
         raise ValueError(
             f"interpret={interpret!r}: JAX's GPU interpreter runs pallas_mgpu from jax 0.11 "
@@ -1124,11 +1450,20 @@ def flash_attention_mgpu(
         block_sizes=block_sizes,
         interpret=interpret,
         softcap=softcap,
+        mask=mask,
     )
     if interpret is False or interpret is None:
-        masked = any(g.needs_mask for g in (plan.fwd, plan.dq, plan.dkv))
+        masked = mask is not None or any(g.needs_mask for g in (plan.fwd, plan.dq, plan.dkv))
         check_toolchain(causal=causal, masked=masked)
-    o_BxLxHxV, lse_BxHxL = _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan)
+    masks = ((), (), ())
+    if mask is not None:  # each kernel's block ranges, classified before it runs
+        W = plan.block_sizes.compute_wgs
+        masks = tuple(
+            plan.mp.arrays(mask, g, W, query_major)
+            for g, query_major in ((plan.fwd, True), (plan.dq, True), (plan.dkv, False))
+        )
+    o_BxLxHxV, lse_BxHxL = _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks, masks, plan)
     if not return_lse:
         return o_BxLxHxV
+    lse_BxHxL = jnp.where(lse_BxHxL == jnp.inf, -jnp.inf, lse_BxHxL)  # rows that saw no key
     return o_BxLxHxV, jnp.swapaxes(lse_BxHxL, 1, 2)
