@@ -198,6 +198,42 @@ ENTRY %main (s: f32[6,32,16], g: f32[32,16], k: s32[]) -> f32[6,512] {
     assert hlo.instruction_cost(fusion, program, "main").bytes == 2 * 32 * 16 * 4 + 4
 
 
+def test_async_fusion_is_timed_as_the_fusion_it_runs():
+    """XLA:GPU runs some fusions asynchronously (`fusion-start` … `fusion-done`: a scan's
+    in-place dynamic-update-slice into its stacked [L, ...] residuals). The pair costs what the
+    same `fusion` costs: the update read and written in place, not the whole stack read and
+    written plus the start's tuple (operands, result, context); the called computation is
+    fused (its dynamic-update-slice is not counted a second time as an op of its own) and the
+    done moves nothing."""
+    fused = """%fused (b: f32[6,32,16], i: s32[], u: f32[1,32,16]) -> f32[6,32,16] {
+  %b = f32[6,32,16]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %u = f32[1,32,16]{2,1,0} parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = f32[6,32,16]{2,1,0} dynamic-update-slice(%b, %u, %i, %z, %z)
+}
+"""
+    head = """
+ENTRY %main (s: f32[6,32,16], k: s32[], g: f32[1,32,16]) -> f32[6,32,16] {
+  %s = f32[6,32,16]{2,1,0} parameter(0)
+  %k = s32[] parameter(1)
+  %g = f32[1,32,16]{2,1,0} parameter(2)
+"""
+    plain = "  ROOT %f = f32[6,32,16]{2,1,0} fusion(%s, %k, %g), kind=kLoop, calls=%fused\n}\n"
+    pair = (
+        "  %f = ((f32[6,32,16]{2,1,0}, s32[], f32[1,32,16]{2,1,0}), f32[6,32,16]{2,1,0}, u32[]) "
+        "fusion-start(%s, %k, %g), kind=kLoop, calls=%fused\n"
+        "  ROOT %e = f32[6,32,16]{2,1,0} fusion-done(%f)\n}\n"
+    )
+    expected = 2 * 32 * 16 * 4 + 4  # the update read, the same bytes written, the index read
+    for body in (plain, pair):
+        program = hlo.parse("HloModule m\n\n" + fused + head + body)
+        assert "fused" in program.fused
+        start = program.computations["main"][3]
+        assert hlo.instruction_cost(start, program, "main").bytes == expected
+        assert hlo.total_cost(program).bytes == expected
+
+
 def test_dot_and_convolution_formulas():
     """2·out·contracted for a dot; valid taps only for a dilated, padded convolution."""
     text = """HloModule m

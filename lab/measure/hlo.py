@@ -59,7 +59,13 @@ _NO_BYTES = {
     "opt-barrier",
     "add-dependency",
     "domain",
+    # an asynchronous fusion's work (reads, writes, FLOPs) is its start's; the done only waits
+    "fusion-done",
 }
+# A fusion run in place or asynchronously (XLA:GPU's `fusion-start` … `fusion-done`, e.g. a
+# scan's in-place dynamic-update-slice of its stacked carries) is a fusion like any other: its
+# computation stays in registers and its bytes are the fusion's operands and results.
+FUSIONS = ("fusion", "fusion-start")
 # The second and third halves of an async pair name the computation the start runs; they do
 # not run it again.
 _NOT_A_CALL = {"async-update", "async-done"}
@@ -321,7 +327,7 @@ def parse(hlo_text: str) -> Program:
                 continue
             for c in _CALL_RE.finditer(ins.attrs):
                 calls[name].append((c["callee"], 1))
-                if ins.opcode == "fusion":
+                if ins.opcode in FUSIONS:
                     fused.add(c["callee"])
     counts = _counts(entry, calls)
     # A fusion's nested computations are fused too.
@@ -560,7 +566,7 @@ def _fusion_bytes(ins: Instruction, program: Program) -> float:
 def _bytes(ins: Instruction, program: Program) -> float:
     if ins.opcode in _NO_BYTES:
         return 0.0
-    if ins.opcode == "fusion":
+    if ins.opcode in FUSIONS:
         return _fusion_bytes(ins, program)
     if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
         update = sum(shape_sizes(program.shapes.get(ins.operands[1], "")))
