@@ -1,6 +1,8 @@
 """The step-time model against hand-computed answers: a matmul, a copy, an all-gather and an
 all-reduce on a known mesh, an overlapped collective; and the machines built from specs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -117,7 +119,34 @@ def test_gpu_links_nvlink_inside_a_host_infiniband_across():
     m = machines.gpu_machine(spec, {"data": 4, "fsdp": 8})
     assert m.link_bandwidth["fsdp"] == spec.interconnect_bandwidth / 2  # inside 8 GPUs
     assert m.link_bandwidth["data"] == machines.IB_PER_GPU  # across hosts
-    assert m.link(("data", "fsdp")) == machines.IB_PER_GPU  # the slowest axis it spans
+    # point to point (and all-to-all): the slowest axis it spans, one NIC per device
+    assert m.link(("data", "fsdp"), "collective-permute") == machines.IB_PER_GPU
+    assert m.link(("data",), "all-reduce") == machines.IB_PER_GPU  # one member per host
+
+
+def test_a_ring_across_hosts_runs_one_ring_per_members_nic():
+    """A ring collective whose group has g members on each host runs g rings, each leaving
+    the host through its own 50 GB/s NIC: min(g × 50 GB/s, NVLink) per device. Data 48 × model
+    m (model innermost, 8 GPUs a host): the data groups hold 8/m GPUs of each host."""
+    spec = specs.lookup("NVIDIA H100 80GB HBM3")
+    nvlink = spec.interconnect_bandwidth / 2
+    ib = machines.IB_PER_GPU
+    for model, per_host in ((1, 8), (2, 4), (4, 2), (8, 1)):
+        m = machines.gpu_machine(spec, {"data": 48, "model": model} if model > 1 else {"data": 48})
+        assert m.link(("data",), "all-reduce") == min(per_host * ib, nvlink)
+        assert m.link(("data",), "reduce-scatter") == min(per_host * ib, nvlink)
+        assert m.link(("data",), "collective-permute") == ib
+        if model > 1:
+            assert m.link(("model",), "all-gather") == nvlink  # inside a host
+            assert m.link(("data", "model"), "all-reduce") == min(8 * ib, nvlink)
+    # an all-reduce over 48 GPUs of 6 hosts (8 each): 2·47/48 of 1 GiB at 8 × 50 GB/s
+    m = machines.gpu_machine(spec, {"data": 48})
+    text = _OVERLAP.format(m=64)
+    program = hlo.parse(text)
+    found = {c.name: c for c in collectives_hlo.parse(text, {"data": 8})}
+    found = {k: dataclasses.replace(c, group_size=48) for k, c in found.items()}
+    p = predict(program, m, found)
+    assert p.collective_s == pytest.approx(2 * 47 / 48 * 1024 * 256 * 4 / (8 * ib), rel=1e-6)
 
 
 def test_tpu_links_share_the_chip_ici_among_torus_axes():

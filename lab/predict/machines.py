@@ -8,7 +8,13 @@ algorithm runs):
 - NVIDIA GPU: NVLink through NVSwitch inside a host of 8 (the datasheet's total over 2 per
   direction); an axis that spans hosts runs at the host's network share per GPU (one 400 Gb/s
   InfiniBand NIC per GPU on DGX H100 / H200 systems, 50 GB/s: NVIDIA DGX H100 user guide,
-  "networking": eight single-port ConnectX-7 400 Gb/s).
+  "networking": eight single-port ConnectX-7 400 Gb/s). A ring collective (all-reduce,
+  all-gather, reduce-scatter) whose group has g members on each host runs g rings at once,
+  each leaving the host through a different member's NIC, so it moves its bus bytes at
+  min(g × NIC, NVLink) per device: NCCL "will form multiple rings so that it can utilize all
+  the available NICs" (NVIDIA/nccl-tests#277), and a DGX A100's 8 × 200 Gb/s NICs measure
+  192 GB/s all-reduce bus bandwidth across hosts (NVIDIA/nccl#812), 8 × 25 GB/s, not 25 GB/s.
+  A point-to-point transfer (collective-permute) or an all-to-all uses each device's own NIC.
 - CPU (simulated devices): every "link" is a memory copy at the measured copy bandwidth, and
   all simulated devices share the same cores, so an op costs its time × devices.
 """
@@ -59,6 +65,7 @@ def gpu_machine(spec: specs.DeviceSpec, mesh_shape: dict, per_host: int = 8, fit
         peak_flops=dict(spec.peak_flops),
         memory_bandwidth=spec.memory_bandwidth,
         link_bandwidth=links,
+        ring_bandwidth=ring_bandwidth(mesh_shape, nvlink, per_host),
         source=(
             f"{spec.source_of('*')}; NVLink {nvlink / 1e9:.0f} GB/s per direction inside "
             f"{per_host} GPUs, InfiniBand {IB_PER_GPU / 1e9:.0f} GB/s per GPU across hosts"
@@ -66,6 +73,30 @@ def gpu_machine(spec: specs.DeviceSpec, mesh_shape: dict, per_host: int = 8, fit
         async_launch=True,
         **(fit or DEFAULT_FIT),
     )
+
+
+def ring_bandwidth(mesh_shape: dict, nvlink: float, per_host: int = 8) -> dict:
+    """Per set of mesh axes a group may span (axes of size > 1): the bus bandwidth per device
+    of a ring collective over them. Devices fill hosts of `per_host` in mesh order, the last
+    axis innermost; a group with g members on each host it spans runs g rings, one through
+    each member's NIC: min(g × IB_PER_GPU, NVLink). A group inside one host: NVLink."""
+    import itertools
+
+    order = [a for a in MESH_ORDER if a in mesh_shape] + [
+        a for a in mesh_shape if a not in MESH_ORDER
+    ]
+    stride, on_host = 1, {}
+    for axis in reversed(order):  # members of the axis a host holds: its span over strides
+        on_host[axis] = min(mesh_shape[axis], max(1, per_host // stride))
+        stride *= mesh_shape[axis]
+    axes = [a for a in order if mesh_shape[a] > 1]
+    out = {}
+    for r in range(1, len(axes) + 1):
+        for group in itertools.combinations(axes, r):
+            size = math.prod(mesh_shape[a] for a in group)
+            per = math.prod(on_host[a] for a in group)
+            out[frozenset(group)] = nvlink if size <= per else min(per * IB_PER_GPU, nvlink)
+    return out
 
 
 def last_level_cache_bytes() -> int:

@@ -28,6 +28,7 @@ from lab.measure import cost as costs
 from lab.measure import hlo
 from lab.measure.predicted import OpTime
 
+RINGS = ("all-reduce", "all-gather", "reduce-scatter")  # one ring per channel (NCCL's rings)
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPES = {
     "f32": "float32",
@@ -57,6 +58,10 @@ class Machine:
     # launch are launch-bound). A CPU runs each op's thunk in turn: work + t_op.
     async_launch: bool = False
     link_latency_s: float = 0.0  # t_link: fixed cost of one collective
+    # A ring collective (all-reduce, all-gather, reduce-scatter) over exactly these axes, where
+    # it runs faster than its slowest axis alone: on a GPU cluster, a group with several
+    # members per host runs one ring per member's network card (lab/predict/machines.py).
+    ring_bandwidth: Mapping[frozenset, float] = dataclasses.field(default_factory=dict)
     devices_per_core_group: int = 1  # simulated devices sharing one set of cores (CPU: all)
     cache_bytes: float = 0.0  # an op whose bytes (× devices sharing it) fit here runs at …
     cache_bandwidth: float = 0.0  # … this bandwidth instead (CPU: the last-level cache)
@@ -69,8 +74,11 @@ class Machine:
             return self.peak_flops[dtype]
         return self.peak_flops.get("float32") or min(self.peak_flops.values())
 
-    def link(self, axes: tuple[str, ...]) -> float:
-        """Bandwidth of a collective over `axes`: the slowest axis it spans."""
+    def link(self, axes: tuple[str, ...], kind: str = "") -> float:
+        """Bandwidth of a collective of `kind` over `axes`: a ring collective's over exactly
+        those axes where the machine gives one, else the slowest axis it spans."""
+        if kind in RINGS and frozenset(axes) in self.ring_bandwidth:
+            return self.ring_bandwidth[frozenset(axes)]
         known = [self.link_bandwidth[a] for a in axes if a in self.link_bandwidth]
         if known:
             return min(known)
@@ -226,7 +234,8 @@ def predict(
                 else:
                     moved = costs.bus_bytes(kind, sum(hlo.shape_sizes(ins.shape)), 2)
                     axes = ()
-                seconds = moved / machine.link(axes) + machine.link_latency_s if moved else 0.0
+                link = machine.link(axes, kind)
+                seconds = moved / link + machine.link_latency_s if moved else 0.0
                 is_async = op.endswith("-start")
                 ops.append(
                     OpTime(
