@@ -164,3 +164,15 @@ def test_a_serving_point_whose_batch_does_not_split_is_one_line(tmp_path):
         prediction.program(point, tmp_path)
     assert len(str(e.value).splitlines()) == 1 and "batches [3]" in str(e.value)
     assert not list(tmp_path.iterdir())  # nothing cached
+
+
+def test_a_gpu_step_larger_than_the_chip_is_dropped_not_predicted():
+    """XLA:GPU compiles a step its HBM cannot hold (it only warns), so the study checks the
+    compiled step's bytes against the spec's HBM, as XLA:TPU's refusal does: such a program is
+    not the published run (which fitted), and the point is dropped with the reason."""
+    point = next(p for p in prediction.load_points() if p["id"] == "megatron-h100-1.7b")
+    assert prediction._needs_memory(point)
+    assert prediction.too_big(point, {"memory_bytes": 79e9}) is None
+    why = prediction.too_big(point, {"memory_bytes": 89.6e9})
+    assert why == "the compiled step needs 89.6 GB, 80 GB available"
+    assert "dropped, not bent" in prediction.why_refused(point, why)

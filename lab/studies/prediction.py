@@ -30,7 +30,7 @@ import numpy as np
 from lab import plans
 from lab.config import make_config
 from lab.errors import ConfigError
-from lab.measure import hlo, specs
+from lab.measure import hlo, memory, specs
 from lab.parallel import collectives_hlo
 from lab.predict import machines
 from lab.predict.model import predict
@@ -126,6 +126,13 @@ def why_refused(point: dict, refusal: str) -> str:
     matmul output; `full` would fit but recompute more than the published run)."""
     if point["workload"] != "train" or "available" not in refusal:
         return refusal
+    if not point["publisher"].endswith("MaxText"):
+        lab = (point.get("lab_config") or {}).get("remat")
+        return (
+            f"{refusal}; the published run fits, so its memory plan (recompute, optimizer-state "
+            f"and activation sharding) is not the lab's remat={lab} step, and the point is "
+            "dropped, not bent"
+        )
     stated = (point.get("setup") or {}).get("remat_policy")
     lab = (point.get("lab_config") or {}).get("remat")
     if stated == "minimal":
@@ -159,6 +166,9 @@ def _train_program(point: dict) -> dict:
         "tokens": t.cfg.batch_size * t.cfg.seq_len,
         "model_flops": fpt * t.cfg.batch_size * t.cfg.seq_len,
         "custom_flops": attention_flops_per_device(t.cfg, t.mesh.size),
+        # bytes one device needs (arguments + outputs - aliased + temporaries): XLA:GPU
+        # compiles a step larger than the chip's HBM (it only warns), so run() checks it
+        "memory_bytes": (memory.compiled_memory(compiled) or {}).get("total_bytes"),
         "dtype": t.cfg.model.dtype,
         "device_kind": session.info.device_kind,
         "topology": t.cfg.target.split(":")[-1],
@@ -262,7 +272,9 @@ def program(point: dict, cache_dir: Path) -> dict:
     """The compiled program of a point (HLO text and what the comparison needs), cached."""
     path = Path(cache_dir) / f"{point['id']}-{_key(point)}.json"
     if path.exists():
-        return json.loads(path.read_text())
+        out = json.loads(path.read_text())
+        if "hlo" not in out or "memory_bytes" in out or not _needs_memory(point):
+            return out  # (a GPU training step cached before its memory was kept: compiled again)
     t0 = time.perf_counter()
     try:
         build = {"train": _train_program, "decode": _serve_program, "prefill": _serve_program}
@@ -279,6 +291,20 @@ def program(point: dict, cache_dir: Path) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
     return out
+
+
+def _needs_memory(point: dict) -> bool:
+    """A GPU training step: XLA:GPU compiles it whatever its size, so its bytes are checked
+    against the chip's HBM here (XLA:TPU refuses a step its HBM cannot hold by itself)."""
+    return point["workload"] == "train" and vendor(point) == "gpu"
+
+
+def too_big(point: dict, prog: dict) -> str | None:
+    """'needs 89.6 GB, 80 GB available' where the compiled step does not fit the chip."""
+    need, have = prog.get("memory_bytes"), specs.SPECS[spec_key(point)].memory_bytes
+    if need and need > have:
+        return f"the compiled step needs {need / 1e9:.1f} GB, {have / 1e9:.0f} GB available"
+    return None
 
 
 # ---------------------------------------------------------------------------- prediction
@@ -389,6 +415,9 @@ def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool 
             continue
         if "refused" in prog:  # e.g. the lab's step needs more HBM than the chip has
             refused[p["id"]] = why_refused(p, prog["refused"])
+            continue
+        if big := too_big(p, prog):  # the same, where the compiler does not refuse it
+            refused[p["id"]] = why_refused(p, big)
             continue
         predictors[p["id"]] = Predictor(p, prog)
     fits = {}
