@@ -557,13 +557,13 @@ def predict_with_fit(point: dict, cache_dir=CACHE_DIR) -> dict | None:
     """A figure outside the validation set (a ledger claim) predicted by the fitted model:
     the point's program compiled for its target (cached like the validation's) and timed with
     the vendor's fitted parameters. {"seconds", "breakdown", "collective_s", "figure" (the
-    point's unit), "statement", "program"}; None where the compiler refuses it or the target
-    cannot compile here."""
+    point's unit), "statement", "program"}; None where the compiler refuses it, the step does
+    not fit the chip's memory, or the target cannot compile here."""
     try:
         prog = program(point, Path(cache_dir))
     except ConfigError:
         return None
-    if "refused" in prog:
+    if "refused" in prog or too_big(point, prog):
         return None
     pr = Predictor(point, prog)
     from lab.predict.step import fits
