@@ -561,14 +561,18 @@ def _fwd_kernel(
     bq, bk, V = g.bq, g.bk, v_smem.shape[-1]
     o_smem = o_smem[0] if o_smem else q_smem
     dtype = q_smem.dtype
-    h, cta, b, wg, kv, n_steps = _query_cta(g, W)
+    h, cta, b, wg, kv, causal_steps = _query_cta(g, W)
     tiles = None if mp is None else _Tiles(mp, mask_refs, b)
-    first = 0
-    if tiles is not None:
-        first, n_steps = tiles.stream(cta)
+
+    def stream():
+        """(first block, steps) of the CTA's stream, read inside each branch of the cond
+        below: read once before it, `first` lived across setmaxnreg and ptxas spilled it
+        (16 bytes at head_dim 128 with a window or with segment ids; sm_90a)."""
+        return (0, causal_steps) if tiles is None else tiles.stream(cta)
 
     def _compute():
         _compute_regs(W)
+        first, n_steps = stream()
         i = cta * W + wg  # this warpgroup's query block
         real = i < g.n_q
         q_tile, p_tile, o_tile = q_smem.at[wg], p_smem.at[wg], o_smem.at[wg]
@@ -650,6 +654,7 @@ def _fwd_kernel(
 
     def _producer():
         _producer_regs()
+        first, n_steps = stream()
 
         def load(t, slot):
             keys = pl.ds((first + t) * bk, bk)
