@@ -525,7 +525,11 @@ def test_options_compile_for_h100_without_spills(
 MASK_COMPILE_CASES = [
     pytest.param(("sinks", "empty_rows"), 2, id="sinks-causal-more-queries-gqa4"),
     pytest.param(("window", "lengths"), 8, id="window-lengths-mha"),
-    # segment ids with a band: the forward's key tiles drop to 64 rows (plan_for)
+    # a window alone and segment ids alone: the forward spilled 16 B (its stream's first block
+    # held across setmaxnreg; with lengths as well it happened not to)
+    pytest.param(("window",), 8, id="window-mha"),
+    pytest.param(("segments",), 8, id="segments-causal-mha"),
+    # all three on the forward's 128-key tiles: 32 B, then 8 B until its `_fresh` tiles
     pytest.param(("segments", "window", "lengths"), 8, id="segments-window-lengths-mha"),
 ]
 

@@ -46,8 +46,10 @@ the blocks outside its own range (barrier bookkeeping), runs its first run of fu
 without the mask and masks the rest (`_Tiles.mask`: the band and the lengths on the position
 vectors, segment ids as two id vectors, the tile's by TMA beside Q and the streamed block's
 beside K). A row that sees no key keeps the initial max: output 0, log-sum-exp +inf (the
-backward's P is then 0); a key tile no query sees is zeroed after the dK/dV kernel. With segment
-ids and a band or lengths the forward's key tiles are 64 rows (`plan_for`: 128 spilled).
+backward's P is then 0); a key tile no query sees is zeroed after the dK/dV kernel. Every mask
+runs on the default tiles: the forward reads its stream inside the compute and producer branches
+(read before them, a value held across setmaxnreg spilled) and indexes its per-warpgroup segment
+ids and log-sum-exp tiles by a `_fresh` warpgroup (an address held over the key loop spilled).
 Attention sinks are folded into the output and log-sum-exp after the forward
 (common.fold_sinks), which leaves the backward kernels exact unchanged; their gradient is
 -Σ P_sink·delta per head, outside the kernels.
@@ -591,12 +593,13 @@ def _fwd_kernel(
         @pl.when(real)
         def _attend():
             plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_tile, q_bar.at[wg])
-            if qs_smem is not None:
-                plgpu.copy_gmem_to_smem(tiles.q_seg.at[b, rows], qs_smem.at[wg], q_bar.at[wg])
+            qs_tile = None if qs_smem is None else qs_smem.at[_fresh(wg)]
+            if qs_tile is not None:
+                plgpu.copy_gmem_to_smem(tiles.q_seg.at[b, rows], qs_tile, q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
             q_seg = None
             if qs_smem is not None:
-                q_seg = _load(qs_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+                q_seg = _load(qs_tile, plgpu.Layout.WGMMA.reduce(1))
 
             def step(t, carry, masked: bool):
                 o_LxK, m_L, l_L = carry
@@ -635,19 +638,23 @@ def _fwd_kernel(
                     _i32(lo), _i32(hi), functools.partial(step, masked=masked), carry
                 )
             o_LxK, m_L, l_L = carry
+            # The segment ids' and log-sum-exp tiles indexed by a `_fresh` wg: by wg itself,
+            # an address formed before the key loop was held over it, and the 128-key tiles
+            # with segment ids, a window and lengths spilled 8 bytes (head_dim 128, sm_90a).
+            lse_tile = lse_smem.at[_fresh(wg)]
             if tiles is None:
                 o_tile[...] = (o_LxK * _bcast(1.0 / l_L, o_LxK.shape, 0)).astype(dtype)
-                lse_smem.at[wg][...] = m_L + jnp.log2(l_L)
+                lse_tile[...] = m_L + jnp.log2(l_L)
             else:
                 # A row that saw no key kept the initial max (its masked scores' P, summed
                 # in l, were never rescaled away): output 0, log-sum-exp +inf (P = 0 after).
                 seen_L = m_L > MASK_VALUE
                 inv_L = jnp.where(seen_L, 1.0 / l_L, 0.0)
                 o_tile[...] = (o_LxK * _bcast(inv_L, o_LxK.shape, 0)).astype(dtype)
-                lse_smem.at[wg][...] = jnp.where(seen_L, m_L + jnp.log2(l_L), jnp.inf)
+                lse_tile[...] = jnp.where(seen_L, m_L + jnp.log2(l_L), jnp.inf)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, rows, h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
+            plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[b, h, rows])
             plgpu.wait_smem_to_gmem(0)
 
         lax.fori_loop(end, n_steps, lambda t, c: _skip(t, stages, pairs), None)
@@ -1374,14 +1381,8 @@ def plan_for(
         )
 
     bs = block_sizes
-    block_k = bs.block_k
-    if mask is not None and mask.segments and (mask.lengths or mask.window or mask.causal):
-        # segment ids with a band or lengths: the forward's 128-key tile holds the key ids and
-        # positions (32 values a thread each) next to the scores and a 128-wide output, and
-        # spilled 32 bytes at head_dim 128 (sm_90a); 64-key tiles spill nothing
-        block_k = min(block_k, TILE)
     return _Plan(
-        fwd=geometry(bs.block_q, block_k),
+        fwd=geometry(bs.block_q, bs.block_k),
         dq=geometry(bs.block_q_dq, bs.block_k_dq),
         dkv=geometry(bs.block_q_dkv, bs.block_k_dkv),
         block_sizes=bs,
