@@ -529,7 +529,7 @@ MASK_COMPILE_CASES = [
     # held across setmaxnreg; with lengths as well it happened not to)
     pytest.param(("window",), 8, id="window-mha"),
     pytest.param(("segments",), 8, id="segments-causal-mha"),
-    # all three on the forward's 128-key tiles: 32 B, then 8 B until its `_fresh` tiles
+    # segment ids with a window: the forward's key tiles drop to 64 rows (plan_for)
     pytest.param(("segments", "window", "lengths"), 8, id="segments-window-lengths-mha"),
 ]
 

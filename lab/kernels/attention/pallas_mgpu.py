@@ -46,10 +46,11 @@ the blocks outside its own range (barrier bookkeeping), runs its first run of fu
 without the mask and masks the rest (`_Tiles.mask`: the band and the lengths on the position
 vectors, segment ids as two id vectors, the tile's by TMA beside Q and the streamed block's
 beside K). A row that sees no key keeps the initial max: output 0, log-sum-exp +inf (the
-backward's P is then 0); a key tile no query sees is zeroed after the dK/dV kernel. Every mask
-runs on the default tiles: the forward reads its stream inside the compute and producer branches
-(read before them, a value held across setmaxnreg spilled) and indexes its per-warpgroup segment
-ids and log-sum-exp tiles by a `_fresh` warpgroup (an address held over the key loop spilled).
+backward's P is then 0); a key tile no query sees is zeroed after the dK/dV kernel. The forward
+reads its stream inside the compute and producer branches (read before them, a value held across
+setmaxnreg spilled) and indexes its per-warpgroup segment ids and log-sum-exp tiles by a `_fresh`
+warpgroup. With segment ids and a window or lengths its key tiles are 64 rows (`plan_for`: 128
+spilled).
 Attention sinks are folded into the output and log-sum-exp after the forward
 (common.fold_sinks), which leaves the backward kernels exact unchanged; their gradient is
 -Σ P_sink·delta per head, outside the kernels.
@@ -639,8 +640,8 @@ def _fwd_kernel(
                 )
             o_LxK, m_L, l_L = carry
             # The segment ids' and log-sum-exp tiles indexed by a `_fresh` wg: by wg itself,
-            # an address formed before the key loop was held over it, and the 128-key tiles
-            # with segment ids, a window and lengths spilled 8 bytes (head_dim 128, sm_90a).
+            # an address formed before the key loop was held over it (it spilled 8 bytes on
+            # some 128-key tiles with segment ids, head_dim 128, sm_90a).
             lse_tile = lse_smem.at[_fresh(wg)]
             if tiles is None:
                 o_tile[...] = (o_LxK * _bcast(1.0 / l_L, o_LxK.shape, 0)).astype(dtype)
@@ -1381,8 +1382,15 @@ def plan_for(
         )
 
     bs = block_sizes
+    block_k = bs.block_k
+    if mask is not None and mask.segments and (mask.lengths or mask.window):
+        # segment ids with a window or lengths: the forward's 128-key tile holds the key ids
+        # and positions (32 values a thread each) next to the scores and a 128-wide output,
+        # and spilled 8 bytes at head_dim 128 (sm_90a); 64-key tiles spill nothing. Segment
+        # ids with causal alone fit 128-key tiles.
+        block_k = min(block_k, TILE)
     return _Plan(
-        fwd=geometry(bs.block_q, bs.block_k),
+        fwd=geometry(bs.block_q, block_k),
         dq=geometry(bs.block_q_dq, bs.block_k_dq),
         dkv=geometry(bs.block_q_dkv, bs.block_k_dkv),
         block_sizes=bs,
