@@ -109,13 +109,14 @@ def test_bad_accumulate_is_one_line(capsys):
 # --- ahead of time: the activation peak / K on a TPU slice and an H100 ----------------------
 
 
-def _plan_temps(target: str, mesh: str) -> dict[int, int]:
+def _plan_temps(target: str, mesh: str, layers: int = 4) -> dict[int, int]:
     from lab.session import open_session
 
     temps = {}
     for k in (1, 4):
         cfg = parse_args(
-            [f"target={target}", f"mesh={mesh}", "model=small", "batch_size=64", "seq_len=512"]
+            [f"target={target}", f"mesh={mesh}", "model=small", f"n_layers={layers}"]
+            + ["batch_size=64", "seq_len=512"]
         )
         cfg = dataclasses.replace(cfg, accumulate=k)
         trainer = open_session(cfg).trainer
@@ -126,10 +127,10 @@ def _plan_temps(target: str, mesh: str) -> dict[int, int]:
 @pytest.mark.slow_plan
 def test_tpu_plan_activation_peak_falls_with_k():
     """XLA:TPU keeps fewer per-op activations than CPU or GPU, so the float32 accumulator
-    K does not divide weighs more: temp falls, by less than 1/K (0.67 at K=4 with libtpu
-    0.10's compiler)."""
+    K does not divide weighs more: temp falls, by less than 1/K (at K=4, small with 2 of its 4
+    layers: 0.62 with JAX 0.10's libtpu, 0.69 with JAX 0.12's)."""
     pytest.importorskip("libtpu")
-    temps = _plan_temps("tpu:v5e:2x4", "8")
+    temps = _plan_temps("tpu:v5e:2x4", "8", layers=2)
     assert temps[4] < 0.8 * temps[1], temps
 
 
