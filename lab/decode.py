@@ -207,11 +207,11 @@ def matmuls(matmul: str) -> quant.Matmuls:
             "matmul=native: the native CPU matmul kernel is not built here (no C++ compiler, "
             "a failed build, or LAB_CPU_GEMV=0): use matmul=xla"
         )
-    threads = 1 if matmul == "native1" else 0
     return quant.Matmuls(
         int8_activations=matmul == "w8a8",
-        native=functools.partial(cpu_gemv.model_matmul, threads=threads) if native else None,
-        native_many=functools.partial(cpu_gemv.model_matmuls, threads=threads) if native else None,
+        native=functools.partial(cpu_gemv.model_matmul, threads=1 if matmul == "native1" else 0)
+        if native
+        else None,
     )
 
 

@@ -227,12 +227,9 @@ class Attention(nn.Module):
         wo_HxKxD = self.param(
             "wo", _init((H * K) ** -0.5, (HEADS, HEAD_DIM, EMBED)), (H, K, D), c.param_dtype
         )
-        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = quant.matmuls(
-            ("bld,dhk->blhk", "bld,dgk->blgk", "bld,dgk->blgk"),
-            x_BxLxD,
-            (wq_DxHxK, wk_DxGxK, wv_DxGxK),
-            c.dtype,
-        )
+        q_BxLxHxK = quant.matmul("bld,dhk->blhk", x_BxLxD, wq_DxHxK, c.dtype)
+        k_BxLxGxK = quant.matmul("bld,dgk->blgk", x_BxLxD, wk_DxGxK, c.dtype)
+        v_BxLxGxK = quant.matmul("bld,dgk->blgk", x_BxLxD, wv_DxGxK, c.dtype)
         L = x_BxLxD.shape[1]
         if kv is not None:
             pos = lengths_B[:, None] + jnp.arange(L)[None, :]
@@ -298,9 +295,8 @@ class Mlp(nn.Module):
         w_gate_DxF = self.param("w_gate", _init(D**-0.5, (EMBED, MLP)), (D, F), c.param_dtype)
         w_up_DxF = self.param("w_up", _init(D**-0.5, (EMBED, MLP)), (D, F), c.param_dtype)
         w_down_FxD = self.param("w_down", _init(F**-0.5, (MLP, EMBED)), (F, D), c.param_dtype)
-        gate_BxLxF, up_BxLxF = quant.matmuls(
-            ("bld,df->blf", "bld,df->blf"), x_BxLxD, (w_gate_DxF, w_up_DxF), c.dtype
-        )
+        gate_BxLxF = quant.matmul("bld,df->blf", x_BxLxD, w_gate_DxF, c.dtype)
+        up_BxLxF = quant.matmul("bld,df->blf", x_BxLxD, w_up_DxF, c.dtype)
         h_BxLxF = _constrain(nn.silu(gate_BxLxF) * up_BxLxF, (BATCH, SEQ, MLP))
         return quant.matmul("blf,fd->bld", h_BxLxF, w_down_FxD, c.dtype)
 

@@ -193,15 +193,10 @@ class Matmuls:
       transposed=False)` → y [M, N] in `dtype` (transposed: w is [N, C]), or None where it
       does not take these operands (then the einsum runs). lab/decode.py passes the CPU
       kernel (lab/kernels/cpu_gemv.py) for decode steps.
-    native_many: a kernel for the products of one x with several weights (`matmuls`: q, k
-      and v; the MLP's gate and up), `native_many(x_MxC, [w_CxN], [scale_N or None], dtype)`
-      → [y [M, N]], or None where it does not take them (then each runs alone): one call
-      where there were several, so a threaded kernel wakes its threads once.
     """
 
     int8_activations: bool = False
     native: Callable | None = None
-    native_many: Callable | None = None
 
 
 _MATMULS: contextvars.ContextVar = contextvars.ContextVar("lab_matmuls", default=None)
@@ -267,33 +262,6 @@ def matmul(eqn: str, x, w, dtype, out_dtype=None):
     if out_dtype != jnp.dtype(dtype):
         return jnp.einsum(eqn, x.astype(dtype), w.astype(dtype), preferred_element_type=out_dtype)
     return jnp.einsum(eqn, x.astype(dtype), w.astype(dtype))
-
-
-def matmuls(eqns, x, ws, dtype):
-    """[matmul(eqn, x, w, dtype) for each eqn and w]: one x times several weights (q, k and
-    v; gate and up), in one native call where `using` gives `native_many` and it takes them
-    all (every weight float, or every one int8, each an x = kept + contracted product),
-    otherwise each product alone."""
-    choice = _MATMULS.get() or Matmuls()
-    if choice.native_many is not None:
-        ys = _native_many(eqns, x, ws, dtype, choice.native_many)
-        if ys is not None:
-            return ys
-    return [matmul(eqn, x, w, dtype) for eqn, w in zip(eqns, ws, strict=True)]
-
-
-def _native_many(eqns, x, ws, dtype, kernel):
-    if len({isinstance(w, Int8Weight) for w in ws}) != 1:
-        return None
-    arrays = [w.q if isinstance(w, Int8Weight) else w for w in ws]
-    two_d = [_as_2d(eqn, x, a) for eqn, a in zip(eqns, arrays, strict=True)]
-    if any(t is None or t[2] for t in two_d):  # not a 2-D product, or a transposed weight
-        return None
-    scales = [w.scale.reshape(-1) if isinstance(w, Int8Weight) else None for w in ws]
-    ys = kernel(two_d[0][0].astype(dtype), [t[1] for t in two_d], scales, dtype)
-    if ys is None:
-        return None
-    return [y.reshape(t[3]) for y, t in zip(ys, two_d, strict=True)]
 
 
 def is_int8(params) -> bool:

@@ -93,65 +93,11 @@ def test_the_models_einsums_through_quant_matmul(name):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("M", [1, 3])
-def test_several_weights_in_one_call_match_the_float64_reference(w_dtype, M):
-    """cpu_gemv_many: one x times three weights of different widths (runs of rows and column
-    strips in one pool run), each product as the reference's, and the same sums on one
-    thread as on many."""
-    rng = np.random.default_rng()
-    C = 300
-    ops = [_operands(rng, M, C, N, w_dtype, "float32") for N in (77, 130, 12000)]
-    x = ops[0][0]
-    ws, scales = [w for _, w, _ in ops], [s for _, _, s in ops]
-    got = jax.jit(cpu_gemv.cpu_gemv_many)(x, ws, scales)
-    one = cpu_gemv.cpu_gemv_many(x, ws, scales, threads=1)
-    f32 = lambda a: None if a is None else np.asarray(a.astype(jnp.float32))  # noqa: E731
-    for y, y1, w, s in zip(got, one, ws, scales, strict=True):
-        want = cpu_gemv.gemv_reference(f32(x), f32(w), f32(s))
-        assert y.shape == want.shape and y.dtype == x.dtype
-        err = np.abs(np.asarray(y, np.float64) - want).max() / np.abs(want).max()
-        assert err < TOL["float32"], err
-        np.testing.assert_array_equal(np.asarray(y), np.asarray(y1))
-
-
-@pytest.mark.parametrize("int8", [False, True])
-def test_the_models_qkv_and_gate_up_through_quant_matmuls(int8):
-    """quant.matmuls with a kernel for several weights gives each einsum's result: the
-    attention's q, k, v (heads axes) and the MLP's gate and up, float and int8 alike."""
-    rng = np.random.default_rng()
-    raw = {
-        "wq": (16, 4, 8), "wk": (16, 2, 8), "wv": (16, 2, 8), "w_gate": (16, 48),
-        "w_up": (16, 48),
-    }  # fmt: skip
-    params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in raw.items()}
-    if int8:
-        params = quant.quantize_params(params)
-    x = jnp.asarray(rng.standard_normal((2, 1, 16)), jnp.float32)
-    native = quant.Matmuls(native_many=cpu_gemv.model_matmuls)
-    calls = []
-    for names in (("wq", "wk", "wv"), ("w_gate", "w_up")):
-        eqns = tuple(quant.EINSUMS[n] for n in names)
-        ws = tuple(params[n] for n in names)
-        want = [quant.matmul(e, x, w, jnp.float32) for e, w in zip(eqns, ws, strict=True)]
-        with quant.using(native):
-            fn = jax.jit(lambda x, ws, eqns=eqns: quant.matmuls(eqns, x, ws, jnp.float32))
-            got = fn(x, ws)
-            calls.append(str(fn.lower(x, ws).as_text()).count(cpu_gemv._MANY_TARGET))
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 1], calls  # one call each, where there were three and two
-
-
 def test_many_rows_and_an_unbuilt_kernel_leave_it_to_xla(monkeypatch):
     x = jnp.ones((cpu_gemv.MAX_ROWS + 1, 8), jnp.float32)
     assert cpu_gemv.model_matmul(x, jnp.ones((8, 4)), None, jnp.float32) is None
-    assert cpu_gemv.model_matmuls(x, [jnp.ones((8, 4))], [None], jnp.float32) is None
-    mixed = [jnp.ones((8, 4)), jnp.ones((8, 4), jnp.int8)]
-    assert cpu_gemv.model_matmuls(x[:1], mixed, [None, jnp.ones(4)], jnp.float32) is None
     monkeypatch.setattr(cpu_gemv, "available", lambda: False)
     assert cpu_gemv.model_matmul(x[:1], jnp.ones((8, 4)), None, jnp.float32) is None
-    assert cpu_gemv.model_matmuls(x[:1], [jnp.ones((8, 4))], [None], jnp.float32) is None
 
 
 @pytest.mark.parametrize(

@@ -287,99 +287,60 @@ constexpr int64_t kAccFloats = 4096;  // one strip's accumulators: 16 KiB, well 
 
 constexpr int64_t kRunRows = 128;  // weight rows per part when the parts split the rows
 
-// One product y = x · w (· scale) cut into parts the pool runs, then finished (the row
-// runs' partial sums added). Two ways to cut it:
-// - rows: few rows of x and a narrow enough output (all of decode's f32 batch-1 products):
-//   the parts are runs of kRunRows weight rows, so each part streams one contiguous stretch of
-//   memory (a column strip reads a short piece of every row: a new page, and a new prefetch
-//   stream, every few KiB), into its own M × N partial sums, added in a fixed order by
-//   finish() (the parts do not depend on the thread count: one thread gives the same sums as
-//   many);
-// - strips: column strips whose accumulators fit kAccFloats, at least one per thread, each a
-//   multiple of the vector width (the last takes the rest).
-// Several products of one x (decode's q, k and v; the MLP's gate and up) share one run of the
-// pool: its threads wake once for all of them (gemv_many).
+// Few rows of x and a narrow enough output (all of decode's f32 batch-1 products): the parts
+// are runs of kRunRows weight rows, so each part streams one contiguous stretch of memory (a
+// column strip reads a short piece of every row: a new page, and a new prefetch stream, every
+// few KiB), into its own M × N partial sums, added in a fixed order after (the parts do not
+// depend on the thread count: one thread gives the same sums as many).
 template <typename W, typename T>
-struct Product {
-  const float* x;
-  int64_t M, C;
-  const W* w;
-  int64_t N;
-  const float* scale;
-  T* y;
-  bool rows = false;
-  int parts = 0;
-  int64_t width = 0;
-  std::vector<float> partial;
-
-  Product(const float* x_, int64_t M_, int64_t C_, const W* w_, int64_t N_, const float* scale_,
-          T* y_, int threads)
-      : x(x_), M(M_), C(C_), w(w_), N(N_), scale(scale_), y(y_) {
-    const int run_parts = static_cast<int>((C + kRunRows - 1) / kRunRows);
-    rows = M * N <= 32768 && run_parts >= 2;  // partials past L2: the column strips
-    if (rows) {
-      parts = run_parts;
-      partial.resize(static_cast<size_t>(parts * M * N));
-      return;
-    }
-    const int64_t acc_w =
-        std::max<int64_t>(kVW, kAccFloats / std::max<int64_t>(M, 1) / kVW * kVW);
-    const int64_t by_threads = (N + threads - 1) / threads;
-    width = std::max<int64_t>(
-        kVW, (std::min(std::min<int64_t>(acc_w, 1024), by_threads) + kVW - 1) / kVW * kVW);
-    parts = static_cast<int>((N + width - 1) / width);
-  }
-
-  void part(int i) {
-    if (rows) {
-      const int64_t d0 = i * kRunRows, d1 = std::min(C, d0 + kRunRows);
-      strip(x + d0, M, C, d1 - d0, w + d0 * N, N, 0, N, partial.data() + i * M * N);
-      return;
-    }
-    const int64_t n0 = i * width, n1 = std::min(N, n0 + width);
-    std::vector<float> acc(static_cast<size_t>(M * (n1 - n0)));
-    strip(x, M, C, C, w, N, n0, n1 - n0, acc.data());
-    store(acc.data(), M, n1 - n0, scale, N, n0, y);
-  }
-
-  void finish() {
-    if (!rows) return;
-    for (int64_t e = 0; e < M * N; ++e) {
-      float v = partial[e];
-      for (int i = 1; i < parts; ++i) v += partial[i * M * N + e];
-      if (scale) v *= scale[e % N];
-      if constexpr (sizeof(T) == 4)
-        y[e] = v;
-      else
-        y[e] = f32_to_bf16(v);
-    }
-  }
-};
-
-// Every part of every product, on the caller and (threads > 1) the pool, then each finished.
-template <typename W, typename T>
-void run_products(std::vector<Product<W, T>>& products, int threads) {
-  std::vector<int> first(products.size() + 1, 0);  // the products' first global part
-  for (size_t p = 0; p < products.size(); ++p) first[p + 1] = first[p] + products[p].parts;
+bool gemv_rows(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const float* scale,
+               T* y, int threads) {
+  const int parts = static_cast<int>((C + kRunRows - 1) / kRunRows);
+  if (M * N > 32768 || parts < 2) return false;  // partials past L2: the column strips
+  std::vector<float> partial(static_cast<size_t>(parts * M * N));
   auto part = [&](int i) {
-    size_t p = 0;
-    while (first[p + 1] <= i) ++p;
-    products[p].part(i - first[p]);
+    const int64_t d0 = i * kRunRows, d1 = std::min(C, d0 + kRunRows);
+    strip(x + d0, M, C, d1 - d0, w + d0 * N, N, 0, N, partial.data() + i * M * N);
   };
   if (threads <= 1) {
-    for (int i = 0; i < first.back(); ++i) part(i);
+    for (int i = 0; i < parts; ++i) part(i);
   } else {
-    pool().run(first.back(), part);
+    pool().run(parts, part);
   }
-  for (auto& product : products) product.finish();
+  for (int64_t e = 0; e < M * N; ++e) {
+    float v = partial[e];
+    for (int i = 1; i < parts; ++i) v += partial[i * M * N + e];
+    if (scale) v *= scale[e % N];
+    if constexpr (sizeof(T) == 4)
+      y[e] = v;
+    else
+      y[e] = f32_to_bf16(v);
+  }
+  return true;
 }
 
 template <typename W, typename T>
 void gemv(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const float* scale,
           T* y, int threads) {
-  std::vector<Product<W, T>> one;
-  one.emplace_back(x, M, C, w, N, scale, y, threads);
-  run_products(one, threads);
+  if (gemv_rows(x, M, C, w, N, scale, y, threads)) return;
+  // Parts: column strips whose accumulators fit kAccFloats, at least one per thread, each a
+  // multiple of the vector width (the last takes the rest).
+  const int64_t acc_w = std::max<int64_t>(kVW, kAccFloats / std::max<int64_t>(M, 1) / kVW * kVW);
+  const int64_t by_threads = (N + threads - 1) / threads;
+  const int64_t width = std::max<int64_t>(
+      kVW, (std::min(std::min<int64_t>(acc_w, 1024), by_threads) + kVW - 1) / kVW * kVW);
+  const int parts = static_cast<int>((N + width - 1) / width);
+  auto part = [&](int i) {
+    const int64_t n0 = i * width, n1 = std::min(N, n0 + width);
+    std::vector<float> acc(static_cast<size_t>(M * (n1 - n0)));
+    strip(x, M, C, C, w, N, n0, n1 - n0, acc.data());
+    store(acc.data(), M, n1 - n0, scale, N, n0, y);
+  };
+  if (threads <= 1) {
+    for (int i = 0; i < parts; ++i) part(i);
+  } else {
+    pool().run(parts, part);
+  }
 }
 
 inline float hsum(vf v) {
@@ -619,95 +580,6 @@ ffi::Error Gemv(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
   return ffi::Error::Success();
 }
 
-
-// The products of one x with k weights of one dtype (decode's q, k and v; the MLP's gate and
-// up): `rest` holds w_0 … w_{k-1} [C, N_i] then scale_0 … scale_{k-1} ([N_i] or [0]), and the
-// k results y_i [M, N_i]. One call, one widening of x and one run of the pool for all k.
-template <typename W, typename T>
-void many_typed(const float* x, int64_t M, int64_t C, const std::vector<const void*>& ws,
-                const std::vector<int64_t>& ns, const std::vector<const float*>& scales,
-                const std::vector<void*>& ys, int threads) {
-  std::vector<Product<W, T>> products;
-  products.reserve(ws.size());
-  for (size_t i = 0; i < ws.size(); ++i)
-    products.emplace_back(x, M, C, static_cast<const W*>(ws[i]), ns[i], scales[i],
-                          static_cast<T*>(ys[i]), threads);
-  run_products(products, threads);
-}
-
-template <typename T>
-void many_by_weight(ffi::DataType wt, const float* x, int64_t M, int64_t C,
-                    const std::vector<const void*>& ws, const std::vector<int64_t>& ns,
-                    const std::vector<const float*>& scales, const std::vector<void*>& ys,
-                    int threads) {
-  switch (wt) {
-    case ffi::DataType::F32:
-      return many_typed<float, T>(x, M, C, ws, ns, scales, ys, threads);
-    case ffi::DataType::BF16:
-      return many_typed<uint16_t, T>(x, M, C, ws, ns, scales, ys, threads);
-    default:
-      return many_typed<int8_t, T>(x, M, C, ws, ns, scales, ys, threads);
-  }
-}
-
-ffi::Error GemvMany(ffi::AnyBuffer x, ffi::RemainingArgs rest, ffi::RemainingRets outs,
-                    int64_t threads) {
-  const size_t k = outs.size();
-  if (k == 0 || rest.size() != 2 * k)
-    return ffi::Error::InvalidArgument("cpu_gemv_many: k weights, k scales and k results");
-  auto xd = x.dimensions();
-  const auto xt = x.element_type();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument("cpu_gemv_many: x must be [M, C]");
-  if (xt != ffi::DataType::F32 && xt != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("cpu_gemv_many: x float32 or bfloat16 only");
-  const int64_t M = xd[0], C = xd[1];
-  std::vector<const void*> ws(k);
-  std::vector<int64_t> ns(k);
-  std::vector<const float*> scales(k);
-  std::vector<void*> ys(k);
-  ffi::DataType wt = ffi::DataType::F32;
-  for (size_t i = 0; i < k; ++i) {
-    auto w = rest.get<ffi::AnyBuffer>(i);
-    auto scale = rest.get<ffi::Buffer<ffi::F32>>(k + i);
-    auto y = outs.get<ffi::AnyBuffer>(i);
-    if (w.has_error()) return w.error();
-    if (scale.has_error()) return scale.error();
-    if (y.has_error()) return y.error();
-    auto wd = w->dimensions();
-    if (wd.size() != 2 || wd[0] != C)
-      return ffi::Error::InvalidArgument("cpu_gemv_many: every w must be [C, N]");
-    if (i == 0) wt = w->element_type();
-    if (w->element_type() != wt)
-      return ffi::Error::InvalidArgument("cpu_gemv_many: the weights share one dtype");
-    if (wt != ffi::DataType::F32 && wt != ffi::DataType::BF16 && wt != ffi::DataType::S8)
-      return ffi::Error::InvalidArgument("cpu_gemv_many: weights float32, bfloat16 or int8 only");
-    ns[i] = wd[1];
-    const int64_t n_scale = scale->element_count();
-    if (n_scale != 0 && n_scale != ns[i])
-      return ffi::Error::InvalidArgument("cpu_gemv_many: one scale per column or none");
-    auto yd = (*y)->dimensions();
-    if (yd.size() != 2 || yd[0] != M || yd[1] != ns[i] || (*y)->element_type() != xt)
-      return ffi::Error::InvalidArgument("cpu_gemv_many: y_i must be [M, N_i] in x's dtype");
-    ws[i] = w->untyped_data();
-    scales[i] = n_scale ? scale->typed_data() : nullptr;
-    ys[i] = (*y)->untyped_data();
-  }
-  if (M == 0) return ffi::Error::Success();
-  std::vector<float> xf(static_cast<size_t>(M * C));  // x widened to f32 once
-  if (xt == ffi::DataType::F32) {
-    std::memcpy(xf.data(), x.untyped_data(), xf.size() * 4);
-  } else {
-    const uint16_t* xs = static_cast<const uint16_t*>(x.untyped_data());
-    for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_f32(xs[i]);
-  }
-  const int n_threads = threads > 0 ? static_cast<int>(threads) : default_threads();
-  if (xt == ffi::DataType::F32)
-    many_by_weight<float>(wt, xf.data(), M, C, ws, ns, scales, ys, n_threads);
-  else
-    many_by_weight<uint16_t>(wt, xf.data(), M, C, ws, ns, scales, ys, n_threads);
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuGemv, Gemv,
@@ -718,13 +590,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuGemv, Gemv,
                                   .Ret<ffi::AnyBuffer>()  // y [M, N]
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("transposed"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuGemvMany, GemvMany,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // x [M, C]
-                                  .RemainingArgs()  // w_0 … w_{k-1}, scale_0 … scale_{k-1}
-                                  .RemainingRets()  // y_0 … y_{k-1}
-                                  .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()

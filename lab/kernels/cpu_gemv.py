@@ -37,9 +37,6 @@ SOURCE = Path(__file__).with_name("cpu_gemv.cc")
 X_DTYPES = (jnp.float32, jnp.bfloat16)
 W_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 _TARGET = "lab_cpu_gemv"
-# Several weights against one x in one call (decode's q, k, v; gate and up): the pool's
-# threads wake once for all of them, and x is widened once.
-_MANY_TARGET = "lab_cpu_gemv_many"
 # The same library holds decode attention over the float or int8 cache (one build, one thread
 # pool): lab/kernels/attention/decode.py `decode_attention_cpu` calls it.
 ATTENTION_TARGET = "lab_cpu_decode_attention"
@@ -63,7 +60,6 @@ def available() -> bool:
         return False
     lib = ctypes.cdll.LoadLibrary(str(lib_path))
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.LabCpuGemv), platform="cpu")
-    jax.ffi.register_ffi_target(_MANY_TARGET, jax.ffi.pycapsule(lib.LabCpuGemvMany), platform="cpu")
     jax.ffi.register_ffi_target(
         ATTENTION_TARGET, jax.ffi.pycapsule(lib.LabCpuDecodeAttention), platform="cpu"
     )
@@ -103,27 +99,6 @@ def cpu_gemv(x_MxC, w_CxN, scale_N=None, *, threads: int = 0, transposed: bool =
     )
 
 
-def cpu_gemv_many(x_MxC, ws_CxN, scales_N=None, *, threads: int = 0):
-    """[x · w_i (· scale_i per column) for each w_i], one call: the products of one x with
-    several weights of one dtype, each w_i [C, N_i] (not transposed), float32 sums, in x's
-    dtype. `scales_N`: one per weight (None for a float weight), or None for all."""
-    ws_CxN = tuple(ws_CxN)
-    scales_N = (None,) * len(ws_CxN) if scales_N is None else tuple(scales_N)
-    if not ws_CxN or len(scales_N) != len(ws_CxN):
-        raise ValueError(f"{len(ws_CxN)} weights, {len(scales_N)} scales: one scale per weight")
-    if len({w.dtype for w in ws_CxN}) != 1:
-        dtypes = sorted({str(w.dtype) for w in ws_CxN})
-        raise ValueError(f"weights of dtypes {dtypes}: cpu_gemv_many takes one dtype per call")
-    for w, s in zip(ws_CxN, scales_N, strict=True):
-        check_inputs(x_MxC, w, s)
-    scales = [
-        jnp.zeros((0,), jnp.float32) if s is None else s.astype(jnp.float32) for s in scales_N
-    ]
-    outs = [jax.ShapeDtypeStruct((x_MxC.shape[0], w.shape[1]), x_MxC.dtype) for w in ws_CxN]
-    call = jax.ffi.ffi_call(_MANY_TARGET, outs, vmap_method="sequential")
-    return list(call(x_MxC, *ws_CxN, *scales, threads=np.int64(threads)))
-
-
 def gemv_reference(x_MxC, w_CxN, scale_N=None, *, transposed: bool = False):
     """The same product in float64 with numpy (the tests' reference)."""
     w = np.asarray(w_CxN, np.float64)
@@ -147,19 +122,3 @@ def model_matmul(x_MxC, w_CxN, scale_N, dtype, *, threads: int = 0, transposed: 
     if not ok:
         return None
     return cpu_gemv(x_MxC.astype(dtype), w_CxN, scale_N, threads=threads, transposed=transposed)
-
-
-def model_matmuls(x_MxC, ws_CxN, scales_N, dtype, *, threads: int = 0):
-    """`lab.quant.Matmuls.native_many`: [y_i [M, N_i]] in `dtype`, the products of one x
-    with several weights in one call, or None where the kernel does not take them (as
-    model_matmul, and weights of mixed dtypes)."""
-    ok = (
-        x_MxC.shape[0] <= MAX_ROWS
-        and jnp.dtype(dtype) in X_DTYPES
-        and len({w.dtype for w in ws_CxN}) == 1
-        and ws_CxN[0].dtype in W_DTYPES
-        and available()
-    )
-    if not ok:
-        return None
-    return cpu_gemv_many(x_MxC.astype(dtype), ws_CxN, scales_N, threads=threads)
