@@ -30,6 +30,7 @@ from jax._src.clusters.slurm_cluster import SlurmCluster  # JAX's own reading of
 
 from lab.errors import ConfigError
 from lab.mesh import known_size
+from lab.startup import PARENT_DEATH_SIGNAL  # noqa: F401 - where the launcher and loop find it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +63,6 @@ def _tpu_pod() -> bool:
 
 STOP_KEYS = "lab/stop/"  # where a signalled process posts "STEP SIGNAL" in the key-value store
 STOP_LINE = "{signal} to process {process}: every process stops after step {step}"
-# The signal the kernel sends a launched process when its launcher dies (PR_SET_PDEATHSIG).
-# Not SIGTERM: the kernel sends it once per launcher thread that had the process as child, as
-# those threads exit one by one, and a second SIGTERM means "exit now, unsaved".
-PARENT_DEATH_SIGNAL = "SIGUSR1"
 
 
 def _reach(coordinator: str) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from lab import checkpoint, plans, rundir, summary, tensorboard
+from lab import checkpoint, plans, rundir, startup, summary, tensorboard
 from lab.config import Config
 from lab.data import host_batch, to_global
 from lab.devices import PARENT_DEATH_SIGNAL, agreed_stop
@@ -385,6 +385,7 @@ def run_training(session: Session) -> int:
             if not (cfg.resume or cfg.overwrite):
                 rundir.check_fresh(run_dir)  # under the lock: no run can start in between
             rundir.quiet_libraries(run_dir)
+            startup.note(f"no step was run; nothing was written in {run_dir} but lab.log")
         return _run(cfg, info, trainer, run_dir, is_main)
 
 
@@ -419,6 +420,8 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
     analysis, compiled, compile_s = _analyse(cfg, info, trainer, console)
     if is_main:
         _start_folder(cfg, run_dir, console)
+        ckpt = f" and checkpoint step {start}" if start else ""
+        startup.note(f"no step was run; {run_dir} keeps this run's config.json{ckpt}")
     if cfg.compile_only:
         console.print(tables.analysis(StepAnalysis.from_record(analysis), compile_s))
         if analysis.get("aot", {}).get("kernels"):

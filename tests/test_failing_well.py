@@ -430,3 +430,30 @@ def test_a_stopped_run_names_the_checkpoint_it_really_kept(
     assert kept.format(run_dir=run_dir) in err and "last good" not in err
     assert checkpoint.saved_steps(run_dir) == ([1, 2] if every == 1 else [])
     assert json.loads((run_dir / "summary.json").read_text())["steps_run"] == 2
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "wait_for"),
+    [("SIGINT", 130, "lab.log"), ("SIGTERM", 143, "lab.log"), ("SIGINT", 130, None)],
+)
+def test_a_signal_during_start_up_is_one_line_and_its_exit_code(tmp_path, sig, code, wait_for):
+    """Before the loop's own handler: during the imports (wait_for=None: at once) or the
+    compile (once the folder is locked and lab.log opened). Never a KeyboardInterrupt raised
+    into JAX (swallowed in a gc callback, or a SIGSEGV in the teardown), never the default
+    action; the folder takes a fresh run of the same name afterwards."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "lab.run", *TINY, f"out_dir={tmp_path}", "name=s", "steps=3000"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while wait_for and time.time() < deadline and not (tmp_path / "s" / wait_for).exists():
+        time.sleep(0.02)
+    time.sleep(0.3)
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, (out, err)
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"{sig} before training started: exiting; "), err
+    assert not (tmp_path / "s" / "metrics.jsonl").exists()
+    assert _run(tmp_path, "name=s", "steps=2") == 0

@@ -1,0 +1,43 @@
+"""Ctrl-C and SIGTERM before the training loop takes them over: one line, exit 130/143, at once.
+
+Python's own Ctrl-C raises KeyboardInterrupt into whatever bytecode runs next: inside JAX's
+gc callback it is ignored (the run trains on), and unwinding out of an import or a compile
+while XLA's threads still run let the interpreter's teardown crash (SIGSEGV). A command
+installs `install()` first thing; the loop's own handler (lab/loop.py `_Stop`) replaces it
+for the training steps and puts it back after. Nothing before the loop needs finishing: every
+start-up write is whole or not at all (written aside, then renamed; an interrupted overwrite
+leaves its hidden folder for the next one) and the folder's lock is released by the kernel.
+`note()` says what the folder keeps at each stage, for the one line.
+"""
+
+import os
+import signal
+import sys
+
+# The signal the kernel sends a launched process when its launcher dies (PR_SET_PDEATHSIG).
+# Not SIGTERM: the kernel sends it once per launcher thread that had the process as child, as
+# those threads exit one by one, and a second SIGTERM means "exit now, unsaved".
+PARENT_DEATH_SIGNAL = "SIGUSR1"
+_PARENT_DEATH = signal.Signals[PARENT_DEATH_SIGNAL]  # before the loop: exits as SIGTERM does
+_kept = ["nothing was written"]
+
+
+def note(kept: str) -> None:
+    """What a signal from now on leaves behind, as the exit line says it."""
+    _kept[0] = kept
+
+
+def _exit(signum, _frame) -> None:
+    name = "SIGTERM" if signum == _PARENT_DEATH else signal.Signals(signum).name
+    try:  # one write, then out: no exception may reach the code the signal interrupted
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - a closed pipe must not keep the process alive
+        pass
+    os.write(2, f"{name} before training started: exiting; {_kept[0]}\n".encode())
+    os._exit(130 if signum == signal.SIGINT else 143)
+
+
+def install() -> None:
+    """SIGINT, SIGTERM and the launcher's death exit at once with one line (main thread)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, _PARENT_DEATH):
+        signal.signal(sig, _exit)
