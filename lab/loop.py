@@ -544,6 +544,8 @@ class _End:
                 self.console.print(f"{signal_name}: stopped at step {step}; {kept}", soft_wrap=True)
         if self.is_main:
             self.console.print(f"run folder: {self.run_dir}")
+            if not signal_name:  # the last line of a finished run too: what the folder keeps
+                self.console.print(f"finished at step {step}; {kept}", soft_wrap=True)
         return {None: 0, "SIGINT": 130, "SIGTERM": 143}[signal_name]
 
     def final(self, signal_name: str) -> None:

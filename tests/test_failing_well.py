@@ -457,3 +457,13 @@ def test_a_signal_during_start_up_is_one_line_and_its_exit_code(tmp_path, sig, c
     assert err.startswith(f"{sig} before training started: exiting; "), err
     assert not (tmp_path / "s" / "metrics.jsonl").exists()
     assert _run(tmp_path, "name=s", "steps=2") == 0
+
+
+@pytest.mark.parametrize(
+    ("every", "ckpt"), [(0, "no checkpoint (checkpoint_every=0)"), (2, "checkpoint step 2 in")]
+)
+def test_a_finished_run_ends_with_the_line_of_what_its_folder_keeps(tmp_path, capsys, every, ckpt):
+    assert _run(tmp_path, "name=f", "steps=3", f"checkpoint_every={every}") == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"finished at step 3; kept in {tmp_path / 'f'}: {ckpt}"), last
+    assert last.endswith("; metrics.jsonl to step 3"), last
