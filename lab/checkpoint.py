@@ -168,13 +168,16 @@ def _finite(state) -> bool:
     )
 
 
-def restore_latest(run_dir, abstract_state, *, warn=print, why: str = "resume=true"):
+def restore_latest(
+    run_dir, abstract_state, *, warn=print, why: str = "resume=true", moved: list | None = None
+):
     """(step, state) from the newest step that restores whole and finite, or (None, None).
 
-    Damaged steps are moved aside as they are found; a step saved for another model shape
-    raises ConfigError (one line, starting with `why`: what asked for the state) and nothing
-    is moved.
+    Damaged steps are moved aside as they are found (their steps appended to `moved`, for a
+    caller that must say why none is left); a step saved for another model shape raises
+    ConfigError (one line, starting with `why`: what asked for the state) and nothing is moved.
     """
+    moved = [] if moved is None else moved
     path = folder(run_dir)
     steps = sorted((int(p.name) for p in path.glob("[0-9]*") if p.name.isdigit()), reverse=True)
     for step in steps:
@@ -190,9 +193,11 @@ def restore_latest(run_dir, abstract_state, *, warn=print, why: str = "resume=tr
             state = ocp.StandardCheckpointer().restore(item, abstract_state)
         except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for damage
             quarantine(run_dir, step, _first_line(e), warn)
+            moved.append(step)
             continue
         if not _finite(state):
             quarantine(run_dir, step, "non-finite values", warn)
+            moved.append(step)
             continue
         return step, state
     return None, None

@@ -92,9 +92,16 @@ def load_params(session: Session, run_dir: Path | None, seed: int, warn=print, *
 
 def _restore(session: Session, run_dir: Path, warn):
     trainer = session.trainer  # serving only reads: a read-only run folder is fine
+    moved = []
     with jax.set_mesh(trainer.mesh):
         step, state = checkpoint.restore_latest(
-            run_dir, trainer.abstract_state, warn=warn, why=f"run={run_dir.name}"
+            run_dir, trainer.abstract_state, warn=warn, why=f"run={run_dir.name}", moved=moved
+        )
+    if state is None and moved:  # it was checkpointed: say where its steps went
+        n = f"{len(moved)} damaged step{'s' if len(moved) > 1 else ''}"
+        raise ConfigError(
+            f"run={run_dir.name}: {n} ({', '.join(map(str, sorted(moved)))}) moved to "
+            f"{Path(run_dir).absolute() / 'checkpoints-damaged'}; none is left to serve"
         )
     if state is None:
         raise ConfigError(
