@@ -105,11 +105,11 @@ def _join_timeout(j: _Join, timeout_s: int, reached) -> str:
     if not reached.is_set():
         return (
             f"{where} could not reach the coordinator within {timeout_s} s "
-            "(coordinator_timeout=): is process 0 started and the address right?"
+            f"(coordinator_timeout={timeout_s}): is process 0 started and the address right?"
         )
     waited = "for the other processes to join" if j.process_id == 0 else "to join"
     return (
-        f"{where} waited {timeout_s} s (coordinator_timeout=) {waited}; {j.start_hint}, "
+        f"{where} waited {timeout_s} s (coordinator_timeout={timeout_s}) {waited}; {j.start_hint}, "
         "or raise coordinator_timeout="
     )
 

@@ -177,8 +177,16 @@ def test_sigkill_to_the_launcher_takes_its_processes_with_it(tmp_path):
 @pytest.mark.parametrize(
     "process_id, address, needle",
     [
-        (0, "", "process 0 of 2 waited 3 s (coordinator_timeout=) for the other processes to join"),
-        (1, "", "process 1 of 2 could not reach the coordinator within 3 s (coordinator_timeout=)"),
+        (
+            0,
+            "",
+            "process 0 of 2 waited 3 s (coordinator_timeout=3) for the other processes to join",
+        ),
+        (
+            1,
+            "",
+            "process 1 of 2 could not reach the coordinator within 3 s (coordinator_timeout=3)",
+        ),
         (1, "no.such.host.invalid:1234", "unknown host 'no.such.host.invalid'"),
     ],
 )

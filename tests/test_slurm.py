@@ -140,9 +140,9 @@ def test_a_bad_slurm_environment_is_one_line_and_exit_2(env, needle, monkeypatch
 @pytest.mark.parametrize(
     "task, needle",
     [
-        (0, "process 0 of 2 waited 3 s (coordinator_timeout=) for the other processes to join; "
+        (0, "process 0 of 2 waited 3 s (coordinator_timeout=3) for the other processes to join; "
          "every one of the step's SLURM_NTASKS=2 tasks must run lab.run"),
-        (1, "process 1 of 2 could not reach the coordinator within 3 s (coordinator_timeout=)"),
+        (1, "process 1 of 2 could not reach the coordinator within 3 s (coordinator_timeout=3)"),
     ],
 )  # fmt: skip
 def test_a_slurm_join_that_cannot_finish_is_one_line_and_exit_2(tmp_path, task, needle):
