@@ -92,6 +92,8 @@ def write_json(path: Path, obj) -> None:
     try:
         tmp.write_text(json.dumps(obj, indent=2, default=str))
         tmp.replace(path)
+    except OSError as e:  # a failed write() names no file: the one line names the one asked for
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -183,17 +185,30 @@ def keep_metrics_before(run_dir: Path, start: int) -> None:
     if not moved and not torn:
         return
     if moved:
-        with open(run_dir / "metrics-superseded.jsonl", "a") as f:
+        with _named(run_dir / "metrics-superseded.jsonl", "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in moved)
     if torn:
-        with open(run_dir / "metrics-torn.jsonl", "ab") as f:
+        with _named(run_dir / "metrics-torn.jsonl", "ab") as f:
             f.writelines(line + b"\n" for line in torn)
     tmp = run_dir / f".metrics.jsonl.{os.getpid()}.tmp"
     try:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _named(path: Path, mode: str):
+    """`path` open for appending; an OSError of its writes (a full disk: write() names no
+    file) names it, for the one line."""
+    try:
+        with open(path, mode) as f:
+            yield f
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 class WholeAppends:

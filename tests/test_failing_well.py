@@ -260,14 +260,17 @@ def _fill_summary(monkeypatch):
 
 
 def _fill_config(monkeypatch):
-    real = rundir.write_json
+    """The disk is full from the first write of config.json: as a real write() fails, the
+    OSError names no file (the line must still name it)."""
+    real = Path.write_text
 
-    def write(path, obj):
-        if path.name == "config.json":
-            raise _enospc(str(path))
-        real(path, obj)
+    def write_text(self, data, *a, **kw):
+        if self.name.startswith(".config.json."):
+            self.touch()  # open() succeeded, write() did not
+            raise _enospc()
+        return real(self, data, *a, **kw)
 
-    monkeypatch.setattr(rundir, "write_json", write)
+    monkeypatch.setattr(Path, "write_text", write_text)
 
 
 DISK_FULL = {
