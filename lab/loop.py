@@ -385,7 +385,7 @@ def run_training(session: Session) -> int:
             if not (cfg.resume or cfg.overwrite):
                 rundir.check_fresh(run_dir)  # under the lock: no run can start in between
             rundir.quiet_libraries(run_dir)
-            startup.note(f"no step was run; nothing was written in {run_dir} but lab.log")
+            startup.note(f"before training: nothing was written in {run_dir} but lab.log")
         return _run(cfg, info, trainer, run_dir, is_main)
 
 
@@ -421,7 +421,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
     if is_main:
         _start_folder(cfg, run_dir, console)
         ckpt = f" and checkpoint step {start}" if start else ""
-        startup.note(f"no step was run; {run_dir} keeps this run's config.json{ckpt}")
+        startup.note(f"before training: {run_dir} keeps this run's config.json{ckpt}")
     if cfg.compile_only:
         console.print(tables.analysis(StepAnalysis.from_record(analysis), compile_s))
         if analysis.get("aot", {}).get("kernels"):

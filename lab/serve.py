@@ -94,7 +94,8 @@ def _plan(o: Options, s, con) -> int:
     config = {"preset": s.cfg.preset, "mesh": s.cfg.mesh, "target": s.cfg.target}
     recs = serving_records.plan_records(rows, config)
     stem = rec.output_stem(o.results, "serve-plan")
-    con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
+    with startup.held():  # whole lines: a signal waits for the records
+        con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
     return 0
 
 
@@ -169,7 +170,8 @@ def run(o: Options, keys: dict) -> int:
         "prompt_len": o.prompt_len,
     }
     recs = serving_records.to_records(out, config)
-    con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
+    with startup.held():  # whole lines: a signal waits for the records
+        con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
     if o.plot:
         con.print(f"plot    → {plots.decode(recs, stem.with_suffix('.png'))}")
     return 0

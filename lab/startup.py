@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM before the training loop takes them over: one line, exit 130/143, at once.
+"""Ctrl-C and SIGTERM outside the training loop (start-up, lab.serve): one line, 130/143, at once.
 
 Python's own Ctrl-C raises KeyboardInterrupt into whatever bytecode runs next: inside JAX's
 gc callback it is ignored (the run trains on), and unwinding out of an import or a compile
@@ -7,9 +7,11 @@ installs `install()` first thing; the loop's own handler (lab/loop.py `_Stop`) r
 for the training steps and puts it back after. Nothing before the loop needs finishing: every
 start-up write is whole or not at all (written aside, then renamed; an interrupted overwrite
 leaves its hidden folder for the next one) and the folder's lock is released by the kernel.
-`note()` says what the folder keeps at each stage, for the one line.
+`note()` says what the folder keeps at each stage, for the one line; a write that must be
+whole (lab.serve's records) runs under `held()`, and a signal during it exits after it.
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -20,6 +22,7 @@ import sys
 PARENT_DEATH_SIGNAL = "SIGUSR1"
 _PARENT_DEATH = signal.Signals[PARENT_DEATH_SIGNAL]  # before the loop: exits as SIGTERM does
 _kept = ["nothing was written"]
+_held = {"on": False, "signum": None}
 
 
 def note(kept: str) -> None:
@@ -27,13 +30,28 @@ def note(kept: str) -> None:
     _kept[0] = kept
 
 
+@contextlib.contextmanager
+def held():
+    """A write that must finish whole: a signal during it exits once it is done."""
+    _held["on"] = True
+    try:
+        yield
+    finally:
+        _held["on"] = False
+        if _held["signum"] is not None:
+            _exit(_held["signum"], None)
+
+
 def _exit(signum, _frame) -> None:
+    if _held["on"]:
+        _held["signum"] = _held["signum"] or signum
+        return
     name = "SIGTERM" if signum == _PARENT_DEATH else signal.Signals(signum).name
     try:  # one write, then out: no exception may reach the code the signal interrupted
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - a closed pipe must not keep the process alive
         pass
-    os.write(2, f"{name} before training started: exiting; {_kept[0]}\n".encode())
+    os.write(2, f"{name}: exiting at once; {_kept[0]}\n".encode())
     os._exit(130 if signum == signal.SIGINT else 143)
 
 

@@ -457,7 +457,8 @@ def test_a_signal_during_start_up_is_one_line_and_its_exit_code(tmp_path, sig, c
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, (out, err)
     assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"{sig} before training started: exiting; "), err
+    assert err.startswith(f"{sig}: exiting at once; "), err
+    assert wait_for is None or "before training: nothing was written" in err, err
     assert not (tmp_path / "s" / "metrics.jsonl").exists()
     assert _run(tmp_path, "name=s", "steps=2") == 0
 

@@ -375,3 +375,22 @@ def test_the_int8_error_of_a_prompt_longer_than_the_text_uses_the_whole_text(mon
     e = int8_error(s, params, quant.quantize_params(params), batch=2, prompt_len=1000, steps=4)
     assert e.prompt_len == 300 - 4 - 1
     assert 0 < e.logits_rel_rms < 5e-2 and abs(e.loss_change) < 0.1
+
+
+def test_a_signal_to_serve_is_one_line_and_its_exit_code(tmp_path):
+    """lab.serve has no training loop: SIGTERM while it imports, compiles or measures is one
+    line and exit 143, never a traceback or the default action (as lab.run before its loop)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "lab.serve", *FAST, f"results={tmp_path}", "plot=false"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, (out[-2000:], err[-2000:])
+    assert err.startswith("SIGTERM: exiting at once; ") and err.count("\n") == 1, err
