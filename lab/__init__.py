@@ -6,8 +6,13 @@ TPU VM's metadata server, and with the `gpu-plan` extra the CUDA plugin look for
 libraries, each printing a screen of errors before every CPU run.
 """
 
-from lab.plans.gpu import quiet_cuda_off_gpu
-from lab.plans.tpu import quiet_libtpu_off_tpu
+from lab import startup
+
+if startup.command():  # before the imports below (jax): Ctrl-C is one line from the start
+    startup.install()
+
+from lab.plans.gpu import quiet_cuda_off_gpu  # noqa: E402
+from lab.plans.tpu import quiet_libtpu_off_tpu  # noqa: E402
 
 quiet_libtpu_off_tpu()
 quiet_cuda_off_gpu()

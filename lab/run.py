@@ -8,13 +8,8 @@ broken rule) and exit code 2.
 import os
 import sys
 
-from lab import startup
-
-if __name__ == "__main__":  # first: a signal from here to the loop is one line and an exit
-    startup.install()
-
-from lab import plans  # noqa: E402
-from lab.config import exit_code, help_text, parse_keys  # noqa: E402
+from lab import plans
+from lab.config import exit_code, help_text, parse_keys
 
 
 def _help() -> str:

@@ -18,19 +18,14 @@ import os
 import sys
 from pathlib import Path
 
-from lab import startup
-
-if __name__ == "__main__":  # first: a signal during start-up is one line and an exit
-    startup.install()
-
-from lab import data, rundir  # noqa: E402
-from lab.config import check_name, cli, field  # noqa: E402
-from lab.errors import ConfigError  # noqa: E402
-from lab.measure import records as rec  # noqa: E402
-from lab.report import plots, progress, tables  # noqa: E402
-from lab.session import open_session  # noqa: E402
-from lab.studies.serving import compiled, sample, study, weights  # noqa: E402
-from lab.studies.serving import records as serving_records  # noqa: E402
+from lab import data, rundir, startup
+from lab.config import check_name, cli, field
+from lab.errors import ConfigError
+from lab.measure import records as rec
+from lab.report import plots, progress, tables
+from lab.session import open_session
+from lab.studies.serving import compiled, sample, study, weights
+from lab.studies.serving import records as serving_records
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,11 +2,13 @@
 
 Python's own Ctrl-C raises KeyboardInterrupt into whatever bytecode runs next: inside JAX's
 gc callback it is ignored (the run trains on), and unwinding out of an import or a compile
-while XLA's threads still run let the interpreter's teardown crash (SIGSEGV). A command
-installs `install()` first thing; the loop's own handler (lab/loop.py `_Stop`) replaces it
-for the training steps and puts it back after. Nothing before the loop needs finishing: every
-start-up write is whole or not at all (written aside, then renamed; an interrupted overwrite
-leaves its hidden folder for the next one) and the folder's lock is released by the kernel.
+while XLA's threads still run let the interpreter's teardown crash (SIGSEGV). The package's
+first import calls `install()` for `python -m lab.run` and `lab.serve` (the package, and jax
+with it, is imported before the command's module); the loop's own handler (lab/loop.py
+`_Stop`) replaces it for the training steps and puts it back after. Nothing before the loop
+needs finishing: every start-up write is whole or not at all (written aside, then renamed; an
+interrupted overwrite leaves its hidden folder for the next one) and the kernel releases the
+folder's lock.
 `note()` says what the folder keeps at each stage, for the one line; a write that must be
 whole (lab.serve's records) runs under `held()`, and a signal during it exits after it.
 """
@@ -53,6 +55,15 @@ def _exit(signum, _frame) -> None:
         pass
     os.write(2, f"{name}: exiting at once; {_kept[0]}\n".encode())
     os._exit(130 if signum == signal.SIGINT else 143)
+
+
+COMMANDS = ("lab.run", "lab.serve")  # the commands whose signals are one line from the start
+
+
+def command() -> bool:
+    """Whether this process is `python -m` one of COMMANDS."""
+    argv = getattr(sys, "orig_argv", [])
+    return "-m" in argv and argv[argv.index("-m") + 1 :][:1] in [[c] for c in COMMANDS]
 
 
 def install() -> None:
