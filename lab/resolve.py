@@ -419,9 +419,10 @@ def _strategy_axes(d: _Draft):
     axes = STRATEGY_AXES.get(d.cfg.strategy, ())
     n = math.prod(d.sizes.values())
     if axes and n > 1 and all(d.sizes.get(a, 1) == 1 for a in axes):
+        mesh = ",".join(f"{a}:{s}" for a, s in d.sizes.items() if s > 1)
         return (
-            f"strategy={d.cfg.strategy} splits over the {' or '.join(axes)} axis, which "
-            f"mesh={d.cfg.mesh} does not have: name it (e.g. mesh={axes[0]}:{n})"
+            f"strategy={d.cfg.strategy} splits over the {' or '.join(axes)} axis, which the "
+            f"mesh {mesh} does not have: name it (e.g. mesh={axes[0]}:{n})"
         )
 
 

@@ -7,6 +7,7 @@ import pytest
 from lab.config import parse_args
 from lab.data import host_batch, to_global
 from lab.mesh import make_mesh
+from lab.resolve import defaults
 from lab.train import make_trainer
 
 STEPS = 3
@@ -14,7 +15,8 @@ BASE = ["model=tiny", "batch_size=8", "seq_len=32", "dtype=float32", "attention=
 
 
 def _losses(mesh_spec: str, strategy: str, extra=()) -> list[float]:
-    cfg = parse_args([*BASE, f"mesh={mesh_spec}", f"strategy={strategy}", *extra])
+    # the mesh built here as lab.run builds it: a bare count follows the strategy's axis
+    cfg = defaults(parse_args([*BASE, f"mesh={mesh_spec}", f"strategy={strategy}", *extra]))
     trainer = make_trainer(cfg, make_mesh(cfg.mesh))
     state = trainer.init(jax.random.key(0))
     out = []

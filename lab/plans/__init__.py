@@ -18,7 +18,9 @@ PLATFORMS = {"tpu": tpu, "gpu": gpu}
 def _module(target: str):
     platform = target.split(":", 1)[0]
     if platform not in PLATFORMS:
-        raise ConfigError(f"target={target!r}: expected {target_help()}")
+        raise ConfigError(
+            f"target={target!r}: expected tpu:GEN:TOPOLOGY or gpu:KIND[:N], e.g. {target_help()}"
+        )
     return PLATFORMS[platform]
 
 
