@@ -306,10 +306,12 @@ def test_masked_triton_kernels_compile_for_h100_without_spills():
 @pytest.mark.slow_plan
 def test_plan_flops_fall_with_a_window_and_packed_documents_on_h100():
     """The H100 plan at S = 8,192: a window of 1,024 and 8 packed documents of 1,024 give at
-    least 3x fewer FLOPs than causal. The masked calls run the Triton kernel, whose lowering
-    drops the cost estimate (jax 0.10 to 0.12), so their FLOPs are the block map's count,
-    labelled as such; causal runs Mosaic GPU, whose estimate reaches the compiled count from
-    jax 0.11 (the HLO walk reads it) and is dropped on 0.10."""
+    least 3x fewer FLOPs than causal. Every call runs the kernel the dispatch picks for an
+    H100 (Mosaic GPU, which takes every mask): its cost estimate reaches the compiled count
+    from jax 0.11 (the HLO walk reads it); where a lowering drops it (0.10; Triton) the FLOPs
+    are the block map's count, labelled as such, never a silent 0. Packed documents' compiled
+    count is only the causal band's (the ids are data when traced): their figure is the
+    block map of the ids, labelled."""
     from lab.studies import plan
 
     rows = plan.grid(
