@@ -629,6 +629,29 @@ def check_softcap(softcap) -> float | None:
 # ---------------------------------------------------------------------------- attention sinks
 
 
+def sink_output(o_BxLxHxV, lse_BxHxL, sinks_H):
+    """(output, lse) of a flash kernel with one sink logit per query head folded in
+    (fold_sinks): the output times w in float32, back in its dtype; the residuals every
+    kernel's unchanged backward takes."""
+    w_BxHxL, lse_BxHxL = fold_sinks(lse_BxHxL, sinks_H[None, :, None])
+    w_BxLxHx1 = jnp.swapaxes(w_BxHxL, 1, 2)[..., None]
+    o_BxLxHxV = (o_BxLxHxV.astype(jnp.float32) * w_BxLxHx1).astype(o_BxLxHxV.dtype)
+    return o_BxLxHxV, lse_BxHxL
+
+
+def kernel_mask(mask: "Mask | None", causal: bool, B: int, L: int, S: int) -> "Mask | None":
+    """The Mask a Pallas kernel runs for a call: `mask` checked against the shapes with
+    `causal` folded in, or for a causal call with more queries than keys a causal Mask (the
+    Mask path gives its rows with no key 0); None for a plain call."""
+    if mask is None and causal and L > S:
+        mask = Mask.make(causal=True)
+    if mask is not None:
+        mask.check(B, L, S)
+        if causal and not mask.causal:
+            mask = dataclasses.replace(mask, causal=True)
+    return mask
+
+
 def fold_sinks(lse, sink):
     """(w, lse_sink), both shaped like `lse`: a kernel's output without sinks times w is its
     output with a sink logit per row in the softmax denominator, and lse_sink is that

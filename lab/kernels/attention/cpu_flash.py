@@ -37,9 +37,9 @@ from lab.kernels.attention.common import (
     check_qkv,
     check_sinks,
     default_scale,
-    fold_sinks,
     round_up,
     sink_grad,
+    sink_output,
 )
 
 SOURCE = Path(__file__).with_name("cpu_flash.cc")
@@ -176,9 +176,7 @@ def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sinks_H, m, st: _Static):
 def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sinks_H, m, st: _Static):
     o_BxLxHxK, lse_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st)
     if sinks_H is not None:
-        w_BxHxL, lse_BxHxL = fold_sinks(lse_BxHxL, sinks_H[:, None])
-        w_BxLxHx1 = jnp.swapaxes(w_BxHxL, -1, -2)[..., None]
-        o_BxLxHxK = (o_BxLxHxK.astype(jnp.float32) * w_BxLxHx1).astype(o_BxLxHxK.dtype)
+        o_BxLxHxK, lse_BxHxL = sink_output(o_BxLxHxK, lse_BxHxL, sinks_H)
     residuals = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, o_BxLxHxK, lse_BxHxL, sinks_H, m)
     return o_BxLxHxK, residuals
 

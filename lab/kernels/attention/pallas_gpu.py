@@ -56,9 +56,10 @@ from lab.kernels.attention.common import (
     check_softcap,
     default_scale,
     device_kind,
-    fold_sinks,
+    kernel_mask,
     launch_cost,
     sink_grad,
+    sink_output,
     visible,
 )
 
@@ -611,9 +612,7 @@ def _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks_H, masks, plan: _Plan):
 def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks_H, masks, plan: _Plan):
     o_BxLxHxV, lse_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan, masks[0])
     if sinks_H is not None:
-        w_BxHxL, lse_BxHxL = fold_sinks(lse_BxHxL, sinks_H[None, :, None])
-        w_BxLxHx1 = jnp.swapaxes(w_BxHxL, 1, 2)[..., None]
-        o_BxLxHxV = (o_BxLxHxV.astype(jnp.float32) * w_BxLxHx1).astype(o_BxLxHxV.dtype)
+        o_BxLxHxV, lse_BxHxL = sink_output(o_BxLxHxV, lse_BxHxL, sinks_H)
     residuals = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL, sinks_H, masks)
     return (o_BxLxHxV, lse_BxHxL), residuals
 
@@ -705,12 +704,7 @@ def flash_attention_gpu(
         triton_deprecation.explain()  # jax >= 0.11: one line instead of a warning per kernel
     B, L, H, K = q_BxLxHxK.shape
     S, G, V = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2], v_BxSxGxV.shape[-1]
-    if mask is None and causal and L > S:  # rows with no key: the Mask path gives them 0
-        mask = Mask.make(causal=True)
-    if mask is not None:
-        mask.check(B, L, S)
-        if causal and not mask.causal:
-            mask = dataclasses.replace(mask, causal=True)
+    mask = kernel_mask(mask, causal, B, L, S)
     if block_sizes is None:
         block_sizes = block_sizes_for(device_kind(), K)
 

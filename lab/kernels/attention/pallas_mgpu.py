@@ -122,10 +122,11 @@ from lab.kernels.attention.common import (
     check_softcap,
     default_scale,
     device_kind,
-    fold_sinks,
+    kernel_mask,
     pad_seq,
     round_up,
     sink_grad,
+    sink_output,
     tile_cost,
     visible,
 )
@@ -1283,9 +1284,7 @@ def _flash_fwd(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks_H, masks, plan: _Plan):
     o_BxLxHxV, lse2_BxHxL = _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, plan.fwd, plan, masks[0])
     lse_BxHxL = lse2_BxHxL * LN2
     if sinks_H is not None:
-        w_BxHxL, lse_BxHxL = fold_sinks(lse_BxHxL, sinks_H[None, :, None])
-        w_BxLxHx1 = jnp.swapaxes(w_BxHxL, 1, 2)[..., None]
-        o_BxLxHxV = (o_BxLxHxV.astype(jnp.float32) * w_BxLxHx1).astype(o_BxLxHxV.dtype)
+        o_BxLxHxV, lse_BxHxL = sink_output(o_BxLxHxV, lse_BxHxL, sinks_H)
     residuals = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_BxHxL, sinks_H, masks)
     return (o_BxLxHxV, lse_BxHxL), residuals
 
@@ -1442,12 +1441,7 @@ def flash_attention_mgpu(
     check_sinks(sinks, q_BxLxHxK.shape[2])
     B, L = q_BxLxHxK.shape[:2]
     S = k_BxSxGxK.shape[1]
-    if mask is None and causal and L > S:  # rows with no key: the Mask path gives them 0
-        mask = Mask.make(causal=True)
-    if mask is not None:
-        mask.check(B, L, S)
-        if causal and not mask.causal:
-            mask = dataclasses.replace(mask, causal=True)
+    mask = kernel_mask(mask, causal, B, L, S)
     if interpret is not False and interpret is not None and not interpretable():
         raise ValueError(
             f"interpret={interpret!r}: JAX's GPU interpreter runs pallas_mgpu from jax 0.11 "

@@ -50,6 +50,7 @@ from lab.kernels.attention.common import (
     check_softcap,
     default_scale,
     fold_sinks,
+    kernel_mask,
     launch_cost,
     round_up,
     sink_grad,
@@ -663,12 +664,7 @@ def flash_attention_tpu(
         block_sizes.check_compiled()
     B, L, H, K = q_BxLxHxK.shape
     S, G = k_BxSxGxK.shape[1:3]
-    if mask is None and causal and L > S:  # rows with no key: the Mask path gives them 0
-        mask = Mask.make(causal=True)
-    if mask is not None:
-        mask.check(B, L, S)
-        if causal and not mask.causal:
-            mask = dataclasses.replace(mask, causal=True)
+    mask = kernel_mask(mask, causal, B, L, S)
 
     g, g_bwd = _geometries(q_BxLxHxK.shape, G, S, causal, scale, block_sizes, interpret)
     q_BxHxLxK = jnp.swapaxes(q_BxLxHxK, 1, 2)
