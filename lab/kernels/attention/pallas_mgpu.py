@@ -485,6 +485,18 @@ def _capped_grad(ds_2d, t_2d):
     return ds_2d if t_2d is None else ds_2d * (1.0 - t_2d * t_2d)
 
 
+def _query_tile_spans(i, real, g: Geometry, tiles, first):
+    """(first step, end step, [(lo, hi, masked)]) of query tile i's key loop (the forward's
+    and dQ's): without a Mask, from g's causal band (no step for a tile past the queries);
+    with one, its block ranges (`tiles`), relative to the CTA's stream's first block."""
+    if tiles is None:
+        end = jnp.where(real, _i32(g.k_blocks_end(i)), 0)
+        whole = jnp.minimum(_i32(g.k_blocks_whole(i)), end)
+        return 0, end, _spans(whole, end, g)
+    begin, end, full_lo, full_hi = (x - first for x in tiles.tile(i))
+    return begin, end, [(begin, full_lo, True), (full_lo, full_hi, False), (full_hi, end, True)]
+
+
 def _spans(whole, end, g: Geometry):
     """[(lo, hi, masked)] of a query tile's key loop: whole blocks bare, the rest masked."""
     if not g.needs_mask:
@@ -581,13 +593,7 @@ def _fwd_kernel(
         real = i < g.n_q
         q_tile, p_tile, o_tile = q_smem.at[wg], p_smem.at[wg], o_smem.at[wg]
         rows = pl.ds(i * bq, bq)
-        if tiles is None:
-            begin, end = 0, jnp.where(real, _i32(g.k_blocks_end(i)), 0)
-            whole = jnp.minimum(_i32(g.k_blocks_whole(i)), end)
-            spans = _spans(whole, end, g)
-        else:  # steps relative to the stream's first block
-            begin, end, full_lo, full_hi = (x - first for x in tiles.tile(i))
-            spans = [(begin, full_lo, True), (full_lo, full_hi, False), (full_hi, end, True)]
+        begin, end, spans = _query_tile_spans(i, real, g, tiles, first)
         pairs = ((k_bar, k_free), (v_bar, v_free))
         if tiles is not None:
             lax.fori_loop(0, begin, lambda t, c: _skip(t, stages, pairs), None)
@@ -868,13 +874,7 @@ def _dq_kernel(
         real = i < g.n_q
         q_tile, do_tile, ds_tile = q_smem.at[wg], do_smem.at[wg], ds_smem.at[wg]
         rows = pl.ds(i * bq, bq)
-        if tiles is None:
-            begin, end = 0, jnp.where(real, _i32(g.k_blocks_end(i)), 0)
-            whole = jnp.minimum(_i32(g.k_blocks_whole(i)), end)
-            spans = _spans(whole, end, g)
-        else:  # steps relative to the stream's first block
-            begin, end, full_lo, full_hi = (x - first for x in tiles.tile(i))
-            spans = [(begin, full_lo, True), (full_lo, full_hi, False), (full_hi, end, True)]
+        begin, end, spans = _query_tile_spans(i, real, g, tiles, first)
         pairs = ((k_bar, k_free), (v_bar, v_free))
         if tiles is not None:
             lax.fori_loop(0, begin, lambda t, c: _skip(t, stages, pairs), None)
