@@ -235,6 +235,7 @@ class _Draft:
     mesh_problem: str | None = None
     mesh: Any = None  # built once the first pass holds (the filled rules read it)
     batches: tuple[int, ...] = ()  # purpose decode: the batch sizes decoders are built for
+    abstract_params: Any = None  # the boxed abstract weights, once the weights rule built them
 
     @property
     def model(self):
@@ -541,6 +542,7 @@ def _weights_split(d: _Draft):
     tokens = jax.ShapeDtypeStruct((1, d.cfg.seq_len), jnp.int32)
     with jax.set_mesh(d.mesh), nn.logical_axis_rules(rules):
         boxed = jax.eval_shape(model.init, key, tokens)["params"]
+    d.abstract_params = boxed  # the trainer's abstract state starts from them: one trace
     specs = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules)
     leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(boxed))
     spec_leaves = jax.tree.leaves(
@@ -729,6 +731,9 @@ class Resolved:
     batches: tuple[int, ...] = ()  # purpose decode: the batch sizes decoders are built for
     request: Request = dataclasses.field(default_factory=Request, compare=False)
     mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
+    # the model's boxed abstract weights (logical names, shapes) on this mesh, traced once by
+    # the rule that every weight splits; the trainer builds its abstract state from them
+    abstract_params: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         c, m = self.cfg, self.cfg.model
@@ -907,6 +912,7 @@ def resolve(
         batches=batches,
         request=request,
         mesh=mesh,
+        abstract_params=draft.abstract_params,
     )
 
 

@@ -71,8 +71,13 @@ def _session(o: Options, keys: dict):
                 f"run={o.run}: no run folder {run_dir} (out_dir= says where runs are)"
             )
         return open_session(request=weights.serving_request(run_dir, keys)), run_dir
-    keys = {"preset": "base", **keys}
-    return open_session(keys={**keys, "steps": 0}), None
+    keys = {"preset": "base", **keys, "steps": 0}
+    if keys.get("target"):  # a plan: each decode step resolves its own batch (compiled.py)
+        return open_session(keys=keys), None
+    # random weights: nothing restores into a training layout, so the request is resolved
+    # once, for decoding the batches asked
+    batches = (*o.batches, *o.prefill_batches)
+    return open_session(keys=keys, purpose="decode", batches=batches), None
 
 
 def _plan(o: Options, s, con) -> int:

@@ -156,7 +156,10 @@ def train_step(
 
 
 def _init_state(key, *, model, tx, seq_len: int) -> TrainState:
-    params = model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
+    return _state_of(model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"], tx=tx)
+
+
+def _state_of(params, *, tx) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
@@ -224,9 +227,12 @@ def make_trainer(resolved: Resolved | Config, mesh=None) -> Trainer:
     rules = rules_for(cfg.strategy)
     model, tx = build(cfg.model), make_optimizer(cfg)
     init_fn = functools.partial(_init_state, model=model, tx=tx, seq_len=cfg.seq_len)
-    key = jax.eval_shape(jax.random.key, 0)  # abstract: the mesh may be a TPU topology
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        abstract_boxed = jax.eval_shape(init_fn, key)
+        if r.abstract_params is not None:  # the model traced once, by the resolve step
+            abstract_boxed = jax.eval_shape(functools.partial(_state_of, tx=tx), r.abstract_params)
+        else:
+            key = jax.eval_shape(jax.random.key, 0)  # abstract: the mesh may be a TPU topology
+            abstract_boxed = jax.eval_shape(init_fn, key)
     state_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_boxed), mesh, rules)
     batch_axes = dict(rules).get(BATCH)
     assert cfg.batch_size % axis_size(mesh, batch_axes) == 0, (cfg.batch_size, batch_axes)
