@@ -57,7 +57,9 @@ def pytest_collection_modifyitems(config, items):
     tests marked `slow_plan` (big ahead-of-time compiles) or `once` (long multi-process or
     end-to-end runs whose JAX-facing code shorter tests cover on both legs).
     LAB_FULL=1 runs everything anywhere, LAB_FULL=0 the short set anywhere; LAB_SLOW_PLANS=1
-    adds the slow plans to the short set, LAB_SLOW_PLANS=0 drops them everywhere."""
+    adds the slow plans to the short set, LAB_SLOW_PLANS=0 drops them everywhere.
+    Tests marked `exhaustive` (the rest of an interpreted kernel's full case product, beyond
+    the pairwise subset every leg runs) run only with LAB_EXHAUSTIVE=1, on any leg."""
     import sys
 
     import pytest
@@ -71,8 +73,15 @@ def pytest_collection_modifyitems(config, items):
     skip_case = pytest.mark.skip(
         reason="a further case of a parametrized test: runs on the newest-JAX leg (LAB_FULL=1)"
     )
+    exhaustive = os.environ.get("LAB_EXHAUSTIVE") == "1"
+    skip_exhaustive = pytest.mark.skip(
+        reason="beyond the pairwise cases of a kernel's matrix: LAB_EXHAUSTIVE=1 runs it"
+    )
     first_seen = set()
     for item in items:
+        if "exhaustive" in item.keywords and not exhaustive:
+            item.add_marker(skip_exhaustive)
+            continue
         if "slow_plan" in item.keywords:
             if not plans:
                 item.add_marker(skip_plan)

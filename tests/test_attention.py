@@ -65,6 +65,14 @@ PAIRWISE = [
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
+# The full product beyond PAIRWISE, marked `exhaustive` (LAB_EXHAUSTIVE=1 runs it): the
+# interpreted kernels and the two plain implementations run every pair of factor values in CI;
+# the lab's portable kernel (blockwise) runs the whole product.
+PAIRWISE_THEN_REST = PAIRWISE + [
+    pytest.param(c, marks=pytest.mark.exhaustive) for c in FULL if c not in PAIRWISE
+]
+
+
 def pytest_generate_tests(metafunc):
     """Each class says which cases it runs (`CASES`): full product or the pairwise subset."""
     if "case" in metafunc.fixturenames:
@@ -152,6 +160,7 @@ class TestBlockwise(AttentionCase):
 
 class TestNaive(AttentionCase):
     impl = "naive"
+    CASES = PAIRWISE_THEN_REST
     block_sizes = None
 
 
@@ -159,6 +168,7 @@ class TestXla(AttentionCase):
     """The library baseline: also the reference's independent cross-check."""
 
     impl = "xla"
+    CASES = PAIRWISE_THEN_REST
     block_sizes = None
 
     def test_shorter_queries_than_keys(self):
@@ -169,12 +179,14 @@ class TestXla(AttentionCase):
 
 class TestPallasTpuInterpret(AttentionCase):
     impl = "pallas_tpu"
+    CASES = PAIRWISE_THEN_REST
     interpret = True
     block_sizes = pallas_tpu.BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
 
 
 class TestPallasGpuInterpret(AttentionCase):
     impl = "pallas_gpu"
+    CASES = PAIRWISE_THEN_REST
     interpret = True
     block_sizes = pallas_gpu.BlockSizes(16, 32, 32, 16, 16, 32)  # split_mask: whole blocks unmasked
 

@@ -104,10 +104,10 @@ PAIRWISE = [
 
 
 # The rest of the product causal × ratio × dtype × head_dim (18 cases of 4-9 s, length 130: not
-# a tile multiple): once per CI, on the newest-JAX leg, where the interpreter runs anyway.
+# a tile multiple), beyond the pairwise cases CI runs: LAB_EXHAUSTIVE=1 runs them.
 _COVERED = {(c.causal, c.ratio, c.dtype, c.head_dim) for c in PAIRWISE}
 PRODUCT = [
-    pytest.param(Case(*key), marks=pytest.mark.slow_plan)
+    pytest.param(Case(*key), marks=pytest.mark.exhaustive)
     for key in itertools.product((True, False), (1, 2, 4), ("bfloat16", "float16"), (64, 128))
     if key not in _COVERED
 ]
