@@ -236,6 +236,8 @@ class _Draft:
     mesh: Any = None  # built once the first pass holds (the filled rules read it)
     batches: tuple[int, ...] = ()  # purpose decode: the batch sizes decoders are built for
     abstract_params: Any = None  # the boxed abstract weights, once the weights rule built them
+    built_model: Any = None  # the model (its kernel chosen) the weights rule built
+    attention_chosen: bool = False  # the attention kernel is the one the builders will take
 
     @property
     def model(self):
@@ -537,7 +539,10 @@ def _weights_split(d: _Draft):
 
     m = d.model
     rules = MESH_RULES[d.cfg.strategy]
-    model = build(dataclasses.replace(m, attention="naive"))  # same weights, any kernel
+    if d.attention_chosen:
+        model = d.built_model = build(m)
+    else:  # no kernel takes the input (that line is said): the same weights, any kernel
+        model = build(dataclasses.replace(m, attention="naive"))
     key = jax.eval_shape(jax.random.key, 0)
     tokens = jax.ShapeDtypeStruct((1, d.cfg.seq_len), jnp.int32)
     with jax.set_mesh(d.mesh), nn.logical_axis_rules(rules):
@@ -731,9 +736,11 @@ class Resolved:
     batches: tuple[int, ...] = ()  # purpose decode: the batch sizes decoders are built for
     request: Request = dataclasses.field(default_factory=Request, compare=False)
     mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
-    # the model's boxed abstract weights (logical names, shapes) on this mesh, traced once by
-    # the rule that every weight splits; the trainer builds its abstract state from them
+    # the model (lab.model.build of cfg.model) and its boxed abstract weights (logical names,
+    # shapes) on this mesh, built and traced once by the rule that every weight splits; the
+    # trainer takes the model and builds its abstract state from those weights
     abstract_params: Any = dataclasses.field(default=None, compare=False, repr=False)
+    model: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         c, m = self.cfg, self.cfg.model
@@ -882,13 +889,17 @@ def resolve(
         cfg, sizes = _for_decoding(cfg, sizes)
     mesh = _build_mesh(sizes, platform)
     draft = _Draft(cfg, platform, purpose, sizes, draft.asked_attention, mesh=mesh, batches=batches)
-    lines = early + _broken(draft, filled=True)
-    try:
+    attention_line = None
+    try:  # chosen first: the weights rule builds the model the builders then take
         impl, attention_note = _attention(draft, mesh)
+        draft.cfg = cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, attention=impl)
+        )
+        draft.attention_chosen = True
     except ValueError as e:
-        lines.append(f"attention={cfg.model.attention}: {e}")
-    _raise(lines)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=impl))
+        attention_line = f"attention={cfg.model.attention}: {e}"
+    lines = early + _broken(draft, filled=True)
+    _raise(lines + [attention_line] if attention_line else lines)
     notes, offload = (), False
     if cfg.offload_optimizer and purpose != "decode":
         offload = platform.host_memory_here
@@ -913,6 +924,7 @@ def resolve(
         request=request,
         mesh=mesh,
         abstract_params=draft.abstract_params,
+        model=draft.built_model,
     )
 
 

@@ -225,7 +225,8 @@ def make_trainer(resolved: Resolved | Config, mesh=None) -> Trainer:
     r = resolved_for(resolved, mesh)
     cfg, mesh = r.cfg, r.mesh
     rules = rules_for(cfg.strategy)
-    model, tx = build(cfg.model), make_optimizer(cfg)
+    model = r.model if r.model is not None else build(cfg.model)  # resolve's, where it built it
+    tx = make_optimizer(cfg)
     init_fn = functools.partial(_init_state, model=model, tx=tx, seq_len=cfg.seq_len)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         if r.abstract_params is not None:  # the model traced once, by the resolve step

@@ -1,5 +1,5 @@
 """The path a config takes from a command to the step it builds: never back up a layer, and
-each module entered once (the aim), the ones entered again today written down.
+each module entered once.
 
 The setup of lab.run (argv to a built trainer, without training) and of lab.serve (keys to a
 built decoder) runs under a profiler that keeps every call into a lab module made from
@@ -12,9 +12,8 @@ on one device, abstract shapes only.
     (lab.config.exit_code runs lab.run's closure) returns to where it came from, a climb
     would need an import the contract forbids.
 (b) The path, the calls into the layers from the command down to the model, is the one
-    written here; a module entered again along it (the model, built by one of resolve's
-    rules and traced there once, then built again by the trainer) is listed in REENTERED and
-    SERVE_REENTERED, so a new one (or one fixed) fails this test.
+    written here, each module entered once (REENTERED and SERVE_REENTERED, empty, would list
+    a module entered again), so a new re-entry fails this test.
 """
 
 import sys
@@ -111,17 +110,16 @@ def reentered(steps: list[str]) -> dict[str, list[str]]:
     return out
 
 
-# Today's one re-entry: resolve's rule that every weight splits over the mesh builds the
-# model and traces its abstract weights (lab.resolve._weights_split), which the Resolved
-# carries; the trainer builds the model object again (with the attention kernel resolve chose)
-# and starts its abstract state from those weights, without tracing the model a second time.
-REENTERED = {"lab.model": ["lab.model.build", "lab.model.build"]}
+# No module is entered twice: resolve's rule that every weight splits over the mesh builds the
+# model (its attention kernel chosen first) and traces its abstract weights; the Resolved
+# carries both, and the trainer takes them without entering lab.model again.
+REENTERED = {}
 
 # lab.serve with random weights resolves once, for decoding the batches asked. (Serving a
 # trained run resolves twice by design, DESIGN.md: a derived config goes through resolve again
 # from a request; first for the session the run's checkpoint restores into, its scanned layers
-# and pipeline, then for decoding.) The model is entered twice as lab.run enters it.
-SERVE_REENTERED = REENTERED
+# and pipeline, then for decoding.)
+SERVE_REENTERED = {}
 
 
 @pytest.fixture
@@ -145,8 +143,7 @@ def test_lab_run_resolves_once_and_builds_its_step_going_down(no_training, tmp_p
         "lab.resolve.resolve",  # the rules, once
         "lab.model.build",  # resolve's rule: every weight splits over the mesh
         "lab.model.__call__",  # (abstract)
-        "lab.train.make_trainer",  # the builder takes the Resolved: no resolve below it
-        "lab.model.build",  # the model object (its kernel chosen): its weights not traced
+        "lab.train.make_trainer",  # the builder takes the Resolved (its model, its weights)
     ]
     assert reentered(steps) == REENTERED
 
@@ -174,7 +171,6 @@ def test_lab_serve_resolves_for_decoding_once_and_builds_its_decoder_going_down(
         "lab.model.build",
         "lab.model.__call__",  # (abstract: the weights rule)
         "lab.train.make_trainer",  # the decoding session's (unscanned) trainer
-        "lab.model.build",
         "lab.studies.serving.weights.for_decoding",  # already resolved for those batches
         "lab.studies.serving.timed.make_decoder",
         "lab.decode.param_shardings",
