@@ -43,7 +43,7 @@ def test_a_run_summary_reads_summary_json_and_gives_it_back():
 
 
 def test_the_fits_read_and_given_back():
-    stored = {v: e["fit"] for v, e in fits().items() if isinstance(e, dict) and "fit" in e}
+    stored = {v: e["fit"] for v, e in fits().items() if isinstance(e, dict) and e.get("fit")}
     assert stored and all(f.record() == stored[v] for v, f in fits_of(stored).items())
     cpu = {"compute_efficiency": 0.3, "memory_efficiency": 0.7, "op_overhead_s": 3e-6}
     fit = Fit.from_record(cpu)

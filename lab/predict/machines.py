@@ -167,4 +167,16 @@ def fit(points, params=FIT_PARAMS[:3]) -> dict:
                 s = score(trial)
                 if s < current:
                     best, current = trial, s
+    for _ in range(2):  # then finer: each parameter between its best value's grid neighbours
+        for name in params:
+            grid = grids[name]
+            at = int(np.argmin(np.abs(grid - best[name])))
+            lo, hi = grid[max(at - 1, 0)], grid[min(at + 1, len(grid) - 1)]
+            if lo <= 0.0:  # the grid's 0: refine from its first positive value
+                lo = grid[1] / 10
+            for value in np.geomspace(lo, hi, 17):
+                trial = {**best, name: float(value)}
+                s = score(trial)
+                if s < current:
+                    best, current = trial, s
     return best

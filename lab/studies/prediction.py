@@ -470,7 +470,15 @@ def save_fits(summary: Summary) -> Path:
     """lab/predict/fits.json: what lab.run's predictions print as the model's error."""
     data = json.loads(FITS.read_text()) if FITS.exists() else {}
     for v in ("tpu", "gpu"):
-        if v in summary.fits:
+        if v not in summary.fits:  # no calibration point usable: the roofline predicts
+            data[v] = {
+                "fit": None,
+                "calibration": [],
+                "held_out": summary.held_out[v] if summary.held_out[v].get("n") else None,
+                "source": "python -m lab.tools.prediction (no usable calibration point: the "
+                "roofline, efficiencies 1 and no fixed costs, predicts)",
+            }
+        else:
             data[v] = {
                 "fit": summary.fits[v],
                 "calibration": sorted(
