@@ -3,6 +3,7 @@ the publisher's unit, the calibration named by rule, the held-out error computed
 the self-check on this CPU (lab.run prints and saves the prediction beside the measurement)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -148,6 +149,24 @@ def test_a_failure_that_is_not_the_compilers_is_never_cached(tmp_path, monkeypat
     summary = prediction.run([point], tmp_path)
     row = next(r for r in summary.rows if r.id == point["id"])
     assert "not cached" in (row.note or "") and not list(tmp_path.iterdir())
+
+
+def test_a_program_cached_by_other_lab_code_is_compiled_again(tmp_path, monkeypatch):
+    """The cache key holds a hash of the lab code that builds programs: a change to the
+    model, its kernels or its sharding never reuses a program the old code compiled (the
+    timing model, lab/predict, is left out: refitting keeps the cache)."""
+    point = prediction.load_points(("azure-h100-gemm-fp8-8192",))[0]
+    calls = []
+    monkeypatch.setattr(prediction, "_op_program", lambda p: calls.append(p) or {"hlo": "x"})
+    prediction.program(point, tmp_path)
+    prediction.program(point, tmp_path)  # cached
+    assert len(calls) == 1
+    monkeypatch.setattr(prediction, "program_source", lambda: "other code")
+    prediction.program(point, tmp_path)
+    assert len(calls) == 2 and len(list(tmp_path.iterdir())) == 2
+    root = Path(prediction.__file__).resolve().parents[1]
+    assert (root / "predict" / "model.py").exists()  # the excluded package is where it says
+    assert set(prediction._NOT_PROGRAM) <= {d.name for d in root.iterdir() if d.is_dir()}
 
 
 def test_a_serving_point_whose_batch_does_not_split_is_one_line(tmp_path):

@@ -14,10 +14,13 @@ held out, and the error reported is the held-out one. Points the lab cannot expr
 the file with their reason and are listed as dropped.
 
 Compiled programs are cached as HLO text under `cache_dir`, keyed by the point, its lab
-configuration and the jax version, so a second run only re-predicts.
+configuration, the jax version and the lab code that builds programs (every module but the
+timing model, the reports and the command lines: `program_source`), so a second run only
+re-predicts, and a change to the model, its kernels or its sharding compiles afresh.
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -148,9 +151,28 @@ def why_refused(point: dict, refusal: str) -> str:
     return f"{refusal}; {why}"
 
 
+# lab's packages that never change a compiled program: the step-time model and its fits,
+# the renderers, the command lines
+_NOT_PROGRAM = ("predict", "report", "tools")
+
+
+@functools.lru_cache(maxsize=1)
+def program_source() -> str:
+    """A hash of the lab code that builds the points' programs (lab/**/*.py and the native
+    kernels' sources, lab/predict, lab/report and lab/tools aside): a cached program compiled
+    by other code is never reused."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
+        rel = f.relative_to(root)
+        if rel.parts[0] not in _NOT_PROGRAM:
+            h.update(str(rel).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _key(point: dict) -> str:
     what = json.dumps([point["id"], point.get("lab_config"), point.get("lab_program")], sort_keys=1)
-    return hashlib.sha256(f"{what}|{jax.__version__}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{what}|{jax.__version__}|{program_source()}".encode()).hexdigest()[:16]
 
 
 def _train_program(point: dict) -> dict:
