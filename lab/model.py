@@ -415,7 +415,7 @@ def embed_lookup(embed_VxD, tokens_BxL, dtype):
     # into an embed-sharded table would leave activations sharded the wrong way.
     table_VxD = _constrain(embed_VxD, (VOCAB, None))
     if split := _vocab_parallel(table_VxD, tokens_BxL):
-        return _vocab_parallel_take(table_VxD, tokens_BxL, *split).astype(dtype)
+        return _vocab_parallel_take(table_VxD, tokens_BxL, *split, dtype)
     return jnp.take(table_VxD, tokens_BxL, axis=0).astype(dtype)
 
 
@@ -441,10 +441,10 @@ def _vocab_parallel(table_VxD, tokens_BxL) -> tuple | None:
     return vocab, batch
 
 
-def _vocab_parallel_take(table_VxD, tokens_BxL, vocab: tuple, batch: tuple):
+def _vocab_parallel_take(table_VxD, tokens_BxL, vocab: tuple, batch: tuple, dtype):
     """Megatron's vocabulary-parallel embedding: each device looks the tokens up in its rows
     of the table (0 for a token another shard holds) and a sum over the vocabulary's shards
-    joins them."""
+    joins them, in `dtype` (exact: one shard's row is the only term that is not 0)."""
     mesh = jax.sharding.get_abstract_mesh()
 
     def local(t_VxD, tok_BxL):
@@ -453,7 +453,7 @@ def _vocab_parallel_take(table_VxD, tokens_BxL, vocab: tuple, batch: tuple):
             index = index * mesh.shape[a] + jax.lax.axis_index(a)
         ids_BxL = tok_BxL - index * t_VxD.shape[0]
         inside_BxL = (ids_BxL >= 0) & (ids_BxL < t_VxD.shape[0])
-        rows_BxLxD = jnp.take(t_VxD, jnp.where(inside_BxL, ids_BxL, 0), axis=0)
+        rows_BxLxD = jnp.take(t_VxD, jnp.where(inside_BxL, ids_BxL, 0), axis=0).astype(dtype)
         return jax.lax.psum(jnp.where(inside_BxL[..., None], rows_BxLxD, 0), vocab)
 
     b = batch or None

@@ -14,9 +14,9 @@ held out, and the error reported is the held-out one. Points the lab cannot expr
 the file with their reason and are listed as dropped.
 
 Compiled programs are cached as HLO text under `cache_dir`, keyed by the point, its lab
-configuration, the jax version and the lab code that builds programs (every module but the
-timing model, the reports and the command lines: `program_source`), so a second run only
-re-predicts, and a change to the model, its kernels or its sharding compiles afresh.
+configuration, the jax version and what builds programs (the lab code but the timing model,
+the reports and the command lines; the compilers' versions: `program_source`), so a second
+run only re-predicts, and a change to the model, its kernels or its sharding compiles afresh.
 """
 
 import dataclasses
@@ -151,22 +151,31 @@ def why_refused(point: dict, refusal: str) -> str:
     return f"{refusal}; {why}"
 
 
-# lab's packages that never change a compiled program: the step-time model and its fits,
-# the renderers, the command lines
-_NOT_PROGRAM = ("predict", "report", "tools")
+# lab's code that never changes a compiled program: the step-time model and its fits, the
+# renderers, the command lines (lab/predict/step.py counts the kernels' FLOPs a cached
+# program keeps: it is hashed)
+_NOT_PROGRAM = ("predict/model.py", "predict/machines.py", "report/", "tools/")
+_COMPILERS = ("jaxlib", "libtpu", "jax-cuda13-plugin", "jax-cuda13-pjrt")
 
 
 @functools.lru_cache(maxsize=1)
 def program_source() -> str:
-    """A hash of the lab code that builds the points' programs (lab/**/*.py and the native
-    kernels' sources, lab/predict, lab/report and lab/tools aside): a cached program compiled
-    by other code is never reused."""
+    """A hash of what builds the points' programs: the lab code (lab/**/*.py and the native
+    kernels' sources but `_NOT_PROGRAM`) and the compilers' versions installed (jaxlib,
+    libtpu, the CUDA plugin): a cached program built otherwise is never reused."""
+    from importlib import metadata
+
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for f in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
-        rel = f.relative_to(root)
-        if rel.parts[0] not in _NOT_PROGRAM:
-            h.update(str(rel).encode() + b"\0" + f.read_bytes())
+        rel = f.relative_to(root).as_posix()
+        if not rel.startswith(_NOT_PROGRAM):
+            h.update(rel.encode() + b"\0" + f.read_bytes())
+    for name in _COMPILERS:
+        try:
+            h.update(f"{name}={metadata.version(name)}".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{name}=none".encode())
     return h.hexdigest()[:16]
 
 
