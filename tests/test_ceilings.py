@@ -60,7 +60,7 @@ def test_roofs_are_the_best_measured_so_no_op_sits_above_them():
     assert "78% below it" in how
     for p in (fast, slow):
         assert p.flops_per_s <= roofline.attainable(p.intensity, peak, bw) * (1 + 1e-9)
-    assert ceilings.roofs(mm, 40.0, [fast, slow])[1:] == (40.0, "the copy kernel's (y = x·s)")
+    assert ceilings.roofs(mm, 40.0, [fast, slow])[1:] == (40.0, "the copy kernel's (x ← x·s)")
 
 
 def test_matmul_peak_is_cached_per_process():

@@ -38,10 +38,8 @@ def matmul_n(backend_name: str | None = None) -> int:
 def _sizes(backend_name: str) -> dict[str, int]:
     """Bytes per buffer for the bandwidth tests, rotated over `SETS` buffers.
 
-    CPU: 24 MiB, four of them (96 MiB, three times a 32 MiB L3). Not more per buffer: glibc
-    serves allocations above 32 MiB with fresh mmap pages, so every output would be zeroed
-    by page faults inside the timed call (XLA's x·s measured 2.8 GB/s at 64 MiB against
-    12–15 GB/s at 24 MiB on the same host). Accelerators: large, their allocators reuse.
+    CPU: 24 MiB, at least four of them and enough for three times the last-level cache
+    (`_sets`). Accelerators: large, their allocators reuse.
     """
     if backend_name == "cpu":
         return {"copy": 24 * MiB, "transfer": 24 * MiB, "poly": 6 * 2**20, "mm_n": 2048}
@@ -126,7 +124,7 @@ def matmul_peak(
 
 @functools.cache
 def copy_peak(nbytes: int | None = None, budget_s: float = 0.5, cached: bool = False) -> float:
-    """Measured copy bandwidth (bytes/s, y = x·s), cached for the process like `matmul_peak`:
+    """Measured copy bandwidth (bytes/s, x ← x·s in place), cached for the process like `matmul_peak`:
     the memory side of this device's roofline, for the step-time model on CPU."""
     return copy_bandwidth(nbytes, budget_s=budget_s, cached=cached)["bytes_per_s"]
 
@@ -164,21 +162,98 @@ def roofs(matmuls: dict, copy_bytes_per_s: float, points) -> tuple[float, float,
     floats = [m["flops_per_s"] for (dtype, _), m in matmuls.items() if dtype not in ACCUMULATE]
     peak = max(floats + [p.flops_per_s for p in points])
     bandwidth, note = memory_roof(copy_bytes_per_s, {p.name: p.bytes / p.median_s for p in points})
-    return peak, bandwidth, note or "the copy kernel's (y = x·s)"
+    return peak, bandwidth, note or "the copy kernel's (x ← x·s)"
+
+
+def last_level_cache_bytes() -> int:
+    """This host's last-level cache per socket (sysfs), 0 where it cannot be read."""
+    from pathlib import Path
+
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        value = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        best = max(best, value)
+    return best
+
+
+MAX_SETS = 64  # at most this many buffers rotate (CPU: 1.5 GiB of 24 MiB ones)
+
+
+def _sets(nbytes: int, cached: bool) -> int:
+    """How many buffers of `nbytes` rotate so no cache holds the last call's: `SETS`, and on
+    CPU enough for three times the last-level cache (a 300 MiB L3 holds four 24 MiB ones);
+    one when the figure wanted is the cache's own (`cached`)."""
+    if cached:
+        return 1
+    if backend() != "cpu":
+        return SETS
+    return min(MAX_SETS, max(SETS, -(-3 * last_level_cache_bytes() // nbytes)))
+
+
+def _rotated(fn, arrays: list, budget_s: float, *, replace: bool) -> timing.BenchResult:
+    """Time `fn` over `arrays` in turn (one untimed pass first: compile, first touch), each
+    call blocked on; `replace`: fn consumes its (donated) array and returns the next one."""
+    t0, compile_s = time.perf_counter(), None
+    times: list[float] = []
+    i, start = 0, None
+    while len(times) < 5 or time.perf_counter() - start < budget_s:
+        k = i % len(arrays)
+        t = time.perf_counter()
+        out = jax.block_until_ready(fn(arrays[k]))
+        dt = time.perf_counter() - t
+        if replace:
+            arrays[k] = out
+        if compile_s is None:
+            compile_s = time.perf_counter() - t0
+        if i >= len(arrays) + 1:  # past the untimed pass and one more call
+            times.append(dt)
+        elif i == len(arrays):
+            start = time.perf_counter()
+        i += 1
+        if len(times) >= 1000:
+            break
+    return timing.summarise(times, compile_s)
 
 
 def copy_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0, cached: bool = False):
-    """Device-memory bandwidth of y = x·s: every byte read once and written once (2·nbytes).
-    Inputs rotate among several sets so no cache holds the last call's; `cached=True` reuses
-    one (small) input instead: the bandwidth of an array that stays in the cache."""
+    """Device-memory bandwidth of x ← x·s in place: every byte read once and written once
+    (2·nbytes).
+
+    In place (the input donated), because a fresh output per call measures the allocator as
+    much as the memory: on CPU glibc hands a large block fresh pages (zeroed by page faults
+    inside the timed call) unless an earlier free raised its threshold, and the same 2-core
+    host measured x·s out of place at 5–6 GB/s or 25–31 GB/s with the allocator's state,
+    against 28–42 GB/s in place; a separate output's lines are also read before they are
+    written (write-allocate), bytes the figure would not count. The buffers rotate (`_sets`)
+    so no cache holds the last call's; `cached=True` reuses one: the bandwidth of an array
+    that stays in the cache."""
     nbytes = nbytes or _sizes(backend())["copy"]
     n = nbytes // 4
-    xs = timing.random_inputs(10, [(n,)] * (1 if cached else SETS), jnp.float32)
     scale = jnp.float32(1.0001)
-    fn = jax.jit(lambda x, s: x * s)
-    result = timing.bench(fn, rotate=[(x, scale) for x in xs], budget_s=budget_s)
+    fn = jax.jit(lambda x, s: x * s, donate_argnums=0)
+    xs = [jnp.full((n,), 1.0 + i / 64, jnp.float32) for i in range(_sets(nbytes, cached))]
+    result = _rotated(lambda x: fn(x, scale), xs, budget_s, replace=True)
     moved = 2 * n * 4
     return {"bytes": moved, "bytes_per_s": moved / result.median_s, **result.as_dict()}
+
+
+def read_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
+    """Device-memory bandwidth of a read stream: the sum of x, every byte read once and none
+    written, over the same rotation as `copy_bandwidth`. What a memory-bound decode step
+    does (it reads the weights and writes little); on a host whose cores can keep only so
+    many reads in flight it is well below the copy figure, whose writes go back to memory
+    alongside (2 cores of this VM: 19–24 GB/s read, 28–42 GB/s copied)."""
+    nbytes = nbytes or _sizes(backend())["copy"]
+    n = nbytes // 4
+    fn = jax.jit(jnp.sum)
+    xs = [jnp.full((n,), 1.0 + i / 64, jnp.float32) for i in range(_sets(nbytes, False))]
+    result = _rotated(fn, xs, budget_s, replace=False)
+    return {"bytes": n * 4, "bytes_per_s": n * 4 / result.median_s, **result.as_dict()}
 
 
 def numpy_copy_bandwidth(nbytes: int, *, budget_s: float = 1.0) -> dict:
@@ -401,7 +476,9 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
         )
     roof = roofline_ceilings(size, budget_s=budget_s, matmuls=matmuls)
     mib = f"{sz['copy'] / MiB:g} MiB × {SETS} rotated"
-    copy, note = roof["copy"]["bytes_per_s"], f"XLA y = x·s, {mib}"
+    sets = _sets(sz["copy"], False)
+    copy = roof["copy"]["bytes_per_s"]
+    note = f"XLA x ← x·s in place, {sz['copy'] / MiB:g} MiB × {sets} rotated"
     add("copy bandwidth (read+write)", copy, "B/s", note, spec_key="memory_bandwidth")
     if be == "cpu":
         npc = numpy_copy_bandwidth(sz["copy"], budget_s=budget_s)

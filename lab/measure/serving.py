@@ -25,7 +25,8 @@ class Roofs:
     peak_flops: float  # FLOP/s of a matmul at `dtype`: the compute roof
     dtype: str  # the compute dtype the peak was measured at
     copy: dict  # lab.measure.ceilings.copy_bandwidth's result
-    how: str = "the copy kernel (y = x·s)"  # what set the memory roof
+    how: str = "the copy kernel (x ← x·s)"  # what set the memory roof
+    read: dict | None = None  # lab.measure.ceilings.read_bandwidth's result: a read stream
 
     @property
     def ridge(self) -> float:

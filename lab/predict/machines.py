@@ -99,22 +99,6 @@ def ring_bandwidth(mesh_shape: dict, nvlink: float, per_host: int = 8) -> dict:
     return out
 
 
-def last_level_cache_bytes() -> int:
-    """This host's last-level cache per socket (sysfs), 0 where it cannot be read."""
-    from pathlib import Path
-
-    best = 0
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            size = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        value = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-        best = max(best, value)
-    return best
-
-
 def cpu_machine(
     peak_flops: dict,
     copy_bytes_per_s: float,

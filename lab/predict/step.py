@@ -108,7 +108,7 @@ def cpu_machine_measured(dtype: str, n_devices: int, fit=None) -> Machine:
     """This host as measured (cached for the process): the matmul peak at `dtype`, the copy
     bandwidth out of memory, and the copy bandwidth of an array that stays in the last-level
     cache."""
-    llc = machines.last_level_cache_bytes()
+    llc = ceilings.last_level_cache_bytes()
     return machines.cpu_machine(
         {dtype: ceilings.matmul_peak(dtype)},
         ceilings.copy_peak(),

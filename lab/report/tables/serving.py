@@ -93,6 +93,13 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
         f"{roofs.peak_flops / 1e9:,.1f} GFLOP/s ({roofs.dtype} matmul); "
         f"ridge {roofs.ridge:.1f} FLOP/B",
     )
+    if roofs.read:  # decode mostly reads: its share of a pure read stream, beside the roof
+        rate = roofs.read["bytes_per_s"]
+        t.add_row(
+            "read stream (sum of x)",
+            f"{rate / 1e9:,.2f} GB/s; batch {s.smallest.batch} reads at "
+            f"{percent(s.smallest.bytes_per_s / rate, 0)} of it",
+        )
     bound = "memory-bound" if s.batch1_intensity < roofs.ridge else "compute-bound"
     t.add_row(  # the smallest batch measured: batch 1 unless the mesh's batch split needs more
         f"batch {s.smallest.batch}",

@@ -12,6 +12,11 @@ def to_records(out: Study, config: dict) -> list[dict]:
     roofs, s = out.roofs, out.summary
     recs = [
         records.make_record("copy bandwidth", roofs.copy["bytes_per_s"], "B/s", **config),
+        *(
+            [records.make_record("read bandwidth", roofs.read["bytes_per_s"], "B/s", **config)]
+            if roofs.read
+            else []
+        ),
         records.make_record(
             "memory roof", roofs.bandwidth, "B/s", label="derived", note=roofs.how, **config
         ),

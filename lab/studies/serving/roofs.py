@@ -1,4 +1,5 @@
-"""This device's roofs for a serving study: the copy kernel's bandwidth and the matmul peak,
+"""This device's roofs for a serving study: the copy kernel's bandwidth, a read stream's
+(what a decode step mostly does) and the matmul peak,
 measured in the same process before the sweep, and the memory roof raised to the best
 bandwidth a decode step reached (as the ledger defines it)."""
 
@@ -11,8 +12,9 @@ from lab.measure.serving import DecodePoint, Roofs
 def measure_roofs(dtype: str, *, budget_s: float, size: str = "quick") -> Roofs:
     sz = ceilings.sizes(ceilings.backend(), size)
     copy = ceilings.copy_bandwidth(sz["copy"], budget_s=budget_s)
+    read = ceilings.read_bandwidth(sz["copy"], budget_s=budget_s)
     peak = ceilings.measure_matmul(dtype, n=sz["mm_n"], budget_s=budget_s)["flops_per_s"]
-    return Roofs(copy["bytes_per_s"], peak, dtype, copy)
+    return Roofs(copy["bytes_per_s"], peak, dtype, copy, read=read)
 
 
 def best_roofs(roofs: Roofs, points: list[DecodePoint]) -> Roofs:
