@@ -124,8 +124,8 @@ def matmul_peak(
 
 @functools.cache
 def copy_peak(nbytes: int | None = None, budget_s: float = 0.5, cached: bool = False) -> float:
-    """Measured copy bandwidth (bytes/s, x ← x·s in place), cached for the process like `matmul_peak`:
-    the memory side of this device's roofline, for the step-time model on CPU."""
+    """Measured copy bandwidth (bytes/s, x ← x·s in place), cached for the process like
+    `matmul_peak`: the memory side of this device's roofline, for the step-time model on CPU."""
     return copy_bandwidth(nbytes, budget_s=budget_s, cached=cached)["bytes_per_s"]
 
 
