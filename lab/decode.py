@@ -199,8 +199,9 @@ def resolve_matmul(matmul: str, mesh) -> str:
     return "native" if one_cpu and cpu_gemv.available() else "xla"
 
 
-def matmuls(matmul: str) -> quant.Matmuls:
-    """What lab.quant.matmul runs while a decoder's functions are traced."""
+def matmuls(matmul: str, platform: str = "cpu") -> quant.Matmuls:
+    """What lab.quant.matmul runs while a decoder's functions are traced on `platform`'s
+    devices (on GPU a batch-1 product is padded to two rows: quant.Matmuls.min_rows)."""
     native = matmul in ("native", "native1")
     if native and not cpu_gemv.available():
         raise ConfigError(
@@ -212,13 +213,14 @@ def matmuls(matmul: str) -> quant.Matmuls:
         native=functools.partial(cpu_gemv.model_matmul, threads=1 if matmul == "native1" else 0)
         if native
         else None,
+        min_rows=2 if platform == "gpu" else 1,
     )
 
 
-def _with_rules(fn, rules, matmul: str = "xla"):
+def _with_rules(fn, rules, matmul: str = "xla", platform: str = "cpu"):
     @functools.wraps(fn)
     def wrapped(*args, **kw):
-        with nn.logical_axis_rules(rules), quant.using(matmuls(matmul)):
+        with nn.logical_axis_rules(rules), quant.using(matmuls(matmul, platform)):
             return fn(*args, **kw)
 
     return wrapped
@@ -243,6 +245,7 @@ def make_decoder(
     decoding config resolved with it (lab.resolve, purpose decode, `batches=`) says so."""
     matmul = resolve_matmul(matmul, mesh)
     matmuls(matmul)  # a kernel that is not built: one line now, not while tracing
+    platform = mesh.devices.flat[0].platform
     if model_cfg.dtype == "auto":
         raise ValueError("make_decoder needs a resolved compute dtype (lab.resolve.resolve)")
     model = build(model_cfg)
@@ -265,13 +268,13 @@ def make_decoder(
     replicated = NamedSharding(mesh, P())
     logits_sh = NamedSharding(mesh, P(batch_axes, None))
     prefill_jit = jax.jit(
-        _with_rules(functools.partial(prefill, model=model), rules, matmul),
+        _with_rules(functools.partial(prefill, model=model), rules, matmul, platform),
         in_shardings=(param_shardings, tokens_sh, batch_sh, cache_sh),
         out_shardings=(logits_sh, cache_sh),
         donate_argnums=3,
     )
     step_jit = jax.jit(
-        _with_rules(functools.partial(step, model=model), rules, matmul),
+        _with_rules(functools.partial(step, model=model), rules, matmul, platform),
         in_shardings=(param_shardings, batch_sh, cache_sh),
         out_shardings=(logits_sh, cache_sh),
         donate_argnums=2,
@@ -281,6 +284,7 @@ def make_decoder(
             functools.partial(generate, steps=steps, temperature=temperature, model=model),
             rules,
             matmul,
+            platform,
         ),
         in_shardings=(param_shardings, logits_sh, cache_sh, replicated),
         out_shardings=(tokens_sh, cache_sh),

@@ -193,10 +193,17 @@ class Matmuls:
       transposed=False)` → y [M, N] in `dtype` (transposed: w is [N, C]), or None where it
       does not take these operands (then the einsum runs). lab/decode.py passes the CPU
       kernel (lab/kernels/cpu_gemv.py) for decode steps.
+    min_rows: a product with fewer rows of x than this (a batch-1 decode step) runs on x
+      padded with zero rows, the extra outputs dropped. lab/decode.py asks for 2 on GPU:
+      XLA:GPU strength-reduces a one-row product to a multiply that writes the whole C × N
+      product to memory, then a reduction reading it back (three to five times the weight's
+      bytes moved), where two rows take its GEMM (a split-K Triton fusion reading the weight
+      once).
     """
 
     int8_activations: bool = False
     native: Callable | None = None
+    min_rows: int = 1
 
 
 _MATMULS: contextvars.ContextVar = contextvars.ContextVar("lab_matmuls", default=None)
@@ -243,12 +250,31 @@ def _native(eqn: str, x, w, dtype, kernel):
     return None if y_MxN is None else y_MxN.reshape(shape)
 
 
+def _pad_rows(eqn: str, x, min_rows: int):
+    """(x padded with zero rows along its first axis, the output axis to slice back) where x
+    has fewer than `min_rows` rows and its first axis is kept in the output; None otherwise."""
+    x_subs, w_subs, out = _parse(eqn)
+    kept = [i for i, a in enumerate(x_subs) if a not in w_subs]
+    if min_rows <= 1 or not kept or kept[0] != 0 or x_subs[0] not in out:
+        return None
+    if math.prod(x.shape[i] for i in kept) >= min_rows:
+        return None
+    pad = [(0, min_rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+    return jnp.pad(x, pad), out.index(x_subs[0])
+
+
 def matmul(eqn: str, x, w, dtype, out_dtype=None):
     """einsum(eqn, x, w) in `dtype`: a float weight cast to it, an Int8Weight multiplied
     weight-only (its codes converted, its scale applied to the output) or W8A8; a native
     kernel first where `using` gives one and it takes the operands. `out_dtype` (the head's
-    float32 logits): the result in it, summed in it, not rounded to `dtype` first."""
+    float32 logits): the result in it, summed in it, not rounded to `dtype` first. Fewer rows
+    than `using`'s `min_rows`: x padded with zero rows, the extra outputs dropped."""
     choice = _MATMULS.get() or Matmuls()
+    padded = _pad_rows(eqn, x, choice.min_rows) if choice.native is None else None
+    if padded is not None:
+        x_pad, axis = padded
+        y = matmul(eqn, x_pad, w, dtype, out_dtype)
+        return jax.lax.slice_in_dim(y, 0, x.shape[0], axis=axis)
     out_dtype = jnp.dtype(out_dtype or dtype)
     if choice.native is not None:
         # the kernel sums in f32 whatever x's dtype; x in the output's dtype gives y in it

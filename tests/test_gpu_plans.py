@@ -327,3 +327,33 @@ def test_plan_flops_fall_with_a_window_and_packed_documents_on_h100():
                 assert r.flops == r.kernel_flops and "drops the cost estimate" in r.flops_source
         assert causal.flops / window.flops >= 3.0
         assert causal.flops / docs.flops >= 3.0
+
+
+@needs_plugin
+def test_a_batch_1_decode_product_compiles_to_a_gemm_not_a_product_in_memory():
+    """XLA:GPU strength-reduces a one-row product to a multiply that writes the whole C × N
+    product to memory before a reduction; decoding on GPU pads it to two rows (quant.Matmuls
+    .min_rows), which compiles to a GEMM that reads the weight once."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from lab import plans, quant
+
+    devices = plans.topology_devices("gpu:h100:1")
+    sh = NamedSharding(jax.sharding.Mesh(devices, ("data",)), P())
+    x = jax.ShapeDtypeStruct((1, 1, 4096), jnp.bfloat16, sharding=sh)
+    w = jax.ShapeDtypeStruct((4096, 1376), jnp.bfloat16, sharding=sh)
+
+    def product_in_memory(min_rows: int) -> bool:
+        def f(x, w):
+            with quant.using(quant.Matmuls(min_rows=min_rows)):
+                return quant.matmul("btd,df->btf", x, w, jnp.bfloat16)
+
+        text = jax.jit(f).lower(x, w).compile().as_text()
+        lines = text.splitlines()
+        return any("[4096,1376]" in x and "multiply" in x and "fusion(" in x for x in lines)
+
+    assert product_in_memory(1)  # what XLA does alone: if this fails, the padding may go
+    assert not product_in_memory(2)

@@ -217,3 +217,24 @@ def test_matches_qwix_weight_only_where_installed():
     ours = quant.int8_einsum("bld,dhk->blhk", x, *quant.quantize_int8(w, 0))
     rms = lambda y: np.sqrt(((f64(y) - want) ** 2).mean())
     assert 0.9 < rms(ours) / rms(theirs) < 1.1
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_one_row_product_padded_to_two_rows_is_the_same_product(int8):
+    """min_rows=2 (decoding on GPU): a batch-1 product runs on x padded with a zero row and
+    gives exactly the one-row product; several rows are left alone."""
+    kx, kw = jax.random.split(jax.random.key(3))
+    w = jax.random.normal(kw, (64, 48), jnp.float32)
+    w = quant.Int8Weight(*quant.quantize_int8(w, [0])) if int8 else w
+    padded = quant.Matmuls(min_rows=2)
+    for shape in [(1, 1, 64), (1, 64), (3, 1, 64)]:
+        x = jax.random.normal(kx, shape, jnp.float32)
+        eqn = "btd,df->btf" if len(shape) == 3 else "bd,df->bf"
+        want = quant.matmul(eqn, x, w, jnp.float32)
+        with quant.using(padded):
+            got = quant.matmul(eqn, x, w, jnp.float32)
+            product = functools.partial(quant.matmul, eqn, w=w, dtype=jnp.float32)
+            jaxpr = str(jax.make_jaxpr(product)(x))
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert ("pad" in jaxpr) == (shape[0] == 1), jaxpr
