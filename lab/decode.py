@@ -213,7 +213,7 @@ def matmuls(matmul: str, platform: str = "cpu") -> quant.Matmuls:
         native=functools.partial(cpu_gemv.model_matmul, threads=1 if matmul == "native1" else 0)
         if native
         else None,
-        min_rows=2 if platform == "gpu" else 1,
+        min_rows=2 if platform in ("gpu", "cuda", "rocm") else 1,
     )
 
 

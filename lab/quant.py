@@ -253,11 +253,13 @@ def _native(eqn: str, x, w, dtype, kernel):
 def _pad_rows(eqn: str, x, min_rows: int):
     """(x padded with zero rows along its first axis, the output axis to slice back) where x
     has fewer than `min_rows` rows and its first axis is kept in the output; None otherwise."""
+    if min_rows <= 1:
+        return None
     x_subs, w_subs, out = _parse(eqn)
     kept = [i for i, a in enumerate(x_subs) if a not in w_subs]
-    if min_rows <= 1 or not kept or kept[0] != 0 or x_subs[0] not in out:
+    if not kept or kept[0] != 0 or x_subs[0] not in out:
         return None
-    if math.prod(x.shape[i] for i in kept) >= min_rows:
+    if not 0 < math.prod(x.shape[i] for i in kept) < min_rows:  # no rows, or enough
         return None
     pad = [(0, min_rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
     return jnp.pad(x, pad), out.index(x_subs[0])

@@ -238,3 +238,15 @@ def test_a_one_row_product_padded_to_two_rows_is_the_same_product(int8):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
         assert ("pad" in jaxpr) == (shape[0] == 1), jaxpr
+
+
+def test_decoding_pads_one_row_products_on_gpu_only():
+    """Whatever name the GPU plugin gives its platform, decoding there pads batch-1 products
+    (quant.Matmuls.min_rows); on CPU and TPU it does not."""
+    from lab import decode
+
+    for platform, rows in [("gpu", 2), ("cuda", 2), ("rocm", 2), ("cpu", 1), ("tpu", 1)]:
+        assert decode.matmuls("xla", platform).min_rows == rows, platform
+    x = jnp.ones((1, 0, 8))  # no rows at all: nothing to pad
+    with quant.using(quant.Matmuls(min_rows=2)):
+        assert quant.matmul("btd,df->btf", x, jnp.ones((8, 4)), jnp.float32).shape == (1, 0, 4)

@@ -5,7 +5,8 @@ These are the "100%" every other figure is held against where no datasheet appli
 the measured matmul peak is the reference for MFU) and the check on the datasheet where one
 does (achieved / spec peak). Sizes are chosen per backend so the whole set runs in well under
 two minutes on a laptop CPU and in seconds on an accelerator. Every time comes from
-`timing.bench`: compile apart, blocked on the outputs, median over a time budget.
+`timing.bench` (the copy and read streams from `_rotated`, which replaces each donated
+buffer): compile apart, blocked on the outputs, median over a time budget.
 
 `python -m lab.tools.ceilings` runs `run_all` and prints, saves and plots the results:
 `run_all` returns a `Ceilings` (its rows as `Row`s), typed here, below lab.report, so the
@@ -36,7 +37,8 @@ def matmul_n(backend_name: str | None = None) -> int:
 
 
 def _sizes(backend_name: str) -> dict[str, int]:
-    """Bytes per buffer for the bandwidth tests, rotated over `SETS` buffers.
+    """Bytes per buffer for the bandwidth tests, rotated over `SETS` buffers (the copy and
+    read streams over `_sets`).
 
     CPU: 24 MiB, at least four of them and enough for three times the last-level cache
     (`_sets`). Accelerators: large, their allocators reuse.
@@ -227,8 +229,8 @@ def copy_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0, cached: 
     In place (the input donated), because a fresh output per call measures the allocator as
     much as the memory: on CPU glibc hands a large block fresh pages (zeroed by page faults
     inside the timed call) unless an earlier free raised its threshold, and the same 2-core
-    host measured x·s out of place at 5–6 GB/s or 25–31 GB/s with the allocator's state,
-    against 28–42 GB/s in place; a separate output's lines are also read before they are
+    host measured x·s out of place at 4.6–6.7 GB/s or 24–31 GB/s with the allocator's state,
+    against 26.9–34.9 GB/s in place; a separate output's lines are also read before they are
     written (write-allocate), bytes the figure would not count. The buffers rotate (`_sets`)
     so no cache holds the last call's; `cached=True` reuses one: the bandwidth of an array
     that stays in the cache."""
@@ -247,7 +249,7 @@ def read_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
     written, over the same rotation as `copy_bandwidth`. What a memory-bound decode step
     does (it reads the weights and writes little); on a host whose cores can keep only so
     many reads in flight it is well below the copy figure, whose writes go back to memory
-    alongside (2 cores of this VM: 19–24 GB/s read, 28–42 GB/s copied)."""
+    alongside (2 cores of one VM: 17.6–24.3 GB/s read, 26.9–34.9 GB/s copied)."""
     nbytes = nbytes or _sizes(backend())["copy"]
     n = nbytes // 4
     fn = jax.jit(jnp.sum)
@@ -325,8 +327,8 @@ def matmul_configs(backend_name: str) -> list[tuple[str, str | None]]:
 
 
 def sizes(backend_name: str, size: str = "full") -> dict:
-    """Buffer sizes and the sweep of one run. quick keeps the full buffers (on CPU a smaller
-    one is timed in cache, a bigger one on fresh pages: see `_sizes`) and halves the matmul;
+    """Buffer sizes and the sweep of one run. quick keeps the full buffers and halves the
+    matmul;
     tiny (the tests) shrinks everything, since its numbers only exercise the code."""
     base = _sizes(backend_name)
     if size == "tiny":
