@@ -140,3 +140,19 @@ def test_comparison_is_typed_and_compare_keeps_its_dicts():
     assert d["a"]["ratio"] == c["a"].ratio
     with pytest.raises(KeyError):
         c["c"]
+
+
+def test_in_place_rotation_puts_each_result_back_and_times_only_after_warm_up():
+    """bench_in_place: every array once up front, then in turn, each call's result replacing
+    its input (a donated buffer's successor), the runs bounded as bench's are."""
+    calls = []
+
+    def fn(a):
+        calls.append(int(a[0]))
+        return a + 10
+
+    arrays = [jnp.array([1]), jnp.array([2])]
+    r = timing.bench_in_place(fn, arrays, warmup=1, min_runs=4, max_runs=4, budget_s=10.0)
+    assert calls == [1, 2, 11, 12, 21, 22, 31]  # up-front pass, warm-up, then 4 timed
+    assert r.runs == 4 and r.compile_s > 0
+    assert [int(a[0]) for a in arrays] == [41, 32]

@@ -5,8 +5,9 @@ These are the "100%" every other figure is held against where no datasheet appli
 the measured matmul peak is the reference for MFU) and the check on the datasheet where one
 does (achieved / spec peak). Sizes are chosen per backend so the whole set runs in well under
 two minutes on a laptop CPU and in seconds on an accelerator. Every time comes from
-`timing.bench` (the copy and read streams from `_rotated`, which replaces each donated
-buffer): compile apart, blocked on the outputs, median over a time budget.
+`timing.bench` (the in-place copy from `timing.bench_in_place`, which puts each donated
+buffer's successor back in its place): compile apart, blocked on the outputs, median over a
+time budget.
 
 `python -m lab.tools.ceilings` runs `run_all` and prints, saves and plots the results:
 `run_all` returns a `Ceilings` (its rows as `Row`s), typed here, below lab.report, so the
@@ -197,31 +198,6 @@ def _sets(nbytes: int, cached: bool) -> int:
     return min(MAX_SETS, max(SETS, -(-3 * last_level_cache_bytes() // nbytes)))
 
 
-def _rotated(fn, arrays: list, budget_s: float, *, replace: bool) -> timing.BenchResult:
-    """Time `fn` over `arrays` in turn (one untimed pass first: compile, first touch), each
-    call blocked on; `replace`: fn consumes its (donated) array and returns the next one."""
-    t0, compile_s = time.perf_counter(), None
-    times: list[float] = []
-    i, start = 0, None
-    while len(times) < 5 or time.perf_counter() - start < budget_s:
-        k = i % len(arrays)
-        t = time.perf_counter()
-        out = jax.block_until_ready(fn(arrays[k]))
-        dt = time.perf_counter() - t
-        if replace:
-            arrays[k] = out
-        if compile_s is None:
-            compile_s = time.perf_counter() - t0
-        if i >= len(arrays) + 1:  # past the untimed pass and one more call
-            times.append(dt)
-        elif i == len(arrays):
-            start = time.perf_counter()
-        i += 1
-        if len(times) >= 1000:
-            break
-    return timing.summarise(times, compile_s)
-
-
 def copy_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0, cached: bool = False):
     """Device-memory bandwidth of x ← x·s in place: every byte read once and written once
     (2·nbytes).
@@ -239,7 +215,7 @@ def copy_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0, cached: 
     scale = jnp.float32(1.0001)
     fn = jax.jit(lambda x, s: x * s, donate_argnums=0)
     xs = [jnp.full((n,), 1.0 + i / 64, jnp.float32) for i in range(_sets(nbytes, cached))]
-    result = _rotated(lambda x: fn(x, scale), xs, budget_s, replace=True)
+    result = timing.bench_in_place(lambda x: fn(x, scale), xs, budget_s=budget_s)
     moved = 2 * n * 4
     return {"bytes": moved, "bytes_per_s": moved / result.median_s, **result.as_dict()}
 
@@ -254,7 +230,7 @@ def read_bandwidth(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
     n = nbytes // 4
     fn = jax.jit(jnp.sum)
     xs = [jnp.full((n,), 1.0 + i / 64, jnp.float32) for i in range(_sets(nbytes, False))]
-    result = _rotated(fn, xs, budget_s, replace=False)
+    result = timing.bench(fn, rotate=[(x,) for x in xs], budget_s=budget_s)
     return {"bytes": n * 4, "bytes_per_s": n * 4 / result.median_s, **result.as_dict()}
 
 

@@ -90,6 +90,46 @@ def bench(
     return summarise(times_s, compile_s)
 
 
+def bench_in_place(
+    fn: Callable,
+    arrays: list,
+    *,
+    warmup: int = 2,
+    min_runs: int = 5,
+    max_runs: int = 1000,
+    budget_s: float = 1.0,
+) -> BenchResult:
+    """Time `fn(array) → array` that consumes its (donated) input, over `arrays` in turn,
+    each result put back in its place: `bench`'s rotation for a kernel that writes in place
+    (no fresh output per call, so no allocator in the figure). One untimed pass over every
+    array first (the compile, then each buffer touched), `warmup` untimed calls, then runs
+    until `budget_s`, each blocked on."""
+    t0 = time.perf_counter()
+    compile_s = None
+    for k in range(len(arrays)):
+        arrays[k] = jax.block_until_ready(fn(arrays[k]))
+        if compile_s is None:
+            compile_s = time.perf_counter() - t0
+    i = 0
+
+    def call() -> float:
+        nonlocal i
+        k, i = i % len(arrays), i + 1
+        t = time.perf_counter()
+        arrays[k] = jax.block_until_ready(fn(arrays[k]))
+        return time.perf_counter() - t
+
+    for _ in range(warmup):
+        call()
+    times_s: list[float] = []
+    start = time.perf_counter()
+    while len(times_s) < max_runs and (
+        len(times_s) < min_runs or time.perf_counter() - start < budget_s
+    ):
+        times_s.append(call())
+    return summarise(times_s, compile_s)
+
+
 @dataclasses.dataclass(frozen=True)
 class Contender:
     """One implementation's times in a `comparison` and its baseline's median."""
