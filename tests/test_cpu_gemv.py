@@ -32,7 +32,12 @@ def _operands(rng, M, C, N, w_dtype, x_dtype):
     return x, w, scale
 
 
-@pytest.mark.parametrize("M,C,N", [(1, 300, 77), (5, 37, 130), (3, 520, 90)])
+# Batch 1; several rows (register tiles of up to 8 rows, blocks of weight rows, a tile of two
+# vectors, of one, and columns left over); more than 8 rows (a second tile of rows) over
+# blocks that do not divide the contraction; runs of rows split across parts.
+@pytest.mark.parametrize(
+    "M,C,N", [(1, 300, 77), (5, 37, 130), (11, 75, 200), (9, 100, 48), (3, 520, 90)]
+)
 @pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
 def test_matches_the_float64_reference(M, C, N, w_dtype, x_dtype):
