@@ -46,6 +46,22 @@ def test_an_accelerator_overlaps_launches_with_work():
     assert slow.overhead_s == pytest.approx(9 * work, rel=1e-6)
 
 
+def test_a_call_takes_at_least_the_hosts_call_overhead():
+    """call_overhead_s on an accelerator: calls queued back to back run no faster than one per
+    t_call, so a program whose ops take less costs t_call, one whose ops take more costs its
+    ops (nothing added); on a CPU the call's cost adds to the ops'."""
+    m = k = n = 256
+    compiled = jax.jit(jnp.matmul).lower(jnp.ones((m, k)), jnp.ones((k, n))).compile()
+    work = 2 * m * n * k / PEAK
+    short = predict_compiled(compiled, _machine(call_overhead_s=3 * work, async_launch=True))
+    assert short.seconds == pytest.approx(3 * work, rel=1e-6)
+    assert short.overhead_s == pytest.approx(2 * work, rel=1e-6)
+    long = predict_compiled(compiled, _machine(call_overhead_s=work / 4, async_launch=True))
+    assert long.seconds == pytest.approx(work, rel=1e-6) and long.overhead_s == 0.0
+    cpu = predict_compiled(compiled, _machine(call_overhead_s=work / 4))
+    assert cpu.seconds == pytest.approx(1.25 * work, rel=1e-6)
+
+
 def test_copy_is_memory_bound_at_bandwidth():
     n = 1 << 20
     compiled = jax.jit(lambda x: x * 1.5).lower(jnp.ones((n,))).compile()

@@ -17,6 +17,7 @@ class Fit:
     memory_efficiency: float  # share of the memory (copy) bandwidth
     op_overhead_s: float  # seconds per op
     link_latency_s: float | None = None  # seconds per collective (not fitted on a CPU)
+    call_overhead_s: float | None = None  # seconds per call of the program (accelerators)
 
     @classmethod
     def from_record(cls, d: dict) -> "Fit":

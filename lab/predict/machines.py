@@ -35,6 +35,7 @@ DEFAULT_FIT = {
     "memory_efficiency": 1.0,
     "op_overhead_s": 0.0,
     "link_latency_s": 0.0,
+    "call_overhead_s": 0.0,
 }
 
 
@@ -122,7 +123,13 @@ def cpu_machine(
     )
 
 
-FIT_PARAMS = ("compute_efficiency", "memory_efficiency", "op_overhead_s", "link_latency_s")
+FIT_PARAMS = (
+    "compute_efficiency",
+    "memory_efficiency",
+    "op_overhead_s",
+    "link_latency_s",
+    "call_overhead_s",
+)
 
 
 def fit(points, params=FIT_PARAMS[:3]) -> dict:
@@ -136,6 +143,7 @@ def fit(points, params=FIT_PARAMS[:3]) -> dict:
         "memory_efficiency": np.geomspace(0.05, 4.0, 16),
         "op_overhead_s": np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 13)]),
         "link_latency_s": np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 9)]),
+        "call_overhead_s": np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 13)]),
     }
     best = dict(DEFAULT_FIT)
 

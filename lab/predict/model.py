@@ -14,7 +14,10 @@ where the bus bytes follow the ring algorithm (lab/measure/cost.bus_bytes), e_c 
 the efficiencies a unit reaches on real shapes (fitted, never per point), and t_op, t_link a
 fixed cost per launched op and per collective. An asynchronous collective (`*-start` …
 `*-done`) overlaps the compute scheduled between its start and its done: only what that
-compute does not cover is exposed. The step is the sum over the schedule.
+compute does not cover is exposed. The step is the sum over the schedule, and on an
+accelerator at least t_call, the host's cost of one call of the program (calls made back to
+back are queued, so a program of one small kernel runs at the rate the host launches it;
+a CPU adds t_call to the sum).
 
 What this leaves out, on purpose: cache effects, the shape efficiency of each individual
 matmul (tile padding is folded into e_c), contention between overlapped ops.
@@ -58,6 +61,11 @@ class Machine:
     # launch are launch-bound). A CPU runs each op's thunk in turn: work + t_op.
     async_launch: bool = False
     link_latency_s: float = 0.0  # t_link: fixed cost of one collective
+    # t_call: the host's fixed cost of one call of the whole program. Calls made back to back
+    # (a benchmark's loop, a decoder's steps) are queued ahead of the device, so a call takes
+    # at least this long however little its ops do: a program of one small kernel runs at the
+    # rate its calls are launched, not at its ops' rate (an accelerator; a CPU adds it).
+    call_overhead_s: float = 0.0
     # A ring collective (all-reduce, all-gather, reduce-scatter) over exactly these axes, where
     # it runs faster than its slowest axis alone: on a GPU cluster, a group with several
     # members per host runs one ring per member's network card (lab/predict/machines.py).
@@ -297,6 +305,12 @@ def predict(
             ops[index] = dataclasses.replace(ops[index], exposed_s=exposed * count)
             sums["exposed"] += exposed * count
     total = sums["compute"] + sums["memory"] + sums["custom"] + sums["overhead"] + sums["exposed"]
+    if machine.async_launch:
+        call = max(0.0, machine.call_overhead_s - total)
+    else:
+        call = machine.call_overhead_s
+    sums["overhead"] += call
+    total += call
     return Prediction(
         seconds=total,
         compute_s=sums["compute"],

@@ -35,6 +35,7 @@ def prediction_rows(rows, fits: dict[str, Fit]) -> Table:
         t.caption = (t.caption + "; " if t.caption else "fitted on the calibration points: ") + (
             f"{v}: compute {f.compute_efficiency:.2f}, memory {f.memory_efficiency:.2f}, "
             f"op {f.op_overhead_s * 1e6:.1f} µs, collective {f.link_latency_s * 1e6:.1f} µs"
+            + (f", call {f.call_overhead_s * 1e6:.1f} µs" if f.call_overhead_s is not None else "")
         )
     return t
 
