@@ -235,10 +235,10 @@ inline void prefetch(const W* p, int64_t stride) {
 // while it reads this one. Measured on 8 rows, 2 threads, f32 weights from memory, on the
 // decoder's shapes (768 × 768, 768 × 2048, 2048 × 768):
 // - the batch-1 loop (four weight rows added into sums held in L1: a vector of sums loaded
-//   and stored per four FMAs) moved 7–9 GB/s, and 40–43 GFLOP/s with the weights in cache;
+//   and stored per four FMAs) moved 7–9 GB/s, and 40–54 GFLOP/s with the weights in cache;
 // - the tile walking down all C rows of its columns at once (one short read per row, which no
-//   prefetcher follows) moved 6–7 GB/s;
-// - blocks of 16 or 32 rows moved 13–20 GB/s (int8 weights: 1.4–1.6× the batch-1 loop).
+//   prefetcher follows) moved 6–8 GB/s;
+// - blocks of 16 or 32 rows moved 13–23 GB/s (int8 weights: 1.45–1.6× the batch-1 loop).
 constexpr int64_t kBlockRows = 32;
 
 // acc[m, 0 : NV·kVW] (rows `as` floats apart) (+)= x[m, 0 : C] · w[0 : C, 0 : NV·kVW] for MR
