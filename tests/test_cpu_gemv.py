@@ -68,9 +68,10 @@ def test_a_transposed_weight_matches_the_float64_reference(w_dtype):
         assert err < TOL["float32"], err
 
 
-@pytest.mark.parametrize("C,N", [(64, 200), (300, 50)])  # column strips; runs of rows
-def test_one_thread_gives_the_same_sums(C, N):
-    x, w, scale = _operands(np.random.default_rng(), 3, C, N, "int8", "float32")
+# column strips; runs of rows; more rows than a register tile holds, over runs of rows
+@pytest.mark.parametrize("M,C,N", [(3, 64, 200), (3, 300, 50), (11, 300, 90)])
+def test_one_thread_gives_the_same_sums(M, C, N):
+    x, w, scale = _operands(np.random.default_rng(), M, C, N, "int8", "float32")
     many = cpu_gemv.cpu_gemv(x, w, scale)
     one = cpu_gemv.cpu_gemv(x, w, scale, threads=1)
     np.testing.assert_array_equal(np.asarray(many), np.asarray(one))

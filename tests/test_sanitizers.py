@@ -13,8 +13,9 @@ from lab.kernels import native
 
 # Edge cases of each kernel, few enough to stay quick under ASan: a length of 1 and of 127
 # against blocks of 64, GQA, unequal lengths, bf16; the GEMV's row tails and int8 weights at
-# one and five rows, and eleven rows (two register tiles of rows) over blocks of weight rows
-# that do not divide the contraction; the C++ decode attention over the int8 cache.
+# one and five rows, eleven rows (two register tiles of rows) over blocks of weight rows that
+# do not divide the contraction, three rows over runs of weight rows split across parts; the
+# C++ decode attention over the int8 cache.
 FLASH, GEMV = "tests/test_cpu_flash.py::", "tests/test_cpu_gemv.py::"
 KERNEL_TESTS = [
     FLASH + "test_matches_float64_reference[causal-g4-bfloat16-L127-D64]",
@@ -23,6 +24,7 @@ KERNEL_TESTS = [
     GEMV + "test_matches_the_float64_reference[float32-int8-5-37-130]",
     GEMV + "test_matches_the_float64_reference[bfloat16-bfloat16-1-300-77]",
     GEMV + "test_matches_the_float64_reference[float32-float32-11-75-200]",
+    GEMV + "test_matches_the_float64_reference[float32-int8-3-520-90]",
     GEMV + "test_a_transposed_weight_matches_the_float64_reference[int8]",
     "tests/test_decode_attention.py::test_int8_cache_matches_reference[float32-cpu]",
 ]

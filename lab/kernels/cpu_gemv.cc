@@ -12,8 +12,8 @@
 // f32 sum once per output. Every sum is f32; y takes x's dtype.
 //
 // Decode is memory-bound: every weight byte is read from memory exactly once per call whatever
-// M is. Each thread takes its own run of weight rows (or, for a wide output, its own range of
-// columns); at batch 1 it streams them four rows at a time into sums held in L1, and with
+// M is. Each thread takes its own run of weight rows (or, for a wide output or a short
+// contraction, its own range of columns); at batch 1 it streams them four rows at a time into sums held in L1, and with
 // several rows of x it reads them in blocks, a tile of columns at a time, into sums held in
 // registers (`tile` says why). The inner
 // loop is written with GCC/Clang vector extensions sized to the ISA the build targets
@@ -210,8 +210,8 @@ Pool& pool() {
 
 // ------------------------------------------------------------------------- the kernel
 
-// How many weight rows ahead of the four being read `strip` asks for, for weights narrower
-// than f32: the hardware prefetchers alone left one thread reading int8 weights at 4–5 GB/s
+// At batch 1: how many weight rows ahead of the four being read `strip` asks for, for
+// weights narrower than f32: the hardware prefetchers alone left one thread reading int8 weights at 4–5 GB/s
 // from memory against 15 GB/s from L2 (the loop waited on memory, not arithmetic); fetching
 // the same columns of the rows two passes ahead doubled it. Measured over 4, 8, 12 and 16
 // rows and against a batch of prefetches per pass: 8 rows per vector read won. f32 rows
@@ -232,13 +232,14 @@ inline void prefetch(const W* p, int64_t stride) {
 // of kBlockRows weight rows; each weight vector is loaded and widened once and used by every
 // row of the tile. A block's rows are read a tile's width at a time: kBlockRows streams side
 // by side, which the hardware prefetchers follow, and the tile asks for its row's next piece
-// while it reads this one. Measured on 8 rows, 2 threads, f32 weights from memory, on the
+// while it reads this one. Measured on 8 rows, f32 weights from memory, 2 threads, on the
 // decoder's shapes (768 × 768, 768 × 2048, 2048 × 768):
 // - the batch-1 loop (four weight rows added into sums held in L1: a vector of sums loaded
-//   and stored per four FMAs) moved 7–9 GB/s, and 40–54 GFLOP/s with the weights in cache;
+//   and stored per four FMAs) moved 7–9 GB/s (and 40–54 GFLOP/s on one or two threads with
+//   the weights in cache);
 // - the tile walking down all C rows of its columns at once (one short read per row, which no
 //   prefetcher follows) moved 6–8 GB/s;
-// - blocks of 16 or 32 rows moved 13–23 GB/s (int8 weights: 1.45–1.6× the batch-1 loop).
+// - blocks of 32 rows moved 13–23 GB/s (int8 weights: 1.45–1.6× the batch-1 loop's speed).
 constexpr int64_t kBlockRows = 32;
 
 // acc[m, 0 : NV·kVW] (rows `as` floats apart) (+)= x[m, 0 : C] · w[0 : C, 0 : NV·kVW] for MR
@@ -267,15 +268,23 @@ inline void tile(const float* x, int64_t xs, int64_t C, const W* w, int64_t N, f
     for (int v = 0; v < NV; ++v) std::memcpy(acc + m * as + v * kVW, &a[m][v], sizeof(vf));
 }
 
-// tile() over every row of x, eight at a time (8 × 2 vectors of sums: 16 of the 32 AVX-512
-// registers, the rest for the weight vectors and x's broadcasts).
+// Rows of x per register tile: 8 × 2 vectors of sums are 16 of AVX-512's 32 registers. Other
+// builds take 4 × 2, which leaves room in AVX2's or SSE2's 16 for the weight vectors and x's
+// broadcasts without spilling.
+#if defined(__AVX512F__)
+constexpr int64_t kTileRows = 8;
+#else
+constexpr int64_t kTileRows = 4;
+#endif
+
+// tile() over every row of x, kTileRows at a time.
 template <int NV, typename W>
 inline void tile_rows(const float* x, int64_t M, int64_t xs, int64_t C, const W* w, int64_t N,
                       float* acc, int64_t as, bool ahead, bool first) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
     const float* xm = x + m0 * xs;
     float* am = acc + m0 * as;
-    switch (std::min<int64_t>(8, M - m0)) {
+    switch (std::min<int64_t>(kTileRows, M - m0)) {
       case 1: tile<1, NV>(xm, xs, C, w, N, am, as, ahead, first); break;
       case 2: tile<2, NV>(xm, xs, C, w, N, am, as, ahead, first); break;
       case 3: tile<3, NV>(xm, xs, C, w, N, am, as, ahead, first); break;

@@ -103,7 +103,7 @@ class Prediction:
     collective_s: float  # every collective, overlapped or not
     exposed_collective_s: float  # the part no compute hides
     custom_s: float  # custom calls (Pallas / Mosaic kernels)
-    overhead_s: float  # fixed per-op costs
+    overhead_s: float  # fixed costs: per op and, on an accelerator, per call of the program
     ops: tuple[OpTime, ...]
     machine: str
 
@@ -116,7 +116,7 @@ class Prediction:
             "memory": self.memory_s,
             "exposed communication": self.exposed_collective_s,
             "custom kernels": self.custom_s,
-            "op overhead": self.overhead_s,
+            "op and call overhead": self.overhead_s,
         }
 
     def as_dict(self, top: int = 8) -> dict:

@@ -8,10 +8,10 @@ compared in the publisher's own unit (TFLOP/s per chip from the lab's analytic m
 tokens/s per chip, MFU, bus bandwidth, TFLOP/s, GB/s).
 
 Honest fitting: the model's free parameters (compute and memory efficiency, the fixed cost
-per op and per collective) are fitted per vendor on the CALIBRATION points only: for each
-(hardware, workload) group of usable points, the first by id. Every other usable point is
-held out, and the error reported is the held-out one. Points the lab cannot express stay in
-the file with their reason and are listed as dropped.
+per op, per collective and per call of the program) are fitted per vendor on the CALIBRATION
+points only: for each (hardware, workload) group of usable points, the first by id. Every
+other usable point is held out, and the error reported is the held-out one. Points the lab
+cannot express stay in the file with their reason and are listed as dropped.
 
 Compiled programs are cached as HLO text under `cache_dir`, keyed by the point, its lab
 configuration, the jax version and what builds programs (the lab code but the timing model,
