@@ -46,20 +46,20 @@ def test_an_accelerator_overlaps_launches_with_work():
     assert slow.overhead_s == pytest.approx(9 * work, rel=1e-6)
 
 
-def test_a_call_takes_at_least_the_hosts_call_overhead():
-    """call_overhead_s on an accelerator: calls queued back to back run no faster than one per
-    t_call, so a program whose ops take less costs t_call, one whose ops take more costs its
-    ops (nothing added); on a CPU the call's cost adds to the ops'."""
+def test_a_call_adds_its_fixed_cost_to_its_ops():
+    """call_overhead_s is added to the ops' time once per call, on an accelerator (ops
+    launched ahead, each max(work, launch)) as on a CPU (work + launch), whether the call's
+    cost is shorter or longer than its work."""
     m = k = n = 256
     compiled = jax.jit(jnp.matmul).lower(jnp.ones((m, k)), jnp.ones((k, n))).compile()
     work = 2 * m * n * k / PEAK
-    short = predict_compiled(compiled, _machine(call_overhead_s=3 * work, async_launch=True))
-    assert short.seconds == pytest.approx(3 * work, rel=1e-6)
-    assert short.overhead_s == pytest.approx(2 * work, rel=1e-6)
-    long = predict_compiled(compiled, _machine(call_overhead_s=work / 4, async_launch=True))
-    assert long.seconds == pytest.approx(work, rel=1e-6) and long.overhead_s == 0.0
-    cpu = predict_compiled(compiled, _machine(call_overhead_s=work / 4))
-    assert cpu.seconds == pytest.approx(1.25 * work, rel=1e-6)
+    for t_call in (3 * work, work / 4):
+        gpu = predict_compiled(compiled, _machine(call_overhead_s=t_call, async_launch=True))
+        assert gpu.seconds == pytest.approx(work + t_call, rel=1e-6)
+        assert gpu.overhead_s == pytest.approx(t_call, rel=1e-6)
+        assert gpu.compute_s == pytest.approx(work, rel=1e-6)
+    cpu = predict_compiled(compiled, _machine(call_overhead_s=work / 4, op_overhead_s=work / 2))
+    assert cpu.seconds == pytest.approx(1.75 * work, rel=1e-6)
 
 
 def test_copy_is_memory_bound_at_bandwidth():
@@ -179,3 +179,22 @@ def test_fit_recovers_known_parameters_on_its_calibration_points():
 
     fitted = machines.fit([point(f) for f in (1e9, 3e9, 1e10)], params=("compute_efficiency",))
     assert fitted["compute_efficiency"] == pytest.approx(0.4, rel=0.15)
+
+
+def test_leave_one_out_fits_on_the_other_points_only():
+    """Points made with efficiency 0.4 but one made with 0.1: fitted without it, the others
+    predict the odd point 4x too fast, and each ordinary point, fitted without itself, is
+    still predicted well (the median of the other points' errors)."""
+
+    def point(flops, efficiency):
+        return (
+            lambda **fit: flops / (PEAK * fit["compute_efficiency"]),
+            flops / (PEAK * efficiency),
+        )
+
+    points = [point(f, 0.4) for f in (1e9, 3e9, 1e10, 3e10)] + [point(2e9, 0.1)]
+    seen = []
+    ratios = machines.leave_one_out(points, params=("compute_efficiency",), tick=seen.append)
+    assert seen == [0, 1, 2, 3, 4]
+    assert all(r == pytest.approx(1.0, rel=0.15) for r in ratios[:4])
+    assert ratios[4] == pytest.approx(0.25, rel=0.15)

@@ -426,11 +426,9 @@ def _stats(rows: list[Row]) -> dict:
     }
 
 
-def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool = False):
-    """Every point compiled (or read from the cache), the fit per vendor on the calibration
-    points, then every usable point predicted with it."""
-    tick = progress or (lambda label: None)
-    calib = calibration_ids(load_points())  # the rule runs over the whole file, always
+def _predictors(points: list[dict], cache_dir: Path, tick) -> tuple[dict, dict]:
+    """({id: Predictor} for every usable point, {id: why refused}): each point compiled or
+    read from the cache."""
     predictors, refused = {}, {}
     for p in points:
         if _expressible(p):
@@ -452,6 +450,15 @@ def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool 
             refused[p["id"]] = why_refused(p, big)
             continue
         predictors[p["id"]] = Predictor(p, prog)
+    return predictors, refused
+
+
+def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool = False):
+    """Every point compiled (or read from the cache), the fit per vendor on the calibration
+    points, then every usable point predicted with it."""
+    tick = progress or (lambda label: None)
+    calib = calibration_ids(load_points())  # the rule runs over the whole file, always
+    predictors, refused = _predictors(points, cache_dir, tick)
     fits = {}
     for v in ("tpu", "gpu"):
         pts = [
@@ -463,6 +470,7 @@ def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool 
             tick(f"fit {v} on {len(pts)} calibration points")
             fits[v] = machines.fit(pts, params=machines.FIT_PARAMS)
     rows = []
+
     for p in points:
         pid = p["id"]
         fig = p["figure"]
@@ -496,6 +504,39 @@ def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool 
     if write_fits and len(points) == len(load_points()):
         save_fits(summary)
     return summary
+
+
+def leave_one_out(cache_dir: Path, *, progress=None) -> list[tuple[str, float]]:
+    """(point id, predicted / published time) for each calibration point of a vendor with
+    several, the free parameters fitted on that vendor's other calibration points
+    (machines.leave_one_out): the model's error on points its fit did not see, measured
+    without touching the held-out set, so a change to the model's form can be judged by it
+    before the held-out error is looked at. One fit per point: minutes."""
+    tick = progress or (lambda label: None)
+    calib = calibration_ids(load_points())
+    predictors, _ = _predictors([p for p in load_points() if p["id"] in calib], cache_dir, tick)
+    out = []
+    for v in ("tpu", "gpu"):
+        ids = sorted(i for i, pr in predictors.items() if vendor(pr.point) == v)
+        if len(ids) < 2:
+            continue
+        pts = [(predictors[i].seconds, predictors[i].measured_seconds()) for i in ids]
+        ratios = machines.leave_one_out(
+            pts, params=machines.FIT_PARAMS, tick=lambda k, ids=ids: tick(f"fit without {ids[k]}")
+        )
+        out += zip(ids, ratios, strict=True)
+    return out
+
+
+def leave_one_out_line(ratios: list[tuple[str, float]]) -> str:
+    if not ratios:
+        return "calibration leave-one-out: no vendor has two calibration points"
+    errs = [abs(r - 1) for _, r in ratios]
+    worst = max(max(r, 1 / r) for _, r in ratios)
+    return (
+        f"calibration leave-one-out: {len(ratios)} points, median |error| "
+        f"{float(np.median(errs)):.0%}, worst {worst:.2f}×"
+    )
 
 
 def save_fits(summary: Summary) -> Path:

@@ -12,7 +12,9 @@ cpu=true checks the model on this CPU (lab.run configurations timed here, the CP
 parameters fitted on the first three). here=true, on a GPU, times lab.run configurations that
 fill the chip and predicts each from its own compiled program with the published fit: nothing
 is fitted on them, every row is held out, and the rows join lab/predict/measured/, whose error
-lab.run prints beside every GPU prediction.
+lab.run prints beside every GPU prediction. loo=true fits once per calibration point, on the
+others, and prints each one's error: a change to the model's form is judged by that, not by
+the held-out points.
 """
 
 import dataclasses
@@ -56,6 +58,12 @@ class Options:
         2.0, "cpu=true / here=true: seconds of timed steps per configuration", min=0.1
     )
     results: str = field("results", "folder for the records and the PNG", kind="path")
+    loo: bool = field(
+        False,
+        "instead: each calibration point predicted with the parameters fitted on the other "
+        "calibration points (one fit per point: minutes), the way to judge a change to the "
+        "model's form without looking at the held-out points",
+    )
 
 
 def run(o: Options) -> int:
@@ -64,6 +72,8 @@ def run(o: Options) -> int:
         return _cpu(o, con)
     if o.here:
         return _here(o, con)
+    if o.loo:
+        return _loo(o, con)
     points = prediction.load_points(tuple(o.only))
     with progress.tasks(con) as bar:
         task = bar.add_task("prediction", total=len(points) + 2)
@@ -87,6 +97,19 @@ def run(o: Options) -> int:
             f"worst {cal['worst']:.2f}×"
         )
     con.print(prediction.log_error(summary))
+    return 0
+
+
+def _loo(o: Options, con) -> int:
+    with progress.tasks(con) as bar:
+        task = bar.add_task("leave-one-out", total=None)
+        ratios = prediction.leave_one_out(
+            o.cache_dir,
+            progress=lambda label: bar.update(task, description=label[:40], advance=1),
+        )
+    for pid, ratio in ratios:
+        con.print(f"{pid:44s} predicted / published time {ratio:.3f} ({ratio - 1:+.0%})")
+    con.print(prediction.leave_one_out_line(ratios))
     return 0
 
 
