@@ -36,7 +36,8 @@ def _operands(rng, M, C, N, w_dtype, x_dtype):
 # vectors, of one, and columns left over); more than 8 rows (a second tile of rows) over
 # blocks that do not divide the contraction; runs of rows split across parts.
 @pytest.mark.parametrize(
-    "M,C,N", [(1, 300, 77), (5, 37, 130), (11, 75, 200), (9, 100, 48), (3, 520, 90)]
+    "M,C,N",
+    [(1, 300, 77), (1, 301, 77), (5, 37, 130), (11, 75, 200), (9, 100, 48), (3, 520, 90)],
 )
 @pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])

@@ -13,10 +13,10 @@
 //
 // Decode is memory-bound: every weight byte is read from memory exactly once per call whatever
 // M is. Each thread takes its own run of weight rows (or, for a wide output or a short
-// contraction, its own range of columns); at batch 1 it streams them sixteen (f32) or four
-// rows at a time into sums held in L1, and with several rows of x it reads them in blocks, a
-// tile of columns at a time, into sums held in registers (`tile` says why). The inner loop is
-// written with GCC/Clang vector extensions sized to the ISA the build targets
+// contraction, its own range of columns); at batch 1 it streams them sixteen (f32 on
+// AVX-512) or four rows at a time into sums held in L1, and with several rows of x it reads
+// them in blocks, a tile of columns at a time, into sums held in registers (`tile` says why).
+// The inner loop is written with GCC/Clang vector extensions sized to the ISA the build targets
 // (AVX-512 with -march=native here; SSE2 or NEON on a portable build). The threads are a
 // persistent pool (a decode step makes ~100 of these calls; a thread started per call would
 // cost tens of microseconds each).
@@ -218,14 +218,20 @@ Pool& pool() {
 // stream fast enough without (with it, f32 decode was slower).
 constexpr int64_t kAhead = 8;
 
-// At batch 1, f32 weight rows per pass: sixteen, where narrower weights take four (their
-// prefetch is tuned to four). Measured on the decoder's shapes (768 × 768, 768 × 2048,
+// At batch 1, f32 weight rows per pass on AVX-512: sixteen, where narrower weights take four
+// (their prefetch is tuned to four). Measured on the decoder's shapes (768 × 768, 768 × 2048,
 // 2048 × 768), 2 threads, f32 weights from memory, four alternated rounds of all: four rows
 // moved a median 24.5 GB/s, sixteen 27.2 GB/s (a read-only stream in C on this host:
 // 23–28 GB/s); eight rows with a prefetch 1 KiB ahead 25.9, sixteen with one 512 B ahead
 // 26.0. In the whole decode step (model=base, f32, batch 1: 97 calls, most of 2–6 MB) the gain
 // is within this host's noise: 23.2–24.5 ms a step against 24.5–31.3, three alternated pairs.
+// Builds without AVX-512 keep four: sixteen broadcasts of x would not fit AVX2's or SSE2's 16
+// registers beside the sums and the weight vectors.
+#if defined(__AVX512F__)
 constexpr int kRowsF32 = 16;
+#else
+constexpr int kRowsF32 = 4;
+#endif
 
 // Ask for the same kVW columns of four consecutive weight rows (`stride` elements apart).
 template <typename W>
@@ -355,7 +361,7 @@ void strip(const float* x, int64_t M, int64_t xs, int64_t C, const W* w, int64_t
   }
   std::fill(acc, acc + width, 0.0f);
   int64_t d = 0;
-  if constexpr (sizeof(W) == 4)
+  if constexpr (sizeof(W) == 4 && kRowsF32 > 4)
     for (; d + kRowsF32 <= C; d += kRowsF32)
       rows<kRowsF32>(x + d, w + d * N + n0, N, nv, width, acc, false);
   for (; d + 4 <= C; d += 4)
@@ -457,11 +463,11 @@ template <typename W, typename T>
 void gemv_t(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const float* scale,
             T* y, int threads) {
   const int64_t by_threads = (N + threads - 1) / threads;
-  const int64_t rows = std::max<int64_t>(4, std::min<int64_t>(256, by_threads) / 4 * 4);
-  const int parts = static_cast<int>((N + rows - 1) / rows);
+  const int64_t run_rows = std::max<int64_t>(4, std::min<int64_t>(256, by_threads) / 4 * 4);
+  const int parts = static_cast<int>((N + run_rows - 1) / run_rows);
   const int64_t cv = C / kVW * kVW;
   auto part = [&](int i) {
-    const int64_t n0 = i * rows, n1 = std::min(N, n0 + rows);
+    const int64_t n0 = i * run_rows, n1 = std::min(N, n0 + run_rows);
     for (int64_t n = n0; n < n1; n += 4) {
       const int64_t k = std::min<int64_t>(4, n1 - n);
       const W* r[4];

@@ -534,8 +534,8 @@ def leave_one_out_line(ratios: list[tuple[str, float]]) -> str:
     errs = [abs(r - 1) for _, r in ratios]
     worst = max(max(r, 1 / r) for _, r in ratios)
     return (
-        f"calibration leave-one-out: {len(ratios)} points, median |error| "
-        f"{float(np.median(errs)):.0%}, worst {worst:.2f}×"
+        f"calibration leave-one-out: {len(ratios)} points, median |predicted / published time "
+        f"− 1| {float(np.median(errs)):.0%}, worst {worst:.2f}×"
     )
 
 
