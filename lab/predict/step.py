@@ -84,7 +84,8 @@ def error_statement(kind: str) -> str:
             if (c["backend"] == "tpu") == (kind == "tpu"):
                 text += (
                     f"; {c['median']:.0%} median, worst {c['worst']:.2f}×, on {c['n']} lab.run "
-                    f"steps measured on an {device} ({', '.join(c['dates'])})"
+                    f"steps measured on an {device} ({', '.join(c['dates'])}, predicted with "
+                    "that day's fit)"
                 )
     return text
 
