@@ -129,6 +129,12 @@ def test_gpu_predictions_cite_the_steps_measured_on_a_gpu():
     assert "measured on" not in step.error_statement("cpu")
 
 
+def test_leave_one_out_over_chosen_points_is_one_line(capsys):
+    assert tool(["loo=true", "only=azure-h100-hbm-copy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "only=" in err
+
+
 def test_here_on_cpu_is_one_line(capsys):
     assert tool(["here=true"]) == 2
     assert "accelerator" in capsys.readouterr().err

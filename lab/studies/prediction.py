@@ -470,7 +470,6 @@ def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool 
             tick(f"fit {v} on {len(pts)} calibration points")
             fits[v] = machines.fit(pts, params=machines.FIT_PARAMS)
     rows = []
-
     for p in points:
         pid = p["id"]
         fig = p["figure"]

@@ -101,6 +101,11 @@ def run(o: Options) -> int:
 
 
 def _loo(o: Options, con) -> int:
+    if o.only:
+        raise ConfigError(
+            "loo=true fits on every calibration point but the one left out; only= cannot "
+            "pick points for it"
+        )
     with progress.tasks(con) as bar:
         task = bar.add_task("leave-one-out", total=None)
         ratios = prediction.leave_one_out(
