@@ -10,7 +10,7 @@ import pytest
 from lab.measure import hlo, specs
 from lab.parallel import collectives_hlo
 from lab.predict import machines
-from lab.predict.model import Machine, predict, predict_compiled
+from lab.predict.model import Machine, Schedule, predict, predict_compiled
 
 PEAK, BW, LINK = 100e9, 10e9, 5e9
 
@@ -128,6 +128,34 @@ def test_an_async_collective_hides_behind_the_compute_between_start_and_done(m):
     assert p.collective_s == pytest.approx(comm, rel=1e-6)
     assert p.exposed_collective_s == pytest.approx(max(0.0, comm - dot), rel=1e-6)
     assert p.seconds == pytest.approx(dot + max(0.0, comm - dot), rel=1e-6)
+
+
+_FITS = [
+    {},
+    dict(compute_efficiency=0.5, memory_efficiency=0.8),
+    dict(op_overhead_s=3e-6, link_latency_s=2e-5, call_overhead_s=4e-6),
+    dict(compute_efficiency=0.7, memory_efficiency=0.9, op_overhead_s=1e-4, link_latency_s=1e-6),
+]
+
+
+@pytest.mark.parametrize("async_launch", [False, True])
+@pytest.mark.parametrize("m", [64, 4096])
+def test_the_schedule_gives_predicts_seconds_under_any_fit(m, async_launch):
+    """Schedule (what the fit evaluates) against predict on the overlapped program (a
+    collective hidden or exposed, launches overlapped or not) and on a compiled program of
+    several fused ops, for fits that make each term count."""
+    text = _OVERLAP.format(m=m)
+    found = {c.name: c for c in collectives_hlo.parse(text, {"data": 8})}
+    cases = [(hlo.parse(text), found)]
+    f = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(0) * 2.0)
+    compiled = f.lower(jnp.ones((m // 8, 96)), jnp.ones((96, 160))).compile()
+    cases.append((hlo.parse(compiled.as_text()), {}))
+    for program, colls in cases:
+        base = _machine(async_launch=async_launch)
+        schedule = Schedule(program, base, colls)
+        for fit in _FITS:
+            want = predict(program, dataclasses.replace(base, **fit), colls).seconds
+            assert schedule.seconds(**fit) == pytest.approx(want, rel=1e-9), fit
 
 
 def test_gpu_links_nvlink_inside_a_host_infiniband_across():

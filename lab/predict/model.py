@@ -194,6 +194,44 @@ def _collective(ins: hlo.Instruction) -> str | None:
     return base if base in COLLECTIVES else None
 
 
+def _custom_bytes(program: hlo.Program) -> float:
+    """Bytes of the program's custom calls (not cuBLAS / cuDNN GEMMs) per call: what
+    `custom_flops` is shared by."""
+    customs = [
+        (name, ins)
+        for name in program.counts
+        if name not in program.fused
+        for ins in program.computations.get(name, ())
+        if ins.opcode == "custom-call" and not any(t in ins.attrs for t in hlo._GEMM_TARGETS)
+    ]
+    return sum(hlo.instruction_cost(i, program, c).bytes * program.counts[c] for c, i in customs)
+
+
+def _moved(ins: hlo.Instruction, kind: str, collectives: Mapping) -> tuple[float, tuple]:
+    """(bus bytes, mesh axes) of a collective: as parsed with its mesh, else its result's
+    bytes over the ring of two."""
+    c = collectives.get(ins.name)
+    if c is not None:
+        return c.bus_bytes, c.axes
+    return costs.bus_bytes(kind, sum(hlo.shape_sizes(ins.shape)), 2), ()
+
+
+def _work(program, comp, ins, machine, custom_flops: float, custom_bytes: float):
+    """(flops, bytes, seconds at peak, seconds at bandwidth, custom) of a compute or memory
+    op, both at efficiency 1 (the machine's last-level cache where it fits); None for an
+    op that moves and computes nothing."""
+    flops, nbytes, dtype = _op_cost(program, comp, ins, machine)
+    custom = ins.opcode == "custom-call" and not any(t in ins.attrs for t in hlo._GEMM_TARGETS)
+    if custom and custom_flops and custom_bytes:
+        flops = custom_flops * nbytes / custom_bytes
+    if not flops and not nbytes:
+        return None
+    bandwidth = machine.memory_bandwidth
+    if machine.cache_bandwidth and nbytes * machine.devices_per_core_group <= machine.cache_bytes:
+        bandwidth = machine.cache_bandwidth
+    return flops, nbytes, flops / machine.peak(dtype), nbytes / bandwidth, custom
+
+
 def predict(
     program: hlo.Program,
     machine: Machine,
@@ -209,16 +247,7 @@ def predict(
     counts none inside a Pallas kernel), shared among them by their bytes.
     """
     collectives = collectives or {}
-    customs = [
-        (name, ins)
-        for name, n in program.counts.items()
-        if name not in program.fused
-        for ins in program.computations.get(name, ())
-        if ins.opcode == "custom-call" and not any(t in ins.attrs for t in hlo._GEMM_TARGETS)
-    ]
-    custom_bytes = sum(
-        hlo.instruction_cost(i, program, c).bytes * program.counts[c] for c, i in customs
-    )
+    custom_bytes = _custom_bytes(program)
     ops: list[OpTime] = []
     sums = dict(compute=0.0, memory=0.0, collective=0.0, exposed=0.0, custom=0.0, overhead=0.0)
     for comp, count in program.counts.items():
@@ -239,12 +268,7 @@ def predict(
                 continue
             kind = _collective(ins)
             if kind:
-                c = collectives.get(ins.name)
-                if c is not None:
-                    moved, axes = c.bus_bytes, c.axes
-                else:
-                    moved = costs.bus_bytes(kind, sum(hlo.shape_sizes(ins.shape)), 2)
-                    axes = ()
+                moved, axes = _moved(ins, kind, collectives)
                 link = machine.link(axes, kind)
                 seconds = moved / link + machine.link_latency_s if moved else 0.0
                 is_async = op.endswith("-start")
@@ -267,19 +291,12 @@ def predict(
                 else:
                     sums["exposed"] += seconds * count
                 continue
-            flops, nbytes, dtype = _op_cost(program, comp, ins, machine)
-            custom = op == "custom-call" and not any(t in ins.attrs for t in hlo._GEMM_TARGETS)
-            if custom and custom_flops and custom_bytes:
-                flops = custom_flops * nbytes / custom_bytes
-            if not flops and not nbytes:
+            work = _work(program, comp, ins, machine, custom_flops, custom_bytes)
+            if work is None:
                 continue
-            compute_s = flops / (machine.peak(dtype) * machine.compute_efficiency)
-            bandwidth = machine.memory_bandwidth
-            if machine.cache_bandwidth and nbytes * machine.devices_per_core_group <= (
-                machine.cache_bytes
-            ):
-                bandwidth = machine.cache_bandwidth
-            memory_s = nbytes / (bandwidth * machine.memory_efficiency)
+            flops, nbytes, at_peak_s, at_bandwidth_s, custom = work
+            compute_s = at_peak_s / machine.compute_efficiency
+            memory_s = at_bandwidth_s / machine.memory_efficiency
             busy = max(compute_s, memory_s) * machine.devices_per_core_group
             if machine.async_launch:
                 seconds = max(busy, machine.op_overhead_s)
@@ -321,6 +338,90 @@ def predict(
         ops=tuple(ops),
         machine=machine.name,
     )
+
+
+class Schedule:
+    """A program's ops on a machine reduced to what a fit does not change, so that its time
+    under any fit is a few array operations, not a walk of every op: the same seconds as
+    `predict(program, replace(machine, **fit), ...)` (tested), what fitting and the
+    leave-one-out evaluate thousands of times. `machine`'s own fitted parameters are
+    ignored: `seconds(**fit)` supplies them."""
+
+    def __init__(self, program, machine, collectives=None, *, custom_flops: float = 0.0):
+        import numpy as np
+
+        collectives = collectives or {}
+        custom_bytes = _custom_bytes(program)
+        comp_s, mem_s, op_n = [], [], []  # per compute / memory op: seconds at e = 1, count
+        coll_s, coll_n, coll_sync = [], [], []  # per collective: seconds w/o latency, ...
+        coll_moved, ranges = [], []  # ... whether it moves bytes; async: compute ops covering
+        for comp, count in program.counts.items():
+            if comp in program.fused:
+                continue
+            pending: dict[str, int] = {}  # async collective name → index in coll_*
+            for ins in program.computations.get(comp, ()):
+                op = ins.opcode
+                if op.endswith("-done"):
+                    start = ins.operands[0] if ins.operands else ""
+                    if start in pending:
+                        j = pending.pop(start)
+                        ranges[j] = (ranges[j][0], len(comp_s))
+                    continue
+                if op in _SKIP:
+                    continue
+                kind = _collective(ins)
+                if kind:
+                    moved, axes = _moved(ins, kind, collectives)
+                    coll_s.append(moved / machine.link(axes, kind) if moved else 0.0)
+                    coll_moved.append(bool(moved))
+                    coll_n.append(count)
+                    is_async = op.endswith("-start")
+                    coll_sync.append(not is_async)
+                    ranges.append((len(comp_s), len(comp_s)))
+                    if is_async:
+                        pending[ins.name] = len(coll_s) - 1
+                    continue
+                work = _work(program, comp, ins, machine, custom_flops, custom_bytes)
+                if work is None:
+                    continue
+                comp_s.append(work[2])
+                mem_s.append(work[3])
+                op_n.append(count)
+            for j in pending.values():  # started, never awaited here: covered to the end
+                ranges[j] = (ranges[j][0], len(comp_s))
+        self._np = np
+        self.comp_s, self.mem_s = np.array(comp_s, float), np.array(mem_s, float)
+        self.op_n = np.array(op_n, float)
+        self.coll_s, self.coll_n = np.array(coll_s, float), np.array(coll_n, float)
+        self.coll_moved, self.coll_sync = np.array(coll_moved, bool), np.array(coll_sync, bool)
+        r = np.array(ranges, int).reshape(-1, 2)
+        self.first, self.last = r[:, 0], r[:, 1]
+        self.async_launch = machine.async_launch
+        self.per_group = machine.devices_per_core_group
+
+    def seconds(
+        self,
+        compute_efficiency: float = 1.0,
+        memory_efficiency: float = 1.0,
+        op_overhead_s: float = 0.0,
+        link_latency_s: float = 0.0,
+        call_overhead_s: float = 0.0,
+    ) -> float:
+        """The predicted seconds of one call under these fitted parameters."""
+        np = self._np
+        busy = np.maximum(self.comp_s / compute_efficiency, self.mem_s / memory_efficiency)
+        busy = busy * self.per_group
+        if self.async_launch:
+            each = np.maximum(busy, op_overhead_s)
+        else:
+            each = busy + op_overhead_s
+        total = float(each @ self.op_n)
+        if self.coll_s.size:
+            coll = np.where(self.coll_moved, self.coll_s + link_latency_s, 0.0)
+            covered = np.concatenate([[0.0], np.cumsum(each)])
+            hidden = np.where(self.coll_sync, 0.0, covered[self.last] - covered[self.first])
+            total += float(np.maximum(0.0, coll - hidden) @ self.coll_n)
+        return total + call_overhead_s
 
 
 def _op_name(ins: hlo.Instruction) -> str:

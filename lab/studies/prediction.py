@@ -36,7 +36,7 @@ from lab.errors import ConfigError
 from lab.measure import hlo, memory, specs
 from lab.parallel import collectives_hlo
 from lab.predict import machines
-from lab.predict.model import predict
+from lab.predict.model import Schedule, predict
 from lab.predict.step import FITS, attention_flops_per_device
 from lab.resolve import defaults
 from lab.session import open_session
@@ -364,6 +364,7 @@ class Predictor:
         self.program = hlo.parse(prog["hlo"])
         found = collectives_hlo.parse(prog["hlo"], prog["mesh"])
         self.collectives = {c.name: c for c in found}
+        self._schedule = None
 
     def prediction(self, **fit):
         """The model's full prediction (time, breakdown, top ops) under `fit`."""
@@ -376,7 +377,14 @@ class Predictor:
         )
 
     def seconds(self, **fit) -> float:
-        return self.prediction(**fit).seconds
+        """`prediction(**fit).seconds` from the program's Schedule: a few array operations,
+        not a walk of every op, which is what lets a fit and the leave-one-out try
+        thousands of parameter sets."""
+        if self._schedule is None:
+            machine = _machine(self.point, self.prog, None)
+            custom = self.prog.get("custom_flops", 0.0)
+            self._schedule = Schedule(self.program, machine, self.collectives, custom_flops=custom)
+        return self._schedule.seconds(**fit)
 
     def figure(self, seconds: float) -> float:
         """The published figure's unit, from a predicted time."""
@@ -510,7 +518,8 @@ def leave_one_out(cache_dir: Path, *, progress=None) -> list[tuple[str, float]]:
     several, the free parameters fitted on that vendor's other calibration points
     (machines.leave_one_out): the model's error on points its fit did not see, measured
     without touching the held-out set, so a change to the model's form can be judged by it
-    before the held-out error is looked at. One fit per point: minutes."""
+    before the held-out error is looked at. One fit per point, each trial a program's
+    Schedule: seconds in all."""
     tick = progress or (lambda label: None)
     calib = calibration_ids(load_points())
     predictors, _ = _predictors([p for p in load_points() if p["id"] in calib], cache_dir, tick)

@@ -61,8 +61,8 @@ class Options:
     loo: bool = field(
         False,
         "instead: each calibration point predicted with the parameters fitted on the other "
-        "calibration points (one fit per point: minutes), the way to judge a change to the "
-        "model's form without looking at the held-out points",
+        "calibration points (one fit per point; seconds from the cache), the way to judge a "
+        "change to the model's form without looking at the held-out points",
     )
 
 
