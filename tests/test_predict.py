@@ -135,26 +135,72 @@ _FITS = [
     dict(compute_efficiency=0.5, memory_efficiency=0.8),
     dict(op_overhead_s=3e-6, link_latency_s=2e-5, call_overhead_s=4e-6),
     dict(compute_efficiency=0.7, memory_efficiency=0.9, op_overhead_s=1e-4, link_latency_s=1e-6),
+    dict(compute_efficiency=0.05, memory_efficiency=4.0, op_overhead_s=1e-7, link_latency_s=1e-3),
 ]
+
+# A loop run three times whose body times an op before an async all-reduce's start, a dot
+# and a custom call under it, an op after its done, a synchronous all-reduce, one that moves
+# nothing, and an all-gather started and never awaited (covered to the body's end).
+_SCHEDULE = """HloModule m
+
+%body (q: (s32[], f32[256,512])) -> (s32[], f32[256,512]) {
+  %q = (s32[], f32[256,512]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%q), index=0
+  %x = f32[256,512]{1,0} get-tuple-element(%q), index=1
+  %w = f32[512,512]{1,0} constant({...})
+  %pre = f32[256,512]{1,0} exponential(%x)
+  %s = f32[256,512]{1,0} all-reduce-start(%pre), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %d = f32[256,512]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %k = f32[256,512]{1,0} custom-call(%d), custom_call_target="kernel"
+  %e = f32[256,512]{1,0} all-reduce-done(%s)
+  %post = f32[256,512]{1,0} add(%e, %k)
+  %r = f32[256,512]{1,0} all-reduce(%post), channel_id=2, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %z = f32[0]{0} all-reduce(%i), channel_id=3, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %g = f32[2048,512]{1,0} all-gather-start(%r), channel_id=4, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true
+  %t = f32[256,512]{1,0} tanh(%r)
+  ROOT %out = (s32[], f32[256,512]{1,0}) tuple(%i, %t)
+}
+
+ENTRY %main (a: (s32[], f32[256,512])) -> (s32[], f32[256,512]) {
+  %a = (s32[], f32[256,512]{1,0}) parameter(0)
+  ROOT %loop = (s32[], f32[256,512]{1,0}) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
 
 
 @pytest.mark.parametrize("async_launch", [False, True])
 @pytest.mark.parametrize("m", [64, 4096])
 def test_the_schedule_gives_predicts_seconds_under_any_fit(m, async_launch):
-    """Schedule (what the fit evaluates) against predict on the overlapped program (a
-    collective hidden or exposed, launches overlapped or not) and on a compiled program of
-    several fused ops, for fits that make each term count."""
+    """Schedule (what the fit evaluates) against predict, for fits that make each term
+    count: the overlapped program (its collective hidden or exposed), the loop above (ops
+    before and after an async collective, a synchronous one, one of no bytes, one never
+    awaited, a custom call given FLOPs, three trips), and a compiled program on this CPU's
+    machine (simulated devices sharing the cores, a last-level cache)."""
     text = _OVERLAP.format(m=m)
     found = {c.name: c for c in collectives_hlo.parse(text, {"data": 8})}
-    cases = [(hlo.parse(text), found)]
+    loop = {c.name: c for c in collectives_hlo.parse(_SCHEDULE, {"data": 8})}
     f = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(0) * 2.0)
     compiled = f.lower(jnp.ones((m // 8, 96)), jnp.ones((96, 160))).compile()
-    cases.append((hlo.parse(compiled.as_text()), {}))
-    for program, colls in cases:
-        base = _machine(async_launch=async_launch)
-        schedule = Schedule(program, base, colls)
+    cpu = machines.cpu_machine(
+        {"float32": PEAK}, BW, 8, cache_bytes=m * 1000.0, cache_bytes_per_s=4 * BW
+    )
+    base = _machine(async_launch=async_launch)
+    cases = [
+        (hlo.parse(text), found, base, 0.0),
+        (hlo.parse(_SCHEDULE), loop, base, 1e9),
+        (
+            hlo.parse(compiled.as_text()),
+            {},
+            dataclasses.replace(cpu, async_launch=async_launch),
+            0.0,
+        ),
+    ]
+    assert cases[1][0].counts["body"] == 3
+    for program, colls, machine, custom in cases:
+        schedule = Schedule(program, machine, colls, custom_flops=custom)
         for fit in _FITS:
-            want = predict(program, dataclasses.replace(base, **fit), colls).seconds
+            fitted = dataclasses.replace(machine, **fit)
+            want = predict(program, fitted, colls, custom_flops=custom).seconds
             assert schedule.seconds(**fit) == pytest.approx(want, rel=1e-9), fit
 
 

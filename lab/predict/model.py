@@ -163,7 +163,8 @@ def _fused_flops(program: hlo.Program, name: str, depth: int = 0) -> float:
 
 
 # Per program, what no fit changes: each op's FLOPs (nested fusions included), bytes and the
-# dtype it runs at (per TF32 or not), so a fit re-times a parsed program without re-walking it.
+# dtype it runs at (per TF32 or not), so predicting a parsed program again (another machine,
+# a Schedule built from it) does not recount them.
 _OP_COSTS: dict[int, tuple] = {}
 
 
@@ -353,8 +354,10 @@ class Schedule:
         collectives = collectives or {}
         custom_bytes = _custom_bytes(program)
         comp_s, mem_s, op_n = [], [], []  # per compute / memory op: seconds at e = 1, count
-        coll_s, coll_n, coll_sync = [], [], []  # per collective: seconds w/o latency, ...
-        coll_moved, ranges = [], []  # ... whether it moves bytes; async: compute ops covering
+        coll_s, coll_n = [], []  # per collective: seconds without its latency, count, ...
+        # ... whether it moves bytes, and the compute ops that cover it: [first, last) of
+        # comp_s, from its start to its done (a synchronous one: empty, nothing hides it)
+        coll_moved, ranges = [], []
         for comp, count in program.counts.items():
             if comp in program.fused:
                 continue
@@ -375,10 +378,8 @@ class Schedule:
                     coll_s.append(moved / machine.link(axes, kind) if moved else 0.0)
                     coll_moved.append(bool(moved))
                     coll_n.append(count)
-                    is_async = op.endswith("-start")
-                    coll_sync.append(not is_async)
                     ranges.append((len(comp_s), len(comp_s)))
-                    if is_async:
+                    if op.endswith("-start"):
                         pending[ins.name] = len(coll_s) - 1
                     continue
                 work = _work(program, comp, ins, machine, custom_flops, custom_bytes)
@@ -393,7 +394,7 @@ class Schedule:
         self.comp_s, self.mem_s = np.array(comp_s, float), np.array(mem_s, float)
         self.op_n = np.array(op_n, float)
         self.coll_s, self.coll_n = np.array(coll_s, float), np.array(coll_n, float)
-        self.coll_moved, self.coll_sync = np.array(coll_moved, bool), np.array(coll_sync, bool)
+        self.coll_moved = np.array(coll_moved, bool)
         r = np.array(ranges, int).reshape(-1, 2)
         self.first, self.last = r[:, 0], r[:, 1]
         self.async_launch = machine.async_launch
@@ -419,7 +420,7 @@ class Schedule:
         if self.coll_s.size:
             coll = np.where(self.coll_moved, self.coll_s + link_latency_s, 0.0)
             covered = np.concatenate([[0.0], np.cumsum(each)])
-            hidden = np.where(self.coll_sync, 0.0, covered[self.last] - covered[self.first])
+            hidden = covered[self.last] - covered[self.first]
             total += float(np.maximum(0.0, coll - hidden) @ self.coll_n)
         return total + call_overhead_s
 
