@@ -3,6 +3,7 @@ the publisher's unit, the calibration named by rule, the held-out error computed
 the self-check on this CPU (lab.run prints and saves the prediction beside the measurement)."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,34 @@ def test_here_check_predicts_each_step_from_its_own_program_and_keeps_going():
     assert "1 configurations" in prediction.here_error_line(rows, "cpu")
 
 
+def test_here_ops_time_and_predict_each_op_and_keep_going():
+    """The single-op check's machinery on this CPU: a product and a copy timed (blocked and
+    queued) and predicted from their own programs; a dtype the device cannot take is a row
+    with its reason; nothing starts after the deadline."""
+    ops = (
+        dict(op="matmul", m=96, n=160, k=64, dtype="float32"),
+        dict(op="matmul", m=8, n=8, k=8, dtype="no-such-dtype"),
+        dict(op="copy", n=1 << 16, dtype="float32"),
+    )
+    seen = []
+    rows = prediction.here_ops(ops, budget_s=0.05, on_row=seen.append)
+    assert seen == rows and [r.config for r in rows] == [
+        "matmul 96×160×64 float32",
+        "matmul 8×8×8 no-such-dtype",
+        "copy 0.00 GB float32",
+    ]
+    for r in (rows[0], rows[2]):
+        assert r.measured_s > 0 and r.pipelined_s > 0 and r.predicted_s > 0
+        assert sum(r.breakdown.values()) == pytest.approx(r.predicted_s)
+        assert r.top_ops and r.top_ops[0]["flops" if r is rows[0] else "bytes"] > 0
+    assert rows[0].top_ops[0]["flops"] == 2 * 96 * 160 * 64
+    assert rows[1].error is None and "no-such-dtype" in rows[1].error_text
+    assert "2 ops" in prediction.here_error_line(rows, "cpu", "ops")
+    late = time.monotonic() - 1
+    assert prediction.here_ops(ops, deadline=late) == []
+    assert prediction.here_check((dict(model="tiny", mesh="1"),), deadline=late) == []
+
+
 def test_device_checks_state_the_error_of_steps_measured_on_a_device(tmp_path):
     from lab.predict import step
 
@@ -106,7 +135,8 @@ def test_device_checks_state_the_error_of_steps_measured_on_a_device(tmp_path):
         return {"value": measured, "config": cfg, "device_kind": kind, "backend": backend,
                 "timestamp": "2026-11-27T01:31:18+00:00"}  # fmt: skip
 
-    lines = [rec(0.1, 0.08), rec(0.2, 0.22), rec(0.1, 0.1), rec(None, 0.1), rec(0.3, None)]
+    op = dict(rec(0.1, 0.01), what=step.OP_CHECK)  # a single op's check: not a step
+    lines = [rec(0.1, 0.08), rec(0.2, 0.22), rec(0.1, 0.1), rec(None, 0.1), rec(0.3, None), op]
     (tmp_path / "h100.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + "{bad\n")
     (tmp_path / "v5e.jsonl").write_text(json.dumps(rec(1.0, 2.0, "TPU v5 lite", "tpu")) + "\n")
     checks = step.device_checks(tmp_path)

@@ -21,6 +21,8 @@ FITS = Path(__file__).with_name("fits.json")
 # the same compiled program (`python -m lab.tools.prediction here=true` on the device): one
 # JSON Lines file per device kind. Nothing is fitted on them, so they are held-out checks.
 MEASURED = Path(__file__).with_name("measured")
+STEP_CHECK = "step time, measured and predicted"  # a lab.run step (what device_checks reads)
+OP_CHECK = "op time, measured and predicted"  # a single op: kept apart from the steps' error
 
 
 def fits() -> dict:
@@ -38,7 +40,8 @@ def slug(device_kind: str) -> str:
 
 def device_checks(folder: Path = MEASURED) -> dict[str, dict]:
     """Per device kind: {"n", "median", "worst", "dates", "backend"} of |predicted/measured − 1|
-    over the steps measured on it (records without both figures are skipped)."""
+    over the lab.run steps measured on it (records without both figures, and single ops'
+    checks, are skipped)."""
     out = {}
     for path in sorted(Path(folder).glob("*.jsonl")):
         ratios, dates, kind, backend = [], set(), None, None
@@ -48,6 +51,8 @@ def device_checks(folder: Path = MEASURED) -> dict[str, dict]:
                 predicted, measured = r["config"].get("predicted_s"), r["value"]
             except (ValueError, KeyError, TypeError):
                 continue
+            if r.get("what", STEP_CHECK) != STEP_CHECK:
+                continue  # a single op's check: not a step
             if predicted and measured:
                 ratios.append(predicted / measured)
                 dates.add(r.get("timestamp", "")[:10])

@@ -785,14 +785,40 @@ GPU_CONFIGS = (
 )
 
 
+# Single ops measured on a lent GPU before the steps: the matrix products and the copy that
+# the published points time (their shapes and dtypes: the calibration set's FP8 and FP16
+# GEMMs, the skinny 802816×192×768 and the wave-bound 1024×2145×1024, the H200's own FP8
+# point) in bf16, fp16, fp8 and f32, small ones where the fixed cost of a call dominates, a
+# decode-like product of 8 rows, and a 1 GiB copy. Each compiled for the device at hand and
+# predicted from its own program with the published fit: a held-out check of the parts of
+# the model (per-dtype efficiency, shape, the cost of a call) that the steps mix together.
+GPU_OPS = (
+    dict(op="matmul", m=8192, n=8192, k=8192, dtype="bfloat16"),
+    dict(op="matmul", m=8192, n=8192, k=8192, dtype="float16"),
+    dict(op="matmul", m=8192, n=8192, k=8192, dtype="float8_e4m3fn"),
+    dict(op="matmul", m=6144, n=12288, k=12288, dtype="float8_e4m3fn"),
+    dict(op="matmul", m=8192, n=8192, k=8192, dtype="float32"),
+    dict(op="matmul", m=4096, n=4096, k=4096, dtype="bfloat16"),
+    dict(op="matmul", m=2048, n=2048, k=2048, dtype="bfloat16"),
+    dict(op="matmul", m=1024, n=1024, k=1024, dtype="bfloat16"),
+    dict(op="matmul", m=1024, n=1024, k=1024, dtype="float8_e4m3fn"),
+    dict(op="matmul", m=1024, n=2145, k=1024, dtype="bfloat16"),
+    dict(op="matmul", m=802816, n=192, k=768, dtype="bfloat16"),
+    dict(op="matmul", m=802816, n=192, k=768, dtype="float8_e4m3fn"),
+    dict(op="matmul", m=8, n=8192, k=8192, dtype="bfloat16"),
+    dict(op="copy", n=1 << 28, dtype="float32"),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class HereRow:
-    config: str  # the lab.run keys
+    config: str  # the lab.run keys, or the op
     measured_s: float | None  # median step time (None: the configuration failed)
     predicted_s: float | None
     breakdown: dict
     error_text: str = ""  # why a configuration has no figures
     top_ops: tuple = ()  # the ops the prediction spends most on
+    pipelined_s: float | None = None  # an op: seconds per call with calls queued back to back
 
     @property
     def error(self) -> float | None:
@@ -801,13 +827,16 @@ class HereRow:
         return self.predicted_s / self.measured_s - 1.0
 
 
-def here_check(configs, *, budget_s: float = 2.0, progress=None, on_row=None) -> list[HereRow]:
+def here_check(
+    configs, *, budget_s: float = 2.0, progress=None, on_row=None, deadline=None
+) -> list[HereRow]:
     """The model against the accelerator at hand: each configuration's step compiled, timed
     and predicted from the same compiled program, with the machine's spec entry and the fit of
     the published calibration points (lab/predict/fits.json). Nothing is fitted here, so every
     row is held out. A configuration that fails (out of memory, an impl the device lacks) is a
     row with its reason; the others go on. `on_row(row)` sees each row as soon as it is known
-    (so a run cut short keeps what it measured)."""
+    (so a run cut short keeps what it measured); none is started after `deadline`
+    (time.monotonic())."""
     from lab.devices import describe
     from lab.predict.step import predict_step
 
@@ -815,6 +844,8 @@ def here_check(configs, *, budget_s: float = 2.0, progress=None, on_row=None) ->
     tick = progress or (lambda label: None)
     rows = _Rows(on_row)
     for keys in configs:
+        if deadline is not None and time.monotonic() > deadline:
+            break
         label = " ".join(f"{k}={v}" for k, v in keys.items())
         tick(f"measure {label}")
         try:
@@ -831,6 +862,88 @@ def here_check(configs, *, budget_s: float = 2.0, progress=None, on_row=None) ->
     return list(rows)
 
 
+def op_label(op: dict) -> str:
+    """'matmul 8192×8192×8192 bfloat16', 'copy 1.07 GB float32'."""
+    if op["op"] == "matmul":
+        return f"matmul {op['m']}×{op['n']}×{op['k']} {op['dtype']}"
+    size = op["n"] * np.dtype(op["dtype"]).itemsize
+    return f"copy {size / 1e9:.2f} GB {op['dtype']}"
+
+
+def _op_inputs(op: dict, key):
+    """The op's function and fresh random inputs (never zeros) on the default device."""
+    dtype = jnp.dtype(op["dtype"])
+    if op["op"] == "matmul":
+        ka, kb = jax.random.split(key)
+        a = jax.random.normal(ka, (op["m"], op["k"]), jnp.float32).astype(dtype)
+        b = jax.random.normal(kb, (op["k"], op["n"]), jnp.float32).astype(dtype)
+        return (lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)), (a, b)
+    if op["op"] == "copy":
+        x = jax.random.normal(key, (op["n"],), jnp.float32).astype(dtype)
+        return (lambda x: x * 1.0001), (x,)
+    raise ConfigError(f"unknown op {op['op']!r}: matmul or copy")
+
+
+def _queued(fn, args, calls: int) -> float:
+    """Seconds per call with `calls` calls queued back to back and one wait at the end (the
+    device's time per call once the host's dispatch overlaps it); the median of three."""
+    out = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        out.append((time.perf_counter() - t0) / calls)
+    return float(np.median(out))
+
+
+def here_ops(
+    ops=GPU_OPS, *, budget_s: float = 0.5, progress=None, on_row=None, deadline=None
+) -> list[HereRow]:
+    """Single ops on the device at hand, each compiled, timed (the median of blocked calls,
+    as a step is timed, and the time per call queued back to back) and predicted from its own
+    compiled program with the published fit. Nothing is fitted here: every row is held out. An
+    op that fails (a dtype the device lacks, out of memory) is a row with its reason; none is
+    started after `deadline` (time.monotonic())."""
+    from lab.devices import describe
+    from lab.measure import timing
+    from lab.predict.model import predict_compiled
+    from lab.predict.step import machine_for
+
+    info = describe()
+    tick = progress or (lambda label: None)
+    rows = _Rows(on_row)
+    for i, op in enumerate(ops):
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        label = op_label(op)
+        tick(f"measure {label}")
+        try:
+            fn, args = _op_inputs(op, jax.random.key(i))
+            compiled = jax.jit(fn).lower(*args).compile()
+            result = timing.bench(compiled, *args, warmup=3, min_runs=10, budget_s=budget_s)
+            calls = int(min(1000, max(10, budget_s / max(result.median_s, 1e-6))))
+            queued = _queued(compiled, args, calls)
+            machine = machine_for(info, "", {"data": 1}, op["dtype"])
+            p = None if machine is None else predict_compiled(compiled, machine)
+            del args
+        except Exception as e:  # noqa: BLE001 - one op's failure is its row
+            rows.append(HereRow(label, None, None, {}, f"{type(e).__name__}: {str(e)[:160]}"))
+            continue
+        if p is None:
+            rows.append(
+                HereRow(label, result.median_s, None, {}, f"no spec entry for {info.device_kind}")
+            )
+            continue
+        top = tuple(p.as_dict(5)["top_ops"])
+        rows.append(
+            HereRow(
+                label, result.median_s, p.seconds, p.breakdown(), top_ops=top, pipelined_s=queued
+            )
+        )
+    return list(rows)
+
+
 class _Rows(list):
     """A list that shows each appended row to a callback."""
 
@@ -844,13 +957,13 @@ class _Rows(list):
             self._on_row(row)
 
 
-def here_error_line(rows: list[HereRow], device_kind: str) -> str:
+def here_error_line(rows: list[HereRow], device_kind: str, what: str = "configurations") -> str:
     errs = [r.error for r in rows if r.error is not None]
     if not errs:
-        return "held-out: no configuration measured"
+        return f"held-out: no {what} measured"
     worst = max(max(1 + e, 1 / (1 + e)) for e in errs)
     return (
-        f"held-out on {device_kind}: {len(errs)} configurations, median |predicted/measured - 1| "
+        f"held-out on {device_kind}: {len(errs)} {what}, median |predicted/measured - 1| "
         f"{float(np.median(np.abs(errs))):.0%}, worst {worst:.2f}× (nothing fitted on them)"
     )
 

@@ -9,16 +9,18 @@ held-out error are written to lab/predict/fits.json, which lab.run prints beside
 prediction.
 
 cpu=true checks the model on this CPU (lab.run configurations timed here, the CPU's free
-parameters fitted on the first three). here=true, on a GPU, times lab.run configurations that
-fill the chip and predicts each from its own compiled program with the published fit: nothing
-is fitted on them, every row is held out, and the rows join lab/predict/measured/, whose error
-lab.run prints beside every GPU prediction. loo=true fits once per calibration point, on the
-others, and prints each one's error: a change to the model's form is judged by that, not by
-the held-out points.
+parameters fitted on the first three). here=true, on a GPU, first times single ops (matrix
+products at the published points' shapes in each dtype, a copy), then lab.run configurations
+that fill the chip, and predicts each from its own compiled program with the published fit:
+nothing is fitted on them, every row is held out, and the rows join lab/predict/measured/
+(the steps' error is what lab.run prints beside every GPU prediction). loo=true fits once
+per calibration point, on the others, and prints each one's error: a change to the model's
+form is judged by that, not by the held-out points.
 """
 
 import dataclasses
 import sys
+import time
 
 import jax
 
@@ -54,8 +56,19 @@ class Options:
     configs: tuple = field(
         (), "here=true: only these configurations, by number from 1 (default: all)", kind="ints"
     )
+    ops: bool = field(
+        True,
+        "here=true: first time single ops (matrix products in bf16/fp16/fp8/f32 at the "
+        "published points' shapes, a 1 GiB copy; about a minute) against their predictions",
+    )
     budget: float = field(
         2.0, "cpu=true / here=true: seconds of timed steps per configuration", min=0.1
+    )
+    stop_after: float = field(
+        0.0,
+        "here=true: start no op or configuration after this many seconds (a lease's end; "
+        "what finished is printed and kept), 0: no limit",
+        min=0.0,
     )
     results: str = field("results", "folder for the records and the PNG", kind="path")
     loo: bool = field(
@@ -148,42 +161,68 @@ def _here(o: Options, con) -> int:
             )
         configs = tuple(configs[i - 1] for i in o.configs)
     path = records.output_stem(o.results, "prediction-here").with_suffix(".jsonl")
+    deadline = time.monotonic() + o.stop_after if o.stop_after else None
 
-    def write(r) -> None:  # each row as soon as it is known: a run cut short keeps them
-        rec = records.make_record(
-            "step time, measured and predicted",
-            r.measured_s,
-            "s",
-            label="measured",
-            predicted_s=r.predicted_s,
-            breakdown=r.breakdown,
-            top_ops=list(r.top_ops),
-            config=r.config,
-            device_kind=info.device_kind,
-            jax=jax.__version__,
-            failed=r.error_text or None,
-        )
-        records.write_records(path, rec)
-        if o.save and r.error is not None:  # the lab's store of device checks (held out)
-            records.write_records(step.MEASURED / f"{step.slug(info.device_kind)}.jsonl", rec)
-        if r.error is None:
-            con.print(f"{r.config}: no figures ({r.error_text})")
-        else:
-            con.print(
-                f"{r.config}: measured {r.measured_s * 1e3:.2f} ms, predicted "
-                f"{r.predicted_s * 1e3:.2f} ms ({r.error:+.0%})"
+    def writer(what: str, store: str):
+        def write(r) -> None:  # each row as soon as it is known: a run cut short keeps them
+            extra = {"pipelined_s": r.pipelined_s} if r.pipelined_s else {}
+            rec = records.make_record(
+                what,
+                r.measured_s,
+                "s",
+                label="measured",
+                predicted_s=r.predicted_s,
+                breakdown=r.breakdown,
+                top_ops=list(r.top_ops),
+                config=r.config,
+                device_kind=info.device_kind,
+                jax=jax.__version__,
+                failed=r.error_text or None,
+                **extra,
             )
+            records.write_records(path, rec)
+            if o.save and r.error is not None:  # the lab's store of device checks (held out)
+                records.write_records(step.MEASURED / f"{store}.jsonl", rec)
+            if r.error is None:
+                con.print(f"{r.config}: no figures ({r.error_text})")
+            else:
+                queued = f", {r.pipelined_s * 1e3:.3f} ms queued" if r.pipelined_s else ""
+                con.print(
+                    f"{r.config}: measured {r.measured_s * 1e3:.3f} ms{queued}, predicted "
+                    f"{r.predicted_s * 1e3:.3f} ms ({r.error:+.0%})"
+                )
 
+        return write
+
+    slug = step.slug(info.device_kind)
+    op_rows = []
     with progress.tasks(con) as bar:
+        if o.ops:
+            task = bar.add_task("ops", total=len(prediction.GPU_OPS))
+            op_rows = prediction.here_ops(
+                prediction.GPU_OPS,
+                budget_s=min(o.budget, 0.5),
+                progress=lambda label: bar.update(task, description=label[:40], advance=1),
+                on_row=writer(step.OP_CHECK, f"{slug}-ops"),
+                deadline=deadline,
+            )
         task = bar.add_task("here", total=len(configs))
         rows = prediction.here_check(
             configs,
             budget_s=o.budget,
             progress=lambda label: bar.update(task, description=label[:40], advance=1),
-            on_row=write,
+            on_row=writer(step.STEP_CHECK, slug),
+            deadline=deadline,
         )
+    if op_rows:
+        con.print(tables.prediction_here_rows(op_rows, info.device_kind, ops=True))
     con.print(tables.prediction_here_rows(rows, info.device_kind))
     con.print(f"records → {path}")
+    left = (len(prediction.GPU_OPS) - len(op_rows) if o.ops else 0) + len(configs) - len(rows)
+    if left:
+        con.print(f"stopped after {o.stop_after:g} s (stop_after): {left} not measured")
+    if op_rows:
+        con.print(prediction.here_error_line(op_rows, info.device_kind, "ops"))
     con.print(prediction.here_error_line(rows, info.device_kind))
     return 0
 

@@ -57,20 +57,29 @@ def prediction_cpu_rows(rows, fit: Fit) -> Table:
     return t
 
 
-def prediction_here_rows(rows, device_kind: str) -> Table:
+def prediction_here_rows(rows, device_kind: str, ops: bool = False) -> Table:
     """The model against the accelerator at hand: measured, predicted, the error and where the
-    predicted time goes (nothing fitted on these rows: all held out)."""
-    t = Table(title=f"the step-time model on {device_kind} (measured vs predicted, held out)")
-    for col in ("lab.run keys", "measured", "predicted", "error", "predicted breakdown"):
+    predicted time goes (nothing fitted on these rows: all held out). ops=True: single ops,
+    with the time per call queued back to back beside the blocked one."""
+    what = "single ops" if ops else "step-time model"
+    t = Table(title=f"the {what} on {device_kind} (measured vs predicted, held out)")
+    cols = ("op", "measured", "queued", "predicted", "error", "predicted breakdown")
+    for col in cols if ops else ("lab.run keys",) + cols[1:2] + cols[3:]:
         t.add_column(col)
     for r in rows:
+        queued = (duration(r.pipelined_s) if r.pipelined_s else "—",) if ops else ()
         if r.error is None:
-            t.add_row(r.config, "—", "—", "—", r.error_text)
+            t.add_row(r.config, "—", *(("—",) if ops else ()), "—", "—", r.error_text)
             continue
         parts = sorted(r.breakdown.items(), key=lambda kv: -kv[1])[:3]
         where = ", ".join(f"{k} {duration(v)}" for k, v in parts if v)
         t.add_row(
-            r.config, duration(r.measured_s), duration(r.predicted_s), f"{r.error:+.0%}", where
+            r.config,
+            duration(r.measured_s),
+            *queued,
+            duration(r.predicted_s),
+            f"{r.error:+.0%}",
+            where,
         )
     return t
 
