@@ -127,6 +127,54 @@ def test_here_ops_time_and_predict_each_op_and_keep_going():
     assert prediction.here_check((dict(model="tiny", mesh="1"),), deadline=late) == []
 
 
+def test_queued_timing_waits_once_per_pass(monkeypatch):
+    """Calls queued back to back: `calls` calls per pass, three passes, one wait per pass."""
+    made, waits = [], []
+    monkeypatch.setattr(prediction.jax, "block_until_ready", lambda r: waits.append(r) or r)
+    seconds = prediction._queued(lambda x: made.append(x) or len(made), (7,), 25)
+    assert len(made) == 75 and waits == [25, 50, 75] and seconds >= 0
+
+
+def test_here_on_a_gpu_writes_ops_and_steps_apart_and_stops_in_time(monkeypatch, tmp_path, capsys):
+    """The tool's device check end to end, on this CPU presented as an H100: the ops' rows
+    (blocked and queued times, predicted on the H100's spec entry) go to <device>-ops.jsonl,
+    the steps' to <device>.jsonl, both tables print; stop_after leaves the rest unmeasured."""
+    import dataclasses
+
+    from lab import devices
+    from lab.predict import step
+
+    real = devices.describe
+    h100 = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(
+        devices, "describe", lambda: dataclasses.replace(real(), backend="gpu", device_kind=h100)
+    )
+    ops = (
+        dict(op="matmul", m=64, n=96, k=32, dtype="float32"),
+        dict(op="copy", n=4096, dtype="float32"),
+    )
+    monkeypatch.setattr(prediction, "GPU_OPS", ops)
+    monkeypatch.setattr(prediction, "GPU_CONFIGS", (dict(model="tiny", mesh="1"),))
+    monkeypatch.setattr(step, "MEASURED", tmp_path / "measured")
+    (tmp_path / "measured").mkdir()
+    assert tool(["here=true", "budget=0.1", f"results={tmp_path / 'out'}"]) == 0
+    out = capsys.readouterr().out
+    assert "single ops on NVIDIA H100" in out and "step-time model on NVIDIA H100" in out
+    assert "held-out on NVIDIA H100 80GB HBM3: 2 ops" in out and "1 configurations" in out
+    read = lambda f: [json.loads(x) for x in f.read_text().splitlines()]  # noqa: E731
+    op_recs = read(tmp_path / "measured" / "nvidia-h100-80gb-hbm3-ops.jsonl")
+    step_recs = read(tmp_path / "measured" / "nvidia-h100-80gb-hbm3.jsonl")
+    assert [r["what"] for r in op_recs] == [step.OP_CHECK] * 2
+    assert all(r["config"]["pipelined_s"] > 0 and r["config"]["predicted_s"] > 0 for r in op_recs)
+    assert [r["what"] for r in step_recs] == [step.STEP_CHECK]
+    (check,) = step.device_checks(tmp_path / "measured").values()
+    assert check["n"] == 1  # the step only: the ops' checks are not a step's error
+    (recs,) = (tmp_path / "out").glob("prediction-here-*.jsonl")
+    assert len(read(recs)) == 3
+    assert tool(["here=true", "save=false", "stop_after=0.000001", f"results={tmp_path}"]) == 0
+    assert "3 not measured" in capsys.readouterr().out
+
+
 def test_device_checks_state_the_error_of_steps_measured_on_a_device(tmp_path):
     from lab.predict import step
 

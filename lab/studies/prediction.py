@@ -822,9 +822,12 @@ class HereRow:
 
     @property
     def error(self) -> float | None:
-        if not (self.measured_s and self.predicted_s):
+        """predicted / measured − 1: for an op, against its queued time (one program's time on
+        the device, what the model predicts; a blocked call adds the host's round trip)."""
+        measured = self.pipelined_s or self.measured_s
+        if not (measured and self.predicted_s):
             return None
-        return self.predicted_s / self.measured_s - 1.0
+        return self.predicted_s / measured - 1.0
 
 
 def here_check(
@@ -885,8 +888,10 @@ def _op_inputs(op: dict, key):
 
 
 def _queued(fn, args, calls: int) -> float:
-    """Seconds per call with `calls` calls queued back to back and one wait at the end (the
-    device's time per call once the host's dispatch overlaps it); the median of three."""
+    """Seconds per call with `calls` calls queued back to back and one wait at the end; the
+    median of three. The host's dispatch of the next call overlaps the device's work on this
+    one, so this is the larger of the two: the device's time per call for an op longer than a
+    dispatch (tens of µs from Python), the dispatch's for one shorter."""
     out = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -901,10 +906,11 @@ def here_ops(
     ops=GPU_OPS, *, budget_s: float = 0.5, progress=None, on_row=None, deadline=None
 ) -> list[HereRow]:
     """Single ops on the device at hand, each compiled, timed (the median of blocked calls,
-    as a step is timed, and the time per call queued back to back) and predicted from its own
-    compiled program with the published fit. Nothing is fitted here: every row is held out. An
-    op that fails (a dtype the device lacks, out of memory) is a row with its reason; none is
-    started after `deadline` (time.monotonic())."""
+    as a step is timed, and the time per call queued back to back, which the row's error is
+    taken against) and predicted from its own compiled program with the published fit.
+    Nothing is fitted here: every row is held out. An op that fails (a dtype the device lacks,
+    out of memory) is a row with its reason, and one the model cannot predict keeps its
+    times; none is started after `deadline` (time.monotonic())."""
     from lab.devices import describe
     from lab.measure import timing
     from lab.predict.model import predict_compiled
@@ -918,28 +924,40 @@ def here_ops(
             break
         label = op_label(op)
         tick(f"measure {label}")
+        args = None  # the last op's inputs are gone before this one's are drawn
         try:
             fn, args = _op_inputs(op, jax.random.key(i))
             compiled = jax.jit(fn).lower(*args).compile()
             result = timing.bench(compiled, *args, warmup=3, min_runs=10, budget_s=budget_s)
             calls = int(min(1000, max(10, budget_s / max(result.median_s, 1e-6))))
             queued = _queued(compiled, args, calls)
-            machine = machine_for(info, "", {"data": 1}, op["dtype"])
-            p = None if machine is None else predict_compiled(compiled, machine)
-            del args
         except Exception as e:  # noqa: BLE001 - one op's failure is its row
             rows.append(HereRow(label, None, None, {}, f"{type(e).__name__}: {str(e)[:160]}"))
             continue
-        if p is None:
-            rows.append(
-                HereRow(label, result.median_s, None, {}, f"no spec entry for {info.device_kind}")
-            )
+        finally:
+            del args
+        times = dict(measured_s=result.median_s, pipelined_s=queued)
+        try:
+            machine = machine_for(info, "", {"data": 1}, op["dtype"])
+            if machine is None:
+                rows.append(
+                    HereRow(
+                        label,
+                        **times,
+                        predicted_s=None,
+                        breakdown={},
+                        error_text=f"no spec entry for {info.device_kind}",
+                    )
+                )
+                continue
+            p = predict_compiled(compiled, machine)
+        except Exception as e:  # noqa: BLE001 - the times stand without a prediction
+            why = f"not predicted: {type(e).__name__}: {str(e)[:140]}"
+            rows.append(HereRow(label, **times, predicted_s=None, breakdown={}, error_text=why))
             continue
         top = tuple(p.as_dict(5)["top_ops"])
         rows.append(
-            HereRow(
-                label, result.median_s, p.seconds, p.breakdown(), top_ops=top, pipelined_s=queued
-            )
+            HereRow(label, **times, predicted_s=p.seconds, breakdown=p.breakdown(), top_ops=top)
         )
     return list(rows)
 

@@ -100,8 +100,8 @@ def plan(size: str) -> list[Step]:
         Step(
             "prediction",
             "the step-time model against this GPU: single ops and lab.run steps timed and "
-            "predicted, held out (none started after 420 s: the table is printed in budget)",
-            ("-m", "lab.tools.prediction", "here=true", "stop_after=420", "results={out}"),
+            "predicted, held out (none started after 360 s: the tables are printed in budget)",
+            ("-m", "lab.tools.prediction", "here=true", "stop_after=360", "results={out}"),
             540,
             needs_gpu=True,
             kind="prediction",

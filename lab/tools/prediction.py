@@ -59,7 +59,8 @@ class Options:
     ops: bool = field(
         True,
         "here=true: first time single ops (matrix products in bf16/fp16/fp8/f32 at the "
-        "published points' shapes, a 1 GiB copy; about a minute) against their predictions",
+        "published points' shapes, a 1 GiB copy; about a minute) against their predictions, "
+        "each op's error taken against its time with calls queued back to back",
     )
     budget: float = field(
         2.0, "cpu=true / here=true: seconds of timed steps per configuration", min=0.1
@@ -183,10 +184,14 @@ def _here(o: Options, con) -> int:
             records.write_records(path, rec)
             if o.save and r.error is not None:  # the lab's store of device checks (held out)
                 records.write_records(step.MEASURED / f"{store}.jsonl", rec)
-            if r.error is None:
+            queued = f", {r.pipelined_s * 1e3:.3f} ms queued" if r.pipelined_s else ""
+            if r.measured_s is None:
                 con.print(f"{r.config}: no figures ({r.error_text})")
+            elif r.error is None:
+                con.print(
+                    f"{r.config}: measured {r.measured_s * 1e3:.3f} ms{queued} ({r.error_text})"
+                )
             else:
-                queued = f", {r.pipelined_s * 1e3:.3f} ms queued" if r.pipelined_s else ""
                 con.print(
                     f"{r.config}: measured {r.measured_s * 1e3:.3f} ms{queued}, predicted "
                     f"{r.predicted_s * 1e3:.3f} ms ({r.error:+.0%})"

@@ -60,7 +60,8 @@ def prediction_cpu_rows(rows, fit: Fit) -> Table:
 def prediction_here_rows(rows, device_kind: str, ops: bool = False) -> Table:
     """The model against the accelerator at hand: measured, predicted, the error and where the
     predicted time goes (nothing fitted on these rows: all held out). ops=True: single ops,
-    with the time per call queued back to back beside the blocked one."""
+    with the time per call queued back to back beside the blocked one (the error is taken
+    against the queued time)."""
     what = "single ops" if ops else "step-time model"
     t = Table(title=f"the {what} on {device_kind} (measured vs predicted, held out)")
     cols = ("op", "measured", "queued", "predicted", "error", "predicted breakdown")
@@ -69,7 +70,8 @@ def prediction_here_rows(rows, device_kind: str, ops: bool = False) -> Table:
     for r in rows:
         queued = (duration(r.pipelined_s) if r.pipelined_s else "—",) if ops else ()
         if r.error is None:
-            t.add_row(r.config, "—", *(("—",) if ops else ()), "—", "—", r.error_text)
+            measured = duration(r.measured_s) if r.measured_s else "—"
+            t.add_row(r.config, measured, *queued, "—", "—", r.error_text)
             continue
         parts = sorted(r.breakdown.items(), key=lambda kv: -kv[1])[:3]
         where = ", ".join(f"{k} {duration(v)}" for k, v in parts if v)
