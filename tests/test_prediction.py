@@ -127,12 +127,18 @@ def test_here_ops_time_and_predict_each_op_and_keep_going():
     assert prediction.here_check((dict(model="tiny", mesh="1"),), deadline=late) == []
 
 
-def test_queued_timing_waits_once_per_pass(monkeypatch):
-    """Calls queued back to back: `calls` calls per pass, three passes, one wait per pass."""
+def test_queued_timing_waits_once_per_run(monkeypatch):
+    """bench(inner=N), the ops' queued time: N calls back to back per run, one wait per run
+    (after the first call's, which is the compile's)."""
+    from lab.measure import timing
+
     made, waits = [], []
-    monkeypatch.setattr(prediction.jax, "block_until_ready", lambda r: waits.append(r) or r)
-    seconds = prediction._queued(lambda x: made.append(x) or len(made), (7,), 25)
-    assert len(made) == 75 and waits == [25, 50, 75] and seconds >= 0
+    monkeypatch.setattr(timing.jax, "block_until_ready", lambda r: waits.append(r) or r)
+    fn = lambda x: made.append(x) or len(made)  # noqa: E731
+    r = timing.bench(fn, 7, warmup=0, min_runs=3, max_runs=3, budget_s=0.0, inner=25)
+    assert len(made) == 76 and waits == [1, 26, 51, 76] and r.runs == 3
+    with pytest.raises(ValueError, match="inner=0"):
+        timing.bench(fn, 7, inner=0)
 
 
 def test_here_on_a_gpu_writes_ops_and_steps_apart_and_stops_in_time(monkeypatch, tmp_path, capsys):

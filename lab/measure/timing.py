@@ -66,12 +66,16 @@ def bench(
     min_runs: int = 5,
     max_runs: int = 1000,
     budget_s: float = 1.0,
+    inner: int = 1,
 ) -> BenchResult:
     """Time `fn(*args)`: one compile call, `warmup` untimed calls, then runs until `budget_s`.
 
     `rotate` is a list of argument tuples used in turn (instead of `args`), so that caches
-    holding the previous call's inputs do not flatter the figure.
+    holding the previous call's inputs do not flatter the figure. `inner` > 1 makes each run
+    `inner` calls queued back to back and blocked once (`_call_blocked`), the figure per call.
     """
+    if inner < 1:
+        raise ValueError(f"inner={inner}: must be >= 1")
     arg_sets = [tuple(a) for a in rotate] if rotate else [args]
     t0 = time.perf_counter()
     for a in arg_sets:  # every input set compiles (same shapes: one trace) and lands on device
@@ -80,13 +84,13 @@ def bench(
             compile_s, t0 = time.perf_counter() - t0, None
     cycle = itertools.cycle(arg_sets)
     for _ in range(warmup):
-        _call_blocked(fn, next(cycle))
+        _call_blocked(fn, next(cycle), inner)
     times_s: list[float] = []
     start = time.perf_counter()
     while len(times_s) < max_runs and (
         len(times_s) < min_runs or time.perf_counter() - start < budget_s
     ):
-        times_s.append(_call_blocked(fn, next(cycle)))
+        times_s.append(_call_blocked(fn, next(cycle), inner))
     return summarise(times_s, compile_s)
 
 

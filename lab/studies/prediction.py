@@ -875,31 +875,17 @@ def op_label(op: dict) -> str:
 
 def _op_inputs(op: dict, key):
     """The op's function and fresh random inputs (never zeros) on the default device."""
+    from lab.measure.timing import random_normal
+
     dtype = jnp.dtype(op["dtype"])
     if op["op"] == "matmul":
         ka, kb = jax.random.split(key)
-        a = jax.random.normal(ka, (op["m"], op["k"]), jnp.float32).astype(dtype)
-        b = jax.random.normal(kb, (op["k"], op["n"]), jnp.float32).astype(dtype)
+        a = random_normal(ka, (op["m"], op["k"]), dtype)
+        b = random_normal(kb, (op["k"], op["n"]), dtype)
         return (lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)), (a, b)
     if op["op"] == "copy":
-        x = jax.random.normal(key, (op["n"],), jnp.float32).astype(dtype)
-        return (lambda x: x * 1.0001), (x,)
+        return (lambda x: x * 1.0001), (random_normal(key, (op["n"],), dtype),)
     raise ConfigError(f"unknown op {op['op']!r}: matmul or copy")
-
-
-def _queued(fn, args, calls: int) -> float:
-    """Seconds per call with `calls` calls queued back to back and one wait at the end; the
-    median of three. The host's dispatch of the next call overlaps the device's work on this
-    one, so this is the larger of the two: the device's time per call for an op longer than a
-    dispatch (tens of µs from Python), the dispatch's for one shorter."""
-    out = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        out.append((time.perf_counter() - t0) / calls)
-    return float(np.median(out))
 
 
 def here_ops(
@@ -929,8 +915,14 @@ def here_ops(
             fn, args = _op_inputs(op, jax.random.key(i))
             compiled = jax.jit(fn).lower(*args).compile()
             result = timing.bench(compiled, *args, warmup=3, min_runs=10, budget_s=budget_s)
+            # queued: calls back to back, one wait per run (the median of three runs). The
+            # host's dispatch of the next call overlaps the device's work on this one, so it
+            # is the device's time per call for an op longer than a dispatch from Python
+            # (tens of µs), the dispatch's for a shorter one.
             calls = int(min(1000, max(10, budget_s / max(result.median_s, 1e-6))))
-            queued = _queued(compiled, args, calls)
+            queued = timing.bench(
+                compiled, *args, warmup=0, min_runs=3, max_runs=3, budget_s=0.0, inner=calls
+            ).median_s
         except Exception as e:  # noqa: BLE001 - one op's failure is its row
             rows.append(HereRow(label, None, None, {}, f"{type(e).__name__}: {str(e)[:160]}"))
             continue
