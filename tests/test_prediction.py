@@ -286,3 +286,25 @@ def test_a_gpu_step_larger_than_the_chip_is_dropped_not_predicted():
     why = prediction.too_big(point, {"memory_bytes": 89.6e9})
     assert why == "the compiled step needs 89.6 GB, 80 GB available"
     assert "dropped, not bent" in prediction.why_refused(point, why)
+
+
+def test_a_gemm_point_is_written_in_its_benchmarks_output_dtype():
+    """Azure's cuBLASLt benchmark writes fp8 products in float16 (accumulated in f32): the lab's
+    program for such a point keeps the fp8 operands (timed at the fp8 peak) and writes 2 bytes
+    per output element, where the default writes float32's 4."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="the gpu-plan extra compiles for H100")
+    from lab.measure import hlo, specs
+    from lab.predict import machines
+    from lab.predict.model import predict
+
+    m = n = k = 2048  # compute-bound at the fp8 peak, twice as long at float16's
+    prog = dict(op="matmul", m=m, n=n, k=k, dtype="float8_e4m3fn", target="gpu:h100")
+    h100 = machines.gpu_machine(specs.lookup("NVIDIA H100 80GB HBM3"), {"data": 1})  # roofline
+    for out, size in (("float16", 2), (None, 4)):
+        lab_program = {**prog, **({"out_dtype": out} if out else {})}
+        program = hlo.parse(prediction._op_program({"id": "t", "lab_program": lab_program})["hlo"])
+        (op,) = [o for o in predict(program, h100).ops if o.flops]
+        assert op.flops == pytest.approx(2.0 * m * n * k)
+        assert op.bytes == pytest.approx(m * k + k * n + size * m * n)
+        at_fp8 = max(op.flops / h100.peak("float8"), op.bytes / h100.memory_bandwidth)
+        assert op.seconds == pytest.approx(at_fp8), out

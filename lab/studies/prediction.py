@@ -272,7 +272,14 @@ def _op_program(point: dict) -> dict:
         sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         a = jax.ShapeDtypeStruct((m, k), dtype, sharding=sh)
         b = jax.ShapeDtypeStruct((k, n), dtype, sharding=sh)
-        fn = lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)  # noqa: E731
+        # Accumulated in f32 and written in the benchmark's output dtype: the bytes written
+        # decide a tall, thin product's time. (Asked for directly, an f16 result of fp8
+        # operands compiles to an f16 product of converted operands, at f16's peak.)
+        out = jnp.dtype(prog.get("out_dtype", "float32"))
+
+        def fn(a, b):
+            return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(out)
+
         compiled = jax.jit(fn).lower(a, b).compile()
         return {"hlo": compiled.as_text(), "mesh": {"data": 1}, "flops": 2.0 * m * n * k}
     if op == "copy":
