@@ -20,6 +20,8 @@ def test_the_published_points_are_data_with_sources():
     for p in points:
         assert p["quote"].strip() and p["source"].strip(), p["id"]
         assert p["usable"] or p["why_not"], p["id"]
+        if (p.get("lab_program") or {}).get("op") == "matmul":  # the bytes it writes
+            assert p["lab_program"].get("out_dtype"), p["id"]
     calib = prediction.calibration_ids(points)
     groups = {(p["hardware"]["kind"], p["workload"]) for p in points if p["id"] in calib}
     assert len(groups) == len(calib)  # one calibration point per (hardware, workload) group
