@@ -32,12 +32,22 @@ def _operands(rng, M, C, N, w_dtype, x_dtype):
     return x, w, scale
 
 
-# Batch 1; several rows (register tiles of up to 8 rows, blocks of weight rows, a tile of two
-# vectors, of one, and columns left over); more than 8 rows (a second tile of rows) over
-# blocks that do not divide the contraction; runs of rows split across parts.
+# Batch 1 (runs of rows split across parts, each read as long streams with rows left over; a
+# contraction too short to split, read in column strips); several rows (register tiles of up
+# to 8 rows, blocks of weight rows, a tile of two vectors, of one, and columns left over);
+# more than 8 rows (a second tile of rows) over blocks that do not divide the contraction;
+# runs of rows split across parts.
 @pytest.mark.parametrize(
     "M,C,N",
-    [(1, 300, 77), (1, 301, 77), (5, 37, 130), (11, 75, 200), (9, 100, 48), (3, 520, 90)],
+    [
+        (1, 300, 77),
+        (1, 301, 77),
+        (1, 131, 77),
+        (5, 37, 130),
+        (11, 75, 200),
+        (9, 100, 48),
+        (3, 520, 90),
+    ],
 )
 @pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
@@ -69,8 +79,8 @@ def test_a_transposed_weight_matches_the_float64_reference(w_dtype):
         assert err < TOL["float32"], err
 
 
-# column strips; runs of rows; more rows than a register tile holds, over runs of rows
-@pytest.mark.parametrize("M,C,N", [(3, 64, 200), (3, 300, 50), (11, 300, 90)])
+# column strips; runs of rows (batch 1 and 3); more rows than a register tile holds
+@pytest.mark.parametrize("M,C,N", [(3, 64, 200), (1, 301, 50), (3, 300, 50), (11, 300, 90)])
 def test_one_thread_gives_the_same_sums(M, C, N):
     x, w, scale = _operands(np.random.default_rng(), M, C, N, "int8", "float32")
     many = cpu_gemv.cpu_gemv(x, w, scale)

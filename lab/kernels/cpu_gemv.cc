@@ -13,9 +13,10 @@
 //
 // Decode is memory-bound: every weight byte is read from memory exactly once per call whatever
 // M is. Each thread takes its own run of weight rows (or, for a wide output or a short
-// contraction, its own range of columns); at batch 1 it streams them sixteen (f32 on
-// AVX-512) or four rows at a time into sums held in L1, and with several rows of x it reads
-// them in blocks, a tile of columns at a time, into sums held in registers (`tile` says why).
+// contraction, its own range of columns); at batch 1 it streams them as four long runs side
+// by side (`kStreams`; AVX-512 builds: sixteen or four adjacent rows at a time) into sums held
+// in L1, and with several rows of x it reads them in blocks, a tile of columns at a time, into
+// sums held in registers (`tile` says why).
 // The inner loop is written with GCC/Clang vector extensions sized to the ISA the build targets
 // (AVX-512 with -march=native here; SSE2 or NEON on a portable build). The threads are a
 // persistent pool (a decode step makes ~100 of these calls; a thread started per call would
@@ -210,8 +211,8 @@ Pool& pool() {
 
 // ------------------------------------------------------------------------- the kernel
 
-// At batch 1: how many weight rows ahead of the four being read `strip` asks for, for
-// weights narrower than f32: the hardware prefetchers alone left one thread reading int8 weights at 4–5 GB/s
+// At batch 1 on adjacent rows (AVX-512 builds, `kStreams`): how many weight rows ahead of the
+// four being read `strip` asks for, for weights narrower than f32: the hardware prefetchers alone left one thread reading int8 weights at 4–5 GB/s
 // from memory against 15 GB/s from L2 (the loop waited on memory, not arithmetic); fetching
 // the same columns of the rows two passes ahead doubled it. Measured over 4, 8, 12 and 16
 // rows and against a batch of prefetches per pass: 8 rows per vector read won. f32 rows
@@ -231,6 +232,24 @@ constexpr int64_t kAhead = 8;
 constexpr int kRowsF32 = 16;
 #else
 constexpr int kRowsF32 = 4;
+#endif
+
+// At batch 1 on builds without AVX-512: the rows a call reads at once are four long streams
+// (a part's rows cut into four runs, one row of each per pass), not four adjacent rows. Four
+// adjacent rows are one short stream: a decoder's row is 0.75–8 KiB, so the hardware
+// prefetcher meets a new stream every few KiB; the four runs of a 128-row part are 24–256 KiB
+// each. Measured on an AMD EPYC (Zen 3, AVX2, 2 threads), one decode step's weights from
+// memory, 150–200 alternated steps in one process, median ratio of the pairs: f32 (0.44 GB a
+// step) four long streams 1.13× the speed of four adjacent rows (twice), 24.3–26.9 GB/s
+// against 21.7–23.6; int8 (four steps' layers and a head, 0.37 GB) 1.35–1.37× (22.8–23.9
+// GB/s against 17.0–17.5), 1.11–1.24× with a prefetch kAhead rows ahead in each stream; bf16
+// 1.21–1.32×. Two or eight long streams, one stream, or a prefetch along each stream were
+// slower than four without. AVX-512 builds keep the adjacent rows (sixteen for f32, four prefetched
+// for narrower weights), measured on an Intel host where the long streams were not measured.
+#if defined(__AVX512F__)
+constexpr int kStreams = 1;
+#else
+constexpr int kStreams = 4;
 #endif
 
 // Ask for the same kVW columns of four consecutive weight rows (`stride` elements apart).
@@ -312,24 +331,25 @@ inline void tile_rows(const float* x, int64_t M, int64_t xs, int64_t C, const W*
   }
 }
 
-// Decode at batch 1: acc[0 : width] += x[0 : R] · w[0 : R, 0 : width] (w's rows N elements
-// apart), R weight rows per pass, x's R values held in registers across the rows, a vector of
-// sums loaded and stored once per R FMAs. `ahead`: ask for the rows kAhead further on too.
+// Decode at batch 1: acc[0 : width] += Σ_r x[r · xs] · w[r · rs, 0 : width], R weight rows
+// per pass (`rs` elements apart: adjacent rows, or one row of each of R long streams), x's R
+// values held in registers across the rows, a vector of sums loaded and stored once per R
+// FMAs. `ahead`: ask for the rows kAhead further on (adjacent rows only) too.
 template <int R, typename W>
-inline void rows(const float* x, const W* w, int64_t N, int64_t nv, int64_t width, float* acc,
-                 bool ahead) {
+inline void rows(const float* x, int64_t xs, const W* w, int64_t rs, int64_t nv, int64_t width,
+                 float* acc, bool ahead) {
   float xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = x[r];
+  for (int r = 0; r < R; ++r) xr[r] = x[r * xs];
   for (int64_t j = 0; j < nv; j += kVW) {
-    if (ahead) prefetch(w + kAhead * N + j, N);
+    if (ahead) prefetch(w + kAhead * rs + j, rs);
     vf s;
     std::memcpy(&s, acc + j, sizeof s);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) s += xr[r] * vec(w + r * N + j);
+    for (int r = 0; r < R; ++r) s += xr[r] * vec(w + r * rs + j);
     std::memcpy(acc + j, &s, sizeof s);
   }
   for (int64_t j = nv; j < width; ++j)
-    for (int r = 0; r < R; ++r) acc[j] += xr[r] * scalar(w + r * N + j);
+    for (int r = 0; r < R; ++r) acc[j] += xr[r] * scalar(w + r * rs + j);
 }
 
 // acc[M, width] = x[M, C] · w[C, n0 : n0 + width].
@@ -361,11 +381,17 @@ void strip(const float* x, int64_t M, int64_t xs, int64_t C, const W* w, int64_t
   }
   std::fill(acc, acc + width, 0.0f);
   int64_t d = 0;
+  if constexpr (kStreams > 1) {  // row i of each of the long streams
+    const int64_t q = C / kStreams;
+    for (int64_t i = 0; i < q; ++i)
+      rows<kStreams>(x + i, q, w + i * N + n0, q * N, nv, width, acc, false);
+    d = q * kStreams;
+  }
   if constexpr (sizeof(W) == 4 && kRowsF32 > 4)
     for (; d + kRowsF32 <= C; d += kRowsF32)
-      rows<kRowsF32>(x + d, w + d * N + n0, N, nv, width, acc, false);
+      rows<kRowsF32>(x + d, 1, w + d * N + n0, N, nv, width, acc, false);
   for (; d + 4 <= C; d += 4)
-    rows<4>(x + d, w + d * N + n0, N, nv, width, acc, sizeof(W) < 4 && d + 4 + kAhead <= C);
+    rows<4>(x + d, 1, w + d * N + n0, N, nv, width, acc, sizeof(W) < 4 && d + 4 + kAhead <= C);
   for (; d < C; ++d) {
     const W* r0 = w + d * N + n0;
     for (int64_t j = 0; j < width; ++j) acc[j] += x[d] * scalar(r0 + j);
