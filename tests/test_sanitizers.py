@@ -12,8 +12,9 @@ import pytest
 from lab.kernels import native
 
 # Edge cases of each kernel, few enough to stay quick under ASan: a length of 1 and of 127
-# against blocks of 64, GQA, unequal lengths, bf16; the GEMV's row tails at one row (bf16
-# weights in passes of four rows; f32 in passes of sixteen, of four, then single rows), int8
+# against blocks of 64, GQA, unequal lengths, bf16, the backward in one pass and in two; the
+# GEMV's row tails at one row (long streams with rows left over, or adjacent rows in passes
+# of sixteen, of four, then single ones; a short contraction in column strips), int8
 # weights at five rows, eleven rows (two register tiles of rows) over blocks of weight rows
 # that do not divide the contraction, three rows over runs of weight rows split across parts;
 # the C++ decode attention over the int8 cache.
@@ -22,9 +23,12 @@ KERNEL_TESTS = [
     FLASH + "test_matches_float64_reference[causal-g4-bfloat16-L127-D64]",
     FLASH + "test_matches_float64_reference[full-g1-float32-L1-D128]",
     FLASH + "test_unequal_lengths[False-1-129]",
+    FLASH + "test_both_backward_paths_match_the_reference[float32-fused]",
+    FLASH + "test_both_backward_paths_match_the_reference[bfloat16-two-pass]",
     GEMV + "test_matches_the_float64_reference[float32-int8-5-37-130]",
     GEMV + "test_matches_the_float64_reference[bfloat16-bfloat16-1-300-77]",
     GEMV + "test_matches_the_float64_reference[float32-float32-1-301-77]",
+    GEMV + "test_matches_the_float64_reference[float32-int8-1-131-77]",
     GEMV + "test_matches_the_float64_reference[float32-float32-11-75-200]",
     GEMV + "test_matches_the_float64_reference[float32-int8-3-520-90]",
     GEMV + "test_a_transposed_weight_matches_the_float64_reference[int8]",

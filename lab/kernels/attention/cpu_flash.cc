@@ -1,6 +1,8 @@
 // Flash attention for the CPU, registered with XLA through jax.ffi (cpu_flash.py builds and
-// loads it). Forward with the log-sum-exp saved; backward as FlashAttention-2: a dQ pass over
-// query blocks and a dK/dV pass over key blocks, each recomputing the probabilities.
+// loads it). Forward with the log-sum-exp saved; backward as FlashAttention-2, recomputing
+// the probabilities: in one pass over key blocks that adds dQ beside dK and dV where the
+// (batch, kv head) items spread evenly over the threads (`fused_backward`), else a dQ pass
+// over query blocks and a dK/dV pass over key blocks.
 //
 // Layout as the lab's other kernels: q [B, L, H, K], k and v [B, S, G, K] (grouped-query:
 // query head h reads kv head h / R, R = H / G; K/V are never repeated), lse [B, H, L] f32.
@@ -10,7 +12,8 @@
 // a row that sees no key gives 0. Inputs f32 or bf16; every tile is packed into f32 and every sum is f32.
 //
 // Work is split over std::threads: (batch, head, query block) items for the forward and dQ,
-// (batch, kv head, key block) items for dK/dV, heaviest first (causal blocks differ in work).
+// (batch, kv head, key block) items for dK/dV, heaviest first (causal blocks differ in work);
+// (batch, kv head) items for the one-pass backward (each as heavy as the next).
 // The inner products run in one register-blocked micro-kernel written with GCC/Clang vector
 // extensions, sized to the vector ISA the build targets (AVX-512 with -march=native here;
 // SSE2 or NEON on a portable build).
@@ -161,8 +164,9 @@ inline float row_max(const float* row, int64_t n, float init) {
   return out;
 }
 
-// C[MR rows from i0 × kNR columns from j0] (+)= A · B over kd.
-template <int MR>
+// C[MR rows from i0 × kNR columns from j0] (+)= A · B over kd; TA: A is stored transposed,
+// [kd × M] (row p, column r at A[p · lda + r]).
+template <int MR, bool TA = false>
 inline void micro(int i0, int j0, int kd, const float* A, int64_t lda, const float* B,
                   int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   vf c[MR][kNV];
@@ -171,7 +175,7 @@ inline void micro(int i0, int j0, int kd, const float* A, int64_t lda, const flo
 #pragma GCC unroll 4
     for (int v = 0; v < kNV; ++v)
       c[r][v] = accumulate ? vload(C + (i0 + r) * ldc + j0 + kVW * v) : vf{};
-  const float* a = A + i0 * lda;
+  const float* a = TA ? A + i0 : A + i0 * lda;
   const float* b = B + j0;
   for (int p = 0; p < kd; ++p) {
     vf bv[kNV];
@@ -179,7 +183,7 @@ inline void micro(int i0, int j0, int kd, const float* A, int64_t lda, const flo
     for (int v = 0; v < kNV; ++v) bv[v] = vload(b + p * ldb + kVW * v);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const float s = a[r * lda + p];
+      const float s = TA ? a[p * lda + r] : a[r * lda + p];
 #pragma GCC unroll 4
       for (int v = 0; v < kNV; ++v) c[r][v] += s * bv[v];
     }
@@ -190,22 +194,24 @@ inline void micro(int i0, int j0, int kd, const float* A, int64_t lda, const flo
     for (int v = 0; v < kNV; ++v) vstore(C + (i0 + r) * ldc + j0 + kVW * v, c[r][v]);
 }
 
-// C[M×N] (+)= A[M×kd] · B[kd×N], all row-major f32; N % kNR == 0 (M any: the rows past the
-// last whole micro-tile take a shorter one).
+// C[M×N] (+)= A[M×kd] · B[kd×N], all row-major f32 (TA: A given as Aᵀ [kd×M]); N % kNR == 0
+// (M any: the rows past the last whole micro-tile take a shorter one).
+template <bool TA = false>
 void gemm(int M, int N, int kd, const float* A, int64_t lda, const float* B, int64_t ldb,
           float* C, int64_t ldc, bool accumulate) {
   const int whole = M / kMR * kMR;
   for (int i0 = 0; i0 < whole; i0 += kMR)
-    for (int j0 = 0; j0 < N; j0 += kNR) micro<kMR>(i0, j0, kd, A, lda, B, ldb, C, ldc, accumulate);
+    for (int j0 = 0; j0 < N; j0 += kNR)
+      micro<kMR, TA>(i0, j0, kd, A, lda, B, ldb, C, ldc, accumulate);
   if (whole == M) return;
   for (int j0 = 0; j0 < N; j0 += kNR) switch (M - whole) {
-      case 1: micro<1>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      case 2: micro<2>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      case 3: micro<3>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      case 4: micro<4>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      case 5: micro<5>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      case 6: micro<6>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      default: micro<7>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
+      case 1: micro<1, TA>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
+      case 2: micro<2, TA>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
+      case 3: micro<3, TA>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
+      case 4: micro<4, TA>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
+      case 5: micro<5, TA>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
+      case 6: micro<6, TA>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
+      default: micro<7, TA>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
     }
 }
 
@@ -524,6 +530,96 @@ void backward_dkdv(const Geo& g, const T* q, const T* k, const T* v, const float
   });
 }
 
+// The backward in one pass when there are enough (batch, kv head) items to keep every thread
+// busy: an item owns every query row of its R heads, so it can add dQ into its own sums as it
+// goes (dQ += dS · K beside dK and dV) and the scores and dP are computed once, not once per
+// pass: 7 products a tile where the two passes take 9. Same sums, added in the same order of
+// key blocks as the dQ pass.
+template <typename T>
+void backward_fused(const Geo& g, const T* q, const T* k, const T* v, const float* lse,
+                    const float* delta, const T* d_o, T* dq, T* dk, T* dv) {
+  const int64_t bq = g.bq, bk = g.bk, Kp = g.Kp;
+  const std::vector<float> qs_all = pack_all(g, q, g.L, g.H, bq, g.scale, false);
+  const std::vector<float> qst_all = pack_all(g, q, g.L, g.H, bq, g.scale, true);
+  const std::vector<float> dor_all = pack_all(g, d_o, g.L, g.H, bq, 1.0f, false);
+  const std::vector<float> dot_all = pack_all(g, d_o, g.L, g.H, bq, 1.0f, true);
+  parallel_for(g.B * g.G, g.threads, [&](int64_t item) {
+    thread_local std::vector<float> buf, dq_buf;
+    buf.resize(4 * bk * Kp + 2 * bk * bq + 2 * bq);
+    float* kr = buf.data();        // [bk×Kp]
+    float* vr = kr + bk * Kp;      // [bk×Kp]
+    float* dk_acc = vr + bk * Kp;  // [bk×Kp]
+    float* dv_acc = dk_acc + bk * Kp;
+    float* pt = dv_acc + bk * Kp;  // [bk×bq] Pᵀ
+    float* dpt = pt + bk * bq;     // [bk×bq] dPᵀ, then dSᵀ
+    float* lse_r = dpt + bk * bq;  // [bq]
+    float* del_r = lse_r + bq;     // [bq]
+    dq_buf.assign(g.R * g.nq * bq * Kp, 0.0f);  // [R, nq·bq, Kp]: dQ / scale
+    const int64_t b = item / g.G, kvh = item % g.G, base = g.kv_index(b, 0, kvh);
+    for (int64_t j = 0; j < g.nk; ++j) {
+      const int64_t k0 = j * bk;
+      pack(k, base, g.G * g.K, k0, bk, g.S, g.K, Kp, 1.0f, kr, false);
+      pack(v, base, g.G * g.K, k0, bk, g.S, g.K, Kp, 1.0f, vr, false);
+      std::fill(dk_acc, dk_acc + 2 * bk * Kp, 0.0f);
+      for (int64_t rr = 0; rr < g.R; ++rr) {
+        const int64_t h = kvh * g.R + rr;
+        for (int64_t i = 0; i < g.nq; ++i) {
+          const int32_t kind = g.kind(b, i, j);
+          if (kind == 0) continue;
+          const int64_t q0 = i * bq, at = ((b * g.H + h) * g.nq + i) * bq * Kp;
+          const float* qs = qs_all.data() + at;    // [bq×Kp] q · scale
+          const float* qst = qst_all.data() + at;  // [Kp×bq]
+          const float* dor = dor_all.data() + at;  // [bq×Kp] dO
+          const float* dot = dot_all.data() + at;  // [Kp×bq]
+          for (int64_t r = 0; r < bq; ++r) {
+            const bool real = q0 + r < g.L;
+            lse_r[r] = real ? lse[g.row_index(b, h, q0 + r)] : 0.0f;
+            del_r[r] = real ? delta[g.row_index(b, h, q0 + r)] : 0.0f;
+          }
+          gemm(bk, bq, g.K, kr, Kp, qst, bq, pt, bq, false);
+          cap(g, pt, bk * bq);
+          gemm(bk, bq, g.K, vr, Kp, dot, bq, dpt, bq, false);
+          const bool masked = kind == 1;
+          const float inv_cap = g.inv_cap();
+          for (int64_t c = 0; c < bk; ++c) {
+            float* prow = pt + c * bq;
+            float* drow = dpt + c * bq;
+            for (int64_t r = 0; r < bq; r += kVW) {
+              const vf x = vload(prow + r), prob = vexp(x - vload(lse_r + r)), t = x * inv_cap;
+              vstore(prow + r, prob);
+              vstore(drow + r, prob * (vload(drow + r) - vload(del_r + r)) * (1.0f - t * t));
+            }
+            if (masked)
+              for (int64_t r = 0; r < bq; ++r)
+                if (!g.visible(b, q0 + r, k0 + c)) prow[r] = drow[r] = 0.0f;
+          }
+          gemm(bk, Kp, bq, pt, bq, dor, Kp, dv_acc, Kp, true);
+          gemm(bk, Kp, bq, dpt, bq, qs, Kp, dk_acc, Kp, true);
+          // dQ[q0 : q0 + bq] += dS · K: dS given as dSᵀ [bk×bq]
+          gemm<true>(bq, Kp, bk, dpt, bq, kr, Kp, dq_buf.data() + (rr * g.nq + i) * bq * Kp, Kp,
+                     true);
+        }
+      }
+      for (int64_t c = 0; c < bk && k0 + c < g.S; ++c) {
+        T* dst_k = dk + g.kv_index(b, k0 + c, kvh);
+        T* dst_v = dv + g.kv_index(b, k0 + c, kvh);
+        for (int64_t d = 0; d < g.K; ++d) {
+          store(dst_k, d, dk_acc[c * Kp + d]);
+          store(dst_v, d, dv_acc[c * Kp + d]);
+        }
+      }
+    }
+    for (int64_t rr = 0; rr < g.R; ++rr) {
+      const int64_t h = kvh * g.R + rr;
+      for (int64_t l = 0; l < g.L; ++l) {
+        T* dst = dq + g.q_index(b, l, h);
+        const float* src = dq_buf.data() + (rr * g.nq * bq + l) * Kp;
+        for (int64_t d = 0; d < g.K; ++d) store(dst, d, src[d] * g.scale);
+      }
+    }
+  });
+}
+
 // ------------------------------------------------------------------------- FFI
 
 int default_threads() {
@@ -607,6 +703,17 @@ ffi::Error Forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   return ffi::Error::Success();
 }
 
+// One pass needs its (batch, kv head) items to spread evenly over the threads: a whole number
+// of items per thread, or enough that the last round's idle threads cost little.
+bool fused_backward(const Geo& g) {
+  if (const char* env = std::getenv("LAB_CPU_FLASH_BACKWARD")) {
+    if (std::string(env) == "two-pass") return false;
+    if (std::string(env) == "fused") return true;
+  }
+  const int64_t items = g.B * g.G;
+  return items % g.threads == 0 || items >= 4 * g.threads;
+}
+
 template <typename T>
 void backward(const Geo& g, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
               ffi::AnyBuffer o, const float* lse, ffi::AnyBuffer d_o, void* dq, void* dk,
@@ -614,6 +721,11 @@ void backward(const Geo& g, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
   auto in = [](ffi::AnyBuffer x) { return static_cast<const T*>(x.untyped_data()); };
   std::vector<float> delta(g.B * g.H * g.L);
   row_deltas(g, in(o), in(d_o), delta.data());
+  if (fused_backward(g)) {
+    backward_fused(g, in(q), in(k), in(v), lse, delta.data(), in(d_o), static_cast<T*>(dq),
+                   static_cast<T*>(dk), static_cast<T*>(dv));
+    return;
+  }
   backward_dq(g, in(q), in(k), in(v), lse, delta.data(), in(d_o), static_cast<T*>(dq));
   backward_dkdv(g, in(q), in(k), in(v), lse, delta.data(), in(d_o), static_cast<T*>(dk),
                 static_cast<T*>(dv));
