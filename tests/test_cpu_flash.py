@@ -143,16 +143,30 @@ def test_block_sizes_do_not_change_the_result():
         assert_close(output_and_grads(fn, q, k, v, do), want, "float32")
 
 
+BACKWARD_SHAPES = {  # L, S, head_dim, block sizes
+    "square": (300, 300, 64, cpu_flash.BlockSizes()),
+    "k80-32x64": (300, 300, 80, cpu_flash.BlockSizes(32, 64)),
+    "l200-s330-96x32": (200, 330, 64, cpu_flash.BlockSizes(96, 32)),
+}
+
+
 @pytest.mark.parametrize("path", ["fused", "two-pass"])
 @pytest.mark.parametrize("dtype", list(TOL))
-def test_both_backward_paths_match_the_reference(monkeypatch, path, dtype):
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES)
+def test_both_backward_paths_match_the_reference(monkeypatch, path, dtype, shape):
     """The backward in one pass (each (batch, kv head) item adds its own dQ) and in two (a dQ
     pass and a dK/dV pass); `auto` picks by how the items spread over the threads. Grouped
-    heads, several blocks and a partial one, a sliding window."""
+    heads, several blocks and a partial one, a sliding window; unequal blocks, a head dim that
+    is not a multiple of 32 (its tiles zero-padded), L < S."""
     monkeypatch.setenv("LAB_CPU_FLASH_BACKWARD", path)
-    q, k, v, do = random_qkv(11, 300, 300, HEADS, 2, 64, dtype, B=2)
+    monkeypatch.setenv("LAB_CPU_FLASH_THREADS", "2")
+    L, S, K, bs = BACKWARD_SHAPES[shape]
+    q, k, v, do = random_qkv(11, L, S, HEADS, 2, K, dtype, B=2)
     mask = cpu_flash.Mask.make(causal=True, window=(100, 0))
-    fn = lambda q, k, v: cpu_flash.cpu_flash_attention(q, k, v, mask=mask)  # noqa: E731
+
+    def fn(q, k, v):
+        return cpu_flash.cpu_flash_attention(q, k, v, mask=mask, block_sizes=bs)
+
     ref = lambda q, k, v: attention_reference(q, k, v, mask=mask)  # noqa: E731
     with jax.enable_x64(True):
         args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do)]

@@ -32,8 +32,9 @@ def _operands(rng, M, C, N, w_dtype, x_dtype):
     return x, w, scale
 
 
-# Batch 1 (runs of rows split across parts, each read as long streams with rows left over; a
-# contraction too short to split, read in column strips); several rows (register tiles of up
+# Batch 1 (runs of rows split across parts, each read as long streams with rows left over;
+# column strips, each read as long streams, for a contraction too short to split and for an
+# output too wide for per-part sums); several rows (register tiles of up
 # to 8 rows, blocks of weight rows, a tile of two vectors, of one, and columns left over);
 # more than 8 rows (a second tile of rows) over blocks that do not divide the contraction;
 # runs of rows split across parts.
@@ -42,7 +43,8 @@ def _operands(rng, M, C, N, w_dtype, x_dtype):
     [
         (1, 300, 77),
         (1, 301, 77),
-        (1, 131, 77),
+        (1, 100, 77),
+        (1, 37, 40000),
         (5, 37, 130),
         (11, 75, 200),
         (9, 100, 48),

@@ -211,9 +211,10 @@ Pool& pool() {
 
 // ------------------------------------------------------------------------- the kernel
 
-// At batch 1 on adjacent rows (AVX-512 builds, `kStreams`): how many weight rows ahead of the
-// four being read `strip` asks for, for weights narrower than f32: the hardware prefetchers alone left one thread reading int8 weights at 4–5 GB/s
-// from memory against 15 GB/s from L2 (the loop waited on memory, not arithmetic); fetching
+// At batch 1 on adjacent rows (AVX-512 builds only, `kStreams`): how many weight rows ahead of
+// the four being read `strip` asks for, for weights narrower than f32: the hardware
+// prefetchers alone left one thread reading int8 weights at 4–5 GB/s from memory against
+// 15 GB/s from L2 (the loop waited on memory, not arithmetic); fetching
 // the same columns of the rows two passes ahead doubled it. Measured over 4, 8, 12 and 16
 // rows and against a batch of prefetches per pass: 8 rows per vector read won. f32 rows
 // stream fast enough without (with it, f32 decode was slower).
@@ -226,8 +227,9 @@ constexpr int64_t kAhead = 8;
 // 23–28 GB/s); eight rows with a prefetch 1 KiB ahead 25.9, sixteen with one 512 B ahead
 // 26.0. In the whole decode step (model=base, f32, batch 1: 97 calls, most of 2–6 MB) the gain
 // is within this host's noise: 23.2–24.5 ms a step against 24.5–31.3, three alternated pairs.
-// Builds without AVX-512 keep four: sixteen broadcasts of x would not fit AVX2's or SSE2's 16
-// registers beside the sums and the weight vectors.
+// Builds without AVX-512 read four long streams instead (`kStreams`; four rows a pass, as
+// sixteen broadcasts of x would not fit AVX2's or SSE2's 16 registers beside the sums and
+// the weight vectors), so there the adjacent-row loops below see no rows.
 #if defined(__AVX512F__)
 constexpr int kRowsF32 = 16;
 #else

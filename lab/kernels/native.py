@@ -28,6 +28,8 @@ FLAGS = ["-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "
 NATIVE, PORTABLE = ["-O3", "-march=native"], ["-O3"]
 # LAB_KERNEL_SANITIZE=1: AddressSanitizer and UndefinedBehaviorSanitizer builds, any error
 # fatal, for the kernel tests (tests/test_sanitizers.py); the process must preload libasan.
+# For the host's vector ISA first (its micro-tiles and tails are the ones users run), else
+# portable.
 SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
             "-fno-sanitize-recover=all"]  # fmt: skip
 
@@ -91,7 +93,7 @@ def build(
         return None
     attempts = [PORTABLE] if portable else [NATIVE, PORTABLE]
     if os.environ.get("LAB_KERNEL_SANITIZE") == "1":
-        attempts = [SANITIZE]
+        attempts = [SANITIZE + ["-march=native"], SANITIZE]
     error = None
     for opt in attempts:
         key = hashlib.sha256()

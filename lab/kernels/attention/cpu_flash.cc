@@ -13,7 +13,8 @@
 //
 // Work is split over std::threads: (batch, head, query block) items for the forward and dQ,
 // (batch, kv head, key block) items for dK/dV, heaviest first (causal blocks differ in work);
-// (batch, kv head) items for the one-pass backward (each as heavy as the next).
+// (batch, kv head) items for the one-pass backward (as heavy as one another unless lengths or
+// segments differ between sequences).
 // The inner products run in one register-blocked micro-kernel written with GCC/Clang vector
 // extensions, sized to the vector ISA the build targets (AVX-512 with -march=native here;
 // SSE2 or NEON on a portable build).
@@ -561,7 +562,7 @@ void backward_dkdv(const Geo& g, const T* q, const T* k, const T* v, const float
 // The backward in one pass when there are enough (batch, kv head) items to keep every thread
 // busy: an item owns every query row of its R heads, so it can add dQ into its own sums as it
 // goes (dQ += dS · K beside dK and dV) and the scores and dP are computed once, not once per
-// pass: 7 products a tile where the two passes take 9. Same sums, added in the same order of
+// pass: 5 products a tile where the two passes take 7. Same sums, added in the same order of
 // key blocks as the dQ pass.
 template <typename T>
 void backward_fused(const Geo& g, const T* q, const T* k, const T* v, const float* lse,
@@ -572,7 +573,8 @@ void backward_fused(const Geo& g, const T* q, const T* k, const T* v, const floa
   const std::vector<float> dor_all = pack_all(g, d_o, g.L, g.H, bq, 1.0f, kPanels);
   const std::vector<float> dot_all = pack_all(g, d_o, g.L, g.H, bq, 1.0f, kPanelsT);
   parallel_for(g.B * g.G, g.threads, [&](int64_t item) {
-    thread_local std::vector<float> buf, dq_buf;
+    thread_local std::vector<float> buf;
+    std::vector<float> dq_buf;  // not kept past the call: R · L · Kp floats
     buf.resize(5 * bk * Kp + 2 * bk * bq + 2 * bq);
     float* kr = buf.data();        // [bk×Kp]
     float* vr = kr + bk * Kp;      // [bk×Kp]
@@ -773,7 +775,10 @@ ffi::Error Backward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
   const MaskArgs m{q_seg, kv_seg, q_len, kv_len, kinds, has_lo, lo, has_hi, hi, softcap};
   if (auto e = geometry(q, k, causal, scale, block_q, block_k, threads, m, &g); e.failure())
     return e;
-  if (g.B * g.S * g.G * g.K == 0) return ffi::Error::Success();
+  if (g.B * g.S * g.G * g.K == 0) {  // no key: no gradient reaches q either
+    std::memset(dq->untyped_data(), 0, dq->size_bytes());
+    return ffi::Error::Success();
+  }
   if (g.L == 0) {  // no query: no gradient reaches k or v
     std::memset(dk->untyped_data(), 0, dk->size_bytes());
     std::memset(dv->untyped_data(), 0, dv->size_bytes());

@@ -5,10 +5,12 @@ PyTorch's scaled_dot_product_attention fwd+bwd (2-core host, B1 H8 K64 f32, S 2k
 compiles its tiles into loops that do not keep a tile in registers. This kernel packs each tile
 into f32, multiplies in a register-blocked micro-kernel and runs the online softmax on the
 packed tile, over std::threads (batch × heads × query blocks). Forward saves the log-sum-exp;
-the backward is FlashAttention-2's: a dQ pass over query blocks and a dK/dV pass over key
-blocks. Grouped-query heads read their kv head in place (no repeat); masks as
-`common.Mask` (causal bottom-right, a sliding window, segment ids, lengths) with the tiles to
-skip or mask from its block map; any length; f32 and bf16 (f32 accumulation).
+the backward is FlashAttention-2's, recomputing the probabilities: one pass over key blocks
+that adds dQ beside dK and dV where the (batch, kv head) items spread evenly over the threads
+(5 products a tile), else a dQ pass over query blocks and a dK/dV pass over key blocks (7).
+Grouped-query heads read their kv head in place (no repeat); masks as `common.Mask` (causal
+bottom-right, a sliding window, segment ids, lengths) with the tiles to skip or mask from its
+block map; any length; f32 and bf16 (f32 accumulation).
 
 Build: the source ships in the package and is compiled on first use by the system C++
 compiler (`$CXX`, else c++ / g++ / clang++) into `~/.cache/lab-kernels/<key>/` (or
@@ -17,7 +19,8 @@ lock and an atomic rename let parallel test workers share one build. `-O3 -march
 falling back to a portable `-O3` build (forced with LAB_CPU_FLASH_PORTABLE=1). No compiler, or
 a failed build: one line on stderr, `available()` is False and `auto` keeps `blockwise`.
 LAB_CPU_FLASH=0 turns the kernel off; LAB_CPU_FLASH_THREADS sets the thread count (default:
-the host's cores).
+the host's cores); LAB_CPU_FLASH_BACKWARD=fused or two-pass forces the backward's form (any
+other value: chosen as above).
 """
 
 import ctypes
