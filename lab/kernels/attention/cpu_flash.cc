@@ -69,28 +69,6 @@ inline void store<float>(float* p, int64_t i, float x) { p[i] = x; }
 template <>
 inline void store<uint16_t>(uint16_t* p, int64_t i, float x) { p[i] = f32_to_bf16(x); }
 
-// exp(x) for x <= ~88 (Cephes expf: 2^n · p(r), |r| <= ln2/2, ~1 ulp); 0 below -87.
-// Branch-free so that the loops calling it vectorise.
-#pragma omp declare simd
-inline float fast_exp(float x) {
-  const float xc = std::min(std::max(x, -87.0f), 88.0f);
-  const float magic = 12582912.0f;  // 1.5·2^23: adding it rounds to an integer
-  const float n = (xc * 1.44269504088896341f + magic) - magic;
-  float r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &e, 4);
-  return x < -87.0f ? 0.0f : y * two_n;
-}
-
 // ------------------------------------------------------------------------- micro-kernel
 
 // The widest vector register the build targets, in floats, and the micro-tile that fills the
@@ -130,11 +108,13 @@ inline float hsum(vf v) {
   return out;
 }
 
-// fast_exp on a vector, lane by lane the same arithmetic. Written out with vector types
-// because GCC leaves the scalar function's loops scalar on AVX2 (its select and the integer
-// exponent): the forward then spent as long in exp as in both products.
+// exp(x) lane by lane for x <= ~88 (Cephes expf: 2^n · p(r), |r| <= ln2/2, ~1 ulp); 0 below
+// -87. Written with vector types: GCC left the same arithmetic on scalars in loops marked
+// `omp simd` on AVX2 (its select and the integer exponent), and the forward then spent as long
+// in exp as in both products.
 inline vf vexp(vf x) {
-  const vf lo = vf{} - 87.0f, hi = vf{} + 88.0f, magic = vf{} + 12582912.0f;
+  const vf lo = vf{} - 87.0f, hi = vf{} + 88.0f;
+  const vf magic = vf{} + 12582912.0f;  // 1.5·2^23: adding it rounds to an integer
   vf xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
   const vf n = (xc * 1.44269504088896341f + magic) - magic;
@@ -383,7 +363,7 @@ void forward(const Geo& g, const T* q, const T* k, const T* v, T* o, float* lse)
           std::fill(row, row + bk, 0.0f);
           continue;
         }
-        const float alpha = fast_exp(mx[r] - m);
+        const float alpha = vexp(vf{} + (mx[r] - m))[0];
         vf total = {};
         for (int64_t c = 0; c < bk; c += kVW) {
           const vf e = vexp(vload(row + c) - m);
@@ -485,77 +465,109 @@ void backward_dq(const Geo& g, const T* q, const T* k, const T* v, const float* 
   });
 }
 
-// dV = Σ Pᵀ · dO and dK = Σ dSᵀ · (q · scale) over the R query heads of kv head g and the
-// query blocks that see key block j; tiles computed transposed ([keys × queries]).
+// The q-side tiles every dK/dV product reads, each packed once, in panels: q · scale and dO,
+// and their transposes, per (batch, head, query block).
+struct QTiles {
+  std::vector<float> qs, qst, dor, dot;
+};
+
+template <typename T>
+QTiles pack_q_tiles(const Geo& g, const T* q, const T* d_o) {
+  return {pack_all(g, q, g.L, g.H, g.bq, g.scale, kPanels),
+          pack_all(g, q, g.L, g.H, g.bq, g.scale, kPanelsT),
+          pack_all(g, d_o, g.L, g.H, g.bq, 1.0f, kPanels),
+          pack_all(g, d_o, g.L, g.H, g.bq, 1.0f, kPanelsT)};
+}
+
+// One key block's scratch, laid out in `buf`: its K and V rows [bk×Kp], the dK and dV sums
+// [bk×Kp] (adjacent), the Pᵀ and dPᵀ (then dSᵀ) tiles [bk×bq], a query block's lse and delta.
+struct KeyBlock {
+  float *kr, *vr, *dk_acc, *dv_acc, *pt, *dpt, *lse_r, *del_r;
+  KeyBlock(const Geo& g, std::vector<float>& buf) {
+    buf.resize(4 * g.bk * g.Kp + 2 * g.bk * g.bq + 2 * g.bq);
+    kr = buf.data();
+    vr = kr + g.bk * g.Kp;
+    dk_acc = vr + g.bk * g.Kp;
+    dv_acc = dk_acc + g.bk * g.Kp;
+    pt = dv_acc + g.bk * g.Kp;
+    dpt = pt + g.bk * g.bq;
+    lse_r = dpt + g.bk * g.bq;
+    del_r = lse_r + g.bq;
+  }
+};
+
+// dV = Σ Pᵀ · dO and dK = Σ dSᵀ · (q · scale) for key block j of kv head kvh in batch b, over
+// its R query heads and the query blocks that see it; tiles computed transposed ([keys ×
+// queries]), then dK and dV written. `then(rr, i, w)` runs after each tile, its dSᵀ in w.dpt
+// (the one-pass backward adds dQ there).
+template <typename T, typename Then>
+void key_block(const Geo& g, const T* k, const T* v, const float* lse, const float* delta,
+               const QTiles& qt, int64_t b, int64_t kvh, int64_t j, KeyBlock& w, T* dk, T* dv,
+               Then then) {
+  const int64_t bq = g.bq, bk = g.bk, Kp = g.Kp;
+  const int64_t k0 = j * bk, base = g.kv_index(b, 0, kvh);
+  pack(k, base, g.G * g.K, k0, bk, g.S, g.K, Kp, 1.0f, w.kr, kRows);
+  pack(v, base, g.G * g.K, k0, bk, g.S, g.K, Kp, 1.0f, w.vr, kRows);
+  std::fill(w.dk_acc, w.dk_acc + 2 * bk * Kp, 0.0f);
+  for (int64_t rr = 0; rr < g.R; ++rr) {
+    const int64_t h = kvh * g.R + rr;
+    for (int64_t i = 0; i < g.nq; ++i) {
+      const int32_t kind = g.kind(b, i, j);
+      if (kind == 0) continue;
+      const int64_t q0 = i * bq, at = ((b * g.H + h) * g.nq + i) * bq * Kp;
+      const float* qs = qt.qs.data() + at;    // [bq×Kp] in panels: q · scale
+      const float* qst = qt.qst.data() + at;  // [Kp×bq] in panels
+      const float* dor = qt.dor.data() + at;  // [bq×Kp] in panels: dO
+      const float* dot = qt.dot.data() + at;  // [Kp×bq] in panels
+      for (int64_t r = 0; r < bq; ++r) {
+        const bool real = q0 + r < g.L;
+        w.lse_r[r] = real ? lse[g.row_index(b, h, q0 + r)] : 0.0f;
+        w.del_r[r] = real ? delta[g.row_index(b, h, q0 + r)] : 0.0f;
+      }
+      gemm_p(bk, bq, g.K, w.kr, Kp, qst, Kp, w.pt, bq, false);
+      cap(g, w.pt, bk * bq);
+      gemm_p(bk, bq, g.K, w.vr, Kp, dot, Kp, w.dpt, bq, false);
+      const bool masked = kind == 1;
+      const float inv_cap = g.inv_cap();
+      for (int64_t c = 0; c < bk; ++c) {
+        float* prow = w.pt + c * bq;
+        float* drow = w.dpt + c * bq;
+        for (int64_t r = 0; r < bq; r += kVW) {
+          const vf x = vload(prow + r), prob = vexp(x - vload(w.lse_r + r)), t = x * inv_cap;
+          vstore(prow + r, prob);
+          vstore(drow + r, prob * (vload(drow + r) - vload(w.del_r + r)) * (1.0f - t * t));
+        }
+        if (masked)
+          for (int64_t r = 0; r < bq; ++r)
+            if (!g.visible(b, q0 + r, k0 + c)) prow[r] = drow[r] = 0.0f;
+      }
+      gemm_p(bk, Kp, bq, w.pt, bq, dor, bq, w.dv_acc, Kp, true);
+      gemm_p(bk, Kp, bq, w.dpt, bq, qs, bq, w.dk_acc, Kp, true);
+      then(rr, i, w);
+    }
+  }
+  for (int64_t c = 0; c < bk && k0 + c < g.S; ++c) {
+    T* dst_k = dk + g.kv_index(b, k0 + c, kvh);
+    T* dst_v = dv + g.kv_index(b, k0 + c, kvh);
+    for (int64_t d = 0; d < g.K; ++d) {
+      store(dst_k, d, w.dk_acc[c * Kp + d]);
+      store(dst_v, d, w.dv_acc[c * Kp + d]);
+    }
+  }
+}
+
+// The dK/dV pass: (batch, kv head, key block) items, key block 0 first (causal: it sees the
+// most query blocks).
 template <typename T>
 void backward_dkdv(const Geo& g, const T* q, const T* k, const T* v, const float* lse,
                    const float* delta, const T* d_o, T* dk, T* dv) {
-  const int64_t bq = g.bq, bk = g.bk, Kp = g.Kp;
-  const std::vector<float> qs_all = pack_all(g, q, g.L, g.H, bq, g.scale, kPanels);
-  const std::vector<float> qst_all = pack_all(g, q, g.L, g.H, bq, g.scale, kPanelsT);
-  const std::vector<float> dor_all = pack_all(g, d_o, g.L, g.H, bq, 1.0f, kPanels);
-  const std::vector<float> dot_all = pack_all(g, d_o, g.L, g.H, bq, 1.0f, kPanelsT);
+  const QTiles qt = pack_q_tiles(g, q, d_o);
   parallel_for(g.nk * g.B * g.G, g.threads, [&](int64_t item) {
     thread_local std::vector<float> buf;
-    buf.resize(4 * bk * Kp + 2 * bk * bq + 2 * bq);
-    float* kr = buf.data();        // [bk×Kp]
-    float* vr = kr + bk * Kp;      // [bk×Kp]
-    float* dk_acc = vr + bk * Kp;  // [bk×Kp]
-    float* dv_acc = dk_acc + bk * Kp;
-    float* pt = dv_acc + bk * Kp;  // [bk×bq] Pᵀ
-    float* dpt = pt + bk * bq;     // [bk×bq] dPᵀ, then dSᵀ
-    float* lse_r = dpt + bk * bq;  // [bq]
-    float* del_r = lse_r + bq;     // [bq]
-    const int64_t j = item / (g.B * g.G);  // key block 0 sees the most query blocks (causal)
-    const int64_t bg = item % (g.B * g.G), b = bg / g.G, kvh = bg % g.G;
-    const int64_t k0 = j * bk, base = g.kv_index(b, 0, kvh);
-    pack(k, base, g.G * g.K, k0, bk, g.S, g.K, Kp, 1.0f, kr, kRows);
-    pack(v, base, g.G * g.K, k0, bk, g.S, g.K, Kp, 1.0f, vr, kRows);
-    std::fill(dk_acc, dk_acc + 2 * bk * Kp, 0.0f);
-    for (int64_t rr = 0; rr < g.R; ++rr) {
-      const int64_t h = kvh * g.R + rr;
-      for (int64_t i = 0; i < g.nq; ++i) {
-        const int32_t kind = g.kind(b, i, j);
-        if (kind == 0) continue;
-        const int64_t q0 = i * bq, at = ((b * g.H + h) * g.nq + i) * bq * Kp;
-        const float* qs = qs_all.data() + at;    // [bq×Kp] in panels q · scale
-        const float* qst = qst_all.data() + at;  // [Kp×bq] in panels
-        const float* dor = dor_all.data() + at;  // [bq×Kp] in panels dO
-        const float* dot = dot_all.data() + at;  // [Kp×bq] in panels
-        for (int64_t r = 0; r < bq; ++r) {
-          const bool real = q0 + r < g.L;
-          lse_r[r] = real ? lse[g.row_index(b, h, q0 + r)] : 0.0f;
-          del_r[r] = real ? delta[g.row_index(b, h, q0 + r)] : 0.0f;
-        }
-        gemm_p(bk, bq, g.K, kr, Kp, qst, Kp, pt, bq, false);
-        cap(g, pt, bk * bq);
-        gemm_p(bk, bq, g.K, vr, Kp, dot, Kp, dpt, bq, false);
-        const bool masked = kind == 1;
-        for (int64_t c = 0; c < bk; ++c) {
-          float* prow = pt + c * bq;
-          float* drow = dpt + c * bq;
-          const float inv_cap = g.inv_cap();
-          for (int64_t r = 0; r < bq; r += kVW) {
-            const vf x = vload(prow + r), prob = vexp(x - vload(lse_r + r)), t = x * inv_cap;
-            vstore(prow + r, prob);
-            vstore(drow + r, prob * (vload(drow + r) - vload(del_r + r)) * (1.0f - t * t));
-          }
-          if (masked)
-            for (int64_t r = 0; r < bq; ++r)
-              if (!g.visible(b, q0 + r, k0 + c)) prow[r] = drow[r] = 0.0f;
-        }
-        gemm_p(bk, Kp, bq, pt, bq, dor, bq, dv_acc, Kp, true);
-        gemm_p(bk, Kp, bq, dpt, bq, qs, bq, dk_acc, Kp, true);
-      }
-    }
-    for (int64_t c = 0; c < bk && k0 + c < g.S; ++c) {
-      T* dst_k = dk + g.kv_index(b, k0 + c, kvh);
-      T* dst_v = dv + g.kv_index(b, k0 + c, kvh);
-      for (int64_t d = 0; d < g.K; ++d) {
-        store(dst_k, d, dk_acc[c * Kp + d]);
-        store(dst_v, d, dv_acc[c * Kp + d]);
-      }
-    }
+    KeyBlock w(g, buf);
+    const int64_t j = item / (g.B * g.G), bg = item % (g.B * g.G);
+    key_block(g, k, v, lse, delta, qt, bg / g.G, bg % g.G, j, w, dk, dv,
+              [](int64_t, int64_t, const KeyBlock&) {});
   });
 }
 
@@ -568,78 +580,21 @@ template <typename T>
 void backward_fused(const Geo& g, const T* q, const T* k, const T* v, const float* lse,
                     const float* delta, const T* d_o, T* dq, T* dk, T* dv) {
   const int64_t bq = g.bq, bk = g.bk, Kp = g.Kp;
-  const std::vector<float> qs_all = pack_all(g, q, g.L, g.H, bq, g.scale, kPanels);
-  const std::vector<float> qst_all = pack_all(g, q, g.L, g.H, bq, g.scale, kPanelsT);
-  const std::vector<float> dor_all = pack_all(g, d_o, g.L, g.H, bq, 1.0f, kPanels);
-  const std::vector<float> dot_all = pack_all(g, d_o, g.L, g.H, bq, 1.0f, kPanelsT);
+  const QTiles qt = pack_q_tiles(g, q, d_o);
   parallel_for(g.B * g.G, g.threads, [&](int64_t item) {
-    thread_local std::vector<float> buf;
-    std::vector<float> dq_buf;  // not kept past the call: R · L · Kp floats
-    buf.resize(5 * bk * Kp + 2 * bk * bq + 2 * bq);
-    float* kr = buf.data();        // [bk×Kp]
-    float* vr = kr + bk * Kp;      // [bk×Kp]
-    float* dk_acc = vr + bk * Kp;  // [bk×Kp]
-    float* dv_acc = dk_acc + bk * Kp;
-    float* pt = dv_acc + bk * Kp;  // [bk×bq] Pᵀ
-    float* dpt = pt + bk * bq;     // [bk×bq] dPᵀ, then dSᵀ
-    float* lse_r = dpt + bk * bq;  // [bq]
-    float* del_r = lse_r + bq;     // [bq]
-    float* krp = del_r + bq;       // [bk×Kp] K again, in panels: dQ's right operand
-    dq_buf.assign(g.R * g.nq * bq * Kp, 0.0f);  // [R, nq·bq, Kp]: dQ / scale
+    std::vector<float> buf;
+    KeyBlock w(g, buf);
+    std::vector<float> krp(bk * Kp);  // the key block's K again, in panels: dQ's right operand
+    std::vector<float> dq_buf(g.R * g.nq * bq * Kp, 0.0f);  // [R, nq·bq, Kp]: dQ / scale
     const int64_t b = item / g.G, kvh = item % g.G, base = g.kv_index(b, 0, kvh);
     for (int64_t j = 0; j < g.nk; ++j) {
-      const int64_t k0 = j * bk;
-      pack(k, base, g.G * g.K, k0, bk, g.S, g.K, Kp, 1.0f, kr, kRows);
-      pack(k, base, g.G * g.K, k0, bk, g.S, g.K, Kp, 1.0f, krp, kPanels);
-      pack(v, base, g.G * g.K, k0, bk, g.S, g.K, Kp, 1.0f, vr, kRows);
-      std::fill(dk_acc, dk_acc + 2 * bk * Kp, 0.0f);
-      for (int64_t rr = 0; rr < g.R; ++rr) {
-        const int64_t h = kvh * g.R + rr;
-        for (int64_t i = 0; i < g.nq; ++i) {
-          const int32_t kind = g.kind(b, i, j);
-          if (kind == 0) continue;
-          const int64_t q0 = i * bq, at = ((b * g.H + h) * g.nq + i) * bq * Kp;
-          const float* qs = qs_all.data() + at;    // [bq×Kp] in panels q · scale
-          const float* qst = qst_all.data() + at;  // [Kp×bq] in panels
-          const float* dor = dor_all.data() + at;  // [bq×Kp] in panels dO
-          const float* dot = dot_all.data() + at;  // [Kp×bq] in panels
-          for (int64_t r = 0; r < bq; ++r) {
-            const bool real = q0 + r < g.L;
-            lse_r[r] = real ? lse[g.row_index(b, h, q0 + r)] : 0.0f;
-            del_r[r] = real ? delta[g.row_index(b, h, q0 + r)] : 0.0f;
-          }
-          gemm_p(bk, bq, g.K, kr, Kp, qst, Kp, pt, bq, false);
-          cap(g, pt, bk * bq);
-          gemm_p(bk, bq, g.K, vr, Kp, dot, Kp, dpt, bq, false);
-          const bool masked = kind == 1;
-          const float inv_cap = g.inv_cap();
-          for (int64_t c = 0; c < bk; ++c) {
-            float* prow = pt + c * bq;
-            float* drow = dpt + c * bq;
-            for (int64_t r = 0; r < bq; r += kVW) {
-              const vf x = vload(prow + r), prob = vexp(x - vload(lse_r + r)), t = x * inv_cap;
-              vstore(prow + r, prob);
-              vstore(drow + r, prob * (vload(drow + r) - vload(del_r + r)) * (1.0f - t * t));
-            }
-            if (masked)
-              for (int64_t r = 0; r < bq; ++r)
-                if (!g.visible(b, q0 + r, k0 + c)) prow[r] = drow[r] = 0.0f;
-          }
-          gemm_p(bk, Kp, bq, pt, bq, dor, bq, dv_acc, Kp, true);
-          gemm_p(bk, Kp, bq, dpt, bq, qs, bq, dk_acc, Kp, true);
-          // dQ[q0 : q0 + bq] += dS · K: dS given as dSᵀ [bk×bq]
-          gemm_p<true>(bq, Kp, bk, dpt, bq, krp, bk, dq_buf.data() + (rr * g.nq + i) * bq * Kp,
-                       Kp, true);
-        }
-      }
-      for (int64_t c = 0; c < bk && k0 + c < g.S; ++c) {
-        T* dst_k = dk + g.kv_index(b, k0 + c, kvh);
-        T* dst_v = dv + g.kv_index(b, k0 + c, kvh);
-        for (int64_t d = 0; d < g.K; ++d) {
-          store(dst_k, d, dk_acc[c * Kp + d]);
-          store(dst_v, d, dv_acc[c * Kp + d]);
-        }
-      }
+      pack(k, base, g.G * g.K, j * bk, bk, g.S, g.K, Kp, 1.0f, krp.data(), kPanels);
+      key_block(g, k, v, lse, delta, qt, b, kvh, j, w, dk, dv,
+                [&](int64_t rr, int64_t i, const KeyBlock& t) {
+                  // dQ[q0 : q0 + bq] += dS · K: dS given as dSᵀ [bk×bq]
+                  gemm_p<true>(bq, Kp, bk, t.dpt, bq, krp.data(), bk,
+                               dq_buf.data() + (rr * g.nq + i) * bq * Kp, Kp, true);
+                });
     }
     for (int64_t rr = 0; rr < g.R; ++rr) {
       const int64_t h = kvh * g.R + rr;
