@@ -20,6 +20,7 @@ import fcntl
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -27,6 +28,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from lab.errors import ConfigError
+
+# A write that fails part-way (a full disk) leaves orbax's unstarted fragment writes behind as
+# coroutines; Python reports each as "never awaited" when it collects them at exit, after the
+# run's one-line error. Nothing in them is the user's to act on: the error line says what failed.
+warnings.filterwarnings(
+    "ignore", message=r"coroutine '.*write_fragment' was never awaited", category=RuntimeWarning
+)
 
 ITEM = "default"  # the name orbax's manager gives a single saved item
 
