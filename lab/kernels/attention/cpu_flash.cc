@@ -146,11 +146,11 @@ inline float row_max(const float* row, int64_t n, float init) {
 }
 
 // C[MR rows from i0 × kNR columns from j0] (+)= A · B over kd; TA: A is stored transposed,
-// [kd × M] (row p, column r at A[p · lda + r]); PB: B is stored in panels of kNR columns,
-// `ldb` rows high (pack's kPanels layouts), so a micro-tile reads its B contiguously.
-template <int MR, bool TA = false, bool PB = false>
+// [kd × M] (row p, column r at A[p · lda + r]). B is stored in panels of kNR columns,
+// `panel_rows` rows high (pack's kPanels layouts), so a micro-tile reads its B contiguously.
+template <int MR, bool TA>
 inline void micro(int i0, int j0, int kd, const float* A, int64_t lda, const float* B,
-                  int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+                  int64_t panel_rows, float* C, int64_t ldc, bool accumulate) {
   vf c[MR][kNV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -158,12 +158,11 @@ inline void micro(int i0, int j0, int kd, const float* A, int64_t lda, const flo
     for (int v = 0; v < kNV; ++v)
       c[r][v] = accumulate ? vload(C + (i0 + r) * ldc + j0 + kVW * v) : vf{};
   const float* a = TA ? A + i0 : A + i0 * lda;
-  const float* b = PB ? B + j0 * ldb : B + j0;
-  const int64_t step = PB ? kNR : ldb;
+  const float* b = B + j0 * panel_rows;
   for (int p = 0; p < kd; ++p) {
     vf bv[kNV];
 #pragma GCC unroll 4
-    for (int v = 0; v < kNV; ++v) bv[v] = vload(b + p * step + kVW * v);
+    for (int v = 0; v < kNV; ++v) bv[v] = vload(b + p * kNR + kVW * v);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const float s = TA ? a[p * lda + r] : a[r * lda + p];
@@ -177,37 +176,30 @@ inline void micro(int i0, int j0, int kd, const float* A, int64_t lda, const flo
     for (int v = 0; v < kNV; ++v) vstore(C + (i0 + r) * ldc + j0 + kVW * v, c[r][v]);
 }
 
-// C[M×N] (+)= A[M×kd] · B[kd×N], row-major f32 (TA: A given as Aᵀ [kd×M]; PB: B in panels
-// `ldb` rows high, `micro`); N % kNR == 0 (M any: the rows past the last whole micro-tile take
-// a shorter one).
-template <bool TA = false, bool PB = false>
-void gemm(int M, int N, int kd, const float* A, int64_t lda, const float* B, int64_t ldb,
-          float* C, int64_t ldc, bool accumulate) {
-  const int whole = M / kMR * kMR;
-  for (int i0 = 0; i0 < whole; i0 += kMR)
-    for (int j0 = 0; j0 < N; j0 += kNR)
-      micro<kMR, TA, PB>(i0, j0, kd, A, lda, B, ldb, C, ldc, accumulate);
-  if (whole == M) return;
-  for (int j0 = 0; j0 < N; j0 += kNR) switch (M - whole) {
-      case 1: micro<1, TA, PB>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      case 2: micro<2, TA, PB>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      case 3: micro<3, TA, PB>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      case 4: micro<4, TA, PB>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      case 5: micro<5, TA, PB>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      case 6: micro<6, TA, PB>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-      default: micro<7, TA, PB>(whole, j0, kd, A, lda, B, ldb, C, ldc, accumulate); break;
-    }
-}
-
-// A product's right operand read from panels (`micro`'s PB): the tiles packed once and read by
-// many products are laid out so. A micro-tile then reads its 2 · kVW columns as one contiguous
-// run; read from rows `bk` floats apart they fell into a few cache sets (a 512-byte stride),
-// and on an AMD EPYC (Zen 3) one thread's 128 × 128 × 64 product over 256 distinct K tiles ran
-// at 75.6 GFLOP/s against 85.3 from panels (88.6 and 91.8 with one tile that stays in cache).
+// C[M×N] (+)= A[M×kd] · B[kd×N] in f32: A row-major (TA: given as Aᵀ [kd×M]), B in panels
+// (`micro`), C row-major; N % kNR == 0 (M any: the rows past the last whole micro-tile take a
+// shorter one). B in panels because the tiles packed once and read by many products are laid
+// out so: a micro-tile then reads its 2 · kVW columns as one contiguous run. Read from rows
+// `bk` floats apart they fell into a few cache sets (a 512-byte stride), and on an AMD EPYC
+// (Zen 3) one thread's 128 × 128 × 64 product over 256 distinct K tiles ran at 75.6 GFLOP/s
+// against 85.3 from panels (88.6 and 91.8 with one tile that stays in cache).
 template <bool TA = false>
 void gemm_p(int M, int N, int kd, const float* A, int64_t lda, const float* B,
             int64_t panel_rows, float* C, int64_t ldc, bool accumulate) {
-  gemm<TA, true>(M, N, kd, A, lda, B, panel_rows, C, ldc, accumulate);
+  const int whole = M / kMR * kMR;
+  for (int i0 = 0; i0 < whole; i0 += kMR)
+    for (int j0 = 0; j0 < N; j0 += kNR)
+      micro<kMR, TA>(i0, j0, kd, A, lda, B, panel_rows, C, ldc, accumulate);
+  if (whole == M) return;
+  for (int j0 = 0; j0 < N; j0 += kNR) switch (M - whole) {
+      case 1: micro<1, TA>(whole, j0, kd, A, lda, B, panel_rows, C, ldc, accumulate); break;
+      case 2: micro<2, TA>(whole, j0, kd, A, lda, B, panel_rows, C, ldc, accumulate); break;
+      case 3: micro<3, TA>(whole, j0, kd, A, lda, B, panel_rows, C, ldc, accumulate); break;
+      case 4: micro<4, TA>(whole, j0, kd, A, lda, B, panel_rows, C, ldc, accumulate); break;
+      case 5: micro<5, TA>(whole, j0, kd, A, lda, B, panel_rows, C, ldc, accumulate); break;
+      case 6: micro<6, TA>(whole, j0, kd, A, lda, B, panel_rows, C, ldc, accumulate); break;
+      default: micro<7, TA>(whole, j0, kd, A, lda, B, panel_rows, C, ldc, accumulate); break;
+    }
 }
 
 // ------------------------------------------------------------------------- geometry
