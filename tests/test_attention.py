@@ -420,6 +420,37 @@ def test_bench_sweep_records_and_skips_what_does_not_fit(monkeypatch, tmp_path):
     assert plots.attention_sweep(table_rows, tmp_path / "a.png", "t").stat().st_size > 0
 
 
+def test_bench_sweep_drops_a_contender_that_fails_at_its_first_call(monkeypatch):
+    """A contender that runs out of memory when first called (as PyTorch's math kernel does
+    at long lengths on a GPU, beyond what the compiled-memory check sees) is recorded as
+    skipped with its reason, and the others are still timed and checked."""
+    from lab.studies import attention as bench
+
+    real = bench._compile
+
+    def compile_one(impl, causal, mode, args):
+        if impl != "naive":
+            return real(impl, causal, mode, args)
+
+        def out_of_memory(*_):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate\nmore")
+
+        return out_of_memory, 0.0, None
+
+    monkeypatch.setattr(bench, "_compile", compile_one)
+    records = bench.sweep(
+        (200,), causal=(True,), modes=("fwd",), impls=("naive", "blockwise"),
+        budget_s=0.0, min_runs=1, warmup=0,
+    )  # fmt: skip
+    rows = {r.impl: r for r in bench.rows_of(records)}
+    assert rows["blockwise"].ran and rows["blockwise"].max_error < 1e-5
+    assert not rows["naive"].ran
+    assert rows["naive"].skipped == (
+        "failed at its first call: RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying"
+        " to allocate"
+    )
+
+
 # ------------------------------------------------------------------ under a multi-device mesh
 
 

@@ -192,6 +192,13 @@ class TorchSDPA:
             self._run()
         return _TorchDone(self.torch, self.q.device)
 
+    def release(self):
+        """Drop the inputs and gradients and hand PyTorch's cached device memory back (after a
+        failed call, so the contenders after it get the memory)."""
+        self.q = self.k = self.v = self.do = None
+        if self.torch.cuda.is_available():
+            self.torch.cuda.empty_cache()
+
     def outputs(self):
         """out (and dq, dk, dv) as float32 numpy in the lab's [batch, seq, heads, dim]."""
         with self.torch.inference_mode(self.mode == "fwd"):
@@ -310,20 +317,36 @@ def _outputs(fn, args):
     return fn.outputs() if isinstance(fn, TorchSDPA) else fn(*args)
 
 
-def _inner(runnable: dict, args) -> int:
+def _first_calls(runnable: dict, args) -> tuple[dict, dict]:
+    """Call each contender once or twice: ({impl: fastest seconds}, {impl: why it failed}).
+
+    The first call allocates and autotunes. A contender that fails there (out of device
+    memory, most often: PyTorch's math kernel materialises the [B, H, L, S] scores, which the
+    compiled-memory check cannot see) is dropped with its reason, so the others still run."""
+    fastest, failed = {}, {}
+    for impl, fn in runnable.items():
+        try:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            first = time.perf_counter() - t0
+            if first >= SAMPLE_S:  # already a whole sample: no second (possibly long) call
+                fastest[impl] = first
+                continue
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            fastest[impl] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 — one contender's failure must not lose the rest
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            failed[impl] = f"failed at its first call: {type(e).__name__}: {first_line[:80]}"
+            if isinstance(fn, TorchSDPA):
+                fn.release()
+    return fastest, failed
+
+
+def _inner(fastest: dict) -> int:
     """Calls per timed sample: enough that the fastest contender's sample lasts SAMPLE_S."""
-    fastest = math.inf
-    for fn in runnable.values():
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))  # first call: allocation, autotuning
-        first = time.perf_counter() - t0
-        if first >= SAMPLE_S:  # already a whole sample: no second (possibly long) call needed
-            fastest = min(fastest, first)
-            continue
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        fastest = min(fastest, time.perf_counter() - t0)
-    return max(1, min(MAX_INNER, math.ceil(SAMPLE_S / max(fastest, 1e-9))))
+    best = min(fastest.values(), default=math.inf)
+    return max(1, min(MAX_INNER, math.ceil(SAMPLE_S / max(best, 1e-9))))
 
 
 def _measure_one(
@@ -346,10 +369,18 @@ def _measure_one(
             rows.append(Measured(impl, compile_s, memory, skipped=None))
     if not runnable:
         return rows
+    fastest, failed = _first_calls(runnable, args)
+    if failed:
+        runnable = {i: f for i, f in runnable.items() if i not in failed}
+        rows = [
+            dataclasses.replace(r, skipped=failed[r.impl]) if r.impl in failed else r for r in rows
+        ]
+    if not runnable:
+        return rows
     timing = dict(timing)
     wanted = timing.pop("baseline", BASELINE)
     baseline = wanted if wanted in runnable else next(iter(runnable))
-    inner = timing.pop("inner", None) or _inner(runnable, args)
+    inner = timing.pop("inner", None) or _inner(fastest)
     times = compare(runnable, *args, baseline=baseline, inner=inner, **timing)
     ref_rows, want = reference_rows(*args, causal=causal, mode=mode)
     out = []
