@@ -38,6 +38,24 @@ def test_bf16_matmul_flops_within_the_convert_margin(m, n, k):
     assert analytic <= c["flops"] <= analytic + converts
 
 
+def test_a_cost_of_minus_one_is_unknown_and_the_hlo_walk_counts_instead():
+    """XLA:GPU on the device reports flops = -1 for a program that is one cuBLAS call: that
+    is "unknown", so the count comes from the optimized HLO, not a negative FLOP figure."""
+    real = _compiled(jnp.matmul, (96, 40), (40, 72))
+
+    class SaysUnknown:
+        def cost_analysis(self):
+            return {"flops": -1.0, "bytes accessed": -1.0, "utilization0{}": 1.0}
+
+        def as_text(self):
+            return real.as_text()
+
+    c = cost.compiled_cost(SaysUnknown())
+    assert c["flops"] == cost.matmul_flops(96, 72, 40)
+    assert c["bytes accessed"] > 0
+    assert "-1" in c["source"]
+
+
 def test_batched_matmul_flops():
     fn = lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b)
     c = cost.compiled_cost(_compiled(fn, (4, 32, 16), (4, 16, 8)))

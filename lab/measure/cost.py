@@ -24,7 +24,8 @@ def compiled_cost(compiled) -> dict | None:
     loop's body once, so a scanned model, a pipeline's tick loop or an accumulation scan would
     come out short by the trip count; the body's share is added again for each further trip,
     counted from the optimized HLO as XLA counts it (lab/measure/hlo.py). Where the backend
-    gives no cost analysis (XLA:GPU ahead of time), the HLO walk alone gives the figures.
+    gives no cost analysis (XLA:GPU ahead of time) or a figure of -1 (XLA:GPU on the device,
+    whose cost analysis cannot count a cuBLAS call), the HLO walk alone gives the figures.
 
     Besides XLA's totals the dict says how it was counted: "source", "xla_flops" and
     "xla_bytes accessed" (XLA's own figures, each loop body once), "loops" ([body, trip count]
@@ -41,13 +42,20 @@ def compiled_cost(compiled) -> dict | None:
     if isinstance(raw, list | tuple):
         raw = raw[0] if raw else None
     program = compiled_program(compiled)
-    if not raw and program is None:
+    # XLA writes -1 for a figure it cannot count (XLA:GPU on the device, for a program that is
+    # one cuBLAS call): unknown, not a count. Without flops the HLO walk counts the program.
+    unknown = bool(raw) and any(raw.get(k, 0) < 0 for k in ("flops", "bytes accessed"))
+    if (not raw or unknown) and program is None:
         return None
-    if not raw:
+    if not raw or unknown:
         walk = hlo.total_cost(program)
         out = {"flops": walk.flops, "bytes accessed": walk.bytes}
         out["transcendentals"] = walk.transcendentals
-        out["source"] = "HLO walk (the compiler gives no cost analysis)"
+        out["source"] = (
+            "HLO walk (the compiler's cost analysis says -1: unknown)"
+            if unknown
+            else "HLO walk (the compiler gives no cost analysis)"
+        )
     else:
         out = {k: float(v) for k, v in raw.items() if k in _TOTAL_KEYS}
         out.setdefault("flops", None)
