@@ -156,3 +156,42 @@ def test_in_place_rotation_puts_each_result_back_and_times_only_after_warm_up():
     assert calls == [1, 2, 11, 12, 21, 22, 31]  # up-front pass, warm-up, then 4 timed
     assert r.runs == 4 and r.compile_s > 0
     assert [int(a[0]) for a in arrays] == [41, 32]
+
+
+def test_in_place_runs_queue_inner_calls_over_the_arrays_in_turn():
+    """inner=3: each timed run is three calls over the next arrays in turn, blocked once; the
+    figure is per call, and every result still lands in its array's place."""
+    calls = []
+
+    def fn(a):
+        calls.append(int(a[0]))
+        return a + 10
+
+    arrays = [jnp.array([1]), jnp.array([2])]
+    r = timing.bench_in_place(fn, arrays, warmup=0, min_runs=2, max_runs=2, inner=3)
+    assert calls == [1, 2, 11, 12, 21, 22, 31, 32]  # up-front pass, then 2 runs × 3 calls
+    assert r.runs == 2
+    assert [int(a[0]) for a in arrays] == [41, 42]
+    with pytest.raises(ValueError, match="inner=0"):
+        timing.bench_in_place(fn, arrays, inner=0)
+
+
+def test_ceilings_queue_calls_on_an_accelerator_and_block_each_on_cpu(monkeypatch):
+    """The roofs on an accelerator are the device's time per call (calls queued, one wait a
+    sample); on CPU each call is blocked on, as before."""
+    from lab.measure import ceilings
+
+    seen = []
+    real = timing.bench
+
+    def spy(*args, inner=1, **kwargs):
+        seen.append(inner)
+        return real(*args, inner=inner, **kwargs)
+
+    monkeypatch.setattr(timing, "bench", spy)
+    ceilings.measure_matmul("float32", n=64, budget_s=0.0)
+    monkeypatch.setattr(ceilings, "backend", lambda: "gpu")
+    ceilings.measure_matmul("float32", n=64, budget_s=0.0)
+    ceilings.read_bandwidth(1 << 16, budget_s=0.0)
+    assert seen == [1, ceilings.QUEUED, ceilings.QUEUED]
+    assert ceilings.queued("cpu") == 1 and ceilings.queued("tpu") == ceilings.QUEUED

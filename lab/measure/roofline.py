@@ -107,10 +107,13 @@ def matmul_ops(n: int, ms: Sequence[int], *, dtype=jnp.float32, sets: int = 4):
     return ops
 
 
-def sweep(ops: Sequence[Op], *, budget_s: float = 0.3) -> list[Point]:
-    """Time every op with `timing.bench` (rotating its input sets)."""
+def sweep(ops: Sequence[Op], *, budget_s: float = 0.3, inner: int = 1) -> list[Point]:
+    """Time every op with `timing.bench` (rotating its input sets; `inner` calls queued per
+    timed sample, as `lab.measure.ceilings.queued` chooses for the device)."""
     points = []
     for op in ops:
-        r = timing.bench(op.fn, rotate=op.arg_sets, budget_s=budget_s, warmup=1, min_runs=3)
+        r = timing.bench(
+            op.fn, rotate=op.arg_sets, budget_s=budget_s, warmup=1, min_runs=3, inner=inner
+        )
         points.append(Point(op.name, op.flops, op.bytes, r.median_s))
     return points

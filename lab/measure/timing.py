@@ -102,12 +102,16 @@ def bench_in_place(
     min_runs: int = 5,
     max_runs: int = 1000,
     budget_s: float = 1.0,
+    inner: int = 1,
 ) -> BenchResult:
     """Time `fn(array) → array` that consumes its (donated) input, over `arrays` in turn,
     each result put back in its place: `bench`'s rotation for a kernel that writes in place
     (no fresh output per call, so no allocator in the figure). One untimed pass over every
-    array first (the compile, then each buffer touched), `warmup` untimed calls, then runs
-    until `budget_s`, each blocked on."""
+    array first (the compile, then each buffer touched), `warmup` untimed runs, then runs
+    until `budget_s`. Each run is `inner` calls queued back to back (over the next arrays in
+    turn) and blocked once on the last, the figure per call, as in `bench`."""
+    if inner < 1:
+        raise ValueError(f"inner={inner}: must be >= 1")
     t0 = time.perf_counter()
     compile_s = None
     for k in range(len(arrays)):
@@ -118,10 +122,12 @@ def bench_in_place(
 
     def call() -> float:
         nonlocal i
-        k, i = i % len(arrays), i + 1
         t = time.perf_counter()
-        arrays[k] = jax.block_until_ready(fn(arrays[k]))
-        return time.perf_counter() - t
+        for _ in range(inner):
+            k, i = i % len(arrays), i + 1
+            arrays[k] = fn(arrays[k])
+        jax.block_until_ready(arrays[k])  # the last call's: the device ran them in order
+        return (time.perf_counter() - t) / inner
 
     for _ in range(warmup):
         call()
@@ -131,6 +137,7 @@ def bench_in_place(
         len(times_s) < min_runs or time.perf_counter() - start < budget_s
     ):
         times_s.append(call())
+    jax.block_until_ready(arrays)
     return summarise(times_s, compile_s)
 
 
