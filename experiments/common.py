@@ -100,11 +100,15 @@ def matmul_rate(
     n: int, dtype="float32", precision=None, *, device=None, budget_s: float = 0.5
 ) -> dict:
     """FLOP/s of a jitted n×n matmul on `device` (default: the default device), rotating two
-    random input pairs; median of `timing.bench` after compile and warm-up."""
+    random input pairs; median of `timing.bench` after compile and warm-up (on an accelerator
+    each sample is calls queued back to back, as `lab.measure.ceilings` times)."""
     device = device or jax.devices()[0]
     fn = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision))
     xs = [jax.device_put(x, device) for x in timing.random_inputs(0, [(n, n)] * 4, dtype)]
-    result = timing.bench(fn, rotate=[xs[:2], xs[2:]], budget_s=budget_s, warmup=1, min_runs=3)
+    inner = ceilings.queued(device.platform)  # calls queued per sample, as the ceilings time
+    result = timing.bench(
+        fn, rotate=[xs[:2], xs[2:]], budget_s=budget_s, warmup=1, min_runs=3, inner=inner
+    )
     flops = cost.matmul_flops(n, n, n)
     return {"n": n, "flops": flops, "flops_per_s": flops / result.median_s, **result.as_dict()}
 

@@ -183,3 +183,26 @@ def test_h100_plans_are_opt_in_shaped_like_llama_and_say_why_when_they_cannot_ru
         (r,) = recs
         assert r["config"]["claim"] == claim and r["config"]["role"] == "context"
         assert "pip install -e '.[gpu-plan]'" in r["what"] and r["value"] is None
+
+
+def test_c01_on_an_accelerator_sets_the_strict_float32_speedup_beside_the_default(monkeypatch):
+    """On an accelerator the float32 matmul at JAX's default precision (TF32 on NVIDIA) is
+    the claim's figure; the same matmul at precision=highest is set beside it, and the CPU
+    rate's label names the size it was measured at. The accelerator here is this CPU."""
+    from experiments import matmul
+
+    monkeypatch.setattr(matmul, "ARTICLE_N", 96)
+    recs = matmul._matmul_flops_and_speedup(256, 0.0, "gpu")
+    by_what = {r["what"]: r for r in recs}
+    assert "CPU float32 matmul rate, n=256" in by_what
+    strict = [r for w, r in by_what.items() if "precision=highest" in w]
+    assert {r["unit"] for r in strict} == {"FLOP/s", "×"}
+    speedups = [r for r in recs if r["config"]["metric"] == "gpu_cpu_matmul_speedup"]
+    assert len(speedups) == 1 and "default precision" in speedups[0]["what"]
+    assert all(r["value"] > 0 for r in recs if r["unit"] in ("FLOP/s", "×"))
+    assert (
+        by_what[f"FLOPs of a {96:,}² float32 matmul (XLA cost analysis of the compiled program)"][
+            "value"
+        ]
+        == 2 * 96**3
+    )
