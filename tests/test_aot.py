@@ -10,9 +10,10 @@ from lab.run import main
 
 libtpu = pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
 
-# The calculator's margin against memory_analysis on CPU (lab/measure/memory.py). On TPU only
-# the training state is held to it: XLA:TPU fuses and rematerialises activations well below
-# what a per-op account predicts, so temporaries are reported, not asserted.
+# The calculator's margin against memory_analysis on CPU (lab/measure/memory.py). Here only
+# the training state is held to it (at seq_len 256 a tiny model's temporaries are mostly
+# XLA:TPU's fusion scratch and tile padding); the whole step's total, where naive
+# attention's scores dominate it, is held on TPU and GPU in tests/test_gpu_plans.py.
 MARGIN = 0.15
 
 

@@ -139,6 +139,30 @@ def test_calculator_terms():
             memory.predict_training_memory(**kw, **bad)
 
 
+def test_naive_scores_kept_per_backend_and_nothing_else_changes():
+    """Naive attention's softmax: XLA:CPU keeps 3 float32 score tensors a block (+ the cast to
+    a narrower compute dtype) and 3 more transient; XLA:GPU 2 and none; XLA:TPU 1 and 1. The
+    difference is exactly that term; flash attention is the same on every backend."""
+    kw = dict(
+        n_params=1e6, n_layers=3, d_model=64, n_heads=4, seq_len=128, batch_size=8,
+        vocab_size=256, compute_bytes=2,
+    )  # fmt: skip
+    scores = 8 * 128 * 4 * 128  # B·L · H·S elements a block
+    by = {b: memory.predict_training_memory(**kw, backend=b) for b in ("cpu", "gpu", "tpu")}
+    assert by["cpu"]["activations"] - by["gpu"]["activations"] == 3 * scores * (14 - 8)
+    assert by["gpu"]["activations"] - by["tpu"]["activations"] == 3 * scores * 4
+    assert by["cpu"]["workspace"] - by["gpu"]["workspace"] == scores * 12
+    assert by["tpu"]["workspace"] - by["gpu"]["workspace"] == scores * 4
+    assert memory.predict_training_memory(**kw, backend="cuda") == by["gpu"]
+    for k in ("params", "grads", "optimizer"):
+        assert by["cpu"][k] == by["gpu"][k] == by["tpu"][k]
+    flash = {
+        b: memory.predict_training_memory(**kw, attention="flash", backend=b)
+        for b in ("cpu", "gpu")
+    }
+    assert flash["cpu"] == flash["gpu"]
+
+
 # --- against the compiler, on the lab's real step -------------------------------------------
 
 BASE = dict(

@@ -134,8 +134,29 @@ F32 = 4
 ATTENTION_KINDS = ("naive", "flash", "blockwise")
 
 
+def naive_score_bytes(backend: str, c: int) -> tuple[float, float]:
+    """Bytes per score element (one of B·H·L·S) of naive attention's softmax in one block:
+    (kept from the forward for the backward, transient during that block's backward).
+
+    What XLA keeps differs by backend, as its buffer assignment of the compiled step shows
+    (the lab's small model, batch 16 × 1024, compute bf16, 2 and 6 layers; the temp bytes'
+    slope over the layers is the kept share, the rest the transient):
+      cpu: scores, masked scores and probabilities in float32, plus the probabilities cast to
+           the compute dtype when it is not float32; the backward's gradient of the scores
+           and of the probabilities and the re-formed softmax, three float32 more;
+      gpu: two float32 [B, H, L, S] buffers a block (XLA:GPU fuses the mask and the cast
+           into their consumers) and nothing transient beyond them: the backward's buffers
+           take the places its own block's kept ones free;
+      tpu: one float32 buffer a block, and one more during its backward."""
+    if backend in ("gpu", "cuda", "rocm"):
+        return 2 * F32, 0.0
+    if backend == "tpu":
+        return F32, F32
+    return 3 * F32 + (c if c != F32 else 0), 3 * F32
+
+
 def _layer_activation_bytes(
-    d, d_kv, f, h, s, c, *, model: int, attention: str, tile: int = 256
+    d, d_kv, f, h, s, c, *, model: int, attention: str, tile: int = 256, backend: str = "cpu"
 ) -> tuple[float, float, float]:
     """Bytes per token of one block: (saved with no remat, saved under remat=dots, transient).
 
@@ -146,13 +167,15 @@ def _layer_activation_bytes(
       split over the model axis (heads / MLP columns): q, k, v as the kernel sees them
         (naive attention repeats k and v to all heads: 3·D; flash keeps D + 2·D_kv), the
         attention output (D), gate, up, silu(gate) and their product (4·F)
-      naive attention, split over heads: scores, masked scores and probabilities in float32
-        (3·H·S·4 bytes), plus the probabilities cast to c when c is not float32
+      naive attention, split over heads: H·S score elements at `naive_score_bytes` each (on
+        CPU: scores, masked scores and probabilities in float32, plus the probabilities cast
+        to c when c is not float32)
       flash attention (fused or blockwise): one float32 log-sum-exp per head instead.
     remat=dots keeps only matmul outputs (jax's dots_with_no_batch_dims_saveable): the block
       input, q, k, v before any repeat, both projections back to D, gate and up.
-    Transient (one block at a time, during its backward): naive attention's gradient of the
-      scores and of the probabilities and the re-formed softmax, 3·H·S·4 bytes. A fused
+    Transient (one block at a time, during its backward): naive attention's, H·S elements at
+      the transient `naive_score_bytes` (on CPU the gradient of the scores and of the
+      probabilities and the re-formed softmax, 3·H·S·4 bytes). A fused
       flash kernel keeps its tiles on chip (0); blockwise flash in plain JAX writes one
       `tile`×`tile` tile of the same three to device memory, 3·H·tile²/S·4 bytes per token, and
       accumulates dq, dk and dv in float32, 4·(D + 2·D_kv).
@@ -160,15 +183,13 @@ def _layer_activation_bytes(
     naive = attention == "naive"
     qkv = 3 * d if naive else d + 2 * d_kv
     split = c * (qkv + d + 4 * f)
-    if naive:
-        split += 3 * h * s * F32 + (h * s * c if c != F32 else 0)
-    else:
-        split += h * F32
+    kept, passing = naive_score_bytes(backend, c)
+    split += h * s * kept if naive else h * F32
     saved = c * 4 * d + split / model
     dots = c * 3 * d + c * (d + 2 * d_kv + 2 * f) / model
     transient = 0.0
     if naive:
-        transient = 3 * h * s * F32 / model
+        transient = h * s * passing / model
     elif attention == "blockwise":
         t = min(tile, s)
         transient = (3 * h * t * t / s * F32 + F32 * (d + 2 * d_kv)) / model
@@ -204,6 +225,7 @@ def predict_training_memory(
     pipeline_repeats: int = 1,
     accumulate: int = 1,
     offload_optimizer: bool = False,
+    backend: str = "cpu",
 ) -> dict:
     """Bytes per device of one training step of a decoder-only transformer, by component.
 
@@ -216,7 +238,9 @@ def predict_training_memory(
     naive | flash (fused kernel) | blockwise (flash in plain JAX, `attention_tile`-sized tiles
     in device memory), a mesh of `data` × `stage` × `fsdp` × `model`; a pipeline of
     `microbatches` (and `pipeline_repeats`) over `stage`; `accumulate` = K microbatches per
-    update; `offload_optimizer` keeps the optimizer state in host memory.
+    update; `offload_optimizer` keeps the optimizer state in host memory; `backend` (cpu,
+    gpu, tpu) the compiler whose buffer assignment is predicted, which decides how much of
+    naive attention's softmax is kept (`naive_score_bytes`).
 
     Formulas (all per device, P = stage·fsdp·model, T = batch_size·seq_len / (data·stage·fsdp·K)
     tokens of one accumulation microbatch):
@@ -274,6 +298,7 @@ def predict_training_memory(
         model=model,
         attention=attention,
         tile=attention_tile,
+        backend=backend,
     )
     ticks = pipeline_repeats * microbatches + stage - 1 if stage > 1 else 1
     resident = n_layers * ticks / microbatches if stage > 1 else n_layers
@@ -358,7 +383,8 @@ def predict_lab_step(cfg, *, sizes=None, backend: str | None = None) -> dict:
     (default: JAX's; pass the target's for ahead-of-time plans), the mesh `sizes`, the
     pipeline, gradient accumulation and offloading the config asks for."""
     m = cfg.model
-    kind = lab_attention_kind(m.attention, backend or jax.default_backend())
+    backend = backend or jax.default_backend()
+    kind = lab_attention_kind(m.attention, backend)
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     return predict_training_memory(
         n_params=lab_param_count(m),
@@ -380,6 +406,7 @@ def predict_lab_step(cfg, *, sizes=None, backend: str | None = None) -> dict:
         pipeline_repeats=m.pipeline_repeats,
         accumulate=cfg.accumulate,
         offload_optimizer=cfg.offload_optimizer,
+        backend=backend,
         **lab_axes(cfg.strategy, sizes or {}),
     )
 
