@@ -102,3 +102,14 @@ def test_report_says_how_far_off_and_why(tmp_path):
     assert "×1.6e+04 (above)" in text and c01.stated[0].if_off in text
     assert "reference, not a verdict" in text and "×2.29 (below)" in text
     assert "**no record**" in text  # claims without records say so, not a verdict
+
+
+def test_a_host_cpu_figure_measured_beside_an_accelerator_is_labelled_as_the_host():
+    """In a GPU process the CPU's own figures (on=cpu) name the machine they came from as
+    its host, not as if the accelerator had measured them."""
+    c15 = claims.get("C15")
+    r = _record("C15", c15.stated[0], 7.05e4, label="derived", backend="gpu", on="cpu")
+    r["device_kind"], r["device_count"] = "NVIDIA H200", 1
+    assert markdown._tag(r) == "*derived*, cpu, the host of NVIDIA H200 × 1"
+    r["config"].pop("on")
+    assert markdown._tag(r) == "*derived*, gpu, NVIDIA H200 × 1"

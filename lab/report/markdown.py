@@ -41,7 +41,13 @@ def results_dir(root, env: dict) -> Path:
 def _tag(r: dict) -> str:
     on = r["config"].get("on") or r["backend"]
     target = r["config"].get("target")
-    where = f"for {target}" if target else f"{on}, {r['device_kind']} × {r['device_count']}"
+    machine = f"{r['device_kind']} × {r['device_count']}"
+    if target:
+        where = f"for {target}"
+    elif on != r["backend"]:  # the host CPU measured in an accelerator's process
+        where = f"{on}, the host of {machine}"
+    else:
+        where = f"{on}, {machine}"
     return f"*{r['label']}*, {where}"
 
 
