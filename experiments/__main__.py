@@ -4,7 +4,9 @@
 Runs the experiment modules with a progress bar, appends every record to
 results/<backend>-<device>-<timestamp>/records.jsonl as each module finishes, then renders
 REPORT.md and the plots from those records and prints the verdict table. On CPU the process
-simulates 8 devices (as the tests do) so the parallelism experiments have a mesh.
+simulates 8 devices (as the tests do) so the parallelism experiments have a mesh. Stopped by
+Ctrl-C or SIGTERM (a time limit), it writes REPORT.md from the topics that finished, names the
+one cut short, and exits with one line.
 
 plans=on (or size=full) adds C10's and C14's plans: the Llama-2-7B step compiled for 1 H100,
 the 70B step for 8, 16 and 32 H100s under dp, fsdp and tp, each with the compiler's memory
@@ -12,9 +14,12 @@ per device beside the calculator's (compiled, not run; experiments/gpu_plans.py)
 `python -m experiments only=C10,C14 plans=on`.
 """
 
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -35,6 +40,50 @@ class Options:
         " needs the gpu-plan extra, a few minutes on 2 cores): on, off, auto (on with size=full)",
         choices=("auto", "on", "off"),
     )
+
+
+@contextlib.contextmanager
+def _signals_keep_what_finished(out_dir, meta: dict, only, con):
+    """Ctrl-C or SIGTERM (a scheduler's stop, `timeout`) while a topic runs: REPORT.md is
+    written from the records of the topics that finished (each topic appends its records as
+    it ends), the one in flight is named as cut short, and the process exits at once with
+    one line (130 or 143), not a traceback out of a compile or a kernel. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from lab.report import markdown
+
+    def stop(signum, _frame):
+        name = signal.Signals(signum).name
+        current = meta.get("current")
+        if current:
+            meta["modules"][current] = {
+                "wall_s": time.perf_counter() - meta["current_start"],
+                "records": 0,
+                "error": f"cut short by {name}: no records",
+            }
+        meta["wall_s"] = time.perf_counter() - meta["start"]
+        shown = {k: v for k, v in meta.items() if k not in ("current", "current_start", "start")}
+        try:
+            path = markdown.write_report(out_dir, meta=shown, only=only)["path"]
+            kept = f"the finished topics' records and {path.name} are in {out_dir}"
+        except Exception as e:  # noqa: BLE001 - the line must still be printed
+            kept = f"the finished topics' records are in {out_dir} (no report: {e})"
+        try:
+            con.show_cursor(True)  # the progress bar hid it; no exit handler will run
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe must not keep the process alive
+            pass
+        where = f" during {current}" if current else ""
+        os.write(2, f"{name}: stopped{where}; {kept}\n".encode())
+        os._exit(130 if signum == signal.SIGINT else 143)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run(o: Options) -> int:
@@ -60,17 +109,18 @@ def run(o: Options) -> int:
     out_dir = markdown.results_dir(o.out_dir, env)
     names = select(only)
     t0 = time.perf_counter()
-    meta = {"size": o.size, "only": only, "modules": {}, "argv": sys.argv[1:]}
+    meta = {"size": o.size, "only": only, "modules": {}, "argv": sys.argv[1:], "start": t0}
     con.print(
         f"experiments · {env['backend']} · {env['device_kind']} × "
         f"{env['device_count']} · size {o.size} → {out_dir}"
     )
-    with progress.tasks(con) as bar:
+    with _signals_keep_what_finished(out_dir, meta, only, con), progress.tasks(con) as bar:
         task = bar.add_task("starting", total=len(names))
         for name in names:
             module = load(name)
             bar.update(task, description=f"{name} ({', '.join(module.CLAIMS)})")
             start = time.perf_counter()
+            meta["current"], meta["current_start"] = name, start
             try:
                 records = module.run(o.size, **plan_kwargs(name, o.plans, o.size))
                 for r in records:
@@ -87,7 +137,10 @@ def run(o: Options) -> int:
                 "records": len(records),
                 "error": error,
             }
+            meta["current"] = None
             bar.advance(task)
+    for key in ("current", "current_start", "start"):
+        meta.pop(key, None)
     meta["wall_s"] = time.perf_counter() - t0
     report = markdown.write_report(out_dir, meta=meta, only=only)
     con.print(tables.verdicts(report["verdicts"]))

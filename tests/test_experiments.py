@@ -4,6 +4,7 @@ its plots and a cross-backend merge read from that one results folder."""
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -206,3 +207,48 @@ def test_c01_on_an_accelerator_sets_the_strict_float32_speedup_beside_the_defaul
         ]
         == 2 * 96**3
     )
+
+
+_STOPPED_RUN = """
+import os, signal, sys, time, types
+import experiments
+from experiments import __main__ as cli
+from experiments.common import record
+
+def finished(size, **_):
+    return [record("C06", "ridge_point", "ridge point", 150.0, "FLOP/B", label="derived")]
+
+def stopped(size, **_):
+    os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` or a scheduler would, mid-topic
+    time.sleep(60)
+    return []
+
+mods = {"roofline": finished, "memory": stopped, "training": finished}
+experiments.select = lambda only: list(mods)
+experiments.load = lambda name: types.SimpleNamespace(CLAIMS=("C06",), run=mods[name])
+sys.exit(cli.main(["size=tiny", "out_dir=" + sys.argv[1]]))
+"""
+
+
+def test_a_stopped_ledger_keeps_the_finished_topics_and_writes_their_report(tmp_path):
+    """SIGTERM while a topic runs: one line naming it, exit 143 at once, and REPORT.md from
+    the records the finished topics wrote, the topic in flight marked as cut short."""
+    import subprocess
+    import sys
+
+    t0 = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, "-c", _STOPPED_RUN, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 143, p.stderr
+    assert time.perf_counter() - t0 < 60  # not after the topic's sleep
+    line = p.stderr.strip().splitlines()
+    assert len(line) == 1 and line[0].startswith("SIGTERM: stopped during memory;"), p.stderr
+    (folder,) = tmp_path.iterdir()
+    assert len(rec.read_records(folder / "records.jsonl")) == 1  # roofline's; training never ran
+    report = (folder / "REPORT.md").read_text()
+    assert "`memory`" in report and "cut short by SIGTERM" in report
+    assert "`training`" not in report
