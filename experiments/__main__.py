@@ -43,47 +43,75 @@ class Options:
 
 
 @contextlib.contextmanager
-def _signals_keep_what_finished(out_dir, meta: dict, only, con):
+def _signals_keep_what_finished(out_dir, meta: dict, only, con, writing: threading.Lock):
     """Ctrl-C or SIGTERM (a scheduler's stop, `timeout`) while a topic runs: REPORT.md is
     written from the records of the topics that finished (each topic appends its records as
-    it ends), the one in flight is named as cut short, and the process exits at once with
-    one line (130 or 143), not a traceback out of a compile or a kernel. Main thread only."""
+    it ends), the one in flight is named as cut short, and the process exits with one line
+    (130 or 143), not a traceback out of a compile or a kernel.
+
+    The work is done on a thread that the signal wakes at once (`signal.set_wakeup_fd`), not
+    in a Python handler, which runs only when the main thread is back in Python: a compile or
+    a device wait can take minutes, and a scheduler's SIGKILL follows soon after its SIGTERM.
+    It waits on `writing`, so a topic's records are appended whole before it reads them.
+    Main thread only; elsewhere nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     from lab.report import markdown
 
-    def stop(signum, _frame):
+    def stop(signum: int) -> None:
         name = signal.Signals(signum).name
-        current = meta.get("current")
-        if current:
-            meta["modules"][current] = {
-                "wall_s": time.perf_counter() - meta["current_start"],
-                "records": 0,
-                "error": f"cut short by {name}: no records",
-            }
-        meta["wall_s"] = time.perf_counter() - meta["start"]
-        shown = {k: v for k, v in meta.items() if k not in ("current", "current_start", "start")}
-        try:
-            path = markdown.write_report(out_dir, meta=shown, only=only)["path"]
-            kept = f"the finished topics' records and {path.name} are in {out_dir}"
-        except Exception as e:  # noqa: BLE001 - the line must still be printed
-            kept = f"the finished topics' records are in {out_dir} (no report: {e})"
-        try:
-            con.show_cursor(True)  # the progress bar hid it; no exit handler will run
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001 - a closed pipe must not keep the process alive
-            pass
-        where = f" during {current}" if current else ""
-        os.write(2, f"{name}: stopped{where}; {kept}\n".encode())
-        os._exit(130 if signum == signal.SIGINT else 143)
+        with writing:  # a topic's records are appended whole, then never again
+            current = meta.get("current")
+            if current:
+                meta["modules"][current] = {
+                    "wall_s": time.perf_counter() - meta["current_start"],
+                    "records": 0,
+                    "error": f"cut short by {name}: no records",
+                }
+            meta["wall_s"] = time.perf_counter() - meta["start"]
+            hidden = ("current", "current_start", "start")
+            shown = {k: v for k, v in meta.items() if k not in hidden}
+            try:
+                path = markdown.write_report(out_dir, meta=shown, only=only)["path"]
+                kept = f"the finished topics' records and {path.name} are in {out_dir}"
+            except Exception as e:  # noqa: BLE001 - the line must still be printed
+                kept = f"the finished topics' records are in {out_dir} (no report: {e})"
+            try:
+                con.show_cursor(True)  # the progress bar hid it; no exit handler will run
+                sys.stdout.flush()
+            except Exception:  # noqa: BLE001 - a closed pipe must not keep the process alive
+                pass
+            where = f" during {current}" if current else ""
+            os.write(2, f"{name}: stopped{where}; {kept}\n".encode())
+            os._exit(130 if signum == signal.SIGINT else 143)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def watch() -> None:
+        try:
+            got = os.read(read_fd, 1)
+        except OSError:  # the pipe was closed: the run ended
+            return
+        if got:
+            stop(got[0])
+
+    watcher = threading.Thread(target=watch, name="ledger-stop", daemon=True)
+    watcher.start()
+    handled = (signal.SIGINT, signal.SIGTERM)
+    # the Python-level handler does nothing: the C-level one has already woken the watcher
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     try:
         yield
     finally:
+        signal.set_wakeup_fd(previous_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        os.close(write_fd)  # the watcher's read returns b"": it ends
+        watcher.join(timeout=1.0)
+        os.close(read_fd)
 
 
 def run(o: Options) -> int:
@@ -114,7 +142,9 @@ def run(o: Options) -> int:
         f"experiments · {env['backend']} · {env['device_kind']} × "
         f"{env['device_count']} · size {o.size} → {out_dir}"
     )
-    with _signals_keep_what_finished(out_dir, meta, only, con), progress.tasks(con) as bar:
+    writing = threading.Lock()
+    stopping = _signals_keep_what_finished(out_dir, meta, only, con, writing)
+    with stopping, progress.tasks(con) as bar:
         task = bar.add_task("starting", total=len(names))
         for name in names:
             module = load(name)
@@ -125,19 +155,25 @@ def run(o: Options) -> int:
                 records = module.run(o.size, **plan_kwargs(name, o.plans, o.size))
                 for r in records:
                     r["config"]["module"] = name
-                rec.write_records(out_dir / "records.jsonl", records)
                 error = None
             except Exception as e:  # noqa: BLE001 — one failed topic must not lose the others
                 error = f"{type(e).__name__}: {e}"
                 con.print(f"[red]{name} failed[/red]: {error}")
                 con.print(traceback.format_exc(), markup=False, highlight=False)
                 records = []
-            meta["modules"][name] = {
-                "wall_s": time.perf_counter() - start,
-                "records": len(records),
-                "error": error,
-            }
-            meta["current"] = None
+            with writing:  # appended whole before a stop reads them (not the topic's run)
+                try:
+                    if records:
+                        rec.write_records(out_dir / "records.jsonl", records)
+                except OSError as e:
+                    error, records = f"its records could not be written: {e}", []
+                    con.print(f"[red]{name} failed[/red]: {error}")
+                meta["modules"][name] = {
+                    "wall_s": time.perf_counter() - start,
+                    "records": len(records),
+                    "error": error,
+                }
+                meta["current"] = None
             bar.advance(task)
     for key in ("current", "current_start", "start"):
         meta.pop(key, None)

@@ -446,9 +446,33 @@ def test_bench_sweep_drops_a_contender_that_fails_at_its_first_call(monkeypatch)
     assert rows["blockwise"].ran and rows["blockwise"].max_error < 1e-5
     assert not rows["naive"].ran
     assert rows["naive"].skipped == (
-        "failed at its first call: RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying"
-        " to allocate"
+        "out of memory when called: RuntimeError: RESOURCE_EXHAUSTED: Out of memory while"
+        " trying to allocate"
     )
+
+
+def test_bench_sweep_lets_a_contender_s_real_error_surface(monkeypatch):
+    """Only running out of memory drops a contender: any other error at its first call is a
+    bug in it and stops the sweep, rather than reading as a skipped row."""
+    from lab.studies import attention as bench
+
+    real = bench._compile
+
+    def compile_one(impl, causal, mode, args):
+        if impl != "naive":
+            return real(impl, causal, mode, args)
+
+        def broken(*_):
+            raise ValueError("shapes do not match")
+
+        return broken, 0.0, None
+
+    monkeypatch.setattr(bench, "_compile", compile_one)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        bench.sweep(
+            (64,), causal=(True,), modes=("fwd",), impls=("naive", "blockwise"),
+            budget_s=0.0, min_runs=1, warmup=0,
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------ under a multi-device mesh

@@ -55,6 +55,13 @@ def test_a_cost_of_minus_one_is_unknown_and_the_hlo_walk_counts_instead():
     assert c["bytes accessed"] > 0
     assert "-1" in c["source"]
 
+    class OneUnknown(SaysUnknown):  # flops counted, the other two not
+        def cost_analysis(self):
+            return {"flops": 1.0, "bytes accessed": 7.0, "transcendentals": -1.0}
+
+    c = cost.compiled_cost(OneUnknown())
+    assert c["flops"] == cost.matmul_flops(96, 72, 40) and c["transcendentals"] >= 0
+
 
 def test_batched_matmul_flops():
     fn = lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b)

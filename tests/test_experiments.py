@@ -193,9 +193,10 @@ def test_c01_on_an_accelerator_sets_the_strict_float32_speedup_beside_the_defaul
     from experiments import matmul
 
     monkeypatch.setattr(matmul, "ARTICLE_N", 96)
+    monkeypatch.setattr(matmul, "CPU_N", 128)
     recs = matmul._matmul_flops_and_speedup(256, 0.0, "gpu")
     by_what = {r["what"]: r for r in recs}
-    assert "CPU float32 matmul rate, n=256" in by_what
+    assert "CPU float32 matmul rate, n=128" in by_what  # the size it ran at, not n=256
     strict = [r for w, r in by_what.items() if "precision=highest" in w]
     assert {r["unit"] for r in strict} == {"FLOP/s", "×"}
     speedups = [r for r in recs if r["config"]["metric"] == "gpu_cpu_matmul_speedup"]

@@ -113,3 +113,5 @@ def test_a_host_cpu_figure_measured_beside_an_accelerator_is_labelled_as_the_hos
     assert markdown._tag(r) == "*derived*, cpu, the host of NVIDIA H200 × 1"
     r["config"].pop("on")
     assert markdown._tag(r) == "*derived*, gpu, NVIDIA H200 × 1"
+    r["config"]["on"] = "multi"  # a figure compare.py derives from several folders
+    assert markdown._tag(r) == "*derived*, multi, NVIDIA H200 × 1"

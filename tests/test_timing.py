@@ -188,10 +188,24 @@ def test_ceilings_queue_calls_on_an_accelerator_and_block_each_on_cpu(monkeypatc
         seen.append(inner)
         return real(*args, inner=inner, **kwargs)
 
+    real_in_place = timing.bench_in_place
+
+    def spy_in_place(*args, inner=1, **kwargs):
+        seen.append(("in place", inner))
+        return real_in_place(*args, inner=inner, **kwargs)
+
     monkeypatch.setattr(timing, "bench", spy)
+    monkeypatch.setattr(timing, "bench_in_place", spy_in_place)
     ceilings.measure_matmul("float32", n=64, budget_s=0.0)
+    ceilings.copy_bandwidth(1 << 16, budget_s=0.0)
     monkeypatch.setattr(ceilings, "backend", lambda: "gpu")
     ceilings.measure_matmul("float32", n=64, budget_s=0.0)
     ceilings.read_bandwidth(1 << 16, budget_s=0.0)
-    assert seen == [1, ceilings.QUEUED, ceilings.QUEUED]
-    assert ceilings.queued("cpu") == 1 and ceilings.queued("tpu") == ceilings.QUEUED
+    ceilings.copy_bandwidth(1 << 16, budget_s=0.0)
+    q = ceilings.QUEUED
+    assert seen == [1, ("in place", 1), q, q, ("in place", q)]
+    assert ceilings.queued("cpu") == 1 and ceilings.queued("tpu") == q
+    seen.clear()  # the roofline sweep: every point queued as the device asks
+    given = {"dtype": "float32", "precision": "default", "n": 64, "flops_per_s": 1e9}
+    ceilings.roofline_ceilings("tiny", budget_s=0.0, matmuls={("float32", "default"): given})
+    assert seen and set(seen) <= {q, ("in place", q)}

@@ -8,11 +8,12 @@ two minutes on a laptop CPU and in seconds on an accelerator. Every time comes f
 `timing.bench` (the in-place copy from `timing.bench_in_place`, which puts each donated
 buffer's successor back in its place): compile apart, blocked on the outputs, median over a
 time budget. On an accelerator each timed sample is `queued()` calls back to back, blocked
-once: the device's time per call, as a program that queues its work sees it. Blocked on every
-call, the host's wait and the next dispatch join each call's time (on one H200: a 1 GiB copy
-0.71 ms a call blocked, 0.50 ms queued; a bf16 8192³ matmul 1.81 against 1.64 ms), and the
-roofs came out under what the device does (the ledger's first H200 run: copy 2.81 TB/s and
-bf16 matmul 628 TFLOP/s blocked, where the same ops queued had run at 4.26 TB/s and 671).
+once: the device's time per call, as a program that queues its work sees it (the calls of one
+sample share an input set; the sets rotate from sample to sample, and every buffer is larger
+than the chips' L2). Blocked on every call, the host's wait and the next dispatch join each
+call's time: in BENCHMARKS.md's op table for one H200, a 1.07 GB copy took 0.71 ms a call
+blocked and 0.50 ms queued, a bf16 8192³ matmul 1.81 against 1.64 ms; and the ledger's first
+run on an H200, which blocked on every call, read its roofs as 2.81 TB/s and 628 TFLOP/s.
 
 `python -m lab.tools.ceilings` runs `run_all` and prints, saves and plots the results:
 `run_all` returns a `Ceilings` (its rows as `Row`s), typed here, below lab.report, so the

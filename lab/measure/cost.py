@@ -43,8 +43,10 @@ def compiled_cost(compiled) -> dict | None:
         raw = raw[0] if raw else None
     program = compiled_program(compiled)
     # XLA writes -1 for a figure it cannot count (XLA:GPU on the device, for a program that is
-    # one cuBLAS call): unknown, not a count. Without flops the HLO walk counts the program.
-    unknown = bool(raw) and any(raw.get(k, 0) < 0 for k in ("flops", "bytes accessed"))
+    # one cuBLAS call): unknown, not a count. Then the HLO walk counts all three figures, so
+    # they come from one account of the program.
+    counted = ("flops", "bytes accessed", "transcendentals")
+    unknown = bool(raw) and any(raw.get(k, 0) < 0 for k in counted)
     if (not raw or unknown) and program is None:
         return None
     if not raw or unknown:

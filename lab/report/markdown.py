@@ -44,7 +44,7 @@ def _tag(r: dict) -> str:
     machine = f"{r['device_kind']} × {r['device_count']}"
     if target:
         where = f"for {target}"
-    elif on != r["backend"]:  # the host CPU measured in an accelerator's process
+    elif on == "cpu" and r["backend"] != "cpu":  # the host CPU in an accelerator's process
         where = f"{on}, the host of {machine}"
     else:
         where = f"{on}, {machine}"

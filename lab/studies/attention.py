@@ -317,12 +317,24 @@ def _outputs(fn, args):
     return fn.outputs() if isinstance(fn, TorchSDPA) else fn(*args)
 
 
-def _first_calls(runnable: dict, args) -> tuple[dict, dict]:
-    """Call each contender once or twice: ({impl: fastest seconds}, {impl: why it failed}).
+def out_of_memory(e: Exception) -> bool:
+    """An allocation the device (or host) could not make: PyTorch's OutOfMemoryError, XLA's
+    RESOURCE_EXHAUSTED."""
+    text = str(e)
+    return (
+        type(e).__name__ == "OutOfMemoryError"
+        or "RESOURCE_EXHAUSTED" in text
+        or "out of memory" in text.lower()
+    )
 
-    The first call allocates and autotunes. A contender that fails there (out of device
-    memory, most often: PyTorch's math kernel materialises the [B, H, L, S] scores, which the
-    compiled-memory check cannot see) is dropped with its reason, so the others still run."""
+
+def _first_calls(runnable: dict, args) -> tuple[dict, dict]:
+    """Call each contender once or twice: ({impl: fastest seconds}, {impl: why it is out}).
+
+    The first call allocates and autotunes. A contender that runs out of memory there
+    (PyTorch's math kernel materialises the [B, H, L, S] scores, which the compiled-memory
+    check cannot see) is dropped with its reason, so the others still run; any other error
+    is a bug and surfaces."""
     fastest, failed = {}, {}
     for impl, fn in runnable.items():
         try:
@@ -335,9 +347,11 @@ def _first_calls(runnable: dict, args) -> tuple[dict, dict]:
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             fastest[impl] = time.perf_counter() - t0
-        except Exception as e:  # noqa: BLE001 — one contender's failure must not lose the rest
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            failed[impl] = f"failed at its first call: {type(e).__name__}: {first_line[:80]}"
+            failed[impl] = f"out of memory when called: {type(e).__name__}: {first_line[:80]}"
             if isinstance(fn, TorchSDPA):
                 fn.release()
     return fastest, failed
