@@ -10,6 +10,8 @@ the measured numbers per folder, then every claim's verdict per folder and merge
 
 import dataclasses
 import datetime
+import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -73,7 +75,24 @@ def load(folder) -> dict:
     if not records:
         raise ValueError(f"{path}: empty")
     r = records[0]
-    return {"dir": folder, "records": records, "name": f"{r['backend']} · {r['device_kind']}"}
+    name = f"{r['backend']} · {r['device_kind']}"
+    try:  # the size the folder was run at, where its run.json says (a merge's has none)
+        size = json.loads((folder / "run.json").read_text()).get("size")
+    except (OSError, ValueError):
+        size = None
+    return {"dir": folder, "records": records, "name": name + (f" · {size}" if size else "")}
+
+
+def _step(r: dict) -> tuple:
+    """What a training-throughput record timed: (params, batch, seq_len)."""
+    c = r["config"]
+    return c.get("params"), c.get("batch"), c.get("seq_len")
+
+
+def _same_step(a: dict, b: dict) -> bool:
+    """Two folders' tokens/s compare only for the same step (model, batch, length): folders
+    run at different sizes time different steps."""
+    return _step(a) == _step(b)
 
 
 def _find(records, match) -> dict | None:
@@ -109,7 +128,7 @@ def derived(folders: list[dict]) -> list[dict]:
     tpu = next((k for k in train if k.startswith("tpu") and train[k]), None)
     h100 = next((k for k in train if "h100" in k and train[k]), None)
     cpu = next((k for k in train if k.startswith("cpu") and train[k]), None)
-    if tpu and h100:
+    if tpu and h100 and _same_step(train[tpu], train[h100]):
         out.append(
             _pair_record(
                 "C19",
@@ -134,7 +153,7 @@ def derived(folders: list[dict]) -> list[dict]:
             )
         )
     for k, r in train.items():
-        if cpu and r and not k.startswith("cpu"):
+        if cpu and r and not k.startswith("cpu") and _same_step(r, train[cpu]):
             out.append(
                 _pair_record(
                     "C02",
@@ -157,9 +176,28 @@ def side_by_side(folders: list[dict]) -> list[str]:
         cells = []
         for f in folders:
             r = _find(f["records"], match)
-            cells.append(markdown.fmt(r["value"], r["unit"]) + f" *{r['label']}*" if r else "—")
+            cell = markdown.fmt(r["value"], r["unit"]) + f" *{r['label']}*" if r else "—"
+            if r and match is _train:
+                params, batch, seq = _step(r)
+                cell += f" ({batch} × {seq})"
+            cells.append(cell)
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return rows
+
+
+def unmatched_steps(folders: list[dict]) -> list[str]:
+    """A line for each pair of folders whose training steps differ (no cross-machine ratio)."""
+    train = [(f, _find(f["records"], _train)) for f in folders]
+    train = [(f, r) for f, r in train if r]
+    lines = []
+    for (fa, a), (fb, b) in itertools.combinations(train, 2):
+        if not _same_step(a, b):
+            lines.append(
+                f"- No ratio of training tokens/s between {fa['name']} and {fb['name']}: they "
+                f"timed different steps (batch × length {_step(a)[1]} × {_step(a)[2]} against "
+                f"{_step(b)[1]} × {_step(b)[2]}); run both at one size."
+            )
+    return lines
 
 
 def verdict_grid(folders: list[dict], merged_verdicts) -> list[str]:
@@ -190,6 +228,8 @@ def merge(dirs, out_root="results") -> dict:
         "## Side by side (measured unless labelled)",
         "",
         *side_by_side(folders),
+        "",
+        *unmatched_steps(folders),
         "",
         "## Verdicts per machine and merged",
         "",

@@ -253,3 +253,29 @@ def test_a_stopped_ledger_keeps_the_finished_topics_and_writes_their_report(tmp_
     report = (folder / "REPORT.md").read_text()
     assert "`memory`" in report and "cut short by SIGTERM" in report
     assert "`training`" not in report
+
+
+def test_compare_derives_no_cross_machine_ratio_from_different_steps():
+    """Folders run at different sizes time different steps: their tokens/s are shown with the
+    step beside them, and no GPU-over-CPU ratio is derived from them (it would compare a
+    16 × 1024 step with an 8 × 256 one)."""
+
+    def folder(backend, kind, batch, seq, tokens_per_s):
+        r = rec.make_record(
+            "training tokens/s", tokens_per_s, "tokens/s", claim="C17", metric=None,
+            role="context", series="train_throughput", params=3213568, batch=batch, seq_len=seq,
+        )  # fmt: skip
+        r["backend"], r["device_kind"] = backend, kind
+        return {"dir": kind, "records": [r], "name": f"{backend} · {kind}"}
+
+    cpu = folder("cpu", "cpu", 8, 256, 2.95e3)
+    gpu = folder("gpu", "NVIDIA H200", 16, 1024, 1.39e6)
+    assert compare.derived([cpu, gpu]) == []
+    (line,) = compare.unmatched_steps([cpu, gpu])
+    assert "8 × 256 against 16 × 1024" in line
+    assert "(16 × 1024)" in "\n".join(compare.side_by_side([cpu, gpu]))
+    same = folder("gpu", "NVIDIA H200", 8, 256, 1.0e6)
+    (ratio,) = compare.derived([cpu, same])
+    assert ratio["config"]["metric"] == "gpu_cpu_train_speedup"
+    assert ratio["value"] == pytest.approx(1.0e6 / 2.95e3)
+    assert compare.unmatched_steps([cpu, same]) == []
