@@ -174,6 +174,26 @@ def test_both_backward_paths_match_the_reference(monkeypatch, path, dtype, shape
     assert_close(output_and_grads(fn, q, k, v, do), want, dtype)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_nan_in_a_query_row_reaches_that_row_and_no_other(causal):
+    """A NaN in gives NaN out, as in the reference: the NaN query row's output and its dQ are
+    NaN (a plain row max would skip the NaN and read the row as one that sees no key: 0),
+    and every other row is untouched."""
+    ks = jax.random.split(jax.random.key(5), 4)
+    q, k, v, do = (jax.random.normal(kk, (1, 160, 2, 32), jnp.float32) for kk in ks)
+    q = q.at[0, 140, 1, 3].set(jnp.nan)
+    fn = functools.partial(attention, causal=causal, impl="cpu_flash")
+    out, vjp = jax.vjp(fn, q, k, v)
+    dq = vjp(do)[0]
+    assert bool(jnp.isnan(out[0, 140, 1]).all()) and bool(jnp.isnan(dq[0, 140, 1]).all())
+    ref = attention_reference(q, k, v, causal=causal)
+    clean = jnp.ones(out.shape, bool).at[0, 140, 1].set(False)
+    assert bool(jnp.isfinite(jnp.where(clean, out, 0.0)).all())
+    np.testing.assert_allclose(
+        np.where(clean, out, 0.0), np.where(clean, ref, 0.0), atol=1e-5, rtol=1e-5
+    )
+
+
 def test_vmap_over_a_leading_axis():
     """ffi_call's broadcast_all: the vmapped axis is folded into the batch inside the kernel."""
     q, k, v, do = random_qkv(5, 70, 70, HEADS, 2, 64, "float32", B=3)

@@ -30,6 +30,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -95,12 +99,12 @@ static_assert(kAlign % kNR == 0, "tiles must hold whole micro-tiles");
 typedef float vf __attribute__((vector_size(4 * kVW)));
 typedef int32_t vi __attribute__((vector_size(4 * kVW)));
 
-inline vf vload(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+// Unaligned vector loads and stores through a float vector type, not memcpy: a memcpy may
+// alias anything, so GCC reloaded every captured loop bound (the tile sizes) from memory after
+// each store of the exp loop; a float vector aliases only floats.
+typedef float vf_unaligned __attribute__((vector_size(4 * kVW), aligned(4)));
+inline vf vload(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
+inline void vstore(float* p, vf v) { *reinterpret_cast<vf_unaligned*>(p) = v; }
 
 inline float hsum(vf v) {
   float out = 0.0f;
@@ -108,15 +112,42 @@ inline float hsum(vf v) {
   return out;
 }
 
-// exp(x) lane by lane for x <= ~88 (Cephes expf: 2^n · p(r), |r| <= ln2/2, ~1 ulp); 0 below
-// -87. Written with vector types: GCC left the same arithmetic on scalars in loops marked
+// max(lo, x) and min(hi, x) lane by lane, a NaN in x kept: one instruction where the build
+// has the x86 vector ISA (its max/min return the second operand when either is NaN), a
+// compare and a select elsewhere.
+inline vf vmax_lo(vf lo, vf x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_max_ps((__m512)lo, (__m512)x);
+#elif defined(__AVX__)
+  return (vf)_mm256_max_ps((__m256)lo, (__m256)x);
+#elif defined(__SSE2__)
+  return (vf)_mm_max_ps((__m128)lo, (__m128)x);
+#else
+  return x < lo ? lo : x;
+#endif
+}
+inline vf vmin_hi(vf hi, vf x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_min_ps((__m512)hi, (__m512)x);
+#elif defined(__AVX__)
+  return (vf)_mm256_min_ps((__m256)hi, (__m256)x);
+#elif defined(__SSE2__)
+  return (vf)_mm_min_ps((__m128)hi, (__m128)x);
+#else
+  return x > hi ? hi : x;
+#endif
+}
+
+// exp(x) lane by lane for x <= ~88 (Cephes expf: 2^n · p(r), |r| <= ln2/2, ~1 ulp); exactly
+// 0 from -87.68 down (-inf included: x is clamped at -88, where n = -127 makes 2^n's bits 0),
+// NaN kept. Written with vector types: GCC left the same arithmetic on scalars in loops marked
 // `omp simd` on AVX2 (its select and the integer exponent), and the forward then spent as long
-// in exp as in both products.
+// in exp as in both products. The clamps are max/min, not compare-and-select: the 0 below the
+// range comes from the exponent itself, so no select is left.
 inline vf vexp(vf x) {
-  const vf lo = vf{} - 87.0f, hi = vf{} + 88.0f;
+  const vf lo = vf{} - 88.0f, hi = vf{} + 88.0f;
   const vf magic = vf{} + 12582912.0f;  // 1.5·2^23: adding it rounds to an integer
-  vf xc = x < lo ? lo : x;
-  xc = xc > hi ? hi : xc;
+  const vf xc = vmin_hi(hi, vmax_lo(lo, x));
   const vf n = (xc * 1.44269504088896341f + magic) - magic;
   vf r = xc - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
@@ -127,21 +158,28 @@ inline vf vexp(vf x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const vf y = p * r * r + r + 1.0f;
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;  // n = -127: +0.0
   vf two_n;
   std::memcpy(&two_n, &e, sizeof two_n);
-  return x < lo ? vf{} : y * two_n;
+  return y * two_n;
 }
 
-// max(init, row[0..n)), n % kVW == 0: written with vectors (GCC leaves a max reduction scalar).
+// max(init, row[0..n)), n % kVW == 0, or NaN if the row holds one (a NaN in gives NaN out, as
+// in the reference; a plain max skips it, and a row of NaN scores read as a row that sees no
+// key: 0). Written with vectors (GCC leaves a max reduction scalar).
 inline float row_max(const float* row, int64_t n, float init) {
   vf m = vf{} + init;
+  vi nan = {};
   for (int64_t c = 0; c < n; c += kVW) {
     const vf x = vload(row + c);
     m = x > m ? x : m;
+    nan |= x != x;
   }
   float out = init;
-  for (int i = 0; i < kVW; ++i) out = std::max(out, m[i]);
+  for (int i = 0; i < kVW; ++i) {
+    if (nan[i]) return NAN;
+    out = std::max(out, m[i]);
+  }
   return out;
 }
 
@@ -371,7 +409,7 @@ void forward(const Geo& g, const T* q, const T* k, const T* v, T* o, float* lse)
     }
     for (int64_t r = 0; r < bq && q0 + r < g.L; ++r) {
       // A row that saw no key: output 0, and lse +inf so the backward's exp(s - lse) is 0.
-      const bool seen = sum[r] > 0.0f;
+      const bool seen = !(sum[r] <= 0.0f);  // NaN counts as seen: it reaches o and lse
       const float inv = seen ? 1.0f / sum[r] : 0.0f;
       T* dst = o + g.q_index(b, q0 + r, h);
       for (int64_t d = 0; d < g.K; ++d) store(dst, d, acc[r * Kp + d] * inv);
