@@ -209,3 +209,24 @@ def test_ceilings_queue_calls_on_an_accelerator_and_block_each_on_cpu(monkeypatc
     given = {"dtype": "float32", "precision": "default", "n": 64, "flops_per_s": 1e9}
     ceilings.roofline_ceilings("tiny", budget_s=0.0, matmuls={("float32", "default"): given})
     assert seen and set(seen) <= {q, ("in place", q)}
+
+
+def test_comparison_settles_before_each_sample_and_does_not_time_the_pause():
+    """settle_s: a pause before every contender's sample, untimed, and not taken from the
+    budget; a negative pause is refused."""
+    order = []
+
+    def make(name):
+        return lambda x: order.append((name, time.perf_counter())) or jnp.asarray(x)
+
+    impls = {"a": make("a"), "b": make("b")}
+    out = timing.comparison(
+        impls, 1.0, baseline="a", warmup=0, min_runs=3, budget_s=0.0, settle_s=0.02
+    )
+    timed = order[2:]  # after one compile call each
+    assert [n for n, _ in timed] == ["a", "b"] * 3
+    gaps = [t1 - t0 for (_, t0), (_, t1) in zip(timed, timed[1:], strict=False)]
+    assert min(gaps) >= 0.02  # every sample waited
+    assert all(c.bench.median_s < 0.02 for c in out.contenders)  # the wait is not in the figure
+    with pytest.raises(ValueError, match="settle_s"):
+        timing.comparison(impls, 1.0, baseline="a", settle_s=-1.0)

@@ -184,13 +184,18 @@ def comparison(
     min_runs: int = 5,
     budget_s: float = 1.0,
     inner: int = 1,
+    settle_s: float = 0.0,
 ) -> Comparison:
     """Time several implementations of one op on the same inputs, alternating call by call.
 
     Alternating spreads drift (thermal, other processes) evenly over the contenders, so the
     ratios are fairer than timing one after the other. Each contender's ratio is its median
     over the baseline's (below 1 is faster than the baseline). `inner` > 1 makes each sample
-    `inner` queued calls blocked once (see `_call_blocked`).
+    `inner` queued calls blocked once (see `_call_blocked`). `settle_s` > 0 waits that long,
+    untimed, before each sample: on a CPU a contender's work can outlast its return (PyTorch's
+    OpenMP threads spin for a while after each parallel region; XLA frees its buffers), and
+    the next contender's sample would pay for it. On a 2-core VM, cpu_flash right after
+    PyTorch's SDPA took 68–69 ms where 20 ms later it took 63, and PyTorch's 60 ms did not move.
     """
     if inner < 1:
         raise ValueError(f"inner={inner}: must be >= 1")
@@ -201,14 +206,19 @@ def comparison(
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         compile_s[name] = time.perf_counter() - t0
+    if settle_s < 0:
+        raise ValueError(f"settle_s={settle_s}: must be >= 0")
     for _ in range(warmup):
         for fn in impls.values():
             _call_blocked(fn, args, inner)
     times_s: dict[str, list[float]] = {name: [] for name in impls}
     start = time.perf_counter()
-    rounds = 0
-    while rounds < min_runs or time.perf_counter() - start < budget_s * len(impls):
+    rounds, settled = 0, 0.0
+    while rounds < min_runs or time.perf_counter() - start - settled < budget_s * len(impls):
         for name, fn in impls.items():
+            if settle_s:
+                time.sleep(settle_s)
+                settled += settle_s
             times_s[name].append(_call_blocked(fn, args, inner))
         rounds += 1
     results = {name: summarise(t, compile_s[name]) for name, t in times_s.items()}

@@ -111,7 +111,7 @@ CLAIMS: tuple[Claim, ...] = (
                 **about(1e8),
                 reading="'100 million' read as 10^8 ± 25%; an operation is one multiply or one "
                 "add (the FLOP convention); the count is XLA's cost analysis of the compiled "
-                "matmul",
+                "matmul (the optimized HLO counted where a backend's analysis gives none)",
                 if_off="10^8 = n² is the number of entries of the result; each entry is a dot "
                 "product of n multiply-adds, so the product costs 2·n³ FLOPs",
             ),

@@ -24,7 +24,10 @@ implementation and shape it reports, in one run:
 Sub-millisecond kernels are timed as `inner` queued calls blocked once (`timing.compare`),
 with `inner` chosen per shape so that a sample lasts about 2 ms: a host synchronisation per
 call would otherwise be a fair share of the figure. The same `inner` applies to every
-contender of a shape.
+contender of a shape. On CPU each sample starts after 20 ms of quiet (`CPU_SETTLE_S`): right
+after PyTorch's SDPA, whose OpenMP threads spin on after it returns, the native kernel took
+68–69 ms where it took 63 ms 20 ms later (S=2048, 2 cores), and after XLA's naive attention
+74.5 ms against 65 ms 50 ms later.
 
 Implementations whose compiled program needs more memory than half of what the host (CPU) or
 device has free are compiled but not run: their memory is reported (*compiled, not run*) and
@@ -84,6 +87,10 @@ QUICK_SEQS = (256, 512)
 FIT_SHARE = 0.5  # run only programs needing at most this share of the free memory
 SAMPLE_S = 2e-3  # `inner` queues calls until one timed sample lasts about this long
 MAX_INNER = 50
+# On CPU, seconds of quiet before each contender's sample: what one contender leaves running
+# after it returns (PyTorch's spinning OpenMP threads, XLA freeing its buffers) must not be
+# timed as the next one's (`timing.comparison`'s settle_s).
+CPU_SETTLE_S = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,6 +402,8 @@ def _measure_one(
     wanted = timing.pop("baseline", BASELINE)
     baseline = wanted if wanted in runnable else next(iter(runnable))
     inner = timing.pop("inner", None) or _inner(fastest)
+    if jax.default_backend() == "cpu" and len(runnable) > 1:
+        timing.setdefault("settle_s", CPU_SETTLE_S)
     times = compare(runnable, *args, baseline=baseline, inner=inner, **timing)
     ref_rows, want = reference_rows(*args, causal=causal, mode=mode)
     out = []
