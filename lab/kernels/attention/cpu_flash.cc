@@ -265,11 +265,41 @@ struct Geo {
   int64_t offset() const { return S - L; }
   float inv_cap() const { return softcap > 0.0f ? 1.0f / softcap : 0.0f; }
   int32_t kind(int64_t b, int64_t i, int64_t j) const { return kinds[(b * nq + i) * nk + j]; }
+  bool segments = false;  // the segment ids hold more than one value: compared per element
   bool visible(int64_t b, int64_t qpos, int64_t kpos) const {
     if (qpos >= L || kpos >= S || qpos >= q_len[b] || kpos >= kv_len[b]) return false;
     const int64_t d = kpos - qpos - offset();
     if ((has_lo && d < lo) || (has_hi && d > hi)) return false;
     return q_seg[b * L + qpos] == kv_seg[b * S + kpos];
+  }
+  // The keys of [k0, k0 + n) that query qpos may see before segments are compared: one run
+  // [a, z) of offsets (the lengths and the causal/window band each bound it on one side).
+  void keys_of(int64_t b, int64_t qpos, int64_t k0, int64_t n, int64_t* a, int64_t* z) const {
+    int64_t first = 0, last = std::min<int64_t>(S, kv_len[b]) - 1;  // key positions
+    if (qpos >= L || qpos >= q_len[b]) last = -1;
+    if (has_lo) first = std::max(first, qpos + offset() + lo);
+    if (has_hi) last = std::min(last, qpos + offset() + hi);
+    *a = std::clamp<int64_t>(first - k0, 0, n);
+    *z = std::max(*a, std::clamp<int64_t>(last + 1 - k0, 0, n));
+  }
+  // The queries of [q0, q0 + n) that may see key kpos before segments: one run [a, z).
+  void queries_of(int64_t b, int64_t kpos, int64_t q0, int64_t n, int64_t* a, int64_t* z) const {
+    int64_t first = 0, last = std::min<int64_t>(L, q_len[b]) - 1;  // query positions
+    if (kpos >= S || kpos >= kv_len[b]) last = -1;
+    if (has_hi) first = std::max(first, kpos - offset() - hi);
+    if (has_lo) last = std::min(last, kpos - offset() - lo);
+    *a = std::clamp<int64_t>(first - q0, 0, n);
+    *z = std::max(*a, std::clamp<int64_t>(last + 1 - q0, 0, n));
+  }
+  // Row qpos of a tile of keys from k0 (n wide): every key it may not see set to `fill`.
+  void mask_keys(int64_t b, int64_t qpos, int64_t k0, int64_t n, float* row, float fill) const {
+    int64_t a, z;
+    keys_of(b, qpos, k0, n, &a, &z);
+    std::fill(row, row + a, fill);
+    std::fill(row + z, row + n, fill);
+    if (!segments) return;
+    for (int64_t c = a; c < z; ++c)
+      if (q_seg[b * L + qpos] != kv_seg[b * S + k0 + c]) row[c] = fill;
   }
   int64_t q_index(int64_t b, int64_t l, int64_t h) const { return ((b * L + l) * H + h) * K; }
   int64_t kv_index(int64_t b, int64_t s, int64_t g) const { return ((b * S + s) * G + g) * K; }
@@ -385,9 +415,7 @@ void forward(const Geo& g, const T* q, const T* k, const T* v, T* o, float* lse)
       const bool masked = kind == 1;
       for (int64_t r = 0; r < bq; ++r) {
         float* row = s + r * bk;
-        if (masked)
-          for (int64_t c = 0; c < bk; ++c)
-            if (!g.visible(b, q0 + r, k0 + c)) row[c] = kMask;
+        if (masked) g.mask_keys(b, q0 + r, k0, bk, row, kMask);
         const float m = row_max(row, bk, mx[r]);
         if (m == kMask) {  // the row has seen no visible key yet: nothing to add
           std::fill(row, row + bk, 0.0f);
@@ -482,9 +510,7 @@ void backward_dq(const Geo& g, const T* q, const T* k, const T* v, const float* 
           const vf x = vload(pr + c), prob = vexp(x - m), t = x * inv_cap;  // t: tanh, or 0
           vstore(pr + c, prob * (vload(dpr + c) - dl) * (1.0f - t * t));
         }
-        if (masked)
-          for (int64_t c = 0; c < bk; ++c)
-            if (!g.visible(b, q0 + r, k0 + c)) pr[c] = 0.0f;
+        if (masked) g.mask_keys(b, q0 + r, k0, bk, pr, 0.0f);
       }
       gemm_p(bq, Kp, bk, p, bk, kr, bk, acc, Kp, true);
     }
@@ -567,9 +593,15 @@ void key_block(const Geo& g, const T* k, const T* v, const float* lse, const flo
           vstore(prow + r, prob);
           vstore(drow + r, prob * (vload(drow + r) - vload(w.del_r + r)) * (1.0f - t * t));
         }
-        if (masked)
-          for (int64_t r = 0; r < bq; ++r)
-            if (!g.visible(b, q0 + r, k0 + c)) prow[r] = drow[r] = 0.0f;
+        if (masked) {
+          int64_t a, z;
+          g.queries_of(b, k0 + c, q0, bq, &a, &z);
+          std::fill(prow, prow + a, 0.0f), std::fill(prow + z, prow + bq, 0.0f);
+          std::fill(drow, drow + a, 0.0f), std::fill(drow + z, drow + bq, 0.0f);
+          if (g.segments)
+            for (int64_t r = a; r < z; ++r)
+              if (!g.visible(b, q0 + r, k0 + c)) prow[r] = drow[r] = 0.0f;
+        }
       }
       gemm_p(bk, Kp, bq, w.pt, bq, dor, bq, w.dv_acc, Kp, true);
       gemm_p(bk, Kp, bq, w.dpt, bq, qs, bq, w.dk_acc, Kp, true);
@@ -686,6 +718,14 @@ ffi::Error geometry(ffi::AnyBuffer q, ffi::AnyBuffer k, int64_t causal, float sc
   g->softcap = m.softcap;
   g->has_lo = m.has_lo != 0, g->lo = m.lo, g->has_hi = m.has_hi != 0, g->hi = m.hi;
   g->q_seg = m.q_seg.typed_data(), g->kv_seg = m.kv_seg.typed_data();
+  {  // one segment everywhere (no packed sequences): the rows' runs are the whole mask
+    const int32_t* qs = g->q_seg;
+    const int32_t* ks = g->kv_seg;
+    const int64_t nq = g->B * g->L, nk = g->B * g->S;
+    const int32_t first = nq ? qs[0] : (nk ? ks[0] : 0);
+    g->segments = std::any_of(qs, qs + nq, [&](int32_t x) { return x != first; }) ||
+                  std::any_of(ks, ks + nk, [&](int32_t x) { return x != first; });
+  }
   g->q_len = m.q_len.typed_data(), g->kv_len = m.kv_len.typed_data();
   g->kinds = m.kinds.typed_data();
   return ffi::Error::Success();
