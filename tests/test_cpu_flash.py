@@ -186,12 +186,37 @@ def test_a_nan_in_a_query_row_reaches_that_row_and_no_other(causal):
     out, vjp = jax.vjp(fn, q, k, v)
     dq = vjp(do)[0]
     assert bool(jnp.isnan(out[0, 140, 1]).all()) and bool(jnp.isnan(dq[0, 140, 1]).all())
+    dk, dv = vjp(do)[1:]
+    seen = slice(0, 141 if causal else 160)  # the keys row 140 reaches: NaN there too
+    assert bool(jnp.isnan(dk[0, seen, 1]).any()) and bool(jnp.isnan(dv[0, seen, 1]).any())
     ref = attention_reference(q, k, v, causal=causal)
     clean = jnp.ones(out.shape, bool).at[0, 140, 1].set(False)
     assert bool(jnp.isfinite(jnp.where(clean, out, 0.0)).all())
     np.testing.assert_allclose(
         np.where(clean, out, 0.0), np.where(clean, ref, 0.0), atol=1e-5, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("q_id, kv_id", [(3, 3), (0, 1)])
+def test_one_segment_id_everywhere_is_no_mask_and_two_hide_everything(q_id, kv_id):
+    """Segment ids that are one value everywhere mask nothing (the kernel then masks a row as
+    one run of keys, under a window and lengths here); q and kv ids that never match hide
+    every key, so every row sees none: output 0, as the reference gives."""
+    ks = jax.random.split(jax.random.key(9), 3)
+    q, k, v = (jax.random.normal(kk, (2, 150, 2, 32), jnp.float32) for kk in ks)
+    kw = dict(
+        causal=True,
+        window=(40, 0),
+        q_segment_ids=jnp.full((2, 150), q_id, jnp.int32),
+        kv_segment_ids=jnp.full((2, 150), kv_id, jnp.int32),
+        q_lengths=jnp.array([150, 97]),
+        kv_lengths=jnp.array([120, 150]),
+    )
+    got = attention(q, k, v, impl="cpu_flash", **kw)
+    want = attention(q, k, v, impl="naive", **kw)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    if q_id != kv_id:
+        assert not np.asarray(got).any()
 
 
 def test_vmap_over_a_leading_axis():
