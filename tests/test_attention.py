@@ -420,10 +420,9 @@ def test_bench_sweep_records_and_skips_what_does_not_fit(monkeypatch, tmp_path):
     assert plots.attention_sweep(table_rows, tmp_path / "a.png", "t").stat().st_size > 0
 
 
-def test_bench_sweep_drops_a_contender_that_fails_at_its_first_call(monkeypatch):
-    """A contender that runs out of memory when first called (as PyTorch's math kernel does
-    at long lengths on a GPU, beyond what the compiled-memory check sees) is recorded as
-    skipped with its reason, and the others are still timed and checked."""
+def _naive_raises(monkeypatch, error: Exception):
+    """Make the bench's `naive` contender raise `error` when called (the others compile as
+    usual); returns the bench module."""
     from lab.studies import attention as bench
 
     real = bench._compile
@@ -432,17 +431,29 @@ def test_bench_sweep_drops_a_contender_that_fails_at_its_first_call(monkeypatch)
         if impl != "naive":
             return real(impl, causal, mode, args)
 
-        def out_of_memory(*_):
-            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate\nmore")
+        def raises(*_):
+            raise error
 
-        return out_of_memory, 0.0, None
+        return raises, 0.0, None
 
     monkeypatch.setattr(bench, "_compile", compile_one)
-    records = bench.sweep(
-        (200,), causal=(True,), modes=("fwd",), impls=("naive", "blockwise"),
+    return bench
+
+
+def _sweep_naive_and_blockwise(bench, seq: int):
+    return bench.sweep(
+        (seq,), causal=(True,), modes=("fwd",), impls=("naive", "blockwise"),
         budget_s=0.0, min_runs=1, warmup=0,
     )  # fmt: skip
-    rows = {r.impl: r for r in bench.rows_of(records)}
+
+
+def test_bench_sweep_drops_a_contender_that_fails_at_its_first_call(monkeypatch):
+    """A contender that runs out of memory when first called (as PyTorch's math kernel does
+    at long lengths on a GPU, beyond what the compiled-memory check sees) is recorded as
+    skipped with its reason, and the others are still timed and checked."""
+    oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate\nmore")
+    bench = _naive_raises(monkeypatch, oom)
+    rows = {r.impl: r for r in bench.rows_of(_sweep_naive_and_blockwise(bench, 200))}
     assert rows["blockwise"].ran and rows["blockwise"].max_error < 1e-5
     assert not rows["naive"].ran
     assert rows["naive"].skipped == (
@@ -454,25 +465,9 @@ def test_bench_sweep_drops_a_contender_that_fails_at_its_first_call(monkeypatch)
 def test_bench_sweep_lets_a_contender_s_real_error_surface(monkeypatch):
     """Only running out of memory drops a contender: any other error at its first call is a
     bug in it and stops the sweep, rather than reading as a skipped row."""
-    from lab.studies import attention as bench
-
-    real = bench._compile
-
-    def compile_one(impl, causal, mode, args):
-        if impl != "naive":
-            return real(impl, causal, mode, args)
-
-        def broken(*_):
-            raise ValueError("shapes do not match")
-
-        return broken, 0.0, None
-
-    monkeypatch.setattr(bench, "_compile", compile_one)
+    bench = _naive_raises(monkeypatch, ValueError("shapes do not match"))
     with pytest.raises(ValueError, match="shapes do not match"):
-        bench.sweep(
-            (64,), causal=(True,), modes=("fwd",), impls=("naive", "blockwise"),
-            budget_s=0.0, min_runs=1, warmup=0,
-        )  # fmt: skip
+        _sweep_naive_and_blockwise(bench, 64)
 
 
 # ------------------------------------------------------------------ under a multi-device mesh
