@@ -1,7 +1,8 @@
 """The native CPU kernel (cpu_flash: C++ through jax.ffi) against the float64 reference.
 
 Product: causal × GQA ratio (1, 2, 4) × dtype (f32, bf16) × length (1; 127: one partial block;
-256: whole 128-blocks; 1000: several blocks and a partial one) × head_dim (64, 128), forward
+256: two whole 128-key blocks under causal, one 256-key block without; 1000: several blocks
+and a partial one) × head_dim (64, 128), forward
 and dQ, dK, dV. Also: L < S (bottom-right mask), L > S without a mask, a given scale, vmap,
 the dispatch (auto picks it on CPU, falls back to blockwise for what it does not take), the
 build (no compiler: one line; a cached build is reused; workers share one build), and lab.run
@@ -141,6 +142,44 @@ def test_block_sizes_do_not_change_the_result():
     for bs in (cpu_flash.BlockSizes(32, 64), cpu_flash.BlockSizes(96, 32)):
         fn = lambda q, k, v, bs=bs: cpu_flash.cpu_flash_attention(q, k, v, block_sizes=bs)
         assert_close(output_and_grads(fn, q, k, v, do), want, "float32")
+
+
+def test_the_default_key_block_follows_the_mask():
+    """128 keys a tile under a band (its diagonal tiles are computed whole), 256 without."""
+    bs = cpu_flash.BlockSizes()
+    assert bs.fit(2048, 2048, banded=True) == (128, 128)
+    assert bs.fit(2048, 2048, banded=False) == (128, 256)
+    assert bs.fit(100, 200, banded=False) == (128, 224)  # shrunk to the 32-rounded length
+    assert cpu_flash.BlockSizes(64, 64).fit(2048, 2048, banded=False) == (64, 64)
+    with pytest.raises(ValueError, match="block_k=48"):
+        cpu_flash.BlockSizes(block_k=48)
+
+
+def test_large_scores_saturate_the_softmax_as_the_reference_does():
+    """Scores up to about a hundred (a scale of 2 on normal inputs, 16× the default at K=64):
+    most probabilities underflow to 0 in the kernel's base-2 exponential, the rest match.
+    Errors here grow with the scores in any f32 attention (XLA's, from f32 inputs: 7.8e-6);
+    scaling the scores to base 2 before the max doubled the kernel's (1.7e-5)."""
+    q, k, v, do = random_qkv(11, 300, 300, HEADS, 2, 64, "float32")
+    for causal in (True, False):
+        got = output_and_grads(kernel(causal, scale=2.0), q, k, v, do)
+        assert_close(got, reference_f64(q, k, v, do, causal, scale=2.0), "float32")
+
+
+def test_calls_of_other_shapes_in_between_do_not_change_a_result():
+    """The packed copies of the inputs are kept from one call to the next and reused: a smaller
+    call after a larger one (stale data past its end) and a larger one after it (grown) are
+    each exact."""
+    shapes = [(300, 80, False), (64, 32, True), (40, 64, False), (300, 80, False)]
+    first = None
+    for L, K, causal in shapes:
+        q, k, v, do = random_qkv(L * K, L, L, HEADS, 2, K, "float32")
+        got = output_and_grads(kernel(causal), q, k, v, do)
+        assert_close(got, reference_f64(q, k, v, do, causal), "float32")
+        if first is None:
+            first = got
+    for a, b in zip(first, got, strict=True):  # the same call again: the same bits
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 BACKWARD_SHAPES = {  # L, S, head_dim, block sizes

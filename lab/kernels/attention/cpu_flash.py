@@ -54,20 +54,32 @@ _WHAT = "cpu_flash attention kernel"
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile of the score matrix one thread holds; both shrink to the (32-rounded) lengths."""
+    """Tile of the score matrix one thread holds; both shrink to the (32-rounded) lengths.
+
+    `block_k` None: 128 keys under a causal or window mask, 256 without one. A tile on the
+    mask's diagonal is computed whole and masked, so under a band narrower tiles waste less
+    (forward, S = 2048, B1 H8 f32 causal on a 2-core AMD EPYC: 62 ms at 128 × 128, 64 ms at
+    128 × 256); without one, wider tiles halve the per-tile work of the online softmax (the
+    output's rescale, the micro-kernel's loads and stores of the sums) and the forward ran
+    3–6% faster at S = 2048–8192, K = 64 and 128 (512: within 1% of 256). The backward's time
+    did not move with it."""
 
     block_q: int = 128  # query rows per tile
-    block_k: int = 128  # key columns per tile
+    block_k: int | None = None  # key columns per tile
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
             value = getattr(self, name)
+            if value is None and name == "block_k":
+                continue
             if not isinstance(value, int) or value <= 0 or value % ALIGN:
                 raise ValueError(f"BlockSizes.{name}={value!r}: must be a positive multiple of 32")
 
-    def fit(self, L: int, S: int) -> tuple[int, int]:
+    def fit(self, L: int, S: int, banded: bool = True) -> tuple[int, int]:
+        """(block_q, block_k) for L queries and S keys; `banded`: a causal or window mask."""
+        block_k = self.block_k or (128 if banded else 256)
         return min(self.block_q, round_up(max(L, 1), ALIGN)), min(
-            self.block_k, round_up(max(S, 1), ALIGN)
+            block_k, round_up(max(S, 1), ALIGN)
         )
 
 
@@ -241,8 +253,8 @@ def cpu_flash_attention(
     S = k_BxSxGxK.shape[1]
     mask.check(B, L, S)
     check_sinks(sinks, q_BxLxHxK.shape[2])
-    bq, bk = block_sizes.fit(L, S)
     lo, hi = mask.band(L, S)
+    bq, bk = block_sizes.fit(L, S, banded=lo is not None or hi is not None)
     cap = None if softcap is None else float(softcap)
     st = _Static(mask.causal, default_scale(K, scale), bq, bk, lo, hi, cap)
     m = _mask_arrays(mask, B, L, S, st)
