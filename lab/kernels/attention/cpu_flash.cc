@@ -323,7 +323,8 @@ enum Layout { kRows, kPanels, kPanelsT };
 template <typename T>
 void pack(const T* x, int64_t base, int64_t row_stride, int64_t r0, int64_t rows, int64_t n,
           int64_t K, int64_t Kp, float mul, float* dst, Layout layout) {
-  if (layout != kRows) std::fill(dst, dst + rows * Kp, 0.0f);
+  if (layout != kRows && (r0 + rows > n || K < Kp))  // padding to zero: rows past n, columns past K
+    std::fill(dst, dst + rows * Kp, 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = x + base + (r0 + r) * row_stride;
     if (layout == kPanelsT) {
