@@ -140,13 +140,14 @@ inline vf vmin_hi(vf hi, vf x) {
 }
 
 // exp(x) lane by lane as 2^(x · log2 e): 2^n · p(r), n = round(x · log2 e), |r| <= 1/2, p a
-// degree-6 polynomial fitted for relative error (1.6 ulp at most); 0 below -87.7 (-inf
-// included: the clamp at -127 makes 2^n's bits 0), NaN kept. Callers pass x = s - m with m the
-// row max or the log-sum-exp, subtracted first: rounding x · log2 e then errs by |x| · 2^-24
-// relative, only where exp(x) is far below the row's largest term. (Scaling the scores to base
-// 2 before the max instead doubled the gradients' error against float64 at scores in the
-// hundreds, through the log-sum-exp.) Against Cephes' expf (the two-step ln 2 reduction, ~1
-// ulp): 15 vector operations an exponential against 17, and the forward 2–3% faster.
+// degree-6 polynomial fitted for relative error (1.6 ulp); 0 below -87.7 (-inf included: the
+// clamp at -127 makes 2^n's bits 0), 2^127 from 88 up (the callers never pass x > ~0), NaN
+// kept. Rounding x · log2 e adds |x| · 2^-24 relative error (1.5 ulp for |x| <= 1, 64 near
+// ±87), so callers pass x = s - m with m the row max or the log-sum-exp subtracted first: the
+// error then grows only where exp(x) is far below the row's largest term. (Scaling the scores
+// to base 2 before the max instead doubled the gradients' error against float64 at scores in
+// the hundreds, through the log-sum-exp.) Against Cephes' expf (the two-step ln 2 reduction,
+// ~1 ulp everywhere): two vector operations fewer an exponential, the forward 2–3% faster.
 // Written with vector types: GCC left the same arithmetic on scalars in loops marked `omp simd`
 // on AVX2 (its select and the integer exponent), and the forward then spent as long in exp as
 // in both products. The clamps are max/min, not compare-and-select: the 0 below the range
@@ -353,14 +354,18 @@ void pack(const T* x, int64_t base, int64_t row_stride, int64_t r0, int64_t rows
 // faulted in and zeroed by the kernel each time: a tenth of the forward at S = 2048, K = 128,
 // f32 on 2 threads (13 ms of 118 at one thread in `pack_all` alone, most of it in the kernel).
 // `release_scratch` frees them after a call once they hold more than kKeepBytes, so one long
-// sequence does not pin its copies for the life of the process.
+// sequence does not pin its copies for the life of the process; each thread that makes calls
+// keeps its own (up to kKeepBytes each: XLA makes them from one or a few threads).
 constexpr int kSlots = 5;
 constexpr size_t kKeepBytes = size_t{256} << 20;
 thread_local std::vector<float> scratch_slots[kSlots];
 
 float* scratch(int slot, int64_t n) {
   std::vector<float>& buf = scratch_slots[slot];
-  if (buf.size() < static_cast<size_t>(n)) buf.resize(n);
+  if (buf.size() < static_cast<size_t>(n)) {  // grown without copying what it held
+    std::vector<float>().swap(buf);
+    buf.resize(n);
+  }
   return buf.data();
 }
 
@@ -673,7 +678,9 @@ void backward_fused(const Geo& g, const T* q, const T* k, const T* v, const floa
                     const float* delta, const T* d_o, T* dq, T* dk, T* dv) {
   const int64_t bq = g.bq, bk = g.bk, Kp = g.Kp;
   const QTiles qt = pack_q_tiles(g, q, d_o);
-  const int64_t dq_size = g.R * g.nq * bq * Kp;  // an item's dQ sums [R, nq·bq, Kp]: dQ / scale
+  // Every item's dQ sums [R, nq·bq, Kp] (dQ / scale) at once, in scratch: the size of one
+  // packed q, beside the four q-side tiles already packed.
+  const int64_t dq_size = g.R * g.nq * bq * Kp;
   float* dq_all = scratch(4, g.B * g.G * dq_size);
   parallel_for(g.B * g.G, g.threads, [&](int64_t item) {
     std::vector<float> buf;
