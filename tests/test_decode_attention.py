@@ -228,6 +228,7 @@ def test_splits_default_fills_the_gpu():
         (lambda a: {**a, "q": a["q"][:, None]}, "expected q"),
         (lambda a: {**a, "q": a["q"][:, :3]}, "multiple of kv heads"),
         (lambda a: {**a, "v": a["v"][:, :, :10]}, "caches must match"),
+        (lambda a: {**a, "k": a["k"][:, :, :0], "v": a["v"][:, :, :0]}, "cache_len 0"),
         (lambda a: {**a, "lengths": a["lengths"].astype(jnp.float32)}, "expected int32"),
         (
             lambda a: {**a, "k": a["k"].astype(jnp.bfloat16), "v": a["v"].astype(jnp.bfloat16)},

@@ -156,6 +156,8 @@ def check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_sc
         )
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"{k.shape=} {v.shape=} {k.dtype=} {v.dtype=}: caches must match")
+    if k.shape[2] == 0:
+        raise ValueError(f"{k.shape=}: the cache has no position (cache_len 0); decode needs one")
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[3]:
         raise ValueError(f"{q.shape=} {k.shape=}: batch and head_dim of q and caches must match")
     if q.shape[1] % k.shape[1]:
