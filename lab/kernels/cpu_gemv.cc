@@ -201,7 +201,11 @@ int default_threads() {
     const int n = std::atoi(env);
     if (n > 0) return n;
   }
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // The core count is read once: hardware_concurrency() reads /sys on every call (glibc's
+  // get_nprocs), several microseconds in a VM, paid by every call of the kernel; decode
+  // makes ~100 calls a step, each tens of microseconds.
+  static const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return cores;
 }
 
 Pool& pool() {

@@ -716,7 +716,9 @@ int default_threads() {
     const int n = std::atoi(env);
     if (n > 0) return n;
   }
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // read once: hardware_concurrency() reads /sys on every call (glibc's get_nprocs)
+  static const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return cores;
 }
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
