@@ -55,6 +55,13 @@ def test_random_weights_sweep_records_and_plot(tmp_path, capsys):
     assert 0 < err["value"] < 5e-2
     crit = next(r for r in recs if r["config"].get("metric") == "decode_critical_batch")
     assert crit["value"] is None or crit["value"] > 0
+    # the bandwidths are measured before the sweep and again after it; the roof is the best
+    by_what = {r["what"]: r["value"] for r in recs}
+    for what in ("copy bandwidth", "read bandwidth"):
+        assert by_what[what] > 0 and by_what[f"{what} after the sweep"] > 0
+    copies = (by_what["copy bandwidth"], by_what["copy bandwidth after the sweep"])
+    assert by_what["memory roof"] >= max(copies)
+    assert "copy before / after the sweep" in out
 
 
 def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
@@ -190,6 +197,54 @@ def test_the_memory_roof_is_the_best_bandwidth_measured():
     # an int8 step at the same batch, slower, after it: the float step's rate still sets it
     both = [points[0], point(1, 20e9, int8=True)]
     assert best_roofs(roofs, both).bandwidth == pytest.approx(24.7e9)
+
+
+def test_the_bandwidths_measured_after_the_sweep_raise_the_roof_and_say_how_far_they_moved(
+    monkeypatch,
+):
+    """A shared host's bandwidth moves during a run: the copy and the read stream measured
+    again after the sweep, the memory roof the better copy, the read stream the better read,
+    and the summary says how far the copy moved when it moved by more than 15%."""
+    from rich.console import Console
+
+    from lab.measure import ceilings
+    from lab.measure.serving import DecodePoint, Roofs
+    from lab.measure.timing import BenchResult
+    from lab.report import tables
+    from lab.studies.serving import roofs as serving_roofs
+    from lab.studies.serving.study import summarise
+
+    before = Roofs(
+        bandwidth=40e9,
+        peak_flops=1e12,
+        dtype="float32",
+        copy={"bytes_per_s": 40e9},
+        read={"bytes_per_s": 30e9},
+    )
+    assert before.copy_moved is None and before.best_read == 30e9
+    step = DecodePoint(  # a 1e9-byte step in 0.04 s: 25 GB/s
+        1, False, False, "xla", BenchResult(0.04, 0, 0, 3, 0), int(1e9), 0, 1e9, 1, 1, 40e9
+    )
+    for copy_after, read_after, moved in ((60e9, 35e9, True), (42e9, 29e9, False)):
+        monkeypatch.setattr(
+            ceilings, "copy_bandwidth", lambda *a, v=copy_after, **k: {"bytes_per_s": v}
+        )
+        monkeypatch.setattr(
+            ceilings, "read_bandwidth", lambda *a, v=read_after, **k: {"bytes_per_s": v}
+        )
+        after = serving_roofs.measure_again(before, budget_s=0.01)
+        assert after.bandwidth == max(40e9, copy_after)
+        assert after.best_read == max(30e9, read_after)
+        assert after.copy_moved == pytest.approx(copy_after / 40e9 - 1)
+        (point,) = serving_roofs.against([step], after)
+        assert point.memory_roof_share == pytest.approx(25e9 / after.bandwidth)
+        con = Console(width=300, record=True)
+        con.print(tables.serving_summary(summarise(after, [], [point], []), after))
+        text = con.export_text()
+        assert f"40.00 / {copy_after / 1e9:.2f} GB/s" in text, text
+        assert ("moved 50% during the run" in text) == moved, text
+        share = f"reads at {25e9 / after.best_read:.0%} of it"
+        assert share in text, text
 
 
 def test_the_summary_names_the_smallest_batch_it_measured():

@@ -27,10 +27,29 @@ class Roofs:
     copy: dict  # lab.measure.ceilings.copy_bandwidth's result
     how: str = "the copy kernel (x ← x·s)"  # what set the memory roof
     read: dict | None = None  # lab.measure.ceilings.read_bandwidth's result: a read stream
+    # the copy and the read stream measured again after the sweep (a shared host's memory
+    # bandwidth moves from minute to minute: the two say by how much it did during the run)
+    copy_after: dict | None = None
+    read_after: dict | None = None
 
     @property
     def ridge(self) -> float:
         return roofline.ridge_point(self.peak_flops, self.bandwidth)
+
+    @property
+    def best_read(self) -> float | None:
+        """The best read stream measured (bytes/s), before or after the sweep."""
+        rates = [r["bytes_per_s"] for r in (self.read, self.read_after) if r]
+        return max(rates) if rates else None
+
+    @property
+    def copy_moved(self) -> float | None:
+        """How far the copy figure moved between the two measurements: the larger over the
+        smaller, minus one (None without a second one)."""
+        if not self.copy_after:
+            return None
+        a, b = self.copy["bytes_per_s"], self.copy_after["bytes_per_s"]
+        return max(a, b) / min(a, b) - 1
 
 
 @dataclasses.dataclass(frozen=True)

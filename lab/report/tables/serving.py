@@ -84,6 +84,9 @@ def serving_int8(e: Int8Error, speedup) -> Table:
     return t
 
 
+NOISY_ROOF = 0.15  # a copy figure that moved more than this during a run is called out
+
+
 def serving_summary(s: Summary, roofs: Roofs) -> Table:
     """The derived figures of a serving study (lab.studies.serving.study.summarise)."""
     t = Table(title="what decoding is bound by", show_header=False)
@@ -93,12 +96,25 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
         f"{roofs.peak_flops / 1e9:,.1f} GFLOP/s ({roofs.dtype} matmul); "
         f"ridge {roofs.ridge:.1f} FLOP/B",
     )
-    if roofs.read:  # decode mostly reads: its share of a pure read stream, beside the roof
-        rate = roofs.read["bytes_per_s"]
+    if roofs.copy_after:  # the host's bandwidth before and after the sweep
+        before, after = roofs.copy["bytes_per_s"], roofs.copy_after["bytes_per_s"]
+        moved = roofs.copy_moved
+        note = (
+            f": it moved {percent(moved, 0)} during the run (a shared host?), and every share "
+            "of the roof with it"
+            if moved > NOISY_ROOF
+            else ""
+        )
         t.add_row(
-            "read stream (sum of x)",
-            f"{rate / 1e9:,.2f} GB/s; batch {s.smallest.batch} reads at "
-            f"{percent(s.smallest.bytes_per_s / rate, 0)} of it",
+            "copy before / after the sweep",
+            f"{before / 1e9:,.2f} / {after / 1e9:,.2f} GB/s{note}",
+        )
+    rate = roofs.best_read
+    if rate:  # decode mostly reads: its share of a pure read stream, beside the roof
+        t.add_row(
+            "read stream (sum of x, best)",
+            f"{rate / 1e9:,.2f} GB/s ({percent(rate / roofs.bandwidth, 0)} of the memory roof); "
+            f"batch {s.smallest.batch} reads at {percent(s.smallest.bytes_per_s / rate, 0)} of it",
         )
     bound = "memory-bound" if s.batch1_intensity < roofs.ridge else "compute-bound"
     t.add_row(  # the smallest batch measured: batch 1 unless the mesh's batch split needs more

@@ -17,6 +17,13 @@ def to_records(out: Study, config: dict) -> list[dict]:
             if roofs.read
             else []
         ),
+        *(  # the same two measured again after the sweep (the host's bandwidth moves)
+            records.make_record(
+                f"{what} bandwidth after the sweep", r["bytes_per_s"], "B/s", **config
+            )
+            for what, r in (("copy", roofs.copy_after), ("read", roofs.read_after))
+            if r
+        ),
         records.make_record(
             "memory roof", roofs.bandwidth, "B/s", label="derived", note=roofs.how, **config
         ),

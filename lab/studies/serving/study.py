@@ -14,7 +14,7 @@ from lab.measure.serving import DecodePoint, PeerPoint, PrefillPoint, Roofs, Stu
 from lab.session import Session
 from lab.studies.serving.int8 import int8_error
 from lab.studies.serving.points import fastest_point, prefill_estimate, prefill_point
-from lab.studies.serving.roofs import against, best_roofs, measure_roofs
+from lab.studies.serving.roofs import against, best_roofs, measure_again, measure_roofs
 from lab.studies.serving.timed import WARM_STEPS, random_prompts
 
 
@@ -76,9 +76,10 @@ def check_memory(session: Session, plan: Plan) -> None:
 
 def measure(session: Session, params, plan: Plan, *, progress=None) -> Study:
     """The whole study: roofs, prefill, decode over the batch sweep (float, then int8 weights
-    and cache at the smallest and largest batch), int8 error. `progress(label)` is called
-    before each point (a progress bar's advance). `session` decodes: resolved for decoding
-    with the plan's batches (weights.for_decoding), which split over its mesh."""
+    and cache at the smallest and largest batch), int8 error, the bandwidths measured again.
+    `progress(label)` is called before each point (a progress bar's advance). `session`
+    decodes: resolved for decoding with the plan's batches (weights.for_decoding), which
+    split over its mesh."""
     check_memory(session, plan)
     decode.check_prompts([plan.prompt_len], plan.slots(), WARM_STEPS + plan.steps)
     tick = progress or (lambda label: None)
@@ -112,6 +113,8 @@ def measure(session: Session, params, plan: Plan, *, progress=None) -> Study:
         tick("int8 error on the bundled text")
         n = decode.batch_multiple(session.trainer)
         error = int8_error(session, params, params_i8, batch=n, prompt_len=plan.prompt_len, steps=8)
+    tick("roofs again: copy bandwidth and read stream after the sweep")
+    roofs = measure_again(roofs, budget_s=plan.budget_s)
     roofs = best_roofs(roofs, points + points_i8)
     points, points_i8 = against(points, roofs), against(points_i8, roofs)
     return Study(
