@@ -4,7 +4,8 @@ Loads a trained run's newest checkpoint (`run=NAME`, from out_dir) or random wei
 preset (`model=base`, the default: its weights are several times a CPU's last-level cache),
 then measures on this machine: prefill latency and tokens/s; decode ms/token and tokens/s over
 a batch sweep; the bytes a decode step must move (weights + KV cache), the bandwidth that
-achieves and its share of the measured copy bandwidth; the step's FLOPs per byte and the batch
+achieves and its share of the best copy bandwidth measured (before the sweep and again after
+it: a shared host's bandwidth moves); the step's FLOPs per byte and the batch
 where it crosses the ridge; int8 weights and an int8 cache (error on the bundled text, bytes,
 speed). A trained byte-level model (data=text) also prints a generated sample. With
 `target=tpu:...` or `target=gpu:...` the decode step is compiled for that slice instead

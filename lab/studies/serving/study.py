@@ -1,6 +1,6 @@
 """The whole serving study: what to measure (Plan), the checks that refuse it in one line
 before anything is allocated, the sweep (roofs, prefill, decode float and int8, int8's
-error, the PyTorch peer) and the figures derived from it."""
+error, the PyTorch peer, the bandwidths again) and the figures derived from it."""
 
 import dataclasses
 import os
