@@ -113,6 +113,7 @@ def measure(session: Session, params, plan: Plan, *, progress=None) -> Study:
         tick("int8 error on the bundled text")
         n = decode.batch_multiple(session.trainer)
         error = int8_error(session, params, params_i8, batch=n, prompt_len=plan.prompt_len, steps=8)
+        del params_i8  # freed before the copy buffers below are allocated (an accelerator's HBM)
     tick("roofs again: copy bandwidth and read stream after the sweep")
     roofs = measure_again(roofs, budget_s=plan.budget_s)
     roofs = best_roofs(roofs, points + points_i8)
