@@ -363,7 +363,11 @@ class Config:
     out_dir: str = field("runs", "where run folders are written", kind="path")
     log_every: int = field(10, "steps between metric records", min=1)
     checkpoint_every: int = field(0, "steps between checkpoints; 0 = no checkpoints", min=0)
-    resume: bool = field(False, "continue from the newest good checkpoint of run name=NAME")
+    resume: bool = field(
+        False,
+        "continue run name=NAME from its newest good checkpoint, with the keys it was started "
+        "with (those given now over them)",
+    )
     overwrite: bool = field(
         False,
         "clear an earlier run from the folder name=NAME before this one writes there (once this "

@@ -38,6 +38,7 @@ from lab.measure.run import RunSummary, StepAnalysis
 from lab.measure.timing import summarise
 from lab.measure.toolchain import Toolchain
 from lab.report import progress, tables
+from lab.resolve import Request
 from lab.session import Session
 from lab.train import lr_schedule
 
@@ -386,12 +387,14 @@ def run_training(session: Session) -> int:
                 rundir.check_fresh(run_dir)  # under the lock: no run can start in between
             rundir.quiet_libraries(run_dir)
             startup.note(f"before training: nothing was written in {run_dir} but lab.log")
-        return _run(cfg, info, trainer, run_dir, is_main)
+        request = session.resolved.request if session.resolved else Request.from_config(cfg)
+        return _run(cfg, info, trainer, run_dir, is_main, request)
 
 
-def _start_folder(cfg: Config, run_dir: Path, console) -> None:
+def _start_folder(cfg: Config, run_dir: Path, console, request: Request) -> None:
     """Once the step has compiled and fits: clear an earlier run (overwrite=true; never for
-    a run that is refused) and write this run's config.json."""
+    a run that is refused) and write this run's config.json: the resolved config, and under
+    `request` the keys it was asked with (what a resume takes again: Request.resumed)."""
     try:
         if cfg.overwrite:
             cleared = rundir.clear(run_dir)
@@ -399,12 +402,13 @@ def _start_folder(cfg: Config, run_dir: Path, console) -> None:
                 console.print(
                     f"overwrite=true: cleared the earlier run from {run_dir}", soft_wrap=True
                 )
-        rundir.write_json(run_dir / "config.json", dataclasses.asdict(cfg))
+        asked = rundir.asked_keys(request.dict())
+        rundir.write_json(run_dir / "config.json", {**dataclasses.asdict(cfg), "request": asked})
     except OSError as e:
         raise RunError(f"{_write_failure(e, run_dir)}: nothing was run") from None
 
 
-def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
+def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> int:
     console = progress.console(quiet=not is_main)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.abstract_state.params))
     console.print(
@@ -419,7 +423,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool) -> int:
     )
     analysis, compiled, compile_s = _analyse(cfg, info, trainer, console)
     if is_main:
-        _start_folder(cfg, run_dir, console)
+        _start_folder(cfg, run_dir, console, request)
         ckpt = f" and checkpoint step {start}" if start else ""
         startup.note(f"before training: {run_dir} keeps this run's config.json{ckpt}")
     if cfg.compile_only:

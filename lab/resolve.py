@@ -17,17 +17,19 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from lab import data, devices, plans
+from lab import data, devices, plans, rundir
 from lab.config import (
     ALIASES,
     MODEL_FIELDS,
     RUN_FIELDS,
     Config,
+    check_name,
     check_value,
     make_config,
     parse_keys,
@@ -100,6 +102,52 @@ class Request:
     def with_keys(self, **keys) -> "Request":
         """A new request: these keys over this one's (checked as any are)."""
         return Request.of(**{**self.dict(), **keys})
+
+    def resumed(self) -> "Request":
+        """resume=true continues the run in the folder as it was asked for: the keys its
+        config.json keeps (`request`: the ones the user gave, the invocation's own left out;
+        a folder written before it kept them gives every field of its config) with this
+        request's keys over them (steps= to go further, checkpoint_every= to save more
+        often). Without it a resume that gives only name= and resume=true would take the
+        defaults, and a run started with checkpoint_every=50 would go on without saving.
+        This request as it is where it does not resume; ConfigError (one line) where the
+        folder holds no run to resume or its config.json is damaged."""
+        given = self.dict()
+        if not (given.get("resume") and given.get("name")):
+            return self  # resume without a name is refused by its rule
+        check_name(given["name"])  # never a config.json outside out_dir
+        run_dir = Path(given.get("out_dir") or RUN_FIELDS["out_dir"][0].default) / given["name"]
+        saved = rundir.saved_config(run_dir)
+        asked = saved.get("request")
+        if not isinstance(asked, dict):  # written before config.json kept the request
+            asked = {**saved, **saved["model"]}
+        known = {k: v for k, v in asked.items() if k in RUN_FIELDS or k in MODEL_FIELDS}
+        try:
+            shape = {k: saved["model"][k] for k in rundir.STATE_FIELDS}  # what resume checks
+            for key, value in {**known, **shape}.items():
+                _check_type(key, value)
+            inherited = Request.of(**rundir.asked_keys(known))
+        except ConfigError as e:
+            raise ConfigError(f"resume=true: {run_dir / 'config.json'} is damaged ({e})") from None
+        return inherited.with_keys(**given)
+
+
+def _check_type(key: str, value) -> None:
+    """A value read back from a file has the field's own type (JSON keeps int, float, bool
+    and str apart; an int stands for a float)."""
+    typ = (RUN_FIELDS.get(key) or MODEL_FIELDS[key])[1]
+    if typ is bool:
+        ok = isinstance(value, bool)
+    elif typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif typ is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif typ is str:
+        ok = isinstance(value, str)
+    else:
+        ok = True
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: expected {typ.__name__}")
 
 
 # ------------------------------------------------------------------------ the platform

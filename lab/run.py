@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         from lab.session import open_session
 
         # the rules, the backend's defaults and the run's name: once the platform is known
-        return run_training(open_session(request=Request(tuple(keys.items()))))
+        # resume=true: the run's own keys (its config.json) under the ones given now
+        return run_training(open_session(request=Request(tuple(keys.items())).resumed()))
 
     return exit_code(run)
 

@@ -2,8 +2,9 @@
 
 A run folder belongs to one run: a fresh run refuses a folder an earlier run left output in
 (resume it, pick another name, or clear it with overwrite=true), and to one live run at a time
-(a lock). A resume must ask for the model the folder holds (checked against its config.json
-before anything runs). Metrics lines are never deleted (a resume that repeats steps moves the
+(a lock). A resume takes the keys the run was started with (config.json keeps them) under
+the ones given now, and a model that changes the saved state's shapes is refused before
+anything runs. Metrics lines are never deleted (a resume that repeats steps moves the
 repeated lines to metrics-superseded.jsonl; a line that is not a whole record, torn by a kill
 or a full disk mid-write or not text at all, is kept byte for byte in metrics-torn.jsonl), a
 line is appended whole or not at all, and the JSON files are replaced whole (written aside,
@@ -103,7 +104,17 @@ def saved_config(run_dir: Path, asked: str = "resume=true") -> dict:
     `asked`: the key the user gave that needs it (resume=true, or lab.serve's run=NAME), so
     the refusal names what the user actually asked for."""
     path = run_dir / "config.json"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"{asked}: {run_dir} is a file, not a run folder")
     if not path.exists():
+        left = previous_run(run_dir)
+        if left and asked == "resume=true":  # a run's files without the config that reads them
+            shown = ", ".join(left[:4]) + (", …" if len(left) > 4 else "")
+            raise ConfigError(
+                f"resume=true: {run_dir} holds a run's files ({shown}) but no config.json, "
+                "so it cannot be resumed (a damaged run folder); start it again with "
+                "overwrite=true or choose another name="
+            )
         raise ConfigError(
             f"{asked}: no run named {run_dir.name!r} in {str(run_dir.parent)!r} "
             "(nothing to resume; leave out resume=true to start it)"
@@ -116,7 +127,30 @@ def saved_config(run_dir: Path, asked: str = "resume=true") -> dict:
         raise ConfigError(f"{asked}: {path} is damaged ({str(e)[:160]})") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise ConfigError(f"{asked}: {path} is damaged (not a run's config)")
+    missing = [k for k in STATE_FIELDS if k not in saved["model"]]
+    if missing:
+        raise ConfigError(f"{asked}: {path} is damaged (its model has no {', '.join(missing)})")
     return saved
+
+
+# Keys that say how this invocation runs, not what the run is: a resume never takes them from
+# the run it continues (a single process resuming a job of several must not wait for their
+# coordinator, and the verbs resume/overwrite/compile_only are the user's each time).
+INVOCATION_KEYS = (
+    "resume",
+    "overwrite",
+    "compile_only",
+    "coordinator",
+    "coordinator_timeout",
+    "num_processes",
+    "process_id",
+)
+
+
+def asked_keys(request_keys: dict) -> dict:
+    """What config.json keeps of the keys a run was asked with (`request`): those a resume
+    takes again, the invocation's own left out."""
+    return {k: v for k, v in request_keys.items() if k not in INVOCATION_KEYS}
 
 
 def check_same_state(saved: dict, new: dict) -> None:

@@ -67,6 +67,8 @@ def _session(o: Options, keys: dict):
                 "say where runs are with out_dir="
             ) from None
         run_dir = Path(keys.get("out_dir", "runs")) / o.run
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ConfigError(f"run={o.run}: {run_dir} is a file, not a run folder")
         if not run_dir.is_dir():
             raise ConfigError(
                 f"run={o.run}: no run folder {run_dir} (out_dir= says where runs are)"

@@ -105,6 +105,65 @@ def test_resuming_with_another_model_is_refused_and_changes_nothing(saved, capsy
     assert (run_dir / "metrics.jsonl").read_text() == metrics
 
 
+def test_a_resume_takes_the_keys_the_run_was_started_with(saved, capsys):
+    """name= and resume=true alone continue the run as it was asked for: its checkpoint
+    cadence, model and batch come from config.json (the keys given now over them), so the
+    resumed steps are saved; a second resume takes the first resume's steps= again."""
+    tmp_path, run_dir = saved
+    asked = json.loads((run_dir / "config.json").read_text())["request"]
+    assert asked["checkpoint_every"] == 2 and asked["n_layers"] == 1 and "resume" not in asked
+    assert main([f"out_dir={tmp_path}", "name=R", "resume=true", "steps=8"]) == 0
+    assert "resumed from checkpoint at step 6" in capsys.readouterr().out
+    assert checkpoint.saved_steps(run_dir) == [4, 6, 8]
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["checkpoint_every"] == 2 and cfg["batch_size"] == 4 and cfg["seq_len"] == 16
+    assert cfg["request"]["steps"] == 8
+    assert main([f"out_dir={tmp_path}", "name=R", "resume=true"]) == 2
+    _one_line_error(capsys, "saved at step 8 and steps=8 leaves nothing to train")
+
+
+def test_a_folder_from_before_the_request_was_kept_resumes_with_its_config(saved, capsys):
+    tmp_path, run_dir = saved
+    cfg = json.loads((run_dir / "config.json").read_text())
+    del cfg["request"]
+    (run_dir / "config.json").write_text(json.dumps(cfg))
+    assert main([f"out_dir={tmp_path}", "name=R", "resume=true", "steps=8"]) == 0
+    assert checkpoint.saved_steps(run_dir) == [4, 6, 8]
+
+
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        (lambda c: c["request"].update(steps="abc"), "config.json is damaged (steps='abc'"),
+        (lambda c: c["model"].update(d_model="big"), "config.json is damaged (d_model='big'"),
+        (lambda c: c["model"].pop("n_layers"), "damaged (its model has no n_layers)"),
+        (lambda c: c["request"].update(bogus=1), None),  # a key this version does not know
+    ],
+)
+def test_a_damaged_config_refuses_the_resume_in_one_line(saved, capsys, damage, needle):
+    tmp_path, run_dir = saved
+    cfg = json.loads((run_dir / "config.json").read_text())
+    damage(cfg)
+    (run_dir / "config.json").write_text(json.dumps(cfg))
+    code = main([f"out_dir={tmp_path}", "name=R", "resume=true", "steps=8"])
+    if needle is None:
+        assert code == 0
+        return
+    assert code == 2
+    _one_line_error(capsys, needle)
+
+
+def test_a_run_folder_without_its_config_says_so(saved, capsys):
+    """A fresh run sends the user to resume=true; the resume must not send them back."""
+    tmp_path, run_dir = saved
+    (run_dir / "config.json").unlink()
+    assert _run(tmp_path, "name=R", "steps=8", "resume=true") == 2
+    _one_line_error(capsys, "holds a run's files (checkpoints")
+    (tmp_path / "F").write_text("a file")
+    assert _run(tmp_path, "name=F", "resume=true") == 2
+    _one_line_error(capsys, "F is a file, not a run folder")
+
+
 def test_steps_below_the_saved_step_are_refused_and_the_summary_kept(saved, capsys):
     tmp_path, run_dir = saved
     summary = (run_dir / "summary.json").read_text()

@@ -317,6 +317,10 @@ def test_a_damaged_config_names_run_not_resume(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: run=c:") and "damaged" in err
     assert "resume" not in err
+    (tmp_path / "f").write_text("a file")
+    assert serve([*FAST, "run=f", f"out_dir={tmp_path}", f"results={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: run=f: {tmp_path / 'f'} is a file, not a run folder"
 
 
 STRATEGIES = {
