@@ -126,6 +126,22 @@ def _first_line(e: Exception) -> str:
     return (text.splitlines()[0] if text else type(e).__name__)[:160]
 
 
+def _damage(e: Exception) -> str:
+    """Why a step did not restore, in a phrase: the innermost error orbax chained (TensorStore's
+    own: which array, which bytes), its first line without the database's path (the warning
+    names the step) or the TensorStore spec some versions print after it."""
+    root, depth = e, 0
+    while depth < 8:
+        inner = root.__cause__ or (None if root.__suppress_context__ else root.__context__)
+        if inner is None:
+            break
+        root, depth = inner, depth + 1
+    text = str(root).strip().split("\n")[0] if str(root).strip() else type(root).__name__
+    text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)
+    text = text.split(" See full TensorStore details")[0]
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
 def _shape_mismatch(path: Path, abstract_state) -> str | None:
     """'params.…: saved (64, 256), this model (128, 256)' for the first leaf whose saved shape
     differs from the model's; None when they agree or the metadata cannot be read whole (then
@@ -200,7 +216,7 @@ def restore_latest(
         try:
             state = ocp.StandardCheckpointer().restore(item, abstract_state)
         except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for damage
-            quarantine(run_dir, step, _first_line(e), warn)
+            quarantine(run_dir, step, _damage(e), warn)
             moved.append(step)
             continue
         if not _finite(state):

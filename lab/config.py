@@ -59,10 +59,24 @@ def _check_range(key: str, raw, value, meta) -> None:
         raise ConfigError(f"{key}={raw!r}: must be <= {meta['max']}")
 
 
+def did_you_mean(word: str, options) -> str:
+    """' (did you mean X?)' for the option closest to `word`, case aside (STEPS → steps), or
+    ' (did you mean X or Y?)' where two are as close (dpp: dp or pp); '' where none is."""
+    scored = {}
+    for option in map(str, options):
+        score = difflib.SequenceMatcher(None, word.lower(), option.lower()).ratio()
+        if score >= 0.6:  # difflib.get_close_matches' own cutoff
+            scored[option] = max(score, scored.get(option, 0.0))
+    if not scored:
+        return ""
+    best = max(scored.values())
+    tied = sorted(o for o, v in scored.items() if v == best)[:2]
+    return f" (did you mean {' or '.join(tied)}?)"
+
+
 def _check_choice(key: str, raw, value, choices) -> None:
     if choices and value not in choices:
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        hint = did_you_mean(str(value), choices)
         raise ConfigError(f"{key}={raw!r}: expected one of {' | '.join(choices)}{hint}")
 
 
@@ -94,6 +108,11 @@ def parse_value(f: dataclasses.Field, typ, raw: str):
             raise ConfigError(f"{key}={raw!r}: expected one of float32, bfloat16, float16{extra}")
         return DTYPES.get(raw.lower(), raw)
     if kind == "mesh":
+        if not raw.strip():
+            raise ConfigError(
+                f"{key}=: no mesh given; e.g. {key}=4x2, {key}=data:2,model:4 or {key}=1 "
+                "(see --help)"
+            )
         try:
             parse_mesh_spec(raw)
         except MeshSpecError as e:
@@ -149,8 +168,7 @@ def _pairs(argv: list[str], known: typing.Collection[str], aliases: dict) -> lis
         key, raw = arg.split("=", 1)
         key = aliases.get(key.strip(), key.strip())
         if key not in known:
-            close = difflib.get_close_matches(key, [*known, *aliases], n=1)
-            hint = f" (did you mean {close[0]}?)" if close else " (see --help)"
+            hint = did_you_mean(key, [*known, *aliases]) or " (see --help)"
             raise ConfigError(f"unknown key {key!r}{hint}")
         if any(k == key for k, _ in pairs):
             raise ConfigError(f"{key} is given more than once")
@@ -447,8 +465,8 @@ def override(cfg: Config, **fields) -> Config:
 
 
 def unknown_key(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, [*RUN_FIELDS, *MODEL_FIELDS, *ALIASES], n=1)
-    return ConfigError(f"unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+    hint = did_you_mean(key, [*RUN_FIELDS, *MODEL_FIELDS, *ALIASES])
+    return ConfigError(f"unknown key {key!r}{hint}")
 
 
 def parse_keys(argv: list[str]) -> dict:

@@ -129,7 +129,8 @@ def run(o: Options, keys: dict) -> int:
         o.seed,
         context=o.context,
     )
-    study.check_memory(s, plan)  # before weights, cache or prompts are made
+    study.check_plan(plan)  # before weights, cache or prompts are made
+    study.check_memory(s, plan)
     s, params, source = weights.load_params(s, run_dir, o.seed, con.print, decoding=decoding)
     con.print(f"  weights   {source}")
     trained_text = run_dir is not None and s.cfg.data == "text" and s.cfg.model.vocab_size == 256

@@ -70,6 +70,16 @@ def test_main_writes_records_and_plot(tmp_path, capsys):
     assert list(tmp_path.glob("*.png"))
 
 
-def test_bad_op_is_one_line_and_exit_2(capsys):
-    assert tool.main(["ops=broadcast", "plot=false"]) == 2
-    assert "broadcast" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["ops=broadcast"], "broadcast"),
+        (["min_size=0"], "min_size=0: a message holds at least one byte"),
+        (["min_size=8MB", "max_size=4KB"], "min_size=8MB is above max_size=4KB"),
+        (["min_size=8MB", "max_size=4KB", "quick=true"], "min_size=8MB is above max_size=4KB"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
+    assert tool.main([*args, "plot=false", "mesh=4x2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err

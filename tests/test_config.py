@@ -38,6 +38,9 @@ def test_every_preset_is_valid(name):
     [
         (["modle=tiny"], "unknown key 'modle' (did you mean model?)"),
         (["setps=3"], "did you mean steps?"),
+        (["STEPS=3"], "unknown key 'STEPS' (did you mean steps?)"),
+        (["mesh="], "mesh=: no mesh given; e.g. mesh=4x2"),
+        (["strategy=dpp"], "(did you mean dp or pp?)"),
         (["steps=ten"], "steps='ten': expected an integer"),
         (["lr=fast"], "lr='fast': expected a number"),
         (["steps=-1"], "steps='-1': must be >= 0"),

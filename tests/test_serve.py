@@ -82,7 +82,7 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
     "args, words",
     [
         (["run=nowhere"], "no run folder"),
-        (["context=10"], "does not fit a cache of 10 slots"),
+        (["context=10"], "decode_steps=4 and 3 warm-up steps need"),
         (["mesh=2", "batches=1,2"], "batches [1] do not split"),
         (["batches=1,x"], "'x' is not an integer"),
         (["bacthes=1"], "did you mean batches"),

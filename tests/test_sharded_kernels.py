@@ -177,4 +177,8 @@ def test_collective_matmul_command(capsys):
     err = float(out.split("max |ring - jnp| = ")[1].split()[0])
     assert err < 1e-3
     assert collective_matmul.main(["mesh=2x4", "size=250"]) == 2
-    assert "need x rows and w columns divisible by model=4" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: size=250: x's rows and w's columns split over model=4, so size must be a "
+        "multiple of 4 (e.g. size=248)"
+    )

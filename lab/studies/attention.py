@@ -225,13 +225,14 @@ def default_seqs(backend: str, quick: bool) -> tuple[int, ...]:
     return QUICK_SEQS if quick else GPU_SEQS if backend == "gpu" else CPU_SEQS
 
 
-def check_impls(impls, backend: str | None = None) -> None:
-    """ValueError naming what runs here, for an impl that is unknown or does not run here."""
+def check_impls(impls, backend: str | None = None, key: str = "impls") -> None:
+    """ValueError naming what runs here, for an impl that is unknown or does not run here;
+    `key`: the option the user gave them with (impls=, baseline=)."""
     here = default_impls(backend)
     bad = [i for i in impls if i not in here]
     if bad:
         raise ValueError(
-            f"impls={','.join(bad)}: not an implementation that runs compiled here; "
+            f"{key}={','.join(bad)}: not an implementation that runs compiled here; "
             f"choose from {','.join(here)}"
         )
 

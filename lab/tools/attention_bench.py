@@ -47,11 +47,12 @@ def run(o: Options) -> int:
     if o.heads % o.kv_heads:
         raise ConfigError(f"heads={o.heads} must be a multiple of kv_heads={o.kv_heads}")
     impls = list(o.impls or study.default_impls())
-    impls += [o.baseline] if o.baseline not in impls else []
     try:
         study.check_impls(impls)
+        study.check_impls([o.baseline], key="baseline")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    impls += [o.baseline] if o.baseline not in impls else []
     stem = rec.output_stem(o.out_dir, "attention")
     dtype = o.dtype if o.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
     shape = study.Shape(o.batch, o.heads, o.kv_heads, o.head_dim, DTYPES[dtype])

@@ -33,7 +33,12 @@ def run(o: Options) -> int:
     mesh = make_mesh(o.mesh)
     if mesh.shape.get(o.axis, 1) < 2:
         raise ConfigError(f"axis={o.axis}: the mesh {dict(mesh.shape)} gives it < 2 devices")
-    n = o.size
+    n, W = o.size, mesh.shape[o.axis]
+    if n % W:
+        raise ConfigError(
+            f"size={n}: x's rows and w's columns split over {o.axis}={W}, so size must be a "
+            f"multiple of {W} (e.g. size={max(W, n // W * W)})"
+        )
     x, w = timing.random_inputs(0, [(n, n), (n, n)])
     try:
         got = cm.collective_matmul(x, w, mesh=mesh, axis=o.axis)

@@ -32,7 +32,7 @@ class Options:
     ops: tuple = field(coll.OPS, "collectives to time", kind="names", choices=coll.OPS)
     min_size: str = field("4KB", "smallest message S, e.g. 4KB")
     max_size: str = field("", "largest S; default 4MB on CPU, 256MB elsewhere")
-    quick: bool = field(False, "two small sizes: checks the code path")
+    quick: bool = field(False, "two sizes, min_size and 16× it: checks the code path")
     budget: float = field(0.3, "seconds of timed calls per point", min=0.01)
     cpu_devices: int = field(8, "simulated devices on CPU", min=1)
     out_dir: str = field("results", "folder for the records and the plot", kind="path")
@@ -55,9 +55,12 @@ def run(o: Options) -> int:
     lo = parse_size("min_size", o.min_size)
     cpu = jax.default_backend() == "cpu"
     hi = parse_size("max_size", o.max_size) if o.max_size else (4 * MiB if cpu else 256 * MiB)
-    sizes = [4 * KiB, 64 * KiB] if o.quick else coll.sizes_between(lo, hi)
-    if not sizes:
-        raise ConfigError(f"min_size={o.min_size} is above max_size={o.max_size}")
+    if lo < 1:
+        raise ConfigError(f"min_size={o.min_size}: a message holds at least one byte")
+    if lo > hi:
+        raise ConfigError(f"min_size={o.min_size} is above max_size={o.max_size or hi}")
+    # quick: the smallest size and one 16× larger (4 and 64 KiB by default), within max_size
+    sizes = sorted({lo, min(16 * lo, hi)}) if o.quick else coll.sizes_between(lo, hi)
     stem = records.output_stem(o.out_dir, "collectives")
     env = records.environment()
     simulated = env["backend"] == "cpu" and env["device_count"] > 1

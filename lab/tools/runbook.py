@@ -13,7 +13,6 @@ check of the machinery). dry_run=true prints the plan (steps, budgets, commands)
 
 import contextlib
 import dataclasses
-import difflib
 import json
 import signal
 import sys
@@ -21,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from lab.config import cli, field
+from lab.config import cli, did_you_mean, field
 from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.report import runbook as rows
@@ -52,8 +51,7 @@ class Options:
 def _check_names(key: str, given: tuple, known: list[str], extra: tuple = ()) -> None:
     for name in given:
         if name not in known and name not in extra:
-            close = difflib.get_close_matches(name, [*known, *extra], n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+            hint = did_you_mean(name, [*known, *extra])
             raise ConfigError(f"{key}={name!r}: no such step{hint}; steps: {', '.join(known)}")
 
 

@@ -74,6 +74,18 @@ def check_memory(session: Session, plan: Plan) -> None:
         )
 
 
+def check_plan(plan: Plan) -> None:
+    """The prompt and the steps timed fit the cache asked for: one line, before any weights
+    are made or loaded."""
+    need = plan.prompt_len + WARM_STEPS + plan.steps
+    if need > plan.slots():
+        raise ConfigError(
+            f"context={plan.context}: prompt_len={plan.prompt_len} plus decode_steps="
+            f"{plan.steps} and {WARM_STEPS} warm-up steps need {need} cache slots; raise "
+            "context= (0 sizes the cache to fit) or shorten prompt_len= or decode_steps="
+        )
+
+
 def measure(session: Session, params, plan: Plan, *, progress=None) -> Study:
     """The whole study: roofs, prefill, decode over the batch sweep (float, then int8 weights
     and cache at the smallest and largest batch), int8 error, the bandwidths measured again.
@@ -81,7 +93,7 @@ def measure(session: Session, params, plan: Plan, *, progress=None) -> Study:
     decodes: resolved for decoding with the plan's batches (weights.for_decoding), which
     split over its mesh."""
     check_memory(session, plan)
-    decode.check_prompts([plan.prompt_len], plan.slots(), WARM_STEPS + plan.steps)
+    check_plan(plan)
     tick = progress or (lambda label: None)
     model = session.cfg.model
     tick("roofs: copy bandwidth and matmul peak")
