@@ -344,7 +344,9 @@ class Config:
         "pp+tp (layers over stage; scan_layers on); auto from the mesh",
         choices=("auto", *STRATEGIES),
     )
-    cpu_devices: int = field(0, "simulated CPU devices; 0 = as many as the mesh needs", min=0)
+    cpu_devices: int = field(
+        0, "simulated CPU devices; 0 = as many as the mesh needs (8 where an axis is -1)", min=0
+    )
     batch_size: int = field(16, "global batch (sequences per step)", min=1)
     accumulate: int = field(
         1,

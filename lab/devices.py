@@ -29,7 +29,7 @@ from jax._src import distributed as _distributed  # the key-value store of the r
 from jax._src.clusters.slurm_cluster import SlurmCluster  # JAX's own reading of SLURM's variables
 
 from lab.errors import ConfigError
-from lab.mesh import known_size
+from lab.mesh import cpu_devices_for
 from lab.startup import PARENT_DEATH_SIGNAL  # noqa: F401 - where the launcher and loop find it
 
 
@@ -335,7 +335,7 @@ def prepare(
     alone, as for a request that cannot run), then sizes the simulated CPU devices."""
     if not coordinator and (step := slurm_step()):
         num_processes = step.tasks  # checked here, before the size check that divides by it
-    wanted = cpu_devices or known_size(mesh)
+    wanted = cpu_devices or cpu_devices_for(mesh)
     if wanted // max(num_processes, 1) > MAX_CPU_DEVICES and jax.config.jax_platforms in (
         None,
         "",

@@ -128,9 +128,18 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     return out
 
 
-def known_size(spec: str) -> int:
-    """Devices the spec needs when -1 counts as 1 (used to size simulated CPU devices)."""
-    return math.prod(max(v, 1) for v in parse_mesh_spec(spec).values())
+SIMULATED_DEVICES = 8  # what an axis of -1 fills on CPU when cpu_devices is not given
+
+
+def cpu_devices_for(spec: str) -> int:
+    """Simulated CPU devices for the spec (cpu_devices=0): the product of its sizes, and where
+    an axis is -1 ("fill the devices") as many of that product as fit SIMULATED_DEVICES, at
+    least one: data:2,fsdp:-1 gives 8 (fsdp 4), not 2 with fsdp left at 1."""
+    sizes = parse_mesh_spec(spec).values()
+    fixed = math.prod(max(v, 1) for v in sizes)
+    if -1 in sizes:
+        return fixed * max(1, SIMULATED_DEVICES // fixed)
+    return fixed
 
 
 def resolve_shape(spec: str, n_devices: int) -> dict[str, int]:

@@ -10,6 +10,7 @@ from lab.mesh import (
     MeshSpecError,
     auto_strategy,
     check_divisible,
+    cpu_devices_for,
     make_mesh,
     parse_mesh_spec,
     resolve_shape,
@@ -32,6 +33,23 @@ from lab.resolve import defaults
 )
 def test_resolve_shape(spec, want):
     assert resolve_shape(spec, 8) == want
+
+
+def test_an_axis_of_minus_one_fills_eight_simulated_devices():
+    """cpu_devices=0 sizes the simulated CPU devices by the mesh: -1 fills 8 (as many of the
+    fixed axes' product as fit), never 1 device that leaves the axis out."""
+    got = {
+        s: cpu_devices_for(s)
+        for s in ("4x2", "data:2,fsdp:-1", "-1", "data:3,fsdp:-1", "data:16,fsdp:-1")
+    }
+    assert got == {
+        "4x2": 8,
+        "data:2,fsdp:-1": 8,
+        "-1": 8,
+        "data:3,fsdp:-1": 6,
+        "data:16,fsdp:-1": 16,
+    }
+    assert resolve_shape("data:2,fsdp:-1", cpu_devices_for("data:2,fsdp:-1"))["fsdp"] == 4
 
 
 @pytest.mark.parametrize("spec", ["0", "4x2x1x1", "a", "data:2,data:2", "3x-1"])

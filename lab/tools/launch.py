@@ -46,7 +46,7 @@ from lab.config import cli, field, make_config
 from lab.devices import PARENT_DEATH_SIGNAL, STOP_LINE
 from lab.errors import ConfigError
 from lab.measure.records import writable_dir
-from lab.mesh import known_size
+from lab.mesh import cpu_devices_for
 from lab.report.format import key_args
 from lab.resolve import Request, check_on_cpu, defaults
 
@@ -96,7 +96,7 @@ def check(processes: int, keys: dict) -> dict:
             f"{', '.join(clash)}: set by lab.tools.launch for each process; leave out"
         )
     cfg = defaults(make_config(**keys))
-    devices = cfg.cpu_devices or known_size(cfg.mesh)
+    devices = cfg.cpu_devices or cpu_devices_for(cfg.mesh)
     if devices % processes:
         raise ConfigError(
             f"processes={processes} does not divide the {devices} devices of mesh={cfg.mesh}: "
