@@ -87,7 +87,11 @@ def _plan(o: Options, s, con) -> int:
     rows = []
     for int8 in (False, True) if o.int8 else (False,):
         con.print(f"compiling the decode step for {s.cfg.target} ({'int8' if int8 else 'float'}) …")
-        rows.append(compiled.plan_serving(s, batch=o.plan_batch, context=o.plan_context, int8=int8))
+        # XLA's own log lines about a device this host lacks: to lab.log, as the libraries'
+        with rundir.native_log_to(Path(o.results) / "lab.log"):
+            rows.append(
+                compiled.plan_serving(s, batch=o.plan_batch, context=o.plan_context, int8=int8)
+            )
     r = rows[0]
     title = (
         f"serving plan · {s.cfg.target} ({r.device_kind} × {r.devices}) · "

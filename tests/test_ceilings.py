@@ -122,3 +122,11 @@ def test_the_table_holds_each_row_against_its_datasheet_figure():
     con.print(tables.ceilings(c, "t"))
     text = con.export_text()
     assert "50% of tf32 spec" in text and "50% of spec" in text and "n/a" in text
+
+
+def test_the_jax_over_numpy_note_follows_the_ratio():
+    from lab.measure.ceilings import matmul_ratio_note
+
+    assert "faster than the usual" in matmul_ratio_note(1.86)
+    assert "as fast as the usual one" in matmul_ratio_note(1.0)
+    assert "slower than the usual" in matmul_ratio_note(0.5)
