@@ -29,8 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         from lab.session import open_session
 
         # the rules, the backend's defaults and the run's name: once the platform is known
-        # resume=true: the run's own keys (its config.json) under the ones given now
-        return run_training(open_session(request=Request(tuple(keys.items())).resumed()))
+        return run_training(open_session(request=Request(tuple(keys.items()))))
 
     return exit_code(run)
 

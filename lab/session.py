@@ -38,6 +38,8 @@ def open_session(
     `batches` are the batch sizes its decoders will be built for."""
     if request is None:
         request = Request.from_config(cfg) if cfg is not None else Request.of(**(keys or {}))
+    if purpose == "train":  # resume=true: the run's own keys (config.json) under those given
+        request = request.resumed()
     platform = Platform.found(request)
     if platform.aot and purpose == "train":
         purpose = "plan"  # a target's devices: nothing can run

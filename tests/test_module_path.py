@@ -139,6 +139,7 @@ def test_lab_run_resolves_once_and_builds_its_step_going_down(no_training, tmp_p
         "lab.run.main",
         "lab.run.run",  # lab.config.exit_code runs it: the one callback (not a climb)
         "lab.session.open_session",
+        "lab.resolve.resumed",  # resume=true takes the run's own keys (none asked here)
         "lab.resolve.found",  # the platform, once
         "lab.resolve.resolve",  # the rules, once
         "lab.model.build",  # resolve's rule: every weight splits over the mesh
