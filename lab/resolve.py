@@ -115,6 +115,8 @@ class Request:
         given = self.dict()
         if not (given.get("resume") and given.get("name")):
             return self  # resume without a name is refused by its rule
+        if any(given.get(k) for k in ("overwrite", "compile_only", "target")):
+            return self  # a resume that also clears the folder or plans: refused by its rule
         check_name(given["name"])  # never a config.json outside out_dir
         run_dir = Path(given.get("out_dir") or RUN_FIELDS["out_dir"][0].default) / given["name"]
         saved = rundir.saved_config(run_dir)
