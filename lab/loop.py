@@ -350,11 +350,7 @@ def _analyse(cfg, info, trainer, console):
     t0 = time.perf_counter()
     if info.aot:
         try:
-            # XLA's own log lines about a device this host lacks: to lab.log, as the libraries'
-            with rundir.native_log_to(Path(cfg.out_dir) / cfg.name / "lab.log"):
-                compiled, kernels = plans.compile_plan(
-                    trainer.lower, list(trainer.mesh.devices.flat)
-                )
+            compiled, kernels = plans.compile_plan(trainer.lower, list(trainer.mesh.devices.flat))
         except RuntimeError as e:  # XLA:TPU refuses a step its HBM cannot hold
             refused = plans.refusal(e)
             if refused is None:

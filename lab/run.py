@@ -5,7 +5,6 @@ hand over to lab/loop.py. Every user mistake ends here as one line on stderr (a 
 broken rule) and exit code 2.
 """
 
-import os
 import sys
 
 from lab import plans
@@ -35,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    from lab import startup
+
+    startup.native_log_level(sys.argv[1:])
     from lab.report.progress import survive_lost_output
 
     survive_lost_output()

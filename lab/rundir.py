@@ -297,34 +297,6 @@ class _LogHandler(logging.FileHandler):
         pass
 
 
-@contextlib.contextmanager
-def native_log_to(path: Path):
-    """What C++ code writes to the process's stderr inside the block (XLA's compiler logs its
-    warnings and errors there itself: a plan compiled for a GPU this host does not have logs
-    lines such as a scheduler's "This indicates an error in the calculation!" while the compile
-    succeeds) goes to `path` (lab.log) instead of the terminal. A failure still reaches the
-    user as the lab's one line: it is raised, and said once stderr is back. Where `path`
-    cannot be opened, stderr stays as it is."""
-    sys.stderr.flush()
-    try:
-        log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    except OSError:
-        log = None
-    saved = None
-    if log is not None:
-        saved = os.dup(2)
-        os.dup2(log, 2)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-        if log is not None:
-            os.close(log)
-
-
 def quiet_libraries(run_dir: Path) -> None:
     """Python logging of the libraries (orbax, absl, TensorStore's Python side) to lab.log in
     the run folder instead of the terminal, and so are the errors their background threads

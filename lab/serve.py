@@ -15,7 +15,6 @@ Takes every key of lab.run (model, mesh, dtype, attention, ...). See lab/studies
 """
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -87,11 +86,7 @@ def _plan(o: Options, s, con) -> int:
     rows = []
     for int8 in (False, True) if o.int8 else (False,):
         con.print(f"compiling the decode step for {s.cfg.target} ({'int8' if int8 else 'float'}) …")
-        # XLA's own log lines about a device this host lacks: to lab.log, as the libraries'
-        with rundir.native_log_to(Path(o.results) / "lab.log"):
-            rows.append(
-                compiled.plan_serving(s, batch=o.plan_batch, context=o.plan_context, int8=int8)
-            )
+        rows.append(compiled.plan_serving(s, batch=o.plan_batch, context=o.plan_context, int8=int8))
     r = rows[0]
     title = (
         f"serving plan · {s.cfg.target} ({r.device_kind} × {r.devices}) · "
@@ -190,7 +185,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    from lab import startup
+
+    startup.native_log_level(sys.argv[1:])
     from lab.report.progress import survive_lost_output
 
     survive_lost_output()

@@ -27,6 +27,16 @@ _kept = ["nothing was written"]
 _held = {"on": False, "signum": None}
 
 
+def native_log_level(argv) -> None:
+    """XLA's own C++ log threshold (TF_CPP_MIN_LOG_LEVEL, read when the backend starts),
+    unless the user set it: informational lines hidden (1), and for a plan (target=…) its
+    warnings and errors too (3). Compiling for hardware that is not here, XLA logs lines about
+    that hardware's memory that the plan itself reports (a scheduler's "This indicates an
+    error in the calculation!" on a compile that succeeds); a fatal line still prints."""
+    plan = any(a.startswith("target=") and a != "target=" for a in argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3" if plan else "1")
+
+
 def note(kept: str) -> None:
     """What a signal from now on leaves behind, as the exit line says it."""
     _kept[0] = kept
