@@ -127,15 +127,12 @@ def _first_line(e: Exception) -> str:
 
 
 def _damage(e: Exception) -> str:
-    """Why a step did not restore, in a phrase: the innermost error orbax chained (TensorStore's
-    own: which array, which bytes), its first line without the database's path (the warning
-    names the step) or the TensorStore spec some versions print after it."""
+    """Why a step did not restore, in a phrase: the innermost error orbax raised it from
+    (TensorStore's own: which array, which bytes), its first line without the database's path
+    (the warning names the step) or the TensorStore spec some versions print after it."""
     root, depth = e, 0
-    while depth < 8:
-        inner = root.__cause__ or (None if root.__suppress_context__ else root.__context__)
-        if inner is None:
-            break
-        root, depth = inner, depth + 1
+    while root.__cause__ is not None and depth < 8:  # raised from it, not met while handling
+        root, depth = root.__cause__, depth + 1
     text = str(root).strip().split("\n")[0] if str(root).strip() else type(root).__name__
     text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)
     text = text.split(" See full TensorStore details")[0]

@@ -345,7 +345,10 @@ class Config:
         choices=("auto", *STRATEGIES),
     )
     cpu_devices: int = field(
-        0, "simulated CPU devices; 0 = as many as the mesh needs (8 where an axis is -1)", min=0
+        0,
+        "simulated CPU devices; 0 = as many as the mesh needs (an axis of -1 fills 8, or the "
+        "largest multiple of the other axes' product up to 8)",
+        min=0,
     )
     batch_size: int = field(16, "global batch (sequences per step)", min=1)
     accumulate: int = field(

@@ -33,6 +33,7 @@ from lab.config import (
     check_value,
     make_config,
     parse_keys,
+    parse_value,
     resolve_dtype,
     unknown_key,
 )
@@ -120,17 +121,28 @@ class Request:
         check_name(given["name"])  # never a config.json outside out_dir
         run_dir = Path(given.get("out_dir") or RUN_FIELDS["out_dir"][0].default) / given["name"]
         saved = rundir.saved_config(run_dir)
-        asked = saved.get("request")
-        if not isinstance(asked, dict):  # written before config.json kept the request
+        path = run_dir / "config.json"
+        if saved.get("compile_only") or saved.get("target"):
+            what = f"target={saved['target']}" if saved.get("target") else "compile_only=true"
+            raise ConfigError(
+                f"resume=true: {run_dir} holds a plan ({what}: compiled, not run), which has "
+                "no checkpoint to resume; start a run under another name="
+            )
+        asked = saved.get("request", None)
+        if asked is None:  # written before config.json kept the request: its whole config
             asked = {**saved, **saved["model"]}
+        elif not isinstance(asked, dict):
+            raise ConfigError(f"resume=true: {path} is damaged (its request is not a table)")
         known = {k: v for k, v in asked.items() if k in RUN_FIELDS or k in MODEL_FIELDS}
+        if "preset" in given:  # the model asked now, not the fields of the one saved
+            known = {k: v for k, v in known.items() if k not in MODEL_FIELDS}
         try:
-            shape = {k: saved["model"][k] for k in rundir.STATE_FIELDS}  # what resume checks
+            shape = {k: saved["model"][k] for k in rundir.STATE_FIELDS if k in saved["model"]}
             for key, value in {**known, **shape}.items():
                 _check_type(key, value)
             inherited = Request.of(**rundir.asked_keys(known))
         except ConfigError as e:
-            raise ConfigError(f"resume=true: {run_dir / 'config.json'} is damaged ({e})") from None
+            raise ConfigError(f"resume=true: {path} is damaged ({e})") from None
         return inherited.with_keys(**given)
 
 
@@ -146,6 +158,8 @@ def _check_type(key: str, value) -> None:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
     elif typ is str:
         ok = isinstance(value, str)
+        if ok:  # a mesh, a dtype, a choice: what parsing the key would check
+            parse_value((RUN_FIELDS.get(key) or MODEL_FIELDS[key])[0], typ, value)
     else:
         ok = True
     if not ok:

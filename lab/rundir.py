@@ -127,16 +127,16 @@ def saved_config(run_dir: Path, asked: str = "resume=true") -> dict:
         raise ConfigError(f"{asked}: {path} is damaged ({str(e)[:160]})") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise ConfigError(f"{asked}: {path} is damaged (not a run's config)")
-    missing = [k for k in STATE_FIELDS if k not in saved["model"]]
-    if missing:
-        raise ConfigError(f"{asked}: {path} is damaged (its model has no {', '.join(missing)})")
     return saved
 
 
 # Keys that say how this invocation runs, not what the run is: a resume never takes them from
 # the run it continues (a single process resuming a job of several must not wait for their
-# coordinator, and the verbs resume/overwrite/compile_only are the user's each time).
+# coordinator, the verbs resume/overwrite/compile_only are the user's each time, and the
+# folder is the one named now: a moved or copied run folder resumes where it is).
 INVOCATION_KEYS = (
+    "name",
+    "out_dir",
     "resume",
     "overwrite",
     "compile_only",

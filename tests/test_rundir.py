@@ -137,8 +137,11 @@ def test_a_folder_from_before_the_request_was_kept_resumes_with_its_config(saved
     [
         (lambda c: c["request"].update(steps="abc"), "config.json is damaged (steps='abc'"),
         (lambda c: c["model"].update(d_model="big"), "config.json is damaged (d_model='big'"),
-        (lambda c: c["model"].pop("n_layers"), "damaged (its model has no n_layers)"),
+        (lambda c: c["request"].update(mesh="abc"), "config.json is damaged (mesh='abc'"),
+        (lambda c: c.update(request="steps=8"), "damaged (its request is not a table)"),
+        (lambda c: c["model"].pop("n_layers"), "n_layers=None → 1"),
         (lambda c: c["request"].update(bogus=1), None),  # a key this version does not know
+        (lambda c: c.update(target="tpu:v5e:2x4"), "holds a plan (target=tpu:v5e:2x4"),
     ],
 )
 def test_a_damaged_config_refuses_the_resume_in_one_line(saved, capsys, damage, needle):
@@ -152,6 +155,35 @@ def test_a_damaged_config_refuses_the_resume_in_one_line(saved, capsys, damage, 
         return
     assert code == 2
     _one_line_error(capsys, needle)
+
+
+def test_a_moved_run_folder_resumes_where_it_is_and_a_model_asked_now_is_checked(saved, capsys):
+    """The folder named now is the run (out_dir and name are never taken from config.json);
+    a model asked on resume replaces the saved one's fields and is refused when the shapes
+    differ, for folders written before config.json kept the request too."""
+    tmp_path, run_dir = saved
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    run_dir.rename(moved / "R")
+    assert main([f"out_dir={moved}", "name=R", "resume=true", "steps=8"]) == 0
+    assert checkpoint.saved_steps(moved / "R") == [4, 6, 8]
+    assert not run_dir.exists()
+    cfg = json.loads((moved / "R" / "config.json").read_text())
+    del cfg["request"]
+    (moved / "R" / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main([f"out_dir={moved}", "name=R", "resume=true", "steps=10", "model=small"]) == 2
+    _one_line_error(capsys, "d_model=64 → 256")
+
+
+def test_a_launched_resume_is_checked_with_the_runs_own_mesh(tmp_path):
+    """lab.tools.launch checks the keys its processes will run with: a resume's come from
+    the run (mesh=4x2: 8 devices for 2 processes), not the defaults (1 device)."""
+    from lab.tools import launch
+
+    assert _run(tmp_path, "name=M", "mesh=4x2", "steps=2", "checkpoint_every=2") == 0
+    keys = {"name": "M", "resume": True, "out_dir": str(tmp_path), "steps": 4}
+    assert launch.check(2, keys) == keys
 
 
 def test_a_run_folder_without_its_config_says_so(saved, capsys):

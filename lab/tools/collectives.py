@@ -58,7 +58,8 @@ def run(o: Options) -> int:
     if lo < 1:
         raise ConfigError(f"min_size={o.min_size}: a message holds at least one byte")
     if lo > hi:
-        raise ConfigError(f"min_size={o.min_size} is above max_size={o.max_size or hi}")
+        shown = o.max_size or f"{hi // MiB}MB (the default here)"
+        raise ConfigError(f"min_size={o.min_size} is above max_size={shown}")
     # quick: the smallest size and one 16× larger (4 and 64 KiB by default), within max_size
     sizes = sorted({lo, min(16 * lo, hi)}) if o.quick else coll.sizes_between(lo, hi)
     stem = records.output_stem(o.out_dir, "collectives")

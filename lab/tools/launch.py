@@ -95,7 +95,9 @@ def check(processes: int, keys: dict) -> dict:
         raise ConfigError(
             f"{', '.join(clash)}: set by lab.tools.launch for each process; leave out"
         )
-    cfg = defaults(make_config(**keys))
+    # a resume's processes take the run's own keys (Request.resumed): checked as they will run
+    asked = Request.of(**keys).resumed().dict()
+    cfg = defaults(make_config(**asked))
     devices = cfg.cpu_devices or cpu_devices_for(cfg.mesh)
     if devices % processes:
         raise ConfigError(
@@ -103,7 +105,7 @@ def check(processes: int, keys: dict) -> dict:
             "every process must hold the same number of devices"
         )
     if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":  # the children's platform, known
-        check_on_cpu(Request.of(**keys), devices)  # every process would refuse it alike
+        check_on_cpu(Request.of(**asked), devices)  # every process would refuse it alike
     writable_dir(cfg.out_dir)  # refused here, not by one process while the others wait for it
     name = keys.get("name") or f"launch-{cfg.mesh}-{time.strftime('%Y%m%d-%H%M%S')}"
     return {**keys, "name": name}  # one name for all: process 0 writes the run folder
