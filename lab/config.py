@@ -433,6 +433,9 @@ BACKEND_DEFAULTS: dict[str, dict] = {
     "gpu": {"preset": "base", "batch_size": 32, "seq_len": 1024, "steps": 100},
     "tpu": {"preset": "base", "batch_size": 32, "seq_len": 1024, "steps": 100},
 }
+# The keys some backend's defaults set: a run's config.json keeps the values it ran with under
+# its request, so a resume on another backend goes on with the same model, batch and length.
+BACKEND_KEYS = tuple(sorted({k for over in BACKEND_DEFAULTS.values() for k in over}))
 
 
 def make_config(*, backend: str = "cpu", **fields) -> Config:

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from lab import checkpoint, plans, rundir, startup, summary, tensorboard
-from lab.config import Config
+from lab.config import BACKEND_KEYS, Config
 from lab.data import host_batch, to_global
 from lab.devices import PARENT_DEATH_SIGNAL, agreed_stop
 from lab.errors import RunError
@@ -403,6 +403,8 @@ def _start_folder(cfg: Config, run_dir: Path, console, request: Request) -> None
                     f"overwrite=true: cleared the earlier run from {run_dir}", soft_wrap=True
                 )
         asked = rundir.asked_keys(request.dict())
+        # and the values the backend's defaults gave (a resume elsewhere keeps them)
+        asked |= {k: getattr(cfg, k) for k in BACKEND_KEYS if k not in asked}
         rundir.write_json(run_dir / "config.json", {**dataclasses.asdict(cfg), "request": asked})
     except OSError as e:
         raise RunError(f"{_write_failure(e, run_dir)}: nothing was run") from None

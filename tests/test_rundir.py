@@ -123,6 +123,22 @@ def test_a_resume_takes_the_keys_the_run_was_started_with(saved, capsys):
     _one_line_error(capsys, "saved at step 8 and steps=8 leaves nothing to train")
 
 
+def test_the_backends_defaults_are_kept_with_the_keys_asked(tmp_path):
+    """Keys the user left to the backend (a GPU's default model, batch and length differ from
+    a CPU's) are kept with the values they took, so a resume elsewhere goes on alike."""
+    from lab.config import BACKEND_DEFAULTS, BACKEND_KEYS, Config
+
+    assert main([f"out_dir={tmp_path}", "name=D", "n_layers=1", "steps=1"]) == 0
+    asked = json.loads((tmp_path / "D" / "config.json").read_text())["request"]
+    assert set(BACKEND_KEYS) == set(BACKEND_DEFAULTS["gpu"])
+    assert {k: asked[k] for k in BACKEND_KEYS} == {
+        "preset": Config().preset,
+        "batch_size": Config().batch_size,
+        "seq_len": Config().seq_len,
+        "steps": 1,
+    }
+
+
 def test_a_folder_from_before_the_request_was_kept_resumes_with_its_config(saved, capsys):
     tmp_path, run_dir = saved
     cfg = json.loads((run_dir / "config.json").read_text())
