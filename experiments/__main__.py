@@ -8,9 +8,13 @@ simulates 8 devices (as the tests do) so the parallelism experiments have a mesh
 Ctrl-C or SIGTERM (a time limit), it writes REPORT.md from the topics that finished, names the
 one cut short, and exits with one line.
 
-plans=on (or size=full) adds C10's and C14's plans: the Llama-2-7B step compiled for 1 H100,
-the 70B step for 8, 16 and 32 H100s under dp, fsdp and tp, each with the compiler's memory
-per device beside the calculator's (compiled, not run; experiments/gpu_plans.py). E.g.
+plans=on (or size=full) adds what is compiled for hardware that is not here (compiled, not
+run, or predicted from the compiled program by the step-time model): C10's and C14's plans
+(the Llama-2-7B step compiled for 1 H100, the 70B step for 8, 16 and 32 H100s under dp, fsdp
+and tp, each with the compiler's memory per device beside the calculator's;
+experiments/gpu_plans.py), C11's remat=offload step for one H100, and the predicted GPU and TPU
+figures of C01, C02, C05, C15, C17 and C19 and the prediction topic's table (the GPU matmuls
+and training steps compiled for their GPUs). Minutes on 2 cores: e.g.
 `python -m experiments only=C10,C14 plans=on`.
 """
 
@@ -24,6 +28,7 @@ import time
 import traceback
 
 from experiments.common import SIZES
+from lab import startup
 from lab.config import cli, field
 
 
@@ -36,8 +41,10 @@ class Options:
     )
     plans: str = field(
         "auto",
-        "compile the Llama-2 7B/70B training steps for 1-32 H100s (C10, C14; compiled, not run;"
-        " needs the gpu-plan extra, a few minutes on 2 cores): on, off, auto (on with size=full)",
+        "compile for hardware that is not here: the Llama-2 7B/70B steps for 1-32 H100s (C10,"
+        " C14), and the programs behind the predicted GPU/TPU figures (C01, C02, C05, C11, C15,"
+        " C17, C19, prediction); needs the gpu-plan extra, minutes on 2 cores: on, off, auto"
+        " (on with size=full)",
         choices=("auto", "on", "off"),
     )
 
@@ -103,9 +110,12 @@ def _signals_keep_what_finished(out_dir, meta: dict, only, con, writing: threadi
     # the Python-level handler does nothing: the C-level one has already woken the watcher
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
     previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    # a topic may load a native library that takes SIGTERM over (Mosaic GPU: absl's handler)
+    unwatch = startup.keep_python_handlers(handled)
     try:
         yield
     finally:
+        unwatch()
         signal.set_wakeup_fd(previous_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -190,4 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    from lab.report.progress import survive_lost_output
+
+    survive_lost_output()  # a reader gone (| head) loses no records or report
     sys.exit(main())

@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 
 # The signal the kernel sends a launched process when its launcher dies (PR_SET_PDEATHSIG).
 # Not SIGTERM: the kernel sends it once per launcher thread that had the process as child, as
@@ -80,3 +81,49 @@ def install() -> None:
     """SIGINT, SIGTERM and the launcher's death exit at once with one line (main thread)."""
     for sig in (signal.SIGINT, signal.SIGTERM, _PARENT_DEATH):
         signal.signal(sig, _exit)
+    keep_python_handlers()
+
+
+_SIGACTION_BYTES = 512  # struct sigaction: 152 bytes on Linux x86-64 and aarch64; room to spare
+
+
+def _native_action(libc, sig):
+    """The kernel's record of `sig`'s handler (an opaque struct sigaction), or None."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(_SIGACTION_BYTES)
+    return buf if libc.sigaction(int(sig), None, buf) == 0 else None
+
+
+def keep_python_handlers(signals=(signal.SIGINT, signal.SIGTERM), every_s: float = 0.1):
+    """Put Python's handlers for `signals` back whenever a native library replaces them;
+    returns a function that stops the watch (a daemon thread, polling every `every_s`).
+
+    Mosaic GPU's extension, which JAX's Pallas GPU attention imports (a bench peer, and the
+    lab's Hopper kernel), installs absl's failure handler for SIGTERM when it loads. On a
+    signal it prints a C++ stack trace, calls Python's handler and aborts the process 3 s
+    later, so a scheduler's stop would cut short the report or checkpoint being written and
+    exit 134 instead of the one line. Call it from the main thread after Python's handlers
+    are set; a signal whose Python handler is later reset to the default is left alone. No
+    ctypes or sigaction (not Linux or macOS): nothing is watched."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        saved = {sig: _native_action(libc, sig) for sig in signals}
+    except (OSError, AttributeError):
+        return lambda: None
+    saved = {sig: a for sig, a in saved.items() if a is not None}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(every_s):
+            for sig, want in saved.items():
+                if not callable(signal.getsignal(sig)):  # SIG_DFL or SIG_IGN: Python's choice
+                    continue
+                now = _native_action(libc, sig)
+                if now is not None and now.raw[:8] != want.raw[:8]:  # the handler's address
+                    libc.sigaction(int(sig), want, None)
+
+    threading.Thread(target=watch, name="keep-signal-handlers", daemon=True).start()
+    return done.set

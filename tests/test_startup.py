@@ -1,4 +1,5 @@
-"""What the commands set before JAX's backend starts: XLA's own log threshold."""
+"""What the commands set before JAX's backend starts: XLA's own log threshold; signal
+handlers that native libraries loaded later cannot take over."""
 
 import os
 
@@ -22,3 +23,45 @@ def test_the_native_log_level_follows_the_command(monkeypatch, argv, preset, wan
         monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", preset)
     startup.native_log_level(argv)
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == want
+
+
+_TAKEN_OVER = """
+import ctypes, signal, sys, time
+from lab import startup
+libc = ctypes.CDLL(None)
+def native():
+    buf = ctypes.create_string_buffer(512)
+    libc.sigaction(int(signal.SIGTERM), None, buf)
+    return buf.raw[:8]
+signal.signal(signal.SIGTERM, lambda *_: (print("python's handler"), sys.exit(7)))
+mine = native()
+startup.keep_python_handlers(every_s=5.0)  # its first look after the import below
+if sys.argv[1] == "mosaic":  # the library that does it: absl's failure handler on import
+    import jax.experimental.pallas.ops.gpu.attention_mgpu  # noqa: F401
+else:
+    libc.signal(int(signal.SIGTERM), ctypes.c_void_p(0))  # SIG_DFL behind Python's back
+print("replaced" if native() != mine else "kept", flush=True)
+time.sleep(5.5)
+print("restored" if native() == mine else "lost", flush=True)
+signal.raise_signal(signal.SIGTERM)
+time.sleep(5)
+"""
+
+
+@pytest.mark.parametrize("library", ["ctypes", "mosaic"])
+def test_a_native_library_cannot_keep_sigterm(library):
+    """A handler a native library puts on SIGTERM behind Python's back is replaced by
+    Python's own within the watch's period: the signal reaches the command's handler."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", _TAKEN_OVER, library], capture_output=True, text=True, timeout=120
+    )
+    if library == "mosaic" and "No module named" in p.stderr:
+        pytest.skip("this jax has no Pallas Mosaic GPU attention")
+    out = p.stdout.split()
+    if library == "mosaic" and out[:1] == ["kept"]:
+        pytest.skip("importing Mosaic GPU left SIGTERM alone on this jax")
+    assert out == ["replaced", "restored", "python's", "handler"], (p.stdout, p.stderr)
+    assert p.returncode == 7 and "SIGTERM received" not in p.stderr
