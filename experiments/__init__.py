@@ -2,12 +2,15 @@
 
 Every module declares `CLAIMS = ("C01", ...)` and `run(size) -> list[record]` with size
 `tiny` (the test suite), `quick` (the default on CPU: the whole set well under 15 minutes on
-two cores) or `full`; memory and parallel also take `plans` (C10, C14 from the compiler for
-H100s). `python -m experiments` runs them and writes a results folder.
+two cores) or `full`; the modules in PLANNED also take `plans` (what is compiled for hardware
+that is not here: C10, C14 from the compiler for H100s, and the programs behind the predicted
+GPU and TPU figures). `python -m experiments` runs them and writes a results folder.
 """
 
 import importlib
+import re
 
+from lab.config import did_you_mean
 from lab.report.claims import BY_ID
 
 MODULES = (
@@ -40,14 +43,24 @@ def load(name: str):
 
 
 def parse_only(text: str | None) -> tuple[str, ...] | None:
-    """'C03,c08' → ('C03', 'C08'); unknown ids are an error naming the known ones."""
+    """'C03,c8,C03' → ('C03', 'C08'): each id once, in the order given, the number's zero
+    optional; unknown ids are an error naming the known ones (and the close match)."""
     if not text:
         return None
-    ids = tuple(x.strip().upper() for x in text.split(",") if x.strip())
+    ids = []
+    for x in (x.strip().upper() for x in text.split(",")):
+        m = re.fullmatch(r"C?0*(\d{1,2})", x)
+        x = f"C{int(m.group(1)):02d}" if m else x
+        if x and x not in ids:
+            ids.append(x)
     bad = [x for x in ids if x not in BY_ID]
     if bad:
-        raise ValueError(f"only={text!r}: unknown claim ids {bad}; known: {', '.join(BY_ID)}")
-    return ids
+        hint = did_you_mean(bad[0], BY_ID)
+        raise ValueError(
+            f"only={text!r}: unknown claim id{'s' if len(bad) > 1 else ''} "
+            f"{', '.join(bad)}{hint}; known: {', '.join(BY_ID)}"
+        )
+    return tuple(ids)
 
 
 def select(only: tuple[str, ...] | None) -> list[str]:

@@ -117,7 +117,17 @@ def _pair_record(claim, metric, what, num: dict, den: dict, **config) -> dict:
         inputs={"numerator": num["value"], "denominator": den["value"]},
         **config,
     )
+    # the two machines the figures came from, not the one that merged them
+    r.update(
+        backend="multi",
+        device_kind=f"{_machine(num)} over {_machine(den)}",
+        device_count=2,
+    )
     return r
+
+
+def _machine(r: dict) -> str:
+    return f"{r['device_kind']} × {r['device_count']}"
 
 
 def derived(folders: list[dict]) -> list[dict]:
@@ -213,10 +223,14 @@ def verdict_grid(folders: list[dict], merged_verdicts) -> list[str]:
 def merge(dirs, out_root="results") -> dict:
     """Merge result folders into out_root/compare-<timestamp>/ (records.jsonl, REPORT.md)."""
     folders = [load(d) for d in dirs]
+    names = [f["name"] for f in folders]
+    for f in folders:  # two folders of one machine and size: their columns say which is which
+        if names.count(f["name"]) > 1:
+            f["name"] += f" · {f['dir'].name}"
     records = [r for f in folders for r in f["records"]]
     records += derived(folders)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = rec.writable_dir(Path(out_root) / f"compare-{stamp}")
+    out = rec.fresh_dir(out_root, f"compare-{stamp}")
     rec.write_records(out / "records.jsonl", records)
     report = markdown.write_report(out, records=records, meta={"merged": [str(d) for d in dirs]})
     text = report["path"].read_text()
@@ -243,6 +257,13 @@ def merge(dirs, out_root="results") -> dict:
 def run(o: Options) -> int:
     if len(o.dirs) < 1:
         raise ConfigError("dirs=: give the results folders to merge, e.g. dirs=results/cpu-…")
+    seen = {}
+    for d in o.dirs:
+        key = Path(d).resolve()
+        if key in seen:
+            same = "is given twice" if d == seen[key] else f"is the same folder as {seen[key]}"
+            raise ConfigError(f"dirs=: {d} {same}: each folder is merged once")
+        seen[key] = d
     try:
         result = merge(o.dirs, o.out_dir)
     except ValueError as e:
@@ -257,4 +278,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from lab.report.progress import survive_lost_output
+
+    survive_lost_output()  # a reader gone (| head) loses no records or report
     sys.exit(main())

@@ -1,10 +1,12 @@
 """Records carry the environment they were measured in, and append as JSON Lines."""
 
 import json
+import re
 
 import jax
 import pytest
 
+from lab.errors import ConfigError
 from lab.measure import records
 
 
@@ -42,3 +44,35 @@ def test_write_appends_and_reads_back(tmp_path):
     got = records.read_records(path)
     assert [r["what"] for r in got] == ["a", "b", "c"]
     assert len(path.read_text().splitlines()) == 3
+
+
+def test_a_damaged_records_file_names_its_file_and_line(tmp_path):
+    """A line cut short by a kill, bytes that are not text, JSON that is not a record: one
+    ValueError naming the file and the line (the commands print it as one line)."""
+    path = tmp_path / "records.jsonl"
+    good = json.dumps(records.make_record("x", 1.0, "s"))
+    cases = {
+        good + "\n" + good[:40]: "line 2: not JSON (cut short",
+        good + "\n[1, 2]\n": "line 2: not a lab record (a JSON list)",
+        '{"value": 1}\n': "line 1: not a lab record (no what, unit",
+    }
+    for text, want in cases.items():
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(want)) as e:
+            records.read_records(path)
+        assert str(path) in str(e.value)
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        records.read_records(path)
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
+    """fresh_dir never hands out a folder that exists: two runs never share one."""
+    a, b, c = (records.fresh_dir(tmp_path, "cpu-cpu-20261129-101043") for _ in range(3))
+    assert [p.name for p in (a, b, c)] == [
+        "cpu-cpu-20261129-101043",
+        "cpu-cpu-20261129-101043-2",
+        "cpu-cpu-20261129-101043-3",
+    ]
+    with pytest.raises(ConfigError, match="empty folder name"):
+        records.writable_dir("")

@@ -88,6 +88,8 @@ def writable_dir(folder) -> Path:
     command can refuse a bad out_dir= before it measures anything. A path that is, or lies
     under, something other than a folder (a file, /dev/full) is named as such: the operating
     system's own words for it ("File exists", "Not a directory") do not say what is wrong."""
+    if isinstance(folder, str) and not folder.strip():  # Path("") is the current folder
+        raise ConfigError("an empty folder name: give the folder to write to (e.g. results)")
     folder = Path(folder)
     blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
@@ -103,11 +105,30 @@ def writable_dir(folder) -> Path:
     return folder
 
 
+def fresh_dir(root, name: str) -> Path:
+    """root/name, created, and never one that exists: root/name-2, -3, … when another run
+    (started in the same second, say) has it. The root is checked as `writable_dir` does."""
+    root = writable_dir(root)
+    for n in range(1, 10_000):
+        path = root / (name if n == 1 else f"{name}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise ConfigError(f"cannot write to {str(root)!r}: 10,000 folders named {name}-… exist")
+
+
 def output_stem(folder, name: str) -> Path:
     """folder/name-<backend>-<time> (no suffix): where a command writes its records and plots;
-    the folder is created and checked first."""
+    the folder is created and checked first. A stem that files already use (a run started in
+    the same second) gets -2, -3, …: one run's records are never appended to another's."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return writable_dir(folder) / f"{name}-{jax.default_backend()}-{stamp}"
+    stem = writable_dir(folder) / f"{name}-{jax.default_backend()}-{stamp}"
+    n = 1
+    while any(stem.parent.glob(f"{stem.name if n == 1 else f'{stem.name}-{n}'}.*")):
+        n += 1
+    return stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
 
 
 def write_records(path, records: dict | Iterable[dict]) -> Path:
@@ -122,7 +143,30 @@ def write_records(path, records: dict | Iterable[dict]) -> Path:
     return path
 
 
+RECORD_KEYS = ("what", "value", "unit", "label", "config", "backend", "device_kind")
+
+
 def read_records(path) -> list[dict]:
-    """Every record of a JSON Lines file (blank lines skipped)."""
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every record of a JSON Lines file (blank lines skipped). A line that is not a record
+    (a write cut short by a kill, a file of something else) is a ValueError naming the file
+    and the line: one damaged line is not a damaged folder the user must search."""
+    out = []
+    try:
+        with Path(path).open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    r = json.loads(line)
+                except ValueError as e:
+                    torn = not line.endswith("\n")
+                    cut = " (cut short: a write that was stopped?)" if torn else ""
+                    raise ValueError(f"{path}, line {n}: not JSON{cut}: {e}") from None
+                missing = [k for k in RECORD_KEYS if k not in r] if isinstance(r, dict) else None
+                if missing is None or missing:
+                    what = f"no {', '.join(missing)}" if missing else f"a JSON {type(r).__name__}"
+                    raise ValueError(f"{path}, line {n}: not a lab record ({what})")
+                out.append(r)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    return out

@@ -31,18 +31,19 @@ def slug(text: str) -> str:
 
 
 def results_dir(root, env: dict) -> Path:
-    """results/<backend>-<device>-<timestamp>/ (created)."""
+    """results/<backend>-<device>-<timestamp>/, created, and this run's alone (-2, -3, …
+    where another run started in the same second)."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = Path(root) / f"{env['backend']}-{slug(env['device_kind'])}-{stamp}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return rec.fresh_dir(root, f"{env['backend']}-{slug(env['device_kind'])}-{stamp}")
 
 
 def _tag(r: dict) -> str:
     on = r["config"].get("on") or r["backend"]
     target = r["config"].get("target")
     machine = f"{r['device_kind']} × {r['device_count']}"
-    if target:
+    if r["backend"] == "multi":  # a merge's ratio of two folders' figures
+        where = f"two machines, {r['device_kind']}"
+    elif target:
         where = f"for {target}"
     elif on == "cpu" and r["backend"] != "cpu":  # the host CPU in an accelerator's process
         where = f"{on}, the host of {machine}"
@@ -78,9 +79,15 @@ def measured_cell(v: Verdict, records: Sequence[dict]) -> str:
 
 
 def _env_lines(records: Sequence[dict], meta: dict) -> list[str]:
-    envs = {(r["backend"], r["device_kind"], r["device_count"], r["jax_version"]) for r in records}
+    envs = {
+        (r["backend"], r["device_kind"], r["device_count"], r["jax_version"])
+        for r in records
+        if r["backend"] != "multi"  # a merge's ratios: their machines are listed already
+    }
     lines = [f"- backend {b}, {k} × {n}, jax {j}" for b, k, n, j in sorted(envs)]
-    if meta:
+    if meta.get("merged"):  # a merge timed nothing: it names its sources
+        lines.append("- merged from " + ", ".join(f"`{d}`" for d in meta["merged"]))
+    elif meta:
         lines.append(f"- size `{meta.get('size')}`, wall time {meta.get('wall_s', 0):.0f} s")
         for name, m in meta.get("modules", {}).items():
             err = f" — **failed**: {m['error']}" if m.get("error") else ""

@@ -51,4 +51,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from lab.report.progress import survive_lost_output
+
+    survive_lost_output()  # a reader gone (| head) loses no records or report
     sys.exit(main())
