@@ -53,6 +53,26 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert needle in err and err.count("\n") == 1
 
 
+def test_a_run_folder_process_0_would_refuse_is_refused_before_any_process_starts(tmp_path, capsys):
+    """An earlier run's folder, one a live run holds, a checkpoints folder that is a file:
+    process 0 alone would refuse them and leave the others at the runtime's barrier."""
+    from lab import checkpoint
+
+    run = tmp_path / "R"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    argv = ["processes=2", "mesh=2", f"out_dir={tmp_path}", "name=R", "steps=2"]
+    assert launch.main(argv) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    with checkpoint.Lock(run):
+        assert launch.main([*argv, "overwrite=true"]) == 2
+        err = capsys.readouterr().err
+        assert "is in use by pid" in err and err.count("\n") == 1
+    (run / "checkpoints").write_text("")
+    assert launch.main([*argv, "overwrite=true", "checkpoint_every=1"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
 def test_one_failure_stops_the_others_and_sets_the_exit_code():
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     failer = [sys.executable, "-c", "print('boom'); raise SystemExit(3)"]

@@ -41,7 +41,9 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+from lab import checkpoint, rundir
 from lab.config import cli, field, make_config
 from lab.devices import PARENT_DEATH_SIGNAL, STOP_LINE
 from lab.errors import ConfigError
@@ -108,7 +110,23 @@ def check(processes: int, keys: dict) -> dict:
         check_on_cpu(Request.of(**asked), devices)  # every process would refuse it alike
     writable_dir(cfg.out_dir)  # refused here, not by one process while the others wait for it
     name = keys.get("name") or f"launch-{cfg.mesh}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_folder(Path(cfg.out_dir) / name, cfg)
     return {**keys, "name": name}  # one name for all: process 0 writes the run folder
+
+
+def check_folder(run_dir: Path, cfg) -> None:
+    """What process 0 will check of the run folder, checked here first: a folder another run
+    holds (its lock), an earlier run's folder without resume or overwrite, a checkpoints
+    folder that cannot be written. Refused by process 0 alone, it would leave the others
+    waiting at the runtime's barrier until it aborts them all."""
+    if not run_dir.is_dir():
+        return  # a new folder: process 0 creates it
+    with checkpoint.Lock(run_dir):  # held a moment: a folder a live run holds is refused now
+        pass
+    if not (cfg.resume or cfg.overwrite):
+        rundir.check_fresh(run_dir)
+    if cfg.checkpoint_every or cfg.resume:
+        checkpoint.check_folder(run_dir)
 
 
 def commands(processes: int, keys: dict, port: int, join_timeout: int = 60) -> list[list[str]]:
