@@ -30,13 +30,14 @@ from lab import checkpoint, plans, rundir, startup, summary, tensorboard
 from lab.config import BACKEND_KEYS, Config
 from lab.data import host_batch, to_global
 from lab.devices import PARENT_DEATH_SIGNAL, agreed_stop
-from lab.errors import RunError
+from lab.errors import ConfigError, RunError
 from lab.measure import memory
 from lab.measure.gpu_kernels import Kernel
 from lab.measure.records import writable_dir
 from lab.measure.run import RunSummary, StepAnalysis
 from lab.measure.timing import summarise
 from lab.measure.toolchain import Toolchain
+from lab.mesh import parse_mesh_spec, strategy_mesh
 from lab.report import progress, tables
 from lab.resolve import Request
 from lab.session import Session
@@ -222,7 +223,9 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
                 if bad:
                     return bad
             pending = (step, metrics)
-            save = saver and cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+            # every checkpoint_every steps, and the last: a finished run keeps its end
+            every = cfg.checkpoint_every
+            save = saver and every and (step % every == 0 or step == cfg.steps)
             # Peers may be two steps ahead: each reads a step only after queuing the next.
             stopping = agreed_stop(stop, step, ahead=2)  # the same step on every process
             if save or stopping or reader.wait_at(step):
@@ -330,13 +333,43 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
     return trainer.init(jax.random.key(cfg.seed)), 0
 
 
+def _block_order(mesh_spec, strategy, repeats) -> str:
+    """How a checkpoint stores the stacked blocks (lab.model.layer_order): in layer order, or
+    under the circular schedule by stage, a permutation fixed by the stage count and the
+    repeats."""
+    if (repeats or 1) <= 1:
+        return "in layer order"
+    try:
+        stages = parse_mesh_spec(strategy_mesh(mesh_spec, strategy)).get("stage", 1)
+    except ConfigError:
+        stages = mesh_spec
+    return f"by stage (stage={stages}, pipeline_repeats={repeats})"
+
+
+def _check_same_block_order(saved: dict, cfg: Config) -> None:
+    """A resume must read the blocks in the order they were saved: a circular pipeline's
+    checkpoint holds them by stage, and loading it with another stage count or repeats (or
+    none) would run every layer's weights in another layer's place, silently."""
+    was = _block_order(
+        saved.get("mesh"), saved.get("strategy"), saved.get("model", {}).get("pipeline_repeats")
+    )
+    now = _block_order(cfg.mesh, cfg.strategy, cfg.model.pipeline_repeats)
+    if was != now:
+        raise ConfigError(
+            f"resume=true: the checkpoint holds its layers {was} and this run would read them "
+            f"{now}; resume with the saved mesh= and pipeline_repeats= or choose a new name="
+        )
+
+
 def _open_run_dir(cfg: Config, is_main: bool) -> Path:
     """The run folder, checked before anything compiles: writable, and on resume holding a
     run of the same model (ConfigError, one line)."""
     run_dir = Path(cfg.out_dir) / cfg.name
     writable_dir(cfg.out_dir)
     if cfg.resume:  # resolve refused resume with compile_only
-        rundir.check_same_state(rundir.saved_config(run_dir), dataclasses.asdict(cfg))
+        saved = rundir.saved_config(run_dir)
+        rundir.check_same_state(saved, dataclasses.asdict(cfg))
+        _check_same_block_order(saved, cfg)
     if is_main:
         writable_dir(run_dir)
         if cfg.checkpoint_every or cfg.resume:

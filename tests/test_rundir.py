@@ -96,6 +96,25 @@ def test_a_damaged_newest_step_is_moved_aside_and_the_run_goes_on(saved, capsys,
     assert "resumed from checkpoint at step 8" in capsys.readouterr().out
 
 
+def test_a_checkpoints_folder_renamed_by_hand_or_nowhere_to_move_damage_still_resumes(
+    saved, capsys
+):
+    """A step folder renamed with a leading zero is not a step; a damaged step that cannot be
+    moved aside (checkpoints-damaged is a file) is left in place with a warning, and the
+    older steps are tried: one line each, never a traceback."""
+    tmp_path, run_dir = saved
+    (run_dir / "checkpoints" / "6").rename(run_dir / "checkpoints" / "06")
+    _damage_data(run_dir / "checkpoints" / "4")
+    (run_dir / "checkpoints-damaged").write_text("not a folder")
+    capsys.readouterr()
+    assert _run(tmp_path, "name=R", "steps=7", "checkpoint_every=3", "resume=true") == 0
+    out = capsys.readouterr()
+    assert "resumed from checkpoint at step 2" in out.out
+    (line,) = out.err.strip().splitlines()
+    assert "checkpoint step 4 is damaged" in line and "stays in place" in line
+    assert checkpoint.saved_steps(run_dir)[-1] == 7  # and the finished run keeps its end
+
+
 def test_resuming_with_another_model_is_refused_and_changes_nothing(saved, capsys):
     tmp_path, run_dir = saved
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
@@ -348,3 +367,31 @@ def test_sigterm_to_the_launcher_reaches_its_processes(tmp_path):
     assert "[p0] SIGTERM: checkpoint saved at step" in out
     ps = subprocess.run(["pgrep", "-f", f"out_dir={tmp_path}"], capture_output=True, text=True)
     assert ps.stdout.strip() == "", "a child process outlived the launcher"
+
+
+def test_a_resume_never_reads_a_circular_pipelines_layers_in_another_order():
+    """A circular pipeline's checkpoint holds its blocks by stage: a resume with other repeats,
+    another stage count or no pipeline would put every layer's weights in another's place
+    (the losses go on, wrong); it is refused. Other mesh changes keep layer order."""
+    import dataclasses
+
+    from lab.config import make_config
+    from lab.errors import ConfigError
+    from lab.loop import _check_same_block_order
+
+    def saved(**keys):
+        return dataclasses.asdict(make_config(**keys))
+
+    circular = dict(mesh="stage:2", strategy="pp", n_layers=4, pipeline_repeats=2)
+    _check_same_block_order(saved(**circular), make_config(**circular))
+    for change in (
+        dict(pipeline_repeats=1),
+        dict(mesh="stage:4", n_layers=8),
+        dict(mesh="1", strategy="dp", pipeline_repeats=1),
+    ):
+        with pytest.raises(ConfigError, match="holds its layers by stage"):
+            _check_same_block_order(saved(**circular), make_config(**{**circular, **change}))
+    plain = dict(mesh="stage:2", strategy="pp", n_layers=4)
+    _check_same_block_order(saved(**plain), make_config(**{**plain, "mesh": "4", "strategy": "dp"}))
+    # the bare count follows the strategy: mesh=2 under pp is stage:2, the same order
+    _check_same_block_order(saved(**circular), make_config(**{**circular, "mesh": "2"}))
