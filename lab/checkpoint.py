@@ -66,7 +66,13 @@ def saved_steps(run_dir) -> list[int]:
     path = folder(run_dir)
     if not path.is_dir():
         return []
-    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit())
+    return sorted(int(p.name) for p in path.iterdir() if _is_step(p.name))
+
+
+def _is_step(name: str) -> bool:
+    """A step's folder name as the saver writes it: digits, no leading zero (a renamed
+    "01279" is not step 1279's folder, whose path is rebuilt from the number)."""
+    return name.isascii() and name.isdigit() and str(int(name)) == name
 
 
 def failure_reason(e: BaseException) -> str:
@@ -167,16 +173,24 @@ def _names(path) -> tuple:
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def quarantine(run_dir, step: int, why: str, warn) -> Path:
-    """Move a damaged step out of the checkpoints folder (never delete it) and say so."""
+def quarantine(run_dir, step: int, why: str, warn) -> Path | None:
+    """Move a damaged step out of the checkpoints folder (never delete it) and say so; None
+    (and a warning) where it cannot be moved: the caller goes on to the older steps."""
     src = folder(run_dir) / str(step)
     dst = (
         Path(run_dir).absolute()
         / "checkpoints-damaged"
         / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    src.rename(dst)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        src.rename(dst)
+    except OSError as e:  # checkpoints-damaged is a file, a read-only folder: the older steps
+        warn(
+            f"warning: checkpoint step {step} is damaged ({why}); it could not be moved to "
+            f"{dst.parent} ({e.strerror or e}), so it stays in place"
+        )
+        return None
     warn(f"warning: checkpoint step {step} is damaged ({why}); moved to {dst}")
     return dst
 
@@ -200,7 +214,7 @@ def restore_latest(
     """
     moved = [] if moved is None else moved
     path = folder(run_dir)
-    steps = sorted((int(p.name) for p in path.glob("[0-9]*") if p.name.isdigit()), reverse=True)
+    steps = sorted((int(p.name) for p in path.glob("[0-9]*") if _is_step(p.name)), reverse=True)
     for step in steps:
         item = path / str(step) / ITEM
         mismatch = _shape_mismatch(item, abstract_state)

@@ -385,7 +385,9 @@ class Config:
     name: str = field("", "run name: one folder name under out_dir; empty = model-mesh-time")
     out_dir: str = field("runs", "where run folders are written", kind="path")
     log_every: int = field(10, "steps between metric records", min=1)
-    checkpoint_every: int = field(0, "steps between checkpoints; 0 = no checkpoints", min=0)
+    checkpoint_every: int = field(
+        0, "steps between checkpoints, and one at the last step; 0 = no checkpoints", min=0
+    )
     resume: bool = field(
         False,
         "continue run name=NAME from its newest good checkpoint, with the keys it was started "

@@ -50,7 +50,7 @@ from lab.mesh import (
     strategy_mesh,
 )
 from lab.mesh import RULES as MESH_RULES
-from lab.names import BATCH, DATA, HOST_MEMORY, PIPELINE_STRATEGIES, STAGE
+from lab.names import BATCH, DATA, HOST_MEMORY, PIPELINE_STRATEGIES, SEQ, STAGE
 
 PURPOSES = ("train", "decode", "plan")
 
@@ -877,7 +877,30 @@ def _attention(d: _Draft, mesh) -> tuple[str, str | None]:
             m.attention, q, kv, kv, causal=True, backend=d.platform.backend, features=features
         )
         target = target_note(d.platform, m.attention, impl, q, kv, causal=True, features=features)
+    if impl in WHOLE_SEQUENCES and _splits_sequence(d):
+        if m.attention != "auto":
+            raise ValueError(
+                f"strategy=cp splits the sequence over the model axis, and {impl} needs whole "
+                "sequences per device: use attention=ring (K/V passed around the devices), or "
+                "blockwise, naive or xla (partitioned by XLA)"
+            )
+        impl = "blockwise"
+        note = (
+            "strategy=cp splits the sequence: blockwise, which XLA partitions along it "
+            "(attention=ring passes K/V around the devices instead)"
+        )
     return impl, "; ".join(n for n in (target, note) if n) or None
+
+
+# Kernels run per device on whole sequences (shard_map over batch and heads): a sequence split
+# over devices is not theirs to take.
+WHOLE_SEQUENCES = ("cpu_flash", "pallas_tpu", "pallas_gpu", "pallas_mgpu")
+
+
+def _splits_sequence(d: _Draft) -> bool:
+    """Whether the strategy's rules put the sequence over a mesh axis of more than 1 device."""
+    axes = dict(MESH_RULES[d.cfg.strategy]).get(SEQ, ())
+    return math.prod(d.sizes.get(a, 1) for a in axes) > 1
 
 
 def target_note(

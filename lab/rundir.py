@@ -180,13 +180,18 @@ def check_steps(saved_step: int, steps: int) -> None:
 
 def _record(line: bytes) -> dict | None:
     """The metrics record on one line, or None where the line is not one (torn by a kill or a
-    full disk, bytes that are not UTF-8, JSON that is not a record with an integer step)."""
+    full disk, bytes that are not UTF-8, JSON that is not a record: an integer step a
+    TensorBoard event can hold, and numbers, or null, for every other value)."""
     try:
         rec = json.loads(line)
     except ValueError:  # UnicodeDecodeError is a ValueError
         return None
-    ok = isinstance(rec, dict) and type(rec.get("step")) is int
-    return rec if ok else None
+    if not isinstance(rec, dict) or type(rec.get("step")) is not int:
+        return None
+    numbers = all(
+        v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in rec.values()
+    )
+    return rec if numbers and 0 <= rec["step"] < 2**63 else None
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[bytes]]:

@@ -360,6 +360,8 @@ TAILS = {
     "zero bytes": b"\x00" * 64,
     "not a record": b"[7, 3.1]",
     "no integer step": b'{"step": "7", "loss": 3.1}',
+    "a value not a number": b'{"step": 5, "loss": "NaN"}',  # TensorBoard could not take it
+    "a step past int64": b'{"step": 9223372036854775808, "loss": 3.1}',
 }
 
 
@@ -464,10 +466,13 @@ def test_a_signal_during_start_up_is_one_line_and_its_exit_code(tmp_path, sig, c
 
 
 @pytest.mark.parametrize(
-    ("every", "ckpt"), [(0, "no checkpoint (checkpoint_every=0)"), (2, "checkpoint step 2 in")]
+    ("every", "ckpt"),
+    # checkpoint_every=2 over 3 steps: step 2, and step 3 where the run ends
+    [(2, "checkpoint step 3 in"), (0, "no checkpoint (checkpoint_every=0)")],
 )
 def test_a_finished_run_ends_with_the_line_of_what_its_folder_keeps(tmp_path, capsys, every, ckpt):
     assert _run(tmp_path, "name=f", "steps=3", f"checkpoint_every={every}") == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith(f"finished at step 3; kept in {tmp_path / 'f'}: {ckpt}"), last
     assert last.endswith("; metrics.jsonl to step 3"), last
+    assert checkpoint.saved_steps(tmp_path / "f") == ([2, 3] if every else [])

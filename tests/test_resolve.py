@@ -189,3 +189,18 @@ def test_a_derived_request_is_resolved_again():
     assert decoding.cfg.strategy == "dp" and not decoding.cfg.model.scan_layers
     assert decoding.mesh_shape["stage"] == 1 and decoding.mesh_shape["data"] == 2
     assert trained.cfg.model.scan_layers  # untouched
+
+
+def test_context_parallelism_never_hands_a_split_sequence_to_a_whole_sequence_kernel():
+    """strategy=cp splits the sequence over the model axis: auto takes blockwise (which XLA
+    partitions) and says why; a kernel of whole sequences named explicitly is one line."""
+    from lab.kernels.attention import cpu_flash
+
+    r = resolve.resolve(Request.of(strategy="cp", mesh="2"), _cpu_platform(), "train")
+    assert r.cfg.model.attention == "blockwise"
+    assert "strategy=cp splits the sequence" in r.attention_note
+    if cpu_flash.available():
+        with pytest.raises(ConfigError, match="attention=cpu_flash: strategy=cp splits"):
+            resolve.resolve(
+                Request.of(strategy="cp", mesh="2", attention="cpu_flash"), _cpu_platform(), "train"
+            )
