@@ -18,7 +18,7 @@ import sys
 import typing
 from pathlib import PurePath
 
-from lab.errors import ConfigError, RunError
+from lab.errors import ConfigError, RunError, Terminated
 from lab.mesh import MeshSpecError, parse_mesh_spec
 from lab.names import ATTENTION_IMPLS, DTYPES, REMATS, STRATEGIES
 
@@ -479,6 +479,18 @@ def unknown_key(key: str) -> ConfigError:
     return ConfigError(f"unknown key {key!r}{hint}")
 
 
+def _parse_key(known: dict, key: str, raw: str):
+    """One run key's value; its error names the key as the user writes it (model=, not the
+    field it fills, preset=)."""
+    try:
+        return parse_value(*known[key], raw)
+    except ConfigError as e:
+        shown = next((a for a, k in ALIASES.items() if k == key), None)
+        if shown and str(e).startswith(f"{key}="):
+            raise ConfigError(shown + str(e)[len(key) :]) from None
+        raise
+
+
 def parse_keys(argv: list[str]) -> dict:
     """`["model=small", "steps=20"]` → {"preset": "small", "steps": 20}: the keys the user
     gave, typed and checked one by one; every bad value is a line of one ConfigError."""
@@ -486,7 +498,7 @@ def parse_keys(argv: list[str]) -> dict:
     keys, errors = {}, []
     for k, raw in _pairs(argv, known, ALIASES):
         try:
-            keys[k] = parse_value(*known[k], raw)
+            keys[k] = _parse_key(known, k, raw)
         except ConfigError as e:
             errors.append(str(e))
     if errors:
@@ -580,7 +592,7 @@ def parse_with_run_keys(cls, argv: list[str]) -> tuple:
     known = {**RUN_FIELDS, **MODEL_FIELDS}
     pairs = _pairs(argv, [*own, *known], ALIASES)
     opts = cls(**{k: parse_value(*own[k], raw) for k, raw in pairs if k in own})
-    keys = {k: parse_value(*known[k], raw) for k, raw in pairs if k not in own}
+    keys = {k: _parse_key(known, k, raw) for k, raw in pairs if k not in own}
     return opts, keys
 
 
@@ -599,7 +611,8 @@ def cli(cls, run, *, prog: str, doc: str, argv=None, run_keys: bool = False) -> 
 
 def exit_code(fn) -> int:
     """`fn()`'s exit code (None is 0), with the errors a user sees as one line on stderr: a
-    mistake (ConfigError) exits 2, a run that cannot go on (RunError) 1, Ctrl-C 130."""
+    mistake (ConfigError) exits 2, a run that cannot go on (RunError) 1, Ctrl-C 130, SIGTERM
+    raised as Terminated 143."""
     try:
         return fn() or 0
     except ConfigError as e:  # a request that breaks several rules: a line for each
@@ -609,8 +622,7 @@ def exit_code(fn) -> int:
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(
-            "interrupted (Ctrl-C): nothing was written after the last saved file", file=sys.stderr
-        )
-        return 130
+    except KeyboardInterrupt as e:
+        by = "SIGTERM" if isinstance(e, Terminated) else "interrupted (Ctrl-C)"
+        print(f"{by}: nothing was written after the last saved file", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130

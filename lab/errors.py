@@ -12,3 +12,8 @@ class ConfigError(ValueError):
 
 class RunError(Exception):
     """A run that cannot go on (memory, NaN loss): one line on stderr, exit code 1."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop) raised where Ctrl-C would be, so the same clean-up runs:
+    one line on stderr, exit code 143 (128 + SIGTERM), not Ctrl-C's 130."""

@@ -410,6 +410,14 @@ def _pack_pipeline(d: _Draft):
         )
 
 
+def _steps(d: _Draft):
+    if d.purpose == "train" and d.cfg.steps == 0 and not d.cfg.compile_only:
+        return (
+            "steps=0 trains nothing: give steps >= 1 (compile_only=true compiles the step "
+            "without training)"
+        )
+
+
 def _ring(d: _Draft):
     if d.model.attention == "ring" and d.cfg.strategy != "cp":
         return (
@@ -660,6 +668,7 @@ RULES: tuple[Rule, ...] = (
     Rule("window pattern", _window_pattern, ("window=16", "window_pattern=local,glob")),
     Rule("window pattern needs a window", _pattern_window, ("window_pattern=local,global",)),
     Rule("pack needs text", _pack, ("data=synthetic", "pack=true")),
+    Rule("steps to train", _steps, ("steps=0",)),
     Rule("ring needs cp", _ring, ("attention=ring",)),
     Rule("accumulate divides batch", _accumulate, ("batch_size=16", "accumulate=3")),
     Rule("microbatches need a pipeline", _microbatches_need_pipeline, ("microbatches=2",)),

@@ -42,6 +42,7 @@ def test_every_preset_is_valid(name):
         (["mesh="], "mesh=: no mesh given; e.g. mesh=4x2"),
         (["strategy=dpp"], "(did you mean dp or pp?)"),
         (["steps=ten"], "steps='ten': expected an integer"),
+        (["model=tny"], "model='tny': expected one of tiny"),  # the key as typed, not preset=
         (["lr=fast"], "lr='fast': expected a number"),
         (["steps=-1"], "steps='-1': must be >= 0"),
         (["dtype=int7"], "dtype='int7': expected one of float32, bfloat16, float16"),

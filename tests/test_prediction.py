@@ -56,6 +56,54 @@ def test_gpu_op_points_compile_and_predict(tmp_path, capsys):
     assert {r.role for r in summary.rows} == {"calibration", "held-out"}
     for r in summary.rows:
         assert r.predicted and 0.2 < r.predicted / r.published < 5, r
+    # only= predicts with the saved fit of every point, not one fitted on the few chosen
+    assert "only=: predicted with the saved fit" in out
+    saved = prediction.run(
+        prediction.load_points(tuple(only)), tmp_path, fits={"gpu": _saved_gpu_fit()}
+    )
+    shown = {r.id: r.predicted for r in saved.rows}
+    text = out.replace("\n", " ")
+    assert all(f"{shown[i]:,.0f}"[:3] in text for i in ("azure-h100-gemm-fp8-8192",))
+
+
+def _saved_gpu_fit() -> dict:
+    from lab.predict import step
+
+    return step.fits()["gpu"]["fit"]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["configs=1"], "configs= is for here=true"),
+        (["stop_after=60"], "stop_after= is for here=true"),
+        (["cpu=true", "loo=true"], "cpu=true and loo=true: choose one"),
+        (["cpu=true", "only=azure-h100-hbm-copy"], "only= picks published points"),
+        (["budget=1"], "budget= times steps"),
+    ],
+)
+def test_keys_the_mode_would_ignore_are_one_line(argv, needle, capsys):
+    assert tool([*argv, "save=false"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_a_cached_program_cut_short_is_compiled_again(tmp_path, monkeypatch):
+    """A cache file a kill cut short is a miss, not a point dropped for good; a new one is
+    written whole (aside, then renamed)."""
+    point = next(
+        p for p in prediction.load_points() if p["workload"] not in ("train", "decode", "prefill")
+    )
+    path = tmp_path / f"{point['id']}-{prediction._key(point)}.json"
+    path.write_text('{"hlo": "HloModule cut sh')
+    calls = []
+    monkeypatch.setattr(
+        prediction, "_op_program", lambda p: calls.append(p) or {"hlo": "HloModule m", "bytes": 1.0}
+    )
+    out = prediction.program(point, tmp_path)
+    assert calls and out["hlo"] == "HloModule m"
+    assert json.loads(path.read_text())["hlo"] == "HloModule m"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
 
 
 def test_lab_run_prints_and_saves_the_prediction_beside_the_measurement(tmp_path, capsys):

@@ -14,6 +14,8 @@ import threading
 
 import pytest
 
+from lab.config import exit_code
+from lab.errors import Terminated
 from lab.report import runbook as rows
 from lab.studies import runbook
 from lab.studies.runbook import Step
@@ -81,7 +83,8 @@ def test_tiny_budget_every_step_runs_or_is_skipped_with_its_reason(tmp_path, cap
     assert steps["serve"]["status"] == "not started" and "budget=2" in steps["serve"]["reason"]
     md = (tmp_path / "runbook" / runbook.ROWS).read_text()
     assert "| ceilings | cut short: the run's budget=2 ran out" in md
-    assert "| serve | not started: the run's budget=2 was spent" in md
+    assert "| serve | not started: " in md
+    assert "s of the run's budget=2 left, less than min_step=0.5" in md
     assert "### GPU runbook — `python -m lab.tools.runbook budget=2 size=tiny min_step=0.5" in md
     assert md in capsys.readouterr().out
 
@@ -171,6 +174,15 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "python -m lab.tools.ceilings" in out and "python -m lab.serve" in out
     assert "kernels-k64" not in out and not (tmp_path / "runbook").exists()
+    # another size's outcomes are not this plan's (a run would set that state aside)
+    (tmp_path / "runbook").mkdir()
+    state = {"size": "tiny", "platform": {}, "steps": {"ceilings": {"status": "done"}}}
+    (tmp_path / "runbook" / "state.json").write_text(json.dumps(state))
+    assert tool.main(["dry_run=true", f"out_dir={tmp_path}", "steps=ceilings"]) == 0
+    out = capsys.readouterr().out
+    assert "is for size=tiny: a run at size=full starts afresh" in out and "[done]" not in out
+    assert tool.main(["dry_run=true", f"out_dir={tmp_path}", "steps=ceilings", "size=tiny"]) == 0
+    assert "[done]" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -248,10 +260,11 @@ def test_sigterm_stops_the_step_in_flight_keeps_the_state_and_a_rerun_goes_on(tm
     timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM))
     timer.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(Terminated) as stopped:
             tool.run(options(tmp_path), steps=steps, probe=lambda: CPU)
     finally:
         timer.cancel()
+    assert exit_code(lambda: (_ for _ in ()).throw(stopped.value)) == 143  # not Ctrl-C's 130
     state = state_of(tmp_path)
     assert state["first"]["status"] == "done" and "after" not in state
     assert state["slow"]["status"] == "cut short"

@@ -82,3 +82,26 @@ def test_meshes_and_bad_input(capsys):
     assert "zero3" in capsys.readouterr().err
     with pytest.raises(ValueError, match="size='huge'"):
         scaling.run("huge")
+
+
+def test_one_device_extrapolates_nothing_it_did_not_measure(monkeypatch):
+    """With one device no all-reduce is measured: the extrapolation's efficiencies are
+    unknown (no 100% from max(compute, NaN)), the records hold no NaN, the table says why."""
+    import dataclasses
+    import json
+    import types
+
+    monkeypatch.setattr(scaling.jax, "device_count", lambda: 1)
+    fake = types.SimpleNamespace(step=types.SimpleNamespace(median_s=0.01), grad_bytes=1 << 20)
+    monkeypatch.setattr(scaling, "measure_step", lambda *a, **k: fake)
+    size = dataclasses.replace(scaling.SIZES["tiny"], device_counts=(1,))
+    rows = scaling.extrapolate(size)
+    assert rows and all(r.efficiency is None and r.efficiency_overlap is None for r in rows)
+    for r in rows:
+        for rec in r.records():
+            json.loads(json.dumps(rec, allow_nan=False))  # strict JSON: no NaN anywhere
+    study = ScalingStudy(extrapolated=rows)
+    console = Console(record=True, width=200)
+    for t in tables.scaling(study):
+        console.print(t)
+    assert "not extrapolated (one device: no all-reduce to measure)" in console.export_text()

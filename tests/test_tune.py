@@ -102,6 +102,15 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, needle, capsys):
     assert needle in err and len(err.splitlines()) == 1
 
 
+def test_the_mosaic_kernel_is_tuned_for_hopper_targets_only(capsys):
+    """LLVM aborts the process compiling the Mosaic GPU kernel for an A100: refused first."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="the gpu-plan extra compiles for GPUs")
+    argv = ["static_only=true", "static=gpu:a100", "kernel=pallas_mgpu", "space=quick"]
+    assert attention_tune.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "kernel=pallas_mgpu is written for Hopper" in err and len(err.splitlines()) == 1
+
+
 def test_a_search_with_no_working_candidate_is_one_line(monkeypatch, capsys, tmp_path):
     def broken(*_a, **_k):
         raise RuntimeError("no candidate compiled and matched the reference")

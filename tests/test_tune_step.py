@@ -53,10 +53,30 @@ def test_what_does_not_fit_is_refused_not_run(tmp_path, monkeypatch, capsys):
         (["batches=8,x"], "batches='8,x': 'x' is not an integer"),
         (["batch_size=8"], "use remats=/batches="),
         (["modle=tiny"], "did you mean"),
+        (["model=tiny", "target=gpu:h100"], "tune_step times steps on this machine's devices"),
+        (["model=tiny", "compile_only=true"], "compile_only=true: tune_step compiles and times"),
+        # a key every candidate refuses is the user's mistake, not "no candidate fits"
+        (["model=tiny", "resume=true", "remats=none", "batches=2,4"], "needs the run's name"),
     ],
 )
 def test_bad_keys_are_one_line_and_exit_2(argv, needle, capsys):
     assert tune_step.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["mesh=2"], "bench_step compares one device's steps"),
+        (["target=gpu:h100"], "bench_step times steps on this machine's devices"),
+        (["steps=5"], "steps= is set by bench_step"),
+    ],
+)
+def test_bench_step_refuses_what_it_cannot_compare_in_one_line(argv, needle, capsys):
+    from lab.tools import bench_step
+
+    assert bench_step.main(["model=tiny", "budget=0.05", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
 

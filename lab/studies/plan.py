@@ -179,6 +179,10 @@ def plan(
             compiled, kernels = plans.compile_plan(lower, devices)
         except ValueError as e:  # the dispatch's one-line refusal (shape, dtype, head_dim)
             raise ConfigError(str(e)) from None
+        except MemoryError as e:  # this host's (a mask's table built here), not the compiler's
+            raise ConfigError(
+                f"{mode}: this host lacks the memory to build the plan for seq={seq:,} ({e})"
+            ) from None
         except Exception as e:  # noqa: BLE001 — compilers' refusals (tiles, VMEM, smem) vary
             first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             raise ConfigError(

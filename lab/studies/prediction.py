@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -310,8 +311,13 @@ def program(point: dict, cache_dir: Path) -> dict:
     """The compiled program of a point (HLO text and what the comparison needs), cached."""
     path = Path(cache_dir) / f"{point['id']}-{_key(point)}.json"
     if path.exists():
-        out = json.loads(path.read_text())
-        if "hlo" not in out or "memory_bytes" in out or not _needs_memory(point):
+        try:
+            out = json.loads(path.read_text())
+        except ValueError:  # cut short by a kill before writes were whole: compiled again
+            out = None
+        if out is not None and (
+            "hlo" not in out or "memory_bytes" in out or not _needs_memory(point)
+        ):
             return out  # (a training step cached before its memory was kept: compiled again)
     t0 = time.perf_counter()
     try:
@@ -327,7 +333,9 @@ def program(point: dict, cache_dir: Path) -> dict:
         out = {"refused": f"the compiler refuses it here: {why or first}"}
     out["compile_s"] = time.perf_counter() - t0
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # whole or absent: a kill mid-write
+    tmp.write_text(json.dumps(out))  # leaves no half file for the next run to trust
+    tmp.replace(path)
     return out
 
 
@@ -468,14 +476,22 @@ def _predictors(points: list[dict], cache_dir: Path, tick) -> tuple[dict, dict]:
     return predictors, refused
 
 
-def run(points: list[dict], cache_dir: Path, *, progress=None, write_fits: bool = False):
+def run(
+    points: list[dict],
+    cache_dir: Path,
+    *,
+    progress=None,
+    write_fits: bool = False,
+    fits: dict | None = None,
+):
     """Every point compiled (or read from the cache), the fit per vendor on the calibration
-    points, then every usable point predicted with it."""
+    points, then every usable point predicted with it; `fits` (vendor → parameters, e.g.
+    the saved ones) predicts with those instead of fitting on the points given."""
     tick = progress or (lambda label: None)
     calib = calibration_ids(load_points())  # the rule runs over the whole file, always
     predictors, refused = _predictors(points, cache_dir, tick)
-    fits = {}
-    for v in ("tpu", "gpu"):
+    given, fits = fits is not None, dict(fits or {})
+    for v in () if given else ("tpu", "gpu"):
         pts = [
             (pr.seconds, pr.measured_seconds())
             for i, pr in predictors.items()

@@ -442,8 +442,10 @@ def execute(
             continue
         left = req.budget_s - (clock() - t0)
         if left < req.min_step_s:
-            spent = f"the run's budget={req.budget_s:g} was spent"
-            reason = f"{spent} ({max(left, 0):.0f} s left)"
+            reason = (
+                f"{max(left, 0):.0f} s of the run's budget={req.budget_s:g} left, less than "
+                f"min_step={req.min_step_s:g}"
+            )
             if entry.get("status") in FINISHED:
                 say(f"{head}: not started: {reason} (the previous outcome stands)")
                 continue

@@ -265,8 +265,10 @@ def extrapolate(size: Size) -> tuple[DPExtrapolation, ...]:
             seq_len=size.seq_len,
             **_env_note(),
         )
-        eff = t_c / (t_c + t_comm)
-        eff_overlap = t_c / max(t_c, t_comm)
+        if math.isfinite(t_comm):
+            eff, eff_overlap = t_c / (t_c + t_comm), t_c / max(t_c, t_comm)
+        else:  # no bandwidth measured (one device): nothing to extrapolate with
+            eff = eff_overlap = common["comm_s"] = common["bandwidth"] = None
         recs = [
             records.make_record(
                 "DP efficiency (extrapolated, no overlap)", eff, "1", label="predicted", **common

@@ -116,8 +116,9 @@ def tune(
     for key in ("remat", "batch_size", "steps"):
         if key in keys:
             raise ConfigError(f"{key}= is what tune_step varies or sets; use remats=/batches=")
+    refuse_plans(keys, "tune_step")
     make_config(**keys)  # each key alone: one line before compiling (rules between keys: per row)
-    rows = []
+    rows, refused = [], set()
     for remat in remats:
         for batch in batches:
             if log:
@@ -126,11 +127,27 @@ def tune(
                 rows.append(measure(keys, remat, batch, budget_s))
             except ConfigError as e:  # e.g. a batch the mesh's data axes do not divide
                 rows.append(StepCandidate(remat, batch, skipped=str(e)))
+                refused.add(str(e))
             except RuntimeError as e:  # the allocator ran out where the compiled figure fit
                 if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                     raise
                 rows.append(StepCandidate(remat, batch, skipped="out of memory when run"))
+    if len(refused) == 1 and all(r.skipped in refused for r in rows):
+        raise ConfigError(refused.pop())  # the keys themselves, not a batch or a policy
     return rows
+
+
+def refuse_plans(keys: dict, tool: str) -> None:
+    """These tools time steps on the devices here: a plan's devices cannot run one, and
+    compile_only=true would time nothing."""
+    if keys.get("compile_only"):
+        raise ConfigError(f"compile_only=true: {tool} compiles and times; leave it out")
+    if keys.get("target"):
+        raise ConfigError(
+            f"target={keys['target']}: {tool} times steps on this machine's devices; for "
+            f"hardware that is not here, python -m lab.run target={keys['target']} compiles "
+            "the step and prints its plan"
+        )
 
 
 def best(rows: list[StepCandidate]) -> StepCandidate | None:

@@ -66,6 +66,16 @@ def _static(o: Options) -> str:
     from lab import plans
 
     plans.prepare_host(o.static)  # the plugin and ptxas, one line if missing
+    if o.kernel == "pallas_mgpu":  # LLVM aborts the process on another architecture
+        from lab.kernels.attention import pallas_mgpu
+        from lab.plans import gpu
+
+        kind, _ = gpu.parse_target(o.static)
+        if not pallas_mgpu.runs_on(gpu.GPUS[kind].device_kind):
+            raise ConfigError(
+                f"static={o.static}: kernel=pallas_mgpu is written for Hopper (gpu:h100, "
+                f"gpu:h200); {kind} has no wgmma or TMA"
+            )
     return o.static
 
 

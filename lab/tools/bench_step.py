@@ -9,6 +9,7 @@ import dataclasses
 import sys
 
 from lab.config import cli, field
+from lab.errors import ConfigError
 from lab.report import progress, tables
 from lab.session import open_session
 from lab.studies import step
@@ -20,7 +21,17 @@ class Options:
 
 
 def run(o: Options, keys: dict) -> int:
+    step.refuse_plans(keys, "bench_step")
+    if "steps" in keys:
+        raise ConfigError(
+            f"steps= is set by bench_step (a {step.STEPS}-step schedule); leave it out"
+        )
     s = open_session(keys={**keys, "steps": step.STEPS})
+    if s.trainer.mesh.size > 1:
+        raise ConfigError(
+            f"mesh={s.cfg.mesh}: bench_step compares one device's steps (the bare step has no "
+            f"mesh); the lab's step over {s.trainer.mesh.size} devices is lab.run's to time"
+        )
     results = step.compare_with_bare(s, budget_s=o.budget)
     title = f"{s.info.header()}; model={s.cfg.preset}, batch {s.cfg.batch_size}×{s.cfg.seq_len}"
     progress.console().print(tables.step_compare(results, title))

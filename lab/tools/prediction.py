@@ -80,7 +80,32 @@ class Options:
     )
 
 
+def _check_modes(o: Options) -> None:
+    """One mode at a time, and no key that the chosen mode would ignore (one line, exit 2)."""
+    modes = [m for m in ("cpu", "here", "loo") if getattr(o, m)]
+    if len(modes) > 1:
+        raise ConfigError(f"{'=true and '.join(modes)}=true: choose one of them")
+    mode = modes[0] if modes else None
+    default = Options()
+    only_here = [
+        k for k in ("configs", "ops", "stop_after") if getattr(o, k) != getattr(default, k)
+    ]
+    if only_here and mode != "here":
+        raise ConfigError(f"{only_here[0]}= is for here=true (the accelerator at hand)")
+    if o.budget != default.budget and mode not in ("cpu", "here"):
+        raise ConfigError("budget= times steps: it is for cpu=true or here=true")
+    if o.only and mode in ("cpu", "here"):
+        raise ConfigError(f"only= picks published points; {mode}=true runs its own configurations")
+
+
+def _saved_fits() -> dict:
+    """The parameters of the last run over every point (lab/predict/fits.json), per vendor."""
+    saved = {v: (step.fits().get(v) or {}).get("fit") for v in ("tpu", "gpu")}
+    return {v: f for v, f in saved.items() if f}  # none: the roofline's own (as a full run)
+
+
 def run(o: Options) -> int:
+    _check_modes(o)
     con = progress.console()
     if o.cpu:
         return _cpu(o, con)
@@ -96,6 +121,14 @@ def run(o: Options) -> int:
             o.cache_dir,
             progress=lambda label: bar.update(task, description=label[:40], advance=1),
             write_fits=o.save,
+            # a few points would fit the free parameters on the calibration points among
+            # them (none, or one for five parameters): the saved fit of every point instead
+            fits=_saved_fits() if o.only else None,
+        )
+    if o.only:
+        con.print(
+            "only=: predicted with the saved fit (lab/predict/fits.json, fitted on every "
+            "calibration point), not refitted on the points chosen"
         )
     con.print(tables.prediction_rows(summary.rows, fits_of(summary.fits)))
     stem = records.output_stem(o.results, "prediction")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from lab.config import cli, did_you_mean, field
-from lab.errors import ConfigError
+from lab.errors import ConfigError, Terminated
 from lab.measure import records as rec
 from lab.report import runbook as rows
 from lab.studies import runbook
@@ -63,6 +63,9 @@ def _print_plan(steps, o: Options, root: Path) -> None:
     except (OSError, json.JSONDecodeError):  # none yet, or unreadable: the plan alone
         state = {"steps": {}}
     print(f"runbook plan · size={o.size} · budget={o.budget:g} s · folder {root}")
+    if state["steps"] and state.get("size") != o.size:  # a run would set it aside (load_state)
+        print(f"({path} is for size={state.get('size')}: a run at size={o.size} starts afresh)")
+        state = {"steps": {}}
     if state["steps"]:
         where = state.get("platform", {}).get("device_kind")
         print(f"outcomes so far ({path}: {where}, size={state.get('size')}):")
@@ -93,14 +96,15 @@ def _command_line(o: Options) -> str:
 
 @contextlib.contextmanager
 def _sigterm_stops_the_step():
-    """SIGTERM (a job scheduler's stop) reads as Ctrl-C: the step in flight is stopped and the
-    state saved. Only the main thread may set a handler; elsewhere nothing changes."""
+    """SIGTERM (a job scheduler's stop) is handled as Ctrl-C is (the step in flight is stopped
+    and the state saved), and exits 143. Only the main thread may set a handler; elsewhere
+    nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:

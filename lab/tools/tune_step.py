@@ -29,9 +29,10 @@ class Options:
 
 
 def run(o: Options, keys: dict) -> int:
-    stem = rec.output_stem(o.out_dir, "tune_step")
-    con = progress.console(width=150)
+    rec.writable_dir(o.out_dir)  # refused before the work; the stem names the backend, so
+    con = progress.console(width=150)  # it waits for the first session to size the devices
     rows = step.tune(keys, o.remats, o.batches, o.budget, log=con.log)
+    stem = rec.output_stem(o.out_dir, "tune_step")
     top = step.best(rows)
     title = "remat × batch" + (f" · {top.device} · MFU: {top.convention}" if top else "")
     con.print(tables.tune_step(rows, top, title))

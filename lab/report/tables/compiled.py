@@ -79,7 +79,8 @@ def toolchain_line(tc: Toolchain) -> str:
 
 def kernel_grid(rows: list[PlanPoint], title: str, toolchain: Toolchain | None = None) -> Table:
     """One kernel table for a grid of attention plans (lab.studies.plan.grid): every point's
-    forward + backward kernels, each named by its L=S and K; XLA's kernels in one row."""
+    forward + backward kernels, each named by its L=S and K (and its mask where the grid
+    compares masks); XLA's kernels in one row."""
     named = []
     for r in rows:
         if r.mode != "fwd+bwd":
@@ -87,6 +88,7 @@ def kernel_grid(rows: list[PlanPoint], title: str, toolchain: Toolchain | None =
         for k in r.kernels:
             name = k.name.removesuffix("_mosaic_gpu_kernel").removeprefix("flash_attention_")
             custom = not _XLA_KERNEL.match(k.name)
-            point = f"L={r.seq} K={r.head_dim} {name}"
+            masks = len({x.mask for x in rows}) > 1  # a comparison of masks: name each
+            point = f"L={r.seq} K={r.head_dim}{f' {r.mask}' if masks else ''} {name}"
             named.append(dataclasses.replace(k, name=point) if custom else k)
     return kernels(named, title, toolchain)

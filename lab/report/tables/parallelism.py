@@ -50,8 +50,12 @@ def scaling(study: ScalingStudy) -> list[Table]:
             mib(p.memory_bytes, 2),
         )
     rows = [p for p in study.extrapolated if p.efficiency is not None]
-    src = rows[0].bandwidth_source if rows else ""
-    t2 = Table(title=f"data-parallel efficiency — EXTRAPOLATED, not measured (bandwidth: {src})")
+    src = study.extrapolated[0].bandwidth_source if study.extrapolated else ""
+    if rows:
+        title = f"data-parallel efficiency — EXTRAPOLATED, not measured (bandwidth: {src})"
+    else:
+        title = f"data-parallel efficiency — not extrapolated ({src})"
+    t2 = Table(title=title)
     for col in (
         "devices",
         "per-device batch",
