@@ -645,10 +645,12 @@ def fallback_error(mfu: float, ids=None) -> dict:
 
 
 def fallback_statement(mfu: float) -> str:
-    """'fallback rule (datasheet peak × MFU measured here): its error 85% median, worst 7×, on
-    5 held-out published training points', measured now for this `mfu`."""
+    """'fallback rule (datasheet peak × the 7.2% MFU measured here): its error 85% median, worst
+    7×, on 5 held-out published training points', measured now for this `mfu`."""
     e = fallback_error(mfu)
-    rule = "fallback rule (datasheet peak × MFU measured here)"
+    # each figure scales its own MFU (a training step's, a forward pass's): the rule's error
+    # against the published points is that MFU's, so the statement names it
+    rule = f"fallback rule (datasheet peak × the {mfu:.1%} MFU measured here)"
     if not e["n"]:
         return f"{rule}: its error not measured (no held-out training point)"
     return (
