@@ -412,16 +412,35 @@ def _analyse(cfg, info, trainer, console):
 def run_training(session: Session) -> int:
     cfg, info, trainer = session.cfg, session.info, session.trainer
     is_main = info.process_index == 0
-    run_dir = _open_run_dir(cfg, is_main)
-    lock = checkpoint.Lock(run_dir) if is_main else contextlib.nullcontext()
-    with lock:
+    request = session.resolved.request if session.resolved else Request.from_config(cfg)
+    with contextlib.ExitStack() as held:
+        cfg, run_dir = _claim_folder(cfg, is_main, held, named=bool(request.get("name")))
         if is_main:
-            if not (cfg.resume or cfg.overwrite):
-                rundir.check_fresh(run_dir)  # under the lock: no run can start in between
             rundir.quiet_libraries(run_dir)
             startup.note(f"before training: nothing was written in {run_dir} but lab.log")
-        request = session.resolved.request if session.resolved else Request.from_config(cfg)
         return _run(cfg, info, trainer, run_dir, is_main, request)
+
+
+def _claim_folder(cfg: Config, is_main: bool, held: contextlib.ExitStack, *, named: bool):
+    """(cfg, run folder), the folder's lock held in `held` (process 0). A name the user gave
+    is theirs: a folder in use or holding an earlier run is refused in one line. A name
+    lab.run chose is never another run's: runs started in the same second take -2, -3, …"""
+    base = cfg.name
+    for n in range(2, 1002):
+        run_dir = _open_run_dir(cfg, is_main)
+        if not is_main:
+            return cfg, run_dir
+        try:
+            held.enter_context(checkpoint.Lock(run_dir))
+            if not named or not (cfg.resume or cfg.overwrite):
+                rundir.check_fresh(run_dir)  # under the lock: no run can start in between
+            return cfg, run_dir
+        except ConfigError:
+            if named:
+                raise
+            held.close()  # the lock, if it was taken: the folder is another run's
+            cfg = dataclasses.replace(cfg, name=f"{base}-{n}")
+    raise ConfigError(f"{Path(cfg.out_dir) / base}-…: a thousand runs of that name; give name=")
 
 
 def _start_folder(cfg: Config, run_dir: Path, console, request: Request) -> None:

@@ -395,3 +395,22 @@ def test_a_resume_never_reads_a_circular_pipelines_layers_in_another_order():
     _check_same_block_order(saved(**plain), make_config(**{**plain, "mesh": "4", "strategy": "dp"}))
     # the bare count follows the strategy: mesh=2 under pp is stage:2, the same order
     _check_same_block_order(saved(**circular), make_config(**{**circular, "mesh": "2"}))
+
+
+def test_runs_lab_run_names_in_the_same_second_never_share_a_folder(tmp_path, monkeypatch, capsys):
+    """A name lab.run chose is never another run's: a second run in the same second (its
+    folder held by a live run, or finished) takes -2; a name the user gave is refused."""
+    from lab import resolve
+
+    monkeypatch.setattr(resolve.time, "strftime", lambda fmt: "20261129-101043")
+    assert _run(tmp_path, "steps=1") == 0
+    (first,) = tmp_path.iterdir()
+    (tmp_path / f"{first.name}-2").mkdir()
+    with checkpoint.Lock(tmp_path / f"{first.name}-2"):  # a live run holds the next name
+        assert _run(tmp_path, "steps=1", "overwrite=true") == 0  # never clears another's run
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [first.name, f"{first.name}-2", f"{first.name}-3"]
+    assert _steps(first) == [1] and _steps(tmp_path / f"{first.name}-3") == [1]
+    capsys.readouterr()
+    assert _run(tmp_path, "steps=1", f"name={first.name}") == 2  # the user's own name: refused
+    _one_line_error(capsys, "already holds a run")
