@@ -90,7 +90,10 @@ def _signals_keep_what_finished(out_dir, meta: dict, only, con, writing: threadi
             except Exception:  # noqa: BLE001 - a closed pipe must not keep the process alive
                 pass
             where = f" during {current}" if current else ""
-            os.write(2, f"{name}: stopped{where}; {kept}\n".encode())
+            try:  # a closed stderr (2>&1 | head) must not keep the process from exiting
+                os.write(2, f"{name}: stopped{where}; {kept}\n".encode())
+            except OSError:
+                pass
             os._exit(130 if signum == signal.SIGINT else 143)
 
     read_fd, write_fd = os.pipe()

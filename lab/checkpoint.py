@@ -173,26 +173,50 @@ def _names(path) -> tuple:
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def quarantine(run_dir, step: int, why: str, warn) -> Path | None:
-    """Move a damaged step out of the checkpoints folder (never delete it) and say so; None
-    (and a warning) where it cannot be moved: the caller goes on to the older steps."""
+def quarantine(run_dir, step: int, why: str, warn) -> Path:
+    """Move a damaged step out of the checkpoints folder (never delete it) and say so; a
+    ConfigError (one line) where it cannot be moved."""
     src = folder(run_dir) / str(step)
     dst = (
         Path(run_dir).absolute()
         / "checkpoints-damaged"
         / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
+    _move_aside(src, dst, f"checkpoint step {step} is damaged ({why})")
+    warn(f"warning: checkpoint step {step} is damaged ({why}); moved to {dst}")
+    return dst
+
+
+def _move_aside(src: Path, dst: Path, what: str) -> None:
+    """Rename `src` to `dst`; where it cannot be (checkpoints-damaged is a file, a read-only
+    folder), one line: left in place, the step would be skipped by every later save of that
+    step number and found damaged again by every resume."""
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
         src.rename(dst)
-    except OSError as e:  # checkpoints-damaged is a file, a read-only folder: the older steps
-        warn(
-            f"warning: checkpoint step {step} is damaged ({why}); it could not be moved to "
-            f"{dst.parent} ({e.strerror or e}), so it stays in place"
-        )
-        return None
-    warn(f"warning: checkpoint step {step} is damaged ({why}); moved to {dst}")
-    return dst
+    except OSError as e:
+        raise ConfigError(
+            f"{what} and cannot be moved to {dst.parent} ({e.strerror or e}): move it out of "
+            f"{src.parent} yourself, then resume"
+        ) from None
+
+
+def set_aside_strays(run_dir, warn) -> None:
+    """Folders of digits that the saver never writes (a leading zero: "06"): the checkpoint
+    library would read "06" as step 6 and skip saving step 6, while the lab never restores
+    it. Moved beside the damaged steps, with a warning."""
+    path = folder(run_dir)
+    if not path.is_dir():
+        return
+    for p in sorted(path.iterdir()):
+        if p.name.isascii() and p.name.isdigit() and not _is_step(p.name):
+            dst = (
+                Path(run_dir).absolute()
+                / "checkpoints-damaged"
+                / (f"{p.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+            )
+            _move_aside(p, dst, f"{p} is not a step folder the lab writes")
+            warn(f"warning: {p} is not a step folder the lab writes; moved to {dst}")
 
 
 def _finite(state) -> bool:
@@ -213,6 +237,7 @@ def restore_latest(
     ConfigError (one line, starting with `why`: what asked for the state) and nothing is moved.
     """
     moved = [] if moved is None else moved
+    set_aside_strays(run_dir, warn)
     path = folder(run_dir)
     steps = sorted((int(p.name) for p in path.glob("[0-9]*") if _is_step(p.name)), reverse=True)
     for step in steps:

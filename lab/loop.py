@@ -38,6 +38,7 @@ from lab.measure.run import RunSummary, StepAnalysis
 from lab.measure.timing import summarise
 from lab.measure.toolchain import Toolchain
 from lab.mesh import parse_mesh_spec, strategy_mesh
+from lab.names import STAGE
 from lab.report import progress, tables
 from lab.resolve import Request
 from lab.session import Session
@@ -333,27 +334,35 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
     return trainer.init(jax.random.key(cfg.seed)), 0
 
 
-def _block_order(mesh_spec, strategy, repeats) -> str:
+def block_order(stages, repeats) -> str:
     """How a checkpoint stores the stacked blocks (lab.model.layer_order): in layer order, or
     under the circular schedule by stage, a permutation fixed by the stage count and the
-    repeats."""
+    repeats. config.json keeps it (`block_order`), from the mesh the run was built on."""
     if (repeats or 1) <= 1:
         return "in layer order"
-    try:
-        stages = parse_mesh_spec(strategy_mesh(mesh_spec, strategy)).get("stage", 1)
-    except ConfigError:
-        stages = mesh_spec
     return f"by stage (stage={stages}, pipeline_repeats={repeats})"
 
 
-def _check_same_block_order(saved: dict, cfg: Config) -> None:
+def _saved_block_order(saved: dict) -> str:
+    """A folder's block order: its config.json's, or for a folder written before it kept one,
+    read from the mesh it asked for (a stage axis of -1 is then named as -1)."""
+    if isinstance(saved.get("block_order"), str):
+        return saved["block_order"]
+    repeats = saved.get("model", {}).get("pipeline_repeats")
+    try:
+        spec = strategy_mesh(saved.get("mesh"), saved.get("strategy"))
+        stages = parse_mesh_spec(spec).get("stage", 1)
+    except (ConfigError, AttributeError, TypeError):
+        stages = saved.get("mesh")
+    return block_order(stages, repeats)
+
+
+def _check_same_block_order(saved: dict, cfg: Config, stages: int) -> None:
     """A resume must read the blocks in the order they were saved: a circular pipeline's
     checkpoint holds them by stage, and loading it with another stage count or repeats (or
     none) would run every layer's weights in another layer's place, silently."""
-    was = _block_order(
-        saved.get("mesh"), saved.get("strategy"), saved.get("model", {}).get("pipeline_repeats")
-    )
-    now = _block_order(cfg.mesh, cfg.strategy, cfg.model.pipeline_repeats)
+    was = _saved_block_order(saved)
+    now = block_order(stages, cfg.model.pipeline_repeats)
     if was != now:
         raise ConfigError(
             f"resume=true: the checkpoint holds its layers {was} and this run would read them "
@@ -361,7 +370,7 @@ def _check_same_block_order(saved: dict, cfg: Config) -> None:
         )
 
 
-def _open_run_dir(cfg: Config, is_main: bool) -> Path:
+def _open_run_dir(cfg: Config, is_main: bool, stages: int = 1) -> Path:
     """The run folder, checked before anything compiles: writable, and on resume holding a
     run of the same model (ConfigError, one line)."""
     run_dir = Path(cfg.out_dir) / cfg.name
@@ -369,7 +378,7 @@ def _open_run_dir(cfg: Config, is_main: bool) -> Path:
     if cfg.resume:  # resolve refused resume with compile_only
         saved = rundir.saved_config(run_dir)
         rundir.check_same_state(saved, dataclasses.asdict(cfg))
-        _check_same_block_order(saved, cfg)
+        _check_same_block_order(saved, cfg, stages)
     if is_main:
         writable_dir(run_dir)
         if cfg.checkpoint_every or cfg.resume:
@@ -411,23 +420,33 @@ def _analyse(cfg, info, trainer, console):
 
 def run_training(session: Session) -> int:
     cfg, info, trainer = session.cfg, session.info, session.trainer
+    if cfg.steps == 0 and not cfg.compile_only:  # (serving's sessions are built with steps=0)
+        raise ConfigError(
+            "steps=0 trains nothing: give steps >= 1 (compile_only=true compiles the step "
+            "without training)"
+        )
     is_main = info.process_index == 0
     request = session.resolved.request if session.resolved else Request.from_config(cfg)
     with contextlib.ExitStack() as held:
-        cfg, run_dir = _claim_folder(cfg, is_main, held, named=bool(request.get("name")))
+        stages = dict(trainer.mesh.shape).get(STAGE, 1)
+        cfg, run_dir = _claim_folder(
+            cfg, is_main, held, named=bool(request.get("name")), stages=stages
+        )
         if is_main:
             rundir.quiet_libraries(run_dir)
             startup.note(f"before training: nothing was written in {run_dir} but lab.log")
         return _run(cfg, info, trainer, run_dir, is_main, request)
 
 
-def _claim_folder(cfg: Config, is_main: bool, held: contextlib.ExitStack, *, named: bool):
+def _claim_folder(
+    cfg: Config, is_main: bool, held: contextlib.ExitStack, *, named: bool, stages: int = 1
+):
     """(cfg, run folder), the folder's lock held in `held` (process 0). A name the user gave
     is theirs: a folder in use or holding an earlier run is refused in one line. A name
     lab.run chose is never another run's: runs started in the same second take -2, -3, …"""
     base = cfg.name
     for n in range(2, 1002):
-        run_dir = _open_run_dir(cfg, is_main)
+        run_dir = _open_run_dir(cfg, is_main, stages)
         if not is_main:
             return cfg, run_dir
         try:
@@ -443,7 +462,7 @@ def _claim_folder(cfg: Config, is_main: bool, held: contextlib.ExitStack, *, nam
     raise ConfigError(f"{Path(cfg.out_dir) / base}-…: a thousand runs of that name; give name=")
 
 
-def _start_folder(cfg: Config, run_dir: Path, console, request: Request) -> None:
+def _start_folder(cfg: Config, run_dir: Path, console, request: Request, stages: int) -> None:
     """Once the step has compiled and fits: clear an earlier run (overwrite=true; never for
     a run that is refused) and write this run's config.json: the resolved config, and under
     `request` the keys it was asked with (what a resume takes again: Request.resumed)."""
@@ -457,7 +476,11 @@ def _start_folder(cfg: Config, run_dir: Path, console, request: Request) -> None
         asked = rundir.asked_keys(request.dict())
         # and the values the backend's defaults gave (a resume elsewhere keeps them)
         asked |= {k: getattr(cfg, k) for k in BACKEND_KEYS if k not in asked}
-        rundir.write_json(run_dir / "config.json", {**dataclasses.asdict(cfg), "request": asked})
+        order = block_order(stages, cfg.model.pipeline_repeats)  # what a resume must match
+        rundir.write_json(
+            run_dir / "config.json",
+            {**dataclasses.asdict(cfg), "request": asked, "block_order": order},
+        )
     except OSError as e:
         raise RunError(f"{_write_failure(e, run_dir)}: nothing was run") from None
 
@@ -477,7 +500,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> 
     )
     analysis, compiled, compile_s = _analyse(cfg, info, trainer, console)
     if is_main:
-        _start_folder(cfg, run_dir, console, request)
+        _start_folder(cfg, run_dir, console, request, dict(trainer.mesh.shape).get(STAGE, 1))
         ckpt = f" and checkpoint step {start}" if start else ""
         startup.note(f"before training: {run_dir} keeps this run's config.json{ckpt}")
     if cfg.compile_only:

@@ -410,14 +410,6 @@ def _pack_pipeline(d: _Draft):
         )
 
 
-def _steps(d: _Draft):
-    if d.purpose == "train" and d.cfg.steps == 0 and not d.cfg.compile_only:
-        return (
-            "steps=0 trains nothing: give steps >= 1 (compile_only=true compiles the step "
-            "without training)"
-        )
-
-
 def _ring(d: _Draft):
     if d.model.attention == "ring" and d.cfg.strategy != "cp":
         return (
@@ -668,7 +660,6 @@ RULES: tuple[Rule, ...] = (
     Rule("window pattern", _window_pattern, ("window=16", "window_pattern=local,glob")),
     Rule("window pattern needs a window", _pattern_window, ("window_pattern=local,global",)),
     Rule("pack needs text", _pack, ("data=synthetic", "pack=true")),
-    Rule("steps to train", _steps, ("steps=0",)),
     Rule("ring needs cp", _ring, ("attention=ring",)),
     Rule("accumulate divides batch", _accumulate, ("batch_size=16", "accumulate=3")),
     Rule("microbatches need a pipeline", _microbatches_need_pipeline, ("microbatches=2",)),
@@ -901,9 +892,9 @@ def _attention(d: _Draft, mesh) -> tuple[str, str | None]:
     return impl, "; ".join(n for n in (target, note) if n) or None
 
 
-# Kernels run per device on whole sequences (shard_map over batch and heads): a sequence split
-# over devices is not theirs to take.
-WHOLE_SEQUENCES = ("cpu_flash", "pallas_tpu", "pallas_gpu", "pallas_mgpu")
+# Kernels run per device on whole sequences (shard_map over batch and heads), and cuDNN's
+# fused attention, whose partitioner refuses a sharded sequence: a split one is not theirs.
+WHOLE_SEQUENCES = ("cpu_flash", "pallas_tpu", "pallas_gpu", "pallas_mgpu", "cudnn")
 
 
 def _splits_sequence(d: _Draft) -> bool:

@@ -125,5 +125,11 @@ def keep_python_handlers(signals=(signal.SIGINT, signal.SIGTERM), every_s: float
                 if now is not None and now.raw[:8] != want.raw[:8]:  # the handler's address
                     libc.sigaction(int(sig), want, None)
 
-    threading.Thread(target=watch, name="keep-signal-handlers", daemon=True).start()
-    return done.set
+    watcher = threading.Thread(target=watch, name="keep-signal-handlers", daemon=True)
+    watcher.start()
+
+    def stop() -> None:  # joined: no pass may put a handler back after the caller resets it
+        done.set()
+        watcher.join()
+
+    return stop

@@ -71,6 +71,9 @@ def test_a_run_folder_process_0_would_refuse_is_refused_before_any_process_start
     (run / "checkpoints").write_text("")
     assert launch.main([*argv, "overwrite=true", "checkpoint_every=1"]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+    (tmp_path / "F").write_text("")  # the run folder itself a file
+    assert launch.main([*argv[:-2], "name=F", "steps=2"]) == 2
+    assert "it is not a folder" in capsys.readouterr().err
 
 
 def test_one_failure_stops_the_others_and_sets_the_exit_code():

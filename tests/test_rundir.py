@@ -5,6 +5,7 @@ line and exit 2; no good checkpoint or metrics line is lost.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,23 +97,28 @@ def test_a_damaged_newest_step_is_moved_aside_and_the_run_goes_on(saved, capsys,
     assert "resumed from checkpoint at step 8" in capsys.readouterr().out
 
 
-def test_a_checkpoints_folder_renamed_by_hand_or_nowhere_to_move_damage_still_resumes(
+def test_a_step_folder_renamed_by_hand_is_set_aside_and_damage_with_nowhere_to_go_is_one_line(
     saved, capsys
 ):
-    """A step folder renamed with a leading zero is not a step; a damaged step that cannot be
-    moved aside (checkpoints-damaged is a file) is left in place with a warning, and the
-    older steps are tried: one line each, never a traceback."""
+    """A step folder renamed with a leading zero ("06", which the checkpoint library would
+    read as step 6 and then skip saving step 6) is moved aside with a warning and the run
+    saves step 6 again; a damaged step that cannot be moved aside (checkpoints-damaged is a
+    file) is one line and exit 2, the folder as it was: never a step left to be skipped."""
     tmp_path, run_dir = saved
     (run_dir / "checkpoints" / "6").rename(run_dir / "checkpoints" / "06")
-    _damage_data(run_dir / "checkpoints" / "4")
-    (run_dir / "checkpoints-damaged").write_text("not a folder")
     capsys.readouterr()
     assert _run(tmp_path, "name=R", "steps=7", "checkpoint_every=3", "resume=true") == 0
     out = capsys.readouterr()
-    assert "resumed from checkpoint at step 2" in out.out
+    assert "resumed from checkpoint at step 4" in out.out
     (line,) = out.err.strip().splitlines()
-    assert "checkpoint step 4 is damaged" in line and "stays in place" in line
-    assert checkpoint.saved_steps(run_dir)[-1] == 7  # and the finished run keeps its end
+    assert "checkpoints/06 is not a step folder the lab writes; moved to" in line
+    assert checkpoint.saved_steps(run_dir)[-2:] == [6, 7]  # step 6 saved again, and the end
+    _damage_data(run_dir / "checkpoints" / "7")
+    shutil.rmtree(run_dir / "checkpoints-damaged")
+    (run_dir / "checkpoints-damaged").write_text("not a folder")
+    assert _run(tmp_path, "name=R", "steps=9", "resume=true") == 2
+    err = _one_line_error(capsys, "checkpoint step 7 is damaged")
+    assert "cannot be moved to" in err and (run_dir / "checkpoints" / "7").is_dir()
 
 
 def test_resuming_with_another_model_is_refused_and_changes_nothing(saved, capsys):
@@ -371,30 +377,40 @@ def test_sigterm_to_the_launcher_reaches_its_processes(tmp_path):
 
 def test_a_resume_never_reads_a_circular_pipelines_layers_in_another_order():
     """A circular pipeline's checkpoint holds its blocks by stage: a resume with other repeats,
-    another stage count or no pipeline would put every layer's weights in another's place
-    (the losses go on, wrong); it is refused. Other mesh changes keep layer order."""
+    another stage count (also behind the same stage:-1 on more devices) or no pipeline would
+    put every layer's weights in another's place (the losses go on, wrong); it is refused.
+    Other mesh changes keep layer order."""
     import dataclasses
 
     from lab.config import make_config
     from lab.errors import ConfigError
-    from lab.loop import _check_same_block_order
+    from lab.loop import _check_same_block_order, block_order
 
-    def saved(**keys):
-        return dataclasses.asdict(make_config(**keys))
+    def saved(stages, **keys):
+        cfg = make_config(**keys)
+        return {
+            **dataclasses.asdict(cfg),
+            "block_order": block_order(stages, cfg.model.pipeline_repeats),
+        }
 
-    circular = dict(mesh="stage:2", strategy="pp", n_layers=4, pipeline_repeats=2)
-    _check_same_block_order(saved(**circular), make_config(**circular))
-    for change in (
-        dict(pipeline_repeats=1),
-        dict(mesh="stage:4", n_layers=8),
-        dict(mesh="1", strategy="dp", pipeline_repeats=1),
+    circular = dict(mesh="stage:-1", strategy="pp", n_layers=8, pipeline_repeats=2)
+    _check_same_block_order(saved(4, **circular), make_config(**circular), 4)
+    for change, stages in (
+        (dict(pipeline_repeats=1), 4),
+        ({}, 8),  # the same stage:-1 filled by more devices
+        (dict(mesh="1", strategy="dp", pipeline_repeats=1), 1),
     ):
         with pytest.raises(ConfigError, match="holds its layers by stage"):
-            _check_same_block_order(saved(**circular), make_config(**{**circular, **change}))
+            _check_same_block_order(
+                saved(4, **circular), make_config(**{**circular, **change}), stages
+            )
     plain = dict(mesh="stage:2", strategy="pp", n_layers=4)
-    _check_same_block_order(saved(**plain), make_config(**{**plain, "mesh": "4", "strategy": "dp"}))
-    # the bare count follows the strategy: mesh=2 under pp is stage:2, the same order
-    _check_same_block_order(saved(**circular), make_config(**{**circular, "mesh": "2"}))
+    _check_same_block_order(saved(2, **plain), make_config(mesh="4", strategy="dp"), 1)
+    # a folder written before config.json kept the order: read from the mesh it asked for
+    old = dataclasses.asdict(make_config(**{**circular, "mesh": "stage:4"}))
+    _check_same_block_order(old, make_config(**circular), 4)
+    with pytest.raises(ConfigError, match="stage=4, pipeline_repeats=2"):
+        _check_same_block_order(old, make_config(**circular), 2)
 
 
 def test_runs_lab_run_names_in_the_same_second_never_share_a_folder(tmp_path, monkeypatch, capsys):
@@ -414,3 +430,9 @@ def test_runs_lab_run_names_in_the_same_second_never_share_a_folder(tmp_path, mo
     capsys.readouterr()
     assert _run(tmp_path, "steps=1", f"name={first.name}") == 2  # the user's own name: refused
     _one_line_error(capsys, "already holds a run")
+
+
+def test_steps_0_trains_nothing_and_says_so(tmp_path, capsys):
+    assert _run(tmp_path, "steps=0") == 2
+    _one_line_error(capsys, "steps=0 trains nothing")
+    assert not any(tmp_path.iterdir())

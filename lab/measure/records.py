@@ -121,8 +121,9 @@ def fresh_dir(root, name: str) -> Path:
 
 def output_stem(folder, name: str) -> Path:
     """folder/name-<backend>-<time> (no suffix): where a command writes its records and plots;
-    the folder is created and checked first. A stem that files already use (a run started in
-    the same second) gets -2, -3, …: one run's records are never appended to another's."""
+    the folder is created and checked first. A stem that files already use (an earlier run
+    in the same second) gets -2, -3, …, so a run's records are not appended to a finished
+    run's; two runs started together may still share one (it is not reserved)."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     stem = writable_dir(folder) / f"{name}-{jax.default_backend()}-{stamp}"
     n = 1

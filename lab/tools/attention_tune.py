@@ -71,6 +71,8 @@ def _static(o: Options) -> str:
         from lab.plans import gpu
 
         kind, _ = gpu.parse_target(o.static)
+        if not pallas_mgpu.usable():
+            raise ConfigError("kernel=pallas_mgpu: this jax builds no Mosaic GPU kernels")
         if not pallas_mgpu.runs_on(gpu.GPUS[kind].device_kind):
             raise ConfigError(
                 f"static={o.static}: kernel=pallas_mgpu is written for Hopper (gpu:h100, "

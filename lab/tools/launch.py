@@ -119,8 +119,9 @@ def check_folder(run_dir: Path, cfg) -> None:
     holds (its lock), an earlier run's folder without resume or overwrite, a checkpoints
     folder that cannot be written. Refused by process 0 alone, it would leave the others
     waiting at the runtime's barrier until it aborts them all."""
-    if not run_dir.is_dir():
+    if not run_dir.exists():
         return  # a new folder: process 0 creates it
+    writable_dir(run_dir)  # a file, a folder that cannot be written: one line
     with checkpoint.Lock(run_dir):  # held a moment: a folder a live run holds is refused now
         pass
     if not (cfg.resume or cfg.overwrite):

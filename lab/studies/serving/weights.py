@@ -25,7 +25,7 @@ def config_of_run(run_dir: Path) -> Config:
     saved = saved_config(run_dir, asked=f"run={run_dir.name}")
     try:
         model = ModelConfig(**saved["model"])
-        rest = {k: v for k, v in saved.items() if k not in ("model", "request")}
+        rest = {k: v for k, v in saved.items() if k not in ("model", "request", "block_order")}
         return dataclasses.replace(Config(model=model), **rest)
     except (KeyError, TypeError) as e:
         raise ConfigError(
