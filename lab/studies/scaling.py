@@ -317,9 +317,16 @@ def remat_batch(size: Size) -> tuple[RematPoint, ...]:
     return tuple(out)
 
 
-def run(size: str = "quick", strategies=STRATEGIES) -> ScalingStudy:
-    """All three experiments at `size` (tiny | quick | full); `.records()` is their records."""
+def run(size: str = "quick", strategies=STRATEGIES, progress=None) -> ScalingStudy:
+    """All three experiments at `size` (tiny | quick | full); `.records()` is their records.
+    `progress(label)` is called as each experiment starts."""
     if size not in SIZES:
         raise ValueError(f"size={size!r}: expected one of {', '.join(SIZES)}")
     s = SIZES[size]
-    return ScalingStudy(scaling(s, strategies), extrapolate(s), remat_batch(s))
+    tick = progress or (lambda label: None)
+    tick(f"strong scaling: {', '.join(strategies)} over {s.device_counts} devices")
+    strong = scaling(s, strategies)
+    tick("data-parallel efficiency, extrapolated")
+    extrapolated = extrapolate(s)
+    tick(f"remat × batch on one device: {', '.join(s.remats)} × {s.batches}")
+    return ScalingStudy(strong, extrapolated, remat_batch(s))

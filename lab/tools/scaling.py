@@ -32,7 +32,17 @@ def run(o: Options) -> int:
     stem = records.output_stem(o.out_dir, "scaling")
     con = progress.console(width=max(120, progress.console().width))  # the tables are wide
     t0 = time.perf_counter()
-    study = scaling.run(o.size, o.strategies)
+    with progress.tasks(con) as bar:
+        task = bar.add_task("scaling", total=3)
+
+        started = []
+
+        def tick(label: str) -> None:  # an experiment starts: the one before it is done
+            bar.update(task, description=label[:60], advance=1 if started else 0)
+            started.append(label)
+
+        study = scaling.run(o.size, o.strategies, progress=tick)
+        bar.update(task, completed=3)
     for table in tables.scaling(study):
         con.print(table)
     con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), study.records())}")

@@ -177,7 +177,12 @@ def _resolve(impl: str, interpret: bool, backend: str) -> str:
         impl = _NATIVE.get(backend, "pallas_tpu" if interpret else "pallas")
     if impl in available_impls(backend, interpret=interpret):
         return impl
-    hint = " or pass interpret=True (slow; tests)" if impl in PALLAS else ""
+    hint = (  # no command has the key: the Python API's, for tests
+        " (another backend's Pallas kernel runs here only interpreted: the Python API's "
+        "interpret=True, slow, for tests)"
+        if impl in PALLAS
+        else ""
+    )
     if impl == "pallas_mgpu" and backend == "gpu":
         hint = f" (pallas_mgpu needs a Hopper GPU, H100/H200; this one is {device_kind()!r})"
     elif impl == "pallas_mgpu" and not pallas_mgpu.interpretable():
@@ -647,7 +652,7 @@ def choose_decode(impl: str, *, interpret: bool = False, backend: str | None = N
     if impl.startswith("pallas") and impl != native.get(backend) and not interpret:
         raise ValueError(
             f"decode impl={impl!r} has no compiled kernel on backend {backend!r}: use "
-            f"{native.get(backend, 'reference')} or interpret=True (slow; tests)"
+            f"{native.get(backend, 'reference')} (or, from Python, interpret=True: slow, tests)"
         )
     return impl
 
