@@ -175,6 +175,14 @@ def _records(cfg, info, analysis, run_dir: Path, log) -> _Records:
     )
 
 
+def profile_dir(run_dir: Path) -> Path:
+    """Where profile=true writes its trace: run_dir/profile, and one folder a process in a
+    run of several (the profiler names a trace by host and second: processes on one host
+    would write over each other's)."""
+    path = run_dir / "profile"
+    return path / f"process-{jax.process_index()}" if jax.process_count() > 1 else path
+
+
 class _Tracer:
     """A jax.profiler trace that is always closed, even when the run ends (NaN, signal, fewer
     steps than the window) before the last traced step."""
@@ -210,7 +218,7 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
     dispatched: its metrics are checked before the state is saved, and the next step would
     donate the state's buffers."""
     batch = _batch(cfg, trainer, start)
-    tracer = _Tracer(Path(cfg.out_dir) / cfg.name / "profile")
+    tracer = _Tracer(profile_dir(Path(cfg.out_dir) / cfg.name))
     with progress.training(console) as bar, tracer:
         reader = _Reader(cfg, bar, tracer, records, hist, start)
         pending = None  # the step dispatched but not read yet: (step, metrics)

@@ -155,6 +155,17 @@ def test_profile_trace_is_closed_even_when_the_run_is_shorter_than_the_window(tm
     assert traces and traces[0].stat().st_size > 0
 
 
+def test_each_process_of_a_run_profiles_into_its_own_folder(tmp_path, monkeypatch):
+    """The profiler names a trace by host and second: two processes on one host would write
+    one file; a run of several gives each process its folder."""
+    from lab import loop
+
+    assert loop.profile_dir(tmp_path) == tmp_path / "profile"
+    monkeypatch.setattr(loop.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(loop.jax, "process_index", lambda: 1)
+    assert loop.profile_dir(tmp_path) == tmp_path / "profile" / "process-1"
+
+
 def test_mfu_peak_counts_the_devices_the_mesh_uses():
     """mesh=2 on an 8-GPU host runs on 2 GPUs: MFU is against their peak, not all eight."""
     from lab.config import parse_args
