@@ -81,9 +81,12 @@ def _check_choice(key: str, raw, value, choices) -> None:
 
 
 def _parse_list(key: str, raw: str, meta, cast) -> tuple:
-    items = [x.strip() for x in raw.split(",") if x.strip()]
-    if not items:
+    items = [x.strip() for x in raw.split(",")]
+    if not any(items):
         raise ConfigError(f"{key}={raw!r}: expected a comma-separated list")
+    if cast is not str and not all(items):  # 1,,2: a value left out, not a list of two
+        raise ConfigError(f"{key}={raw!r}: an empty item between commas")
+    items = [x for x in items if x]
     values = []
     for item in items:
         try:

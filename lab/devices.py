@@ -266,9 +266,12 @@ def _join(j: _Join, timeout_s: int) -> None:
         raise
     except Exception as e:  # noqa: BLE001 — the runtime raises XlaRuntimeError and others
         first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        slurm = sorted(k for k in os.environ if k.startswith("SLURM_"))
+        read = f" (JAX also reads {', '.join(slurm[:3])}{', …' if len(slurm) > 3 else ''})"
         raise ConfigError(
             f"{j.where}: process {j.process_id} of {j.num_processes} could not "
-            f"join ({first}); is the address right and every process started?"
+            f"join ({first}){read if slurm else ''}; is the address right and every process "
+            "started?"
         ) from None
     finally:
         timer.cancel()

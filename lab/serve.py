@@ -27,6 +27,8 @@ from lab.session import open_session
 from lab.studies.serving import compiled, sample, study, weights
 from lab.studies.serving import records as serving_records
 
+SAMPLE_MAX = 4096  # the sample is generated in one compiled call: seconds, never an hour
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -45,7 +47,11 @@ class Options:
     budget: float = field(1.0, "seconds of timed calls per point", min=0.01)
     int8: bool = field(True, "also measure int8 weights + int8 KV cache (error, bytes, speed)")
     sample: int = field(
-        200, "tokens of generated text for a trained byte-level model; 0 = none", min=0
+        200,
+        "tokens of generated text for a trained byte-level model; 0 = none (at most "
+        f"{SAMPLE_MAX}: one compiled call, which no signal interrupts)",
+        min=0,
+        max=SAMPLE_MAX,
     )
     prompt: str = field("", "the sample's prompt; empty = the start of the bundled text")
     temperature: float = field(0.8, "sampling temperature of the sample (0 = greedy)", min=0.0)

@@ -76,6 +76,25 @@ def test_a_run_folder_process_0_would_refuse_is_refused_before_any_process_start
     assert "it is not a folder" in capsys.readouterr().err
 
 
+def test_the_launchers_processes_do_not_read_a_slurm_jobs_variables(monkeypatch):
+    """The processes join the launcher's coordinator: a SLURM job the launcher runs in is not
+    theirs (JAX's cluster detection would read SLURM_LOCALID and the rest)."""
+    seen = {}
+
+    class Popen:
+        def __init__(self, cmd, env, **kw):
+            seen.update(env)
+            raise OSError("not started")
+
+    monkeypatch.setenv("SLURM_LOCALID", "zz")
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    monkeypatch.setattr(launch.subprocess, "Popen", Popen)
+    with pytest.raises(OSError):
+        launch._Job([["true"]], out=None, grace_s=1.0)
+    assert seen and not [k for k in seen if k.startswith("SLURM_")]
+    assert seen["JAX_PLATFORMS"]
+
+
 def test_one_failure_stops_the_others_and_sets_the_exit_code():
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     failer = [sys.executable, "-c", "print('boom'); raise SystemExit(3)"]

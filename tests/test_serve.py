@@ -89,6 +89,9 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         (["run=../elsewhere"], "one folder name under out_dir"),
         (["run=a/b"], "one folder name under out_dir"),
         (["context=20000000", "batches=64"], "more than 80% of this machine's"),
+        (["batches=1,1"], "batch 1 is given twice"),
+        (["batches=1,,2"], "an empty item between commas"),
+        (["sample=100000"], "sample='100000': must be <= 4096"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, words):

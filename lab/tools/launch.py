@@ -174,7 +174,10 @@ class _Job:
     """N processes, their output relayed line by line (`[pI] `), and what became of each."""
 
     def __init__(self, cmds: list[list[str]], out, grace_s: float):
-        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        # the processes are this launcher's, joined at its coordinator: not the tasks of a
+        # SLURM job the launcher may run in, whose variables JAX's cluster detection reads
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS", "cpu")
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.out, self.grace_s, self.lock = out, grace_s, threading.Lock()
         self.ended: dict[int, float] = {}  # process → when its output ended (monotonic)

@@ -129,13 +129,14 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
     )
     if s.best_prefill is not None:
         p, d = s.best_prefill, s.best_decode
+        one = s.output_input_cost_ratio_batch1
+        one_text = f"{one:,.0f}" if one >= 100 else f"{one:,.1f}"  # 1.35 is not "1"
         t.add_row(
             "output / input token cost",
             f"{s.output_input_cost_ratio:,.1f}× at the best rates (prefill "
             f"{p.tokens_per_s:,.0f} tok/s at batch {p.batch}, decode "
             f"{d.tokens_per_s:,.1f} tok/s at batch {d.batch}); "
-            f"{s.output_input_cost_ratio_batch1:,.0f}× against decode at batch "
-            f"{s.smallest.batch}",
+            f"{one_text}× against decode at batch {s.smallest.batch}",
         )
     return t
 

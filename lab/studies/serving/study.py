@@ -75,8 +75,15 @@ def check_memory(session: Session, plan: Plan) -> None:
 
 
 def check_plan(plan: Plan) -> None:
-    """The prompt and the steps timed fit the cache asked for: one line, before any weights
-    are made or loaded."""
+    """Each batch size once, and the prompt and the steps timed fit the cache asked for: one
+    line, before any weights are made or loaded."""
+    for key, sizes in (("batches", plan.batches), ("prefill_batches", plan.prefill_batches)):
+        twice = sorted({b for b in sizes if sizes.count(b) > 1})
+        if twice:
+            raise ConfigError(
+                f"{key}={','.join(map(str, sizes))}: batch {twice[0]} is given twice (each "
+                "size is measured once)"
+            )
     need = plan.prompt_len + WARM_STEPS + plan.steps
     if need > plan.slots():
         raise ConfigError(
