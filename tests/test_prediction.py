@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lab.errors import ConfigError
+from lab.measure import records
 from lab.run import main as train
 from lab.studies import prediction
 from lab.tools.prediction import main as tool
@@ -64,7 +65,7 @@ def test_gpu_op_points_compile_and_predict(tmp_path, capsys):
     (path,) = tmp_path.glob("prediction-*.jsonl")
     written = {
         r["config"]["point"]: r["value"]
-        for r in json.loads("[" + ",".join(path.read_text().splitlines()) + "]")
+        for r in records.read_records(path)
         if r["what"] == "predicted published point"
     }
     assert written == pytest.approx({r.id: r.predicted for r in saved.rows if r.predicted})
