@@ -76,3 +76,38 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
     ]
     with pytest.raises(ConfigError, match="empty folder name"):
         records.writable_dir("")
+
+
+def test_output_stems_are_reserved_and_an_unused_reservation_is_dropped(tmp_path):
+    """Two commands started in the same second never share a stem: output_stem creates the
+    stem's .jsonl exclusively. One that wrote nothing leaves no empty file behind."""
+    import datetime
+    import subprocess
+    import sys
+    from unittest import mock
+
+    frozen = datetime.datetime(2026, 11, 29, 10, 10, 43)
+    with mock.patch.object(records.datetime, "datetime", wraps=datetime.datetime) as dt:
+        dt.now.return_value = frozen
+        stems = [records.output_stem(tmp_path, "bench") for _ in range(3)]
+    base = f"bench-{jax.default_backend()}-20261129-101043"
+    assert [s.name for s in stems] == [base, f"{base}-2", f"{base}-3"]
+    assert all(s.with_suffix(".jsonl").exists() for s in stems)
+
+    code = (
+        "import sys; from lab.measure import records; "
+        "a = records.output_stem(sys.argv[1], 'unused'); "
+        "b = records.output_stem(sys.argv[1], 'used'); "
+        "records.write_records(b.with_suffix('.jsonl'), records.make_record("
+        "'x', 1.0, 's', label='measured'))"
+    )
+    out = tmp_path / "child"
+    subprocess.run([sys.executable, "-c", code, str(out)], check=True, env=_cpu_env())
+    left = sorted(p.name.split("-")[0] for p in out.iterdir())
+    assert left == ["used"]
+
+
+def _cpu_env():
+    import os
+
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}

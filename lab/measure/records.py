@@ -6,8 +6,10 @@ rendered from records, never from numbers typed into code. Files are JSON Lines,
 so several runs (and several backends) can write into one results folder and be merged.
 """
 
+import atexit
 import datetime
 import functools
+import itertools
 import json
 import os
 import platform
@@ -123,13 +125,30 @@ def output_stem(folder, name: str) -> Path:
     """folder/name-<backend>-<time> (no suffix): where a command writes its records and plots;
     the folder is created and checked first. A stem that files already use (an earlier run
     in the same second) gets -2, -3, …, so a run's records are not appended to a finished
-    run's; two runs started together may still share one (it is not reserved)."""
+    run's. The stem is reserved: its `.jsonl` is created here, exclusively, so two commands
+    started in the same second get two stems; a reservation still empty when the process
+    ends (the command stopped before it wrote a record) is removed then."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    stem = writable_dir(folder) / f"{name}-{jax.default_backend()}-{stamp}"
-    n = 1
-    while any(stem.parent.glob(f"{stem.name if n == 1 else f'{stem.name}-{n}'}.*")):
-        n += 1
-    return stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
+    base = writable_dir(folder) / f"{name}-{jax.default_backend()}-{stamp}"
+    for n in itertools.count(1):
+        stem = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        if any(stem.parent.glob(f"{stem.name}.*")):
+            continue
+        try:
+            os.close(os.open(stem.with_suffix(".jsonl"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        atexit.register(_drop_if_empty, stem.with_suffix(".jsonl"))
+        return stem
+    raise AssertionError("unreachable")
+
+
+def _drop_if_empty(path: Path) -> None:
+    try:
+        if path.stat().st_size == 0:
+            path.unlink()
+    except OSError:
+        pass
 
 
 def write_records(path, records: dict | Iterable[dict]) -> Path:
