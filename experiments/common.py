@@ -167,12 +167,14 @@ COMPILED_GPUS = {"h100-sxm": "h100", "h200": "h200", "a100-sxm4-80gb": "a100"}
 TPU_TOPOLOGIES = {("tpu-v5e", 1): "tpu:v5e:1x1", ("tpu-v5e", 4): "tpu:v5e:2x2"}
 
 
-def fallback(mfu: float) -> str:
+def fallback(mfu: float, workload: str = "train") -> str:
     """The error statement of the old rule (datasheet peak × MFU measured here), measured now
-    on the held-out published training points (lab.studies.prediction)."""
+    on the held-out published points of the workload whose MFU it scales ("train" or
+    "prefill": a forward pass's MFU is judged against published prefills, not training
+    steps; lab.studies.prediction)."""
     from lab.studies import prediction
 
-    return prediction.fallback_statement(mfu)
+    return prediction.fallback_statement(mfu, workload)
 
 
 def predicted_step(size: str, spec_key: str, chips: int = 1, **fields) -> dict | None:

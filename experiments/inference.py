@@ -16,7 +16,8 @@ C22 sizes a 70B model's serving memory (weights + KV cache) at bf16, int8 and in
 weights offloaded to host memory (calculator), and under size=full compiles the int8 decode
 step for one H100 (lab.plans; compiled, not run). These predictions still use the fallback
 rules (datasheet peak × MFU, bytes at the roof share), each record labelled with the rule
-and its error as measured on the held-out published points (lab.studies.prediction).
+and its error as measured on the held-out published points of its kind: the forward pass's
+MFU against published prefills (lab.studies.prediction).
 """
 
 import math
@@ -136,7 +137,7 @@ def _classifier_requests_per_s(rows: list[dict], mfu: float) -> list[dict]:
                 label="predicted",
                 target=key,
                 inputs={"mfu_forward": mfu, "flops_per_request": best["flops_per_request"]},
-                model_error=fallback(mfu),
+                model_error=fallback(mfu, "prefill"),
                 **spec_inputs(key, f"peak_flops.{dtype}"),
             )
         )
@@ -178,7 +179,7 @@ def _input_token_cost(mfu: float) -> list[dict]:
                 gpus=gpus,
                 tokens_per_s=tokens_per_s,
                 inputs={"mfu_forward": mfu},
-                model_error=fallback(mfu),
+                model_error=fallback(mfu, "prefill"),
                 **spec_inputs(key, f"peak_flops.{dtype}", "price_usd_per_hour"),
             )
         )
@@ -352,7 +353,7 @@ def _output_token_cost(out: Study, mfu: float) -> list[dict]:
                     prefill_tokens_per_s=prefill,
                     decode_tokens_per_s=d["tokens_per_s"],
                     inputs=inputs,
-                    model_error=f"{fallback(mfu)} (prefill); {DECODE_RULE} (decode)",
+                    model_error=f"{fallback(mfu, 'prefill')} (prefill); {DECODE_RULE} (decode)",
                     **spec_inputs(key, f"peak_flops.{dtype}", "memory_bandwidth"),
                 )
             )

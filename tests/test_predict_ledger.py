@@ -27,6 +27,25 @@ def test_fallback_error_is_the_rule_held_against_published_mfu():
     assert prediction.fallback_statement(0.82).startswith("fallback rule (datasheet peak")
 
 
+def test_a_forward_pass_mfu_is_judged_against_published_prefills():
+    """Inference predictions scale a forward pass's MFU: the fallback rule's error for them is
+    measured on prefill points, whose MFU is the forward's FLOPs over the time to first token.
+    Llama-2 7B, 2,048 tokens on one A100 in 133 ms: 2·(6.74e9 − 32000·4096) + 4·32·2048·4096
+    FLOPs a token, over 0.133 s × 312 TFLOP/s."""
+    ids = {"trtllm-a100-llama7b-prefill-2048"}
+    (point,) = prediction.load_points(tuple(ids))
+    per_token = 2 * (6.74e9 - 32000 * 4096) + 4 * 32 * 2048 * 4096
+    want = 2048 * per_token / (0.133 * 312e12)
+    assert prediction.published_mfu(point) == pytest.approx(want)
+    e = prediction.fallback_error(want / 2, ids, workload="prefill")
+    assert e["n"] == 1 and e["median"] == pytest.approx(0.5) and e["worst"] == pytest.approx(2)
+    # the training rule does not count it, nor the prefill rule a training point
+    assert prediction.fallback_error(want, ids)["n"] == 0
+    assert prediction.fallback_error(0.41, {"megatron-h100-1.7b"}, workload="prefill")["n"] == 0
+    said = prediction.fallback_statement(0.3, "prefill")
+    assert "published prefill point" in said and "training" not in said
+
+
 def test_published_mfu_from_tflops_per_chip_uses_the_chip_peak():
     point = next(p for p in prediction.load_points() if p["id"] == "maxtext-a3-h100x8-llama2-7b")
     peak = specs.SPECS["h100-sxm"].peak_flops["bfloat16"]

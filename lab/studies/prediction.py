@@ -614,9 +614,21 @@ def saved_rows() -> list[Row]:
 
 
 def published_mfu(point: dict) -> float | None:
-    """The MFU a training point's figure states, or its TFLOP/s per chip over the chip's
-    datasheet peak at bf16 (None for a unit that needs the publisher's FLOP count)."""
+    """The MFU a published point's figure states or implies. Training: its MFU, or its TFLOP/s
+    per chip over the chip's datasheet peak at bf16 (None for a unit that needs the
+    publisher's FLOP count). Prefill: the forward's model FLOPs (`prefill_flops`) over the time
+    to first token × the chips' peak at the point's dtype. None for anything else."""
     fig = point["figure"]
+    if point["workload"] == "prefill":
+        flops = prefill_flops(point)
+        if flops is None or not fig["unit"].startswith("ms"):
+            return None
+        spec = specs.SPECS[spec_key(point)]
+        dtype = point["lab_config"].get("dtype", "bfloat16")
+        peak = spec.peak_flops.get(dtype) or spec.peak_flops["bfloat16"]
+        return flops / (float(fig["value"]) / 1e3 * point["hardware"]["chips"] * peak)
+    if point["workload"] != "train":
+        return None
     if fig.get("mfu"):
         return float(fig["mfu"])
     if fig["unit"] == "MFU":
@@ -626,16 +638,41 @@ def published_mfu(point: dict) -> float | None:
     return None
 
 
-def fallback_error(mfu: float, ids=None) -> dict:
+def prefill_flops(point: dict) -> float | None:
+    """Model FLOPs of a published prefill: batch × prompt tokens × the forward's FLOPs per
+    token (lab.measure.cost, the PaLM convention: 2·N + 4·layers·seq·d_model, N without the
+    embedding table), N the parameter count the model's paper states (lab.config
+    STATED_PARAMS). None for a model with no stated count."""
+    from lab.config import PRESETS, STATED_PARAMS
+    from lab.measure import cost
+
+    lc = point["lab_config"]
+    if lc.get("model") not in STATED_PARAMS:
+        return None
+    m = PRESETS[lc["model"]]
+    batch = int(str(lc.get("prefill_batches", 1)).split(",")[0])
+    seq = int(lc["prompt_len"])
+    nonembed = STATED_PARAMS[lc["model"]] - m["vocab_size"] * m["d_model"]
+    per_token = cost.transformer_flops_per_token(
+        nonembed, m["n_layers"], seq, m["d_model"], training=False
+    )
+    return batch * seq * per_token
+
+
+WORKLOAD_NAMES = {"train": "training", "prefill": "prefill"}
+
+
+def fallback_error(mfu: float, ids=None, workload: str = "train") -> dict:
     """The old rule's error on the same held-out points: an accelerator's step predicted as its
-    datasheet peak × the MFU measured on this CPU, i.e. every training point predicted at MFU
-    `mfu`. It predicts nothing but training, so only the held-out training points count
-    (`ids`; default: those of the last validation, lab/predict/fits.json)."""
+    datasheet peak × an MFU measured on this CPU, i.e. every point of the `workload`
+    ("train": a training step's MFU; "prefill": a forward pass's) predicted at MFU `mfu`. The
+    rule predicts nothing else, so only held-out points of that workload count (`ids`;
+    default: those of the last validation, lab/predict/fits.json)."""
     if ids is None:
-        ids = {r.id for r in saved_rows() if r.role == "held-out" and r.workload == "train"}
+        ids = {r.id for r in saved_rows() if r.role == "held-out" and r.workload == workload}
     errs, ratios = [], []
     for p in load_points():
-        pub = published_mfu(p) if p["id"] in ids else None
+        pub = published_mfu(p) if p["id"] in ids and p["workload"] == workload else None
         if pub:
             errs.append(abs(mfu / pub - 1.0))
             ratios.append(max(mfu / pub, pub / mfu))
@@ -644,18 +681,20 @@ def fallback_error(mfu: float, ids=None) -> dict:
     return {"n": len(errs), "median": float(np.median(errs)), "worst": float(max(ratios))}
 
 
-def fallback_statement(mfu: float) -> str:
+def fallback_statement(mfu: float, workload: str = "train") -> str:
     """'fallback rule (datasheet peak × the 7.2% MFU measured here): its error 85% median, worst
-    7×, on 5 held-out published training points', measured now for this `mfu`."""
-    e = fallback_error(mfu)
-    # each figure scales its own MFU (a training step's, a forward pass's): the rule's error
-    # against the published points is that MFU's, so the statement names it
+    7×, on 5 held-out published training points', measured now for this `mfu` against the
+    points of the workload whose MFU it is (a training step's against training points, a
+    forward pass's against prefill points)."""
+    e = fallback_error(mfu, workload=workload)
+    kind = WORKLOAD_NAMES[workload]
     rule = f"fallback rule (datasheet peak × the {mfu:.1%} MFU measured here)"
     if not e["n"]:
-        return f"{rule}: its error not measured (no held-out training point)"
+        return f"{rule}: its error not measured (no held-out {kind} point)"
+    points = "point" if e["n"] == 1 else "points"
     return (
         f"{rule}: its error {e['median']:.0%} median, worst {e['worst']:.3g}×, on {e['n']} "
-        "held-out published training points"
+        f"held-out published {kind} {points}"
     )
 
 
