@@ -12,7 +12,8 @@ or on a multi-host TPU slice.
 Joining never ends in the runtime's C++ abort (a stack trace, exit 134): a process that joins
 first waits for the coordinator's port, and every process's whole join is bounded by a watchdog
 that prints one line and exits 2 when coordinator_timeout runs out. Once joined, `agreed_stop`
-makes a signal to any one process stop every process after the same step.
+makes a signal to any one process stop every process after the same step, and `agreed_folder`
+gives every process process 0's run folder, or its refusal.
 """
 
 import contextlib
@@ -63,6 +64,7 @@ def _tpu_pod() -> bool:
 
 STOP_KEYS = "lab/stop/"  # where a signalled process posts "STEP SIGNAL" in the key-value store
 STOP_LINE = "{signal} to process {process}: every process stops after step {step}"
+FOLDER_KEYS = "lab/folder/"  # where each process posts its verdict on the run folder
 
 
 def _reach(coordinator: str) -> None:
@@ -308,6 +310,53 @@ def agreed_stop(stop, step: int, ahead: int = 1) -> bool:
         return False
     stop.signal = stop.signal or name
     return True
+
+
+def agreed_folder(claim, follow, timeout_s: int):
+    """The run folder every process of a run uses, or one refusal for all of them.
+
+    Process 0 chooses and checks the folder (`claim()` → (cfg, run_dir); a name lab.run chose
+    may take -2, -3, …, and each process stamps its own name in its own second); every other
+    process takes the name process 0 posts in the runtime's key-value store and checks what it
+    needs itself (`follow(name)` → (cfg, run_dir)). Each posts its verdict, and each waits for
+    every other's: one process alone refusing (an earlier run there, a live run's lock, a
+    folder it cannot write) would leave its peers waiting in their first collective until the
+    runtime aborts them. A refusal is a ConfigError on every process, naming the process that
+    refused; `timeout_s` bounds each wait."""
+    import json
+
+    client = _distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return claim()
+    me, n = jax.process_index(), jax.process_count()
+
+    def post(verdict: dict) -> None:
+        client.key_value_set(f"{FOLDER_KEYS}{me}", json.dumps(verdict))
+
+    def read(i: int) -> dict:
+        try:
+            return json.loads(client.blocking_key_value_get(f"{FOLDER_KEYS}{i}", timeout_s * 1000))
+        except Exception:  # noqa: BLE001 — the runtime raises XlaRuntimeError on its deadline
+            raise ConfigError(
+                f"process {me} of {n}: process {i} did not say within {timeout_s} s whether it "
+                "can use the run folder (did it fail or stop?)"
+            ) from None
+
+    def refused(i: int, verdict: dict) -> ConfigError:
+        return ConfigError(f"process {i} of {n} refused the run: {verdict['error']}")
+
+    if me != 0 and "error" in (first := read(0)):
+        raise refused(0, first)
+    try:
+        result = claim() if me == 0 else follow(first["name"])
+    except Exception as e:  # this process's own refusal or failure: the others are told
+        post({"error": str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})
+        raise
+    post({"name": result[0].name})
+    for i in range(n):
+        if i != me and "error" in (verdict := read(i)):
+            raise refused(i, verdict)
+    return result
 
 
 # Simulated CPU devices per process: 4,096 take ~3 s and 0.7 GB to create on 2 cores; the cost

@@ -29,7 +29,7 @@ import numpy as np
 from lab import checkpoint, plans, rundir, startup, summary, tensorboard
 from lab.config import BACKEND_KEYS, Config
 from lab.data import host_batch, to_global
-from lab.devices import PARENT_DEATH_SIGNAL, agreed_stop
+from lab.devices import PARENT_DEATH_SIGNAL, agreed_folder, agreed_stop
 from lab.errors import ConfigError, RunError
 from lab.measure import memory
 from lab.measure.gpu_kernels import Kernel
@@ -451,7 +451,21 @@ def _claim_folder(
 ):
     """(cfg, run folder), the folder's lock held in `held` (process 0). A name the user gave
     is theirs: a folder in use or holding an earlier run is refused in one line. A name
-    lab.run chose is never another run's: runs started in the same second take -2, -3, …"""
+    lab.run chose is never another run's: runs started in the same second take -2, -3, …
+    With several processes, all take process 0's folder, and one's refusal is every
+    process's (devices.agreed_folder)."""
+
+    def follow(name: str):
+        cfg_here = dataclasses.replace(cfg, name=name)
+        return cfg_here, _open_run_dir(cfg_here, False, stages)
+
+    timeout_s = max(cfg.coordinator_timeout, 120)
+    return agreed_folder(
+        lambda: _claim_here(cfg, is_main, held, named=named, stages=stages), follow, timeout_s
+    )
+
+
+def _claim_here(cfg: Config, is_main: bool, held: contextlib.ExitStack, *, named: bool, stages):
     base = cfg.name
     for n in range(2, 1002):
         run_dir = _open_run_dir(cfg, is_main, stages)

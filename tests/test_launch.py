@@ -76,6 +76,33 @@ def test_a_run_folder_process_0_would_refuse_is_refused_before_any_process_start
     assert "it is not a folder" in capsys.readouterr().err
 
 
+@pytest.mark.once
+def test_processes_started_by_hand_share_process_0s_refusal(tmp_path):
+    """Without the launcher nothing checks the folder before the processes join: process 0
+    refuses an earlier run's folder after the join, and its peer, told through the runtime's
+    key-value store, exits with the same line instead of waiting in its first collective."""
+    run = tmp_path / "R"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    port = launch.free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "lab.run", *TINY, "mesh=4x2", f"out_dir={tmp_path}", "name=R"]
+            + ["num_processes=2", f"process_id={i}", f"coordinator=localhost:{port}"],
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert "already holds a run" in errs[0] and errs[0].count("\n") == 1, errs[0]
+    assert errs[1].startswith("error: process 0 of 2 refused the run: run folder"), errs[1]
+    assert errs[1].count("\n") == 1
+
+
 def test_the_launchers_processes_do_not_read_a_slurm_jobs_variables(monkeypatch):
     """The processes join the launcher's coordinator: a SLURM job the launcher runs in is not
     theirs (JAX's cluster detection would read SLURM_LOCALID and the rest)."""
