@@ -296,7 +296,22 @@ def _qkv(H=4, K=2, D=64, L=32, S=32, dtype="float32"):
         ),
         (_qkv(), {"window": (4, -1)}, "window=(4, -1): expected (left, right)"),
         (_qkv(), {"sinks": jnp.zeros(3)}, "attention sinks are one logit per query head"),
-        (_qkv(), {"softcap": -1.0}, "softcap=-1.0: expected a positive number"),
+        (_qkv(), {"softcap": -1.0}, "softcap=-1.0: must be a positive number"),
+        (_qkv(), {"softcap": float("inf")}, "softcap=inf: must be finite"),
+        (_qkv(), {"impl": "blockwize"}, "(did you mean blockwise?)"),
+        (_qkv(dtype="int32"), {"impl": "naive"}, "attention takes floating-point q, k, v"),
+        (_qkv(L=0), {"impl": "blockwise"}, "every dimension must be at least 1"),
+        (
+            _qkv(L=16, S=32),
+            {"impl": "xla", "causal": False, "window": (4, 0)},
+            "impl='xla' aligns a window top-left",
+        ),
+        (
+            _qkv(),
+            {"impl": "blockwise", "block_sizes": (32, 32)},
+            "where impl='blockwise' takes lab.kernels.attention.blockwise.BlockSizes",
+        ),
+        (_qkv(), {"impl": "naive", "block_sizes": (32, 32)}, "impl='naive' has no tiles"),
         (_qkv(), {"impl": "flash"}, "attention impl='flash': choose one of naive, blockwise"),
         (_qkv(), {"impl": "pallas"}, "impl='pallas' has no compiled kernel on backend 'cpu'"),
         (_qkv(), {"impl": "cudnn"}, "impl='cudnn' has no compiled kernel on backend 'cpu'"),
@@ -311,7 +326,7 @@ def _qkv(H=4, K=2, D=64, L=32, S=32, dtype="float32"):
             {"impl": "pallas_gpu", "interpret": True},
             "pallas_gpu supports q/k head_dim a multiple of 8 up to 256",
         ),
-        (_qkv(dtype="int32"), {"impl": "blockwise"}, "impl='blockwise' supports dtypes float32"),
+        (_qkv(dtype="int32"), {"impl": "blockwise"}, "attention takes floating-point q, k, v"),
         (
             _qkv(dtype="float16"),
             {"impl": "pallas_tpu", "interpret": True},
@@ -320,7 +335,7 @@ def _qkv(H=4, K=2, D=64, L=32, S=32, dtype="float32"):
     ],
 )
 def test_bad_input_names_the_constraint(args, kwargs, needle):
-    with pytest.raises(ValueError, match="shape=|dtype=|impl=|interpret=|window=|softcap=") as info:
+    with pytest.raises(ValueError, match="shape=|dtype=|impl=|interpret=|window=|softcap=|block_") as info:
         attention(*args, **kwargs)
     assert needle in str(info.value)
 

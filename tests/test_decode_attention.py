@@ -352,3 +352,33 @@ def test_gpu_kernel_compiles_for_h100():
     _, kernels = plans.compile_plan(lower, devices)
     (k,) = [k for k in kernels if k.name.startswith("decode_attention_gpu")]
     assert k.spill_bytes == 0 and 0 < k.smem <= gpus.GPUS["h100"].smem_per_block, k
+
+
+def test_a_length_past_the_cache_is_the_whole_cache_under_a_window_too():
+    """The reference clamps each length to the cache before it places the window, as the
+    kernels do: a length of S + 6 with window 8 sees the cache's last 8 slots."""
+    q, k, v, _ = random_inputs(8, 2, jnp.float32, lengths=(S,) * B)
+    long = jnp.array([S, S + 6, 40, S + 500], jnp.int32)
+    clamped = jnp.minimum(long, S)
+    got = decode.decode_attention_reference(q, k, v, long, window=8)
+    want = reference_f64(q, k, v, clamped, window=8)
+    assert relative_error(got, want) < TOL["float32"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"softcap": 0.0}, "softcap=0.0: must be a positive number"),
+        ({"softcap": float("inf")}, "softcap=inf: must be finite"),
+        ({"impl": "pallas"}, "decode impl='pallas' has no compiled kernel on backend 'cpu'"),
+        ({"impl": "refrence"}, "did you mean reference?"),
+        ({"impl": "reference", "block_sizes": decode.BlockSizesTPU()}, "has no tiles to size"),
+    ],
+)
+def test_the_dispatch_refuses_what_no_kernel_takes(kwargs, match):
+    q, k, v, lengths = random_inputs(2, 2, jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        decode_attention(q, k, v, lengths, **kwargs)
+    with pytest.raises(ValueError, match="expected an int32 array"):
+        decode_attention(q, k, v, [1, 2, 3, 4], impl="reference")
+    assert decode.check_window(np.int64(5)) == 5  # a NumPy integer is an int

@@ -182,3 +182,27 @@ def test_collective_matmul_command(capsys):
         "error: size=250: x's rows and w's columns split over model=4, so size must be a "
         "multiple of 4 (e.g. size=248)"
     )
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "cpu_flash"])
+def test_the_kernels_run_inside_a_users_checked_shard_map(impl):
+    """Called inside shard_map(check_vma=True) with per-device segment ids: the loop carries
+    and the FFI call's outputs are typed as varying like their inputs, and forward and
+    gradients equal the plain call's."""
+    from lab.kernels.attention import attention
+    from lab.kernels.attention import cpu_flash as cf
+
+    if impl == "cpu_flash" and not cf.available():
+        pytest.skip("no C++ compiler here")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    q, k, v = random_inputs(3, [(4, 24, 4, 32), (4, 24, 2, 32), (4, 24, 2, 32)])
+    seg = jnp.asarray(np.repeat(np.arange(3), 8)[None].repeat(4, 0), jnp.int32)
+
+    def call(q, k, v, seg):
+        return attention(q, k, v, impl=impl, q_segment_ids=seg)
+
+    spec = jax.sharding.PartitionSpec("data")
+    sharded = jax.shard_map(call, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=True)
+    got = _value_and_grads(lambda q, k, v: sharded(q, k, v, seg), q, k, v)
+    want = _value_and_grads(lambda q, k, v: call(q, k, v, seg), q, k, v)
+    _close(got, want)

@@ -300,10 +300,12 @@ def reference_rows(q, k, v, do, causal: bool, mode: str):
 
 
 def max_error(outputs, rows, want) -> float:
+    """The largest error over the checked outputs, each relative to its reference's largest
+    magnitude; absolute where the reference is exactly zero (dQ with a single key)."""
     got = [outputs] if not isinstance(outputs, tuple) else outputs[: len(want)]
     got = [np.asarray(g, np.float64) for g in got]
     errs = [
-        np.abs(np.asarray(g[:, rows], np.float64) - w).max() / np.abs(w).max()
+        np.abs(np.asarray(g[:, rows], np.float64) - w).max() / (np.abs(w).max() or 1.0)
         for g, w in zip(got, want, strict=True)
     ]
     return float(max(errs))

@@ -85,6 +85,7 @@ from lab.kernels.attention.common import (
     FEATURE_NAMES,
     Mask,
     check_qkv,
+    check_softcap,
     device_kind,
     platform,
     target_device,
@@ -380,6 +381,11 @@ def _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, features=frozens
                 f"{q_BxLxHxK.shape=} {k_BxSxGxK.shape=}: impl={impl!r} aligns the causal mask "
                 "top-left, so it needs q seq == kv seq (the others align it bottom-right)"
             )
+        if "window" in features and L != S:
+            raise ValueError(
+                f"{q_BxLxHxK.shape=} {k_BxSxGxK.shape=}: impl={impl!r} aligns a window "
+                "top-left, so it needs q seq == kv seq (the others align it bottom-right)"
+            )
         if impl == "cudnn":
             if q_BxLxHxK.dtype.name not in ("bfloat16", "float16"):
                 raise ValueError(f"{q_BxLxHxK.dtype=}: impl='cudnn' supports bfloat16, float16")
@@ -429,7 +435,10 @@ def choose_noted(
     here (this toolchain miscompiles it), or None: a run's header and a plan print it, so a
     slower kernel is never a silent surprise. A kernel named explicitly is refused instead."""
     if impl not in (*IMPLS, "auto"):
-        raise ValueError(f"attention impl={impl!r}: choose one of {', '.join(IMPLS)} or auto")
+        from lab.config import did_you_mean
+
+        hint = did_you_mean(str(impl), (*IMPLS, "auto"))
+        raise ValueError(f"attention impl={impl!r}: choose one of {', '.join(IMPLS)} or auto{hint}")
     if interpret and impl not in PALLAS:
         raise ValueError(f"interpret=True applies to impl in {PALLAS}, not impl={impl!r}")
     check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, empty_rows=True, value_dim=True)
@@ -486,7 +495,9 @@ def attention(
     `window=(left, right)` (key j seen by query i iff i+S-L-left <= j <= i+S-L+right; None
     sides unbounded), `q_segment_ids` [B, L] and `kv_segment_ids` [B, S] (packed sequences:
     only equal ids attend; kv defaults to q's when L == S), `q_lengths` / `kv_lengths` [B]
-    (right padding). A row that sees no key gives 0. `softcap`: scores become
+    (right padding: the padded keys and values are masked, not skipped, so they must be finite;
+    a NaN there reaches the output, unlike decode_attention's cache). A row that sees no key
+    gives 0. `softcap`: scores become
     softcap·tanh(scores/softcap) after scaling. `sinks` [H]: a learned logit per query head in
     every row's softmax denominator. `return_lse=True`: (out, lse) with lse [B, L, H] f32, the
     log of each row's softmax denominator (differentiable; -inf for a row that sees nothing).
@@ -510,8 +521,7 @@ def attention(
     )
     B, L, H = q_BxLxHxK.shape[:3]
     mask.check(B, L, k_BxSxGxK.shape[1])
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise ValueError(f"softcap={softcap!r}: expected a positive number")
+    softcap = check_softcap(softcap)
     if sinks is not None and tuple(sinks.shape) != (H,):
         raise ValueError(f"{sinks.shape=}: attention sinks are one logit per query head, ({H},)")
     features = features_of(
@@ -535,6 +545,7 @@ def attention(
     )
     if impl == "cpu_flash" and asked == "auto" and _splits_seq(shard_spec):
         impl = "blockwise"  # XLA partitions blockwise along the sequence; the FFI call it cannot
+    _check_block_sizes(impl, block_sizes)
     args = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV)
     # Kernels are given the new arguments only when a call uses them, so a kernel that takes
     # none of them keeps its plain signature.
@@ -593,6 +604,31 @@ def attention(
     return _library(args, mask=mask, scale=scale, impl=impl)
 
 
+def _check_block_sizes(impl: str, block_sizes, kinds=None) -> None:
+    """ValueError where `block_sizes` is not the chosen kernel's own BlockSizes: another
+    kernel's tiles mean nothing to it, and an implementation without tiles takes none."""
+    if block_sizes is None:
+        return
+    kinds = kinds or {
+        "blockwise": blockwise.BlockSizes,
+        "cpu_flash": cpu_flash.BlockSizes,
+        "pallas_tpu": pallas_tpu.BlockSizes,
+        "pallas_gpu": pallas_gpu.BlockSizes,
+        "pallas_mgpu": pallas_mgpu.BlockSizes,
+        "decode pallas_tpu": decode.BlockSizesTPU,
+        "decode pallas_gpu": decode.BlockSizesGPU,
+    }
+    want = kinds.get(impl)
+    got = type(block_sizes)
+    if want is None:
+        raise ValueError(f"block_sizes={got.__name__}(…): impl={impl!r} has no tiles to size")
+    if not isinstance(block_sizes, want):
+        raise ValueError(
+            f"block_sizes: a {got.__module__}.{got.__qualname__}, where impl={impl!r} takes "
+            f"{want.__module__}.{want.__qualname__}"
+        )
+
+
 def _sinks_H(extras: dict) -> dict:
     """The reference's spelling of the extras (sinks_H for sinks)."""
     out = dict(extras)
@@ -632,7 +668,12 @@ def choose_decode(impl: str, *, interpret: bool = False, backend: str | None = N
     and GPU, the C++ kernel on CPU where it is built (`cpu`, decode.decode_attention_cpu;
     else the plain-JAX reference); an interpreted Pallas kernel only when asked."""
     if impl not in (*DECODE_IMPLS, "auto"):
-        raise ValueError(f"decode impl={impl!r}: choose one of {', '.join(DECODE_IMPLS)} or auto")
+        from lab.config import did_you_mean
+
+        hint = did_you_mean(str(impl), (*DECODE_IMPLS, "auto"))
+        raise ValueError(
+            f"decode impl={impl!r}: choose one of {', '.join(DECODE_IMPLS)} or auto{hint}"
+        )
     backend = backend or platform()
     native = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
     if impl == "auto":
@@ -681,10 +722,16 @@ def decode_attention(
     `softcap`: logits soft-capped as in attention(), in the Pallas kernels and the reference;
     the CPU kernel has none (auto takes the reference then; impl=cpu asked for refuses).
     """
+    softcap = check_softcap(softcap)
     if softcap is not None and impl == "cpu":
         raise ValueError("decode_attention: impl=cpu has no soft-cap; use impl=reference")
     asked = impl
     impl = choose_decode(impl, interpret=interpret)
+    if asked == "pallas" and impl == "reference":
+        raise ValueError(
+            f"decode impl='pallas' has no compiled kernel on backend {platform()!r}: use auto, "
+            "cpu or reference (or, from Python, interpret=True: slow, tests)"
+        )
     if (
         impl == "cpu"
         and asked == "auto"
@@ -692,6 +739,7 @@ def decode_attention(
     ):
         impl = "reference"  # a soft-cap, float64 (tests) or float16: the reference's math
     args = (q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
+    _check_block_sizes(f"decode {impl}", block_sizes)
     if impl == "reference":
         return decode.decode_attention_reference(*args, scale=scale, window=window, softcap=softcap)
     if impl == "cpu":

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lab.kernels import varying
 from lab.kernels.attention.common import (
     FULL,
     MASK_VALUE,
@@ -194,13 +195,15 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks_H, st: _Static):
 
         B, L, G, R, _ = q_BxLxGxRxK.shape
         V = v_BxSxGxV.shape[-1]
+        ins = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks_H, *mask.arrays())  # the carry's axes
         if st.sinks:  # the sink is one more logit per row, with no value: max = sink, sum = 1
-            max_BxGxRxL = jnp.broadcast_to(sinks_H.astype(acc).reshape(1, G, R, 1), (B, G, R, L))
-            sum_BxGxRxL = jnp.ones((B, G, R, L), acc)
+            sink_BxGxRxL = sinks_H.astype(acc).reshape(1, G, R, 1)
+            max_BxGxRxL = sink_BxGxRxL + varying.full((B, G, R, L), 0, acc, *ins)
+            sum_BxGxRxL = varying.full((B, G, R, L), 1, acc, *ins)
         else:
-            max_BxGxRxL = jnp.full((B, G, R, L), MASK_VALUE, acc)
-            sum_BxGxRxL = jnp.zeros((B, G, R, L), acc)
-        init = (jnp.zeros((B, G, R, L, V), acc), max_BxGxRxL, sum_BxGxRxL)
+            max_BxGxRxL = varying.full((B, G, R, L), MASK_VALUE, acc, *ins)
+            sum_BxGxRxL = varying.full((B, G, R, L), 0, acc, *ins)
+        init = (varying.full((B, G, R, L, V), 0, acc, *ins), max_BxGxRxL, sum_BxGxRxL)
         o_BxGxRxLxV, max_BxGxRxL, sum_BxGxRxL = lax.fori_loop(0, kv_count_l[n], step, init)
         seen_BxGxRxL = sum_BxGxRxL > 0
         safe_BxGxRxL = jnp.where(seen_BxGxRxL, sum_BxGxRxL, 1.0)
@@ -251,6 +254,7 @@ def _backward(st: _Static, residuals, do_BxLxHxV, dlse_BxLxH=None):
     g = st.g
     q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, o_BxLxHxV, lse_lxBxGxRxL, mask, sinks_H = residuals
     acc = jnp.promote_types(q_BxLxHxK.dtype, jnp.float32)
+    ins = (*residuals[:5], sinks_H, do_BxLxHxV, dlse_BxLxH, *mask.arrays())  # the carries' axes
     # delta_i = Σ_d dO_id·O_id = Σ_j P_ij·dP_ij: the softmax-backward row term, linear in L.
     delta_BxLxH = jnp.einsum("blhv,blhv->blh", o_BxLxHxV.astype(acc), do_BxLxHxV.astype(acc))
     if dlse_BxLxH is not None:
@@ -298,8 +302,8 @@ def _backward(st: _Static, residuals, do_BxLxHxV, dlse_BxLxH=None):
             return _by_kind(kind_lxs[n, m], has_partial, has_full, tile)
 
         init = (
-            jnp.zeros(k_BxSxGxK.shape, acc),
-            jnp.zeros(v_BxSxGxV.shape, acc),
+            varying.full(k_BxSxGxK.shape, 0, acc, *ins),
+            varying.full(v_BxSxGxV.shape, 0, acc, *ins),
             dq_lxBxLxGxRxK,
         )
         dk_BxSxGxK, dv_BxSxGxV, dq_lxBxLxGxRxK = lax.fori_loop(0, q_count_s[m], step, init)
@@ -307,7 +311,7 @@ def _backward(st: _Static, residuals, do_BxLxHxV, dlse_BxLxH=None):
 
     dq_lxBxLxGxRxK, (dk_sxBxSxGxK, dv_sxBxSxGxV) = lax.scan(
         one_k_block,
-        jnp.zeros(q_lxBxLxGxRxK.shape, acc),
+        varying.full(q_lxBxLxGxRxK.shape, 0, acc, *ins),
         (jnp.arange(g.n_k), k_sxBxSxGxK, v_sxBxSxGxV),
     )
     B, L, H, K = q_BxLxHxK.shape

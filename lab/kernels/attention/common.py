@@ -83,6 +83,10 @@ def check_qkv(
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{q.dtype=} {k.dtype=} {v.dtype=}: q, k, v must share one dtype")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"{q.dtype=}: attention takes floating-point q, k, v")
+    if 0 in (*q.shape, *k.shape, *v.shape):
+        raise ValueError(f"{q.shape=} {k.shape=} {v.shape=}: every dimension must be at least 1")
 
 
 def check_dtype(q_BxLxHxK, allowed: tuple, impl: str) -> None:
@@ -348,6 +352,11 @@ class Mask:
     @property
     def lengths(self) -> bool:
         return self.q_lengths is not None or self.kv_lengths is not None
+
+    def arrays(self) -> tuple:
+        """The mask's arrays (segment ids, lengths) that are given."""
+        names = ("q_segment_ids", "kv_segment_ids", "q_lengths", "kv_lengths")
+        return tuple(a for a in (getattr(self, n) for n in names) if a is not None)
 
     @property
     def dynamic(self) -> bool:
@@ -616,14 +625,24 @@ def launch_cost(
 
 
 def check_softcap(softcap) -> float | None:
-    """None (no cap) or a positive finite float: what every kernel taking `softcap=` checks."""
+    """None (no cap) or a positive finite float: what every kernel taking `softcap=` checks. A
+    Python or NumPy number, or a concrete 0-d array; the cap is a constant of the program, so
+    a traced value is refused."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap > 0:
+    try:
+        if isinstance(softcap, bool | str | bytes) or np.ndim(softcap) != 0:
+            raise TypeError
+        value = float(softcap)
+    except TypeError:  # also jax's ConcretizationTypeError: a traced cap
+        raise ValueError(
+            f"softcap={softcap!r}: must be a positive number known when tracing (or None: no cap)"
+        ) from None
+    if not value > 0:
         raise ValueError(f"softcap={softcap!r}: must be a positive number (or None: no cap)")
-    if softcap == float("inf"):
+    if value == float("inf"):
         raise ValueError(f"softcap={softcap!r}: must be finite (None means no cap)")
-    return float(softcap)
+    return value
 
 
 # ---------------------------------------------------------------------------- attention sinks

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lab.kernels import native
+from lab.kernels import native, varying
 from lab.kernels.attention.common import (
     Mask,
     check_dtype,
@@ -176,7 +176,8 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, m, st: _Static):
         jax.ShapeDtypeStruct((*lead, H, L), jnp.float32),
     )
     call = jax.ffi.ffi_call(_FWD, out, vmap_method="broadcast_all")
-    return call(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *m, **st.attrs())
+    ins = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, *m)
+    return varying.like(call(*ins, **st.attrs()), *ins)  # varying as its inputs (shard_map)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -202,7 +203,8 @@ def _flash_bwd(st: _Static, residuals, do_BxLxHxK):
     out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK))
     call = jax.ffi.ffi_call(_BWD, out, vmap_method="broadcast_all")
     do_BxLxHxK = do_BxLxHxK.astype(q_BxLxHxK.dtype)
-    grads = call(*residuals, do_BxLxHxK, *m, **st.attrs())
+    ins = (*residuals, do_BxLxHxK, *m)
+    grads = varying.like(call(*ins, **st.attrs()), *ins)
     dsinks_H = None
     if sinks_H is not None:  # delta as the C++ backward computes it, Σ dO·O per row
         delta_BxLxH = (do_BxLxHxK.astype(jnp.float32) * o_BxLxHxK.astype(jnp.float32)).sum(-1)

@@ -61,6 +61,7 @@ Inference only: no custom_vjp (decode never differentiates through the cache).
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +166,8 @@ def check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_sc
             f"{q.shape=} {k.shape=}: query heads must be a multiple of kv heads "
             "(grouped-query attention)"
         )
+    if not hasattr(lengths_B, "dtype"):
+        raise ValueError(f"lengths={lengths_B!r}: expected an int32 array [{q.shape[0]}]")
     if lengths_B.shape != (q.shape[0],) or lengths_B.dtype != jnp.int32:
         raise ValueError(f"{lengths_B.shape=} {lengths_B.dtype=}: expected int32 [{q.shape[0]}]")
     if not jnp.issubdtype(q.dtype, jnp.floating):
@@ -202,11 +205,17 @@ def check_window(window) -> int | None:
     """None (the whole cache) or a positive int: how many of the last valid slots are seen."""
     if window is None:
         return None
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    try:
+        if isinstance(window, bool):
+            raise TypeError
+        w = operator.index(window)  # an int, or a NumPy integer
+    except TypeError:
+        w = 0
+    if w < 1:
         raise ValueError(
             f"window={window!r}: must be a positive int (the last W tokens) or None (all)"
         )
-    return window
+    return w
 
 
 def decode_attention_reference(
@@ -238,6 +247,7 @@ def decode_attention_reference(
         k_BxGxSxK = k_BxGxSxK * jnp.swapaxes(k_scale_BxGx1xS, 2, 3).astype(acc)
         v_BxGxSxK = v_BxGxSxK * jnp.swapaxes(v_scale_BxGx1xS, 2, 3).astype(acc)
     slot_1xS = jnp.arange(S)[None, :]
+    lengths_B = jnp.minimum(lengths_B, S)  # a length past the cache is the whole cache
     valid_BxS = slot_1xS < lengths_B[:, None]
     if window is not None:
         valid_BxS = valid_BxS & (slot_1xS >= lengths_B[:, None] - window)
