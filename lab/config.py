@@ -76,8 +76,10 @@ def did_you_mean(word: str, options) -> str:
 
 def _check_choice(key: str, raw, value, choices) -> None:
     if choices and value not in choices:
-        hint = did_you_mean(str(value), choices)
-        raise ConfigError(f"{key}={raw!r}: expected one of {' | '.join(choices)}{hint}")
+        named = [c for c in map(str, choices) if c]  # "" (the default) has no spelling
+        hint = did_you_mean(str(value), named)
+        empty = " or nothing (the default)" if len(named) < len(choices) else ""
+        raise ConfigError(f"{key}={raw!r}: expected one of {' | '.join(named)}{empty}{hint}")
 
 
 def _parse_list(key: str, raw: str, meta, cast) -> tuple:
