@@ -24,8 +24,8 @@ MARGIN = 0.15
         # calculator holds (2x2x2, small)
         pytest.param("tpu:v5e:2x2", "2x2", "tiny", marks=pytest.mark.slow_plan),
         pytest.param("tpu:v5e:2x2", "4", "small", marks=pytest.mark.slow_plan),
-        ("tpu:v4:2x2x1", "4x2", "tiny"),
-        ("tpu:v4:2x2x1", "2x2x2", "small"),
+        ("tpu:v4:2x2x2", "4x2", "tiny"),
+        ("tpu:v4:2x2x2", "2x2x2", "small"),
     ],
 )
 def test_plan_compiles_and_matches_the_calculator(tmp_path, capsys, target, mesh, preset):
@@ -66,6 +66,12 @@ def _sizes(mesh: str) -> tuple[int, int, int]:
     "argv, needle",
     [
         (["target=tpu:v9:2x2"], "unknown TPU generation 'v9'"),
+        (["target=tpu:v5f:2x2"], "(did you mean v5e or v5p?)"),
+        (["target=tpu:v5e:0x2"], "every axis of the topology needs at least 1 chip"),
+        (["target=tpu:v5e:2x2x2"], "a v5e slice is a 2-D torus"),
+        (["target=tpu:v4:2x2"], "a v4 slice is a 3-D torus"),
+        # JAX drives a v4 chip's two TensorCores as one device: 4 chips, 4 devices
+        (["target=tpu:v4:2x2x1", "mesh=8"], "mesh=8 needs 8 devices but only 4 are present"),
         (["target=cpu:h100"], "expected tpu:GEN:TOPOLOGY"),
         (["target=tpu:v5e:2x2", "mesh=16"], "mesh=16 needs 16 devices but only 4 are present"),
         (["target=tpu:v5e:2x4", "mesh=2"], "mesh=2 uses 2 of the target's 8 devices"),

@@ -18,6 +18,11 @@ TPU_TARGETS = {
 }
 
 
+MEGACORE = ("v4",)  # generations whose chips JAX drives as one device of two TensorCores
+# Generations whose slices are a 3-D torus (the others: 2-D).
+THREE_D = ("v4", "v5p")
+
+
 def target_help() -> str:
     return ", ".join(f"tpu:{g}:{t}" for g, tops in TPU_TARGETS.items() for t in tops[:2])
 
@@ -31,12 +36,24 @@ def parse_target(target: str) -> tuple[str, str]:
         )
     _, gen, topo = parts
     if gen not in TPU_TARGETS:
+        from lab.config import did_you_mean
+
         raise ConfigError(
             f"target={target!r}: unknown TPU generation {gen!r}; "
-            f"choose one of {', '.join(TPU_TARGETS)}"
+            f"choose one of {', '.join(TPU_TARGETS)}{did_you_mean(gen, TPU_TARGETS)}"
         )
-    if not all(p.isdigit() for p in topo.split("x")):
+    dims = topo.split("x")
+    if not all(p.isdigit() for p in dims):
         raise ConfigError(f"target={target!r}: topology {topo!r} is not like 2x4 or 2x2x1")
+    if any(int(p) < 1 for p in dims):  # libtpu divides by each (SIGFPE, a core dump)
+        raise ConfigError(f"target={target!r}: every axis of the topology needs at least 1 chip")
+    want = 3 if gen in THREE_D else 2
+    if len(dims) != want:
+        example = TPU_TARGETS[gen][0]
+        raise ConfigError(
+            f"target={target!r}: a {gen} slice is a {want}-D torus, so its topology has "
+            f"{want} axes, e.g. tpu:{gen}:{example}"
+        )
     return gen, topo
 
 
@@ -71,7 +88,10 @@ def topology_devices(target: str) -> list:
     from jax.experimental import topologies
 
     try:
-        topology = topologies.get_topology_desc(f"{gen}:{topo}", platform="tpu")
+        # v4 chips hold two TensorCores that JAX on a v4 VM drives as one device (megacore);
+        # libtpu's topology otherwise lists one device per core: half a chip's memory and peak
+        kwargs = {"chip_config_name": "megacore"} if gen in MEGACORE else {}
+        topology = topologies.get_topology_desc(f"{gen}:{topo}", platform="tpu", **kwargs)
     except Exception as e:  # libtpu reports bad layouts as several exception types
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"target={target!r}: libtpu refused the topology ({msg})") from None
