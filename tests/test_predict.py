@@ -272,3 +272,16 @@ def test_leave_one_out_fits_on_the_other_points_only():
     assert seen == [0, 1]
     assert ratios[0] == pytest.approx(4.0, rel=0.05)
     assert ratios[1] == pytest.approx(0.25, rel=0.05)
+
+
+def test_a_machine_class_without_a_fit_says_its_prediction_is_uncalibrated(monkeypatch):
+    """Nothing calibrates TPU predictions (no usable published point): the roofline with
+    efficiencies 1 predicts, and the statement says so before its held-out error."""
+    from lab.predict import step
+
+    held = {"n": 1, "median": 0.25, "worst": 1.25, "what": "published points"}
+    monkeypatch.setattr(step, "fits", lambda: {"tpu": {"fit": None, "held_out": held}})
+    monkeypatch.setattr(step, "device_checks", lambda: {})
+    said = step.error_statement("tpu")
+    assert said.startswith("uncalibrated for TPU (no usable calibration point: the roofline")
+    assert said.endswith("model error 25% median, worst 1.25×, on 1 held-out published point")

@@ -80,9 +80,16 @@ def error_statement(kind: str) -> str:
     if not err:
         text = "model error not measured yet for this machine class"
     else:
+        point = err["what"].removesuffix("s") if err["n"] == 1 else err["what"]
         text = (
             f"model error {err['median']:.0%} median, worst {err['worst']:.2f}×, on {err['n']} "
-            f"held-out {err['what']}"
+            f"held-out {point}"
+        )
+    if entry and entry.get("fit") is None and kind != "cpu":
+        # nothing calibrates it: the roofline with efficiencies 1 and no fixed costs
+        text = (
+            f"uncalibrated for {kind.upper()} (no usable calibration point: the roofline, "
+            f"efficiencies 1, no fixed per-op or per-call cost); {text}"
         )
     if kind in ("gpu", "tpu"):
         for device, c in device_checks().items():
