@@ -77,6 +77,8 @@ def test_main_writes_records_and_plot(tmp_path, capsys):
         (["min_size=0"], "min_size=0: a message holds at least one byte"),
         (["min_size=8MB", "max_size=4KB"], "min_size=8MB is above max_size=4KB"),
         (["min_size=8MB", "max_size=4KB", "quick=true"], "min_size=8MB is above max_size=4KB"),
+        # 3 × 4096 GiB on each of 8 devices: refused before anything is allocated
+        (["min_size=4096GB", "max_size=4096GB"], "simulated devices share"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):

@@ -182,6 +182,8 @@ def test_collective_matmul_command(capsys):
         "error: size=250: x's rows and w's columns split over model=4, so size must be a "
         "multiple of 4 (e.g. size=248)"
     )
+    assert collective_matmul.main(["mesh=2x4", "size=1000000"]) == 2  # 4 TB of f32: refused
+    assert "GiB, and 8 simulated devices share" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("impl", ["blockwise", "cpu_flash"])

@@ -116,6 +116,28 @@ def host_memory_bytes() -> int | None:
         return None
 
 
+def check_fits(what: str, per_device: float, key: str, devices=None) -> None:
+    """ConfigError (one line, before anything is allocated) where `per_device` bytes on each
+    device would not fit: on CPU the simulated devices share the host's memory (at most 80%
+    of it is asked for), elsewhere each device's own."""
+    import jax
+
+    from lab.errors import ConfigError
+
+    devices = list(devices if devices is not None else jax.devices())
+    cpu = devices[0].platform == "cpu"
+    capacity = host_memory_bytes() if cpu else device_capacity_bytes(devices[0])
+    if capacity is None:
+        return
+    need = per_device * (len(devices) if cpu else 1)
+    if need > 0.8 * capacity:
+        where = f"{len(devices)} simulated devices share" if cpu else "a device has"
+        raise ConfigError(
+            f"{key}: {what} would take {need / 2**30:.1f} GiB, and {where} "
+            f"{capacity / 2**30:.1f} GiB; choose a smaller {key.split('=')[0]}="
+        )
+
+
 def device_capacity_bytes(device) -> int | None:
     """Memory one device can allocate: the allocator's bytes_limit, or host RAM on CPU."""
     stats = device_memory_stats(device)

@@ -14,7 +14,7 @@ from lab import devices
 from lab.config import cli, field
 from lab.errors import ConfigError
 from lab.kernels import collective_matmul as cm
-from lab.measure import records, timing
+from lab.measure import memory, records, timing
 from lab.mesh import make_mesh
 from lab.names import MESH_AXES, MODEL
 from lab.report import progress, tables
@@ -39,6 +39,8 @@ def run(o: Options) -> int:
             f"size={n}: x's rows and w's columns split over {o.axis}={W}, so size must be a "
             f"multiple of {W} (e.g. size={max(W, n // W * W)})"
         )
+    # per device: x and w's shards, the gathered x (n × n), the output and the reference's
+    memory.check_fits("the product's inputs and outputs", 4 * n * n * (3 + 2 / W), f"size={n}")
     x, w = timing.random_inputs(0, [(n, n), (n, n)])
     try:
         got = cm.collective_matmul(x, w, mesh=mesh, axis=o.axis)

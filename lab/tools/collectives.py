@@ -17,7 +17,7 @@ from lab import devices
 from lab.config import cli, field
 from lab.errors import ConfigError
 from lab.measure import collectives as coll
-from lab.measure import records
+from lab.measure import memory, records
 from lab.mesh import make_mesh
 from lab.report import plots, progress, tables
 
@@ -62,6 +62,8 @@ def run(o: Options) -> int:
         raise ConfigError(f"min_size={o.min_size} is above max_size={shown}")
     # quick: the smallest size and one 16× larger (4 and 64 KiB by default), within max_size
     sizes = sorted({lo, min(16 * lo, hi)}) if o.quick else coll.sizes_between(lo, hi)
+    # a message's input, output and the collective's own buffer on every device
+    memory.check_fits("the largest message", 3 * max(sizes), f"max_size={o.max_size or hi}")
     stem = records.output_stem(o.out_dir, "collectives")
     env = records.environment()
     simulated = env["backend"] == "cpu" and env["device_count"] > 1
