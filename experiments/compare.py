@@ -35,7 +35,7 @@ def _train(c: dict) -> bool:
 
 
 def _bf16(c: dict) -> bool:
-    return c.get("metric") == "bf16_matmul_flops"
+    return c.get("metric") == "bf16_matmul_flops" and "target" not in c  # measured here
 
 
 # Row of the side-by-side table → how to find its record in one folder.

@@ -285,3 +285,14 @@ def test_a_machine_class_without_a_fit_says_its_prediction_is_uncalibrated(monke
     said = step.error_statement("tpu")
     assert said.startswith("uncalibrated for TPU (no usable calibration point: the roofline")
     assert said.endswith("model error 25% median, worst 1.25×, on 1 held-out published point")
+
+
+def test_an_ops_last_name_leaves_out_the_transforms_closing_parentheses():
+    from lab.measure.predicted import OpTime
+
+    def what(op_name):
+        return OpTime("x", "all-gather-start", "collective", 1, 0, 0, 0, 0, op_name).what
+
+    assert what("jit(step)/transpose(jvp(block/convert_element_type))") == "convert_element_type"
+    assert what("jit(step)/dot_general") == "dot_general"
+    assert what("") == "all-gather-start"

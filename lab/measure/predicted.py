@@ -26,8 +26,13 @@ class OpTime:
 
     @property
     def what(self) -> str:
-        """The JAX op's last name, or the opcode where the op carries none."""
-        return self.op_name.rsplit("/", 1)[-1] or self.opcode
+        """The JAX op's last name, or the opcode where the op carries none. The name path
+        nests transforms, as in `transpose(jvp(f/convert_element_type))`: the closing
+        parentheses of the outer ones are not the last name's."""
+        last = self.op_name.rsplit("/", 1)[-1]
+        while last.endswith(")") and last.count(")") > last.count("("):
+            last = last[:-1]
+        return last or self.opcode
 
 
 @dataclasses.dataclass(frozen=True)
