@@ -56,6 +56,15 @@ def check_fresh(run_dir: Path) -> None:
     left = previous_run(run_dir)
     if left:
         shown = ", ".join(left[:4]) + (", …" if len(left) > 4 else "")
+        try:
+            target = json.loads((run_dir / "config.json").read_text()).get("target")
+        except (OSError, ValueError, AttributeError):
+            target = None
+        if target:  # a plan trains nothing: there is nothing to continue
+            raise ConfigError(
+                f"run folder {run_dir} already holds a plan for target={target} ({shown}): "
+                "choose another name=, or replace it with overwrite=true"
+            )
         raise ConfigError(
             f"run folder {run_dir} already holds a run ({shown}): a folder belongs to one run; "
             "continue it with resume=true, choose another name=, or clear it first with "

@@ -436,3 +436,18 @@ def test_steps_0_trains_nothing_and_says_so(tmp_path, capsys):
     assert _run(tmp_path, "steps=0") == 2
     _one_line_error(capsys, "steps=0 trains nothing")
     assert not any(tmp_path.iterdir())
+
+
+def test_a_folder_holding_a_plan_is_not_offered_a_resume(tmp_path):
+    """A plan (target=) trains nothing: refusing a new run in its folder names the plan and
+    offers another name or overwrite=true, not resume=true (which refuses a plan)."""
+    import pytest
+
+    from lab import rundir
+    from lab.errors import ConfigError
+
+    (tmp_path / "config.json").write_text('{"target": "tpu:v5e:2x2", "compile_only": true}')
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match="already holds a plan for target=tpu:v5e:2x2") as e:
+        rundir.check_fresh(tmp_path)
+    assert "resume" not in str(e.value)
