@@ -114,18 +114,20 @@ def _plan_rows(t: Table, a: StepAnalysis) -> None:
         t.add_row("memory per device (spec)", f"{cap / GIB:.1f} GiB: {plan.fit}")
     est = plan.estimated_step_s
     predicted = a.predicted_step
+    # a loop of unknown trip count is timed once, like its FLOPs: the time is a floor
+    floor = a.compiled_cost.lower_bound_note.replace("at least", "a floor") if predicted else ""
     t.add_row(
         "predicted step time" if predicted else "estimated step time",
-        "n/a" if est is None else f"{duration(est)} ({plan.estimate_source})",
+        "n/a" if est is None else f"{duration(est)}{floor} ({plan.estimate_source})",
     )
     if predicted:
         t.add_row("  where it goes", breakdown_line(predicted))
         t.add_row("  top ops", top_ops_line(predicted))
         tokens = a.tokens_per_step
         if tokens and est:
-            t.add_row("predicted tokens/s", f"{tokens / est:,.0f}")
+            t.add_row("predicted tokens/s", f"{'at most ' if floor else ''}{tokens / est:,.0f}")
     mfu = plan.implied_mfu
-    bound = "at most " if plan.mfu_is_a_bound else ""
+    bound = "at most " if plan.mfu_is_a_bound or floor else ""
     t.add_row("implied MFU", "n/a" if mfu is None else f"{bound}{percent(mfu)}")
     t.add_row("label", plan.label)
 
