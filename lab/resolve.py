@@ -476,6 +476,28 @@ def _compile_only_resume(d: _Draft):
         )
 
 
+def _plan_runs_nothing(d: _Draft):
+    c = d.cfg
+    if not c.target:
+        return None
+    asked = [
+        key
+        for key, given in (
+            ("profile=true", c.profile),
+            (f"checkpoint_every={c.checkpoint_every}", c.checkpoint_every),
+            (f"coordinator={c.coordinator}", c.coordinator),
+            (f"num_processes={c.num_processes}", c.num_processes > 1),
+        )
+        if given
+    ]
+    if asked:
+        them = "it" if len(asked) == 1 else "them"
+        return (
+            f"target={c.target} compiles a plan and runs nothing, so {', '.join(asked)} would "
+            f"do nothing: leave {them} out"
+        )
+
+
 def _mesh_fits(d: _Draft):
     if d.sizes is None:
         return d.mesh_problem
@@ -650,6 +672,12 @@ RULES: tuple[Rule, ...] = (
         "a plan resumes nothing",
         _compile_only_resume,
         ("name=x", "resume=true", "compile_only=true"),
+        stage="request",
+    ),
+    Rule(
+        "a plan runs nothing",
+        _plan_runs_nothing,
+        ("target=tpu:v5e:2x2", "mesh=4", "profile=true"),
         stage="request",
     ),
     Rule("kv heads divide heads", _kv_heads, ("n_heads=4", "n_kv_heads=3")),
