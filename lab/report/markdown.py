@@ -89,6 +89,12 @@ def _env_lines(records: Sequence[dict], meta: dict) -> list[str]:
         lines.append("- merged from " + ", ".join(f"`{d}`" for d in meta["merged"]))
     elif meta:
         lines.append(f"- size `{meta.get('size')}`, wall time {meta.get('wall_s', 0):.0f} s")
+        if meta.get("size") == "tiny":
+            lines.append(
+                "  - **size `tiny` checks that every study runs**: its models, lengths and "
+                "batches are too small for the verdicts to judge the claims (a few-MFLOP step, "
+                "two lengths for a slope); `size=quick` or `full` judges them"
+            )
         for name, m in meta.get("modules", {}).items():
             err = f" — **failed**: {m['error']}" if m.get("error") else ""
             lines.append(f"  - `{name}`: {m['wall_s']:.0f} s, {m['records']} records{err}")
