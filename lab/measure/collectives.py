@@ -132,11 +132,16 @@ def bench_axes(mesh) -> list[str]:
     return [a for a in mesh.axis_names if mesh.shape[a] > 1]
 
 
-def run(mesh, sizes: list[int], ops=OPS, axes=None, budget_s: float = 0.3) -> list[Point]:
+def run(
+    mesh, sizes: list[int], ops=OPS, axes=None, budget_s: float = 0.3, progress=None
+) -> list[Point]:
+    """Every (axis, op, size) point; `progress(label)` is called as each starts."""
     points = []
     for axis in axes or bench_axes(mesh):
         for op in ops:
             for size in sizes:
+                if progress:
+                    progress(f"{op} over {axis}, {size:,} B")
                 points.append(time_one(op, mesh, axis, size, budget_s))
     return points
 

@@ -71,8 +71,18 @@ def run(o: Options) -> int:
     shape = " × ".join(f"{a}={n}" for a, n in mesh.shape.items())
     title = f"collectives · {env['device_kind']} × {env['device_count']} {where} · {shape}"
     t0 = time.perf_counter()
-    points = coll.run(mesh, sizes, o.ops, budget_s=o.budget)
     con = progress.console()
+    total = len(coll.bench_axes(mesh)) * len(o.ops) * len(sizes)
+    with progress.tasks(con) as bar:
+        task = bar.add_task("collectives", total=total)
+        started = []
+
+        def tick(label: str) -> None:  # a point starts: the one before it is done
+            bar.update(task, description=label[:28], advance=1 if started else 0)
+            started.append(label)
+
+        points = coll.run(mesh, sizes, o.ops, budget_s=o.budget, progress=tick)
+        bar.update(task, completed=total)
     con.print(tables.collectives(points, title))
     path = records.write_records(stem.with_suffix(".jsonl"), coll.to_records(points, simulated))
     con.print(f"records → {path}")
