@@ -25,9 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab.config import Config
-from lab.kernels.pipeline import Schedule
+from lab.kernels.pipeline import Schedule, to_stage_major_order
 from lab.mesh import axis_size, rules_for
-from lab.model import build
+from lab.model import build, layer_order
 from lab.names import BATCH, HOST_MEMORY, PIPELINE_STRATEGIES, STAGE
 from lab.resolve import Platform, Request, Resolved, resolve
 
@@ -155,8 +155,15 @@ def train_step(
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def _init_state(key, *, model, tx, seq_len: int) -> TrainState:
-    return _state_of(model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"], tx=tx)
+def _init_state(key, *, model, tx, seq_len: int, stages: int = 1) -> TrainState:
+    """The initial state. A circular pipeline stores its stacked blocks stage-major
+    (lab.model.layer_order): the layer-order init is put in that storage, so that every layer
+    starts from the weights it has without the pipeline (same seed, same model)."""
+    params = model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
+    if layer_order(model.cfg) == "stage_major" and "blocks" in params:
+        repeats = model.cfg.pipeline_repeats
+        params = {**params, "blocks": to_stage_major_order(params["blocks"], stages, repeats)}
+    return _state_of(params, tx=tx)
 
 
 def _state_of(params, *, tx) -> TrainState:
@@ -227,7 +234,8 @@ def make_trainer(resolved: Resolved | Config, mesh=None) -> Trainer:
     rules = rules_for(cfg.strategy)
     model = r.model if r.model is not None else build(cfg.model)  # resolve's, where it built it
     tx = make_optimizer(cfg)
-    init_fn = functools.partial(_init_state, model=model, tx=tx, seq_len=cfg.seq_len)
+    stages = dict(mesh.shape).get(STAGE, 1)
+    init_fn = functools.partial(_init_state, model=model, tx=tx, seq_len=cfg.seq_len, stages=stages)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         if r.abstract_params is not None:  # the model traced once, by the resolve step
             abstract_boxed = jax.eval_shape(functools.partial(_state_of, tx=tx), r.abstract_params)
