@@ -369,7 +369,7 @@ class Config:
     steps: int = field(150, "training steps", min=0)
     lr: float = field(3e-3, "peak learning rate (AdamW)", min=0.0)
     warmup_steps: int = field(20, "linear warm-up steps before the cosine decay", min=0)
-    min_lr_ratio: float = field(0.1, "final learning rate as a fraction of lr", min=0.0)
+    min_lr_ratio: float = field(0.1, "final learning rate as a fraction of lr", min=0.0, max=1.0)
     weight_decay: float = field(0.1, "AdamW decoupled weight decay", min=0.0)
     grad_clip: float = field(1.0, "clip gradients to this global norm; 0 = off", min=0.0)
     loss_scale: float = field(

@@ -418,6 +418,18 @@ def _ring(d: _Draft):
         )
 
 
+def _ring_splits(d: _Draft):
+    axes = dict(MESH_RULES.get(d.cfg.strategy, ())).get(SEQ) or ()
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    W = math.prod((d.sizes or {}).get(a, 1) for a in axes)
+    if d.model.attention == "ring" and W > 1 and d.cfg.seq_len % W:
+        where = " × ".join(f"{a}={(d.sizes or {}).get(a, 1)}" for a in axes)
+        return (
+            f"attention=ring splits seq_len={d.cfg.seq_len} over {where} devices: choose a "
+            f"multiple of {W} (e.g. seq_len={max(W, d.cfg.seq_len // W * W)})"
+        )
+
+
 def _accumulate(d: _Draft):
     if d.cfg.batch_size % d.cfg.accumulate:
         return (
@@ -742,6 +754,12 @@ RULES: tuple[Rule, ...] = (
         needs_mesh=True,
     ),
     Rule("batch splits over the mesh", _batch_splits, ("mesh=8", "batch_size=12"), True),
+    Rule(
+        "ring splits the sequence",
+        _ring_splits,
+        ("mesh=2x4", "strategy=cp", "attention=ring", "seq_len=30"),
+        needs_mesh=True,
+    ),
     Rule(
         "accumulation microbatches split over the mesh",
         _accumulation_splits,
