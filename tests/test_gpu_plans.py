@@ -389,3 +389,22 @@ def test_the_calculator_holds_naive_attention_against_the_accelerator_compilers(
     pred = s["predicted_memory_per_device"]
     assert pred["activations"] > compiled / 2  # the scores dominate: the term is what is tested
     assert abs(pred["total"] / compiled - 1) < 0.25, (pred, compiled)
+
+
+def test_a_gpu_plan_fits_the_share_of_memory_jax_allocates(monkeypatch):
+    """JAX's allocator takes 75% of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says
+    otherwise: a plan judges its fit against what a run there could allocate. A TPU's HBM is
+    its own."""
+    import types
+
+    from lab import summary
+    from lab.measure import specs
+
+    h100 = specs.lookup("NVIDIA H100 80GB HBM3").memory_bytes
+    info = types.SimpleNamespace(aot=True, backend="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert summary.capacity_bytes(info) == pytest.approx(0.75 * h100)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert summary.capacity_bytes(info) == pytest.approx(0.9 * h100)
+    tpu = types.SimpleNamespace(aot=True, backend="tpu", device_kind="TPU v5 lite")
+    assert summary.capacity_bytes(tpu) == specs.lookup("TPU v5 lite").memory_bytes

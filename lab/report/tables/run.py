@@ -111,7 +111,11 @@ def _fitting_rows(t: Table, a: StepAnalysis) -> None:
 def _plan_rows(t: Table, a: StepAnalysis) -> None:
     plan, cap = a.plan, a.capacity_bytes
     if cap:
-        t.add_row("memory per device (spec)", f"{cap / GIB:.1f} GiB: {plan.fit}")
+        where = "(spec)"
+        if (a.source.get("aot") or {}).get("allocator_share"):
+            share = a.source["aot"]["allocator_share"]
+            where = f"(spec × {share:g}: JAX's allocator share, XLA_PYTHON_CLIENT_MEM_FRACTION)"
+        t.add_row(f"memory per device {where}", f"{cap / GIB:.1f} GiB: {plan.fit}")
     est = plan.estimated_step_s
     predicted = a.predicted_step
     # a loop of unknown trip count is timed once, like its FLOPs: the time is a floor
