@@ -383,6 +383,31 @@ def run_records(s: dict, run: str) -> list[dict]:
                 "compiled memory per device", mem["total_bytes"], "B", label=label, run=run, **mem
             )
         )
+    if plan:  # the target's figures, stamped with the target (the host only compiled them)
+        a = s["aot"]
+        est, tokens = a.get("estimated_step_s"), s.get("tokens_per_step")
+        how = {"run": run, "model_error": a.get("estimate_source")}
+        if est:
+            out.append(rec.make_record("training step time", est, "s", label="predicted", **how))
+            if tokens:
+                out.append(
+                    rec.make_record(
+                        "training tokens/s", tokens / est, "tokens/s", label="predicted", **how
+                    )
+                )
+        if a.get("implied_mfu") is not None:
+            out.append(
+                rec.make_record(
+                    "training MFU", a["implied_mfu"], "fraction", label="predicted", **how
+                )
+            )
+        kind = s.get("device_kind") or ""
+        target = {
+            "backend": "tpu" if kind.startswith("TPU") else "gpu",
+            "device_kind": kind,
+            "device_count": s.get("devices"),
+        }
+        out = [{**r, "compiled_on": {k: r[k] for k in target}, **target} for r in out]
     if s.get("step_time"):
         t = s["step_time"]
         timing = {k: t[k] for k in ("p10_s", "p90_s", "runs", "compile_s")}

@@ -6,6 +6,7 @@ import pytest
 
 from lab.config import parse_args
 from lab.measure.memory import predict_lab_step
+from lab.measure.records import read_records
 from lab.run import main
 
 libtpu = pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
@@ -45,6 +46,14 @@ def test_plan_compiles_and_matches_the_calculator(tmp_path, capsys, target, mesh
     assert s_pred(tmp_path)["label"] == "predicted"
     s = json.loads((tmp_path / "plan" / "summary.json").read_text())
     assert s["aot"]["label"] == "compiled, not run"
+    # the plan's records are the target's figures, stamped with the target, not this host
+    recs = {r["what"]: r for r in read_records(tmp_path / "plan" / "records.jsonl")}
+    assert set(recs) >= {"compiled memory per device", "training step time", "training MFU"}
+    for r in recs.values():
+        assert r["backend"] == "tpu" and r["device_kind"].startswith("TPU"), r
+        assert r["device_count"] == s["devices"] and r["compiled_on"]["backend"] == "cpu"
+    assert recs["training step time"]["label"] == "predicted"
+    assert recs["training step time"]["value"] == s["aot"]["estimated_step_s"]
     cfg = json.loads((tmp_path / "plan" / "config.json").read_text())
     keys = [f"model={preset}", "dtype=bfloat16", "attention=naive", "batch_size=16"]
     run_cfg = parse_args([*keys, "seq_len=256", f"strategy={cfg['strategy']}"])

@@ -57,6 +57,7 @@ def environment() -> dict:
         "jax_version": jax.__version__,
         "jaxlib_version": _version("jaxlib"),
         "flax_version": _version("flax"),
+        "libtpu_version": _version("libtpu"),  # what compiles a TPU plan (None: not installed)
         **toolchain.probe().record(),
         "python_version": platform.python_version(),
         "hostname": socket.gethostname(),
