@@ -82,9 +82,28 @@ def training(con: Console) -> Progress:
     )
 
 
+class _Tasks(Progress):
+    """A Progress that, where the output is not a terminal (a log, a pipe: no live bar), prints
+    one line as each named step starts, so a long sweep's log says where it is."""
+
+    def update(self, task_id, *, description=None, **kwargs):
+        super().update(task_id, description=description, **kwargs)
+        if description is None or self.console.is_terminal:
+            return
+        task = self._tasks[task_id]
+        if getattr(task, "_lab_said", None) != description:
+            task._lab_said = description
+            total = f"/{task.total:g}" if task.total else ""
+            self.console.print(
+                f"{description} ({task.completed:g}{total} done, {task.elapsed or 0:.0f} s)",
+                soft_wrap=True,
+            )
+
+
 def tasks(con: Console) -> Progress:
-    """A named task out of several, with elapsed time (the ledger's modules, a sweep's points)."""
-    return Progress(
+    """A named task out of several, with elapsed time (the ledger's modules, a sweep's points);
+    off a terminal, a line as each starts."""
+    return _Tasks(
         TextColumn("{task.description:<28}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),

@@ -78,7 +78,7 @@ def run(o: Options) -> int:
         started = []
 
         def tick(label: str) -> None:  # a point starts: the one before it is done
-            bar.update(task, description=label[:28], advance=1 if started else 0)
+            bar.update(task, description=label, advance=1 if started else 0)
             started.append(label)
 
         points = coll.run(mesh, sizes, o.ops, budget_s=o.budget, progress=tick)
