@@ -24,10 +24,30 @@ def _plt():
     return plt
 
 
+def _wrap_titles(fig) -> None:
+    """Titles wrapped to their axes' width (a long one was cut off at the figure's edge)."""
+    import textwrap
+
+    def fill(text: str, inches: float, size: float) -> str:
+        chars = max(20, int(inches * 144 / size))  # ~0.5 em a character
+        return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
+
+    width = fig.get_size_inches()[0]
+    for ax in fig.axes:
+        title = ax.title
+        if title.get_text():
+            inches = ax.get_position().width * width
+            title.set_text(fill(title.get_text(), inches, title.get_fontsize()))
+    sup = getattr(fig, "_suptitle", None)
+    if sup is not None and sup.get_text():
+        sup.set_text(fill(sup.get_text(), width, sup.get_fontsize()))
+
+
 def _save(fig, path, **kw) -> Path:
     plt = _plt()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _wrap_titles(fig)
     fig.tight_layout()
     fig.savefig(path, dpi=kw.get("dpi", 110))
     plt.close(fig)
