@@ -365,8 +365,13 @@ class Config:
     offload_optimizer: bool = field(
         False, "keep the AdamW state in host memory (pinned_host), moved in for the update"
     )
-    seq_len: int = field(128, "tokens per sequence", min=2)
-    steps: int = field(150, "training steps", min=0)
+    seq_len: int = field(
+        128,
+        "tokens per sequence (at most 2^20: attention's block map holds (seq_len/128)² tiles)",
+        min=2,
+        max=2**20,
+    )
+    steps: int = field(150, "training steps (the step counter is int32)", min=0, max=2**31 - 1)
     lr: float = field(3e-3, "peak learning rate (AdamW)", min=0.0)
     warmup_steps: int = field(20, "linear warm-up steps before the cosine decay", min=0)
     min_lr_ratio: float = field(0.1, "final learning rate as a fraction of lr", min=0.0, max=1.0)

@@ -138,7 +138,7 @@ class _Records:
 
     log: rundir.MetricsLog
     events: tensorboard.EventFile
-    lr: np.ndarray  # the optimizer's schedule at every update, computed once before training
+    lr: "_Rates"  # the optimizer's schedule by update count
     tokens_per_step: int
     flops_per_token: float
     peak_flops_per_s: float | None  # None: no peak known for the device, no MFU
@@ -151,13 +151,32 @@ class _Records:
             "grad_norm": grad_norm,
             "step_s": step_s,
             "tokens_per_s": tokens_per_s,
-            "learning_rate": float(self.lr[step - 1]),  # update `step` uses count step - 1
+            "learning_rate": self.lr(step - 1),  # update `step` uses count step - 1
         }
         if self.peak_flops_per_s:
             rec["mfu"] = self.flops_per_token * tokens_per_s / self.peak_flops_per_s
         rec.update(_memory_now(), wall_time=time.time())
         self.log.write(rec)
         self.events.write(rec)
+
+
+class _Rates:
+    """The schedule's learning rate by update count, computed a block of counts at a time as
+    the run reaches them (one call per block, not per logged step; never the whole run's
+    steps at once, which a large steps= could not hold)."""
+
+    BLOCK = 4096
+
+    def __init__(self, schedule):
+        self.schedule, self.block, self.values = schedule, -1, None
+
+    def __call__(self, count: int) -> float:
+        block = count // self.BLOCK
+        if block != self.block:
+            start = block * self.BLOCK
+            self.values = np.asarray(self.schedule(np.arange(start, start + self.BLOCK)))
+            self.block = block
+        return float(self.values[count % self.BLOCK])
 
 
 def _records(cfg, info, analysis, run_dir: Path, log) -> _Records:
@@ -168,7 +187,7 @@ def _records(cfg, info, analysis, run_dir: Path, log) -> _Records:
     return _Records(
         log,
         events,
-        np.asarray(lr_schedule(cfg)(np.arange(cfg.steps))),
+        _Rates(lr_schedule(cfg)),
         cfg.batch_size * cfg.seq_len,
         analysis["model_flops_per_token"],
         peak,

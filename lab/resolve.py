@@ -696,7 +696,7 @@ RULES: tuple[Rule, ...] = (
     Rule("heads divide d_model", _heads, ("d_model=60", "n_heads=8", "n_kv_heads=4")),
     Rule("even head_dim", _rotary, ("d_model=12", "n_heads=4", "n_kv_heads=2")),
     Rule("text needs bytes", _text_vocab, ("vocab_size=100", "data=text")),
-    Rule("text longer than a sequence", _text_length, ("data=text", "seq_len=10000000")),
+    Rule("text longer than a sequence", _text_length, ("data=text", "seq_len=1000000")),
     Rule("window pattern", _window_pattern, ("window=16", "window_pattern=local,glob")),
     Rule("window pattern needs a window", _pattern_window, ("window_pattern=local,global",)),
     Rule("pack needs text", _pack, ("data=synthetic", "pack=true")),

@@ -37,7 +37,7 @@ class Options:
     )
     batches: tuple = field((1, 2, 4, 8, 16, 32, 64), "decode batch sizes", kind="ints", min=1)
     prefill_batches: tuple = field((1, 4), "prefill batch sizes", kind="ints", min=1)
-    prompt_len: int = field(128, "prompt tokens per sequence", min=1)
+    prompt_len: int = field(128, "prompt tokens per sequence", min=1, max=2**20)
     decode_steps: int = field(
         32, "decode steps timed at most per batch (the cache holds them)", min=1
     )

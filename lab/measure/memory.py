@@ -131,7 +131,11 @@ def check_fits(what: str, per_device: float, key: str, devices=None) -> None:
         return
     need = per_device * (len(devices) if cpu else 1)
     if need > 0.8 * capacity:
-        where = f"{len(devices)} simulated devices share" if cpu else "a device has"
+        where = "a device has"
+        if cpu:
+            where = (
+                f"{len(devices)} simulated devices share" if len(devices) > 1 else "the host has"
+            )
         raise ConfigError(
             f"{key}: {what} would take {need / 2**30:.1f} GiB, and {where} "
             f"{capacity / 2**30:.1f} GiB; choose a smaller {key.split('=')[0]}="

@@ -12,9 +12,11 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 
 from lab.config import cli, field
 from lab.errors import ConfigError
+from lab.measure import memory
 from lab.measure import records as rec
 from lab.names import DTYPES
 from lab.report import plots, progress, tables
@@ -53,15 +55,22 @@ def run(o: Options) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     impls += [o.baseline] if o.baseline not in impls else []
-    stem = rec.output_stem(o.out_dir, "attention")
     dtype = o.dtype if o.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
+    seqs = o.seqs or study.default_seqs(backend, o.quick)
+    B, H, G, K = o.batch, o.heads, o.kv_heads, o.head_dim
+    item = jnp.dtype(DTYPES[dtype]).itemsize
+    # q, out, dout, dq and k, v, dk, dv at the longest length, and the float64 keys and values
+    # of the reference: refused before anything is allocated
+    need = B * max(seqs) * K * ((4 * H + 4 * G) * item + 2 * G * 8)
+    memory.check_fits("the inputs and gradients", need, f"seqs={max(seqs)}", jax.devices()[:1])
+    stem = rec.output_stem(o.out_dir, "attention")
     shape = study.Shape(o.batch, o.heads, o.kv_heads, o.head_dim, DTYPES[dtype])
     con = progress.console(width=150)
     if os.getloadavg()[0] > (os.cpu_count() or 1) * 0.5:
         con.print(f"[yellow]host load average {os.getloadavg()[0]:.1f}: times will be noisy")
     t0 = time.perf_counter()
     records = study.sweep(
-        o.seqs or study.default_seqs(backend, o.quick),
+        seqs,
         causal={"both": (True, False), "yes": (True,), "no": (False,)}[o.causal],
         modes=o.modes,
         impls=impls,
