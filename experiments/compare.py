@@ -269,7 +269,8 @@ def run(o: Options) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     progress.console().print(tables.verdicts(result["verdicts"]))
-    print(f"{len(result['records'])} records from {len(o.dirs)} folders → {result['path']}")
+    n = len(o.dirs)
+    print(f"{len(result['records'])} records from {n} folder{'s' * (n != 1)} → {result['path']}")
     return 0
 
 

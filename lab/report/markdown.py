@@ -220,7 +220,7 @@ def render(
                 "",
             ]
     out += ["## Sources", ""]
-    out += [f"- {k}: *{title}* (`seeds/{name}`)" for k, (name, title) in SOURCES.items()]
+    out += [f"- {k}: *{title}* (`{name}`)" for k, (name, title) in SOURCES.items()]
     return "\n".join(out) + "\n"
 
 
