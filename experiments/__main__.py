@@ -135,6 +135,13 @@ def run(o: Options) -> int:
         only = parse_only(",".join(o.only)) if o.only else None
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if o.plans == "on":  # asked for: refused now, not skipped inside the report
+        from lab.plans import gpu
+
+        try:
+            gpu.check_compiler()
+        except ConfigError as e:
+            raise ConfigError(f"plans=on compiles GPU plans, and {e} (or plans=off)") from None
     import jax
 
     try:
