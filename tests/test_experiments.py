@@ -97,6 +97,18 @@ def test_cli_rejects_bad_arguments_with_one_line(capsys):
     assert "did you mean size?" in capsys.readouterr().err
 
 
+def test_plans_on_without_the_gpu_compiler_is_one_line(monkeypatch, capsys, tmp_path):
+    """plans=on asks for the GPU plans: without JAX's CUDA plugin it is refused before any
+    topic runs, not skipped inside the report."""
+    from lab.plans import gpu
+
+    monkeypatch.setattr(gpu, "_pjrt", lambda: None)
+    assert cli.main(["plans=on", "only=C10", f"out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: plans=on compiles GPU plans, and target=gpu:... needs")
+    assert err.count("\n") == 1 and not list(tmp_path.iterdir())
+
+
 def test_only_selects_modules_without_importing_the_rest():
     assert experiments.select(experiments.parse_only("c03,C08")) == ["matmul", "attention"]
     assert experiments.parse_only("C3,c03,8") == ("C03", "C08")  # each once, zero optional
