@@ -147,19 +147,37 @@ def run(o: Options, keys: dict) -> int:
         con.print(
             f"[bold]sample[/bold] (temperature {o.temperature}):\n[dim]{prompt}[/dim]{text}\n"
         )
+    config = {
+        "preset": s.cfg.preset,
+        "mesh": s.cfg.mesh,
+        "dtype": s.cfg.model.dtype,
+        "weights": source,
+        "prompt_len": o.prompt_len,
+    }
+    finished = {}
+
+    def keep() -> None:  # a stop keeps the points measured so far
+        recs = serving_records.finished_records(finished, config)
+        if len(recs) > 1:  # more than the roof: at least one point
+            path = rec.write_records(stem.with_suffix(".jsonl"), recs)
+            startup.note(f"the {len(recs) - 1} points measured so far are in {path}")
+
+    startup.on_stop(keep)
     n = len(o.batches) + len(o.prefill_batches) + 1 + (3 if o.int8 else 0)
     with progress.tasks(con) as bar:
         task = bar.add_task("serving", total=n)
 
         def tick(label):
-            # A label the bar cuts (a long prefill's FLOPs and minutes) is printed whole, and
-            # so is every step where the output is a file or a pipe, which shows no bar.
-            if len(label) > 28 or not con.is_terminal:
+            # A label the bar cuts (a long prefill's FLOPs and minutes) is printed whole; where
+            # the output is a file or a pipe, the bar itself prints each label as a line.
+            if len(label) > 28 and con.is_terminal:
                 con.print(f"  {label}", soft_wrap=True)
-            bar.update(task, description=label[:28], advance=0 if label.startswith("roofs") else 1)
+            shown = label[:28] if con.is_terminal else label
+            bar.update(task, description=shown, advance=0 if label.startswith("roofs") else 1)
 
-        out = study.measure(s, params, plan, progress=tick)
+        out = study.measure(s, params, plan, progress=tick, finished=finished)
         bar.update(task, completed=n)
+    finished.clear()  # measured whole: the records below are the study's
     what = f"model={s.cfg.preset}, prompt {o.prompt_len}, {s.info.header()}"
     con.print(tables.serving_prefill(out.prefill, f"prefill · {what}"))
     rows = out.decode + out.decode_int8
@@ -171,13 +189,6 @@ def run(o: Options, keys: dict) -> int:
     if out.int8:
         con.print(tables.serving_int8(out.int8, out.summary.int8_speedup))
     con.print(tables.serving_summary(out.summary, out.roofs))
-    config = {
-        "preset": s.cfg.preset,
-        "mesh": s.cfg.mesh,
-        "dtype": s.cfg.model.dtype,
-        "weights": source,
-        "prompt_len": o.prompt_len,
-    }
     recs = serving_records.to_records(out, config)
     with startup.held():  # whole lines: a signal waits for the records
         con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")

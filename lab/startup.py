@@ -10,7 +10,8 @@ needs finishing: every start-up write is whole or not at all (written aside, the
 interrupted overwrite leaves its hidden folder for the next one) and the kernel releases the
 folder's lock.
 `note()` says what the folder keeps at each stage, for the one line; a write that must be
-whole (lab.serve's records) runs under `held()`, and a signal during it exits after it.
+whole (lab.serve's records) runs under `held()`, and a signal during it exits after it;
+`on_stop()` registers what to write first (lab.serve's finished points).
 """
 
 import contextlib
@@ -26,6 +27,7 @@ PARENT_DEATH_SIGNAL = "SIGUSR1"
 _PARENT_DEATH = signal.Signals[PARENT_DEATH_SIGNAL]  # before the loop: exits as SIGTERM does
 _kept = ["nothing was written"]
 _held = {"on": False, "signum": None}
+_last_words = []  # called once before a signal's exit: what can still be kept is written
 
 
 def native_log_level(argv) -> None:
@@ -36,6 +38,13 @@ def native_log_level(argv) -> None:
     error in the calculation!" on a compile that succeeds); a fatal line still prints."""
     plan = any(a.startswith("target=") and a != "target=" for a in argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3" if plan else "1")
+
+
+def on_stop(keep) -> None:
+    """Call `keep()` when a signal stops the process, before its one line: it writes what
+    finished (lab.serve's measured points) and may `note()` where. Its failure is ignored:
+    the process still exits with its line."""
+    _last_words.append(keep)
 
 
 def note(kept: str) -> None:
@@ -60,6 +69,12 @@ def _exit(signum, _frame) -> None:
         _held["signum"] = _held["signum"] or signum
         return
     name = "SIGTERM" if signum == _PARENT_DEATH else signal.Signals(signum).name
+    while _last_words:
+        keep = _last_words.pop()
+        try:
+            keep()
+        except Exception:  # noqa: BLE001 - the exit line must still come
+            pass
     try:  # one write, then out: no exception may reach the code the signal interrupted
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - a closed pipe must not keep the process alive

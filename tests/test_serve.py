@@ -464,3 +464,31 @@ def test_a_signal_to_serve_is_one_line_and_its_exit_code(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, (out[-2000:], err[-2000:])
     assert err.startswith("SIGTERM: exiting at once; ") and err.count("\n") == 1, err
+
+
+def test_a_stopped_sweep_keeps_the_points_it_measured(tmp_path):
+    """SIGTERM once the second decode batch has started: the roof and the points measured
+    before it are written (marked partial), and the exit line says where."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from lab.measure.records import read_records
+
+    argv = [*FAST, "batches=1,2", f"results={tmp_path}", "plot=false"]
+    cmd = [sys.executable, "-m", "lab.serve", *argv]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # off a terminal, each step of the sweep is a line as it starts
+        if line.startswith("decode batch 2"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (out[-2000:], err[-2000:])
+    assert "points measured so far are in" in err and err.count("\n") == 1, err
+    (path,) = tmp_path.glob("serve-*.jsonl")
+    recs = read_records(path)
+    assert all(r["config"]["partial"] for r in recs)
+    whats = [r["what"] for r in recs]
+    assert "copy bandwidth" in whats and "decode tokens/s, batch 1, float" in whats

@@ -37,7 +37,28 @@ def to_records(out: Study, config: dict) -> list[dict]:
             **{**config, "metric": "decode_critical_batch"},
         ),
     ]
-    for p in out.prefill:
+    return (
+        recs
+        + _point_records(out.prefill, out.decode + out.decode_int8, config)
+        + _rest(out, config)
+    )
+
+
+def finished_records(done: dict, config: dict) -> list[dict]:
+    """The records of a study stopped part-way (`measure`'s `finished`): the copy bandwidth
+    and the points measured so far, marked partial; nothing derived from the whole sweep."""
+    config = {**config, "partial": True}
+    recs = []
+    if done.get("roofs") is not None:
+        copy = done["roofs"].copy["bytes_per_s"]
+        recs.append(records.make_record("copy bandwidth", copy, "B/s", **config))
+    decode = list(done.get("decode", ())) + list(done.get("decode_int8", ()))
+    return recs + _point_records(done.get("prefill", ()), decode, config)
+
+
+def _point_records(prefill, decode, config: dict) -> list[dict]:
+    recs = []
+    for p in prefill:
         recs.append(
             records.make_record(
                 f"prefill tokens/s, batch {p.batch}",
@@ -47,7 +68,7 @@ def to_records(out: Study, config: dict) -> list[dict]:
                 **{**config, **p.record_config()},
             )
         )
-    for p in out.decode + out.decode_int8:
+    for p in decode:
         kind = "int8" if p.int8_cache else "float"
         recs.append(
             records.make_record(
@@ -59,6 +80,11 @@ def to_records(out: Study, config: dict) -> list[dict]:
                 **{**config, **p.record_config()},
             )
         )
+    return recs
+
+
+def _rest(out: Study, config: dict) -> list[dict]:
+    s, recs = out.summary, []
     for r in out.torch:
         recs.append(
             records.make_record(

@@ -93,7 +93,7 @@ def check_plan(plan: Plan) -> None:
         )
 
 
-def measure(session: Session, params, plan: Plan, *, progress=None) -> Study:
+def measure(session: Session, params, plan: Plan, *, progress=None, finished=None) -> Study:
     """The whole study: roofs, prefill, decode over the batch sweep (float, then int8 weights
     and cache at the smallest and largest batch), int8 error, the bandwidths measured again.
     `progress(label)` is called before each point (a progress bar's advance). `session`
@@ -105,7 +105,10 @@ def measure(session: Session, params, plan: Plan, *, progress=None) -> Study:
     model = session.cfg.model
     tick("roofs: copy bandwidth and matmul peak")
     roofs = measure_roofs(model.dtype, budget_s=plan.budget_s)
-    prefill = []
+    # `finished` (a dict, or None) holds the points as they are measured: what a stop keeps
+    done = finished if finished is not None else {}
+    prefill, points, points_i8 = [], [], []
+    done.update(roofs=roofs, prefill=prefill, decode=points, decode_int8=points_i8)
     for b in plan.prefill_batches:
         tick(f"prefill batch {b}{prefill_estimate(model, b, plan.prompt_len, roofs.peak_flops)}")
         prefill.append(
@@ -116,12 +119,11 @@ def measure(session: Session, params, plan: Plan, *, progress=None) -> Study:
     kw = dict(
         prompt_len=plan.prompt_len, steps=plan.steps, budget_s=plan.budget_s, max_len=plan.slots()
     )
-    points = []
     for b in plan.batches:
         tick(f"decode batch {b}")
         points.append(fastest_point(session, params, roofs, batch=b, int8_cache=False, **kw))
     torch = torch_peer(session, params, plan, points)
-    points_i8, error = [], None
+    error = None
     if plan.int8:
         params_i8 = jax.jit(quant.quantize_params)(params)
         for b in sorted({min(plan.batches), max(plan.batches)}):
