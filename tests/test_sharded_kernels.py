@@ -208,3 +208,25 @@ def test_the_kernels_run_inside_a_users_checked_shard_map(impl):
     got = _value_and_grads(lambda q, k, v: sharded(q, k, v, seg), q, k, v)
     want = _value_and_grads(lambda q, k, v: call(q, k, v, seg), q, k, v)
     _close(got, want)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "cpu_flash"])
+def test_replicated_inputs_get_summed_gradients_inside_a_checked_shard_map(impl):
+    """Keys, values and sinks replicated while the queries split along the sequence (no mask:
+    each shard's rows see every key): each replicated input's gradient is the sum of every
+    device's, as the plain call's is."""
+    from lab.kernels.attention import attention
+    from lab.kernels.attention import cpu_flash as cf
+
+    if impl == "cpu_flash" and not cf.available():
+        pytest.skip("no C++ compiler here")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    q, k, v, sinks = random_inputs(5, [(2, 32, 4, 16), (2, 24, 2, 16), (2, 24, 2, 16), (4,)])
+
+    def call(q, k, v, sinks):
+        return attention(q, k, v, impl=impl, causal=False, sinks=sinks)
+
+    P = jax.sharding.PartitionSpec
+    specs = (P(None, "data"), P(), P(), P())
+    sharded = jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=True)
+    _close(_value_and_grads(sharded, q, k, v, sinks), _value_and_grads(call, q, k, v, sinks))

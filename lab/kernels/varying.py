@@ -41,3 +41,23 @@ def like(outputs, *inputs):
     if not axes:
         return outputs
     return jax.tree.map(lambda x: lax.pcast(x, axes, to="varying"), outputs)
+
+
+def _axes(x) -> frozenset:
+    kind = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(kind, "varying", ()) or ())
+
+
+def reduce_like(grads, primals):
+    """A custom backward's gradients typed as their primal inputs: summed over the axes a
+    gradient varies over and its input does not (a replicated input, as sinks in a
+    data-parallel shard_map: its gradient is the sum of every device's, the transpose of the
+    implicit broadcast). None where a gradient or input is None."""
+
+    def one(g, x):
+        if g is None or x is None:
+            return g
+        extra = tuple(sorted(_axes(g) - _axes(x)))
+        return lax.psum(g, extra) if extra else g
+
+    return tuple(one(g, x) for g, x in zip(grads, primals, strict=True))

@@ -325,13 +325,14 @@ def _backward(st: _Static, residuals, do_BxLxHxV, dlse_BxLxH=None):
         p_sink_lxBxGxRxL = jnp.exp(sink_1x1xGxRx1 - lse_lxBxGxRxL)
         dsinks_H = -(p_sink_lxBxGxRxL * delta_lxBxGxRxL).sum((0, 1, 4)).reshape(-1)
         dsinks_H = dsinks_H.astype(sinks_H.dtype)
-    return (
+    grads = (
         dq_BxLxHxK.astype(q_BxLxHxK.dtype),
         dk_BxSxGxK.astype(k_BxSxGxK.dtype),
         dv_BxSxGxV.astype(v_BxSxGxV.dtype),
-        None,
         dsinks_H,
     )
+    dq, dk, dv, ds = varying.reduce_like(grads, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, sinks_H))
+    return dq, dk, dv, None, ds
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

@@ -211,7 +211,8 @@ def _flash_bwd(st: _Static, residuals, do_BxLxHxK):
         per_row_BxHxL = sink_grad(sinks_H[:, None], lse_BxHxL, jnp.swapaxes(delta_BxLxH, -1, -2))
         lead = tuple(range(per_row_BxHxL.ndim - 2))
         dsinks_H = per_row_BxHxL.sum((*lead, per_row_BxHxL.ndim - 1)).astype(sinks_H.dtype)
-    return (*grads, dsinks_H, None)
+    primals = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sinks_H)
+    return (*varying.reduce_like((*grads, dsinks_H), primals), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
