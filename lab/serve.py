@@ -21,6 +21,7 @@ from pathlib import Path
 from lab import data, rundir, startup
 from lab.config import check_name, cli, field
 from lab.errors import ConfigError
+from lab.measure import memory
 from lab.measure import records as rec
 from lab.report import plots, progress, tables
 from lab.session import open_session
@@ -99,6 +100,12 @@ def _plan(o: Options, s, con) -> int:
         f"model={s.cfg.preset} params {s.cfg.model.param_dtype} · compiled, not run"
     )
     con.print(tables.serving_plans(rows, title))
+    if not r.device_kind.startswith("TPU"):
+        share = memory.gpu_allocator_fraction()
+        con.print(
+            f"usable: {share:.0%} of the GPU's memory, what JAX's allocator takes "
+            "(XLA_PYTHON_CLIENT_MEM_FRACTION)"
+        )
     config = {"preset": s.cfg.preset, "mesh": s.cfg.mesh, "target": s.cfg.target}
     recs = serving_records.plan_records(rows, config)
     stem = rec.output_stem(o.results, "serve-plan")

@@ -123,7 +123,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         out["aot"]["kernels"] = resources.as_dicts(kernels)
         out["aot"]["toolchain"] = toolchain.probe().record()  # the kernels are ptxas's
         if info.backend == "gpu":  # the capacity a run there has: the allocator's share
-            out["aot"]["allocator_share"] = gpu_allocator_fraction()
+            out["aot"]["allocator_share"] = memory.gpu_allocator_fraction()
         out["aot"]["fit"] = fit_advice(trainer, out)
     return out
 
@@ -239,16 +239,6 @@ def offload_cost(mem: dict | None, info: DeviceInfo) -> OffloadCost | None:
     )
 
 
-def gpu_allocator_fraction() -> float:
-    """The share of a GPU's memory JAX's allocator may use: XLA_PYTHON_CLIENT_MEM_FRACTION as
-    set here (the run on the GPU would set it too), else JAX's default, 0.75."""
-    try:
-        share = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-    except ValueError:
-        return 0.75
-    return share if 0 < share <= 1 else 0.75
-
-
 def capacity_bytes(info: DeviceInfo) -> float | None:
     """Memory one device has: the allocator's limit, host RAM on CPU, the spec for a target
     (a GPU's: the share JAX's allocator takes of it, as a run there would have)."""
@@ -256,7 +246,7 @@ def capacity_bytes(info: DeviceInfo) -> float | None:
         spec = specs.lookup(info.device_kind)
         if not spec:
             return None
-        share = gpu_allocator_fraction() if info.backend == "gpu" else 1.0
+        share = memory.gpu_allocator_fraction() if info.backend == "gpu" else 1.0
         return spec.memory_bytes * share
     return memory.device_capacity_bytes(jax.local_devices()[0])
 

@@ -116,6 +116,16 @@ def host_memory_bytes() -> int | None:
         return None
 
 
+def gpu_allocator_fraction() -> float:
+    """The share of a GPU's memory JAX's allocator may use: XLA_PYTHON_CLIENT_MEM_FRACTION as
+    set here (the run on the GPU would set it too), else JAX's default, 0.75."""
+    try:
+        share = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    except ValueError:
+        return 0.75
+    return share if 0 < share <= 1 else 0.75
+
+
 def check_fits(what: str, per_device: float, key: str, devices=None) -> None:
     """ConfigError (one line, before anything is allocated) where `per_device` bytes on each
     device would not fit: on CPU the simulated devices share the host's memory (at most 80%

@@ -144,7 +144,7 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
 def serving_plans(rows: list[PlanRow], title: str) -> Table:
     """Decode steps compiled for a target: memory per device, compiler beside calculator."""
     t = Table(title=title)
-    cols = ("weights/cache", "batch", "context", "compiled/device", "calculator", "HBM", "fits")
+    cols = ("weights/cache", "batch", "context", "compiled/device", "calculator", "usable", "fits")
     for col in cols:
         t.add_column(col, justify="right")
     for r in rows:
