@@ -349,7 +349,7 @@ def agreed_folder(claim, follow, timeout_s: int):
         raise refused(0, first)
     try:
         result = claim() if me == 0 else follow(first["name"])
-    except Exception as e:  # this process's own refusal or failure: the others are told
+    except BaseException as e:  # its own refusal, failure or Ctrl-C: the others are told
         post({"error": str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})
         raise
     post({"name": result[0].name})

@@ -396,6 +396,7 @@ def run_records(s: dict, run: str) -> list[dict]:
             "backend": "tpu" if kind.startswith("TPU") else "gpu",
             "device_kind": kind,
             "device_count": s.get("devices"),
+            "local_device_count": s.get("devices"),  # a plan's devices: one program's
         }
         out = [{**r, "compiled_on": {k: r[k] for k in target}, **target} for r in out]
     if s.get("step_time"):

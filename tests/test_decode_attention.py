@@ -382,3 +382,7 @@ def test_the_dispatch_refuses_what_no_kernel_takes(kwargs, match):
     with pytest.raises(ValueError, match="expected an int32 array"):
         decode_attention(q, k, v, [1, 2, 3, 4], impl="reference")
     assert decode.check_window(np.int64(5)) == 5  # a NumPy integer is an int
+    # under auto, tiles tuned for another backend's kernel are left out, not refused
+    got = decode_attention(q, k, v, lengths, block_sizes=decode.BlockSizesTPU())
+    want = decode_attention(q, k, v, lengths)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

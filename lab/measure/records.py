@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jax
 
+from lab import startup
 from lab.errors import ConfigError
 from lab.measure import toolchain
 
@@ -135,11 +136,14 @@ def output_stem(folder, name: str) -> Path:
         stem = base if n == 1 else base.with_name(f"{base.name}-{n}")
         if any(stem.parent.glob(f"{stem.name}.*")):
             continue
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
         try:
-            os.close(os.open(stem.with_suffix(".jsonl"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(stem.with_suffix(".jsonl"), flags, 0o666))
         except FileExistsError:
             continue
-        atexit.register(_drop_if_empty, stem.with_suffix(".jsonl"))
+        path = stem.with_suffix(".jsonl")
+        atexit.register(_drop_if_empty, path)
+        startup.on_stop(functools.partial(_drop_if_empty, path))  # a signal runs no atexit
         return stem
     raise AssertionError("unreachable")
 

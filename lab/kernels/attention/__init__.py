@@ -545,7 +545,7 @@ def attention(
     )
     if impl == "cpu_flash" and asked == "auto" and _splits_seq(shard_spec):
         impl = "blockwise"  # XLA partitions blockwise along the sequence; the FFI call it cannot
-    _check_block_sizes(impl, block_sizes)
+    block_sizes = _fitting_block_sizes(impl, block_sizes, named=asked not in ("auto", "pallas"))
     args = (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV)
     # Kernels are given the new arguments only when a call uses them, so a kernel that takes
     # none of them keeps its plain signature.
@@ -604,9 +604,22 @@ def attention(
     return _library(args, mask=mask, scale=scale, impl=impl)
 
 
+def _fitting_block_sizes(impl: str, block_sizes, *, named: bool):
+    """`block_sizes` where they are the chosen kernel's own BlockSizes. A kernel named
+    explicitly refuses another's (ValueError): its tiles mean nothing to it, and an
+    implementation without tiles takes none. Under auto, tiles tuned for another backend's
+    kernel (a TPU's, on a CPU running the tests) are left out: None, the kernel's default."""
+    try:
+        _check_block_sizes(impl, block_sizes)
+    except ValueError:
+        if named:
+            raise
+        return None
+    return block_sizes
+
+
 def _check_block_sizes(impl: str, block_sizes, kinds=None) -> None:
-    """ValueError where `block_sizes` is not the chosen kernel's own BlockSizes: another
-    kernel's tiles mean nothing to it, and an implementation without tiles takes none."""
+    """ValueError where `block_sizes` is not the chosen kernel's own BlockSizes."""
     if block_sizes is None:
         return
     kinds = kinds or {
@@ -739,7 +752,8 @@ def decode_attention(
     ):
         impl = "reference"  # a soft-cap, float64 (tests) or float16: the reference's math
     args = (q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
-    _check_block_sizes(f"decode {impl}", block_sizes)
+    named = asked not in ("auto", "pallas")
+    block_sizes = _fitting_block_sizes(f"decode {impl}", block_sizes, named=named)
     if impl == "reference":
         return decode.decode_attention_reference(*args, scale=scale, window=window, softcap=softcap)
     if impl == "cpu":
