@@ -1042,6 +1042,12 @@ def resolve(
                 "host memory kind (the hardware has one), so the optimizer state stays in "
                 "device memory in this program",
             )
+    if purpose == "train" and 0 < cfg.steps < cfg.warmup_steps:
+        top = cfg.lr * (cfg.steps - 1) / cfg.warmup_steps  # the last update's, from 0
+        notes += (
+            f"warmup_steps={cfg.warmup_steps} > steps={cfg.steps}: the learning rate only "
+            f"reaches {top:.3g} of lr={cfg.lr:g} (the warm-up is linear from 0)",
+        )
     if purpose in ("train", "plan") and not cfg.name:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         cfg = dataclasses.replace(cfg, name=f"{cfg.preset}-{cfg.mesh}-{stamp}")

@@ -204,3 +204,12 @@ def test_context_parallelism_never_hands_a_split_sequence_to_a_whole_sequence_ke
             resolve.resolve(
                 Request.of(strategy="cp", mesh="2", attention="cpu_flash"), _cpu_platform(), "train"
             )
+
+
+def test_a_warm_up_longer_than_the_run_is_noted_with_the_rate_it_reaches():
+    from lab.config import parse_keys
+    from lab.session import open_session
+
+    s = open_session(keys=parse_keys(["model=tiny", "warmup_steps=50", "steps=10"]))
+    (note,) = [n for n in s.trainer.notes if n.startswith("warmup_steps=50")]
+    assert "only reaches 0.00054 of lr=0.003" in note  # the 10th update's: 0.003 · 9/50

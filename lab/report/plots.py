@@ -262,13 +262,23 @@ def batch_sweep(records, path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     b = [r["config"]["batch"] for r in rows]
-    ax.semilogx(b, [r["value"] for r in rows], "o-", color="tab:blue", base=2)
+    (tps,) = ax.semilogx(
+        b, [r["value"] for r in rows], "o-", color="tab:blue", base=2, label="tokens/s"
+    )
     ax.set(xlabel="batch size", ylabel="tokens/s (measured)")
+    ax.set_ylim(bottom=0)  # from 0: a noise-sized difference does not look like a drop
     ax2 = ax.twinx()
-    ax2.semilogx(
-        b, [r["config"]["memory_bytes"] / 2**20 for r in rows], "s--", color="tab:red", base=2
+    (mib,) = ax2.semilogx(
+        b,
+        [r["config"]["memory_bytes"] / 2**20 for r in rows],
+        "s--",
+        color="tab:red",
+        base=2,
+        label="memory (compiled)",
     )
     ax2.set_ylabel("MiB compiled", color="tab:red")
+    ax2.set_ylim(bottom=0)
+    ax.legend(handles=[tps, mib], fontsize=8, loc="lower right")
     ax.set_title(f"batch size: throughput and memory · {_label(rows[0])}", fontsize=9)
     return _save(fig, path)
 
@@ -282,6 +292,7 @@ def losses(records, path) -> Path | None:
     for r in rows:
         ys = r["config"]["losses"]
         ax.plot(range(1, len(ys) + 1), ys, label=r["config"]["dtype"])
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole
     ax.set(xlabel="step", ylabel="loss", title="the same steps in float32 and bf16 compute")
     ax.legend()
     return _save(fig, path)
