@@ -246,8 +246,7 @@ def capacity_bytes(info: DeviceInfo) -> float | None:
         spec = specs.lookup(info.device_kind)
         if not spec:
             return None
-        share = memory.gpu_allocator_fraction() if info.backend == "gpu" else 1.0
-        return spec.memory_bytes * share
+        return memory.usable_bytes(spec.memory_bytes, info.device_kind)
     return memory.device_capacity_bytes(jax.local_devices()[0])
 
 

@@ -1,14 +1,15 @@
 """Types under `shard_map(check_vma=True)`: which mesh axes a value varies over.
 
-(The Pallas kernels are not covered: a pallas_call under check_vma=True asks for its outputs'
-axes in `out_shape`, which this JAX's ShapeDtypeStruct carries only on some versions; call
-them under `shard_map(..., check_vma=False)`, as the lab's own dispatch does.)
-
 Inside `shard_map`, JAX types each value with the mesh axes it may differ along. A value built
-from nothing (`jnp.zeros` as a loop's first carry) or returned by an opaque call (an FFI call,
-a Pallas call) is typed as identical on every device, and JAX refuses it where it meets the
-inputs again: a loop whose body mixes it with them, a custom_vjp whose gradients must have the
-inputs' types. These helpers give such values the union of their inputs' axes.
+from nothing (`jnp.zeros` as a loop's first carry) or returned by an opaque call (an FFI call)
+is typed as identical on every device, and JAX refuses it where it meets the inputs again: a
+loop whose body mixes it with them, a custom_vjp whose gradients must have the inputs' types.
+These helpers give such values the union of their inputs' axes, and sum a replicated input's
+gradient over the axes it does not vary over.
+
+The Pallas kernels are not covered: a pallas_call under check_vma=True asks for its outputs'
+axes in `out_shape`, which this JAX's ShapeDtypeStruct carries only on some versions; call
+them under `shard_map(..., check_vma=False)`, as the lab's own dispatch does.
 """
 
 import jax
@@ -31,21 +32,20 @@ def full(shape, value, dtype, *inputs):
     return lax.full_like(probe, value, dtype, shape)
 
 
+def _axes(x) -> frozenset:
+    kind = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(kind, "varying", ()) or ())
+
+
 def like(outputs, *inputs):
     """An opaque call's outputs (an FFI call's: typed as identical on every device) cast to
     vary over the axes `inputs` vary over; unchanged outside shard_map, or where this JAX has
     no manual axis types."""
     probe = _probe(inputs)
-    kind = None if probe is None else getattr(jax.typeof(probe), "manual_axis_type", None)
-    axes = tuple(sorted(getattr(kind, "varying", ()) or ()))
+    axes = () if probe is None else tuple(sorted(_axes(probe)))
     if not axes:
         return outputs
     return jax.tree.map(lambda x: lax.pcast(x, axes, to="varying"), outputs)
-
-
-def _axes(x) -> frozenset:
-    kind = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(kind, "varying", ()) or ())
 
 
 def reduce_like(grads, primals):

@@ -126,6 +126,12 @@ def gpu_allocator_fraction() -> float:
     return share if 0 < share <= 1 else 0.75
 
 
+def usable_bytes(spec_bytes: float, device_kind: str) -> float:
+    """What a run on that hardware can allocate of the spec's memory: a TPU's HBM, or the
+    share of a GPU's that JAX's allocator takes (`gpu_allocator_fraction`)."""
+    return spec_bytes * (1.0 if device_kind.startswith("TPU") else gpu_allocator_fraction())
+
+
 def check_fits(what: str, per_device: float, key: str, devices=None) -> None:
     """ConfigError (one line, before anything is allocated) where `per_device` bytes on each
     device would not fit: on CPU the simulated devices share the host's memory (at most 80%

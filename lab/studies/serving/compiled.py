@@ -69,12 +69,7 @@ def plan_serving(session: Session, *, batch: int, context: int, int8: bool) -> P
         compiled=mem,
         predicted=predicted,
         # a GPU's: the share JAX's allocator takes, as a run there has (the plan's own rule)
-        capacity_bytes=capacity or (spec.memory_bytes * _share(kind) if spec else None),
+        capacity_bytes=capacity or (memory.usable_bytes(spec.memory_bytes, kind) if spec else None),
         compile_s=compile_s,
         refused=refused,
     )
-
-
-def _share(device_kind: str) -> float:
-    """1 for a TPU's HBM; for a GPU, the share of its memory JAX's allocator takes."""
-    return 1.0 if device_kind.startswith("TPU") else memory.gpu_allocator_fraction()
