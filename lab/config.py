@@ -14,7 +14,9 @@ Library code never writes `key=value` strings: it builds configs with `make_conf
 import dataclasses
 import difflib
 import math
+import re
 import sys
+import time
 import typing
 from pathlib import PurePath
 
@@ -532,6 +534,14 @@ def check_name(name: str) -> None:
             f"name={name!r}: a run name is one folder name (no '/' or '..'); "
             "choose the location with out_dir="
         )
+
+
+def stamped_name(prefix: str, mesh: str) -> str:
+    """A default run name, `PREFIX-MESH-YYYYmmdd-HHMMSS`, with the mesh in folder-safe
+    characters (`data:2,fsdp:-1` → `data2_fsdp-1`): a ':' in a folder name breaks scp and
+    rsync (host:path), TensorBoard's name:folder lists and Windows file systems."""
+    slug = re.sub(r"[^A-Za-z0-9.+-]+", "_", mesh.replace(":", "")).strip("_") or "mesh"
+    return f"{prefix}-{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _check_alone(cfg: Config) -> None:

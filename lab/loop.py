@@ -479,14 +479,35 @@ def _claim_folder(
         return cfg_here, _open_run_dir(cfg_here, False, stages)
 
     timeout_s = max(cfg.coordinator_timeout, 120)
-    return agreed_folder(
-        lambda: _claim_here(cfg, is_main, held, named=named, stages=stages), follow, timeout_s
-    )
+    created = []  # the folders process 0 made: a peer's refusal leaves none of them behind
+    try:
+        return agreed_folder(
+            lambda: _claim_here(cfg, is_main, held, named=named, stages=stages, created=created),
+            follow,
+            timeout_s,
+        )
+    except ConfigError:
+        for folder in created:
+            _drop_bare(folder)
+        held.close()
+        raise
 
 
-def _claim_here(cfg: Config, is_main: bool, held: contextlib.ExitStack, *, named: bool, stages):
+def _drop_bare(folder: Path) -> None:
+    """Remove a folder this process made that holds nothing but its lock (kept otherwise)."""
+    with contextlib.suppress(OSError):
+        if {p.name for p in folder.iterdir()} <= {".lock"}:
+            (folder / ".lock").unlink(missing_ok=True)
+            folder.rmdir()
+
+
+def _claim_here(
+    cfg: Config, is_main: bool, held: contextlib.ExitStack, *, named: bool, stages, created=None
+):
     base = cfg.name
     for n in range(2, 1002):
+        if created is not None and is_main and not (Path(cfg.out_dir) / cfg.name).exists():
+            created.append(Path(cfg.out_dir) / cfg.name)
         run_dir = _open_run_dir(cfg, is_main, stages)
         if not is_main:
             return cfg, run_dir

@@ -15,7 +15,6 @@ from a request, never made by editing a resolved one.
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from lab.config import (
     parse_keys,
     parse_value,
     resolve_dtype,
+    stamped_name,
     unknown_key,
 )
 from lab.devices import DeviceInfo
@@ -1049,8 +1049,7 @@ def resolve(
             f"reaches {top:.3g} of lr={cfg.lr:g} (the warm-up is linear from 0)",
         )
     if purpose in ("train", "plan") and not cfg.name:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        cfg = dataclasses.replace(cfg, name=f"{cfg.preset}-{cfg.mesh}-{stamp}")
+        cfg = dataclasses.replace(cfg, name=stamped_name(cfg.preset, cfg.mesh))
     return Resolved(
         cfg,
         platform,

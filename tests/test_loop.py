@@ -6,6 +6,7 @@ queued; a non-finite step found late still stops the run before any later state 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from lab import checkpoint, loop, train
 from lab.run import main
@@ -75,3 +76,26 @@ def test_steps_are_read_late_and_checked_before_their_state_is_saved(tmp_path, c
         assert np.isfinite(np.asarray(leaf)).all()
     metrics = (tmp_path / "inf" / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) == 2  # steps 1 and 2: the non-finite step is not recorded
+
+
+def test_a_peers_refusal_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """Process 0 makes the run folder before its peers say whether they can use it: when one
+    refuses, the folder process 0 made (holding nothing but its lock) goes, and a folder
+    that was there before stays."""
+    import contextlib
+
+    from lab.config import make_config
+    from lab.errors import ConfigError
+
+    def refused_by_a_peer(claim, follow, timeout_s):
+        claim()
+        raise ConfigError("process 1 of 2 refused the run: cannot write")
+
+    monkeypatch.setattr(loop, "agreed_folder", refused_by_a_peer)
+    for name, before in (("new", False), ("old", True)):
+        if before:
+            (tmp_path / name).mkdir()
+        cfg = make_config(model="tiny", out_dir=str(tmp_path), name=name)
+        with contextlib.ExitStack() as held, pytest.raises(ConfigError, match="refused"):
+            loop._claim_folder(cfg, True, held, named=True)
+        assert (tmp_path / name).exists() == before

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from lab import devices, plans, resolve
+from lab import config, devices, plans, resolve
 from lab.config import ConfigError
 from lab.resolve import RULES, Platform, Request
 from lab.run import main
@@ -213,3 +213,14 @@ def test_a_warm_up_longer_than_the_run_is_noted_with_the_rate_it_reaches():
     s = open_session(keys=parse_keys(["model=tiny", "warmup_steps=50", "steps=10"]))
     (note,) = [n for n in s.trainer.notes if n.startswith("warmup_steps=50")]
     assert "only reaches 0.00054 of lr=0.003" in note  # the 10th update's: 0.003 · 9/50
+
+
+def test_a_default_run_name_is_folder_safe():
+    """A named mesh's ':' and ',' stay out of the default name: a ':' breaks scp and rsync
+    (host:path) and TensorBoard's name:folder lists."""
+    r = resolve.resolve(
+        Request.of(mesh="data:2,fsdp:-1", strategy="fsdp"), _cpu_platform(), "train"
+    )
+    assert r.cfg.name.startswith("tiny-data2_fsdp-1-"), r.cfg.name
+    assert not set(r.cfg.name) & set(":,/ ")
+    config.check_name(r.cfg.name)

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from lab import checkpoint, rundir
-from lab.config import cli, field, make_config
+from lab.config import cli, field, make_config, stamped_name
 from lab.devices import PARENT_DEATH_SIGNAL, STOP_LINE
 from lab.errors import ConfigError
 from lab.measure.records import writable_dir
@@ -109,7 +109,7 @@ def check(processes: int, keys: dict) -> dict:
     if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":  # the children's platform, known
         check_on_cpu(Request.of(**asked), devices)  # every process would refuse it alike
     writable_dir(cfg.out_dir)  # refused here, not by one process while the others wait for it
-    name = keys.get("name") or f"launch-{cfg.mesh}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = keys.get("name") or stamped_name("launch", cfg.mesh)
     check_folder(Path(cfg.out_dir) / name, cfg)
     return {**keys, "name": name}  # one name for all: process 0 writes the run folder
 
