@@ -83,7 +83,31 @@ def _exit(signum, _frame) -> None:
     os._exit(130 if signum == signal.SIGINT else 143)
 
 
-COMMANDS = ("lab.run", "lab.serve")  # the commands whose signals are one line from the start
+# The commands whose signals are one line from the start: lab.run, lab.serve and the tools
+# that measure or compile and write their records at the end (a signal's default action would
+# leave their reserved records file empty, and libtpu's or Mosaic GPU's handler, once loaded,
+# prints a C++ stack). The launcher and the runbook handle signals themselves: they stop their
+# processes or steps and keep what those saved.
+COMMANDS = (
+    "lab.run",
+    "lab.serve",
+    *(
+        f"lab.tools.{tool}"
+        for tool in (
+            "attention_bench",
+            "attention_plan",
+            "attention_targets",
+            "attention_tune",
+            "bench_step",
+            "ceilings",
+            "collective_matmul",
+            "collectives",
+            "prediction",
+            "scaling",
+            "tune_step",
+        )
+    ),
+)
 
 
 def command() -> bool:

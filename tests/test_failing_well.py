@@ -476,3 +476,22 @@ def test_a_finished_run_ends_with_the_line_of_what_its_folder_keeps(tmp_path, ca
     assert last.startswith(f"finished at step 3; kept in {tmp_path / 'f'}: {ckpt}"), last
     assert last.endswith("; metrics.jsonl to step 3"), last
     assert checkpoint.saved_steps(tmp_path / "f") == ([2, 3] if every else [])
+
+
+def test_a_signal_to_a_tool_is_one_line_and_leaves_no_empty_records(tmp_path):
+    """A measuring tool stopped mid-run: one line and 143, never the default action (which
+    left the reserved records file empty) or a native library's stack trace."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "lab.tools.ceilings", f"out_dir={tmp_path}", "plot=false"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob("*.jsonl")):
+        time.sleep(0.05)
+    time.sleep(0.5)  # measuring
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, (out[-2000:], err[-2000:])
+    assert err == "SIGTERM: exiting at once; nothing was written\n", err
+    assert not list(tmp_path.iterdir())

@@ -157,14 +157,15 @@ def _drop_if_empty(path: Path) -> None:
 
 
 def write_records(path, records: dict | Iterable[dict]) -> Path:
-    """Append records (one dict or many) to a JSON Lines file, creating its folder."""
+    """Append records (one dict or many) to a JSON Lines file, creating its folder. The
+    lines are written whole: a signal during the write exits once it is done."""
     path = Path(path)
     writable_dir(path.parent)
     if isinstance(records, dict):
         records = [records]
-    with path.open("a") as f:
-        for r in records:
-            f.write(json.dumps(r, default=str) + "\n")
+    text = "".join(json.dumps(r, default=str) + "\n" for r in records)
+    with startup.held(), path.open("a") as f:
+        f.write(text)
     return path
 
 

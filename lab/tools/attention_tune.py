@@ -17,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from lab import startup
 from lab.config import cli, field
 from lab.errors import ConfigError, RunError
 from lab.kernels.attention import pallas_gpu, pallas_mgpu
@@ -129,6 +130,7 @@ def static_only(o: Options) -> int:
             candidates = [dataclasses.replace(base, **c) for c in todo[stage]]
             static = tune.static_filter(candidates, search, mode, log=con.log)
             rec.write_records(stem.with_suffix(".jsonl"), static.records())
+            startup.note(f"the passes finished so far are in {stem.with_suffix('.jsonl')}")
             title = f"{stage} K={search.head_dim}"
             con.print(tables.static_pass(static, title, toolchain.probe()))
     con.print(f"records → {stem.with_suffix('.jsonl')}")
@@ -164,6 +166,7 @@ def run(o: Options) -> int:
         except RuntimeError as e:
             raise RunError(f"head_dim {search.head_dim}: {e}") from None
         rec.write_records(stem.with_suffix(".jsonl"), records)
+        startup.note(f"the searches finished so far are in {stem.with_suffix('.jsonl')}")
         for stage in summary.stages:
             con.print(tables.tune_stage(stage, summary.baseline))
         con.print(f"head_dim {search.head_dim}: {best} ({time.perf_counter() - t0:.0f} s)")

@@ -24,7 +24,7 @@ import time
 
 import jax
 
-from lab import devices
+from lab import devices, startup
 from lab.config import cli, field
 from lab.errors import ConfigError
 from lab.measure import records
@@ -215,6 +215,7 @@ def _here(o: Options, con) -> int:
                 **extra,
             )
             records.write_records(path, rec)
+            startup.note(f"the rows measured so far are in {path}")
             if o.save and r.error is not None:  # the lab's store of device checks (held out)
                 records.write_records(step.MEASURED / f"{store}.jsonl", rec)
             queued = f", {r.pipelined_s * 1e3:.3f} ms queued" if r.pipelined_s else ""
