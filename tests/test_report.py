@@ -115,3 +115,56 @@ def test_a_host_cpu_figure_measured_beside_an_accelerator_is_labelled_as_the_hos
     assert markdown._tag(r) == "*derived*, gpu, NVIDIA H200 × 1"
     r["config"]["on"] = "multi"  # a figure compare.py derives from several folders
     assert markdown._tag(r) == "*derived*, multi, NVIDIA H200 × 1"
+
+
+def _figure_of(monkeypatch, draw, records, tmp_path):
+    """The figure a plot function draws, kept open to inspect."""
+    from lab.report import plots
+
+    kept = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path, **kw: kept.append(fig) or path)
+    assert draw(records, tmp_path / "x.png") is not None
+    return kept[0]
+
+
+def _rec(value, backend, kind, **config):
+    return {"what": "x", "value": value, "unit": "x", "backend": backend, "device_kind": kind}
+
+
+def test_a_merged_matmul_plot_names_each_device_and_reads_both(monkeypatch, tmp_path):
+    """A CPU's and a GPU's matmul rates in one ledger: a legend names each device, and a
+    log scale keeps the CPU's bars readable beside rates 100× larger."""
+    from lab.report import plots
+
+    records = [
+        {
+            **_rec(v * scale, b, k),
+            "config": {"series": "matmul_precision", "dtype": d, "precision": "default", "n": 256},
+        }
+        for b, k, scale in (("cpu", "AMD EPYC", 1), ("gpu", "NVIDIA H100", 100))
+        for d, v in (("float32", 1e11), ("bfloat16", 3e11))
+    ]
+    ax = _figure_of(monkeypatch, plots.matmul, records, tmp_path).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "cpu · AMD EPYC",
+        "gpu · NVIDIA H100",
+    ]
+    assert ax.get_yscale() == "log"
+
+
+def test_the_memory_legend_sits_beside_the_bars(monkeypatch, tmp_path):
+    from lab.report import plots
+
+    predicted = {"params": 2**20, "grads": 2**20, "optimizer": 2**21, "activations": 2**21}
+    records = [
+        {
+            **_rec(6 * 2**20, "cpu", "cpu"),
+            "config": {"series": "memory_breakdown", "case": c, "predicted": predicted},
+        }
+        for c in ("remat=none", "remat=full")
+    ]
+    fig = _figure_of(monkeypatch, plots.memory, records, tmp_path)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent()
+    assert legend.x0 >= ax.get_window_extent().x1  # right of the axes, over no bar

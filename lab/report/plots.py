@@ -116,14 +116,27 @@ def matmul(records, path) -> Path | None:
     if not rows:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    names = [f"{r['config']['dtype']}\n{r['config']['precision']}\n{r['backend']}" for r in rows]
-    ax.bar(range(len(rows)), [r["value"] / 1e9 for r in rows], color="tab:blue")
+    fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(rows)), 3.8))
+    names = [f"{r['config']['dtype']}\n{r['config']['precision']}" for r in rows]
+    devices = list(dict.fromkeys(_label(r) for r in rows))  # a merged ledger holds several
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, device in enumerate(devices):
+        at = [i for i, r in enumerate(rows) if _label(r) == device]
+        ax.bar(
+            at,
+            [rows[i]["value"] / 1e9 for i in at],
+            color=colors[k % len(colors)],
+            label=device,
+        )
     ax.set_xticks(range(len(rows)), names, fontsize=7)
     ax.set_ylabel("GFLOP/s (measured)")
-    ax.set_title(
-        f"matmul n={rows[0]['config'].get('n')} by precision · {_label(rows[0])}", fontsize=9
-    )
+    values = [r["value"] for r in rows if r["value"] > 0]
+    if values and max(values) > 30 * min(values):  # a CPU beside a GPU: both readable
+        ax.set_yscale("log")
+        ax.set_ylabel("GFLOP/s (measured, log scale)")
+    sizes = sorted({r["config"].get("n") for r in rows}, key=str)
+    ax.set_title(f"matmul n={'/'.join(map(str, sizes))} by dtype and precision", fontsize=9)
+    ax.legend(fontsize=7, title="measured on", title_fontsize=7)
     return _save(fig, path)
 
 
@@ -192,8 +205,19 @@ def memory(records, path) -> Path | None:
     ax.set_xticks(list(x), [r["config"]["case"] for r in rows], fontsize=7, rotation=20)
     ax.set_ylabel("MiB per device")
     ax.set_title(f"training memory: calculator vs compiler · {_label(rows[0])}", fontsize=9)
-    ax.legend(fontsize=7)
+    # beside the axes: inside, the legend covered the tallest case's bars
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return _save(fig, path)
+
+
+def _whole_log2(ax) -> None:
+    """A log x axis of device counts in powers of two, written as whole numbers."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(LogLocator(base=2))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _measured_split(ax, rows) -> None:
@@ -205,6 +229,7 @@ def _measured_split(ax, rows) -> None:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], style, label=what)
     ax.set(xlabel="devices (data parallel)", ylabel="ms (measured / derived)")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # devices are whole
     ax.set_title(
         "measured here" + (" (simulated CPU devices)" if rows[0]["backend"] == "cpu" else ""),
         fontsize=9,
@@ -234,6 +259,7 @@ def scaling(records, path) -> Path | None:
         ax_e.semilogx(
             [p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{target} (predicted)"
         )
+    _whole_log2(ax_e)
     ax_e.axhline(0.5, ls=":", color="gray")
     ax_e.set(
         xlabel="data-parallel devices",
@@ -464,6 +490,7 @@ def scaling_study(study: ScalingStudy, path, title: str) -> Path:
         xs, ys = [p.batch for p in pts], [p.peak_bytes / 2**20 for p in pts]
         axes[2].plot(xs, ys, "o-", label=f"remat={remat}")
     axes[2].set(xlabel="batch", ylabel="peak MiB per device", title="remat × batch (compiled step)")
+    axes[2].xaxis.get_major_locator().set_params(integer=True)  # batches are whole
     for ax in axes[:2]:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(ScalarFormatter())
