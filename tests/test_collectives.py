@@ -68,6 +68,14 @@ def test_main_writes_records_and_plot(tmp_path, capsys):
     ar = [r for r in recs if r["config"]["op"] == "all-reduce" and r["what"].endswith("busbw")]
     assert all(r["value"] > 0 and r["config"]["simulated_devices"] for r in ar)
     assert list(tmp_path.glob("*.png"))
+    assert {r["config"]["size_bytes"] for r in ar} == {4096, 65536}, ar  # 4 KiB and 16× it
+
+
+def test_a_quick_check_takes_the_max_size_asked_for(tmp_path):
+    argv = ["quick=true", "mesh=2", "ops=all-reduce", "budget=0.01", "plot=false"]
+    assert tool.main([*argv, "max_size=1MB", f"out_dir={tmp_path}"]) == 0
+    recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.open()]
+    assert {r["config"]["size_bytes"] for r in recs} == {4096, 2**20}
 
 
 @pytest.mark.parametrize(

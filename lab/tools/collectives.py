@@ -32,7 +32,9 @@ class Options:
     ops: tuple = field(coll.OPS, "collectives to time", kind="names", choices=coll.OPS)
     min_size: str = field("4KB", "smallest message S, e.g. 4KB")
     max_size: str = field("", "largest S; default 4MB on CPU, 256MB elsewhere")
-    quick: bool = field(False, "two sizes, min_size and 16× it: checks the code path")
+    quick: bool = field(
+        False, "two sizes, min_size and max_size (16× min_size if not given): a quick check"
+    )
     budget: float = field(0.3, "seconds of timed calls per point", min=0.01)
     cpu_devices: int = field(8, "simulated devices on CPU", min=1)
     out_dir: str = field("results", "folder for the records and the plot", kind="path")
@@ -60,8 +62,9 @@ def run(o: Options) -> int:
     if lo > hi:
         shown = o.max_size or f"{hi // MiB}MB (the default here)"
         raise ConfigError(f"min_size={o.min_size} is above max_size={shown}")
-    # quick: the smallest size and one 16× larger (4 and 64 KiB by default), within max_size
-    sizes = sorted({lo, min(16 * lo, hi)}) if o.quick else coll.sizes_between(lo, hi)
+    # quick: the two ends asked for, or the smallest and one 16× larger (4 and 64 KiB)
+    top = hi if o.max_size else min(16 * lo, hi)
+    sizes = sorted({lo, top}) if o.quick else coll.sizes_between(lo, hi)
     # a message's input, output and the collective's own buffer on every device
     memory.check_fits("the largest message", 3 * max(sizes), f"max_size={o.max_size or hi}")
     stem = records.output_stem(o.out_dir, "collectives")
