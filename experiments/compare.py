@@ -69,6 +69,11 @@ def load(folder) -> dict:
     """One results folder: its records and a column name (backend · device kind)."""
     folder = Path(folder)
     path = folder / "records.jsonl"
+    if (folder / "metrics.jsonl").is_file() and (folder / "config.json").is_file():
+        raise ValueError(
+            f"{folder}: a lab.run folder (one run's records); compare takes the folders "
+            "python -m experiments writes (results/<name>/)"
+        )
     if not path.is_file():
         raise ValueError(f"{folder}: no records.jsonl (not a python -m experiments folder)")
     records = rec.read_records(path)

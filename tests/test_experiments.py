@@ -161,6 +161,13 @@ def test_compare_merges_backends_side_by_side(tiny_run, tmp_path, capsys):
     assert compare.main([f"dirs={tpu},{bad}", f"out_dir={tmp_path / 'cmp'}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "records.jsonl, line " in err and "cut short" in err
+    run = tmp_path / "a-run"  # what lab.run writes: refused, not compared as a ledger
+    run.mkdir()
+    for name in ("config.json", "metrics.jsonl", "records.jsonl"):
+        (run / name).write_text("{}\n")
+    assert compare.main([f"dirs={tpu},{run}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a lab.run folder" in err, err
 
 
 @pytest.mark.once
