@@ -63,7 +63,43 @@ class Options:
     seed: int = field(0, "random weights and sampling", min=0)
 
 
+# lab.run's keys that only training reads: given to lab.serve they would do nothing
+TRAINING_ONLY = (
+    "steps",
+    "lr",
+    "warmup_steps",
+    "min_lr_ratio",
+    "weight_decay",
+    "grad_clip",
+    "loss_scale",
+    "accumulate",
+    "offload_optimizer",
+    "log_every",
+    "checkpoint_every",
+    "resume",
+    "overwrite",
+    "compile_only",
+    "explain",
+    "profile",
+    "name",
+)
+
+
+def _check_serving_keys(keys: dict) -> None:
+    given = [k for k in TRAINING_ONLY if k in keys]
+    if not given:
+        return
+    hint = " (a trained run is served with run=NAME)" if "name" in given else ""
+    them = "it" if len(given) == 1 else "them"
+    raise ConfigError(
+        f"{', '.join(f'{k}=' for k in given)}: lab.serve trains nothing, so "
+        f"{'this training key' if len(given) == 1 else 'these training keys'} would do "
+        f"nothing: leave {them} out{hint}"
+    )
+
+
 def _session(o: Options, keys: dict):
+    _check_serving_keys(keys)
     if o.run:
         try:
             check_name(o.run)
