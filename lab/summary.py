@@ -102,7 +102,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
             backend=trainer.mesh.devices.flat[0].platform,  # the target's, for AOT plans
         ),
         "compiled_cost_per_device": cost.compiled_cost(compiled),
-        "capacity_bytes_per_device": capacity_bytes(info),
+        "capacity_bytes_per_device": capacity_bytes(info, trainer.mesh.devices.flat[0]),
         "device_kind": info.device_kind,
         "devices": trainer.mesh.size,  # the mesh's, which may be fewer than are present
         "devices_present": info.count,
@@ -124,6 +124,8 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         out["aot"]["toolchain"] = toolchain.probe().record()  # the kernels are ptxas's
         if info.backend == "gpu":  # the capacity a run there has: the allocator's share
             out["aot"]["allocator_share"] = memory.gpu_allocator_fraction()
+        elif memory.compiler_hbm(trainer.mesh.devices.flat[0]):
+            out["aot"]["capacity_source"] = "compiler"  # XLA:TPU's own, below the chip's HBM
         out["aot"]["fit"] = fit_advice(trainer, out)
     return out
 
@@ -239,10 +241,14 @@ def offload_cost(mem: dict | None, info: DeviceInfo) -> OffloadCost | None:
     )
 
 
-def capacity_bytes(info: DeviceInfo) -> float | None:
-    """Memory one device has: the allocator's limit, host RAM on CPU, the spec for a target
-    (a GPU's: the share JAX's allocator takes of it, as a run there would have)."""
+def capacity_bytes(info: DeviceInfo, device=None) -> float | None:
+    """Memory one device has: the allocator's limit, host RAM on CPU; for a target, what its
+    compiler lets a program hold (a TPU's: memory.compiler_hbm) or else the spec (a GPU's:
+    the share JAX's allocator takes of it, as a run there would have)."""
     if info.aot:
+        known = memory.device_capacity_bytes(device) if device is not None else None
+        if known:
+            return known
         spec = specs.lookup(info.device_kind)
         if not spec:
             return None

@@ -54,6 +54,12 @@ def test_plan_compiles_and_matches_the_calculator(tmp_path, capsys, target, mesh
         assert r["device_count"] == s["devices"] and r["compiled_on"]["backend"] == "cpu"
     assert recs["training step time"]["label"] == "predicted"
     assert recs["training step time"]["value"] == s["aot"]["estimated_step_s"]
+    # judged against what XLA:TPU lets a program hold, not the datasheet's HBM
+    assert (
+        s["capacity_bytes_per_device"]
+        == {"tpu:v5e:2x2": 15.75, "tpu:v4:2x2x2": 30.75}[target] * 2**30
+    )
+    assert "memory per device (what XLA:TPU lets a program hold)" in out
     cfg = json.loads((tmp_path / "plan" / "config.json").read_text())
     keys = [f"model={preset}", "dtype=bfloat16", "attention=naive", "batch_size=16"]
     run_cfg = parse_args([*keys, "seq_len=256", f"strategy={cfg['strategy']}"])

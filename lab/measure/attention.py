@@ -126,7 +126,7 @@ class PlanPoint:
     devices: int  # devices of the mesh
     compile_s: float
     memory: dict | None  # lab.measure.memory.compiled_memory per device
-    hbm_bytes: float | None  # the chip's memory (spec sheet), where known
+    hbm_bytes: float | None  # what a program may hold: a TPU compiler's HBM, else the spec sheet's
     compiled_flops: float | None  # XLA's cost analysis per device (misses a Mosaic call)
     compiled_flops_note: str  # '' or why compiled_flops is a lower bound
     analytic_flops_per_device: float  # lab.measure.cost.attention_flops over the devices

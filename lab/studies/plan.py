@@ -33,7 +33,7 @@ from lab.kernels.attention.common import Mask
 from lab.measure import cost, specs, toolchain
 from lab.measure import records as rec
 from lab.measure.attention import PlanPoint
-from lab.measure.memory import compiled_memory
+from lab.measure.memory import compiled_memory, device_capacity_bytes
 from lab.names import DATA, MODEL
 from lab.resolve import Platform, target_note
 
@@ -208,7 +208,8 @@ def plan(
                 devices=len(devices),
                 compile_s=time.perf_counter() - t0,
                 memory=compiled_memory(compiled),
-                hbm_bytes=spec.memory_bytes if spec else None,
+                hbm_bytes=device_capacity_bytes(devices[0])
+                or (spec.memory_bytes if spec else None),
                 compiled_flops=c.get("flops"),
                 compiled_flops_note=cost.lower_bound_note(c),  # a loop of unknown trips
                 mask=mask.label,

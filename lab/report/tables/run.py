@@ -115,6 +115,8 @@ def _plan_rows(t: Table, a: StepAnalysis) -> None:
         if (a.source.get("aot") or {}).get("allocator_share"):
             share = a.source["aot"]["allocator_share"]
             where = f"(spec × {share:g}: JAX's allocator share, XLA_PYTHON_CLIENT_MEM_FRACTION)"
+        elif (a.source.get("aot") or {}).get("capacity_source") == "compiler":
+            where = "(what XLA:TPU lets a program hold)"
         t.add_row(f"memory per device {where}", f"{cap / GIB:.1f} GiB: {plan.fit}")
     est = plan.estimated_step_s
     predicted = a.predicted_step
