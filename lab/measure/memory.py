@@ -178,9 +178,10 @@ _HBM_PROBES: dict = {}
 def compiler_hbm(device) -> int | None:
     """The HBM XLA:TPU lets one program of `device`'s chip hold, in bytes: the chip's memory
     less what the runtime keeps, which no spec sheet states. Read from the compiler's own
-    refusal of a program that needs 1 TiB ("exceeds available HBM (15.75G)"; G is GiB): 15.75
-    GiB of a v5e's 16, 30.75 of a v4's 32 (libtpu 0.0.42 and 0.0.50). Compiled once per chip kind, in
-    about a second; None where the compiler compiles it or says nothing of the kind."""
+    refusal of a program that needs 1 TiB ("exceeds available HBM (15.75G)"; G is GiB):
+    15.75 GiB of a v5e's 16, 30.75 of a v4's 32 (libtpu 0.0.42 and 0.0.50). Compiled once per
+    chip kind, in about a second; None where the compiler compiles it or says nothing of the
+    kind."""
     import re
 
     import jax.numpy as jnp
