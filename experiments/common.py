@@ -300,6 +300,12 @@ def _probe_key(cfg: Config, devices, *extra):
     return (cfg, tuple(str(d) for d in devices), *extra)
 
 
+PALM_CONVENTION = (
+    "PaLM: 6·N + 12·layers·seq_len·d_model per token, the causal mask's half not taken off, "
+    "as published MFUs count it (lab.run counts only the unmasked pairs, so its MFU is lower)"
+)
+
+
 def compile_probe(cfg: Config, *, devices=None) -> dict:
     """Compile the lab's step: compiled memory and cost per device, the calculator's
     prediction for the same step, model FLOPs per token. Nothing runs. Cached per config."""
@@ -319,6 +325,7 @@ def _compile_probe(cfg: Config, *, devices=None) -> dict:
     params = trainer.abstract_state.params
     m = cfg.model
     n_nonembed = count_nonembedding_params(params, m)
+    # the PaLM convention, as the published MFUs the ledger compares with count them
     fpt = cost.transformer_flops_per_token(n_nonembed, m.n_layers, cfg.seq_len, m.d_model)
     return {
         "cfg": cfg,
@@ -333,6 +340,7 @@ def _compile_probe(cfg: Config, *, devices=None) -> dict:
         "params": count_params(params),
         "nonembed_params": n_nonembed,
         "flops_per_token": fpt,
+        "flops_convention": PALM_CONVENTION,
         "tokens_per_step": cfg.batch_size * cfg.seq_len,
     }
 

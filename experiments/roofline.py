@@ -36,7 +36,7 @@ def _roofline_measured(be, size, budget) -> list[dict]:
     intensity timed under them."""
     roof = ceilings.roofline_ceilings(size, budget_s=budget)
     peak, bw, points = roof["peak_flops"], roof["bandwidth"], roof["points"]
-    copy, sz = roof["copy"], roof["sizes"]
+    copy = roof["copy"]
     recs = [
         record(
             "C06",
@@ -52,7 +52,7 @@ def _roofline_measured(be, size, budget) -> list[dict]:
             "C06",
             None,
             f"roof: memory bandwidth, the best measured ({roof['bandwidth_note']}; copy "
-            f"y=x·s {sz['copy'] // MiB} MiB × {ceilings.SETS} rotated)",
+            f"x ← x·s in place, {copy['buffer_bytes'] / MiB:g} MiB × {copy['buffers']} rotated)",
             bw,
             "B/s",
             role="context",

@@ -125,6 +125,7 @@ def _throughput(p: dict, peak: float) -> list[dict]:
         "params": p["params"],
         "step": p["step"],
         "flops_per_token": p["flops_per_token"],
+        "flops_convention": p["flops_convention"],
     }
     return [
         record(
@@ -141,7 +142,7 @@ def _throughput(p: dict, peak: float) -> list[dict]:
         record(
             "C17",
             None,
-            "training model FLOP/s of the step (6·N + attention per token)",
+            "training model FLOP/s of the step (6·N + attention per token, causal not halved)",
             p["model_flops_per_s"],
             "FLOP/s",
             label="derived",

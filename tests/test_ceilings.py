@@ -3,6 +3,7 @@
 import json
 import math
 
+import jax.numpy as jnp
 import pytest
 
 from lab.measure import ceilings, records, roofline, specs
@@ -130,3 +131,18 @@ def test_the_jax_over_numpy_note_follows_the_ratio():
     assert "faster than the usual" in matmul_ratio_note(1.86)
     assert "as fast as the usual one" in matmul_ratio_note(1.0)
     assert "slower than the usual" in matmul_ratio_note(0.5)
+
+
+def test_a_float32_sweep_is_held_to_the_float32_matmul():
+    """A CPU sweeps its roofline in float32: the compute roof is float32's best matmul, not a
+    bfloat16 rate twice as high (which put every matmul point at half its roof)."""
+    mm = {
+        ("float32", "highest"): {"flops_per_s": 80.0},
+        ("float32", "default"): {"flops_per_s": 100.0},
+        ("bfloat16", "default"): {"flops_per_s": 250.0},
+        ("int8", "default"): {"flops_per_s": 900.0},
+    }
+    point = roofline.Point("mm_8", flops=50.0, bytes=1.0, median_s=1.0)
+    assert ceilings.roofs(mm, 8.0, [point], jnp.float32)[0] == 100.0
+    assert ceilings.roofs(mm, 8.0, [point], jnp.bfloat16)[0] == 250.0
+    assert ceilings.roofs(mm, 8.0, [point])[0] == 250.0  # no dtype: every float matmul
