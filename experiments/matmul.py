@@ -65,6 +65,7 @@ def _matmul_flops_and_speedup(n: int, budget_s: float, be: str, plans: bool = Fa
             f"FLOPs of a {ARTICLE_N:,}² float32 matmul (counted in the compiled program)",
             counted,
             "FLOP",
+            label="compiled",
             n=ARTICLE_N,
             method="jax.jit(jnp.matmul).lower(...).compile(), lab.measure.cost.compiled_cost",
             source=source,

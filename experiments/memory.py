@@ -51,6 +51,7 @@ def _breakdown_record(claim, metric, case, probe) -> dict:
         f"compiled memory per device, {case}",
         mem.get("total_bytes"),
         "B",
+        label="compiled",
         series="memory_breakdown",
         case=case,
         predicted={

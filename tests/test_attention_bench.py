@@ -34,3 +34,20 @@ def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, args, needle):
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_a_native_kernels_memory_says_what_it_leaves_out(tmp_path, capsys):
+    """XLA's buffer assignment cannot see an FFI kernel's own scratch: cpu_flash's peak temp
+    memory is labelled as XLA's part only, in the table, a line under it and the records."""
+    from lab.kernels.attention import cpu_flash
+
+    if not cpu_flash.available():
+        pytest.skip("the native CPU kernel is not built here")
+    argv = [*FAST, "impls=cpu_flash,naive", "baseline=naive", f"out_dir={tmp_path}"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "kernel's own" in out and "XLA's temporaries only" in out
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.open()]
+    mem = {r["config"]["impl"]: r for r in recs if r["what"] == "attention peak temp memory"}
+    assert mem["cpu_flash"]["config"]["excludes"] and "excludes" not in mem["naive"]["config"]
+    assert {r["label"] for r in mem.values()} == {"compiled"}

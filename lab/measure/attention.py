@@ -57,7 +57,8 @@ class SweepRow:
     max_error: float | None = None  # relative, against float64
     ratio: float | None = None  # time over the baseline's
     peak_temp_bytes: float | None = None  # XLA's temporary allocation of the program
-    memory_label: str | None = None  # the memory's label: measured or compiled, not run
+    memory_label: str | None = None  # the memory's label: compiled, or compiled, not run
+    memory_excludes: str | None = None  # what the memory figure leaves out (a native kernel's)
     skipped: str | None = None  # why it was not timed
 
     @property
@@ -80,6 +81,7 @@ class SweepRow:
                 figures["ratio"] = r["value"]
             elif what == PEAK_TEMP:
                 figures.update(peak_temp_bytes=r["value"], memory_label=r["label"])
+                figures["memory_excludes"] = r["config"].get("excludes")
             elif what == SKIPPED:
                 figures["skipped"] = r["value"]
         return cls(**point, **figures)

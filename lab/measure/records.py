@@ -25,7 +25,11 @@ from lab import startup
 from lab.errors import ConfigError
 from lab.measure import toolchain
 
-LABELS = ("measured", "predicted", "compiled, not run", "derived")
+# measured: timed or counted at run time here; compiled: read from a program compiled for the
+# hardware here (XLA's FLOP count, its buffer assignment), exact for that program, not timed;
+# compiled, not run: the same for hardware that is not here; predicted: a model's figure;
+# derived: arithmetic over other records.
+LABELS = ("measured", "compiled", "predicted", "compiled, not run", "derived")
 
 
 def _version(dist: str) -> str | None:

@@ -200,7 +200,7 @@ def memory(records, path) -> Path | None:
         width=0.38,
         color="k",
         alpha=0.7,
-        label="compiled (measured)",
+        label="compiled (XLA's buffers)",
     )
     ax.set_xticks(list(x), [r["config"]["case"] for r in rows], fontsize=7, rotation=20)
     ax.set_ylabel("MiB per device")

@@ -3,7 +3,7 @@
 A record answers a stated part when its `config` names the claim (`claim`) and the part
 (`metric`). What it can decide depends on how it was obtained:
 
-  label measured / derived  on a backend the statement is about   → holds | off
+  label measured / compiled / derived  on a backend it is about     → holds | off
   label predicted / compiled, not run                              → predicted (in range or not)
   anything else (another backend, `role` context/reference, no value) → n/a here
 
@@ -20,7 +20,7 @@ from lab.report.claims import CLAIMS, Claim, Stated
 
 HOLDS, OFF, PREDICTED, NA, MISSING = "holds", "off", "predicted", "n/a here", "no record"
 STATUSES = (HOLDS, OFF, PREDICTED, NA, MISSING)
-EVIDENCE_LABELS = ("measured", "derived")
+EVIDENCE_LABELS = ("measured", "compiled", "derived")
 PREDICTION_LABELS = ("predicted", "compiled, not run")
 
 

@@ -87,6 +87,13 @@ def run(o: Options) -> int:
     )
     rows = study.rows_of(records)
     con.print(tables.attention_sweep(rows, study.baseline_of(records) or o.baseline, title))
+    native = sorted({r.impl for r in rows if r.memory_excludes})
+    if native:
+        excluded = next(r.memory_excludes for r in rows if r.memory_excludes)
+        con.print(
+            f"peak temp mem of {', '.join(native)}: XLA's temporaries only, not {excluded}",
+            soft_wrap=True,
+        )
     con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), records)}")
     if o.plot:
         con.print(f"plot → {plots.attention_sweep(rows, stem.with_suffix('.png'), title)}")

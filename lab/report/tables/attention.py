@@ -20,6 +20,8 @@ def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
         mem = size(r.peak_temp_bytes)
         if r.memory_label == "compiled, not run":
             mem += " (compiled, not run)"
+        if r.memory_excludes:
+            mem += " + kernel's own"
         t.add_row(
             str(r.seq),
             "yes" if r.causal else "no",
