@@ -47,6 +47,15 @@ def _load_avg() -> float | None:
         return None
 
 
+def busy_note(what: str = "times") -> str:
+    """A line for a command to print before it times anything on a shared host (load average
+    above half the cores): its figures will be low and noisy. Empty on a quiet host."""
+    load, cores = _load_avg(), os.cpu_count() or 1
+    if load is None or load <= 0.5 * cores:
+        return ""
+    return f"host load average {load:.1f} on {cores} cores: {what} will be low and noisy"
+
+
 @functools.cache
 def environment() -> dict:
     """Backend, devices and versions of this process (fixed once JAX has started), with the

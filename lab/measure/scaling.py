@@ -69,6 +69,12 @@ class StrongPoint:
     def records(self) -> list[dict]:
         return _copies(self.source)
 
+    @property
+    def step_spread(self) -> tuple[float, float] | None:
+        """(p10, p90) seconds of the timed steps, where the record holds them."""
+        c = (_first(self.source, STEP) or {}).get("config", {})
+        return (c["p10_s"], c["p90_s"]) if "p10_s" in c and "p90_s" in c else None
+
 
 @dataclasses.dataclass(frozen=True)
 class DPExtrapolation:

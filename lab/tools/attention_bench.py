@@ -7,7 +7,6 @@ the method. quick=true: L = 256 and 512 with a short budget.
 """
 
 import dataclasses
-import os
 import sys
 import time
 
@@ -66,8 +65,8 @@ def run(o: Options) -> int:
     stem = rec.output_stem(o.out_dir, "attention")
     shape = study.Shape(o.batch, o.heads, o.kv_heads, o.head_dim, DTYPES[dtype])
     con = progress.console(width=150)
-    if os.getloadavg()[0] > (os.cpu_count() or 1) * 0.5:
-        con.print(f"[yellow]host load average {os.getloadavg()[0]:.1f}: times will be noisy")
+    if busy := rec.busy_note():
+        con.print(f"[yellow]{busy}")
     t0 = time.perf_counter()
     records = study.sweep(
         seqs,

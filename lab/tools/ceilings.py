@@ -5,7 +5,6 @@ bandwidth, and a roofline sweep with its PNG (about 30 s on 2 cores; quick=true 
 """
 
 import dataclasses
-import os
 import sys
 
 from lab.config import cli, field
@@ -24,9 +23,8 @@ class Options:
 def run(o: Options) -> int:
     stem = records.output_stem(o.out_dir, "ceilings")
     con = progress.console()
-    load = os.getloadavg()[0]
-    if load > (os.cpu_count() or 1) * 0.5:
-        con.print(f"[yellow]host load average {load:.1f}: figures will be low and noisy")
+    if busy := records.busy_note("figures"):
+        con.print(f"[yellow]{busy}")
     result = ceilings.run_all(budget_s=o.budget, quick=o.quick)
     env = records.environment()
     title = (

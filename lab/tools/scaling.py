@@ -32,6 +32,10 @@ def run(o: Options) -> int:
     stem = records.output_stem(o.out_dir, "scaling")
     con = progress.console(width=max(120, progress.console().width))  # the tables are wide
     t0 = time.perf_counter()
+    if busy := records.busy_note():
+        con.print(f"[yellow]{busy}")
+    if o.size == "tiny":
+        con.print("size=tiny checks the code path: its times are too short to compare")
     with progress.tasks(con) as bar:
         task = bar.add_task("scaling", total=3)
 

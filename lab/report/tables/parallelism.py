@@ -34,7 +34,8 @@ def scaling(study: ScalingStudy) -> list[Table]:
         title="scaling (strong, fixed global batch)" + (" · simulated CPU devices" if sim else "")
     )
     t1.caption = "collectives: HLO bus bytes / busbw measured per kind (derived); compute: the rest"
-    cols = ("strategy", "devices", "mesh", "step ms", "collectives ms", "compute ms", "MiB/dev")
+    cols = ("strategy", "devices", "mesh", "step ms", "p10–p90", "collectives ms", "compute ms")
+    cols += ("MiB/dev",)
     for col in cols:
         t1.add_column(col, no_wrap=True)
     for p in study.strong:
@@ -45,6 +46,7 @@ def scaling(study: ScalingStudy) -> list[Table]:
             str(p.devices),
             p.mesh,
             _ms(p.step_s),
+            "–" if p.step_spread is None else "–".join(_ms(s) for s in p.step_spread),
             _ms(p.collective_s),
             _ms(p.compute_s),
             mib(p.memory_bytes, 2),
