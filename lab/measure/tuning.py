@@ -26,6 +26,8 @@ class StepCandidate:
     skipped: str | None = None  # why it was not timed; None when it ran
     step_s: float | None = None  # median seconds per step (lab.measure.timing.bench)
     runs: int | None = None  # timed steps
+    p10_s: float | None = None  # the timed steps' spread
+    p90_s: float | None = None
     seq_len: int | None = None  # tokens per sequence
     model_flops_per_token: float | None = None  # lab.run's convention (6·N + attention)
     peak_flops: float | None = None  # FLOP/s of the mesh's devices; None: no figure

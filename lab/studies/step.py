@@ -100,6 +100,8 @@ def measure(keys: dict, remat: str, batch: int, budget_s: float) -> StepCandidat
         **row,
         step_s=timed.median_s,
         runs=timed.runs,
+        p10_s=timed.p10_s,
+        p90_s=timed.p90_s,
         seq_len=cfg.seq_len,
         model_flops_per_token=analysis["model_flops_per_token"],
         peak_flops=peak,
@@ -165,6 +167,7 @@ def tune_records(rows: list[StepCandidate], keys: dict) -> list[dict]:
             out.append(rec.make_record("tune_step skipped", r.skipped, "reason", **config))
             continue
         extra = dict(step_s=r.step_s, runs=r.runs, memory_bytes=r.memory_bytes)
+        extra |= dict(p10_s=r.p10_s, p90_s=r.p90_s)
         out.append(
             rec.make_record("training tokens/s", r.tokens_per_s, "tokens/s", **config, **extra)
         )
@@ -176,6 +179,8 @@ def tune_records(rows: list[StepCandidate], keys: dict) -> list[dict]:
                     "fraction",
                     label="derived",
                     peak_source=r.peak_source,
+                    peak_flops=r.peak_flops,  # MFU = tokens/s × FLOPs per token / peak
+                    model_flops_per_token=r.model_flops_per_token,
                     convention=r.convention,
                     **config,
                 )

@@ -156,6 +156,11 @@ def run(o: Options) -> int:
     todo = searches(o)
     stem = rec.output_stem(o.out_dir, "tune")
     con = progress.console(width=150)
+    if o.interpret:
+        con.print(
+            "[yellow]interpret=true: the Pallas interpreter runs the kernels on the host, so "
+            "the times below check the search's machinery and say nothing of a GPU's"
+        )
     kind = jax.devices()[0].device_kind
     for search in todo:
         t0 = time.perf_counter()

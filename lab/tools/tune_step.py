@@ -31,11 +31,15 @@ class Options:
 def run(o: Options, keys: dict) -> int:
     rec.writable_dir(o.out_dir)  # refused before the work; the stem names the backend, so
     con = progress.console(width=150)  # it waits for the first session to size the devices
+    if busy := rec.busy_note():
+        con.print(f"[yellow]{busy}")
     rows = step.tune(keys, o.remats, o.batches, o.budget, log=con.log)
     stem = rec.output_stem(o.out_dir, "tune_step")
     top = step.best(rows)
     title = "remat × batch" + (f" · {top.device} · MFU: {top.convention}" if top else "")
     con.print(tables.tune_step(rows, top, title))
+    if top is not None and top.peak_flops:
+        con.print(f"MFU against {top.peak_flops / 1e9:,.1f} GFLOP/s: {top.peak_source}")
     path = rec.write_records(stem.with_suffix(".jsonl"), step.tune_records(rows, keys))
     con.print(f"records → {path}")
     if top is None:

@@ -62,14 +62,17 @@ def tune_step(rows: list[StepCandidate], top: StepCandidate | None, title: str) 
     """lab.tools.tune_step: every (remat, batch) with its compiled memory and, where it ran,
     step time, tokens/s and MFU; the best one marked."""
     t = Table(title=title)
-    for col in ("remat", "batch", "compiled MiB/device", "step", "tokens/s", "MFU", ""):
+    cols = ("remat", "batch", "compiled MiB/device", "step", "p10–p90", "tokens/s", "MFU", "")
+    for col in cols:
         t.add_column(col, justify="right")
     for r in rows:
+        spread = f"{duration(r.p10_s)}–{duration(r.p90_s)}" if r.p10_s and r.p90_s else ""
         t.add_row(
             r.remat,
             str(r.batch),
             mib(r.memory_bytes, 0) if r.memory_bytes else "–",
             duration(r.step_s) if r.ran else f"skipped: {r.skipped}",
+            spread,
             f"{r.tokens_per_s:,.0f}" if r.ran else "",
             percent(r.mfu) if r.mfu is not None else "",
             "← best" if r is top else "",
