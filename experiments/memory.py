@@ -152,6 +152,12 @@ def _remat_time(cfg: Config, budget_s: float) -> dict:
     )
 
 
+def calculator_error(log_err: float) -> str:
+    """How wrong the memory calculator is, as the prediction's statement: its worst ratio to
+    the steps compiled here (C09's cases), either way."""
+    return f"memory calculator (within {math.exp(log_err):.2f}× of every step compiled here)"
+
+
 def _predict(shape: dict, recipe: str, **kw) -> dict:
     w, c, g, o, master = RECIPES[recipe]
     return memory.predict_training_memory(
@@ -189,6 +195,7 @@ def _llama_training_memory(log_err: float) -> list[dict]:
                 p["total"],
                 "B",
                 label="predicted",
+                model_error=calculator_error(log_err),
                 role="evidence" if recipe == PRIMARY else "context",
                 target="h100-sxm",
                 recipe=recipe,
@@ -205,6 +212,7 @@ def _llama_training_memory(log_err: float) -> list[dict]:
             dp["total"] / cap,
             "× H100 memory",
             label="predicted",
+            model_error=calculator_error(log_err),
             target="h100-sxm",
             breakdown=dp,
             inputs=inputs,
@@ -226,6 +234,7 @@ def _llama_training_memory(log_err: float) -> list[dict]:
             needed,
             "H100s",
             label="predicted",
+            model_error=calculator_error(log_err),
             target="h100-sxm",
             recipe=PRIMARY,
             inputs=inputs,
@@ -316,6 +325,7 @@ def _fitting_70b(log_err: float) -> list[dict]:
                 p["total"],
                 "B",
                 label="predicted",
+                model_error=calculator_error(log_err),
                 role="context",
                 target="h100-sxm",
                 recipe=PRIMARY,
