@@ -89,6 +89,34 @@ def _resolve(coordinator: str, where: str) -> None:
         raise ConfigError(f"{where}: unknown host {host!r} ({e})") from None
 
 
+def _check_port_free(coordinator: str, where: str) -> None:
+    """Process 0 serves the coordinator on its port, on every interface: a port another
+    server listens on is one line here. The runtime's server binds with SO_REUSEPORT, so a
+    second job's process 0 would share a live job's port and the two jobs' processes join each
+    other's (one aborts), and a listener with SO_REUSEADDR crashed the runtime (SIGSEGV)."""
+    import errno
+
+    port = int(coordinator.rpartition(":")[2])
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is free
+            try:
+                probe.bind((host, port))
+                probe.listen(1)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    continue  # not this family's to judge (an address it cannot bind)
+                raise ConfigError(
+                    f"{where}: port {port} is already in use on this host (another job's "
+                    "coordinator, or another server): give coordinator= a free port"
+                ) from None
+            return  # IPv6's wildcard covers IPv4 too where dual-stack; else IPv4's is tried
+
+
 @dataclasses.dataclass(frozen=True)
 class _Join:
     """One process's join, and the words its errors use."""
@@ -256,7 +284,9 @@ def _join(j: _Join, timeout_s: int) -> None:
     timer = _watchdog(timeout_s, lambda: _join_timeout(j, timeout_s, reached))
     try:
         _resolve(j.coordinator, j.where)
-        if j.process_id > 0:
+        if j.process_id == 0:
+            _check_port_free(j.coordinator, j.where)
+        else:
             _reach(j.coordinator)
         reached.set()
         jax.distributed.initialize(

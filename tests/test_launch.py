@@ -359,3 +359,21 @@ def test_the_processes_die_with_their_launcher(tmp_path):
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, "a child outlived its launcher"
+
+
+def test_process_0_refuses_a_port_another_server_listens_on():
+    """The runtime's server shares a port with SO_REUSEPORT (two jobs' processes then join each
+    other's) and crashed on one held with SO_REUSEADDR: process 0 checks the port first."""
+    import socket
+
+    from lab import devices
+    from lab.errors import ConfigError
+
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"port {port} is already in use"):
+            devices._check_port_free(f"localhost:{port}", "coordinator")
+    devices._check_port_free(f"localhost:{launch.free_port()}", "coordinator")  # a free one
