@@ -342,7 +342,7 @@ def agreed_stop(stop, step: int, ahead: int = 1) -> bool:
     return True
 
 
-def agreed_folder(claim, follow, timeout_s: int):
+def agreed_folder(claim, follow, timeout_s: int, keys: dict | None = None):
     """The run folder every process of a run uses, or one refusal for all of them.
 
     Process 0 chooses and checks the folder (`claim()` → (cfg, run_dir); a name lab.run chose
@@ -352,7 +352,10 @@ def agreed_folder(claim, follow, timeout_s: int):
     every other's: one process alone refusing (an earlier run there, a live run's lock, a
     folder it cannot write) would leave its peers waiting in their first collective until the
     runtime aborts them. A refusal is a ConfigError on every process, naming the process that
-    refused; `timeout_s` bounds each wait."""
+    refused; `timeout_s` bounds each wait. `keys` (the run's resolved keys, flat) are compared
+    with process 0's: processes started with different keys would train different programs
+    in lockstep (replicas drifting apart unseen) or abort at the end in the runtime's
+    barrier, so a difference is one line on every process."""
     import json
 
     client = _distributed.global_state.client
@@ -377,12 +380,23 @@ def agreed_folder(claim, follow, timeout_s: int):
 
     if me != 0 and "error" in (first := read(0)):
         raise refused(0, first)
+    if me != 0 and (theirs := first.get("keys")) is not None and keys is not None:
+        differ = sorted(k for k in {*keys, *theirs} if keys.get(k) != theirs.get(k))
+        if differ:
+            shown = "; ".join(
+                f"{k}: {theirs.get(k)!r} on process 0, {keys.get(k)!r} on process {me}"
+                for k in differ[:3]
+            )
+            more = f"; and {len(differ) - 3} more" if len(differ) > 3 else ""
+            why = f"the processes were started with different keys ({shown}{more})"
+            post({"error": why})
+            raise ConfigError(f"{why}: start every process with the same keys")
     try:
         result = claim() if me == 0 else follow(first["name"])
     except BaseException as e:  # its own refusal, failure or Ctrl-C: the others are told
         post({"error": str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})
         raise
-    post({"name": result[0].name})
+    post({"name": result[0].name, "keys": keys})
     for i in range(n):
         if i != me and "error" in (verdict := read(i)):
             raise refused(i, verdict)

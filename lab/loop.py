@@ -485,12 +485,31 @@ def _claim_folder(
             lambda: _claim_here(cfg, is_main, held, named=named, stages=stages, created=created),
             follow,
             timeout_s,
+            keys=_compared_keys(cfg),
         )
     except ConfigError:
         for folder in created:
             _drop_bare(folder)
         held.close()
         raise
+
+
+# Keys each process may hold its own value of: its id, the name process 0 chooses for all
+PER_PROCESS_KEYS = ("process_id", "name")
+
+
+def _compared_keys(cfg: Config) -> dict:
+    """The resolved keys every process of a run must share, flat (the model's beside the run's),
+    as JSON values."""
+    import json
+
+    flat = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}
+    flat |= dataclasses.asdict(cfg.model)
+    return {
+        k: json.loads(json.dumps(v, default=str))
+        for k, v in flat.items()
+        if k not in PER_PROCESS_KEYS
+    }
 
 
 def _drop_bare(folder: Path) -> None:

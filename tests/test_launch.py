@@ -377,3 +377,26 @@ def test_process_0_refuses_a_port_another_server_listens_on():
         with pytest.raises(ConfigError, match=f"port {port} is already in use"):
             devices._check_port_free(f"localhost:{port}", "coordinator")
     devices._check_port_free(f"localhost:{launch.free_port()}", "coordinator")  # a free one
+
+
+@pytest.mark.once
+def test_processes_started_with_different_keys_are_refused(tmp_path):
+    """Two processes of one run asked for different learning rates: each would train its own
+    program in lockstep. Both refuse in one line naming the key, before any step."""
+    port = launch.free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "lab.run", *TINY, "mesh=4x2", f"out_dir={tmp_path}", "name=R"]
+            + ["num_processes=2", f"process_id={i}", f"coordinator=localhost:{port}", f"lr={lr}"],
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, lr in ((0, 0.003), (1, 0.1))
+    ]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert errs[1].count("\n") == 1 and "lr: 0.003 on process 0, 0.1 on process 1" in errs[1]
+    assert errs[0].startswith("error: process 1 of 2 refused the run: the processes were"), errs
+    assert not (tmp_path / "R").exists()
