@@ -122,8 +122,8 @@ check_zone() {
   [[ $1 =~ ^[a-z]+(-[a-z]+[0-9]+)+-[a-z]$ ]] || die "--zone '$1' is not a zone like us-central2-b"
 }
 
-check_uint() { # FLAG VALUE
-  [[ $2 =~ ^[0-9]+$ ]] || die "$1 '$2' is not a whole number"
+check_uint() { # FLAG VALUE (no leading zero: bash arithmetic would read 08 as octal)
+  [[ $2 =~ ^(0|[1-9][0-9]*)$ ]] || die "$1 '$2' is not a whole number (digits, no leading zero)"
 }
 
 check_required() { # FLAG VALUE EXAMPLE

@@ -14,7 +14,9 @@ that jax.distributed joins them into one global mesh. (Set them up with tpu/setu
 On a TPU VM every worker runs the same command (--worker=all); lab.run initialises
 jax.distributed from the TPU environment. On --hosts, host i runs it with
 coordinator=COORDINATOR:PORT num_processes=N process_id=i added (when N > 1).
-Output goes to the machines' ~/lab/runs/; bring it back with tpu/fetch.sh.
+Output goes to the machines' ~/lab/runs/; bring it back with tpu/fetch.sh. Ctrl-C (exit
+130) or SIGTERM (143) stops the ssh clients here; a remote lab.run may train on (see
+tpu/README.md for stopping it). Only lab.run joins several hosts into one job.
 
   --name NAME          TPU VM name
   --zone ZONE          its zone
@@ -78,6 +80,16 @@ if [[ -z $HOSTS_CSV ]]; then
 fi
 
 n=${#HOSTS[@]}
+if ((n > 1)); then
+  [[ $MODULE == lab.run ]] ||
+    die "--module $MODULE on $n hosts: only lab.run joins hosts into one job (run $MODULE on one host: --hosts ${HOSTS[0]})"
+  for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
+    case $a in
+      coordinator=* | num_processes=* | process_id=*)
+        die "${a%%=*}= is set by run.sh for each host (use --coordinator and --port)" ;;
+    esac
+  done
+fi
 if [[ -z $COORDINATOR ]]; then
   COORDINATOR=${HOSTS[0]#*@}
   gce_alias='^([a-z][-a-z0-9]*)\.([a-z]+(-[a-z]+[0-9]+)+-[a-z])\.([a-z][-a-z0-9]*)$'
@@ -86,7 +98,9 @@ if [[ -z $COORDINATOR ]]; then
   fi
 fi
 [[ $COORDINATOR =~ ^[A-Za-z0-9.:_-]+$ ]] || die "--coordinator '$COORDINATOR' is not a host name"
-trap kill_bg INT TERM
+# Ctrl-C or SIGTERM stops the ssh clients, and the exit status says which (130, 143)
+trap 'kill_bg; exit 130' INT
+trap 'kill_bg; exit 143' TERM
 for ((i = 0; i < n; i++)); do
   keys=()
   if ((n > 1)); then
