@@ -58,8 +58,20 @@ class DeviceInfo:
 
 
 def _tpu_pod() -> bool:
-    """A multi-host TPU slice: the runtime lists several worker hostnames."""
-    return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    """A multi-host TPU slice: GKE lists several worker hostnames in TPU_WORKER_HOSTNAMES; a
+    Cloud TPU VM's workers are in its metadata server (`worker-network-endpoints`), which JAX's
+    own TPU cluster detection reads (its private module: asked only on a machine with TPU chips,
+    and any failure to read it is taken as a single host)."""
+    if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+        return True
+    try:
+        from jax._src.clusters import cloud_tpu_cluster as tpu
+
+        if not tpu.running_in_cloud_tpu_vm or not tpu.GceTpuCluster.is_env_present():
+            return False
+        return len(tpu.GceTpuCluster._get_worker_list_in_slice()) > 1
+    except Exception:  # noqa: BLE001 — a private module that moves between versions
+        return False
 
 
 STOP_KEYS = "lab/stop/"  # where a signalled process posts "STEP SIGNAL" in the key-value store
@@ -268,8 +280,30 @@ def _init_distributed(
         )
         _join(j, timeout_s)
     elif _tpu_pod():
-        _no_preemption_notifier()
-        jax.distributed.initialize()  # TPU pods describe themselves through the environment
+        _join_tpu_slice(timeout_s)
+
+
+def _join_tpu_slice(timeout_s: int) -> None:
+    """A TPU slice's workers describe themselves (the metadata server, GKE's variables), and
+    the join is bounded like any other: one line and exit 2 if a worker is missing."""
+    _no_preemption_notifier()
+    where = "this TPU slice's workers"
+    timer = _watchdog(
+        timeout_s,
+        lambda: (
+            f"{where}: not every worker joined within {timeout_s} s (coordinator_timeout=); "
+            "start lab.run on every worker at once (tpu/run.sh runs it with --worker=all)"
+        ),
+    )
+    try:
+        jax.distributed.initialize(
+            initialization_timeout=timeout_s, shutdown_timeout_seconds=min(timeout_s, 30)
+        )
+    except Exception as e:  # noqa: BLE001 — the runtime raises XlaRuntimeError and others
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{where}: this worker could not join ({first})") from None
+    finally:
+        timer.cancel()
 
 
 def _no_preemption_notifier() -> None:

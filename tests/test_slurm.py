@@ -181,3 +181,28 @@ def test_the_header_says_how_the_processes_joined():
     assert info.header() == "gpu · NVIDIA H100 × 16, joined 2 processes through SLURM (job 7)"
     plain = DeviceInfo("gpu", "NVIDIA H100", 16, 8, 2, 0, False)
     assert plain.header() == "gpu · NVIDIA H100 × 16, 2 processes"
+
+
+def test_a_cloud_tpu_vms_workers_are_read_from_its_metadata(monkeypatch):
+    """A Cloud TPU VM sets no TPU_WORKER_HOSTNAMES (GKE's): its workers are in the metadata
+    server, as JAX's own TPU cluster detection reads them. Several workers are a pod slice
+    (joined); one, an unreadable server or no TPU chips here are a single host."""
+    from jax._src.clusters import cloud_tpu_cluster as tpu
+
+    from lab import devices
+
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    assert not devices._tpu_pod()  # this machine has no TPU chips
+    monkeypatch.setattr(tpu, "running_in_cloud_tpu_vm", True)
+    monkeypatch.setattr(tpu.GceTpuCluster, "is_env_present", classmethod(lambda cls: True))
+    for workers, pod in ((["w0", "w1"], True), (["w0"], False)):
+        monkeypatch.setattr(tpu.GceTpuCluster, "_get_worker_list_in_slice", lambda w=workers: w)
+        assert devices._tpu_pod() is pod
+
+    def unreadable():
+        raise RuntimeError("Getting metadata['worker-network-endpoints'] failed for 6 tries")
+
+    monkeypatch.setattr(tpu.GceTpuCluster, "_get_worker_list_in_slice", unreadable)
+    assert devices._tpu_pod() is False
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "a,b")  # GKE
+    assert devices._tpu_pod() is True
