@@ -176,7 +176,8 @@ EXACT = {
         "gcloud compute tpus tpu-vm ssh lab-v4 --zone=us-central2-b --worker=all --command "
         + remote(
             "{ test -d lab/.git || git clone --quiet https://example.org/lab.git lab; }"
-            " && git -C lab fetch --quiet origin && git -C lab checkout --quiet --force v1.0"
+            " && git -C lab fetch --quiet origin v1.0"
+            " && git -C lab checkout --quiet --force --detach FETCH_HEAD"
             " && " + install(py="3.11")
         )
         + "\n",
@@ -196,8 +197,8 @@ EXACT = {
         "ssh box "
         + remote(
             "{ test -d lab/.git || git clone --quiet git@example.org:lab.git lab; }"
-            " && git -C lab fetch --quiet origin && git -C lab checkout --quiet --force"
-            " origin/HEAD && " + install(spec=".")
+            " && git -C lab fetch --quiet origin HEAD"
+            " && git -C lab checkout --quiet --force --detach FETCH_HEAD && " + install(spec=".")
         )
         + "\n",
     ),

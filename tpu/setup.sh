@@ -21,7 +21,8 @@ not included), copied over with scp. With --repo, each machine clones or fetches
   --hosts H0,H1,...    ssh hosts instead (e.g. GPU VMs: NAME.ZONE.PROJECT after
                        gcloud compute config-ssh, or user@address)
   --repo URL           clone URL on each machine instead of copying this checkout
-  --ref REF            what to install (default HEAD; with --repo, origin/HEAD)
+  --ref REF            what to install (default HEAD; with --repo: a branch, tag or commit
+                       of URL, fetched anew on every run, default its HEAD)
   --extra EXTRA        pyproject extra to install (default tpu, or cuda with --hosts;
                        none = no extra)
   --python VERSION     Python for the venv, as uv understands it (default 3.12)
@@ -75,12 +76,13 @@ INSTALL+=" && { test -x .venv/bin/python || uv venv --python $PYTHON .venv; }"
 INSTALL+=" && uv pip install --quiet --python .venv/bin/python -e \"$SPEC\""
 
 if [[ -n $REPO ]]; then
-  REF=${REF:-origin/HEAD}
+  REF=${REF:-HEAD}
+  REF=${REF#origin/} # the remote's own name for it: fetched below, never a stale local branch
   url=$(quote "$REPO")
   ref=$(quote "$REF")
   REMOTE="{ test -d $LAB_DIR/.git || git clone --quiet $url $LAB_DIR; }"
-  REMOTE+=" && git -C $LAB_DIR fetch --quiet origin"
-  REMOTE+=" && git -C $LAB_DIR checkout --quiet --force $ref && $INSTALL"
+  REMOTE+=" && git -C $LAB_DIR fetch --quiet origin $ref"
+  REMOTE+=" && git -C $LAB_DIR checkout --quiet --force --detach FETCH_HEAD && $INSTALL"
 else
   REF=${REF:-HEAD}
   git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1 ||
