@@ -275,3 +275,33 @@ def test_sigterm_stops_the_step_in_flight_keeps_the_state_and_a_rerun_goes_on(tm
     state = state_of(tmp_path)
     assert state["first"]["attempt"] == 1 and state["slow"]["attempt"] == 2
     assert state["after"]["status"] == "done"
+
+
+def test_a_redo_cut_short_keeps_the_finished_outcome(tmp_path, capsys):
+    """redo= of a finished step that does not finish (past its budget, or the runbook stopped
+    mid-step) gives the finished outcome back, with a note of the attempt, not 'cut short'."""
+    assert tool.run(options(tmp_path), steps=[fake("one")], probe=lambda: CPU) == 0
+    slow = [Step("one", "sleeps", ("-c", "import time; time.sleep(60)"), 0.5)]
+    tool.run(options(tmp_path, redo=("one",)), steps=slow, probe=lambda: CPU)
+    entry = state_of(tmp_path)["one"]
+    assert entry["status"] == "done" and entry["attempt"] == 2, entry
+    assert "try-2 (a redo) was cut short: past its budget" in entry["redo_cut_short"]
+    assert "the previous outcome stands" in capsys.readouterr().out
+    # the runbook itself killed mid-redo: the state still says running, read back as before
+    root = tmp_path / "runbook"
+    state = json.loads((root / runbook.STATE).read_text())
+    previous = dict(state["steps"]["one"])
+    state["steps"]["one"] = {"status": "running", "attempt": 3, "previous": previous}
+    runbook.save_state(root, state)
+    loaded = runbook.load_state(root, CPU, "full", say=lambda _: None)["steps"]["one"]
+    assert loaded["status"] == "done" and "stopped mid-step" in loaded["redo_cut_short"]
+
+
+def test_one_runbook_per_folder(tmp_path, capsys):
+    from lab import checkpoint
+
+    (tmp_path / "runbook").mkdir()
+    with checkpoint.Lock(tmp_path / "runbook"):
+        assert exit_code(lambda: tool.run(options(tmp_path), steps=[fake("one")])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "in use by another runbook" in err

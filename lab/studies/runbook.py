@@ -284,10 +284,22 @@ def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
         path.rename(keep)
         say(f"{path} was for {old.get('device_kind')} size={state.get('size')}: kept as {keep}")
         return fresh
-    for entry in state["steps"].values():
+    for name, entry in state["steps"].items():
         if entry.get("status") == "running":
-            entry.update(status="cut short", reason="the runbook itself was stopped mid-step")
+            why = "the runbook itself was stopped mid-step"
+            state["steps"][name] = _kept_or_cut(entry, why, None)
     return state
+
+
+def _kept_or_cut(entry: dict, why: str, ended) -> dict:
+    """A step cut short: a redo gives back the finished outcome it was to replace (with a note
+    of the attempt), anything else is recorded as cut short."""
+    previous = entry.get("previous")
+    if previous:
+        note = f"try-{entry.get('attempt')} (a redo) was cut short: {why}"
+        return {**previous, "attempt": entry.get("attempt"), "redo_cut_short": note}
+    cut = {k: v for k, v in entry.items() if k != "previous"}
+    return {**cut, "status": "cut short", "reason": why, **({"ended": ended} if ended else {})}
 
 
 def save_state(root: Path, state: dict) -> None:
@@ -464,8 +476,10 @@ def execute(
         out.mkdir(parents=True, exist_ok=True)
         argv = command(step, out, root, state)
         log = out / "output.log"
+        previous = {k: v for k, v in entry.items() if k not in ("previous", "redo_cut_short")}
         entry = {
             "status": "running",
+            "previous": previous if previous.get("status") in FINISHED else None,
             "attempt": attempt,
             "folder": str(out),
             "log": str(log),
@@ -479,9 +493,16 @@ def execute(
         try:
             result = run_bounded(argv, log, limit, why)
         except BaseException:
-            entry.update(status="cut short", reason="the runbook was interrupted", ended=_now())
+            state["steps"][step.name] = _kept_or_cut(entry, "the runbook was interrupted", _now())
             save_state(root, state)
             raise
+        if result.status == "cut short" and entry["previous"]:  # a redo that did not finish
+            state["steps"][step.name] = _kept_or_cut(entry, result.reason, _now())
+            say(f"{head}: cut short: {result.reason} (the previous outcome stands)")
+            save_state(root, state)
+            after_step(state)
+            continue
+        del entry["previous"]
         entry.update(
             status=result.status,
             reason=result.reason,

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from lab import checkpoint
 from lab.config import cli, did_you_mean, field
 from lab.errors import ConfigError, Terminated
 from lab.measure import records as rec
@@ -125,6 +126,17 @@ def run(o: Options, *, steps=None, probe=None) -> int:
         _print_plan(chosen, o, root)
         return 0
     rec.writable_dir(root)
+    with contextlib.ExitStack() as held:
+        try:  # one runbook per folder: two would run the same steps into one state file
+            held.enter_context(checkpoint.Lock(root))
+        except ConfigError:
+            raise ConfigError(
+                f"{root} is in use by another runbook: wait for it, or give another out_dir="
+            ) from None
+        return _run_held(o, steps, names, chosen, root, probe)
+
+
+def _run_held(o: Options, steps, names, chosen, root: Path, probe) -> int:
     t0 = time.perf_counter()
     platform = (probe or runbook.probe_platform)()
     if platform.get("error"):
