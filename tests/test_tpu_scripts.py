@@ -284,9 +284,12 @@ EXACT = {
         "'/opt/lab venv/bin/pip' install --quiet -e <root-cuda>\n"
         "sbatch --job-name=big --nodes=4 --ntasks-per-node=4 --gpus-per-node=4 --exclusive"
         " --time=1-12:00:00 --partition=gpu --account=acme --chdir=<root>"
-        " --export=ALL,XLA_PYTHON_CLIENT_MEM_FRACTION=.8,NCCL_DEBUG=WARN,PYTHONUNBUFFERED=1,"
-        "NCCL_SOCKET_IFNAME=ib0 --wrap "
-        + remote("srun --kill-on-bad-exit=1 '/opt/lab venv/bin/python' -m experiments size=quick")
+        " --export=ALL,XLA_PYTHON_CLIENT_MEM_FRACTION=.8,NCCL_DEBUG=WARN,PYTHONUNBUFFERED=1"
+        " --wrap "
+        + remote(
+            "NCCL_SOCKET_IFNAME=ib0 srun --kill-on-bad-exit=1 '/opt/lab venv/bin/python'"
+            " -m experiments size=quick"
+        )
         + "\n",
     ),
 }
@@ -436,7 +439,8 @@ BAD = [
     ("slurm.sh", ["--nodes", "2", "--mem-fraction", "0"], "--mem-fraction '0'"),
     ("slurm.sh", ["--nodes", "2", "--time", "1 hour"], "--time '1 hour'"),
     ("slurm.sh", ["--nodes", "2", "--partition", "a,b c"], "--partition 'a,b c'"),
-    ("slurm.sh", ["--nodes", "2", "--nccl-ifname", "ib0,eth0"], "--nccl-ifname"),
+    ("slurm.sh", ["--nodes", "2", "--nccl-ifname", "ib0 eth0"], "--nccl-ifname"),
+    ("slurm.sh", ["--nodes", "2", "--nccl-ifname", "^lo,,docker0"], "--nccl-ifname"),
     ("slurm.sh", ["--nodes", "2", "--venv", "a,b"], "--venv 'a,b'"),
 ]
 

@@ -99,10 +99,12 @@ name='^[A-Za-z0-9_.-]+$'
   die "--time '$TIME' is not a time limit like 01:00:00, 90 or 1-12:00:00"
 [[ $MEM_FRACTION =~ ^(0?\.[0-9]*[1-9][0-9]*|1(\.0*)?)$ ]] ||
   die "--mem-fraction '$MEM_FRACTION' is not a fraction in (0, 1], like 0.90"
-[[ -z $NCCL_IFNAME || $NCCL_IFNAME =~ ^\^?[A-Za-z0-9_.=-]+$ ]] ||
-  die "--nccl-ifname '$NCCL_IFNAME' is not an interface name like ib0"
+[[ -z $NCCL_IFNAME || $NCCL_IFNAME =~ ^\^?[A-Za-z0-9_.=-]+(,[A-Za-z0-9_.=-]+)*$ ]] ||
+  die "--nccl-ifname '$NCCL_IFNAME' is not an interface name like ib0 (or a list: ^lo,docker0)"
 [[ $MODULE =~ ^[A-Za-z_][A-Za-z0-9_.]*$ ]] || die "--module '$MODULE' is not a module name"
 [[ $VENV != *,* ]] || die "--venv '$VENV': a path without commas, please"
+# the job runs in --chdir=ROOT: a relative venv is this directory's, made absolute
+[[ $VENV == /* ]] || VENV="$PWD/$VENV"
 
 if ((!DRY_RUN)); then
   command -v sbatch >/dev/null || die "sbatch not found: run this on the cluster's login node"
@@ -117,11 +119,12 @@ fi
 # What every task runs: srun starts one per GPU, and ends them all if one fails (a task of a
 # jax.distributed job cannot go on alone: its next collective waits for every peer).
 step="srun --kill-on-bad-exit=1 $(quote "$VENV/bin/python") -m $MODULE"
+# a list of interfaces has commas, which --export would split: set in the job's shell instead
+[[ -z $NCCL_IFNAME ]] || step="NCCL_SOCKET_IFNAME=$(quote "$NCCL_IFNAME") $step"
 for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
   step+=" $(quote "$a")"
 done
 export_vars="ALL,XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM_FRACTION,NCCL_DEBUG=WARN,PYTHONUNBUFFERED=1"
-[[ -z $NCCL_IFNAME ]] || export_vars+=",NCCL_SOCKET_IFNAME=$NCCL_IFNAME"
 SBATCH=(sbatch "--job-name=$JOB_NAME" "--nodes=$NODES" "--ntasks-per-node=$GPUS")
 SBATCH+=("--gpus-per-node=$GPUS" --exclusive "--time=$TIME")
 [[ -z $PARTITION ]] || SBATCH+=("--partition=$PARTITION")
