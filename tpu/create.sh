@@ -58,7 +58,8 @@ check_required --zone "$ZONE" us-west4-a
 check_required --type "$TYPE" v5litepod-8
 check_name "$NAME"
 check_zone "$ZONE"
-[[ $TYPE =~ ^v[0-9][a-z0-9]*-[0-9]+$ ]] || die "--type '$TYPE' is not an accelerator type like v5litepod-8"
+[[ $TYPE =~ ^(v[0-9][a-z0-9]*|tpu[0-9][a-z0-9]*)-[0-9]+$ ]] ||
+  die "--type '$TYPE' is not an accelerator type like v5litepod-8 or tpu7x-8"
 if [[ -z $VERSION ]]; then
   case $TYPE in
     v5litepod-*) VERSION=v2-alpha-tpuv5-lite ;;
