@@ -18,6 +18,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from rich.markup import escape
+
 from lab import data, rundir, startup
 from lab.config import check_name, cli, field
 from lab.errors import ConfigError
@@ -187,8 +189,10 @@ def run(o: Options, keys: dict) -> int:
         text = sample.sample_text(
             s, params, prompt=prompt, tokens=o.sample, temperature=o.temperature, seed=o.seed
         )
-        con.print(
-            f"[bold]sample[/bold] (temperature {o.temperature}):\n[dim]{prompt}[/dim]{text}\n"
+        shown = prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        con.print(  # the texts are printed as they are, never read as markup ([/b], [red])
+            f"[bold]sample[/bold] (temperature {o.temperature}):\n"
+            f"[dim]{escape(shown)}[/dim]{escape(text)}\n"
         )
     config = {
         "preset": s.cfg.preset,

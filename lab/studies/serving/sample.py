@@ -8,8 +8,10 @@ from lab import decode
 
 
 def sample_text(session, params, *, prompt: str, tokens: int, temperature: float, seed: int):
-    """A short continuation of `prompt` by a byte-level model (vocab 256): the text."""
-    raw = np.frombuffer(prompt.encode(), np.uint8).astype(np.int32)[None]
+    """A short continuation of `prompt` by a byte-level model (vocab 256): the text. The
+    prompt's bytes are the command line's own (bytes that are not UTF-8 come through Python's
+    surrogate escapes unchanged)."""
+    raw = np.frombuffer(prompt.encode("utf-8", "surrogateescape"), np.uint8).astype(np.int32)[None]
     batch = decode.batch_multiple(session.trainer)
     prompts = np.repeat(raw, batch, 0)
     dec = decode.make_decoder(
