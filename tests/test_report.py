@@ -168,3 +168,52 @@ def test_the_memory_legend_sits_beside_the_bars(monkeypatch, tmp_path):
     ax = fig.axes[0]
     legend = ax.get_legend().get_window_extent()
     assert legend.x0 >= ax.get_window_extent().x1  # right of the axes, over no bar
+
+
+def _drawn(monkeypatch, draw, *args):
+    """The figure `draw(args[0], path, *args[1:])` draws, kept open and laid out (its ticks
+    and legend placed) to be read."""
+    from lab.report import plots
+
+    kept = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path, **kw: kept.append(fig) or path)
+    draw(*args[:1], Path("unused.png"), *args[1:])
+    kept[0].canvas.draw()
+    return kept[0]
+
+
+def _ticks(axis) -> list[str]:
+    lo, hi = sorted(axis.get_view_interval())
+    return [
+        t.get_text()
+        for t in axis.get_ticklabels()
+        if lo <= t.get_position()[0 if axis.axis_name == "x" else 1] <= hi
+    ]
+
+
+def test_the_scaling_study_counts_devices_and_batches_in_whole_numbers_from_zero(monkeypatch):
+    """Device counts and batches ticked as the whole numbers measured (not 1.0, 2.0, nor
+    3.80-4.20 around a single batch); time and memory from 0; simulated devices said."""
+    from lab.measure.scaling import DPExtrapolation, RematPoint, ScalingStudy, StrongPoint
+    from lab.report import plots
+
+    study = ScalingStudy(
+        strong=tuple(
+            StrongPoint("dp", n, f"data:{n}", s, 0.0, s, 2**21, True)
+            for n, s in ((1, 0.0121), (2, 0.0134))
+        ),
+        extrapolated=tuple(
+            DPExtrapolation(n, 2, 0.01, 1e-3, 0.9, 1.0, "measured here", True) for n in (16, 32)
+        ),
+        remat=(
+            RematPoint("none", 4, 0.01, 2.12 * 2**20, 1),
+            RematPoint("full", 4, 0.01, 2.04 * 2**20, 1),
+        ),
+    )
+    fig = _drawn(monkeypatch, plots.scaling_study, study, "cpu · jax")
+    steps, eff, remat = fig.axes
+    assert _ticks(steps.xaxis) == ["1", "2"] and _ticks(eff.xaxis) == ["16", "32"]
+    assert _ticks(remat.xaxis) == ["4"]
+    assert steps.get_ylim()[0] == 0 and remat.get_ylim()[0] == 0
+    assert remat.get_ylim()[1] < 3  # room above 2.12 MiB, not a range of its own
+    assert "simulated" in fig._suptitle.get_text()

@@ -52,7 +52,9 @@ def run(o: Options) -> int:
     con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), study.records())}")
     if o.plot:
         env = records.environment()
-        title = f"{env['device_kind']} ({env['backend']}) · jax {env['jax_version']}"
+        title = (
+            f"{plots.device_name(env['backend'], env['device_kind'])} · jax {env['jax_version']}"
+        )
         con.print(f"plot → {plots.scaling_study(study, stem.with_suffix('.png'), title)}")
     con.print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0
