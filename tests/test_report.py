@@ -217,3 +217,23 @@ def test_the_scaling_study_counts_devices_and_batches_in_whole_numbers_from_zero
     assert steps.get_ylim()[0] == 0 and remat.get_ylim()[0] == 0
     assert remat.get_ylim()[1] < 3  # room above 2.12 MiB, not a range of its own
     assert "simulated" in fig._suptitle.get_text()
+
+
+def test_an_attention_sweep_of_a_subset_draws_only_what_it_measured(monkeypatch):
+    """modes=fwd, causal only, one length: a time panel and a memory panel (it drew three
+    empty panels and no memory, since memory showed fwd+bwd causal only), in ms, plain ticks."""
+    from lab.measure.attention import SweepRow
+    from lab.report import plots
+
+    rows = [
+        SweepRow(impl, 512, True, "fwd", time_s=t, peak_temp_bytes=b)
+        for impl, t, b in (("naive", 3e-4, 4e6), ("blockwise", 2e-4, 1e6))
+    ]
+    fig = _drawn(monkeypatch, plots.attention_sweep, rows, "attention · cpu")
+    time, mem = [ax for ax in fig.axes if ax.axison]
+    assert [len(ax.get_lines()) for ax in (time, mem)] == [2, 2]
+    assert time.get_ylabel() == "ms per call" and _ticks(time.xaxis) == ["512"]
+    assert sorted(y for line in time.get_lines() for y in line.get_ydata()) == pytest.approx(
+        [0.2, 0.3]
+    )
+    assert all("×" not in t and "^" not in t for t in _ticks(time.yaxis) + _ticks(mem.yaxis))

@@ -107,7 +107,7 @@ def _from_zero(ax) -> None:
 
 def _plain_log(ax, values, *, which: str = "y") -> None:
     """A log axis of magnitudes written as plain numbers: 1-2-5 ticks a decade where the
-    values span one or more, 1 to 9 where they span less (one tick alone reads as nothing)."""
+    values span one or more, 1-2-3-5-7 where they span less (one tick alone reads as nothing)."""
     import math
 
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -116,7 +116,7 @@ def _plain_log(ax, values, *, which: str = "y") -> None:
     axis = ax.xaxis if which == "x" else ax.yaxis
     vals = [v for v in values if v is not None and v > 0]
     span = math.log10(max(vals) / min(vals)) if vals else 2
-    subs = (1.0,) if span > 4 else (1.0, 2.0, 5.0) if span > 0.8 else tuple(range(1, 10))
+    subs = (1.0,) if span > 4 else (1.0, 2.0, 5.0) if span > 0.8 else (1.0, 2.0, 3.0, 5.0, 7.0)
     axis.set_major_locator(LogLocator(base=10, subs=subs))
     axis.set_major_formatter(FuncFormatter(_number))
     axis.set_minor_formatter(NullFormatter())
@@ -447,54 +447,80 @@ def make_all(records: Sequence[dict], out_dir) -> dict[str, list[str]]:
 # ------------------------------------------------------------------------ the commands' plots
 
 
-def _log2_lines(ax, lines: dict, *, xlabel: str, ylabel: str, title: str) -> None:
-    """One line per label from {label: [(x, y), ...]} on log-log axes (x in powers of two)."""
-    for label, pts in lines.items():
-        if pts:
-            ax.plot(*zip(*sorted(pts), strict=True), marker="o", label=label)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    if ax.get_lines():
-        ax.legend(fontsize=7)
+def _colors(names) -> dict:
+    """One colour per name, the same in every panel of a figure."""
+    cycle = _plt().rcParams["axes.prop_cycle"].by_key()["color"]
+    return {name: cycle[i % len(cycle)] for i, name in enumerate(names)}
 
 
 def attention_sweep(rows: list[SweepRow], path, title: str) -> Path:
-    """`lab.studies.attention.rows_of(records)`: time per call against sequence length per
-    (causal, mode), one line per impl, and the fwd+bwd causal peak temp memory."""
+    """`lab.studies.attention.rows_of(records)`: ms per call against sequence length per
+    (causal, mode) measured, one line per impl, and the peak temporary memory of every
+    (mode, mask) that has it. Only panels with figures are drawn (a sweep of modes=fwd,
+    causal=yes drew three empty ones with made-up axes)."""
     plt = _plt()
-    panels = [(c, m) for c in (True, False) for m in ("fwd", "fwd+bwd")]
-    fig, grid = plt.subplots(2, 3, figsize=(15, 8))
-    axes = list(grid.flat)
-    axes[-1].axis("off")
     impls = sorted({r.impl for r in rows})
+    color = _colors(impls)
+    combos = [(c, m) for c in (True, False) for m in ("fwd", "fwd+bwd")]
 
-    def pick(field, causal, mode):  # a SweepRow field; None: no record of it
+    def mask(causal: bool) -> str:
+        return "causal" if causal else "full"
+
+    def pick(field, causal, mode):  # {impl: [(seq, a SweepRow field)]}, where a record gave it
         return {
-            impl: [
-                (r.seq, getattr(r, field))
-                for r in rows
-                if (r.impl, r.causal, r.mode) == (impl, causal, mode)
-                and getattr(r, field) is not None
-            ]
+            impl: pts
             for impl in impls
+            if (
+                pts := [
+                    (r.seq, getattr(r, field))
+                    for r in rows
+                    if (r.impl, r.causal, r.mode) == (impl, causal, mode)
+                    and getattr(r, field) is not None
+                ]
+            )
         }
 
-    for ax, (c, m) in zip(axes, panels, strict=False):
-        _log2_lines(
-            ax,
-            pick("time_s", c, m),
-            xlabel="L = S",
-            ylabel="s per call",
-            title=f"{m}, {'causal' if c else 'full'}",
+    timed = [(c, m, lines) for c, m in combos if (lines := pick("time_s", c, m))]
+    memory = [(c, m, lines) for c, m in combos if (lines := pick("peak_temp_bytes", c, m))]
+    drawn = len(timed) + bool(memory)  # panels with figures: one per line of 3 at most
+    cols = min(3, max(1, drawn))
+    lines_of = max(1, -(-drawn // cols))
+    fig, grid = plt.subplots(lines_of, cols, figsize=(5 * cols, 4 * lines_of), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[drawn:]:
+        ax.axis("off")
+    seqs = [r.seq for r in rows]
+    for ax, (c, m, lines) in zip(axes, timed, strict=False):
+        for impl, pts in lines.items():
+            pts.sort()
+            ax.plot(
+                [p[0] for p in pts], [p[1] * 1e3 for p in pts], "o-", color=color[impl], label=impl
+            )
+        ax.set(title=f"{m}, {mask(c)}", xlabel="L = S", ylabel="ms per call")
+    if memory:
+        ax = axes[len(timed)]
+        for c, m, lines in memory:
+            for impl, pts in lines.items():
+                pts.sort()
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] / 2**20 for p in pts],
+                    "-" if m == "fwd+bwd" else "--",
+                    marker="o" if c else "s",
+                    mfc=None if c else "none",
+                    color=color[impl],
+                    label=f"{impl} {m} {mask(c)}",
+                )
+        ax.set(title="peak temporary memory", xlabel="L = S", ylabel="MiB")
+    for ax in axes[:drawn]:
+        _log2_axis(ax, seqs)
+        _plain_log(ax, [y for line in ax.get_lines() for y in line.get_ydata()])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    if not drawn:
+        axes[0].text(
+            0.5, 0.5, "nothing timed or compiled", ha="center", transform=axes[0].transAxes
         )
-    _log2_lines(
-        axes[len(panels)],
-        pick("peak_temp_bytes", True, "fwd+bwd"),
-        xlabel="L = S",
-        ylabel="bytes",
-        title="fwd+bwd causal: peak temp memory",
-    )
     fig.suptitle(title)
     return _save(fig, path)
 

@@ -81,7 +81,8 @@ def run(o: Options) -> int:
     )
     env = rec.environment()
     title = (
-        f"attention · {backend} · {env['device_kind']} · jax {env['jax_version']} · "
+        f"attention · {plots.device_name(backend, env['device_kind'])} · "
+        f"jax {env['jax_version']} · "
         f"B={shape.batch} H={shape.heads} G={shape.kv_heads} K={shape.head_dim} {dtype}"
     )
     rows = study.rows_of(records)
