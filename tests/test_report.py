@@ -237,3 +237,34 @@ def test_an_attention_sweep_of_a_subset_draws_only_what_it_measured(monkeypatch)
         [0.2, 0.3]
     )
     assert all("×" not in t and "^" not in t for t in _ticks(time.yaxis) + _ticks(mem.yaxis))
+
+
+def test_the_ledger_attention_plot_tells_causal_from_full_at_the_lengths_measured(monkeypatch):
+    """Causal and full records of one (impl, mode) are two lines, each named by its mask; the
+    lengths are ticked where measured (64 and 128 had no label, 70-90 had 7×10¹ …)."""
+    from lab.report import plots
+
+    records = [
+        {
+            **_rec(t, "cpu", "cpu"),
+            "config": {
+                "series": "attention",
+                "impl": "flash",
+                "mode": "fwd+bwd",
+                "seq_len": n,
+                "median_s": t,
+                "temp_bytes": 2**20 * n,
+                "causal": causal,
+            },
+        }  # fmt: skip
+        for causal in (True, False)
+        for n, t in ((64, 1e-4), (128, 3e-4 if causal else 4e-4))
+    ]
+    fig = _drawn(monkeypatch, plots.attention, records)
+    time, mem = fig.axes
+    assert [line.get_label() for line in time.get_lines()] == [
+        "flash fwd+bwd causal",
+        "flash fwd+bwd full",
+    ]
+    assert _ticks(time.xaxis) == _ticks(mem.xaxis) == ["64", "128"]
+    assert fig._suptitle.get_text() == "attention · cpu"  # cpu · cpu named once

@@ -201,39 +201,49 @@ def matmul(records, path) -> Path | None:
 
 
 def attention(records, path) -> Path | None:
+    """ms per call and compiled temporaries against sequence length, one line per (impl, mode,
+    mask): records of causal and full attention are two lines, not one."""
     rows = series(records, "attention")
     if not rows:
         return None
     plt = _plt()
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11.5, 4))
     lines = defaultdict(list)
     for r in rows:
         c = r["config"]
-        lines[(c["impl"], c["mode"])].append((c["seq_len"], c["median_s"], c.get("temp_bytes")))
-    for (impl, mode), pts in sorted(lines.items()):
-        pts.sort()
-        style = "-" if mode == "fwd+bwd" else "--"
-        ax_t.loglog(
-            [p[0] for p in pts],
-            [p[1] * 1e3 for p in pts],
-            style,
-            marker="o",
-            label=f"{impl} {mode}",
+        mask = {True: "causal", False: "full"}.get(c.get("causal"), "")
+        lines[(c["impl"], c["mode"], mask)].append(
+            (c["seq_len"], c["median_s"], c.get("temp_bytes"))
         )
+    color = _colors(sorted({impl for impl, _, _ in lines}))
+    for (impl, mode, mask), pts in sorted(lines.items()):
+        pts.sort()
+        style = dict(
+            ls="-" if mode == "fwd+bwd" else "--",
+            marker="s" if mask == "full" else "o",
+            mfc="none" if mask == "full" else None,
+            color=color[impl],
+            label=" ".join(filter(None, (impl, mode, mask))),
+        )
+        ax_t.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], **style)
         mem = [(p[0], p[2]) for p in pts if p[2]]
         if mem:
-            ax_m.loglog(
-                [p[0] for p in mem],
-                [p[1] / 2**20 for p in mem],
-                style,
-                marker="o",
-                label=f"{impl} {mode}",
-            )
+            ax_m.plot([p[0] for p in mem], [p[1] / 2**20 for p in mem], **style)
     ax_t.set(xlabel="sequence length", ylabel="ms per call (median)", title="time")
     ax_m.set(xlabel="sequence length", ylabel="MiB temporaries (compiled)", title="memory")
     for ax in (ax_t, ax_m):
+        _log2_axis(ax, [r["config"]["seq_len"] for r in rows])
+        _plain_log(ax, [y for line in ax.get_lines() for y in line.get_ydata()])
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    # one legend for both panels (the time panel has every line), beside them: inside, up to
+    # eight entries (impl × mode × mask) covered the lines
+    ax_m.legend(
+        *ax_t.get_legend_handles_labels(),
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0,
+    )
     fig.suptitle(f"attention · {_label(rows[0])}", fontsize=9)
     return _save(fig, path)
 
