@@ -268,3 +268,19 @@ def test_the_ledger_attention_plot_tells_causal_from_full_at_the_lengths_measure
     ]
     assert _ticks(time.xaxis) == _ticks(mem.xaxis) == ["64", "128"]
     assert fig._suptitle.get_text() == "attention · cpu"  # cpu · cpu named once
+
+
+def test_the_inference_plot_has_a_legend_naming_both_lines(monkeypatch):
+    from lab.report import plots
+
+    records = [
+        {
+            **_rec(100 * b, "cpu", "cpu"),
+            "config": {"series": "inference_batch", "batch": b, "median_s": 0.01 * b},
+        }
+        for b in (1, 2, 4)
+    ]
+    fig = _drawn(monkeypatch, plots.inference, records)
+    legend = fig.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["requests/s", "latency per batch (ms)"]
+    assert _ticks(fig.axes[0].xaxis) == ["1", "2", "4"]

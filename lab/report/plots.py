@@ -385,17 +385,27 @@ def losses(records, path) -> Path | None:
 
 
 def inference(records, path) -> Path | None:
+    """Requests/s and the latency of a batch against batch size, a legend naming both (the
+    latency was told apart only by its axis label's colour)."""
     rows = sorted(series(records, "inference_batch"), key=lambda r: r["config"]["batch"])
     if not rows:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     b = [r["config"]["batch"] for r in rows]
-    ax.semilogx(b, [r["value"] for r in rows], "o-", base=2, label="requests/s")
+    (rps,) = ax.plot(b, [r["value"] for r in rows], "o-", label="requests/s")
     ax2 = ax.twinx()
-    ax2.semilogx(b, [r["config"]["median_s"] * 1e3 for r in rows], "s--", color="tab:red", base=2)
+    (lat,) = ax2.plot(
+        b,
+        [r["config"]["median_s"] * 1e3 for r in rows],
+        "s--",
+        color="tab:red",
+        label="latency per batch (ms)",
+    )
+    _log2_axis(ax, b)  # after both axes drew: they share it
     ax2.set_ylabel("latency per batch (ms)", color="tab:red")
     ax.set(xlabel="batch size", ylabel="requests/s (measured)")
+    ax.legend(handles=[rps, lat], fontsize=8, loc="upper left")
     ax.set_title(f"classifier inference · {_label(rows[0])}", fontsize=9)
     return _save(fig, path)
 
