@@ -284,3 +284,18 @@ def test_the_inference_plot_has_a_legend_naming_both_lines(monkeypatch):
     legend = fig.axes[0].get_legend()
     assert [t.get_text() for t in legend.get_texts()] == ["requests/s", "latency per batch (ms)"]
     assert _ticks(fig.axes[0].xaxis) == ["1", "2", "4"]
+
+
+def test_the_batch_sweep_writes_batches_as_plain_numbers(monkeypatch):
+    from lab.report import plots
+
+    records = [
+        {
+            **_rec(1000 * b, "cpu", "cpu"),
+            "config": {"series": "batch_sweep", "batch": b, "memory_bytes": 2**20 * (20 + b)},
+        }
+        for b in (2, 4, 8)
+    ]
+    fig = _drawn(monkeypatch, plots.batch_sweep, records)
+    assert _ticks(fig.axes[0].xaxis) == ["2", "4", "8"]  # not 2¹, 2², 2³
+    assert fig.axes[0].get_ylim()[0] == fig.axes[1].get_ylim()[0] == 0

@@ -348,22 +348,20 @@ def batch_sweep(records, path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     b = [r["config"]["batch"] for r in rows]
-    (tps,) = ax.semilogx(
-        b, [r["value"] for r in rows], "o-", color="tab:blue", base=2, label="tokens/s"
-    )
+    (tps,) = ax.plot(b, [r["value"] for r in rows], "o-", color="tab:blue", label="tokens/s")
     ax.set(xlabel="batch size", ylabel="tokens/s (measured)")
-    ax.set_ylim(bottom=0)  # from 0: a noise-sized difference does not look like a drop
+    _from_zero(ax)  # a noise-sized difference does not look like a drop
     ax2 = ax.twinx()
-    (mib,) = ax2.semilogx(
+    (mib,) = ax2.plot(
         b,
         [r["config"]["memory_bytes"] / 2**20 for r in rows],
         "s--",
         color="tab:red",
-        base=2,
         label="memory (compiled)",
     )
+    _log2_axis(ax, b)  # 2, 4, 8 (not 2¹, 2², 2³), after both axes drew: they share it
     ax2.set_ylabel("MiB compiled", color="tab:red")
-    ax2.set_ylim(bottom=0)
+    _from_zero(ax2)
     ax.legend(handles=[tps, mib], fontsize=8, loc="lower right")
     ax.set_title(f"batch size: throughput and memory · {_label(rows[0])}", fontsize=9)
     return _save(fig, path)
