@@ -299,3 +299,28 @@ def test_the_batch_sweep_writes_batches_as_plain_numbers(monkeypatch):
     fig = _drawn(monkeypatch, plots.batch_sweep, records)
     assert _ticks(fig.axes[0].xaxis) == ["2", "4", "8"]  # not 2¹, 2², 2³
     assert fig.axes[0].get_ylim()[0] == fig.axes[1].get_ylim()[0] == 0
+
+
+def test_the_decode_plot_reads_plainly_and_its_legend_covers_nothing(monkeypatch):
+    """Several plain tokens/s ticks (one "2¹⁴" alone before), the dashed shares of the roof in
+    the legend, the legend off the axes, x over the batches measured (a critical batch past
+    them is named, not drawn out there)."""
+    from lab.report import plots
+
+    records = [
+        {
+            **_rec(tps, "cpu", "cpu"),
+            "config": {"series": "decode_batch", "batch": b, "int8": q, "memory_roof_share": 0.5},
+        }
+        for q, base in ((False, 16000), (True, 22000))
+        for b, tps in ((1, base), (2, 1.9 * base), (4, 3.5 * base), (8, 6 * base))
+    ]
+    records.append({**_rec(24, "cpu", "cpu"), "config": {"metric": "decode_critical_batch"}})
+    fig = _drawn(monkeypatch, plots.decode, records)
+    ax = fig.axes[0]
+    ticks = _ticks(ax.yaxis)
+    assert len(ticks) >= 3 and all(t.replace(",", "").isdigit() for t in ticks), ticks
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "% of memory roof, float" in labels and "critical batch (ridge): 24" in labels[-1]
+    assert ax.get_legend().get_window_extent().y1 <= ax.get_window_extent().y0  # below it
+    assert 8 <= ax.get_xlim()[1] < 12

@@ -107,7 +107,7 @@ def _from_zero(ax) -> None:
 
 def _plain_log(ax, values, *, which: str = "y") -> None:
     """A log axis of magnitudes written as plain numbers: 1-2-5 ticks a decade where the
-    values span one or more, 1-2-3-5-7 where they span less (one tick alone reads as nothing)."""
+    values span one or more, 1-1.5-2-3-5-7 where they span less (one tick alone says little)."""
     import math
 
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -116,7 +116,7 @@ def _plain_log(ax, values, *, which: str = "y") -> None:
     axis = ax.xaxis if which == "x" else ax.yaxis
     vals = [v for v in values if v is not None and v > 0]
     span = math.log10(max(vals) / min(vals)) if vals else 2
-    subs = (1.0,) if span > 4 else (1.0, 2.0, 5.0) if span > 0.8 else (1.0, 2.0, 3.0, 5.0, 7.0)
+    subs = (1.0,) if span > 4 else (1.0, 2.0, 5.0) if span > 0.8 else (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
     axis.set_major_locator(LogLocator(base=10, subs=subs))
     axis.set_major_formatter(FuncFormatter(_number))
     axis.set_minor_formatter(NullFormatter())
@@ -410,29 +410,52 @@ def inference(records, path) -> Path | None:
 
 def decode(records, path) -> Path | None:
     """Decode tokens/s against batch (float and int8) and the share of the measured memory
-    roof each reaches; the critical batch where one is recorded."""
+    roof each reaches; the critical batch where one is recorded. The x axis spans the batches
+    measured (a critical batch past them is named in the legend, not drawn out there), the
+    legend sits below the axes and names every line, the dashed shares too."""
+    from matplotlib.lines import Line2D
+
     rows = sorted(series(records, "decode_batch"), key=lambda r: r["config"]["batch"])
     if not rows:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    fig, ax = plt.subplots(figsize=(6.4, 4.3))
     ax2 = ax.twinx()
+    rates, shares = [], []
     for int8, style in ((False, "o-"), (True, "^-")):
         pts = [r for r in rows if bool(r["config"].get("int8")) == int8]
         if not pts:
             continue
         b = [r["config"]["batch"] for r in pts]
         name = "int8 weights + cache" if int8 else "float"
-        ax.loglog(b, [r["value"] for r in pts], style, base=2, label=f"tokens/s, {name}")
+        rates += ax.plot(b, [r["value"] for r in pts], style, label=f"tokens/s, {name}")
         share = [100 * r["config"]["memory_roof_share"] for r in pts]
-        ax2.semilogx(b, share, style.replace("-", "--"), base=2, color="tab:red", alpha=0.7)
+        shares += ax2.plot(
+            b,
+            share,
+            style.replace("-", "--"),
+            color="tab:red",
+            alpha=0.7,
+            label=f"% of memory roof, {name}",
+        )
+    handles = rates + shares
+    batches = [r["config"]["batch"] for r in rows]
     crit = [r for r in records if r.get("config", {}).get("metric") == "decode_critical_batch"]
     if crit and crit[0]["value"] and crit[0]["value"] < 1e9:
-        ax.axvline(crit[0]["value"], color="gray", ls=":", label="critical batch (ridge)")
+        at = crit[0]["value"]
+        label = f"critical batch (ridge): {at:.3g}"
+        if min(batches) <= at <= max(batches):
+            handles.append(ax.axvline(at, color="gray", ls=":", label=label))
+        else:
+            out = Line2D([], [], color="gray", ls=":", label=f"{label}, past the batches measured")
+            handles.append(out)
+    _log2_axis(ax, batches)  # after both axes drew: they share it
+    _plain_log(ax, [r["value"] for r in rows])
     ax.set(xlabel="batch (sequences decoded together)", ylabel="decode tokens/s (measured)")
     ax2.set_ylabel("% of the measured memory roof (dashed)", color="tab:red")
-    ax2.set_ylim(bottom=0)
-    ax.legend(fontsize=8, loc="upper left")
+    _from_zero(ax2)
+    # below the axes: inside, it covered the batch-2 points
+    ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     ax.set_title(
         f"decode: memory-bound until the batch fills the ridge · {_label(rows[0])}", fontsize=9
     )
