@@ -324,3 +324,43 @@ def test_the_decode_plot_reads_plainly_and_its_legend_covers_nothing(monkeypatch
     assert "% of memory roof, float" in labels and "critical batch (ridge): 24" in labels[-1]
     assert ax.get_legend().get_window_extent().y1 <= ax.get_window_extent().y0  # below it
     assert 8 <= ax.get_xlim()[1] < 12
+
+
+def test_the_roofline_names_its_roofs_and_ends_a_little_past_its_points(monkeypatch):
+    """The roofs' values written beside them, the axis ending near the last point and the
+    ridge (it ran to 10⁴ FLOP/B with the last point at ~341), no label on a point."""
+    from lab.report import plots
+
+    peak, bw = 6.5e10, 1.6e10
+    ops = [("poly_1", 0.25), ("poly_16", 4.0), ("mm_8", 4.0), ("mm_1024", 341.0)]
+    records = [
+        {**_rec(peak, "cpu", "cpu"), "config": {"series": "roof", "roof": "peak"}},
+        {**_rec(bw, "cpu", "cpu"), "config": {"series": "roof", "roof": "bandwidth"}},
+    ] + [
+        {
+            **_rec(0, "cpu", "cpu"),
+            "config": {
+                "series": "roofline",
+                "name": name,
+                "flops": ai * 1e9,
+                "bytes": 1e9,
+                "median_s": ai / min(peak, ai * bw),
+            },
+        }  # fmt: skip
+        for name, ai in ops
+    ]
+    fig = _drawn(monkeypatch, plots.roofline, records)
+    ax = fig.axes[0]
+    assert 341 < ax.get_xlim()[1] < 2000
+    texts = [t for t in ax.texts if t.get_text()]
+    assert {"peak 65 GFLOP/s", "16 GB/s", "ridge 4.1 FLOP/B"} <= {t.get_text() for t in texts}
+    points = [
+        ax.transData.transform(xy)
+        for line in ax.get_lines()
+        if line.get_linestyle() == "None"  # markers only: the points, not the roofs
+        for xy in line.get_xydata()
+    ]
+    for t in texts:
+        box = t.get_window_extent()
+        assert not any(box.contains(x, y) for x, y in points), t.get_text()
+    assert fig.axes[0].get_title().startswith("roofline · cpu (")  # not cpu · cpu

@@ -122,18 +122,36 @@ def _plain_log(ax, values, *, which: str = "y") -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
+def _si(value: float, unit: str) -> str:
+    """65.2 GFLOP/s, 989 TFLOP/s, 16 GB/s: a rate with its decimal prefix."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
 def roofline_points(points, *, peak_flops: float, bandwidth: float, path, title: str) -> Path:
-    """Log-log roofline: measured points (lab.measure.roofline.Point), the measured roofs,
-    the ridge point."""
+    """Log-log roofline: measured points (lab.measure.roofline.Point), the measured roofs
+    with their values, the ridge point. The axes run a little past the points and the ridge
+    (they ran to 10⁴ FLOP/B with the last point at ~341); every label sits above a roof,
+    where no point is (the ridge's sat on one)."""
     import numpy as np
 
     plt = _plt()
-    ai = np.logspace(-2, 4, 200)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.loglog(ai, np.minimum(peak_flops, ai * bandwidth), "k-", label="attainable (measured roofs)")
     ridge = peak_flops / bandwidth
+    at = [p.intensity for p in points] or [ridge]
+    lo, hi = min(min(at), ridge) / 3, max(max(at) * 3, ridge * 8)
+    ai = np.logspace(np.log10(lo), np.log10(hi), 200)
+    fig, ax = plt.subplots(figsize=(7, 4.9))
+    ax.loglog(ai, np.minimum(peak_flops, ai * bandwidth), "k-", label="attainable (measured roofs)")
     ax.axvline(ridge, ls="--", lw=1, color="tab:red")
-    ax.annotate(f"ridge {ridge:.1f} FLOP/B", (ridge, peak_flops / 20), fontsize=8, color="tab:red")
+    above = dict(textcoords="offset points", va="bottom", fontsize=8)
+    ax.annotate(f"ridge {ridge:.1f} FLOP/B", (ridge, peak_flops), (-4, 4), ha="right",
+                color="tab:red", **above)  # fmt: skip
+    ax.annotate(f"peak {_si(peak_flops, 'FLOP/s')}", (ridge, peak_flops), (4, 4), ha="left",
+                **above)  # fmt: skip
+    x = (lo * ridge) ** 0.5  # halfway up the memory roof; above-left of it is above the line
+    ax.annotate(_si(bandwidth, "B/s"), (x, x * bandwidth), (-6, 6), ha="right", **above)
     for family, marker in (("poly", "o"), ("mm", "s")):
         pts = [p for p in points if p.name.startswith(family)]
         if pts:
@@ -143,10 +161,13 @@ def roofline_points(points, *, peak_flops: float, bandwidth: float, path, title:
                 marker,
                 label={"poly": "elementwise polynomial", "mm": "x(m×n)·w(n×n)"}[family],
             )
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(top=peak_flops * 3)  # room for the labels above the roof
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("FLOP/s")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    # below the axes: inside, no corner is empty for every device (the ridge moves)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     ax.grid(True, which="both", alpha=0.3)
     return _save(fig, path, dpi=120)
 

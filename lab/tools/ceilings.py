@@ -39,7 +39,7 @@ def run(o: Options) -> int:
             peak_flops=result.peak_flops,
             bandwidth=result.bandwidth,
             path=stem.with_suffix(".png"),
-            title=f"{env['device_kind']} ({env['backend']}): measured roofline",
+            title=f"{plots.device_name(env['backend'], env['device_kind'])}: measured roofline",
         )
         con.print(f"roofline → {png}")
     con.print(f"done in {result.elapsed_s:.1f} s")
