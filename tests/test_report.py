@@ -364,3 +364,32 @@ def test_the_roofline_names_its_roofs_and_ends_a_little_past_its_points(monkeypa
         box = t.get_window_extent()
         assert not any(box.contains(x, y) for x, y in points), t.get_text()
     assert fig.axes[0].get_title().startswith("roofline · cpu (")  # not cpu · cpu
+
+
+def test_collectives_keep_one_colour_per_op_and_one_line_style_per_axis(monkeypatch):
+    """The same op over two mesh axes in one colour, the axes told apart by line style, the
+    legend naming both; sizes ticked as 4K, 64K, 1M (they read 4×10³, 6×10³ …)."""
+    from lab.measure.collectives import Point
+    from lab.measure.timing import BenchResult
+    from lab.report import plots
+
+    points = [
+        Point(op, axis, 4, size, BenchResult(size / 1e9, 0, 0, 1, 0))
+        for axis in ("data", "model")
+        for op in ("all-reduce", "ppermute")
+        for size in (4096, 65536, 2**20)
+    ]
+    fig = _drawn(monkeypatch, plots.collectives, points, "collectives")
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert set(lines) == {
+        f"{op} @ {a}" for op in ("all-reduce", "ppermute") for a in ("data", "model")
+    }
+    for op in ("all-reduce", "ppermute"):
+        assert lines[f"{op} @ data"].get_color() == lines[f"{op} @ model"].get_color()
+    assert lines["all-reduce @ data"].get_color() != lines["ppermute @ data"].get_color()
+    for a in ("data", "model"):
+        assert (
+            lines[f"all-reduce @ {a}"].get_linestyle() == lines[f"ppermute @ {a}"].get_linestyle()
+        )
+    assert lines["all-reduce @ data"].get_linestyle() != lines["all-reduce @ model"].get_linestyle()
+    assert _ticks(fig.axes[0].xaxis) == ["4K", "64K", "1M"]

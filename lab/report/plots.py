@@ -588,18 +588,41 @@ def attention_sweep(rows: list[SweepRow], path, title: str) -> Path:
 
 
 def collectives(points, path, title: str) -> Path:
-    """busbw against message size, one line per (op, axis)."""
+    """busbw against message size, one line per (op, axis): a colour per op, a line style per
+    axis (ten lines took ten unrelated colours from the cycle), sizes on log2 as 4K, 64K, 1M."""
+    from lab.measure.collectives import OPS
+
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for key in dict.fromkeys((p.op, str(p.axis)) for p in points):
-        pts = [p for p in points if (p.op, str(p.axis)) == key]
-        ax.plot(
-            [p.size_bytes for p in pts], [p.busbw / 1e9 for p in pts], "o-", label="@".join(key)
+    fig, ax = plt.subplots(figsize=(9.5, 5))
+    keys = list(dict.fromkeys((p.op, str(p.axis)) for p in points))
+    color = _colors([*OPS, *sorted({op for op, _ in keys} - set(OPS))])
+    axes = list(dict.fromkeys(axis for _, axis in keys))
+    style = {
+        a: (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))[i % 4] for i, a in enumerate(axes)
+    }
+    for op, axis in sorted(keys, key=lambda k: (list(color).index(k[0]), axes.index(k[1]))):
+        pts = sorted(
+            (p for p in points if (p.op, str(p.axis)) == (op, axis)), key=lambda p: p.size_bytes
         )
-    ax.set(xscale="log", yscale="log", xlabel="message size S (bytes)", ylabel="busbw (GB/s)")
+        ls, marker = style[axis]
+        ax.plot(
+            [p.size_bytes for p in pts],
+            [p.busbw / 1e9 for p in pts],
+            ls=ls,
+            marker=marker,
+            color=color[op],
+            label=f"{op} @ {axis}",
+        )
+    _log2_axis(ax, [p.size_bytes for p in points], fmt=_size)
+    _plain_log(ax, [p.busbw / 1e9 for p in points])
+    ax.set(xlabel="message size S (bytes)", ylabel="busbw (GB/s)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    # beside the axes: ten entries inside covered the lines
+    ax.legend(
+        fontsize=7, title="op @ mesh axis", title_fontsize=7, loc="upper left",
+        bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+    )  # fmt: skip
     return _save(fig, path, dpi=120)
 
 
