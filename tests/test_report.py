@@ -284,6 +284,8 @@ def test_the_inference_plot_has_a_legend_naming_both_lines(monkeypatch):
     legend = fig.axes[0].get_legend()
     assert [t.get_text() for t in legend.get_texts()] == ["requests/s", "latency per batch (ms)"]
     assert _ticks(fig.axes[0].xaxis) == ["1", "2", "4"]
+    assert fig.axes[0].get_ylim()[0] == fig.axes[1].get_ylim()[0] == 0
+    assert legend.get_window_extent().y1 <= fig.axes[0].get_window_extent().y0  # over no line
 
 
 def test_the_batch_sweep_writes_batches_as_plain_numbers(monkeypatch):
