@@ -393,7 +393,13 @@ class Config:
         "another, cut at the row's end; attention stays within a document and positions restart "
         "at each (segment ids); no padding, so every target counts in the loss",
     )
-    seed: int = field(0, "seed for parameters and data: same seed, same run", min=0)
+    seed: int = field(
+        0,
+        "seed for parameters and data: same seed, same run (at most 2^32-1: JAX's keys take "
+        "32 bits)",
+        min=0,
+        max=2**32 - 1,
+    )
     name: str = field("", "run name: one folder name under out_dir; empty = model-mesh-time")
     out_dir: str = field("runs", "where run folders are written", kind="path")
     log_every: int = field(10, "steps between metric records", min=1)

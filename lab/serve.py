@@ -62,7 +62,7 @@ class Options:
     plan_context: int = field(4096, "target= plans: cache slots per sequence", min=1)
     results: str = field("results", "folder for the records and the PNG", kind="path")
     plot: bool = field(True, "write the decode PNG")
-    seed: int = field(0, "random weights and sampling", min=0)
+    seed: int = field(0, "random weights and sampling (at most 2^32-1)", min=0, max=2**32 - 1)
 
 
 # lab.run's keys that only training reads: given to lab.serve they would do nothing

@@ -45,6 +45,7 @@ def test_every_preset_is_valid(name):
         (["model=tny"], "model='tny': expected one of tiny"),  # the key as typed, not preset=
         (["lr=fast"], "lr='fast': expected a number"),
         (["steps=-1"], "steps='-1': must be >= 0"),
+        (["seed=4294967296"], "seed='4294967296': must be <= 4294967295"),
         (["dtype=int7"], "dtype='int7': expected one of float32, bfloat16, float16"),
         (["remat=some"], "remat='some': expected one of none | full | dots"),
         (["resume=maybe"], "resume='maybe': expected a boolean"),

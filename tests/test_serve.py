@@ -97,6 +97,7 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         (["batches=1,,2"], "an empty item between commas"),
         (["sample=100000"], "sample='100000': must be <= 4096"),
         (["steps=100"], "steps=: lab.serve trains nothing"),
+        (["seed=99999999999999999999"], "must be <= 4294967295"),
         (["name=demo", "lr=1"], "lr=, name=: lab.serve trains nothing"),
         (["name=demo"], "served with run=NAME"),
     ],
