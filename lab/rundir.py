@@ -317,7 +317,15 @@ def quiet_libraries(run_dir: Path) -> None:
     cannot raise (a failed checkpoint write fails every pending write of its step, each in its
     own thread or coroutine, some only found at interpreter exit): the lab reports the
     failure once, in one line, where it surfaces in the loop."""
-    handler = _LogHandler(run_dir / "lab.log")
+    path = run_dir / "lab.log"
+    try:
+        handler = _LogHandler(path)
+    except OSError as e:  # a read-only file, a folder of that name
+        what = "a folder" if path.is_dir() else (e.strerror or str(e)).lower()
+        raise ConfigError(
+            f"cannot write {path} (the libraries' log): {what}; make it a writable file or "
+            "remove it"
+        ) from None
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     for name in ("absl", "orbax", "jax._src.distributed", "tensorstore", "concurrent", "asyncio"):
         log = logging.getLogger(name)

@@ -451,3 +451,12 @@ def test_a_folder_holding_a_plan_is_not_offered_a_resume(tmp_path):
     with pytest.raises(ConfigError, match="already holds a plan for target=tpu:v5e:2x2") as e:
         rundir.check_fresh(tmp_path)
     assert "resume" not in str(e.value)
+
+
+def test_a_libraries_log_that_cannot_be_written_is_one_line(tmp_path):
+    """lab.log a folder (or read-only): refused in one line naming it, not a traceback."""
+    from lab.errors import ConfigError
+
+    (tmp_path / "lab.log").mkdir()
+    with pytest.raises(ConfigError, match=r"lab.log \(the libraries' log\): a folder"):
+        rundir.quiet_libraries(tmp_path)
