@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import checkpoint
+from lab import checkpoint, rundir
 from lab.run import main
 
 TINY = ["model=tiny", "n_layers=1", "batch_size=4", "seq_len=16", "log_every=1"]
