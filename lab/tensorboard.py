@@ -94,9 +94,10 @@ class EventFile(rundir.WholeAppends):
 
 
 def start(run_dir: Path, records: list[dict]) -> EventFile:
-    """The folder rebuilt to hold `records` (metrics.jsonl's, in order) and nothing else: a new
-    event file is written aside, renamed in, and only then are the earlier event files removed
-    (a failure part-way leaves them as they were). Returns it open for this run's records;
+    """The lab's event file rebuilt to hold `records` (metrics.jsonl's, in order): a new event
+    file is written aside, renamed in, and only then are the lab's earlier event files (named
+    *.lab) removed (a failure part-way leaves them as they were; files the lab did not write
+    stay). Returns it open for this run's records;
     OSError for the caller."""
     folder = run_dir / FOLDER
     folder.mkdir(exist_ok=True)
@@ -107,7 +108,7 @@ def start(run_dir: Path, records: list[dict]) -> EventFile:
         tmp.replace(folder / name)
     finally:
         tmp.unlink(missing_ok=True)
-    for old in folder.glob("events.out.tfevents.*"):
+    for old in folder.glob("events.out.tfevents.*.lab"):  # the lab's own: never a user's file
         if old.name != name:
             old.unlink()
     return EventFile(folder / name)

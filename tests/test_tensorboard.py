@@ -177,3 +177,16 @@ def test_memory_is_the_device_allocators_where_it_keeps_counters(monkeypatch):
     assert tags == {"memory/device_bytes_in_use": 5, "memory/device_peak_bytes_in_use": 7}
     monkeypatch.setattr(loop.memory, "device_memory_stats", lambda _: None)
     assert list(loop._memory_now()) == ["host_rss_bytes"]
+
+
+def test_a_rebuild_removes_only_the_labs_own_event_files(tmp_path):
+    """A resume rebuilds the lab's event file and removes its older ones (named *.lab); an
+    event file the user put in the folder stays."""
+    folder = tmp_path / tensorboard.FOLDER
+    folder.mkdir()
+    theirs = folder / "events.out.tfevents.123.host.custom"
+    older = folder / "events.out.tfevents.100.host.1.lab"
+    theirs.write_bytes(b"x")
+    older.write_bytes(b"y")
+    made = tensorboard.start(tmp_path, [])
+    assert theirs.exists() and not older.exists() and made.path.exists()
