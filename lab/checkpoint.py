@@ -228,16 +228,36 @@ def _finite(state) -> bool:
 
 
 def restore_latest(
-    run_dir, abstract_state, *, warn=print, why: str = "resume=true", moved: list | None = None
+    run_dir,
+    abstract_state,
+    *,
+    warn=print,
+    why: str = "resume=true",
+    moved: list | None = None,
+    read_only: bool = False,
+    finite=None,
 ):
     """(step, state) from the newest step that restores whole and finite, or (None, None).
 
     Damaged steps are moved aside as they are found (their steps appended to `moved`, for a
     caller that must say why none is left); a step saved for another model shape raises
     ConfigError (one line, starting with `why`: what asked for the state) and nothing is moved.
+    `read_only` (a reader such as lab.serve, which may share the folder with a live run or
+    have no right to write it): damaged steps are skipped with a warning and nothing in the
+    folder is touched. `finite(state)` picks what must be finite (default: all of it).
     """
     moved = [] if moved is None else moved
-    set_aside_strays(run_dir, warn)
+    finite = finite or (lambda state: state)
+
+    def set_aside(step: int, reason: str) -> None:
+        moved.append(step)
+        if read_only:
+            warn(f"checkpoint step {step} is damaged ({reason}): skipped")
+        else:
+            quarantine(run_dir, step, reason, warn)
+
+    if not read_only:
+        set_aside_strays(run_dir, warn)
     path = folder(run_dir)
     steps = sorted((int(p.name) for p in path.glob("[0-9]*") if _is_step(p.name)), reverse=True)
     for step in steps:
@@ -252,12 +272,10 @@ def restore_latest(
         try:
             state = ocp.StandardCheckpointer().restore(item, abstract_state)
         except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for damage
-            quarantine(run_dir, step, _damage(e), warn)
-            moved.append(step)
+            set_aside(step, _damage(e))
             continue
-        if not _finite(state):
-            quarantine(run_dir, step, "non-finite values", warn)
-            moved.append(step)
+        if not _finite(finite(state)):
+            set_aside(step, "non-finite values")
             continue
         return step, state
     return None, None

@@ -295,7 +295,8 @@ def test_the_summary_names_the_smallest_batch_it_measured():
 def test_a_damaged_run_is_a_few_lines_not_a_flood(tmp_path):
     """Every checkpoint of the run damaged: the libraries' logging goes to lab.log in the
     results folder, the terminal gets a warning per damaged step and one error line, which
-    says where the steps went (not that the run was never checkpointed)."""
+    says they could not be read (not that the run was never checkpointed). Serving only
+    reads: the damaged steps stay where they are, for the run's own resume to set aside."""
     import subprocess
     import sys
 
@@ -315,8 +316,11 @@ def test_a_damaged_run_is_a_few_lines_not_a_flood(tmp_path):
     text = p.stdout + p.stderr
     assert "Traceback" not in text and len(text.splitlines()) <= 10, text[-3000:]
     last = p.stderr.strip().splitlines()[-1]  # it was checkpointed: never "train it with ..."
-    damaged = tmp_path / "t" / "checkpoints-damaged"
-    assert last == f"error: run=t: 2 damaged steps (2, 4) moved to {damaged}; none is left to serve"
+    assert (
+        last == "error: run=t: its 2 damaged steps (2, 4) could not be read; none is left to serve"
+    )
+    assert not (tmp_path / "t" / "checkpoints-damaged").exists()
+    assert sorted(p.name for p in (tmp_path / "t" / "checkpoints").iterdir()) == ["2", "4"]
 
 
 def test_a_damaged_config_names_run_not_resume(tmp_path, capsys):

@@ -91,17 +91,25 @@ def load_params(session: Session, run_dir: Path | None, seed: int, warn=print, *
 
 
 def _restore(session: Session, run_dir: Path, warn):
-    trainer = session.trainer  # serving only reads: a read-only run folder is fine
-    moved = []
+    # serving only reads: a read-only run folder is fine, a live run's too, and a damaged
+    # step is skipped and left where it is (lab.run resume=true sets it aside)
+    trainer = session.trainer
+    damaged = []
     with jax.set_mesh(trainer.mesh):
         step, state = checkpoint.restore_latest(
-            run_dir, trainer.abstract_state, warn=warn, why=f"run={run_dir.name}", moved=moved
+            run_dir,
+            trainer.abstract_state,
+            warn=warn,
+            why=f"run={run_dir.name}",
+            moved=damaged,
+            read_only=True,
+            finite=lambda state: state.params,  # the weights decode; the moments do not
         )
-    if state is None and moved:  # it was checkpointed: say where its steps went
-        n = f"{len(moved)} damaged step{'s' if len(moved) > 1 else ''}"
+    if state is None and damaged:  # it was checkpointed: say so
+        n = f"{len(damaged)} damaged step{'s' if len(damaged) > 1 else ''}"
         raise ConfigError(
-            f"run={run_dir.name}: {n} ({', '.join(map(str, sorted(moved)))}) moved to "
-            f"{Path(run_dir).absolute() / 'checkpoints-damaged'}; none is left to serve"
+            f"run={run_dir.name}: its {n} ({', '.join(map(str, sorted(damaged)))}) could not "
+            "be read; none is left to serve"
         )
     if state is None:
         raise ConfigError(
