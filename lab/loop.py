@@ -279,6 +279,7 @@ class _Reader:
     def __init__(self, cfg, bar, tracer: _Tracer, records, hist: History, start: int):
         self.cfg, self.bar, self.tracer, self.records, self.hist = cfg, bar, tracer, records, hist
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self.resumed_from = start  # the checkpoint step a resume restored (0: a fresh run)
         # profile=true traces steps first..last (numbered from 1); the steps at the window's
         # edges are read before the next is queued, so that it holds those steps only
         self.first = start + WARMUP_STEPS + 2
@@ -310,6 +311,15 @@ class _Reader:
             # Checked before this step's state can be saved: a non-finite gradient has
             # already poisoned the update even where the loss itself is still finite, and
             # a finite gradient times a huge learning rate can still overflow the weights.
+            if self.resumed_from and step == self.resumed_from + 1:
+                # no checksum guards a checkpoint: a bit flipped in a saved moment restores
+                # finite and poisons the first update; every resume would repeat it
+                return (
+                    f"{bad} at step {step}, the first after resuming from checkpoint step "
+                    f"{self.resumed_from}: training stopped. That checkpoint may be damaged "
+                    f"(move checkpoints/{self.resumed_from} out of the run folder to resume "
+                    "from the one before)"
+                )
             return f"{bad} at step {step}: training stopped"
         hist.losses.append((step, loss))
         tps = self.tokens_per_step / hist.step_s[-1]

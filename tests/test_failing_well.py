@@ -495,3 +495,19 @@ def test_a_signal_to_a_tool_is_one_line_and_leaves_no_empty_records(tmp_path):
     assert proc.returncode == 143, (out[-2000:], err[-2000:])
     assert err == "SIGTERM: exiting at once; nothing was written\n", err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_non_finite_first_step_after_a_resume_suspects_the_checkpoint(
+    tmp_path, capsys, monkeypatch
+):
+    """No checksum guards a checkpoint: a saved value damaged but finite restores, and the
+    first step after it goes non-finite on every resume. That step's line says so."""
+    assert _run(tmp_path, "name=N", "steps=2", "checkpoint_every=2") == 0
+    _nan_at_step_3(monkeypatch)  # the step after the checkpoint at 2
+    capsys.readouterr()
+    assert _run(tmp_path, "name=N", "steps=4", "resume=true") == 1
+    _one_line_error(
+        capsys,
+        "loss is nan at step 3, the first after resuming from checkpoint step 2",
+        "move checkpoints/2 out of the run folder",
+    )
