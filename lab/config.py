@@ -389,9 +389,9 @@ class Config:
     )
     pack: bool = field(
         False,
-        "data=text: each row packs whole documents (the corpus's titled sections) one after "
-        "another, cut at the row's end; attention stays within a document and positions restart "
-        "at each (segment ids); no padding, so every target counts in the loss",
+        "data=text: each row runs on through the corpus's documents (its titled sections) from a "
+        "random byte, so its first and last are cut; attention stays within a document and "
+        "positions restart at each (segment ids); no padding, so every target counts in the loss",
     )
     seed: int = field(
         0,

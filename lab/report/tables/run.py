@@ -29,8 +29,8 @@ def run_header(cfg, info, n_params: int, mesh_shape: dict, attention_note=None) 
             f"remat={m.remat}",
             *([f"  attention [yellow]{attention_note}"] if attention_note else []),
             f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32",
-            f"  data      {cfg.data}, batch {cfg.batch_size} × {cfg.seq_len} tokens, "
-            f"{cfg.steps} steps",
+            f"  data      {cfg.data}{' (packed documents)' if cfg.pack else ''}, "
+            f"batch {cfg.batch_size} × {cfg.seq_len} tokens, {cfg.steps} steps",
             *_fitting_header(cfg),
         ]
     )
