@@ -358,6 +358,27 @@ def _write_failure(e: Exception, run_dir: Path) -> str:
     return f"{name} could not be written in {run_dir} ({checkpoint.failure_reason(e)})"
 
 
+# Keys a resume always gives anew (or that say nothing of how it trains)
+_RESUME_KEYS = ("resume", "steps", "name", "out_dir", "overwrite", "process_id")
+
+
+def _changed_on_resume(run_dir: Path, cfg: Config) -> str:
+    """'lr 0.003 → 0.01, seed 0 → 3': the resolved keys this resume runs with that differ from
+    those config.json kept (they are saved as this run's from here on)."""
+    try:
+        saved = rundir.saved_config(run_dir)
+    except ConfigError:
+        return ""
+    now = _compared_keys(cfg)
+    before = {k: v for k, v in saved.items() if k not in ("model", "request", "block_order")}
+    before |= saved.get("model") or {}
+    return ", ".join(
+        f"{k} {before[k]!r} → {now[k]!r}"
+        for k in now
+        if k in before and k not in _RESUME_KEYS and before[k] != now[k]
+    )
+
+
 def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
     """(state, step): the newest good checkpoint of a resumed run, or a fresh state."""
     if cfg.resume:
@@ -366,6 +387,9 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
         if step is not None:
             rundir.check_steps(step, cfg.steps)
             console.print(f"resumed from checkpoint at step {step}")
+            changed = _changed_on_resume(run_dir, cfg)
+            if changed:  # what goes on differently from here, said once
+                console.print(f"  changed from the run's keys: {changed}", soft_wrap=True)
             return state, step
         console.print("no good checkpoint in the run folder: starting from step 0")
     return trainer.init(jax.random.key(cfg.seed)), 0
