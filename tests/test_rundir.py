@@ -416,9 +416,9 @@ def test_a_resume_never_reads_a_circular_pipelines_layers_in_another_order():
 def test_runs_lab_run_names_in_the_same_second_never_share_a_folder(tmp_path, monkeypatch, capsys):
     """A name lab.run chose is never another run's: a second run in the same second (its
     folder held by a live run, or finished) takes -2; a name the user gave is refused."""
-    from lab import resolve
+    from lab import config
 
-    monkeypatch.setattr(resolve.time, "strftime", lambda fmt: "20261129-101043")
+    monkeypatch.setattr(config.time, "strftime", lambda fmt: "20261129-101043")
     assert _run(tmp_path, "steps=1") == 0
     (first,) = tmp_path.iterdir()
     (tmp_path / f"{first.name}-2").mkdir()
