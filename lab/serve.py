@@ -184,6 +184,9 @@ def run(o: Options, keys: dict) -> int:
     s, params, source = weights.load_params(s, run_dir, o.seed, con.print, decoding=decoding)
     con.print(f"  weights   {source}")
     trained_text = run_dir is not None and s.cfg.data == "text" and s.cfg.model.vocab_size == 256
+    if (o.prompt or o.temperature != Options.temperature) and not (o.sample and trained_text):
+        why = "sample=0" if not o.sample else "the weights are not a byte-level text run's"
+        con.print(f"  note      no sample is generated ({why}): prompt= and temperature= unused")
     if o.sample and trained_text:
         prompt = o.prompt or bytes(data.corpus_bytes()[:64]).decode("utf-8", "replace")
         text = sample.sample_text(

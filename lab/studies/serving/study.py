@@ -69,8 +69,9 @@ def check_memory(session: Session, plan: Plan) -> None:
             f"prompt_len={plan.prompt_len}, {plan.slots():,} cache slots, batches up to "
             f"{max(plan.batches)}: needs "
             f"{need / 2**30:,.1f} GiB ({biggest} {parts[biggest] / 2**30:,.1f} GiB), more than "
-            f"80% of this machine's {total / 2**30:,.1f} GiB; shorten the prompt or the "
-            "batches, or plan it for an accelerator with target="
+            f"80% of this machine's {total / 2**30:,.1f} GiB; "
+            + ("give a smaller context=, " if plan.context else "shorten the prompt, ")
+            + "fewer batches, or plan it for an accelerator with target="
         )
 
 
