@@ -25,6 +25,7 @@ def test_the_sweep_writes_ratios_against_the_baseline(tmp_path, capsys):
     [
         (["baseline=xlaa"], "baseline=xlaa: not an implementation that runs compiled here"),
         (["impls=blockwize"], "impls=blockwize: not an implementation that runs compiled here"),
+        (["impls=cpu_flsh"], "(did you mean cpu_flash?)"),
         (["heads=3", "kv_heads=2"], "heads=3 must be a multiple of kv_heads=2"),
         (["batch=100000000"], "seqs=64: the inputs and gradients would take"),
     ],

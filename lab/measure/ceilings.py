@@ -478,7 +478,7 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
         add(
             f"matmul {dtype} precision={m['precision']}",
             m["flops_per_s"],
-            "FLOP/s",
+            "OP/s" if dtype == "int8" else "FLOP/s",  # integer multiply-adds are not FLOPs
             f"n={n}, compile {m['compile_s']:.2f} s",
             spec_key=_matmul_spec_key(dtype, m["precision"]),
             **{k: m[k] for k in ("dtype", "precision", "n", "median_s", "p10_s", "p90_s", "runs")},

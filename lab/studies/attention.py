@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lab.config import did_you_mean
 from lab.kernels.attention import attention, available_impls
 from lab.kernels.attention.reference import attention_reference
 from lab.measure import records as rec
@@ -231,8 +232,9 @@ def check_impls(impls, backend: str | None = None, key: str = "impls") -> None:
     here = default_impls(backend)
     bad = [i for i in impls if i not in here]
     if bad:
+        hint = did_you_mean(bad[0], here) if len(bad) == 1 else ""
         raise ValueError(
-            f"{key}={','.join(bad)}: not an implementation that runs compiled here; "
+            f"{key}={','.join(bad)}: not an implementation that runs compiled here{hint}; "
             f"choose from {','.join(here)}"
         )
 

@@ -28,8 +28,8 @@ def run(o: Options) -> int:
     result = ceilings.run_all(budget_s=o.budget, quick=o.quick)
     env = records.environment()
     title = (
-        f"ceilings · {env['backend']} · {env['device_kind']} × {env['device_count']} · "
-        f"jax {env['jax_version']}"
+        f"ceilings · {plots.device_name(env['backend'], env['device_kind'])} × "
+        f"{env['device_count']} · jax {env['jax_version']}"
     )
     con.print(tables.ceilings(result, title))
     con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), result.records)}")

@@ -21,14 +21,17 @@ def ceilings(c: Ceilings, title: str) -> Table:
     """Every row of lab.measure.ceilings.run_all: its value, how it was measured, and its share
     of the datasheet where one applies."""
     t = Table(title=title)
-    for col in ("measurement", "value", "note", "vs datasheet"):
+    spec = c.spec is not None  # no datasheet (a CPU): no column of blanks
+    for col in ("measurement", "value", "note", *(("vs datasheet",) if spec else ())):
         t.add_column(col)
     for r in c.rows:
         if r.value is None:
             text = "n/a"
         else:
             text = (
-                rate(r.value, r.unit) if r.unit in ("FLOP/s", "B/s") else f"{r.value:.3g} {r.unit}"
+                rate(r.value, r.unit)
+                if r.unit in ("FLOP/s", "OP/s", "B/s")
+                else f"{r.value:.3g} {r.unit}"
             )
-        t.add_row(r.what, text, r.note, _vs_spec(c, r))
+        t.add_row(r.what, text, r.note, *((_vs_spec(c, r),) if spec else ()))
     return t
