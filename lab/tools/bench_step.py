@@ -10,6 +10,7 @@ import sys
 
 from lab.config import cli, field
 from lab.errors import ConfigError
+from lab.measure import records as rec
 from lab.report import progress, tables
 from lab.session import open_session
 from lab.studies import step
@@ -32,6 +33,8 @@ def run(o: Options, keys: dict) -> int:
             f"mesh={s.cfg.mesh}: bench_step compares one device's steps (the bare step has no "
             f"mesh); the lab's step over {s.trainer.mesh.size} devices is lab.run's to time"
         )
+    if busy := rec.busy_note():
+        progress.console().print(f"[yellow]{busy}")
     results = step.compare_with_bare(s, budget_s=o.budget)
     title = f"{s.info.header()}; model={s.cfg.preset}, batch {s.cfg.batch_size}×{s.cfg.seq_len}"
     progress.console().print(tables.step_compare(results, title))

@@ -22,4 +22,8 @@ def step_compare(c: Comparison, title: str) -> Table:
             str(r.bench.runs),
             f"{r.ratio:.3f}",
         )
+    lows = [r.bench.p10_s for r in c.contenders]
+    highs = [r.bench.p90_s for r in c.contenders]
+    if len(c.contenders) > 1 and max(lows) <= min(highs):  # every p10–p90 range overlaps
+        t.caption = "the p10–p90 ranges overlap: the ratios are within this run's noise"
     return t
