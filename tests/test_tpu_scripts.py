@@ -414,6 +414,15 @@ BAD = [
         ],
         "--gpu-count 'two'",
     ),
+    *(
+        ("gpu_create.sh", ["--name", "a", "--zone", "us-central1-a", *args], message)
+        for args, message in (
+            (["--machine-type", "a3-highgpu-8g", "--gpu", "nvidia-h100-80gb"], "leave --gpu out"),
+            (["--machine-type", "e2-standard-4"], "takes no GPU"),
+            (["--machine-type", "a3-highgpu-8g", "--disk-size", "0"], "at least 50"),
+            (["--machine-type", "n1-standard-8", "--gpu", "t4,count=9"], "--gpu 't4,count=9'"),
+        )
+    ),
     ("setup.sh", [], "give --name and --zone"),
     ("setup.sh", ["--name", "a"], "--zone is required"),
     ("setup.sh", ["--name", "a", "--zone", "us-west4-a", "--hosts", "h"], "not both"),

@@ -70,9 +70,20 @@ check_zone "$ZONE"
 check_uint --gpu-count "$GPU_COUNT"
 check_uint --disk-size "$DISK_GB"
 ((GPU_COUNT >= 1)) || die "--gpu-count must be at least 1"
-if [[ $MACHINE == n1-* && -z $GPU_TYPE ]]; then
-  die "--machine-type $MACHINE has no GPU of its own; add --gpu, e.g. --gpu nvidia-tesla-t4"
-fi
+((DISK_GB >= 50)) || die "--disk-size $DISK_GB: give at least 50 (GB) for the image, the CUDA wheels and the runs"
+[[ $MACHINE =~ ^[a-z][a-z0-9]*(-[a-z0-9]+)+$ ]] ||
+  die "--machine-type '$MACHINE' is not a machine type like a3-highgpu-8g"
+[[ -z $GPU_TYPE || $GPU_TYPE =~ ^[a-z][a-z0-9-]*$ ]] ||
+  die "--gpu '$GPU_TYPE' is not a GPU type like nvidia-tesla-t4 (its count is --gpu-count)"
+case $MACHINE in
+  a2-* | a3-* | a4-* | g2-*)
+    [[ -z $GPU_TYPE ]] ||
+      die "--machine-type $MACHINE comes with its GPUs; leave --gpu out" ;;
+  n1-*)
+    [[ -n $GPU_TYPE ]] ||
+      die "--machine-type $MACHINE has no GPU of its own; add --gpu, e.g. --gpu nvidia-tesla-t4" ;;
+  *) die "--machine-type $MACHINE takes no GPU: use an a2, a3, g2 type, or n1 with --gpu" ;;
+esac
 
 gcloud_where
 EXTRA=()
