@@ -496,6 +496,8 @@ def run_training(session: Session) -> int:
         if is_main:
             rundir.quiet_libraries(run_dir)
             startup.note(f"before training: nothing was written in {run_dir} but lab.log")
+        else:
+            rundir.quiet_libraries_here()
         return _run(cfg, info, trainer, run_dir, is_main, request)
 
 

@@ -311,6 +311,17 @@ class _LogHandler(logging.FileHandler):
         pass
 
 
+LIBRARY_LOGGERS = ("absl", "orbax", "jax._src.distributed", "tensorstore", "concurrent", "asyncio")
+
+
+def quiet_libraries_here() -> None:
+    """A process other than 0 writes no lab.log (its run folder may be another host's): the
+    libraries' warnings, which process 0 keeps in lab.log, are not printed here either (each
+    process printed orbax's 'Metadata file does not exist' on a resume); their errors are."""
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def quiet_libraries(run_dir: Path) -> None:
     """Python logging of the libraries (orbax, absl, TensorStore's Python side) to lab.log in
     the run folder instead of the terminal, and so are the errors their background threads
@@ -327,7 +338,7 @@ def quiet_libraries(run_dir: Path) -> None:
             "remove it"
         ) from None
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    for name in ("absl", "orbax", "jax._src.distributed", "tensorstore", "concurrent", "asyncio"):
+    for name in LIBRARY_LOGGERS:
         log = logging.getLogger(name)
         log.handlers = [handler]
         log.propagate = False
