@@ -93,3 +93,11 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     assert tool.main([*args, "plot=false", "mesh=4x2"]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_a_mesh_past_the_simulated_devices_names_cpu_devices(capsys):
+    assert tool.main(["mesh=3x3", "plot=false"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(
+        "needs 9 devices but only 8 are present (cpu_devices= sets how many are simulated: 8)"
+    ), err

@@ -18,7 +18,7 @@ from lab.config import cli, field
 from lab.errors import ConfigError
 from lab.measure import collectives as coll
 from lab.measure import memory, records
-from lab.mesh import make_mesh
+from lab.mesh import MeshSpecError, make_mesh
 from lab.report import plots, progress, tables
 
 KiB, MiB = 2**10, 2**20
@@ -51,7 +51,14 @@ def parse_size(key: str, text: str) -> int:
 
 def run(o: Options) -> int:
     devices.prepare(o.mesh or "1", cpu_devices=o.cpu_devices)
-    mesh = make_mesh(o.mesh or coll.default_mesh(jax.device_count()))
+    try:
+        mesh = make_mesh(o.mesh or coll.default_mesh(jax.device_count()))
+    except MeshSpecError as e:
+        if jax.default_backend() != "cpu":
+            raise
+        raise ConfigError(
+            f"{e} (cpu_devices= sets how many are simulated: {o.cpu_devices})"
+        ) from None
     if not coll.bench_axes(mesh):
         raise ConfigError(f"mesh={o.mesh or dict(mesh.shape)}: no axis holds more than one device")
     lo = parse_size("min_size", o.min_size)
