@@ -116,6 +116,9 @@ def _check_port_free(coordinator: str, where: str) -> None:
             continue
         with probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is free
+            if family == socket.AF_INET6:  # both families, whatever net.ipv6.bindv6only says
+                with contextlib.suppress(OSError, AttributeError):
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             try:
                 probe.bind((host, port))
                 probe.listen(1)

@@ -318,7 +318,7 @@ class _Reader:
                     f"{bad} at step {step}, the first after resuming from checkpoint step "
                     f"{self.resumed_from}: training stopped. That checkpoint may be damaged "
                     f"(move checkpoints/{self.resumed_from} out of the run folder to resume "
-                    "from the one before)"
+                    "from the one before), unless a key this resume changed is the cause"
                 )
             return f"{bad} at step {step}: training stopped"
         hist.losses.append((step, loss))
@@ -358,8 +358,9 @@ def _write_failure(e: Exception, run_dir: Path) -> str:
     return f"{name} could not be written in {run_dir} ({checkpoint.failure_reason(e)})"
 
 
-# Keys a resume always gives anew (or that say nothing of how it trains)
-_RESUME_KEYS = ("resume", "steps", "name", "out_dir", "overwrite", "process_id")
+# Keys a resume gives anew each time (the invocation's own, which config.json does not pass on,
+# and steps): not changes to the run
+_RESUME_KEYS = (*rundir.INVOCATION_KEYS, "steps")
 
 
 def _changed_on_resume(run_dir: Path, cfg: Config) -> str:
@@ -530,8 +531,10 @@ def _claim_folder(
         raise
 
 
-# Keys each process may hold its own value of: its id, the name process 0 chooses for all
-PER_PROCESS_KEYS = ("process_id", "name")
+# Keys each process may hold its own value of: its id, the name process 0 chooses for all, how
+# it reaches the coordinator and how long it waits, and the path it sees the run folders at
+# (one shared mount may have other names on other hosts)
+PER_PROCESS_KEYS = ("process_id", "name", "coordinator", "coordinator_timeout", "out_dir")
 
 
 def _compared_keys(cfg: Config) -> dict:
@@ -561,8 +564,11 @@ def _claim_here(
 ):
     base = cfg.name
     for n in range(2, 1002):
-        if created is not None and is_main and not (Path(cfg.out_dir) / cfg.name).exists():
-            created.append(Path(cfg.out_dir) / cfg.name)
+        if created is not None and is_main:  # made here, by this process, or not recorded
+            writable_dir(cfg.out_dir)
+            with contextlib.suppress(FileExistsError):
+                (Path(cfg.out_dir) / cfg.name).mkdir()
+                created.append(Path(cfg.out_dir) / cfg.name)
         run_dir = _open_run_dir(cfg, is_main, stages)
         if not is_main:
             return cfg, run_dir

@@ -11,7 +11,8 @@ speed). A trained byte-level model (data=text) also prints a generated sample. W
 `target=tpu:...` or `target=gpu:...` the decode step is compiled for that slice instead
 (weights + cache per device against HBM, float and int8): compiled, not run.
 
-Takes every key of lab.run (model, mesh, dtype, attention, ...). See lab/studies/serving/.
+Takes lab.run's model and mesh keys (model, mesh, dtype, attention, ...); its training-only
+keys (steps, lr, batch_size, seq_len, ...) are refused. See lab/studies/serving/.
 """
 
 import dataclasses
@@ -84,14 +85,24 @@ TRAINING_ONLY = (
     "explain",
     "profile",
     "name",
+    "pack",
+    "batch_size",
+    "seq_len",
 )
+# what lab.serve takes instead, where it has its own key
+SERVING_INSTEAD = {
+    "name": "a trained run is served with run=NAME",
+    "batch_size": "the batches served are batches= and prefill_batches=",
+    "seq_len": "the lengths served are prompt_len= and context=",
+}
 
 
 def _check_serving_keys(keys: dict) -> None:
     given = [k for k in TRAINING_ONLY if k in keys]
     if not given:
         return
-    hint = " (a trained run is served with run=NAME)" if "name" in given else ""
+    instead = [SERVING_INSTEAD[k] for k in given if k in SERVING_INSTEAD]
+    hint = f" ({'; '.join(instead)})" if instead else ""
     them = "it" if len(given) == 1 else "them"
     raise ConfigError(
         f"{', '.join(f'{k}=' for k in given)}: lab.serve trains nothing, so "

@@ -7,7 +7,6 @@ is against the matmul peak measured on this machine, and says so.
 
 import dataclasses
 import math
-import os
 import time
 from pathlib import Path
 
@@ -313,10 +312,10 @@ def memory_problem(analysis: dict, info: DeviceInfo) -> str | None:
 def _busy() -> str:
     """A warning when other work shares the CPU: the run and the peak then see different
     machines, and their ratio (CPU MFU) can land anywhere, above 100% included."""
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load <= 1.5 * cores:
+    busy = rec.busy_host()
+    if busy is None:
         return ""
-    return f"; host busy: load {load:.1f} on {cores} cores, CPU figures unreliable"
+    return f"; host busy: load {busy[0]:.1f} on {busy[1]} cores, CPU figures unreliable"
 
 
 def mesh_peak(cfg: Config, info: DeviceInfo, n_devices: int) -> tuple[float | None, str]:
@@ -372,7 +371,7 @@ def run_records(s: dict, run: str) -> list[dict]:
     mem = s.get("compiled_memory_per_device")
     out = []
     if mem:
-        label = "compiled, not run" if plan else "measured"
+        label = "compiled, not run" if plan else "compiled"  # XLA's buffer assignment
         out.append(
             rec.make_record(
                 "compiled memory per device", mem["total_bytes"], "B", label=label, run=run, **mem

@@ -99,3 +99,17 @@ def test_a_peers_refusal_leaves_no_folder_behind(tmp_path, monkeypatch):
         with contextlib.ExitStack() as held, pytest.raises(ConfigError, match="refused"):
             loop._claim_folder(cfg, True, held, named=True)
         assert (tmp_path / name).exists() == before
+
+
+def test_processes_compare_the_keys_that_decide_the_program_only():
+    """How a process reaches the coordinator, how long it waits and the path it sees the run
+    folders at may differ by host; what it trains may not."""
+    from lab.config import make_config
+
+    a = loop._compared_keys(make_config(model="tiny", coordinator="localhost:1", out_dir="/a"))
+    b = loop._compared_keys(
+        make_config(model="tiny", coordinator="host0:1", out_dir="/b", coordinator_timeout=90)
+    )
+    assert a == b
+    c = loop._compared_keys(make_config(model="tiny", lr=0.1))
+    assert {k for k in a if a[k] != c[k]} == {"lr"}

@@ -111,3 +111,16 @@ def _cpu_env():
     import os
 
     return {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def test_a_signal_after_a_commands_records_are_written_says_where(tmp_path, monkeypatch):
+    """Once a command's reserved records file holds records, a signal's line says where they
+    are (it said 'nothing was written' while a tool drew its plot)."""
+    from lab import startup
+
+    monkeypatch.setattr(startup, "_kept", ["nothing was written"])
+    stem = records.output_stem(tmp_path, "t")
+    records.write_records(tmp_path / "other.jsonl", {"what": "x"})  # not a reserved file
+    assert startup._kept[0] == "nothing was written"
+    path = records.write_records(stem.with_suffix(".jsonl"), {"what": "x"})
+    assert startup._kept[0] == f"the records written so far are in {path}"

@@ -466,7 +466,7 @@ def test_a_resume_says_which_keys_it_changes(tmp_path, capsys):
     """Keys given with resume=true that differ from the run's are said once: the run goes on
     with them, and they are its keys from then on."""
     args = [*TINY, f"out_dir={tmp_path}", "name=r", "checkpoint_every=2"]
-    assert main([*args, "steps=2"]) == 0
+    assert main([*args, "steps=2", "coordinator_timeout=30"]) == 0  # the invocation's own
     capsys.readouterr()
     assert main([*args, "steps=3", "resume=true", "lr=0.01", "seed=3"]) == 0
     assert "changed from the run's keys: lr 0.003 → 0.01, seed 0 → 3" in capsys.readouterr().out

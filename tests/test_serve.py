@@ -100,6 +100,7 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         (["seed=99999999999999999999"], "must be <= 4294967295"),
         (["name=demo", "lr=1"], "lr=, name=: lab.serve trains nothing"),
         (["name=demo"], "served with run=NAME"),
+        (["seq_len=64"], "the lengths served are prompt_len= and context="),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, words):

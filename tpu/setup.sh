@@ -21,8 +21,8 @@ not included), copied over with scp. With --repo, each machine clones or fetches
   --hosts H0,H1,...    ssh hosts instead (e.g. GPU VMs: NAME.ZONE.PROJECT after
                        gcloud compute config-ssh, or user@address)
   --repo URL           clone URL on each machine instead of copying this checkout
-  --ref REF            what to install (default HEAD; with --repo: a branch, tag or commit
-                       of URL, fetched anew on every run, default its HEAD)
+  --ref REF            what to install (default HEAD; with --repo: a branch, tag or full
+                       commit hash of URL, fetched anew on every run, default its HEAD)
   --extra EXTRA        pyproject extra to install (default tpu, or cuda with --hosts;
                        none = no extra)
   --python VERSION     Python for the venv, as uv understands it (default 3.12)

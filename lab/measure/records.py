@@ -47,13 +47,20 @@ def _load_avg() -> float | None:
         return None
 
 
-def busy_note(what: str = "times") -> str:
-    """A line for a command to print before it times anything on a shared host (load average
-    above half the cores): its figures will be low and noisy. Empty on a quiet host."""
+def busy_host() -> tuple[float, int] | None:
+    """(load average, cores) where other work shares this host (a load above half its cores),
+    None on a quiet host: every figure timed then is low and noisy."""
     load, cores = _load_avg(), os.cpu_count() or 1
-    if load is None or load <= 0.5 * cores:
+    return None if load is None or load <= 0.5 * cores else (load, cores)
+
+
+def busy_note(what: str = "times") -> str:
+    """A line for a command to print before it times anything on a shared host
+    (`busy_host`): its figures will be low and noisy. Empty on a quiet host."""
+    busy = busy_host()
+    if busy is None:
         return ""
-    return f"host load average {load:.1f} on {cores} cores: {what} will be low and noisy"
+    return f"host load average {busy[0]:.1f} on {busy[1]} cores: {what} will be low and noisy"
 
 
 @functools.cache
@@ -155,10 +162,14 @@ def output_stem(folder, name: str) -> Path:
         except FileExistsError:
             continue
         path = stem.with_suffix(".jsonl")
+        _RESERVED.add(path)
         atexit.register(_drop_if_empty, path)
         startup.on_stop(functools.partial(_drop_if_empty, path))  # a signal runs no atexit
         return stem
     raise AssertionError("unreachable")
+
+
+_RESERVED: set = set()  # the records files output_stem reserved: a signal says where they are
 
 
 def _drop_if_empty(path: Path) -> None:
@@ -179,6 +190,8 @@ def write_records(path, records: dict | Iterable[dict]) -> Path:
     text = "".join(json.dumps(r, default=str) + "\n" for r in records)
     with startup.held(), path.open("a") as f:
         f.write(text)
+    if path in _RESERVED:  # a command's own records: a signal from now on says they are kept
+        startup.note(f"the records written so far are in {path}")
     return path
 
 

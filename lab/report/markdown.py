@@ -22,7 +22,8 @@ CAVEAT = (
     "Times are medians after warm-up, blocked on every output; on a machine shared with other "
     "work they are noisy. Figures labelled *predicted* were not measured on the hardware they "
     "describe: they combine a number measured here with a spec-table entry, whose source each "
-    "record names."
+    "record names. Figures labelled *compiled* are read from a program compiled here (XLA's "
+    "FLOP count or buffer assignment): exact for that program, not timed."
 )
 
 

@@ -70,8 +70,8 @@ def check_memory(session: Session, plan: Plan) -> None:
             f"{max(plan.batches)}: needs "
             f"{need / 2**30:,.1f} GiB ({biggest} {parts[biggest] / 2**30:,.1f} GiB), more than "
             f"80% of this machine's {total / 2**30:,.1f} GiB; "
-            + ("give a smaller context=, " if plan.context else "shorten the prompt, ")
-            + "fewer batches, or plan it for an accelerator with target="
+            + ("give a smaller context=" if plan.context else "shorten the prompt")
+            + ", take fewer or smaller batches, or plan it for an accelerator with target="
         )
 
 
