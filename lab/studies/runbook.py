@@ -455,7 +455,7 @@ def execute(
         left = req.budget_s - (clock() - t0)
         if left < req.min_step_s:
             reason = (
-                f"{max(left, 0):.0f} s of the run's budget={req.budget_s:g} left, less than "
+                f"{max(left, 0):.1f} s of the run's budget={req.budget_s:g} left, less than "
                 f"min_step={req.min_step_s:g}"
             )
             if entry.get("status") in FINISHED:
