@@ -547,6 +547,8 @@ def attention_sweep(rows: list[SweepRow], path, title: str) -> Path:
             )
         }
 
+    # a native kernel's own scratch is not in XLA's figure: its line says so
+    native = {r.impl for r in rows if getattr(r, "memory_excludes", None)}
     timed = [(c, m, lines) for c, m in combos if (lines := pick("time_s", c, m))]
     memory = [(c, m, lines) for c, m in combos if (lines := pick("peak_temp_bytes", c, m))]
     drawn = len(timed) + bool(memory)  # panels with figures: one per line of 3 at most
@@ -576,7 +578,7 @@ def attention_sweep(rows: list[SweepRow], path, title: str) -> Path:
                     marker="o" if c else "s",
                     mfc=None if c else "none",
                     color=color[impl],
-                    label=f"{impl} {m} {mask(c)}",
+                    label=f"{impl} {m} {mask(c)}" + (" (XLA's part)" if impl in native else ""),
                 )
         ax.set(title="peak temporary memory", xlabel="L = S", ylabel="MiB")
     for ax in axes[:drawn]:
