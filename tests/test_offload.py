@@ -133,3 +133,28 @@ def test_gpu_plan_offloads_activations_not_the_optimizer(tmp_path, capsys):
     assert off["host_argument_bytes"] == 0  # the optimizer state could not move
     assert any("stays in device memory" in n for n in s["offload"]["notes"])
     assert "stays in device memory" in s["offload"]["printed"]  # said, not only recorded
+
+
+@pytest.mark.parametrize("target", ["tpu:v5e:2x2", "gpu:h100:1"])
+def test_explain_counts_device_memory_as_the_program_holds_it(target):
+    """explain=true's 'from shardings (exact)' column is device memory: an optimizer state the
+    TPU program keeps in host memory is 0 there (the whole state was printed as device bytes);
+    a GPU plan, whose abstract devices list no host memory, keeps it on the device and the
+    calculator beside it says so too (it predicted 0)."""
+    from lab.parallel import explain
+    from lab.plans import gpu
+    from lab.session import open_session
+
+    if target.startswith("tpu"):
+        pytest.importorskip("libtpu")
+    elif gpu._pjrt() is None or gpu.ptxas() is None:
+        pytest.skip("the CUDA plugin or ptxas is missing: pip install -e '.[gpu-plan]'")
+    keys = {"preset": "tiny", "offload_optimizer": True, "batch_size": 8, "seq_len": 16}
+    mesh = "4" if target.startswith("tpu") else "1"
+    s = open_session(keys={**keys, "target": target, "mesh": mesh, "strategy": "fsdp"})
+    whole = explain.per_device_bytes(s.trainer.abstract_state.opt_state)
+    split = explain.memory_rows(s.cfg, s.trainer, None)
+    if target.startswith("tpu"):
+        assert split.optimizer == 0 < whole
+    else:
+        assert split.optimizer == whole and split.predicted["optimizer"] > 0

@@ -53,7 +53,7 @@ import numpy as np
 
 from lab.measure import memory
 from lab.measure.memory import MemorySplit
-from lab.names import BATCH, EMBED, HEADS, LAYERS, SEQ, STAGE, VOCAB
+from lab.names import BATCH, EMBED, HEADS, HOST_MEMORY, LAYERS, SEQ, STAGE, VOCAB
 from lab.parallel import collectives_hlo, pipeline_hlo
 
 MiB = 2**20
@@ -368,13 +368,24 @@ def _row(role, expected, got: dict) -> Row:
 
 
 def memory_rows(cfg, trainer, compiled) -> MemorySplit:
-    """Per-device bytes: exact from shardings, predicted by the calculator, compiled by XLA."""
+    """Per-device bytes: exact from shardings, predicted by the calculator, compiled by XLA.
+    Device memory only: an optimizer state the program keeps in host memory (offloaded) is
+    not in the device's figure, and an offload the devices could not do (no host memory
+    kind: a GPU plan's abstract devices) is predicted as the program really is, on device."""
     state = trainer.abstract_state
     params = per_device_bytes(state.params)
+    kinds = [s.memory_kind for s in jax.tree.leaves(trainer.state_shardings.opt_state)]
+    on_device = [
+        x
+        for x, kind in zip(jax.tree.leaves(state.opt_state), kinds, strict=True)
+        if kind != HOST_MEMORY
+    ]
+    if cfg.offload_optimizer and HOST_MEMORY not in kinds:
+        cfg = dataclasses.replace(cfg, offload_optimizer=False)
     return MemorySplit(
         params=params,
         grads=params,
-        optimizer=per_device_bytes(state.opt_state),
+        optimizer=per_device_bytes(on_device),
         predicted=memory.predict_lab_step(
             cfg, sizes=dict(trainer.mesh.shape), backend=trainer.mesh.devices.flat[0].platform
         ),
