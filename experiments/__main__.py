@@ -199,7 +199,13 @@ def run(o: Options) -> int:
         meta.pop(key, None)
     meta["wall_s"] = time.perf_counter() - t0
     report = markdown.write_report(out_dir, meta=meta, only=only)
-    con.print(tables.verdicts(report["verdicts"]))
+    caution = (
+        "size=tiny checks that every study runs: its models, lengths and batches are too small "
+        "for these verdicts to judge the claims (size=quick or full judges them)"
+        if o.size == "tiny"
+        else ""
+    )
+    con.print(tables.verdicts(report["verdicts"], caution))
     con.print(f"wall {meta['wall_s']:.0f} s · {report['path']}")
     return 1 if any(m["error"] for m in meta["modules"].values()) else 0
 

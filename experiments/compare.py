@@ -85,7 +85,8 @@ def load(folder) -> dict:
         size = json.loads((folder / "run.json").read_text()).get("size")
     except (OSError, ValueError):
         size = None
-    return {"dir": folder, "records": records, "name": name + (f" · {size}" if size else "")}
+    name += f" · {size}" if size else ""
+    return {"dir": folder, "records": records, "name": name, "size": size}
 
 
 def _step(r: dict) -> tuple:
@@ -237,7 +238,9 @@ def merge(dirs, out_root="results") -> dict:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = rec.fresh_dir(out_root, f"compare-{stamp}")
     rec.write_records(out / "records.jsonl", records)
-    report = markdown.write_report(out, records=records, meta={"merged": [str(d) for d in dirs]})
+    tiny = [str(f["dir"]) for f in folders if f.get("size") == "tiny"]
+    meta = {"merged": [str(d) for d in dirs], "tiny": tiny}
+    report = markdown.write_report(out, records=records, meta=meta)
     text = report["path"].read_text()
     intro = [
         "# Across backends",
@@ -273,7 +276,14 @@ def run(o: Options) -> int:
         result = merge(o.dirs, o.out_dir)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    progress.console().print(tables.verdicts(result["verdicts"]))
+    tiny = [f["name"] for f in result["folders"] if f.get("size") == "tiny"]
+    caution = (
+        f"{', '.join(tiny)}: size=tiny checks that every study runs; the verdicts its records "
+        "decide do not judge the claims"
+        if tiny
+        else ""
+    )
+    progress.console().print(tables.verdicts(result["verdicts"], caution))
     n = len(o.dirs)
     print(f"{len(result['records'])} records from {n} folder{'s' * (n != 1)} → {result['path']}")
     return 0

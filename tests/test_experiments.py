@@ -139,6 +139,7 @@ def test_compare_merges_backends_side_by_side(tiny_run, tmp_path, capsys):
     (out,) = (tmp_path / "cmp").iterdir()
     text = (out / "REPORT.md").read_text()
     assert "cpu · cpu" in text and "tpu · TPU v5 lite" in text and "H100" in text
+    assert f"`{tiny_run['dir']}`" in text and "ran at size `tiny`**" in text  # never unsaid
     merged = rec.read_records(out / "records.jsonl")
     (ratio,) = [
         r

@@ -88,6 +88,12 @@ def _env_lines(records: Sequence[dict], meta: dict) -> list[str]:
     lines = [f"- backend {b}, {k} × {n}, jax {j}" for b, k, n, j in sorted(envs)]
     if meta.get("merged"):  # a merge timed nothing: it names its sources
         lines.append("- merged from " + ", ".join(f"`{d}`" for d in meta["merged"]))
+        if meta.get("tiny"):
+            lines.append(
+                "  - **" + ", ".join(f"`{d}`" for d in meta["tiny"]) + " ran at size `tiny`**, "
+                "which checks that every study runs: the verdicts their records decide do not "
+                "judge the claims"
+            )
     elif meta:
         lines.append(f"- size `{meta.get('size')}`, wall time {meta.get('wall_s', 0):.0f} s")
         if meta.get("size") == "tiny":

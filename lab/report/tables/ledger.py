@@ -3,10 +3,11 @@
 from rich.table import Table
 
 
-def verdicts(vs) -> Table:
-    """The claims ledger's verdicts for the terminal."""
+def verdicts(vs, caution: str = "") -> Table:
+    """The claims ledger's verdicts for the terminal; `caution` under them (a tiny size's
+    verdicts check that the studies run, and judge nothing)."""
     colours = {"holds": "green", "off": "red", "predicted": "yellow"}
-    t = Table(title="claims ledger")
+    t = Table(title="claims ledger", caption=caution or None)
     for col in ("id", "claim", "verdict"):
         t.add_column(col)
     for v in vs:
