@@ -137,9 +137,9 @@ def run(size: str = "quick") -> list[dict]:
         quick=bench.Shape(1, 4, 2, 64),
         full=bench.Shape(2, 8, 4, 64),
     )
-    seqs = pick(
+    seqs = pick(  # tiny: two blockwise tiles' lengths at least (one tile is the whole L×L)
         size,
-        tiny=(64, 128),
+        tiny=(256, 512),
         quick=(256, 512, 1024, 2048),
         full=(512, 1024, 2048, 4096) if be == "cpu" else (1024, 2048, 4096, 8192, 16384),
     )
