@@ -785,10 +785,12 @@ CLAIMS: tuple[Claim, ...] = (
                 "003",
                 "×",
                 **about(3.0, 1.5),
+                backends=ACCELERATORS,  # self-hosted serving costs: a GPU's, not a CPU's
                 reading="device time per output token over device time per input token of the "
-                "same model on one device: prefill tokens/s over decode tokens/s, each at its "
-                "best batch of the sweep (measured here), or predicted for a 7B model on an "
-                "H100 from the same inputs as C18; '~3×' read as 2–4.5",
+                "same model on one accelerator: prefill tokens/s over decode tokens/s, each at "
+                "its best batch of the sweep (measured there), or predicted for a 7B model on "
+                "an H100 from the same inputs as C18; '~3×' read as 2–4.5. A CPU's ratio is "
+                "shown beside it and judges nothing: the prices are GPU servers'",
                 if_off="the ratio is not a constant: prefill is compute-bound and decode "
                 "memory-bound, so it is their rates' ratio at the batch a server runs — large "
                 "at batch 1, falling as batching amortises the weights' bytes",
@@ -827,9 +829,11 @@ CLAIMS: tuple[Claim, ...] = (
                 lo=0,
                 hi=1,
                 strict=True,
-                reading="a decode step at batch 1 of the lab's model on the backend present: its "
-                "FLOPs per byte moved over the measured ridge point (compute roof / memory "
-                "roof); below 1 it waits on memory, not on arithmetic",
+                backends=ACCELERATORS,  # VRAM: an accelerator's memory
+                reading="a decode step at batch 1 of the lab's model on the accelerator "
+                "present: its FLOPs per byte moved over the measured ridge point (compute roof "
+                "/ memory roof); below 1 it waits on memory (VRAM's bandwidth), not on "
+                "arithmetic. A CPU's figure is shown beside it and judges nothing",
             ),
         ),
     ),
