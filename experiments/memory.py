@@ -82,14 +82,14 @@ def _remat_memory_and_time(
                 "C09",
                 "components_over_compiled",
                 f"calculator's weights+grads+optimizer+activations+workspace over the "
-                f"compiled step, remat={remat} ({describe(cfg)})",
+                f"compiled step ({describe(p['cfg'])})",
                 ratio,
                 "×",
                 label="derived",
                 # the claim's sum is the plain step's; remat policies are shown beside it
                 role="evidence" if remat == "none" else "context",
                 remat=remat,
-                step=describe(cfg),
+                step=describe(p["cfg"]),
                 predicted=p["predicted"],
                 compiled=p["memory"],
             )
