@@ -49,7 +49,16 @@ def _device_report() -> list[dict]:
         ),
     ]
     cap = memory.device_capacity_bytes(dev)
-    what = "host memory (CPU)" if dev.platform == "cpu" else "device memory (allocator limit)"
+    what, label, extra = "host memory (CPU)", "measured", {}
+    if dev.platform != "cpu":
+        what = "device memory (allocator limit)"
+    if dev.platform == "gpu" and cap:
+        # the allocator takes a share of the card (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless
+        # set): the card's memory is its limit over that share
+        share = memory.gpu_allocator_fraction()
+        what = f"device memory: the allocator's limit over its share ({share:g} of the card)"
+        label, extra = "derived", {"allocator_limit_bytes": cap, "allocator_share": share}
+        cap = cap / share
     recs.append(
         record(
             "C20",
@@ -57,7 +66,9 @@ def _device_report() -> list[dict]:
             what,
             cap,
             "B",
+            label=label,
             role="evidence" if dev.platform == "gpu" else "context",
+            **extra,
         )
     )
     sms = getattr(dev, "core_count", None)
