@@ -109,6 +109,8 @@ def _classifier_requests_per_s(rows: list[dict], mfu: float) -> list[dict]:
                 "req/s",
                 # a 16-core CPU is absent: linear scaling in cores is an extrapolation
                 label="predicted",
+                model_error="linear scaling with cores, unchecked here (an upper bound: the "
+                "memory bandwidth and the clocks do not grow with the cores)",
                 cores_used=cores,
                 seq_len=best["seq_len"],
                 inputs={"requests_per_s": best["requests_per_s"]},
@@ -379,6 +381,9 @@ def _serving_memory_70b() -> list[dict]:
                 m["total"],
                 "B",
                 label="predicted",
+                model_error="serving-memory calculator: weights + cache, which the compiled "
+                "decode steps' arguments match within 15% in the serving plans' tests (3% in "
+                "BENCHMARKS.md's 7B and 70B plans for H100 and TPU v5e); temporaries not counted",
                 role="evidence" if name == "int8" else "context",
                 target=key,
                 **m,
