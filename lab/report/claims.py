@@ -293,10 +293,10 @@ CLAIMS: tuple[Claim, ...] = (
                 "Fast: NVLink (900GB/s between H100s)",
                 "000",
                 "B/s",
-                **about(900e9),
+                **about(450e9),
                 backends=("gpu",),
-                reading="device→device copy between two GPUs; 900 GB/s is NVLink 4's total of "
-                "both directions, so a one-way copy is held against it too",
+                reading="device→device copy between two GPUs, one way; 900 GB/s is NVLink 4's "
+                "total of both directions, so one direction moves at most half: 450 GB/s ± 25%",
             ),
             Stated(
                 "nvlink_over_pcie",
