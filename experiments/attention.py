@@ -137,7 +137,7 @@ def run(size: str = "quick") -> list[dict]:
         quick=bench.Shape(1, 4, 2, 64),
         full=bench.Shape(2, 8, 4, 64),
     )
-    seqs = pick(  # tiny: two blockwise tiles' lengths at least (one tile is the whole L×L)
+    seqs = pick(  # tiny: one blockwise tile, then 2×2 tiles (below 256 both were one tile)
         size,
         tiny=(256, 512),
         quick=(256, 512, 1024, 2048),

@@ -336,8 +336,9 @@ def predict_training_memory(
                    tokens at every tick, bubble ticks included: n_layers → n_layers·ticks/M,
                    ticks = R·M + S - 1, and the one recomputed block sees T·S/M tokens.
                    Circular (R > 1): each tick is recomputed in the backward, so a stage
-                   keeps each tick's input (T·ticks·S/M·c·D), stage 0's M held microbatches
-                   (T·S·c·D) and one tick's n_layers/(S·R) layers as above.
+                   keeps each tick's input and its stacked output (2·T·ticks·S/M·c·D), stage
+                   0's M held microbatches (T·S·c·D) and one tick's n_layers/(S·R) layers as
+                   above (never more than their whole residuals).
       workspace  = T·transient (one block's attention backward)
                  + 2·T·vocab_size·4 / model (float32 logits and the softmax the loss gradient
                    needs)
@@ -388,20 +389,26 @@ def predict_training_memory(
         "dots": resident * a_dots + tick * a_layer,
         "offload": tick * a_layer,
     }[remat]
+    host = tokens * resident * c * d_model if remat == "offload" else 0.0
     if stage > 1 and pipeline_repeats > 1:
         # The circular schedule recomputes each tick in its backward (lab/kernels/pipeline.py
         # checkpoints the stage): it keeps every tick's input, the M microbatches stage 0
         # holds for their next repeat, and one tick's chunk of n_layers/(S·R) layers
         # recomputed at a time (under remat, that chunk's own policy).
         chunk = n_layers / (stage * pipeline_repeats)
-        recomputed = {
-            "none": chunk * a_layer,
-            "full": chunk * c * d_model + a_layer,
-            "dots": chunk * a_dots + a_layer,
-            "offload": a_layer,
-        }[remat]
-        per_token = ticks * tick * c * d_model + stage * c * d_model + tick * recomputed
-    host = tokens * resident * c * d_model if remat == "offload" else 0.0
+        recomputed = min(
+            chunk * a_layer,  # no policy keeps more than the chunk's whole residuals
+            {
+                "none": chunk * a_layer,
+                "full": chunk * c * d_model + a_layer,
+                "dots": chunk * a_dots + a_layer,
+                "offload": a_layer,
+            }[remat],
+        )
+        # each tick's input, and its output stacked by the tick loop for the last stage
+        per_token = 2 * ticks * tick * c * d_model + stage * c * d_model + tick * recomputed
+        if remat == "offload":  # only the recomputed chunk's block inputs go to the host
+            host = tokens * tick * chunk * c * d_model
     gathered = 0.0
     if fsdp > 1:
         layers_kept = n_layers if remat == "none" else min(2, n_layers)

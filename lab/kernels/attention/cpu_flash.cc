@@ -409,8 +409,10 @@ struct PoolScope {
 };
 
 // Items of one parallel_for on XLA's pool. A task that starts after the caller has closed it
-// (every item done) touches nothing but this object, which it co-owns: the caller waits only
-// for the tasks that got in before it closed, never for a pool thread busy elsewhere.
+// (every item claimed) touches nothing but this object, which it co-owns: the caller waits
+// only for the tasks that got in before it closed, never for a pool thread busy elsewhere.
+// The handshake needs the default seq_cst order: the caller stores `closed` then loads
+// `active`; a task adds to `active` then loads `closed` (one of the two sees the other).
 template <typename Fn>
 struct PoolWork {
   std::atomic<int64_t> next{0};
@@ -438,10 +440,15 @@ void parallel_for(int64_t n, int threads, Fn fn) {
         work->active.fetch_sub(1);
       });
     }
+    struct Close {  // closed and drained however the caller leaves, an exception included
+      PoolWork<Fn>& w;
+      ~Close() {
+        w.closed.store(true);
+        for (int spin = 0; w.active.load() != 0; ++spin)
+          if (spin > 64) std::this_thread::yield();
+      }
+    } close{*work};
     work->run();  // the caller works too: every item is done even if no pool thread is free
-    work->closed.store(true);
-    for (int spin = 0; work->active.load() != 0; ++spin)
-      if (spin > 64) std::this_thread::yield();
     return;
   }
   std::atomic<int64_t> next{0};

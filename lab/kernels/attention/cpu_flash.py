@@ -4,7 +4,8 @@ Why it exists: on CPU the lab's JAX kernel (`blockwise`) ran at 0.34–0.53× th
 PyTorch's scaled_dot_product_attention fwd+bwd (2-core host, B1 H8 K64 f32, S 2k–8k); XLA:CPU
 compiles its tiles into loops that do not keep a tile in registers. This kernel packs each tile
 into f32, multiplies in a register-blocked micro-kernel and runs the online softmax on the
-packed tile, over std::threads (batch × heads × query blocks). Forward saves the log-sum-exp;
+packed tile, over XLA's own intra-op threads (the FFI's thread pool; std::threads where a
+call has none), batch × heads × query blocks. Forward saves the log-sum-exp;
 the backward is FlashAttention-2's, recomputing the probabilities: one pass over key blocks
 that adds dQ beside dK and dV where the (batch, kv head) items spread evenly over the threads
 (5 products a tile), else a dQ pass over query blocks and a dK/dV pass over key blocks (7).
@@ -19,7 +20,7 @@ lock and an atomic rename let parallel test workers share one build. `-O3 -march
 falling back to a portable `-O3` build (forced with LAB_CPU_FLASH_PORTABLE=1). No compiler, or
 a failed build: one line on stderr, `available()` is False and `auto` keeps `blockwise`.
 LAB_CPU_FLASH=0 turns the kernel off; LAB_CPU_FLASH_THREADS sets the thread count (default:
-the host's cores); LAB_CPU_FLASH_BACKWARD=fused or two-pass forces the backward's form (any
+the host's cores; on XLA's pool, at most its threads and the caller take part); LAB_CPU_FLASH_BACKWARD=fused or two-pass forces the backward's form (any
 other value: chosen as above).
 """
 
