@@ -42,6 +42,20 @@ def test_dp_all_reduces_the_gradients_once():
     assert {r.role for r in ex.rows} == {"grad reduction"}  # nothing else moves
 
 
+def test_cp_attentions_key_value_traffic_is_not_gradient_reduction():
+    """Under cp the keys' and values' gradients are summed back over the sequence's shards
+    (blockwise) inside attention: their own row, not the weights' gradient reduction (they
+    were counted there, 2.003 MiB against the weights' 1.253)."""
+    keys = [a for a in BASE if not a.startswith("attention=")]
+    cfg = parse_args([*keys, "mesh=2x4", "strategy=cp", "attention=blockwise"])
+    ex = explain.explain(make_trainer(cfg, make_mesh(cfg.mesh)))
+    kv = _row(ex, "context-parallel keys/values")
+    # (the keys' and values' all-gathers too, where the compiler names their op: JAX 0.10)
+    assert ("all-reduce", ("model",)) in _kinds(kv) and {a for _, a in _kinds(kv)} == {("model",)}
+    grads = _row(ex, "grad reduction")
+    assert grads.measured_ops == 2  # one over model, one over data: the weights' only
+
+
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_fsdp_gathers_weights_and_reduces_gradients(remat):
     _, ex = _explained("1x8x1", "fsdp", f"remat={remat}")

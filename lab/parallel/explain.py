@@ -109,6 +109,7 @@ class Geometry:
     shard_axes: tuple[str, ...]  # FSDP: weights split over these, gathered per use
     tensor_axes: tuple[str, ...]  # TP: heads/mlp/vocab split over these
     stage_axes: tuple[str, ...] = ()  # PP: the stacked layers split over these, never gathered
+    seq_axes: tuple[str, ...] = ()  # CP: the sequence split over these (keys/values travel)
 
     @classmethod
     def of(cls, rules, sizes: dict[str, int]) -> "Geometry":
@@ -126,6 +127,7 @@ class Geometry:
             shard_axes=tuple(a for a in sizes if a in gathered),
             tensor_axes=tensor,
             stage_axes=_live(r.get(LAYERS), sizes),
+            seq_axes=_live(r.get(SEQ), sizes),
         )
 
     def split(self, path: str, axes) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -326,6 +328,11 @@ def role_of(c: collectives_hlo.Collective, geo: Geometry) -> str:
             return "stage weight gather"
         if c.kind == "reduce-scatter":
             return "stage weight grad reduce-scatter"
+    attention_op = "/attn/" in c.op_name and ":" not in c.op_name  # not a combined reduction
+    if geo.seq_axes and axes and axes <= set(geo.seq_axes) and attention_op:
+        # the sequence split: keys and values gathered or passed round (ring), and their
+        # gradients summed back over the sequence's shards (dK, dV), not the weights'
+        return "context-parallel keys/values"
     if c.kind == "all-gather" and axes and axes <= set(geo.shard_axes):
         return "param all-gather"
     if c.kind in ("all-reduce", "reduce-scatter") and axes and axes <= set(geo.batch_axes):

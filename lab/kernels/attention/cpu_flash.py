@@ -20,8 +20,9 @@ lock and an atomic rename let parallel test workers share one build. `-O3 -march
 falling back to a portable `-O3` build (forced with LAB_CPU_FLASH_PORTABLE=1). No compiler, or
 a failed build: one line on stderr, `available()` is False and `auto` keeps `blockwise`.
 LAB_CPU_FLASH=0 turns the kernel off; LAB_CPU_FLASH_THREADS sets the thread count (default:
-the host's cores; on XLA's pool, at most its threads and the caller take part); LAB_CPU_FLASH_BACKWARD=fused or two-pass forces the backward's form (any
-other value: chosen as above).
+the host's cores; on XLA's pool, at most its threads and the caller take part);
+LAB_CPU_FLASH_BACKWARD=fused or two-pass forces the backward's form (any other value: chosen
+as above).
 """
 
 import ctypes
