@@ -5,7 +5,6 @@ derived from measured figures plus a spec-table entry whose source is recorded; 
 is against the matmul peak measured on this machine, and says so.
 """
 
-import dataclasses
 import math
 import time
 from pathlib import Path
@@ -23,8 +22,7 @@ from lab.measure import records as rec
 from lab.measure.offload import OffloadCost
 from lab.measure.predicted import PredictedStep
 from lab.model import count_nonembedding_params, count_params
-from lab.names import HOST_MEMORY
-from lab.parallel import collectives_hlo, pipeline_hlo
+from lab.parallel import collectives_hlo, explain, pipeline_hlo
 from lab.plans import resources
 from lab.predict.step import predict_step
 
@@ -96,7 +94,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         "tokens_per_step": cfg.batch_size * cfg.seq_len,
         "compiled_memory_per_device": memory.compiled_memory(compiled),
         "predicted_memory_per_device": memory.predict_lab_step(
-            _as_compiled(trainer),
+            explain.as_compiled(trainer.cfg, trainer),
             sizes=dict(trainer.mesh.shape),
             backend=trainer.mesh.devices.flat[0].platform,  # the target's, for AOT plans
         ),
@@ -188,16 +186,6 @@ def refused_advice(trainer, refusal: str) -> str:
         if predicted <= cap:
             return f"{short}; {text} would fit ({predicted / GIB:.1f} GiB, predicted)"
     return f"{short}; more devices (a larger target) with strategy=fsdp"
-
-
-def _as_compiled(trainer) -> Config:
-    """The config the compiled program really is: an optimizer state the devices could not
-    put in host memory (a GPU plan's abstract devices list no memory kinds) stayed on them."""
-    cfg = trainer.cfg
-    kinds = {s.memory_kind for s in jax.tree.leaves(trainer.state_shardings.opt_state)}
-    if cfg.offload_optimizer and HOST_MEMORY not in kinds:
-        return dataclasses.replace(cfg, offload_optimizer=False)
-    return cfg
 
 
 def host_link(info: DeviceInfo) -> tuple[float | None, float | None, str]:

@@ -374,6 +374,15 @@ def _row(role, expected, got: dict) -> Row:
 # --- memory ---------------------------------------------------------------------------------
 
 
+def as_compiled(cfg, trainer):
+    """The config the compiled program really is: an optimizer state the devices could not
+    put in host memory (a GPU plan's abstract devices list no memory kinds) stayed on them."""
+    kinds = {s.memory_kind for s in jax.tree.leaves(trainer.state_shardings.opt_state)}
+    if cfg.offload_optimizer and HOST_MEMORY not in kinds:
+        return dataclasses.replace(cfg, offload_optimizer=False)
+    return cfg
+
+
 def memory_rows(cfg, trainer, compiled) -> MemorySplit:
     """Per-device bytes: exact from shardings, predicted by the calculator, compiled by XLA.
     Device memory only: an optimizer state the program keeps in host memory (offloaded) is
@@ -387,8 +396,7 @@ def memory_rows(cfg, trainer, compiled) -> MemorySplit:
         for x, kind in zip(jax.tree.leaves(state.opt_state), kinds, strict=True)
         if kind != HOST_MEMORY
     ]
-    if cfg.offload_optimizer and HOST_MEMORY not in kinds:
-        cfg = dataclasses.replace(cfg, offload_optimizer=False)
+    cfg = as_compiled(cfg, trainer)
     return MemorySplit(
         params=params,
         grads=params,
