@@ -16,7 +16,9 @@ Roles and what the analytic model assumes (scaling-book style, per step):
                     has two uses whose partial gradients XLA reduces separately, so it counts
                     twice. The CPU compiler has no reduce-scatter pass: there the
                     reduce-scatter runs as an all-reduce plus a local slice (2× the bytes),
-                    and the analytic figure says so.
+                    and the analytic figure says so. accumulate=K: once per microbatch,
+                    except over the axes that split the batch and no weight, where the K
+                    microbatches' sum is reduced once (lab.train.unreduced_axes).
   param all-gather  FSDP gathers each weight once in the forward (a tied embedding's
                     lookup and head read the same gathered table). ZeRO-3 gathers again in
                     the backward; XLA instead keeps the gathered weight live when nothing
@@ -180,31 +182,53 @@ def _stage_gathered(path: str, S, geo: Geometry, pipelined: bool) -> bool:
 
 
 def expect_grad_reduction(
-    params, geo: Geometry, model_cfg, reduce_scatter: bool, pipelined: bool = False
+    params,
+    geo: Geometry,
+    model_cfg,
+    reduce_scatter: bool,
+    pipelined: bool = False,
+    accumulate: int = 1,
+    unreduced: tuple = (),
 ) -> Expected:
+    """accumulate=K: the reduction runs once per microbatch over the batch axes, except over
+    `unreduced` (lab.train.unreduced_axes), where the K microbatches' gradients are summed
+    on each device first (a tied embedding's two uses with them) and reduced once."""
     B = geo.batch_axes
     WB = _prod(B, geo.sizes)
+    K = max(1, accumulate)
+    U = tuple(a for a in unreduced if a in B) if K > 1 else ()
+    WU = _prod(U, geo.sizes)
     total, moved = 0.0, 0.0
     for path, _, local, axes in params:
         S, staged = geo.split(path, axes)
         WS = _prod(S, geo.sizes)
         G = local * WS * _uses(path, model_cfg)  # the gradient one device holds before the sum
         total += G
-        W = WB // _prod(staged, geo.sizes)  # a stage's layers are summed over its replicas
+        W = WB // _prod(staged, geo.sizes) // WU  # a stage's layers: summed over its replicas
         if _stage_gathered(path, S, geo, pipelined):  # the shard's all-reduce only
             WR = W // WS
-            moved += 2 * (G / WS) * (WR - 1) / WR
+            per = 2 * (G / WS) * (WR - 1) / WR
         elif reduce_scatter and WS > 1:
             WR = W // WS
-            moved += G * (WS - 1) / WS + 2 * (G / WS) * (WR - 1) / WR
+            per = G * (WS - 1) / WS + 2 * (G / WS) * (WR - 1) / WR
         else:
-            moved += 2 * G * (W - 1) / W
+            per = 2 * G * (W - 1) / W
+        # over U: the sum of the K microbatches (and of a tied table's uses), as each device
+        # holds it (the shard, where it was reduce-scattered), all-reduced once
+        moved += K * per + 2 * local * (WU - 1) / WU
     kind = "reduce-scatter + all-reduce" if reduce_scatter and geo.shard_axes else "all-reduce"
     if geo.shard_axes and not reduce_scatter:
         kind = "all-reduce (reduce-scatter as all-reduce + slice: no RS pass on CPU)"
     formula = f"G={total / MiB:.2f} MiB grads (tied embedding ×2) over W={WB}: " + (
         "RS V(W-1)/W + AR of the shard" if reduce_scatter and geo.shard_axes else "2G(W-1)/W"
     )
+    if K > 1:
+        rest = ",".join(a for a in B if a not in U)
+        each = f"once per microbatch (×{K})" + (f" over {rest}" if U else "")
+        formula += f"; accumulate={K}: " + "; ".join(
+            ([each] if rest else [])
+            + ([f"summed on each device, reduced once over {','.join(U)}"] if U else [])
+        )
     return Expected("grad reduction", kind, B, moved, moved, moved, formula)
 
 
@@ -305,7 +329,9 @@ def expectations(cfg, trainer, reduce_scatter: bool) -> list[Expected]:
     params = _params(trainer.abstract_state.params)
     piped = trainer.schedule is not None
     out = [
-        expect_grad_reduction(params, geo, cfg.model, reduce_scatter, piped),
+        expect_grad_reduction(
+            params, geo, cfg.model, reduce_scatter, piped, cfg.accumulate, trainer.unreduced
+        ),
         expect_param_gather(params, geo, cfg.model, piped),
         expect_activation_reduce(cfg, geo),
         expect_stage_permutes(trainer),
