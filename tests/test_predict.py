@@ -287,6 +287,22 @@ def test_a_machine_class_without_a_fit_says_its_prediction_is_uncalibrated(monke
     assert said.endswith("model error 25% median, worst 1.25×, on 1 held-out published point")
 
 
+def test_the_cpu_error_names_the_processor_it_was_measured_on(monkeypatch):
+    """A VM moves between hosts: the CPU fit's error is this processor's only if it was
+    measured here; otherwise the statement names the other one and how to refit."""
+    from lab.measure import records
+    from lab.predict import step
+
+    held = {"n": 7, "median": 0.06, "worst": 1.5, "what": "lab.run configurations on this CPU"}
+    entry = {"fit": {}, "held_out": held, "host": records.cpu_model(), "date": "2026-11-29"}
+    monkeypatch.setattr(step, "fits", lambda: {"cpu": entry})
+    said = step.error_statement("cpu")
+    assert said.endswith("on 7 held-out lab.run configurations on this CPU (2026-11-29)"), said
+    monkeypatch.setattr(step, "fits", lambda: {"cpu": {**entry, "host": "Other CPU, 64 cores"}})
+    said = step.error_statement("cpu")
+    assert "on another CPU (Other CPU, 64 cores, 2026-11-29): refit here with" in said, said
+
+
 def test_an_ops_last_name_leaves_out_the_transforms_closing_parentheses():
     from lab.measure.predicted import OpTime
 

@@ -39,6 +39,23 @@ def _version(dist: str) -> str | None:
         return None
 
 
+@functools.cache
+def cpu_model() -> str:
+    """This host's processor as /proc/cpuinfo names it, with its family and model numbers (a
+    VM may name only the vendor's line: "AMD EPYC") and the cores this process may use."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields:
+        name += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    return f"{name}, {os.cpu_count() or 1} cores"
+
+
 def _load_avg() -> float | None:
     """Runnable processes (1-minute average): a busy host makes every time slower."""
     try:

@@ -19,6 +19,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from lab.config import did_you_mean
 from lab.errors import ConfigError
 from lab.measure import specs, toolchain
 
@@ -101,7 +102,8 @@ def parse_target(target: str) -> tuple[str, int]:
     kind = parts[1].lower()
     if kind not in GPUS:
         raise ConfigError(
-            f"target={target!r}: unknown GPU {parts[1]!r}; the lab describes {', '.join(GPUS)}"
+            f"target={target!r}: unknown GPU {parts[1]!r}{did_you_mean(kind, GPUS)}; the lab "
+            f"describes {', '.join(GPUS)}"
         )
     n = parts[2] if len(parts) == 3 else "1"
     if not n.isdigit() or int(n) < 1:

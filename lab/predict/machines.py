@@ -26,9 +26,13 @@ from lab.predict.model import Machine
 
 IB_PER_GPU = 50e9  # bytes/s: 400 Gb/s per GPU (DGX H100 user guide, networking)
 MESH_ORDER = ("data", "stage", "fsdp", "model")  # lab/mesh.py: the innermost axis is last
+# Links for a chip whose source gives no interconnect figure (TPU v4's page, a PCIe card):
+# assumptions, and the machine's source says so.
+ASSUMED_ICI = 45e9  # bytes/s per torus axis
+ASSUMED_NVLINK = 25e9  # bytes/s per direction
 
 # The model's free parameters for accelerators: efficiencies and fixed costs, fitted on the
-# calibration subset of the published measurements (lab/predict/validation.py), never per
+# calibration subset of the published measurements (lab/studies/prediction.py), never per
 # point. Before any fit they are 1 and 0: the pure roofline of each op.
 DEFAULT_FIT = {
     "compute_efficiency": 1.0,
@@ -41,20 +45,23 @@ DEFAULT_FIT = {
 
 def tpu_machine(spec: specs.DeviceSpec, topology: str, mesh_shape: dict, fit=None) -> Machine:
     dims = max(1, len([d for d in topology.split("x") if int(d) > 1]))
-    per_axis = (spec.interconnect_bandwidth or 0.0) / dims or 45e9
+    per_axis = (spec.interconnect_bandwidth or 0.0) / dims or ASSUMED_ICI
+    ici = f"ICI {per_axis / 1e9:.0f} GB/s per axis ({dims}-D torus)"
+    if not spec.interconnect_bandwidth:
+        ici += ", assumed: the chip's source gives no per-chip ICI figure"
     return Machine(
         name=spec.name,
         peak_flops=dict(spec.peak_flops),
         memory_bandwidth=spec.memory_bandwidth,
         link_bandwidth={a: per_axis for a in mesh_shape},
-        source=f"{spec.source_of('*')}; ICI {per_axis / 1e9:.0f} GB/s per axis ({dims}-D torus)",
+        source=f"{spec.source_of('*')}; {ici}",
         async_launch=True,
         **(fit or DEFAULT_FIT),
     )
 
 
 def gpu_machine(spec: specs.DeviceSpec, mesh_shape: dict, per_host: int = 8, fit=None) -> Machine:
-    nvlink = (spec.interconnect_bandwidth or 0.0) / 2 or 25e9
+    nvlink = (spec.interconnect_bandwidth or 0.0) / 2 or ASSUMED_NVLINK
     links, inner = {}, 1
     for axis in reversed(
         [a for a in MESH_ORDER if a in mesh_shape] + [a for a in mesh_shape if a not in MESH_ORDER]
@@ -69,7 +76,9 @@ def gpu_machine(spec: specs.DeviceSpec, mesh_shape: dict, per_host: int = 8, fit
         ring_bandwidth=ring_bandwidth(mesh_shape, nvlink, per_host),
         source=(
             f"{spec.source_of('*')}; NVLink {nvlink / 1e9:.0f} GB/s per direction inside "
-            f"{per_host} GPUs, InfiniBand {IB_PER_GPU / 1e9:.0f} GB/s per GPU across hosts"
+            f"{per_host} GPUs"
+            + ("" if spec.interconnect_bandwidth else " (assumed: the card's source gives none)")
+            + f", InfiniBand {IB_PER_GPU / 1e9:.0f} GB/s per GPU across hosts"
         ),
         async_launch=True,
         **(fit or DEFAULT_FIT),
@@ -133,8 +142,9 @@ FIT_PARAMS = (
 
 
 def fit(points, params=FIT_PARAMS[:3]) -> dict:
-    """Free parameters that minimise the median |log(predicted / measured)| over `points`,
-    each a callable `predict(**fit) -> seconds` with its measured seconds: (predict, measured).
+    """Free parameters that minimise the median |log(predicted / measured)| over `points`
+    plus a tenth of the largest (so that no point is left far off for a better median), each
+    a callable `predict(**fit) -> seconds` with its measured seconds: (predict, measured).
     A coarse grid, then a finer one around the best: a handful of parameters, few points."""
     import numpy as np
 

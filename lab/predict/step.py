@@ -85,6 +85,17 @@ def error_statement(kind: str) -> str:
             f"model error {err['median']:.0%} median, worst {err['worst']:.2f}×, on {err['n']} "
             f"held-out {point}"
         )
+    if kind == "cpu" and err and entry.get("host"):
+        from lab.measure.records import cpu_model
+
+        text = text.replace(" on this CPU", "")
+        if entry["host"] == cpu_model():
+            text += f" on this CPU ({entry['date']})"
+        else:  # the fit is another processor's
+            text += (
+                f" on another CPU ({entry['host']}, {entry['date']}): refit here with "
+                "python -m lab.tools.prediction cpu=true"
+            )
     if entry and entry.get("fit") is None and kind != "cpu":
         # nothing calibrates it: the roofline with efficiencies 1 and no fixed costs
         text = (
@@ -94,10 +105,15 @@ def error_statement(kind: str) -> str:
     if kind in ("gpu", "tpu"):
         for device, c in device_checks().items():
             if (c["backend"] == "tpu") == (kind == "tpu"):
+                m = c["mean_ratio"]
+                lean = ""  # which way the steps' predictions lean, where they lean together
+                if m < 0.9 or m > 1.1:
+                    lean = f", predicted {'faster' if m < 1 else 'slower'} than measured: "
+                    lean += f"mean predicted/measured {m:.2f}"
                 text += (
                     f"; {c['median']:.0%} median, worst {c['worst']:.2f}×, on {c['n']} lab.run "
                     f"steps measured on an {device} ({', '.join(c['dates'])}, predicted with "
-                    "that day's fit)"
+                    f"that day's fit{lean})"
                 )
     return text
 

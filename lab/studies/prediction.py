@@ -32,9 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from lab import plans
-from lab.config import make_config
+from lab.config import did_you_mean, make_config
 from lab.errors import ConfigError
-from lab.measure import hlo, memory, specs
+from lab.measure import hlo, memory, records, specs
+from lab.measure.cost import transformer_flops_per_token
+from lab.model import count_nonembedding_params
 from lab.parallel import collectives_hlo
 from lab.predict import machines
 from lab.predict.model import Schedule, predict
@@ -92,7 +94,8 @@ def load_points(only: tuple[str, ...] = ()) -> list[dict]:
     if only:
         unknown = sorted(set(only) - {p["id"] for p in points})
         if unknown:
-            raise ConfigError(f"only={','.join(unknown)}: no such point in {POINTS.name}")
+            hint = did_you_mean(unknown[0], [p["id"] for p in points])
+            raise ConfigError(f"only={','.join(unknown)}: no such point in {POINTS.name}{hint}")
         points = [p for p in points if p["id"] in only]
     return points
 
@@ -191,6 +194,12 @@ def _train_program(point: dict) -> dict:
     t = session.trainer
     compiled = t.lower().compile()
     fpt, _ = flops_per_token(t.cfg, t.abstract_state.params)
+    if str(point.get("setup", {}).get("attention_flops", "")).startswith("non-causal"):
+        # the publisher's count (MaxText before its causal fix, Megatron-LM's of the time):
+        # every (query, key) pair, as PaLM counts, so the figure turns into the step it timed
+        m = t.cfg.model
+        n = count_nonembedding_params(t.abstract_state.params, m)
+        fpt = transformer_flops_per_token(n, m.n_layers, t.cfg.seq_len, m.d_model)
     return {
         "hlo": compiled.as_text(),
         "mesh": dict(t.mesh.shape),
@@ -304,7 +313,9 @@ def _op_program(point: dict) -> dict:
             in_specs=jax.sharding.PartitionSpec("data"),
             out_specs=jax.sharding.PartitionSpec("data"),
         )
-        compiled = jax.jit(body).lower(x).compile()
+        # donated: reduced in place, as nccl-tests does (kept, XLA copies the whole input
+        # first, a read and a write of the buffer that no all-reduce benchmark makes)
+        compiled = jax.jit(body, donate_argnums=0).lower(x).compile()
         return {"hlo": compiled.as_text(), "mesh": {"data": w}, "bytes": float(prog["bytes"])}
     raise ConfigError(f"{point['id']}: unknown op {op!r}")
 
@@ -818,11 +829,15 @@ def cpu_check(
         text = compiled.as_text()
         pr = hlo.parse(text)
         found = {c.name: c for c in collectives_hlo.parse(text, dict(mesh.shape))}
-        measured.append((label, pr, found, mesh.size, cfg.model.dtype, seconds))
+        # the FLOPs of the attention kernel's custom calls, as lab.run's prediction counts them
+        # (XLA counts none for them): the model fitted here is the one lab.run prints
+        custom = attention_flops_per_device(cfg, mesh.size)
+        measured.append((label, pr, found, mesh.size, cfg.model.dtype, custom, seconds))
 
     def predicted(entry, fit):
-        _, pr, found, n, dtype, _ = entry
-        return predict(pr, cpu_machine_measured(dtype, n, fit or None), found).seconds
+        _, pr, found, n, dtype, custom, _ = entry
+        machine = cpu_machine_measured(dtype, n, fit or None)
+        return predict(pr, machine, found, custom_flops=custom).seconds
 
     calib = measured[:calibration]
     fit = machines.fit(
@@ -1060,6 +1075,10 @@ def save_cpu_fit(rows: list[CpuRow], fit: dict) -> Path:
             "worst": float(worst),
             "what": "lab.run configurations on this CPU",
         },
+        # the CPU the fit was measured on: another one (a VM moved to a new host) is named
+        # beside the error wherever it is printed
+        "host": records.cpu_model(),
+        "date": time.strftime("%Y-%m-%d"),
         "source": "python -m lab.tools.prediction cpu=true",
     }
     FITS.write_text(json.dumps(data, indent=1) + "\n")

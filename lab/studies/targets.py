@@ -12,7 +12,8 @@ Targets, per point and lab kernel, from the medians of that one run:
 - speed = reference time / kernel time ≥ 1.0 forward, ≥ 0.8 forward + backward, where the
   reference is cuDNN, or, where cuDNN does not run, the fastest of PyTorch SDPA, JAX's Mosaic
   GPU attention and tokamax at that point;
-- ahead of JAX's bundled Pallas (Triton) attention and of XLA's attention.
+- ahead of JAX's bundled Pallas (Triton) attention and of XLA's attention, each where it
+  ran: a peer that did not run at a point is named in the verdict's note, not counted.
 
 The tool prints the verdict table and writes the records plus a Markdown block for BENCHMARKS.md
 (date, device, versions, command) to `results/`. Needs an NVIDIA GPU: elsewhere the lab's

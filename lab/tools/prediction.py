@@ -96,6 +96,15 @@ def _check_modes(o: Options) -> None:
         raise ConfigError("budget= times steps: it is for cpu=true or here=true")
     if o.only and mode in ("cpu", "here"):
         raise ConfigError(f"only= picks published points; {mode}=true runs its own configurations")
+    if o.cache_dir != default.cache_dir and mode in ("cpu", "here"):
+        raise ConfigError(
+            f"cache_dir= holds the published points' programs; {mode}=true compiles its own "
+            "configurations and keeps none"
+        )
+    if o.results != default.results and mode in ("cpu", "loo"):
+        raise ConfigError(f"results= is where records go; {mode}=true prints its table only")
+    if o.save != default.save and mode == "loo":
+        raise ConfigError("save= writes a fit; loo=true only judges the model's form, saving none")
 
 
 def _saved_fits() -> dict:
@@ -140,7 +149,8 @@ def run(o: Options) -> int:
     cal = summary.calibration
     if cal.get("n"):
         con.print(
-            f"calibration: {cal['n']} points, median |error| {cal['median']:.0%}, "
+            f"calibration: {cal['n']} point{'s' if cal['n'] != 1 else ''}, median |error| "
+            f"{cal['median']:.0%}, "
             f"worst {cal['worst']:.2f}×"
         )
     con.print(prediction.log_error(summary))

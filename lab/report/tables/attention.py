@@ -47,6 +47,9 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
     for r in rows:
         need = r.memory_bytes
         hbm = percent(need / r.hbm_bytes) if need and r.hbm_bytes else "–"
+        # a roofline floor: the time is a least, so the rates it implies are a most
+        floor = r.estimate_source.startswith("roofline floor")
+        least, most = ("≥ ", "≤ ") if floor else ("", "")
         compiled_g = max(r.compiled_flops or 0.0, 0.0) / 1e9  # XLA can report -0
         t.add_row(
             "" if r.seq is None else str(r.seq),
@@ -57,9 +60,9 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
             hbm,
             f"{compiled_g:,.1f}{r.compiled_flops_note} | "
             f"{r.analytic_flops_per_device / 1e9:,.1f} G",
-            duration(r.estimated_s) if r.estimated_s else "–",
-            f"{r.tflops:.1f}" if r.tflops else "–",
-            percent(r.peak_share, 0) if r.peak_share else "–",
+            least + duration(r.estimated_s) if r.estimated_s else "–",
+            f"{most}{r.tflops:.1f}" if r.tflops else "–",
+            most + percent(r.peak_share, 0) if r.peak_share else "–",
             r.estimate_source,
         )
     return t

@@ -22,7 +22,8 @@ def prediction_rows(rows, fits: dict[str, Fit]) -> Table:
         "error",
         "role",
     ):
-        t.add_column(col)
+        # a point's id whole (folded, not cut): seven Azure GEMM ids share their first 16
+        t.add_column(col, overflow="fold" if col == "point" else "ellipsis")
     for r in sorted(rows, key=lambda r: (r.role == "dropped", r.hardware, r.id)):
         unit = r.unit.split("(")[0].strip()
         pred = "—" if r.predicted is None else f"{r.predicted:,.4g}"
@@ -31,8 +32,12 @@ def prediction_rows(rows, fits: dict[str, Fit]) -> Table:
         t.add_row(
             r.id, r.publisher, r.hardware, r.workload, f"{r.published:,.4g} {unit}", pred, err, role
         )
-    for v, f in fits.items():
-        t.caption = (t.caption + "; " if t.caption else "fitted on the calibration points: ") + (
+    t.caption = (
+        "error: predicted / published - 1 in the published unit: for a rate (TFLOP/s, GB/s, "
+        "tokens/s) + is predicted faster, for a time (ms) + is predicted slower"
+    )
+    for i, (v, f) in enumerate(fits.items()):
+        t.caption += ("; " if i else "\nfitted on the calibration points: ") + (
             f"{v}: compute {f.compute_efficiency:.2f}, memory {f.memory_efficiency:.2f}, "
             f"op {f.op_overhead_s * 1e6:.1f} µs, collective {f.link_latency_s * 1e6:.1f} µs"
             + (f", call {f.call_overhead_s * 1e6:.1f} µs" if f.call_overhead_s is not None else "")
