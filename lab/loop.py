@@ -459,7 +459,8 @@ def _analyse(cfg, info, trainer, console):
             refused = plans.refusal(e)
             if refused is None:
                 raise
-            raise RunError(
+            # a config the target cannot hold, as a mesh that does not fit: exit 2, one line
+            raise ConfigError(
                 f"target={cfg.target}: {summary.refused_advice(trainer, refused)}"
             ) from None
     else:

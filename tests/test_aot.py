@@ -98,6 +98,16 @@ def test_bad_targets_are_one_line(argv, needle, capsys):
     assert needle in err and len(err.splitlines()) == 1
 
 
+def test_a_step_the_target_cannot_hold_is_one_line_and_exit_2(capsys):
+    """XLA:TPU refuses a program larger than its HBM: a config the target cannot hold, told
+    as a mesh that does not fit is (one line, exit 2), with the change that would fit."""
+    argv = ["target=tpu:v5e:2x2", "model=small", "mesh=4", "batch_size=4096", "seq_len=2048"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does NOT fit: the compiler refused the step (needs" in err, err
+    assert "would fit" in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.slow_plan  # once per CI; test_attention_aot.py compiles the kernel on both legs
 def test_plan_runs_the_pallas_kernel_inside_the_sharded_step():
     """attention=auto on a TPU target picks the Mosaic kernel (head_dim 64 here), run per
