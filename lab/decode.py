@@ -24,6 +24,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -31,7 +32,7 @@ from lab import quant
 from lab.config import ModelConfig
 from lab.errors import ConfigError
 from lab.kernels import cpu_gemv
-from lab.kernels.attention import choose_decode
+from lab.kernels.attention import decode_kernel
 from lab.mesh import check_divisible
 from lab.model import CACHE, KVCache, LayerKV, build, decode_impl
 from lab.names import BATCH, LAYERS
@@ -101,25 +102,60 @@ def cache_slots(cache: KVCache) -> int:
 def step(params, tokens_B, cache: KVCache, *, model):
     """(logits [B, V] of the next token, the cache with this token written).
 
-    A sequence whose cache is full gets NaN logits and its cache left untouched: writing past
-    the last slot would otherwise overwrite it silently (dynamic_update_slice clamps)."""
+    A sequence whose cache is full gets NaN logits and its cache and length left untouched:
+    writing past the last slot would otherwise overwrite it silently (dynamic_update_slice
+    clamps)."""
     logits_Bx1xV, new = model.apply({"params": params}, tokens_B[:, None], cache)
     full_B = cache.lengths + 1 > cache_slots(cache)
     logits_BxV = jnp.where(full_B[:, None], jnp.nan, logits_Bx1xV[:, 0])
-    return logits_BxV, new.replace(lengths=cache.lengths + 1)
+    return logits_BxV, new.replace(lengths=jnp.where(full_B, cache.lengths, cache.lengths + 1))
+
+
+NO_TOKEN = -1  # what generate gives a sequence whose cache was full: no token was made
 
 
 def generate(params, logits_BxV, cache: KVCache, key, *, steps: int, temperature: float, model):
-    """`steps` tokens per sequence from the prefill's logits: (tokens [B, steps], cache)."""
+    """`steps` tokens per sequence from the prefill's logits: (tokens [B, steps], cache). A
+    sequence whose cache fills up gets NO_TOKEN from then on (its logits are NaN: a sample
+    of them would be a made-up token 0)."""
 
     def one(carry, key):
         logits_BxV, cache = carry
         tokens_B = sample(logits_BxV, key, temperature)
+        tokens_B = jnp.where(jnp.isnan(logits_BxV[:, 0]), NO_TOKEN, tokens_B)
         logits_BxV, cache = step(params, tokens_B, cache, model=model)
         return (logits_BxV, cache), tokens_B
 
     (_, cache), tokens_SxB = jax.lax.scan(one, (logits_BxV, cache), jax.random.split(key, steps))
     return tokens_SxB.T, cache
+
+
+class _CheckedPrefill:
+    """The jitted prefill, with the checks its traced body cannot make: prompts padded wider
+    than the cache (XLA's own error names a gather's slice sizes), and, where the lengths are
+    on the host, a length of 0 (the head would read the last pad) or past the padded width
+    (NaN logits). `lower` is the jitted function's, for plans."""
+
+    def __init__(self, jitted, max_len: int):
+        self.jitted, self.max_len = jitted, max_len
+
+    def __call__(self, params, prompts_BxP, prompt_lengths_B, cache):
+        width = prompts_BxP.shape[1]
+        if width > self.max_len:
+            raise ConfigError(
+                f"prompts padded to {width} tokens do not fit a cache of {self.max_len} "
+                f"slots: pad them to at most {self.max_len} (or make the cache larger)"
+            )
+        if not isinstance(prompt_lengths_B, jax.Array):  # host values: no device round trip
+            lengths = np.asarray(prompt_lengths_B)
+            if lengths.size and (lengths.min() < 1 or lengths.max() > width):
+                raise ConfigError(
+                    f"prompt lengths {lengths.tolist()}: each must be 1 to the padded width {width}"
+                )
+        return self.jitted(params, prompts_BxP, prompt_lengths_B, cache)
+
+    def lower(self, *args):
+        return self.jitted.lower(*args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +336,7 @@ def make_decoder(
         abstract,
         cache_sh,
         batch_sh,
-        prefill_jit,
+        _CheckedPrefill(prefill_jit, max_len),
         step_jit,
         gen_jit,
         matmul,
@@ -343,11 +379,19 @@ def batch_multiple(trainer) -> int:
     return math.prod(trainer.mesh.shape[a] for a in axes)
 
 
-def reads_whole_cache(attention_impl: str, backend: str) -> bool:
+def reads_whole_cache(model: ModelConfig, backend: str, *, int8_cache: bool = False) -> bool:
     """Whether a decode step reads every slot of the cache (the plain-JAX reference masks
-    past each length) rather than stopping at each sequence's length (the Pallas kernels)."""
-    impl = decode_impl(attention_impl)
-    return choose_decode(impl, backend=backend) == "reference"
+    past each length) rather than stopping at each sequence's length (the Pallas and C++
+    kernels): the kernel decode_attention runs for this model's soft-cap and dtypes."""
+    kv = jnp.int8 if int8_cache else model.dtype
+    impl = decode_kernel(
+        decode_impl(model.attention),
+        softcap=model.softcap or None,
+        q_dtype=model.dtype,
+        kv_dtype=kv,
+        backend=backend,
+    )
+    return impl == "reference"
 
 
 def check_prompts(prompt_lengths, max_len: int, steps: int = 0) -> None:

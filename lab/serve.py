@@ -43,7 +43,9 @@ class Options:
     prefill_batches: tuple = field((1, 4), "prefill batch sizes", kind="ints", min=1)
     prompt_len: int = field(128, "prompt tokens per sequence", min=1, max=2**20)
     decode_steps: int = field(
-        32, "decode steps timed at most per batch (the cache holds them)", min=1
+        32,
+        "decode steps per timed call, repeated until budget= is spent (the cache holds them)",
+        min=1,
     )
     context: int = field(
         0, "cache slots per sequence; 0 = prompt_len + decode_steps + 3 warm-up steps", min=0
@@ -91,6 +93,7 @@ TRAINING_ONLY = (
 )
 # what lab.serve takes instead, where it has its own key
 SERVING_INSTEAD = {
+    "steps": "the tokens decoded per timed call are decode_steps=",
     "name": "a trained run is served with run=NAME",
     "batch_size": "the batches served are batches= and prefill_batches=",
     "seq_len": "the lengths served are prompt_len= and context=",
@@ -157,7 +160,7 @@ def _plan(o: Options, s, con) -> int:
         )
     config = {"preset": s.cfg.preset, "mesh": s.cfg.mesh, "target": s.cfg.target}
     recs = serving_records.plan_records(rows, config)
-    stem = rec.output_stem(o.results, "serve-plan")
+    stem = rec.output_stem(o.results, "serve-plan", backend=s.cfg.target.split(":")[0])
     with startup.held():  # whole lines: a signal waits for the records
         con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
     return 0

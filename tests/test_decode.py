@@ -256,6 +256,60 @@ def test_bad_input_is_one_line():
         )
 
 
+def test_prompts_the_cache_cannot_take_are_one_line():
+    """Checks the traced prefill cannot make: padding wider than the cache (XLA's error
+    names a gather's slice sizes), and host lengths of 0 or past the padded width."""
+    trainer, params = _setup()
+    dec = _decoder(trainer, max_len=10)
+    prompts, _ = _tokens()  # padded to 12
+    lengths = np.asarray(PROMPTS, np.int32)
+    with jax.set_mesh(trainer.mesh):
+        with pytest.raises(ConfigError, match="padded to 12 tokens do not fit a cache of 10"):
+            dec.prefill(params, prompts, lengths, dec.empty_cache())
+        for bad in ([0, 3, 5, 7], [4, 3, 5, 9]):
+            with pytest.raises(ConfigError, match="each must be 1 to the padded width 8"):
+                dec.prefill(params, prompts[:, :8], np.asarray(bad), dec.empty_cache())
+
+
+def test_generating_past_the_cache_gives_no_token():
+    """A sequence whose cache fills up gets NO_TOKEN, not a made-up token 0, and its length
+    stays at the cache's size; the others generate on."""
+    trainer, params = _setup()
+    dec = decode.make_decoder(
+        trainer.cfg.model,
+        trainer.mesh,
+        trainer.rules,
+        trainer.state_shardings.params,
+        batch=len(PROMPTS),
+        max_len=14,
+        steps=4,
+    )
+    prompts, _ = _tokens()
+    with jax.set_mesh(trainer.mesh):
+        lengths = np.asarray(PROMPTS, np.int32)
+        logits, cache = dec.prefill(params, prompts, lengths, dec.empty_cache())
+        tokens, cache = dec.generate(params, logits, cache, jax.random.key(0))
+    tokens = np.asarray(tokens)
+    # the longest prompt (12 of 14 slots) takes two tokens; the two after them have no room
+    made = [min(4, 14 - p + 1) for p in PROMPTS]
+    for row, n in zip(tokens, made, strict=True):
+        assert (row[:n] >= 0).all() and (row[n:] == decode.NO_TOKEN).all(), tokens
+    assert np.asarray(cache.lengths).tolist() == [min(p + 4, 14) for p in PROMPTS]
+
+
+def test_a_step_reads_the_whole_cache_where_the_reference_decodes():
+    """The bytes a decode step reads follow the kernel that runs: the C++ kernel stops at
+    each length; a soft-capped or float16 model falls back to the reference, which reads
+    every slot."""
+    if not cpu_gemv.available():
+        pytest.skip("the native CPU kernels are not built here")
+    m = make_config(preset="tiny", dtype="float32").model
+    assert not decode.reads_whole_cache(m, "cpu")
+    assert not decode.reads_whole_cache(m, "cpu", int8_cache=True)
+    assert decode.reads_whole_cache(dataclasses.replace(m, softcap=5.0), "cpu")
+    assert decode.reads_whole_cache(dataclasses.replace(m, dtype="float16"), "cpu")
+
+
 @pytest.mark.parametrize("int8_cache", [False, True])
 def test_a_step_past_the_cache_never_overwrites_it(int8_cache):
     """A sequence whose cache is full gets NaN logits and keeps its cache as it was; the

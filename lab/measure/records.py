@@ -160,15 +160,16 @@ def fresh_dir(root, name: str) -> Path:
     raise ConfigError(f"cannot write to {str(root)!r}: 10,000 folders named {name}-… exist")
 
 
-def output_stem(folder, name: str) -> Path:
-    """folder/name-<backend>-<time> (no suffix): where a command writes its records and plots;
+def output_stem(folder, name: str, backend: str | None = None) -> Path:
+    """folder/name-<backend>-<time> (no suffix): where a command writes its records and plots
+    (`backend`: the one the figures are for, a plan's target's; default this process's);
     the folder is created and checked first. A stem that files already use (an earlier run
     in the same second) gets -2, -3, …, so a run's records are not appended to a finished
     run's. The stem is reserved: its `.jsonl` is created here, exclusively, so two commands
     started in the same second get two stems; a reservation still empty when the process
     ends (the command stopped before it wrote a record) is removed then."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = writable_dir(folder) / f"{name}-{jax.default_backend()}-{stamp}"
+    base = writable_dir(folder) / f"{name}-{backend or jax.default_backend()}-{stamp}"
     for n in itertools.count(1):
         stem = base if n == 1 else base.with_name(f"{base.name}-{n}")
         if any(stem.parent.glob(f"{stem.name}.*")):

@@ -172,6 +172,7 @@ class Int8Error:
     top1_agreement: float  # share of decode positions whose top token is the same
     weight_bytes_float: int  # bytes of the float weights
     weight_bytes_int8: int  # bytes of the int8 weights (codes and scales)
+    window_len: int = 0  # tokens of each text window the loss is taken over: prompt + steps
 
     @property
     def loss_change(self) -> float:

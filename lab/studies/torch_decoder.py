@@ -35,8 +35,12 @@ class TorchDecoder:
 
     @classmethod
     def build(cls, cfg: ModelConfig, params, *, batch: int, max_len: int) -> "TorchDecoder":
-        """From the lab's unscanned parameters (block_0 … block_{n-1})."""
+        """From the lab's unscanned parameters (block_0 … block_{n-1}). Full causal attention
+        without a soft-cap: a model with windows or one is refused (another model's time)."""
         import torch
+
+        if cfg.softcap or any(cfg.layer_windows):
+            raise ValueError("the PyTorch decoder has no sliding windows and no soft-cap")
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
         t = lambda a: torch.from_numpy(np.array(a, np.float32)).to(dtype).contiguous()  # noqa: E731

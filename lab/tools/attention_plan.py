@@ -62,7 +62,7 @@ class Options:
 
 
 def run(o: Options) -> int:
-    stem = rec.output_stem(o.out_dir, "attention-plan")
+    stem = rec.output_stem(o.out_dir, "attention-plan", backend=o.target.split(":")[0])
     skip = ("target", "out_dir", "seq", "head_dim", "window", "docs")
     config = {k: v for k, v in dataclasses.asdict(o).items() if k not in skip}
     masks = plan.masks_of(o.causal, o.window, o.docs)

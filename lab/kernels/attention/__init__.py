@@ -47,8 +47,10 @@ call needs. Block-skipping kernels classify each tile empty/partial/full before 
 (`Mask.block_map`), skip empty tiles and mask only partial ones.
 
 Decoding (one query token per sequence against a key/value cache) has its own dispatch,
-`decode_attention` (decode.py): reference (plain JAX), pallas_tpu, pallas_gpu; auto is the
-backend's Pallas kernel on TPU and GPU, the reference on CPU.
+`decode_attention` (decode.py): reference (plain JAX), pallas_tpu, pallas_gpu, cpu (C++
+through XLA's FFI, lab/kernels/cpu_gemv.cc); auto is the backend's Pallas kernel on TPU and
+GPU, the C++ kernel on CPU where it is built, and the reference where a kernel cannot take the
+call (a soft-cap on CPU, float16).
 
 Interpret mode is opt-in only: `interpret=True` with impl pallas / pallas_tpu / pallas_gpu /
 pallas_mgpu runs the kernel through the Pallas interpreter on any backend (slow: tests,
@@ -676,6 +678,19 @@ def _library(args, *, mask: Mask, scale, impl: str):
 DECODE_IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_gpu", "cpu")
 
 
+def decode_kernel(
+    impl: str, *, softcap, q_dtype, kv_dtype, backend: str | None = None, interpret=False
+) -> str:
+    """The decode kernel that runs for these operands: choose_decode's, except that auto on
+    CPU takes the reference where the C++ kernel cannot (a soft-cap; float16, or float64 in
+    tests). Who counts a step's bytes asks this too: the reference reads every slot."""
+    chosen = choose_decode(impl, interpret=interpret, backend=backend)
+    if chosen == "cpu" and impl == "auto":
+        if softcap is not None or not decode.cpu_takes_dtypes(q_dtype, kv_dtype):
+            return "reference"
+    return chosen
+
+
 def choose_decode(impl: str, *, interpret: bool = False, backend: str | None = None) -> str:
     """The decode kernel `decode_attention` runs: auto is the backend's Pallas kernel on TPU
     and GPU, the C++ kernel on CPU where it is built (`cpu`, decode.decode_attention_cpu;
@@ -739,18 +754,14 @@ def decode_attention(
     if softcap is not None and impl == "cpu":
         raise ValueError("decode_attention: impl=cpu has no soft-cap; use impl=reference")
     asked = impl
-    impl = choose_decode(impl, interpret=interpret)
+    impl = decode_kernel(
+        impl, softcap=softcap, q_dtype=q_BxHxK.dtype, kv_dtype=k_BxGxSxK.dtype, interpret=interpret
+    )
     if asked == "pallas" and impl == "reference":
         raise ValueError(
             f"decode impl='pallas' has no compiled kernel on backend {platform()!r}: use auto, "
             "cpu or reference (or, from Python, interpret=True: slow, tests)"
         )
-    if (
-        impl == "cpu"
-        and asked == "auto"
-        and (softcap is not None or not decode.cpu_takes(q_BxHxK, k_BxGxSxK))
-    ):
-        impl = "reference"  # a soft-cap, float64 (tests) or float16: the reference's math
     args = (q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
     named = asked not in ("auto", "pallas")
     block_sizes = _fitting_block_sizes(f"decode {impl}", block_sizes, named=named)

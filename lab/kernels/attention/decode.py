@@ -272,8 +272,12 @@ def cpu_takes(q_BxHxK, k_BxGxSxK) -> bool:
     """Whether `decode_attention_cpu` takes these operands here (built, dtypes it reads)."""
     from lab.kernels import cpu_gemv  # the library that holds it (built on first use)
 
-    kv_ok = k_BxGxSxK.dtype in (*CPU_DTYPES, jnp.int8)
-    return q_BxHxK.dtype in CPU_DTYPES and kv_ok and cpu_gemv.available()
+    return cpu_takes_dtypes(q_BxHxK.dtype, k_BxGxSxK.dtype) and cpu_gemv.available()
+
+
+def cpu_takes_dtypes(q_dtype, kv_dtype) -> bool:
+    """Whether `decode_attention_cpu` reads queries and a cache of these dtypes."""
+    return jnp.dtype(q_dtype) in CPU_DTYPES and jnp.dtype(kv_dtype) in (*CPU_DTYPES, jnp.int8)
 
 
 def decode_attention_cpu(

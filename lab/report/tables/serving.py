@@ -70,7 +70,7 @@ def serving_int8(e: Int8Error, speedup) -> Table:
         f"({ratio(e.weight_bytes_float / e.weight_bytes_int8)} smaller)",
     )
     t.add_row(
-        f"loss on the bundled text ({e.prompt_len:,}-token windows)",
+        f"loss on the bundled text ({e.window_len or e.prompt_len:,}-token windows)",
         f"{e.loss_float:.4f} float, {e.loss_int8:.4f} int8 weights ({e.loss_change:+.4f})",
     )
     t.add_row(

@@ -59,4 +59,5 @@ def int8_error(session, params, params_i8, *, batch: int, prompt_len: int, steps
         top1_agreement=float(np.mean(np.argmax(got, -1) == np.argmax(ref, -1))),
         weight_bytes_float=quant.weight_bytes(params),
         weight_bytes_int8=quant.weight_bytes(params_i8),
+        window_len=prompt_len + steps,
     )

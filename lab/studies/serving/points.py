@@ -62,8 +62,9 @@ def decode_point(
     r = time_decode(dec, params, prompts, steps=steps, budget_s=budget_s, queued=queued)
     # The plain-JAX decode attention reads every slot of the cache; a Pallas kernel stops
     # at each sequence's length (on average halfway through the timed steps).
-    reads_all = decode.reads_whole_cache(model.attention, session.info.backend)
-    mid = prompt_len + WARM_STEPS + steps // 2
+    reads_all = decode.reads_whole_cache(model, session.info.backend, int8_cache=int8_cache)
+    # the middle timed step's slots: a step at length n writes its token and reads n + 1
+    mid = prompt_len + WARM_STEPS + steps // 2 + 1
     slots = max_len if reads_all else mid
     return DecodePoint(
         batch=batch,

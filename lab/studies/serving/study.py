@@ -153,11 +153,15 @@ def measure(session: Session, params, plan: Plan, *, progress=None, finished=Non
 
 def torch_peer(session: Session, params, plan: Plan, points: list[DecodePoint]) -> list[PeerPoint]:
     """The PyTorch decoder of the same shape and weights (lab/studies/torch_decoder.py) timed
-    at every decode batch, beside the lab's float points; none where PyTorch is not installed
-    or the decoder is not on CPU."""
+    at every decode batch, beside the lab's float points; none where PyTorch is not installed,
+    the decoder is not on CPU, or the model has what the peer does not (sliding windows, a
+    soft-cap: it would time another model)."""
     from lab.studies import torch_decoder  # beside this study; only serving times the peer
 
+    m = session.cfg.model
     if not torch_decoder.available() or session.info.backend != "cpu":
+        return []
+    if m.softcap or any(m.layer_windows):
         return []
     host = jax.device_get(params)
     rows = []
