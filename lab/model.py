@@ -89,7 +89,15 @@ REMAT_POLICIES = {
 
 
 def _init(std: float, names: tuple):
-    return nn.with_logical_partitioning(nn.initializers.normal(std), names)
+    """N(0, std²), drawn in float32 and rounded to the parameter dtype: a bfloat16 or float16
+    model starts from the float32 model's weights, rounded (a draw in bfloat16 gives other
+    numbers, so the two precisions would not start from the same point)."""
+    normal = nn.initializers.normal(std)
+
+    def init(key, shape, dtype=jnp.float32):
+        return normal(key, shape, jnp.float32).astype(dtype)
+
+    return nn.with_logical_partitioning(init, names)
 
 
 def _constrain(x, names: tuple):

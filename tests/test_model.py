@@ -167,3 +167,19 @@ def test_a_vocabulary_split_table_is_looked_up_per_shard(strategy, mesh_spec, to
     np.testing.assert_array_equal(np.asarray(grad), np.asarray(want_vjp(cotangent)[0]))
     if splits:  # (the long lookup is left to XLA's partitioner, which chooses per shape)
         assert "all-gather" not in text and "all-reduce" in text, text[-2000:]
+
+
+def test_a_low_precision_model_starts_from_the_float32_weights_rounded():
+    """The init draws in float32 and rounds to the parameter dtype, so a bfloat16 model and
+    a float32 one start from the same point (a draw in bfloat16 gives other numbers)."""
+    params = {}
+    for dtype in ("float32", "bfloat16"):
+        model = build(make_config(preset="tiny", param_dtype=dtype, dtype="float32").model)
+        boxed = model.init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))["params"]
+        params[dtype] = nn.meta.unbox(boxed)
+    pairs = zip(
+        jax.tree.leaves(params["float32"]), jax.tree.leaves(params["bfloat16"]), strict=True
+    )
+    for f32, bf16 in pairs:
+        assert bf16.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(f32.astype(jnp.bfloat16)), np.asarray(bf16))
