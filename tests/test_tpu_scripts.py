@@ -135,7 +135,8 @@ EXACT = {
     "delete-gpu": (
         "delete.sh",
         ["--name", "lab-h100", "--zone", "us-central1-a", "--gpu"],
-        "gcloud compute instances delete lab-h100 --zone=us-central1-a --quiet\n",
+        "gcloud compute instances delete lab-h100 --zone=us-central1-a --quiet\n"
+        "gcloud compute config-ssh\n",
     ),
     "gpu-create-h100": (
         "gpu_create.sh",
@@ -167,7 +168,8 @@ EXACT = {
         " --zone=us-west4-a --worker=all\n"
         "gcloud compute tpus tpu-vm ssh lab-v5e --zone=us-west4-a --worker=all --command "
         + remote(UNPACK + install())
-        + "\n",
+        + "\n"
+        "rm -f <tmp>/lab-src.tar.gz\n",
     ),
     "setup-tpu-clone": (
         "setup.sh",
@@ -189,7 +191,8 @@ EXACT = {
         "scp <tmp>/lab-src.tar.gz gpu-0:lab-src.tar.gz\n"
         "scp <tmp>/lab-src.tar.gz me@gpu-1:lab-src.tar.gz\n"
         f"ssh gpu-0 {remote(UNPACK + install(spec='.[cuda,dev]'))}\n"
-        f"ssh me@gpu-1 {remote(UNPACK + install(spec='.[cuda,dev]'))}\n",
+        f"ssh me@gpu-1 {remote(UNPACK + install(spec='.[cuda,dev]'))}\n"
+        "rm -f <tmp>/lab-src.tar.gz\n",
     ),
     "setup-hosts-no-extra": (
         "setup.sh",
@@ -248,6 +251,8 @@ EXACT = {
         " 'mkdir -p lab/runs lab/results && tar -czf lab-out.tar.gz -C lab runs results'\n"
         "gcloud compute tpus tpu-vm scp lab-v5e:lab-out.tar.gz <tmp>/lab-out-lab-v5e.tar.gz"
         " --zone=us-west4-a --worker=0\n"
+        "gcloud compute tpus tpu-vm ssh lab-v5e --zone=us-west4-a --worker=0 --command"
+        " 'rm -f lab-out.tar.gz'\n"
         "mkdir -p <root>\n"
         "tar -xzf <tmp>/lab-out-lab-v5e.tar.gz -C <root>\n"
         "rm <tmp>/lab-out-lab-v5e.tar.gz\n",
@@ -258,6 +263,7 @@ EXACT = {
         "ssh me@gpu-1 'mkdir -p lab/runs lab/results && tar -czf lab-out.tar.gz -C lab runs"
         " results'\n"
         "scp me@gpu-1:lab-out.tar.gz <tmp>/lab-out-gpu-1.tar.gz\n"
+        "ssh me@gpu-1 'rm -f lab-out.tar.gz'\n"
         "mkdir -p 'out dir'\n"
         "tar -xzf <tmp>/lab-out-gpu-1.tar.gz -C 'out dir'\n"
         "rm <tmp>/lab-out-gpu-1.tar.gz\n",
@@ -345,9 +351,9 @@ def test_real_run_executes_what_dry_run_printed(case, env):
     # Hosts run in parallel, so their calls may land in the log in any order.
     assert sorted(fake_calls(env)) == sorted(faked)
     for argv in planned:
-        if argv[:3] == ["git", "-C", str(ROOT)]:  # setup's git archive ran for real
+        if argv[:3] == ["git", "-C", str(ROOT)]:  # setup's git archive ran for real (exit 0)
             output = next(a for a in argv if a.startswith("--output="))
-            assert Path(output.removeprefix("--output=")).stat().st_size > 0
+            assert not Path(output.removeprefix("--output=")).exists()  # copied, then removed
 
 
 def test_run_on_hosts_fails_when_one_host_fails(env):

@@ -53,6 +53,12 @@ if ((QUEUED)); then
   run gcloud compute tpus queued-resources delete "$NAME" "${WHERE[@]}" --force --quiet
 elif ((GPU)); then
   run gcloud compute instances delete "$NAME" "${WHERE[@]}" --quiet
+  # rewritten from the instances that are left: the deleted VM's ssh alias goes with it
+  if [[ -n ${PROJECT:-} ]]; then
+    run gcloud compute config-ssh "--project=$PROJECT"
+  else
+    run gcloud compute config-ssh
+  fi
 else
   run gcloud compute tpus tpu-vm delete "$NAME" "${WHERE[@]}" --quiet
 fi

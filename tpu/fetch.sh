@@ -56,11 +56,13 @@ if [[ -z $HOSTS_CSV ]]; then
   LOCAL_ARCHIVE="$TMP/lab-out-$NAME.tar.gz"
   tpu_ssh "$WORKER" "$PACK"
   tpu_scp "$WORKER" "$NAME:$OUT_ARCHIVE" "$LOCAL_ARCHIVE"
+  tpu_ssh "$WORKER" "rm -f $OUT_ARCHIVE"  # copied: the worker's archive goes
 else
   host=${HOSTS[WORKER]}
   LOCAL_ARCHIVE="$TMP/lab-out-${host#*@}.tar.gz"
   run ssh "$host" "$PACK"
   run scp "$host:$OUT_ARCHIVE" "$LOCAL_ARCHIVE"
+  run ssh "$host" "rm -f $OUT_ARCHIVE"
 fi
 run mkdir -p "$DEST"
 run tar -xzf "$LOCAL_ARCHIVE" -C "$DEST"

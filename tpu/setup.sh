@@ -112,4 +112,6 @@ else
   done
   wait_bg
 fi
+# the copy is on every host now: the local archive goes (a --repo install made none)
+[[ -n $REPO ]] || run rm -f "$LOCAL_ARCHIVE"
 ((DRY_RUN)) || note "done; next: tpu/run.sh with the same --name/--zone or --hosts"
