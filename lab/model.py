@@ -287,6 +287,9 @@ class Attention(nn.Module):
                 )
 
             o_BxLxHxK = _by_layer(attend, self.windows, kind)
+            if kv is not None:  # a prefill sees none of what a non-empty cache holds: NaN
+                held_B = lengths_B > 0
+                o_BxLxHxK = jnp.where(held_B[:, None, None, None], jnp.nan, o_BxLxHxK)
         o_BxLxHxK = _constrain(o_BxLxHxK, QKV)
         y_BxLxD = quant.matmul("blhk,hkd->bld", o_BxLxHxK, wo_HxKxD, c.dtype)
         return y_BxLxD if kv is None else (y_BxLxD, kv)
@@ -340,7 +343,9 @@ class Transformer(nn.Module):
     Packed rows (training) pass segments_BxL, one id per document (lab/data.py). A prefill
     passes `keep_B`, the one position per sequence whose logits it needs (its last real
     token): the head then runs on B rows, not B·L ([B, 1, V] logits; at L = 100,000 and
-    V = 32,768 the whole [B, L, V] is 12 GiB a sequence)."""
+    V = 32,768 the whole [B, L, V] is 12 GiB a sequence). Several tokens into a cache are a
+    prefill into an empty one: a sequence whose cache already holds tokens gets NaN logits
+    there (its new tokens would attend only among themselves; no chunked prefill)."""
 
     cfg: ModelConfig
 

@@ -271,6 +271,23 @@ def test_prompts_the_cache_cannot_take_are_one_line():
                 dec.prefill(params, prompts[:, :8], np.asarray(bad), dec.empty_cache())
 
 
+def test_a_prefill_into_a_cache_that_holds_tokens_is_nan():
+    """Several tokens into a cache are a prefill into an empty one; where the cache already
+    holds tokens they would attend only among themselves (no chunked prefill): NaN logits
+    there, never logits that look right. An empty sequence beside it is unaffected."""
+    trainer, params = _setup()
+    model = build(trainer.cfg.model)
+    host = jax.device_get(params)
+    tokens = np.asarray(_tokens()[0][:2, :4])
+    cache = decode.Decoder.empty_cache(_decoder(trainer, max_len=MAX_LEN))
+    cache = jax.device_get(cache)
+    cache = cache.replace(lengths=np.asarray([4, 0, 0, 0], np.int32)[:2])
+    cache = jax.tree.map(lambda a: a[:2], cache)
+    logits, _ = model.apply({"params": host}, tokens, cache)
+    logits = np.asarray(logits)
+    assert np.isnan(logits[0]).all() and np.isfinite(logits[1]).all()
+
+
 def test_generating_past_the_cache_gives_no_token():
     """A sequence whose cache fills up gets NO_TOKEN, not a made-up token 0, and its length
     stays at the cache's size; the others generate on."""

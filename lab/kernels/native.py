@@ -35,7 +35,8 @@ SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefine
 
 
 def compiler() -> str | None:
-    """The C++ compiler to build with: $CXX, else the first of c++, g++, clang++ on PATH."""
+    """The C++ compiler to build with: $CXX, else the first of c++, g++, clang++ on PATH (a
+    $CXX that is not found is passed over for them; the build line names the compiler)."""
     for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if name and shutil.which(name):
             return shutil.which(name)
@@ -61,7 +62,7 @@ def compile_library(cxx: str, opt: list[str], source: Path, out: Path, what: str
     """Build `source` into the library at `out` (atomically); the compiler's first error line,
     or None."""
     cmd = [cxx, *opt, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o"]
-    print(f"lab: building the {what} once ({' '.join(opt)}) → {out}", file=sys.stderr)
+    print(f"lab: building the {what} once with {cxx} ({' '.join(opt)}) → {out}", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # a sanitized parent

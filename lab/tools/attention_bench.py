@@ -28,7 +28,11 @@ class Options:
     seqs: tuple = field(
         (), "sequence lengths, e.g. 1024,4096 (default per backend)", kind="ints", min=1
     )
-    causal: str = field("both", "causal masks to run", choices=("both", "yes", "no"))
+    causal: str = field(
+        "both",
+        "causal masks to run: both, yes (true: causal only) or no (false: full only)",
+        choices=("both", "yes", "no", "true", "false"),
+    )
     modes: tuple = field(study.MODES, "fwd and/or fwd+bwd", kind="names", choices=study.MODES)
     impls: tuple = field((), "implementations (default: all compiled here)", kind="names")
     baseline: str = field(study.BASELINE, "ratios against this implementation")
@@ -70,7 +74,9 @@ def run(o: Options) -> int:
     t0 = time.perf_counter()
     records = study.sweep(
         seqs,
-        causal={"both": (True, False), "yes": (True,), "no": (False,)}[o.causal],
+        causal={"both": (True, False), "yes": (True,), "true": (True,), "no": (False,)}.get(
+            o.causal, (False,)
+        ),
         modes=o.modes,
         impls=impls,
         shape=shape,

@@ -5,7 +5,7 @@ impl            what runs
 naive           reference.py: the full L×S score matrix (memory quadratic in length)
 blockwise       blockwise.py: flash algorithm in pure JAX, any backend, memory linear
 pallas          the Pallas kernel of this backend: pallas_tpu on TPU; on GPU pallas_mgpu on
-                Hopper where it takes the input (bf16/f16, head_dim 64/128), else pallas_gpu
+                Hopper where it takes the input (bf16/f16, head_dim 64/128/256), else pallas_gpu
 pallas_tpu      pallas_tpu.py: Mosaic kernel (TPU; elsewhere only with interpret=True)
 pallas_gpu      pallas_gpu.py: Triton kernel, any NVIDIA GPU since Volta (elsewhere only with
                 interpret=True)
@@ -356,16 +356,20 @@ def _passed_over(note, chosen: str) -> str | None:
     )
 
 
-def _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, features=frozenset()) -> None:
-    """Constraints beyond the shared ones, per implementation (ValueError naming them)."""
+def _check(
+    impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal: bool, features=frozenset(), backend=None
+) -> None:
+    """Constraints beyond the shared ones, per implementation (ValueError naming them; a
+    missing feature names the implementations on `backend` that take it)."""
     missing = sorted(set(features) - supported_features(impl))
     if missing:
-        takers = [
-            i for i in ("blockwise", "cpu_flash", "naive") if set(features) <= supported_features(i)
+        here = available_impls(backend or platform())
+        takers = [i for i in here if i != "pallas" and set(features) <= supported_features(i)] or [
+            "blockwise"
         ]
         raise ValueError(
             f"attention impl={impl!r} does not support {FEATURE_NAMES[missing[0]]}"
-            + (f" (nor: {', '.join(missing[1:])})" if missing[1:] else "")
+            + (f" (nor {', '.join(FEATURE_NAMES[m] for m in missing[1:])})" if missing[1:] else "")
             + f"; use {' or '.join(takers)}"
         )
     if impl == "pallas_tpu":
@@ -455,7 +459,7 @@ def choose_noted(
         impl = impl or "pallas_gpu"
     else:
         impl = _resolve(impl, interpret, backend)
-    _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, features)
+    _check(impl, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, features, backend)
     if impl == "xla" and backend == "cpu" and q_BxLxHxK.dtype == jnp.float16:
         raise ValueError(
             f"{q_BxLxHxK.dtype=}: impl='xla' on CPU does not take float16 (XLA:CPU has no "

@@ -17,8 +17,9 @@ Build: the source ships in the package and is compiled on first use by the syste
 compiler (`$CXX`, else c++ / g++ / clang++) into `~/.cache/lab-kernels/<key>/` (or
 `$LAB_KERNEL_CACHE`), keyed by the source, the flags, jaxlib's version and the host CPU; a file
 lock and an atomic rename let parallel test workers share one build. `-O3 -march=native`,
-falling back to a portable `-O3` build (forced with LAB_CPU_FLASH_PORTABLE=1). No compiler, or
-a failed build: one line on stderr, `available()` is False and `auto` keeps `blockwise`.
+falling back to a portable `-O3` build (forced with LAB_CPU_FLASH_PORTABLE=1). No compiler: one
+line on stderr; a failed build: each attempt's "building" line, then one saying it failed.
+Either way `available()` is False and `auto` keeps `blockwise`.
 LAB_CPU_FLASH=0 turns the kernel off; LAB_CPU_FLASH_THREADS sets the thread count (default:
 the host's cores; on XLA's pool, at most its threads and the caller take part);
 LAB_CPU_FLASH_BACKWARD=fused or two-pass forces the backward's form (any other value: chosen

@@ -26,7 +26,7 @@ def run_header(cfg, info, n_params: int, mesh_shape: dict, attention_note=None) 
             f"  mesh      {sizes}  (mesh={cfg.mesh}, strategy={cfg.strategy})",
             f"  model     {cfg.preset}: {n_params / 1e6:.2f}M params, d_model={m.d_model}, "
             f"layers={m.n_layers}, heads={m.n_heads}/{m.n_kv_heads} kv, attention={m.attention}, "
-            f"remat={m.remat}",
+            f"remat={m.remat}{_mask_words(m)}",
             *([f"  attention [yellow]{attention_note}"] if attention_note else []),
             f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32",
             f"  data      {cfg.data}{' (packed documents)' if cfg.pack else ''}, "
@@ -34,6 +34,17 @@ def run_header(cfg, info, n_params: int, mesh_shape: dict, attention_note=None) 
             *_fitting_header(cfg),
         ]
     )
+
+
+def _mask_words(m) -> str:
+    """What the attention's mask holds beyond causal: a window (its layers) and a soft-cap."""
+    words = ""
+    if any(m.layer_windows):
+        local = sum(w is not None for w in m.layer_windows)
+        words += f", window={m.window} ({local} of {m.n_layers} layers)"
+    if m.softcap:
+        words += f", softcap={m.softcap:g}"
+    return words
 
 
 def _fitting_header(cfg) -> list[str]:
