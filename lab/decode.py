@@ -56,14 +56,23 @@ def _slots_axis(x) -> int:
     return -1 if x.shape[-2] == 1 else -2
 
 
-def cache_bytes(cache: KVCache, lengths=None) -> int:
+def cache_bytes(cache: KVCache, lengths=None, windows=None) -> int:
     """Bytes a decode step reads from the cache: every layer's keys, values (and scales) up to
-    each sequence's length (every slot when `lengths` is None)."""
+    each sequence's length (every slot when `lengths` is None); with `windows` (one per layer,
+    None for a global one), a windowed layer's last `window` slots at most, as the kernels
+    that stop at each length read them."""
+    layers = cache.layers if isinstance(cache.layers, tuple | list) else (cache.layers,)
+    if windows is None or lengths is None or len(windows) != len(layers):
+        windows = [None] * len(layers)
     total = 0.0
-    for x in jax.tree.leaves(cache.layers):
-        batch, slots = x.shape[-4], x.shape[_slots_axis(x)]
-        per_slot = x.size * jnp.dtype(x.dtype).itemsize / (batch * slots)
-        total += per_slot * (batch * slots if lengths is None else sum(int(n) for n in lengths))
+    for layer, window in zip(layers, windows, strict=True):
+        for x in jax.tree.leaves(layer):
+            batch, slots = x.shape[-4], x.shape[_slots_axis(x)]
+            per_slot = x.size * jnp.dtype(x.dtype).itemsize / (batch * slots)
+            if lengths is None:
+                total += per_slot * batch * slots
+            else:
+                total += per_slot * sum(min(int(n), window or int(n)) for n in lengths)
     return int(total)
 
 

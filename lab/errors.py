@@ -1,8 +1,9 @@
 """The errors a user sees as one line: what every entry point catches and turns into an exit code.
 
-`ConfigError` is a mistake in what the user asked for (a key, a value, a mesh that does not
-fit, a damaged run folder, a missing compiler package): exit code 2. `RunError` is a run that
-cannot go on after it started (a NaN loss, memory the device does not have): exit code 1.
+`ConfigError` is a mistake in what the user asked for (a key, a value, a mesh or a compiled
+step that does not fit the devices, a damaged run folder, a missing compiler package): exit
+code 2. `RunError` is a run that cannot go on after it started (a NaN loss, a full disk):
+exit code 1.
 """
 
 
@@ -11,7 +12,7 @@ class ConfigError(ValueError):
 
 
 class RunError(Exception):
-    """A run that cannot go on (memory, NaN loss): one line on stderr, exit code 1."""
+    """A run that cannot go on (a NaN loss, a failed write): one line on stderr, exit code 1."""
 
 
 class Terminated(KeyboardInterrupt):

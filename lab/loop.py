@@ -476,8 +476,8 @@ def _analyse(cfg, info, trainer, console):
             console.print(tables.explain_pipeline(ex.pipeline))
     analysis = summary.analyse(compiled, cfg, info, trainer, kernels)
     problem = summary.memory_problem(analysis, info)
-    if problem:
-        raise RunError(problem)
+    if problem:  # known before any step: a config the device cannot hold, as a plan's refusal
+        raise ConfigError(problem)
     return analysis, compiled, compile_s
 
 

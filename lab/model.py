@@ -89,9 +89,9 @@ REMAT_POLICIES = {
 
 
 def _init(std: float, names: tuple):
-    """N(0, std²), drawn in float32 and rounded to the parameter dtype: a bfloat16 or float16
-    model starts from the float32 model's weights, rounded (a draw in bfloat16 gives other
-    numbers, so the two precisions would not start from the same point)."""
+    """N(0, std²), drawn in float32 whatever the parameter dtype, then cast to it: a bfloat16
+    or float16 model starts from the float32 model's weights, rounded (a draw in bfloat16
+    gives other numbers, so the two precisions would not start from the same point)."""
     normal = nn.initializers.normal(std)
 
     def init(key, shape, dtype=jnp.float32):

@@ -87,11 +87,12 @@ def split_microbatches(batch_BxX, k: int):
     return jax.tree.map(one, batch_BxX)
 
 
-def accumulated_grad(loss_fn, params, batch_BxX, k: int, *, constrain=None):
+def accumulated_grad(loss_fn, params, batch_BxX, k: int, *, constrain=None, wide=False):
     """(grads, aux) of `loss_fn(params, batch) -> (loss, aux)` averaged over K equal
     microbatches, run one after another in a `lax.scan` (one microbatch's activations live at
     a time), summed in float32; k=1 is plain `jax.grad`. With a mean loss this is the whole
-    batch's gradient. `constrain(microbatch)` pins each microbatch's sharding."""
+    batch's gradient. `constrain(microbatch)` pins each microbatch's sharding. `wide`: the
+    average is returned in float32, not cast back to the parameters' dtype."""
     grad_fn = jax.grad(loss_fn, has_aux=True)
     if k == 1:
         return grad_fn(params, batch_BxX)
@@ -102,7 +103,7 @@ def accumulated_grad(loss_fn, params, batch_BxX, k: int, *, constrain=None):
 
     f32 = lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32))  # noqa: E731
     total, aux_K = jax.lax.scan(body, jax.tree.map(f32, params), split_microbatches(batch_BxX, k))
-    grads = jax.tree.map(lambda t, p: (t / k).astype(p.dtype), total, params)
+    grads = jax.tree.map(lambda t, p: t / k if wide else (t / k).astype(p.dtype), total, params)
     return grads, jax.tree.map(lambda a: jnp.mean(a, axis=0), aux_K)
 
 
@@ -113,7 +114,7 @@ def unreduced_axes(rules, mesh_shape: dict) -> tuple[str, ...]:
     K partial sums add up locally. An axis that splits the sequence (cp's) carries
     attention's own collectives and stays automatic.
 
-    None where an axis of the batch also splits weights (fsdp, fsdp+tp): there XLA gathers
+    Empty where an axis of the batch also splits weights (fsdp, fsdp+tp): there XLA gathers
     each weight once, before the microbatch loop, and reduce-scatters each microbatch's
     gradient, which keeps the gradient sharded as fsdp is meant to. Manual over the data
     axis, the same step gathered the weights once per microbatch instead, and sent as much
@@ -136,15 +137,21 @@ def _accumulated_unreduced(loss_fn, params, tokens_BxL1, k: int, axes: tuple, ru
     microbatches: a shard_map manual over `axes` runs each device's rows as K microbatches
     (the other axes stay automatic, under the rules without `axes`) and one mean over `axes`
     joins the devices' gradients, instead of one reduction per microbatch. Equal rows per
-    device, so the mean of the devices' means is the batch's mean."""
+    device, so the mean of the devices' means is the batch's mean. The mean is taken on the
+    float32 sums and cast to the parameters' dtype after: a bfloat16 mean inside a partly
+    manual shard_map stops XLA:CPU on a failed check (jaxlib 0.10 to 0.12), and a float16 sum
+    of the devices' loss-scaled gradients could overflow where their mean does not."""
     inner = tuple((name, tuple(a for a in _axes(m) if a not in axes) or None) for name, m in rules)
     rest = dict(inner).get(BATCH)
 
     def local(params, tokens_BxL1):
         with nn.logical_axis_rules(inner):
             constrain = lambda t: jax.lax.with_sharding_constraint(t, P(rest))  # noqa: E731
-            grads, aux = accumulated_grad(loss_fn, params, tokens_BxL1, k, constrain=constrain)
-        return jax.lax.pmean(grads, axes), jax.lax.pmean(aux, axes)
+            grads, aux = accumulated_grad(
+                loss_fn, params, tokens_BxL1, k, constrain=constrain, wide=True
+            )
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), jax.lax.pmean(grads, axes), params)
+        return grads, jax.lax.pmean(aux, axes)
 
     return jax.shard_map(
         local,

@@ -233,6 +233,9 @@ def test_cache_bytes_count_what_a_step_reads():
     per_slot = 2 * m.n_layers * m.n_kv_heads * m.head_dim * 4  # keys and values, f32
     assert decode.cache_bytes(cache) == 2 * 16 * per_slot
     assert decode.cache_bytes(cache, lengths=[3, 5]) == 8 * per_slot
+    # a windowed layer (3 slots) reads at most its window: 3 + 3 slots there, 3 + 5 in the other
+    assert m.n_layers == 2
+    assert decode.cache_bytes(cache, [3, 5], windows=(3, None)) == (6 + 8) * per_slot // 2
     int8 = decode.cache_shapes(m, batch=2, max_len=16, int8=True)
     scales = 2 * m.n_layers * m.n_kv_heads * 4
     assert decode.cache_bytes(int8, lengths=[3, 5]) == 8 * (per_slot // 4 + scales)
@@ -307,7 +310,8 @@ def test_generating_past_the_cache_gives_no_token():
         logits, cache = dec.prefill(params, prompts, lengths, dec.empty_cache())
         tokens, cache = dec.generate(params, logits, cache, jax.random.key(0))
     tokens = np.asarray(tokens)
-    # the longest prompt (12 of 14 slots) takes two tokens; the two after them have no room
+    # the longest prompt (12 of 14 slots): three tokens are made (two written to the cache,
+    # the third's step finds it full), then NO_TOKEN
     made = [min(4, 14 - p + 1) for p in PROMPTS]
     for row, n in zip(tokens, made, strict=True):
         assert (row[:n] >= 0).all() and (row[n:] == decode.NO_TOKEN).all(), tokens

@@ -87,12 +87,59 @@ def _saved_gpu_fit() -> dict:
         (["cpu=true", "loo=true"], "cpu=true and loo=true: choose one"),
         (["cpu=true", "only=azure-h100-hbm-copy"], "only= picks published points"),
         (["budget=1"], "budget= times steps"),
+        (["cpu=true", "cache_dir=/tmp/x"], "cache_dir= holds the published points' programs"),
+        (["loo=true", "results=/tmp/x"], "results= is where records go; loo=true"),
+        (["only=azure-h100-gemm-fp8-819"], "(did you mean azure-h100-gemm-fp8-8192?)"),
     ],
 )
 def test_keys_the_mode_would_ignore_are_one_line(argv, needle, capsys):
     assert tool([*argv, "save=false"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_a_publishers_tflops_turn_into_a_step_with_the_publishers_count():
+    """A point whose publisher counted every (query, key) pair is converted with that count;
+    the others with the lab's causal one. The all-pairs count is Megatron-LM's formula of the
+    time for its 7.1B row (12·L·h²·(1 + 3F/2h + g/a + s/h + V/2Lh) per token, SwiGLU of width
+    F), up to the norms' weights."""
+    import jax
+
+    from lab.config import make_config
+    from lab.measure.cost import transformer_flops_per_token
+    from lab.model import build, count_nonembedding_params
+
+    point = next(p for p in prediction.load_points() if p["id"] == "megatron-h100-7.1b")
+    assert point["setup"]["attention_flops"].startswith("non-causal")
+    keys = ("model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
+    lab = point["lab_config"]
+    cfg = make_config(
+        **{k: lab[k] for k in keys}, tie_embeddings=False, seq_len=lab["seq_len"], dtype="float32"
+    )
+    m = cfg.model
+    tokens = jax.ShapeDtypeStruct((1, 8), "int32")
+    params = jax.eval_shape(build(m).init, jax.random.key(0), tokens)["params"]
+    n = count_nonembedding_params(params, m)
+    ours = transformer_flops_per_token(n, m.n_layers, cfg.seq_len, m.d_model)
+    h, L, s, V, F = m.d_model, m.n_layers, cfg.seq_len, m.vocab_size, m.d_ff
+    megatron = 12 * L * h * h * (1 + 1.5 * F / h + 1 + s / h + V / (2 * L * h))
+    assert ours == pytest.approx(megatron, rel=1e-4)
+
+    p = object.__new__(prediction.Predictor)  # the choice alone: no program to parse
+    p.prog = {"model_flops": 1.0, "model_flops_all_pairs": 1.075}
+    p.point = point
+    assert p.model_flops == 1.075
+    p.point = {**point, "setup": {}}
+    assert p.model_flops == 1.0
+
+
+def test_an_all_reduce_point_reduces_in_place():
+    """nccl-tests reduces the buffer it is given; XLA copies an input it may not overwrite
+    first (a read and a write of the whole buffer): the point's program is donated."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="the gpu-plan extra compiles for H100")
+    point = next(p for p in prediction.load_points() if p["id"] == "azure-h100x8-allreduce-1m")
+    text = prediction._op_program(point)["hlo"]
+    assert "all-reduce" in text and " copy(" not in text, text
 
 
 def test_a_cached_program_cut_short_is_compiled_again(tmp_path, monkeypatch):

@@ -42,7 +42,7 @@ def _version(dist: str) -> str | None:
 @functools.cache
 def cpu_model() -> str:
     """This host's processor as /proc/cpuinfo names it, with its family and model numbers (a
-    VM may name only the vendor's line: "AMD EPYC") and the cores this process may use."""
+    VM may name only the vendor's line: "AMD EPYC") and the host's core count."""
     fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

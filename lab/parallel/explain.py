@@ -198,6 +198,7 @@ def expect_grad_reduction(
     K = max(1, accumulate)
     U = tuple(a for a in unreduced if a in B) if K > 1 else ()
     WU = _prod(U, geo.sizes)
+    wide = max(1.0, 4 / np.dtype(model_cfg.param_dtype).itemsize)  # float32 over bf16/f16
     total, moved = 0.0, 0.0
     for path, _, local, axes in params:
         S, staged = geo.split(path, axes)
@@ -214,8 +215,8 @@ def expect_grad_reduction(
         else:
             per = 2 * G * (W - 1) / W
         # over U: the sum of the K microbatches (and of a tied table's uses), as each device
-        # holds it (the shard, where it was reduce-scattered), all-reduced once
-        moved += K * per + 2 * local * (WU - 1) / WU
+        # holds it (the shard, where it was reduce-scattered), all-reduced once in float32
+        moved += K * per + 2 * local * wide * (WU - 1) / WU
     kind = "reduce-scatter + all-reduce" if reduce_scatter and geo.shard_axes else "all-reduce"
     if geo.shard_axes and not reduce_scatter:
         kind = "all-reduce (reduce-scatter as all-reduce + slice: no RS pass on CPU)"
@@ -254,6 +255,50 @@ def expect_param_gather(params, geo: Geometry, model_cfg, pipelined=False) -> Ex
     )
     return Expected(
         "param all-gather", "all-gather", geo.shard_axes, point, fwd, fwd + bwd_all, formula
+    )
+
+
+def expect_context_kv(cfg, geo: Geometry) -> Expected | None:
+    """cp: the keys and values of a sequence split W ways, per layer, with b = one device's
+    block of K or V (its rows, L/W positions, the kv heads, in the compute dtype).
+    attention=ring passes K and V round the ring forward and their gradients back:
+    4·(W-1)·b a layer (collective-permutes), and the forward's passes again under remat=full.
+    Otherwise XLA gathers K and V whole (2 all-gathers of W·b, (W-1)·b each), again in the
+    backward (the range's low end leaves that out), and all-reduces dK and dV: 2·2W·b·(W-1)/W."""
+    if not geo.seq_axes:
+        return None
+    m = cfg.model
+    W = _prod(geo.seq_axes, geo.sizes)
+    rows = cfg.batch_size // _prod([a for a in geo.batch_axes if a not in geo.seq_axes], geo.sizes)
+    b = rows * (cfg.seq_len // W) * m.n_kv_heads * m.head_dim * np.dtype(m.dtype).itemsize
+    L = m.n_layers
+    if m.attention == "ring":
+        passes = 4 + (2 if m.remat in ("full", "offload") else 0)
+        moved = L * passes * (W - 1) * b
+        formula = f"{L} layers × {passes} passes × (W-1={W - 1}) × b={b / MiB:.3f} MiB"
+        return Expected(
+            "context-parallel keys/values",
+            "collective-permute",
+            geo.seq_axes,
+            moved,
+            moved,
+            moved,
+            formula,
+        )
+    gather, reduce = (W - 1) * b, 4 * (W - 1) * b
+    moved, low = L * (4 * gather + reduce), L * (2 * gather + reduce)
+    formula = (
+        f"{L} layers × (K, V gathered forward and backward, 4×(W-1)·b, + dK, dV all-reduced, "
+        f"4·(W-1)·b), W={W}, b={b / MiB:.3f} MiB"
+    )
+    return Expected(
+        "context-parallel keys/values",
+        "all-gather + all-reduce",
+        geo.seq_axes,
+        moved,
+        low,
+        moved,
+        formula,
     )
 
 
@@ -334,6 +379,7 @@ def expectations(cfg, trainer, reduce_scatter: bool) -> list[Expected]:
         ),
         expect_param_gather(params, geo, cfg.model, piped),
         expect_activation_reduce(cfg, geo),
+        expect_context_kv(cfg, geo),
         expect_stage_permutes(trainer),
         *expect_stage_weights(params, geo, piped),
     ]

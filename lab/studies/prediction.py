@@ -194,18 +194,18 @@ def _train_program(point: dict) -> dict:
     t = session.trainer
     compiled = t.lower().compile()
     fpt, _ = flops_per_token(t.cfg, t.abstract_state.params)
-    if str(point.get("setup", {}).get("attention_flops", "")).startswith("non-causal"):
-        # the publisher's count (MaxText before its causal fix, Megatron-LM's of the time):
-        # every (query, key) pair, as PaLM counts, so the figure turns into the step it timed
-        m = t.cfg.model
-        n = count_nonembedding_params(t.abstract_state.params, m)
-        fpt = transformer_flops_per_token(n, m.n_layers, t.cfg.seq_len, m.d_model)
+    # every (query, key) pair counted, as PaLM counts (the publisher's count where a point says
+    # so: Predictor.model_flops); a property of the model, kept beside the causal count
+    m = t.cfg.model
+    n = count_nonembedding_params(t.abstract_state.params, m)
+    all_pairs = transformer_flops_per_token(n, m.n_layers, t.cfg.seq_len, m.d_model)
     return {
         "hlo": compiled.as_text(),
         "mesh": dict(t.mesh.shape),
         "devices": t.mesh.size,
         "tokens": t.cfg.batch_size * t.cfg.seq_len,
         "model_flops": fpt * t.cfg.batch_size * t.cfg.seq_len,
+        "model_flops_all_pairs": all_pairs * t.cfg.batch_size * t.cfg.seq_len,
         "custom_flops": attention_flops_per_device(t.cfg, t.mesh.size),
         # bytes one device needs (arguments + outputs - aliased + temporaries): XLA:GPU
         # compiles a step larger than the chip's HBM (it only warns), so run() checks it
@@ -416,19 +416,29 @@ class Predictor:
             self._schedule = Schedule(self.program, machine, self.collectives, custom_flops=custom)
         return self._schedule.seconds(**fit)
 
+    @property
+    def model_flops(self) -> float:
+        """A step's model FLOPs as the publisher counted them: every (query, key) pair where
+        the point says its attention FLOPs are non-causal (MaxText before its causal fix,
+        Megatron-LM's count of the time), else the lab's causal count."""
+        flag = str(self.point.get("setup", {}).get("attention_flops", ""))
+        if flag.startswith("non-causal"):
+            return self.prog["model_flops_all_pairs"]
+        return self.prog["model_flops"]
+
     def figure(self, seconds: float) -> float:
         """The published figure's unit, from a predicted time."""
         unit = self.point["figure"]["unit"]
         prog, chips = self.prog, self.point["hardware"]["chips"]
         if self.point["workload"] == "train":
             if unit.startswith("TFLOP/s per chip"):
-                return prog["model_flops"] / seconds / chips / 1e12
+                return self.model_flops / seconds / chips / 1e12
             if unit.startswith("tokens/s per chip"):
                 return prog["tokens"] / seconds / chips
             if unit == "MFU":
                 spec = specs.SPECS[spec_key(self.point)]
                 peak = spec.peak_flops.get(prog["dtype"]) or spec.peak_flops["bfloat16"]
-                return prog["model_flops"] / seconds / (chips * peak)
+                return self.model_flops / seconds / (chips * peak)
         if self.point["workload"] == "decode":  # one token per sequence per step
             per_chip = unit.startswith("tokens/s per chip")
             return prog["batch"] / seconds / (chips if per_chip else 1)

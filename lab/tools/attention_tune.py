@@ -121,7 +121,7 @@ def static_only(o: Options) -> int:
     spill, which fit; nothing is timed (so it runs on a machine without a GPU)."""
     if not _static(o):
         raise ConfigError("static_only=true needs a GPU or static=gpu:KIND (a plan target)")
-    stem = rec.output_stem(o.out_dir, "tune-static")
+    stem = rec.output_stem(o.out_dir, "tune-static", backend="gpu")  # the target's, not the host's
     con = progress.console(width=150)
     for search in searches(o):
         base = tune.default_block_sizes(search.kernel, search.head_dim)

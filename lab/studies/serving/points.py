@@ -73,7 +73,9 @@ def decode_point(
         matmul=dec.matmul,
         bench=r,
         weight_bytes=weight_read_bytes(params, model, batch),
-        cache_bytes=decode.cache_bytes(dec.abstract_cache, None if reads_all else [mid] * batch),
+        cache_bytes=decode.cache_bytes(
+            dec.abstract_cache, None if reads_all else [mid] * batch, model.layer_windows
+        ),
         flops=cost.step_flops(model, batch, slots),
         slots_read=slots,
         context=max_len,

@@ -28,4 +28,6 @@ def sample_text(session, params, *, prompt: str, tokens: int, temperature: float
     with jax.set_mesh(dec.mesh):
         logits, cache = dec.prefill(params, prompts, lengths, dec.empty_cache())
         out, _ = dec.generate(params, logits, cache, jax.random.key(seed))
-    return bytes(np.asarray(out[0]).astype(np.uint8)).decode("utf-8", errors="replace")
+    made = np.asarray(out[0])
+    made = made[made >= 0]  # NO_TOKEN (NaN logits: a full cache, or a model that diverged)
+    return bytes(made.astype(np.uint8)).decode("utf-8", errors="replace")
