@@ -303,6 +303,25 @@ def test_the_cpu_error_names_the_processor_it_was_measured_on(monkeypatch):
     assert "on another CPU (Other CPU, 64 cores, 2026-11-29): refit here with" in said, said
 
 
+def test_device_checks_say_which_way_their_predictions_lean(monkeypatch):
+    from lab.predict import step
+
+    held = {"n": 15, "median": 0.09, "worst": 1.5, "what": "published points"}
+    monkeypatch.setattr(step, "fits", lambda: {"gpu": {"fit": {}, "held_out": held}})
+
+    def checks(mean):
+        c = {"n": 5, "median": 0.12, "worst": 1.37, "mean_ratio": mean, "backend": "gpu"}
+        return lambda: {"NVIDIA H100 80GB HBM3": {**c, "dates": ["2026-11-27"]}}
+
+    monkeypatch.setattr(step, "device_checks", checks(0.88))
+    assert "predicted faster than measured: mean predicted/measured 0.88" in (
+        step.error_statement("gpu")
+    )
+    monkeypatch.setattr(step, "device_checks", checks(1.02))  # no lean worth a word
+    assert "predicted faster" not in step.error_statement("gpu")
+    assert "predicted slower" not in step.error_statement("gpu")
+
+
 def test_an_ops_last_name_leaves_out_the_transforms_closing_parentheses():
     from lab.measure.predicted import OpTime
 

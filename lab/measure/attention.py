@@ -148,6 +148,11 @@ class PlanPoint:
     kernel_flops_static: float | None = None
 
     @property
+    def estimate_is_a_floor(self) -> bool:
+        """The time is the roofline's floor: a least, so the rates it implies are a most."""
+        return self.estimate_source.startswith("roofline floor")
+
+    @property
     def estimate_compiled(self) -> bool:
         """Whether the compiled count holds the kernels' cost estimates (Mosaic TPU; Mosaic
         GPU from jax 0.11, read from its backend config): not where a lowering drops them

@@ -47,9 +47,7 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
     for r in rows:
         need = r.memory_bytes
         hbm = percent(need / r.hbm_bytes) if need and r.hbm_bytes else "–"
-        # a roofline floor: the time is a least, so the rates it implies are a most
-        floor = r.estimate_source.startswith("roofline floor")
-        least, most = ("≥ ", "≤ ") if floor else ("", "")
+        least, most = ("≥ ", "≤ ") if r.estimate_is_a_floor else ("", "")
         compiled_g = max(r.compiled_flops or 0.0, 0.0) / 1e9  # XLA can report -0
         t.add_row(
             "" if r.seq is None else str(r.seq),
