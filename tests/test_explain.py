@@ -50,10 +50,24 @@ def test_cp_attentions_key_value_traffic_is_not_gradient_reduction():
     cfg = parse_args([*keys, "mesh=2x4", "strategy=cp", "attention=blockwise"])
     ex = explain.explain(make_trainer(cfg, make_mesh(cfg.mesh)))
     kv = _row(ex, "context-parallel keys/values")
-    # (the keys' and values' all-gathers too, where the compiler names their op: JAX 0.10)
+    # (the keys' and values' all-gathers too: named by JAX 0.10, unnamed by JAX 0.12)
     assert ("all-reduce", ("model",)) in _kinds(kv) and {a for _, a in _kinds(kv)} == {("model",)}
     grads = _row(ex, "grad reduction")
     assert grads.measured_ops == 2  # one over model, one over data: the weights' only
+    # the analytic: K and V gathered forward and again backward, dK and dV all-reduced
+    assert kv.expected is not None and kv.ratio == pytest.approx(1.0, abs=0.05), kv
+
+
+def test_cp_ring_passes_keys_and_values_as_the_analytic_says():
+    """attention=ring: K and V passed round the ring forward, their gradients back, (W-1)
+    passes each per layer; remat=full passes the forward's again."""
+    keys = [a for a in BASE if not a.startswith("attention=")]
+    for extra in ([], ["remat=full"]):
+        cfg = parse_args([*keys, "mesh=2x4", "strategy=cp", "attention=ring", *extra])
+        ex = explain.explain(make_trainer(cfg, make_mesh(cfg.mesh)))
+        kv = _row(ex, "context-parallel keys/values")
+        assert _kinds(kv) == {("collective-permute", ("model",))}, kv
+        assert kv.ratio == pytest.approx(1.0, abs=0.05), kv
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])

@@ -401,7 +401,10 @@ def role_of(c: collectives_hlo.Collective, geo: Geometry) -> str:
         if c.kind == "reduce-scatter":
             return "stage weight grad reduce-scatter"
     attention_op = "/attn/" in c.op_name and ":" not in c.op_name  # not a combined reduction
-    if geo.seq_axes and axes and axes <= set(geo.seq_axes) and attention_op:
+    # attention's keys and values gathered over the sequence's axes: JAX 0.10 names the op,
+    # JAX 0.12 leaves its name empty (a named gather elsewhere is another's: "other")
+    kv_gather = c.kind == "all-gather" and not c.op_name
+    if geo.seq_axes and axes and axes <= set(geo.seq_axes) and (attention_op or kv_gather):
         # the sequence split: keys and values gathered or passed round (ring), and their
         # gradients summed back over the sequence's shards (dK, dV), not the weights'
         return "context-parallel keys/values"
