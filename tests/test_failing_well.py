@@ -110,7 +110,7 @@ def _refuse_memory(monkeypatch):
     [
         (["resume=true"], 2, "choose one"),
         (["lr=-1"], 2, "lr="),
-        (["refuse_memory"], 1, "the device has"),
+        (["refuse_memory"], 2, "the device has"),
     ],
 )
 def test_overwrite_never_costs_the_earlier_run_of_a_run_that_is_refused(
