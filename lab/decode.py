@@ -60,19 +60,29 @@ def cache_bytes(cache: KVCache, lengths=None, windows=None) -> int:
     """Bytes a decode step reads from the cache: every layer's keys, values (and scales) up to
     each sequence's length (every slot when `lengths` is None); with `windows` (one per layer,
     None for a global one), a windowed layer's last `window` slots at most, as the kernels
-    that stop at each length read them."""
+    that stop at each length read them. A stacked cache (scan_layers) counts layer by layer."""
     layers = cache.layers if isinstance(cache.layers, tuple | list) else (cache.layers,)
-    if windows is None or lengths is None or len(windows) != len(layers):
-        windows = [None] * len(layers)
+    stacked = [x.shape[0] for x in jax.tree.leaves(layers[0]) if x.ndim == 5]
+    n_layers = stacked[0] if stacked else len(layers)
+    if windows is not None and len(windows) != n_layers:
+        raise ValueError(f"{len(windows)} windows for a cache of {n_layers} layers")
+    windows = [None] * n_layers if windows is None else list(windows)
+
+    def slots_read(window, batch, slots) -> int:
+        if lengths is None:
+            return batch * slots
+        return sum(min(int(n), window or int(n)) for n in lengths)
+
     total = 0.0
-    for layer, window in zip(layers, windows, strict=True):
+    for j, layer in enumerate(layers):
         for x in jax.tree.leaves(layer):
             batch, slots = x.shape[-4], x.shape[_slots_axis(x)]
-            per_slot = x.size * jnp.dtype(x.dtype).itemsize / (batch * slots)
-            if lengths is None:
-                total += per_slot * batch * slots
+            if x.ndim == 5:  # [layers, B, ...]: each layer with its own window
+                per_slot = x.size * jnp.dtype(x.dtype).itemsize / (x.shape[0] * batch * slots)
+                total += sum(per_slot * slots_read(w, batch, slots) for w in windows)
             else:
-                total += per_slot * sum(min(int(n), window or int(n)) for n in lengths)
+                per_slot = x.size * jnp.dtype(x.dtype).itemsize / (batch * slots)
+                total += per_slot * slots_read(windows[j], batch, slots)
     return int(total)
 
 

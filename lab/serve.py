@@ -252,7 +252,10 @@ def run(o: Options, keys: dict) -> int:
         con.print(f"  peer    {line}")
     m = s.cfg.model
     if not out.torch and (m.softcap or any(m.layer_windows)) and s.info.backend == "cpu":
-        con.print("  peer    none: the PyTorch decoder has no sliding windows or soft-cap")
+        from lab.studies import torch_decoder
+
+        if torch_decoder.available():
+            con.print("  peer    none: the PyTorch decoder has no sliding windows or soft-cap")
     if out.int8:
         con.print(tables.serving_int8(out.int8, out.summary.int8_speedup))
     con.print(tables.serving_summary(out.summary, out.roofs))

@@ -95,7 +95,10 @@ def accumulated_grad(loss_fn, params, batch_BxX, k: int, *, constrain=None, wide
     average is returned in float32, not cast back to the parameters' dtype."""
     grad_fn = jax.grad(loss_fn, has_aux=True)
     if k == 1:
-        return grad_fn(params, batch_BxX)
+        grads, aux = grad_fn(params, batch_BxX)
+        if wide:
+            grads = jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
+        return grads, aux
 
     def body(total, micro):
         g, aux = grad_fn(params, micro if constrain is None else constrain(micro))

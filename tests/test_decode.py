@@ -236,6 +236,11 @@ def test_cache_bytes_count_what_a_step_reads():
     # a windowed layer (3 slots) reads at most its window: 3 + 3 slots there, 3 + 5 in the other
     assert m.n_layers == 2
     assert decode.cache_bytes(cache, [3, 5], windows=(3, None)) == (6 + 8) * per_slot // 2
+    stacked = decode.cache_shapes(
+        dataclasses.replace(m, scan_layers=True), batch=2, max_len=16, int8=False
+    )
+    assert jax.tree.leaves(stacked.layers)[0].ndim == 5  # one stacked LayerKV
+    assert decode.cache_bytes(stacked, [3, 5], windows=(3, None)) == (6 + 8) * per_slot // 2
     int8 = decode.cache_shapes(m, batch=2, max_len=16, int8=True)
     scales = 2 * m.n_layers * m.n_kv_heads * 4
     assert decode.cache_bytes(int8, lengths=[3, 5]) == 8 * (per_slot // 4 + scales)

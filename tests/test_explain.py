@@ -58,11 +58,19 @@ def test_cp_attentions_key_value_traffic_is_not_gradient_reduction():
     assert kv.expected is not None and kv.ratio == pytest.approx(1.0, abs=0.05), kv
 
 
+KV = "context-parallel keys/values"
+
+
 def test_cp_ring_passes_keys_and_values_as_the_analytic_says():
     """attention=ring: K and V passed round the ring forward, their gradients back, (W-1)
-    passes each per layer; remat=full passes the forward's again."""
+    passes each per layer; under remat (no policy saves a permute) the forward's again; and
+    without a ring, K and V gathered (a third time under remat) and dK, dV summed back."""
     keys = [a for a in BASE if not a.startswith("attention=")]
-    for extra in ([], ["remat=full"]):
+    for extra in (["remat=full", "attention=blockwise"], ["remat=dots", "attention=blockwise"]):
+        cfg = parse_args([*keys, "mesh=2x4", "strategy=cp", *extra])
+        kv = _row(explain.explain(make_trainer(cfg, make_mesh(cfg.mesh))), KV)
+        assert kv.ratio == pytest.approx(1.0, abs=0.05), (extra, kv)
+    for extra in ([], ["remat=full"], ["remat=dots"]):
         cfg = parse_args([*keys, "mesh=2x4", "strategy=cp", "attention=ring", *extra])
         ex = explain.explain(make_trainer(cfg, make_mesh(cfg.mesh)))
         kv = _row(ex, "context-parallel keys/values")
@@ -159,6 +167,24 @@ def test_hlo_reader_on_hand_written_collectives():
     assert by_kind["all-to-all"].axes == ("data",) and by_kind["all-to-all"].bus_bytes == n / 2
     assert by_kind["collective-permute"].axes == ("model",)
     assert by_kind["collective-permute"].bus_bytes == n
+
+
+@pytest.mark.parametrize(
+    "result, bus",
+    [
+        ("(f32[8,16]{1,0}, f32[8,16]{1,0}, u32[], u32[])", 512),  # XLA:TPU: context scalars
+        # XLA:GPU: K and V in one permute, ((k, v), (k', v')): both count
+        ("((f32[8,16]{1,0}, f32[8,16]{1,0}), (f32[8,16]{1,0}, f32[8,16]{1,0}))", 1024),
+        ("(f32[8,16]{1,0}, f32[8,16]{1,0})", 512),
+    ],
+)
+def test_an_async_permute_counts_every_operand_and_no_context_scalar(result, bus):
+    line = (
+        f"  %cp = {result} collective-permute-start(%x), "
+        'source_target_pairs={{0,1},{1,0}}, metadata={op_name="ppermute"}'
+    )
+    (c,) = collectives_hlo.parse(f"ENTRY %main () -> f32[] {{\n{line}\n}}", {"model": 2})
+    assert c.kind == "collective-permute" and c.bus_bytes == bus, c
 
 
 @pytest.mark.parametrize(

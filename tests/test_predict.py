@@ -317,6 +317,10 @@ def test_device_checks_say_which_way_their_predictions_lean(monkeypatch):
     assert "predicted faster than measured: mean predicted/measured 0.88" in (
         step.error_statement("gpu")
     )
+    monkeypatch.setattr(step, "device_checks", checks(1.2))
+    assert "predicted slower than measured: mean predicted/measured 1.20" in (
+        step.error_statement("gpu")
+    )
     monkeypatch.setattr(step, "device_checks", checks(1.02))  # no lean worth a word
     assert "predicted faster" not in step.error_statement("gpu")
     assert "predicted slower" not in step.error_statement("gpu")

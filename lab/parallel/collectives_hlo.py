@@ -23,7 +23,7 @@ import re
 import numpy as np
 
 from lab.measure.cost import bus_bytes
-from lab.measure.hlo import computation_counts, shape_sizes
+from lab.measure.hlo import arrays, computation_counts, dtype_bytes
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -139,12 +139,17 @@ def axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, .
     return tuple(n for n in names if n in varying)
 
 
-def _buffer_bytes(kind: str, start: bool, sizes: list[int], W: int) -> int:
-    """V for the bus-bytes formula, from the sizes in the op's result type."""
+def _buffer_bytes(kind: str, start: bool, shape_text: str, W: int) -> int:
+    """V for the bus-bytes formula, from the arrays in the op's result type."""
+    arrs = arrays(shape_text)
+    if start and kind == "collective-permute":
+        while arrs and arrs[-1] == ("u32", ()):  # XLA:TPU appends u32[] context scalars
+            arrs = arrs[:-1]
+    sizes = [math.prod(dims) * dtype_bytes(dtype) for dtype, dims in arrs]
     if start and kind in ("all-gather", "collective-permute", "reduce-scatter"):
-        if kind == "collective-permute" and len(sizes) > 2:
-            sizes = sizes[:2]  # XLA:TPU appends two u32[] context scalars to (operand, output)
-        sizes = sizes[len(sizes) // 2 :]  # async start ops return (operands, outputs)
+        # async start ops return (operands, outputs); XLA:GPU's tuple permute of K and V
+        # returns ((k, v), (k', v')): every operand counts
+        sizes = sizes[len(sizes) // 2 :]
     total = sum(sizes)
     return total * W if kind == "reduce-scatter" else total
 
@@ -173,7 +178,7 @@ def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 kind=kind,
                 axes=axes_of(groups, mesh_shape),
                 group_size=W,
-                buffer_bytes=_buffer_bytes(kind, start, shape_sizes(op.group("shape")), W),
+                buffer_bytes=_buffer_bytes(kind, start, op.group("shape"), W),
                 count=counts.get(comp, 1),
                 op_name=opname.group("op") if opname else "",
             )

@@ -262,9 +262,11 @@ def expect_context_kv(cfg, geo: Geometry) -> Expected | None:
     """cp: the keys and values of a sequence split W ways, per layer, with b = one device's
     block of K or V (its rows, L/W positions, the kv heads, in the compute dtype).
     attention=ring passes K and V round the ring forward and their gradients back:
-    4·(W-1)·b a layer (collective-permutes), and the forward's passes again under remat=full.
-    Otherwise XLA gathers K and V whole (2 all-gathers of W·b, (W-1)·b each), again in the
-    backward (the range's low end leaves that out), and all-reduces dK and dV: 2·2W·b·(W-1)/W."""
+    4·(W-1)·b a layer (collective-permutes), and the forward's passes again under any remat
+    (no policy saves a permute's output). Otherwise XLA gathers K and V whole (2 all-gathers
+    of W·b, (W-1)·b each), again in the backward (the range's low end leaves that out), a
+    third time under remat, and sums dK and dV back (all-reduce on CPU, 2·2W·b·(W-1)/W;
+    a reduce-scatter on GPU, half that). XLA:CPU runs bfloat16 collectives in float32 (2×)."""
     if not geo.seq_axes:
         return None
     m = cfg.model
@@ -273,7 +275,7 @@ def expect_context_kv(cfg, geo: Geometry) -> Expected | None:
     b = rows * (cfg.seq_len // W) * m.n_kv_heads * m.head_dim * np.dtype(m.dtype).itemsize
     L = m.n_layers
     if m.attention == "ring":
-        passes = 4 + (2 if m.remat in ("full", "offload") else 0)
+        passes = 4 + (2 if m.remat != "none" else 0)
         moved = L * passes * (W - 1) * b
         formula = f"{L} layers × {passes} passes × (W-1={W - 1}) × b={b / MiB:.3f} MiB"
         return Expected(
@@ -286,14 +288,15 @@ def expect_context_kv(cfg, geo: Geometry) -> Expected | None:
             formula,
         )
     gather, reduce = (W - 1) * b, 4 * (W - 1) * b
-    moved, low = L * (4 * gather + reduce), L * (2 * gather + reduce)
+    gathers = 6 if m.remat != "none" else 4  # forward, (recomputed forward,) backward
+    moved, low = L * (gathers * gather + reduce), L * (2 * gather + reduce / 2)
     formula = (
-        f"{L} layers × (K, V gathered forward and backward, 4×(W-1)·b, + dK, dV all-reduced, "
-        f"4·(W-1)·b), W={W}, b={b / MiB:.3f} MiB"
+        f"{L} layers × (K, V gathered {gathers}×(W-1)·b + dK, dV summed back 4·(W-1)·b), "
+        f"W={W}, b={b / MiB:.3f} MiB; low: gathered forward only, dK, dV reduce-scattered"
     )
     return Expected(
         "context-parallel keys/values",
-        "all-gather + all-reduce",
+        "all-gather + all-reduce or reduce-scatter",
         geo.seq_axes,
         moved,
         low,
@@ -401,9 +404,10 @@ def role_of(c: collectives_hlo.Collective, geo: Geometry) -> str:
         if c.kind == "reduce-scatter":
             return "stage weight grad reduce-scatter"
     attention_op = "/attn/" in c.op_name and ":" not in c.op_name  # not a combined reduction
-    # attention's keys and values gathered over the sequence's axes: JAX 0.10 names the op,
-    # JAX 0.12 leaves its name empty (a named gather elsewhere is another's: "other")
-    kv_gather = c.kind == "all-gather" and not c.op_name
+    # attention's keys and values gathered over the sequence's axes: JAX 0.10 names the op
+    # (XLA:GPU's after a sharding constraint), JAX 0.12's CPU program leaves it unnamed (a
+    # gather named elsewhere is another's: "other")
+    kv_gather = c.kind == "all-gather" and (not c.op_name or "/attn/" in c.op_name)
     if geo.seq_axes and axes and axes <= set(geo.seq_axes) and (attention_op or kv_gather):
         # the sequence split: keys and values gathered or passed round (ring), and their
         # gradients summed back over the sequence's shards (dK, dV), not the weights'

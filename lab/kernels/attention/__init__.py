@@ -364,9 +364,8 @@ def _check(
     missing = sorted(set(features) - supported_features(impl))
     if missing:
         here = available_impls(backend or platform())
-        takers = [i for i in here if i != "pallas" and set(features) <= supported_features(i)] or [
-            "blockwise"
-        ]
+        takers = [i for i in here if i != "pallas" and set(features) <= supported_features(i)]
+        takers = sorted(takers, key=lambda i: i == "naive") or ["blockwise"]  # naive: L×S last
         raise ValueError(
             f"attention impl={impl!r} does not support {FEATURE_NAMES[missing[0]]}"
             + (f" (nor {', '.join(FEATURE_NAMES[m] for m in missing[1:])})" if missing[1:] else "")
