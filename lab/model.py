@@ -443,8 +443,8 @@ def _vocab_parallel(table_VxD, tokens_BxL) -> tuple | None:
     if mesh.empty:
         return None
     rules = dict(nn.get_logical_axis_rules())
-    vocab = tuple(a for a in _names(rules.get(VOCAB)) if mesh.shape.get(a, 1) > 1)
-    batch = tuple(a for a in _names(rules.get(BATCH)) if mesh.shape.get(a, 1) > 1)
+    vocab = tuple(a for a in mesh_axes_of(rules.get(VOCAB)) if mesh.shape.get(a, 1) > 1)
+    batch = tuple(a for a in mesh_axes_of(rules.get(BATCH)) if mesh.shape.get(a, 1) > 1)
     B, L = tokens_BxL.shape
     V = table_VxD.shape[0]
     if not vocab or set(vocab) & set(batch) or 2 * B * L >= V:
@@ -484,13 +484,16 @@ def _pipelined(c: ModelConfig) -> bool:
     return bool(c.microbatches) and not mesh.empty and mesh.shape.get(STAGE, 1) > 1
 
 
-def _names(axes) -> tuple:
+def mesh_axes_of(axes) -> tuple:
+    """A rule's mesh axes as a tuple (None, a name, or a tuple of names)."""
     return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
-def _without(rules, axes) -> tuple:
+def rules_without(rules, axes) -> tuple:
     """The logical rules with some mesh axes taken out (they are manual inside a shard_map)."""
-    return tuple((name, tuple(a for a in _names(m) if a not in axes) or None) for name, m in rules)
+    return tuple(
+        (name, tuple(a for a in mesh_axes_of(m) if a not in axes) or None) for name, m in rules
+    )
 
 
 def _pipelined_blocks(c: ModelConfig, stacked_params, x_BxLxD):
@@ -507,9 +510,9 @@ def _pipelined_blocks(c: ModelConfig, stacked_params, x_BxLxD):
     """
     rules = nn.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
-    batch = tuple(a for a in _names(dict(rules).get(BATCH)) if a != STAGE)
+    batch = tuple(a for a in mesh_axes_of(dict(rules).get(BATCH)) if a != STAGE)
     manual = tuple(a for a in batch if mesh.shape.get(a, 1) > 1)
-    inner = _without(rules, (STAGE, *manual))
+    inner = rules_without(rules, (STAGE, *manual))
 
     def layer(p, x_BxLxD):
         with nn.logical_axis_rules(inner):
@@ -518,7 +521,7 @@ def _pipelined_blocks(c: ModelConfig, stacked_params, x_BxLxD):
 
     remat = c.remat != "none"
     stage_fn = pipeline.scan_layers(layer, remat=remat, remat_policy=REMAT_POLICIES.get(c.remat))
-    io = "stage" if STAGE in _names(dict(rules).get(BATCH)) else "replicated"
+    io = "stage" if STAGE in mesh_axes_of(dict(rules).get(BATCH)) else "replicated"
     return pipeline.pipeline_apply(
         stage_fn,
         stacked_params,
@@ -559,7 +562,7 @@ def _block_specs(c: ModelConfig, rules, axes: tuple, x_BxLxD):
     x = jax.ShapeDtypeStruct((1,) + x_BxLxD.shape[1:], x_BxLxD.dtype)
     boxed = jax.eval_shape(lambda x: Block(c).init(jax.random.key(0), x), x)["params"]
     meshed = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules)
-    keep = lambda m: tuple(a for a in _names(m) if a in axes) or None  # noqa: E731
+    keep = lambda m: tuple(a for a in mesh_axes_of(m) if a in axes) or None  # noqa: E731
     specs = jax.tree.map(
         lambda spec, leaf: P(*(keep(m) for m in tuple(spec) + (None,) * (leaf.ndim - len(spec)))),
         meshed,

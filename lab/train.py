@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from lab.config import Config
 from lab.kernels.pipeline import Schedule, to_stage_major_order
 from lab.mesh import axis_size, rules_for
-from lab.model import build, layer_order
+from lab.model import build, layer_order, mesh_axes_of, rules_without
 from lab.names import BATCH, HOST_MEMORY, PIPELINE_STRATEGIES, SEQ, STAGE
 from lab.resolve import Platform, Request, Resolved, resolve
 
@@ -123,16 +123,14 @@ def unreduced_axes(rules, mesh_shape: dict) -> tuple[str, ...]:
     axis, the same step gathered the weights once per microbatch instead, and sent as much
     in all (explain=true, mesh=2x2x2 accumulate=4: 1.64 MiB per device against 1.62)."""
     rules = dict(rules)
-    batch = [a for a in _axes(rules.get(BATCH)) if mesh_shape.get(a, 1) > 1]
-    weights = {a for name, axes in rules.items() if name not in (BATCH, SEQ) for a in _axes(axes)}
+    batch = [a for a in mesh_axes_of(rules.get(BATCH)) if mesh_shape.get(a, 1) > 1]
+    weights = {
+        a for name, axes in rules.items() if name not in (BATCH, SEQ) for a in mesh_axes_of(axes)
+    }
     if weights & set(batch):
         return ()
-    seq = set(_axes(rules.get(SEQ)))
+    seq = set(mesh_axes_of(rules.get(SEQ)))
     return tuple(a for a in batch if a not in seq)
-
-
-def _axes(axes) -> tuple:
-    return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
 def _accumulated_unreduced(loss_fn, params, tokens_BxL1, k: int, axes: tuple, rules):
@@ -144,7 +142,7 @@ def _accumulated_unreduced(loss_fn, params, tokens_BxL1, k: int, axes: tuple, ru
     float32 sums and cast to the parameters' dtype after: a bfloat16 mean inside a partly
     manual shard_map stops XLA:CPU on a failed check (jaxlib 0.10 to 0.12), and a float16 sum
     of the devices' loss-scaled gradients could overflow where their mean does not."""
-    inner = tuple((name, tuple(a for a in _axes(m) if a not in axes) or None) for name, m in rules)
+    inner = rules_without(rules, axes)
     rest = dict(inner).get(BATCH)
 
     def local(params, tokens_BxL1):
