@@ -335,7 +335,10 @@ def _compile_probe(cfg: Config, *, devices=None) -> dict:
         "memory": memory.compiled_memory(compiled),
         "cost": cost.compiled_cost(compiled),
         "predicted": memory.predict_lab_step(
-            cfg, sizes=dict(trainer.mesh.shape), backend=trainer.mesh.devices.flat[0].platform
+            cfg,
+            sizes=dict(trainer.mesh.shape),
+            backend=trainer.mesh.devices.flat[0].platform,
+            census=trainer.census,
         ),
         "params": count_params(params),
         "nonembed_params": n_nonembed,

@@ -28,6 +28,7 @@ from experiments.common import (
 from lab.config import Config, make_config, override
 from lab.errors import ConfigError
 from lab.measure import memory, specs
+from lab.train import census_for
 
 CLAIMS = ("C09", "C10", "C11", "C12")
 
@@ -345,7 +346,10 @@ def _remat_offload_memory(size: str, plans: bool) -> list[dict]:
     cfg, mesh = p["cfg"], p["trainer"].mesh
     pred = {
         r: memory.predict_lab_step(
-            override(cfg, remat=r), sizes=dict(mesh.shape), backend=mesh.devices.flat[0].platform
+            override(cfg, remat=r),
+            sizes=dict(mesh.shape),
+            backend=mesh.devices.flat[0].platform,
+            census=census_for(override(cfg, remat=r), mesh),
         )
         for r in ("full", "offload")
     }

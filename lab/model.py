@@ -34,6 +34,8 @@ from lab import quant
 from lab.config import ModelConfig
 from lab.kernels import pipeline
 from lab.kernels.attention import attention, decode_attention
+from lab.kernels.attention.common import platform
+from lab.measure.memory import LayerCensus
 from lab.names import (
     BATCH,
     EMBED,
@@ -573,6 +575,136 @@ def _block_specs(c: ModelConfig, rules, axes: tuple, x_BxLxD):
         m for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)) for m in spec
     )
     return specs if split else None
+
+
+def _constants(jaxpr, given=frozenset()) -> set:
+    """The variables of `jaxpr` computed from literals alone (and from the invars in `given`),
+    looking into nested jits: values XLA folds into constants rather than keeps."""
+    const = set(given)
+    is_const = lambda v: isinstance(v, jax.extend.core.Literal) or v in const  # noqa: E731
+    for e in jaxpr.eqns:
+        inner = e.params.get("jaxpr") if e.primitive.name in ("pjit", "jit") else None
+        if inner is not None:
+            inner = getattr(inner, "jaxpr", inner)
+            inside = _constants(
+                inner,
+                frozenset(w for v, w in zip(e.invars, inner.invars, strict=True) if is_const(v)),
+            )
+            const.update(
+                o for o, w in zip(e.outvars, inner.outvars, strict=True) if _is_const_in(w, inside)
+            )
+        elif all(is_const(v) for v in e.invars):
+            const.update(e.outvars)
+    return const
+
+
+def _is_const_in(v, const: set) -> bool:
+    return isinstance(v, jax.extend.core.Literal) or v in const
+
+
+def _same_values(jaxpr) -> dict:
+    """Each variable of `jaxpr` that holds the same value as an earlier one → that one: what a
+    nested jit passes through unchanged, and equations repeated on the same inputs (as XLA's
+    common-subexpression elimination and its inlining of calls find them)."""
+    same, first = {}, {}
+
+    def canon(v):
+        if isinstance(v, jax.extend.core.Literal):
+            return ("literal", str(v.aval), repr(v.val))
+        return same.get(v, v)
+
+    for e in jaxpr.eqns:
+        inner = e.params.get("jaxpr") if e.primitive.name in ("pjit", "jit") else None
+        if inner is not None:
+            inner = getattr(inner, "jaxpr", inner)
+            for k, ov in enumerate(inner.outvars):
+                if ov in inner.invars:  # passed through
+                    same[e.outvars[k]] = canon(e.invars[inner.invars.index(ov)])
+                elif ov in inner.outvars[:k]:  # returned twice
+                    same[e.outvars[k]] = canon(e.outvars[inner.outvars.index(ov)])
+        key = (e.primitive.name, str(e.params), tuple(canon(v) for v in e.invars))
+        if key in first:
+            for a, b in zip(e.outvars, first[key], strict=True):
+                same.setdefault(a, canon(b))
+        else:
+            first[key] = e.outvars
+    return same
+
+
+def _kept_for_backward(fn, *args) -> list[tuple]:
+    """(abstract value, index of the flat argument it is, or -1) of every array `jax.vjp`
+    keeps from `fn`'s forward for its backward, each distinct value once: traced, not run."""
+    closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
+    jaxpr = closed.jaxpr
+    n = len(jax.tree.leaves(shapes[1]))  # the backward function's leaves are what it keeps
+    arguments = {v: i for i, v in enumerate(jaxpr.invars)}
+    same, const = _same_values(jaxpr), _constants(jaxpr)
+    seen, kept = set(), []
+    for v in jaxpr.outvars[len(jaxpr.outvars) - n :]:
+        if isinstance(v, jax.extend.core.Literal) or v in const:
+            continue
+        v = same.get(v, v)
+        if isinstance(v, tuple) or v in seen or v in const:  # a literal, or counted already
+            continue
+        seen.add(v)
+        kept.append((v.aval, arguments.get(v, -1)))
+    return kept
+
+
+def layer_census(cfg: ModelConfig, seq_len: int) -> LayerCensus:
+    """`_layer_census` for the platform the program is built for (the context mesh's)."""
+    return _layer_census(cfg, seq_len, platform())
+
+
+@functools.cache
+def _layer_census(cfg: ModelConfig, seq_len: int, backend: str) -> LayerCensus:
+    """What one block keeps for its backward at `seq_len` tokens a sequence, per token, under
+    the model's remat policy and with none: its jaxpr's residuals (lab.measure.memory:
+    LayerCensus), traced on two sequences of the compute dtype, no device memory touched.
+
+    Each kept array is an activation (leading axis the batch, a sequence axis), the residual
+    stream if it is [B, L, D] (or a per-token scalar [B, L, 1]) and split over heads or MLP
+    columns otherwise, or a weight copy (no batch axis; the weights themselves are the
+    block's arguments and are not counted). The first layer's window stands for all. Call it
+    inside the mesh the step is built for: attention's kernel is that platform's (`backend`,
+    the cache's key)."""
+    b = 2
+    x = jax.ShapeDtypeStruct((b, seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
+    windows = (cfg.layer_window(0),)
+
+    def kept(block_cls) -> tuple[float, float, float]:
+        module = block_cls(cfg, windows)
+        params = jax.eval_shape(lambda x: module.init(jax.random.key(0), x)["params"], x)
+        params = nn.meta.unbox(params)
+        first_x = len(jax.tree.leaves(params))  # flat arguments: the weights, then x
+        replicated = split = weights = 0.0
+        for aval, arg in _kept_for_backward(
+            lambda p, x: module.apply({"params": p}, x)[0], params, x
+        ):
+            size = math.prod(aval.shape) * aval.dtype.itemsize
+            if 0 <= arg < first_x:
+                continue  # a weight itself: stored anyway
+            shape = aval.shape
+            if len(shape) >= 2 and shape[0] == b and seq_len in shape[1:]:
+                stream = len(shape) == 3 and shape[2] in (cfg.d_model, 1)
+                if stream:
+                    replicated += size / (b * seq_len)
+                else:
+                    split += size / (b * seq_len)
+            elif seq_len not in shape:
+                weights += size
+        return replicated, split, weights
+
+    with nn.logical_axis_rules(()):
+        full = kept(Block)
+        saved = full if cfg.remat == "none" else kept(_block_class(cfg))
+    return LayerCensus(
+        saved_replicated=saved[0],
+        saved_split=saved[1],
+        full_replicated=full[0],
+        full_split=full[1],
+        weights=saved[2],
+    )
 
 
 def count_params(params) -> int:

@@ -25,6 +25,7 @@ from lab.model import count_nonembedding_params, count_params
 from lab.parallel import collectives_hlo, explain, pipeline_hlo
 from lab.plans import resources
 from lab.predict.step import predict_step
+from lab.train import census_for
 
 GIB = 2**30
 
@@ -97,6 +98,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
             explain.as_compiled(trainer.cfg, trainer),
             sizes=dict(trainer.mesh.shape),
             backend=trainer.mesh.devices.flat[0].platform,  # the target's, for AOT plans
+            census=trainer.census,
         ),
         "compiled_cost_per_device": cost.compiled_cost(compiled),
         "capacity_bytes_per_device": capacity_bytes(info, trainer.mesh.devices.flat[0]),
@@ -160,7 +162,12 @@ def fit_advice(trainer, analysis: dict) -> str:
             changed = override(cfg, **change)
         except ConfigError:
             continue
-        predicted = memory.predict_lab_step(changed, sizes=sizes, backend=backend)["total"] * scale
+        predicted = (
+            memory.predict_lab_step(
+                changed, sizes=sizes, backend=backend, census=census_for(changed, trainer.mesh)
+            )["total"]
+            * scale
+        )
         if predicted <= cap:
             return f"{short}; {text} would fit ({predicted / GIB:.1f} GiB, predicted)"
     return f"{short}; more devices (a larger target) with strategy=fsdp"
@@ -182,7 +189,9 @@ def refused_advice(trainer, refusal: str) -> str:
             changed = override(cfg, **change)
         except ConfigError:
             continue
-        predicted = memory.predict_lab_step(changed, sizes=sizes, backend=backend)["total"]
+        predicted = memory.predict_lab_step(
+            changed, sizes=sizes, backend=backend, census=census_for(changed, trainer.mesh)
+        )["total"]
         if predicted <= cap:
             return f"{short}; {text} would fit ({predicted / GIB:.1f} GiB, predicted)"
     return f"{short}; more devices (a larger target) with strategy=fsdp"

@@ -27,8 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from lab.config import Config
 from lab.kernels.pipeline import Schedule, to_stage_major_order
+from lab.measure.memory import LayerCensus
 from lab.mesh import axis_size, rules_for
-from lab.model import build, layer_order, mesh_axes_of, rules_without
+from lab.model import build, layer_census, layer_order, mesh_axes_of, rules_without
 from lab.names import BATCH, HOST_MEMORY, PIPELINE_STRATEGIES, SEQ, STAGE
 from lab.resolve import Platform, Request, Resolved, resolve
 
@@ -256,6 +257,8 @@ class Trainer:
     resolved: Resolved | None = None  # what the trainer was built from
     # accumulate=K: the mesh axes over which the K microbatches' gradients are reduced once
     unreduced: tuple[str, ...] = ()
+    # scanned layers: what one block keeps for its backward (the memory calculator's figure)
+    census: LayerCensus | None = None
 
     def batch_shape(self) -> jax.ShapeDtypeStruct:
         shape = (self.cfg.batch_size, self.cfg.seq_len + 1)
@@ -360,7 +363,18 @@ def make_trainer(resolved: Resolved | Config, mesh=None) -> Trainer:
         attention_note=r.attention_note,
         resolved=r,
         unreduced=unreduced,
+        census=census_for(cfg, mesh),
     )
+
+
+def census_for(cfg: Config, mesh) -> LayerCensus | None:
+    """What one block keeps for its backward (lab.model.layer_census) where the config's
+    layers are scanned, with the attention kernel of the platform `mesh` is on; None where
+    they are not (the memory calculator's itemised formula serves there)."""
+    if not cfg.model.scan_layers:
+        return None
+    with jax.set_mesh(mesh):
+        return layer_census(cfg.model, cfg.seq_len)
 
 
 def schedule_of(cfg: Config, mesh) -> Schedule | None:

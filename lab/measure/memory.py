@@ -210,6 +210,32 @@ F32 = 4
 ATTENTION_KINDS = ("naive", "flash", "blockwise")
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerCensus:
+    """What one block keeps from its forward for its backward, read from its jaxpr
+    (lab.model.layer_census): bytes per token, split by how the lab's tensor parallelism lays
+    them out (`replicated`: the [B, L, D] residual stream, whole on every device of the model
+    axis; `split`: heads and MLP columns, divided over it), under the model's remat policy
+    (`saved`) and with none (`full`: a block recomputed during its backward), and the bytes per
+    layer of weight copies kept (casts to the compute dtype).
+
+    Under a scan over the layers the loop writes every one of these into a stacked buffer,
+    so the compiled step holds them all; unrolled, XLA recomputes cheap elementwise ones inside
+    its fusions, which is why the itemised formula (`_layer_activation_bytes`) serves there."""
+
+    saved_replicated: float
+    saved_split: float
+    full_replicated: float
+    full_split: float
+    weights: float = 0.0
+
+    def saved(self, model: int = 1) -> float:
+        return self.saved_replicated + self.saved_split / model
+
+    def full(self, model: int = 1) -> float:
+        return self.full_replicated + self.full_split / model
+
+
 def naive_score_bytes(backend: str, c: int) -> tuple[float, float]:
     """Bytes per score element (one of B·H·L·S) of naive attention's softmax in one block:
     (kept from the forward for the backward, transient during that block's backward).
@@ -302,6 +328,7 @@ def predict_training_memory(
     accumulate: int = 1,
     offload_optimizer: bool = False,
     backend: str = "cpu",
+    census: LayerCensus | None = None,
 ) -> dict:
     """Bytes per device of one training step of a decoder-only transformer, by component.
 
@@ -346,13 +373,22 @@ def predict_training_memory(
                    the output head each produce a full embedding gradient before they are
                    summed)
                  + under fsdp > 1, the all-gathered weights in compute dtype: every layer's
-                   with remat=none (kept from the forward for the backward), else two layers'
+                   with remat=none unscanned (kept from the forward for the backward), else
+                   two layers'
                  + with K > 1, the float32 gradient accumulator, n_params·4 / P
       total      = params + grads + optimizer + activations + workspace (device memory)
       host       = what offloading keeps in host memory instead
     A_layer, A_dots and transient are per-token bytes of one block, itemised in
-    `_layer_activation_bytes`. What is left out: the int32 batch, XLA's fusion scratch and
-    layout copies, allocator fragmentation — the compiled figure is usually a few % higher.
+    `_layer_activation_bytes`. Layers scanned (`census`, lab.model.layer_census): A_layer is
+    the census's block with no remat, and what each layer keeps (A_layer, c·D or A_dots
+    above) the census's block under the remat policy; the weight copies the census counts
+    add n_layers/stage of them (divided over `model`; under fsdp the gathered weights above
+    are those copies). A scan writes every residual of its jaxpr into a stacked buffer, so
+    the compiled step holds them all (small, 8 layers, batch 32 × 128, compiled for one H100:
+    662.6 MiB scanned, 355.1 MiB unrolled, where XLA recomputes elementwise values inside
+    its fusions and the itemised formula is the better account). What is left out: the int32
+    batch, XLA's fusion scratch and layout copies, allocator fragmentation — the compiled
+    figure is usually a few % higher.
     """
     if remat not in REMATS:
         raise ValueError(f"remat={remat!r}: expected one of {', '.join(REMATS)}")
@@ -380,13 +416,24 @@ def predict_training_memory(
         tile=attention_tile,
         backend=backend,
     )
+    kept_input = c * d_model  # what remat=full keeps of a layer: its input
+    differentiated = 0.0  # the layer in its backward: what it holds beyond its kept share
+    recomputed_dots = a_layer
+    if census is not None:
+        a_layer = census.full(model)
+        a_dots = kept_input = census.saved(model)
+        # the stacked residuals live until the backward loop ends, so the layer being
+        # differentiated writes its gradients to fresh buffers, about one layer's residuals;
+        # under dots only what the policy did not keep is recomputed
+        differentiated = a_layer if remat == "none" else 0.0
+        recomputed_dots = a_layer - a_dots
     ticks = pipeline_repeats * microbatches + stage - 1 if stage > 1 else 1
     resident = n_layers * ticks / microbatches if stage > 1 else n_layers
     tick = stage / microbatches if stage > 1 else 1  # a microbatch's tokens over T
     per_token = {
-        "none": resident * a_layer,
-        "full": resident * c * d_model + tick * a_layer,
-        "dots": resident * a_dots + tick * a_layer,
+        "none": resident * a_layer + tick * differentiated,
+        "full": resident * kept_input + tick * a_layer,
+        "dots": resident * a_dots + tick * recomputed_dots,
         "offload": tick * a_layer,
     }[remat]
     host = tokens * resident * c * d_model if remat == "offload" else 0.0
@@ -400,7 +447,7 @@ def predict_training_memory(
             chunk * a_layer,  # no policy keeps more than the chunk's whole residuals
             {
                 "none": chunk * a_layer,
-                "full": chunk * c * d_model + a_layer,
+                "full": chunk * kept_input + a_layer,
                 "dots": chunk * a_dots + a_layer,
                 "offload": a_layer,
             }[remat],
@@ -411,8 +458,11 @@ def predict_training_memory(
             host = tokens * tick * chunk * c * d_model
     gathered = 0.0
     if fsdp > 1:
-        layers_kept = n_layers if remat == "none" else min(2, n_layers)
+        # a scan gathers each layer's weights again in its backward, as remat does
+        layers_kept = n_layers if remat == "none" and census is None else min(2, n_layers)
         gathered = n_params * c / model * layers_kept / n_layers
+    elif census is not None:
+        gathered = census.weights * n_layers / (stage * model)
     if tie_embeddings:
         gathered += vocab_size * d_model * grad_bytes / shards
     if accumulate > 1:
@@ -475,12 +525,15 @@ def lab_attention_kind(impl: str, backend: str) -> str:
     return "blockwise" if impl in ("blockwise", "ring") else "flash"
 
 
-def predict_lab_step(cfg, *, sizes=None, backend: str | None = None) -> dict:
+def predict_lab_step(
+    cfg, *, sizes=None, backend: str | None = None, census: LayerCensus | None = None
+) -> dict:
     """`predict_training_memory` for the lab's own step of a run config (lab.config.Config:
     batch_size, seq_len, strategy and the model, compute dtype resolved, not "auto"): AdamW,
     dtypes and remat from the model, the attention kind its `attention=` runs on `backend`
     (default: JAX's; pass the target's for ahead-of-time plans), the mesh `sizes`, the
-    pipeline, gradient accumulation and offloading the config asks for."""
+    pipeline, gradient accumulation and offloading the config asks for; `census`
+    (lab.model.layer_census of the model) where its layers are scanned, ignored where not."""
     m = cfg.model
     backend = backend or jax.default_backend()
     kind = lab_attention_kind(m.attention, backend)
@@ -506,6 +559,7 @@ def predict_lab_step(cfg, *, sizes=None, backend: str | None = None) -> dict:
         accumulate=cfg.accumulate,
         offload_optimizer=cfg.offload_optimizer,
         backend=backend,
+        census=census if m.scan_layers else None,
         **lab_axes(cfg.strategy, sizes or {}),
     )
 

@@ -481,7 +481,10 @@ def memory_rows(cfg, trainer, compiled) -> MemorySplit:
         grads=params,
         optimizer=per_device_bytes(on_device),
         predicted=memory.predict_lab_step(
-            cfg, sizes=dict(trainer.mesh.shape), backend=trainer.mesh.devices.flat[0].platform
+            cfg,
+            sizes=dict(trainer.mesh.shape),
+            backend=trainer.mesh.devices.flat[0].platform,
+            census=trainer.census,
         ),
         compiled=memory.compiled_memory(compiled) if compiled is not None else None,
     )
