@@ -12,7 +12,7 @@ import dataclasses
 import sys
 
 from lab.config import cli, field
-from lab.errors import RunError
+from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.names import REMATS
 from lab.report import progress, tables
@@ -43,7 +43,8 @@ def run(o: Options, keys: dict) -> int:
     path = rec.write_records(stem.with_suffix(".jsonl"), step.tune_records(rows, keys))
     con.print(f"records → {path}")
     if top is None:
-        raise RunError("no candidate fits this device: try more devices or a smaller model")
+        # as lab.run's step that does not fit: the request, not the run, is at fault (exit 2)
+        raise ConfigError("no candidate fits this device: try more devices or a smaller model")
     best = key_args({**keys, "remat": top.remat, "batch_size": top.batch})
     con.print(f"best: python -m lab.run {' '.join(best)}")
     return 0
