@@ -163,13 +163,13 @@ EXACT = {
     "setup-tpu-copy": (
         "setup.sh",
         ["--name", "lab-v5e", "--zone", "us-west4-a"],
-        "git -C <root> archive --format=tar.gz --output=<tmp>/lab-src.tar.gz HEAD\n"
-        "gcloud compute tpus tpu-vm scp <tmp>/lab-src.tar.gz lab-v5e:lab-src.tar.gz"
+        "git -C <root> archive --format=tar.gz --output=<tmp>/lab-src-lab-v5e.tar.gz HEAD\n"
+        "gcloud compute tpus tpu-vm scp <tmp>/lab-src-lab-v5e.tar.gz lab-v5e:lab-src.tar.gz"
         " --zone=us-west4-a --worker=all\n"
         "gcloud compute tpus tpu-vm ssh lab-v5e --zone=us-west4-a --worker=all --command "
         + remote(UNPACK + install())
         + "\n"
-        "rm -f <tmp>/lab-src.tar.gz\n",
+        "rm -f <tmp>/lab-src-lab-v5e.tar.gz\n",
     ),
     "setup-tpu-clone": (
         "setup.sh",
@@ -187,12 +187,12 @@ EXACT = {
     "setup-hosts-copy": (
         "setup.sh",
         ["--hosts", "gpu-0,me@gpu-1", "--extra", "cuda,dev"],
-        "git -C <root> archive --format=tar.gz --output=<tmp>/lab-src.tar.gz HEAD\n"
-        "scp <tmp>/lab-src.tar.gz gpu-0:lab-src.tar.gz\n"
-        "scp <tmp>/lab-src.tar.gz me@gpu-1:lab-src.tar.gz\n"
+        "git -C <root> archive --format=tar.gz --output=<tmp>/lab-src-gpu-0.tar.gz HEAD\n"
+        "scp <tmp>/lab-src-gpu-0.tar.gz gpu-0:lab-src.tar.gz\n"
+        "scp <tmp>/lab-src-gpu-0.tar.gz me@gpu-1:lab-src.tar.gz\n"
         f"ssh gpu-0 {remote(UNPACK + install(spec='.[cuda,dev]'))}\n"
         f"ssh me@gpu-1 {remote(UNPACK + install(spec='.[cuda,dev]'))}\n"
-        "rm -f <tmp>/lab-src.tar.gz\n",
+        "rm -f <tmp>/lab-src-gpu-0.tar.gz\n",
     ),
     "setup-hosts-no-extra": (
         "setup.sh",

@@ -92,7 +92,8 @@ else
   if [[ -n $(git -C "$ROOT" status --porcelain --untracked-files=no) ]]; then
     note "uncommitted changes in $ROOT are not copied (it copies $REF)"
   fi
-  LOCAL_ARCHIVE="$TMP/$ARCHIVE"
+  # named after the machines it goes to: setups of two machines at once keep their own
+  LOCAL_ARCHIVE="$TMP/lab-src-${NAME:-${HOSTS[0]#*@}}.tar.gz"
   REMOTE="mkdir -p $LAB_DIR && tar -xzf $ARCHIVE -C $LAB_DIR && rm $ARCHIVE && $INSTALL"
   run git -C "$ROOT" archive --format=tar.gz "--output=$LOCAL_ARCHIVE" "$REF"
 fi
