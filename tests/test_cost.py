@@ -216,3 +216,17 @@ def test_training_flops_of_packed_text_count_keys_within_documents(monkeypatch):
     long = dataclasses.replace(cfg, steps=10_000)
     assert summary.flops_per_token(long, params)[0] == pytest.approx(expected)
     assert len(read) == summary.PACKED_SAMPLE and read[0] == 0 and read[-1] == 9_999
+
+
+def test_a_decode_steps_flops_count_each_layers_window():
+    """A local layer's query sees min(S, window) cache slots; a global one all S."""
+    from lab.config import make_config
+
+    model = make_config(model="small", window=16, window_pattern="local,global").model
+    assert model.layer_windows == (16, None, 16, None)
+    n, d, batch, slots = cost.nonembed_params(model), model.d_model, 3, 100
+    windowed = cost.step_flops(model, batch, slots, model.layer_windows)
+    assert windowed == batch * (2 * n + 4 * d * (16 + 100 + 16 + 100))
+    assert cost.step_flops(model, batch, slots) == batch * (2 * n + 4 * d * 4 * 100)
+    # a window wider than the cache read so far: the slots bound it
+    assert cost.step_flops(model, batch, 10, model.layer_windows) == batch * (2 * n + 4 * d * 40)

@@ -205,10 +205,18 @@ def weight_read_bytes(weight_bytes: int, batch: int, *, table_bytes: int = 0, ta
     return int(weight_bytes - table_bytes + batch * (table_bytes // table_rows))
 
 
-def step_flops(model, batch: int, slots: int) -> float:
-    """B · (2·N + 4·layers·S·d_model): one token per sequence against S cache slots."""
+def step_flops(model, batch: int, slots: int, windows=None) -> float:
+    """B · (2·N + 4·layers·S·d_model): one token per sequence against S cache slots; with
+    `windows` (one per layer, None for a global one), a windowed layer's query sees
+    min(S, window) of them, as the kernels that stop at each length compute."""
+    keys = None if windows is None else [min(slots, w or slots) for w in windows]
     return batch * transformer_flops_per_token(
-        nonembed_params(model), model.n_layers, slots, model.d_model, training=False
+        nonembed_params(model),
+        model.n_layers,
+        slots,
+        model.d_model,
+        training=False,
+        keys_per_layer=keys,
     )
 
 

@@ -76,7 +76,7 @@ def decode_point(
         cache_bytes=decode.cache_bytes(
             dec.abstract_cache, None if reads_all else [mid] * batch, model.layer_windows
         ),
-        flops=cost.step_flops(model, batch, slots),
+        flops=cost.step_flops(model, batch, slots, None if reads_all else model.layer_windows),
         slots_read=slots,
         context=max_len,
         roof_bandwidth=roofs.bandwidth,
