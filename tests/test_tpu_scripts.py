@@ -35,6 +35,9 @@ argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps(argv) + "\\n")
 fail = os.environ.get("FAKE_FAIL")
+if os.environ.get("FAKE_SAY"):  # a line on each stream, as a remote command prints
+    print(os.environ["FAKE_SAY"], "out", flush=True)
+    print(os.environ["FAKE_SAY"], "err", file=sys.stderr, flush=True)
 sys.exit(1 if fail and any(fail in a for a in argv[1:]) else 0)
 """
 
@@ -530,3 +533,12 @@ def test_slurm_submits_what_dry_run_printed(env, tmp_path):
     assert out.returncode == 0, out.stderr
     assert [line[2:] for line in out.stderr.splitlines() if line[:2] == "+ "] == dry
     assert fake_calls(env) == [shlex.split(line) for line in dry]
+
+
+def test_run_on_hosts_prefixes_each_hosts_lines_with_its_name(env):
+    """Several hosts print at once: each line says which host wrote it, on its own stream."""
+    out = sh("run.sh", "--hosts", "a,me@b", "mesh=4x2", env={**env, "FAKE_SAY": "hello"})
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[a] hello out", "[me@b] hello out"]
+    said = sorted(line for line in out.stderr.splitlines() if "hello" in line)
+    assert said == ["[a] hello err", "[me@b] hello err"]

@@ -79,9 +79,15 @@ run() {
 }
 
 # run_bg CMD...: like run, but in the background; wait_bg waits for all of them.
+# With BG_TAG set, every line the command prints (stdout and stderr) starts with "[BG_TAG] ",
+# so the output of several hosts at once says which host wrote it.
 run_bg() {
   if ((DRY_RUN)); then
     quote_cmd "$@"
+  elif [[ -n ${BG_TAG:-} ]]; then
+    printf '+ %s &\n' "$(quote_cmd "$@")" >&2
+    "$@" > >(sed -u "s/^/[$BG_TAG] /") 2> >(sed -u "s/^/[$BG_TAG] /" >&2) &
+    BG_PIDS+=("$!")
   else
     printf '+ %s &\n' "$(quote_cmd "$@")" >&2
     "$@" &

@@ -106,6 +106,7 @@ for ((i = 0; i < n; i++)); do
   if ((n > 1)); then
     keys=("coordinator=$COORDINATOR:$PORT" "num_processes=$n" "process_id=$i")
   fi
-  run_bg ssh "${HOSTS[i]}" "$(lab_command ${keys[@]+"${keys[@]}"} ${LAB_ARGS[@]+"${LAB_ARGS[@]}"})"
+  # each line of a host's output carries its host (and process) name
+  BG_TAG="${HOSTS[i]}" run_bg ssh "${HOSTS[i]}" "$(lab_command ${keys[@]+"${keys[@]}"} ${LAB_ARGS[@]+"${LAB_ARGS[@]}"})"
 done
 wait_bg
