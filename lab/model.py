@@ -577,77 +577,45 @@ def _block_specs(c: ModelConfig, rules, axes: tuple, x_BxLxD):
     return specs if split else None
 
 
-def _constants(jaxpr, given=frozenset()) -> set:
-    """The variables of `jaxpr` computed from literals alone (and from the invars in `given`),
-    looking into nested jits: values XLA folds into constants rather than keeps."""
-    const = set(given)
-    is_const = lambda v: isinstance(v, jax.extend.core.Literal) or v in const  # noqa: E731
+def _reached(jaxpr, seeds) -> set:
+    """The variables of `jaxpr` computed from any of `seeds` (its invars), looking into nested
+    jits output by output; any other equation's outputs are reached if one of its inputs is."""
+    reached = set(seeds)
+    hit = lambda v: not isinstance(v, jax.extend.core.Literal) and v in reached  # noqa: E731
     for e in jaxpr.eqns:
         inner = e.params.get("jaxpr") if e.primitive.name in ("pjit", "jit") else None
         if inner is not None:
             inner = getattr(inner, "jaxpr", inner)
-            inside = _constants(
-                inner,
-                frozenset(w for v, w in zip(e.invars, inner.invars, strict=True) if is_const(v)),
+            inside = _reached(
+                inner, [w for v, w in zip(e.invars, inner.invars, strict=True) if hit(v)]
             )
-            const.update(
-                o for o, w in zip(e.outvars, inner.outvars, strict=True) if _is_const_in(w, inside)
+            reached.update(
+                o
+                for o, w in zip(e.outvars, inner.outvars, strict=True)
+                if not isinstance(w, jax.extend.core.Literal) and w in inside
             )
-        elif all(is_const(v) for v in e.invars):
-            const.update(e.outvars)
-    return const
-
-
-def _is_const_in(v, const: set) -> bool:
-    return isinstance(v, jax.extend.core.Literal) or v in const
-
-
-def _same_values(jaxpr) -> dict:
-    """Each variable of `jaxpr` that holds the same value as an earlier one → that one: what a
-    nested jit passes through unchanged, and equations repeated on the same inputs (as XLA's
-    common-subexpression elimination and its inlining of calls find them)."""
-    same, first = {}, {}
-
-    def canon(v):
-        if isinstance(v, jax.extend.core.Literal):
-            return ("literal", str(v.aval), repr(v.val))
-        return same.get(v, v)
-
-    for e in jaxpr.eqns:
-        inner = e.params.get("jaxpr") if e.primitive.name in ("pjit", "jit") else None
-        if inner is not None:
-            inner = getattr(inner, "jaxpr", inner)
-            for k, ov in enumerate(inner.outvars):
-                if ov in inner.invars:  # passed through
-                    same[e.outvars[k]] = canon(e.invars[inner.invars.index(ov)])
-                elif ov in inner.outvars[:k]:  # returned twice
-                    same[e.outvars[k]] = canon(e.outvars[inner.outvars.index(ov)])
-        key = (e.primitive.name, str(e.params), tuple(canon(v) for v in e.invars))
-        if key in first:
-            for a, b in zip(e.outvars, first[key], strict=True):
-                same.setdefault(a, canon(b))
-        else:
-            first[key] = e.outvars
-    return same
+        elif any(hit(v) for v in e.invars):
+            reached.update(e.outvars)
+    return reached
 
 
 def _kept_for_backward(fn, *args) -> list[tuple]:
-    """(abstract value, index of the flat argument it is, or -1) of every array `jax.vjp`
-    keeps from `fn`'s forward for its backward, each distinct value once: traced, not run."""
+    """(abstract value, what it is) of every array `jax.vjp` keeps from `fn`'s forward for its
+    backward, traced, not run: "argument" (one of `fn`'s flat arguments but the last),
+    "activation" (computed from the last argument), "weights" (from the others alone).
+    Values computed from literals and constants alone are left out: XLA folds them."""
     closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
     jaxpr = closed.jaxpr
     n = len(jax.tree.leaves(shapes[1]))  # the backward function's leaves are what it keeps
-    arguments = {v: i for i, v in enumerate(jaxpr.invars)}
-    same, const = _same_values(jaxpr), _constants(jaxpr)
+    *weights, x = jaxpr.invars
+    from_inputs, from_x = _reached(jaxpr, jaxpr.invars), _reached(jaxpr, [x])
     seen, kept = set(), []
     for v in jaxpr.outvars[len(jaxpr.outvars) - n :]:
-        if isinstance(v, jax.extend.core.Literal) or v in const:
-            continue
-        v = same.get(v, v)
-        if isinstance(v, tuple) or v in seen or v in const:  # a literal, or counted already
+        if isinstance(v, jax.extend.core.Literal) or v in seen or v not in from_inputs:
             continue
         seen.add(v)
-        kept.append((v.aval, arguments.get(v, -1)))
+        kind = "activation" if v in from_x else "argument" if v in weights else "weights"
+        kept.append((v.aval, kind))
     return kept
 
 
@@ -662,37 +630,33 @@ def _layer_census(cfg: ModelConfig, seq_len: int, backend: str) -> LayerCensus:
     the model's remat policy and with none: its jaxpr's residuals (lab.measure.memory:
     LayerCensus), traced on two sequences of the compute dtype, no device memory touched.
 
-    Each kept array is an activation (leading axis the batch, a sequence axis), the residual
-    stream if it is [B, L, D] (or a per-token scalar [B, L, 1]) and split over heads or MLP
-    columns otherwise, or a weight copy (no batch axis; the weights themselves are the
-    block's arguments and are not counted). The first layer's window stands for all. Call it
-    inside the mesh the step is built for: attention's kernel is that platform's (`backend`,
-    the cache's key)."""
+    Each kept array is an activation (computed from the block's input): the residual stream
+    if it is [B, L, D] (or a per-token scalar [B, L, 1]), split over heads or MLP columns
+    otherwise (a model whose d_ff equals d_model has its MLP's activations counted as the
+    stream); or a weight copy (computed from the weights alone, e.g. a cast to the compute
+    dtype; the weights themselves are the block's arguments and are not counted). The first
+    layer's window stands for all. Call it inside the mesh the step is built for: attention's
+    kernel is that platform's (`backend`, the cache's key)."""
     b = 2
     x = jax.ShapeDtypeStruct((b, seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
     windows = (cfg.layer_window(0),)
+    stream = {(b, seq_len, cfg.d_model), (b, seq_len, 1)}
 
     def kept(block_cls) -> tuple[float, float, float]:
         module = block_cls(cfg, windows)
         params = jax.eval_shape(lambda x: module.init(jax.random.key(0), x)["params"], x)
         params = nn.meta.unbox(params)
-        first_x = len(jax.tree.leaves(params))  # flat arguments: the weights, then x
         replicated = split = weights = 0.0
-        for aval, arg in _kept_for_backward(
+        for aval, kind in _kept_for_backward(
             lambda p, x: module.apply({"params": p}, x)[0], params, x
         ):
             size = math.prod(aval.shape) * aval.dtype.itemsize
-            if 0 <= arg < first_x:
-                continue  # a weight itself: stored anyway
-            shape = aval.shape
-            if len(shape) >= 2 and shape[0] == b and seq_len in shape[1:]:
-                stream = len(shape) == 3 and shape[2] in (cfg.d_model, 1)
-                if stream:
-                    replicated += size / (b * seq_len)
-                else:
-                    split += size / (b * seq_len)
-            elif seq_len not in shape:
+            if kind == "weights":
                 weights += size
+            elif kind == "activation" and tuple(aval.shape) in stream:
+                replicated += size / (b * seq_len)
+            elif kind == "activation":
+                split += size / (b * seq_len)
         return replicated, split, weights
 
     with nn.logical_axis_rules(()):

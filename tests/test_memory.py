@@ -303,3 +303,42 @@ def test_the_census_counts_what_each_remat_policy_keeps():
     )  # fmt: skip
     out = memory.predict_training_memory(**kw, census=none, model=2)
     assert out["activations"] == pytest.approx(8 * 128 * 5 * none.full(2))
+
+
+def test_the_census_tells_weight_copies_from_activations_by_what_they_are_computed_from():
+    """bfloat16 compute keeps each weight's cast for the backward: a copy per layer whatever
+    the sequence length, also where seq_len equals one of the weights' dimensions (256 =
+    d_model here), and no per-token activation is taken for one."""
+    from lab.config import make_config
+    from lab.mesh import make_mesh
+    from lab.model import layer_census
+    from lab.train import resolved_for
+
+    def census(seq_len, **keys):
+        cfg = make_config(**{**BASE, "dtype": "bfloat16", "seq_len": seq_len, **keys})
+        cfg = resolved_for(cfg, make_mesh("1")).cfg
+        return layer_census(cfg.model, cfg.seq_len)
+
+    at = {n: census(n) for n in (240, 256, 272)}
+    assert at[240].weights > 0
+    assert at[240].weights == at[256].weights == at[272].weights
+    # naive attention's scores grow with the keys a token sees; nothing jumps at 256
+    assert at[240].full() < at[256].full() < at[272].full()
+    assert at[272].full() - at[256].full() == pytest.approx(at[256].full() - at[240].full())
+    # two heads: the trace's two sequences are no longer told from a [heads, ...] weight copy
+    # by their shape, and need not be
+    two = census(128, n_heads=2, n_kv_heads=2)
+    assert two.weights == census(128, n_heads=4, n_kv_heads=4).weights  # the same weights
+
+
+def test_ring_attention_with_scanned_layers_builds_and_has_a_census():
+    """Ring attention needs the step's sequence sharding: the census traces its blocks as
+    blockwise's, which they are."""
+    from lab.config import make_config
+    from lab.mesh import make_mesh
+    from lab.train import make_trainer
+
+    keys = dict(model="tiny", strategy="cp", attention="ring", scan_layers=True)
+    cfg = make_config(**keys, mesh="data:2,model:4")
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    assert trainer.census is not None and trainer.census.full() > 0

@@ -381,9 +381,12 @@ def predict_training_memory(
     A_layer, A_dots and transient are per-token bytes of one block, itemised in
     `_layer_activation_bytes`. Layers scanned (`census`, lab.model.layer_census): A_layer is
     the census's block with no remat, and what each layer keeps (A_layer, c·D or A_dots
-    above) the census's block under the remat policy; the weight copies the census counts
-    add n_layers/stage of them (divided over `model`; under fsdp the gathered weights above
-    are those copies). A scan writes every residual of its jaxpr into a stacked buffer, so
+    above) the census's block under the remat policy; remat=none adds T·A_layer more on
+    XLA:CPU and XLA:GPU (the layer being differentiated: its gradients in fresh buffers, as
+    the stack lives until the backward loop ends), remat=dots recomputes A_layer − A_dots,
+    not A_layer (what the policy kept is read from the stack); the weight copies the census
+    counts add n_layers/stage of them (divided over `model`; under fsdp the gathered weights
+    above are those copies). A scan writes every residual of its jaxpr into a stacked buffer, so
     the compiled step holds them all (small, 8 layers, batch 32 × 128, compiled for one H100:
     662.6 MiB scanned, 355.1 MiB unrolled, where XLA recomputes elementwise values inside
     its fusions and the itemised formula is the better account). What is left out: the int32
@@ -422,10 +425,13 @@ def predict_training_memory(
     if census is not None:
         a_layer = census.full(model)
         a_dots = kept_input = census.saved(model)
-        # the stacked residuals live until the backward loop ends, so the layer being
-        # differentiated writes its gradients to fresh buffers, about one layer's residuals;
-        # under dots only what the policy did not keep is recomputed
-        differentiated = a_layer if remat == "none" else 0.0
+        # the stacked residuals live until the backward loop ends, so on XLA:CPU and XLA:GPU
+        # the layer being differentiated writes its gradients to fresh buffers, about one
+        # layer's residuals (XLA:TPU reuses its own: its compiled steps hold n layers, not
+        # n + 1, read from v5e plans of 2, 4 and 8 layers); under dots only what the policy
+        # did not keep is recomputed
+        tpu = backend == "tpu"
+        differentiated = a_layer if remat == "none" and not tpu else 0.0
         recomputed_dots = a_layer - a_dots
     ticks = pipeline_repeats * microbatches + stage - 1 if stage > 1 else 1
     resident = n_layers * ticks / microbatches if stage > 1 else n_layers
@@ -444,11 +450,11 @@ def predict_training_memory(
         # recomputed at a time (under remat, that chunk's own policy).
         chunk = n_layers / (stage * pipeline_repeats)
         recomputed = min(
-            chunk * a_layer,  # no policy keeps more than the chunk's whole residuals
+            chunk * a_layer + differentiated,  # no policy keeps more than the chunk's whole
             {
-                "none": chunk * a_layer,
+                "none": chunk * a_layer + differentiated,
                 "full": chunk * kept_input + a_layer,
-                "dots": chunk * a_dots + a_layer,
+                "dots": chunk * a_dots + recomputed_dots,
                 "offload": a_layer,
             }[remat],
         )
