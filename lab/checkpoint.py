@@ -145,6 +145,34 @@ def _damage(e: Exception) -> str:
     return text if len(text) <= 200 else text[:199] + "…"
 
 
+# What the reader met, not damage in the files: a step that failed to restore for one of
+# these may be whole, so it is never moved aside and the resume stops instead.
+_READER_FAILURES = (
+    ("permission denied", "its files cannot be read here: permission denied"),
+    ("resource_exhausted", "out of memory while restoring it"),
+    ("out of memory", "out of memory while restoring it"),
+    ("deadline_exceeded", "the run's processes did not restore it together (a peer stopped?)"),
+    ("gloo context", "the run's processes did not restore it together (a peer stopped?)"),
+)
+
+
+def _reader_failure(e: BaseException) -> str | None:
+    """Why a restore failed where the cause is the reader (permissions, memory, the other
+    processes of the run), not the step: from the error or any error it came from."""
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, PermissionError):
+            return _READER_FAILURES[0][1]
+        if isinstance(e, MemoryError):
+            return _READER_FAILURES[1][1]
+        text = str(e).lower()
+        for needle, why in _READER_FAILURES:
+            if needle in text:
+                return why
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
 def _shape_mismatch(path: Path, abstract_state) -> str | None:
     """'params.…: saved (64, 256), this model (128, 256)' for the first leaf whose saved shape
     differs from the model's; None when they agree or the metadata cannot be read whole (then
@@ -241,10 +269,13 @@ def restore_latest(
 
     Damaged steps are moved aside as they are found (their steps appended to `moved`, for a
     caller that must say why none is left); a step saved for another model shape raises
-    ConfigError (one line, starting with `why`: what asked for the state) and nothing is moved.
-    `read_only` (a reader such as lab.serve, which may share the folder with a live run or
-    have no right to write it): damaged steps are skipped with a warning and nothing in the
-    folder is touched. `finite(state)` picks what must be finite (default: all of it).
+    ConfigError (one line, starting with `why`: what asked for the state) and nothing is moved;
+    so does a step that failed for a reason of the reader's (`_reader_failure`: permissions,
+    memory, the run's other processes), which may be whole. `read_only` (a reader such as
+    lab.serve, which may share the folder with a live run or have no right to write it, or a
+    process of a multi-process run other than the first, which moves for all): damaged steps
+    are skipped and nothing in the folder is touched. `finite(state)` picks what must be
+    finite (default: all of it).
     """
     moved = [] if moved is None else moved
     finite = finite or (lambda state: state)
@@ -272,6 +303,12 @@ def restore_latest(
         try:
             state = ocp.StandardCheckpointer().restore(item, abstract_state)
         except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for damage
+            reader = _reader_failure(e)
+            if reader:
+                raise ConfigError(
+                    f"{why}: checkpoint step {step} was not restored ({reader}); nothing was "
+                    f"moved: fix that, then run it again"
+                ) from None
             set_aside(step, _damage(e))
             continue
         if not _finite(finite(state)):

@@ -380,19 +380,58 @@ def _changed_on_resume(run_dir: Path, cfg: Config) -> str:
     )
 
 
+def _schedule_note(run_dir: Path, cfg: Config, step: int) -> str:
+    """Where a resume's steps= moves the learning rate's cosine (it decays over the run's
+    steps): 'steps 500 → 170: the learning rate's decay now ends at step 170 (step 167: lr
+    2.35e-03 → 3.04e-04)'; empty where the rate the next step takes is unchanged."""
+    try:
+        before = rundir.saved_config(run_dir).get("steps")
+    except ConfigError:
+        return ""
+    if not isinstance(before, int) or before == cfg.steps:
+        return ""
+    was = float(lr_schedule(dataclasses.replace(cfg, steps=before))(step))
+    now = float(lr_schedule(cfg)(step))
+    if abs(now - was) <= 1e-3 * max(abs(was), 1e-12):
+        return ""
+    return (
+        f"steps {before} → {cfg.steps}: the learning rate's decay now ends at step {cfg.steps} "
+        f"(step {step + 1}: lr {was:.3g} → {now:.3g})"
+    )
+
+
 def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
     """(state, step): the newest good checkpoint of a resumed run, or a fresh state."""
     if cfg.resume:
         warn = lambda msg: print(msg, file=sys.stderr) if is_main else None
-        step, state = checkpoint.restore_latest(run_dir, trainer.abstract_state, warn=warn)
+        moved: list[int] = []
+        # the first process moves damaged steps aside for all: two moving the same folder
+        # would race, and the one that lost would stop the job
+        step, state = checkpoint.restore_latest(
+            run_dir, trainer.abstract_state, warn=warn, moved=moved, read_only=not is_main
+        )
         if step is not None:
             rundir.check_steps(step, cfg.steps)
             console.print(f"resumed from checkpoint at step {step}")
             changed = _changed_on_resume(run_dir, cfg)
             if changed:  # what goes on differently from here, said once
                 console.print(f"  changed from the run's keys: {changed}", soft_wrap=True)
+            if note := _schedule_note(run_dir, cfg, step):
+                console.print(f"  {note}", soft_wrap=True)
             return state, step
-        console.print("no good checkpoint in the run folder: starting from step 0")
+        # nothing to resume: starting again would put the run's metrics aside as superseded
+        # under the name of a resume; the user says so with overwrite=true instead
+        if moved:
+            steps = ", ".join(str(s) for s in sorted(moved))
+            raise ConfigError(
+                f"resume=true: no checkpoint of {run_dir} restores (step{'s' * (len(moved) > 1)} "
+                f"{steps} damaged, kept in checkpoints-damaged/): overwrite=true starts the run "
+                "again"
+            )
+        raise ConfigError(
+            f"resume=true: {run_dir} holds no checkpoint (checkpoint_every=0, or the run "
+            "stopped before its first): overwrite=true starts it again"
+        )
     return trainer.init(jax.random.key(cfg.seed)), 0
 
 

@@ -136,7 +136,27 @@ def saved_config(run_dir: Path, asked: str = "resume=true") -> dict:
         raise ConfigError(f"{asked}: {path} is damaged ({str(e)[:160]})") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise ConfigError(f"{asked}: {path} is damaged (not a run's config)")
+    for section, fields in ((saved, _TYPES), (saved["model"], _MODEL_TYPES)):
+        for key, types in fields.items():
+            value = section.get(key)
+            # (a bool is an int to Python, not to the config)
+            wrong = not isinstance(value, types) or (types is not bool and type(value) is bool)
+            if key in section and wrong:
+                raise ConfigError(f"{asked}: {path} is damaged ({key}={value!r})")
     return saved
+
+
+# The types of the fields a resume compares or computes with before the config is parsed
+# again: a config.json that parses as JSON but holds another type is damaged, not a traceback.
+_TYPES = {"grad_clip": (int, float), "steps": int, "batch_size": int, "seq_len": int}
+_MODEL_TYPES = {
+    **{k: int for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")},
+    "pipeline_repeats": int,
+    "microbatches": int,
+    "tie_embeddings": bool,
+    "scan_layers": bool,
+    "param_dtype": str,
+}
 
 
 # Keys that say how this invocation runs, not what the run is: a resume never takes them from

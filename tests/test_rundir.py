@@ -97,6 +97,56 @@ def test_a_damaged_newest_step_is_moved_aside_and_the_run_goes_on(saved, capsys,
     assert "resumed from checkpoint at step 8" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "error, needle",
+    [
+        (PermissionError(13, "Permission denied"), "permission denied"),
+        (ValueError("UNKNOWN: Gloo context initialization failed: DEADLINE_EXCEEDED"), "together"),
+        (RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4 GiB"), "out of memory"),
+    ],
+)
+def test_a_step_the_reader_cannot_restore_is_left_in_place_and_the_resume_stops(
+    saved, capsys, monkeypatch, error, needle
+):
+    """Permissions, memory or the run's other processes failing a restore say nothing about
+    the step's files: it stays where it is, no earlier step is tried, one line and exit 2."""
+    tmp_path, run_dir = saved
+    metrics = (run_dir / "metrics.jsonl").read_text()
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("restore failed") from error
+
+    monkeypatch.setattr(checkpoint.ocp.StandardCheckpointer, "restore", fail)
+    capsys.readouterr()
+    assert _run(tmp_path, "name=R", "steps=8", "resume=true") == 2
+    err = _one_line_error(capsys, "checkpoint step 6 was not restored")
+    assert needle in err and "nothing was moved" in err
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [2, 4, 6]
+    assert not (run_dir / "checkpoints-damaged").exists()
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_resume_with_nothing_to_resume_is_refused_not_started_again(saved, capsys):
+    """A folder with no checkpoint, or none that restores, is not silently trained from step
+    0 under the name of a resume (its metrics put aside as superseded): one line, exit 2,
+    overwrite=true named; damaged steps stay in checkpoints-damaged/."""
+    tmp_path, run_dir = saved
+    assert _run(tmp_path, "name=N", "steps=3") == 0  # checkpoint_every=0: saves none
+    metrics = (tmp_path / "N" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert _run(tmp_path, "name=N", "steps=5", "resume=true") == 2
+    _one_line_error(capsys, "holds no checkpoint")
+    assert (tmp_path / "N" / "metrics.jsonl").read_text() == metrics
+    for step in (2, 4, 6):
+        _damage_metadata(run_dir / "checkpoints" / str(step))
+    capsys.readouterr()
+    assert _run(tmp_path, "name=R", "steps=8", "resume=true") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "steps 2, 4, 6 damaged, kept in checkpoints-damaged/" in err[-1]
+    assert "overwrite=true" in err[-1]
+    assert len(list((run_dir / "checkpoints-damaged").iterdir())) == 3
+
+
 def test_a_step_folder_renamed_by_hand_is_set_aside_and_damage_with_nowhere_to_go_is_one_line(
     saved, capsys
 ):
@@ -472,3 +522,41 @@ def test_a_resume_says_which_keys_it_changes(tmp_path, capsys):
     assert "changed from the run's keys: lr 0.003 → 0.01, seed 0 → 3" in capsys.readouterr().out
     assert main([*args, "steps=4", "resume=true"]) == 0
     assert "changed from the run's keys" not in capsys.readouterr().out
+
+
+def test_a_resume_that_moves_the_learning_rates_decay_says_so(tmp_path, capsys):
+    """The cosine decays over the run's steps: a resume with another steps= takes another
+    learning rate from the next step on, said once with the rates before and after."""
+    args = [*TINY, f"out_dir={tmp_path}", "name=r", "warmup_steps=5", "checkpoint_every=5"]
+    assert main([*args, "steps=25"]) == 0
+    capsys.readouterr()
+    assert main([*args, "steps=40", "resume=true"]) == 0
+    out = capsys.readouterr().out
+    assert "steps 25 → 40: the learning rate's decay now ends at step 40 (step 26: lr" in out
+    assert main([*args, "steps=45", "resume=true"]) == 0  # 40 → 45 moves it again
+    assert "steps 40 → 45" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda c: c.update(grad_clip=None), "grad_clip=None"),
+        (lambda c: c.update(grad_clip="x"), "grad_clip='x'"),
+        (lambda c: c["model"].update(pipeline_repeats="2"), "pipeline_repeats='2'"),
+        (lambda c: c["model"].update(d_model=64.5), "d_model=64.5"),
+        (lambda c: c["model"].update(scan_layers=1), "scan_layers=1"),
+    ],
+)
+def test_a_config_that_parses_but_holds_another_type_is_damaged_not_a_traceback(
+    saved, capsys, edit, needle
+):
+    tmp_path, run_dir = saved
+    path = run_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("block_order", None)  # read from the model's fields then
+    edit(config)
+    path.write_text(json.dumps(config))
+    capsys.readouterr()
+    assert _run(tmp_path, "name=R", "steps=8", "resume=true") == 2
+    err = _one_line_error(capsys, "config.json is damaged")
+    assert needle in err
