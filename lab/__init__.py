@@ -8,6 +8,7 @@ libraries, each printing a screen of errors before every CPU run.
 
 from lab import startup
 
+startup.huge_pages()  # a lab command starts again, its allocator in huge pages (once)
 if startup.command():  # before the imports below (jax): Ctrl-C is one line from the start
     startup.install()
 

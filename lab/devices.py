@@ -31,7 +31,10 @@ from jax._src.clusters.slurm_cluster import SlurmCluster  # JAX's own reading of
 
 from lab.errors import ConfigError
 from lab.mesh import cpu_devices_for
-from lab.startup import PARENT_DEATH_SIGNAL  # noqa: F401 - where the launcher and loop find it
+from lab.startup import (
+    PARENT_DEATH_SIGNAL,  # noqa: F401 - where the launcher and loop find it
+    in_huge_pages,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +57,9 @@ class DeviceInfo:
         hosts = f", {self.process_count} processes" if self.process_count > 1 else ""
         if hosts and self.joined:
             hosts = f", joined {self.process_count} processes {self.joined}"
-        return f"{self.backend} · {self.device_kind} × {self.count}{sim}{hosts}"
+        # the host's allocator decides how fast XLA:CPU gets its temporaries (lab.startup)
+        pages = " · allocator in huge pages" if self.backend == "cpu" and in_huge_pages() else ""
+        return f"{self.backend} · {self.device_kind} × {self.count}{sim}{hosts}{pages}"
 
 
 def _tpu_pod() -> bool:

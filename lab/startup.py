@@ -110,6 +110,59 @@ COMMANDS = (
 )
 
 
+# glibc's allocator in transparent huge pages (glibc 2.35+; a kernel whose THP mode is
+# "madvise"). XLA:CPU frees a step's temporaries and allocates them again every step, and
+# glibc hands freed memory back to the kernel, so each step faults its temporaries in again 4
+# KiB at a time: lab.run model=small on the 2-core VM took 58,000 page faults a step, its
+# step 262 ms; in huge pages 198 ms (BENCHMARKS.md). LAB_HUGE_PAGES=0 keeps the system's.
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+
+
+def huge_pages_tunables(environ, libc: tuple[str, str], thp_mode: str) -> str | None:
+    """The GLIBC_TUNABLES value that puts the allocator in huge pages, or None where it would
+    change nothing or the user decided (LAB_HUGE_PAGES=0, a hugetlb tunable of their own,
+    no glibc 2.35+, THP "never" or already "always")."""
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if environ.get("LAB_HUGE_PAGES", "1") == "0" or "glibc.malloc.hugetlb" in tunables:
+        return None
+    name, version = libc
+    try:
+        new_enough = tuple(int(x) for x in version.split(".")[:2]) >= (2, 35)
+    except ValueError:
+        new_enough = False
+    if name != "glibc" or not new_enough or "[madvise]" not in thp_mode:
+        return None
+    return f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES
+
+
+def in_huge_pages() -> bool:
+    """Whether this process's allocator was started in huge pages (huge_pages)."""
+    return "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
+
+
+def huge_pages() -> None:
+    """Start this command (`python -m lab.…` or `python -m experiments`) again with its
+    allocator in huge pages (huge_pages_tunables), once: glibc reads its tunables only as a
+    process starts. Nothing else has run yet (the package's first import calls it), and the
+    process keeps its id, streams and signals."""
+    if not sys.platform.startswith("linux"):
+        return
+    import platform
+
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp_mode = f.read()
+    except OSError:
+        return
+    value = huge_pages_tunables(os.environ, platform.libc_ver(), thp_mode)
+    argv = getattr(sys, "orig_argv", [])
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    if value is None or not (module.startswith("lab.") or module == "experiments"):
+        return  # only the lab's own commands: a program importing lab is left as it runs
+    os.environ["GLIBC_TUNABLES"] = value
+    os.execv(sys.executable, argv)
+
+
 def command() -> bool:
     """Whether this process is `python -m` one of COMMANDS."""
     argv = getattr(sys, "orig_argv", [])

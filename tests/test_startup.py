@@ -65,3 +65,50 @@ def test_a_native_library_cannot_keep_sigterm(library):
         pytest.skip("importing Mosaic GPU left SIGTERM alone on this jax")
     assert out == ["replaced", "restored", "python's", "handler"], (p.stdout, p.stderr)
     assert p.returncode == 7 and "SIGTERM received" not in p.stderr
+
+
+GLIBC = ("glibc", "2.36")
+MADVISE = "always [madvise] never\n"
+
+
+@pytest.mark.parametrize(
+    "environ, libc, thp, want",
+    [
+        ({}, GLIBC, MADVISE, "glibc.malloc.hugetlb=1"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, GLIBC, MADVISE,
+         "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),  # the user's tunables kept
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, GLIBC, MADVISE, None),  # their choice
+        ({"LAB_HUGE_PAGES": "0"}, GLIBC, MADVISE, None),
+        ({}, ("glibc", "2.31"), MADVISE, None),  # no hugetlb tunable before 2.35
+        ({}, ("", ""), MADVISE, None),  # musl, or no libc to name
+        ({}, GLIBC, "[always] madvise never\n", None),  # every allocation is in them already
+        ({}, GLIBC, "always madvise [never]\n", None),
+    ],
+)  # fmt: skip
+def test_the_allocator_goes_in_huge_pages_only_where_it_changes_something(environ, libc, thp, want):
+    assert startup.huge_pages_tunables(environ, libc, thp) == want
+
+
+def test_a_command_starts_again_in_huge_pages_and_says_so():
+    """XLA:CPU faults its temporaries in again every step unless glibc keeps them in huge
+    pages: a lab command starts itself again with the tunable (once), and its header says
+    so; LAB_HUGE_PAGES=0 keeps the system's allocator."""
+    import platform
+    import subprocess
+    import sys
+
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if startup.huge_pages_tunables(env, platform.libc_ver(), thp) is None:
+        pytest.skip("this host's glibc or kernel would not change")
+    argv = [sys.executable, "-m", "lab.run", "model=tiny", "steps=1", "compile_only=true"]
+    for flag, said in (("1", True), ("0", False)):
+        out = subprocess.run(
+            argv, env={**env, "LAB_HUGE_PAGES": flag, "JAX_PLATFORMS": "cpu"},
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert ("allocator in huge pages" in out.stdout) == said, out.stdout
