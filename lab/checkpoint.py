@@ -16,6 +16,7 @@ keeps its temporary name, so it is never listed as a step, and is removed at the
 """
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -24,7 +25,6 @@ import warnings
 from pathlib import Path
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from lab.errors import ConfigError
@@ -146,28 +146,46 @@ def _damage(e: Exception) -> str:
 
 
 # What the reader met, not damage in the files: a step that failed to restore for one of
-# these may be whole, so it is never moved aside and the resume stops instead.
+# these may be whole, so it is never moved aside and the resume stops instead. Matched in the
+# first line of each error, paths taken out (a folder may be named anything).
 _READER_FAILURES = (
     ("permission denied", "its files cannot be read here: permission denied"),
+    ("operation not permitted", "its files cannot be read here: operation not permitted"),
     ("resource_exhausted", "out of memory while restoring it"),
     ("out of memory", "out of memory while restoring it"),
+    ("cannot allocate memory", "out of memory while restoring it"),
+    ("too many open files", "too many open files"),
+    ("stale file handle", "its file system went away (stale file handle)"),
+    ("transport endpoint is not connected", "its file system went away"),
+    ("unavailable:", "its storage did not answer (UNAVAILABLE)"),
     ("deadline_exceeded", "the run's processes did not restore it together (a peer stopped?)"),
     ("gloo context", "the run's processes did not restore it together (a peer stopped?)"),
 )
+_READER_ERRNOS = {
+    errno.EACCES: _READER_FAILURES[0][1],
+    errno.EPERM: _READER_FAILURES[1][1],
+    errno.ENOMEM: _READER_FAILURES[2][1],
+    errno.EMFILE: _READER_FAILURES[5][1],
+    errno.ENFILE: _READER_FAILURES[5][1],
+    errno.ESTALE: _READER_FAILURES[6][1],
+    errno.ENOTCONN: _READER_FAILURES[7][1],
+}
 
 
 def _reader_failure(e: BaseException) -> str | None:
-    """Why a restore failed where the cause is the reader (permissions, memory, the other
-    processes of the run), not the step: from the error or any error it came from."""
+    """Why a restore failed where the cause is the reader (permissions, memory, the file
+    system, the other processes of the run), not the step: from the error or any it came
+    from."""
     seen = 0
     while e is not None and seen < 16:
-        if isinstance(e, PermissionError):
-            return _READER_FAILURES[0][1]
+        if isinstance(e, OSError) and e.errno in _READER_ERRNOS:
+            return _READER_ERRNOS[e.errno]
         if isinstance(e, MemoryError):
-            return _READER_FAILURES[1][1]
-        text = str(e).lower()
+            return _READER_FAILURES[2][1]
+        first = (str(e).strip().splitlines() or [""])[0]
+        first = re.sub(r"""("[^"]*"|'[^']*'|/\S+)""", "", first).lower()
         for needle, why in _READER_FAILURES:
-            if needle in text:
+            if needle in first:
                 return why
         e, seen = e.__cause__ or e.__context__, seen + 1
     return None
@@ -248,11 +266,18 @@ def set_aside_strays(run_dir, warn) -> None:
 
 
 def _finite(state) -> bool:
-    return all(
-        np.isfinite(np.asarray(x)).all()
+    """Every floating value of `state` finite, checked where the values are: a jitted
+    reduction whose one boolean every process can read (in a job of several processes a
+    process holds only its shards of a split weight, and cannot fetch the others')."""
+    leaves = [
+        x
         for x in jax.tree.leaves(state)
-        if np.issubdtype(np.asarray(x).dtype, np.floating)
-    )
+        if hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+    ]
+    if not leaves:
+        return True
+    ok = jax.jit(lambda xs: jax.numpy.stack([jax.numpy.isfinite(x).all() for x in xs]).all())
+    return bool(ok(leaves))
 
 
 def restore_latest(

@@ -383,21 +383,25 @@ def _changed_on_resume(run_dir: Path, cfg: Config) -> str:
 def _schedule_note(run_dir: Path, cfg: Config, step: int) -> str:
     """Where a resume's steps= moves the learning rate's cosine (it decays over the run's
     steps): 'steps 500 → 170: the learning rate's decay now ends at step 170 (step 167: lr
-    2.35e-03 → 3.04e-04)'; empty where the rate the next step takes is unchanged."""
+    2.35e-03 → 3.04e-04)', the rate the run as saved would have taken against this one's
+    (inside the warm-up, the same: no rates); empty where steps= is the run's own."""
     try:
-        before = rundir.saved_config(run_dir).get("steps")
+        saved = rundir.saved_config(run_dir)
     except ConfigError:
         return ""
+    before = saved.get("steps")
     if not isinstance(before, int) or before == cfg.steps:
         return ""
-    was = float(lr_schedule(dataclasses.replace(cfg, steps=before))(step))
+    kept = {k: saved[k] for k in ("lr", "warmup_steps", "min_lr_ratio") if k in saved}
+    try:
+        was = float(lr_schedule(dataclasses.replace(cfg, **kept, steps=before))(step))
+    except (TypeError, ValueError):  # a damaged field: the rates are not said
+        was = None
     now = float(lr_schedule(cfg)(step))
-    if abs(now - was) <= 1e-3 * max(abs(was), 1e-12):
-        return ""
-    return (
-        f"steps {before} → {cfg.steps}: the learning rate's decay now ends at step {cfg.steps} "
-        f"(step {step + 1}: lr {was:.3g} → {now:.3g})"
-    )
+    note = f"steps {before} → {cfg.steps}: the learning rate's decay now ends at step {cfg.steps}"
+    if was is not None and abs(now - was) > 1e-3 * max(abs(was), 1e-12):
+        note += f" (step {step + 1}: lr {was:.3g} → {now:.3g})"
+    return note
 
 
 def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):

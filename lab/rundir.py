@@ -65,10 +65,12 @@ def check_fresh(run_dir: Path) -> None:
                 f"run folder {run_dir} already holds a plan for target={target} ({shown}): "
                 "choose another name=, or replace it with overwrite=true"
             )
+        # resume=true is offered only where there is a checkpoint to continue from
+        saved = any(p.name.isdigit() for p in (run_dir / "checkpoints").glob("*"))
+        go_on = "continue it with resume=true, " if saved else ""
         raise ConfigError(
             f"run folder {run_dir} already holds a run ({shown}): a folder belongs to one run; "
-            "continue it with resume=true, choose another name=, or clear it first with "
-            "overwrite=true"
+            f"{go_on}choose another name=, or clear it first with overwrite=true"
         )
 
 

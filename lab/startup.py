@@ -118,12 +118,19 @@ COMMANDS = (
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 
+_STARTED = "LAB_HUGE_PAGES_STARTED"  # set in the command started again: it never starts a third
+
+
 def huge_pages_tunables(environ, libc: tuple[str, str], thp_mode: str) -> str | None:
     """The GLIBC_TUNABLES value that puts the allocator in huge pages, or None where it would
     change nothing or the user decided (LAB_HUGE_PAGES=0, a hugetlb tunable of their own,
-    no glibc 2.35+, THP "never" or already "always")."""
+    no glibc 2.35+, THP "never" or already "always"), or where this is the command started
+    again already (a secure-execution process has its tunables cleared by glibc: asking
+    again would start it forever)."""
     tunables = environ.get("GLIBC_TUNABLES", "")
     if environ.get("LAB_HUGE_PAGES", "1") == "0" or "glibc.malloc.hugetlb" in tunables:
+        return None
+    if environ.get(_STARTED):
         return None
     name, version = libc
     try:
@@ -155,18 +162,34 @@ def huge_pages() -> None:
     except OSError:
         return
     value = huge_pages_tunables(os.environ, platform.libc_ver(), thp_mode)
-    argv = getattr(sys, "orig_argv", [])
-    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    module = main_module()
     if value is None or not (module.startswith("lab.") or module == "experiments"):
         return  # only the lab's own commands: a program importing lab is left as it runs
-    os.environ["GLIBC_TUNABLES"] = value
-    os.execv(sys.executable, argv)
+    before = os.environ.get("GLIBC_TUNABLES")
+    os.environ["GLIBC_TUNABLES"], os.environ[_STARTED] = value, "1"
+    try:
+        os.execv(sys.executable, sys.orig_argv)
+    except OSError:  # no interpreter to start (sys.executable empty): go on as it is
+        os.environ.pop(_STARTED, None)
+        if before is None:
+            os.environ.pop("GLIBC_TUNABLES", None)
+        else:
+            os.environ["GLIBC_TUNABLES"] = before
+
+
+def main_module() -> str:
+    """The module this interpreter was started to run with `python -m`, or "": read from the
+    interpreter's own options (`-m` before the program's arguments), not from an argument
+    of a script that happens to be "-m"."""
+    orig, argv = getattr(sys, "orig_argv", []), sys.argv
+    if not argv or len(orig) < len(argv) + 1 or orig[-len(argv) - 1] != "-m":
+        return ""
+    return orig[-len(argv)]
 
 
 def command() -> bool:
     """Whether this process is `python -m` one of COMMANDS."""
-    argv = getattr(sys, "orig_argv", [])
-    return "-m" in argv and argv[argv.index("-m") + 1 :][:1] in [[c] for c in COMMANDS]
+    return main_module() in COMMANDS
 
 
 def install() -> None:

@@ -400,3 +400,25 @@ def test_processes_started_with_different_keys_are_refused(tmp_path):
     assert errs[1].count("\n") == 1 and "lr: 0.003 on process 0, 0.1 on process 1" in errs[1]
     assert errs[0].startswith("error: process 1 of 2 refused the run: the processes were"), errs
     assert not (tmp_path / "R").exists()
+
+
+def test_a_launched_fsdp_run_resumes_past_a_damaged_step(tmp_path):
+    """Two processes, each holding only its shards of every weight (fsdp over 8 devices):
+    the resume checks the restored state is finite without fetching another process's
+    shards, and the damaged newest step is moved aside once, by the first process, while
+    both go on from the step before it."""
+    base = [sys.executable, "-m", "lab.tools.launch", "processes=2", *TINY[:-1], "mesh=fsdp:8"]
+    base += [f"out_dir={tmp_path}", "name=F", "checkpoint_every=2", "coordinator_timeout=30"]
+    first = subprocess.run([*base, "steps=4"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (tmp_path / "F" / "checkpoints" / "4" / "default" / "_METADATA").write_text("x")
+    again = subprocess.run(
+        [*base, "steps=6", "resume=true"], env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = again.stdout + again.stderr  # the launcher passes on its processes' lines
+    assert "resumed from checkpoint at step 2" in said
+    assert said.count("checkpoint step 4 is damaged") == 1  # said and moved by process 0
+    assert [p.name.split("-")[0] for p in (tmp_path / "F" / "checkpoints-damaged").iterdir()] == [
+        "4"
+    ]

@@ -126,6 +126,19 @@ def test_a_step_the_reader_cannot_restore_is_left_in_place_and_the_resume_stops(
     assert (run_dir / "metrics.jsonl").read_text() == metrics
 
 
+def test_a_damaged_step_in_a_folder_named_like_a_reader_failure_is_still_damage(tmp_path, capsys):
+    """The error's text names the folder: what it is called decides nothing."""
+    assert _run(tmp_path, "name=resource_exhausted-deadline_exceeded", "steps=4",
+                "checkpoint_every=2") == 0  # fmt: skip
+    run_dir = tmp_path / "resource_exhausted-deadline_exceeded"
+    _truncate_data(run_dir / "checkpoints" / "4")
+    capsys.readouterr()
+    assert _run(tmp_path, f"name={run_dir.name}", "steps=6", "resume=true") == 0
+    out = capsys.readouterr()
+    assert "resumed from checkpoint at step 2" in out.out
+    assert "checkpoint step 4 is damaged" in out.err
+
+
 def test_a_resume_with_nothing_to_resume_is_refused_not_started_again(saved, capsys):
     """A folder with no checkpoint, or none that restores, is not silently trained from step
     0 under the name of a resume (its metrics put aside as superseded): one line, exit 2,
@@ -137,6 +150,8 @@ def test_a_resume_with_nothing_to_resume_is_refused_not_started_again(saved, cap
     assert _run(tmp_path, "name=N", "steps=5", "resume=true") == 2
     _one_line_error(capsys, "holds no checkpoint")
     assert (tmp_path / "N" / "metrics.jsonl").read_text() == metrics
+    assert _run(tmp_path, "name=N", "steps=5") == 2  # and a fresh run does not send them back
+    assert "resume=true" not in _one_line_error(capsys, "already holds a run")
     for step in (2, 4, 6):
         _damage_metadata(run_dir / "checkpoints" / str(step))
     capsys.readouterr()
@@ -533,8 +548,19 @@ def test_a_resume_that_moves_the_learning_rates_decay_says_so(tmp_path, capsys):
     assert main([*args, "steps=40", "resume=true"]) == 0
     out = capsys.readouterr().out
     assert "steps 25 → 40: the learning rate's decay now ends at step 40 (step 26: lr" in out
-    assert main([*args, "steps=45", "resume=true"]) == 0  # 40 → 45 moves it again
-    assert "steps 40 → 45" in capsys.readouterr().out
+    assert main([*args, "steps=45", "resume=true", "lr=0.01"]) == 0  # 40 → 45 moves it again
+    out = capsys.readouterr().out
+    assert "steps 40 → 45" in out and "lr 0.003 → 0.01" in out
+    # the rate the run as saved would have taken (lr 0.003), against this one's (lr 0.01)
+    was, now = (float(x) for x in out.split("(step 41: lr ")[1].split(")")[0].split(" → "))
+    assert was < now  # a longer decay from a higher peak
+    # inside the warm-up the rate is the same either way: the moved decay is still said
+    args = [*TINY, f"out_dir={tmp_path}", "name=w", "warmup_steps=20", "checkpoint_every=3"]
+    assert main([*args, "steps=3"]) == 0
+    capsys.readouterr()
+    assert main([*args, "steps=30", "resume=true"]) == 0
+    out = capsys.readouterr().out
+    assert "steps 3 → 30: the learning rate's decay now ends at step 30\n" in out
 
 
 @pytest.mark.parametrize(

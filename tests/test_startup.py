@@ -83,6 +83,9 @@ MADVISE = "always [madvise] never\n"
         ({}, ("", ""), MADVISE, None),  # musl, or no libc to name
         ({}, GLIBC, "[always] madvise never\n", None),  # every allocation is in them already
         ({}, GLIBC, "always madvise [never]\n", None),
+        # started again already: glibc clears a secure-execution process's tunables, and
+        # asking again would start it forever
+        ({"LAB_HUGE_PAGES_STARTED": "1"}, GLIBC, MADVISE, None),
     ],
 )  # fmt: skip
 def test_the_allocator_goes_in_huge_pages_only_where_it_changes_something(environ, libc, thp, want):
@@ -112,3 +115,46 @@ def test_a_command_starts_again_in_huge_pages_and_says_so():
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
         assert ("allocator in huge pages" in out.stdout) == said, out.stdout
+
+
+@pytest.mark.parametrize(
+    "orig, argv, want",
+    [
+        (["py", "-m", "lab.run", "a"], ["-m", "a"], "lab.run"),  # while the module is found
+        (["py", "-X", "dev", "-u", "-m", "lab.run", "a"], ["/p/run.py", "a"], "lab.run"),
+        (["py", "-m", "lab.run", "-m", "x"], ["-m", "-m", "x"], "lab.run"),
+        (["py", "s.py", "-m", "lab.x"], ["s.py", "-m", "lab.x"], ""),  # a script's argument
+        (["py", "-c", "import lab", "-m", "lab.x"], ["-c", "-m", "lab.x"], ""),
+        (["py", "-", "-m", "lab.x"], ["-", "-m", "lab.x"], ""),
+        (["py"], [""], ""),
+    ],
+)
+def test_the_main_module_is_read_from_the_interpreters_own_options(monkeypatch, orig, argv, want):
+    monkeypatch.setattr(startup.sys, "orig_argv", orig)
+    monkeypatch.setattr(startup.sys, "argv", argv)
+    assert startup.main_module() == want
+
+
+def test_a_command_that_cannot_start_again_goes_on_as_it_is(monkeypatch):
+    """No interpreter to start (sys.executable empty): the command runs with the system's
+    allocator, its environment as it was, and says nothing of huge pages."""
+    monkeypatch.setattr(startup.sys, "orig_argv", ["py", "-m", "lab.run"])
+    monkeypatch.setattr(startup.sys, "argv", ["-m"])
+    monkeypatch.setattr(startup.sys, "executable", "")
+    monkeypatch.setattr(startup.sys, "platform", "linux")
+    monkeypatch.setattr(startup, "huge_pages_tunables", lambda *a: "glibc.malloc.hugetlb=1")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("LAB_HUGE_PAGES_STARTED", raising=False)
+    import builtins
+    import io
+
+    real_open = builtins.open
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    monkeypatch.setattr(
+        builtins,
+        "open",
+        lambda f, *a, **k: io.StringIO(MADVISE) if f == thp else real_open(f, *a, **k),
+    )
+    startup.huge_pages()  # os.execv("") raises; caught
+    assert "GLIBC_TUNABLES" not in os.environ and "LAB_HUGE_PAGES_STARTED" not in os.environ
+    assert not startup.in_huge_pages()
