@@ -80,7 +80,9 @@ def test_a_fresh_run_refuses_a_folder_that_holds_a_run(earlier, tmp_path, capsys
     before = _snapshot(run_dir)
     capsys.readouterr()
     assert _run(tmp_path, f"name={name}", *new) == 2
-    _one_line_error(capsys, f"run folder {run_dir} already holds a run", "resume=true")
+    line = _one_line_error(capsys, f"run folder {run_dir} already holds a run", "overwrite=true")
+    # resume=true is offered only where a checkpoint is there to continue from
+    assert ("resume=true" in line) == (name == "ckpt"), line
     assert _snapshot(run_dir) == before  # nothing written, nothing removed
 
 

@@ -359,6 +359,18 @@ def test_a_batch_1_decode_product_compiles_to_a_gemm_not_a_product_in_memory():
     assert not product_in_memory(2)
 
 
+def _plan_memory(tmp_path, capsys, target: str, *keys: str) -> tuple[dict, float]:
+    """(the calculator's parts, the compiled total) of the small model's step planned for
+    `target` on one device, with `keys`."""
+    if target.startswith("tpu"):
+        pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
+    argv = [f"target={target}", "mesh=1", "model=small", *keys]
+    assert main([*argv, f"out_dir={tmp_path}", "name=plan"]) == 0
+    capsys.readouterr()
+    s = json.loads((tmp_path / "plan" / "summary.json").read_text())
+    return s["predicted_memory_per_device"], s["compiled_memory_per_device"]["total_bytes"]
+
+
 @needs_plugin
 @pytest.mark.slow_plan
 @pytest.mark.parametrize("target", ["gpu:h100", "tpu:v5e:1x1"])
@@ -369,24 +381,9 @@ def test_the_calculator_holds_naive_attention_against_the_accelerator_compilers(
     score buffers a block and XLA:TPU one (`naive_score_bytes`), where XLA:CPU keeps three and
     a cast. The calculator's total against each compiler's memory analysis of the whole step,
     within 25% (it was 2–3× over when it predicted every backend as the CPU)."""
-    if target.startswith("tpu"):
-        pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
-    argv = [
-        f"target={target}",
-        "mesh=1",
-        "model=small",
-        "n_layers=2",
-        "batch_size=8",
-        "seq_len=1024",
-        "attention=naive",
-        f"out_dir={tmp_path}",
-        "name=plan",
-    ]
-    assert main(argv) == 0
-    capsys.readouterr()
-    s = json.loads((tmp_path / "plan" / "summary.json").read_text())
-    compiled = s["compiled_memory_per_device"]["total_bytes"]
-    pred = s["predicted_memory_per_device"]
+    pred, compiled = _plan_memory(
+        tmp_path, capsys, target, "n_layers=2", "batch_size=8", "seq_len=1024", "attention=naive"
+    )
     assert pred["activations"] > compiled / 2  # the scores dominate: the term is what is tested
     assert abs(pred["total"] / compiled - 1) < 0.25, (pred, compiled)
 
@@ -400,27 +397,10 @@ def test_the_calculator_holds_scanned_layers_against_the_accelerator_compilers(
     """Scanned layers keep every residual their jaxpr names (lab.model.layer_census), which
     the unrolled formula misses: it read 0.62× of this H100 step. XLA:GPU holds one layer
     more for the backward, XLA:TPU does not."""
-    if target.startswith("tpu"):
-        pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
-    argv = [
-        f"target={target}",
-        "mesh=1",
-        "model=small",
-        "d_model=512",
-        "n_heads=4",
-        "n_kv_heads=4",
-        "n_layers=4",
-        "batch_size=8",
-        "seq_len=512",
-        "scan_layers=true",
-        f"out_dir={tmp_path}",
-        "name=plan",
-    ]
-    assert main(argv) == 0
-    capsys.readouterr()
-    s = json.loads((tmp_path / "plan" / "summary.json").read_text())
-    compiled = s["compiled_memory_per_device"]["total_bytes"]
-    pred = s["predicted_memory_per_device"]
+    keys = ("d_model=512", "n_heads=4", "n_kv_heads=4", "n_layers=4", "batch_size=8")
+    pred, compiled = _plan_memory(
+        tmp_path, capsys, target, *keys, "seq_len=512", "scan_layers=true"
+    )
     assert abs(pred["total"] / compiled - 1) < 0.1, (pred, compiled)
 
 
