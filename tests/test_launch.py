@@ -402,6 +402,7 @@ def test_processes_started_with_different_keys_are_refused(tmp_path):
     assert not (tmp_path / "R").exists()
 
 
+@pytest.mark.once
 def test_a_launched_fsdp_run_resumes_past_a_damaged_step(tmp_path):
     """Two processes, each holding only its shards of every weight (fsdp over 8 devices):
     the resume checks the restored state is finite without fetching another process's
