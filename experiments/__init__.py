@@ -28,7 +28,16 @@ MODULES = (
 # Modules whose run() also takes `plans`: the 7B/70B steps compiled for H100s (gpu_plans.py)
 # and the programs the step-time model predicts GPUs from (lab.predict), slow enough
 # (minutes) to stay out of the tiny and quick ledgers unless asked for.
-PLANNED = ("memory", "parallel", "inference", "training", "matmul", "hardware", "prediction")
+PLANNED = (
+    "roofline",
+    "memory",
+    "parallel",
+    "inference",
+    "training",
+    "matmul",
+    "hardware",
+    "prediction",
+)
 
 
 def plan_kwargs(name: str, plans: str, size: str) -> dict:

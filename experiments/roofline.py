@@ -3,6 +3,10 @@
 C06: the two roofs are measured (best matmul FLOP/s, copy bandwidth), then ops of growing
 arithmetic intensity (elementwise polynomials, x·W from matrix-vector to square) are timed
 under them: where an elementwise op lands against the matmul peak, and where the ridge is.
+The claim itself is judged on the lab's training step (the shared step, compiled here): each
+op of the compiled program at its roof, max(FLOPs / peak, bytes / bandwidth) with the roofs
+just measured, and the share of that time spent in ops below the ridge (memory-bound). With
+plans, the same share of the step compiled for an H100, from the step-time model.
 C07: host→device and device→host copies and, with two or more accelerators, a
 device→device copy. On a CPU every one of these is a memcpy in host memory: recorded as
 context, no PCIe or NVLink is crossed.
@@ -11,7 +15,14 @@ context, no PCIe or NVLink is crossed.
 import jax
 import jax.numpy as jnp
 
-from experiments.common import backend, pick, record
+from experiments.common import (
+    backend,
+    compile_probe,
+    pick,
+    predicted_step,
+    record,
+    step_config,
+)
 from lab.measure import ceilings, roofline, specs, timing
 
 CLAIMS = ("C06", "C07")
@@ -96,22 +107,24 @@ def _roofline_measured(be, size, budget) -> list[dict]:
     recs.append(
         record(
             "C06",
-            "elementwise_fraction_of_peak",
+            None,
             f"elementwise op (poly_1, {poly1.intensity:.2g} FLOP/B) over the matmul peak",
             poly1.flops_per_s / peak,
             "× peak",
             label="derived",
+            role="context",
             inputs={"poly_1_flops_per_s": poly1.flops_per_s, "peak_flops_per_s": peak},
         )
     )
     recs.append(
         record(
             "C06",
-            "ridge_point",
+            None,
             "ridge point: measured matmul peak / copy bandwidth",
             roofline.ridge_point(peak, bw),
             "FLOP/B",
             label="derived",
+            role="context",
             inputs={"peak_flops_per_s": peak, "bytes_per_s": bw},
         )
     )
@@ -120,7 +133,7 @@ def _roofline_measured(be, size, budget) -> list[dict]:
         recs.append(
             record(
                 "C06",
-                "ridge_point",  # reference: shown against the range, never a verdict
+                None,
                 f"{spec.name}: datasheet ridge (bf16 peak / HBM bandwidth)",
                 spec.peak_flops["bfloat16"] / spec.memory_bandwidth,
                 "FLOP/B",
@@ -130,7 +143,88 @@ def _roofline_measured(be, size, budget) -> list[dict]:
                 spec_source=spec.source_of("memory_bandwidth"),
             )
         )
-    return recs
+    return recs + _step_at_roofs(size, roof)
+
+
+# the model's dtype names (lab.predict.model) for the matmuls lab.measure.ceilings times
+_PEAK_DTYPES = {"float8_e4m3fn": "float8"}
+
+
+def step_at_roofs(compiled, peaks: dict, bandwidth: float, mesh=None) -> dict:
+    """A compiled program with every op at its roof: max(FLOPs / peak[dtype], bytes /
+    bandwidth) per op, no efficiency below the roofs and no fixed cost per op
+    (lab.predict.model with its free parameters at their ideal values), collectives left
+    out. {"compute_s", "memory_s", "share" (memory-bound ops' share of the time), "ops"
+    (memory-bound, compute-bound)}."""
+    from lab.predict.model import Machine, predict_compiled
+
+    machine = Machine("roofs", dict(peaks), bandwidth, {})
+    pred = predict_compiled(compiled, machine, mesh)
+    busy = pred.compute_s + pred.memory_s + pred.custom_s
+    kinds = [o.kind for o in pred.ops]
+    return {
+        "compute_s": pred.compute_s,
+        "memory_s": pred.memory_s,
+        "share": pred.memory_s / busy if busy else None,
+        "ops": (kinds.count("memory"), kinds.count("compute")),
+    }
+
+
+def _step_at_roofs(size: str, roof: dict) -> list[dict]:
+    """C06's verdict: the share of the shared training step's time, each op at the roofs
+    measured above, that memory-bound ops take."""
+    peaks: dict[str, float] = {}
+    for (dtype, _), m in roof["matmuls"].items():
+        name = _PEAK_DTYPES.get(dtype, dtype)
+        peaks[name] = max(peaks.get(name, 0.0), m["flops_per_s"])
+    probe = compile_probe(step_config(size))
+    cfg = probe["cfg"]
+    split = step_at_roofs(probe["compiled"], peaks, roof["bandwidth"], probe["trainer"].mesh)
+    if split["share"] is None:
+        return []
+    memory_ops, compute_ops = split["ops"]
+    return [
+        record(
+            "C06",
+            "memory_bound_share",
+            f"the training step ({cfg.preset}, batch {cfg.batch_size} × {cfg.seq_len}, "
+            f"{cfg.model.dtype}) compiled here, each op at the measured roofs: the share of "
+            f"its time in memory-bound ops ({memory_ops} ops below the ridge, {compute_ops} "
+            "above)",
+            split["share"],
+            "× step",
+            label="derived",
+            compute_s=split["compute_s"],
+            memory_s=split["memory_s"],
+            peaks=peaks,
+            bytes_per_s=roof["bandwidth"],
+        )
+    ]
+
+
+def _step_share_predicted(size: str) -> list[dict]:
+    """The same share for the step compiled for an H100, timed by the step-time model."""
+    pred = predicted_step(size, "h100-sxm")
+    if not pred:
+        return []
+    b = pred["breakdown"]
+    busy = b["compute"] + b["memory"] + b["custom kernels"]
+    if not busy:
+        return []
+    return [
+        record(
+            "C06",
+            "memory_bound_share",
+            f"the training step compiled for {pred['target']} (bf16): the share of its time "
+            "in memory-bound ops",
+            b["memory"] / busy,
+            "× step",
+            label="predicted",
+            target="h100-sxm",
+            breakdown=b,
+            model_error=pred["statement"],
+        )
+    ]
 
 
 def _copy_bandwidths(be, sizes, budget) -> list[dict]:
@@ -204,11 +298,15 @@ def _copy_bandwidths(be, sizes, budget) -> list[dict]:
     return recs
 
 
-def run(size: str = "quick") -> list[dict]:
+def run(size: str = "quick", plans: bool = False) -> list[dict]:
     """C06 and C07 with the ceilings' own sizes (lab.measure.ceilings.sizes): one
-    implementation of every roof for the ledger and lab.tools.ceilings."""
+    implementation of every roof for the ledger and lab.tools.ceilings. plans=True adds C06's
+    share for the step compiled for an H100 (the step-time model)."""
     be = backend()
     budget = pick(size, tiny=0.01, quick=0.3, full=1.0)
-    return _roofline_measured(be, size, budget) + _copy_bandwidths(
-        be, ceilings.sizes(be, size), budget
+    predicted = _step_share_predicted(size) if plans and be != "gpu" else []
+    return (
+        _roofline_measured(be, size, budget)
+        + predicted
+        + _copy_bandwidths(be, ceilings.sizes(be, size), budget)
     )

@@ -317,3 +317,43 @@ def test_compare_derives_no_cross_machine_ratio_from_different_steps():
     assert ratio["config"]["metric"] == "gpu_cpu_train_speedup"
     assert ratio["value"] == pytest.approx(1.0e6 / 2.95e3)
     assert compare.unmatched_steps([cpu, same]) == []
+
+
+def test_step_at_roofs_times_each_op_at_its_roof():
+    """C06's share: a product above the ridge is compute-bound and an elementwise pass below it
+    is memory-bound, each timed as max(FLOPs / peak, bytes / bandwidth) from the compiled
+    program's own counts; the share moves with the roofs, as a ridge does."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.roofline import step_at_roofs
+
+    n = 256
+    x = jnp.asarray(jax.random.normal(jax.random.key(0), (n, n)), jnp.float32)
+    matmul = jax.jit(lambda a, b: a @ b).lower(x, x).compile()
+    peak, bw = 1e11, 1e10  # a ridge of 10 FLOP/B; the product's intensity is n / 6 ≈ 43
+    split = step_at_roofs(matmul, {"float32": peak}, bw)
+    assert split["ops"] == (0, 1) and split["share"] == 0.0
+    assert split["compute_s"] == pytest.approx(2 * n**3 / peak, rel=1e-6)
+
+    scale = jax.jit(lambda a: a * 3.0).lower(x).compile()
+    split = step_at_roofs(scale, {"float32": peak}, bw)
+    assert split["ops"] == (1, 0) and split["share"] == 1.0
+    assert split["memory_s"] == pytest.approx(2 * n * n * 4 / bw, rel=1e-6)
+
+    # the same product below a ridge of 100 FLOP/B is memory-bound
+    assert step_at_roofs(matmul, {"float32": 1e12}, bw)["ops"] == (1, 0)
+
+
+@pytest.mark.once
+def test_c06_is_judged_on_the_compiled_steps_share(tiny_run):
+    """C06's verdict rests on the training step's memory-bound share, a figure that can fall
+    on either side of its range; the ridge and the elementwise rate are context."""
+    (c06,) = [v for v in judge_all(tiny_run["records"]) if v.claim.id == "C06"]
+    (check,) = c06.checks
+    assert check.stated.metric == "memory_bound_share"
+    (reading,) = check.readings
+    r = reading.record
+    assert r["label"] == "derived" and 0.0 < r["value"] < 1.0
+    c = r["config"]
+    assert r["value"] == pytest.approx(c["memory_s"] / (c["memory_s"] + c["compute_s"]))
