@@ -9,6 +9,7 @@ name the measured inputs they were derived from in `inputs` and the spec entry i
 
 import functools
 import math
+import os
 import time
 
 import jax
@@ -82,6 +83,14 @@ def llama_shape(size: str) -> dict:
 
 def backend() -> str:
     return jax.default_backend()
+
+
+def cores_used() -> int:
+    """CPU cores this process may run on (XLA's CPU thread pool is sized to them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def cpu_device():

@@ -1,7 +1,8 @@
 """C19, C20: what the device says about itself, and TPU against H100.
 
 C20: the device's own report (kind, count, streaming multiprocessors where the GPU backend
-exposes `core_count`, memory from the allocator) against the spec table and the articles.
+exposes `core_count`, memory from the allocator, L2 and shared memory per SM from the CUDA
+driver) against the spec table and the articles.
 Off a GPU the articles' H100 figures are set beside the spec table as reference (no verdict:
 nothing was measured). C19: with libtpu installed, the lab's step is compiled ahead of time
 for a TPU v5e chip and for four chips at four times the batch (weak scaling); the compiler's
@@ -23,7 +24,8 @@ from experiments.common import (
     train_probe,
 )
 from lab.config import override
-from lab.measure import memory, specs
+from lab.measure import cuda, memory, specs
+from lab.predict.model import at_roofs
 
 CLAIMS = ("C19", "C20")
 
@@ -86,6 +88,8 @@ def _device_report() -> list[dict]:
                 label="derived",
             )
         )
+    if dev.platform == "gpu":
+        recs += _driver_report(dev)
     for key in ("h100-sxm", "h100-nvl"):
         s = specs.SPECS[key]
         recs.append(
@@ -104,6 +108,27 @@ def _device_report() -> list[dict]:
     return recs
 
 
+def _driver_report(dev, lib=None) -> list[dict]:
+    """C20: the L2 cache and the shared memory of one SM, as the CUDA driver reports them for
+    `dev` (lab.measure.cuda); nothing where it cannot be read."""
+    hw = getattr(dev, "local_hardware_id", None)
+    attrs = cuda.driver_attributes(dev.id if hw is None else hw, lib=lib)
+    recs = []
+    if "shared_memory_per_sm_bytes" in attrs:
+        recs.append(
+            record(
+                "C20",
+                "shared_memory_per_sm",
+                "shared memory per SM, the most a kernel can have (CUDA driver)",
+                attrs["shared_memory_per_sm_bytes"],
+                "B",
+            )
+        )
+    if "l2_bytes" in attrs:
+        recs.append(record("C20", "l2_cache", "L2 cache (CUDA driver)", attrs["l2_bytes"], "B"))
+    return recs
+
+
 def _aot_step(devices, cfg) -> dict:
     """Compile the lab step for TPU devices that are not here; the compiler's plan."""
     from experiments.common import build_trainer
@@ -113,7 +138,13 @@ def _aot_step(devices, cfg) -> dict:
     cfg, trainer = build_trainer(cfg, devices=devices)
     compiled = trainer.lower().compile()
     plan = summary.analyse(compiled, cfg, lab_devices.describe_target(devices), trainer)
-    return {"cfg": cfg, "plan": plan, "tokens": cfg.batch_size * cfg.seq_len}
+    return {
+        "cfg": cfg,
+        "plan": plan,
+        "tokens": cfg.batch_size * cfg.seq_len,
+        "compiled": compiled,
+        "mesh": trainer.mesh,
+    }
 
 
 def _tpu_devices():
@@ -126,13 +157,31 @@ def _tpu_devices():
         return None
 
 
-def roofline_seconds(compiled_cost: dict, key: str) -> float:
-    """Lower bound on a step's time on a spec entry: its FLOPs at the bf16 peak or its bytes
-    at the HBM bandwidth, whichever is longer."""
+def roofline_seconds(compiled, key: str, mesh=None) -> float:
+    """A step's time with every op of its compiled program at a spec entry's roofs: max(its
+    FLOPs over the datasheet peak of its dtype, its bytes over the HBM bandwidth), summed
+    (lab.predict.model.at_roofs: the step-time model with efficiencies 1 and no fixed
+    costs, which is what it predicts for a TPU, where nothing calibrates it)."""
     spec = specs.SPECS[key]
-    return max(
-        compiled_cost["flops"] / spec.peak_flops["bfloat16"],
-        compiled_cost.get("bytes accessed", 0.0) / spec.memory_bandwidth,
+    return at_roofs(compiled, spec.peak_flops, spec.memory_bandwidth, mesh)["seconds"]
+
+
+def _roofline_error() -> str:
+    """How wrong the roofline bound is, as far as it was measured: on the TPU it is the
+    step-time model, whose held-out error lab/predict/fits.json keeps; on a GPU it is not."""
+    from lab.predict.step import fits
+
+    err = (fits().get("tpu") or {}).get("held_out") or {}
+    tpu = (
+        f"on the TPU, {err['median']:.0%} median, worst {err['worst']:.2f}×, on {err['n']} "
+        f"held-out published point{'s' if err['n'] != 1 else ''}"
+        if err.get("n")
+        else "on the TPU, not measured"
+    )
+    return (
+        f"roofline bound of the compiled step (every op at the datasheet roofs, no "
+        f"efficiencies, no fixed costs); its error {tpu}; on the H100, not measured (plans=on "
+        "times the H100's own program by the fitted model)"
     )
 
 
@@ -153,7 +202,7 @@ def _tpu_step_compiled(size: str) -> list[dict]:
     t1, t4 = (x["plan"]["aot"]["estimated_step_s"] for x in (one, four))
     per_chip = one["tokens"] / t1
     compiled = one["plan"]["compiled_cost_per_device"]
-    bound = {k: roofline_seconds(compiled, k) for k in ("tpu-v5e", "h100-sxm")}
+    bound = {k: roofline_seconds(one["compiled"], k, one["mesh"]) for k in ("tpu-v5e", "h100-sxm")}
     common = {
         "target_topology": TPU_TARGET,
         "estimate_source": one["plan"]["aot"]["estimate_source"],
@@ -187,15 +236,15 @@ def _tpu_step_compiled(size: str) -> list[dict]:
         record(
             "C19",
             "tpu_over_h100",
-            "TPU v5e chip over an H100: roofline bound of the same "
-            "compiled step (its FLOPs and bytes over each chip's bf16 peak and HBM bandwidth)",
+            "TPU v5e chip over an H100: the same compiled step with every op at each chip's "
+            "datasheet roofs",
             bound["h100-sxm"] / bound["tpu-v5e"],
             "×",
             label="predicted",
             target="tpu-v5e",
             bound_s=bound,
             compiled_cost=compiled,
-            model_error="roofline bound of the compiled step (plans=on: the step-time model)",
+            model_error=_roofline_error(),
             **spec_inputs("tpu-v5e", "memory_bandwidth"),
             **common,
         ),

@@ -21,11 +21,11 @@ MFU against published prefills (lab.studies.prediction).
 """
 
 import math
-import os
 
 from experiments.common import (
     accel_peak,
     backend,
+    cores_used,
     fallback,
     forward_probe,
     llama_preset,
@@ -56,14 +56,6 @@ RENTAL = ("t4", "rtx-4090", "a100-sxm4-80gb", "h100-sxm", "h200", "mi300x")
 # published decode figures, so its error is unknown (python -m lab.tools.prediction).
 DECODE_RULE = "decode roofline rule (bytes at the roof share reached here): error not measured"
 PREFILL_SEQ = 2048  # context over which the 7B/70B prefill's attention is counted
-
-
-def cores_used() -> int:
-    """CPU cores this process may run on (XLA's CPU thread pool is sized to them)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _sweep(size: str) -> list[dict]:

@@ -24,6 +24,7 @@ from experiments.common import (
     step_config,
 )
 from lab.measure import ceilings, roofline, specs, timing
+from lab.predict.model import at_roofs
 
 CLAIMS = ("C06", "C07")
 MiB = 2**20
@@ -150,26 +151,6 @@ def _roofline_measured(be, size, budget) -> list[dict]:
 _PEAK_DTYPES = {"float8_e4m3fn": "float8"}
 
 
-def step_at_roofs(compiled, peaks: dict, bandwidth: float, mesh=None) -> dict:
-    """A compiled program with every op at its roof: max(FLOPs / peak[dtype], bytes /
-    bandwidth) per op, no efficiency below the roofs and no fixed cost per op
-    (lab.predict.model with its free parameters at their ideal values), collectives left
-    out. {"compute_s", "memory_s", "share" (memory-bound ops' share of the time), "ops"
-    (memory-bound, compute-bound)}."""
-    from lab.predict.model import Machine, predict_compiled
-
-    machine = Machine("roofs", dict(peaks), bandwidth, {})
-    pred = predict_compiled(compiled, machine, mesh)
-    busy = pred.compute_s + pred.memory_s + pred.custom_s
-    kinds = [o.kind for o in pred.ops]
-    return {
-        "compute_s": pred.compute_s,
-        "memory_s": pred.memory_s,
-        "share": pred.memory_s / busy if busy else None,
-        "ops": (kinds.count("memory"), kinds.count("compute")),
-    }
-
-
 def _step_at_roofs(size: str, roof: dict) -> list[dict]:
     """C06's verdict: the share of the shared training step's time, each op at the roofs
     measured above, that memory-bound ops take."""
@@ -179,7 +160,7 @@ def _step_at_roofs(size: str, roof: dict) -> list[dict]:
         peaks[name] = max(peaks.get(name, 0.0), m["flops_per_s"])
     probe = compile_probe(step_config(size))
     cfg = probe["cfg"]
-    split = step_at_roofs(probe["compiled"], peaks, roof["bandwidth"], probe["trainer"].mesh)
+    split = at_roofs(probe["compiled"], peaks, roof["bandwidth"], probe["trainer"].mesh)
     if split["share"] is None:
         return []
     memory_ops, compute_ops = split["ops"]

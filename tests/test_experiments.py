@@ -326,23 +326,23 @@ def test_step_at_roofs_times_each_op_at_its_roof():
     import jax
     import jax.numpy as jnp
 
-    from experiments.roofline import step_at_roofs
+    from lab.predict.model import at_roofs
 
     n = 256
     x = jnp.asarray(jax.random.normal(jax.random.key(0), (n, n)), jnp.float32)
     matmul = jax.jit(lambda a, b: a @ b).lower(x, x).compile()
     peak, bw = 1e11, 1e10  # a ridge of 10 FLOP/B; the product's intensity is n / 6 ≈ 43
-    split = step_at_roofs(matmul, {"float32": peak}, bw)
+    split = at_roofs(matmul, {"float32": peak}, bw)
     assert split["ops"] == (0, 1) and split["share"] == 0.0
     assert split["compute_s"] == pytest.approx(2 * n**3 / peak, rel=1e-6)
 
     scale = jax.jit(lambda a: a * 3.0).lower(x).compile()
-    split = step_at_roofs(scale, {"float32": peak}, bw)
+    split = at_roofs(scale, {"float32": peak}, bw)
     assert split["ops"] == (1, 0) and split["share"] == 1.0
     assert split["memory_s"] == pytest.approx(2 * n * n * 4 / bw, rel=1e-6)
 
     # the same product below a ridge of 100 FLOP/B is memory-bound
-    assert step_at_roofs(matmul, {"float32": 1e12}, bw)["ops"] == (1, 0)
+    assert at_roofs(matmul, {"float32": 1e12}, bw)["ops"] == (1, 0)
 
 
 @pytest.mark.once
@@ -357,3 +357,55 @@ def test_c06_is_judged_on_the_compiled_steps_share(tiny_run):
     assert r["label"] == "derived" and 0.0 < r["value"] < 1.0
     c = r["config"]
     assert r["value"] == pytest.approx(c["memory_s"] / (c["memory_s"] + c["compute_s"]))
+
+
+class _FakeDriver:
+    """libcuda as ctypes sees it: the attribute values of an H100 SXM, and one call refused."""
+
+    VALUES = {38: 50 * 2**20, 81: 228 * 1024, 16: 132}
+
+    def __init__(self, refuse=()):
+        self.refuse, self.asked = set(refuse), []
+
+    def cuInit(self, flags):
+        return 0
+
+    def cuDeviceGet(self, ref, ordinal):
+        ref._obj.value = ordinal
+        return 0
+
+    def cuDeviceGetAttribute(self, ref, attr, dev):
+        self.asked.append((attr, dev.value))
+        if attr in self.refuse:
+            return 1
+        ref._obj.value = self.VALUES[attr]
+        return 0
+
+
+def test_c20_reads_l2_and_shared_memory_from_the_driver_and_judges_them():
+    """C20 on a GPU: the driver's L2 and shared memory per SM become records for the device
+    JAX numbers (its local hardware id), judged against 40–50 MB and 96 KB; an H100 holds on
+    the L2 and is off on the shared memory (228 KB). Without a driver: no record."""
+    import types
+
+    from experiments.hardware import _driver_report
+    from lab.measure import cuda
+    from lab.report.verdict import judge
+
+    lib = _FakeDriver()
+    dev = types.SimpleNamespace(id=3, local_hardware_id=1)
+    recs = _driver_report(dev, lib=lib)
+    assert {a for a, _ in lib.asked} == set(cuda.ATTRIBUTES.values())
+    assert {d for _, d in lib.asked} == {1}
+    by_metric = {r["config"]["metric"]: r for r in recs}
+    assert by_metric["l2_cache"]["value"] == 50 * 2**20
+    assert by_metric["shared_memory_per_sm"]["value"] == 228 * 1024
+    for r in recs:
+        r["backend"], r["device_kind"] = "gpu", "NVIDIA H100 80GB HBM3"
+    (c20,) = [c for c in CLAIMS if c.id == "C20"]
+    checks = {c.stated.metric: c.status for c in judge(c20, recs).checks}
+    assert checks["l2_cache"] == "holds" and checks["shared_memory_per_sm"] == "off"
+
+    refused = _driver_report(dev, lib=_FakeDriver(refuse={81}))
+    assert [r["config"]["metric"] for r in refused] == ["l2_cache"]
+    assert cuda.driver_attributes(0, lib=types.SimpleNamespace()) == {}  # no such symbols

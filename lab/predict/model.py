@@ -440,3 +440,22 @@ def predict_compiled(compiled, machine: Machine, mesh=None, *, custom_flops: flo
 
         found = {c.name: c for c in collectives_hlo.parse(text, dict(mesh.shape))}
     return predict(program, machine, found, custom_flops=custom_flops)
+
+
+def at_roofs(compiled, peaks: Mapping[str, float], bandwidth: float, mesh=None) -> dict:
+    """A compiled program with every op at its roof: max(FLOPs / peak[dtype], bytes /
+    bandwidth) per op, `predict` with no efficiency below the roofs and no fixed cost, the
+    collectives left out. {"seconds" (the ops' sum), "compute_s", "memory_s", "custom_s",
+    "share" (the memory-bound ops' share of the time; None for a program of no work), "ops"
+    (how many ops are memory-bound, how many compute-bound)}."""
+    pred = predict_compiled(compiled, Machine("roofs", dict(peaks), bandwidth, {}), mesh)
+    busy = pred.compute_s + pred.memory_s + pred.custom_s
+    kinds = [o.kind for o in pred.ops]
+    return {
+        "seconds": busy,
+        "compute_s": pred.compute_s,
+        "memory_s": pred.memory_s,
+        "custom_s": pred.custom_s,
+        "share": pred.memory_s / busy if busy else None,
+        "ops": (kinds.count("memory"), kinds.count("compute")),
+    }

@@ -544,7 +544,8 @@ CLAIMS: tuple[Claim, ...] = (
                 hi=355 * 1.25,
                 backends=("cpu",),
                 reading="6·N·D = 6 × 175e9 × 300e9 FLOPs over the training FLOP/s measured on "
-                "this CPU; 350–355 years ± 25%",
+                "this CPU; 350–355 years ± 25%. The articles name no CPU: the report also gives "
+                "this CPU's rate scaled linearly to a 128-core server CPU, as context",
                 if_off="355 years is what 3.1e23 FLOPs take at about 28 TFLOP/s, the tensor rate "
                 "of one V100 GPU, not of any CPU: the figure looks like a single-GPU estimate "
                 "relabelled",
@@ -740,7 +741,8 @@ CLAIMS: tuple[Claim, ...] = (
         "L2; the largest H100 has 192 GB",
         ("000", "003"),
         "hardware",
-        "what the device itself reports (SM count, memory) against the spec table",
+        "what the device itself reports (SM count, memory, L2 and shared memory per SM) against "
+        "the spec table",
         (
             Stated(
                 "cuda_cores",
@@ -763,6 +765,30 @@ CLAIMS: tuple[Claim, ...] = (
                 "against 192 GB ± 5%",
                 if_off="no H100 has 192 GB: the SXM and PCIe cards have 80 GB, the NVL 94 GB; "
                 "192 GB is an MI300X or B200",
+            ),
+            Stated(
+                "shared_memory_per_sm",
+                "Shared memory: 96 KB/SM (003)",
+                "003",
+                "B",
+                backends=("gpu",),
+                **about(96 * 1024, 1.05),
+                reading="the most shared memory one streaming multiprocessor offers, as the "
+                "CUDA driver reports it (cuDeviceGetAttribute), against 96 KiB ± 5%",
+                if_off="96 KB is a V100's SM; an A100's offers up to 164 KB and an H100's up to "
+                "228 KB of its 256 KB L1, set per kernel",
+            ),
+            Stated(
+                "l2_cache",
+                "L2 cache: 40-50 MB (003)",
+                "003",
+                "B",
+                lo=40e6,
+                hi=50 * 2**20,
+                backends=("gpu",),
+                reading="the L2 cache the CUDA driver reports, against 40 MB to 50 MiB (an "
+                "A100's and an H100's)",
+                if_off="the L2 differs by chip: an RTX 4090 has 72 MB, a T4 4 MB",
             ),
         ),
     ),
