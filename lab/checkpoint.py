@@ -103,6 +103,7 @@ class Saver:
     def __init__(self, mngr: ocp.CheckpointManager):
         self.mngr = mngr
         self.pending: int | None = None
+        self.started: list[int] = []  # every step this run began saving
 
     def save(self, step: int, state) -> bool:
         """Start saving `state` as `step` unless that step is already saved (a signal arriving
@@ -116,6 +117,7 @@ class Saver:
         except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for a failed write
             self.pending = None
             raise SaveError(step, self.mngr.directory, failure_reason(e)) from e
+        self.started.append(step)
         return True
 
     def finish(self) -> None:
@@ -124,6 +126,8 @@ class Saver:
         try:
             self.mngr.wait_until_finished()
         except Exception as e:  # noqa: BLE001 — as in save()
+            if step in self.started:
+                self.started.remove(step)
             raise SaveError(step, self.mngr.directory, failure_reason(e)) from e
 
 

@@ -15,6 +15,7 @@ event file (lab/tensorboard.py), both from process 0 only.
 
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import shutil
@@ -330,12 +331,23 @@ class _Reader:
         return None
 
 
-def _kept(cfg: Config, run_dir: Path, log) -> str:
+def _kept(cfg: Config, run_dir: Path, log, saver=None) -> str:
     """What the run folder keeps, read from the folder (never assumed): the newest complete
-    checkpoint, and the last step in metrics.jsonl."""
+    checkpoint, and the last step in metrics.jsonl. With the run's `saver`, checkpoints it
+    saved that are no longer there are said to be gone, not 'none saved yet'."""
     steps = checkpoint.saved_steps(run_dir)
+    started = [s for s in (saver.started if saver else []) if s != saver.pending]
     if steps:
         ckpt = f"checkpoint step {steps[-1]} in {checkpoint.folder(run_dir)}"
+    elif started:
+        n = len(started)
+        ckpt = (
+            f"no checkpoint: the {n} this run saved (the last at step {started[-1]}) are gone "
+            f"from {checkpoint.folder(run_dir)}"
+            if n > 1
+            else f"no checkpoint: the one this run saved (step {started[-1]}) is gone from "
+            f"{checkpoint.folder(run_dir)}"
+        )
     elif cfg.checkpoint_every:
         ckpt = "no checkpoint (none saved yet)"
     else:
@@ -348,6 +360,19 @@ def _kept(cfg: Config, run_dir: Path, log) -> str:
         last = max((r["step"] for r in records), default=None)
     metrics = f"metrics.jsonl to step {last}" if last is not None else "no metrics"
     return f"kept in {run_dir}: {ckpt}; {metrics}"
+
+
+# A write refused for these reasons is the folder's doing (a file where a folder should be, or
+# the reverse; no permission; a read-only file system): the request names an unusable folder,
+# a mistake the user corrects (exit 2). Any other (a full disk, an I/O error) is the machine's.
+_FOLDER_ERRNOS = (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST)
+
+
+def _start_failure(e: OSError, run_dir: Path) -> Exception:
+    """The error for a run folder that could not be written before any step ran: ConfigError
+    (exit 2) where the folder is unusable as it is, RunError (exit 1) otherwise."""
+    text = f"{_write_failure(e, run_dir)}: nothing was run"
+    return ConfigError(text) if e.errno in _FOLDER_ERRNOS else RunError(text)
 
 
 def _write_failure(e: Exception, run_dir: Path) -> str:
@@ -649,7 +674,7 @@ def _start_folder(cfg: Config, run_dir: Path, console, request: Request, stages:
             {**dataclasses.asdict(cfg), "request": asked, "block_order": order},
         )
     except OSError as e:
-        raise RunError(f"{_write_failure(e, run_dir)}: nothing was run") from None
+        raise _start_failure(e, run_dir) from None
 
 
 def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> int:
@@ -685,13 +710,13 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> 
         try:
             rundir.keep_metrics_before(run_dir, start)
         except OSError as e:
-            raise RunError(f"{_write_failure(e, run_dir)}: nothing was run") from None
+            raise _start_failure(e, run_dir) from None
     try:
         mngr = checkpoint.manager(run_dir) if (cfg.checkpoint_every or cfg.resume) else None
         log = rundir.MetricsLog(run_dir / "metrics.jsonl") if is_main else None
         records = _records(cfg, info, analysis, run_dir, log) if is_main else None
     except OSError as e:
-        raise RunError(f"{_write_failure(e, run_dir)}: nothing was run") from None
+        raise _start_failure(e, run_dir) from None
     saver = checkpoint.Saver(mngr) if mngr else None
     hist = History(step=start)
     end = _End(cfg, info, analysis, compile_s, run_dir, is_main, console, hist, saver, log)
@@ -756,7 +781,25 @@ class _End:
     def _result(self) -> dict:
         hist = self.hist
         times = summarise(hist.step_s[WARMUP_STEPS:] or hist.step_s or [math.nan], self.compile_s)
-        return summary.summarise_run(self.cfg, self.info, self.analysis, times, hist.losses)
+        return summary.summarise_run(
+            self.cfg, self.info, self.analysis, times, hist.losses, self._earlier_losses()
+        )
+
+    def _earlier_losses(self) -> list:
+        """(step, loss) metrics.jsonl keeps from before this process's first step (a resume's
+        earlier segments); [] for a fresh run or an unreadable file."""
+        first = self.hist.losses[0][0] if self.hist.losses else None
+        if not self.is_main or first is None or first <= 1:
+            return []
+        try:
+            records, _ = rundir.read_metrics(self.run_dir / "metrics.jsonl")
+        except (OSError, ValueError):
+            return []
+        return sorted(
+            (r["step"], r["loss"])
+            for r in records
+            if isinstance(r.get("step"), int) and r["step"] < first and "loss" in r
+        )
 
     def write_summary(self, *, show: bool = True) -> None:
         result = self._result()
@@ -777,7 +820,7 @@ class _End:
                 self.failed = self.failed or str(e)
 
     def report(self, signal_name: str | None) -> int:
-        kept = _kept(self.cfg, self.run_dir, self.log)
+        kept = _kept(self.cfg, self.run_dir, self.log, self.saver)
         step = self.hist.step
         if self.failed:
             ended = "ended" if step == self.cfg.steps else "stopped"
@@ -809,5 +852,5 @@ class _End:
         )
         if self.is_main and not self.summary_written:
             self.write_summary(show=False)  # the figures of the steps run, in milliseconds
-        kept = _kept(self.cfg, self.run_dir, self.log)
+        kept = _kept(self.cfg, self.run_dir, self.log, self.saver)
         print(f"{signal_name} again: exiting at once; {left}{kept}", file=sys.stderr)

@@ -513,3 +513,43 @@ def test_a_non_finite_first_step_after_a_resume_suspects_the_checkpoint(
         "loss is nan at step 3, the first after resuming from checkpoint step 2",
         "move checkpoints/2 out of the run folder",
     )
+
+
+def test_a_folder_that_cannot_take_the_metrics_is_a_mistake_exit_2(tmp_path, capsys):
+    """A run folder whose metrics.jsonl is a folder cannot be used as it is: one line naming
+    the file and why, exit 2 (a full disk, the machine's doing, stays exit 1), the checkpoint
+    kept, and the run resumes once the folder is mended."""
+    run_dir = tmp_path / "M"
+    assert _run(tmp_path, "name=M", "steps=2", "checkpoint_every=2") == 0
+    capsys.readouterr()
+    kept = (run_dir / "metrics.jsonl").read_bytes()
+    (run_dir / "metrics.jsonl").unlink()
+    (run_dir / "metrics.jsonl").mkdir()
+    assert _run(tmp_path, "name=M", "steps=4", "resume=true") == 2
+    _one_line_error(capsys, "metrics.jsonl could not be written in", "(Is a directory)")
+    assert (run_dir / "checkpoints" / "2").is_dir()
+    (run_dir / "metrics.jsonl").rmdir()
+    (run_dir / "metrics.jsonl").write_bytes(kept)
+    assert _run(tmp_path, "name=M", "steps=4", "resume=true") == 0
+
+
+def test_checkpoints_removed_during_a_run_are_said_to_be_gone(tmp_path, capsys, monkeypatch):
+    """A run whose checkpoints folder is emptied under it ends saying the checkpoints it saved
+    are gone, not that none was saved yet."""
+    import shutil
+
+    real = checkpoint.Saver.finish
+
+    def finish_then_remove(self):
+        real(self)
+        if self.started and self.started[-1] == 4:
+            shutil.rmtree(self.mngr.directory)
+
+    monkeypatch.setattr(checkpoint.Saver, "finish", finish_then_remove)
+    run_dir = tmp_path / "G"
+    assert _run(tmp_path, "name=G", "steps=4", "checkpoint_every=2") == 0
+    out = capsys.readouterr().out
+    assert (
+        f"no checkpoint: the 2 this run saved (the last at step 4) are gone from "
+        f"{run_dir}/checkpoints" in " ".join(out.split())
+    ), out
