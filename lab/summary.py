@@ -326,7 +326,12 @@ def mesh_peak(cfg: Config, info: DeviceInfo, n_devices: int) -> tuple[float | No
     return per_device * n_devices, f"spec-table {cfg.model.dtype} peak × {n_devices} devices"
 
 
-def summarise_run(cfg: Config, info: DeviceInfo, analysis: dict, times, losses) -> dict:
+def summarise_run(
+    cfg: Config, info: DeviceInfo, analysis: dict, times, losses, earlier=None
+) -> dict:
+    """The run's summary. `losses`: (step, loss) of the steps this process trained; `earlier`:
+    the (step, loss) metrics.jsonl holds from before a resume, so that the loss row covers the
+    run from its first step and the segment is named apart (`resumed_from`)."""
     tokens_per_s = cfg.batch_size * cfg.seq_len / times.median_s
     achieved = analysis["model_flops_per_token"] * tokens_per_s
     peak, peak_source = mesh_peak(cfg, info, analysis["devices"])
@@ -342,9 +347,18 @@ def summarise_run(cfg: Config, info: DeviceInfo, analysis: dict, times, losses) 
         "mfu": achieved / peak if peak else None,
         "predicted_step_time": _predicted_vs_measured(analysis.get("predicted_step"), times),
         "memory_stats": stats,
-        "loss_first": losses[0][1] if losses else None,
+        "loss_first": (earlier or losses)[0][1] if (earlier or losses) else None,
         "loss_last": losses[-1][1] if losses else None,
         "steps_run": len(losses),
+        **(
+            {
+                "resumed_from": losses[0][0] - 1 if losses else None,
+                "loss_first_step": earlier[0][0],
+                "segment_loss_first": losses[0][1] if losses else None,
+            }
+            if earlier
+            else {}
+        ),
     }
 
 

@@ -183,6 +183,10 @@ class RunSummary:
     predicted: PredictedVsMeasured | None = None
     loss_first: float | None = None
     loss_last: float | None = None
+    # after a resume: the step the run resumed from, and the first loss of this segment
+    resumed_from: int | None = None
+    segment_loss_first: float | None = None
+    loss_first_step: int | None = None  # the step of loss_first, after a resume
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -200,6 +204,9 @@ class RunSummary:
             predicted=p and PredictedVsMeasured(p["seconds"], p["ratio_to_measured"], p["error"]),
             loss_first=s["loss_first"],
             loss_last=s["loss_last"],
+            resumed_from=s.get("resumed_from"),
+            segment_loss_first=s.get("segment_loss_first"),
+            loss_first_step=s.get("loss_first_step"),
             source=dict(s),
         )
 

@@ -167,10 +167,11 @@ def top_ops_line(predicted: PredictedStep, n: int = 3) -> str:
 def run_summary(s: RunSummary) -> Table:
     t = Table(title="summary", show_header=False)
     st, a = s.step_time, s.analysis
+    since = f" since the resume at step {s.resumed_from}" if s.resumed_from is not None else ""
     t.add_row(
         "step time (median)",
         f"{duration(st.median_s)}  (p10 {duration(st.p10_s)}, "
-        f"p90 {duration(st.p90_s)}, {st.runs} steps)",
+        f"p90 {duration(st.p90_s)}, {st.runs} steps{since})",
     )
     p = s.predicted
     if p:
@@ -196,6 +197,13 @@ def run_summary(s: RunSummary) -> Table:
         + (f", {_mem(peak)} peak in use" if peak is not None else ""),
     )
     if s.loss_first is not None:
-        t.add_row("loss", f"{s.loss_first:.4f} → {s.loss_last:.4f}")
+        loss = f"{s.loss_first:.4f} → {s.loss_last:.4f}"
+        if s.resumed_from is not None and s.segment_loss_first is not None:
+            loss += (
+                f"  (the run from step {s.loss_first_step}, as metrics.jsonl logged it; since "
+                f"the resume at step {s.resumed_from}: "
+                f"{s.segment_loss_first:.4f} → {s.loss_last:.4f})"
+            )
+        t.add_row("loss", loss)
     _fitting_rows(t, a)
     return t
