@@ -553,3 +553,21 @@ def test_checkpoints_removed_during_a_run_are_said_to_be_gone(tmp_path, capsys, 
         f"no checkpoint: the 2 this run saved (the last at step 4) are gone from "
         f"{run_dir}/checkpoints" in " ".join(out.split())
     ), out
+
+
+def test_the_summary_after_a_resume_covers_the_run(tmp_path, capsys):
+    """After a resume the loss row starts at the run's first logged loss, not the segment's,
+    and the segment is named apart, in the table and in summary.json."""
+    run_dir = tmp_path / "R"
+    assert _run(tmp_path, "name=R", "steps=3", "checkpoint_every=3") == 0
+    first = json.loads((run_dir / "summary.json").read_text())["loss_first"]
+    capsys.readouterr()
+    assert _run(tmp_path, "name=R", "steps=5", "resume=true") == 0
+    s = json.loads((run_dir / "summary.json").read_text())
+    records, _ = rundir.read_metrics(run_dir / "metrics.jsonl")
+    by_step = {r["step"]: r["loss"] for r in records}
+    assert s["loss_first"] == first == by_step[1] and s["loss_first_step"] == 1
+    assert s["resumed_from"] == 3 and s["steps_run"] == 2
+    assert s["segment_loss_first"] == by_step[4] and s["loss_last"] == by_step[5]
+    out = " ".join(capsys.readouterr().out.split())
+    assert "since the resume at step 3" in out, out
