@@ -11,11 +11,16 @@ or on a multi-host TPU slice.
 
 Joining never ends in the runtime's C++ abort (a stack trace, exit 134): a process that joins
 first waits for the coordinator's port, and every process's whole join is bounded by a watchdog
-that prints one line and exits 2 when coordinator_timeout runs out. Once joined, `agreed_stop`
+that prints one line and exits 2 when coordinator_timeout runs out. Once joined, a process whose
+peer dies mid-run is not left blocked in a collective until the runtime aborts it: `PeerWatch`
+ends it in one line, exit 1, naming what the run folder keeps. (gloo, the CPU collectives, can
+still end a survivor at once in its own abort when a peer's connection breaks mid-transfer.)
+Once joined, `agreed_stop`
 makes a signal to any one process stop every process after the same step, and `agreed_folder`
 gives every process process 0's run folder, or its refusal.
 """
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -320,6 +325,125 @@ def _no_preemption_notifier() -> None:
     jax.config.update("jax_enable_preemption_service", False)
 
 
+ALIVE_KEYS = "lab/alive/"  # each joined process's beat counter, "done" once it ends cleanly
+PEER_LOST_S = 30.0  # a peer silent this long is lost (JAX's own heartbeat timeout is 100 s)
+BEAT_S = 1.0
+
+
+class PeerWatch:
+    """Ends this process in one line (exit 1) when a peer of the job is gone.
+
+    A process that dies (SIGKILL, a crash, a host lost) leaves its peers blocked in their next
+    collective until JAX's distributed service misses its heartbeats (100 s) and aborts them in
+    the runtime: a fatal log, a stack trace, exit 134. JAX's runtime takes a callback for that
+    moment, but it cannot call Python (the status it passes has no Python type: std::bad_cast,
+    then std::terminate). So the lab keeps its own beat in the runtime's key-value store: each
+    process counts up every BEAT_S seconds and watches the others' counts. A peer whose count
+    has not moved for `lost_s` seconds (by this process's clock: no clocks are compared), or a
+    coordinator that has not answered for as long, ends this process with the line, before the
+    runtime's abort. A process that ends through Python (finished, stopped, refused) posts
+    "done", and its silence is no loss."""
+
+    def __init__(self, client, j: _Join, lost_s: float = PEER_LOST_S, beat_s: float = BEAT_S):
+        self.client, self.j, self.lost_s, self.beat_s = client, j, lost_s, beat_s
+        self.kept = None  # a callable naming what the run folder keeps (set by the loop)
+        self.count = 0
+        now = time.monotonic()
+        self.answered = now  # the coordinator's last answer
+        self.seen: dict[str, tuple[str, float]] = {}  # peer key → (its value, when it changed)
+        self.started = now
+        self.done = threading.Event()
+
+    def start(self) -> "PeerWatch":
+        for target in (self._beat, self._judge):
+            threading.Thread(target=target, daemon=True, name="lab-peer-watch").start()
+        return self
+
+    def _beat(self) -> None:
+        me = f"{ALIVE_KEYS}{self.j.process_id}"
+        while not self.done.wait(self.beat_s):
+            try:
+                self.count += 1
+                self.client.key_value_set(me, str(self.count), allow_overwrite=True)
+                posted = dict(self.client.key_value_dir_get(ALIVE_KEYS))
+            except Exception:  # noqa: BLE001 — the coordinator gone: _judge decides when
+                continue
+            now = time.monotonic()
+            self.answered = now
+            for key, value in posted.items():
+                if key != me and self.seen.get(key, ("", 0.0))[0] != value:
+                    self.seen[key] = (value, now)
+
+    def lost(self, now: float) -> str | None:
+        """Why this process must end now, or None."""
+        if now - self.answered > self.lost_s:
+            return (
+                f"the coordinator ({self.j.coordinator}, process 0) has not answered for "
+                f"{self.lost_s:g} s"
+            )
+        silent = sorted(
+            int(key.rsplit("/", 1)[-1])
+            for key, (value, when) in self.seen.items()
+            if value != "done" and now - when > self.lost_s
+        )
+        if now - self.started > 2 * self.lost_s:  # never heard from at all
+            heard = {int(key.rsplit("/", 1)[-1]) for key in self.seen}
+            others = set(range(self.j.num_processes)) - {self.j.process_id}
+            silent = sorted(set(silent) | (others - heard))
+        if silent:
+            which = ", ".join(str(p) for p in silent)
+            return f"process {which} has been silent for {self.lost_s:g} s"
+        return None
+
+    def _judge(self) -> None:
+        while not self.done.wait(self.beat_s):
+            why = self.lost(time.monotonic())
+            if why:
+                self._end(why)
+
+    def _end(self, why: str) -> None:
+        try:
+            kept = self.kept() if self.kept else ""
+        except Exception:  # noqa: BLE001 — the folder's state is a courtesy: the line must go out
+            kept = ""
+        print(
+            f"error: {self.j.where}: process {self.j.process_id} of {self.j.num_processes} "
+            f"lost its peers ({why}: it died, was killed or cannot be reached); this process "
+            f"cannot go on alone{'; ' + kept if kept else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    def stop(self) -> None:
+        """This process ends cleanly: its peers are told, and the watch stops."""
+        if self.done.is_set():
+            return
+        self.done.set()
+        with contextlib.suppress(Exception):
+            self.client.key_value_set(
+                f"{ALIVE_KEYS}{self.j.process_id}", "done", allow_overwrite=True
+            )
+
+
+_WATCH: list[PeerWatch] = []
+
+
+def on_peer_lost(kept) -> None:
+    """`kept()` names what the run folder keeps, for the line printed if a peer is lost."""
+    for w in _WATCH:
+        w.kept = kept
+
+
+def _watch_peers(j: _Join) -> None:
+    client = getattr(_distributed.global_state, "client", None)
+    if client is None or j.num_processes < 2:
+        return
+    w = PeerWatch(client, j).start()
+    _WATCH.append(w)
+    atexit.register(w.stop)
+
+
 def _join(j: _Join, timeout_s: int) -> None:
     _no_preemption_notifier()
     reached = threading.Event()
@@ -336,6 +460,7 @@ def _join(j: _Join, timeout_s: int) -> None:
             initialization_timeout=timeout_s,
             shutdown_timeout_seconds=min(timeout_s, 30),
         )
+        _watch_peers(j)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 — the runtime raises XlaRuntimeError and others

@@ -30,7 +30,7 @@ import numpy as np
 from lab import checkpoint, plans, rundir, startup, summary, tensorboard
 from lab.config import BACKEND_KEYS, Config
 from lab.data import host_batch, to_global
-from lab.devices import PARENT_DEATH_SIGNAL, agreed_folder, agreed_stop
+from lab.devices import PARENT_DEATH_SIGNAL, agreed_folder, agreed_stop, on_peer_lost
 from lab.errors import ConfigError, RunError
 from lab.measure import memory
 from lab.measure.gpu_kernels import Kernel
@@ -718,6 +718,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> 
     except OSError as e:
         raise _start_failure(e, run_dir) from None
     saver = checkpoint.Saver(mngr) if mngr else None
+    on_peer_lost(lambda: _kept(cfg, run_dir, log, saver) if is_main else "")
     hist = History(step=start)
     end = _End(cfg, info, analysis, compile_s, run_dir, is_main, console, hist, saver, log)
     events = records.events if records else contextlib.nullcontext()

@@ -1,0 +1,119 @@
+"""The lab's own beat between joined processes (lab.devices.PeerWatch): a peer gone quiet, or
+a coordinator that stopped answering, ends a process in one line before the runtime's abort;
+a peer that ended cleanly does not. A fake key-value store stands in for JAX's."""
+
+import threading
+import time
+
+import pytest
+
+from lab import devices
+
+
+class Store:
+    """The runtime client's key-value calls, over one dict shared by every process."""
+
+    def __init__(self):
+        self.kv, self.lock, self.down = {}, threading.Lock(), False
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
+        with self.lock:
+            self.kv[key] = value
+
+    def key_value_dir_get(self, prefix):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
+        with self.lock:
+            return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+def _join(pid, n=3):
+    return devices._Join(
+        where="coordinator=host:1234",
+        coordinator="host:1234",
+        num_processes=n,
+        process_id=pid,
+        start_hint="",
+        kwargs={},
+    )
+
+
+@pytest.fixture
+def ended(monkeypatch):
+    """Each watch's end recorded (its line), not the process exited."""
+    lines = {}
+
+    def end(self, why):
+        lines.setdefault(self.j.process_id, why)
+        self.done.set()
+
+    monkeypatch.setattr(devices.PeerWatch, "_end", end)
+    return lines
+
+
+def _watches(store, n=3, lost_s=0.4):
+    return [
+        devices.PeerWatch(store, _join(i, n), lost_s=lost_s, beat_s=0.02).start() for i in range(n)
+    ]
+
+
+def _wait(cond, timeout_s=5.0):
+    t0 = time.monotonic()
+    while not cond() and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_a_silent_peer_ends_the_others_and_is_named(ended):
+    store = Store()
+    w = _watches(store)
+    time.sleep(0.2)
+    w[2].done.set()  # process 2 dies: its beat stops, nothing posted
+    assert _wait(lambda: len(ended) == 2)
+    assert ended[0] == ended[1] == "process 2 has been silent for 0.4 s"
+    assert 2 not in ended
+
+
+def test_a_peer_that_ended_cleanly_is_no_loss(ended):
+    store = Store()
+    w = _watches(store)
+    time.sleep(0.2)
+    w[1].stop()
+    assert store.kv[f"{devices.ALIVE_KEYS}1"] == "done"
+    time.sleep(1.2)  # three times lost_s
+    assert ended == {}
+    for x in w:
+        x.stop()
+
+
+def test_a_coordinator_that_stops_answering_ends_every_process(ended):
+    store = Store()
+    _watches(store, n=2)
+    time.sleep(0.2)
+    store.down = True
+    assert _wait(lambda: len(ended) == 2)
+    assert ended[1] == "the coordinator (host:1234, process 0) has not answered for 0.4 s"
+
+
+def test_a_peer_never_heard_from_is_named_after_twice_the_wait(ended):
+    store = Store()
+    lone = devices.PeerWatch(store, _join(0, 2), lost_s=0.2, beat_s=0.02).start()
+    assert _wait(lambda: 0 in ended)
+    assert ended[0] == "process 1 has been silent for 0.2 s"
+    assert time.monotonic() - lone.started >= 0.4
+
+
+def test_the_line_names_the_folder_and_exits_1(monkeypatch, capsys):
+    codes = []
+    monkeypatch.setattr(devices.os, "_exit", codes.append)
+    w = devices.PeerWatch(Store(), _join(1, 2))
+    w.kept = lambda: "kept in /r: checkpoint step 4 in /r/checkpoints"
+    w._end("process 0 has been silent for 30 s")
+    err = capsys.readouterr().err
+    assert codes == [1] and err.count("\n") == 1
+    assert err.startswith("error: coordinator=host:1234: process 1 of 2 lost its peers")
+    assert err.rstrip().endswith(
+        "cannot go on alone; kept in /r: checkpoint step 4 in /r/checkpoints"
+    )
