@@ -241,13 +241,22 @@ def test_a_circular_pipelines_calculator_counts_its_recomputed_ticks():
     assert 0.7 <= ratio <= 1.15, ratio
 
 
-def test_a_gpipe_pipelines_calculator_counts_every_ticks_residuals():
+@pytest.mark.parametrize(
+    "extra, mesh",
+    [
+        ({}, "data:2,stage:4"),
+        ({"n_layers": 12, "remat": "dots"}, "data:4,stage:2"),
+    ],
+)
+def test_a_gpipe_pipelines_calculator_counts_every_ticks_residuals(extra, mesh):
     """GPipe keeps every tick's residuals of its stage's scanned layers (the census of each
-    block); the tick loop's own buffers are left out, so the figure stays below the step's."""
-    extra = {"n_layers": 8, "microbatches": 4, "batch_size": 16}
-    ratio = _predicted_over_compiled({**BASE, **extra, "mesh": "data:2,stage:4", "strategy": "pp"})
-    print(f"GPipe: predicted/compiled = {ratio:.3f}")
-    assert 0.75 <= ratio <= 1.05, ratio
+    block), and its backward copies one tick's residuals of the stage's layers out of the
+    stack and sums the stage's weight gradients twice (the calculator left both out and read
+    0.83-0.88 of the compiled step)."""
+    extra = {"n_layers": 8, "microbatches": 4, "batch_size": 16, **extra}
+    ratio = _predicted_over_compiled({**BASE, **extra, "mesh": mesh, "strategy": "pp"})
+    print(f"GPipe {extra} {mesh}: predicted/compiled = {ratio:.3f}")
+    assert 0.93 <= ratio <= 1.07, ratio
 
 
 def test_a_scanned_layers_share_of_the_compiled_step_is_its_census():

@@ -365,7 +365,10 @@ def predict_training_memory(
                    Circular (R > 1): each tick is recomputed in the backward, so a stage
                    keeps each tick's input and its stacked output (2·T·ticks·S/M·c·D), stage
                    0's M held microbatches (T·S·c·D) and one tick's n_layers/(S·R) layers as
-                   above (never more than their whole residuals).
+                   above (never more than their whole residuals). GPipe (R = 1, layers
+                   scanned): the backward also copies one tick's residuals of the stage's
+                   n_layers/S layers out of the stack (T·S/M·n_layers/S·A_kept, A_kept what
+                   each layer keeps under the remat policy).
       workspace  = T·transient (one block's attention backward)
                  + 2·T·vocab_size·4 / model (float32 logits and the softmax the loss gradient
                    needs)
@@ -376,6 +379,8 @@ def predict_training_memory(
                    with remat=none unscanned (kept from the forward for the backward), else
                    two layers'
                  + with K > 1, the float32 gradient accumulator, n_params·4 / P
+                 + GPipe with scanned layers: a second sum of the stage's layers' weight
+                   gradients (the layer loop's, apart from the tick loop's)
       total      = params + grads + optimizer + activations + workspace (device memory)
       host       = what offloading keeps in host memory instead
     A_layer, A_dots and transient are per-token bytes of one block, itemised in
@@ -443,6 +448,18 @@ def predict_training_memory(
         "offload": tick * a_layer,
     }[remat]
     host = tokens * resident * c * d_model if remat == "offload" else 0.0
+    stage_grads = 0.0
+    if stage > 1 and pipeline_repeats == 1 and census is not None and remat != "offload":
+        # GPipe's backward tick loop differentiates one tick of its stage at a time: XLA copies
+        # that tick's residuals of the stage's n_layers/S layers out of the stacked buffers
+        # into the layer loop's carry, and that loop sums the stage's weight gradients apart
+        # from the tick loop's own sum (both read from the compiled CPU step's loops)
+        layers = n_layers / stage
+        per_token += tick * layers * {"none": a_layer, "full": kept_input, "dots": a_dots}[remat]
+        head_dim = d_model // n_heads
+        per_layer = 2 * d_model + d_model * head_dim * 2 * (n_heads + n_kv_heads)
+        per_layer += 3 * d_model * d_ff
+        stage_grads = layers * per_layer * grad_bytes / (fsdp * model)
     if stage > 1 and pipeline_repeats > 1:
         # The circular schedule recomputes each tick in its backward (lab/kernels/pipeline.py
         # checkpoints the stage): it keeps every tick's input, the M microbatches stage 0
@@ -480,7 +497,9 @@ def predict_training_memory(
         "grads": n_params * grad_bytes / shards,
         "optimizer": 0.0 if offload_optimizer else optimizer_bytes,
         "activations": tokens * per_token,
-        "workspace": tokens * (tick * transient + 2 * vocab_size * F32 / model) + gathered,
+        "workspace": tokens * (tick * transient + 2 * vocab_size * F32 / model)
+        + gathered
+        + stage_grads,
     }
     out["total"] = sum(out.values())
     out["host"] = host + (optimizer_bytes if offload_optimizer else 0.0)
