@@ -168,7 +168,8 @@ def run(o: Options) -> int:
         task = bar.add_task("starting", total=len(names))
         for name in names:
             module = load(name)
-            bar.update(task, description=f"{name} ({', '.join(module.CLAIMS)})")
+            claims = f" ({', '.join(module.CLAIMS)})" if module.CLAIMS else ""
+            bar.update(task, description=f"{name}{claims}")
             start = time.perf_counter()
             meta["current"], meta["current_start"] = name, start
             try:

@@ -682,15 +682,22 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> 
     n_params = sum(x.size for x in jax.tree.leaves(trainer.abstract_state.params))
     console.print(
         tables.run_header(
-            cfg, info, n_params, dict(trainer.mesh.shape), attention_note=trainer.attention_note
+            cfg,
+            info,
+            n_params,
+            dict(trainer.mesh.shape),
+            attention_note=trainer.attention_note,
+            offloaded=trainer.resolved is None or trainer.resolved.offload_optimizer,
         )
     )
     for note in trainer.notes:  # what the compiled program does not do that was asked for
         console.print(f"  note      [yellow]{note}")
+    # the compiled step's memory is checked before the state is made: a model the host cannot
+    # hold is refused in one line, not killed by the kernel while its weights are drawn
+    analysis, compiled, compile_s = _analyse(cfg, info, trainer, console)
     state, start = (
         (None, 0) if cfg.compile_only else _restore(cfg, trainer, run_dir, is_main, console)
     )
-    analysis, compiled, compile_s = _analyse(cfg, info, trainer, console)
     if is_main:
         _start_folder(cfg, run_dir, console, request, dict(trainer.mesh.shape).get(STAGE, 1))
         ckpt = f" and checkpoint step {start}" if start else ""
@@ -831,7 +838,9 @@ class _End:
         if signal_name:
             saved = checkpoint.saved_steps(self.run_dir)
             if self.saver and saved and saved[-1] == step:
-                self.console.print(f"{signal_name}: checkpoint saved at step {step}")
+                self.console.print(
+                    f"{signal_name}: checkpoint saved at step {step} — {kept}", soft_wrap=True
+                )
             else:
                 self.console.print(f"{signal_name}: stopped at step {step}; {kept}", soft_wrap=True)
         if self.is_main:

@@ -1046,7 +1046,8 @@ def resolve(
         top = cfg.lr * (cfg.steps - 1) / cfg.warmup_steps  # the last update's, from 0
         notes += (
             f"warmup_steps={cfg.warmup_steps} > steps={cfg.steps}: the learning rate only "
-            f"reaches {top:.3g} of lr={cfg.lr:g} (the warm-up is linear from 0)",
+            f"reaches {top:.3g}, {top / cfg.lr:.0%} of lr={cfg.lr:g} (the warm-up is linear "
+            "from 0)",
         )
     if purpose in ("train", "plan") and not cfg.name:
         cfg = dataclasses.replace(cfg, name=stamped_name(cfg.preset, cfg.mesh))

@@ -412,3 +412,29 @@ def test_a_gemm_point_is_written_in_its_benchmarks_output_dtype():
         assert op.bytes == pytest.approx(m * k + k * n + size * m * n)
         at_fp8 = max(op.flops / h100.peak("float8"), op.bytes / h100.memory_bandwidth)
         assert op.seconds == pytest.approx(at_fp8), out
+
+
+def test_a_cache_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    for argv in ([f"cache_dir={blocker}"], ["loo=true", f"cache_dir={blocker}"]):
+        assert tool([*argv, "save=false"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: cannot write to '{blocker}': it is not a folder", err
+
+
+def test_a_fit_is_not_saved_over_points_that_failed_to_compile(tmp_path, monkeypatch):
+    """Points whose programs cannot be compiled here leave lab/predict/fits.json as it was:
+    a fit of nothing would replace the published points' fit with none."""
+    from lab.studies import prediction
+
+    points = prediction.load_points()[:2]
+    monkeypatch.setattr(prediction, "load_points", lambda ids=(): points)
+    fits = tmp_path / "fits.json"
+    fits.write_text('{"gpu": {"fit": {"compute_efficiency": 0.5}}}')
+    monkeypatch.setattr(prediction, "FITS", fits)
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    summary = prediction.run(points, blocker, write_fits=True)
+    assert prediction.failed_here(summary)  # the other point is dropped before compiling
+    assert fits.read_text() == '{"gpu": {"fit": {"compute_efficiency": 0.5}}}'

@@ -212,7 +212,7 @@ def test_a_warm_up_longer_than_the_run_is_noted_with_the_rate_it_reaches():
 
     s = open_session(keys=parse_keys(["model=tiny", "warmup_steps=50", "steps=10"]))
     (note,) = [n for n in s.trainer.notes if n.startswith("warmup_steps=50")]
-    assert "only reaches 0.00054 of lr=0.003" in note  # the 10th update's: 0.003 · 9/50
+    assert "only reaches 0.00054, 18% of lr=0.003" in note  # the 10th update's: 0.003 · 9/50
 
 
 def test_a_default_run_name_is_folder_safe():

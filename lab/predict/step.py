@@ -173,12 +173,18 @@ def predict_step(compiled, cfg, info: DeviceInfo, mesh, top: int = 8) -> Predict
         compiled, machine, mesh, custom_flops=attention_flops_per_device(cfg, mesh.size)
     )
     kind = "cpu" if machine.name.startswith("this CPU") else info.backend
+    error = error_statement("tpu" if kind == "tpu" else "gpu" if kind != "cpu" else "cpu")
+    if kind == "cpu" and getattr(info, "process_count", 1) > 1:
+        error += (
+            f"; fitted in one process: this run's {info.process_count} processes exchange "
+            "their collectives over gloo's TCP, which the model does not time"
+        )
     return PredictedStep(
         seconds=p.seconds,
         breakdown=p.breakdown(),
         collective_s=p.collective_s,
         machine=p.machine,
         top_ops=tuple(p.top(top)),
-        error=error_statement("tpu" if kind == "tpu" else "gpu" if kind != "cpu" else "cpu"),
+        error=error,
         machine_source=machine.source,
     )

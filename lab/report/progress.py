@@ -6,6 +6,7 @@ import sys
 from rich.console import Console
 from rich.progress import (
     BarColumn,
+    MofNCompleteColumn,
     Progress,
     TextColumn,
     TimeElapsedColumn,
@@ -106,7 +107,7 @@ def tasks(con: Console) -> Progress:
     return _Tasks(
         TextColumn("{task.description:<28}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
+        MofNCompleteColumn(),  # "3/?" where the count is not known ahead
         TimeElapsedColumn(),
         console=con,
     )

@@ -556,9 +556,16 @@ def run(
         held_out[v] = _stats([r for r in held if r.hardware.startswith("tpu") == (v == "tpu")])
     calibration = _stats([r for r in rows if r.role == "calibration"])
     summary = Summary(tuple(rows), fits, held_out, calibration)
-    if write_fits and len(points) == len(load_points()):
+    # a fit is saved from every point, each compiled: where some failed to compile here (a
+    # missing plugin, a folder that cannot be written) the saved fit is kept as it was
+    if write_fits and len(points) == len(load_points()) and not failed_here(summary):
         save_fits(summary)
     return summary
+
+
+def failed_here(summary: Summary) -> list:
+    """The rows whose program could not be compiled in this environment."""
+    return [r for r in summary.rows if (r.note or "").startswith("failed here")]
 
 
 def leave_one_out(cache_dir: Path, *, progress=None) -> list[tuple[str, float]]:

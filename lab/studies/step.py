@@ -66,11 +66,28 @@ def _tokens(s: Session):
     return to_global(batch, s.trainer.batch_sharding)
 
 
+def _check_room_for_two(analysis: dict, info) -> None:
+    """The bare step runs beside the lab's with its own weights and optimizer state: refuse,
+    in one line and before either is made, a model the device cannot hold twice."""
+    problem = summary.memory_problem(analysis, info)
+    if problem:
+        raise ConfigError(problem)
+    total = (analysis.get("compiled_memory_per_device") or {}).get("total_bytes")
+    cap = analysis.get("capacity_bytes_per_device")
+    if total and cap and 2 * total > cap:
+        raise ConfigError(
+            f"the bare step runs beside the lab's, each with its own weights and optimizer "
+            f"state: together about {2 * total / 2**30:.2f} GiB, and the device has "
+            f"{cap / 2**30:.2f} GiB: try a smaller model or batch_size"
+        )
+
+
 def compare_with_bare(s: Session, budget_s: float = 5.0) -> Comparison:
     """Both steps on one batch, timed alternately: bare (the baseline), then lab."""
     cfg, trainer = s.cfg, s.trainer
     tokens = _tokens(s)
     compiled = trainer.lower().compile()
+    _check_room_for_two(summary.analyse(compiled, cfg, s.info, trainer), s.info)
     lab_call = threaded(lambda st: compiled(st, tokens)[0], trainer.init(jax.random.key(cfg.seed)))
     params = jax.device_put(trainer.init(jax.random.key(cfg.seed)).params, jax.devices()[0])
     tx = make_optimizer(cfg)  # the same optimizer: only the machinery differs

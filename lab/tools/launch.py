@@ -97,6 +97,11 @@ def check(processes: int, keys: dict) -> dict:
         raise ConfigError(
             f"{', '.join(clash)}: set by lab.tools.launch for each process; leave out"
         )
+    if keys.get("target"):
+        raise ConfigError(
+            f"target={keys['target']}: a plan for hardware that is not here compiles in one "
+            "process and runs nothing: python -m lab.run target=… (without the launcher)"
+        )
     # a resume's processes take the run's own keys (Request.resumed): checked as they will run
     asked = Request.of(**keys).resumed().dict()
     cfg = defaults(make_config(**asked))

@@ -103,8 +103,10 @@ def _check_modes(o: Options) -> None:
         )
     if o.results != default.results and mode in ("cpu", "loo"):
         raise ConfigError(f"results= is where records go; {mode}=true prints its table only")
-    if o.save != default.save and mode == "loo":
-        raise ConfigError("save= writes a fit; loo=true only judges the model's form, saving none")
+    if mode != "cpu" and mode != "here":  # the published points' programs are cached there
+        records.writable_dir(o.cache_dir)
+    if mode is None:
+        records.writable_dir(o.results)
 
 
 def _saved_fits() -> dict:
@@ -154,6 +156,13 @@ def run(o: Options) -> int:
             f"worst {cal['worst']:.2f}×"
         )
     con.print(prediction.log_error(summary))
+    failed = prediction.failed_here(summary)
+    if failed and o.save and not o.only:
+        con.print(
+            f"[yellow]fit not saved: {len(failed)} point{'s' if len(failed) != 1 else ''} "
+            f"could not be compiled here (the first, {failed[0].id}: {failed[0].note}); "
+            "lab/predict/fits.json is kept as it was"
+        )
     return 0
 
 
@@ -284,4 +293,8 @@ if __name__ == "__main__":
     from lab.report.progress import survive_lost_output
 
     survive_lost_output()  # a reader gone (| head) loses no records or report
+    # the published points compile for GPUs and TPUs that are not here: XLA's warnings about
+    # their memory are the plans', not this machine's (cpu=true and here=true run here)
+    here = any(a in ("cpu=true", "here=true") for a in sys.argv[1:])
+    startup.native_log_level([] if here else ["target=published-points"])
     sys.exit(main())

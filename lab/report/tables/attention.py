@@ -13,7 +13,8 @@ from lab.report.tables.common import _mem
 def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
     """`lab.studies.attention.rows_of(records)`: one line per (seq, causal, mode, impl)."""
     t = Table(title=title)
-    cols = ("L=S", "causal", "mode", "impl", "time", f"vs {baseline}", "TFLOP/s")
+    # the time over the baseline's: below 1× is faster
+    cols = ("L=S", "causal", "mode", "impl", "time", f"time ÷ {baseline}'s", "TFLOP/s")
     for col in (*cols, "peak temp mem", "max error"):
         t.add_column(col, justify="right")
     for r in rows:

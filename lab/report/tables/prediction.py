@@ -26,7 +26,7 @@ def prediction_rows(rows, fits: dict[str, Fit]) -> Table:
         t.add_column(col, overflow="fold" if col == "point" else "ellipsis")
     for r in sorted(rows, key=lambda r: (r.role == "dropped", r.hardware, r.id)):
         unit = r.unit.split("(")[0].strip()
-        pred = "—" if r.predicted is None else f"{r.predicted:,.4g}"
+        pred = "—" if r.predicted is None else f"{r.predicted:,.4g} {unit}"
         err = "—" if r.error is None else f"{r.error:+.0%}"
         role = r.role if r.role != "dropped" else f"dropped: {r.note}"
         t.add_row(

@@ -14,9 +14,13 @@ from lab.report.format import duration, mib, percent
 from lab.report.tables.common import GIB, _mem
 
 
-def run_header(cfg, info, n_params: int, mesh_shape: dict, attention_note=None) -> str:
+def run_header(
+    cfg, info, n_params: int, mesh_shape: dict, attention_note=None, offloaded: bool = True
+) -> str:
     """The lines lab.run prints before compiling (rich markup); `attention_note`: why the
-    dispatch passed over the kernel it prefers here (lab.kernels.attention.choose_noted)."""
+    dispatch passed over the kernel it prefers here (lab.kernels.attention.choose_noted);
+    `offloaded`: whether the program keeps the optimizer state in host memory where
+    offload_optimizer=true asked for it (a plan's devices may list no host memory)."""
     m = cfg.model
     sizes = " × ".join(f"{a}={n}" for a, n in mesh_shape.items() if n > 1) or "1 device"
     return "\n".join(
@@ -30,8 +34,9 @@ def run_header(cfg, info, n_params: int, mesh_shape: dict, attention_note=None) 
             *([f"  attention [yellow]{attention_note}"] if attention_note else []),
             f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32",
             f"  data      {cfg.data}{' (packed documents)' if cfg.pack else ''}, "
-            f"batch {cfg.batch_size} × {cfg.seq_len} tokens, {cfg.steps} steps",
-            *_fitting_header(cfg),
+            f"batch {cfg.batch_size} × {cfg.seq_len} tokens, {cfg.steps} "
+            f"step{'s' if cfg.steps != 1 else ''}",
+            *_fitting_header(cfg, offloaded),
         ]
     )
 
@@ -47,7 +52,7 @@ def _mask_words(m) -> str:
     return words
 
 
-def _fitting_header(cfg) -> list[str]:
+def _fitting_header(cfg, offloaded: bool = True) -> list[str]:
     """The header's line for a pipeline, gradient accumulation or offloading, if any."""
     m, parts = cfg.model, []
     if cfg.strategy.startswith("pp") and m.microbatches:
@@ -55,10 +60,10 @@ def _fitting_header(cfg) -> list[str]:
         parts.append(f"pipeline of {m.microbatches} microbatches ({kind})")
     if cfg.accumulate > 1:
         parts.append(f"gradients accumulated over {cfg.accumulate} microbatches")
-    offloaded = ["optimizer state"] if cfg.offload_optimizer else []
-    offloaded += ["block inputs"] if m.remat == "offload" else []
-    if offloaded:
-        parts.append(f"in host memory: {' and '.join(offloaded)}")
+    host = ["optimizer state"] if cfg.offload_optimizer and offloaded else []
+    host += ["block inputs"] if m.remat == "offload" else []
+    if host:
+        parts.append(f"in host memory: {' and '.join(host)}")
     return [f"  fitting   {'; '.join(parts)}"] if parts else []
 
 

@@ -30,4 +30,13 @@ def sample_text(session, params, *, prompt: str, tokens: int, temperature: float
         out, _ = dec.generate(params, logits, cache, jax.random.key(seed))
     made = np.asarray(out[0])
     made = made[made >= 0]  # NO_TOKEN (NaN logits: a full cache, or a model that diverged)
-    return bytes(made.astype(np.uint8)).decode("utf-8", errors="replace")
+    text = bytes(made.astype(np.uint8)).decode("utf-8", errors="replace")
+    return printable(text)
+
+
+def printable(text: str) -> str:
+    """`text` safe for a terminal: control characters (an ESC would start a terminal command)
+    shown as escapes (\\x1b), newlines and tabs kept."""
+    return "".join(
+        c if c in "\n\t" or (c.isprintable() and c != "\x7f") else f"\\x{ord(c):02x}" for c in text
+    )

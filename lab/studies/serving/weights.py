@@ -13,6 +13,7 @@ import jax
 from lab import checkpoint, decode
 from lab.config import Config, ModelConfig, override
 from lab.errors import ConfigError
+from lab.mesh import parse_mesh_spec, strategy_mesh
 from lab.model import natural_layers
 from lab.names import STAGE
 from lab.resolve import Request, resolve
@@ -31,6 +32,23 @@ def config_of_run(run_dir: Path) -> Config:
         raise ConfigError(
             f"run={run_dir.name}: {run_dir / 'config.json'} is damaged ({e})"
         ) from None
+
+
+def _serving_mesh(saved: Config) -> dict:
+    """The mesh a trained run is served on unless mesh= is given: its tensor-parallel axis
+    (the weights stay split as they were trained), none of the axes that split the batch
+    (a decode of batch 1 splits over none; the trainer's data and fsdp axes would refuse
+    every small batch). A pipeline's run keeps its mesh."""
+    if saved.strategy.startswith("pp"):
+        return {}  # a pipeline's run is served on its own mesh (its microbatches need a stage)
+    try:
+        sizes = parse_mesh_spec(strategy_mesh(saved.mesh, saved.strategy))
+    except ConfigError:
+        return {}  # the run's mesh as it was: resolve says what is wrong with it
+    model = sizes.get("model", 1)
+    if model > 1 and saved.strategy in ("tp", "fsdp+tp", "pp+tp"):
+        return {"mesh": f"model:{model}", "strategy": "tp"}
+    return {"mesh": "1", "strategy": "dp"}
 
 
 def serving_request(run_dir: Path, keys: dict) -> Request:
@@ -52,6 +70,8 @@ def serving_request(run_dir: Path, keys: dict) -> Request:
                 "leave the model keys out to serve the run's own"
             )
     run_keys = {k: v for k, v in keys.items() if k not in shape_keys}
+    if "mesh" not in keys:
+        run_keys = {**_serving_mesh(saved), **run_keys}
     # serving needs neither the run's name, steps nor its checkpoint cadence
     over = {**run_keys, "name": "", "resume": False, "overwrite": False, "steps": 0}
     return Request.from_config(saved).with_keys(**over)
