@@ -571,3 +571,21 @@ def test_the_summary_after_a_resume_covers_the_run(tmp_path, capsys):
     assert s["segment_loss_first"] == by_step[4] and s["loss_last"] == by_step[5]
     out = " ".join(capsys.readouterr().out.split())
     assert "since the resume at step 3" in out, out
+
+
+def test_a_step_the_device_cannot_hold_is_refused_before_its_state_is_made(
+    tmp_path, capsys, monkeypatch
+):
+    """The compiled step's memory is checked before the weights are drawn: a model the host
+    cannot hold is one line and exit 2, not the kernel's kill while its state is made."""
+    from lab import train
+    from lab.measure import memory
+
+    monkeypatch.setattr(memory, "device_capacity_bytes", lambda device: 2**20)
+
+    def drawn(self, key):
+        raise AssertionError("the state was made before the step's memory was checked")
+
+    monkeypatch.setattr(train.Trainer, "init", drawn)
+    assert _run(tmp_path, "name=B", "steps=2") == 2
+    _one_line_error(capsys, "the compiled step needs", "but the device has 0.00 GiB")
