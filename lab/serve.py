@@ -108,7 +108,7 @@ def _check_serving_keys(keys: dict) -> None:
     hint = f" ({'; '.join(instead)})" if instead else ""
     them = "it" if len(given) == 1 else "them"
     raise ConfigError(
-        f"{', '.join(f'{k}=' for k in given)}: lab.serve trains nothing, so "
+        f"{', '.join(f'{k}={keys[k]}' for k in given)}: lab.serve trains nothing, so "
         f"{'this training key' if len(given) == 1 else 'these training keys'} would do "
         f"nothing: leave {them} out{hint}"
     )

@@ -128,7 +128,9 @@ def huge_pages_tunables(environ, libc: tuple[str, str], thp_mode: str) -> str | 
     again already (a secure-execution process has its tunables cleared by glibc: asking
     again would start it forever)."""
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if environ.get("LAB_HUGE_PAGES", "1") == "0" or "glibc.malloc.hugetlb" in tunables:
+    # off for 0 (and the usual words for no); any other value leaves it on
+    off = environ.get("LAB_HUGE_PAGES", "1").strip().lower() in ("0", "false", "no", "off")
+    if off or "glibc.malloc.hugetlb" in tunables:
         return None
     if environ.get(_STARTED):
         return None

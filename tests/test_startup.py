@@ -79,6 +79,8 @@ MADVISE = "always [madvise] never\n"
          "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),  # the user's tunables kept
         ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, GLIBC, MADVISE, None),  # their choice
         ({"LAB_HUGE_PAGES": "0"}, GLIBC, MADVISE, None),
+        ({"LAB_HUGE_PAGES": "off"}, GLIBC, MADVISE, None),
+        ({"LAB_HUGE_PAGES": "false"}, GLIBC, MADVISE, None),
         ({}, ("glibc", "2.31"), MADVISE, None),  # no hugetlb tunable before 2.35
         ({}, ("", ""), MADVISE, None),  # musl, or no libc to name
         ({}, GLIBC, "[always] madvise never\n", None),  # every allocation is in them already
