@@ -606,7 +606,10 @@ def options_help(cls, prog: str, doc: str, *, run_keys: bool = False) -> str:
     head = f"usage: {prog} [key=value ...]"
     lines = [head, "", doc.strip(), "", "keys:", *_key_lines(fields_of(cls))]
     if run_keys:
-        lines += ["", "and every key of python -m lab.run (python -m lab.run --help)"]
+        more = "and lab.run's keys (python -m lab.run --help)"
+        if "refused" in doc:  # a command that takes some of them only: its doc says which
+            more += ", as the text above says"
+        lines += ["", more]
     return "\n".join(lines)
 
 

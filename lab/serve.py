@@ -2,7 +2,7 @@
 
 Loads a trained run's newest checkpoint (`run=NAME`, from out_dir) or random weights of a
 preset (`model=base`, the default: its weights are several times a CPU's last-level cache),
-then measures on this machine: prefill latency and tokens/s; decode ms/token and tokens/s over
+then measures on this machine: prefill latency and tokens/s; decode ms/step and tokens/s over
 a batch sweep; the bytes a decode step must move (weights + KV cache), the bandwidth that
 achieves and its share of the best copy bandwidth measured (before the sweep and again after
 it: a shared host's bandwidth moves); the step's FLOPs per byte and the batch
