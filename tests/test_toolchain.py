@@ -352,3 +352,18 @@ def test_the_tuners_static_pass_is_captioned_with_its_compiler():
     tc = toolchain.Toolchain("13.5.37", None, None, "jax-cuda13-plugin 0.10.2")
     t = tables.static_pass(StaticPass("gpu:h100:1", "fwd", ()), "fwd K=64", tc)
     assert t.caption == "compiled by ptxas 13.5.37 · jax-cuda13-plugin 0.10.2"
+
+
+def test_auto_says_why_an_accelerator_falls_back_to_blockwise():
+    """`auto` on a TPU prefers pallas_tpu; a head_dim it does not take falls back to the
+    portable kernel with one line saying why, not silently. A shape it takes has no note."""
+    chosen, note = choose_noted("auto", *_qkv(head_dim=32), causal=True, backend="tpu")
+    assert chosen == "blockwise"
+    assert note == (
+        "blockwise instead of pallas_tpu, which does not take this input (q/k head_dim 32: "
+        "pallas_tpu supports q/k head_dim in (64, 128, 256) (dtypes float32, bfloat16))"
+    )
+    assert choose_noted("auto", *_qkv(head_dim=64), causal=True, backend="tpu") == (
+        "pallas_tpu",
+        None,
+    )

@@ -346,6 +346,18 @@ def _masked(S: int, features) -> bool:
     return S % 128 != 0 or bool(set(features) & MASK_FEATURES)
 
 
+def _not_taken(backend, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, features) -> str | None:
+    """'blockwise instead of pallas_tpu: it takes head_dim 64, 128 or 256 (here 32)'-like:
+    why `auto` fell back to the portable kernel on an accelerator, from the first kernel
+    it prefers there; None where no kernel was a candidate."""
+    first = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}[backend]
+    try:
+        _check(first, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, features)
+    except ValueError as e:
+        return f"blockwise instead of {first}, which does not take this input ({e})"
+    return None
+
+
 def _passed_over(note, chosen: str) -> str | None:
     if note is None:
         return None
@@ -451,6 +463,10 @@ def choose_noted(
     note = None
     if impl == "auto":
         impl, note = _auto(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, backend, features)
+        if impl == "blockwise" and note is None and backend in ("tpu", "gpu"):
+            why = _not_taken(backend, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, features)
+            if why:  # the accelerator's kernel did not take this input: said, not silent
+                return impl, why
     elif impl == "pallas" and backend == "gpu":  # the best GPU kernel that takes the input
         impl, note = _first_fit(
             gpu_kernels(), q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal, interpret, features

@@ -643,7 +643,7 @@ def _check_head_dim(x, what: str) -> None:
     d = x.shape[-1]
     if d % HEAD_DIM_MULTIPLE or not 0 < d <= MAX_HEAD_DIM:
         raise ValueError(
-            f"{x.shape=}: pallas_gpu supports {what} head_dim a multiple of "
+            f"{what} head_dim {d}: pallas_gpu supports {what} head_dim a multiple of "
             f"{HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} (dtypes float32, bfloat16, float16)"
         )
 

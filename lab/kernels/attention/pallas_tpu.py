@@ -583,7 +583,8 @@ def check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, *, causal: bool) -> None:
     for what, x in (("q/k", q_BxLxHxK), ("v", v)):
         if x.shape[-1] not in HEAD_DIMS:
             raise ValueError(
-                f"{x.shape=}: pallas_tpu supports {what} head_dim in {HEAD_DIMS} "
+                f"{what} head_dim {x.shape[-1]}: pallas_tpu supports {what} head_dim in "
+                f"{HEAD_DIMS} "
                 "(dtypes float32, bfloat16)"
             )
 
