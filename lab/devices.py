@@ -341,8 +341,11 @@ class PeerWatch:
     process counts up every BEAT_S seconds and watches the others' counts. A peer whose count
     has not moved for `lost_s` seconds (by this process's clock: no clocks are compared), or a
     coordinator that has not answered for as long, ends this process with the line, before the
-    runtime's abort. A process that ends through Python (finished, stopped, refused) posts
-    "done", and its silence is no loss."""
+    runtime's abort. The watch judges only while this process trains: each process leaves
+    its loop at the same step (`left_loop`), and what follows (the last save, a summary) may
+    take any time without a peer being judged lost; it beats on until the process exits,
+    when it posts "done". A peer that left earlier (a refusal, a failed write) is named as
+    ended: it is lost all the same, as this process's next collective would wait for it."""
 
     def __init__(self, client, j: _Join, lost_s: float = PEER_LOST_S, beat_s: float = BEAT_S):
         self.client, self.j, self.lost_s, self.beat_s = client, j, lost_s, beat_s
@@ -351,6 +354,8 @@ class PeerWatch:
         now = time.monotonic()
         self.answered = now  # the coordinator's last answer
         self.seen: dict[str, tuple[str, float]] = {}  # peer key → (its value, when it changed)
+        self.lock = threading.Lock()  # `seen` is written by the beat and read by the judge
+        self.idle = threading.Event()  # set once this process has left its training loop
         self.started = now
         self.done = threading.Event()
 
@@ -370,9 +375,10 @@ class PeerWatch:
                 continue
             now = time.monotonic()
             self.answered = now
-            for key, value in posted.items():
-                if key != me and self.seen.get(key, ("", 0.0))[0] != value:
-                    self.seen[key] = (value, now)
+            with self.lock:
+                for key, value in posted.items():
+                    if key != me and self.seen.get(key, ("", 0.0))[0] != value:
+                        self.seen[key] = (value, now)
 
     def lost(self, now: float) -> str | None:
         """Why this process must end now, or None."""
@@ -381,24 +387,35 @@ class PeerWatch:
                 f"the coordinator ({self.j.coordinator}, process 0) has not answered for "
                 f"{self.lost_s:g} s"
             )
-        silent = sorted(
-            int(key.rsplit("/", 1)[-1])
-            for key, (value, when) in self.seen.items()
-            if value != "done" and now - when > self.lost_s
-        )
+        with self.lock:
+            seen = dict(self.seen)
+        quiet = {
+            int(key.rsplit("/", 1)[-1]): value
+            for key, (value, when) in seen.items()
+            if now - when > self.lost_s
+        }
         if now - self.started > 2 * self.lost_s:  # never heard from at all
-            heard = {int(key.rsplit("/", 1)[-1]) for key in self.seen}
+            heard = {int(key.rsplit("/", 1)[-1]) for key in seen}
             others = set(range(self.j.num_processes)) - {self.j.process_id}
-            silent = sorted(set(silent) | (others - heard))
+            quiet.update({p: "" for p in others - heard})
+        ended = sorted(p for p, v in quiet.items() if v == "done")
+        silent = sorted(p for p, v in quiet.items() if v != "done")
+        why = []
         if silent:
             which = ", ".join(str(p) for p in silent)
-            return f"process {which} has been silent for {self.lost_s:g} s"
-        return None
+            why.append(f"process {which} has been silent for {self.lost_s:g} s")
+        if ended:
+            which = ", ".join(str(p) for p in ended)
+            why.append(f"process {which} ended more than {self.lost_s:g} s ago, mid-run")
+        return "; ".join(why) or None
 
     def _judge(self) -> None:
         while not self.done.wait(self.beat_s):
-            why = self.lost(time.monotonic())
-            if why:
+            try:
+                why = self.lost(time.monotonic())
+            except Exception:  # noqa: BLE001 — a watch that fails must not end a healthy job
+                continue
+            if why and not self.done.is_set() and not self.idle.is_set():
                 self._end(why)
 
     def _end(self, why: str) -> None:
@@ -427,6 +444,14 @@ class PeerWatch:
 
 
 _WATCH: list[PeerWatch] = []
+
+
+def left_loop() -> None:
+    """This process has left its training loop: its watch stops judging its peers (every
+    process leaves at the same step; what follows, the last save or a summary, may take any
+    time) and beats on until the process exits."""
+    for w in _WATCH:
+        w.idle.set()
 
 
 def on_peer_lost(kept) -> None:

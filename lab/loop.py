@@ -30,7 +30,13 @@ import numpy as np
 from lab import checkpoint, plans, rundir, startup, summary, tensorboard
 from lab.config import BACKEND_KEYS, Config
 from lab.data import host_batch, to_global
-from lab.devices import PARENT_DEATH_SIGNAL, agreed_folder, agreed_stop, on_peer_lost
+from lab.devices import (
+    PARENT_DEATH_SIGNAL,
+    agreed_folder,
+    agreed_stop,
+    left_loop,
+    on_peer_lost,
+)
 from lab.errors import ConfigError, RunError
 from lab.measure import memory
 from lab.measure.gpu_kernels import Kernel
@@ -737,8 +743,10 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> 
         except (OSError, checkpoint.SaveError) as e:
             end.failed = _write_failure(e, run_dir)
         except BaseException:  # a fault of the lab's own: its traceback, after the save in flight
+            left_loop()
             end.finish_saves()
             raise
+        left_loop()
         end.write_summary()
         end.finish_saves()
         return end.report(stop.signal)

@@ -335,7 +335,7 @@ def _qkv(H=4, K=2, D=64, L=32, S=32, dtype="float32"):
     ],
 )
 def test_bad_input_names_the_constraint(args, kwargs, needle):
-    constraint = "shape=|dtype=|impl=|interpret=|window=|softcap=|block_"
+    constraint = "shape=|dtype=|impl=|interpret=|window=|softcap=|block_|head_dim "
     with pytest.raises(ValueError, match=constraint) as info:
         attention(*args, **kwargs)
     assert needle in str(info.value)

@@ -76,12 +76,27 @@ def test_a_silent_peer_ends_the_others_and_is_named(ended):
     assert 2 not in ended
 
 
-def test_a_peer_that_ended_cleanly_is_no_loss(ended):
+def test_a_peer_that_ended_mid_run_is_lost_and_named_as_ended(ended):
+    """A peer that left through Python (a refusal, a failed write) posts "done"; the others,
+    still in their loops, would wait for it in their next collective: they end too."""
     store = Store()
     w = _watches(store)
     time.sleep(0.2)
     w[1].stop()
     assert store.kv[f"{devices.ALIVE_KEYS}1"] == "done"
+    assert _wait(lambda: len(ended) == 2)
+    assert ended[0] == ended[2] == "process 1 ended more than 0.4 s ago, mid-run"
+
+
+def test_after_the_loop_no_peer_is_judged(ended):
+    """Every process leaves its loop at the same step; what follows (the last save, a
+    summary) may take any time: a peer done first is no loss then."""
+    store = Store()
+    w = _watches(store)
+    time.sleep(0.2)
+    for x in w:
+        x.idle.set()  # lab.devices.left_loop, for these watches
+    w[1].stop()
     time.sleep(1.2)  # three times lost_s
     assert ended == {}
     for x in w:

@@ -438,3 +438,24 @@ def test_a_fit_is_not_saved_over_points_that_failed_to_compile(tmp_path, monkeyp
     summary = prediction.run(points, blocker, write_fits=True)
     assert prediction.failed_here(summary)  # the other point is dropped before compiling
     assert fits.read_text() == '{"gpu": {"fit": {"compute_efficiency": 0.5}}}'
+
+
+def test_a_fit_is_not_saved_where_a_compiler_is_missing(tmp_path, monkeypatch):
+    """A point refused for want of a compiler here (no gpu-plan extra, no libtpu: a
+    ConfigError) keeps the saved fit as well."""
+    from lab.errors import ConfigError
+    from lab.studies import prediction
+
+    points = prediction.load_points()
+    monkeypatch.setattr(prediction, "load_points", lambda ids=(): points)
+    fits = tmp_path / "fits.json"
+    fits.write_text('{"gpu": {"fit": {"compute_efficiency": 0.5}}}')
+    monkeypatch.setattr(prediction, "FITS", fits)
+
+    def no_plugin(point, cache_dir):
+        raise ConfigError("target=gpu:h100 needs the gpu-plan extra (jax-cuda13-plugin)")
+
+    monkeypatch.setattr(prediction, "program", no_plugin)
+    summary = prediction.run(points, tmp_path / "cache", write_fits=True)
+    assert prediction.failed_here(summary)
+    assert fits.read_text() == '{"gpu": {"fit": {"compute_efficiency": 0.5}}}'

@@ -474,6 +474,9 @@ def _stats(rows: list[Row]) -> dict:
     }
 
 
+NOT_COMPILED = "not compiled here: "  # a point this environment has no compiler for
+
+
 def _predictors(points: list[dict], cache_dir: Path, tick) -> tuple[dict, dict]:
     """({id: Predictor} for every usable point, {id: why refused}): each point compiled or
     read from the cache."""
@@ -484,8 +487,8 @@ def _predictors(points: list[dict], cache_dir: Path, tick) -> tuple[dict, dict]:
         tick(f"compile {p['id']}")
         try:
             prog = program(p, cache_dir)
-        except ConfigError as e:
-            refused[p["id"]] = str(e)
+        except ConfigError as e:  # this environment cannot compile it (no plugin, no libtpu)
+            refused[p["id"]] = f"{NOT_COMPILED}{e}"
             continue
         except Exception as e:  # noqa: BLE001 — shown, not cached: the next run tries again
             first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
@@ -564,8 +567,9 @@ def run(
 
 
 def failed_here(summary: Summary) -> list:
-    """The rows whose program could not be compiled in this environment."""
-    return [r for r in summary.rows if (r.note or "").startswith("failed here")]
+    """The rows whose program could not be compiled in this environment (an error, or a
+    missing compiler: the gpu-plan extra, libtpu)."""
+    return [r for r in summary.rows if (r.note or "").startswith(("failed here", NOT_COMPILED))]
 
 
 def leave_one_out(cache_dir: Path, *, progress=None) -> list[tuple[str, float]]:
