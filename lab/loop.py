@@ -733,7 +733,9 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> 
     saver = checkpoint.Saver(mngr) if mngr else None
     on_peer_lost(lambda: _kept(cfg, run_dir, log, saver) if is_main else "")
     hist = History(step=start)
-    end = _End(cfg, info, analysis, compile_s, run_dir, is_main, console, hist, saver, log)
+    end = _End(
+        cfg, info, analysis, compile_s, run_dir, is_main, console, hist, saver, log, start=start
+    )
     events = records.events if records else contextlib.nullcontext()
     with _Stop(final=end.final) as stop, log or contextlib.nullcontext(), events:
         try:
@@ -793,12 +795,19 @@ class _End:
     why: str | None = None  # a signal's name, or a non-finite value's line
     failed: str | None = None  # the first write that failed
     summary_written: bool = False
+    start: int = 0  # the checkpoint step a resumed run started from
 
     def _result(self) -> dict:
         hist = self.hist
         times = summarise(hist.step_s[WARMUP_STEPS:] or hist.step_s or [math.nan], self.compile_s)
         return summary.summarise_run(
-            self.cfg, self.info, self.analysis, times, hist.losses, self._earlier_losses()
+            self.cfg,
+            self.info,
+            self.analysis,
+            times,
+            hist.losses,
+            self._earlier_losses(),
+            resumed_from=self.start,
         )
 
     def _earlier_losses(self) -> list:

@@ -327,11 +327,12 @@ def mesh_peak(cfg: Config, info: DeviceInfo, n_devices: int) -> tuple[float | No
 
 
 def summarise_run(
-    cfg: Config, info: DeviceInfo, analysis: dict, times, losses, earlier=None
+    cfg: Config, info: DeviceInfo, analysis: dict, times, losses, earlier=None, resumed_from=0
 ) -> dict:
-    """The run's summary. `losses`: (step, loss) of the steps this process trained; `earlier`:
-    the (step, loss) metrics.jsonl holds from before a resume, so that the loss row covers the
-    run from its first step and the segment is named apart (`resumed_from`)."""
+    """The run's summary. `losses`: (step, loss) of the steps this process trained;
+    `resumed_from`: the checkpoint step this segment started from (0: a fresh run);
+    `earlier`: the (step, loss) metrics.jsonl holds from before it, so that the loss row
+    covers the run from its first logged step and the segment is named apart."""
     tokens_per_s = cfg.batch_size * cfg.seq_len / times.median_s
     achieved = analysis["model_flops_per_token"] * tokens_per_s
     peak, peak_source = mesh_peak(cfg, info, analysis["devices"])
@@ -352,11 +353,11 @@ def summarise_run(
         "steps_run": len(losses),
         **(
             {
-                "resumed_from": losses[0][0] - 1 if losses else None,
-                "loss_first_step": earlier[0][0],
+                "resumed_from": resumed_from,
+                "loss_first_step": (earlier or losses)[0][0] if (earlier or losses) else None,
                 "segment_loss_first": losses[0][1] if losses else None,
             }
-            if earlier
+            if resumed_from
             else {}
         ),
     }

@@ -513,6 +513,7 @@ def test_a_sample_prints_no_control_characters():
     from lab.studies.serving.sample import printable
 
     assert printable("ab\x15c\x1b[31m\nd\teé\x7f") == "ab\\x15c\\x1b[31m\nd\teé\\x7f"
+    assert printable("a\u2028b\u202ec") == "a\\u2028b\\u202ec"  # never read as \\x20 + "28"
 
 
 def test_a_trained_run_is_served_on_its_tensor_parallel_axis_alone():

@@ -257,7 +257,9 @@ CLAIMS: tuple[Claim, ...] = (
                 lo=0.25,
                 hi=1,
                 reading="the lab's training step as compiled, each op at the measured roofs "
-                "(max of its FLOPs over the matmul peak and its bytes over the copy bandwidth): "
+                "(max of its FLOPs over the matmul peak and its bytes over the copy bandwidth "
+                "out of memory; a CPU's caches serve small ops faster, so on a CPU the share "
+                "is an upper bound): "
                 "ops below the ridge (norms, softmax, elementwise, optimizer) take at least a "
                 "quarter of its time. 'Often' is read as a quarter; a step that is nearly all "
                 "matmul at these roofs is off",

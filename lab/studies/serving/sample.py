@@ -34,9 +34,15 @@ def sample_text(session, params, *, prompt: str, tokens: int, temperature: float
     return printable(text)
 
 
+def _escaped(c: str) -> str:
+    """A character as Python writes it in a string: \\x1b, \\u2028."""
+    n = ord(c)
+    return f"\\x{n:02x}" if n <= 0xFF else f"\\u{n:04x}" if n <= 0xFFFF else f"\\U{n:08x}"
+
+
 def printable(text: str) -> str:
     """`text` safe for a terminal: control characters (an ESC would start a terminal command)
     shown as escapes (\\x1b), newlines and tabs kept."""
     return "".join(
-        c if c in "\n\t" or (c.isprintable() and c != "\x7f") else f"\\x{ord(c):02x}" for c in text
+        c if c in "\n\t" or (c.isprintable() and c != "\x7f") else _escaped(c) for c in text
     )
