@@ -48,7 +48,7 @@ def explain_pipeline(p: PipelineReading) -> Table:
 
 def explain_collectives(ex) -> Table:
     """Each role's collectives read from the compiled HLO beside the analytic figure."""
-    sizes = " × ".join(f"{a}={n}" for a, n in ex.mesh.items())
+    sizes = " × ".join(f"{a}={n}" for a, n in ex.mesh.items() if n > 1) or "1 device"
     t = Table(title=f"collectives per step, per device — {ex.strategy} on {sizes} ({ex.backend})")
     for col in ("role", "measured (kind @ axes: ops)", "MiB sent", "analytic MiB", "ratio"):
         t.add_column(col)
