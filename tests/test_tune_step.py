@@ -55,8 +55,11 @@ def test_what_does_not_fit_is_refused_not_run(tmp_path, monkeypatch, capsys):
         (["modle=tiny"], "did you mean"),
         (["model=tiny", "target=gpu:h100"], "tune_step times steps on this machine's devices"),
         (["model=tiny", "compile_only=true"], "compile_only=true: tune_step compiles and times"),
-        # a key every candidate refuses is the user's mistake, not "no candidate fits"
-        (["model=tiny", "resume=true", "remats=none", "batches=2,4"], "needs the run's name"),
+        # a key every candidate would refuse is the user's mistake, not "no candidate fits"
+        (
+            ["model=tiny", "resume=true", "remats=none", "batches=2,4"],
+            "resume=true: tune_step times steps and keeps no run folder",
+        ),
     ],
 )
 def test_bad_keys_are_one_line_and_exit_2(argv, needle, capsys):
@@ -71,6 +74,7 @@ def test_bad_keys_are_one_line_and_exit_2(argv, needle, capsys):
         (["mesh=2"], "bench_step compares one device's steps"),
         (["target=gpu:h100"], "bench_step times steps on this machine's devices"),
         (["steps=5"], "steps= is set by bench_step"),
+        (["resume=true", "name=zzz"], "resume=true: bench_step times steps and keeps no run"),
     ],
 )
 def test_bench_step_refuses_what_it_cannot_compare_in_one_line(argv, needle, capsys):

@@ -157,10 +157,17 @@ def tune(
 
 
 def refuse_plans(keys: dict, tool: str) -> None:
-    """These tools time steps on the devices here: a plan's devices cannot run one, and
-    compile_only=true would time nothing."""
+    """These tools time steps on the devices here: a plan's devices cannot run one,
+    compile_only=true would time nothing, and resume= or overwrite= name a run folder they
+    never keep."""
     if keys.get("compile_only"):
         raise ConfigError(f"compile_only=true: {tool} compiles and times; leave it out")
+    run_keys = [k for k in ("resume", "overwrite") if keys.get(k)]
+    if run_keys:  # it writes no run folder: nothing to resume or clear
+        raise ConfigError(
+            f"{'=true, '.join(run_keys)}=true: {tool} times steps and keeps no run folder; "
+            "leave it out"
+        )
     if keys.get("target"):
         raise ConfigError(
             f"target={keys['target']}: {tool} times steps on this machine's devices; for "
