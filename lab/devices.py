@@ -389,12 +389,15 @@ class PeerWatch:
             )
         with self.lock:
             seen = dict(self.seen)
+        # a peer's silence counts only while the coordinator answers: with the coordinator
+        # gone, every count stops and the coordinator is what was lost
+        answered = self.answered
         quiet = {
             int(key.rsplit("/", 1)[-1]): value
             for key, (value, when) in seen.items()
-            if now - when > self.lost_s
+            if answered - when > self.lost_s
         }
-        if now - self.started > 2 * self.lost_s:  # never heard from at all
+        if answered - self.started > 2 * self.lost_s:  # never heard from at all
             heard = {int(key.rsplit("/", 1)[-1]) for key in seen}
             others = set(range(self.j.num_processes)) - {self.j.process_id}
             quiet.update({p: "" for p in others - heard})
