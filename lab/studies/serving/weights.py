@@ -46,7 +46,7 @@ def _serving_mesh(saved: Config) -> dict:
     except ConfigError:
         return {}  # the run's mesh as it was: resolve says what is wrong with it
     model = sizes.get("model", 1)
-    if model > 1 and saved.strategy in ("tp", "fsdp+tp", "pp+tp"):
+    if model > 1 and saved.strategy in ("tp", "fsdp+tp"):
         return {"mesh": f"model:{model}", "strategy": "tp"}
     return {"mesh": "1", "strategy": "dp"}
 
