@@ -10,6 +10,12 @@ of every step from the newest one, so one broken step used to make all of them u
 A step whose arrays have other shapes than the model's is not damaged: the run asked for
 another model, which is a ConfigError before anything is moved.
 
+Each step also keeps a checksum of every array (`fingerprint`: two 32-bit sums of its bits, one
+weighted by position), saved in the same atomic step as the arrays. A restore recomputes them: a
+bit flipped in a saved value (the file format reads most such flips back without complaint) makes
+the step damaged like any other, instead of a resume from silently wrong numbers. Steps saved
+before checksums were kept restore unchecked.
+
 A save that fails (a full disk) is reported once, as a SaveError naming its step, the folder
 and the operating system's reason, wherever orbax raises it (`Saver`); its unfinished folder
 keeps its temporary name, so it is never listed as a step, and is removed at the next start.
@@ -25,6 +31,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from lab.errors import ConfigError
@@ -37,6 +44,7 @@ warnings.filterwarnings(
 )
 
 ITEM = "default"  # the name orbax's manager gives a single saved item
+SUMS = "fingerprint"  # the step's item that keeps every array's checksums (JSON)
 
 
 def folder(run_dir) -> Path:
@@ -113,7 +121,8 @@ class Saver:
             return False
         self.pending = step
         try:
-            self.mngr.save(step, args=ocp.args.StandardSave(state))
+            args = {ITEM: ocp.args.StandardSave(state), SUMS: ocp.args.JsonSave(fingerprint(state))}
+            self.mngr.save(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for a failed write
             self.pending = None
             raise SaveError(step, self.mngr.directory, failure_reason(e)) from e
@@ -129,6 +138,85 @@ class Saver:
             if step in self.started:
                 self.started.remove(step)
             raise SaveError(step, self.mngr.directory, failure_reason(e)) from e
+
+
+def _words(x):
+    """`x`'s bits as unsigned words of its own width (a 64-bit value as two 32-bit words)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jax.numpy.bool_:
+        x = x.astype(jax.numpy.uint8)
+    width = {1: jax.numpy.uint8, 2: jax.numpy.uint16, 4: jax.numpy.uint32, 8: jax.numpy.uint32}
+    return jax.lax.bitcast_convert_type(x, width[x.dtype.itemsize])
+
+
+@jax.jit
+def _sums(x):
+    """Two 32-bit sums over the bits of `x` (wrapping): the words, and the words times an odd
+    weight per flat position (2·i + 1). A change of any one word changes both (an odd weight is
+    invertible modulo 2**32); words that trade places change the second. Reduced where the
+    shards are, so every process of a multi-process run reads the same two numbers."""
+    words = _words(x).astype(jax.numpy.uint32)
+    position = jax.numpy.zeros(words.shape, jax.numpy.uint32)
+    for axis in range(words.ndim):  # the flat index, without a reshape that would gather
+        position = position * words.shape[axis] + jax.lax.broadcasted_iota(
+            jax.numpy.uint32, words.shape, axis
+        )
+    u32 = jax.numpy.uint32
+    return jax.numpy.stack([words.sum(dtype=u32), (words * (2 * position + 1)).sum(dtype=u32)])
+
+
+def _host_sums(x, chunk: int = 1 << 20) -> list[int]:
+    """`_sums` computed by NumPy on an array in this host's memory: the same two numbers, at
+    about 8 GB/s where XLA:CPU's integer reductions run at 1.6 (measured on 2 cores)."""
+    words = np.asarray(jax.device_get(_words(x) if x.dtype.itemsize == 8 else x))
+    words = words.reshape(-1).view(f"u{min(words.dtype.itemsize, 4)}")
+    odd = 2 * np.arange(chunk, dtype=np.uint32) + np.uint32(1)
+    plain = weighted = 0
+    for i in range(0, words.size, chunk):
+        part = words[i : i + chunk].astype(np.uint32)
+        plain += int(part.sum(dtype=np.uint32))
+        weight = odd[: part.size] + np.uint32((2 * i) % 2**32)  # 2·(i + k) + 1, wrapping
+        weighted += int((part * weight).sum(dtype=np.uint32))
+    return [plain % 2**32, weighted % 2**32]
+
+
+def _on_host(x) -> bool:
+    return x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
+
+
+def fingerprint(state) -> dict[str, list[int]]:
+    """Every array leaf's two checksums (`_sums`), keyed by its path in the state
+    ("params.embed", "opt_state.1.0.mu.embed")."""
+    host, device = {}, {}
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(x, jax.Array) and x.dtype.itemsize in (1, 2, 4, 8):
+            name = ".".join(_names(path))
+            if _on_host(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                host[name] = _host_sums(x)
+            else:
+                device[name] = _sums(x)
+    device = {k: [int(v) for v in s] for k, s in jax.device_get(device).items()}
+    return {**host, **device}
+
+
+def _sums_differ(step_dir: Path, state) -> str | None:
+    """Why a restored state is not what was saved ('params…: its checksum differs'), or None;
+    None also for a step saved before checksums were kept (nothing to compare)."""
+    sums_dir = step_dir / SUMS
+    if not sums_dir.exists():
+        return None
+    try:
+        saved = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(sums_dir)
+        if not isinstance(saved, dict):
+            raise ValueError(f"{type(saved).__name__}, not a table")
+    except Exception as e:  # noqa: BLE001 — a damaged JSON file, whatever the reader raises
+        return f"its checksums cannot be read: {_first_line(e)}"
+    now = fingerprint(state)
+    for path, sums in saved.items():
+        if path in now and list(sums) != now[path]:
+            return f"{path or 'the state'}: the values differ from those saved (checksum)"
+    return None
 
 
 def _first_line(e: Exception) -> str:
@@ -339,6 +427,10 @@ def restore_latest(
                     f"moved: fix that, then run it again"
                 ) from None
             set_aside(step, _damage(e))
+            continue
+        differ = _sums_differ(path / str(step), state)
+        if differ:
+            set_aside(step, differ)
             continue
         if not _finite(finite(state)):
             set_aside(step, "non-finite values")

@@ -319,8 +319,8 @@ class _Reader:
             # already poisoned the update even where the loss itself is still finite, and
             # a finite gradient times a huge learning rate can still overflow the weights.
             if self.resumed_from and step == self.resumed_from + 1:
-                # no checksum guards a checkpoint: a bit flipped in a saved moment restores
-                # finite and poisons the first update; every resume would repeat it
+                # a step saved before checksums were kept (or damaged in memory before its
+                # save) restores finite and poisons the first update; every resume repeats it
                 return (
                     f"{bad} at step {step}, the first after resuming from checkpoint step "
                     f"{self.resumed_from}: training stopped. That checkpoint may be damaged "

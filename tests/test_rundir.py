@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 from lab import checkpoint, rundir
@@ -73,9 +74,47 @@ def _empty_folder(step_dir: Path):
     step_dir.mkdir()
 
 
+def _flip_a_saved_value(step_dir: Path):
+    """One bit of one saved weight, in files that are otherwise whole: the step's arrays are
+    written again with the sign of one value flipped (a disk's or a copy's flip inside
+    compressed data can decode as well, to other numbers). Only the checksums tell."""
+    import shutil
+
+    import numpy as np
+
+    item = step_dir / "default"
+    ckptr = checkpoint.ocp.StandardCheckpointer()
+    saved = ckptr.restore(item)
+    path, weight = max(
+        jax.tree_util.tree_leaves_with_path(saved["params"]), key=lambda kx: np.size(kx[1])
+    )
+    flipped = np.asarray(weight).copy()
+    flipped.reshape(-1)[0] *= -1  # finite, and wrong
+    saved = jax.tree_util.tree_map_with_path(
+        lambda p, x: flipped if p == path else x, saved["params"]
+    )
+    whole = ckptr.restore(item)
+    shutil.rmtree(item)
+    ckptr.save(item, {**whole, "params": saved})
+    ckptr.wait_until_finished()
+
+
+def _damage_checksums(step_dir: Path):
+    (step_dir / checkpoint.SUMS / "metadata").write_bytes(b"{not json")
+
+
 @pytest.mark.parametrize(
     "damage",
-    [_damage_metadata, _damage_data, _truncate_data, _damage_manifest, _remove_item, _empty_folder],
+    [
+        _damage_metadata,
+        _damage_data,
+        _truncate_data,
+        _damage_manifest,
+        _remove_item,
+        _empty_folder,
+        _flip_a_saved_value,
+        _damage_checksums,
+    ],
 )
 def test_a_damaged_newest_step_is_moved_aside_and_the_run_goes_on(saved, capsys, damage):
     tmp_path, run_dir = saved
@@ -95,6 +134,27 @@ def test_a_damaged_newest_step_is_moved_aside_and_the_run_goes_on(saved, capsys,
     # and the folder resumes again, from the step the second run saved
     assert _run(tmp_path, "name=R", "steps=10", "checkpoint_every=2", "resume=true") == 0
     assert "resumed from checkpoint at step 8" in capsys.readouterr().out
+
+
+def test_a_flipped_value_is_named_by_its_checksum(saved, capsys):
+    tmp_path, run_dir = saved
+    _flip_a_saved_value(run_dir / "checkpoints" / "6")
+    capsys.readouterr()
+    assert _run(tmp_path, "name=R", "steps=7", "resume=true") == 0
+    err = capsys.readouterr().err
+    assert "checkpoint step 6 is damaged (params." in err, err
+    assert "the values differ from those saved (checksum)" in err, err
+
+
+def test_a_step_saved_before_checksums_restores_unchecked(saved, capsys):
+    import shutil
+
+    tmp_path, run_dir = saved
+    shutil.rmtree(run_dir / "checkpoints" / "6" / checkpoint.SUMS)
+    capsys.readouterr()
+    assert _run(tmp_path, "name=R", "steps=8", "resume=true") == 0
+    out = capsys.readouterr()
+    assert "resumed from checkpoint at step 6" in out.out and "damaged" not in out.err
 
 
 @pytest.mark.parametrize(
