@@ -285,13 +285,13 @@ EXACT = {
     ),
     "slurm-setup-and-options": (
         "slurm.sh",
-        ["--nodes=4", "--gpus-per-node=4", "--partition", "gpu", "--account", "acme"]
+        ["--nodes=1", "--gpus-per-node=4", "--partition", "gpu", "--account", "acme"]
         + ["--time", "1-12:00:00", "--job-name", "big", "--venv", "/opt/lab venv", "--setup"]
         + ["--python", "python3.12", "--mem-fraction", ".8", "--nccl-ifname", "ib0"]
         + ["--module", "experiments", "size=quick"],
         "python3.12 -m venv '/opt/lab venv'\n"
         "'/opt/lab venv/bin/pip' install --quiet -e <root-cuda>\n"
-        "sbatch --job-name=big --nodes=4 --ntasks-per-node=4 --gpus-per-node=4 --exclusive"
+        "sbatch --job-name=big --nodes=1 --ntasks-per-node=1 --gpus-per-node=4 --exclusive"
         " --time=1-12:00:00 --partition=gpu --account=acme --chdir=<root>"
         " --export=ALL,XLA_PYTHON_CLIENT_MEM_FRACTION=.8,NCCL_DEBUG=WARN,PYTHONUNBUFFERED=1"
         " --wrap "
@@ -460,6 +460,8 @@ BAD = [
     ("slurm.sh", ["--nodes", "2", "--nccl-ifname", "ib0 eth0"], "--nccl-ifname"),
     ("slurm.sh", ["--nodes", "2", "--nccl-ifname", "^lo,,docker0"], "--nccl-ifname"),
     ("slurm.sh", ["--nodes", "2", "--venv", "a,b"], "--venv 'a,b'"),
+    ("slurm.sh", ["--nodes", "2", "--module", "experiments"], "only lab.run joins nodes"),
+    ("slurm.sh", ["--nodes", "1", "--", "process_id=1"], "process_id= is SLURM's to set"),
 ]
 
 

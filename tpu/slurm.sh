@@ -38,7 +38,8 @@ step times. Output goes to slurm-JOBID.out in this checkout; runs/ as usual.
   --mem-fraction F     XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.90)
   --nccl-ifname IF     NCCL_SOCKET_IFNAME: the network interface between the nodes
                        (e.g. ib0), when NCCL's own choice is wrong
-  --module MODULE      python module to run (default lab.run; e.g. experiments)
+  --module MODULE      python module to run (default lab.run; e.g. experiments, which
+                       runs as one task on one node: --nodes 1)
   --dry-run            print the commands, one per line, and run nothing
   -h, --help           this help
   KEY=VALUE ...        the module's arguments; everything after -- is passed as is
@@ -103,6 +104,20 @@ name='^[A-Za-z0-9_.-]+$'
   die "--nccl-ifname '$NCCL_IFNAME' is not an interface name like ib0 (or a list: ^lo,docker0)"
 [[ $MODULE =~ ^[A-Za-z_][A-Za-z0-9_.]*$ ]] || die "--module '$MODULE' is not a module name"
 [[ $VENV != *,* ]] || die "--venv '$VENV': a path without commas, please"
+# Only lab.run joins tasks into one job; any other module runs once, on one node, and sees all of
+# that node's GPUs (one task per GPU would run it once per GPU, each on GPUs the others share).
+TASKS=$GPUS
+if [[ $MODULE != lab.run ]]; then
+  ((NODES == 1)) ||
+    die "--module $MODULE on $NODES nodes: only lab.run joins nodes into one job (run $MODULE with --nodes 1)"
+  TASKS=1
+fi
+for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
+  case $a in
+    coordinator=* | num_processes=* | process_id=*)
+      die "${a%%=*}= is SLURM's to set: each task reads who is who from SLURM's variables" ;;
+  esac
+done
 # the job runs in --chdir=ROOT: a relative venv is this directory's, made absolute
 [[ $VENV == /* ]] || VENV="$PWD/$VENV"
 
@@ -125,7 +140,7 @@ for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
   step+=" $(quote "$a")"
 done
 export_vars="ALL,XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM_FRACTION,NCCL_DEBUG=WARN,PYTHONUNBUFFERED=1"
-SBATCH=(sbatch "--job-name=$JOB_NAME" "--nodes=$NODES" "--ntasks-per-node=$GPUS")
+SBATCH=(sbatch "--job-name=$JOB_NAME" "--nodes=$NODES" "--ntasks-per-node=$TASKS")
 SBATCH+=("--gpus-per-node=$GPUS" --exclusive "--time=$TIME")
 [[ -z $PARTITION ]] || SBATCH+=("--partition=$PARTITION")
 [[ -z $ACCOUNT ]] || SBATCH+=("--account=$ACCOUNT")
