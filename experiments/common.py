@@ -10,6 +10,7 @@ name the measured inputs they were derived from in `inputs` and the spec entry i
 import functools
 import math
 import os
+import sys
 import time
 
 import jax
@@ -186,6 +187,14 @@ def fallback(mfu: float, workload: str = "train") -> str:
     return prediction.fallback_statement(mfu, workload)
 
 
+def _plan_failed(point_id: str, e: Exception) -> None:
+    """One line on stderr: a plan that failed (not one the compiler refused, which
+    predict_with_fit answers with None) leaves its claim on the datasheet's rule, and the user
+    who asked for plans should know why."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    print(f"warning: {point_id} was not predicted ({type(e).__name__}: {first})", file=sys.stderr)
+
+
 def predicted_step(size: str, spec_key: str, chips: int = 1, **fields) -> dict | None:
     """The shared step (STEP, bf16 compute, batch × chips, data-parallel) compiled for
     `chips` of a GPU or TPU slice the lab compiles for and timed by the step-time model with
@@ -213,7 +222,8 @@ def predicted_step(size: str, spec_key: str, chips: int = 1, **fields) -> dict |
     }
     try:
         out = prediction.predict_with_fit(point)
-    except Exception:  # noqa: BLE001 — a missing plugin or ptxas: the fallback rule stays
+    except Exception as e:  # noqa: BLE001 — one plan's failure leaves the fallback rule, said
+        _plan_failed(point["id"], e)
         return None
     if out is None:
         return None
@@ -251,7 +261,8 @@ def predicted_gemm(spec_key: str, n: int, dtype: str = "bfloat16", *, spec=None)
     }
     try:
         out = prediction.predict_with_fit(point)
-    except Exception:  # noqa: BLE001 — a missing plugin or ptxas: no prediction
+    except Exception as e:  # noqa: BLE001 — one plan's failure leaves no prediction, said
+        _plan_failed(point["id"], e)
         return None
     if out is None:
         return None

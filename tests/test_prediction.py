@@ -160,6 +160,21 @@ def test_a_cached_program_cut_short_is_compiled_again(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
 
 
+def test_a_cache_that_cannot_be_written_still_gives_the_program(tmp_path, monkeypatch, capsys):
+    """The ledger run from a folder it cannot write: the plan is still compiled and used (it
+    was dropped without a word), with one warning that it is not cached."""
+    point = next(
+        p for p in prediction.load_points() if p["workload"] not in ("train", "decode", "prefill")
+    )
+    monkeypatch.setattr(prediction, "_op_program", lambda p: {"hlo": "HloModule m", "bytes": 1.0})
+    (tmp_path / "file").write_text("")
+    for _ in range(2):
+        out = prediction.program(point, tmp_path / "file" / "cache")
+        assert out["hlo"] == "HloModule m"
+    err = capsys.readouterr().err
+    assert err.count("warning: compiled programs are not cached in") == 1, err
+
+
 def test_lab_run_prints_and_saves_the_prediction_beside_the_measurement(tmp_path, capsys):
     """A CPU run: the model fed with this host's measured ceilings predicts the step; the
     summary keeps both. (How close they are is a benchmark: python -m lab.tools.prediction

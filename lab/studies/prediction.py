@@ -24,6 +24,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -345,11 +346,23 @@ def program(point: dict, cache_dir: Path) -> dict:
         first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
         out = {"refused": f"the compiler refuses it here: {why or first}"}
     out["compile_s"] = time.perf_counter() - t0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # whole or absent: a kill mid-write
-    tmp.write_text(json.dumps(out))  # leaves no half file for the next run to trust
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # whole or absent: a kill
+        tmp.write_text(json.dumps(out))  # mid-write leaves no half file for the next run
+        tmp.replace(path)
+    except OSError as e:  # a cache that cannot be written costs a compile next time, no more
+        if not _unwritable_said.get(str(path.parent)):
+            _unwritable_said[str(path.parent)] = True
+            print(
+                f"warning: compiled programs are not cached in {path.parent} "
+                f"({e.strerror or e}): each is compiled again next time",
+                file=sys.stderr,
+            )
     return out
+
+
+_unwritable_said: dict[str, bool] = {}  # one warning per cache folder and process
 
 
 def _needs_memory(point: dict) -> bool:
