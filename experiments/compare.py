@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -69,6 +70,8 @@ def load(folder) -> dict:
     """One results folder: its records and a column name (backend · device kind)."""
     folder = Path(folder)
     path = folder / "records.jsonl"
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: {'not a folder' if folder.exists() else 'no such folder'}")
     if (folder / "metrics.jsonl").is_file() and (folder / "config.json").is_file():
         raise ValueError(
             f"{folder}: a lab.run folder (one run's records); compare takes the folders "
@@ -237,6 +240,14 @@ def merge(dirs, out_root="results") -> dict:
     records += derived(folders)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = rec.fresh_dir(out_root, f"compare-{stamp}")
+    try:
+        return _write(out, folders, records, dirs)
+    except BaseException:  # a half-written comparison is nobody's result: not left behind
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _write(out, folders, records, dirs) -> dict:
     rec.write_records(out / "records.jsonl", records)
     tiny = [str(f["dir"]) for f in folders if f.get("size") == "tiny"]
     meta = {"merged": [str(d) for d in dirs], "tiny": tiny}

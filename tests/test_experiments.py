@@ -128,6 +128,22 @@ def _relabel(src, dst, backend: str, kind: str):
     return dst
 
 
+def test_a_comparison_that_fails_leaves_no_half_written_folder(tmp_path, monkeypatch, capsys):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        rec.write_records(tmp_path / name / "records.jsonl", [rec.make_record("x", 1.0, "s")])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a renderer's bug")
+
+    monkeypatch.setattr(compare.markdown, "write_report", broken)
+    with pytest.raises(RuntimeError):
+        compare.main([f"dirs={tmp_path / 'a'},{tmp_path / 'b'}", f"out_dir={tmp_path / 'cmp'}"])
+    assert not list((tmp_path / "cmp").iterdir())
+    assert compare.main([f"dirs={tmp_path / 'gone'}"]) == 2
+    assert "gone: no such folder" in capsys.readouterr().err
+
+
 @pytest.mark.once
 def test_compare_merges_backends_side_by_side(tiny_run, tmp_path, capsys):
     """A real tiny folder beside two relabelled copies (a TPU and an H100 in name only, to

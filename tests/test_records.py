@@ -55,6 +55,9 @@ def test_a_damaged_records_file_names_its_file_and_line(tmp_path):
         good + "\n" + good[:40]: "line 2: not JSON (cut short",
         good + "\n[1, 2]\n": "line 2: not a lab record (a JSON list)",
         '{"value": 1}\n': "line 1: not a lab record (no what, unit",
+        good.replace('"value": 1.0', '"value": "lots"'): "(value is a string, not a number)",
+        good.replace('"value": 1.0', '"value": true'): "(value is true/false, not a number)",
+        good.replace('"config": {', '"config": null, "c": {'): "(config is null, not an object)",
     }
     for text, want in cases.items():
         path.write_text(text)

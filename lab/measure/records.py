@@ -216,6 +216,30 @@ def write_records(path, records: dict | Iterable[dict]) -> Path:
 RECORD_KEYS = ("what", "value", "unit", "label", "config", "backend", "device_kind")
 
 
+_KEY_TYPES = {"what": str, "unit": str, "label": str, "config": dict, "backend": str}
+
+
+def _wrong_type(r: dict) -> str | None:
+    """'value is a str, not a number' for the first field of a record that holds another type
+    than the lab writes: every reader of records (the report, compare) trusts these."""
+    for key, kind in _KEY_TYPES.items():
+        if not isinstance(r[key], kind):
+            return f"{key} is {_json_type(r[key])}, not {_json_type(kind())}"
+    if not isinstance(r["device_kind"], str | type(None)):
+        return f"device_kind is {_json_type(r['device_kind'])}, not a string"
+    v = r["value"]
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+        return f"value is {_json_type(v)}, not a number"
+    return None
+
+
+def _json_type(x) -> str:
+    names = {str: "a string", dict: "an object", list: "a list", bool: "true/false"}
+    if x is None:
+        return "null"
+    return names.get(type(x), "a number" if isinstance(x, int | float) else type(x).__name__)
+
+
 def read_records(path) -> list[dict]:
     """Every record of a JSON Lines file (blank lines skipped). A line that is not a record
     (a write cut short by a kill, a file of something else) is a ValueError naming the file
@@ -236,6 +260,9 @@ def read_records(path) -> list[dict]:
                 if missing is None or missing:
                     what = f"no {', '.join(missing)}" if missing else f"a JSON {type(r).__name__}"
                     raise ValueError(f"{path}, line {n}: not a lab record ({what})")
+                wrong = _wrong_type(r)
+                if wrong:
+                    raise ValueError(f"{path}, line {n}: not a lab record ({wrong})")
                 out.append(r)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
