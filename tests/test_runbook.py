@@ -44,6 +44,7 @@ def sleeper(name, budget):
 
 
 def options(tmp_path, **kw):
+    kw = {"size": "tiny", **kw}  # the tests' steps are fakes; without a GPU only tiny runs
     return tool.Options(**{"budget": 60.0, "min_step": 0.1, "out_dir": str(tmp_path), **kw})
 
 
@@ -112,6 +113,31 @@ def test_rerun_resumes_and_redo_runs_again(tmp_path, capsys):
     assert state_of(tmp_path)["one"]["attempt"] == 2
     md = (tmp_path / "runbook" / runbook.ROWS).read_text()  # a piece keeps the earlier rows
     assert "| one | done |" in md and "| two | failed" in md and "| gpu | skipped" in md
+
+
+def test_a_runbook_folder_moved_elsewhere_keeps_its_rows(tmp_path, capsys):
+    steps = [fake("one")]
+    assert tool.run(options(tmp_path / "a"), steps=steps, probe=lambda: CPU) == 0
+    assert state_of(tmp_path / "a")["one"]["folder"] == "steps/one/try-1"  # relative, as saved
+    (tmp_path / "a").rename(tmp_path / "b")
+    capsys.readouterr()
+    assert tool.run(options(tmp_path / "b"), steps=steps, probe=lambda: CPU) == 0
+    assert "one: done before" in capsys.readouterr().out
+    md = (tmp_path / "b" / "runbook" / runbook.ROWS).read_text()
+    assert "copy bandwidth 2.5 TB/s" in md and "steps/one/try-1/x.jsonl" in md
+    # a state file from before paths were relative: its absolute paths are found here again
+    state = json.loads((tmp_path / "b" / "runbook" / runbook.STATE).read_text())
+    state["steps"]["one"]["folder"] = str(tmp_path / "a" / "runbook" / "steps" / "one" / "try-1")
+    (tmp_path / "b" / "runbook" / runbook.STATE).write_text(json.dumps(state))
+    assert tool.run(options(tmp_path / "b"), steps=steps, probe=lambda: CPU) == 0
+    assert "copy bandwidth 2.5 TB/s" in (tmp_path / "b" / "runbook" / runbook.ROWS).read_text()
+
+
+def test_size_full_without_a_gpu_is_one_line(tmp_path, capsys):
+    o = options(tmp_path, size="full")
+    with pytest.raises(tool.ConfigError, match="size=full is the GPU runbook and this machine"):
+        tool.run(o, steps=[fake("one")], probe=lambda: CPU)
+    assert not (tmp_path / "runbook" / runbook.STATE).exists()  # nothing ran
 
 
 def test_step_past_its_budget_is_killed_and_cut_short_then_rerun(tmp_path):
@@ -293,7 +319,7 @@ def test_a_redo_cut_short_keeps_the_finished_outcome(tmp_path, capsys):
     previous = dict(state["steps"]["one"])
     state["steps"]["one"] = {"status": "running", "attempt": 3, "previous": previous}
     runbook.save_state(root, state)
-    loaded = runbook.load_state(root, CPU, "full", say=lambda _: None)["steps"]["one"]
+    loaded = runbook.load_state(root, CPU, "tiny", say=lambda _: None)["steps"]["one"]
     assert loaded["status"] == "done" and "stopped mid-step" in loaded["redo_cut_short"]
 
 

@@ -285,10 +285,42 @@ def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
         say(f"{path} was for {old.get('device_kind')} size={state.get('size')}: kept as {keep}")
         return fresh
     for name, entry in state["steps"].items():
+        _paths(entry, lambda p: _here(root, p))
         if entry.get("status") == "running":
             why = "the runbook itself was stopped mid-step"
             state["steps"][name] = _kept_or_cut(entry, why, None)
     return state
+
+
+_PATH_KEYS = ("folder", "log")  # a step's files: kept relative to the runbook's folder
+
+
+def _paths(entry: dict, change) -> None:
+    """`change` every file path of a step's entry, and of the outcome a redo keeps."""
+    for e in (entry, entry.get("previous") or {}):
+        for key in _PATH_KEYS:
+            if e.get(key):
+                e[key] = str(change(e[key]))
+
+
+def _here(root: Path, stored: str) -> Path:
+    """A step's stored path in this runbook folder: relative ones (as saved) under `root`; an
+    absolute one from an older state file, if it is gone (the folder was moved or copied), by
+    its part from `steps/` on."""
+    path = Path(stored)
+    if not path.is_absolute():
+        return root / path
+    if path.exists() or "steps" not in path.parts:
+        return path
+    at = len(path.parts) - 1 - path.parts[::-1].index("steps")
+    return root.joinpath(*path.parts[at:])
+
+
+def _relative(root: Path, path: str) -> str:
+    try:
+        return str(Path(path).relative_to(root))
+    except ValueError:
+        return path
 
 
 def _kept_or_cut(entry: dict, why: str, ended) -> dict:
@@ -305,7 +337,10 @@ def _kept_or_cut(entry: dict, why: str, ended) -> dict:
 def save_state(root: Path, state: dict) -> None:
     """Written whole and renamed into place: a kill mid-write leaves the previous state."""
     tmp = root / f".{STATE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(state, indent=2, default=str))
+    state = json.loads(json.dumps(state, default=str))  # a copy whose paths are made relative
+    for entry in state["steps"].values():
+        _paths(entry, lambda p: _relative(root, p))  # the folder may be moved or copied
+    tmp.write_text(json.dumps(state, indent=2))
     os.replace(tmp, root / STATE)
 
 

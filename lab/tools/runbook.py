@@ -7,8 +7,9 @@ stops starting steps when budget= is spent. Outcomes go to <out_dir>/runbook/sta
 they happen, so a rerun skips what finished (redo= names what to run again) and a job cut
 short loses nothing. The records every step wrote become BENCHMARKS-ready Markdown rows in
 <out_dir>/runbook/BENCHMARKS-rows.md, printed at the end. Steps that need a GPU are skipped on
-any other backend, with the reason; size=tiny runs the rest at tiny sizes (minutes on CPU: a
-check of the machinery). dry_run=true prints the plan (steps, budgets, commands) and runs nothing.
+any other backend, with the reason; without a GPU only size=tiny runs (the rest at tiny sizes,
+minutes on CPU: a check of the machinery). dry_run=true prints the plan (steps, budgets,
+commands) and runs nothing.
 """
 
 import contextlib
@@ -141,6 +142,12 @@ def _run_held(o: Options, steps, names, chosen, root: Path, probe) -> int:
     platform = (probe or runbook.probe_platform)()
     if platform.get("error"):
         print(f"note: the platform probe failed ({platform['error']}); GPU steps are skipped")
+    if platform.get("backend") != "gpu" and o.size == "full":
+        raise ConfigError(
+            f"size=full is the GPU runbook and this machine has no GPU (backend "
+            f"{platform.get('backend')}): its steps would skip or run at a GPU's sizes here. "
+            "size=tiny rehearses it (minutes), dry_run=true prints its plan"
+        )
     print(
         f"runbook · {platform.get('device_kind')} × {platform.get('device_count', '?')} "
         f"({platform.get('backend')}) · size={o.size} · budget={o.budget:g} s → {root}"
