@@ -186,11 +186,10 @@ class _Rates:
         return float(self.values[count % self.BLOCK])
 
 
-def _records(cfg, info, analysis, run_dir: Path, log) -> _Records:
+def _records(cfg, analysis, run_dir: Path, log, peak: float | None) -> _Records:
     """The records' writer, once metrics.jsonl keeps only the steps before this run's first:
     the TensorBoard folder is rebuilt from it (OSError for the caller)."""
     events = tensorboard.start(run_dir, rundir.read_metrics(run_dir / "metrics.jsonl")[0])
-    peak, _ = summary.mesh_peak(cfg, info, analysis["devices"])
     return _Records(
         log,
         events,
@@ -724,17 +723,30 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> 
             rundir.keep_metrics_before(run_dir, start)
         except OSError as e:
             raise _start_failure(e, run_dir) from None
+    # one peak for the run's MFU, its records' and its summary's (a resume keeps the first's)
+    peak = summary.run_peak(cfg, info, analysis["devices"], run_dir if start else None)
     try:
         mngr = checkpoint.manager(run_dir) if (cfg.checkpoint_every or cfg.resume) else None
         log = rundir.MetricsLog(run_dir / "metrics.jsonl") if is_main else None
-        records = _records(cfg, info, analysis, run_dir, log) if is_main else None
+        records = _records(cfg, analysis, run_dir, log, peak[0]) if is_main else None
     except OSError as e:
         raise _start_failure(e, run_dir) from None
     saver = checkpoint.Saver(mngr) if mngr else None
     on_peer_lost(lambda: _kept(cfg, run_dir, log, saver) if is_main else "")
     hist = History(step=start)
     end = _End(
-        cfg, info, analysis, compile_s, run_dir, is_main, console, hist, saver, log, start=start
+        cfg,
+        info,
+        analysis,
+        compile_s,
+        run_dir,
+        is_main,
+        console,
+        hist,
+        saver,
+        log,
+        start=start,
+        peak=peak,
     )
     events = records.events if records else contextlib.nullcontext()
     with _Stop(final=end.final) as stop, log or contextlib.nullcontext(), events:
@@ -796,6 +808,7 @@ class _End:
     failed: str | None = None  # the first write that failed
     summary_written: bool = False
     start: int = 0  # the checkpoint step a resumed run started from
+    peak: tuple | None = None  # (FLOP/s, source) of the run's MFU (summary.run_peak)
 
     def _result(self) -> dict:
         hist = self.hist
@@ -808,6 +821,7 @@ class _End:
             hist.losses,
             self._earlier_losses(),
             resumed_from=self.start,
+            peak=self.peak,
         )
 
     def _earlier_losses(self) -> list:

@@ -326,16 +326,53 @@ def mesh_peak(cfg: Config, info: DeviceInfo, n_devices: int) -> tuple[float | No
     return per_device * n_devices, f"spec-table {cfg.model.dtype} peak × {n_devices} devices"
 
 
+def run_peak(
+    cfg: Config, info: DeviceInfo, n_devices: int, resumed_in: Path | None = None
+) -> tuple[float | None, str]:
+    """`mesh_peak` for a run: a resumed CPU run on the host that began it keeps the peak its
+    summary.json holds, so its MFU curve stays on one scale (a CPU's measured peak moves with
+    the host's load; measured again, MFU jumped at the resume with the step time unchanged)."""
+    if info.backend == "cpu" and resumed_in is not None:
+        import json
+        import socket
+
+        try:
+            earlier = json.loads((Path(resumed_in) / "summary.json").read_text())
+            peak, source = earlier["peak_flops_per_s"], earlier["peak_source"]
+            host = earlier["environment"]["hostname"]
+        except (OSError, ValueError, KeyError, TypeError):
+            peak = source = host = None
+        measured = f"measured {cfg.model.dtype} matmul peak of this host"
+        if (
+            isinstance(peak, int | float)
+            and peak > 0
+            and isinstance(source, str)
+            and source.startswith(measured)
+            and host == socket.gethostname()
+        ):
+            kept = " (all cores), measured when the run began and kept across its resumes"
+            return float(peak), measured + kept
+    return mesh_peak(cfg, info, n_devices)
+
+
 def summarise_run(
-    cfg: Config, info: DeviceInfo, analysis: dict, times, losses, earlier=None, resumed_from=0
+    cfg: Config,
+    info: DeviceInfo,
+    analysis: dict,
+    times,
+    losses,
+    earlier=None,
+    resumed_from=0,
+    peak=None,
 ) -> dict:
     """The run's summary. `losses`: (step, loss) of the steps this process trained;
     `resumed_from`: the checkpoint step this segment started from (0: a fresh run);
     `earlier`: the (step, loss) metrics.jsonl holds from before it, so that the loss row
-    covers the run from its first logged step and the segment is named apart."""
+    covers the run from its first logged step and the segment is named apart; `peak`: the
+    (FLOP/s, source) MFU is against (`run_peak`; default `mesh_peak`)."""
     tokens_per_s = cfg.batch_size * cfg.seq_len / times.median_s
     achieved = analysis["model_flops_per_token"] * tokens_per_s
-    peak, peak_source = mesh_peak(cfg, info, analysis["devices"])
+    peak, peak_source = peak or mesh_peak(cfg, info, analysis["devices"])
     stats = memory.device_memory_stats(jax.local_devices()[0])
     return {
         **analysis,

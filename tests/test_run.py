@@ -289,3 +289,19 @@ def test_offload_line_reads_the_cost_and_its_record_alike():
     assert tables.offload_line(o).startswith("2.0 MiB in, 3.0 MiB out per step: ≤ ")
     none = OffloadCost(2**20, 2**20, None, None, "no spec entry", None)
     assert tables.offload_line(none).endswith("; no host-link bandwidth (no spec entry)")
+
+
+def test_a_resumed_cpu_run_keeps_the_peak_its_mfu_began_with(tmp_path, monkeypatch):
+    """A CPU's measured peak moves with the host's load: measured again at a resume, the MFU
+    curve jumped while the step time did not. The resume keeps the first segment's peak."""
+    monkeypatch.setattr(summary.ceilings, "matmul_peak", lambda dtype, **kw: 1e11)
+    assert _run(tmp_path, "name=p", "steps=4", "checkpoint_every=2") == 0
+    monkeypatch.setattr(summary.ceilings, "matmul_peak", lambda dtype, **kw: 3e11)
+    assert _run(tmp_path, "name=p", "steps=6", "resume=true") == 0
+    s = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert s["peak_flops_per_s"] == 1e11 and "kept across its resumes" in s["peak_source"]
+    rows = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:  # every logged MFU against the one peak
+        assert r["mfu"] == pytest.approx(
+            s["model_flops_per_token"] * r["tokens_per_s"] / 1e11, rel=1e-6
+        )
