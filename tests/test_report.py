@@ -395,3 +395,17 @@ def test_collectives_keep_one_colour_per_op_and_one_line_style_per_axis(monkeypa
         )
     assert lines["all-reduce @ data"].get_linestyle() != lines["all-reduce @ model"].get_linestyle()
     assert _ticks(fig.axes[0].xaxis) == ["4K", "64K", "1M"]
+
+
+def test_a_report_of_cpu_times_taken_on_a_busy_host_says_so(tmp_path):
+    quiet = rec.make_record("matmul FLOP/s", 1e11, "FLOP/s")
+    quiet.update(backend="cpu", load_avg_1m=0.4, cpu_count=2)
+    busy = {**quiet, "load_avg_1m": 7.5}
+    predicted = {**busy, "label": "predicted"}  # not timed here: never counted
+    assert markdown.busy_caution([quiet, quiet, predicted]) == ""
+    note = markdown.busy_caution([quiet, busy, predicted])
+    assert note.startswith("1 of 2 CPU measurements were timed while other work shared the host")
+    assert "load average up to 7.5 on 2 cores" in note
+    rec.write_records(tmp_path / "records.jsonl", [quiet, busy])
+    text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
+    assert "- **Host busy**: 1 of 2 CPU measurements" in text

@@ -71,6 +71,23 @@ def busy_host() -> tuple[float, int] | None:
     return None if load is None or load <= 0.5 * cores else (load, cores)
 
 
+def busy_records(records) -> tuple[int, int, float, int]:
+    """(busy, timed, highest load, cores) over the measured CPU records that say their host's
+    load and cores: `busy` of `timed` were taken with a load above half the cores, as
+    `busy_host` judges a host before it times anything."""
+    timed = [
+        r
+        for r in records
+        if r.get("label") == "measured"
+        and r.get("backend") == "cpu"
+        and isinstance(r.get("load_avg_1m"), int | float)
+        and isinstance(r.get("cpu_count"), int)
+    ]
+    busy = [r for r in timed if r["load_avg_1m"] > 0.5 * r["cpu_count"]]
+    top = max(busy, key=lambda r: r["load_avg_1m"], default=None)
+    return len(busy), len(timed), top["load_avg_1m"] if top else 0.0, top["cpu_count"] if top else 0
+
+
 def busy_note(what: str = "times") -> str:
     """A line for a command to print before it times anything on a shared host
     (`busy_host`): its figures will be low and noisy. Empty on a quiet host."""
@@ -99,6 +116,7 @@ def environment() -> dict:
         **toolchain.probe().record(),
         "python_version": platform.python_version(),
         "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count() or 1,
         "platform": f"{sys.platform}-{platform.machine()}",
     }
 

@@ -105,7 +105,23 @@ def _env_lines(records: Sequence[dict], meta: dict) -> list[str]:
         for name, m in meta.get("modules", {}).items():
             err = f" — **failed**: {m['error']}" if m.get("error") else ""
             lines.append(f"  - `{name}`: {m['wall_s']:.0f} s, {m['records']} records{err}")
+    if caution := busy_caution(records):
+        lines.append(f"- **Host busy**: {caution}")
     return lines
+
+
+def busy_caution(records: Sequence[dict]) -> str:
+    """A sentence where CPU figures were timed on a shared host (`rec.busy_records`): a
+    verdict that rests on a time or a ratio of times is then not the machine's own. Empty on a
+    quiet host."""
+    busy, timed, load, cores = rec.busy_records(records)
+    if not busy:
+        return ""
+    return (
+        f"{busy} of {timed} CPU measurements were timed while other work shared the host "
+        f"(load average up to {load:.1f} on {cores} cores): their times are low and noisy, and "
+        "so are the verdicts on rates, speed-ups and ratios; rerun on a quiet host to judge them"
+    )
 
 
 def verdict_rows(verdicts: Sequence[Verdict], records: Sequence[dict]) -> list[str]:
