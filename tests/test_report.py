@@ -8,6 +8,7 @@ import pytest
 
 from lab.measure import records as rec
 from lab.report import claims, markdown
+from lab.report.format import fmt
 from lab.report.verdict import HOLDS, MISSING, NA, OFF, PREDICTED, judge, judge_all
 
 IDS = [f"C{i:02d}" for i in range(1, 23)]
@@ -409,3 +410,11 @@ def test_a_report_of_cpu_times_taken_on_a_busy_host_says_so(tmp_path):
     rec.write_records(tmp_path / "records.jsonl", [quiet, busy])
     text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
     assert "- **Host busy**: 1 of 2 CPU measurements" in text
+
+
+def test_context_rows_named_alike_say_what_tells_them_apart():
+    r = rec.make_record("step time", 0.5, "s", strategy="dp", devices=4)
+    assert markdown._context_what(r) == "step time, dp strategy, 4 devices"
+    named = rec.make_record("step time, dp over 4 devices", 0.5, "s", strategy="dp", devices=4)
+    assert markdown._context_what(named) == "step time, dp over 4 devices"
+    assert fmt(0.884, "1") == "0.884"

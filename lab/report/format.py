@@ -38,6 +38,8 @@ def fmt(value, unit: str) -> str:
         return f"{text}{unit}"
     if unit == "$":
         return f"${value:.3g}"
+    if unit in ("1", ""):  # a pure number (an efficiency, a share): no unit after it
+        return f"{value:.3g}"
     return f"{value:.3g} {unit}"
 
 

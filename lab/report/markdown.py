@@ -167,6 +167,18 @@ def _reference_notes(c, records: Sequence[dict]) -> list[str]:
     return out
 
 
+def _context_what(r: dict) -> str:
+    """A context record's name with what tells it from its neighbours where the name leaves
+    that to its config (the scaling study's rows: the same names at 1, 2, 4 and 8 devices)."""
+    what, c = r["what"], r["config"]
+    extra = [
+        f"{c[key]} {word}"
+        for key, word in (("strategy", "strategy"), ("devices", "devices"))
+        if c.get(key) is not None and str(c[key]) not in what
+    ]
+    return f"{what}, {', '.join(extra)}" if extra else what
+
+
 def _check_lines(v: Verdict, records: Sequence[dict]) -> list[str]:
     lines = []
     for c in v.checks:
@@ -193,7 +205,7 @@ def _check_lines(v: Verdict, records: Sequence[dict]) -> list[str]:
         for i in rest:
             r = records[i]
             lines.append(
-                f"  - {r['what']}: {fmt(r['value'], r['unit'])} ({_tag(r)}"
+                f"  - {_context_what(r)}: {fmt(r['value'], r['unit'])} ({_tag(r)}"
                 + (f", {r['config']['role']}" if r["config"].get("role") != "evidence" else "")
                 + ")"
             )
