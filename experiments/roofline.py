@@ -180,6 +180,7 @@ def _step_at_roofs(size: str, roof: dict) -> list[dict]:
             split["share"],
             "× step",
             label="derived",
+            bound="upper",  # decides only below the range: the true share may be lower
             compute_s=split["compute_s"],
             memory_s=split["memory_s"],
             peaks=peaks,

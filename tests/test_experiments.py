@@ -365,14 +365,25 @@ def test_step_at_roofs_times_each_op_at_its_roof():
 def test_c06_is_judged_on_the_compiled_steps_share(tiny_run):
     """C06's verdict rests on the training step's memory-bound share, a figure that can fall
     on either side of its range; the ridge and the elementwise rate are context."""
-    (c06,) = [v for v in judge_all(tiny_run["records"]) if v.claim.id == "C06"]
+    records = tiny_run["records"]
+    (c06,) = [v for v in judge_all(records) if v.claim.id == "C06"]
     (check,) = c06.checks
     assert check.stated.metric == "memory_bound_share"
-    (reading,) = check.readings
-    r = reading.record
-    assert r["label"] == "derived" and 0.0 < r["value"] < 1.0
+    (i,) = [
+        i
+        for i in c06.records
+        if records[i]["config"].get("metric") == "memory_bound_share"
+        and records[i]["label"] == "derived"
+    ]
+    r = records[i]
+    assert 0.0 < r["value"] < 1.0 and r["config"]["bound"] == "upper"
     c = r["config"]
     assert r["value"] == pytest.approx(c["memory_s"] / (c["memory_s"] + c["compute_s"]))
+    # an upper bound decides only below the range's floor: off there, nothing above it
+    if r["value"] < check.stated.lo:
+        assert check.status == "off" and [x.index for x in check.readings] == [i]
+    else:
+        assert check.status == "n/a here" and i in check.context
 
 
 class _FakeDriver:

@@ -418,3 +418,18 @@ def test_context_rows_named_alike_say_what_tells_them_apart():
     named = rec.make_record("step time, dp over 4 devices", 0.5, "s", strategy="dp", devices=4)
     assert markdown._context_what(named) == "step time, dp over 4 devices"
     assert fmt(0.884, "1") == "0.884"
+
+
+def test_a_bound_decides_only_where_the_whole_of_what_it_allows_falls():
+    from lab.report.verdict import decides
+
+    assert decides(0.2, 0.25, 1, "upper") and not decides(0.3, 0.25, 1, "upper")
+    assert decides(0.3, None, 0.5, "upper") and not decides(0.6, None, 0.5, "upper")
+    assert decides(2.0, 0.5, 1.0, "lower") and not decides(0.7, 0.5, 1.0, "lower")
+    assert decides(0.7, 0.5, None, "lower") and decides(0.7, 0.5, 1.0, None)
+    share = claims.get("C06").stated[0]
+    for value, status in ((0.1, "off"), (0.6, "n/a here")):
+        r = _record("C06", share, value, backend="cpu", label="derived")
+        r["config"]["bound"] = "upper"
+        (check,) = judge_all([r], [claims.get("C06")])[0].checks
+        assert check.status == status

@@ -207,6 +207,11 @@ def _check_lines(v: Verdict, records: Sequence[dict]) -> list[str]:
             lines.append(
                 f"  - {_context_what(r)}: {fmt(r['value'], r['unit'])} ({_tag(r)}"
                 + (f", {r['config']['role']}" if r["config"].get("role") != "evidence" else "")
+                + (
+                    f", an {r['config']['bound']} bound: it decides nothing here"
+                    if r["config"].get("bound") and r["config"].get("role") in (None, "evidence")
+                    else ""
+                )
                 + ")"
             )
     return lines

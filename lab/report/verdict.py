@@ -7,7 +7,12 @@ A record answers a stated part when its `config` names the claim (`claim`) and t
   label predicted / compiled, not run                              → predicted (in range or not)
   anything else (another backend, `role` context/reference, no value) → n/a here
 
-and the claim's verdict is `off` if any measured part is off, `holds` if measured parts exist
+A record whose config says its value is a bound (`bound`: "upper", the true value is at most
+it; "lower", at least) decides only where the bound does: an upper bound below the range is
+off, one inside a range with a floor decides nothing (the true value may lie under the floor),
+and such a record is shown as context.
+
+The claim's verdict is `off` if any measured part is off, `holds` if measured parts exist
 and all hold, else `predicted` if some part has a prediction, else `n/a here`. A claim with no
 record at all gets no verdict (`no record`): nothing here can produce one from constants.
 """
@@ -87,6 +92,16 @@ def outside(value: float, lo, hi, strict: bool) -> tuple[float | None, str]:
     return (lo / value if value > 0 else math.inf), "below"
 
 
+def decides(value: float, lo, hi, bound: str | None) -> bool:
+    """Whether a value that is an upper or lower `bound` of the true one settles the range:
+    the whole of what the true value may be lies inside it, or the whole outside."""
+    if bound == "upper":  # true value in (-inf, value]
+        return (lo is not None and value < lo) or (lo is None and (hi is None or value <= hi))
+    if bound == "lower":  # true value in [value, inf)
+        return (hi is not None and value > hi) or (hi is None and (lo is None or value >= lo))
+    return True
+
+
 def _reading(index: int, record: dict, bounds, strict: bool) -> Reading:
     value = _number(record["value"])
     lo, hi = bounds
@@ -100,10 +115,12 @@ def judge_stated(stated: Stated, indexed: Sequence[tuple[int, dict]]) -> Check:
     for i, r in indexed:
         cfg = r.get("config", {})
         bounds = stated.range_for(target_of(r))
+        value = _number(r.get("value"))
         usable = (
-            _number(r.get("value")) is not None
+            value is not None
             and cfg.get("role", "evidence") == "evidence"
             and bounds is not None
+            and decides(value, *bounds, cfg.get("bound"))
         )
         if usable and r.get("label") in EVIDENCE_LABELS and backend_of(r) in stated.backends:
             evidence.append(_reading(i, r, bounds, stated.strict))
