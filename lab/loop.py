@@ -462,11 +462,15 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
                 f"{steps} damaged, kept in checkpoints-damaged/): overwrite=true starts the run "
                 "again"
             )
-        raise ConfigError(
-            f"resume=true: {run_dir} holds no checkpoint (checkpoint_every=0, or the run "
-            "stopped before its first): overwrite=true starts it again"
-        )
+        raise _nothing_to_resume(run_dir)
     return trainer.init(jax.random.key(cfg.seed)), 0
+
+
+def _nothing_to_resume(run_dir: Path) -> ConfigError:
+    return ConfigError(
+        f"resume=true: {run_dir} holds no checkpoint (checkpoint_every=0, or the run "
+        "stopped before its first): overwrite=true starts it again"
+    )
 
 
 def block_order(stages, repeats) -> str:
@@ -683,6 +687,8 @@ def _start_folder(cfg: Config, run_dir: Path, console, request: Request, stages:
 
 
 def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> int:
+    if cfg.resume and not cfg.compile_only and not checkpoint.saved_steps(run_dir):
+        raise _nothing_to_resume(run_dir)  # known before the header and the compile
     console = progress.console(quiet=not is_main)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.abstract_state.params))
     console.print(

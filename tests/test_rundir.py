@@ -208,7 +208,10 @@ def test_a_resume_with_nothing_to_resume_is_refused_not_started_again(saved, cap
     metrics = (tmp_path / "N" / "metrics.jsonl").read_text()
     capsys.readouterr()
     assert _run(tmp_path, "name=N", "steps=5", "resume=true") == 2
-    _one_line_error(capsys, "holds no checkpoint")
+    out = capsys.readouterr()
+    assert out.out == ""  # refused before the run's header and compile
+    assert out.err.startswith("error: resume=true:") and "holds no checkpoint" in out.err
+    assert len(out.err.strip().splitlines()) == 1
     assert (tmp_path / "N" / "metrics.jsonl").read_text() == metrics
     assert _run(tmp_path, "name=N", "steps=5") == 2  # and a fresh run does not send them back
     assert "resume=true" not in _one_line_error(capsys, "already holds a run")
