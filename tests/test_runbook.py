@@ -140,6 +140,19 @@ def test_size_full_without_a_gpu_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "runbook" / runbook.STATE).exists()  # nothing ran
 
 
+def test_a_damaged_state_file_is_kept_aside_not_written_over(tmp_path):
+    root = tmp_path / "runbook"
+    root.mkdir()
+    for damaged in (b'{"steps": {"one": {"stat', b"[1, 2]", b"\xff\xfe"):
+        (root / runbook.STATE).write_bytes(damaged)
+        said = []
+        assert runbook.load_state(root, CPU, "tiny", say=said.append)["steps"] == {}
+        assert "could not be read" in said[0] and "kept as state-damaged-" in said[0]
+        (kept,) = root.glob("state-damaged-*.json")
+        assert kept.read_bytes() == damaged
+        kept.unlink()
+
+
 def test_step_past_its_budget_is_killed_and_cut_short_then_rerun(tmp_path):
     steps = [sleeper("slow", budget=0.5), fake("after")]
     assert tool.run(options(tmp_path), steps=steps, probe=lambda: CPU) == 0

@@ -11,6 +11,7 @@ The parent process never initialises a JAX backend: on a GPU that would take the
 memory from the steps. What the steps will see is found by a probe subprocess.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -269,8 +270,13 @@ def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
         return fresh
     try:
         state = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        say(f"{path} could not be read ({e}): starting afresh")
+        if not isinstance(state, dict) or not isinstance(state.get("steps"), dict):
+            raise ValueError("not a runbook's state")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        keep = root / f"state-damaged-{int(time.time())}.json"  # never written over
+        with contextlib.suppress(OSError):
+            path.rename(keep)
+        say(f"{path} could not be read ({e}): kept as {keep.name}; starting afresh")
         return fresh
     same = state.get("size") == size and all(
         state.get("platform", {}).get(k) == platform.get(k) for k in ("backend", "device_kind")
