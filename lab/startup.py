@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 # The signal the kernel sends a launched process when its launcher dies (PR_SET_PDEATHSIG).
 # Not SIGTERM: the kernel sends it once per launcher thread that had the process as child, as
@@ -54,14 +55,34 @@ def note(kept: str) -> None:
 
 @contextlib.contextmanager
 def held():
-    """A write that must finish whole: a signal during it exits once it is done."""
+    """A write that must finish whole: a signal during it exits once it is done (held
+    within held: once the outermost is done)."""
+    outer = not _held["on"]
     _held["on"] = True
     try:
         yield
     finally:
-        _held["on"] = False
-        if _held["signum"] is not None:
-            _exit(_held["signum"], None)
+        if outer:
+            _held["on"] = False
+            if _held["signum"] is not None:
+                _exit(_held["signum"], None)
+
+
+def keep_on_stop(finished: list, write) -> Callable[[], None]:
+    """A command's points as they finish, kept by a stop: `finished` (appended to as each
+    point finishes) is written by `write(points)` if a signal stops the process, and by the
+    returned `flush()` at the end. Each point is written once: a flush takes the points and
+    writes them with signals held, so a stop during it finds none left to write again."""
+
+    def take_and_write() -> None:
+        with held():
+            taken = list(finished)
+            finished.clear()
+            if taken:
+                write(taken)
+
+    on_stop(take_and_write)
+    return take_and_write
 
 
 def _exit(signum, _frame) -> None:

@@ -499,11 +499,49 @@ def test_a_signal_to_a_tool_is_one_line_and_leaves_no_empty_records(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_signal_keeps_the_points_a_tool_measured(tmp_path):
+    """A sweep stopped part-way keeps every point it finished (it wrote nothing before), and
+    its line says where: the collectives, timed point by point."""
+    import signal
+
+    cmd = [sys.executable, "-m", "lab.tools.collectives", f"out_dir={tmp_path}", "plot=false"]
+    cmd += ["ops=all-reduce,all-gather", "budget=0.05"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # without a terminal, each point's label is a line of its own
+        if "(3/" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, (out[-2000:], err[-2000:])
+    (path,) = tmp_path.glob("*.jsonl")
+    n = int(err.split("the ")[1].split(" points")[0])
+    assert err == f"SIGTERM: exiting at once; the {n} points timed so far are in {path}\n", err
+    kept = [json.loads(x) for x in path.read_text().splitlines()]
+    assert n >= 2 and len(kept) == 2 * n  # algbw and busbw of each, written once
+    assert {r["what"] for r in kept} == {"collective algbw", "collective busbw"}
+
+
+def test_keep_on_stop_writes_each_point_once():
+    from lab import startup
+
+    written, finished = [], ["a", "b"]
+    flush = startup.keep_on_stop(finished, written.append)
+    try:
+        flush()
+        finished.append("c")
+        startup._last_words[-1]()  # what a signal calls: only the point not yet written
+        flush()  # and the end's flush after it: nothing left
+        assert written == [["a", "b"], ["c"]]
+    finally:
+        startup._last_words.clear()
+
+
 def test_a_non_finite_first_step_after_a_resume_suspects_the_checkpoint(
     tmp_path, capsys, monkeypatch
 ):
-    """No checksum guards a checkpoint: a saved value damaged but finite restores, and the
-    first step after it goes non-finite on every resume. That step's line says so."""
+    """A checkpoint saved before checksums were kept (or damaged in memory before its save)
+    restores finite, and the first step after it goes non-finite on every resume. That step's
+    line says so."""
     assert _run(tmp_path, "name=N", "steps=2", "checkpoint_every=2") == 0
     _nan_at_step_3(monkeypatch)  # the step after the checkpoint at 2
     capsys.readouterr()

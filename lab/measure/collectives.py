@@ -133,17 +133,48 @@ def bench_axes(mesh) -> list[str]:
 
 
 def run(
-    mesh, sizes: list[int], ops=OPS, axes=None, budget_s: float = 0.3, progress=None
+    mesh,
+    sizes: list[int],
+    ops=OPS,
+    axes=None,
+    budget_s: float = 0.3,
+    progress=None,
+    done=None,
 ) -> list[Point]:
-    """Every (axis, op, size) point; `progress(label)` is called as each starts."""
+    """Every (axis, op, size) point; `progress(label)` is called as each starts, with the
+    message size it times (a size is rounded up to whole float32 elements per device, and two
+    sizes that round alike are timed once); `done(point)` as each finishes (a caller that
+    keeps what finished when a signal stops it)."""
     points = []
     for axis in axes or bench_axes(mesh):
+        W = group_size(mesh, axis)
         for op in ops:
+            timed = set()
             for size in sizes:
+                actual = message_bytes(op, input_elems(op, size, W), W)
+                if actual in timed:
+                    continue
+                timed.add(actual)
                 if progress:
-                    progress(f"{op} over {axis}, {size:,} B")
-                points.append(time_one(op, mesh, axis, size, budget_s))
+                    progress(f"{op} over {axis}, {actual:,} B")
+                points.append(time_one(op, mesh, axis, actual, budget_s))
+                if done:
+                    done(points[-1])
     return points
+
+
+def points_planned(mesh, sizes: list[int], ops=OPS, axes=None) -> int:
+    """How many points `run` times (sizes that round alike counted once)."""
+    return sum(
+        len(
+            {
+                message_bytes(op, input_elems(op, s, group_size(mesh, a)), group_size(mesh, a))
+                for s in sizes
+            }
+        )
+        for a in axes or bench_axes(mesh)
+        for op in ops
+    )
 
 
 def to_records(points: list[Point], simulated: bool) -> list[dict]:

@@ -503,8 +503,10 @@ def sweep(
     baseline: str = BASELINE,
     inner: int | None = None,
     progress=None,
+    done=None,
 ) -> list[dict]:
-    """Measure every impl over seqs × causal × modes; returns `lab.measure.records` records.
+    """Measure every impl over seqs × causal × modes; returns `lab.measure.records` records
+    (`done(records)` with each point's as it finishes: a caller that keeps them on a stop).
 
     Records of one (impl, seq, causal, mode) share `config`: time (s), TFLOP/s, peak temp
     memory (B), max error, time ratio vs the baseline (absent where the baseline did not run),
@@ -519,8 +521,12 @@ def sweep(
             for mode in modes:
                 if progress:
                     progress(f"L=S={seq} causal={c} {mode}")
+                point = []
                 for row in _measure_one(impls, shape, seq, c, mode, timing):
-                    out += _records(row, shape, seq, c, mode, baseline)
+                    point += _records(row, shape, seq, c, mode, baseline)
+                out += point
+                if done:
+                    done(point)
     return out
 
 

@@ -319,16 +319,24 @@ def remat_batch(size: Size) -> tuple[RematPoint, ...]:
     return tuple(out)
 
 
-def run(size: str = "quick", strategies=STRATEGIES, progress=None) -> ScalingStudy:
+def run(size: str = "quick", strategies=STRATEGIES, progress=None, done=None) -> ScalingStudy:
     """All three experiments at `size` (tiny | quick | full); `.records()` is their records.
-    `progress(label)` is called as each experiment starts."""
+    `progress(label)` is called as each experiment starts, `done(study)` with the study so far
+    as each ends (a caller that keeps what finished on a stop)."""
     if size not in SIZES:
         raise ValueError(f"size={size!r}: expected one of {', '.join(SIZES)}")
     s = SIZES[size]
     tick = progress or (lambda label: None)
-    tick(f"strong scaling: {', '.join(strategies)} over {s.device_counts} devices")
+    done = done or (lambda study: None)
+    counts = ", ".join(map(str, s.device_counts))
+    tick(f"strong scaling: {', '.join(strategies)} over {counts} devices")
     strong = scaling(s, strategies)
+    done(ScalingStudy(strong))
     tick("data-parallel efficiency, extrapolated")
     extrapolated = extrapolate(s)
-    tick(f"remat × batch on one device: {', '.join(s.remats)} × {s.batches}")
-    return ScalingStudy(strong, extrapolated, remat_batch(s))
+    done(ScalingStudy(strong, extrapolated))
+    batches = ", ".join(map(str, s.batches))
+    tick(f"remat × batch on one device: {', '.join(s.remats)} × {batches}")
+    study = ScalingStudy(strong, extrapolated, remat_batch(s))
+    done(study)
+    return study

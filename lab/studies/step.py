@@ -129,9 +129,10 @@ def measure(keys: dict, remat: str, batch: int, budget_s: float) -> StepCandidat
 
 
 def tune(
-    keys: dict, remats=REMATS, batches=BATCHES, budget_s: float = 5.0, log=None
+    keys: dict, remats=REMATS, batches=BATCHES, budget_s: float = 5.0, log=None, done=None
 ) -> list[StepCandidate]:
-    """Every (remat, batch) measured, in that order; skipped ones say why."""
+    """Every (remat, batch) measured, in that order; skipped ones say why. `done(candidate)`
+    as each is measured (a caller that keeps them on a stop)."""
     for key in ("remat", "batch_size", "steps"):
         if key in keys:
             raise ConfigError(f"{key}= is what tune_step varies or sets; use remats=/batches=")
@@ -151,6 +152,8 @@ def tune(
                 if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                     raise
                 rows.append(StepCandidate(remat, batch, skipped="out of memory when run"))
+            if done:
+                done(rows[-1])
     if len(refused) == 1 and all(r.skipped in refused for r in rows):
         raise ConfigError(refused.pop())  # the keys themselves, not a batch or a policy
     return rows

@@ -13,6 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from lab import startup
 from lab.config import cli, field
 from lab.errors import ConfigError
 from lab.measure import memory
@@ -72,6 +73,13 @@ def run(o: Options) -> int:
     if busy := rec.busy_note():
         con.print(f"[yellow]{busy}")
     t0 = time.perf_counter()
+    pending = []  # the points measured and not yet written
+
+    def write(taken) -> None:
+        path = rec.write_records(stem.with_suffix(".jsonl"), taken)
+        startup.note(f"the points measured so far are in {path}")
+
+    flush = startup.keep_on_stop(pending, write)
     records = study.sweep(
         seqs,
         causal={"both": (True, False), "yes": (True,), "true": (True,), "no": (False,)}.get(
@@ -84,6 +92,7 @@ def run(o: Options) -> int:
         baseline=o.baseline,
         inner=o.inner or None,
         progress=con.log,
+        done=pending.extend,
     )
     env = rec.environment()
     title = (
@@ -100,7 +109,8 @@ def run(o: Options) -> int:
             f"peak temp mem of {', '.join(native)}: XLA's temporaries only, not {excluded}",
             soft_wrap=True,
         )
-    con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), records)}")
+    flush()
+    con.print(f"records → {stem.with_suffix('.jsonl')}")
     if o.plot:
         con.print(f"plot → {plots.attention_sweep(rows, stem.with_suffix('.png'), title)}")
     con.print(f"done in {time.perf_counter() - t0:.0f} s")

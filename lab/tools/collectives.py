@@ -13,7 +13,7 @@ import time
 
 import jax
 
-from lab import devices
+from lab import devices, startup
 from lab.config import cli, field
 from lab.errors import ConfigError
 from lab.measure import collectives as coll
@@ -82,7 +82,14 @@ def run(o: Options) -> int:
     title = f"collectives · {env['device_kind']} × {env['device_count']} {where} · {shape}"
     t0 = time.perf_counter()
     con = progress.console()
-    total = len(coll.bench_axes(mesh)) * len(o.ops) * len(sizes)
+    total = coll.points_planned(mesh, sizes, o.ops)
+    points, timed = [], []  # every point; those not yet written
+
+    def write(taken) -> None:
+        path = records.write_records(stem.with_suffix(".jsonl"), coll.to_records(taken, simulated))
+        startup.note(f"the {len(points)} points timed so far are in {path}")
+
+    flush = startup.keep_on_stop(timed, write)
     with progress.tasks(con) as bar:
         task = bar.add_task("collectives", total=total)
         started = []
@@ -91,11 +98,15 @@ def run(o: Options) -> int:
             bar.update(task, description=label, advance=1 if started else 0)
             started.append(label)
 
-        points = coll.run(mesh, sizes, o.ops, budget_s=o.budget, progress=tick)
+        def done(point) -> None:
+            points.append(point)
+            timed.append(point)
+
+        coll.run(mesh, sizes, o.ops, budget_s=o.budget, progress=tick, done=done)
         bar.update(task, completed=total)
     con.print(tables.collectives(points, title))
-    path = records.write_records(stem.with_suffix(".jsonl"), coll.to_records(points, simulated))
-    con.print(f"records → {path}")
+    flush()
+    con.print(f"records → {stem.with_suffix('.jsonl')}")
     if o.plot:
         con.print(f"plot → {plots.collectives(points, stem.with_suffix('.png'), title)}")
     con.print(f"done in {time.perf_counter() - t0:.1f} s; busbw = algbw · nccl-tests factor")

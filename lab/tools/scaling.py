@@ -9,7 +9,7 @@ import dataclasses
 import sys
 import time
 
-from lab import devices
+from lab import devices, startup
 from lab.config import cli, field
 from lab.measure import records
 from lab.report import plots, progress, tables
@@ -45,11 +45,22 @@ def run(o: Options) -> int:
             bar.update(task, description=label[:60], advance=1 if started else 0)
             started.append(label)
 
-        study = scaling.run(o.size, o.strategies, progress=tick)
+        latest = []  # the study as far as it went, not yet written
+
+        def write(taken) -> None:
+            path = records.write_records(stem.with_suffix(".jsonl"), taken[-1].records())
+            startup.note(f"the experiments finished so far are in {path}")
+
+        def done(so_far) -> None:  # each experiment's end: the study so far replaces the last
+            latest[:] = [so_far]
+
+        flush = startup.keep_on_stop(latest, write)
+        study = scaling.run(o.size, o.strategies, progress=tick, done=done)
         bar.update(task, completed=3)
     for table in tables.scaling(study):
         con.print(table)
-    con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), study.records())}")
+    flush()
+    con.print(f"records → {stem.with_suffix('.jsonl')}")
     if o.plot:
         env = records.environment()
         title = (

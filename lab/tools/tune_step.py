@@ -11,6 +11,7 @@ lab/studies/step.py.
 import dataclasses
 import sys
 
+from lab import startup
 from lab.config import cli, field
 from lab.errors import ConfigError
 from lab.measure import records as rec
@@ -33,15 +34,22 @@ def run(o: Options, keys: dict) -> int:
     con = progress.console(width=150)  # it waits for the first session to size the devices
     if busy := rec.busy_note():
         con.print(f"[yellow]{busy}")
-    rows = step.tune(keys, o.remats, o.batches, o.budget, log=con.log)
     stem = rec.output_stem(o.out_dir, "tune_step")
+    pending = []  # the candidates measured and not yet written
+
+    def write(taken) -> None:
+        path = rec.write_records(stem.with_suffix(".jsonl"), step.tune_records(taken, keys))
+        startup.note(f"the candidates measured so far are in {path}")
+
+    flush = startup.keep_on_stop(pending, write)
+    rows = step.tune(keys, o.remats, o.batches, o.budget, log=con.log, done=pending.append)
     top = step.best(rows)
     title = "remat × batch" + (f" · {top.device} · MFU: {top.convention}" if top else "")
     con.print(tables.tune_step(rows, top, title))
     if top is not None and top.peak_flops:
         con.print(f"MFU against {top.peak_flops / 1e9:,.1f} GFLOP/s: {top.peak_source}")
-    path = rec.write_records(stem.with_suffix(".jsonl"), step.tune_records(rows, keys))
-    con.print(f"records → {path}")
+    flush()
+    con.print(f"records → {stem.with_suffix('.jsonl')}")
     if top is None:
         # as lab.run's step that does not fit: the request, not the run, is at fault (exit 2)
         raise ConfigError("no candidate fits this device: try more devices or a smaller model")
