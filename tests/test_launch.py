@@ -40,6 +40,8 @@ def test_two_processes_train_like_one(tmp_path, capsys):
     "argv, needle",
     [
         (["processes=3", "mesh=4x2"], "processes=3 does not divide the 8 devices"),
+        (["mesh=8", "cpu_devices=16"], "mesh=8 uses 8 of the 16 devices (cpu_devices=16)"),
+        (["mesh=8", "cpu_devices=3"], "mesh=8 needs 8 devices but only 3 are present"),
         (["processes=2", "mesh=4x2", "process_id=1"], "process_id: set by lab.tools.launch"),
         (["processes=2", "mesh=4x2", "stepz=3"], "unknown key 'stepz'"),
         (["processes=0", "mesh=4x2"], "must be >= 1"),
@@ -51,6 +53,11 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert launch.main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_without_a_mesh_the_launch_is_data_parallel_over_the_devices():
+    assert launch.check(2, {"steps": 3})["mesh"] == "data:-1"
+    assert launch.check(2, {"mesh": "4x2"})["mesh"] == "4x2"
 
 
 def test_a_run_folder_process_0_would_refuse_is_refused_before_any_process_starts(tmp_path, capsys):

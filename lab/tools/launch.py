@@ -5,7 +5,8 @@ Multi-host JAX for real, on one machine: N processes of `python -m lab.run`, eac
 holding mesh_size/N simulated CPU devices, form one global mesh: the same program a TPU pod
 slice or a GPU cluster runs, with every cross-process collective going through the network
 stack. Their output is gathered line by line, prefixed with the process id. Takes every key of
-lab.run but coordinator, num_processes and process_id, which it sets.
+lab.run but coordinator, num_processes and process_id, which it sets; without mesh=, the run is
+data parallel over the simulated devices (mesh=data:-1), and a mesh must use every device.
 
 What the launcher guarantees, because a process of such a job cannot go on alone (its next
 collective waits for every peer, forever):
@@ -33,6 +34,7 @@ collective waits for every peer, forever):
 """
 
 import dataclasses
+import math
 import os
 import re
 import signal
@@ -48,11 +50,12 @@ from lab.config import cli, field, make_config, stamped_name
 from lab.devices import PARENT_DEATH_SIGNAL, STOP_LINE
 from lab.errors import ConfigError
 from lab.measure.records import writable_dir
-from lab.mesh import cpu_devices_for
+from lab.mesh import MeshSpecError, cpu_devices_for, resolve_shape
 from lab.report.format import key_args
 from lab.resolve import Request, check_on_cpu, defaults
 
 OWN_KEYS = ("coordinator", "num_processes", "process_id")  # set here, per process
+DEFAULT_MESH = "data:-1"  # without mesh=: data parallel over the simulated devices
 # gloo's per-connection chatter: one line per peer and collective group (at times cut in two)
 NOISE = re.compile(r"\s*(\[Gloo\] Rank|\d* ?is connected to \d+ peer ranks)")
 GRACE_S = 60.0  # after a signal or a stop every process agreed on: time to save and exit
@@ -102,10 +105,22 @@ def check(processes: int, keys: dict) -> dict:
             f"target={keys['target']}: a plan for hardware that is not here compiles in one "
             "process and runs nothing: python -m lab.run target=… (without the launcher)"
         )
+    if "mesh" not in keys and not keys.get("resume"):  # lab.run's one device cannot be split
+        keys = {**keys, "mesh": DEFAULT_MESH}
     # a resume's processes take the run's own keys (Request.resumed): checked as they will run
     asked = Request.of(**keys).resumed().dict()
     cfg = defaults(make_config(**asked))
     devices = cfg.cpu_devices or cpu_devices_for(cfg.mesh)
+    try:
+        used = math.prod(resolve_shape(cfg.mesh, devices).values())
+    except MeshSpecError as e:
+        raise ConfigError(f"{e} (cpu_devices={devices})" if cfg.cpu_devices else str(e)) from None
+    if used != devices:  # the mesh takes the first processes' devices: the last hold none of it
+        raise ConfigError(
+            f"mesh={cfg.mesh} uses {used} of the {devices} devices (cpu_devices={devices}): "
+            f"split over {processes} processes, some would hold no device of the mesh; give a "
+            f"mesh over all {devices}, or cpu_devices={used}"
+        )
     if devices % processes:
         raise ConfigError(
             f"processes={processes} does not divide the {devices} devices of mesh={cfg.mesh}: "
@@ -393,7 +408,8 @@ def main(argv=None) -> int:
     def launch(o: Options, keys: dict) -> int:
         keys = check(o.processes, keys)
         cmds = commands(o.processes, keys, free_port(), o.coordinator_timeout)
-        print(f"launching {o.processes} processes of lab.run: {' '.join(key_args(keys))}")
+        n = f"{o.processes} process{'es' if o.processes != 1 else ''}"
+        print(f"launching {n} of lab.run: {' '.join(key_args(keys))}")
         sys.stdout.flush()
         return run(cmds, timeout_s=o.timeout or None, grace_s=o.coordinator_timeout)
 
