@@ -101,6 +101,8 @@ def _parse_list(key: str, raw: str, meta, cast) -> tuple:
         if cast is not str:
             _check_range(key, raw, value, meta)
         _check_choice(key, raw, value, meta.get("choices"))
+        if value in values:  # each is a point, a step or a name to measure once
+            raise ConfigError(f"{key}={raw}: {item.strip()} is given twice")
         values.append(value)
     return tuple(values)
 
@@ -173,12 +175,13 @@ def _pairs(argv: list[str], known: typing.Collection[str], aliases: dict) -> lis
         if "=" not in arg:
             raise ConfigError(f"{arg!r}: arguments are key=value (see --help)")
         key, raw = arg.split("=", 1)
-        key = aliases.get(key.strip(), key.strip())
+        typed = key.strip()
+        key = aliases.get(typed, typed)
         if key not in known:
             hint = did_you_mean(key, [*known, *aliases]) or " (see --help)"
             raise ConfigError(f"unknown key {key!r}{hint}")
-        if any(k == key for k, _ in pairs):
-            raise ConfigError(f"{key} is given more than once")
+        if any(k == key for k, _ in pairs):  # named as typed (model=, not the field preset)
+            raise ConfigError(f"{typed} is given more than once")
         pairs.append((key, raw.strip()))
     return pairs
 

@@ -107,3 +107,16 @@ def test_simulated_device_counts_are_bounded(keys, capsys):
     assert main(keys) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "simulated CPU devices" in err, err
+
+
+def test_a_list_value_given_twice_and_a_key_given_twice_are_named_as_typed():
+    from lab.config import parse_options
+    from lab.tools import scaling as scaling_tool
+    from lab.tools import tune_step
+
+    with pytest.raises(ConfigError, match=r"strategies=dp,dp: dp is given twice"):
+        parse_options(scaling_tool.Options, ["strategies=dp,dp"])
+    with pytest.raises(ConfigError, match=r"batches=4, 4: 4 is given twice"):
+        parse_options(tune_step.Options, ["batches=4, 4"])
+    with pytest.raises(ConfigError, match=r"^model is given more than once$"):
+        parse_args(["model=tiny", "model=small"])
