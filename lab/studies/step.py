@@ -159,6 +159,10 @@ def tune(
     return rows
 
 
+# lab.run keys of a run's own outputs, which the timing tools would accept and ignore
+RUN_OUTPUT_KEYS = ("name", "out_dir", "log_every", "checkpoint_every", "explain", "profile")
+
+
 def refuse_plans(keys: dict, tool: str) -> None:
     """These tools time steps on the devices here: a plan's devices cannot run one,
     compile_only=true would time nothing, and resume= or overwrite= name a run folder they
@@ -170,6 +174,13 @@ def refuse_plans(keys: dict, tool: str) -> None:
         raise ConfigError(
             f"{'=true, '.join(run_keys)}=true: {tool} times steps and keeps no run folder; "
             "leave it out"
+        )
+    outputs = [k for k in RUN_OUTPUT_KEYS if k in keys]
+    if outputs:  # what a run writes or shows: these tools write records, never a run folder
+        raise ConfigError(
+            f"{', '.join(f'{k}=' for k in outputs)}: {tool} times steps and keeps no run "
+            "folder, metrics, checkpoints, trace or explain table; leave "
+            f"{'them' if len(outputs) > 1 else 'it'} out, or use python -m lab.run"
         )
     if keys.get("target"):
         raise ConfigError(

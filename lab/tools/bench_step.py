@@ -2,7 +2,9 @@
 
 The lab's real training step (shardings, logical constraints, donation) against a bare
 flax+optax step for the same model on the same batch, timed alternately in one run; ratio =
-lab / bare. Takes every key of lab.run. See lab/studies/step.py.
+lab / bare. Takes the keys of lab.run that shape the step; those of a run's outputs (name,
+out_dir, log_every, checkpoint_every, explain, profile, resume, overwrite) are refused, as it
+keeps no run folder. See lab/studies/step.py.
 """
 
 import dataclasses

@@ -4,7 +4,8 @@ and batch size give lab.run's step its highest MFU on this device?
 For every (remat, batch_size) it compiles lab.run's real sharded step with the other keys as
 given, refuses what does not fit the device's memory, times the rest, and prints tokens/s and
 MFU (lab.run's convention), the winner and the `python -m lab.run` command that trains with it;
-records go to out_dir. Takes every key of lab.run but remat, batch_size and steps. See
+records go to out_dir. Takes the keys of lab.run that shape the step but remat, batch_size and
+steps (those of a run's outputs, such as name= or profile=, are refused). See
 lab/studies/step.py.
 """
 
