@@ -448,10 +448,13 @@ def test_a_fit_is_not_saved_over_points_that_failed_to_compile(tmp_path, monkeyp
     fits = tmp_path / "fits.json"
     fits.write_text('{"gpu": {"fit": {"compute_efficiency": 0.5}}}')
     monkeypatch.setattr(prediction, "FITS", fits)
-    blocker = tmp_path / "afile"
-    blocker.write_text("")
-    summary = prediction.run(points, blocker, write_fits=True)
-    assert prediction.failed_here(summary)  # the other point is dropped before compiling
+
+    def broken(point, cache_dir):  # a compile that fails here (not the compiler's refusal)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prediction, "program", broken)
+    summary = prediction.run(points, tmp_path, write_fits=True)
+    assert prediction.failed_here(summary)
     assert fits.read_text() == '{"gpu": {"fit": {"compute_efficiency": 0.5}}}'
 
 
