@@ -156,3 +156,23 @@ def test_plan_flops_fall_with_a_window_and_packed_documents_on_tpu():
         assert docs.flops_source.startswith("block map of the segment ids")
         assert docs.compiled_flops >= 0.99 * causal.compiled_flops  # the upper bound
         assert causal.flops / docs.flops >= 3.0
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (
+            ["impl=pallas_gpu"],
+            "no compiled kernel on backend 'tpu': choose one of pallas, pallas_tpu",
+        ),
+        (["batch=3"], "batch must split over data"),
+        (["head_dim=12"], "q/k head_dim 12"),
+    ],
+)
+def test_a_plan_it_cannot_make_is_one_line_before_any_progress(argv, needle, capsys):
+    pytest.importorskip("libtpu")
+    from lab.tools import attention_plan
+
+    assert attention_plan.main(["seq=256", *argv]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and needle in out.err, out

@@ -121,6 +121,40 @@ def mesh_for(devices, data: int):
     return jax.sharding.Mesh(np.array(devices).reshape(data, -1), (DATA, MODEL))
 
 
+def _inputs(target: str, batch, heads, kv_heads, seq, head_dim, dtype, data):
+    """(the target's devices, the plan's mesh, q and k/v as abstract sharded arrays), or the
+    ConfigError of a shape the mesh cannot split."""
+    plans.prepare_host(target)
+    devices = plans.topology_devices(target)
+    mesh = mesh_for(devices, data)
+    n_model = mesh.shape[MODEL]
+    if batch % mesh.shape[DATA] or kv_heads % n_model or heads % kv_heads:
+        raise ConfigError(
+            f"batch={batch} heads={heads} kv_heads={kv_heads} on mesh data={mesh.shape[DATA]} "
+            f"x model={n_model}: batch must split over data, kv heads over model, and heads "
+            "must be a multiple of kv heads"
+        )
+    sh = NamedSharding(mesh, SPEC)
+    q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.dtype(dtype), sharding=sh)
+    kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.dtype(dtype), sharding=sh)
+    return devices, mesh, q, kv
+
+
+def check(target: str, *, seqs, head_dims, masks=None, **config) -> None:
+    """Every point of a grid as `plan` checks it before compiling (the target, the mesh, the
+    shapes, the kernel the dispatch takes for the input), so that a bad request is one line
+    before the first compile, not after a progress line."""
+    c = dict(config)
+    impl, causal = c.pop("impl", "pallas"), c.pop("causal")
+    for seq in seqs:
+        for head_dim in head_dims:
+            for mask in masks or [MaskChoice(causal)]:
+                _, mesh, q, kv = _inputs(target, seq=seq, head_dim=head_dim, **c)
+                features = frozenset(mask.mask(c["batch"], seq).features(seq, seq))
+                is_causal = causal or mask.window is not None or mask.doc_len is not None
+                _chosen(impl, q, kv, is_causal, mesh, features)
+
+
 def plan(
     target: str,
     *,
@@ -140,19 +174,8 @@ def plan(
     `causal` or not)."""
     mask = mask or MaskChoice(causal)
     causal = causal or mask.window is not None or mask.doc_len is not None
-    plans.prepare_host(target)
-    devices = plans.topology_devices(target)
-    mesh = mesh_for(devices, data)
+    devices, mesh, q, kv = _inputs(target, batch, heads, kv_heads, seq, head_dim, dtype, data)
     n_model = mesh.shape[MODEL]
-    if batch % mesh.shape[DATA] or kv_heads % n_model or heads % kv_heads:
-        raise ConfigError(
-            f"batch={batch} heads={heads} kv_heads={kv_heads} on mesh data={mesh.shape[DATA]} "
-            f"x model={n_model}: batch must split over data, kv heads over model, and heads "
-            "must be a multiple of kv heads"
-        )
-    sh = NamedSharding(mesh, SPEC)
-    q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.dtype(dtype), sharding=sh)
-    kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.dtype(dtype), sharding=sh)
     kind = devices[0].device_kind
     spec, peak = specs.lookup(kind), specs.peak_flops(kind, dtype)
     full_mask = mask.mask(batch, seq)
@@ -263,7 +286,13 @@ def _chosen(impl: str, q, kv, causal: bool, mesh, features=frozenset()):
         with jax.sharding.set_mesh(mesh):  # the target's platform and device kind decide
             return choose_noted(impl, q, kv, kv, causal=causal, features=features)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        text = str(e)
+        if "has no compiled kernel on backend" in text:  # the dispatch lists every impl; a
+            # plan compiles Pallas kernels only: the ones the target's compiler takes
+            backend = "tpu" if "backend 'tpu'" in text else "gpu"
+            takes = "pallas, pallas_tpu" if backend == "tpu" else "pallas, pallas_gpu, pallas_mgpu"
+            text = f"{text.split(': choose one of')[0]}: choose one of {takes}"
+        raise ConfigError(text) from None
 
 
 def masks_of(causal: bool, windows=(), doc_lens=()) -> list[MaskChoice]:

@@ -67,7 +67,8 @@ def run(o: Options) -> int:
     config = {k: v for k, v in dataclasses.asdict(o).items() if k not in skip}
     masks = plan.masks_of(o.causal, o.window, o.docs)
     n = len(o.seq) * len(o.head_dim) * len(masks)
-    con = progress.console(width=150)
+    plan.check(o.target, seqs=o.seq, head_dims=o.head_dim, masks=masks, **config)  # before
+    con = progress.console(width=150)  # the progress line: a bad request is one line
     with progress.tasks(con) as bar:
         task = bar.add_task("compiling", total=n)
 
