@@ -88,11 +88,15 @@ def jax_tree_scale(tree, factor):
     [
         (["interpret=true", "write=true"], "interpret-mode times measure nothing"),
         ([], "compiles only on a GPU"),
-        (["interpret=true", "head_dims=44"], "head_dims=[44]"),  # not a multiple of 8
+        (
+            ["interpret=true", "head_dims=44"],
+            "takes no head_dim 44 (it takes",
+        ),  # not a multiple of 8
         (["interpret=true", "heads=3", "kv_heads=2"], "not a multiple"),
         (["interpret=ture"], "expected a boolean"),
         (["head_dim=64"], "did you mean head_dims?"),
         (["static_only=true", "static=tpu:v5e:2x2"], "expected auto, off or gpu:KIND[:N]"),
+        (["static_only=true", "static=gpu:h999:1"], "static='gpu:h999:1': unknown GPU"),
         (["static_only=true", "static=off"], "needs a GPU or static=gpu:KIND"),
     ],
 )

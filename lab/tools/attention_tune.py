@@ -66,7 +66,13 @@ def _static(o: Options) -> str:
         raise ConfigError(f"static={o.static!r}: expected auto, off or gpu:KIND[:N]")
     from lab import plans
 
-    plans.prepare_host(o.static)  # the plugin and ptxas, one line if missing
+    try:  # the key the user typed names the target here: static=, not target=
+        plans.prepare_host(o.static)  # the plugin and ptxas, one line if missing
+        from lab.plans import gpu as gpu_targets
+
+        gpu_targets.parse_target(o.static)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("target=", "static=", 1)) from None
     if o.kernel == "pallas_mgpu":  # LLVM aborts the process on another architecture
         from lab.kernels.attention import pallas_mgpu
         from lab.plans import gpu
@@ -93,7 +99,11 @@ def searches(o: Options) -> list[tune.Search]:
     kernel = pallas_mgpu if mgpu else pallas_gpu
     bad = [d for d in o.head_dims if d not in kernel.HEAD_DIMS]
     if bad:
-        raise ConfigError(f"head_dims={bad}: {o.kernel} takes head_dim in {kernel.HEAD_DIMS}")
+        takes = ", ".join(map(str, sorted(kernel.HEAD_DIMS)))
+        raise ConfigError(
+            f"head_dims={','.join(map(str, o.head_dims))}: {o.kernel} takes no head_dim "
+            f"{', '.join(map(str, bad))} (it takes {takes})"
+        )
     if mgpu and o.dtype not in ("", *(jnp.dtype(d).name for d in pallas_mgpu.DTYPES)):
         raise ConfigError(f"dtype={o.dtype}: pallas_mgpu takes bfloat16 or float16")
     if mgpu and tiny and not pallas_mgpu.interpretable():

@@ -57,7 +57,10 @@ from lab.resolve import Request, check_on_cpu, defaults
 OWN_KEYS = ("coordinator", "num_processes", "process_id")  # set here, per process
 DEFAULT_MESH = "data:-1"  # without mesh=: data parallel over the simulated devices
 # gloo's per-connection chatter: one line per peer and collective group (at times cut in two)
-NOISE = re.compile(r"\s*(\[Gloo\] Rank|\d* ?is connected to \d+ peer ranks)")
+NOISE = re.compile(
+    r"\s*(\[Gloo\] Rank|\d* ?is connected to \d+ peer ranks"
+    r"|Expected number of connected peer ranks is ?: ?\d+)"
+)
 GRACE_S = 60.0  # after a signal or a stop every process agreed on: time to save and exit
 KILL_AFTER_S = 5.0  # after SIGTERM from the launcher: a process blocked in a collective ignores it
 # A process's errors once it is dying (a Python traceback, the runtime's fatal log and stack):
