@@ -184,7 +184,8 @@ def run(o: Options) -> int:
         startup.note(f"the searches finished so far are in {stem.with_suffix('.jsonl')}")
         for stage in summary.stages:
             con.print(tables.tune_stage(stage, summary.baseline))
-        con.print(f"head_dim {search.head_dim}: {best} ({time.perf_counter() - t0:.0f} s)")
+        tiles = " ".join(f"{f.name}={getattr(best, f.name)}" for f in dataclasses.fields(best))
+        con.print(f"head_dim {search.head_dim}: best {tiles} ({time.perf_counter() - t0:.0f} s)")
         if o.write:
             con.print(f"table → {tune.write_entry(kind, search, best, summary)}")
     con.print(f"records → {stem.with_suffix('.jsonl')}")
