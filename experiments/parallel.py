@@ -280,6 +280,7 @@ def _timed_allreduce(buffer_bytes: float, size: str) -> list[dict]:
             + sim,
             pt.busbw,
             "B/s",
+            label="derived",  # the measured time's algbw times the all-reduce's 2(W-1)/W
             role="context",
             devices=len(devices),
             median_s=pt.result.median_s,
