@@ -27,8 +27,9 @@ def _ms(x) -> str:
     return "—" if x is None else f"{x * 1e3:,.2f}"
 
 
-def scaling(study: ScalingStudy) -> list[Table]:
-    """The scaling study's three tables: strong scaling, DP extrapolation, remat × batch."""
+def scaling(study: ScalingStudy) -> list[Table | str]:
+    """The scaling study's three tables: strong scaling, DP extrapolation (a line where
+    nothing was extrapolated), remat × batch."""
     sim = study.simulated
     t1 = Table(
         title="scaling (strong, fixed global batch)" + (" · simulated CPU devices" if sim else "")
@@ -53,10 +54,7 @@ def scaling(study: ScalingStudy) -> list[Table]:
         )
     rows = [p for p in study.extrapolated if p.efficiency is not None]
     src = study.extrapolated[0].bandwidth_source if study.extrapolated else ""
-    if rows:
-        title = f"data-parallel efficiency — EXTRAPOLATED, not measured (bandwidth: {src})"
-    else:
-        title = f"data-parallel efficiency — not extrapolated ({src})"
+    title = f"data-parallel efficiency — EXTRAPOLATED, not measured (bandwidth: {src})"
     t2 = Table(title=title)
     for col in (
         "devices",
@@ -83,4 +81,6 @@ def scaling(study: ScalingStudy) -> list[Table]:
         if p.peak_bytes is None:
             continue
         t3.add_row(p.remat, str(p.batch), _ms(p.step_s), mib(p.peak_bytes, 2), mib(p.temp_bytes, 2))
+    if not rows:  # a line, not an empty table
+        t2 = f"data-parallel efficiency: not extrapolated ({src})"
     return [t1, t2, t3]
