@@ -344,15 +344,20 @@ def quiet_libraries_here() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def quiet_libraries(run_dir: Path) -> None:
+def quiet_libraries(run_dir: Path, *, delay: bool = False) -> None:
     """Python logging of the libraries (orbax, absl, TensorStore's Python side) to lab.log in
     the run folder instead of the terminal, and so are the errors their background threads
     cannot raise (a failed checkpoint write fails every pending write of its step, each in its
     own thread or coroutine, some only found at interpreter exit): the lab reports the
-    failure once, in one line, where it surfaces in the loop."""
+    failure once, in one line, where it surfaces in the loop. `delay`: the file is made at the
+    first record, not before (a shared results folder gets no empty lab.log)."""
     path = run_dir / "lab.log"
     try:
-        handler = _LogHandler(path)
+        if delay and path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+        if delay and path.is_dir():
+            raise IsADirectoryError(21, "Is a directory")
+        handler = _LogHandler(path, delay=delay)
     except OSError as e:  # a read-only file, a folder of that name
         what = "a folder" if path.is_dir() else (e.strerror or str(e)).lower()
         raise ConfigError(

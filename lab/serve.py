@@ -170,7 +170,7 @@ def run(o: Options, keys: dict) -> int:
     # The libraries' own logging (absl, orbax, TensorStore, asyncio: a damaged checkpoint makes
     # them print thousands of lines) goes to lab.log in the results folder, as lab.run sends
     # it to the run folder's; the lab says what went wrong in one line.
-    rundir.quiet_libraries(rec.writable_dir(o.results))
+    rundir.quiet_libraries(rec.writable_dir(o.results), delay=True)
     s, run_dir = _session(o, keys)
     con = progress.console()
     con.print(

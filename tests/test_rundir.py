@@ -586,8 +586,23 @@ def test_a_libraries_log_that_cannot_be_written_is_one_line(tmp_path):
     from lab.errors import ConfigError
 
     (tmp_path / "lab.log").mkdir()
-    with pytest.raises(ConfigError, match=r"lab.log \(the libraries' log\): a folder"):
-        rundir.quiet_libraries(tmp_path)
+    for delay in (False, True):
+        with pytest.raises(ConfigError, match=r"lab.log \(the libraries' log\): a folder"):
+            rundir.quiet_libraries(tmp_path, delay=delay)
+    (tmp_path / "lab.log").rmdir()
+    import logging
+    import threading
+
+    names = (*rundir.LIBRARY_LOGGERS, "lab.background")
+    kept = {n: (logging.getLogger(n).handlers, logging.getLogger(n).propagate) for n in names}
+    hooks = sys.unraisablehook, threading.excepthook
+    try:
+        rundir.quiet_libraries(tmp_path, delay=True)  # a shared results folder: no empty file
+        assert not (tmp_path / "lab.log").exists()
+    finally:  # the process's logging as it was, for the tests after this one
+        for n, (handlers, propagate) in kept.items():
+            logging.getLogger(n).handlers, logging.getLogger(n).propagate = handlers, propagate
+        sys.unraisablehook, threading.excepthook = hooks
 
 
 def test_a_resume_says_which_keys_it_changes(tmp_path, capsys):
