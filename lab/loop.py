@@ -730,7 +730,13 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> 
         except OSError as e:
             raise _start_failure(e, run_dir) from None
     # one peak for the run's MFU, its records' and its summary's (a resume keeps the first's)
-    peak = summary.run_peak(cfg, info, analysis["devices"], run_dir if start else None)
+    # (process 0's alone: the others write no records or summary, and N processes of one host
+    # measuring the peak at once would each see 1/N of it)
+    peak = (
+        summary.run_peak(cfg, info, analysis["devices"], run_dir if start else None)
+        if is_main
+        else (None, "")
+    )
     try:
         mngr = checkpoint.manager(run_dir) if (cfg.checkpoint_every or cfg.resume) else None
         log = rundir.MetricsLog(run_dir / "metrics.jsonl") if is_main else None

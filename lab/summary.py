@@ -339,19 +339,26 @@ def run_peak(
         try:
             earlier = json.loads((Path(resumed_in) / "summary.json").read_text())
             peak, source = earlier["peak_flops_per_s"], earlier["peak_source"]
-            host = earlier["environment"]["hostname"]
-        except (OSError, ValueError, KeyError, TypeError):
+            env = earlier["environment"]
+            host = env["hostname"], env.get("cpu_count"), env.get("device_kind")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             peak = source = host = None
+        here = rec.environment()
         measured = f"measured {cfg.model.dtype} matmul peak of this host"
         if (
             isinstance(peak, int | float)
             and peak > 0
             and isinstance(source, str)
             and source.startswith(measured)
-            and host == socket.gethostname()
+            # the same machine: its name, and its cores and kind where the summary says them
+            and host is not None
+            and host[0] == socket.gethostname()
+            and host[1] in (None, here.get("cpu_count"))
+            and host[2] in (None, here.get("device_kind"))
         ):
             kept = " (all cores), measured when the run began and kept across its resumes"
-            return float(peak), measured + kept
+            was_busy = "; host busy when measured" if "host busy" in source else ""
+            return float(peak), measured + kept + was_busy + _busy()
     return mesh_peak(cfg, info, n_devices)
 
 

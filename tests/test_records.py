@@ -127,3 +127,13 @@ def test_a_signal_after_a_commands_records_are_written_says_where(tmp_path, monk
     assert startup._kept[0] == "nothing was written"
     path = records.write_records(stem.with_suffix(".jsonl"), {"what": "x"})
     assert startup._kept[0] == f"the records written so far are in {path}"
+
+
+def test_a_skipped_points_reason_is_a_record(tmp_path):
+    """The lab writes why a point was skipped as the value of a record of unit 'reason'."""
+    path = tmp_path / "records.jsonl"
+    records.write_records(path, records.make_record("tune_step skipped", "out of memory", "reason"))
+    assert records.read_records(path)[0]["value"] == "out of memory"
+    path.write_text(json.dumps(records.make_record("skipped", 3, "reason")) + "\n")
+    with pytest.raises(ValueError, match="value is a number, not a reason's text"):
+        records.read_records(path)

@@ -297,9 +297,12 @@ def test_a_resumed_cpu_run_keeps_the_peak_its_mfu_began_with(tmp_path, monkeypat
     monkeypatch.setattr(summary.ceilings, "matmul_peak", lambda dtype, **kw: 1e11)
     assert _run(tmp_path, "name=p", "steps=4", "checkpoint_every=2") == 0
     monkeypatch.setattr(summary.ceilings, "matmul_peak", lambda dtype, **kw: 3e11)
+    busy = "; host busy: load 9.0 on 2 cores, CPU figures unreliable"
+    monkeypatch.setattr(summary, "_busy", lambda: busy)  # the resumed segment's host is busy
     assert _run(tmp_path, "name=p", "steps=6", "resume=true") == 0
     s = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert s["peak_flops_per_s"] == 1e11 and "kept across its resumes" in s["peak_source"]
+    assert s["peak_source"].endswith(busy)  # a resumed segment's load is still said
     rows = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     for r in rows:  # every logged MFU against the one peak
         assert r["mfu"] == pytest.approx(

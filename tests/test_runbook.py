@@ -131,6 +131,14 @@ def test_a_runbook_folder_moved_elsewhere_keeps_its_rows(tmp_path, capsys):
     (tmp_path / "b" / "runbook" / runbook.STATE).write_text(json.dumps(state))
     assert tool.run(options(tmp_path / "b"), steps=steps, probe=lambda: CPU) == 0
     assert "copy bandwidth 2.5 TB/s" in (tmp_path / "b" / "runbook" / runbook.ROWS).read_text()
+    # copied, the original kept: the copy reads its own files, not the original's
+    import shutil
+
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    old = str(tmp_path / "b" / "runbook" / "steps" / "one" / "try-1")
+    assert runbook._here(tmp_path / "c" / "runbook", old) == (
+        tmp_path / "c" / "runbook" / "steps" / "one" / "try-1"
+    )
 
 
 def test_size_full_without_a_gpu_is_one_line(tmp_path, capsys):
@@ -138,19 +146,23 @@ def test_size_full_without_a_gpu_is_one_line(tmp_path, capsys):
     with pytest.raises(tool.ConfigError, match="size=full is the GPU runbook and this machine"):
         tool.run(o, steps=[fake("one")], probe=lambda: CPU)
     assert not (tmp_path / "runbook" / runbook.STATE).exists()  # nothing ran
+    failed = {"backend": "unknown", "error": "CUDA_ERROR_NO_DEVICE"}
+    with pytest.raises(tool.ConfigError, match=r"the platform probe failed \(CUDA_ERROR_NO"):
+        tool.run(o, steps=[fake("one")], probe=lambda: failed)
+    assert "note:" not in capsys.readouterr().out  # one line, not a note that contradicts it
 
 
 def test_a_damaged_state_file_is_kept_aside_not_written_over(tmp_path):
     root = tmp_path / "runbook"
     root.mkdir()
-    for damaged in (b'{"steps": {"one": {"stat', b"[1, 2]", b"\xff\xfe"):
-        (root / runbook.STATE).write_bytes(damaged)
+    damaged = (b'{"steps": {"one": {"stat', b"[1, 2]", b"\xff\xfe")
+    for text in damaged:  # within one second: each kept under a name of its own
+        (root / runbook.STATE).write_bytes(text)
         said = []
         assert runbook.load_state(root, CPU, "tiny", say=said.append)["steps"] == {}
         assert "could not be read" in said[0] and "kept as state-damaged-" in said[0]
-        (kept,) = root.glob("state-damaged-*.json")
-        assert kept.read_bytes() == damaged
-        kept.unlink()
+    kept = sorted(p.read_bytes() for p in root.glob("state-damaged-*.json"))
+    assert kept == sorted(damaged)
 
 
 def test_step_past_its_budget_is_killed_and_cut_short_then_rerun(tmp_path):

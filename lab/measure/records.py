@@ -246,6 +246,8 @@ def _wrong_type(r: dict) -> str | None:
     if not isinstance(r["device_kind"], str | type(None)):
         return f"device_kind is {_json_type(r['device_kind'])}, not a string"
     v = r["value"]
+    if r["unit"] == "reason":  # why a point was skipped: its value is the reason's text
+        return None if isinstance(v, str) else f"value is {_json_type(v)}, not a reason's text"
     if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
         return f"value is {_json_type(v)}, not a number"
     return None

@@ -171,10 +171,11 @@ def _context_what(r: dict) -> str:
     """A context record's name with what tells it from its neighbours where the name leaves
     that to its config (the scaling study's rows: the same names at 1, 2, 4 and 8 devices)."""
     what, c = r["what"], r["config"]
+    words = set(re.findall(r"[\w.+-]+", what))  # whole words: devices=1 is not in "1024"
     extra = [
         f"{c[key]} {word}"
         for key, word in (("strategy", "strategy"), ("devices", "devices"))
-        if c.get(key) is not None and str(c[key]) not in what
+        if c.get(key) is not None and str(c[key]) not in words
     ]
     return f"{what}, {', '.join(extra)}" if extra else what
 
@@ -208,7 +209,8 @@ def _check_lines(v: Verdict, records: Sequence[dict]) -> list[str]:
                 f"  - {_context_what(r)}: {fmt(r['value'], r['unit'])} ({_tag(r)}"
                 + (f", {r['config']['role']}" if r["config"].get("role") != "evidence" else "")
                 + (
-                    f", an {r['config']['bound']} bound: it decides nothing here"
+                    f", {'an upper' if r['config']['bound'] == 'upper' else 'a lower'} bound: "
+                    "it decides nothing here"
                     if r["config"].get("bound") and r["config"].get("role") in (None, "evidence")
                     else ""
                 )

@@ -11,7 +11,6 @@ The parent process never initialises a JAX backend: on a GPU that would take the
 memory from the steps. What the steps will see is found by a probe subprocess.
 """
 
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -273,9 +272,20 @@ def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
         if not isinstance(state, dict) or not isinstance(state.get("steps"), dict):
             raise ValueError("not a runbook's state")
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        keep = root / f"state-damaged-{int(time.time())}.json"  # never written over
-        with contextlib.suppress(OSError):
+        stamp, n = int(time.time()), 1
+        keep = root / f"state-damaged-{stamp}.json"
+        while keep.exists():  # never over an earlier one of the same second
+            n += 1
+            keep = root / f"state-damaged-{stamp}-{n}.json"
+        try:
             path.rename(keep)
+        except OSError as moved:  # left in place, a save would write over it: stop instead
+            from lab.errors import ConfigError
+
+            raise ConfigError(
+                f"{path} could not be read ({e}) nor moved aside ({moved.strerror or moved}): "
+                "move it away yourself, then run again"
+            ) from None
         say(f"{path} could not be read ({e}): kept as {keep.name}; starting afresh")
         return fresh
     same = state.get("size") == size and all(
@@ -316,10 +326,11 @@ def _here(root: Path, stored: str) -> Path:
     path = Path(stored)
     if not path.is_absolute():
         return root / path
-    if path.exists() or "steps" not in path.parts:
+    if "steps" not in path.parts:
         return path
     at = len(path.parts) - 1 - path.parts[::-1].index("steps")
-    return root.joinpath(*path.parts[at:])
+    here = root.joinpath(*path.parts[at:])  # a copy's own files first, not the original's
+    return here if here.exists() or not path.exists() else path
 
 
 def _relative(root: Path, path: str) -> str:

@@ -85,9 +85,12 @@ def run(o: Options) -> int:
     total = coll.points_planned(mesh, sizes, o.ops)
     points, timed = [], []  # every point; those not yet written
 
+    written = []
+
     def write(taken) -> None:
         path = records.write_records(stem.with_suffix(".jsonl"), coll.to_records(taken, simulated))
-        startup.note(f"the {len(points)} points timed so far are in {path}")
+        written.extend(taken)
+        startup.note(f"the {len(written)} points timed so far are in {path}")
 
     flush = startup.keep_on_stop(timed, write)
     with progress.tasks(con) as bar:
@@ -99,8 +102,8 @@ def run(o: Options) -> int:
             started.append(label)
 
         def done(point) -> None:
+            timed.append(point)  # the list a stop writes first: a point is never counted unwritten
             points.append(point)
-            timed.append(point)
 
         coll.run(mesh, sizes, o.ops, budget_s=o.budget, progress=tick, done=done)
         bar.update(task, completed=total)

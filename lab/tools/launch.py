@@ -125,9 +125,10 @@ def check(processes: int, keys: dict) -> dict:
             f"mesh over all {devices}, or cpu_devices={used}"
         )
     if devices % processes:
+        default = " (the default)" if "mesh" not in asked or asked["mesh"] == DEFAULT_MESH else ""
         raise ConfigError(
-            f"processes={processes} does not divide the {devices} devices of mesh={cfg.mesh}: "
-            "every process must hold the same number of devices"
+            f"processes={processes} does not divide the {devices} devices of mesh={cfg.mesh}"
+            f"{default}: every process must hold the same number of devices"
         )
     if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":  # the children's platform, known
         check_on_cpu(Request.of(**asked), devices)  # every process would refuse it alike

@@ -140,14 +140,18 @@ def run(o: Options, *, steps=None, probe=None) -> int:
 def _run_held(o: Options, steps, names, chosen, root: Path, probe) -> int:
     t0 = time.perf_counter()
     platform = (probe or runbook.probe_platform)()
+    if platform.get("backend") != "gpu" and o.size == "full":
+        found = (
+            f"the platform probe failed ({platform['error']})"
+            if platform.get("error")
+            else f"this machine has no GPU (backend {platform.get('backend')})"
+        )
+        raise ConfigError(
+            f"size=full is the GPU runbook and {found}: its steps would skip or run at a GPU's "
+            "sizes here. size=tiny rehearses it (minutes), dry_run=true prints its plan"
+        )
     if platform.get("error"):
         print(f"note: the platform probe failed ({platform['error']}); GPU steps are skipped")
-    if platform.get("backend") != "gpu" and o.size == "full":
-        raise ConfigError(
-            f"size=full is the GPU runbook and this machine has no GPU (backend "
-            f"{platform.get('backend')}): its steps would skip or run at a GPU's sizes here. "
-            "size=tiny rehearses it (minutes), dry_run=true prints its plan"
-        )
     print(
         f"runbook · {platform.get('device_kind')} × {platform.get('device_count', '?')} "
         f"({platform.get('backend')}) · size={o.size} · budget={o.budget:g} s → {root}"
