@@ -119,9 +119,10 @@ class Saver:
         self.finish()
         if step in self.mngr.all_steps():
             return False
+        sums = fingerprint(state)  # before the save: its failure is not the disk's
         self.pending = step
         try:
-            args = {ITEM: ocp.args.StandardSave(state), SUMS: ocp.args.JsonSave(fingerprint(state))}
+            args = {ITEM: ocp.args.StandardSave(state), SUMS: ocp.args.JsonSave(sums)}
             self.mngr.save(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for a failed write
             self.pending = None
@@ -206,6 +207,8 @@ def _sums_differ(step_dir: Path, state) -> str | None:
     sums_dir = step_dir / SUMS
     if not sums_dir.exists():
         return None
+    # (every process of a job reads the same files: all return here alike, or all go on to
+    # the fingerprint's collective reductions together)
     try:
         saved = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(sums_dir)
         if not isinstance(saved, dict):
