@@ -1,7 +1,10 @@
 """Progress bars and the console every command prints through (rich)."""
 
+import contextlib
 import os
 import sys
+import threading
+import time
 
 from rich.console import Console
 from rich.progress import (
@@ -99,6 +102,30 @@ class _Tasks(Progress):
                 f"{description} ({task.completed:g}{total} done, {task.elapsed or 0:.0f} s)",
                 soft_wrap=True,
             )
+
+
+@contextlib.contextmanager
+def working(con: Console, what: str):
+    """Work without steps to count (a few seconds to a minute): a spinner with `what` and the
+    time on a terminal; off one, `what` as a line when it starts."""
+    if not con.is_terminal:
+        con.print(what)
+        yield
+        return
+    t0 = time.perf_counter()
+    with con.status(what) as status:
+        stop = threading.Event()
+
+        def tick():  # the elapsed seconds beside the spinner
+            while not stop.wait(1.0):
+                status.update(f"{what} ({time.perf_counter() - t0:.0f} s)")
+
+        clock = threading.Thread(target=tick, daemon=True)
+        clock.start()
+        try:
+            yield
+        finally:
+            stop.set()
 
 
 def tasks(con: Console) -> Progress:

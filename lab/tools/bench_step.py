@@ -37,7 +37,9 @@ def run(o: Options, keys: dict) -> int:
         )
     if busy := rec.busy_note():
         progress.console().print(f"[yellow]{busy}")
-    results = step.compare_with_bare(s, budget_s=o.budget)
+    what = f"compiling both steps, then timing them alternately for {o.budget:g} s"
+    with progress.working(progress.console(), what):
+        results = step.compare_with_bare(s, budget_s=o.budget)
     title = f"{s.info.header()}; model={s.cfg.preset}, batch {s.cfg.batch_size}×{s.cfg.seq_len}"
     progress.console().print(tables.step_compare(results, title))
     return 0

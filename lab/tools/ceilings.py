@@ -25,7 +25,9 @@ def run(o: Options) -> int:
     con = progress.console()
     if busy := records.busy_note("figures"):
         con.print(f"[yellow]{busy}")
-    result = ceilings.run_all(budget_s=o.budget, quick=o.quick)
+    what = "measuring matmul peaks, copy and transfer bandwidth and the roofline's points"
+    with progress.working(con, what):
+        result = ceilings.run_all(budget_s=o.budget, quick=o.quick)
     env = records.environment()
     title = (
         f"ceilings · {plots.device_name(env['backend'], env['device_kind'])} × "
