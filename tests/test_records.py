@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import jax
 import pytest
@@ -137,3 +138,12 @@ def test_a_skipped_points_reason_is_a_record(tmp_path):
     path.write_text(json.dumps(records.make_record("skipped", 3, "reason")) + "\n")
     with pytest.raises(ValueError, match="value is a number, not a reason's text"):
         records.read_records(path)
+
+
+def test_a_system_folder_that_takes_no_files_is_named_so():
+    from lab.errors import ConfigError
+
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    with pytest.raises(ConfigError, match="it takes no new files"):
+        records.writable_dir("/proc/self")

@@ -8,6 +8,7 @@ so several runs (and several backends) can write into one results folder and be 
 
 import atexit
 import datetime
+import errno
 import functools
 import itertools
 import json
@@ -160,7 +161,10 @@ def writable_dir(folder) -> Path:
         probe.touch()
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"cannot write to {str(folder)!r}: {e.strerror or e}") from None
+        why = e.strerror or str(e)
+        if e.errno == errno.ENOENT and folder.is_dir():  # /proc's folders exist, take no files
+            why = "it takes no new files (a folder of the system's, not for output)"
+        raise ConfigError(f"cannot write to {str(folder)!r}: {why}") from None
     return folder
 
 
