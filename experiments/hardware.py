@@ -113,6 +113,10 @@ def _driver_report(dev, lib=None) -> list[dict]:
     `dev` (lab.measure.cuda); nothing where it cannot be read."""
     hw = getattr(dev, "local_hardware_id", None)
     attrs = cuda.driver_attributes(dev.id if hw is None else hw, lib=lib)
+    # a MIG slice: the driver reports the slice's L2, not the chip's the article speaks of
+    mig = "MIG" in str(getattr(dev, "device_kind", ""))
+    how = {"role": "context"} if mig else {}
+    slice_note = " of this MIG slice, not the whole chip" if mig else ""
     recs = []
     if "shared_memory_per_sm_bytes" in attrs:
         recs.append(
@@ -125,7 +129,8 @@ def _driver_report(dev, lib=None) -> list[dict]:
             )
         )
     if "l2_bytes" in attrs:
-        recs.append(record("C20", "l2_cache", "L2 cache (CUDA driver)", attrs["l2_bytes"], "B"))
+        what = f"L2 cache{slice_note} (CUDA driver)"
+        recs.append(record("C20", "l2_cache", what, attrs["l2_bytes"], "B", **how))
     return recs
 
 

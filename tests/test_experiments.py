@@ -435,4 +435,8 @@ def test_c20_reads_l2_and_shared_memory_from_the_driver_and_judges_them():
 
     refused = _driver_report(dev, lib=_FakeDriver(refuse={81}))
     assert [r["config"]["metric"] for r in refused] == ["l2_cache"]
+    # a MIG slice reports its own L2: context, named so, never the chip's verdict
+    mig = types.SimpleNamespace(id=0, local_hardware_id=0, device_kind="H100 MIG 1g.10gb")
+    (l2,) = [r for r in _driver_report(mig, lib=_FakeDriver()) if "L2" in r["what"]]
+    assert l2["config"]["role"] == "context" and "of this MIG slice" in l2["what"]
     assert cuda.driver_attributes(0, lib=types.SimpleNamespace()) == {}  # no such symbols
