@@ -212,26 +212,38 @@ class Decoder:
         prefill is minutes to hours on a CPU). Float entries ~ N(0, 1); int8 codes uniform in
         [-127, 127] with scales ~ U(0.5, 1.5)/127."""
 
-        def leaf(key, path, s):
-            name = getattr(path[-1], "name", "")
-            if name == "lengths":
-                return jnp.zeros(s.shape, s.dtype)  # replaced below
-            if s.dtype == jnp.int8:
-                return jax.random.randint(key, s.shape, -127, 128, jnp.int32).astype(jnp.int8)
-            if name.endswith("_scale"):
-                return jax.random.uniform(key, s.shape, s.dtype, 0.5, 1.5) / 127
-            return jax.random.normal(key, s.shape, s.dtype)
-
-        def make(lengths_B):
-            leaves, tree = jax.tree_util.tree_flatten_with_path(self.abstract_cache)
-            keys = jax.random.split(jax.random.key(seed), len(leaves))
-            filled = [leaf(k, path, s) for k, (path, s) in zip(keys, leaves, strict=True)]
-            cache = jax.tree.unflatten(tree, filled)
-            return cache.replace(lengths=lengths_B.astype(jnp.int32))
-
-        fill = jax.jit(make, out_shardings=self.cache_sharding)
+        leaves, tree = jax.tree_util.tree_flatten_with_path(self.abstract_cache)
+        names = tuple(getattr(path[-1], "name", "") for path, _ in leaves)
+        avals = tuple((tuple(s.shape), jnp.dtype(s.dtype)) for _, s in leaves)
+        shardings, sharding_tree = jax.tree_util.tree_flatten(self.cache_sharding)
+        fill = _cache_filler(tree, names, avals, sharding_tree, tuple(shardings), seed)
         with jax.set_mesh(self.mesh):
             return fill(jnp.asarray(lengths_B))
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_filler(tree, names, avals, sharding_tree, shardings, seed: int):
+    """The jitted fill of `Decoder.filled_cache`, one per cache layout: every matmul variant
+    and batch of a serving sweep fills a cache of the same layout, and a function jitted anew
+    each time compiled again each time (3.6-3.9 s for model=tiny, most of lab.serve's wall)."""
+
+    def leaf(key, name, shape, dtype):
+        if name == "lengths":
+            return jnp.zeros(shape, dtype)  # replaced below
+        if dtype == jnp.int8:
+            return jax.random.randint(key, shape, -127, 128, jnp.int32).astype(jnp.int8)
+        if name.endswith("_scale"):
+            return jax.random.uniform(key, shape, dtype, 0.5, 1.5) / 127
+        return jax.random.normal(key, shape, dtype)
+
+    def make(lengths_B):
+        keys = jax.random.split(jax.random.key(seed), len(avals))
+        filled = [leaf(k, n, *a) for k, n, a in zip(keys, names, avals, strict=True)]
+        cache = jax.tree.unflatten(tree, filled)
+        return cache.replace(lengths=lengths_B.astype(jnp.int32))
+
+    out = jax.tree_util.tree_unflatten(sharding_tree, shardings)
+    return jax.jit(make, out_shardings=out)
 
 
 # How a decoder multiplies by its weights: XLA's dot (`xla`; int8 weights weight-only, their
