@@ -177,6 +177,8 @@ def run(o: Options, keys: dict) -> int:
         f"[bold]lab.serve[/bold] {s.info.header()} · model={s.cfg.preset} mesh={s.cfg.mesh} "
         f"compute {s.cfg.model.dtype}, attention {s.cfg.model.attention}"
     )
+    if not s.cfg.target and (busy := rec.busy_note()):
+        con.print(f"[yellow]{busy}")
     if s.cfg.target:
         rec.writable_dir(o.results)  # refused before the compile, not after
         return _plan(o, s, con)

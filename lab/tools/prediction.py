@@ -144,7 +144,10 @@ def run(o: Options) -> int:
     con.print(tables.prediction_rows(summary.rows, fits_of(summary.fits)))
     stem = records.output_stem(o.results, "prediction")
     recs = prediction.to_records(summary)
-    con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), recs)}")
+    if recs:
+        con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), recs)}")
+    else:  # every point dropped: no file (an empty one would be removed at exit)
+        con.print("records: none (no point was predicted)")
     png = plots.prediction(summary.rows, stem.with_suffix(".png"), prediction.log_error(summary))
     if png:
         con.print(f"plot    → {png}")
@@ -188,6 +191,9 @@ def _cpu(o: Options, con) -> int:
     # the configurations' meshes need up to 8 simulated CPU devices, set before JAX starts
     devices.prepare("8", cpu_devices=8)
     n = len(prediction.CPU_CONFIGS)
+    busy = records.busy_note("the step times and the fit")
+    if busy:
+        con.print(f"[yellow]{busy}")
     with progress.tasks(con) as bar:
         task = bar.add_task("cpu self-check", total=n)
         rows, fit = prediction.cpu_check(
@@ -195,7 +201,12 @@ def _cpu(o: Options, con) -> int:
             progress=lambda label: bar.update(task, description=label[:40], advance=1),
         )
     con.print(tables.prediction_cpu_rows(rows, Fit.from_record(fit)))
-    if o.save:
+    if o.save and busy:  # lab.run quotes this fit: a loaded host's would mislead every run
+        con.print(
+            "fit not saved: the host was busy while it was measured; run it again on a quiet "
+            "host to save it"
+        )
+    elif o.save:
         con.print(f"fit → {prediction.save_cpu_fit(rows, fit)}")
     con.print(prediction.cpu_error_line(rows))
     return 0
