@@ -147,3 +147,5 @@ def test_a_system_folder_that_takes_no_files_is_named_so():
         pytest.skip("no /proc here")
     with pytest.raises(ConfigError, match="it takes no new files"):
         records.writable_dir("/proc/self")
+    with pytest.raises(ConfigError, match="'/proc' takes no new files"):
+        records.writable_dir("/proc/lab-results")

@@ -162,8 +162,9 @@ def writable_dir(folder) -> Path:
         probe.unlink()
     except OSError as e:
         why = e.strerror or str(e)
-        if e.errno == errno.ENOENT and folder.is_dir():  # /proc's folders exist, take no files
-            why = "it takes no new files (a folder of the system's, not for output)"
+        if e.errno == errno.ENOENT and blocker is not None:  # /proc exists, takes no files
+            where = "it" if blocker == folder else repr(str(blocker))
+            why = f"{where} takes no new files (a folder of the system's, not for output)"
         raise ConfigError(f"cannot write to {str(folder)!r}: {why}") from None
     return folder
 
