@@ -623,8 +623,8 @@ def _decode_batches(d: _Draft):
     bad = sorted({b for b in d.batches if b % n})
     if d.purpose == "decode" and bad:
         return (
-            f"batches {bad} do not split over the mesh's batch axes ({n} devices): use "
-            f"multiples of {n}"
+            f"serving batches {bad} (of batches= and prefill_batches=, defaults included) do "
+            f"not split over the mesh's batch axes ({n} devices): use multiples of {n}"
         )
 
 

@@ -87,7 +87,7 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
     [
         (["run=nowhere"], "no run folder"),
         (["context=10"], "decode_steps=4 and 3 warm-up steps need"),
-        (["mesh=2", "batches=1,2"], "batches [1] do not split"),
+        (["mesh=2", "batches=1,2"], "serving batches [1] (of batches= and prefill_batches="),
         (["batches=1,x"], "'x' is not an integer"),
         (["bacthes=1"], "did you mean batches"),
         (["run=../elsewhere"], "one folder name under out_dir"),
