@@ -251,7 +251,10 @@ def test_bad_input_is_one_line():
         decode.check_prompts([20, 3], MAX_LEN, steps=8)
     trainer, _ = _setup(mesh="4x2", strategy="tp")
     request = Request.of(mesh="4x2", strategy="tp")
-    with pytest.raises(ConfigError, match=r"batches \[3\] do not split .*\(4 devices\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"batches \[3\] \(of batches= and prefill_batches=.*do not split .*\(4 devices\)",
+    ):
         resolve(request, Platform.of_mesh(trainer.mesh), "decode", batches=(4, 8, 3))
     with pytest.raises(AssertionError):  # the builder trusts a resolved batch
         decode.make_decoder(
