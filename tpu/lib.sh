@@ -136,6 +136,16 @@ check_required() { # FLAG VALUE EXAMPLE
   [[ -n $2 ]] || die "$1 is required (e.g. $1 $3)"
 }
 
+refuse_process_keys() { # WHY KEY=VALUE... : the keys that say who a process is, set by the script
+  local why=$1 a
+  shift
+  for a in "$@"; do
+    case $a in
+      coordinator=* | num_processes=* | process_id=*) die "${a%%=*}= $why" ;;
+    esac
+  done
+}
+
 # --- where commands go: a Cloud TPU VM (every worker) or a list of ssh hosts ---------------
 
 NAME=""

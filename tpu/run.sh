@@ -83,12 +83,8 @@ n=${#HOSTS[@]}
 if ((n > 1)); then
   [[ $MODULE == lab.run ]] ||
     die "--module $MODULE on $n hosts: only lab.run joins hosts into one job (run $MODULE on one host: --hosts ${HOSTS[0]})"
-  for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
-    case $a in
-      coordinator=* | num_processes=* | process_id=*)
-        die "${a%%=*}= is set by run.sh for each host (use --coordinator and --port)" ;;
-    esac
-  done
+  refuse_process_keys "is set by run.sh for each host (use --coordinator and --port)" \
+    ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}
 fi
 if [[ -z $COORDINATOR ]]; then
   COORDINATOR=${HOSTS[0]#*@}

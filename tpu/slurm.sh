@@ -112,12 +112,8 @@ if [[ $MODULE != lab.run ]]; then
     die "--module $MODULE on $NODES nodes: only lab.run joins nodes into one job (run $MODULE with --nodes 1)"
   TASKS=1
 fi
-for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
-  case $a in
-    coordinator=* | num_processes=* | process_id=*)
-      die "${a%%=*}= is SLURM's to set: each task reads who is who from SLURM's variables" ;;
-  esac
-done
+refuse_process_keys "is SLURM's to set: each task reads who is who from SLURM's variables" \
+  ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}
 # the job runs in --chdir=ROOT: a relative venv is this directory's, made absolute
 [[ $VENV == /* ]] || VENV="$PWD/$VENV"
 
