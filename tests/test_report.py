@@ -433,3 +433,18 @@ def test_a_bound_decides_only_where_the_whole_of_what_it_allows_falls():
         r["config"]["bound"] = "upper"
         (check,) = judge_all([r], [claims.get("C06")])[0].checks
         assert check.status == status
+
+
+def test_a_measurement_that_is_not_a_number_reads_as_one(tmp_path):
+    """A diverged figure (NaN) decides nothing, but the report names it rather than n/a."""
+    assert (fmt(float("nan"), "s"), fmt(float("inf"), "B/s"), fmt(None, "s")) == (
+        "NaN",
+        "inf",
+        "n/a",
+    )
+    c03 = claims.get("C03")
+    r = _record("C03", c03.stated[0], float("nan"))
+    assert judge(c03, [r]).status == NA
+    rec.write_records(tmp_path / "records.jsonl", [r])
+    text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
+    assert "synthetic" in text and ": NaN (" in text

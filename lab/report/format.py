@@ -24,9 +24,12 @@ def si(value: float, unit: str) -> str:
 
 
 def fmt(value, unit: str) -> str:
-    """A value with its unit, readable: 2e12 FLOP, 45.1 GFLOP/s, 80 GB, 20,000×."""
-    if _missing(value):
+    """A value with its unit, readable: 2e12 FLOP, 45.1 GFLOP/s, 80 GB, 20,000×. A value that
+    is not a number says so ("NaN", "inf"): a diverged measurement is not a missing one."""
+    if value is None:
         return NA
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if unit in ("FLOP",):
         return f"{value:.3g} FLOP"
     if unit in ("FLOP/s", "B/s", "tokens/s", "req/s", "B"):
