@@ -3,12 +3,12 @@
 from rich.table import Table
 
 from lab.measure.scaling import ScalingStudy
-from lab.report.format import duration, mib, percent, size
+from lab.report.format import duration, mib, percent, si, size
 
 
 def collectives(points, title: str) -> Table:
     t = Table(title=title)
-    for col in ("op", "axis", "W", "size", "time", "algbw GB/s", "busbw GB/s"):
+    for col in ("op", "axis", "W", "size", "time", "algbw", "busbw"):
         t.add_column(col, justify="right" if col not in ("op", "axis") else "left")
     for p in points:
         t.add_row(
@@ -17,8 +17,8 @@ def collectives(points, title: str) -> Table:
             str(p.group_size),
             size(p.size_bytes),
             duration(p.result.median_s),
-            f"{p.algbw / 1e9:,.2f}",
-            f"{p.busbw / 1e9:,.2f}",
+            si(p.algbw, "B/s"),  # 3 digits at any size: a 4 KiB message moves MB/s, not 0.00 GB/s
+            si(p.busbw, "B/s"),
         )
     return t
 
