@@ -255,6 +255,27 @@ def test_fit_recovers_known_parameters_on_its_calibration_points():
     assert fitted["compute_efficiency"] == pytest.approx(0.4, rel=0.15)
 
 
+def test_a_fit_pushed_to_the_end_of_its_range_says_so():
+    """Points a 10x-too-fast memory system would explain: the fit stops at the top of its
+    range, and at_edge names that parameter (not one fitted inside, not an overhead of 0)."""
+
+    def point(nbytes, efficiency):
+        return (
+            lambda **fit: nbytes / (1e11 * fit["memory_efficiency"]),
+            nbytes / (1e11 * efficiency),
+        )
+
+    wild = machines.fit([point(b, 10.0) for b in (1e8, 1e9)], params=("memory_efficiency",))
+    (edge,) = machines.at_edge(wild, ("memory_efficiency",))
+    assert edge.startswith("memory_efficiency ") and "the top of 0.05–4" in edge
+    tame = machines.fit([point(b, 0.5) for b in (1e8, 1e9)], params=("memory_efficiency",))
+    assert (
+        machines.at_edge({**tame, "op_overhead_s": 0.0}, ("memory_efficiency", "op_overhead_s"))
+        == []
+    )
+    assert machines.at_edge({"compute_efficiency": 0.05})[0].endswith("the bottom of 0.05–1")
+
+
 def test_leave_one_out_fits_on_the_other_points_only():
     """Two points made with efficiencies 0.4 and 0.1: each, left out, is predicted with the
     other's efficiency (4x too slow, 4x too fast); a fit that saw it would land between."""

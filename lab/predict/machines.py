@@ -141,6 +141,37 @@ FIT_PARAMS = (
 )
 
 
+def _grids() -> dict:
+    import numpy as np
+
+    return {
+        "compute_efficiency": np.geomspace(0.05, 1.0, 14),
+        "memory_efficiency": np.geomspace(0.05, 4.0, 16),
+        "op_overhead_s": np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 13)]),
+        "link_latency_s": np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 9)]),
+        "call_overhead_s": np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 13)]),
+    }
+
+
+def at_edge(fitted: dict, params=FIT_PARAMS) -> list[str]:
+    """The fitted parameters that sit at an end of the range `fit` searches ('memory_efficiency
+    3.93, the top of 0.05–4'): the points asked for a value the model does not allow, so its
+    form (or the points: a loaded host's) explains them badly. An overhead of 0 is a value
+    (none), not an edge; an efficiency at its floor or any parameter at its ceiling is."""
+    out = []
+    for name in params:
+        if name not in fitted:
+            continue
+        grid = _grids()[name]
+        value, lo, hi = float(fitted[name]), float(grid[grid > 0][0]), float(grid[-1])
+        step = (grid[-1] / grid[-2]) ** (1 / 8)  # a few of the fine search's steps
+        if value >= hi / step:
+            out.append(f"{name} {value:.3g}, the top of {lo:.3g}–{hi:.3g}")
+        elif grid[0] > 0 and value <= lo * step:
+            out.append(f"{name} {value:.3g}, the bottom of {lo:.3g}–{hi:.3g}")
+    return out
+
+
 def fit(points, params=FIT_PARAMS[:3]) -> dict:
     """Free parameters that minimise the median |log(predicted / measured)| over `points`
     plus a tenth of the largest (so that no point is left far off for a better median), each
@@ -148,13 +179,7 @@ def fit(points, params=FIT_PARAMS[:3]) -> dict:
     A coarse grid, then a finer one around the best: a handful of parameters, few points."""
     import numpy as np
 
-    grids = {
-        "compute_efficiency": np.geomspace(0.05, 1.0, 14),
-        "memory_efficiency": np.geomspace(0.05, 4.0, 16),
-        "op_overhead_s": np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 13)]),
-        "link_latency_s": np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 9)]),
-        "call_overhead_s": np.concatenate([[0.0], np.geomspace(1e-7, 1e-3, 13)]),
-    }
+    grids = _grids()
     best = dict(DEFAULT_FIT)
 
     def score(candidate) -> float:

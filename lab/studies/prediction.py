@@ -846,6 +846,10 @@ def measure_step(cfg_keys: dict, *, budget_s: float = 2.0):
     return compiled, mesh, trainer.cfg, result.median_s
 
 
+# the CPU's free parameters (one host: no links; its calls are the ops' overhead)
+CPU_FIT_PARAMS = ("compute_efficiency", "memory_efficiency", "op_overhead_s")
+
+
 def cpu_check(
     configs=CPU_CONFIGS, calibration: int = CPU_CALIBRATION, *, budget_s=2.0, progress=None
 ):
@@ -876,7 +880,7 @@ def cpu_check(
     calib = measured[:calibration]
     fit = machines.fit(
         [(lambda e=e, **f: predicted(e, f), e[-1]) for e in calib],
-        params=("compute_efficiency", "memory_efficiency", "op_overhead_s"),
+        params=CPU_FIT_PARAMS,
     )
     rows = [
         CpuRow(e[0], e[-1], predicted(e, fit), "calibration" if i < calibration else "held-out")

@@ -29,7 +29,7 @@ from lab.config import cli, field
 from lab.errors import ConfigError
 from lab.measure import records
 from lab.measure.fitted import Fit, fits_of
-from lab.predict import step
+from lab.predict import machines, step
 from lab.report import plots, progress, tables
 from lab.studies import prediction
 
@@ -142,6 +142,8 @@ def run(o: Options) -> int:
             "calibration point), not refitted on the points chosen"
         )
     con.print(tables.prediction_rows(summary.rows, fits_of(summary.fits)))
+    if not o.only:  # only= predicts with the saved fit: judged when it was fitted
+        _edges(con, summary.fits)
     stem = records.output_stem(o.results, "prediction")
     recs = prediction.to_records(summary)
     if recs:
@@ -187,6 +189,17 @@ def _loo(o: Options, con) -> int:
     return 0
 
 
+def _edges(con, fits: dict, params=machines.FIT_PARAMS) -> None:
+    """A line for each fitted parameter the fit pushed to the end of its range."""
+    for vendor, fitted in fits.items():
+        edges = machines.at_edge(fitted or {}, params)
+        if edges:
+            con.print(
+                f"[yellow]{vendor} fit at the edge of its range: {'; '.join(edges)}. The model "
+                "cannot reach these points within it: its error above is the measure of that"
+            )
+
+
 def _cpu(o: Options, con) -> int:
     # the configurations' meshes need up to 8 simulated CPU devices, set before JAX starts
     devices.prepare("8", cpu_devices=8)
@@ -201,6 +214,7 @@ def _cpu(o: Options, con) -> int:
             progress=lambda label: bar.update(task, description=label[:40], advance=1),
         )
     con.print(tables.prediction_cpu_rows(rows, Fit.from_record(fit)))
+    _edges(con, {"cpu": fit}, prediction.CPU_FIT_PARAMS)
     if o.save and busy:  # lab.run quotes this fit: a loaded host's would mislead every run
         con.print(
             "fit not saved: the host was busy while it was measured; run it again on a quiet "
