@@ -24,6 +24,7 @@ keeps its temporary name, so it is never listed as a step, and is removed at the
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import re
 import time
@@ -201,12 +202,22 @@ def fingerprint(state) -> dict[str, list[int]]:
     return {**host, **device}
 
 
+def _lists_sums(step_dir: Path) -> bool:
+    """Whether the step's own metadata names a checksum item: a step saved with checksums
+    whose folder is gone, not one saved before they were kept."""
+    try:
+        meta = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+        return SUMS in (meta.get("item_handlers") or {})
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False  # no readable metadata: nothing says checksums were saved
+
+
 def _sums_differ(step_dir: Path, state) -> str | None:
     """Why a restored state is not what was saved ('params…: its checksum differs'), or None;
     None also for a step saved before checksums were kept (nothing to compare)."""
     sums_dir = step_dir / SUMS
     if not sums_dir.exists():
-        return None
+        return f"its checksums ({SUMS}/) are missing" if _lists_sums(step_dir) else None
     # (every process of a job reads the same files: all return here alike, or all go on to
     # the fingerprint's collective reductions together)
     try:

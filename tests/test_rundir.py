@@ -103,6 +103,12 @@ def _damage_checksums(step_dir: Path):
     (step_dir / checkpoint.SUMS / "metadata").write_bytes(b"{not json")
 
 
+def _remove_checksums(step_dir: Path):  # the step's metadata still names them
+    import shutil
+
+    shutil.rmtree(step_dir / checkpoint.SUMS)
+
+
 @pytest.mark.parametrize(
     "damage",
     [
@@ -114,6 +120,7 @@ def _damage_checksums(step_dir: Path):
         _empty_folder,
         _flip_a_saved_value,
         _damage_checksums,
+        _remove_checksums,
     ],
 )
 def test_a_damaged_newest_step_is_moved_aside_and_the_run_goes_on(saved, capsys, damage):
@@ -147,10 +154,13 @@ def test_a_flipped_value_is_named_by_its_checksum(saved, capsys):
 
 
 def test_a_step_saved_before_checksums_restores_unchecked(saved, capsys):
-    import shutil
-
+    """A step of an older lab: no checksum folder, and its metadata names none."""
     tmp_path, run_dir = saved
-    shutil.rmtree(run_dir / "checkpoints" / "6" / checkpoint.SUMS)
+    step = run_dir / "checkpoints" / "6"
+    _remove_checksums(step)
+    meta = json.loads((step / "_CHECKPOINT_METADATA").read_text())
+    del meta["item_handlers"][checkpoint.SUMS]
+    (step / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
     capsys.readouterr()
     assert _run(tmp_path, "name=R", "steps=8", "resume=true") == 0
     out = capsys.readouterr()
