@@ -11,8 +11,29 @@ from lab.tools import scaling as scaling_tool
 
 
 @pytest.fixture(scope="module")
-def study():
-    return scaling.run("tiny", strategies=("dp",))
+def calls():
+    labels, studies = [], []
+    study = scaling.run("tiny", strategies=("dp",), progress=labels.append, done=studies.append)
+    return study, labels, studies
+
+
+@pytest.fixture(scope="module")
+def study(calls):
+    return calls[0]
+
+
+def test_every_point_is_announced_and_handed_over_as_it_ends(calls):
+    """A stop keeps every finished point, not only finished experiments: `done` gets the
+    study after each point, each one row longer than the last."""
+    study, labels, studies = calls
+    assert len(labels) == scaling.points_planned("tiny", ("dp",)) == len(studies)
+    assert labels[0] == "strong scaling: dp on 1 device"
+    rows = [
+        len(s.strong) + len(s.extrapolated) // len(study.extrapolated) + len(s.remat)
+        for s in studies
+    ]
+    assert rows == list(range(1, len(studies) + 1))
+    assert studies[-1] == study
 
 
 @pytest.fixture(scope="module")

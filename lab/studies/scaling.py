@@ -175,13 +175,32 @@ def _env_note() -> dict:
     return {"simulated_devices": env["backend"] == "cpu" and env["device_count"] > 1}
 
 
-def scaling(size: Size, strategies=STRATEGIES) -> tuple[StrongPoint, ...]:
+def _counts(size: Size) -> list[int]:
+    return [n for n in size.device_counts if n <= jax.device_count()]
+
+
+def points_planned(size: str, strategies=STRATEGIES) -> int:
+    """How many points `run` times: each strategy × device count, the extrapolation's one
+    step, each remat × batch (a progress bar's total)."""
+    s = SIZES[size]
+    return len(strategies) * len(_counts(s)) + 1 + len(s.remats) * len(s.batches)
+
+
+def _nothing(*_) -> None:
+    pass
+
+
+def scaling(
+    size: Size, strategies=STRATEGIES, *, at=_nothing, each=_nothing
+) -> tuple[StrongPoint, ...]:
     """Experiment 1: step time, collective/compute split and memory, a row per strategy and
-    device count (four records each)."""
+    device count (four records each). `at(label)` before each point, `each(rows)` with the
+    rows so far after it."""
     out = []
-    counts = [n for n in size.device_counts if n <= jax.device_count()]
+    counts = _counts(size)
     for strategy in strategies:
         for n in counts:
+            at(f"strong scaling: {strategy} on {n} device{'s' if n != 1 else ''}")
             spec = mesh_spec(strategy, n)
             cfg = _config(size, spec, strategy, size.batch)
             m = measure_step(cfg, n, size.budget_s)
@@ -224,6 +243,7 @@ def scaling(size: Size, strategies=STRATEGIES) -> tuple[StrongPoint, ...]:
                 ),
             ]
             out.append(StrongPoint.from_records(recs))
+            each(tuple(out))
     return tuple(out)
 
 
@@ -286,11 +306,13 @@ def extrapolate(size: Size) -> tuple[DPExtrapolation, ...]:
     return tuple(out)
 
 
-def remat_batch(size: Size) -> tuple[RematPoint, ...]:
-    """Experiment 3: peak memory and step time per remat policy and batch, one device."""
+def remat_batch(size: Size, *, at=_nothing, each=_nothing) -> tuple[RematPoint, ...]:
+    """Experiment 3: peak memory and step time per remat policy and batch, one device
+    (`at` and `each` as in `scaling`)."""
     out = []
     for remat in size.remats:
         for batch in size.batches:
+            at(f"remat={remat}, batch {batch} on one device")
             cfg = _config(size, "1", "dp", batch, remat=remat, scan_layers=True)
             m = measure_step(cfg, 1, size.budget_s)
             common = dict(
@@ -316,27 +338,26 @@ def remat_batch(size: Size) -> tuple[RematPoint, ...]:
                 ),
             ]
             out.append(RematPoint.from_records(recs))
+            each(tuple(out))
     return tuple(out)
 
 
 def run(size: str = "quick", strategies=STRATEGIES, progress=None, done=None) -> ScalingStudy:
     """All three experiments at `size` (tiny | quick | full); `.records()` is their records.
-    `progress(label)` is called as each experiment starts, `done(study)` with the study so far
-    as each ends (a caller that keeps what finished on a stop)."""
+    `progress(label)` is called as each point starts (`points_planned` of them), `done(study)`
+    with the study so far as each ends (a caller that keeps what finished on a stop)."""
     if size not in SIZES:
         raise ValueError(f"size={size!r}: expected one of {', '.join(SIZES)}")
     s = SIZES[size]
-    tick = progress or (lambda label: None)
-    done = done or (lambda study: None)
-    counts = ", ".join(map(str, s.device_counts))
-    tick(f"strong scaling: {', '.join(strategies)} over {counts} devices")
-    strong = scaling(s, strategies)
-    done(ScalingStudy(strong))
+    tick = progress or _nothing
+    done = done or _nothing
+    strong = scaling(s, strategies, at=tick, each=lambda rows: done(ScalingStudy(rows)))
     tick("data-parallel efficiency, extrapolated")
     extrapolated = extrapolate(s)
     done(ScalingStudy(strong, extrapolated))
-    batches = ", ".join(map(str, s.batches))
-    tick(f"remat × batch on one device: {', '.join(s.remats)} × {batches}")
-    study = ScalingStudy(strong, extrapolated, remat_batch(s))
-    done(study)
+    study = ScalingStudy(
+        strong,
+        extrapolated,
+        remat_batch(s, at=tick, each=lambda rows: done(ScalingStudy(strong, extrapolated, rows))),
+    )
     return study

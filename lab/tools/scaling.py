@@ -37,11 +37,12 @@ def run(o: Options) -> int:
     if o.size == "tiny":
         con.print("size=tiny checks the code path: its times are too short to compare")
     with progress.tasks(con) as bar:
-        task = bar.add_task("scaling", total=3)
+        total = scaling.points_planned(o.size, o.strategies)
+        task = bar.add_task("scaling", total=total)
 
         started = []
 
-        def tick(label: str) -> None:  # an experiment starts: the one before it is done
+        def tick(label: str) -> None:  # a point starts: the one before it is done
             bar.update(task, description=label[:60], advance=1 if started else 0)
             started.append(label)
 
@@ -49,14 +50,14 @@ def run(o: Options) -> int:
 
         def write(taken) -> None:
             path = records.write_records(stem.with_suffix(".jsonl"), taken[-1].records())
-            startup.note(f"the experiments finished so far are in {path}")
+            startup.note(f"the points finished so far are in {path}")
 
-        def done(so_far) -> None:  # each experiment's end: the study so far replaces the last
+        def done(so_far) -> None:  # each point's end: the study so far replaces the last
             latest[:] = [so_far]
 
         flush = startup.keep_on_stop(latest, write)
         study = scaling.run(o.size, o.strategies, progress=tick, done=done)
-        bar.update(task, completed=3)
+        bar.update(task, completed=total)
     for table in tables.scaling(study):
         con.print(table)
     flush()
