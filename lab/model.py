@@ -635,8 +635,10 @@ def _layer_census(cfg: ModelConfig, seq_len: int, backend: str) -> LayerCensus:
     otherwise (a model whose d_ff equals d_model has its MLP's activations counted as the
     stream); or a weight copy (computed from the weights alone, e.g. a cast to the compute
     dtype; the weights themselves are the block's arguments and are not counted). The first
-    layer's window stands for all. Call it inside the mesh the step is built for: attention's
-    kernel is that platform's (`backend`, the cache's key)."""
+    layer's window stands for all. Call it inside a one-device mesh of the platform the step
+    is built for (lab.train.census_for): attention's kernel is that platform's (`backend`, the
+    cache's key); under more devices a kernel run by shard_map on the census's unsharded block
+    would name each device's copy of its residuals, and the census would grow with the mesh."""
     b = 2
     x = jax.ShapeDtypeStruct((b, seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
     windows = (cfg.layer_window(0),)

@@ -20,6 +20,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from jax.sharding import NamedSharding
@@ -376,8 +377,14 @@ def census_for(cfg: Config, mesh) -> LayerCensus | None:
     model = cfg.model
     if model.attention == "ring":  # its blocks are blockwise's; the ring needs the whole step
         model = dataclasses.replace(model, attention="blockwise")
+    # Traced on one device of the mesh's platform: the census is per token, and a kernel run
+    # under shard_map on an unsharded block (the census's) would name each device's copy of
+    # its residuals as one more sequence: a v5e-256 plan's census read 12x the block's.
+    one = jax.sharding.Mesh(
+        np.asarray(mesh.devices).flat[:1].reshape((1,) * len(mesh.axis_names)), mesh.axis_names
+    )
     try:
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(one):
             return layer_census(model, cfg.seq_len)
     except Exception:  # noqa: BLE001 - a block that cannot be traced alone: the formula serves
         return None

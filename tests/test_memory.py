@@ -351,3 +351,27 @@ def test_ring_attention_with_scanned_layers_builds_and_has_a_census():
     cfg = make_config(**keys, mesh="data:2,model:4")
     trainer = make_trainer(cfg, make_mesh(cfg.mesh))
     assert trainer.census is not None and trainer.census.full() > 0
+
+
+def test_a_kernels_census_is_the_same_on_any_number_of_devices():
+    """The census is per token: a Pallas kernel (run under shard_map on the census's unsharded
+    block) traced in a 16-chip TPU mesh named each device's copy of its residuals as one more
+    sequence, and a v5e-256 plan's calculator read 8.5x the compiled step."""
+    pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
+    from lab import plans
+    from lab.config import make_config
+    from lab.mesh import make_mesh
+    from lab.model import _layer_census
+    from lab.train import census_for
+
+    cfg = make_config(
+        preset="small", n_heads=2, n_kv_heads=2, seq_len=256, scan_layers=True, dtype="bfloat16"
+    )  # head_dim 128: the TPU flash kernel's
+    census = {}
+    for n, side in ((1, "1x1"), (16, "4x4")):
+        _layer_census.cache_clear()  # traced afresh for each mesh
+        census[n] = census_for(
+            cfg, make_mesh(f"fsdp:{n}", plans.topology_devices(f"tpu:v5e:{side}"))
+        )
+    assert census[1] is not None and census[1].full() > 0
+    assert census[16] == census[1]
