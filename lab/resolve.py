@@ -15,6 +15,7 @@ from a request, never made by editing a resolved one.
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ class Request:
     nothing filled in."""
 
     keys: tuple[tuple[str, Any], ...] = ()
+    inherited: tuple[str, ...] = ()  # keys a resume took from the run's config.json
 
     @classmethod
     def of(cls, **keys) -> "Request":
@@ -143,7 +145,22 @@ class Request:
             inherited = Request.of(**rundir.asked_keys(known))
         except ConfigError as e:
             raise ConfigError(f"resume=true: {path} is damaged ({e})") from None
-        return inherited.with_keys(**given)
+        out = inherited.with_keys(**given)
+        return dataclasses.replace(
+            out, inherited=tuple(k for k in inherited.dict() if k not in given)
+        )
+
+    def blame(self, e: ConfigError) -> ConfigError:
+        """`e` with the keys it names that a resume took from the run's config.json said to
+        be the run's own: the user did not type them, and may give them anew."""
+        keys = self.dict()
+        named = [f"{k}={keys[k]}" for k in self.inherited if re.search(rf"\b{k}=", str(e))]
+        if not named:
+            return e
+        own = ", ".join(named)
+        return ConfigError(
+            f"{e} ({own}: the run's own, from its config.json; give it anew to change it)"
+        )
 
 
 def _check_type(key: str, value) -> None:
@@ -519,11 +536,29 @@ def _strategy_axes(d: _Draft):
     """An explicit strategy whose axes all have size 1 would silently run as data parallel."""
     axes = STRATEGY_AXES.get(d.cfg.strategy, ())
     n = math.prod(d.sizes.values())
+    if d.stages > 1 and not d.pipelined:
+        return None  # the stage axis unused: `_stage_needs_pipeline` says what to do
     if axes and n > 1 and all(d.sizes.get(a, 1) == 1 for a in axes):
         mesh = ",".join(f"{a}:{s}" for a, s in d.sizes.items() if s > 1)
         return (
             f"strategy={d.cfg.strategy} splits over the {' or '.join(axes)} axis, which the "
             f"mesh {mesh} does not have: name it (e.g. mesh={axes[0]}:{n})"
+        )
+
+
+_WITHIN_STAGE = {"pp+fsdp": "fsdp", "pp+tp": "model"}
+
+
+def _within_stage_axis(d: _Draft):
+    """pp+fsdp and pp+tp split each stage over fsdp or model: without that axis they would
+    run as plain pp under another name."""
+    axis = _WITHIN_STAGE.get(d.cfg.strategy)
+    if axis and d.stages > 1 and d.sizes.get(axis, 1) == 1:
+        mesh = ",".join(f"{a}:{s}" for a, s in d.sizes.items() if s > 1)
+        return (
+            f"strategy={d.cfg.strategy} splits each pipeline stage over the {axis} axis, which "
+            f"the mesh {mesh} does not have: name it (e.g. mesh=stage:{d.stages},{axis}:2) or "
+            "use strategy=pp"
         )
 
 
@@ -552,6 +587,17 @@ def _circular(d: _Draft):
         return (
             f"pipeline_repeats={R} (circular) needs microbatches >= stage={d.stages}, got "
             f"microbatches={M}"
+        )
+
+
+def _half_weights(d: _Draft):
+    """AdamW's state in float16 cannot train: its eps (1e-8) rounds to 0 there and the first
+    update is 0/0 = NaN, whatever the learning rate."""
+    if d.model.param_dtype == "float16" and d.purpose != "decode":
+        return (
+            "param_dtype=float16 stores AdamW's moments in float16, where its eps (1e-8) rounds "
+            "to 0 and the first update is NaN: store the weights in float32 (param_dtype=float32, "
+            "with dtype=float16 to compute in half precision) or bfloat16"
         )
 
 
@@ -662,7 +708,12 @@ def _weights_split(d: _Draft):
                     f"not divide mesh axis {axes} (size {n}); change the mesh, the strategy or "
                     "the model size"
                 )
-    return "\n".join(lines.values()) or None
+    if not lines:
+        return None
+    first, *more = lines.values()
+    if more:  # one line: the first tensor, and how many more the same change would mend
+        first += f" ({len(more)} more tensor{'s' if len(more) > 1 else ''} alike)"
+    return first
 
 
 RULES: tuple[Rule, ...] = (
@@ -709,12 +760,19 @@ RULES: tuple[Rule, ...] = (
         _microbatches_divide,
         ("mesh=stage:2", "batch_size=16", "microbatches=3"),
     ),
+    Rule("weights in float16 cannot train", _half_weights, ("param_dtype=float16",)),
     Rule("offload needs host memory", _offload_host, ("offload_optimizer=true",)),
     Rule("mesh fits the devices", _mesh_fits, ("mesh=16",)),
     Rule(
         "strategy has its axes",
         _strategy_axes,
         ("mesh=data:2", "strategy=tp"),
+        needs_mesh=True,
+    ),
+    Rule(
+        "a stage has its inner axis",
+        _within_stage_axis,
+        ("mesh=data:2,stage:2", "strategy=pp+fsdp", "n_layers=4"),
         needs_mesh=True,
     ),
     Rule(

@@ -12,6 +12,7 @@ import dataclasses
 
 from lab.config import Config
 from lab.devices import DeviceInfo
+from lab.errors import ConfigError
 from lab.resolve import Platform, Request, Resolved, resolve
 from lab.train import Trainer, make_trainer
 
@@ -40,10 +41,14 @@ def open_session(
         request = Request.from_config(cfg) if cfg is not None else Request.of(**(keys or {}))
     if purpose == "train":  # resume=true: the run's own keys (config.json) under those given
         request = request.resumed()
-    platform = Platform.found(request)
-    if platform.aot and purpose == "train":
-        purpose = "plan"  # a target's devices: nothing can run
-    return session_for(resolve(request, platform, purpose, batches=batches))
+    try:
+        platform = Platform.found(request)
+        if platform.aot and purpose == "train":
+            purpose = "plan"  # a target's devices: nothing can run
+        resolved = resolve(request, platform, purpose, batches=batches)
+    except ConfigError as e:  # a key the user did not type is named as the run's own
+        raise request.blame(e) from None
+    return session_for(resolved)
 
 
 def session_for(resolved: Resolved) -> Session:

@@ -224,3 +224,28 @@ def test_a_default_run_name_is_folder_safe():
     assert r.cfg.name.startswith("tiny-data2_fsdp-1-"), r.cfg.name
     assert not set(r.cfg.name) & set(":,/ ")
     config.check_name(r.cfg.name)
+
+
+def test_a_key_a_resume_took_from_the_run_is_named_as_the_runs_own():
+    r = dataclasses.replace(Request.of(microbatches=4, steps=10), inherited=("microbatches",))
+    e = r.blame(ConfigError("microbatches=4 feeds a pipeline: it needs strategy=pp"))
+    assert str(e).endswith(
+        "(microbatches=4: the run's own, from its config.json; give it anew to change it)"
+    )
+    assert str(r.blame(ConfigError("steps=10 is too few"))) == "steps=10 is too few"
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        # two tensors (wk and wo) break the same split: one line, the first named
+        (["mesh=1x8", "n_heads=4", "n_kv_heads=2"], "more tensor"),
+        # an unused stage axis: the pipeline rule speaks, not also the strategy's axes
+        (["mesh=data:2,stage:4", "strategy=tp"], "strategy=pp, pp+fsdp or pp+tp"),
+        (["mesh=data:2,stage:2", "strategy=pp+tp", "n_layers=4"], "over the model axis"),
+    ],
+)
+def test_one_broken_requirement_is_one_line(argv, needle, capsys):
+    assert main(["compile_only=true", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
