@@ -218,11 +218,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # plans=on compiles for GPUs and TPUs that are not here: XLA logs errors about their
-    # memory that the plans report themselves (as lab.run target= does: a fatal line still prints)
-    args = [a.strip() for a in sys.argv[1:]]
-    plans_on = "plans=on" in args or ("size=full" in args and "plans=off" not in args)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3" if plans_on else "1")
     from lab.report.progress import survive_lost_output
 
     survive_lost_output()  # a reader gone (| head) loses no records or report

@@ -274,9 +274,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from lab import startup
-
-    startup.native_log_level(sys.argv[1:])
     from lab.report.progress import survive_lost_output
 
     survive_lost_output()

@@ -31,13 +31,21 @@ _held = {"on": False, "signum": None}
 _last_words = []  # called once before a signal's exit: what can still be kept is written
 
 
-def native_log_level(argv) -> None:
-    """XLA's own C++ log threshold (TF_CPP_MIN_LOG_LEVEL, read when the backend starts),
-    unless the user set it: informational lines hidden (1), and for a plan (target=…) its
-    warnings and errors too (3). Compiling for hardware that is not here, XLA logs lines about
-    that hardware's memory that the plan itself reports (a scheduler's "This indicates an
-    error in the calculation!" on a compile that succeeds); a fatal line still prints."""
+def native_log_level(module: str, argv) -> None:
+    """XLA's own C++ log threshold (TF_CPP_MIN_LOG_LEVEL) for `python -m module argv`, unless
+    the user set it: informational lines hidden (1), and where the command compiles for
+    hardware that is not here (target=…, the prediction tool's published points, the
+    attention plans, the ledger with plans on) its warnings and errors too (3). XLA logs
+    lines about that hardware's memory that the plan itself reports (a scheduler's "This
+    indicates an error in the calculation!" on a compile that succeeds); a fatal line still
+    prints. Read once, when jaxlib loads: set before anything imports JAX (lab/__init__.py)."""
     plan = any(a.startswith("target=") and a != "target=" for a in argv)
+    if module == "lab.tools.prediction":
+        plan = not any(a in ("cpu=true", "here=true") for a in argv)
+    elif module in ("lab.tools.attention_plan", "lab.tools.attention_targets"):
+        plan = True
+    elif module == "experiments":
+        plan = "plans=on" in argv or ("size=full" in argv and "plans=off" not in argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3" if plan else "1")
 
 

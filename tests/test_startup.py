@@ -9,20 +9,62 @@ from lab import startup
 
 
 @pytest.mark.parametrize(
-    "argv, preset, want",
+    "module, argv, preset, want",
     [
-        (["mesh=4x2"], None, "1"),  # a run: XLA's informational lines hidden
-        (["target=gpu:h100", "model=1b"], None, "3"),  # a plan: its warnings about the target too
-        (["target="], None, "1"),  # an empty target is no plan (its key's own check says so)
-        (["target=tpu:v5e:2x4"], "0", "0"),  # what the user set is kept
+        ("lab.run", ["mesh=4x2"], None, "1"),  # a run: XLA's informational lines hidden
+        ("lab.run", ["target=gpu:h100", "model=1b"], None, "3"),  # a plan: its warnings too
+        ("lab.run", ["target="], None, "1"),  # an empty target is no plan (its check says so)
+        ("lab.run", ["target=tpu:v5e:2x4"], "0", "0"),  # what the user set is kept
+        ("lab.tools.prediction", [], None, "3"),  # the published points: plans
+        ("lab.tools.prediction", ["cpu=true"], None, "1"),
+        ("experiments", ["size=tiny", "plans=on"], None, "3"),
+        ("experiments", ["size=full", "plans=off"], None, "1"),
     ],
 )
-def test_the_native_log_level_follows_the_command(monkeypatch, argv, preset, want):
+def test_the_native_log_level_follows_the_command(monkeypatch, module, argv, preset, want):
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     if preset is not None:
         monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", preset)
-    startup.native_log_level(argv)
+    startup.native_log_level(module, argv)
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == want
+
+
+_SEE_JAXLIB_LOAD = """
+import importlib.abc, os, sys
+
+class See(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "jaxlib" and "seen" not in os.environ:
+            os.environ["seen"] = "1"
+            with open(os.environ["LEVEL_AT_JAXLIB"], "w") as f:
+                f.write(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "unset"))
+        return None
+
+sys.meta_path.insert(0, See())
+"""
+
+
+def test_the_level_is_set_before_jaxlib_loads(tmp_path):
+    """jaxlib reads it once, when it loads: a command whose module imports JAX at its top
+    (the prediction tool) still has it set by then, from the package's import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "sitecustomize.py").write_text(_SEE_JAXLIB_LOAD)
+    seen = tmp_path / "level"
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env.update(PYTHONPATH=f"{tmp_path}:{root}", LEVEL_AT_JAXLIB=str(seen), JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-m", "lab.tools.prediction", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert seen.read_text() == "3"  # the published points are plans
 
 
 _TAKEN_OVER = """

@@ -318,8 +318,4 @@ if __name__ == "__main__":
     from lab.report.progress import survive_lost_output
 
     survive_lost_output()  # a reader gone (| head) loses no records or report
-    # the published points compile for GPUs and TPUs that are not here: XLA's warnings about
-    # their memory are the plans', not this machine's (cpu=true and here=true run here)
-    here = any(a in ("cpu=true", "here=true") for a in sys.argv[1:])
-    startup.native_log_level([] if here else ["target=published-points"])
     sys.exit(main())
