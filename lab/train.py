@@ -226,14 +226,41 @@ def train_step(
 
 
 def _init_state(key, *, model, tx, seq_len: int, stages: int = 1) -> TrainState:
-    """The initial state. A circular pipeline stores its stacked blocks stage-major
-    (lab.model.layer_order): the layer-order init is put in that storage, so that every layer
-    starts from the weights it has without the pipeline (same seed, same model)."""
-    params = model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
+    """The initial state: the same weights for a seed whatever the layout. Scanned layers (and
+    so every pipeline) take the unscanned model's init, stacked (nn.scan splits the key its
+    own way, and a pipeline started from other weights than the run it is compared with). A
+    circular pipeline stores its stacked blocks stage-major (lab.model.layer_order): the
+    layer-order init is put in that storage."""
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    params = model.init(key, tokens)["params"]
+    if "blocks" in params:  # the boxes (logical axes) of the scan's, the values unscanned
+        same = _unscanned_init(model.cfg, key, tokens)
+        params = jax.tree.map(
+            lambda box, value: box.replace_boxed(value) if _boxed(box) else value,
+            params,
+            same,
+            is_leaf=_boxed,
+        )
     if layer_order(model.cfg) == "stage_major" and "blocks" in params:
         repeats = model.cfg.pipeline_repeats
         params = {**params, "blocks": to_stage_major_order(params["blocks"], stages, repeats)}
     return _state_of(params, tx=tx)
+
+
+def _boxed(x) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def _unscanned_init(cfg, key, tokens) -> dict:
+    """The parameters the unscanned model starts from for `key`, its blocks stacked in the
+    scanned layout ("blocks", a leading layer axis)."""
+    params = dict(
+        nn.meta.unbox(
+            build(dataclasses.replace(cfg, scan_layers=False)).init(key, tokens)["params"]
+        )
+    )
+    layers = [params.pop(f"block_{i}") for i in range(cfg.n_layers)]
+    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
 
 
 def _state_of(params, *, tx) -> TrainState:

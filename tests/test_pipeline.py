@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import json
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -387,3 +388,31 @@ def test_a_circular_pipeline_starts_from_the_same_model(tmp_path):
         return [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").open()]
 
     np.testing.assert_allclose(losses("circ"), losses("plain"), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        ["mesh=1", "scan_layers=true"],
+        ["mesh=data:2,stage:2", "strategy=pp", "microbatches=2"],
+        ["mesh=stage:2", "strategy=pp", "pipeline_repeats=2", "microbatches=2"],
+    ],
+)
+def test_every_layout_starts_from_the_weights_of_the_unscanned_model(keys):
+    """Same seed, same model: scanned layers and pipelines (GPipe, circular) start from the
+    unscanned model's weights, each layer its own (nn.scan splits the key another way)."""
+    from lab.train import make_trainer
+
+    def params(argv):
+        cfg = parse_args(["model=tiny", "n_layers=4", "dtype=float32", "seq_len=32", *argv])
+        trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+        return cfg, jax.device_get(nn.meta.unbox(trainer.init(jax.random.key(3)).params))
+
+    _, plain = params(["mesh=1"])
+    cfg, laid = params(keys)
+    stages = dict(make_mesh(cfg.mesh).shape).get("stage", 1)
+    blocks = natural_layers(cfg.model, laid["blocks"], stages)  # layer order, as stored
+    for i in range(4):
+        chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], blocks), plain[f"block_{i}"])
+    for name in ("embed", "final_norm"):
+        chex.assert_trees_all_equal(laid[name], plain[name])
