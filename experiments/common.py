@@ -171,7 +171,24 @@ def spec_inputs(spec_key: str, *fields: str) -> dict:
 
 # --- predictions ---------------------------------------------------------------------------
 
+
 # The GPUs the lab compiles for here (lab/plans/gpu.py): spec key → target kind.
+def h100_capacity() -> dict:
+    """What a training step on an H100 may hold, by the rule lab.run's plans use: the share of
+    the card's 80 GB that JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, default
+    0.75), not the whole card (the CUDA context and the allocator's own use the rest). The
+    records' `inputs` carry both figures and the rule."""
+    h100 = specs.SPECS["h100-sxm"]
+    usable = memory.usable_bytes(h100.memory_bytes, "NVIDIA H100")
+    return {
+        "h100_memory_bytes": h100.memory_bytes,
+        "h100_memory_source": h100.source_of("memory_bytes"),
+        "h100_usable_bytes": usable,
+        "h100_usable_rule": f"JAX's allocator share, {usable / h100.memory_bytes:.2f} of the "
+        "card (XLA_PYTHON_CLIENT_MEM_FRACTION), as lab.run target=gpu:h100 judges a fit",
+    }
+
+
 COMPILED_GPUS = {"h100-sxm": "h100", "h200": "h200", "a100-sxm4-80gb": "a100"}
 # TPU slices the step is compiled for (libtpu): (spec key, chips) → target.
 TPU_TOPOLOGIES = {("tpu-v5e", 1): "tpu:v5e:1x1", ("tpu-v5e", 4): "tpu:v5e:2x2"}

@@ -16,10 +16,9 @@ quick and tiny ledgers do not.
 
 import time
 
-from experiments.common import SHAPE_FIELDS, llama_preset, record
+from experiments.common import SHAPE_FIELDS, h100_capacity, llama_preset, record
 from lab.config import PRESETS, Config, make_config
 from lab.errors import ConfigError
-from lab.measure import specs
 
 GPU = "h100"
 SPEC_KEY = "h100-sxm"
@@ -127,7 +126,7 @@ def llama_memory_per_h100() -> list[dict]:
 def _llama_memory_compiled() -> list[dict]:
     """The 7B and 70B steps compiled for H100s, memory per device (llama_memory_per_h100's
     records, which fail with ConfigError where the step cannot be compiled)."""
-    cap = specs.SPECS[SPEC_KEY].memory_bytes
+    cap = h100_capacity()["h100_usable_bytes"]  # lab.run's rule for a fit
     keys = llama_keys("7B", 1, "dp")
     p = plan(keys)
     recs = [
@@ -149,12 +148,12 @@ def _llama_memory_compiled() -> list[dict]:
             "C10",
             "train_memory_70b_dp_over_h100",
             "70B compiled for 8 × H100, whole model on every GPU (dp): memory per device over "
-            "one H100's",
+            "what a step may hold of one H100 (JAX's allocator share)",
             _total(p) / cap,
             "× H100 memory",
             p,
             keys,
-            h100_memory_bytes=cap,
+            inputs=h100_capacity(),
         )
     )
     return recs + _fewest_h100s(cap)
@@ -192,15 +191,15 @@ def _fewest_h100s(cap: float) -> list[dict]:
             "C10",
             "h100s_needed_70b",
             f"70B sharded (FSDP), remat=full, one {SEQ}-token sequence per GPU: fewest H100s "
-            "the compiled step fits (8, 16, 32 compiled; below 8 the training state alone "
-            "exceeds the card)",
+            "the compiled step fits in JAX's allocator share of each (8, 16, 32 compiled; "
+            "below 8 the training state alone exceeds it)",
             n,
             "H100s",
             label="compiled, not run",
             target=SPEC_KEY,
             compiled_total_bytes=_total(fits[1]) if fits else None,
             state_bytes_on_4=state_at_4,
-            h100_memory_bytes=cap,
+            inputs=h100_capacity(),
         )
     )
     return recs

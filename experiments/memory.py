@@ -19,6 +19,7 @@ from experiments.common import (
     STEP_BUDGET_S,
     compile_probe,
     describe,
+    h100_capacity,
     llama_shape,
     pick,
     record,
@@ -27,7 +28,7 @@ from experiments.common import (
 )
 from lab.config import Config, make_config, override
 from lab.errors import ConfigError
-from lab.measure import memory, specs
+from lab.measure import memory
 from lab.train import census_for
 
 CLAIMS = ("C09", "C10", "C11", "C12")
@@ -178,13 +179,8 @@ def _predict(shape: dict, recipe: str, **kw) -> dict:
 def _llama_training_memory(log_err: float) -> list[dict]:
     """C10: Llama-2 7B and 70B training memory by the calculator, per precision recipe,
     against an H100's memory (predicted)."""
-    h100 = specs.SPECS["h100-sxm"]
-    cap = h100.memory_bytes
-    inputs = {
-        "calculator_max_log_error_here": log_err,
-        "h100_memory_bytes": cap,
-        "h100_memory_source": h100.source_of("memory_bytes"),
-    }
+    inputs = {"calculator_max_log_error_here": log_err, **h100_capacity()}
+    cap = inputs["h100_usable_bytes"]
     recs = []
     for recipe in RECIPES:
         p = _predict(llama_shape("7B"), recipe, batch_size=1)
@@ -209,7 +205,8 @@ def _llama_training_memory(log_err: float) -> list[dict]:
         record(
             "C10",
             "train_memory_70b_dp_over_h100",
-            f"70B, whole model on every device ({PRIMARY}), per-device memory over one H100's",
+            f"70B, whole model on every device ({PRIMARY}), per-device memory over what a step "
+            "may hold of one H100",
             dp["total"] / cap,
             "× H100 memory",
             label="predicted",
@@ -231,7 +228,7 @@ def _llama_training_memory(log_err: float) -> list[dict]:
             "C10",
             "h100s_needed_70b",
             f"70B sharded (FSDP), remat=full, one {SEQ}-token sequence per device: fewest "
-            "power-of-two H100s that fit",
+            "power-of-two H100s that fit (in JAX's allocator share of each)",
             needed,
             "H100s",
             label="predicted",
@@ -301,12 +298,8 @@ def _fitting_70b(log_err: float) -> list[dict]:
     the 80 layers over 8 pipeline stages (one H100 each, 8 microbatches of one 2048-token
     sequence), then the AdamW state in host memory, then pipeline × FSDP over 16 H100s;
     remat=full throughout."""
-    h100 = specs.SPECS["h100-sxm"]
-    inputs = {
-        "calculator_max_log_error_here": log_err,
-        "h100_memory_bytes": h100.memory_bytes,
-        "h100_memory_source": h100.source_of("memory_bytes"),
-    }
+    inputs = {"calculator_max_log_error_here": log_err, **h100_capacity()}
+    cap = inputs["h100_usable_bytes"]
     layouts = (
         ("8 pipeline stages of 10 layers on 8 H100s", dict(stage=8, batch_size=8)),
         ("8 pipeline stages × FSDP over 2 on 16 H100s", dict(stage=8, fsdp=2, batch_size=16)),
@@ -322,7 +315,8 @@ def _fitting_70b(log_err: float) -> list[dict]:
                 "C10",
                 None,
                 f"70B, {text}, remat=full: per-device memory "
-                f"({'fits' if p['total'] <= h100.memory_bytes else 'does not fit'} one H100)",
+                f"({'fits' if p['total'] <= cap else 'does not fit'} one H100's "
+                f"{cap / 1e9:.0f} GB a step may hold)",
                 p["total"],
                 "B",
                 label="predicted",

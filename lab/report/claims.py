@@ -405,8 +405,9 @@ CLAIMS: tuple[Claim, ...] = (
                 strict=True,
                 backends=("gpu",),
                 reading="70B per-device memory with every device holding the whole model "
-                "(pure data parallelism) over one H100's memory: above 1, so it does not fit "
-                "without splitting the model",
+                "(pure data parallelism) over what a step may hold of one H100 (JAX's "
+                "allocator share of its 80 GB, as lab.run judges a fit): above 1, so it does "
+                "not fit without splitting the model",
             ),
             Stated(
                 "h100s_needed_70b",
@@ -416,7 +417,8 @@ CLAIMS: tuple[Claim, ...] = (
                 lo=2,
                 backends=("gpu",),
                 reading="smallest power-of-two number of H100s over which the 70B step, "
-                "sharded (FSDP), fits per device: at least 2 and finite",
+                "sharded (FSDP), fits per device (in JAX's allocator share of each): at least "
+                "2 and finite",
             ),
         ),
     ),
