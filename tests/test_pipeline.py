@@ -413,6 +413,7 @@ def test_every_layout_starts_from_the_weights_of_the_unscanned_model(keys):
     stages = dict(make_mesh(cfg.mesh).shape).get("stage", 1)
     blocks = natural_layers(cfg.model, laid["blocks"], stages)  # layer order, as stored
     for i in range(4):
-        chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], blocks), plain[f"block_{i}"])
+        layer = jax.tree.map(lambda x, i=i: x[i], blocks)
+        chex.assert_trees_all_equal(layer, plain[f"block_{i}"])
     for name in ("embed", "final_norm"):
         chex.assert_trees_all_equal(laid[name], plain[name])
