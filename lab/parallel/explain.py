@@ -199,38 +199,60 @@ def expect_grad_reduction(
     U = tuple(a for a in unreduced if a in B) if K > 1 else ()
     WU = _prod(U, geo.sizes)
     wide = max(1.0, 4 / np.dtype(model_cfg.param_dtype).itemsize)  # float32 over bf16/f16
-    total, moved = 0.0, 0.0
+    moved, summed = 0.0, 0.0  # summed: the bytes all-reduced once over U
+    groups: dict[tuple, float] = {}  # (how, W, WS) -> the gradient bytes reduced that way
     for path, _, local, axes in params:
         S, staged = geo.split(path, axes)
         WS = _prod(S, geo.sizes)
         G = local * WS * _uses(path, model_cfg)  # the gradient one device holds before the sum
-        total += G
         W = WB // _prod(staged, geo.sizes) // WU  # a stage's layers: summed over its replicas
         if _stage_gathered(path, S, geo, pipelined):  # the shard's all-reduce only
-            WR = W // WS
+            how, WR = "shard", W // WS
             per = 2 * (G / WS) * (WR - 1) / WR
         elif reduce_scatter and WS > 1:
-            WR = W // WS
+            how, WR = "rs", W // WS
             per = G * (WS - 1) / WS + 2 * (G / WS) * (WR - 1) / WR
         else:
+            how = "ar"
             per = 2 * G * (W - 1) / W
+        groups[how, W, WS] = groups.get((how, W, WS), 0.0) + G
         # over U: the sum of the K microbatches (and of a tied table's uses), as each device
         # holds it (the shard, where it was reduce-scattered), all-reduced once in float32
         moved += K * per + 2 * local * wide * (WU - 1) / WU
+        summed += local * wide
     kind = "reduce-scatter + all-reduce" if reduce_scatter and geo.shard_axes else "all-reduce"
     if geo.shard_axes and not reduce_scatter:
         kind = "all-reduce (reduce-scatter as all-reduce + slice: no RS pass on CPU)"
-    formula = f"G={total / MiB:.2f} MiB grads (tied embedding ×2) over W={WB}: " + (
-        "RS V(W-1)/W + AR of the shard" if reduce_scatter and geo.shard_axes else "2G(W-1)/W"
-    )
+    formula = "per weight, over the W devices that share its gradient"
+    if model_cfg.tie_embeddings:
+        formula += " (the tied embedding's counted ×2)"
+    terms = [_reduction_term(how, G, W, WS) for (how, W, WS), G in groups.items() if W > 1]
+    alone = "none per microbatch" if K > 1 else "none: no other device shares a gradient"
+    formula += ": " + (" + ".join(terms) or alone)
     if K > 1:
         rest = ",".join(a for a in B if a not in U)
         each = f"once per microbatch (×{K})" + (f" over {rest}" if U else "")
         formula += f"; accumulate={K}: " + "; ".join(
             ([each] if rest else [])
-            + ([f"summed on each device, reduced once over {','.join(U)}"] if U else [])
+            + (
+                [
+                    f"summed on each device, reduced once over {','.join(U)} in float32: "
+                    f"2·{summed / MiB:.2f}·({WU}-1)/{WU}"
+                ]
+                if U
+                else []
+            )
         )
     return Expected("grad reduction", kind, B, moved, moved, moved, formula)
+
+
+def _reduction_term(how: str, G: float, W: int, WS: int) -> str:
+    """One group's bytes as the formula that gives them (G in MiB)."""
+    g = f"{G / MiB:.2f}"
+    if how == "ar":
+        return f"2·{g}·({W}-1)/{W}"
+    shard = f"2·({g}/{WS})·({W // WS}-1)/{W // WS}"
+    return shard if how == "shard" else f"{g}·({WS}-1)/{WS} + {shard}"
 
 
 def expect_param_gather(params, geo: Geometry, model_cfg, pipelined=False) -> Expected | None:
