@@ -11,6 +11,7 @@ optimizer state offloaded (C10, calculator), remat=offload (C11, calculator; com
 H100 with plans), the largest batch as accumulated microbatches of the smallest (C12).
 """
 
+import dataclasses
 import math
 
 from experiments import gpu_plans
@@ -154,10 +155,22 @@ def _remat_time(cfg: Config, budget_s: float) -> dict:
     )
 
 
-def calculator_error(log_err: float) -> str:
-    """How wrong the memory calculator is, as the prediction's statement: its worst ratio to
-    the steps compiled here (C09's cases), either way."""
-    return f"memory calculator (within {math.exp(log_err):.2f}× of every step compiled here)"
+@dataclasses.dataclass(frozen=True)
+class CalculatorError:
+    """The memory calculator's worst ratio to the compiled steps it was checked against in
+    this run, either way, and what those were (C09's CPU steps; with plans, the 7B and 70B
+    steps compiled for H100s)."""
+
+    log: float
+    steps: str
+
+    def __str__(self) -> str:
+        return f"memory calculator (within {math.exp(self.log):.2f}× of {self.steps})"
+
+
+def calculator_error(log_err) -> str:
+    """How wrong the memory calculator is, as the prediction's statement."""
+    return str(log_err)
 
 
 def _predict(shape: dict, recipe: str, **kw) -> dict:
@@ -176,10 +189,10 @@ def _predict(shape: dict, recipe: str, **kw) -> dict:
     )
 
 
-def _llama_training_memory(log_err: float) -> list[dict]:
+def _llama_training_memory(log_err: CalculatorError) -> list[dict]:
     """C10: Llama-2 7B and 70B training memory by the calculator, per precision recipe,
     against an H100's memory (predicted)."""
-    inputs = {"calculator_max_log_error_here": log_err, **h100_capacity()}
+    inputs = {"calculator_max_log_error_here": log_err.log, **h100_capacity()}
     cap = inputs["h100_usable_bytes"]
     recs = []
     for recipe in RECIPES:
@@ -293,12 +306,12 @@ def _batch_memory_and_speed(cfg: Config, batches, budget_s: float) -> list[dict]
 # --- fitting bigger models: the pipeline, gradient accumulation and host offloading, C10-C12
 
 
-def _fitting_70b(log_err: float) -> list[dict]:
+def _fitting_70b(log_err: CalculatorError) -> list[dict]:
     """C10: 70B on H100s with the levers for fitting a bigger model, by the calculator (predicted):
     the 80 layers over 8 pipeline stages (one H100 each, 8 microbatches of one 2048-token
     sequence), then the AdamW state in host memory, then pipeline × FSDP over 16 H100s;
     remat=full throughout."""
-    inputs = {"calculator_max_log_error_here": log_err, **h100_capacity()}
+    inputs = {"calculator_max_log_error_here": log_err.log, **h100_capacity()}
     cap = inputs["h100_usable_bytes"]
     layouts = (
         ("8 pipeline stages of 10 layers on 8 H100s", dict(stage=8, batch_size=8)),
@@ -436,7 +449,7 @@ def _accumulated_microbatches(cfg: Config, batches, budget_s: float, timed: bool
     return recs
 
 
-def fitting(size: str, sweep: Config, batches, budget_s: float, log_err: float, plans: bool):
+def fitting(size: str, sweep: Config, batches, budget_s: float, log_err, plans: bool):
     """Fitting bigger models, the records: the 70B plan with a pipeline and offloading (C10),
     remat=offload (C11), gradient accumulation (C12)."""
     return (
@@ -464,6 +477,18 @@ def run(size: str = "quick", *, plans: bool = False) -> list[dict]:
     remats = pick(size, tiny=("none", "full"), quick=REMATS, full=REMATS)
     recs, log_err = _remat_memory_and_time(step_config(size), budget, remats, timed=size != "tiny")
     compiled = gpu_plans.llama_memory_per_h100() if plans else []
+    plans_checked = [
+        abs(math.log(r["config"]["calculator_over_compiled"]))
+        for r in compiled
+        if (r.get("config") or {}).get("calculator_over_compiled")
+    ]
+    cpu = len(remats)
+    log_err = CalculatorError(
+        max([log_err, *plans_checked]),
+        f"the {cpu} CPU step{'s' if cpu != 1 else ''}"
+        + (f" and {len(plans_checked)} H100 plans" if plans_checked else "")
+        + " compiled in this run",
+    )
     recs += (
         _llama_training_memory(log_err) + compiled + _batch_memory_and_speed(sweep, batches, budget)
     )
