@@ -42,7 +42,11 @@ def explain_pipeline(p: PipelineReading) -> Table:
             f"{r.ops} op × {r.executions} runs, {r.bytes_per_device:,} B",
             f"ticks × a = {p.bytes_per_device:,} B",
         )
-    t.add_row("useful per data replica, each way", "", f"M·(R·P-1)·a = {p.useful_bytes:,} B")
+    t.add_row(  # the only row that is not per device: the whole pipeline's useful transfers
+        "useful, a data replica's P stages together, each way",
+        "",
+        f"M·(R·P-1)·a = {p.useful_bytes:,} B",
+    )
     return t
 
 
