@@ -371,3 +371,81 @@ def test_cpu_flash_matches_float64(kind, dtype):
     kw = dict(kwargs, impl="cpu_flash", block_sizes=cpu_flash.BlockSizes(32, 32))
     got = _run(attention, kw, q, k, v, do, dlse)
     assert_close(got, _reference(kwargs, q, k, v, do, dlse), dtype, f"cpu_flash {kind}")
+
+
+def _as_lists(kwargs):
+    """The case's mask arrays as Python lists (lengths) and tuples of lists (segment ids)."""
+    out = dict(kwargs)
+    for name in ("q_lengths", "kv_lengths"):
+        if name in out:
+            out[name] = [int(n) for n in out[name]]
+    if "q_segment_ids" in out:
+        out["q_segment_ids"] = tuple(np.asarray(out["q_segment_ids"]).tolist())
+    return out
+
+
+LIST_CASES = [
+    ("naive", "lengths"),
+    ("blockwise", "lengths"),
+    ("blockwise", "combo"),
+    ("xla", "lengths"),
+    pytest.param(
+        "cpu_flash",
+        "lengths",
+        marks=pytest.mark.skipif(not cpu_flash.available(), reason="cpu_flash not built"),
+    ),
+    ("auto", "lengths"),
+]
+
+
+@pytest.mark.parametrize("impl, kind", LIST_CASES)
+def test_mask_arrays_given_as_python_lists(impl, kind):
+    """Lengths and segment ids may be lists or tuples of ints, in every implementation: read
+    as NumPy arrays, they give the float64 reference's output and gradients."""
+    shapes, kwargs = _case(kind)
+    q, k, v, do, dlse = _inputs(shapes, "float32")
+    got = _run(attention, dict(_as_lists(kwargs), impl=impl), q, k, v, do, dlse)
+    assert_close(got, _reference(kwargs, q, k, v, do, dlse), "float32", f"{impl} {kind}")
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(q_lengths=[50.5, 72.0]), r"^q_lengths.shape=\(2,\) dtype=float64: expected integers"),
+        (dict(kv_lengths=(1, 2, 3)), r"^kv_lengths.shape=\(3,\) dtype=int64: expected integers"),
+        (dict(kv_lengths=[[1], [2, 3]]), r"^kv_lengths=\[\[1\], \[2, 3\]\]: expected an integer"),
+        (dict(kv_lengths=72), r"^kv_lengths.shape=\(\) dtype=int64: expected integers"),
+    ],
+)
+def test_bad_mask_lists_are_one_line(kwargs, needle):
+    q, k, v, _, _ = _inputs((72, 72, 2, 32, 32), "float32")
+    for impl in ("naive", "blockwise", "auto"):
+        with pytest.raises(ValueError, match=needle):
+            attention(q, k, v, impl=impl, **kwargs)
+
+
+@pytest.mark.parametrize("flag", ["causal", "return_lse", "interpret"])
+@pytest.mark.parametrize("value", ["no", None, 0, 1.0, "False"])
+def test_flags_must_be_bools(flag, value):
+    """A flag's truthiness would pick the mode ('no' as True, None as False): every
+    implementation refuses a non-bool in one line, and the chooser too."""
+    from lab.kernels.attention import choose
+
+    q, k, v, _, _ = _inputs((24, 24, 2, 32, 32), "float32")
+    want = f"^{flag}={value!r}: must be True or False$"
+    for impl in ("naive", "blockwise", "xla", "auto", "ring"):
+        with pytest.raises(ValueError, match=want.replace("(", r"\(").replace(".", r"\.")):
+            attention(q, k, v, impl=impl, **{flag: value})
+    if flag != "return_lse":
+        with pytest.raises(ValueError, match="must be True or False"):
+            choose("blockwise", q, k, v, **{flag: value})
+
+
+def test_numpy_bools_are_flags():
+    """np.bool_ (what a NumPy comparison gives) is a bool: the same answer as True/False."""
+    q, k, v, _, _ = _inputs((24, 24, 2, 32, 32), "float32")
+    for impl in ("naive", "blockwise"):
+        for c in (True, False):
+            got = attention(q, k, v, impl=impl, causal=np.bool_(c))
+            want = attention(q, k, v, impl="naive", causal=c)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

@@ -64,6 +64,10 @@ an ahead-of-time plan for a TPU slice picks the TPU kernel on a CPU host (and a 
 H100 the Mosaic GPU kernel: the device kind is the target's); a Pallas kernel is
 opaque to XLA's partitioner, so with `shard_spec` (the PartitionSpec of q, k and v) it runs
 once per shard under `shard_map`: batch and heads split, sequence whole.
+
+`causal`, `interpret` and `return_lse` must be bools (a string such as 'no' would read as
+True); mask arrays (segment ids, lengths) may be lists or tuples of ints, read as NumPy
+arrays.
 """
 
 import functools
@@ -86,6 +90,7 @@ from lab.kernels.attention import reference as _reference
 from lab.kernels.attention.common import (
     FEATURE_NAMES,
     Mask,
+    check_flag,
     check_qkv,
     check_softcap,
     device_kind,
@@ -456,7 +461,8 @@ def choose_noted(
 
         hint = did_you_mean(str(impl), (*IMPLS, "auto"))
         raise ValueError(f"attention impl={impl!r}: choose one of {', '.join(IMPLS)} or auto{hint}")
-    if interpret and impl not in PALLAS:
+    causal = check_flag("causal", causal)
+    if check_flag("interpret", interpret) and impl not in PALLAS:
         raise ValueError(f"interpret=True applies to impl in {PALLAS}, not impl={impl!r}")
     check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, empty_rows=True, value_dim=True)
     backend = backend or platform()
@@ -525,6 +531,7 @@ def attention(
     An implementation that lacks a feature the call needs refuses in one line naming it;
     `auto` picks the fastest one that has them all.
     """
+    causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
     if q_segment_ids is not None and kv_segment_ids is None:
         if q_BxLxHxK.shape[1] != k_BxSxGxK.shape[1]:
             raise ValueError(

@@ -290,6 +290,25 @@ def _block_min_max(ids_BxN, block: int, n_blocks: int, xp):
     return ids.min(-1), ids.max(-1)
 
 
+def check_flag(name: str, value) -> bool:
+    """`value` as a bool where it is one (Python or NumPy); anything else (a string, None, a
+    number) is refused, since its truthiness would pick the mode: 'no' would mean True."""
+    if not isinstance(value, bool | np.bool_):
+        raise ValueError(f"{name}={value!r}: must be True or False")
+    return bool(value)
+
+
+def _as_array(name: str, x):
+    """A mask array given as a Python list or tuple (or a number) as a NumPy array, which the
+    shape and dtype checks read and `Mask.block_map` keeps static; arrays pass unchanged."""
+    if x is None or hasattr(x, "dtype"):
+        return x
+    try:
+        return np.asarray(x)
+    except ValueError:  # ragged nested lists
+        raise ValueError(f"{name}={x!r}: expected an integer array") from None
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Mask:
@@ -343,7 +362,14 @@ class Mask:
                 window = None
         if (q_segment_ids is None) != (kv_segment_ids is None):
             raise ValueError("segment ids: pass both q_segment_ids and kv_segment_ids, or neither")
-        return Mask(q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, bool(causal), window)
+        arrays = dict(
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            q_lengths=q_lengths,
+            kv_lengths=kv_lengths,
+        )
+        arrays = {name: _as_array(name, x) for name, x in arrays.items()}
+        return Mask(**arrays, causal=check_flag("causal", causal), window=window)
 
     @property
     def segments(self) -> bool:
