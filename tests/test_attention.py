@@ -534,3 +534,75 @@ def test_pallas_kernel_runs_per_shard_under_a_mesh(impl):
         q, k, v, do = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, do))
         got = output_and_grads(fn, q, k, v, do)
     assert_close(got, reference_f64(q, k, v, do, causal=True), "float32")
+
+
+EXPLICIT_CASES = [
+    ("naive", False),
+    ("blockwise", False),
+    ("xla", False),
+    ("auto", False),
+    ("auto", True),
+    pytest.param(
+        "cpu_flash",
+        False,
+        marks=pytest.mark.skipif(not cpu_flash.available(), reason="cpu_flash not built"),
+    ),
+    pytest.param(
+        "cpu_flash",
+        True,
+        marks=pytest.mark.skipif(not cpu_flash.available(), reason="cpu_flash not built"),
+    ),
+    ("ring", True),
+]
+
+
+@pytest.mark.parametrize("impl, with_spec", EXPLICIT_CASES)
+def test_every_cpu_impl_runs_under_a_mesh_with_explicit_axes(impl, with_spec):
+    """`jax.make_mesh` gives Explicit axes by default on new JAX, where a reshape or repeat of
+    a sharded array needs its output sharding spelled out; the dispatch runs the kernel with
+    those axes made Auto. Output (sharded like q) and grads equal the float64 reference, with
+    shard_spec and without (ring needs it: it names the sequence axis)."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    seq = "seq" if impl == "ring" else None
+    mesh = jax.make_mesh((2, 2, 2), ("data", "seq", "model"), axis_types=(AxisType.Explicit,) * 3)
+    spec = P("data", seq, "model", None)
+    q, k, v, do = random_qkv(23, 64, 64, 4, 2, 32, "float32")
+    q, k, v, do = (jnp.concatenate([x, -x[..., ::-1]]) for x in (q, k, v, do))  # batch 2
+    fn = functools.partial(
+        attention, causal=True, impl=impl, shard_spec=spec if with_spec else None
+    )
+    want = reference_f64(q, k, v, do, causal=True)
+    with jax.set_mesh(mesh):
+        q, k, v, do = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, do))
+        got = output_and_grads(fn, q, k, v, do)
+        assert jax.typeof(got[0]).sharding.spec == spec
+    assert_close(got, want, "float32")
+
+
+def test_explicit_axes_keep_lse_and_mask_arrays():
+    """Under Explicit axes the log-sum-exp comes back too, sharded like q's rows, and the mask
+    arrays (sharded jax arrays or static NumPy ones) reach the kernel."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    spec = P("data", None, "model", None)
+    q, k, v, _ = random_qkv(29, 48, 48, 4, 2, 32, "float32")
+    q, k, v = (jnp.concatenate([x, -x[..., ::-1]]) for x in (q, k, v))
+    sinks = jax.random.normal(jax.random.key(3), (4,))
+    lengths = np.array([40, 17], np.int32)
+    kw = dict(causal=True, kv_lengths=lengths, sinks=sinks, return_lse=True)
+    want_o, want_lse = attention(q, k, v, impl="naive", **kw)
+    with jax.set_mesh(mesh):
+        qs, ks, vs = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v))
+        sharded = jax.device_put(lengths, NamedSharding(mesh, P("data")))
+        run = jax.jit(
+            lambda q, k, v, lens: attention(q, k, v, impl="blockwise", **{**kw, "kv_lengths": lens})
+        )
+        eager = functools.partial(attention, impl="blockwise", **kw)  # NumPy lengths: static
+        for o, lse in (run(qs, ks, vs, sharded), eager(qs, ks, vs)):
+            assert jax.typeof(lse).sharding.spec == P("data", None, "model")
+            np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), atol=1e-5)
+            np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-5)

@@ -65,6 +65,14 @@ H100 the Mosaic GPU kernel: the device kind is the target's); a Pallas kernel is
 opaque to XLA's partitioner, so with `shard_spec` (the PartitionSpec of q, k and v) it runs
 once per shard under `shard_map`: batch and heads split, sequence whole.
 
+Under a mesh with Explicit axes (`jax.make_mesh`'s default on new JAX; the lab's meshes,
+lab.mesh, are Auto) every implementation runs with those axes made Auto
+(`jax.sharding.auto_axes`): with Explicit axes each reshape or repeat of a sharded array
+must be given its output's sharding, which the kernels do not spell out, so XLA's
+partitioner places them, as under an Auto mesh. The output keeps q's sharding of batch,
+sequence and heads. `shard_spec` still says how q, k, v are split for the Pallas and native
+kernels' shard_map (without it they run on whole arrays, gathered by XLA).
+
 `causal`, `interpret` and `return_lse` must be bools (a string such as 'no' would read as
 True); mask arrays (segment ids, lengths) may be lists or tuples of ints, read as NumPy
 arrays.
@@ -532,6 +540,27 @@ def attention(
     `auto` picks the fastest one that has them all.
     """
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
+    if _explicit_axes():  # see the module docstring
+        call = functools.partial(
+            attention,
+            causal=causal,
+            impl=impl,
+            scale=scale,
+            interpret=interpret,
+            block_sizes=block_sizes,
+            shard_spec=shard_spec,
+            window=window,
+            softcap=softcap,
+            return_lse=return_lse,
+        )
+        arrays = dict(
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            q_lengths=q_lengths,
+            kv_lengths=kv_lengths,
+            sinks=sinks,
+        )
+        return _under_auto_axes(call, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxV), arrays, return_lse)
     if q_segment_ids is not None and kv_segment_ids is None:
         if q_BxLxHxK.shape[1] != k_BxSxGxK.shape[1]:
             raise ValueError(
@@ -630,6 +659,33 @@ def attention(
         )
         return _per_shard(kernel, shard_spec, *args, extras=extras)
     return _library(args, mask=mask, scale=scale, impl=impl)
+
+
+def _explicit_axes() -> tuple:
+    """The context mesh's axes of type Explicit (`jax.make_mesh`'s default on new JAX; the
+    lab's own meshes, lab.mesh, are Auto)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    explicit = jax.sharding.AxisType.Explicit
+    return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == explicit)
+
+
+def _under_auto_axes(call, args, arrays: dict, return_lse: bool):
+    """`call(*args, **arrays)` with the context mesh's Explicit axes made Auto
+    (`jax.sharding.auto_axes`): with Explicit axes every reshape and repeat of a sharded
+    array must be told its output's sharding, which no kernel here spells out; under Auto
+    axes XLA's partitioner places them, as under the lab's meshes. The output keeps q's
+    split of batch, sequence and heads (lse alike). NumPy mask arrays stay outside, static."""
+    spec = getattr(jax.typeof(args[0]), "sharding", None)
+    spec = (*(spec.spec if spec is not None else ()), None, None, None)[:3]
+    out = (P(*spec, None), P(*spec)) if return_lse else P(*spec, None)
+    traced = {k: x for k, x in arrays.items() if isinstance(x, jax.Array)}
+    static = {k: x for k, x in arrays.items() if k not in traced}
+    run = jax.sharding.auto_axes(
+        lambda args, traced: call(*args, **traced, **static), out_sharding=out
+    )
+    return run(args, traced)
 
 
 def _fitting_block_sizes(impl: str, block_sizes, *, named: bool):
