@@ -229,7 +229,7 @@ def test_splits_default_fills_the_gpu():
         (lambda a: {**a, "q": a["q"][:, :3]}, "multiple of kv heads"),
         (lambda a: {**a, "v": a["v"][:, :, :10]}, "caches must match"),
         (lambda a: {**a, "k": a["k"][:, :, :0], "v": a["v"][:, :, :0]}, "cache_len 0"),
-        (lambda a: {**a, "lengths": a["lengths"].astype(jnp.float32)}, "expected int32"),
+        (lambda a: {**a, "lengths": a["lengths"].astype(jnp.float32)}, "expected integers"),
         (
             lambda a: {**a, "k": a["k"].astype(jnp.bfloat16), "v": a["v"].astype(jnp.bfloat16)},
             "the cache is q's dtype or int8",
@@ -379,10 +379,60 @@ def test_the_dispatch_refuses_what_no_kernel_takes(kwargs, match):
     q, k, v, lengths = random_inputs(2, 2, jnp.float32)
     with pytest.raises(ValueError, match=match):
         decode_attention(q, k, v, lengths, **kwargs)
-    with pytest.raises(ValueError, match="expected an int32 array"):
-        decode_attention(q, k, v, [1, 2, 3, 4], impl="reference")
+    with pytest.raises(
+        ValueError, match=r"lengths shape=\(3,\) dtype=int32: expected integers \[4\]"
+    ):
+        decode_attention(q, k, v, [1, 2, 3], impl="reference")
     assert decode.check_window(np.int64(5)) == 5  # a NumPy integer is an int
     # under auto, tiles tuned for another backend's kernel are left out, not refused
     got = decode_attention(q, k, v, lengths, block_sizes=decode.BlockSizesTPU())
     want = decode_attention(q, k, v, lengths)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _decode_impls_here():
+    """Every decode implementation that runs on CPU: (impl, interpret)."""
+    out = [("reference", False), ("auto", False), ("pallas_tpu", True), ("pallas_gpu", True)]
+    return out + ([("cpu", False)] if cpu_gemv.available() else [])
+
+
+@pytest.mark.parametrize("impl, interpret", _decode_impls_here())
+def test_integer_lengths_of_any_dtype_are_read_as_int32(impl, interpret):
+    """One rule for every implementation: lengths of any integer dtype (NumPy's default int64,
+    a list of ints) are read as int32, a length past the cache (even one int32 cannot hold)
+    is the whole cache; a non-integer dtype is refused in one line."""
+    q, k, v, lengths = random_inputs(31, 2, jnp.float32)
+    want = reference_f64(q, k, v, lengths)
+    kw = dict(impl=impl, interpret=interpret)
+    if interpret:
+        kw["block_sizes"] = kernel(impl[-3:], 1).keywords["block_sizes"]
+    wide = np.asarray(lengths, np.int64)
+    wide[1] = 2**40  # a length past the cache: the whole cache, as S
+    for given in (
+        np.asarray(lengths, np.int64),
+        wide,
+        list(map(int, lengths)),
+        lengths.astype(jnp.int16),
+    ):
+        got = decode_attention(q, k, v, given, **kw)
+        assert relative_error(got, want) < TOL["float32"], type(given)
+    for bad in (np.asarray(lengths, np.float32), [1.0, 2.0, 3.0, 4.0], np.ones(B, bool)):
+        with pytest.raises(ValueError, match=r"^lengths shape=\(4,\) dtype=\w+: expected integers"):
+            decode_attention(q, k, v, bad, **kw)
+
+
+def test_a_pallas_kernel_on_cpu_names_every_kernel_that_runs_here():
+    """Refusing a GPU/TPU decode kernel on CPU lists the kernels that run here, auto and the
+    native C++ one (the default) included, as attention's impl='pallas' refusal does."""
+    q, k, v, lengths = random_inputs(4, 2, jnp.float32)
+    here = "auto, cpu, reference" if cpu_gemv.available() else "auto, reference"
+    for impl in ("pallas_gpu", "pallas_tpu", "pallas"):
+        with pytest.raises(ValueError, match=f"on backend 'cpu': use {here} "):
+            decode_attention(q, k, v, lengths, impl=impl)
+
+
+@pytest.mark.parametrize("flag", ["yes", None, 1])
+def test_decode_interpret_must_be_a_bool(flag):
+    q, k, v, lengths = random_inputs(5, 2, jnp.float32)
+    with pytest.raises(ValueError, match=f"^interpret={flag!r}: must be True or False$"):
+        decode_attention(q, k, v, lengths, impl="reference", interpret=flag)

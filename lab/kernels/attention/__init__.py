@@ -795,7 +795,7 @@ def choose_decode(impl: str, *, interpret: bool = False, backend: str | None = N
             raise ValueError(
                 f"decode impl=cpu runs on the CPU where its C++ kernel is built (backend "
                 f"{backend!r}; no C++ compiler, a failed build or LAB_CPU_GEMV=0 leave it out): "
-                "use reference"
+                f"use {' or '.join(decode_impls_here(backend))}"
             )
         return impl
     if impl == "pallas":
@@ -803,9 +803,19 @@ def choose_decode(impl: str, *, interpret: bool = False, backend: str | None = N
     if impl.startswith("pallas") and impl != native.get(backend) and not interpret:
         raise ValueError(
             f"decode impl={impl!r} has no compiled kernel on backend {backend!r}: use "
-            f"{native.get(backend, 'reference')} (or, from Python, interpret=True: slow, tests)"
+            f"{', '.join(decode_impls_here(backend))} (or, from Python, interpret=True: slow, "
+            "tests)"
         )
     return impl
+
+
+def decode_impls_here(backend: str | None = None) -> list[str]:
+    """The decode kernels that run compiled on `backend` (default: the platform's), auto
+    first: what a refusal offers instead."""
+    backend = backend or platform()
+    native = {"tpu": ["pallas", "pallas_tpu"], "gpu": ["pallas", "pallas_gpu"]}
+    cpu = ["cpu"] if backend == "cpu" and cpu_gemv.available() else []
+    return ["auto", *native.get(backend, []), *cpu, "reference"]
 
 
 def decode_attention(
@@ -833,6 +843,7 @@ def decode_attention(
     the CPU kernel has none (auto takes the reference then; impl=cpu asked for refuses).
     """
     softcap = check_softcap(softcap)
+    interpret = check_flag("interpret", interpret)
     if softcap is not None and impl == "cpu":
         raise ValueError("decode_attention: impl=cpu has no soft-cap; use impl=reference")
     asked = impl
@@ -841,9 +852,12 @@ def decode_attention(
     )
     if asked == "pallas" and impl == "reference":
         raise ValueError(
-            f"decode impl='pallas' has no compiled kernel on backend {platform()!r}: use auto, "
-            "cpu or reference (or, from Python, interpret=True: slow, tests)"
+            f"decode impl='pallas' has no compiled kernel on backend {platform()!r}: use "
+            f"{', '.join(i for i in decode_impls_here() if i != 'pallas')} (or, from Python, "
+            "interpret=True: slow, tests)"
         )
+    decode.check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
+    lengths_B = decode.as_lengths(lengths_B, q_BxHxK.shape[0], k_BxGxSxK.shape[2])
     args = (q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
     named = asked not in ("auto", "pallas")
     block_sizes = _fitting_block_sizes(f"decode {impl}", block_sizes, named=named)

@@ -29,9 +29,10 @@ before the window are skipped like the blocks past the length (no DMA, no loop s
 the splits cut only the blocks the window covers.
 
 Ragged lengths: `lengths[b]` valid slots (1..S; larger values are clamped to S, 0 gives a zero
-output). Slots at and beyond the length are never trusted: their scores are masked, their
-values zeroed before the P·V product (garbage may be NaN), and the kernels do not even read
-whole blocks past the length (TPU: index map clamped with the scalar-prefetched lengths, so the
+output), any integer dtype (NumPy's int64 too, or a list), read as int32 by every
+implementation. Slots at and beyond the length are never trusted: their scores are masked,
+their values zeroed before the P·V product (garbage may be NaN), and the kernels do not even
+read whole blocks past the length (TPU: index map clamped with the scalar-prefetched lengths, so the
 pipeline issues no DMA; GPU: the loop stops at the last valid block and every load is
 masked by the length).
 
@@ -166,10 +167,7 @@ def check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_sc
             f"{q.shape=} {k.shape=}: query heads must be a multiple of kv heads "
             "(grouped-query attention)"
         )
-    if not hasattr(lengths_B, "dtype"):
-        raise ValueError(f"lengths={lengths_B!r}: expected an int32 array [{q.shape[0]}]")
-    if lengths_B.shape != (q.shape[0],) or lengths_B.dtype != jnp.int32:
-        raise ValueError(f"{lengths_B.shape=} {lengths_B.dtype=}: expected int32 [{q.shape[0]}]")
+    as_lengths(lengths_B, q.shape[0], k.shape[2])
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"{q.dtype=}: queries must be floating point")
     scales = (k_scale_BxGx1xS, v_scale_BxGx1xS)
@@ -186,6 +184,26 @@ def check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_sc
         raise ValueError(f"{q.dtype=} {k.dtype=}: the cache is q's dtype or int8 with scales")
     elif any(s is not None for s in scales):
         raise ValueError(f"{k.dtype=}: scales are only for an int8 cache")
+
+
+def as_lengths(lengths_B, B: int, S: int):
+    """`lengths_B` as the int32 [B] every kernel reads: any integer dtype (NumPy's default
+    int64, a list of ints) is taken, clamped to 0..S first (what every kernel makes of a
+    length anyway) so that a wide value cannot wrap; a non-integer dtype is refused."""
+    if not hasattr(lengths_B, "dtype"):
+        try:
+            lengths_B = jnp.asarray(lengths_B)
+        except (TypeError, ValueError):
+            raise ValueError(f"lengths={lengths_B!r}: expected integers [{B}]") from None
+    if tuple(lengths_B.shape) != (B,) or not jnp.issubdtype(lengths_B.dtype, jnp.integer):
+        raise ValueError(
+            f"lengths shape={tuple(lengths_B.shape)} dtype={lengths_B.dtype}: expected integers "
+            f"[{B}], one length per sequence"
+        )
+    if lengths_B.dtype == jnp.int32:
+        return lengths_B
+    xp = np if isinstance(lengths_B, np.ndarray) else jnp
+    return xp.clip(lengths_B, 0, S).astype(np.int32)
 
 
 def _check_kernel(q_BxHxK, scales, dtypes, head_dims, impl: str) -> None:
@@ -238,6 +256,7 @@ def decode_attention_reference(
     reaches the output; a length of 0 gives zeros, as in the kernels.
     """
     check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
+    lengths_B = as_lengths(lengths_B, q_BxHxK.shape[0], k_BxGxSxK.shape[2])
     window = check_window(window)
     B, H, K = q_BxHxK.shape
     G, S = k_BxGxSxK.shape[1:3]
@@ -307,6 +326,7 @@ def decode_attention_cpu(
     from lab.kernels import cpu_gemv
 
     check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
+    lengths_B = as_lengths(lengths_B, q_BxHxK.shape[0], k_BxGxSxK.shape[2])
     window = check_window(window)
     if not cpu_takes(q_BxHxK, k_BxGxSxK):
         raise ValueError(
@@ -487,6 +507,7 @@ def decode_attention_tpu(
     last grid block hangs over the end and its slots are masked (S >= length).
     """
     check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
+    lengths_B = as_lengths(lengths_B, q_BxHxK.shape[0], k_BxGxSxK.shape[2])
     _check_kernel(
         q_BxHxK,
         (k_scale_BxGx1xS, v_scale_BxGx1xS),
@@ -643,6 +664,7 @@ def decode_attention_gpu(
     `softcap`: scaled scores s → softcap·tanh(s / softcap) before the softmax (after the int8
     key scale), as in attention()."""
     check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
+    lengths_B = as_lengths(lengths_B, q_BxHxK.shape[0], k_BxGxSxK.shape[2])
     _check_kernel(
         q_BxHxK,
         (k_scale_BxGx1xS, v_scale_BxGx1xS),
