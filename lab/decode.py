@@ -32,7 +32,7 @@ from lab import quant
 from lab.config import ModelConfig
 from lab.errors import ConfigError
 from lab.kernels import cpu_gemv
-from lab.kernels.attention import decode_kernel
+from lab.kernels.attention import choose_decode, decode_kernel, decode_kernel_noted
 from lab.mesh import check_divisible
 from lab.model import CACHE, KVCache, LayerKV, build, decode_impl
 from lab.names import BATCH, LAYERS
@@ -423,6 +423,34 @@ def reads_whole_cache(model: ModelConfig, backend: str, *, int8_cache: bool = Fa
         backend=backend,
     )
     return impl == "reference"
+
+
+DECODE_KERNELS = {  # what each decode kernel reads of the cache, for a run's header
+    "reference": "plain JAX: reads every cache slot",
+    "cpu": "C++: reads each sequence's valid slots",
+    "pallas_tpu": "Pallas TPU: reads each sequence's valid blocks",
+    "pallas_gpu": "Pallas Triton: reads each sequence's valid blocks",
+}
+
+
+def decode_kernel_line(model: ModelConfig, backend: str) -> str:
+    """'cpu (C++: ...)' or 'reference (plain JAX: ...) instead of cpu: why': the decode
+    attention kernel a decode step of this model runs on `backend`, and why it is not the
+    backend's preferred one (auto's, for a plain-float cache) where it is not."""
+    asked = decode_impl(model.attention)
+    kernel, why = decode_kernel_noted(
+        asked,
+        softcap=model.softcap or None,
+        q_dtype=model.dtype,
+        kv_dtype=model.dtype,
+        backend=backend,
+    )
+    best = choose_decode("auto", backend=backend)
+    if why is None and kernel != best:
+        pick = "auto or cpu_flash" if backend == "cpu" else "auto or pallas"
+        why = f"attention={model.attention} decodes with the {kernel} ({pick} picks {best})"
+    line = f"{kernel} ({DECODE_KERNELS.get(kernel, kernel)})"
+    return line if why is None else f"{line} instead of {best}: {why}"
 
 
 def check_prompts(prompt_lengths, max_len: int, steps: int = 0) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from lab import data, rundir, startup
+from lab import data, decode, rundir, startup
 from lab.config import check_name, cli, field
 from lab.errors import ConfigError
 from lab.measure import memory
@@ -177,6 +177,8 @@ def run(o: Options, keys: dict) -> int:
         f"[bold]lab.serve[/bold] {s.info.header()} · model={s.cfg.preset} mesh={s.cfg.mesh} "
         f"compute {s.cfg.model.dtype}, attention {s.cfg.model.attention}"
     )
+    if not s.cfg.target:
+        con.print(f"  decode    attention {decode.decode_kernel_line(s.cfg.model, s.info.backend)}")
     if not s.cfg.target and (busy := rec.busy_note()):
         con.print(f"[yellow]{busy}")
     if s.cfg.target:

@@ -360,3 +360,46 @@ def test_a_step_past_the_cache_never_overwrites_it(int8_cache):
     assert np.isnan(logits[full]).all() and np.isfinite(logits[~full]).all()
     for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(after.layers), strict=True):
         np.testing.assert_array_equal(np.asarray(new)[full], old[full])
+
+
+@pytest.mark.parametrize(
+    "fields, backend, want",
+    [
+        ({}, "tpu", "pallas_tpu (Pallas TPU: reads each sequence's valid blocks)"),
+        ({"softcap": 30.0}, "gpu", "pallas_gpu (Pallas Triton: reads each sequence's valid"),
+        (
+            {"attention": "blockwise"},
+            "tpu",
+            "reference (plain JAX: reads every cache slot) instead of pallas_tpu: "
+            "attention=blockwise decodes with the reference (auto or pallas picks pallas_tpu)",
+        ),
+        pytest.param(
+            {},
+            "cpu",
+            "cpu (C++: reads each sequence's valid slots)",
+            marks=pytest.mark.skipif(not cpu_gemv.available(), reason="cpu kernel not built"),
+        ),
+        pytest.param(
+            {"softcap": 30.0},
+            "cpu",
+            "reference (plain JAX: reads every cache slot) instead of cpu: the cpu kernel has "
+            "no soft-cap (softcap=30)",
+            marks=pytest.mark.skipif(not cpu_gemv.available(), reason="cpu kernel not built"),
+        ),
+        pytest.param(
+            {"dtype": "float16"},
+            "cpu",
+            "reference (plain JAX: reads every cache slot) instead of cpu: the cpu kernel takes "
+            "float32 or bfloat16 queries",
+            marks=pytest.mark.skipif(not cpu_gemv.available(), reason="cpu kernel not built"),
+        ),
+    ],
+)
+def test_the_decode_kernel_line_names_the_kernel_and_why_not_the_preferred(fields, backend, want):
+    """lab.serve's header names the decode attention kernel a step runs and, where it is not
+    the backend's preferred one, why (a soft-cap or a float16 model leaves the C++ kernel for
+    the reference, which reads every cache slot)."""
+    model = dataclasses.replace(make_config(preset="tiny", dtype="float32").model, **fields)
+    line = decode.decode_kernel_line(model, backend)
+    assert line.startswith(want), line
+    assert ("instead of" in line) == ("reference" in want)

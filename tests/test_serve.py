@@ -109,6 +109,24 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, words):
     assert len(err.splitlines()) == 1 and words in err, err
 
 
+def test_the_header_names_the_decode_attention_kernel(tmp_path, capsys):
+    """The header names the prefill attention and, on its own line, the decode attention
+    kernel: with a soft-cap on CPU that is the plain-JAX reference, and the line says why.
+    (A context too large for memory stops the run right after the header.)"""
+    from lab.kernels import cpu_gemv
+
+    args = [*FAST, "softcap=30", "context=20000000", "batches=64", f"results={tmp_path}"]
+    assert serve(args) == 2
+    out = capsys.readouterr().out
+    assert out.count("decode    attention ") == 1
+    words = " ".join(out.split())  # the console wraps a long line at its width
+    if cpu_gemv.available():
+        assert (
+            "decode attention reference (plain JAX: reads every cache slot) instead of cpu: "
+            "the cpu kernel has no soft-cap (softcap=30)"
+        ) in words
+
+
 def _plan_tools_missing(target: str) -> str | None:
     if target.startswith("gpu"):
         from lab.plans import gpu

@@ -773,6 +773,26 @@ def decode_kernel(
     return chosen
 
 
+def decode_kernel_noted(
+    impl: str, *, softcap, q_dtype, kv_dtype, backend: str | None = None
+) -> tuple[str, str | None]:
+    """(`decode_kernel`'s choice, why it is not the one `impl` prefers here, or None): the
+    C++ kernel has no soft-cap and reads float32/bfloat16 queries only, so auto on CPU
+    falls back to the reference, which reads every cache slot."""
+    kernel = decode_kernel(
+        impl, softcap=softcap, q_dtype=q_dtype, kv_dtype=kv_dtype, backend=backend
+    )
+    preferred = choose_decode(impl, backend=backend)
+    if kernel == preferred:
+        return kernel, None
+    if softcap is not None:
+        return kernel, f"the {preferred} kernel has no soft-cap (softcap={softcap:g})"
+    return kernel, (
+        f"the {preferred} kernel takes float32 or bfloat16 queries and a cache of those or "
+        f"int8 (here {jnp.dtype(q_dtype).name} / {jnp.dtype(kv_dtype).name})"
+    )
+
+
 def choose_decode(impl: str, *, interpret: bool = False, backend: str | None = None) -> str:
     """The decode kernel `decode_attention` runs: auto is the backend's Pallas kernel on TPU
     and GPU, the C++ kernel on CPU where it is built (`cpu`, decode.decode_attention_cpu;
