@@ -52,3 +52,40 @@ def test_a_native_kernels_memory_says_what_it_leaves_out(tmp_path, capsys):
     mem = {r["config"]["impl"]: r for r in recs if r["what"] == "attention peak temp memory"}
     assert mem["cpu_flash"]["config"]["excludes"] and "excludes" not in mem["naive"]["config"]
     assert {r["label"] for r in mem.values()} == {"compiled"}
+
+
+def test_the_budget_help_states_the_wall_time_it_costs(capsys):
+    """budget= counts timed samples only; on CPU each ~2 ms sample waits 20 ms untimed first,
+    so the help says a point costs up to about 11x budget per implementation. Held against
+    the timing loop itself: 2 ms samples with the CPU settle take about that factor."""
+    import time
+
+    from lab.measure import timing
+    from lab.studies import attention as study
+    from lab.tools import attention_bench
+
+    factor = attention_bench._WALL_PER_BUDGET
+    assert factor == 11
+    assert main(["--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"waits {study.CPU_SETTLE_S * 1e3:g} ms untimed first" in help_text
+    assert f"up to about {factor}x budget per implementation" in help_text
+
+    def sample():  # one ~2 ms sample, as `inner` sizes them
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < study.SAMPLE_S:
+            pass
+        return 0
+
+    budget = 0.05
+    t0 = time.perf_counter()
+    timing.comparison(
+        {"a": sample, "b": sample},
+        baseline="a",
+        warmup=0,
+        min_runs=1,
+        budget_s=budget,
+        settle_s=study.CPU_SETTLE_S,
+    )
+    per_budget = (time.perf_counter() - t0) / (2 * budget)
+    assert 0.4 * factor < per_budget < 1.5 * factor, per_budget

@@ -22,6 +22,9 @@ from lab.names import DTYPES
 from lab.report import plots, progress, tables
 from lab.studies import attention as study
 
+# Wall seconds per timed second on CPU where samples are short: each waits CPU_SETTLE_S first.
+_WALL_PER_BUDGET = round((study.SAMPLE_S + study.CPU_SETTLE_S) / study.SAMPLE_S)
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -43,7 +46,15 @@ class Options:
     kv_heads: int = field(1, "G, key/value heads (must divide heads)", min=1)
     head_dim: int = field(64, "K", min=1)
     dtype: str = field("auto", "auto = bfloat16 on GPU/TPU, float32 on CPU", kind="dtype")
-    budget: float = field(1.0, "seconds of timed runs per implementation", min=0.01)
+    budget: float = field(
+        1.0,
+        "seconds of timed samples per implementation and point (seq, causal, mode). Wall time "
+        f"is more: on CPU each sample (about {study.SAMPLE_S * 1e3:g} ms, or one call where "
+        f"longer) waits {study.CPU_SETTLE_S * 1e3:g} ms untimed first, so a point takes up to "
+        f"about {_WALL_PER_BUDGET:g}x budget per implementation, plus compiles and the float64 "
+        "check",
+        min=0.01,
+    )
     out_dir: str = field("results", "folder for the records and the plot", kind="path")
     plot: bool = field(True, "draw the PNG")
 
