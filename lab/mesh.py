@@ -142,9 +142,12 @@ def cpu_devices_for(spec: str) -> int:
     return fixed
 
 
-def resolve_shape(spec: str, n_devices: int) -> dict[str, int]:
+def resolve_shape(spec: str, n_devices: int, target: str = "") -> dict[str, int]:
     """Full (data, stage, fsdp, model) sizes for `n_devices`, -1 filled; errors name the
-    numbers."""
+    numbers, and the `target` (tpu:v5e:2x2, gpu:h100:8) whose devices they are, if any: a
+    target's devices are not present, they are what the plan is compiled for."""
+    have = f"the target {target} has {n_devices}" if target else f"only {n_devices} are present"
+    total = f"the target's {n_devices}" if target else f"the {n_devices} present"
     sizes = {a: 1 for a in AXES} | parse_mesh_spec(spec)
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if -1 in sizes.values():
@@ -152,11 +155,9 @@ def resolve_shape(spec: str, n_devices: int) -> dict[str, int]:
             raise MeshSpecError(f"mesh={spec}: {fixed} does not divide the {n_devices} devices")
         sizes = {a: (n_devices // fixed if v == -1 else v) for a, v in sizes.items()}
     elif fixed > n_devices:
-        raise MeshSpecError(f"mesh={spec} needs {fixed} devices but only {n_devices} are present")
+        raise MeshSpecError(f"mesh={spec} needs {fixed} devices but {have}")
     elif n_devices % fixed:
-        raise MeshSpecError(
-            f"mesh={spec} uses {fixed} devices, which does not divide the {n_devices} present"
-        )
+        raise MeshSpecError(f"mesh={spec} uses {fixed} devices, which does not divide {total}")
     return sizes
 
 

@@ -929,8 +929,10 @@ def _sizes(cfg: Config, platform: Platform) -> tuple[dict | None, str | None]:
     if platform.mesh is not None:
         return {a: 1 for a in AXES} | dict(platform.mesh.shape), None
     try:
-        sizes = resolve_shape(cfg.mesh, platform.count)
+        sizes = resolve_shape(cfg.mesh, platform.count, platform.target if platform.aot else "")
     except MeshSpecError as e:
+        if platform.aot:  # the target names its hardware
+            return None, str(e)
         hint = " (on CPU, cpu_devices=N simulates more)" if platform.backend == "cpu" else ""
         return None, f"{e} [{platform.backend}: {platform.device_kind}]{hint}"
     used = math.prod(sizes.values())

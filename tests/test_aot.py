@@ -86,9 +86,15 @@ def _sizes(mesh: str) -> tuple[int, int, int]:
         (["target=tpu:v5e:2x2x2"], "a v5e slice is a 2-D torus"),
         (["target=tpu:v4:2x2"], "a v4 slice is a 3-D torus"),
         # JAX drives a v4 chip's two TensorCores as one device: 4 chips, 4 devices
-        (["target=tpu:v4:2x2x1", "mesh=8"], "mesh=8 needs 8 devices but only 4 are present"),
+        (
+            ["target=tpu:v4:2x2x1", "mesh=8"],
+            "mesh=8 needs 8 devices but the target tpu:v4:2x2x1 has 4",
+        ),
         (["target=cpu:h100"], "expected tpu:GEN:TOPOLOGY"),
-        (["target=tpu:v5e:2x2", "mesh=16"], "mesh=16 needs 16 devices but only 4 are present"),
+        (
+            ["target=tpu:v5e:2x2", "mesh=16"],
+            "mesh=16 needs 16 devices but the target tpu:v5e:2x2 has 4",
+        ),
         (["target=tpu:v5e:2x4", "mesh=2"], "mesh=2 uses 2 of the target's 8 devices"),
     ],
 )

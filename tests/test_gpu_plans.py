@@ -126,6 +126,14 @@ def test_bad_gpu_targets_are_one_line(argv, needle, capsys):
     assert needle in err and len(err.splitlines()) == 1
 
 
+@needs_plugin
+def test_a_mesh_too_big_names_the_target_not_devices_present(capsys):
+    # the target's GPUs are what the plan is compiled for, not hardware that is here
+    assert main(["target=gpu:h100:8", "mesh=16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: mesh=16 needs 16 devices but the target gpu:h100:8 has 8"
+
+
 @pytest.mark.parametrize("missing", ["_pjrt", "ptxas"])
 def test_a_missing_plugin_or_ptxas_names_the_package(missing, monkeypatch, capsys):
     monkeypatch.setattr(gpus, missing, lambda: None)
