@@ -628,6 +628,37 @@ def parse_with_run_keys(cls, argv: list[str]) -> tuple:
     return opts, keys
 
 
+# Environment variables JAX reads as a number when a backend starts, and the range it can use:
+# a bad value makes JAX print its traceback and drop the GPU backend (a GPU plan then blames the
+# CUDA plugin), where the lab would go on with a default of its own under the variable's name.
+ENV_RANGES = {
+    # the share of each GPU's memory JAX's allocator takes (JAX's default 0.75)
+    "XLA_PYTHON_CLIENT_MEM_FRACTION": (0.0, 1.0),
+}
+
+
+def check_environment(environ=None) -> None:
+    """ConfigError (one line, before JAX starts a backend) for an environment variable of
+    ENV_RANGES that is set but not a number in its range, (low, high]."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    for name, (low, high) in ENV_RANGES.items():
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        try:
+            ok = low < float(raw) <= high
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f"{name}={raw!r}: expected a number greater than {low:g} and at most {high:g}"
+                " (the share of each GPU's memory JAX's allocator takes); unset it for JAX's"
+                " default, 0.75"
+            )
+
+
 def cli(cls, run, *, prog: str, doc: str, argv=None, run_keys: bool = False) -> int:
     """The shared main of every command: help, parse `cls` (and lab.run's keys with
     `run_keys`), call `run(options)` or `run(options, run_keys)`; a user mistake is one
@@ -636,9 +667,14 @@ def cli(cls, run, *, prog: str, doc: str, argv=None, run_keys: bool = False) -> 
     if any(a in ("-h", "--help", "help") for a in argv):
         print(options_help(cls, prog, doc, run_keys=run_keys))
         return 0
-    if run_keys:
-        return exit_code(lambda: run(*parse_with_run_keys(cls, argv)))
-    return exit_code(lambda: run(parse_options(cls, argv)))
+
+    def checked() -> int:
+        check_environment()
+        if run_keys:
+            return run(*parse_with_run_keys(cls, argv))
+        return run(parse_options(cls, argv))
+
+    return exit_code(checked)
 
 
 def exit_code(fn) -> int:

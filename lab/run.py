@@ -8,7 +8,7 @@ broken rule) and exit code 2.
 import sys
 
 from lab import plans
-from lab.config import exit_code, help_text, parse_keys
+from lab.config import check_environment, exit_code, help_text, parse_keys
 
 
 def _help() -> str:
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     def run() -> int:
+        check_environment()  # what JAX reads as its backend starts: before anything
         keys = parse_keys(argv)  # each key checked alone, before anything heavy is imported
         from lab.loop import run_training
         from lab.resolve import Request

@@ -627,3 +627,23 @@ def test_a_step_the_device_cannot_hold_is_refused_before_its_state_is_made(
     monkeypatch.setattr(train.Trainer, "init", drawn)
     assert _run(tmp_path, "name=B", "steps=2") == 2
     _one_line_error(capsys, "the compiled step needs", "but the device has 0.00 GiB")
+
+
+@pytest.mark.parametrize("value", ["abc", "1.5", "0", "-0.2"])
+def test_a_bad_allocator_share_is_one_line_before_anything_runs(
+    tmp_path, value, monkeypatch, capsys
+):
+    # JAX reads it as the GPU backend starts: a traceback, then a plan blaming the CUDA plugin
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", value)
+    assert _run(tmp_path, "name=share", "compile_only=true") == 2
+    _one_line_error(capsys, f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r}", "at most 1")
+    assert not (tmp_path / "share").exists()
+
+
+def test_a_bad_allocator_share_for_a_gpu_plan_is_one_line_not_a_traceback(tmp_path):
+    env = {**ENV, "XLA_PYTHON_CLIENT_MEM_FRACTION": "abc"}
+    cmd = [sys.executable, "-m", "lab.run", "target=gpu:h100:1", f"out_dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: XLA_PYTHON_CLIENT_MEM_FRACTION='abc'")
+    assert len(proc.stderr.splitlines()) == 1
