@@ -403,6 +403,8 @@ def _changed_on_resume(run_dir: Path, cfg: Config) -> str:
     now = _compared_keys(cfg)
     before = {k: v for k, v in saved.items() if k not in ("model", "request", "block_order")}
     before |= saved.get("model") or {}
+    if before.get("loss_scale") == 0.0:  # auto, as config.json kept it before it kept the value
+        before["loss_scale"] = 2.0**15 if before.get("dtype") == "float16" else 1.0
     return ", ".join(
         f"{k} {before[k]!r} → {now[k]!r}"
         for k in now

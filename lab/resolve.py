@@ -1063,6 +1063,8 @@ def resolve(
     fills = {}
     if cfg.data == "auto":
         fills["data"] = "text" if model.vocab_size == 256 else "synthetic"
+    if cfg.loss_scale == 0:  # auto: float16 underflows small gradients unless scaled up
+        fills["loss_scale"] = 2.0**15 if model.dtype == "float16" else 1.0
     if platform.aot or purpose == "plan":
         fills["compile_only"] = True
     cfg = dataclasses.replace(cfg, model=model, **fills)

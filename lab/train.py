@@ -63,7 +63,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 
 def loss_scale_of(cfg: Config) -> float:
-    """float16 underflows small gradients unless the loss is scaled up before the backward."""
+    """float16 underflows small gradients unless the loss is scaled up before the backward
+    (resolve fills `auto`, 0, with the same value; a config built in code may keep 0)."""
     if cfg.loss_scale > 0:
         return cfg.loss_scale
     return 2.0**15 if cfg.model.dtype == "float16" else 1.0

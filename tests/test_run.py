@@ -308,3 +308,29 @@ def test_a_resumed_cpu_run_keeps_the_peak_its_mfu_began_with(tmp_path, monkeypat
         assert r["mfu"] == pytest.approx(
             s["model_flops_per_token"] * r["tokens_per_s"] / 1e11, rel=1e-6
         )
+
+
+@pytest.mark.parametrize("kept", ["request", "whole config"])
+def test_float16_loss_scale_is_shown_and_stored_resolved(tmp_path, capsys, kept):
+    assert _run(tmp_path, "name=h", "steps=2", "dtype=float16", "checkpoint_every=2") == 0
+    assert "static loss scale 32768" in capsys.readouterr().out
+    path = tmp_path / "h" / "config.json"
+    saved = json.loads(path.read_text())
+    assert saved["loss_scale"] == 2.0**15  # resolved, as dtype and attention are
+    # a folder from before: auto (0.0) stored, and for the oldest no request beside it
+    saved["loss_scale"] = 0.0
+    if kept == "whole config":
+        del saved["request"]
+    path.write_text(json.dumps(saved))
+    # the run's own keys (model=tiny anew would drop the model fields it was asked with)
+    assert main([f"out_dir={tmp_path}", "name=h", "steps=3", "resume=true"]) == 0
+    out = capsys.readouterr().out
+    assert "static loss scale 32768" in out and "float16" in out
+    assert "loss_scale 0.0" not in out  # auto then, auto now: not a change to the run
+    assert json.loads(path.read_text())["loss_scale"] == 2.0**15
+
+
+def test_no_loss_scale_is_stored_as_one(tmp_path, capsys):
+    assert _run(tmp_path, "name=f", "steps=1") == 0
+    assert "loss scale" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "f" / "config.json").read_text())["loss_scale"] == 1.0

@@ -32,13 +32,21 @@ def run_header(
             f"layers={m.n_layers}, heads={m.n_heads}/{m.n_kv_heads} kv, attention={m.attention}, "
             f"remat={m.remat}{_mask_words(m)}",
             *([f"  attention [yellow]{attention_note}"] if attention_note else []),
-            f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32",
+            f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32"
+            f"{_loss_scale_words(cfg)}",
             f"  data      {cfg.data}{' (packed documents)' if cfg.pack else ''}, "
             f"batch {cfg.batch_size} × {cfg.seq_len} tokens, {cfg.steps} "
             f"step{'s' if cfg.steps != 1 else ''}",
             *_fitting_header(cfg, offloaded),
         ]
     )
+
+
+def _loss_scale_words(cfg) -> str:
+    """The static loss scale, where the loss is scaled (float16's 2^15 when auto, or one given;
+    0 is auto in a config that was not resolved)."""
+    scale = cfg.loss_scale or (2.0**15 if cfg.model.dtype == "float16" else 1.0)
+    return "" if scale == 1.0 else f", static loss scale {scale:g}"
 
 
 def _mask_words(m) -> str:
