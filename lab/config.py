@@ -428,7 +428,11 @@ class Config:
         "compile ahead of time for hardware that is not here (implies compile_only): "
         "tpu:GEN:TOPOLOGY (libtpu), e.g. tpu:v5e:2x4, or gpu:KIND[:N], e.g. gpu:h100:8",
     )
-    profile: bool = field(False, "capture a jax.profiler trace of a few steps into the run folder")
+    profile: bool = field(
+        False,
+        "capture a jax.profiler trace of 4 steps after the warm-up (steps 4-7 of a fresh run) "
+        "into the run folder's profile/; their times are left out of the step-time figures",
+    )
     coordinator: str = field("", "jax.distributed coordinator host:port (multi-host)")
     coordinator_timeout: int = field(
         60, "seconds to wait for the coordinator and every process to join", min=1
@@ -438,6 +442,19 @@ class Config:
 
 
 RUN_FIELDS = {k: v for k, v in fields_of(Config).items() if k != "model"}
+
+WARMUP_STEPS = 2  # a run's first steps, out of the step-time median (allocation, first transfers)
+PROFILE_STEPS = 4  # the steps profile=true traces
+
+
+def profile_window(start: int) -> tuple[int, int]:
+    """The first and last step profile=true traces in a run that starts after step `start`
+    (0 fresh, else the checkpoint step it resumed from): PROFILE_STEPS steps, two after the
+    warm-up (steps 4-7 of a fresh run), so that the trace shows steady steps."""
+    first = start + WARMUP_STEPS + 2
+    return first, first + PROFILE_STEPS - 1
+
+
 MODEL_FIELDS = fields_of(ModelConfig)
 ALIASES = {"model": "preset"}
 

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from lab import checkpoint, plans, rundir, startup, summary, tensorboard
-from lab.config import BACKEND_KEYS, Config
+from lab.config import BACKEND_KEYS, WARMUP_STEPS, Config, profile_window
 from lab.data import host_batch, to_global
 from lab.devices import (
     PARENT_DEATH_SIGNAL,
@@ -50,9 +50,6 @@ from lab.report import progress, tables
 from lab.resolve import Request
 from lab.session import Session
 from lab.train import lr_schedule
-
-WARMUP_STEPS = 2  # excluded from the step-time median (allocation, first transfers)
-PROFILE_STEPS = 4  # profile=true traces this many steps after warm-up (steps 4-7 of a fresh run)
 
 
 def _non_finite(**values) -> str | None:
@@ -121,8 +118,9 @@ def _batch(cfg: Config, trainer, step: int):
 @dataclasses.dataclass
 class History:
     losses: list = dataclasses.field(default_factory=list)  # (step, loss)
-    step_s: list = dataclasses.field(default_factory=list)
+    step_s: list = dataclasses.field(default_factory=list)  # the steps not profiled
     step: int = 0  # the last step trained whole (finite, its metrics written)
+    profiled: tuple | None = None  # (first, last) step read under the profiler: not in step_s
 
 
 def _memory_now() -> dict:
@@ -209,11 +207,13 @@ def profile_dir(run_dir: Path) -> Path:
 
 
 class _Tracer:
-    """A jax.profiler trace that is always closed, even when the run ends (NaN, signal, fewer
-    steps than the window) before the last traced step."""
+    """A jax.profiler trace that is always closed, even when the run ends (NaN, signal)
+    before the last traced step; once closed, one line says which steps it holds, where it
+    is and how to open it."""
 
-    def __init__(self, path: Path):
-        self.path, self.active = path, False
+    def __init__(self, path: Path, console, window: tuple[int, int]):
+        self.path, self.console, self.window, self.active = path, console, window, False
+        self.read = None  # the last step read while tracing
 
     def start(self):
         jax.profiler.start_trace(str(self.path))
@@ -223,6 +223,22 @@ class _Tracer:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
+            self.console.print(self.words(), soft_wrap=True)
+
+    def words(self) -> str:
+        first, last = self.window
+        if self.read is None:
+            steps = f"the run stopped before step {first} finished; what ran of it is traced"
+        elif self.read < last:
+            upto = f"step {first}" if self.read == first else f"steps {first}-{self.read}"
+            steps = f"{upto} traced (the run stopped before step {last})"
+        else:
+            steps = f"steps {first}-{last} traced"
+        return (
+            f"profile: {steps} in {self.path} (their times are left out of the step-time "
+            f"figures); open it with tensorboard --logdir {self.path} (Profile tab, "
+            "tensorboard-plugin-profile) or load its *.trace.json.gz in https://ui.perfetto.dev"
+        )
 
     def __enter__(self):
         return self
@@ -243,7 +259,7 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
     dispatched: its metrics are checked before the state is saved, and the next step would
     donate the state's buffers."""
     batch = _batch(cfg, trainer, start)
-    tracer = _Tracer(profile_dir(Path(cfg.out_dir) / cfg.name))
+    tracer = _Tracer(profile_dir(Path(cfg.out_dir) / cfg.name), console, profile_window(start))
     with progress.training(console) as bar, tracer:
         reader = _Reader(cfg, bar, tracer, records, hist, start)
         pending = None  # the step dispatched but not read yet: (step, metrics)
@@ -288,8 +304,7 @@ class _Reader:
         self.resumed_from = start  # the checkpoint step a resume restored (0: a fresh run)
         # profile=true traces steps first..last (numbered from 1); the steps at the window's
         # edges are read before the next is queued, so that it holds those steps only
-        self.first = start + WARMUP_STEPS + 2
-        self.last = self.first + PROFILE_STEPS - 1
+        self.first, self.last = profile_window(start)
         self.task = bar.add_task("train", total=cfg.steps, completed=start, loss=math.nan, tps=0.0)
         self.clock = time.perf_counter()
 
@@ -306,10 +321,17 @@ class _Reader:
         hist = self.hist
         loss = float(metrics["loss"])  # blocks until this step has run
         now = time.perf_counter()
-        hist.step_s.append(now - self.clock)  # between successive finished steps
+        step_s = now - self.clock  # between successive finished steps
         self.clock = now
+        if self.cfg.profile and self.first <= step <= self.last:
+            # traced: slower (the profiler's own work), so kept out of the step-time figures
+            hist.profiled = (self.first, step)
+            self.tracer.read = step
+        else:
+            hist.step_s.append(step_s)
         if step == self.last:
             self.tracer.stop()
+            self.clock = time.perf_counter()  # the trace's writing is not the next step's time
         grad_norm = float(metrics["grad_norm"])
         param_norm = float(metrics["param_norm"])
         bad = _non_finite(loss=loss, grad_norm=grad_norm, param_norm=param_norm)
@@ -328,10 +350,10 @@ class _Reader:
                 )
             return f"{bad} at step {step}: training stopped"
         hist.losses.append((step, loss))
-        tps = self.tokens_per_step / hist.step_s[-1]
+        tps = self.tokens_per_step / step_s
         self.bar.update(self.task, completed=step, loss=loss, tps=tps)
         if self.records and (step % self.cfg.log_every == 0 or step == self.cfg.steps):
-            self.records.write(step, loss, grad_norm, hist.step_s[-1])
+            self.records.write(step, loss, grad_norm, step_s)
         hist.step = step
         return None
 
@@ -574,6 +596,7 @@ def run_training(session: Session) -> int:
         cfg, run_dir = _claim_folder(
             cfg, is_main, held, named=bool(request.get("name")), stages=stages
         )
+        _refused_resume(cfg, run_dir)  # before lab.log: a refused command writes nothing
         if is_main:
             rundir.quiet_libraries(run_dir)
             startup.note(f"before training: nothing was written in {run_dir} but lab.log")
@@ -688,9 +711,28 @@ def _start_folder(cfg: Config, run_dir: Path, console, request: Request, stages:
         raise _start_failure(e, run_dir) from None
 
 
+def _refused_resume(cfg: Config, run_dir: Path) -> None:
+    """ConfigError for a resume refused by what the folder holds, known from its checkpoint
+    steps alone, before the header, the compile and any library (orbax's warnings go to
+    lab.log) touches the folder: no checkpoint; steps= not past the newest (the step a restore
+    takes unless it is damaged, when the older it falls back to is checked again); profile=true
+    whose window would lie past steps=."""
+    if not cfg.resume or cfg.compile_only:
+        return
+    saved = checkpoint.saved_steps(run_dir)
+    if not saved:
+        raise _nothing_to_resume(run_dir)
+    rundir.check_steps(saved[-1], cfg.steps)
+    first, last = profile_window(saved[-1])
+    if cfg.profile and cfg.steps < last:
+        raise ConfigError(
+            f"profile=true traces steps {first}-{last} after resuming from checkpoint step "
+            f"{saved[-1]} (after the warm-up), and steps={cfg.steps} ends before them: give "
+            f"steps >= {last}"
+        )
+
+
 def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> int:
-    if cfg.resume and not cfg.compile_only and not checkpoint.saved_steps(run_dir):
-        raise _nothing_to_resume(run_dir)  # known before the header and the compile
     console = progress.console(quiet=not is_main)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.abstract_state.params))
     console.print(
@@ -836,6 +878,7 @@ class _End:
             self._earlier_losses(),
             resumed_from=self.start,
             peak=self.peak,
+            profiled=hist.profiled,
         )
 
     def _earlier_losses(self) -> list:

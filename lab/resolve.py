@@ -34,6 +34,7 @@ from lab.config import (
     make_config,
     parse_keys,
     parse_value,
+    profile_window,
     resolve_dtype,
     stamped_name,
     unknown_key,
@@ -505,6 +506,38 @@ def _compile_only_resume(d: _Draft):
         )
 
 
+def _compile_only_runs_nothing(d: _Draft):
+    c = d.cfg
+    if c.target or not c.compile_only:
+        return None  # a plan: its own rule
+    asked = [
+        key
+        for key, given in (
+            ("profile=true", c.profile),
+            (f"checkpoint_every={c.checkpoint_every}", c.checkpoint_every),
+        )
+        if given
+    ]
+    if asked:
+        them = "it" if len(asked) == 1 else "them"
+        return (
+            f"compile_only=true compiles the step and trains nothing, so {', '.join(asked)} "
+            f"would do nothing: leave {them} out"
+        )
+
+
+def _profile_window(d: _Draft):
+    c = d.cfg
+    if not c.profile or c.compile_only or c.resume:  # a resume's window: lab/loop.py
+        return None
+    first, last = profile_window(0)
+    if c.steps < last:
+        return (
+            f"profile=true traces steps {first}-{last} (after the warm-up), and steps={c.steps} "
+            f"ends before them: give steps >= {last}"
+        )
+
+
 def _plan_runs_nothing(d: _Draft):
     c = d.cfg
     if not c.target:
@@ -743,6 +776,13 @@ RULES: tuple[Rule, ...] = (
         ("target=tpu:v5e:2x2", "mesh=4", "profile=true"),
         stage="request",
     ),
+    Rule(
+        "compile only runs nothing",
+        _compile_only_runs_nothing,
+        ("compile_only=true", "profile=true"),
+        stage="request",
+    ),
+    Rule("profile within the run", _profile_window, ("profile=true", "steps=3"), stage="request"),
     Rule("kv heads divide heads", _kv_heads, ("n_heads=4", "n_kv_heads=3")),
     Rule("heads divide d_model", _heads, ("d_model=60", "n_heads=8", "n_kv_heads=4")),
     Rule("even head_dim", _rotary, ("d_model=12", "n_heads=4", "n_kv_heads=2")),

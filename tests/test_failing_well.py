@@ -647,3 +647,14 @@ def test_a_bad_allocator_share_for_a_gpu_plan_is_one_line_not_a_traceback(tmp_pa
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
     assert proc.stderr.startswith("error: XLA_PYTHON_CLIENT_MEM_FRACTION='abc'")
     assert len(proc.stderr.splitlines()) == 1
+
+
+def test_a_refused_resume_writes_nothing_in_the_folder(earlier, capsys):
+    # known from the checkpoint steps alone: before the header, the compile, and the
+    # libraries' warnings (orbax's "Metadata file does not exist") in the run's lab.log
+    run_dir = earlier / "ckpt"
+    before = _snapshot(run_dir)
+    assert _run(earlier, "name=ckpt", "steps=4", "resume=true") == 2
+    out = capsys.readouterr().out
+    assert out == ""
+    assert _snapshot(run_dir) == before

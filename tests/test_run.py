@@ -149,10 +149,63 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert any((tmp_path / "sig" / "checkpoints").iterdir())
 
 
-def test_profile_trace_is_closed_even_when_the_run_is_shorter_than_the_window(tmp_path):
-    assert _run(tmp_path, "name=prof", "steps=5", "profile=true") == 0
+def test_profile_says_where_its_trace_is_and_keeps_its_steps_out_of_the_timing(tmp_path, capsys):
+    assert _run(tmp_path, "name=prof", "steps=10", "profile=true") == 0
+    folder = tmp_path / "prof" / "profile"
+    out = capsys.readouterr().out
+    assert f"profile: steps 4-7 traced in {folder}" in out and "ui.perfetto.dev" in out
+    assert "steps 4-7 profiled, left out" in out
+    s = json.loads((tmp_path / "prof" / "summary.json").read_text())
+    assert s["profiled_steps"] == [4, 7]
+    assert s["step_time"]["runs"] == 10 - 4 - 2  # the traced steps and the warm-up apart
+    traces = list(folder.rglob("*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0
+
+
+def test_profile_trace_is_closed_and_named_when_the_run_stops_inside_the_window(
+    tmp_path, capsys, monkeypatch
+):
+    from lab import loop
+
+    reads = iter(range(1, 100))  # one check a step read: the fifth is step 5
+    monkeypatch.setattr(
+        loop, "_non_finite", lambda **_: "loss is nan" if next(reads) == 5 else None
+    )
+    assert _run(tmp_path, "name=prof", "steps=10", "profile=true") == 1
+    out = capsys.readouterr().out
+    assert "profile: steps 4-5 traced (the run stopped before step 7)" in out
     traces = list((tmp_path / "prof" / "profile").rglob("*.xplane.pb"))
     assert traces and traces[0].stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["steps=3", "profile=true"],
+            "profile=true traces steps 4-7 (after the warm-up), and "
+            "steps=3 ends before them: give steps >= 7",
+        ),
+        (["compile_only=true", "profile=true"], "so profile=true would do nothing"),
+        (["compile_only=true", "checkpoint_every=5"], "so checkpoint_every=5 would do nothing"),
+    ],
+)
+def test_a_profile_or_checkpoint_that_cannot_happen_is_refused(tmp_path, capsys, args, needle):
+    assert _run(tmp_path, "name=never", *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_resume_whose_profile_window_lies_past_its_steps_is_refused(tmp_path, capsys):
+    assert _run(tmp_path, "name=r", "steps=4", "checkpoint_every=4") == 0
+    capsys.readouterr()
+    assert _run(tmp_path, "name=r", "steps=8", "resume=true", "profile=true") == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == (
+        "error: profile=true traces steps 8-11 after resuming from checkpoint step 4 (after "
+        "the warm-up), and steps=8 ends before them: give steps >= 11"
+    )
 
 
 def test_each_process_of_a_run_profiles_into_its_own_folder(tmp_path, monkeypatch):

@@ -187,6 +187,7 @@ class RunSummary:
     resumed_from: int | None = None
     segment_loss_first: float | None = None
     loss_first_step: int | None = None  # the step of loss_first, after a resume
+    profiled_steps: tuple | None = None  # (first, last) traced by profile=true: not timed
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -207,6 +208,7 @@ class RunSummary:
             resumed_from=s.get("resumed_from"),
             segment_loss_first=s.get("segment_loss_first"),
             loss_first_step=s.get("loss_first_step"),
+            profiled_steps=tuple(s["profiled_steps"]) if s.get("profiled_steps") else None,
             source=dict(s),
         )
 

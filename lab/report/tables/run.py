@@ -181,6 +181,9 @@ def run_summary(s: RunSummary) -> Table:
     t = Table(title="summary", show_header=False)
     st, a = s.step_time, s.analysis
     since = f" since the resume at step {s.resumed_from}" if s.resumed_from is not None else ""
+    if s.profiled_steps:
+        first, last = s.profiled_steps
+        since += f"; steps {first}-{last} profiled, left out"
     t.add_row(
         "step time (median)",
         f"{duration(st.median_s)}  (p10 {duration(st.p10_s)}, "
