@@ -386,6 +386,8 @@ def _kept(cfg: Config, run_dir: Path, log, saver=None) -> str:
         records, _ = rundir.read_metrics(run_dir / "metrics.jsonl")
         last = max((r["step"] for r in records), default=None)
     metrics = f"metrics.jsonl to step {last}" if last is not None else "no metrics"
+    if log.gaps:  # a damaged file's lost records: not a whole record to that step
+        metrics += f" (without steps {log.gaps}, lost from a damaged file)"
     return f"kept in {run_dir}: {ckpt}; {metrics}"
 
 
@@ -768,11 +770,22 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> 
         if is_main:
             _write_summary(run_dir, {"compile_s": compile_s, **analysis})
         return 0
+    gaps = ""
     if is_main:
         try:
-            rundir.keep_metrics_before(run_dir, start)
+            torn, missing = rundir.keep_metrics_before(run_dir, start, cfg.log_every)
         except OSError as e:
             raise _start_failure(e, run_dir) from None
+        if torn:
+            gaps = rundir.step_ranges(missing)
+            lost = f"the records of steps {gaps} are missing" if missing else "no record is missing"
+            lines = f"{torn} lines that are" if torn > 1 else "a line that is"
+            aside = run_dir / "metrics-torn.jsonl"
+            console.print(
+                f"metrics.jsonl: {lines} not a whole record (torn mid-write) set aside in "
+                f"{aside}; {lost}",
+                soft_wrap=True,
+            )
     # one peak for the run's MFU, its records' and its summary's (a resume keeps the first's)
     # (process 0's alone: the others write no records or summary, and N processes of one host
     # measuring the peak at once would each see 1/N of it)
@@ -784,6 +797,8 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> 
     try:
         mngr = checkpoint.manager(run_dir) if (cfg.checkpoint_every or cfg.resume) else None
         log = rundir.MetricsLog(run_dir / "metrics.jsonl") if is_main else None
+        if log:
+            log.gaps = gaps
         records = _records(cfg, analysis, run_dir, log, peak[0]) if is_main else None
     except OSError as e:
         raise _start_failure(e, run_dir) from None

@@ -242,18 +242,24 @@ def read_metrics(path: Path) -> tuple[list[dict], list[bytes]]:
     return good, torn
 
 
-def keep_metrics_before(run_dir: Path, start: int) -> None:
+def keep_metrics_before(run_dir: Path, start: int, log_every: int = 1) -> tuple[int, list[int]]:
     """metrics.jsonl keeps the steps up to `start` (where the run resumes); the steps after
     it, which this run will log again, move to metrics-superseded.jsonl, and lines that are not
     records to metrics-torn.jsonl (as they were, bytes and all): every step appears once in
     metrics.jsonl, and no line is lost. The moved lines are written before metrics.jsonl is
-    replaced (whole, by a rename), so a failure part-way loses nothing."""
+    replaced (whole, by a rename), so a failure part-way loses nothing.
+
+    Returns (the number of lines set aside as torn, the steps up to `start` whose records
+    are missing where there were any: every `log_every`-th, the steps a torn line may have
+    held or followed; a file cut mid-line loses the lines after the cut too)."""
     path = run_dir / "metrics.jsonl"
     good, torn = read_metrics(path)
     kept = [r for r in good if r["step"] <= start]
     moved = [r for r in good if r["step"] > start]
+    have = {r["step"] for r in kept}
+    missing = [s for s in range(log_every, start + 1, log_every) if s not in have] if torn else []
     if not moved and not torn:
-        return
+        return 0, []
     if moved:
         with _named(run_dir / "metrics-superseded.jsonl", "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in moved)
@@ -268,6 +274,21 @@ def keep_metrics_before(run_dir: Path, start: int) -> None:
         raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
+    return len(torn), missing
+
+
+def step_ranges(steps: list[int], most: int = 4) -> str:
+    """'2-40' or '2-5, 8, 10-40' for sorted steps; past `most` ranges, '… (N steps)'."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s <= runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    words = [f"{a}-{b}" if b > a else f"{a}" for a, b in runs]
+    if len(words) > most:
+        return ", ".join(words[:most]) + f", … ({len(steps)} steps)"
+    return ", ".join(words)
 
 
 @contextlib.contextmanager
@@ -314,11 +335,13 @@ class WholeAppends:
 
 
 class MetricsLog(WholeAppends):
-    """metrics.jsonl, one whole JSON line per record; `last_step` is the last step written."""
+    """metrics.jsonl, one whole JSON line per record; `last_step` is the last step written;
+    `gaps`: the steps whose records it lacks ('2-40'), where a damaged file lost some."""
 
     def __init__(self, path: Path):
         super().__init__(path)
         self.last_step = None
+        self.gaps = ""
 
     def write(self, rec: dict) -> None:
         self.append((json.dumps(rec) + "\n").encode())

@@ -385,6 +385,28 @@ def test_resume_after_non_utf8_bytes_at_the_end_of_metrics(earlier, tmp_path, ca
     assert _run(tmp_path, "name=ckpt", "steps=8", "checkpoint_every=2", "resume=true") == 0
     assert _steps(run_dir) == list(range(1, 9))
     assert (run_dir / "metrics-torn.jsonl").read_bytes() == b'{"step": 7, "lo\xe9\x80\n'
+    out = capsys.readouterr().out  # torn after the last record: nothing is missing
+    assert "a line that is not a whole record (torn mid-write) set aside in " in out
+    assert "no record is missing" in out and "lost from a damaged file" not in out
+
+
+def test_resume_after_metrics_cut_mid_line_names_the_torn_line_and_the_lost_steps(
+    earlier, tmp_path, capsys
+):
+    run_dir = _copy(earlier, "ckpt", tmp_path)  # steps 1-6, checkpoints at 2, 4 and 6
+    whole = (run_dir / "metrics.jsonl").read_bytes()
+    (run_dir / "metrics.jsonl").write_bytes(whole[: whole.index(b"\n") + 20])  # step 2 cut
+    assert _run(tmp_path, "name=ckpt", "steps=8", "checkpoint_every=2", "resume=true") == 0
+    out = capsys.readouterr().out
+    aside = run_dir / "metrics-torn.jsonl"
+    assert f"set aside in {aside}; the records of steps 2-6 are missing" in out
+    assert "metrics.jsonl to step 8 (without steps 2-6, lost from a damaged file)" in out
+    assert _steps(run_dir) == [1, 7, 8]
+
+
+def test_step_ranges():
+    assert rundir.step_ranges([2, 3, 4, 8, 10, 11]) == "2-4, 8, 10-11"
+    assert rundir.step_ranges([1, 3, 5, 7, 9]) == "1, 3, 5, 7, … (5 steps)"
 
 
 @pytest.mark.parametrize(
