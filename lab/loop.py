@@ -471,7 +471,7 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
             run_dir, trainer.abstract_state, warn=warn, moved=moved, read_only=not is_main
         )
         if step is not None:
-            rundir.check_steps(step, cfg.steps)
+            _check_resumed_at(cfg, step)
             console.print(f"resumed from checkpoint at step {step}")
             changed = _changed_on_resume(run_dir, cfg)
             if changed:  # what goes on differently from here, said once
@@ -598,13 +598,20 @@ def run_training(session: Session) -> int:
         cfg, run_dir = _claim_folder(
             cfg, is_main, held, named=bool(request.get("name")), stages=stages
         )
-        _refused_resume(cfg, run_dir)  # before lab.log: a refused command writes nothing
-        if is_main:
-            rundir.quiet_libraries(run_dir)
+        _refused_resume(cfg, run_dir)  # before the header and the compile
+        started = lambda: None  # noqa: E731
+        if is_main:  # the libraries' lines (orbax's on a resume) wait until the run starts
+            started = rundir.quiet_libraries(run_dir, held=True)
             startup.note(f"before training: nothing was written in {run_dir} but lab.log")
         else:
             rundir.quiet_libraries_here()
-        return _run(cfg, info, trainer, run_dir, is_main, request)
+        try:
+            return _run(cfg, info, trainer, run_dir, is_main, request, started)
+        except ConfigError:
+            raise  # refused before it started: the held lines were about a run that never ran
+        except BaseException:
+            started()  # a failure: the libraries' lines may say why
+            raise
 
 
 def _claim_folder(
@@ -714,27 +721,38 @@ def _start_folder(cfg: Config, run_dir: Path, console, request: Request, stages:
 
 
 def _refused_resume(cfg: Config, run_dir: Path) -> None:
-    """ConfigError for a resume refused by what the folder holds, known from its checkpoint
-    steps alone, before the header, the compile and any library (orbax's warnings go to
-    lab.log) touches the folder: no checkpoint; steps= not past the newest (the step a restore
-    takes unless it is damaged, when the older it falls back to is checked again); profile=true
-    whose window would lie past steps=."""
+    """ConfigError for a resume refused by what the folder holds, where its checkpoint steps
+    alone decide it, before the header and the compile: no checkpoint, or one that every step
+    saved would refuse (_check_resumed_at). A restore may pass over a damaged newest step to
+    an older one, so a refusal that depends on the step is checked again once it is known."""
     if not cfg.resume or cfg.compile_only:
         return
     saved = checkpoint.saved_steps(run_dir)
     if not saved:
         raise _nothing_to_resume(run_dir)
-    rundir.check_steps(saved[-1], cfg.steps)
-    first, last = profile_window(saved[-1])
+    try:
+        _check_resumed_at(cfg, saved[0])
+    except ConfigError:  # refused from the oldest step, so from every newer one too:
+        _check_resumed_at(cfg, saved[-1])  # said for the step a restore takes first
+        raise
+
+
+def _check_resumed_at(cfg: Config, step: int) -> None:
+    """ConfigError where a resume from checkpoint `step` cannot run what was asked: steps=
+    not past it, or profile=true whose window lies past steps=."""
+    rundir.check_steps(step, cfg.steps)
+    first, last = profile_window(step)
     if cfg.profile and cfg.steps < last:
         raise ConfigError(
             f"profile=true traces steps {first}-{last} after resuming from checkpoint step "
-            f"{saved[-1]} (after the warm-up), and steps={cfg.steps} ends before them: give "
+            f"{step} (after the warm-up), and steps={cfg.steps} ends before them: give "
             f"steps >= {last}"
         )
 
 
-def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> int:
+def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, started) -> int:
+    """The run in its claimed folder; `started()` once it starts (config.json written): the
+    libraries' lines held until then go to lab.log."""
     console = progress.console(quiet=not is_main)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.abstract_state.params))
     console.print(
@@ -757,6 +775,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request) -> 
     )
     if is_main:
         _start_folder(cfg, run_dir, console, request, dict(trainer.mesh.shape).get(STAGE, 1))
+        started()
         ckpt = f" and checkpoint step {start}" if start else ""
         startup.note(f"before training: {run_dir} keeps this run's config.json{ckpt}")
     if cfg.compile_only:

@@ -350,7 +350,26 @@ class MetricsLog(WholeAppends):
 
 class _LogHandler(logging.FileHandler):
     """lab.log: a record that cannot be written (a full disk) is dropped, not printed to the
-    terminal with a traceback (logging's default); the lab reports the disk itself."""
+    terminal with a traceback (logging's default); the lab reports the disk itself. `held`:
+    records are kept in memory, the file untouched, until `write_held()` writes them (the run
+    has started); a command refused before then leaves nothing in the folder."""
+
+    HELD_MOST = 10_000  # records kept while held; later ones are dropped
+
+    def __init__(self, path: Path, *, delay: bool = False, held: bool = False):
+        super().__init__(path, delay=delay)
+        self.held: list | None = [] if held else None
+
+    def emit(self, record):
+        if self.held is None:
+            super().emit(record)
+        elif len(self.held) < self.HELD_MOST:
+            self.held.append(record)
+
+    def write_held(self) -> None:  # (not `release`: logging.Handler's lock method)
+        held, self.held = self.held or [], None
+        for record in held:
+            self.emit(record)
 
     def handleError(self, record):  # noqa: N802 — logging's name
         pass
@@ -367,20 +386,22 @@ def quiet_libraries_here() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def quiet_libraries(run_dir: Path, *, delay: bool = False) -> None:
+def quiet_libraries(run_dir: Path, *, delay: bool = False, held: bool = False):
     """Python logging of the libraries (orbax, absl, TensorStore's Python side) to lab.log in
     the run folder instead of the terminal, and so are the errors their background threads
     cannot raise (a failed checkpoint write fails every pending write of its step, each in its
     own thread or coroutine, some only found at interpreter exit): the lab reports the
     failure once, in one line, where it surfaces in the loop. `delay`: the file is made at the
-    first record, not before (a shared results folder gets no empty lab.log)."""
+    first record, not before (a shared results folder gets no empty lab.log); `held`: the
+    records wait in memory until the returned function is called (the run has started), so a
+    command refused before then writes nothing there."""
     path = run_dir / "lab.log"
     try:
         if delay and path.exists() and not os.access(path, os.W_OK):
             raise PermissionError(13, "Permission denied")
         if delay and path.is_dir():
             raise IsADirectoryError(21, "Is a directory")
-        handler = _LogHandler(path, delay=delay)
+        handler = _LogHandler(path, delay=delay, held=held)
     except OSError as e:  # a read-only file, a folder of that name
         what = "a folder" if path.is_dir() else (e.strerror or str(e)).lower()
         raise ConfigError(
@@ -408,3 +429,4 @@ def quiet_libraries(run_dir: Path, *, delay: bool = False) -> None:
 
     sys.unraisablehook = unraisable
     threading.excepthook = thread_error
+    return handler.write_held

@@ -671,12 +671,18 @@ def test_a_bad_allocator_share_for_a_gpu_plan_is_one_line_not_a_traceback(tmp_pa
     assert len(proc.stderr.splitlines()) == 1
 
 
-def test_a_refused_resume_writes_nothing_in_the_folder(earlier, capsys):
-    # known from the checkpoint steps alone: before the header, the compile, and the
-    # libraries' warnings (orbax's "Metadata file does not exist") in the run's lab.log
+@pytest.mark.parametrize("steps", [2, 4])
+def test_a_refused_resume_writes_nothing_in_the_folder(earlier, capsys, steps):
+    # checkpoints 2, 4, 6: steps=2 is refused from every one of them, before the header and
+    # the compile; steps=4 once the restore has taken step 6, after orbax has logged its
+    # "Metadata file does not exist" lines, which must not reach the run's lab.log
     run_dir = earlier / "ckpt"
     before = _snapshot(run_dir)
-    assert _run(earlier, "name=ckpt", "steps=4", "resume=true") == 2
-    out = capsys.readouterr().out
-    assert out == ""
+    assert _run(earlier, "name=ckpt", f"steps={steps}", "resume=true") == 2
+    out = capsys.readouterr()
+    assert out.err.strip() == (
+        f"error: resume=true: the run is saved at step 6 and steps={steps} leaves nothing to "
+        "train; ask for steps > 6"
+    )
+    assert (out.out == "") == (steps == 2)
     assert _snapshot(run_dir) == before
