@@ -506,24 +506,26 @@ def _compile_only_resume(d: _Draft):
         )
 
 
+def _does_nothing(what: str, keys) -> str | None:
+    """The line for keys given (`keys`: (text, given) pairs) to a command that `what`."""
+    asked = [key for key, given in keys if given]
+    if asked:
+        them = "it" if len(asked) == 1 else "them"
+        return f"{what}, so {', '.join(asked)} would do nothing: leave {them} out"
+    return None
+
+
 def _compile_only_runs_nothing(d: _Draft):
     c = d.cfg
     if c.target or not c.compile_only:
         return None  # a plan: its own rule
-    asked = [
-        key
-        for key, given in (
+    return _does_nothing(
+        "compile_only=true compiles the step and trains nothing",
+        (
             ("profile=true", c.profile),
             (f"checkpoint_every={c.checkpoint_every}", c.checkpoint_every),
-        )
-        if given
-    ]
-    if asked:
-        them = "it" if len(asked) == 1 else "them"
-        return (
-            f"compile_only=true compiles the step and trains nothing, so {', '.join(asked)} "
-            f"would do nothing: leave {them} out"
-        )
+        ),
+    )
 
 
 def _profile_window(d: _Draft):
@@ -542,22 +544,15 @@ def _plan_runs_nothing(d: _Draft):
     c = d.cfg
     if not c.target:
         return None
-    asked = [
-        key
-        for key, given in (
+    return _does_nothing(
+        f"target={c.target} compiles a plan and runs nothing",
+        (
             ("profile=true", c.profile),
             (f"checkpoint_every={c.checkpoint_every}", c.checkpoint_every),
             (f"coordinator={c.coordinator}", c.coordinator),
             (f"num_processes={c.num_processes}", c.num_processes > 1),
-        )
-        if given
-    ]
-    if asked:
-        them = "it" if len(asked) == 1 else "them"
-        return (
-            f"target={c.target} compiles a plan and runs nothing, so {', '.join(asked)} would "
-            f"do nothing: leave {them} out"
-        )
+        ),
+    )
 
 
 def _mesh_fits(d: _Draft):
