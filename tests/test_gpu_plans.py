@@ -111,6 +111,78 @@ ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem, 560 bytes 
     assert resources.occupancy("h100", threads=128, registers=64, smem=300_000)[0] == 0
 
 
+# A thunk sequence as XLA:GPU dumps it (a scanned layer loop with a nested loop, as the dump
+# of `model=small scan_layers=true` has them), with its metadata and optimized HLO.
+_SEQUENCE = """\
+000: kCustomKernel [source | next=001 (1)] loop_broadcast_fusion grid: [8, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+001: kWhile        [prev=000 (1)  | next=009 (1) ]
+condition:
+    002: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    003: kCustomKernel [source | next=004 (1)] flash_attention_fwd grid: [2, 8, 8] threads: [256, 1, 1]  shared_memory: 32768 bytes
+    004: kAsyncStart   [prev=003 (1)  | sink         ] stream=computation_stream[1], async_id=4
+        005: kDynamicSliceFusion [source | sink] params=1, results=1
+    006: kWhile        [source | sink]
+    condition:
+        007: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+      body:
+        008: kCustomKernel [source | sink] input_reduce_fusion grid: [4, 1, 1] threads: [256, 1, 1]  shared_memory: 0 bytes
+009: kCustomKernel [prev=001 (1) | sink] flash_attention_fwd grid: [2, 8, 8] threads: [256, 1, 1]  shared_memory: 32768 bytes
+"""  # noqa: E501 (the dump's lines, as XLA writes them)
+_METADATA = "".join(
+    f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n'
+    f'    thunk_id: {i}\n  }}\n  thunk_kind: "kWhile"\n}}\n'
+    for name, i in (("while.2", 1), ("while.7", 6))
+)
+_HLO = """\
+ENTRY %main (p: s32[]) -> s32[] {
+  %p = s32[] parameter(0)
+  %while.2 = (s32[]) while(%p), condition=%c2, body=%b2, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %while.7 = (s32[]) while(%p), condition=%c7, body=%b7, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""  # noqa: E501
+
+
+def test_launches_are_counted_per_call_with_the_trips_of_their_loops():
+    """A kernel in a loop body launches once per trip (a condition once more), nested loops
+    multiply: a scanned model's layer kernels count once per layer, as unrolled ones do."""
+    trips = resources.while_thunk_trips(_METADATA, _HLO)
+    assert trips == {1: 4, 6: 3}
+    got = [(m["name"], n, unknown) for m, n, unknown in resources.thunk_launches(_SEQUENCE, trips)]
+    assert got == [
+        ("loop_broadcast_fusion", 1, False),
+        ("loop_compare_fusion", 5, False),  # 4 trips, the condition checked 5 times
+        ("flash_attention_fwd", 4, False),
+        ("loop_compare_fusion", 4 * 4, False),
+        ("input_reduce_fusion", 4 * 3, False),
+        ("flash_attention_fwd", 1, False),  # after the loop: once
+    ]
+    # a loop whose trip count the program does not state: counted once, flagged a lower bound
+    unknown = resources.thunk_launches(_SEQUENCE, {1: None, 6: 3})
+    assert [(n, u) for _, n, u in unknown][2:5] == [(1, True), (4, True), (3, True)]
+
+
+@needs_plugin
+@pytest.mark.slow_plan
+def test_scanned_and_unrolled_layers_launch_the_same_kernels_per_step(tmp_path, capsys):
+    """The kernel table counts launches per step: the attention kernels of a scanned model
+    launch once per layer, as the unrolled model's do (the loop body is dumped once)."""
+    launches = {}
+    for scan in ("false", "true"):
+        argv = ["target=gpu:h100:1", "model=small", "batch_size=8", "seq_len=256"]
+        assert main([*argv, f"scan_layers={scan}", f"out_dir={tmp_path}", f"name={scan}"]) == 0
+        capsys.readouterr()
+        s = json.loads((tmp_path / scan / "summary.json").read_text())
+        kernels = s["aot"]["kernels"]
+        launches[scan] = {k["name"]: k["launches"] for k in kernels if "flash" in k["name"]}
+        launches[scan]["xla"] = sum(k["launches"] for k in kernels if "flash" not in k["name"])
+    flash = {"flash_attention_fwd": 4, "flash_attention_dq": 4, "flash_attention_dkv": 4}
+    for scan in ("false", "true"):  # model=small has 4 layers: one launch of each per layer
+        assert {k: v for k, v in launches[scan].items() if k != "xla"} == flash, launches
+    # the scan adds its own kernels (the loop's condition, slicing the stacked weights)
+    assert launches["true"]["xla"] >= launches["false"]["xla"], launches
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [

@@ -15,7 +15,7 @@ class Kernel:
     """One GPU kernel of a compiled program, as the compiler built it."""
 
     name: str
-    launches: int  # times the program launches it (0: a Mosaic kernel, not counted)
+    launches: int  # per call, × the trips of the loops around it (0: Mosaic, not counted)
     grid: tuple | None  # blocks (x, y, z); None where the dump does not say
     threads: int  # per block
     registers: int  # per thread
@@ -28,6 +28,9 @@ class Kernel:
     limiter: str  # what bounds blocks_per_sm: regs, smem, warps, blocks (or why it cannot run)
     occupancy: float  # resident warps / 64
     notes: tuple = ()  # ptxas performance remarks, e.g. C7515 (wgmma serialised)
+    # launched inside a loop whose trip count the program does not state: that loop counted
+    # once, so `launches` is a lower bound
+    launches_unknown_loop: bool = False
 
     @property
     def smem(self) -> int:

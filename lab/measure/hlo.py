@@ -224,6 +224,7 @@ class Program:
     fused: frozenset[str]  # computations inside a fusion (their bytes are the fusion's)
     loops: tuple[tuple[str, int | None], ...]  # (body, trip count or None) of every while
     shapes: dict[str, str]  # instruction name → result type
+    trips: dict[str, int | None] = dataclasses.field(default_factory=dict)  # while → trips
 
     @property
     def unknown_loops(self) -> tuple[str, ...]:
@@ -311,7 +312,7 @@ def parse(hlo_text: str) -> Program:
     by_condition = _condition_trip_counts(comps, text)
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     fused: set[str] = set()
-    loops = []
+    loops, trips = [], {}
     for name, instructions in comps.items():
         for ins in instructions:
             if ins.opcode == "while":
@@ -321,6 +322,7 @@ def parse(hlo_text: str) -> Program:
                 trip = _WHILE_TRIP_RE.search(ins.attrs)
                 n = int(trip["n"]) if trip else by_condition.get(cb["cond"])
                 loops.append((cb["body"], n))
+                trips[ins.name] = n
                 calls[name].append((cb["body"], n if n is not None else 1))
                 continue
             if ins.opcode in _NOT_A_CALL:
@@ -338,7 +340,7 @@ def parse(hlo_text: str) -> Program:
                 fused.add(callee)
                 stack.append(callee)
     shapes = {i.name: i.shape for ins in comps.values() for i in ins}
-    return Program(comps, entry, counts, frozenset(fused), tuple(loops), shapes)
+    return Program(comps, entry, counts, frozenset(fused), tuple(loops), shapes, trips)
 
 
 def computation_counts(hlo_text: str) -> dict[str, int]:

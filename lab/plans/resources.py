@@ -18,6 +18,7 @@ kernel: every figure is *compiled, not run*.
 """
 
 import contextlib
+import dataclasses
 import glob
 import math
 import os
@@ -29,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lab.errors import ConfigError
+from lab.measure import hlo
 from lab.measure.gpu_kernels import Kernel
 from lab.plans import gpu as gpus
 
@@ -158,29 +160,79 @@ _LAUNCH = re.compile(
 )
 
 
+_THUNK = re.compile(r"^(?P<indent> *)(?P<id>\d+): (?P<kind>\w+)")
+_WHILE_THUNK = re.compile(
+    r'profile_annotation: "(?P<name>[^"]+)"\s*thunk_id: (?P<id>\d+)\s*\}\s*thunk_kind: "kWhile"'
+)
+
+
+def while_thunk_trips(metadata: str, hlo_text: str) -> dict[int, int | None]:
+    """{thunk id of every kWhile: its trip count, None where the program does not state it}:
+    the thunk metadata names each while thunk's HLO instruction (`while.2`), whose trip count
+    the optimized HLO gives (lab.measure.hlo, as the compiled FLOPs count their loops)."""
+    trips = hlo.parse(hlo_text).trips if hlo_text else {}
+    return {int(m["id"]): trips.get(m["name"]) for m in _WHILE_THUNK.finditer(metadata)}
+
+
+def thunk_launches(sequence: str, trips: dict[int, int | None]) -> list[tuple[dict, int, bool]]:
+    """Every kernel launch line of a thunk sequence as (its launch, launches per call, whether
+    an enclosing loop's trip count is unknown). A while thunk's condition and body are the lines
+    indented under it: a body runs its trip count times, a condition once more, nested loops
+    multiply; a loop of unknown trip count is counted once."""
+    out = []
+    loops: list[list] = []  # [indent, trips or None, in the condition]
+    for line in sequence.splitlines():
+        label = line.strip()
+        if label in ("condition:", "body:") and loops:
+            loops[-1][2] = label == "condition:"
+            continue
+        m = _THUNK.match(line)
+        if not m:
+            continue
+        indent = len(m["indent"])
+        while loops and loops[-1][0] >= indent:
+            loops.pop()
+        if m["kind"] == "kWhile":
+            loops.append([indent, trips.get(int(m["id"])), False])
+            continue
+        if launch := _LAUNCH.search(line):
+            n = math.prod((t or 1) + cond for _, t, cond in loops)
+            out.append((launch, n, any(t is None for _, t, _ in loops)))
+    return out
+
+
+def _read(pattern: str) -> str:
+    return "".join(Path(p).read_text() for p in sorted(glob.glob(pattern)))
+
+
 def xla_kernels(dump_dir: str, kind: str) -> list[Kernel]:
-    """XLA's and Pallas Triton's kernels of a dump: launches from the thunk sequence, figures
-    from ptxas on each .ptx."""
+    """XLA's and Pallas Triton's kernels of a dump: launches per call from the thunk sequence
+    (each multiplied by the trip counts of the loops around it: a scanned model launches its
+    layer's kernels once per layer), figures from ptxas on each .ptx."""
     launches: dict[str, dict] = {}
     for path in sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt"))):
-        for line in Path(path).read_text().splitlines():
-            if m := _LAUNCH.search(line):
-                grid = tuple(int(x) for x in m.group("g").split(","))
-                threads = math.prod(int(x) for x in m.group("t").split(","))
-                entry = launches.setdefault(
-                    m.group("name"), dict(grid=grid, threads=threads, smem=int(m["smem"]), n=0)
-                )
-                entry["n"] += 1
+        module = path[: -len("thunk_sequence.txt")]
+        trips = while_thunk_trips(
+            _read(module + "thunk_metadata.txt"), _read(module + "*gpu_after_optimizations.txt")
+        )
+        for m, n, unknown in thunk_launches(Path(path).read_text(), trips):
+            grid = tuple(int(x) for x in m.group("g").split(","))
+            threads = math.prod(int(x) for x in m.group("t").split(","))
+            entry = launches.setdefault(
+                m.group("name"),
+                dict(grid=grid, threads=threads, smem=int(m["smem"]), n=0, unknown=False),
+            )
+            entry["n"] += n
+            entry["unknown"] |= unknown
     stats = _run_ptxas(sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))))
     out = []
     for name, launch in launches.items():
         st = stats.get(name) or stats.get(name.replace(".", "_"))
         if st is not None:
-            out.append(
-                _kernel(
-                    kind, name, launch["n"], launch["grid"], launch["threads"], launch["smem"], st
-                )
+            k = _kernel(
+                kind, name, launch["n"], launch["grid"], launch["threads"], launch["smem"], st
             )
+            out.append(dataclasses.replace(k, launches_unknown_loop=launch["unknown"]))
     return out
 
 

@@ -23,6 +23,8 @@ _XLA_KERNEL = re.compile(
 def kernels(rows: list[Kernel], title: str, toolchain: Toolchain | None = None) -> Table:
     """The custom (Pallas, Mosaic) kernels of a compiled program one by one, XLA's own in one
     summary row (every one is in summary.json): lab/plans/resources.py, compiled, not run.
+    Launches are per call, a kernel in a loop body counted once per trip ('≥' where a loop's
+    trip count is unknown), as the compiled FLOPs count loops.
     `toolchain` (lab.measure.toolchain.probe()) is the caption: registers and spills
     are ptxas's, so the table names the ptxas and plugin it came from."""
     t = Table(title=title, caption=toolchain_line(toolchain) if toolchain else None)
@@ -38,7 +40,7 @@ def kernels(rows: list[Kernel], title: str, toolchain: Toolchain | None = None) 
         spill = f"{k.spill_store_bytes}/{k.spill_load_bytes} B"
         t.add_row(
             k.name[:48],
-            str(k.launches or "–"),
+            _launches([k]) if k.launches else "–",
             "×".join(map(str, k.grid)) if k.grid else "?",
             str(k.threads),
             str(k.registers),
@@ -52,7 +54,7 @@ def kernels(rows: list[Kernel], title: str, toolchain: Toolchain | None = None) 
         spills = sum(k.spill_bytes for k in xla)
         t.add_row(
             f"[dim]{len(xla)} XLA kernels",
-            str(sum(k.launches for k in xla)),
+            _launches(xla),
             "",
             "",
             f"≤ {max(k.registers for k in xla)}",
@@ -63,6 +65,13 @@ def kernels(rows: list[Kernel], title: str, toolchain: Toolchain | None = None) 
             "",
         )
     return t
+
+
+def _launches(rows: list[Kernel]) -> str:
+    """Launches per call, each × the trips of the loops around it; '≥ N' where a loop's trip
+    count is unknown (that loop counted once)."""
+    n = f"{sum(k.launches for k in rows):,}"
+    return f"≥ {n}" if any(k.launches_unknown_loop for k in rows) else n
 
 
 def toolchain_line(tc: Toolchain) -> str:
