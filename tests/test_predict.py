@@ -347,6 +347,45 @@ def test_device_checks_say_which_way_their_predictions_lean(monkeypatch):
     assert "predicted slower" not in step.error_statement("gpu")
 
 
+def test_a_training_plans_error_leads_with_training_steps_and_names_the_chips(monkeypatch):
+    """The held-out published points are mostly single ops, decode and prefill: the statement
+    says what they are, and a training step's plan leads with the error on training steps.
+    Steps measured on H100/H200 are not an A100's check: the statement says so."""
+    from lab.predict import step
+
+    held = {"n": 4, "median": 0.09, "worst": 1.5, "what": "published points"}
+
+    def row(workload, hardware, error):
+        return {"role": "held-out", "workload": workload, "hardware": hardware, "error": error}
+
+    rows = [
+        row("train", "h100 × 8", 0.27),
+        row("gemm", "h100 × 1", 0.02),
+        row("gemm", "a100 × 1", -0.18),
+        row("decode", "a100 × 1", 0.15),
+        {"role": "calibration", "workload": "train", "hardware": "h100 × 16", "error": 0.0},
+        row("train", "tpu-v6e × 256", 0.25),  # another machine class
+    ]
+    fitted = {"gpu": {"fit": {}, "held_out": held}, "validation": {"rows": rows}}
+    monkeypatch.setattr(step, "fits", lambda: fitted)
+    c = {"n": 5, "median": 0.12, "worst": 1.37, "mean_ratio": 1.0, "backend": "gpu"}
+    monkeypatch.setattr(
+        step, "device_checks", lambda: {"NVIDIA H100 80GB HBM3": {**c, "dates": ["2026-11-27"]}}
+    )
+    mix = "on 4 held-out published points (1 training step, 2 GEMMs, 1 decode)"
+    assert step.error_statement("gpu").startswith(f"model error 9% median, worst 1.50×, {mix}")
+    h100 = step.error_statement("gpu", step_on="NVIDIA H100 80GB HBM3")
+    assert h100.startswith("model error on training steps: 12% median, worst 1.37×, on 5 lab.run")
+    assert "+27% (h100 × 8) on 1 held-out published training step" in h100
+    assert h100.endswith(f"over every held-out point: model error 9% median, worst 1.50×, {mix}")
+    assert "not this chip" not in h100
+    a100 = step.error_statement("gpu", step_on="NVIDIA A100-SXM4-80GB")
+    assert a100.startswith(
+        "model error on training steps: no step measured on an NVIDIA A100-SXM4-80GB; 12% median"
+    )
+    assert "measured on an NVIDIA H100 80GB HBM3 (not this chip; 2026-11-27" in a100
+
+
 def test_an_ops_last_name_leaves_out_the_transforms_closing_parentheses():
     from lab.measure.predicted import OpTime
 

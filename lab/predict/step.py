@@ -72,18 +72,75 @@ def device_checks(folder: Path = MEASURED) -> dict[str, dict]:
     return out
 
 
-def error_statement(kind: str) -> str:
-    """'model error 11% median, worst 1.6×, on 16 held-out points (…)' or why there is none;
-    for a GPU or TPU, also the error on the steps measured on such a device, where there are."""
+# How a held-out published point's workload reads in the error statement (singular, plural).
+_WORKLOADS = {
+    "train": ("training step", "training steps"),
+    "gemm": ("GEMM", "GEMMs"),
+    "all-reduce": ("all-reduce", "all-reduces"),
+    "decode": ("decode", "decode"),
+    "prefill": ("prefill", "prefill"),
+}
+
+
+def _held_out_rows(kind: str) -> list[dict]:
+    """The held-out published points of a machine class ('gpu', 'tpu') as last validated."""
+    rows = (fits().get("validation") or {}).get("rows") or []
+    return [
+        r
+        for r in rows
+        if r.get("role") == "held-out"
+        and r.get("error") is not None
+        and str(r.get("hardware", "")).startswith("tpu") == (kind == "tpu")
+    ]
+
+
+def held_out_mix(kind: str) -> str:
+    """'1 training step, 7 GEMMs, 4 decode, …': what the held-out published points of a
+    machine class are, so their error is not read as a training step's."""
+    counts: dict[str, int] = {}
+    for r in _held_out_rows(kind):
+        counts[r["workload"]] = counts.get(r["workload"], 0) + 1
+    parts = []
+    for workload, n in sorted(counts.items(), key=lambda kv: (kv[0] != "train", -kv[1], kv[0])):
+        one, many = _WORKLOADS.get(workload, (workload, workload))
+        parts.append(f"{n} {one if n == 1 else many}")
+    return ", ".join(parts)
+
+
+def _check_text(device: str, c: dict, step_on: str | None) -> str:
+    m = c["mean_ratio"]
+    lean = ""  # which way the steps' predictions lean, where they lean together
+    if m < 0.9 or m > 1.1:
+        lean = f", predicted {'faster' if m < 1 else 'slower'} than measured: "
+        lean += f"mean predicted/measured {m:.2f}"
+    other = "not this chip; " if step_on and device != step_on else ""
+    return (
+        f"{c['median']:.0%} median, worst {c['worst']:.2f}×, on {c['n']} lab.run "
+        f"steps measured on an {device} ({other}{', '.join(c['dates'])}, predicted with "
+        f"that day's fit{lean})"
+    )
+
+
+def error_statement(kind: str, step_on: str | None = None) -> str:
+    """'model error 11% median, worst 1.6×, on 16 held-out published points (1 training step,
+    …)' or why there is none; for a GPU or TPU, also the error on the steps measured on such
+    a device, where there are.
+
+    `step_on` (a device kind) says the prediction is of a training step on that chip: the
+    statement then leads with the error on training steps (the lab.run steps measured on a
+    device, the published training steps held out), names a check made on another chip as
+    such, and gives the error over every held-out point (mostly single ops, decode and
+    prefill) after it, with what those points are."""
     entry = fits().get(kind) or {}
     err = entry.get("held_out")
     if not err:
         text = "model error not measured yet for this machine class"
     else:
         point = err["what"].removesuffix("s") if err["n"] == 1 else err["what"]
+        mix = held_out_mix(kind) if kind != "cpu" else ""
         text = (
             f"model error {err['median']:.0%} median, worst {err['worst']:.2f}×, on {err['n']} "
-            f"held-out {point}"
+            f"held-out {point}" + (f" ({mix})" if mix else "")
         )
     if kind == "cpu" and err and entry.get("host"):
         from lab.measure.records import cpu_model
@@ -96,26 +153,34 @@ def error_statement(kind: str) -> str:
                 f" on another CPU ({entry['host']}, {entry['date']}): refit here with "
                 "python -m lab.tools.prediction cpu=true"
             )
+    uncalibrated = ""
     if entry and entry.get("fit") is None and kind != "cpu":
         # nothing calibrates it: the roofline with efficiencies 1 and no fixed costs
-        text = (
+        uncalibrated = (
             f"uncalibrated for {kind.upper()} (no usable calibration point: the roofline, "
-            f"efficiencies 1, no fixed per-op or per-call cost); {text}"
+            "efficiencies 1, no fixed per-op or per-call cost); "
         )
-    if kind in ("gpu", "tpu"):
-        for device, c in device_checks().items():
-            if (c["backend"] == "tpu") == (kind == "tpu"):
-                m = c["mean_ratio"]
-                lean = ""  # which way the steps' predictions lean, where they lean together
-                if m < 0.9 or m > 1.1:
-                    lean = f", predicted {'faster' if m < 1 else 'slower'} than measured: "
-                    lean += f"mean predicted/measured {m:.2f}"
-                text += (
-                    f"; {c['median']:.0%} median, worst {c['worst']:.2f}×, on {c['n']} lab.run "
-                    f"steps measured on an {device} ({', '.join(c['dates'])}, predicted with "
-                    f"that day's fit{lean})"
-                )
-    return text
+    if kind not in ("gpu", "tpu"):
+        return uncalibrated + text
+    checks = {
+        device: c
+        for device, c in device_checks().items()
+        if (c["backend"] == "tpu") == (kind == "tpu")
+    }
+    steps = [_check_text(device, c, step_on) for device, c in checks.items()]
+    if not step_on:
+        return uncalibrated + "; ".join([text, *steps])
+    trained = [r for r in _held_out_rows(kind) if r["workload"] == "train"]
+    if trained:
+        errors = ", ".join(f"{r['error']:+.0%} ({r['hardware']})" for r in trained)
+        n = len(trained)
+        steps.append(f"{errors} on {n} held-out published training step{'s' * (n > 1)}")
+    if not steps:
+        return uncalibrated + text
+    lead = "model error on training steps: "
+    if checks and step_on not in checks:
+        lead += f"no step measured on an {step_on}; "
+    return f"{uncalibrated}{lead}{'; '.join(steps)}; over every held-out point: {text}"
 
 
 def machine_for(info: DeviceInfo, target: str, mesh_shape: dict, dtype: str) -> Machine | None:
@@ -173,7 +238,8 @@ def predict_step(compiled, cfg, info: DeviceInfo, mesh, top: int = 8) -> Predict
         compiled, machine, mesh, custom_flops=attention_flops_per_device(cfg, mesh.size)
     )
     kind = "cpu" if machine.name.startswith("this CPU") else info.backend
-    error = error_statement("tpu" if kind == "tpu" else "gpu" if kind != "cpu" else "cpu")
+    vendor = "tpu" if kind == "tpu" else "gpu" if kind != "cpu" else "cpu"
+    error = error_statement(vendor, step_on=info.device_kind if vendor != "cpu" else None)
     if kind == "cpu" and getattr(info, "process_count", 1) > 1:
         error += (
             f"; fitted in one process: this run's {info.process_count} processes exchange "
