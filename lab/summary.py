@@ -19,6 +19,7 @@ from lab.devices import DeviceInfo
 from lab.errors import ConfigError
 from lab.measure import ceilings, cost, memory, specs, toolchain
 from lab.measure import records as rec
+from lab.measure import run as run_figures
 from lab.measure.offload import OffloadCost
 from lab.measure.predicted import PredictedStep
 from lab.model import count_nonembedding_params, count_params
@@ -126,6 +127,8 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         elif memory.compiler_hbm(trainer.mesh.devices.flat[0]):
             out["aot"]["capacity_source"] = "compiler"  # XLA:TPU's own, below the chip's HBM
         out["aot"]["fit"] = fit_advice(trainer, out)
+        if run_figures.cannot_run(out["aot"]["fit"]):  # the figures stay, labelled
+            out["aot"]["caveat"] = run_figures.CANNOT_RUN
     return out
 
 
@@ -440,6 +443,8 @@ def run_records(s: dict, run: str) -> list[dict]:
         a = s["aot"]
         est, tokens = a.get("estimated_step_s"), s.get("tokens_per_step")
         how = {"run": run, "model_error": a.get("estimate_source")}
+        if a.get("caveat"):  # a step that does not fit the target: its figures say so
+            how["caveat"] = a["caveat"]
         if est:
             out.append(rec.make_record("training step time", est, "s", label="predicted", **how))
             if tokens:

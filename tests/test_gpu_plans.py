@@ -484,6 +484,33 @@ def test_the_calculator_holds_scanned_layers_against_the_accelerator_compilers(
     assert abs(pred["total"] / compiled - 1) < 0.1, (pred, compiled)
 
 
+@needs_plugin
+def test_a_plan_that_does_not_fit_labels_its_throughput_as_unrunnable(
+    tmp_path, capsys, monkeypatch
+):
+    """A step the target cannot hold keeps its predicted time, tokens/s and MFU (what it would
+    do with the memory it needs), each labelled as a step that cannot run there as configured:
+    in the table, summary.json and records.jsonl. The tiny step judged against a millionth of
+    an H100 (XLA_PYTHON_CLIENT_MEM_FRACTION) does not fit."""
+    from lab.measure.records import read_records
+    from lab.measure.run import CANNOT_RUN
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.000001")
+    argv = ["target=gpu:h100:1", "model=tiny", f"out_dir={tmp_path}", "name=plan"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the table's wrapped cells, one line
+    assert "does NOT fit" in out
+    for row in ("predicted tokens/s", "implied MFU"):
+        after = out.split(f"│ {row}")[1].split("│ label")[0]
+        assert " ".join(CANNOT_RUN.split()[:4]) in after, (row, after)
+    s = json.loads((tmp_path / "plan" / "summary.json").read_text())
+    assert s["aot"]["fit"].startswith("does NOT fit") and s["aot"]["caveat"] == CANNOT_RUN
+    assert s["aot"]["implied_mfu"] > 0  # kept, labelled
+    recs = {r["what"]: r for r in read_records(tmp_path / "plan" / "records.jsonl")}
+    for what in ("training step time", "training tokens/s", "training MFU"):
+        assert recs[what]["config"]["caveat"] == CANNOT_RUN, what
+
+
 def test_a_gpu_plan_fits_the_share_of_memory_jax_allocates(monkeypatch):
     """JAX's allocator takes 75% of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says
     otherwise: a plan judges its fit against what a run there could allocate. A TPU's HBM is

@@ -59,6 +59,17 @@ class CompiledCost:
         return self.source
 
 
+# A plan whose step does not fit the target's memory still gets a step time, tokens/s and MFU
+# (what the program would do with the memory it needs); each carries this, so none reads as a
+# step the target can run.
+CANNOT_RUN = "for a step that cannot run on this target as configured: it does not fit in memory"
+
+
+def cannot_run(fit: str) -> bool:
+    """The plan's fit line says the step does not fit the target (short, or refused)."""
+    return fit.startswith("does NOT fit")
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanFigures:
     """A plan's (compiled, not run) fit and step time: summary.json's "aot"."""
@@ -69,6 +80,11 @@ class PlanFigures:
     implied_mfu: float | None
     label: str
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def cannot_run(self) -> bool:
+        """The step does not fit the target: its time, tokens/s and MFU are labelled so."""
+        return cannot_run(self.fit)
 
     @property
     def mfu_is_a_bound(self) -> bool:

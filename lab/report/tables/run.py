@@ -9,7 +9,7 @@ from rich.table import Table
 from lab.measure.offload import OffloadCost
 from lab.measure.pipeline import PipelineReading
 from lab.measure.predicted import PredictedStep
-from lab.measure.run import RunSummary, StepAnalysis
+from lab.measure.run import CANNOT_RUN, RunSummary, StepAnalysis
 from lab.report.format import duration, mib, percent
 from lab.report.tables.common import GIB, _mem
 
@@ -146,19 +146,22 @@ def _plan_rows(t: Table, a: StepAnalysis) -> None:
     predicted = a.predicted_step
     # a loop of unknown trip count is timed once, like its FLOPs: the time is a floor
     floor = a.compiled_cost.lower_bound_note.replace("at least", "a floor") if predicted else ""
+    # a step that does not fit keeps its figures, each labelled as one the target cannot run
+    caveat = f" [yellow]({CANNOT_RUN})[/]" if plan.cannot_run else ""
     t.add_row(
         "predicted step time" if predicted else "estimated step time",
-        "n/a" if est is None else f"{duration(est)}{floor} ({plan.estimate_source})",
+        "n/a" if est is None else f"{duration(est)}{floor}{caveat} ({plan.estimate_source})",
     )
     if predicted:
         t.add_row("  where it goes", breakdown_line(predicted))
         t.add_row("  top ops", top_ops_line(predicted))
         tokens = a.tokens_per_step
         if tokens and est:
-            t.add_row("predicted tokens/s", f"{'at most ' if floor else ''}{tokens / est:,.0f}")
+            at_most = "at most " if floor else ""
+            t.add_row("predicted tokens/s", f"{at_most}{tokens / est:,.0f}{caveat}")
     mfu = plan.implied_mfu
     bound = "at most " if plan.mfu_is_a_bound or floor else ""
-    t.add_row("implied MFU", "n/a" if mfu is None else f"{bound}{percent(mfu)}")
+    t.add_row("implied MFU", "n/a" if mfu is None else f"{bound}{percent(mfu)}{caveat}")
     t.add_row("label", plan.label)
 
 
