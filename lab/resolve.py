@@ -633,11 +633,21 @@ def _offload_host(d: _Draft):
     asked = ["offload_optimizer=true"] if d.cfg.offload_optimizer else []
     asked += ["remat=offload"] if d.model.remat == "offload" else []
     if asked and not d.platform.host_memory:
+        # only targets where the option takes effect: a TPU topology's devices list a
+        # pinned_host memory kind; a GPU plan's abstract devices list none, so the optimizer
+        # state would stay in device memory there (remat=offload's residuals do move on both).
+        # a slice runs one program over all its devices: mesh=-1 (libtpu 0.10 refuses v5e:1x1)
+        where = (
+            "a TPU target, whose devices list a host memory kind: target=tpu:v5e:2x2 mesh=-1 "
+            "(a GPU plan's devices list none, so its optimizer state would stay in device "
+            "memory)"
+            if d.cfg.offload_optimizer
+            else "an accelerator with target=tpu:v5e:2x2 mesh=-1 or target=gpu:h100:1"
+        )
         return (
             f"{' and '.join(asked)}: the {d.platform.backend} backend has no separate host "
             "memory (its pinned_host memory kind is the same RAM as its device memory), so "
-            "nothing would move; plan it for an accelerator with target=tpu:v5e:2x4 or "
-            "target=gpu:h100:1"
+            f"nothing would move; plan it for {where}"
         )
 
 

@@ -62,11 +62,39 @@ def test_offloading_changes_no_numbers(plain, argv):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("argv", [["offload_optimizer=true"], ["remat=offload"]])
-def test_offload_on_cpu_is_one_line(argv, capsys):
+@pytest.mark.parametrize(
+    "argv, suggested",
+    [
+        # a GPU plan lists no host memory kind: its optimizer state would stay on the device
+        (["offload_optimizer=true"], ["target=tpu:v5e:2x2 mesh=-1"]),
+        (["offload_optimizer=true", "compile_only=true"], ["target=tpu:v5e:2x2 mesh=-1"]),
+        (["remat=offload"], ["target=tpu:v5e:2x2 mesh=-1", "target=gpu:h100:1"]),
+    ],
+)
+def test_offload_on_cpu_is_one_line(argv, suggested, capsys):
     assert main([*argv, "steps=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "the cpu backend has no separate host memory" in err and len(err.splitlines()) == 1
+    assert [t for t in ("target=tpu:v5e:2x2 mesh=-1", "target=gpu:h100:1") if t in err] == suggested
+
+
+@pytest.mark.parametrize(
+    "option, moved",
+    [
+        ("offload_optimizer=true", "optimizer state"),
+        pytest.param("remat=offload", "block inputs", marks=pytest.mark.slow_plan),
+    ],
+)
+def test_the_target_the_cpu_refusal_suggests_moves_the_state(tmp_path, capsys, option, moved):
+    """The refusal on CPU names a target where the option takes effect (on jax 0.10's libtpu
+    too, which refuses v5e:1x1): planned there as written, the state it names lies in host
+    memory."""
+    pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
+    argv = ["target=tpu:v5e:2x2", "mesh=-1", "model=tiny", option, f"out_dir={tmp_path}"]
+    argv.append("name=plan")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"in host memory: {moved}" in out and "stays in device memory" not in out
 
 
 # --- ahead of time: bytes from device to host memory ----------------------------------------
