@@ -227,11 +227,16 @@ def train_step(
 
 
 def _init_state(key, *, model, tx, seq_len: int, stages: int = 1) -> TrainState:
-    """The initial state: the same weights for a seed whatever the layout. Scanned layers (and
-    so every pipeline) take the unscanned model's init, stacked (nn.scan splits the key its
-    own way, and a pipeline started from other weights than the run it is compared with). A
-    circular pipeline stores its stacked blocks stage-major (lab.model.layer_order): the
-    layer-order init is put in that storage."""
+    """The initial state (`_init_params`, then the optimizer's)."""
+    return _state_of(_init_params(key, model=model, seq_len=seq_len, stages=stages), tx=tx)
+
+
+def _init_params(key, *, model, seq_len: int, stages: int = 1):
+    """The initial parameters: the same weights for a seed whatever the layout. Scanned
+    layers (and so every pipeline) take the unscanned model's init, stacked (nn.scan splits
+    the key its own way, and a pipeline started from other weights than the run it is
+    compared with). A circular pipeline stores its stacked blocks stage-major
+    (lab.model.layer_order): the layer-order init is put in that storage."""
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     params = model.init(key, tokens)["params"]
     if "blocks" in params:  # the boxes (logical axes) of the scan's, the values unscanned
@@ -245,7 +250,18 @@ def _init_state(key, *, model, tx, seq_len: int, stages: int = 1) -> TrainState:
     if layer_order(model.cfg) == "stage_major" and "blocks" in params:
         repeats = model.cfg.pipeline_repeats
         params = {**params, "blocks": to_stage_major_order(params["blocks"], stages, repeats)}
-    return _state_of(params, tx=tx)
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class _Init:
+    """key → TrainState: the parameters' program, then the optimizer's (see make_trainer)."""
+
+    params: Any
+    rest: Any
+
+    def __call__(self, key) -> TrainState:
+        return self.rest(self.params(key))
 
 
 def _boxed(x) -> bool:
@@ -350,8 +366,21 @@ def make_trainer(resolved: Resolved | Config, mesh=None) -> Trainer:
     batch_sh = NamedSharding(mesh, P(batch_axes, None))
     replicated = NamedSharding(mesh, P())
     state_sh, opt_device_sh = _offload_optimizer(r, state_sh)
-    unboxed_init = lambda key: nn.meta.unbox(init_fn(key))
-    init = jax.jit(_with_rules(unboxed_init, rules), out_shardings=state_sh)
+    # Two programs: the parameters, then the optimizer's state beside them. In one, a scanned
+    # model's unscanned blocks and their stacked copy were live beside every output (Adam's
+    # moments included) at once: 5x the parameters' bytes, more than a step of remat=full.
+    params_fn = functools.partial(_init_params, model=model, seq_len=cfg.seq_len, stages=stages)
+    init_params = jax.jit(
+        _with_rules(lambda key: nn.meta.unbox(params_fn(key)), rules),
+        out_shardings=state_sh.params,
+    )
+    init_rest = jax.jit(
+        _with_rules(functools.partial(_state_of, tx=tx), rules),
+        in_shardings=(state_sh.params,),
+        out_shardings=state_sh,
+        donate_argnums=0,
+    )
+    init = _Init(init_params, init_rest)
     unreduced = ()
     if cfg.accumulate > 1 and not schedule_of(cfg, mesh):
         # (a pipeline runs its own shard_map, manual over the batch's axes: around it the
