@@ -153,15 +153,18 @@ class Request:
 
     def blame(self, e: ConfigError) -> ConfigError:
         """`e` with the keys it names that a resume took from the run's config.json said to
-        be the run's own: the user did not type them, and may give them anew."""
-        keys = self.dict()
-        named = [f"{k}={keys[k]}" for k in self.inherited if re.search(rf"\b{k}=", str(e))]
-        if not named:
-            return e
-        own = ", ".join(named)
-        return ConfigError(
-            f"{e} ({own}: the run's own, from its config.json; give it anew to change it)"
-        )
+        be the run's own (on the line that names them): the user did not type them, and may
+        give them anew."""
+        keys, lines, changed = self.dict(), str(e).splitlines(), False
+        for i, line in enumerate(lines):
+            named = [f"{k}={keys[k]}" for k in self.inherited if re.search(rf"\b{k}=", line)]
+            if named:
+                lines[i] += (
+                    f" ({', '.join(named)}: the run's own, from its config.json; give it anew "
+                    "to change it)"
+                )
+                changed = True
+        return ConfigError("\n".join(lines)) if changed else e
 
 
 def _check_type(key: str, value) -> None:
@@ -530,7 +533,7 @@ def _compile_only_runs_nothing(d: _Draft):
 
 def _profile_window(d: _Draft):
     c = d.cfg
-    if not c.profile or c.compile_only or c.resume:  # a resume's window: lab/loop.py
+    if not c.profile or c.compile_only or c.target or c.resume:  # a resume's: lab/loop.py
         return None
     first, last = profile_window(0)
     if c.steps < last:
@@ -581,6 +584,8 @@ def _within_stage_axis(d: _Draft):
     """pp+fsdp and pp+tp split each stage over fsdp or model: without that axis they would
     run as plain pp under another name."""
     axis = _WITHIN_STAGE.get(d.cfg.strategy)
+    if d.purpose == "decode":  # a decoder of a pipeline's run serves it on its own mesh
+        return None
     if axis and d.stages > 1 and d.sizes.get(axis, 1) == 1:
         mesh = ",".join(f"{a}:{s}" for a, s in d.sizes.items() if s > 1)
         return (
@@ -621,7 +626,8 @@ def _circular(d: _Draft):
 def _half_weights(d: _Draft):
     """AdamW's state in float16 cannot train: its eps (1e-8) rounds to 0 there and the first
     update is 0/0 = NaN, whatever the learning rate."""
-    if d.model.param_dtype == "float16" and d.purpose != "decode":
+    if d.model.param_dtype == "float16" and d.purpose == "train":  # a plan (lab.serve's) runs
+        # nothing, and a decoder keeps no optimizer state
         return (
             "param_dtype=float16 stores AdamW's moments in float16, where its eps (1e-8) rounds "
             "to 0 and the first update is NaN: store the weights in float32 (param_dtype=float32, "
@@ -714,7 +720,7 @@ def _decode_batches(d: _Draft):
 
 def _weights_split(d: _Draft):
     """Every weight splits evenly over the mesh axes its logical axes map to (the strategy's
-    rules): a line for each size that does not, naming the first weight it breaks."""
+    rules): one line naming the first weight that does not, and how many more break a split."""
     import flax.linen as nn
 
     from lab.model import build
@@ -735,22 +741,23 @@ def _weights_split(d: _Draft):
     spec_leaves = jax.tree.leaves(
         specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
     )
-    lines = {}
+    broken = []
     for (path, leaf), spec in zip(leaves, spec_leaves, strict=True):
         for dim, (size, axes) in enumerate(zip(leaf.shape, tuple(spec), strict=False)):
             names = (axes,) if isinstance(axes, str) else tuple(axes or ())
             n = math.prod(d.sizes.get(a, 1) for a in names)
-            if size % n and (size, names) not in lines:
-                lines[(size, names)] = (
+            if size % n:
+                broken.append(
                     f"params{jax.tree_util.keystr(path)}: dimension {dim} (size {size}) does "
                     f"not divide mesh axis {axes} (size {n}); change the mesh, the strategy or "
                     "the model size"
                 )
-    if not lines:
+                break  # a weight counts once
+    if not broken:
         return None
-    first, *more = lines.values()
-    if more:  # one line: the first tensor, and how many more the same change would mend
-        first += f" ({len(more)} more tensor{'s' if len(more) > 1 else ''} alike)"
+    first, *more = broken
+    if more:  # one line: the first weight, and how many more break a split
+        first += f" ({len(more)} more weight{'s' if len(more) > 1 else ''} break a split)"
     return first
 
 

@@ -233,13 +233,15 @@ def test_a_key_a_resume_took_from_the_run_is_named_as_the_runs_own():
         "(microbatches=4: the run's own, from its config.json; give it anew to change it)"
     )
     assert str(r.blame(ConfigError("steps=10 is too few"))) == "steps=10 is too few"
+    two = r.blame(ConfigError("microbatches=4 is odd\nsteps=10 is too few"))
+    assert str(two).splitlines()[0].endswith("give it anew to change it)")
 
 
 @pytest.mark.parametrize(
     "argv, needle",
     [
         # two tensors (wk and wo) break the same split: one line, the first named
-        (["mesh=1x8", "n_heads=4", "n_kv_heads=2"], "more tensor"),
+        (["mesh=1x8", "n_heads=4", "n_kv_heads=2"], "more weights break a split"),
         # an unused stage axis: the pipeline rule speaks, not also the strategy's axes
         (["mesh=data:2,stage:4", "strategy=tp"], "strategy=pp, pp+fsdp or pp+tp"),
         (["mesh=data:2,stage:2", "strategy=pp+tp", "n_layers=4"], "over the model axis"),
