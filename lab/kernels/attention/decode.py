@@ -192,8 +192,8 @@ def as_lengths(lengths_B, B: int, S: int):
     length anyway) so that a wide value cannot wrap; a non-integer dtype is refused."""
     if not hasattr(lengths_B, "dtype"):
         try:
-            lengths_B = jnp.asarray(lengths_B)
-        except (TypeError, ValueError):
+            lengths_B = np.asarray(lengths_B)  # int64 for Python ints: clamped below
+        except (TypeError, ValueError, OverflowError):
             raise ValueError(f"lengths={lengths_B!r}: expected integers [{B}]") from None
     if tuple(lengths_B.shape) != (B,) or not jnp.issubdtype(lengths_B.dtype, jnp.integer):
         raise ValueError(
