@@ -40,13 +40,19 @@ def native_log_level(module: str, argv) -> None:
     indicates an error in the calculation!" on a compile that succeeds); a fatal line still
     prints. Read once, when jaxlib loads: set before anything imports JAX (lab/__init__.py)."""
     plan = any(a.startswith("target=") and a != "target=" for a in argv)
-    if module == "lab.tools.prediction":
-        plan = not any(a in ("cpu=true", "here=true") for a in argv)
+    if module == "lab.tools.prediction":  # cpu= and here= as lab.config reads a bool
+        plan = not any(_true(a, key) for a in argv for key in ("cpu", "here"))
     elif module in ("lab.tools.attention_plan", "lab.tools.attention_targets"):
         plan = True
     elif module == "experiments":
         plan = "plans=on" in argv or ("size=full" in argv and "plans=off" not in argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3" if plan else "1")
+
+
+def _true(arg: str, key: str) -> bool:
+    """Whether `arg` is `key=` a true value as lab.config reads one (true, 1, yes, on)."""
+    name, _, value = arg.partition("=")
+    return name.strip() == key and value.strip().lower() in ("true", "1", "yes", "on")
 
 
 def on_stop(keep) -> None:

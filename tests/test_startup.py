@@ -17,6 +17,9 @@ from lab import startup
         ("lab.run", ["target=tpu:v5e:2x4"], "0", "0"),  # what the user set is kept
         ("lab.tools.prediction", [], None, "3"),  # the published points: plans
         ("lab.tools.prediction", ["cpu=true"], None, "1"),
+        ("lab.tools.prediction", ["cpu=1"], None, "1"),  # a bool as lab.config reads one
+        ("lab.tools.prediction", ["here=Yes"], None, "1"),
+        ("lab.tools.prediction", ["here=false"], None, "3"),
         ("experiments", ["size=tiny", "plans=on"], None, "3"),
         ("experiments", ["size=full", "plans=off"], None, "1"),
     ],
