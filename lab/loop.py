@@ -605,13 +605,29 @@ def run_training(session: Session) -> int:
             startup.note(f"before training: nothing was written in {run_dir} but lab.log")
         else:
             rundir.quiet_libraries_here()
+        before = _listing(run_dir)
         try:
             return _run(cfg, info, trainer, run_dir, is_main, request, started)
         except ConfigError:
-            raise  # refused before it started: the held lines were about a run that never ran
+            # refused before it started: the held lines were about a run that never ran,
+            # unless the refusal came after the folder changed (damaged steps moved aside)
+            if _listing(run_dir) != before:
+                started()
+            raise
         except BaseException:
             started()  # a failure: the libraries' lines may say why
             raise
+
+
+def _listing(run_dir: Path) -> list:
+    """The run folder's entries and their times (lab.log aside): what a refusal may have
+    changed."""
+    try:
+        return sorted(
+            (p.name, p.stat().st_mtime_ns) for p in Path(run_dir).iterdir() if p.name != "lab.log"
+        )
+    except OSError:
+        return []
 
 
 def _claim_folder(

@@ -257,7 +257,8 @@ def keep_metrics_before(run_dir: Path, start: int, log_every: int = 1) -> tuple[
     kept = [r for r in good if r["step"] <= start]
     moved = [r for r in good if r["step"] > start]
     have = {r["step"] for r in kept}
-    missing = [s for s in range(log_every, start + 1, log_every) if s not in have] if torn else []
+    every = _cadence(sorted(r["step"] for r in good), log_every)
+    missing = [s for s in range(every, start + 1, every) if s not in have] if torn else []
     if not moved and not torn:
         return 0, []
     if moved:
@@ -275,6 +276,16 @@ def keep_metrics_before(run_dir: Path, start: int, log_every: int = 1) -> tuple[
     finally:
         tmp.unlink(missing_ok=True)
     return len(torn), missing
+
+
+def _cadence(steps: list[int], log_every: int) -> int:
+    """How often the file's whole records were logged: the commonest gap between them (a
+    run's last step may break the rhythm), else `log_every` (the run's, which a resume may
+    have changed since the file was written)."""
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False) if b > a]
+    if not gaps:
+        return max(1, log_every)
+    return max(set(gaps), key=lambda g: (gaps.count(g), -g))
 
 
 def step_ranges(steps: list[int], most: int = 4) -> str:
@@ -360,16 +371,18 @@ class _LogHandler(logging.FileHandler):
         super().__init__(path, delay=delay)
         self.held: list | None = [] if held else None
 
-    def emit(self, record):
-        if self.held is None:
+    def emit(self, record):  # (called under self.lock, by logging.Handler.handle)
+        held = self.held
+        if held is None:
             super().emit(record)
-        elif len(self.held) < self.HELD_MOST:
-            self.held.append(record)
+        elif len(held) < self.HELD_MOST:
+            held.append(record)
 
     def write_held(self) -> None:  # (not `release`: logging.Handler's lock method)
-        held, self.held = self.held or [], None
-        for record in held:
-            self.emit(record)
+        with self.lock:  # a library's thread logging meanwhile waits, then writes after them
+            held, self.held = self.held or [], None
+            for record in held:
+                super().emit(record)
 
     def handleError(self, record):  # noqa: N802 — logging's name
         pass

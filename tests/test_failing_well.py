@@ -686,3 +686,13 @@ def test_a_refused_resume_writes_nothing_in_the_folder(earlier, capsys, steps):
     )
     assert (out.out == "") == (steps == 2)
     assert _snapshot(run_dir) == before
+
+
+def test_the_missing_steps_follow_the_files_own_cadence(tmp_path):
+    """A file logged every 10 steps, torn, resumed with log_every=1: the steps it lost are
+    its own multiples of 10, not every step since the first."""
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (10, 20)] + ['{"step": 3']
+    lines += [json.dumps({"step": 50, "loss": 1.0})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    torn, missing = rundir.keep_metrics_before(tmp_path, 40, log_every=1)
+    assert torn == 1 and missing == [30, 40]
