@@ -442,6 +442,9 @@ def test_a_measurement_that_is_not_a_number_reads_as_one(tmp_path):
         "inf",
         "n/a",
     )
+    from lab.report.format import duration, percent, size
+
+    assert (duration(float("nan")), size(float("inf")), percent(None)) == ("NaN", "inf", "n/a")
     c03 = claims.get("C03")
     r = _record("C03", c03.stated[0], float("nan"))
     assert judge(c03, [r]).status == NA

@@ -15,6 +15,16 @@ def _missing(value) -> bool:
     return value is None or (isinstance(value, float) and not math.isfinite(value))
 
 
+def _absent(value, default: str) -> str:
+    """A missing value's text: NaN or inf for a number that is not one (a diverged figure is
+    not a missing one), `default` for None."""
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return default
+
+
 def si(value: float, unit: str) -> str:
     """2.5e12 FLOP/s → '2.5 TFLOP/s' (decimal prefixes, 3 significant digits)."""
     for scale, prefix in _PREFIX:
@@ -26,10 +36,8 @@ def si(value: float, unit: str) -> str:
 def fmt(value, unit: str) -> str:
     """A value with its unit, readable: 2e12 FLOP, 45.1 GFLOP/s, 80 GB, 20,000×. A value that
     is not a number says so ("NaN", "inf"): a diverged measurement is not a missing one."""
-    if value is None:
-        return NA
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if _missing(value):
+        return _absent(value, NA)
     if unit in ("FLOP",):
         return f"{value:.3g} FLOP"
     if unit in ("FLOP/s", "B/s", "tokens/s", "req/s", "B"):
@@ -60,7 +68,7 @@ def fmt_range(lo, hi, unit: str, strict: bool) -> str:
 def size(n) -> str:
     """Bytes in binary units chosen by size: '512 B', '3.0 KiB', '12.5 MiB', '1.20 GiB'."""
     if _missing(n):
-        return NA
+        return _absent(n, NA)
     if abs(n) >= 2**28:
         return f"{n / GiB:,.2f} GiB"
     if abs(n) >= MiB:
@@ -72,13 +80,13 @@ def size(n) -> str:
 
 def mib(n, digits: int = 1) -> str:
     """Bytes as a MiB number without the unit (a table column that names it): '1,234.5'."""
-    return "—" if _missing(n) else f"{n / MiB:,.{digits}f}"
+    return _absent(n, "—") if _missing(n) else f"{n / MiB:,.{digits}f}"
 
 
 def duration(s) -> str:
     """Seconds, in the unit that reads best: '850 ns', '12 µs', '3.4 ms', '2.10 s', '3.2 min'."""
     if _missing(s):
-        return NA
+        return _absent(s, NA)
     if s >= 120:
         return f"{s / 60:,.1f} min"
     if s >= 1:
@@ -95,12 +103,12 @@ def ratio(x, digits: int = 2) -> str:
 
 
 def percent(x, digits: int = 1) -> str:
-    return NA if _missing(x) else f"{100 * x:.{digits}f}%"
+    return _absent(x, NA) if _missing(x) else f"{100 * x:.{digits}f}%"
 
 
 def rate(value, unit: str = "B/s") -> str:
     """A rate in decimal GB/s or GFLOP/s with two decimals (ceilings, bandwidths)."""
-    return NA if _missing(value) else f"{value / 1e9:,.2f} G{unit}"
+    return _absent(value, NA) if _missing(value) else f"{value / 1e9:,.2f} G{unit}"
 
 
 def key_args(keys: dict) -> list[str]:
