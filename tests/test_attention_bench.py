@@ -54,10 +54,10 @@ def test_a_native_kernels_memory_says_what_it_leaves_out(tmp_path, capsys):
     assert {r["label"] for r in mem.values()} == {"compiled"}
 
 
-def test_the_budget_help_states_the_wall_time_it_costs(capsys):
+def test_the_budget_help_states_the_wall_time_it_costs(capsys, monkeypatch):
     """budget= counts timed samples only; on CPU each ~2 ms sample waits 20 ms untimed first,
-    so the help says a point costs up to about 11x budget per implementation. Held against
-    the timing loop itself: 2 ms samples with the CPU settle take about that factor."""
+    so the help says a point costs up to about 11x budget per implementation; and the timing
+    loop counts each wait as slept, so an oversleeping host does not eat the budget."""
     import time
 
     from lab.measure import timing
@@ -71,14 +71,20 @@ def test_the_budget_help_states_the_wall_time_it_costs(capsys):
     assert f"waits {study.CPU_SETTLE_S * 1e3:g} ms untimed first" in help_text
     assert f"up to about {factor}x budget per implementation" in help_text
 
+    samples = []
+
     def sample():  # one ~2 ms sample, as `inner` sizes them
+        samples.append(1)
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < study.SAMPLE_S:
             pass
         return 0
 
+    # A loaded host oversleeps each settle (here by 30 ms, made so): the extra is not timed,
+    # so the budget still buys its samples (counting the settle as 20 ms left about 3 of ~50)
+    sleep = time.sleep
+    monkeypatch.setattr(timing.time, "sleep", lambda s: sleep(s + 0.03))
     budget = 0.05
-    t0 = time.perf_counter()
     timing.comparison(
         {"a": sample, "b": sample},
         baseline="a",
@@ -87,5 +93,4 @@ def test_the_budget_help_states_the_wall_time_it_costs(capsys):
         budget_s=budget,
         settle_s=study.CPU_SETTLE_S,
     )
-    per_budget = (time.perf_counter() - t0) / (2 * budget)
-    assert 0.4 * factor < per_budget < 1.5 * factor, per_budget
+    assert len(samples) >= 0.3 * 2 * budget / study.SAMPLE_S, len(samples)
