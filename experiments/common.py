@@ -172,7 +172,6 @@ def spec_inputs(spec_key: str, *fields: str) -> dict:
 # --- predictions ---------------------------------------------------------------------------
 
 
-# The GPUs the lab compiles for here (lab/plans/gpu.py): spec key → target kind.
 def h100_capacity() -> dict:
     """What a training step on an H100 may hold, by the rule lab.run's plans use: the share of
     the card's 80 GB that JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, default
@@ -189,6 +188,7 @@ def h100_capacity() -> dict:
     }
 
 
+# The GPUs the lab compiles for here (lab/plans/gpu.py): spec key → target kind.
 COMPILED_GPUS = {"h100-sxm": "h100", "h200": "h200", "a100-sxm4-80gb": "a100"}
 # TPU slices the step is compiled for (libtpu): (spec key, chips) → target.
 TPU_TOPOLOGIES = {("tpu-v5e", 1): "tpu:v5e:1x1", ("tpu-v5e", 4): "tpu:v5e:2x2"}

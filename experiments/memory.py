@@ -486,7 +486,11 @@ def run(size: str = "quick", *, plans: bool = False) -> list[dict]:
     log_err = CalculatorError(
         max([log_err, *plans_checked]),
         f"the {cpu} CPU step{'s' if cpu != 1 else ''}"
-        + (f" and {len(plans_checked)} H100 plans" if plans_checked else "")
+        + (
+            f" and {len(plans_checked)} H100 plan{'s' if len(plans_checked) != 1 else ''}"
+            if plans_checked
+            else ""
+        )
         + " compiled in this run",
     )
     recs += (
