@@ -432,7 +432,7 @@ def test_flags_must_be_bools(flag, value):
     from lab.kernels.attention import choose
 
     q, k, v, _, _ = _inputs((24, 24, 2, 32, 32), "float32")
-    want = f"^{flag}={value!r}: must be True or False$"
+    want = f"^{flag}={value!r}: must be True or False"  # interpret: or a params object
     for impl in ("naive", "blockwise", "xla", "auto", "ring"):
         with pytest.raises(ValueError, match=want.replace("(", r"\(").replace(".", r"\.")):
             attention(q, k, v, impl=impl, **{flag: value})

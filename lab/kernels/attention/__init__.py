@@ -99,6 +99,7 @@ from lab.kernels.attention.common import (
     FEATURE_NAMES,
     Mask,
     check_flag,
+    check_interpret,
     check_qkv,
     check_softcap,
     device_kind,
@@ -470,7 +471,7 @@ def choose_noted(
         hint = did_you_mean(str(impl), (*IMPLS, "auto"))
         raise ValueError(f"attention impl={impl!r}: choose one of {', '.join(IMPLS)} or auto{hint}")
     causal = check_flag("causal", causal)
-    if check_flag("interpret", interpret) and impl not in PALLAS:
+    if check_interpret(interpret) and impl not in PALLAS:
         raise ValueError(f"interpret=True applies to impl in {PALLAS}, not impl={impl!r}")
     check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, empty_rows=True, value_dim=True)
     backend = backend or platform()
@@ -863,7 +864,7 @@ def decode_attention(
     the CPU kernel has none (auto takes the reference then; impl=cpu asked for refuses).
     """
     softcap = check_softcap(softcap)
-    interpret = check_flag("interpret", interpret)
+    interpret = check_interpret(interpret)
     if softcap is not None and impl == "cpu":
         raise ValueError("decode_attention: impl=cpu has no soft-cap; use impl=reference")
     asked = impl

@@ -298,6 +298,20 @@ def check_flag(name: str, value) -> bool:
     return bool(value)
 
 
+def check_interpret(value):
+    """`interpret` as the kernels take it: a bool (Python or NumPy), or an interpreter's
+    parameters object (Pallas's InterpretParams, the GPU interpreter's InterpretGPUParams:
+    truthy, and passed on as they are); a string, None or a number is refused, since its
+    truthiness would pick the mode."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if value is None or isinstance(value, str | int | float):
+        raise ValueError(
+            f"interpret={value!r}: must be True or False (or an interpreter's params object)"
+        )
+    return value
+
+
 def _as_array(name: str, x):
     """A mask array given as a Python list or tuple (or a number) as a NumPy array, which the
     shape and dtype checks read and `Mask.block_map` keeps static; arrays pass unchanged."""
