@@ -46,6 +46,7 @@ warnings.filterwarnings(
 
 ITEM = "default"  # the name orbax's manager gives a single saved item
 SUMS = "fingerprint"  # the step's item that keeps every array's checksums (JSON)
+LAYOUT = "layout"  # the step's item that says how its state stores the layers (JSON)
 
 
 def folder(run_dir) -> Path:
@@ -109,8 +110,9 @@ class Saver:
     failure is reported with the step that failed (orbax raises it at the next call, in the
     words of a background thread), and `pending` names a save still being written."""
 
-    def __init__(self, mngr: ocp.CheckpointManager):
+    def __init__(self, mngr: ocp.CheckpointManager, layout: dict | None = None):
         self.mngr = mngr
+        self.layout = layout  # kept with every step (LAYOUT): how its state stores the layers
         self.pending: int | None = None
         self.started: list[int] = []  # every step this run began saving
 
@@ -124,6 +126,8 @@ class Saver:
         self.pending = step
         try:
             args = {ITEM: ocp.args.StandardSave(state), SUMS: ocp.args.JsonSave(sums)}
+            if self.layout is not None:
+                args[LAYOUT] = ocp.args.JsonSave(self.layout)
             self.mngr.save(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for a failed write
             self.pending = None
@@ -297,6 +301,28 @@ def _reader_failure(e: BaseException) -> str | None:
     return None
 
 
+def step_record(step_dir: Path, name: str):
+    """A JSON item a step keeps beside its arrays (e.g. LAYOUT), or None where it has none or
+    it cannot be read (a step saved before the item was kept, or damaged)."""
+    if not (Path(step_dir) / name).exists():
+        return None
+    try:
+        return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(Path(step_dir) / name)
+    except Exception:  # noqa: BLE001 — a damaged JSON file, whatever the reader raises
+        return None
+
+
+def saved_names(step_dir: Path) -> set[tuple] | None:
+    """Every array's path in the state a step saved, as plain names (("params", "embed"),
+    …); None where its metadata cannot be read (a damaged step: the restore judges it)."""
+    try:
+        meta = ocp.StandardCheckpointer().metadata(Path(step_dir) / ITEM)
+        meta = getattr(meta, "item_metadata", meta)
+        return {_names(p) for p, _ in jax.tree_util.tree_leaves_with_path(meta)}
+    except Exception:  # noqa: BLE001 — unreadable metadata
+        return None
+
+
 def _shape_mismatch(path: Path, abstract_state) -> str | None:
     """'params.…: saved (64, 256), this model (128, 256)' for the first leaf whose saved shape
     differs from the model's; None when they agree or the metadata cannot be read whole (then
@@ -397,6 +423,8 @@ def restore_latest(
     finite=None,
 ):
     """(step, state) from the newest step that restores whole and finite, or (None, None).
+    `abstract_state` is the state's shapes and shardings, or a function of a step's folder
+    giving them (a run whose steps store their state in more than one way).
 
     Damaged steps are moved aside as they are found (their steps appended to `moved`, for a
     caller that must say why none is left); a step saved for another model shape raises
@@ -424,7 +452,8 @@ def restore_latest(
     steps = sorted((int(p.name) for p in path.glob("[0-9]*") if _is_step(p.name)), reverse=True)
     for step in steps:
         item = path / str(step) / ITEM
-        mismatch = _shape_mismatch(item, abstract_state)
+        target = abstract_state(path / str(step)) if callable(abstract_state) else abstract_state
+        mismatch = _shape_mismatch(item, target)
         if mismatch:
             raise ConfigError(
                 f"{why}: checkpoint step {step} holds another model ({mismatch}); "
@@ -432,7 +461,7 @@ def restore_latest(
                 + (", or start a new name=" if why == "resume=true" else "")
             )
         try:
-            state = ocp.StandardCheckpointer().restore(item, abstract_state)
+            state = ocp.StandardCheckpointer().restore(item, target)
         except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for damage
             reader = _reader_failure(e)
             if reader:

@@ -35,6 +35,7 @@ from lab.kernels import cpu_gemv
 from lab.kernels.attention import choose_decode, decode_kernel, decode_kernel_noted
 from lab.mesh import check_divisible
 from lab.model import CACHE, KVCache, LayerKV, build, decode_impl
+from lab.model import unstack_layers as _unstack
 from lab.names import BATCH, LAYERS
 
 
@@ -380,12 +381,7 @@ def unstack_layers(params, n_layers: int):
     each layer's cache is then its own donated buffer, updated in place, where a scan would
     gather the layers' new caches into a fresh stack every step (a full copy of the cache in
     temporary memory, and its bytes moved twice more per step)."""
-    if "blocks" not in params:
-        return params
-    out = {k: v for k, v in params.items() if k != "blocks"}
-    for i in range(n_layers):
-        out[f"block_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["blocks"])
-    return out
+    return _unstack(params, n_layers)
 
 
 def param_shardings(shardings, params):

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from lab import checkpoint, plans, rundir, startup, summary, tensorboard
+from lab.checkpoint import LAYOUT
 from lab.config import BACKEND_KEYS, WARMUP_STEPS, Config, profile_window
 from lab.data import host_batch, to_global
 from lab.devices import (
@@ -44,12 +45,11 @@ from lab.measure.records import writable_dir
 from lab.measure.run import RunSummary, StepAnalysis
 from lab.measure.timing import summarise
 from lab.measure.toolchain import Toolchain
-from lab.mesh import parse_mesh_spec, strategy_mesh
 from lab.names import STAGE
 from lab.report import progress, tables
 from lab.resolve import Request
 from lab.session import Session
-from lab.train import lr_schedule
+from lab.train import block_order, lr_schedule, restore_in_layout, saved_block_order
 
 
 def _non_finite(**values) -> str | None:
@@ -467,12 +467,23 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
         moved: list[int] = []
         # the first process moves damaged steps aside for all: two moving the same folder
         # would race, and the one that lost would stop the job
-        step, state = checkpoint.restore_latest(
-            run_dir, trainer.abstract_state, warn=warn, moved=moved, read_only=not is_main
+        step, state, layout = restore_in_layout(
+            run_dir,
+            trainer,
+            _saved_or_empty(run_dir),
+            warn=warn,
+            moved=moved,
+            read_only=not is_main,
         )
         if step is not None:
             _check_resumed_at(cfg, step)
             console.print(f"resumed from checkpoint at step {step}")
+            if layout != trainer.layout:  # the same weights, stored as this run stores them
+                console.print(
+                    f"  layers: saved {layout.describe()}, moved to this run's "
+                    f"({trainer.layout.describe()})",
+                    soft_wrap=True,
+                )
             changed = _changed_on_resume(run_dir, cfg)
             if changed:  # what goes on differently from here, said once
                 console.print(f"  changed from the run's keys: {changed}", soft_wrap=True)
@@ -492,6 +503,14 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
     return trainer.init(jax.random.key(cfg.seed)), 0
 
 
+def _saved_or_empty(run_dir: Path) -> dict:
+    """The run's config.json (checked before the run began), or {} where it is gone."""
+    try:
+        return rundir.saved_config(run_dir)
+    except ConfigError:
+        return {}
+
+
 def _nothing_to_resume(run_dir: Path) -> ConfigError:
     return ConfigError(
         f"resume=true: {run_dir} holds no checkpoint (checkpoint_every=0, or the run "
@@ -499,39 +518,28 @@ def _nothing_to_resume(run_dir: Path) -> ConfigError:
     )
 
 
-def block_order(stages, repeats) -> str:
-    """How a checkpoint stores the stacked blocks (lab.model.layer_order): in layer order, or
-    under the circular schedule by stage, a permutation fixed by the stage count and the
-    repeats. config.json keeps it (`block_order`), from the mesh the run was built on."""
-    if (repeats or 1) <= 1:
-        return "in layer order"
-    return f"by stage (stage={stages}, pipeline_repeats={repeats})"
-
-
-def _saved_block_order(saved: dict) -> str:
-    """A folder's block order: its config.json's, or for a folder written before it kept one,
-    read from the mesh it asked for (a stage axis of -1 is then named as -1)."""
-    if isinstance(saved.get("block_order"), str):
-        return saved["block_order"]
-    repeats = saved.get("model", {}).get("pipeline_repeats")
-    try:
-        spec = strategy_mesh(saved.get("mesh"), saved.get("strategy"))
-        stages = parse_mesh_spec(spec).get("stage", 1)
-    except (ConfigError, AttributeError, TypeError):
-        stages = saved.get("mesh")
-    return block_order(stages, repeats)
-
-
-def _check_same_block_order(saved: dict, cfg: Config, stages: int) -> None:
-    """A resume must read the blocks in the order they were saved: a circular pipeline's
-    checkpoint holds them by stage, and loading it with another stage count or repeats (or
-    none) would run every layer's weights in another layer's place, silently."""
-    was = _saved_block_order(saved)
+def _check_same_block_order(saved: dict, cfg: Config, stages: int, run_dir=None) -> None:
+    """A run goes on in another layout (each checkpoint step records its own: lab.train.Layout);
+    but a step saved before steps kept their layout has only config.json to say its block
+    order, which this run's start rewrites: reading such a circular pipeline's steps in
+    another order (or a plain run's as a circular one) would run every layer's weights in
+    another layer's place, silently. Refused while the folder holds any such step."""
+    was = saved_block_order(saved)
     now = block_order(stages, cfg.model.pipeline_repeats)
-    if was != now:
+    if was == now:
+        return
+    steps = checkpoint.saved_steps(run_dir) if run_dir is not None else [None]
+    old = [
+        s
+        for s in steps
+        if s is None or checkpoint.step_record(checkpoint.folder(run_dir) / str(s), LAYOUT) is None
+    ]
+    if old:
         raise ConfigError(
             f"resume=true: the checkpoint holds its layers {was} and this run would read them "
-            f"{now}; resume with the saved mesh= and pipeline_repeats= or choose a new name="
+            f"{now}, and {'its steps were' if None in old else f'step {old[-1]} was'} saved "
+            "before checkpoints kept their layout; resume with the saved mesh= and "
+            "pipeline_repeats= (the next steps saved keep it) or choose a new name="
         )
 
 
@@ -543,7 +551,7 @@ def _open_run_dir(cfg: Config, is_main: bool, stages: int = 1) -> Path:
     if cfg.resume:  # resolve refused resume with compile_only
         saved = rundir.saved_config(run_dir)
         rundir.check_same_state(saved, dataclasses.asdict(cfg))
-        _check_same_block_order(saved, cfg, stages)
+        _check_same_block_order(saved, cfg, stages, run_dir)
     if is_main:
         writable_dir(run_dir)
         if cfg.checkpoint_every or cfg.resume:
@@ -837,7 +845,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
         records = _records(cfg, analysis, run_dir, log, peak[0]) if is_main else None
     except OSError as e:
         raise _start_failure(e, run_dir) from None
-    saver = checkpoint.Saver(mngr) if mngr else None
+    saver = checkpoint.Saver(mngr, trainer.layout.record()) if mngr else None
     on_peer_lost(lambda: _kept(cfg, run_dir, log, saver) if is_main else "")
     hist = History(step=start)
     end = _End(

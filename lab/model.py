@@ -558,6 +558,29 @@ def natural_layers(c: ModelConfig, stacked_params, stages: int):
     return stacked_params
 
 
+def stack_layers(params, n_layers: int) -> dict:
+    """The unscanned model's parameters (`block_0` … `block_{n-1}`) in the scanned layout:
+    every block weight stacked under `blocks`, leading axis = layer."""
+    layers = [params[f"block_{i}"] for i in range(n_layers)]
+    rest = {k: v for k, v in params.items() if k not in _block_names(n_layers)}
+    return {**rest, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+
+
+def unstack_layers(params, n_layers: int) -> dict:
+    """The inverse of `stack_layers`: `blocks` [n_layers, ...] → `block_0` … `block_{n-1}`
+    (parameters already unscanned are returned as they are)."""
+    if "blocks" not in params:
+        return params
+    out = {k: v for k, v in params.items() if k != "blocks"}
+    for i in range(n_layers):
+        out[f"block_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["blocks"])
+    return out
+
+
+def _block_names(n_layers: int) -> set:
+    return {f"block_{i}" for i in range(n_layers)}
+
+
 def _block_specs(c: ModelConfig, rules, axes: tuple, x_BxLxD):
     """Where each block weight is split over the mesh `axes` (a PartitionSpec over its dims,
     the other axes left out); None when no weight is split over any of them."""

@@ -35,6 +35,9 @@ STATE_FIELDS = (
     "param_dtype",
     "scan_layers",
 )
+# of those, the ones that only say how the layers are stored: a resume may change them (the
+# restore moves the saved weights into the run's layout, lab.train.Layout)
+LAYOUT_FIELDS = ("scan_layers",)
 
 
 # What the folder holds for its run's sake, not as the run's output: the lock of the live run and
@@ -190,7 +193,7 @@ def check_same_state(saved: dict, new: dict) -> None:
     diffs = [
         f"{k}={saved['model'].get(k)!r} → {new['model'].get(k)!r}"
         for k in STATE_FIELDS
-        if saved.get("model", {}).get(k) != new["model"].get(k)
+        if k not in LAYOUT_FIELDS and saved.get("model", {}).get(k) != new["model"].get(k)
     ]
     if (saved.get("grad_clip", 0) > 0) != (new.get("grad_clip", 0) > 0):
         diffs.append(f"grad_clip={saved.get('grad_clip')!r} → {new.get('grad_clip')!r}")

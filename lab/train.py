@@ -15,6 +15,8 @@ analysis (`Trainer.schedule`).
 
 import dataclasses
 import functools
+import re
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -26,11 +28,21 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lab import checkpoint
 from lab.config import Config
-from lab.kernels.pipeline import Schedule, to_stage_major_order
+from lab.errors import ConfigError
+from lab.kernels.pipeline import Schedule, from_stage_major_order, to_stage_major_order
 from lab.measure.memory import LayerCensus
-from lab.mesh import axis_size, rules_for
-from lab.model import build, layer_census, layer_order, mesh_axes_of, rules_without
+from lab.mesh import axis_size, parse_mesh_spec, rules_for, strategy_mesh
+from lab.model import (
+    build,
+    layer_census,
+    layer_order,
+    mesh_axes_of,
+    rules_without,
+    stack_layers,
+    unstack_layers,
+)
 from lab.names import BATCH, HOST_MEMORY, PIPELINE_STRATEGIES, SEQ, STAGE
 from lab.resolve import Platform, Request, Resolved, resolve
 
@@ -276,8 +288,7 @@ def _unscanned_init(cfg, key, tokens) -> dict:
             build(dataclasses.replace(cfg, scan_layers=False)).init(key, tokens)["params"]
         )
     )
-    layers = [params.pop(f"block_{i}") for i in range(cfg.n_layers)]
-    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+    return stack_layers(params, cfg.n_layers)
 
 
 def _state_of(params, *, tx) -> TrainState:
@@ -310,6 +321,11 @@ class Trainer:
         if self.cfg.pack:  # tokens and segment ids (lab/data.py)
             shape = (shape[0], 2, shape[1])
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+
+    @property
+    def layout(self) -> "Layout":
+        """How this trainer's state stores its layers."""
+        return layout_of(self.cfg, self.mesh)
 
     def init(self, key) -> TrainState:
         with jax.set_mesh(self.mesh):
@@ -466,3 +482,221 @@ def _offload_optimizer(r: Resolved, state_sh) -> tuple:
 def compile_step(cfg: Resolved | Config, mesh=None):
     """The compiled train step for `cfg` (on `mesh`, for a Config), for memory and cost."""
     return make_trainer(cfg, mesh).lower().compile()
+
+
+# --- how a state stores its layers, and a saved state moved into another layout ------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a state stores its layers: each its own (`block_0` … `block_{n-1}`), or stacked
+    under `blocks` with a leading layer axis: in layer order, or under the circular pipeline
+    schedule stage-major for its stage count and repeats (lab.model.layer_order). The same
+    weights in every layout (the init takes the unscanned model's values in all), so a run can
+    go on in another one: a run started on one device resumed as a pipeline, or back."""
+
+    stacked: bool
+    stages: int = 1
+    repeats: int = 1
+
+    def __post_init__(self):
+        if not self.stage_major:  # in layer order, whatever the mesh
+            object.__setattr__(self, "stages", 1)
+            object.__setattr__(self, "repeats", 1)
+
+    @property
+    def stage_major(self) -> bool:
+        return self.stacked and self.repeats > 1
+
+    def describe(self) -> str:
+        if not self.stacked:
+            return "each layer its own"
+        if self.stage_major:
+            return f"stacked by stage (stage={self.stages}, pipeline_repeats={self.repeats})"
+        return "stacked in layer order"
+
+    def record(self) -> dict:
+        """What a checkpoint step keeps of it (JSON)."""
+        return {"stacked": self.stacked, "stages": self.stages, "repeats": self.repeats}
+
+    @classmethod
+    def from_record(cls, d) -> "Layout | None":
+        """The layout a step recorded, or None where the record is not one."""
+        if not isinstance(d, dict) or not isinstance(d.get("stacked"), bool):
+            return None
+        counts = [d.get("stages", 1), d.get("repeats", 1)]
+        if not all(type(n) is int and n >= 1 for n in counts):
+            return None
+        return cls(d["stacked"], *counts)
+
+
+def layout_of(cfg: Config, mesh) -> Layout:
+    """The layout of the state a trainer for `cfg` on `mesh` holds."""
+    stages = dict(mesh.shape).get(STAGE, 1)
+    repeats = cfg.model.pipeline_repeats if layer_order(cfg.model) == "stage_major" else 1
+    return Layout(cfg.model.scan_layers, stages, repeats)
+
+
+def _is_params(x) -> bool:
+    """A tree of the model's weights: the parameters, or an optimizer slot shaped like them."""
+    return isinstance(x, dict) and ("blocks" in x or "block_0" in x)
+
+
+def _in_layer_order(params: dict, src: Layout, n_layers: int) -> dict:
+    if not src.stacked:
+        return stack_layers(params, n_layers)
+    if src.stage_major:
+        blocks = from_stage_major_order(params["blocks"], src.stages, src.repeats)
+        return {**params, "blocks": blocks}
+    return params
+
+
+def _laid_out(params: dict, dst: Layout, n_layers: int) -> dict:
+    if not dst.stacked:
+        return unstack_layers(params, n_layers)
+    if dst.stage_major:
+        return {**params, "blocks": to_stage_major_order(params["blocks"], dst.stages, dst.repeats)}
+    return params
+
+
+def relayout(state, src: Layout, dst: Layout, n_layers: int):
+    """`state` (parameters and every optimizer slot shaped like them) stored as `dst` stores
+    its layers, from `src`; values unchanged."""
+    if src == dst:
+        return state
+    move = lambda p: _laid_out(_in_layer_order(p, src, n_layers), dst, n_layers)  # noqa: E731
+    return jax.tree.map(lambda x: move(x) if _is_params(x) else x, state, is_leaf=_is_params)
+
+
+def abstract_in(abstract_state, now: Layout, saved: Layout, n_layers: int):
+    """The trainer's abstract state (`now`) as a step saved in layout `saved` holds it, each
+    array placed as this mesh places it: a block weight split over the mesh as one layer of
+    the trainer's is, its layer axis whole (a stage axis splits stacked layers only in the
+    trainer's own layout); every other array as the trainer's."""
+    shapes = jax.eval_shape(lambda s: relayout(s, now, saved, n_layers), abstract_state)
+    sds = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
+
+    def node(cur, new):
+        if not _is_params(cur):
+            return sds(new, cur.sharding)
+        layer = _one_layer_shardings(cur, now)
+        out = {}
+        for k, v in new.items():
+            if k == "blocks":
+                out[k] = jax.tree.map(lambda x, sh: sds(x, _with_layer_axis(sh)), v, layer)
+            elif k.startswith("block_") and k not in cur:
+                out[k] = jax.tree.map(sds, v, layer)
+            else:
+                out[k] = jax.tree.map(lambda x, c: sds(x, c.sharding), v, cur[k])
+        return out
+
+    return jax.tree.map(node, abstract_state, shapes, is_leaf=_is_params)
+
+
+def _one_layer_shardings(params, layout: Layout):
+    """Where one layer's block weights live under `layout`'s shardings."""
+    if not layout.stacked:
+        return jax.tree.map(lambda x: x.sharding, params["block_0"])
+    return jax.tree.map(lambda x: _without_layer_axis(x.sharding), params["blocks"])
+
+
+def _without_layer_axis(sharding):
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    return NamedSharding(
+        sharding.mesh, P(*tuple(sharding.spec)[1:]), memory_kind=sharding.memory_kind
+    )
+
+
+def _with_layer_axis(sharding):
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    return NamedSharding(sharding.mesh, P(None, *sharding.spec), memory_kind=sharding.memory_kind)
+
+
+def into_layout(trainer: Trainer, state, saved: Layout):
+    """A state restored in layout `saved` (placed as `abstract_in` places it), stored as the
+    trainer's: one jitted move onto the trainer's shardings (the restored copy is not
+    donated: no output has its shape, so XLA could not reuse it)."""
+    if saved == trainer.layout:
+        return state
+    move = jax.jit(
+        functools.partial(
+            relayout, src=saved, dst=trainer.layout, n_layers=trainer.cfg.model.n_layers
+        ),
+        out_shardings=trainer.state_shardings,
+    )
+    with jax.set_mesh(trainer.mesh):
+        return move(state)
+
+
+def block_order(stages, repeats) -> str:
+    """config.json's words for how the stacked blocks are stored (`block_order`): in layer
+    order, or under the circular schedule by stage, a permutation fixed by the stage count
+    and the repeats."""
+    if (repeats or 1) <= 1:
+        return "in layer order"
+    return f"by stage (stage={stages}, pipeline_repeats={repeats})"
+
+
+def saved_block_order(saved: dict) -> str:
+    """A run folder's block order: its config.json's, or for a folder written before it kept
+    one, read from the mesh it asked for (a stage axis of -1 is then named as -1)."""
+    if isinstance(saved.get("block_order"), str):
+        return saved["block_order"]
+    repeats = (saved.get("model") or {}).get("pipeline_repeats")
+    try:
+        spec = strategy_mesh(saved.get("mesh"), saved.get("strategy"))
+        stages = parse_mesh_spec(spec).get("stage", 1)
+    except (ConfigError, AttributeError, TypeError):
+        stages = saved.get("mesh")
+    return block_order(stages, repeats)
+
+
+_BY_STAGE = re.compile(r"by stage \(stage=(\d+), pipeline_repeats=(\d+)\)")
+
+
+def config_layout(saved: dict) -> Layout | None:
+    """The layout a run's config.json describes (the layout of its steps saved before steps
+    kept their own), or None where its stage count cannot be known (a stage axis of -1)."""
+    stacked = (saved.get("model") or {}).get("scan_layers") is True
+    order = saved_block_order(saved)
+    if order == "in layer order":
+        return Layout(stacked)
+    m = _BY_STAGE.fullmatch(order)
+    return Layout(stacked, int(m[1]), int(m[2])) if m else None
+
+
+def step_layout(step_dir: Path, config: Layout) -> Layout:
+    """How checkpoint step `step_dir` stores its layers: its own record (checkpoint.LAYOUT),
+    or for a step saved before steps kept one, stacked or not as its arrays are named, in
+    the order of `config` (the run's config.json: a resume that changes the order of such
+    steps is refused before, lab.loop)."""
+    record = Layout.from_record(checkpoint.step_record(step_dir, checkpoint.LAYOUT))
+    if record is not None:
+        return record
+    names = checkpoint.saved_names(step_dir)
+    stacked = config.stacked if names is None else any("blocks" in n for n in names)
+    return Layout(stacked, config.stages, config.repeats)
+
+
+def restore_in_layout(run_dir, trainer: Trainer, saved_config: dict, **kw):
+    """(step, state, the step's layout) from the newest good checkpoint of `run_dir`
+    (lab.checkpoint.restore_latest, `kw` passed on), stored as the trainer's state is
+    whatever layout the step was saved in; (None, None, None) where none restores."""
+    now, n = trainer.layout, trainer.cfg.model.n_layers
+    config = config_layout(saved_config) or now
+    layouts = {}
+
+    def target(step_dir: Path):
+        layouts[step_dir.name] = saved = step_layout(step_dir, config)
+        if saved == now:
+            return trainer.abstract_state
+        return abstract_in(trainer.abstract_state, now, saved, n)
+
+    with jax.set_mesh(trainer.mesh):
+        step, state = checkpoint.restore_latest(run_dir, target, **kw)
+    if state is None:
+        return step, None, None
+    saved = layouts[str(step)]
+    return step, into_layout(trainer, state, saved), saved

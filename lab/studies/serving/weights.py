@@ -19,6 +19,7 @@ from lab.names import STAGE
 from lab.resolve import Request, resolve
 from lab.rundir import STATE_FIELDS, saved_config
 from lab.session import Session, session_for
+from lab.train import restore_in_layout
 
 
 def config_of_run(run_dir: Path) -> Config:
@@ -115,16 +116,18 @@ def _restore(session: Session, run_dir: Path, warn):
     # step is skipped and left where it is (lab.run resume=true sets it aside)
     trainer = session.trainer
     damaged = []
-    with jax.set_mesh(trainer.mesh):
-        step, state = checkpoint.restore_latest(
-            run_dir,
-            trainer.abstract_state,
-            warn=warn,
-            why=f"run={run_dir.name}",
-            moved=damaged,
-            read_only=True,
-            finite=lambda state: state.params,  # the weights decode; the moments do not
-        )
+    # (each step in the layout it was saved in: a run resumed in another layout keeps its
+    # older steps in the first, moved here into the layout of the run's config.json)
+    step, state, _ = restore_in_layout(
+        run_dir,
+        trainer,
+        saved_config(run_dir),
+        warn=warn,
+        why=f"run={run_dir.name}",
+        moved=damaged,
+        read_only=True,
+        finite=lambda state: state.params,  # the weights decode; the moments do not
+    )
     if state is None and damaged:  # it was checkpointed: say so
         n = f"{len(damaged)} damaged step{'s' if len(damaged) > 1 else ''}"
         raise ConfigError(
