@@ -440,3 +440,23 @@ def test_c20_reads_l2_and_shared_memory_from_the_driver_and_judges_them():
     (l2,) = [r for r in _driver_report(mig, lib=_FakeDriver()) if "L2" in r["what"]]
     assert l2["config"]["role"] == "context" and "of this MIG slice" in l2["what"]
     assert cuda.driver_attributes(0, lib=types.SimpleNamespace()) == {}  # no such symbols
+
+
+def test_a_step_two_topics_time_is_timed_once_and_losses_are_added(monkeypatch):
+    """The parallel topic times the shared step without losses, the training topic asks for
+    its losses: one timing (two had given the same step two MFUs in one report, 19.3% and
+    21.3%), and the losses are those of a probe that took them first."""
+    from experiments import common
+
+    monkeypatch.setattr(common, "_PROBES", {})
+    cfg = common.step_config("tiny")
+    timed = []
+    real = common.timing.bench
+    monkeypatch.setattr(common.timing, "bench", lambda *a, **k: timed.append(1) or real(*a, **k))
+    first = common.train_probe(cfg, budget_s=0.01)
+    assert first["losses"] == [] and len(timed) == 1
+    again = common.train_probe(cfg, budget_s=0.01, loss_steps=3)
+    assert len(timed) == 1 and again["step"] == first["step"] and len(again["losses"]) == 3
+    monkeypatch.setattr(common, "_PROBES", {})
+    fresh = common.train_probe(cfg, budget_s=0.01, loss_steps=3)
+    assert fresh["losses"] == again["losses"]
