@@ -298,7 +298,11 @@ def _bf16_matmul_predicted() -> list[dict]:
 def run(size: str = "quick", plans: bool = False) -> list[dict]:
     """plans=True adds C05's GPUs predicted by the step-time model from compiled matmuls."""
     be = backend()
-    n = pick(size, tiny=128, quick=1024, full=4096 if be == "cpu" else 8192)
+    # an accelerator's dense peak needs big tiles: at n=1024 an H100's bf16 matmul is a few
+    # microseconds, its launch a share of them, and C05's peak would read off for the size
+    n = pick(
+        size, tiny=128, quick=1024 if be == "cpu" else 4096, full=4096 if be == "cpu" else 8192
+    )
     budget = pick(size, tiny=0.02, quick=0.4, full=2.0)
     model = _bf16_matmul_predicted() if plans and be != "gpu" else []
     return (
