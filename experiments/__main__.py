@@ -49,6 +49,24 @@ class Options:
     )
 
 
+def _points_so_far(out_dir, module: str) -> int:
+    """Append the records of the points the topic `module` finished before a stop (each a
+    point's own figures, marked cut_short; the topic's verdicts need its whole sweep, so
+    none of its evidence is among them); how many were kept."""
+    from experiments.common import records_so_far
+    from lab.measure import records as rec
+
+    try:
+        records = records_so_far()
+        for r in records:
+            r["config"].update(module=module, cut_short=True)
+        if records:
+            rec.write_records(out_dir / "records.jsonl", records)
+        return len(records)
+    except Exception:  # noqa: BLE001 - the stop's line and report must still come
+        return 0
+
+
 @contextlib.contextmanager
 def _signals_keep_what_finished(out_dir, meta: dict, only, con, writing: threading.Lock):
     """Ctrl-C or SIGTERM (a scheduler's stop, `timeout`) while a topic runs: REPORT.md is
@@ -71,10 +89,12 @@ def _signals_keep_what_finished(out_dir, meta: dict, only, con, writing: threadi
         with writing:  # a topic's records are appended whole, then never again
             current = meta.get("current")
             if current:
+                kept = _points_so_far(out_dir, current)
                 meta["modules"][current] = {
                     "wall_s": time.perf_counter() - meta["current_start"],
-                    "records": 0,
-                    "error": f"cut short by {name}: no records",
+                    "records": kept,
+                    "error": f"cut short by {name}: "
+                    + (f"the {kept} records of its finished points kept" if kept else "no records"),
                 }
             meta["wall_s"] = time.perf_counter() - meta["start"]
             hidden = ("current", "current_start", "start")
@@ -129,6 +149,7 @@ def _signals_keep_what_finished(out_dir, meta: dict, only, con, writing: threadi
 
 def run(o: Options) -> int:
     from experiments import load, parse_only, plan_kwargs, select
+    from experiments.common import keep_so_far
     from lab.errors import ConfigError
 
     try:
@@ -171,6 +192,7 @@ def run(o: Options) -> int:
             claims = f" ({', '.join(module.CLAIMS)})" if module.CLAIMS else ""
             bar.update(task, description=f"{name}{claims}")
             start = time.perf_counter()
+            keep_so_far(None)  # a topic that keeps its points says so as it starts
             meta["current"], meta["current_start"] = name, start
             try:
                 records = module.run(o.size, **plan_kwargs(name, o.plans, o.size))

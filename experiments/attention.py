@@ -12,7 +12,7 @@ is context) and the slope of flash's memory against sequence length.
 
 import numpy as np
 
-from experiments.common import backend, pick, record
+from experiments.common import backend, keep_so_far, pick, record
 from lab.studies import attention as bench
 
 CLAIMS = ("C08",)
@@ -145,6 +145,11 @@ def run(size: str = "quick") -> list[dict]:
     )
     budget = pick(size, tiny=0.01, quick=0.3, full=1.0)
     modes = pick(size, tiny=("fwd+bwd",), quick=bench.MODES, full=bench.MODES)
-    raw = bench.sweep(seqs, causal=(True,), modes=modes, shape=shape, budget_s=budget)
+    finished: list[dict] = []  # each point's records as it finishes: a stop keeps them
+    keep_so_far(lambda: _context(_rows(list(finished)), shape))
+    raw = bench.sweep(
+        seqs, causal=(True,), modes=modes, shape=shape, budget_s=budget, done=finished.extend
+    )
+    keep_so_far(None)
     rows = _rows(raw)
     return _context(rows, shape) + _evidence(rows, seqs)

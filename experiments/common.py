@@ -204,6 +204,24 @@ def fallback(mfu: float, workload: str = "train") -> str:
     return prediction.fallback_statement(mfu, workload)
 
 
+# What the topic in flight has finished so far, as records (a function the topic sets): a stop
+# (Ctrl-C, a scheduler's SIGTERM) keeps them beside the finished topics' (experiments/__main__)
+_SO_FAR: list = [None]
+
+
+def keep_so_far(records_so_far) -> None:
+    """The topic in flight says how to read its finished points as records (a function of
+    no argument; None: nothing to keep). A stop calls it, on another thread: it must read a
+    copy of what it reads."""
+    _SO_FAR[0] = records_so_far
+
+
+def records_so_far() -> list[dict]:
+    """The records of the points the topic in flight has finished ([] where it keeps none)."""
+    fn = _SO_FAR[0]
+    return list(fn()) if fn else []
+
+
 def _plan_failed(point_id: str, e: Exception) -> None:
     """One line on stderr: a plan that failed (not one the compiler refused, which
     predict_with_fit answers with None) leaves its claim on the datasheet's rule, and the user

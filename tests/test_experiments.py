@@ -268,7 +268,11 @@ def finished(size, **_):
     return [record("C06", "ridge_point", "ridge point", 150.0, "FLOP/B", label="derived")]
 
 def stopped(size, **_):
-    if len(sys.argv) > 2:  # a native library takes SIGTERM over (as Mosaic GPU's absl does)
+    if sys.argv[2:] == ["points"]:  # two points finished before the stop
+        from experiments.common import keep_so_far
+        done = [record("C06", None, f"point {i}", 1.0 + i, "s", role="context") for i in (1, 2)]
+        keep_so_far(lambda: list(done))
+    elif len(sys.argv) > 2:  # a native library takes SIGTERM over (as Mosaic GPU's absl does)
         import ctypes
         ctypes.CDLL(None).signal(int(signal.SIGTERM), ctypes.c_void_p(0))  # SIG_DFL: killed
         time.sleep(0.5)
@@ -283,17 +287,18 @@ sys.exit(cli.main(["size=tiny", "out_dir=" + sys.argv[1]]))
 """
 
 
-@pytest.mark.parametrize("taken_over", [True, False])
-def test_a_stopped_ledger_keeps_the_finished_topics_and_writes_their_report(tmp_path, taken_over):
+@pytest.mark.parametrize("how", ["native", "plain", "points"])
+def test_a_stopped_ledger_keeps_the_finished_topics_and_writes_their_report(tmp_path, how):
     """SIGTERM while a topic runs: one line naming it, exit 143 at once, and REPORT.md from
     the records the finished topics wrote, the topic in flight marked as cut short; also
-    after a native library replaced the process's SIGTERM handler during the topic."""
+    after a native library replaced the process's SIGTERM handler during the topic; a topic
+    that keeps its finished points (the attention sweep) has them written, marked."""
     import subprocess
     import sys
 
     t0 = time.perf_counter()
     p = subprocess.run(
-        [sys.executable, "-c", _STOPPED_RUN, str(tmp_path), *(["native"] if taken_over else [])],
+        [sys.executable, "-c", _STOPPED_RUN, str(tmp_path), *([how] if how != "plain" else [])],
         capture_output=True,
         text=True,
         timeout=300,
@@ -303,10 +308,17 @@ def test_a_stopped_ledger_keeps_the_finished_topics_and_writes_their_report(tmp_
     line = p.stderr.strip().splitlines()
     assert len(line) == 1 and line[0].startswith("SIGTERM: stopped during memory;"), p.stderr
     (folder,) = tmp_path.iterdir()
-    assert len(rec.read_records(folder / "records.jsonl")) == 1  # roofline's; training never ran
+    records = rec.read_records(folder / "records.jsonl")
     report = (folder / "REPORT.md").read_text()
     assert "`memory`" in report and "cut short by SIGTERM" in report
     assert "`training`" not in report
+    if how == "points":
+        kept = [r for r in records if r["config"].get("cut_short")]
+        assert [r["value"] for r in kept] == [2.0, 3.0]
+        assert {r["config"]["module"] for r in kept} == {"memory"}
+        assert "the 2 records of its finished points kept" in report
+    else:
+        assert len(records) == 1  # roofline's; training never ran
 
 
 def test_compare_derives_no_cross_machine_ratio_from_different_steps():
