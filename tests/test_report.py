@@ -451,3 +451,20 @@ def test_a_measurement_that_is_not_a_number_reads_as_one(tmp_path):
     rec.write_records(tmp_path / "records.jsonl", [r])
     text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
     assert "synthetic" in text and ": NaN (" in text
+
+
+def test_a_part_only_another_backend_tests_reads_na_not_no_record():
+    """C20's L2 and shared memory are read from an NVIDIA driver: on a CPU, whose records of
+    the claim are context, those parts are n/a (measured on a GPU only), not missing."""
+    c20 = claims.get("C20")
+    context = rec.make_record(
+        "device kind reported: cpu", 8, "devices", claim="C20", metric=None, role="context"
+    )
+    context["backend"] = "cpu"
+    v = judge(c20, [context])
+    l2 = next(c for c in v.checks if c.stated.metric == "l2_cache")
+    assert l2.status == NA and v.status == NA
+    text = "\n".join(markdown._check_lines(v, [context]))
+    assert "measured on gpu only" in text and "nothing recorded for this part" not in text
+    # with no record of the claim at all, nothing is judged
+    assert judge(c20, []).status == MISSING

@@ -16,7 +16,16 @@ from lab.measure.attention import TargetVerdict
 from lab.report import plots, tables
 from lab.report.claims import BY_ID, CLAIMS, SOURCES, TOPICS
 from lab.report.format import fmt, fmt_range, ratio
-from lab.report.verdict import MISSING, NA, OFF, PREDICTED, Verdict, judge_all, outside
+from lab.report.verdict import (
+    MISSING,
+    NA,
+    OFF,
+    PREDICTED,
+    Verdict,
+    backend_of,
+    judge_all,
+    outside,
+)
 
 CAVEAT = (
     "Times are medians after warm-up, blocked on every output; on a machine shared with other "
@@ -197,7 +206,11 @@ def _check_lines(v: Verdict, records: Sequence[dict]) -> list[str]:
             inside = sum(x.in_range for x in c.readings)
             lines.append(f"  - predictions inside the stated range: {inside} of {len(c.readings)}")
         if c.status in (NA, MISSING) and not c.context:
-            lines.append("  - nothing recorded for this part on this backend")
+            present = {backend_of(records[i]) for i in v.records}
+            if present and not present & set(s.backends):
+                lines.append(f"  - measured on {' or '.join(s.backends)} only")
+            else:
+                lines.append("  - nothing recorded for this part on this backend")
         lines += _reference_notes(c, records)
     shown = {x.index for c in v.checks for x in c.readings}
     rest = [i for i in v.records if i not in shown]

@@ -145,6 +145,15 @@ def judge(claim: Claim, records: Sequence[dict]) -> Verdict:
         judge_stated(s, [(i, r) for i, r in mine if r["config"].get("metric") == s.metric])
         for s in claim.stated
     )
+    # a part that only another backend can test reads n/a where the claim's records are all
+    # from backends it does not take (an H100's L2 on a CPU), not "no record"
+    present = {backend_of(r) for _, r in mine}
+    checks = tuple(
+        dataclasses.replace(c, status=NA)
+        if c.status == MISSING and present and not present & set(c.stated.backends)
+        else c
+        for c in checks
+    )
     statuses = {c.status for c in checks}
     if not mine:
         status = MISSING
