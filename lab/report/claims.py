@@ -524,9 +524,13 @@ CLAIMS: tuple[Claim, ...] = (
                 lo=0,
                 hi=1,
                 strict=True,
-                reading="per-device compiled memory of the same step sharded (FSDP) over the "
-                "mesh, over pure data parallelism on the same mesh: below 1, so splitting the "
-                "model is what lets a too-big model fit",
+                reading="per-device compiled memory of the same step with the model's state "
+                "split over the mesh (FSDP: each device keeps 1/n of every layer's weights, "
+                "gradients and optimizer state), over pure data parallelism on the same mesh: "
+                "below 1, so splitting the model is what lets a too-big model fit. FSDP is one "
+                "way to split it; the articles' layer (pipeline) and tensor splits are shown "
+                "beside it, and on a step whose activations outweigh its weights they save "
+                "less, or cost more (the pipeline's stage holds several microbatches)",
             ),
         ),
     ),
