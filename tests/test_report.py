@@ -468,3 +468,187 @@ def test_a_part_only_another_backend_tests_reads_na_not_no_record():
     assert "measured on gpu only" in text and "nothing recorded for this part" not in text
     # with no record of the claim at all, nothing is judged
     assert judge(c20, []).status == MISSING
+
+
+def _two_machines(
+    series_config, values, machines=("cpu · cpu · tiny · run1", "cpu · cpu · tiny · run2")
+):
+    """The records of one series from two folders that a merge stamped with their columns:
+    `values(k)` → [(value, config)] for machine k."""
+    return [
+        {**_rec(v, "cpu", "cpu"), "machine": m, "config": {**series_config, **c}}
+        for k, m in enumerate(machines)
+        for v, c in values(k)
+    ]
+
+
+def test_a_merged_roofline_draws_each_machines_roofs_over_its_own_points(monkeypatch):
+    """A CPU folder beside an H100 one: a panel each, titled by its machine, with its own
+    roofs' values and only its own points (the merge drew the H100's roofs over every point,
+    titled cpu)."""
+    from lab.report import plots
+
+    def folder(machine, backend, kind, peak, bw):
+        roofs = [
+            {**_rec(peak, backend, kind), "config": {"series": "roof", "roof": "peak"}},
+            {**_rec(bw, backend, kind), "config": {"series": "roof", "roof": "bandwidth"}},
+        ]
+        pts = [
+            {
+                **_rec(0, backend, kind),
+                "config": {
+                    "series": "roofline",
+                    "name": name,
+                    "flops": ai * 1e9,
+                    "bytes": 1e9,
+                    "median_s": ai * 1e9 / (0.5 * min(peak, ai * bw)),
+                },  # half way up
+            }  # fmt: skip
+            for name, ai in (("poly_1", 0.25), ("mm_64", 16.0))
+        ]
+        return [{**r, "machine": machine} for r in roofs + pts]
+
+    records = folder("cpu · cpu · tiny", "cpu", "cpu", 6.7e10, 3.1e10) + folder(
+        "gpu · NVIDIA H100 · tiny", "gpu", "NVIDIA H100", 7e14, 3e12
+    )
+    fig = _drawn(monkeypatch, plots.roofline, records)
+    cpu, gpu = fig.axes
+    assert cpu.get_title().startswith("roofline · cpu · cpu · tiny (")
+    assert gpu.get_title().startswith("roofline · gpu · NVIDIA H100 · tiny (")
+    cpu_texts = {t.get_text() for t in cpu.texts}
+    assert {"peak 67 GFLOP/s", "31 GB/s"} <= cpu_texts and "peak 700 TFLOP/s" not in cpu_texts
+    assert {"peak 700 TFLOP/s", "3 TB/s"} <= {t.get_text() for t in gpu.texts}
+    for ax, top in ((cpu, 6.7e10), (gpu, 7e14)):
+        points = [y for line in ax.get_lines() if line.get_linestyle() == "None"
+                  for y in line.get_ydata()]  # fmt: skip
+        assert len(points) == 2 and max(points) <= top / 2 * 1.0001, points
+
+
+def test_a_single_folders_roofline_is_one_panel_titled_by_its_device(monkeypatch):
+    from lab.report import plots
+
+    records = [
+        {**_rec(6.5e10, "cpu", "cpu"), "config": {"series": "roof", "roof": "peak"}},
+        {**_rec(1.6e10, "cpu", "cpu"), "config": {"series": "roof", "roof": "bandwidth"}},
+        {**_rec(0, "cpu", "cpu"), "config": {"series": "roofline", "name": "poly_1",
+                                             "flops": 1e9, "bytes": 4e9, "median_s": 1.0}},
+    ]  # fmt: skip
+    fig = _drawn(monkeypatch, plots.roofline, records)
+    (ax,) = fig.axes
+    assert ax.get_title() == "roofline · cpu (measured roofs and points)"
+
+
+def test_merged_line_plots_draw_a_series_per_machine_named_by_its_column(monkeypatch):
+    """Two CPU folders merged: batch, inference and losses draw one line per folder (one line
+    joined both folders' points and zigzagged at each batch), named by the columns the compare
+    table uses; one folder's plots keep their plain labels."""
+    from lab.report import plots
+
+    run1, run2 = "cpu · cpu · tiny · run1", "cpu · cpu · tiny · run2"
+    batch = _two_machines(
+        {"series": "batch_sweep"},
+        lambda k: [(1000 * b * (k + 1), {"batch": b, "memory_bytes": 2**20 * (20 + b)})
+                   for b in (2, 8)],
+    )  # fmt: skip
+    fig = _drawn(monkeypatch, plots.batch_sweep, batch)
+    ax, ax2 = fig.axes
+    assert [(line.get_label(), list(line.get_xdata())) for line in ax.get_lines()] == [
+        (f"tokens/s · {run1}", [2, 8]),
+        (f"tokens/s · {run2}", [2, 8]),
+    ]
+    assert [line.get_label() for line in ax2.get_lines()] == [
+        f"memory (compiled) · {run1}",
+        f"memory (compiled) · {run2}",
+    ]
+    assert len({line.get_color() for line in ax.get_lines()}) == 2
+    assert "·" not in ax.get_title()  # one machine named for both would be wrong
+    inference = _two_machines(
+        {"series": "inference_batch"},
+        lambda k: [(100 * b + k, {"batch": b, "median_s": 0.01 * b}) for b in (1, 4)],
+    )
+    fig = _drawn(monkeypatch, plots.inference, inference)
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
+        f"requests/s · {run1}",
+        f"requests/s · {run2}",
+        f"latency per batch (ms) · {run1}",
+        f"latency per batch (ms) · {run2}",
+    ]
+    assert [len(line.get_xdata()) for line in fig.axes[0].get_lines()] == [2, 2]
+    losses = _two_machines(
+        {"series": "loss_curve"},
+        lambda k: [
+            (0, {"dtype": d, "losses": [5.0, 4.0 + k, 3.0]}) for d in ("float32", "bfloat16")
+        ],
+    )
+    fig = _drawn(monkeypatch, plots.losses, losses)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == [f"float32 · {run1}", f"bfloat16 · {run1}", f"float32 · {run2}",
+                      f"bfloat16 · {run2}"]  # fmt: skip
+    assert len(set(labels)) == 4
+    alone = [r for r in losses if r["machine"] == run1]
+    for r in alone:
+        del r["machine"]
+    fig = _drawn(monkeypatch, plots.losses, alone)
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["float32", "bfloat16"]
+
+
+def test_a_cpu_beside_a_gpu_reads_on_a_log_scale_in_a_merged_line_plot(monkeypatch):
+    from lab.report import plots
+
+    batch = _two_machines(
+        {"series": "batch_sweep"},
+        lambda k: [(2e4 * 500**k * b, {"batch": b, "memory_bytes": 2**20 * 3}) for b in (2, 8)],
+        machines=("cpu · cpu", "gpu · NVIDIA H100"),
+    )
+    fig = _drawn(monkeypatch, plots.batch_sweep, batch)
+    assert fig.axes[0].get_yscale() == "log" and fig.axes[1].get_ylim()[0] == 0
+
+
+def test_merged_bar_and_panel_plots_name_each_machine(monkeypatch, tmp_path):
+    """matmul: a bar colour and legend entry per folder (six bars said "cpu"); memory,
+    attention and decode: a panel per folder, titled by it."""
+    from lab.report import plots
+
+    run1, run2 = "cpu · cpu · tiny · run1", "cpu · cpu · tiny · run2"
+    matmul = _two_machines(
+        {"series": "matmul_precision", "precision": "default", "n": 128},
+        lambda k: [(v, {"dtype": d}) for d, v in (("float32", 3e10), ("bfloat16", 4e10))],
+    )
+    ax = _figure_of(monkeypatch, plots.matmul, matmul, tmp_path).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [run1, run2]
+    predicted = {"params": 2**20, "grads": 2**20, "optimizer": 2**21, "activations": 2**21}
+    memory = _two_machines(
+        {"series": "memory_breakdown", "predicted": predicted},
+        lambda k: [(6 * 2**20, {"case": c}) for c in ("remat=none", "remat=full")],
+    )
+    fig = _drawn(monkeypatch, plots.memory, memory)
+    assert [a.get_title() for a in fig.axes] == [
+        f"training memory: calculator vs compiler · {m}" for m in (run1, run2)
+    ]
+    assert [[t.get_text() for t in a.get_xticklabels()] for a in fig.axes] == [
+        ["remat=none", "remat=full"]
+    ] * 2
+    attention = _two_machines(
+        {"series": "attention", "impl": "xla", "mode": "fwd", "causal": True},
+        lambda k: [(0, {"seq_len": s, "median_s": 1e-3 * s / 64, "temp_bytes": s * 2**10})
+                   for s in (64, 128)],
+    )  # fmt: skip
+    fig = _drawn(monkeypatch, plots.attention, attention)
+    assert [a.get_title() for a in fig.axes] == [
+        f"{what} · {m}" for m in (run1, run2) for what in ("time", "memory")
+    ]
+    assert all(len(line.get_xdata()) == 2 for a in fig.axes for line in a.get_lines())
+    decode = _two_machines(
+        {"series": "decode_batch", "int8": False, "memory_roof_share": 0.5},
+        lambda k: [(1000 * b, {"batch": b}) for b in (1, 2)],
+    ) + [
+        {**_rec(at, "cpu", "cpu"), "machine": m, "config": {"metric": "decode_critical_batch"}}
+        for m, at in ((run1, 4), (run2, 1.5))
+    ]
+    fig = _drawn(monkeypatch, plots.decode, decode)
+    left, right = (a for a in fig.axes if a.get_title())
+    assert left.get_title().endswith(f"· {run1}") and right.get_title().endswith(f"· {run2}")
+    assert "critical batch (ridge): 4, past the batches measured" in [
+        t.get_text() for t in left.get_legend().get_texts()
+    ]
+    assert "critical batch (ridge): 1.5" in [t.get_text() for t in right.get_legend().get_texts()]

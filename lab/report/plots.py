@@ -3,8 +3,12 @@
 The ledger's plots read records only: roofline, matmul by precision, attention time and memory
 against sequence length, memory breakdown, scaling, batch size, inference, loss curves. Each
 reads the records whose config carries its `series` and returns None when there are none, so
-a partial run (only=C08) plots what it has. The commands' plots (the measured roofline, the
-attention sweep, collectives, the scaling study) take what their study returns.
+a partial run (only=C08) plots what it has. A merge of several folders (experiments/compare.py)
+stamps each record with `machine`, its folder's column name: every plot then draws one series
+per machine, labelled by it, or one panel per machine where a machine's figures need their own
+axes (its roofs, its attention lengths); a single folder's records draw as before. The
+commands' plots (the measured roofline, the attention sweep, collectives, the scaling study)
+take what their study returns.
 """
 
 from collections import defaultdict
@@ -65,6 +69,27 @@ def device_name(backend: str, kind: str) -> str:
 
 def _label(r: dict) -> str:
     return device_name(r["backend"], r["device_kind"])
+
+
+def machine_of(r: dict) -> str:
+    """The machine a record came from: its merge column (`machine`, set by compare, which
+    tells two folders of one device kind apart), else its backend · device kind."""
+    return r.get("machine") or _label(r)
+
+
+def by_machine(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    """machine → its rows, in the order the machines first appear."""
+    out = {}
+    for r in rows:
+        out.setdefault(machine_of(r), []).append(r)
+    return out
+
+
+def _spread(values) -> bool:
+    """Whether magnitudes span more than 30× (a CPU beside a GPU): a log axis keeps both
+    readable where a linear one from 0 flattens the smaller to the floor."""
+    vals = [v for v in values if v is not None and v > 0]
+    return bool(vals) and max(vals) > 30 * min(vals)
 
 
 def _number(v: float, _pos=None) -> str:
@@ -135,14 +160,20 @@ def roofline_points(points, *, peak_flops: float, bandwidth: float, path, title:
     with their values, the ridge point. The axes run a little past the points and the ridge
     (they ran to 10⁴ FLOP/B with the last point at ~341); every label sits above a roof,
     where no point is (the ridge's sat on one)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.9))
+    _roofline_axes(ax, points, peak_flops=peak_flops, bandwidth=bandwidth, title=title)
+    return _save(fig, path, dpi=120)
+
+
+def _roofline_axes(ax, points, *, peak_flops: float, bandwidth: float, title: str) -> None:
+    """One machine's roofline (`roofline_points`) drawn into `ax`."""
     import numpy as np
 
-    plt = _plt()
     ridge = peak_flops / bandwidth
     at = [p.intensity for p in points] or [ridge]
     lo, hi = min(min(at), ridge) / 3, max(max(at) * 3, ridge * 8)
     ai = np.logspace(np.log10(lo), np.log10(hi), 200)
-    fig, ax = plt.subplots(figsize=(7, 4.9))
     ax.loglog(ai, np.minimum(peak_flops, ai * bandwidth), "k-", label="attainable (measured roofs)")
     ax.axvline(ridge, ls="--", lw=1, color="tab:red")
     above = dict(textcoords="offset points", va="bottom", fontsize=8)
@@ -169,27 +200,34 @@ def roofline_points(points, *, peak_flops: float, bandwidth: float, path, title:
     # below the axes: inside, no corner is empty for every device (the ridge moves)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     ax.grid(True, which="both", alpha=0.3)
-    return _save(fig, path, dpi=120)
 
 
 def roofline(records, path) -> Path | None:
-    """Measured points under the measured roofs."""
+    """Measured points under the measured roofs: one panel per machine, each with its own
+    roofs and its own points (a merge drew the last folder's roofs over every folder's
+    points, titled by the first's)."""
     from lab.measure.roofline import Point
 
-    pts = series(records, "roofline")
-    roofs = {r["config"]["roof"]: r["value"] for r in series(records, "roof")}
-    if not pts or "peak" not in roofs or "bandwidth" not in roofs:
+    panels = []
+    for machine, rows in by_machine(series(records, "roofline") + series(records, "roof")).items():
+        pts = [r["config"] for r in rows if r["config"]["series"] == "roofline"]
+        roofs = {r["config"]["roof"]: r["value"] for r in rows if r["config"]["series"] == "roof"}
+        if pts and "peak" in roofs and "bandwidth" in roofs:
+            points = [Point(c["name"], c["flops"], c["bytes"], c["median_s"]) for c in pts]
+            panels.append((machine, points, roofs))
+    if not panels:
         return None
-    points = [
-        Point(
-            r["config"]["name"], r["config"]["flops"], r["config"]["bytes"], r["config"]["median_s"]
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.9), squeeze=False)
+    for ax, (machine, points, roofs) in zip(axes[0], panels, strict=True):
+        _roofline_axes(
+            ax,
+            points,
+            peak_flops=roofs["peak"],
+            bandwidth=roofs["bandwidth"],
+            title=f"roofline · {machine} (measured roofs and points)",
         )
-        for r in pts
-    ]
-    title = f"roofline · {_label(pts[0])} (measured roofs and points)"
-    return roofline_points(
-        points, peak_flops=roofs["peak"], bandwidth=roofs["bandwidth"], path=path, title=title
-    )
+    return _save(fig, path, dpi=120)
 
 
 def matmul(records, path) -> Path | None:
@@ -199,10 +237,10 @@ def matmul(records, path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(rows)), 3.8))
     names = [f"{r['config']['dtype']}\n{r['config']['precision']}" for r in rows]
-    devices = list(dict.fromkeys(_label(r) for r in rows))  # a merged ledger holds several
+    devices = list(by_machine(rows))  # a merged ledger holds several
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, device in enumerate(devices):
-        at = [i for i, r in enumerate(rows) if _label(r) == device]
+        at = [i for i, r in enumerate(rows) if machine_of(r) == device]
         ax.bar(
             at,
             [rows[i]["value"] / 1e9 for i in at],
@@ -223,12 +261,27 @@ def matmul(records, path) -> Path | None:
 
 def attention(records, path) -> Path | None:
     """ms per call and compiled temporaries against sequence length, one line per (impl, mode,
-    mask): records of causal and full attention are two lines, not one."""
+    mask): records of causal and full attention are two lines, not one. A merge draws a row
+    of the two panels per machine (one line joined two folders' points at each length)."""
     rows = series(records, "attention")
     if not rows:
         return None
     plt = _plt()
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11.5, 4))
+    machines = by_machine(rows)
+    fig, grid = plt.subplots(len(machines), 2, figsize=(11.5, 4 * len(machines)), squeeze=False)
+    color = _colors(sorted({r["config"]["impl"] for r in rows}))
+    for (ax_t, ax_m), (machine, mine) in zip(grid, machines.items(), strict=True):
+        _attention_axes(ax_t, ax_m, mine, color)
+        if len(machines) > 1:
+            ax_t.set_title(f"time · {machine}")
+            ax_m.set_title(f"memory · {machine}")
+    fig.suptitle("attention" + (f" · {next(iter(machines))}" if len(machines) == 1 else ""),
+                 fontsize=9)  # fmt: skip
+    return _save(fig, path)
+
+
+def _attention_axes(ax_t, ax_m, rows, color: dict) -> None:
+    """One machine's attention records: time in ax_t, memory in ax_m, the legend beside."""
     lines = defaultdict(list)
     for r in rows:
         c = r["config"]
@@ -236,7 +289,6 @@ def attention(records, path) -> Path | None:
         lines[(c["impl"], c["mode"], mask)].append(
             (c["seq_len"], c["median_s"], c.get("temp_bytes"))
         )
-    color = _colors(sorted({impl for impl, _, _ in lines}))
     for (impl, mode, mask), pts in sorted(lines.items()):
         pts.sort()
         style = dict(
@@ -265,25 +317,38 @@ def attention(records, path) -> Path | None:
         bbox_to_anchor=(1.02, 1.0),
         borderaxespad=0,
     )
-    fig.suptitle(f"attention · {_label(rows[0])}", fontsize=9)
-    return _save(fig, path)
 
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "workspace")
 
 
 def memory(records, path) -> Path | None:
-    """Stacked predicted components beside the compiled total, per case."""
+    """Stacked predicted components beside the compiled total, per case: a panel per machine
+    on one scale (a merge set each case's bars twice along one axis, unnamed)."""
     rows = series(records, "memory_breakdown")
     if not rows:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    machines = by_machine(rows)
+    widths = [max(6, 1.3 * len(mine)) for mine in machines.values()]
+    fig, axes = plt.subplots(1, len(machines), figsize=(sum(widths), 4), squeeze=False,
+                             sharey=True, width_ratios=widths)  # fmt: skip
+    for ax, (machine, mine) in zip(axes[0], machines.items(), strict=True):
+        _memory_axes(ax, mine)
+        ax.set_title(f"training memory: calculator vs compiler · {machine}", fontsize=9)
+    # beside the last axes: inside, the legend covered the tallest case's bars
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    return _save(fig, path)
+
+
+def _memory_axes(ax, rows) -> None:
     x = range(len(rows))
     bottom = [0.0] * len(rows)
-    for comp in COMPONENTS:
+    colors = _plt().rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, comp in enumerate(COMPONENTS):
         vals = [r["config"]["predicted"].get(comp, 0) / 2**20 for r in rows]
-        ax.bar([i - 0.2 for i in x], vals, width=0.38, bottom=bottom, label=f"predicted {comp}")
+        ax.bar([i - 0.2 for i in x], vals, width=0.38, bottom=bottom, label=f"predicted {comp}",
+               color=colors[k % len(colors)])  # fmt: skip
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.bar(
         [i + 0.2 for i in x],
@@ -295,10 +360,6 @@ def memory(records, path) -> Path | None:
     )
     ax.set_xticks(list(x), [r["config"]["case"] for r in rows], fontsize=7, rotation=20)
     ax.set_ylabel("MiB per device")
-    ax.set_title(f"training memory: calculator vs compiler · {_label(rows[0])}", fontsize=9)
-    # beside the axes: inside, the legend covered the tallest case's bars
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    return _save(fig, path)
 
 
 def _measured_split(ax, rows) -> None:
@@ -320,17 +381,38 @@ def _measured_split(ax, rows) -> None:
 
 def scaling(records, path) -> Path | None:
     """Data-parallel efficiency against device count (predicted), per-strategy memory, and the
-    measured step split where lab.studies.scaling ran."""
-    eff = series(records, "dp_scaling")
-    mem = series(records, "strategy_memory")
-    measured = [
-        r for r in series(records, "dp_measured") if r["config"].get("experiment") == "scaling"
-    ]
-    if not eff and not mem:
+    measured step split where lab.studies.scaling ran: a row of panels per machine."""
+    machines = by_machine(
+        series(records, "dp_scaling")
+        + series(records, "strategy_memory")
+        + [r for r in series(records, "dp_measured") if r["config"].get("experiment") == "scaling"]
+    )
+    rows = []
+    for machine, mine in machines.items():
+        eff = [r for r in mine if r["config"]["series"] == "dp_scaling"]
+        mem = [r for r in mine if r["config"]["series"] == "strategy_memory"]
+        measured = [r for r in mine if r["config"]["series"] == "dp_measured"]
+        if eff or mem:
+            rows.append((machine, eff, mem, measured))
+    if not rows:
         return None
     plt = _plt()
-    panels = 3 if measured else 2
-    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    panels = 3 if any(measured for *_, measured in rows) else 2
+    fig, grid = plt.subplots(len(rows), panels, figsize=(5 * panels, 4 * len(rows)), squeeze=False)
+    for axes, (machine, eff, mem, measured) in zip(grid, rows, strict=True):
+        _scaling_axes(axes, eff, mem, measured)
+        if len(rows) > 1:
+            for ax in axes:
+                if ax.get_title():
+                    ax.set_title(f"{ax.get_title()} · {machine}", fontsize=9)
+        if not measured and panels == 3:
+            axes[2].axis("off")
+    fig.suptitle("scaling" + (f" · {rows[0][0]}" if len(rows) == 1 else ""), fontsize=9)
+    return _save(fig, path)
+
+
+def _scaling_axes(axes, eff, mem, measured) -> None:
+    """One machine's scaling records in a row of panels."""
     ax_e, ax_m = axes[0], axes[1]
     by_target = defaultdict(list)
     for r in eff:
@@ -348,7 +430,8 @@ def scaling(records, path) -> Path | None:
         title="data-parallel efficiency",
         ylim=(0, 1.05),
     )
-    ax_e.legend(fontsize=7)
+    if eff:  # a machine without the predictions has no line to name
+        ax_e.legend(fontsize=7)
     if mem:
         ax_m.bar(range(len(mem)), [r["value"] / 2**20 for r in mem])
         ax_m.set_xticks(range(len(mem)), [r["config"]["strategy"] for r in mem])
@@ -358,79 +441,130 @@ def scaling(records, path) -> Path | None:
         )
     if measured:
         _measured_split(axes[2], measured)
-    fig.suptitle(f"scaling · {_label((eff or mem)[0])}", fontsize=9)
-    return _save(fig, path)
+
+
+def _series_style(machines, k: int, single: str) -> dict:
+    """The colour of machine k's lines: `single` where one machine drew (the plot as it
+    always was), else one of the cycle's per machine."""
+    if len(machines) == 1:
+        return {"color": single}
+    cycle = _plt().rcParams["axes.prop_cycle"].by_key()["color"]
+    return {"color": cycle[k % len(cycle)]}
+
+
+def _named(what: str, machine: str, machines) -> str:
+    """A legend entry: the quantity, and the machine where several drew."""
+    return what if len(machines) == 1 else f"{what} · {machine}"
+
+
+def _magnitude_axis(ax, machines: dict, value) -> None:
+    """From 0 (a noise-sized difference does not look like a drop), or log where the
+    machines' largest figures span more than 30× (a CPU's tokens/s beside a GPU's: from 0, the
+    CPU's line lies on the floor). One machine's axis is always from 0, as it always was."""
+    tops = [max(value(r) for r in mine) for mine in machines.values()]
+    if len(machines) > 1 and _spread(tops):
+        _plain_log(ax, [value(r) for mine in machines.values() for r in mine])
+    else:
+        _from_zero(ax)
 
 
 def batch_sweep(records, path) -> Path | None:
+    """Tokens/s and compiled memory against batch: one pair of lines per machine (a merge
+    joined the folders' points into one line that zigzagged at each batch)."""
     rows = sorted(series(records, "batch_sweep"), key=lambda r: r["config"]["batch"])
     if not rows:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    b = [r["config"]["batch"] for r in rows]
-    (tps,) = ax.plot(b, [r["value"] for r in rows], "o-", color="tab:blue", label="tokens/s")
-    ax.set(xlabel="batch size", ylabel="tokens/s (measured)")
-    _from_zero(ax)  # a noise-sized difference does not look like a drop
     ax2 = ax.twinx()
-    (mib,) = ax2.plot(
-        b,
-        [r["config"]["memory_bytes"] / 2**20 for r in rows],
-        "s--",
-        color="tab:red",
-        label="memory (compiled)",
-    )
-    _log2_axis(ax, b)  # 2, 4, 8 (not 2¹, 2², 2³), after both axes drew: they share it
-    ax2.set_ylabel("MiB compiled", color="tab:red")
-    _from_zero(ax2)
-    ax.legend(handles=[tps, mib], fontsize=8, loc="lower right")
-    ax.set_title(f"batch size: throughput and memory · {_label(rows[0])}", fontsize=9)
+    machines = by_machine(rows)
+    handles = []
+    for k, (machine, mine) in enumerate(machines.items()):
+        b = [r["config"]["batch"] for r in mine]
+        handles += ax.plot(b, [r["value"] for r in mine], "o-",
+                           label=_named("tokens/s", machine, machines),
+                           **_series_style(machines, k, "tab:blue"))  # fmt: skip
+    for k, (machine, mine) in enumerate(machines.items()):
+        b = [r["config"]["batch"] for r in mine]
+        handles += ax2.plot(
+            b,
+            [r["config"]["memory_bytes"] / 2**20 for r in mine],
+            "s--",
+            label=_named("memory (compiled)", machine, machines),
+            **_series_style(machines, k, "tab:red"),
+        )
+    ax.set(xlabel="batch size", ylabel="tokens/s (measured)")
+    _log2_axis(ax, [r["config"]["batch"] for r in rows])  # 2, 4, 8 (not 2¹, 2², 2³), after
+    # both axes drew: they share it
+    _magnitude_axis(ax, machines, lambda r: r["value"])
+    ax2.set_ylabel("MiB compiled" + (" (dashed)" if len(machines) > 1 else ""),
+                   color="tab:red" if len(machines) == 1 else "black")  # fmt: skip
+    _magnitude_axis(ax2, machines, lambda r: r["config"]["memory_bytes"] / 2**20)
+    ax.legend(handles=handles, fontsize=8, loc="lower right")
+    where = f" · {next(iter(machines))}" if len(machines) == 1 else ""
+    ax.set_title(f"batch size: throughput and memory{where}", fontsize=9)
     return _save(fig, path)
 
 
 def losses(records, path) -> Path | None:
+    """Loss per step in float32 and bf16 compute: a colour per machine and a line style per
+    dtype where several machines drew (a merge named "float32, bfloat16" twice)."""
     rows = series(records, "loss_curve")
     if not rows:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for r in rows:
-        ys = r["config"]["losses"]
-        ax.plot(range(1, len(ys) + 1), ys, label=r["config"]["dtype"])
+    machines = by_machine(rows)
+    dtypes = list(dict.fromkeys(r["config"]["dtype"] for r in rows))
+    for k, (machine, mine) in enumerate(machines.items()):
+        for r in mine:
+            ys = r["config"]["losses"]
+            dtype = r["config"]["dtype"]
+            style = {} if len(machines) == 1 else {
+                **_series_style(machines, k, ""),
+                "ls": ("-", "--", ":", "-.")[dtypes.index(dtype) % 4],
+            }  # fmt: skip
+            ax.plot(range(1, len(ys) + 1), ys, label=_named(dtype, machine, machines), **style)
     ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole
     ax.set(xlabel="step", ylabel="loss", title="the same steps in float32 and bf16 compute")
-    ax.legend()
+    ax.legend(**({} if len(machines) == 1 else {"fontsize": 7}))
     return _save(fig, path)
 
 
 def inference(records, path) -> Path | None:
     """Requests/s and the latency of a batch against batch size, a legend naming both (the
-    latency was told apart only by its axis label's colour)."""
+    latency was told apart only by its axis label's colour): a pair of lines per machine."""
     rows = sorted(series(records, "inference_batch"), key=lambda r: r["config"]["batch"])
     if not rows:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4.2))
-    b = [r["config"]["batch"] for r in rows]
-    (rps,) = ax.plot(b, [r["value"] for r in rows], "o-", label="requests/s")
     ax2 = ax.twinx()
-    (lat,) = ax2.plot(
-        b,
-        [r["config"]["median_s"] * 1e3 for r in rows],
-        "s--",
-        color="tab:red",
-        label="latency per batch (ms)",
-    )
-    _log2_axis(ax, b)  # after both axes drew: they share it
-    _from_zero(ax)  # 4.78-4.88 requests/s drew a 2% difference as the whole height
-    _from_zero(ax2)
-    ax2.set_ylabel("latency per batch (ms)", color="tab:red")
+    machines = by_machine(rows)
+    rps, lat = [], []
+    for k, (machine, mine) in enumerate(machines.items()):
+        b = [r["config"]["batch"] for r in mine]
+        rps += ax.plot(b, [r["value"] for r in mine], "o-",
+                       label=_named("requests/s", machine, machines),
+                       **_series_style(machines, k, "tab:blue"))  # fmt: skip
+        lat += ax2.plot(
+            b,
+            [r["config"]["median_s"] * 1e3 for r in mine],
+            "s--",
+            label=_named("latency per batch (ms)", machine, machines),
+            **_series_style(machines, k, "tab:red"),
+        )
+    _log2_axis(ax, [r["config"]["batch"] for r in rows])  # after both axes drew: they share it
+    _magnitude_axis(ax, machines, lambda r: r["value"])  # 4.78-4.88 requests/s drew a 2%
+    _magnitude_axis(ax2, machines, lambda r: r["config"]["median_s"] * 1e3)  # as the height
+    ax2.set_ylabel("latency per batch (ms" + (", dashed)" if len(machines) > 1 else ")"),
+                   color="tab:red" if len(machines) == 1 else "black")  # fmt: skip
     ax.set(xlabel="batch size", ylabel="requests/s (measured)")
     # below the axes: with both from 0 no corner inside is sure to be empty
-    ax.legend(
-        handles=[rps, lat], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2
-    )
-    ax.set_title(f"classifier inference · {_label(rows[0])}", fontsize=9)
+    ax.legend(handles=rps + lat, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+              ncol=2)  # fmt: skip
+    where = f" · {next(iter(machines))}" if len(machines) == 1 else ""
+    ax.set_title(f"classifier inference{where}", fontsize=9)
     return _save(fig, path)
 
 
@@ -438,14 +572,31 @@ def decode(records, path) -> Path | None:
     """Decode tokens/s against batch (float and int8) and the share of the measured memory
     roof each reaches; the critical batch where one is recorded. The x axis spans the batches
     measured (a critical batch past them is named in the legend, not drawn out there), the
-    legend sits below the axes and names every line, the dashed shares too."""
-    from matplotlib.lines import Line2D
-
+    legend sits below the axes and names every line, the dashed shares too. A panel per
+    machine, each with its own critical batch."""
     rows = sorted(series(records, "decode_batch"), key=lambda r: r["config"]["batch"])
     if not rows:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.3))
+    machines = by_machine(rows)
+    crit = by_machine(
+        [r for r in records if r.get("config", {}).get("metric") == "decode_critical_batch"]
+    )
+    n = len(machines)
+    fig, axes = plt.subplots(1, n, figsize=(6.4 * n, 4.3), squeeze=False)
+    for ax, (machine, mine) in zip(axes[0], machines.items(), strict=True):
+        # one machine: every critical batch recorded is its own, whatever its label
+        _decode_axes(ax, mine, crit.get(machine, []) if n > 1 else sum(crit.values(), []))
+        ax.set_title(
+            f"decode: memory-bound until the batch fills the ridge · {machine}", fontsize=9
+        )
+    return _save(fig, path)
+
+
+def _decode_axes(ax, rows, crit) -> None:
+    """One machine's decode records (and its critical batch records, `crit`) in `ax`."""
+    from matplotlib.lines import Line2D
+
     ax2 = ax.twinx()
     rates, shares = [], []
     for int8, style in ((False, "o-"), (True, "^-")):
@@ -466,7 +617,6 @@ def decode(records, path) -> Path | None:
         )
     handles = rates + shares
     batches = [r["config"]["batch"] for r in rows]
-    crit = [r for r in records if r.get("config", {}).get("metric") == "decode_critical_batch"]
     if crit and crit[0]["value"] and crit[0]["value"] < 1e9:
         at = crit[0]["value"]
         label = f"critical batch (ridge): {at:.3g}"
@@ -482,10 +632,6 @@ def decode(records, path) -> Path | None:
     _from_zero(ax2)
     # below the axes: inside, it covered the batch-2 points
     ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    ax.set_title(
-        f"decode: memory-bound until the batch fills the ridge · {_label(rows[0])}", fontsize=9
-    )
-    return _save(fig, path)
 
 
 # topic → [(file name, plot function)], in the order the report shows them.
