@@ -5,7 +5,10 @@ records are merged into one list, figures that need two backends at once are der
 them (labelled `derived`, backend `multi` where the claim is about a pair: C19's TPU/H100 and
 MI300X/H100 ratios; C02's accelerator-over-CPU training speedup on the accelerator's
 backend), and one report sets the articles' "GPU vs TPU vs CPU" figures beside each other:
-the measured numbers per folder, then every claim's verdict per folder and merged.
+the measured numbers per folder, then every claim's verdict per folder and merged. Each
+merged record carries `machine`, its folder's column name (a merge's own records keep the
+one they had): the plots draw a series or a panel per machine and the verdict table names
+the machine of every value it shows.
 """
 
 import dataclasses
@@ -236,6 +239,8 @@ def merge(dirs, out_root="results") -> dict:
     for f in folders:  # two folders of one machine and size: their columns say which is which
         if names.count(f["name"]) > 1:
             f["name"] += f" · {f['dir'].name}"
+    for f in folders:  # each record names its column: the plots and the verdicts say whose it is
+        f["records"] = [{**r, "machine": r.get("machine") or f["name"]} for r in f["records"]]
     records = [r for f in folders for r in f["records"]]
     records += derived(folders)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

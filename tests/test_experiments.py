@@ -472,3 +472,61 @@ def test_a_step_two_topics_time_is_timed_once_and_losses_are_added(monkeypatch):
     monkeypatch.setattr(common, "_PROBES", {})
     fresh = common.train_probe(cfg, budget_s=0.01, loss_steps=3)
     assert fresh["losses"] == again["losses"]
+
+
+def _ledger(folder, backend, kind, records):
+    """A results folder as python -m experiments writes it, of synthetic records."""
+    folder.mkdir(parents=True)
+    for r in records:
+        r.update(backend=backend, device_kind=kind)
+    rec.write_records(folder / "records.jsonl", records)
+    (folder / "run.json").write_text(json.dumps({"size": "tiny"}))
+    return folder
+
+
+def test_compare_names_each_records_machine_for_the_plots_and_the_verdicts(tmp_path):
+    """Two CPU folders of one size: every merged record names its column (the folder's name
+    tells them apart), the batch plot draws a line per folder named so (one line zigzagged
+    over both), and the verdict table says whose each value is."""
+    from lab.report import plots
+
+    def records(scale):
+        share = rec.make_record(
+            "share of the step below the ridge", 0.9 * scale, "× step",
+            claim="C06", metric="memory_bound_share", role="evidence",
+        )  # fmt: skip
+        sweep = [
+            rec.make_record(
+                f"tokens/s at batch {b}",
+                1e3 * b * scale,
+                "tokens/s",
+                claim="C12",
+                metric=None,
+                role="context",
+                series="batch_sweep",
+                batch=b,
+                memory_bytes=2**20 * b,
+            )  # fmt: skip
+            for b in (2, 8)
+        ]
+        return [share, *sweep]
+
+    a = _ledger(tmp_path / "run1", "cpu", "cpu", records(1.0))
+    b = _ledger(tmp_path / "run2", "cpu", "cpu", records(0.5))
+    result = compare.merge([a, b], tmp_path / "cmp")
+    merged = rec.read_records(result["dir"] / "records.jsonl")
+    assert {r["machine"] for r in merged} == {"cpu · cpu · tiny · run1", "cpu · cpu · tiny · run2"}
+    kept = []
+    saved = plots._save
+    try:
+        plots._save = lambda fig, path, **kw: kept.append(fig) or path
+        plots.batch_sweep(merged, tmp_path / "batch.png")
+    finally:
+        plots._save = saved
+    lines = kept[0].axes[0].get_lines()
+    assert [(line.get_label(), list(line.get_xdata())) for line in lines] == [
+        ("tokens/s · cpu · cpu · tiny · run1", [2, 8]),
+        ("tokens/s · cpu · cpu · tiny · run2", [2, 8]),
+    ]
+    text = result["path"].read_text()
+    assert "| 0.9× step (cpu · cpu · tiny · run1); 0.45× step (cpu · cpu · tiny · run2) |" in text

@@ -652,3 +652,30 @@ def test_merged_bar_and_panel_plots_name_each_machine(monkeypatch, tmp_path):
         t.get_text() for t in left.get_legend().get_texts()
     ]
     assert "critical batch (ridge): 1.5" in [t.get_text() for t in right.get_legend().get_texts()]
+
+
+def test_a_merged_verdict_table_names_the_machine_of_every_value():
+    """A merge's records carry their folder's column (`machine`): the verdict table says whose
+    each value is (it read `0.0686× step ×3.64 below; 0.9× step`), a ratio of two folders
+    says merged, every folder's values show (not the first two of them), and one folder's
+    table reads as it did."""
+    c06 = claims.get("C06").stated[0]
+    cpu = {**_record("C06", c06, 0.0686, backend="cpu"), "machine": "cpu · cpu · quick"}
+    gpu = {**_record("C06", c06, 0.9, backend="gpu"), "machine": "gpu · NVIDIA H100 · tiny"}
+    tpu = {**_record("C06", c06, 0.5, backend="tpu"), "machine": "tpu · TPU v5 lite · tiny"}
+    (v,) = judge_all([cpu, gpu, tpu], [claims.get("C06")])
+    assert markdown.measured_cell(v, [cpu, gpu, tpu]) == (
+        "0.0686× step (cpu · cpu · quick) ×3.64 below; 0.9× step (gpu · NVIDIA H100 · tiny); "
+        "0.5× step (tpu · TPU v5 lite · tiny)"
+    )
+    c01 = claims.get("C01").stated[1]
+    pair = _record("C01", c01, 200.0, label="derived", backend="multi", on="gpu")  # compare's
+    # ratio of two folders' figures, judged on the accelerator's backend
+    pred = {**_record("C01", c01, 220.0, label="predicted", backend="cpu"), "machine": "cpu · cpu"}
+    (v,) = judge_all([pair, pred], [claims.get("C01")])
+    assert "200× (merged)" in markdown.measured_cell(v, [pair, pred])
+    (v,) = judge_all([pred], [claims.get("C01")])
+    assert markdown.measured_cell(v, [pred]) == "220× (pred., cpu · cpu)"
+    alone = [{k: x for k, x in r.items() if k != "machine"} for r in (cpu, gpu, tpu)]
+    (v,) = judge_all(alone, [claims.get("C06")])
+    assert markdown.measured_cell(v, alone) == "0.0686× step ×3.64 below; 0.9× step"

@@ -72,19 +72,40 @@ def _reading_text(x) -> str:
     return text
 
 
+def _whose(r: dict, merged: bool) -> str:
+    """In a merge, the column a figure came from (`machine`, compare's), or "merged" for a
+    ratio of two folders' figures; nothing in one folder's report."""
+    if not merged:
+        return ""
+    return r.get("machine") or ("merged" if r.get("backend") == "multi" else "")
+
+
 def measured_cell(v: Verdict, records: Sequence[dict]) -> str:
-    """The table's 'measured' column: the deciding figures, else what was recorded."""
+    """The table's 'measured' column: the deciding figures, else what was recorded. In a
+    merge each value names its folder's column (`0.0686× step` alone did not say whose)."""
+    merged = any("machine" in r for r in records)
     parts = []
     for c in v.checks:
-        for x in c.readings[:2]:
+        shown = {}  # the first two of each machine's (a third folder's were cut off)
+        for x in c.readings:
+            whose = _whose(x.record, merged)
+            shown[whose] = shown.get(whose, 0) + 1
+            if shown[whose] > 2:
+                continue
+            notes = ["pred."] if c.status == PREDICTED else []
+            notes += [whose] if whose else []
             parts.append(
                 f"{fmt(x.record['value'], x.record['unit'])}"
-                + (" (pred.)" if c.status == PREDICTED else "")
+                + (f" ({', '.join(notes)})" if notes else "")
                 + ("" if x.in_range else f" ×{x.factor:,.3g} {x.direction}")
             )
     if not parts and v.records:
         r = records[v.records[0]]
-        parts.append(f"context: {fmt(r['value'], r['unit'])} ({r['what']})")
+        whose = _whose(r, merged)
+        parts.append(
+            f"context: {fmt(r['value'], r['unit'])} ({r['what']}"
+            + (f"; {whose})" if whose else ")")
+        )
     return "; ".join(parts) or "—"
 
 

@@ -500,7 +500,10 @@ def batch_sweep(records, path) -> Path | None:
     ax2.set_ylabel("MiB compiled" + (" (dashed)" if len(machines) > 1 else ""),
                    color="tab:red" if len(machines) == 1 else "black")  # fmt: skip
     _magnitude_axis(ax2, machines, lambda r: r["config"]["memory_bytes"] / 2**20)
-    ax.legend(handles=handles, fontsize=8, loc="lower right")
+    if len(machines) == 1:
+        ax.legend(handles=handles, fontsize=8, loc="lower right")
+    else:  # below the axes: four entries named by machine covered the lines inside
+        ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     where = f" · {next(iter(machines))}" if len(machines) == 1 else ""
     ax.set_title(f"batch size: throughput and memory{where}", fontsize=9)
     return _save(fig, path)
