@@ -15,8 +15,10 @@ import dataclasses
 import datetime
 import itertools
 import json
+import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from lab.config import cli, field
@@ -42,9 +44,55 @@ def _bf16(c: dict) -> bool:
     return c.get("metric") == "bf16_matmul_flops" and "target" not in c  # measured here
 
 
-# Row of the side-by-side table → how to find its record in one folder.
+def _roof(which: str):
+    return lambda c: c.get("series") == "roof" and c.get("roof") == which
+
+
+def _set_by(r: dict) -> str | None:
+    """The op that set a roof: its config's `set_by` (experiments/roofline.py), else read
+    from the words of a record written before it had one; None where neither says."""
+    if r["config"].get("set_by"):
+        return r["config"]["set_by"]
+    what = r["what"]
+    for pattern, name in (
+        (r"the sweep's (\w+)", "{}"),  # a compute roof an op of the sweep set
+        (r"^roof: matmul peak \(([^()]+)\)$", "matmul {}"),
+        (r"best measured \((\w+), which moved bytes faster", "{}"),
+        (r"best measured \(the copy kernel's", "copy"),
+    ):
+        if m := re.search(pattern, what):
+            return name.format(*m.groups())
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A row of the side-by-side table: the records of one quantity and one kind of figure
+    (measured beside measured; a prediction in a row that says so)."""
+
+    name: str
+    match: Callable[[dict], bool]  # a record's config → whether it is this row's
+    note: Callable[[dict], str] = lambda r: ""  # what tells this folder's figure apart
+    value: Callable[[dict], tuple] = lambda r: (r["value"], r["unit"], r["label"])
+
+
+def _batch(r: dict) -> str:
+    return f"(batch {r['config']['batch']})"
+
+
+def _step_note(r: dict) -> str:
+    params, batch, seq = _step(r)
+    return f"({batch} × {seq})"
+
+
+def _roof_note(r: dict) -> str:
+    op = _set_by(r)
+    return f"(set by {op})" if op else ""
+
+
+# The side-by-side table: how to find each row's record in one folder (the best, where several).
 FIGURES = (
-    (
+    Row(
         "matmul float32, no TF32",
         lambda c: (
             c.get("series") == "matmul_precision"
@@ -52,20 +100,33 @@ FIGURES = (
             and c.get("precision") == "highest"
         ),
     ),
-    ("matmul bf16", _bf16),
-    ("matmul peak (roof)", lambda c: c.get("series") == "roof" and c.get("roof") == "peak"),
-    ("copy bandwidth (roof)", lambda c: c.get("series") == "roof" and c.get("roof") == "bandwidth"),
-    ("host→device copy", lambda c: c.get("metric") == "pcie_bandwidth"),
-    ("training tokens/s (lab step, one device)", _train),
-    (
+    Row("matmul bf16", _bf16),
+    # the roofs are the best rates measured by any op: a matmul on one machine, an elementwise
+    # polynomial on another; each cell says which
+    Row("compute roof (fastest op measured)", _roof("peak"), _roof_note),
+    Row("memory roof (fastest op measured)", _roof("bandwidth"), _roof_note),
+    Row(
+        "copy bandwidth (x ← x·s)",
+        lambda c: _roof("bandwidth")(c) and isinstance(c.get("copy_bytes_per_s"), int | float),
+        value=lambda r: (r["config"]["copy_bytes_per_s"], "B/s", r["label"]),
+    ),
+    Row("host→device copy", lambda c: c.get("metric") == "pcie_bandwidth"),
+    Row("training tokens/s (lab step, one device)", _train, _step_note),
+    Row(
         "compiled step memory",
         lambda c: c.get("series") == "memory_breakdown" and c.get("case") == "remat=none",
     ),
-    (
-        "classifier requests/s (best batch)",
-        lambda c: c.get("metric") in ("cpu16_rps", "gpu_rps") and "target" not in c,
+    # measured at each batch; the best batch's (the CPU's 16-core figure is a prediction)
+    Row(
+        "classifier requests/s (best batch measured)",
+        lambda c: c.get("series") == "inference_batch",
+        _batch,
     ),
-    ("naive over flash attention time", lambda c: c.get("metric") == "flash_speedup"),
+    Row(
+        "classifier requests/s, a 16-core CPU (predicted from the best batch)",
+        lambda c: c.get("metric") == "cpu16_rps" and "target" not in c,
+    ),
+    Row("naive over flash attention time", lambda c: c.get("metric") == "flash_speedup"),
 )
 
 
@@ -194,16 +255,18 @@ def side_by_side(folders: list[dict]) -> list[str]:
     """The articles' GPU vs TPU vs CPU table, with this lab's measured numbers."""
     head = "| figure | " + " | ".join(f["name"] for f in folders) + " |"
     rows = [head, "|---" * (len(folders) + 1) + "|"]
-    for name, match in FIGURES:
+    for row in FIGURES:
         cells = []
         for f in folders:
-            r = _find(f["records"], match)
-            cell = markdown.fmt(r["value"], r["unit"]) + f" *{r['label']}*" if r else "—"
-            if r and match is _train:
-                params, batch, seq = _step(r)
-                cell += f" ({batch} × {seq})"
-            cells.append(cell)
-        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+            r = _find(f["records"], row.match)
+            if r is None:
+                cells.append("—")
+                continue
+            value, unit, label = row.value(r)
+            cells.append(
+                " ".join(filter(None, (markdown.fmt(value, unit), f"*{label}*", row.note(r))))
+            )
+        rows.append(f"| {row.name} | " + " | ".join(cells) + " |")
     return rows
 
 

@@ -59,6 +59,7 @@ def _roofline_measured(be, size, budget) -> list[dict]:
             role="context",
             series="roof",
             roof="peak",
+            set_by=roof["peak_op"],  # a matmul or an op of the sweep: compare says which
         ),
         record(
             "C06",
@@ -70,6 +71,7 @@ def _roofline_measured(be, size, budget) -> list[dict]:
             role="context",
             series="roof",
             roof="bandwidth",
+            set_by=roof["bandwidth_op"],
             copy_bytes_per_s=copy["bytes_per_s"],
             **{k: v for k, v in copy.items() if k != "bytes_per_s"},
         ),

@@ -146,3 +146,17 @@ def test_a_float32_sweep_is_held_to_the_float32_matmul():
     assert ceilings.roofs(mm, 8.0, [point], jnp.float32)[0] == 100.0
     assert ceilings.roofs(mm, 8.0, [point], jnp.bfloat16)[0] == 250.0
     assert ceilings.roofs(mm, 8.0, [point])[0] == 250.0  # no dtype: every float matmul
+
+
+def test_the_roofs_say_which_op_set_them():
+    """The compute roof is a matmul's or a sweep op's, the memory roof the copy's or an op's:
+    the roofline's records carry which (compare lined up a CPU's polynomial peak as if it were
+    a matmul beside another folder's matmul)."""
+    slow = {"dtype": "float32", "precision": "default", "n": 64, "flops_per_s": 1.0}
+    roof = ceilings.roofline_ceilings("tiny", budget_s=0.0, matmuls={("float32", "default"): slow})
+    names = {p.name for p in roof["points"]}
+    assert roof["peak_op"] in names  # every op of the sweep beat 1 FLOP/s
+    assert roof["bandwidth_op"] in names | {"copy"}
+    fast = {**slow, "flops_per_s": 1e30}
+    roof = ceilings.roofline_ceilings("tiny", budget_s=0.0, matmuls={("float32", "default"): fast})
+    assert roof["peak_op"] == "matmul float32 precision=default, n=64"

@@ -530,3 +530,89 @@ def test_compare_names_each_records_machine_for_the_plots_and_the_verdicts(tmp_p
     ]
     text = result["path"].read_text()
     assert "| 0.9× step (cpu · cpu · tiny · run1); 0.45× step (cpu · cpu · tiny · run2) |" in text
+
+
+def test_the_side_by_side_rows_line_up_one_quantity_measured_beside_measured():
+    """The classifier row is the best batch measured (it showed the CPU's predicted 16-core
+    extrapolation, 42.3k against 5.29k measured), the prediction has its own row that says
+    so, and a roof names the op that set it (a polynomial on one machine, a matmul on the
+    other, in a row called "matmul peak"); records written before `set_by` are read from
+    their words."""
+
+    def folder(name, best_rps, peak_what, set_by=None):
+        rows = [
+            rec.make_record(
+                f"classifier requests/s at batch {b}",
+                rps,
+                "req/s",
+                claim="C16",
+                metric=None,
+                role="context",
+                series="inference_batch",
+                batch=b,
+                seq_len=32,
+            )  # fmt: skip
+            for b, rps in ((1, best_rps / 2), (4, best_rps))
+        ]
+        rows.append(
+            rec.make_record(
+                "best requests/s (batch 4) × 16/2 cores",
+                best_rps * 8,
+                "req/s",
+                label="predicted",
+                claim="C16",
+                metric="cpu16_rps",
+                role="evidence",
+            )  # fmt: skip
+        )
+        extra = {"set_by": set_by} if set_by else {}
+        rows.append(
+            rec.make_record(
+                peak_what,
+                6.7e10,
+                "FLOP/s",
+                claim="C06",
+                metric=None,
+                role="context",
+                series="roof",
+                roof="peak",
+                **extra,
+            )  # fmt: skip
+        )
+        rows.append(
+            rec.make_record(
+                "roof: memory bandwidth, the best measured (poly_1, which moved bytes faster "
+                "(the copy figure is 38% below it: a noisy host?); copy x ← x·s in place)",
+                3.1e10,
+                "B/s",
+                claim="C06",
+                metric=None,
+                role="context",
+                series="roof",
+                roof="bandwidth",
+                copy_bytes_per_s=1.95e10,
+            )  # fmt: skip
+        )
+        return {"dir": name, "records": rows, "name": name}
+
+    old = folder(
+        "run1", 5.29e3,
+        "roof: matmul peak (the sweep's poly_64, faster than the float32 precision=default, "
+        "n=128 matmul)",
+    )  # fmt: skip
+    new = folder("run2", 2.7e3, "roof: matmul peak (float32 precision=highest, n=128)",
+                 set_by="matmul float32 precision=highest, n=128")  # fmt: skip
+    table = {line.split(" | ")[0].lstrip("| "): line for line in compare.side_by_side([old, new])}
+    assert table["classifier requests/s (best batch measured)"].endswith(
+        "| 5.29 kreq/s *measured* (batch 4) | 2.7 kreq/s *measured* (batch 4) |"
+    )
+    assert table["classifier requests/s, a 16-core CPU (predicted from the best batch)"].endswith(
+        "| 42.3 kreq/s *predicted* | 21.6 kreq/s *predicted* |"
+    )
+    assert not any("predicted" in line for name, line in table.items() if "predicted" not in name)
+    assert table["compute roof (fastest op measured)"].endswith(
+        "| 67 GFLOP/s *measured* (set by poly_64) "
+        "| 67 GFLOP/s *measured* (set by matmul float32 precision=highest, n=128) |"
+    )
+    assert table["memory roof (fastest op measured)"].count("(set by poly_1)") == 2
+    assert table["copy bandwidth (x ← x·s)"].endswith("| 19.5 GB/s *measured* " * 2 + "|")

@@ -390,13 +390,20 @@ def roofline_ceilings(size: str = "full", *, budget_s: float = 1.0, matmuls=None
     ]
     best = max(roof_matmuls(matmuls, dtype), key=lambda m: m["flops_per_s"])
     name = f"{best['dtype']} precision={best['precision']}, n={best['n']}"
+    peak_op = f"matmul {name}"
     if peak > best["flops_per_s"]:  # a point of the sweep ran faster: its rate is the roof
         fastest = max(points, key=lambda p: p.flops_per_s)
         name = f"the sweep's {fastest.name}, faster than the {name} matmul"
+        peak_op = fastest.name
+    bandwidth_op = "copy"
+    if bandwidth > copy["bytes_per_s"]:  # an op of the sweep moved bytes faster (memory_roof)
+        bandwidth_op = max(points, key=lambda p: p.bytes / p.median_s).name
     return {
         "sizes": sz,
         "matmuls": matmuls,
         "peak_name": name,
+        "peak_op": peak_op,  # what set each roof: "matmul <dtype…>" or a sweep point's name
+        "bandwidth_op": bandwidth_op,  # "copy" or a sweep point's name
         "copy": copy,
         "points": points,
         "peak_flops": peak,
