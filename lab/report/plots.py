@@ -564,8 +564,13 @@ def inference(records, path) -> Path | None:
                    color="tab:red" if len(machines) == 1 else "black")  # fmt: skip
     ax.set(xlabel="batch size", ylabel="requests/s (measured)")
     # below the axes: with both from 0 no corner inside is sure to be empty
-    ax.legend(handles=rps + lat, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16),
-              ncol=2)  # fmt: skip
+    ax.legend(
+        handles=rps + lat,
+        fontsize=8,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
+        ncol=2 if len(machines) == 1 else 1,  # machines' names: one a line, not cut off
+    )
     where = f" · {next(iter(machines))}" if len(machines) == 1 else ""
     ax.set_title(f"classifier inference{where}", fontsize=9)
     return _save(fig, path)
