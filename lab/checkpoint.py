@@ -209,11 +209,16 @@ def fingerprint(state) -> dict[str, list[int]]:
 def _lists_sums(step_dir: Path) -> bool:
     """Whether the step's own metadata names a checksum item: a step saved with checksums
     whose folder is gone, not one saved before they were kept."""
+    return _lists_item(step_dir, SUMS)
+
+
+def _lists_item(step_dir: Path, name: str) -> bool:
+    """Whether the step's own metadata names the item `name` (it was saved with it)."""
     try:
-        meta = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
-        return SUMS in (meta.get("item_handlers") or {})
+        meta = json.loads((Path(step_dir) / "_CHECKPOINT_METADATA").read_text())
+        return name in (meta.get("item_handlers") or {})
     except (OSError, ValueError, AttributeError, TypeError):
-        return False  # no readable metadata: nothing says checksums were saved
+        return False  # no readable metadata: nothing says the item was saved
 
 
 def _sums_differ(step_dir: Path, state) -> str | None:
@@ -301,15 +306,23 @@ def _reader_failure(e: BaseException) -> str | None:
     return None
 
 
+class StepDamaged(Exception):
+    """Raised while a step is read, by what a caller checks in it (`restore_latest`'s
+    `abstract_state` function): the step is damaged, for the reason given, and set aside."""
+
+
 def step_record(step_dir: Path, name: str):
-    """A JSON item a step keeps beside its arrays (e.g. LAYOUT), or None where it has none or
-    it cannot be read (a step saved before the item was kept, or damaged)."""
-    if not (Path(step_dir) / name).exists():
+    """A JSON item a step keeps beside its arrays (e.g. LAYOUT), or None for a step saved
+    before the item was kept; StepDamaged where the step was saved with it and it is gone or
+    unreadable. Read as the file the JSON handler writes (`<item>/metadata`), by this process
+    alone: orbax's reader waits on every process of the job, and a caller may be only one."""
+    path = Path(step_dir) / name / "metadata"
+    if not (Path(step_dir) / name).exists() and not _lists_item(step_dir, name):
         return None
     try:
-        return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(Path(step_dir) / name)
-    except Exception:  # noqa: BLE001 — a damaged JSON file, whatever the reader raises
-        return None
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise StepDamaged(f"its {name} record ({name}/) cannot be read: {_first_line(e)}") from None
 
 
 def saved_names(step_dir: Path) -> set[tuple] | None:
@@ -452,7 +465,13 @@ def restore_latest(
     steps = sorted((int(p.name) for p in path.glob("[0-9]*") if _is_step(p.name)), reverse=True)
     for step in steps:
         item = path / str(step) / ITEM
-        target = abstract_state(path / str(step)) if callable(abstract_state) else abstract_state
+        try:
+            target = (
+                abstract_state(path / str(step)) if callable(abstract_state) else abstract_state
+            )
+        except StepDamaged as e:
+            set_aside(step, str(e))
+            continue
         mismatch = _shape_mismatch(item, target)
         if mismatch:
             raise ConfigError(

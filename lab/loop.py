@@ -49,7 +49,13 @@ from lab.names import STAGE
 from lab.report import progress, tables
 from lab.resolve import Request
 from lab.session import Session
-from lab.train import block_order, lr_schedule, restore_in_layout, saved_block_order
+from lab.train import (
+    block_order,
+    config_layout,
+    lr_schedule,
+    restore_in_layout,
+    saved_block_order,
+)
 
 
 def _non_finite(**values) -> str | None:
@@ -519,28 +525,39 @@ def _nothing_to_resume(run_dir: Path) -> ConfigError:
 
 
 def _check_same_block_order(saved: dict, cfg: Config, stages: int, run_dir=None) -> None:
-    """A run goes on in another layout (each checkpoint step records its own: lab.train.Layout);
-    but a step saved before steps kept their layout has only config.json to say its block
-    order, which this run's start rewrites: reading such a circular pipeline's steps in
-    another order (or a plain run's as a circular one) would run every layer's weights in
-    another layer's place, silently. Refused while the folder holds any such step."""
+    """A run goes on in another layout (each checkpoint step records its own, and config.json
+    keeps the layout of the steps saved before steps did: lab.train.config_layout). One case
+    is left that nothing can read: a folder from before config.json kept its block order,
+    whose mesh's stage axis was -1, holding stacked steps without a record of their own;
+    reading them in another order than saved would run every layer's weights in another
+    layer's place, silently. Refused; resuming with the saved mesh= reads them."""
     was = saved_block_order(saved)
     now = block_order(stages, cfg.model.pipeline_repeats)
-    if was == now:
+    if was == now or config_layout(saved) is not None:
         return
-    steps = checkpoint.saved_steps(run_dir) if run_dir is not None else [None]
-    old = [
-        s
-        for s in steps
-        if s is None or checkpoint.step_record(checkpoint.folder(run_dir) / str(s), LAYOUT) is None
-    ]
-    if old:
+    if run_dir is None or _older_steps(run_dir, stacked_only=True):
         raise ConfigError(
             f"resume=true: the checkpoint holds its layers {was} and this run would read them "
-            f"{now}, and {'its steps were' if None in old else f'step {old[-1]} was'} saved "
-            "before checkpoints kept their layout; resume with the saved mesh= and "
-            "pipeline_repeats= (the next steps saved keep it) or choose a new name="
+            f"{now}, and its steps were saved before checkpoints kept their layout; resume "
+            "with the saved mesh= and pipeline_repeats= or choose a new name="
         )
+
+
+def _older_steps(run_dir: Path, stacked_only: bool = False) -> list[int]:
+    """The saved steps that keep no layout of their own (saved before steps kept one), only
+    the stacked ones with `stacked_only` (each layer its own is read by its names alone)."""
+    out = []
+    for step in checkpoint.saved_steps(run_dir):
+        step_dir = checkpoint.folder(run_dir) / str(step)
+        try:
+            if checkpoint.step_record(step_dir, LAYOUT) is not None:
+                continue
+        except checkpoint.StepDamaged:  # damaged: a restore sets it aside
+            continue
+        names = checkpoint.saved_names(step_dir) if stacked_only else None
+        if not stacked_only or names is None or any("blocks" in n for n in names):
+            out.append(step)
+    return out
 
 
 def _open_run_dir(cfg: Config, is_main: bool, stages: int = 1) -> Path:
@@ -735,13 +752,26 @@ def _start_folder(cfg: Config, run_dir: Path, console, request: Request, stages:
         asked = rundir.asked_keys(request.dict())
         # and the values the backend's defaults gave (a resume elsewhere keeps them)
         asked |= {k: getattr(cfg, k) for k in BACKEND_KEYS if k not in asked}
-        order = block_order(stages, cfg.model.pipeline_repeats)  # what a resume must match
-        rundir.write_json(
-            run_dir / "config.json",
-            {**dataclasses.asdict(cfg), "request": asked, "block_order": order},
-        )
+        order = block_order(stages, cfg.model.pipeline_repeats)
+        kept = {**dataclasses.asdict(cfg), "request": asked, "block_order": order}
+        older = _older_steps_layout(cfg, run_dir)
+        if older is not None:  # steps that keep no layout of their own: theirs, kept here
+            kept["older_steps_layout"] = older.record()
+        rundir.write_json(run_dir / "config.json", kept)
     except OSError as e:
         raise _start_failure(e, run_dir) from None
+
+
+def _older_steps_layout(cfg: Config, run_dir: Path):
+    """For a resume whose folder holds steps saved before steps kept their layout: their
+    layout, read from the config.json this start replaces (lab.train.config_layout), or
+    None."""
+    if not cfg.resume or not _older_steps(run_dir):
+        return None
+    try:
+        return config_layout(rundir.saved_config(run_dir))
+    except ConfigError:
+        return None
 
 
 def _refused_resume(cfg: Config, run_dir: Path) -> None:

@@ -15,7 +15,9 @@ analysis (`Trainer.schedule`).
 
 import dataclasses
 import functools
+import json
 import re
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -500,13 +502,13 @@ class Layout:
     repeats: int = 1
 
     def __post_init__(self):
-        if not self.stage_major:  # in layer order, whatever the mesh
+        if not self.stage_major:  # in layer order, whatever the mesh (one stage: the same)
             object.__setattr__(self, "stages", 1)
             object.__setattr__(self, "repeats", 1)
 
     @property
     def stage_major(self) -> bool:
-        return self.stacked and self.repeats > 1
+        return self.stacked and self.repeats > 1 and self.stages > 1
 
     def describe(self) -> str:
         if not self.stacked:
@@ -516,18 +518,29 @@ class Layout:
         return "stacked in layer order"
 
     def record(self) -> dict:
-        """What a checkpoint step keeps of it (JSON)."""
-        return {"stacked": self.stacked, "stages": self.stages, "repeats": self.repeats}
+        """What a checkpoint step keeps of it (JSON), with a checksum of its fields: a record
+        edited or damaged into another valid layout would read every layer in another's
+        place, and nothing else in the step would show it."""
+        fields = {"stacked": self.stacked, "stages": self.stages, "repeats": self.repeats}
+        return {**fields, "check": _record_check(fields)}
 
     @classmethod
     def from_record(cls, d) -> "Layout | None":
-        """The layout a step recorded, or None where the record is not one."""
+        """The layout a step recorded, or None where the record is not one (or its checksum
+        does not match its fields)."""
         if not isinstance(d, dict) or not isinstance(d.get("stacked"), bool):
             return None
-        counts = [d.get("stages", 1), d.get("repeats", 1)]
+        counts = [d.get("stages"), d.get("repeats")]
         if not all(type(n) is int and n >= 1 for n in counts):
             return None
+        fields = {"stacked": d["stacked"], "stages": counts[0], "repeats": counts[1]}
+        if d.get("check") != _record_check(fields):
+            return None
         return cls(d["stacked"], *counts)
+
+
+def _record_check(fields: dict) -> int:
+    return zlib.crc32(json.dumps(fields, sort_keys=True).encode())
 
 
 def layout_of(cfg: Config, mesh) -> Layout:
@@ -570,9 +583,11 @@ def relayout(state, src: Layout, dst: Layout, n_layers: int):
 
 def abstract_in(abstract_state, now: Layout, saved: Layout, n_layers: int):
     """The trainer's abstract state (`now`) as a step saved in layout `saved` holds it, each
-    array placed as this mesh places it: a block weight split over the mesh as one layer of
-    the trainer's is, its layer axis whole (a stage axis splits stacked layers only in the
-    trainer's own layout); every other array as the trainer's."""
+    array placed as this mesh places it: stacked blocks into a stacked trainer exactly as its
+    own (the same shapes, the layer axis split over its stages); otherwise a block weight
+    split as one layer of the trainer's is, its layer axis whole (a run whose layers were each
+    their own, read into a pipeline, holds every layer on every stage until the move); every
+    other array as the trainer's."""
     shapes = jax.eval_shape(lambda s: relayout(s, now, saved, n_layers), abstract_state)
     sds = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
 
@@ -582,7 +597,9 @@ def abstract_in(abstract_state, now: Layout, saved: Layout, n_layers: int):
         layer = _one_layer_shardings(cur, now)
         out = {}
         for k, v in new.items():
-            if k == "blocks":
+            if k == "blocks" and now.stacked:  # the same shapes: read as the trainer splits them
+                out[k] = jax.tree.map(lambda x, c: sds(x, c.sharding), v, cur[k])
+            elif k == "blocks":
                 out[k] = jax.tree.map(lambda x, sh: sds(x, _with_layer_axis(sh)), v, layer)
             elif k.startswith("block_") and k not in cur:
                 out[k] = jax.tree.map(sds, v, layer)
@@ -616,8 +633,9 @@ def _with_layer_axis(sharding):
 
 def into_layout(trainer: Trainer, state, saved: Layout):
     """A state restored in layout `saved` (placed as `abstract_in` places it), stored as the
-    trainer's: one jitted move onto the trainer's shardings (the restored copy is not
-    donated: no output has its shape, so XLA could not reuse it)."""
+    trainer's: one jitted move onto the trainer's shardings. Between two stacked layouts the
+    restored copy is donated (the same shapes); from or to layers each their own it is not (no
+    output has its shape), and both copies are held during the move."""
     if saved == trainer.layout:
         return state
     move = jax.jit(
@@ -625,6 +643,7 @@ def into_layout(trainer: Trainer, state, saved: Layout):
             relayout, src=saved, dst=trainer.layout, n_layers=trainer.cfg.model.n_layers
         ),
         out_shardings=trainer.state_shardings,
+        donate_argnums=0 if saved.stacked == trainer.layout.stacked else (),
     )
     with jax.set_mesh(trainer.mesh):
         return move(state)
@@ -657,8 +676,14 @@ _BY_STAGE = re.compile(r"by stage \(stage=(\d+), pipeline_repeats=(\d+)\)")
 
 
 def config_layout(saved: dict) -> Layout | None:
-    """The layout a run's config.json describes (the layout of its steps saved before steps
-    kept their own), or None where its stage count cannot be known (a stage axis of -1)."""
+    """The layout of a run's steps saved before steps kept their own: config.json's
+    `older_steps_layout` once a resume in another layout rewrote it (lab.loop keeps it there
+    while such steps remain), else the layout config.json describes; None where its stage
+    count cannot be known (a folder written before config.json kept its block order, whose
+    mesh's stage axis was -1)."""
+    older = saved.get("older_steps_layout")
+    if older is not None:
+        return Layout.from_record(older)
     stacked = (saved.get("model") or {}).get("scan_layers") is True
     order = saved_block_order(saved)
     if order == "in layer order":
@@ -667,17 +692,30 @@ def config_layout(saved: dict) -> Layout | None:
     return Layout(stacked, int(m[1]), int(m[2])) if m else None
 
 
-def step_layout(step_dir: Path, config: Layout) -> Layout:
+def step_layout(step_dir: Path, config: Layout, n_layers: int) -> Layout:
     """How checkpoint step `step_dir` stores its layers: its own record (checkpoint.LAYOUT),
-    or for a step saved before steps kept one, stacked or not as its arrays are named, in
-    the order of `config` (the run's config.json: a resume that changes the order of such
-    steps is refused before, lab.loop)."""
-    record = Layout.from_record(checkpoint.step_record(step_dir, checkpoint.LAYOUT))
-    if record is not None:
-        return record
+    checked against its arrays; or for a step saved before steps kept one, stacked or not as
+    its arrays are named, in the order of `config` (config_layout). checkpoint.StepDamaged
+    where the record is gone, unreadable, fails its checksum or contradicts the arrays."""
+    raw = checkpoint.step_record(step_dir, checkpoint.LAYOUT)
     names = checkpoint.saved_names(step_dir)
-    stacked = config.stacked if names is None else any("blocks" in n for n in names)
-    return Layout(stacked, config.stages, config.repeats)
+    named = None if names is None else any("blocks" in n for n in names)
+    if raw is None:
+        stacked = config.stacked if named is None else named
+        return Layout(stacked, config.stages, config.repeats)
+    layout = Layout.from_record(raw)
+    if layout is None:
+        raise checkpoint.StepDamaged(f"its layout record is damaged ({checkpoint.LAYOUT}/)")
+    if named is not None and named != layout.stacked:
+        raise checkpoint.StepDamaged(
+            f"its layout record says {layout.describe()}, its arrays are "
+            f"{'stacked' if named else 'each layer its own'}"
+        )
+    if layout.stage_major and n_layers % (layout.stages * layout.repeats):
+        raise checkpoint.StepDamaged(
+            f"its layout record says {layout.describe()}, which {n_layers} layers cannot be"
+        )
+    return layout
 
 
 def restore_in_layout(run_dir, trainer: Trainer, saved_config: dict, **kw):
@@ -689,7 +727,7 @@ def restore_in_layout(run_dir, trainer: Trainer, saved_config: dict, **kw):
     layouts = {}
 
     def target(step_dir: Path):
-        layouts[step_dir.name] = saved = step_layout(step_dir, config)
+        layouts[step_dir.name] = saved = step_layout(step_dir, config, n)
         if saved == now:
             return trainer.abstract_state
         return abstract_in(trainer.abstract_state, now, saved, n)
@@ -699,4 +737,14 @@ def restore_in_layout(run_dir, trainer: Trainer, saved_config: dict, **kw):
     if state is None:
         return step, None, None
     saved = layouts[str(step)]
-    return step, into_layout(trainer, state, saved), saved
+    try:
+        return step, into_layout(trainer, state, saved), saved
+    except Exception as e:  # noqa: BLE001 — XLA's out-of-memory error has no type of its own
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ConfigError(
+            f"{kw.get('why', 'resume=true')}: checkpoint step {step} stores its layers "
+            f"{saved.describe()}; moving them into this run's layout ({now.describe()}) holds "
+            "both copies and ran out of device memory: resume with the run's saved mesh= "
+            "and pipeline_repeats="
+        ) from None

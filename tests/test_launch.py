@@ -430,3 +430,30 @@ def test_a_launched_fsdp_run_resumes_past_a_damaged_step(tmp_path):
     assert [p.name.split("-")[0] for p in (tmp_path / "F" / "checkpoints-damaged").iterdir()] == [
         "4"
     ]
+
+
+@pytest.mark.once
+def test_a_launched_run_goes_on_in_another_block_order(tmp_path):
+    """Two processes resume a circular pipeline's run as a plain one: every process reads
+    each step's layout record by itself (a reader that waits on the whole job, called by the
+    first process alone while it checks the folder, stalled 30 s and read every step as
+    unrecorded), and the run goes on from the circular step."""
+    tiny = [k for k in TINY if not k.startswith(("n_layers=", "steps="))] + ["n_layers=4"]
+    base = [sys.executable, "-m", "lab.tools.launch", "processes=2", *tiny]
+    base += [f"out_dir={tmp_path}", "name=C", "checkpoint_every=2", "coordinator_timeout=30"]
+    circular = ["mesh=data:4,stage:2", "strategy=pp", "pipeline_repeats=2"]
+    first = subprocess.run(
+        [*base, *circular, "steps=2"], env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = subprocess.run(
+        [*base, "mesh=8", "strategy=dp", "steps=4", "resume=true"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = again.stdout + again.stderr
+    assert "resumed from checkpoint at step 2" in said
+    assert "layers: saved stacked by stage (stage=2, pipeline_repeats=2), moved" in said

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from lab import checkpoint
-from lab.config import make_config, parse_args
-from lab.errors import ConfigError
+from lab.config import parse_args
 from lab.mesh import make_mesh
 from lab.run import main
 from lab.train import Layout, make_trainer, relayout, restore_in_layout
@@ -87,42 +86,69 @@ def test_a_step_saved_before_steps_kept_their_layout_is_read_by_its_arrays_names
     )
 
 
-def test_a_changed_block_order_is_refused_only_where_a_step_has_no_layout(tmp_path):
-    """config.json alone says how an older step's circular layers are ordered, and the run's
-    start rewrites it: a resume that reads them in another order is refused while such a step
-    is in the folder; steps that keep their layout move into any order."""
-    from lab.loop import _check_same_block_order
+def test_older_steps_are_read_in_the_order_config_json_keeps_for_them(tmp_path):
+    """A circular run's step saved before steps kept their layout: its order is config.json's,
+    and once a resume in another layout rewrites config.json, the `older_steps_layout` it
+    keeps there; read either way, the same weights."""
     from lab.train import block_order
 
-    circular = dict(mesh="data:2,stage:2", strategy="pp", n_layers=8, pipeline_repeats=2)
-    saved = {**dataclasses.asdict(make_config(**circular)), "block_order": block_order(2, 2)}
-    plain = make_config(mesh="1", n_layers=8)
-    trainer = _trainer(CIRCULAR)
-    state = trainer.init(jax.random.key(0))
-    old = checkpoint.Saver(checkpoint.manager(tmp_path))
+    circ, plain = _trainer(CIRCULAR), _trainer(UNSCANNED)
+    state = _trained_state(circ, seed=4)
+    old = checkpoint.Saver(checkpoint.manager(tmp_path))  # as before layouts were kept
     old.save(2, state)
     old.finish()
-    with pytest.raises(ConfigError, match="step 2 was saved before checkpoints kept their layout"):
-        _check_same_block_order(saved, plain, 1, tmp_path)
-    checkpoint.quarantine(tmp_path, 2, "test", warn=lambda _: None)
-    new = checkpoint.Saver(checkpoint.manager(tmp_path), trainer.layout.record())
-    new.save(4, state)
-    new.finish()
-    _check_same_block_order(saved, plain, 1, tmp_path)  # no refusal
+    as_saved = dataclasses.asdict(circ.cfg) | {"block_order": block_order(2, 2)}
+    rewritten = dataclasses.asdict(plain.cfg) | {
+        "block_order": block_order(1, 1),
+        "older_steps_layout": circ.layout.record(),
+    }
+    want = jax.device_get(state)
+    for saved_config in (as_saved, rewritten):
+        _, restored, saved = restore_in_layout(tmp_path, plain, saved_config, warn=pytest.fail)
+        assert saved == circ.layout == Layout(True, 2, 2)
+        back = jax.device_get(relayout(restored, plain.layout, saved, 8))
+        for g, w in zip(jax.tree.leaves(back), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda r: {**r, "stages": 4}, "its layout record is damaged"),  # checksum
+        (lambda r: None, "its layout record (layout/) cannot be read"),  # file gone
+        (lambda r: "{not json", "its layout record (layout/) cannot be read"),
+        (lambda r: {**r, "stacked": False}, "its layout record is damaged"),
+    ],
+    ids=["edited", "gone", "torn", "unstacked"],
+)
+def test_a_damaged_layout_record_sets_the_step_aside(tmp_path, damage, reason):
+    """A record edited or damaged into another valid layout would read every layer in
+    another's place with the checksums passing: the step is damaged, never read by guess."""
+    circ, plain = _trainer(CIRCULAR), _trainer(UNSCANNED)
+    saver = checkpoint.Saver(checkpoint.manager(tmp_path), circ.layout.record())
+    saver.save(2, circ.init(jax.random.key(0)))
+    saver.finish()
+    path = checkpoint.folder(tmp_path) / "2" / checkpoint.LAYOUT / "metadata"
+    changed = damage(json.loads(path.read_text()))
+    if changed is None:
+        path.unlink()
+    else:
+        path.write_text(changed if isinstance(changed, str) else json.dumps(changed))
+    said, moved = [], []
+    step, state, _ = restore_in_layout(tmp_path, plain, {}, warn=said.append, moved=moved)
+    assert step is None and state is None and moved == [2]
+    assert reason in said[0], said
 
 
 def test_layout_records_read_back_and_damaged_ones_are_none():
     for layout in (Layout(False), Layout(True), Layout(True, 4, 2)):
         assert Layout.from_record(json.loads(json.dumps(layout.record()))) == layout
     assert Layout(True, 4, 1) == Layout(True)  # no repeats: layer order on any mesh
-    for bad in (
-        None,
-        [],
-        {"stacked": 1},
-        {"stacked": True, "stages": 0},
-        {"stacked": True, "repeats": "2"},
-    ):
+    assert Layout(True, 1, 2) == Layout(True)  # one stage: the same
+    good = Layout(True, 4, 2).record()
+    for bad in (None, [], {**good, "stacked": 1}, {**good, "stages": 0}, {**good, "repeats": "2"}):
         assert Layout.from_record(bad) is None
+    assert Layout.from_record({**good, "stages": 2}) is None  # the checksum
 
 
 @pytest.mark.once

@@ -514,15 +514,17 @@ def test_sigterm_to_the_launcher_reaches_its_processes(tmp_path):
 
 
 def test_a_resume_never_reads_a_circular_pipelines_layers_in_another_order():
-    """A circular pipeline's checkpoint holds its blocks by stage: a resume with other repeats,
-    another stage count (also behind the same stage:-1 on more devices) or no pipeline would
-    put every layer's weights in another's place (the losses go on, wrong); it is refused.
-    Other mesh changes keep layer order."""
+    """A circular pipeline's checkpoint holds its blocks by stage. Its order is known from
+    the step's own record, or for older steps from config.json (its block order, or the mesh
+    it asked for): a resume in another layout moves them (lab.train.Layout). The one order
+    nothing records, a folder from before config.json kept it whose stage axis was -1, is
+    refused where it would be read in another order."""
     import dataclasses
 
     from lab.config import make_config
     from lab.errors import ConfigError
     from lab.loop import _check_same_block_order, block_order
+    from lab.train import Layout, config_layout
 
     def saved(stages, **keys):
         cfg = make_config(**keys)
@@ -531,24 +533,25 @@ def test_a_resume_never_reads_a_circular_pipelines_layers_in_another_order():
             "block_order": block_order(stages, cfg.model.pipeline_repeats),
         }
 
-    circular = dict(mesh="stage:-1", strategy="pp", n_layers=8, pipeline_repeats=2)
-    _check_same_block_order(saved(4, **circular), make_config(**circular), 4)
+    circular = dict(
+        mesh="stage:-1", strategy="pp", n_layers=8, pipeline_repeats=2, scan_layers=True
+    )
     for change, stages in (
         (dict(pipeline_repeats=1), 4),
         ({}, 8),  # the same stage:-1 filled by more devices
         (dict(mesh="1", strategy="dp", pipeline_repeats=1), 1),
-    ):
-        with pytest.raises(ConfigError, match="holds its layers by stage"):
-            _check_same_block_order(
-                saved(4, **circular), make_config(**{**circular, **change}), stages
-            )
-    plain = dict(mesh="stage:2", strategy="pp", n_layers=4)
-    _check_same_block_order(saved(2, **plain), make_config(mesh="4", strategy="dp"), 1)
+    ):  # known: moved, not refused
+        _check_same_block_order(saved(4, **circular), make_config(**{**circular, **change}), stages)
+    assert config_layout(saved(4, **circular)) == Layout(True, 4, 2)
     # a folder written before config.json kept the order: read from the mesh it asked for
     old = dataclasses.asdict(make_config(**{**circular, "mesh": "stage:4"}))
-    _check_same_block_order(old, make_config(**circular), 4)
-    with pytest.raises(ConfigError, match="stage=4, pipeline_repeats=2"):
-        _check_same_block_order(old, make_config(**circular), 2)
+    assert config_layout(old) == Layout(True, 4, 2)
+    _check_same_block_order(old, make_config(**circular), 2)
+    unknown = dataclasses.asdict(make_config(**circular))  # stage:-1, no block order kept
+    assert config_layout(unknown) is None
+    _check_same_block_order(unknown, make_config(**circular), -1)  # the same words: read
+    with pytest.raises(ConfigError, match="stage=-1, pipeline_repeats=2"):
+        _check_same_block_order(unknown, make_config(**{**circular, "pipeline_repeats": 1}), 4)
 
 
 def test_runs_lab_run_names_in_the_same_second_never_share_a_folder(tmp_path, monkeypatch, capsys):

@@ -17,7 +17,7 @@ from lab.mesh import parse_mesh_spec, strategy_mesh
 from lab.model import natural_layers
 from lab.names import STAGE
 from lab.resolve import Request, resolve
-from lab.rundir import STATE_FIELDS, saved_config
+from lab.rundir import LAYOUT_FIELDS, STATE_FIELDS, saved_config
 from lab.session import Session, session_for
 from lab.train import restore_in_layout
 
@@ -63,7 +63,7 @@ def serving_request(run_dir: Path, keys: dict) -> Request:
         diffs = [
             f"{k}={getattr(saved.model, k)!r} → {getattr(changed.model, k)!r}"
             for k in STATE_FIELDS
-            if getattr(saved.model, k) != getattr(changed.model, k)
+            if k not in LAYOUT_FIELDS and getattr(saved.model, k) != getattr(changed.model, k)
         ]
         if diffs:
             raise ConfigError(
