@@ -370,6 +370,34 @@ def test_a_failed_native_build_falls_back_to_the_portable_one(monkeypatch, tmp_p
     assert capsys.readouterr().err == ""
 
 
+def test_a_cache_that_cannot_be_written_is_one_line(monkeypatch, tmp_path, capsys):
+    """A read-only home or a cache path through a file: one line, the JAX kernels run (it
+    was a traceback out of the session's first attention choice)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("LAB_KERNEL_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(cpu_flash, "_compile", lambda cxx, opt, out: pytest.fail("built"))
+    assert cpu_flash._build() is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be written" in err[0] and "LAB_KERNEL_CACHE" in err[0]
+
+
+def test_a_build_held_by_another_process_is_waited_for_and_said(monkeypatch, tmp_path, capsys):
+    import fcntl
+    import threading
+
+    from lab.kernels import native
+
+    folder = tmp_path / "k"
+    folder.mkdir()
+    holder = open(folder / ".lock", "w")  # noqa: SIM115 - held across the thread
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    threading.Timer(0.3, lambda: holder.close()).start()  # the other build finishes
+    with open(folder / ".lock", "w") as lock:
+        native._lock_waiting(lock, "CPU kernel", folder)
+    assert "waiting for another process's build of the CPU kernel" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- lab.run
 
 

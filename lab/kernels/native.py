@@ -76,6 +76,17 @@ def compile_library(cxx: str, opt: list[str], source: Path, out: Path, what: str
     return None
 
 
+def _lock_waiting(lock, what: str, folder: Path) -> None:
+    """Take the build's lock; where another process holds it (building the same library),
+    say so once and wait for it."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"lab: waiting for another process's build of the {what} ({folder})",
+              file=sys.stderr)  # fmt: skip
+        fcntl.flock(lock, fcntl.LOCK_EX)
+
+
 def build(
     source: Path,
     *,
@@ -105,10 +116,17 @@ def build(
         lib = folder / f"lib{source.stem}.so"
         if lib.exists():
             return lib
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait
-            error = None if lib.exists() else compile_fn(cxx, opt, lib)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / ".lock", "w") as lock:
+                _lock_waiting(lock, what, folder)  # another process may be building it
+                error = None if lib.exists() else compile_fn(cxx, opt, lib)
+        except OSError as e:  # a cache that cannot be written: a read-only home, a file
+            where = e.filename or folder
+            print(f"lab: the {what} cannot be built: {where} cannot be written "
+                  f"({e.strerror or e}; LAB_KERNEL_CACHE names another folder): {fallback}",
+                  file=sys.stderr)  # fmt: skip
+            return None
         if error is None:
             return lib
     print(f"lab: the {what} did not build ({error}): {fallback}", file=sys.stderr)
