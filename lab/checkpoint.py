@@ -348,8 +348,14 @@ def _shape_mismatch(path: Path, abstract_state) -> str | None:
     except Exception:  # noqa: BLE001 — unreadable metadata: a damaged step, judged by restore
         return None
     want = jax.tree_util.tree_leaves_with_path(abstract_state)
-    if len(saved) != len(want):  # a partial or unreadable tree: the restore judges the damage
-        return None
+    if len(saved) != len(want):  # other arrays: another model (metadata is read whole or not)
+        have, need = {_names(p) for p, _ in saved}, {_names(p) for p, _ in want}
+        weights_first = lambda n: (n[:1] != ("params",), n)  # noqa: E731
+        if extra := sorted(have - need, key=weights_first):
+            return f"{'.'.join(extra[0])}: saved, not in this model"
+        if lacking := sorted(need - have, key=weights_first):
+            return f"{'.'.join(lacking[0])}: in this model, not saved"
+        return None  # the same names counted twice: the restore judges it
     saved_shapes = {_names(p): tuple(getattr(x, "shape", ()) or ()) for p, x in saved}
     for p, x in want:
         shape = saved_shapes.get(_names(p))

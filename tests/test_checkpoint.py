@@ -76,3 +76,30 @@ def test_the_host_sums_are_the_device_sums(leaf):
     big = jnp.tile(x.reshape(-1), 3000)  # past one NumPy chunk of 2**20 words
     for y in (x, big):
         assert checkpoint._host_sums(y, chunk=1000) == [int(v) for v in checkpoint._sums(y)]
+
+
+def test_a_step_of_a_model_with_other_arrays_is_another_model_not_damage(tmp_path):
+    """Another layer count saves other arrays, not other shapes: named as another model in
+    one line, nothing moved (orbax's tree mismatch had set the step aside as damaged, its
+    reason cut at a colon)."""
+    import jax
+    import numpy as np
+    import pytest
+
+    from lab import checkpoint
+    from lab.errors import ConfigError
+
+    three = {"params": {f"block_{i}": np.ones((2,), np.float32) for i in range(3)}}
+    saver = checkpoint.Saver(checkpoint.manager(tmp_path))
+    saver.save(1, three)
+    saver.finish()
+    two = {"params": {f"block_{i}": np.ones((2,), np.float32) for i in range(2)}}
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        ),
+        two,
+    )
+    with pytest.raises(ConfigError, match=r"params\.block_2: saved, not in this model"):
+        checkpoint.restore_latest(tmp_path, abstract, warn=pytest.fail)
+    assert checkpoint.saved_steps(tmp_path) == [1]
