@@ -347,7 +347,12 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="slope of log(compiled temporary memory) against log(sequence length) "
                 "for flash attention forward+backward: 2 is n², 1 is linear, 0 is flat (a "
                 "slightly negative slope is a flat one measured); below 1.5 reads as 'the n² "
-                "disappears'",
+                "disappears'. This is the memory a device must hold, which every backend's "
+                "compiler reports; the traffic itself (bytes read and written) is not measured "
+                "here, and under flash attention it still grows as n²: K and V are read once "
+                "per query tile, about n²·d²/M bytes for on-chip memory M (the FlashAttention "
+                "paper's bound), a fraction of the n² scores a naive kernel writes and reads. "
+                "A kernel XLA cannot see into (Pallas, cuDNN) reports no scratch of its own",
             ),
         ),
     ),
