@@ -205,7 +205,8 @@ def _data_parallel_efficiency(size: str, dp_probe: dict, n: int, plans: bool = F
                 record(
                     "C13",
                     None,
-                    f"data-parallel efficiency on {devices} × {key}",
+                    f"data-parallel efficiency on {devices} × {key} (the all-reduce after the "
+                    "compute, not overlapped; compute at the MFU measured here)",
                     eff,
                     "×",
                     label="predicted",
