@@ -585,9 +585,9 @@ def abstract_in(abstract_state, now: Layout, saved: Layout, n_layers: int):
     """The trainer's abstract state (`now`) as a step saved in layout `saved` holds it, each
     array placed as this mesh places it: stacked blocks into a stacked trainer exactly as its
     own (the same shapes, the layer axis split over its stages); otherwise a block weight
-    split as one layer of the trainer's is, its layer axis whole (a run whose layers were each
-    their own, read into a pipeline, holds every layer on every stage until the move); every
-    other array as the trainer's."""
+    split as one layer of the trainer's is, its layer axis whole, and read into a pipeline
+    also split over its stages where a dimension allows (`_over_stages`); every other array
+    as the trainer's."""
     shapes = jax.eval_shape(lambda s: relayout(s, now, saved, n_layers), abstract_state)
     sds = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
 
@@ -602,12 +602,30 @@ def abstract_in(abstract_state, now: Layout, saved: Layout, n_layers: int):
             elif k == "blocks":
                 out[k] = jax.tree.map(lambda x, sh: sds(x, _with_layer_axis(sh)), v, layer)
             elif k.startswith("block_") and k not in cur:
-                out[k] = jax.tree.map(sds, v, layer)
+                out[k] = jax.tree.map(lambda x, sh: sds(x, _over_stages(sh, x.shape)), v, layer)
             else:
                 out[k] = jax.tree.map(lambda x, c: sds(x, c.sharding), v, cur[k])
         return out
 
     return jax.tree.map(node, abstract_state, shapes, is_leaf=_is_params)
+
+
+def _over_stages(sharding, shape):
+    """A layer's weight read for a pipeline: split over the stage axis too, along its first
+    dimension that no axis splits and the stages divide (else as it is), so that a run whose
+    layers were each their own is not read whole onto every stage (2x the state on 2 stages,
+    3.9x on 4, measured)."""
+    if not isinstance(sharding, NamedSharding) or dict(sharding.mesh.shape).get(STAGE, 1) == 1:
+        return sharding
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    if any(STAGE in mesh_axes_of(m) for m in spec if m):
+        return sharding
+    stages = sharding.mesh.shape[STAGE]
+    for i, (m, n) in enumerate(zip(spec, shape, strict=True)):
+        if m is None and n % stages == 0:
+            spec[i] = STAGE
+            return NamedSharding(sharding.mesh, P(*spec), memory_kind=sharding.memory_kind)
+    return sharding
 
 
 def _one_layer_shardings(params, layout: Layout):
