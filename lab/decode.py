@@ -443,6 +443,17 @@ def decode_kernel_line(model: ModelConfig, backend: str) -> str:
     )
     best = choose_decode("auto", backend=backend)
     if why is None and kernel != best:
+        # attention= names the kernel, but auto would take it too (a soft-cap, float16): that
+        # is why, whether attention= was asked or filled (auto → blockwise for float16)
+        auto, why = decode_kernel_noted(
+            "auto",
+            softcap=model.softcap or None,
+            q_dtype=model.dtype,
+            kv_dtype=model.dtype,
+            backend=backend,
+        )
+        why = why if auto == kernel else None
+    if why is None and kernel != best:
         pick = "auto or cpu_flash" if backend == "cpu" else "auto or pallas"
         why = f"attention={model.attention} decodes with the {kernel} ({pick} picks {best})"
     line = f"{kernel} ({DECODE_KERNELS.get(kernel, kernel)})"
