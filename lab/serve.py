@@ -32,6 +32,9 @@ from lab.studies.serving import compiled, sample, study, weights
 from lab.studies.serving import records as serving_records
 
 SAMPLE_MAX = 4096  # the sample is generated in one compiled call: seconds, never an hour
+# the sample's prompt is prefilled in one compiled call too, which no signal interrupts and
+# whose attention grows with the square of its length: bytes (a byte-level model's tokens)
+PROMPT_MAX = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +62,11 @@ class Options:
         min=0,
         max=SAMPLE_MAX,
     )
-    prompt: str = field("", "the sample's prompt; empty = the start of the bundled text")
+    prompt: str = field(
+        "",
+        f"the sample's prompt (at most {PROMPT_MAX} bytes: prefilled in one compiled call, "
+        "which no signal interrupts); empty = the start of the bundled text",
+    )
     temperature: float = field(0.8, "sampling temperature of the sample (0 = greedy)", min=0.0)
     plan_batch: int = field(8, "target= plans: sequences decoded together", min=1)
     plan_context: int = field(4096, "target= plans: cache slots per sequence", min=1)
@@ -166,7 +173,36 @@ def _plan(o: Options, s, con) -> int:
     return 0
 
 
+def _check_prompt(prompt: str) -> None:
+    """A prompt longer than PROMPT_MAX bytes is one line, before anything loads."""
+    n = len(prompt.encode("utf-8", "surrogateescape"))
+    if n > PROMPT_MAX:
+        raise ConfigError(
+            f"prompt= is {n:,} bytes: at most {PROMPT_MAX} (the sample's prompt is prefilled "
+            "in one compiled call, which no signal interrupts)"
+        )
+
+
+def _no_peer_line(s) -> str | None:
+    """The line (rich markup) saying why a CPU study timed no PyTorch decoder beside its own
+    (study.torch_peer), or None where it would time one."""
+    from lab.studies import torch_decoder
+
+    if s.info.backend != "cpu":
+        return None
+    if not torch_decoder.available():
+        return (
+            "  peer    none: PyTorch is not installed, so its decoder is skipped "
+            + escape("(pip install -e '.[peers]' adds it)")  # the extra's brackets: not markup
+        )
+    m = s.cfg.model
+    if m.softcap or any(m.layer_windows):
+        return "  peer    none: the PyTorch decoder has no sliding windows or soft-cap"
+    return None
+
+
 def run(o: Options, keys: dict) -> int:
+    _check_prompt(o.prompt)  # before anything loads: a long prefill is one call
     # The libraries' own logging (absl, orbax, TensorStore, asyncio: a damaged checkpoint makes
     # them print thousands of lines) goes to lab.log in the results folder, as lab.run sends
     # it to the run folder's; the lab says what went wrong in one line.
@@ -249,19 +285,15 @@ def run(o: Options, keys: dict) -> int:
     what = f"model={s.cfg.preset}, prompt {o.prompt_len}, {s.info.header()}"
     con.print(tables.serving_prefill(out.prefill, f"prefill · {what}"))
     rows = out.decode + out.decode_int8
-    con.print(tables.serving_decode(rows, f"decode · {what}", ridge=out.roofs.ridge))
+    con.print(tables.serving_decode(rows, f"decode · {what}", peak_flops=out.roofs.peak_flops))
     for line in tables.serving_matmuls(rows):  # which matmul each point kept, and the others
         con.print(f"  matmul  {line}")
     for line in tables.serving_peers(out.torch):  # the peer, where PyTorch is installed
         con.print(f"  peer    {line}")
-    m = s.cfg.model
-    if not out.torch and (m.softcap or any(m.layer_windows)) and s.info.backend == "cpu":
-        from lab.studies import torch_decoder
-
-        if torch_decoder.available():
-            con.print("  peer    none: the PyTorch decoder has no sliding windows or soft-cap")
+    if not out.torch and (line := _no_peer_line(s)):
+        con.print(line)
     if out.int8:
-        con.print(tables.serving_int8(out.int8, out.summary.int8_speedup))
+        con.print(tables.serving_int8(out.int8, out.summary.int8_speedup, out.decode_int8))
     con.print(tables.serving_summary(out.summary, out.roofs))
     recs = serving_records.to_records(out, config)
     with startup.held():  # whole lines: a signal waits for the records

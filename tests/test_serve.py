@@ -51,8 +51,10 @@ def test_random_weights_sweep_records_and_plot(tmp_path, capsys):
     f32, i8 = (next(r for r in decode if r["config"]["int8"] == q) for q in (False, True))
     # int8 weights: a quarter of the float32 bytes, plus one f32 scale per output channel
     assert i8["config"]["weight_bytes"] < 0.4 * f32["config"]["weight_bytes"]
-    err = next(r for r in recs if "relative RMS" in r["what"])
-    assert 0 < err["value"] < 5e-2
+    errs = {r["config"]["matmul"]: r for r in recs if "relative RMS" in r["what"]}
+    assert set(errs) == set(i8["config"]["matmuls"])  # every int8 matmul timed, named
+    assert all(0 < r["value"] < 5e-2 and r["what"].endswith(m) for m, r in errs.items())
+    assert "int8 weights, w8a8 matmul (int8 activations too" in " ".join(out.split())
     crit = next(r for r in recs if r["config"].get("metric") == "decode_critical_batch")
     assert crit["value"] is None or crit["value"] > 0
     # the bandwidths are measured before the sweep and again after it; the roof is the best
@@ -101,6 +103,7 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         (["name=demo", "lr=1"], "lr=1.0, name=demo: lab.serve trains nothing"),
         (["name=demo"], "served with run=NAME"),
         (["seq_len=64"], "the lengths served are prompt_len= and context="),
+        ([f"prompt={'é' * 2100}"], "prompt= is 4,200 bytes: at most 4096"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, words):
@@ -475,7 +478,113 @@ def test_the_int8_error_of_a_prompt_longer_than_the_text_uses_the_whole_text(mon
     params = s.trainer.init(jax.random.key(0)).params
     e = int8_error(s, params, quant.quantize_params(params), batch=2, prompt_len=1000, steps=4)
     assert e.prompt_len == 300 - 4 - 1
-    assert 0 < e.logits_rel_rms < 5e-2 and abs(e.loss_change) < 0.1
+    (m,) = e.matmuls
+    assert 0 < m.logits_rel_rms < 5e-2 and abs(e.loss_change(m.matmul)) < 0.1
+
+
+def test_the_int8_error_is_stated_for_each_matmul_whose_speed_is_shown():
+    """A speed row that keeps w8a8 sits beside w8a8's error, not weight-only's: the error is
+    measured for every matmul timed, each named, and W8A8's (activations quantized too) is
+    not weight-only's. The top-1 agreement says how many tokens it rests on."""
+    import jax
+    from rich.console import Console
+
+    from lab import quant
+    from lab.measure.serving import DecodePoint
+    from lab.measure.timing import BenchResult
+    from lab.report import tables
+    from lab.resolve import Request
+    from lab.session import open_session
+    from lab.studies.serving.int8 import int8_error
+
+    s = open_session(request=Request.of(preset="tiny", batch_size=1, seq_len=16))
+    params = s.trainer.init(jax.random.key(0)).params
+    params_i8 = quant.quantize_params(params)
+    e = int8_error(s, params, params_i8, batch=1, prompt_len=8, steps=6, matmuls=("xla", "w8a8"))
+    assert [m.matmul for m in e.matmuls] == ["xla", "w8a8"]
+    xla, w8a8 = e.matmuls
+    assert xla.positions == w8a8.positions == 6 and 0 <= w8a8.top1_same <= 6
+    assert 0 < xla.logits_rel_rms < 5e-2 and 0 < w8a8.logits_rel_rms < 5e-2
+    assert w8a8.logits_rel_rms != pytest.approx(xla.logits_rel_rms, rel=0.05)
+    assert w8a8.loss_int8 != xla.loss_int8
+    kept = DecodePoint(8, True, True, "w8a8", BenchResult(0.1, 0, 0, 3, 0), 1, 0, 1.0, 1, 1, 1e9)
+    con = Console(width=400, record=True)
+    con.print(tables.serving_int8(e, [(8, 1.5)], [kept]))
+    text = con.export_text()
+    for m in e.matmuls:
+        assert f"{m.logits_rel_rms:.2e}" in text, text
+        assert f"same top-1 token {m.top1_same} of 6 (" in text, text
+    assert "w8a8 matmul (int8 activations too; kept at batch 8)" in text, text
+    assert "xla matmul (weight-only)" in text, text
+
+
+def test_a_step_near_neither_roof_is_overhead_bound():
+    """The bound column names a roof only where the step reaches a fair share of one: under
+    10% of both it is overhead, whatever side of the ridge its FLOPs per byte fall."""
+    from rich.console import Console
+
+    from lab.measure.serving import DecodePoint, Roofs
+    from lab.measure.timing import BenchResult
+    from lab.report import tables
+    from lab.studies.serving.study import summarise
+
+    def step(seconds, flops):  # a 1e9-byte step against a 10 GB/s roof
+        bench = BenchResult(seconds, 0, 0, 3, 0)
+        return DecodePoint(1, True, True, "xla", bench, int(1e9), 0, flops, 1, 1, 10e9)
+
+    roofs = Roofs(bandwidth=10e9, peak_flops=1e11, dtype="float32", copy={"bytes_per_s": 10e9})
+    # ridge 10 FLOP/B; 20 FLOP/B at 1% of the memory roof is 2% of the compute roof
+    slow = step(10.0, 2e10)
+    assert slow.memory_roof_share == pytest.approx(0.01)
+    assert slow.bound(roofs.peak_flops) == "overhead"
+    assert step(1.0, 2e10).bound(roofs.peak_flops) == "compute"  # 20% of the compute roof
+    assert step(0.5, 1e9).bound(roofs.peak_flops) == "memory"  # 20% of the memory roof
+    con = Console(width=300, record=True)
+    con.print(tables.serving_decode([slow], "decode", peak_flops=roofs.peak_flops))
+    con.print(tables.serving_summary(summarise(roofs, [], [slow], []), roofs))
+    text = con.export_text()
+    assert "overhead" in text and "compute" not in text.split("what decoding")[0], text
+    assert "overhead-bound (under 10% of both roofs)" in text, text
+
+
+def test_the_decode_kernel_line_names_float16_not_a_blockwise_never_asked():
+    """dtype=float16 on CPU fills attention=blockwise (cpu_flash takes no float16): the
+    decode line's reason is float16, which auto would also fall back for."""
+    import dataclasses
+
+    from lab import decode
+    from lab.config import make_config
+    from lab.kernels import cpu_gemv
+
+    if not cpu_gemv.available():
+        pytest.skip("the C++ decode kernel is not built here")
+    model = dataclasses.replace(make_config(model="tiny").model, dtype="float32")
+    half = dataclasses.replace(model, dtype="float16", attention="blockwise")
+    line = decode.decode_kernel_line(half, "cpu")
+    assert line.startswith("reference") and "float16" in line and "blockwise" not in line, line
+    # asked in float32, blockwise is the reason
+    asked = decode.decode_kernel_line(dataclasses.replace(model, attention="blockwise"), "cpu")
+    assert "attention=blockwise decodes with the reference" in asked, asked
+
+
+def test_without_pytorch_the_peer_line_says_how_to_get_it(monkeypatch):
+    """No PyTorch: one line says the peer is skipped and names the extra that installs it."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from lab.config import make_config
+    from lab.serve import _no_peer_line
+    from lab.studies import torch_decoder
+
+    s = SimpleNamespace(info=SimpleNamespace(backend="cpu"), cfg=make_config(model="tiny"))
+    monkeypatch.setattr(torch_decoder, "available", lambda: False)
+    con = Console(width=200, record=True)
+    con.print(_no_peer_line(s))
+    text = con.export_text()  # as printed: the extra's brackets are text, not markup
+    assert "PyTorch is not installed" in text and "pip install -e '.[peers]'" in text, text
+    monkeypatch.setattr(torch_decoder, "available", lambda: True)
+    assert _no_peer_line(s) is None
 
 
 def test_a_signal_to_serve_is_one_line_and_its_exit_code(tmp_path):

@@ -84,6 +84,11 @@ class PrefillPoint:
         }
 
 
+# a decode step reaching under this share of both the memory and the compute roof is bound
+# by neither: its time goes to overhead (DecodePoint.bound)
+OVERHEAD_SHARE = 0.1
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodePoint:
     """One decode batch size: seconds per step (one token for every sequence), the bytes the
@@ -134,6 +139,16 @@ class DecodePoint:
     def intensity(self) -> float:
         return self.flops / self.bytes
 
+    def bound(self, peak_flops: float) -> str:
+        """What bounds the step: 'overhead' where it reaches under OVERHEAD_SHARE of both
+        roofs (dispatch, the host, small kernels: neither roof is near), else the roof its
+        FLOPs per byte put it under ('memory' below the ridge, 'compute' above)."""
+        compute_share = self.flops_per_s / peak_flops
+        if max(self.memory_roof_share, compute_share) < OVERHEAD_SHARE:
+            return "overhead"
+        ridge = roofline.ridge_point(peak_flops, self.roof_bandwidth)
+        return "memory" if self.intensity < ridge else "compute"
+
     def record_config(self) -> dict:
         out = {
             "batch": self.batch,
@@ -160,30 +175,51 @@ class DecodePoint:
 
 
 @dataclasses.dataclass(frozen=True)
+class Int8MatmulError:
+    """int8 weights multiplied one way (a decode speed row's matmul) against float: the loss
+    of the full forward pass, and the logits of prefill + decode steps with an int8 cache."""
+
+    matmul: str  # how the int8 weights were multiplied (lab.decode.MATMULS): w8a8 also
+    # quantizes the activations; xla, native and native1 are weight-only
+    loss_int8: float  # loss of the full forward pass with int8 weights multiplied this way
+    logits_rel_rms: float  # decode logits (int8 weights and cache) against float: RMS / RMS
+    logits_max_abs: float  # max |difference| of those logits
+    top1_same: int  # decode positions whose top token is float's
+    positions: int  # decode positions compared (sequences × steps)
+
+    @property
+    def top1_agreement(self) -> float:
+        return self.top1_same / self.positions
+
+
+@dataclasses.dataclass(frozen=True)
 class Int8Error:
-    """What int8 costs in accuracy on the bundled text, and what it saves in bytes."""
+    """What int8 costs in accuracy on the bundled text, for each way the int8 weights were
+    multiplied (`matmuls`, in the order timed), and what it saves in bytes."""
 
     prompt_len: int  # tokens of each text window before the decode steps (at most the text's)
     loss_float: float  # loss of the full forward pass, float weights
-    loss_int8: float  # the same with int8 weights
-    logits_rel_rms: float  # decode logits (int8 weights and cache) against float: RMS / RMS
-    logits_max_abs: float  # max |difference| of those logits
-    logits_scale: float  # max |logit| of the float decode, the scale of the above
-    top1_agreement: float  # share of decode positions whose top token is the same
+    logits_scale: float  # max |logit| of the float decode, the scale of logits_max_abs
     weight_bytes_float: int  # bytes of the float weights
     weight_bytes_int8: int  # bytes of the int8 weights (codes and scales)
-    window_len: int = 0  # tokens of each text window the loss is taken over: prompt + steps
-
-    @property
-    def loss_change(self) -> float:
-        return self.loss_int8 - self.loss_float
+    window_len: int  # tokens of each text window the loss is taken over: prompt + steps
+    matmuls: tuple[Int8MatmulError, ...]  # one per int8 matmul whose speed was measured
 
     @property
     def bytes_saved(self) -> int:
         return self.weight_bytes_float - self.weight_bytes_int8
 
-    def record_config(self) -> dict:
-        return dataclasses.asdict(self)
+    def of(self, matmul: str) -> Int8MatmulError:
+        """The error of the int8 weights multiplied by `matmul`."""
+        return next(m for m in self.matmuls if m.matmul == matmul)
+
+    def loss_change(self, matmul: str) -> float:
+        return self.of(matmul).loss_int8 - self.loss_float
+
+    def record_config(self, matmul: str | None = None) -> dict:
+        """The fields a record carries: the shared ones, and `matmul`'s own where given."""
+        shared = {k: v for k, v in dataclasses.asdict(self).items() if k != "matmuls"}
+        return shared if matmul is None else {**shared, **dataclasses.asdict(self.of(matmul))}
 
 
 @dataclasses.dataclass(frozen=True)

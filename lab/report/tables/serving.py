@@ -8,6 +8,7 @@ import math
 from rich.table import Table
 
 from lab.measure.serving import (
+    OVERHEAD_SHARE,
     DecodePoint,
     Int8Error,
     PeerPoint,
@@ -37,9 +38,11 @@ def serving_prefill(rows: list[PrefillPoint], title: str) -> Table:
     return t
 
 
-def serving_decode(rows: list[DecodePoint], title: str, *, ridge: float) -> Table:
+def serving_decode(rows: list[DecodePoint], title: str, *, peak_flops: float) -> Table:
     """Decode points: time per step, tokens/s, bytes a step must move, the bandwidth that
-    makes and its share of the measured memory roof; FLOPs per byte against the ridge."""
+    makes and its share of the measured memory roof; FLOPs per byte, and what bounds the step
+    (DecodePoint.bound: the roof its FLOPs per byte put it under, or overhead where it
+    reaches under OVERHEAD_SHARE of both roofs)."""
     t = Table(title=title)
     cols = ("batch", "weights", "cache", "ms/step", "tokens/s", "bytes/step", "GB/s", "% roof")
     for col in (*cols, "FLOP/B", "bound"):
@@ -55,14 +58,16 @@ def serving_decode(rows: list[DecodePoint], title: str, *, ridge: float) -> Tabl
             f"{r.bytes_per_s / 1e9:,.2f}",
             percent(r.memory_roof_share, 0),
             f"{r.intensity:.2f}",
-            "memory" if r.intensity < ridge else "compute",
+            r.bound(peak_flops),
         )
     return t
 
 
-def serving_int8(e: Int8Error, speedup) -> Table:
-    """What int8 weights and an int8 KV cache cost in accuracy and buy in bytes and speed;
-    `speedup`: (batch, int8 tokens/s over float) pairs (Summary.int8_speedup)."""
+def serving_int8(e: Int8Error, speedup, points: list[DecodePoint] = ()) -> Table:
+    """What int8 weights and an int8 KV cache cost in accuracy, for each way the weights
+    were multiplied (a row per matmul, named, with the batches whose speed row kept it:
+    `points`, the int8 decode points), and buy in bytes and speed; `speedup`: (batch, int8
+    tokens/s over float) pairs (Summary.int8_speedup)."""
     t = Table(title="int8 weights (per output channel) and int8 KV cache", show_header=False)
     t.add_row(
         "weights",
@@ -71,14 +76,24 @@ def serving_int8(e: Int8Error, speedup) -> Table:
     )
     t.add_row(
         f"loss on the bundled text ({e.window_len or e.prompt_len:,}-token windows)",
-        f"{e.loss_float:.4f} float, {e.loss_int8:.4f} int8 weights ({e.loss_change:+.4f})",
+        f"{e.loss_float:.4f} float weights",
     )
-    t.add_row(
-        "decode logits vs float",
-        f"relative RMS {e.logits_rel_rms:.2e}, max |Δ| "
-        f"{e.logits_max_abs:.3g} (logits up to {e.logits_scale:.3g}); same top-1 "
-        f"token {percent(e.top1_agreement, 1)}",
-    )
+    rows: dict[tuple[str, str], list] = {}  # matmuls whose figures print the same: one row
+    for m in e.matmuls:
+        how = "int8 activations too" if m.matmul == "w8a8" else "weight-only"
+        text = (
+            f"loss {m.loss_int8:.4f} ({e.loss_change(m.matmul):+.4f}); decode logits vs "
+            f"float: relative RMS {m.logits_rel_rms:.2e}, max |Δ| {m.logits_max_abs:.3g} "
+            f"(logits up to {e.logits_scale:.3g}); same top-1 token {m.top1_same} of "
+            f"{m.positions} ({percent(m.top1_agreement, 1)})"
+        )
+        rows.setdefault((how, text), []).append(m.matmul)
+    for (how, text), names in rows.items():
+        kept = sorted({p.batch for p in points if p.matmul in names})
+        if kept:
+            how += f"; kept at batch {', '.join(map(str, kept))}"
+        plural = "es" if len(names) > 1 else ""
+        t.add_row(f"int8 weights, {', '.join(names)} matmul{plural} ({how})", text)
     for b, x in sorted(dict(speedup).items()):
         t.add_row(f"decode speed-up, batch {b}", ratio(x))
     return t
@@ -116,9 +131,14 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
             f"{rate / 1e9:,.2f} GB/s ({percent(rate / roofs.bandwidth, 0)} of the memory roof); "
             f"batch {s.smallest.batch} reads at {percent(s.smallest.bytes_per_s / rate, 0)} of it",
         )
-    bound = "memory-bound" if s.batch1_intensity < roofs.ridge else "compute-bound"
+    one = s.smallest
+    bound = one.bound(roofs.peak_flops)
+    if bound == "overhead":  # near neither roof: naming one would say what does not bind
+        bound += f"-bound (under {percent(OVERHEAD_SHARE, 0)} of both roofs)"
+    else:
+        bound += "-bound"
     t.add_row(  # the smallest batch measured: batch 1 unless the mesh's batch split needs more
-        f"batch {s.smallest.batch}",
+        f"batch {one.batch}",
         f"{percent(s.batch1_roof_share, 0)} of the memory roof, {s.batch1_intensity:.2f} "
         f"FLOP/B: {bound}",
     )

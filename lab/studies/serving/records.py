@@ -107,16 +107,24 @@ def _rest(out: Study, config: dict) -> list[dict]:
         )
     if out.int8:
         e = out.int8
-        for what, value, unit in (
-            ("int8 weights: loss change on the bundled text", e.loss_change, ""),
-            ("int8 weights + cache: decode logits relative RMS error", e.logits_rel_rms, ""),
-            ("int8 weights: bytes saved", e.bytes_saved, "B"),
-        ):
-            recs.append(
-                records.make_record(
-                    what, value, unit, label="derived", **{**config, **e.record_config()}
+        for m in e.matmuls:  # each int8 matmul whose speed was measured, named
+            c = {**config, **e.record_config(m.matmul)}
+            for what, value in (
+                ("int8 weights: loss change on the bundled text", e.loss_change(m.matmul)),
+                ("int8 weights + cache: decode logits relative RMS error", m.logits_rel_rms),
+            ):
+                recs.append(
+                    records.make_record(f"{what}, {m.matmul}", value, "", label="derived", **c)
                 )
+        recs.append(
+            records.make_record(
+                "int8 weights: bytes saved",
+                e.bytes_saved,
+                "B",
+                label="derived",
+                **{**config, **e.record_config()},
             )
+        )
     return recs
 
 

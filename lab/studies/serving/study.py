@@ -12,7 +12,7 @@ from lab.errors import ConfigError
 from lab.measure import cost
 from lab.measure.serving import DecodePoint, PeerPoint, PrefillPoint, Roofs, Study, Summary
 from lab.session import Session
-from lab.studies.serving.int8 import int8_error
+from lab.studies.serving.int8 import ERROR_STEPS, int8_error
 from lab.studies.serving.points import fastest_point, prefill_estimate, prefill_point
 from lab.studies.serving.roofs import against, best_roofs, measure_again, measure_roofs
 from lab.studies.serving.timed import WARM_STEPS, random_prompts
@@ -134,7 +134,16 @@ def measure(session: Session, params, plan: Plan, *, progress=None, finished=Non
             )
         tick("int8 error on the bundled text")
         n = decode.batch_multiple(session.trainer)
-        error = int8_error(session, params, params_i8, batch=n, prompt_len=plan.prompt_len, steps=8)
+        timed = dict.fromkeys(m for p in points_i8 for m, _ in p.matmuls)  # every one shown
+        error = int8_error(
+            session,
+            params,
+            params_i8,
+            batch=n,
+            prompt_len=plan.prompt_len,
+            steps=ERROR_STEPS,
+            matmuls=tuple(timed),
+        )
         del params_i8  # freed before the copy buffers below are allocated (an accelerator's HBM)
     tick("roofs again: copy bandwidth and read stream after the sweep")
     roofs = measure_again(roofs, budget_s=plan.budget_s)
