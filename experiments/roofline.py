@@ -1,12 +1,15 @@
 """C06, C07: the roofline of the device present, and the bandwidth of its links.
 
-C06: the two roofs are measured (best matmul FLOP/s, copy bandwidth), then ops of growing
-arithmetic intensity (elementwise polynomials, x·W from matrix-vector to square) are timed
-under them: where an elementwise op lands against the matmul peak, and where the ridge is.
-The claim itself is judged on the lab's training step (the shared step, compiled here): each
-op of the compiled program at its roof, max(FLOPs / peak, bytes / bandwidth) with the roofs
-just measured, and the share of that time spent in ops below the ridge (memory-bound). With
-plans, the same share of the step compiled for an H100, from the step-time model.
+C06: the two roofs are measured (the best FLOP/s of the ops timed, matmuls and the sweep's
+own; the best bandwidth), then ops of growing arithmetic intensity (elementwise polynomials,
+x·W from matrix-vector to square) are timed under them: where an elementwise op lands against
+the compute roof, and where the ridge is. The claim ("today's GPUs … waiting on memory") is
+judged on the lab's training step (the shared step, compiled here): each op of the compiled
+program at its roof, max(FLOPs / matmul peak, bytes / bandwidth) with the roofs just measured,
+and the share of that time spent in ops below the ridge (memory-bound). Measured on an
+accelerator, it decides; a CPU's share is context (an upper bound, its caches not counted).
+With plans, the same share of the step compiled for an H100, from the step-time model: the
+verdict where no accelerator is present.
 C07: host→device and device→host copies and, with two or more accelerators, a
 device→device copy. On a CPU every one of these is a memcpy in host memory: recorded as
 context, no PCIe or NVLink is crossed.
@@ -53,13 +56,22 @@ def _roofline_measured(be, size, budget) -> list[dict]:
         record(
             "C06",
             None,
-            f"roof: matmul peak ({roof['peak_name']})",
+            f"roof: compute, the best FLOP/s of the ops timed ({roof['peak_name']})",
             peak,
             "FLOP/s",
             role="context",
             series="roof",
             roof="peak",
             set_by=roof["peak_op"],  # a matmul or an op of the sweep: compare says which
+        ),
+        record(
+            "C06",
+            None,
+            f"matmul peak: the best matmul timed ({roof['matmul_name']})",
+            roof["matmul_peak"],
+            "FLOP/s",
+            role="context",
+            op=roof["matmul_name"],
         ),
         record(
             "C06",
@@ -111,7 +123,8 @@ def _roofline_measured(be, size, budget) -> list[dict]:
         record(
             "C06",
             None,
-            f"elementwise op (poly_1, {poly1.intensity:.2g} FLOP/B) over the matmul peak",
+            f"elementwise op (poly_1, {poly1.intensity:.2g} FLOP/B) over the compute roof "
+            f"({roof['peak_name']})",
             poly1.flops_per_s / peak,
             "× peak",
             label="derived",
@@ -123,7 +136,8 @@ def _roofline_measured(be, size, budget) -> list[dict]:
         record(
             "C06",
             None,
-            "ridge point: measured matmul peak / copy bandwidth",
+            f"ridge point: compute roof ({roof['peak_name']}) / memory roof (the best "
+            "bandwidth measured)",
             roofline.ridge_point(peak, bw),
             "FLOP/B",
             label="derived",
@@ -146,16 +160,18 @@ def _roofline_measured(be, size, budget) -> list[dict]:
                 spec_source=spec.source_of("memory_bandwidth"),
             )
         )
-    return recs + _step_at_roofs(size, roof)
+    return recs + _step_at_roofs(size, roof, be)
 
 
 # the model's dtype names (lab.predict.model) for the matmuls lab.measure.ceilings times
 _PEAK_DTYPES = {"float8_e4m3fn": "float8"}
 
 
-def _step_at_roofs(size: str, roof: dict) -> list[dict]:
-    """C06's verdict: the share of the shared training step's time, each op at the roofs
-    measured above, that memory-bound ops take."""
+def _step_at_roofs(size: str, roof: dict, be: str) -> list[dict]:
+    """C06's share measured here: the share of the shared training step's time, each op at
+    the roofs measured above, that memory-bound ops take. Evidence on an accelerator; on a
+    CPU context (the claim is about GPUs, and a CPU's ridge is a few FLOP per byte) and an
+    upper bound (its caches serve small ops faster than the copy bandwidth)."""
     peaks: dict[str, float] = {}
     for (dtype, _), m in roof["matmuls"].items():
         name = _PEAK_DTYPES.get(dtype, dtype)
@@ -170,19 +186,28 @@ def _step_at_roofs(size: str, roof: dict) -> list[dict]:
     if split["share"] is None:
         return []
     memory_ops, compute_ops = split["ops"]
+    cpu = be == "cpu"
+    roofs = "the matmul peaks and copy bandwidth measured here" + (
+        " (memory out of DRAM: caches not counted, so an upper bound)" if cpu else ""
+    )
+    why = (
+        "; a CPU's: context, the claim is about GPUs (this CPU's ridge is a few FLOP/B)"
+        if cpu
+        else ""
+    )
     return [
         record(
             "C06",
             "memory_bound_share",
             f"the training step ({cfg.preset}, batch {cfg.batch_size} × {cfg.seq_len}, "
-            f"{cfg.model.dtype}) compiled here, each op at the measured roofs (memory out of "
-            "DRAM: caches not counted, so an upper bound): the share of "
-            f"its time in memory-bound ops ({memory_ops} ops below the ridge, {compute_ops} "
-            "above)",
+            f"{cfg.model.dtype}) compiled here, each op at {roofs}: the share of its time in "
+            f"memory-bound ops ({memory_ops} ops below the ridge, {compute_ops} above){why}",
             split["share"],
             "× step",
             label="derived",
-            bound="upper",  # decides only below the range: the true share may be lower
+            role="context" if cpu else "evidence",
+            # a CPU's caches: the true share may be lower (decides only below the range)
+            **({"bound": "upper"} if cpu else {}),
             compute_s=split["compute_s"],
             memory_s=split["memory_s"],
             peaks=peaks,

@@ -5,6 +5,7 @@ its plots and a cross-backend merge read from that one results folder."""
 import json
 import shutil
 import time
+import types
 
 import pytest
 
@@ -375,8 +376,8 @@ def test_step_at_roofs_times_each_op_at_its_roof():
 
 @pytest.mark.once
 def test_c06_is_judged_on_the_compiled_steps_share(tiny_run):
-    """C06's verdict rests on the training step's memory-bound share, a figure that can fall
-    on either side of its range; the ridge and the elementwise rate are context."""
+    """C06's verdict rests on the training step's memory-bound share on an accelerator; this
+    CPU's share, the ridge and the elementwise rate are context."""
     records = tiny_run["records"]
     (c06,) = [v for v in judge_all(records) if v.claim.id == "C06"]
     (check,) = c06.checks
@@ -391,11 +392,8 @@ def test_c06_is_judged_on_the_compiled_steps_share(tiny_run):
     assert 0.0 < r["value"] < 1.0 and r["config"]["bound"] == "upper"
     c = r["config"]
     assert r["value"] == pytest.approx(c["memory_s"] / (c["memory_s"] + c["compute_s"]))
-    # an upper bound decides only below the range's floor: off there, nothing above it
-    if r["value"] < check.stated.lo:
-        assert check.status == "off" and [x.index for x in check.readings] == [i]
-    else:
-        assert check.status == "n/a here" and i in check.context
+    # the claim is about GPUs: a CPU's share (an upper bound, its caches) is context
+    assert c["role"] == "context" and check.status == "n/a here" and i in check.context
 
 
 class _FakeDriver:
@@ -491,9 +489,9 @@ def test_compare_names_each_records_machine_for_the_plots_and_the_verdicts(tmp_p
     from lab.report import plots
 
     def records(scale):
-        share = rec.make_record(
-            "share of the step below the ridge", 0.9 * scale, "× step",
-            claim="C06", metric="memory_bound_share", role="evidence",
+        share = rec.make_record(  # a part a CPU decides (C06's share is context on one)
+            "memory with remat over without", 0.9 * scale, "×",
+            claim="C11", metric="remat_memory_ratio", role="evidence",
         )  # fmt: skip
         sweep = [
             rec.make_record(
@@ -529,7 +527,7 @@ def test_compare_names_each_records_machine_for_the_plots_and_the_verdicts(tmp_p
         ("tokens/s · cpu · cpu · tiny · run2", [2, 8]),
     ]
     text = result["path"].read_text()
-    assert "| 0.9× step (cpu · cpu · tiny · run1); 0.45× step (cpu · cpu · tiny · run2) |" in text
+    assert "| 0.9× (cpu · cpu · tiny · run1); 0.45× (cpu · cpu · tiny · run2) |" in text
 
 
 def test_the_side_by_side_rows_line_up_one_quantity_measured_beside_measured():
@@ -616,3 +614,63 @@ def test_the_side_by_side_rows_line_up_one_quantity_measured_beside_measured():
     )
     assert table["memory roof (fastest op measured)"].count("(set by poly_1)") == 2
     assert table["copy bandwidth (x ← x·s)"].endswith("| 19.5 GB/s *measured* " * 2 + "|")
+
+
+def test_c06_names_the_compute_roof_by_the_op_that_set_it(monkeypatch):
+    """An elementwise op of the sweep can run faster than the matmul timed: the roof is then
+    worded as the best FLOP/s of the ops timed (naming that op), the matmul peak is its own
+    record, and the ridge says it is the compute roof over the memory roof."""
+    from experiments import roofline as exp_roofline
+    from lab.measure import ceilings
+    from lab.measure.roofline import Point
+
+    points = [Point("poly_1", 2e6, 8e6, 1e-3), Point("poly_64", 1.3e8, 8e6, 1e-3)]
+    fake = {
+        "peak_flops": 1.3e11,
+        "bandwidth": 3e10,
+        "points": points,
+        "copy": {"bytes_per_s": 3e10, "buffer_bytes": 2**20, "buffers": 4},
+        "bandwidth_note": "the copy kernel's (x ← x·s)",
+        "above_roof": [],
+        "peak_op": "poly_64",
+        "bandwidth_op": "copy",
+        "peak_name": "the sweep's poly_64, faster than the float32 matmul, "
+        "precision=default, n=1024",
+        "matmul_peak": 6.7e10,
+        "matmul_name": "float32 matmul, precision=default, n=1024",
+    }
+    monkeypatch.setattr(ceilings, "roofline_ceilings", lambda *a, **k: fake)
+    monkeypatch.setattr(exp_roofline, "_step_at_roofs", lambda *a: [])
+    recs = exp_roofline._roofline_measured("cpu", "tiny", 0.0)
+    assert not [r for r in recs if "matmul peak (the sweep" in r["what"]]
+    (roof,) = [r for r in recs if r["config"].get("roof") == "peak"]
+    assert roof["what"].startswith("roof: compute, the best FLOP/s of the ops timed")
+    assert "poly_64" in roof["what"] and roof["value"] == 1.3e11
+    (mm,) = [r for r in recs if r["what"].startswith("matmul peak:")]
+    assert mm["value"] == 6.7e10 and "n=1024" in mm["what"]
+    (ridge,) = [r for r in recs if r["what"].startswith("ridge point")]
+    assert "compute roof" in ridge["what"] and "matmul peak" not in ridge["what"]
+
+
+def test_c06_share_on_a_cpu_is_context_and_on_an_accelerator_evidence(monkeypatch):
+    """The share measured here: a CPU's is context (an upper bound: its caches), an
+    accelerator's is evidence that decides."""
+    from experiments import roofline as exp_roofline
+
+    split = {"share": 0.06, "ops": (600, 100), "compute_s": 0.94, "memory_s": 0.06}
+    monkeypatch.setattr(exp_roofline, "at_roofs", lambda *a, **k: split)
+    probe = {
+        "cfg": exp_roofline.step_config("tiny"),
+        "compiled": None,
+        "trainer": types.SimpleNamespace(mesh=None),
+    }
+    monkeypatch.setattr(exp_roofline, "compile_probe", lambda cfg: probe)
+    roof = {"matmuls": {("float32", "default"): {"flops_per_s": 6.7e10}}, "bandwidth": 3e10}
+    (cpu,) = exp_roofline._step_at_roofs("tiny", roof, "cpu")
+    assert cpu["config"]["role"] == "context" and cpu["config"]["bound"] == "upper"
+    assert "context, the claim is about GPUs" in cpu["what"]
+    (gpu,) = exp_roofline._step_at_roofs("tiny", roof, "gpu")
+    assert gpu["config"]["role"] == "evidence" and "bound" not in gpu["config"]
+    gpu["backend"] = "gpu"
+    (v,) = judge_all([cpu, gpu], [c for c in CLAIMS if c.id == "C06"])
+    assert v.status == "off" and [x.record for x in v.checks[0].readings] == [gpu]

@@ -429,7 +429,7 @@ def test_a_bound_decides_only_where_the_whole_of_what_it_allows_falls():
     assert decides(0.7, 0.5, None, "lower") and decides(0.7, 0.5, 1.0, None)
     share = claims.get("C06").stated[0]
     for value, status in ((0.1, "off"), (0.6, "n/a here")):
-        r = _record("C06", share, value, backend="cpu", label="derived")
+        r = _record("C06", share, value, backend="gpu", label="derived")
         r["config"]["bound"] = "upper"
         (check,) = judge_all([r], [claims.get("C06")])[0].checks
         assert check.status == status
@@ -660,12 +660,14 @@ def test_a_merged_verdict_table_names_the_machine_of_every_value():
     says merged, every folder's values show (not the first two of them), and one folder's
     table reads as it did."""
     c06 = claims.get("C06").stated[0]
-    cpu = {**_record("C06", c06, 0.0686, backend="cpu"), "machine": "cpu · cpu · quick"}
+    # (C06 is judged on accelerators: a CPU's share is context, so the first folder is a GPU's)
+    cpu = {**_record("C06", c06, 0.0686, backend="gpu"), "machine": "gpu · NVIDIA A100 · quick"}
     gpu = {**_record("C06", c06, 0.9, backend="gpu"), "machine": "gpu · NVIDIA H100 · tiny"}
     tpu = {**_record("C06", c06, 0.5, backend="tpu"), "machine": "tpu · TPU v5 lite · tiny"}
     (v,) = judge_all([cpu, gpu, tpu], [claims.get("C06")])
     assert markdown.measured_cell(v, [cpu, gpu, tpu]) == (
-        "0.0686× step (cpu · cpu · quick) ×3.64 below; 0.9× step (gpu · NVIDIA H100 · tiny); "
+        "0.0686× step (gpu · NVIDIA A100 · quick) ×3.64 below; 0.9× step (gpu · NVIDIA H100 · "
+        "tiny); "
         "0.5× step (tpu · TPU v5 lite · tiny)"
     )
     c01 = claims.get("C01").stated[1]
@@ -679,3 +681,25 @@ def test_a_merged_verdict_table_names_the_machine_of_every_value():
     alone = [{k: x for k, x in r.items() if k != "machine"} for r in (cpu, gpu, tpu)]
     (v,) = judge_all(alone, [claims.get("C06")])
     assert markdown.measured_cell(v, alone) == "0.0686× step ×3.64 below; 0.9× step"
+
+
+def test_c06_is_decided_on_accelerators_and_a_cpu_share_is_context(tmp_path):
+    """'Today's GPUs … waiting on memory': a CPU's share (its ridge is a few FLOP/B, so its
+    matmuls dominate) is context, never `off`, and never outranks the H100 prediction; a
+    GPU's measured share decides, alone or merged with a CPU folder."""
+    c06 = claims.get("C06")
+    share = c06.stated[0]
+    assert "cpu" not in share.backends
+    cpu = _record("C06", share, 0.0686, backend="cpu", label="derived", bound="upper")
+    h100 = _record("C06", share, 0.9, label="predicted", target="h100-sxm")
+    gpu = _record("C06", share, 0.9, backend="gpu", label="derived")
+    assert judge(c06, [cpu]).status == NA
+    v = judge(c06, [cpu, h100])
+    assert v.status == PREDICTED and [x.index for x in v.checks[0].readings] == [1]
+    assert 0 in v.checks[0].context
+    assert judge(c06, [cpu, gpu]).status == HOLDS  # a merge: the GPU's figure decides
+    assert judge(c06, [cpu, gpu, h100]).status == HOLDS
+    rec.write_records(tmp_path / "records.jsonl", [cpu, h100])
+    text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
+    (row,) = [line for line in text.splitlines() if line.startswith("| C06 |")]
+    assert row.endswith("| **predicted** |") and "0.0686" not in row

@@ -389,11 +389,12 @@ def roofline_ceilings(size: str = "full", *, budget_s: float = 1.0, matmuls=None
         if p.flops_per_s > OUTLIER * roofline.attainable(p.intensity, peak, bandwidth)
     ]
     best = max(roof_matmuls(matmuls, dtype), key=lambda m: m["flops_per_s"])
-    name = f"{best['dtype']} precision={best['precision']}, n={best['n']}"
-    peak_op = f"matmul {name}"
+    peak_op = f"matmul {best['dtype']} precision={best['precision']}, n={best['n']}"
+    matmul_name = f"{best['dtype']} matmul, precision={best['precision']}, n={best['n']}"
+    name = matmul_name
     if peak > best["flops_per_s"]:  # a point of the sweep ran faster: its rate is the roof
         fastest = max(points, key=lambda p: p.flops_per_s)
-        name = f"the sweep's {fastest.name}, faster than the {name} matmul"
+        name = f"the sweep's {fastest.name}, faster than the {matmul_name}"
         peak_op = fastest.name
     bandwidth_op = "copy"
     if bandwidth > copy["bytes_per_s"]:  # an op of the sweep moved bytes faster (memory_roof)
@@ -401,9 +402,11 @@ def roofline_ceilings(size: str = "full", *, budget_s: float = 1.0, matmuls=None
     return {
         "sizes": sz,
         "matmuls": matmuls,
-        "peak_name": name,
+        "peak_name": name,  # the op whose rate is the compute roof (a matmul or a sweep op)
         "peak_op": peak_op,  # what set each roof: "matmul <dtype…>" or a sweep point's name
         "bandwidth_op": bandwidth_op,  # "copy" or a sweep point's name
+        "matmul_peak": best["flops_per_s"],  # the best matmul alone, and what it was
+        "matmul_name": matmul_name,
         "copy": copy,
         "points": points,
         "peak_flops": peak,
