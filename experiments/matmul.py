@@ -178,6 +178,7 @@ def _matmul_flops_and_speedup(n: int, budget_s: float, be: str, plans: bool = Fa
                 "×",
                 label="predicted",
                 target=key,
+                bound="upper",  # no matmul reaches the peak: decides only below the range
                 inputs={"cpu_flops_per_s": cpu["flops_per_s"], "n": n},
                 spec=key,
                 spec_peak_flops=peak,

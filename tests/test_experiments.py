@@ -616,6 +616,21 @@ def test_the_side_by_side_rows_line_up_one_quantity_measured_beside_measured():
     assert table["copy bandwidth (x ← x·s)"].endswith("| 19.5 GB/s *measured* " * 2 + "|")
 
 
+def test_c01_datasheet_peak_ratios_are_upper_bounds(monkeypatch):
+    """The words say '(upper bound)' and the records say so too (`bound`), so a ratio above
+    the range decides nothing and one below it decides: no 'outside … (above)' on a bound."""
+    from experiments import matmul
+
+    monkeypatch.setattr(matmul, "ARTICLE_N", 96)
+    monkeypatch.setattr(matmul, "CPU_N", 128)
+    recs = matmul._matmul_flops_and_speedup(128, 0.0, "cpu")
+    peaks = [r for r in recs if "datasheet peak" in r["what"]]
+    assert len(peaks) == len(matmul.REFERENCE_GPUS)
+    assert all("(upper bound)" in r["what"] and r["config"]["bound"] == "upper" for r in peaks)
+    (v,) = judge_all(recs, [c for c in CLAIMS if c.id == "C01"])
+    assert all(x.direction != "above" for x in v.checks[1].readings)
+
+
 def test_c06_names_the_compute_roof_by_the_op_that_set_it(monkeypatch):
     """An elementwise op of the sweep can run faster than the matmul timed: the roof is then
     worded as the best FLOP/s of the ops timed (naming that op), the matmul peak is its own

@@ -703,3 +703,20 @@ def test_c06_is_decided_on_accelerators_and_a_cpu_share_is_context(tmp_path):
     text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
     (row,) = [line for line in text.splitlines() if line.startswith("| C06 |")]
     assert row.endswith("| **predicted** |") and "0.0686" not in row
+
+
+def test_an_upper_bound_that_decides_says_so_in_its_reading(tmp_path):
+    """C01's datasheet-peak ratios are upper bounds: one above the range decides nothing (it
+    is not 'outside … (above)'), one below it decides, and its reading says it is a bound."""
+    c01 = claims.get("C01")
+    speedup = c01.stated[1]
+    above = _record("C01", speedup, 4970.0, label="predicted", target="h100-sxm", bound="upper")
+    below = _record("C01", speedup, 81.4, label="predicted", target="t4", bound="upper")
+    check = judge(c01, [above, below]).checks[1]
+    assert check.status == PREDICTED and [x.index for x in check.readings] == [1]
+    assert 0 in check.context
+    rec.write_records(tmp_path / "records.jsonl", [above, below])
+    text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
+    assert "an upper bound: it decides nothing here" in text
+    assert "81.4× (*predicted*, for t4, an upper bound) — outside" in text
+    assert "(above)" not in text

@@ -64,7 +64,9 @@ def _tag(r: dict) -> str:
 
 def _reading_text(x) -> str:
     unit = x.record["unit"]
-    text = f"{fmt(x.record['value'], unit)} ({_tag(x.record)})"
+    bound = x.record["config"].get("bound")
+    kind = {"upper": ", an upper bound", "lower": ", a lower bound"}.get(bound, "")
+    text = f"{fmt(x.record['value'], unit)} ({_tag(x.record)}{kind})"
     if not x.in_range:
         text += (
             f" — outside {fmt_range(x.lo, x.hi, unit, False)} by ×{x.factor:,.3g} ({x.direction})"
