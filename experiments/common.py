@@ -131,13 +131,24 @@ def host_peak(n: int, budget_s: float = 0.5) -> float:
     return matmul_rate(n, device=cpu_device(), budget_s=budget_s)["flops_per_s"]
 
 
+def _mfu_n(size: str) -> int:
+    return pick(size, tiny=256, quick=1024, full=2048 if backend() == "cpu" else 8192)
+
+
 def mfu_peak(size: str) -> float:
     """MFU's 100%: the matmul peak measured in this process, in the step's compute dtype
     (float32 on CPU, bf16 on accelerators), so MFU here never rests on a datasheet."""
-    n = pick(size, tiny=256, quick=1024, full=2048 if backend() == "cpu" else 8192)
+    n = _mfu_n(size)
     if backend() == "cpu":
         return host_peak(n)
     return ceilings.matmul_peak("bfloat16", n=n)
+
+
+def mfu_peak_name(size: str) -> str:
+    """Which op `mfu_peak` timed, for a record's words: each of the ledger's peaks is its
+    own measurement (op, dtype, size), and a record says which one it divides by."""
+    dtype = "float32" if backend() == "cpu" else "bfloat16"
+    return f"{dtype} matmul, default precision, n={_mfu_n(size)}"
 
 
 def shared_step(size: str) -> dict:

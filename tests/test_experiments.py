@@ -631,6 +631,62 @@ def test_c01_datasheet_peak_ratios_are_upper_bounds(monkeypatch):
     assert all(x.direction != "above" for x in v.checks[1].readings)
 
 
+def _cpu_probe_like(step_s: float, peak_mfu: float = 0.5):
+    from experiments.common import step_config
+
+    cfg = step_config("tiny")
+    tokens = cfg.batch_size * cfg.seq_len
+    return {
+        "cfg": cfg,
+        "step": {"median_s": step_s},
+        "tokens_per_s": tokens / step_s,
+        "model_flops_per_s": peak_mfu * 1e11,
+    }
+
+
+def test_c02_prediction_is_the_same_steps_time_not_a_peak_ratio(monkeypatch):
+    """C02 on a CPU: this CPU's measured step time over the step time the step-time model
+    predicts for the same step compiled for an H100, labelled predicted with the model's
+    error; the datasheet-peak ratio (the MFU cancels in it) is context, named as a ratio of
+    peaks, and without plans nothing predicts the speed-up."""
+    from experiments import training
+
+    monkeypatch.setattr(training, "backend", lambda: "cpu")
+    calls = []
+
+    def fake_predicted_step(size, key, chips=1, **_):
+        calls.append(key)
+        if key != "h100-sxm":
+            return None
+        return {
+            "seconds": 0.004,
+            "mfu": 0.3,
+            "statement": "step-time model (±20%)",
+            "target": "gpu:h100",
+            "tokens_per_s": 1.0,
+        }
+
+    monkeypatch.setattr(training, "predicted_step", fake_predicted_step)
+    p_cpu = _cpu_probe_like(2.0)
+    peak = 8e10
+    recs = training._gpu_over_cpu_training_speed(p_cpu, p_cpu, peak, "tiny", plans=True)
+    (pred,) = [r for r in recs if r["config"]["metric"] == "gpu_cpu_train_speedup"]
+    assert pred["label"] == "predicted" and pred["config"]["target"] == "h100-sxm"
+    assert pred["value"] == pytest.approx(2.0 / 0.004)
+    assert pred["config"]["model_error"] == "step-time model (±20%)"
+    assert "step time" in pred["what"] and "step-time model (±20%)" in pred["what"]
+    ratios = [r for r in recs if r["config"]["role"] == "context"]
+    assert {r["config"]["target"] for r in ratios} == set(training.SPEEDUP_TARGETS)
+    h100 = next(r for r in ratios if r["config"]["target"] == "h100-sxm")
+    assert h100["value"] == pytest.approx(training.accel_peak("h100-sxm")[0] / peak)
+    assert "ratio of peaks" in h100["what"] and "float32 matmul" in h100["what"]
+    assert h100["config"]["metric"] is None
+    without = training._gpu_over_cpu_training_speed(p_cpu, p_cpu, peak, "tiny", plans=False)
+    assert not [r for r in without if r["config"]["metric"] == "gpu_cpu_train_speedup"]
+    (v,) = judge_all(without, [c for c in CLAIMS if c.id == "C02"])
+    assert v.status == "n/a here"
+
+
 def test_c06_names_the_compute_roof_by_the_op_that_set_it(monkeypatch):
     """An elementwise op of the sweep can run faster than the matmul timed: the roof is then
     worded as the best FLOP/s of the ops timed (naming that op), the matmul peak is its own
@@ -689,3 +745,18 @@ def test_c06_share_on_a_cpu_is_context_and_on_an_accelerator_evidence(monkeypatc
     gpu["backend"] = "gpu"
     (v,) = judge_all([cpu, gpu], [c for c in CLAIMS if c.id == "C06"])
     assert v.status == "off" and [x.record for x in v.checks[0].readings] == [gpu]
+
+
+def test_the_ledgers_peaks_say_which_op_and_size_they_are():
+    """Five CPU 'peaks' in one report are five measurements: each record names its op."""
+    from experiments import training
+    from experiments.common import mfu_peak_name
+
+    assert mfu_peak_name("quick") == "float32 matmul, default precision, n=1024"
+    p = {**_cpu_probe_like(1.0), "params": 1, "flops_per_token": 1.0, "flops_convention": ""}
+    (mfu,) = [
+        r
+        for r in training._throughput(p, 8e10, "float32 matmul, default precision, n=1024")
+        if r["what"].startswith("MFU")
+    ]
+    assert "(float32 matmul, default precision, n=1024)" in mfu["what"]

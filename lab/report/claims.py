@@ -149,7 +149,11 @@ CLAIMS: tuple[Claim, ...] = (
                 hi=150,
                 backends=ACCELERATORS,
                 reading="'100×' and 3 h / 2 min = 90× read as 60–150×: training tokens/s of the "
-                "lab's transformer on the accelerator over the CPU",
+                "lab's transformer on the accelerator over the CPU, the same step; where no "
+                "accelerator is present, predicted: this CPU's measured step time over the "
+                "step time the step-time model predicts for the same step compiled for an H100 "
+                "(plans=on). A datasheet peak over this CPU's matmul peak is shown as context "
+                "only: a ratio of peaks says nothing of either processor's MFU on the step",
             ),
         ),
     ),
