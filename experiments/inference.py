@@ -39,7 +39,7 @@ from lab import plans
 from lab.config import make_config
 from lab.errors import ConfigError
 from lab.measure import cost, memory, specs
-from lab.measure.serving import Study
+from lab.measure.serving import NOISY_ROOF, Roofs, Study
 from lab.session import open_session
 from lab.studies.serving import compiled, study, weights
 from lab.studies.serving.records import to_records
@@ -223,6 +223,32 @@ def _serving_study(size: str) -> tuple[Study, str, str]:
     return study.measure(session, params, plan), preset, source
 
 
+def _noisy_roof(roofs: Roofs) -> list[dict]:
+    """C21: a caution where the copy bandwidth moved more than NOISY_ROOF between before and
+    after the serving sweep, as lab.serve calls it out (the memory roof every share is taken
+    against moved with it); nothing on a steady host."""
+    if not roofs.copy_noisy:
+        return []
+    before, after = roofs.copy["bytes_per_s"], roofs.copy_after["bytes_per_s"]
+    return [
+        record(
+            "C21",
+            None,
+            f"CAUTION: the copy bandwidth moved {roofs.copy_moved:.0%} during the serving "
+            f"sweep ({before / 1e9:,.1f} GB/s before, {after / 1e9:,.1f} after; more than "
+            f"{NOISY_ROOF:.0%}: a shared host?): decode's share of the memory roof, and the "
+            "C18 and C22 figures taken from it, moved with it",
+            after / before,
+            "×",
+            label="derived",
+            role="context",
+            noisy_roof=True,
+            copy_before=before,
+            copy_after=after,
+        )
+    ]
+
+
 def _serving_records(out: Study, preset: str, source: str) -> list[dict]:
     """The study's own records (the decode plot's series) and C21/C22's measured evidence."""
     config = {"preset": preset, "weights": source, "claim": "C21", "metric": None}
@@ -244,6 +270,7 @@ def _serving_records(out: Study, preset: str, source: str) -> list[dict]:
             batch1_ratio=s.output_input_cost_ratio_batch1,
         )
     )
+    recs += _noisy_roof(roofs)
     recs.append(
         record(
             "C21",

@@ -760,3 +760,31 @@ def test_the_ledgers_peaks_say_which_op_and_size_they_are():
         if r["what"].startswith("MFU")
     ]
     assert "(float32 matmul, default precision, n=1024)" in mfu["what"]
+
+
+def test_the_serving_peak_says_which_matmul_it_is():
+    """C21's compute roof (the serving study's) names its matmul's size, beside the others."""
+    from lab.measure.serving import Roofs
+
+    roofs = Roofs(1e10, 1e11, "float32", {"bytes_per_s": 1e10}, peak_n=1024)
+    assert roofs.peak_name == "float32 matmul, n=1024"
+
+
+def test_c21_flags_a_copy_bandwidth_that_moved_during_the_sweep():
+    """As lab.serve calls it out: a copy bandwidth that moved more than 15% between before
+    and after the serving sweep (44.9 against 22.6 GB/s) leaves a caution in the ledger."""
+    from experiments import inference
+    from lab.measure.serving import NOISY_ROOF, Roofs
+
+    def roofs(before, after):
+        return Roofs(
+            before, 1e11, "float32", {"bytes_per_s": before}, copy_after={"bytes_per_s": after}
+        )
+
+    (flag,) = inference._noisy_roof(roofs(44.9e9, 22.6e9))
+    assert flag["what"].startswith("CAUTION: the copy bandwidth moved 99%")
+    assert "44.9 GB/s before, 22.6 after" in flag["what"]
+    assert flag["config"]["claim"] == "C21" and flag["config"]["role"] == "context"
+    assert flag["value"] == pytest.approx(22.6 / 44.9)
+    assert inference._noisy_roof(roofs(44.9e9, 44.9e9 * (1 + NOISY_ROOF / 2))) == []
+    assert inference._noisy_roof(Roofs(1e10, 1e11, "float32", {"bytes_per_s": 1e10})) == []

@@ -14,6 +14,8 @@ import math
 
 from lab.measure import roofline, timing
 
+NOISY_ROOF = 0.15  # a copy figure that moved more than this during a run is called out
+
 
 @dataclasses.dataclass(frozen=True)
 class Roofs:
@@ -31,6 +33,12 @@ class Roofs:
     # bandwidth moves from minute to minute: the two say by how much it did during the run)
     copy_after: dict | None = None
     read_after: dict | None = None
+    peak_n: int | None = None  # the n of the n×n matmul the peak was measured on
+
+    @property
+    def peak_name(self) -> str:
+        """Which op the compute roof is: '<dtype> matmul, n=<n>'."""
+        return f"{self.dtype} matmul" + (f", n={self.peak_n}" if self.peak_n else "")
 
     @property
     def ridge(self) -> float:
@@ -50,6 +58,13 @@ class Roofs:
             return None
         a, b = self.copy["bytes_per_s"], self.copy_after["bytes_per_s"]
         return max(a, b) / min(a, b) - 1
+
+    @property
+    def copy_noisy(self) -> bool:
+        """Whether the copy figure moved more than NOISY_ROOF during the run: every share of
+        the memory roof moved with it (lab.serve and the ledger call it out)."""
+        moved = self.copy_moved
+        return moved is not None and moved > NOISY_ROOF
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,16 +99,13 @@ def serving_int8(e: Int8Error, speedup, points: list[DecodePoint] = ()) -> Table
     return t
 
 
-NOISY_ROOF = 0.15  # a copy figure that moved more than this during a run is called out
-
-
 def serving_summary(s: Summary, roofs: Roofs) -> Table:
     """The derived figures of a serving study (lab.studies.serving.study.summarise)."""
     t = Table(title="what decoding is bound by", show_header=False)
     t.add_row(
         "memory roof (best measured)",
         f"{roofs.bandwidth / 1e9:,.2f} GB/s, set by {roofs.how}; compute roof "
-        f"{roofs.peak_flops / 1e9:,.1f} GFLOP/s ({roofs.dtype} matmul); "
+        f"{roofs.peak_flops / 1e9:,.1f} GFLOP/s ({roofs.peak_name}); "
         f"ridge {roofs.ridge:.1f} FLOP/B",
     )
     if roofs.copy_after:  # the host's bandwidth before and after the sweep
@@ -117,7 +114,7 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
         note = (
             f": it moved {percent(moved, 0)} during the run (a shared host?), and every share "
             "of the roof with it"
-            if moved > NOISY_ROOF
+            if roofs.copy_noisy
             else ""
         )
         t.add_row(

@@ -27,7 +27,9 @@ def to_records(out: Study, config: dict) -> list[dict]:
         records.make_record(
             "memory roof", roofs.bandwidth, "B/s", label="derived", note=roofs.how, **config
         ),
-        records.make_record(f"matmul peak {roofs.dtype}", roofs.peak_flops, "FLOP/s", **config),
+        records.make_record(
+            f"matmul peak ({roofs.peak_name})", roofs.peak_flops, "FLOP/s", **config
+        ),
         records.make_record("ridge point", roofs.ridge, "FLOP/B", label="derived", **config),
         records.make_record(
             "decode critical batch",

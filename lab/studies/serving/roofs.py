@@ -17,7 +17,7 @@ def measure_roofs(dtype: str, *, budget_s: float, size: str = "quick") -> Roofs:
     copy = ceilings.copy_bandwidth(sz["copy"], budget_s=budget_s)
     read = ceilings.read_bandwidth(sz["copy"], budget_s=budget_s)
     peak = ceilings.measure_matmul(dtype, n=sz["mm_n"], budget_s=budget_s)["flops_per_s"]
-    return Roofs(copy["bytes_per_s"], peak, dtype, copy, read=read)
+    return Roofs(copy["bytes_per_s"], peak, dtype, copy, read=read, peak_n=sz["mm_n"])
 
 
 def measure_again(roofs: Roofs, *, budget_s: float, size: str = "quick") -> Roofs:
