@@ -311,7 +311,7 @@ def _gpu_over_cpu_training_speed(
         recs.append(
             record(
                 "C02",
-                None,
+                "gpu_cpu_train_speedup",  # context: shown beside the part, never a verdict
                 f"{name} {dtype} datasheet peak over this CPU's measured {mfu_peak_name(size)} "
                 "peak: a ratio of peaks (the speed-up only if both ran the step at the same "
                 "MFU), not a prediction of the step",

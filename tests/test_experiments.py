@@ -670,7 +670,8 @@ def test_c02_prediction_is_the_same_steps_time_not_a_peak_ratio(monkeypatch):
     p_cpu = _cpu_probe_like(2.0)
     peak = 8e10
     recs = training._gpu_over_cpu_training_speed(p_cpu, p_cpu, peak, "tiny", plans=True)
-    (pred,) = [r for r in recs if r["config"]["metric"] == "gpu_cpu_train_speedup"]
+    (pred,) = [r for r in recs if r["label"] == "predicted"]
+    assert pred["config"]["metric"] == "gpu_cpu_train_speedup"
     assert pred["label"] == "predicted" and pred["config"]["target"] == "h100-sxm"
     assert pred["value"] == pytest.approx(2.0 / 0.004)
     assert pred["config"]["model_error"] == "step-time model (±20%)"
@@ -680,11 +681,11 @@ def test_c02_prediction_is_the_same_steps_time_not_a_peak_ratio(monkeypatch):
     h100 = next(r for r in ratios if r["config"]["target"] == "h100-sxm")
     assert h100["value"] == pytest.approx(training.accel_peak("h100-sxm")[0] / peak)
     assert "ratio of peaks" in h100["what"] and "float32 matmul" in h100["what"]
-    assert h100["config"]["metric"] is None
     without = training._gpu_over_cpu_training_speed(p_cpu, p_cpu, peak, "tiny", plans=False)
-    assert not [r for r in without if r["config"]["metric"] == "gpu_cpu_train_speedup"]
+    assert {r["config"]["role"] for r in without} == {"context"}
+    assert not [r for r in without if r["label"] == "predicted"]
     (v,) = judge_all(without, [c for c in CLAIMS if c.id == "C02"])
-    assert v.status == "n/a here"
+    assert v.status == "n/a here" and len(v.checks[0].context) == len(without)
 
 
 def test_c06_names_the_compute_roof_by_the_op_that_set_it(monkeypatch):
