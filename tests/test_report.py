@@ -720,3 +720,16 @@ def test_an_upper_bound_that_decides_says_so_in_its_reading(tmp_path):
     assert "an upper bound: it decides nothing here" in text
     assert "81.4× (*predicted*, for t4, an upper bound) — outside" in text
     assert "(above)" not in text
+
+
+def test_the_table_shows_a_parts_own_context_figure_before_the_claims_others(tmp_path):
+    """A claim decided nowhere here shows, in the table, the figure of its stated part that
+    was shown as context (C06: this CPU's share), not whichever record came first."""
+    c06 = claims.get("C06")
+    roof = rec.make_record("roof: compute", 8.6e10, "FLOP/s", claim="C06", metric=None)
+    cpu = _record("C06", c06.stated[0], 0.0881, backend="cpu", label="derived", bound="upper")
+    cpu["config"]["role"] = "context"
+    v = judge(c06, [roof, cpu])
+    assert v.status == NA
+    cell = markdown.measured_cell(v, [roof, cpu])
+    assert cell.startswith("context: 0.0881× step (*derived*, cpu")

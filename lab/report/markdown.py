@@ -101,12 +101,13 @@ def measured_cell(v: Verdict, records: Sequence[dict]) -> str:
                 + (f" ({', '.join(notes)})" if notes else "")
                 + ("" if x.in_range else f" ×{x.factor:,.3g} {x.direction}")
             )
-    if not parts and v.records:
-        r = records[v.records[0]]
+    shown = [i for c in v.checks for i in c.context]  # the stated parts' own figures first
+    if not parts and (shown or v.records):
+        r = records[(shown or v.records)[0]]
+        where = _tag(r) if shown else r["what"]
         whose = _whose(r, merged)
         parts.append(
-            f"context: {fmt(r['value'], r['unit'])} ({r['what']}"
-            + (f"; {whose})" if whose else ")")
+            f"context: {fmt(r['value'], r['unit'])} ({where}" + (f"; {whose})" if whose else ")")
         )
     return "; ".join(parts) or "—"
 
