@@ -255,6 +255,8 @@ def _damage(e: Exception) -> str:
     while root.__cause__ is not None and depth < 8:  # raised from it, not met while handling
         root, depth = root.__cause__, depth + 1
     text = str(root).strip().split("\n")[0] if str(root).strip() else type(root).__name__
+    if "tree structures do not match" in text:  # orbax lists the trees on the next lines
+        return "its arrays are not this model's: a part of them is missing"
     text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)
     text = text.split(" See full TensorStore details")[0]
     return text if len(text) <= 200 else text[:199] + "…"
@@ -348,14 +350,15 @@ def _shape_mismatch(path: Path, abstract_state) -> str | None:
     except Exception:  # noqa: BLE001 — unreadable metadata: a damaged step, judged by restore
         return None
     want = jax.tree_util.tree_leaves_with_path(abstract_state)
-    if len(saved) != len(want):  # other arrays: another model (metadata is read whole or not)
+    if len(saved) != len(want):
+        # arrays this model has not: another model's step (a damaged step's metadata reads
+        # as a part of its tree, or not at all, never as names it did not save); arrays
+        # missing only: a partial tree, which the restore judges
         have, need = {_names(p) for p, _ in saved}, {_names(p) for p, _ in want}
         weights_first = lambda n: (n[:1] != ("params",), n)  # noqa: E731
         if extra := sorted(have - need, key=weights_first):
             return f"{'.'.join(extra[0])}: saved, not in this model"
-        if lacking := sorted(need - have, key=weights_first):
-            return f"{'.'.join(lacking[0])}: in this model, not saved"
-        return None  # the same names counted twice: the restore judges it
+        return None
     saved_shapes = {_names(p): tuple(getattr(x, "shape", ()) or ()) for p, x in saved}
     for p, x in want:
         shape = saved_shapes.get(_names(p))
