@@ -234,7 +234,8 @@ def _noisy_roof(roofs: Roofs) -> list[dict]:
         record(
             "C21",
             None,
-            f"CAUTION: the copy bandwidth moved {roofs.copy_moved:.0%} during the serving "
+            f"CAUTION: the copy bandwidth {'rose' if after > before else 'fell'} "
+            f"{abs(after / before - 1):.0%} during the serving "
             f"sweep ({before / 1e9:,.1f} GB/s before, {after / 1e9:,.1f} after; more than "
             f"{NOISY_ROOF:.0%}: a shared host?): decode's share of the memory roof, and the "
             "C18 and C22 figures taken from it, moved with it",

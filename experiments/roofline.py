@@ -187,9 +187,10 @@ def _step_at_roofs(size: str, roof: dict, be: str) -> list[dict]:
         return []
     memory_ops, compute_ops = split["ops"]
     cpu = be == "cpu"
-    roofs = "the matmul peaks and copy bandwidth measured here" + (
-        " (memory out of DRAM: caches not counted, so an upper bound)" if cpu else ""
-    )
+    roofs = (
+        "the matmul peaks measured here and the memory roof (the best bandwidth measured, "
+        f"set by {roof.get('bandwidth_op') or 'the copy'})"
+    ) + (" (memory out of DRAM: caches not counted, so an upper bound)" if cpu else "")
     why = (
         "; a CPU's: context, the claim is about GPUs (this CPU's ridge is a few FLOP/B)"
         if cpu

@@ -104,7 +104,7 @@ def measured_cell(v: Verdict, records: Sequence[dict]) -> str:
     shown = [i for c in v.checks for i in c.context]  # the stated parts' own figures first
     if not parts and (shown or v.records):
         r = records[(shown or v.records)[0]]
-        where = _tag(r) if shown else r["what"]
+        where = f"{r['what']}; {_tag(r)}" if shown else r["what"]
         whose = _whose(r, merged)
         parts.append(
             f"context: {fmt(r['value'], r['unit'])} ({where}" + (f"; {whose})" if whose else ")")

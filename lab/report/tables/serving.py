@@ -92,7 +92,7 @@ def serving_int8(e: Int8Error, speedup, points: list[DecodePoint] = ()) -> Table
         kept = sorted({p.batch for p in points if p.matmul in names})
         if kept:
             how += f"; kept at batch {', '.join(map(str, kept))}"
-        plural = "es" if len(names) > 1 else ""
+        plural = "s" if len(names) > 1 else ""
         t.add_row(f"int8 weights, {', '.join(names)} matmul{plural} ({how})", text)
     for b, x in sorted(dict(speedup).items()):
         t.add_row(f"decode speed-up, batch {b}", ratio(x))
