@@ -289,6 +289,34 @@ def test_the_inference_plot_has_a_legend_naming_both_lines(monkeypatch):
     assert legend.get_window_extent().y1 <= fig.axes[0].get_window_extent().y0  # over no line
 
 
+def test_a_merged_plots_legend_stays_below_the_x_label(monkeypatch):
+    """Three long machine names, one a line, made a tall legend; tight_layout shrank the axes
+    and a legend anchored at a share of their height covered the x label."""
+    from lab.report import plots
+
+    names = [f"gpu · NVIDIA H{n}00 80GB HBM3 (run 2026-11-2{n})" for n in (1, 2, 3)]
+    records = [
+        {
+            **_rec(100 * b * (k + 1), "gpu", "gpu"),
+            "machine": name,
+            "config": {"series": "inference_batch", "batch": b, "median_s": 0.01 * b},
+        }
+        for k, name in enumerate(names)
+        for b in (1, 2, 4)
+    ]
+    kept = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path, **kw: kept.append(fig) or path)
+    plots.inference(records, Path("unused.png"))
+    fig = kept[0]
+    fig.tight_layout()  # as _save lays it out
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    label = ax.xaxis.label.get_window_extent()
+    legend = ax.get_legend().get_window_extent()
+    assert len(ax.get_legend().get_texts()) == 6
+    assert legend.y1 <= label.y0  # below the label, not over it
+
+
 def test_the_batch_sweep_writes_batches_as_plain_numbers(monkeypatch):
     from lab.report import plots
 

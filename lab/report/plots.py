@@ -85,6 +85,24 @@ def by_machine(rows: Sequence[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def _legend_below(ax, **kw):
+    """A legend under the axes, below the x axis' tick labels and label at any axes height.
+
+    Anchored in axes fraction (0.5, -0.16) it sat a share of the axes' height below them, and
+    a tall legend (a merge's machine names, one a line) shrank the axes under tight_layout
+    until the legend covered the x label: the offset is fixed in inches, measured from the
+    drawn labels, and moves with the axes."""
+    from matplotlib.transforms import ScaledTranslation
+
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    below = ax.bbox.y0 - ax.xaxis.get_tightbbox(renderer).y0  # pixels the labels take
+    shift = ScaledTranslation(0, -(below + 4) / fig.dpi, fig.dpi_scale_trans)
+    return ax.legend(
+        loc="upper center", bbox_to_anchor=(0.5, 0.0), bbox_transform=ax.transAxes + shift, **kw
+    )
+
+
 def _spread(values) -> bool:
     """Whether magnitudes span more than 30× (a CPU beside a GPU): a log axis keeps both
     readable where a linear one from 0 flattens the smaller to the floor."""
@@ -198,7 +216,7 @@ def _roofline_axes(ax, points, *, peak_flops: float, bandwidth: float, title: st
     ax.set_ylabel("FLOP/s")
     ax.set_title(title, fontsize=9)
     # below the axes: inside, no corner is empty for every device (the ridge moves)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
+    _legend_below(ax, fontsize=8, ncol=3)
     ax.grid(True, which="both", alpha=0.3)
 
 
@@ -503,7 +521,7 @@ def batch_sweep(records, path) -> Path | None:
     if len(machines) == 1:
         ax.legend(handles=handles, fontsize=8, loc="lower right")
     else:  # below the axes: four entries named by machine covered the lines inside
-        ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+        _legend_below(ax, handles=handles, fontsize=8)
     where = f" · {next(iter(machines))}" if len(machines) == 1 else ""
     ax.set_title(f"batch size: throughput and memory{where}", fontsize=9)
     return _save(fig, path)
@@ -564,11 +582,10 @@ def inference(records, path) -> Path | None:
                    color="tab:red" if len(machines) == 1 else "black")  # fmt: skip
     ax.set(xlabel="batch size", ylabel="requests/s (measured)")
     # below the axes: with both from 0 no corner inside is sure to be empty
-    ax.legend(
+    _legend_below(
+        ax,
         handles=rps + lat,
         fontsize=8,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.16),
         ncol=2 if len(machines) == 1 else 1,  # machines' names: one a line, not cut off
     )
     where = f" · {next(iter(machines))}" if len(machines) == 1 else ""
@@ -639,7 +656,7 @@ def _decode_axes(ax, rows, crit) -> None:
     ax2.set_ylabel("% of the measured memory roof (dashed)", color="tab:red")
     _from_zero(ax2)
     # below the axes: inside, it covered the batch-2 points
-    ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    _legend_below(ax, handles=handles, fontsize=8, ncol=2)
 
 
 # topic → [(file name, plot function)], in the order the report shows them.
