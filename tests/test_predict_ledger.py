@@ -129,3 +129,48 @@ def test_a_memory_refusal_names_the_remat_policy_the_lab_lacks():
     assert why.startswith("needs 122.45G") and "remat_policy=minimal" in why
     assert "remat=dots" in why and "dropped, not bent" in why
     assert prediction.why_refused(point, "tile too large") == "tile too large"
+
+
+def test_a_merge_shows_each_prediction_once_and_names_those_that_differ(monkeypatch):
+    """The model predicts from compiled programs, not from the machine that ran it: two
+    folders with the same predictions draw and list them once (a merge listed every point once
+    per folder and drew each folder's over the last); a folder whose prediction of a point
+    differs gets its own panel and its row names it, as does a fallback error of its own."""
+    monkeypatch.setattr(section, "mfu_here", lambda size: 0.3)
+    recs = section.run("tiny")
+    for r in recs:
+        r["config"]["module"] = "prediction"
+    points = plots.series(recs, "prediction_point")
+
+    def folder(name, mfu_scale=1.0, shift=None):
+        out = []
+        for r in recs:
+            r = {**r, "config": dict(r["config"]), "machine": name}
+            if r["config"]["series"] == "prediction_fallback_error":
+                r["value"] *= mfu_scale
+            if shift and r["config"].get("point") == shift and r["value"]:
+                r["value"] *= 1.5
+            out.append(r)
+        return out
+
+    same = folder("cpu · a") + folder("cpu · b")
+    lines = tables.prediction_markdown(same)
+    assert sum(line.startswith("| ") for line in lines) == len(points) + 1
+    assert not any(" · cpu · " in line for line in lines)
+    kept = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path, **kw: kept.append(fig) or path)
+    plots.prediction_records(same, "unused.png")
+    assert len(kept[-1].axes) == 1 and "the same in 2 folders" in kept[-1].axes[0].get_title()
+
+    moved = next(r["config"]["point"] for r in points if r["value"])
+    differ = folder("cpu · a") + folder("cpu · b", mfu_scale=2.0, shift=moved)
+    lines = tables.prediction_markdown(differ)
+    assert sum(line.startswith("| ") for line in lines) == len(points) + 2
+    assert sum(line.startswith(f"| {moved} · cpu · ") for line in lines) == 2
+    fallback = [line for line in lines if line.startswith("- fallback rule")]
+    assert len(fallback) == 2 and all(" · cpu · " in line for line in fallback)
+    plots.prediction_records(differ, "unused.png")
+    assert [ax.get_title().rsplit(" · ", 1)[-1] for ax in kept[-1].axes if ax.get_title()] == [
+        "a",
+        "b",
+    ]

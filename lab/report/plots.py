@@ -847,11 +847,24 @@ def prediction(rows, path, title: str) -> Path | None:
     """Predicted against published, log-log, one marker per (vendor, role), with the ±15%
     band: the step-time model's error on the points it was not fitted on shows as distance
     from the diagonal (lab.studies.prediction)."""
-    pts = [r for r in rows if r.predicted and r.published]
-    if not pts:
+    return _prediction_panels([(rows, title)], path)
+
+
+def _prediction_panels(panels, path) -> Path | None:
+    """One prediction panel per (rows, title); None where no row has both figures."""
+    panels = [([r for r in rows if r.predicted and r.published], t) for rows, t in panels]
+    panels = [(pts, t) for pts, t in panels if pts]
+    if not panels:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.6, 5.2))
+    n = len(panels)
+    fig, axes = plt.subplots(1, n, figsize=(5.6 * n, 5.2), squeeze=False)
+    for ax, (pts, title) in zip(axes[0], panels, strict=True):
+        _prediction_axes(ax, pts, title)
+    return _save(fig, path)
+
+
+def _prediction_axes(ax, pts, title: str) -> None:
     lo = min(min(r.published, r.predicted) for r in pts) / 1.5
     hi = max(max(r.published, r.predicted) for r in pts) * 1.5
     xs = [lo, hi]
@@ -873,27 +886,48 @@ def prediction(rows, path, title: str) -> Path | None:
     ax.set(xlabel="published (its own unit)", ylabel="predicted by the model (same unit)")
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
-    return _save(fig, path)
 
 
 def prediction_records(records: Sequence[dict], path) -> Path | None:
-    """The ledger's prediction plot, from the records of experiments/prediction.py."""
+    """The ledger's prediction plot, from the records of experiments/prediction.py.
+
+    The model predicts from compiled programs, not from the machine that ran it, so a merge
+    of folders that predicted the same figures draws them once (it drew each folder's copy
+    over the last); folders whose predictions differ (another lab version) get a panel each,
+    named by their compare column."""
     from types import SimpleNamespace
 
-    rows = [
-        SimpleNamespace(
-            published=r["config"]["published"],
-            predicted=r["value"],
-            role=r["config"]["fit_role"],
-            hardware=r["config"]["hardware"],
+    machines = by_machine(series(records, "prediction_point"))
+    held = by_machine(series(records, "prediction_error"))
+
+    def rows_of(mine):
+        return [
+            SimpleNamespace(
+                published=r["config"]["published"],
+                predicted=r["value"],
+                role=r["config"]["fit_role"],
+                hardware=r["config"]["hardware"],
+            )
+            for r in mine
+        ]
+
+    def title_of(machine):
+        err = held.get(machine) or sum(held.values(), [])
+        if not err:
+            return "the step-time model against published figures"
+        e = err[0]
+        return (
+            f"held-out: {e['config']['points']} points, median |error| {e['value']:.0%}, "
+            f"worst {e['config']['worst_ratio']:.2f}×"
         )
-        for r in series(records, "prediction_point")
-    ]
-    held = series(records, "prediction_error")
-    title = (
-        f"held-out: {held[0]['config']['points']} points, median |error| {held[0]['value']:.0%}, "
-        f"worst {held[0]['config']['worst_ratio']:.2f}×"
-        if held
-        else "the step-time model against published figures"
-    )
-    return prediction(rows, path, title)
+
+    def key(mine):
+        return sorted((r["config"].get("point"), r["config"]["fit_role"], r["value"]) for r in mine)
+
+    groups = list(machines.items())
+    if not groups:
+        return None
+    if all(key(mine) == key(groups[0][1]) for _, mine in groups[1:]):
+        where = "" if len(groups) == 1 else f" (the same in {len(groups)} folders)"
+        return _prediction_panels([(rows_of(groups[0][1]), title_of(groups[0][0]) + where)], path)
+    return _prediction_panels([(rows_of(mine), f"{title_of(m)} · {m}") for m, mine in groups], path)

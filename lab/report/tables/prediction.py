@@ -94,15 +94,17 @@ def prediction_here_rows(rows, device_kind: str, ops: bool = False) -> Table:
 def prediction_markdown(records) -> list[str]:
     """The ledger's prediction section as Markdown lines: the error lines, then one table row
     per published point (records of experiments/prediction.py; empty without them)."""
-    points = [r for r in records if r["config"].get("series") == "prediction_point"]
+    points = _once([r for r in records if r["config"].get("series") == "prediction_point"])
     if not points:
         return []
     lines = []
     for name in ("prediction_error", "prediction_fallback_error"):
-        for r in (x for x in records if x["config"].get("series") == name):
+        for r in _once([x for x in records if x["config"].get("series") == name]):
             c = r["config"]
             lines.append(
-                f"- {r['what']}: **{r['value']:.0%}**, worst {c['worst_ratio']:.2f}×, over "
+                f"- {r['what']}"
+                + (f" · {r['machine']}" if r.get("machine") else "")
+                + f": **{r['value']:.0%}**, worst {c['worst_ratio']:.2f}×, over "
                 f"{c['points']} points" + (f" ({c['source']})" if c.get("source") else "")
             )
     lines += [
@@ -117,7 +119,30 @@ def prediction_markdown(records) -> list[str]:
         pred = "—" if r["value"] is None else f"{r['value']:,.4g}"
         err = "—" if c.get("error") is None else f"{c['error']:+.0%}"
         role = c["fit_role"] + (f": {c['note']}" if c.get("note") else "")
-        cells = [c["point"], c["publisher"], c["hardware"], c["workload"]]
+        point = c["point"] + (f" · {r['machine']}" if r.get("machine") else "")
+        cells = [point, c["publisher"], c["hardware"], c["workload"]]
         cells += [f"{c['published']:,.4g} {unit}", pred, err, role.replace("|", "/")]
         lines.append("| " + " | ".join(cells) + " |")
     return [*lines, ""]
+
+
+def _once(rows: list[dict]) -> list[dict]:
+    """A merge's rows, each figure once: the model predicts from compiled programs, not from
+    the machine that ran it, so folders that agree printed every row once per folder. Rows
+    that differ (another lab version's prediction) stay, each named by its compare column;
+    rows of one folder carry no name."""
+    seen, out = set(), []
+    for r in rows:
+        c = r["config"]
+        key = (c.get("series"), c.get("point"), c.get("fit_role"), r["value"], c.get("points"))
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    figures = {}
+    for r in out:
+        figures.setdefault((r["config"].get("series"), r["config"].get("point")), []).append(r)
+    return [
+        r if len(figures[(r["config"].get("series"), r["config"].get("point"))]) > 1
+        else {k: v for k, v in r.items() if k != "machine"}
+        for r in out
+    ]  # fmt: skip
