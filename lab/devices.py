@@ -421,14 +421,14 @@ class PeerWatch:
             if why and not self.done.is_set() and not self.idle.is_set():
                 self._end(why)
 
-    def _end(self, why: str) -> None:
+    def _end(self, why: str, cause: str = ": it died, was killed or cannot be reached") -> None:
         try:
             kept = self.kept() if self.kept else ""
         except Exception:  # noqa: BLE001 — the folder's state is a courtesy: the line must go out
             kept = ""
         print(
             f"error: {self.j.where}: process {self.j.process_id} of {self.j.num_processes} "
-            f"lost its peers ({why}: it died, was killed or cannot be reached); this process "
+            f"lost its peers ({why}{cause}); this process "
             f"cannot go on alone{'; ' + kept if kept else ''}",
             file=sys.stderr,
             flush=True,
@@ -455,6 +455,41 @@ def left_loop() -> None:
     time) and beats on until the process exits."""
     for w in _WATCH:
         w.idle.set()
+
+
+# what a collective over gloo, or the runtime's store, says when a peer's connection is gone
+_PEER_GONE = re.compile(
+    r"gloo.*(fail|error)|connection reset|connection refused|broken pipe|"
+    r"stopped sending heartbeats|connection closed",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+def peer_gone(e: BaseException | str) -> str | None:
+    """Why `e` (an error or its text) means a peer of this multi-process job is gone, in a few
+    words, or None (one process, or another error). A collective over gloo fails at once when
+    a peer's connection drops, well before the peer watch judges the peer silent."""
+    text = str(e)
+    if not _WATCH or not _PEER_GONE.search(text):
+        return None
+    said = re.sub(r"\[[^\]]*\.(cc|h):\d+\]\s*", "", text)  # gloo's source file and line
+    line = next((x.strip() for x in said.splitlines() if _PEER_GONE.search(x)), "")
+    line = re.sub(r"^.*?\b(?=gloo\b)", "", line, flags=re.IGNORECASE)  # from gloo's own words
+    line = re.sub(r"^[A-Z_]+:\s*", "", line)  # the runtime's status code
+    while line.count(")") > line.count("("):  # the close of a message it was quoted in
+        line = line[: line.rindex(")")]
+    return f"a collective failed, {line[:160]}: a peer died, was killed or cannot be reached"
+
+
+def leave_now(why: str) -> None:
+    """Ends this process in the peer watch's line (exit 1) for `why` (peer_gone's words).
+
+    Not through the interpreter's exit: at exit JAX's runtime waits in a shutdown barrier for
+    every process of the job, up to 30 s for the one that is gone, and then aborts this one
+    with a page of its own log (exit 134) over the line."""
+    for w in _WATCH:
+        w.idle.set()
+        w._end(why, cause="")
 
 
 def on_peer_lost(kept) -> None:

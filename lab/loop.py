@@ -35,8 +35,10 @@ from lab.devices import (
     PARENT_DEATH_SIGNAL,
     agreed_folder,
     agreed_stop,
+    leave_now,
     left_loop,
     on_peer_lost,
+    peer_gone,
 )
 from lab.errors import ConfigError, RunError
 from lab.measure import memory
@@ -900,8 +902,10 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
             )
         except (OSError, checkpoint.SaveError) as e:
             end.failed = _write_failure(e, run_dir)
-        except BaseException:  # a fault of the lab's own: its traceback, after the save in flight
-            left_loop()
+        except BaseException as e:  # a fault of the lab's own: its traceback, after the save
+            left_loop()  # in flight; a collective that failed with a peer gone: one line
+            if why := peer_gone(e):
+                leave_now(why)
             end.finish_saves()
             raise
         left_loop()
@@ -1008,6 +1012,9 @@ class _End:
         step = self.hist.step
         if self.failed:
             ended = "ended" if step == self.cfg.steps else "stopped"
+            if why := peer_gone(self.failed):  # a save's collective: one line, no exit barrier
+                what = self.failed.split(" (", 1)[0]  # checkpoint step N could not be saved in …
+                leave_now(f"{why}; {what}; training {ended} at step {step}")
             raise RunError(f"{self.failed}: training {ended} at step {step}; {kept}")
         if self.why and not self.why.startswith("SIG"):
             raise RunError(f"{self.why}; {kept}")

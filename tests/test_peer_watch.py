@@ -132,3 +132,94 @@ def test_the_line_names_the_folder_and_exits_1(monkeypatch, capsys):
     assert err.rstrip().endswith(
         "cannot go on alone; kept in /r: checkpoint step 4 in /r/checkpoints"
     )
+
+
+GLOO_RESET = (
+    "UNKNOWN: Gloo all-reduce failed: [external/xla++third_party_ext+gloo/gloo/transport/tcp/"
+    "pair.cc:538] Read error [127.0.0.1]:11680: Connection reset by peer"
+)
+
+
+def test_a_collective_that_failed_with_a_peer_gone_is_told_in_a_few_words(monkeypatch):
+    """gloo fails a collective at once when a peer's connection drops: the words kept are
+    gloo's own, without its source file, the runtime's status code or the message it was
+    quoted in; one process, or another error, is not a peer gone."""
+    assert devices.peer_gone(GLOO_RESET) is None  # no watch: one process
+    monkeypatch.setattr(devices, "_WATCH", [object()])
+    said = (
+        "a collective failed, Gloo all-reduce failed: Read error [127.0.0.1]:11680: "
+        "Connection reset by peer: a peer died, was killed or cannot be reached"
+    )
+    assert devices.peer_gone(RuntimeError(GLOO_RESET)) == said
+    save = f"checkpoint step 20 could not be saved in /r/checkpoints ({GLOO_RESET})"
+    assert devices.peer_gone(save) == said
+    assert devices.peer_gone("Out of memory allocating 38400000772 bytes") is None
+
+
+def test_leaving_now_is_the_watchs_line_not_the_interpreters_exit(monkeypatch, capsys):
+    """At the interpreter's exit JAX's runtime waits for every process in its shutdown
+    barrier (30 s for one that is gone) and then aborts this one: leave_now exits at once."""
+    codes = []
+    monkeypatch.setattr(devices.os, "_exit", codes.append)
+    w = devices.PeerWatch(Store(), _join(0, 2))
+    w.kept = lambda: "kept in /r: metrics.jsonl to step 12"
+    monkeypatch.setattr(devices, "_WATCH", [w])
+    devices.leave_now(devices.peer_gone(GLOO_RESET))
+    err = capsys.readouterr().err
+    assert codes == [1] and err.count("\n") == 1 and w.idle.is_set()
+    assert "lost its peers (a collective failed, Gloo all-reduce failed: Read error" in err
+    assert err.rstrip().endswith("cannot go on alone; kept in /r: metrics.jsonl to step 12")
+
+
+@pytest.mark.once
+def test_a_process_started_by_hand_whose_peer_is_killed_ends_in_one_line(tmp_path):
+    """Two lab.run processes joined by hand (no launcher to clean up): process 1 SIGKILLed
+    mid-run. Process 0's next collective fails at once; it ends in the watch's line, exit 1,
+    within seconds, not in a traceback and then the runtime's abort after its shutdown
+    barrier (exit 134, 40-80 s)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from lab.tools.launch import free_port
+
+    port = free_port()
+    keys = [
+        f"coordinator=127.0.0.1:{port}", "num_processes=2", "mesh=2x1", "model=tiny",
+        "seq_len=32", "steps=100000", f"out_dir={tmp_path}", "name=r", "checkpoint_every=5",
+        "log_every=1",
+    ]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "lab.run", *keys, f"process_id={i}"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        metrics = tmp_path / "r" / "metrics.jsonl"
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 240 and (
+            not metrics.exists() or len(metrics.read_text().splitlines()) < 8
+        ):
+            assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
+            time.sleep(0.2)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = procs[0].communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    last = err.strip().splitlines()[-1]
+    assert procs[0].returncode == 1, err[-3000:]
+    assert last.startswith(f"error: coordinator=127.0.0.1:{port}: process 0 of 2 lost its peers")
+    assert "Traceback" not in err and "Check failure" not in err, err[-3000:]
+    assert took < 40, took  # the watch's 30 s at most, at once where gloo sees the reset
