@@ -574,7 +574,7 @@ def _check_alone(cfg: Config) -> None:
     """The checks of single fields that their type cannot express (every rule that ties
     fields together is lab/resolve.py's, checked once the platform is known)."""
     if cfg.coordinator:
-        _check_coordinator(cfg.coordinator)
+        check_coordinator(cfg.coordinator)
     if cfg.target and cfg.target.split(":")[0] not in ("tpu", "gpu"):
         raise ConfigError(
             f"target={cfg.target!r}: expected tpu:GEN:TOPOLOGY or gpu:KIND[:N] (see --help)"
@@ -582,18 +582,19 @@ def _check_alone(cfg: Config) -> None:
     check_name(cfg.name)
 
 
-def _check_coordinator(address: str) -> None:
+def check_coordinator(address: str, key: str = "coordinator") -> None:
     """host:port with a port in 1..65535 (an IPv6 host in brackets): checked before any
-    process starts, so a typo is one line here and never a join that times out."""
+    process starts, so a typo is one line here and never a join that times out. `key` names
+    where the address came from (coordinator=, or JAX_COORDINATOR_ADDRESS under SLURM)."""
     host, colon, port = address.rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
     bare = host[1:-1] if bracketed else host
     if not colon or not bare or any(c in bare for c in " /[]") or (":" in bare and not bracketed):
         raise ConfigError(
-            f"coordinator={address!r}: expected host:port (e.g. localhost:1234 or [::1]:1234)"
+            f"{key}={address!r}: expected host:port (e.g. localhost:1234 or [::1]:1234)"
         )
     if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"coordinator={address!r}: the port must be a number in 1..65535")
+        raise ConfigError(f"{key}={address!r}: the port must be a number in 1..65535")
 
 
 def _key_lines(fields: dict, rename: dict | None = None) -> list[str]:

@@ -5,9 +5,9 @@ multi-controller runtime that joins hosts into one set of global devices) and, o
 number of simulated devices. `prepare` does both; `describe` reports what came of it.
 
 A process joins when given coordinator= (and num_processes=, process_id=), when it is one task
-of a SLURM step of several tasks (`srun python -m lab.run …`: JAX's own SLURM detection fills
-the coordinator, the process count and id; `slurm_step` checks the variables it reads first),
-or on a multi-host TPU slice.
+of a SLURM step of several tasks (`srun python -m lab.run …`: `slurm_step` checks SLURM's
+variables and reads the coordinator, the step's first node; JAX's own SLURM detection fills
+the process count and id), or on a multi-host TPU slice.
 
 Joining never ends in the runtime's C++ abort (a stack trace, exit 134): a process that joins
 first waits for the coordinator's port, and every process's whole join is bounded by a watchdog
@@ -34,6 +34,7 @@ import jax
 from jax._src import distributed as _distributed  # the key-value store of the runtime
 from jax._src.clusters.slurm_cluster import SlurmCluster  # JAX's own reading of SLURM's variables
 
+from lab.config import check_coordinator
 from lab.errors import ConfigError
 from lab.mesh import cpu_devices_for
 from lab.startup import (
@@ -194,19 +195,74 @@ class SlurmStep:
     job: str  # SLURM_JOB_ID: JAX derives the coordinator's port from it
     tasks: int  # SLURM_NTASKS: the process count
     task: int  # SLURM_PROCID: this process's id
-    node_list: str  # SLURM_STEP_NODELIST: JAX puts the coordinator on its first node
-    coordinator: str  # host:port, as JAX derives it
+    node_list: str  # SLURM_STEP_NODELIST: the coordinator is on its first node
+    coordinator: str  # host:port: that node, and the port JAX derives from the job
 
     def joined(self) -> str:
         where = f"job {self.job}, node list {self.node_list}, coordinator {self.coordinator}"
         return f"through SLURM ({where})"
 
 
-# A SLURM node list ("node001,gpu[003-005,007]"), and a host name with a letter in it (an
-# all-digit name like "001" would be taken for an IP address).
+# A SLURM node list ("node001,gpu[003-005,007]", "rack[1-2]-node[01-04]"), and a host name
+# with a letter in it (an all-digit name like "001" would be taken for an IP address).
 _RANGES = r"\[\d+(-\d+)?(,\d+(-\d+)?)*\]"
-_NODE_LIST = re.compile(rf"([A-Za-z0-9._-]|{_RANGES})+(,([A-Za-z0-9._-]|{_RANGES})+)*")
+_NAME = rf"([A-Za-z0-9._-]|{_RANGES})+"
+_NODE_LIST = re.compile(rf"{_NAME}(,{_NAME})*")
 _HOST = re.compile(r"(?=.*[A-Za-z])[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+
+def _node_names(node_list: str) -> list[str]:
+    """The names of a node list (SLURM's hostlist expression), each a run of literal text and
+    bracket groups (`rack[1-2]-node[01-04]` is 8 names)."""
+    return [m.group(0) for m in re.finditer(_NAME, node_list)]
+
+
+def _ranges(group: str) -> list[tuple[int, int, int]]:
+    """(first, last, digits) of each range of a bracket group's "01-04,07"; a range that runs
+    down is refused (SLURM's own hostlist refuses it too)."""
+    out = []
+    for part in group.split(","):
+        lo, _, hi = part.partition("-")
+        if int(hi or lo) < int(lo):
+            raise ValueError(part)
+        out.append((int(lo), int(hi or lo), len(lo)))  # a bound's digits are its zero padding
+    return out
+
+
+def _first_host_and_count(node_list: str) -> tuple[str, int]:
+    """The first host of a SLURM node list and how many hosts it names, as SLURM expands it:
+    every bracket group of a name (`rack[1-2]-node[01-04]` starts at rack1-node01), with the
+    zero padding of each range's bounds. ValueError for a list that is not one."""
+    if not _NODE_LIST.fullmatch(node_list):
+        raise ValueError(node_list)
+    first, count = "", 0
+    for i, name in enumerate(_node_names(node_list)):
+        host, n = "", 1
+        for text, group in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", name):
+            host += text
+            if group:
+                ranges = _ranges(group)
+                lo, _, digits = ranges[0]
+                host += str(lo).zfill(digits)
+                n *= sum(hi - lo + 1 for lo, hi, _ in ranges)
+        first, count = first if i else host, count + n
+    return first, count
+
+
+def _tasks_on_node(env, tasks: int, nodes: int) -> int:
+    """The most tasks this task's node runs: from SLURM_STEP_TASKS_PER_NODE ("2(x3),1") where
+    it reads, else what the step's counts allow (every other node runs at least one)."""
+    per_node = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if not m:
+            per_node = []
+            break
+        per_node += [int(m.group(1))] * int(m.group(2) or 1)
+    node = env.get("SLURM_NODEID", "")
+    if per_node and node.isascii() and node.isdigit() and int(node) < len(per_node):
+        return per_node[int(node)]
+    return max(per_node) if per_node else tasks - nodes + 1
 
 
 def _slurm_int(env, name: str, low: int, high: int | None = None, why: str = "") -> int:
@@ -241,25 +297,49 @@ def slurm_step() -> SlurmStep | None:
             "lab.run …), or give coordinator=, num_processes= and process_id="
         )
     task = _slurm_int(env, "SLURM_PROCID", 0, tasks, why=f"this task's id, of SLURM_NTASKS={tasks}")
-    _slurm_int(env, "SLURM_LOCALID", 0, why="this task's index on its node")
     port = env.get("JAX_COORDINATOR_PORT")
     if port is None:
         _slurm_int(env, "SLURM_JOB_ID", 0, why="JAX derives the coordinator's port from it")
     elif not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise ConfigError(f"JAX_COORDINATOR_PORT={port!r}: the port must be a number in 1..65535")
     node_list = env["SLURM_STEP_NODELIST"]
-    if given := env.get("JAX_COORDINATOR_ADDRESS"):  # initialize() prefers it to SLURM's
-        return SlurmStep(job, tasks, task, node_list, given)
-    # the coordinator initialize() will derive: the node list's first host, the job's port
-    coordinator = SlurmCluster.get_coordinator_address(None, override_coordinator_port=port)
-    host = coordinator.rpartition(":")[0]
-    if not _NODE_LIST.fullmatch(node_list) or not _HOST.fullmatch(host):
+    try:
+        host, hosts = _first_host_and_count(node_list)
+    except ValueError:
+        host, hosts = "", 0
+    if not _HOST.fullmatch(host):
         raise ConfigError(
-            f"SLURM_STEP_NODELIST={node_list!r} is not a node list JAX can take the coordinator's "
-            f"host from (its first node; read as {host!r}): expected host names like "
-            "node001,node002 or node[001-004]"
+            f"SLURM_STEP_NODELIST={node_list!r} is not a node list the coordinator's host can be "
+            "taken from (its first node): expected host names like node001,node002, "
+            "node[001-004] or rack[1-2]-node[01-04]"
         )
-    return SlurmStep(job, tasks, task, node_list, coordinator)
+    nodes = hosts
+    if "SLURM_STEP_NUM_NODES" in env:
+        nodes = _slurm_int(env, "SLURM_STEP_NUM_NODES", 1, why="the step's number of nodes")
+        if nodes != hosts:
+            raise ConfigError(
+                f"SLURM_STEP_NODELIST={node_list!r} names {hosts} node{'s' * (hosts != 1)} but "
+                f"SLURM_STEP_NUM_NODES={nodes}: the step's variables disagree (set by hand?)"
+            )
+    if nodes > tasks:
+        raise ConfigError(
+            f"SLURM_STEP_NODELIST={node_list!r} names {nodes} nodes for SLURM_NTASKS={tasks} "
+            "tasks: every node of a step runs at least one task"
+        )
+    on_node = _tasks_on_node(env, tasks, nodes)
+    _slurm_int(
+        env,
+        "SLURM_LOCALID",
+        0,
+        on_node,
+        why=f"this task's index on its node, which runs at most {on_node} of the step's tasks",
+    )
+    if given := env.get("JAX_COORDINATOR_ADDRESS"):  # initialize() prefers it to SLURM's
+        check_coordinator(given, "JAX_COORDINATOR_ADDRESS")
+        return SlurmStep(job, tasks, task, node_list, given)
+    # the node list's first host, and the port JAX derives from the job (or its override)
+    port = SlurmCluster.get_coordinator_address(None, override_coordinator_port=port)
+    return SlurmStep(job, tasks, task, node_list, f"{host}:{port.rpartition(':')[2]}")
 
 
 def _init_distributed(
@@ -287,9 +367,13 @@ def _init_distributed(
             num_processes=step.tasks,
             process_id=step.task,
             start_hint=f"every one of the step's SLURM_NTASKS={step.tasks} tasks must run lab.run",
-            # no coordinator, count or id: JAX's SLURM detection fills them (named, so that no
-            # other cluster whose variables happen to be set is taken first)
-            kwargs={"cluster_detection_method": SlurmCluster.name},
+            # the coordinator the lab read (JAX's own reading takes only a name's first bracket
+            # group: "rack1" of rack[1-2]-node[01-04]); JAX's SLURM detection fills the count
+            # and id (named, so that no other cluster whose variables are set is taken first)
+            kwargs={
+                "coordinator_address": step.coordinator,
+                "cluster_detection_method": SlurmCluster.name,
+            },
         )
         _join(j, timeout_s)
     elif _tpu_pod():

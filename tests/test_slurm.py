@@ -123,6 +123,24 @@ def test_two_slurm_tasks_train_like_one_process(tmp_path):
         ({"SLURM_STEP_NODELIST": ""}, "SLURM_STEP_NODELIST='' is not a node list"),
         ({"SLURM_STEP_NODELIST": None}, "is not a task of an srun step (no SLURM_STEP_NODELIST)"),
         ({"SLURM_STEP_NODELIST": "no-such-node.invalid"}, "unknown host 'no-such-node.invalid'"),
+        ({"SLURM_STEP_NODELIST": "node[04-01]"}, "SLURM_STEP_NODELIST='node[04-01]' is not a"),
+        (
+            {"SLURM_STEP_NUM_NODES": "2"},
+            "SLURM_STEP_NODELIST='localhost' names 1 node but SLURM_STEP_NUM_NODES=2",
+        ),
+        (
+            {"SLURM_STEP_NODELIST": "node[01-03]", "SLURM_STEP_NUM_NODES": "3"},
+            "names 3 nodes for SLURM_NTASKS=2 tasks: every node of a step runs at least one task",
+        ),
+        (
+            {"SLURM_LOCALID": "5", "SLURM_STEP_TASKS_PER_NODE": "2"},
+            "SLURM_LOCALID='5' is not a whole number in 0..1 (this task's index on its node",
+        ),
+        ({"SLURM_LOCALID": "2"}, "SLURM_LOCALID='2' is not a whole number in 0..1"),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "foo"},
+            "JAX_COORDINATOR_ADDRESS='foo': expected host:port",
+        ),
     ],
 )
 def test_a_bad_slurm_environment_is_one_line_and_exit_2(env, needle, monkeypatch, capsys):
@@ -162,18 +180,43 @@ def test_slurm_step_reads_what_jax_reads(monkeypatch):
         monkeypatch.delenv(k)
     assert slurm_step() is None  # not under SLURM
     env = _task(4097, 3, tasks=16, SLURM_STEP_NODELIST="gpu[003-004],gpu007")
+    env["SLURM_STEP_NUM_NODES"] = "3"
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     step = slurm_step()
     assert (step.tasks, step.task, step.coordinator) == (16, 3, "gpu003:61441")
     monkeypatch.setenv("JAX_COORDINATOR_PORT", "2222")  # JAX's override of the derived port
     assert slurm_step().coordinator == "gpu003:2222"
+    monkeypatch.delenv("JAX_COORDINATOR_PORT")
+    # several bracket groups in a name, each range with its own zero padding: the first host
+    # is every group's first value (JAX's own reading stops at the first group: "rack1")
+    for nodes, count, first in (
+        ("rack[1-2]-node[01-04]", "8", "rack1-node01"),
+        ("r[08-9,11]n[007],login1", "4", "r08n007"),
+    ):
+        monkeypatch.setenv("SLURM_STEP_NODELIST", nodes)
+        monkeypatch.setenv("SLURM_STEP_NUM_NODES", count)
+        assert slurm_step().coordinator == f"{first}:61441"
     monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: nothing to join
     assert slurm_step() is None
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.delenv("SLURM_STEP_NODELIST")  # the batch script itself, not an srun task
     with pytest.raises(ConfigError, match="start every task with srun"):
         slurm_step()
+
+
+def test_a_slurm_join_names_the_coordinator_the_lab_read(monkeypatch):
+    """JAX's SLURM detection would derive its own coordinator host from the node list (the
+    text before a name's first bracket group): the join is given the lab's, the first host."""
+    from lab import devices
+
+    for k, v in _task(4097, 1, SLURM_STEP_NODELIST="rack[1-2]-node[01]", SLURM_LOCALID="0").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
+    joins = []
+    monkeypatch.setattr(devices, "_join", lambda j, timeout_s: joins.append(j))
+    devices._init_distributed("", 1, 0)
+    assert joins[0].kwargs["coordinator_address"] == "rack1-node01:61441"
 
 
 def test_the_header_says_how_the_processes_joined():
