@@ -15,6 +15,7 @@ appended whole in the caller's thread, or cut off again, with the OSError for th
 metrics.jsonl lines are (lab.rundir.MetricsLog).
 """
 
+import errno
 import functools
 import os
 import socket
@@ -97,18 +98,23 @@ def start(run_dir: Path, records: list[dict]) -> EventFile:
     """The lab's event file rebuilt to hold `records` (metrics.jsonl's, in order): a new event
     file is written aside, renamed in, and only then are the lab's earlier event files (named
     *.lab) removed (a failure part-way leaves them as they were; files the lab did not write
-    stay). Returns it open for this run's records;
-    OSError for the caller."""
+    stay). Returns it open for this run's records; OSError for the caller, naming the folder
+    (the user's to fix) rather than the file written aside in it."""
     folder = run_dir / FOLDER
-    folder.mkdir(exist_ok=True)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", str(folder))
     name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.lab"
     tmp = folder / f".rebuild-{os.getpid()}.tmp"  # readers read only names with 'tfevents'
     try:
-        tmp.write_bytes(_first() + b"".join(_framed(_event(r)) for r in records))
-        tmp.replace(folder / name)
-    finally:
-        tmp.unlink(missing_ok=True)
-    for old in folder.glob("events.out.tfevents.*.lab"):  # the lab's own: never a user's file
-        if old.name != name:
-            old.unlink()
+        folder.mkdir(exist_ok=True)
+        try:
+            tmp.write_bytes(_first() + b"".join(_framed(_event(r)) for r in records))
+            tmp.replace(folder / name)
+        finally:
+            tmp.unlink(missing_ok=True)
+        for old in folder.glob("events.out.tfevents.*.lab"):  # the lab's own, never a user's
+            if old.name != name:
+                old.unlink()
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(folder)) from None
     return EventFile(folder / name)

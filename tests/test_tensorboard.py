@@ -190,3 +190,33 @@ def test_a_rebuild_removes_only_the_labs_own_event_files(tmp_path):
     older.write_bytes(b"y")
     made = tensorboard.start(tmp_path, [])
     assert theirs.exists() and not older.exists() and made.path.exists()
+
+
+def test_an_unusable_tensorboard_folder_is_named_in_one_line(tmp_path, capsys, monkeypatch):
+    """A resume rebuilds the folder: a read-only one (a mount) or a file in its place is one
+    line, exit 2, naming the folder, never the file the rebuild writes aside in it."""
+    assert _run(tmp_path, "name=R", "steps=2", "checkpoint_every=2") == 0
+    capsys.readouterr()
+    real = Path.write_bytes
+
+    def read_only(self, data):
+        if self.name.startswith(".rebuild-"):  # root writes through chmod: a read-only mount
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    assert _run(tmp_path, "name=R", "steps=3", "resume=true") == 2
+    err = capsys.readouterr().err
+    line = f"error: tensorboard could not be written in {tmp_path / 'R'} (Read-only file system)"
+    assert err.startswith(line) and err.count("\n") == 1, err
+    monkeypatch.undo()
+
+    folder = tmp_path / "R" / tensorboard.FOLDER
+    for f in folder.iterdir():
+        f.unlink()
+    folder.rmdir()
+    folder.write_text("")
+    assert _run(tmp_path, "name=R", "steps=3", "resume=true") == 2
+    err = capsys.readouterr().err
+    line = f"error: tensorboard could not be written in {tmp_path / 'R'} (a file, not a folder)"
+    assert err.startswith(line) and err.count("\n") == 1, err
