@@ -611,13 +611,20 @@ def _analyse(cfg, info, trainer, console):
     return analysis, compiled, compile_s
 
 
-def run_training(session: Session) -> int:
-    cfg, info, trainer = session.cfg, session.info, session.trainer
-    if cfg.steps == 0 and not cfg.compile_only:  # (serving's sessions are built with steps=0)
+def check_trains(cfg: Config) -> None:
+    """ConfigError for a training run that would train nothing (checked by lab.run's loop,
+    and by a launcher before it starts processes that would each refuse it alike). Not a rule
+    of lab.resolve: serving and studies open sessions with steps=0 and never train them."""
+    if cfg.steps == 0 and not cfg.compile_only:
         raise ConfigError(
             "steps=0 trains nothing: give steps >= 1 (compile_only=true compiles the step "
             "without training)"
         )
+
+
+def run_training(session: Session) -> int:
+    cfg, info, trainer = session.cfg, session.info, session.trainer
+    check_trains(cfg)
     is_main = info.process_index == 0
     request = session.resolved.request if session.resolved else Request.from_config(cfg)
     with contextlib.ExitStack() as held:
@@ -625,7 +632,7 @@ def run_training(session: Session) -> int:
         cfg, run_dir = _claim_folder(
             cfg, is_main, held, named=bool(request.get("name")), stages=stages
         )
-        _refused_resume(cfg, run_dir)  # before the header and the compile
+        refused_resume(cfg, run_dir)  # before the header and the compile
         started = lambda: None  # noqa: E731
         if is_main:  # the libraries' lines (orbax's on a resume) wait until the run starts
             started = rundir.quiet_libraries(run_dir, held=True)
@@ -776,7 +783,7 @@ def _older_steps_layout(cfg: Config, run_dir: Path):
         return None
 
 
-def _refused_resume(cfg: Config, run_dir: Path) -> None:
+def refused_resume(cfg: Config, run_dir: Path) -> None:
     """ConfigError for a resume refused by what the folder holds, where its checkpoint steps
     alone decide it, before the header and the compile: no checkpoint, or one that every step
     saved would refuse (_check_resumed_at). A restore may pass over a damaged newest step to

@@ -47,6 +47,8 @@ def test_two_processes_train_like_one(tmp_path, capsys):
         (["processes=0", "mesh=4x2"], "must be >= 1"),
         # a rule between keys: refused before any process starts, not once by each
         (["processes=2", "mesh=4x2", "batch_size=8", "accumulate=3"], "must divide batch_size=8"),
+        # lab.run's own refusal of a run that trains nothing: before any process starts
+        (["processes=2", "mesh=4x2", "steps=0"], "steps=0 trains nothing: give steps >= 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
@@ -81,6 +83,22 @@ def test_a_run_folder_process_0_would_refuse_is_refused_before_any_process_start
     (tmp_path / "F").write_text("")  # the run folder itself a file
     assert launch.main([*argv[:-2], "name=F", "steps=2"]) == 2
     assert "it is not a folder" in capsys.readouterr().err
+
+
+def test_a_resume_lab_run_would_refuse_is_refused_before_any_process_starts(
+    tmp_path, capsys, monkeypatch
+):
+    """steps= not past the run's checkpoint: lab.run refuses it from the folder's checkpoint
+    steps before it compiles, so the launcher does too, before starting anything."""
+    keys = ["model=tiny", "n_layers=1", "batch_size=8", "seq_len=16", "mesh=2"]
+    keys += [f"out_dir={tmp_path}", "name=R", "checkpoint_every=2"]
+    assert run_main([*keys, "steps=2"]) == 0
+    capsys.readouterr()
+    started = []
+    monkeypatch.setattr(launch, "run", lambda *a, **k: started.append(a) or 0)
+    assert launch.main(["processes=2", *keys, "steps=2", "resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "steps=2" in err and not started, err
 
 
 @pytest.mark.once

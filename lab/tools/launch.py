@@ -45,7 +45,7 @@ import threading
 import time
 from pathlib import Path
 
-from lab import checkpoint, rundir
+from lab import checkpoint, loop, rundir
 from lab.config import cli, field, make_config, stamped_name
 from lab.devices import PARENT_DEATH_SIGNAL, STOP_LINE
 from lab.errors import ConfigError
@@ -113,6 +113,7 @@ def check(processes: int, keys: dict) -> dict:
     # a resume's processes take the run's own keys (Request.resumed): checked as they will run
     asked = Request.of(**keys).resumed().dict()
     cfg = defaults(make_config(**asked))
+    loop.check_trains(cfg)  # lab.run's own refusal, before anything is built
     devices = cfg.cpu_devices or cpu_devices_for(cfg.mesh)
     try:
         used = math.prod(resolve_shape(cfg.mesh, devices).values())
@@ -152,6 +153,7 @@ def check_folder(run_dir: Path, cfg) -> None:
         rundir.check_fresh(run_dir)
     if cfg.checkpoint_every or cfg.resume:
         checkpoint.check_folder(run_dir)
+    loop.refused_resume(cfg, run_dir)  # no checkpoint, or steps= not past it
 
 
 def commands(processes: int, keys: dict, port: int, join_timeout: int = 60) -> list[list[str]]:
