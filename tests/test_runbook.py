@@ -86,7 +86,8 @@ def test_tiny_budget_every_step_runs_or_is_skipped_with_its_reason(tmp_path, cap
     assert "| ceilings | cut short: the run's budget=2 ran out" in md
     assert "| serve | not started: " in md
     assert "s of the run's budget=2 left, less than min_step=0.5" in md
-    assert "### GPU runbook — `python -m lab.tools.runbook budget=2 size=tiny min_step=0.5" in md
+    head = "### GPU runbook rehearsed on cpu × 1 (cpu, no GPU) — `python -m lab.tools.runbook"
+    assert f"{head} budget=2 size=tiny min_step=0.5" in md
     assert md in capsys.readouterr().out
 
 
@@ -234,6 +235,36 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
     assert "is for size=tiny: a run at size=full starts afresh" in out and "[done]" not in out
     assert tool.main(["dry_run=true", f"out_dir={tmp_path}", "steps=ceilings", "size=tiny"]) == 0
     assert "[done]" in capsys.readouterr().out
+
+
+def test_the_dry_run_says_which_steps_fit_this_calls_budget(tmp_path, capsys):
+    """Each step may take its whole budget: the plan says which steps one call of budget=
+    runs, the one it cuts short, and which are left for later calls of the same command."""
+    steps = [fake("one", budget=100), fake("two", budget=100), fake("three", budget=100)]
+    o = options(tmp_path, budget=150.0, min_step=20.0, dry_run=True)
+    assert tool.run(o, steps=steps) == 0
+    out = capsys.readouterr().out
+    assert (
+        " 2. two (100 s · this call, 50 s left)" in out
+        and " 3. three (100 s · a later call)" in out
+    )
+    assert "this call runs steps 1-2 (two starts with 50 s left and is cut short" in out, out
+    assert "step 3 (100 s at most) are left for later calls" in out and "budget=300 for all" in out
+    (tmp_path / "runbook").mkdir()  # a step finished before takes none of this call's time
+    state = {"size": "tiny", "platform": {}, "steps": {"one": {"status": "done"}}}
+    (tmp_path / "runbook" / "state.json").write_text(json.dumps(state))
+    assert tool.run(o, steps=steps) == 0
+    out = capsys.readouterr().out
+    assert "this call runs steps 2-3 (three starts with 50 s left" in out, out
+    assert "later" not in out
+
+
+def test_rows_of_a_rehearsal_are_headed_by_the_machine_they_ran_on():
+    gpu = {"backend": "gpu", "device_kind": "NVIDIA H100", "device_count": 8}
+    head = rows.markdown([], gpu, "cmd", "2026-01-01").splitlines()[0]
+    assert head == "### GPU runbook on NVIDIA H100 × 8 — `cmd`"
+    head = rows.markdown([], CPU, "cmd", "2026-01-01").splitlines()[0]
+    assert head == "### GPU runbook rehearsed on cpu × 1 (cpu, no GPU) — `cmd`"
 
 
 @pytest.mark.parametrize(

@@ -239,13 +239,21 @@ def rows(
 
 
 def markdown(table: Sequence[dict], platform: dict, command: str, date: str) -> str:
-    """The block for BENCHMARKS.md: a heading with the machine, the table, the column's note."""
+    """The block for BENCHMARKS.md: a heading with the machine, the table, the column's note.
+    The heading names the machine the rows were measured on: rows of a rehearsal on another
+    backend (size=tiny on CPU) are not the GPU runbook's, and must not read as if they were."""
     kind = platform.get("device_kind", "unknown")
+    backend = platform.get("backend", "unknown")
+    machine = f"{kind} × {platform.get('device_count', '?')}"
+    title = (
+        f"GPU runbook on {machine}"
+        if backend == "gpu"
+        else f"GPU runbook rehearsed on {machine} ({backend}, no GPU)"
+    )
     lines = [
-        f"### GPU runbook — `{command}`",
+        f"### {title} — `{command}`",
         "",
-        f"{date}, {kind} × {platform.get('device_count', '?')} "
-        f"({platform.get('backend', 'unknown')}), jax {platform.get('jax_version', NA)}.",
+        f"{date}, {machine} ({backend}), jax {platform.get('jax_version', NA)}.",
         "",
         "| step | status | seconds | measured | predicted | records |",
         "|---|---|---|---|---|---|",

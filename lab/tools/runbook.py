@@ -71,12 +71,55 @@ def _print_plan(steps, o: Options, root: Path) -> None:
     if state["steps"]:
         where = state.get("platform", {}).get("device_kind")
         print(f"outcomes so far ({path}: {where}, size={state.get('size')}):")
-    for i, s in enumerate(steps, 1):
+    fitted = runbook.fit(steps, state, o.budget, o.min_step, o.redo)
+    for i, (s, verdict, left) in enumerate(fitted, 1):
         argv = runbook.command(s, root / "steps" / s.name / "try-N", root, state)
         gpu = " · needs a GPU" if s.needs_gpu else ""
         last = state["steps"].get(s.name, {}).get("status")
-        print(f"{i:2}. {s.name} ({s.budget_s:.0f} s{gpu}): {s.what}{f' [{last}]' if last else ''}")
+        when = {"cut": f" · this call, {left:.0f} s left", "later": " · a later call"}
+        when = when.get(verdict, "")
+        print(
+            f"{i:2}. {s.name} ({s.budget_s:.0f} s{gpu}{when}): {s.what}"
+            f"{f' [{last}]' if last else ''}"
+        )
         print(f"    {runbook.shown(argv)}")
+    print(_fit_line(fitted, o))
+
+
+def _spans(numbers: list[int]) -> str:
+    """1, 2, 3, 5 → '1-3, 5'."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _fit_line(fitted: list, o: Options) -> str:
+    """Which steps one call of budget= runs, at the most each may take, and which it leaves."""
+    numbered = [(i, s, v, left) for i, (s, v, left) in enumerate(fitted, 1) if v != "finished"]
+    if not numbered:
+        return "every step has finished: redo= names those to run again"
+    runs = [i for i, _, v, _ in numbered if v in ("fits", "cut")]
+    cut = [f"{s.name} starts with {left:.0f} s left" for _, s, v, left in numbered if v == "cut"]
+    later = [(i, s) for i, s, v, _ in numbered if v == "later"]
+    line = (
+        f"budget={o.budget:g} s, each step taking at most its budget: this call runs step"
+        f"{'s' * (len(runs) != 1)} {_spans(runs) or 'none'}"
+    )
+    if cut:
+        line += f" ({'; '.join(cut)} and is cut short if it needs more)"
+    if later:
+        need = sum(s.budget_s for _, s, v, _ in numbered if v != "finished")
+        which = _spans([i for i, _ in later])
+        line += (
+            f"; step{'s' * (len(later) != 1)} {which} ({sum(s.budget_s for _, s in later):,.0f} s "
+            "at most) are left for later calls of the same command (finished steps are "
+            f"skipped), or give budget={need:.0f} for all at once"
+        )
+    return line + "."
 
 
 def _command_line(o: Options) -> str:
