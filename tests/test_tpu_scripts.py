@@ -462,6 +462,9 @@ BAD = [
     ("slurm.sh", ["--nodes", "2", "--venv", "a,b"], "--venv 'a,b'"),
     ("slurm.sh", ["--nodes", "2", "--module", "experiments"], "only lab.run joins nodes"),
     ("slurm.sh", ["--nodes", "1", "--", "process_id=1"], "process_id= is SLURM's to set"),
+    # a mesh that leaves GPUs of the job out: refused before the job waits in the queue
+    ("slurm.sh", ["--nodes", "2", "--", "mesh=8x1"], "mesh=8x1 spans 8 devices but the job has"),
+    ("slurm.sh", ["--nodes", "2", "--", "mesh=data:3,model:-1"], "fixed sizes (3) do not divide"),
 ]
 
 
@@ -535,6 +538,22 @@ def test_slurm_submits_what_dry_run_printed(env, tmp_path):
     assert out.returncode == 0, out.stderr
     assert [line[2:] for line in out.stderr.splitlines() if line[:2] == "+ "] == dry
     assert fake_calls(env) == [shlex.split(line) for line in dry]
+
+
+def test_slurm_dry_run_warns_of_a_missing_venv_and_takes_meshes_over_every_gpu(env, tmp_path):
+    """The dry run prints the job as it would be submitted, with a warning where its venv is
+    not there yet (the job would fail); meshes over every GPU of the job pass."""
+    args = ["--dry-run", "--nodes", "2", "--venv", str(tmp_path / "no-venv")]
+    out = sh("slurm.sh", *args, "--", "mesh=16x1", env=env)
+    assert out.returncode == 0 and out.stdout.startswith("sbatch "), out.stderr
+    assert f"warning: no {tmp_path / 'no-venv'}/bin/python yet" in out.stderr
+    assert "add --setup" in out.stderr and out.stderr.count("\n") == 1
+    for mesh in ("data:-1", "data:2,model:8", "4x2x2", "data:-1,model:16"):
+        out = sh("slurm.sh", *args, "--", f"mesh={mesh}", env=env)
+        assert out.returncode == 0 and "error" not in out.stderr, (mesh, out.stderr)
+    out = sh("slurm.sh", *args, "--gpus-per-node", "4", "--", "mesh=8x1", env=env)
+    assert out.returncode == 0, out.stderr  # 2 nodes x 4 GPUs
+    assert "warning" not in sh("slurm.sh", *args, "--setup", "--", "mesh=16x1", env=env).stderr
 
 
 def test_run_on_hosts_prefixes_each_hosts_lines_with_its_name(env):

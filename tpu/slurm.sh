@@ -14,7 +14,8 @@ a shared file system). Submits one batch job: srun starts one task of
 same jax.distributed job through the variables SLURM sets (JAX's own SLURM
 detection: the coordinator is the first node, on a port derived from the job id;
 task i of a node drives GPU i). No coordinator= keys: SLURM says who is who.
-Give a mesh over all N x G GPUs, e.g. mesh=16x1 or mesh=data:-1.
+Give a mesh over all N x G GPUs, e.g. mesh=16x1 or mesh=data:-1: one over fewer
+is refused here, before the job waits in the queue.
 
 The job's environment: XLA_PYTHON_CLIENT_MEM_FRACTION (JAX preallocates that share
 of each GPU's memory; the rest is left to NCCL's buffers and the CUDA context),
@@ -40,7 +41,8 @@ step times. Output goes to slurm-JOBID.out in this checkout; runs/ as usual.
                        (e.g. ib0), when NCCL's own choice is wrong
   --module MODULE      python module to run (default lab.run; e.g. experiments, which
                        runs as one task on one node: --nodes 1)
-  --dry-run            print the commands, one per line, and run nothing
+  --dry-run            print the commands, one per line, and run nothing (with a
+                       warning where --venv has no python yet)
   -h, --help           this help
   KEY=VALUE ...        the module's arguments; everything after -- is passed as is
 
@@ -114,6 +116,43 @@ if [[ $MODULE != lab.run ]]; then
 fi
 refuse_process_keys "is SLURM's to set: each task reads who is who from SLURM's variables" \
   ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}
+
+# check_mesh MESH GPUS: a lab.run mesh ("16x1", "data:2,model:8", one size -1 filling the rest)
+# must span every GPU of the job: a task whose GPU the mesh leaves out holds none of it, and
+# the job fails on the cluster after its wait in the queue. A mesh this cannot read is left
+# to lab.run, which says what is wrong with it.
+check_mesh() {
+  local mesh=$1 total=$2 product=1 fill=0 part size sizes
+  [[ $mesh =~ ^[A-Za-z0-9:,-]+$ ]] || return 0
+  if [[ $mesh == *:* ]]; then
+    sizes=""
+    for part in ${mesh//,/ }; do sizes+=" ${part#*:}"; done
+  else
+    sizes=${mesh//[xX]/ }
+  fi
+  for size in $sizes; do
+    if [[ $size == -1 ]]; then
+      fill=1
+    elif [[ $size =~ ^[1-9][0-9]{0,5}$ ]]; then
+      product=$((product * size))
+    else
+      return 0
+    fi
+  done
+  local gpus="$NODES nodes x $GPUS GPUs = $total GPUs"
+  if ((fill)); then
+    ((total % product == 0)) ||
+      die "mesh=$mesh: its fixed sizes ($product) do not divide the job's $gpus"
+  elif ((product != total)); then
+    die "mesh=$mesh spans $product devices but the job has $gpus: give a mesh over all $total (e.g. mesh=${total}x1 or mesh=data:-1)"
+  fi
+}
+if [[ $MODULE == lab.run ]]; then
+  for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
+    [[ $a != mesh=* ]] || MESH=${a#mesh=}
+  done
+  [[ -z ${MESH-} ]] || check_mesh "$MESH" $((NODES * GPUS))
+fi
 # the job runs in --chdir=ROOT: a relative venv is this directory's, made absolute
 [[ $VENV == /* ]] || VENV="$PWD/$VENV"
 
@@ -123,8 +162,9 @@ fi
 if ((SETUP)); then
   run "$PYTHON" -m venv "$VENV"
   run "$VENV/bin/pip" install --quiet -e "${ROOT}[cuda]"
-elif ((!DRY_RUN)) && [[ ! -x $VENV/bin/python ]]; then
-  die "no $VENV/bin/python: add --setup (or --venv DIR) to make it"
+elif [[ ! -x $VENV/bin/python ]]; then
+  ((DRY_RUN)) || die "no $VENV/bin/python: add --setup (or --venv DIR) to make it"
+  note "warning: no $VENV/bin/python yet: the job would fail as printed; add --setup (or --venv DIR)"
 fi
 
 # What every task runs: srun starts one per GPU, and ends them all if one fails (a task of a
