@@ -902,6 +902,10 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
         peak=peak,
     )
     events = records.events if records else contextlib.nullcontext()
+
+    def after() -> str:  # a signal once the loop has left: its handler was the startup's again
+        return f"after training: {_kept(cfg, run_dir, log, saver)}"
+
     with _Stop(final=end.final) as stop, log or contextlib.nullcontext(), events:
         try:
             end.why = _train(
@@ -911,11 +915,13 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
             end.failed = _write_failure(e, run_dir)
         except BaseException as e:  # a fault of the lab's own: its traceback, after the save
             left_loop()  # in flight; a collective that failed with a peer gone: one line
+            startup.note(after)
             if why := peer_gone(e):
                 leave_now(why)
             end.finish_saves()
             raise
         left_loop()
+        startup.note(after)
         end.write_summary()
         end.finish_saves()
         return end.report(stop.signal)

@@ -62,8 +62,9 @@ def on_stop(keep) -> None:
     _last_words.append(keep)
 
 
-def note(kept: str) -> None:
-    """What a signal from now on leaves behind, as the exit line says it."""
+def note(kept) -> None:
+    """What a signal from now on leaves behind, as the exit line says it: a string, or a
+    function that reads it when the signal comes (what a folder keeps changes as saves end)."""
     _kept[0] = kept
 
 
@@ -114,7 +115,13 @@ def _exit(signum, _frame) -> None:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - a closed pipe must not keep the process alive
         pass
-    os.write(2, f"{name}: exiting at once; {_kept[0]}\n".encode())
+    kept = _kept[0]
+    if callable(kept):
+        try:
+            kept = kept()
+        except Exception:  # noqa: BLE001 - the exit line must still come
+            kept = "what the folder keeps could not be read"
+    os.write(2, f"{name}: exiting at once; {kept}\n".encode())
     os._exit(130 if signum == signal.SIGINT else 143)
 
 

@@ -204,3 +204,24 @@ def test_a_command_that_cannot_start_again_goes_on_as_it_is(monkeypatch):
     startup.huge_pages()  # os.execv("") raises; caught
     assert "GLIBC_TUNABLES" not in os.environ and "LAB_HUGE_PAGES_STARTED" not in os.environ
     assert not startup.in_huge_pages()
+
+
+def test_a_signal_reads_what_the_folder_keeps_when_it_comes(monkeypatch):
+    """After the training loop the exit line said "before training: … keeps config.json" (the
+    note set before the loop): a note may be a function, read when the signal comes; one that
+    fails still lets the line out."""
+    import signal
+
+    written, codes = [], []
+    monkeypatch.setattr(startup.os, "write", lambda fd, data: written.append(data.decode()))
+    monkeypatch.setattr(startup.os, "_exit", codes.append)
+    monkeypatch.setattr(startup, "_kept", [None])
+    folder = {"step": 4}
+    startup.note(lambda: f"after training: checkpoint step {folder['step']}")
+    folder["step"] = 8
+    startup._exit(signal.SIGTERM, None)
+    assert written[-1] == "SIGTERM: exiting at once; after training: checkpoint step 8\n"
+    startup.note(lambda: 1 / 0)
+    startup._exit(signal.SIGINT, None)
+    assert written[-1].startswith("SIGINT: exiting at once; what the folder keeps could not")
+    assert codes == [143, 130]
