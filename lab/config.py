@@ -27,10 +27,13 @@ from lab.names import ATTENTION_IMPLS, DTYPES, REMATS, STRATEGIES
 # ------------------------------------------------------------------------ fields and values
 
 
-def field(default, help: str, *, choices=None, min=None, max=None, kind=None):
-    """A dataclass field with its documentation: `help`, allowed `choices`, a `min`/`max`, or
-    a `kind` the parser knows (dtype, mesh, ints, names, path)."""
+def field(default, help: str, *, choices=None, min=None, max=None, kind=None, auto=None):
+    """A dataclass field with its documentation: `help`, allowed `choices`, a `min`/`max`, a
+    `kind` the parser knows (dtype, mesh, ints, names, path), or the number `auto` that the
+    word auto stands for in a numeric field (help and docs say auto, so a user types it)."""
     meta = {"help": help, "choices": choices, "min": min, "max": max, "kind": kind}
+    if auto is not None:
+        meta["auto"] = auto
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -136,7 +139,14 @@ def parse_value(f: dataclasses.Field, typ, raw: str):
     if typ is bool:
         return _parse_bool(key, raw)
     if typ in (int, float):
-        value = _parse_number(key, raw, typ)
+        if meta.get("auto") is not None and raw.strip().lower() == "auto":
+            return meta["auto"]
+        try:
+            value = _parse_number(key, raw, typ)
+        except ConfigError as e:
+            if meta.get("auto") is None:
+                raise
+            raise ConfigError(f"{e} or auto") from None
         _check_range(key, raw, value, meta)
         return value
     _check_choice(key, raw, raw, meta.get("choices"))
@@ -383,7 +393,10 @@ class Config:
     weight_decay: float = field(0.1, "AdamW decoupled weight decay", min=0.0)
     grad_clip: float = field(1.0, "clip gradients to this global norm; 0 = off", min=0.0)
     loss_scale: float = field(
-        0.0, "static loss scale for float16; 0 = auto (2^15 for fp16, else 1)", min=0.0
+        0.0,
+        "static loss scale for float16; auto (or 0) = 2^15 for fp16, else 1",
+        min=0.0,
+        auto=0.0,
     )
     data: str = field(
         "auto",
@@ -602,6 +615,8 @@ def _key_lines(fields: dict, rename: dict | None = None) -> list[str]:
     for f, _ in fields.values():
         key = (rename or {}).get(f.name, f.name)
         default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+        if f.metadata.get("auto") is not None and default == f.metadata["auto"]:
+            default = "auto"
         lines.append(f"  {key:<18} {str(default)!r:<12} {f.metadata['help']}")
     return lines
 

@@ -120,3 +120,17 @@ def test_a_list_value_given_twice_and_a_key_given_twice_are_named_as_typed():
         parse_options(tune_step.Options, ["batches=4, 4"])
     with pytest.raises(ConfigError, match=r"^model is given more than once$"):
         parse_args(["model=tiny", "model=small"])
+
+
+def test_loss_scale_takes_the_word_auto(capsys):
+    """--help and the README say auto, so `loss_scale=auto` is what a user types: it means
+    what 0 means (resolved from the dtype), and a word that is neither is one line."""
+    assert parse_args(["loss_scale=auto"]).loss_scale == 0.0
+    assert parse_args(["loss_scale=AUTO"]).loss_scale == 0.0
+    assert parse_args(["loss_scale=0"]).loss_scale == 0.0
+    assert parse_args(["loss_scale=128"]).loss_scale == 128.0
+    line = next(x for x in help_text().splitlines() if x.startswith("  loss_scale "))
+    assert "'auto'" in line and "auto (or 0)" in line
+    assert main(["loss_scale=often", "steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: loss_scale='often': expected a number or auto"

@@ -383,6 +383,12 @@ def test_float16_loss_scale_is_shown_and_stored_resolved(tmp_path, capsys, kept)
     assert json.loads(path.read_text())["loss_scale"] == 2.0**15
 
 
+def test_loss_scale_auto_is_stored_as_the_value_used(tmp_path, capsys):
+    assert _run(tmp_path, "name=a", "steps=1", "dtype=float16", "loss_scale=auto") == 0
+    assert "static loss scale 32768" in capsys.readouterr().out
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["loss_scale"] == 2.0**15
+
+
 def test_no_loss_scale_is_stored_as_one(tmp_path, capsys):
     assert _run(tmp_path, "name=f", "steps=1") == 0
     assert "loss scale" not in capsys.readouterr().out
