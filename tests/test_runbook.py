@@ -143,13 +143,14 @@ def test_a_runbook_folder_moved_elsewhere_keeps_its_rows(tmp_path, capsys):
 
 
 def test_size_full_without_a_gpu_is_one_line(tmp_path, capsys):
-    o = options(tmp_path, size="full")
+    o = options(tmp_path / "rb", size="full")
     with pytest.raises(tool.ConfigError, match="size=full is the GPU runbook and this machine"):
         tool.run(o, steps=[fake("one")], probe=lambda: CPU)
-    assert not (tmp_path / "runbook" / runbook.STATE).exists()  # nothing ran
+    assert not (tmp_path / "rb").exists()  # refused: no folder, no lock, nothing ran
     failed = {"backend": "unknown", "error": "CUDA_ERROR_NO_DEVICE"}
     with pytest.raises(tool.ConfigError, match=r"the platform probe failed \(CUDA_ERROR_NO"):
         tool.run(o, steps=[fake("one")], probe=lambda: failed)
+    assert not (tmp_path / "rb").exists()
     assert "note:" not in capsys.readouterr().out  # one line, not a note that contradicts it
 
 
@@ -384,6 +385,9 @@ def test_one_runbook_per_folder(tmp_path, capsys):
 
     (tmp_path / "runbook").mkdir()
     with checkpoint.Lock(tmp_path / "runbook"):
-        assert exit_code(lambda: tool.run(options(tmp_path), steps=[fake("one")])) == 2
+        refused = exit_code(
+            lambda: tool.run(options(tmp_path), steps=[fake("one")], probe=lambda: CPU)
+        )
+        assert refused == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "in use by another runbook" in err

@@ -169,6 +169,11 @@ def run(o: Options, *, steps=None, probe=None) -> int:
     if o.dry_run:
         _print_plan(chosen, o, root)
         return 0
+    t0 = time.perf_counter()
+    # the platform decides whether this size can run at all: a refusal leaves no folder and
+    # no lock behind, so it is checked before either is made
+    platform = (probe or runbook.probe_platform)()
+    _check_platform(o, platform)
     rec.writable_dir(root)
     with contextlib.ExitStack() as held:
         try:  # one runbook per folder: two would run the same steps into one state file
@@ -177,12 +182,11 @@ def run(o: Options, *, steps=None, probe=None) -> int:
             raise ConfigError(
                 f"{root} is in use by another runbook: wait for it, or give another out_dir="
             ) from None
-        return _run_held(o, steps, names, chosen, root, probe)
+        return _run_held(o, steps, names, chosen, root, platform, t0)
 
 
-def _run_held(o: Options, steps, names, chosen, root: Path, probe) -> int:
-    t0 = time.perf_counter()
-    platform = (probe or runbook.probe_platform)()
+def _check_platform(o: Options, platform: dict) -> None:
+    """ConfigError where size= cannot run on the probed platform (full needs a GPU)."""
     if platform.get("backend") != "gpu" and o.size == "full":
         found = (
             f"the platform probe failed ({platform['error']})"
@@ -193,6 +197,9 @@ def _run_held(o: Options, steps, names, chosen, root: Path, probe) -> int:
             f"size=full is the GPU runbook and {found}: its steps would skip or run at a GPU's "
             "sizes here. size=tiny rehearses it (minutes), dry_run=true prints its plan"
         )
+
+
+def _run_held(o: Options, steps, names, chosen, root: Path, platform: dict, t0: float) -> int:
     if platform.get("error"):
         print(f"note: the platform probe failed ({platform['error']}); GPU steps are skipped")
     print(
