@@ -342,6 +342,17 @@ def test_no_compiler_is_one_line(monkeypatch, capsys):
     assert len(err) == 1 and "no C++ compiler" in err[0] and "JAX kernels" in err[0]
 
 
+def test_a_compiler_that_fails_is_one_line(monkeypatch, tmp_path, capsys):
+    """Both attempts (-march=native, then portable) fail: one line says so, not a `building`
+    line per attempt before it."""
+    monkeypatch.setenv("LAB_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_flash, "_compiler", lambda: "/bin/false")
+    assert cpu_flash._build() is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "did not build (failed)" in err[0] and "JAX kernels" in err[0]
+
+
 def test_a_build_is_cached_and_shared(monkeypatch, tmp_path):
     """One compile per key: a second process finds the library (the lock serialises them)."""
     calls = []

@@ -6,8 +6,8 @@ The system C++ compiler (`$CXX`, else c++ / g++ / clang++) builds each source in
 compiler, jaxlib's version and the host CPU; a file lock and an atomic rename let parallel test
 workers share one build. `-O3 -march=native` first, falling back to a portable `-O3` build
 (LAB_KERNEL_SANITIZE=1: an AddressSanitizer and UndefinedBehaviorSanitizer build instead, for
-the tests). No compiler, or a failed build: one line on stderr and `build` returns None, so
-the caller keeps its JAX kernels.
+the tests). A build says one line; no compiler, or a compiler that fails every attempt: one
+line on stderr and `build` returns None, so the caller keeps its JAX kernels.
 """
 
 import fcntl
@@ -60,19 +60,34 @@ def cache_root() -> Path:
 
 def compile_library(cxx: str, opt: list[str], source: Path, out: Path, what: str) -> str | None:
     """Build `source` into the library at `out` (atomically); the compiler's first error line,
-    or None."""
+    or None.
+
+    A build says one line: `built … → out` once it is there. A failed attempt says nothing
+    here (`build` tries the portable flags next, and says one line if every attempt fails),
+    so a compiler that fails is one line, not one per attempt. On a terminal a `building …`
+    status shows while the compiler runs (seconds) and is erased when it ends."""
     cmd = [cxx, *opt, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o"]
-    print(f"lab: building the {what} once with {cxx} ({' '.join(opt)}) → {out}", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        partial = Path(tmp) / out.name
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # a sanitized parent
-        done = subprocess.run(
-            [*cmd, str(partial), "-lpthread"], capture_output=True, text=True, env=env
-        )
-        if done.returncode:
-            errors = [x for x in done.stderr.splitlines() if "error" in x] or ["failed"]
-            return errors[0].strip()
-        os.replace(partial, out)
+    how = f"the {what} with {cxx} ({' '.join(opt)})"
+    status = sys.stderr.isatty()
+    if status:
+        sys.stderr.write(f"lab: building {how} once …")
+        sys.stderr.flush()
+    try:
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            partial = Path(tmp) / out.name
+            env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # a sanitized parent
+            done = subprocess.run(
+                [*cmd, str(partial), "-lpthread"], capture_output=True, text=True, env=env
+            )
+            if done.returncode:
+                errors = [x for x in done.stderr.splitlines() if "error" in x] or ["failed"]
+                return errors[0].strip()
+            os.replace(partial, out)
+    finally:
+        if status:
+            sys.stderr.write("\r\033[K")  # the status line, erased
+            sys.stderr.flush()
+    print(f"lab: built {how} → {out}", file=sys.stderr)
     return None
 
 
