@@ -43,8 +43,9 @@ class Options:
         "auto",
         "compile for hardware that is not here: the Llama-2 7B/70B steps for 1-32 H100s (C10,"
         " C14), and the programs behind the predicted GPU/TPU figures (C01, C02, C05, C11, C15,"
-        " C17, C19, prediction); needs the gpu-plan extra, minutes on 2 cores: on, off, auto"
-        " (on with size=full)",
+        " C17, C19, prediction); needs the gpu-plan extra, minutes on 2 cores (tens of minutes"
+        " the first time: prediction compiles each published point once, then caches it): on,"
+        " off, auto (on with size=full)",
         choices=("auto", "on", "off"),
     )
 

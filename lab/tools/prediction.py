@@ -1,7 +1,9 @@
 """`python -m lab.tools.prediction`: how wrong the step-time model is, on published figures.
 
 Compiles every published point of lab/predict/published.json for its target ahead of time
-(cached under cache_dir: the first run takes minutes, later ones seconds), fits the model's
+(cached under cache_dir, each point compiled once: the first run takes tens of minutes on a
+2-core machine, where ten points took ten minutes, maxtext-v5e-64b alone 121 s and
+maxtext-v6e-llama2-70b about 133 s; later runs read the cache), fits the model's
 free parameters on the named calibration points only and prints one row per point: source,
 hardware, published, predicted, error, calibration or held-out (dropped points with their
 reason). The last line is the held-out error. With every point (no only=), the fit and its
