@@ -34,7 +34,11 @@ from lab.config import cli, field
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    size: str = field("quick", "tiny (about a minute) | quick | full (GPU/TPU VMs)", choices=SIZES)
+    size: str = field(
+        "quick",
+        "tiny (1.5 min on 2 cores at load 1-4, 3.5 at load 8-9) | quick | full (GPU/TPU VMs)",
+        choices=SIZES,
+    )
     only: tuple = field((), "claim ids to measure, e.g. C03,C08 (default: all)", kind="names")
     out_dir: str = field(
         "results", "where results/<backend>-<device>-<time>/ is written", kind="path"
