@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,6 +59,10 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "lab-kernels"
 
 
+def _say_building(how: str) -> None:
+    print(f"lab: building {how} once (tens of seconds) …", file=sys.stderr, flush=True)
+
+
 def compile_library(cxx: str, opt: list[str], source: Path, out: Path, what: str) -> str | None:
     """Build `source` into the library at `out` (atomically); the compiler's first error line,
     or None.
@@ -72,6 +77,13 @@ def compile_library(cxx: str, opt: list[str], source: Path, out: Path, what: str
     if status:
         sys.stderr.write(f"lab: building {how} once …")
         sys.stderr.flush()
+    # off a terminal (a log, a pipe) a line, but only once the build has taken a while: a real
+    # build takes tens of seconds and a silent pause that long reads as a hang, while a
+    # compiler that fails at once is the one line `build` says
+    slow = None if status else threading.Timer(2.0, _say_building, (how,))
+    if slow:
+        slow.daemon = True
+        slow.start()
     try:
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             partial = Path(tmp) / out.name
@@ -84,6 +96,8 @@ def compile_library(cxx: str, opt: list[str], source: Path, out: Path, what: str
                 return errors[0].strip()
             os.replace(partial, out)
     finally:
+        if slow:
+            slow.cancel()
         if status:
             sys.stderr.write("\r\033[K")  # the status line, erased
             sys.stderr.flush()
