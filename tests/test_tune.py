@@ -125,6 +125,22 @@ def test_a_search_with_no_working_candidate_is_one_line(monkeypatch, capsys, tmp
     assert err == "error: head_dim 16: no candidate compiled and matched the reference"
 
 
+def test_a_search_too_large_for_the_host_is_refused_before_it_starts(monkeypatch, capsys, tmp_path):
+    """interpret=true holds the inputs, gradients and float64 reference in the host's memory:
+    a length that cannot fit is one line and exit 2, before any search allocates a byte."""
+
+    def started(*_a, **_k):
+        raise AssertionError("a search started")
+
+    monkeypatch.setattr(tune, "search_block_sizes", started)
+    argv = ["interpret=true", "seqs=100000000", "space=quick", f"out_dir={tmp_path}"]
+    assert attention_tune.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: seqs=100000000: the inputs and gradients would take"), err
+    assert "choose a smaller seqs=" in err and len(err.splitlines()) == 1
+    assert not list(tmp_path.iterdir())
+
+
 def _gpu_plans_missing() -> bool:
     from lab.plans import gpu
 

@@ -110,6 +110,15 @@ class Shape:
         shapes = [(B, seq, H, K), (B, seq, G, K), (B, seq, G, K), (B, seq, H, K)]
         return random_inputs(seed, shapes, jnp.dtype(self.dtype))
 
+    def held_bytes(self, seq: int) -> int:
+        """Bytes one point holds at length `seq` (checked before anything is allocated): q,
+        out, dout, dq and k, v, dk, dv in the dtype; the float64 copies of q, k, v and dout
+        that the reference reads; and the reference's float64 scores for its checked rows."""
+        B, H, G, K = self.batch, self.heads, self.kv_heads, self.head_dim
+        item = jnp.dtype(self.dtype).itemsize
+        tensors = B * seq * K * ((4 * H + 4 * G) * item + (2 * H + 2 * G) * 8)
+        return tensors + B * H * min(ERROR_ROWS, seq) * seq * 8
+
 
 # ---------------------------------------------------------------------------- contenders
 

@@ -11,7 +11,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 from lab import startup
 from lab.config import cli, field
@@ -72,14 +71,10 @@ def run(o: Options) -> int:
     impls += [o.baseline] if o.baseline not in impls else []
     dtype = o.dtype if o.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
     seqs = o.seqs or study.default_seqs(backend, o.quick)
-    B, H, G, K = o.batch, o.heads, o.kv_heads, o.head_dim
-    item = jnp.dtype(DTYPES[dtype]).itemsize
-    # q, out, dout, dq and k, v, dk, dv at the longest length, and the float64 keys and values
-    # of the reference: refused before anything is allocated
-    need = B * max(seqs) * K * ((4 * H + 4 * G) * item + 2 * G * 8)
+    shape = study.Shape(o.batch, o.heads, o.kv_heads, o.head_dim, DTYPES[dtype])
+    need = shape.held_bytes(max(seqs))  # refused before anything is allocated
     memory.check_fits("the inputs and gradients", need, f"seqs={max(seqs)}", jax.devices()[:1])
     stem = rec.output_stem(o.out_dir, "attention")
-    shape = study.Shape(o.batch, o.heads, o.kv_heads, o.head_dim, DTYPES[dtype])
     con = progress.console(width=150)
     if busy := rec.busy_note():
         con.print(f"[yellow]{busy}")

@@ -21,8 +21,8 @@ from lab import startup
 from lab.config import cli, field
 from lab.errors import ConfigError, RunError
 from lab.kernels.attention import pallas_gpu, pallas_mgpu
+from lab.measure import memory, toolchain
 from lab.measure import records as rec
-from lab.measure import toolchain
 from lab.report import progress, tables
 from lab.studies import tune
 
@@ -126,6 +126,21 @@ def searches(o: Options) -> list[tune.Search]:
     return [tune.Search(head_dim=d, **common) for d in dims]
 
 
+def check_fits(o: Options, todo: list[tune.Search]) -> None:
+    """One line before any search allocates where the largest point's inputs, gradients and
+    float64 reference cannot fit: interpret=true holds them in the host's memory, which a
+    point too large exhausts (the process is killed, not refused)."""
+    need = max(s.shape.held_bytes(max(s.seqs)) for s in todo)
+    keys = ("seqs", "batch", "heads", "kv_heads", "head_dims")
+    given = [f"{k}={_text(getattr(o, k))}" for k in keys if getattr(o, k)]
+    given += [] if o.seqs else [f"seqs={max(todo[0].seqs)}"]  # the default sets it too
+    memory.check_fits("the inputs and gradients", need, " ".join(given), jax.devices()[:1])
+
+
+def _text(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 def static_only(o: Options) -> int:
     """Every candidate of the forward and backward spaces compiled for the target: which
     spill, which fit; nothing is timed (so it runs on a machine without a GPU)."""
@@ -164,6 +179,7 @@ def run(o: Options) -> int:
     if o.kernel == "pallas_mgpu" and not o.interpret and not pallas_mgpu.runs_on(here):
         raise ConfigError(f"kernel=pallas_mgpu needs a Hopper GPU (H100/H200); this is {here}")
     todo = searches(o)
+    check_fits(o, todo)
     stem = rec.output_stem(o.out_dir, "tune")
     con = progress.console(width=150)
     if o.interpret:
