@@ -10,6 +10,15 @@ from lab.tools.attention_bench import main
 FAST = ["seqs=64", "causal=yes", "modes=fwd", "budget=0.01", "plot=false"]
 
 
+def test_a_size_too_large_names_the_keys_the_user_gave(tmp_path, capsys):
+    """head_dim alone sets the size here: the line names it (and the default seqs it multiplies),
+    not a seqs= the user never typed."""
+    assert main(["head_dim=1000000", f"out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: head_dim=1000000 seqs="), err
+    assert err.endswith("choose a smaller head_dim= or seqs=") and len(err.splitlines()) == 1
+
+
 def test_the_sweep_writes_ratios_against_the_baseline(tmp_path, capsys):
     argv = [*FAST, "impls=naive,blockwise", "baseline=naive", f"out_dir={tmp_path}"]
     assert main(argv) == 0
@@ -27,7 +36,7 @@ def test_the_sweep_writes_ratios_against_the_baseline(tmp_path, capsys):
         (["impls=blockwize"], "impls=blockwize: not an implementation that runs compiled here"),
         (["impls=cpu_flsh"], "(did you mean cpu_flash?)"),
         (["heads=3", "kv_heads=2"], "heads=3 must be a multiple of kv_heads=2"),
-        (["batch=100000000"], "seqs=64: the inputs and gradients would take"),
+        (["batch=100000000"], "seqs=64 batch=100000000: the inputs and gradients would take"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, args, needle):

@@ -135,7 +135,8 @@ def usable_bytes(spec_bytes: float, device_kind: str) -> float:
 def check_fits(what: str, per_device: float, key: str, devices=None) -> None:
     """ConfigError (one line, before anything is allocated) where `per_device` bytes on each
     device would not fit: on CPU the simulated devices share the host's memory (at most 80%
-    of it is asked for), elsewhere each device's own."""
+    of it is asked for), elsewhere each device's own. `key` names the settings that set the
+    size ("seqs=4096", or several: "head_dim=4096 seqs=512"); the advice names each."""
     import jax
 
     from lab.errors import ConfigError
@@ -154,8 +155,14 @@ def check_fits(what: str, per_device: float, key: str, devices=None) -> None:
             )
         raise ConfigError(
             f"{key}: {what} would take {need / 2**30:.1f} GiB, and {where} "
-            f"{capacity / 2**30:.1f} GiB; choose a smaller {key.split('=')[0]}="
+            f"{capacity / 2**30:.1f} GiB; choose a smaller {_either(key)}"
         )
+
+
+def _either(key: str) -> str:
+    """The names in `key` ("a=1 b=2 c=3") as advice: a=, b= or c=."""
+    names = [k.split("=")[0] + "=" for k in key.split()]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 def device_capacity_bytes(device) -> int | None:

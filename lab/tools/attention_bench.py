@@ -58,6 +58,15 @@ class Options:
     plot: bool = field(True, "draw the PNG")
 
 
+def _size_keys(o: Options, seqs) -> str:
+    """The settings the user changed that set a point's size, and seqs (its default sets it
+    too): "head_dim=4096 seqs=16384"."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Options)}
+    keys = ("batch", "heads", "kv_heads", "head_dim")
+    given = [f"{k}={getattr(o, k)}" for k in keys if getattr(o, k) != defaults[k]]
+    return " ".join([f"seqs={max(seqs)}", *given] if o.seqs else [*given, f"seqs={max(seqs)}"])
+
+
 def run(o: Options) -> int:
     backend = jax.default_backend()
     if o.heads % o.kv_heads:
@@ -73,7 +82,7 @@ def run(o: Options) -> int:
     seqs = o.seqs or study.default_seqs(backend, o.quick)
     shape = study.Shape(o.batch, o.heads, o.kv_heads, o.head_dim, DTYPES[dtype])
     need = shape.held_bytes(max(seqs))  # refused before anything is allocated
-    memory.check_fits("the inputs and gradients", need, f"seqs={max(seqs)}", jax.devices()[:1])
+    memory.check_fits("the inputs and gradients", need, _size_keys(o, seqs), jax.devices()[:1])
     stem = rec.output_stem(o.out_dir, "attention")
     con = progress.console(width=150)
     if busy := rec.busy_note():
