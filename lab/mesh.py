@@ -146,7 +146,11 @@ def resolve_shape(spec: str, n_devices: int, target: str = "") -> dict[str, int]
     """Full (data, stage, fsdp, model) sizes for `n_devices`, -1 filled; errors name the
     numbers, and the `target` (tpu:v5e:2x2, gpu:h100:8) whose devices they are, if any: a
     target's devices are not present, they are what the plan is compiled for."""
-    have = f"the target {target} has {n_devices}" if target else f"only {n_devices} are present"
+    have = (
+        f"the target {target} has {n_devices}"
+        if target
+        else f"only {n_devices} {'is' if n_devices == 1 else 'are'} present"
+    )
     total = f"the target's {n_devices}" if target else f"the {n_devices} present"
     sizes = {a: 1 for a in AXES} | parse_mesh_spec(spec)
     fixed = math.prod(v for v in sizes.values() if v != -1)

@@ -46,6 +46,29 @@ def test_what_does_not_fit_is_refused_not_run(tmp_path, monkeypatch, capsys):
     assert "no candidate fits this device" in capsys.readouterr().err
 
 
+def test_the_records_stem_waits_for_the_first_session(tmp_path, monkeypatch):
+    """The stem names the backend, and asking for it starts JAX: asked before the first
+    session sizes the simulated devices, it left one CPU device, and mesh=4x2 cpu_devices=8
+    was refused as needing 8 devices."""
+    from lab.measure import records as rec
+
+    order = []
+    real_stem = rec.output_stem
+    monkeypatch.setattr(
+        rec, "output_stem", lambda *a, **k: order.append("stem") or real_stem(*a, **k)
+    )
+    monkeypatch.setattr(step, "tune", lambda *a, **k: order.append("tune") or [])
+    assert tune_step.main([*TINY, "remats=none", "batches=2", f"out_dir={tmp_path}"]) == 2
+    assert order[0] == "tune", order
+
+
+def test_too_few_devices_are_counted_in_good_grammar():
+    from lab.mesh import MeshSpecError, resolve_shape
+
+    with pytest.raises(MeshSpecError, match="needs 8 devices but only 1 is present"):
+        resolve_shape("4x2", 1)
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [

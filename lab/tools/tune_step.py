@@ -10,6 +10,7 @@ lab/studies/step.py.
 """
 
 import dataclasses
+import functools
 import sys
 
 from lab import startup
@@ -31,15 +32,16 @@ class Options:
 
 
 def run(o: Options, keys: dict) -> int:
-    rec.writable_dir(o.out_dir)  # refused before the work; the stem names the backend, so
-    con = progress.console(width=150)  # it waits for the first session to size the devices
+    rec.writable_dir(o.out_dir)  # refused before the work; the stem names the backend, and
+    # asking for it starts JAX: it waits for the first session to size the (simulated) devices
+    stem = functools.cache(lambda: rec.output_stem(o.out_dir, "tune_step"))
+    con = progress.console(width=150)
     if busy := rec.busy_note():
         con.print(f"[yellow]{busy}")
-    stem = rec.output_stem(o.out_dir, "tune_step")
     pending = []  # the candidates measured and not yet written
 
     def write(taken) -> None:
-        path = rec.write_records(stem.with_suffix(".jsonl"), step.tune_records(taken, keys))
+        path = rec.write_records(stem().with_suffix(".jsonl"), step.tune_records(taken, keys))
         startup.note(f"the candidates measured so far are in {path}")
 
     flush = startup.keep_on_stop(pending, write)
@@ -50,7 +52,7 @@ def run(o: Options, keys: dict) -> int:
     if top is not None and top.peak_flops:
         con.print(f"MFU against {top.peak_flops / 1e9:,.1f} GFLOP/s: {top.peak_source}")
     flush()
-    con.print(f"records → {stem.with_suffix('.jsonl')}")
+    con.print(f"records → {stem().with_suffix('.jsonl')}")
     if top is None:
         # as lab.run's step that does not fit: the request, not the run, is at fault (exit 2)
         raise ConfigError("no candidate fits this device: try more devices or a smaller model")
