@@ -338,6 +338,17 @@ def test_leave_one_out_over_chosen_points_is_one_line(capsys):
     assert len(err.splitlines()) == 1 and "only=" in err
 
 
+@pytest.mark.parametrize(
+    "argv", [["loo=true", "only=x"], ["only=nope"], ["loo=true", "only=azure-h100-hbm-copy"]]
+)
+def test_a_refusal_makes_no_folder(argv, tmp_path, monkeypatch, capsys):
+    """A mistake is refused before anything is written: not even the default cache folder."""
+    monkeypatch.chdir(tmp_path)
+    assert tool(argv) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())
+
+
 def test_here_on_cpu_is_one_line(capsys):
     assert tool(["here=true"]) == 2
     assert "accelerator" in capsys.readouterr().err

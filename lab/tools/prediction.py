@@ -83,7 +83,8 @@ class Options:
 
 
 def _check_modes(o: Options) -> None:
-    """One mode at a time, and no key that the chosen mode would ignore (one line, exit 2)."""
+    """One mode at a time, and no key that the chosen mode would ignore (one line, exit 2):
+    every refusal comes before the folders are made."""
     modes = [m for m in ("cpu", "here", "loo") if getattr(o, m)]
     if len(modes) > 1:
         raise ConfigError(f"{'=true and '.join(modes)}=true: choose one of them")
@@ -105,6 +106,12 @@ def _check_modes(o: Options) -> None:
         )
     if o.results != default.results and mode in ("cpu", "loo"):
         raise ConfigError(f"results= is where records go; {mode}=true prints its table only")
+    if o.only and mode == "loo":
+        raise ConfigError(
+            "loo=true fits on every calibration point but the one left out; only= cannot "
+            "pick points for it"
+        )
+    prediction.load_points(tuple(o.only))  # an unknown id, before any folder is made
     if mode != "cpu" and mode != "here":  # the published points' programs are cached there
         records.writable_dir(o.cache_dir)
     if mode is None:
@@ -174,11 +181,6 @@ def run(o: Options) -> int:
 
 
 def _loo(o: Options, con) -> int:
-    if o.only:
-        raise ConfigError(
-            "loo=true fits on every calibration point but the one left out; only= cannot "
-            "pick points for it"
-        )
     with progress.tasks(con) as bar:
         task = bar.add_task("leave-one-out", total=None)
         ratios = prediction.leave_one_out(
