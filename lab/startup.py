@@ -1,4 +1,7 @@
-"""Ctrl-C and SIGTERM outside the training loop (start-up, lab.serve): one line, 130/143, at once.
+"""Ctrl-C and SIGTERM outside the training loop (start-up, lab.serve): one line, 130/143.
+
+The line and the exit come as soon as Python runs again: a signal that arrives during an XLA
+compile or another native call is handled when that call returns (a large compile: minutes).
 
 Python's own Ctrl-C raises KeyboardInterrupt into whatever bytecode runs next: inside JAX's
 gc callback it is ignored (the run trains on), and unwinding out of an import or a compile
@@ -121,7 +124,7 @@ def _exit(signum, _frame) -> None:
             kept = kept()
         except Exception:  # noqa: BLE001 - the exit line must still come
             kept = "what the folder keeps could not be read"
-    os.write(2, f"{name}: exiting at once; {kept}\n".encode())
+    os.write(2, f"{name}: exiting; {kept}\n".encode())
     os._exit(130 if signum == signal.SIGINT else 143)
 
 
@@ -237,7 +240,8 @@ def command() -> bool:
 
 
 def install() -> None:
-    """SIGINT, SIGTERM and the launcher's death exit at once with one line (main thread)."""
+    """SIGINT, SIGTERM and the launcher's death exit with one line (main thread), once the
+    native call in progress (a compile) returns."""
     for sig in (signal.SIGINT, signal.SIGTERM, _PARENT_DEATH):
         signal.signal(sig, _exit)
     keep_python_handlers()

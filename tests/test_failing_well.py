@@ -483,7 +483,7 @@ def test_a_signal_during_start_up_is_one_line_and_its_exit_code(tmp_path, sig, c
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, (out, err)
     assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"{sig}: exiting at once; "), err
+    assert err.startswith(f"{sig}: exiting; "), err
     assert wait_for is None or "before training: nothing was written" in err, err
     assert not (tmp_path / "s" / "metrics.jsonl").exists()
     assert _run(tmp_path, "name=s", "steps=2") == 0
@@ -517,7 +517,7 @@ def test_a_signal_to_a_tool_is_one_line_and_leaves_no_empty_records(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, (out[-2000:], err[-2000:])
-    assert err == "SIGTERM: exiting at once; nothing was written\n", err
+    assert err == "SIGTERM: exiting; nothing was written\n", err
     assert not list(tmp_path.iterdir())
 
 
@@ -537,7 +537,7 @@ def test_a_signal_keeps_the_points_a_tool_measured(tmp_path):
     assert proc.returncode == 143, (out[-2000:], err[-2000:])
     (path,) = tmp_path.glob("*.jsonl")
     n = int(err.split("the ")[1].split(" points")[0])
-    assert err == f"SIGTERM: exiting at once; the {n} points timed so far are in {path}\n", err
+    assert err == f"SIGTERM: exiting; the {n} points timed so far are in {path}\n", err
     kept = [json.loads(x) for x in path.read_text().splitlines()]
     assert n >= 2 and len(kept) == 2 * n  # algbw and busbw of each, written once
     assert {r["what"] for r in kept} == {"collective algbw", "collective busbw"}

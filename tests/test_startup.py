@@ -220,8 +220,8 @@ def test_a_signal_reads_what_the_folder_keeps_when_it_comes(monkeypatch):
     startup.note(lambda: f"after training: checkpoint step {folder['step']}")
     folder["step"] = 8
     startup._exit(signal.SIGTERM, None)
-    assert written[-1] == "SIGTERM: exiting at once; after training: checkpoint step 8\n"
+    assert written[-1] == "SIGTERM: exiting; after training: checkpoint step 8\n"
     startup.note(lambda: 1 / 0)
     startup._exit(signal.SIGINT, None)
-    assert written[-1].startswith("SIGINT: exiting at once; what the folder keeps could not")
+    assert written[-1].startswith("SIGINT: exiting; what the folder keeps could not")
     assert codes == [143, 130]
