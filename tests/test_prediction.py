@@ -349,6 +349,29 @@ def test_a_refusal_makes_no_folder(argv, tmp_path, monkeypatch, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("argv", [["only=azure-h100-hbm-copy"], ["loo=true"]])
+def test_a_stop_while_compiling_says_the_cache_keeps_the_programs(
+    argv, tmp_path, monkeypatch, capsys
+):
+    """Each program is cached as it is compiled: a signal's line says so, not "nothing was
+    written"."""
+    from lab import startup
+
+    said = []
+
+    def stopped(*_a, **_k):
+        said.append(startup._kept[0])
+        raise ConfigError("stopped")
+
+    monkeypatch.setattr(startup, "_kept", ["nothing was written"])
+    monkeypatch.setattr(prediction, "run", stopped)
+    monkeypatch.setattr(prediction, "leave_one_out", stopped)
+    monkeypatch.chdir(tmp_path)
+    assert tool([*argv, "save=false"]) == 2
+    kept = "the programs compiled so far are kept in results/prediction-cache for the next run"
+    assert said == [kept]
+
+
 def test_here_on_cpu_is_one_line(capsys):
     assert tool(["here=true"]) == 2
     assert "accelerator" in capsys.readouterr().err

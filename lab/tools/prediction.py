@@ -18,6 +18,9 @@ nothing is fitted on them, every row is held out, and the rows join lab/predict/
 (the steps' error is what lab.run prints beside every GPU prediction). loo=true fits once
 per calibration point, on the others, and prints each one's error: a change to the model's
 form is judged by that, not by the held-out points.
+
+Each program is cached as it is compiled: a stop (Ctrl-C, SIGTERM) keeps those compiled so far,
+and takes effect once the compile in progress returns (a large one: a minute or two).
 """
 
 import dataclasses
@@ -134,6 +137,7 @@ def run(o: Options) -> int:
     if o.loo:
         return _loo(o, con)
     points = prediction.load_points(tuple(o.only))
+    _note_cache(o)
     with progress.tasks(con) as bar:
         task = bar.add_task("prediction", total=len(points) + 2)
         summary = prediction.run(
@@ -180,7 +184,13 @@ def run(o: Options) -> int:
     return 0
 
 
+def _note_cache(o: Options) -> None:
+    """A stop keeps every program compiled so far: each is cached as it is compiled."""
+    startup.note(f"the programs compiled so far are kept in {o.cache_dir} for the next run")
+
+
 def _loo(o: Options, con) -> int:
+    _note_cache(o)
     with progress.tasks(con) as bar:
         task = bar.add_task("leave-one-out", total=None)
         ratios = prediction.leave_one_out(
