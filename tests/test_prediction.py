@@ -372,6 +372,44 @@ def test_a_stop_while_compiling_says_the_cache_keeps_the_programs(
     assert said == [kept]
 
 
+@pytest.mark.parametrize("argv", [[], ["only=azure-h100-hbm-copy,azure-h100-gemm-fp8-8192"]])
+def test_the_bar_ends_at_its_total_and_cuts_labels_between_words(argv, tmp_path, monkeypatch):
+    """The bar counts what run reports (a compile per point, a fit per vendor calibrated, none
+    with only=), and a long label is cut after a whole word."""
+    from lab.report import progress
+
+    told = {}
+
+    def predictors(points, cache_dir, tick):  # every point "compiled", none usable: no compile
+        for p in points:
+            if prediction._expressible(p) is None:
+                text = f"compile {p['id']} model=small mesh=2x2x2 strategy=fsdp dtype=bfloat16"
+                told[p["id"]] = text
+                tick(text)
+        return {}, {}
+
+    bars, said = [], []
+
+    class Tasks(progress._Tasks):
+        def update(self, task_id, *, description=None, **kwargs):
+            said.append(description)
+            super().update(task_id, description=description, **kwargs)
+
+    def tasks(con):
+        bars.append(Tasks(progress.TextColumn("{task.description}"), console=con))
+        return bars[-1]
+
+    monkeypatch.setattr(prediction, "_predictors", predictors)
+    monkeypatch.setattr(progress, "tasks", tasks)
+    assert tool([*argv, "save=false", f"results={tmp_path}", f"cache_dir={tmp_path}/c"]) == 0
+    (task,) = bars[0].tasks
+    assert task.total == task.completed > 0
+    shown = [d for d in said if d and d.startswith("compile")]
+    assert shown and all(len(d) <= 60 and d.endswith(" …") for d in shown), shown
+    for d in shown:  # whole words: the text goes on with a space where the label stops
+        assert told[d.split()[1]].startswith(d[:-2] + " "), d
+
+
 def test_here_on_cpu_is_one_line(capsys):
     assert tool(["here=true"]) == 2
     assert "accelerator" in capsys.readouterr().err

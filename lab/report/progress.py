@@ -128,6 +128,15 @@ def working(con: Console, what: str):
             stop.set()
 
 
+def label(text: str, width: int = 60) -> str:
+    """`text` for a bar's description, at most `width` characters: cut after the last whole
+    word ("measure model=small mesh=2x2x2 …"), never inside a key's value."""
+    if len(text) <= width:
+        return text
+    head = text[: width - 2]
+    return head.rsplit(" ", 1)[0] + " …" if " " in head else text[: width - 1] + "…"
+
+
 def tasks(con: Console) -> Progress:
     """A named task out of several, with elapsed time (the ledger's modules, a sweep's points);
     off a terminal, a line as each starts."""

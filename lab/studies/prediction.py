@@ -517,6 +517,19 @@ def _predictors(points: list[dict], cache_dir: Path, tick) -> tuple[dict, dict]:
     return predictors, refused
 
 
+def _calibrated_vendors(points: list[dict]) -> list[str]:
+    """The vendors ("tpu", "gpu") with a calibration point among `points`: each gets a fit."""
+    calib = calibration_ids(load_points())
+    return [v for v in ("tpu", "gpu") if any(p["id"] in calib and vendor(p) == v for p in points)]
+
+
+def ticks(points: list[dict], refit: bool = True) -> int:
+    """How many steps `run` reports to its `progress`: a compile for each point the model can
+    express and, with `refit` (no saved `fits`), a fit for each vendor calibrated among them."""
+    fits = len(_calibrated_vendors(points)) if refit else 0
+    return sum(_expressible(p) is None for p in points) + fits
+
+
 def run(
     points: list[dict],
     cache_dir: Path,
@@ -532,15 +545,17 @@ def run(
     calib = calibration_ids(load_points())  # the rule runs over the whole file, always
     predictors, refused = _predictors(points, cache_dir, tick)
     given, fits = fits is not None, dict(fits or {})
-    for v in () if given else ("tpu", "gpu"):
+    for v in () if given else _calibrated_vendors(points):
         pts = [
             (pr.seconds, pr.measured_seconds())
             for i, pr in predictors.items()
             if i in calib and vendor(pr.point) == v
         ]
-        if pts:
-            tick(f"fit {v} on {len(pts)} calibration points")
-            fits[v] = machines.fit(pts, params=machines.FIT_PARAMS)
+        if not pts:  # its calibration points did not compile here: the roofline's own
+            tick(f"fit {v}: no calibration point compiled")
+            continue
+        tick(f"fit {v} on {len(pts)} calibration points")
+        fits[v] = machines.fit(pts, params=machines.FIT_PARAMS)
     rows = []
     for p in points:
         pid = p["id"]

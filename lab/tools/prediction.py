@@ -139,11 +139,11 @@ def run(o: Options) -> int:
     points = prediction.load_points(tuple(o.only))
     _note_cache(o)
     with progress.tasks(con) as bar:
-        task = bar.add_task("prediction", total=len(points) + 2)
+        task = bar.add_task("prediction", total=prediction.ticks(points, refit=not o.only))
         summary = prediction.run(
             points,
             o.cache_dir,
-            progress=lambda label: bar.update(task, description=label[:40], advance=1),
+            progress=lambda label: bar.update(task, description=progress.label(label), advance=1),
             write_fits=o.save,
             # a few points would fit the free parameters on the calibration points among
             # them (none, or one for five parameters): the saved fit of every point instead
@@ -195,7 +195,7 @@ def _loo(o: Options, con) -> int:
         task = bar.add_task("leave-one-out", total=None)
         ratios = prediction.leave_one_out(
             o.cache_dir,
-            progress=lambda label: bar.update(task, description=label[:40], advance=1),
+            progress=lambda label: bar.update(task, description=progress.label(label), advance=1),
         )
     for pid, ratio in ratios:
         con.print(f"{pid:44s} predicted / published time {ratio:.3f} ({ratio - 1:+.0%})")
@@ -225,7 +225,7 @@ def _cpu(o: Options, con) -> int:
         task = bar.add_task("cpu self-check", total=n)
         rows, fit = prediction.cpu_check(
             budget_s=o.budget,
-            progress=lambda label: bar.update(task, description=label[:40], advance=1),
+            progress=lambda label: bar.update(task, description=progress.label(label), advance=1),
         )
     con.print(tables.prediction_cpu_rows(rows, Fit.from_record(fit)))
     _edges(con, {"cpu": fit}, prediction.CPU_FIT_PARAMS)
@@ -299,7 +299,9 @@ def _here(o: Options, con) -> int:
             op_rows = prediction.here_ops(
                 prediction.GPU_OPS,
                 budget_s=min(o.budget, 0.5),
-                progress=lambda label: bar.update(task, description=label[:40], advance=1),
+                progress=lambda label: bar.update(
+                    task, description=progress.label(label), advance=1
+                ),
                 on_row=writer(step.OP_CHECK, f"{slug}-ops"),
                 deadline=deadline,
             )
@@ -307,7 +309,7 @@ def _here(o: Options, con) -> int:
         rows = prediction.here_check(
             configs,
             budget_s=o.budget,
-            progress=lambda label: bar.update(task, description=label[:40], advance=1),
+            progress=lambda label: bar.update(task, description=progress.label(label), advance=1),
             on_row=writer(step.STEP_CHECK, slug),
             deadline=deadline,
         )
