@@ -30,6 +30,7 @@ from lab.measure import records as rec
 from lab.measure.timing import Comparison, bench, comparison, threaded
 from lab.measure.tuning import StepCandidate
 from lab.model import build
+from lab.report.format import key_args
 from lab.session import Session, open_session
 from lab.train import cross_entropy, make_optimizer
 
@@ -178,8 +179,8 @@ def refuse_plans(keys: dict, tool: str) -> None:
     outputs = [k for k in RUN_OUTPUT_KEYS if k in keys]
     if outputs:  # what a run writes or shows: these tools write records, never a run folder
         raise ConfigError(
-            f"{', '.join(f'{k}=' for k in outputs)}: {tool} times steps and keeps no run "
-            "folder, metrics, checkpoints, trace or explain table; leave "
+            f"{', '.join(key_args({k: keys[k] for k in outputs}))}: {tool} times steps and "
+            "keeps no run folder, metrics, checkpoints, trace or explain table; leave "
             f"{'them' if len(outputs) > 1 else 'it'} out, or use python -m lab.run"
         )
     if keys.get("target"):
