@@ -54,7 +54,8 @@ def test_message_size_is_the_all_gather_output():
     assert C.message_bytes("all-gather", C.input_elems("all-gather", 4096, 4), 4) == 4096
     assert C.message_bytes("all-reduce", C.input_elems("all-reduce", 4096, 4), 4) == 4096
     assert tool.parse_size("k", "4KB") == 4096 and tool.parse_size("k", "16MiB") == 16 * 2**20
-    with pytest.raises(ConfigError, match="expected a size like"):
+    assert tool.parse_size("k", "1TB") == 2**40
+    with pytest.raises(ConfigError, match="with a unit of B, KB, MB, GB or TB"):
         tool.parse_size("min_size", "lots")
 
 
@@ -87,6 +88,8 @@ def test_a_quick_check_takes_the_max_size_asked_for(tmp_path):
         (["min_size=8MB", "max_size=4KB", "quick=true"], "min_size=8MB is above max_size=4KB"),
         # 3 × 4096 GiB on each of 8 devices: refused before anything is allocated
         (["min_size=4096GB", "max_size=4096GB"], "simulated devices share"),
+        (["max_size=1TB"], "max_size=1TB: the largest message would take"),  # TB is a unit
+        (["max_size=1PB"], "max_size='1PB': expected a whole number of bytes"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):

@@ -42,11 +42,15 @@ class Options:
 
 
 def parse_size(key: str, text: str) -> int:
-    """'4KB' / '16MiB' / '1024' → bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)i?b?\s*", text.lower())
+    """'4KB' / '16MiB' / '1TB' / '1024' → bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)i?b?\s*", text.lower())
     if not m:
-        raise ConfigError(f"{key}={text!r}: expected a size like 4KB, 16MB or 1024")
-    return int(m.group(1)) * {"": 1, "k": KiB, "m": MiB, "g": 1024 * MiB}[m.group(2)]
+        raise ConfigError(
+            f"{key}={text!r}: expected a whole number of bytes, alone or with a unit of B, KB, "
+            "MB, GB or TB (binary: 1KB = 1024 bytes; KiB alike), like 4KB, 16MB or 1024"
+        )
+    units = {"": 1, "k": KiB, "m": MiB, "g": 1024 * MiB, "t": 1024**2 * MiB}
+    return int(m.group(1)) * units[m.group(2)]
 
 
 def run(o: Options) -> int:
