@@ -410,6 +410,25 @@ def test_the_bar_ends_at_its_total_and_cuts_labels_between_words(argv, tmp_path,
         assert told[d.split()[1]].startswith(d[:-2] + " "), d
 
 
+def test_the_cpu_check_writes_its_step_times_as_records(tmp_path, monkeypatch, capsys):
+    """cpu=true measures lab.run steps here: the figures are kept as records, not only shown."""
+    fit = {"compute_efficiency": 0.5, "memory_efficiency": 0.5, "op_overhead_s": 1e-5}
+    rows = [
+        prediction.CpuRow("model=tiny mesh=1", 0.010, 0.011, "calibration"),
+        prediction.CpuRow("model=tiny mesh=4x2", 0.020, 0.018, "held-out"),
+    ]
+    monkeypatch.setattr(prediction, "cpu_check", lambda **_k: (rows, fit))
+    assert tool(["cpu=true", "save=false", f"results={tmp_path}"]) == 0
+    (path,) = tmp_path.glob("prediction-cpu-*.jsonl")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(r["value"], r["label"], r["config"]["role"]) for r in recs] == [
+        (0.010, "measured", "calibration"),
+        (0.020, "measured", "held-out"),
+    ]
+    assert recs[1]["config"]["predicted_s"] == 0.018 and recs[1]["config"]["fit"] == fit
+    assert f"records → {path}" in capsys.readouterr().out
+
+
 def test_here_on_cpu_is_one_line(capsys):
     assert tool(["here=true"]) == 2
     assert "accelerator" in capsys.readouterr().err

@@ -1138,6 +1138,24 @@ def save_cpu_fit(rows: list[CpuRow], fit: dict) -> Path:
     return FITS
 
 
+def cpu_records(rows: list[CpuRow], fit: dict) -> list[dict]:
+    """One record per configuration: its step time measured here, with the prediction from
+    the CPU fit of this run and whether it calibrated that fit or was held out."""
+    return [
+        records.make_record(
+            "cpu self-check step time",
+            r.measured_s,
+            "s",
+            label="measured",
+            keys=r.config,
+            predicted_s=r.predicted_s,
+            role=r.role,
+            fit=fit,
+        )
+        for r in rows
+    ]
+
+
 def cpu_error_line(rows: list[CpuRow]) -> str:
     held = [r for r in rows if r.role == "held-out"]
     if not held:

@@ -11,13 +11,13 @@ held-out error are written to lab/predict/fits.json, which lab.run prints beside
 prediction.
 
 cpu=true checks the model on this CPU (lab.run configurations timed here, the CPU's free
-parameters fitted on the first three). here=true, on a GPU, first times single ops (matrix
-products at the published points' shapes in each dtype, a copy), then lab.run configurations
-that fill the chip, and predicts each from its own compiled program with the published fit:
-nothing is fitted on them, every row is held out, and the rows join lab/predict/measured/
-(the steps' error is what lab.run prints beside every GPU prediction). loo=true fits once
-per calibration point, on the others, and prints each one's error: a change to the model's
-form is judged by that, not by the held-out points.
+parameters fitted on the first three; the step times go to results= as records). here=true,
+on a GPU, first times single ops (matrix products at the published points' shapes in each
+dtype, a copy), then lab.run configurations that fill the chip, and predicts each from its
+own compiled program with the published fit: nothing is fitted on them, every row is held
+out, and the rows join lab/predict/measured/ (the steps' error is what lab.run prints beside
+every GPU prediction). loo=true fits once per calibration point, on the others, and prints
+each one's error: a change to the model's form is judged by that, not by the held-out points.
 
 Each program is cached as it is compiled: a stop (Ctrl-C, SIGTERM) keeps those compiled so far,
 and takes effect once the compile in progress returns (a large one: a minute or two).
@@ -107,8 +107,8 @@ def _check_modes(o: Options) -> None:
             f"cache_dir= holds the published points' programs; {mode}=true compiles its own "
             "configurations and keeps none"
         )
-    if o.results != default.results and mode in ("cpu", "loo"):
-        raise ConfigError(f"results= is where records go; {mode}=true prints its table only")
+    if o.results != default.results and mode == "loo":
+        raise ConfigError("results= is where records go; loo=true prints its table only")
     if o.only and mode == "loo":
         raise ConfigError(
             "loo=true fits on every calibration point but the one left out; only= cannot "
@@ -117,7 +117,7 @@ def _check_modes(o: Options) -> None:
     prediction.load_points(tuple(o.only))  # an unknown id, before any folder is made
     if mode != "cpu" and mode != "here":  # the published points' programs are cached there
         records.writable_dir(o.cache_dir)
-    if mode is None:
+    if mode in (None, "cpu"):
         records.writable_dir(o.results)
 
 
@@ -228,6 +228,8 @@ def _cpu(o: Options, con) -> int:
             progress=lambda label: bar.update(task, description=progress.label(label), advance=1),
         )
     con.print(tables.prediction_cpu_rows(rows, Fit.from_record(fit)))
+    path = records.output_stem(o.results, "prediction-cpu").with_suffix(".jsonl")
+    con.print(f"records → {records.write_records(path, prediction.cpu_records(rows, fit))}")
     _edges(con, {"cpu": fit}, prediction.CPU_FIT_PARAMS)
     if o.save and busy:  # lab.run quotes this fit: a loaded host's would mislead every run
         con.print(
