@@ -762,3 +762,13 @@ def test_the_table_shows_a_parts_own_context_figure_before_the_claims_others(tmp
     cell = markdown.measured_cell(v, [roof, cpu])
     # the figure keeps its words (a peak ratio read as a measured speed-up without them)
     assert cell.startswith("context: 0.0881× step (synthetic; *derived*, cpu")
+
+
+def test_a_share_too_small_to_show_reads_as_under_the_least_shown():
+    """16 MiB of an H100's 80 GB is not 0.0% of it: a share above zero that rounds to zero
+    reads '<0.1%'; zero and larger shares read as before."""
+    from lab.report.format import percent
+
+    assert percent(16 * 2**20 / 80e9 / 10) == "<0.1%"
+    assert percent(0.0003, 0) == "<1%"
+    assert (percent(0.0), percent(0.006), percent(0.123)) == ("0.0%", "0.6%", "12.3%")

@@ -103,7 +103,14 @@ def ratio(x, digits: int = 2) -> str:
 
 
 def percent(x, digits: int = 1) -> str:
-    return _absent(x, NA) if _missing(x) else f"{100 * x:.{digits}f}%"
+    """0.123 → '12.3%'; a share above zero too small to show at `digits` reads '<0.1%' (or
+    '<1%'), not '0.0%', which would say there is none."""
+    if _missing(x):
+        return _absent(x, NA)
+    least = 10.0**-digits
+    if 0 < 100 * x < least / 2:
+        return f"<{least:.{digits}f}%"
+    return f"{100 * x:.{digits}f}%"
 
 
 def rate(value, unit: str = "B/s") -> str:
