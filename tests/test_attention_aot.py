@@ -79,12 +79,25 @@ def test_kernel_plan_command(tmp_path, capsys):
     assert "fwd+bwd" in capsys.readouterr().out
     (path,) = tmp_path.glob("attention-plan-*.jsonl")
     recs = [json.loads(x) for x in path.read_text().splitlines()]
-    assert len(recs) == 6 and {r["label"] for r in recs} == {"compiled, not run"}
+    assert len(recs) == 12
+    labels = {r["what"]: r["label"] for r in recs}
+    assert labels == {  # the time is a model of the compiled program: predicted, as lab.run's
+        "attention plan memory per device": "compiled, not run",
+        "attention plan FLOPs per device": "compiled, not run",
+        "attention plan analytic FLOPs per device": "derived",
+        "attention plan step time": "predicted",
+        "attention plan TFLOP/s": "predicted",
+        "attention plan share of peak": "predicted",
+    }
     flops = [r for r in recs if r["what"] == "attention plan FLOPs per device"]
     assert len(flops) == 2 and all(r["config"]["flops_source"] for r in flops)
     times = [r for r in recs if r["what"] == "attention plan step time"]
     sources = {r["config"]["source"].split(" (")[0] for r in times}
     assert sources <= {"compiler estimate", "roofline floor"}, sources
+    for r in recs:  # a floor is a lower bound, the rates it implies upper bounds
+        floor = r["config"]["source"].startswith("roofline floor") if "source" in r["config"] else 0
+        want = {"attention plan step time": "lower"}.get(r["what"], "upper")
+        assert r["config"].get("bound") == (want if floor else None), r
     rows = plan.plan(
         "tpu:v5e:2x2",
         batch=4,
@@ -156,6 +169,32 @@ def test_plan_flops_fall_with_a_window_and_packed_documents_on_tpu():
         assert docs.flops_source.startswith("block map of the segment ids")
         assert docs.compiled_flops >= 0.99 * causal.compiled_flops  # the upper bound
         assert causal.flops / docs.flops >= 3.0
+
+
+def test_a_plan_of_packed_documents_floors_its_time_on_work_it_cannot_avoid():
+    """The documents' compiled cost is the causal band's (segment ids are data when traced):
+    an upper bound of their work. Their time floor must come from a lower bound — the mask's
+    analytic FLOPs and the bytes read and written once — or its ≥ and the ≤ of its rates
+    could be false: at most that roofline, and well under the causal plan's."""
+    pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
+    from lab.measure import specs
+    from lab.studies import plan
+
+    rows = plan.grid(
+        "tpu:v5e:2x2", seqs=(2048,), head_dims=(128,), masks=plan.masks_of(True, (), (256,)),
+        batch=2, heads=2, kv_heads=2, dtype="bfloat16", causal=True, data=2,
+    )  # fmt: skip
+    by = {(r.mask, r.mode): r for r in rows}
+    spec = specs.lookup(rows[0].device_kind)
+    for mode in ("fwd", "fwd+bwd"):
+        causal, docs = by["causal", mode], by["docs of 256", mode]
+        assert docs.compiled_flops >= 0.99 * causal.compiled_flops  # the upper bound
+        assert docs.estimate_is_a_floor and "upper bound" in docs.estimate_source
+        moved = docs.memory["argument_bytes"] + docs.memory["output_bytes"]
+        least = max(docs.analytic_flops_per_device / docs.peak_flops, moved / spec.memory_bandwidth)
+        assert docs.estimated_s == pytest.approx(least)
+        assert docs.estimated_s < causal.estimated_s / 2
+        assert docs.peak_share <= 1.0
 
 
 @pytest.mark.parametrize(

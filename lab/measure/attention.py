@@ -132,7 +132,10 @@ class PlanPoint:
     compiled_flops: float | None  # XLA's cost analysis per device (misses a Mosaic call)
     compiled_flops_note: str  # '' or why compiled_flops is a lower bound
     analytic_flops_per_device: float  # lab.measure.cost.attention_flops over the devices
-    estimated_s: float | None  # seconds per call: compiler estimate floored by the roofline
+    # seconds per call (predicted): compiler estimate floored by the roofline; where the
+    # compiled cost is an upper bound, the roofline of the analytic FLOPs and the bytes read
+    # and written once
+    estimated_s: float | None
     estimate_source: str  # how estimated_s was reached
     peak_flops: float | None  # the chip's peak FLOP/s at the dtype (spec sheet)
     impl: str  # the kernel the dispatch chose for the target

@@ -117,7 +117,9 @@ def estimated_seconds(compiled) -> float | None:
     return float(value)
 
 
-def step_seconds(compiled, flops_per_device: float, spec, peak: float | None):
+def step_seconds(
+    compiled, flops_per_device: float, spec, peak: float | None, *, cost_is_upper=False
+):
     """(seconds, source) for one call on the target: the compiler's estimate (none for a program
     whose loops repeat: `estimated_seconds`), floored by the roofline of the chip (spec-sheet
     peak and bandwidth).
@@ -127,11 +129,17 @@ def step_seconds(compiled, flops_per_device: float, spec, peak: float | None):
     `flops_per_device` (the analytic count) keeps the compute side honest. Where the compiler
     gives no cost analysis (XLA:GPU ahead of time), the bytes side is the least any program
     moves: its arguments read and its outputs written once (memory_analysis).
+
+    `cost_is_upper`: the compiled FLOPs and bytes may overstate the call's work (a kernel's
+    cost estimate counts a mask's static part, where the mask's data skips more tiles). A
+    floor must come from work the call cannot avoid, so then neither they nor the compiler's
+    estimate built on them enter: the floor is the roofline of `flops_per_device` and of the
+    bytes every call moves (arguments read, outputs written).
     """
     from lab.measure import cost, memory
 
-    c = cost.compiled_cost(compiled) or {}
-    est = estimated_seconds(compiled)
+    c = {} if cost_is_upper else cost.compiled_cost(compiled) or {}
+    est = None if cost_is_upper else estimated_seconds(compiled)
     if not (peak and spec):
         return est, "compiler estimate" if est else "none: no estimate and no spec entry"
     moved = c.get("bytes accessed")
@@ -143,6 +151,8 @@ def step_seconds(compiled, flops_per_device: float, spec, peak: float | None):
     floor = max(compute_s, memory_s)
     if est and est >= floor:
         return est, "compiler estimate"
-    bound = "compute" if compute_s >= memory_s else "memory"
+    bound = "compute-bound" if compute_s >= memory_s else "memory-bound"
+    if cost_is_upper:
+        bound += "; analytic FLOPs, bytes read once: the compiled cost is an upper bound"
     above = "; the compiler's estimate was below it" if est else ""
-    return floor, f"roofline floor ({bound}-bound{above}): no faster, likely slower"
+    return floor, f"roofline floor ({bound}{above}): no faster, likely slower"

@@ -12,8 +12,11 @@ per-device memory from
 count (`lab.measure.cost.attention_flops`: XLA's cost analysis cannot see inside the Mosaic
 call and counts ~0 for it), the time per call (the compiler's estimate, floored by the
 roofline of the analytic FLOPs and the compiled bytes at the spec sheet's peaks, since that
-estimate misses the kernel's FLOPs too), and the TFLOP/s and share of peak it implies.
-Records go to results/.
+estimate misses the kernel's FLOPs too; where the compiled cost is an upper bound — packed
+documents, whose segment ids the kernels' estimates cannot see — the floor is that of the
+analytic FLOPs and the bytes read and written once), and the TFLOP/s and share of peak it
+implies. The time is a model of the compiled program, so it and its rates are *predicted*;
+memory and FLOPs are *compiled, not run*. Records go to results/.
 """
 
 import dataclasses
@@ -221,7 +224,9 @@ def plan(
         c = cost.compiled_cost(compiled) or {}
         with jax.sharding.set_mesh(mesh):  # the kernels' tuned tiles are the target's
             tiles = _kernel_flops(chosen, shard, kv_shard, dtype, full_mask, mode, mesh)
-        est, source = plans.step_seconds(compiled, per_device, spec, peak)
+        # segment ids the kernels' cost estimates cannot see: the compiled cost overstates
+        upper = tiles is not None and tiles[0] < tiles[1]
+        est, source = plans.step_seconds(compiled, per_device, spec, peak, cost_is_upper=upper)
         rows.append(
             PlanPoint(
                 mode=mode,
@@ -319,8 +324,11 @@ def grid(target: str, *, seqs, head_dims, masks=None, progress=None, **config) -
 
 
 def to_records(rows: list[PlanPoint], config: dict) -> list[dict]:
-    """Per point, its memory and time floor as records; `config` (the command's options)
-    joins each point's mode, target kind, chosen kernel, seq and head_dim."""
+    """Per point, as records: memory and FLOPs per device (compiled, not run), the analytic
+    FLOPs (derived from the shape), and the time per call with the TFLOP/s and share of peak
+    it implies (predicted: a model of the compiled program; where the time is a floor, it is
+    marked a lower bound and the rates upper bounds). `config` (the command's options) joins
+    each point's mode, target kind, chosen kernel, seq and head_dim."""
     out = []
     for r in rows:
         c = dict(op="attention plan", mode=r.mode, target_kind=r.device_kind, **config)
@@ -344,15 +352,25 @@ def to_records(rows: list[PlanPoint], config: dict) -> list[dict]:
                     "attention plan FLOPs per device", r.flops, "FLOP", label=label, **c
                 )
             )
-        if r.estimated_s:
-            out.append(
-                rec.make_record(
-                    "attention plan step time",
-                    r.estimated_s,
-                    "s",
-                    label=label,
-                    source=r.estimate_source,
-                    **c,
-                )
+        out.append(
+            rec.make_record(
+                "attention plan analytic FLOPs per device",
+                r.analytic_flops_per_device,
+                "FLOP",
+                label="derived",
+                **c,
             )
+        )
+        if not r.estimated_s:
+            continue
+        how = dict(c, source=r.estimate_source)
+        floor = r.estimate_is_a_floor
+        figures = [("attention plan step time", r.estimated_s, "s", "lower")]
+        if r.tflops:
+            figures.append(("attention plan TFLOP/s", r.tflops * 1e12, "FLOP/s", "upper"))
+        if r.peak_share:
+            figures.append(("attention plan share of peak", r.peak_share, "fraction", "upper"))
+        for what, value, unit, bound in figures:
+            extra = {"bound": bound} if floor else {}
+            out.append(rec.make_record(what, value, unit, label="predicted", **how, **extra))
     return out

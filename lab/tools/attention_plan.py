@@ -5,11 +5,13 @@ is not here — compiled, not run.
 The kernel runs per device under shard_map (batch over `data`, heads over `model`), as in the
 sharded training step; forward and forward + backward are compiled for the target. Per mode:
 memory per device against the chip's HBM, compiled FLOPs beside the analytic count, the time
-per call (the compiler's estimate floored by the roofline of the analytic FLOPs), the
-TFLOP/s and share of peak that implies; on a GPU, every kernel's registers, spills, shared
-memory and blocks per SM. `window=1024 docs=1024` compile a sliding window and packed
-documents beside the plain mask and print the FLOPs of each side by side: only the tiles the
-kernels' block maps leave are counted. See lab/studies/plan.py.
+per call (predicted: the compiler's estimate floored by the roofline of the analytic FLOPs;
+for packed documents, whose compiled cost is an upper bound, the floor of the analytic FLOPs
+and the bytes read and written once), the TFLOP/s and share of peak that implies; on a GPU,
+every kernel's registers, spills, shared memory and blocks per SM. `window=1024 docs=1024`
+compile a sliding window and packed documents beside the plain mask and print the FLOPs of
+each side by side: only the tiles the kernels' block maps leave are counted.
+See lab/studies/plan.py.
 """
 
 import dataclasses
@@ -86,7 +88,7 @@ def run(o: Options) -> int:
     title = (
         f"flash attention plan ({chosen}) · {o.target} ({rows[0].device_kind} × "
         f"{rows[0].devices}) · B={o.batch} H={o.heads}/{o.kv_heads} {o.dtype} "
-        f"causal={o.causal} · compiled, not run"
+        f"causal={o.causal} · compiled, not run; times predicted"
     )
     con.print(tables.attention_plan(rows, title))
     if len(masks) > 1:

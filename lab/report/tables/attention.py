@@ -38,10 +38,12 @@ def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
 
 
 def attention_plan(rows: list[PlanPoint], title: str) -> Table:
-    """The kernel compiled for a target: memory, FLOPs, time floor (compiled, not run)."""
+    """The kernel compiled for a target: memory and FLOPs (compiled, not run), and the time per
+    call with the rates it implies (predicted: a model of the compiled program; a floor
+    reads ≥, the rates it bounds ≤)."""
     t = Table(title=title)
     cols = ("L=S", "K", "mask", "mode", "memory / device", "of HBM")
-    for col in (*cols, "FLOPs / device (compiled | analytic)", "est. time", "TFLOP/s"):
+    for col in (*cols, "FLOPs / device (compiled | analytic)", "time (predicted)", "TFLOP/s"):
         t.add_column(col, justify="right")
     for col in ("of peak", "estimate"):
         t.add_column(col, justify="right")
