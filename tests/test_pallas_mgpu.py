@@ -637,6 +637,9 @@ def test_tuner_static_pass_drops_what_overflows_shared_memory():
     static = tune.static_filter(candidates, search, "fwd")
     dropped, records = static.dropped, static.records()
     assert list(dropped) == [1] and "exceeds available shared memory" in dropped[1], dropped
-    (kept,) = [r for r in records if "mgpu" in r["config"]["kernel"]]
+    (rejected,) = [r for r in records if r["what"] == "tune rejected"]
+    assert rejected["value"] == dropped[1]  # the refused candidate is in the records too
+    kernels = [r for r in records if r["what"] == "tune kernel registers"]
+    (kept,) = [r for r in kernels if "mgpu" in r["config"]["kernel"]]
     assert kept["config"]["kernel"].startswith("flash_attention_mgpu_fwd")
     assert kept["config"]["spill_bytes"] == 0 and kept["label"] == "compiled, not run"

@@ -212,15 +212,29 @@ def test_static_pass_rows_and_records_come_from_its_kernels():
     a, b = pallas_gpu.BlockSizes(block_q=64), pallas_gpu.BlockSizes(block_q=128)
     fits = KernelUse(True, "fwd", 146, 0, 40960, 2)
     spills = KernelUse(True, "fwd", 255, 96, 49152, 1)
+    c = pallas_gpu.BlockSizes(block_q=256)
+    refused = "does not compile for gpu:h100:1: smem_bytes=265328 > max_smem_bytes=232448"
     p = StaticPass(
         "gpu:h100:1",
         "fwd",
-        (StaticCandidate(a, (fits,)), StaticCandidate(b, (fits, spills), "spills 96 B in fwd")),
+        (
+            StaticCandidate(a, (fits,)),
+            StaticCandidate(b, (fits, spills), "spills 96 B in fwd"),
+            StaticCandidate(c, (), refused),  # the compiler refused it: no kernel, no figures
+        ),
     )
-    assert p.dropped == {1: "spills 96 B in fwd"}
+    assert p.dropped == {1: "spills 96 B in fwd", 2: refused}
     assert (p.candidates[1].max_registers, p.candidates[1].spill_bytes) == (255, 96)
     recs = p.records()
-    assert [r["value"] for r in recs] == [146, 146, 255]
+    assert [r["value"] for r in recs] == [146, 146, 255, "spills 96 B in fwd", refused]
+    # every dropped candidate is in the records with why, the refused one included
+    for r, cand in zip(recs[3:], (b, c), strict=True):
+        assert r["what"] == "tune rejected" and r["label"] == "compiled, not run"
+        assert r["config"] == {
+            "candidate": dataclasses.asdict(cand),
+            "mode": "fwd",
+            "target": "gpu:h100:1",
+        }
     assert recs[2]["config"] == {
         "candidate": dataclasses.asdict(b),
         "causal": True,
@@ -235,3 +249,40 @@ def test_static_pass_rows_and_records_come_from_its_kernels():
     con.print(tables.static_pass(p, "fwd K=64"))
     text = con.export_text()
     assert "no: spills 96 B in fwd" in text and "48.0 KiB" in text and "block_q" in text
+    (row,) = [line for line in text.splitlines() if line.lstrip("│ ").startswith("256 ")]
+    cells = [x.strip() for x in row.split("│")[1:-1]]
+    assert cells[1:4] == ["–", "–", "–"], cells  # registers, spills, smem: not zeros
+
+
+def test_static_only_says_each_drop_once_counts_candidates_and_records_them(
+    monkeypatch, capsys, tmp_path
+):
+    """static_only=true: a progress line per candidate with its n/N over every pass, each drop
+    said once (in its table, not also as a log line), every dropped candidate in the records."""
+    from lab.measure.tuning import StaticCandidate, StaticPass
+
+    said = "does not compile for gpu:h100:1: smem_bytes=265328 > max_smem_bytes=232448"
+
+    def static_filter(candidates, search, mode, log=None, progress=None):
+        out = []
+        for i, bs in enumerate(candidates):
+            if progress:
+                progress(f"candidate {i + 1}/{len(candidates)}")
+            out.append(StaticCandidate(bs, (), said if i == 0 else None))
+            if log and i == 0:
+                log(f"static pass: candidate {i} dropped: {said}")
+        return StaticPass(search.static, mode, tuple(out))
+
+    monkeypatch.setattr(attention_tune, "_static", lambda o: "gpu:h100:1")
+    monkeypatch.setattr(tune, "static_filter", static_filter)
+    argv = ["static_only=true", "space=quick", "head_dims=64", f"out_dir={tmp_path}"]
+    assert attention_tune.main(argv) == 0
+    out = capsys.readouterr().out
+    n = sum(len(v) for k, v in tune.spaces("pallas_gpu", "quick", False).items() if k != "variant")
+    assert "fwd K=64 candidate 1/" in out and f"(0/{n} done" in out
+    assert out.count("smem_bytes=265328") == 2, out  # once per pass: its table's row
+    (path,) = tmp_path.glob("tune-static-*.jsonl")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    rejected = [r for r in recs if r["what"] == "tune rejected"]
+    assert [r["config"]["stage"] for r in rejected] == ["fwd", "bwd"]
+    assert all(r["value"] == said for r in rejected)

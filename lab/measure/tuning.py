@@ -147,11 +147,13 @@ class StaticPass:
         """{index: reason} of the candidates dropped."""
         return {i: c.dropped for i, c in enumerate(self.candidates) if not c.kept}
 
-    def records(self) -> list[dict]:
+    def records(self, **config) -> list[dict]:
         """One record per kernel of every candidate: its registers, with its spills, shared
         memory and blocks per SM in the config (the fields the tuner's records have always
-        had)."""
-        return [
+        had); then one per candidate dropped, with why ("tune rejected"): a candidate the
+        compiler refused has no kernel to record, and its refusal is the result. `config`
+        joins each (the stage)."""
+        kernels = [
             rec.make_record(
                 "tune kernel registers",
                 k.registers,
@@ -165,7 +167,23 @@ class StaticPass:
                 smem=k.smem,
                 blocks_per_sm=k.blocks_per_sm,
                 target=self.target,
+                **config,
             )
             for c in self.candidates
             for k in c.kernels
         ]
+        dropped = [
+            rec.make_record(
+                "tune rejected",
+                c.dropped,
+                "reason",
+                label="compiled, not run",
+                candidate=dataclasses.asdict(c.candidate),
+                mode=self.mode,
+                target=self.target,
+                **config,
+            )
+            for c in self.candidates
+            if not c.kept
+        ]
+        return kernels + dropped

@@ -216,16 +216,19 @@ def static_reason(kernels, smem_limit: int) -> str | None:
     return None
 
 
-def static_filter(candidates, search: Search, mode: str, log=None) -> StaticPass:
+def static_filter(candidates, search: Search, mode: str, log=None, progress=None) -> StaticPass:
     """Every candidate compiled for `search.static`'s GPU (compiled, not run): each kernel's
     registers, spills and shared memory, and which candidates are dropped and why. Nothing is
-    compiled when the static pass is off."""
+    compiled when the static pass is off. `log(line)` is told each drop (for a caller that
+    shows no table of the pass); `progress(label)` is called before each candidate."""
     from lab import plans
 
     out = []
     if not search.static:
         return StaticPass(search.static, mode, ())
     for i, bs in enumerate(candidates):
+        if progress:
+            progress(f"candidate {i + 1}/{len(candidates)}")
         uses, reason = [], None
         for causal in search.causal:
             try:
@@ -295,11 +298,9 @@ def run_stage(
     out, ratios = [], {i: [] for i in range(len(candidates))}
     static = static_filter(candidates, search, mode, log)
     dropped = static.dropped
-    out += static.records()
-    for i, reason in dropped.items():
+    out += static.records(stage=stage)  # the dropped ones' reasons among them
+    for i in dropped:
         ratios[i].append(math.inf)
-        cand = dataclasses.asdict(candidates[i])
-        out.append(rec.make_record("tune rejected", reason, "reason", candidate=cand, stage=stage))
     for seq, causal in search.cases():
         if log:
             log(f"{stage}: {len(candidates)} candidates, L=S={seq} causal={causal} {mode}")

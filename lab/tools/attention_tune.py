@@ -148,16 +148,30 @@ def static_only(o: Options) -> int:
         raise ConfigError("static_only=true needs a GPU or static=gpu:KIND (a plan target)")
     stem = rec.output_stem(o.out_dir, "tune-static", backend="gpu")  # the target's, not the host's
     con = progress.console(width=150)
+    stages = (("fwd", "fwd"), ("bwd", "fwd+bwd"))
+    passes = []  # (search, stage, mode, candidates): every compile counted before the first
     for search in searches(o):
         base = tune.default_block_sizes(search.kernel, search.head_dim)
         todo = tune.spaces(search.kernel, o.space, interpret=False)
-        for stage, mode in (("fwd", "fwd"), ("bwd", "fwd+bwd")):
+        for stage, mode in stages:
             candidates = [dataclasses.replace(base, **c) for c in todo[stage]]
-            static = tune.static_filter(candidates, search, mode, log=con.log)
-            rec.write_records(stem.with_suffix(".jsonl"), static.records())
-            startup.note(f"the passes finished so far are in {stem.with_suffix('.jsonl')}")
-            title = f"{stage} K={search.head_dim}"
-            con.print(tables.static_pass(static, title, toolchain.probe()))
+            passes.append((search, stage, mode, candidates))
+    total, started = sum(len(p[-1]) for p in passes), []
+    for search, stage, mode, candidates in passes:
+        title = f"{stage} K={search.head_dim}"
+        # the drops are in the table below: a line per drop would say each one twice
+        with progress.tasks(con) as bar:
+            task = bar.add_task(title, total=total, completed=len(started))
+
+            def tick(label, bar=bar, task=task, title=title):  # before each: those before done
+                bar.update(task, description=f"{title} {label}", completed=len(started))
+                started.append(label)
+
+            static = tune.static_filter(candidates, search, mode, progress=tick)
+            bar.update(task, completed=len(started))
+        rec.write_records(stem.with_suffix(".jsonl"), static.records(stage=stage))
+        startup.note(f"the passes finished so far are in {stem.with_suffix('.jsonl')}")
+        con.print(tables.static_pass(static, title, toolchain.probe()))
     con.print(f"records → {stem.with_suffix('.jsonl')}")
     return 0
 

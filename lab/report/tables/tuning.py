@@ -48,11 +48,15 @@ def static_pass(p: StaticPass, title: str, toolchain: Toolchain | None = None) -
         t.add_column(col, justify="right")
     for c in p.candidates:
         regs, spill = c.max_registers, c.spill_bytes
+        if not c.kernels:  # refused by the compiler: no kernel, so no figure (not a zero)
+            spill_text = "–"
+        else:
+            spill_text = f"[red]{spill}" if spill else "0"
         t.add_row(
             *(str(dataclasses.asdict(c.candidate)[f]) for f in fields),
             "–" if regs is None else str(regs),
-            f"[red]{spill}" if spill else "0",
-            size(c.max_smem),
+            spill_text,
+            "–" if c.max_smem is None else size(c.max_smem),
             "yes" if c.kept else f"[red]no: {c.dropped}",
         )
     return t
