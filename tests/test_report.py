@@ -240,6 +240,55 @@ def test_an_attention_sweep_of_a_subset_draws_only_what_it_measured(monkeypatch)
     assert all("×" not in t and "^" not in t for t in _ticks(time.yaxis) + _ticks(mem.yaxis))
 
 
+def test_an_attention_sweeps_memory_legend_covers_no_curve(monkeypatch):
+    """Four impls × two modes × two masks: a 16-entry legend drawn inside the memory panel
+    covered the curves; it sits under the panel's x label, off the data."""
+    from lab.measure.attention import SweepRow
+    from lab.report import plots
+
+    rows = [
+        SweepRow(impl, seq, c, m, time_s=1e-4 * (i + 1) * k, peak_temp_bytes=1e5 * (i + 1) * k)
+        for i, impl in enumerate(("blockwise", "naive", "pallas", "xla"))
+        for c in (True, False)
+        for m in ("fwd", "fwd+bwd")
+        for k, seq in enumerate((128, 256, 512), start=1)
+    ]
+    kept = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path, **kw: kept.append(fig) or path)
+    plots.attention_sweep(rows, Path("unused.png"), "attention · cpu")
+    fig = kept[0]
+    fig.tight_layout()  # as _save lays it out
+    fig.canvas.draw()
+    mem = next(ax for ax in fig.axes if ax.get_title() == "peak temporary memory")
+    legend = mem.get_legend()
+    assert len(legend.get_texts()) == 16
+    box, label = legend.get_window_extent(), mem.xaxis.label.get_window_extent()
+    assert box.y1 <= label.y0  # below the x label, so below every curve
+    assert box.y0 >= 0  # and inside the figure
+
+
+def test_the_attention_table_says_its_error_is_relative_and_gives_small_rates_digits():
+    """The max error is relative to the reference's largest value (the records say so); a
+    rate of 0.0004 TFLOP/s read '0.000' with a fixed three decimals."""
+    from rich.console import Console
+
+    from lab.measure.attention import SweepRow
+    from lab.report import tables
+    from lab.report.format import significant
+
+    row = SweepRow("naive", 64, True, "fwd", time_s=1e-4, tflops=0.000412, max_error=1e-7)
+    con = Console(width=200, record=True)
+    con.print(tables.attention_sweep([row], "naive", "attention"))
+    text = con.export_text()
+    assert "max rel. error" in text and "0.000412" in text and "0.000 " not in text
+    assert (significant(0.000412), significant(12.345), significant(1234.5)) == (
+        "0.000412",
+        "12.3",
+        "1,234",
+    )
+    assert (significant(0), significant(None)) == ("0", "n/a")
+
+
 def test_the_ledger_attention_plot_tells_causal_from_full_at_the_lengths_measured(monkeypatch):
     """Causal and full records of one (impl, mode) are two lines, each named by its mask; the
     lengths are ticked where measured (64 and 128 had no label, 70-90 had 7×10¹ …)."""

@@ -98,6 +98,18 @@ def duration(s) -> str:
     return f"{s * 1e9:,.0f} ns"
 
 
+def significant(x, digits: int = 3) -> str:
+    """A number to `digits` significant digits in plain notation, for a column that names its
+    unit: 0.000123 → '0.000123', 12.345 → '12.3', 1234.5 → '1,234' (a fixed '.3f' printed a
+    small shape's rate as '0.000')."""
+    if _missing(x):
+        return _absent(x, NA)
+    if x == 0:
+        return "0"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{decimals}f}"
+
+
 def ratio(x, digits: int = 2) -> str:
     return "" if _missing(x) else f"{x:.{digits}f}x"
 

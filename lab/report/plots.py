@@ -725,7 +725,13 @@ def attention_sweep(rows: list[SweepRow], path, title: str) -> Path:
     drawn = len(timed) + bool(memory)  # panels with figures: one per line of 3 at most
     cols = min(3, max(1, drawn))
     lines_of = max(1, -(-drawn // cols))
-    fig, grid = plt.subplots(lines_of, cols, figsize=(5 * cols, 4 * lines_of), squeeze=False)
+    # the memory panel's legend (a line per impl, mode and mask: 16 for 4 impls) goes under
+    # it, two columns of entries: the figure grows by its rows instead of the legend
+    # covering the curves
+    entries = sum(len(lines) for *_, lines in memory)
+    below = 0.17 * -(-entries // 2) + 0.3 if entries > 4 else 0.0
+    height = 4 * lines_of + below
+    fig, grid = plt.subplots(lines_of, cols, figsize=(5 * cols, height), squeeze=False)
     axes = list(grid.flat)
     for ax in axes[drawn:]:
         ax.axis("off")
@@ -756,7 +762,13 @@ def attention_sweep(rows: list[SweepRow], path, title: str) -> Path:
         _log2_axis(ax, seqs)
         _plain_log(ax, [y for line in ax.get_lines() for y in line.get_ydata()])
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    for ax in axes[: len(timed)]:
+        ax.legend(fontsize=7)  # one entry per impl
+    if memory and below:
+        fig.tight_layout()  # the axes where _save will lay them out, so the legend sits below
+        _legend_below(axes[len(timed)], fontsize=7, ncol=2)
+    elif memory:
+        axes[len(timed)].legend(fontsize=7)
     if not drawn:
         axes[0].text(
             0.5, 0.5, "nothing timed or compiled", ha="center", transform=axes[0].transAxes

@@ -6,7 +6,7 @@ whose fields and properties say what every figure is.
 from rich.table import Table
 
 from lab.measure.attention import PlanPoint, SweepRow, TargetVerdict
-from lab.report.format import duration, percent, ratio, size
+from lab.report.format import duration, percent, ratio, significant, size
 from lab.report.tables.common import _mem
 
 
@@ -15,7 +15,7 @@ def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
     t = Table(title=title)
     # the time over the baseline's: below 1× is faster
     cols = ("L=S", "causal", "mode", "impl", "time", f"time ÷ {baseline}'s", "TFLOP/s")
-    for col in (*cols, "peak temp mem", "max error"):
+    for col in (*cols, "peak temp mem", "max rel. error"):  # |out − ref| / max |ref|
         t.add_column(col, justify="right")
     for r in rows:
         mem = size(r.peak_temp_bytes)
@@ -30,7 +30,7 @@ def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
             r.impl,
             duration(r.time_s) if r.ran else f"skipped: {r.skipped}",
             ratio(r.ratio),
-            f"{r.tflops:.3f}" if r.ran else "",
+            significant(r.tflops) if r.ran else "",
             mem,
             f"{r.max_error:.1e}" if r.ran else "",
         )
