@@ -29,6 +29,18 @@ def test_the_sweep_writes_ratios_against_the_baseline(tmp_path, capsys):
     assert all(r["value"] > 0 for r in ratios)
 
 
+def test_progress_counts_points_in_plain_lines(tmp_path, capsys):
+    """A line per point as it starts, with n/N as collectives and scaling print, and no source
+    location (rich's console.log put 'attention.py:523' at the right edge of each)."""
+    import re
+
+    argv = [*FAST[1:], "seqs=64,128", "impls=naive", "baseline=naive", f"out_dir={tmp_path}"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "L=S=64 causal=True fwd (0/2 done" in out and "L=S=128 causal=True fwd (1/2" in out
+    assert not re.search(r"\w+\.py:\d+", out), out
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

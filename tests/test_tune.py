@@ -48,6 +48,17 @@ def test_interpret_search_chooses_writes_and_the_kernel_reads_it(tmp_path):
     assert table == {"Test GPU 80GB": {16: best}}
 
 
+def test_the_search_says_each_case_in_a_plain_line(tmp_path, capsys):
+    """Each case of each stage is a line as it starts, without a source location (rich's
+    console.log put 'tune.py:305' at the right edge of each)."""
+    import re
+
+    assert attention_tune.main(["interpret=true", "budget=0.01", f"out_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "fwd: 2 candidates, L=S=40 causal=True fwd" in out
+    assert not re.search(r"\w+\.py:\d+", out), out
+
+
 def test_block_sizes_for_takes_the_nearest_searched_head_dim(monkeypatch):
     a, b = pallas_gpu.BlockSizes(block_q=32), pallas_gpu.BlockSizes(block_q=128)
     monkeypatch.setattr(pallas_gpu, "TUNED", {"GPU": {64: a, 128: b}})

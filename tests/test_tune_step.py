@@ -119,6 +119,24 @@ def test_help(capsys):
     assert "remats=" in out and "batches=" in out and "python -m lab.run --help" in out
 
 
+def test_progress_counts_candidates_in_plain_lines(tmp_path, monkeypatch, capsys):
+    """A line per candidate as it starts, with n/N, and no source location (rich's
+    console.log put 'step.py:145' at the right edge of each)."""
+    import re
+
+    monkeypatch.chdir(tmp_path)
+
+    def measure(keys, remat, batch, budget_s):  # nothing compiled: only the lines are tested
+        return step.StepCandidate(remat, batch, skipped="not measured in this test")
+
+    monkeypatch.setattr(step, "measure", measure)
+    assert tune_step.main([*TINY, "remats=none,full", "batches=2,4"]) == 2  # none timed
+    out = capsys.readouterr().out
+    assert "remat=none batch_size=2 (0/4 done" in out
+    assert "remat=full batch_size=4 (3/4 done" in out
+    assert not re.search(r"\w+\.py:\d+", out), out
+
+
 def test_out_of_memory_at_run_time_skips_the_candidate_and_keeps_the_rest(monkeypatch):
     real = step.measure
 

@@ -147,3 +147,30 @@ def tasks(con: Console) -> Progress:
         TimeElapsedColumn(),
         console=con,
     )
+
+
+@contextlib.contextmanager
+def counted(con: Console, what: str, total: int):
+    """`tasks` over `total` steps, yielding `tick(label)` to call as each step starts (the ones
+    before it are then done): the label, n/N and the time elapsed; off a terminal, a line
+    per step ("L=S=512 causal=True fwd (3/8 done, 12 s)")."""
+    with tasks(con) as bar:
+        task = bar.add_task(what, total=total)
+        started = []
+
+        def tick(label: str) -> None:
+            bar.update(task, description=label, completed=len(started))
+            started.append(label)
+
+        yield tick
+        bar.update(task, completed=total)
+
+
+def lines(con: Console):
+    """A function that prints one plain line of progress (no markup, no source location, not
+    cut at the console's width): for steps a caller cannot count ahead."""
+
+    def say(text: str) -> None:
+        con.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    return say

@@ -95,20 +95,22 @@ def run(o: Options) -> int:
         startup.note(f"the points measured so far are in {path}")
 
     flush = startup.keep_on_stop(pending, write)
-    records = study.sweep(
-        seqs,
-        causal={"both": (True, False), "yes": (True,), "true": (True,), "no": (False,)}.get(
-            o.causal, (False,)
-        ),
-        modes=o.modes,
-        impls=impls,
-        shape=shape,
-        budget_s=0.2 if o.quick else o.budget,
-        baseline=o.baseline,
-        inner=o.inner or None,
-        progress=con.log,
-        done=pending.extend,
+    causal = {"both": (True, False), "yes": (True,), "true": (True,), "no": (False,)}.get(
+        o.causal, (False,)
     )
+    with progress.counted(con, "attention", len(seqs) * len(causal) * len(o.modes)) as tick:
+        records = study.sweep(
+            seqs,
+            causal=causal,
+            modes=o.modes,
+            impls=impls,
+            shape=shape,
+            budget_s=0.2 if o.quick else o.budget,
+            baseline=o.baseline,
+            inner=o.inner or None,
+            progress=tick,
+            done=pending.extend,
+        )
     env = rec.environment()
     title = (
         f"attention · {plots.device_name(backend, env['device_kind'])} · "

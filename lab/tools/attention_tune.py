@@ -206,7 +206,7 @@ def run(o: Options) -> int:
         t0 = time.perf_counter()
         try:
             best, records, summary = tune.search_block_sizes(
-                search, o.space, budget_s=o.budget, log=con.log
+                search, o.space, budget_s=o.budget, log=progress.lines(con)
             )
         except RuntimeError as e:
             raise RunError(f"head_dim {search.head_dim}: {e}") from None

@@ -45,7 +45,8 @@ def run(o: Options, keys: dict) -> int:
         startup.note(f"the candidates measured so far are in {path}")
 
     flush = startup.keep_on_stop(pending, write)
-    rows = step.tune(keys, o.remats, o.batches, o.budget, log=con.log, done=pending.append)
+    with progress.counted(con, "remat × batch", len(o.remats) * len(o.batches)) as tick:
+        rows = step.tune(keys, o.remats, o.batches, o.budget, log=tick, done=pending.append)
     top = step.best(rows)
     title = "remat × batch" + (f" · {top.device} · MFU: {top.convention}" if top else "")
     con.print(tables.tune_step(rows, top, title))
