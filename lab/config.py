@@ -610,14 +610,34 @@ def check_coordinator(address: str, key: str = "coordinator") -> None:
         raise ConfigError(f"{key}={address!r}: the port must be a number in 1..65535")
 
 
+KEY_WIDTH, DEFAULT_WIDTH = 18, 12  # the --help columns: key, default, then the meaning
+
+
+def default_text(value) -> str:
+    """A default as a user types it: true/false, 1.0, 64,128; "" for an empty one (a blank
+    would read as a missing column)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        value = ",".join(map(str, value))
+    return str(value) if str(value) else '""'
+
+
 def _key_lines(fields: dict, rename: dict | None = None) -> list[str]:
+    """A line per key: its name, its default and its meaning in aligned columns; a name or a
+    default wider than its column puts the meaning on the next line, at its column."""
     lines = []
+    indent = " " * (2 + KEY_WIDTH + 1 + DEFAULT_WIDTH + 1)
     for f, _ in fields.values():
         key = (rename or {}).get(f.name, f.name)
-        default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
-        if f.metadata.get("auto") is not None and default == f.metadata["auto"]:
+        default = default_text(f.default)
+        if f.metadata.get("auto") is not None and f.default == f.metadata["auto"]:
             default = "auto"
-        lines.append(f"  {key:<18} {str(default)!r:<12} {f.metadata['help']}")
+        meaning = f.metadata["help"]
+        if len(key) > KEY_WIDTH or len(default) > DEFAULT_WIDTH:
+            lines += [f"  {key:<{KEY_WIDTH}} {default}", indent + meaning]
+        else:
+            lines.append(f"  {key:<{KEY_WIDTH}} {default:<{DEFAULT_WIDTH}} {meaning}")
     return lines
 
 

@@ -92,11 +92,50 @@ def test_help_lists_every_key(capsys):
     fields = [f for cls in (Config, ModelConfig) for f in dataclasses.fields(cls)]
     keys = ["model" if f.name == "preset" else f.name for f in fields if f.name != "model"]
     assert len(keys) > 30
+    lines = out.splitlines()
     for key in keys:
-        line = next((x for x in out.splitlines() if x.startswith(f"  {key} ")), None)
-        assert line is not None, f"--help does not list {key}"
-        assert len(line.split(maxsplit=2)) == 3, f"--help gives {key} no default or meaning"
+        i = next((i for i, x in enumerate(lines) if x.startswith(f"  {key} ")), None)
+        assert i is not None, f"--help does not list {key}"
+        # a name or default wider than its column has its meaning on the next line
+        words = lines[i].split(maxsplit=2)
+        if len(words) == 2 and lines[i + 1].startswith(" " * 20):
+            words.append(lines[i + 1].strip())
+        assert len(words) == 3, f"--help gives {key} no default or meaning"
     assert help_text() in out
+
+
+def test_help_shows_defaults_as_typed_in_aligned_columns():
+    """Defaults read as a user types them (false, 1.0, fwd,fwd+bwd; not 'False' quoted as
+    Python's repr), and every meaning starts in one column: a default or a name wider than
+    its column puts the meaning on the next line (it pushed that one line's meaning right)."""
+    import dataclasses
+
+    from lab.config import field, options_help
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        quick: bool = field(False, "seqs 256,512")
+        budget: float = field(1.0, "seconds")
+        modes: tuple = field(("fwd", "fwd+bwd"), "fwd and/or fwd+bwd", kind="names")
+        strategies: tuple = field(("dp", "fsdp", "tp", "fsdp+tp"), "to scale", kind="names")
+        impls: tuple = field((), "default: all", kind="names")
+        a_key_longer_than_its_column: int = field(60, "seconds to wait")
+
+    text = options_help(Options, "prog", "doc")
+    lines = text.splitlines()[text.splitlines().index("keys:") + 1 :]
+    assert lines[0].split() == ["quick", "false", "seqs", "256,512"]
+    assert lines[1].split()[:2] == ["budget", "1.0"] and lines[2].split()[1] == "fwd,fwd+bwd"
+    assert lines[3].split() == ["strategies", "dp,fsdp,tp,fsdp+tp"]  # too wide: meaning below
+    assert lines[5].split()[1] == '""'  # an empty default is not a blank column
+    assert lines[6].split() == ["a_key_longer_than_its_column", "60"]
+    column = lines[0].index("seqs")
+    for line, meaning in zip(
+        (lines[0], lines[1], lines[2], lines[4], lines[5], lines[7]),
+        ("seqs", "seconds", "fwd and/or", "to scale", "default: all", "seconds to wait"),
+        strict=True,
+    ):
+        assert line.index(meaning) == column, (line, meaning)
+    assert "'" not in text
 
 
 @pytest.mark.parametrize("keys", [["cpu_devices=100000"], ["mesh=data:100000"]])

@@ -126,3 +126,17 @@ def test_one_device_extrapolates_nothing_it_did_not_measure(monkeypatch):
     for t in tables.scaling(study):
         console.print(t)
     assert "not extrapolated (one device: no all-reduce to measure)" in console.export_text()
+
+
+def test_the_size_help_says_what_each_size_runs(capsys):
+    """size= named tiny | quick | full and nothing else: the help says what each is for and
+    the model, shape, device counts and time each runs, from the sizes themselves."""
+    from lab.studies import scaling as study
+    from lab.tools import scaling as tool
+
+    assert tool.main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tiny checks the code path" in text and "full for an accelerator" in text
+    for name, size in study.SIZES.items():
+        assert f"{name}: {size.summary()}" in text
+    assert "quick: the tiny model, batch 16 × seq 64, on 1,2,4,8 devices" in text

@@ -60,6 +60,15 @@ class Size:
     batches: tuple[int, ...]  # remat experiment batch sizes
     budget_s: float  # timed seconds per figure
 
+    def summary(self) -> str:
+        """'the tiny model (1 layer), batch 8 × seq 32, on 1,2 devices, 0.02 s a figure'."""
+        layers = f" ({self.model['n_layers']} layer)" if "n_layers" in self.model else ""
+        counts = ",".join(map(str, self.device_counts))
+        return (
+            f"the {self.model['preset']} model{layers}, batch {self.batch} × seq "
+            f"{self.seq_len}, on {counts} devices, {self.budget_s:g} s a figure"
+        )
+
 
 SIZES = {
     "tiny": Size(dict(preset="tiny", n_layers=1), 8, 32, (1, 2), ("none", "full"), (4,), 0.02),

@@ -18,7 +18,13 @@ from lab.studies import scaling
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    size: str = field("quick", "tiny | quick | full", choices=tuple(scaling.SIZES))
+    size: str = field(
+        "quick",
+        "tiny checks the code path (its times are too short to compare), quick is for CPU and "
+        "CI, full for an accelerator: "
+        + "; ".join(f"{k}: {v.summary()}" for k, v in scaling.SIZES.items()),
+        choices=tuple(scaling.SIZES),
+    )
     strategies: tuple = field(
         scaling.STRATEGIES, "strategies to scale", kind="names", choices=scaling.STRATEGIES
     )
