@@ -168,15 +168,31 @@ def test_ring_attention_needs_the_cp_strategy():
     assert ok.cfg.strategy == "cp" and ok.cfg.model.attention == "ring"
 
 
-def test_collective_matmul_command(capsys):
+def test_collective_matmul_command(capsys, tmp_path):
+    import json
+
     from lab.tools import collective_matmul
 
-    assert collective_matmul.main(["mesh=2x4", "size=256", "budget=0.01"]) == 0
+    argv = ["mesh=2x4", "size=256", "budget=0.01", f"out_dir={tmp_path}"]
+    assert collective_matmul.main(argv) == 0
     out = capsys.readouterr().out
     assert "over model=4" in out and "collective matmul" in out
     err = float(out.split("max |ring - jnp| = ")[1].split(",")[0])
     gathered = float(out.split("max |all-gather then matmul - jnp| = ")[1].split()[0])
     assert err < 1e-3 and gathered < 1e-3  # both products checked, as the help says
+    # results are data: both times, both errors and the ratio as records
+    (path,) = tmp_path.glob("collective-matmul-*.jsonl")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    whats = {(r["what"], r["config"]["impl"], r["label"]) for r in recs}
+    ring, gather = "collective matmul (ring)", "all-gather then matmul"
+    assert whats == {
+        ("collective matmul time", ring, "measured"),
+        ("collective matmul time", gather, "measured"),
+        ("collective matmul max abs error", ring, "measured"),
+        ("collective matmul max abs error", gather, "measured"),
+        (f"collective matmul time ratio vs {gather}", ring, "derived"),
+    }
+    assert all(r["config"]["size"] == 256 and r["config"]["simulated_devices"] for r in recs)
     assert collective_matmul.main(["mesh=2x4", "size=250"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (

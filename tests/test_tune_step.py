@@ -113,6 +113,37 @@ def test_bench_step_refuses_what_it_cannot_compare_in_one_line(argv, needle, cap
     assert needle in err and len(err.splitlines()) == 1
 
 
+def test_bench_step_prints_compile_time_apart_and_writes_records(tmp_path, monkeypatch, capsys):
+    """Results are data: each step's median with its spread and its compile time, and the
+    lab's ratio to the bare step, as records; the compile times printed apart from the table."""
+    from lab.measure.timing import BenchResult, Comparison, Contender
+    from lab.tools import bench_step
+
+    def timed(median):
+        return BenchResult(median, 0.9 * median, 1.1 * median, 7, compile_s=0.01)
+
+    def compare(s, budget_s):
+        bare, lab = timed(0.040), timed(0.042)
+        contenders = (Contender("bare", bare, 0.040), Contender("lab", lab, 0.040))
+        return Comparison("bare", contenders), {"lab": 4.5, "bare": 2.25}
+
+    monkeypatch.setattr(step, "compare_with_bare", compare)
+    assert bench_step.main([*TINY, "budget=0.01", f"out_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "compile time (not in the times above): lab 4.50 s, bare 2.25 s" in out
+    (path,) = tmp_path.glob("bench_step-*.jsonl")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    got = {(r["what"], r["config"]["step"]): (r["value"], r["label"]) for r in recs}
+    assert got == {
+        ("bench_step step time", "bare"): (0.040, "measured"),
+        ("bench_step compile time", "bare"): (2.25, "measured"),
+        ("bench_step step time", "lab"): (0.042, "measured"),
+        ("bench_step compile time", "lab"): (4.5, "measured"),
+        ("bench_step time ratio vs bare", "lab"): (pytest.approx(1.05), "derived"),
+    }
+    assert all(r["config"]["keys"] == KEYS for r in recs)
+
+
 def test_help(capsys):
     assert tune_step.main(["--help"]) == 0
     out = capsys.readouterr().out

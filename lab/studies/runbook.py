@@ -149,7 +149,7 @@ def plan(size: str) -> list[Step]:
         Step(
             "bench-step",
             "the lab's step against a bare flax + optax step",
-            ("-m", "lab.tools.bench_step", *bench),
+            ("-m", "lab.tools.bench_step", *bench, "out_dir={out}"),
             300,
             kind="bench-step",
         )

@@ -83,18 +83,51 @@ def _check_room_for_two(analysis: dict, info) -> None:
         )
 
 
-def compare_with_bare(s: Session, budget_s: float = 5.0) -> Comparison:
-    """Both steps on one batch, timed alternately: bare (the baseline), then lab."""
+def compare_with_bare(s: Session, budget_s: float = 5.0) -> tuple[Comparison, dict]:
+    """Both steps on one batch, timed alternately: bare (the baseline), then lab; with the
+    seconds each took to compile ({"bare": s, "lab": s}), both compiled ahead of the timing
+    so that no compile sits in a timed call or in another's figure."""
     cfg, trainer = s.cfg, s.trainer
     tokens = _tokens(s)
+    t0 = time.perf_counter()
     compiled = trainer.lower().compile()
+    compile_s = {"lab": time.perf_counter() - t0}
     _check_room_for_two(summary.analyse(compiled, cfg, s.info, trainer), s.info)
     lab_call = threaded(lambda st: compiled(st, tokens)[0], trainer.init(jax.random.key(cfg.seed)))
     params = jax.device_put(trainer.init(jax.random.key(cfg.seed)).params, jax.devices()[0])
     tx = make_optimizer(cfg)  # the same optimizer: only the machinery differs
-    bare = bare_step_fn(build(cfg.model), tx)
-    bare_call = threaded(lambda st: bare(*st, tokens)[:2], (params, tx.init(params)))
-    return comparison({"bare": bare_call, "lab": lab_call}, baseline="bare", budget_s=budget_s)
+    opt_state = tx.init(params)
+    t0 = time.perf_counter()
+    bare = bare_step_fn(build(cfg.model), tx).lower(params, opt_state, tokens).compile()
+    compile_s["bare"] = time.perf_counter() - t0
+    bare_call = threaded(lambda st: bare(*st, tokens)[:2], (params, opt_state))
+    timed = comparison({"bare": bare_call, "lab": lab_call}, baseline="bare", budget_s=budget_s)
+    return timed, compile_s
+
+
+def compare_records(timed: Comparison, compile_s: dict, keys: dict) -> list[dict]:
+    """Per step (bare, lab): its median time with its spread and its compile time (measured),
+    and the lab's ratio to the bare step (derived from the two medians)."""
+    out = []
+    for c in timed.contenders:
+        config = dict(experiment="bench_step", keys=keys, step=c.name)
+        spread = dict(p10_s=c.bench.p10_s, p90_s=c.bench.p90_s, runs=c.bench.runs)
+        median = c.bench.median_s
+        out.append(rec.make_record("bench_step step time", median, "s", **config, **spread))
+        if c.name in compile_s:
+            out.append(rec.make_record("bench_step compile time", compile_s[c.name], "s", **config))
+        if c.name != timed.baseline:
+            out.append(
+                rec.make_record(
+                    f"bench_step time ratio vs {timed.baseline}",
+                    c.ratio,
+                    "x",
+                    label="derived",
+                    baseline_median_s=c.baseline_median_s,
+                    **config,
+                )
+            )
+    return out
 
 
 def measure(keys: dict, remat: str, batch: int, budget_s: float) -> StepCandidate:

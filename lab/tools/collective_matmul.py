@@ -1,6 +1,7 @@
 """`python -m lab.tools.collective_matmul mesh=1x8`: the ppermute-ring matmul (the all-gather
 hidden behind compute) against all-gather-then-multiply on one input, both checked against
-plain jnp. See lab/kernels/collective_matmul.py.
+plain jnp; the times, the ratio and both errors go to out_dir as records. See
+lab/kernels/collective_matmul.py.
 """
 
 import dataclasses
@@ -26,6 +27,7 @@ class Options:
     axis: str = field(MODEL, "the axis x's rows and w's columns split over", choices=MESH_AXES)
     size: int = field(2048, "rows = contraction = columns", min=1)
     budget: float = field(0.5, "seconds of timed calls per implementation", min=0.01)
+    out_dir: str = field("results", "folder for the records", kind="path")
 
 
 def run(o: Options) -> int:
@@ -41,6 +43,7 @@ def run(o: Options) -> int:
         )
     # per device: x and w's shards, the gathered x (n × n), the output and the reference's
     memory.check_fits("the product's inputs and outputs", 4 * n * n * (3 + 2 / W), f"size={n}")
+    records.writable_dir(o.out_dir)  # refused before the work
     x, w = timing.random_inputs(0, [(n, n), (n, n)])
     try:
         got = cm.collective_matmul(x, w, mesh=mesh, axis=o.axis)
@@ -67,7 +70,40 @@ def run(o: Options) -> int:
     con.print(
         f"max |ring - jnp| = {err:.1e}, max |all-gather then matmul - jnp| = {err_gathered:.1e}"
     )
+    config = dict(op="collective matmul", size=n, axis=o.axis, mesh=dict(mesh.shape))
+    config["simulated_devices"] = bool(sim)
+    errors = {"collective matmul (ring)": err, "all-gather then matmul": err_gathered}
+    stem = records.output_stem(o.out_dir, "collective-matmul")
+    path = records.write_records(stem.with_suffix(".jsonl"), _records(results, errors, config))
+    con.print(f"records → {path}")
     return 0
+
+
+def _records(results, errors: dict, config: dict) -> list[dict]:
+    """Per implementation: its median time with its spread (measured), its largest absolute
+    difference from plain jnp (measured), and its ratio to the baseline's median (derived)."""
+    out = []
+    for c in results.contenders:
+        cfg = dict(config, impl=c.name)
+        spread = dict(p10_s=c.bench.p10_s, p90_s=c.bench.p90_s, runs=c.bench.runs)
+        out.append(
+            records.make_record("collective matmul time", c.bench.median_s, "s", **cfg, **spread)
+        )
+        out.append(
+            records.make_record("collective matmul max abs error", errors[c.name], "1", **cfg)
+        )
+        if c.name != results.baseline:
+            out.append(
+                records.make_record(
+                    f"collective matmul time ratio vs {results.baseline}",
+                    c.ratio,
+                    "x",
+                    label="derived",
+                    baseline_median_s=c.baseline_median_s,
+                    **cfg,
+                )
+            )
+    return out
 
 
 def main(argv=None) -> int:
