@@ -154,6 +154,13 @@ def test_a_collective_that_failed_with_a_peer_gone_is_told_in_a_few_words(monkey
     save = f"checkpoint step 20 could not be saved in /r/checkpoints ({GLOO_RESET})"
     assert devices.peer_gone(save) == said
     assert devices.peer_gone("Out of memory allocating 38400000772 bytes") is None
+    # a storage write's own words, and a folder named like gloo, are not a peer gone
+    for other in (
+        "checkpoint step 20 could not be saved in /data/igloo/r/checkpoints (Input/output error)",
+        "checkpoint step 5 could not be saved in runs/gloo2/checkpoints (ValueError: exists)",
+        "checkpoint step 5 could not be saved in gs://b/r/checkpoints (Connection reset by peer)",
+    ):
+        assert devices.peer_gone(other) is None, other
 
 
 def test_leaving_now_is_the_watchs_line_not_the_interpreters_exit(monkeypatch, capsys):
