@@ -174,3 +174,24 @@ def test_a_merge_shows_each_prediction_once_and_names_those_that_differ(monkeypa
         "a",
         "b",
     ]
+
+
+def test_a_merged_panel_takes_no_other_folders_error(monkeypatch):
+    """A folder without an error record of its own is titled plainly in a merge, not with
+    another folder's held-out error."""
+    monkeypatch.setattr(section, "mfu_here", lambda size: 0.3)
+    recs = section.run("tiny")
+    a = [{**r, "config": dict(r["config"]), "machine": "cpu · a"} for r in recs]
+    b = [
+        {**r, "config": dict(r["config"]), "machine": "cpu · b"}
+        for r in recs
+        if r["config"]["series"] == "prediction_point"
+    ]
+    moved = next(r for r in b if r["value"])
+    moved["value"] *= 1.5
+    kept = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path, **kw: kept.append(fig) or path)
+    plots.prediction_records(a + b, "unused.png")
+    titles = [ax.get_title() for ax in kept[-1].axes if ax.get_title()]
+    assert titles[0].startswith("held-out: ") and titles[0].endswith(" · cpu · a")
+    assert titles[1] == "the step-time model against published figures · cpu · b"

@@ -924,7 +924,8 @@ def prediction_records(records: Sequence[dict], path) -> Path | None:
         ]
 
     def title_of(machine):
-        err = held.get(machine) or sum(held.values(), [])
+        # a folder's own error; another's only where one folder drew (its records unnamed)
+        err = held.get(machine) or (sum(held.values(), []) if len(machines) == 1 else [])
         if not err:
             return "the step-time model against published figures"
         e = err[0]
