@@ -250,7 +250,7 @@ def test_the_dry_run_says_which_steps_fit_this_calls_budget(tmp_path, capsys):
         and " 3. three (100 s · a later call)" in out
     )
     assert "this call runs steps 1-2 (two starts with 50 s left and is cut short" in out, out
-    assert "step 3 (100 s at most) are left for later calls" in out and "budget=300 for all" in out
+    assert "step 3 (100 s at most) are left for later calls" in out and "budget=360 for all" in out
     (tmp_path / "runbook").mkdir()  # a step finished before takes none of this call's time
     state = {"size": "tiny", "platform": {}, "steps": {"one": {"status": "done"}}}
     (tmp_path / "runbook" / "state.json").write_text(json.dumps(state))
@@ -258,6 +258,11 @@ def test_the_dry_run_says_which_steps_fit_this_calls_budget(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "this call runs steps 2-3 (three starts with 50 s left" in out, out
     assert "later" not in out
+    assert "Off a GPU" not in out  # no step needs one
+    steps[1] = fake("two", budget=100, needs_gpu=True)
+    assert tool.run(o, steps=steps) == 0
+    out = capsys.readouterr().out
+    assert "Off a GPU the 1 step marked 'needs a GPU' is skipped, taking none of the" in out
 
 
 def test_rows_of_a_rehearsal_are_headed_by_the_machine_they_ran_on():

@@ -243,8 +243,11 @@ PROBE = (
 
 def probe_platform(timeout_s: float = 180.0) -> dict:
     """Backend, device kind and count and jax version, as the steps' subprocesses see them."""
+    # without preallocation: a probe beside a live step (another runbook's) must not take
+    # 75% of the GPU's memory from it
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     out = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=timeout_s, env=env
     )
     if out.returncode:
         tail = (out.stderr.strip().splitlines() or ["no output"])[-1]

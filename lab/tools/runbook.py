@@ -97,6 +97,9 @@ def _spans(numbers: list[int]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
+PROBE_S = 60  # at most, for the platform probe a run starts with (jax's start on a GPU)
+
+
 def _fit_line(fitted: list, o: Options) -> str:
     """Which steps one call of budget= runs, at the most each may take, and which it leaves."""
     numbered = [(i, s, v, left) for i, (s, v, left) in enumerate(fitted, 1) if v != "finished"]
@@ -106,8 +109,8 @@ def _fit_line(fitted: list, o: Options) -> str:
     cut = [f"{s.name} starts with {left:.0f} s left" for _, s, v, left in numbered if v == "cut"]
     later = [(i, s) for i, s, v, _ in numbered if v == "later"]
     line = (
-        f"budget={o.budget:g} s, each step taking at most its budget: this call runs step"
-        f"{'s' * (len(runs) != 1)} {_spans(runs) or 'none'}"
+        f"budget={o.budget:g} s, on a GPU, each step taking at most its budget: this call runs "
+        f"step{'s' * (len(runs) != 1)} {_spans(runs) or 'none'}"
     )
     if cut:
         line += f" ({'; '.join(cut)} and is cut short if it needs more)"
@@ -117,7 +120,15 @@ def _fit_line(fitted: list, o: Options) -> str:
         line += (
             f"; step{'s' * (len(later) != 1)} {which} ({sum(s.budget_s for _, s in later):,.0f} s "
             "at most) are left for later calls of the same command (finished steps are "
-            f"skipped), or give budget={need:.0f} for all at once"
+            f"skipped), or give budget={need + PROBE_S:.0f} for all at once (their sum and "
+            f"{PROBE_S} s for the platform probe, which the budget counts)"
+        )
+    gpu_only = sum(1 for _, s, _, _ in numbered if s.needs_gpu)
+    if gpu_only:
+        line += (
+            f" Off a GPU the {gpu_only} step{'s' * (gpu_only != 1)} marked 'needs a GPU' "
+            f"{'are' if gpu_only != 1 else 'is'} skipped, taking none of the budget, so more of "
+            "the others fit"
         )
     return line + "."
 
