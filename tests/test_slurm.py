@@ -197,6 +197,12 @@ def test_slurm_step_reads_what_jax_reads(monkeypatch):
         monkeypatch.setenv("SLURM_STEP_NODELIST", nodes)
         monkeypatch.setenv("SLURM_STEP_NUM_NODES", count)
         assert slurm_step().coordinator == f"{first}:61441"
+    # node names the lab cannot read: an address given by hand is the way round them
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "10-0-0-[1-2]")
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    assert slurm_step().coordinator == "10.0.0.1:1234"
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
     monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: nothing to join
     assert slurm_step() is None
     monkeypatch.setenv("SLURM_NTASKS", "2")

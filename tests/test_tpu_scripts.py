@@ -554,6 +554,9 @@ def test_slurm_dry_run_warns_of_a_missing_venv_and_takes_meshes_over_every_gpu(e
     out = sh("slurm.sh", *args, "--gpus-per-node", "4", "--", "mesh=8x1", env=env)
     assert out.returncode == 0, out.stderr  # 2 nodes x 4 GPUs
     assert "warning" not in sh("slurm.sh", *args, "--setup", "--", "mesh=16x1", env=env).stderr
+    # a MESH in the caller's environment is not lab.run's mesh=: no mesh given, none checked
+    out = sh("slurm.sh", *args, "--setup", "--", "steps=3", env={**env, "MESH": "8x1"})
+    assert out.returncode == 0 and "error" not in out.stderr, out.stderr
 
 
 def test_run_on_hosts_prefixes_each_hosts_lines_with_its_name(env):

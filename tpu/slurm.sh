@@ -148,10 +148,11 @@ check_mesh() {
   fi
 }
 if [[ $MODULE == lab.run ]]; then
+  MESH=""  # the mesh= given to lab.run, not a MESH the caller's environment happens to hold
   for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
     [[ $a != mesh=* ]] || MESH=${a#mesh=}
   done
-  [[ -z ${MESH-} ]] || check_mesh "$MESH" $((NODES * GPUS))
+  [[ -z $MESH ]] || check_mesh "$MESH" $((NODES * GPUS))
 fi
 # the job runs in --chdir=ROOT: a relative venv is this directory's, made absolute
 [[ $VENV == /* ]] || VENV="$PWD/$VENV"
