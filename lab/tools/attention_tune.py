@@ -172,7 +172,7 @@ def static_only(o: Options) -> int:
         rec.write_records(stem.with_suffix(".jsonl"), static.records(stage=stage))
         startup.note(f"the passes finished so far are in {stem.with_suffix('.jsonl')}")
         con.print(tables.static_pass(static, title, toolchain.probe()))
-    con.print(f"records → {stem.with_suffix('.jsonl')}")
+    con.print(f"records → {stem.with_suffix('.jsonl')}", soft_wrap=True)
     return 0
 
 
@@ -218,7 +218,7 @@ def run(o: Options) -> int:
         con.print(f"head_dim {search.head_dim}: best {tiles} ({time.perf_counter() - t0:.0f} s)")
         if o.write:
             con.print(f"table → {tune.write_entry(kind, search, best, summary)}")
-    con.print(f"records → {stem.with_suffix('.jsonl')}")
+    con.print(f"records → {stem.with_suffix('.jsonl')}", soft_wrap=True)
     return 0
 
 

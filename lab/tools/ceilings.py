@@ -34,7 +34,10 @@ def run(o: Options) -> int:
         f"{env['device_count']} · jax {env['jax_version']}"
     )
     con.print(tables.ceilings(result, title))
-    con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), result.records)}")
+    con.print(
+        f"records → {records.write_records(stem.with_suffix('.jsonl'), result.records)}",
+        soft_wrap=True,
+    )
     if o.plot:
         png = plots.roofline_points(
             result.points,

@@ -75,7 +75,7 @@ def run(o: Options) -> int:
     errors = {"collective matmul (ring)": err, "all-gather then matmul": err_gathered}
     stem = records.output_stem(o.out_dir, "collective-matmul")
     path = records.write_records(stem.with_suffix(".jsonl"), _records(results, errors, config))
-    con.print(f"records → {path}")
+    con.print(f"records → {path}", soft_wrap=True)
     return 0
 
 

@@ -160,7 +160,9 @@ def run(o: Options) -> int:
     stem = records.output_stem(o.results, "prediction")
     recs = prediction.to_records(summary)
     if recs:
-        con.print(f"records → {records.write_records(stem.with_suffix('.jsonl'), recs)}")
+        con.print(
+            f"records → {records.write_records(stem.with_suffix('.jsonl'), recs)}", soft_wrap=True
+        )
     else:  # every point dropped: no file (an empty one would be removed at exit)
         con.print("records: none (no point was predicted)")
     png = plots.prediction(summary.rows, stem.with_suffix(".png"), prediction.log_error(summary))
@@ -229,7 +231,10 @@ def _cpu(o: Options, con) -> int:
         )
     con.print(tables.prediction_cpu_rows(rows, Fit.from_record(fit)))
     path = records.output_stem(o.results, "prediction-cpu").with_suffix(".jsonl")
-    con.print(f"records → {records.write_records(path, prediction.cpu_records(rows, fit))}")
+    con.print(
+        f"records → {records.write_records(path, prediction.cpu_records(rows, fit))}",
+        soft_wrap=True,
+    )
     _edges(con, {"cpu": fit}, prediction.CPU_FIT_PARAMS)
     if o.save and busy:  # lab.run quotes this fit: a loaded host's would mislead every run
         con.print(
@@ -318,7 +323,7 @@ def _here(o: Options, con) -> int:
     if op_rows:
         con.print(tables.prediction_here_rows(op_rows, info.device_kind, ops=True))
     con.print(tables.prediction_here_rows(rows, info.device_kind))
-    con.print(f"records → {path}")
+    con.print(f"records → {path}", soft_wrap=True)
     left = (len(prediction.GPU_OPS) - len(op_rows) if o.ops else 0) + len(configs) - len(rows)
     if left:
         con.print(f"stopped after {o.stop_after:g} s (stop_after): {left} not measured")

@@ -67,7 +67,7 @@ def run(o: Options) -> int:
     for table in tables.scaling(study):
         con.print(table)
     flush()
-    con.print(f"records → {stem.with_suffix('.jsonl')}")
+    con.print(f"records → {stem.with_suffix('.jsonl')}", soft_wrap=True)
     if o.plot:
         env = records.environment()
         title = (

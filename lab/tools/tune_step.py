@@ -53,7 +53,7 @@ def run(o: Options, keys: dict) -> int:
     if top is not None and top.peak_flops:
         con.print(f"MFU against {top.peak_flops / 1e9:,.1f} GFLOP/s: {top.peak_source}")
     flush()
-    con.print(f"records → {stem().with_suffix('.jsonl')}")
+    con.print(f"records → {stem().with_suffix('.jsonl')}", soft_wrap=True)
     if top is None:
         # as lab.run's step that does not fit: the request, not the run, is at fault (exit 2)
         raise ConfigError("no candidate fits this device: try more devices or a smaller model")
