@@ -418,7 +418,13 @@ def predict_training_memory(
     of them, a GPipe plan 1.34×), and a cap on it fitted to five (58 MiB) read 0.79–1.27×
     there and 0.02–1.27× on six held out, so the calculator carries no VMEM term: on TPU its
     figure reads over on small steps. Scanned layers at seq_len 512 under blockwise attention
-    read under instead (0.84×): the census misses part of what that scan stacks on TPU.
+    read under instead (0.84× of small on a v5e 2x2), and not for want of a buffer: the HBM
+    buffer assignment XLA:TPU dumps holds exactly the census's stacks (six MLP-wide bf16 and
+    four float32 stream values a layer), and against it (its temporaries plus the arguments)
+    the calculator reads 1.02–1.11× on five scanned v5e plans of 2–8 layers. It is
+    `memory_analysis` that counts 10–49 MiB of temporaries more than that assignment places
+    in HBM, 0.35–0.47 of the stacked residuals (9.5 MiB on the same step unscanned), VMEM
+    assignment on or off; the dumps do not say what those bytes are, so no term stands for them.
     """
     if remat not in REMATS:
         raise ValueError(f"remat={remat!r}: expected one of {', '.join(REMATS)}")
