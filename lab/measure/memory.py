@@ -423,7 +423,7 @@ def predict_training_memory(
     four float32 stream values a layer), and against it (its temporaries plus the arguments)
     the calculator reads 1.02–1.11× on five scanned v5e plans of 2–8 layers. It is
     `memory_analysis` that counts 10–49 MiB of temporaries more than that assignment places
-    in HBM, 0.35–0.47 of the stacked residuals (9.5 MiB on the same step unscanned), VMEM
+    in HBM, 0.35–0.50 of the stacked residuals (9.5 MiB on the same step unscanned), VMEM
     assignment on or off; the dumps do not say what those bytes are, so no term stands for them.
     """
     if remat not in REMATS:
