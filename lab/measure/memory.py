@@ -377,7 +377,9 @@ def predict_training_memory(
                    residuals of the stage's n_layers/S layers out of the stack
                    (T·S/M·n_layers/S·A_kept, A_kept what each layer keeps under the remat
                    policy).
-      workspace  = T·transient (one block's attention backward)
+      workspace  = T·transient (one block's attention backward; on XLA:CPU with layers
+                   unrolled, at least the MLP's three gradients and the input's,
+                   c·(3·F/model + D))
                  + 2·T·vocab_size·4 / model (float32 logits and the softmax the loss gradient
                    needs)
                  + vocab_size·D·grad_bytes / P with tied embeddings (the lookup's scatter and
@@ -452,6 +454,14 @@ def predict_training_memory(
         tile=attention_tile,
         backend=backend,
     )
+    if census is None and backend == "cpu":
+        # XLA:CPU's backward of an unrolled block holds the MLP's gradients (gate, up and
+        # their product, split over `model`) and the block's input gradient at once; where
+        # the attention's own backward holds less (a kernel whose tiles XLA never sees) that
+        # is the block's transient. Read from compiled CPU steps: the step's bytes beyond its
+        # layers' slope were the same for naive, blockwise and cpu_flash attention, and grew
+        # with d_ff by 3.25 float32 values a column (small, 2 and 4 layers, d_ff 768 and 1536).
+        transient = max(transient, c * (3 * d_ff / model + d_model))
     kept_input = c * d_model  # what remat=full keeps of a layer: its input
     differentiated = 0.0  # the layer in its backward: what it holds beyond its kept share
     recomputed_dots = a_layer
@@ -572,10 +582,12 @@ def lab_axes(strategy: str, sizes: dict[str, int]) -> dict[str, int]:
 def lab_attention_kind(impl: str, backend: str) -> str:
     """The calculator's attention kind for a `lab.kernels.attention` impl on `backend`:
     naive and xla form the L×S scores; blockwise and ring (whose local blocks are plain JAX)
-    write tiles to device memory; fused kernels (pallas, cudnn) keep them on chip. `auto` is
-    blockwise on CPU and a fused kernel on GPU and TPU, as the dispatch picks."""
+    write tiles to device memory; fused kernels (pallas, cudnn, and the native cpu_flash,
+    whose tiles live in its threads' own buffers, outside XLA's) keep them out of XLA's
+    buffers. `auto` is what the dispatch picks: a fused kernel (cpu_flash on CPU where the
+    native kernel is built; blockwise without a compiler). A resolved config names its impl."""
     if impl == "auto":
-        return "blockwise" if backend == "cpu" else "flash"
+        return "flash"
     if impl in ("naive", "xla"):
         return "naive"
     return "blockwise" if impl in ("blockwise", "ring") else "flash"
