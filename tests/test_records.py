@@ -70,6 +70,36 @@ def test_a_damaged_records_file_names_its_file_and_line(tmp_path):
         records.read_records(path)
 
 
+def test_a_last_line_cut_short_says_the_records_before_it_can_be_kept(tmp_path):
+    """A write stopped mid-line leaves the last line torn: the error says how many whole
+    records come before it and that removing that line keeps them (the command still refuses
+    the file: skipping a line unasked would drop a figure silently)."""
+    path = tmp_path / "records.jsonl"
+    good = json.dumps(records.make_record("x", 1.0, "s"))
+    path.write_text((good + "\n") * 3 + good[:40])
+    with pytest.raises(ValueError) as e:
+        records.read_records(path)
+    assert "line 4: not JSON (cut short" in str(e.value)
+    assert str(e.value).endswith("; the 3 records before it are whole: remove line 4 to use them")
+    path.write_text(good + "\n" + good[:40])
+    with pytest.raises(ValueError, match="the record before it is whole: remove line 2 to use it"):
+        records.read_records(path)
+    path.write_text(good[:40])  # nothing before it: nothing to keep, no advice
+    with pytest.raises(ValueError) as e:
+        records.read_records(path)
+    assert "remove" not in str(e.value)
+
+
+def test_a_reader_can_refuse_well_formed_records_by_line(tmp_path):
+    path = tmp_path / "records.jsonl"
+    rows = [records.make_record("x", v, "s") for v in (1.0, 2.0)]
+    records.write_records(path, rows)
+    big = lambda r: "too big" if r["value"] > 1 else None  # noqa: E731
+    with pytest.raises(ValueError, match=r"records.jsonl, line 2: too big$"):
+        records.read_records(path, check=big)
+    assert len(records.read_records(path)) == 2
+
+
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
     """fresh_dir never hands out a folder that exists: two runs never share one."""
     a, b, c = (records.fresh_dir(tmp_path, "cpu-cpu-20261129-101043") for _ in range(3))

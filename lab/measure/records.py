@@ -265,10 +265,21 @@ def _json_type(x) -> str:
     return names.get(type(x), "a number" if isinstance(x, int | float) else type(x).__name__)
 
 
-def read_records(path) -> list[dict]:
+def _keep_before(line: int, whole: int) -> str:
+    """The way past a last line cut short: the whole records before it can be kept."""
+    if not whole:
+        return ""
+    these = "the record before it is" if whole == 1 else f"the {whole} records before it are"
+    return f"; {these} whole: remove line {line} to use {'it' if whole == 1 else 'them'}"
+
+
+def read_records(path, check=None) -> list[dict]:
     """Every record of a JSON Lines file (blank lines skipped). A line that is not a record
     (a write cut short by a kill, a file of something else) is a ValueError naming the file
-    and the line: one damaged line is not a damaged folder the user must search."""
+    and the line: one damaged line is not a damaged folder the user must search. A last line
+    cut short says how many whole records come before it, and that removing it keeps them.
+    `check(record)`, where given, says why a reader refuses a well-formed record (None: it
+    does not); the ValueError names the line."""
     out = []
     try:
         with Path(path).open(encoding="utf-8") as f:
@@ -278,9 +289,13 @@ def read_records(path) -> list[dict]:
                 try:
                     r = json.loads(line)
                 except ValueError as e:
-                    torn = not line.endswith("\n")
-                    cut = " (cut short: a write that was stopped?)" if torn else ""
-                    raise ValueError(f"{path}, line {n}: not JSON{cut}: {e}") from None
+                    if line.endswith("\n"):
+                        raise ValueError(f"{path}, line {n}: not JSON: {e}") from None
+                    # no newline: the last line, a write that was stopped
+                    raise ValueError(
+                        f"{path}, line {n}: not JSON (cut short: a write that was stopped?): "
+                        f"{e}{_keep_before(n, len(out))}"
+                    ) from None
                 missing = [k for k in RECORD_KEYS if k not in r] if isinstance(r, dict) else None
                 if missing is None or missing:
                     what = f"no {', '.join(missing)}" if missing else f"a JSON {type(r).__name__}"
@@ -288,6 +303,8 @@ def read_records(path) -> list[dict]:
                 wrong = _wrong_type(r)
                 if wrong:
                     raise ValueError(f"{path}, line {n}: not a lab record ({wrong})")
+                if check is not None and (why := check(r)):
+                    raise ValueError(f"{path}, line {n}: {why}")
                 out.append(r)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
