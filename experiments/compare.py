@@ -5,16 +5,24 @@ records are merged into one list, figures that need two backends at once are der
 them (labelled `derived`, backend `multi` where the claim is about a pair: C19's TPU/H100 and
 MI300X/H100 ratios; C02's accelerator-over-CPU training speedup on the accelerator's
 backend), and one report sets the articles' "GPU vs TPU vs CPU" figures beside each other:
-the measured numbers per folder, then every claim's verdict per folder and merged. Each
-merged record carries `machine`, its folder's column name (a merge's own records keep the
-one they had): the plots draw a series or a panel per machine and the verdict table names
-the machine of every value it shows.
+the measured numbers per folder, then every claim's verdict per folder and merged.
+
+Each folder is a column named backend · device kind · size; folders that share that name add
+the host their records name, else as much of their path as tells them apart (hostA/run). Each
+merged record carries `machine`, its column's name: the plots draw a series or a panel per
+machine, and the verdict table names the machine of every value it shows.
+
+Refused with one line (exit 2): a folder given twice, or two folders that hold the same
+records (a copy of one run); a comparison (give the folders it merged: its records are
+theirs); a folder of another command's records (lab.run, a lab tool); a value that is not a
+finite number; a line that is not a record (a last line cut short says which to remove).
 """
 
 import dataclasses
 import datetime
 import itertools
 import json
+import math
 import re
 import shutil
 import sys
@@ -31,7 +39,10 @@ from lab.report.verdict import judge_all
 @dataclasses.dataclass(frozen=True)
 class Options:
     dirs: tuple = field(
-        (), "results folders of python -m experiments, comma-separated", kind="names"
+        (),
+        "results folders of python -m experiments, comma-separated (a comparison's own: give "
+        "the folders it merged)",
+        kind="names",
     )
     out_dir: str = field("results", "where compare-<time>/ is written", kind="path")
 
@@ -130,8 +141,40 @@ FIGURES = (
 )
 
 
+def _finite(r: dict) -> str | None:
+    """Why compare refuses a record's value: NaN or inf sets no figure beside another
+    machine's and judges no claim."""
+    v = r["value"]
+    if isinstance(v, float) and not math.isfinite(v):
+        return f"value is {v}, not a finite number: fix or remove the line to compare the folder"
+    return None
+
+
+def _ledger_record(r: dict) -> str | None:
+    """Why compare refuses a record: not finite, or not the ledger's (every record
+    python -m experiments writes names its claim, or None)."""
+    if "claim" not in r["config"]:
+        return "a record that names no claim: not python -m experiments' (a lab tool's?)"
+    return _finite(r)
+
+
+def _run_json(folder: Path) -> dict:
+    """What the folder's run.json says (size, only, each topic's wall time and error); {}
+    where there is none (a ledger killed before its report)."""
+    try:
+        run = json.loads((folder / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return run if isinstance(run, dict) else {}
+
+
 def load(folder) -> dict:
-    """One results folder: its records and a column name (backend · device kind)."""
+    """One results folder: its records, what its run.json says it ran (size, the claims it
+    selected, each topic's error) and a column name (backend · device kind · size).
+
+    Refused (ValueError, one line): a folder of another command's records (lab.run's, a lab
+    tool's), a comparison (its records are its inputs': give those), a value that is not a
+    finite number."""
     folder = Path(folder)
     path = folder / "records.jsonl"
     if not folder.is_dir():
@@ -141,19 +184,110 @@ def load(folder) -> dict:
             f"{folder}: a lab.run folder (one run's records); compare takes the folders "
             "python -m experiments writes (results/<name>/)"
         )
+    run = _run_json(folder)
+    if "merged" in run:
+        merged = ", ".join(str(d) for d in run["merged"]) if isinstance(run["merged"], list) else ""
+        raise ValueError(
+            f"{folder}: a comparison (its records are its inputs'): give the folders it merged"
+            + (f" ({merged})" if merged else "")
+        )
     if not path.is_file():
         raise ValueError(f"{folder}: no records.jsonl (not a python -m experiments folder)")
-    records = rec.read_records(path)
+    records = rec.read_records(path, check=_finite)
     if not records:
         raise ValueError(f"{path}: empty")
+    if not any("claim" in r["config"] for r in records):
+        n = len(records)
+        which = f"none of its {n} records names" if n > 1 else "its one record names no"
+        raise ValueError(
+            f"{path}: {which} a claim: a lab tool's records (python -m lab.tools.…), not "
+            "python -m experiments'; compare takes the folders python -m experiments writes"
+        )
+    if not all("claim" in r["config"] for r in records):
+        rec.read_records(path, check=_ledger_record)  # raises, naming the first such line
+    if any("machine" in r for r in records):
+        raise ValueError(
+            f"{path}: a comparison's records (each names its column): give the folders it merged"
+        )
     r = records[0]
-    name = f"{r['backend']} · {r['device_kind']}"
-    try:  # the size the folder was run at, where its run.json says (a merge's has none)
-        size = json.loads((folder / "run.json").read_text()).get("size")
-    except (OSError, ValueError):
-        size = None
-    name += f" · {size}" if size else ""
-    return {"dir": folder, "records": records, "name": name, "size": size}
+    size = run.get("size") if isinstance(run.get("size"), str) else None
+    only = run.get("only") if isinstance(run.get("only"), list) else None
+    modules = run.get("modules") if isinstance(run.get("modules"), dict) else None
+    name = f"{r['backend']} · {r['device_kind']}" + (f" · {size}" if size else "")
+    return {
+        "dir": folder,
+        "records": records,
+        "name": name,
+        "size": size,
+        "only": only,
+        "modules": modules,
+    }
+
+
+def _host(f: dict) -> str | None:
+    """The host every record of the folder names, None where they name none or several."""
+    hosts = {r.get("hostname") for r in f["records"]}
+    return hosts.pop() if len(hosts) == 1 and None not in hosts else None
+
+
+def _tails(f: dict) -> list:
+    """What tells two folders of one machine apart, tried in turn: the host their records
+    name, then their paths' last 1, 2, … parts (run, hostA/run, …) up to the whole path."""
+    parts = Path(f["dir"]).resolve().parts
+    return [_host(f)] + ["/".join(parts[-k:]) for k in range(1, len(parts) + 1)]
+
+
+def name_columns(folders: list[dict]) -> None:
+    """Give each folder a column name of its own (f["name"]): folders of one backend, device
+    and size add the first of `_tails` that differs between them, and the names are checked
+    again (a name made so may meet another folder's); a number where nothing tells them
+    apart. The plots draw a series per name and the report tags every figure with it: two
+    folders under one name would be drawn and judged as one machine."""
+    for _ in range(len(folders)):
+        names = [f["name"] for f in folders]
+        clashes = {n for n in names if names.count(n) > 1}
+        if not clashes:
+            return
+        for name in clashes:
+            group = [f for f in folders if f["name"] == name]
+            tails = [_tails(f) for f in group]
+            for k in range(max(len(t) for t in tails)):
+                tags = [t[k] if k < len(t) else None for t in tails]
+                if None not in tags and len(set(tags)) == len(tags):
+                    break
+            else:
+                tags = [f"#{i}" for i in range(1, len(group) + 1)]
+            for f, tag in zip(group, tags, strict=True):
+                f["name"] = f"{name} · {tag}"
+    names = [f["name"] for f in folders]
+    for i, f in enumerate(folders):  # still clashing after every pass: numbered
+        if names.count(f["name"]) > 1:
+            f["name"] += f" · #{i + 1}"
+
+
+def _fingerprint(r: dict) -> str:
+    return json.dumps(r, sort_keys=True, default=str)
+
+
+def refuse_repeats(folders: list[dict]) -> None:
+    """A ValueError naming both folders where one holds another's records (a copy of one
+    run, a comparison's input given beside it): merged, they would be counted twice, as two
+    machines that agree. A timed figure never repeats by chance; a computed one (a datasheet
+    ratio, a FLOP count) can, in two runs on one host in one second, so those alone refuse
+    only where every record of one folder is the other's."""
+    seen = {}
+    for f in folders:
+        mine = {_fingerprint(r): r for r in f["records"]}
+        for other, theirs in seen.items():
+            same = mine.keys() & theirs.keys()
+            timed = any(mine[k].get("label") == "measured" for k in same)
+            if timed or (same and len(same) == min(len(mine), len(theirs))):
+                raise ValueError(
+                    f"{other} and {f['dir']} hold the same records ({len(same)} of the "
+                    f"{len(mine)} in {f['dir']}; a copy of one run?): each run's records are "
+                    "merged once"
+                )
+        seen[f["dir"]] = mine
 
 
 def _step(r: dict) -> tuple:
@@ -174,7 +308,10 @@ def _find(records, match) -> dict | None:
 
 
 def _kind(folder: dict) -> str:
-    return markdown.slug(folder["name"])
+    """The folder's hardware as a slug (gpu-nvidia-h100-80gb-hbm3), read from its records:
+    what the pair ratios match on (the column name may carry a folder's name as well)."""
+    r = folder["records"][0]
+    return markdown.slug(f"{r['backend']} {r['device_kind']}")
 
 
 def _pair_record(claim, metric, what, num: dict, den: dict, **config) -> dict:
@@ -204,46 +341,53 @@ def _machine(r: dict) -> str:
 
 
 def derived(folders: list[dict]) -> list[dict]:
-    """Figures only a merge can give: ratios between folders of different hardware."""
+    """Figures only a merge can give: ratios between folders of different hardware, named by
+    the folders' columns."""
     out = []
-    train = {_kind(f): _find(f["records"], _train) for f in folders}
-    bf16 = {_kind(f): _find(f["records"], _bf16) for f in folders}
-    tpu = next((k for k in train if k.startswith("tpu") and train[k]), None)
-    h100 = next((k for k in train if "h100" in k and train[k]), None)
-    cpu = next((k for k in train if k.startswith("cpu") and train[k]), None)
-    if tpu and h100 and _same_step(train[tpu], train[h100]):
+    train = [(f, _find(f["records"], _train)) for f in folders]
+    train = [(f, r) for f, r in train if r]
+    bf16 = [(f, _find(f["records"], _bf16)) for f in folders]
+    bf16 = [(f, r) for f, r in bf16 if r]
+
+    def first(pairs, test):
+        return next(((f, r) for f, r in pairs if test(_kind(f))), (None, None))
+
+    tpu, tpu_r = first(train, lambda k: k.startswith("tpu"))
+    h100, h100_r = first(train, lambda k: "h100" in k)
+    cpu, cpu_r = first(train, lambda k: k.startswith("cpu"))
+    if tpu and h100 and _same_step(tpu_r, h100_r):
         out.append(
             _pair_record(
                 "C19",
                 "tpu_over_h100",
-                f"training tokens/s per chip, {tpu} over {h100}",
-                train[tpu],
-                train[h100],
+                f"training tokens/s per chip, {tpu['name']} over {h100['name']}",
+                tpu_r,
+                h100_r,
                 on="multi",
             )
         )
-    mi = next((k for k in bf16 if "mi300" in k and bf16[k]), None)
-    h100_mm = next((k for k in bf16 if "h100" in k and bf16[k]), None)
+    mi, mi_r = first(bf16, lambda k: "mi300" in k)
+    h100_mm, h100_mm_r = first(bf16, lambda k: "h100" in k)
     if mi and h100_mm:
         out.append(
             _pair_record(
                 "C19",
                 "mi300x_over_h100",
-                f"bf16 matmul FLOP/s, {mi} over {h100_mm}",
-                bf16[mi],
-                bf16[h100_mm],
+                f"bf16 matmul FLOP/s, {mi['name']} over {h100_mm['name']}",
+                mi_r,
+                h100_mm_r,
                 on="multi",
             )
         )
-    for k, r in train.items():
-        if cpu and r and not k.startswith("cpu") and _same_step(r, train[cpu]):
+    for f, r in train:
+        if cpu and not _kind(f).startswith("cpu") and _same_step(r, cpu_r):
             out.append(
                 _pair_record(
                     "C02",
                     "gpu_cpu_train_speedup",
-                    f"training tokens/s, {k} over {cpu} (two machines)",
+                    f"training tokens/s, {f['name']} over {cpu['name']} (two machines)",
                     r,
-                    train[cpu],
+                    cpu_r,
                     on=r["backend"],
                     target=r["device_kind"],
                 )
@@ -298,12 +442,10 @@ def verdict_grid(folders: list[dict], merged_verdicts) -> list[str]:
 def merge(dirs, out_root="results") -> dict:
     """Merge result folders into out_root/compare-<timestamp>/ (records.jsonl, REPORT.md)."""
     folders = [load(d) for d in dirs]
-    names = [f["name"] for f in folders]
-    for f in folders:  # two folders of one machine and size: their columns say which is which
-        if names.count(f["name"]) > 1:
-            f["name"] += f" · {f['dir'].name}"
+    refuse_repeats(folders)
+    name_columns(folders)
     for f in folders:  # each record names its column: the plots and the verdicts say whose it is
-        f["records"] = [{**r, "machine": r.get("machine") or f["name"]} for r in f["records"]]
+        f["records"] = [{**r, "machine": f["name"]} for r in f["records"]]
     records = [r for f in folders for r in f["records"]]
     records += derived(folders)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -315,6 +457,10 @@ def merge(dirs, out_root="results") -> dict:
         raise
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' * (n != 1)}"
+
+
 def _write(out, folders, records, dirs) -> dict:
     rec.write_records(out / "records.jsonl", records)
     tiny = [str(f["dir"]) for f in folders if f.get("size") == "tiny"]
@@ -324,7 +470,7 @@ def _write(out, folders, records, dirs) -> dict:
     intro = [
         "# Across backends",
         "",
-        *[f"- `{f['dir']}`: {f['name']}, {len(f['records'])} records" for f in folders],
+        *[f"- `{f['dir']}`: {f['name']}, {_count(len(f['records']), 'record')}" for f in folders],
         "",
         "## Side by side (measured unless labelled)",
         "",
@@ -349,7 +495,7 @@ def run(o: Options) -> int:
         key = Path(d).resolve()
         if key in seen:
             same = "is given twice" if d == seen[key] else f"is the same folder as {seen[key]}"
-            raise ConfigError(f"dirs=: {d} {same}: each folder is merged once")
+            raise ConfigError(f"{d} {same} in dirs=: each folder is merged once")
         seen[key] = d
     try:
         result = merge(o.dirs, o.out_dir)
@@ -364,7 +510,9 @@ def run(o: Options) -> int:
     )
     progress.console().print(tables.verdicts(result["verdicts"], caution))
     n = len(o.dirs)
-    print(f"{len(result['records'])} records from {n} folder{'s' * (n != 1)} → {result['path']}")
+    print(
+        f"{_count(len(result['records']), 'record')} from {_count(n, 'folder')} → {result['path']}"
+    )
     return 0
 
 

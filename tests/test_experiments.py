@@ -130,9 +130,10 @@ def _relabel(src, dst, backend: str, kind: str):
 
 
 def test_a_comparison_that_fails_leaves_no_half_written_folder(tmp_path, monkeypatch, capsys):
-    for name in ("a", "b"):
+    for value, name in enumerate(("a", "b")):
         (tmp_path / name).mkdir()
-        rec.write_records(tmp_path / name / "records.jsonl", [rec.make_record("x", 1.0, "s")])
+        r = rec.make_record("x", float(value), "s", claim="C01")
+        rec.write_records(tmp_path / name / "records.jsonl", [r])
 
     def broken(*args, **kwargs):
         raise RuntimeError("a renderer's bug")

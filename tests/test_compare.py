@@ -1,0 +1,164 @@
+"""experiments.compare on hand-built results folders (a run.json and a few records each): whose
+each figure is, what is refused and why, and what a folder's column says it did not judge."""
+
+import json
+import os
+
+from experiments import compare
+from lab.measure import records as rec
+
+
+def _folder(path, records, *, backend="cpu", kind="cpu", host="vm", jax="0.12.0", run=None):
+    """A results folder as python -m experiments writes it: records.jsonl and run.json."""
+    path.mkdir(parents=True)
+    for r in records:
+        r.update(backend=backend, device_kind=kind, device_count=1, hostname=host, jax_version=jax)
+    rec.write_records(path / "records.jsonl", records)
+    (path / "run.json").write_text(json.dumps({"size": "tiny"} if run is None else run))
+    return path
+
+
+def _error(scale: float = 1.0) -> dict:
+    """C08's deciding figure: flash attention's largest error (the lab's measured kind)."""
+    return rec.make_record(
+        "blockwise: largest error against the float64 reference", 1.09e-6 * scale, "max |Δ|",
+        label="derived", claim="C08", metric="flash_max_error", role="evidence",
+    )  # fmt: skip
+
+
+def _time(ms: float) -> dict:
+    return rec.make_record(
+        "blockwise fwd+bwd, L=256", ms * 1e-3, "s", claim="C08", metric=None, role="context"
+    )
+
+
+def _datasheet() -> dict:
+    """A reference figure every folder carries alike (a spec-table ratio, nothing measured)."""
+    return rec.make_record(
+        "MI300X over H100, bf16 datasheet peaks (reference, not measured)", 1.3212733703890853,
+        "×", label="derived", claim="C19", metric="mi300x_over_h100", role="reference",
+        target="mi300x",
+    )  # fmt: skip
+
+
+def _train(tokens_per_s: float) -> dict:
+    return rec.make_record(
+        "training tokens/s", tokens_per_s, "tokens/s", claim="C17", metric=None,
+        role="context", series="train_throughput", params=115008, batch=2, seq_len=32,
+    )  # fmt: skip
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_folders_of_one_name_get_columns_of_their_own(tmp_path):
+    """Two CPU folders both called run (hostA/run, hostB/run) were one column, one colour and
+    one series: the path that tells them apart is added, the host where their records name
+    different ones, and a name made so is checked again against the others."""
+    a = _folder(tmp_path / "hostA" / "run", [_error(), _time(2.4)])
+    b = _folder(tmp_path / "hostB" / "run", [_error(1.1), _time(2.3)])
+    result = compare.merge([a, b], tmp_path / "cmp")
+    names = [f["name"] for f in result["folders"]]
+    assert names == ["cpu · cpu · tiny · hostA/run", "cpu · cpu · tiny · hostB/run"]
+    merged = rec.read_records(result["dir"] / "records.jsonl")
+    assert {r["machine"] for r in merged} == set(names)
+
+    c = _folder(tmp_path / "c" / "run", [_time(2.0)], host="node-1")
+    d = _folder(tmp_path / "d" / "run", [_time(2.1)], host="node-2")
+    result = compare.merge([c, d], tmp_path / "cmp")
+    assert [f["name"] for f in result["folders"]] == [
+        "cpu · cpu · tiny · node-1",
+        "cpu · cpu · tiny · node-2",
+    ]
+
+    def made(name, path):
+        return {"name": name, "dir": tmp_path / path, "records": [{"hostname": "vm"}]}
+
+    # "m · run" (from x/run) meets the third folder's own name: told apart again
+    folders = [made("m", "x/run"), made("m", "y/z"), made("m · run", "w/q")]
+    compare.name_columns(folders)
+    assert len({f["name"] for f in folders}) == 3, [f["name"] for f in folders]
+
+
+def test_the_same_records_twice_are_refused_naming_both_folders(tmp_path, capsys):
+    """A copy of one folder merged as a second machine counted every record twice ("2 of 2"
+    predictions that were one); a comparison given beside one of its own inputs did the same,
+    and lost its inputs' sizes. Both are refused with one line."""
+    a = _folder(tmp_path / "a", [_error(), _time(2.4)])
+    b = _folder(tmp_path / "b", [_error(1.1), _time(2.3)])
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("records.jsonl", "run.json"):
+        (copy / name).write_bytes((a / name).read_bytes())
+    assert compare.main([f"dirs={a},{copy}", f"out_dir={tmp_path / 'out'}"]) == 2
+    err = _one_line_error(capsys)
+    assert f"{a} and {copy} hold the same records (2 of the 2" in err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+    assert compare.main([f"dirs={a},{b}", f"out_dir={tmp_path / 'cmp'}"]) == 0
+    (made,) = (tmp_path / "cmp").iterdir()
+    capsys.readouterr()
+    assert compare.main([f"dirs={made},{a}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    err = _one_line_error(capsys)
+    assert "a comparison" in err and f"give the folders it merged ({a}, {b})" in err
+    bare = tmp_path / "bare"  # a comparison's records without its run.json
+    bare.mkdir()
+    (bare / "records.jsonl").write_bytes((made / "records.jsonl").read_bytes())
+    assert compare.main([f"dirs={bare}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    assert "a comparison's records" in _one_line_error(capsys)
+
+
+def test_two_runs_that_share_only_computed_figures_are_two_runs(tmp_path):
+    """A datasheet ratio is the same record in two runs on one host in one second: that
+    alone is no copy, while each folder's timed figures are its own."""
+    a = _folder(tmp_path / "a", [_datasheet(), _time(2.4)])
+    b = _folder(tmp_path / "b", [_datasheet(), _time(2.3)])
+    assert rec.read_records(a / "records.jsonl")[0] == rec.read_records(b / "records.jsonl")[0]
+    assert len(compare.merge([a, b], tmp_path / "cmp")["folders"]) == 2
+
+
+def test_another_commands_records_and_non_finite_values_are_refused(tmp_path, capsys):
+    """A lab tool's records (lab.tools.ceilings': none names a claim) were listed as a
+    machine whose every cell was "—"; a NaN was printed as a measured figure."""
+    tool = _folder(tmp_path / "tool", [rec.make_record("matmul float32", 4e10, "FLOP/s")] * 3)
+    a = _folder(tmp_path / "a", [_error(), _time(2.4)])
+    assert compare.main([f"dirs={a},{tool}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    err = _one_line_error(capsys)
+    assert "none of its 3 records names a claim: a lab tool's records" in err
+    assert "not python -m experiments'" in err
+
+    mixed = _folder(tmp_path / "mixed", [_time(2.0), rec.make_record("copy", 1e10, "B/s")])
+    assert compare.main([f"dirs={a},{mixed}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    assert "records.jsonl, line 2: a record that names no claim" in _one_line_error(capsys)
+
+    nan = _folder(tmp_path / "nan", [_time(2.0), _train(float("nan"))])
+    assert compare.main([f"dirs={a},{nan}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    assert "records.jsonl, line 2: value is nan, not a finite number" in _one_line_error(capsys)
+    inf = _folder(tmp_path / "inf", [_time(float("inf"))])
+    assert compare.main([f"dirs={a},{inf}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    assert "line 1: value is inf" in _one_line_error(capsys)
+
+
+def test_a_damaged_folder_says_the_way_forward_and_a_link_is_named_as_one(tmp_path, capsys):
+    a = _folder(tmp_path / "a", [_error(), _time(2.4)])
+    b = _folder(tmp_path / "b", [_error(1.1), _time(2.3), _time(2.5)])
+    text = (b / "records.jsonl").read_text()
+    (b / "records.jsonl").write_text(text[:-200])
+    assert compare.main([f"dirs={a},{b}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    err = _one_line_error(capsys)
+    assert "line 3: not JSON (cut short" in err
+    assert err.rstrip().endswith("the 2 records before it are whole: remove line 3 to use them")
+    link = tmp_path / "link"
+    os.symlink(a, link)
+    assert compare.main([f"dirs={a},{link}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    err = _one_line_error(capsys)
+    assert err == f"error: {link} is the same folder as {a} in dirs=: each folder is merged once\n"
+
+
+def test_the_closing_line_counts_in_words_that_agree(tmp_path, capsys):
+    a = _folder(tmp_path / "a", [_time(1.0)])
+    assert compare.main([f"dirs={a}", f"out_dir={tmp_path / 'cmp'}"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("1 record from 1 folder → ")
