@@ -10,7 +10,8 @@ the measured numbers per folder, then every claim's verdict per folder and merge
 Each folder is a column named backend · device kind · size; folders that share that name add
 the host their records name, else as much of their path as tells them apart (hostA/run). Each
 merged record carries `machine`, its column's name: the plots draw a series or a panel per
-machine, and the verdict table names the machine of every value it shows.
+machine, and the report tags each figure with it (a reference figure every folder carries
+alike, a datasheet's, is shown once, untagged).
 
 Refused with one line (exit 2): a folder given twice, or two folders that hold the same
 records (a copy of one run); a comparison (give the folders it merged: its records are

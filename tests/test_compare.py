@@ -142,6 +142,38 @@ def test_another_commands_records_and_non_finite_values_are_refused(tmp_path, ca
     assert "line 1: value is inf" in _one_line_error(capsys)
 
 
+def test_each_figure_names_its_machine_and_a_datasheet_figure_is_shown_once(tmp_path):
+    """In the topic sections two folders' figures read alike ("1.09e-06 max |Δ| (*derived*,
+    cpu, cpu × 8)" twice): each names its column; a reference figure every folder carries is
+    one figure, shown once; the environment says which folder ran which JAX; the ratios
+    derived across machines name the columns, not slugs."""
+    cpu = _folder(tmp_path / "cpu", [_error(), _time(2.4), _datasheet(), _train(3e4)], jax="0.10.2")
+    gpu = _folder(
+        tmp_path / "gpu",
+        [_error(1.1), _time(0.2), _datasheet(), _train(3e6)],
+        backend="gpu",
+        kind="NVIDIA H100 80GB HBM3",
+        host="gpu-vm",
+    )
+    result = compare.merge([cpu, gpu], tmp_path / "cmp")
+    text = result["path"].read_text()
+    c, g = "cpu · cpu · tiny", "gpu · NVIDIA H100 80GB HBM3 · tiny"
+    assert f"1.09e-06 max |Δ| ({c}: *derived*, cpu, cpu × 1)" in text
+    assert f"1.2e-06 max |Δ| ({g}: *derived*, gpu, NVIDIA H100 80GB HBM3 × 1)" in text
+    assert f"2.40 ms ({c}: *measured*, cpu, cpu × 1, context)" in text
+    assert text.count("reference, not a verdict: MI300X over H100") == 1
+    assert text.count("- MI300X over H100, bf16 datasheet peaks (reference, not measured): ") == 1
+    assert f"- {c}: backend cpu, cpu × 1, jax 0.10.2" in text
+    assert f"- {g}: backend gpu, NVIDIA H100 80GB HBM3 × 1, jax 0.12.0" in text
+    assert f"training tokens/s, {g} over {c} (two machines)" in text
+    assert "nvidia-h100" not in text
+    assert f"`{cpu}`: {c}, 4 records" in text
+
+    one = _folder(tmp_path / "one", [_time(1.0)])
+    text = compare.merge([one], tmp_path / "cmp")["path"].read_text()
+    assert f"`{one}`: {c}, 1 record\n" in text
+
+
 def test_a_damaged_folder_says_the_way_forward_and_a_link_is_named_as_one(tmp_path, capsys):
     a = _folder(tmp_path / "a", [_error(), _time(2.4)])
     b = _folder(tmp_path / "b", [_error(1.1), _time(2.3), _time(2.5)])

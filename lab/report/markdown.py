@@ -47,19 +47,23 @@ def results_dir(root, env: dict) -> Path:
     return rec.fresh_dir(root, f"{env['backend']}-{slug(env['device_kind'])}-{stamp}")
 
 
-def _tag(r: dict) -> str:
+def _tag(r: dict, machine: bool = True) -> str:
+    """How a figure was obtained and where: `*measured*, cpu, cpu × 8`. In a comparison the
+    column of the folder it came from leads (`machine`), unless `machine` is False (a
+    reference figure every folder carries alike)."""
+    column = f"{r['machine']}: " if machine and r.get("machine") else ""
     on = r["config"].get("on") or r["backend"]
     target = r["config"].get("target")
-    machine = f"{r['device_kind']} × {r['device_count']}"
+    devices = f"{r['device_kind']} × {r['device_count']}"
     if r["backend"] == "multi":  # a merge's ratio of two folders' figures
         where = f"two machines, {r['device_kind']}"
     elif target:
         where = f"for {target}"
     elif on == "cpu" and r["backend"] != "cpu":  # the host CPU in an accelerator's process
-        where = f"{on}, the host of {machine}"
+        where = f"{on}, the host of {devices}"
     else:
-        where = f"{on}, {machine}"
-    return f"*{r['label']}*, {where}"
+        where = f"{on}, {devices}"
+    return f"{column}*{r['label']}*, {where}"
 
 
 def _reading_text(x) -> str:
@@ -104,21 +108,29 @@ def measured_cell(v: Verdict, records: Sequence[dict]) -> str:
     shown = [i for c in v.checks for i in c.context]  # the stated parts' own figures first
     if not parts and (shown or v.records):
         r = records[(shown or v.records)[0]]
-        where = f"{r['what']}; {_tag(r)}" if shown else r["what"]
         whose = _whose(r, merged)
-        parts.append(
-            f"context: {fmt(r['value'], r['unit'])} ({where}" + (f"; {whose})" if whose else ")")
-        )
+        if shown:  # the tag names the machine (a reference figure is every machine's)
+            where = f"{r['what']}; {_tag(r, r['config'].get('role') != 'reference')}"
+        else:
+            where = r["what"] + (f"; {whose}" if whose else "")
+        parts.append(f"context: {fmt(r['value'], r['unit'])} ({where})")
     return "; ".join(parts) or "—"
 
 
 def _env_lines(records: Sequence[dict], meta: dict) -> list[str]:
-    envs = {
-        (r["backend"], r["device_kind"], r["device_count"], r["jax_version"])
-        for r in records
-        if r["backend"] != "multi"  # a merge's ratios: their machines are listed already
-    }
-    lines = [f"- backend {b}, {k} × {n}, jax {j}" for b, k, n, j in sorted(envs)]
+    """Where the records were taken: backend, devices and JAX, in a comparison per column
+    (which folder ran which JAX), then the run's size and topics or the merge's folders."""
+    envs = {}  # in a merge, column → its environments, in the folders' order
+    for r in records:
+        if r["backend"] == "multi":  # a merge's ratios: their machines are listed already
+            continue
+        env = (r["backend"], r["device_kind"], r["device_count"], r["jax_version"])
+        envs.setdefault(r.get("machine"), set()).add(env)
+    lines = [
+        f"- {f'{machine}: ' if machine else ''}backend {b}, {k} × {n}, jax {j}"
+        for machine, found in envs.items()
+        for b, k, n, j in sorted(found, key=str)
+    ]
     if meta.get("merged"):  # a merge timed nothing: it names its sources
         lines.append("- merged from " + ", ".join(f"`{d}`" for d in meta["merged"]))
         if meta.get("tiny"):
@@ -174,11 +186,30 @@ def stated_range(s) -> str:
     return "per device: " + ", ".join(parts)
 
 
+def _once(records: Sequence[dict], indices) -> list[tuple[int, bool]]:
+    """`indices` with each reference figure (a spec table's, an analytic count) once: in a
+    comparison every folder carries it alike, and it is one figure, not one per machine. Each
+    index comes with whether to name its machine: not for a figure several folders share."""
+    out, first = [], {}
+    for i in indices:
+        r = records[i]
+        if r["config"].get("role") != "reference":
+            out.append((i, True))
+            continue
+        key = (r["what"], r["value"], r["unit"], r["label"])
+        if key in first:
+            out[first[key]] = (out[first[key]][0], False)
+            continue
+        first[key] = len(out)
+        out.append((i, True))
+    return out
+
+
 def _reference_notes(c, records: Sequence[dict]) -> list[str]:
     """Reference figures (spec table, not measured) that carry this part's metric: whether
     they contradict the article and by how much. Never a verdict: nothing was measured."""
     out = []
-    for i in c.context:
+    for i, named in _once(records, c.context):
         r = records[i]
         if r["config"].get("role") != "reference" or not isinstance(r["value"], int | float):
             continue
@@ -191,8 +222,10 @@ def _reference_notes(c, records: Sequence[dict]) -> list[str]:
             if factor is None
             else (f"outside {fmt_range(*bounds, r['unit'], False)} by ×{factor:,.3g} ({direction})")
         )
+        whose = f" ({r['machine']})" if named and r.get("machine") else ""
         out.append(
-            f"  - reference, not a verdict: {r['what']} = {fmt(r['value'], r['unit'])}, {where}"
+            f"  - reference, not a verdict: {r['what']} = {fmt(r['value'], r['unit'])}{whose}, "
+            f"{where}"
         )
     contradicted = any("outside" in line for line in out)
     if contradicted and c.status in (NA, MISSING, PREDICTED) and c.stated.if_off:
@@ -240,10 +273,10 @@ def _check_lines(v: Verdict, records: Sequence[dict]) -> list[str]:
     rest = [i for i in v.records if i not in shown]
     if rest:
         lines.append("- context and reference records:")
-        for i in rest:
+        for i, named in _once(records, rest):
             r = records[i]
             lines.append(
-                f"  - {_context_what(r)}: {fmt(r['value'], r['unit'])} ({_tag(r)}"
+                f"  - {_context_what(r)}: {fmt(r['value'], r['unit'])} ({_tag(r, named)}"
                 + (f", {r['config']['role']}" if r["config"].get("role") != "evidence" else "")
                 + (
                     f", {'an upper' if r['config']['bound'] == 'upper' else 'a lower'} bound: "
