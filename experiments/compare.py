@@ -11,7 +11,9 @@ Each folder is a column named backend · device kind · size; folders that share
 the host their records name, else as much of their path as tells them apart (hostA/run). Each
 merged record carries `machine`, its column's name: the plots draw a series or a panel per
 machine, and the report tags each figure with it (a reference figure every folder carries
-alike, a datasheet's, is shown once, untagged).
+alike, a datasheet's, is shown once, untagged). A folder's column judges the claims its
+run selected (run.json's `only`) as its own REPORT.md does, and says "not run", "failed" or
+"cut short" where run.json says so; the comparison judges the claims some folder selected.
 
 Refused with one line (exit 2): a folder given twice, or two folders that hold the same
 records (a copy of one run); a comparison (give the folders it merged: its records are
@@ -34,7 +36,8 @@ from lab.config import cli, field
 from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.report import markdown, progress, tables
-from lab.report.verdict import judge_all
+from lab.report.claims import CLAIMS
+from lab.report.verdict import MISSING, judge_all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,14 +433,51 @@ def unmatched_steps(folders: list[dict]) -> list[str]:
     return lines
 
 
+def _selected(folders: list[dict]) -> tuple | None:
+    """The claims the comparison judges: those some folder selected (its run.json's `only`),
+    every claim where a folder selected all (or does not say)."""
+    if any(f.get("only") is None for f in folders):
+        return None
+    ids = {i for f in folders for i in f["only"]}
+    return tuple(c.id for c in CLAIMS if c.id in ids)
+
+
+def _cell(f: dict, claim, status: str) -> str:
+    """A folder's verdict on a claim, as its own REPORT.md judges it: a claim it did not
+    select, a topic it never reached, a topic that failed or was cut short say so instead of
+    a bare "no record"."""
+    only = f.get("only")
+    if only is not None and claim.id not in only:
+        return f"not selected (only={','.join(map(str, only))})"
+    modules = f.get("modules")
+    if modules is None:  # no run.json (or an old one): only the records speak
+        return status
+    if claim.topic not in modules:
+        return "not run"
+    topic = modules[claim.topic]
+    error = topic.get("error") if isinstance(topic, dict) else None
+    if not error:
+        return status
+    word = "cut short" if str(error).startswith("cut short") else "failed"
+    return word if status == MISSING else f"{status} ({claim.topic} {word})"
+
+
 def verdict_grid(folders: list[dict], merged_verdicts) -> list[str]:
-    per = [{v.claim.id: v.status for v in judge_all(f["records"])} for f in folders]
+    claims = [v.claim for v in merged_verdicts]
+    per = [{v.claim.id: v.status for v in judge_all(f["records"], claims)} for f in folders]
     head = "| id | " + " | ".join(f["name"] for f in folders) + " | merged |"
     rows = [head, "|---" * (len(folders) + 2) + "|"]
     for v in merged_verdicts:
-        cells = [p[v.claim.id] for p in per]
+        cells = [_cell(f, v.claim, p[v.claim.id]) for f, p in zip(folders, per, strict=True)]
         rows.append(f"| {v.claim.id} | " + " | ".join(cells) + f" | **{v.status}** |")
     return rows
+
+
+GRID_NOTE = (
+    "A folder's column judges the claims its run selected (`only=`), as its own REPORT.md "
+    "does, and says where a topic was not run, failed or was cut short; *merged* judges "
+    "every folder's records together."
+)
 
 
 def merge(dirs, out_root="results") -> dict:
@@ -466,7 +506,7 @@ def _write(out, folders, records, dirs) -> dict:
     rec.write_records(out / "records.jsonl", records)
     tiny = [str(f["dir"]) for f in folders if f.get("size") == "tiny"]
     meta = {"merged": [str(d) for d in dirs], "tiny": tiny}
-    report = markdown.write_report(out, records=records, meta=meta)
+    report = markdown.write_report(out, records=records, meta=meta, only=_selected(folders))
     text = report["path"].read_text()
     intro = [
         "# Across backends",
@@ -482,6 +522,8 @@ def _write(out, folders, records, dirs) -> dict:
         "## Verdicts per machine and merged",
         "",
         *verdict_grid(folders, report["verdicts"]),
+        "",
+        GRID_NOTE,
         "",
     ]
     report["path"].write_text("\n".join(intro) + "\n" + text)

@@ -174,6 +174,54 @@ def test_each_figure_names_its_machine_and_a_datasheet_figure_is_shown_once(tmp_
     assert f"`{one}`: {c}, 1 record\n" in text
 
 
+def test_a_column_says_what_its_run_did_not_judge(tmp_path):
+    """A bare "no record" said nothing of why: a claim the folder did not select, a topic it
+    never reached, one that failed and one cut short by a signal (its own REPORT.md says which)
+    each say so; and a folder of only=C02 is judged on C02 alone, as its own report is,
+    though its training topic recorded other claims' figures too."""
+    cut = _folder(
+        tmp_path / "cut",
+        [_time(2.0)],
+        run={
+            "size": "tiny",
+            "only": ["C08", "C17"],
+            "modules": {
+                "attention": {"wall_s": 9, "records": 1, "error": None},
+                "training": {"wall_s": 9, "records": 0, "error": "cut short by SIGTERM: none"},
+            },
+        },
+    )
+    failed = _folder(
+        tmp_path / "failed",
+        [_error(), _time(2.4)],
+        run={
+            "size": "tiny",
+            "only": None,
+            "modules": {"attention": {"wall_s": 1, "records": 2, "error": "RuntimeError: x"}},
+        },
+    )
+    result = compare.merge([cut, failed], tmp_path / "cmp")
+    text = result["path"].read_text()
+    grid = text[text.index("## Verdicts per machine") : text.index("# Claims ledger")]
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:]
+        for line in grid.splitlines()
+        if line.startswith("| C")
+    }
+    assert rows["C17"][:2] == ["cut short", "not run"]
+    assert rows["C01"][:2] == ["not selected (only=C08,C17)", "not run"]
+    assert rows["C08"][:2] == ["n/a here", "holds (attention failed)"]
+
+    alone = _folder(
+        tmp_path / "alone",
+        [rec.make_record("step tokens/s", 3e4, "tokens/s", claim=c, metric=None, role="context")
+         for c in ("C02", "C04", "C15")],
+        run={"size": "tiny", "only": ["C02"], "modules": {"training": {"error": None}}},
+    )  # fmt: skip
+    verdicts = compare.merge([alone], tmp_path / "cmp")["verdicts"]
+    assert [v.claim.id for v in verdicts] == ["C02"]
+
+
 def test_a_damaged_folder_says_the_way_forward_and_a_link_is_named_as_one(tmp_path, capsys):
     a = _folder(tmp_path / "a", [_error(), _time(2.4)])
     b = _folder(tmp_path / "b", [_error(1.1), _time(2.3), _time(2.5)])
