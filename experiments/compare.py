@@ -44,7 +44,7 @@ from lab.report.verdict import MISSING, judge_all
 class Options:
     dirs: tuple = field(
         (),
-        "results folders of python -m experiments, comma-separated (a comparison's own: give "
+        "results folders of python -m experiments, comma-separated (for a comparison, give "
         "the folders it merged)",
         kind="names",
     )
