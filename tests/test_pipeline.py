@@ -30,6 +30,7 @@ from lab.kernels.pipeline import (
     to_microbatches,
     to_stage_major_order,
 )
+from lab.measure.pipeline import PipelineReading
 from lab.measure.timing import random_inputs
 from lab.mesh import make_mesh, rules_for
 from lab.model import build, natural_layers
@@ -303,6 +304,28 @@ def test_explain_counts_the_pp_fsdp_stage_weight_collectives():
     con.print(tables.explain_pipeline(r))  # the renderer takes the reading itself
     text = con.export_text()
     assert "ticks (loop trip count)" in text and f"{r.microbatch_bytes:,} B" in text
+
+
+def test_explain_reads_the_tick_loop_inside_gradient_accumulation():
+    """pp with accumulate=2: the tick loops (3 trips) sit inside the accumulation loop (2 trips).
+    The ticks and the bubble are one run of the schedule's (3, 1/3), not the product's (6, 2/3);
+    the permutes run and send K·ticks·a a step, as the analytic figure."""
+    argv = [*BASE, "batch_size=8", "seq_len=16", "microbatches=2", "accumulate=2"]
+    cfg = parse_args([*argv, "mesh=data:2,stage:2"])
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    ex = explain.explain(trainer)
+    r = ex.pipeline
+    assert r.accumulate == 2 and r.ticks == r.compiled_ticks == 3
+    assert r.compiled_bubble == pytest.approx(r.bubble) == pytest.approx(1 / 3)
+    for d in (r.forward, r.backward):
+        assert d.loop_trips == (3,) and d.executions == 6
+        assert d.bytes_per_device == 2 * 3 * r.microbatch_bytes == r.bytes_per_device
+    row = {row.role: row for row in ex.rows}["stage permute"]
+    assert row.ratio == pytest.approx(1.0)
+    again = PipelineReading.from_record(json.loads(json.dumps(r.as_dict())))
+    assert again.compiled_ticks == 3  # read back from a summary.json
+    old = dataclasses.replace(r, forward=dataclasses.replace(r.forward, loop_trips=()))
+    assert old.compiled_ticks == 3  # a record from before loop_trips: executions over K
 
 
 @pytest.mark.parametrize(

@@ -225,6 +225,10 @@ class Program:
     loops: tuple[tuple[str, int | None], ...]  # (body, trip count or None) of every while
     shapes: dict[str, str]  # instruction name → result type
     trips: dict[str, int | None] = dataclasses.field(default_factory=dict)  # while → trips
+    # computation → the own trip count of the innermost loop it runs in (1 outside any loop):
+    # a pipeline's tick loop inside an accumulation loop runs `ticks` trips per microbatch,
+    # while `counts` multiplies the two
+    inner_trips: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def unknown_loops(self) -> tuple[str, ...]:
@@ -289,6 +293,21 @@ def _counts(entry: str | None, calls: dict[str, list[tuple[str, int]]]) -> dict[
     return counts
 
 
+def _inner_trips(entry: str | None, calls: dict, loop_edges: set) -> dict[str, int]:
+    """Per computation reached from `entry`, the trip count of the innermost while loop whose
+    body runs it (directly or through calls and fusions); 1 outside every loop."""
+    if not entry:
+        return {}
+    out, stack = {entry: 1}, [entry]
+    while stack:
+        name = stack.pop()
+        for callee, n in calls.get(name, ()):
+            if callee not in out:
+                out[callee] = n if (name, callee) in loop_edges else out[name]
+                stack.append(callee)
+    return out
+
+
 def parse(hlo_text: str) -> Program:
     """Every computation of an HLO module, its instructions, and its executions per call."""
     text: dict[str, list[str]] = {}
@@ -312,7 +331,7 @@ def parse(hlo_text: str) -> Program:
     by_condition = _condition_trip_counts(comps, text)
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     fused: set[str] = set()
-    loops, trips = [], {}
+    loops, trips, loop_edges = [], {}, set()
     for name, instructions in comps.items():
         for ins in instructions:
             if ins.opcode == "while":
@@ -324,6 +343,7 @@ def parse(hlo_text: str) -> Program:
                 loops.append((cb["body"], n))
                 trips[ins.name] = n
                 calls[name].append((cb["body"], n if n is not None else 1))
+                loop_edges.add((name, cb["body"]))
                 continue
             if ins.opcode in _NOT_A_CALL:
                 continue
@@ -340,7 +360,8 @@ def parse(hlo_text: str) -> Program:
                 fused.add(callee)
                 stack.append(callee)
     shapes = {i.name: i.shape for ins in comps.values() for i in ins}
-    return Program(comps, entry, counts, frozenset(fused), tuple(loops), shapes, trips)
+    inner = _inner_trips(entry, calls, loop_edges)
+    return Program(comps, entry, counts, frozenset(fused), tuple(loops), shapes, trips, inner)
 
 
 def computation_counts(hlo_text: str) -> dict[str, int]:

@@ -1,6 +1,9 @@
 """What a pipelined step sends between stages, as frozen types: one direction's stage
 permutes, and the whole reading (the schedule on paper beside the compiled program).
 
+With accumulate=K the schedule runs once per accumulation microbatch: the ticks and the
+bubble are one run's, the bytes a step's (K runs).
+
 lab.parallel.pipeline_hlo reads them from a compiled program; they sit here, below
 lab.report, so the renderer (lab/report/tables/explain.py) takes the reading itself and uses
 its fields and properties, instead of a dict whose keys it must know. `as_dict()` is the form
@@ -16,12 +19,21 @@ class Direction:
 
     ops: int  # collective-permute instructions in the HLO
     executions: int  # per step per device (an op in a loop runs once per trip)
-    trip_counts: tuple[int, ...]  # of the loops they sit in
+    trip_counts: tuple[int, ...]  # executions per step of each op: nested loops multiplied
     bytes_per_device: int
+    # the own trip counts of the innermost loops they sit in: the tick loop's, without an
+    # accumulation loop around it (which multiplies `trip_counts` by accumulate=K)
+    loop_trips: tuple[int, ...] = ()
 
     @classmethod
     def from_record(cls, d: dict) -> "Direction":
-        return cls(**{**d, "trip_counts": tuple(d["trip_counts"])})
+        return cls(
+            **{
+                **d,
+                "trip_counts": tuple(d["trip_counts"]),
+                "loop_trips": tuple(d.get("loop_trips", ())),
+            }
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,20 +44,25 @@ class PipelineReading:
     microbatches: int
     repeats: int
     microbatch_bytes: int  # a: one microbatch's activations on one device
-    ticks: int  # analytic
+    ticks: int  # analytic, per run of the schedule
     bubble: float  # analytic, (P-1)/(repeats·M+P-1)
-    bytes_per_device: int  # analytic, per direction: ticks·a
-    useful_bytes: int  # analytic, per direction, per data replica: M·(repeats·P-1)·a
+    bytes_per_device: int  # analytic, per direction, per step: K·ticks·a
+    useful_bytes: int  # analytic, per direction, per data replica, per step: K·M·(repeats·P-1)·a
     forward: Direction
     backward: Direction
     weights_split: int = 0  # analytic: block weights split over a batch axis (fsdp) as well
     weight_gathers: Direction | None = None  # compiled: their all-gathers in the pipeline
     weight_scatters: Direction | None = None  # compiled: their gradients' reduce-scatters
+    accumulate: int = 1  # K: the schedule runs once per accumulation microbatch
 
     @property
     def compiled_ticks(self) -> int | None:
-        """The forward tick loop's trip count in the compiled program."""
-        return max(self.forward.trip_counts, default=None)
+        """The forward tick loop's own trip count in the compiled program: one run of the
+        schedule (an accumulation loop around it runs it K times a step)."""
+        if self.forward.loop_trips:
+            return max(self.forward.loop_trips)
+        runs = max(self.forward.trip_counts, default=None)  # a record without loop_trips
+        return runs // max(1, self.accumulate) if runs else runs
 
     @property
     def compiled_bubble(self) -> float | None:

@@ -13,7 +13,8 @@ nccl-tests "bus bytes" convention (what a bandwidth-optimal ring moves per devic
     collective-permute  V            every device sends its whole buffer once
 
 Ops inside a while loop with a known trip count (nn.scan over layers, a pipeline's ticks) count
-once per trip, counted as every cost of a compiled program is (lab/measure/hlo.py).
+once per trip, counted as every cost of a compiled program is (lab/measure/hlo.py); nested
+loops multiply, and each op also keeps its innermost loop's own trip count.
 """
 
 import dataclasses
@@ -22,8 +23,9 @@ import re
 
 import numpy as np
 
+from lab.measure import hlo
 from lab.measure.cost import bus_bytes
-from lab.measure.hlo import arrays, computation_counts, dtype_bytes
+from lab.measure.hlo import arrays, dtype_bytes
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -47,6 +49,8 @@ class Collective:
     buffer_bytes: int  # V: see the module docstring for which buffer
     count: int  # executions per step (trip count of an enclosing loop, else 1)
     op_name: str  # the JAX op that produced it (metadata), for the reader
+    trips: int = 1  # the own trip count of the innermost loop around it (`count` multiplies
+    # every enclosing loop's: a tick loop inside an accumulation loop)
 
     @property
     def bus_bytes(self) -> float:
@@ -157,7 +161,8 @@ def _buffer_bytes(kind: str, start: bool, shape_text: str, W: int) -> int:
 def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
     """Every collective in a compiled HLO module; `mesh_shape` is `dict(mesh.shape)`."""
     lines = hlo_text.splitlines()
-    counts = computation_counts(hlo_text)
+    program = hlo.parse(hlo_text)
+    counts, inner = program.counts, program.inner_trips
     n_devices = math.prod(mesh_shape.values())
     out, comp = [], None
     for line in lines:
@@ -181,6 +186,7 @@ def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 buffer_bytes=_buffer_bytes(kind, start, op.group("shape"), W),
                 count=counts.get(comp, 1),
                 op_name=opname.group("op") if opname else "",
+                trips=inner.get(comp, 1),
             )
         )
     return out

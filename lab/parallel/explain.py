@@ -36,7 +36,8 @@ Roles and what the analytic model assumes (scaling-book style, per step):
                     backward needs (attention out; not the block's last output).
   stage permute     a pipeline (strategy=pp*): one microbatch's activations sent to the next
                     stage at every tick of the forward and back at every tick of the backward,
-                    ticks = repeats·M + P - 1 each way (lab/parallel/pipeline_hlo.py). Block
+                    ticks = repeats·M + P - 1 each way, once per accumulation microbatch
+                    (lab/parallel/pipeline_hlo.py). Block
                     parameters split over `stage` are never gathered and their gradients are
                     reduced over the data axes only; tables split over `stage` along the
                     vocabulary are gathered per use, as FSDP does.
@@ -360,9 +361,11 @@ def expect_stage_permutes(trainer) -> Expected | None:
     if s is None:
         return None
     a = pipeline_hlo.microbatch_bytes(trainer.cfg, trainer.rules, dict(trainer.mesh.shape))
-    per_device = s.permute_bytes(a)["per_device"]
+    K = max(1, trainer.cfg.accumulate)  # the schedule runs once per accumulation microbatch
+    per_device = K * s.permute_bytes(a)["per_device"]
+    runs = f"accumulate={K} runs × " if K > 1 else ""
     formula = (
-        f"ticks={s.ticks} (repeats·M+P-1, M={s.microbatches}, P={s.stages}) × a={a:,} B "
+        f"{runs}ticks={s.ticks} (repeats·M+P-1, M={s.microbatches}, P={s.stages}) × a={a:,} B "
         "(one microbatch's B·L·D per device) each way, forward and backward"
     )
     v = 2 * per_device

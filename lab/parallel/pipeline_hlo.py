@@ -4,13 +4,15 @@ The collective-permutes over the `stage` axis that JAX's `ppermute` produced are
 traffic (lab/kernels/pipeline.py): one per tick in the forward loop, one per tick in the
 backward loop (the transposed ppermute). Each sits in a while loop of the schedule's
 ticks = repeats·M + P - 1 trips, so the compiled program itself says how many ticks it runs,
-and the bubble follows from counting them: (ticks - repeats·M) / ticks. Bytes are per device,
-from each op's buffer (lab/parallel/collectives_hlo.py).
+and the bubble follows from counting them: (ticks - repeats·M) / ticks. With accumulate=K the
+tick loops sit inside the accumulation loop: the ticks are the tick loop's own trip count
+(one run of the schedule), and each permute runs K·ticks times a step. Bytes are per device,
+per step, from each op's buffer (lab/parallel/collectives_hlo.py).
 
 Analytic, per device: a microbatch's activation a = B/(K·M·W)·L·D·c (B the batch, K the
 accumulation steps, W the devices the rows split over besides the stages, c the compute
-dtype's bytes); every device runs every tick, so it sends ticks·a per direction, of which the
-useful part, summed over a data replica's P stages, is M·(repeats·P - 1)·a.
+dtype's bytes); every device runs every tick, so it sends K·ticks·a per direction a step, of
+which the useful part, summed over a data replica's P stages, is K·M·(repeats·P - 1)·a.
 
 Under pp+fsdp the stages' weights are split over fsdp as well: each stage gathers its own once
 per step, before the tick loop, and reduce-scatters their gradient once after it (the
@@ -74,6 +76,7 @@ def _direction(ops: list[Collective]) -> Direction:
         executions=sum(c.count for c in ops),
         trip_counts=tuple(sorted({c.count for c in ops})),
         bytes_per_device=sum(c.buffer_bytes * c.count for c in ops),
+        loop_trips=tuple(sorted({c.trips for c in ops})),
     )
 
 
@@ -87,14 +90,20 @@ def microbatch_bytes(cfg, rules, sizes: dict[str, int]) -> int:
 
 
 def read(
-    collectives: list[Collective], schedule, microbatch_bytes: int, weights_split: int = 0
+    collectives: list[Collective],
+    schedule,
+    microbatch_bytes: int,
+    weights_split: int = 0,
+    accumulate: int = 1,
 ) -> PipelineReading:
     """The compiled pipeline (`collectives` of its step) against `schedule`
     (lab.kernels.pipeline.Schedule: stages, microbatches, repeats, ticks, bubble,
-    permute_bytes); `weights_split` block weights are gathered once per step."""
+    permute_bytes); `weights_split` block weights are gathered once per step; the schedule
+    runs `accumulate` times a step (once per accumulation microbatch)."""
     found = stage_permutes(collectives)
     weights = stage_weight_collectives(collectives)
-    want = schedule.permute_bytes(microbatch_bytes)
+    K = max(1, accumulate)
+    want = {k: K * v for k, v in schedule.permute_bytes(microbatch_bytes).items()}
     return PipelineReading(
         stages=schedule.stages,
         microbatches=schedule.microbatches,
@@ -109,6 +118,7 @@ def read(
         weights_split=weights_split,
         weight_gathers=_direction(weights["gather"]),
         weight_scatters=_direction(weights["scatter"]),
+        accumulate=K,
     )
 
 
@@ -119,4 +129,4 @@ def from_trainer(collectives: list[Collective], trainer) -> PipelineReading | No
     sizes = dict(trainer.mesh.shape)
     a = microbatch_bytes(trainer.cfg, trainer.rules, sizes)
     n = weights_split(trainer.abstract_state.params, trainer.rules, sizes)
-    return read(collectives, trainer.schedule, a, n)
+    return read(collectives, trainer.schedule, a, n, trainer.cfg.accumulate)

@@ -32,7 +32,9 @@ def explain_pipeline(p: PipelineReading) -> Table:
     t = Table(title="pipeline: stage-to-stage traffic per step, per device")
     for col in ("", "compiled", "analytic"):
         t.add_column(col)
-    t.add_row("ticks (loop trip count)", str(p.compiled_ticks), str(p.ticks))
+    K = p.accumulate
+    runs = f" (the schedule runs {K}× a step: accumulate={K})" if K > 1 else ""
+    t.add_row(f"ticks (loop trip count){runs}", str(p.compiled_ticks), str(p.ticks))
     bubble = p.compiled_bubble
     t.add_row("bubble", "n/a" if bubble is None else f"{bubble:.3f}", f"{p.bubble:.3f}")
     t.add_row("microbatch activation a", "", f"{p.microbatch_bytes:,} B")
@@ -40,12 +42,12 @@ def explain_pipeline(p: PipelineReading) -> Table:
         t.add_row(
             f"{d} collective-permutes",
             f"{r.ops} op × {r.executions} runs, {r.bytes_per_device:,} B",
-            f"ticks × a = {p.bytes_per_device:,} B",
+            f"{'K·' if K > 1 else ''}ticks × a = {p.bytes_per_device:,} B",
         )
     t.add_row(  # the only row that is not per device: the whole pipeline's useful transfers
         "useful, a data replica's P stages together, each way",
         "",
-        f"M·(R·P-1)·a = {p.useful_bytes:,} B",
+        f"{'K·' if K > 1 else ''}M·(R·P-1)·a = {p.useful_bytes:,} B",
     )
     return t
 
