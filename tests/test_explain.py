@@ -54,6 +54,11 @@ def test_cp_attentions_key_value_traffic_is_not_gradient_reduction():
     assert ("all-reduce", ("model",)) in _kinds(kv) and {a for _, a in _kinds(kv)} == {("model",)}
     grads = _row(ex, "grad reduction")
     assert grads.measured_ops == 2  # one over model, one over data: the weights' only
+    # XLA reduces over the two axes in turn: the note says so, and its figure is the bytes
+    # (2·V·(2-1)/2 + 2·V·(4-1)/4 against 2·V·(8-1)/8 for one reduction: 1.43×)
+    e = grads.expected
+    assert "in turn" in e.formula and grads.measured_bus_bytes == pytest.approx(e.high, rel=0.01)
+    assert e.high / e.bus_bytes == pytest.approx((1 / 2 + 3 / 4) / (7 / 8), rel=0.01)
     # the analytic: K and V gathered forward and again backward, dK and dV all-reduced
     assert kv.expected is not None and kv.ratio == pytest.approx(1.0, abs=0.05), kv
 

@@ -18,7 +18,10 @@ Roles and what the analytic model assumes (scaling-book style, per step):
                     reduce-scatter runs as an all-reduce plus a local slice (2× the bytes),
                     and the analytic figure says so. accumulate=K: once per microbatch,
                     except over the axes that split the batch and no weight, where the K
-                    microbatches' sum is reduced once (lab.train.unreduced_axes).
+                    microbatches' sum is reduced once (lab.train.unreduced_axes). CP: the
+                    point is one all-reduce over the batch and sequence axes together; XLA
+                    reduces over each axis in turn (two all-reduces of the whole gradient,
+                    2·V·Σ(Wa-1)/Wa: 1.33× on 2×2), the range's high end.
   param all-gather  FSDP gathers each weight once in the forward (a tied embedding's
                     lookup and head read the same gathered table). ZeRO-3 gathers again in
                     the backward; XLA instead keeps the gathered weight live when nothing
@@ -201,12 +204,18 @@ def expect_grad_reduction(
     WU = _prod(U, geo.sizes)
     wide = max(1.0, 4 / np.dtype(model_cfg.param_dtype).itemsize)  # float32 over bf16/f16
     moved, summed = 0.0, 0.0  # summed: the bytes all-reduced once over U
+    # cp: the tokens are split over the batch's axes and the sequence's; XLA's SPMD
+    # partitioner sums a reduction over dimensions split on several mesh axes one axis at a
+    # time, so a replicated weight's gradient is all-reduced over each axis in turn
+    turns = [a for a in B if a not in U] if geo.seq_axes else []
+    in_turn = 0.0  # the bytes the program moves that way (the figure's high end)
     groups: dict[tuple, float] = {}  # (how, W, WS) -> the gradient bytes reduced that way
     for path, _, local, axes in params:
         S, staged = geo.split(path, axes)
         WS = _prod(S, geo.sizes)
         G = local * WS * _uses(path, model_cfg)  # the gradient one device holds before the sum
         W = WB // _prod(staged, geo.sizes) // WU  # a stage's layers: summed over its replicas
+        turn = 0.0
         if _stage_gathered(path, S, geo, pipelined):  # the shard's all-reduce only
             how, WR = "shard", W // WS
             per = 2 * (G / WS) * (WR - 1) / WR
@@ -216,10 +225,13 @@ def expect_grad_reduction(
         else:
             how = "ar"
             per = 2 * G * (W - 1) / W
+            if len(turns) > 1 and not staged and not S:
+                turn = sum(2 * G * (geo.sizes[a] - 1) / geo.sizes[a] for a in turns) - per
         groups[how, W, WS] = groups.get((how, W, WS), 0.0) + G
         # over U: the sum of the K microbatches (and of a tied table's uses), as each device
         # holds it (the shard, where it was reduce-scattered), all-reduced once in float32
         moved += K * per + 2 * local * wide * (WU - 1) / WU
+        in_turn += K * turn
         summed += local * wide
     kind = "reduce-scatter + all-reduce" if reduce_scatter and geo.shard_axes else "all-reduce"
     if geo.shard_axes and not reduce_scatter:
@@ -244,7 +256,16 @@ def expect_grad_reduction(
                 else []
             )
         )
-    return Expected("grad reduction", kind, B, moved, moved, moved, formula)
+    if in_turn:
+        each = " + ".join(f"2·V·({geo.sizes[a]}-1)/{geo.sizes[a]} over {a}" for a in turns)
+        formula += (
+            f"; the compiled program reduces over {' and '.join(turns)} in turn (XLA's SPMD "
+            f"partitioner sums the tokens, split over the batch and the sequence, one mesh "
+            f"axis at a time): {each} = {(moved + in_turn) / MiB:.3f} MiB, "
+            f"{(moved + in_turn) / moved:.3f}× one reduction over {'×'.join(turns)} "
+            "(the range's high end)"
+        )
+    return Expected("grad reduction", kind, B, moved, moved, moved + in_turn, formula)
 
 
 def _reduction_term(how: str, G: float, W: int, WS: int) -> str:
