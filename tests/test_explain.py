@@ -1,6 +1,7 @@
 """Each strategy's compiled step holds the expected collectives, on the expected mesh axes,
 with bytes within 10% of the analytic figure; per-device weights shrink under fsdp and tp."""
 
+import dataclasses
 import functools
 import json
 
@@ -270,3 +271,17 @@ def test_the_gradient_formula_printed_gives_the_figure_beside_it(mesh, strategy,
     total = sum(eval(t) for t in terms)  # noqa: S307 — the lab's own arithmetic
     mib = 2**20
     assert total * mib == pytest.approx(e.bus_bytes, abs=0.01 * mib * len(terms)), e.formula
+
+
+def test_a_row_names_the_type_its_collectives_carry_where_the_figure_assumes_another():
+    """XLA:CPU runs a bfloat16 all-reduce in float32 (2× the bytes); XLA:TPU sums float32
+    weights' gradients in bfloat16 (½×): the row says which type the compiled op carried."""
+    line = "  %ar = (f32[8,16]{1,0}, u32[]) all-reduce-start(%x), replica_groups={{0,1}}"
+    (c,) = collectives_hlo.parse(f"ENTRY %main () -> f32[] {{\n{line}\n}}", {"model": 2})
+    assert c.dtypes == ("f32",)  # the context scalar left out
+    e = explain.Expected("activation all-reduce", "all-reduce", ("model",), 1, 1, 1, "", "bf16")
+    row = explain.Row("activation all-reduce", e, 2, 1, (), dtypes=("f32",))
+    assert "carry f32; the figure assumes bf16" in row.dtype_note
+    softmax = dataclasses.replace(e, other_dtypes=("f32",))
+    assert explain.Row("a", softmax, 1, 1, (), dtypes=("bf16", "f32")).dtype_note == ""
+    assert explain.Row("a", e, 1, 1, (), dtypes=("bf16",)).dtype_note == ""

@@ -49,6 +49,7 @@ class Collective:
     buffer_bytes: int  # V: see the module docstring for which buffer
     count: int  # executions per step (trip count of an enclosing loop, else 1)
     op_name: str  # the JAX op that produced it (metadata), for the reader
+    dtypes: tuple[str, ...] = ()  # HLO element types it carries ("f32", "bf16")
     trips: int = 1  # the own trip count of the innermost loop around it (`count` multiplies
     # every enclosing loop's: a tick loop inside an accumulation loop)
 
@@ -158,6 +159,11 @@ def _buffer_bytes(kind: str, start: bool, shape_text: str, W: int) -> int:
     return total * W if kind == "reduce-scatter" else total
 
 
+def _dtypes(shape_text: str) -> tuple[str, ...]:
+    """The element types an op moves (XLA:TPU's u32[] context scalars left out)."""
+    return tuple(sorted({d for d, dims in arrays(shape_text) if dims or d != "u32"}))
+
+
 def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
     """Every collective in a compiled HLO module; `mesh_shape` is `dict(mesh.shape)`."""
     lines = hlo_text.splitlines()
@@ -187,6 +193,7 @@ def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 count=counts.get(comp, 1),
                 op_name=opname.group("op") if opname else "",
                 trips=inner.get(comp, 1),
+                dtypes=_dtypes(op.group("shape")),
             )
         )
     return out

@@ -76,6 +76,16 @@ class Expected:
     low: float  # the least the strategy can move (FSDP: forward gathers only)
     high: float  # the textbook's most (FSDP: ZeRO-3, every weight gathered again backward)
     formula: str  # the arithmetic, for the reader
+    dtype: str = ""  # HLO element type the figure assumes for most of its bytes ("f32")
+    other_dtypes: tuple[str, ...] = ()  # types it counts for a few terms (softmax statistics)
+
+
+def hlo_dtype(dtype) -> str:
+    """numpy's name of an element type as HLO writes it (float32 → f32, bfloat16 → bf16)."""
+    name = np.dtype(dtype).name
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}.get(
+        name, name
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +97,20 @@ class Row:
     measured_bus_bytes: float
     measured_ops: int
     measured: tuple  # ((kind, axes, ops, bus_bytes), ...) of the collectives in this role
+    dtypes: tuple[str, ...] = ()  # element types the compiled collectives of this role carry
+
+    @property
+    def dtype_note(self) -> str:
+        """Where the compiled collectives run in another type than the figure assumes (its
+        bytes differ by the ratio of their sizes): the two types, named."""
+        e = self.expected
+        if not e or not e.dtype or not self.dtypes:
+            return ""
+        if e.dtype in self.dtypes and set(self.dtypes) <= {e.dtype, *e.other_dtypes}:
+            return ""
+        return (
+            f"the compiled collectives carry {', '.join(self.dtypes)}; the figure assumes {e.dtype}"
+        )
 
     @property
     def ratio(self) -> float | None:
@@ -265,7 +289,8 @@ def expect_grad_reduction(
             f"{(moved + in_turn) / moved:.3f}× one reduction over {'×'.join(turns)} "
             "(the range's high end)"
         )
-    return Expected("grad reduction", kind, B, moved, moved, moved + in_turn, formula)
+    dtype = hlo_dtype(model_cfg.param_dtype)
+    return Expected("grad reduction", kind, B, moved, moved, moved + in_turn, formula, dtype)
 
 
 def _reduction_term(how: str, G: float, W: int, WS: int) -> str:
@@ -298,7 +323,14 @@ def expect_param_gather(params, geo: Geometry, model_cfg, pipelined=False) -> Ex
         f"ZeRO-3 would add {bwd_all / MiB:.2f}"
     )
     return Expected(
-        "param all-gather", "all-gather", geo.shard_axes, point, fwd, fwd + bwd_all, formula
+        "param all-gather",
+        "all-gather",
+        geo.shard_axes,
+        point,
+        fwd,
+        fwd + bwd_all,
+        formula,
+        hlo_dtype(model_cfg.param_dtype),
     )
 
 
@@ -330,6 +362,7 @@ def expect_context_kv(cfg, geo: Geometry) -> Expected | None:
             moved,
             moved,
             formula,
+            hlo_dtype(m.dtype),
         )
     gather, reduce = (W - 1) * b, 4 * (W - 1) * b
     gathers = 6 if m.remat != "none" else 4  # forward, (recomputed forward,) backward
@@ -346,6 +379,7 @@ def expect_context_kv(cfg, geo: Geometry) -> Expected | None:
         low,
         moved,
         formula,
+        hlo_dtype(m.dtype),
     )
 
 
@@ -372,7 +406,15 @@ def expect_activation_reduce(cfg, geo: Geometry) -> Expected | None:
         f"Megatron's fused backward: {4 * L + 1}+1 → {ar(megatron) / MiB:.2f} MiB"
     )
     return Expected(
-        "activation all-reduce", "all-reduce", geo.tensor_axes, ar(V), ar(V), ar(high), formula
+        "activation all-reduce",
+        "all-reduce",
+        geo.tensor_axes,
+        ar(V),
+        ar(V),
+        ar(high),
+        formula,
+        hlo_dtype(m.dtype),
+        (hlo_dtype(m.param_dtype), "f32"),  # the lookup's, the softmax statistics'
     )
 
 
@@ -390,10 +432,11 @@ def expect_stage_permutes(trainer) -> Expected | None:
         "(one microbatch's B·L·D per device) each way, forward and backward"
     )
     v = 2 * per_device
-    return Expected("stage permute", "collective-permute", (STAGE,), v, v, v, formula)
+    dtype = hlo_dtype(trainer.cfg.model.dtype)
+    return Expected("stage permute", "collective-permute", (STAGE,), v, v, v, formula, dtype)
 
 
-def expect_stage_weights(params, geo: Geometry, pipelined: bool) -> list[Expected]:
+def expect_stage_weights(params, geo: Geometry, pipelined: bool, dtype="") -> list[Expected]:
     """pp+fsdp: each stage's block weights gathered once per step, their gradient
     reduce-scattered once (one op each per weight), over the shard axes."""
     n, once, axes = 0, 0.0, set()
@@ -411,9 +454,16 @@ def expect_stage_weights(params, geo: Geometry, pipelined: bool) -> list[Expecte
         f"tick; the stage's weights V·(W-1)/W = {once / MiB:.3f} MiB"
     )
     return [
-        Expected("stage weight gather", "all-gather", axes, once, once, once, formula),
+        Expected("stage weight gather", "all-gather", axes, once, once, once, formula, dtype),
         Expected(
-            "stage weight grad reduce-scatter", "reduce-scatter", axes, once, once, once, formula
+            "stage weight grad reduce-scatter",
+            "reduce-scatter",
+            axes,
+            once,
+            once,
+            once,
+            formula,
+            dtype,
         ),
     ]
 
@@ -430,7 +480,7 @@ def expectations(cfg, trainer, reduce_scatter: bool) -> list[Expected]:
         expect_activation_reduce(cfg, geo),
         expect_context_kv(cfg, geo),
         expect_stage_permutes(trainer),
-        *expect_stage_weights(params, geo, piped),
+        *expect_stage_weights(params, geo, piped, hlo_dtype(cfg.model.param_dtype)),
     ]
     return [e for e in out if e is not None]
 
@@ -469,23 +519,25 @@ def role_of(c: collectives_hlo.Collective, geo: Geometry) -> str:
 
 def compare(collectives, expected: list[Expected], geo: Geometry) -> list[Row]:
     by_role: dict[str, dict] = {}
+    dtypes: dict[str, set] = {}
     for c in collectives:
         if c.group_size <= 1 and c.kind != "collective-permute":
             continue
         role = role_of(c, geo)
+        dtypes.setdefault(role, set()).update(c.dtypes)
         key = (c.kind, c.axes)
         ops, bus = by_role.setdefault(role, {}).get(key, (0, 0.0))
         by_role[role][key] = (ops + c.count, bus + c.total_bus_bytes)
     rows = []
     for e in expected:
         got = by_role.pop(e.role, {})
-        rows.append(_row(e.role, e, got))
+        rows.append(_row(e.role, e, got, dtypes.get(e.role, ())))
     for role, got in by_role.items():
-        rows.append(_row(role, None, got))
+        rows.append(_row(role, None, got, dtypes.get(role, ())))
     return rows
 
 
-def _row(role, expected, got: dict) -> Row:
+def _row(role, expected, got: dict, dtypes=()) -> Row:
     measured = tuple((k, a, ops, bus) for (k, a), (ops, bus) in got.items())
     return Row(
         role=role,
@@ -493,6 +545,7 @@ def _row(role, expected, got: dict) -> Row:
         measured_bus_bytes=sum(m[3] for m in measured),
         measured_ops=sum(m[2] for m in measured),
         measured=measured,
+        dtypes=tuple(sorted(dtypes)),
     )
 
 
@@ -564,6 +617,8 @@ class Explanation:
                     ],
                     "expected": dataclasses.asdict(e) if e else None,
                     "ratio": r.ratio,
+                    "dtypes": list(r.dtypes),
+                    "dtype_note": r.dtype_note,
                 }
             )
         return {

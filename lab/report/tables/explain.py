@@ -67,5 +67,11 @@ def explain_collectives(ex) -> Table:
         t.add_row(r.role, what, mib(r.measured_bus_bytes, 3), analytic, ratio(r.ratio, 3) or "—")
     for r in ex.rows:
         if r.expected:
-            t.add_row("", f"[dim]{r.role}: expected {r.expected.kind}; {r.expected.formula}", "")
+            note = r.dtype_note
+            if note and ex.backend == "cpu" and "f32" in r.dtypes:
+                note += " (XLA:CPU runs 16-bit collectives in float32)"
+            note = f"; {note}" if note else ""
+            t.add_row(
+                "", f"[dim]{r.role}: expected {r.expected.kind}; {r.expected.formula}{note}", ""
+            )
     return t
