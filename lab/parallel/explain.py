@@ -49,6 +49,10 @@ Roles and what the analytic model assumes (scaling-book style, per step):
   reduce-scatter    reduce-scatters their gradient once after it; the rest of their gradient
                     reduction is an all-reduce of the shard over the data axes. Not once per
                     layer per tick, as XLA's automatic gathers inside the loop would be.
+Each figure assumes an element type (the compute dtype for activations, the parameter dtype
+for weights and their gradients); where the compiled collectives carry another, the row names
+both, since the bytes differ by the ratio of their sizes (XLA:CPU runs 16-bit collectives in
+float32; XLA:TPU may sum float32 weights' gradients in bfloat16 before the cast back).
 """
 
 import dataclasses
