@@ -256,8 +256,9 @@ def test_explain_from_the_command_line(tmp_path, capsys):
     ],
 )
 def test_the_gradient_formula_printed_gives_the_figure_beside_it(mesh, strategy, extra):
-    """The formula is the arithmetic of the analytic column: its terms, evaluated (MiB to two
-    decimals), sum to it (it once read G and W of the whole mesh, 0.54 MiB against 0.41)."""
+    """The formula is the arithmetic of the analytic column: its terms, evaluated (each amount
+    to two decimals in its unit), sum to it (it once read G and W of the whole mesh, 0.54 MiB
+    against 0.41)."""
     import re
 
     base = [a for a in BASE if not a.startswith("batch_size=")] + ["batch_size=32"]
@@ -265,12 +266,20 @@ def test_the_gradient_formula_printed_gives_the_figure_beside_it(mesh, strategy,
     cfg = parse_args([*keys.values(), f"mesh={mesh}", f"strategy={strategy}"])
     ex = explain.explain(make_trainer(cfg, make_mesh(cfg.mesh)))
     e = _row(ex, "grad reduction").expected
-    text = e.formula.replace("·", "*")
-    terms = re.findall(r"(?:\d+\*)?\(?[\d.]+(?:/\d+)?\)?\*\(\d+-1\)/\d+", text)
+    text = e.formula.replace("·", "*").replace(" MiB", "").replace(" KiB", "/1024")
+    text = re.sub(r" B\b", "/1048576", text)  # each amount in the unit that shows it, as MiB
+    terms = re.findall(r"(?:\d+\*)?\(?[\d.]+(?:/\d+)*\)?\*\(\d+-1\)/\d+", text)
     assert terms, e.formula
     total = sum(eval(t) for t in terms)  # noqa: S307 — the lab's own arithmetic
     mib = 2**20
     assert total * mib == pytest.approx(e.bus_bytes, abs=0.01 * mib * len(terms)), e.formula
+
+
+def test_a_formulas_small_groups_show_their_size():
+    """A group of norm scales is a few KiB: in MiB to two decimals it printed as 0.00."""
+    assert explain._reduction_term("ar", 3 * 1024, 8, 1) == "2·3.0 KiB·(8-1)/8"
+    assert explain._reduction_term("ar", 512, 2, 1) == "2·512 B·(2-1)/2"
+    assert explain._reduction_term("ar", 3 * 2**20, 4, 1) == "2·3.00 MiB·(4-1)/4"
 
 
 def test_a_row_names_the_type_its_collectives_carry_where_the_figure_assumes_another():

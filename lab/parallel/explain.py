@@ -278,7 +278,7 @@ def expect_grad_reduction(
             + (
                 [
                     f"summed on each device, reduced once over {','.join(U)} in float32: "
-                    f"2·{summed / MiB:.2f}·({WU}-1)/{WU}"
+                    f"2·{_amount(summed)}·({WU}-1)/{WU}"
                 ]
                 if U
                 else []
@@ -297,9 +297,16 @@ def expect_grad_reduction(
     return Expected("grad reduction", kind, B, moved, moved, moved + in_turn, formula, dtype)
 
 
+def _amount(x: float) -> str:
+    """Bytes in the unit that shows them: a group of a few norm scales is KiB, not 0.00 MiB."""
+    if x >= MiB / 100:
+        return f"{x / MiB:.2f} MiB"
+    return f"{x / 1024:.1f} KiB" if x >= 1024 else f"{x:.0f} B"
+
+
 def _reduction_term(how: str, G: float, W: int, WS: int) -> str:
-    """One group's bytes as the formula that gives them (G in MiB)."""
-    g = f"{G / MiB:.2f}"
+    """One group's bytes as the formula that gives them."""
+    g = _amount(G)
     if how == "ar":
         return f"2·{g}·({W}-1)/{W}"
     shard = f"2·({g}/{WS})·({W // WS}-1)/{W // WS}"
