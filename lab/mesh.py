@@ -6,6 +6,7 @@ names (batch, seq, embed, heads, kv, mlp, vocab, layers); one short table per st
 which mesh axes each logical name is split over.
 """
 
+import difflib
 import math
 
 import numpy as np
@@ -113,7 +114,9 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     out = {}
     for name, size in zip(names, sizes, strict=True):
         if name not in AXES:
-            raise MeshSpecError(f"unknown axis {name!r}; axes are {', '.join(AXES)}")
+            close = difflib.get_close_matches(name.lower(), AXES, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise MeshSpecError(f"unknown axis {name!r}{hint}; axes are {', '.join(AXES)}")
         if name in out:
             raise MeshSpecError(f"axis {name!r} given twice")
         try:

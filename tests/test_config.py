@@ -51,6 +51,7 @@ def test_every_preset_is_valid(name):
         (["resume=maybe"], "resume='maybe': expected a boolean"),
         (["mesh=4y2"], "mesh='4y2'"),
         (["mesh=data:2,pipe:2"], "unknown axis 'pipe'"),
+        (["mesh=data:2,stag:2"], "unknown axis 'stag' (did you mean stage?)"),
         (["mesh=-1x-1"], "at most one axis may be -1"),
         (["steps"], "arguments are key=value"),
         (["steps=1", "steps=2"], "steps is given more than once"),
