@@ -79,6 +79,18 @@ def test_a_quick_check_takes_the_max_size_asked_for(tmp_path):
     assert {r["config"]["size_bytes"] for r in recs} == {4096, 2**20}
 
 
+def test_sizes_that_round_alike_are_said_to_and_the_title_names_the_axes_that_split(
+    tmp_path, capsys
+):
+    """3 B and 48 B round up to one float32 element on each of 8 devices (32 B): timed once,
+    and the run says so instead of showing one point for two asked."""
+    argv = ["quick=true", "mesh=1x8", "ops=all-reduce", "budget=0.01", "plot=false"]
+    assert tool.main([*argv, "min_size=3B", f"out_dir={tmp_path}"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 of the 2 points asked for round to a size already timed" in out
+    assert "· model=8" in out and "data=1" not in out
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

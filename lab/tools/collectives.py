@@ -30,7 +30,11 @@ class Options:
         "", "mesh (lab.run's grammar); default 4x2-like over the devices", kind="mesh"
     )
     ops: tuple = field(coll.OPS, "collectives to time", kind="names", choices=coll.OPS)
-    min_size: str = field("4KB", "smallest message S, e.g. 4KB")
+    min_size: str = field(
+        "4KB",
+        "smallest message S, e.g. 4KB (each size is rounded up to whole float32 elements on "
+        "every device of the group; sizes that round alike are timed once)",
+    )
     max_size: str = field("", "largest S; default 4MB on CPU, 256MB elsewhere")
     quick: bool = field(
         False, "two sizes, min_size and max_size (16× min_size if not given): a quick check"
@@ -82,11 +86,18 @@ def run(o: Options) -> int:
     env = records.environment()
     simulated = env["backend"] == "cpu" and env["device_count"] > 1
     where = "simulated devices (one host's memory, not an interconnect)" if simulated else "devices"
-    shape = " × ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    shape = " × ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1)
     title = f"collectives · {env['device_kind']} × {env['device_count']} {where} · {shape}"
     t0 = time.perf_counter()
     con = progress.console()
     total = coll.points_planned(mesh, sizes, o.ops)
+    asked = len(sizes) * len(o.ops) * len(coll.bench_axes(mesh))
+    if total < asked:
+        con.print(
+            f"{asked - total} of the {asked} points asked for round to a size already timed "
+            "(sizes are rounded up to whole float32 elements on every device of the group): "
+            f"timing {total}"
+        )
     points, timed = [], []  # every point; those not yet written
 
     written = []
