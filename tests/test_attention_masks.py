@@ -117,7 +117,7 @@ def _reference(kwargs, q, k, v, do, dlse):
             q_lengths=q_lengths,
             kv_lengths=kv_lengths,
         )
-        return attention_reference(q, k, v, mask=mask, sinks_H=sinks, **rest)
+        return attention_reference(q, k, v, causal=causal, mask=mask, sinks_H=sinks, **rest)
 
     with jax.enable_x64(True):
         f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
@@ -291,7 +291,9 @@ def test_ring_matches_float64(kind):
             q_lengths=q_lengths,
             kv_lengths=kv_lengths,
         )
-        return ring_attention(q, k, v, mesh=mesh, seq_axis="model", mask=mask, **rest)
+        return ring_attention(
+            q, k, v, mesh=mesh, seq_axis="model", causal=causal, mask=mask, **rest
+        )
 
     got = _run(ring, kwargs, q, k, v, do, dlse)
     assert_close(got, _reference(kwargs, q, k, v, do, dlse), "float32", f"ring {kind}")
@@ -449,3 +451,62 @@ def test_numpy_bools_are_flags():
             got = attention(q, k, v, impl=impl, causal=np.bool_(c))
             want = attention(q, k, v, impl="naive", causal=c)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+def _entry_points():
+    """Every attention implementation's own function, as a caller may use it directly: the
+    Pallas kernels interpreted; dtype and head dim each kernel takes."""
+    import functools
+
+    from lab.kernels.attention import pallas_gpu, pallas_mgpu, pallas_tpu
+    from lab.kernels.attention.ring import ring_attention
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+    out = {
+        "naive": (attention_reference, "float32"),
+        "blockwise": (blockwise.blockwise_attention, "float32"),
+        "ring": (functools.partial(ring_attention, mesh=mesh, seq_axis="model"), "float32"),
+        "pallas_tpu": (
+            functools.partial(pallas_tpu.flash_attention_tpu, interpret=True),
+            "float32",
+        ),
+        "pallas_gpu": (
+            functools.partial(pallas_gpu.flash_attention_gpu, interpret=True),
+            "float32",
+        ),
+    }
+    if cpu_flash.available():
+        out["cpu_flash"] = (cpu_flash.cpu_flash_attention, "float32")
+    if pallas_mgpu.interpretable():
+        kernel = functools.partial(pallas_mgpu.flash_attention_mgpu, interpret=True)
+        out["pallas_mgpu"] = (kernel, "bfloat16")
+    return out
+
+
+@pytest.mark.parametrize(
+    "impl", ["naive", "blockwise", "ring", "cpu_flash", "pallas_tpu", "pallas_gpu", "pallas_mgpu"]
+)
+def test_every_kernel_combines_causal_with_a_mask(impl):
+    """A Mask passed to a kernel's own function is combined with its `causal` argument (True
+    by default): causal=True and a non-causal mask give causal attention, causal=False the
+    mask alone, as `attention` does; dropping `causal` beside a mask would lose causality
+    without a word."""
+    entries = _entry_points()
+    if impl not in entries:
+        pytest.skip(f"{impl} does not run here")
+    fn, dtype = entries[impl]
+    L, K = 64, 64
+    q, k, v, _, _ = _inputs((L, L, 2, K, K), dtype)
+    lengths = jnp.array([L, 40], jnp.int32)
+    mask = Mask.make(kv_lengths=lengths)
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
+        dense = {c: Mask.make(causal=c, kv_lengths=lengths) for c in (True, False)}
+        want = {c: np.asarray(attention_reference(*f64, causal=c, mask=dense[c])) for c in dense}
+    assert np.abs(want[True] - want[False]).max() > 0.1  # the two answers are far apart
+    for causal in (True, False):
+        got = np.asarray(fn(q, k, v, causal=causal, mask=mask), np.float64)
+        err = np.abs(got - want[causal]).max() / np.abs(want[causal]).max()
+        assert err < TOL[dtype], f"{impl} causal={causal}: max error {err:.2e}"
+    got = np.asarray(fn(q, k, v, mask=mask), np.float64)  # causal by default
+    assert np.abs(got - want[True]).max() / np.abs(want[True]).max() < TOL[dtype]

@@ -40,6 +40,7 @@ from lab.kernels.attention.common import (
     default_scale,
     pad_seq,
     round_up,
+    with_causal,
 )
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
@@ -402,13 +403,14 @@ def blockwise_attention(
 ):
     """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim], grouped kv heads, any length.
 
-    `mask` (common.Mask; default `causal` alone) says which pairs take part: tiles it leaves
+    `mask` (common.Mask) says which pairs take part, combined with `causal` (causal when
+    either is: common.with_causal; a non-causal mask needs causal=False): tiles it leaves
     empty are skipped in the forward and the backward, and only partial ones are masked; a
     row that sees nothing gives 0. `softcap`: cap·tanh(scores/cap). `sinks` [H]: one logit
     per query head in each row's softmax denominator (differentiable). `return_lse`: (out,
     lse [B, L, H] f32), both differentiable. v's head dim may differ from q's and k's.
     """
-    mask = Mask.make(causal=causal) if mask is None else mask
+    mask = with_causal(mask, causal)
     st = _static(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, softcap, sinks, scale, block_sizes)
     fn = _flash_lse if return_lse else _flash
     return fn(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks, st)

@@ -328,7 +328,8 @@ def _as_array(name: str, x):
 class Mask:
     """Which (query i, key j) pairs of one call take part; every clause must hold.
 
-    causal          j <= i + (S - L): bottom-right aligned (module docstring)
+    causal          j <= i + (S - L): bottom-right aligned (module docstring); a kernel's
+                    own `causal` argument is folded in (`with_causal`)
     window          (left, right): i + (S-L) - left <= j <= i + (S-L) + right, each side an
                     int >= 0 or None (unbounded); FlashAttention's window_size, inclusive:
                     (1023, 0) with causal is "the last 1,024 tokens, itself included"
@@ -698,16 +699,28 @@ def sink_output(o_BxLxHxV, lse_BxHxL, sinks_H):
     return o_BxLxHxV, lse_BxHxL
 
 
+def with_causal(mask: "Mask | None", causal) -> "Mask":
+    """The Mask one kernel call runs: `mask` with the call's `causal` folded in, or `causal`
+    alone without a mask. Every implementation takes both and combines them, as `attention`
+    does (its `causal` defaults to True and the mask arguments add clauses): the call is
+    causal when either says so, so a non-causal masked call passes causal=False. Ignoring
+    `causal` beside a mask would drop causality without a word, since it defaults to True."""
+    causal = check_flag("causal", causal)
+    if mask is None:
+        return Mask.make(causal=causal)
+    if not isinstance(mask, Mask):
+        raise ValueError(f"mask={type(mask).__name__}: expected a Mask (Mask.make) or None")
+    return dataclasses.replace(mask, causal=True) if causal and not mask.causal else mask
+
+
 def kernel_mask(mask: "Mask | None", causal: bool, B: int, L: int, S: int) -> "Mask | None":
     """The Mask a Pallas kernel runs for a call: `mask` checked against the shapes with
-    `causal` folded in, or for a causal call with more queries than keys a causal Mask (the
-    Mask path gives its rows with no key 0); None for a plain call."""
-    if mask is None and causal and L > S:
-        mask = Mask.make(causal=True)
-    if mask is not None:
-        mask.check(B, L, S)
-        if causal and not mask.causal:
-            mask = dataclasses.replace(mask, causal=True)
+    `causal` folded in (`with_causal`), or for a causal call with more queries than keys a
+    causal Mask (the Mask path gives its rows with no key 0); None for a plain call."""
+    if mask is None and not (check_flag("causal", causal) and L > S):
+        return None
+    mask = with_causal(mask, causal)
+    mask.check(B, L, S)
     return mask
 
 

@@ -46,6 +46,7 @@ from lab.kernels.attention.common import (
     round_up,
     sink_grad,
     sink_output,
+    with_causal,
 )
 
 SOURCE = Path(__file__).with_name("cpu_flash.cc")
@@ -247,13 +248,14 @@ def cpu_flash_attention(
 ):
     """softmax(Q·Kᵀ·scale)·V, [batch, seq, heads, head_dim], grouped kv heads, any length.
 
-    `mask` (common.Mask; default `causal` alone): causal, a sliding window, segment ids,
-    lengths; tiles its block map leaves empty are skipped in the forward and both backward
-    passes, only partial ones are masked, and a row that sees no key gives 0. `softcap`:
+    `mask` (common.Mask: causal, a sliding window, segment ids, lengths), combined with
+    `causal` (causal when either is: common.with_causal; a non-causal mask needs
+    causal=False); tiles its block map leaves empty are skipped in the forward and both
+    backward passes, only partial ones are masked, and a row that sees no key gives 0. `softcap`:
     scores become softcap·tanh(scores/softcap) after scaling (gradient included). `sinks`
     [heads]: one learned logit per query head in every row's softmax denominator (its
     gradient included), folded in around the C++ kernel exactly through its log-sum-exp."""
-    mask = Mask.make(causal=causal) if mask is None else mask
+    mask = with_causal(mask, causal)
     check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=mask.causal)
     B, L, _, K = q_BxLxHxK.shape
     S = k_BxSxGxK.shape[1]

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from lab.kernels.attention.common import Mask, check_qkv, default_scale
+from lab.kernels.attention.common import Mask, check_qkv, default_scale, with_causal
 
 FEATURES = frozenset(
     {"empty_rows", "segments", "lengths", "window", "softcap", "sinks", "lse", "value_dim"}
@@ -25,13 +25,14 @@ def attention_reference(
     """Materialises the full L×S score matrix; every sum in f32 (f64 if the inputs are f64),
     P·V included (P is never rounded to the input dtype).
 
-    Grouped-query heads: H query heads share G key/value heads (H % G == 0). `mask` (default:
-    `causal` alone) says which pairs take part; a row with none gives 0. `softcap`: scores
+    Grouped-query heads: H query heads share G key/value heads (H % G == 0). `mask` says
+    which pairs take part, combined with `causal` (causal when either is: common.with_causal;
+    a non-causal mask needs causal=False); a row with none gives 0. `softcap`: scores
     become cap·tanh(scores/cap) after scaling. `sinks_H`: one logit per query head added to
     every row's softmax denominator (no value). `return_lse`: also the log of that
     denominator per row, [B, L, H] f32 (-inf for a row with no key and no sink).
     """
-    mask = Mask.make(causal=causal) if mask is None else mask
+    mask = with_causal(mask, causal)
     check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=mask.causal, empty_rows=True, value_dim=True)
     B, L, H, K = q_BxLxHxK.shape
     S, G = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]

@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from lab.kernels.attention import blockwise
-from lab.kernels.attention.common import Mask
+from lab.kernels.attention.common import Mask, with_causal
 
 FEATURES = frozenset(
     {"empty_rows", "segments", "lengths", "window", "softcap", "sinks", "lse", "value_dim"}
@@ -201,12 +201,14 @@ def ring_attention(
     over `seq_axis` of `mesh` (batch and heads optionally over other axes). Equal to
     lab.kernels.attention.attention_reference; max(L, S) must divide by the axis size.
 
-    `mask` may carry segment ids (they travel around the ring with their keys), per-sequence
-    lengths and a sliding window (each step's band static: `_ring_banded`). q and kv lengths
-    may differ: the shorter side is padded at the front to the longer (`_equalise`), which
-    keeps the bottom-right diagonal where it was, so causal with more queries than keys gives
-    0 for the rows that see no key, as everywhere. `softcap`, `sinks` [H] and `return_lse`
-    (out, lse [B, L, H] f32) as in blockwise_attention."""
+    `mask` is combined with `causal` (causal when either is: common.with_causal; a
+    non-causal mask needs causal=False). It may carry segment ids (they travel around the
+    ring with their keys), per-sequence lengths and a sliding window (each step's band
+    static: `_ring_banded`). q and kv lengths may differ: the shorter side is padded at the
+    front to the longer (`_equalise`), which keeps the bottom-right diagonal where it was, so
+    causal with more queries than keys gives 0 for the rows that see no key, as everywhere.
+    `softcap`, `sinks` [H] and `return_lse` (out, lse [B, L, H] f32) as in
+    blockwise_attention."""
     W = mesh.shape[seq_axis]
     L, S = q_BxLxHxK.shape[1], k_BxSxGxK.shape[1]
     if max(L, S) % W:
@@ -214,7 +216,7 @@ def ring_attention(
             f"{q_BxLxHxK.shape=} {k_BxSxGxK.shape=}: ring attention needs the longer of the q "
             f"and kv lengths divisible by {seq_axis}={W}"
         )
-    mask = Mask.make(causal=causal) if mask is None else mask
+    mask = with_causal(mask, causal)
     mask.check(q_BxLxHxK.shape[0], L, S)
     q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask = _equalise(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask)
     scale = q_BxLxHxK.shape[-1] ** -0.5 if scale is None else scale
