@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from lab.errors import ConfigError
@@ -165,7 +166,9 @@ def test_a_skipped_points_reason_is_a_record(tmp_path):
     path = tmp_path / "records.jsonl"
     records.write_records(path, records.make_record("tune_step skipped", "out of memory", "reason"))
     assert records.read_records(path)[0]["value"] == "out of memory"
-    path.write_text(json.dumps(records.make_record("skipped", 3, "reason")) + "\n")
+    path.write_text(
+        json.dumps({**records.make_record("skipped", "-", "reason"), "value": 3}) + "\n"
+    )
     with pytest.raises(ValueError, match="value is a number, not a reason's text"):
         records.read_records(path)
 
@@ -179,3 +182,37 @@ def test_a_system_folder_that_takes_no_files_is_named_so():
         records.writable_dir("/proc/self")
     with pytest.raises(ConfigError, match="'/proc' takes no new files"):
         records.writable_dir("/proc/lab-results")
+
+
+def test_numpy_and_jax_numbers_are_written_as_numbers(tmp_path):
+    """A value or a config entry that is a NumPy or JAX number (or a 0-d array) is stored as
+    the Python number, and a dtype by its name, so the file reads back; JSON would otherwise
+    get their text ("1.5", "<class 'jax.numpy.float32'>"), which no reader takes."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    path = tmp_path / "r.jsonl"
+    values = [np.float32(1.5), jnp.float32(1.5), np.int64(3), jnp.asarray(2.5), np.array(7)]
+    config = dict(dtype=jnp.float32, kind=np.dtype("int8"), bf=jnp.bfloat16, n=np.int32(4))
+    for v in values:
+        records.write_records(path, records.make_record("x", v, "s", **config))
+    got = records.read_records(path)
+    assert [r["value"] for r in got] == [1.5, 1.5, 3, 2.5, 7]
+    assert all(type(r["value"]) in (int, float) for r in got)
+    assert got[0]["config"] == {"dtype": "float32", "kind": "int8", "bf": "bfloat16", "n": 4}
+    # a hand-built record goes through the writer's hook alike
+    records.write_records(path, {**got[0], "value": np.float32(0.25), "config": {"d": np.float16}})
+    assert records.read_records(path)[-1]["value"] == 0.25
+    assert records.read_records(path)[-1]["config"] == {"d": "float16"}
+
+
+@pytest.mark.parametrize("value", ["1.5", [1.0], True, np.bool_(True), np.arange(3), 1 + 2j])
+def test_a_value_that_is_not_a_number_is_refused_when_made(value):
+    with pytest.raises(ValueError, match=r"^record 'x': value=.* is not a number"):
+        records.make_record("x", value, "s")
+
+
+def test_a_reason_is_text():
+    assert records.make_record("x", "no kernel", "reason")["value"] == "no kernel"
+    with pytest.raises(ValueError, match="reason must be text"):
+        records.make_record("x", 1.0, "reason")

@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from lab import startup
 from lab.errors import ConfigError
@@ -122,21 +123,77 @@ def environment() -> dict:
     }
 
 
+def _is_dtype(x) -> bool:
+    """A dtype or a scalar type that names one (np.float32, jnp.bfloat16, np.dtype("int8"))."""
+    if isinstance(x, np.dtype):
+        return True
+    return isinstance(x, type) and (
+        issubclass(x, np.generic) or isinstance(getattr(x, "dtype", None), np.dtype)
+    )
+
+
+def _scalar(x):
+    """A NumPy or JAX number (a scalar, or an array of no dimensions) as the Python number it
+    holds; anything else unchanged."""
+    if isinstance(x, np.generic | np.ndarray | jax.Array) and np.ndim(x) == 0:
+        if np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating):
+            return x.item()
+        if np.issubdtype(x.dtype, np.bool_):
+            return bool(x)
+    return x
+
+
+def plain(x):
+    """`x` with what JSON has no word for made plain, inside dicts, lists and tuples: a dtype
+    by its name ("float32", not the repr of its class), a NumPy or JAX number as a Python
+    one. Other values are left as they are (the writer stores them as text)."""
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(plain(v) for v in x)
+    if _is_dtype(x):
+        return np.dtype(x).name
+    return _scalar(x)
+
+
+def _value(what: str, value, unit: str):
+    """A record's value as readers take it (`_wrong_type`): a Python number or None, or the
+    text of a reason for a skipped point (unit "reason"); a NumPy or JAX number is made a
+    Python one, anything else refused here rather than written as text no reader takes."""
+    if unit == "reason":
+        if not isinstance(value, str):
+            raise ValueError(
+                f"record {what!r}: value={value!r}: a skipped point's reason must be text"
+            )
+        return value
+    value = _scalar(value)
+    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+        return value
+    raise ValueError(
+        f"record {what!r}: value={value!r} ({type(value).__name__}) is not a number: "
+        "records hold an int or float (a NumPy or JAX scalar is taken) or None"
+    )
+
+
 def make_record(what: str, value, unit: str, *, label: str = "measured", **config) -> dict:
     """{what, value, unit, label, config, <environment>, timestamp} for one measurement.
 
+    `value`: a number (int, float, or a NumPy/JAX scalar or 0-d array, stored as the Python
+    number) or None; for unit "reason" the text of why a point was skipped. Anything else is
+    a ValueError here, since no reader of records would take it back.
     `label` says how the figure was obtained (DESIGN.md, "honest numbers"): measured here,
     predicted from measurements and a spec entry, compiled but not run, or derived.
-    `config` holds whatever identifies the measurement (shape, dtype, precision, …).
+    `config` holds whatever identifies the measurement (shape, dtype, precision, …); dtypes
+    are stored by name and NumPy/JAX numbers as Python ones (`plain`).
     """
     if label not in LABELS:
         raise ValueError(f"label={label!r}: expected one of {', '.join(LABELS)}")
     return {
         "what": what,
-        "value": value,
+        "value": _value(what, value, unit),
         "unit": unit,
         "label": label,
-        "config": config,
+        "config": plain(config),
         **environment(),
         "load_avg_1m": _load_avg(),
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -221,14 +278,23 @@ def _drop_if_empty(path: Path) -> None:
         pass
 
 
+def _json_default(x):
+    """What json.dumps writes for a value it has no word for: a dtype by its name, a NumPy
+    or JAX number as the number, anything else as its text."""
+    made = plain(x)
+    return str(x) if made is x else made
+
+
 def write_records(path, records: dict | Iterable[dict]) -> Path:
     """Append records (one dict or many) to a JSON Lines file, creating its folder. The
-    lines are written whole: a signal during the write exits once it is done."""
+    lines are written whole: a signal during the write exits once it is done. A dtype is
+    written by its name and a NumPy or JAX number as a number (`plain`), other values JSON
+    has no word for as their text."""
     path = Path(path)
     writable_dir(path.parent)
     if isinstance(records, dict):
         records = [records]
-    text = "".join(json.dumps(r, default=str) + "\n" for r in records)
+    text = "".join(json.dumps(r, default=_json_default) + "\n" for r in records)
     with startup.held(), path.open("a") as f:
         f.write(text)
     if path in _RESERVED:  # a command's own records: a signal from now on says they are kept
