@@ -93,8 +93,20 @@ def test_attention_flops_against_the_naive_kernel():
 def test_attention_conventions():
     fwd = cost.attention_flops(1, 1, 10, 10, 8, causal=False)
     assert fwd == 4 * 10 * 10 * 8
-    assert cost.attention_flops(1, 1, 10, 10, 8, causal=True) == fwd / 2
+    assert cost.attention_flops(1, 1, 10, 10, 8, causal=True) == 4 * (10 * 11 / 2) * 8
     assert cost.attention_flops(1, 1, 10, 10, 8, causal=False, backward=True) == 2.5 * fwd
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1024), (512, 1024), (37, 37), (64, 40), (1, 1), (5, 3)])
+def test_causal_flops_count_the_pairs_the_kernels_mask_leaves(sq, sk):
+    """Causal with Sq != Sk counts the pairs of the bottom-right aligned mask the kernels use
+    (common.Mask, brute force): a single query sees every key, not half of them."""
+    from lab.kernels.attention.common import Mask
+
+    pairs = int(np.asarray(Mask.make(causal=True).dense(1, sq, sk)).sum())
+    assert cost.visible_pairs(sq, sk, causal=True) == pairs
+    assert cost.attention_flops(2, 3, sq, sk, 16, causal=True) == 4 * 2 * 3 * 16 * pairs
+    assert cost.visible_pairs(sq, sk, causal=False) == sq * sk
 
 
 def test_transformer_and_gpt3_conventions():

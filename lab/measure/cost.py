@@ -103,20 +103,34 @@ def matmul_bytes(m: int, n: int, k: int, itemsize: int, *, batch: int = 1) -> in
     return batch * itemsize * (m * k + k * n + m * n)
 
 
+def visible_pairs(sq: int, sk: int, *, causal: bool) -> float:
+    """(query, key) pairs one head of one sequence computes: Sq·Sk, or causal with the mask
+    aligned bottom-right as every attention kernel here aligns it (lab.kernels.attention.common:
+    query i sees key j iff j <= i + Sk - Sq) the exact count Σ_i min(Sk, max(0, i + 1 + Sk -
+    Sq)). With m = min(Sq, Sk) rows that see a key, that is m·(Sk - m) + m·(m + 1)/2: Sq·Sk -
+    Sq·(Sq - 1)/2 when Sq <= Sk (a single query sees every key), Sk·(Sk + 1)/2 when Sq > Sk
+    (the first Sq - Sk rows see none)."""
+    if not causal:
+        return float(sq) * sk
+    m = min(sq, sk)
+    return float(m) * (sk - m) + m * (m + 1) / 2
+
+
 def attention_flops(
     b: int, h: int, sq: int, sk: int, d: int, *, causal: bool, backward: bool = False
 ) -> float:
     """Matmul FLOPs of softmax(Q·Kᵀ)·V over B batch, H heads, Sq queries, Sk keys, D head dim.
 
-    Forward: Q·Kᵀ (2·Sq·Sk·D) plus P·V (2·Sq·Sk·D) = 4·B·H·Sq·Sk·D. Causal: ½ of that, the
-    share of the score matrix a kernel that skips masked blocks computes (a naive kernel
-    computes it all; count it with causal=False). Backward (returned alone, not added to the
-    forward): 2.5× forward, the FlashAttention-2 convention — five matmuls (Q·Kᵀ recomputed,
-    dV, dP, dQ, dK) against the forward's two. Softmax exp/max/sum are not counted.
+    Forward: Q·Kᵀ plus P·V, 2·D each per (query, key) pair: 4·B·H·D·`visible_pairs`, i.e.
+    4·B·H·Sq·Sk·D in full. Causal counts only the pairs the bottom-right aligned mask leaves,
+    the work a kernel that skips masked blocks does (a naive kernel computes them all; count
+    it with causal=False): for Sq == Sk that is ½·(1 + 1/S) of the full count (the
+    FlashAttention benchmarks' ½ to within 1/S), and a single query against Sk keys counts
+    all Sk. Backward (returned alone, not added to the forward): 2.5× forward, the
+    FlashAttention-2 convention — five matmuls (Q·Kᵀ recomputed, dV, dP, dQ, dK) against the
+    forward's two. Softmax exp/max/sum are not counted.
     """
-    fwd = 4.0 * b * h * sq * sk * d
-    if causal:
-        fwd *= 0.5
+    fwd = 4.0 * b * h * d * visible_pairs(sq, sk, causal=causal)
     return 2.5 * fwd if backward else fwd
 
 

@@ -10,8 +10,9 @@ implementation and shape it reports, in one run:
   same random inputs, warm-up and compile apart);
 - TFLOP/s: `lab.measure.cost.attention_flops` over the median time. Convention: 2 FLOPs per
   multiply-add, matmuls only (softmax not counted); forward 4·B·H·L·S·D, backward 2.5× that;
-  causal counts *half* of the score matrix for every implementation — the useful work — so a
-  naive kernel that computes the masked half too shows a lower figure, not a higher one;
+  causal counts only the pairs its bottom-right mask leaves (S·(S + 1)/2 of the S² scores)
+  for every implementation — the useful work — so a naive kernel that computes the masked
+  half too shows a lower figure, not a higher one;
 - peak memory: XLA's temporary allocation of the compiled program (`memory_analysis`, via
   `lab.measure.memory.compiled_memory`); arguments and outputs are the same for every
   implementation and left out, so this is the memory the algorithm itself needs;
