@@ -302,6 +302,19 @@ def test_named_elsewhere_or_on_a_bad_dtype_it_is_refused_in_one_line():
         choose("cpu_flash", *_spec("float16"), backend="cpu")
 
 
+@pytest.mark.parametrize("text", ["abc", "-2", "0"])
+def test_a_bad_thread_count_is_refused_not_passed_over(monkeypatch, text):
+    """auto must not fall back to blockwise without a word where LAB_CPU_FLASH_THREADS is not
+    a thread count (the C++ kernel would ignore it): one line naming the variable."""
+    monkeypatch.setenv("LAB_CPU_FLASH_THREADS", text)
+    q, k, v, _ = random_qkv(8, 32, 32, HEADS, 2, 32, "float32")
+    for impl in ("auto", "cpu_flash"):
+        with pytest.raises(ValueError, match=f"^LAB_CPU_FLASH_THREADS='{text}': must be a whole"):
+            attention(q, k, v, impl=impl)
+    monkeypatch.setenv("LAB_CPU_FLASH_THREADS", "2")
+    assert attention(q, k, v, impl="auto").shape == q.shape
+
+
 def test_without_the_kernel_auto_keeps_blockwise(monkeypatch):
     monkeypatch.setattr(cpu_flash, "available", lambda: False)
     assert choose("auto", *_spec("float32"), causal=True, backend="cpu") == "blockwise"

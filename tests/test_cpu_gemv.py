@@ -4,6 +4,7 @@ are not multiples of the vector width; the model's einsums through `lab.quant.ma
 input one line. Inference only: the kernel has no gradient, so none is tested."""
 
 import functools
+import os
 import re
 
 import jax
@@ -138,3 +139,88 @@ def test_bad_input_is_one_line(x, w, scale, words):
 
     with pytest.raises(ValueError, match=re.escape(words)):
         cpu_gemv.cpu_gemv(make(x), make(w), make(scale))
+
+
+@pytest.mark.parametrize("text", ["abc", "-2", "0", "1.5", "4x", "1_000"])
+def test_a_thread_count_that_is_not_one_is_refused_in_one_line(monkeypatch, text):
+    """The C++ kernel would read these as 0 and take every core without a word."""
+    from lab.kernels import native
+
+    monkeypatch.setenv("LAB_CPU_GEMV_THREADS", text)
+    want = f"^LAB_CPU_GEMV_THREADS='{re.escape(text)}': must be a whole number of threads"
+    with pytest.raises(ValueError, match=want):
+        native.threads_from_env("LAB_CPU_GEMV_THREADS")
+    with pytest.raises(ValueError, match=want):
+        cpu_gemv.available()
+
+
+def test_a_thread_count_past_four_per_core_is_cut_and_said_once(monkeypatch, capsys):
+    """Each thread is an OS thread: a count mistyped by digits would starve the host."""
+    from lab.kernels import native
+
+    monkeypatch.setattr(native.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(native, "_SAID", set())
+    for text, want in [("", None), (" 3 ", 3), ("8", 8)]:
+        monkeypatch.setenv("LAB_CPU_GEMV_THREADS", text)
+        assert native.threads_from_env("LAB_CPU_GEMV_THREADS") == want
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("LAB_CPU_GEMV_THREADS", "9")
+    assert native.threads_from_env("LAB_CPU_GEMV_THREADS") == 8
+    assert native.threads_from_env("LAB_CPU_GEMV_THREADS") == 8
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "lab: LAB_CPU_GEMV_THREADS=9 is more than 4 threads per core of this host's 2: "
+        "the kernel runs 8"
+    ]
+
+
+def test_a_bad_thread_count_stops_a_program_before_the_kernel_runs():
+    import subprocess
+    import sys
+
+    code = (
+        "import jax.numpy as jnp; from lab.kernels import cpu_gemv; "
+        "cpu_gemv.cpu_gemv(jnp.ones((1, 8)), jnp.ones((8, 4)))"
+    )
+    env = {**os.environ, "LAB_CPU_GEMV_THREADS": "abc", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "lab.errors.ConfigError: LAB_CPU_GEMV_THREADS='abc': must be a whole number of "
+        "threads, at least 1 (unset: one per core)"
+    )
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_kernel_itself_cuts_a_count_set_past_the_python_check():
+    """A variable changed after the program was traced is read by the C++ kernel alone: its
+    pool still starts at most 4 threads per core (the caller is one of them). Counted in a
+    fresh process, as the pool is started once per process; one above the cap, so the run
+    starts few threads on any host."""
+    import os
+    import subprocess
+    import sys
+
+    from lab.kernels import native
+
+    cap = native.max_threads()
+    code = f"""
+import os
+import jax, jax.numpy as jnp
+from lab.kernels import cpu_gemv
+x, w = jnp.ones((1, 64)), jnp.ones((64, 64))
+run = jax.jit(cpu_gemv.cpu_gemv).lower(x, w).compile()
+jnp.dot(x, w).block_until_ready()
+before = len(os.listdir("/proc/self/task"))
+os.environ["LAB_CPU_GEMV_THREADS"] = "{cap + 1}"
+run(x, w).block_until_ready()
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "LAB_CPU_GEMV_THREADS"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) == cap - 1  # the pool's workers beside the caller

@@ -196,15 +196,21 @@ class Pool {
   bool stop_ = false;
 };
 
+// At most this many threads per core, whatever LAB_CPU_GEMV_THREADS says: each is an OS
+// thread of the pool, and a mistyped count (100000) would starve the host. The Python side
+// refuses a count that is not a number and says when it cuts one (lab/kernels/native.py,
+// THREADS_PER_CORE); this is the guard for a variable changed after that check.
+constexpr long kThreadsPerCore = 4;
+
 int default_threads() {
-  if (const char* env = std::getenv("LAB_CPU_GEMV_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
   // The core count is read once: hardware_concurrency() reads /sys on every call (glibc's
   // get_nprocs), several microseconds in a VM, paid by every call of the kernel; decode
   // makes ~100 calls a step, each tens of microseconds.
   static const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (const char* env = std::getenv("LAB_CPU_GEMV_THREADS")) {
+    const long n = std::strtol(env, nullptr, 10);  // LONG_MAX past the range, never UB
+    if (n > 0) return static_cast<int>(std::min(n, kThreadsPerCore * cores));
+  }
   return cores;
 }
 

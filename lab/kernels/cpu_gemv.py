@@ -19,7 +19,9 @@ Decoding never differentiates; training keeps XLA's dot.
 
 Build: lab/kernels/native.py (first use, cached; no compiler: one line, `available()` is False
 and the callers keep XLA's dot). LAB_CPU_GEMV=0 turns it off; LAB_CPU_GEMV_THREADS sets the
-thread count (default: the host's cores).
+thread count (default: the host's cores; a whole number >= 1, at most 4 per core: more is cut
+to that, said once, since each is an OS thread; anything else is refused when the kernel is
+first asked for).
 """
 
 import ctypes
@@ -43,11 +45,18 @@ ATTENTION_TARGET = "lab_cpu_decode_attention"
 _WHAT = "cpu_gemv matmul kernel"
 
 
-@functools.cache
 def available() -> bool:
-    """Whether the kernel is built and registered with XLA (builds it on the first call)."""
+    """Whether the kernel is built and registered with XLA (builds it on the first call). A
+    ConfigError (one line) where LAB_CPU_GEMV_THREADS is not a thread count
+    (native.threads_from_env): the kernel would ignore it, or start that many threads."""
     if os.environ.get("LAB_CPU_GEMV") == "0":
         return False
+    native.threads_from_env("LAB_CPU_GEMV_THREADS")
+    return _registered()
+
+
+@functools.cache
+def _registered() -> bool:
     lib_path = native.build(
         SOURCE,
         what=_WHAT,

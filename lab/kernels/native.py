@@ -8,6 +8,10 @@ workers share one build. `-O3 -march=native` first, falling back to a portable `
 (LAB_KERNEL_SANITIZE=1: an AddressSanitizer and UndefinedBehaviorSanitizer build instead, for
 the tests). A build says one line; no compiler, or a compiler that fails every attempt: one
 line on stderr and `build` returns None, so the caller keeps its JAX kernels.
+
+Thread counts (LAB_CPU_GEMV_THREADS, LAB_CPU_FLASH_THREADS) are checked here before a kernel
+runs (`threads_from_env`): a count that is not a whole number >= 1 is refused in one line,
+and one above `max_threads` is cut to it (the C++ kernels cut it too, as a guard).
 """
 
 import fcntl
@@ -15,6 +19,7 @@ import hashlib
 import importlib.metadata
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+
+from lab.errors import ConfigError
 
 FLAGS = ["-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-w"]
 NATIVE, PORTABLE = ["-O3", "-march=native"], ["-O3"]
@@ -160,3 +167,40 @@ def build(
             return lib
     print(f"lab: the {what} did not build ({error}): {fallback}", file=sys.stderr)
     return None
+
+
+# Every thread a kernel's pool starts is an OS thread, and past the host's cores more threads
+# never speed these kernels up (each call is cut into parts that the threads claim from one
+# counter; a thread without a core only waits for a timeslice). A count mistyped by a few
+# digits (100000) started that many threads and starved the whole host. Four per core leaves
+# room to try oversubscription; the C++ sources hold the same cap (kThreadsPerCore).
+THREADS_PER_CORE = 4
+_SAID: set = set()  # the (variable, value) pairs whose cut has been said
+
+
+def max_threads() -> int:
+    """The most threads a native kernel runs: THREADS_PER_CORE per core of this host (the
+    count the C++ kernels read, std::thread::hardware_concurrency, is os.cpu_count's)."""
+    return THREADS_PER_CORE * (os.cpu_count() or 1)
+
+
+def threads_from_env(var: str) -> int | None:
+    """The thread count the environment variable `var` sets: None where it is unset or empty
+    (the kernel takes every core), a ConfigError (a ValueError: one line naming `var`) where
+    it is not a whole number >= 1, which the C++ kernels would ignore without a word, and
+    `max_threads()` where it is above that, said once on stderr."""
+    text = os.environ.get(var, "")
+    if not text.strip():
+        return None
+    if not re.fullmatch(r"[0-9]+", text.strip()) or int(text) < 1:
+        raise ConfigError(
+            f"{var}={text!r}: must be a whole number of threads, at least 1 (unset: one per core)"
+        )
+    n, cap = int(text), max_threads()
+    if n <= cap:
+        return n
+    if (var, n) not in _SAID:
+        _SAID.add((var, n))
+        print(f"lab: {var}={n} is more than {THREADS_PER_CORE} threads per core of this "
+              f"host's {os.cpu_count() or 1}: the kernel runs {cap}", file=sys.stderr)  # fmt: skip
+    return cap

@@ -765,14 +765,29 @@ void backward_fused(const Geo& g, const T* q, const T* k, const T* v, const floa
 
 // ------------------------------------------------------------------------- FFI
 
+// At most this many threads per core, whatever LAB_CPU_FLASH_THREADS or the threads
+// attribute says: without XLA's pool each is an OS thread started for the call, and a
+// mistyped count (100000) would starve the host. The Python side refuses a count that is not
+// a number and says when it cuts one (lab/kernels/native.py, THREADS_PER_CORE); this is the
+// guard for a variable changed after that check.
+constexpr int64_t kThreadsPerCore = 4;
+
+// read once: hardware_concurrency() reads /sys on every call (glibc's get_nprocs)
+int cores() {
+  static const int n = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return n;
+}
+
+int capped_threads(int64_t n) {
+  return static_cast<int>(std::min<int64_t>(n, kThreadsPerCore * cores()));
+}
+
 int default_threads() {
   if (const char* env = std::getenv("LAB_CPU_FLASH_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
+    const long n = std::strtol(env, nullptr, 10);  // LONG_MAX past the range, never UB
+    if (n > 0) return capped_threads(n);
   }
-  // read once: hardware_concurrency() reads /sys on every call (glibc's get_nprocs)
-  static const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return cores;
+  return cores();
 }
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -804,7 +819,7 @@ ffi::Error geometry(ffi::AnyBuffer q, ffi::AnyBuffer k, int64_t causal, float sc
   g->nq = round_up(g->L, g->bq) / g->bq, g->nk = round_up(g->S, g->bk) / g->bk;
   g->causal = causal != 0;
   g->scale = scale;
-  g->threads = threads > 0 ? static_cast<int>(threads) : default_threads();
+  g->threads = threads > 0 ? capped_threads(threads) : default_threads();
   if (m.q_seg.element_count() != static_cast<size_t>(g->B * g->L) ||
       m.kv_seg.element_count() != static_cast<size_t>(g->B * g->S) ||
       m.q_len.element_count() != static_cast<size_t>(g->B) ||

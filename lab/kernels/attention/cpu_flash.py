@@ -21,7 +21,9 @@ falling back to a portable `-O3` build (forced with LAB_CPU_FLASH_PORTABLE=1). N
 line on stderr; a failed build: each attempt's "building" line, then one saying it failed.
 Either way `available()` is False and `auto` keeps `blockwise`.
 LAB_CPU_FLASH=0 turns the kernel off; LAB_CPU_FLASH_THREADS sets the thread count (default:
-the host's cores; on XLA's pool, at most its threads and the caller take part);
+the host's cores; on XLA's pool, at most its threads and the caller take part; a whole number
+>= 1, at most 4 per core: more is cut to that, said once, since each may be an OS thread;
+anything else is refused when the kernel is first asked for);
 LAB_CPU_FLASH_BACKWARD=fused or two-pass forces the backward's form (any other value: chosen
 as above).
 """
@@ -112,11 +114,18 @@ def _build() -> Path | None:
     )
 
 
-@functools.cache
 def available() -> bool:
-    """Whether the kernel is built and registered with XLA (builds it on the first call)."""
+    """Whether the kernel is built and registered with XLA (builds it on the first call). A
+    ConfigError (one line) where LAB_CPU_FLASH_THREADS is not a thread count
+    (native.threads_from_env): the kernel would ignore it, or start that many threads."""
     if os.environ.get("LAB_CPU_FLASH") == "0":
         return False
+    native.threads_from_env("LAB_CPU_FLASH_THREADS")
+    return _registered()
+
+
+@functools.cache
+def _registered() -> bool:
     lib_path = _build()
     if lib_path is None:
         return False
