@@ -30,12 +30,15 @@ import re
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from lab.errors import ConfigError
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
 
 # A write that fails part-way (a full disk) leaves orbax's unstarted fragment writes behind as
 # coroutines; Python reports each as "never awaited" when it collects them at exit, after the
@@ -47,6 +50,17 @@ warnings.filterwarnings(
 ITEM = "default"  # the name orbax's manager gives a single saved item
 SUMS = "fingerprint"  # the step's item that keeps every array's checksums (JSON)
 LAYOUT = "layout"  # the step's item that says how its state stores the layers (JSON)
+
+
+def _orbax():
+    """orbax.checkpoint, imported where a checkpoint is first saved or read, not with this
+    module: importing orbax logs through absl, whose first log call gives the root logger a
+    handler (logging.basicConfig), after which a program's own logging.basicConfig does
+    nothing. A program that imports lab.train, lab.session or lab.loop keeps its logging
+    (and its start-up is spared orbax's import, ~0.2 s)."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
 
 
 def folder(run_dir) -> Path:
@@ -63,7 +77,8 @@ def check_folder(run_dir) -> None:
         raise ConfigError(f"{path} is not writable: checkpoints cannot be saved there")
 
 
-def manager(run_dir, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
+def manager(run_dir, *, max_to_keep: int = 3) -> "ocp.CheckpointManager":
+    ocp = _orbax()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True
     )
@@ -110,7 +125,7 @@ class Saver:
     failure is reported with the step that failed (orbax raises it at the next call, in the
     words of a background thread), and `pending` names a save still being written."""
 
-    def __init__(self, mngr: ocp.CheckpointManager, layout: dict | None = None):
+    def __init__(self, mngr: "ocp.CheckpointManager", layout: dict | None = None):
         self.mngr = mngr
         self.layout = layout  # kept with every step (LAYOUT): how its state stores the layers
         self.pending: int | None = None
@@ -124,6 +139,7 @@ class Saver:
             return False
         sums = fingerprint(state)  # before the save: its failure is not the disk's
         self.pending = step
+        ocp = _orbax()
         try:
             args = {ITEM: ocp.args.StandardSave(state), SUMS: ocp.args.JsonSave(sums)}
             if self.layout is not None:
@@ -230,6 +246,7 @@ def _sums_differ(step_dir: Path, state) -> str | None:
     # (every process of a job reads the same files: all return here alike, or all go on to
     # the fingerprint's collective reductions together)
     try:
+        ocp = _orbax()
         saved = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(sums_dir)
         if not isinstance(saved, dict):
             raise ValueError(f"{type(saved).__name__}, not a table")
@@ -331,7 +348,7 @@ def saved_names(step_dir: Path) -> set[tuple] | None:
     """Every array's path in the state a step saved, as plain names (("params", "embed"),
     …); None where its metadata cannot be read (a damaged step: the restore judges it)."""
     try:
-        meta = ocp.StandardCheckpointer().metadata(Path(step_dir) / ITEM)
+        meta = _orbax().StandardCheckpointer().metadata(Path(step_dir) / ITEM)
         meta = getattr(meta, "item_metadata", meta)
         return {_names(p) for p, _ in jax.tree_util.tree_leaves_with_path(meta)}
     except Exception:  # noqa: BLE001 — unreadable metadata
@@ -344,7 +361,7 @@ def _shape_mismatch(path: Path, abstract_state) -> str | None:
     the restore decides whether the step is damaged). lab.rundir.check_same_state catches a
     changed model from config.json first; this is the check of the arrays themselves."""
     try:
-        meta = ocp.StandardCheckpointer().metadata(path)
+        meta = _orbax().StandardCheckpointer().metadata(path)
         meta = getattr(meta, "item_metadata", meta)
         saved = jax.tree_util.tree_leaves_with_path(meta)
     except Exception:  # noqa: BLE001 — unreadable metadata: a damaged step, judged by restore
@@ -489,7 +506,7 @@ def restore_latest(
                 + (", or start a new name=" if why == "resume=true" else "")
             )
         try:
-            state = ocp.StandardCheckpointer().restore(item, target)
+            state = _orbax().StandardCheckpointer().restore(item, target)
         except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for damage
             reader = _reader_failure(e)
             if reader:

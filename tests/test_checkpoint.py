@@ -103,3 +103,25 @@ def test_a_step_of_a_model_with_other_arrays_is_another_model_not_damage(tmp_pat
     with pytest.raises(ConfigError, match=r"params\.block_2: saved, not in this model"):
         checkpoint.restore_latest(tmp_path, abstract, warn=pytest.fail)
     assert checkpoint.saved_steps(tmp_path) == [1]
+
+
+def test_importing_the_training_modules_leaves_the_programs_logging_alone():
+    """orbax logs through absl when imported, and absl's first log call configures the root
+    logger, after which a program's own logging.basicConfig does nothing: orbax is imported
+    where a checkpoint is first saved or read, not with the modules a program imports."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, sys; import lab.train, lab.session, lab.loop; "
+        "assert 'orbax' not in sys.modules, 'orbax imported'; "
+        "logging.basicConfig(level=logging.INFO, format='MINE %(message)s'); "
+        "logging.getLogger('user').info('hello')"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["MINE hello"]

@@ -83,7 +83,7 @@ def _flip_a_saved_value(step_dir: Path):
     import numpy as np
 
     item = step_dir / "default"
-    ckptr = checkpoint.ocp.StandardCheckpointer()
+    ckptr = checkpoint._orbax().StandardCheckpointer()
     saved = ckptr.restore(item)
     path, weight = max(
         jax.tree_util.tree_leaves_with_path(saved["params"]), key=lambda kx: np.size(kx[1])
@@ -186,7 +186,7 @@ def test_a_step_the_reader_cannot_restore_is_left_in_place_and_the_resume_stops(
     def fail(self, *args, **kwargs):
         raise RuntimeError("restore failed") from error
 
-    monkeypatch.setattr(checkpoint.ocp.StandardCheckpointer, "restore", fail)
+    monkeypatch.setattr(checkpoint._orbax().StandardCheckpointer, "restore", fail)
     capsys.readouterr()
     assert _run(tmp_path, "name=R", "steps=8", "resume=true") == 2
     err = _one_line_error(capsys, "checkpoint step 6 was not restored")
