@@ -30,7 +30,7 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lab import checkpoint
+from lab import checkpoint, quant
 from lab.config import Config
 from lab.errors import ConfigError
 from lab.kernels.pipeline import Schedule, from_stage_major_order, to_stage_major_order
@@ -67,10 +67,32 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
     )
 
 
+# The weights weight decay pulls toward zero: every matrix the model multiplies (lab/quant.py
+# names them) and the embedding table. Never a norm's scale (it multiplies by 1 at init, not
+# by a small weight; decay would shrink the activations it sets).
+DECAYED = frozenset(quant.EINSUMS) | {"embed"}
+
+
+def decay_mask(params):
+    """True for each weight AdamW decays, chosen by its name, so that every layout decays the
+    same weights: a norm's scale is a vector unscanned and a [layers, D] matrix when the layers
+    are stacked (scan_layers, every pipeline), so a rule by rank would decay it in one layout
+    and not the other, and the same seed would train two different models. A prefix of
+    `params`: a flax box (logical axes) or a quantised weight answers for its leaves; int8
+    codes are not trained (no gradient through integers), so are never decayed."""
+
+    def one(path, leaf):
+        named = bool(path) and isinstance(path[-1], jax.tree_util.DictKey)
+        return named and path[-1].key in DECAYED and not isinstance(leaf, quant.Int8Weight)
+
+    whole = lambda x: isinstance(x, nn.meta.AxisMetadata | quant.Int8Weight)  # noqa: E731
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=whole)
+
+
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """AdamW with linear warm-up then cosine decay; clipping first; no decay on vectors."""
+    """AdamW with linear warm-up then cosine decay; clipping first; decay on the matmul
+    weights and the embedding only (`decay_mask`)."""
     schedule = lr_schedule(cfg)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask)
     clip = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     return optax.chain(*clip, adamw)

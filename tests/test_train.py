@@ -1,5 +1,7 @@
 """The sharded train step against one device: same losses for every strategy and mesh."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -81,3 +83,37 @@ def test_1b_preset_compiles_with_its_state_at_12_bytes_a_parameter():
     assert 0.9e9 < n < 1.1e9
     mem = compiled_memory(trainer.lower().compile())
     assert mem["argument_bytes"] == pytest.approx(12 * n, rel=0.001)
+
+
+def test_weight_decay_marks_the_same_weights_in_every_layout():
+    """Decay by a weight's name: the matmul weights and the embedding, never a norm's scale,
+    whether the layers are a vector each (unscanned) or stacked [layers, D] (scanned)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    from lab import quant
+    from lab.model import build, stack_layers
+    from lab.train import DECAYED, decay_mask
+
+    def mask(*extra):
+        cfg = parse_args(["model=tiny", "dtype=float32", "attention=naive", *extra])
+        init = lambda k: build(cfg.model).init(k, jnp.zeros((1, 8), jnp.int32))["params"]  # noqa: E731
+        boxed = jax.eval_shape(init, jax.random.key(0))  # boxes (logical axes) answer whole
+        return decay_mask(boxed), nn.meta.unbox(boxed)
+
+    def by_name(m):  # a layer's weights by their name in the block, whichever block
+        paths = jax.tree_util.tree_leaves_with_path(m)
+        return {re.sub(r"\['block(s|_\d+)'\]", "", jax.tree_util.keystr(k)): v for k, v in paths}
+
+    flat, params = mask()
+    stacked, _ = mask("scan_layers=true")
+    restacked = decay_mask(jax.eval_shape(lambda p: stack_layers(p, 2), params))
+    assert by_name(flat) == by_name(stacked) == by_name(restacked)
+    names = by_name(flat)
+    assert not any(v for k, v in names.items() if k.endswith("['scale']"))  # every norm's
+    assert all(v for k, v in names.items() if not k.endswith("['scale']"))
+    assert {k.split("'")[-2] for k, v in names.items() if v} == DECAYED - {"head"}  # tied
+    untied, _ = mask("tie_embeddings=false")
+    assert untied["head"] and untied["embed"]
+    int8 = decay_mask(jax.eval_shape(quant.quantize_params, params))
+    assert not any(jax.tree.leaves(int8))  # int8 codes are not trained
