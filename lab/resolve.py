@@ -71,6 +71,9 @@ class Request:
 
     keys: tuple[tuple[str, Any], ...] = ()
     inherited: tuple[str, ...] = ()  # keys a resume took from the run's config.json
+    # every field of a Config built in code (from_config): its defaults cannot be told from
+    # the keys its author chose, so none of them is taken as asked for explicitly
+    in_code: bool = False
 
     @classmethod
     def of(cls, **keys) -> "Request":
@@ -95,7 +98,12 @@ class Request:
         """Every field of `cfg` as a key: a config built in code, asked for as it is."""
         keys = {k: getattr(cfg, k) for k in RUN_FIELDS}
         keys.update({k: getattr(cfg.model, k) for k in MODEL_FIELDS})
-        return cls(tuple(keys.items()))
+        return cls(tuple(keys.items()), in_code=True)
+
+    def asked(self, key: str) -> bool:
+        """Whether the user gave `key` in this invocation (not a resume's config.json, not a
+        field of a config built in code)."""
+        return not self.in_code and key in self.dict() and key not in self.inherited
 
     def dict(self) -> dict:
         return dict(self.keys)
@@ -1125,6 +1133,12 @@ def resolve(
         cfg = dataclasses.replace(cfg, strategy=auto_strategy(sizes))
     draft = _Draft(cfg, platform, purpose, sizes, model.attention, problem, batches=batches)
     early, lines = _broken(draft, "request"), _broken(draft, "platform")
+    if draft.pipelined and purpose != "decode" and request.asked("scan_layers"):
+        if not cfg.model.scan_layers:  # a pipeline's stages hold slices of the stacked layers
+            lines.append(
+                f"scan_layers=false: pipelines (strategy={cfg.strategy}) stack the layers, "
+                "so scan_layers=false cannot apply; drop it"
+            )
     if lines or not _buildable(sizes, platform):
         _raise(early + lines)
     if draft.pipelined and purpose != "decode":

@@ -335,6 +335,7 @@ def test_explain_reads_the_tick_loop_inside_gradient_accumulation():
         (["mesh=data:2,stage:4", "n_layers=4", "microbatches=3"], "microbatches=3 must divide"),
         (["mesh=data:2,stage:4", "n_layers=4", "strategy=dp"], "strategy=dp does not use it"),
         (["mesh=4x2", "microbatches=2"], "microbatches=2 feeds a pipeline"),
+        (["mesh=data:2,stage:4", "n_layers=4", "scan_layers=false"], "cannot apply; drop it"),
         (
             ["mesh=stage:4,data:2", "n_layers=8", "microbatches=2", "pipeline_repeats=2"],
             "needs microbatches >= stage=4",

@@ -251,3 +251,20 @@ def test_one_broken_requirement_is_one_line(argv, needle, capsys):
     assert main(["compile_only=true", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_a_pipeline_refuses_scan_layers_false_only_where_it_was_asked():
+    """A pipeline's stages hold slices of the stacked layers: scan_layers=false typed with one
+    is one line; left unset (or a resume's, or a field of a config built in code, whose
+    default cannot be told from a choice) the strategy stacks them, and the header says so."""
+    from lab.report.tables.run import _fitting_header
+
+    platform, pipe = _cpu_platform(), dict(mesh="stage:2", n_layers=4)
+    with pytest.raises(ConfigError, match="scan_layers=false cannot apply; drop it"):
+        resolve.resolve(Request.of(**pipe, scan_layers=False), platform, "train")
+    resumed = dataclasses.replace(Request.of(**pipe, scan_layers=False), inherited=("scan_layers",))
+    in_code = Request.from_config(config.parse_args(["mesh=stage:2", "n_layers=4"]))
+    for request in (Request.of(**pipe), resumed, in_code):
+        r = resolve.resolve(request, platform, "train")
+        assert r.cfg.model.scan_layers
+    assert "pipeline of 2 microbatches (GPipe), layers stacked" in _fitting_header(r.cfg)[0]
