@@ -273,7 +273,8 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
         pending = None  # the step dispatched but not read yet: (step, metrics)
         for step in range(start + 1, cfg.steps + 1):  # the step's number once it has run
             reader.before(step)
-            state, metrics = compiled(state, batch)  # queued: the device runs it from here
+            with reader.annotated(step):  # a traced step is marked as one in the profile
+                state, metrics = compiled(state, batch)  # queued: the device runs it from here
             if step < cfg.steps:
                 batch = _batch(cfg, trainer, step)  # host work overlaps the device's
             if pending:
@@ -319,6 +320,13 @@ class _Reader:
     def before(self, step: int) -> None:
         if self.cfg.profile and step == self.first:
             self.tracer.start()
+
+    def annotated(self, step: int):
+        """Around a traced step's dispatch: a step marker (`train`, its number) for the
+        profile's viewers, which split the trace into steps by it."""
+        if self.cfg.profile and self.first <= step <= self.last:
+            return jax.profiler.StepTraceAnnotation("train", step_num=step)
+        return contextlib.nullcontext()
 
     def wait_at(self, step: int) -> bool:
         """Must `step` be read before the next is queued? The profiler's window's edges."""

@@ -365,13 +365,17 @@ class Trainer:
 
 
 def _with_rules(fn, rules):
-    """Trace `fn` with the logical rules in scope (the model's sharding constraints)."""
+    """Trace `fn` with the logical rules in scope (the model's sharding constraints), under
+    the name of the function it runs (a partial's: `functools.wraps` keeps none of its own),
+    which jax.jit gives the program: the profile's step and its ops read `jit(train_step)`."""
 
     @functools.wraps(fn)
     def wrapped(*args):
         with nn.logical_axis_rules(rules):
             return fn(*args)
 
+    named = fn.func if isinstance(fn, functools.partial) else fn
+    wrapped.__name__, wrapped.__qualname__ = named.__name__, named.__qualname__
     return wrapped
 
 

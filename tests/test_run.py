@@ -1,5 +1,6 @@
 """lab.run end to end on CPU: loss falls, resume is exact, failures are one clear line."""
 
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -160,6 +161,12 @@ def test_profile_says_where_its_trace_is_and_keeps_its_steps_out_of_the_timing(t
     assert s["step_time"]["runs"] == 10 - 4 - 2  # the traced steps and the warm-up apart
     traces = list(folder.rglob("*.xplane.pb"))
     assert traces and traces[0].stat().st_size > 0
+    # the step under its own name, and each traced step marked as one for the viewers
+    (events,) = [json.load(gzip.open(f))["traceEvents"] for f in folder.rglob("*.trace.json.gz")]
+    names = {e.get("name") for e in events}
+    assert "PjitFunction(jit(train_step))" in names and "PjitFunction(jit(wrapped))" not in names
+    marked = [e["args"]["step_num"] for e in events if e.get("name") == "train"]
+    assert sorted(marked, key=int) == ["4", "5", "6", "7"]
 
 
 def test_profile_trace_is_closed_and_named_when_the_run_stops_inside_the_window(

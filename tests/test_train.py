@@ -117,3 +117,10 @@ def test_weight_decay_marks_the_same_weights_in_every_layout():
     assert untied["head"] and untied["embed"]
     int8 = decay_mask(jax.eval_shape(quant.quantize_params, params))
     assert not any(jax.tree.leaves(int8))  # int8 codes are not trained
+
+
+def test_the_step_program_is_named_train_step():
+    """The jitted step carries its function's name (a profile's step, its ops' names)."""
+    cfg = parse_args([*BASE, "mesh=1"])
+    lowered = make_trainer(cfg, make_mesh(cfg.mesh)).lower()
+    assert lowered.as_text().startswith("module @jit_train_step")
