@@ -309,13 +309,17 @@ def memory_problem(analysis: dict, info: DeviceInfo) -> str | None:
     )
 
 
+def _busy_load() -> str:
+    """'load 2.2 on 2 cores' when other work shares the CPU (`rec.busy_host`), else ''."""
+    busy = rec.busy_host()
+    return "" if busy is None else f"load {busy[0]:.1f} on {busy[1]} cores"
+
+
 def _busy() -> str:
     """A warning when other work shares the CPU: the run and the peak then see different
     machines, and their ratio (CPU MFU) can land anywhere, above 100% included."""
-    busy = rec.busy_host()
-    if busy is None:
-        return ""
-    return f"; host busy: load {busy[0]:.1f} on {busy[1]} cores, CPU figures unreliable"
+    load = _busy_load()
+    return f"; host busy: {load}, CPU figures unreliable" if load else ""
 
 
 def mesh_peak(cfg: Config, info: DeviceInfo, n_devices: int) -> tuple[float | None, str]:
@@ -360,8 +364,12 @@ def run_peak(
             and host[2] in (None, here.get("device_kind"))
         ):
             kept = " (all cores), measured when the run began and kept across its resumes"
-            was_busy = "; host busy when measured" if "host busy" in source else ""
-            return float(peak), measured + kept + was_busy + _busy()
+            busy = _busy()
+            if "host busy" in source:  # the peak's load and the run's, said once
+                load = _busy_load()
+                now = f" and now: {load}" if load else ""
+                busy = f"; host busy when measured{now}, CPU figures unreliable"
+            return float(peak), measured + kept + busy
     return mesh_peak(cfg, info, n_devices)
 
 
@@ -395,7 +403,9 @@ def summarise_run(
         "peak_flops_per_s": peak,
         "peak_source": peak_source,
         "mfu": achieved / peak if peak else None,
-        "predicted_step_time": _predicted_vs_measured(analysis.get("predicted_step"), times),
+        "predicted_step_time": _predicted_vs_measured(
+            analysis.get("predicted_step"), times, _busy_load() if info.backend == "cpu" else ""
+        ),
         "memory_stats": stats,
         "loss_first": (earlier or losses)[0][1] if (earlier or losses) else None,
         "loss_last": losses[-1][1] if losses else None,
@@ -413,16 +423,21 @@ def summarise_run(
     }
 
 
-def _predicted_vs_measured(predicted: dict | None, times) -> dict | None:
-    """The model's step time beside the measured median: seconds, breakdown, their ratio."""
+def _predicted_vs_measured(predicted: dict | None, times, busy_load: str = "") -> dict | None:
+    """The model's step time beside the measured median: seconds, breakdown, their ratio.
+    `busy_load` ('load 2.2 on 2 cores'): other work shared the CPU, so the ceilings the
+    prediction reads and the time it is divided by were both measured under a load that
+    moves, and the ratio can land far outside the model's quoted error: a caveat says so."""
     if not predicted:
         return None
+    caveat = {"caveat": f"host busy: {busy_load}, CPU figures unreliable"} if busy_load else {}
     return {
         "seconds": predicted["seconds"],
         "breakdown": predicted["breakdown"],
         "ratio_to_measured": predicted["seconds"] / times.median_s,
         "error": predicted["error"],
         "label": "predicted",
+        **caveat,
     }
 
 

@@ -355,10 +355,11 @@ def test_a_resumed_cpu_run_keeps_the_peak_its_mfu_began_with(tmp_path, monkeypat
     """A CPU's measured peak moves with the host's load: measured again at a resume, the MFU
     curve jumped while the step time did not. The resume keeps the first segment's peak."""
     monkeypatch.setattr(summary.ceilings, "matmul_peak", lambda dtype, **kw: 1e11)
+    monkeypatch.setattr(summary, "_busy_load", lambda: "")  # the first segment's host is quiet
     assert _run(tmp_path, "name=p", "steps=4", "checkpoint_every=2") == 0
     monkeypatch.setattr(summary.ceilings, "matmul_peak", lambda dtype, **kw: 3e11)
     busy = "; host busy: load 9.0 on 2 cores, CPU figures unreliable"
-    monkeypatch.setattr(summary, "_busy", lambda: busy)  # the resumed segment's host is busy
+    monkeypatch.setattr(summary, "_busy_load", lambda: "load 9.0 on 2 cores")  # the resumed's
     assert _run(tmp_path, "name=p", "steps=6", "resume=true") == 0
     s = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert s["peak_flops_per_s"] == 1e11 and "kept across its resumes" in s["peak_source"]
@@ -368,6 +369,37 @@ def test_a_resumed_cpu_run_keeps_the_peak_its_mfu_began_with(tmp_path, monkeypat
         assert r["mfu"] == pytest.approx(
             s["model_flops_per_token"] * r["tokens_per_s"] / 1e11, rel=1e-6
         )
+
+
+def test_a_kept_peak_measured_on_a_busy_host_says_so_once(tmp_path, monkeypatch):
+    """The peak a resume keeps was measured under load, and the host is loaded again: one
+    'host busy', with the load now."""
+    import socket
+    from types import SimpleNamespace
+
+    from lab.measure import records
+
+    env = records.environment()
+    source = "measured float32 matmul peak of this host (all cores); host busy: load 3.0 on 2"
+    (tmp_path / "summary.json").write_text(
+        json.dumps(
+            {
+                "peak_flops_per_s": 1e11,
+                "peak_source": source + " cores, CPU figures unreliable",
+                "environment": {**env, "hostname": socket.gethostname()},
+            }
+        )
+    )
+    cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32"))
+    info = SimpleNamespace(backend="cpu")
+    for load, tail in [
+        ("load 2.2 on 2 cores", "host busy when measured and now: load 2.2 on 2 cores"),
+        ("", "host busy when measured"),
+    ]:
+        monkeypatch.setattr(summary, "_busy_load", lambda load=load: load)
+        peak, said = summary.run_peak(cfg, info, 1, resumed_in=tmp_path)
+        assert peak == 1e11 and said.endswith(f"resumes; {tail}, CPU figures unreliable"), said
+        assert said.count("host busy") == 1
 
 
 @pytest.mark.parametrize("kept", ["request", "whole config"])

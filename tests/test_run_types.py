@@ -49,3 +49,59 @@ def test_the_fits_read_and_given_back():
     fit = Fit.from_record(cpu)
     assert fit.record() == cpu and fit.link_latency_s is None
     assert "compute 0.30 of the" in prediction_cpu_rows([], fit).caption
+
+
+PREDICTED = {  # the step-time model's record (lab.measure.predicted.PredictedStep)
+    "seconds": 0.2,
+    "breakdown": {"compute": 0.2},
+    "collective_s": 0.0,
+    "machine": "cpu",
+    "top_ops": [],
+    "error": "worst 1.34×",
+    "machine_source": "measured",
+    "label": "predicted",
+}
+
+
+def _text(table) -> str:
+    from rich.console import Console
+
+    con = Console(width=400, record=True)
+    con.print(table)
+    return con.export_text()
+
+
+def test_a_time_from_too_few_steps_is_not_called_a_median_nor_are_its_derived_figures():
+    one = {**SUMMARY, "step_time": {**SUMMARY["step_time"], "runs": 1}}
+    one["predicted_step_time"] = {"seconds": 0.2, "ratio_to_measured": 2.0, "error": "e"}
+    one["predicted_step"] = PREDICTED
+    text = _text(run_summary(RunSummary.from_record(one)))
+    assert "1 steps" not in text and "step time (median)" not in text and "p10" not in text
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if "│" in line}
+    for row in ("step time", "predicted step time", "tokens/s", "MFU"):
+        assert "one step timed: not a median" in rows[row], rows[row]
+    two = {**SUMMARY, "step_time": {**SUMMARY["step_time"], "runs": 2}}
+    assert "2 steps timed: too few for a median" in _text(run_summary(RunSummary.from_record(two)))
+    text = _text(run_summary(RunSummary.from_record(SUMMARY)))  # 3: a median
+    assert "step time (median)" in text and "3 steps)" in text and "not a median" not in text
+
+
+def test_the_predicted_time_on_a_busy_host_carries_the_caveat():
+    from lab.summary import _predicted_vs_measured
+
+    class Times:
+        median_s = 0.1
+
+    predicted = {"seconds": 0.2, "breakdown": {"compute": 0.2}, "error": "worst 1.34×"}
+    assert "caveat" not in _predicted_vs_measured(predicted, Times)
+    p = _predicted_vs_measured(predicted, Times, "load 2.2 on 2 cores")
+    assert p["caveat"] == "host busy: load 2.2 on 2 cores, CPU figures unreliable"
+    s = {**SUMMARY, "predicted_step_time": p, "predicted_step": PREDICTED}
+    row = [
+        x for x in _text(run_summary(RunSummary.from_record(s))).splitlines() if "predicted" in x
+    ]
+    assert (
+        row[0]
+        .rstrip(" │")
+        .endswith("worst 1.34×; host busy: load 2.2 on 2 cores, CPU figures unreliable)")
+    )

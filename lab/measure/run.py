@@ -182,6 +182,7 @@ class PredictedVsMeasured:
     seconds: float
     ratio_to_measured: float
     error: str
+    caveat: str = ""  # why the ratio may land outside the error (a busy host)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +219,10 @@ class RunSummary:
             mfu=s["mfu"],
             peak_source=s["peak_source"],
             peak_bytes_in_use=(s["memory_stats"] or {}).get("peak_bytes_in_use"),
-            predicted=p and PredictedVsMeasured(p["seconds"], p["ratio_to_measured"], p["error"]),
+            predicted=p
+            and PredictedVsMeasured(
+                p["seconds"], p["ratio_to_measured"], p["error"], p.get("caveat", "")
+            ),
             loss_first=s["loss_first"],
             loss_last=s["loss_last"],
             resumed_from=s.get("resumed_from"),

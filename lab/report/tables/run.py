@@ -181,6 +181,20 @@ def top_ops_line(predicted: PredictedStep, n: int = 3) -> str:
     )
 
 
+# Fewer timed steps than this make no median: one step is one sample (its p10 and p90 are
+# itself), two are their mean; the figures derived from the time say so beside them.
+FEW_TIMED = 3
+
+
+def few_timed(runs: int) -> str:
+    """'' for enough timed steps, else what the step time is instead of a median."""
+    if runs >= FEW_TIMED:
+        return ""
+    return (
+        "one step timed: not a median" if runs == 1 else f"{runs} steps timed: too few for a median"
+    )
+
+
 def run_summary(s: RunSummary) -> Table:
     t = Table(title="summary", show_header=False)
     st, a = s.step_time, s.analysis
@@ -188,28 +202,36 @@ def run_summary(s: RunSummary) -> Table:
     if s.profiled_steps:
         first, last = s.profiled_steps
         since += f"; steps {first}-{last} profiled, left out"
-    t.add_row(
-        "step time (median)",
-        f"{duration(st.median_s)}  (p10 {duration(st.p10_s)}, "
-        f"p90 {duration(st.p90_s)}, {st.runs} steps{since})",
-    )
+    few = few_timed(st.runs)
+    if st.runs == 1:  # one sample: no spread to give
+        t.add_row("step time", f"{duration(st.median_s)}  ([yellow]{few}[/]{since})")
+    else:
+        counted = f"[yellow]{few}[/]" if few else f"{st.runs} steps"
+        t.add_row(
+            "step time" if few else "step time (median)",
+            f"{duration(st.median_s)}  (p10 {duration(st.p10_s)}, "
+            f"p90 {duration(st.p90_s)}, {counted}{since})",
+        )
+    caveat = f"; [yellow]{few}[/]" if few else ""  # on every figure derived from the time
     p = s.predicted
     if p:
+        busy = f"; [yellow]{p.caveat}[/]" if p.caveat else ""
         t.add_row(
             "predicted step time",
-            f"{duration(p.seconds)}  ({p.ratio_to_measured:.2f}× the measured; "
-            f"{breakdown_line(a.predicted_step)}; {p.error})",
+            f"{duration(p.seconds)}  ({p.ratio_to_measured:.2f}× the measured{caveat}; "
+            f"{breakdown_line(a.predicted_step)}; {p.error}{busy})",
         )
     t.add_row("compile time", f"{st.compile_s:.2f} s (not in the step time)")
     t.add_row(
         "tokens/s",
-        f"{s.tokens_per_s:,.0f} global, {s.tokens_per_s_per_device:,.0f} per device",
+        f"{s.tokens_per_s:,.0f} global, {s.tokens_per_s_per_device:,.0f} per device"
+        + (f"  ([yellow]{few}[/])" if few else ""),
     )
     t.add_row("model FLOPs/token", f"{a.model_flops_per_token:.4g}  [{a.flops_convention}]")
     mfu = "unavailable" if s.mfu is None else percent(s.mfu)
     if s.mfu is not None and s.mfu > 1:
         mfu += " [above the peak: the load on the host changed between run and peak]"
-    t.add_row("MFU", f"{mfu}  (vs {s.peak_source})")
+    t.add_row("MFU", f"{mfu}  (vs {s.peak_source}{caveat})")
     peak = s.peak_bytes_in_use
     t.add_row(
         "memory / device",
