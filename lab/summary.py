@@ -268,6 +268,10 @@ def _aot_plan(
     Step time: the step-time model over the compiled program (lab/predict), labelled
     predicted with its measured error; where the target has no spec entry, the compiler's own
     estimate floored by the roofline of the model's FLOPs (`plans.step_seconds`).
+    `estimate_label` says which: *compiled, not run* only for the compiler's own estimate
+    (a compiler produced it), *predicted* for the model's time or the roofline floor, with
+    `estimate_error` saying how far such a figure is from a measured one. `label` stays the
+    plan's: its memory and FLOPs are read from the compiled program.
     """
     spec = specs.lookup(info.device_kind)
     peak = specs.peak_flops(info.device_kind, cfg.model.dtype)
@@ -275,13 +279,17 @@ def _aot_plan(
     if predicted:
         est_s = predicted.seconds
         source = f"predicted by the step-time model; {predicted.error}"
+        error = f"step-time model of the compiled program; {predicted.error}"
     else:
         est_s, source = plans.step_seconds(compiled, step_flops / n_devices, spec, peak)
+        error = None if source == "compiler estimate" else source
     mfu = step_flops / (est_s * peak * n_devices) if est_s and peak else None
     return {
         "label": "compiled, not run",
         "estimated_step_s": est_s,
         "estimate_source": source,
+        "estimate_label": "compiled, not run" if source == "compiler estimate" else "predicted",
+        "estimate_error": error,
         "peak_flops_per_device": peak,
         "implied_mfu": mfu,
     }

@@ -4,6 +4,7 @@ fallback rule's error on the same held-out points, and programs predicted on ano
 spec entry (MI300X from the H100's matmul)."""
 
 import functools
+import types
 
 import pytest
 
@@ -195,3 +196,71 @@ def test_a_merged_panel_takes_no_other_folders_error(monkeypatch):
     titles = [ax.get_title() for ax in kept[-1].axes if ax.get_title()]
     assert titles[0].startswith("held-out: ") and titles[0].endswith(" · cpu · a")
     assert titles[1] == "the step-time model against published figures · cpu · b"
+
+
+def _tpu_plan(seconds: float, tokens: int, **aot) -> dict:
+    """A compiled TPU plan as experiments.hardware._aot_step returns it (hand-built)."""
+    memory = {"total_bytes": 1e9}
+    return {
+        "tokens": tokens,
+        "plan": {
+            "aot": {"estimated_step_s": seconds, **aot},
+            "compiled_memory_per_device": memory,
+            "compiled_cost_per_device": {"flops": 1e12},
+        },
+    }
+
+
+def test_a_tpu_step_time_from_the_step_time_model_is_predicted_with_its_error():
+    """C19's TPU throughput and scaling efficiency come from the step-time model applied to
+    the compiled program: they are predictions, labelled so and carrying the model's held-out
+    error, not the compiler's figures; the compiler's own estimate alone stays compiled."""
+    from experiments import hardware
+
+    error = "step-time model of the compiled program; model error 25% median, worst 1.25×"
+    aot = dict(estimate_source="predicted by …", estimate_label="predicted", estimate_error=error)
+    one, four = _tpu_plan(0.01, 64, **aot), _tpu_plan(0.0105, 256, **aot)
+    bound = {"tpu-v5e": 1.0, "h100-sxm": 0.25}
+    recs = {
+        r["config"]["metric"] or "per_chip": r for r in hardware._tpu_step_records(one, four, bound)
+    }
+    for key in ("per_chip", "tpu_scaling_efficiency"):
+        r = recs[key]
+        assert r["label"] == "predicted", r
+        assert "compiler" not in r["what"] and r["what"].endswith(f"predicted by the {error}")
+    assert recs["tpu_scaling_efficiency"]["value"] == pytest.approx(0.01 / 0.0105)
+    # the report shows the error beside the figure and counts it a prediction, not a compile
+    from lab.report.claims import BY_ID
+    from lab.report.verdict import judge_all
+
+    records = list(recs.values())
+    text = markdown.render(records, judge_all(records, [BY_ID["C19"]]), {})
+    line = next(x for x in text.splitlines() if "over 1 chip" in x)
+    assert "25% median" in line and "*predicted*" in line and "compiled, not run" not in line
+    compiler = dict(estimate_source="compiler estimate", estimate_label="compiled, not run")
+    one, four = _tpu_plan(0.01, 64, **compiler), _tpu_plan(0.0105, 256, **compiler)
+    recs = hardware._tpu_step_records(one, four, bound)
+    assert [r["label"] for r in recs[:2]] == ["compiled, not run"] * 2
+    assert "compiler's step estimate" in recs[0]["what"]
+
+
+def test_a_plan_says_whether_its_step_time_is_the_model_s_or_the_compiler_s(monkeypatch):
+    """summary.json's "aot": the step time of the step-time model is predicted and names its
+    error; the compiler's own estimate is compiled, not run; a roofline floor is predicted."""
+    from lab import plans, summary
+    from lab.config import make_config
+    from lab.measure.predicted import PredictedStep
+
+    cfg = make_config(preset="tiny", batch_size=2, seq_len=32, dtype="bfloat16")
+    info = types.SimpleNamespace(device_kind="TPU v5 lite")
+    step = PredictedStep(0.01, {"compute": 0.01}, 0.0, "tpu", (), "model error 25% median", "")
+    a = summary._aot_plan(None, cfg, info, 1e6, 1, step)
+    assert a["label"] == "compiled, not run"  # the plan's memory and FLOPs
+    assert a["estimate_label"] == "predicted" and "25% median" in a["estimate_error"]
+    monkeypatch.setattr(plans, "step_seconds", lambda *a, **k: (0.02, "compiler estimate"))
+    a = summary._aot_plan(None, cfg, info, 1e6, 1)
+    assert a["estimate_label"] == "compiled, not run" and a["estimate_error"] is None
+    floor = "roofline floor (compute-bound): no faster, likely slower"
+    monkeypatch.setattr(plans, "step_seconds", lambda *a, **k: (0.02, floor))
+    a = summary._aot_plan(None, cfg, info, 1e6, 1)
+    assert a["estimate_label"] == "predicted" and a["estimate_error"] == floor

@@ -1,10 +1,13 @@
 """The types lab.run's and the prediction tool's renderers take: read from the JSON the lab
 keeps (summary.json, fits.json) and given back key for key."""
 
+import io
+
 from lab.measure.fitted import Fit, fits_of
 from lab.measure.run import RunSummary, StepAnalysis
 from lab.predict.step import fits
 from lab.report.tables import prediction_cpu_rows, run_summary
+from lab.report.tables.run import analysis
 
 SUMMARY = {
     "compiled_memory_per_device": {"total_bytes": 2**20, "host_temp_bytes": 0},
@@ -105,3 +108,29 @@ def test_the_predicted_time_on_a_busy_host_carries_the_caveat():
         .rstrip(" │")
         .endswith("worst 1.34×; host busy: load 2.2 on 2 cores, CPU figures unreliable)")
     )
+
+
+def test_a_plan_table_says_its_step_time_is_predicted():
+    """A plan's memory and FLOPs are the compiler's (compiled, not run); its step time from the
+    step-time model is a prediction, and the label row says so."""
+    import rich.console
+
+    aot = {
+        "fit": "fits (1.0 of 16 GiB)",
+        "estimated_step_s": 0.01,
+        "estimate_source": "predicted by the step-time model; model error 25% median",
+        "implied_mfu": 0.5,
+        "label": "compiled, not run",
+    }
+
+    def label_row(**extra) -> str:
+        a = StepAnalysis.from_record({**SUMMARY, "aot": {**aot, **extra}})
+        console = rich.console.Console(record=True, width=200, file=io.StringIO())
+        console.print(analysis(a, 1.0))
+        return next(
+            x for x in console.export_text().splitlines() if x.strip("│ ").startswith("label")
+        )
+
+    assert "compiled, not run; step time predicted" in label_row(estimate_label="predicted")
+    assert "step time" not in label_row(estimate_label="compiled, not run")
+    assert "step time" not in label_row()  # a summary.json written before the key

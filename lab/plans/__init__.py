@@ -5,8 +5,9 @@ from any Linux machine; lab/plans/tpu.py) or `gpu:KIND[:N]` (JAX's CUDA plugin a
 for N NVIDIA GPUs from any Linux machine; lab/plans/gpu.py). The target's devices are abstract:
 a mesh over them, inputs as `ShapeDtypeStruct`s with shardings, and `jax.jit(...).lower(...)
 .compile()` give the compiler's view — per-device memory, FLOPs and bytes, the resources of
-every GPU kernel (lab/plans/resources.py) — and nothing runs. Every figure from here is
-labelled *compiled, not run*.
+every GPU kernel (lab/plans/resources.py) — and nothing runs. Every figure the compiler
+gives is labelled *compiled, not run*; a time from the chip's roofs (`step_seconds`' floor)
+is a model's, labelled *predicted*.
 """
 
 from lab.errors import ConfigError
