@@ -216,3 +216,18 @@ def test_a_reason_is_text():
     assert records.make_record("x", "no kernel", "reason")["value"] == "no kernel"
     with pytest.raises(ValueError, match="reason must be text"):
         records.make_record("x", 1.0, "reason")
+
+
+def test_a_busy_host_note_says_times_come_out_high_and_rates_low(monkeypatch):
+    """Other work on the host takes cores from what is timed: its times grow and the rates
+    computed from them shrink; a quiet host gets no note."""
+    monkeypatch.setattr(records.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(records, "_load_avg", lambda: 1.4)
+    note = records.busy_note()
+    assert note == (
+        "host load average 1.4 on 2 cores: other work shares them, so times will come out "
+        "high and rates low, both noisy"
+    )
+    assert "the ceilings (peaks) low" in records.busy_note("times", "the ceilings (peaks)")
+    monkeypatch.setattr(records, "_load_avg", lambda: 0.5)
+    assert records.busy_note() == ""

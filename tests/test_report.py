@@ -484,6 +484,9 @@ def test_a_report_of_cpu_times_taken_on_a_busy_host_says_so(tmp_path):
     note = markdown.busy_caution([quiet, busy, predicted])
     assert note.startswith("1 of 2 CPU measurements were timed while other work shared the host")
     assert "load average up to 7.5 on 2 cores" in note
+    # other work takes cores from the timed code: its times grow and its rates shrink
+    assert "their times come out high and their rates low, both noisy" in note
+    assert "times are low" not in note
     rec.write_records(tmp_path / "records.jsonl", [quiet, busy])
     text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
     assert "- **Host busy**: 1 of 2 CPU measurements" in text

@@ -68,7 +68,7 @@ def _load_avg() -> float | None:
 
 def busy_host() -> tuple[float, int] | None:
     """(load average, cores) where other work shares this host (a load above half its cores),
-    None on a quiet host: every figure timed then is low and noisy."""
+    None on a quiet host: every time taken then comes out high (a rate from it low) and noisy."""
     load, cores = _load_avg(), os.cpu_count() or 1
     return None if load is None or load <= 0.5 * cores else (load, cores)
 
@@ -90,13 +90,18 @@ def busy_records(records) -> tuple[int, int, float, int]:
     return len(busy), len(timed), top["load_avg_1m"] if top else 0.0, top["cpu_count"] if top else 0
 
 
-def busy_note(what: str = "times") -> str:
+def busy_note(slow: str = "times", fast: str = "rates") -> str:
     """A line for a command to print before it times anything on a shared host
-    (`busy_host`): its figures will be low and noisy. Empty on a quiet host."""
+    (`busy_host`): other work takes cores from it, so its times (`slow`: what grows with
+    them) come out high and its rates (`fast`: what shrinks) low, both noisy. Empty on a
+    quiet host."""
     busy = busy_host()
     if busy is None:
         return ""
-    return f"host load average {busy[0]:.1f} on {busy[1]} cores: {what} will be low and noisy"
+    return (
+        f"host load average {busy[0]:.1f} on {busy[1]} cores: other work shares them, so "
+        f"{slow} will come out high and {fast} low, both noisy"
+    )
 
 
 @functools.cache

@@ -164,8 +164,9 @@ def busy_caution(records: Sequence[dict]) -> str:
         return ""
     return (
         f"{busy} of {timed} CPU measurements were timed while other work shared the host "
-        f"(load average up to {load:.1f} on {cores} cores): their times are low and noisy, and "
-        "so are the verdicts on rates, speed-ups and ratios; rerun on a quiet host to judge them"
+        f"(load average up to {load:.1f} on {cores} cores): their times come out high and their "
+        "rates low, both noisy, and the verdicts on rates, speed-ups and ratios with them; rerun "
+        "on a quiet host to judge them"
     )
 
 

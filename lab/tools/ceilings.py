@@ -23,7 +23,7 @@ class Options:
 def run(o: Options) -> int:
     stem = records.output_stem(o.out_dir, "ceilings")
     con = progress.console()
-    if busy := records.busy_note("figures"):
+    if busy := records.busy_note("times", "the ceilings (peaks, bandwidths)"):
         con.print(f"[yellow]{busy}")
     what = "measuring matmul peaks, copy and transfer bandwidth and the roofline's points"
     with progress.working(con, what):

@@ -220,7 +220,7 @@ def _cpu(o: Options, con) -> int:
     # the configurations' meshes need up to 8 simulated CPU devices, set before JAX starts
     devices.prepare("8", cpu_devices=8)
     n = len(prediction.CPU_CONFIGS)
-    busy = records.busy_note("the step times and the fit")
+    busy = records.busy_note("the step times and fitted overheads", "the fitted efficiencies")
     if busy:
         con.print(f"[yellow]{busy}")
     with progress.tasks(con) as bar:
