@@ -824,3 +824,32 @@ def test_a_share_too_small_to_show_reads_as_under_the_least_shown():
     assert percent(16 * 2**20 / 80e9 / 10) == "<0.1%"
     assert percent(0.0003, 0) == "<1%"
     assert (percent(0.0), percent(0.006), percent(0.123)) == ("0.0%", "0.6%", "12.3%")
+
+
+def test_a_gpu_claim_is_judged_on_gpu_ratios_and_a_tpu_ratio_is_context(tmp_path):
+    """'GPUs are ~100× faster than CPUs': in a merge of a CPU, a GPU and a TPU folder, the
+    GPU-over-CPU ratio decides and a TPU-over-CPU ratio outside the range is shown beside
+    it, never making the GPU claim off. The same for C01's GPU matmul speed-up and C04's
+    Tensor Core speed-up."""
+
+    def merged(claim, stated, value, on):  # as experiments.compare derives it
+        r = _record(claim, stated, value, label="derived", backend="multi", on=on)
+        r["device_kind"] = f"{on} over cpu"
+        return r
+
+    for claim, part in (("C02", 0), ("C01", 1), ("C04", 1)):
+        c = claims.get(claim)
+        stated = c.stated[part]
+        inside = stated.lo * 1.1 if stated.hi is None else (stated.lo + stated.hi) / 2
+        gpu, tpu = merged(claim, stated, inside, "gpu"), merged(claim, stated, 0.5, "tpu")
+        check = judge(c, [gpu, tpu]).checks[part]
+        assert check.status == HOLDS and [x.index for x in check.readings] == [0], claim
+        assert 1 in check.context
+        assert judge(c, [tpu]).checks[part].status == NA  # a TPU alone judges nothing
+    c02 = claims.get("C02")
+    gpu, tpu = merged("C02", c02.stated[0], 100.0, "gpu"), merged("C02", c02.stated[0], 20.0, "tpu")
+    rec.write_records(tmp_path / "records.jsonl", [gpu, tpu])
+    text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
+    (row,) = [line for line in text.splitlines() if line.startswith("| C02 |")]
+    assert row.endswith("| **holds** |") and "20×" not in row
+    assert "20×" in text.split("### C02")[1]  # the TPU's ratio, shown as context

@@ -122,9 +122,10 @@ CLAIMS: tuple[Claim, ...] = (
                 "×",
                 lo=100,
                 hi=500,
-                backends=ACCELERATORS,
-                reading="FLOP/s of the same jitted float32 matmul on the accelerator over the "
-                "host CPU of the same machine",
+                backends=("gpu",),  # "GPUs": a TPU's ratio is shown beside it, judging nothing
+                reading="FLOP/s of the same jitted float32 matmul on the GPU over the host CPU "
+                "of the same machine; a TPU's ratio is shown as context: the words are about "
+                "GPUs",
                 if_off="the ratio depends on which CPU and which units: a datacenter GPU's "
                 "Tensor Cores against a few CPU cores is far above 500×, fp32 CUDA cores "
                 "against a many-core server CPU can be below 100×",
@@ -147,10 +148,12 @@ CLAIMS: tuple[Claim, ...] = (
                 "×",
                 lo=60,
                 hi=150,
-                backends=ACCELERATORS,
+                backends=("gpu",),  # "GPUs … a T4": a TPU's ratio is shown beside it
                 reading="'100×' and 3 h / 2 min = 90× read as 60–150×: training tokens/s of the "
-                "lab's transformer on the accelerator over the CPU, the same step; where no "
-                "accelerator is present, predicted: this CPU's measured step time over the "
+                "lab's transformer on a GPU over the CPU, the same step (one machine's, or two "
+                "folders' merged by experiments.compare); a TPU's ratio is shown as context "
+                "and judges nothing: the words are about GPUs; where no GPU is present, "
+                "predicted: this CPU's measured step time over the "
                 "step time the step-time model predicts for the same step compiled for an H100 "
                 "(plans=on). A datasheet peak over this CPU's matmul peak is shown as context "
                 "only: a ratio of peaks says nothing of either processor's MFU on the step",
@@ -208,9 +211,10 @@ CLAIMS: tuple[Claim, ...] = (
                 "×",
                 lo=1,
                 strict=True,
-                backends=ACCELERATORS,
-                reading="float32 step time over bf16-compute step time: above 1 where the "
-                "matrix units run it",
+                backends=("gpu",),  # Tensor Cores: a TPU's ratio is shown beside it
+                reading="float32 step time over bf16-compute step time on a GPU: above 1 where "
+                "the Tensor Cores run it; a TPU's ratio is shown as context: the words are "
+                "about Tensor Cores",
             ),
         ),
     ),
