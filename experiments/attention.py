@@ -29,8 +29,15 @@ def exponent(seq_lens, values) -> float | None:
     return float(np.polyfit(x, y, 1)[0])
 
 
+# What a time record says besides its median: its spread over the samples (every contender),
+# and what PyTorch's times were taken under (torch_sdpa's threads and OpenMP wait policy).
+SPREAD = ("p10_s", "p90_s", "runs", "inner")
+TORCH = ("torch_version", "torch_threads", "omp_wait_policy")
+
+
 def _rows(bench_records: list[dict]) -> dict:
-    """(impl, mode, seq) → {time, memory, error} from the bench's one-figure records."""
+    """(impl, mode, seq) → {time and its spread, memory, error} from the bench's one-figure
+    records."""
     keys = {
         "attention time": "median_s",
         "attention peak temp memory": "temp_bytes",
@@ -43,6 +50,8 @@ def _rows(bench_records: list[dict]) -> dict:
             row = rows.setdefault((c["impl"], c["mode"], c["seq"]), {})
             row[keys[r["what"]]] = r["value"]
             row["label"] = r["label"]
+            if r["what"] == "attention time":
+                row.update({k: c[k] for k in (*SPREAD, *TORCH) if k in c})
     return rows
 
 
@@ -69,6 +78,7 @@ def _context(rows: dict, shape: bench.Shape) -> list[dict]:
                 causal=True,
                 dtype=shape.dtype,
                 median_s=row["median_s"],
+                **{k: row[k] for k in (*SPREAD, *TORCH) if k in row},
             )
         )
     return out

@@ -13,6 +13,7 @@ point of the benchmark sweep. Ahead-of-time compiles live in tests/test_attentio
 import dataclasses
 import functools
 import itertools
+import os
 import zlib
 
 import jax
@@ -508,6 +509,30 @@ def test_torch_sdpa_peer_matches_the_reference_and_is_timed_like_jax():
         assert r.max_error < 1e-5, (impl, r)
         assert r.time_s > 0
     assert rows[("torch_sdpa", True, "fwd")].peak_temp_bytes is None
+    # its times keep their spread like JAX's, and say the threads and wait policy they ran on:
+    # as many threads as JAX's CPU client has cores
+    times = [r for r in records if r["what"] == "attention time"]
+    assert {r["config"]["impl"] for r in times} == {"xla", "torch_sdpa"}
+    for r in times:
+        c = r["config"]
+        assert c["p10_s"] <= r["value"] <= c["p90_s"] and c["runs"] >= 3, r
+    torch_times = [r["config"] for r in times if r["config"]["impl"] == "torch_sdpa"]
+    for c in torch_times:
+        assert c["torch_threads"] == len(os.sched_getaffinity(0)) and c["omp_wait_policy"]
+
+
+def test_pytorch_s_openmp_threads_are_told_to_sleep_when_idle_before_it_loads():
+    """Spinning OpenMP threads stalled torch_sdpa for whole seconds on a shared 2-core host:
+    before PyTorch loads the bench sets a passive wait policy, unless the user chose one;
+    once it is loaded, the policy it loaded with is only reported."""
+    from lab.studies import attention as bench
+
+    env = {}
+    assert bench.wait_policy(False, env) == "PASSIVE" and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert bench.wait_policy(False, env) == "ACTIVE" and env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    env = {}
+    assert bench.wait_policy(True, env).startswith("unknown") and env == {}
 
 
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])

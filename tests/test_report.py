@@ -853,3 +853,35 @@ def test_a_gpu_claim_is_judged_on_gpu_ratios_and_a_tpu_ratio_is_context(tmp_path
     (row,) = [line for line in text.splitlines() if line.startswith("| C02 |")]
     assert row.endswith("| **holds** |") and "20×" not in row
     assert "20×" in text.split("### C02")[1]  # the TPU's ratio, shown as context
+
+
+def test_an_attention_time_shows_its_spread_in_the_record_and_the_report(tmp_path, monkeypatch):
+    """The ledger's C08 time rows keep each median's p10 and p90 and the number of samples
+    (every contender, PyTorch's with its threads), and the report prints the spread, so a
+    median made of a few scattered samples reads as such."""
+    from experiments import attention as c08
+    from lab.studies import attention as bench
+
+    def bench_record(impl, seq, median, **extra):
+        config = dict(impl=impl, seq=seq, mode="fwd+bwd", causal=True, **extra)
+        return rec.make_record("attention time", median, "s", **config)
+
+    spread = dict(p10_s=0.77e-3, p90_s=1.27, runs=3, inner=1)
+    torch = dict(torch_version="2.13", torch_threads=2, omp_wait_policy="PASSIVE")
+    raw = [bench_record("torch_sdpa", 256, 0.0209, **spread, **torch)]
+    raw.append(bench_record("xla", 256, 2e-3, p10_s=1.9e-3, p90_s=2.2e-3, runs=5, inner=2))
+    records = c08._context(c08._rows(raw), bench.Shape(1, 2, 1, 16))
+    by_impl = {r["config"]["impl"]: r["config"] for r in records}
+    assert by_impl["torch_sdpa"].items() >= {**spread, **torch}.items()
+    assert by_impl["xla"]["p90_s"] == 2.2e-3 and "torch_threads" not in by_impl["xla"]
+    rec.write_records(tmp_path / "records.jsonl", records)
+    text = markdown.write_report(tmp_path, meta={"size": "tiny", "wall_s": 1})["path"].read_text()
+    (line,) = [x for x in text.splitlines() if x.startswith("  - torch_sdpa fwd+bwd, L=256")]
+    assert "(p10–p90 770 µs–1.27 s, 3 runs)" in line, line
+    # and the plot draws each line's p10–p90 as a band around it
+    from lab.report import plots
+
+    monkeypatch.setattr(plots, "_save", lambda fig, path, **kw: fig)
+    fig = plots.attention(records, tmp_path / "attention.png")
+    assert len(fig.axes[0].collections) == 2  # one band per line
+    plots._plt().close(fig)

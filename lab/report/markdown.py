@@ -247,6 +247,17 @@ def _context_what(r: dict) -> str:
     return f"{what}, {', '.join(extra)}" if extra else what
 
 
+def _spread(r: dict) -> str:
+    """' (p10–p90 0.77–1.27 s, 3 runs)' for a median time whose record keeps its samples'
+    spread, so a median taken from a few scattered samples reads as such; else empty."""
+    c = r["config"]
+    lo, hi = c.get("p10_s"), c.get("p90_s")
+    if r["unit"] != "s" or not isinstance(lo, int | float) or not isinstance(hi, int | float):
+        return ""
+    runs = f", {c['runs']} runs" if c.get("runs") else ""
+    return f" (p10–p90 {fmt(lo, 's')}–{fmt(hi, 's')}{runs})"
+
+
 def _check_lines(v: Verdict, records: Sequence[dict]) -> list[str]:
     lines = []
     for c in v.checks:
@@ -277,7 +288,8 @@ def _check_lines(v: Verdict, records: Sequence[dict]) -> list[str]:
         for i, named in _once(records, rest):
             r = records[i]
             lines.append(
-                f"  - {_context_what(r)}: {fmt(r['value'], r['unit'])} ({_tag(r, named)}"
+                f"  - {_context_what(r)}: {fmt(r['value'], r['unit'])}{_spread(r)} "
+                f"({_tag(r, named)}"
                 + (f", {r['config']['role']}" if r["config"].get("role") != "evidence" else "")
                 + (
                     f", {'an upper' if r['config']['bound'] == 'upper' else 'a lower'} bound: "

@@ -305,7 +305,7 @@ def _attention_axes(ax_t, ax_m, rows, color: dict) -> None:
         c = r["config"]
         mask = {True: "causal", False: "full"}.get(c.get("causal"), "")
         lines[(c["impl"], c["mode"], mask)].append(
-            (c["seq_len"], c["median_s"], c.get("temp_bytes"))
+            (c["seq_len"], c["median_s"], c.get("temp_bytes"), c.get("p10_s"), c.get("p90_s"))
         )
     for (impl, mode, mask), pts in sorted(lines.items()):
         pts.sort()
@@ -317,10 +317,19 @@ def _attention_axes(ax_t, ax_m, rows, color: dict) -> None:
             label=" ".join(filter(None, (impl, mode, mask))),
         )
         ax_t.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], **style)
+        if all(p[3] is not None and p[4] is not None for p in pts):  # the samples' spread
+            ax_t.fill_between(
+                [p[0] for p in pts],
+                [p[3] * 1e3 for p in pts],
+                [p[4] * 1e3 for p in pts],
+                color=color[impl],
+                alpha=0.12,
+                lw=0,
+            )
         mem = [(p[0], p[2]) for p in pts if p[2]]
         if mem:
             ax_m.plot([p[0] for p in mem], [p[1] / 2**20 for p in mem], **style)
-    ax_t.set(xlabel="sequence length", ylabel="ms per call (median)", title="time")
+    ax_t.set(xlabel="sequence length", ylabel="ms per call (median; band p10–p90)", title="time")
     ax_m.set(xlabel="sequence length", ylabel="MiB temporaries (compiled)", title="memory")
     for ax in (ax_t, ax_m):
         _log2_axis(ax, [r["config"]["seq_len"] for r in rows])

@@ -39,12 +39,14 @@ heads) and `attention_mgpu.attention` (Mosaic GPU, Hopper and later, bf16/f16, l
 whole 128-blocks; it takes no softmax scale, so q is scaled before the call). Where tokamax is
 installed (`pip install -e '.[peers]'`), `tokamax` (`tokamax.dot_product_attention`, the
 library JAX points Pallas GPU users to, with its own choice of Mosaic, Triton or XLA kernel)
-joins on every backend. Where PyTorch
-is installed, `torch_sdpa` (`torch.nn.functional.scaled_dot_product_attention`, PyTorch's
-own choice of flash / memory-efficient / math kernel) joins on the same device, fed the same
-numbers through DLPack and synchronised as part of each timed call; its memory is not
-XLA's and is reported as n/a. A peer that refuses a shape or device is listed as "does not
-compile here" with its reason.
+joins on every backend. Where PyTorch is installed, `torch_sdpa`
+(`torch.nn.functional.scaled_dot_product_attention`, PyTorch's own choice of flash /
+memory-efficient / math kernel) joins on the same device, fed the same numbers through DLPack,
+synchronised as part of each timed call and timed in the same alternated loop (warm-up
+apart, median, p10 and p90 of the samples); its memory is not XLA's and is reported as n/a.
+On CPU it runs on as many threads as JAX's CPU client has cores, and its OpenMP threads
+sleep when idle (TORCH_WAIT_POLICY says why); its records say both (`torch_settings`). A
+peer that refuses a shape or device is listed as "does not compile here" with its reason.
 
 `sweep(...)` returns the records (`lab.measure.records`); `rows_of(records)` gives them back as
 one `lab.measure.attention.SweepRow` per point, which the tool prints as a table
@@ -54,8 +56,11 @@ records (C08).
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
+import os
+import sys
 import time
 
 import jax
@@ -93,6 +98,14 @@ MAX_INNER = 50
 # after it returns (PyTorch's spinning OpenMP threads, XLA freeing its buffers) must not be
 # timed as the next one's (`timing.comparison`'s settle_s).
 CPU_SETTLE_S = 0.02
+# PyTorch's OpenMP threads spin between parallel regions by default. On a host shared with
+# other work (and with XLA's own threads) a spinning thread holds the core its partner needs:
+# torch_sdpa's fwd+bwd at L=256-512 (the ledger's tiny shape, 2 cores, load 6-10) took
+# 0.25-1.8 s in some samples where it takes 1-5 ms, often enough to make a median of three;
+# with the threads asleep when idle (OMP_WAIT_POLICY=PASSIVE, read once as PyTorch loads)
+# its worst of 24 samples at load 7-12 was 52 ms (the JAX contenders' worst: tens of ms
+# too), and at L=1024 (the quick shape) it ran no slower.
+TORCH_WAIT_POLICY = "PASSIVE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +199,9 @@ class TorchSDPA:
     converted once, laid out [batch, heads, seq, head_dim] as PyTorch wants them."""
 
     def __init__(self, causal: bool, mode: str, q, k, v, do):
-        import torch
-
+        torch, _ = _torch()
+        if jax.default_backend() == "cpu":  # the same cores as the JAX contenders
+            torch.set_num_threads(_cores())
         self.torch, self.causal, self.mode = torch, causal, mode
         to_t = lambda x: torch.from_dlpack(x).transpose(1, 2).contiguous()
         self.q, self.k, self.v, self.do = (to_t(x) for x in (q, k, v, do))
@@ -224,9 +238,49 @@ class TorchSDPA:
         return tuple(x.detach().float().transpose(1, 2).cpu().numpy() for x in got)
 
 
+def _cores() -> int:
+    """Cores this process may run on: what XLA's CPU client sizes its thread pool to."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def wait_policy(loaded: bool, environ) -> str:
+    """The OpenMP wait policy PyTorch runs with, set in `environ` where it is not loaded yet
+    (its OpenMP runtime reads OMP_WAIT_POLICY once, as it loads): TORCH_WAIT_POLICY unless
+    the user set one. Loaded already, whatever it loaded with."""
+    if not loaded:
+        return environ.setdefault("OMP_WAIT_POLICY", TORCH_WAIT_POLICY)
+    return environ.get("OMP_WAIT_POLICY", "unknown: PyTorch loaded before the sweep")
+
+
+@functools.cache
+def _torch():
+    """(torch, the OpenMP wait policy it runs with: `wait_policy`). ImportError where PyTorch
+    is not installed (and then the environment is left as it was)."""
+    if importlib.util.find_spec("torch") is None:
+        raise ImportError("PyTorch is not installed")
+    policy = wait_policy("torch" in sys.modules, os.environ)
+    import torch
+
+    return torch, policy
+
+
+def torch_settings() -> dict:
+    """What torch_sdpa's times were taken under, for its records: PyTorch's version, its
+    intra-op threads and its OpenMP wait policy."""
+    torch, policy = _torch()
+    return {
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": policy,
+    }
+
+
 def _torch_available(backend: str) -> bool:
     try:
-        import torch
+        torch, _ = _torch()
     except ImportError:
         return False
     return backend == "cpu" or (backend == "gpu" and torch.cuda.is_available())
@@ -457,6 +511,7 @@ def _records(
         causal=causal,
         mode=mode,
         **dataclasses.asdict(shape),
+        **(torch_settings() if row.impl == "torch_sdpa" else {}),
     )
     flops = attention_flops(shape.batch, shape.heads, seq, seq, shape.head_dim, causal=causal)
     if mode == "fwd+bwd":
