@@ -104,7 +104,8 @@ CPU_SETTLE_S = 0.02
 # 0.25-1.8 s in some samples where it takes 1-5 ms, often enough to make a median of three;
 # with the threads asleep when idle (OMP_WAIT_POLICY=PASSIVE, read once as PyTorch loads)
 # its worst of 24 samples at load 7-12 was 52 ms (the JAX contenders' worst: tens of ms
-# too), and at L=1024 (the quick shape) it ran no slower.
+# too), and at L=1024 (the quick shape) it ran no slower. On a quiet host the peer runs as
+# its users get it, with PyTorch's own default: the policy is set only on a busy one.
 TORCH_WAIT_POLICY = "PASSIVE"
 
 
@@ -246,12 +247,15 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def wait_policy(loaded: bool, environ) -> str:
+def wait_policy(loaded: bool, environ, busy: bool) -> str:
     """The OpenMP wait policy PyTorch runs with, set in `environ` where it is not loaded yet
-    (its OpenMP runtime reads OMP_WAIT_POLICY once, as it loads): TORCH_WAIT_POLICY unless
-    the user set one. Loaded already, whatever it loaded with."""
+    (its OpenMP runtime reads OMP_WAIT_POLICY once, as it loads): on a `busy` host
+    TORCH_WAIT_POLICY unless the user set one; on a quiet one the user's, or PyTorch's own
+    default. Loaded already, whatever it loaded with."""
     if not loaded:
-        return environ.setdefault("OMP_WAIT_POLICY", TORCH_WAIT_POLICY)
+        if busy:
+            return environ.setdefault("OMP_WAIT_POLICY", TORCH_WAIT_POLICY)
+        return environ.get("OMP_WAIT_POLICY", "PyTorch's default")
     return environ.get("OMP_WAIT_POLICY", "unknown: PyTorch loaded before the sweep")
 
 
@@ -261,7 +265,7 @@ def _torch():
     is not installed (and then the environment is left as it was)."""
     if importlib.util.find_spec("torch") is None:
         raise ImportError("PyTorch is not installed")
-    policy = wait_policy("torch" in sys.modules, os.environ)
+    policy = wait_policy("torch" in sys.modules, os.environ, rec.busy_host() is not None)
     import torch
 
     return torch, policy
