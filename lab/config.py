@@ -14,6 +14,8 @@ Library code never writes `key=value` strings: it builds configs with `make_conf
 import dataclasses
 import difflib
 import math
+import numbers
+import os
 import re
 import sys
 import time
@@ -155,21 +157,86 @@ def parse_value(f: dataclasses.Field, typ, raw: str):
     return raw
 
 
-def check_value(f: dataclasses.Field, value) -> None:
-    """The checks `parse_value` makes, for a typed value given by library code."""
-    meta = f.metadata
-    if meta.get("kind") in ("ints", "floats", "names"):
-        for v in value:
-            if meta.get("kind") != "names":
-                _check_range(f.name, value, v, meta)
-            _check_choice(f.name, value, v, meta.get("choices"))
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        _check_choice(f.name, value, value, meta.get("choices"))
-        return
+_TYPE_WORDS = {
+    bool: "a boolean (True or False)",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+}
+
+
+def _typed(key: str, value, typ):
+    """`value` when it has the type `typ` (a bool is not an int; an int stands for a float),
+    as a plain Python value (a NumPy integer as an int); else a ConfigError."""
+    if typ is bool:
+        ok = isinstance(value, bool)
+    elif typ is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    elif typ is float:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, typ)
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: expected {_TYPE_WORDS.get(typ, typ.__name__)}")
+    if typ in (int, float) and type(value) not in (int, float):
+        return typ(value)
+    return value
+
+
+def check_value(f: dataclasses.Field, typ, value):
+    """`value` given by library code for field `f` (its resolved type `typ`), checked as
+    `parse_value` checks a parsed one: its type (a string is not parsed into a number: steps=3,
+    not "3"), range and choices, and what its kind parses (a dtype's name, a mesh). Returns it
+    as the config keeps it: a dtype by its full name (bf16 → bfloat16), a path as a string, the
+    word auto of a numeric field as the number it stands for."""
+    key, meta = f.name, f.metadata
+    kind = meta.get("kind")
+    if kind in ("ints", "floats", "names"):
+        item = {"ints": int, "floats": float, "names": str}[kind]
+        if not isinstance(value, tuple | list):
+            raise ConfigError(f"{key}={value!r}: expected a tuple of {_TYPE_WORDS[item]}s")
+        values = [_typed(key, v, item) for v in value]
+        for v in values:
+            if kind != "names":
+                _check_range(key, value, v, meta)
+            _check_choice(key, value, v, meta.get("choices"))
+        if len(set(values)) < len(values):  # each is a point, a step or a name to measure once
+            raise ConfigError(f"{key}={value!r}: an item is given twice")
+        return tuple(values)
+    if typ in (int, float) and meta.get("auto") is not None and value == "auto":
+        return meta["auto"]
+    if typ is str and kind == "path" and isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    value = _typed(key, value, typ)
+    if typ is str:  # a dtype, a mesh, a choice: what parsing the key checks
+        return parse_value(f, typ, value)
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{f.name}={value!r}: expected a finite number")
-    _check_range(f.name, value, value, meta)
+        raise ConfigError(f"{key}={value!r}: expected a finite number")
+    if typ in (int, float):
+        _check_range(key, value, value, meta)
+    return value
+
+
+def check_keys(fields: dict, keys: dict) -> dict:
+    """Library code's keyword arguments (`model=` for `preset=`) → {field: value as kept}, each
+    checked by `check_value` against `fields` (name → (field, type)); every unknown key and bad
+    value is a line of one ConfigError, named as given (model=, not preset=)."""
+    out, errors = {}, []
+    for given, value in keys.items():
+        key = ALIASES.get(given, given)
+        if key not in fields:
+            errors.append(str(unknown_key(key)))
+            continue
+        try:
+            out[key] = check_value(*fields[key], value)
+        except ConfigError as e:
+            line = str(e)
+            if given != key and line.startswith(f"{key}="):
+                line = given + line[len(key) :]
+            errors.append(line)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return out
 
 
 def fields_of(cls) -> dict[str, tuple[dataclasses.Field, type]]:
@@ -469,6 +536,7 @@ def profile_window(start: int) -> tuple[int, int]:
 
 
 MODEL_FIELDS = fields_of(ModelConfig)
+KEYS = {**RUN_FIELDS, **MODEL_FIELDS}  # every key of a run: name → (field, type)
 ALIASES = {"model": "preset"}
 
 
@@ -493,29 +561,20 @@ BACKEND_KEYS = tuple(sorted({k for over in BACKEND_DEFAULTS.values() for k in ov
 
 def make_config(*, backend: str = "cpu", **fields) -> Config:
     """A Config from typed keyword arguments: any run or model field, or `preset` (alias
-    `model`), each checked alone; keys left out take the backend's defaults, then the
-    dataclasses'. The rules that tie fields together are checked once the platform is known
-    (lab/resolve.py)."""
-    fields = {ALIASES.get(k, k): v for k, v in fields.items()}
-    kw = {**BACKEND_DEFAULTS.get(backend, {}), **fields}
+    `model`), each checked alone as `check_value` says (its type, range, choices; a ConfigError
+    names the key); keys left out take the backend's defaults, then the dataclasses'. The rules
+    that tie fields together are checked once the platform is known (lab/resolve.py)."""
+    kw = {**BACKEND_DEFAULTS.get(backend, {}), **check_keys(KEYS, fields)}
     preset = kw.pop("preset", RUN_FIELDS["preset"][0].default)
     return override(Config(model=ModelConfig(**PRESETS[preset])), preset=preset, **kw)
 
 
 def override(cfg: Config, **fields) -> Config:
-    """`cfg` with run or model fields replaced (typed values, checked as parsed ones are);
+    """`cfg` with run or model fields replaced (typed values, checked as `make_config`'s are);
     `preset=` starts the model from that preset before the other model fields apply."""
-    fields = {ALIASES.get(k, k): v for k, v in fields.items()}
-    run_kw, model_kw = {}, {}
-    for key, value in fields.items():
-        if key in RUN_FIELDS:
-            check_value(RUN_FIELDS[key][0], value)
-            run_kw[key] = value
-        elif key in MODEL_FIELDS:
-            check_value(MODEL_FIELDS[key][0], value)
-            model_kw[key] = value
-        else:
-            raise unknown_key(key)
+    fields = check_keys(KEYS, fields)
+    run_kw = {k: v for k, v in fields.items() if k in RUN_FIELDS}
+    model_kw = {k: v for k, v in fields.items() if k in MODEL_FIELDS}
     model = cfg.model
     if "preset" in run_kw:
         model = ModelConfig(**PRESETS[run_kw["preset"]])
@@ -545,7 +604,7 @@ def _parse_key(known: dict, key: str, raw: str):
 def parse_keys(argv: list[str]) -> dict:
     """`["model=small", "steps=20"]` → {"preset": "small", "steps": 20}: the keys the user
     gave, typed and checked one by one; every bad value is a line of one ConfigError."""
-    known = {**RUN_FIELDS, **MODEL_FIELDS}
+    known = KEYS
     keys, errors = {}, []
     for k, raw in _pairs(argv, known, ALIASES):
         try:

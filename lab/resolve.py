@@ -25,19 +25,18 @@ import jax.numpy as jnp
 
 from lab import data, devices, plans, rundir
 from lab.config import (
-    ALIASES,
+    KEYS,
     MODEL_FIELDS,
     RUN_FIELDS,
     Config,
+    check_keys,
     check_name,
     check_value,
     make_config,
     parse_keys,
-    parse_value,
     profile_window,
     resolve_dtype,
     stamped_name,
-    unknown_key,
 )
 from lab.devices import DeviceInfo
 from lab.errors import ConfigError
@@ -77,16 +76,9 @@ class Request:
 
     @classmethod
     def of(cls, **keys) -> "Request":
-        """From typed keyword arguments (`model=` is `preset=`), checked as parsed ones are."""
-        out = {}
-        for key, value in keys.items():
-            key = ALIASES.get(key, key)
-            known = RUN_FIELDS.get(key) or MODEL_FIELDS.get(key)
-            if known is None:
-                raise unknown_key(key)
-            check_value(known[0], value)
-            out[key] = value
-        return cls(tuple(out.items()))
+        """From typed keyword arguments (`model=` is `preset=`), each checked as parsed ones
+        are (lab.config.check_value: its type, range, choices; a ConfigError names the key)."""
+        return cls(tuple(check_keys(KEYS, keys).items()))
 
     @classmethod
     def parse(cls, argv: list[str]) -> "Request":
@@ -177,22 +169,8 @@ class Request:
 
 def _check_type(key: str, value) -> None:
     """A value read back from a file has the field's own type (JSON keeps int, float, bool
-    and str apart; an int stands for a float)."""
-    typ = (RUN_FIELDS.get(key) or MODEL_FIELDS[key])[1]
-    if typ is bool:
-        ok = isinstance(value, bool)
-    elif typ is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif typ is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    elif typ is str:
-        ok = isinstance(value, str)
-        if ok:  # a mesh, a dtype, a choice: what parsing the key would check
-            parse_value((RUN_FIELDS.get(key) or MODEL_FIELDS[key])[0], typ, value)
-    else:
-        ok = True
-    if not ok:
-        raise ConfigError(f"{key}={value!r}: expected {typ.__name__}")
+    and str apart; an int stands for a float) and what parsing the key would check."""
+    check_value(*KEYS[key], value)
 
 
 # ------------------------------------------------------------------------ the platform

@@ -174,3 +174,53 @@ def test_loss_scale_takes_the_word_auto(capsys):
     assert main(["loss_scale=often", "steps=1"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "error: loss_scale='often': expected a number or auto"
+
+
+@pytest.mark.parametrize(
+    "keys, needle",
+    [
+        (dict(steps="3"), "steps='3': expected an integer"),
+        (dict(batch_size=True), "batch_size=True: expected an integer"),
+        (dict(seq_len=3.5), "seq_len=3.5: expected an integer"),
+        (dict(n_layers="two"), "n_layers='two': expected an integer"),
+        (dict(lr="1e-3"), "lr='1e-3': expected a number"),
+        (dict(tie_embeddings=1), "tie_embeddings=1: expected a boolean"),
+        (dict(dtype="bfloat61"), "dtype='bfloat61': expected one of float32, bfloat16"),
+        (dict(mesh=4), "mesh=4: expected a string"),
+        (dict(mesh="4y2"), "mesh='4y2': "),
+        (dict(model="tinny"), "model='tinny': expected one of tiny | small"),
+        (dict(steps=-1, lr="x"), "steps=-1: must be >= 0\nlr='x': expected a number"),
+    ],
+)
+def test_values_from_python_are_checked_at_the_call(keys, needle):
+    """make_config, override and Request.of check a typed value's type as well as its range
+    and choices, naming the key (as given: model=, not preset=); a wrong type would otherwise
+    fail deep inside a session, or (batch_size=True) train on a batch of one."""
+    from lab.config import make_config, override
+    from lab.resolve import Request
+
+    calls = (
+        lambda: make_config(**keys),
+        lambda: override(make_config(), **keys),
+        lambda: Request.of(**keys),
+    )
+    for call in calls:
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert needle in str(e.value)
+    if "model" in keys:
+        assert "(did you mean tiny?)" in str(e.value)
+
+
+def test_values_from_python_are_kept_as_parsed_ones_are():
+    """An int stands for a float, a dtype's short name for its full one, auto for its number,
+    a NumPy integer for an int, a path object for its text."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from lab.config import make_config
+
+    cfg = make_config(lr=1, dtype="BF16", loss_scale="auto", steps=np.int64(3), out_dir=Path("r"))
+    assert cfg.lr == 1 and cfg.model.dtype == "bfloat16" and cfg.loss_scale == 0.0
+    assert type(cfg.steps) is int and cfg.steps == 3 and cfg.out_dir == "r"
