@@ -1,5 +1,6 @@
 """bench() and compare(): they wait for the work, keep compile time apart, rotate inputs."""
 
+import re
 import time
 
 import jax
@@ -230,3 +231,24 @@ def test_comparison_settles_before_each_sample_and_does_not_time_the_pause():
     assert all(c.bench.median_s < 0.02 for c in out.contenders)  # the wait is not in the figure
     with pytest.raises(ValueError, match="settle_s"):
         timing.comparison(impls, 1.0, baseline="a", settle_s=-1.0)
+
+
+@pytest.mark.parametrize(
+    "call, needle",
+    [
+        (lambda f: timing.bench(f, 1.0, max_runs=0), "max_runs=0: must be >= min_runs=5"),
+        (lambda f: timing.bench(f, 1.0, min_runs=0, budget_s=0), "min_runs=0: must be >= 1"),
+        (lambda f: timing.bench_in_place(f, [1.0], min_runs=0), "min_runs=0: must be >= 1"),
+        (
+            lambda f: timing.compare({"a": f}, 1.0, baseline="a", min_runs=0, budget_s=0),
+            "min_runs=0: must be >= 1",
+        ),
+    ],
+)
+def test_run_counts_that_time_nothing_are_refused_before_any_call(call, needle):
+    """A median of no runs has no value: the counts are refused up front, in a line that
+    names them, not by NumPy's percentile of an empty list after the compile."""
+    calls = []
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        call(lambda x: calls.append(x) or x)
+    assert calls == []

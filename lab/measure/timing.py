@@ -45,6 +45,16 @@ def _call_blocked(fn: Callable, args: Sequence, inner: int = 1) -> float:
     return (time.perf_counter() - t0) / inner
 
 
+def _check_runs(inner: int, min_runs: int, max_runs: int | None = None) -> None:
+    """ValueError for run counts that would time nothing: a median needs one run at least."""
+    if inner < 1:
+        raise ValueError(f"inner={inner}: must be >= 1")
+    if min_runs < 1:
+        raise ValueError(f"min_runs={min_runs}: must be >= 1 (a median needs one timed run)")
+    if max_runs is not None and max_runs < min_runs:
+        raise ValueError(f"max_runs={max_runs}: must be >= min_runs={min_runs}")
+
+
 def summarise(times_s: list[float], compile_s: float) -> BenchResult:
     """Median and spread of measured seconds (also used by the training loop)."""
     q = np.percentile(times_s, [10, 90])
@@ -73,9 +83,9 @@ def bench(
     `rotate` is a list of argument tuples used in turn (instead of `args`), so that caches
     holding the previous call's inputs do not flatter the figure. `inner` > 1 makes each run
     `inner` calls queued back to back and blocked once (`_call_blocked`), the figure per call.
+    At least `min_runs` (>= 1) and at most `max_runs` (>= min_runs) runs are timed.
     """
-    if inner < 1:
-        raise ValueError(f"inner={inner}: must be >= 1")
+    _check_runs(inner, min_runs, max_runs)
     arg_sets = [tuple(a) for a in rotate] if rotate else [args]
     t0 = time.perf_counter()
     for a in arg_sets:  # every input set compiles (same shapes: one trace) and lands on device
@@ -109,9 +119,9 @@ def bench_in_place(
     (no fresh output per call, so no allocator in the figure). One untimed pass over every
     array first (the compile, then each buffer touched), `warmup` untimed runs, then runs
     until `budget_s`. Each run is `inner` calls queued back to back (over the next arrays in
-    turn) and blocked once on the last, the figure per call, as in `bench`."""
-    if inner < 1:
-        raise ValueError(f"inner={inner}: must be >= 1")
+    turn) and blocked once on the last, the figure per call, as in `bench` (and its run
+    counts: min_runs >= 1, max_runs >= min_runs)."""
+    _check_runs(inner, min_runs, max_runs)
     t0 = time.perf_counter()
     compile_s = None
     for k in range(len(arrays)):
@@ -196,18 +206,18 @@ def comparison(
     OpenMP threads spin for a while after each parallel region; XLA frees its buffers), and
     the next contender's sample would pay for it. On a 2-core VM, cpu_flash right after
     PyTorch's SDPA took 68–69 ms where 20 ms later it took 63, and PyTorch's 60 ms did not move.
+    At least `min_runs` (>= 1) rounds are timed.
     """
-    if inner < 1:
-        raise ValueError(f"inner={inner}: must be >= 1")
+    _check_runs(inner, min_runs)
     if baseline not in impls:
         raise ValueError(f"baseline={baseline!r} is not one of {sorted(impls)}")
+    if settle_s < 0:
+        raise ValueError(f"settle_s={settle_s}: must be >= 0")
     compile_s = {}
     for name, fn in impls.items():
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         compile_s[name] = time.perf_counter() - t0
-    if settle_s < 0:
-        raise ValueError(f"settle_s={settle_s}: must be >= 0")
     for _ in range(warmup):
         for fn in impls.values():
             _call_blocked(fn, args, inner)
