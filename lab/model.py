@@ -716,4 +716,15 @@ def count_nonembedding_params(params, cfg: ModelConfig) -> int:
 
 @functools.cache
 def build(cfg: ModelConfig) -> Transformer:
+    """The transformer of `cfg`, whose compute dtype must be resolved: dtype="auto" (the
+    default) depends on the backend, so it is refused here with a ValueError; resolve it with
+    lab.config.resolve_dtype(cfg, jax.default_backend()) (float32 on CPU, bfloat16 on GPU and
+    TPU), give a dtype, or take the model of a resolved config (open_session(...).cfg.model)."""
+    if cfg.dtype == "auto":
+        raise ValueError(
+            "ModelConfig.dtype='auto': the model needs a resolved compute dtype, which depends "
+            "on the backend; resolve it with lab.config.resolve_dtype(cfg, "
+            "jax.default_backend()), give dtype= (float32, bfloat16 or float16), or build the "
+            "model of a resolved config (open_session(...).cfg.model)"
+        )
     return Transformer(cfg)

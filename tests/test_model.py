@@ -183,3 +183,15 @@ def test_a_low_precision_model_starts_from_the_float32_weights_rounded():
     for f32, bf16 in pairs:
         assert bf16.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(f32.astype(jnp.bfloat16)), np.asarray(bf16))
+
+
+def test_build_refuses_the_unresolved_dtype_and_names_how_to_resolve_it():
+    """ModelConfig's default dtype is auto, which depends on the backend: building it would
+    fail in flax on the first init ("data type 'auto' not understood")."""
+    from lab.config import ModelConfig, resolve_dtype
+
+    with pytest.raises(ValueError, match=r"dtype='auto'.*lab\.config\.resolve_dtype"):
+        build(ModelConfig())
+    model = build(resolve_dtype(ModelConfig(), "cpu"))
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    assert model.init(jax.random.key(0), tokens)["params"]
