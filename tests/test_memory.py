@@ -383,3 +383,19 @@ def test_a_kernels_census_is_the_same_on_any_number_of_devices():
         census[n] = census_for(cfg, make_mesh(f"fsdp:{n}", devices))
     assert census[1] is not None and census[1].full() > 0
     assert census[16] == census[1]
+
+
+def test_predict_lab_step_refuses_an_unresolved_config_and_says_which_to_pass():
+    """make_config leaves the compute dtype and the strategy to the platform (auto): the
+    calculator names both and the resolved config to pass, not a KeyError: 'auto'."""
+    import dataclasses
+
+    from lab.config import make_config
+
+    cfg = make_config(model="tiny")
+    with pytest.raises(ValueError, match=r"dtype='auto', strategy='auto': .*open_session"):
+        memory.predict_lab_step(cfg)
+    resolved = dataclasses.replace(
+        cfg, strategy="dp", model=dataclasses.replace(cfg.model, dtype="float32")
+    )
+    assert memory.predict_lab_step(resolved, backend="cpu")["total"] > 0

@@ -601,8 +601,23 @@ def predict_lab_step(
     dtypes and remat from the model, the attention kind its `attention=` runs on `backend`
     (default: JAX's; pass the target's for ahead-of-time plans), the mesh `sizes`, the
     pipeline, gradient accumulation and offloading the config asks for; `census`
-    (lab.model.layer_census of the model) where its layers are scanned, ignored where not."""
+    (lab.model.layer_census of the model) where its layers are scanned, ignored where not.
+
+    The compute dtype and the strategy depend on the platform, so a config straight from
+    lab.config.make_config (both "auto") is refused with a ValueError: pass the resolved one,
+    `open_session(...).cfg` or `lab.resolve.resolve(...).cfg` (Resolved.cfg)."""
     m = cfg.model
+    unresolved = [
+        f"{name}={value!r}"
+        for name, value in (("dtype", m.dtype), ("strategy", cfg.strategy))
+        if value == "auto"
+    ]
+    if unresolved:
+        raise ValueError(
+            f"{', '.join(unresolved)}: predict_lab_step needs a resolved config (the compute "
+            "dtype and the strategy depend on the platform): pass open_session(...).cfg or "
+            "lab.resolve.resolve(...).cfg"
+        )
     backend = backend or jax.default_backend()
     kind = lab_attention_kind(m.attention, backend)
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
