@@ -9,9 +9,13 @@ of a SLURM step of several tasks (`srun python -m lab.run …`: `slurm_step` che
 variables and reads the coordinator, the step's first node; JAX's own SLURM detection fills
 the process count and id), or on a multi-host TPU slice.
 
-Joining never ends in the runtime's C++ abort (a stack trace, exit 134): a process that joins
-first waits for the coordinator's port, and every process's whole join is bounded by a watchdog
-that prints one line and exits 2 when coordinator_timeout runs out. Once joined, a process whose
+Joining never ends in the runtime's C++ abort (a stack trace, exit 134), and is bounded by
+coordinator_timeout. A process that joins first waits for the coordinator's port, in Python: a
+coordinator that never answers is a ConfigError in the caller (from a command, one line and exit
+2). The wait inside JAX's runtime that follows (process 0 for its peers, the others for the rest
+to register) cannot be interrupted from Python, and the runtime itself aborts the process when
+its timeout runs out; so a watchdog thread ends the process first, with one line and exit 2,
+from library code as from a command: no exception reaches the caller. Once joined, a process whose
 peer dies mid-run is not left blocked in a collective until the runtime aborts it: `PeerWatch`
 ends it in one line, exit 1, naming what the run folder keeps. (gloo, the CPU collectives, can
 still end a survivor at once in its own abort when a peer's connection breaks mid-transfer.)
@@ -39,6 +43,7 @@ from lab.errors import ConfigError
 from lab.mesh import cpu_devices_for
 from lab.startup import (
     PARENT_DEATH_SIGNAL,  # noqa: F401 - where the launcher and loop find it
+    command,
     in_huge_pages,
 )
 
@@ -90,16 +95,18 @@ STOP_LINE = "{signal} to process {process}: every process stops after step {step
 FOLDER_KEYS = "lab/folder/"  # where each process posts its verdict on the run folder
 
 
-def _reach(coordinator: str) -> None:
-    """Wait until the coordinator accepts a TCP connection (the watchdog bounds the wait): a
-    process that joins before process 0 listens would otherwise wait inside the runtime."""
+def _reach(coordinator: str, deadline: float) -> bool:
+    """Wait until the coordinator accepts a TCP connection, or until `deadline` (a
+    time.monotonic() time): whether it did. A process that joins before process 0 listens
+    would otherwise wait inside the runtime, where no Python code can stop the wait."""
     host, _, port = coordinator.rpartition(":")
-    while True:
+    while (left := deadline - time.monotonic()) > 0:
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
-                return
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(2, left)):
+                return True
         except OSError:
-            time.sleep(0.5)
+            time.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
+    return False
 
 
 def _resolve(coordinator: str, where: str) -> None:
@@ -170,13 +177,16 @@ def _join_timeout(j: _Join, timeout_s: int, reached) -> str:
     )
 
 
-def _watchdog(timeout_s: int, line) -> threading.Timer:
+def _watchdog(timeout_s: float, line) -> threading.Timer:
     """A timer that ends this process with `line()` and exit 2 unless cancelled within
-    timeout_s. The runtime's own wait for a join ends later in a C++ abort with a stack trace,
-    and a thread can still print while the main thread is blocked inside the runtime."""
+    timeout_s: it bounds a wait inside JAX's runtime, which Python cannot interrupt (the caller's
+    thread is blocked in C++) and which itself ends later in a C++ abort with a stack trace. A
+    thread can still print while the main thread is blocked inside the runtime. In library code
+    (not a lab command) the line says why no exception reached the caller."""
 
     def give_up():
-        print(f"error: {line()}", file=sys.stderr, flush=True)
+        why = "" if command() else " (JAX's runtime cannot be interrupted: the process ends)"
+        print(f"error: {line()}{why}", file=sys.stderr, flush=True)
         os._exit(2)
 
     timer = threading.Timer(timeout_s, give_up)
@@ -592,21 +602,29 @@ def _watch_peers(j: _Join) -> None:
 
 
 def _join(j: _Join, timeout_s: int) -> None:
+    """Join within timeout_s: a ConfigError where the join fails before JAX's runtime waits
+    (a host that does not resolve, a port in use, a coordinator that never answers); past
+    that, the watchdog's line and exit 2 (the module's docstring says why)."""
     _no_preemption_notifier()
+    deadline = time.monotonic() + timeout_s
     reached = threading.Event()
-    timer = _watchdog(timeout_s, lambda: _join_timeout(j, timeout_s, reached))
     try:
         _resolve(j.coordinator, j.where)
         if j.process_id == 0:
             _check_port_free(j.coordinator, j.where)
-        else:
-            _reach(j.coordinator)
+        elif not _reach(j.coordinator, deadline):
+            raise ConfigError(_join_timeout(j, timeout_s, reached))
         reached.set()
-        jax.distributed.initialize(
-            **j.kwargs,
-            initialization_timeout=timeout_s,
-            shutdown_timeout_seconds=min(timeout_s, 30),
-        )
+        left = max(deadline - time.monotonic(), 0.1)
+        timer = _watchdog(left, lambda: _join_timeout(j, timeout_s, reached))
+        try:
+            jax.distributed.initialize(
+                **j.kwargs,
+                initialization_timeout=timeout_s,
+                shutdown_timeout_seconds=min(timeout_s, 30),
+            )
+        finally:
+            timer.cancel()
         _watch_peers(j)
     except ConfigError:
         raise
@@ -619,8 +637,6 @@ def _join(j: _Join, timeout_s: int) -> None:
             f"join ({first}){read if slurm else ''}; is the address right and every process "
             "started?"
         ) from None
-    finally:
-        timer.cancel()
 
 
 def agreed_stop(stop, step: int, ahead: int = 1) -> bool:
@@ -742,7 +758,12 @@ def prepare(
     join: bool = True,
 ) -> None:
     """Call before any JAX operation: joins hosts (unless `join` is false: this process
-    alone, as for a request that cannot run), then sizes the simulated CPU devices."""
+    alone, as for a request that cannot run), then sizes the simulated CPU devices.
+
+    A join is bounded by coordinator_timeout: a coordinator that never answers is a
+    ConfigError, but once inside JAX's runtime the wait cannot be interrupted from Python,
+    and a join that does not finish ends the process with one line and exit 2 (the module's
+    docstring says why), from library code as from a command."""
     if not coordinator and (step := slurm_step()):
         num_processes = step.tasks  # checked here, before the size check that divides by it
     wanted = cpu_devices or cpu_devices_for(mesh)

@@ -36,7 +36,12 @@ def open_session(
     """A session for a `request` (or the user's typed `keys`, lab.config.parse_keys: the
     keys left out take the defaults of the backend found, a GPU run is bigger than a CPU
     one), or for a `cfg` built in code (every field as given); for decoding (purpose decode),
-    `batches` are the batch sizes its decoders will be built for."""
+    `batches` are the batch sizes its decoders will be built for.
+
+    A bad key or value, or a rule broken, is a ConfigError. A multi-host join
+    (coordinator=) that does not finish within coordinator_timeout once inside JAX's runtime
+    ends the process with one line and exit 2: the runtime's wait cannot be interrupted from
+    Python (lab.devices says more); a coordinator that never answers is a ConfigError."""
     if request is None:
         request = Request.from_config(cfg) if cfg is not None else Request.of(**(keys or {}))
     if purpose == "train":  # resume=true: the run's own keys (config.json) under those given

@@ -297,6 +297,27 @@ def test_a_join_that_cannot_finish_is_one_line_and_exit_2(tmp_path, process_id, 
     assert needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
 
 
+def test_a_coordinator_that_never_answers_is_an_exception_in_library_code():
+    """From Python, a join whose coordinator never answers is a ConfigError the caller can
+    catch, not the end of the interpreter: the wait for the port is Python's own (a wait
+    inside JAX's runtime, once it answers, cannot be interrupted, and still ends the process)."""
+    port = launch.free_port()
+    keys = f"model='tiny', coordinator='localhost:{port}', num_processes=2, process_id=1"
+    code = (
+        "from lab.errors import ConfigError\n"
+        "from lab.session import open_session\n"
+        "try:\n"
+        f"    open_session(keys=dict({keys}, coordinator_timeout=2))\n"
+        "except ConfigError as e:\n"
+        "    print('caught:', e)\n"
+    )
+    run = [sys.executable, "-c", code]
+    proc = subprocess.run(run, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    needle = f"caught: coordinator=localhost:{port}: process 1 of 2 could not reach the coordinator"
+    assert needle in proc.stdout and "within 2 s (coordinator_timeout=2)" in proc.stdout
+
+
 @pytest.mark.parametrize(
     "address, needle",
     [
