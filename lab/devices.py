@@ -739,12 +739,33 @@ def agreed_folder(claim, follow, timeout_s: int, keys: dict | None = None):
 MAX_CPU_DEVICES = 4096
 
 
-def _set_cpu_devices(n: int) -> None:
-    """Simulate `n` CPU devices; a no-op once backends exist (e.g. under the test conftest)."""
+def started_line(count: int) -> str:
+    """Why the simulated CPU devices cannot be changed now that JAX has created `count`."""
+    devices = f"{count} CPU device{'' if count == 1 else 's'}"
+    return (
+        f"JAX has already started with {devices}: cpu_devices must be set before JAX's first "
+        "use; or call jax.config.update('jax_num_cpu_devices', N) right after importing jax, "
+        "or set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing it"
+    )
+
+
+def _set_cpu_devices(n: int, given: int = 0) -> bool:
+    """Simulate `n` CPU devices in this process. JAX reads the count once, when its backends
+    start: after that (e.g. under the test conftest, or after a library caller's first JAX
+    operation) the count is JAX's. False where it then differs on CPU (the mesh's size is
+    checked against the devices present, and the line says why there are not more); a
+    ConfigError where cpu_devices= (`given`) asked for another count. True otherwise."""
     try:
         jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
+        return True
+    except RuntimeError:  # the backends have started
         pass
+    present = jax.local_device_count()
+    if jax.default_backend() != "cpu" or present == n:
+        return True
+    if given:
+        raise ConfigError(f"cpu_devices={given}: {started_line(present)}")
+    return False
 
 
 def prepare(
@@ -756,9 +777,11 @@ def prepare(
     process_id: int = 0,
     coordinator_timeout: int = 60,
     join: bool = True,
-) -> None:
+) -> bool:
     """Call before any JAX operation: joins hosts (unless `join` is false: this process
-    alone, as for a request that cannot run), then sizes the simulated CPU devices.
+    alone, as for a request that cannot run), then sizes the simulated CPU devices; False
+    where JAX had already started on CPU with another count (`started_line` says why), and
+    a ConfigError where cpu_devices= asked for one in so many words.
 
     A join is bounded by coordinator_timeout: a coordinator that never answers is a
     ConfigError, but once inside JAX's runtime the wait cannot be interrupted from Python,
@@ -780,8 +803,9 @@ def prepare(
         )
     if join:
         _init_distributed(coordinator, num_processes, process_id, coordinator_timeout)
-    if wanted > 1:
-        _set_cpu_devices(max(1, wanted // num_processes))
+    if wanted > 1 or cpu_devices:
+        return _set_cpu_devices(max(1, wanted // num_processes), cpu_devices)
+    return True
 
 
 def describe() -> DeviceInfo:

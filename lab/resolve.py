@@ -220,6 +220,8 @@ class Platform:
     info: DeviceInfo | None = dataclasses.field(default=None, compare=False, repr=False)
     devices: tuple = dataclasses.field(default=(), compare=False, repr=False)
     mesh: Any = dataclasses.field(default=None, compare=False, repr=False)  # a caller's mesh
+    # JAX had started on CPU before the request could size its simulated devices
+    cpu_started: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     @classmethod
     def of(cls, info: DeviceInfo, devs, *, target: str = "", mesh=None) -> "Platform":
@@ -258,7 +260,7 @@ class Platform:
             devs = plans.topology_devices(keys["target"])
             return cls.of(devices.describe_target(devs), devs, target=keys["target"])
         join = not broken_before_joining(request)
-        devices.prepare(
+        sized = devices.prepare(
             keys["mesh"],
             cpu_devices=keys["cpu_devices"],
             coordinator=keys["coordinator"],
@@ -270,7 +272,7 @@ class Platform:
         info = devices.describe()
         if not join:  # what the joined processes would count together
             info = dataclasses.replace(info, count=info.count * keys["num_processes"])
-        return cls.of(info, jax.devices())
+        return dataclasses.replace(cls.of(info, jax.devices()), cpu_started=not sized)
 
     @classmethod
     def of_mesh(cls, mesh) -> "Platform":
@@ -972,6 +974,8 @@ def _sizes(cfg: Config, platform: Platform) -> tuple[dict | None, str | None]:
         if platform.aot:  # the target names its hardware
             return None, str(e)
         hint = " (on CPU, cpu_devices=N simulates more)" if platform.backend == "cpu" else ""
+        if platform.cpu_started:  # cpu_devices= could not size them: say so, not try it
+            hint = f"; {devices.started_line(jax.local_device_count())}"
         return None, f"{e} [{platform.backend}: {platform.device_kind}]{hint}"
     used = math.prod(sizes.values())
     if platform.aot and used != platform.count:  # a plan is for the whole slice

@@ -38,7 +38,8 @@ def open_session(
     one), or for a `cfg` built in code (every field as given); for decoding (purpose decode),
     `batches` are the batch sizes its decoders will be built for.
 
-    A bad key or value, or a rule broken, is a ConfigError. A multi-host join
+    A bad key or value, or a rule broken, is a ConfigError. Open it before any other JAX
+    operation: JAX sizes its simulated CPU devices once, when it starts. A multi-host join
     (coordinator=) that does not finish within coordinator_timeout once inside JAX's runtime
     ends the process with one line and exit 2: the runtime's wait cannot be interrupted from
     Python (lab.devices says more); a coordinator that never answers is a ConfigError."""

@@ -268,3 +268,19 @@ def test_a_pipeline_refuses_scan_layers_false_only_where_it_was_asked():
         r = resolve.resolve(request, platform, "train")
         assert r.cfg.model.scan_layers
     assert "pipeline of 2 microbatches (GPipe), layers stacked" in _fitting_header(r.cfg)[0]
+
+
+def test_cpu_devices_after_jax_started_say_so_instead_of_suggesting_them():
+    """JAX reads its CPU device count once, when its backends start: a count asked for later
+    is refused in a line that says so (not silently ignored), and a mesh past the devices
+    present says why cpu_devices= would not help."""
+    import jax
+
+    n = len(jax.devices())  # the backends have started (the conftest's count)
+    started = f"JAX has already started with {n} CPU devices: cpu_devices must be set before"
+    with pytest.raises(ConfigError, match=f"^cpu_devices={n + 1}: {started}"):
+        devices.prepare("1", cpu_devices=n + 1)
+    assert devices.prepare("1", cpu_devices=n)  # the count it has: nothing to say
+    request = Request.of(mesh=str(2 * n))
+    with pytest.raises(ConfigError, match=f"needs {2 * n} devices but only {n} .*; {started}"):
+        resolve.resolve(request, Platform.found(request), "train")
