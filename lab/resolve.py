@@ -317,6 +317,14 @@ class _Draft:
         return self.cfg.model
 
     @property
+    def mesh_text(self) -> str:
+        """The mesh the run uses, as a line names it: mesh= as given, or the axes of a mesh a
+        caller built (Platform.of_mesh; then the config's own mesh= is not used)."""
+        if self.platform.mesh is None or self.sizes is None:
+            return self.cfg.mesh
+        return mesh_spec(self.sizes)
+
+    @property
     def stages(self) -> int:
         return (self.sizes or {}).get(STAGE, 1)
 
@@ -669,7 +677,7 @@ def _batch_splits(d: _Draft):
     if d.purpose != "decode" and d.cfg.batch_size % n:
         return (
             f"batch_size={d.cfg.batch_size} does not split over the {n} devices the batch is "
-            f"split over (strategy={d.cfg.strategy}, mesh={d.cfg.mesh}): choose a multiple of {n}"
+            f"split over (strategy={d.cfg.strategy}, mesh={d.mesh_text}): choose a multiple of {n}"
         )
 
 
@@ -1098,7 +1106,8 @@ def resolve(
     and the attention choice read the filled config and its built mesh, so they are checked
     once the first pass's rules hold (those of stage "request" aside: they tie no shapes),
     their lines joined to the request's."""
-    assert purpose in PURPOSES, purpose
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose={purpose!r}: expected one of {', '.join(PURPOSES)}")
     batches = tuple(batches)
     cfg = defaults(make_config(backend=platform.backend, **request.dict()))
     model = resolve_dtype(cfg.model, platform.backend)

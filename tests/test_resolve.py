@@ -270,6 +270,18 @@ def test_a_pipeline_refuses_scan_layers_false_only_where_it_was_asked():
     assert "pipeline of 2 microbatches (GPipe), layers stacked" in _fitting_header(r.cfg)[0]
 
 
+def test_a_callers_mesh_is_the_one_named_and_a_purpose_is_checked():
+    """A mesh built in code is the run's mesh: a rule's line names it, not the config's unused
+    mesh=1; a purpose outside train, decode and plan is a ValueError that lists them."""
+    from lab.mesh import make_mesh
+
+    platform = Platform.of_mesh(make_mesh("4x2"))
+    with pytest.raises(ConfigError, match=r"batch_size=3 .*\(strategy=tp, mesh=data:4,model:2\)"):
+        resolve.resolve(Request.of(batch_size=3), platform, "train")
+    with pytest.raises(ValueError, match="purpose='training': expected one of train, decode, plan"):
+        resolve.resolve(Request.of(), platform, "training")
+
+
 def test_cpu_devices_after_jax_started_say_so_instead_of_suggesting_them():
     """JAX reads its CPU device count once, when its backends start: a count asked for later
     is refused in a line that says so (not silently ignored), and a mesh past the devices
