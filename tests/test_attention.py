@@ -342,6 +342,17 @@ def test_bad_input_names_the_constraint(args, kwargs, needle):
     assert needle in str(info.value)
 
 
+def test_sinks_may_be_a_list_as_the_mask_arrays_may():
+    """sinks=[...] is taken as an array (as q_lengths=[...] is), and a list of the wrong
+    length names the rule, not AttributeError: 'list' has no attribute 'shape'."""
+    q, k, v = _qkv()
+    want = attention(q, k, v, causal=True, impl="naive", sinks=jnp.zeros(4))
+    got = attention(q, k, v, causal=True, impl="naive", sinks=[0.0, 0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="attention sinks are one logit per query head"):
+        attention(q, k, v, causal=True, impl="naive", sinks=[0.0, 0.0, 0.0])
+
+
 @pytest.mark.parametrize(
     "make, needle",
     [

@@ -580,7 +580,7 @@ def attention(
     B, L, H = q_BxLxHxK.shape[:3]
     mask.check(B, L, k_BxSxGxK.shape[1])
     softcap = check_softcap(softcap)
-    if sinks is not None and tuple(sinks.shape) != (H,):
+    if sinks is not None and tuple((sinks := jnp.asarray(sinks)).shape) != (H,):
         raise ValueError(f"{sinks.shape=}: attention sinks are one logit per query head, ({H},)")
     features = features_of(
         q_BxLxHxK,
