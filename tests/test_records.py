@@ -33,8 +33,9 @@ def test_record_carries_metadata():
 
 def test_labels_are_checked():
     assert records.make_record("x", 1, "s", label="predicted")["label"] == "predicted"
-    with pytest.raises(ValueError, match="label"):
+    with pytest.raises(ValueError, match="label") as e:  # each quoted: one has a comma
         records.make_record("x", 1, "s", label="guessed")
+    assert "'measured', 'compiled', 'predicted', 'compiled, not run', 'derived'" in str(e.value)
 
 
 def test_write_appends_and_reads_back(tmp_path):

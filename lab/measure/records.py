@@ -192,7 +192,7 @@ def make_record(what: str, value, unit: str, *, label: str = "measured", **confi
     are stored by name and NumPy/JAX numbers as Python ones (`plain`).
     """
     if label not in LABELS:
-        raise ValueError(f"label={label!r}: expected one of {', '.join(LABELS)}")
+        raise ValueError(f"label={label!r}: expected one of {', '.join(map(repr, LABELS))}")
     return {
         "what": what,
         "value": _value(what, value, unit),
