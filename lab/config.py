@@ -203,7 +203,9 @@ def check_value(f: dataclasses.Field, typ, value):
         if len(set(values)) < len(values):  # each is a point, a step or a name to measure once
             raise ConfigError(f"{key}={value!r}: an item is given twice")
         return tuple(values)
-    if typ in (int, float) and meta.get("auto") is not None and value == "auto":
+    if typ in (int, float) and meta.get("auto") is not None and isinstance(value, str):
+        if value != "auto":
+            raise ConfigError(f"{key}={value!r}: expected {_TYPE_WORDS[typ]} or auto")
         return meta["auto"]
     if typ is str and kind == "path" and isinstance(value, os.PathLike):
         value = os.fspath(value)

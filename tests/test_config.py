@@ -184,6 +184,7 @@ def test_loss_scale_takes_the_word_auto(capsys):
         (dict(seq_len=3.5), "seq_len=3.5: expected an integer"),
         (dict(n_layers="two"), "n_layers='two': expected an integer"),
         (dict(lr="1e-3"), "lr='1e-3': expected a number"),
+        (dict(loss_scale="big"), "loss_scale='big': expected a number or auto"),
         (dict(tie_embeddings=1), "tie_embeddings=1: expected a boolean"),
         (dict(dtype="bfloat61"), "dtype='bfloat61': expected one of float32, bfloat16"),
         (dict(mesh=4), "mesh=4: expected a string"),
