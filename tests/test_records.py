@@ -194,11 +194,12 @@ def test_numpy_and_jax_numbers_are_written_as_numbers(tmp_path):
 
     path = tmp_path / "r.jsonl"
     values = [np.float32(1.5), jnp.float32(1.5), np.int64(3), jnp.asarray(2.5), np.array(7)]
+    values.append(jnp.asarray(1.5, jnp.bfloat16))  # an ml_dtypes float: no np.floating
     config = dict(dtype=jnp.float32, kind=np.dtype("int8"), bf=jnp.bfloat16, n=np.int32(4))
     for v in values:
         records.write_records(path, records.make_record("x", v, "s", **config))
     got = records.read_records(path)
-    assert [r["value"] for r in got] == [1.5, 1.5, 3, 2.5, 7]
+    assert [r["value"] for r in got] == [1.5, 1.5, 3, 2.5, 7, 1.5]
     assert all(type(r["value"]) in (int, float) for r in got)
     assert got[0]["config"] == {"dtype": "float32", "kind": "int8", "bf": "bfloat16", "n": 4}
     # a hand-built record goes through the writer's hook alike

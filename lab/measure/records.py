@@ -141,10 +141,13 @@ def _scalar(x):
     """A NumPy or JAX number (a scalar, or an array of no dimensions) as the Python number it
     holds; anything else unchanged."""
     if isinstance(x, np.generic | np.ndarray | jax.Array) and np.ndim(x) == 0:
-        if np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating):
-            return x.item()
         if np.issubdtype(x.dtype, np.bool_):
             return bool(x)
+        if np.issubdtype(x.dtype, np.integer):
+            return int(x)
+        # bfloat16 and the other ml_dtypes floats are not np.floating; jnp.issubdtype knows them
+        if np.issubdtype(x.dtype, np.floating) or jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+            return float(x)
     return x
 
 
