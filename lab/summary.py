@@ -288,7 +288,13 @@ def _aot_plan(
         "label": "compiled, not run",
         "estimated_step_s": est_s,
         "estimate_source": source,
-        "estimate_label": "compiled, not run" if source == "compiler estimate" else "predicted",
+        "estimate_label": (
+            None
+            if est_s is None
+            else "compiled, not run"
+            if source == "compiler estimate"
+            else "predicted"
+        ),
         "estimate_error": error,
         "peak_flops_per_device": peak,
         "implied_mfu": mfu,

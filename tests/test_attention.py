@@ -351,6 +351,9 @@ def test_sinks_may_be_a_list_as_the_mask_arrays_may():
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="attention sinks are one logit per query head"):
         attention(q, k, v, causal=True, impl="naive", sinks=[0.0, 0.0, 0.0])
+    # a kernel's own entry point takes the list too (the Pallas ones interpreted)
+    got = pallas_gpu.flash_attention_gpu(q, k, v, causal=True, sinks=[0.0] * 4, interpret=True)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize(

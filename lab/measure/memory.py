@@ -584,8 +584,10 @@ def lab_attention_kind(impl: str, backend: str) -> str:
     naive and xla form the L×S scores; blockwise and ring (whose local blocks are plain JAX)
     write tiles to device memory; fused kernels (pallas, cudnn, and the native cpu_flash,
     whose tiles live in its threads' own buffers, outside XLA's) keep them out of XLA's
-    buffers. `auto` is what the dispatch picks: a fused kernel (cpu_flash on CPU where the
-    native kernel is built; blockwise without a compiler). A resolved config names its impl."""
+    buffers. `auto` is read as a fused kernel, what the dispatch picks on GPU and TPU and, on
+    CPU, where the native cpu_flash is built; where it may pick blockwise (a CPU without a C++
+    compiler, a sequence split over devices) pass the resolved impl, as a resolved config
+    names it (this layer cannot ask the kernels which they picked)."""
     if impl == "auto":
         return "flash"
     if impl in ("naive", "xla"):

@@ -44,8 +44,9 @@ joins on every backend. Where PyTorch is installed, `torch_sdpa`
 memory-efficient / math kernel) joins on the same device, fed the same numbers through DLPack,
 synchronised as part of each timed call and timed in the same alternated loop (warm-up
 apart, median, p10 and p90 of the samples); its memory is not XLA's and is reported as n/a.
-On CPU it runs on as many threads as JAX's CPU client has cores, and its OpenMP threads
-sleep when idle (TORCH_WAIT_POLICY says why); its records say both (`torch_settings`). A
+On CPU it runs on as many threads as JAX's CPU client has cores; on a busy host its OpenMP
+threads sleep when idle (TORCH_WAIT_POLICY says why), on a quiet one PyTorch's default
+holds; its records say both (`torch_settings`). A
 peer that refuses a shape or device is listed as "does not compile here" with its reason.
 
 `sweep(...)` returns the records (`lab.measure.records`); `rows_of(records)` gives them back as

@@ -86,7 +86,7 @@ def run(o: Options) -> int:
     env = records.environment()
     simulated = env["backend"] == "cpu" and env["device_count"] > 1
     where = "simulated devices (one host's memory, not an interconnect)" if simulated else "devices"
-    shape = " × ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1)
+    shape = " × ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "one device"
     title = f"collectives · {env['device_kind']} × {env['device_count']} {where} · {shape}"
     t0 = time.perf_counter()
     con = progress.console()

@@ -745,7 +745,12 @@ def sink_grad(sink, lse_sink, delta):
     return -jnp.exp(sink.astype(jnp.float32) - lse_sink) * delta
 
 
-def check_sinks(sinks, H: int) -> None:
-    """None or one logit per query head, [H] (what every kernel taking `sinks=` checks)."""
-    if sinks is not None and tuple(sinks.shape) != (H,):
+def check_sinks(sinks, H: int):
+    """None or one logit per query head, [H] (what every kernel taking `sinks=` checks), as
+    an array (a list is taken, as the mask arrays are)."""
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    if tuple(sinks.shape) != (H,):
         raise ValueError(f"{sinks.shape=}: attention sinks are one logit per query head, ({H},)")
+    return sinks

@@ -269,7 +269,7 @@ def cpu_flash_attention(
     B, L, _, K = q_BxLxHxK.shape
     S = k_BxSxGxK.shape[1]
     mask.check(B, L, S)
-    check_sinks(sinks, q_BxLxHxK.shape[2])
+    sinks = check_sinks(sinks, q_BxLxHxK.shape[2])
     lo, hi = mask.band(L, S)
     bq, bk = block_sizes.fit(L, S, banded=lo is not None or hi is not None)
     cap = None if softcap is None else float(softcap)

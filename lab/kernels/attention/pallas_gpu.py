@@ -699,7 +699,7 @@ def flash_attention_gpu(
     """
     check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=causal)
     softcap = check_softcap(softcap)
-    check_sinks(sinks, q_BxLxHxK.shape[2])
+    sinks = check_sinks(sinks, q_BxLxHxK.shape[2])
     if not interpret:
         triton_deprecation.explain()  # jax >= 0.11: one line instead of a warning per kernel
     B, L, H, K = q_BxLxHxK.shape

@@ -1439,7 +1439,7 @@ def flash_attention_mgpu(
     """
     check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=causal)
     softcap = check_softcap(softcap)
-    check_sinks(sinks, q_BxLxHxK.shape[2])
+    sinks = check_sinks(sinks, q_BxLxHxK.shape[2])
     B, L = q_BxLxHxK.shape[:2]
     S = k_BxSxGxK.shape[1]
     mask = kernel_mask(mask, causal, B, L, S)

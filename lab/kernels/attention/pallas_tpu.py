@@ -660,7 +660,7 @@ def flash_attention_tpu(
     """
     check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=causal)
     softcap = check_softcap(softcap)
-    check_sinks(sinks, q_BxLxHxK.shape[2])
+    sinks = check_sinks(sinks, q_BxLxHxK.shape[2])
     if not interpret:
         block_sizes.check_compiled()
     B, L, H, K = q_BxLxHxK.shape

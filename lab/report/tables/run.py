@@ -163,7 +163,8 @@ def _plan_rows(t: Table, a: StepAnalysis) -> None:
     mfu = plan.implied_mfu
     bound = "at most " if plan.mfu_is_a_bound or floor else ""
     t.add_row("implied MFU", "n/a" if mfu is None else f"{bound}{percent(mfu)}{caveat}")
-    step = plan.source.get("estimate_label", plan.label)  # the model's time is predicted
+    # the model's time is predicted; a plan with no step time labels none
+    step = plan.source.get("estimate_label") or plan.label
     t.add_row("label", plan.label + ("" if step == plan.label else f"; step time {step}"))
 
 
