@@ -274,8 +274,12 @@ def _torch():
 
 def torch_settings() -> dict:
     """What torch_sdpa's times were taken under, for its records: PyTorch's version, its
-    intra-op threads and its OpenMP wait policy."""
-    torch, policy = _torch()
+    intra-op threads and its OpenMP wait policy; {} where PyTorch is not installed (a row
+    made elsewhere, read back here)."""
+    try:
+        torch, policy = _torch()
+    except ImportError:
+        return {}
     return {
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
