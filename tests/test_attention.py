@@ -381,21 +381,12 @@ def test_gpu_block_table_falls_back_to_default():
 
 def _train_losses(attention_impl: str, steps: int = 3) -> list[float]:
     """A tiny model trained a few steps on one device with the given `attention=`."""
+    from few_steps import train_steps
+
     from lab.config import parse_args
-    from lab.data import host_batch, to_global
-    from lab.mesh import make_mesh
-    from lab.train import make_trainer
 
     argv = ["model=tiny", "batch_size=4", "seq_len=64", "dtype=float32", "mesh=1"]
-    cfg = parse_args([*argv, f"attention={attention_impl}"])
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
-    state = trainer.init(jax.random.key(0))
-    losses = []
-    for step in range(steps):
-        tokens = host_batch("text", 0, step, cfg.batch_size, cfg.seq_len, 256)
-        state, metrics = trainer.step(state, to_global(tokens, trainer.batch_sharding))
-        losses.append(float(metrics["loss"]))
-    return losses
+    return train_steps(parse_args([*argv, f"attention={attention_impl}"]), steps)[0]
 
 
 def test_model_trained_with_blockwise_matches_naive(monkeypatch):

@@ -8,12 +8,10 @@ import json
 import jax
 import numpy as np
 import pytest
+from few_steps import train_steps
 
 from lab.config import parse_args
-from lab.data import host_batch, to_global
-from lab.mesh import make_mesh
 from lab.run import main
-from lab.train import make_trainer
 
 BASE = [
     "model=tiny",
@@ -28,13 +26,7 @@ BASE = [
 
 
 def _two_steps(argv):
-    cfg = parse_args([*BASE, *argv])
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
-    state, losses = trainer.init(jax.random.key(0)), []
-    for step in range(2):
-        tokens = host_batch("text", 0, step, cfg.batch_size, cfg.seq_len, 256)
-        state, metrics = trainer.step(state, to_global(tokens, trainer.batch_sharding))
-        losses.append(float(metrics["loss"]))
+    losses, _, state = train_steps(parse_args([*BASE, *argv]), 2)
     return losses, state
 
 

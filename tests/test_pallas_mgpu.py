@@ -253,22 +253,14 @@ def test_masks_and_sinks_through_the_dispatch_without_races(fresh_interpreter):
 
 def _train_losses(attention_impl: str, steps: int = 3) -> list[float]:
     """A tiny model (one layer, head_dim 64, 2 query heads per kv head, bf16), a few steps."""
+    from few_steps import train_steps
+
     from lab.config import parse_args
-    from lab.data import host_batch, to_global
-    from lab.mesh import make_mesh
-    from lab.train import make_trainer
 
     argv = ["model=tiny", "d_model=128", "n_heads=2", "n_kv_heads=1", "n_layers=1"]
     argv += ["dtype=bfloat16", "batch_size=2", "seq_len=70", "mesh=1"]
-    cfg = parse_args([*argv, f"attention={attention_impl}"])
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    losses, trainer, _ = train_steps(parse_args([*argv, f"attention={attention_impl}"]), steps)
     assert trainer.cfg.model.attention == attention_impl
-    state = trainer.init(jax.random.key(0))
-    losses = []
-    for step in range(steps):
-        tokens = host_batch("text", 0, step, cfg.batch_size, cfg.seq_len, 256)
-        state, metrics = trainer.step(state, to_global(tokens, trainer.batch_sharding))
-        losses.append(float(metrics["loss"]))
     return losses
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from few_steps import train_steps
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
@@ -451,14 +452,7 @@ def _trained(argv, steps=3):
 
     keys = ["model=tiny", "n_layers=2", "dtype=float32", "attention=naive", "seq_len=16"]
     keys += ["batch_size=8", "warmup_steps=0", "weight_decay=0.5", *argv]
-    cfg = parse_args(keys)
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
-    state = trainer.init(jax.random.key(0))
-    losses = []
-    for step in range(steps):
-        tokens = host_batch("text", 0, step, cfg.batch_size, cfg.seq_len, 256)
-        state, metrics = trainer.step(state, to_global(tokens, trainer.batch_sharding))
-        losses.append(float(metrics["loss"]))
+    losses, trainer, state = train_steps(parse_args(keys), steps)
     params = jax.device_get(nn.meta.unbox(state.params))
     if "blocks" in params:
         stages = dict(trainer.mesh.shape).get("stage", 1)

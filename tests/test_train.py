@@ -5,9 +5,9 @@ import re
 import jax
 import numpy as np
 import pytest
+from few_steps import train_steps
 
 from lab.config import parse_args
-from lab.data import host_batch, to_global
 from lab.mesh import make_mesh
 from lab.resolve import defaults
 from lab.train import make_trainer
@@ -19,14 +19,7 @@ BASE = ["model=tiny", "batch_size=8", "seq_len=32", "dtype=float32", "attention=
 def _losses(mesh_spec: str, strategy: str, extra=()) -> list[float]:
     # the mesh built here as lab.run builds it: a bare count follows the strategy's axis
     cfg = defaults(parse_args([*BASE, f"mesh={mesh_spec}", f"strategy={strategy}", *extra]))
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
-    state = trainer.init(jax.random.key(0))
-    out = []
-    for step in range(STEPS):
-        tokens = host_batch("text", 0, step, cfg.batch_size, cfg.seq_len, 256)
-        state, metrics = trainer.step(state, to_global(tokens, trainer.batch_sharding))
-        out.append(float(metrics["loss"]))
-    return out
+    return train_steps(cfg, STEPS)[0]
 
 
 @pytest.fixture(scope="module")
