@@ -117,3 +117,16 @@ def test_the_step_program_is_named_train_step():
     cfg = parse_args([*BASE, "mesh=1"])
     lowered = make_trainer(cfg, make_mesh(cfg.mesh)).lower()
     assert lowered.as_text().startswith("module @jit_train_step")
+
+
+def test_init_programs_carry_their_names():
+    """Profiles and dumps read a program by its function's name: the initialisation's two
+    programs are init_params and _state_of, not a lambda's."""
+    cfg = defaults(parse_args([*BASE, "mesh=1"]))
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    key = jax.random.key(0)
+    with jax.set_mesh(trainer.mesh):
+        params_text = trainer.init_jit.params.lower(key).as_text()
+        rest = trainer.init_jit.rest.lower(trainer.init_jit.params(key)).as_text()
+    assert "jit_init_params" in params_text and "lambda" not in params_text
+    assert "jit__state_of" in rest
