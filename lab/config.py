@@ -564,8 +564,10 @@ BACKEND_KEYS = tuple(sorted({k for over in BACKEND_DEFAULTS.values() for k in ov
 def make_config(*, backend: str = "cpu", **fields) -> Config:
     """A Config from typed keyword arguments: any run or model field, or `preset` (alias
     `model`), each checked alone as `check_value` says (its type, range, choices; a ConfigError
-    names the key); keys left out take the backend's defaults, then the dataclasses'. The rules
-    that tie fields together are checked once the platform is known (lab/resolve.py)."""
+    names the key); keys left out take the backend's defaults, then the dataclasses'. Only
+    gpu and tpu have defaults of their own (BACKEND_DEFAULTS); any other backend JAX reports
+    (cpu, or a plugin's) starts from the CPU's small run. The rules that tie fields together are
+    checked once the platform is known (lab/resolve.py)."""
     kw = {**BACKEND_DEFAULTS.get(backend, {}), **check_keys(KEYS, fields)}
     preset = kw.pop("preset", RUN_FIELDS["preset"][0].default)
     return override(Config(model=ModelConfig(**PRESETS[preset])), preset=preset, **kw)
