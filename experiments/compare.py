@@ -158,7 +158,9 @@ def _ledger_record(r: dict) -> str | None:
     """Why compare refuses a record: not finite, or not the ledger's (every record
     python -m experiments writes names its claim, or None)."""
     if "claim" not in r["config"]:
-        return "a record that names no claim: not python -m experiments' (a lab tool's?)"
+        writer = r.get("command")
+        whose = f"{writer}'s" if isinstance(writer, str) else "a lab tool's?"
+        return f"a record that names no claim: not python -m experiments' ({whose})"
     return _finite(r)
 
 
@@ -202,10 +204,14 @@ def load(folder) -> dict:
         raise ValueError(f"{path}: empty")
     if not any("claim" in r["config"] for r in records):
         n = len(records)
-        which = f"none of its {n} records names" if n > 1 else "its one record names no"
+        which = (
+            f"none of its {n} records names a claim" if n > 1 else "its one record names no claim"
+        )
+        writer = next((r["command"] for r in records if isinstance(r.get("command"), str)), None)
+        whose = f"{writer}'s records" if writer else "a lab tool's records (python -m lab.tools.…)"
         raise ValueError(
-            f"{path}: {which} a claim: a lab tool's records (python -m lab.tools.…), not "
-            "python -m experiments'; compare takes the folders python -m experiments writes"
+            f"{path}: {which}: {whose}, not python -m experiments'; compare takes the "
+            "folders python -m experiments writes"
         )
     if not all("claim" in r["config"] for r in records):
         rec.read_records(path, check=_ledger_record)  # raises, naming the first such line

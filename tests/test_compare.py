@@ -123,12 +123,19 @@ def test_two_runs_that_share_only_computed_figures_are_two_runs(tmp_path):
 def test_another_commands_records_and_non_finite_values_are_refused(tmp_path, capsys):
     """A lab tool's records (lab.tools.ceilings': none names a claim) were listed as a
     machine whose every cell was "—"; a NaN was printed as a measured figure."""
-    tool = _folder(tmp_path / "tool", [rec.make_record("matmul float32", 4e10, "FLOP/s")] * 3)
+    made = rec.make_record("matmul float32", 4e10, "FLOP/s")
+    old = {k: v for k, v in made.items() if k != "command"}  # written before records named it
+    tool = _folder(tmp_path / "tool", [old] * 3)
     a = _folder(tmp_path / "a", [_error(), _time(2.4)])
     assert compare.main([f"dirs={a},{tool}", f"out_dir={tmp_path / 'cmp'}"]) == 2
     err = _one_line_error(capsys)
     assert "none of its 3 records names a claim: a lab tool's records" in err
     assert "not python -m experiments'" in err
+    named = _folder(tmp_path / "named", [{**made, "command": "lab.tools.ceilings"}])
+    assert compare.main([f"dirs={a},{named}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    assert "its one record names no claim: lab.tools.ceilings's records, not" in _one_line_error(
+        capsys
+    )
 
     mixed = _folder(tmp_path / "mixed", [_time(2.0), rec.make_record("copy", 1e10, "B/s")])
     assert compare.main([f"dirs={a},{mixed}", f"out_dir={tmp_path / 'cmp'}"]) == 2

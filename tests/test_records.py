@@ -1,7 +1,10 @@
 """Records carry the environment they were measured in, and append as JSON Lines."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -233,3 +236,22 @@ def test_a_busy_host_note_says_times_come_out_high_and_rates_low(monkeypatch):
     assert "the ceilings (peaks) low" in records.busy_note("times", "the ceilings (peaks)")
     monkeypatch.setattr(records, "_load_avg", lambda: 0.5)
     assert records.busy_note() == ""
+
+
+def test_a_record_names_the_command_that_wrote_it(tmp_path):
+    """`python -m lab.tools.ceilings` writes records that say lab.tools.ceilings wrote them,
+    so a reader handed the wrong file can say whose it is."""
+    script = (
+        "import json, sys; from lab.measure import records as r; "
+        "json.dump(r.make_record('x', 1.0, 's'), sys.stdout)"
+    )
+    pkg = tmp_path / "writer"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{Path(records.__file__).parents[2]}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "writer"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["command"] == "writer"

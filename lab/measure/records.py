@@ -125,7 +125,21 @@ def environment() -> dict:
         "hostname": socket.gethostname(),
         "cpu_count": os.cpu_count() or 1,
         "platform": f"{sys.platform}-{platform.machine()}",
+        "command": command(),
     }
+
+
+def command() -> str | None:
+    """The command this process runs, as its user typed it after `python -m` (lab.run,
+    experiments, lab.tools.attention_bench) or the script's file name: a record names what
+    wrote it, so a reader given the wrong file can say whose it is. None from an
+    interactive session."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return spec.name.removesuffix(".__main__")
+    path = getattr(main, "__file__", None)
+    return os.path.basename(path) if path else None
 
 
 def _is_dtype(x) -> bool:
