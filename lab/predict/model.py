@@ -66,8 +66,10 @@ class Machine:
     # kernel's pipeline filling and draining, a last wave of tiles that leaves units idle).
     # Added, not a floor: as a floor (max(ops, t_call), calls queued back to back) the
     # calibration set's leave-one-out error was 25% median and 4.26× worst, against 10% and
-    # 1.33× added (BENCHMARKS.md), and the floor pulled the fitted compute efficiency down
-    # to 0.50 to make a 1024³ GEMM on an A100 slow enough.
+    # 1.33× added, on the calibration set of 2026-11-28 (BENCHMARKS.md; the set has changed
+    # since, and its leave-one-out error with it: `prediction loo=true` gives today's), and
+    # the floor pulled the fitted compute efficiency down to 0.50 to make a 1024³ GEMM on an
+    # A100 slow enough.
     call_overhead_s: float = 0.0
     # A ring collective (all-reduce, all-gather, reduce-scatter) over exactly these axes, where
     # it runs faster than its slowest axis alone: on a GPU cluster, a group with several

@@ -114,11 +114,30 @@ def _check_text(device: str, c: dict, step_on: str | None) -> str:
         lean = f", predicted {'faster' if m < 1 else 'slower'} than measured: "
         lean += f"mean predicted/measured {m:.2f}"
     other = "not this chip; " if step_on and device != step_on else ""
+    fitted = (fits().get("validation") or {}).get("date")
+    stale = ""  # each step was predicted when it was measured: a refit since is not checked
+    if fitted and c["dates"] and max(c["dates"]) < fitted:
+        stale = f"; the fit in use, of {fitted}, is not checked on them"
     return (
         f"{c['median']:.0%} median, worst {c['worst']:.2f}×, on {c['n']} lab.run "
         f"steps measured on an {device} ({other}{', '.join(c['dates'])}, predicted with "
-        f"that day's fit{lean})"
+        f"that day's fit{lean}{stale})"
     )
+
+
+def time_ratio(row: dict) -> float:
+    """A published point's predicted/published time: its error is in the publisher's unit,
+    and for a rate (TFLOP/s, GB/s, tokens/s) a + is a prediction that runs faster."""
+    ratio = row["predicted"] / row["published"]
+    return 1 / ratio if "/s" in str(row.get("unit", "")) else ratio
+
+
+def _same_chip(hardware: str, device_kind: str) -> bool:
+    """Whether a published point's hardware ('h100 × 8', 'tpu-v6e × 256') is the chip a
+    device kind ('NVIDIA H100 80GB HBM3', 'TPU v5 lite') names."""
+    key = specs.lookup_key(device_kind) or ""
+    kind = hardware.split(" × ")[0]
+    return bool(key) and (key == kind or key.startswith(kind + "-"))
 
 
 def error_statement(kind: str, step_on: str | None = None) -> str:
@@ -138,10 +157,12 @@ def error_statement(kind: str, step_on: str | None = None) -> str:
     else:
         point = err["what"].removesuffix("s") if err["n"] == 1 else err["what"]
         mix = held_out_mix(kind) if kind != "cpu" else ""
+        size = f"{err['median']:.0%}" if err["n"] == 1 else f"{err['median']:.0%} median"
         text = (
-            f"model error {err['median']:.0%} median, worst {err['worst']:.2f}×, on {err['n']} "
-            f"held-out {point}" + (f" ({mix})" if mix else "")
-        )
+            f"model error {size}, worst {err['worst']:.2f}×, on {err['n']} held-out {point}"
+            if err["n"] > 1
+            else f"model error {size} on 1 held-out {point}"
+        ) + (f" ({mix})" if mix else "")
     if kind == "cpu" and err and entry.get("host"):
         from lab.measure.records import cpu_model
 
@@ -172,14 +193,25 @@ def error_statement(kind: str, step_on: str | None = None) -> str:
         return uncalibrated + "; ".join([text, *steps])
     trained = [r for r in _held_out_rows(kind) if r["workload"] == "train"]
     if trained:
-        errors = ", ".join(f"{r['error']:+.0%} ({r['hardware']})" for r in trained)
+        errors = []
+        for r in trained:
+            t = time_ratio(r)
+            other = "" if _same_chip(r["hardware"], step_on) else ", not this chip"
+            errors.append(
+                f"{abs(t - 1):.0%} {'faster' if t < 1 else 'slower'} ({r['hardware']}{other})"
+            )
         n = len(trained)
-        steps.append(f"{errors} on {n} held-out published training step{'s' * (n > 1)}")
+        steps.append(
+            f"step time predicted {', '.join(errors)} than published on {n} held-out "
+            f"published training step{'s' * (n > 1)}"
+        )
     if not steps:
         return uncalibrated + text
     lead = "model error on training steps: "
     if checks and step_on not in checks:
         lead += f"no step measured on an {step_on}; "
+    if err and trained and len(trained) == err["n"]:  # the training steps are all it has
+        return f"{uncalibrated}{lead}{'; '.join(steps)}"
     return f"{uncalibrated}{lead}{'; '.join(steps)}; over every held-out point: {text}"
 
 

@@ -159,7 +159,8 @@ def _plan_rows(t: Table, a: StepAnalysis) -> None:
         tokens = a.tokens_per_step
         if tokens and est:
             at_most = "at most " if floor else ""
-            t.add_row("predicted tokens/s", f"{at_most}{tokens / est:,.0f}{caveat}")
+            # the step's tokens are the whole mesh's, as the measured run's "global" figure
+            t.add_row("predicted tokens/s, all devices", f"{at_most}{tokens / est:,.0f}{caveat}")
     mfu = plan.implied_mfu
     bound = "at most " if plan.mfu_is_a_bound or floor else ""
     t.add_row("implied MFU", "n/a" if mfu is None else f"{bound}{percent(mfu)}{caveat}")
