@@ -24,8 +24,16 @@ def test_the_published_points_are_data_with_sources():
         if (p.get("lab_program") or {}).get("op") == "matmul":  # the bytes it writes
             assert p["lab_program"].get("out_dtype"), p["id"]
     calib = prediction.calibration_ids(points)
-    groups = {(p["hardware"]["kind"], p["workload"]) for p in points if p["id"] in calib}
-    assert len(groups) == len(calib)  # one calibration point per (hardware, workload) group
+    groups = {prediction.model_view(p) for p in points if p["id"] in calib}
+    assert len(groups) == len(calib)  # one calibration point per group the model sees alike
+    # an H200 and an H100 share their peaks and NVLink: a product or an all-reduce on one is
+    # the model's twin of the other's, so one calibrates and the rest are held out
+    by_id = {p["id"]: p for p in points}
+    twins = ["azure-h100-gemm-fp8-8192", "azure-h200-gemm-fp8-6144x12288x12288"]
+    assert prediction.model_view(by_id[twins[0]]) == prediction.model_view(by_id[twins[1]])
+    assert not set(twins) <= calib
+    copies = ["azure-h100-hbm-copy", "azure-h200-hbm-copy"]  # their bandwidths differ
+    assert prediction.model_view(by_id[copies[0]]) != prediction.model_view(by_id[copies[1]])
 
 
 def test_unknown_points_are_one_line(capsys):
@@ -47,7 +55,9 @@ def test_gpu_op_points_compile_and_predict(tmp_path, capsys):
     ]
     argv = [f"only={','.join(only)}", f"cache_dir={tmp_path}", f"results={tmp_path}"]
     assert tool([*argv, "save=false"]) == 0
-    assert list(tmp_path.glob("prediction-*.png")) and list(tmp_path.glob("prediction-*.jsonl"))
+    # named for the points' hardware, not this host's backend
+    assert list(tmp_path.glob("prediction-gpu-*.png"))
+    assert list(tmp_path.glob("prediction-gpu-*.jsonl"))
     out = capsys.readouterr().out
     assert "held-out:" in out.splitlines()[-1]
     summary = prediction.run(prediction.load_points(tuple(only)), tmp_path)  # from the cache

@@ -157,7 +157,9 @@ def run(o: Options) -> int:
     con.print(tables.prediction_rows(summary.rows, fits_of(summary.fits)))
     if not o.only:  # only= predicts with the saved fit: judged when it was fitted
         _edges(con, summary.fits)
-    stem = records.output_stem(o.results, "prediction")
+    # the files are named for the hardware the points are on, not this host's backend
+    targets = "+".join(sorted({prediction.vendor(p) for p in points}))
+    stem = records.output_stem(o.results, "prediction", backend=targets or None)
     recs = prediction.to_records(summary)
     if recs:
         con.print(
