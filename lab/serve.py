@@ -183,22 +183,11 @@ def _check_prompt(prompt: str) -> None:
         )
 
 
-def _no_peer_line(s) -> str | None:
-    """The line (rich markup) saying why a CPU study timed no PyTorch decoder beside its own
-    (study.torch_peer), or None where it would time one."""
-    from lab.studies import torch_decoder
-
-    if s.info.backend != "cpu":
-        return None
-    if not torch_decoder.available():
-        return (
-            "  peer    none: PyTorch is not installed, so its decoder is skipped "
-            + escape("(pip install -e '.[peers]' adds it)")  # the extra's brackets: not markup
-        )
-    m = s.cfg.model
-    if m.softcap or any(m.layer_windows):
-        return "  peer    none: the PyTorch decoder has no sliding windows or soft-cap"
-    return None
+def _peer_note_line(note: str, *, timed: bool) -> str:
+    """The line (rich markup) saying why the PyTorch decoder was skipped (`timed` false) or
+    where it stopped (study.torch_peer's note); the note is text, never markup."""
+    hint = " (pip install -e '.[peers]' adds it)" if "not installed" in note else ""
+    return f"  peer    {'' if timed else 'none: '}{escape(note + hint)}"
 
 
 def run(o: Options, keys: dict) -> int:
@@ -267,7 +256,7 @@ def run(o: Options, keys: dict) -> int:
             startup.note(f"the {len(recs) - 1} points measured so far are in {path}")
 
     startup.on_stop(keep)
-    n = len(o.batches) + len(o.prefill_batches) + 1 + (3 if o.int8 else 0)
+    n = study.ticks(s, plan)
     with progress.tasks(con) as bar:
         task = bar.add_task("serving", total=n)
 
@@ -288,10 +277,10 @@ def run(o: Options, keys: dict) -> int:
     con.print(tables.serving_decode(rows, f"decode · {what}", peak_flops=out.roofs.peak_flops))
     for line in tables.serving_matmuls(rows):  # which matmul each point kept, and the others
         con.print(f"  matmul  {line}")
-    for line in tables.serving_peers(out.torch):  # the peer, where PyTorch is installed
+    for line in tables.serving_peers(out.torch, o.decode_steps):  # the peer, where it ran
         con.print(f"  peer    {line}")
-    if not out.torch and (line := _no_peer_line(s)):
-        con.print(line)
+    if out.peer_note:
+        con.print(_peer_note_line(out.peer_note, timed=bool(out.torch)))
     if out.int8:
         con.print(tables.serving_int8(out.int8, out.summary.int8_speedup, out.decode_int8))
     con.print(tables.serving_summary(out.summary, out.roofs))

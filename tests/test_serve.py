@@ -574,17 +574,23 @@ def test_without_pytorch_the_peer_line_says_how_to_get_it(monkeypatch):
     from rich.console import Console
 
     from lab.config import make_config
-    from lab.serve import _no_peer_line
+    from lab.serve import _peer_note_line
     from lab.studies import torch_decoder
+    from lab.studies.serving.study import peer_skipped
 
-    s = SimpleNamespace(info=SimpleNamespace(backend="cpu"), cfg=make_config(model="tiny"))
+    s = SimpleNamespace(
+        info=SimpleNamespace(backend="cpu"), cfg=make_config(model="tiny", dtype="float32")
+    )
     monkeypatch.setattr(torch_decoder, "available", lambda: False)
     con = Console(width=200, record=True)
-    con.print(_no_peer_line(s))
+    con.print(_peer_note_line(peer_skipped(s), timed=False))
     text = con.export_text()  # as printed: the extra's brackets are text, not markup
     assert "PyTorch is not installed" in text and "pip install -e '.[peers]'" in text, text
     monkeypatch.setattr(torch_decoder, "available", lambda: True)
-    assert _no_peer_line(s) is None
+    assert peer_skipped(s) is None
+    # a model the peer does not compute is skipped with its reason, float16 among them
+    half = SimpleNamespace(info=s.info, cfg=make_config(model="tiny", dtype="float16"))
+    assert "not float16" in peer_skipped(half), peer_skipped(half)
 
 
 def test_a_signal_to_serve_is_one_line_and_its_exit_code(tmp_path):
@@ -662,3 +668,43 @@ def test_a_trained_run_is_served_on_its_tensor_parallel_axis_alone():
     }
     pp = make_config(model="tiny", mesh="data:2,stage:4", strategy="pp", microbatches=2)
     assert _serving_mesh(pp) == {}
+
+
+def test_a_failing_peer_keeps_the_measured_figures_and_says_where_it_stopped(monkeypatch):
+    """The PyTorch peer is a comparison: where it fails, the lab's points, records and the
+    rest of the study are kept, its note says at which batch and why, and the progress bar
+    counts each of its batches (study.ticks)."""
+    from lab.session import open_session
+    from lab.studies import torch_decoder
+    from lab.studies.serving import study, weights
+
+    monkeypatch.setattr(torch_decoder, "available", lambda: True)
+
+    def broken(cfg, params, prompts, *, steps, budget_s):  # times batch 1, fails at batch 2
+        if prompts.shape[0] == 2:
+            raise KeyError("float16")
+        by = {1: 1.0}
+        return dict(
+            batch=1,
+            median_s=1.0,
+            tokens_per_s=1.0,
+            threads=1,
+            torch="x",
+            steps=steps,
+            tokens_per_s_by_threads=by,
+        )
+
+    monkeypatch.setattr(torch_decoder, "time_decode", broken)
+    keys = {"preset": "tiny", "steps": 0, "dtype": "float32"}
+    s = open_session(keys=keys, purpose="decode", batches=(1, 2))
+    plan = study.Plan((1, 2), (1,), 8, 2, 0.01, False)
+    s, params, _ = weights.load_params(s, None, 0, decoding=weights.for_decoding(s, (1, 2)))
+    labels = []
+    out = study.measure(s, params, plan, progress=labels.append)
+    assert [p.batch for p in out.decode] == [1, 2] and out.prefill
+    assert [p.batch for p in out.torch] == [1]
+    assert "failed at batch 2" in out.peer_note and "KeyError" in out.peer_note, out.peer_note
+    assert {"PyTorch peer batch 1", "PyTorch peer batch 2"} <= set(labels), labels
+    with_peer = study.ticks(s, plan)
+    monkeypatch.setattr(torch_decoder, "available", lambda: False)
+    assert with_peer == study.ticks(s, plan) + 2

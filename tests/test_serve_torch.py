@@ -47,3 +47,35 @@ def test_the_torch_decoder_matches_the_labs():
     np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="the cache is full"):
         peer.step(fed[:, 0])
+
+
+def test_the_peer_keeps_to_its_budget_and_says_when_it_cut_the_steps():
+    """time_decode's samples fit budget_s (both thread counts together): with far more steps
+    asked than fit, each sample is shorter and the result says how many steps it took."""
+    import time
+
+    from lab.measure.serving import PeerPoint
+    from lab.report.tables import serving_peers
+
+    cfg = make_config(preset="tiny", dtype="float32", batch_size=BATCH)
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    params = jax.device_get(trainer.init(jax.random.key(0)).params)
+    prompts = np.random.default_rng(0).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
+    t0 = time.perf_counter()
+    r = torch_decoder.time_decode(cfg.model, params, prompts, steps=100_000, budget_s=0.05)
+    assert time.perf_counter() - t0 < 20  # 100,000 steps × 3 samples × 2 counts would be hours
+    assert 1 <= r["steps"] < 100_000 and r["samples"] >= 1, r
+    (line,) = serving_peers([PeerPoint(**r, lab_over_torch=1.0)], 100_000)
+    assert f"budget= cut its samples to {r['steps']} step" in line, line
+
+
+def test_a_float16_model_is_served_with_the_peer_skipped_in_one_line(tmp_path, capsys):
+    """float16 (which the peer does not compute) is served whole: the peer's line says why."""
+    from lab.serve import main as serve
+
+    args = ["model=tiny", "dtype=float16", "batches=1", "prefill_batches=1", "prompt_len=8"]
+    args += ["decode_steps=2", "budget=0.01", "int8=false", "plot=false", f"results={tmp_path}"]
+    assert serve(args) == 0
+    out = capsys.readouterr().out
+    assert "peer    none: the PyTorch decoder computes in float32 or bfloat16" in out, out
+    assert list(tmp_path.glob("serve-*.jsonl"))

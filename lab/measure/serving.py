@@ -249,6 +249,8 @@ class PeerPoint:
     tokens_per_s_by_threads: dict  # tokens/s at each thread count tried
     torch: str  # PyTorch's version
     lab_over_torch: float  # the lab's float tokens/s at this batch over PyTorch's
+    steps: int = 0  # decode steps per timed sample (fewer than asked where budget= cut them)
+    samples: int = 0  # the fewest timed samples a thread count got
 
     def record_config(self) -> dict:
         return dataclasses.asdict(self)
@@ -289,6 +291,7 @@ class Study:
     int8: Int8Error | None  # None without int8
     summary: Summary
     torch: tuple[PeerPoint, ...] = ()  # the PyTorch peer at each decode batch, where it runs
+    peer_note: str = ""  # why the peer was skipped or stopped, where it was
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,10 +17,22 @@ import numpy as np
 
 from lab.config import ModelConfig
 
+DTYPES = ("float32", "bfloat16")  # the compute dtypes the peer runs
+
 
 def available() -> bool:
     """Whether PyTorch is installed (the `peers` extra)."""
     return importlib.util.find_spec("torch") is not None
+
+
+def unsupported(cfg: ModelConfig) -> str | None:
+    """Why the peer would time another model than `cfg` (what it lacks), or None where it
+    decodes the same one."""
+    if cfg.softcap or any(cfg.layer_windows):
+        return "the PyTorch decoder has no sliding windows or soft-cap"
+    if cfg.dtype not in DTYPES:
+        return f"the PyTorch decoder computes in {' or '.join(DTYPES)}, not {cfg.dtype}"
+    return None
 
 
 @dataclasses.dataclass
@@ -36,11 +48,12 @@ class TorchDecoder:
     @classmethod
     def build(cls, cfg: ModelConfig, params, *, batch: int, max_len: int) -> "TorchDecoder":
         """From the lab's unscanned parameters (block_0 … block_{n-1}). Full causal attention
-        without a soft-cap: a model with windows or one is refused (another model's time)."""
+        without a soft-cap, in float32 or bfloat16: any other model is refused (another
+        model's time)."""
         import torch
 
-        if cfg.softcap or any(cfg.layer_windows):
-            raise ValueError("the PyTorch decoder has no sliding windows and no soft-cap")
+        if why := unsupported(cfg):
+            raise ValueError(why)
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
         t = lambda a: torch.from_numpy(np.array(a, np.float32)).to(dtype).contiguous()  # noqa: E731
@@ -146,9 +159,11 @@ class TorchDecoder:
 
 
 def _time(dec: TorchDecoder, tokens, *, steps: int, budget_s: float) -> list[float]:
+    """Samples of `steps` steps (the cache rewound between them) while `budget_s` lasts, at
+    least one."""
     start, times = dec.length, []
     begun = time.perf_counter()
-    while len(times) < 3 or time.perf_counter() - begun < budget_s:
+    while not times or time.perf_counter() - begun < budget_s:
         t0 = time.perf_counter()
         for _ in range(steps):
             dec.step(tokens)
@@ -161,21 +176,33 @@ def time_decode(cfg: ModelConfig, params, prompts, *, steps: int, budget_s: floa
     """Seconds per decode step of the PyTorch decoder after a prefill, as lab.serve times its
     own (samples of `steps` steps, the cache rewound between them), with PyTorch's own thread
     count and with one thread (on a busy host its OpenMP threads wait on each other: ~10 ms
-    per small op was seen here); the faster kept: median, tokens/s and the threads it used."""
+    per small op was seen here); the faster kept: median, tokens/s and the threads it used.
+
+    `budget_s` bounds the timed samples of both thread counts together: each count gets half,
+    and where three samples of `steps` steps (at the warm-up's pace) would not fit in it, the
+    samples are shorter (`steps` in the result says how many steps each sample took, `samples`
+    the fewest samples a thread count got)."""
     import torch
 
     batch = prompts.shape[0]
     dec = TorchDecoder.build(cfg, params, batch=batch, max_len=prompts.shape[1] + 3 + steps)
     dec.prefill(prompts)
     tokens = prompts[:, -1]
+    t0 = time.perf_counter()
     for _ in range(3):
         dec.step(tokens)
+    step_s = (time.perf_counter() - t0) / 3  # the warm-up's pace, the first step's cost too
     default = torch.get_num_threads()
-    medians = {}
+    counts = sorted({default, 1}, reverse=True)
+    share = budget_s / len(counts)
+    fit = max(1, min(steps, int(share / (3 * step_s)) if step_s > 0 else steps))
+    medians, samples = {}, []
     try:
-        for threads in sorted({default, 1}, reverse=True):
+        for threads in counts:
             torch.set_num_threads(threads)
-            medians[threads] = float(np.median(_time(dec, tokens, steps=steps, budget_s=budget_s)))
+            times = _time(dec, tokens, steps=fit, budget_s=share)
+            medians[threads] = float(np.median(times))
+            samples.append(len(times))
     finally:
         torch.set_num_threads(default)
     threads = min(medians, key=medians.get)
@@ -186,4 +213,6 @@ def time_decode(cfg: ModelConfig, params, prompts, *, steps: int, budget_s: floa
         "threads": threads,
         "tokens_per_s_by_threads": {t: batch / m for t, m in medians.items()},
         "torch": torch.__version__,
+        "steps": fit,
+        "samples": min(samples),
     }

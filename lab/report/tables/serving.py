@@ -194,10 +194,16 @@ def serving_matmuls(points: list[DecodePoint]) -> list[str]:
     return out
 
 
-def serving_peers(rows: list[PeerPoint]) -> list[str]:
-    """One line per batch: the PyTorch decoder's tokens/s and lab.serve's over it."""
+def serving_peers(rows: list[PeerPoint], decode_steps: int = 0) -> list[str]:
+    """One line per batch: the PyTorch decoder's tokens/s and lab.serve's over it, and the
+    steps per sample where budget= made them fewer than the lab's (`decode_steps`)."""
     return [
-        f"batch {r.batch}: PyTorch {r.torch} ({r.threads} threads) "
+        f"batch {r.batch}: PyTorch {r.torch} ({r.threads} thread{'s' if r.threads != 1 else ''}) "
         f"{r.tokens_per_s:,.1f} tokens/s; lab.serve {r.lab_over_torch:.2f}× that"
+        + (
+            f" (budget= cut its samples to {r.steps} step{'s' if r.steps != 1 else ''})"
+            if r.steps and decode_steps and r.steps < decode_steps
+            else ""
+        )
         for r in rows
     ]

@@ -97,7 +97,8 @@ def check_plan(plan: Plan) -> None:
 def measure(session: Session, params, plan: Plan, *, progress=None, finished=None) -> Study:
     """The whole study: roofs, prefill, decode over the batch sweep (float, then int8 weights
     and cache at the smallest and largest batch), int8 error, the bandwidths measured again.
-    `progress(label)` is called before each point (a progress bar's advance). `session`
+    `progress(label)` is called before each point and each batch of the PyTorch peer (a
+    progress bar's advance: `ticks` counts them). `session`
     decodes: resolved for decoding with the plan's batches (weights.for_decoding), which
     split over its mesh."""
     check_memory(session, plan)
@@ -123,7 +124,7 @@ def measure(session: Session, params, plan: Plan, *, progress=None, finished=Non
     for b in plan.batches:
         tick(f"decode batch {b}")
         points.append(fastest_point(session, params, roofs, batch=b, int8_cache=False, **kw))
-    torch = torch_peer(session, params, plan, points)
+    torch, peer_note = torch_peer(session, params, plan, points, tick)
     error = None
     if plan.int8:
         params_i8 = jax.jit(quant.quantize_params)(params)
@@ -157,30 +158,55 @@ def measure(session: Session, params, plan: Plan, *, progress=None, finished=Non
         int8=error,
         summary=summarise(roofs, prefill, points, points_i8),
         torch=tuple(torch),
+        peer_note=peer_note,
     )
 
 
-def torch_peer(session: Session, params, plan: Plan, points: list[DecodePoint]) -> list[PeerPoint]:
-    """The PyTorch decoder of the same shape and weights (lab/studies/torch_decoder.py) timed
-    at every decode batch, beside the lab's float points; none where PyTorch is not installed,
-    the decoder is not on CPU, or the model has what the peer does not (sliding windows, a
-    soft-cap: it would time another model)."""
+def peer_skipped(session: Session) -> str | None:
+    """Why the PyTorch decoder is not timed beside the lab's (one line), "" where it is not
+    and nothing need be said (not on CPU), None where it is timed."""
     from lab.studies import torch_decoder  # beside this study; only serving times the peer
 
-    m = session.cfg.model
-    if not torch_decoder.available() or session.info.backend != "cpu":
-        return []
-    if m.softcap or any(m.layer_windows):
-        return []
+    if session.info.backend != "cpu":
+        return ""
+    if not torch_decoder.available():
+        return "PyTorch is not installed, so its decoder is skipped"
+    return torch_decoder.unsupported(session.cfg.model)
+
+
+def ticks(session: Session, plan: Plan) -> int:
+    """How many times measure() calls `progress` to advance: one per point and peer batch."""
+    peer = len(plan.batches) if peer_skipped(session) is None else 0
+    return len(plan.batches) + len(plan.prefill_batches) + 1 + (3 if plan.int8 else 0) + peer
+
+
+def torch_peer(
+    session: Session, params, plan: Plan, points: list[DecodePoint], tick=None
+) -> tuple[list[PeerPoint], str]:
+    """The PyTorch decoder of the same shape and weights (lab/studies/torch_decoder.py) timed
+    at every decode batch within budget= each, beside the lab's float points, and a note:
+    none where PyTorch is not installed, the decoder is not on CPU, or the model has what the
+    peer does not (sliding windows, a soft-cap, float16: it would time another model), the
+    note saying why. A peer that fails keeps the batches it timed and the note says where it
+    stopped: the lab's own figures are never lost to it. `tick(label)` before each batch."""
+    from lab.studies import torch_decoder
+
+    if (why := peer_skipped(session)) is not None:
+        return [], why
     host = jax.device_get(params)
     rows = []
     for p in points:
+        if tick:
+            tick(f"PyTorch peer batch {p.batch}")
         prompts = random_prompts(session.cfg.model.vocab_size, p.batch, plan.prompt_len, p.batch)
-        r = torch_decoder.time_decode(
-            session.cfg.model, host, prompts, steps=plan.steps, budget_s=plan.budget_s
-        )
+        try:
+            r = torch_decoder.time_decode(
+                session.cfg.model, host, prompts, steps=plan.steps, budget_s=plan.budget_s
+            )
+        except Exception as e:  # the peer is a comparison: its failure costs only its rows
+            return rows, f"the PyTorch decoder failed at batch {p.batch} ({type(e).__name__}: {e})"
         rows.append(PeerPoint(**r, lab_over_torch=p.tokens_per_s / r["tokens_per_s"]))
-    return rows
+    return rows, ""
 
 
 def summarise(
