@@ -708,3 +708,51 @@ def test_a_failing_peer_keeps_the_measured_figures_and_says_where_it_stopped(mon
     with_peer = study.ticks(s, plan)
     monkeypatch.setattr(torch_decoder, "available", lambda: False)
     assert with_peer == study.ticks(s, plan) + 2
+
+
+@pytest.mark.parametrize("preset,batch,prompt_len", [("tiny", 512, 128), ("small", 16, 256)])
+def test_the_memory_estimate_holds_the_compiled_prefill(preset, batch, prompt_len):
+    """cost.serving_peak_bytes' prefill parts (weights, the prefill's own cache, logits,
+    temporaries) come within a factor 1.5 of XLA's buffer assignment for the prefill the
+    study runs, compiled on abstract arguments (nothing is allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    from lab import decode
+    from lab.measure import memory
+    from lab.session import open_session
+    from lab.studies.serving.study import Plan, memory_needed
+
+    s = open_session(keys={"preset": preset, "steps": 0}, purpose="decode", batches=(batch,))
+    t = s.trainer
+    shardings = decode.param_shardings(t.state_shardings.params, t.abstract_state.params)
+    dec = decode.make_decoder(
+        s.cfg.model, t.mesh, t.rules, shardings, batch=batch, max_len=prompt_len
+    )
+    shaped = lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)  # noqa: E731
+    params = jax.tree.map(shaped, t.abstract_state.params, shardings)
+    cache = jax.tree.map(shaped, dec.abstract_cache, dec.cache_sharding)
+    prompts = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    with jax.set_mesh(t.mesh):
+        compiled = dec.prefill.lower(params, prompts, lengths, cache).compile()
+    got = memory.compiled_memory(compiled)["total_bytes"] * t.mesh.devices.size
+    parts = memory_needed(s.cfg.model, Plan((1,), (batch,), prompt_len, 1, 0.01, False))
+    want = sum(v for k, v in parts.items() if k != "cache")  # the decode cache is not here
+    assert got / 1.5 < want < 1.5 * got, (got, parts)
+    assert parts["prefill cache"] == decode.cache_bytes(dec.abstract_cache)
+
+
+def test_a_prefill_too_big_for_this_machine_is_refused_before_measuring(monkeypatch, capsys):
+    """prefill_batches=100000 at model=tiny (~40 GiB: the prefill's cache and temporaries)
+    on a 32 GiB machine is one line and exit 2, naming prefill_batches=."""
+    from lab.studies.serving import study, weights
+
+    def never(*a, **k):  # an estimate that lets it through would make ~40 GiB here
+        raise AssertionError("the weights were loaded: the memory check let it through")
+
+    monkeypatch.setattr(study, "host_memory_bytes", lambda: 32.0 * 2**30)
+    monkeypatch.setattr(weights, "load_params", never)
+    assert serve(["model=tiny", "prefill_batches=100000", "int8=false", "plot=false"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "prefill_batches up to 100000" in err, err

@@ -261,16 +261,21 @@ def serving_peak_bytes(
 ) -> dict[str, float]:
     """Bytes a serving study holds at its peak, by part: the float32 weights, the KV cache of
     `decode_batch` sequences (keys and values of every layer, every one of `slots`, in the
-    compute dtype) and the prefill's logits of `prefill_batch` prompts ([B, vocab] float32:
-    the last token's only) with its widest activation ([B, P, max(d_ff, d_model)] float32,
-    the MLP's hidden layer)."""
+    compute dtype), the prefill's own cache (`prefill_batch` × `prompt_len` slots), its logits
+    ([B, vocab] float32: the last token's only) and its temporaries: B·P·(3·d_ff + 2·d_model)
+    float32, the MLP's gate, up and their product with the residual stream and its norm
+    beside them. That last term was fitted to XLA's buffer assignment of the CPU prefill
+    (memory_analysis' temporaries came to 3.3-3.4·d_ff floats per token at model=tiny,
+    small and base; tests/test_serve.py holds the estimate to the compiled program's)."""
     itemsize = jnp.dtype(model.dtype).itemsize
     per_slot = 2 * model.n_layers * model.n_kv_heads * model.head_dim * itemsize
+    tokens = prefill_batch * prompt_len
     return {
         "weights": float(nonembed_params(model) + model.vocab_size * model.d_model) * 4,
         "cache": float(per_slot * decode_batch * slots),
+        "prefill cache": float(per_slot * tokens),
         "prefill logits": 4.0 * prefill_batch * model.vocab_size,
-        "prefill activations": 4.0 * prefill_batch * prompt_len * max(model.d_ff, model.d_model),
+        "prefill activations": 4.0 * tokens * (3 * model.d_ff + 2 * model.d_model),
     }
 
 

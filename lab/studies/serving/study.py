@@ -37,7 +37,7 @@ class Plan:
 
 def memory_needed(model, plan: Plan) -> dict[str, float]:
     """Bytes the study holds at its peak, by part (cost.serving_peak_bytes): the largest
-    decode batch's cache and the largest prefill batch's logits."""
+    decode batch's cache and the largest prefill batch's cache, logits and temporaries."""
     return cost.serving_peak_bytes(
         model,
         decode_batch=max(plan.batches),
@@ -67,7 +67,7 @@ def check_memory(session: Session, plan: Plan) -> None:
         biggest = max(parts, key=parts.get)
         raise ConfigError(
             f"prompt_len={plan.prompt_len}, {plan.slots():,} cache slots, batches up to "
-            f"{max(plan.batches)}: needs "
+            f"{max(plan.batches)}, prefill_batches up to {max(plan.prefill_batches)}: needs "
             f"{need / 2**30:,.1f} GiB ({biggest} {parts[biggest] / 2**30:,.1f} GiB), more than "
             f"80% of this machine's {total / 2**30:,.1f} GiB; "
             + ("give a smaller context=" if plan.context else "shorten the prompt")
