@@ -708,9 +708,10 @@ def _decode_batches(d: _Draft):
     n = d.batch_split()
     bad = sorted({b for b in d.batches if b % n})
     if d.purpose == "decode" and bad:
+        of = "plan_batch=" if d.cfg.target else "batches= and prefill_batches=, defaults included"
         return (
-            f"serving batches {bad} (of batches= and prefill_batches=, defaults included) do "
-            f"not split over the mesh's batch axes ({n} devices): use multiples of {n}"
+            f"serving batches {bad} (of {of}) do not split over the mesh's batch axes ({n} "
+            f"devices): use multiples of {n}"
         )
 
 

@@ -121,8 +121,54 @@ def _check_serving_keys(keys: dict) -> None:
     )
 
 
+# lab.serve's own keys that only one of its two modes reads: this machine's sweep, or a plan
+SWEEP_ONLY = (
+    "batches",
+    "prefill_batches",
+    "prompt_len",
+    "decode_steps",
+    "context",
+    "budget",
+    "sample",
+    "prompt",
+    "temperature",
+)
+PLAN_ONLY = ("plan_batch", "plan_context")
+
+
+def _shown(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def _check_mode_keys(o: Options, keys: dict) -> None:
+    """Options the mode asked does not read (changed from their defaults) are one line
+    before anything loads: a plan (target=) compiles one decode step of plan_batch= ×
+    plan_context= and measures nothing; this machine's sweep reads no plan_ keys."""
+    plan = bool(keys.get("target"))
+    unread = [k for k in (SWEEP_ONLY if plan else PLAN_ONLY) if getattr(o, k) != _default(k)]
+    if not unread:
+        return
+    given = ", ".join(f"{k}={_shown(getattr(o, k))}" for k in unread)
+    one = len(unread) == 1
+    these, them = ("this key", "it") if one else ("these keys", "them")
+    if plan:
+        raise ConfigError(
+            f"{given}: target= compiles one decode step for the target and measures nothing "
+            f"here, so {these} would do nothing: leave {them} out (a plan's batch and cache "
+            "are plan_batch= and plan_context=)"
+        )
+    raise ConfigError(
+        f"{given}: only a plan for an accelerator (target=) reads {these}, so here "
+        f"{'it' if one else 'they'} would do nothing: give target= or leave {them} out (this "
+        "machine's sweep is batches=, prompt_len= and context=)"
+    )
+
+
+def _default(key: str):
+    return Options.__dataclass_fields__[key].default
+
+
 def _session(o: Options, keys: dict):
-    _check_serving_keys(keys)
     if o.run:
         try:
             check_name(o.run)
@@ -192,6 +238,8 @@ def _peer_note_line(note: str, *, timed: bool) -> str:
 
 def run(o: Options, keys: dict) -> int:
     _check_prompt(o.prompt)  # before anything loads: a long prefill is one call
+    _check_serving_keys(keys)
+    _check_mode_keys(o, keys)
     # The libraries' own logging (absl, orbax, TensorStore, asyncio: a damaged checkpoint makes
     # them print thousands of lines) goes to lab.log in the results folder, as lab.run sends
     # it to the run folder's; the lab says what went wrong in one line.

@@ -104,6 +104,9 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         (["name=demo"], "served with run=NAME"),
         (["seq_len=64"], "the lengths served are prompt_len= and context="),
         ([f"prompt={'é' * 2100}"], "prompt= is 4,200 bytes: at most 4096"),
+        # FAST's prompt_len=, decode_steps=, budget=, prefill_batches= are the sweep's
+        (["target=gpu:h100:1"], "budget=0.01: target= compiles one decode step"),
+        (["plan_batch=3"], "plan_batch=3: only a plan for an accelerator (target=) reads"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, words):
@@ -756,3 +759,43 @@ def test_a_prefill_too_big_for_this_machine_is_refused_before_measuring(monkeypa
     assert serve(["model=tiny", "prefill_batches=100000", "int8=false", "plot=false"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "prefill_batches up to 100000" in err, err
+
+
+def test_a_cpu_trained_run_is_planned_for_an_accelerator_from_the_keys_it_was_asked(
+    tmp_path, capsys
+):
+    """run=NAME target=...: the request is the keys config.json kept (what the user gave),
+    less those that only train, never the config this CPU resolved (attention=cpu_flash has
+    no kernel on a GPU; checkpoint_every= would do nothing in a plan); an older folder that
+    kept no request gives its config's fields less those resolved from `auto`."""
+    from lab.studies.serving import weights
+
+    args = ["model=tiny", "batch_size=8", "seq_len=32", f"out_dir={tmp_path}", "name=t"]
+    assert train([*args, "steps=2", "checkpoint_every=2", "n_kv_heads=2"]) == 0
+    capsys.readouterr()
+    run_dir = tmp_path / "t"
+    for older in (False, True):
+        if older:  # a folder written before config.json kept its request
+            saved = json.loads((run_dir / "config.json").read_text())
+            assert saved["model"]["attention"] == "cpu_flash"  # what this CPU resolved
+            del saved["request"]
+            (run_dir / "config.json").write_text(json.dumps(saved))
+        keys = weights.serving_request(run_dir, {"target": "gpu:h100:1"}).dict()
+        assert "checkpoint_every" not in keys and "attention" not in keys, keys
+        assert keys["n_kv_heads"] == 2 and keys["target"] == "gpu:h100:1", keys
+    missing = _plan_tools_missing("gpu:h100:1")
+    if missing:
+        pytest.skip(missing)
+    serve_args = [f"out_dir={tmp_path}", "run=t", "target=gpu:h100:1", "int8=false"]
+    assert serve([*serve_args, f"results={tmp_path}"]) == 0, capsys.readouterr()
+    assert "compiled, not run" in capsys.readouterr().out
+
+
+def test_a_plans_batch_that_does_not_split_names_plan_batch(tmp_path, capsys):
+    missing = _plan_tools_missing("tpu:v5e:2x2")
+    if missing:
+        pytest.skip(missing)
+    args = ["model=tiny", "target=tpu:v5e:2x2", "mesh=4x1", "plan_batch=3", "int8=false"]
+    assert serve([*args, f"results={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "serving batches [3] (of plan_batch=) do not split" in err, err

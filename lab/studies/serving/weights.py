@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 
 from lab import checkpoint, decode
-from lab.config import Config, ModelConfig, override
+from lab.config import MODEL_FIELDS, Config, ModelConfig, override
 from lab.errors import ConfigError
 from lab.mesh import parse_mesh_spec, strategy_mesh
 from lab.model import natural_layers
@@ -52,10 +52,38 @@ def _serving_mesh(saved: Config) -> dict:
     return {"mesh": "1", "strategy": "dp"}
 
 
+# the run fields a served run takes from its training (the rest train: steps, lr, batch_size,
+# checkpoint_every, …, and would do nothing, or be refused as such, in a serving request)
+SERVED_RUN_FIELDS = ("preset", "mesh", "strategy", "cpu_devices", "data")
+
+
+def kept_request(run_dir: Path, saved: Config) -> dict:
+    """The keys a run was asked with (config.json's `request`: what the user gave, not what
+    this machine resolved them to, so a CPU run's attention=cpu_flash is not carried to a GPU
+    plan), less those that only train, with the model's shape from its config (the weights'
+    own). A folder written before config.json kept its request gives its config's fields,
+    less those that default to `auto` (resolved on the machine it ran on)."""
+    raw = saved_config(run_dir, asked=f"run={run_dir.name}")
+    asked = raw.get("request")
+    if isinstance(asked, dict):
+        keys = {k: v for k, v in asked.items() if k in SERVED_RUN_FIELDS or k in MODEL_FIELDS}
+    elif asked is None:
+        auto = {f.name for f in dataclasses.fields(ModelConfig) if f.default == "auto"}
+        keys = {k: getattr(saved, k) for k in SERVED_RUN_FIELDS}
+        keys |= {k: getattr(saved.model, k) for k in MODEL_FIELDS if k not in auto}
+        keys = {k: v for k, v in keys.items() if not (k in ("strategy", "data") and v == "auto")}
+    else:
+        raise ConfigError(
+            f"run={run_dir.name}: {run_dir / 'config.json'} is damaged (its request is not a table)"
+        )
+    return {**keys, **{k: getattr(saved.model, k) for k in STATE_FIELDS}}
+
+
 def serving_request(run_dir: Path, keys: dict) -> Request:
-    """The request that serves a trained run: the run's own fields (config.json) with the
-    user's keys over them (a model field that changes the weights' shapes is refused: those
-    weights would not load); resolved on this platform like any request."""
+    """The request that serves a trained run: the keys the run was asked with (kept_request)
+    with the user's keys over them (a model field that changes the weights' shapes is
+    refused: those weights would not load); resolved on this platform, or for target=, like
+    any request."""
     saved = config_of_run(run_dir)
     shape_keys = {k: v for k, v in keys.items() if k in STATE_FIELDS or k in ("preset", "model")}
     if shape_keys:
@@ -73,9 +101,18 @@ def serving_request(run_dir: Path, keys: dict) -> Request:
     run_keys = {k: v for k, v in keys.items() if k not in shape_keys}
     if "mesh" not in keys:
         run_keys = {**_serving_mesh(saved), **run_keys}
+    kept = kept_request(run_dir, saved)
+    if keys.get("target"):  # a plan: the run's simulated CPU devices are not the target's
+        kept.pop("cpu_devices", None)
     # serving needs neither the run's name, steps nor its checkpoint cadence
     over = {**run_keys, "name": "", "resume": False, "overwrite": False, "steps": 0}
-    return Request.from_config(saved).with_keys(**over)
+    try:
+        request = Request.of(**kept)
+    except ConfigError as e:
+        raise ConfigError(
+            f"run={run_dir.name}: {run_dir / 'config.json'} is damaged ({e})"
+        ) from None
+    return request.with_keys(**over)
 
 
 def for_decoding(session: Session, batches=()) -> Session:
