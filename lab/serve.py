@@ -184,7 +184,11 @@ def _session(o: Options, keys: dict):
             raise ConfigError(
                 f"run={o.run}: no run folder {run_dir} (out_dir= says where runs are)"
             )
-        return open_session(request=weights.serving_request(run_dir, keys)), run_dir
+        request = weights.serving_request(run_dir, keys)
+        try:
+            return open_session(request=request), run_dir
+        except ConfigError as e:  # a rule broken by the run's own config.json names the run
+            raise weights.blame_run(e, run_dir, request, keys) from None
     keys = {"preset": "base", **keys, "steps": 0}
     if keys.get("target"):  # a plan: each decode step resolves its own batch (compiled.py)
         return open_session(keys=keys), None

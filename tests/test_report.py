@@ -885,3 +885,24 @@ def test_an_attention_time_shows_its_spread_in_the_record_and_the_report(tmp_pat
     fig = plots.attention(records, tmp_path / "attention.png")
     assert len(fig.axes[0].collections) == 2  # one band per line
     plots._plt().close(fig)
+
+
+def test_the_decode_plots_title_says_what_bounds_its_points(monkeypatch):
+    """The title names the bound the float points' records give, by batch (an overhead-bound
+    sweep is not called memory-bound), and claims none where the records say none."""
+    from lab.report import plots
+
+    def rec(b, bound=None):
+        config = {"series": "decode_batch", "batch": b, "int8": False, "memory_roof_share": 0.05}
+        if bound:
+            config["bound"] = bound
+        return {**_rec(100.0 * b, "cpu", "cpu"), "config": config}
+
+    over = [rec(b, "overhead") for b in (1, 2, 4)]
+    title = _drawn(monkeypatch, plots.decode, over).axes[0].get_title()
+    assert title.startswith("decode: overhead-bound at batch 1-4") and "memory" not in title
+    mixed = [rec(1, "memory"), rec(2, "memory"), rec(4, "compute")]
+    title = _drawn(monkeypatch, plots.decode, mixed).axes[0].get_title()
+    assert "memory-bound at batch 1-2, compute-bound at batch 4" in title, title
+    title = _drawn(monkeypatch, plots.decode, [rec(1), rec(2)]).axes[0].get_title()
+    assert title.startswith("decode tokens/s by batch") and "bound" not in title, title

@@ -799,3 +799,16 @@ def test_a_plans_batch_that_does_not_split_names_plan_batch(tmp_path, capsys):
     assert serve([*args, f"results={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert "serving batches [3] (of plan_batch=) do not split" in err, err
+
+
+def test_a_run_whose_config_breaks_a_rule_is_named(tmp_path, capsys):
+    """A config.json whose fields break a rule (n_heads that do not divide d_model) is one
+    line naming the run and its config.json, not the user's keys."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    saved = {"model": {"d_model": 3, "n_heads": 4}, "request": {"preset": "tiny"}}
+    (folder / "config.json").write_text(json.dumps(saved))
+    assert serve([*FAST[1:], "run=d", f"out_dir={tmp_path}", f"results={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: run=d: "), err
+    assert "must divide d_model=3" in err and str(folder / "config.json") in err, err

@@ -621,10 +621,25 @@ def decode(records, path) -> Path | None:
     for ax, (machine, mine) in zip(axes[0], machines.items(), strict=True):
         # one machine: every critical batch recorded is its own, whatever its label
         _decode_axes(ax, mine, crit.get(machine, []) if n > 1 else sum(crit.values(), []))
-        ax.set_title(
-            f"decode: memory-bound until the batch fills the ridge · {machine}", fontsize=9
-        )
+        ax.set_title(f"{_decode_title(mine)} · {machine}", fontsize=9)
     return _save(fig, path)
+
+
+def _decode_title(rows) -> str:
+    """What bounds the float points' steps (their records' `bound`), by batch: "decode:
+    overhead-bound at batch 1-64", or "memory-bound at batch 1-16, compute-bound at 32-64";
+    plain "decode tokens/s by batch" where the records do not say."""
+    pts = [r["config"] for r in rows if not r["config"].get("int8")]
+    if not pts or any("bound" not in c for c in pts):
+        return "decode tokens/s by batch"
+    runs: list[list] = []  # [bound, first batch, last batch] in batch order
+    for c in sorted(pts, key=lambda c: c["batch"]):
+        if runs and runs[-1][0] == c["bound"]:
+            runs[-1][2] = c["batch"]
+        else:
+            runs.append([c["bound"], c["batch"], c["batch"]])
+    spans = [f"{b}-bound at batch {lo}" + (f"-{hi}" if hi != lo else "") for b, lo, hi in runs]
+    return "decode: " + ", ".join(spans)
 
 
 def _decode_axes(ax, rows, crit) -> None:

@@ -41,7 +41,7 @@ def to_records(out: Study, config: dict) -> list[dict]:
     ]
     return (
         recs
-        + _point_records(out.prefill, out.decode + out.decode_int8, config)
+        + _point_records(out.prefill, out.decode + out.decode_int8, config, roofs.peak_flops)
         + _rest(out, config)
     )
 
@@ -55,10 +55,13 @@ def finished_records(done: dict, config: dict) -> list[dict]:
         copy = done["roofs"].copy["bytes_per_s"]
         recs.append(records.make_record("copy bandwidth", copy, "B/s", **config))
     decode = list(done.get("decode", ())) + list(done.get("decode_int8", ()))
-    return recs + _point_records(done.get("prefill", ()), decode, config)
+    peak = done["roofs"].peak_flops if done.get("roofs") is not None else None
+    return recs + _point_records(done.get("prefill", ()), decode, config, peak)
 
 
-def _point_records(prefill, decode, config: dict) -> list[dict]:
+def _point_records(prefill, decode, config: dict, peak_flops: float | None) -> list[dict]:
+    """The prefill and decode points' records; a decode record says what bounds its step
+    (`bound`: DecodePoint.bound) where the matmul peak is known."""
     recs = []
     for p in prefill:
         recs.append(
@@ -80,6 +83,7 @@ def _point_records(prefill, decode, config: dict) -> list[dict]:
                 series="decode_batch",
                 int8=p.int8_cache,
                 **{**config, **p.record_config()},
+                **({"bound": p.bound(peak_flops)} if peak_flops else {}),
             )
         )
     return recs

@@ -6,6 +6,7 @@ lab.decode in the layers: so this lives with the study, not with the decoder.
 """
 
 import dataclasses
+import re
 from pathlib import Path
 
 import jax
@@ -113,6 +114,19 @@ def serving_request(run_dir: Path, keys: dict) -> Request:
             f"run={run_dir.name}: {run_dir / 'config.json'} is damaged ({e})"
         ) from None
     return request.with_keys(**over)
+
+
+def blame_run(e: ConfigError, run_dir: Path, request: Request, given: dict) -> ConfigError:
+    """`e` (resolving `request`, serving_request's) with each line that names a key the run's
+    config.json gave, not the user (`given`), said to be the run's: "run=NAME: … (from
+    runs/NAME/config.json)", so a damaged folder is named, not the user's keys blamed."""
+    from_run = [k for k in request.dict() if k not in given]
+    lines, changed = str(e).splitlines(), False
+    for i, line in enumerate(lines):
+        if any(re.search(rf"\b{k}=", line) for k in from_run):
+            lines[i] = f"run={run_dir.name}: {line} (from {run_dir / 'config.json'})"
+            changed = True
+    return ConfigError("\n".join(lines)) if changed else e
 
 
 def for_decoding(session: Session, batches=()) -> Session:
