@@ -240,6 +240,13 @@ def _peer_note_line(note: str, *, timed: bool) -> str:
     return f"  peer    {'' if timed else 'none: '}{escape(note + hint)}"
 
 
+def _drop_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()  # only an empty folder: anything written there stays
+    except OSError:
+        pass
+
+
 def run(o: Options, keys: dict) -> int:
     _check_prompt(o.prompt)  # before anything loads: a long prefill is one call
     _check_serving_keys(keys)
@@ -247,7 +254,18 @@ def run(o: Options, keys: dict) -> int:
     # The libraries' own logging (absl, orbax, TensorStore, asyncio: a damaged checkpoint makes
     # them print thousands of lines) goes to lab.log in the results folder, as lab.run sends
     # it to the run folder's; the lab says what went wrong in one line.
-    rundir.quiet_libraries(rec.writable_dir(o.results), delay=True)
+    made = not Path(o.results).exists()
+    results = rec.writable_dir(o.results)
+    try:
+        return _run(o, keys, results)
+    finally:
+        if made:  # a command refused before it wrote anything leaves no empty folder behind
+            rec.drop_empty_reservations(results)
+            _drop_if_empty(results)
+
+
+def _run(o: Options, keys: dict, results: Path) -> int:
+    rundir.quiet_libraries(results, delay=True)
     s, run_dir = _session(o, keys)
     con = progress.console()
     con.print(

@@ -110,9 +110,11 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, words):
-    assert serve([*FAST, f"results={tmp_path}", f"out_dir={tmp_path}", *args]) == 2
+    results = tmp_path / "results"  # made for the command: a refusal leaves none behind
+    assert serve([*FAST, f"results={results}", f"out_dir={tmp_path}", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
+    assert not results.exists()
 
 
 def test_the_header_names_the_decode_attention_kernel(tmp_path, capsys):

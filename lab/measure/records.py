@@ -292,6 +292,14 @@ def output_stem(folder, name: str, backend: str | None = None) -> Path:
 _RESERVED: set = set()  # the records files output_stem reserved: a signal says where they are
 
 
+def drop_empty_reservations(folder) -> None:
+    """Remove the records files `output_stem` reserved in `folder` that are still empty (the
+    command stopped before it wrote a record), now rather than at exit: a command that made
+    the folder can then remove it, empty, as it found the place."""
+    for path in [p for p in _RESERVED if p.parent == Path(folder)]:
+        _drop_if_empty(path)
+
+
 def _drop_if_empty(path: Path) -> None:
     try:
         if path.stat().st_size == 0:
