@@ -578,3 +578,23 @@ def test_a_fit_is_not_saved_where_a_compiler_is_missing(tmp_path, monkeypatch):
     summary = prediction.run(points, tmp_path / "cache", write_fits=True)
     assert prediction.failed_here(summary)
     assert fits.read_text() == '{"gpu": {"fit": {"compute_efficiency": 0.5}}}'
+
+
+def test_the_tools_progress_counts_a_step_done_when_it_has_ended():
+    """The study calls `progress` as each step starts: "1/10 done" printed before anything
+    ran. The steps before the one starting are the ones done, and all of them at the end."""
+    from lab.tools.prediction import _ticker
+
+    class Bar:
+        def __init__(self):
+            self.seen = []
+
+        def update(self, task, *, description=None, completed=None):
+            self.seen.append((description, completed))
+
+    bar = Bar()
+    tick = _ticker(bar, 0)
+    tick("compile a")
+    tick("compile b")
+    tick.done()
+    assert bar.seen == [("compile a", 0), ("compile b", 1), (None, 2)]

@@ -143,12 +143,13 @@ def run(o: Options) -> int:
         summary = prediction.run(
             points,
             o.cache_dir,
-            progress=lambda label: bar.update(task, description=progress.label(label), advance=1),
+            progress=(tick := _ticker(bar, task)),
             write_fits=o.save,
             # a few points would fit the free parameters on the calibration points among
             # them (none, or one for five parameters): the saved fit of every point instead
             fits=_saved_fits() if o.only else None,
         )
+        tick.done()
     if o.only:
         con.print(
             "only=: predicted with the saved fit (lab/predict/fits.json, fitted on every "
@@ -193,14 +194,28 @@ def _note_cache(o: Options) -> None:
     startup.note(f"the programs compiled so far are kept in {o.cache_dir} for the next run")
 
 
+def _ticker(bar, task):
+    """The study's `progress`, called as each step starts: the steps before it are done (a
+    step counted when it begins read "1/10 done" before anything ran)."""
+    started: list[str] = []
+
+    def tick(label: str) -> None:
+        bar.update(task, description=progress.label(label), completed=len(started))
+        started.append(label)
+
+    tick.done = lambda: bar.update(task, completed=len(started))  # the last step has ended
+    return tick
+
+
 def _loo(o: Options, con) -> int:
     _note_cache(o)
     with progress.tasks(con) as bar:
         task = bar.add_task("leave-one-out", total=None)
         ratios = prediction.leave_one_out(
             o.cache_dir,
-            progress=lambda label: bar.update(task, description=progress.label(label), advance=1),
+            progress=(tick := _ticker(bar, task)),
         )
+        tick.done()
     for pid, ratio in ratios:
         con.print(f"{pid:44s} predicted / published time {ratio:.3f} ({ratio - 1:+.0%})")
     con.print(prediction.leave_one_out_line(ratios))
@@ -229,8 +244,9 @@ def _cpu(o: Options, con) -> int:
         task = bar.add_task("cpu self-check", total=n)
         rows, fit = prediction.cpu_check(
             budget_s=o.budget,
-            progress=lambda label: bar.update(task, description=progress.label(label), advance=1),
+            progress=(tick := _ticker(bar, task)),
         )
+        tick.done()
     con.print(tables.prediction_cpu_rows(rows, Fit.from_record(fit)))
     path = records.output_stem(o.results, "prediction-cpu").with_suffix(".jsonl")
     con.print(
@@ -308,20 +324,20 @@ def _here(o: Options, con) -> int:
             op_rows = prediction.here_ops(
                 prediction.GPU_OPS,
                 budget_s=min(o.budget, 0.5),
-                progress=lambda label: bar.update(
-                    task, description=progress.label(label), advance=1
-                ),
+                progress=(tick := _ticker(bar, task)),
                 on_row=writer(step.OP_CHECK, f"{slug}-ops"),
                 deadline=deadline,
             )
+            tick.done()
         task = bar.add_task("here", total=len(configs))
         rows = prediction.here_check(
             configs,
             budget_s=o.budget,
-            progress=lambda label: bar.update(task, description=progress.label(label), advance=1),
+            progress=(tick := _ticker(bar, task)),
             on_row=writer(step.STEP_CHECK, slug),
             deadline=deadline,
         )
+        tick.done()
     if op_rows:
         con.print(tables.prediction_here_rows(op_rows, info.device_kind, ops=True))
     con.print(tables.prediction_here_rows(rows, info.device_kind))
