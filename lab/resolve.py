@@ -343,7 +343,9 @@ class Rule:
     """One requirement that ties fields together. `check` returns the line that says what is
     wrong, or None; `example` is a command line that breaks it (the tests run each);
     `stage` "request" rules hold before any device is touched (joining processes);
-    `command` is the module whose command line `example` is (lab.serve for a decoder's)."""
+    `command` is the module whose command line `example` is (lab.serve for a decoder's);
+    `processes`: the example runs as that many joined processes (process_id= and coordinator=
+    added for each)."""
 
     name: str
     check: Callable[[_Draft], str | None]
@@ -352,6 +354,7 @@ class Rule:
     stage: str = "platform"
     filled: bool = False  # checked on the filled config and its built mesh (a second pass)
     command: str = "lab.run"
+    processes: int = 1
 
 
 def _kv_heads(d: _Draft):
@@ -484,6 +487,22 @@ def _process_id(d: _Draft):
 def _coordinator(d: _Draft):
     if d.cfg.num_processes > 1 and not d.cfg.coordinator:
         return "num_processes > 1 needs coordinator=host:port"
+
+
+def _processes_hold_the_mesh(d: _Draft):
+    # the mesh takes the devices in order, process 0's first: with fewer than all of them the
+    # last processes hold none of it, and a process with no part of a batch cannot build it
+    info, p = d.platform.info, d.platform
+    processes = info.process_count if info is not None else 1
+    if processes < 2 or d.sizes is None or p.aot or p.mesh is not None:
+        return None
+    used = math.prod(d.sizes.values())
+    if used != p.count:
+        return (
+            f"mesh={d.mesh_text} uses {used} of the {p.count} devices of the {processes} "
+            "processes: a run over several processes needs a mesh over all their devices, "
+            f"so that each holds its share (e.g. mesh=data:-1, or mesh={p.count})"
+        )
 
 
 def _overwrite_resume(d: _Draft):
@@ -812,6 +831,12 @@ RULES: tuple[Rule, ...] = (
     Rule("weights in float16 cannot train", _half_weights, ("param_dtype=float16",)),
     Rule("offload needs host memory", _offload_host, ("offload_optimizer=true",)),
     Rule("mesh fits the devices", _mesh_fits, ("mesh=16",)),
+    Rule(
+        "every process holds part of the mesh",
+        _processes_hold_the_mesh,
+        ("num_processes=2", "mesh=1"),
+        processes=2,
+    ),
     Rule(
         "strategy has its axes",
         _strategy_axes,

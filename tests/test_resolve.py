@@ -4,6 +4,9 @@ before the rules; a GPU plan's choices from the target's capabilities."""
 
 import dataclasses
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -44,6 +47,8 @@ def _needs_gpu_plans(argv=("target=gpu",)):
 @pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
 def test_every_rule_breaks_from_the_command_line(rule, monkeypatch, capsys, tmp_path):
     _needs_gpu_plans(rule.example)
+    if rule.processes > 1:
+        return _breaks_in_joined_processes(rule, tmp_path)
     monkeypatch.chdir(tmp_path)  # lab.serve's results folder, should it get that far
     fired = _recording(monkeypatch)
     command = importlib.import_module(rule.command)
@@ -52,6 +57,33 @@ def test_every_rule_breaks_from_the_command_line(rule, monkeypatch, capsys, tmp_
     # a rule of stage "request" is asked before joining, then again with the others
     assert list(dict.fromkeys(fired)) == [rule.name], (fired, err)
     assert len(err) == 1 and err[0].startswith("error: "), err
+
+
+def _breaks_in_joined_processes(rule, tmp_path):
+    """A rule of joined processes: its example started as that many real processes, each
+    refuses in one line, exit 2, before compiling anything."""
+    from lab.tools.launch import free_port
+
+    port = free_port()
+    keys = [*rule.example, "model=tiny", "seq_len=16", "batch_size=8", "steps=1"]
+    keys += [f"out_dir={tmp_path}", f"coordinator=localhost:{port}", "coordinator_timeout=60"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", rule.command, *keys, f"process_id={i}"],
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(rule.processes)
+    ]
+    outs = [p.communicate(timeout=180) for p in procs]
+    errs = [err for _, err in outs]
+    assert [p.returncode for p in procs] == [2] * rule.processes, errs
+    for out, err in outs:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), err
+        assert "step" not in out, out  # nothing trained
 
 
 def test_three_broken_rules_are_three_lines(capsys):
