@@ -321,9 +321,27 @@ def test_dry_run_flag_may_come_last(env):
     assert fake_calls(env) == []
 
 
-def test_run_passes_everything_after_double_dash_to_the_lab(env):
-    out = sh("run.sh", "--dry-run", "--hosts", "box", "--", "--dry-run", "--help", env=env)
-    assert out.stdout == "ssh box 'cd lab && .venv/bin/python -m lab.run --dry-run --help'\n"
+def test_run_passes_everything_after_double_dash_to_the_module(env):
+    args = ["--dry-run", "--hosts", "box", "--module", "experiments"]
+    out = sh("run.sh", *args, "--", "--x", env=env)
+    assert out.stdout == "ssh box 'cd lab && .venv/bin/python -m experiments --x'\n"
+
+
+@pytest.mark.parametrize("script", ["run.sh", "slurm.sh"])
+def test_a_flag_after_double_dash_is_refused_before_anything_runs(script, env):
+    """lab.run takes KEY=VALUE words only: a --dry-run after -- would run (or submit) for real
+    and every process would then refuse it."""
+    where = ["--hosts", "a,b"] if script == "run.sh" else ["--nodes", "2"]
+    out = sh(script, *where, "--", "mesh=data:-1", "--dry-run", env=env)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.count("\n") == 1 and "'--dry-run' after --" in out.stderr, out.stderr
+    assert fake_calls(env) == []
+
+
+def test_a_bracketed_ipv6_coordinator_takes_the_port(env):
+    args = ["--dry-run", "--hosts", "a,b", "--coordinator", "[fd00::2]", "--port", "99"]
+    out = sh("run.sh", *args, "--", "mesh=16x1", env=env)
+    assert out.returncode == 0 and out.stdout.count("coordinator=[fd00::2]:99") == 2, out
 
 
 # Real runs against the fakes: what runs is exactly what --dry-run printed, and each command is
@@ -445,6 +463,10 @@ BAD = [
     ("run.sh", ["--hosts", "a,b", "--port", "08"], "--port '08' is not a whole number"),
     ("run.sh", ["--hosts", "a,b", "--module", "experiments"], "only lab.run joins hosts"),
     ("run.sh", ["--hosts", "a,b", "--", "coordinator=x:1"], "coordinator= is set by run.sh"),
+    # a port in --coordinator would become coordinator=H:P:PORT on every host
+    ("run.sh", ["--hosts", "a,b", "--coordinator", "10.0.0.2:1234"], "holds a port: give the"),
+    ("run.sh", ["--hosts", "a,b", "--coordinator", "[fd00::2]:1234"], "holds a port: give the"),
+    ("run.sh", ["--hosts", "a,b", "--coordinator", "fd00::2"], "an IPv6 address in brackets"),
     ("slurm.sh", ["--nodes", "08"], "--nodes '08' is not a whole number"),
     ("fetch.sh", ["--hosts", "a", "--worker", "1"], "only 1 hosts"),
     ("fetch.sh", ["--name", "a", "--zone", "us-west4-a", "--worker", "x"], "--worker 'x'"),
@@ -464,6 +486,7 @@ BAD = [
     ("slurm.sh", ["--nodes", "1", "--", "process_id=1"], "process_id= is SLURM's to set"),
     # a mesh that leaves GPUs of the job out: refused before the job waits in the queue
     ("slurm.sh", ["--nodes", "2", "--", "mesh=8x1"], "mesh=8x1 spans 8 devices but the job has"),
+    ("slurm.sh", ["--nodes", "2", "--", "name=two"], "default mesh=1 uses one of the job's 16"),
     ("slurm.sh", ["--nodes", "2", "--", "mesh=data:3,model:-1"], "fixed sizes (3) do not divide"),
 ]
 
@@ -554,9 +577,11 @@ def test_slurm_dry_run_warns_of_a_missing_venv_and_takes_meshes_over_every_gpu(e
     out = sh("slurm.sh", *args, "--gpus-per-node", "4", "--", "mesh=8x1", env=env)
     assert out.returncode == 0, out.stderr  # 2 nodes x 4 GPUs
     assert "warning" not in sh("slurm.sh", *args, "--setup", "--", "mesh=16x1", env=env).stderr
-    # a MESH in the caller's environment is not lab.run's mesh=: no mesh given, none checked
-    out = sh("slurm.sh", *args, "--setup", "--", "steps=3", env={**env, "MESH": "8x1"})
-    assert out.returncode == 0 and "error" not in out.stderr, out.stderr
+    # a MESH in the caller's environment is not lab.run's mesh=: lab.run's default is checked
+    out = sh("slurm.sh", *args, "--setup", "--", "steps=3", env={**env, "MESH": "16x1"})
+    assert out.returncode == 2 and "default mesh=1 uses one of" in out.stderr, out.stderr
+    out = sh("slurm.sh", *args, "--setup", "--", "resume=true", "name=r", env=env)
+    assert out.returncode == 0, out.stderr  # a resume takes its run's own mesh
 
 
 def test_run_on_hosts_prefixes_each_hosts_lines_with_its_name(env):

@@ -146,6 +146,16 @@ refuse_process_keys() { # WHY KEY=VALUE... : the keys that say who a process is,
   done
 }
 
+refuse_flags() { # MODULE WORD... : lab.run takes KEY=VALUE words only; a flag after -- reaches it
+  local module=$1 a
+  shift
+  [[ $module == lab.run ]] || return 0
+  for a in "$@"; do
+    [[ $a != -* ]] ||
+      die "'$a' after --: lab.run takes KEY=VALUE words only (this script's flags go before --)"
+  done
+}
+
 # --- where commands go: a Cloud TPU VM (every worker) or a list of ssh hosts ---------------
 
 NAME=""

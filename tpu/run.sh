@@ -23,13 +23,15 @@ tpu/README.md for stopping it). Only lab.run joins several hosts into one job.
   --hosts H0,H1,...    ssh hosts instead; H0 hosts the jax.distributed coordinator
   --coordinator ADDR   the address the other hosts reach H0 at (default: H0 without
                        user@; for a gcloud compute config-ssh alias NAME.ZONE.PROJECT,
-                       Compute Engine's internal name NAME.ZONE.c.PROJECT.internal)
+                       Compute Engine's internal name NAME.ZONE.c.PROJECT.internal); a host
+                       alone, an IPv6 address in brackets ([fd00::2]): the port is --port's
   --port PORT          coordinator port (default 1234; open between the hosts)
   --module MODULE      python module to run (default lab.run; e.g. experiments)
   --project PROJECT    Google Cloud project (default: gcloud's configured project)
   --dry-run            print the commands, one per line, and run nothing
   -h, --help           this help
   KEY=VALUE ...        the module's arguments; everything after -- is passed as is
+                       (lab.run takes KEY=VALUE words only: a -flag there is refused)
 
 Examples:
   tpu/run.sh --name lab-v4 --zone us-central2-b -- name=pod mesh=4x4 model=1b
@@ -60,6 +62,7 @@ while (($#)); do
   esac
 done
 
+refuse_flags "$MODULE" ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}
 check_target
 [[ $MODULE =~ ^[A-Za-z_][A-Za-z0-9_.]*$ ]] || die "--module '$MODULE' is not a module name"
 check_uint --port "$PORT"
@@ -93,7 +96,15 @@ if [[ -z $COORDINATOR ]]; then
     COORDINATOR="${BASH_REMATCH[1]}.${BASH_REMATCH[2]}.c.${BASH_REMATCH[4]}.internal"
   fi
 fi
-[[ $COORDINATOR =~ ^[A-Za-z0-9.:_-]+$ ]] || die "--coordinator '$COORDINATOR' is not a host name"
+# a host alone: the port is --port's (a host:port here would become coordinator=H:P:PORT)
+if [[ $COORDINATOR =~ ^[A-Za-z0-9._-]+:[0-9]*$ || $COORDINATOR =~ ^\[.*\]: ]]; then
+  die "--coordinator '$COORDINATOR' holds a port: give the host alone and the port with --port"
+fi
+if [[ $COORDINATOR == *:* && ! $COORDINATOR =~ ^\[[0-9A-Fa-f:.]+\]$ ]]; then
+  die "--coordinator '$COORDINATOR': write an IPv6 address in brackets ([$COORDINATOR]); the port goes in --port"
+fi
+[[ $COORDINATOR =~ ^([A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])$ ]] ||
+  die "--coordinator '$COORDINATOR' is not a host name"
 # Ctrl-C or SIGTERM stops the ssh clients, and the exit status says which (130, 143)
 trap 'kill_bg; exit 130' INT
 trap 'kill_bg; exit 143' TERM

@@ -45,6 +45,8 @@ step times. Output goes to slurm-JOBID.out in this checkout; runs/ as usual.
                        warning where --venv has no python yet)
   -h, --help           this help
   KEY=VALUE ...        the module's arguments; everything after -- is passed as is
+                       (lab.run takes KEY=VALUE words only: a -flag there is refused;
+                       its mesh= must span every GPU of the job, e.g. mesh=data:-1)
 
 Examples:
   tpu/slurm.sh --nodes 2 --setup --dry-run -- name=two mesh=16x1 model=1b
@@ -89,6 +91,7 @@ while (($#)); do
   esac
 done
 
+refuse_flags "$MODULE" ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}
 check_required --nodes "$NODES" 2
 check_uint --nodes "$NODES"
 check_uint --gpus-per-node "$GPUS"
@@ -152,7 +155,16 @@ if [[ $MODULE == lab.run ]]; then
   for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
     [[ $a != mesh=* ]] || MESH=${a#mesh=}
   done
-  [[ -z $MESH ]] || check_mesh "$MESH" $((NODES * GPUS))
+  RESUME=0  # a resume's tasks take the run's own mesh
+  for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
+    [[ $a != resume=true ]] || RESUME=1
+  done
+  if [[ -n $MESH ]]; then
+    check_mesh "$MESH" $((NODES * GPUS))
+  elif ((NODES * TASKS > 1 && !RESUME)); then
+    # lab.run's default mesh=1 is one device: the other tasks would hold none of it
+    die "lab.run's default mesh=1 uses one of the job's $((NODES * TASKS)) GPUs: give a mesh over all of them (e.g. mesh=data:-1)"
+  fi
 fi
 # the job runs in --chdir=ROOT: a relative venv is this directory's, made absolute
 [[ $VENV == /* ]] || VENV="$PWD/$VENV"
