@@ -150,6 +150,29 @@ def _check_port_free(coordinator: str, where: str) -> None:
             return  # IPv6's wildcard covers IPv4 too where dual-stack; else IPv4's is tried
 
 
+def _an_address_here(coordinator: str) -> bool:
+    """Whether the coordinator's host is an address of this host (one of its addresses binds),
+    as it should be for process 0, which serves the coordinator. Only a definite "cannot
+    assign that address" counts as not; anything else is taken as here. Not a refusal: a
+    forwarded or NAT address is reached by the others and never bound here."""
+    import errno
+
+    host = coordinator.rpartition(":")[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return True
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((addr[0], 0))
+            return True
+        except OSError as e:
+            if e.errno != errno.EADDRNOTAVAIL:
+                return True
+    return False
+
+
 @dataclasses.dataclass(frozen=True)
 class _Join:
     """One process's join, and the words its errors use."""
@@ -171,6 +194,13 @@ def _join_timeout(j: _Join, timeout_s: int, reached) -> str:
             f"(coordinator_timeout={timeout_s}): is process 0 started and the address right?"
         )
     waited = "for the other processes to join" if j.process_id == 0 else "to join"
+    if j.process_id == 0 and not _an_address_here(j.coordinator):
+        # the others reach whatever host the address names, not this process's coordinator
+        return (
+            f"{where} waited {timeout_s} s (coordinator_timeout={timeout_s}) {waited}: "
+            f"{j.coordinator} is not an address of this host (process 0 runs the "
+            "coordinator): give process 0's own address"
+        )
     return (
         f"{where} waited {timeout_s} s (coordinator_timeout={timeout_s}) {waited}; {j.start_hint}, "
         "or raise coordinator_timeout="

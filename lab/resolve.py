@@ -13,6 +13,7 @@ it and trust it. A derived config (serving a trained run, its decoder) is resolv
 from a request, never made by editing a resolved one.
 """
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -46,6 +47,7 @@ from lab.mesh import (
     STRATEGY_AXES,
     MeshSpecError,
     auto_strategy,
+    cpu_devices_for,
     make_mesh,
     resolve_shape,
     strategy_mesh,
@@ -1008,6 +1010,17 @@ def _sizes(cfg: Config, platform: Platform) -> tuple[dict | None, str | None]:
         if platform.aot:  # the target names its hardware
             return None, str(e)
         hint = " (on CPU, cpu_devices=N simulates more)" if platform.backend == "cpu" else ""
+        n = platform.info.process_count if platform.info is not None else 1
+        if platform.backend == "cpu" and n > 1:  # each process simulates wanted // n devices
+            with contextlib.suppress(MeshSpecError):
+                wanted = cfg.cpu_devices or cpu_devices_for(cfg.mesh)
+                if wanted % n:
+                    what = f"cpu_devices={wanted}" if cfg.cpu_devices else f"its {wanted} devices"
+                    hint = (
+                        f" (on CPU each of the {n} processes simulates an equal share: "
+                        f"{what} cannot be split evenly over {n} processes; give a mesh whose "
+                        f"size {n} divides)"
+                    )
         if platform.cpu_started:  # cpu_devices= could not size them: say so, not try it
             hint = f"; {devices.started_line(jax.local_device_count())}"
         return None, f"{e} [{platform.backend}: {platform.device_kind}]{hint}"

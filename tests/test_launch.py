@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import checkpoint
+from lab import checkpoint, devices
 from lab.config import make_config
 from lab.run import main as run_main
 from lab.tools import launch
@@ -282,19 +282,28 @@ def test_sigkill_to_the_launcher_takes_its_processes_with_it(tmp_path):
             "process 1 of 2 could not reach the coordinator within 3 s (coordinator_timeout=3)",
         ),
         (1, "no.such.host.invalid:1234", "unknown host 'no.such.host.invalid'"),
+        # process 0 serves the coordinator: an address of another host is named as the cause
+        (0, "192.0.2.1:", "192.0.2.1:{port} is not an address of this host (process 0 runs"),
     ],
 )
 def test_a_join_that_cannot_finish_is_one_line_and_exit_2(tmp_path, process_id, address, needle):
     """Process 0 waiting for a peer that never starts, a process whose coordinator never
     answers, a host that does not resolve: one line, before the runtime's own abort (a C++
     stack trace, exit 134) and never past coordinator_timeout."""
-    address = address or f"localhost:{launch.free_port()}"
+    port = launch.free_port()
+    address = f"{address}{port}" if address.endswith(":") else address or f"localhost:{port}"
+    needle = needle.format(port=port)
     cmd = [sys.executable, "-m", "lab.run", *TINY, "mesh=4x2", f"out_dir={tmp_path}", "name=j"]
     cmd += ["num_processes=2", f"process_id={process_id}", "coordinator_timeout=3"]
     cmd += [f"coordinator={address}"]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+
+
+def test_process_0_knows_its_own_addresses():
+    assert devices._an_address_here("127.0.0.1:1234") and devices._an_address_here("localhost:1")
+    assert not devices._an_address_here("192.0.2.1:1234")  # TEST-NET: no host's own
 
 
 def test_a_coordinator_that_never_answers_is_an_exception_in_library_code():
@@ -412,7 +421,6 @@ def test_process_0_refuses_a_port_another_server_listens_on():
     other's) and crashed on one held with SO_REUSEADDR: process 0 checks the port first."""
     import socket
 
-    from lab import devices
     from lab.errors import ConfigError
 
     with socket.socket() as held:

@@ -328,3 +328,15 @@ def test_cpu_devices_after_jax_started_say_so_instead_of_suggesting_them():
     request = Request.of(mesh=str(2 * n))
     with pytest.raises(ConfigError, match=f"needs {2 * n} devices but only {n} .*; {started}"):
         resolve.resolve(request, Platform.found(request), "train")
+
+
+def test_a_mesh_the_processes_cannot_share_evenly_says_so_not_to_simulate_more():
+    """Over 2 processes each simulates cpu_devices // 2 devices: mesh=3x1 gets 2, and more
+    cpu_devices= cannot help while the count is odd."""
+    info = devices.DeviceInfo("cpu", "cpu", 2, 1, 2, 0, True)
+    platform = Platform("cpu", "cpu", 2, info=info)
+    with pytest.raises(ConfigError) as e:
+        resolve.resolve(Request.of(mesh="3x1"), platform, "train")
+    line = str(e.value)
+    assert "3 devices cannot be split evenly over 2 processes" in line, line
+    assert "simulates more" not in line, line
