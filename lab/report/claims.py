@@ -865,7 +865,9 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="a Llama-2-70B-shaped model served with int8 weights (one scale per "
                 "output channel) and an int8 KV cache, batch 1, 4096 tokens of context: bytes "
                 "on one 80 GB H100, compiled for it where the plan ran (size=full), the "
-                "calculator otherwise; at most 80 GB fits",
+                "calculator otherwise; at most 80 GB fits the card (JAX's allocator takes "
+                "75% of it by default, 60 GB, which lab.serve's plan judges against: "
+                "XLA_PYTHON_CLIENT_MEM_FRACTION raises it)",
                 if_off="int8 weights alone are 69 GB: a long context or a bigger batch adds "
                 "cache bytes until int4 or offloading is needed",
             ),
