@@ -377,7 +377,10 @@ class _LogHandler(logging.FileHandler):
     def emit(self, record):  # (called under self.lock, by logging.Handler.handle)
         held = self.held
         if held is None:
-            super().emit(record)
+            try:  # opening the file (delay=True) is not covered by handleError
+                super().emit(record)
+            except OSError:  # its folder removed (a refused command cleans up): dropped
+                pass
         elif len(held) < self.HELD_MOST:
             held.append(record)
 

@@ -6,6 +6,7 @@ bad input as one line with exit code 2."""
 import functools
 import importlib.util
 import json
+import logging
 
 import pytest
 
@@ -115,6 +116,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, words):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
     assert not results.exists()
+    logging.getLogger("absl").warning("after")  # its lab.log's folder is gone: dropped
 
 
 def test_the_header_names_the_decode_attention_kernel(tmp_path, capsys):

@@ -129,7 +129,9 @@ def time_ratio(row: dict) -> float:
     """A published point's predicted/published time: its error is in the publisher's unit,
     and for a rate (TFLOP/s, GB/s, tokens/s) a + is a prediction that runs faster."""
     ratio = row["predicted"] / row["published"]
-    return 1 / ratio if "/s" in str(row.get("unit", "")) else ratio
+    unit = str(row.get("unit", ""))
+    per_time = "/s" in unit and not unit.startswith(("s/", "ms/", "us/"))  # not a time a step
+    return 1 / ratio if per_time or unit.startswith("MFU") else ratio
 
 
 def _same_chip(hardware: str, device_kind: str) -> bool:

@@ -120,7 +120,10 @@ def calibration_ids(points: list[dict]) -> set[str]:
 
 def model_view(point: dict) -> tuple:
     """What the model knows of a point's hardware for its workload: a product's peaks, a
-    copy's memory bandwidth, an all-reduce's links, a whole step's all three."""
+    copy's memory bandwidth, an all-reduce's links, a whole step's all three. A product is
+    taken as compute-bound: a thin one below its chip's ridge also reads the bandwidth, and
+    two such on chips of other bandwidths would be grouped as alike when they are not (the
+    published products with a twin on another chip are all above the ridge)."""
     spec = specs.SPECS[spec_key(point)]
     peaks = tuple(sorted(spec.peak_flops.items()))
     views = {

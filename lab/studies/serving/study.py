@@ -204,7 +204,11 @@ def torch_peer(
                 session.cfg.model, host, prompts, steps=plan.steps, budget_s=plan.budget_s
             )
         except Exception as e:  # the peer is a comparison: its failure costs only its rows
-            return rows, f"the PyTorch decoder failed at batch {p.batch} ({type(e).__name__}: {e})"
+            first = (str(e).strip().splitlines() or [""])[0]  # the note is one line
+            return (
+                rows,
+                f"the PyTorch decoder failed at batch {p.batch} ({type(e).__name__}: {first})",
+            )
         rows.append(PeerPoint(**r, lab_over_torch=p.tokens_per_s / r["tokens_per_s"]))
     return rows, ""
 
