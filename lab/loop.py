@@ -129,6 +129,7 @@ class History:
     step_s: list = dataclasses.field(default_factory=list)  # the steps not profiled
     step: int = 0  # the last step trained whole (finite, its metrics written)
     profiled: tuple | None = None  # (first, last) step read under the profiler: not in step_s
+    save_s: list = dataclasses.field(default_factory=list)  # each checkpoint save's own time
 
 
 def _memory_now() -> dict:
@@ -293,10 +294,10 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
                 if bad:
                     return bad  # checked before this step's state can be saved
                 if save:
-                    saver.save(step, state)
+                    reader.timed_save(saver, step, state)
                 if stopping:
-                    if saver:
-                        saver.save(step, state)  # a no-op if just saved; awaited by the caller
+                    if saver:  # a no-op if just saved; awaited by the caller
+                        reader.timed_save(saver, step, state)
                     return stop.signal
         if pending:
             return reader.read(*pending)
@@ -331,6 +332,16 @@ class _Reader:
     def wait_at(self, step: int) -> bool:
         """Must `step` be read before the next is queued? The profiler's window's edges."""
         return self.cfg.profile and step in (self.first - 1, self.last)
+
+    def timed_save(self, saver, step: int, state) -> None:
+        """Saves `step`, its time counted apart (hist.save_s), never in the next step's."""
+        t0 = time.perf_counter()
+        try:
+            saved = saver.save(step, state)
+        finally:
+            self.clock = time.perf_counter()  # the next step's time starts after the save
+        if saved:  # (False: the step was saved already)
+            self.hist.save_s.append(self.clock - t0)
 
     def read(self, step: int, metrics) -> str | None:
         """Waits for `step`'s metrics; None, or the line that stops training there."""
@@ -992,6 +1003,7 @@ class _End:
             resumed_from=self.start,
             peak=self.peak,
             profiled=hist.profiled,
+            save_s=hist.save_s,
         )
 
     def _earlier_losses(self) -> list:

@@ -397,13 +397,15 @@ def summarise_run(
     resumed_from=0,
     peak=None,
     profiled=None,
+    save_s=(),
 ) -> dict:
     """The run's summary. `losses`: (step, loss) of the steps this process trained;
     `resumed_from`: the checkpoint step this segment started from (0: a fresh run);
     `earlier`: the (step, loss) metrics.jsonl holds from before it, so that the loss row
     covers the run from its first logged step and the segment is named apart; `peak`: the
     (FLOP/s, source) MFU is against (`run_peak`; default `mesh_peak`); `profiled`: the
-    (first, last) step traced by profile=true, whose times `times` leaves out."""
+    (first, last) step traced by profile=true, whose times `times` leaves out; `save_s`: the
+    time the loop spent in each checkpoint save, kept out of `times` and reported apart."""
     tokens_per_s = cfg.batch_size * cfg.seq_len / times.median_s
     achieved = analysis["model_flops_per_token"] * tokens_per_s
     peak, peak_source = peak or mesh_peak(cfg, info, analysis["devices"])
@@ -425,6 +427,7 @@ def summarise_run(
         "loss_last": losses[-1][1] if losses else None,
         "steps_run": len(losses),
         **({"profiled_steps": list(profiled)} if profiled else {}),
+        **({"checkpoint_saves": {"count": len(save_s), "total_s": sum(save_s)}} if save_s else {}),
         **(
             {
                 "resumed_from": resumed_from,

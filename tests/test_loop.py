@@ -3,6 +3,9 @@ the host never waits between queuing steps, except where a step's state is kept:
 step is read (its metrics checked) before its state is saved and before the next step is
 queued; a non-finite step found late still stops the run before any later state is saved."""
 
+import json
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,3 +116,23 @@ def test_processes_compare_the_keys_that_decide_the_program_only():
     assert a == b
     c = loop._compared_keys(make_config(model="tiny", lr=0.1))
     assert {k for k in a if a[k] != c[k]} == {"lr"}
+
+
+def test_a_checkpoint_save_is_timed_apart_from_the_steps(tmp_path, monkeypatch):
+    """A save (made slow here) is not in the next step's time, in metrics.jsonl or the
+    summary's median; the summary counts the saves and their time."""
+    real = checkpoint.Saver.save
+
+    def slow(self, step, state):
+        time.sleep(0.5)
+        return real(self, step, state)
+
+    monkeypatch.setattr(checkpoint.Saver, "save", slow)
+    args = [*TINY, f"out_dir={tmp_path}", "name=s", "steps=6", "checkpoint_every=2"]
+    assert main(args) == 0
+    lines = (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()
+    assert max(json.loads(x)["step_s"] for x in lines) < 0.5, lines
+    done = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert done["checkpoint_saves"]["count"] == 3  # steps 2, 4, 6
+    assert done["checkpoint_saves"]["total_s"] >= 1.5
+    assert done["step_time"]["median_s"] < 0.5

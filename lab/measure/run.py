@@ -205,6 +205,8 @@ class RunSummary:
     segment_loss_first: float | None = None
     loss_first_step: int | None = None  # the step of loss_first, after a resume
     profiled_steps: tuple | None = None  # (first, last) traced by profile=true: not timed
+    # (count, total seconds) of the checkpoint saves the loop waited for: not in the step time
+    checkpoint_saves: tuple | None = None
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -229,6 +231,11 @@ class RunSummary:
             segment_loss_first=s.get("segment_loss_first"),
             loss_first_step=s.get("loss_first_step"),
             profiled_steps=tuple(s["profiled_steps"]) if s.get("profiled_steps") else None,
+            checkpoint_saves=(
+                (s["checkpoint_saves"]["count"], s["checkpoint_saves"]["total_s"])
+                if s.get("checkpoint_saves")
+                else None
+            ),
             source=dict(s),
         )
 

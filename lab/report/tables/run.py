@@ -206,14 +206,13 @@ def run_summary(s: RunSummary) -> Table:
         first, last = s.profiled_steps
         since += f"; steps {first}-{last} profiled, left out"
     few = few_timed(st.runs)
-    if st.runs == 1:  # one sample: no spread to give
+    if few:  # one sample or two: no spread worth a p10 and p90
         t.add_row("step time", f"{duration(st.median_s)}  ([yellow]{few}[/]{since})")
     else:
-        counted = f"[yellow]{few}[/]" if few else f"{st.runs} steps"
         t.add_row(
-            "step time" if few else "step time (median)",
+            "step time (median)",
             f"{duration(st.median_s)}  (p10 {duration(st.p10_s)}, "
-            f"p90 {duration(st.p90_s)}, {counted}{since})",
+            f"p90 {duration(st.p90_s)}, {st.runs} steps{since})",
         )
     caveat = f"; [yellow]{few}[/]" if few else ""  # on every figure derived from the time
     p = s.predicted
@@ -225,6 +224,12 @@ def run_summary(s: RunSummary) -> Table:
             f"{breakdown_line(a.predicted_step)}; {p.error}{busy})",
         )
     t.add_row("compile time", f"{st.compile_s:.2f} s (not in the step time)")
+    if s.checkpoint_saves:
+        n, total = s.checkpoint_saves
+        t.add_row(
+            "checkpoint saves",
+            f"{n}, {total:.2f} s in all (the loop's wait for each; not in the step time)",
+        )
     t.add_row(
         "tokens/s",
         f"{s.tokens_per_s:,.0f} global, {s.tokens_per_s_per_device:,.0f} per device"
