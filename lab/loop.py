@@ -193,10 +193,8 @@ class _Rates:
         return float(self.values[count % self.BLOCK])
 
 
-def _records(cfg, analysis, run_dir: Path, log, peak: float | None) -> _Records:
-    """The records' writer, once metrics.jsonl keeps only the steps before this run's first:
-    the TensorBoard folder is rebuilt from it (OSError for the caller)."""
-    events = tensorboard.start(run_dir, rundir.read_metrics(run_dir / "metrics.jsonl")[0])
+def _records(cfg, analysis, events: tensorboard.EventFile, log, peak: float | None) -> _Records:
+    """The records' writer: metrics.jsonl's `log` and this run's event file."""
     return _Records(
         log,
         events,
@@ -594,6 +592,11 @@ def _open_run_dir(cfg: Config, is_main: bool, stages: int = 1) -> Path:
         writable_dir(run_dir)
         if cfg.checkpoint_every or cfg.resume:
             checkpoint.check_folder(run_dir)
+        if cfg.resume:  # refused before the compile, and before a resume writes anything
+            try:
+                tensorboard.check_folder(run_dir)
+            except OSError as e:
+                raise _start_failure(e, run_dir) from None
     return run_dir
 
 
@@ -766,17 +769,18 @@ def _claim_here(
     raise ConfigError(f"{Path(cfg.out_dir) / base}-…: a thousand runs of that name; give name=")
 
 
-def _start_folder(cfg: Config, run_dir: Path, console, request: Request, stages: int) -> None:
-    """Once the step has compiled and fits: clear an earlier run (overwrite=true; never for
-    a run that is refused) and write this run's config.json: the resolved config, and under
-    `request` the keys it was asked with (what a resume takes again: Request.resumed)."""
+def _clear_earlier(cfg: Config, run_dir: Path, console) -> None:
+    """overwrite=true, once the step has compiled and fits (never for a run that is refused):
+    the earlier run is cleared."""
+    if cfg.overwrite and rundir.clear(run_dir):
+        console.print(f"overwrite=true: cleared the earlier run from {run_dir}", soft_wrap=True)
+
+
+def _write_config(cfg: Config, run_dir: Path, request: Request, stages: int) -> None:
+    """This run's config.json, the last write of its start (a start refused before it leaves
+    the keys a later resume takes as they were): the resolved config, and under `request` the
+    keys it was asked with (what a resume takes again: Request.resumed)."""
     try:
-        if cfg.overwrite:
-            cleared = rundir.clear(run_dir)
-            if cleared:
-                console.print(
-                    f"overwrite=true: cleared the earlier run from {run_dir}", soft_wrap=True
-                )
         asked = rundir.asked_keys(request.dict())
         # and the values the backend's defaults gave (a resume elsewhere keeps them)
         asked |= {k: getattr(cfg, k) for k in BACKEND_KEYS if k not in asked}
@@ -855,12 +859,19 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
     state, start = (
         (None, 0) if cfg.compile_only else _restore(cfg, trainer, run_dir, is_main, console)
     )
-    if is_main:
-        _start_folder(cfg, run_dir, console, request, dict(trainer.mesh.shape).get(STAGE, 1))
+    stages = dict(trainer.mesh.shape).get(STAGE, 1)
+
+    def begin():  # config.json last: a start refused before it keeps the keys as they were
+        _write_config(cfg, run_dir, request, stages)
         started()
         ckpt = f" and checkpoint step {start}" if start else ""
         startup.note(f"before training: {run_dir} keeps this run's config.json{ckpt}")
+
+    if is_main:
+        _clear_earlier(cfg, run_dir, console)
     if cfg.compile_only:
+        if is_main:
+            begin()
         console.print(tables.analysis(StepAnalysis.from_record(analysis), compile_s))
         if analysis.get("aot", {}).get("kernels"):
             title = f"GPU kernels of one step ({info.device_kind}): compiled, not run"
@@ -871,9 +882,13 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
         if is_main:
             _write_summary(run_dir, {"compile_s": compile_s, **analysis})
         return 0
-    gaps = ""
+    gaps, events = "", None
     if is_main:
         try:
+            # the new event file first: a folder it cannot be written in is refused before
+            # metrics.jsonl moves a line
+            metrics, _ = rundir.read_metrics(run_dir / "metrics.jsonl")
+            events = tensorboard.start(run_dir, [r for r in metrics if r["step"] <= start], start)
             torn, missing = rundir.keep_metrics_before(run_dir, start, cfg.log_every)
         except OSError as e:
             raise _start_failure(e, run_dir) from None
@@ -900,9 +915,11 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
         log = rundir.MetricsLog(run_dir / "metrics.jsonl") if is_main else None
         if log:
             log.gaps = gaps
-        records = _records(cfg, analysis, run_dir, log, peak[0]) if is_main else None
+        records = _records(cfg, analysis, events, log, peak[0]) if is_main else None
     except OSError as e:
         raise _start_failure(e, run_dir) from None
+    if is_main:
+        begin()
     saver = checkpoint.Saver(mngr, trainer.layout.record()) if mngr else None
     on_peer_lost(lambda: _kept(cfg, run_dir, log, saver) if is_main else "")
     hist = History(step=start)

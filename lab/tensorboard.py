@@ -1,12 +1,13 @@
 """TensorBoard scalars of a training run: `run_dir/tensorboard/`, read by `tensorboard --logdir`.
 
-The event file is a second view of metrics.jsonl: every record the loop logs there is appended
-here as one event (its scalars under the tags of `TAGS`, at its step). A run that starts or
-resumes rebuilds the folder from metrics.jsonl as the loop has left it (the steps up to the
-checkpoint it resumes from), so a run stopped and resumed is one curve with each step once, in
-strictly increasing steps, for any reader: nothing rests on a reader purging the steps a
-resume repeats (TensorBoard's purge_step), and nothing is lost by dropping them, since
-metrics-superseded.jsonl keeps their records.
+The event files are a second view of metrics.jsonl: every record the loop logs there is
+appended here as one event (its scalars under the tags of `TAGS`, at its step). Each start
+of a run writes a new event file and never touches the earlier ones; a resume's file begins
+with a SessionLog START at the first step it logs again, TensorBoard's convention for a job
+restarted from a checkpoint: TensorBoard's Python loader, live or fresh, drops the steps from
+there on that it read before, and its Rust data server drops them at the repeated step (a
+series' points from a step seen again on), so each shows one curve with each step once.
+Nothing is lost by dropping them: metrics-superseded.jsonl keeps their records.
 
 tensorboardX makes the events (its protocol buffers, scalar summaries and record checksums,
 without TensorFlow). Its SummaryWriter is not used: it writes from a thread, where a full disk
@@ -94,27 +95,52 @@ class EventFile(rundir.WholeAppends):
         self.append(_framed(_event(rec)))
 
 
-def start(run_dir: Path, records: list[dict]) -> EventFile:
-    """The lab's event file rebuilt to hold `records` (metrics.jsonl's, in order): a new event
-    file is written aside, renamed in, and only then are the lab's earlier event files (named
-    *.lab) removed (a failure part-way leaves them as they were; files the lab did not write
-    stay). Returns it open for this run's records; OSError for the caller, naming the folder
-    (the user's to fix) rather than the file written aside in it."""
+def check_folder(run_dir: Path) -> None:
+    """NotADirectoryError where the folder's place holds a file (checked before a resume
+    writes anything, so that its refusal leaves the run folder as it was)."""
     folder = run_dir / FOLDER
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", str(folder))
-    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.lab"
-    tmp = folder / f".rebuild-{os.getpid()}.tmp"  # readers read only names with 'tfevents'
+
+
+def _stamp(path: Path) -> int:
+    """The time field of an event file's name (events.out.tfevents.TIME.…), 0 if none."""
+    field = path.name.split(".")[3:4]
+    return int(field[0]) if field and field[0].isdigit() else 0
+
+
+def start(run_dir: Path, records: list[dict], resumed_from: int = 0) -> EventFile:
+    """A new event file of the lab's (named *.lab, sorted after every earlier one, written
+    aside and renamed in whole), returned open for this run's records. Where the folder holds
+    the lab's earlier event files (a resume), they stay as they are, and the new file begins
+    with a SessionLog START at step `resumed_from` + 1: TensorBoard's restart convention,
+    by which a reader drops the steps from there on that it read from the earlier files (the
+    ones this run logs again; metrics-superseded.jsonl keeps their records). Where it holds
+    none (a fresh run, or a folder that lost them), the new file begins with `records`
+    (metrics.jsonl's steps up to `resumed_from`). Earlier files are never rewritten or
+    deleted: a reader that is watching the folder, which keeps reading the file it has open
+    and then the ones after it, sees the same curve as one that starts afresh. OSError for
+    the caller, naming the folder (the user's to fix) rather than the file written aside in
+    it."""
+    folder = run_dir / FOLDER
+    check_folder(run_dir)
+    tmp = folder / f".start-{os.getpid()}.tmp"  # readers read only names with 'tfevents'
     try:
         folder.mkdir(exist_ok=True)
+        earlier = list(folder.glob("events.out.tfevents.*.lab"))  # the lab's own
+        stamp = max([int(time.time()), *(_stamp(p) + 1 for p in earlier)])
+        name = f"events.out.tfevents.{stamp}.{socket.gethostname()}.{os.getpid()}.lab"
+        if earlier:
+            restart = _tbx().Event(wall_time=time.time(), step=resumed_from + 1)
+            restart.session_log.status = restart.session_log.START
+            body = _framed(restart)
+        else:
+            body = b"".join(_framed(_event(r)) for r in records)
         try:
-            tmp.write_bytes(_first() + b"".join(_framed(_event(r)) for r in records))
+            tmp.write_bytes(_first() + body)
             tmp.replace(folder / name)
         finally:
             tmp.unlink(missing_ok=True)
-        for old in folder.glob("events.out.tfevents.*.lab"):  # the lab's own, never a user's
-            if old.name != name:
-                old.unlink()
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(folder)) from None
     return EventFile(folder / name)

@@ -4,6 +4,7 @@ step is read (its metrics checked) before its state is saved and before the next
 queued; a non-finite step found late still stops the run before any later state is saved."""
 
 import json
+import shutil
 import time
 
 import jax
@@ -136,3 +137,30 @@ def test_a_checkpoint_save_is_timed_apart_from_the_steps(tmp_path, monkeypatch):
     assert done["checkpoint_saves"]["count"] == 3  # steps 2, 4, 6
     assert done["checkpoint_saves"]["total_s"] >= 1.5
     assert done["step_time"]["median_s"] < 0.5
+
+
+def _files(folder) -> dict:
+    """Every file under `folder` (lab.log and the lock aside) with its bytes."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name not in ("lab.log", ".lock")
+    }
+
+
+def test_a_refused_resume_leaves_the_folder_as_it_was(tmp_path, capsys):
+    """A resume refused because its TensorBoard folder cannot be written changes nothing:
+    config.json keeps the run's keys (a later plain resume must not take the refused
+    resume's), and metrics.jsonl keeps the steps past the checkpoint it would repeat."""
+    base = [*TINY, f"out_dir={tmp_path}", "name=r"]
+    assert main([*base, "steps=4", "checkpoint_every=2"]) == 0
+    run_dir = tmp_path / "r"
+    shutil.rmtree(run_dir / "checkpoints" / "4")  # the resume would repeat steps 3-4
+    shutil.rmtree(run_dir / "tensorboard")
+    (run_dir / "tensorboard").write_text("")
+    before = _files(run_dir)
+    capsys.readouterr()
+    assert main([*base, "resume=true", "steps=6", "lr=0.01"]) == 2
+    err = capsys.readouterr().err
+    assert "tensorboard could not be written" in err and "nothing was run" in err, err
+    assert _files(run_dir) == before

@@ -42,7 +42,8 @@ def _read_records(path: Path) -> list[Event]:
 
 
 def _curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """tag → [(step, value)] in file order, over every event file of the run."""
+    """tag → [(step, value)] in file order, over every event file of the run, as a reader
+    keeps them: a SessionLog START (a restart) drops the points at its step and after."""
     files = sorted((run_dir / tensorboard.FOLDER).glob("*tfevents*"))
     assert files, f"no event file in {run_dir}"
     curves: dict[str, list] = {}
@@ -50,6 +51,8 @@ def _curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
         events = _read_records(f)
         assert events[0].file_version == "brain.Event:2"
         for e in events[1:]:
+            if e.HasField("session_log") and e.session_log.status == e.session_log.START:
+                curves = {t: [p for p in c if p[0] < e.step] for t, c in curves.items()}
             for v in e.summary.value:
                 curves.setdefault(v.tag, []).append((e.step, v.simple_value))
     return curves
@@ -126,7 +129,7 @@ def test_a_run_stopped_and_resumed_is_one_curve(tmp_path):
     end = stopped + 3
     assert _run(tmp_path, "name=S", f"steps={end}", "resume=true", "checkpoint_every=3") == 0
     curves = _curves(run_dir)
-    assert len(list((run_dir / tensorboard.FOLDER).glob("*tfevents*"))) == 1
+    assert len(list((run_dir / tensorboard.FOLDER).glob("*tfevents*"))) == 2  # none rewritten
     for tag, points in curves.items():
         assert [s for s, _ in points] == list(range(1, end + 1)), tag
     assert [r["step"] for r in _metrics(run_dir)] == list(range(1, end + 1))
@@ -179,28 +182,54 @@ def test_memory_is_the_device_allocators_where_it_keeps_counters(monkeypatch):
     assert list(loop._memory_now()) == ["host_rss_bytes"]
 
 
-def test_a_rebuild_removes_only_the_labs_own_event_files(tmp_path):
-    """A resume rebuilds the lab's event file and removes its older ones (named *.lab); an
-    event file the user put in the folder stays."""
+def test_a_resume_keeps_every_event_file_and_marks_its_restart(tmp_path):
+    """A resume writes a new event file, named to sort after every earlier one (even one from a
+    later second: another host's clock), that begins with a SessionLog START at its first
+    step; no earlier file, the lab's or the user's, is rewritten or removed."""
     folder = tmp_path / tensorboard.FOLDER
     folder.mkdir()
     theirs = folder / "events.out.tfevents.123.host.custom"
-    older = folder / "events.out.tfevents.100.host.1.lab"
+    older = folder / f"events.out.tfevents.{int(time.time()) + 100}.host.1.lab"
     theirs.write_bytes(b"x")
     older.write_bytes(b"y")
-    made = tensorboard.start(tmp_path, [])
-    assert theirs.exists() and not older.exists() and made.path.exists()
+    made = tensorboard.start(tmp_path, [{"step": 1, "loss": 2.0}], resumed_from=4)
+    made.close()
+    assert theirs.read_bytes() == b"x" and older.read_bytes() == b"y"
+    assert sorted(folder.iterdir())[-1] == made.path
+    events = _read_records(made.path)
+    assert len(events) == 2 and events[1].step == 5
+    assert events[1].session_log.status == events[1].session_log.START
+
+
+def test_a_reader_watching_the_folder_follows_a_resume(tmp_path):
+    """TensorBoard's Python loader, reading the folder while the run stops and resumes (the
+    resume repeats steps 3-4), and one started afresh afterwards, both show each step once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    assert _run(tmp_path, "name=W", "steps=4", "checkpoint_every=2") == 0
+    run_dir = tmp_path / "W"
+    live = ea.EventAccumulator(str(run_dir / tensorboard.FOLDER))
+    live.Reload()
+    assert [e.step for e in live.Scalars("train/loss")] == [1, 2, 3, 4]
+    (run_dir / "checkpoints" / "4").rename(tmp_path / "lost")
+    assert _run(tmp_path, "name=W", "steps=6", "resume=true") == 0
+    live.Reload()
+    assert [e.step for e in live.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    seen = _in_tensorboard(run_dir)
+    assert seen == {tag: [1, 2, 3, 4, 5, 6] for tag in CPU_TAGS}
+    assert [s for s, _ in _curves(run_dir)["train/loss"]] == [1, 2, 3, 4, 5, 6]
 
 
 def test_an_unusable_tensorboard_folder_is_named_in_one_line(tmp_path, capsys, monkeypatch):
-    """A resume rebuilds the folder: a read-only one (a mount) or a file in its place is one
-    line, exit 2, naming the folder, never the file the rebuild writes aside in it."""
+    """A resume writes a new event file: a read-only folder (a mount) or a file in its place
+    is one line, exit 2, naming the folder, never the file written aside in it."""
     assert _run(tmp_path, "name=R", "steps=2", "checkpoint_every=2") == 0
     capsys.readouterr()
     real = Path.write_bytes
 
     def read_only(self, data):
-        if self.name.startswith(".rebuild-"):  # root writes through chmod: a read-only mount
+        if self.name.startswith(".start-"):  # root writes through chmod: a read-only mount
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
         return real(self, data)
 
