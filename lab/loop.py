@@ -378,7 +378,12 @@ class _Reader:
         tps = self.tokens_per_step / step_s
         self.bar.update(self.task, completed=step, loss=loss, tps=tps)
         if self.records and (step % self.cfg.log_every == 0 or step == self.cfg.steps):
-            self.records.write(step, loss, grad_norm, step_s)
+            try:
+                self.records.write(step, loss, grad_norm, step_s)
+            except OSError:
+                if self.records.log.last_step == step:  # only the event file failed: the
+                    hist.step = step  # step is whole in metrics.jsonl, as the last line says
+                raise
         hist.step = step
         return None
 
@@ -753,11 +758,18 @@ def _claim_here(
             with contextlib.suppress(FileExistsError):
                 (Path(cfg.out_dir) / cfg.name).mkdir()
                 created.append(Path(cfg.out_dir) / cfg.name)
-        run_dir = _open_run_dir(cfg, is_main, stages)
         if not is_main:
-            return cfg, run_dir
+            return cfg, _open_run_dir(cfg, is_main, stages)
         try:
-            held.enter_context(checkpoint.Lock(run_dir))
+            # the lock first where it can be taken: a folder whose run is still starting (no
+            # config.json yet) is in use, not a folder with no run to resume
+            here = Path(cfg.out_dir) / cfg.name
+            locked = here.is_dir() and os.access(here, os.W_OK | os.X_OK)
+            if locked:
+                held.enter_context(checkpoint.Lock(here))
+            run_dir = _open_run_dir(cfg, is_main, stages)
+            if not locked:
+                held.enter_context(checkpoint.Lock(run_dir))
             if not named or not (cfg.resume or cfg.overwrite):
                 rundir.check_fresh(run_dir)  # under the lock: no run can start in between
             return cfg, run_dir

@@ -119,26 +119,6 @@ def test_processes_compare_the_keys_that_decide_the_program_only():
     assert {k for k in a if a[k] != c[k]} == {"lr"}
 
 
-def test_a_checkpoint_save_is_timed_apart_from_the_steps(tmp_path, monkeypatch):
-    """A save (made slow here) is not in the next step's time, in metrics.jsonl or the
-    summary's median; the summary counts the saves and their time."""
-    real = checkpoint.Saver.save
-
-    def slow(self, step, state):
-        time.sleep(0.5)
-        return real(self, step, state)
-
-    monkeypatch.setattr(checkpoint.Saver, "save", slow)
-    args = [*TINY, f"out_dir={tmp_path}", "name=s", "steps=6", "checkpoint_every=2"]
-    assert main(args) == 0
-    lines = (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()
-    assert max(json.loads(x)["step_s"] for x in lines) < 0.5, lines
-    done = json.loads((tmp_path / "s" / "summary.json").read_text())
-    assert done["checkpoint_saves"]["count"] == 3  # steps 2, 4, 6
-    assert done["checkpoint_saves"]["total_s"] >= 1.5
-    assert done["step_time"]["median_s"] < 0.5
-
-
 def _files(folder) -> dict:
     """Every file under `folder` (lab.log and the lock aside) with its bytes."""
     return {
@@ -164,3 +144,38 @@ def test_a_refused_resume_leaves_the_folder_as_it_was(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "tensorboard could not be written" in err and "nothing was run" in err, err
     assert _files(run_dir) == before
+
+
+def test_a_checkpoint_save_is_timed_apart_from_the_steps(tmp_path, monkeypatch):
+    """A save (made slow here) is not in the next step's time, in metrics.jsonl or the
+    summary's median; the summary counts the saves and their time."""
+    real = checkpoint.Saver.save
+
+    def slow(self, step, state):
+        time.sleep(0.5)
+        return real(self, step, state)
+
+    monkeypatch.setattr(checkpoint.Saver, "save", slow)
+    args = [*TINY, f"out_dir={tmp_path}", "name=s", "steps=6", "checkpoint_every=2"]
+    assert main(args) == 0
+    lines = (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()
+    assert max(json.loads(x)["step_s"] for x in lines) < 0.5, lines
+    done = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert done["checkpoint_saves"]["count"] == 3  # steps 2, 4, 6
+    assert done["checkpoint_saves"]["total_s"] >= 1.5
+    assert done["step_time"]["median_s"] < 0.5
+
+
+def test_a_folder_whose_run_is_starting_is_in_use_not_missing(tmp_path):
+    """A resume into a folder whose run holds its lock but has not written config.json yet
+    (it is compiling) is told the folder is in use, not that there is no run to resume."""
+    import contextlib
+
+    from lab.config import make_config
+    from lab.errors import ConfigError
+
+    (tmp_path / "lk").mkdir()
+    cfg = make_config(model="tiny", out_dir=str(tmp_path), name="lk", resume=True)
+    with checkpoint.Lock(tmp_path / "lk"), contextlib.ExitStack() as held:
+        with pytest.raises(ConfigError, match="is in use by pid"):
+            loop._claim_here(cfg, True, held, named=True, stages=1)

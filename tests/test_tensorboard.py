@@ -163,9 +163,11 @@ def test_a_full_disk_in_the_event_file_is_one_line_and_leaves_whole_events(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: events.out.tfevents."), err
     assert "could not be written in" in err and "(No space left on device)" in err, err
-    assert "training stopped at step 2" in err, err
+    # step 3 is whole in metrics.jsonl (written before its event): the line says so alike
+    assert "training stopped at step 3;" in err and "metrics.jsonl to step 3" in err, err
     monkeypatch.undo()
     assert [s for s, _ in _curves(tmp_path / "D")["train/loss"]] == [1, 2]
+    assert [r["step"] for r in _metrics(tmp_path / "D")] == [1, 2, 3]
 
 
 def test_memory_is_the_device_allocators_where_it_keeps_counters(monkeypatch):
