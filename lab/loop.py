@@ -542,9 +542,18 @@ def _saved_or_empty(run_dir: Path) -> dict:
 
 
 def _nothing_to_resume(run_dir: Path) -> ConfigError:
+    every = _saved_or_empty(run_dir).get("checkpoint_every")  # how the run was saving
+    folder = checkpoint.folder(run_dir)
+    if every and not folder.exists():
+        why = f"its {folder.name}/ folder is missing, though the run saved every {every} steps"
+    elif every:
+        why = f"none in {folder.name}/: the run stopped before its first, or they were removed"
+    elif every == 0:
+        why = "checkpoint_every=0"
+    else:  # config.json does not say
+        why = "checkpoint_every=0, or the run stopped before its first"
     return ConfigError(
-        f"resume=true: {run_dir} holds no checkpoint (checkpoint_every=0, or the run "
-        "stopped before its first): overwrite=true starts it again"
+        f"resume=true: {run_dir} holds no checkpoint ({why}): overwrite=true starts it again"
     )
 
 
@@ -904,9 +913,20 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
             torn, missing = rundir.keep_metrics_before(run_dir, start, cfg.log_every)
         except OSError as e:
             raise _start_failure(e, run_dir) from None
+        if start and not (run_dir / "metrics.jsonl").exists():  # deleted: said, not passed over
+            console.print(
+                f"metrics.jsonl: none in {run_dir}; the records of steps 1-{start} are missing "
+                f"(this run logs from step {start + 1})",
+                soft_wrap=True,
+            )
         if torn:
             gaps = rundir.step_ranges(missing)
-            lost = f"the records of steps {gaps} are missing" if missing else "no record is missing"
+            records = (
+                f"the record of step {gaps} is"
+                if len(missing) == 1
+                else f"the records of steps {gaps} are"
+            )
+            lost = f"{records} missing" if missing else "no record is missing"
             lines = f"{torn} lines that are" if torn > 1 else "a line that is"
             aside = run_dir / "metrics-torn.jsonl"
             console.print(

@@ -390,6 +390,30 @@ def test_resume_after_non_utf8_bytes_at_the_end_of_metrics(earlier, tmp_path, ca
     assert "no record is missing" in out and "lost from a damaged file" not in out
 
 
+def test_resume_after_metrics_lost_one_record_names_it_in_the_singular(earlier, tmp_path, capsys):
+    run_dir = _copy(earlier, "ckpt", tmp_path)  # steps 1-6, checkpoints at 2, 4 and 6
+    lines = (run_dir / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_bytes(b"".join(lines[:5]) + lines[5][:20])  # step 6 cut
+    assert _run(tmp_path, "name=ckpt", "steps=7", "checkpoint_every=2", "resume=true") == 0
+    out = capsys.readouterr().out
+    assert "; the record of step 6 is missing" in out, out
+
+
+def test_a_resume_says_metrics_jsonl_is_gone(earlier, tmp_path, capsys):
+    run_dir = _copy(earlier, "ckpt", tmp_path)
+    (run_dir / "metrics.jsonl").unlink()
+    assert _run(tmp_path, "name=ckpt", "steps=7", "checkpoint_every=2", "resume=true") == 0
+    out = capsys.readouterr().out
+    assert f"metrics.jsonl: none in {run_dir}; the records of steps 1-6 are missing" in out, out
+
+
+def test_a_resume_whose_checkpoints_folder_is_gone_says_so(earlier, tmp_path, capsys):
+    run_dir = _copy(earlier, "ckpt", tmp_path)
+    shutil.rmtree(run_dir / "checkpoints")
+    assert _run(tmp_path, "name=ckpt", "steps=7", "resume=true") == 2
+    _one_line_error(capsys, "its checkpoints/ folder is missing, though the run saved every 2")
+
+
 def test_resume_after_metrics_cut_mid_line_names_the_torn_line_and_the_lost_steps(
     earlier, tmp_path, capsys
 ):
