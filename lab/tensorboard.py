@@ -2,10 +2,10 @@
 
 The event files are a second view of metrics.jsonl: every record the loop logs there is
 appended here as one event (its scalars under the tags of `TAGS`, at its step). Each start
-of a run writes a new event file and never touches the earlier ones; a resume's file begins
-with a SessionLog START at the first step it logs again, TensorBoard's convention for a job
-restarted from a checkpoint: TensorBoard's Python loader, live or fresh, drops the steps from
-there on that it read before, and its Rust data server drops them at the repeated step (a
+of a run writes a new event file and never touches the earlier ones; each file begins with a
+SessionLog START at its first step, and a START after the first is TensorBoard's sign of a job
+restarted from a checkpoint: TensorBoard's Python loaders, live or fresh, drop the steps from
+there on that they read before, and its Rust data server drops them at the repeated step (a
 series' points from a step seen again on), so each shows one curve with each step once.
 Nothing is lost by dropping them: metrics-superseded.jsonl keeps their records.
 
@@ -112,12 +112,13 @@ def _stamp(path: Path) -> int:
 def start(run_dir: Path, records: list[dict], resumed_from: int = 0) -> EventFile:
     """A new event file of the lab's (named *.lab, sorted after every earlier one, written
     aside and renamed in whole), returned open for this run's records. Where the folder holds
-    the lab's earlier event files (a resume), they stay as they are, and the new file begins
-    with a SessionLog START at step `resumed_from` + 1: TensorBoard's restart convention,
-    by which a reader drops the steps from there on that it read from the earlier files (the
-    ones this run logs again; metrics-superseded.jsonl keeps their records). Where it holds
-    none (a fresh run, or a folder that lost them), the new file begins with `records`
-    (metrics.jsonl's steps up to `resumed_from`). Earlier files are never rewritten or
+    the lab's earlier event files (a resume), they stay as they are. Every file begins with
+    a SessionLog START at step `resumed_from` + 1, as a TensorFlow session's does: a START
+    after the first is TensorBoard's sign of a restart, by which a reader drops the steps from
+    there on that it read from the earlier files (the ones this run logs again;
+    metrics-superseded.jsonl keeps their records). Where the folder holds none of the lab's
+    files (a fresh run, or a folder that lost them), `records` (metrics.jsonl's steps up to
+    `resumed_from`) follow the START. Earlier files are never rewritten or
     deleted: a reader that is watching the folder, which keeps reading the file it has open
     and then the ones after it, sees the same curve as one that starts afresh. OSError for
     the caller, naming the folder (the user's to fix) rather than the file written aside in
@@ -130,12 +131,15 @@ def start(run_dir: Path, records: list[dict], resumed_from: int = 0) -> EventFil
         earlier = list(folder.glob("events.out.tfevents.*.lab"))  # the lab's own
         stamp = max([int(time.time()), *(_stamp(p) + 1 for p in earlier)])
         name = f"events.out.tfevents.{stamp}.{socket.gethostname()}.{os.getpid()}.lab"
+        session = _tbx().Event(wall_time=time.time(), step=resumed_from + 1)
+        session.session_log.status = session.session_log.START
         if earlier:
-            restart = _tbx().Event(wall_time=time.time(), step=resumed_from + 1)
-            restart.session_log.status = restart.session_log.START
-            body = _framed(restart)
+            # twice: TensorBoard's server takes the first START it reads in a folder for the
+            # run's beginning, not a restart, and the lab's files from before each one began
+            # with a START hold none
+            body = _framed(session) * 2
         else:
-            body = b"".join(_framed(_event(r)) for r in records)
+            body = _framed(session) + b"".join(_framed(_event(r)) for r in records)
         try:
             tmp.write_bytes(_first() + body)
             tmp.replace(folder / name)

@@ -198,26 +198,38 @@ def test_a_resume_keeps_every_event_file_and_marks_its_restart(tmp_path):
     made.close()
     assert theirs.read_bytes() == b"x" and older.read_bytes() == b"y"
     assert sorted(folder.iterdir())[-1] == made.path
-    events = _read_records(made.path)
-    assert len(events) == 2 and events[1].step == 5
-    assert events[1].session_log.status == events[1].session_log.START
+    events = _read_records(made.path)  # START twice: a first START is no restart to a server
+    assert len(events) == 3 and [e.step for e in events[1:]] == [5, 5]
+    assert all(e.session_log.status == e.session_log.START for e in events[1:])
 
 
 def test_a_reader_watching_the_folder_follows_a_resume(tmp_path):
-    """TensorBoard's Python loader, reading the folder while the run stops and resumes (the
-    resume repeats steps 3-4), and one started afresh afterwards, both show each step once."""
+    """TensorBoard's Python loaders (the event accumulator, and the server's own with
+    --load_fast=false), reading the folder while the run stops and resumes (the resume repeats
+    steps 3-4), and one started afresh afterwards, all show each step once."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing import event_accumulator as ea
+    from tensorboard.backend.event_processing import plugin_event_multiplexer as pem
 
     assert _run(tmp_path, "name=W", "steps=4", "checkpoint_every=2") == 0
     run_dir = tmp_path / "W"
     live = ea.EventAccumulator(str(run_dir / tensorboard.FOLDER))
+    server = pem.EventMultiplexer()
+    server.AddRunsFromDirectory(str(tmp_path))
+    read = lambda: [e.step for e in server.GetAccumulator("W/tensorboard").Tensors("train/loss")]  # noqa: E731
     live.Reload()
-    assert [e.step for e in live.Scalars("train/loss")] == [1, 2, 3, 4]
+    server.Reload()
+    assert [e.step for e in live.Scalars("train/loss")] == read() == [1, 2, 3, 4]
     (run_dir / "checkpoints" / "4").rename(tmp_path / "lost")
     assert _run(tmp_path, "name=W", "steps=6", "resume=true") == 0
     live.Reload()
-    assert [e.step for e in live.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    server.Reload()
+    assert [e.step for e in live.Scalars("train/loss")] == read() == [1, 2, 3, 4, 5, 6]
+    fresh = pem.EventMultiplexer()
+    fresh.AddRunsFromDirectory(str(tmp_path))
+    fresh.Reload()
+    steps = [e.step for e in fresh.GetAccumulator("W/tensorboard").Tensors("train/loss")]
+    assert steps == [1, 2, 3, 4, 5, 6]
     seen = _in_tensorboard(run_dir)
     assert seen == {tag: [1, 2, 3, 4, 5, 6] for tag in CPU_TAGS}
     assert [s for s, _ in _curves(run_dir)["train/loss"]] == [1, 2, 3, 4, 5, 6]
