@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import jax
 from jax._src import distributed as _distributed  # the key-value store of the runtime
@@ -702,7 +703,12 @@ def agreed_stop(stop, step: int, ahead: int = 1) -> bool:
     return True
 
 
-def agreed_folder(claim, follow, timeout_s: int, keys: dict | None = None):
+# Process 0 writes a token here in the run folder it claimed while the others check they see the
+# same folder (removed once every process has answered)
+JOIN_FILE = ".lab-join"
+
+
+def agreed_folder(claim, follow, timeout_s: int, keys: dict | None = None, shared: bool = False):
     """The run folder every process of a run uses, or one refusal for all of them.
 
     Process 0 chooses and checks the folder (`claim()` → (cfg, run_dir); a name lab.run chose
@@ -715,8 +721,13 @@ def agreed_folder(claim, follow, timeout_s: int, keys: dict | None = None):
     refused; `timeout_s` bounds each wait. `keys` (the run's resolved keys, flat) are compared
     with process 0's: processes started with different keys would train different programs
     in lockstep (replicas drifting apart unseen) or abort at the end in the runtime's
-    barrier, so a difference is one line on every process."""
+    barrier, so a difference is one line on every process.
+
+    `shared`: every process writes into the folder (its part of each checkpoint), so each must
+    see process 0's: process 0 leaves a token in it (JOIN_FILE) and `follow(name, token)` checks
+    it reads the same, instead of a first save that waits for parts written elsewhere."""
     import json
+    import secrets
 
     client = _distributed.global_state.client
     if client is None or jax.process_count() == 1:
@@ -751,16 +762,53 @@ def agreed_folder(claim, follow, timeout_s: int, keys: dict | None = None):
             why = f"the processes were started with different keys ({shown}{more})"
             post({"error": why})
             raise ConfigError(f"{why}: start every process with the same keys")
+    token = joined = None
     try:
-        result = claim() if me == 0 else follow(first["name"])
+        if me == 0:
+            result = claim()
+            if shared:
+                token, joined = secrets.token_hex(8), Path(result[1]) / JOIN_FILE
+                joined.write_text(token)
+        else:
+            result = follow(first["name"], first.get("token"))
     except BaseException as e:  # its own refusal, failure or Ctrl-C: the others are told
         post({"error": str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})
         raise
-    post({"name": result[0].name, "keys": keys})
-    for i in range(n):
-        if i != me and "error" in (verdict := read(i)):
-            raise refused(i, verdict)
+    try:
+        post({"name": result[0].name, "keys": keys, "token": token})
+        for i in range(n):
+            if i != me and "error" in (verdict := read(i)):
+                raise refused(i, verdict)
+    finally:
+        if joined is not None:
+            joined.unlink(missing_ok=True)
     return result
+
+
+def check_joined(run_dir: Path, token: str | None, otherwise: str = "", wait_s: float = 10.0):
+    """ConfigError unless `run_dir` holds process 0's token (agreed_folder's JOIN_FILE): this
+    process writes its part of each checkpoint there, and a folder process 0 cannot see would
+    leave the first save waiting for parts that never arrive. A network file system may show a
+    new file a few seconds late: read again for up to `wait_s`. `otherwise`: the other way out
+    (", or give checkpoint_every=0")."""
+    if token is None:
+        return
+    path = Path(run_dir) / JOIN_FILE
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if path.read_text().strip() == token:
+                return
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    raise ConfigError(
+        f"process {jax.process_index()} does not see process 0's run folder at {run_dir}: "
+        "every process writes and reads its part of each checkpoint there, so out_dir= must be "
+        f"a folder all hosts share (a network file system){otherwise}"
+    )
 
 
 # Simulated CPU devices per process: 4,096 take ~3 s and 0.7 GB to create on 2 cores; the cost

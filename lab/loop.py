@@ -32,9 +32,11 @@ from lab.checkpoint import LAYOUT
 from lab.config import BACKEND_KEYS, WARMUP_STEPS, Config, profile_window
 from lab.data import host_batch, to_global
 from lab.devices import (
+    JOIN_FILE,
     PARENT_DEATH_SIGNAL,
     agreed_folder,
     agreed_stop,
+    check_joined,
     leave_now,
     left_loop,
     on_peer_lost,
@@ -617,6 +619,12 @@ def _open_run_dir(cfg: Config, is_main: bool, stages: int = 1) -> Path:
 def _analyse(cfg, info, trainer, console):
     """Compile, explain, analyse; refuse a step the device cannot hold. (analysis, compiled,
     compile_s). A plan's compile also reads every GPU kernel's resources (lab/plans)."""
+    where = f" for {cfg.target} (compiled, not run)" if info.aot else ""
+    with progress.working(console, f"compiling the step{where} …"):
+        return _compile_and_analyse(cfg, info, trainer, console)
+
+
+def _compile_and_analyse(cfg, info, trainer, console):
     t0 = time.perf_counter()
     if info.aot:
         try:
@@ -709,8 +717,10 @@ def _claim_folder(
     With several processes, all take process 0's folder, and one's refusal is every
     process's (devices.agreed_folder)."""
 
-    def follow(name: str):
+    def follow(name: str, token: str | None = None):
         cfg_here = dataclasses.replace(cfg, name=name)
+        otherwise = "" if cfg.resume else ", or give checkpoint_every=0"
+        check_joined(Path(cfg_here.out_dir) / name, token, otherwise)
         return cfg_here, _open_run_dir(cfg_here, False, stages)
 
     timeout_s = max(cfg.coordinator_timeout, 120)
@@ -721,6 +731,8 @@ def _claim_folder(
             follow,
             timeout_s,
             keys=_compared_keys(cfg),
+            # checkpoints are written (and a resume read) by every process into the one folder
+            shared=bool(cfg.checkpoint_every or cfg.resume) and not cfg.compile_only,
         )
     except ConfigError:
         for folder in created:
@@ -752,8 +764,9 @@ def _compared_keys(cfg: Config) -> dict:
 def _drop_bare(folder: Path) -> None:
     """Remove a folder this process made that holds nothing but its lock (kept otherwise)."""
     with contextlib.suppress(OSError):
-        if {p.name for p in folder.iterdir()} <= {".lock"}:
+        if {p.name for p in folder.iterdir()} <= {".lock", JOIN_FILE}:
             (folder / ".lock").unlink(missing_ok=True)
+            (folder / JOIN_FILE).unlink(missing_ok=True)
             folder.rmdir()
 
 

@@ -41,8 +41,9 @@ LAYOUT_FIELDS = ("scan_layers",)
 
 
 # What the folder holds for its run's sake, not as the run's output: the lock of the live run and
-# the libraries' log, which every run in the folder appends to.
-NOT_OUTPUT = (".lock", "lab.log")
+# the libraries' log, which every run in the folder appends to, and the token a multi-process
+# run's processes check they share the folder by (devices.JOIN_FILE, left by a crash at most).
+NOT_OUTPUT = (".lock", "lab.log", ".lab-join")
 
 
 def previous_run(run_dir: Path) -> list[str]:

@@ -43,6 +43,8 @@ def test_plan_compiles_and_matches_the_calculator(tmp_path, capsys, target, mesh
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "compiled, not run" in out and "predicted step time" in out
+    # a compile of minutes says so as it starts (a line where the output is not a terminal)
+    assert f"compiling the step for {target} (compiled, not run) …" in out
     assert s_pred(tmp_path)["label"] == "predicted"
     s = json.loads((tmp_path / "plan" / "summary.json").read_text())
     assert s["aot"]["label"] == "compiled, not run"

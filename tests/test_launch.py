@@ -457,6 +457,55 @@ def test_processes_started_with_different_keys_are_refused(tmp_path):
 
 
 @pytest.mark.once
+def test_checkpointing_processes_that_do_not_share_the_run_folder_are_refused(tmp_path):
+    """Every process writes its part of each checkpoint into the run folder: a process that
+    sees another folder (out_dir on its own host's disk) would leave the first save waiting
+    for parts that never arrive. Both refuse in one line before any step, and nothing is left."""
+    port = launch.free_port()
+    own = {0: tmp_path / "shared", 1: tmp_path / "local"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "lab.run", *TINY, "mesh=4x2", f"out_dir={own[i]}", "name=R"]
+            + ["num_processes=2", f"process_id={i}", f"coordinator=localhost:{port}"]
+            + ["checkpoint_every=1", "coordinator_timeout=60"],
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    t0 = time.monotonic()
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert time.monotonic() - t0 < 120, errs  # not a save's timeout
+    needle = f"process 1 does not see process 0's run folder at {own[1] / 'R'}"
+    assert errs[1].count("\n") == 1 and needle in errs[1], errs[1]
+    assert "out_dir= must be a folder all hosts share" in errs[1]
+    assert errs[0].startswith("error: process 1 of 2 refused the run: process 1 does not"), errs
+    assert errs[0].count("\n") == 1
+    assert not (own[0] / "R").exists()  # process 0's folder made for the run is removed
+    # sharing it, the same processes train and checkpoint
+    port = launch.free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "lab.run", *TINY, "mesh=4x2", f"out_dir={own[0]}", "name=R"]
+            + ["num_processes=2", f"process_id={i}", f"coordinator=localhost:{port}"]
+            + ["checkpoint_every=3", "coordinator_timeout=60"],
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert checkpoint.saved_steps(own[0] / "R") == [3]
+    assert not (own[0] / "R" / devices.JOIN_FILE).exists()
+
+
+@pytest.mark.once
 def test_a_launched_fsdp_run_resumes_past_a_damaged_step(tmp_path):
     """Two processes, each holding only its shards of every weight (fsdp over 8 devices):
     the resume checks the restored state is finite without fetching another process's
