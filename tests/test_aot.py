@@ -62,6 +62,10 @@ def test_plan_compiles_and_matches_the_calculator(tmp_path, capsys, target, mesh
         == {"tpu:v5e:2x2": 15.75, "tpu:v4:2x2x2": 30.75}[target] * 2**30
     )
     assert "memory per device (what XLA:TPU lets a program hold)" in out
+    # the calculator's row states its error on this program: its total over the compiled one
+    calc = s["predicted_memory_per_device"]["total"]
+    ratio = calc / s["compiled_memory_per_device"]["total_bytes"]
+    assert f"{ratio:.2f}× the compiled)" in out, out
     cfg = json.loads((tmp_path / "plan" / "config.json").read_text())
     keys = [f"model={preset}", "dtype=bfloat16", "attention=naive", "batch_size=16"]
     run_cfg = parse_args([*keys, "seq_len=256", f"strategy={cfg['strategy']}"])

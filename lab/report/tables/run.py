@@ -88,7 +88,10 @@ def analysis(a: StepAnalysis, compile_s: float) -> Table:
     parts = ", ".join(f"{k} {_mem(v)}" for k, v in pred.parts)
     if pred.host:
         parts += f"; in host memory {_mem(pred.host)}"
-    t.add_row("predicted total (calculator)", f"{_mem(pred.total)}  ({parts})")
+    compiled = a.compiled_total_bytes
+    # the calculator's error on this very program, beside its figure (a prediction states it)
+    ratio = f"; {pred.total / compiled:.2f}× the compiled" if compiled and pred.total else ""
+    t.add_row("predicted total (calculator)", f"{_mem(pred.total)}  ({parts}{ratio})")
     c = a.compiled_cost
     note = c.lower_bound_note
     trips = c.loop_trips
