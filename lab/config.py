@@ -266,9 +266,11 @@ def _pairs(argv: list[str], known: typing.Collection[str], aliases: dict) -> lis
 
 
 def parse_options(cls, argv: list[str]):
-    """`key=value` arguments → an instance of the options dataclass `cls`."""
+    """`key=value` arguments → an instance of the options dataclass `cls` (its KEY_ALIASES, if
+    any: older names of keys, still read)."""
     fields = fields_of(cls)
-    kw = {k: parse_value(*fields[k], raw) for k, raw in _pairs(argv, fields, {})}
+    aliases = getattr(cls, "KEY_ALIASES", {})
+    kw = {k: parse_value(*fields[k], raw) for k, raw in _pairs(argv, fields, aliases)}
     return cls(**kw)
 
 

@@ -101,7 +101,7 @@ def plan(size: str) -> list[Step]:
             "prediction",
             "the step-time model against this GPU: single ops and lab.run steps timed and "
             "predicted, held out (none started after 360 s: the tables are printed in budget)",
-            ("-m", "lab.tools.prediction", "here=true", "stop_after=360", "results={out}"),
+            ("-m", "lab.tools.prediction", "here=true", "stop_after=360", "out_dir={out}"),
             540,
             needs_gpu=True,
             kind="prediction",
@@ -171,7 +171,7 @@ def plan(size: str) -> list[Step]:
         Step(
             "serve",
             "prefill, decode over batch vs HBM bandwidth, int8",
-            ("-m", "lab.serve", *serve, "plot=false", "results={out}"),
+            ("-m", "lab.serve", *serve, "plot=false", "out_dir={out}"),
             540,
             kind="serve",
         )

@@ -11,7 +11,7 @@ held-out error are written to lab/predict/fits.json, which lab.run prints beside
 prediction.
 
 cpu=true checks the model on this CPU (lab.run configurations timed here, the CPU's free
-parameters fitted on the first three; the step times go to results= as records). here=true,
+parameters fitted on the first three; the step times go to out_dir= as records). here=true,
 on a GPU, first times single ops (matrix products at the published points' shapes in each
 dtype, a copy), then lab.run configurations that fill the chip, and predicts each from its
 own compiled program with the published fit: nothing is fitted on them, every row is held
@@ -41,6 +41,7 @@ from lab.studies import prediction
 
 @dataclasses.dataclass(frozen=True)
 class Options:
+    KEY_ALIASES = {"results": "out_dir"}  # its name before it matched the other tools'
     only: tuple = field((), "point ids to predict (default: every point)", kind="names")
     cache_dir: str = field(
         "results/prediction-cache", "compiled programs of the points, reused", kind="path"
@@ -76,7 +77,7 @@ class Options:
         "what finished is printed and kept), 0: no limit",
         min=0.0,
     )
-    results: str = field("results", "folder for the records and the PNG", kind="path")
+    out_dir: str = field("results", "folder for the records and the PNG", kind="path")
     loo: bool = field(
         False,
         "instead: each calibration point predicted with the parameters fitted on the other "
@@ -107,8 +108,8 @@ def _check_modes(o: Options) -> None:
             f"cache_dir= holds the published points' programs; {mode}=true compiles its own "
             "configurations and keeps none"
         )
-    if o.results != default.results and mode == "loo":
-        raise ConfigError("results= is where records go; loo=true prints its table only")
+    if o.out_dir != default.out_dir and mode == "loo":
+        raise ConfigError("out_dir= is where records go; loo=true prints its table only")
     if o.only and mode == "loo":
         raise ConfigError(
             "loo=true fits on every calibration point but the one left out; only= cannot "
@@ -118,7 +119,7 @@ def _check_modes(o: Options) -> None:
     if mode != "cpu" and mode != "here":  # the published points' programs are cached there
         records.writable_dir(o.cache_dir)
     if mode in (None, "cpu"):
-        records.writable_dir(o.results)
+        records.writable_dir(o.out_dir)
 
 
 def _saved_fits() -> dict:
@@ -160,7 +161,7 @@ def run(o: Options) -> int:
         _edges(con, summary.fits)
     # the files are named for the hardware the points are on, not this host's backend
     targets = "+".join(sorted({prediction.vendor(p) for p in points}))
-    stem = records.output_stem(o.results, "prediction", backend=targets or None)
+    stem = records.output_stem(o.out_dir, "prediction", backend=targets or None)
     recs = prediction.to_records(summary)
     if recs:
         con.print(
@@ -248,7 +249,7 @@ def _cpu(o: Options, con) -> int:
         )
         tick.done()
     con.print(tables.prediction_cpu_rows(rows, Fit.from_record(fit)))
-    path = records.output_stem(o.results, "prediction-cpu").with_suffix(".jsonl")
+    path = records.output_stem(o.out_dir, "prediction-cpu").with_suffix(".jsonl")
     con.print(
         f"records → {records.write_records(path, prediction.cpu_records(rows, fit))}",
         soft_wrap=True,
@@ -277,7 +278,7 @@ def _here(o: Options, con) -> int:
                 f"configs={bad[0]}: there are {len(configs)} configurations (1-based)"
             )
         configs = tuple(configs[i - 1] for i in o.configs)
-    path = records.output_stem(o.results, "prediction-here").with_suffix(".jsonl")
+    path = records.output_stem(o.out_dir, "prediction-here").with_suffix(".jsonl")
     deadline = time.monotonic() + o.stop_after if o.stop_after else None
 
     def writer(what: str, store: str):
