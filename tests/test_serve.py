@@ -683,6 +683,7 @@ def test_a_failing_peer_keeps_the_measured_figures_and_says_where_it_stopped(mon
     counts each of its batches (study.ticks)."""
     from lab.session import open_session
     from lab.studies import torch_decoder
+    from lab.studies.serving import records as serving_records
     from lab.studies.serving import study, weights
 
     monkeypatch.setattr(torch_decoder, "available", lambda: True)
@@ -711,6 +712,9 @@ def test_a_failing_peer_keeps_the_measured_figures_and_says_where_it_stopped(mon
     assert [p.batch for p in out.decode] == [1, 2] and out.prefill
     assert [p.batch for p in out.torch] == [1]
     assert "failed at batch 2" in out.peer_note and "KeyError" in out.peer_note, out.peer_note
+    # the records of the batch it timed say where it stopped, as the terminal did
+    (peer,) = [r for r in serving_records.to_records(out, {}) if r["config"].get("peer")]
+    assert peer["config"]["peer_note"] == out.peer_note
     assert {"PyTorch peer batch 1", "PyTorch peer batch 2"} <= set(labels), labels
     with_peer = study.ticks(s, plan)
     monkeypatch.setattr(torch_decoder, "available", lambda: False)

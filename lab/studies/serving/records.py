@@ -91,6 +91,8 @@ def _point_records(prefill, decode, config: dict, peak_flops: float | None) -> l
 
 def _rest(out: Study, config: dict) -> list[dict]:
     s, recs = out.summary, []
+    # why the peer stopped, where it did (a failure at a later batch, fewer steps in budget)
+    note = {"peer_note": out.peer_note} if out.peer_note else {}
     for r in out.torch:
         recs.append(
             records.make_record(
@@ -98,7 +100,7 @@ def _rest(out: Study, config: dict) -> list[dict]:
                 r.tokens_per_s,
                 "tokens/s",
                 peer="torch",
-                **{**config, **r.record_config()},
+                **{**config, **r.record_config(), **note},
             )
         )
     if s.output_input_cost_ratio is not None:
