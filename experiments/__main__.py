@@ -183,7 +183,8 @@ def run(o: Options) -> int:
     out_dir = markdown.results_dir(o.out_dir, env)
     names = select(only)
     t0 = time.perf_counter()
-    meta = {"size": o.size, "only": only, "modules": {}, "argv": sys.argv[1:], "start": t0}
+    meta = {"size": o.size, "only": only, "topics": names, "modules": {}, "argv": sys.argv[1:]}
+    meta["start"] = t0
     con.print(
         f"experiments · {env['backend']} · {env['device_kind']} × "
         f"{env['device_count']} · size {o.size} → {out_dir}"

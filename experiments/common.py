@@ -147,13 +147,21 @@ def mfu_peak(size: str) -> float:
 def mfu_peak_name(size: str) -> str:
     """Which op `mfu_peak` timed, for a record's words: each of the ledger's peaks is its
     own measurement (op, dtype, size), and a record says which one it divides by."""
-    dtype = "float32" if backend() == "cpu" else "bfloat16"
-    return f"{dtype} matmul, default precision, n={_mfu_n(size)}"
+    return f"{compute_dtype()} matmul, default precision, n={_mfu_n(size)}"
+
+
+def compute_dtype() -> str:
+    """The backend's compute dtype, as dtype=auto resolves it: float32 on CPU, bfloat16 on
+    GPU and TPU."""
+    return "float32" if backend() == "cpu" else "bfloat16"
 
 
 def shared_step(size: str) -> dict:
-    """The shared step (STEP) timed in the backend's compute dtype; cached."""
-    return train_probe(step_config(size), budget_s=STEP_BUDGET_S[size])
+    """The shared step (STEP) timed in the backend's compute dtype, named (the config the
+    training topic times as its float32 or bf16 step: one compiled and timed step, so one
+    report quotes one MFU measured here); cached."""
+    cfg = step_config(size, dtype=compute_dtype())
+    return train_probe(cfg, budget_s=STEP_BUDGET_S[size])
 
 
 def mfu_here(size: str) -> float:

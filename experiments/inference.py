@@ -63,8 +63,11 @@ def _sweep(size: str) -> list[dict]:
     model = make_config(preset="tiny", **shape).model
     seq = pick(size, tiny=32, quick=REQUEST_TOKENS, full=REQUEST_TOKENS)
     budget = pick(size, tiny=0.01, quick=0.5, full=2.0)
+    # the classifier the rows timed, named in their records (size=tiny's is not BERT-base)
+    named = "BERT-base size" if shape else "the tiny preset"
+    classifier = f"{named}: {model.n_layers} layers, d_model {model.d_model}, {seq} tokens"
     return [
-        forward_probe(model, batch=b, seq_len=seq, budget_s=budget)
+        {**forward_probe(model, batch=b, seq_len=seq, budget_s=budget), "classifier": classifier}
         for b in pick(size, tiny=(1, 4), quick=(1, 8), full=(1, 8, 32))
     ]
 
@@ -78,7 +81,7 @@ def _classifier_requests_per_s(rows: list[dict], mfu: float) -> list[dict]:
             record(
                 "C16",
                 None,
-                f"classifier requests/s at batch {r['batch']}",
+                f"classifier requests/s at batch {r['batch']} ({r['classifier']})",
                 r["requests_per_s"],
                 "req/s",
                 role="context",
@@ -96,7 +99,8 @@ def _classifier_requests_per_s(rows: list[dict], mfu: float) -> list[dict]:
             record(
                 "C16",
                 "cpu16_rps",
-                f"best requests/s (batch {best['batch']}) × {ARTICLE_CORES}/{cores} cores",
+                f"best requests/s (batch {best['batch']}, {best['classifier']}) × "
+                f"{ARTICLE_CORES}/{cores} cores",
                 best["requests_per_s"] * ARTICLE_CORES / cores,
                 "req/s",
                 # a 16-core CPU is absent: linear scaling in cores is an extrapolation

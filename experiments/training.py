@@ -21,6 +21,7 @@ from experiments.common import (
     YEAR_S,
     accel_peak,
     backend,
+    compute_dtype,
     cores_used,
     cpu_device,
     fallback,
@@ -404,7 +405,7 @@ def run(size: str = "quick", plans: bool = False) -> list[dict]:
     """plans=True: the accelerators' figures from the step compiled for them and the
     step-time model (lab.predict); otherwise the fallback rule, each labelled with its error."""
     pair = _precision_pair(size)
-    here = pair["float32"] if backend() == "cpu" else pair["bfloat16"]
+    here = pair[compute_dtype()]  # the shared step (common.shared_step): its MFU is the one
     peak = mfu_peak(size)
     mfu = here["model_flops_per_s"] / peak
     p_cpu = _cpu_probe(size, here)

@@ -313,7 +313,8 @@ def test_a_stopped_ledger_keeps_the_finished_topics_and_writes_their_report(tmp_
     records = rec.read_records(folder / "records.jsonl")
     report = (folder / "REPORT.md").read_text()
     assert "`memory`" in report and "cut short by SIGTERM" in report
-    assert "`training`" not in report
+    assert "**cut short**" in report and "**failed**" not in report  # stopped, not broken
+    assert "`training`: not run (the run was stopped before it)" in report
     if how == "points":
         kept = [r for r in records if r["config"].get("cut_short")]
         assert [r["value"] for r in kept] == [2.0, 3.0]
@@ -790,3 +791,63 @@ def test_c21_flags_a_copy_bandwidth_that_moved_during_the_sweep():
     assert flag["value"] == pytest.approx(22.6 / 44.9)
     assert inference._noisy_roof(roofs(44.9e9, 44.9e9 * (1 + NOISY_ROOF / 2))) == []
     assert inference._noisy_roof(Roofs(1e10, 1e11, "float32", {"bytes_per_s": 1e10})) == []
+
+
+def test_the_shared_step_is_the_step_training_times_in_the_backends_dtype(monkeypatch):
+    """The prediction topic's 'MFU measured here' (the shared step) and the training topic's
+    (its float32 step on CPU) are one compiled and timed step: one report, one MFU."""
+    from experiments import common, training
+
+    asked = []
+    monkeypatch.setattr(common, "train_probe", lambda cfg, **k: asked.append((cfg, k)) or {})
+    monkeypatch.setattr(training, "train_probe", lambda cfg, **k: asked.append((cfg, k)) or {})
+    common.shared_step("tiny")
+    training._precision_pair("tiny")
+    shared, (cfg, k) = asked[0], asked[1 + ["float32", "bfloat16"].index(common.compute_dtype())]
+    assert shared[0] == cfg and shared[1]["budget_s"] == k["budget_s"]  # one cache key
+    assert common.compute_dtype() == "float32"  # on CPU (auto's dtype, named)
+
+
+def test_a_runs_own_report_says_why_a_claim_has_no_record():
+    """A stopped run's REPORT.md: a claim whose topic was never reached reads "not run", one
+    whose topic was cut short "cut short", as compare's column on that folder does, instead
+    of "no record"."""
+    from lab.report import markdown
+
+    by_topic = {}
+    for c in CLAIMS:
+        by_topic.setdefault(c.topic, c)
+    (cut, done, never) = list(by_topic.values())[:3]
+    meta = {
+        "size": "quick",
+        "topics": [cut.topic, done.topic, never.topic],
+        "modules": {
+            cut.topic: {"wall_s": 1.0, "records": 0, "error": "cut short by SIGTERM: no records"},
+            done.topic: {"wall_s": 1.0, "records": 0, "error": None},
+        },
+    }
+    verdicts = judge_all([], [cut, done, never])
+    rows = "\n".join(markdown.verdict_rows(verdicts, [], meta))
+    assert f"| {cut.id} |" in rows and "**cut short**" in rows
+    assert "**not run**" in rows and f"**{MISSING}**" in rows  # the finished topic's own
+    text = markdown.render([], verdicts, {}, meta)
+    assert f"`{never.topic}`: not run (the run was stopped before it)" in text
+
+
+def test_the_classifier_records_name_the_model_they_timed():
+    """size=tiny times the tiny preset, not BERT-base: its records say which it timed."""
+    from experiments import inference
+
+    rows = [
+        dict(batch=b, requests_per_s=10.0 * b, seq_len=32, median_s=0.1, flops_per_request=1e6)
+        | {"classifier": "the tiny preset: 2 layers, d_model 64, 32 tokens"}
+        for b in (1, 4)
+    ]
+    recs = inference._classifier_requests_per_s(rows, 0.3)
+    named = [r["what"] for r in recs if r["config"].get("series") == "inference_batch"]
+    assert named == [
+        f"classifier requests/s at batch {b} (the tiny preset: 2 layers, d_model 64, 32 tokens)"
+        for b in (1, 4)
+    ]
+    (best,) = [r for r in recs if r["config"].get("metric") == "cpu16_rps"]
+    assert "(batch 4, the tiny preset" in best["what"]

@@ -147,9 +147,14 @@ def _env_lines(records: Sequence[dict], meta: dict) -> list[str]:
                 "batches are too small for the verdicts to judge the claims (a few-MFLOP step, "
                 "two lengths for a slope); `size=quick` or `full` judges them"
             )
-        for name, m in meta.get("modules", {}).items():
-            err = f" — **failed**: {m['error']}" if m.get("error") else ""
+        modules = meta.get("modules", {})
+        for name, m in modules.items():
+            word = "cut short" if str(m.get("error")).startswith("cut short") else "failed"
+            err = f" — **{word}**: {m['error']}" if m.get("error") else ""
             lines.append(f"  - `{name}`: {m['wall_s']:.0f} s, {m['records']} records{err}")
+        for name in meta.get("topics", ()):
+            if name not in modules:  # after a stop: the topics it never reached
+                lines.append(f"  - `{name}`: not run (the run was stopped before it)")
     if caution := busy_caution(records):
         lines.append(f"- **Host busy**: {caution}")
     return lines
@@ -170,12 +175,32 @@ def busy_caution(records: Sequence[dict]) -> str:
     )
 
 
-def verdict_rows(verdicts: Sequence[Verdict], records: Sequence[dict]) -> list[str]:
+def topic_status(meta: dict | None, claim, status: str) -> str:
+    """A run's verdict on a claim as its topic ended: where the topic was never reached (a
+    stopped run), failed or was cut short, that instead of a bare "no record" (or beside the
+    verdict its finished points decide). A run's run.json `modules` says how each ended."""
+    modules = (meta or {}).get("modules")
+    if modules is None or (meta or {}).get("merged"):  # a merge: each column says its own
+        return status
+    if claim.topic not in modules:
+        return "not run" if status == MISSING else status
+    topic = modules[claim.topic]
+    error = topic.get("error") if isinstance(topic, dict) else None
+    if not error:
+        return status
+    word = "cut short" if str(error).startswith("cut short") else "failed"
+    return word if status == MISSING else f"{status} ({claim.topic} {word})"
+
+
+def verdict_rows(
+    verdicts: Sequence[Verdict], records: Sequence[dict], meta: dict | None = None
+) -> list[str]:
     rows = ["| id | claim | source | measured | verdict |", "|---|---|---|---|---|"]
     for v in verdicts:
         c = v.claim
         cell = measured_cell(v, records).replace("|", "\\|")
-        rows.append(f"| {c.id} | {c.text} | {', '.join(c.sources)} | {cell} | **{v.status}** |")
+        status = topic_status(meta, c, v.status)
+        rows.append(f"| {c.id} | {c.text} | {', '.join(c.sources)} | {cell} | **{status}** |")
     return rows
 
 
@@ -314,12 +339,14 @@ def render(
         "",
         "## Verdicts",
         "",
-        *verdict_rows(verdicts, records),
+        *verdict_rows(verdicts, records, meta),
         "",
     ]
     counts = {}
     for v in verdicts:
-        counts[v.status] = counts.get(v.status, 0) + 1
+        # a missing record counted by why it is missing (not run, cut short, failed)
+        status = topic_status(meta, v.claim, v.status) if v.status == MISSING else v.status
+        counts[status] = counts.get(status, 0) + 1
     out += [", ".join(f"{k}: {n}" for k, n in counts.items()), ""]
     by_topic = {}
     for v in verdicts:
