@@ -17,8 +17,10 @@ run selected (run.json's `only`) as its own REPORT.md does, and says "not run", 
 
 Refused with one line (exit 2): a folder given twice, or two folders that hold the same
 records (a copy of one run); a comparison (give the folders it merged: its records are
-theirs); a folder of another command's records (lab.run, a lab tool); a value that is not a
-finite number; a line that is not a record (a last line cut short says which to remove).
+theirs); a folder of another command's records (lab.run, a lab tool); a run.json missing,
+damaged or not a regular file (it alone says the run's size and the claims it selected); a
+value that is not a finite number; a line that is not a record (a last line cut short says
+which to remove).
 """
 
 import dataclasses
@@ -32,11 +34,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from experiments.common import SIZES
 from lab.config import cli, field
 from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.report import markdown, progress, tables
-from lab.report.claims import CLAIMS
+from lab.report.claims import BY_ID, CLAIMS
 from lab.report.verdict import MISSING, judge_all
 
 
@@ -164,14 +167,56 @@ def _ledger_record(r: dict) -> str | None:
     return _finite(r)
 
 
-def _run_json(folder: Path) -> dict:
-    """What the folder's run.json says (size, only, each topic's wall time and error); {}
-    where there is none (a ledger killed before its report)."""
+def _run_json(folder: Path) -> dict | None:
+    """What the folder's run.json says (size, only, each topic's wall time and error); None
+    where there is none (load refuses that once it knows the folder is a ledger's).
+
+    Refused (ValueError, one line naming the file): not a regular file (a FIFO would
+    hang the read), not JSON, not an object, a field of the wrong type. The records carry no
+    size: without run.json a tiny run's verdicts would pass as a real run's, and a run of
+    `only=` would be judged on claims it did not select."""
+    path = folder / "run.json"
+    if not path.exists() and not path.is_symlink():
+        return None
+    if not path.is_file():
+        raise _bad(path, "not a regular file")
     try:
-        run = json.loads((folder / "run.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return run if isinstance(run, dict) else {}
+        run = json.loads(path.read_bytes())
+    except OSError as e:
+        raise _bad(path, f"cannot be read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise _bad(path, f"not JSON ({e})") from None
+    if "merged" in (run if isinstance(run, dict) else {}):
+        return run  # a comparison's: load() says so
+    if not isinstance(run, dict):
+        raise _bad(path, f"not a JSON object ({_json_kind(run)})")
+    if run.get("size") not in SIZES:
+        got = "no size" if "size" not in run else f"size is {json.dumps(run['size'])}"
+        raise _bad(path, f"{got}, not one of {', '.join(SIZES)}")
+    only = run.get("only")
+    if only is not None and not (
+        isinstance(only, list) and only and all(isinstance(i, str) and i in BY_ID for i in only)
+    ):
+        raise _bad(
+            path,
+            f"only is {json.dumps(only)}, not null or a list of claim ids ({', '.join(BY_ID)})",
+        )
+    modules = run.get("modules")
+    if modules is not None and not (
+        isinstance(modules, dict) and all(isinstance(m, dict) for m in modules.values())
+    ):
+        raise _bad(path, "modules is not an object of topics, each an object")
+    return run
+
+
+def _bad(path: Path, why: str) -> ValueError:
+    return ValueError(f"{path}: {why}")
+
+
+def _json_kind(x) -> str:
+    return {list: "a list", str: "a string", bool: "true/false"}.get(
+        type(x), "null" if x is None else "a number"
+    )
 
 
 def load(folder) -> dict:
@@ -191,7 +236,7 @@ def load(folder) -> dict:
             "python -m experiments writes (results/<name>/)"
         )
     run = _run_json(folder)
-    if "merged" in run:
+    if run is not None and "merged" in run:
         merged = ", ".join(str(d) for d in run["merged"]) if isinstance(run["merged"], list) else ""
         raise ValueError(
             f"{folder}: a comparison (its records are its inputs'): give the folders it merged"
@@ -219,11 +264,16 @@ def load(folder) -> dict:
         raise ValueError(
             f"{path}: a comparison's records (each names its column): give the folders it merged"
         )
+    if run is None:
+        raise ValueError(
+            f"{folder / 'run.json'}: missing (the ledger writes it with REPORT.md: a run stopped "
+            "before its report?); the records do not say the run's size or the claims it "
+            'selected: write {"size": "tiny|quick|full", "only": null} there as the run was '
+            "asked for, to compare them"
+        )
     r = records[0]
-    size = run.get("size") if isinstance(run.get("size"), str) else None
-    only = run.get("only") if isinstance(run.get("only"), list) else None
-    modules = run.get("modules") if isinstance(run.get("modules"), dict) else None
-    name = f"{r['backend']} · {r['device_kind']}" + (f" · {size}" if size else "")
+    size, only, modules = run["size"], run.get("only"), run.get("modules")
+    name = f"{r['backend']} · {r['device_kind']} · {size}"
     return {
         "dir": folder,
         "records": records,

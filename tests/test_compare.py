@@ -249,3 +249,33 @@ def test_the_closing_line_counts_in_words_that_agree(tmp_path, capsys):
     a = _folder(tmp_path / "a", [_time(1.0)])
     assert compare.main([f"dirs={a}", f"out_dir={tmp_path / 'cmp'}"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("1 record from 1 folder → ")
+
+
+def test_a_missing_or_damaged_run_json_is_refused_naming_it(tmp_path, capsys):
+    """run.json alone says a run's size and the claims it selected (the records carry
+    neither): a damaged, missing or mistyped one let a tiny run's verdicts pass as a real
+    run's (no "tiny" in the column, no caution) and an only=C03 run be judged on every claim;
+    a FIFO named run.json hung the read."""
+    a = _folder(tmp_path / "a", [_error(), _time(2.4)])
+    run = a / "run.json"
+    cases = {
+        '{"size": "tiny", "mod': "run.json: not JSON (",
+        "[]": "run.json: not a JSON object (a list)",
+        "{}": "run.json: no size, not one of tiny, quick, full",
+        '{"size": 1}': "run.json: size is 1, not one of tiny, quick, full",
+        '{"size": "tiny", "only": "C03"}': 'run.json: only is "C03", not null or a list of',
+        '{"size": "tiny", "only": ["C99"]}': 'run.json: only is ["C99"], not null or a list',
+        '{"size": "tiny", "modules": []}': "run.json: modules is not an object of topics",
+    }
+    for text, why in cases.items():
+        run.write_text(text)
+        assert compare.main([f"dirs={a}", f"out_dir={tmp_path / 'cmp'}"]) == 2, text
+        assert why in _one_line_error(capsys), text
+    run.unlink()
+    assert compare.main([f"dirs={a}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    err = _one_line_error(capsys)
+    assert f"{run}: missing" in err and '{"size": "tiny|quick|full", "only": null}' in err
+    os.mkfifo(run)  # opened for reading, it would wait for a writer forever
+    assert compare.main([f"dirs={a}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    assert f"{run}: not a regular file" in _one_line_error(capsys)
+    assert not (tmp_path / "cmp").exists() or not list((tmp_path / "cmp").iterdir())

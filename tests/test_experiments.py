@@ -134,6 +134,7 @@ def test_a_comparison_that_fails_leaves_no_half_written_folder(tmp_path, monkeyp
         (tmp_path / name).mkdir()
         r = rec.make_record("x", float(value), "s", claim="C01")
         rec.write_records(tmp_path / name / "records.jsonl", [r])
+        (tmp_path / name / "run.json").write_text(json.dumps({"size": "tiny"}))
 
     def broken(*args, **kwargs):
         raise RuntimeError("a renderer's bug")
