@@ -19,8 +19,8 @@ Refused with one line (exit 2): a folder given twice, or two folders that hold t
 records (a copy of one run); a comparison (give the folders it merged: its records are
 theirs); a folder of another command's records (lab.run, a lab tool); a run.json missing,
 damaged or not a regular file (it alone says the run's size and the claims it selected); a
-value that is not a finite number; a line that is not a record (a last line cut short says
-which to remove).
+record of a claim or a label the lab does not know; a value that is not a finite number; a
+line that is not a record (a last line cut short says which to remove).
 """
 
 import dataclasses
@@ -149,8 +149,15 @@ FIGURES = (
 
 
 def _finite(r: dict) -> str | None:
-    """Why compare refuses a record's value: NaN or inf sets no figure beside another
-    machine's and judges no claim."""
+    """Why compare refuses a record: a label or a claim the lab does not know (a made-up label
+    would be shown as if it said how the figure was obtained; an unknown claim's record would
+    be dropped unseen), or a value that is NaN or inf (it sets no figure beside another
+    machine's and judges no claim)."""
+    if r["label"] not in rec.LABELS:
+        return f"label {r['label']!r} is none of the lab's: {', '.join(rec.LABELS)}"
+    claim = r["config"].get("claim")
+    if claim is not None and claim not in BY_ID:
+        return f"claim {claim!r} is none of the ledger's: {', '.join(BY_ID)}"
     v = r["value"]
     if isinstance(v, float) and not math.isfinite(v):
         return f"value is {v}, not a finite number: fix or remove the line to compare the folder"

@@ -279,3 +279,20 @@ def test_a_missing_or_damaged_run_json_is_refused_naming_it(tmp_path, capsys):
     assert compare.main([f"dirs={a}", f"out_dir={tmp_path / 'cmp'}"]) == 2
     assert f"{run}: not a regular file" in _one_line_error(capsys)
     assert not (tmp_path / "cmp").exists() or not list((tmp_path / "cmp").iterdir())
+
+
+def test_a_record_of_an_unknown_claim_or_label_is_refused_naming_its_line(tmp_path, capsys):
+    """A record of claim C99 was dropped unseen and a made-up label shown as `*guessed*`, as if
+    it said how the figure was obtained: each is refused, naming the line and what is known."""
+    guessed = {**_time(2.4), "label": "guessed"}
+    unknown = _time(2.5)
+    unknown["config"]["claim"] = "C99"
+    for bad, why in (
+        (guessed, "line 2: label 'guessed' is none of the lab's: measured, compiled, predicted"),
+        (unknown, "line 2: claim 'C99' is none of the ledger's: C01, C02,"),
+    ):
+        name = bad["config"]["claim"]
+        a = _folder(tmp_path / name / bad["label"], [_error(), bad])
+        assert compare.main([f"dirs={a}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+        err = _one_line_error(capsys)
+        assert f"{a / 'records.jsonl'}, {why}" in err, err
