@@ -614,6 +614,8 @@ def run(o: Options) -> int:
         if tiny
         else ""
     )
+    busy = markdown.busy_caution(result["records"])  # as REPORT.md and python -m experiments
+    caution = "; ".join(c for c in (caution, busy and f"host busy: {busy}") if c)
     progress.console().print(tables.verdicts(result["verdicts"], caution))
     n = len(o.dirs)
     print(

@@ -296,3 +296,20 @@ def test_a_record_of_an_unknown_claim_or_label_is_refused_naming_its_line(tmp_pa
         assert compare.main([f"dirs={a}", f"out_dir={tmp_path / 'cmp'}"]) == 2
         err = _one_line_error(capsys)
         assert f"{a / 'records.jsonl'}, {why}" in err, err
+
+
+def test_the_printed_table_says_the_host_was_busy_as_the_report_does(tmp_path, capsys):
+    """REPORT.md said "Host busy" where the CPU figures were timed beside other work, and
+    python -m experiments prints it under its table; compare printed no such caution."""
+
+    def timed(load):
+        return [{**_time(2.4), "load_avg_1m": load, "cpu_count": 2}]
+
+    quiet = _folder(tmp_path / "quiet", timed(0.2), run={"size": "quick"})
+    assert compare.main([f"dirs={quiet}", f"out_dir={tmp_path / 'cmp'}"]) == 0
+    assert "busy" not in capsys.readouterr().out
+    busy = _folder(tmp_path / "busy", timed(7.5), run={"size": "quick"})
+    assert compare.main([f"dirs={busy}", f"out_dir={tmp_path / 'cmp'}"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the caution is wrapped to the table
+    assert "host busy: 1 of 1 CPU measurements were timed while other work shared the host" in out
+    assert "(load average up to 7.5 on 2 cores)" in out
