@@ -13,7 +13,9 @@ merged record carries `machine`, its column's name: the plots draw a series or a
 machine, and the report tags each figure with it (a reference figure every folder carries
 alike, a datasheet's, is shown once, untagged). A folder's column judges the claims its
 run selected (run.json's `only`) as its own REPORT.md does, and says "not run", "failed" or
-"cut short" where run.json says so; the comparison judges the claims some folder selected.
+"cut short" where run.json says so; the comparison judges the claims some folder selected,
+each from the folders that selected it, setting a tiny-size folder's records aside where a
+folder at size quick or full has records of the claim (`judged`).
 
 Refused with one line (exit 2): a folder given twice, or two folders that hold the same
 records (a copy of one run); a comparison (give the folders it merged: its records are
@@ -409,19 +411,20 @@ def _machine(r: dict) -> str:
 
 def derived(folders: list[dict]) -> list[dict]:
     """Figures only a merge can give: ratios between folders of different hardware, named by
-    the folders' columns."""
+    the folders' columns; a ratio for a claim only from folders whose run selected it."""
     out = []
     train = [(f, _find(f["records"], _train)) for f in folders]
     train = [(f, r) for f, r in train if r]
     bf16 = [(f, _find(f["records"], _bf16)) for f in folders]
     bf16 = [(f, r) for f, r in bf16 if r]
 
-    def first(pairs, test):
-        return next(((f, r) for f, r in pairs if test(_kind(f))), (None, None))
+    def first(pairs, test, claim):
+        hits = ((f, r) for f, r in pairs if picks(f, claim) and test(_kind(f)))
+        return next(hits, (None, None))
 
-    tpu, tpu_r = first(train, lambda k: k.startswith("tpu"))
-    h100, h100_r = first(train, lambda k: "h100" in k)
-    cpu, cpu_r = first(train, lambda k: k.startswith("cpu"))
+    tpu, tpu_r = first(train, lambda k: k.startswith("tpu"), "C19")
+    h100, h100_r = first(train, lambda k: "h100" in k, "C19")
+    cpu, cpu_r = first(train, lambda k: k.startswith("cpu"), "C02")
     if tpu and h100 and _same_step(tpu_r, h100_r):
         out.append(
             _pair_record(
@@ -433,8 +436,8 @@ def derived(folders: list[dict]) -> list[dict]:
                 on="multi",
             )
         )
-    mi, mi_r = first(bf16, lambda k: "mi300" in k)
-    h100_mm, h100_mm_r = first(bf16, lambda k: "h100" in k)
+    mi, mi_r = first(bf16, lambda k: "mi300" in k, "C19")
+    h100_mm, h100_mm_r = first(bf16, lambda k: "h100" in k, "C19")
     if mi and h100_mm:
         out.append(
             _pair_record(
@@ -447,7 +450,7 @@ def derived(folders: list[dict]) -> list[dict]:
             )
         )
     for f, r in train:
-        if cpu and not _kind(f).startswith("cpu") and _same_step(r, cpu_r):
+        if cpu and picks(f, "C02") and not _kind(f).startswith("cpu") and _same_step(r, cpu_r):
             out.append(
                 _pair_record(
                     "C02",
@@ -496,6 +499,43 @@ def unmatched_steps(folders: list[dict]) -> list[str]:
     return lines
 
 
+def picks(f: dict, claim) -> bool:
+    """Whether folder f's run selected `claim` (run.json's `only`; every claim where it
+    selected all): a folder's records judge only the claims its run selected."""
+    return f.get("only") is None or claim in f["only"]
+
+
+def judged(folders: list[dict]) -> tuple[list[dict], set]:
+    """The folders' records as the merged verdicts judge them, and the claims only tiny
+    folders decide though another folder ran at a real size.
+
+    A claim is judged from the folders that selected it (an only=C03 run's attention topic
+    records C05 too: its own report leaves C05 out, and so does the merge). Where one of them
+    ran at size quick or full and has records of the claim, the tiny folders' records of it
+    are set aside: size=tiny checks that the studies run, its figures do not judge claims. A
+    record set aside names no claim here (records.jsonl keeps it whole): it judges nothing,
+    and is still plotted and counted where the report lists what each machine ran."""
+    holding = {}  # claim → the folders that selected it and hold records of it
+    for f in folders:
+        for claim in {r["config"].get("claim") for r in f["records"]}:
+            if claim is not None and picks(f, claim):
+                holding.setdefault(claim, []).append(f)
+    real = {c for c, fs in holding.items() if any(f.get("size") != "tiny" for f in fs)}
+
+    def judges(f, claim) -> bool:
+        return picks(f, claim) and (f.get("size") != "tiny" or claim not in real)
+
+    out = [
+        r
+        if (c := r["config"].get("claim")) is None or judges(f, c)
+        else {**r, "config": {**r["config"], "claim": None}}
+        for f in folders
+        for r in f["records"]
+    ]
+    mixed = any(f.get("size") != "tiny" for f in folders)
+    return out, (set(holding) - real if mixed else set())
+
+
 def _selected(folders: list[dict]) -> tuple | None:
     """The claims the comparison judges: those some folder selected (its run.json's `only`),
     every claim where a folder selected all (or does not say)."""
@@ -525,21 +565,25 @@ def _cell(f: dict, claim, status: str) -> str:
     return word if status == MISSING else f"{status} ({claim.topic} {word})"
 
 
-def verdict_grid(folders: list[dict], merged_verdicts) -> list[str]:
+def verdict_grid(folders: list[dict], merged_verdicts, tiny_only=frozenset()) -> list[str]:
     claims = [v.claim for v in merged_verdicts]
     per = [{v.claim.id: v.status for v in judge_all(f["records"], claims)} for f in folders]
     head = "| id | " + " | ".join(f["name"] for f in folders) + " | merged |"
     rows = [head, "|---" * (len(folders) + 2) + "|"]
     for v in merged_verdicts:
         cells = [_cell(f, v.claim, p[v.claim.id]) for f, p in zip(folders, per, strict=True)]
-        rows.append(f"| {v.claim.id} | " + " | ".join(cells) + f" | **{v.status}** |")
+        tiny = " (size tiny only)" if v.claim.id in tiny_only else ""
+        rows.append(f"| {v.claim.id} | " + " | ".join(cells) + f" | **{v.status}**{tiny} |")
     return rows
 
 
 GRID_NOTE = (
     "A folder's column judges the claims its run selected (`only=`), as its own REPORT.md "
     "does, and says where a topic was not run, failed or was cut short; *merged* judges "
-    "every folder's records together."
+    "each claim from the records of the folders that selected it, leaving out a tiny-size "
+    "folder's where a folder at size quick or full has records of the claim (size tiny checks "
+    "that the studies run, not the claims), and says *size tiny only* where tiny folders alone "
+    "decide it."
 )
 
 
@@ -550,12 +594,11 @@ def merge(dirs, out_root="results") -> dict:
     name_columns(folders)
     for f in folders:  # each record names its column: the plots and the verdicts say whose it is
         f["records"] = [{**r, "machine": f["name"]} for r in f["records"]]
-    records = [r for f in folders for r in f["records"]]
-    records += derived(folders)
+    pairs = derived(folders)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = rec.fresh_dir(out_root, f"compare-{stamp}")
     try:
-        return _write(out, folders, records, dirs)
+        return _write(out, folders, pairs, dirs)
     except BaseException:  # a half-written comparison is nobody's result: not left behind
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -565,11 +608,14 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}{'s' * (n != 1)}"
 
 
-def _write(out, folders, records, dirs) -> dict:
-    rec.write_records(out / "records.jsonl", records)
+def _write(out, folders, pairs, dirs) -> dict:
+    records = [r for f in folders for r in f["records"]] + pairs
+    rec.write_records(out / "records.jsonl", records)  # every record whole, judged or not
     tiny = [str(f["dir"]) for f in folders if f.get("size") == "tiny"]
     meta = {"merged": [str(d) for d in dirs], "tiny": tiny}
-    report = markdown.write_report(out, records=records, meta=meta, only=_selected(folders))
+    shown, tiny_only = judged(folders)
+    only = _selected(folders)
+    report = markdown.write_report(out, records=shown + pairs, meta=meta, only=only)
     text = report["path"].read_text()
     intro = [
         "# Across backends",
@@ -584,13 +630,13 @@ def _write(out, folders, records, dirs) -> dict:
         "",
         "## Verdicts per machine and merged",
         "",
-        *verdict_grid(folders, report["verdicts"]),
+        *verdict_grid(folders, report["verdicts"], tiny_only),
         "",
         GRID_NOTE,
         "",
     ]
     report["path"].write_text("\n".join(intro) + "\n" + text)
-    return {**report, "dir": out, "folders": folders}
+    return {**report, "records": records, "dir": out, "folders": folders}
 
 
 def run(o: Options) -> int:

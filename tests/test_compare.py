@@ -313,3 +313,50 @@ def test_the_printed_table_says_the_host_was_busy_as_the_report_does(tmp_path, c
     out = " ".join(capsys.readouterr().out.split())  # the caution is wrapped to the table
     assert "host busy: 1 of 1 CPU measurements were timed while other work shared the host" in out
     assert "(load average up to 7.5 on 2 cores)" in out
+
+
+def _grid(result) -> dict:
+    """The verdict grid of a comparison's REPORT.md: claim id → its cells, merged last."""
+    text = result["path"].read_text()
+    grid = text[text.index("## Verdicts per machine") : text.index("# Claims ledger")]
+    return {
+        line.split(" | ")[0].lstrip("| "): [c.strip(" |") for c in line.split(" | ")[1:]]
+        for line in grid.splitlines()
+        if line.startswith("| C")
+    }
+
+
+def test_merged_judges_a_claim_from_the_folders_that_selected_it(tmp_path):
+    """An only=C17 run whose topics recorded C08 as well: its column says "not selected", and
+    the merged verdict on C08 read "holds" from that very folder's records; a GPU over CPU
+    ratio was derived for C02 from a folder that did not select C02."""
+    picked = _folder(
+        tmp_path / "picked", [_error(), _train(3e4)], run={"size": "quick", "only": ["C17"]}
+    )
+    whole = _folder(tmp_path / "whole", [_train(2e4)], run={"size": "quick", "only": None})
+    rows = _grid(compare.merge([picked, whole], tmp_path / "cmp"))
+    assert rows["C08"] == ["not selected (only=C17)", "no record", "**no record**"]
+    merged = rec.read_records(next((tmp_path / "cmp").iterdir()) / "records.jsonl")
+    assert sum(r["config"].get("claim") == "C08" for r in merged) == 1  # kept, not judged
+
+    # a ratio across folders judges its claim only from folders that selected it
+    gpu = {"name": "gpu", "records": [{**_train(3e6), "backend": "gpu", "device_kind": "H100"}]}
+    cpu = {"name": "cpu", "records": [{**_train(3e4), "backend": "cpu", "device_kind": "cpu"}]}
+    (ratio,) = compare.derived([cpu, gpu])
+    assert ratio["config"]["claim"] == "C02"
+    assert compare.derived([{**cpu, "only": ["C17"]}, gpu]) == []
+
+
+def test_a_tiny_folder_judges_no_claim_a_real_size_folder_has_records_of(tmp_path):
+    """A tiny run's figures check that the studies run: beside a quick run's records of the
+    same claim they were judged together with them; where only tiny folders have records of a
+    claim, the merged cell says so."""
+    quick = _folder(tmp_path / "quick", [_error(), _train(3e4)], run={"size": "quick"})
+    tiny = _folder(tmp_path / "tiny", [_error(1e3), _train(2e4)], run={"size": "tiny"})
+    rows = _grid(compare.merge([quick, tiny], tmp_path / "cmp"))
+    assert rows["C08"][0] == rows["C08"][2].strip("*") != rows["C08"][1]  # the quick run's
+    bare = _folder(tmp_path / "bare", [_train(3e4)], run={"size": "quick"})
+    rows = _grid(compare.merge([bare, tiny], tmp_path / "cmp"))
+    assert rows["C08"][2] == f"**{rows['C08'][1]}** (size tiny only)"
+    rows = _grid(compare.merge([tiny], tmp_path / "cmp"))  # all tiny: the caution says it
+    assert "size tiny only" not in rows["C08"][1]
