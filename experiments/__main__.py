@@ -54,7 +54,7 @@ class Options:
     )
 
 
-def _points_so_far(out_dir, module: str) -> int:
+def _points_so_far(out_dir, module: str, size: str) -> int:
     """Append the records of the points the topic `module` finished before a stop (each a
     point's own figures, marked cut_short; the topic's verdicts need its whole sweep, so
     none of its evidence is among them); how many were kept."""
@@ -64,7 +64,7 @@ def _points_so_far(out_dir, module: str) -> int:
     try:
         records = records_so_far()
         for r in records:
-            r["config"].update(module=module, cut_short=True)
+            r["config"].update(module=module, size=size, cut_short=True)
         if records:
             rec.write_records(out_dir / "records.jsonl", records)
         return len(records)
@@ -94,7 +94,7 @@ def _signals_keep_what_finished(out_dir, meta: dict, only, con, writing: threadi
         with writing:  # a topic's records are appended whole, then never again
             current = meta.get("current")
             if current:
-                kept = _points_so_far(out_dir, current)
+                kept = _points_so_far(out_dir, current, meta["size"])
                 meta["modules"][current] = {
                     "wall_s": time.perf_counter() - meta["current_start"],
                     "records": kept,
@@ -202,8 +202,8 @@ def run(o: Options) -> int:
             meta["current"], meta["current_start"] = name, start
             try:
                 records = module.run(o.size, **plan_kwargs(name, o.plans, o.size))
-                for r in records:
-                    r["config"]["module"] = name
+                for r in records:  # whose each is, and at what size: read without run.json
+                    r["config"].update(module=name, size=o.size)
                 error = None
             except Exception as e:  # noqa: BLE001 — one failed topic must not lose the others
                 error = f"{type(e).__name__}: {e}"

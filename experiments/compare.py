@@ -20,9 +20,10 @@ folder at size quick or full has records of the claim (`judged`).
 Refused with one line (exit 2): a folder given twice, or two folders that hold the same
 records (a copy of one run); a comparison (give the folders it merged: its records are
 theirs); a folder of another command's records (lab.run, a lab tool); a run.json missing,
-damaged or not a regular file (it alone says the run's size and the claims it selected); a
-record of a claim or a label the lab does not know; a value that is not a finite number; a
-line that is not a record (a last line cut short says which to remove).
+damaged, not a regular file or naming another size than its records (it says the run's size
+and the claims it selected); a record of a claim or a label the lab does not know; a value
+that is not a finite number; a line that is not a record (a last line cut short says which to
+remove).
 """
 
 import dataclasses
@@ -280,8 +281,14 @@ def load(folder) -> dict:
             'selected: write {"size": "tiny|quick|full", "only": null} there as the run was '
             "asked for, to compare them"
         )
-    r = records[0]
     size, only, modules = run["size"], run.get("only"), run.get("modules")
+    stamped = {r["config"].get("size") for r in records} - {None}  # records since they say it
+    if stamped - {size}:
+        raise ValueError(
+            f"{folder / 'run.json'}: size {size}, but its records were measured at size "
+            f"{', '.join(sorted(map(str, stamped)))}: a run.json of another run?"
+        )
+    r = records[0]
     name = f"{r['backend']} · {r['device_kind']} · {size}"
     return {
         "dir": folder,

@@ -275,6 +275,13 @@ def test_a_missing_or_damaged_run_json_is_refused_naming_it(tmp_path, capsys):
     assert compare.main([f"dirs={a}", f"out_dir={tmp_path / 'cmp'}"]) == 2
     err = _one_line_error(capsys)
     assert f"{run}: missing" in err and '{"size": "tiny|quick|full", "only": null}' in err
+    stamped = _time(2.0)
+    stamped["config"]["size"] = "tiny"
+    a2 = _folder(tmp_path / "a2", [stamped])
+    (a2 / "run.json").write_text('{"size": "quick"}')  # another run's, say
+    assert compare.main([f"dirs={a2}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    err = _one_line_error(capsys)
+    assert "run.json: size quick, but its records were measured at size tiny" in err
     os.mkfifo(run)  # opened for reading, it would wait for a writer forever
     assert compare.main([f"dirs={a}", f"out_dir={tmp_path / 'cmp'}"]) == 2
     assert f"{run}: not a regular file" in _one_line_error(capsys)

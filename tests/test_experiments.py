@@ -320,6 +320,7 @@ def test_a_stopped_ledger_keeps_the_finished_topics_and_writes_their_report(tmp_
         kept = [r for r in records if r["config"].get("cut_short")]
         assert [r["value"] for r in kept] == [2.0, 3.0]
         assert {r["config"]["module"] for r in kept} == {"memory"}
+        assert {r["config"]["size"] for r in kept} == {"tiny"}
         assert "the 2 records of its finished points kept" in report
     else:
         assert len(records) == 1  # roofline's; training never ran
@@ -852,3 +853,23 @@ def test_the_classifier_records_name_the_model_they_timed():
     ]
     (best,) = [r for r in recs if r["config"].get("metric") == "cpu16_rps"]
     assert "(batch 4, the tiny preset" in best["what"]
+
+
+def test_each_record_says_the_size_it_was_measured_at(tmp_path, monkeypatch):
+    """Only run.json said a run's size: a folder read without it (or with another run's)
+    passed a tiny run's figures as a real run's. Each record now carries it."""
+    import types
+
+    import experiments
+    from experiments.common import record
+
+    def topic(size, **_):
+        return [record("C06", "ridge_point", "ridge point", 150.0, "FLOP/B", label="derived")]
+
+    monkeypatch.setattr(experiments, "select", lambda only: ["roofline"])
+    topics = types.SimpleNamespace(CLAIMS=("C06",), run=topic)
+    monkeypatch.setattr(experiments, "load", lambda name: topics)
+    assert cli.main(["size=tiny", f"out_dir={tmp_path}"]) == 0
+    (folder,) = tmp_path.iterdir()
+    (r,) = rec.read_records(folder / "records.jsonl")
+    assert r["config"]["size"] == "tiny" and r["config"]["module"] == "roofline"
