@@ -43,7 +43,7 @@ from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.report import markdown, progress, tables
 from lab.report.claims import BY_ID, CLAIMS
-from lab.report.verdict import MISSING, judge_all
+from lab.report.verdict import judge_all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -559,17 +559,7 @@ def _cell(f: dict, claim, status: str) -> str:
     only = f.get("only")
     if only is not None and claim.id not in only:
         return f"not selected (only={','.join(map(str, only))})"
-    modules = f.get("modules")
-    if modules is None:  # no run.json (or an old one): only the records speak
-        return status
-    if claim.topic not in modules:
-        return "not run"
-    topic = modules[claim.topic]
-    error = topic.get("error") if isinstance(topic, dict) else None
-    if not error:
-        return status
-    word = "cut short" if str(error).startswith("cut short") else "failed"
-    return word if status == MISSING else f"{status} ({claim.topic} {word})"
+    return markdown.topic_status({"modules": f.get("modules")}, claim, status)
 
 
 def verdict_grid(folders: list[dict], merged_verdicts, tiny_only=frozenset()) -> list[str]:
