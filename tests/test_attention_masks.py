@@ -510,3 +510,69 @@ def test_every_kernel_combines_causal_with_a_mask(impl):
         assert err < TOL[dtype], f"{impl} causal={causal}: max error {err:.2e}"
     got = np.asarray(fn(q, k, v, mask=mask), np.float64)  # causal by default
     assert np.abs(got - want[True]).max() / np.abs(want[True]).max() < TOL[dtype]
+
+
+def _direct_kernels():
+    kernels = {
+        "reference": lambda q, k, v, sinks=None, **kw: attention_reference(
+            q, k, v, sinks_H=sinks, **kw
+        ),
+        "blockwise": blockwise.blockwise_attention,
+    }
+    if cpu_flash.available():
+        kernels["cpu_flash"] = cpu_flash.cpu_flash_attention
+    return kernels
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(softcap=0.0), r"^softcap=0\.0: must be a positive number"),
+        (dict(softcap=-5), r"^softcap=-5: must be a positive number"),
+        (dict(sinks=[0.1, 0.2]), r"attention sinks are one logit per query head, \(4,\)"),
+        (dict(mask=Mask.make(kv_lengths=np.array([1, 2, 3]))), r"^kv_lengths.shape=\(3,\)"),
+        (dict(scale="0.1"), r"^scale='0\.1': must be a number"),
+        (dict(scale=float("nan")), r"^scale=nan: must be finite"),
+    ],
+)
+def test_kernel_functions_called_directly_check_as_attention_does(kwargs, needle):
+    """README names the kernel functions as public: called directly, a cap of 0 or below (was
+    uniform attention from blockwise, another answer from cpu_flash), sinks of the wrong
+    shape, a mask for another batch, or a scale that is not a finite number are the same
+    one-line ValueError `attention` gives, never a wrong answer or an error deep in lax."""
+    q, k, v, _, _ = _inputs((24, 24, 2, 32, 32), "float32")
+    for fn in _direct_kernels().values():
+        with pytest.raises(ValueError, match=needle):
+            jax.block_until_ready(fn(q, k, v, causal=False, **kwargs))
+    if "mask" not in kwargs:  # attention takes the mask's parts as keywords
+        with pytest.raises(ValueError, match=needle):
+            attention(q, k, v, causal=False, **kwargs)
+
+
+def test_sinks_as_a_list_are_read_by_every_kernel_function():
+    q, k, v, _, _ = _inputs((24, 24, 2, 32, 32), "float32")
+    want = attention_reference(q, k, v, sinks_H=jnp.array([0.3, -0.2, 0.1, 0.0]))
+    for name, fn in _direct_kernels().items():
+        got = fn(q, k, v, sinks=[0.3, -0.2, 0.1, 0.0])
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=name)
+
+
+def test_a_window_side_past_int32_is_refused_and_a_wide_one_bounds_nothing():
+    """Window sides are int32 positions in every kernel: 2**31 is one line (None is the
+    unbounded side), and a side wider than the sequences equals no bound in every impl (the
+    xla impl read 2**31 - 1 as a different answer)."""
+    q, k, v, _, _ = _inputs((40, 40, 2, 16, 16), "float32")
+    with pytest.raises(ValueError, match=r"window=\(2147483648, None\): a side above"):
+        attention(q, k, v, causal=False, window=(2**31, None))
+    full = attention_reference(q, k, v, causal=False)
+    for impl in ("naive", "blockwise", "xla"):
+        got = attention(q, k, v, impl=impl, causal=False, window=(2**31 - 1, None))
+        np.testing.assert_allclose(got, full, atol=1e-5, err_msg=impl)
+
+
+def test_xla_takes_int64_lengths_under_x64():
+    q, k, v, _, _ = _inputs((16, 16, 2, 16, 16), "float32")
+    want = attention(q, k, v, impl="naive", causal=False, kv_lengths=np.array([16, 8]))
+    with jax.enable_x64(True):
+        got = attention(q, k, v, impl="xla", causal=False, kv_lengths=[16, 8])
+    np.testing.assert_allclose(got, want, atol=1e-5)

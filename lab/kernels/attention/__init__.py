@@ -741,14 +741,15 @@ def _library(args, *, mask: Mask, scale, impl: str):
     q_BxLxHxK, k_BxSxGxK, _ = args
     L, S = q_BxLxHxK.shape[1], k_BxSxGxK.shape[1]
     window = None
-    if mask.window is not None:
-        window = tuple(S + L if w is None else w for w in mask.window)
+    if mask.window is not None:  # a side past S + L bounds nothing (and JAX's sums are int32)
+        window = tuple(S + L if w is None else min(w, S + L) for w in mask.window)
+    int32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)  # noqa: E731 (x64 on)
     o_BxLxHxK = jax.nn.dot_product_attention(
         *args,
         scale=scale,
         is_causal=mask.causal,
-        query_seq_lengths=mask.q_lengths,
-        key_value_seq_lengths=mask.kv_lengths,
+        query_seq_lengths=int32(mask.q_lengths),
+        key_value_seq_lengths=int32(mask.kv_lengths),
         local_window_size=window,
         implementation=impl,
     )

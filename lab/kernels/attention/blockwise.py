@@ -37,6 +37,8 @@ from lab.kernels.attention.common import (
     Mask,
     check_dtype,
     check_qkv,
+    check_sinks,
+    check_softcap,
     default_scale,
     pad_seq,
     round_up,
@@ -411,6 +413,8 @@ def blockwise_attention(
     lse [B, L, H] f32), both differentiable. v's head dim may differ from q's and k's.
     """
     mask = with_causal(mask, causal)
+    # called directly (not through `attention`): the same checks, one ValueError each
+    softcap, sinks = check_softcap(softcap), check_sinks(sinks, q_BxLxHxK.shape[2])
     st = _static(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, softcap, sinks, scale, block_sizes)
     fn = _flash_lse if return_lse else _flash
     return fn(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, mask, sinks, st)

@@ -23,6 +23,7 @@ from jax import lax
 
 # A large finite negative instead of -inf: exp(MASK - m) is exactly 0 and never inf - inf = NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+INT32_MAX = 2**31 - 1  # positions and window sides are counted in int32 by every kernel
 
 
 def target_device():
@@ -97,7 +98,16 @@ def check_dtype(q_BxLxHxK, allowed: tuple, impl: str) -> None:
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    """1/sqrt(head_dim) for None, else `scale`: a finite number (a NaN would make every output
+    NaN, a string would be read as a number)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool | str | bytes):
+        raise ValueError(f"scale={scale!r}: must be a number (or None: 1/sqrt(head_dim))")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale={scale!r}: must be finite (or None: 1/sqrt(head_dim))")
+    return value
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -371,6 +381,11 @@ class Mask:
             ):
                 raise ValueError(
                     f"window={window!r}: expected (left, right), each an int >= 0 or None"
+                )
+            if any(w is not None and w > INT32_MAX for w in window):
+                raise ValueError(  # the kernels count positions in int32
+                    f"window={window!r}: a side above {INT32_MAX} (2**31 - 1); give None for "
+                    "a side without a bound"
                 )
             window = tuple(None if w is None else int(w) for w in window)
             if window == (None, None):

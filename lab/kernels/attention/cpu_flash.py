@@ -44,6 +44,7 @@ from lab.kernels.attention.common import (
     check_dtype,
     check_qkv,
     check_sinks,
+    check_softcap,
     default_scale,
     round_up,
     sink_grad,
@@ -272,7 +273,7 @@ def cpu_flash_attention(
     sinks = check_sinks(sinks, q_BxLxHxK.shape[2])
     lo, hi = mask.band(L, S)
     bq, bk = block_sizes.fit(L, S, banded=lo is not None or hi is not None)
-    cap = None if softcap is None else float(softcap)
+    cap = check_softcap(softcap)  # called directly: as `attention` checks it
     st = _Static(mask.causal, default_scale(K, scale), bq, bk, lo, hi, cap)
     m = _mask_arrays(mask, B, L, S, st)
     return _flash(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, sinks, m, st)

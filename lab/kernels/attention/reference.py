@@ -3,7 +3,14 @@
 import jax
 import jax.numpy as jnp
 
-from lab.kernels.attention.common import Mask, check_qkv, default_scale, with_causal
+from lab.kernels.attention.common import (
+    Mask,
+    check_qkv,
+    check_sinks,
+    check_softcap,
+    default_scale,
+    with_causal,
+)
 
 FEATURES = frozenset(
     {"empty_rows", "segments", "lengths", "window", "softcap", "sinks", "lse", "value_dim"}
@@ -36,6 +43,8 @@ def attention_reference(
     check_qkv(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=mask.causal, empty_rows=True, value_dim=True)
     B, L, H, K = q_BxLxHxK.shape
     S, G = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
+    mask.check(B, L, S)  # called directly: the checks `attention` makes, one ValueError each
+    softcap, sinks_H = check_softcap(softcap), check_sinks(sinks_H, H)
     scale = default_scale(K, scale)
     acc = jnp.promote_types(q_BxLxHxK.dtype, jnp.float32)
     k_BxSxHxK = jnp.repeat(k_BxSxGxK, H // G, axis=2)
