@@ -33,6 +33,7 @@ from lab.config import (
     check_keys,
     check_name,
     check_value,
+    did_you_mean,
     make_config,
     parse_keys,
     profile_window,
@@ -395,9 +396,11 @@ def _window_pattern(d: _Draft):
     m = d.model
     bad = [w for w in m.pattern if w not in ("local", "global")]
     if bad:
+        close = did_you_mean(bad[0], ("local", "global"))  # ' (did you mean global?)'
+        hint = f" ({bad[0]!r}: {close.strip(' ()')})" if close else ""
         return (
             f"window_pattern={m.window_pattern!r}: expected a comma-separated cycle of local and "
-            "global, e.g. local,global"
+            f"global, e.g. local,global{hint}"
         )
 
 

@@ -277,6 +277,8 @@ def test_a_key_a_resume_took_from_the_run_is_named_as_the_runs_own():
         # an unused stage axis: the pipeline rule speaks, not also the strategy's axes
         (["mesh=data:2,stage:4", "strategy=tp"], "strategy=pp, pp+fsdp or pp+tp"),
         (["mesh=data:2,stage:2", "strategy=pp+tp", "n_layers=4"], "over the model axis"),
+        # a misspelt word of the cycle is named with the close one
+        (["window=8", "window_pattern=local,glob"], "('glob': did you mean global?)"),
     ],
 )
 def test_one_broken_requirement_is_one_line(argv, needle, capsys):
