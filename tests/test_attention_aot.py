@@ -76,7 +76,8 @@ def test_kernel_plan_command(tmp_path, capsys):
 
     argv = ["target=tpu:v5e:2x2", "seq=1024", "heads=4", "kv_heads=2", f"out_dir={tmp_path}"]
     assert attention_plan.main(argv) == 0
-    assert "fwd+bwd" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fwd+bwd" in out
     (path,) = tmp_path.glob("attention-plan-*.jsonl")
     recs = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(recs) == 12
@@ -94,6 +95,11 @@ def test_kernel_plan_command(tmp_path, capsys):
     times = [r for r in recs if r["what"] == "attention plan step time"]
     sources = {r["config"]["source"].split(" (")[0] for r in times}
     assert sources <= {"compiler estimate", "roofline floor"}, sources
+    # each source is said once under the table, the rows naming it by number
+    said = list(dict.fromkeys(r["config"]["source"] for r in times))
+    for i, text in enumerate(said, 1):
+        assert f"({i}) {text.split(':')[0]}" in out.replace("\n", " "), out
+        assert out.count(text.split(":")[0]) == 1, out
     for r in recs:  # a floor is a lower bound, the rates it implies upper bounds
         floor = r["config"]["source"].startswith("roofline floor") if "source" in r["config"] else 0
         want = {"attention plan step time": "lower"}.get(r["what"], "upper")

@@ -41,7 +41,11 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
     """The kernel compiled for a target: memory and FLOPs (compiled, not run), and the time per
     call with the rates it implies (predicted: a model of the compiled program; a floor
     reads ≥, the rates it bounds ≤)."""
-    t = Table(title=title)
+    # each row's estimate names its source by a number, each source said once below the
+    # table (one sentence per row wrapped a row over eight lines)
+    sources = list(dict.fromkeys(r.estimate_source for r in rows))
+    caption = "\n".join(f"({i}) {text}" for i, text in enumerate(sources, 1))
+    t = Table(title=title, caption=caption or None, caption_justify="left")
     cols = ("L=S", "K", "mask", "mode", "memory / device", "of HBM")
     for col in (*cols, "FLOPs / device (compiled | analytic)", "time (predicted)", "TFLOP/s"):
         t.add_column(col, justify="right")
@@ -64,7 +68,7 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
             least + duration(r.estimated_s) if r.estimated_s else "–",
             f"{most}{r.tflops:.1f}" if r.tflops else "–",
             most + percent(r.peak_share, 0) if r.peak_share else "–",
-            r.estimate_source,
+            f"({sources.index(r.estimate_source) + 1})",
         )
     return t
 
