@@ -154,7 +154,7 @@ def _signals_keep_what_finished(out_dir, meta: dict, only, con, writing: threadi
 
 def run(o: Options) -> int:
     from experiments import load, parse_only, plan_kwargs, select
-    from experiments.common import keep_so_far
+    from experiments.common import keep_so_far, on_step
     from lab.errors import ConfigError
 
     try:
@@ -199,6 +199,11 @@ def run(o: Options) -> int:
             bar.update(task, description=f"{name}{claims}")
             start = time.perf_counter()
             keep_so_far(None)  # a topic that keeps its points says so as it starts
+
+            def where(text, name=name, claims=claims):  # a topic's steps: a line each off a tty
+                bar.update(task, description=progress.label(f"{name}{claims}: {text}", 90))
+
+            on_step(where)
             meta["current"], meta["current_start"] = name, start
             try:
                 records = module.run(o.size, **plan_kwargs(name, o.plans, o.size))
@@ -223,6 +228,7 @@ def run(o: Options) -> int:
                     "error": error,
                 }
                 meta["current"] = None
+            on_step(None)
             bar.advance(task)
     for key in ("current", "current_start", "start"):
         meta.pop(key, None)

@@ -235,6 +235,22 @@ def keep_so_far(records_so_far) -> None:
     _SO_FAR[0] = records_so_far
 
 
+# Where the topic in flight is (experiments/__main__ shows it beside the topic's name): a
+# compile or a timing of tens of seconds each, a topic being minutes of them
+_STEP: list = [None]
+
+
+def on_step(say) -> None:
+    """`say(text)` is called as each step of the topic in flight starts (None: nothing)."""
+    _STEP[0] = say
+
+
+def say_step(text: str) -> None:
+    """The topic in flight starts `text` ("compiling small, batch 8 × 256, …")."""
+    if _STEP[0] is not None:
+        _STEP[0](text)
+
+
 def records_so_far() -> list[dict]:
     """The records of the points the topic in flight has finished ([] where it keeps none)."""
     fn = _SO_FAR[0]
@@ -385,6 +401,7 @@ def compile_probe(cfg: Config, *, devices=None) -> dict:
     prediction for the same step, model FLOPs per token. Nothing runs. Cached per config."""
     key = _probe_key(cfg, devices, "compile")
     if key not in _PROBES:
+        say_step(f"compiling {describe(cfg)}")
         _PROBES[key] = _compile_probe(cfg, devices=devices)
     return _PROBES[key]
 
@@ -437,6 +454,7 @@ def train_probe(
     first did not take gets them added, from the same compiled step; the timing stays)."""
     key = _probe_key(cfg, devices, "train", budget_s, min_runs)
     if key not in _PROBES:
+        say_step(f"timing {describe(cfg)}")
         _PROBES[key] = _train_probe(
             cfg, devices=devices, budget_s=budget_s, min_runs=min_runs, loss_steps=loss_steps
         )
@@ -504,6 +522,9 @@ def forward_probe(model_cfg, *, batch: int, seq_len: int, device=None, budget_s=
         init = jax.jit(model.init)(jax.device_put(jax.random.key(1), device), tokens[:1])
         _PROBES[key] = init["params"]
     params = _PROBES[key]
+    say_step(
+        f"timing the forward, {m.n_layers} layers, d_model {m.d_model}, batch {batch} × {seq_len}"
+    )
     fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
     r = timing.bench(fwd, params, tokens, budget_s=budget_s, warmup=1, min_runs=3, max_runs=200)
     n = count_nonembedding_params(params, m)

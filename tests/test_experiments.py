@@ -22,10 +22,16 @@ IDS = [f"C{i:02d}" for i in range(1, 23)]
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """`python -m experiments size=tiny` in this process; its folder, records and run.json."""
+    import contextlib
+    import io
+
     root = tmp_path_factory.mktemp("results")
-    rc = cli.main(["size=tiny", f"out_dir={root}"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # not a terminal: a line per step, as in a log
+        rc = cli.main(["size=tiny", f"out_dir={root}"])
     (folder,) = root.iterdir()
     return {
+        "out": out.getvalue(),
         "rc": rc,
         "dir": folder,
         "records": rec.read_records(folder / "records.jsonl"),
@@ -36,6 +42,10 @@ def tiny_run(tmp_path_factory):
 @pytest.mark.once
 def test_every_module_runs_tiny_and_answers_its_claims(tiny_run):
     assert tiny_run["rc"] == 0, tiny_run["run"]["modules"]
+    # a log says where a topic is, not only which topic: each compile and timing as it starts
+    out = tiny_run["out"]
+    assert "training (C02, C04, C15, C17): compiling tiny, batch 2 × 32" in out, out[:3000]
+    assert "inference (" in out and ": timing the forward, " in out, out[:3000]
     modules = tiny_run["run"]["modules"]
     assert list(modules) == list(experiments.MODULES)
     covered = set()
