@@ -271,7 +271,7 @@ def parse_options(cls, argv: list[str]):
     fields = fields_of(cls)
     aliases = getattr(cls, "KEY_ALIASES", {})
     kw = {k: parse_value(*fields[k], raw) for k, raw in _pairs(argv, fields, aliases)}
-    return cls(**kw)
+    return _given(cls(**kw), kw)
 
 
 # ------------------------------------------------------------------------ the run config
@@ -743,7 +743,19 @@ def parse_with_run_keys(cls, argv: list[str]) -> tuple:
     pairs = _pairs(argv, [*own, *known], ALIASES)
     opts = cls(**{k: parse_value(*own[k], raw) for k, raw in pairs if k in own})
     keys = {k: _parse_key(known, k, raw) for k, raw in pairs if k not in own}
-    return opts, keys
+    return _given(opts, [k for k, _ in pairs if k in own]), keys
+
+
+def _given(opts, names):
+    """`opts` knowing which of its keys were typed (`given_options`), a value equal to its
+    default included: a key the chosen mode would not read is refused even then."""
+    object.__setattr__(opts, "_lab_given", frozenset(names))
+    return opts
+
+
+def given_options(opts) -> frozenset | None:
+    """The option names typed on the command line (None for options made in code)."""
+    return getattr(opts, "_lab_given", None)
 
 
 # Environment variables JAX reads as a number when a backend starts, and the range it can use:

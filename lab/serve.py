@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from lab import data, decode, rundir, startup
-from lab.config import check_name, cli, field
+from lab.config import check_name, cli, field, given_options
 from lab.errors import ConfigError
 from lab.measure import memory
 from lab.measure import records as rec
@@ -141,11 +141,16 @@ def _shown(value) -> str:
 
 
 def _check_mode_keys(o: Options, keys: dict) -> None:
-    """Options the mode asked does not read (changed from their defaults) are one line
+    """Options the mode asked does not read (typed, even at their defaults) are one line
     before anything loads: a plan (target=) compiles one decode step of plan_batch= ×
     plan_context= and measures nothing; this machine's sweep reads no plan_ keys."""
     plan = bool(keys.get("target"))
-    unread = [k for k in (SWEEP_ONLY if plan else PLAN_ONLY) if getattr(o, k) != _default(k)]
+    typed = given_options(o)  # None for options made in code: then those not at their defaults
+    unread = [
+        k
+        for k in (SWEEP_ONLY if plan else PLAN_ONLY)
+        if (k in typed if typed is not None else getattr(o, k) != _default(k))
+    ]
     if not unread:
         return
     given = ", ".join(f"{k}={_shown(getattr(o, k))}" for k in unread)

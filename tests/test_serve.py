@@ -108,6 +108,8 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         # FAST's prompt_len=, decode_steps=, budget=, prefill_batches= are the sweep's
         (["target=gpu:h100:1"], "budget=0.01: target= compiles one decode step"),
         (["plan_batch=3"], "plan_batch=3: only a plan for an accelerator (target=) reads"),
+        # typed at its default it is still asked for, and still read by nothing
+        (["plan_context=4096"], "plan_context=4096: only a plan for an accelerator"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, words):
