@@ -449,9 +449,9 @@ def _naive_raises(monkeypatch, error: Exception):
 
     real = bench._compile
 
-    def compile_one(impl, causal, mode, args):
+    def compile_one(impl, causal, mode, args, mask_kw=None):
         if impl != "naive":
-            return real(impl, causal, mode, args)
+            return real(impl, causal, mode, args, mask_kw)
 
         def raises(*_):
             raise error

@@ -115,3 +115,83 @@ def test_the_budget_help_states_the_wall_time_it_costs(capsys, monkeypatch):
         settle_s=study.CPU_SETTLE_S,
     )
     assert len(samples) >= 0.3 * 2 * budget / study.SAMPLE_S, len(samples)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["window=-1"], "window='-1': must be >= 0"),
+        (["docs=-2"], "docs='-2': must be >= 0"),
+        (["softcap=-1"], "softcap='-1': must be >= 0"),
+        (["softcap=nan"], "softcap='nan': expected a finite number"),
+        (["docs=48"], "docs=48 does not divide seqs=64"),
+        (["window=16", "causal=no"], "window=16 is a causal mask"),
+        (["docs=32", "causal=both"], "docs=32 is a causal mask"),
+    ],
+)
+def test_a_bad_mask_is_one_line_and_nothing_runs(tmp_path, capsys, args, needle):
+    causal = [] if any(a.startswith("causal=") for a in args) else ["causal=yes"]
+    base = ["seqs=64", "modes=fwd", "budget=0.01", "plot=false", "impls=naive", "baseline=naive"]
+    assert main([*base, *causal, *args, f"out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_masked_sweep_says_its_mask_and_checks_against_the_same_one(tmp_path, capsys):
+    """window, docs and softcap reach every impl through the dispatch; xla, which takes no
+    segment ids nor soft-cap, is left out with the reason; the title and every record's config
+    say the mask; the float64 check used it (a reference without it is far off); TFLOP/s
+    counts only the pairs the window and documents leave."""
+    from lab.studies import attention as study
+
+    mask = ["window=16", "docs=32", "softcap=30"]
+    argv = [*FAST, "impls=naive,blockwise,xla", "baseline=naive", *mask, f"out_dir={tmp_path}"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "window 16 · docs of 32 · softcap 30" in out
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.open()]
+    assert recs and all(
+        (r["config"]["window"], r["config"]["docs"], r["config"]["softcap"]) == (16, 32, 30.0)
+        for r in recs
+    )
+    skipped = {r["config"]["impl"]: r["value"] for r in recs if r["what"] == "attention skipped"}
+    assert skipped == {"xla": "does not take segment ids (packed sequences) nor logit soft-capping"}
+    errors = {r["config"]["impl"]: r["value"] for r in recs if r["what"] == "attention max error"}
+    assert set(errors) == {"naive", "blockwise"} and max(errors.values()) < 1e-5, errors
+    flops = {r["config"]["flops"] for r in recs if r["what"] == "attention TFLOP/s"}
+    pairs = 2 * (16 * 17 / 2 + 16 * 16)  # two documents of 32: 16 rows ramp up, 16 see 16 keys
+    assert flops == {4.0 * 1 * 2 * 64 * pairs}, flops
+    assert study.Masking(window=16, docs=32).pairs(64) == pairs
+
+
+def test_the_float64_check_of_a_window_point_uses_the_window():
+    """The checked rows (the last ones) against all keys, with the window: a windowed output
+    agrees with it, and not with the unmasked causal reference (so a check that forgot the
+    mask would fail loudly rather than pass)."""
+    import jax
+
+    from lab.kernels.attention import attention
+    from lab.studies import attention as study
+
+    shape = study.Shape(head_dim=32)
+    q, k, v, do = shape.arrays(256)
+    masking = study.Masking(window=32)
+    out = jax.jit(lambda q, k, v: attention(q, k, v, impl="blockwise", **masking.kwargs(1, 256)))(
+        q, k, v
+    )
+    rows, want = study.reference_rows(q, k, v, do, causal=True, mode="fwd", masking=masking)
+    assert study.max_error(out, rows, want) < 1e-5
+    rows, plain = study.reference_rows(q, k, v, do, causal=True, mode="fwd")
+    assert study.max_error(out, rows, plain) > 0.1
+
+
+def test_a_peer_is_refused_a_mask_it_is_never_given():
+    """The library peers and torch_sdpa get only q, k, v and causal: any window, documents
+    or soft-cap leaves them out of the point with the reason, never silently unmasked."""
+    from lab.studies import attention as study
+
+    assert study.Masking().refusal("torch_sdpa") is None
+    assert study.Masking(softcap=5.0).refusal("torch_sdpa") == "does not take logit soft-capping"
+    assert study.Masking(window=8).refusal("xla") is None  # jax.nn takes a local window
+    assert study.Masking(window=8).refusal("cpu_flash") is None

@@ -22,6 +22,11 @@ implementation and shape it reports, in one run:
 - ratio: median time / the baseline's (`--baseline`, default `xla`:
   `jax.nn.dot_product_attention`; `cudnn` for the GPU targets).
 
+With a `Masking` (a causal sliding window, packed documents, a soft-cap) every contender gets
+it through the dispatch's keywords, the float64 check uses it too, and TFLOP/s counts only the
+pairs the window and documents leave; an implementation that does not take it is skipped with
+the reason (the peers take none of it: they are given q, k, v and causal only).
+
 Sub-millisecond kernels are timed as `inner` queued calls blocked once (`timing.compare`),
 with `inner` chosen per shape so that a sample lasts about 2 ms: a host synchronisation per
 call would otherwise be a fair share of the figure. The same `inner` applies to every
@@ -69,7 +74,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lab.config import did_you_mean
-from lab.kernels.attention import attention, available_impls
+from lab.kernels.attention import attention, available_impls, supported_features
+from lab.kernels.attention.common import FEATURE_NAMES, Mask
 from lab.kernels.attention.reference import attention_reference
 from lab.measure import records as rec
 from lab.measure.attention import (
@@ -82,7 +88,7 @@ from lab.measure.attention import (
     Measured,
     SweepRow,
 )
-from lab.measure.cost import attention_flops
+from lab.measure.cost import attention_flops, visible_keys
 from lab.measure.memory import compiled_memory, device_capacity_bytes, device_memory_stats
 from lab.measure.timing import BenchResult, compare, random_inputs
 
@@ -134,6 +140,100 @@ class Shape:
         item = jnp.dtype(self.dtype).itemsize
         tensors = B * seq * K * ((4 * H + 4 * G) * item + (2 * H + 2 * G) * 8)
         return tensors + B * H * min(ERROR_ROWS, seq) * seq * 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Masking:
+    """What every contender's call adds to the plain (causal or full) attention, through the
+    one dispatch's keywords: a causal sliding window of `window` keys (a query sees itself and
+    the window - 1 keys before it: `window=(window - 1, 0)`, as lab.run's window= means),
+    packed documents of `docs` tokens each (segment ids restarting every `docs` tokens, causal
+    within a document) and a logit soft-cap (scores s -> softcap·tanh(s/softcap)). None: not
+    asked for. The window and the documents are causal masks: they run with causal only."""
+
+    window: int | None = None
+    docs: int | None = None
+    softcap: float | None = None
+
+    def check(self, seqs, causal) -> None:
+        """ValueError in one line for a mask that these seqs and causal choices cannot run."""
+        for key in ("window", "docs", "softcap"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"{key}={value}: must be > 0 (0 = none)")
+        causal_mask = [f"{k}={getattr(self, k)}" for k in ("window", "docs") if getattr(self, k)]
+        if causal_mask and tuple(causal) != (True,):
+            raise ValueError(
+                f"{' '.join(causal_mask)} is a causal mask (a query sees only keys before it): "
+                "run it with causal=yes"
+            )
+        if self.docs:
+            bad = [s for s in seqs if s % self.docs]
+            if bad:
+                raise ValueError(
+                    f"docs={self.docs} does not divide seqs={','.join(map(str, bad))}: the "
+                    "documents pack each sequence whole"
+                )
+
+    @property
+    def features(self) -> frozenset:
+        """The common.FEATURE_NAMES a call with this masking needs from an implementation."""
+        out = {"window"} if self.window else set()
+        out |= {"segments"} if self.docs else set()
+        return frozenset(out | ({"softcap"} if self.softcap else set()))
+
+    @property
+    def label(self) -> str:
+        """'window 1,024 · docs of 512 · softcap 30', or '' for none."""
+        parts = [f"window {self.window:,}"] if self.window else []
+        parts += [f"docs of {self.docs:,}"] if self.docs else []
+        return " · ".join(parts + ([f"softcap {self.softcap:g}"] if self.softcap else []))
+
+    def config(self) -> dict:
+        """The keys a record's config carries (only those asked for: a plain run's records
+        keep their keys)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v}
+
+    def segment_ids(self, batch: int, seq: int):
+        """[batch, seq] int32 ids, one per document (None without documents)."""
+        if not self.docs:
+            return None
+        ids = (np.arange(seq) // self.docs).astype(np.int32)
+        return np.broadcast_to(ids, (batch, seq)).copy()
+
+    def kwargs(self, batch: int, seq: int) -> dict:
+        """The dispatch's keywords (segment ids as NumPy constants [batch, seq])."""
+        out = {"window": (self.window - 1, 0)} if self.window else {}
+        if self.docs:
+            out["q_segment_ids"] = self.segment_ids(batch, seq)
+        return out | ({"softcap": float(self.softcap)} if self.softcap else {})
+
+    def reference_kwargs(self, batch: int, seq: int, rows: slice, causal: bool) -> dict:
+        """attention_reference's keywords for the query `rows` against all `seq` keys."""
+        ids = self.segment_ids(batch, seq)
+        mask = Mask.make(
+            causal=causal,
+            window=(self.window - 1, 0) if self.window else None,
+            q_segment_ids=None if ids is None else ids[:, rows],
+            kv_segment_ids=ids,
+        )
+        return dict(mask=mask, softcap=float(self.softcap) if self.softcap else None)
+
+    def refusal(self, impl: str) -> str | None:
+        """Why `impl` cannot take this masking (its reason in the table), or None."""
+        peer = impl in _library_peers() or impl == "torch_sdpa"
+        missing = sorted(self.features - (frozenset() if peer else supported_features(impl)))
+        if not missing:
+            return None
+        return f"does not take {' nor '.join(FEATURE_NAMES[m] for m in missing)}"
+
+    def pairs(self, seq: int) -> float | None:
+        """Unmasked (query, key) pairs of one sequence and head under the window and the
+        documents (None without either: attention_flops' own count)."""
+        if not (self.window or self.docs):
+            return None
+        n = self.docs or seq
+        return (seq // n) * n * visible_keys(n, self.window)
 
 
 # ---------------------------------------------------------------------------- contenders
@@ -321,16 +421,17 @@ def default_impls(backend: str | None = None) -> tuple[str, ...]:
     return tuple(own + (["torch_sdpa"] if _torch_available(backend) else []))
 
 
-def _op(impl: str, causal: bool):
+def _op(impl: str, causal: bool, mask_kw: dict):
     peers = _library_peers()
-    if impl in peers:
+    if impl in peers:  # a peer is never given a masking it cannot take (Masking.refusal)
         return functools.partial(peers[impl], causal=causal)
-    return functools.partial(attention, causal=causal, impl=impl)
+    return functools.partial(attention, causal=causal, impl=impl, **mask_kw)
 
 
-def impl_program(impl: str, causal: bool, mode: str):
-    """f(q, k, v, do) -> out (fwd) or (out, dq, dk, dv) (fwd+bwd), not yet compiled."""
-    return program(_op(impl, causal), mode)
+def impl_program(impl: str, causal: bool, mode: str, mask_kw: dict | None = None):
+    """f(q, k, v, do) -> out (fwd) or (out, dq, dk, dv) (fwd+bwd), not yet compiled;
+    `mask_kw`: the dispatch's mask and soft-cap keywords (Masking.kwargs)."""
+    return program(_op(impl, causal, mask_kw or {}), mode)
 
 
 def program(op, mode: str):
@@ -363,12 +464,15 @@ def _free_bytes() -> int | None:
         return device_capacity_bytes(device)
 
 
-def reference_rows(q, k, v, do, causal: bool, mode: str):
-    """Float64 output (and dQ) of the last ERROR_ROWS query rows."""
+def reference_rows(q, k, v, do, causal: bool, mode: str, masking: Masking = Masking()):
+    """Float64 output (and dQ) of the last ERROR_ROWS query rows, under the same mask and
+    soft-cap as the timed calls (the window is bottom-right aligned, so it holds for the last
+    rows against all keys)."""
     rows = slice(q.shape[1] - min(ERROR_ROWS, q.shape[1]), None)
+    extra = masking.reference_kwargs(q.shape[0], k.shape[1], rows, causal)
     with jax.enable_x64(True):
         q64, k64, v64, do64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do))
-        ref = functools.partial(attention_reference, causal=causal)
+        ref = functools.partial(attention_reference, causal=causal, **extra)
         out, vjp = jax.vjp(ref, q64[:, rows], k64, v64)
         want = [out] if mode == "fwd" else [out, vjp(do64[:, rows])[0]]
         return rows, [np.asarray(x) for x in want]
@@ -386,13 +490,13 @@ def max_error(outputs, rows, want) -> float:
     return float(max(errs))
 
 
-def _compile(impl, causal, mode, args):
+def _compile(impl, causal, mode, args, mask_kw=None):
     """(compiled, seconds, memory dict) or (None, 0, reason) where it does not build here."""
     t0 = time.perf_counter()
     try:
         if impl == "torch_sdpa":
             return TorchSDPA(causal, mode, *args), time.perf_counter() - t0, None
-        compiled = jax.jit(impl_program(impl, causal, mode)).lower(*args).compile()
+        compiled = jax.jit(impl_program(impl, causal, mode, mask_kw)).lower(*args).compile()
     except Exception as e:  # noqa: BLE001 — a peer's constraints (dtype, arch, shape) differ
         return None, 0.0, f"does not compile here: {str(e).strip().splitlines()[0][:80]}"
     return compiled, time.perf_counter() - t0, compiled_memory(compiled)
@@ -452,14 +556,19 @@ def _inner(fastest: dict) -> int:
 
 
 def _measure_one(
-    impls, shape: Shape, seq: int, causal: bool, mode: str, timing: dict
+    impls, shape: Shape, seq: int, causal: bool, mode: str, timing: dict, masking=Masking()
 ) -> list[Measured]:
-    """Every impl at one (seq, causal, mode): compile all, run those that fit."""
+    """Every impl at one (seq, causal, mode) under `masking`: compile all that take it, run
+    those that fit."""
     args = shape.arrays(seq, seed=seq + 2 * causal + (mode == "fwd"))
     free = _free_bytes()
+    mask_kw = masking.kwargs(shape.batch, seq)
     rows, runnable = [], {}
     for impl in impls:
-        compiled, compile_s, memory = _compile(impl, causal, mode, args)
+        if why := masking.refusal(impl):
+            rows.append(Measured(impl, 0.0, memory=None, skipped=why))
+            continue
+        compiled, compile_s, memory = _compile(impl, causal, mode, args, mask_kw)
         if compiled is None:  # `memory` is the reason it did not build
             rows.append(Measured(impl, compile_s, memory=None, skipped=memory))
         elif free is not None and memory and memory["total_bytes"] > FIT_SHARE * free:
@@ -486,7 +595,7 @@ def _measure_one(
     if jax.default_backend() == "cpu" and len(runnable) > 1:
         timing.setdefault("settle_s", CPU_SETTLE_S)
     times = compare(runnable, *args, baseline=baseline, inner=inner, **timing)
-    ref_rows, want = reference_rows(*args, causal=causal, mode=mode)
+    ref_rows, want = reference_rows(*args, causal=causal, mode=mode, masking=masking)
     out = []
     for row in rows:
         if row.impl in runnable:
@@ -510,19 +619,31 @@ NATIVE_BUFFERS = (
 
 
 def _records(
-    row: Measured, shape: Shape, seq: int, causal: bool, mode: str, baseline=BASELINE
+    row: Measured,
+    shape: Shape,
+    seq: int,
+    causal: bool,
+    mode: str,
+    baseline=BASELINE,
+    masking: Masking = Masking(),
 ) -> list:
-    """One record per figure of a row; all share the row's config."""
+    """One record per figure of a row; all share the row's config (with the masking's keys
+    where one was asked for: window, docs, softcap)."""
     config = dict(
         op="attention",
         impl=row.impl,
         seq=seq,
         causal=causal,
         mode=mode,
+        **masking.config(),
         **dataclasses.asdict(shape),
         **(torch_settings() if row.impl == "torch_sdpa" else {}),
     )
-    flops = attention_flops(shape.batch, shape.heads, seq, seq, shape.head_dim, causal=causal)
+    pairs = masking.pairs(seq)
+    if pairs is None:
+        flops = attention_flops(shape.batch, shape.heads, seq, seq, shape.head_dim, causal=causal)
+    else:  # only the pairs the window or the documents leave: the useful work
+        flops = 4.0 * shape.batch * shape.heads * shape.head_dim * pairs
     if mode == "fwd+bwd":
         flops *= 3.5  # forward + backward (2.5× forward): cost.attention_flops' convention
     out = []
@@ -578,9 +699,12 @@ def sweep(
     inner: int | None = None,
     progress=None,
     done=None,
+    masking: Masking = Masking(),
 ) -> list[dict]:
     """Measure every impl over seqs × causal × modes; returns `lab.measure.records` records
     (`done(records)` with each point's as it finishes: a caller that keeps them on a stop).
+    `masking`: a window, packed documents and/or a soft-cap given to every call and to the
+    float64 check (an impl that cannot take it is skipped with the reason).
 
     Records of one (impl, seq, causal, mode) share `config`: time (s), TFLOP/s, peak temp
     memory (B), max error, time ratio vs the baseline (absent where the baseline did not run),
@@ -594,10 +718,11 @@ def sweep(
         for c in causal:
             for mode in modes:
                 if progress:
-                    progress(f"L=S={seq} causal={c} {mode}")
+                    label = f" {masking.label}" if masking.label else ""
+                    progress(f"L=S={seq} causal={c}{label} {mode}")
                 point = []
-                for row in _measure_one(impls, shape, seq, c, mode, timing):
-                    point += _records(row, shape, seq, c, mode, baseline)
+                for row in _measure_one(impls, shape, seq, c, mode, timing, masking):
+                    point += _records(row, shape, seq, c, mode, baseline, masking)
                 out += point
                 if done:
                     done(point)

@@ -3,7 +3,9 @@
 Time (median of alternated calls), TFLOP/s, compiled peak memory, error against float64 and
 the ratio to a baseline, for L = S from 512 to 16384 (CPU; to 32k on GPU), causal and not,
 forward and forward + backward; a table, records and a PNG. See lab/studies/attention.py for
-the method. quick=true: L = 256 and 512 with a short budget.
+the method. quick=true: L = 256 and 512 with a short budget. window=W, docs=N and softcap=C
+time a causal sliding window, packed documents and soft-capped logits through the same
+dispatch call (an implementation that cannot take them is listed with the reason).
 """
 
 import dataclasses
@@ -54,6 +56,24 @@ class Options:
         "check",
         min=0.01,
     )
+    window: int = field(
+        0,
+        "causal sliding window: a query sees itself and the window-1 keys before it, as lab.run's "
+        "window= (attention's window=(W-1, 0)); needs causal=yes; 0 = none",
+        min=0,
+    )
+    docs: int = field(
+        0,
+        "packed documents of this many tokens each (segment ids, causal within a document); "
+        "must divide every seq; needs causal=yes; 0 = none",
+        min=0,
+    )
+    softcap: float = field(
+        0.0,
+        "logit soft-cap: scaled scores s -> softcap·tanh(s/softcap), as lab.run's softcap=; "
+        "causal or not; 0 = off",
+        min=0.0,
+    )
     out_dir: str = field("results", "folder for the records and the plot", kind="path")
     plot: bool = field(True, "draw the PNG")
 
@@ -80,6 +100,14 @@ def run(o: Options) -> int:
     impls += [o.baseline] if o.baseline not in impls else []
     dtype = o.dtype if o.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
     seqs = o.seqs or study.default_seqs(backend, o.quick)
+    causal = {"both": (True, False), "yes": (True,), "true": (True,), "no": (False,)}.get(
+        o.causal, (False,)
+    )
+    masking = study.Masking(o.window or None, o.docs or None, o.softcap or None)
+    try:
+        masking.check(seqs, causal)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     shape = study.Shape(o.batch, o.heads, o.kv_heads, o.head_dim, DTYPES[dtype])
     need = shape.held_bytes(max(seqs))  # refused before anything is allocated
     memory.check_fits("the inputs and gradients", need, _size_keys(o, seqs), jax.devices()[:1])
@@ -95,9 +123,6 @@ def run(o: Options) -> int:
         startup.note(f"the points measured so far are in {path}")
 
     flush = startup.keep_on_stop(pending, write)
-    causal = {"both": (True, False), "yes": (True,), "true": (True,), "no": (False,)}.get(
-        o.causal, (False,)
-    )
     with progress.counted(con, "attention", len(seqs) * len(causal) * len(o.modes)) as tick:
         records = study.sweep(
             seqs,
@@ -110,12 +135,14 @@ def run(o: Options) -> int:
             inner=o.inner or None,
             progress=tick,
             done=pending.extend,
+            masking=masking,
         )
     env = rec.environment()
     title = (
         f"attention · {plots.device_name(backend, env['device_kind'])} · "
         f"jax {env['jax_version']} · "
         f"B={shape.batch} H={shape.heads} G={shape.kv_heads} K={shape.head_dim} {dtype}"
+        + (f" · {masking.label}" if masking.label else "")
     )
     rows = study.rows_of(records)
     con.print(tables.attention_sweep(rows, study.baseline_of(records) or o.baseline, title))
