@@ -30,7 +30,7 @@ import time
 import jax
 
 from lab import devices, startup
-from lab.config import cli, field
+from lab.config import cli, field, given_options
 from lab.errors import ConfigError
 from lab.measure import records
 from lab.measure.fitted import Fit, fits_of
@@ -93,22 +93,24 @@ def _check_modes(o: Options) -> None:
     if len(modes) > 1:
         raise ConfigError(f"{'=true and '.join(modes)}=true: choose one of them")
     mode = modes[0] if modes else None
-    default = Options()
-    only_here = [
-        k for k in ("configs", "ops", "stop_after") if getattr(o, k) != getattr(default, k)
-    ]
+    default, typed = Options(), given_options(o)
+
+    def asked(k: str) -> bool:  # typed (even at its default), or changed in code
+        return k in typed if typed is not None else getattr(o, k) != getattr(default, k)
+
+    only_here = [k for k in ("configs", "ops", "stop_after") if asked(k)]
     if only_here and mode != "here":
         raise ConfigError(f"{only_here[0]}= is for here=true (the accelerator at hand)")
-    if o.budget != default.budget and mode not in ("cpu", "here"):
+    if asked("budget") and mode not in ("cpu", "here"):
         raise ConfigError("budget= times steps: it is for cpu=true or here=true")
     if o.only and mode in ("cpu", "here"):
         raise ConfigError(f"only= picks published points; {mode}=true runs its own configurations")
-    if o.cache_dir != default.cache_dir and mode in ("cpu", "here"):
+    if asked("cache_dir") and mode in ("cpu", "here"):
         raise ConfigError(
             f"cache_dir= holds the published points' programs; {mode}=true compiles its own "
             "configurations and keeps none"
         )
-    if o.out_dir != default.out_dir and mode == "loo":
+    if asked("out_dir") and mode == "loo":
         raise ConfigError("out_dir= is where records go; loo=true prints its table only")
     if o.only and mode == "loo":
         raise ConfigError(
