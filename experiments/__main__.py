@@ -191,7 +191,8 @@ def run(o: Options) -> int:
     )
     writing = threading.Lock()
     stopping = _signals_keep_what_finished(out_dir, meta, only, con, writing)
-    with stopping, progress.tasks(con) as bar:
+    with stopping, progress.tasks(con) as bar, contextlib.ExitStack() as after:
+        after.callback(on_step, None)  # however the loop ends, no topic's hook outlives it
         task = bar.add_task("starting", total=len(names))
         for name in names:
             module = load(name)

@@ -156,12 +156,16 @@ def compute_dtype() -> str:
     return "float32" if backend() == "cpu" else "bfloat16"
 
 
+def shared_config(size: str) -> Config:
+    """The shared step (STEP) in this backend's compute dtype, named: the config the training
+    topic times as its float32 or bf16 step, so every topic that compiles or times the shared
+    step here shares one compile and one timing (and one report one MFU measured here)."""
+    return step_config(size, dtype=compute_dtype())
+
+
 def shared_step(size: str) -> dict:
-    """The shared step (STEP) timed in the backend's compute dtype, named (the config the
-    training topic times as its float32 or bf16 step: one compiled and timed step, so one
-    report quotes one MFU measured here); cached."""
-    cfg = step_config(size, dtype=compute_dtype())
-    return train_probe(cfg, budget_s=STEP_BUDGET_S[size])
+    """The shared step timed (shared_config); cached."""
+    return train_probe(shared_config(size), budget_s=STEP_BUDGET_S[size])
 
 
 def mfu_here(size: str) -> float:
@@ -454,7 +458,6 @@ def train_probe(
     first did not take gets them added, from the same compiled step; the timing stays)."""
     key = _probe_key(cfg, devices, "train", budget_s, min_runs)
     if key not in _PROBES:
-        say_step(f"timing {describe(cfg)}")
         _PROBES[key] = _train_probe(
             cfg, devices=devices, budget_s=budget_s, min_runs=min_runs, loss_steps=loss_steps
         )
@@ -466,6 +469,7 @@ def train_probe(
 
 def _train_probe(cfg: Config, *, devices, budget_s, min_runs, loss_steps) -> dict:
     p = compile_probe(cfg, devices=devices)
+    say_step(f"timing {describe(cfg)}")  # once it has compiled (compile_probe says that)
     compiled = p["compiled"]
     losses, state, batch = _losses(p, loss_steps)
     tokens = batch(loss_steps)

@@ -425,14 +425,32 @@ def derived(folders: list[dict]) -> list[dict]:
     bf16 = [(f, _find(f["records"], _bf16)) for f in folders]
     bf16 = [(f, r) for f, r in bf16 if r]
 
-    def first(pairs, test, claim):
-        hits = ((f, r) for f, r in pairs if picks(f, claim) and test(_kind(f)))
-        return next(hits, (None, None))
+    def first(pairs, test, claim, like=None):
+        """The first folder that selected `claim`, of the kind `test` accepts (and timed the
+        step `like` did): one at size quick or full before a tiny one."""
+        hits = [
+            (f, r)
+            for f, r in pairs
+            if picks(f, claim) and test(_kind(f)) and (like is None or _same_step(r, like))
+        ]
+        hits.sort(key=lambda hit: hit[0].get("size") == "tiny")  # stable: the given order
+        return hits[0] if hits else (None, None)
+
+    def tiny_aside(claim, *pair) -> bool:
+        """A ratio with a tiny folder in it, where a folder at a real size holds records of
+        the claim: set aside, as `judged` sets the tiny folders' own records aside."""
+        if all(f.get("size") != "tiny" for f in pair):
+            return False
+        return any(
+            f.get("size") != "tiny"
+            and picks(f, claim)
+            and any(r["config"].get("claim") == claim for r in f["records"])
+            for f in folders
+        )
 
     tpu, tpu_r = first(train, lambda k: k.startswith("tpu"), "C19")
-    h100, h100_r = first(train, lambda k: "h100" in k, "C19")
-    cpu, cpu_r = first(train, lambda k: k.startswith("cpu"), "C02")
-    if tpu and h100 and _same_step(tpu_r, h100_r):
+    h100, h100_r = first(train, lambda k: "h100" in k, "C19", like=tpu_r)
+    if tpu and h100 and _same_step(tpu_r, h100_r) and not tiny_aside("C19", tpu, h100):
         out.append(
             _pair_record(
                 "C19",
@@ -445,7 +463,7 @@ def derived(folders: list[dict]) -> list[dict]:
         )
     mi, mi_r = first(bf16, lambda k: "mi300" in k, "C19")
     h100_mm, h100_mm_r = first(bf16, lambda k: "h100" in k, "C19")
-    if mi and h100_mm:
+    if mi and h100_mm and not tiny_aside("C19", mi, h100_mm):
         out.append(
             _pair_record(
                 "C19",
@@ -457,7 +475,10 @@ def derived(folders: list[dict]) -> list[dict]:
             )
         )
     for f, r in train:
-        if cpu and picks(f, "C02") and not _kind(f).startswith("cpu") and _same_step(r, cpu_r):
+        if not picks(f, "C02") or _kind(f).startswith("cpu"):
+            continue
+        cpu, cpu_r = first(train, lambda k: k.startswith("cpu"), "C02", like=r)
+        if cpu and not tiny_aside("C02", f, cpu):
             out.append(
                 _pair_record(
                     "C02",

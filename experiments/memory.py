@@ -24,7 +24,7 @@ from experiments.common import (
     llama_shape,
     pick,
     record,
-    step_config,
+    shared_config,
     train_probe,
 )
 from lab.config import Config, make_config, override
@@ -349,7 +349,7 @@ def _remat_offload_memory(size: str, plans: bool) -> list[dict]:
     """C11: remat=offload beside remat=full for the shared step: the calculator's device
     activations (the block inputs move to host memory); with `plans`, the step compiled for
     one H100 (host memory is the device's own RAM on CPU: nothing to measure here)."""
-    p = compile_probe(step_config(size))  # the shared step, compiled already by C09
+    p = compile_probe(shared_config(size))  # the shared step, compiled already by C09
     cfg, mesh = p["cfg"], p["trainer"].mesh
     pred = {
         r: memory.predict_lab_step(
@@ -475,7 +475,9 @@ def run(size: str = "quick", *, plans: bool = False) -> list[dict]:
     batches = pick(size, tiny=(2, 8), quick=(1, 4, 16, 64), full=(1, 4, 16, 64))
     budget = STEP_BUDGET_S[size]
     remats = pick(size, tiny=("none", "full"), quick=REMATS, full=REMATS)
-    recs, log_err = _remat_memory_and_time(step_config(size), budget, remats, timed=size != "tiny")
+    recs, log_err = _remat_memory_and_time(
+        shared_config(size), budget, remats, timed=size != "tiny"
+    )
     compiled = gpu_plans.llama_memory_per_h100() if plans else []
     plans_checked = [
         abs(math.log(r["config"]["calculator_over_compiled"]))

@@ -24,7 +24,7 @@ from experiments.common import (
     pick,
     predicted_step,
     record,
-    step_config,
+    shared_config,
 )
 from lab.measure import ceilings, roofline, specs, timing
 from lab.predict.model import at_roofs
@@ -177,7 +177,7 @@ def _step_at_roofs(size: str, roof: dict, be: str) -> list[dict]:
         name = _PEAK_DTYPES.get(dtype, dtype)
         peaks[name] = max(peaks.get(name, 0.0), m["flops_per_s"])
     try:
-        probe = compile_probe(step_config(size))
+        probe = compile_probe(shared_config(size))
     except Exception as e:  # noqa: BLE001 — the roofs and C07 stand without the step
         why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         return [record("C06", None, f"the training step did not compile here: {why}", None, "")]

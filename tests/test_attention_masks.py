@@ -545,8 +545,9 @@ def test_kernel_functions_called_directly_check_as_attention_does(kwargs, needle
         with pytest.raises(ValueError, match=needle):
             jax.block_until_ready(fn(q, k, v, causal=False, **kwargs))
     if "mask" not in kwargs:  # attention takes the mask's parts as keywords
-        with pytest.raises(ValueError, match=needle):
-            attention(q, k, v, causal=False, **kwargs)
+        for impl in ("auto", "naive", "xla"):  # xla hands scale to jax.nn as it is
+            with pytest.raises(ValueError, match=needle):
+                attention(q, k, v, impl=impl, causal=False, **kwargs)
 
 
 def test_sinks_as_a_list_are_read_by_every_kernel_function():

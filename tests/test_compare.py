@@ -367,3 +367,35 @@ def test_a_tiny_folder_judges_no_claim_a_real_size_folder_has_records_of(tmp_pat
     assert rows["C08"][2] == f"**{rows['C08'][1]}** (size tiny only)"
     rows = _grid(compare.merge([tiny], tmp_path / "cmp"))  # all tiny: the caution says it
     assert "size tiny only" not in rows["C08"][1]
+
+
+def test_a_ratio_across_folders_pairs_real_sizes_first_and_sets_tiny_ones_aside():
+    """A GPU over CPU training ratio took the first CPU folder given, whatever its size: a
+    tiny CPU folder before a quick one lost the quick pair's ratio (different steps), and a
+    tiny GPU over tiny CPU ratio decided C02 beside a quick folder's records of it."""
+
+    def folder(name, backend, size, tps, seq_len):
+        r = {**_train(tps), "backend": backend, "device_kind": backend.upper()}
+        r["config"] = {**r["config"], "seq_len": seq_len}
+        return {"name": name, "size": size, "only": None, "records": [r]}
+
+    cpu_tiny = folder("cpu-tiny", "cpu", "tiny", 2e2, 32)
+    gpu_tiny = folder("gpu-tiny", "gpu", "tiny", 1e4, 32)
+    cpu_quick = folder("cpu-quick", "cpu", "quick", 1e3, 256)
+    gpu_quick = folder("gpu-quick", "gpu", "quick", 3e4, 256)
+    (ratio,) = compare.derived([cpu_tiny, cpu_quick, gpu_quick])
+    assert ratio["value"] == 30.0 and "gpu-quick over cpu-quick" in ratio["what"]
+    # a real-size folder holds C02 records: the tiny pair's ratio is set aside
+    cpu_quick_c02 = {**cpu_quick, "records": [*cpu_quick["records"], _c02_context()]}
+    assert compare.derived([cpu_tiny, gpu_tiny, cpu_quick_c02]) == []
+    # tiny folders alone: their ratio stands (the merged cell then says size tiny only)
+    (tiny,) = compare.derived([cpu_tiny, gpu_tiny])
+    assert tiny["value"] == 50.0
+
+
+def _c02_context() -> dict:
+    r = rec.make_record(
+        "datasheet peak over this CPU's peak", 100.0, "×", claim="C02",
+        metric="gpu_cpu_train_speedup", role="context", label="derived",
+    )  # fmt: skip
+    return {**r, "backend": "cpu", "device_kind": "CPU"}

@@ -746,7 +746,7 @@ def test_c06_share_on_a_cpu_is_context_and_on_an_accelerator_evidence(monkeypatc
     split = {"share": 0.06, "ops": (600, 100), "compute_s": 0.94, "memory_s": 0.06}
     monkeypatch.setattr(exp_roofline, "at_roofs", lambda *a, **k: split)
     probe = {
-        "cfg": exp_roofline.step_config("tiny"),
+        "cfg": exp_roofline.shared_config("tiny"),
         "compiled": None,
         "trainer": types.SimpleNamespace(mesh=None),
     }

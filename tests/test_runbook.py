@@ -62,6 +62,11 @@ def test_plan_in_priority_order_each_step_under_ten_minutes():
         assert len(set(names)) == len(names)
         assert all(0 < s.budget_s <= runbook.MAX_STEP_S < 600 for s in steps)
         assert all(s.kind in (*rows.HEADLINES, "log") for s in steps)
+        # every step's records land in its own folder: lab.serve's go to results= (its
+        # out_dir= says where the runs it loads are), every other command's to out_dir=
+        for s in steps:
+            where = "results={out}" if "lab.serve" in s.args else "out_dir={out}"
+            assert where in s.args, (s.name, s.args)
 
 
 def test_tiny_budget_every_step_runs_or_is_skipped_with_its_reason(tmp_path, capsys):

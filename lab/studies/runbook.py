@@ -171,7 +171,13 @@ def plan(size: str) -> list[Step]:
         Step(
             "serve",
             "prefill, decode over batch vs HBM bandwidth, int8",
-            ("-m", "lab.serve", *serve, "plot=false", "out_dir={out}"),
+            (
+                "-m",
+                "lab.serve",
+                *serve,
+                "plot=false",
+                "results={out}",  # lab.serve's records; its out_dir= is where runs are
+            ),
             540,
             kind="serve",
         )

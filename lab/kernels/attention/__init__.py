@@ -102,6 +102,7 @@ from lab.kernels.attention.common import (
     check_interpret,
     check_qkv,
     check_softcap,
+    default_scale,
     device_kind,
     platform,
     target_device,
@@ -580,6 +581,8 @@ def attention(
     B, L, H = q_BxLxHxK.shape[:3]
     mask.check(B, L, k_BxSxGxK.shape[1])
     softcap = check_softcap(softcap)
+    if scale is not None and not isinstance(scale, jax.core.Tracer):  # every impl, xla's too
+        scale = default_scale(q_BxLxHxK.shape[-1], scale)
     if sinks is not None and tuple((sinks := jnp.asarray(sinks)).shape) != (H,):
         raise ValueError(f"{sinks.shape=}: attention sinks are one logit per query head, ({H},)")
     features = features_of(
