@@ -768,7 +768,10 @@ def agreed_folder(claim, follow, timeout_s: int, keys: dict | None = None, share
             result = claim()
             if shared:
                 token, joined = secrets.token_hex(8), Path(result[1]) / JOIN_FILE
-                joined.write_text(token)
+                try:
+                    joined.write_text(token)
+                except OSError as e:  # a full disk: refused as a folder that cannot be used
+                    raise ConfigError(f"run folder {result[1]}: cannot write in it ({e})") from None
         else:
             result = follow(first["name"], first.get("token"))
     except BaseException as e:  # its own refusal, failure or Ctrl-C: the others are told
