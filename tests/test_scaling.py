@@ -140,3 +140,12 @@ def test_the_size_help_says_what_each_size_runs(capsys):
     for name, size in study.SIZES.items():
         assert f"{name}: {size.summary()}" in text
     assert "quick: the tiny model, batch 16 × seq 64, on 1,2,4,8 devices" in text
+
+
+def test_device_counts_beyond_the_devices_here_are_named_not_dropped_unseen(monkeypatch):
+    monkeypatch.setattr(scaling.jax, "device_count", lambda: 1)
+    assert scaling.skipped_counts("tiny") == [
+        n for n in scaling.SIZES["tiny"].device_counts if n > 1
+    ]
+    monkeypatch.setattr(scaling.jax, "device_count", lambda: 64)
+    assert scaling.skipped_counts("tiny") == []

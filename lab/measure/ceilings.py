@@ -355,8 +355,16 @@ def sizes(backend_name: str, size: str = "full") -> dict:
 OUTLIER = 1.1  # a point this far above its roof is a measurement error, reported as one
 
 
-def matmul_ratio_note(ratio: float) -> str:
-    """What JAX's CPU matmul over numpy's BLAS (the same product, same run) says."""
+def matmul_ratio_note(ratio: float, busy: tuple | None = None) -> str:
+    """What JAX's CPU matmul over numpy's BLAS (the same product, same run) says; on a busy
+    host (`records.busy_host()`), that it says nothing: the two were timed one after the
+    other, and other work took cores from either (0.41× under load 3 on 2 cores, 0.98×
+    quiet)."""
+    if busy is not None:
+        return (
+            f"JAX at {ratio:.2f}× numpy's BLAS, timed one after the other on a busy host "
+            f"(load {busy[0]:.1f} on {busy[1]} cores): no verdict, rerun on a quiet host"
+        )
     if ratio > 1.2:
         return f"JAX {ratio:.2f}× numpy's BLAS: faster than the usual CPU matmul here"
     if ratio >= 0.8:
@@ -502,7 +510,7 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
             "matmul float32 jax / numpy",
             ratio,
             "ratio",
-            matmul_ratio_note(ratio),
+            matmul_ratio_note(ratio, records.busy_host()),
             n=n,
         )
     roof = roofline_ceilings(size, budget_s=budget_s, matmuls=matmuls)

@@ -188,6 +188,11 @@ def _counts(size: Size) -> list[int]:
     return [n for n in size.device_counts if n <= jax.device_count()]
 
 
+def skipped_counts(size: str) -> list[int]:
+    """The device counts of `size` this process has too few devices for (not timed)."""
+    return [n for n in SIZES[size].device_counts if n > jax.device_count()]
+
+
 def points_planned(size: str, strategies=STRATEGIES) -> int:
     """How many points `run` times: each strategy × device count, the extrapolation's one
     step, each remat × batch (a progress bar's total)."""

@@ -32,6 +32,7 @@ def run(o: Options) -> int:
     title = (
         f"ceilings · {plots.device_name(env['backend'], env['device_kind'])} × "
         f"{env['device_count']} · jax {env['jax_version']}"
+        + (" · quick=true: tiny sizes check the code path, not the ceilings" if o.quick else "")
     )
     con.print(tables.ceilings(result, title))
     con.print(

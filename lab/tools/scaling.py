@@ -9,6 +9,8 @@ import dataclasses
 import sys
 import time
 
+import jax
+
 from lab import devices, startup
 from lab.config import cli, field
 from lab.measure import records
@@ -42,6 +44,14 @@ def run(o: Options) -> int:
         con.print(f"[yellow]{busy}")
     if o.size == "tiny":
         con.print("size=tiny checks the code path: its times are too short to compare")
+    if skipped := scaling.skipped_counts(o.size):  # said, not dropped from the tables unseen
+        here = jax.device_count()
+        cpu = jax.default_backend() == "cpu"
+        how = " (cpu_devices= sets how many are simulated)" if cpu else ""
+        con.print(
+            f"[yellow]{', '.join(map(str, skipped))} devices of size={o.size}: not timed, "
+            f"{here} device{'s' * (here != 1)} here{how}"
+        )
     with progress.tasks(con) as bar:
         total = scaling.points_planned(o.size, o.strategies)
         task = bar.add_task("scaling", total=total)
