@@ -101,18 +101,13 @@ def test_a_resume_lab_run_would_refuse_is_refused_before_any_process_starts(
     assert err.count("\n") == 1 and "steps=2" in err and not started, err
 
 
-@pytest.mark.once
-def test_processes_started_by_hand_share_process_0s_refusal(tmp_path):
-    """Without the launcher nothing checks the folder before the processes join: process 0
-    refuses an earlier run's folder after the join, and its peer, told through the runtime's
-    key-value store, exits with the same line instead of waiting in its first collective."""
-    run = tmp_path / "R"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+def _by_hand(keys_of) -> tuple[list[int], list[str]]:
+    """Two lab.run processes started by hand, without the launcher, on a fresh coordinator port:
+    `keys_of(i)` gives process i's keys beyond its place in the job. (exit codes, stderrs)."""
     port = launch.free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "lab.run", *TINY, "mesh=4x2", f"out_dir={tmp_path}", "name=R"]
+            [sys.executable, "-m", "lab.run", *keys_of(i)]
             + ["num_processes=2", f"process_id={i}", f"coordinator=localhost:{port}"],
             env=ENV,
             stdout=subprocess.DEVNULL,
@@ -122,7 +117,19 @@ def test_processes_started_by_hand_share_process_0s_refusal(tmp_path):
         for i in (0, 1)
     ]
     errs = [p.communicate(timeout=240)[1] for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], errs
+    return [p.returncode for p in procs], errs
+
+
+@pytest.mark.once
+def test_processes_started_by_hand_share_process_0s_refusal(tmp_path):
+    """Without the launcher nothing checks the folder before the processes join: process 0
+    refuses an earlier run's folder after the join, and its peer, told through the runtime's
+    key-value store, exits with the same line instead of waiting in its first collective."""
+    run = tmp_path / "R"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    codes, errs = _by_hand(lambda i: [*TINY, "mesh=4x2", f"out_dir={tmp_path}", "name=R"])
+    assert codes == [2, 2], errs
     assert "already holds a run" in errs[0] and errs[0].count("\n") == 1, errs[0]
     assert errs[1].startswith("error: process 0 of 2 refused the run: run folder"), errs[1]
     assert errs[1].count("\n") == 1
@@ -437,20 +444,10 @@ def test_process_0_refuses_a_port_another_server_listens_on():
 def test_processes_started_with_different_keys_are_refused(tmp_path):
     """Two processes of one run asked for different learning rates: each would train its own
     program in lockstep. Both refuse in one line naming the key, before any step."""
-    port = launch.free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "lab.run", *TINY, "mesh=4x2", f"out_dir={tmp_path}", "name=R"]
-            + ["num_processes=2", f"process_id={i}", f"coordinator=localhost:{port}", f"lr={lr}"],
-            env=ENV,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i, lr in ((0, 0.003), (1, 0.1))
-    ]
-    errs = [p.communicate(timeout=240)[1] for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], errs
+    lr = {0: 0.003, 1: 0.1}
+    base = [*TINY, "mesh=4x2", f"out_dir={tmp_path}", "name=R"]
+    codes, errs = _by_hand(lambda i: [*base, f"lr={lr[i]}"])
+    assert codes == [2, 2], errs
     assert errs[1].count("\n") == 1 and "lr: 0.003 on process 0, 0.1 on process 1" in errs[1]
     assert errs[0].startswith("error: process 1 of 2 refused the run: the processes were"), errs
     assert not (tmp_path / "R").exists()
@@ -461,23 +458,11 @@ def test_checkpointing_processes_that_do_not_share_the_run_folder_are_refused(tm
     """Every process writes its part of each checkpoint into the run folder: a process that
     sees another folder (out_dir on its own host's disk) would leave the first save waiting
     for parts that never arrive. Both refuse in one line before any step, and nothing is left."""
-    port = launch.free_port()
     own = {0: tmp_path / "shared", 1: tmp_path / "local"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "lab.run", *TINY, "mesh=4x2", f"out_dir={own[i]}", "name=R"]
-            + ["num_processes=2", f"process_id={i}", f"coordinator=localhost:{port}"]
-            + ["checkpoint_every=1", "coordinator_timeout=60"],
-            env=ENV,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in (0, 1)
-    ]
+    keys = [*TINY, "mesh=4x2", "name=R", "coordinator_timeout=60"]
     t0 = time.monotonic()
-    errs = [p.communicate(timeout=240)[1] for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], errs
+    codes, errs = _by_hand(lambda i: [*keys, f"out_dir={own[i]}", "checkpoint_every=1"])
+    assert codes == [2, 2], errs
     assert time.monotonic() - t0 < 120, errs  # not a save's timeout
     needle = f"process 1 does not see process 0's run folder at {own[1] / 'R'}"
     assert errs[1].count("\n") == 1 and needle in errs[1], errs[1]
@@ -486,21 +471,8 @@ def test_checkpointing_processes_that_do_not_share_the_run_folder_are_refused(tm
     assert errs[0].count("\n") == 1
     assert not (own[0] / "R").exists()  # process 0's folder made for the run is removed
     # sharing it, the same processes train and checkpoint
-    port = launch.free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "lab.run", *TINY, "mesh=4x2", f"out_dir={own[0]}", "name=R"]
-            + ["num_processes=2", f"process_id={i}", f"coordinator=localhost:{port}"]
-            + ["checkpoint_every=3", "coordinator_timeout=60"],
-            env=ENV,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in (0, 1)
-    ]
-    errs = [p.communicate(timeout=240)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], errs
+    codes, errs = _by_hand(lambda i: [*keys, f"out_dir={own[0]}", "checkpoint_every=3"])
+    assert codes == [0, 0], errs
     assert checkpoint.saved_steps(own[0] / "R") == [3]
     assert not (own[0] / "R" / devices.JOIN_FILE).exists()
 
