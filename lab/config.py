@@ -822,5 +822,7 @@ def exit_code(fn) -> int:
         return 1
     except KeyboardInterrupt as e:
         by = "SIGTERM" if isinstance(e, Terminated) else "interrupted (Ctrl-C)"
-        print(f"{by}: nothing was written after the last saved file", file=sys.stderr)
+        # a command that knows where its saved work is says so in the interrupt's message
+        detail = str(e) or "nothing was written after the last saved file"
+        print(f"{by}: {detail}", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130

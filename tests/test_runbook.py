@@ -346,7 +346,7 @@ def test_training_row_prefers_the_step_time_model_to_the_floor(tmp_path):
     threading.current_thread() is not threading.main_thread(),
     reason="a signal handler needs the main thread",
 )
-def test_sigterm_stops_the_step_in_flight_keeps_the_state_and_a_rerun_goes_on(tmp_path):
+def test_sigterm_stops_the_step_in_flight_keeps_the_state_and_a_rerun_goes_on(tmp_path, capsys):
     """A job scheduler's SIGTERM mid-step: the step is stopped and recorded as cut short, the
     rows are written, and the next run starts that step again and then the rest."""
     steps = [fake("first"), sleeper("slow", budget=30), fake("after")]
@@ -358,6 +358,11 @@ def test_sigterm_stops_the_step_in_flight_keeps_the_state_and_a_rerun_goes_on(tm
     finally:
         timer.cancel()
     assert exit_code(lambda: (_ for _ in ()).throw(stopped.value)) == 143  # not Ctrl-C's 130
+    err = capsys.readouterr().err.strip()  # one line: where the work is and how to go on
+    root = tmp_path / "runbook"
+    assert err.startswith(f"SIGTERM: the outcomes so far are saved in {root} (state.json, ")
+    assert "BENCHMARKS-rows.md); rerunning the same command (python -m lab.tools.runbook" in err
+    assert "resumes, skipping the finished steps" in err and len(err.splitlines()) == 1
     state = state_of(tmp_path)
     assert state["first"]["status"] == "done" and "after" not in state
     assert state["slow"]["status"] == "cut short"
@@ -368,6 +373,30 @@ def test_sigterm_stops_the_step_in_flight_keeps_the_state_and_a_rerun_goes_on(tm
     state = state_of(tmp_path)
     assert state["first"]["attempt"] == 1 and state["slow"]["attempt"] == 2
     assert state["after"]["status"] == "done"
+
+
+def test_a_step_that_had_exited_0_when_the_runbook_was_stopped_is_done(tmp_path, monkeypatch):
+    """The stop came after the step's process had exited 0 (its records written) but before
+    the runbook's wait returned: the step is done, not cut short, and a rerun skips it."""
+    import subprocess
+
+    real_wait = subprocess.Popen.wait
+
+    def wait_then_stop(self, timeout=None):
+        real_wait(self, timeout)  # the step ends on its own ...
+        raise Terminated  # ... and the stop lands before the wait returns
+
+    monkeypatch.setattr(subprocess.Popen, "wait", wait_then_stop)
+    with pytest.raises(Terminated):
+        tool.run(options(tmp_path), steps=[fake("one"), fake("two")], probe=lambda: CPU)
+    monkeypatch.undo()
+    state = state_of(tmp_path)
+    assert state["one"]["status"] == "done" and state["one"]["returncode"] == 0, state
+    assert "two" not in state
+    assert "| one | done" in (tmp_path / "runbook" / runbook.ROWS).read_text()
+    assert tool.run(options(tmp_path), steps=[fake("one"), fake("two")], probe=lambda: CPU) == 0
+    state = state_of(tmp_path)
+    assert state["one"]["attempt"] == 1 and state["two"]["status"] == "done"
 
 
 def test_a_redo_cut_short_keeps_the_finished_outcome(tmp_path, capsys):

@@ -426,9 +426,13 @@ class Outcome:
     returncode: int | None
 
 
-def run_bounded(argv: list[str], log: Path, limit_s: float, why: str) -> Outcome:
+def run_bounded(
+    argv: list[str], log: Path, limit_s: float, why: str, ended: list | None = None
+) -> Outcome:
     """`argv` in its own process group, output to `log`, killed past `limit_s` (SIGTERM, then
-    SIGKILL). Ctrl-C or SIGTERM to the runbook stops the step the same way, then goes on up."""
+    SIGKILL). Ctrl-C or SIGTERM to the runbook stops the step the same way, then goes on up;
+    a step that had already exited 0 when the stop came is appended to `ended` as done (its
+    work is complete, only the runbook's wait for it was cut)."""
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "1"}
     with log.open("w") as f:
@@ -442,6 +446,8 @@ def run_bounded(argv: list[str], log: Path, limit_s: float, why: str) -> Outcome
             return Outcome("cut short", why, time.perf_counter() - t0, None)
         except BaseException:
             _stop(p)
+            if p.returncode == 0 and ended is not None:
+                ended.append(Outcome("done", "", time.perf_counter() - t0, 0))
             raise
     seconds = time.perf_counter() - t0
     if rc:
@@ -570,10 +576,16 @@ def execute(
         state["steps"][step.name] = entry
         save_state(root, state)
         say(f"{head}: {shown(argv)}  (at most {limit:.0f} s)")
+        ended = []  # the step's outcome where it had exited 0 before the runbook was stopped
         try:
-            result = run_bounded(argv, log, limit, why)
+            result = run_bounded(argv, log, limit, why, ended)
         except BaseException:
-            state["steps"][step.name] = _kept_or_cut(entry, "the runbook was interrupted", _now())
+            if ended:
+                _record(step, entry, ended[0], judge)
+                say(f"{head}: {entry['status']} (it had exited before the runbook was stopped)")
+            else:
+                why = "the runbook was interrupted"
+                state["steps"][step.name] = _kept_or_cut(entry, why, _now())
             save_state(root, state)
             raise
         if result.status == "cut short" and entry["previous"]:  # a redo that did not finish
@@ -582,22 +594,27 @@ def execute(
             save_state(root, state)
             after_step(state)
             continue
-        del entry["previous"]
-        entry.update(
-            status=result.status,
-            reason=result.reason,
-            seconds=round(result.seconds, 1),
-            returncode=result.returncode,
-            ended=_now(),
-        )
-        verdict = judge(step, entry) if result.status == "done" else None
-        if verdict:
-            entry["status"], entry["reason"] = verdict
+        _record(step, entry, result, judge)
         tail = f": {entry['reason']}" if entry["reason"] else ""
         say(f"{head}: {entry['status']} in {result.seconds:.1f} s{tail}  (log {log})")
         save_state(root, state)
         after_step(state)
     return state
+
+
+def _record(step: Step, entry: dict, result: Outcome, judge) -> None:
+    """`entry` (the state's, updated in place) as the step ended: its outcome, judged."""
+    entry.pop("previous", None)
+    entry.update(
+        status=result.status,
+        reason=result.reason,
+        seconds=round(result.seconds, 1),
+        returncode=result.returncode,
+        ended=_now(),
+    )
+    verdict = judge(step, entry) if result.status == "done" else None
+    if verdict:
+        entry["status"], entry["reason"] = verdict
 
 
 # ------------------------------------------------------------------------------- the verdict

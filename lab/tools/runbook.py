@@ -242,6 +242,11 @@ def _run_held(o: Options, steps, names, chosen, root: Path, platform: dict, t0: 
             state = runbook.execute(
                 steps, root, platform, state, request, judge=runbook.judge, after_step=write_rows
             )
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: where the work is, how to go on
+            raise type(e)(
+                f"the outcomes so far are saved in {root} ({runbook.STATE}, {runbook.ROWS}); "
+                f"rerunning the same command ({command}) resumes, skipping the finished steps"
+            ) from None
         finally:
             write_rows(state)
     print()
