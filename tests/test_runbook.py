@@ -268,6 +268,22 @@ def test_the_dry_run_says_which_steps_fit_this_calls_budget(tmp_path, capsys):
     assert tool.run(o, steps=steps) == 0
     out = capsys.readouterr().out
     assert "Off a GPU the 1 step marked 'needs a GPU' is skipped, taking none of the" in out
+    assert "needs more). Off a GPU" in out  # a sentence of its own
+
+
+def test_the_dry_run_calls_the_training_steps_batch_a_placeholder_until_tuned(tmp_path, capsys):
+    assert tool.main(["dry_run=true", f"out_dir={tmp_path}", "steps=mfu-kernel"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "remat=full batch_size=8 is a placeholder until the tune-step-* steps finish" in out
+    (tmp_path / "runbook").mkdir()  # once a tune-step step has records, the plan shows its pick
+    rec = {"what": "training tokens/s", "value": 9.0, "unit": "tokens/s"}
+    (tmp_path / "t.jsonl").write_text(json.dumps({**rec, "config": {"remat": "dots", "batch": 16}}))
+    state = {"size": "full", "platform": {}, "steps": {}}
+    state["steps"]["tune-step-dots"] = {"status": "done", "folder": str(tmp_path)}
+    (tmp_path / "runbook" / "state.json").write_text(json.dumps(state))
+    assert tool.main(["dry_run=true", f"out_dir={tmp_path}", "steps=mfu-kernel"]) == 0
+    out = capsys.readouterr().out
+    assert "remat=dots batch_size=16" in out and "placeholder" not in out, out
 
 
 def test_rows_of_a_rehearsal_are_headed_by_the_machine_they_ran_on():
@@ -308,7 +324,26 @@ def test_the_training_step_runs_at_the_best_point_tune_step_found(tmp_path):
     assert "remat=dots" in argv and "batch_size=16" in argv and "remat=full" not in argv
 
 
-def test_bench_step_row_is_read_from_its_log(tmp_path):
+def test_bench_step_row_is_read_from_its_records(tmp_path):
+    def rec(what, value, unit, step, **spread):
+        return {"what": what, "value": value, "unit": unit, "config": {"step": step, **spread}}
+
+    recs = [
+        rec("bench_step step time", 0.040, "s", "bare", runs=9, p10_s=0.038, p90_s=0.043),
+        rec("bench_step step time", 0.042, "s", "lab", runs=9, p10_s=0.041, p90_s=0.044),
+        rec("bench_step time ratio vs bare", 1.05, "x", "lab"),
+    ]
+    measured, _ = rows.headline("bench-step", recs, tmp_path, "output.log")
+    assert measured == (
+        "bare 40.00 ms, lab 42.00 ms (9 runs each): ratio 1.050 (medians); "
+        "the p10–p90 ranges overlap: the ratios are within this run's noise"
+    ), measured
+    recs[0]["config"]["p90_s"] = 0.0405  # apart: no noise note
+    measured, _ = rows.headline("bench-step", recs, tmp_path, "output.log")
+    assert measured.endswith("ratio 1.050 (medians)"), measured
+
+
+def test_bench_step_row_of_a_folder_without_records_is_read_from_its_log(tmp_path):
     (tmp_path / "output.log").write_text(
         "┃      ┃   median ┃      p10 ┃      p90 ┃ runs ┃ ratio vs bare ┃\n"
         "│ bare │ 43.25 ms │ 36.04 ms │ 47.53 ms │   12 │         1.000 │\n"

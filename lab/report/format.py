@@ -9,6 +9,8 @@ import math
 MiB, GiB = 2**20, 2**30
 _PREFIX = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 NA = "n/a"
+# timings whose p10–p90 ranges overlap: their medians' order or ratio cannot rank them
+OVERLAP = "the p10–p90 ranges overlap: the ratios are within this run's noise"
 
 
 def _missing(value) -> bool:

@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lab.report.format import NA, duration, fmt
+from lab.report.format import NA, OVERLAP, duration, fmt
 
 PREDICTED_NOTE = (
     "*predicted*: the step-time model's figure for the same compiled program (the training "
@@ -119,7 +119,21 @@ def train(records: Sequence[dict], folder: Path) -> tuple[str, str]:
 
 
 def bench_step(records: Sequence[dict], folder: Path) -> tuple[str, str]:
-    """bench_step writes no records: its table's bare and lab rows, read from its log."""
+    """The bare and lab steps' median times and the lab's ratio, from bench_step's records
+    (a folder written before it wrote records: its table's rows, read from its log)."""
+    times = {r["config"].get("step"): r for r in _what(records, "bench_step step time")}
+    ratio = _what(records, "bench_step time ratio vs bare")
+    if {"bare", "lab"} <= set(times) and ratio:
+        bare, lab = times["bare"], times["lab"]
+        runs = [r["config"].get("runs") for r in (bare, lab)]
+        each = f" ({runs[0]} runs each)" if runs[0] and runs[0] == runs[1] else ""
+        text = f"bare {_fmt(bare)}, lab {_fmt(lab)}{each}: ratio {ratio[0]['value']:.3f} (medians)"
+        spread = [(r["config"].get("p10_s"), r["config"].get("p90_s")) for r in (bare, lab)]
+        if all(lo and hi for lo, hi in spread) and max(s[0] for s in spread) <= min(
+            s[1] for s in spread
+        ):
+            text += f"; {OVERLAP}"
+        return text, ""
     log = folder / "output.log"
     cells = {}
     for line in log.read_text(errors="replace").splitlines() if log.exists() else []:

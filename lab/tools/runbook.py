@@ -83,6 +83,11 @@ def _print_plan(steps, o: Options, root: Path) -> None:
             f"{f' [{last}]' if last else ''}"
         )
         print(f"    {runbook.shown(argv)}")
+        if "{tuned}" in s.args and not runbook.tuned_args(root, state, ()):
+            print(
+                f"    ({' '.join(s.fallback)} is a placeholder until the tune-step-* steps "
+                "finish: the run takes the remat × batch they found best)"
+            )
     print(_fit_line(fitted, o))
 
 
@@ -126,7 +131,7 @@ def _fit_line(fitted: list, o: Options) -> str:
     gpu_only = sum(1 for _, s, _, _ in numbered if s.needs_gpu)
     if gpu_only:
         line += (
-            f" Off a GPU the {gpu_only} step{'s' * (gpu_only != 1)} marked 'needs a GPU' "
+            f". Off a GPU the {gpu_only} step{'s' * (gpu_only != 1)} marked 'needs a GPU' "
             f"{'are' if gpu_only != 1 else 'is'} skipped, taking none of the budget, so more of "
             "the others fit"
         )

@@ -5,7 +5,7 @@ ways to run a collective matmul.
 from rich.table import Table
 
 from lab.measure.timing import Comparison
-from lab.report.format import duration
+from lab.report.format import OVERLAP, duration
 
 
 def step_compare(c: Comparison, title: str) -> Table:
@@ -25,5 +25,5 @@ def step_compare(c: Comparison, title: str) -> Table:
     lows = [r.bench.p10_s for r in c.contenders]
     highs = [r.bench.p90_s for r in c.contenders]
     if len(c.contenders) > 1 and max(lows) <= min(highs):  # every p10–p90 range overlaps
-        t.caption = "the p10–p90 ranges overlap: the ratios are within this run's noise"
+        t.caption = OVERLAP
     return t
