@@ -11,6 +11,7 @@ import os
 import signal
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -322,6 +323,56 @@ def test_the_training_step_runs_at_the_best_point_tune_step_found(tmp_path):
     state["steps"]["tune-step-dots"] = {"status": "done", "folder": str(tmp_path)}
     argv = runbook.command(step, tmp_path, tmp_path, state)
     assert "remat=dots" in argv and "batch_size=16" in argv and "remat=full" not in argv
+
+
+def test_tune_step_row_names_a_candidate_within_the_bests_noise(tmp_path):
+    def rec(remat, tokens_per_s, step_s, p10_s, p90_s):
+        config = {"remat": remat, "batch": 2, "step_s": step_s, "p10_s": p10_s, "p90_s": p90_s}
+        return {"what": "training tokens/s", "value": tokens_per_s, "unit": "tokens/s",
+                "config": config}  # fmt: skip
+
+    recs = [rec("none", 6400.0, 0.010, 0.009, 0.012), rec("full", 5818.0, 0.011, 0.0095, 0.013)]
+    measured, _ = rows.headline("tune-step", recs, tmp_path)
+    assert measured == (
+        "best remat=none batch 2: 6.4 ktokens/s "
+        "(the p10–p90 ranges overlap: remat=full batch 2 is as good)"
+    ), measured
+    recs[1] = rec("full", 4923.0, 0.013, 0.0125, 0.014)  # apart from the best
+    assert rows.headline("tune-step", recs, tmp_path)[0] == "best remat=none batch 2: 6.4 ktokens/s"
+
+
+def test_the_training_steps_row_says_its_pick_crosses_tune_step_processes(tmp_path):
+    """The tune-step-* steps time in processes of their own, minutes apart: a pick across
+    them is not one run's comparison, and the training step's log line and row say so."""
+    for name, value in (("tune-step-none", 7.0), ("tune-step-dots", 9.0)):
+        (tmp_path / name).mkdir()
+        r = {"what": "training tokens/s", "value": value, "unit": "tokens/s",
+             "config": {"remat": name.split("-")[-1], "batch": 4}}  # fmt: skip
+        (tmp_path / name / "t.jsonl").write_text(json.dumps(r) + "\n")
+    state = {"steps": {n: {"status": "done", "folder": str(tmp_path / n)}
+                       for n in ("tune-step-none", "tune-step-dots")}}  # fmt: skip
+    note = runbook.tuned_note(state, ("remat=full", "batch_size=8"))
+    assert note.startswith("remat=dots batch_size=4: the most tokens/s over 2 tune-step steps")
+    assert "each timed in its own process (not one run's peers" in note
+    one = {"steps": {"tune-step-none": state["steps"]["tune-step-none"]}}
+    assert (
+        runbook.tuned_note(one, ()) == "remat=none batch_size=4: tune-step-none's best by tokens/s"
+    )
+    assert runbook.tuned_note({"steps": {}}, ("remat=full", "batch_size=8")) == (
+        "remat=full batch_size=8: a placeholder (no tune-step step has records)"
+    )
+    train = Step("mfu", "trains", ("-c", WRITE, "{out}", "0", "{tuned}"), 30, kind="",
+                 fallback=("remat=full",))  # fmt: skip
+    root = tmp_path / "rb"
+    root.mkdir()
+    said = []
+    state = runbook.execute([train], root, CPU, {"steps": dict(state["steps"])},
+                            runbook.Request(60, 0, 0.1), say=said.append)  # fmt: skip
+    assert any("mfu: remat=dots batch_size=4: the most tokens/s over 2" in x for x in said), said
+    (row,) = rows.rows([train], state, lambda f: runbook.read_records(Path(f)), root)
+    assert (
+        "(at remat=dots batch_size=4: the most tokens/s over 2 tune-step steps" in row["measured"]
+    )
 
 
 def test_bench_step_row_is_read_from_its_records(tmp_path):

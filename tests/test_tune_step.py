@@ -181,3 +181,37 @@ def test_out_of_memory_at_run_time_skips_the_candidate_and_keeps_the_rest(monkey
     assert rows[1].skipped == "out of memory when run" and rows[0].ran
     assert rows[0].tokens_per_s == 2 * 32 / rows[0].step_s
     assert step.best(rows) is rows[0]
+
+
+def _timed(remat, batch, median, p10, p90):
+    return step.StepCandidate(
+        remat, batch, step_s=median, runs=9, p10_s=p10, p90_s=p90, seq_len=32, device="cpu × 1"
+    )
+
+
+def test_a_best_within_the_noise_of_another_says_so(tmp_path, monkeypatch, capsys):
+    """The best is the highest median; where its p10–p90 range of tokens/s overlaps another
+    candidate's, that one is as good within the run's noise and the output says so (two
+    identical runs named different bests, with no word of it)."""
+    times = {  # none×2 is the best median, full×2's range reaches it; none×4 is far slower
+        ("none", 2): (0.010, 0.009, 0.012),
+        ("full", 2): (0.011, 0.0095, 0.013),
+        ("none", 4): (0.100, 0.099, 0.101),
+        ("full", 4): (0.200, 0.199, 0.201),
+    }
+    monkeypatch.setattr(step, "measure", lambda k, r, b, s: _timed(r, b, *times[(r, b)]))
+    argv = [*TINY, "remats=none,full", "batches=2,4", f"out_dir={tmp_path}"]
+    assert tune_step.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "best: python -m lab.run model=tiny seq_len=32 remat=none batch_size=2" in out
+    assert (
+        "within this run's noise (the p10–p90 ranges overlap): remat=full batch_size=2 is as "
+        "good; the best is named for its higher median" in out
+    ), out
+    rows = [_timed(r, b, *t) for (r, b), t in times.items()]
+    assert step.as_good(rows, step.best(rows)) is rows[1]
+    rows[1] = _timed("full", 2, 0.013, 0.0125, 0.014)  # its fastest slower than the best's slowest
+    assert step.as_good(rows, step.best(rows)) is None
+    times[("full", 2)] = (0.013, 0.0125, 0.014)
+    assert tune_step.main(argv) == 0
+    assert "within this run's noise" not in capsys.readouterr().out

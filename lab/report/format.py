@@ -10,7 +10,14 @@ MiB, GiB = 2**20, 2**30
 _PREFIX = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 NA = "n/a"
 # timings whose p10–p90 ranges overlap: their medians' order or ratio cannot rank them
-OVERLAP = "the p10–p90 ranges overlap: the ratios are within this run's noise"
+NOISE = "the p10–p90 ranges overlap"
+OVERLAP = f"{NOISE}: the ratios are within this run's noise"
+
+
+def ranges_overlap(spans) -> bool:
+    """Whether every (low, high) of two or more spans shares a point with every other."""
+    spans = list(spans)
+    return len(spans) > 1 and max(lo for lo, _ in spans) <= min(hi for _, hi in spans)
 
 
 def _missing(value) -> bool:

@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lab.report.format import NA, OVERLAP, duration, fmt
+from lab.report.format import NA, NOISE, OVERLAP, duration, fmt, ranges_overlap
 
 PREDICTED_NOTE = (
     "*predicted*: the step-time model's figure for the same compiled program (the training "
@@ -89,7 +89,27 @@ def tune_step(records: Sequence[dict], folder: Path) -> tuple[str, str]:
         return "", ""
     best = max(rows, key=lambda r: r["value"])
     c = best["config"]
-    return f"best remat={c['remat']} batch {c['batch']}: {_fmt(best)}", ""
+    text = f"best remat={c['remat']} batch {c['batch']}: {_fmt(best)}"
+    spans = {id(r): _tokens_span(r) for r in rows}
+    tied = [
+        r
+        for r in rows
+        if r is not best and None not in (spans[id(r)], spans[id(best)])
+        if ranges_overlap([spans[id(r)], spans[id(best)]])
+    ]
+    if tied:  # the medians' order alone named the best
+        other = max(tied, key=lambda r: r["value"])["config"]
+        text += f" ({NOISE}: remat={other['remat']} batch {other['batch']} is as good)"
+    return text, ""
+
+
+def _tokens_span(r: dict) -> tuple[float, float] | None:
+    """A tune_step record's p10–p90 range in tokens/s (its slowest steps give the low end)."""
+    c = r["config"]
+    if not (c.get("step_s") and c.get("p10_s") and c.get("p90_s")):
+        return None
+    tokens = r["value"] * c["step_s"]  # per step
+    return tokens / c["p90_s"], tokens / c["p10_s"]
 
 
 def train(records: Sequence[dict], folder: Path) -> tuple[str, str]:
@@ -129,9 +149,7 @@ def bench_step(records: Sequence[dict], folder: Path) -> tuple[str, str]:
         each = f" ({runs[0]} runs each)" if runs[0] and runs[0] == runs[1] else ""
         text = f"bare {_fmt(bare)}, lab {_fmt(lab)}{each}: ratio {ratio[0]['value']:.3f} (medians)"
         spread = [(r["config"].get("p10_s"), r["config"].get("p90_s")) for r in (bare, lab)]
-        if all(lo and hi for lo, hi in spread) and max(s[0] for s in spread) <= min(
-            s[1] for s in spread
-        ):
+        if all(lo and hi for lo, hi in spread) and ranges_overlap(spread):
             text += f"; {OVERLAP}"
         return text, ""
     log = folder / "output.log"
@@ -238,6 +256,8 @@ def rows(
             if folder
             else ("", "")
         )
+        if measured and entry.get("tuned"):  # the remat × batch it ran at, and whence
+            measured += f" (at {entry['tuned']})"
         files = sorted({_relative(r["_file"], root) for r in records})
         out.append(
             dict(

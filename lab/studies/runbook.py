@@ -388,20 +388,42 @@ def read_records(folder: Path) -> list[dict]:
     return out
 
 
+def _tuned_rows(state: dict) -> dict[str, list[dict]]:
+    """Per tune-step-* step with any, its tokens/s records (any attempt's)."""
+    out = {}
+    for name, entry in state["steps"].items():
+        if name.startswith("tune-step") and entry.get("folder"):
+            recs = read_records(Path(entry["folder"]))
+            recs = [r for r in recs if r["what"] == "training tokens/s"]
+            if recs:
+                out[name] = recs
+    return out
+
+
 def tuned_args(root: Path, state: dict, fallback: tuple) -> tuple:
     """remat= and batch_size= of the best point by tokens/s the tune-step-* steps found (any
     attempt's records), else `fallback`."""
-    rows = [
-        r
-        for name, entry in state["steps"].items()
-        if name.startswith("tune-step") and entry.get("folder")
-        for r in read_records(Path(entry["folder"]))
-        if r["what"] == "training tokens/s"
-    ]
+    rows = [r for recs in _tuned_rows(state).values() for r in recs]
     if not rows:
         return fallback
     best = max(rows, key=lambda r: r["value"])["config"]
     return (f"remat={best['remat']}", f"batch_size={best['batch']}")
+
+
+def tuned_note(state: dict, fallback: tuple) -> str:
+    """Where the remat × batch of a `{tuned}` step came from, for its log line and its row:
+    the tune-step-* steps each time in a process of their own, minutes apart, so a pick
+    across them compares figures that were not timed side by side."""
+    found = _tuned_rows(state)
+    args = " ".join(tuned_args(Path(), state, fallback))
+    if not found:
+        return f"{args}: a placeholder (no tune-step step has records)"
+    if len(found) == 1:
+        return f"{args}: {next(iter(found))}'s best by tokens/s"
+    return (
+        f"{args}: the most tokens/s over {len(found)} tune-step steps, each timed in its own "
+        "process (not one run's peers: a gap within the machine's drift may name either)"
+    )
 
 
 def command(step: Step, out: Path, root: Path, state: dict) -> list[str]:
@@ -573,9 +595,13 @@ def execute(
             "budget_s": round(limit, 1),
             "started": _now(),
         }
+        if "{tuned}" in step.args:  # the row and the log say where its remat × batch came from
+            entry["tuned"] = tuned_note(state, step.fallback)
         state["steps"][step.name] = entry
         save_state(root, state)
         say(f"{head}: {shown(argv)}  (at most {limit:.0f} s)")
+        if entry.get("tuned"):
+            say(f"{head}: {entry['tuned']}")
         ended = []  # the step's outcome where it had exited 0 before the runbook was stopped
         try:
             result = run_bounded(argv, log, limit, why, ended)

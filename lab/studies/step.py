@@ -30,7 +30,7 @@ from lab.measure import records as rec
 from lab.measure.timing import Comparison, bench, comparison, threaded
 from lab.measure.tuning import StepCandidate
 from lab.model import build
-from lab.report.format import key_args
+from lab.report.format import key_args, ranges_overlap
 from lab.session import Session, open_session
 from lab.train import cross_entropy, make_optimizer
 
@@ -228,6 +228,27 @@ def best(rows: list[StepCandidate]) -> StepCandidate | None:
     """The candidate that ran with the most tokens/s; None when none ran."""
     ran = [r for r in rows if r.ran]
     return max(ran, key=lambda r: r.tokens_per_s) if ran else None
+
+
+def as_good(rows: list[StepCandidate], top: StepCandidate | None) -> StepCandidate | None:
+    """The next best by median tokens/s among the candidates whose p10–p90 range of tokens/s
+    overlaps the best's: within the run's noise, as good as `top`; None when every other is
+    apart from it (or none ran)."""
+    if top is None or not top.p10_s or not top.p90_s:
+        return None
+    tied = [
+        r
+        for r in rows
+        if r.ran and r is not top and r.p10_s and r.p90_s
+        if ranges_overlap([_tokens_span(r), _tokens_span(top)])
+    ]
+    return max(tied, key=lambda r: r.tokens_per_s) if tied else None
+
+
+def _tokens_span(r: StepCandidate) -> tuple[float, float]:
+    """p10–p90 in tokens/s: the slowest steps give the low end."""
+    tokens = r.batch * r.seq_len
+    return tokens / r.p90_s, tokens / r.p10_s
 
 
 def tune_records(rows: list[StepCandidate], keys: dict) -> list[dict]:

@@ -19,7 +19,7 @@ from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.names import REMATS
 from lab.report import progress, tables
-from lab.report.format import key_args
+from lab.report.format import NOISE, key_args
 from lab.studies import step
 
 
@@ -49,7 +49,8 @@ def run(o: Options, keys: dict) -> int:
         rows = step.tune(keys, o.remats, o.batches, o.budget, log=tick, done=pending.append)
     top = step.best(rows)
     title = "remat × batch" + (f" · {top.device} · MFU: {top.convention}" if top else "")
-    con.print(tables.tune_step(rows, top, title))
+    tied = step.as_good(rows, top)
+    con.print(tables.tune_step(rows, top, title, tied))
     if top is not None and top.peak_flops:
         con.print(f"MFU against {top.peak_flops / 1e9:,.1f} GFLOP/s: {top.peak_source}")
     flush()
@@ -58,7 +59,13 @@ def run(o: Options, keys: dict) -> int:
         # as lab.run's step that does not fit: the request, not the run, is at fault (exit 2)
         raise ConfigError("no candidate fits this device: try more devices or a smaller model")
     best = key_args({**keys, "remat": top.remat, "batch_size": top.batch})
-    con.print(f"best: python -m lab.run {' '.join(best)}")
+    con.print(f"best: python -m lab.run {' '.join(best)}", soft_wrap=True)
+    if tied is not None:  # the medians name one; the spread says the other may be as good
+        con.print(
+            f"within this run's noise ({NOISE}): remat={tied.remat} batch_size={tied.batch} "
+            "is as good; the best is named for its higher median, and a rerun may name the other",
+            soft_wrap=True,
+        )
     return 0
 
 

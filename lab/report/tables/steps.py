@@ -5,7 +5,7 @@ ways to run a collective matmul.
 from rich.table import Table
 
 from lab.measure.timing import Comparison
-from lab.report.format import OVERLAP, duration
+from lab.report.format import OVERLAP, duration, ranges_overlap
 
 
 def step_compare(c: Comparison, title: str) -> Table:
@@ -22,8 +22,6 @@ def step_compare(c: Comparison, title: str) -> Table:
             str(r.bench.runs),
             f"{r.ratio:.3f}",
         )
-    lows = [r.bench.p10_s for r in c.contenders]
-    highs = [r.bench.p90_s for r in c.contenders]
-    if len(c.contenders) > 1 and max(lows) <= min(highs):  # every p10–p90 range overlaps
+    if ranges_overlap((r.bench.p10_s, r.bench.p90_s) for r in c.contenders):
         t.caption = OVERLAP
     return t

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from lab.measure.toolchain import Toolchain
 from lab.measure.tuning import Stage, StaticPass, StepCandidate
-from lab.report.format import duration, mib, percent, ratio, size
+from lab.report.format import NOISE, duration, mib, percent, ratio, size
 from lab.report.tables.compiled import toolchain_line
 
 
@@ -62,9 +62,15 @@ def static_pass(p: StaticPass, title: str, toolchain: Toolchain | None = None) -
     return t
 
 
-def tune_step(rows: list[StepCandidate], top: StepCandidate | None, title: str) -> Table:
+def tune_step(
+    rows: list[StepCandidate],
+    top: StepCandidate | None,
+    title: str,
+    tied: StepCandidate | None = None,
+) -> Table:
     """lab.tools.tune_step: every (remat, batch) with its compiled memory and, where it ran,
-    step time, tokens/s and MFU; the best one marked."""
+    step time, tokens/s and MFU; the best one marked, with the candidate as good as it
+    within the run's noise (their p10–p90 ranges overlap) where there is one."""
     t = Table(title=title)
     cols = ("remat", "batch", "compiled MiB/device", "step", "p10–p90", "tokens/s", "MFU", "")
     for col in cols:
@@ -80,5 +86,10 @@ def tune_step(rows: list[StepCandidate], top: StepCandidate | None, title: str) 
             f"{r.tokens_per_s:,.0f}" if r.ran else "",
             percent(r.mfu) if r.mfu is not None else "",
             "← best" if r is top else "",
+        )
+    if top is not None and tied is not None:
+        t.caption = (
+            f"{NOISE} of the best and remat={tied.remat} batch {tied.batch}: within this "
+            "run's noise it is as good (the best is the higher median; a rerun may name it)"
         )
     return t
