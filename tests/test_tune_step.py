@@ -208,6 +208,7 @@ def test_a_best_within_the_noise_of_another_says_so(tmp_path, monkeypatch, capsy
         "within this run's noise (the p10–p90 ranges overlap): remat=full batch_size=2 is as "
         "good; the best is named for its higher median" in out
     ), out
+    assert "remat=full batch 2 is as good as the best within this run's noise" in out
     rows = [_timed(r, b, *t) for (r, b), t in times.items()]
     assert step.as_good(rows, step.best(rows)) is rows[1]
     rows[1] = _timed("full", 2, 0.013, 0.0125, 0.014)  # its fastest slower than the best's slowest

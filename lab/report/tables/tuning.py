@@ -89,7 +89,7 @@ def tune_step(
         )
     if top is not None and tied is not None:
         t.caption = (
-            f"{NOISE} of the best and remat={tied.remat} batch {tied.batch}: within this "
-            "run's noise it is as good (the best is the higher median; a rerun may name it)"
+            f"remat={tied.remat} batch {tied.batch} is as good as the best within this run's "
+            f"noise ({NOISE}); the best has the higher median, and a rerun may name either"
         )
     return t
