@@ -91,7 +91,7 @@ def test_a_peers_refusal_leaves_no_folder_behind(tmp_path, monkeypatch):
     from lab.config import make_config
     from lab.errors import ConfigError
 
-    def refused_by_a_peer(claim, follow, timeout_s, keys=None):
+    def refused_by_a_peer(claim, follow, timeout_s, keys=None, shared=False):
         claim()
         raise ConfigError("process 1 of 2 refused the run: cannot write")
 
