@@ -270,8 +270,17 @@ def parse_options(cls, argv: list[str]):
     any: older names of keys, still read)."""
     fields = fields_of(cls)
     aliases = getattr(cls, "KEY_ALIASES", {})
-    kw = {k: parse_value(*fields[k], raw) for k, raw in _pairs(argv, fields, aliases)}
-    return _given(cls(**kw), kw)
+    typed = {aliases.get(t, t): t for t in (a.split("=", 1)[0].strip() for a in argv)}
+    kw = {}
+    for k, raw in _pairs(argv, fields, aliases):
+        try:
+            kw[k] = parse_value(*fields[k], raw)
+        except ConfigError as e:  # named as typed (results=, not out_dir=)
+            line = str(e)
+            if typed.get(k, k) != k and line.startswith(f"{k}="):
+                raise ConfigError(typed[k] + line[len(k) :]) from None
+            raise
+    return _given(cls(**kw), kw, {k: t for k, t in typed.items() if t != k})
 
 
 # ------------------------------------------------------------------------ the run config
@@ -746,16 +755,24 @@ def parse_with_run_keys(cls, argv: list[str]) -> tuple:
     return _given(opts, [k for k, _ in pairs if k in own]), keys
 
 
-def _given(opts, names):
+def _given(opts, names, aliased=None):
     """`opts` knowing which of its keys were typed (`given_options`), a value equal to its
-    default included: a key the chosen mode would not read is refused even then."""
+    default included: a key the chosen mode would not read is refused even then; and the
+    older name a key was typed under (`typed_as`), for the refusal to name."""
     object.__setattr__(opts, "_lab_given", frozenset(names))
+    object.__setattr__(opts, "_lab_typed_as", dict(aliased or {}))
     return opts
 
 
 def given_options(opts) -> frozenset | None:
     """The option names typed on the command line (None for options made in code)."""
     return getattr(opts, "_lab_given", None)
+
+
+def typed_as(opts, key: str) -> str:
+    """The name `key` was typed under: an older name (the options' KEY_ALIASES) where the
+    user typed that one, else `key`."""
+    return getattr(opts, "_lab_typed_as", {}).get(key, key)
 
 
 # Environment variables JAX reads as a number when a backend starts, and the range it can use:

@@ -162,6 +162,26 @@ def test_a_list_value_given_twice_and_a_key_given_twice_are_named_as_typed():
         parse_args(["model=tiny", "model=small"])
 
 
+def test_a_key_typed_under_its_older_name_is_named_so():
+    """An options class's KEY_ALIASES are older names still read: a bad value, and a refusal
+    of the key, name it as the user typed it."""
+    import dataclasses
+
+    from lab.config import field, parse_options, typed_as
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        KEY_ALIASES = {"steps_old": "steps"}
+        steps: int = field(3, "how many", min=1)
+
+    with pytest.raises(ConfigError, match=r"^steps_old=.0.: must be >= 1$"):
+        parse_options(Options, ["steps_old=0"])
+    o = parse_options(Options, ["steps_old=5"])
+    assert o.steps == 5 and typed_as(o, "steps") == "steps_old"
+    assert typed_as(parse_options(Options, ["steps=5"]), "steps") == "steps"
+    assert typed_as(Options(), "steps") == "steps"
+
+
 def test_loss_scale_takes_the_word_auto(capsys):
     """--help and the README say auto, so `loss_scale=auto` is what a user types: it means
     what 0 means (resolved from the dtype), and a word that is neither is one line."""

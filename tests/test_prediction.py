@@ -100,7 +100,8 @@ def _saved_gpu_fit() -> dict:
         (["cpu=true", "cache_dir=/tmp/x"], "cache_dir= holds the published points' programs"),
         (["loo=true", "out_dir=/tmp/x"], "out_dir= is where records go; loo=true"),
         # typed at its default, a key the mode does not read is still refused
-        (["loo=true", "results=results"], "out_dir= is where records go; loo=true"),
+        # ... and named as typed: results= is out_dir='s earlier name
+        (["loo=true", "results=results"], " results= is where records go; loo=true"),
         (["budget=2.0"], "budget= times steps"),
         (["only=azure-h100-gemm-fp8-819"], "(did you mean azure-h100-gemm-fp8-8192?)"),
     ],

@@ -30,7 +30,7 @@ import time
 import jax
 
 from lab import devices, startup
-from lab.config import cli, field, given_options
+from lab.config import cli, field, given_options, typed_as
 from lab.errors import ConfigError
 from lab.measure import records
 from lab.measure.fitted import Fit, fits_of
@@ -111,7 +111,9 @@ def _check_modes(o: Options) -> None:
             "configurations and keeps none"
         )
     if asked("out_dir") and mode == "loo":
-        raise ConfigError("out_dir= is where records go; loo=true prints its table only")
+        raise ConfigError(
+            f"{typed_as(o, 'out_dir')}= is where records go; loo=true prints its table only"
+        )
     if o.only and mode == "loo":
         raise ConfigError(
             "loo=true fits on every calibration point but the one left out; only= cannot "
