@@ -541,8 +541,9 @@ def judged(folders: list[dict]) -> tuple[list[dict], set]:
     records C05 too: its own report leaves C05 out, and so does the merge). Where one of them
     ran at size quick or full and has records of the claim, the tiny folders' records of it
     are set aside: size=tiny checks that the studies run, its figures do not judge claims. A
-    record set aside names no claim here (records.jsonl keeps it whole): it judges nothing,
-    and is still plotted and counted where the report lists what each machine ran."""
+    record set aside names no claim here (records.jsonl keeps it whole) and says `set_aside`:
+    it judges nothing, so the host-busy caution does not count it, and it is still plotted
+    and counted where the report lists what each machine ran."""
     holding = {}  # claim → the folders that selected it and hold records of it
     for f in folders:
         for claim in {r["config"].get("claim") for r in f["records"]}:
@@ -556,7 +557,7 @@ def judged(folders: list[dict]) -> tuple[list[dict], set]:
     out = [
         r
         if (c := r["config"].get("claim")) is None or judges(f, c)
-        else {**r, "config": {**r["config"], "claim": None}}
+        else {**r, "config": {**r["config"], "claim": None}, "set_aside": True}
         for f in folders
         for r in f["records"]
     ]
@@ -654,7 +655,8 @@ def _write(out, folders, pairs, dirs) -> dict:
         "",
     ]
     report["path"].write_text("\n".join(intro) + "\n" + text)
-    return {**report, "records": records, "dir": out, "folders": folders}
+    judging = [r for r in shown if not r.get("set_aside")] + pairs
+    return {**report, "records": records, "judged": judging, "dir": out, "folders": folders}
 
 
 def run(o: Options) -> int:
@@ -678,7 +680,8 @@ def run(o: Options) -> int:
         if tiny
         else ""
     )
-    busy = markdown.busy_caution(result["records"])  # as REPORT.md and python -m experiments
+    # as REPORT.md and python -m experiments: over the records that judge (none set aside)
+    busy = markdown.busy_caution(result["judged"])
     caution = "; ".join(c for c in (caution, busy and f"host busy: {busy}") if c)
     progress.console().print(tables.verdicts(result["verdicts"], caution))
     n = len(o.dirs)

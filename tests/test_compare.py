@@ -320,6 +320,16 @@ def test_the_printed_table_says_the_host_was_busy_as_the_report_does(tmp_path, c
     out = " ".join(capsys.readouterr().out.split())  # the caution is wrapped to the table
     assert "host busy: 1 of 1 CPU measurements were timed while other work shared the host" in out
     assert "(load average up to 7.5 on 2 cores)" in out
+    assert "Host busy" in (result := compare.merge([busy], tmp_path / "cmp"))["path"].read_text()
+    # a busy tiny run beside a quiet quick one: its records are set aside from every verdict
+    # of the claim, so its load casts no doubt on them (printed nor in REPORT.md)
+    tiny = _folder(tmp_path / "tiny", [*timed(7.5), _error()], host="other")
+    assert compare.main([f"dirs={quiet},{tiny}", f"out_dir={tmp_path / 'cmp'}"]) == 0
+    assert "busy" not in capsys.readouterr().out
+    result = compare.merge([quiet, tiny], tmp_path / "cmp")
+    assert "Host busy" not in result["path"].read_text()
+    kept = rec.read_records(result["dir"] / "records.jsonl")  # records.jsonl keeps it whole
+    assert any(r.get("load_avg_1m") == 7.5 for r in kept)
 
 
 def _grid(result) -> dict:

@@ -76,11 +76,13 @@ def busy_host() -> tuple[float, int] | None:
 def busy_records(records) -> tuple[int, int, float, int]:
     """(busy, timed, highest load, cores) over the measured CPU records that say their host's
     load and cores: `busy` of `timed` were taken with a load above half the cores, as
-    `busy_host` judges a host before it times anything."""
+    `busy_host` judges a host before it times anything. A record a comparison set aside
+    (`set_aside`: it judges no claim there) is not counted."""
     timed = [
         r
         for r in records
         if r.get("label") == "measured"
+        and not r.get("set_aside")
         and r.get("backend") == "cpu"
         and isinstance(r.get("load_avg_1m"), int | float)
         and isinstance(r.get("cpu_count"), int)
