@@ -415,7 +415,9 @@ def predict_training_memory(
     On small steps that reads far over: small, batch 8 × 256, v5e 2x2 dp=4, predicted 82.3 MiB
     against 45.3 MiB compiled (1.82×), 42.7 MiB of the buffer assignment in VMEM; compiled with
     LIBTPU_INIT_ARGS=--xla_vf_vmem_memory_space_assignment=false (everything in HBM) the same
-    step is 74.6 MiB (1.10×); over six such plans, 0.89–1.41×. What VMEM takes is no fixed
+    step is 74.6 MiB (1.10×); over six such plans, 0.89–1.41×. Batch 16 × 256 under naive
+    attention, the same v5e plan reads 131.3 MiB against 45.3 MiB (2.90×), and 1.15× against
+    the 114.0 MiB it compiles to with VMEM assignment off. What VMEM takes is no fixed
     share: 7–112 MiB of the buffer assignment on twelve v5e plans (1.30–2.55× over on eleven
     of them, a GPipe plan 1.34×), and a cap on it fitted to five (58 MiB) read 0.79–1.27×
     there and 0.02–1.27× on six held out, so the calculator carries no VMEM term: on TPU its

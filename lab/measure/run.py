@@ -139,6 +139,7 @@ class StepAnalysis:
             "aot",
             "capacity_bytes_per_device",
             "predicted_step",
+            "device_kind",
         )
         return cls(
             compiled_memory=tuple((a["compiled_memory_per_device"] or {}).items()),

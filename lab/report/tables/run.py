@@ -91,6 +91,10 @@ def analysis(a: StepAnalysis, compile_s: float) -> Table:
     compiled = a.compiled_total_bytes
     # the calculator's error on this very program, beside its figure (a prediction states it)
     ratio = f"; {pred.total / compiled:.2f}× the compiled" if compiled and pred.total else ""
+    if ratio and str(a.source.get("device_kind", "")).startswith("TPU"):
+        # memory_analysis counts HBM; the calculator has no term for what XLA:TPU's memory-
+        # space assignment moves on chip, so it reads over where that is much
+        ratio += ", which counts HBM only: XLA:TPU keeps some temporaries in on-chip VMEM"
     t.add_row("predicted total (calculator)", f"{_mem(pred.total)}  ({parts}{ratio})")
     c = a.compiled_cost
     note = c.lower_bound_note
