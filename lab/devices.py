@@ -849,6 +849,46 @@ def _set_cpu_devices(n: int, given: int = 0) -> bool:
     return False
 
 
+JOIN_KEYS = "lab/join/"  # where each process started by hand posts the keys that size its devices
+
+
+def _agree_on_join(keys: dict, me: int, n: int, timeout_s: int) -> None:
+    """A ConfigError on every process where processes started by hand (coordinator=) were given
+    different `keys` that size the job (num_processes, mesh, cpu_devices), before anything
+    counts the devices: the coordinator takes process 0's count, so a process told another
+    count (or another mesh) makes its own share of devices, and the run was then refused for
+    a batch that does not split over a device count nobody asked for. Process 0 reads every
+    other process's keys, the others read process 0's, through the runtime's key-value
+    store."""
+    import json
+
+    client = getattr(_distributed.global_state, "client", None)
+    if client is None:
+        return
+    client.key_value_set(f"{JOIN_KEYS}{me}", json.dumps(keys))
+    for i in range(1, n) if me == 0 else (0,):
+        try:
+            theirs = json.loads(client.blocking_key_value_get(f"{JOIN_KEYS}{i}", timeout_s * 1000))
+        except Exception:  # noqa: BLE001 — the runtime raises XlaRuntimeError on its deadline
+            raise ConfigError(
+                f"process {me} of {n}: process {i} joined but did not say its keys within "
+                f"{timeout_s} s (did it fail or stop?)"
+            ) from None
+        differ = [k for k in keys if keys[k] != theirs.get(k)]
+        if differ:
+            low, high = sorted((me, i))
+            mine_low = me == low
+            shown = "; ".join(
+                f"{k}: {(keys if mine_low else theirs)[k]!r} on process {low}, "
+                f"{(theirs if mine_low else keys)[k]!r} on process {high}"
+                for k in differ
+            )
+            raise ConfigError(
+                f"the processes were started with different keys ({shown}): start every "
+                "process with the same keys"
+            )
+
+
 def prepare(
     mesh: str,
     *,
@@ -884,6 +924,9 @@ def prepare(
         )
     if join:
         _init_distributed(coordinator, num_processes, process_id, coordinator_timeout)
+        if coordinator and num_processes > 1:
+            keys = {"num_processes": num_processes, "mesh": mesh, "cpu_devices": cpu_devices}
+            _agree_on_join(keys, process_id, num_processes, coordinator_timeout)
     if wanted > 1 or cpu_devices:
         return _set_cpu_devices(max(1, wanted // num_processes), cpu_devices)
     return True

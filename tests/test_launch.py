@@ -101,14 +101,15 @@ def test_a_resume_lab_run_would_refuse_is_refused_before_any_process_starts(
     assert err.count("\n") == 1 and "steps=2" in err and not started, err
 
 
-def _by_hand(keys_of) -> tuple[list[int], list[str]]:
+def _by_hand(keys_of, n_of=lambda i: 2) -> tuple[list[int], list[str]]:
     """Two lab.run processes started by hand, without the launcher, on a fresh coordinator port:
-    `keys_of(i)` gives process i's keys beyond its place in the job. (exit codes, stderrs)."""
+    `keys_of(i)` gives process i's keys beyond its place in the job, `n_of(i)` the job's size
+    it is told (num_processes=). (exit codes, stderrs)."""
     port = launch.free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "lab.run", *keys_of(i)]
-            + ["num_processes=2", f"process_id={i}", f"coordinator=localhost:{port}"],
+            + [f"num_processes={n_of(i)}", f"process_id={i}", f"coordinator=localhost:{port}"],
             env=ENV,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -451,6 +452,20 @@ def test_processes_started_with_different_keys_are_refused(tmp_path):
     assert errs[1].count("\n") == 1 and "lr: 0.003 on process 0, 0.1 on process 1" in errs[1]
     assert errs[0].startswith("error: process 1 of 2 refused the run: the processes were"), errs
     assert not (tmp_path / "R").exists()
+
+
+@pytest.mark.once
+def test_processes_told_different_job_sizes_are_refused_naming_it(tmp_path):
+    """Process 1 told num_processes=3 where process 0 said 2: the coordinator takes 2, each
+    process made its own share of 12 simulated devices (6 + 4), and both refused a batch
+    that did not split over 10 devices, a count nobody asked for. Both now name the key."""
+    tiny = [k for k in TINY if not k.startswith("batch_size=")]
+    keys = [*tiny, "batch_size=12", "mesh=data:-1", "cpu_devices=12", f"out_dir={tmp_path}"]
+    codes, errs = _by_hand(lambda i: keys, n_of=lambda i: 2 + i)
+    assert codes == [2, 2], errs
+    for err in errs:
+        assert err.count("\n") == 1, err
+        assert "different keys (num_processes: 2 on process 0, 3 on process 1)" in err, err
 
 
 @pytest.mark.once
