@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TPU = ROOT / "tpu"
 SCRIPTS = ("create.sh", "setup.sh", "run.sh", "fetch.sh", "delete.sh", "gpu_create.sh", "slurm.sh")
-FAKES = ("gcloud", "ssh", "scp", "curl", "sbatch")
+FAKES = ("gcloud", "ssh", "scp", "curl", "sbatch", "uv")
 # setup.sh copies this checkout with git archive unless given --repo.
 IN_GIT = (
     shutil.which("git") is not None
@@ -29,8 +29,10 @@ IN_GIT = (
 )
 
 # A fake command: logs its argv as one JSON line; exits 1 if an argument contains $FAKE_FAIL.
+# With $FAKE_HOME, ssh and scp act on that folder as the remote home: ssh runs its command there
+# with bash, scp copies a local file to HOST:PATH as $FAKE_HOME/PATH.
 FAKE = f"""#!{sys.executable}
-import json, os, sys
+import json, os, shutil, subprocess, sys
 argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps(argv) + "\\n")
@@ -38,7 +40,14 @@ fail = os.environ.get("FAKE_FAIL")
 if os.environ.get("FAKE_SAY"):  # a line on each stream, as a remote command prints
     print(os.environ["FAKE_SAY"], "out", flush=True)
     print(os.environ["FAKE_SAY"], "err", file=sys.stderr, flush=True)
-sys.exit(1 if fail and any(fail in a for a in argv[1:]) else 0)
+if fail and any(fail in a for a in argv[1:]):
+    sys.exit(1)
+home = os.environ.get("FAKE_HOME")
+if home and argv[0] == "ssh":
+    remote_env = {{**os.environ, "HOME": home}}
+    sys.exit(subprocess.run(["bash", "-c", argv[-1]], cwd=home, env=remote_env).returncode)
+if home and argv[0] == "scp":
+    shutil.copy(argv[1], os.path.join(home, argv[2].split(":", 1)[1]))
 """
 
 
@@ -84,9 +93,30 @@ INSTALL = (
     ' && export PATH="$HOME/.local/bin:$PATH"'
     " && { command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh; }"
     " && { test -x .venv/bin/python || uv venv --python PY .venv; }"
-    ' && uv pip install --quiet --python .venv/bin/python -e "SPEC"'
+    " && echo 'installing the lab and its dependencies (the first time takes minutes)' >&2"
+    ' && uv pip install --python .venv/bin/python -e "SPEC"'
 )
-UNPACK = "mkdir -p lab && tar -xzf lab-src.tar.gz -C lab && rm lab-src.tar.gz && "
+# ~/lab is emptied but for the venv and the measured runs and results (what setup keeps)
+CLEAR = "find lab -mindepth 1 -maxdepth 1 ! -name .venv ! -name runs ! -name results"
+UNPACK = (
+    f"mkdir -p lab && {CLEAR} -exec rm -rf {{}} + && tar -xzf lab-src.tar.gz -C lab"
+    " && rm lab-src.tar.gz && "
+)
+
+
+def clone(url, ref):
+    """setup.sh --repo's remote command up to the install: a clone follows URL; a copy is made
+    a clone in place once the fetch has worked."""
+    return (
+        f"if test -d lab/.git; then git -C lab remote set-url origin {url};"
+        " else { test ! -e lab || echo '~/lab is not a git clone: its files are replaced by"
+        " the clone (.venv, runs/ and results/ kept)' >&2; }"
+        f" && mkdir -p lab && git init --quiet lab && git -C lab remote add origin {url}; fi"
+        f" && git -C lab fetch --quiet origin {ref}"
+        f" && {{ git -C lab rev-parse --quiet --verify HEAD >/dev/null || {CLEAR} ! -name .git"
+        " -exec rm -rf {} +; }"
+        " && git -C lab checkout --quiet --force --detach FETCH_HEAD && "
+    )
 
 
 def install(py="3.12", spec=".[tpu]"):
@@ -179,12 +209,7 @@ EXACT = {
         ["--name", "lab-v4", "--zone", "us-central2-b", "--repo", "https://example.org/lab.git"]
         + ["--ref", "v1.0", "--python", "3.11"],
         "gcloud compute tpus tpu-vm ssh lab-v4 --zone=us-central2-b --worker=all --command "
-        + remote(
-            "{ test -d lab/.git || git clone --quiet https://example.org/lab.git lab; }"
-            " && git -C lab fetch --quiet origin v1.0"
-            " && git -C lab checkout --quiet --force --detach FETCH_HEAD"
-            " && " + install(py="3.11")
-        )
+        + remote(clone("https://example.org/lab.git", "v1.0") + install(py="3.11"))
         + "\n",
     ),
     "setup-hosts-copy": (
@@ -200,13 +225,7 @@ EXACT = {
     "setup-hosts-no-extra": (
         "setup.sh",
         ["--hosts", "box", "--repo", "git@example.org:lab.git", "--extra", "none"],
-        "ssh box "
-        + remote(
-            "{ test -d lab/.git || git clone --quiet git@example.org:lab.git lab; }"
-            " && git -C lab fetch --quiet origin HEAD"
-            " && git -C lab checkout --quiet --force --detach FETCH_HEAD && " + install(spec=".")
-        )
-        + "\n",
+        "ssh box " + remote(clone("git@example.org:lab.git", "HEAD") + install(spec=".")) + "\n",
     ),
     "run-tpu": (
         "run.sh",
@@ -591,3 +610,64 @@ def test_run_on_hosts_prefixes_each_hosts_lines_with_its_name(env):
     assert sorted(out.stdout.splitlines()) == ["[a] hello out", "[me@b] hello out"]
     said = sorted(line for line in out.stderr.splitlines() if "hello" in line)
     assert said == ["[a] hello err", "[me@b] hello err"]
+
+
+def _commit(repo, files):
+    """A git repository at `repo` whose one commit holds `files` (path -> text)."""
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "--quiet", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "--quiet", "-m", "c"], check=True)
+    return str(repo)
+
+
+def _earlier_setup(home):
+    """~/lab as an earlier setup left it: a venv, a measured run, and a file since deleted."""
+    lab = home / "lab"
+    for name in (".venv/bin/python", "runs/r1/metrics.jsonl", "results/x.json", "gone.py"):
+        (lab / name).parent.mkdir(parents=True, exist_ok=True)
+        (lab / name).write_text("kept" if name != "gone.py" else "stale")
+    return lab
+
+
+def _kept(lab):
+    for name in (".venv/bin/python", "runs/r1/metrics.jsonl", "results/x.json"):
+        assert (lab / name).read_text() == "kept", name
+    assert not (lab / "gone.py").exists()  # a deleted module is not importable any more
+
+
+def test_setup_repo_again_over_a_copy_and_with_a_new_url(env, tmp_path):
+    """--repo over an earlier copy makes ~/lab a clone (keeping the venv and the measured runs),
+    and a later --repo with another URL fetches from that URL, not the first one's."""
+    home = tmp_path / "home"
+    lab = _earlier_setup(home)
+    first = _commit(tmp_path / "a", {"lab/__init__.py": "", "lab/old.py": "a"})
+    second = _commit(tmp_path / "b", {"lab/__init__.py": "", "lab/new.py": "b"})
+    env = {**env, "FAKE_HOME": str(home)}
+    out = sh("setup.sh", "--hosts", "box", "--repo", first, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "~/lab is not a git clone: its files are replaced" in out.stderr
+    assert (lab / "lab/old.py").read_text() == "a"
+    _kept(lab)
+    out = sh("setup.sh", "--hosts", "box", "--repo", second, env=env)
+    assert out.returncode == 0, out.stderr
+    assert (lab / "lab/new.py").read_text() == "b" and not (lab / "lab/old.py").exists()
+    origin = subprocess.run(
+        ["git", "-C", str(lab), "remote", "get-url", "origin"], capture_output=True, text=True
+    )
+    assert origin.stdout.strip() == second
+    _kept(lab)
+
+
+def test_setup_copy_again_removes_what_the_repository_deleted(env, tmp_path):
+    """A copy over an earlier setup leaves no file the checkout does not have, and keeps the
+    venv and the measured runs and results."""
+    home = tmp_path / "home"
+    lab = _earlier_setup(home)
+    out = sh("setup.sh", "--hosts", "box", env={**env, "FAKE_HOME": str(home)})
+    assert out.returncode == 0, out.stderr
+    assert (lab / "tpu/setup.sh").exists() and not (home / "lab-src.tar.gz").exists()
+    _kept(lab)
