@@ -7,6 +7,7 @@ puts recording fakes first on PATH, and the dry-run tests also check that they w
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -671,3 +672,17 @@ def test_setup_copy_again_removes_what_the_repository_deleted(env, tmp_path):
     assert out.returncode == 0, out.stderr
     assert (lab / "tpu/setup.sh").exists() and not (home / "lab-src.tar.gz").exists()
     _kept(lab)
+
+
+def test_documented_pkill_patterns_spare_the_shell_that_runs_them():
+    """`ssh HOST 'pkill -f PATTERN || true'` runs in a remote shell whose own command line holds
+    PATTERN: a pattern that matches itself kills that shell before it reaches lab.run."""
+    docs = [TPU / "README.md", ROOT / "README.md"]
+    found = 0
+    for doc in docs:
+        for line in doc.read_text().splitlines():
+            for pattern in re.findall(r'pkill[^"]* -f "([^"]+)"', line):
+                found += 1
+                assert re.search(pattern, line) is None, (doc.name, line)
+                assert re.search(pattern, "/venv/bin/python -m lab.run name=x"), pattern
+    assert found >= 2
