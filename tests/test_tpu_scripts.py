@@ -488,6 +488,14 @@ BAD = [
     ("run.sh", ["--hosts", "a,b", "--coordinator", "[fd00::2]:1234"], "holds a port: give the"),
     ("run.sh", ["--hosts", "a,b", "--coordinator", "fd00::2"], "an IPv6 address in brackets"),
     ("slurm.sh", ["--nodes", "08"], "--nodes '08' is not a whole number"),
+    # lab.run refuses a key given twice; the check of one mesh= would pass the other
+    ("slurm.sh", ["--nodes", "2", "--", "mesh=4x1", "mesh=16x1"], "mesh is given more than once"),
+    ("run.sh", ["--hosts", "a,b", "--", "name=x", " name =y"], "name is given more than once"),
+    # on a TPU VM every worker would get the same id: lab.run reads each one's from the TPU
+    *(
+        ("run.sh", ["--name", "a", "--zone", "us-west4-a", "--", key], f"{key} would be the same")
+        for key in ("process_id=", "coordinator=")
+    ),
     ("fetch.sh", ["--hosts", "a", "--worker", "1"], "only 1 hosts"),
     ("fetch.sh", ["--name", "a", "--zone", "us-west4-a", "--worker", "x"], "--worker 'x'"),
     ("fetch.sh", ["--name", "a", "--zone", "us-west4-a", "--dest"], "--dest needs a value"),
@@ -686,3 +694,15 @@ def test_documented_pkill_patterns_spare_the_shell_that_runs_them():
                 assert re.search(pattern, line) is None, (doc.name, line)
                 assert re.search(pattern, "/venv/bin/python -m lab.run name=x"), pattern
     assert found >= 2
+
+
+@pytest.mark.parametrize(
+    "word", ["resume=true", "resume=yes", "resume=On", "resume=1", "resume =TRUE"]
+)
+def test_slurm_takes_every_word_lab_run_reads_as_a_resume(word, env):
+    """A resume takes its run's own mesh, however lab.run's true is spelt; a false one does not."""
+    args = ["--dry-run", "--nodes", "2", "--setup", "--", "name=r"]
+    out = sh("slurm.sh", *args, word, env=env)
+    assert out.returncode == 0 and "\nsbatch " in out.stdout, out.stderr
+    out = sh("slurm.sh", *args, word.replace(word.split("=")[1], "no"), env=env)
+    assert out.returncode == 2 and "default mesh=1 uses one of" in out.stderr, out.stderr

@@ -156,6 +156,48 @@ refuse_flags() { # MODULE WORD... : lab.run takes KEY=VALUE words only; a flag a
   done
 }
 
+# trim WORD: WORD without leading and trailing white space (lab.run strips keys and values).
+trim() {
+  local w=$1
+  w=${w#"${w%%[![:space:]]*}"}
+  printf '%s' "${w%"${w##*[![:space:]]}"}"
+}
+
+# refuse_repeated_keys MODULE WORD... : lab.run refuses a key given twice; say so before anything
+# runs or waits in a queue (a check here that reads one of the two would pass the other).
+refuse_repeated_keys() {
+  local module=$1 a key seen=" "
+  shift
+  [[ $module == lab.run ]] || return 0
+  for a in "$@"; do
+    [[ $a == *=* ]] || continue
+    key=$(trim "${a%%=*}")
+    [[ $seen != *" $key "* ]] || die "$key is given more than once (lab.run takes each key once)"
+    seen+="$key "
+  done
+}
+
+# lab_value KEY WORD... : the value of KEY= among the words (trimmed), or status 1 without one.
+lab_value() {
+  local key=$1 a
+  shift
+  for a in "$@"; do
+    if [[ $a == *=* && $(trim "${a%%=*}") == "$key" ]]; then
+      trim "${a#*=}"
+      return 0
+    fi
+  done
+  return 1
+}
+
+# is_true VALUE: VALUE is a word lab.run reads as true (1, true, yes, on; any case).
+is_true() {
+  case $(printf '%s' "$1" | tr '[:upper:]' '[:lower:]') in
+    1 | true | yes | on) return 0 ;;
+    *) return 1 ;;
+  esac
+}
+
 # --- where commands go: a Cloud TPU VM (every worker) or a list of ssh hosts ---------------
 
 NAME=""

@@ -12,7 +12,8 @@ Run `python -m lab.run KEY=VALUE ...` in ~/lab on every machine at the same time
 that jax.distributed joins them into one global mesh. (Set them up with tpu/setup.sh.)
 
 On a TPU VM every worker runs the same command (--worker=all); lab.run initialises
-jax.distributed from the TPU environment. On --hosts, host i runs it with
+jax.distributed from the TPU environment (coordinator=, num_processes= and
+process_id= are refused: every worker would get the same). On --hosts, host i runs it with
 coordinator=COORDINATOR:PORT num_processes=N process_id=i added (when N > 1).
 Output goes to the machines' ~/lab/runs/; bring it back with tpu/fetch.sh. Ctrl-C (exit
 130) or SIGTERM (143) stops the ssh clients here; a remote lab.run may train on (see
@@ -63,6 +64,7 @@ while (($#)); do
 done
 
 refuse_flags "$MODULE" ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}
+refuse_repeated_keys "$MODULE" ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}
 check_target
 [[ $MODULE =~ ^[A-Za-z_][A-Za-z0-9_.]*$ ]] || die "--module '$MODULE' is not a module name"
 check_uint --port "$PORT"
@@ -78,6 +80,8 @@ lab_command() {
 }
 
 if [[ -z $HOSTS_CSV ]]; then
+  refuse_process_keys "would be the same on every worker: lab.run reads each worker's from the TPU environment" \
+    ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}
   tpu_ssh all "$(lab_command ${LAB_ARGS[@]+"${LAB_ARGS[@]}"})"
   exit 0
 fi

@@ -150,15 +150,14 @@ check_mesh() {
     die "mesh=$mesh spans $product devices but the job has $gpus: give a mesh over all $total (e.g. mesh=${total}x1 or mesh=data:-1)"
   fi
 }
+refuse_repeated_keys "$MODULE" ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}
 if [[ $MODULE == lab.run ]]; then
-  MESH=""  # the mesh= given to lab.run, not a MESH the caller's environment happens to hold
-  for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
-    [[ $a != mesh=* ]] || MESH=${a#mesh=}
-  done
-  RESUME=0  # a resume's tasks take the run's own mesh
-  for a in ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}; do
-    [[ $a != resume=true ]] || RESUME=1
-  done
+  # the mesh= given to lab.run, not a MESH the caller's environment happens to hold
+  MESH=$(lab_value mesh ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}) || MESH=""
+  RESUME=0 # a resume's tasks take the run's own mesh
+  if is_true "$(lab_value resume ${LAB_ARGS[@]+"${LAB_ARGS[@]}"})"; then
+    RESUME=1
+  fi
   if [[ -n $MESH ]]; then
     check_mesh "$MESH" $((NODES * GPUS))
   elif ((NODES * TASKS > 1 && !RESUME)); then
