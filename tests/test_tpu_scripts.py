@@ -43,6 +43,8 @@ if os.environ.get("FAKE_SAY"):  # a line on each stream, as a remote command pri
     print(os.environ["FAKE_SAY"], "err", file=sys.stderr, flush=True)
 if fail and any(fail in a for a in argv[1:]):
     sys.exit(1)
+if argv[1:] == ["config", "get-value", "project"]:  # gcloud's configured project
+    print(os.environ.get("FAKE_PROJECT", ""))
 home = os.environ.get("FAKE_HOME")
 if home and argv[0] == "ssh":
     remote_env = {{**os.environ, "HOME": home}}
@@ -706,3 +708,41 @@ def test_slurm_takes_every_word_lab_run_reads_as_a_resume(word, env):
     assert out.returncode == 0 and "\nsbatch " in out.stdout, out.stderr
     out = sh("slurm.sh", *args, word.replace(word.split("=")[1], "no"), env=env)
     assert out.returncode == 2 and "default mesh=1 uses one of" in out.stderr, out.stderr
+
+
+GPU_VM = ["--name", "lab-h100", "--zone", "us-central1-a", "--machine-type", "a3-highgpu-8g"]
+
+
+def test_gpu_create_names_the_billing_vm_when_a_step_after_its_creation_fails(env):
+    out = sh("gpu_create.sh", *GPU_VM, env={**env, "FAKE_FAIL": "config-ssh"})
+    assert out.returncode != 0
+    last = out.stderr.splitlines()[-1]
+    assert "the VM lab-h100 (a3-highgpu-8g) is running and billing" in last, out.stderr
+    assert "gcloud compute config-ssh" in last
+    assert "tpu/delete.sh --name lab-h100 --zone us-central1-a --gpu" in last
+
+
+def test_gpu_create_again_goes_on_when_the_vm_exists(env):
+    """A rerun after a failed config-ssh: the create fails (the VM exists), the rest runs."""
+    env = {**env, "FAKE_FAIL": "--machine-type", "FAKE_PROJECT": "my-proj"}
+    out = sh("gpu_create.sh", *GPU_VM, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "lab-h100 exists already" in out.stderr
+    assert [argv[:4] for argv in fake_calls(env)] == [
+        ["gcloud", "compute", "instances", "create"],
+        ["gcloud", "compute", "instances", "describe"],
+        ["gcloud", "compute", "config-ssh"],
+        ["gcloud", "config", "get-value", "project"],
+    ]
+    # the alias names gcloud's configured project, not the word PROJECT
+    assert "next: tpu/setup.sh --hosts lab-h100.us-central1-a.my-proj " in out.stderr
+
+
+def test_gpu_create_stops_when_the_vm_could_not_be_made(env):
+    env = {**env, "FAKE_FAIL": "lab-h100"}  # create and describe fail: no VM
+    out = sh("gpu_create.sh", *GPU_VM, env=env)
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[-1] == (
+        "gpu_create.sh: error: creating lab-h100 failed (gcloud's message is above)"
+    )
+    assert "config-ssh" not in str(fake_calls(env))

@@ -12,7 +12,9 @@ Create a Compute Engine VM with NVIDIA GPUs from a Deep Learning VM image (the N
 driver installs itself on first boot; jax's cuda extra brings CUDA and cuDNN), then
 write an ssh alias NAME.ZONE.PROJECT for it (gcloud compute config-ssh), which is the
 host to give tpu/setup.sh, tpu/run.sh and tpu/fetch.sh as --hosts.
-Billing runs until tpu/delete.sh --gpu.
+Billing runs until tpu/delete.sh --gpu: a failure once the VM exists says so and names
+the command that deletes it. Run again after such a failure: a VM that exists already is
+kept and the steps after its creation run.
 
   --name NAME            VM name
   --zone ZONE            a zone that has the GPU, e.g. us-central1-a
@@ -96,11 +98,27 @@ EXTRA+=(--metadata=install-nvidia-driver=True)
 if ((SPOT)); then
   EXTRA+=(--provisioning-model=SPOT --instance-termination-action=STOP)
 fi
-run gcloud compute instances create "$NAME" "${WHERE[@]}" "--machine-type=$MACHINE" "${EXTRA[@]}"
-if [[ -n $PROJECT ]]; then
-  run gcloud compute config-ssh "--project=$PROJECT"
-else
-  run gcloud compute config-ssh
+CONFIG_SSH=(gcloud compute config-ssh)
+[[ -z $PROJECT ]] || CONFIG_SSH+=("--project=$PROJECT")
+DELETE="tpu/delete.sh --name $NAME --zone $ZONE --gpu${PROJECT:+ --project $PROJECT}"
+if ! run gcloud compute instances create "$NAME" "${WHERE[@]}" "--machine-type=$MACHINE" "${EXTRA[@]}"; then
+  # a rerun after a failure below: the VM is there already, so go on to what is left
+  run gcloud compute instances describe "$NAME" "${WHERE[@]}" "--format=value(status)" >/dev/null ||
+    { note "error: creating $NAME failed (gcloud's message is above)"; exit 1; }
+  note "$NAME exists already (see gcloud's message above): going on to config-ssh"
 fi
-((DRY_RUN)) || note "next: tpu/setup.sh --hosts $NAME.$ZONE.${PROJECT:-PROJECT}" \
-  "(the alias gcloud compute config-ssh wrote to ~/.ssh/config)"
+# From here the VM bills: a failure says so, with how to delete it or finish by hand.
+((DRY_RUN)) || trap 'status=$?; ((status == 0)) || note "error: the VM $NAME ($MACHINE) is running and billing;" \
+  "finish by hand ($(quote_cmd "${CONFIG_SSH[@]}")) or delete it: $DELETE"' EXIT
+run "${CONFIG_SSH[@]}"
+if ((!DRY_RUN)); then
+  # the alias's last part is the project: gcloud's configured one without --project
+  project=${PROJECT:-$(gcloud config get-value project 2>/dev/null || true)}
+  if [[ -n $project ]]; then
+    note "next: tpu/setup.sh --hosts $NAME.$ZONE.$project" \
+      "(the alias gcloud compute config-ssh wrote to ~/.ssh/config)"
+  else
+    note "next: tpu/setup.sh --hosts $NAME.$ZONE.PROJECT, PROJECT being the VM's project" \
+      "(the alias gcloud compute config-ssh wrote to ~/.ssh/config)"
+  fi
+fi
