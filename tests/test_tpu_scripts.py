@@ -414,6 +414,19 @@ def test_setup_stops_when_the_copy_fails(env):
     assert [argv[:5] for argv in fake_calls(env)] == [
         ["gcloud", "compute", "tpus", "tpu-vm", "scp"]
     ]  # the install did not run after the failed scp
+    assert list(Path(env["TMPDIR"]).iterdir()) == []  # nor is the local archive left behind
+
+
+def test_setup_names_the_host_a_copy_failed_to(env):
+    env = {**env, "FAKE_FAIL": "bad2:"}
+    out = sh("setup.sh", "--hosts", "good1,bad2", env=env)
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[-1] == (
+        "setup.sh: error: copying the source to bad2 failed (scp's message is above):"
+        " nothing was installed"
+    )
+    assert [argv[0] for argv in fake_calls(env)] == ["scp", "scp"]  # no install began
+    assert list(Path(env["TMPDIR"]).iterdir()) == []  # the local archive is gone
 
 
 # Bad input: exit status 2, exactly one line on stderr naming the script, nothing on stdout,

@@ -110,6 +110,8 @@ else
   # named after the machines it goes to: setups of two machines at once keep their own
   LOCAL_ARCHIVE="$TMP/lab-src-${NAME:-${HOSTS[0]#*@}}.tar.gz"
   REMOTE="mkdir -p $LAB_DIR && $CLEAR -exec rm -rf {} + && tar -xzf $ARCHIVE -C $LAB_DIR && rm $ARCHIVE && $INSTALL"
+  # the local archive goes however this ends (copied everywhere, a copy failed, Ctrl-C)
+  ((DRY_RUN)) || trap 'rm -f "$LOCAL_ARCHIVE"' EXIT
   run git -C "$ROOT" archive --format=tar.gz "--output=$LOCAL_ARCHIVE" "$REF"
 fi
 
@@ -119,7 +121,8 @@ if [[ -z $HOSTS_CSV ]]; then
 else
   if [[ -z $REPO ]]; then
     for host in "${HOSTS[@]}"; do
-      run scp "$LOCAL_ARCHIVE" "$host:$ARCHIVE"
+      run scp "$LOCAL_ARCHIVE" "$host:$ARCHIVE" ||
+        { note "error: copying the source to $host failed (scp's message is above): nothing was installed"; exit 1; }
     done
   fi
   trap kill_bg INT TERM
