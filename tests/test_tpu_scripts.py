@@ -400,11 +400,15 @@ def test_real_run_executes_what_dry_run_printed(case, env):
 
 
 def test_run_on_hosts_fails_when_one_host_fails(env):
-    env = {**env, "FAKE_FAIL": "process_id=1"}
+    """The failure is named by its host, on the last line, after that host's own lines."""
+    env = {**env, "FAKE_FAIL": "process_id=1", "FAKE_SAY": "hello"}
     out = sh("run.sh", "--hosts", "a,b,c", "mesh=4x2", env=env)
-    assert out.returncode != 0
+    assert out.returncode == 1
     assert len(fake_calls(env)) == 3  # every host was started: the job needs all of them
-    assert "a command failed" in out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[-1] == "run.sh: error: b failed (exit status 1): its lines above start with [b]"
+    assert "[b] hello err" in lines[:-1]
+    assert not any(p.name.startswith("lab-bg.") for p in Path(env["TMPDIR"]).iterdir())
 
 
 def test_setup_stops_when_the_copy_fails(env):

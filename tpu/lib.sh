@@ -16,7 +16,10 @@ ARCHIVE=lab-src.tar.gz # the copied source on each remote machine
 OUT_ARCHIVE=lab-out.tar.gz
 DRY_RUN=0
 PROJECT=""
-BG_PIDS=()
+BG_PIDS=() # the commands run_bg started, the sed of their tagged lines, their tags
+BG_SEDS=()
+BG_TAGS=()
+BG_DIR=""
 
 die() {
   printf '%s: error: %s\n' "$PROG" "$*" >&2
@@ -80,19 +83,29 @@ run() {
 
 # run_bg CMD...: like run, but in the background; wait_bg waits for all of them.
 # With BG_TAG set, every line the command prints (stdout and stderr) starts with "[BG_TAG] ",
-# so the output of several hosts at once says which host wrote it.
+# so the output of several hosts at once says which host wrote it. The tagging runs through
+# named pipes in a folder of its own, so that wait_bg can wait for the last tagged line too.
 run_bg() {
+  local fifo
   if ((DRY_RUN)); then
     quote_cmd "$@"
-  elif [[ -n ${BG_TAG:-} ]]; then
-    printf '+ %s &\n' "$(quote_cmd "$@")" >&2
-    "$@" > >(sed -u "s/^/[$BG_TAG] /") 2> >(sed -u "s/^/[$BG_TAG] /" >&2) &
-    BG_PIDS+=("$!")
-  else
-    printf '+ %s &\n' "$(quote_cmd "$@")" >&2
-    "$@" &
-    BG_PIDS+=("$!")
+    return 0
   fi
+  printf '+ %s &\n' "$(quote_cmd "$@")" >&2
+  if [[ -n ${BG_TAG:-} ]]; then
+    [[ -n $BG_DIR ]] || BG_DIR=$(mktemp -d "$TMP/lab-bg.XXXXXX")
+    fifo="$BG_DIR/${#BG_PIDS[@]}"
+    mkfifo "$fifo.out" "$fifo.err"
+    sed -u "s/^/[$BG_TAG] /" <"$fifo.out" &
+    BG_SEDS+=("$!")
+    sed -u "s/^/[$BG_TAG] /" <"$fifo.err" >&2 &
+    BG_SEDS+=("$!")
+    "$@" >"$fifo.out" 2>"$fifo.err" &
+  else
+    "$@" &
+  fi
+  BG_PIDS+=("$!")
+  BG_TAGS+=("${BG_TAG:-}")
 }
 
 kill_bg() {
@@ -100,21 +113,33 @@ kill_bg() {
   for pid in ${BG_PIDS[@]+"${BG_PIDS[@]}"}; do
     kill "$pid" 2>/dev/null || true
   done
+  [[ -z $BG_DIR ]] || rm -rf "$BG_DIR"
 }
 
-# wait_bg: wait for every run_bg command; fail (status 1) if any of them failed.
+# wait_bg: wait for every run_bg command and its output; fail (status 1) if any of them failed,
+# with one line per failed command, after its output, naming its host (BG_TAG).
 wait_bg() {
-  local pid failed=0
-  for pid in ${BG_PIDS[@]+"${BG_PIDS[@]}"}; do
-    if ! wait "$pid"; then
-      failed=1
+  local i pid status failed=()
+  for ((i = 0; i < ${#BG_PIDS[@]}; i++)); do
+    status=0
+    wait "${BG_PIDS[i]}" || status=$?
+    if ((status)); then
+      if [[ -n ${BG_TAGS[i]} ]]; then
+        failed+=("${BG_TAGS[i]} failed (exit status $status): its lines above start with [${BG_TAGS[i]}]")
+      else
+        failed+=("a command failed (exit status $status; see its output above)")
+      fi
     fi
   done
-  BG_PIDS=()
-  if ((failed)); then
-    note "a command failed (see its output above)"
-    return 1
-  fi
+  for pid in ${BG_SEDS[@]+"${BG_SEDS[@]}"}; do
+    wait "$pid" || true
+  done
+  [[ -z $BG_DIR ]] || rm -rf "$BG_DIR"
+  BG_PIDS=() BG_SEDS=() BG_TAGS=() BG_DIR=""
+  for i in ${failed[@]+"${failed[@]}"}; do
+    note "error: $i"
+  done
+  ((${#failed[@]} == 0))
 }
 
 # --- values -------------------------------------------------------------------------------

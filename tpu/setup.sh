@@ -127,7 +127,7 @@ else
   fi
   trap kill_bg INT TERM
   for host in "${HOSTS[@]}"; do
-    run_bg ssh "$host" "$REMOTE"
+    BG_TAG=$host run_bg ssh "$host" "$REMOTE" # each line of a host's output carries its name
   done
   wait_bg
 fi
