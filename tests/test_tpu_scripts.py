@@ -99,11 +99,11 @@ INSTALL = (
     " && echo 'installing the lab and its dependencies (the first time takes minutes)' >&2"
     ' && uv pip install --python .venv/bin/python -e "SPEC"'
 )
-# ~/lab is emptied but for the venv and the measured runs and results (what setup keeps)
-CLEAR = "find lab -mindepth 1 -maxdepth 1 ! -name .venv ! -name runs ! -name results"
+# ~/lab's entries that the new source has at its top are removed first (the rest is kept)
+CLEAR = "grep -vxE '\\.?|\\.git|\\.venv|runs|results' | (cd lab && xargs -r -d '\\n' rm -rf --)"
 UNPACK = (
-    f"mkdir -p lab && {CLEAR} -exec rm -rf {{}} + && tar -xzf lab-src.tar.gz -C lab"
-    " && rm lab-src.tar.gz && "
+    f"mkdir -p lab && {{ tar -tzf lab-src.tar.gz | cut -d/ -f1 | sort -u | {CLEAR}; }}"
+    " && tar -xzf lab-src.tar.gz -C lab && rm lab-src.tar.gz && "
 )
 
 
@@ -113,11 +113,11 @@ def clone(url, ref):
     return (
         f"if test -d lab/.git; then git -C lab remote set-url origin {url};"
         " else { test ! -e lab || echo '~/lab is not a git clone: its files are replaced by"
-        " the clone (.venv, runs/ and results/ kept)' >&2; }"
+        " the clone (.venv, runs/, results/ and your own files kept)' >&2; }"
         f" && mkdir -p lab && git init --quiet lab && git -C lab remote add origin {url}; fi"
         f" && git -C lab fetch --quiet origin {ref}"
-        f" && {{ git -C lab rev-parse --quiet --verify HEAD >/dev/null || {CLEAR} ! -name .git"
-        " -exec rm -rf {} +; }"
+        " && { git -C lab rev-parse --quiet --verify HEAD >/dev/null"
+        f" || git -C lab ls-tree --name-only FETCH_HEAD | {CLEAR}; }}"
         " && git -C lab checkout --quiet --force --detach FETCH_HEAD && "
     )
 
@@ -655,16 +655,19 @@ def _commit(repo, files):
 def _earlier_setup(home):
     """~/lab as an earlier setup left it: a venv, a measured run, and a file since deleted."""
     lab = home / "lab"
-    for name in (".venv/bin/python", "runs/r1/metrics.jsonl", "results/x.json", "gone.py"):
+    kept = (".venv/bin/python", "runs/r1/metrics.jsonl", "results/x.json", "my notes.txt")
+    for name in (*kept, "lab/gone.py"):
         (lab / name).parent.mkdir(parents=True, exist_ok=True)
-        (lab / name).write_text("kept" if name != "gone.py" else "stale")
+        (lab / name).write_text("kept" if name != "lab/gone.py" else "stale")
     return lab
 
 
 def _kept(lab):
-    for name in (".venv/bin/python", "runs/r1/metrics.jsonl", "results/x.json"):
+    """The venv, the measured runs and results and a file of the user's own stay; a module
+    deleted from the repository goes (it would stay importable)."""
+    for name in (".venv/bin/python", "runs/r1/metrics.jsonl", "results/x.json", "my notes.txt"):
         assert (lab / name).read_text() == "kept", name
-    assert not (lab / "gone.py").exists()  # a deleted module is not importable any more
+    assert not (lab / "lab/gone.py").exists()
 
 
 def test_setup_repo_again_over_a_copy_and_with_a_new_url(env, tmp_path):

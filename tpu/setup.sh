@@ -12,7 +12,8 @@ On every TPU worker (all at once), or on every ssh host: put the lab in ~/lab, m
 ~/lab/.venv with uv (installed on first use from astral.sh; it fetches a Python
 when the image's is too old) and install the lab with its extra: pip install -e '.[tpu]'
 on TPU VMs, '.[cuda]' on --hosts. Safe to run again, in either mode: ~/lab's source
-is replaced (a file deleted from the repository goes), its .venv, runs/ and results/ kept.
+is replaced (a file deleted from the repository goes); its .venv, runs/, results/ and
+any file of your own beside the source's are kept.
 
 By default the source is this checkout at --ref (git archive; uncommitted changes are
 not included), copied over with scp. With --repo, each machine clones or fetches URL.
@@ -77,9 +78,11 @@ INSTALL+=" && { test -x .venv/bin/python || uv venv --python $PYTHON .venv; }"
 # a first install takes minutes (jax and its accelerator wheels): say so, and show uv's progress
 INSTALL+=" && echo 'installing the lab and its dependencies (the first time takes minutes)' >&2"
 INSTALL+=" && uv pip install --python .venv/bin/python -e \"$SPEC\""
-# Empty ~/lab but for what setup keeps, so that a file deleted from the repository goes too
-# (a stale module would stay importable): the venv, and the measured runs and results.
-CLEAR="find $LAB_DIR -mindepth 1 -maxdepth 1 ! -name .venv ! -name runs ! -name results"
+# Before the new source goes in, ~/lab's entries that the source itself has at its top (lab/,
+# tests/, README.md, …; read from stdin, one a line) are removed, so that a file deleted from
+# the repository goes too (a stale module would stay importable); anything else there (the
+# venv, runs/, results/, a user's own files) is kept.
+CLEAR="grep -vxE '\\.?|\\.git|\\.venv|runs|results' | (cd $LAB_DIR && xargs -r -d '\\n' rm -rf --)"
 
 if [[ -n $REPO ]]; then
   REF=${REF:-HEAD}
@@ -87,16 +90,16 @@ if [[ -n $REPO ]]; then
   url=$(quote "$REPO")
   ref=$(quote "$REF")
   # A clone follows --repo: a changed URL becomes its origin. A ~/lab that is no clone (an
-  # earlier copy) becomes one in place: once the fetch has worked, its files are cleared as
-  # above (its .git kept) for the checkout's.
+  # earlier copy) becomes one in place: once the fetch has worked, the entries the fetched
+  # tree has at its top are cleared as above for the checkout's.
   REMOTE="if test -d $LAB_DIR/.git; then git -C $LAB_DIR remote set-url origin $url;"
   REMOTE+=" else { test ! -e $LAB_DIR || echo '~/$LAB_DIR is not a git clone: its files are"
-  REMOTE+=" replaced by the clone (.venv, runs/ and results/ kept)' >&2; }"
+  REMOTE+=" replaced by the clone (.venv, runs/, results/ and your own files kept)' >&2; }"
   REMOTE+=" && mkdir -p $LAB_DIR && git init --quiet $LAB_DIR"
   REMOTE+=" && git -C $LAB_DIR remote add origin $url; fi"
   REMOTE+=" && git -C $LAB_DIR fetch --quiet origin $ref"
   REMOTE+=" && { git -C $LAB_DIR rev-parse --quiet --verify HEAD >/dev/null"
-  REMOTE+=" || $CLEAR ! -name .git -exec rm -rf {} +; }"
+  REMOTE+=" || git -C $LAB_DIR ls-tree --name-only FETCH_HEAD | $CLEAR; }"
   REMOTE+=" && git -C $LAB_DIR checkout --quiet --force --detach FETCH_HEAD && $INSTALL"
 else
   REF=${REF:-HEAD}
@@ -109,7 +112,8 @@ else
   fi
   # named after the machines it goes to: setups of two machines at once keep their own
   LOCAL_ARCHIVE="$TMP/lab-src-${NAME:-${HOSTS[0]#*@}}.tar.gz"
-  REMOTE="mkdir -p $LAB_DIR && $CLEAR -exec rm -rf {} + && tar -xzf $ARCHIVE -C $LAB_DIR && rm $ARCHIVE && $INSTALL"
+  REMOTE="mkdir -p $LAB_DIR && { tar -tzf $ARCHIVE | cut -d/ -f1 | sort -u | $CLEAR; }"
+  REMOTE+=" && tar -xzf $ARCHIVE -C $LAB_DIR && rm $ARCHIVE && $INSTALL"
   # the local archive goes however this ends (copied everywhere, a copy failed, Ctrl-C)
   ((DRY_RUN)) || trap 'rm -f "$LOCAL_ARCHIVE"' EXIT
   run git -C "$ROOT" archive --format=tar.gz "--output=$LOCAL_ARCHIVE" "$REF"
