@@ -28,8 +28,10 @@ from lab import data, devices, plans, rundir
 from lab.config import (
     KEYS,
     MODEL_FIELDS,
+    PRESETS,
     RUN_FIELDS,
     Config,
+    ModelConfig,
     check_keys,
     check_name,
     check_value,
@@ -149,6 +151,14 @@ class Request:
             inherited = Request.of(**rundir.asked_keys(known))
         except ConfigError as e:
             raise ConfigError(f"resume=true: {path} is damaged ({e})") from None
+        # a changed shape first: no other change makes the checkpoints load (a rule the new
+        # shape breaks would be named first, and mending it only leads to this refusal)
+        model = dict(saved["model"])
+        if "preset" in given:  # the preset's fields, then those typed
+            model |= dataclasses.asdict(ModelConfig(**PRESETS[given["preset"]]))
+        model |= {k: given[k] for k in rundir.STATE_FIELDS if k in given}
+        grad_clip = given.get("grad_clip", saved.get("grad_clip", 0))
+        rundir.check_same_state(saved, {"model": model, "grad_clip": grad_clip})
         out = inherited.with_keys(**given)
         return dataclasses.replace(
             out, inherited=tuple(k for k in inherited.dict() if k not in given)
@@ -468,13 +478,16 @@ def _microbatches_need_pipeline(d: _Draft):
     if m.microbatches and not d.pipelined:
         return (
             f"microbatches={m.microbatches} feeds a pipeline: it needs strategy=pp, pp+fsdp or "
-            "pp+tp and a stage axis (e.g. mesh=data:2,stage:4)"
+            "pp+tp and a stage axis (e.g. mesh=data:2,stage:4; microbatches=0 runs without one)"
         )
 
 
 def _repeats_need_pipeline(d: _Draft):
     if d.model.pipeline_repeats > 1 and not d.pipelined:
-        return "pipeline_repeats > 1 is the circular pipeline: it needs strategy=pp"
+        return (
+            f"pipeline_repeats={d.model.pipeline_repeats} is the circular pipeline: it needs "
+            "strategy=pp, pp+fsdp or pp+tp and a stage axis (pipeline_repeats=1 runs without one)"
+        )
 
 
 def _microbatches_divide(d: _Draft):

@@ -712,6 +712,19 @@ def test_a_refused_resume_writes_nothing_in_the_folder(earlier, capsys, steps):
     assert _snapshot(run_dir) == before
 
 
+def test_a_resume_with_another_model_shape_says_so_before_any_other_rule(earlier, capsys):
+    """d_model=66 also breaks a rule of its own (heads split it): the resume named that rule,
+    and a user who mended it was then told the model differs from the one saved. The shape
+    comes first: no other change makes the checkpoints load."""
+    run_dir = earlier / "ckpt"
+    before = _snapshot(run_dir)
+    assert _run(earlier, "name=ckpt", "steps=8", "resume=true", "d_model=66") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: resume=true: this run's model differs from the one saved"), err
+    assert "(d_model=64 → 66)" in err and len(err.splitlines()) == 1, err
+    assert _snapshot(run_dir) == before
+
+
 def test_the_missing_steps_follow_the_files_own_cadence(tmp_path):
     """A file logged every 10 steps, torn, resumed with log_every=1: the steps it lost are
     its own multiples of 10, not every step since the first."""

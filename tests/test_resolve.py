@@ -269,6 +269,26 @@ def test_a_key_a_resume_took_from_the_run_is_named_as_the_runs_own():
     assert str(two).splitlines()[0].endswith("give it anew to change it)")
 
 
+def test_a_pipeline_a_resume_took_says_whose_and_how_to_turn_it_off():
+    """A circular pipeline's run resumed on one device: both pipeline keys are the run's own,
+    and each line names its value (so it is blamed as the run's) and the one that runs without
+    a pipeline."""
+    r = dataclasses.replace(
+        Request.of(microbatches=2, pipeline_repeats=2, mesh="1"),
+        inherited=("microbatches", "pipeline_repeats"),
+    )
+    with pytest.raises(ConfigError) as e:
+        try:
+            resolve.resolve(r, _cpu_platform(), "train")
+        except ConfigError as err:
+            raise r.blame(err) from None
+    lines = str(e.value).splitlines()
+    assert len(lines) == 2, lines
+    assert "microbatches=0 runs without one" in lines[0], lines
+    assert "pipeline_repeats=1 runs without one" in lines[1], lines
+    assert all(line.endswith("give it anew to change it)") for line in lines), lines
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
