@@ -4,7 +4,8 @@
 choices), no defaults applied. `Platform` is what it will run on, found once: the backend,
 device kind and count (a target's, for a plan), and what that hardware can do (host memory
 apart from device memory, cuDNN's fused attention) beside what this host can compile.
-`resolve(request, platform, purpose)` (purpose: train, decode or plan) applies the backend's
+`resolve(request, platform, purpose)` (purpose: train, decode, plan, or restore: a trainer's
+layout to read a run's checkpoints into, nothing stepped) applies the backend's
 defaults, fills every `auto` (dtype, data, strategy, the mesh's -1, attention, microbatches,
 scan_layers, the optimizer's offload), checks every rule that ties fields together from the
 one list `RULES` (all broken rules reported together, one line each: exit 2) and names the
@@ -58,7 +59,7 @@ from lab.mesh import (
 from lab.mesh import RULES as MESH_RULES
 from lab.names import BATCH, DATA, HOST_MEMORY, PIPELINE_STRATEGIES, SEQ, STAGE
 
-PURPOSES = ("train", "decode", "plan")
+PURPOSES = ("train", "decode", "plan", "restore")
 
 # What the decoder runs for a pipelined run: no pipeline (one token per step), the rules
 # that split each stage's weights kept, the stage axis's devices added to the batch's.
@@ -1152,7 +1153,7 @@ def _buildable(sizes: dict | None, platform: Platform) -> bool:
 def resolve(
     request: Request, platform: Platform, purpose: str = "train", *, batches=()
 ) -> Resolved:
-    """`request` on `platform` for `purpose` (train, decode or plan; `batches`: the batch
+    """`request` on `platform` for `purpose` (train, decode, plan or restore; `batches`: the batch
     sizes decoders are built for): the backend's defaults applied, every `auto` filled, every
     rule of `RULES` checked (all broken ones raised together as one ConfigError, a line each,
     whichever pass finds them), the run named.
@@ -1177,6 +1178,8 @@ def resolve(
     sizes, problem = _sizes(cfg, platform)
     if sizes is not None and cfg.strategy == "auto":
         cfg = dataclasses.replace(cfg, strategy=auto_strategy(sizes))
+    if sizes is not None and purpose in ("decode", "restore"):
+        cfg = _batch_of_no_step(cfg, sizes)
     draft = _Draft(cfg, platform, purpose, sizes, model.attention, problem, batches=batches)
     early, lines = _broken(draft, "request"), _broken(draft, "platform")
     if draft.pipelined and purpose != "decode" and request.asked("scan_layers"):
@@ -1239,6 +1242,15 @@ def resolve(
         abstract_params=draft.abstract_params,
         model=draft.built_model,
     )
+
+
+def _batch_of_no_step(cfg: Config, sizes: dict) -> Config:
+    """A decoder, or a trainer built only to restore a run's weights, steps no training
+    batch: its batch_size (the default, or a training run's) is replaced by one that every
+    batch rule splits (a microbatch per stage, a row per device), so that no mesh is refused
+    for a batch nothing runs; a decoder's own batches are checked as `batches`."""
+    M = cfg.model.microbatches or sizes.get(STAGE, 1)
+    return dataclasses.replace(cfg, batch_size=M * math.prod(sizes.values()), accumulate=1)
 
 
 def _for_decoding(cfg: Config, sizes: dict) -> tuple[Config, dict]:

@@ -190,8 +190,11 @@ def _session(o: Options, keys: dict):
                 f"run={o.run}: no run folder {run_dir} (out_dir= says where runs are)"
             )
         request = weights.serving_request(run_dir, keys)
+        # the trainer a run's weights are restored into (its layout, on the serving mesh):
+        # built to restore, no training batch of its own to split (a plan's target compiles)
+        purpose = "train" if keys.get("target") else "restore"
         try:
-            return open_session(request=request), run_dir
+            return open_session(request=request, purpose=purpose), run_dir
         except ConfigError as e:  # a rule broken by the run's own config.json names the run
             raise weights.blame_run(e, run_dir, request, keys) from None
     keys = {"preset": "base", **keys, "steps": 0}

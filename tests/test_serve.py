@@ -457,6 +457,58 @@ def test_a_run_of_every_strategy_is_served(strategy, tmp_path):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, -1]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def three_devices(monkeypatch):
+    """This machine seen as three CPU devices (the tests' JAX has started with eight, whose
+    divisors all divide lab.run's default batch_size=16)."""
+    import dataclasses
+
+    import jax
+
+    from lab import devices, resolve
+
+    info = dataclasses.replace(devices.describe(), count=3, local_count=3)
+    three = resolve.Platform.of(info, jax.devices()[:3])
+    monkeypatch.setattr(resolve.Platform, "found", classmethod(lambda cls, request: three))
+
+
+def test_random_weights_are_served_on_a_mesh_that_does_not_divide_the_training_batch(
+    three_devices,
+):
+    """A decoder splits its own batches, never lab.run's default batch_size=16: three devices
+    serve batches of three."""
+    from lab import serve
+    from lab.studies.serving import weights
+
+    o = serve.Options(batches=(3,), prefill_batches=(3,))
+    s, run_dir = serve._session(o, {"preset": "tiny", "mesh": "3"})
+    s, params, source = weights.load_params(s, run_dir, 0)
+    assert source == "random weights (seed 0)" and s.trainer.mesh.size == 3
+
+
+def test_a_trained_run_is_served_on_a_mesh_that_does_not_divide_its_batch(
+    tmp_path, capsys, three_devices
+):
+    """A run trained with batch_size=8 served on three devices: the batches served split,
+    its training batch plays no part; a batch that does not split is refused in one line
+    that names the serving batches, never a training key lab.serve refuses."""
+    from lab import serve
+    from lab.studies.serving import weights
+
+    keys = {"preset": "tiny", "batch_size": 8, "seq_len": 16, "attention": "naive"}
+    _, saved = _saved_run(tmp_path / "r", keys)
+    o = serve.Options(run="r", batches=(3,), prefill_batches=(3,))
+    s, run_dir = serve._session(o, {"out_dir": str(tmp_path), "mesh": "3"})
+    decoding = weights.for_decoding(s, (3,))
+    s, params, source = weights.load_params(s, run_dir, 0, decoding=decoding)
+    assert source == "run r, step 1" and s.trainer.mesh.size == 3
+    args = [*FAST, "run=r", "mesh=3", "batches=2", f"out_dir={tmp_path}", f"results={tmp_path}"]
+    assert serve.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "serving batches [1, 2]" in err, err
+    assert "batch_size" not in err, err
+
+
 def test_a_long_prefill_says_how_long_a_run_takes_at_least():
     """A 100,000-token prompt on the tiny model is minutes a run on a CPU: the progress label
     says so (FLOPs and a floor at the measured peak) instead of standing still unexplained."""
