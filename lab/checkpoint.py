@@ -355,6 +355,30 @@ def saved_names(step_dir: Path) -> set[tuple] | None:
         return None
 
 
+def only_params(abstract_state):
+    """`abstract_state` (a TrainState's shapes) with every array but the parameters a
+    placeholder: a restore of it reads the weights alone and leaves the rest unread."""
+    skip = lambda x: _orbax().PLACEHOLDER  # noqa: E731
+    return abstract_state.replace(
+        step=_orbax().PLACEHOLDER, opt_state=jax.tree.map(skip, abstract_state.opt_state)
+    )
+
+
+def _is_placeholder(x) -> bool:
+    return x is ...  # orbax's PLACEHOLDER
+
+
+def _read(item: Path, target):
+    """The arrays of `target` from a step's item; a target with placeholders (only_params)
+    through orbax's PyTree reader, which skips them (its standard reader refuses them)."""
+    ocp = _orbax()
+    if not any(_is_placeholder(x) for x in jax.tree.leaves(target)):
+        return ocp.StandardCheckpointer().restore(item, target)
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
+    return ocp.PyTreeCheckpointer().restore(item, args=args)
+
+
 def _shape_mismatch(path: Path, abstract_state) -> str | None:
     """'params.…: saved (64, 256), this model (128, 256)' for the first leaf whose saved shape
     differs from the model's; None when they agree or the metadata cannot be read whole (then
@@ -378,6 +402,8 @@ def _shape_mismatch(path: Path, abstract_state) -> str | None:
         return None
     saved_shapes = {_names(p): tuple(getattr(x, "shape", ()) or ()) for p, x in saved}
     for p, x in want:
+        if _is_placeholder(x):  # not read (only_params)
+            continue
         shape = saved_shapes.get(_names(p))
         if shape is not None and shape != tuple(x.shape):
             return f"{jax.tree_util.keystr(p)}: saved {shape}, this model {tuple(x.shape)}"
@@ -506,7 +532,7 @@ def restore_latest(
                 + (", or start a new name=" if why == "resume=true" else "")
             )
         try:
-            state = _orbax().StandardCheckpointer().restore(item, target)
+            state = _read(item, target)
         except Exception as e:  # noqa: BLE001 — orbax/TensorStore raise many types for damage
             reader = _reader_failure(e)
             if reader:

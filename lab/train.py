@@ -355,6 +355,12 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             return self.init_jit(key)
 
+    def init_params(self, key):
+        """init(key)'s parameters, without the optimizer's state (twice their bytes): what a
+        decoder holds."""
+        with jax.set_mesh(self.mesh):
+            return self.init_jit.params(key)
+
     def step(self, state: TrainState, tokens_BxL1):
         with jax.set_mesh(self.mesh):
             return self.step_jit(state, tokens_BxL1)
@@ -677,17 +683,18 @@ def _with_layer_axis(sharding):
 
 
 def into_layout(trainer: Trainer, state, saved: Layout):
-    """A state restored in layout `saved` (placed as `abstract_in` places it), stored as the
-    trainer's: one jitted move onto the trainer's shardings. Between two stacked layouts the
-    restored copy is donated (the same shapes); from or to layers each their own it is not (no
-    output has its shape), and both copies are held during the move."""
+    """A state (or its parameters alone) restored in layout `saved` (placed as `abstract_in`
+    places it), stored as the trainer's: one jitted move onto the trainer's shardings. Between
+    two stacked layouts the restored copy is donated (the same shapes); from or to layers each
+    their own it is not (no output has its shape), and both copies are held during the move."""
     if saved == trainer.layout:
         return state
+    whole = isinstance(state, TrainState)  # else the parameters alone
     move = jax.jit(
         functools.partial(
             relayout, src=saved, dst=trainer.layout, n_layers=trainer.cfg.model.n_layers
         ),
-        out_shardings=trainer.state_shardings,
+        out_shardings=trainer.state_shardings if whole else trainer.state_shardings.params,
         donate_argnums=0 if saved.stacked == trainer.layout.stacked else (),
     )
     with jax.set_mesh(trainer.mesh):
@@ -763,10 +770,13 @@ def step_layout(step_dir: Path, config: Layout, n_layers: int) -> Layout:
     return layout
 
 
-def restore_in_layout(run_dir, trainer: Trainer, saved_config: dict, **kw):
+def restore_in_layout(run_dir, trainer: Trainer, saved_config: dict, *, params_only=False, **kw):
     """(step, state, the step's layout) from the newest good checkpoint of `run_dir`
     (lab.checkpoint.restore_latest, `kw` passed on), stored as the trainer's state is
-    whatever layout the step was saved in; (None, None, None) where none restores."""
+    whatever layout the step was saved in; (None, None, None) where none restores.
+    `params_only` (a reader of the weights alone, lab.serve): the state is the parameters,
+    the only arrays read and checked; the optimizer's moments (twice the parameters' bytes)
+    are neither loaded nor judged, so a damaged moment costs no step its weights."""
     now, n = trainer.layout, trainer.cfg.model.n_layers
     config = config_layout(saved_config) or now
     layouts = {}
@@ -774,13 +784,17 @@ def restore_in_layout(run_dir, trainer: Trainer, saved_config: dict, **kw):
     def target(step_dir: Path):
         layouts[step_dir.name] = saved = step_layout(step_dir, config, n)
         if saved == now:
-            return trainer.abstract_state
-        return abstract_in(trainer.abstract_state, now, saved, n)
+            abstract = trainer.abstract_state
+        else:
+            abstract = abstract_in(trainer.abstract_state, now, saved, n)
+        return checkpoint.only_params(abstract) if params_only else abstract
 
     with jax.set_mesh(trainer.mesh):
         step, state = checkpoint.restore_latest(run_dir, target, **kw)
     if state is None:
         return step, None, None
+    if params_only:
+        state = state.params
     saved = layouts[str(step)]
     try:
         return step, into_layout(trainer, state, saved), saved

@@ -381,9 +381,10 @@ STRATEGIES = {
 }
 
 
-def _saved_run(run_dir, keys):
+def _saved_run(run_dir, keys, steps=(1,)):
     """(the session, its parameters on the host) of a run folder as lab.run leaves it
-    (config.json, a checkpoint), its state random and placed on the trained shardings."""
+    (config.json, a checkpoint of each of `steps`), its state random and placed on the
+    trained shardings."""
     import dataclasses
 
     import jax
@@ -404,8 +405,9 @@ def _saved_run(run_dir, keys):
     run_dir.mkdir()
     rundir.write_json(run_dir / "config.json", dataclasses.asdict(s.cfg))
     saver = checkpoint.Saver(checkpoint.manager(run_dir))
-    saver.save(1, state)
-    saver.finish()
+    for step in steps:
+        saver.save(step, state)
+        saver.finish()
     return s, jax.device_get(state.params)
 
 
@@ -507,6 +509,42 @@ def test_a_trained_run_is_served_on_a_mesh_that_does_not_divide_its_batch(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "serving batches [1, 2]" in err, err
     assert "batch_size" not in err, err
+
+
+def test_a_served_run_reads_its_weights_alone(tmp_path):
+    """Serving restores the parameters only: a step whose optimizer moment is damaged is
+    still the newest weights (the moments never decode, and are not held), while a step whose
+    weights are damaged is skipped with its line and the step before it served."""
+    import jax
+    import numpy as np
+
+    from lab import checkpoint, decode, serve
+    from lab.studies.serving import weights
+
+    keys = {"preset": "tiny", "batch_size": 8, "seq_len": 16, "attention": "naive"}
+    trained, saved = _saved_run(tmp_path / "r", keys, steps=(1, 2))
+    s_model = trained.cfg.model
+    sums = checkpoint.folder(tmp_path / "r") / "2" / checkpoint.SUMS / "metadata"
+    good = json.loads(sums.read_text())
+
+    def served(changed_key):
+        bad = {**good, changed_key: [good[changed_key][0] ^ 1, good[changed_key][1]]}
+        sums.write_text(json.dumps(bad))
+        said = []
+        o = serve.Options(run="r", batches=(1,), prefill_batches=(1,))
+        s, run_dir = serve._session(o, {"out_dir": str(tmp_path)})
+        s, params, source = weights.load_params(s, run_dir, 0, warn=said.append)
+        return params, source, said
+
+    moment = next(k for k in good if k.startswith("opt_state.") and ".nu." in k)
+    params, source, said = served(moment)
+    assert source == "run r, step 2" and said == []
+    expected = decode.unstack_layers(saved, s_model.n_layers)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), expected)
+    weight = next(k for k in good if k.startswith("params."))
+    params, source, said = served(weight)
+    assert source == "run r, step 1", source
+    assert len(said) == 1 and said[0].startswith("checkpoint step 2 is damaged (params."), said
 
 
 def test_a_long_prefill_says_how_long_a_run_takes_at_least():

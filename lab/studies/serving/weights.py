@@ -149,8 +149,8 @@ def load_params(session: Session, run_dir: Path | None, seed: int, warn=print, *
     shardings."""
     decoding = decoding or for_decoding(session)
     if run_dir is None:
-        state = decoding.trainer.init(jax.random.key(seed))
-        return decoding, state.params, f"random weights (seed {seed})"
+        params = decoding.trainer.init_params(jax.random.key(seed))
+        return decoding, params, f"random weights (seed {seed})"
     params, source = _restore(session, run_dir, warn)
     if session.cfg.model.scan_layers:
         stages = dict(session.trainer.mesh.shape).get(STAGE, 1)
@@ -169,25 +169,27 @@ def _restore(session: Session, run_dir: Path, warn):
     damaged = []
     # (each step in the layout it was saved in: a run resumed in another layout keeps its
     # older steps in the first, moved here into the layout of the run's config.json)
-    step, state, _ = restore_in_layout(
+    # The weights alone are read and checked: the optimizer's moments (twice their bytes)
+    # never decode, so they are not held, and a damaged moment costs no step its weights.
+    step, params, _ = restore_in_layout(
         run_dir,
         trainer,
         saved_config(run_dir),
+        params_only=True,
         warn=warn,
         why=f"run={run_dir.name}",
         moved=damaged,
         read_only=True,
-        finite=lambda state: state.params,  # the weights decode; the moments do not
     )
-    if state is None and damaged:  # it was checkpointed: say so
+    if params is None and damaged:  # it was checkpointed: say so
         n = f"{len(damaged)} damaged step{'s' if len(damaged) > 1 else ''}"
         raise ConfigError(
             f"run={run_dir.name}: its {n} ({', '.join(map(str, sorted(damaged)))}) could not "
             "be read; none is left to serve"
         )
-    if state is None:
+    if params is None:
         raise ConfigError(
             f"run={run_dir.name}: no checkpoint to serve in {checkpoint.folder(run_dir)} "
             "(train it with checkpoint_every=N, or leave run= out for random weights)"
         )
-    return state.params, f"run {run_dir.name}, step {step}"
+    return params, f"run {run_dir.name}, step {step}"
