@@ -313,8 +313,12 @@ def _run(o: Options, keys: dict, results: Path) -> int:
         text = sample.sample_text(
             s, params, prompt=prompt, tokens=o.sample, temperature=o.temperature, seed=o.seed
         )
-        shown = prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-        con.print(  # the texts are printed as they are, never read as markup ([/b], [red])
+        # the prompt as the sample's text is shown: control characters escaped (an ESC
+        # would drive the terminal), never read as markup ([/b], [red])
+        shown = sample.printable(
+            prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        )
+        con.print(
             f"[bold]sample[/bold] (temperature {o.temperature}):\n"
             f"[dim]{escape(shown)}[/dim]{escape(text)}\n"
         )

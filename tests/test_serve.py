@@ -79,6 +79,10 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
     prompt = "a[/b]c[bold red]d\udcff"
     assert serve([*FAST[1:], "batches=1", "plot=false", *keys, f"prompt={prompt}"]) == 0
     assert "a[/b]c[bold red]d\ufffd" in capsys.readouterr().out
+    # the prompt is shown as the generated text is: an ESC would drive the terminal
+    assert serve([*FAST[1:], "batches=1", "plot=false", *keys, "prompt=a\x1b[31mRED"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "a\\x1b[31mRED" in out
     # the same run asked for another shape: refused before anything loads
     assert serve([*keys, "d_model=128"]) == 2
     err = capsys.readouterr().err.strip()
