@@ -579,9 +579,10 @@ def test_the_int8_error_of_a_prompt_longer_than_the_text_uses_the_whole_text(mon
     monkeypatch.setattr(data, "corpus_bytes", lambda: text)
     s = open_session(request=Request.of(preset="tiny", batch_size=2, seq_len=16))
     params = s.trainer.init(jax.random.key(0)).params
-    e = int8_error(s, params, quant.quantize_params(params), batch=2, prompt_len=1000, steps=4)
-    assert e.prompt_len == 300 - 4 - 1
+    e = int8_error(s, params, quant.quantize_params(params), prompt_len=1000, steps=4)
+    assert e.prompt_len == 300 - 4 - 1 and e.windows == 1  # one window holds the text
     (m,) = e.matmuls
+    assert m.loss_change_se is None  # no spread from one window
     assert 0 < m.logits_rel_rms < 5e-2 and abs(e.loss_change(m.matmul)) < 0.1
 
 
@@ -603,10 +604,10 @@ def test_the_int8_error_is_stated_for_each_matmul_whose_speed_is_shown():
     s = open_session(request=Request.of(preset="tiny", batch_size=1, seq_len=16))
     params = s.trainer.init(jax.random.key(0)).params
     params_i8 = quant.quantize_params(params)
-    e = int8_error(s, params, params_i8, batch=1, prompt_len=8, steps=6, matmuls=("xla", "w8a8"))
+    e = int8_error(s, params, params_i8, prompt_len=8, steps=6, matmuls=("xla", "w8a8"))
     assert [m.matmul for m in e.matmuls] == ["xla", "w8a8"]
     xla, w8a8 = e.matmuls
-    assert xla.positions == w8a8.positions == 6 and 0 <= w8a8.top1_same <= 6
+    assert xla.positions == w8a8.positions == 8 * 6 and 0 <= w8a8.top1_same <= 8 * 6
     assert 0 < xla.logits_rel_rms < 5e-2 and 0 < w8a8.logits_rel_rms < 5e-2
     assert w8a8.logits_rel_rms != pytest.approx(xla.logits_rel_rms, rel=0.05)
     assert w8a8.loss_int8 != xla.loss_int8
@@ -616,9 +617,54 @@ def test_the_int8_error_is_stated_for_each_matmul_whose_speed_is_shown():
     text = con.export_text()
     for m in e.matmuls:
         assert f"{m.logits_rel_rms:.2e}" in text, text
-        assert f"same top-1 token {m.top1_same} of 6 (" in text, text
+        assert f"same top-1 token {m.top1_same} of 48 (" in text, text
     assert "w8a8 matmul (int8 activations too; kept at batch 8)" in text, text
     assert "xla matmul (weight-only)" in text, text
+
+
+def test_the_int8_error_rests_on_windows_spread_over_the_text_each_program_compiled_once(
+    caplog,
+):
+    """The int8 error is measured on 8 windows spread from the text's start to its end (not
+    one window at byte 0: a loss change of 1e-4 on one passage cannot be told from noise),
+    the table says how many windows and tokens, and the loss change carries its standard
+    error over the windows. The full forward pass is compiled once per distinct program:
+    native1 leaves the forward's many rows to XLA's dot, so its loss is xla's program and
+    figure, not a third compile."""
+    import jax
+    from rich.console import Console
+
+    from lab import data, quant
+    from lab.kernels import cpu_gemv
+    from lab.report import tables
+    from lab.resolve import Request
+    from lab.session import open_session
+    from lab.studies.serving import int8
+
+    text_len = len(data.corpus_bytes())
+    assert int8.error_windows(1, 14, text_len) == 8
+    assert int8.error_windows(3, 14, text_len) == 9  # a multiple of the devices
+    assert int8.error_windows(1, text_len // 2, text_len) == 2  # as many as the text holds
+    starts = int8.corpus_tokens(8, 13, 256)[:, 0]
+    text = data.corpus_bytes()
+    assert starts[-1] == text[text_len - 14] and starts[0] == text[0]  # the end is read too
+    s = open_session(request=Request.of(preset="tiny", batch_size=1, seq_len=16))
+    params = s.trainer.init(jax.random.key(0)).params
+    params_i8 = quant.quantize_params(params)
+    matmuls = ("xla", "native1") if cpu_gemv.available() else ("xla",)
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        e = int8.int8_error(s, params, params_i8, prompt_len=8, steps=4, matmuls=matmuls)
+    forwards = [r for r in caplog.records if "compilation of jit(losses)" in r.getMessage()]
+    assert len(forwards) == 2, [r.getMessage() for r in forwards]  # float, int8 weight-only
+    assert e.windows == 8 and all(m.positions == 8 * 4 for m in e.matmuls)
+    assert len({m.loss_int8 for m in e.matmuls}) == 1
+    xla = e.matmuls[0]
+    assert xla.loss_change_se is not None and 0 < xla.loss_change_se < 0.05
+    con = Console(width=400, record=True)
+    con.print(tables.serving_int8(e, []))
+    out = con.export_text()
+    assert "8 windows of 12 tokens spread over it, 88 tokens predicted" in out, out
+    assert f"± {xla.loss_change_se:.4f} s.e. over windows" in out, out
 
 
 def test_a_step_near_neither_roof_is_overhead_bound():

@@ -200,7 +200,10 @@ class Int8MatmulError:
     logits_rel_rms: float  # decode logits (int8 weights and cache) against float: RMS / RMS
     logits_max_abs: float  # max |difference| of those logits
     top1_same: int  # decode positions whose top token is float's
-    positions: int  # decode positions compared (sequences × steps)
+    positions: int  # decode positions compared (windows × steps)
+    # standard error of the loss change over the windows (their changes' spread / √windows):
+    # a change within about two of it is noise; None for one window
+    loss_change_se: float | None = None
 
     @property
     def top1_agreement(self) -> float:
@@ -219,6 +222,7 @@ class Int8Error:
     weight_bytes_int8: int  # bytes of the int8 weights (codes and scales)
     window_len: int  # tokens of each text window the loss is taken over: prompt + steps
     matmuls: tuple[Int8MatmulError, ...]  # one per int8 matmul whose speed was measured
+    windows: int = 1  # text windows the figures rest on, spread over the whole text
 
     @property
     def bytes_saved(self) -> int:

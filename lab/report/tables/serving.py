@@ -74,15 +74,19 @@ def serving_int8(e: Int8Error, speedup, points: list[DecodePoint] = ()) -> Table
         f"{size(e.weight_bytes_float)} → {size(e.weight_bytes_int8)} "
         f"({ratio(e.weight_bytes_float / e.weight_bytes_int8)} smaller)",
     )
+    window = e.window_len or e.prompt_len
     t.add_row(
-        f"loss on the bundled text ({e.window_len or e.prompt_len:,}-token windows)",
+        f"loss on the bundled text ({e.windows} window{'s' if e.windows > 1 else ''} of "
+        f"{window:,} tokens spread over it, {e.windows * (window - 1):,} tokens predicted)",
         f"{e.loss_float:.4f} float weights",
     )
     rows: dict[tuple[str, str], list] = {}  # matmuls whose figures print the same: one row
     for m in e.matmuls:
         how = "int8 activations too" if m.matmul == "w8a8" else "weight-only"
+        # the windows' spread: a change within about two standard errors is noise
+        se = f" ± {m.loss_change_se:.4f} s.e. over windows" if m.loss_change_se is not None else ""
         text = (
-            f"loss {m.loss_int8:.4f} ({e.loss_change(m.matmul):+.4f}); decode logits vs "
+            f"loss {m.loss_int8:.4f} ({e.loss_change(m.matmul):+.4f}{se}); decode logits vs "
             f"float: relative RMS {m.logits_rel_rms:.2e}, max |Δ| {m.logits_max_abs:.3g} "
             f"(logits up to {e.logits_scale:.3g}); same top-1 token {m.top1_same} of "
             f"{m.positions} ({percent(m.top1_agreement, 1)})"

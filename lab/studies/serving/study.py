@@ -7,7 +7,7 @@ import os
 
 import jax
 
-from lab import decode, quant
+from lab import quant
 from lab.errors import ConfigError
 from lab.measure import cost
 from lab.measure.serving import DecodePoint, PeerPoint, PrefillPoint, Roofs, Study, Summary
@@ -134,13 +134,11 @@ def measure(session: Session, params, plan: Plan, *, progress=None, finished=Non
                 fastest_point(session, params_i8, roofs, batch=b, int8_cache=True, **kw)
             )
         tick("int8 error on the bundled text")
-        n = decode.batch_multiple(session.trainer)
         timed = dict.fromkeys(m for p in points_i8 for m, _ in p.matmuls)  # every one shown
         error = int8_error(
             session,
             params,
             params_i8,
-            batch=n,
             prompt_len=plan.prompt_len,
             steps=ERROR_STEPS,
             matmuls=tuple(timed),
