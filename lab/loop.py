@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lab import checkpoint, plans, rundir, startup, summary, tensorboard
@@ -179,28 +180,35 @@ class _Records:
 class _Rates:
     """The schedule's learning rate by update count, computed a block of counts at a time as
     the run reaches them (one call per block, not per logged step; never the whole run's
-    steps at once, which a large steps= could not hold)."""
+    steps at once, which a large steps= could not hold). The block is one compiled program,
+    compiled with the run's first block (`first`: the count of its first update) before the
+    loop starts: host work inside the loop lands in a step's time, and the schedule's eager
+    operations took 0.3-0.8 s at the first record; a later block is one call to it."""
 
     BLOCK = 4096
 
-    def __init__(self, schedule):
-        self.schedule, self.block, self.values = schedule, -1, None
+    def __init__(self, schedule, first: int = 0):
+        block = lambda start: schedule(start + jnp.arange(self.BLOCK))  # noqa: E731
+        self.compiled, self.block, self.values = jax.jit(block), -1, None
+        self(first)
 
     def __call__(self, count: int) -> float:
         block = count // self.BLOCK
         if block != self.block:
-            start = block * self.BLOCK
-            self.values = np.asarray(self.schedule(np.arange(start, start + self.BLOCK)))
+            self.values = np.asarray(self.compiled(block * self.BLOCK))
             self.block = block
         return float(self.values[count % self.BLOCK])
 
 
-def _records(cfg, analysis, events: tensorboard.EventFile, log, peak: float | None) -> _Records:
-    """The records' writer: metrics.jsonl's `log` and this run's event file."""
+def _records(
+    cfg, analysis, events: tensorboard.EventFile, log, peak: float | None, start: int = 0
+) -> _Records:
+    """The records' writer: metrics.jsonl's `log` and this run's event file (`start`: the
+    step the run starts after, so the schedule's first block is ready before the loop)."""
     return _Records(
         log,
         events,
-        _Rates(lr_schedule(cfg)),
+        _Rates(lr_schedule(cfg), start),
         cfg.batch_size * cfg.seq_len,
         analysis["model_flops_per_token"],
         peak,
@@ -960,7 +968,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
         log = rundir.MetricsLog(run_dir / "metrics.jsonl") if is_main else None
         if log:
             log.gaps = gaps
-        records = _records(cfg, analysis, events, log, peak[0]) if is_main else None
+        records = _records(cfg, analysis, events, log, peak[0], start) if is_main else None
     except OSError as e:
         raise _start_failure(e, run_dir) from None
     if is_main:

@@ -179,3 +179,32 @@ def test_a_folder_whose_run_is_starting_is_in_use_not_missing(tmp_path):
     with checkpoint.Lock(tmp_path / "lk"), contextlib.ExitStack() as held:
         with pytest.raises(ConfigError, match="is in use by pid"):
             loop._claim_here(cfg, True, held, named=True, stages=1)
+
+
+def test_the_learning_rate_schedule_is_not_in_the_step_time(tmp_path, monkeypatch):
+    """The records' learning rates are computed a block of update counts at a time; the
+    block's work (made slow here: each trace or eager call of the schedule sleeps) happens
+    before the loop, so no step's time holds it, neither the first record's nor a later
+    block's (blocks of 2 counts here: a new one every other step)."""
+    real = loop.lr_schedule
+
+    def slow(cfg):
+        schedule = real(cfg)
+
+        def rate(count):
+            time.sleep(0.5)
+            return schedule(count)
+
+        return rate
+
+    monkeypatch.setattr(loop, "lr_schedule", slow)
+    monkeypatch.setattr(loop._Rates, "BLOCK", 2)
+    args = [*TINY, f"out_dir={tmp_path}", "name=lr", "steps=6"]
+    assert main(args) == 0
+    records = [json.loads(x) for x in (tmp_path / "lr" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step_s"] for r in records) < 0.5, records
+    from lab.config import make_config
+
+    schedule = real(make_config(model="tiny", steps=6, batch_size=8, seq_len=32))
+    expected = [float(schedule(r["step"] - 1)) for r in records]
+    assert [r["learning_rate"] for r in records] == pytest.approx(expected)
