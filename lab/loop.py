@@ -677,6 +677,8 @@ def check_trains(cfg: Config) -> None:
 def run_training(session: Session) -> int:
     cfg, info, trainer = session.cfg, session.info, session.trainer
     check_trains(cfg)
+    if not cfg.compile_only:  # every process alike: one's refusal is each one's
+        tensorboard.check_installed()
     is_main = info.process_index == 0
     request = session.resolved.request if session.resolved else Request.from_config(cfg)
     with contextlib.ExitStack() as held:

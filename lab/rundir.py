@@ -47,10 +47,22 @@ NOT_OUTPUT = (".lock", "lab.log", ".lab-join")
 
 
 def previous_run(run_dir: Path) -> list[str]:
-    """The names an earlier run left in the folder (none for a new or empty folder)."""
+    """The names an earlier run left in the folder (none for a new or empty folder). An empty
+    folder in it (a run stopped before it wrote there, as tensorboard/ can be) holds no run's
+    output."""
     if not run_dir.is_dir():
         return []
-    return sorted(p.name for p in run_dir.iterdir() if p.name not in NOT_OUTPUT)
+    return sorted(
+        p.name for p in run_dir.iterdir() if p.name not in NOT_OUTPUT and not _empty_dir(p)
+    )
+
+
+def _empty_dir(path: Path) -> bool:
+    """A folder with nothing in it (not a link to one)."""
+    try:
+        return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+    except OSError:
+        return False
 
 
 def check_fresh(run_dir: Path) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from lab import rundir
+from lab.errors import ConfigError
 
 FOLDER = "tensorboard"
 
@@ -63,6 +64,19 @@ def _tbx() -> SimpleNamespace:
         if turned_away and sys.modules.get("torch", False) is None:
             del sys.modules["torch"]
     return SimpleNamespace(Event=Event, crc=masked_crc32c, scalar=scalar)
+
+
+def check_installed() -> None:
+    """ConfigError (one line) where tensorboardX cannot be imported: checked before a training
+    run compiles or writes anything, rather than failing at its first event file."""
+    try:
+        _tbx()
+    except ImportError as e:
+        raise ConfigError(
+            f"tensorboardX cannot be imported ({e}): a training run writes its TensorBoard "
+            "scalars with it; install it with pip install tensorboardX (or pip install -e . "
+            "for every dependency of the lab)"
+        ) from None
 
 
 def _framed(event) -> bytes:

@@ -263,3 +263,34 @@ def test_an_unusable_tensorboard_folder_is_named_in_one_line(tmp_path, capsys, m
     err = capsys.readouterr().err
     line = f"error: tensorboard could not be written in {tmp_path / 'R'} (a file, not a folder)"
     assert err.startswith(line) and err.count("\n") == 1, err
+
+
+def test_a_missing_tensorboardx_is_one_line_before_any_write(tmp_path, capsys, monkeypatch):
+    """Without tensorboardX a run is refused in one line naming the package and how to
+    install it, exit 2, before it compiles or makes its folder (it crashed after the
+    compile, leaving a folder that then refused the rerun and the resume)."""
+    for name in [m for m in sys.modules if m.split(".")[0] == "tensorboardX"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # an import of it fails
+    tensorboard._tbx.cache_clear()
+    try:
+        assert _run(tmp_path, "name=T", "steps=2") == 2
+    finally:
+        tensorboard._tbx.cache_clear()
+    err = capsys.readouterr().err
+    assert err.startswith("error: tensorboardX cannot be imported") and err.count("\n") == 1, err
+    assert "pip install tensorboardX" in err
+    assert not (tmp_path / "T").exists()
+
+
+def test_an_empty_tensorboard_folder_is_no_run(tmp_path):
+    """A folder holding lab.log and an empty tensorboard/ (a run stopped before it wrote an
+    event) takes a fresh run: nothing in it is a run's output."""
+    from lab import rundir
+
+    (tmp_path / "lab.log").write_text("a library's line\n")
+    (tmp_path / tensorboard.FOLDER).mkdir()
+    assert rundir.previous_run(tmp_path) == []
+    rundir.check_fresh(tmp_path)
+    (tmp_path / tensorboard.FOLDER / "events.out.tfevents.1.h.2.lab").write_bytes(b"")
+    assert rundir.previous_run(tmp_path) == [tensorboard.FOLDER]
