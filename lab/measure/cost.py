@@ -259,24 +259,36 @@ def critical_batch(weight_bytes: float, flops_per_seq: float, cache_per_seq: flo
 def serving_peak_bytes(
     model, *, decode_batch: int, slots: int, prefill_batch: int, prompt_len: int
 ) -> dict[str, float]:
-    """Bytes a serving study holds at its peak, by part: the float32 weights, the KV cache of
-    `decode_batch` sequences (keys and values of every layer, every one of `slots`, in the
-    compute dtype), the prefill's own cache (`prefill_batch` × `prompt_len` slots), its logits
-    ([B, vocab] float32: the last token's only) and its temporaries: B·P·(3·d_ff + 2·d_model)
-    float32, the MLP's gate, up and their product with the residual stream and its norm
-    beside them. That last term was fitted to XLA's buffer assignment of the CPU prefill
-    (memory_analysis' temporaries came to 3.3-3.4·d_ff floats per token at model=tiny,
-    small and base; tests/test_serve.py holds the estimate to the compiled program's)."""
+    """Bytes a serving study holds at its peak, by part. The study measures its prefill
+    points and its decode points one at a time, so the peak is the float32 weights plus the
+    larger of two phases:
+
+    - decode: the KV cache of `decode_batch` sequences (keys and values of every layer, every
+      one of `slots`, in the compute dtype), filled by a prefill of `decode_batch` prompts
+      whose logits and temporaries sit beside it;
+    - prefill: the prefill's own cache (`prefill_batch` × `prompt_len` slots), its logits and
+      temporaries.
+
+    Logits are [B, vocab] float32 (the last token's only); temporaries B·P·(3·d_ff + 2·d_model)
+    float32, the MLP's gate, up and their product with the residual stream and its norm beside
+    them. That last term was fitted to XLA's buffer assignment of the CPU prefill
+    (memory_analysis' temporaries came to 3.3-3.4·d_ff floats per token at model=tiny, small
+    and base; tests/test_serve.py holds both phases to the compiled programs')."""
     itemsize = jnp.dtype(model.dtype).itemsize
     per_slot = 2 * model.n_layers * model.n_kv_heads * model.head_dim * itemsize
-    tokens = prefill_batch * prompt_len
-    return {
-        "weights": float(nonembed_params(model) + model.vocab_size * model.d_model) * 4,
-        "cache": float(per_slot * decode_batch * slots),
-        "prefill cache": float(per_slot * tokens),
-        "prefill logits": 4.0 * prefill_batch * model.vocab_size,
-        "prefill activations": 4.0 * tokens * (3 * model.d_ff + 2 * model.d_model),
-    }
+    weights = float(nonembed_params(model) + model.vocab_size * model.d_model) * 4
+
+    def filled(batch: int) -> dict[str, float]:  # a prefill of `batch` prompts: beside its cache
+        return {
+            "prefill logits": 4.0 * batch * model.vocab_size,
+            "prefill activations": 4.0 * batch * prompt_len * (3 * model.d_ff + 2 * model.d_model),
+        }
+
+    decoding = {"cache": float(per_slot * decode_batch * slots), **filled(decode_batch)}
+    prefilling = {"prefill cache": float(per_slot * prefill_batch * prompt_len)}
+    prefilling.update(filled(prefill_batch))
+    phase = max(decoding, prefilling, key=lambda parts: sum(parts.values()))
+    return {"weights": weights, **phase}
 
 
 def arithmetic_intensity(flops: float, bytes_accessed: float) -> float:

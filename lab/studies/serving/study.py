@@ -36,8 +36,9 @@ class Plan:
 
 
 def memory_needed(model, plan: Plan) -> dict[str, float]:
-    """Bytes the study holds at its peak, by part (cost.serving_peak_bytes): the largest
-    decode batch's cache and the largest prefill batch's cache, logits and temporaries."""
+    """Bytes the study holds at its peak, by part (cost.serving_peak_bytes): the weights and
+    the larger of the largest decode batch's cache filled by its prefill, and the largest
+    prefill batch's own cache, logits and temporaries (the study runs one point at a time)."""
     return cost.serving_peak_bytes(
         model,
         decode_batch=max(plan.batches),
@@ -65,10 +66,16 @@ def check_memory(session: Session, plan: Plan) -> None:
     need = sum(parts.values())
     if need > 0.8 * total:
         biggest = max(parts, key=parts.get)
+        at = (
+            f"decoding batch {max(plan.batches)}"
+            if "cache" in parts
+            else f"prefilling batch {max(plan.prefill_batches)}"
+        )
         raise ConfigError(
             f"prompt_len={plan.prompt_len}, {plan.slots():,} cache slots, batches up to "
             f"{max(plan.batches)}, prefill_batches up to {max(plan.prefill_batches)}: needs "
-            f"{need / 2**30:,.1f} GiB ({biggest} {parts[biggest] / 2**30:,.1f} GiB), more than "
+            f"{need / 2**30:,.1f} GiB {at} ({biggest} {parts[biggest] / 2**30:,.1f} GiB), "
+            "more than "
             f"80% of this machine's {total / 2**30:,.1f} GiB; "
             + ("give a smaller context=" if plan.context else "shorten the prompt")
             + ", take fewer or smaller batches, or plan it for an accelerator with target="
