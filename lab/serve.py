@@ -190,19 +190,17 @@ def _session(o: Options, keys: dict):
                 f"run={o.run}: no run folder {run_dir} (out_dir= says where runs are)"
             )
         request = weights.serving_request(run_dir, keys)
-        # the trainer a run's weights are restored into (its layout, on the serving mesh):
-        # built to restore, no training batch of its own to split (a plan's target compiles)
-        purpose = "train" if keys.get("target") else "restore"
+        # the trainer a run's weights are restored into (its layout, on the serving mesh, or
+        # a target's for a plan): built to restore, no training batch of its own to split;
+        # the batches served split (for_decoding: batches=, prefill_batches= or plan_batch=)
         try:
-            return open_session(request=request, purpose=purpose), run_dir
+            return open_session(request=request, purpose="restore"), run_dir
         except ConfigError as e:  # a rule broken by the run's own config.json names the run
             raise weights.blame_run(e, run_dir, request, keys) from None
     keys = {"preset": "base", **keys, "steps": 0}
-    if keys.get("target"):  # a plan: each decode step resolves its own batch (compiled.py)
-        return open_session(keys=keys), None
     # random weights: nothing restores into a training layout, so the request is resolved
-    # once, for decoding the batches asked
-    batches = (*o.batches, *o.prefill_batches)
+    # once, for decoding the batches asked (a plan's: plan_batch=), no training batch split
+    batches = (o.plan_batch,) if keys.get("target") else (*o.batches, *o.prefill_batches)
     return open_session(keys=keys, purpose="decode", batches=batches), None
 
 
@@ -286,7 +284,8 @@ def _run(o: Options, keys: dict, results: Path) -> int:
         con.print(f"[yellow]{busy}")
     if s.cfg.target:
         rec.writable_dir(o.results)  # refused before the compile, not after
-        return _plan(o, s, con)
+        # resolved for decoding plan_batch= (it splits over the target's mesh) before compiling
+        return _plan(o, weights.for_decoding(s, (o.plan_batch,)), con)
     # resolved for decoding these batches (every rule: one line each) before any weights
     decoding = weights.for_decoding(s, (*o.batches, *o.prefill_batches))
     stem = rec.output_stem(o.results, "serve")  # a folder that cannot be written: refused now
