@@ -216,10 +216,13 @@ def _step_estimate(aot: dict) -> tuple[str, dict]:
     """(where a plan's step time comes from, as the end of a record's `what`; the record's
     label and model error): the step-time model over the compiled program or the roofline
     floor are *predicted*, and `record` appends their error to the `what`; only the compiler's
-    own estimate is *compiled, not run*."""
+    own estimate is *compiled, not run*, its error (what is known of it) said beside it."""
     label = aot.get("estimate_label") or "compiled, not run"
     if label != "predicted":
-        return ", by the compiler's step estimate", {"label": label}
+        error = aot.get("estimate_error")  # what is known of the compiler's cost model
+        return ", by the compiler's step estimate" + (f" ({error})" if error else ""), {
+            "label": label
+        }
     return "", {"label": label, "model_error": aot.get("estimate_error") or aot["estimate_source"]}
 
 

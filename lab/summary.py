@@ -267,11 +267,13 @@ def _aot_plan(
 
     Step time: the step-time model over the compiled program (lab/predict), labelled
     predicted with its measured error; where the target has no spec entry, the compiler's own
-    estimate floored by the roofline of the model's FLOPs (`plans.step_seconds`).
+    estimate floored by the roofline of the model's FLOPs (`plans.step_estimate`).
     `estimate_label` says which: *compiled, not run* only for the compiler's own estimate
     (a compiler produced it), *predicted* for the model's time or the roofline floor, with
-    `estimate_error` saying how far such a figure is from a measured one. `label` stays the
-    plan's: its memory and FLOPs are read from the compiled program.
+    `estimate_error` saying how far such a figure is from a measured one, in words (the
+    compiler's estimate: checked against no measurement, its ratio to the roofline floor of
+    the same program). `label` stays the plan's: its memory and FLOPs are read from the
+    compiled program.
     """
     spec = specs.lookup(info.device_kind)
     peak = specs.peak_flops(info.device_kind, cfg.model.dtype)
@@ -281,8 +283,10 @@ def _aot_plan(
         source = f"predicted by the step-time model; {predicted.error}"
         error = f"step-time model of the compiled program; {predicted.error}"
     else:
-        est_s, source = plans.step_seconds(compiled, step_flops / n_devices, spec, peak)
-        error = None if source == "compiler estimate" else source
+        e = plans.step_estimate(
+            compiled, step_flops / n_devices, spec, peak, device_kind=info.device_kind
+        )
+        est_s, source, error = e.seconds, e.source, e.error
     mfu = step_flops / (est_s * peak * n_devices) if est_s and peak else None
     return {
         "label": "compiled, not run",
@@ -292,7 +296,7 @@ def _aot_plan(
             None
             if est_s is None
             else "compiled, not run"
-            if source == "compiler estimate"
+            if source == plans.COMPILER_ESTIMATE
             else "predicted"
         ),
         "estimate_error": error,
@@ -474,7 +478,10 @@ def run_records(s: dict, run: str) -> list[dict]:
     if plan:  # the target's figures, stamped with the target (the host only compiled them)
         a = s["aot"]
         est, tokens = a.get("estimated_step_s"), s.get("tokens_per_step")
-        how = {"run": run, "model_error": a.get("estimate_source")}
+        source, error = a.get("estimate_source"), a.get("estimate_error")
+        if source == plans.COMPILER_ESTIMATE and error:  # the cost model's error, in words
+            source = f"{source}: {error}"
+        how = {"run": run, "model_error": source}
         if a.get("caveat"):  # a step that does not fit the target: its figures say so
             how["caveat"] = a["caveat"]
         if est:

@@ -354,6 +354,34 @@ def test_an_attention_plan_row_says_when_its_flops_are_a_lower_bound():
     )
 
 
+def test_an_attention_plan_row_states_the_compilers_estimate_error():
+    """A time that is XLA:TPU's own estimate says under the table that no measurement checks
+    it, and beside the number its ratio to the roofline floor of the same program; the record
+    carries the whole error."""
+    from rich.console import Console
+
+    from lab.measure.attention import PlanPoint
+    from lab.report import tables
+    from lab.studies import plan
+
+    error = cost.compiler_estimate_error("TPU v5 lite", 1.3)
+    row = PlanPoint(
+        seq=1024, head_dim=64, mode="fwd", device_kind="TPU v5 lite", devices=4, compile_s=1.0,
+        memory=None, hbm_bytes=None, compiled_flops=2e9, compiled_flops_note="",
+        analytic_flops_per_device=2.1e9, estimated_s=1e-3, estimate_source="compiler estimate",
+        peak_flops=1e14, impl="pallas_tpu", attention_note=None, estimate_error=error,
+        estimate_over_floor=1.3,
+    )  # fmt: skip
+    console = Console(width=300, record=True)
+    console.print(tables.attention_plan([row], "plan"))
+    text = console.export_text()
+    assert "(1) 1.3×" in text, text
+    assert "(1) compiler estimate: not checked against any TPU measurement: XLA:TPU's own" in text
+    (step,) = [r for r in plan.to_records([row], {}) if r["what"] == "attention plan step time"]
+    assert step["config"]["model_error"] == error
+    assert error.endswith("; 1.3× the roofline floor of the same program"), error
+
+
 def test_compiler_estimate_dropped_where_a_loop_repeats():
     """XLA's optimal_seconds counts each loop body once: a plan's step time does not use it
     for a scanned program, and does for the same program unrolled. (XLA:CPU gives no

@@ -11,6 +11,7 @@ import pytest
 from experiments import common
 from experiments import prediction as section
 from lab.measure import specs
+from lab.measure.run import PlanFigures
 from lab.predict.step import fits
 from lab.report import markdown, plots, tables
 from lab.studies import prediction
@@ -237,11 +238,16 @@ def test_a_tpu_step_time_from_the_step_time_model_is_predicted_with_its_error():
     text = markdown.render(records, judge_all(records, [BY_ID["C19"]]), {})
     line = next(x for x in text.splitlines() if "over 1 chip" in x)
     assert "25% median" in line and "*predicted*" in line and "compiled, not run" not in line
-    compiler = dict(estimate_source="compiler estimate", estimate_label="compiled, not run")
+    unchecked = "not checked against any TPU measurement: XLA:TPU's own cost model; 1.3× …"
+    compiler = dict(
+        estimate_source="compiler estimate",
+        estimate_label="compiled, not run",
+        estimate_error=unchecked,
+    )
     one, four = _tpu_plan(0.01, 64, **compiler), _tpu_plan(0.0105, 256, **compiler)
     recs = hardware._tpu_step_records(one, four, bound)
     assert [r["label"] for r in recs[:2]] == ["compiled, not run"] * 2
-    assert "compiler's step estimate" in recs[0]["what"]
+    assert recs[0]["what"].endswith(f"compiler's step estimate ({unchecked})"), recs[0]["what"]
 
 
 def test_a_plan_says_whether_its_step_time_is_the_model_s_or_the_compiler_s(monkeypatch):
@@ -257,10 +263,45 @@ def test_a_plan_says_whether_its_step_time_is_the_model_s_or_the_compiler_s(monk
     a = summary._aot_plan(None, cfg, info, 1e6, 1, step)
     assert a["label"] == "compiled, not run"  # the plan's memory and FLOPs
     assert a["estimate_label"] == "predicted" and "25% median" in a["estimate_error"]
-    monkeypatch.setattr(plans, "step_seconds", lambda *a, **k: (0.02, "compiler estimate"))
+    error = "not checked against any TPU measurement: XLA:TPU's own cost model; 1.3× the …"
+    compiler = plans.StepEstimate(0.02, "compiler estimate", error, 1.3)
+    monkeypatch.setattr(plans, "step_estimate", lambda *a, **k: compiler)
     a = summary._aot_plan(None, cfg, info, 1e6, 1)
-    assert a["estimate_label"] == "compiled, not run" and a["estimate_error"] is None
+    assert a["estimate_label"] == "compiled, not run" and a["estimate_error"] == error
+    # the printed plan and the run's records carry the error beside the time
+    figures = PlanFigures.from_record({**a, "fit": "fits"})
+    assert figures.estimate_how == f"compiler estimate: {error}"
+    recs = summary.run_records({"aot": {**a, "fit": "fits"}, "tokens_per_step": 64}, "r")
+    assert [r["what"] for r in recs] == ["training step time", "training tokens/s", "training MFU"]
+    assert all(r["config"]["model_error"] == f"compiler estimate: {error}" for r in recs), recs
     floor = "roofline floor (compute-bound): no faster, likely slower"
-    monkeypatch.setattr(plans, "step_seconds", lambda *a, **k: (0.02, floor))
+    at_floor = plans.StepEstimate(0.02, floor, floor)
+    monkeypatch.setattr(plans, "step_estimate", lambda *a, **k: at_floor)
     a = summary._aot_plan(None, cfg, info, 1e6, 1)
     assert a["estimate_label"] == "predicted" and a["estimate_error"] == floor
+    assert PlanFigures.from_record({**a, "fit": "fits"}).estimate_how == floor
+
+
+def test_the_compilers_step_estimate_states_its_error(monkeypatch):
+    """No TPU measurement checks XLA:TPU's cost model, so its estimate's error is said to be
+    unchecked, with its ratio to the roofline floor of the same program where the chip's spec
+    gives one; an estimate below the floor gives way to the floor, which is its own error."""
+    from lab import plans
+    from lab.measure import cost
+
+    spec = types.SimpleNamespace(memory_bandwidth=1e12)
+    monkeypatch.setattr(cost, "compiled_cost", lambda c: {"flops": 1e10, "bytes accessed": 1e9})
+    monkeypatch.setattr(plans, "estimated_seconds", lambda c: 0.013)  # floor: 1e10/1e12 s
+    e = plans.step_estimate(None, 1e9, spec, 1e12, device_kind="TPU v5 lite")
+    assert (e.seconds, e.source, e.over_floor) == (0.013, "compiler estimate", pytest.approx(1.3))
+    assert e.error == (
+        "not checked against any TPU measurement: XLA:TPU's own cost model; "
+        "1.3× the roofline floor of the same program"
+    )
+    e = plans.step_estimate(None, 1e9, None, None, device_kind="TPU v7")
+    assert e.source == "compiler estimate" and e.over_floor is None
+    assert e.error.endswith("no roofline floor beside it (no spec entry for the chip)"), e.error
+    monkeypatch.setattr(plans, "estimated_seconds", lambda c: 0.005)  # below the floor
+    e = plans.step_estimate(None, 1e9, spec, 1e12, device_kind="TPU v5 lite")
+    assert e.seconds == pytest.approx(0.01) and e.source.startswith("roofline floor")
+    assert e.error == e.source

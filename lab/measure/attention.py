@@ -149,6 +149,10 @@ class PlanPoint:
     # the same from the mask's static part (causal, window): what the pallas_calls' cost
     # estimates carry, since segment ids are data when they are traced
     kernel_flops_static: float | None = None
+    # what is known of estimated_s's error, in words: a floor's source, or the compiler's
+    # estimate unchecked by any measurement there and its ratio to the floor (estimate_over_floor)
+    estimate_error: str | None = None
+    estimate_over_floor: float | None = None
 
     @property
     def estimate_is_a_floor(self) -> bool:

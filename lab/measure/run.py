@@ -91,6 +91,16 @@ class PlanFigures:
         """The estimate is the roofline's floor, so the MFU is at most this."""
         return self.estimate_source.startswith("roofline floor")
 
+    @property
+    def estimate_how(self) -> str:
+        """Where the step time comes from, with its error: the compiler's own estimate
+        (labelled compiled, not run) carries its error apart (`estimate_error`); a model's
+        time or a floor says it in its source."""
+        error = self.source.get("estimate_error")
+        if error and self.source.get("estimate_label") == "compiled, not run":
+            return f"{self.estimate_source}: {error}"
+        return self.estimate_source
+
     @classmethod
     def from_record(cls, d: dict) -> "PlanFigures":
         keys = ("fit", "estimated_step_s", "estimate_source", "implied_mfu", "label")

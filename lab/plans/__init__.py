@@ -6,9 +6,11 @@ for N NVIDIA GPUs from any Linux machine; lab/plans/gpu.py). The target's device
 a mesh over them, inputs as `ShapeDtypeStruct`s with shardings, and `jax.jit(...).lower(...)
 .compile()` give the compiler's view — per-device memory, FLOPs and bytes, the resources of
 every GPU kernel (lab/plans/resources.py) — and nothing runs. Every figure the compiler
-gives is labelled *compiled, not run*; a time from the chip's roofs (`step_seconds`' floor)
+gives is labelled *compiled, not run*; a time from the chip's roofs (`step_estimate`'s floor)
 is a model's, labelled *predicted*.
 """
+
+import dataclasses
 
 from lab.errors import ConfigError
 from lab.plans import gpu, resources, tpu
@@ -118,12 +120,34 @@ def estimated_seconds(compiled) -> float | None:
     return float(value)
 
 
-def step_seconds(
-    compiled, flops_per_device: float, spec, peak: float | None, *, cost_is_upper=False
-):
-    """(seconds, source) for one call on the target: the compiler's estimate (none for a program
-    whose loops repeat: `estimated_seconds`), floored by the roofline of the chip (spec-sheet
-    peak and bandwidth).
+# the source of a step time that is the compiler's own estimate (the plans' label keys on it)
+COMPILER_ESTIMATE = "compiler estimate"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    """One call's time on a target (`step_estimate`): the seconds, where they come from, and
+    what is known of how far they may be from a measured time (a prediction states its error)."""
+
+    seconds: float | None
+    source: str  # COMPILER_ESTIMATE, "roofline floor (…)", or "none: …"
+    error: str | None  # in words; None where there is no time
+    over_floor: float | None = None  # the compiler's estimate / the roofline floor, if both
+
+
+def step_estimate(
+    compiled,
+    flops_per_device: float,
+    spec,
+    peak: float | None,
+    *,
+    cost_is_upper=False,
+    device_kind: str = "",
+) -> StepEstimate:
+    """One call's time on the target: the compiler's estimate (none for a program whose loops
+    repeat: `estimated_seconds`), floored by the roofline of the chip (spec-sheet peak and
+    bandwidth), with its error in words (lab.measure.cost.compiler_estimate_error; a
+    floor is a least).
 
     Why a floor: a Pallas kernel is a custom call that XLA's cost model cannot see into — it
     counts ~0 FLOPs for it, and its estimate can then imply more than the chip's peak.
@@ -142,7 +166,10 @@ def step_seconds(
     c = {} if cost_is_upper else cost.compiled_cost(compiled) or {}
     est = None if cost_is_upper else estimated_seconds(compiled)
     if not (peak and spec):
-        return est, "compiler estimate" if est else "none: no estimate and no spec entry"
+        if not est:
+            return StepEstimate(None, "none: no estimate and no spec entry", None)
+        error = cost.compiler_estimate_error(device_kind, None)
+        return StepEstimate(est, COMPILER_ESTIMATE, error)
     moved = c.get("bytes accessed")
     if not moved:
         mem = memory.compiled_memory(compiled) or {}
@@ -151,9 +178,12 @@ def step_seconds(
     memory_s = (moved or 0.0) / spec.memory_bandwidth
     floor = max(compute_s, memory_s)
     if est and est >= floor:
-        return est, "compiler estimate"
+        over = est / floor if floor else None
+        error = cost.compiler_estimate_error(device_kind, over)
+        return StepEstimate(est, COMPILER_ESTIMATE, error, over)
     bound = "compute-bound" if compute_s >= memory_s else "memory-bound"
     if cost_is_upper:
         bound += "; analytic FLOPs, bytes read once: the compiled cost is an upper bound"
     above = "; the compiler's estimate was below it" if est else ""
-    return floor, f"roofline floor ({bound}{above}): no faster, likely slower"
+    source = f"roofline floor ({bound}{above}): no faster, likely slower"
+    return StepEstimate(floor, source, source)

@@ -226,7 +226,9 @@ def plan(
             tiles = _kernel_flops(chosen, shard, kv_shard, dtype, full_mask, mode, mesh)
         # segment ids the kernels' cost estimates cannot see: the compiled cost overstates
         upper = tiles is not None and tiles[0] < tiles[1]
-        est, source = plans.step_seconds(compiled, per_device, spec, peak, cost_is_upper=upper)
+        e = plans.step_estimate(
+            compiled, per_device, spec, peak, cost_is_upper=upper, device_kind=kind
+        )
         rows.append(
             PlanPoint(
                 mode=mode,
@@ -244,13 +246,15 @@ def plan(
                 kernel_flops=None if tiles is None else tiles[0],
                 kernel_flops_static=None if tiles is None else tiles[1],
                 analytic_flops_per_device=per_device,
-                estimated_s=est,
-                estimate_source=source,
+                estimated_s=e.seconds,
+                estimate_source=e.source,
                 peak_flops=peak,
                 impl=chosen,
                 attention_note=note,
                 kernels=tuple(kernels),
                 toolchain=tc,
+                estimate_error=e.error,
+                estimate_over_floor=e.over_floor,
             )
         )
     return rows
@@ -364,6 +368,8 @@ def to_records(rows: list[PlanPoint], config: dict) -> list[dict]:
         if not r.estimated_s:
             continue
         how = dict(c, source=r.estimate_source)
+        if r.estimate_error:  # what is known of the time's error (a prediction states it)
+            how["model_error"] = r.estimate_error
         floor = r.estimate_is_a_floor
         figures = [("attention plan step time", r.estimated_s, "s", "lower")]
         if r.tflops:

@@ -6,6 +6,7 @@ whose fields and properties say what every figure is.
 from rich.table import Table
 
 from lab.measure.attention import PlanPoint, SweepRow, TargetVerdict
+from lab.measure.cost import unchecked_estimate
 from lab.report.format import duration, percent, ratio, significant, size
 from lab.report.tables.common import _mem
 
@@ -43,7 +44,7 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
     reads ≥, the rates it bounds ≤)."""
     # each row's estimate names its source by a number, each source said once below the
     # table (one sentence per row wrapped a row over eight lines)
-    sources = list(dict.fromkeys(r.estimate_source for r in rows))
+    sources = list(dict.fromkeys(_source_note(r) for r in rows))
     caption = "\n".join(f"({i}) {text}" for i, text in enumerate(sources, 1))
     t = Table(title=title, caption=caption or None, caption_justify="left")
     cols = ("L=S", "K", "mask", "mode", "memory / device", "of HBM")
@@ -68,9 +69,22 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
             least + duration(r.estimated_s) if r.estimated_s else "–",
             f"{most}{r.tflops:.1f}" if r.tflops else "–",
             most + percent(r.peak_share, 0) if r.peak_share else "–",
-            f"({sources.index(r.estimate_source) + 1})",
+            f"({sources.index(_source_note(r)) + 1})"
+            + (f" {r.estimate_over_floor:.2g}×" if r.estimate_over_floor else ""),
         )
     return t
+
+
+def _source_note(r: PlanPoint) -> str:
+    """A row's estimate source as said under the table: the compiler's own estimate with
+    what is known of its error (no measurement checks it; the row gives its ratio to the
+    roofline floor of the same program beside the number)."""
+    if r.estimate_source != "compiler estimate":
+        return r.estimate_source
+    ratio = "; N× beside the number: its ratio to the roofline floor of the same program"
+    return f"{r.estimate_source}: {unchecked_estimate(r.device_kind)}" + (
+        ratio if r.estimate_over_floor else ""
+    )
 
 
 def attention_plan_masks(rows: list[PlanPoint], title: str) -> Table:

@@ -158,7 +158,7 @@ def _plan_rows(t: Table, a: StepAnalysis) -> None:
     caveat = f" [yellow]({CANNOT_RUN})[/]" if plan.cannot_run else ""
     t.add_row(
         "predicted step time" if predicted else "estimated step time",
-        "n/a" if est is None else f"{duration(est)}{floor}{caveat} ({plan.estimate_source})",
+        "n/a" if est is None else f"{duration(est)}{floor}{caveat} ({plan.estimate_how})",
     )
     if predicted:
         t.add_row("  where it goes", breakdown_line(predicted))
