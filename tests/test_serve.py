@@ -801,7 +801,7 @@ def test_a_sample_prints_no_control_characters():
 def test_a_trained_run_is_served_on_its_tensor_parallel_axis_alone():
     """Unless mesh= is given, a run is served without the axes that split its batch (a
     decode of batch 1 splits over none), keeping its tensor-parallel axis; a pipeline's run
-    keeps its own mesh."""
+    keeps its own mesh; a plan for a target uses all of the target's devices."""
     from lab.config import make_config
     from lab.studies.serving.weights import _serving_mesh
 
@@ -817,6 +817,11 @@ def test_a_trained_run_is_served_on_its_tensor_parallel_axis_alone():
     }
     pp = make_config(model="tiny", mesh="data:2,stage:4", strategy="pp", microbatches=2)
     assert _serving_mesh(pp) == {}
+    # a plan for a target runs one program over all its devices: the rest split the batch
+    assert _serving_mesh(tp, target=True) == {"mesh": "data:-1,model:2", "strategy": "tp"}
+    dp = make_config(model="tiny", mesh="8", strategy="dp")
+    assert _serving_mesh(dp, target=True) == {"mesh": "-1", "strategy": "dp"}
+    assert _serving_mesh(pp, target=True) == {}
 
 
 def test_a_failing_peer_keeps_the_measured_figures_and_says_where_it_stopped(monkeypatch):
@@ -953,14 +958,15 @@ def test_a_cpu_trained_run_is_planned_for_an_accelerator_from_the_keys_it_was_as
 
 def test_a_plan_for_a_target_splits_the_served_batch_not_a_training_batch(tmp_path, capsys):
     """A plan for six H100s (six divides neither lab.run's batch_size=16 nor a GPU's
-    default 32), of a trained run and of random weights: plan_batch=6 compiles, no training
-    batch is split; plan_batch=8 is one line naming plan_batch=, never batch_size."""
+    default 32), of a trained run (its mesh left out: the target's six devices) and of random
+    weights: plan_batch=6 compiles, no training batch is split; plan_batch=8 is one line naming
+    plan_batch=, never batch_size."""
     missing = _plan_tools_missing("gpu:h100:6")
     if missing:
         pytest.skip(missing)
     _saved_run(tmp_path / "r", {"preset": "tiny", "batch_size": 16, "seq_len": 16})
-    plan = ["target=gpu:h100:6", "mesh=6", "plan_context=64", "int8=false", f"results={tmp_path}"]
-    for model in ([f"out_dir={tmp_path}", "run=r"], ["model=tiny"]):
+    plan = ["target=gpu:h100:6", "plan_context=64", "int8=false", f"results={tmp_path}"]
+    for model in ([f"out_dir={tmp_path}", "run=r"], ["model=tiny", "mesh=6"]):
         assert serve([*model, *plan, "plan_batch=6"]) == 0, capsys.readouterr()
         assert "compiled, not run" in capsys.readouterr().out
         assert serve([*model, *plan, "plan_batch=8"]) == 2

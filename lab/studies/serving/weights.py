@@ -36,11 +36,13 @@ def config_of_run(run_dir: Path) -> Config:
         ) from None
 
 
-def _serving_mesh(saved: Config) -> dict:
+def _serving_mesh(saved: Config, *, target: bool = False) -> dict:
     """The mesh a trained run is served on unless mesh= is given: its tensor-parallel axis
     (the weights stay split as they were trained), none of the axes that split the batch
     (a decode of batch 1 splits over none; the trainer's data and fsdp axes would refuse
-    every small batch). A pipeline's run keeps its mesh."""
+    every small batch). A plan for a `target` uses all of its devices (a slice runs one
+    program over all of them), those left over by the tensor-parallel axis on `data`, so
+    plan_batch= splits over them. A pipeline's run keeps its mesh."""
     if saved.strategy.startswith("pp"):
         return {}  # a pipeline's run is served on its own mesh (its microbatches need a stage)
     try:
@@ -49,8 +51,8 @@ def _serving_mesh(saved: Config) -> dict:
         return {}  # the run's mesh as it was: resolve says what is wrong with it
     model = sizes.get("model", 1)
     if model > 1 and saved.strategy in ("tp", "fsdp+tp"):
-        return {"mesh": f"model:{model}", "strategy": "tp"}
-    return {"mesh": "1", "strategy": "dp"}
+        return {"mesh": f"data:-1,model:{model}" if target else f"model:{model}", "strategy": "tp"}
+    return {"mesh": "-1" if target else "1", "strategy": "dp"}
 
 
 # the run fields a served run takes from its training (the rest train: steps, lr, batch_size,
@@ -101,7 +103,7 @@ def serving_request(run_dir: Path, keys: dict) -> Request:
             )
     run_keys = {k: v for k, v in keys.items() if k not in shape_keys}
     if "mesh" not in keys:
-        run_keys = {**_serving_mesh(saved), **run_keys}
+        run_keys = {**_serving_mesh(saved, target=bool(keys.get("target"))), **run_keys}
     kept = kept_request(run_dir, saved)
     if keys.get("target"):  # a plan: the run's simulated CPU devices are not the target's
         kept.pop("cpu_devices", None)
