@@ -323,7 +323,7 @@ class _Reader:
         # profile=true traces steps first..last (numbered from 1); the steps at the window's
         # edges are read before the next is queued, so that it holds those steps only
         self.first, self.last = profile_window(start)
-        self.task = bar.add_task("train", total=cfg.steps, completed=start, loss=math.nan, tps=0.0)
+        self.task = bar.add_task("train", total=cfg.steps, completed=start)
         self.clock = time.perf_counter()
 
     def before(self, step: int) -> None:
@@ -386,8 +386,9 @@ class _Reader:
             return f"{bad} at step {step}: training stopped"
         hist.losses.append((step, loss))
         tps = self.tokens_per_step / step_s
-        self.bar.update(self.task, completed=step, loss=loss, tps=tps)
-        if self.records and (step % self.cfg.log_every == 0 or step == self.cfg.steps):
+        logged = step % self.cfg.log_every == 0 or step == self.cfg.steps
+        self.bar.step(self.task, step, loss, tps, step_s, logged=logged)
+        if self.records and logged:
             try:
                 self.records.write(step, loss, grad_norm, step_s)
             except OSError:

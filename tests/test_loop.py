@@ -208,3 +208,18 @@ def test_the_learning_rate_schedule_is_not_in_the_step_time(tmp_path, monkeypatc
     schedule = real(make_config(model="tiny", steps=6, batch_size=8, seq_len=32))
     expected = [float(schedule(r["step"] - 1)) for r in records]
     assert [r["learning_rate"] for r in records] == pytest.approx(expected)
+
+
+def test_off_a_terminal_each_logged_step_is_a_line_with_its_loss(tmp_path, capsys):
+    """stdout a file or a pipe (a batch job's log, `| tee`): no live bar, so each logged step
+    (every log_every, and the last) is one plain line, without terminal codes."""
+    args = [*TINY[:-1], "log_every=3", f"out_dir={tmp_path}", "name=log", "steps=7"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    records = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [3, 6, 7]
+    assert len(lines) == 3 and "\x1b" not in out, out
+    for line, r in zip(lines, records, strict=True):
+        assert line.startswith(f"step {r['step']}/7  loss {r['loss']:.4f}  "), line
+        assert " tok/s " in line and "/step  elapsed " in line and "  left " in line, line

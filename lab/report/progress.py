@@ -1,6 +1,8 @@
 """Progress bars and the console every command prints through (rich)."""
 
 import contextlib
+import datetime
+import math
 import os
 import sys
 import threading
@@ -11,10 +13,14 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
+
+from lab.report.format import duration
 
 
 class _Unread:
@@ -72,13 +78,70 @@ def console(*, quiet: bool = False, width: int | None = None) -> Console:
     return Console(quiet=quiet, width=width)
 
 
-def training(con: Console) -> Progress:
-    """step n/N, the bar, the loss, tokens/s and the time left (fields: loss, tps)."""
-    return Progress(
+class _Known(ProgressColumn):
+    """A field of the task in `words` ("loss {}"), shown as "–" until it is known (None, or
+    NaN): a bar that has not read a step yet has no loss to show."""
+
+    def __init__(self, name: str, words: str, spec: str):
+        super().__init__()
+        self.name, self.words, self.spec = name, words, spec
+
+    def render(self, task) -> Text:
+        value = task.fields.get(self.name)
+        known = value is not None and not (isinstance(value, float) and math.isnan(value))
+        return Text(self.words.format(format(value, self.spec) if known else "–"))
+
+
+def _clock(seconds: float | None) -> str:
+    """Seconds as h:mm:ss (the bar's own form), "–" where not known."""
+    if seconds is None or not math.isfinite(seconds):
+        return "–"
+    return str(datetime.timedelta(seconds=round(max(seconds, 0.0))))
+
+
+def step_line(step, total, loss, tokens_per_s, step_s, elapsed_s, left_s) -> str:
+    """One step as a plain line (what the bar shows): 'step 20/300  loss 5.1234  29,047
+    tok/s  8.81 ms/step  elapsed 0:00:01  left 0:00:25'."""
+    return (
+        f"step {step}/{total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
+        f"{duration(step_s)}/step  elapsed {_clock(elapsed_s)}  left {_clock(left_s)}"
+    )
+
+
+class _Training(Progress):
+    """The training bar. Where the output is not a terminal (a log, a pipe, a batch job's
+    file: no live bar), each logged step is one plain line instead, flushed as it is printed,
+    so a log of a long run shows it is alive and where it is."""
+
+    def add_task(self, description, *, total, completed=0, **fields):
+        task = super().add_task(
+            description, total=total, completed=completed, loss=None, tps=None, **fields
+        )
+        self._lab_from = getattr(self, "_lab_from", {}) | {task: completed}
+        return task
+
+    def step(self, task_id, step: int, loss: float, tps: float, step_s: float, *, logged: bool):
+        """Step `step` is read: the bar moves; off a terminal, a line where `logged`. The
+        time left is the time per step so far this run (its checkpoint saves included)."""
+        self.update(task_id, completed=step, loss=loss, tps=tps)
+        if not logged or self.console.is_terminal:
+            return
+        task = self._tasks[task_id]
+        elapsed = task.elapsed or 0.0
+        done = step - self._lab_from[task_id]
+        left = elapsed / done * (task.total - step) if done > 0 else None
+        line = step_line(step, int(task.total), loss, tps, step_s, elapsed, left)
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def training(con: Console) -> _Training:
+    """step n/N, the bar, the loss, tokens/s and the time left (fields: loss, tps; each "–"
+    until the first step is read); off a terminal, a line per logged step (`_Training`)."""
+    return _Training(
         TextColumn("step {task.completed:>5}/{task.total}"),
         BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        _Known("loss", "loss {}", ".4f"),
+        _Known("tps", "{} tok/s", ",.0f"),
         TimeRemainingColumn(),
         console=con,
         transient=False,
