@@ -18,6 +18,7 @@ import dataclasses
 import errno
 import math
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -1043,6 +1044,9 @@ def _write_summary(run_dir: Path, result: dict) -> None:
         raise RunError(_write_failure(e, run_dir)) from None
 
 
+_DEFAULT_OUT_DIR = {f.name: f.default for f in dataclasses.fields(Config)}["out_dir"]
+
+
 @dataclasses.dataclass
 class _End:
     """How a run that entered the loop ends: its summary, its last save, one line."""
@@ -1136,7 +1140,38 @@ class _End:
             self.console.print(f"run folder: {self.run_dir}")
             if not signal_name:  # the last line of a finished run too: what the folder keeps
                 self.console.print(f"finished at step {step}; {kept}", soft_wrap=True)
+            else:  # the last line of a stopped run: how to go on
+                self.console.print(self.go_on(), markup=False, highlight=False, soft_wrap=True)
         return {None: 0, "SIGINT": 130, "SIGTERM": 143}[signal_name]
+
+    def go_on(self) -> str:
+        """How a stopped run goes on, read from the folder: the command that resumes it from
+        its newest checkpoint (resume=true takes the keys config.json keeps, so the folder's
+        name= and out_dir= are all it needs), or why there is nothing to resume."""
+        saved = checkpoint.saved_steps(self.run_dir)
+        if not saved:
+            every = self.cfg.checkpoint_every
+            why = f"none saved yet, every {every} steps" if every else "checkpoint_every=0"
+            return (
+                f"nothing to resume: no checkpoint ({why}); a run started again with "
+                "checkpoint_every=N keeps one every N steps"
+            )
+        keys = [f"name={self.cfg.name}"]
+        if self.cfg.out_dir != _DEFAULT_OUT_DIR:
+            keys.append(f"out_dir={self.cfg.out_dir}")
+        keys.append("resume=true")
+        further = ""
+        if saved[-1] >= self.cfg.steps:  # at its end: a resume needs steps= past it
+            keys.append("steps=N")
+            further = f" (N > {self.cfg.steps}: the run reached its steps={self.cfg.steps})"
+        if self.info.process_count > 1:  # how the processes start is never inherited
+            return (
+                f"to resume from checkpoint step {saved[-1]}: start the same processes again "
+                f"(lab.tools.launch, srun, or lab.run on each machine) with "
+                f"{shlex.join(keys)}{further}"
+            )
+        command = shlex.join(["python", "-m", "lab.run", *keys])
+        return f"to resume from checkpoint step {saved[-1]}: {command}{further}"
 
     def final(self, signal_name: str) -> None:
         """A second signal: one line on what is left unfinished, before the process exits."""
@@ -1152,4 +1187,5 @@ class _End:
         if self.is_main and not self.summary_written:
             self.write_summary(show=False)  # the figures of the steps run, in milliseconds
         kept = _kept(self.cfg, self.run_dir, self.log, self.saver)
-        print(f"{signal_name} again: exiting at once; {left}{kept}", file=sys.stderr)
+        go_on = f"; {self.go_on()}" if self.is_main else ""
+        print(f"{signal_name} again: exiting at once; {left}{kept}{go_on}", file=sys.stderr)

@@ -9,6 +9,7 @@ refused in one line, and every message about checkpoints says what the folder re
 import errno
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -186,18 +187,26 @@ def test_a_signal_while_the_last_checkpoint_is_written_is_reported_in_one_line(
     assert "Traceback" not in proc.stderr
     run_dir = tmp_path / "S"
     assert json.loads((run_dir / "summary.json").read_text())["steps_run"] == 4
+    last = proc.stdout.strip().splitlines()[-1]  # how to go on, the last line
+    resume = f"python -m lab.run name=S out_dir={shlex.quote(str(tmp_path))} resume=true"
     if count == 1 and every:
         assert f"{sig}: checkpoint saved at step 4" in proc.stdout and proc.stderr == ""
         assert checkpoint.saved_steps(run_dir) == [2, 4]
         assert not list((run_dir / "checkpoints").glob("*tmp*"))
+        # at the run's last step: a resume goes further only with a larger steps=
+        further = "steps=N (N > 4: the run reached its steps=4)"
+        assert last == f"to resume from checkpoint step 4: {resume} {further}", last
     elif count == 1:
         assert f"{sig}: stopped at step 4; kept in {run_dir}: no checkpoint" in proc.stdout
+        assert last.startswith("nothing to resume: no checkpoint (checkpoint_every=0); "), last
     else:  # a second signal is final: it says what it leaves unfinished, and what is kept
         (line,) = proc.stderr.strip().splitlines()
         assert line.startswith(f"{sig} again: exiting at once; "), line
         newest = checkpoint.saved_steps(run_dir)[-1]
         assert f"checkpoint step {newest} in" in line
         assert ("checkpoint step 4 was not finished" in line) == (newest != 4), line
+        further = " steps=N (N > 4: the run reached its steps=4)" if newest == 4 else ""
+        assert line.endswith(f"; to resume from checkpoint step {newest}: {resume}{further}")
 
 
 # ------------------------------------------------------------- a write that fails: one line

@@ -235,6 +235,8 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_pat
     step = int(last.split("after step ")[1].split()[0])
     assert [int(p.name) for p in (tmp_path / "J" / "checkpoints").iterdir()] == [step]
     assert f"[p0] SIGTERM: checkpoint saved at step {step}" in out
+    # how to go on: the processes' launch is never inherited, the run's keys are
+    assert f"[p0] to resume from checkpoint step {step}: start the same processes again" in out
     assert "Traceback" not in out + err and "Check failure" not in out + err
     assert not _children(tmp_path)
 

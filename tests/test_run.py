@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lab import summary
+from lab import checkpoint, summary
 from lab.run import main
 
 TINY = ["model=tiny", "batch_size=8", "seq_len=32", "log_every=1"]
@@ -120,7 +120,10 @@ def test_compile_only_prints_analysis(tmp_path, capsys):
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    """Its output a file, as a batch job's: the step lines reach it while the run is live, and
+    after the stop the last line is the command that resumes the run (which does)."""
     import os
+    import shlex
     import signal
     import subprocess
     import sys
@@ -137,17 +140,25 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
         "checkpoint_every=100000",
     ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "sig" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline and "\nstep 1/100000  loss " not in log.read_text():
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    out = log.read_text()
     assert proc.returncode == 143, err
     assert "Traceback" not in err
     assert "SIGTERM: checkpoint saved at step" in out
-    assert any((tmp_path / "sig" / "checkpoints").iterdir())
+    (step,) = checkpoint.saved_steps(tmp_path / "sig")
+    last = out.splitlines()[-1]
+    resume = f"python -m lab.run name=sig out_dir={shlex.quote(str(tmp_path))} resume=true"
+    assert last == f"to resume from checkpoint step {step}: {resume}", last
+    args = shlex.split(resume)[3:]
+    assert main([*args, f"steps={step + 1}"]) == 0  # the run's own keys, one step further
+    assert _losses(tmp_path / "sig").keys() == set(range(1, step + 2))
 
 
 def test_profile_says_where_its_trace_is_and_keeps_its_steps_out_of_the_timing(tmp_path, capsys):
