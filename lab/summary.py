@@ -109,6 +109,7 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         "simulated": info.simulated,
         "notes": list(trainer.notes),
         "attention_note": trainer.attention_note,
+        **parallelism(cfg, trainer.mesh),
     }
     predicted = predict_step(compiled, trainer.cfg, info, trainer.mesh)
     out["predicted_step"] = predicted.record() if predicted else None
@@ -130,6 +131,24 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         if run_figures.cannot_run(out["aot"]["fit"]):  # the figures stay, labelled
             out["aot"]["caveat"] = run_figures.CANNOT_RUN
     return out
+
+
+# How the step is split and fed, as config.json names them: a summary or a record that lacks
+# them cannot tell a data-parallel run from an fsdp one
+PARALLELISM = ("strategy", "mesh", "accumulate", "microbatches", "pipeline_repeats")
+
+
+def parallelism(cfg: Config, mesh) -> dict:
+    """The resolved split of the step: the strategy's rules, the mesh (each axis and its
+    size), the accumulation steps, the pipeline's microbatches (0 without a pipeline) and
+    its repeats."""
+    return {
+        "strategy": cfg.strategy,
+        "mesh": {axis: int(n) for axis, n in mesh.shape.items()},
+        "accumulate": cfg.accumulate,
+        "microbatches": cfg.model.microbatches,
+        "pipeline_repeats": cfg.model.pipeline_repeats,
+    }
 
 
 def _changes(cfg: Config, sizes: dict) -> list[tuple[str, dict]]:
@@ -464,7 +483,8 @@ def _predicted_vs_measured(predicted: dict | None, times, busy_load: str = "") -
 
 def run_records(s: dict, run: str) -> list[dict]:
     """The run's headline figures as lab.measure records (versions, device, time stamped),
-    so a run folder reads like any other result and merges with the experiments'."""
+    so a run folder reads like any other result and merges with the experiments'; each
+    record's config says how the step was split (`PARALLELISM`, as the summary holds it)."""
     plan = "aot" in s
     mem = s.get("compiled_memory_per_device")
     out = []
@@ -523,7 +543,8 @@ def run_records(s: dict, run: str) -> list[dict]:
                 convention=s["flops_convention"],
             )
         )
-    return out
+    split = {k: s[k] for k in PARALLELISM if k in s}  # every record says how the step ran
+    return [{**r, "config": {**r["config"], **split}} for r in out]
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

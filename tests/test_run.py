@@ -443,3 +443,29 @@ def test_no_loss_scale_is_stored_as_one(tmp_path, capsys):
     assert _run(tmp_path, "name=f", "steps=1") == 0
     assert "loss scale" not in capsys.readouterr().out
     assert json.loads((tmp_path / "f" / "config.json").read_text())["loss_scale"] == 1.0
+
+
+def test_summary_and_records_say_how_the_step_was_split(tmp_path):
+    """A dp run and an fsdp one must be told apart from summary.json and records.jsonl alone:
+    the resolved strategy, mesh, accumulation and pipeline keys, as config.json names them."""
+    args = ["name=fsdp", "steps=2", "mesh=data:2,fsdp:2", "strategy=fsdp", "accumulate=2"]
+    assert _run(tmp_path, *args) == 0
+    split = {
+        "strategy": "fsdp",
+        "mesh": {"data": 2, "stage": 1, "fsdp": 2, "model": 1},
+        "accumulate": 2,
+        "microbatches": 0,  # no pipeline
+        "pipeline_repeats": 1,
+    }
+    run_dir = tmp_path / "fsdp"
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert {k: s[k] for k in split} == split
+    recs = [json.loads(line) for line in (run_dir / "records.jsonl").open()]
+    assert {r["what"] for r in recs} >= {"training step time", "training tokens/s"}
+    for r in recs:
+        assert {k: r["config"][k] for k in split} == split, r["what"]
+    # a pipeline's microbatches as resolved (0 asks one per stage), in a plan's summary too
+    pp = ["name=pp", "compile_only=true", "mesh=data:2,stage:2", "strategy=pp"]
+    assert _run(tmp_path, *pp, "scan_layers=true", "pipeline_repeats=1") == 0
+    s = json.loads((tmp_path / "pp" / "summary.json").read_text())
+    assert (s["strategy"], s["mesh"]["stage"], s["microbatches"]) == ("pp", 2, 2)
