@@ -147,9 +147,53 @@ def test_a_search_too_large_for_the_host_is_refused_before_it_starts(monkeypatch
     argv = ["interpret=true", "seqs=100000000", "space=quick", f"out_dir={tmp_path}"]
     assert attention_tune.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: seqs=100000000: the inputs and gradients would take"), err
+    assert err.startswith("error: seqs=100000000: the inputs, gradients and baseline would"), err
     assert "choose a smaller seqs=" in err and len(err.splitlines()) == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_the_memory_check_counts_the_baseline_scores_against_the_memory_available(
+    monkeypatch, capsys, tmp_path
+):
+    """The check holds the xla baseline's L×L scores (what made a search that passed it run
+    out of memory) against the host's available memory, not its total, and names a length
+    that fits; that length's estimate fits and the next one's does not."""
+    from lab.measure import memory
+
+    def started(*_a, **_k):
+        raise AssertionError("a search started")
+
+    monkeypatch.setattr(tune, "search_block_sizes", started)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 64 * 2**30)  # a big host...
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 2 * 2**30)  # ...mostly taken
+    search = dataclasses.replace(SEARCH, seqs=(16384,))
+    # the inputs alone are a few MiB; the baseline's scores are many B·H·L² float32 arrays
+    assert search.shape.held_bytes(16384) < 2**26
+    assert search.held_bytes(16384) >= 10 * 2 * 16384**2 * 4  # 10.3 measured on jax 0.10
+    argv = ["interpret=true", "seqs=16384", "space=quick", f"out_dir={tmp_path}"]
+    assert attention_tune.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    need = search.held_bytes(16384) / 2**30
+    assert f"would take {need:.1f} GiB, and the host has 2.0 GiB available" in err, err
+    fits = int(err.split("(seqs=")[1].split(" fits)")[0])
+    limit = 0.8 * 2 * 2**30
+    assert search.held_bytes(fits) <= limit < search.held_bytes(fits + 1)
+    assert not list(tmp_path.iterdir())
+
+
+def test_available_memory_is_read_from_meminfo(monkeypatch, tmp_path):
+    from lab.measure import memory
+
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       25165824 kB\nMemAvailable:    1048576 kB\n")
+    real_open = open
+    monkeypatch.setattr(
+        "builtins.open", lambda f, *a, **k: real_open(info if f == "/proc/meminfo" else f, *a, **k)
+    )
+    assert memory.host_available_bytes() == 2**30
+    info.write_text("MemTotal:       25165824 kB\n")  # an OS that does not say: the total
+    assert memory.host_available_bytes() == memory.host_memory_bytes()
 
 
 def _gpu_plans_missing() -> bool:

@@ -116,6 +116,22 @@ def host_memory_bytes() -> int | None:
         return None
 
 
+def host_available_bytes() -> int | None:
+    """Memory the host can give this process now: MemAvailable of /proc/meminfo (free memory
+    and the caches the kernel can drop, less what other processes hold), else, where the OS
+    does not say, its physical memory (`host_memory_bytes`). On a host shared with other work
+    the total overstates what a run can take: one that passed a check against it was killed
+    at the memory the others left."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return host_memory_bytes()
+
+
 def gpu_allocator_fraction() -> float:
     """The share of a GPU's memory JAX's allocator may use: XLA_PYTHON_CLIENT_MEM_FRACTION as
     set here (the run on the GPU would set it too), else JAX's default, 0.75."""
@@ -132,30 +148,37 @@ def usable_bytes(spec_bytes: float, device_kind: str) -> float:
     return spec_bytes * (1.0 if device_kind.startswith("TPU") else gpu_allocator_fraction())
 
 
-def check_fits(what: str, per_device: float, key: str, devices=None) -> None:
+def check_fits(what: str, per_device: float, key: str, devices=None, fits=None) -> None:
     """ConfigError (one line, before anything is allocated) where `per_device` bytes on each
-    device would not fit: on CPU the simulated devices share the host's memory (at most 80%
-    of it is asked for), elsewhere each device's own. `key` names the settings that set the
-    size ("seqs=4096", or several: "head_dim=4096 seqs=512"); the advice names each."""
+    device would not fit: on CPU the simulated devices share the host's available memory
+    (`host_available_bytes`; at most 80% of it is asked for), elsewhere each device's own.
+    `key` names the settings that set the size ("seqs=4096", or several: "head_dim=4096
+    seqs=512"); the advice names each. `fits(limit_bytes)`, where given, names a size that
+    fits the limit ("seqs=12,288"; None where none does), which the line then says."""
     import jax
 
     from lab.errors import ConfigError
 
     devices = list(devices if devices is not None else jax.devices())
     cpu = devices[0].platform == "cpu"
-    capacity = host_memory_bytes() if cpu else device_capacity_bytes(devices[0])
+    capacity = host_available_bytes() if cpu else device_capacity_bytes(devices[0])
     if capacity is None:
         return
     need = per_device * (len(devices) if cpu else 1)
     if need > 0.8 * capacity:
-        where = "a device has"
+        where, has = "a device has", ""
         if cpu:
             where = (
                 f"{len(devices)} simulated devices share" if len(devices) > 1 else "the host has"
             )
+            has = " available"
+        advice = f"choose a smaller {_either(key)}"
+        size = fits(0.8 * capacity / (len(devices) if cpu else 1)) if fits else None
+        if size:
+            advice += f" ({size} fits)"
         raise ConfigError(
             f"{key}: {what} would take {need / 2**30:.1f} GiB, and {where} "
-            f"{capacity / 2**30:.1f} GiB; choose a smaller {_either(key)}"
+            f"{capacity / 2**30:.1f} GiB{has}; {advice}"
         )
 
 

@@ -132,14 +132,18 @@ class Shape:
         shapes = [(B, seq, H, K), (B, seq, G, K), (B, seq, G, K), (B, seq, H, K)]
         return random_inputs(seed, shapes, jnp.dtype(self.dtype))
 
-    def held_bytes(self, seq: int) -> int:
+    def held_bytes(self, seq: int, score_copies: int = 0) -> int:
         """Bytes one point holds at length `seq` (checked before anything is allocated): q,
         out, dout, dq and k, v, dk, dv in the dtype; the float64 copies of q, k, v and dout
-        that the reference reads; and the reference's float64 scores for its checked rows."""
+        that the reference reads; the reference's float64 scores for its checked rows; and
+        `score_copies` arrays of B·H·L·L scores (at least float32) for a contender that
+        materialises them (the xla impl: the tuner's baseline off a GPU). The bench leaves
+        those out: it skips such a program, on its compiled memory, where it cannot fit."""
         B, H, G, K = self.batch, self.heads, self.kv_heads, self.head_dim
         item = jnp.dtype(self.dtype).itemsize
         tensors = B * seq * K * ((4 * H + 4 * G) * item + (2 * H + 2 * G) * 8)
-        return tensors + B * H * min(ERROR_ROWS, seq) * seq * 8
+        scores = score_copies * B * H * seq * seq * max(item, 4)
+        return tensors + B * H * min(ERROR_ROWS, seq) * seq * 8 + scores
 
 
 @dataclasses.dataclass(frozen=True)

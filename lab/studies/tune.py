@@ -124,6 +124,16 @@ MGPU_INTERPRET_SPACE = {  # GPU interpreter (jax >= 0.11, tests): the machinery,
 }
 KERNELS = ("pallas_gpu", "pallas_mgpu")
 
+# What a case holds beyond the inputs, gradients and float64 reference, measured as the peak
+# RSS (VmHWM) of interpret=true searches (B=1 H=2 G=1 K=16 float32) at L=1,024, 2,048, 4,096:
+# 575, 702, 1,249 MiB on jax 0.12 and 721, 941, 1,873 on jax 0.10, about 340 after the
+# imports. The growth is quadratic: 6.1 (0.12) and 10.3 (0.10) float32 L×L arrays per
+# (batch, head), the xla baseline's scores, probabilities and their gradients in its fwd+bwd,
+# and a constant 0.16-0.33 GiB above the imports (the compiler, the runtime). The estimate
+# counts 13 arrays and 0.5 GiB: a quarter over the larger of each.
+XLA_SCORE_COPIES = 13
+RUNTIME_BYTES = 2**29
+
 
 def spaces(kernel: str, space: str, interpret: bool) -> dict:
     """stage -> candidate overrides, in the order the search runs them."""
@@ -164,6 +174,20 @@ class Search:
     @property
     def shape(self) -> bench.Shape:
         return bench.Shape(self.batch, self.heads, self.kv_heads, self.head_dim, self.dtype)
+
+    def held_bytes(self, seq: int) -> int:
+        """Host or device bytes one case of the search holds at length `seq` (checked before
+        anything is allocated): the inputs, gradients and float64 reference
+        (`Shape.held_bytes`), the xla baseline's L×L scores where it is the baseline
+        (`XLA_SCORE_COPIES`), and the compiler's and runtime's own (`RUNTIME_BYTES`)."""
+        copies = 0 if self.cudnn_possible else XLA_SCORE_COPIES
+        return self.shape.held_bytes(seq, copies) + RUNTIME_BYTES
+
+    @property
+    def cudnn_possible(self) -> bool:
+        """Whether `baseline_impl` may choose cuDNN (on a GPU, for 16-bit inputs): without
+        it, the baseline is xla."""
+        return jax.default_backend() == "gpu" and self.dtype in ("bfloat16", "float16")
 
     def cases(self):
         return [(seq, c) for seq in self.seqs for c in self.causal]
@@ -279,7 +303,7 @@ def _compile_checked(program, args, ref_rows, want, tol: float):
 
 def baseline_impl(search: Search) -> str:
     """cudnn where this GPU runs it for these inputs, else xla (CPU, interpret, f32)."""
-    if jax.default_backend() != "gpu" or search.dtype not in ("bfloat16", "float16"):
+    if not search.cudnn_possible:
         return "xla"
     args = search.shape.arrays(search.seqs[0])
     try:

@@ -127,14 +127,35 @@ def searches(o: Options) -> list[tune.Search]:
 
 
 def check_fits(o: Options, todo: list[tune.Search]) -> None:
-    """One line before any search allocates where the largest point's inputs, gradients and
-    float64 reference cannot fit: interpret=true holds them in the host's memory, which a
-    point too large exhausts (the process is killed, not refused)."""
-    need = max(s.shape.held_bytes(max(s.seqs)) for s in todo)
+    """One line before any search allocates where the largest case cannot fit: its inputs,
+    gradients, float64 reference and the xla baseline's scores (`Search.held_bytes`) against
+    the memory free now. interpret=true holds them in the host's memory, which a case too
+    large exhausts (the process is killed, not refused); the line names the longest length
+    that fits."""
+    need = max(s.held_bytes(max(s.seqs)) for s in todo)
     keys = ("seqs", "batch", "heads", "kv_heads", "head_dims")
     given = [f"{k}={_text(getattr(o, k))}" for k in keys if getattr(o, k)]
     given += [] if o.seqs else [f"seqs={max(todo[0].seqs)}"]  # the default sets it too
-    memory.check_fits("the inputs and gradients", need, " ".join(given), jax.devices()[:1])
+
+    def fits(limit: float) -> str | None:
+        seq = longest_seq(todo, limit)
+        return f"seqs={seq}" if seq else None
+
+    what = "the inputs, gradients and baseline"
+    memory.check_fits(what, need, " ".join(given), jax.devices()[:1], fits)
+
+
+def longest_seq(todo: list[tune.Search], limit: float) -> int | None:
+    """The longest sequence length whose case fits `limit` bytes in every search (the
+    estimate grows with the length), or None where not even one token does."""
+    lo, hi = 0, max(max(s.seqs) for s in todo)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if all(s.held_bytes(mid) <= limit for s in todo):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo or None
 
 
 def _text(value) -> str:
