@@ -7,6 +7,8 @@ step giving the same compiled FLOPs scanned and unrolled across strategies, rema
 accumulation.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -481,3 +483,38 @@ def test_the_kernels_count_only_the_tiles_their_block_map_leaves(kernel):
     g = common.Geometry(L=S, S=S, G=1, R=2, bq=128, bk=128, causal=True, scale=1.0)
     traced = common.launch_cost(g, common.Mask.make(causal=True), True, "fwd", 1, 2, 128, 128, 2)
     assert not traced.exact  # segment ids unseen: the causal band's count, an upper bound
+
+
+def test_a_gpu_plans_block_map_flops_are_shown_and_recorded_as_derived():
+    """XLA:GPU reports no cost for a Triton call (compiled ~0): the table shows the block
+    map's count in its place, and it and the records say the lab derived it."""
+    from rich.console import Console
+
+    from lab.measure.attention import PlanPoint
+    from lab.report import tables
+    from lab.studies import plan
+
+    FLOPS = "attention plan FLOPs per device"
+    row = PlanPoint(
+        seq=4096, head_dim=128, mode="fwd", device_kind="NVIDIA H100 80GB HBM3", devices=1,
+        compile_s=1.0, memory=None, hbm_bytes=None, compiled_flops=0.0, compiled_flops_note="",
+        analytic_flops_per_device=70e9, estimated_s=None, estimate_source="floor",
+        peak_flops=None, impl="pallas_gpu", attention_note=None, mask="causal",
+        kernel_flops=36e9, kernel_flops_static=36e9,
+    )  # fmt: skip
+    assert row.flops == 36e9 and row.flops_derived and not row.estimate_compiled
+    console = Console(width=300, record=True)
+    console.print(tables.attention_plan([row], "plan"))
+    text = console.export_text()
+    assert "36.0 derived (block map) | 70.0 G" in text and " 0.0 " not in text, text
+    assert "derived (block map): counted by the lab, not the compiler: block map" in text
+    (flops,) = [r for r in plan.to_records([row], {}) if r["what"] == FLOPS]
+    assert flops["label"] == "derived" and flops["value"] == 36e9
+    assert flops["config"]["flops_source"].startswith("block map")
+    # a TPU kernel whose cost estimate the compiled count holds stays the compiler's figure
+    tpu = dataclasses.replace(row, compiled_flops=36e9, impl="pallas_tpu")
+    assert not tpu.flops_derived
+    (flops,) = [r for r in plan.to_records([tpu], {}) if r["what"] == FLOPS]
+    assert flops["label"] == "compiled, not run"
+    console.print(tables.attention_plan([tpu], "plan"))
+    assert "36.0 | 70.0 G" in console.export_text()

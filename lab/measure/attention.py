@@ -193,6 +193,12 @@ class PlanPoint:
         return "compiled (the kernels' cost estimates)"
 
     @property
+    def flops_derived(self) -> bool:
+        """Whether `flops` is the lab's own count from the block map (label: derived), not a
+        figure the compiler reported (compiled, not run)."""
+        return self.kernel_flops is not None and self.flops_source.startswith("block map")
+
+    @property
     def memory_bytes(self) -> float | None:
         return self.memory["total_bytes"] if self.memory else None
 

@@ -328,7 +328,8 @@ def grid(target: str, *, seqs, head_dims, masks=None, progress=None, **config) -
 
 
 def to_records(rows: list[PlanPoint], config: dict) -> list[dict]:
-    """Per point, as records: memory and FLOPs per device (compiled, not run), the analytic
+    """Per point, as records: memory and FLOPs per device (compiled, not run; the FLOPs
+    derived where they are the block map's count, `PlanPoint.flops_source`), the analytic
     FLOPs (derived from the shape), and the time per call with the TFLOP/s and share of peak
     it implies (predicted: a model of the compiled program; where the time is a floor, it is
     marked a lower bound and the rates upper bounds). `config` (the command's options) joins
@@ -350,11 +351,10 @@ def to_records(rows: list[PlanPoint], config: dict) -> list[dict]:
                     **c,
                 )
             )
-        if r.flops is not None:
+        if r.flops is not None:  # the block map's count is the lab's arithmetic: derived
+            how = "derived" if r.flops_derived else label
             out.append(
-                rec.make_record(
-                    "attention plan FLOPs per device", r.flops, "FLOP", label=label, **c
-                )
+                rec.make_record("attention plan FLOPs per device", r.flops, "FLOP", label=how, **c)
             )
         out.append(
             rec.make_record(

@@ -38,6 +38,15 @@ def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
     return t
 
 
+BLOCK_MAP = "derived (block map)"  # the plan's FLOPs where the compiler reports none
+
+
+def _block_map_only(r: PlanPoint) -> bool:
+    """The compiled count misses the kernels (Triton's lowering drops their cost estimate,
+    ~0) and the block map's count stands in for it."""
+    return r.flops_derived and not r.estimate_compiled
+
+
 def attention_plan(rows: list[PlanPoint], title: str) -> Table:
     """The kernel compiled for a target: memory and FLOPs (compiled, not run), and the time per
     call with the rates it implies (predicted: a model of the compiled program; a floor
@@ -45,8 +54,12 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
     # each row's estimate names its source by a number, each source said once below the
     # table (one sentence per row wrapped a row over eight lines)
     sources = list(dict.fromkeys(_source_note(r) for r in rows))
-    caption = "\n".join(f"({i}) {text}" for i, text in enumerate(sources, 1))
-    t = Table(title=title, caption=caption or None, caption_justify="left")
+    lines = [f"({i}) {text}" for i, text in enumerate(sources, 1)]
+    derived = [r for r in rows if _block_map_only(r)]
+    if derived:  # a lowering with no cost analysis (Triton): ~0 compiled is no count
+        how = derived[0].flops_source
+        lines.append(f"{BLOCK_MAP}: counted by the lab, not the compiler: {how}")
+    t = Table(title=title, caption="\n".join(lines) or None, caption_justify="left")
     cols = ("L=S", "K", "mask", "mode", "memory / device", "of HBM")
     for col in (*cols, "FLOPs / device (compiled | analytic)", "time (predicted)", "TFLOP/s"):
         t.add_column(col, justify="right")
@@ -57,6 +70,9 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
         hbm = percent(need / r.hbm_bytes) if need and r.hbm_bytes else "–"
         least, most = ("≥ ", "≤ ") if r.estimate_is_a_floor else ("", "")
         compiled_g = max(r.compiled_flops or 0.0, 0.0) / 1e9  # XLA can report -0
+        counted = f"{compiled_g:,.1f}{r.compiled_flops_note}"
+        if _block_map_only(r):
+            counted = f"{r.flops / 1e9:,.1f} {BLOCK_MAP}"
         t.add_row(
             "" if r.seq is None else str(r.seq),
             "" if r.head_dim is None else str(r.head_dim),
@@ -64,8 +80,7 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
             r.mode,
             _mem(need) if need else "–",
             hbm,
-            f"{compiled_g:,.1f}{r.compiled_flops_note} | "
-            f"{r.analytic_flops_per_device / 1e9:,.1f} G",
+            f"{counted} | {r.analytic_flops_per_device / 1e9:,.1f} G",
             least + duration(r.estimated_s) if r.estimated_s else "–",
             f"{most}{r.tflops:.1f}" if r.tflops else "–",
             most + percent(r.peak_share, 0) if r.peak_share else "–",
