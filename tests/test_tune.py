@@ -341,3 +341,50 @@ def test_static_only_says_each_drop_once_counts_candidates_and_records_them(
     rejected = [r for r in recs if r["what"] == "tune rejected"]
     assert [r["config"]["stage"] for r in rejected] == ["fwd", "bwd"]
     assert all(r["value"] == said for r in rejected)
+
+
+def _stage(spans, scores=(1.0, 1.02, 1.5)):
+    from lab.measure.tuning import Stage
+
+    cands = tuple(pallas_gpu.BlockSizes(block_q=q) for q in (16, 32, 64))
+    return Stage("fwd", "fwd", cands, scores, 0, spans)
+
+
+def test_a_best_within_noise_of_the_runner_up_says_so_in_table_and_record(tmp_path):
+    """Synthetic timings: the lowest median wins either way, but where its p10–p90 span
+    overlaps the runner-up's, the table, the caption and the stage's record say so."""
+    from rich.console import Console
+
+    from lab.report import tables
+
+    tied = _stage(((0.9, 1.1), (1.0, 1.2), (1.4, 1.6)))
+    assert tied.runner_up == 1 and tied.within_noise_of == 1
+    console = Console(width=200, record=True)
+    console.print(tables.tune_stage(tied, "xla"))
+    text = console.export_text()
+    assert "← chosen (within noise of block_q=32)" in text, text
+    assert "the p10–p90 ranges overlap" in text and "0.900x–1.100x" in text, text
+    r = tied.record(baseline="xla")
+    assert r["label"] == "derived" and r["value"] == 1.0
+    assert r["config"]["within_noise_of"]["block_q"] == 32
+    assert r["config"]["candidate"]["block_q"] == 16
+
+    clear = _stage(((0.9, 0.95), (1.0, 1.2), (1.4, 1.6)))
+    assert clear.within_noise_of is None and clear.record()["config"]["within_noise_of"] is None
+    console = Console(width=200, record=True)
+    console.print(tables.tune_stage(clear, "xla"))
+    assert "within noise" not in console.export_text()
+    # a rejected runner-up is no rival: the next finite score is
+    assert _stage(((0.9, 1.1), None, (1.0, 1.2)), (1.0, float("inf"), 1.1)).within_noise_of == 2
+
+
+def test_a_stage_records_its_choice_from_the_timed_spans():
+    candidates = [
+        dataclasses.replace(pallas_gpu.BlockSizes(), **o) for o in tune.INTERPRET_SPACE["fwd"]
+    ]
+    timing = dict(budget_s=0.01, min_runs=3, warmup=0)
+    records, stage = tune.run_stage("fwd", candidates, SEARCH, "fwd", "xla", timing)
+    (choice,) = [r for r in records if r["what"] == "tune stage best score"]
+    assert choice["value"] == stage.best_score and "within_noise_of" in choice["config"]
+    lo, hi = stage.spans[stage.best]
+    assert 0 < lo <= hi and choice["config"]["span"] == [lo, hi]

@@ -63,10 +63,49 @@ class Stage:
     # one refused by the compiler, the static pass or the reference check
     scores: tuple[float, ...]
     best: int  # index of the chosen candidate: the lowest score
+    # per candidate, the same geometric mean of its p10 and of its p90 times / the baseline's
+    # median: the score's spread over the run's samples; None where it was not timed
+    spans: tuple[tuple[float, float] | None, ...] = ()
 
     @property
     def chosen(self):
         return self.candidates[self.best]
+
+    @property
+    def runner_up(self) -> int | None:
+        """Index of the second-lowest finite score, or None where only one was scored."""
+        rest = [i for i, x in enumerate(self.scores) if i != self.best and x < float("inf")]
+        return min(rest, key=lambda i: self.scores[i]) if rest else None
+
+    @property
+    def within_noise_of(self) -> int | None:
+        """The runner-up where its p10–p90 span overlaps the chosen one's: the medians'
+        order alone named the best, and a rerun may name either; else None."""
+        other = self.runner_up
+        if other is None or len(self.spans) <= max(other, self.best):
+            return None
+        a, b = self.spans[self.best], self.spans[other]
+        if a is None or b is None:
+            return None
+        return other if max(a[0], b[0]) <= min(a[1], b[1]) else None
+
+    def record(self, **config) -> dict:
+        """The stage's choice as a record (derived from the timed ratios): its score, the
+        candidate, and `within_noise_of` (the runner-up's fields where the two are within
+        the run's noise, else None)."""
+        tie = self.within_noise_of
+        return rec.make_record(
+            "tune stage best score",
+            self.best_score,
+            "x",
+            label="derived",
+            stage=self.stage,
+            mode=self.mode,
+            candidate=dataclasses.asdict(self.chosen),
+            span=list(self.spans[self.best]) if self.spans and self.spans[self.best] else None,
+            within_noise_of=None if tie is None else dataclasses.asdict(self.candidates[tie]),
+            **config,
+        )
 
     @property
     def best_score(self) -> float:

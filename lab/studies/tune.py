@@ -320,6 +320,7 @@ def run_stage(
     every score and the best index. With `search.static`, candidates that spill or overflow
     shared memory are dropped first."""
     out, ratios = [], {i: [] for i in range(len(candidates))}
+    lows, highs = {i: [] for i in range(len(candidates))}, {i: [] for i in range(len(candidates))}
     static = static_filter(candidates, search, mode, log)
     dropped = static.dropped
     out += static.records(stage=stage)  # the dropped ones' reasons among them
@@ -363,6 +364,8 @@ def run_stage(
                 continue
             i = int(t.name)
             ratios[i].append(t.ratio)
+            lows[i].append(t.bench.p10_s / t.baseline_median_s)
+            highs[i].append(t.bench.p90_s / t.baseline_median_s)
             cand = dataclasses.asdict(candidates[i])
             timed = {k: getattr(t.bench, k) for k in ("median_s", "p10_s", "p90_s", "runs")}
             out.append(
@@ -379,7 +382,14 @@ def run_stage(
             )
     scores = tuple(_geomean(ratios[i]) for i in range(len(candidates)))
     best = min(range(len(candidates)), key=lambda i: scores[i])
-    return out, Stage(stage, mode, tuple(candidates), scores, best)
+    spans = tuple(
+        (_geomean(lows[i]), _geomean(highs[i])) if math.isfinite(scores[i]) else None
+        for i in range(len(candidates))
+    )
+    done = Stage(stage, mode, tuple(candidates), scores, best, spans)
+    if math.isfinite(done.best_score):
+        out.append(done.record(baseline=baseline, interpret=search.interpret))
+    return out, done
 
 
 def _geomean(xs) -> float:

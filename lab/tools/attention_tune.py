@@ -236,7 +236,11 @@ def run(o: Options) -> int:
         for stage in summary.stages:
             con.print(tables.tune_stage(stage, summary.baseline))
         tiles = " ".join(f"{f.name}={getattr(best, f.name)}" for f in dataclasses.fields(best))
-        con.print(f"head_dim {search.head_dim}: best {tiles} ({time.perf_counter() - t0:.0f} s)")
+        last, noise = summary.stages[-1], ""
+        if last.within_noise_of is not None:
+            noise = f", within noise of {tables.candidate_text(last, last.within_noise_of)}"
+        took = time.perf_counter() - t0
+        con.print(f"head_dim {search.head_dim}: best {tiles}{noise} ({took:.0f} s)")
         if o.write:
             con.print(f"table → {tune.write_entry(kind, search, best, summary)}")
     con.print(f"records → {stem.with_suffix('.jsonl')}", soft_wrap=True)

@@ -45,7 +45,7 @@ from lab.report.tables.serving import (
     serving_summary,
 )
 from lab.report.tables.steps import step_compare
-from lab.report.tables.tuning import static_pass, tune_stage, tune_step
+from lab.report.tables.tuning import candidate_text, static_pass, tune_stage, tune_step
 
 __all__ = [
     "GIB",
@@ -78,6 +78,7 @@ __all__ = [
     "serving_plans",
     "serving_prefill",
     "serving_summary",
+    "candidate_text",
     "static_pass",
     "step_compare",
     "toolchain_line",

@@ -21,20 +21,36 @@ def _varying_fields(candidates) -> list[str]:
 
 
 def tune_stage(stage: Stage, baseline: str) -> Table:
-    """One stage of the tile search: every candidate's score, best first."""
+    """One stage of the tile search: every candidate's score and its p10–p90 span, best
+    first; where the runner-up's span overlaps the chosen one's, the chosen row and the
+    caption say it is within noise of it (a rerun may name either)."""
     t = Table(title=f"stage {stage.stage} ({stage.mode}): geometric-mean time / {baseline}")
     fields = _varying_fields(stage.candidates)
-    for col in (*fields, f"vs {baseline}", ""):
+    for col in (*fields, f"vs {baseline}", "p10–p90", ""):
         t.add_column(col, justify="right")
+    tie = stage.within_noise_of
     for i in sorted(range(len(stage.candidates)), key=lambda i: stage.scores[i]):
         c = dataclasses.asdict(stage.candidates[i])
         score = stage.scores[i]
+        span = stage.spans[i] if i < len(stage.spans) else None
+        mark = "← chosen" if i == stage.best else ""
+        if i == stage.best and tie is not None:
+            mark += f" (within noise of {candidate_text(stage, tie)})"
         t.add_row(
             *(str(c[f]) for f in fields),
             ratio(score, 3) if math.isfinite(score) else "rejected",
-            "← chosen" if i == stage.best else "",
+            f"{ratio(span[0], 3)}–{ratio(span[1], 3)}" if span else "",
+            mark,
         )
+    if tie is not None:
+        t.caption = f"the chosen and {candidate_text(stage, tie)}: {NOISE}; a rerun may name either"
     return t
+
+
+def candidate_text(stage: Stage, i: int) -> str:
+    """A candidate by the fields that vary in its stage: 'block_q=64 block_k=32'."""
+    c = dataclasses.asdict(stage.candidates[i])
+    return " ".join(f"{f}={c[f]}" for f in _varying_fields(stage.candidates))
 
 
 def static_pass(p: StaticPass, title: str, toolchain: Toolchain | None = None) -> Table:
