@@ -337,6 +337,9 @@ def test_attention_plan_compiles_a_grid_for_h100(tmp_path, capsys):
     recs = [json.loads(x) for x in next(tmp_path.glob("attention-plan-*.jsonl")).open()]
     seen = {(r["config"]["seq"], r["config"]["mode"]) for r in recs}
     assert seen == {(s, m) for s in (256, 300) for m in ("fwd", "fwd+bwd")}
+    regs = [r for r in recs if r["what"] == "attention plan kernel registers"]
+    assert regs and all(r["value"] > 0 and "smem" in r["config"]["kernel"] for r in regs)
+    assert all(r["config"]["toolchain"] for r in regs)  # the compiler the figures are from
 
 
 @needs_plugin

@@ -518,3 +518,31 @@ def test_a_gpu_plans_block_map_flops_are_shown_and_recorded_as_derived():
     assert flops["label"] == "compiled, not run"
     console.print(tables.attention_plan([tpu], "plan"))
     assert "36.0 | 70.0 G" in console.export_text()
+
+
+def test_a_gpu_plans_kernel_resources_are_in_its_records():
+    """The registers, spills and shared memory the plan's table shows per GPU kernel are
+    written to the records too (compiled, not run), one record per kernel."""
+    from lab.measure.attention import PlanPoint
+    from lab.measure.gpu_kernels import Kernel
+    from lab.studies import plan
+
+    k = Kernel(
+        name="flash_attention_fwd", launches=1, grid=(32, 64, 1), threads=128, registers=168,
+        spill_store_bytes=8, spill_load_bytes=4, stack_bytes=16, static_smem=0,
+        dynamic_smem=98304, blocks_per_sm=1, limiter="smem", occupancy=0.0625,
+    )  # fmt: skip
+    row = PlanPoint(
+        seq=4096, head_dim=128, mode="fwd", device_kind="NVIDIA H100 80GB HBM3", devices=1,
+        compile_s=1.0, memory=None, hbm_bytes=None, compiled_flops=0.0, compiled_flops_note="",
+        analytic_flops_per_device=70e9, estimated_s=None, estimate_source="floor",
+        peak_flops=None, impl="pallas_gpu", attention_note=None, kernels=(k, k),
+    )  # fmt: skip
+    regs = [r for r in plan.to_records([row], {}) if r["what"] == "attention plan kernel registers"]
+    assert len(regs) == 2
+    r = regs[0]
+    assert r["value"] == 168 and r["label"] == "compiled, not run"
+    kernel = r["config"]["kernel"]
+    assert kernel["spill_bytes"] == 12 and kernel["smem"] == 98304
+    assert kernel["blocks_per_sm"] == 1 and kernel["name"] == "flash_attention_fwd"
+    assert Kernel.from_record(kernel) == k

@@ -329,7 +329,9 @@ def grid(target: str, *, seqs, head_dims, masks=None, progress=None, **config) -
 
 def to_records(rows: list[PlanPoint], config: dict) -> list[dict]:
     """Per point, as records: memory and FLOPs per device (compiled, not run; the FLOPs
-    derived where they are the block map's count, `PlanPoint.flops_source`), the analytic
+    derived where they are the block map's count, `PlanPoint.flops_source`), on a GPU target
+    each kernel's registers per thread with its spills, shared memory, occupancy and launches
+    in the config (compiled, not run; the compiler's toolchain beside them), the analytic
     FLOPs (derived from the shape), and the time per call with the TFLOP/s and share of peak
     it implies (predicted: a model of the compiled program; where the time is a floor, it is
     marked a lower bound and the rates upper bounds). `config` (the command's options) joins
@@ -355,6 +357,19 @@ def to_records(rows: list[PlanPoint], config: dict) -> list[dict]:
             how = "derived" if r.flops_derived else label
             out.append(
                 rec.make_record("attention plan FLOPs per device", r.flops, "FLOP", label=how, **c)
+            )
+        tools = {"toolchain": r.toolchain.record()} if r.toolchain else {}
+        for k in r.kernels:  # the GPU kernels' resources, as the plan's table shows them
+            out.append(
+                rec.make_record(
+                    "attention plan kernel registers",
+                    k.registers,
+                    "registers",
+                    label=label,
+                    kernel=k.record(),
+                    **tools,
+                    **c,
+                )
             )
         out.append(
             rec.make_record(
