@@ -913,17 +913,21 @@ def test_the_memory_estimate_holds_the_compiled_prefill(preset, batch, prompt_le
 
 def test_a_prefill_too_big_for_this_machine_is_refused_before_measuring(monkeypatch, capsys):
     """prefill_batches=100000 at model=tiny (~40 GiB: the prefill's cache and temporaries)
-    on a 32 GiB machine is one line and exit 2, naming prefill_batches=."""
-    from lab.studies.serving import study, weights
+    where 32 GiB of a 1 TiB machine are available is one line and exit 2, naming
+    prefill_batches= and the memory available (not the machine's total)."""
+    from lab.measure import memory
+    from lab.studies.serving import weights
 
     def never(*a, **k):  # an estimate that lets it through would make ~40 GiB here
         raise AssertionError("the weights were loaded: the memory check let it through")
 
-    monkeypatch.setattr(study, "host_memory_bytes", lambda: 32.0 * 2**30)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 1024.0 * 2**30)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 32.0 * 2**30)
     monkeypatch.setattr(weights, "load_params", never)
     assert serve(["model=tiny", "prefill_batches=100000", "int8=false", "plot=false"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "prefill_batches up to 100000" in err, err
+    assert "32.0 GiB available" in err, err
 
 
 def test_a_cpu_trained_run_is_planned_for_an_accelerator_from_the_keys_it_was_asked(

@@ -3,13 +3,12 @@ before anything is allocated, the sweep (roofs, prefill, decode float and int8, 
 error, the PyTorch peer, the bandwidths again) and the figures derived from it."""
 
 import dataclasses
-import os
 
 import jax
 
 from lab import quant
 from lab.errors import ConfigError
-from lab.measure import cost
+from lab.measure import cost, memory
 from lab.measure.serving import DecodePoint, PeerPoint, PrefillPoint, Roofs, Study, Summary
 from lab.session import Session
 from lab.studies.serving.int8 import ERROR_STEPS, int8_error
@@ -48,18 +47,12 @@ def memory_needed(model, plan: Plan) -> dict[str, float]:
     )
 
 
-def host_memory_bytes() -> float | None:
-    """This machine's physical memory, where the OS says."""
-    try:
-        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def check_memory(session: Session, plan: Plan) -> None:
     """On CPU, a study that cannot fit this machine's memory is one line before anything is
-    allocated (a long prompt at a big batch would otherwise swap or run for hours)."""
-    total = host_memory_bytes()
+    allocated (a long prompt at a big batch would otherwise swap or run for hours). The
+    limit is 80% of the memory the host has available now, not its total: other work on a
+    shared host holds the rest."""
+    total = memory.host_available_bytes()
     if session.info.backend != "cpu" or not total:
         return
     parts = memory_needed(session.cfg.model, plan)
@@ -76,7 +69,7 @@ def check_memory(session: Session, plan: Plan) -> None:
             f"{max(plan.batches)}, prefill_batches up to {max(plan.prefill_batches)}: needs "
             f"{need / 2**30:,.1f} GiB {at} ({biggest} {parts[biggest] / 2**30:,.1f} GiB), "
             "more than "
-            f"80% of this machine's {total / 2**30:,.1f} GiB; "
+            f"80% of this machine's {total / 2**30:,.1f} GiB available; "
             + ("give a smaller context=" if plan.context else "shorten the prompt")
             + ", take fewer or smaller batches, or plan it for an accelerator with target="
         )
