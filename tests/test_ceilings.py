@@ -49,6 +49,19 @@ def test_python_m_lab_tools_ceilings_quick(tmp_path, capsys):
     (png,) = tmp_path.glob("ceilings-cpu-*.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     json.dumps(recs)
+    # a ratio of two rows, the best of other rows and their ratio are derived, not measured
+    derived = {
+        "matmul float32 jax / numpy",
+        "compute roof",
+        "memory roof",
+        "ridge point (compute roof / memory roof)",
+    }
+    assert {r["what"] for r in recs if r["label"] == "derived"} == derived
+    assert {r["label"] for r in recs if r["what"] not in derived} == {"measured"}
+    from lab.report import runbook  # the runbook's line still finds the roofs it reads
+
+    line, _ = runbook.ceilings(recs, tmp_path)
+    assert "memory roof" in line and "ridge" in line and "copy" in line
 
 
 def test_roofs_are_the_best_measured_so_no_op_sits_above_them():

@@ -485,8 +485,8 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
     n = sz["mm_n"]
     recs, rows = [], []
 
-    def add(what, value, unit, note="", spec_key=None, **config):
-        recs.append(records.make_record(what, value, unit, **config))
+    def add(what, value, unit, note="", spec_key=None, label="measured", **config):
+        recs.append(records.make_record(what, value, unit, label=label, **config))
         rows.append(Row(what, value, unit, note, spec_key))
 
     matmuls = {}
@@ -511,6 +511,7 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
             ratio,
             "ratio",
             matmul_ratio_note(ratio, records.busy_host()),
+            label="derived",  # a ratio of two measured rows
             n=n,
         )
     roof = roofline_ceilings(size, budget_s=budget_s, matmuls=matmuls)
@@ -533,9 +534,11 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
         r = fn(sz["transfer"], budget_s=budget_s)
         add(f"{name} bandwidth", r["bytes_per_s"], "B/s", f"{r['bytes'] / MiB:g} MiB{cpu_note}")
     peak, bandwidth = roof["peak_flops"], roof["bandwidth"]
-    add("compute roof", peak, "FLOP/s", f"the roofline's: {roof['peak_name']}")
-    add("memory roof", bandwidth, "B/s", roof["bandwidth_note"])
-    add("ridge point (compute roof / memory roof)", roof["ridge"], "FLOP/B", "measured roofs")
+    # the roofs are the best of other rows, the ridge their ratio: derived, not measured again
+    add("compute roof", peak, "FLOP/s", f"the roofline's: {roof['peak_name']}", label="derived")
+    add("memory roof", bandwidth, "B/s", roof["bandwidth_note"], label="derived")
+    ridge = "ridge point (compute roof / memory roof)"
+    add(ridge, roof["ridge"], "FLOP/B", "from the measured roofs", label="derived")
     for p in roof["points"]:
         share = p.flops_per_s / roofline.attainable(p.intensity, peak, bandwidth)
         add(
