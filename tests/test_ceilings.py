@@ -177,3 +177,35 @@ def test_the_roofs_say_which_op_set_them():
     fast = {**slow, "flops_per_s": 1e30}
     roof = ceilings.roofline_ceilings("tiny", budget_s=0.0, matmuls={("float32", "default"): fast})
     assert roof["peak_op"] == "matmul float32 precision=default, n=64"
+
+
+def test_host_to_device_copies_even_a_64_byte_aligned_host_array(monkeypatch):
+    """XLA:CPU shares a 64-byte-aligned host array instead of copying it, so the CPU's
+    host→device figure timed some puts as free (20× between runs): each timed put must
+    leave a device array that a later host write does not reach."""
+    import numpy as np
+
+    n = 1 << 14
+
+    class AlignedRng:  # what the allocator may hand out: data on a 64-byte boundary
+        def standard_normal(self, size, dtype):
+            buf = np.empty(size + 16, dtype)
+            start = (-buf.ctypes.data % 64) // buf.itemsize
+            out = buf[start : start + size]
+            out[...] = 1.0
+            return out
+
+    monkeypatch.setattr(ceilings.np.random, "default_rng", lambda seed: AlignedRng())
+    timed = []
+    bench = ceilings.timing.bench
+    monkeypatch.setattr(
+        ceilings.timing,
+        "bench",
+        lambda fn, rotate, **k: timed.append((fn, rotate)) or bench(fn, rotate=rotate, **k),
+    )
+    assert ceilings.host_to_device(4 * n, budget_s=0.01)["bytes_per_s"] > 0
+    ((put, hosts),) = timed
+    for (host,) in hosts:
+        on_device = put(host).block_until_ready()
+        host[0] = 7.0
+        assert float(on_device[0]) != 7.0  # copied, not shared

@@ -286,11 +286,31 @@ def _cpu_device():
         return None
 
 
+def _off_alignment(a: np.ndarray) -> np.ndarray:
+    """A copy of `a` whose data starts 4 bytes past a 64-byte boundary.
+
+    XLA:CPU does not copy a host array whose data is 64-byte aligned: `jax.device_put(...,
+    may_alias=False)` shares its buffer (a host write after the put shows in the device
+    array; JAX 0.10 and 0.12 alike), and copies any other. Which rotated array happened to be
+    aligned was the allocator's choice, so the CPU's host→device figure swung 20× between
+    runs (13.23 and 285.71 GB/s beside a 56.57 GB/s copy): the shared ones timed as free.
+    Off the boundary, every put is the copy a transfer is on CPU, into a buffer XLA owns."""
+    buf = np.empty(a.size + 64 // a.itemsize, a.dtype)
+    start = (-buf.ctypes.data % 64 + 4) // a.itemsize
+    out = buf[start : start + a.size]
+    out[...] = a.ravel()
+    return out.reshape(a.shape)
+
+
 def host_to_device(nbytes: int | None = None, *, budget_s: float = 1.0) -> dict:
-    """numpy → default device with `jax.device_put` (a forced copy even on CPU)."""
+    """numpy → default device with `jax.device_put(may_alias=False)`. On CPU, host and device
+    are the same memory: the figure is XLA's copy into a buffer it owns, from host arrays
+    kept off 64-byte alignment, which XLA:CPU would share instead (`_off_alignment`)."""
     nbytes = nbytes or _sizes(backend())["transfer"]
     rng = np.random.default_rng(1)
     hosts = [(rng.standard_normal(nbytes // 4, dtype=np.float32),) for _ in range(SETS)]
+    if backend() == "cpu":
+        hosts = [(_off_alignment(a),) for (a,) in hosts]
     device = jax.devices()[0]
     fn = lambda a: jax.device_put(a, device, may_alias=False)
     result = timing.bench(fn, rotate=hosts, budget_s=budget_s)
@@ -530,9 +550,13 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
             spec_key="memory_bandwidth",
         )
     cpu_note = " (CPU: host memcpy, same memory)" if be == "cpu" else ""
+    notes = {  # an aligned host array XLA:CPU would share, not copy (`_off_alignment`)
+        "host→device": " (CPU: XLA's memcpy into its own buffer, from an unaligned host array)"
+    }
     for name, fn in (("host→device", host_to_device), ("device→host", device_to_host)):
         r = fn(sz["transfer"], budget_s=budget_s)
-        add(f"{name} bandwidth", r["bytes_per_s"], "B/s", f"{r['bytes'] / MiB:g} MiB{cpu_note}")
+        note = f"{r['bytes'] / MiB:g} MiB{notes.get(name, cpu_note) if be == 'cpu' else ''}"
+        add(f"{name} bandwidth", r["bytes_per_s"], "B/s", note)
     peak, bandwidth = roof["peak_flops"], roof["bandwidth"]
     # the roofs are the best of other rows, the ridge their ratio: derived, not measured again
     add("compute roof", peak, "FLOP/s", f"the roofline's: {roof['peak_name']}", label="derived")
