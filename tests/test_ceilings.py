@@ -28,6 +28,8 @@ def test_python_m_lab_tools_ceilings_quick(tmp_path, capsys):
     recs = records.read_records(jsonl)
     assert {r["backend"] for r in recs} == {"cpu"}
     by_what = {r["what"]: r for r in recs}
+    # one record per row, and the rows a stopped run names as missing are the rows a run makes
+    assert len(by_what) == len(recs) and set(by_what) == set(ceilings.planned_rows(quick=True))
     for what in (
         "matmul float32 precision=highest",
         "matmul float32 precision=default",

@@ -576,6 +576,31 @@ def test_a_signal_keeps_the_points_a_tool_measured(tmp_path):
     assert {r["what"] for r in kept} == {"collective algbw", "collective busbw"}
 
 
+def test_a_signal_keeps_the_ceilings_a_run_measured(tmp_path):
+    """The ceilings stopped part-way keep every row they finished: their records, a table of
+    them, and a line that says where they are and which rows were never reached."""
+    import signal
+
+    cmd = [sys.executable, "-m", "lab.tools.ceilings", f"out_dir={tmp_path}", "plot=false"]
+    cmd += ["quick=true", "budget=0.05"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # without a terminal, each row's end is a line of its own
+        if "(3/" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out[-2000:], err[-2000:])
+    (path,) = tmp_path.glob("*.jsonl")
+    kept = [json.loads(x) for x in path.read_text().splitlines()]
+    whats = [r["what"] for r in kept]
+    assert len(whats) >= 3 and len(set(whats)) == len(whats)  # each row written once
+    assert err.startswith(f"SIGINT: exiting; stopped after {len(kept)} of "), err
+    assert f"their records in {path}; not measured: " in err and err.count("\n") == 1, err
+    assert "ridge point (compute roof / memory roof)" in err  # the last row, never reached
+    assert f"ceilings · stopped after {len(kept)} rows" in out  # the table of what was done
+    assert whats[0] == "matmul float32 precision=highest" and whats[0] in out
+
+
 def test_keep_on_stop_writes_each_point_once():
     from lab import startup
 

@@ -23,6 +23,7 @@ know.
 
 import dataclasses
 import functools
+import math
 import time
 
 import jax
@@ -392,12 +393,16 @@ def matmul_ratio_note(ratio: float, busy: tuple | None = None) -> str:
     return f"JAX at {ratio:.2f}× numpy's BLAS: slower than the usual CPU matmul here"
 
 
-def roofline_ceilings(size: str = "full", *, budget_s: float = 1.0, matmuls=None) -> dict:
+def roofline_ceilings(
+    size: str = "full", *, budget_s: float = 1.0, matmuls=None, copy=None, done=None
+) -> dict:
     """The roofline of the default device, measured in one place for lab.tools.ceilings and
     the ledger (C06): matmul peaks (or the given `matmuls`), the copy bandwidth, the sweep of
     ops of growing intensity, the roofs as the best rates measured (`roofs`), the ridge, and
     every point that still sits more than 10% above min(peak, intensity × bandwidth): with
-    roofs taken as the best measured there should be none, so one is a measurement error."""
+    roofs taken as the best measured there should be none, so one is a measurement error.
+    `copy`: the copy bandwidth's result where it was measured already; `done(point)` is
+    called as each point of the sweep is timed."""
     be = backend()
     sz = sizes(be, size)
     if matmuls is None:
@@ -405,11 +410,11 @@ def roofline_ceilings(size: str = "full", *, budget_s: float = 1.0, matmuls=None
         for dtype, precision in matmul_configs(be):
             m = measure_matmul(dtype, precision=precision, n=sz["mm_n"], budget_s=budget_s)
             matmuls[(dtype, m["precision"])] = m
-    copy = copy_bandwidth(sz["copy"], budget_s=budget_s)
+    copy = copy or copy_bandwidth(sz["copy"], budget_s=budget_s)
     dtype = jnp.float32 if be == "cpu" else jnp.bfloat16
     ops = roofline.poly_ops(sz["poly"], sz["degrees"])
     ops += roofline.matmul_ops(sz["mm_n"], sorted(set(sz["ms"])), dtype=dtype)
-    points = roofline.sweep(ops, budget_s=budget_s / 4, inner=queued(be))
+    points = roofline.sweep(ops, budget_s=budget_s / 4, inner=queued(be), done=done)
     peak, bandwidth, how = roofs(matmuls, copy["bytes_per_s"], points, dtype)
     above = [
         (p, p.flops_per_s / roofline.attainable(p.intensity, peak, bandwidth))
@@ -464,7 +469,7 @@ class Ceilings:
     roofline sweep and the roofs taken from it."""
 
     rows: tuple[Row, ...]  # in the order measured
-    records: tuple[dict, ...]  # one per row, as written to the .jsonl
+    records: tuple[dict, ...]  # one per row, as written to the .jsonl (in the order measured)
     points: tuple  # lab.measure.roofline.Point of the sweep
     peak_flops: float  # FLOP/s: the compute roof, the best rate measured
     bandwidth: float  # bytes/s: the memory roof, the best rate measured
@@ -493,10 +498,31 @@ def _matmul_spec_key(dtype: str, precision: str) -> str:
     return "tf32" if dtype == "float32" and precision == "default" else dtype
 
 
-def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
+RIDGE = "ridge point (compute roof / memory roof)"
+
+
+def planned_rows(quick: bool = False) -> list[str]:
+    """The `what` of every row `run_all` measures or derives on this device, so a stopped run
+    can say which it did not reach."""
+    be = backend()
+    sz = sizes(be, "tiny" if quick else "full")
+    names = [f"matmul {d} precision={_precision_name(p)}" for d, p in matmul_configs(be)]
+    cpu = be == "cpu"
+    names += ["matmul float32 numpy BLAS", "matmul float32 jax / numpy"] if cpu else []
+    names += ["copy bandwidth (read+write)"] + (["copy bandwidth numpy (out=)"] if cpu else [])
+    names += ["host→device bandwidth", "device→host bandwidth"]
+    names += [f"roofline poly_{k}" for k in sz["degrees"]]
+    names += [f"roofline mm_{m}" for m in sorted(set(sz["ms"]))]
+    return names + ["compute roof", "memory roof", RIDGE]
+
+
+def run_all(*, budget_s: float = 1.0, quick: bool = False, done=None) -> Ceilings:
     """Every ceiling of the default device: records, roofline points and roofs.
 
     `quick` shrinks every size (a code-path check for tests: the numbers mean little).
+    `done(record, row)` is called as each row is measured or derived, so a stopped run keeps
+    what it finished: a sweep point's row then says its intensity alone (the roofs its share
+    is of come after the sweep; the final rows say it, and the record is the same).
     """
     t0 = time.perf_counter()
     be = backend()
@@ -504,10 +530,12 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
     sz = sizes(be, size)
     n = sz["mm_n"]
     recs, rows = [], []
+    done = done or (lambda record, row: None)
 
     def add(what, value, unit, note="", spec_key=None, label="measured", **config):
         recs.append(records.make_record(what, value, unit, label=label, **config))
         rows.append(Row(what, value, unit, note, spec_key))
+        done(recs[-1], rows[-1])
 
     matmuls = {}
     for dtype, precision in matmul_configs(be):
@@ -534,10 +562,10 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
             label="derived",  # a ratio of two measured rows
             n=n,
         )
-    roof = roofline_ceilings(size, budget_s=budget_s, matmuls=matmuls)
+    copy_result = copy_bandwidth(sz["copy"], budget_s=budget_s)
     mib = f"{sz['copy'] / MiB:g} MiB × {_sets(sz['copy'], False)} rotated"
-    copy = roof["copy"]["bytes_per_s"]
     note = f"XLA x ← x·s in place, {mib}"
+    copy = copy_result["bytes_per_s"]
     add("copy bandwidth (read+write)", copy, "B/s", note, spec_key="memory_bandwidth")
     if be == "cpu":
         npc = numpy_copy_bandwidth(sz["copy"], budget_s=budget_s)
@@ -557,25 +585,30 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
         r = fn(sz["transfer"], budget_s=budget_s)
         note = f"{r['bytes'] / MiB:g} MiB{notes.get(name, cpu_note) if be == 'cpu' else ''}"
         add(f"{name} bandwidth", r["bytes_per_s"], "B/s", note)
+
+    def point_record(p) -> dict:
+        config = {"intensity": p.intensity, "flops": p.flops, "bytes": p.bytes}
+        return records.make_record(
+            f"roofline {p.name}", p.flops_per_s, "FLOP/s", **config, median_s=p.median_s
+        )
+
+    def timed(p) -> None:  # a sweep point as it is timed: its record now, its row's share later
+        recs.append(point_record(p))
+        note = f"intensity {p.intensity:.3g} FLOP/B (its share of the roof: after the sweep)"
+        done(recs[-1], Row(f"roofline {p.name}", p.flops_per_s, "FLOP/s", note))
+
+    roof = roofline_ceilings(size, budget_s=budget_s, matmuls=matmuls, copy=copy_result, done=timed)
     peak, bandwidth = roof["peak_flops"], roof["bandwidth"]
     # the roofs are the best of other rows, the ridge their ratio: derived, not measured again
     add("compute roof", peak, "FLOP/s", f"the roofline's: {roof['peak_name']}", label="derived")
     add("memory roof", bandwidth, "B/s", roof["bandwidth_note"], label="derived")
-    ridge = "ridge point (compute roof / memory roof)"
-    add(ridge, roof["ridge"], "FLOP/B", "from the measured roofs", label="derived")
-    for p in roof["points"]:
+    add(RIDGE, roof["ridge"], "FLOP/B", "from the measured roofs", label="derived")
+    for p in roof["points"]:  # their records were written as they were timed (`timed`)
         share = p.flops_per_s / roofline.attainable(p.intensity, peak, bandwidth)
-        add(
-            f"roofline {p.name}",
-            p.flops_per_s,
-            "FLOP/s",
-            f"intensity {p.intensity:.3g} FLOP/B, {share:.0%} of roof"
-            + (" — MEASUREMENT ERROR: above its roof" if share > OUTLIER else ""),
-            intensity=p.intensity,
-            flops=p.flops,
-            bytes=p.bytes,
-            median_s=p.median_s,
+        note = f"intensity {p.intensity:.3g} FLOP/B, {share:.0%} of roof" + (
+            " — MEASUREMENT ERROR: above its roof" if share > OUTLIER else ""
         )
+        rows.append(Row(f"roofline {p.name}", p.flops_per_s, "FLOP/s", note))
     return Ceilings(
         rows=tuple(rows),
         records=tuple(recs),
@@ -586,3 +619,9 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False) -> Ceilings:
         spec=specs.lookup(records.environment()["device_kind"]),
         elapsed_s=time.perf_counter() - t0,
     )
+
+
+def so_far(rows, elapsed_s: float) -> Ceilings:
+    """The rows a stopped run finished, as a `Ceilings` the table renders (no roofs yet)."""
+    spec = specs.lookup(records.environment()["device_kind"])
+    return Ceilings(tuple(rows), (), (), math.nan, math.nan, (), spec, elapsed_s)

@@ -107,13 +107,16 @@ def matmul_ops(n: int, ms: Sequence[int], *, dtype=jnp.float32, sets: int = 4):
     return ops
 
 
-def sweep(ops: Sequence[Op], *, budget_s: float = 0.3, inner: int = 1) -> list[Point]:
+def sweep(ops: Sequence[Op], *, budget_s: float = 0.3, inner: int = 1, done=None) -> list[Point]:
     """Time every op with `timing.bench` (rotating its input sets; `inner` calls queued per
-    timed sample, as `lab.measure.ceilings.queued` chooses for the device)."""
+    timed sample, as `lab.measure.ceilings.queued` chooses for the device); `done(point)` is
+    called as each point is timed."""
     points = []
     for op in ops:
         r = timing.bench(
             op.fn, rotate=op.arg_sets, budget_s=budget_s, warmup=1, min_runs=3, inner=inner
         )
         points.append(Point(op.name, op.flops, op.bytes, r.median_s))
+        if done is not None:
+            done(points[-1])
     return points
