@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import use_abstract_mesh
 
 from lab import data, devices, plans, rundir
 from lab.config import (
@@ -768,7 +769,9 @@ def _weights_split(d: _Draft):
         model = build(dataclasses.replace(m, attention="naive"))
     key = jax.eval_shape(jax.random.key, 0)
     tokens = jax.ShapeDtypeStruct((1, d.cfg.seq_len), jnp.int32)
-    with jax.set_mesh(d.mesh), nn.logical_axis_rules(rules):
+    # a built mesh, or an abstract one of its sizes (a check before any device is built)
+    context = jax.set_mesh if isinstance(d.mesh, jax.sharding.Mesh) else use_abstract_mesh
+    with context(d.mesh), nn.logical_axis_rules(rules):
         boxed = jax.eval_shape(model.init, key, tokens)["params"]
     d.abstract_params = boxed  # the trainer's abstract state starts from them: one trace
     specs = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules)
@@ -967,16 +970,49 @@ def broken_before_joining(request: Request) -> list[str]:
 
 
 def check_on_cpu(request: Request, count: int) -> None:
-    """Every rule that needs no built mesh, for `count` CPU devices: what a launcher checks
-    before it starts processes that would each refuse the same request (all broken rules
-    together, a line each)."""
-    cfg = defaults(make_config(backend="cpu", **request.dict()))
-    platform = Platform("cpu", "cpu", count)
+    """Every rule, for `count` CPU devices, with the filled ones (every weight splits over the
+    mesh) traced on an abstract mesh: what a launcher checks before it starts processes that
+    would each refuse the same request (all broken rules together, a line each); no device
+    is built."""
+    draft = _unbuilt(request, Platform("cpu", "cpu", count))
+    lines = _broken(draft)
+    if not lines and draft.sizes is not None:  # the filled rules read a mesh that fits
+        lines = _filled_unbuilt(draft)
+    _raise(lines)
+
+
+def check_shapes(request: Request, platform: Platform) -> None:
+    """The filled rules (every weight splits over the mesh), which no batch size or remat
+    policy changes, for `request` on `platform`'s device count, traced on an abstract mesh
+    (no device is built): a tool that tries many of those refuses the keys once, before it
+    compiles any. A mesh that does not fit is left to `resolve`, which says why."""
+    draft = _unbuilt(request, platform)
+    if draft.sizes is not None:
+        _raise(_filled_unbuilt(draft))
+
+
+def _unbuilt(request: Request, platform: Platform) -> _Draft:
+    """The first pass's draft of `request` on `platform`, as `resolve` makes it (defaults,
+    the compute dtype, the strategy an `auto` takes from the mesh), without its mesh."""
+    cfg = defaults(make_config(backend=platform.backend, **request.dict()))
+    cfg = dataclasses.replace(cfg, model=resolve_dtype(cfg.model, platform.backend))
     sizes, problem = _sizes(cfg, platform)
     if sizes is not None and cfg.strategy == "auto":
         cfg = dataclasses.replace(cfg, strategy=auto_strategy(sizes))
-    draft = _Draft(cfg, platform, "train", sizes, cfg.model.attention, problem)
-    _raise(_broken(draft))
+    return _Draft(cfg, platform, "train", sizes, cfg.model.attention, problem)
+
+
+def _filled_unbuilt(d: _Draft) -> list[str]:
+    """The filled rules' lines for draft `d` (its mesh fits) on an abstract mesh of its sizes:
+    they read only the mesh's axis sizes and the model's shapes, so no device is needed."""
+    cfg = d.cfg
+    if d.pipelined:  # as `resolve` fills it: the stages hold slices of the stacked layers
+        microbatches = cfg.model.microbatches or d.stages
+        model = dataclasses.replace(cfg.model, scan_layers=True, microbatches=microbatches)
+        cfg = dataclasses.replace(cfg, model=model)
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+    mesh = jax.sharding.AbstractMesh(tuple(d.sizes[a] for a in AXES), AXES, axis_types=auto)
+    return _broken(dataclasses.replace(d, cfg=cfg, mesh=mesh), filled=True)
 
 
 # ------------------------------------------------------------------------ resolve

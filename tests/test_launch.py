@@ -101,6 +101,23 @@ def test_a_resume_lab_run_would_refuse_is_refused_before_any_process_starts(
     assert err.count("\n") == 1 and "steps=2" in err and not started, err
 
 
+def test_weights_the_mesh_cannot_split_are_refused_before_any_process_starts(
+    tmp_path, capsys, monkeypatch
+):
+    """mesh=4x3 puts tiny's 2 kv heads over a model axis of 3: lab.run refuses it once its mesh
+    is built, so both processes joined jax.distributed and then each printed the same error.
+    The launcher traces the weights' shapes on an abstract mesh and refuses it first."""
+    started = []
+    monkeypatch.setattr(launch, "run", lambda *a, **k: started.append(a) or 0)
+    argv = ["processes=2", "mesh=4x3", "steps=2", "model=tiny", f"out_dir={tmp_path}"]
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and not started, err
+    needle = "params['block_0']['attn']['wk']: dimension 1 (size 2) does not divide mesh axis"
+    assert f"{needle} model (size 3)" in err, err
+    assert launch.main([*argv[:1], "mesh=4x2", *argv[2:]]) == 0 and len(started) == 1
+
+
 def _by_hand(keys_of, n_of=lambda i: 2) -> tuple[list[int], list[str]]:
     """Two lab.run processes started by hand, without the launcher, on a fresh coordinator port:
     `keys_of(i)` gives process i's keys beyond its place in the job, `n_of(i)` the job's size

@@ -216,3 +216,15 @@ def test_a_best_within_the_noise_of_another_says_so(tmp_path, monkeypatch, capsy
     times[("full", 2)] = (0.013, 0.0125, 0.014)
     assert tune_step.main(argv) == 0
     assert "within this run's noise" not in capsys.readouterr().out
+
+
+def test_weights_the_mesh_cannot_split_are_refused_before_any_candidate(monkeypatch, capsys):
+    """mesh=2x4 puts tiny's 2 kv heads over a model axis of 4, whatever the remat or batch:
+    every candidate was ticked through to the same error. Refused once, before any compile."""
+    measured = []
+    monkeypatch.setattr(step, "measure", lambda *a: measured.append(a))
+    argv = [*TINY, "mesh=2x4", "remats=none,full", "batches=4,8"]
+    assert tune_step.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not divide mesh axis model (size 4)" in err and len(err.splitlines()) == 1
+    assert not measured

@@ -31,6 +31,7 @@ from lab.measure.timing import Comparison, bench, comparison, threaded
 from lab.measure.tuning import StepCandidate
 from lab.model import build
 from lab.report.format import key_args, ranges_overlap
+from lab.resolve import Platform, Request, check_shapes
 from lab.session import Session, open_session
 from lab.train import cross_entropy, make_optimizer
 
@@ -172,6 +173,8 @@ def tune(
             raise ConfigError(f"{key}= is what tune_step varies or sets; use remats=/batches=")
     refuse_plans(keys, "tune_step")
     make_config(**keys)  # each key alone: one line before compiling (rules between keys: per row)
+    request = Request.of(**keys)  # how the weights split over the mesh: no batch or policy
+    check_shapes(request, Platform.found(request))  # changes it, so once, before any compile
     rows, refused = [], set()
     for remat in remats:
         for batch in batches:

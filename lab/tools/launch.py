@@ -45,6 +45,8 @@ import threading
 import time
 from pathlib import Path
 
+import jax
+
 from lab import checkpoint, loop, rundir
 from lab.config import cli, field, make_config, stamped_name
 from lab.devices import PARENT_DEATH_SIGNAL, STOP_LINE
@@ -132,6 +134,9 @@ def check(processes: int, keys: dict) -> dict:
             f"{default}: every process must hold the same number of devices"
         )
     if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":  # the children's platform, known
+        # the weights' split is traced on the model's shapes in this process: on the CPU the
+        # children use, never on an accelerator here that they leave alone
+        jax.config.update("jax_platforms", "cpu")
         check_on_cpu(Request.of(**asked), devices)  # every process would refuse it alike
     writable_dir(cfg.out_dir)  # refused here, not by one process while the others wait for it
     name = keys.get("name") or stamped_name("launch", cfg.mesh)
