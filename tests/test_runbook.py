@@ -337,6 +337,12 @@ def test_tune_step_row_names_a_candidate_within_the_bests_noise(tmp_path):
         "best remat=none batch 2: 6.4 ktokens/s "
         "(the p10–p90 ranges overlap: remat=full batch 2 is as good)"
     ), measured
+    recs.append(rec("dots", 6000.0, 0.0107, 0.0095, 0.0125))  # a third within the noise
+    assert rows.headline("tune-step", recs, tmp_path)[0] == (
+        "best remat=none batch 2: 6.4 ktokens/s (the p10–p90 ranges overlap: 2 others are "
+        "as good: remat=dots batch 2, remat=full batch 2)"
+    )
+    recs = recs[:2]
     recs[1] = rec("full", 4923.0, 0.013, 0.0125, 0.014)  # apart from the best
     assert rows.headline("tune-step", recs, tmp_path)[0] == "best remat=none batch 2: 6.4 ktokens/s"
 

@@ -97,9 +97,13 @@ def tune_step(records: Sequence[dict], folder: Path) -> tuple[str, str]:
         if r is not best and None not in (spans[id(r)], spans[id(best)])
         if ranges_overlap([spans[id(r)], spans[id(best)]])
     ]
-    if tied:  # the medians' order alone named the best
-        other = max(tied, key=lambda r: r["value"])["config"]
-        text += f" ({NOISE}: remat={other['remat']} batch {other['batch']} is as good)"
+    if tied:  # the medians' order alone named the best: every one as good is named
+        tied.sort(key=lambda r: r["value"], reverse=True)
+        names = [f"remat={r['config']['remat']} batch {r['config']['batch']}" for r in tied]
+        if len(names) == 1:
+            text += f" ({NOISE}: {names[0]} is as good)"
+        else:
+            text += f" ({NOISE}: {len(names)} others are as good: {', '.join(names)})"
     return text, ""
 
 

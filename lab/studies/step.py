@@ -233,19 +233,36 @@ def best(rows: list[StepCandidate]) -> StepCandidate | None:
     return max(ran, key=lambda r: r.tokens_per_s) if ran else None
 
 
-def as_good(rows: list[StepCandidate], top: StepCandidate | None) -> StepCandidate | None:
-    """The next best by median tokens/s among the candidates whose p10–p90 range of tokens/s
-    overlaps the best's: within the run's noise, as good as `top`; None when every other is
-    apart from it (or none ran)."""
+def as_good(rows: list[StepCandidate], top: StepCandidate | None) -> list[StepCandidate]:
+    """Every other candidate whose p10–p90 range of tokens/s overlaps the best's: within the
+    run's noise, as good as `top`; by median tokens/s, highest first; empty when every other
+    is apart from it (or none ran)."""
     if top is None or not top.p10_s or not top.p90_s:
-        return None
+        return []
     tied = [
         r
         for r in rows
         if r.ran and r is not top and r.p10_s and r.p90_s
         if ranges_overlap([_tokens_span(r), _tokens_span(top)])
     ]
-    return max(tied, key=lambda r: r.tokens_per_s) if tied else None
+    return sorted(tied, key=lambda r: r.tokens_per_s, reverse=True)
+
+
+def best_record(top: StepCandidate, tied: list[StepCandidate], keys: dict) -> dict:
+    """The search's choice (derived from the candidates' measured times): the best's tokens/s,
+    its remat and batch, and `within_noise_of`: every candidate as good within the run's noise
+    (`as_good`), empty where none is."""
+    return rec.make_record(
+        "tune_step best tokens/s",
+        top.tokens_per_s,
+        "tokens/s",
+        label="derived",
+        experiment="tune_step",
+        keys=keys,
+        remat=top.remat,
+        batch=top.batch,
+        within_noise_of=[dict(remat=r.remat, batch=r.batch) for r in tied],
+    )
 
 
 def _tokens_span(r: StepCandidate) -> tuple[float, float]:

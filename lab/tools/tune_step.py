@@ -54,19 +54,31 @@ def run(o: Options, keys: dict) -> int:
     if top is not None and top.peak_flops:
         con.print(f"MFU against {top.peak_flops / 1e9:,.1f} GFLOP/s: {top.peak_source}")
     flush()
+    if top is not None:
+        rec.write_records(stem().with_suffix(".jsonl"), step.best_record(top, tied, keys))
     con.print(f"records → {stem().with_suffix('.jsonl')}", soft_wrap=True)
     if top is None:
         # as lab.run's step that does not fit: the request, not the run, is at fault (exit 2)
         raise ConfigError("no candidate fits this device: try more devices or a smaller model")
     best = key_args({**keys, "remat": top.remat, "batch_size": top.batch})
     con.print(f"best: python -m lab.run {' '.join(best)}", soft_wrap=True)
-    if tied is not None:  # the medians name one; the spread says the other may be as good
-        con.print(
-            f"within this run's noise ({NOISE}): remat={tied.remat} batch_size={tied.batch} "
-            "is as good; the best is named for its higher median, and a rerun may name the other",
-            soft_wrap=True,
-        )
+    if tied:  # the medians name one; the spread says the others may be as good
+        con.print(noise_line(tied), soft_wrap=True)
     return 0
+
+
+def noise_line(tied: list) -> str:
+    """The closing line for the candidates as good as the best within the run's noise: each
+    one named (with their count where more than one)."""
+    names = [f"remat={r.remat} batch_size={r.batch}" for r in tied]
+    if len(names) == 1:
+        who, other = f"{names[0]} is as good", "the other"
+    else:
+        who, other = f"{len(names)} others are as good ({', '.join(names)})", "any of them"
+    return (
+        f"within this run's noise ({NOISE}): {who}; the best is named for its higher median, "
+        f"and a rerun may name {other}"
+    )
 
 
 def main(argv=None) -> int:

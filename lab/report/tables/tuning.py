@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from rich.table import Table
+from rich.text import Text
 
 from lab.measure.toolchain import Toolchain
 from lab.measure.tuning import Stage, StaticPass, StepCandidate
@@ -82,30 +83,33 @@ def tune_step(
     rows: list[StepCandidate],
     top: StepCandidate | None,
     title: str,
-    tied: StepCandidate | None = None,
+    tied: list[StepCandidate] = (),
 ) -> Table:
     """lab.tools.tune_step: every (remat, batch) with its compiled memory and, where it ran,
-    step time, tokens/s and MFU; the best one marked, with the candidate as good as it
-    within the run's noise (their p10–p90 ranges overlap) where there is one."""
-    t = Table(title=title)
+    step time, tokens/s and MFU; the best one marked, and those as good as it within the
+    run's noise (their p10–p90 ranges overlap). A skipped candidate's step says "skipped [n]"
+    and the caption gives note n, its reason (one note per reason, however many it skips):
+    a reason in the column made the table as wide as the console, each row lines deep."""
+    t = Table(title=title, caption_justify="left")
     cols = ("remat", "batch", "compiled MiB/device", "step", "p10–p90", "tokens/s", "MFU", "")
     for col in cols:
         t.add_column(col, justify="right")
+    notes: dict[str, int] = {}  # reason → its number
     for r in rows:
         spread = f"{duration(r.p10_s)}–{duration(r.p90_s)}" if r.p10_s and r.p90_s else ""
+        if not r.ran:
+            n = notes.setdefault(r.skipped, len(notes) + 1)
+        mark = "← best" if r is top else ("within noise" if any(r is x for x in tied) else "")
         t.add_row(
             r.remat,
             str(r.batch),
             mib(r.memory_bytes, 0) if r.memory_bytes else "–",
-            duration(r.step_s) if r.ran else f"skipped: {r.skipped}",
+            duration(r.step_s) if r.ran else f"skipped [{n}]",
             spread,
             f"{r.tokens_per_s:,.0f}" if r.ran else "",
             percent(r.mfu) if r.mfu is not None else "",
-            "← best" if r is top else "",
+            mark,
         )
-    if top is not None and tied is not None:
-        t.caption = (
-            f"remat={tied.remat} batch {tied.batch} is as good as the best within this run's "
-            f"noise ({NOISE}); the best has the higher median, and a rerun may name either"
-        )
+    if notes:
+        t.caption = Text("\n".join(f"[{n}] skipped: {why}" for why, n in notes.items()))
     return t
