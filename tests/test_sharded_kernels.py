@@ -203,6 +203,24 @@ def test_collective_matmul_command(capsys, tmp_path):
     assert "GiB, and 8 simulated devices share" in capsys.readouterr().err
 
 
+def test_collective_matmul_command_says_where_it_is_and_that_the_host_is_busy(
+    capsys, tmp_path, monkeypatch
+):
+    """It was silent for ~9 s (two compiles, then the timing): a line as each part starts,
+    and, as every timing tool, a note before it times on a busy host."""
+    from lab.measure import records
+    from lab.tools import collective_matmul
+
+    monkeypatch.setattr(records, "busy_host", lambda: (3.5, 2))
+    argv = ["mesh=2x4", "size=64", "budget=0.01", f"out_dir={tmp_path}"]
+    assert collective_matmul.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "host load average 3.5 on 2 cores: other work shares them" in out, out
+    for i, part in enumerate(["checking the ring", "checking all-gather", "timing both"]):
+        assert part in out and f"({i}/3 done" in out, out
+    assert out.index("host load") < out.index("checking the ring") < out.index("max |ring")
+
+
 @pytest.mark.parametrize("impl", ["blockwise", "cpu_flash"])
 def test_the_kernels_run_inside_a_users_checked_shard_map(impl):
     """Called inside shard_map(check_vma=True) with per-device segment ids: the loop carries

@@ -44,13 +44,39 @@ def run(o: Options) -> int:
     # per device: x and w's shards, the gathered x (n × n), the output and the reference's
     memory.check_fits("the product's inputs and outputs", 4 * n * n * (3 + 2 / W), f"size={n}")
     records.writable_dir(o.out_dir)  # refused before the work
-    x, w = timing.random_inputs(0, [(n, n), (n, n)])
+    con = progress.console()
+    if busy := records.busy_note():
+        con.print(f"[yellow]{busy}")
+    with progress.counted(con, "collective matmul", 3) as tick:  # compiles take most of it
+        results, errors = _measure(o, mesh, tick)
+    env = records.environment()
+    sim = " (simulated devices: one host, no link to hide)" if env["backend"] == "cpu" else ""
+    title = f"{n}×{n}×{n} over {o.axis}={mesh.shape[o.axis]} on {env['device_kind']}{sim}"
+    con.print(tables.step_compare(results, title))
+    err, err_gathered = errors["collective matmul (ring)"], errors["all-gather then matmul"]
+    con.print(
+        f"max |ring - jnp| = {err:.1e}, max |all-gather then matmul - jnp| = {err_gathered:.1e}"
+    )
+    config = dict(op="collective matmul", size=n, axis=o.axis, mesh=dict(mesh.shape))
+    config["simulated_devices"] = bool(sim)
+    stem = records.output_stem(o.out_dir, "collective-matmul")
+    path = records.write_records(stem.with_suffix(".jsonl"), _records(results, errors, config))
+    con.print(f"records → {path}", soft_wrap=True)
+    return 0
+
+
+def _measure(o: Options, mesh, tick) -> tuple:
+    """Both products checked against plain jnp, then timed alternately: (the comparison,
+    each one's largest absolute error); `tick(label)` as each of the three parts starts."""
+    x, w = timing.random_inputs(0, [(o.size, o.size), (o.size, o.size)])
+    tick("compiling and checking the ring against jnp")
     try:
         got = cm.collective_matmul(x, w, mesh=mesh, axis=o.axis)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     ref = np.asarray(cm.matmul_reference(x, w))
     err = float(np.abs(np.asarray(got) - ref).max())
+    tick("compiling and checking all-gather then matmul")
     gathered = cm.gathered_matmul(x, w, mesh=mesh, axis=o.axis)
     err_gathered = float(np.abs(np.asarray(gathered) - ref).max())
     impls = {
@@ -61,22 +87,10 @@ def run(o: Options) -> int:
             functools.partial(cm.gathered_matmul, mesh=mesh, axis=o.axis)
         ),
     }
+    tick(f"timing both alternately for {o.budget:g} s each")
     results = timing.comparison(impls, x, w, baseline="all-gather then matmul", budget_s=o.budget)
-    env = records.environment()
-    sim = " (simulated devices: one host, no link to hide)" if env["backend"] == "cpu" else ""
-    title = f"{n}×{n}×{n} over {o.axis}={mesh.shape[o.axis]} on {env['device_kind']}{sim}"
-    con = progress.console()
-    con.print(tables.step_compare(results, title))
-    con.print(
-        f"max |ring - jnp| = {err:.1e}, max |all-gather then matmul - jnp| = {err_gathered:.1e}"
-    )
-    config = dict(op="collective matmul", size=n, axis=o.axis, mesh=dict(mesh.shape))
-    config["simulated_devices"] = bool(sim)
     errors = {"collective matmul (ring)": err, "all-gather then matmul": err_gathered}
-    stem = records.output_stem(o.out_dir, "collective-matmul")
-    path = records.write_records(stem.with_suffix(".jsonl"), _records(results, errors, config))
-    con.print(f"records → {path}", soft_wrap=True)
-    return 0
+    return results, errors
 
 
 def _records(results, errors: dict, config: dict) -> list[dict]:
