@@ -12,7 +12,7 @@
    a pairwise-covering set: every pair of two axes' levels appears at least once, in 6 of the
    24 combinations of the full product (each takes seconds in the interpreter). Dropped: the
    18 others, e.g. causal-r1-f16-K128, each of whose pairs runs in another case. One case also
-   runs one compute warpgroup with three stages of 128-key tiles.
+   runs one compute warpgroup with three stages of 128-key tiles (one in the backward).
 2. Compiled deviceless for sm_90a (both legs, needs the gpu-plan extra): forward and backward,
    zero spill bytes and shared memory within an H100 block's limit, read from Mosaic's own
    ptxas run and launch (lab/plans/resources.py). Two of the four (head_dim × dtype × causal)
@@ -85,21 +85,28 @@ class Case:
 
     def __str__(self):
         mask = "causal" if self.causal else "full"
-        tiles = "" if self.block_sizes == TILES else "-w1-3stages-bk128"
+        tiles = "" if self.block_sizes == TILES else "-w1-3stages-bwd1stage"
         return f"{mask}-r{self.ratio}-{self.dtype}-L{self.L}-S{self.S}-K{self.head_dim}{tiles}"
 
 
 # Pairwise covering: per ratio, two complementary (causal, dtype, head_dim) rows; across ratios
 # every (causal, dtype), (causal, head_dim) and (dtype, head_dim) pair occurs. Two rows also
 # carry a variant: queries shorter than keys (the bottom-right causal mask, 40 and 200: neither
-# a tile multiple), and one compute warpgroup with three stages of 128-key tiles.
+# a tile multiple), and one compute warpgroup with three stages of 128-key tiles in the
+# forward and one in the backward kernels (their own depth).
 PAIRWISE = [
     Case(True, 1, "bfloat16", 64, L=40, S=200),
     Case(False, 1, "float16", 128),
     Case(True, 2, "float16", 128),
     Case(False, 2, "bfloat16", 64),
     Case(True, 4, "bfloat16", 128),
-    Case(False, 4, "float16", 64, block_sizes=pallas_mgpu.BlockSizes(compute_wgs=1, max_stages=3)),
+    Case(
+        False,
+        4,
+        "float16",
+        64,
+        block_sizes=pallas_mgpu.BlockSizes(compute_wgs=1, max_stages=3, max_stages_bwd=1),
+    ),  # fmt: skip
 ]
 
 
@@ -369,6 +376,7 @@ def test_bad_input_names_the_constraint(args, causal, needle):
         ({"block_k_dq": 320}, "block_k_dq=320: must be a multiple of 64 and <= 256"),
         ({"compute_wgs": 3}, "compute_wgs=3: must be 1 or 2"),
         ({"max_stages": 0}, "max_stages=0: must be an int in 1..4"),
+        ({"max_stages_bwd": 5}, "max_stages_bwd=5: must be an int in 1..4"),
     ],
 )
 def test_block_sizes_validate_themselves(kwargs, needle):
@@ -610,6 +618,29 @@ def test_training_plan_on_h100_lists_the_mosaic_kernels(tmp_path, capsys):
         if "mgpu" in k["name"]
     }
     _assert_fits_h100(kernels)
+
+
+@needs_plugin
+def test_tuner_static_pass_judges_a_backward_depth_on_the_backward_kernels():
+    """The backward stage's depth is the dQ and dK/dV kernels' own (`max_stages_bwd`): three
+    slots of 64-row tiles fit them at head_dim 128 while the forward keeps its two slots of
+    128-key tiles. With one count for all three kernels, the candidate made the forward take
+    three slots too (265,328 B of shared memory > 232,448) and was dropped for the forward's
+    sake, a kernel the backward stage does not tune."""
+    from lab.studies import tune
+
+    search = tune.Search(
+        head_dim=128, seqs=(512,), causal=(True,), batch=1, heads=2, kv_heads=1,
+        static="gpu:h100:1", kernel="pallas_mgpu",
+    )  # fmt: skip
+    base = tune.default_block_sizes("pallas_mgpu", 128)
+    deeper = dataclasses.replace(base, **tune._mgpu_bwd(64, 3))
+    assert (deeper.max_stages, deeper.bwd_stages) == (2, 3)
+    static = tune.static_filter([deeper], search, "fwd+bwd")
+    assert not static.dropped, static.dropped
+    kernels = [r for r in static.records() if r["what"] == "tune kernel registers"]
+    names = {r["config"]["kernel"] for r in kernels if "mgpu" in r["config"]["kernel"]}
+    assert any("fwd" in n for n in names) and len(names) >= 3, names  # dQ and dK/dV compiled
 
 
 @needs_plugin

@@ -20,8 +20,9 @@ its reason and never chosen.
 
 The Mosaic GPU kernel (`kernel=pallas_mgpu`, Hopper) has two stages, forward and backward:
 its space is the streamed tile (block_k of the forward, the key tile of dQ and the query tile of
-dK/dV), the pipeline depth (`max_stages`, shared-memory slots the TMA producer runs ahead by)
-and the compute warpgroups per CTA; each warpgroup's own tile stays 64 rows (one wgmma M).
+dK/dV), the pipeline depth (shared-memory slots the TMA producer runs ahead by: `max_stages`
+in the forward, `max_stages_bwd` in the backward kernels, so that each stage tunes its own
+kernels) and the compute warpgroups per CTA; each warpgroup's own tile stays 64 rows (one wgmma M).
 
 Output: every candidate's records in `results/tune-<backend>-<time>.jsonl`, a table per stage,
 and with `write=true` the winner per head_dim in `tuned/<gpu>.json` (`tuned/<gpu>-mgpu.json`
@@ -111,7 +112,7 @@ MGPU_FWD_SPACE = {
 
 def _mgpu_bwd(b: int, st: int) -> dict:
     """dQ: key tiles of `b` streamed past 64-row query tiles; dK/dV: query tiles of `b`."""
-    return dict(block_k_dq=b, block_q_dkv=b, max_stages=st)
+    return dict(block_k_dq=b, block_q_dkv=b, max_stages_bwd=st)
 
 
 MGPU_BWD_SPACE = {

@@ -4,9 +4,10 @@ Every kernel is one CTA of `compute_wgs` compute warpgroups plus one producer wa
 (warp specialisation, `plgpu.kernel(num_threads=compute_wgs + 1)`):
 
 - the producer issues TMA copies (`copy_gmem_to_smem`) of the streamed tiles into a ring of
-  `max_stages` shared-memory slots; a slot's "loaded" barrier completes when its bytes land,
-  and the producer refills the slot only after every compute warpgroup arrived on its "free"
-  barrier (a multi-stage pipeline with the copy engine running ahead of the tensor cores);
+  `max_stages` shared-memory slots (`max_stages_bwd` in dQ and dK/dV); a slot's "loaded"
+  barrier completes when its bytes land, and the producer refills the slot only after every
+  compute warpgroup arrived on its "free" barrier (a multi-stage pipeline with the copy
+  engine running ahead of the tensor cores);
 - each compute warpgroup owns one 64-row tile (query rows in the forward and dQ kernels, key
   rows in the dK/dV kernel) that it loaded once by TMA, and runs `wgmma` on the streamed tiles
   with operands in swizzled shared memory and accumulators in registers.
@@ -173,6 +174,10 @@ class BlockSizes:
     block_k_dkv: int = 64  # dK/dV kernel: key rows per compute warpgroup
     compute_wgs: int = 2  # compute warpgroups per CTA (each owns one tile), plus one producer
     max_stages: int = 2  # shared-memory slots of the streamed tiles (TMA runs this far ahead)
+    # the dQ and dK/dV kernels' slots (None: max_stages). Their own, so that the backward's
+    # depth is tuned apart from the forward's: one shared count let a backward candidate's
+    # depth overflow the forward's shared memory (D=128: 3 slots of 128-key tiles do not fit)
+    max_stages_bwd: int | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -188,8 +193,17 @@ class BlockSizes:
                 )
         if self.compute_wgs not in (1, 2):
             raise ValueError(f"BlockSizes.compute_wgs={self.compute_wgs!r}: must be 1 or 2")
-        if not isinstance(self.max_stages, int) or not 1 <= self.max_stages <= 4:
-            raise ValueError(f"BlockSizes.max_stages={self.max_stages!r}: must be an int in 1..4")
+        for name in ("max_stages", "max_stages_bwd"):
+            value = getattr(self, name)
+            if name == "max_stages_bwd" and value is None:
+                continue
+            if not isinstance(value, int) or not 1 <= value <= 4:
+                raise ValueError(f"BlockSizes.{name}={value!r}: must be an int in 1..4")
+
+    @property
+    def bwd_stages(self) -> int:
+        """The backward kernels' shared-memory slots."""
+        return self.max_stages if self.max_stages_bwd is None else self.max_stages_bwd
 
 
 # Per head_dim defaults (the smem and register budgets differ); a tuner may replace them.
@@ -1131,7 +1145,7 @@ def _backward(q, k, v, lse, do, delta_BxHxL, plan, masks=((), ())):
     segs = int(plan.mp is not None and plan.mp.segments)
 
     gq = plan.dq
-    stages = min(bs.max_stages, gq.n_k)
+    stages = min(bs.bwd_stages, gq.n_k)
     n_cta = -(-gq.n_q // W)
     Lp, Sp = n_cta * W * gq.bq, gq.n_k * gq.bk
     args = (
@@ -1179,7 +1193,7 @@ def _backward(q, k, v, lse, do, delta_BxHxL, plan, masks=((), ())):
     dq = jnp.concatenate(parts, axis=-1)[:, :L] if len(parts) > 1 else parts[0][:, :L]
 
     gk = plan.dkv
-    stages = min(bs.max_stages, gk.R * gk.n_q)
+    stages = min(bs.bwd_stages, gk.R * gk.n_q)
     n_cta = -(-gk.n_k // W)
     Lp, Sp = gk.n_q * gk.bq, n_cta * W * gk.bk
     widths = {"dk": K, "dv": V}
