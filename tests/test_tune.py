@@ -358,24 +358,55 @@ def test_a_best_within_noise_of_the_runner_up_says_so_in_table_and_record(tmp_pa
     from lab.report import tables
 
     tied = _stage(((0.9, 1.1), (1.0, 1.2), (1.4, 1.6)))
-    assert tied.runner_up == 1 and tied.within_noise_of == 1
+    assert tied.within_noise_of == [1]
     console = Console(width=200, record=True)
     console.print(tables.tune_stage(tied, "xla"))
     text = console.export_text()
     assert "← chosen (within noise of block_q=32)" in text, text
     assert "the p10–p90 ranges overlap" in text and "0.900x–1.100x" in text, text
+    assert "a rerun may name either" in " ".join(text.split()), text
     r = tied.record(baseline="xla")
     assert r["label"] == "derived" and r["value"] == 1.0
-    assert r["config"]["within_noise_of"]["block_q"] == 32
+    assert [c["block_q"] for c in r["config"]["within_noise_of"]] == [32]
     assert r["config"]["candidate"]["block_q"] == 16
 
     clear = _stage(((0.9, 0.95), (1.0, 1.2), (1.4, 1.6)))
-    assert clear.within_noise_of is None and clear.record()["config"]["within_noise_of"] is None
+    assert clear.within_noise_of == [] and clear.record()["config"]["within_noise_of"] == []
     console = Console(width=200, record=True)
     console.print(tables.tune_stage(clear, "xla"))
     assert "within noise" not in console.export_text()
-    # a rejected runner-up is no rival: the next finite score is
-    assert _stage(((0.9, 1.1), None, (1.0, 1.2)), (1.0, float("inf"), 1.1)).within_noise_of == 2
+    # a rejected candidate is no rival: the next finite score is
+    assert _stage(((0.9, 1.1), None, (1.0, 1.2)), (1.0, float("inf"), 1.1)).within_noise_of == [2]
+
+
+def test_every_candidate_within_noise_of_the_chosen_is_named_not_only_the_runner_up():
+    """The runner-up (1.2) is apart from the chosen, but the third (1.3, a wide span) overlaps
+    it: the stage names the third, and where both overlap, both with their count."""
+    from rich.console import Console
+
+    from lab.report import tables
+
+    third = _stage(((0.9, 1.1), (1.15, 1.25), (1.0, 1.6)), (1.0, 1.2, 1.3))
+    assert third.within_noise_of == [2]
+    assert [c["block_q"] for c in third.record()["config"]["within_noise_of"]] == [64]
+
+    both = _stage(((0.9, 1.1), (1.05, 1.25), (1.0, 1.6)), (1.0, 1.2, 1.3))
+    assert both.within_noise_of == [1, 2]
+    assert [c["block_q"] for c in both.record()["config"]["within_noise_of"]] == [32, 64]
+    console = Console(width=240, record=True)
+    console.print(tables.tune_stage(both, "xla"))
+    text = console.export_text()
+    assert "within noise of 2 others (block_q=32, block_q=64)" in text, text
+    assert "a rerun may name any of them" in " ".join(text.split()), text
+    assert tables.tied_text(both, both.within_noise_of) == "2 others (block_q=32, block_q=64)"
+
+
+def test_one_overlap_helper_names_the_ties_of_both_tuners():
+    from lab.measure.tuning import within_noise
+
+    assert within_noise([(0.9, 1.1), (1.15, 1.25), (1.0, 1.6), None], 0) == [2]
+    assert within_noise([(1.0, 2.0), (2.0, 3.0)], 0) == [1]  # a shared end is a shared point
+    assert within_noise([None, (1.0, 2.0)], 0) == []
 
 
 def test_a_stage_records_its_choice_from_the_timed_spans():

@@ -13,6 +13,21 @@ import dataclasses
 from lab.measure import records as rec
 
 
+def within_noise(spans, best: int) -> list[int]:
+    """The indices of every span (low, high) other than `best`'s that shares a point with it:
+    within the run's noise of the best, so a rerun may rank them either way. A None span (not
+    timed) overlaps nothing. Both tuners name their ties with this (the attention tile
+    search's stages here, lab.studies.step.as_good for tune_step)."""
+    if best >= len(spans) or spans[best] is None:
+        return []
+    lo, hi = spans[best]
+    return [
+        i
+        for i, s in enumerate(spans)
+        if i != best and s is not None and max(lo, s[0]) <= min(hi, s[1])
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCandidate:
     """One (remat, batch) of lab.run's step: its compiled memory and, where it fits and ran,
@@ -72,28 +87,17 @@ class Stage:
         return self.candidates[self.best]
 
     @property
-    def runner_up(self) -> int | None:
-        """Index of the second-lowest finite score, or None where only one was scored."""
-        rest = [i for i, x in enumerate(self.scores) if i != self.best and x < float("inf")]
-        return min(rest, key=lambda i: self.scores[i]) if rest else None
-
-    @property
-    def within_noise_of(self) -> int | None:
-        """The runner-up where its p10–p90 span overlaps the chosen one's: the medians'
-        order alone named the best, and a rerun may name either; else None."""
-        other = self.runner_up
-        if other is None or len(self.spans) <= max(other, self.best):
-            return None
-        a, b = self.spans[self.best], self.spans[other]
-        if a is None or b is None:
-            return None
-        return other if max(a[0], b[0]) <= min(a[1], b[1]) else None
+    def within_noise_of(self) -> list[int]:
+        """Every other scored candidate whose p10–p90 span overlaps the chosen one's: the
+        medians' order alone named the best, and a rerun may name any of them; by score,
+        lowest first; empty where every other is apart from it (or was not timed)."""
+        tied = within_noise(self.spans, self.best) if len(self.spans) == len(self.scores) else []
+        return sorted(tied, key=lambda i: self.scores[i])
 
     def record(self, **config) -> dict:
         """The stage's choice as a record (derived from the timed ratios): its score, the
-        candidate, and `within_noise_of` (the runner-up's fields where the two are within
-        the run's noise, else None)."""
-        tie = self.within_noise_of
+        candidate, and `within_noise_of`: the fields of every candidate within the run's
+        noise of it, lowest score first; empty where none is."""
         return rec.make_record(
             "tune stage best score",
             self.best_score,
@@ -103,7 +107,7 @@ class Stage:
             mode=self.mode,
             candidate=dataclasses.asdict(self.chosen),
             span=list(self.spans[self.best]) if self.spans and self.spans[self.best] else None,
-            within_noise_of=None if tie is None else dataclasses.asdict(self.candidates[tie]),
+            within_noise_of=[dataclasses.asdict(self.candidates[i]) for i in self.within_noise_of],
             **config,
         )
 

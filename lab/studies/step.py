@@ -28,9 +28,9 @@ from lab.data import host_batch, to_global
 from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.measure.timing import Comparison, bench, comparison, threaded
-from lab.measure.tuning import StepCandidate
+from lab.measure.tuning import StepCandidate, within_noise
 from lab.model import build
-from lab.report.format import key_args, ranges_overlap
+from lab.report.format import key_args
 from lab.resolve import Platform, Request, check_shapes
 from lab.session import Session, open_session
 from lab.train import cross_entropy, make_optimizer
@@ -239,12 +239,9 @@ def as_good(rows: list[StepCandidate], top: StepCandidate | None) -> list[StepCa
     is apart from it (or none ran)."""
     if top is None or not top.p10_s or not top.p90_s:
         return []
-    tied = [
-        r
-        for r in rows
-        if r.ran and r is not top and r.p10_s and r.p90_s
-        if ranges_overlap([_tokens_span(r), _tokens_span(top)])
-    ]
+    timed = [r for r in rows if r.ran and r.p10_s and r.p90_s and r is not top]
+    spans = [_tokens_span(r) for r in (top, *timed)]
+    tied = [timed[i - 1] for i in within_noise(spans, 0)]
     return sorted(tied, key=lambda r: r.tokens_per_s, reverse=True)
 
 

@@ -237,8 +237,8 @@ def run(o: Options) -> int:
             con.print(tables.tune_stage(stage, summary.baseline))
         tiles = " ".join(f"{f.name}={getattr(best, f.name)}" for f in dataclasses.fields(best))
         last, noise = summary.stages[-1], ""
-        if last.within_noise_of is not None:
-            noise = f", within noise of {tables.candidate_text(last, last.within_noise_of)}"
+        if last.within_noise_of:
+            noise = f", within noise of {tables.tied_text(last, last.within_noise_of)}"
         took = time.perf_counter() - t0
         con.print(f"head_dim {search.head_dim}: best {tiles}{noise} ({took:.0f} s)")
         if o.write:

@@ -45,7 +45,7 @@ from lab.report.tables.serving import (
     serving_summary,
 )
 from lab.report.tables.steps import step_compare
-from lab.report.tables.tuning import candidate_text, static_pass, tune_stage, tune_step
+from lab.report.tables.tuning import candidate_text, static_pass, tied_text, tune_stage, tune_step
 
 __all__ = [
     "GIB",
@@ -83,6 +83,7 @@ __all__ = [
     "step_compare",
     "toolchain_line",
     "top_ops_line",
+    "tied_text",
     "tune_stage",
     "tune_step",
     "verdicts",

@@ -23,29 +23,37 @@ def _varying_fields(candidates) -> list[str]:
 
 def tune_stage(stage: Stage, baseline: str) -> Table:
     """One stage of the tile search: every candidate's score and its p10–p90 span, best
-    first; where the runner-up's span overlaps the chosen one's, the chosen row and the
-    caption say it is within noise of it (a rerun may name either)."""
+    first; where other candidates' spans overlap the chosen one's, the chosen row and the
+    caption name them (their count where several): a rerun may name any of them."""
     t = Table(title=f"stage {stage.stage} ({stage.mode}): geometric-mean time / {baseline}")
     fields = _varying_fields(stage.candidates)
     for col in (*fields, f"vs {baseline}", "p10–p90", ""):
         t.add_column(col, justify="right")
-    tie = stage.within_noise_of
+    tied = stage.within_noise_of
     for i in sorted(range(len(stage.candidates)), key=lambda i: stage.scores[i]):
         c = dataclasses.asdict(stage.candidates[i])
         score = stage.scores[i]
         span = stage.spans[i] if i < len(stage.spans) else None
         mark = "← chosen" if i == stage.best else ""
-        if i == stage.best and tie is not None:
-            mark += f" (within noise of {candidate_text(stage, tie)})"
+        if i == stage.best and tied:
+            mark += f" (within noise of {tied_text(stage, tied)})"
         t.add_row(
             *(str(c[f]) for f in fields),
             ratio(score, 3) if math.isfinite(score) else "rejected",
             f"{ratio(span[0], 3)}–{ratio(span[1], 3)}" if span else "",
             mark,
         )
-    if tie is not None:
-        t.caption = f"the chosen and {candidate_text(stage, tie)}: {NOISE}; a rerun may name either"
+    if tied:
+        other = "either" if len(tied) == 1 else "any of them"
+        t.caption = f"the chosen and {tied_text(stage, tied)}: {NOISE}; a rerun may name {other}"
     return t
+
+
+def tied_text(stage: Stage, tied: list[int]) -> str:
+    """The candidates within noise of the chosen one: 'block_q=32', or with their count where
+    several: '2 others (block_q=32, block_q=64)'."""
+    names = [candidate_text(stage, i) for i in tied]
+    return names[0] if len(names) == 1 else f"{len(names)} others ({', '.join(names)})"
 
 
 def candidate_text(stage: Stage, i: int) -> str:
