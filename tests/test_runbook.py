@@ -347,6 +347,36 @@ def test_tune_step_row_names_a_candidate_within_the_bests_noise(tmp_path):
     assert rows.headline("tune-step", recs, tmp_path)[0] == "best remat=none batch 2: 6.4 ktokens/s"
 
 
+def test_tune_step_row_reads_the_ties_from_the_best_record_where_it_has_them(tmp_path):
+    """tune_step's `tune_step best tokens/s` record names the candidates as good as the best
+    (`within_noise_of`): the row takes them from it rather than from the spans, which older
+    record files without that field still fall back on (the test above)."""
+
+    def rec(remat, tokens_per_s, step_s, p10_s, p90_s):
+        config = {"remat": remat, "batch": 2, "step_s": step_s, "p10_s": p10_s, "p90_s": p90_s}
+        return {"what": "training tokens/s", "value": tokens_per_s, "unit": "tokens/s",
+                "config": config}  # fmt: skip
+
+    # by the spans, full is apart from the best; the record (the tuner's word) says it is not
+    recs = [rec("none", 6400.0, 0.010, 0.009, 0.012), rec("full", 4923.0, 0.013, 0.0125, 0.014)]
+    best = {"what": "tune_step best tokens/s", "value": 6400.0, "unit": "tokens/s",
+            "config": {"remat": "none", "batch": 2,
+                       "within_noise_of": [{"remat": "full", "batch": 2}]}}  # fmt: skip
+    assert rows.headline("tune-step", [*recs, best], tmp_path)[0] == (
+        "best remat=none batch 2: 6.4 ktokens/s "
+        "(the p10–p90 ranges overlap: remat=full batch 2 is as good)"
+    )
+    best["config"]["within_noise_of"] = []  # the record says none is, though spans might
+    recs[1] = rec("full", 5818.0, 0.011, 0.0095, 0.013)
+    assert rows.headline("tune-step", [*recs, best], tmp_path)[0] == (
+        "best remat=none batch 2: 6.4 ktokens/s"
+    )
+    del best["config"]["within_noise_of"]  # an older record file: recomputed from the spans
+    assert rows.headline("tune-step", [*recs, best], tmp_path)[0].endswith(
+        "remat=full batch 2 is as good)"
+    )
+
+
 def test_the_training_steps_row_says_its_pick_crosses_tune_step_processes(tmp_path):
     """The tune-step-* steps time in processes of their own, minutes apart: a pick across
     them is not one run's comparison, and the training step's log line and row say so."""

@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from lab.measure.tuning import within_noise
 from lab.report.format import NA, NOISE, OVERLAP, duration, fmt, ranges_overlap
 
 PREDICTED_NOTE = (
@@ -90,21 +91,30 @@ def tune_step(records: Sequence[dict], folder: Path) -> tuple[str, str]:
     best = max(rows, key=lambda r: r["value"])
     c = best["config"]
     text = f"best remat={c['remat']} batch {c['batch']}: {_fmt(best)}"
-    spans = {id(r): _tokens_span(r) for r in rows}
-    tied = [
-        r
-        for r in rows
-        if r is not best and None not in (spans[id(r)], spans[id(best)])
-        if ranges_overlap([spans[id(r)], spans[id(best)]])
-    ]
-    if tied:  # the medians' order alone named the best: every one as good is named
-        tied.sort(key=lambda r: r["value"], reverse=True)
-        names = [f"remat={r['config']['remat']} batch {r['config']['batch']}" for r in tied]
-        if len(names) == 1:
-            text += f" ({NOISE}: {names[0]} is as good)"
-        else:
-            text += f" ({NOISE}: {len(names)} others are as good: {', '.join(names)})"
+    names = [f"remat={t['remat']} batch {t['batch']}" for t in _as_good(records, rows, best)]
+    if len(names) == 1:  # the medians' order alone named the best: every one as good is named
+        text += f" ({NOISE}: {names[0]} is as good)"
+    elif names:
+        text += f" ({NOISE}: {len(names)} others are as good: {', '.join(names)})"
     return text, ""
+
+
+def _as_good(records: Sequence[dict], rows: list[dict], best: dict) -> list[dict]:
+    """The remat and batch of every candidate within the run's noise of the best, highest
+    tokens/s first: as tune_step's `tune_step best tokens/s` record names them (its
+    `within_noise_of`); recomputed from the candidates' spans only for records written
+    before that record carried them."""
+    c = best["config"]
+    for r in reversed(_what(records, "tune_step best tokens/s")):
+        rc = r["config"]
+        if (rc.get("remat"), rc.get("batch")) == (c["remat"], c["batch"]):
+            if isinstance(rc.get("within_noise_of"), list):
+                return rc["within_noise_of"]
+            break
+    top = next(i for i, r in enumerate(rows) if r is best)
+    tied = [rows[i] for i in within_noise([_tokens_span(r) for r in rows], top)]
+    tied.sort(key=lambda r: r["value"], reverse=True)
+    return [dict(remat=r["config"]["remat"], batch=r["config"]["batch"]) for r in tied]
 
 
 def _tokens_span(r: dict) -> tuple[float, float] | None:
