@@ -211,3 +211,19 @@ def test_host_to_device_copies_even_a_64_byte_aligned_host_array(monkeypatch):
         on_device = put(host).block_until_ready()
         host[0] = 7.0
         assert float(on_device[0]) != 7.0  # copied, not shared
+
+
+def test_records_keep_the_measuring_order_and_rows_the_tables():
+    """`Ceilings.records` are the records `done` got, in that order (a sweep point's as it was
+    timed, before the roofs and ridge taken from the sweep); `rows` put the roofs and ridge
+    before the sweep's points, whose shares of the roofs are known only then."""
+    got = []
+    result = ceilings.run_all(budget_s=0.01, quick=True, done=lambda r, row: got.append(r))
+    assert list(result.records) == got
+    whats = [r["what"] for r in result.records]
+    assert sorted(whats) == sorted(row.what for row in result.rows)  # one record per row
+    assert whats[-3:] == ["compute roof", "memory roof", ceilings.RIDGE]
+    rows = [row.what for row in result.rows]
+    first_point = next(i for i, w in enumerate(rows) if w.startswith("roofline "))
+    assert rows[first_point - 3 : first_point] == whats[-3:]
+    assert all(w.startswith("roofline ") for w in rows[first_point:])

@@ -468,8 +468,12 @@ class Ceilings:
     """Every ceiling of the default device (`run_all`): the table's rows, their records, the
     roofline sweep and the roofs taken from it."""
 
-    rows: tuple[Row, ...]  # in the order measured
-    records: tuple[dict, ...]  # one per row, as written to the .jsonl (in the order measured)
+    # the table's order: the peaks and bandwidths as measured, then the roofs and the ridge,
+    # then the sweep's points (each with its share of the roofs, known only after the sweep)
+    rows: tuple[Row, ...]
+    # one per row, in the order measured, as `done` got them and the .jsonl holds them: each
+    # sweep point's record as it was timed, so before the roofs and the ridge taken from them
+    records: tuple[dict, ...]
     points: tuple  # lab.measure.roofline.Point of the sweep
     peak_flops: float  # FLOP/s: the compute roof, the best rate measured
     bandwidth: float  # bytes/s: the memory roof, the best rate measured
