@@ -59,6 +59,7 @@ def _roofline_measured(be, size, budget) -> list[dict]:
             f"roof: compute, the best FLOP/s of the ops timed ({roof['peak_name']})",
             peak,
             "FLOP/s",
+            label="derived",  # the best of the rates timed below, not a timing of its own
             role="context",
             series="roof",
             roof="peak",
@@ -80,6 +81,7 @@ def _roofline_measured(be, size, budget) -> list[dict]:
             f"x ← x·s in place, {copy['buffer_bytes'] / MiB:g} MiB × {copy['buffers']} rotated)",
             bw,
             "B/s",
+            label="derived",  # as the compute roof: the best bandwidth of the ops timed
             role="context",
             series="roof",
             roof="bandwidth",
