@@ -362,11 +362,12 @@ def test_an_attention_plan_row_states_the_compilers_estimate_error():
     carries the whole error."""
     from rich.console import Console
 
+    from lab import plans
     from lab.measure.attention import PlanPoint
     from lab.report import tables
     from lab.studies import plan
 
-    error = cost.compiler_estimate_error("TPU v5 lite", 1.3)
+    error = plans.compiler_estimate_error("TPU v5 lite", 1.3)
     row = PlanPoint(
         seq=1024, head_dim=64, mode="fwd", device_kind="TPU v5 lite", devices=4, compile_s=1.0,
         memory=None, hbm_bytes=None, compiled_flops=2e9, compiled_flops_note="",
@@ -382,6 +383,13 @@ def test_an_attention_plan_row_states_the_compilers_estimate_error():
     (step,) = [r for r in plan.to_records([row], {}) if r["what"] == "attention plan step time"]
     assert step["config"]["model_error"] == error
     assert error.endswith("; 1.3× the roofline floor of the same program"), error
+    # a ratio in the hundreds reads in plain digits, never as 1.5e+02
+    far = dataclasses.replace(row, estimate_over_floor=150.0)
+    console = Console(width=300, record=True)
+    console.print(tables.attention_plan([far], "plan"))
+    assert "(1) 150×" in console.export_text() and "e+" not in console.export_text()
+    far_error = plans.compiler_estimate_error("TPU v5 lite", 150.0)
+    assert far_error.endswith("; 150× the roofline floor of the same program"), far_error
 
 
 def test_compiler_estimate_dropped_where_a_loop_repeats():

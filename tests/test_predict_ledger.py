@@ -301,6 +301,12 @@ def test_the_compilers_step_estimate_states_its_error(monkeypatch):
     e = plans.step_estimate(None, 1e9, None, None, device_kind="TPU v7")
     assert e.source == "compiler estimate" and e.over_floor is None
     assert e.error.endswith("no roofline floor beside it (no spec entry for the chip)"), e.error
+    monkeypatch.setattr(cost, "compiled_cost", lambda c: {"flops": 0.0, "bytes accessed": 0.0})
+    monkeypatch.setattr(cost.memory, "compiled_memory", lambda c: {})
+    e = plans.step_estimate(None, 0.0, spec, 1e12, device_kind="TPU v5 lite")  # a spec, floor 0
+    assert e.source == "compiler estimate" and e.over_floor is None
+    assert "no spec entry" not in e.error and "counts no FLOPs and no bytes moved" in e.error
+    monkeypatch.setattr(cost, "compiled_cost", lambda c: {"flops": 1e10, "bytes accessed": 1e9})
     monkeypatch.setattr(plans, "estimated_seconds", lambda c: 0.005)  # below the floor
     e = plans.step_estimate(None, 1e9, spec, 1e12, device_kind="TPU v5 lite")
     assert e.seconds == pytest.approx(0.01) and e.source.startswith("roofline floor")

@@ -88,17 +88,6 @@ def unchecked_estimate(device_kind: str) -> str:
     return f"not checked against any measurement on {on}: XLA's own cost model"
 
 
-def compiler_estimate_error(device_kind: str, over_floor: float | None) -> str:
-    """The error of a compiler's own time estimate in words: unchecked, and its ratio to the
-    roofline floor of the same program where the chip's spec gives one."""
-    known = (
-        f"{over_floor:.2g}× the roofline floor of the same program"
-        if over_floor
-        else "no roofline floor beside it (no spec entry for the chip)"
-    )
-    return f"{unchecked_estimate(device_kind)}; {known}"
-
-
 def compiled_program(compiled):
     """The optimized HLO of a compiled program, parsed; None where it cannot be printed."""
     try:

@@ -124,6 +124,22 @@ def estimated_seconds(compiled) -> float | None:
 COMPILER_ESTIMATE = "compiler estimate"
 
 
+def compiler_estimate_error(
+    device_kind: str, over_floor: float | None, no_floor: str = "no spec entry for the chip"
+) -> str:
+    """The error of a compiler's own time estimate in words: unchecked, and its ratio to the
+    roofline floor of the same program where there is one (`no_floor`: why there is none)."""
+    from lab.measure import cost
+    from lab.report.format import significant
+
+    known = (
+        f"{significant(over_floor, 2)}× the roofline floor of the same program"
+        if over_floor
+        else f"no roofline floor beside it ({no_floor})"
+    )
+    return f"{cost.unchecked_estimate(device_kind)}; {known}"
+
+
 @dataclasses.dataclass(frozen=True)
 class StepEstimate:
     """One call's time on a target (`step_estimate`): the seconds, where they come from, and
@@ -146,7 +162,7 @@ def step_estimate(
 ) -> StepEstimate:
     """One call's time on the target: the compiler's estimate (none for a program whose loops
     repeat: `estimated_seconds`), floored by the roofline of the chip (spec-sheet peak and
-    bandwidth), with its error in words (lab.measure.cost.compiler_estimate_error; a
+    bandwidth), with its error in words (`compiler_estimate_error`; a
     floor is a least).
 
     Why a floor: a Pallas kernel is a custom call that XLA's cost model cannot see into — it
@@ -168,8 +184,7 @@ def step_estimate(
     if not (peak and spec):
         if not est:
             return StepEstimate(None, "none: no estimate and no spec entry", None)
-        error = cost.compiler_estimate_error(device_kind, None)
-        return StepEstimate(est, COMPILER_ESTIMATE, error)
+        return StepEstimate(est, COMPILER_ESTIMATE, compiler_estimate_error(device_kind, None))
     moved = c.get("bytes accessed")
     if not moved:
         mem = memory.compiled_memory(compiled) or {}
@@ -178,9 +193,12 @@ def step_estimate(
     memory_s = (moved or 0.0) / spec.memory_bandwidth
     floor = max(compute_s, memory_s)
     if est and est >= floor:
-        over = est / floor if floor else None
-        error = cost.compiler_estimate_error(device_kind, over)
-        return StepEstimate(est, COMPILER_ESTIMATE, error, over)
+        if not floor:  # a spec, but the program counts no FLOPs and moves no bytes
+            why = "the program counts no FLOPs and no bytes moved"
+            error = compiler_estimate_error(device_kind, None, why)
+            return StepEstimate(est, COMPILER_ESTIMATE, error)
+        error = compiler_estimate_error(device_kind, est / floor)
+        return StepEstimate(est, COMPILER_ESTIMATE, error, est / floor)
     bound = "compute-bound" if compute_s >= memory_s else "memory-bound"
     if cost_is_upper:
         bound += "; analytic FLOPs, bytes read once: the compiled cost is an upper bound"

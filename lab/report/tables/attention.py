@@ -85,7 +85,7 @@ def attention_plan(rows: list[PlanPoint], title: str) -> Table:
             f"{most}{r.tflops:.1f}" if r.tflops else "–",
             most + percent(r.peak_share, 0) if r.peak_share else "–",
             f"({sources.index(_source_note(r)) + 1})"
-            + (f" {r.estimate_over_floor:.2g}×" if r.estimate_over_floor else ""),
+            + (f" {significant(r.estimate_over_floor, 2)}×" if r.estimate_over_floor else ""),
         )
     return t
 
