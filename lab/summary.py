@@ -315,7 +315,7 @@ def _aot_plan(
             None
             if est_s is None
             else "compiled, not run"
-            if source == plans.COMPILER_ESTIMATE
+            if source == cost.COMPILER_ESTIMATE
             else "predicted"
         ),
         "estimate_error": error,
@@ -498,9 +498,8 @@ def run_records(s: dict, run: str) -> list[dict]:
     if plan:  # the target's figures, stamped with the target (the host only compiled them)
         a = s["aot"]
         est, tokens = a.get("estimated_step_s"), s.get("tokens_per_step")
-        source, error = a.get("estimate_source"), a.get("estimate_error")
-        if source == plans.COMPILER_ESTIMATE and error:  # the cost model's error, in words
-            source = f"{source}: {error}"
+        # the compiler's own estimate with its cost model's error, in words
+        source = cost.estimate_with_error(a.get("estimate_source"), a.get("estimate_error"))
         how = {"run": run, "model_error": source}
         if a.get("caveat"):  # a step that does not fit the target: its figures say so
             how["caveat"] = a["caveat"]

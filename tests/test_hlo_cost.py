@@ -554,3 +554,25 @@ def test_a_gpu_plans_kernel_resources_are_in_its_records():
     assert kernel["spill_bytes"] == 12 and kernel["smem"] == 98304
     assert kernel["blocks_per_sm"] == 1 and kernel["name"] == "flash_attention_fwd"
     assert Kernel.from_record(kernel) == k
+
+
+def test_only_the_compilers_estimate_has_its_error_said_after_it():
+    """One wording for a time's source beside it (the run's plan, its records, the attention
+    plan's notes, the ledger): the compiler's own estimate is followed by what is known of
+    its error; a model's time or a floor already says its own, and no error adds nothing."""
+    from lab.measure.attention import PlanPoint
+    from lab.report.tables.attention import _source_note
+
+    error = "not checked against any TPU measurement: XLA:TPU's own cost model"
+    assert cost.estimate_with_error(cost.COMPILER_ESTIMATE, error) == f"compiler estimate: {error}"
+    assert cost.estimate_with_error(cost.COMPILER_ESTIMATE, None) == "compiler estimate"
+    floor = "roofline floor (compute-bound): no faster, likely slower"
+    assert cost.estimate_with_error(floor, floor) == floor
+    row = PlanPoint(
+        seq=1024, head_dim=64, mode="fwd", device_kind="TPU v5 lite", devices=4, compile_s=1.0,
+        memory=None, hbm_bytes=None, compiled_flops=2e9, compiled_flops_note="",
+        analytic_flops_per_device=2.1e9, estimated_s=1e-3,
+        estimate_source=cost.COMPILER_ESTIMATE, peak_flops=1e14, impl="pallas_tpu",
+        attention_note=None,
+    )  # fmt: skip
+    assert _source_note(row) == cost.estimate_with_error(cost.COMPILER_ESTIMATE, error)

@@ -78,6 +78,19 @@ def compiled_cost(compiled) -> dict | None:
     return out
 
 
+# the source of a time that is the compiler's own estimate (plans, reports and records key on it)
+COMPILER_ESTIMATE = "compiler estimate"
+
+
+def estimate_with_error(source: str, error: str | None) -> str:
+    """A time's source as said beside it: the compiler's own estimate with what is known of
+    its error after it ('compiler estimate: not checked against …'); any other source (the
+    step-time model's time, a roofline floor) already says its error, so it stands alone."""
+    if source == COMPILER_ESTIMATE and error:
+        return f"{source}: {error}"
+    return source
+
+
 def unchecked_estimate(device_kind: str) -> str:
     """What is known of the error of a compiler's own time estimate ('optimal_seconds') on
     `device_kind`: the lab holds no measurement there to check its cost model against (the

@@ -10,7 +10,7 @@ gives back the keys it read, value for value.
 import dataclasses
 from typing import Any
 
-from lab.measure.cost import lower_bound_note
+from lab.measure.cost import estimate_with_error, lower_bound_note
 from lab.measure.offload import OffloadCost
 from lab.measure.pipeline import PipelineReading
 from lab.measure.predicted import PredictedStep
@@ -96,10 +96,7 @@ class PlanFigures:
         """Where the step time comes from, with its error: the compiler's own estimate
         (labelled compiled, not run) carries its error apart (`estimate_error`); a model's
         time or a floor says it in its source."""
-        error = self.source.get("estimate_error")
-        if error and self.source.get("estimate_label") == "compiled, not run":
-            return f"{self.estimate_source}: {error}"
-        return self.estimate_source
+        return estimate_with_error(self.estimate_source, self.source.get("estimate_error"))
 
     @classmethod
     def from_record(cls, d: dict) -> "PlanFigures":

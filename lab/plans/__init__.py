@@ -120,10 +120,6 @@ def estimated_seconds(compiled) -> float | None:
     return float(value)
 
 
-# the source of a step time that is the compiler's own estimate (the plans' label keys on it)
-COMPILER_ESTIMATE = "compiler estimate"
-
-
 def compiler_estimate_error(
     device_kind: str, over_floor: float | None, no_floor: str = "no spec entry for the chip"
 ) -> str:
@@ -146,7 +142,7 @@ class StepEstimate:
     what is known of how far they may be from a measured time (a prediction states its error)."""
 
     seconds: float | None
-    source: str  # COMPILER_ESTIMATE, "roofline floor (…)", or "none: …"
+    source: str  # cost.COMPILER_ESTIMATE, "roofline floor (…)", or "none: …"
     error: str | None  # in words; None where there is no time
     over_floor: float | None = None  # the compiler's estimate / the roofline floor, if both
 
@@ -184,7 +180,7 @@ def step_estimate(
     if not (peak and spec):
         if not est:
             return StepEstimate(None, "none: no estimate and no spec entry", None)
-        return StepEstimate(est, COMPILER_ESTIMATE, compiler_estimate_error(device_kind, None))
+        return StepEstimate(est, cost.COMPILER_ESTIMATE, compiler_estimate_error(device_kind, None))
     moved = c.get("bytes accessed")
     if not moved:
         mem = memory.compiled_memory(compiled) or {}
@@ -196,9 +192,9 @@ def step_estimate(
         if not floor:  # a spec, but the program counts no FLOPs and moves no bytes
             why = "the program counts no FLOPs and no bytes moved"
             error = compiler_estimate_error(device_kind, None, why)
-            return StepEstimate(est, COMPILER_ESTIMATE, error)
+            return StepEstimate(est, cost.COMPILER_ESTIMATE, error)
         error = compiler_estimate_error(device_kind, est / floor)
-        return StepEstimate(est, COMPILER_ESTIMATE, error, est / floor)
+        return StepEstimate(est, cost.COMPILER_ESTIMATE, error, est / floor)
     bound = "compute-bound" if compute_s >= memory_s else "memory-bound"
     if cost_is_upper:
         bound += "; analytic FLOPs, bytes read once: the compiled cost is an upper bound"

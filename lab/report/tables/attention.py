@@ -6,7 +6,7 @@ whose fields and properties say what every figure is.
 from rich.table import Table
 
 from lab.measure.attention import PlanPoint, SweepRow, TargetVerdict
-from lab.measure.cost import unchecked_estimate
+from lab.measure.cost import COMPILER_ESTIMATE, estimate_with_error, unchecked_estimate
 from lab.report.format import duration, percent, ratio, significant, size
 from lab.report.tables.common import _mem
 
@@ -94,12 +94,11 @@ def _source_note(r: PlanPoint) -> str:
     """A row's estimate source as said under the table: the compiler's own estimate with
     what is known of its error (no measurement checks it; the row gives its ratio to the
     roofline floor of the same program beside the number)."""
-    if r.estimate_source != "compiler estimate":
+    if r.estimate_source != COMPILER_ESTIMATE:
         return r.estimate_source
     ratio = "; N× beside the number: its ratio to the roofline floor of the same program"
-    return f"{r.estimate_source}: {unchecked_estimate(r.device_kind)}" + (
-        ratio if r.estimate_over_floor else ""
-    )
+    error = unchecked_estimate(r.device_kind) + (ratio if r.estimate_over_floor else "")
+    return estimate_with_error(r.estimate_source, error)
 
 
 def attention_plan_masks(rows: list[PlanPoint], title: str) -> Table:
