@@ -247,7 +247,16 @@ def test_a_tpu_step_time_from_the_step_time_model_is_predicted_with_its_error():
     one, four = _tpu_plan(0.01, 64, **compiler), _tpu_plan(0.0105, 256, **compiler)
     recs = hardware._tpu_step_records(one, four, bound)
     assert [r["label"] for r in recs[:2]] == ["compiled, not run"] * 2
-    assert recs[0]["what"].endswith(f"compiler's step estimate ({unchecked})"), recs[0]["what"]
+    assert recs[0]["what"].endswith("compiler's step estimate"), recs[0]["what"]
+    # the error (its ratio to the floor changes from compile to compile) is in the config, one
+    # per program read: a record's name stays the same from run to run
+    assert recs[0]["config"]["estimate_error"] == f"compiler estimate: {unchecked}"
+    assert recs[1]["config"]["estimate_error"] == [f"compiler estimate: {unchecked}"] * 2
+    other = {**compiler, "estimate_error": unchecked.replace("1.3×", "2.4×")}
+    again = hardware._tpu_step_records(
+        _tpu_plan(0.01, 64, **other), _tpu_plan(0.0105, 256, **other), bound
+    )
+    assert [r["what"] for r in again] == [r["what"] for r in recs]
 
 
 def test_a_plan_says_whether_its_step_time_is_the_model_s_or_the_compiler_s(monkeypatch):
@@ -255,6 +264,7 @@ def test_a_plan_says_whether_its_step_time_is_the_model_s_or_the_compiler_s(monk
     error; the compiler's own estimate is compiled, not run; a roofline floor is predicted."""
     from lab import plans, summary
     from lab.config import make_config
+    from lab.measure import cost
     from lab.measure.predicted import PredictedStep
 
     cfg = make_config(preset="tiny", batch_size=2, seq_len=32, dtype="bfloat16")
@@ -271,6 +281,7 @@ def test_a_plan_says_whether_its_step_time_is_the_model_s_or_the_compiler_s(monk
     # the printed plan and the run's records carry the error beside the time
     figures = PlanFigures.from_record({**a, "fit": "fits"})
     assert figures.estimate_how == f"compiler estimate: {error}"
+    assert figures.estimate_how == cost.estimate_with_error(cost.COMPILER_ESTIMATE, error)
     recs = summary.run_records({"aot": {**a, "fit": "fits"}, "tokens_per_step": 64}, "r")
     assert [r["what"] for r in recs] == ["training step time", "training tokens/s", "training MFU"]
     assert all(r["config"]["model_error"] == f"compiler estimate: {error}" for r in recs), recs
