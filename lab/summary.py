@@ -330,19 +330,24 @@ def _needed_bytes(analysis: dict) -> int | None:
 
 
 def memory_problem(analysis: dict, info: DeviceInfo) -> str | None:
-    """One line if the compiled step cannot fit the device, else None."""
+    """One line if the compiled step cannot fit the device, else None. On CPU the simulated
+    devices share one host, whose memory other work holds some of: the step must fit what the
+    host has available now (`memory.host_available_bytes`), not its total (the capacity)."""
     need = _needed_bytes(analysis)
     cap = analysis["capacity_bytes_per_device"]
     if not need or not cap or info.aot:  # a plan reports the fit instead of refusing
         return None
-    # Simulated CPU devices share one host's memory.
-    need_total = need * (info.local_count if info.backend == "cpu" else 1)
-    if need_total <= cap:
+    if info.backend == "cpu":
+        need_total = need * info.local_count
+        have = min(cap, memory.host_available_bytes() or cap)
+        where = f"the host has {have / GIB:.2f} GiB available now (of {cap / GIB:.2f} GiB)"
+    else:
+        need_total, have, where = need, cap, f"the device has {cap / GIB:.2f} GiB"
+    if need_total <= have:
         return None
     return (
-        f"the compiled step needs {need_total / GIB:.2f} GiB per device but the device has "
-        f"{cap / GIB:.2f} GiB: try a smaller batch_size, remat=full, or a mesh over more "
-        "devices with strategy=fsdp"
+        f"the compiled step needs {need_total / GIB:.2f} GiB per device but {where}: try a "
+        "smaller batch_size, remat=full, or a mesh over more devices with strategy=fsdp"
     )
 
 

@@ -113,7 +113,7 @@ def _refuse_memory(monkeypatch):
     [
         (["resume=true"], 2, "choose one"),
         (["lr=-1"], 2, "lr="),
-        (["refuse_memory"], 2, "the device has"),
+        (["refuse_memory"], 2, "available now"),
     ],
 )
 def test_overwrite_never_costs_the_earlier_run_of_a_run_that_is_refused(
@@ -706,7 +706,7 @@ def test_a_step_the_device_cannot_hold_is_refused_before_its_state_is_made(
 
     monkeypatch.setattr(train.Trainer, "init", drawn)
     assert _run(tmp_path, "name=B", "steps=2") == 2
-    _one_line_error(capsys, "the compiled step needs", "but the device has 0.00 GiB")
+    _one_line_error(capsys, "the compiled step needs", "but the host has 0.00 GiB available now")
 
 
 @pytest.mark.parametrize("value", ["abc", "1.5", "0", "-0.2"])
@@ -767,3 +767,35 @@ def test_the_missing_steps_follow_the_files_own_cadence(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     torn, missing = rundir.keep_metrics_before(tmp_path, 40, log_every=1)
     assert torn == 1 and missing == [30, 40]
+
+
+def test_a_cpu_step_is_refused_against_the_memory_the_host_has_available_now(monkeypatch):
+    """On a shared host the others' memory is not the run's: a CPU step that fits the host's
+    total but not what is available now is refused, in a line that says 'available'; one that
+    fits what is available passes. A GPU's capacity is its allocator's own, checked as before."""
+    import types
+
+    from lab import summary
+    from lab.measure import memory
+
+    gib = 2**30
+    analysis = {"compiled_memory_per_device": {"total_bytes": 2 * gib}}
+    analysis["capacity_bytes_per_device"] = 64 * gib  # the host's total
+    cpu = types.SimpleNamespace(backend="cpu", local_count=1, aot=False)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1 * gib)
+    line = summary.memory_problem(analysis, cpu)
+    assert line and "the host has 1.00 GiB available now (of 64.00 GiB)" in line, line
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 4 * gib)
+    assert summary.memory_problem(analysis, cpu) is None
+    gpu = types.SimpleNamespace(backend="gpu", local_count=1, aot=False)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1 * gib)
+    assert summary.memory_problem(analysis, gpu) is None  # the host's RAM is not the GPU's
+
+
+def test_the_attention_sweep_sizes_its_programs_by_the_hosts_available_memory(monkeypatch):
+    """On CPU the sweep's free memory is the host's available memory, read in one place."""
+    from lab.studies import attention as bench
+
+    monkeypatch.setattr(bench, "device_memory_stats", lambda device: None)
+    monkeypatch.setattr(bench, "host_available_bytes", lambda: 12345)
+    assert bench._free_bytes() == 12345

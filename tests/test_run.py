@@ -107,7 +107,7 @@ def test_memory_too_big_is_refused_before_training(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(summary.memory, "device_capacity_bytes", lambda device: 1024)
     assert _run(tmp_path, "name=mem", "steps=3") == 2  # known before any step: exit 2
     err = capsys.readouterr().err
-    assert "GiB per device but the device has" in err and "smaller batch_size" in err
+    assert "GiB per device but the host has" in err and "smaller batch_size" in err
     assert not (tmp_path / "mem" / "metrics.jsonl").exists()
 
 

@@ -89,7 +89,7 @@ from lab.measure.attention import (
     SweepRow,
 )
 from lab.measure.cost import attention_flops, visible_keys
-from lab.measure.memory import compiled_memory, device_capacity_bytes, device_memory_stats
+from lab.measure.memory import compiled_memory, device_memory_stats, host_available_bytes
 from lab.measure.timing import BenchResult, compare, random_inputs
 
 BASELINE = "xla"
@@ -456,16 +456,10 @@ def program(op, mode: str):
 
 def _free_bytes() -> int | None:
     """Memory a new program may take: the allocator's headroom, or the host's available RAM."""
-    device = jax.devices()[0]
-    stats = device_memory_stats(device)
+    stats = device_memory_stats(jax.devices()[0])
     if stats and stats.get("bytes_limit"):
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return device_capacity_bytes(device)
+    return host_available_bytes()
 
 
 def reference_rows(q, k, v, do, causal: bool, mode: str, masking: Masking = Masking()):
