@@ -1002,14 +1002,19 @@ def _unbuilt(request: Request, platform: Platform) -> _Draft:
     return _Draft(cfg, platform, "train", sizes, cfg.model.attention, problem)
 
 
+def _as_pipelined(cfg: Config, stages: int) -> Config:
+    """`cfg` as a pipeline of `stages` runs it: the stages hold slices of the stacked layers
+    (scan_layers) and the batch splits into microbatches (one per stage unless asked). One
+    helper for `resolve` and the launcher's check (`_filled_unbuilt`), so they cannot differ."""
+    microbatches = cfg.model.microbatches or stages
+    model = dataclasses.replace(cfg.model, scan_layers=True, microbatches=microbatches)
+    return dataclasses.replace(cfg, model=model)
+
+
 def _filled_unbuilt(d: _Draft) -> list[str]:
     """The filled rules' lines for draft `d` (its mesh fits) on an abstract mesh of its sizes:
     they read only the mesh's axis sizes and the model's shapes, so no device is needed."""
-    cfg = d.cfg
-    if d.pipelined:  # as `resolve` fills it: the stages hold slices of the stacked layers
-        microbatches = cfg.model.microbatches or d.stages
-        model = dataclasses.replace(cfg.model, scan_layers=True, microbatches=microbatches)
-        cfg = dataclasses.replace(cfg, model=model)
+    cfg = _as_pipelined(d.cfg, d.stages) if d.pipelined else d.cfg  # as `resolve` fills it
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)
     mesh = jax.sharding.AbstractMesh(tuple(d.sizes[a] for a in AXES), AXES, axis_types=auto)
     return _broken(dataclasses.replace(d, cfg=cfg, mesh=mesh), filled=True)
@@ -1227,10 +1232,7 @@ def resolve(
     if lines or not _buildable(sizes, platform):
         _raise(early + lines)
     if draft.pipelined and purpose != "decode":
-        model = dataclasses.replace(
-            cfg.model, scan_layers=True, microbatches=cfg.model.microbatches or draft.stages
-        )
-        cfg = dataclasses.replace(cfg, model=model)
+        cfg = _as_pipelined(cfg, draft.stages)
     if purpose == "decode":
         cfg, sizes = _for_decoding(cfg, sizes)
     mesh = _build_mesh(sizes, platform)
