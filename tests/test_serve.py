@@ -99,7 +99,7 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         (["bacthes=1"], "did you mean batches"),
         (["run=../elsewhere"], "one folder name under out_dir"),
         (["run=a/b"], "one folder name under out_dir"),
-        (["context=20000000", "batches=64"], "GiB; give a smaller context="),
+        (["context=20000000", "batches=64"], "GiB available; give a smaller context="),
         (["batches=1,1"], "batches=1,1: 1 is given twice"),
         (["batches=1,,2"], "an empty item between commas"),
         (["sample=100000"], "sample='100000': must be <= 4096"),
