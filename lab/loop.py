@@ -648,6 +648,8 @@ def _compile_and_analyse(cfg, info, trainer, console):
                 f"target={cfg.target}: {summary.refused_advice(trainer, refused)}"
             ) from None
     else:
+        if too_big := summary.far_too_big(trainer):  # known without a long compile
+            raise ConfigError(f"{too_big}: {summary.TOO_BIG_ADVICE}")
         compiled, kernels = trainer.lower().compile(), []
     compile_s = time.perf_counter() - t0
     if cfg.explain:

@@ -696,10 +696,11 @@ def test_a_step_the_device_cannot_hold_is_refused_before_its_state_is_made(
 ):
     """The compiled step's memory is checked before the weights are drawn: a model the host
     cannot hold is one line and exit 2, not the kernel's kill while its state is made."""
-    from lab import train
+    from lab import summary, train
     from lab.measure import memory
 
     monkeypatch.setattr(memory, "device_capacity_bytes", lambda device: 2**20)
+    monkeypatch.setattr(summary, "PRECHECK_MARGIN", 1e30)  # the compiled figure decides here
 
     def drawn(self, key):
         raise AssertionError("the state was made before the step's memory was checked")
@@ -790,6 +791,12 @@ def test_a_cpu_step_is_refused_against_the_memory_the_host_has_available_now(mon
     gpu = types.SimpleNamespace(backend="gpu", local_count=1, aot=False)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 1 * gib)
     assert summary.memory_problem(analysis, gpu) is None  # the host's RAM is not the GPU's
+    # simulated devices share the host: the line gives their sum and each one's part, not a
+    # "per device" figure that is really the sum
+    cpu8 = types.SimpleNamespace(backend="cpu", local_count=8, aot=False)
+    line = summary.memory_problem(analysis, cpu8)
+    assert "needs 16.00 GiB over its 8 simulated devices (2.00 GiB each)" in line, line
+    assert "per device" not in line
 
 
 def test_the_attention_sweep_sizes_its_programs_by_the_hosts_available_memory(monkeypatch):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lab import checkpoint, summary
+from lab import checkpoint, summary, train
 from lab.run import main
 
 TINY = ["model=tiny", "batch_size=8", "seq_len=32", "log_every=1"]
@@ -105,10 +105,26 @@ def test_non_finite_gradient_stops_before_its_update_is_saved(tmp_path, capsys, 
 
 def test_memory_too_big_is_refused_before_training(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(summary.memory, "device_capacity_bytes", lambda device: 1024)
+    monkeypatch.setattr(summary, "PRECHECK_MARGIN", 1e30)  # the compiled figure decides here
     assert _run(tmp_path, "name=mem", "steps=3") == 2  # known before any step: exit 2
     err = capsys.readouterr().err
-    assert "GiB per device but the host has" in err and "smaller batch_size" in err
+    assert "simulated devices" in err and "GiB each) but the host has" in err
+    assert "smaller batch_size" in err
     assert not (tmp_path / "mem" / "metrics.jsonl").exists()
+
+
+def test_a_step_far_beyond_the_memory_is_refused_before_its_compile(tmp_path, capsys, monkeypatch):
+    """A step the memory calculator puts at many times the memory there is is refused in one
+    line before the compile (a minute of it, for a step of terabytes), with the advice the
+    compiled check gives; nothing is written."""
+    monkeypatch.setattr(summary.memory, "host_available_bytes", lambda: 2**20)
+    monkeypatch.setattr(train.Trainer, "lower", lambda self: pytest.fail("the step was compiled"))
+    assert _run(tmp_path, "name=huge", "steps=3") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: the memory calculator puts the step at "), err
+    assert "what the host has available now (0.0 GiB); not compiled: try a smaller" in err, err
+    assert not (tmp_path / "huge" / "metrics.jsonl").exists()
 
 
 def test_compile_only_prints_analysis(tmp_path, capsys):

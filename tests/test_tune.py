@@ -175,7 +175,7 @@ def test_the_memory_check_counts_the_baseline_scores_against_the_memory_availabl
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     need = search.held_bytes(16384) / 2**30
-    assert f"would take {need:.1f} GiB, and the host has 2.0 GiB available" in err, err
+    assert f"would take {need:,.1f} GiB, and the host has 2.0 GiB available" in err, err
     fits = int(err.split("(seqs=")[1].split(" fits)")[0])
     limit = 0.8 * 2 * 2**30
     assert search.held_bytes(fits) <= limit < search.held_bytes(fits + 1)

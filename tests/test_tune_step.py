@@ -39,12 +39,33 @@ def test_search_times_every_candidate_and_names_the_best(tmp_path, monkeypatch, 
 def test_what_does_not_fit_is_refused_not_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(summary.memory, "device_capacity_bytes", lambda device: 1024)
+    monkeypatch.setattr(summary, "PRECHECK_MARGIN", 1e30)  # the compiled figure decides here
     rows = step.tune(KEYS, ("none",), (2,), 0.05)
     assert rows[0].skipped.startswith("the compiled step needs") and rows[0].step_s is None
     assert rows[0].tokens_per_s is None and rows[0].mfu is None
     assert step.best(rows) is None
     assert tune_step.main([*TINY, "remats=none", "batches=2"]) == 2  # as a step that cannot fit
     assert "no candidate fits this device" in capsys.readouterr().err
+
+
+def test_a_step_far_beyond_the_memory_is_skipped_before_its_compile(monkeypatch):
+    """A candidate the memory calculator puts at many times the memory there is is skipped
+    without compiling (a 1b model at 512×4096 spent a minute compiling a step of terabytes
+    only to be refused), in words that say so; one that fits is compiled and timed."""
+    gib = 2**30
+    monkeypatch.setattr(summary.memory, "host_available_bytes", lambda: 3 * gib)
+    compiled = []
+    real = summary.analyse
+    monkeypatch.setattr(summary, "analyse", lambda *a, **k: compiled.append(1) or real(*a, **k))
+    monkeypatch.setattr(summary.memory, "device_capacity_bytes", lambda device: 4 * gib)
+    (fits,) = step.tune(KEYS, ("none",), (2,), 0.05)
+    assert fits.skipped is None and fits.step_s > 0 and compiled == [1]
+    monkeypatch.setattr(summary.memory, "host_available_bytes", lambda: 1024)
+    (row,) = step.tune(KEYS, ("none",), (2,), 0.05)
+    assert compiled == [1], "a step far beyond the memory was compiled"
+    assert row.step_s is None and row.compile_s is None
+    assert row.skipped.startswith("the memory calculator puts the step at "), row.skipped
+    assert "what the host has available now (0.0 GiB); not compiled" in row.skipped, row.skipped
 
 
 def test_the_records_stem_waits_for_the_first_session(tmp_path, monkeypatch):

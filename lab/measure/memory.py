@@ -177,8 +177,8 @@ def check_fits(what: str, per_device: float, key: str, devices=None, fits=None) 
         if size:
             advice += f" ({size} fits)"
         raise ConfigError(
-            f"{key}: {what} would take {need / 2**30:.1f} GiB, and {where} "
-            f"{capacity / 2**30:.1f} GiB{has}; {advice}"
+            f"{key}: {what} would take {need / 2**30:,.1f} GiB, and {where} "
+            f"{capacity / 2**30:,.1f} GiB{has}; {advice}"
         )
 
 

@@ -132,9 +132,13 @@ def compare_records(timed: Comparison, compile_s: dict, keys: dict) -> list[dict
 
 
 def measure(keys: dict, remat: str, batch: int, budget_s: float) -> StepCandidate:
-    """One candidate: compiled memory, and (if it fits) step time, tokens/s and MFU."""
+    """One candidate: compiled memory, and (if it fits) step time, tokens/s and MFU. One the
+    memory calculator puts far beyond the memory there is (`summary.far_too_big`) is skipped
+    before its compile."""
     s = open_session(keys={**keys, "remat": remat, "batch_size": batch, "steps": STEPS})
     cfg, info, trainer = s.cfg, s.info, s.trainer
+    if too_big := summary.far_too_big(trainer):
+        return StepCandidate(remat, batch, skipped=too_big)
     t0 = time.perf_counter()
     compiled = trainer.lower().compile()
     compile_s = time.perf_counter() - t0
