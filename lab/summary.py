@@ -338,13 +338,15 @@ def memory_problem(analysis: dict, info: DeviceInfo) -> str | None:
     if not need or not cap or info.aot:  # a plan reports the fit instead of refusing
         return None
     if info.backend == "cpu":
-        need_total = need * info.local_count
+        # the mesh's devices, which may be fewer than are present (the timing tools' one)
+        n = analysis.get("devices") or info.local_count
+        need_total = need * n
         have = min(cap, memory.host_available_bytes() or cap)
         where = f"the host has {have / GIB:.2f} GiB available now (of {cap / GIB:.2f} GiB)"
         needs = (
             f"{need_total / GIB:.2f} GiB"
-            if info.local_count == 1
-            else f"{need_total / GIB:.2f} GiB over its {info.local_count} simulated devices "
+            if n == 1
+            else f"{need_total / GIB:.2f} GiB over its {n} simulated devices "
             f"({need / GIB:.2f} GiB each)"
         )
     else:

@@ -794,9 +794,12 @@ def test_a_cpu_step_is_refused_against_the_memory_the_host_has_available_now(mon
     # simulated devices share the host: the line gives their sum and each one's part, not a
     # "per device" figure that is really the sum
     cpu8 = types.SimpleNamespace(backend="cpu", local_count=8, aot=False)
-    line = summary.memory_problem(analysis, cpu8)
+    line = summary.memory_problem({**analysis, "devices": 8}, cpu8)
     assert "needs 16.00 GiB over its 8 simulated devices (2.00 GiB each)" in line, line
     assert "per device" not in line
+    # a one-device mesh among eight (the timing tools') holds one device's part, not eight
+    line = summary.memory_problem({**analysis, "devices": 1}, cpu8)
+    assert "needs 2.00 GiB but the host has 1.00 GiB available now" in line, line
 
 
 def test_the_attention_sweep_sizes_its_programs_by_the_hosts_available_memory(monkeypatch):

@@ -135,6 +135,15 @@ def test_bench_step_refuses_what_it_cannot_compare_in_one_line(argv, needle, cap
     assert needle in err and len(err.splitlines()) == 1
 
 
+def test_bench_step_refuses_a_step_far_beyond_the_memory_before_its_compile(capsys):
+    """Thousands of GiB by the memory calculator: one line before the minute-long compile."""
+    from lab.tools import bench_step
+
+    assert bench_step.main(["model=1b", "batch_size=512", "seq_len=4096", "budget=0.05"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "; not compiled: try a smaller batch_size" in err and len(err.splitlines()) == 1, err
+
+
 def test_bench_step_prints_compile_time_apart_and_writes_records(tmp_path, monkeypatch, capsys):
     """Results are data: each step's median with its spread and its compile time, and the
     lab's ratio to the bare step, as records; the compile times printed apart from the table."""

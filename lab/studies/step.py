@@ -89,6 +89,8 @@ def compare_with_bare(s: Session, budget_s: float = 5.0) -> tuple[Comparison, di
     seconds each took to compile ({"bare": s, "lab": s}), both compiled ahead of the timing
     so that no compile sits in a timed call or in another's figure."""
     cfg, trainer = s.cfg, s.trainer
+    if too_big := summary.far_too_big(trainer):  # known without a long compile
+        raise ConfigError(f"{too_big}: {summary.TOO_BIG_ADVICE}")
     tokens = _tokens(s)
     t0 = time.perf_counter()
     compiled = trainer.lower().compile()
