@@ -1128,8 +1128,8 @@ class _End:
                 what = self.failed.split(" (", 1)[0]  # checkpoint step N could not be saved in …
                 leave_now(f"{why}; {what}; training {ended} at step {step}")
             raise RunError(f"{self.failed}: training {ended} at step {step}; {kept}")
-        if self.why and not self.why.startswith("SIG"):
-            raise RunError(f"{self.why}; {kept}")
+        if self.why and not self.why.startswith("SIG"):  # a non-finite loss or norm
+            raise RunError(f"{self.why}; {kept}{self.go_on_after_nan()}")
         if signal_name:
             saved = checkpoint.saved_steps(self.run_dir)
             if self.saver and saved and saved[-1] == step:
@@ -1146,10 +1146,23 @@ class _End:
                 self.console.print(self.go_on(), markup=False, highlight=False, soft_wrap=True)
         return {None: 0, "SIGINT": 130, "SIGTERM": 143}[signal_name]
 
-    def go_on(self) -> str:
+    def go_on_after_nan(self) -> str:
+        """ "; to go on from checkpoint step N …": the command that resumes a run stopped by a
+        non-finite loss or norm with half its learning rate (a resume as it was would repeat
+        the same steps to the same overflow; a resume may change lr=); "" where there is no
+        checkpoint, or where the first step after a resume failed (that line names the
+        checkpoint as the suspect)."""
+        saved = checkpoint.saved_steps(self.run_dir)
+        if not saved or "the first after resuming" in (self.why or ""):
+            return ""
+        line = self.go_on(extra=(f"lr={self.cfg.lr / 2:g}",))
+        return "; " + line.replace("to resume from", "to go on with half the learning rate from", 1)
+
+    def go_on(self, extra: tuple[str, ...] = ()) -> str:
         """How a stopped run goes on, read from the folder: the command that resumes it from
         its newest checkpoint (resume=true takes the keys config.json keeps, so the folder's
-        name= and out_dir= are all it needs), or why there is nothing to resume."""
+        name= and out_dir= are all it needs, with any `extra` keys that change on the way),
+        or why there is nothing to resume."""
         saved = checkpoint.saved_steps(self.run_dir)
         if not saved:
             every = self.cfg.checkpoint_every
@@ -1161,7 +1174,7 @@ class _End:
         keys = [f"name={self.cfg.name}"]
         if self.cfg.out_dir != _DEFAULT_OUT_DIR:
             keys.append(f"out_dir={self.cfg.out_dir}")
-        keys.append("resume=true")
+        keys += ["resume=true", *extra]
         further = ""
         if saved[-1] >= self.cfg.steps:  # at its end: a resume needs steps= past it
             keys.append("steps=N")

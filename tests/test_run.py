@@ -96,6 +96,12 @@ def test_non_finite_gradient_stops_before_its_update_is_saved(tmp_path, capsys, 
     assert _run(tmp_path, "name=inf", "steps=6", "checkpoint_every=1") == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: gradient norm is inf at step 3: training stopped"), err
+    # how to go on: the same steps from the same checkpoint overflow again, so half the lr
+    assert len(err.splitlines()) == 1, err
+    assert err.endswith(
+        "; to go on with half the learning rate from checkpoint step 2: python -m lab.run "
+        f"name=inf out_dir={tmp_path} resume=true lr=0.0015"
+    ), err
     mngr = checkpoint.manager(tmp_path / "inf")
     assert sorted(mngr.all_steps()) == [1, 2]
     for step in mngr.all_steps():
