@@ -43,7 +43,7 @@ from lab.errors import ConfigError
 from lab.measure import records as rec
 from lab.report import markdown, progress, tables
 from lab.report.claims import BY_ID, CLAIMS
-from lab.report.verdict import judge_all
+from lab.report.verdict import judge_all, unjudged_parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -593,7 +593,9 @@ def verdict_grid(folders: list[dict], merged_verdicts, tiny_only=frozenset()) ->
     for v in merged_verdicts:
         cells = [_cell(f, v.claim, p[v.claim.id]) for f, p in zip(folders, per, strict=True)]
         tiny = " (size tiny only)" if v.claim.id in tiny_only else ""
-        rows.append(f"| {v.claim.id} | " + " | ".join(cells) + f" | **{v.status}**{tiny} |")
+        left = unjudged_parts(v)  # holds on the parts judged anywhere: the rest said
+        part = f" ({left})" if left else ""
+        rows.append(f"| {v.claim.id} | " + " | ".join(cells) + f" | **{v.status}**{part}{tiny} |")
     return rows
 
 

@@ -906,3 +906,23 @@ def test_the_decode_plots_title_says_what_bounds_its_points(monkeypatch):
     assert "memory-bound at batch 1-2, compute-bound at batch 4" in title, title
     title = _drawn(monkeypatch, plots.decode, [rec(1), rec(2)]).axes[0].get_title()
     assert title.startswith("decode tokens/s by batch") and "bound" not in title, title
+
+
+def test_a_claim_that_holds_on_some_parts_says_which_were_not_judged(tmp_path):
+    """'holds' is never read as every part measured: where a part could not be judged here
+    (flash attention's speed-up needs an accelerator), the row names it beside the verdict;
+    a claim judged on every part shows the verdict alone."""
+    c08 = claims.get("C08")
+    error, speedup, exponent = c08.stated
+    recs = [
+        _record("C08", error, 1.5e-6, backend="cpu"),
+        _record("C08", exponent, -0.03, backend="cpu"),
+    ]
+    rec.write_records(tmp_path / "records.jsonl", recs)
+    text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
+    (row,) = [line for line in text.splitlines() if line.startswith("| C08 |")]
+    assert row.endswith("| **holds** (2 of 3 parts; flash_speedup n/a here) |"), row
+    rec.write_records(tmp_path / "records.jsonl", [_record("C08", speedup, 3.0, backend="gpu")])
+    text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
+    (row,) = [line for line in text.splitlines() if line.startswith("| C08 |")]
+    assert row.endswith("| **holds** |"), row

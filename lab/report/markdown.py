@@ -25,6 +25,7 @@ from lab.report.verdict import (
     backend_of,
     judge_all,
     outside,
+    unjudged_parts,
 )
 
 CAVEAT = (
@@ -199,8 +200,10 @@ def verdict_rows(
     for v in verdicts:
         c = v.claim
         cell = measured_cell(v, records).replace("|", "\\|")
-        status = topic_status(meta, c, v.status)
-        rows.append(f"| {c.id} | {c.text} | {', '.join(c.sources)} | {cell} | **{status}** |")
+        status = f"**{topic_status(meta, c, v.status)}**"
+        if part := unjudged_parts(v):  # holds on the parts judged; the rest said
+            status += f" ({part})"
+        rows.append(f"| {c.id} | {c.text} | {', '.join(c.sources)} | {cell} | {status} |")
     return rows
 
 

@@ -138,6 +138,19 @@ def judge_stated(stated: Stated, indexed: Sequence[tuple[int, dict]]) -> Check:
     return Check(stated, NA if indexed else MISSING, (), tuple(context))
 
 
+def unjudged_parts(v: Verdict) -> str:
+    """Where a claim holds on some of its stated parts and others could not be judged here
+    (n/a on this backend, only predicted, no record): "2 of 3 parts; flash_speedup n/a here",
+    so that "holds" is never read as every part measured; "" where every part was judged."""
+    if v.status != HOLDS:
+        return ""
+    rest = [c for c in v.checks if c.status != HOLDS]
+    if not rest:
+        return ""
+    left = ", ".join(f"{c.stated.metric} {c.status}" for c in rest)
+    return f"{len(v.checks) - len(rest)} of {len(v.checks)} parts; {left}"
+
+
 def judge(claim: Claim, records: Sequence[dict]) -> Verdict:
     """The verdict on one claim from the records (any order, any backends, merged or not)."""
     mine = [(i, r) for i, r in enumerate(records) if r.get("config", {}).get("claim") == claim.id]

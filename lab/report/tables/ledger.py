@@ -2,10 +2,13 @@
 
 from rich.table import Table
 
+from lab.report.verdict import unjudged_parts
+
 
 def verdicts(vs, caution: str = "") -> Table:
     """The claims ledger's verdicts for the terminal; `caution` under them (a tiny size's
-    verdicts check that the studies run, and judge nothing)."""
+    verdicts check that the studies run, and judge nothing). A claim that holds on some of its
+    parts names the parts not judged here."""
     colours = {"holds": "green", "off": "red", "predicted": "yellow"}
     t = Table(title="claims ledger", caption=caution or None)
     for col in ("id", "claim", "verdict"):
@@ -13,5 +16,7 @@ def verdicts(vs, caution: str = "") -> Table:
     for v in vs:
         colour = colours.get(v.status, "dim")
         text = v.claim.text if len(v.claim.text) < 70 else v.claim.text[:67] + "…"
-        t.add_row(v.claim.id, text, f"[{colour}]{v.status}[/{colour}]")
+        part = unjudged_parts(v)  # holds on the parts judged: the rest said
+        part = f" [dim]({part})[/dim]" if part else ""
+        t.add_row(v.claim.id, text, f"[{colour}]{v.status}[/{colour}]{part}")
     return t
