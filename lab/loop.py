@@ -685,10 +685,11 @@ def run_training(session: Session) -> int:
         tensorboard.check_installed()
     is_main = info.process_index == 0
     request = session.resolved.request if session.resolved else Request.from_config(cfg)
+    created = []  # the folder, where this process made it
     with contextlib.ExitStack() as held:
         stages = dict(trainer.mesh.shape).get(STAGE, 1)
         cfg, run_dir = _claim_folder(
-            cfg, is_main, held, named=bool(request.get("name")), stages=stages
+            cfg, is_main, held, named=bool(request.get("name")), stages=stages, created=created
         )
         refused_resume(cfg, run_dir)  # before the header and the compile
         started = lambda: None  # noqa: E731
@@ -705,6 +706,8 @@ def run_training(session: Session) -> int:
             # unless the refusal came after the folder changed (damaged steps moved aside)
             if _listing(run_dir) != before:
                 started()
+            elif run_dir in created and info.process_count == 1:
+                _drop_refused(run_dir)  # "before anything is written": not even the folder
             raise
         except BaseException:
             started()  # a failure: the libraries' lines may say why
@@ -722,8 +725,29 @@ def _listing(run_dir: Path) -> list:
         return []
 
 
+def _drop_refused(folder: Path) -> None:
+    """Remove a folder this run made, refused before it started (a step that cannot fit, say),
+    where it holds nothing but the lock and an empty lab.log: a retry leaves no trail of empty
+    run folders. The lock's file may go while it is held: the lock is on the open file."""
+    with contextlib.suppress(OSError):
+        names = {p.name for p in folder.iterdir()}
+        log = folder / "lab.log"
+        if names <= {".lock", JOIN_FILE, "lab.log"} and (
+            not log.exists() or not log.stat().st_size
+        ):
+            for name in names:
+                (folder / name).unlink(missing_ok=True)
+            folder.rmdir()
+
+
 def _claim_folder(
-    cfg: Config, is_main: bool, held: contextlib.ExitStack, *, named: bool, stages: int = 1
+    cfg: Config,
+    is_main: bool,
+    held: contextlib.ExitStack,
+    *,
+    named: bool,
+    stages: int = 1,
+    created: list | None = None,
 ):
     """(cfg, run folder), the folder's lock held in `held` (process 0). A name the user gave
     is theirs: a folder in use or holding an earlier run is refused in one line. A name
@@ -738,7 +762,8 @@ def _claim_folder(
         return cfg_here, _open_run_dir(cfg_here, False, stages)
 
     timeout_s = max(cfg.coordinator_timeout, 120)
-    created = []  # the folders process 0 made: a peer's refusal leaves none of them behind
+    # the folders process 0 made: a peer's refusal leaves none of them behind
+    created = [] if created is None else created
     try:
         return agreed_folder(
             lambda: _claim_here(cfg, is_main, held, named=named, stages=stages, created=created),

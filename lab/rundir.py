@@ -126,6 +126,27 @@ def write_json(path: Path, obj) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def lock_holder(run_dir: Path) -> str | None:
+    """Who holds the run folder's lock ("pid 123"), where a live process holds it; None where
+    none does or there is no lock. Asked without waiting: a lock free at the moment is let go
+    at once."""
+    import fcntl
+
+    try:
+        f = open(run_dir / ".lock", errors="replace")  # noqa: SIM115 - closed below
+    except OSError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+        except OSError:
+            return None
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return None
+
+
 def saved_config(run_dir: Path, asked: str = "resume=true") -> dict:
     """config.json of an earlier run in this folder; ConfigError if there is none to resume.
     `asked`: the key the user gave that needs it (resume=true, or lab.serve's run=NAME), so
@@ -134,6 +155,11 @@ def saved_config(run_dir: Path, asked: str = "resume=true") -> dict:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"{asked}: {run_dir} is a file, not a run folder")
     if not path.exists():
+        if holder := lock_holder(run_dir):  # a run still starting: no config.json yet
+            raise ConfigError(
+                f"{asked}: run folder {run_dir} is in use by {holder} (a run still starting: "
+                "no config.json yet); wait for it, or choose another name="
+            )
         left = previous_run(run_dir)
         if left and asked == "resume=true":  # a run's files without the config that reads them
             shown = ", ".join(left[:4]) + (", …" if len(left) > 4 else "")

@@ -129,7 +129,7 @@ def test_plan_runs_the_pallas_kernel_inside_the_sharded_step():
     from lab.config import parse_keys
     from lab.session import open_session
 
-    argv = ["target=tpu:v5e:2x2", "mesh=2x2", "model=small", "d_model=512"]
+    argv = ["target=tpu:v5e:2x2", "mesh=2x2", "model=small", "d_model=512", "n_layers=2"]
     argv += ["batch_size=8", "seq_len=256"]
     s = open_session(keys=parse_keys(argv))
     cfg, info, trainer = s.cfg, s.info, s.trainer

@@ -181,6 +181,21 @@ def test_a_folder_whose_run_is_starting_is_in_use_not_missing(tmp_path):
             loop._claim_here(cfg, True, held, named=True, stages=1)
 
 
+def test_a_resume_from_the_command_line_into_a_starting_run_is_told_it_is_in_use(
+    tmp_path, capsys
+):
+    """The same through lab.run's command line, whose resume reads config.json before the
+    folder is claimed: it said 'no run named …', though the run was compiling."""
+    from lab.run import main
+
+    (tmp_path / "lk").mkdir()
+    with checkpoint.Lock(tmp_path / "lk"):
+        assert main(["model=tiny", f"out_dir={tmp_path}", "name=lk", "resume=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is in use by pid" in err, err
+    assert "no config.json yet" in err and "no run named" not in err, err
+
+
 def test_the_learning_rate_schedule_is_not_in_the_step_time(tmp_path, monkeypatch):
     """The records' learning rates are computed a block of update counts at a time; the
     block's work (made slow here: each trace or eager call of the schedule sleeps) happens

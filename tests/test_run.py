@@ -112,7 +112,7 @@ def test_non_finite_gradient_stops_before_its_update_is_saved(tmp_path, capsys, 
 def test_memory_too_big_is_refused_before_training(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(summary.memory, "device_capacity_bytes", lambda device: 1024)
     monkeypatch.setattr(summary, "PRECHECK_MARGIN", 1e30)  # the compiled figure decides here
-    assert _run(tmp_path, "name=mem", "steps=3") == 2  # known before any step: exit 2
+    assert _run(tmp_path, "name=mem", "steps=3", "mesh=4x2") == 2  # before any step: exit 2
     err = capsys.readouterr().err
     assert "simulated devices" in err and "GiB each) but the host has" in err
     assert "smaller batch_size" in err
@@ -130,7 +130,10 @@ def test_a_step_far_beyond_the_memory_is_refused_before_its_compile(tmp_path, ca
     assert len(err.splitlines()) == 1, err
     assert err.startswith("error: the memory calculator puts the step at "), err
     assert "what the host has available now (0.0 GiB); not compiled: try a smaller" in err, err
-    assert not (tmp_path / "huge" / "metrics.jsonl").exists()
+    assert not (tmp_path / "huge").exists()  # nothing written: not even the folder
+    # a folder lab.run names itself is not left behind either (each retry made another)
+    assert main([*TINY, f"out_dir={tmp_path / 'auto'}", "steps=3"]) == 2
+    assert not (tmp_path / "auto").exists() or not list((tmp_path / "auto").iterdir())
 
 
 def test_compile_only_prints_analysis(tmp_path, capsys):
