@@ -832,7 +832,8 @@ def _claim_here(
             if not locked:
                 held.enter_context(checkpoint.Lock(run_dir))
             if not named or not (cfg.resume or cfg.overwrite):
-                rundir.check_fresh(run_dir)  # under the lock: no run can start in between
+                # under the lock: no run can start in between
+                rundir.check_fresh(run_dir, compile_only=cfg.compile_only)
             return cfg, run_dir
         except ConfigError:
             if named:

@@ -65,10 +65,11 @@ def _empty_dir(path: Path) -> bool:
         return False
 
 
-def check_fresh(run_dir: Path) -> None:
+def check_fresh(run_dir: Path, *, compile_only: bool = False) -> None:
     """A run that neither resumes nor overwrites needs a folder with no earlier run in it:
     two runs' checkpoints, metrics and summaries in one folder cannot be told apart, and a
-    resume would load whichever saved the highest step. ConfigError (one line) otherwise."""
+    resume would load whichever saved the highest step. ConfigError (one line) otherwise.
+    `compile_only`: the command trains nothing, so resume=true is not offered to it."""
     left = previous_run(run_dir)
     if left:
         shown = ", ".join(left[:4]) + (", …" if len(left) > 4 else "")
@@ -83,7 +84,7 @@ def check_fresh(run_dir: Path) -> None:
             )
         # resume=true is offered only where there is a checkpoint to continue from
         saved = any(p.name.isdigit() for p in (run_dir / "checkpoints").glob("*"))
-        go_on = "continue it with resume=true, " if saved else ""
+        go_on = "continue it with resume=true, " if saved and not compile_only else ""
         raise ConfigError(
             f"run folder {run_dir} already holds a run ({shown}): a folder belongs to one run; "
             f"{go_on}choose another name=, or clear it first with overwrite=true"

@@ -181,9 +181,7 @@ def test_a_folder_whose_run_is_starting_is_in_use_not_missing(tmp_path):
             loop._claim_here(cfg, True, held, named=True, stages=1)
 
 
-def test_a_resume_from_the_command_line_into_a_starting_run_is_told_it_is_in_use(
-    tmp_path, capsys
-):
+def test_a_resume_from_the_command_line_into_a_starting_run_is_told_it_is_in_use(tmp_path, capsys):
     """The same through lab.run's command line, whose resume reads config.json before the
     folder is claimed: it said 'no run named …', though the run was compiling."""
     from lab.run import main

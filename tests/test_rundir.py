@@ -677,3 +677,20 @@ def test_a_config_that_parses_but_holds_another_type_is_damaged_not_a_traceback(
     assert _run(tmp_path, "name=R", "steps=8", "resume=true") == 2
     err = _one_line_error(capsys, "config.json is damaged")
     assert needle in err
+
+
+def test_a_compile_only_command_is_not_offered_resume_true(tmp_path):
+    """A folder holding a run with a checkpoint offers resume=true to a training command, not
+    to compile_only=true, which refuses resume=true: the advice must be one it can take."""
+    from lab import rundir
+    from lab.errors import ConfigError
+
+    run_dir = tmp_path / "r"
+    (run_dir / "checkpoints" / "2").mkdir(parents=True)
+    (run_dir / "config.json").write_text("{}")
+    (run_dir / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="continue it with resume=true"):
+        rundir.check_fresh(run_dir)
+    with pytest.raises(ConfigError) as e:
+        rundir.check_fresh(run_dir, compile_only=True)
+    assert "resume=true" not in str(e.value) and "overwrite=true" in str(e.value), e.value

@@ -419,3 +419,20 @@ def test_a_stage_records_its_choice_from_the_timed_spans():
     assert choice["value"] == stage.best_score and "within_noise_of" in choice["config"]
     lo, hi = stage.spans[stage.best]
     assert 0 < lo <= hi and choice["config"]["span"] == [lo, hi]
+
+
+def test_the_closing_line_names_every_stages_ties_not_only_the_last(tmp_path, monkeypatch, capsys):
+    """The chosen tiles rest on each stage's choice: where the forward stage's choice was
+    within noise of another, the closing line says so, with the stage, beside the last's."""
+    from lab.measure.tuning import Stage, TileSearch
+
+    fwd = _stage(((0.9, 1.1), (1.0, 1.2), (1.4, 1.6)))  # ties block_q=32
+    bwd = Stage("bwd", "bwd", fwd.candidates, (1.0, 1.5, 1.6), 0, ((0.9, 1.0), (1.4, 1.6), None))
+    last = Stage("variant", "variant", fwd.candidates, (1.0, 1.02, 1.5), 0, fwd.spans)
+    summary = TileSearch("xla", (fwd, bwd, last))
+    monkeypatch.setattr(tune, "search_block_sizes", lambda *a, **k: (last.chosen, [], summary))
+    argv = ["interpret=true", "seqs=64", "space=quick", f"out_dir={tmp_path}", "write=false"]
+    assert attention_tune.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "within noise of fwd: block_q=32; variant: block_q=32" in out, out
+    assert "bwd:" not in out.split("within noise of")[-1], out

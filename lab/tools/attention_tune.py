@@ -236,9 +236,13 @@ def run(o: Options) -> int:
         for stage in summary.stages:
             con.print(tables.tune_stage(stage, summary.baseline))
         tiles = " ".join(f"{f.name}={getattr(best, f.name)}" for f in dataclasses.fields(best))
-        last, noise = summary.stages[-1], ""
-        if last.within_noise_of:
-            noise = f", within noise of {tables.tied_text(last, last.within_noise_of)}"
+        # every stage whose choice another candidate ties: the tiles rest on each of them
+        ties = [
+            f"{st.stage}: {tables.tied_text(st, st.within_noise_of)}"
+            for st in summary.stages
+            if st.within_noise_of
+        ]
+        noise = f", within noise of {'; '.join(ties)}" if ties else ""
         took = time.perf_counter() - t0
         con.print(f"head_dim {search.head_dim}: best {tiles}{noise} ({took:.0f} s)")
         if o.write:
