@@ -354,6 +354,55 @@ def predicted_gemm(spec_key: str, n: int, dtype: str = "bfloat16", *, spec=None)
     }
 
 
+def predicted_decode(spec_key: str, preset: str, chips: int, batch: int, context: int):
+    """lab.serve's decode step of `preset` (bf16 weights and KV cache; tensor parallel over
+    `chips`): one token for each of `batch` sequences over a cache of `context` slots,
+    compiled for a GPU the lab compiles for and timed by the step-time model with its fitted
+    parameters, as the published decode points are (lab.studies.prediction). {"tokens_per_s"
+    (all chips together), "seconds", "breakdown", "collective_s", "statement" (the model's
+    error on the held-out published decode points), "target"}; None where nothing compiles
+    here (no gpu-plan extra, the compiler refuses it)."""
+    from lab.studies import prediction
+
+    kind = COMPILED_GPUS.get(spec_key)
+    if kind is None:
+        return None
+    target = f"gpu:{kind}:{chips}" if chips > 1 else f"gpu:{kind}"
+    lab_config = {
+        "module": "lab.serve",
+        "model": preset,
+        "dtype": "bfloat16",
+        "param_dtype": "bfloat16",  # served as the published decode points serve them
+        "plan_batch": batch,
+        "plan_context": context,
+        "target": target,
+    }
+    if chips > 1:
+        lab_config |= {"mesh": f"model:{chips}", "strategy": "tp"}
+    point = {
+        "id": f"ledger-decode-{preset}-{kind}x{chips}-b{batch}-s{context}",
+        "workload": "decode",
+        "hardware": {"kind": kind, "chips": chips},
+        "lab_config": lab_config,
+        "figure": {"unit": "tokens/s", "value": 1.0},
+    }
+    try:
+        out = prediction.predict_with_fit(point)
+    except Exception as e:  # noqa: BLE001 — one plan's failure leaves no prediction, said
+        _plan_failed(point["id"], e)
+        return None
+    if out is None:
+        return None
+    return {
+        "tokens_per_s": out["figure"],
+        "seconds": out["seconds"],
+        "breakdown": out["breakdown"],
+        "collective_s": out["collective_s"],
+        "statement": prediction.workload_statement("decode", "gpu"),
+        "target": target,
+    }
+
+
 # --- the lab's training step ------------------------------------------------------------
 
 

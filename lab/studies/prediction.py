@@ -790,6 +790,41 @@ def model_statement(vendor_name: str) -> str:
     return f"step-time model of the compiled program; {error_statement(vendor_name)}"
 
 
+def workload_error(workload: str, vendor_name: str = "gpu") -> dict:
+    """The step-time model's error on the held-out published points of one workload ("decode",
+    "prefill", ...) on one machine class, as last validated (lab/predict/fits.json): {"n",
+    "median", "worst", "hardware" (the points' chips), "date" (of the validation)}. A figure the
+    model predicts for that workload is as wrong as the model was on such points, not on the
+    mix of every held-out point."""
+    from lab.predict.step import fits
+
+    rows = [
+        r
+        for r in saved_rows()
+        if r.role == "held-out"
+        and r.workload == workload
+        and r.hardware.startswith("tpu") == (vendor_name == "tpu")
+    ]
+    date = (fits().get("validation") or {}).get("date")
+    return {**_stats(rows), "hardware": sorted({r.hardware for r in rows}), "date": date}
+
+
+def workload_statement(workload: str, vendor_name: str = "gpu") -> str:
+    """'step-time model of the compiled decode step: its error 18% median, worst 2.03×, on 4
+    held-out published decode points (a100 × 1, a100 × 8; validated 2026-11-30)', read from
+    the last validation (`workload_error`)."""
+    e = workload_error(workload, vendor_name)
+    rule = f"step-time model of the compiled {workload} step"
+    if not e["n"]:
+        return f"{rule}: its error not measured (no held-out published {workload} point)"
+    points = "point" if e["n"] == 1 else "points"
+    size = f"{e['median']:.0%}"
+    if e["n"] > 1:
+        size += f" median, worst {e['worst']:.3g}×,"
+    where = ", ".join(e["hardware"]) + (f"; validated {e['date']}" if e["date"] else "")
+    return f"{rule}: its error {size} on {e['n']} held-out published {workload} {points} ({where})"
+
+
 def predict_with_fit(point: dict, cache_dir=CACHE_DIR) -> dict | None:
     """A figure outside the validation set (a ledger claim) predicted by the fitted model:
     the point's program compiled for its target (cached like the validation's) and timed with
