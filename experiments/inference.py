@@ -10,14 +10,15 @@ the rental price of the spec table.
 
 C18 (output tokens), C21, C22: the lab's model is served (lab.studies.serving) on the backend
 present — prefill and decode timed apart, decode over a batch sweep against the measured memory
-roof — and what a self-hoster pays per output token is predicted for Llama-2 7B/70B on H100s
-from the bytes a decode step must move, at the share of the memory roof decode reached here.
-C22 sizes a 70B model's serving memory (weights + KV cache) at bf16, int8 and int4 and with
-weights offloaded to host memory (calculator), and under size=full compiles the int8 decode
-step for one H100 (lab.plans; compiled, not run). These predictions still use the fallback
-rules (datasheet peak × MFU, bytes at the roof share), each record labelled with the rule
-and its error as measured on the held-out published points of its kind: the forward pass's
-MFU against published prefills (lab.studies.prediction).
+roof, all context: what this CPU reaches says nothing of an H100 — and what a self-hoster pays
+per output token is predicted for Llama-2 7B/70B on H100s by the step-time model of lab.serve's
+decode step compiled for them (lab.predict, as it predicts the published decode points; its
+error is its error on those held out). C22 sizes a 70B model's serving memory (weights + KV
+cache) at bf16, int8 and int4 and with weights offloaded to host memory (calculator), and under
+size=full compiles the int8 decode step for one H100 (lab.plans; compiled, not run). Prefill
+(C18's input tokens, C21's numerator) still uses the fallback rule (datasheet peak × the
+forward's MFU measured here), labelled with its error on the held-out published prefills
+(lab.studies.prediction).
 """
 
 import math
@@ -32,6 +33,7 @@ from experiments.common import (
     llama_shape,
     mfu_peak,
     pick,
+    predicted_decode,
     record,
     spec_inputs,
 )
@@ -51,10 +53,6 @@ ARTICLE_CORES = 16  # "CPU (16-core)"
 REQUEST_TOKENS = 128
 RPS_TARGETS = {"rtx-4090": "RTX 4090", "h100-sxm": "H100"}
 RENTAL = ("t4", "rtx-4090", "a100-sxm4-80gb", "h100-sxm", "h200", "mi300x")
-# How decode is predicted here: the bytes a step moves over the datasheet's HBM bandwidth, at
-# the share of the memory roof decode reached on the backend measured. Not yet held against
-# published decode figures, so its error is unknown (python -m lab.tools.prediction).
-DECODE_RULE = "decode roofline rule (bytes at the roof share reached here): error not measured"
 PREFILL_SEQ = 2048  # context over which the 7B/70B prefill's attention is counted
 
 
@@ -241,8 +239,8 @@ def _noisy_roof(roofs: Roofs) -> list[dict]:
             f"CAUTION: the copy bandwidth {'rose' if after > before else 'fell'} "
             f"{abs(after / before - 1):.0%} during the serving "
             f"sweep ({before / 1e9:,.1f} GB/s before, {after / 1e9:,.1f} after; more than "
-            f"{NOISY_ROOF:.0%}: a shared host?): decode's share of the memory roof, and the "
-            "C18 and C22 figures taken from it, moved with it",
+            f"{NOISY_ROOF:.0%}: a shared host?): decode's share of the memory roof, and C22's "
+            "intensity over the ridge point, moved with it",
             after / before,
             "×",
             label="derived",
@@ -309,33 +307,64 @@ def _llama_model(name: str):
     return make_config(preset=llama_preset(name)).model
 
 
-def _decode_rate(name: str, gpus: int, bandwidth_share: float, key: str = "h100-sxm") -> dict:
-    """Predicted decode tokens/s of Llama-2 `name` on `gpus` H100s (tensor parallel): each step
-    moves the bf16 weights and the batch's bf16 KV cache at `bandwidth_share` of HBM bandwidth
-    (or is bound by the FLOPs, whichever is slower), with as many sequences as fit."""
+def _decode_batch(model, gpus: int, key: str = "h100-sxm") -> int:
+    """As many 2048-token bf16 caches as fit beside the bf16 weights in HBM_USE of `gpus`
+    cards (tensor parallel: both split over them), at most MAX_SERVING_BATCH."""
     spec = specs.SPECS[key]
-    model = _llama_model(name)
-    peak, _ = accel_peak(key)
     one = memory.predict_serving_memory(model, batch=1, context=SERVE_CONTEXT, devices=gpus)
     free = HBM_USE * spec.memory_bytes - one["weights"]
-    batch = max(1, min(MAX_SERVING_BATCH, int(free // one["kv_cache"])))
+    return max(1, min(MAX_SERVING_BATCH, int(free // one["kv_cache"])))
+
+
+def _decode_rate(name: str, gpus: int, key: str = "h100-sxm") -> dict | None:
+    """Predicted decode tokens/s of Llama-2 `name` on `gpus` H100s (tensor parallel) at the
+    batch a server keeps in flight (`_decode_batch`): lab.serve's decode step compiled for them
+    and timed by the step-time model (experiments.common.predicted_decode). None where it
+    cannot be compiled here."""
+    model = _llama_model(name)
+    batch = _decode_batch(model, gpus, key)
+    pred = predicted_decode(key, llama_preset(name), gpus, batch, SERVE_CONTEXT)
+    if pred is None:
+        return None
     per_gpu = memory.predict_serving_memory(
         model, batch=batch, context=SERVE_CONTEXT, devices=gpus
     )["total"]
-    step_s = max(
-        per_gpu / (spec.memory_bandwidth * bandwidth_share),
-        cost.step_flops(model, batch, SERVE_CONTEXT) / (gpus * peak),
+    return {
+        "batch": batch,
+        "tokens_per_s": pred["tokens_per_s"],
+        "step_s": pred["seconds"],
+        "bytes_per_gpu": per_gpu,
+        "breakdown": pred["breakdown"],
+        "statement": pred["statement"],
+    }
+
+
+def _not_predicted(name: str, gpus: int) -> dict:
+    """Where the decode step cannot be compiled for H100s here, the claim has no figure: a
+    context record says why (no other rule stands in for the step-time model)."""
+    return record(
+        "C18",
+        None,
+        f"Llama-2 {name} decode on {gpus} × H100 not predicted: its decode step could not be "
+        "compiled for H100s here (the gpu-plan extra: pip install -e '.[gpu-plan]')",
+        None,
+        "$",
+        label="predicted",
+        role="context",
+        target="h100-sxm",
     )
-    return {"batch": batch, "tokens_per_s": batch / step_s, "bytes_per_gpu": per_gpu}
 
 
-def _output_token_cost(out: Study, mfu: float) -> list[dict]:
-    """C18, C21: $ per 1M output tokens, Llama-2 7B and 70B decode on H100s at the share of
-    the memory roof decode reached here, and output over input cost (predicted)."""
+def _output_token_cost(mfu: float, here_share: float | None = None) -> list[dict]:
+    """C18, C21: $ per 1M output tokens, Llama-2 7B and 70B decode on H100s predicted by the
+    step-time model of the decode step compiled for them, and output over input cost
+    (predicted). `here_share`, the share of the memory roof decode reached at batch 1 on the
+    backend measured, is kept beside them as context, never as an input: a CPU's load and
+    batch-1 overheads say nothing of an H100's step at a server's batch."""
     key = "h100-sxm"
     spec = specs.SPECS[key]
-    share = min(1.0, min(out.decode, key=lambda r: r.batch).memory_roof_share)
     peak, dtype = accel_peak(key)
+    context = {} if here_share is None else {"memory_roof_share_here": here_share}
     recs = []
     for name, metric in (
         ("7B", "usd_per_m_output_tokens_7b"),
@@ -343,23 +372,26 @@ def _output_token_cost(out: Study, mfu: float) -> list[dict]:
     ):
         shape = llama_shape(name)
         gpus = math.ceil(2 * shape["n_params"] / spec.memory_bytes)
-        d = _decode_rate(name, gpus, share)
+        d = _decode_rate(name, gpus)
+        if d is None:
+            recs.append(_not_predicted(name, gpus))
+            continue
+        statement = d.pop("statement")
         usd = gpus * spec.price_usd_per_hour / (d["tokens_per_s"] * 3600) * 1e6
-        inputs = {"memory_roof_share": share, "mfu_forward": mfu}
         recs.append(
             record(
                 "C18",
                 metric,
-                f"Llama-2 {name} decode on {gpus} × H100, batch {d['batch']} (as many 2048-token "
-                "caches as fit), at the share of the memory roof decode reached here: $ per 1M "
-                "output tokens",
+                f"Llama-2 {name} decode on {gpus} × H100, batch {d['batch']} (as many "
+                f"{SERVE_CONTEXT}-token caches as fit), {d['tokens_per_s']:,.0f} tokens/s: "
+                "$ per 1M output tokens",
                 usd,
                 "$",
                 label="predicted",
                 target=key,
                 gpus=gpus,
-                inputs=inputs,
-                model_error=DECODE_RULE,
+                context=context,
+                model_error=statement,
                 **d,
                 **spec_inputs(key, "memory_bandwidth", "memory_bytes", "price_usd_per_hour"),
             )
@@ -371,15 +403,17 @@ def _output_token_cost(out: Study, mfu: float) -> list[dict]:
                     "C21",
                     "output_input_cost_ratio",
                     f"Llama-2 7B on {gpus} × H100: prefill tokens/s (forward MFU measured here) "
-                    f"over decode tokens/s (batch {d['batch']})",
+                    f"over decode tokens/s (batch {d['batch']}, the decode step's step-time "
+                    "model)",
                     prefill / d["tokens_per_s"],
                     "×",
                     label="predicted",
                     target=key,
                     prefill_tokens_per_s=prefill,
                     decode_tokens_per_s=d["tokens_per_s"],
-                    inputs=inputs,
-                    model_error=f"{fallback(mfu, 'prefill')} (prefill); {DECODE_RULE} (decode)",
+                    inputs={"mfu_forward": mfu},
+                    context=context,
+                    model_error=f"{fallback(mfu, 'prefill')} (prefill); {statement} (decode)",
                     **spec_inputs(key, f"peak_flops.{dtype}", "memory_bandwidth"),
                 )
             )
@@ -485,7 +519,7 @@ def run(size: str = "quick", plans: bool | None = None) -> list[dict]:
         _classifier_requests_per_s(rows, mfu)
         + _input_token_cost(mfu)
         + _serving_records(out, preset, source)
-        + _output_token_cost(out, mfu)
+        + _output_token_cost(mfu, min(out.decode, key=lambda r: r.batch).memory_roof_share)
     )
     recs += _serving_memory_70b()
     if size == "full" if plans is None else plans:

@@ -322,3 +322,111 @@ def test_the_compilers_step_estimate_states_its_error(monkeypatch):
     e = plans.step_estimate(None, 1e9, spec, 1e12, device_kind="TPU v5 lite")
     assert e.seconds == pytest.approx(0.01) and e.source.startswith("roofline floor")
     assert e.error == e.source
+
+
+def _held_out_decode_rows() -> list[dict]:
+    rows = (fits().get("validation") or {}).get("rows") or []
+    return [
+        r
+        for r in rows
+        if r["role"] == "held-out"
+        and r["workload"] == "decode"
+        and not r["hardware"].startswith("tpu")
+        and r.get("error") is not None
+    ]
+
+
+def test_the_decode_error_is_the_models_on_the_held_out_published_decode_points():
+    """A decode figure is as wrong as the model was on decode, not on the mix of GEMMs and
+    all-reduces of every held-out point: read from the saved validation."""
+    import statistics
+
+    rows = _held_out_decode_rows()
+    assert rows, "the saved validation holds out no GPU decode point"
+    e = prediction.workload_error("decode", "gpu")
+    assert e["n"] == len(rows)
+    assert e["median"] == pytest.approx(statistics.median(abs(r["error"]) for r in rows))
+    worst = max(max(1 + r["error"], 1 / (1 + r["error"])) for r in rows)
+    assert e["worst"] == pytest.approx(worst)
+    text = prediction.workload_statement("decode", "gpu")
+    assert f"on {len(rows)} held-out published decode points" in text
+    assert f"{e['median']:.0%} median" in text
+    assert "not measured" in prediction.workload_statement("decode", "tpu")
+
+
+def test_the_h100_output_token_cost_is_the_decode_steps_not_this_cpus_roof_share(monkeypatch):
+    """C18/C21 price an H100's decode step at a server's batch by the step-time model of that
+    step compiled for the H100 (as the published decode points are predicted), never from the
+    share of the memory roof a CPU reached at batch 1: the share is context, and two shares
+    give the same figures."""
+    from experiments import inference
+
+    step_s, asked = 0.025, []
+
+    def fake(point, cache_dir=None):
+        asked.append(point)
+        batch = point["lab_config"]["plan_batch"]
+        return {
+            "seconds": step_s,
+            "breakdown": {},
+            "collective_s": 0.0,
+            "figure": batch / step_s,
+            "statement": "unused",
+            "program": {},
+        }
+
+    monkeypatch.setattr(prediction, "predict_with_fit", fake)
+    low, high = inference._output_token_cost(0.3, 0.05), inference._output_token_cost(0.3, 0.9)
+    metrics = ("usd_per_m_output_tokens_7b", "output_input_cost_ratio")
+    metrics += ("usd_per_m_output_tokens_70b",)
+    assert [r["config"]["metric"] for r in low] == list(metrics)
+    assert [r["value"] for r in low] == [r["value"] for r in high]
+    h100 = specs.SPECS["h100-sxm"]
+    for r in (low[0], low[2]):
+        c = r["config"]
+        assert r["label"] == "predicted" and c["tokens_per_s"] == pytest.approx(c["batch"] / step_s)
+        usd = c["gpus"] * h100.price_usd_per_hour / (c["batch"] / step_s * 3600) * 1e6
+        assert r["value"] == pytest.approx(usd)
+        assert c["model_error"] == prediction.workload_statement("decode", "gpu")
+        assert c["context"]["memory_roof_share_here"] == 0.05
+        assert "memory_roof_share" not in c.get("inputs", {})
+    assert low[1]["config"]["decode_tokens_per_s"] == low[0]["config"]["tokens_per_s"]
+    # the points asked for: lab.serve's decode step at the record's batch, tensor parallel
+    seven, seventy = asked[0], asked[1]
+    assert seven["workload"] == "decode" and seven["hardware"] == {"kind": "h100", "chips": 1}
+    assert seven["lab_config"]["plan_batch"] == low[0]["config"]["batch"]
+    assert seven["lab_config"]["plan_context"] == inference.SERVE_CONTEXT
+    assert seventy["lab_config"]["target"] == "gpu:h100:2"
+    assert seventy["lab_config"]["mesh"] == "model:2"
+
+
+def test_without_a_compiler_the_output_token_cost_has_no_figure(monkeypatch):
+    """No other rule stands in for the decode step's model: a context record says why."""
+    from experiments import inference
+
+    monkeypatch.setattr(prediction, "predict_with_fit", lambda point, cache_dir=None: None)
+    recs = inference._output_token_cost(0.3, 0.05)
+    assert [r["config"]["metric"] for r in recs] == [None, None]
+    assert all(r["value"] is None and "not predicted" in r["what"] for r in recs)
+
+
+@pytest.mark.slow_plan
+def test_the_ledgers_decode_step_is_predicted_as_the_published_decode_point(tmp_path, monkeypatch):
+    """The ledger's decode prediction is the validation's machinery: the published A100 batch-60
+    point's configuration through predicted_decode gives the validation's prediction (bf16
+    for the point's fp16: the same bytes and peak), and the H100 7B step at the ledger's
+    batch runs in the thousands of tokens/s."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="the gpu-plan extra compiles for H100")
+    from experiments import inference
+
+    cached = functools.partial(prediction.predict_with_fit, cache_dir=tmp_path)
+    monkeypatch.setattr(prediction, "predict_with_fit", cached)
+    (point,) = prediction.load_points(("trtllm-a100-llama7b-decode-bs60",))
+    (row,) = [r for r in prediction.saved_rows() if r.id == point["id"]]
+    lc = point["lab_config"]
+    a100 = common.predicted_decode(
+        "a100-sxm4-80gb", lc["model"], 1, lc["plan_batch"], lc["plan_context"]
+    )
+    assert a100["tokens_per_s"] == pytest.approx(row.predicted, rel=0.02)
+    h100 = inference._decode_rate("7B", 1)
+    assert 1000 < h100["tokens_per_s"] < 10000

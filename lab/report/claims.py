@@ -695,9 +695,9 @@ CLAIMS: tuple[Claim, ...] = (
                 **about(0.3, 2),
                 backends=("gpu",),
                 reading="$/hour of an H100 over output (decode) tokens per hour of a 7B model: "
-                "each decode step moves the bf16 weights and the batch's KV cache (2048 "
-                "tokens each), at the share of the memory roof decode reached on the backend "
-                "measured, with as many sequences as fit beside the weights (at most 256); "
+                "the decode step (bf16 weights and KV cache, 2048 tokens a sequence) compiled "
+                "for the H100 and timed by the step-time model, as it times the published "
+                "decode points, with as many sequences as fit beside the weights (at most 256); "
                 "within a factor of 2",
                 if_off="decode is priced by bytes, not FLOPs: the batch a server keeps in "
                 "flight (how many caches fit beside the weights) sets the price",
