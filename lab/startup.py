@@ -34,11 +34,28 @@ _held = {"on": False, "signum": None}
 _last_words = []  # called once before a signal's exit: what can still be kept is written
 
 
+# The ledger's claims whose topic compiles for hardware that is not here on every run, plans or
+# not: the inference topic's decode steps for H100s (experiments/inference.py's CLAIMS; a
+# test holds the two together, as this module must not import the experiments).
+COMPILES_ALWAYS = ("C16", "C18", "C21", "C22")
+
+
+def _selects(argv, claims) -> bool:
+    """Whether `python -m experiments argv` runs a topic of `claims`: all of them without
+    `only=`, else where `only=` names one (C8 and c08 as C08, as experiments reads them)."""
+    only = [a.partition("=")[2] for a in argv if a.partition("=")[0].strip() == "only"]
+    if not only or not only[-1].strip():
+        return True
+    asked = {x.strip().upper().removeprefix("C").lstrip("0") for x in only[-1].split(",")}
+    return any(c.removeprefix("C").lstrip("0") in asked for c in claims)
+
+
 def native_log_level(module: str, argv) -> None:
     """XLA's own C++ log threshold (TF_CPP_MIN_LOG_LEVEL) for `python -m module argv`, unless
     the user set it: informational lines hidden (1), and where the command compiles for
     hardware that is not here (target=…, the prediction tool's published points, the
-    attention plans, the ledger with plans on) its warnings and errors too (3). XLA logs
+    attention plans, the ledger with plans on or with the topic that compiles H100 decode
+    steps on every run) its warnings and errors too (3). XLA logs
     lines about that hardware's memory that the plan itself reports (a scheduler's "This
     indicates an error in the calculation!" on a compile that succeeds); a fatal line still
     prints. Read once, when jaxlib loads: set before anything imports JAX (lab/__init__.py)."""
@@ -49,6 +66,7 @@ def native_log_level(module: str, argv) -> None:
         plan = True
     elif module == "experiments":
         plan = "plans=on" in argv or ("size=full" in argv and "plans=off" not in argv)
+        plan = plan or _selects(argv, COMPILES_ALWAYS)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3" if plan else "1")
 
 

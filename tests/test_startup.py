@@ -21,7 +21,11 @@ from lab import startup
         ("lab.tools.prediction", ["here=Yes"], None, "1"),
         ("lab.tools.prediction", ["here=false"], None, "3"),
         ("experiments", ["size=tiny", "plans=on"], None, "3"),
-        ("experiments", ["size=full", "plans=off"], None, "1"),
+        ("experiments", ["size=full", "plans=off", "only=C03"], None, "1"),
+        ("experiments", ["size=tiny", "only=c3,C8"], None, "1"),
+        # the inference topic compiles H100 decode steps on every run
+        ("experiments", ["size=full", "plans=off"], None, "3"),
+        ("experiments", ["size=tiny", "only=C03,c18"], None, "3"),
     ],
 )
 def test_the_native_log_level_follows_the_command(monkeypatch, module, argv, preset, want):
@@ -30,6 +34,13 @@ def test_the_native_log_level_follows_the_command(monkeypatch, module, argv, pre
         monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", preset)
     startup.native_log_level(module, argv)
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == want
+
+
+def test_the_claims_that_always_compile_are_the_inference_topics():
+    """lab.startup cannot import the experiments: its copy of the topic's claims is held here."""
+    from experiments import inference
+
+    assert startup.COMPILES_ALWAYS == inference.CLAIMS
 
 
 _SEE_JAXLIB_LOAD = """
