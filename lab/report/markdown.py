@@ -150,8 +150,11 @@ def _env_lines(records: Sequence[dict], meta: dict) -> list[str]:
             )
         modules = meta.get("modules", {})
         for name, m in modules.items():
-            word = "cut short" if str(m.get("error")).startswith("cut short") else "failed"
-            err = f" — **{word}**: {m['error']}" if m.get("error") else ""
+            error = str(m.get("error") or "")
+            if error.startswith("cut short"):  # "cut short by SIGTERM: …", said once
+                err = f" — **cut short**{error.removeprefix('cut short')}"
+            else:
+                err = f" — **failed**: {error}" if error else ""
             lines.append(f"  - `{name}`: {m['wall_s']:.0f} s, {m['records']} records{err}")
         for name in meta.get("topics", ()):
             if name not in modules:  # after a stop: the topics it never reached
