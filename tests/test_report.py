@@ -926,3 +926,23 @@ def test_a_claim_that_holds_on_some_parts_says_which_were_not_judged(tmp_path):
     text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
     (row,) = [line for line in text.splitlines() if line.startswith("| C08 |")]
     assert row.endswith("| **holds** |"), row
+
+
+def test_a_sweep_whose_baseline_never_ran_says_why_its_ratio_column_is_empty():
+    """The default baseline (xla) skipped for a mask it cannot take: the caption says so and
+    names baseline=, instead of an empty column with no word; a sweep whose baseline ran has
+    no such caption."""
+    from lab.measure.attention import SweepRow
+    from lab.report import tables
+
+    why = "takes no document mask"
+    rows = [
+        SweepRow("xla", 512, True, "fwd", skipped=why),
+        SweepRow("blockwise", 512, True, "fwd", time_s=2e-4, tflops=1.0, max_error=1e-7),
+    ]
+    t = tables.attention_sweep(rows, "xla", "t")
+    assert t.caption == (
+        f"time ÷ xla's is empty: xla did not run ({why}); give baseline= one of the impls that ran"
+    ), t.caption
+    ran = [SweepRow("xla", 512, True, "fwd", time_s=3e-4, tflops=1.0, max_error=1e-7), rows[1]]
+    assert tables.attention_sweep(ran, "xla", "t").caption is None

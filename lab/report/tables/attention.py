@@ -12,8 +12,18 @@ from lab.report.tables.common import _mem
 
 
 def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
-    """`lab.studies.attention.rows_of(records)`: one line per (seq, causal, mode, impl)."""
-    t = Table(title=title)
+    """`lab.studies.attention.rows_of(records)`: one line per (seq, causal, mode, impl). Where
+    the baseline never ran (it cannot take the masks asked for, say), the caption says why the
+    ratio column is empty and how to give another baseline."""
+    base = [r for r in rows if r.impl == baseline]
+    caption = None
+    if rows and not any(r.ran for r in base):
+        why = f" ({base[0].skipped})" if base and base[0].skipped else ""
+        caption = (
+            f"time ÷ {baseline}'s is empty: {baseline} did not run{why}; give baseline= one "
+            "of the impls that ran"
+        )
+    t = Table(title=title, caption=caption, caption_justify="left")
     # the time over the baseline's: below 1× is faster
     cols = ("L=S", "causal", "mode", "impl", "time", f"time ÷ {baseline}'s", "TFLOP/s")
     for col in (*cols, "peak temp mem", "max rel. error"):  # |out − ref| / max |ref|
