@@ -35,6 +35,7 @@ from experiments.common import (
     pick,
     predicted_decode,
     record,
+    say_step,
     spec_inputs,
 )
 from lab import plans
@@ -211,6 +212,7 @@ def _serving_study(size: str) -> tuple[Study, str, str]:
     several times a CPU's last-level cache), tiny for the test suite; (the study, the preset,
     where its weights came from)."""
     preset = pick(size, tiny="tiny", quick="base", full="base")
+    say_step(f"serving model={preset}: prefill and decode timed with a KV cache")
     session = open_session(make_config(preset=preset, steps=0, backend=backend()))
     plan = study.Plan(
         batches=pick(size, tiny=(1, 2), quick=(1, 4, 16), full=(1, 2, 4, 8, 16, 32, 64)),
@@ -519,8 +521,10 @@ def run(size: str = "quick", plans: bool | None = None) -> list[dict]:
         _classifier_requests_per_s(rows, mfu)
         + _input_token_cost(mfu)
         + _serving_records(out, preset, source)
-        + _output_token_cost(mfu, min(out.decode, key=lambda r: r.batch).memory_roof_share)
     )
+    # tens of seconds that time nothing here: said, not left under the last timing's line
+    say_step("Llama-2 7B and 70B decode steps compiled for H100s, for the step-time model")
+    recs += _output_token_cost(mfu, min(out.decode, key=lambda r: r.batch).memory_roof_share)
     recs += _serving_memory_70b()
     if size == "full" if plans is None else plans:
         recs += _serving_plan_70b_int8()

@@ -891,3 +891,30 @@ def test_each_record_says_the_size_it_was_measured_at(tmp_path, monkeypatch):
     (folder,) = tmp_path.iterdir()
     (r,) = rec.read_records(folder / "records.jsonl")
     assert r["config"]["size"] == "tiny" and r["config"]["module"] == "roofline"
+
+
+def test_the_inference_topic_says_its_h100_compiles_before_they_start(monkeypatch):
+    """The Llama-2 decode steps compiled for H100s take tens of seconds and time nothing here:
+    the progress line moves on to them, instead of sitting on the last timing's words."""
+    from experiments import common, inference
+
+    said, order = [], []
+    monkeypatch.setattr(common, "_STEP", [said.append])
+    decode = type("Row", (), {"batch": 1, "memory_roof_share": 0.5})()
+    monkeypatch.setattr(inference, "_sweep", lambda size: [{"flops_per_s": 1.0}])
+    monkeypatch.setattr(inference, "mfu_peak", lambda size: 2.0)
+    study = type("Study", (), {"decode": [decode]})()
+    monkeypatch.setattr(inference, "_serving_study", lambda size: (study, "tiny", "random"))
+    for name in ("_classifier_requests_per_s", "_input_token_cost", "_serving_records"):
+        monkeypatch.setattr(inference, name, lambda *a: [])
+    monkeypatch.setattr(inference, "_serving_memory_70b", lambda: [])
+
+    def output_cost(*a):
+        order.append(list(said))
+        return []
+
+    monkeypatch.setattr(inference, "_output_token_cost", output_cost)
+    assert inference.run("tiny", plans=False) == []
+    assert order == [
+        ["Llama-2 7B and 70B decode steps compiled for H100s, for the step-time model"]
+    ]
