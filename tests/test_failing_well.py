@@ -82,8 +82,9 @@ def test_a_fresh_run_refuses_a_folder_that_holds_a_run(earlier, tmp_path, capsys
     capsys.readouterr()
     assert _run(tmp_path, f"name={name}", *new) == 2
     line = _one_line_error(capsys, f"run folder {run_dir} already holds a run", "overwrite=true")
-    # resume=true is offered only where a checkpoint is there to continue from
-    assert ("resume=true" in line) == (name == "ckpt"), line
+    # resume=true is offered only where a checkpoint is there to continue from, and never to
+    # compile_only=true, which refuses resume=true
+    assert ("resume=true" in line) == (name == "ckpt" and "compile_only=true" not in new), line
     assert _snapshot(run_dir) == before  # nothing written, nothing removed
 
 
