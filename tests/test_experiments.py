@@ -27,7 +27,10 @@ def tiny_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("results")
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):  # not a terminal: a line per step, as in a log
+    # in a folder of its own: the ledger's compiled programs are cached under the working
+    # folder (results/prediction-cache), which is not the checkout's business
+    here = tmp_path_factory.mktemp("cwd")
+    with contextlib.redirect_stdout(out), contextlib.chdir(here):  # stdout not a terminal
         rc = cli.main(["size=tiny", f"out_dir={root}"])
     (folder,) = root.iterdir()
     return {
