@@ -276,7 +276,6 @@ def predicted_step(size: str, spec_key: str, chips: int = 1, **fields) -> dict |
     "seconds", "breakdown", "collective_s", "statement", "target"}; None where no program
     can be compiled here (no compiler for the chip, the gpu-plan extra absent, the compiler
     refuses it)."""
-    from lab.studies import prediction
 
     kind = COMPILED_GPUS.get(spec_key) or TPU_TOPOLOGIES.get((spec_key, chips))
     if kind is None:
@@ -294,11 +293,7 @@ def predicted_step(size: str, spec_key: str, chips: int = 1, **fields) -> dict |
         "lab_config": {**keys, "target": target, "mesh": str(chips)},
         "figure": {"unit": "tokens/s per chip", "value": 1.0},
     }
-    try:
-        out = prediction.predict_with_fit(point)
-    except Exception as e:  # noqa: BLE001 — one plan's failure leaves the fallback rule, said
-        _plan_failed(point["id"], e)
-        return None
+    out = _predict(point)  # None: the caller's fallback rule serves
     if out is None:
         return None
     prog, seconds = out["program"], out["seconds"]
@@ -320,7 +315,6 @@ def predicted_gemm(spec_key: str, n: int, dtype: str = "bfloat16", *, spec=None)
     the step-time model: {"flops_per_s", "seconds", "statement", "target"}. `spec`: predict
     the same program on another chip's spec entry (a chip with no compiler here: MI300X),
     labelled so. None where nothing compiles here."""
-    from lab.studies import prediction
 
     kind = COMPILED_GPUS.get(spec_key)
     if kind is None:
@@ -333,11 +327,7 @@ def predicted_gemm(spec_key: str, n: int, dtype: str = "bfloat16", *, spec=None)
         | {"m": n, "n": n, "k": n},
         "figure": {"unit": "TFLOP/s", "value": 1.0},
     }
-    try:
-        out = prediction.predict_with_fit(point)
-    except Exception as e:  # noqa: BLE001 — one plan's failure leaves no prediction, said
-        _plan_failed(point["id"], e)
-        return None
+    out = _predict(point)
     if out is None:
         return None
     statement = out["statement"]
@@ -352,6 +342,18 @@ def predicted_gemm(spec_key: str, n: int, dtype: str = "bfloat16", *, spec=None)
         "statement": statement,
         "target": f"gpu:{kind}",
     }
+
+
+def _predict(point: dict) -> dict | None:
+    """The fitted step-time model's prediction of a ledger point (lab.studies.prediction); None
+    where nothing compiles or fits, and where the plan fails (said in one line)."""
+    from lab.studies import prediction
+
+    try:
+        return prediction.predict_with_fit(point)
+    except Exception as e:  # noqa: BLE001 — one plan's failure leaves no prediction, said
+        _plan_failed(point["id"], e)
+        return None
 
 
 def predicted_decode(spec_key: str, preset: str, chips: int, batch: int, context: int):
@@ -386,11 +388,7 @@ def predicted_decode(spec_key: str, preset: str, chips: int, batch: int, context
         "lab_config": lab_config,
         "figure": {"unit": "tokens/s", "value": 1.0},
     }
-    try:
-        out = prediction.predict_with_fit(point)
-    except Exception as e:  # noqa: BLE001 — one plan's failure leaves no prediction, said
-        _plan_failed(point["id"], e)
-        return None
+    out = _predict(point)
     if out is None:
         return None
     return {
