@@ -697,29 +697,33 @@ def default_text(value) -> str:
     return str(value) if str(value) else '""'
 
 
-def _key_lines(fields: dict, rename: dict | None = None) -> list[str]:
-    """A line per key: its name, its default and its meaning in aligned columns; a name or a
-    default wider than its column puts the meaning on the next line, at its column."""
+def _key_lines(fields: dict, rename: dict | None = None, width: int = 0) -> list[str]:
+    """A line per key: its name, its default and its meaning in aligned columns. The name
+    column widens to the table's widest name (up to a few characters past KEY_WIDTH); a name
+    or a default wider still puts the meaning on the next line, at its column."""
     lines = []
-    indent = " " * (2 + KEY_WIDTH + 1 + DEFAULT_WIDTH + 1)
+    names = {f.name: (rename or {}).get(f.name, f.name) for f, _ in fields.values()}
+    width = max(width, KEY_WIDTH, *(len(k) for k in names.values() if len(k) <= KEY_WIDTH + 4))
+    indent = " " * (2 + width + 1 + DEFAULT_WIDTH + 1)
     for f, _ in fields.values():
-        key = (rename or {}).get(f.name, f.name)
+        key = names[f.name]
         default = default_text(f.default)
         if f.metadata.get("auto") is not None and f.default == f.metadata["auto"]:
             default = "auto"
         meaning = f.metadata["help"]
-        if len(key) > KEY_WIDTH or len(default) > DEFAULT_WIDTH:
-            lines += [f"  {key:<{KEY_WIDTH}} {default}", indent + meaning]
+        if len(key) > width or len(default) > DEFAULT_WIDTH:
+            lines += [f"  {key:<{width}} {default}", indent + meaning]
         else:
-            lines.append(f"  {key:<{KEY_WIDTH}} {default:<{DEFAULT_WIDTH}} {meaning}")
+            lines.append(f"  {key:<{width}} {default:<{DEFAULT_WIDTH}} {meaning}")
     return lines
 
 
 def help_text() -> str:
     """Every key of `python -m lab.run` with its default and meaning."""
     lines = ["usage: python -m lab.run [key=value ...]", "", "run keys:"]
-    lines += _key_lines(RUN_FIELDS, {"preset": "model"})
-    lines += ["", "model keys (override the preset):", *_key_lines(MODEL_FIELDS)]
+    width = max(len(k) for k in [*RUN_FIELDS, *MODEL_FIELDS] if len(k) <= KEY_WIDTH + 4)
+    lines += _key_lines(RUN_FIELDS, {"preset": "model"}, width)
+    lines += ["", "model keys (override the preset):", *_key_lines(MODEL_FIELDS, width=width)]
     lines += ["", "presets: " + ", ".join(PRESETS)]
     for backend, over in BACKEND_DEFAULTS.items():
         if over:

@@ -139,6 +139,21 @@ def test_help_shows_defaults_as_typed_in_aligned_columns():
     assert "'" not in text
 
 
+def test_help_widens_its_name_column_for_a_name_a_little_too_wide():
+    """lab.run's `coordinator_timeout` (one character past the column) keeps its meaning on
+    its own line; both of lab.run's tables keep one column for the meanings."""
+    lines = help_text().splitlines()
+    line = next(x for x in lines if x.startswith("  coordinator_timeout "))
+    assert line.split(maxsplit=2)[1:] == [
+        "60",
+        "seconds to wait for the coordinator and every process to join",
+    ]
+    column = line.index("seconds")
+    for key in ("steps", "d_model"):
+        row = next(x for x in lines if x.startswith(f"  {key} "))
+        assert len(row) - len(row.split(maxsplit=2)[2]) == column, row
+
+
 @pytest.mark.parametrize("keys", [["cpu_devices=100000"], ["mesh=data:100000"]])
 def test_simulated_device_counts_are_bounded(keys, capsys):
     """A device count no CPU can simulate is one line, before any device is created."""
