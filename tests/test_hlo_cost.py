@@ -556,6 +556,32 @@ def test_a_gpu_plans_kernel_resources_are_in_its_records():
     assert Kernel.from_record(kernel) == k
 
 
+def test_an_uncounted_launch_is_null_in_the_records_and_a_dash_in_the_table():
+    """A Mosaic GPU kernel's launches are not in XLA's thunk sequence: the record says null
+    (not 0 launches) and the kernel table '–'; counted launches show their number."""
+    import json
+
+    from rich.console import Console
+
+    from lab.measure.gpu_kernels import Kernel
+    from lab.report.tables.compiled import kernels
+
+    fields = dict(
+        grid=(32, 64, 1), threads=128, registers=168, spill_store_bytes=0, spill_load_bytes=0,
+        stack_bytes=0, static_smem=0, dynamic_smem=1024, blocks_per_sm=1, limiter="smem",
+        occupancy=0.0625,
+    )  # fmt: skip
+    mosaic = Kernel(name="flash_attention_mgpu_fwd", launches=None, **fields)
+    triton = Kernel(name="flash_attention_fwd", launches=6, **fields)
+    record = json.loads(json.dumps(mosaic.record()))
+    assert record["launches"] is None and Kernel.from_record(record) == mosaic
+    console = Console(record=True, width=200)
+    console.print(kernels([mosaic, triton], "kernels"))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in console.export_text().splitlines() if "flash" in line}  # fmt: skip
+    assert rows == {"flash_attention_mgpu_fwd": "–", "flash_attention_fwd": "6"}, rows
+
+
 def test_only_the_compilers_estimate_has_its_error_said_after_it():
     """One wording for a time's source beside it (the run's plan, its records, the attention
     plan's notes, the ledger): the compiler's own estimate is followed by what is known of

@@ -15,7 +15,9 @@ class Kernel:
     """One GPU kernel of a compiled program, as the compiler built it."""
 
     name: str
-    launches: int  # per call, × the trips of the loops around it (0: Mosaic, not counted)
+    # per call, × the trips of the loops around it; None where the compiled program does not
+    # say (Mosaic GPU kernels: their launches are not in XLA's thunk sequence)
+    launches: int | None
     grid: tuple | None  # blocks (x, y, z); None where the dump does not say
     threads: int  # per block
     registers: int  # per thread

@@ -273,7 +273,7 @@ def mosaic_kernels(dump_dir: str, kind: str) -> list[Kernel]:
             smem = int(m.group(1)) if m else None
         for name, st in parse_ptxas(Path(ptxas_file).read_text(), ptx).items():
             threads_ = threads or st.get("ptx_threads", 0)
-            out.append(_kernel(kind, name, 0, grid, threads_, smem or 0, st))
+            out.append(_kernel(kind, name, None, grid, threads_, smem or 0, st))
     return out
 
 

@@ -40,7 +40,7 @@ def kernels(rows: list[Kernel], title: str, toolchain: Toolchain | None = None) 
         spill = f"{k.spill_store_bytes}/{k.spill_load_bytes} B"
         t.add_row(
             k.name[:48],
-            _launches([k]) if k.launches else "–",
+            _launches([k]) if k.launches is not None else "–",
             "×".join(map(str, k.grid)) if k.grid else "?",
             str(k.threads),
             str(k.registers),
