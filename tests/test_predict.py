@@ -359,7 +359,7 @@ def test_a_training_plans_error_leads_with_training_steps_and_names_the_chips(mo
     def row(workload, hardware, error, **more):
         return {"role": "held-out", "workload": workload, "hardware": hardware, "error": error}
 
-    # a rate's error: +27% TFLOP/s is a step predicted 21% faster, not 27% slower
+    # a rate's error: +27% TFLOP/s is a step predicted 21% shorter, not 27% longer
     rate = {"unit": "TFLOP/s per chip", "published": 492.0, "predicted": 624.4}
     rows = [
         {**row("train", "h100 × 8", 0.27), **rate},
@@ -379,7 +379,7 @@ def test_a_training_plans_error_leads_with_training_steps_and_names_the_chips(mo
     assert step.error_statement("gpu").startswith(f"model error 9% median, worst 1.50×, {mix}")
     h100 = step.error_statement("gpu", step_on="NVIDIA H100 80GB HBM3")
     assert h100.startswith("model error on training steps: 12% median, worst 1.37×, on 5 lab.run")
-    said = "step time predicted 21% faster (h100 × 8) than published on 1 held-out published"
+    said = "step time predicted 21% shorter (TFLOP/s per chip +27%; h100 × 8) than published on 1 held-out published"
     assert said + " training step" in h100
     assert h100.endswith(f"over every held-out point: model error 9% median, worst 1.50×, {mix}")
     assert "not this chip" not in h100
@@ -388,7 +388,7 @@ def test_a_training_plans_error_leads_with_training_steps_and_names_the_chips(mo
         "model error on training steps: no step measured on an NVIDIA A100-SXM4-80GB; 12% median"
     )
     assert "measured on an NVIDIA H100 80GB HBM3 (not this chip; 2026-11-27" in a100
-    assert "21% faster (h100 × 8, not this chip) than published" in a100
+    assert "21% shorter (TFLOP/s per chip +27%; h100 × 8, not this chip) than published" in a100
     # steps measured before the fit in use was made were not predicted by it
     fitted["validation"]["date"] = "2026-11-29"
     assert "the fit in use, of 2026-11-29, is not checked on them" in step.error_statement("gpu")
@@ -398,7 +398,8 @@ def test_a_training_plans_error_leads_with_training_steps_and_names_the_chips(mo
 
 def test_a_tpu_plans_error_names_its_one_point_as_another_chips(monkeypatch):
     """The one held-out TPU point is a v6e training step: a v5e plan's statement says it is
-    another chip, in time (a rate's +25% is a step 20% faster), and does not repeat it."""
+    another chip, in time (a rate's +25% is a step 20% shorter) with the rate's own error
+    beside it, as fits.json holds it, and does not repeat it."""
     from lab.predict import step
 
     held = {"n": 1, "median": 0.25, "worst": 1.25, "what": "published points"}
@@ -409,8 +410,9 @@ def test_a_tpu_plans_error_names_its_one_point_as_another_chips(monkeypatch):
     monkeypatch.setattr(step, "device_checks", lambda: {})
     said = step.error_statement("tpu", step_on="TPU v5 lite")
     assert said.endswith(
-        "model error on training steps: step time predicted 20% faster (tpu-v6e × 256, not "
-        "this chip) than published on 1 held-out published training step"
+        "model error on training steps: step time predicted 20% shorter (TFLOP/s per chip "
+        "+25%; tpu-v6e × 256, not this chip) than published on 1 held-out published "
+        "training step"
     ), said
     assert "not this chip" not in step.error_statement("tpu", step_on="TPU v6 lite")
 

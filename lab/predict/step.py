@@ -129,9 +129,14 @@ def time_ratio(row: dict) -> float:
     """A published point's predicted/published time: its error is in the publisher's unit,
     and for a rate (TFLOP/s, GB/s, tokens/s) a + is a prediction that runs faster."""
     ratio = row["predicted"] / row["published"]
+    return 1 / ratio if is_rate(row) else ratio
+
+
+def is_rate(row: dict) -> bool:
+    """Whether a published point's unit is a rate (TFLOP/s, GB/s, tokens/s, MFU), not a time."""
     unit = str(row.get("unit", ""))
     per_time = "/s" in unit and not unit.startswith(("s/", "ms/", "us/"))  # not a time a step
-    return 1 / ratio if per_time or unit.startswith("MFU") else ratio
+    return per_time or unit.startswith("MFU")
 
 
 def _same_chip(hardware: str, device_kind: str) -> bool:
@@ -199,8 +204,11 @@ def error_statement(kind: str, step_on: str | None = None) -> str:
         for r in trained:
             t = time_ratio(r)
             other = "" if _same_chip(r["hardware"], step_on) else ", not this chip"
+            # a point published as a rate: its own error too, as fits.json holds it
+            rate = f"{r['unit']} {1 / t - 1:+.0%}; " if is_rate(r) else ""
             errors.append(
-                f"{abs(t - 1):.0%} {'faster' if t < 1 else 'slower'} ({r['hardware']}{other})"
+                f"{abs(t - 1):.0%} {'shorter' if t < 1 else 'longer'} "
+                f"({rate}{r['hardware']}{other})"
             )
         n = len(trained)
         steps.append(
