@@ -3,6 +3,7 @@ the publisher's unit, the calibration named by rule, the held-out error computed
 the self-check on this CPU (lab.run prints and saves the prediction beside the measurement)."""
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -442,6 +443,41 @@ def test_the_cpu_check_writes_its_step_times_as_records(tmp_path, monkeypatch, c
     ]
     assert recs[1]["config"]["predicted_s"] == 0.018 and recs[1]["config"]["fit"] == fit
     assert f"records → {path}" in capsys.readouterr().out
+
+
+def test_other_work_that_starts_during_the_cpu_check_keeps_its_fit_unsaved(
+    tmp_path, monkeypatch, capsys
+):
+    """A host quiet at the start but shared while the self-check ran (another process busy
+    on the cores) is seen after it: the fit, which lab.run quotes, is not saved."""
+    import subprocess
+    import sys
+
+    if records._cpu_seconds() is None:
+        pytest.skip("/proc/stat: Linux only")
+    fit = {"compute_efficiency": 0.5, "memory_efficiency": 0.5, "op_overhead_s": 1e-5}
+    rows = [prediction.CpuRow("model=tiny mesh=1", 0.010, 0.011, "calibration")]
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+    spinners = []
+
+    def check(**_k):  # other processes (not this one's waited-for children) busy on every core
+        n = os.cpu_count() or 1
+        spinners.extend(subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n))
+        time.sleep(1.5)
+        return rows, fit
+
+    saved = []
+    monkeypatch.setattr(records, "busy_host", lambda: None)  # quiet when it starts
+    monkeypatch.setattr(prediction, "cpu_check", check)
+    monkeypatch.setattr(prediction, "save_cpu_fit", lambda *a: saved.append(a) or "fits.json")
+    try:
+        assert tool(["cpu=true", f"out_dir={tmp_path}"]) == 0
+    finally:
+        for p in spinners:
+            p.wait()
+    out = capsys.readouterr().out
+    assert "other work took" in out and "while the self-check ran" in out, out
+    assert "fit not saved: the host was busy" in out and not saved
 
 
 def test_here_on_cpu_is_one_line(capsys):

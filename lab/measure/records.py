@@ -14,8 +14,10 @@ import itertools
 import json
 import os
 import platform
+import resource
 import socket
 import sys
+import time
 from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
@@ -71,6 +73,49 @@ def busy_host() -> tuple[float, int] | None:
     None on a quiet host: every time taken then comes out high (a rate from it low) and noisy."""
     load, cores = _load_avg(), os.cpu_count() or 1
     return None if load is None or load <= 0.5 * cores else (load, cores)
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(the host's busy CPU seconds from /proc/stat, this process's and its children's CPU
+    seconds, a monotonic clock); None off Linux."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    except (OSError, ValueError):
+        return None
+    host = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    own = sum(
+        r.ru_utime + r.ru_stime
+        for r in (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
+    )
+    return host, own, time.monotonic()
+
+
+class OtherWork:
+    """How much of the host's CPU other processes took while a block ran: the host's busy
+    CPU time less this process's own, over the wall time × cores. A check before a
+    measurement (`busy_host`) cannot see work that starts during it, and the load average
+    after it counts the measurement's own threads. `share` is None off Linux."""
+
+    def __enter__(self):
+        self._start = _cpu_seconds()
+        self.share: float | None = None
+        return self
+
+    def __exit__(self, *exc):
+        end = _cpu_seconds()
+        if self._start is not None and end is not None and end[2] > self._start[2]:
+            other = (end[0] - self._start[0]) - (end[1] - self._start[1])
+            self.share = max(0.0, other / ((end[2] - self._start[2]) * (os.cpu_count() or 1)))
+        return False
+
+    @property
+    def busy(self) -> bool:
+        """Other work took over half the cores on average, as `busy_host` judges a host."""
+        return self.share is not None and self.share > 0.5
 
 
 def busy_records(records) -> tuple[int, int, float, int]:

@@ -24,6 +24,7 @@ and takes effect once the compile in progress returns (a large one: a minute or 
 """
 
 import dataclasses
+import os
 import sys
 import time
 
@@ -245,13 +246,19 @@ def _cpu(o: Options, con) -> int:
     busy = records.busy_note("the step times and fitted overheads", "the fitted efficiencies")
     if busy:
         con.print(f"[yellow]{busy}")
-    with progress.tasks(con) as bar:
+    with progress.tasks(con) as bar, records.OtherWork() as others:
         task = bar.add_task("cpu self-check", total=n)
         rows, fit = prediction.cpu_check(
             budget_s=o.budget,
             progress=(tick := _ticker(bar, task)),
         )
         tick.done()
+    if others.busy and not busy:  # work that started after the check above
+        busy = (
+            f"other work took {others.share:.0%} of the host's {os.cpu_count()} cores while "
+            "the self-check ran: its step times and fitted overheads came out high, both noisy"
+        )
+        con.print(f"[yellow]{busy}")
     con.print(tables.prediction_cpu_rows(rows, Fit.from_record(fit)))
     path = records.output_stem(o.out_dir, "prediction-cpu").with_suffix(".jsonl")
     con.print(
