@@ -243,7 +243,7 @@ def run(o: Options) -> int:
     )
     busy = markdown.busy_caution(report["records"])
     caution = "; ".join(c for c in (caution, busy) if c)
-    con.print(tables.verdicts(report["verdicts"], caution))
+    con.print(tables.verdicts(report["verdicts"], caution, judged=o.size != "tiny"))
     con.print(f"wall {meta['wall_s']:.0f} s · {report['path']}")
     return 1 if any(m["error"] for m in meta["modules"].values()) else 0
 

@@ -946,3 +946,26 @@ def test_a_sweep_whose_baseline_never_ran_says_why_its_ratio_column_is_empty():
     ), t.caption
     ran = [SweepRow("xla", 512, True, "fwd", time_s=3e-4, tflops=1.0, max_error=1e-7), rows[1]]
     assert tables.attention_sweep(ran, "xla", "t").caption is None
+
+
+def test_a_ledger_that_judges_nothing_says_so_and_colours_no_verdict():
+    """size=tiny checks that the studies run: its terminal ledger is titled as a smoke test
+    and shows no verdict in a pass or failure colour; a real size's is coloured."""
+    import dataclasses
+
+    from rich.console import Console
+
+    from lab.report import tables
+
+    vs = [dataclasses.replace(judge(claims.BY_ID["C01"], []), status=s) for s in (HOLDS, OFF)]
+    for judged, title in ((False, "a smoke test, no claim judged"), (True, "claims ledger")):
+        console = Console(record=True, width=160, force_terminal=True, color_system="truecolor")
+        console.print(tables.verdicts(vs, "too small to judge", judged=judged))
+        styled = console.export_text(styles=True, clear=False)
+        plain = console.export_text()
+        assert title in plain and "holds" in plain and "off" in plain
+        coloured = (
+            "\x1b[32m" in styled or "\x1b[38;5;2m" in styled or "\x1b[38;2;0;128;0m" in styled
+        )
+        assert ("smoke test" in plain) != judged
+        assert coloured == judged, styled

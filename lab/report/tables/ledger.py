@@ -5,12 +5,14 @@ from rich.table import Table
 from lab.report.verdict import unjudged_parts
 
 
-def verdicts(vs, caution: str = "") -> Table:
-    """The claims ledger's verdicts for the terminal; `caution` under them (a tiny size's
-    verdicts check that the studies run, and judge nothing). A claim that holds on some of its
-    parts names the parts not judged here."""
-    colours = {"holds": "green", "off": "red", "predicted": "yellow"}
-    t = Table(title="claims ledger", caption=caution or None)
+def verdicts(vs, caution: str = "", *, judged: bool = True) -> Table:
+    """The claims ledger's verdicts for the terminal; `caution` under them. Where the verdicts
+    judge nothing (`judged=False`: a tiny size's check that the studies run) the title says so
+    and no verdict is coloured as a pass or a failure. A claim that holds on some of its parts
+    names the parts not judged here."""
+    colours = {"holds": "green", "off": "red", "predicted": "yellow"} if judged else {}
+    title = "claims ledger" if judged else "claims ledger: a smoke test, no claim judged"
+    t = Table(title=title, caption=caution or None)
     for col in ("id", "claim", "verdict"):
         t.add_column(col)
     for v in vs:
