@@ -204,7 +204,9 @@ SERVE_CONTEXT = PREFILL_SEQ  # tokens of KV cache per sequence in the 7B/70B pre
 MAX_SERVING_BATCH = 256
 # The batch and context at which the claim states the 70B serving memory
 SERVE_70B_BATCH, SERVE_70B_CONTEXT = 1, 4096
-HBM_USE = 0.9  # share of a card's memory a server fills (the rest: runtime, fragmentation)
+# Share of a card's memory a server fills (the rest: runtime, fragmentation): vLLM's default
+# gpu_memory_utilization. A JAX process takes 75% unless XLA_PYTHON_CLIENT_MEM_FRACTION says more.
+HBM_USE = 0.9
 
 
 def _serving_study(size: str) -> tuple[Study, str, str]:
@@ -385,7 +387,8 @@ def _output_token_cost(mfu: float, here_share: float | None = None) -> list[dict
                 "C18",
                 metric,
                 f"Llama-2 {name} decode on {gpus} × H100, batch {d['batch']} (as many "
-                f"{SERVE_CONTEXT}-token caches as fit), {d['tokens_per_s']:,.0f} tokens/s: "
+                f"{SERVE_CONTEXT}-token caches as fit in {HBM_USE:.0%} of the memory), "
+                f"{d['tokens_per_s']:,.0f} tokens/s: "
                 "$ per 1M output tokens",
                 usd,
                 "$",
