@@ -498,6 +498,9 @@ class PeerWatch:
             try:
                 self.count += 1
                 self.client.key_value_set(me, str(self.count), allow_overwrite=True)
+                if self.done.is_set():  # stop() posted "done" while this count was on its way
+                    self.client.key_value_set(me, "done", allow_overwrite=True)
+                    return
                 posted = dict(self.client.key_value_dir_get(ALIVE_KEYS))
             except Exception:  # noqa: BLE001 — the coordinator gone: _judge decides when
                 continue

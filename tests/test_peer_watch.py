@@ -88,6 +88,26 @@ def test_a_peer_that_ended_mid_run_is_lost_and_named_as_ended(ended):
     assert ended[0] == ended[2] == "process 1 ended more than 1 s ago, mid-run"
 
 
+def test_a_beat_on_its_way_when_the_process_stops_does_not_hide_its_done(ended):
+    """The stop posts "done" while the beat thread's count is on its way to the store: the
+    count lands after it, and without a second "done" the peers read a count that never moves
+    again and name the peer silent (seen under load), not ended."""
+    watches = []
+
+    class Racing(Store):
+        def key_value_set(self, key, value, allow_overwrite=False):
+            if key.endswith("/1") and value != "done" and watches and not watches[1].done.is_set():
+                watches[1].stop()  # posts "done" first; this count lands after it
+            super().key_value_set(key, value, allow_overwrite)
+
+    store = Racing()
+    watches += _watches(store)
+    assert _wait(lambda: watches[1].done.is_set())
+    assert _wait(lambda: store.kv.get(f"{devices.ALIVE_KEYS}1") == "done")
+    assert _wait(lambda: len(ended) == 2)
+    assert ended[0] == ended[2] == "process 1 ended more than 1 s ago, mid-run"
+
+
 def test_after_the_loop_no_peer_is_judged(ended):
     """Every process leaves its loop at the same step; what follows (the last save, a
     summary) may take any time: a peer done first is no loss then."""
