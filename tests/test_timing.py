@@ -208,6 +208,10 @@ def test_ceilings_queue_calls_on_an_accelerator_and_block_each_on_cpu(monkeypatc
     assert ceilings.queued("cpu") == 1 and ceilings.queued("tpu") == q
     seen.clear()  # the roofline sweep: every point queued as the device asks
     given = {"dtype": "float32", "precision": "default", "n": 64, "flops_per_s": 1e9}
+    # at the CPU's tiny sizes, two points of each kind: a GPU's sizes (64 MiB copies, 8
+    # Mi-element polynomials) and more points only add seconds here, not other calls
+    cpu_sizes = {**ceilings.sizes("cpu", "tiny"), "degrees": (1, 4), "ms": (1, 8)}
+    monkeypatch.setattr(ceilings, "sizes", lambda backend, size: cpu_sizes)
     ceilings.roofline_ceilings("tiny", budget_s=0.0, matmuls={("float32", "default"): given})
     assert seen and set(seen) <= {q, ("in place", q)}
 

@@ -256,12 +256,28 @@ def threaded(fn: Callable, state) -> Callable:
     return call
 
 
-def random_normal(key, shape, dtype=jnp.float32, scale: float = 1.0):
-    """Random inputs for benchmarks and tests: never zeros, which some hardware fast-paths."""
-    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+# Benchmark inputs are drawn on the host (numpy) and then put on the device: a draw on the
+# device compiles a program for each shape and dtype (the random bits, the transform to a
+# normal, the scale, the cast), about a second each on a small CPU host, and a sweep draws
+# dozens of shapes. The values only need to be random and never zero.
+
+
+def _host_normal(rng: np.random.Generator, shape, dtype, scale: float) -> jax.Array:
+    x = rng.standard_normal(tuple(shape), dtype=np.float32)
+    if scale != 1.0:
+        x *= np.float32(scale)
+    return jnp.asarray(x.astype(jnp.dtype(dtype)))
+
+
+def random_normal(key, shape, dtype=jnp.float32, scale: float = 1.0) -> jax.Array:
+    """Random inputs for benchmarks and tests: never zeros, which some hardware fast-paths.
+    The same key gives the same array (the key's data seeds the host's generator)."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    data = np.asarray(jax.random.key_data(key) if typed else key).astype(np.uint32)
+    return _host_normal(np.random.default_rng(data.ravel().tolist()), shape, dtype, scale)
 
 
 def random_inputs(seed: int, shapes: Sequence[tuple], dtype=jnp.float32) -> list:
-    """One random array per shape, from independent keys derived from `seed`."""
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
-    return [random_normal(k, s, dtype) for k, s in zip(keys, shapes, strict=True)]
+    """One random array per shape, drawn in turn from one generator seeded by `seed`."""
+    rng = np.random.default_rng(seed)
+    return [_host_normal(rng, s, dtype, 1.0) for s in shapes]
