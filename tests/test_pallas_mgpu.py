@@ -79,8 +79,10 @@ class Case:
 
     @property
     def heads(self) -> tuple[int, int]:
-        """(H, G): two kv heads where the ratio allows (the h // R mapping), else one."""
-        H = 2 if self.ratio == 1 else 4
+        """(H, G): two kv heads at ratio 2 (the h // R mapping over several kv heads), one at
+        ratios 1 and 4. Ratio 1 runs one head: the interpreter's time goes per head, and its
+        kv head is h // 1 by the same index code that r2's two kv heads check."""
+        H = 1 if self.ratio == 1 else 4
         return H, H // self.ratio
 
     def __str__(self):
