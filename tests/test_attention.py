@@ -32,6 +32,7 @@ from lab.kernels.attention import (
     pallas_tpu,
 )
 from lab.kernels.attention.reference import attention_reference
+from lab.measure.timing import random_inputs
 
 # max |impl - f64 reference| / max |reference|, per input dtype. f32 measures ~1e-6 (sums of
 # ~130 products at 2^-24 each); bf16 measures ~4e-3 (the output and the probabilities fed to the
@@ -81,13 +82,10 @@ def pytest_generate_tests(metafunc):
 
 
 def random_qkv(seed: int, L: int, S: int, H: int, K: int, D: int, dtype):
-    """Fresh normal q, k, v and output cotangent (never zeros)."""
-    keys = jax.random.split(jax.random.key(seed), 4)
+    """Fresh normal q, k, v and output cotangent (never zeros), drawn on the host: a draw on
+    the device compiles a program for every new shape, and this matrix has dozens."""
     shapes = [(1, L, H, D), (1, S, K, D), (1, S, K, D), (1, L, H, D)]
-    return [
-        jax.random.normal(k, s, jnp.float32).astype(dtype)
-        for k, s in zip(keys, shapes, strict=True)
-    ]
+    return random_inputs(seed, shapes, dtype)
 
 
 def output_and_grads(fn, q, k, v, do):

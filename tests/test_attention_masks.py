@@ -23,6 +23,7 @@ import pytest
 from lab.kernels.attention import attention, blockwise, cpu_flash
 from lab.kernels.attention.common import EMPTY, FULL, Mask
 from lab.kernels.attention.reference import attention_reference
+from lab.measure.timing import random_inputs
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -69,12 +70,11 @@ def _case(kind: str):
 
 def _inputs(shapes, dtype):
     L, S, G, D, Dv = shapes
-    keys = jax.random.split(jax.random.key(L + S + G + D + Dv), 5)
+    # drawn on the host: a draw on the device compiles a program for every new shape
     dims = [(B, L, H, D), (B, S, G, D), (B, S, G, Dv), (B, L, H, Dv)]
-    q, k, v, do = (
-        jax.random.normal(key, s).astype(dtype) for key, s in zip(keys[:4], dims, strict=True)
-    )
-    return q, k, v, do, jax.random.normal(keys[4], (B, L, H))
+    q, k, v, do = random_inputs(L + S + G + D + Dv, dims, dtype)
+    (dlse,) = random_inputs(L + S + G + D + Dv + 1, [(B, L, H)])
+    return q, k, v, do, dlse
 
 
 def _run(fn, kwargs, q, k, v, do, dlse):
