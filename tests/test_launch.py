@@ -512,50 +512,38 @@ def test_checkpointing_processes_that_do_not_share_the_run_folder_are_refused(tm
 
 
 @pytest.mark.once
-def test_a_launched_fsdp_run_resumes_past_a_damaged_step(tmp_path):
-    """Two processes, each holding only its shards of every weight (fsdp over 8 devices):
-    the resume checks the restored state is finite without fetching another process's
-    shards, and the damaged newest step is moved aside once, by the first process, while
-    both go on from the step before it."""
-    base = [sys.executable, "-m", "lab.tools.launch", "processes=2", *TINY[:-1], "mesh=fsdp:8"]
-    base += [f"out_dir={tmp_path}", "name=F", "checkpoint_every=2", "coordinator_timeout=30"]
-    first = subprocess.run([*base, "steps=4"], env=ENV, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
-    (tmp_path / "F" / "checkpoints" / "4" / "default" / "_METADATA").write_text("x")
-    again = subprocess.run(
-        [*base, "steps=6", "resume=true"], env=ENV, capture_output=True, text=True, timeout=300
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
-    said = again.stdout + again.stderr  # the launcher passes on its processes' lines
-    assert "resumed from checkpoint at step 2" in said
-    assert said.count("checkpoint step 4 is damaged") == 1  # said and moved by process 0
-    assert [p.name.split("-")[0] for p in (tmp_path / "F" / "checkpoints-damaged").iterdir()] == [
-        "4"
-    ]
-
-
-@pytest.mark.once
-def test_a_launched_run_goes_on_in_another_block_order(tmp_path):
-    """Two processes resume a circular pipeline's run as a plain one: every process reads
-    each step's layout record by itself (a reader that waits on the whole job, called by the
-    first process alone while it checks the folder, stalled 30 s and read every step as
-    unrecorded), and the run goes on from the circular step."""
+def test_a_launched_circular_run_goes_on_as_fsdp_past_a_damaged_step(tmp_path):
+    """Two processes resume a circular pipeline's run as an fsdp one over 8 devices, its
+    newest step damaged. Every process reads each step's layout record by itself (a reader
+    that waits on the whole job, called by the first process alone while it checks the
+    folder, stalled 30 s and read every step as unrecorded); each holds only its shards of
+    every weight, so the resume checks the restored state is finite without fetching another
+    process's shards; the damaged newest step is moved aside once, by the first process,
+    while both go on from the circular step before it. (One job for what two tests launched
+    twice each: a circular run resumed as a plain one, and an fsdp run resumed past a
+    damaged step.)"""
     tiny = [k for k in TINY if not k.startswith(("n_layers=", "steps="))] + ["n_layers=4"]
     base = [sys.executable, "-m", "lab.tools.launch", "processes=2", *tiny]
     base += [f"out_dir={tmp_path}", "name=C", "checkpoint_every=2", "coordinator_timeout=30"]
     circular = ["mesh=data:4,stage:2", "strategy=pp", "pipeline_repeats=2"]
     first = subprocess.run(
-        [*base, *circular, "steps=2"], env=ENV, capture_output=True, text=True, timeout=300
+        [*base, *circular, "steps=4"], env=ENV, capture_output=True, text=True, timeout=300
     )
     assert first.returncode == 0, first.stderr[-3000:]
+    assert checkpoint.saved_steps(tmp_path / "C") == [2, 4]
+    (tmp_path / "C" / "checkpoints" / "4" / "default" / "_METADATA").write_text("x")
     again = subprocess.run(
-        [*base, "mesh=8", "strategy=dp", "steps=4", "resume=true"],
+        [*base, "mesh=fsdp:8", "strategy=fsdp", "steps=6", "resume=true"],
         env=ENV,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert again.returncode == 0, again.stderr[-3000:]
-    said = again.stdout + again.stderr
+    said = again.stdout + again.stderr  # the launcher passes on its processes' lines
     assert "resumed from checkpoint at step 2" in said
     assert "layers: saved stacked by stage (stage=2, pipeline_repeats=2), moved" in said
+    assert said.count("checkpoint step 4 is damaged") == 1  # said and moved by process 0
+    assert [p.name.split("-")[0] for p in (tmp_path / "C" / "checkpoints-damaged").iterdir()] == [
+        "4"
+    ]
