@@ -173,7 +173,7 @@ def test_a_run_goes_on_as_a_circular_pipeline_and_back(tmp_path, capsys):
     """lab.run resumed on another layout twice: one device → a circular pipeline → one
     device; the losses follow the uninterrupted run's (the pipeline sums its microbatches in
     another order: 2.5e-5 apart at step 6 when measured)."""
-    keys = ["model=tiny", "n_layers=4", "seq_len=64", "log_every=1", "checkpoint_every=2"]
+    keys = ["model=tiny", "n_layers=4", "seq_len=16", "log_every=1", "checkpoint_every=2"]
     keys += [f"out_dir={tmp_path}"]
     assert main([*keys, "steps=6", "name=ref"]) == 0
     assert main([*keys, "steps=2", "name=run"]) == 0
