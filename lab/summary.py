@@ -111,7 +111,11 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         "attention_note": trainer.attention_note,
         **parallelism(cfg, trainer.mesh),
     }
-    predicted = predict_step(compiled, trainer.cfg, info, trainer.mesh)
+    # Process 0 alone prints and records the prediction. On CPU the model measures this host's
+    # matmul peak and copy bandwidth first: every process measuring at once took seconds of
+    # each one's start and halved the peak process 0 read (its peers measured beside it).
+    lead = jax.process_index() == 0
+    predicted = predict_step(compiled, trainer.cfg, info, trainer.mesh) if lead else None
     out["predicted_step"] = predicted.record() if predicted else None
     if trainer.schedule is not None:
         colls = collectives_hlo.from_compiled(compiled, trainer.mesh)

@@ -426,3 +426,24 @@ def test_an_ops_last_name_leaves_out_the_transforms_closing_parentheses():
     assert what("jit(step)/transpose(jvp(block/convert_element_type))") == "convert_element_type"
     assert what("jit(step)/dot_general") == "dot_general"
     assert what("") == "all-gather-start"
+
+
+def test_only_the_first_process_of_a_job_predicts_the_step(monkeypatch):
+    """Process 0 alone prints and records the predicted step; on CPU the model first measures
+    the host, and every process measuring at once cost each seconds and skewed process 0's
+    peak. The others' analysis holds no prediction and measures nothing."""
+    from lab import devices, summary
+    from lab.config import make_config
+    from lab.session import open_session
+
+    session = open_session(make_config(preset="tiny", steps=1, mesh="1"))
+    compiled = session.trainer.lower().compile()
+    info = devices.describe()
+    calls = []
+    real = summary.predict_step
+    monkeypatch.setattr(summary, "predict_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = summary.analyse(compiled, session.cfg, info, session.trainer)
+    assert calls == [1] and first["predicted_step"] is not None
+    monkeypatch.setattr(summary.jax, "process_index", lambda *a, **k: 1)
+    other = summary.analyse(compiled, session.cfg, info, session.trainer)
+    assert calls == [1] and other["predicted_step"] is None
