@@ -28,15 +28,6 @@ def _trainer(keys):
     return make_trainer(cfg, make_mesh(cfg.mesh))
 
 
-def _trained_state(trainer, seed: int):
-    """A state after one step on random tokens: Adam's moments differ layer by layer."""
-    state = trainer.init(jax.random.key(seed))
-    shape = trainer.batch_shape()
-    tokens = np.random.default_rng(seed).integers(0, trainer.cfg.model.vocab_size, shape.shape)
-    state, _ = trainer.step(state, jax.device_put(tokens.astype(np.int32), shape.sharding))
-    return state
-
-
 def _random_state(trainer, seed: int):
     """A state of the trainer's shapes, dtypes and shardings holding random values, every
     element its own: a layer or slot moved to the wrong place cannot compare equal. Made
@@ -90,7 +81,7 @@ def test_a_step_saved_before_steps_kept_their_layout_is_read_by_its_arrays_names
     """Such a step says nothing of its layout: stacked or not is read from its arrays' names,
     the order from config.json."""
     plain, scanned = _trainer(UNSCANNED), _trainer(SCANNED)
-    state = _trained_state(plain, seed=2)
+    state = _random_state(plain, seed=2)
     saver = checkpoint.Saver(checkpoint.manager(tmp_path))  # as before layouts were kept
     saver.save(1, state)
     saver.finish()
@@ -110,7 +101,7 @@ def test_older_steps_are_read_in_the_order_config_json_keeps_for_them(tmp_path):
     from lab.train import block_order
 
     circ, plain = _trainer(CIRCULAR), _trainer(UNSCANNED)
-    state = _trained_state(circ, seed=4)
+    state = _random_state(circ, seed=4)
     old = checkpoint.Saver(checkpoint.manager(tmp_path))  # as before layouts were kept
     old.save(2, state)
     old.finish()
