@@ -532,3 +532,23 @@ def test_a_gpu_plan_fits_the_share_of_memory_jax_allocates(monkeypatch):
     assert summary.capacity_bytes(info) == pytest.approx(0.9 * h100)
     tpu = types.SimpleNamespace(aot=True, backend="tpu", device_kind="TPU v5 lite")
     assert summary.capacity_bytes(tpu) == specs.lookup("TPU v5 lite").memory_bytes
+
+
+def test_the_sass_scratch_mosaic_leaves_is_removed_and_nothing_else(tmp_path):
+    """Mosaic's SASS dump (on whenever MOSAIC_GPU_DUMP_TO is set) leaves a mosaic-gpu-XXXXXX
+    folder holding kernel.bin per kernel: those that appear during the compile go; a folder
+    there before, or one holding anything else, stays."""
+    from lab.plans import resources
+
+    old = tmp_path / "mosaic-gpu-old000"
+    old.mkdir()
+    (old / "kernel.bin").write_bytes(b"\0")
+    with resources._sass_scratch_removed(str(tmp_path)):
+        for name in ("mosaic-gpu-aaaaaa", "mosaic-gpu-bbbbbb"):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "kernel.bin").write_bytes(b"\0")
+        (tmp_path / "mosaic-gpu-cccccc").mkdir()
+        (tmp_path / "mosaic-gpu-cccccc" / "notes.txt").write_text("a user's")
+        (tmp_path / "other").mkdir()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["mosaic-gpu-cccccc", "mosaic-gpu-old000", "other"], left

@@ -13,7 +13,8 @@ dumps every stage of every kernel (jaxlib/mosaic/gpu/dump.cc turns on all of
 MOSAIC_GPU_DUMP_PTXAS, _PTX, _MLIR_PASSES and _SASS): its own ptxas `-v` log (registers,
 spills), the PTX (threads), the MLIR pass log (tens of MB; its `gpu.launch` has the grid and
 dynamic shared memory) and SASS through nvdisasm (the gpu-plan extra brings it; without it
-Mosaic prints "nvdisasm invocation failed" per kernel and goes on). Nothing here runs a
+Mosaic prints "nvdisasm invocation failed" per kernel and goes on); the folder the SASS dump
+writes each kernel's binary to, under /tmp, is removed after the compile. Nothing here runs a
 kernel: every figure is *compiled, not run*.
 """
 
@@ -290,6 +291,24 @@ def _env(name: str, value: str):
             os.environ[name] = old
 
 
+@contextlib.contextmanager
+def _sass_scratch_removed(root: str = "/tmp"):
+    """Removes the folders Mosaic's SASS dump leaves behind during the block. With
+    MOSAIC_GPU_DUMP_TO set, every Mosaic kernel is also disassembled: its binary is written
+    to a new `/tmp/mosaic-gpu-XXXXXX/kernel.bin` for nvdisasm, and the folder is never removed
+    (jaxlib/mosaic/gpu/dump.cc), about 250 KB a kernel. Only folders that appeared during the
+    block and hold that one file are removed."""
+    pattern = os.path.join(root, "mosaic-gpu-*")
+    before = set(glob.glob(pattern))
+    try:
+        yield
+    finally:
+        for folder in set(glob.glob(pattern)) - before:
+            with contextlib.suppress(OSError):
+                if os.listdir(folder) == ["kernel.bin"]:
+                    shutil.rmtree(folder)
+
+
 def compile_with_kernels(lower, kind: str):
     """(compiled, kernels): `lower()` → a jax Lowered, compiled for the GPU `kind` with every
     kernel's resources read from the compiler. `lower` runs inside the caller's mesh."""
@@ -298,7 +317,7 @@ def compile_with_kernels(lower, kind: str):
     os.makedirs(mosaic_dir)
     options = {"xla_dump_to": xla_dir, "xla_dump_emitter_re": "ptx"}
     try:
-        with _env("MOSAIC_GPU_DUMP_TO", mosaic_dir):
+        with _env("MOSAIC_GPU_DUMP_TO", mosaic_dir), _sass_scratch_removed():
             compiled = lower().compile(compiler_options=options)
         if not glob.glob(os.path.join(xla_dir, "*thunk_sequence.txt")):
             raise RuntimeError(
