@@ -36,7 +36,7 @@ from lab.config import cli, field
 class Options:
     size: str = field(
         "quick",
-        "tiny (1.5 min on 2 cores at load 1-4, 3.5 at load 8-9) | quick | full (GPU/TPU VMs)",
+        "tiny (2 min on 2 cores at load 1-3, 8 at load 8-13) | quick | full (GPU/TPU VMs)",
         choices=SIZES,
     )
     only: tuple = field((), "claim ids to measure, e.g. C03,C08 (default: all)", kind="names")
