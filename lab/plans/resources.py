@@ -297,7 +297,9 @@ def _sass_scratch_removed(root: str = "/tmp"):
     MOSAIC_GPU_DUMP_TO set, every Mosaic kernel is also disassembled: its binary is written
     to a new `/tmp/mosaic-gpu-XXXXXX/kernel.bin` for nvdisasm, and the folder is never removed
     (jaxlib/mosaic/gpu/dump.cc), about 250 KB a kernel. Only folders that appeared during the
-    block and hold that one file are removed."""
+    block and hold that one file are removed. Another process compiling Mosaic kernels with
+    SASS dumps at the same moment may lose its scratch too: its SASS dump then fails, and the
+    lab reads no SASS."""
     pattern = os.path.join(root, "mosaic-gpu-*")
     before = set(glob.glob(pattern))
     try:
