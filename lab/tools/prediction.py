@@ -256,7 +256,8 @@ def _cpu(o: Options, con) -> int:
     if others.busy and not busy:  # work that started after the check above
         busy = (
             f"other work took {others.share:.0%} of the host's {os.cpu_count()} cores while "
-            "the self-check ran: its step times and fitted overheads came out high, both noisy"
+            "the self-check ran: its step times and fitted overheads may have come out high "
+            "and noisy"
         )
         con.print(f"[yellow]{busy}")
     con.print(tables.prediction_cpu_rows(rows, Fit.from_record(fit)))
