@@ -6,19 +6,22 @@ and `xla_dump_emitter_re="ptx"` (newer jax writes the per-kernel .ptx only with 
 has to be set before JAX starts. The dump's `*thunk_sequence.txt` holds every launch's grid,
 threads per block and dynamic shared memory; `ptxas -v` on each .ptx, with the ptxas XLA itself
 uses, gives registers, spill bytes, stack and static shared memory (the same figures XLA logs
-for its own ptxas run). Mosaic GPU kernels are compiled by their custom call, not by XLA: they
-are read from `MOSAIC_GPU_DUMP_TO`, which Mosaic reads at every kernel compile (during lowering
-on jax 0.10, during the compile on newer), so it is set around both. With a folder set, Mosaic
-dumps every stage of every kernel (jaxlib/mosaic/gpu/dump.cc turns on all of
-MOSAIC_GPU_DUMP_PTXAS, _PTX, _MLIR_PASSES and _SASS): its own ptxas `-v` log (registers,
-spills), the PTX (threads), the MLIR pass log (tens of MB; its `gpu.launch` has the grid and
-dynamic shared memory) and SASS through nvdisasm (the gpu-plan extra brings it; without it
-Mosaic prints "nvdisasm invocation failed" per kernel and goes on); the folder the SASS dump
-writes each kernel's binary to, under /tmp, is removed after the compile. Nothing here runs a
-kernel: every figure is *compiled, not run*.
+for its own ptxas run). Mosaic GPU kernels are compiled by their custom call, not by XLA,
+during lowering on jax 0.10 and during XLA's compile on newer JAX. The lowering runs with
+`MOSAIC_GPU_DUMP_TO` set: on jax 0.10 that dumps every stage of every kernel (jaxlib's dump.cc
+turns on all of MOSAIC_GPU_DUMP_PTXAS, _PTX, _MLIR_PASSES and _SASS: the ptxas `-v` log, the
+PTX, the IR after every pass with its `gpu.launch`, SASS through nvdisasm), and on newer JAX a
+few small files, among them the module with its `gpu.launch` (grid, threads, dynamic shared
+memory). XLA's compile runs with only `MOSAIC_GPU_DUMP_PTXAS` and `_PTX` set and no folder:
+Mosaic prints each kernel's PTX and ptxas log to stdout, which is read from file descriptor 1
+for the compile. A folder there would also print the IR after every pass (tens of MB a kernel)
+and disassemble the SASS, several times the kernel's own compile time. The folders the SASS
+dump leaves under /tmp are removed. Nothing here runs a kernel: every figure is *compiled, not
+run*.
 """
 
 import contextlib
+import ctypes
 import dataclasses
 import glob
 import math
@@ -26,6 +29,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -259,29 +263,60 @@ def _mosaic_launch(log: str) -> tuple:
     return None, None, None
 
 
-def mosaic_kernels(dump_dir: str, kind: str) -> list[Kernel]:
-    """Mosaic GPU kernels of a MOSAIC_GPU_DUMP_TO folder: Mosaic's own ptxas log per kernel,
-    the launch from its MLIR passes log (or the scratch size jax 0.12+ records)."""
+def _dumped_launch(base: str, module: str) -> tuple:
+    """(grid, threads, dynamic smem) from the Mosaic dump `base + module` (a module holding
+    the `gpu.launch`), the smem from `base.resources.txt` (jax 0.12+) where it has none."""
+    path, resources = Path(base + module), Path(base + ".resources.txt")
+    grid, threads, smem = _mosaic_launch(path.read_text() if path.exists() else "")
+    if smem is None and resources.exists():
+        m = re.search(r"smem_scratch_bytes=(\d+)", resources.read_text())
+        smem = int(m.group(1)) if m else None
+    return grid, threads, smem
+
+
+def _mosaic_kernel(kind: str, name: str, st: dict, launch: tuple) -> Kernel:
+    grid, threads, smem = launch
+    return _kernel(kind, name, None, grid, threads or st.get("ptx_threads", 0), smem or 0, st)
+
+
+def mosaic_kernels(dump_dir: str, kind: str, printed: str = "") -> list[Kernel]:
+    """Mosaic GPU kernels of a compile. Those compiled while lowering (jax 0.10) are read from
+    their MOSAIC_GPU_DUMP_TO folder `dump_dir`: ptxas log, PTX, and the launch from the MLIR
+    passes log. Those compiled by XLA's compile (newer JAX) are read from what Mosaic printed
+    then (`printed`: each kernel's PTX, then ptxas's log on it), with the launch from the
+    module the lowering left in `dump_dir` (`<name>_<count>.before_layout_inference.txt`),
+    matched by kernel name, in order."""
     out = []
     for ptxas_file in sorted(glob.glob(os.path.join(dump_dir, "*.ptxas"))):
         base = ptxas_file[: -len(".ptxas")]
         ptx = Path(base + ".ptx").read_text() if os.path.exists(base + ".ptx") else ""
-        passes = Path(base + ".mlir-passes.log")
-        grid, threads, smem = _mosaic_launch(passes.read_text() if passes.exists() else "")
-        resources = Path(base + ".resources.txt")
-        if smem is None and resources.exists():
-            m = re.search(r"smem_scratch_bytes=(\d+)", resources.read_text())
-            smem = int(m.group(1)) if m else None
+        launch = _dumped_launch(base, ".mlir-passes.log")
         for name, st in parse_ptxas(Path(ptxas_file).read_text(), ptx).items():
-            threads_ = threads or st.get("ptx_threads", 0)
-            out.append(_kernel(kind, name, None, grid, threads_, smem or 0, st))
+            out.append(_mosaic_kernel(kind, name, st, launch))
+    lowered: dict[str, list[tuple]] = {}  # kernel name → its launches, in lowering order
+    bases = {  # `<kernel name>_<count>`, the count Mosaic's dump gives each module
+        re.sub(r"\.(resources|before_layout_inference)\.txt$", "", f)
+        for pattern in ("*.resources.txt", "*.before_layout_inference.txt")
+        for f in glob.glob(os.path.join(dump_dir, pattern))
+    }
+    for base in sorted(bases, key=lambda b: int(re.sub(r".*?(\d*)$", r"0\1", b, count=1))):
+        name = re.sub(r"_\d+$", "", os.path.basename(base))
+        lowered.setdefault(name, []).append(_dumped_launch(base, ".before_layout_inference.txt"))
+    for chunk in re.split(r"(?m)^(?=//\n// Generated by LLVM NVPTX)", printed):
+        for name, st in parse_ptxas(chunk, chunk).items():
+            seen = lowered.get(name.removesuffix("_mosaic_gpu_kernel")) or [(None, None, None)]
+            out.append(_mosaic_kernel(kind, name, st, seen.pop(0) if len(seen) > 1 else seen[0]))
     return out
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str):
+def _env(name: str, value: str | None):
+    """`name` set to `value` (None: unset) during the block."""
     old = os.environ.get(name)
-    os.environ[name] = value
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
     try:
         yield
     finally:
@@ -289,6 +324,39 @@ def _env(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+@contextlib.contextmanager
+def _native_stdout():
+    """What native code writes to file descriptor 1 during the block, as `text[0]` after it.
+    Mosaic prints its dumps there when no dump folder is set. Python's own output (a progress
+    bar's thread, print) keeps going where it went: sys.stdout is pointed at a copy of the old
+    descriptor for the block."""
+    text = [""]
+    sys.stdout.flush()
+    try:
+        python_uses_fd1 = sys.stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # pytest's capture, a StringIO
+        python_uses_fd1 = False
+    saved = os.dup(1)
+    old_stdout = sys.stdout
+    sink = tempfile.TemporaryFile()
+    os.dup2(sink.fileno(), 1)
+    if python_uses_fd1:
+        sys.stdout = open(os.dup(saved), "w", buffering=1, encoding=old_stdout.encoding)
+    try:
+        yield text
+    finally:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).fflush(None)  # C stdio's buffer, before fd 1 goes back
+        if python_uses_fd1:
+            sys.stdout.close()
+            sys.stdout = old_stdout
+        os.dup2(saved, 1)
+        os.close(saved)
+        sink.seek(0)
+        text[0] = sink.read().decode(errors="replace")
+        sink.close()
 
 
 @contextlib.contextmanager
@@ -313,20 +381,28 @@ def _sass_scratch_removed(root: str = "/tmp"):
 
 def compile_with_kernels(lower, kind: str):
     """(compiled, kernels): `lower()` → a jax Lowered, compiled for the GPU `kind` with every
-    kernel's resources read from the compiler. `lower` runs inside the caller's mesh."""
+    kernel's resources read from the compiler (the module's docstring says how). `lower` runs
+    inside the caller's mesh."""
     tmp = tempfile.mkdtemp(prefix="lab-gpu-")
     xla_dir, mosaic_dir = os.path.join(tmp, "xla"), os.path.join(tmp, "mosaic")
     os.makedirs(mosaic_dir)
     options = {"xla_dump_to": xla_dir, "xla_dump_emitter_re": "ptx"}
     try:
         with _env("MOSAIC_GPU_DUMP_TO", mosaic_dir), _sass_scratch_removed():
-            compiled = lower().compile(compiler_options=options)
+            lowered = lower()
+        with (
+            _env("MOSAIC_GPU_DUMP_TO", None),
+            _env("MOSAIC_GPU_DUMP_PTX", "1"),
+            _env("MOSAIC_GPU_DUMP_PTXAS", "1"),
+            _native_stdout() as printed,
+        ):
+            compiled = lowered.compile(compiler_options=options)
         if not glob.glob(os.path.join(xla_dir, "*thunk_sequence.txt")):
             raise RuntimeError(
                 "XLA wrote no dump: the executable came from jax's persistent compilation "
                 "cache; turn it off (jax_enable_compilation_cache=false) to read kernels"
             )
-        kernels = xla_kernels(xla_dir, kind) + mosaic_kernels(mosaic_dir, kind)
+        kernels = xla_kernels(xla_dir, kind) + mosaic_kernels(mosaic_dir, kind, printed[0])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return compiled, kernels
