@@ -10,8 +10,9 @@ every instruction's FLOPs and bytes the way XLA's `HloCostAnalysis` does, so the
 can be added as many more times as the loop runs (`lab.measure.cost.compiled_cost`).
 
 Trip counts: the loop's `known_trip_count` where the compiler records it (XLA:CPU, XLA:GPU), else
-the constant bound of its condition `i < N` (XLA:TPU drops the backend config). A loop whose
-trip count neither gives is counted once and reported in `Program.unknown_loops`.
+from its condition `i < N` (XLA:TPU drops the backend config), the counter's start and step read
+from the loop's init tuple and body (a scan: 0 and 1; XLA:TPU's windowed einsum: 0 and 2). A
+loop whose trip count neither gives is counted once and reported in `Program.unknown_loops`.
 
 Per instruction, as XLA counts (one FLOP is one add or multiply):
     dot            2 · (output elements) · (contracted elements)
@@ -37,7 +38,10 @@ _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _WHILE_TRIP_RE = re.compile(r"\"known_trip_count\":\{\"n\":\"(?P<n>\d+)\"")
 _COND_RE = re.compile(r"condition=%?(?P<cond>[\w.\-]+),\s*body=%?(?P<body>[\w.\-]+)")
 _CALL_RE = re.compile(r"(?:calls|body|branch_computations)=\{?%?(?P<callee>[\w.\-]+)")
-_CONST_RE = re.compile(r"\s*%?(?P<name>[\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((?P<n>\d+)\)")
+_CONST_RE = re.compile(
+    r"\s*%?(?P<name>[\w.\-]+)\s*=\s*[su](?:8|16|32|64)\[\]\S*\s+constant\((?P<n>-?\d+)\)"
+)
+_INDEX_RE = re.compile(r"\bindex=(\d+)")
 _SHAPE_RE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 _HEAD_RE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*")
 
@@ -237,8 +241,10 @@ class Program:
 
 
 def _condition_trip_counts(comps: dict[str, tuple[Instruction, ...]], text: dict) -> dict:
-    """Trip counts of loop conditions whose root compares the counter with a constant N (LT):
-    the form a scan's loop takes; XLA:TPU keeps no `known_trip_count`."""
+    """{condition: (N, k)} for loop conditions whose root compares the counter with a constant N
+    (LT): the form a scan's loop takes (XLA:TPU keeps no `known_trip_count`). k is the counter's
+    index in the loop's tuple where the condition reads it straight from its parameter (None
+    where it does not say: the compare wrapped in a fusion, as XLA:CPU has it)."""
     out = {}
     for name, lines in text.items():
         consts = {}
@@ -250,13 +256,66 @@ def _condition_trip_counts(comps: dict[str, tuple[Instruction, ...]], text: dict
                 args = re.search(r"compare\(([^)]*)\)", line).group(1)
                 names = [a.strip().split(" ")[-1].lstrip("%") for a in args.split(",")]
                 if len(names) == 2 and names[1] in consts:
-                    out[name] = consts[names[1]]
+                    counter = next((i for i in comps[name] if i.name == names[0]), None)
+                    index = None
+                    if counter is not None and counter.opcode == "get-tuple-element":
+                        index = int(_INDEX_RE.search(counter.attrs).group(1))
+                    out[name] = (consts[names[1]], index)
             elif "ROOT" in line and "fusion(" in line and len(consts) == 1:
                 # the compare wrapped in a fusion (XLA:CPU): its bound is the one constant
                 inner = _CALL_RE.search(line)
                 if inner and any("direction=LT" in x for x in text.get(inner["callee"], [])):
-                    out[name] = next(iter(consts.values()))
+                    out[name] = (next(iter(consts.values())), None)
     return out
+
+
+def _through_copies(name: str, instructions: dict[str, Instruction]) -> Instruction | None:
+    """The instruction `name` is a copy, bitcast or conversion of (or itself)."""
+    for _ in range(16):
+        ins = instructions.get(name)
+        if ins is None or ins.opcode not in ("copy", "bitcast", "convert") or not ins.operands:
+            return ins
+        name = ins.operands[0]
+    return None
+
+
+def _scalar(name: str, instructions: dict[str, Instruction]) -> int | None:
+    """The integer constant `name` is, through copies and bitcasts; None if it is not one."""
+    ins = _through_copies(name, instructions)
+    if ins is None or ins.opcode != "constant":
+        return None
+    return int(ins.operands[0]) if re.fullmatch(r"-?\d+", ins.operands[0]) else None
+
+
+def _loop_trips(
+    bound: int, index: int | None, init: Instruction | None, body: tuple[Instruction, ...], caller
+) -> int:
+    """Trips of `while (i < bound)` whose counter is element `index` of the loop's tuple: from
+    its start (the init tuple's element, a constant) in steps of what the body adds to it. A
+    scan counts 0, 1, …; XLA:TPU's windowed einsum loops (FSDP matmuls split into steps that
+    overlap the all-gather) start at 0 and step by 2. Where start or step is not a constant,
+    0 and 1 are taken."""
+    start, step = 0, 1
+    if index is not None:
+        if init is not None and init.opcode == "tuple" and index < len(init.operands):
+            start = _scalar(init.operands[index], caller)
+            start = 0 if start is None else start
+        by_name = {i.name: i for i in body}
+        root = next((i for i in body if i.root), None)
+        if root is not None and root.opcode == "tuple" and index < len(root.operands):
+            nxt = by_name.get(root.operands[index])
+            if nxt is not None and nxt.opcode == "add" and len(nxt.operands) == 2:
+                for a, b in (nxt.operands, nxt.operands[::-1]):
+                    counter = _through_copies(a, by_name)
+                    if (
+                        counter is not None
+                        and counter.opcode == "get-tuple-element"
+                        and _INDEX_RE.search(counter.attrs).group(1) == str(index)
+                    ):
+                        found = _scalar(b, by_name)
+                        step = found if found and found > 0 else 1
+                        break
+    return max(0, -(-(bound - start) // step))
 
 
 def _counts(entry: str | None, calls: dict[str, list[tuple[str, int]]]) -> dict[str, int]:
@@ -333,13 +392,18 @@ def parse(hlo_text: str) -> Program:
     fused: set[str] = set()
     loops, trips, loop_edges = [], {}, set()
     for name, instructions in comps.items():
+        by_name = {i.name: i for i in instructions}
         for ins in instructions:
             if ins.opcode == "while":
                 cb = _COND_RE.search(ins.attrs)
                 if not cb:
                     continue
                 trip = _WHILE_TRIP_RE.search(ins.attrs)
-                n = int(trip["n"]) if trip else by_condition.get(cb["cond"])
+                n = int(trip["n"]) if trip else None
+                if n is None and cb["cond"] in by_condition:
+                    init = by_name.get(ins.operands[0]) if ins.operands else None
+                    body = comps.get(cb["body"], ())
+                    n = _loop_trips(*by_condition[cb["cond"]], init, body, by_name)
                 loops.append((cb["body"], n))
                 trips[ins.name] = n
                 calls[name].append((cb["body"], n if n is not None else 1))
