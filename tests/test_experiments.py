@@ -65,6 +65,16 @@ def test_every_module_runs_tiny_and_answers_its_claims(tiny_run):
 
 
 @pytest.mark.once
+def test_the_ledgers_h100_7b_decode_step_runs_in_the_thousands_of_tokens_per_s(tiny_run):
+    """C18's 7B figure is lab.serve's decode step compiled for an H100 at the batch a server
+    keeps in flight, timed by the step-time model: thousands of tokens/s, not a CPU's."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="the gpu-plan extra compiles for H100")
+    (r,) = [r for r in tiny_run["records"] if r["config"]["metric"] == "usd_per_m_output_tokens_7b"]
+    assert r["label"] == "predicted" and r["config"]["gpus"] == 1, r
+    assert 1000 < r["config"]["tokens_per_s"] < 10000, r["config"]
+
+
+@pytest.mark.once
 def test_report_table_has_every_claim_and_the_plots(tiny_run):
     text = (tiny_run["dir"] / "REPORT.md").read_text()
     for cid in IDS:

@@ -414,10 +414,9 @@ def test_without_a_compiler_the_output_token_cost_has_no_figure(monkeypatch):
 def test_the_ledgers_decode_step_is_predicted_as_the_published_decode_point(tmp_path, monkeypatch):
     """The ledger's decode prediction is the validation's machinery: the published A100 batch-60
     point's configuration through predicted_decode gives the validation's prediction (bf16
-    for the point's fp16: the same bytes and peak), and the H100 7B step at the ledger's
-    batch runs in the thousands of tokens/s."""
+    for the point's fp16: the same bytes and peak). (The H100 7B step the ledger predicts is
+    checked on the tiny ledger's own record: tests/test_experiments.py.)"""
     pytest.importorskip("jax_plugins.xla_cuda13", reason="the gpu-plan extra compiles for H100")
-    from experiments import inference
 
     cached = functools.partial(prediction.predict_with_fit, cache_dir=tmp_path)
     monkeypatch.setattr(prediction, "predict_with_fit", cached)
@@ -428,5 +427,3 @@ def test_the_ledgers_decode_step_is_predicted_as_the_published_decode_point(tmp_
         "a100-sxm4-80gb", lc["model"], 1, lc["plan_batch"], lc["plan_context"]
     )
     assert a100["tokens_per_s"] == pytest.approx(row.predicted, rel=0.02)
-    h100 = inference._decode_rate("7B", 1)
-    assert 1000 < h100["tokens_per_s"] < 10000
