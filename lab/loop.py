@@ -152,7 +152,9 @@ def _memory_now() -> dict:
 class _Records:
     """Each logged step's record (process 0): to metrics.jsonl, then to the TensorBoard event
     file. Beside the step's loss, gradient norm, time and tokens/s: the learning rate its
-    update used, its MFU (the summary's model FLOPs and peak) and the memory in use after it."""
+    update used, its MFU (the summary's model FLOPs and peak) and the memory in use after it;
+    in metrics.jsonl also how the step was split (strategy, mesh, accumulate, microbatches,
+    pipeline_repeats)."""
 
     log: rundir.MetricsLog
     events: tensorboard.EventFile
@@ -160,6 +162,9 @@ class _Records:
     tokens_per_step: int
     flops_per_token: float
     peak_flops_per_s: float | None  # None: no peak known for the device, no MFU
+    # how the step was split (summary.PARALLELISM), on every line: a run resumed in another
+    # layout has lines of each in one file
+    split: dict = dataclasses.field(default_factory=dict)
 
     def write(self, step: int, loss: float, grad_norm: float, step_s: float) -> None:
         tokens_per_s = self.tokens_per_step / step_s
@@ -174,7 +179,7 @@ class _Records:
         if self.peak_flops_per_s:
             rec["mfu"] = self.flops_per_token * tokens_per_s / self.peak_flops_per_s
         rec.update(_memory_now(), wall_time=time.time())
-        self.log.write(rec)
+        self.log.write({**rec, **self.split})
         self.events.write(rec)
 
 
@@ -213,6 +218,7 @@ def _records(
         cfg.batch_size * cfg.seq_len,
         analysis["model_flops_per_token"],
         peak,
+        {k: analysis[k] for k in summary.PARALLELISM if k in analysis},
     )
 
 

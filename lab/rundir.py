@@ -252,20 +252,33 @@ def check_steps(saved_step: int, steps: int) -> None:
         )
 
 
+def _number(v) -> bool:
+    return v is None or (isinstance(v, int | float) and not isinstance(v, bool))
+
+
+def _field(key: str, value) -> bool:
+    """Whether `value` is what a metrics line holds under `key`: the split of the step (a
+    strategy's name, the mesh's axis sizes), else a number or null."""
+    if key == "strategy":
+        return isinstance(value, str)
+    if key == "mesh":
+        return isinstance(value, dict) and all(type(n) is int for n in value.values())
+    return _number(value)
+
+
 def _record(line: bytes) -> dict | None:
     """The metrics record on one line, or None where the line is not one (torn by a kill or a
     full disk, bytes that are not UTF-8, JSON that is not a record: an integer step a
-    TensorBoard event can hold, and numbers, or null, for every other value)."""
+    TensorBoard event can hold, the step's split (strategy, mesh) and numbers, or null, for
+    every other value)."""
     try:
         rec = json.loads(line)
     except ValueError:  # UnicodeDecodeError is a ValueError
         return None
     if not isinstance(rec, dict) or type(rec.get("step")) is not int:
         return None
-    numbers = all(
-        v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in rec.values()
-    )
-    return rec if numbers and 0 <= rec["step"] < 2**63 else None
+    fields = all(_field(k, v) for k, v in rec.items())
+    return rec if fields and 0 <= rec["step"] < 2**63 else None
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[bytes]]:

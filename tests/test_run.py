@@ -471,8 +471,10 @@ def test_no_loss_scale_is_stored_as_one(tmp_path, capsys):
 
 
 def test_summary_and_records_say_how_the_step_was_split(tmp_path):
-    """A dp run and an fsdp one must be told apart from summary.json and records.jsonl alone:
-    the resolved strategy, mesh, accumulation and pipeline keys, as config.json names them."""
+    """A dp run and an fsdp one must be told apart from summary.json, records.jsonl and
+    metrics.jsonl alone: the resolved strategy, mesh, accumulation and pipeline keys, as
+    config.json names them (on every step's line: a run resumed in another layout has lines
+    of both in one file)."""
     args = ["name=fsdp", "steps=2", "mesh=data:2,fsdp:2", "strategy=fsdp", "accumulate=2"]
     assert _run(tmp_path, *args) == 0
     split = {
@@ -489,6 +491,10 @@ def test_summary_and_records_say_how_the_step_was_split(tmp_path):
     assert {r["what"] for r in recs} >= {"training step time", "training tokens/s"}
     for r in recs:
         assert {k: r["config"][k] for k in split} == split, r["what"]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [x["step"] for x in lines] == [1, 2]
+    for line in lines:
+        assert {k: line[k] for k in split} == split, line
     # a pipeline's microbatches as resolved (0 asks one per stage), in a plan's summary too
     pp = ["name=pp", "compile_only=true", "mesh=data:2,stage:2", "strategy=pp"]
     assert _run(tmp_path, *pp, "scan_layers=true", "pipeline_repeats=1") == 0
