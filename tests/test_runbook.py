@@ -249,7 +249,7 @@ def test_the_dry_run_says_which_steps_fit_this_calls_budget(tmp_path, capsys):
     runs, the one it cuts short, and which are left for later calls of the same command."""
     steps = [fake("one", budget=100), fake("two", budget=100), fake("three", budget=100)]
     o = options(tmp_path, budget=150.0, min_step=20.0, dry_run=True)
-    assert tool.run(o, steps=steps) == 0
+    assert tool.run(o, steps=steps, gpu=True) == 0
     out = capsys.readouterr().out
     assert (
         " 2. two (100 s · this call, 50 s left)" in out
@@ -260,16 +260,42 @@ def test_the_dry_run_says_which_steps_fit_this_calls_budget(tmp_path, capsys):
     (tmp_path / "runbook").mkdir()  # a step finished before takes none of this call's time
     state = {"size": "tiny", "platform": {}, "steps": {"one": {"status": "done"}}}
     (tmp_path / "runbook" / "state.json").write_text(json.dumps(state))
-    assert tool.run(o, steps=steps) == 0
+    assert tool.run(o, steps=steps, gpu=True) == 0
     out = capsys.readouterr().out
     assert "this call runs steps 2-3 (three starts with 50 s left" in out, out
     assert "later" not in out
     assert "Off a GPU" not in out  # no step needs one
     steps[1] = fake("two", budget=100, needs_gpu=True)
-    assert tool.run(o, steps=steps) == 0
+    assert tool.run(o, steps=steps, gpu=True) == 0
     out = capsys.readouterr().out
     assert "Off a GPU the 1 step marked 'needs a GPU' is skipped, taking none of the" in out
     assert "needs more). Off a GPU" in out  # a sentence of its own
+    # a machine without a GPU: the step that needs one is skipped there, and takes no budget
+    assert tool.run(o, steps=steps, gpu=False) == 0
+    out = capsys.readouterr().out
+    assert " 2. two (100 s · needs a GPU · skipped here)" in out, out
+    assert "budget=150 s, here (no NVIDIA GPU found), each step taking at most its budget: " in out
+    assert "this call runs step 3. " in out and "Off a GPU" not in out, out
+    assert "Step 2 needs a GPU: skipped here, taking none of the budget" in out, out
+    # all at once: the sum of the steps that run here (and the probe), not the skipped one's
+    o = options(tmp_path, budget=50.0, min_step=60.0, dry_run=True)  # step 1 is done
+    assert tool.run(o, steps=steps, gpu=False) == 0
+    out = capsys.readouterr().out
+    assert "step 3 (100 s at most) are left for later calls" in out, out
+    assert "budget=160 for all at once" in out, out
+
+
+def test_a_dry_run_on_a_machine_without_a_gpu_says_size_full_is_refused_there(tmp_path, capsys):
+    """The full runbook is the GPU's: off one, the dry run says a run would be refused, and
+    that size=tiny rehearses it, before the plan a GPU would run."""
+    steps = [fake("kernels-k64", budget=300, needs_gpu=True), fake("ceilings", budget=240)]
+    o = options(tmp_path, budget=570.0, min_step=20.0, dry_run=True, size="full")
+    assert tool.run(o, steps=steps, gpu=False) == 0
+    out = capsys.readouterr().out
+    assert "no NVIDIA GPU found here: a run at size=full is refused on this machine" in out
+    assert " 1. kernels-k64 (300 s · needs a GPU · skipped here)" in out, out
+    assert tool.run(o, steps=steps, gpu=True) == 0
+    assert "refused" not in capsys.readouterr().out
 
 
 def test_the_dry_run_calls_the_training_steps_batch_a_placeholder_until_tuned(tmp_path, capsys):

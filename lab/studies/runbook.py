@@ -511,17 +511,22 @@ def wants_redo(name: str, entry: dict, redo: tuple) -> bool:
     return "all" in redo or name in redo or ("failed" in redo and entry.get("status") == "failed")
 
 
-def fit(steps: list[Step], state: dict, budget_s: float, min_step_s: float, redo=()) -> list:
+def fit(
+    steps: list[Step], state: dict, budget_s: float, min_step_s: float, redo=(), gpu: bool = True
+) -> list:
     """What one call with `budget_s` does with each step if every step takes its whole budget
     (the most it may take; a step that ends early leaves its time to the next), as `execute`
     would run them: (step, verdict, seconds left when it starts), the verdict "finished" (a
     rerun skips it), "fits", "cut" (started with less than its budget left, cut short if it
-    needs more) or "later" (not started: min_step_s or less left)."""
+    needs more), "later" (not started: min_step_s or less left) or, without a GPU (`gpu`
+    false), "skipped" for a step that needs one (it takes none of the budget)."""
     left, out = budget_s, []
     for step in steps:
         entry = state["steps"].get(step.name, {})
         if entry.get("status") in FINISHED and not wants_redo(step.name, entry, redo):
             out.append((step, "finished", left))
+        elif step.needs_gpu and not gpu:
+            out.append((step, "skipped", left))
         elif left < min_step_s:
             out.append((step, "later", left))
         else:

@@ -14,6 +14,7 @@ commands) and runs nothing.
 
 import contextlib
 import dataclasses
+import glob
 import json
 import signal
 import sys
@@ -57,29 +58,41 @@ def _check_names(key: str, given: tuple, known: list[str], extra: tuple = ()) ->
             raise ConfigError(f"{key}={name!r}: no such step{hint}; steps: {', '.join(known)}")
 
 
-def _print_plan(steps, o: Options, root: Path) -> None:
-    """Each step's budget, command and, where a state file is there, its last outcome."""
+def gpu_visible() -> bool:
+    """Whether this machine shows an NVIDIA GPU (a device node /dev/nvidia0, …): what a dry
+    run can tell without starting JAX (a run probes the platform itself)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _print_plan(steps, o: Options, root: Path, gpu: bool) -> None:
+    """Each step's budget, command and, where a state file is there, its last outcome; `gpu`:
+    whether this machine has one (without, the steps that need one are shown skipped)."""
     path = root / runbook.STATE
     try:
         state = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):  # none yet, or unreadable: the plan alone
         state = {"steps": {}}
     print(f"runbook plan · size={o.size} · budget={o.budget:g} s · folder {root}")
+    if not gpu and o.size == "full":
+        print(
+            "(no NVIDIA GPU found here: a run at size=full is refused on this machine; "
+            "size=tiny rehearses it)"
+        )
     if state["steps"] and state.get("size") != o.size:  # a run would set it aside (load_state)
         print(f"({path} is for size={state.get('size')}: a run at size={o.size} starts afresh)")
         state = {"steps": {}}
     if state["steps"]:
         where = state.get("platform", {}).get("device_kind")
         print(f"outcomes so far ({path}: {where}, size={state.get('size')}):")
-    fitted = runbook.fit(steps, state, o.budget, o.min_step, o.redo)
+    fitted = runbook.fit(steps, state, o.budget, o.min_step, o.redo, gpu=gpu)
     for i, (s, verdict, left) in enumerate(fitted, 1):
         argv = runbook.command(s, root / "steps" / s.name / "try-N", root, state)
-        gpu = " · needs a GPU" if s.needs_gpu else ""
+        needs = " · needs a GPU" if s.needs_gpu else ""
         last = state["steps"].get(s.name, {}).get("status")
         when = {"cut": f" · this call, {left:.0f} s left", "later": " · a later call"}
-        when = when.get(verdict, "")
+        when = when.get(verdict, " · skipped here" if verdict == "skipped" else "")
         print(
-            f"{i:2}. {s.name} ({s.budget_s:.0f} s{gpu}{when}): {s.what}"
+            f"{i:2}. {s.name} ({s.budget_s:.0f} s{needs}{when}): {s.what}"
             f"{f' [{last}]' if last else ''}"
         )
         print(f"    {runbook.shown(argv)}")
@@ -88,7 +101,7 @@ def _print_plan(steps, o: Options, root: Path) -> None:
                 f"    ({' '.join(s.fallback)} is a placeholder until the tune-step-* steps "
                 "finish: the run takes the remat × batch they found best)"
             )
-    print(_fit_line(fitted, o))
+    print(_fit_line(fitted, o, gpu))
 
 
 def _spans(numbers: list[int]) -> str:
@@ -105,22 +118,24 @@ def _spans(numbers: list[int]) -> str:
 PROBE_S = 60  # at most, for the platform probe a run starts with (jax's start on a GPU)
 
 
-def _fit_line(fitted: list, o: Options) -> str:
-    """Which steps one call of budget= runs, at the most each may take, and which it leaves."""
+def _fit_line(fitted: list, o: Options, gpu: bool = True) -> str:
+    """Which steps one call of budget= runs, at the most each may take, and which it leaves:
+    on this machine, whose steps that need a GPU are skipped where it has none (`gpu`)."""
     numbered = [(i, s, v, left) for i, (s, v, left) in enumerate(fitted, 1) if v != "finished"]
     if not numbered:
         return "every step has finished: redo= names those to run again"
     runs = [i for i, _, v, _ in numbered if v in ("fits", "cut")]
     cut = [f"{s.name} starts with {left:.0f} s left" for _, s, v, left in numbered if v == "cut"]
     later = [(i, s) for i, s, v, _ in numbered if v == "later"]
+    where = "on a GPU" if gpu else "here (no NVIDIA GPU found)"
     line = (
-        f"budget={o.budget:g} s, on a GPU, each step taking at most its budget: this call runs "
+        f"budget={o.budget:g} s, {where}, each step taking at most its budget: this call runs "
         f"step{'s' * (len(runs) != 1)} {_spans(runs) or 'none'}"
     )
     if cut:
         line += f" ({'; '.join(cut)} and is cut short if it needs more)"
     if later:
-        need = sum(s.budget_s for _, s, v, _ in numbered if v != "finished")
+        need = sum(s.budget_s for _, s, v, _ in numbered if v not in ("finished", "skipped"))
         which = _spans([i for i, _ in later])
         line += (
             f"; step{'s' * (len(later) != 1)} {which} ({sum(s.budget_s for _, s in later):,.0f} s "
@@ -129,11 +144,18 @@ def _fit_line(fitted: list, o: Options) -> str:
             f"{PROBE_S} s for the platform probe, which the budget counts)"
         )
     gpu_only = sum(1 for _, s, _, _ in numbered if s.needs_gpu)
-    if gpu_only:
+    if gpu_only and gpu:
         line += (
             f". Off a GPU the {gpu_only} step{'s' * (gpu_only != 1)} marked 'needs a GPU' "
             f"{'are' if gpu_only != 1 else 'is'} skipped, taking none of the budget, so more of "
             "the others fit"
+        )
+    elif gpu_only:
+        skipped = _spans([i for i, _, v, _ in numbered if v == "skipped"])
+        line += (
+            f". Step{'s' * (gpu_only != 1)} {skipped} need{'s' * (gpu_only == 1)} a GPU: "
+            "skipped here, taking none of the budget (on a GPU "
+            f"{'they run' if gpu_only != 1 else 'it runs'}, and fewer of the others fit)"
         )
     return line + "."
 
@@ -174,8 +196,9 @@ def _sigterm_stops_the_step():
         signal.signal(signal.SIGTERM, previous)
 
 
-def run(o: Options, *, steps=None, probe=None) -> int:
-    """`steps` and `probe` replace the plan and the platform probe (the tests' seam)."""
+def run(o: Options, *, steps=None, probe=None, gpu=None) -> int:
+    """`steps`, `probe` and `gpu` (whether a dry run finds a GPU here) replace the plan, the
+    platform probe and the dry run's look for a GPU (the tests' seam)."""
     steps = runbook.plan(o.size) if steps is None else steps
     names = [s.name for s in steps]
     _check_names("steps", o.steps, names)
@@ -183,7 +206,7 @@ def run(o: Options, *, steps=None, probe=None) -> int:
     root = Path(o.out_dir) / "runbook"
     chosen = [s for s in steps if not o.steps or s.name in o.steps]
     if o.dry_run:
-        _print_plan(chosen, o, root)
+        _print_plan(chosen, o, root, gpu_visible() if gpu is None else gpu)
         return 0
     t0 = time.perf_counter()
     # the platform decides whether this size can run at all: a refusal leaves no folder and
