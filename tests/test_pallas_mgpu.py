@@ -484,6 +484,28 @@ def test_forward_and_backward_compile_for_h100_without_spills(head_dim, dtype, c
     _assert_fits_h100(_h100_kernels(grad, q, kv, kv))
 
 
+@needs_plugin
+def test_a_second_plan_of_the_same_program_reads_the_same_launches():
+    """jax reuses a lowering made earlier in the process, and on newer JAX the lowering is
+    where Mosaic dumps each kernel's launch: a second plan of the same program must read the
+    same grid, threads and shared memory as the first, not none."""
+    from lab.plans import resources
+
+    if not resources._lowering_dumps_launches():
+        pytest.skip(
+            "jaxlib before 0.11.1 dumps a Mosaic kernel only while compiling it, which Mosaic "
+            "does once per process: a second plan of it lists it on newer JAX"
+        )
+    attn = functools.partial(attention, causal=True, impl="pallas")
+    q = ((1, 256, 2, 64), "bfloat16")
+    first = _h100_kernels(attn, q, q, q)
+    second = _h100_kernels(attn, q, q, q)
+    assert set(first) == {"flash_attention_mgpu_fwd"}, sorted(first)
+    k = first["flash_attention_mgpu_fwd"]
+    assert k.grid and k.dynamic_smem > 0 and k.threads == 3 * 128, k
+    assert second == first
+
+
 # Soft-capping (a tanh and its 1 - t² in both backward kernels), a value head dim unlike the
 # query/key one, and the log-sum-exp output with its cotangent, through the kernel's own entry.
 OPTION_CASES = [

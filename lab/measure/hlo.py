@@ -247,11 +247,13 @@ def _condition_trip_counts(comps: dict[str, tuple[Instruction, ...]], text: dict
     where it does not say: the compare wrapped in a fusion, as XLA:CPU has it)."""
     out = {}
     for name, lines in text.items():
-        consts = {}
+        consts, s32 = {}, {}  # integer constants; the s32 ones (XLA:CPU's fused bound)
         for line in lines:
             c = _CONST_RE.match(line)
             if c:
                 consts[c.group("name")] = int(c.group("n"))
+                if re.match(r"\s*%?[\w.\-]+\s*=\s*s32\[", line):
+                    s32[c.group("name")] = int(c.group("n"))
             if "ROOT" in line and "compare(" in line and "direction=LT" in line:
                 args = re.search(r"compare\(([^)]*)\)", line).group(1)
                 names = [a.strip().split(" ")[-1].lstrip("%") for a in args.split(",")]
@@ -259,13 +261,14 @@ def _condition_trip_counts(comps: dict[str, tuple[Instruction, ...]], text: dict
                     counter = next((i for i in comps[name] if i.name == names[0]), None)
                     index = None
                     if counter is not None and counter.opcode == "get-tuple-element":
-                        index = int(_INDEX_RE.search(counter.attrs).group(1))
+                        found = _INDEX_RE.search(counter.attrs)
+                        index = int(found.group(1)) if found else None
                     out[name] = (consts[names[1]], index)
-            elif "ROOT" in line and "fusion(" in line and len(consts) == 1:
+            elif "ROOT" in line and "fusion(" in line and len(s32) == 1:
                 # the compare wrapped in a fusion (XLA:CPU): its bound is the one constant
                 inner = _CALL_RE.search(line)
                 if inner and any("direction=LT" in x for x in text.get(inner["callee"], [])):
-                    out[name] = (next(iter(consts.values())), None)
+                    out[name] = (next(iter(s32.values())), None)
     return out
 
 
@@ -310,6 +313,7 @@ def _loop_trips(
                     if (
                         counter is not None
                         and counter.opcode == "get-tuple-element"
+                        and _INDEX_RE.search(counter.attrs)
                         and _INDEX_RE.search(counter.attrs).group(1) == str(index)
                     ):
                         found = _scalar(b, by_name)

@@ -7,23 +7,26 @@ has to be set before JAX starts. The dump's `*thunk_sequence.txt` holds every la
 threads per block and dynamic shared memory; `ptxas -v` on each .ptx, with the ptxas XLA itself
 uses, gives registers, spill bytes, stack and static shared memory (the same figures XLA logs
 for its own ptxas run). Mosaic GPU kernels are compiled by their custom call, not by XLA,
-during lowering on jax 0.10 and during XLA's compile on newer JAX. The lowering runs with
-`MOSAIC_GPU_DUMP_TO` set: on jax 0.10 that dumps every stage of every kernel (jaxlib's dump.cc
-turns on all of MOSAIC_GPU_DUMP_PTXAS, _PTX, _MLIR_PASSES and _SASS: the ptxas `-v` log, the
-PTX, the IR after every pass with its `gpu.launch`, SASS through nvdisasm), and on newer JAX a
-few small files, among them the module with its `gpu.launch` (grid, threads, dynamic shared
-memory). XLA's compile runs with only `MOSAIC_GPU_DUMP_PTXAS` and `_PTX` set and no folder:
-Mosaic prints each kernel's PTX and ptxas log to stdout, which is read from file descriptor 1
-for the compile. A folder there would also print the IR after every pass (tens of MB a kernel)
-and disassemble the SASS, several times the kernel's own compile time. The folders the SASS
-dump leaves under /tmp are removed. Nothing here runs a kernel: every figure is *compiled, not
-run*.
+during XLA's compile. With jaxlib 0.11.1 and newer the lowering runs with `MOSAIC_GPU_DUMP_TO`
+set, which writes a few small files, among them each module with its `gpu.launch` (grid,
+threads, dynamic shared memory), and XLA's compile runs with only `MOSAIC_GPU_DUMP_PTXAS` and
+`_PTX` on (the IR and SASS dumps off, whatever the environment says) and no folder: Mosaic
+prints each kernel's PTX and ptxas log to stdout, which is read from file descriptor 1 for the
+compile. A folder there would turn on every dump (jaxlib's dump.cc: the IR after every pass,
+tens of MB a kernel, and SASS through nvdisasm), several times the kernel's own compile time.
+Older jaxlib dumps no launch while lowering, so there the folder stays set for the compile and
+every dump is read from it (the launch from the pass log). Mosaic compiles a kernel once per
+process: where jax reuses a lowering made earlier (no dump is written then) its caches are
+cleared and the program lowered again, and a kernel lowered but not compiled again is the one
+read the first time. The folders the SASS dump leaves under /tmp are removed. Nothing here
+runs a kernel: every figure is *compiled, not run*.
 """
 
 import contextlib
 import ctypes
 import dataclasses
 import glob
+import hashlib
 import math
 import os
 import re
@@ -34,10 +37,13 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jax
+
 from lab.errors import ConfigError
 from lab.measure import hlo
 from lab.measure.gpu_kernels import Kernel
 from lab.plans import gpu as gpus
+from lab.report import progress
 
 # Occupancy rules of compute capability 8.x/9.x (CUDA Programming Guide, occupancy calculator):
 # registers are allocated per warp in units of 256, shared memory in units of 128 bytes, and the
@@ -279,13 +285,29 @@ def _mosaic_kernel(kind: str, name: str, st: dict, launch: tuple) -> Kernel:
     return _kernel(kind, name, None, grid, threads or st.get("ptx_threads", 0), smem or 0, st)
 
 
+# Mosaic GPU kernels read in this process, by the digest of their lowered module: Mosaic keeps
+# every kernel it compiled and compiles (and prints) it only once per process, so a later
+# program holding the same kernel is read from here.
+_MOSAIC_READ: dict[str, Kernel] = {}
+
+
+def _module_digest(base: str) -> str | None:
+    """The lowered module's identity: its dump less the dump's own name for it."""
+    path = Path(base + ".before_layout_inference.txt")
+    if not path.exists():
+        return None
+    text = re.sub(r'mosaic_gpu\.dump_basename = "[^"]*"', "", path.read_text())
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def mosaic_kernels(dump_dir: str, kind: str, printed: str = "") -> list[Kernel]:
     """Mosaic GPU kernels of a compile. Those compiled while lowering (jax 0.10) are read from
     their MOSAIC_GPU_DUMP_TO folder `dump_dir`: ptxas log, PTX, and the launch from the MLIR
     passes log. Those compiled by XLA's compile (newer JAX) are read from what Mosaic printed
     then (`printed`: each kernel's PTX, then ptxas's log on it), with the launch from the
     module the lowering left in `dump_dir` (`<name>_<count>.before_layout_inference.txt`),
-    matched by kernel name, in order."""
+    matched by kernel name (two of one name: by threads, else in lowering order). A lowered
+    kernel Mosaic did not compile again (it had in this process) is the one read then."""
     out = []
     for ptxas_file in sorted(glob.glob(os.path.join(dump_dir, "*.ptxas"))):
         base = ptxas_file[: -len(".ptxas")]
@@ -293,7 +315,7 @@ def mosaic_kernels(dump_dir: str, kind: str, printed: str = "") -> list[Kernel]:
         launch = _dumped_launch(base, ".mlir-passes.log")
         for name, st in parse_ptxas(Path(ptxas_file).read_text(), ptx).items():
             out.append(_mosaic_kernel(kind, name, st, launch))
-    lowered: dict[str, list[tuple]] = {}  # kernel name → its launches, in lowering order
+    lowered: dict[str, list[tuple]] = {}  # name → [(launch, module digest)], lowering order
     bases = {  # `<kernel name>_<count>`, the count Mosaic's dump gives each module
         re.sub(r"\.(resources|before_layout_inference)\.txt$", "", f)
         for pattern in ("*.resources.txt", "*.before_layout_inference.txt")
@@ -301,12 +323,41 @@ def mosaic_kernels(dump_dir: str, kind: str, printed: str = "") -> list[Kernel]:
     }
     for base in sorted(bases, key=lambda b: int(re.sub(r".*?(\d*)$", r"0\1", b, count=1))):
         name = re.sub(r"_\d+$", "", os.path.basename(base))
-        lowered.setdefault(name, []).append(_dumped_launch(base, ".before_layout_inference.txt"))
+        launch = _dumped_launch(base, ".before_layout_inference.txt")
+        lowered.setdefault(name, []).append((launch, _module_digest(base)))
     for chunk in re.split(r"(?m)^(?=//\n// Generated by LLVM NVPTX)", printed):
         for name, st in parse_ptxas(chunk, chunk).items():
-            seen = lowered.get(name.removesuffix("_mosaic_gpu_kernel")) or [(None, None, None)]
-            out.append(_mosaic_kernel(kind, name, st, seen.pop(0) if len(seen) > 1 else seen[0]))
+            if "ptx_threads" not in st:  # two compiles' prints interleaved: any PTX of it
+                st = parse_ptxas(chunk, printed)[name]
+            seen = lowered.get(name.removesuffix("_mosaic_gpu_kernel"), [])
+            # two kernels of one name: the launch whose threads are the PTX's, else in order
+            same = [i for i, (launch, _) in enumerate(seen) if launch[1] == st.get("ptx_threads")]
+            i = same[0] if same else 0
+            launch, digest = seen.pop(i) if seen else ((None, None, None), None)
+            out.append(_mosaic_kernel(kind, name, st, launch))
+            if digest is not None:
+                _MOSAIC_READ[digest] = out[-1]
+    for left in lowered.values():  # lowered, not compiled now: compiled before in this process
+        out += [_MOSAIC_READ[d] for _, d in left if d in _MOSAIC_READ]
     return out
+
+
+def _calls_mosaic(xla_dir: str) -> bool:
+    """Whether the program XLA dumped calls a Mosaic GPU kernel."""
+    for path in glob.glob(os.path.join(xla_dir, "*after_optimizations.txt")):
+        with open(path, errors="replace") as f:
+            if any('custom_call_target="mosaic_gpu' in line for line in f):
+                return True
+    return False
+
+
+def lowering_dumped(dump_dir: str) -> bool:
+    """Whether a lowering wrote Mosaic dumps into `dump_dir` (newer JAX: a module's launch and
+    resources; jax 0.10: whole kernels)."""
+    return any(
+        glob.glob(os.path.join(dump_dir, f"*{end}"))
+        for end in (".before_layout_inference.txt", ".resources.txt", ".ptxas")
+    )
 
 
 @contextlib.contextmanager
@@ -326,37 +377,61 @@ def _env(name: str, value: str | None):
             os.environ[name] = old
 
 
+def _flush_c_stdio() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)  # what native code printed and C stdio still holds
+
+
 @contextlib.contextmanager
 def _native_stdout():
     """What native code writes to file descriptor 1 during the block, as `text[0]` after it.
-    Mosaic prints its dumps there when no dump folder is set. Python's own output (a progress
-    bar's thread, print) keeps going where it went: sys.stdout is pointed at a copy of the old
-    descriptor for the block."""
+    Mosaic prints its dumps there when no dump folder is set. Python's sys.stdout (print, a
+    progress bar that writes through it) is pointed at a copy of the old descriptor for the
+    block, wrapped as it was; anything holding the old stream object or descriptor 1 itself
+    (another thread's native code, a subprocess) writes into the capture instead. Whatever
+    happens in the block, descriptor 1 and sys.stdout are put back."""
     text = [""]
-    sys.stdout.flush()
-    try:
-        python_uses_fd1 = sys.stdout.fileno() == 1
-    except (AttributeError, OSError, ValueError):  # pytest's capture, a StringIO
-        python_uses_fd1 = False
-    saved = os.dup(1)
     old_stdout = sys.stdout
-    sink = tempfile.TemporaryFile()
-    os.dup2(sink.fileno(), 1)
-    if python_uses_fd1:
-        sys.stdout = open(os.dup(saved), "w", buffering=1, encoding=old_stdout.encoding)
     try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 (a daemon): Mosaic's prints go nowhere, none to read
+        yield text
+        return
+    python_uses_fd1 = False
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # pytest's capture, None
+        python_uses_fd1 = old_stdout.fileno() == 1
+    sink = None
+    try:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            old_stdout.flush()
+        _flush_c_stdio()  # printed before the block: it goes where it was meant to
+        sink = tempfile.TemporaryFile()
+        os.dup2(sink.fileno(), 1)
+        if python_uses_fd1:
+            new = open(  # noqa: SIM115 - closed in the finally, after sys.stdout is back
+                os.dup(saved),
+                "w",
+                buffering=1,
+                encoding=getattr(old_stdout, "encoding", None) or "utf-8",
+                errors=getattr(old_stdout, "errors", None) or "strict",
+            )
+            sys.stdout = progress.wrapped_like(old_stdout, new)
         yield text
     finally:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).fflush(None)  # C stdio's buffer, before fd 1 goes back
-        if python_uses_fd1:
-            sys.stdout.close()
-            sys.stdout = old_stdout
+        _flush_c_stdio()
+        replaced = sys.stdout if sys.stdout is not old_stdout else None
+        sys.stdout = old_stdout
         os.dup2(saved, 1)
         os.close(saved)
-        sink.seek(0)
-        text[0] = sink.read().decode(errors="replace")
-        sink.close()
+        if replaced is not None:
+            with contextlib.suppress(Exception):  # a reader gone: nothing more to say to it
+                replaced.flush()
+            with contextlib.suppress(Exception):
+                replaced.close()
+        if sink is not None:
+            sink.seek(0)
+            text[0] = sink.read().decode(errors="replace")
+            sink.close()
 
 
 @contextlib.contextmanager
@@ -379,6 +454,47 @@ def _sass_scratch_removed(root: str = "/tmp"):
                     shutil.rmtree(folder)
 
 
+# Mosaic's dumps that cost the most and that the lab does not read: off for XLA's compile,
+# whatever the environment says (each would also print into what the compile reads)
+_DUMPS_OFF = (
+    "MOSAIC_GPU_DUMP_TO",
+    "MOSAIC_GPU_DUMP_MLIR_PASSES",
+    "MOSAIC_GPU_DUMP_SASS",
+    "MOSAIC_GPU_DUMP_SASS_CTRL",
+    "MOSAIC_GPU_DUMP_LLVM",
+    "MOSAIC_GPU_DUMP_HOST_LLVM",
+)
+
+
+def _lowering_dumps_launches() -> bool:
+    """Whether this jaxlib's Mosaic GPU lowering dumps each module with its launch (0.11.1 and
+    newer: `get_or_set_dump_options`); older ones dump only while compiling the kernel."""
+    try:
+        from jax._src.lib import mosaic_gpu_dialect
+    except ImportError:
+        return False
+    return hasattr(mosaic_gpu_dialect, "get_or_set_dump_options")
+
+
+def _compiled_printing_mosaic(lower, mosaic_dir: str, options: dict) -> tuple:
+    """(compiled, what Mosaic printed during XLA's compile): the lowering with its dump folder,
+    the compile with only the PTX and ptxas dumps on. Where the lowering dumps no launch
+    (jaxlib before 0.11.1), the folder stays set for the compile too, with every dump."""
+    if not _lowering_dumps_launches():
+        with _env("MOSAIC_GPU_DUMP_TO", mosaic_dir), _sass_scratch_removed():
+            return lower().compile(compiler_options=options), ""
+    with _env("MOSAIC_GPU_DUMP_TO", mosaic_dir), _sass_scratch_removed():
+        lowered = lower()
+    with contextlib.ExitStack() as stack:
+        for name in _DUMPS_OFF:
+            stack.enter_context(_env(name, None))
+        stack.enter_context(_env("MOSAIC_GPU_DUMP_PTX", "1"))
+        stack.enter_context(_env("MOSAIC_GPU_DUMP_PTXAS", "1"))
+        printed = stack.enter_context(_native_stdout())
+        compiled = lowered.compile(compiler_options=options)
+    return compiled, printed[0]
+
+
 def compile_with_kernels(lower, kind: str):
     """(compiled, kernels): `lower()` → a jax Lowered, compiled for the GPU `kind` with every
     kernel's resources read from the compiler (the module's docstring says how). `lower` runs
@@ -388,21 +504,24 @@ def compile_with_kernels(lower, kind: str):
     os.makedirs(mosaic_dir)
     options = {"xla_dump_to": xla_dir, "xla_dump_emitter_re": "ptx"}
     try:
-        with _env("MOSAIC_GPU_DUMP_TO", mosaic_dir), _sass_scratch_removed():
-            lowered = lower()
-        with (
-            _env("MOSAIC_GPU_DUMP_TO", None),
-            _env("MOSAIC_GPU_DUMP_PTX", "1"),
-            _env("MOSAIC_GPU_DUMP_PTXAS", "1"),
-            _native_stdout() as printed,
+        compiled, printed = _compiled_printing_mosaic(lower, mosaic_dir, options)
+        if (
+            _lowering_dumps_launches()
+            and _calls_mosaic(xla_dir)
+            and not lowering_dumped(mosaic_dir)
         ):
-            compiled = lowered.compile(compiler_options=options)
+            # jax reused a lowering made earlier in this process: no dump of its Mosaic
+            # launches was written this time, and without them each kernel's grid and shared
+            # memory are unknown. Lowered afresh once, they are.
+            shutil.rmtree(xla_dir, ignore_errors=True)
+            jax.clear_caches()
+            compiled, printed = _compiled_printing_mosaic(lower, mosaic_dir, options)
         if not glob.glob(os.path.join(xla_dir, "*thunk_sequence.txt")):
             raise RuntimeError(
                 "XLA wrote no dump: the executable came from jax's persistent compilation "
                 "cache; turn it off (jax_enable_compilation_cache=false) to read kernels"
             )
-        kernels = xla_kernels(xla_dir, kind) + mosaic_kernels(mosaic_dir, kind, printed[0])
+        kernels = xla_kernels(xla_dir, kind) + mosaic_kernels(mosaic_dir, kind, printed)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return compiled, kernels

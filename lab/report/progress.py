@@ -71,6 +71,12 @@ def survive_lost_output() -> None:
             setattr(sys, name, _Unread(stream))
 
 
+def wrapped_like(old, stream):
+    """`stream` as `old` is kept: quiet once nobody reads it where `old` was made so
+    (survive_lost_output), else as it is."""
+    return _Unread(stream) if isinstance(old, _Unread) else stream
+
+
 def console(*, quiet: bool = False, width: int | None = None) -> Console:
     """The terminal: `quiet` for the processes of a multi-host run other than the first. Output
     that is not a terminal (a log, a pipe) gets 120 columns: tables stay readable."""
