@@ -694,3 +694,21 @@ def test_a_compile_only_command_is_not_offered_resume_true(tmp_path):
     with pytest.raises(ConfigError) as e:
         rundir.check_fresh(run_dir, compile_only=True)
     assert "resume=true" not in str(e.value) and "overwrite=true" in str(e.value), e.value
+
+
+def test_a_metrics_line_holds_its_steps_split_and_numbers_only_otherwise(tmp_path):
+    """A metrics line is a record with an integer step, the step's split (a strategy's name,
+    the mesh's axis sizes) and numbers or null: a strategy that is not a name, a mesh whose
+    sizes are not integers, or text where a number goes is set aside as torn."""
+    lines = [
+        {"step": 1, "loss": 2.5, "strategy": "fsdp", "mesh": {"data": 2, "fsdp": 4}, "mfu": None},
+        {"step": 2, "loss": 2.4},  # written before the split was on every line
+        {"step": 3, "loss": 2.3, "strategy": 3},
+        {"step": 4, "loss": 2.2, "mesh": {"data": "2"}},
+        {"step": 5, "loss": "2.1"},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    good, torn = rundir.read_metrics(path)
+    assert [r["step"] for r in good] == [1, 2]
+    assert [json.loads(t)["step"] for t in torn] == [3, 4, 5]
