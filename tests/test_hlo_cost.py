@@ -355,18 +355,17 @@ def test_pipeline_flops_are_dp_times_ticks():
     assert totals["pp"] == pytest.approx(totals["dp"] * ticks / microbatches, rel=0.03)
 
 
-def _flops_per_trip(program: hlo.Program, body: str) -> float:
-    """FLOPs of one run of a loop body: its instructions and those of what it calls."""
-    total, stack, seen = 0.0, [body], set()
-    while stack:
-        name = stack.pop()
-        seen.add(name)
-        total += hlo.computation_cost(program, name).flops
-        for ins in program.computations[name]:
+def _flops_per_trip(program: hlo.Program, body: str, memo=None) -> float:
+    """FLOPs of one run of a loop body: its instructions and, once per call site, those of
+    every computation it calls."""
+    memo = {} if memo is None else memo
+    if body not in memo:
+        total = hlo.computation_cost(program, body).flops
+        for ins in program.computations[body]:
             for callee in re.findall(r"calls=%?([\w.\-]+)", ins.attrs):
-                if callee not in seen:
-                    stack.append(callee)
-    return total
+                total += _flops_per_trip(program, callee, memo)
+        memo[body] = total
+    return memo[body]
 
 
 @pytest.mark.slow_plan
