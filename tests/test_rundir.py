@@ -36,10 +36,19 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def _saved_once(tmp_path_factory):
+    """The run `saved` copies: trained once per test process, not once per test."""
+    root = tmp_path_factory.mktemp("saved")
+    assert _run(root, "name=R", "steps=6", "checkpoint_every=2") == 0
+    return root / "R"
+
+
 @pytest.fixture
-def saved(tmp_path):
-    """A run saved at steps 2, 4, 6 (max_to_keep=3)."""
-    assert _run(tmp_path, "name=R", "steps=6", "checkpoint_every=2") == 0
+def saved(_saved_once, tmp_path):
+    """A run saved at steps 2, 4, 6 (max_to_keep=3), a copy of its own in this test's folder
+    (a run folder holds no path of its own: it resumes wherever it is)."""
+    shutil.copytree(_saved_once, tmp_path / "R", symlinks=True)
     return tmp_path, tmp_path / "R"
 
 
@@ -481,6 +490,7 @@ def _wait_for(path: Path, lines: int, proc, timeout_s: float = 180):
     raise AssertionError(f"{path} did not reach {lines} lines")
 
 
+@pytest.mark.once
 def test_a_signal_on_a_checkpoint_step_saves_once_and_exits_143(tmp_path):
     """checkpoint_every=1: every step is a checkpoint step, so SIGTERM lands on one."""
     cmd = [sys.executable, "-m", "lab.run", *TINY, f"out_dir={tmp_path}", "name=T"]
@@ -630,6 +640,7 @@ def test_a_resume_says_which_keys_it_changes(tmp_path, capsys):
     assert "changed from the run's keys" not in capsys.readouterr().out
 
 
+@pytest.mark.once
 def test_a_resume_that_moves_the_learning_rates_decay_says_so(tmp_path, capsys):
     """The cosine decays over the run's steps: a resume with another steps= takes another
     learning rate from the next step on, said once with the rates before and after."""
