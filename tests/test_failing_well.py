@@ -88,6 +88,7 @@ def test_a_fresh_run_refuses_a_folder_that_holds_a_run(earlier, tmp_path, capsys
     assert _snapshot(run_dir) == before  # nothing written, nothing removed
 
 
+@pytest.mark.once
 def test_overwrite_clears_the_earlier_run_and_the_folder_resumes_with_the_new_model(
     earlier, tmp_path, capsys
 ):
@@ -174,6 +175,7 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
+@pytest.mark.once
 @pytest.mark.parametrize(
     "sig, count, every, code",
     [("SIGTERM", 1, 2, 143), ("SIGINT", 1, 0, 130), ("SIGTERM", 2, 2, 143)],

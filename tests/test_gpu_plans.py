@@ -490,6 +490,7 @@ def test_the_calculator_holds_scanned_layers_against_the_accelerator_compilers(
     assert abs(pred["total"] / compiled - 1) < 0.1, (pred, compiled)
 
 
+@pytest.mark.once
 @needs_plugin
 def test_a_plan_that_does_not_fit_labels_its_throughput_as_unrunnable(
     tmp_path, capsys, monkeypatch

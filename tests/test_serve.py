@@ -67,6 +67,7 @@ def test_random_weights_sweep_records_and_plot(tmp_path, capsys):
     assert "copy before / after the sweep" in out
 
 
+@pytest.mark.once
 def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
     args = ["model=tiny", "batch_size=8", "seq_len=32", "data=text", f"out_dir={tmp_path}"]
     assert train([*args, "name=t", "steps=4", "checkpoint_every=4"]) == 0

@@ -150,6 +150,7 @@ def test_the_allocator_goes_in_huge_pages_only_where_it_changes_something(enviro
     assert startup.huge_pages_tunables(environ, libc, thp) == want
 
 
+@pytest.mark.once
 def test_a_command_starts_again_in_huge_pages_and_says_so():
     """XLA:CPU faults its temporaries in again every step unless glibc keeps them in huge
     pages: a lab command starts itself again with the tunable (once), and its header says
