@@ -374,23 +374,23 @@ def test_13b_tpu_plan_counts_every_layer():
     each layer's FSDP matmuls into windowed einsum loops (steps that overlap the all-gather or
     reduce-scatter), whose trip count the program does not state. Each is read from the loop's
     counter: every windowed loop computes exactly one whole local matmul of the model's sizes,
-    and no loop is left uncounted. The step's compiled FLOPs per device are then at least the
-    analytic count (without the trip counts: 0.59 of it) and at most 10% above it: this
-    compile also projects q, k and v once more per layer (6.6% of the step). Remat's
-    convention: full remat recomputes each block's forward except its last matmul (the MLP's
-    down projection, whose output the backward does not need); the flash kernel is a custom
-    call XLA counts no FLOPs for, so attention is left out."""
+    and no loop is left uncounted. The step's compiled FLOPs per device are then the analytic
+    count to within 2%. (512 tokens a sequence: at 256 XLA:TPU windows no matmul, and at 2048
+    it projects q, k and v once more per layer, 6.6% of the step, and the compile takes half
+    as long again.) Remat's convention: full remat recomputes each block's forward except its
+    last matmul (the MLP's down projection, whose output the backward does not need); the
+    flash kernel is a custom call XLA counts no FLOPs for, so attention is left out."""
     pytest.importorskip("libtpu", reason="libtpu not installed: pip install -e '.[tpu]'")
     from lab.session import open_session
 
     shape = dict(d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40, d_ff=13824)
     cfg = make_config(
         model="1b", target="tpu:v5e:4x4", mesh="fsdp:16", vocab_size=32000,
-        batch_size=16, seq_len=2048, scan_layers=True, remat="full", **shape,
+        batch_size=16, seq_len=512, scan_layers=True, remat="full", **shape,
     )  # fmt: skip
     compiled = open_session(cfg).trainer.lower().compile()
     c = cost.compiled_cost(compiled)
-    D, L, F, V, T = shape["d_model"], shape["n_layers"], shape["d_ff"], 32000, 2048
+    D, L, F, V, T = shape["d_model"], shape["n_layers"], shape["d_ff"], 32000, 512
     assert c["unknown_loops"] == 0, c
     program = hlo.parse(compiled.as_text())
     windowed = [(body, n) for body, n in program.loops if "windowed_dot_general_body" in body]
@@ -403,7 +403,7 @@ def test_13b_tpu_plan_counts_every_layer():
     assert L in layers, program.loops
     block = 4 * D * D + 3 * D * F  # q, k, v, out; gate, up, down
     want = (6 * (L * block + V * D) + 2 * L * (block - D * F)) * T
-    assert want <= c["flops"] <= 1.10 * want, (c["flops"], want)
+    assert want <= c["flops"] <= 1.02 * want, (c["flops"], want)
 
 
 def test_an_attention_plan_row_says_when_its_flops_are_a_lower_bound():
