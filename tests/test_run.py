@@ -470,7 +470,6 @@ def test_no_loss_scale_is_stored_as_one(tmp_path, capsys):
     assert json.loads((tmp_path / "f" / "config.json").read_text())["loss_scale"] == 1.0
 
 
-@pytest.mark.once
 def test_summary_and_records_say_how_the_step_was_split(tmp_path):
     """A dp run and an fsdp one must be told apart from summary.json, records.jsonl and
     metrics.jsonl alone: the resolved strategy, mesh, accumulation and pipeline keys, as
