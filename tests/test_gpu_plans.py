@@ -315,13 +315,22 @@ def test_triton_deprecation_is_one_line_not_a_warning_per_kernel(capsys):
 )
 def test_the_other_shipped_gpus_compile_a_step(tmp_path, capsys, gpu, kind):
     """H200 (sm_90a, 141 GB) and A100 (sm_80: no Hopper kernel, the Triton one) from their
-    target descriptions: the tiny step compiles and is judged against each card's own HBM."""
+    target descriptions: the tiny step compiles and is judged against each card's own HBM.
+    The plan names the toolchain that compiled its kernels: in the kernels' section of
+    summary.json, in the environment every run records, and in the kernel table's caption."""
+    from lab.measure import toolchain
+
     argv = [f"target=gpu:{gpu}:1", "model=tiny", f"out_dir={tmp_path}", "name=plan"]
     assert main(argv) == 0
-    assert "compiled, not run" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "compiled, not run" in out
     s = json.loads((tmp_path / "plan" / "summary.json").read_text())
     assert s["device_kind"] == kind and s["aot"]["fit"].startswith("fits")
     assert s["aot"]["kernels"] and all(k["registers"] > 0 for k in s["aot"]["kernels"])
+    tc = toolchain.probe().record()
+    assert f"compiled by ptxas {tc['ptxas_version']}" in out
+    assert s["aot"]["toolchain"] == tc
+    assert s["environment"]["ptxas_version"] == tc["ptxas_version"]
 
 
 @needs_plugin
