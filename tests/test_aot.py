@@ -22,8 +22,9 @@ MARGIN = 0.15
 @pytest.mark.parametrize(
     "target, mesh, preset",
     [
-        # v5e once per CI (the slowest two); v4 on both legs: a TPU plan compiles, and the
-        # calculator holds (2x2x2, small)
+        # v5e once per CI (the slowest two). The oldest-JAX leg runs the first v4 case (a TPU
+        # plan compiles, its records and capacity); the newest runs both, the calculator on
+        # the training state included (2x2x2, small)
         pytest.param("tpu:v5e:2x2", "2x2", "tiny", marks=pytest.mark.slow_plan),
         pytest.param("tpu:v5e:2x2", "4", "small", marks=pytest.mark.slow_plan),
         ("tpu:v4:2x2x2", "4x2", "tiny"),
