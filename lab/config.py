@@ -435,7 +435,8 @@ class Config:
     mesh: str = field(
         "1",
         "device mesh: 4x2 (data x model), 2x2x2 (data x fsdp x model), "
-        "data:2,fsdp:2,model:2, data:2,stage:4 (pipeline stages); -1 fills the rest",
+        "data:2,fsdp:2,model:2, data:2,stage:4 (pipeline stages); -1 fills the rest "
+        "(a target= of several devices: -1 where none is given)",
         kind="mesh",
     )
     strategy: str = field(

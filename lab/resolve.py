@@ -994,7 +994,8 @@ def check_shapes(request: Request, platform: Platform) -> None:
 def _unbuilt(request: Request, platform: Platform) -> _Draft:
     """The first pass's draft of `request` on `platform`, as `resolve` makes it (defaults,
     the compute dtype, the strategy an `auto` takes from the mesh), without its mesh."""
-    cfg = defaults(make_config(backend=platform.backend, **request.dict()))
+    cfg = make_config(backend=platform.backend, **request.dict())
+    cfg = defaults(_whole_target(cfg, request, platform))
     cfg = dataclasses.replace(cfg, model=resolve_dtype(cfg.model, platform.backend))
     sizes, problem = _sizes(cfg, platform)
     if sizes is not None and cfg.strategy == "auto":
@@ -1181,6 +1182,16 @@ def defaults(cfg: Config) -> Config:
     return dataclasses.replace(cfg, mesh=strategy_mesh(cfg.mesh, cfg.strategy))
 
 
+def _whole_target(cfg: Config, request: Request, platform: Platform) -> Config:
+    """A plan is one program over every device of its target: where no mesh= was given (by
+    the user or a resumed run's config.json), a target of several devices takes mesh=-1 (all
+    of them; an explicit strategy's axis, as mesh=N takes it), not the one device that the
+    default mesh=1 names and the target would refuse."""
+    if platform.aot and platform.count > 1 and "mesh" not in request.dict():
+        return dataclasses.replace(cfg, mesh="-1")
+    return cfg
+
+
 def _buildable(sizes: dict | None, platform: Platform) -> bool:
     """Whether the mesh of `sizes` can be built on `platform`'s devices (a platform found
     alone, for a request that breaks a rule before joining, may hold fewer)."""
@@ -1206,7 +1217,8 @@ def resolve(
     if purpose not in PURPOSES:
         raise ValueError(f"purpose={purpose!r}: expected one of {', '.join(PURPOSES)}")
     batches = tuple(batches)
-    cfg = defaults(make_config(backend=platform.backend, **request.dict()))
+    cfg = make_config(backend=platform.backend, **request.dict())
+    cfg = defaults(_whole_target(cfg, request, platform))
     model = resolve_dtype(cfg.model, platform.backend)
     fills = {}
     if cfg.data == "auto":

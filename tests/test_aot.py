@@ -113,6 +113,22 @@ def test_bad_targets_are_one_line(argv, needle, capsys):
     assert needle in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "extra, mesh, axes",
+    [({}, "-1", {"data": 8}), ({"strategy": "fsdp"}, "fsdp:-1", {"fsdp": 8})],
+)
+def test_a_plan_without_mesh_uses_every_device_of_its_target(extra, mesh, axes):
+    """A plan is one program over its whole target: with no mesh= a slice of 8 chips takes
+    mesh=-1 (the batch over all 8, or an explicit strategy's axis), not the one chip the
+    default mesh=1 names, which the target would refuse. A mesh= given is kept, and refused
+    where it leaves chips out (test_bad_targets_are_one_line)."""
+    from lab.session import open_session
+
+    s = open_session(keys={"preset": "tiny", "target": "tpu:v5e:2x4", **extra})
+    assert s.cfg.mesh == mesh
+    assert {a: n for a, n in s.trainer.mesh.shape.items() if n > 1} == axes
+
+
 def test_a_step_the_target_cannot_hold_is_one_line_and_exit_2(capsys):
     """XLA:TPU refuses a program larger than its HBM: a config the target cannot hold, told
     as a mesh that does not fit is (one line, exit 2), with the change that would fit."""

@@ -963,15 +963,15 @@ def test_a_cpu_trained_run_is_planned_for_an_accelerator_from_the_keys_it_was_as
 
 def test_a_plan_for_a_target_splits_the_served_batch_not_a_training_batch(tmp_path, capsys):
     """A plan for six H100s (six divides neither lab.run's batch_size=16 nor a GPU's
-    default 32), of a trained run (its mesh left out: the target's six devices) and of random
-    weights: plan_batch=6 compiles, no training batch is split; plan_batch=8 is one line naming
-    plan_batch=, never batch_size."""
+    default 32), of a trained run and of random weights, neither with a mesh= (the target's
+    six devices): plan_batch=6 compiles, no training batch is split; plan_batch=8 is one line
+    naming plan_batch=, never batch_size."""
     missing = _plan_tools_missing("gpu:h100:6")
     if missing:
         pytest.skip(missing)
     _saved_run(tmp_path / "r", {"preset": "tiny", "batch_size": 16, "seq_len": 16})
     plan = ["target=gpu:h100:6", "plan_context=64", "int8=false", f"results={tmp_path}"]
-    for model in ([f"out_dir={tmp_path}", "run=r"], ["model=tiny", "mesh=6"]):
+    for model in ([f"out_dir={tmp_path}", "run=r"], ["model=tiny"]):
         assert serve([*model, *plan, "plan_batch=6"]) == 0, capsys.readouterr()
         assert "compiled, not run" in capsys.readouterr().out
         assert serve([*model, *plan, "plan_batch=8"]) == 2
