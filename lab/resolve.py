@@ -623,10 +623,21 @@ def _within_stage_axis(d: _Draft):
         return None
     if axis and d.stages > 1 and d.sizes.get(axis, 1) == 1:
         mesh = ",".join(f"{a}:{s}" for a, s in d.sizes.items() if s > 1)
+        # an example on the same devices: the inner axis of 2 taken from the batch's axis,
+        # else from the stages (by their smallest factor, two stages or more kept)
+        sizes = {a: s for a, s in d.sizes.items() if s > 1}
+        inner = next((f for f in range(2, d.stages) if d.stages % f == 0), None)
+        if sizes.get(DATA, 1) % 2 == 0:
+            sizes |= {DATA: sizes[DATA] // 2, axis: 2}
+        elif inner is not None and d.stages // inner >= 2:
+            sizes |= {STAGE: d.stages // inner, axis: inner}
+        else:
+            sizes = {}
+        example = ",".join(f"{a}:{s}" for a, s in sizes.items() if s > 1)
+        name_it = f"mesh={example}" if sizes else f"a mesh with both axes, stage:N,{axis}:M"
         return (
             f"strategy={d.cfg.strategy} splits each pipeline stage over the {axis} axis, which "
-            f"the mesh {mesh} does not have: name it (e.g. mesh=stage:{d.stages},{axis}:2) or "
-            "use strategy=pp"
+            f"the mesh {mesh} does not have: name it (e.g. {name_it}) or use strategy=pp"
         )
 
 
@@ -1184,9 +1195,10 @@ def defaults(cfg: Config) -> Config:
 
 def _whole_target(cfg: Config, request: Request, platform: Platform) -> Config:
     """A plan is one program over every device of its target: where no mesh= was given (by
-    the user or a resumed run's config.json), a target of several devices takes mesh=-1 (all
-    of them; an explicit strategy's axis, as mesh=N takes it), not the one device that the
-    default mesh=1 names and the target would refuse."""
+    the user or a resumed run's config.json; a config built in code names its own), a target
+    of several devices takes mesh=-1 (all of them, on the axis mesh=N would take: the batch's,
+    or an explicit one-axis strategy's), not the one device that the default mesh=1 names
+    and the target would refuse."""
     if platform.aot and platform.count > 1 and "mesh" not in request.dict():
         return dataclasses.replace(cfg, mesh="-1")
     return cfg

@@ -105,6 +105,11 @@ def _sizes(mesh: str) -> tuple[int, int, int]:
             "mesh=16 needs 16 devices but the target tpu:v5e:2x2 has 4",
         ),
         (["target=tpu:v5e:2x4", "mesh=2"], "mesh=2 uses 2 of the target's 8 devices"),
+        # no mesh=: all 8 chips on the stage axis, and the example keeps to 8
+        (
+            ["target=tpu:v5e:2x4", "strategy=pp+fsdp", "n_layers=8"],
+            "the mesh stage:8 does not have: name it (e.g. mesh=stage:4,fsdp:2)",
+        ),
     ],
 )
 def test_bad_targets_are_one_line(argv, needle, capsys):
