@@ -486,16 +486,10 @@ def test_forward_and_backward_compile_for_h100_without_spills(head_dim, dtype, c
 
 @needs_plugin
 def test_a_second_plan_of_the_same_program_reads_the_same_launches():
-    """jax reuses a lowering made earlier in the process, and on newer JAX the lowering is
-    where Mosaic dumps each kernel's launch: a second plan of the same program must read the
-    same grid, threads and shared memory as the first, not none."""
-    from lab.plans import resources
-
-    if not resources._lowering_dumps_launches():
-        pytest.skip(
-            "jaxlib before 0.11.1 dumps a Mosaic kernel only while compiling it, which Mosaic "
-            "does once per process: a second plan of it lists it on newer JAX"
-        )
+    """Mosaic compiles a kernel once a process, and jax reuses a lowering made earlier in it:
+    a second plan of the same program must read the same grid, threads and shared memory as
+    the first, not none (newer JAX dumps each kernel's launch as it lowers, jaxlib before
+    0.11.1 only as it compiles the kernel)."""
     attn = functools.partial(attention, causal=True, impl="pallas")
     q = ((1, 256, 2, 64), "bfloat16")
     first = _h100_kernels(attn, q, q, q)

@@ -18,7 +18,7 @@ Older jaxlib dumps no launch while lowering, so there the folder stays set for t
 every dump is read from it (the launch from the pass log). Mosaic compiles a kernel once per
 process: where jax reuses a lowering made earlier (no dump is written then) its caches are
 cleared and the program lowered again, and a kernel lowered but not compiled again is the one
-read the first time. The folders the SASS dump leaves under /tmp are removed. Nothing here
+read the first time (on older jaxlib, the one whose custom call carries the same kernel hash). The folders the SASS dump leaves under /tmp are removed. Nothing here
 runs a kernel: every figure is *compiled, not run*.
 """
 
@@ -300,21 +300,60 @@ def _module_digest(base: str) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def mosaic_kernels(dump_dir: str, kind: str, printed: str = "") -> list[Kernel]:
+# jaxlib before 0.11.1, which dumps a kernel only as it compiles it, in XLA's compile: the
+# kernels read in this process by the kernel hash their custom calls carry, for a later
+# program that calls one of them (Mosaic compiles it once a process, and dumps nothing then).
+_MOSAIC_BY_HASH: dict[str, list[Kernel]] = {}
+
+
+def mosaic_calls(xla_dir: str) -> dict[str, list[str]]:
+    """The Mosaic GPU kernels the program XLA dumped calls: each kernel's name (its op_name's
+    last part, Pallas's `mpmd_map`/`pallas_call` aside) → the kernel hashes of its calls,
+    each once, in program order."""
+    out: dict[str, list[str]] = {}
+    for path in glob.glob(os.path.join(xla_dir, "*after_optimizations.txt")):
+        with open(path, errors="replace") as f:
+            for line in f:
+                if 'custom_call_target="mosaic_gpu' not in line:
+                    continue
+                op = re.search(r'op_name="([^"]*)"', line)
+                digest = re.search(r'kernel_hash = "((?:[^"\\]|\\.)*)"', line)
+                if op is None or digest is None:
+                    continue
+                parts = [p for p in op[1].split("/") if p not in ("mpmd_map", "pallas_call")]
+                hashes = out.setdefault(parts[-1], [])
+                if digest[1] not in hashes:
+                    hashes.append(digest[1])
+    return out
+
+
+def mosaic_kernels(
+    dump_dir: str, kind: str, printed: str = "", calls: dict[str, list[str]] | None = None
+) -> list[Kernel]:
     """Mosaic GPU kernels of a compile. Those compiled while lowering (jax 0.10) are read from
     their MOSAIC_GPU_DUMP_TO folder `dump_dir`: ptxas log, PTX, and the launch from the MLIR
-    passes log. Those compiled by XLA's compile (newer JAX) are read from what Mosaic printed
+    passes log; `calls` (`mosaic_calls` of the program) names the ones the program calls, so
+    that one compiled by an earlier program of this process (not dumped again) is the one read
+    then. Those compiled by XLA's compile (newer JAX) are read from what Mosaic printed
     then (`printed`: each kernel's PTX, then ptxas's log on it), with the launch from the
     module the lowering left in `dump_dir` (`<name>_<count>.before_layout_inference.txt`),
     matched by kernel name (two of one name: by threads, else in lowering order). A lowered
     kernel Mosaic did not compile again (it had in this process) is the one read then."""
     out = []
+    dumped: dict[str, list[Kernel]] = {}  # by the name in the dump's `<name>_<count>`
     for ptxas_file in sorted(glob.glob(os.path.join(dump_dir, "*.ptxas"))):
         base = ptxas_file[: -len(".ptxas")]
         ptx = Path(base + ".ptx").read_text() if os.path.exists(base + ".ptx") else ""
         launch = _dumped_launch(base, ".mlir-passes.log")
         for name, st in parse_ptxas(Path(ptxas_file).read_text(), ptx).items():
             out.append(_mosaic_kernel(kind, name, st, launch))
+            dumped.setdefault(re.sub(r"_\d+$", "", os.path.basename(base)), []).append(out[-1])
+    for name, hashes in (calls or {}).items():
+        now = dumped.get(name, [])
+        if len(hashes) == 1 and now:  # one kernel of this name: the one dumped now
+            _MOSAIC_BY_HASH[hashes[0]] = now
+        elif not now:  # dumped by none: compiled by an earlier program of this process
+            out += [k for h in hashes for k in _MOSAIC_BY_HASH.get(h, [])]
     lowered: dict[str, list[tuple]] = {}  # name → [(launch, module digest)], lowering order
     bases = {  # `<kernel name>_<count>`, the count Mosaic's dump gives each module
         re.sub(r"\.(resources|before_layout_inference)\.txt$", "", f)
@@ -521,7 +560,8 @@ def compile_with_kernels(lower, kind: str):
                 "XLA wrote no dump: the executable came from jax's persistent compilation "
                 "cache; turn it off (jax_enable_compilation_cache=false) to read kernels"
             )
-        kernels = xla_kernels(xla_dir, kind) + mosaic_kernels(mosaic_dir, kind, printed)
+        calls = None if _lowering_dumps_launches() else mosaic_calls(xla_dir)
+        kernels = xla_kernels(xla_dir, kind) + mosaic_kernels(mosaic_dir, kind, printed, calls)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return compiled, kernels
