@@ -134,6 +134,29 @@ def test_a_plan_without_mesh_uses_every_device_of_its_target(extra, mesh, axes):
     assert {a: n for a, n in s.trainer.mesh.shape.items() if n > 1} == axes
 
 
+def test_an_unloadable_cache_entry_of_a_plan_is_not_warned_about():
+    """jax's persistent compilation cache keeps a plan's executable, which it cannot load back
+    for abstract devices: the next plan of the same program warned so and compiled afresh.
+    Once a target's devices are made that warning is filtered; any other failure to read an
+    entry still warns."""
+    import warnings
+
+    from lab import plans
+
+    entry = "Error reading persistent compilation cache entry for 'jit_train_step': "
+    unloadable = (
+        "JaxRuntimeError: INVALID_ARGUMENT: PjRtCompiler must be constructed with a Client to "
+        "call DeserializeLoadedExecutable."
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        plans.topology_devices("tpu:v5e:2x2")
+        for why in (unloadable, "EOFError: truncated"):
+            warnings.warn(entry + why, UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == [entry + "EOFError: truncated"]
+
+
 def test_a_step_the_target_cannot_hold_is_one_line_and_exit_2(capsys):
     """XLA:TPU refuses a program larger than its HBM: a config the target cannot hold, told
     as a mesh that does not fit is (one line, exit 2), with the change that would fit."""

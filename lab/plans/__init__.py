@@ -11,6 +11,7 @@ is a model's, labelled *predicted*.
 """
 
 import dataclasses
+import warnings
 
 from lab.errors import ConfigError
 from lab.plans import gpu, resources, tpu
@@ -52,8 +53,20 @@ def prepare_host(target: str) -> None:
             pass
 
 
+# jax's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) keeps the executables of
+# ahead-of-time compiles too, but one built for abstract devices cannot be loaded back: the next
+# compile of the same program finds it, warns that it cannot read it and compiles afresh, which
+# is what a plan does anyway. That warning says nothing about the plan; any other failure to
+# read an entry is still shown.
+UNLOADABLE_ENTRY = (
+    r"Error reading persistent compilation cache entry for '[^']*': .*"
+    r"must be constructed with a Client to call DeserializeLoadedExecutable"
+)
+
+
 def topology_devices(target: str) -> list:
     """The abstract devices of `target`, for ahead-of-time compilation."""
+    warnings.filterwarnings("ignore", message=UNLOADABLE_ENTRY, category=UserWarning)
     return _module(target).topology_devices(target)
 
 
