@@ -2,6 +2,7 @@
 pushed in and out without running anything."""
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,16 @@ def test_a_host_cpu_figure_measured_beside_an_accelerator_is_labelled_as_the_hos
     assert markdown._tag(r) == "*derived*, gpu, NVIDIA H200 × 1"
     r["config"]["on"] = "multi"  # a figure compare.py derives from several folders
     assert markdown._tag(r) == "*derived*, multi, NVIDIA H200 × 1"
+
+
+@pytest.fixture(autouse=True)
+def _figures_closed():
+    """The figures the helpers below keep open to inspect are closed after each test (pyplot
+    keeps every figure it opened until closed)."""
+    yield
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is not None:
+        plt.close("all")
 
 
 def _figure_of(monkeypatch, draw, records, tmp_path):
