@@ -81,6 +81,35 @@ def test_the_level_is_set_before_jaxlib_loads(tmp_path):
     assert seen.read_text() == "3"  # the published points are plans
 
 
+def test_a_cpu_run_beside_the_gpu_plan_extra_starts_without_the_plugins_errors():
+    """With JAX's CUDA plugin installed for GPU plans, on a machine with no NVIDIA GPU, JAX's
+    start-up made the plugin look for CUDA and cuDNN and print a traceback before every CPU
+    run (README's main command too). Importing the package chooses the cpu platform first,
+    which needs JAX not imported yet: `import lab` imports no JAX."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("this machine shows an NVIDIA GPU: the plugin has one to start")
+    if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{m}") for m in ("13", "12")):
+        pytest.skip("no CUDA plugin installed (the gpu-plan extra)")
+    code = (
+        "import sys, lab; imported = 'jax' in sys.modules; import jax; jax.devices(); "
+        "print(imported, jax.config.jax_platforms)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "cpu"], out.stdout
+    for line in ("Traceback", "Jax plugin configuration error"):
+        assert line not in out.stderr, out.stderr
+
+
 _TAKEN_OVER = """
 import ctypes, signal, sys, time
 from lab import startup

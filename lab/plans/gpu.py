@@ -17,6 +17,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from lab.config import did_you_mean
@@ -217,7 +218,9 @@ def topology_devices(target: str) -> list:
 def quiet_cuda_off_gpu() -> None:
     """With the CUDA plugin installed (for GPU plans) on a machine without an NVIDIA GPU, JAX's
     start-up makes the plugin look for CUDA and cuDNN and log a screen of errors before every
-    CPU run. Where no GPU device node exists and nobody chose the platforms, choose cpu."""
+    CPU run. Where no GPU device node exists and nobody chose the platforms, choose cpu: in
+    the environment, which jax reads as it is imported, and in jax's config where something
+    imported it first (its backends start later, on first use)."""
     if os.environ.get("JAX_PLATFORMS") or Path("/dev/nvidiactl").exists():
         return
     try:
@@ -226,3 +229,9 @@ def quiet_cuda_off_gpu() -> None:
         found = False
     if found:
         os.environ["JAX_PLATFORMS"] = "cpu"
+        jax = sys.modules.get("jax")
+        if jax is not None and not jax.config.jax_platforms:
+            try:
+                jax.config.update("jax_platforms", "cpu")
+            except RuntimeError:  # backends already up: too late to choose
+                pass

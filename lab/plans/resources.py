@@ -18,8 +18,9 @@ Older jaxlib dumps no launch while lowering, so there the folder stays set for t
 every dump is read from it (the launch from the pass log). Mosaic compiles a kernel once per
 process: where jax reuses a lowering made earlier (no dump is written then) its caches are
 cleared and the program lowered again, and a kernel lowered but not compiled again is the one
-read the first time (on older jaxlib, the one whose custom call carries the same kernel hash). The folders the SASS dump leaves under /tmp are removed. Nothing here
-runs a kernel: every figure is *compiled, not run*.
+read the first time (on older jaxlib, the one whose custom call carries the same kernel hash).
+The folders the SASS dump leaves under /tmp are removed. Nothing here runs a kernel: every
+figure is *compiled, not run*.
 """
 
 import contextlib
@@ -36,8 +37,6 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import jax
 
 from lab.errors import ConfigError
 from lab.measure import hlo
@@ -552,6 +551,8 @@ def compile_with_kernels(lower, kind: str):
             # jax reused a lowering made earlier in this process: no dump of its Mosaic
             # launches was written this time, and without them each kernel's grid and shared
             # memory are unknown. Lowered afresh once, they are.
+            import jax  # here, not at the top: `import lab` must not start JAX (lab/__init__)
+
             shutil.rmtree(xla_dir, ignore_errors=True)
             jax.clear_caches()
             compiled, printed = _compiled_printing_mosaic(lower, mosaic_dir, options)
