@@ -623,14 +623,13 @@ def _within_stage_axis(d: _Draft):
         return None
     if axis and d.stages > 1 and d.sizes.get(axis, 1) == 1:
         mesh = ",".join(f"{a}:{s}" for a, s in d.sizes.items() if s > 1)
-        # an example on the same devices: the inner axis of 2 taken from the batch's axis,
-        # else from the stages (by their smallest factor, two stages or more kept)
+        # an example on the same devices: an inner axis of 2 taken from the batch's axis, else
+        # from the stages where two or more are left (2 divides the weights; 3 seldom does)
         sizes = {a: s for a, s in d.sizes.items() if s > 1}
-        inner = next((f for f in range(2, d.stages) if d.stages % f == 0), None)
         if sizes.get(DATA, 1) % 2 == 0:
             sizes |= {DATA: sizes[DATA] // 2, axis: 2}
-        elif inner is not None and d.stages // inner >= 2:
-            sizes |= {STAGE: d.stages // inner, axis: inner}
+        elif d.stages % 2 == 0 and d.stages >= 4:
+            sizes |= {STAGE: d.stages // 2, axis: 2}
         else:
             sizes = {}
         example = ",".join(f"{a}:{s}" for a, s in sizes.items() if s > 1)

@@ -281,9 +281,9 @@ def test_block_sizes_validate_themselves(make, match):
 
 def _tpu_mesh():
     pytest.importorskip("libtpu", reason="libtpu not installed: pip install 'jax[tpu]'")
-    from jax.experimental import topologies
+    from lab import plans
 
-    devices = topologies.get_topology_desc("v5e:2x2", platform="tpu").devices
+    devices = plans.topology_devices("tpu:v5e:2x2")
     return jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("data", "model"))
 
 

@@ -646,6 +646,62 @@ def test_mosaic_kernels_compiled_by_xla_are_read_from_what_mosaic_printed(tmp_pa
     assert not resources.lowering_dumped(str(tmp_path / "nothing"))
 
 
+def _mosaic_call(op_name: str, kernel_hash: str) -> str:
+    """A Mosaic GPU custom call as XLA dumps it after optimizations (jaxlib before 0.11.1)."""
+    return (
+        f"  %mpmd_map.1 = (bf16[8,256,4,128]{{3,2,1,0}}) custom-call(%p0), "
+        f'custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, '
+        f'metadata={{op_name="{op_name}" stack_frame_id=1}}, '
+        f'backend_config={{kernel_hash = "{kernel_hash}", module = "ML\\EFR"}}\n'
+    )
+
+
+def test_a_mosaic_kernel_an_earlier_plan_compiled_is_read_by_its_kernel_hash(tmp_path, monkeypatch):
+    """jaxlib before 0.11.1 dumps a Mosaic kernel only as it compiles it, once a process: a
+    later program calling the same kernels (the kernel hashes of its custom calls; two of one
+    name, as a local and a global layer's, together) lists the kernels read the first time.
+    The name is the op_name's last part, out of the transforms' wrappers."""
+    monkeypatch.setattr(resources, "_MOSAIC_BY_HASH", {})
+    xla, dump = tmp_path / "xla", tmp_path / "mosaic"
+    xla.mkdir()
+    dump.mkdir()
+    scope = "jit(train_step)/jvp(Transformer)/block_0/attn/jit(flash_attention_mgpu)"
+    (xla / "module_0001.jit_train_step.sm_9.0a_gpu_after_optimizations.txt").write_text(
+        "HloModule jit_train_step\n"
+        + _mosaic_call(f"{scope}/fa_fwd/mpmd_map", "\\B8>\\06")
+        + _mosaic_call(f"{scope}/fa_fwd/mpmd_map", "\\B8>\\06")  # the next layer's call
+        + _mosaic_call(f"{scope}/fa_dq/mpmd_map", "\\01\\22q")  # a quote, escaped
+        + _mosaic_call(f"{scope}/fa_dq/mpmd_map", "\\02\\\\q")  # a backslash, escaped
+        + _mosaic_call("transpose(jvp(fa_dkv))/mpmd_map", "\\FE")
+    )
+    calls = resources.mosaic_calls(str(xla))
+    assert {n: len(h) for n, h in calls.items()} == {"fa_fwd": 1, "fa_dq": 2, "fa_dkv": 1}
+    for count, (name, registers) in enumerate((("fa_fwd", 90), ("fa_dq", 100), ("fa_dq", 101))):
+        text = _printed_kernel(name, registers, 0)
+        (dump / f"{name}_{count}.ptxas").write_text(text)
+        (dump / f"{name}_{count}.ptx").write_text(text)
+    (dump / "fa_dkv_3.ptxas").write_text(_printed_kernel("fa_dkv", 120, 0))
+    (dump / "fa_dkv_3.ptx").write_text(_printed_kernel("fa_dkv", 120, 0))
+    first = [(k.name, k.registers) for k in resources.mosaic_kernels(str(dump), "h100", "", calls)]
+    assert sorted(first) == [
+        ("fa_dkv_mosaic_gpu_kernel", 120),
+        ("fa_dq_mosaic_gpu_kernel", 100),
+        ("fa_dq_mosaic_gpu_kernel", 101),
+        ("fa_fwd_mosaic_gpu_kernel", 90),
+    ]
+    (tmp_path / "nothing").mkdir()
+    again = resources.mosaic_kernels(str(tmp_path / "nothing"), "h100", "", calls)
+    assert sorted((k.name, k.registers) for k in again) == sorted(first)
+    other = {"fa_fwd": ["\\00"]}  # a kernel no program of this process compiled
+    assert resources.mosaic_kernels(str(tmp_path / "nothing"), "h100", "", other) == []
+    # a kernel whose PTX was not dumped has no thread count: its occupancy is unknown, not 0/0
+    assert resources.occupancy("h100", threads=0, registers=90, smem=0) == (
+        0,
+        "threads unknown",
+        0.0,
+    )
+
+
 def test_native_stdout_is_read_and_python_output_still_reaches_the_terminal(tmp_path):
     """Mosaic's dumps go to file descriptor 1: during the compile that is read, while what
     Python prints (a progress bar, a line) still reaches the real stdout, as does what C stdio

@@ -59,7 +59,7 @@ def prepare_host(target: str) -> None:
 # is what a plan does anyway. That warning says nothing about the plan; any other failure to
 # read an entry is still shown.
 UNLOADABLE_ENTRY = (
-    r"Error reading persistent compilation cache entry for '[^']*': .*"
+    r"(?s)Error reading persistent compilation cache entry for '[^']*': .*"
     r"must be constructed with a Client to call DeserializeLoadedExecutable"
 )
 

@@ -230,8 +230,5 @@ def quiet_cuda_off_gpu() -> None:
     if found:
         os.environ["JAX_PLATFORMS"] = "cpu"
         jax = sys.modules.get("jax")
-        if jax is not None and not jax.config.jax_platforms:
-            try:
-                jax.config.update("jax_platforms", "cpu")
-            except RuntimeError:  # backends already up: too late to choose
-                pass
+        if jax is not None and not jax.config.jax_platforms:  # read when its backends start
+            jax.config.update("jax_platforms", "cpu")

@@ -58,6 +58,8 @@ def occupancy(kind: str, *, threads: int, registers: int, smem: int) -> tuple[in
     """(blocks per SM, the limiting resource, warp occupancy), as the CUDA occupancy calculator."""
     g = gpus.GPUS[kind]
     warps = math.ceil(threads / 32)
+    if threads < 1:  # a kernel whose launch and PTX were not both dumped
+        return 0, "threads unknown", 0.0
     if threads > 1024:
         return 0, "threads > 1024", 0.0
     if smem > g.smem_per_block:
@@ -300,15 +302,27 @@ def _module_digest(base: str) -> str | None:
 
 
 # jaxlib before 0.11.1, which dumps a kernel only as it compiles it, in XLA's compile: the
-# kernels read in this process by the kernel hash their custom calls carry, for a later
-# program that calls one of them (Mosaic compiles it once a process, and dumps nothing then).
-_MOSAIC_BY_HASH: dict[str, list[Kernel]] = {}
+# kernels read in this process by the kernel hashes their custom calls carry (all the hashes
+# of one kernel name together), for a later program that calls the same ones (Mosaic compiles
+# a kernel once a process, and dumps nothing then).
+_MOSAIC_BY_HASH: dict[tuple[str, ...], list[Kernel]] = {}
+
+
+def _kernel_name(op_name: str) -> str | None:
+    """A Mosaic kernel's name in its call's op_name: the last part, Pallas's `mpmd_map` or
+    `pallas_call` aside, out of the transforms' wrappers (`transpose(jvp(name))`)."""
+    parts = [p for p in op_name.split("/") if p not in ("mpmd_map", "pallas_call")]
+    if not parts:
+        return None
+    name = parts[-1]
+    while (inner := re.fullmatch(r"[\w.-]+\((.*)\)", name)) is not None:
+        name = inner[1]
+    return name or None
 
 
 def mosaic_calls(xla_dir: str) -> dict[str, list[str]]:
-    """The Mosaic GPU kernels the program XLA dumped calls: each kernel's name (its op_name's
-    last part, Pallas's `mpmd_map`/`pallas_call` aside) → the kernel hashes of its calls,
-    each once, in program order."""
+    """The Mosaic GPU kernels the program XLA dumped calls: each kernel's name
+    (`_kernel_name`) → the kernel hashes of its calls, each once, in program order."""
     out: dict[str, list[str]] = {}
     for path in glob.glob(os.path.join(xla_dir, "*after_optimizations.txt")):
         with open(path, errors="replace") as f:
@@ -317,10 +331,10 @@ def mosaic_calls(xla_dir: str) -> dict[str, list[str]]:
                     continue
                 op = re.search(r'op_name="([^"]*)"', line)
                 digest = re.search(r'kernel_hash = "((?:[^"\\]|\\.)*)"', line)
-                if op is None or digest is None:
+                name = _kernel_name(op[1]) if op is not None else None
+                if name is None or digest is None:
                     continue
-                parts = [p for p in op[1].split("/") if p not in ("mpmd_map", "pallas_call")]
-                hashes = out.setdefault(parts[-1], [])
+                hashes = out.setdefault(name, [])
                 if digest[1] not in hashes:
                     hashes.append(digest[1])
     return out
@@ -348,11 +362,15 @@ def mosaic_kernels(
             out.append(_mosaic_kernel(kind, name, st, launch))
             dumped.setdefault(re.sub(r"_\d+$", "", os.path.basename(base)), []).append(out[-1])
     for name, hashes in (calls or {}).items():
-        now = dumped.get(name, [])
-        if len(hashes) == 1 and now:  # one kernel of this name: the one dumped now
-            _MOSAIC_BY_HASH[hashes[0]] = now
-        elif not now:  # dumped by none: compiled by an earlier program of this process
-            out += [k for h in hashes for k in _MOSAIC_BY_HASH.get(h, [])]
+        now, key = dumped.get(name, []), tuple(hashes)
+        if len(now) == len(hashes):  # every kernel of this name dumped now: kept together
+            _MOSAIC_BY_HASH[key] = now
+        elif not now:  # dumped by none: compiled by earlier programs of this process
+            known = _MOSAIC_BY_HASH.get(key) or [
+                k for h in hashes for k in _MOSAIC_BY_HASH.get((h,), [])
+            ]
+            out += known
+        # (some dumped now, some earlier: which is which cannot be told; those now are listed)
     lowered: dict[str, list[tuple]] = {}  # name → [(launch, module digest)], lowering order
     bases = {  # `<kernel name>_<count>`, the count Mosaic's dump gives each module
         re.sub(r"\.(resources|before_layout_inference)\.txt$", "", f)
