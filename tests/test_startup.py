@@ -110,6 +110,44 @@ def test_a_cpu_run_beside_the_gpu_plan_extra_starts_without_the_plugins_errors()
         assert line not in out.stderr, out.stderr
 
 
+_PALLAS_UNUSED = """
+import sys
+import jax, jax.numpy as jnp
+import lab.run, lab.serve
+from lab.kernels.attention import attention, decode_attention, pallas_tpu
+q = jax.random.normal(jax.random.key(0), (1, 16, 2, 64))
+jax.block_until_ready(jax.grad(lambda q: attention(q, q, q).sum())(q))  # auto: a CPU kernel
+kv = q.transpose(0, 2, 1, 3)
+jax.block_until_ready(decode_attention(q[:, 0], kv, kv, jnp.array([9])))
+PALLAS = ("jax.experimental.pallas.", "jax.experimental.mosaic", "lab.kernels.attention.pallas_")
+def loaded():
+    return sorted(
+        m for m in sys.modules
+        if m.startswith(PALLAS) and type(sys.modules[m]).__name__ != "_LazyModule"
+    )
+print(loaded())
+print(pallas_tpu.BlockSizes().block_q > 0, "lab.kernels.attention.pallas_tpu" in loaded())
+"""
+
+
+def test_a_cpu_process_imports_no_pallas_backend_until_a_kernel_needs_one():
+    """JAX's Pallas TPU, Triton and Mosaic GPU backends take a noticeable part of every lab
+    process's start (each test's subprocess too): a CPU process that trains and decodes with
+    the CPU kernels imports none of them, and a Pallas kernel module still loads on its first
+    use."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", _PALLAS_UNUSED],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[]", "True True"], out.stdout
+
+
 _TAKEN_OVER = """
 import ctypes, signal, sys, time
 from lab import startup

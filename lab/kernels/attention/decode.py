@@ -68,12 +68,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plgpu
 
 from lab.kernels import triton_deprecation
 from lab.kernels.attention.common import MASK_VALUE, check_softcap, default_scale
+
+
+def _pallas():
+    """JAX's Pallas modules (pl, its TPU and its Triton backend), imported where a kernel is
+    built: the reference and the C++ CPU kernel need none of them, and a CPU process that never
+    builds a Pallas kernel does not pay their import."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas import triton as plgpu
+
+    return pl, pltpu, plgpu
+
 
 TPU_DTYPES = (jnp.float32, jnp.bfloat16)
 GPU_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -413,6 +422,7 @@ def _tpu_kernel(
     # quantized: ks_ref, vs_ref: [1, C] f32 scale rows of this block
     # outputs o_ref: [R, K] f32 (unnormalised), m_ref, l_ref: [R, 1] f32 for this split
     # scratch m_scr, l_scr: [R, 1], acc_scr: [R, K] f32, alive across the blocks j of a split
+    pl, _, _ = _pallas()
     if quantized:
         ks_ref, vs_ref, *refs = refs
     o_ref, m_ref, l_ref, m_scr, l_scr, acc_scr = refs
@@ -506,6 +516,7 @@ def decode_attention_tpu(
     needs a multiple of 8. A cache length S that is not a multiple of block_k is fine: the
     last grid block hangs over the end and its slots are masked (S >= length).
     """
+    pl, pltpu, _ = _pallas()
     check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
     lengths_B = as_lengths(lengths_B, q_BxHxK.shape[0], k_BxGxSxK.shape[2])
     _check_kernel(
@@ -598,6 +609,7 @@ def _gpu_kernel(
     # lengths_ref: [] int32 (this sequence); q_ref: [Rp, K] (R heads padded to >= 16 rows)
     # k_ref, v_ref: [S, K] the whole cache row of (b, g); quantized: ks_ref, vs_ref: [S] f32
     # outputs o_ref: [Rp, K] f32 (unnormalised), m_ref, l_ref: [Rp] f32 for this split
+    pl, _, plgpu = _pallas()
     if quantized:
         ks_ref, vs_ref, *refs = refs
     o_ref, m_ref, l_ref = refs
@@ -663,6 +675,7 @@ def decode_attention_gpu(
     the last W valid slots of each sequence (the loop starts at the window's block).
     `softcap`: scaled scores s → softcap·tanh(s / softcap) before the softmax (after the int8
     key scale), as in attention()."""
+    pl, _, plgpu = _pallas()
     check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
     lengths_B = as_lengths(lengths_B, q_BxHxK.shape[0], k_BxGxSxK.shape[2])
     _check_kernel(
