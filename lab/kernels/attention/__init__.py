@@ -79,8 +79,7 @@ arrays.
 """
 
 import functools
-import importlib.util
-import sys
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -105,26 +104,26 @@ from lab.kernels.attention.reference import attention_reference
 from lab.measure import toolchain
 from lab.names import ATTENTION_IMPLS
 
-
-def _on_first_use(name: str):
-    """The kernel module `name`, executed when one of its attributes is first read
-    (importlib.util.LazyLoader): the Pallas kernels import JAX's Pallas, Triton and Mosaic
-    backends, a quarter of a lab process's imports (0.55 s of 2.45 s on a 2-core host), which
-    a process that builds none of them (a CPU run or serve) then never pays."""
-    full = f"{__name__}.{name}"
-    if full in sys.modules:
-        return sys.modules[full]
-    spec = importlib.util.find_spec(full)
-    spec.loader = importlib.util.LazyLoader(spec.loader)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[full] = module
-    spec.loader.exec_module(module)
-    return module
+# The Pallas kernels (pallas_tpu, pallas_gpu, pallas_mgpu) import JAX's Pallas, Triton and
+# Mosaic GPU backends: a quarter of a lab process's imports (0.55 s of 2.45 s on a 2-core
+# host), which a process that builds none of them (a CPU run or serve) need not pay. They are
+# imported where they are used (`_kernel`); `from lab.kernels.attention import pallas_gpu`
+# imports the submodule as ever.
+_LAZY = frozenset({"pallas_tpu", "pallas_gpu", "pallas_mgpu"})
 
 
-pallas_tpu = _on_first_use("pallas_tpu")
-pallas_gpu = _on_first_use("pallas_gpu")
-pallas_mgpu = _on_first_use("pallas_mgpu")
+def _kernel(name: str):
+    """The kernel module `name`, imported on first use (Python's import: a module that fails
+    to load raises its own error at every use, never a half-loaded module). Its failure is an
+    ImportError, not the ValueError by which a kernel refuses an input, so `auto` never
+    passes over a broken kernel for another."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError:
+        raise
+    except Exception as e:
+        raise ImportError(f"the {name} attention kernel did not load: {e}") from e
+
 
 IMPLS = ATTENTION_IMPLS
 PALLAS = ("pallas", "pallas_tpu", "pallas_gpu", "pallas_mgpu")
@@ -139,9 +138,6 @@ _MODULES = {
     "blockwise": blockwise,
     "ring": ring,
     "cpu_flash": cpu_flash,
-    "pallas_tpu": pallas_tpu,
-    "pallas_gpu": pallas_gpu,
-    "pallas_mgpu": pallas_mgpu,
 }
 
 
@@ -149,7 +145,8 @@ def supported_features(impl: str) -> frozenset:
     """The common.FEATURE_NAMES `impl` takes (each kernel module lists its own in FEATURES)."""
     if impl in ("xla", "cudnn"):
         return _LIBRARY_FEATURES
-    return getattr(_MODULES.get(impl), "FEATURES", frozenset())
+    module = _kernel(impl) if impl in _LAZY else _MODULES.get(impl)
+    return getattr(module, "FEATURES", frozenset())
 
 
 def features_of(
@@ -179,11 +176,12 @@ def features_of(
 def gpu_kernels() -> list[str]:
     """The compiled Pallas kernels of the GPU being built for (a target's under its mesh),
     best first: the Mosaic GPU kernel on Hopper where this JAX has Mosaic GPU, then Triton."""
-    return (["pallas_mgpu"] if pallas_mgpu.runs_on(device_kind()) else []) + ["pallas_gpu"]
+    hopper = _kernel("pallas_mgpu").runs_on(device_kind())
+    return (["pallas_mgpu"] if hopper else []) + ["pallas_gpu"]
 
 
 def _interpretable(impl: str) -> bool:
-    return impl != "pallas_mgpu" or pallas_mgpu.interpretable()
+    return impl != "pallas_mgpu" or _kernel("pallas_mgpu").interpretable()
 
 
 def available_impls(backend: str | None = None, *, interpret: bool = False) -> tuple[str, ...]:
@@ -218,7 +216,7 @@ def _resolve(impl: str, interpret: bool, backend: str) -> str:
     )
     if impl == "pallas_mgpu" and backend == "gpu":
         hint = f" (pallas_mgpu needs a Hopper GPU, H100/H200; this one is {device_kind()!r})"
-    elif impl == "pallas_mgpu" and not pallas_mgpu.interpretable():
+    elif impl == "pallas_mgpu" and not _kernel("pallas_mgpu").interpretable():
         hint = " (pallas_mgpu is interpreted on CPU only from jax 0.11)"
     elif impl == "cpu_flash" and backend == "cpu":
         hint = " (cpu_flash is not built here: no C++ compiler, a failed build or LAB_CPU_FLASH=0)"
@@ -367,7 +365,7 @@ def _toolchain_problem(
     a multiple of the largest key tile (128) counts, whatever tiles a table picks; so does
     any mask feature (a window, lengths, segment ids, rows with no key)."""
     if impl == "pallas_mgpu" and not interpret:
-        return pallas_mgpu.toolchain_problem(causal=causal, masked=_masked(S, features))
+        return _kernel("pallas_mgpu").toolchain_problem(causal=causal, masked=_masked(S, features))
     return None
 
 
@@ -414,11 +412,11 @@ def _check(
             + f"; use {' or '.join(takers)}"
         )
     if impl == "pallas_tpu":
-        pallas_tpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+        _kernel("pallas_tpu").check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     elif impl == "pallas_gpu":
-        pallas_gpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+        _kernel("pallas_gpu").check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     elif impl == "pallas_mgpu":
-        pallas_mgpu.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
+        _kernel("pallas_mgpu").check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     elif impl == "cpu_flash":
         cpu_flash.check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal)
     elif impl in ("xla", "cudnn"):
@@ -512,7 +510,9 @@ def choose_noted(
             "float16 dot with float32 accumulation); use blockwise or float32"
         )
     if impl == "pallas_mgpu" and not interpret:  # named explicitly: refused, not replaced
-        pallas_mgpu.check_toolchain(causal=causal, masked=_masked(k_BxSxGxK.shape[1], features))
+        _kernel("pallas_mgpu").check_toolchain(
+            causal=causal, masked=_masked(k_BxSxGxK.shape[1], features)
+        )
     return impl, _passed_over(note, impl)
 
 
@@ -650,9 +650,9 @@ def attention(
         )
         return _per_shard(kernel, shard_spec, *args, extras=extras)
     if impl == "pallas_tpu":
-        bs = block_sizes or pallas_tpu.BlockSizes()
+        bs = block_sizes or _kernel("pallas_tpu").BlockSizes()
         kernel = functools.partial(
-            pallas_tpu.flash_attention_tpu,
+            _kernel("pallas_tpu").flash_attention_tpu,
             causal=causal,
             scale=scale,
             block_sizes=bs,
@@ -661,7 +661,7 @@ def attention(
         return _per_shard(kernel, shard_spec, *args, extras=extras)
     if impl == "pallas_gpu":
         kernel = functools.partial(
-            pallas_gpu.flash_attention_gpu,
+            _kernel("pallas_gpu").flash_attention_gpu,
             causal=causal,
             scale=scale,
             block_sizes=block_sizes,
@@ -670,7 +670,7 @@ def attention(
         return _per_shard(kernel, shard_spec, *args, extras=extras)
     if impl == "pallas_mgpu":
         kernel = functools.partial(
-            pallas_mgpu.flash_attention_mgpu,
+            _kernel("pallas_mgpu").flash_attention_mgpu,
             causal=causal,
             scale=scale,
             block_sizes=block_sizes,
@@ -721,19 +721,18 @@ def _fitting_block_sizes(impl: str, block_sizes, *, named: bool):
     return block_sizes
 
 
-def _check_block_sizes(impl: str, block_sizes, kinds=None) -> None:
+def _check_block_sizes(impl: str, block_sizes) -> None:
     """ValueError where `block_sizes` is not the chosen kernel's own BlockSizes."""
     if block_sizes is None:
         return
-    kinds = kinds or {
+    kinds = {
         "blockwise": blockwise.BlockSizes,
         "cpu_flash": cpu_flash.BlockSizes,
-        "pallas_tpu": pallas_tpu.BlockSizes,
-        "pallas_gpu": pallas_gpu.BlockSizes,
-        "pallas_mgpu": pallas_mgpu.BlockSizes,
         "decode pallas_tpu": decode.BlockSizesTPU,
         "decode pallas_gpu": decode.BlockSizesGPU,
     }
+    if impl in _LAZY:  # only the chosen kernel is imported
+        kinds[impl] = _kernel(impl).BlockSizes
     want = kinds.get(impl)
     got = type(block_sizes)
     if want is None:
