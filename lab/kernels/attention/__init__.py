@@ -105,8 +105,8 @@ from lab.measure import toolchain
 from lab.names import ATTENTION_IMPLS
 
 # The Pallas kernels (pallas_tpu, pallas_gpu, pallas_mgpu) import JAX's Pallas, Triton and
-# Mosaic GPU backends: a quarter of a lab process's imports (0.55 s of 2.45 s on a 2-core
-# host), which a process that builds none of them (a CPU run or serve) need not pay. They are
+# Mosaic GPU backends: a quarter of a lab process's imports (0.61 s of 2.58 s, median, on a
+# 2-core host), which a process that builds none of them (a CPU run or serve) need not pay. They are
 # imported where they are used (`_kernel`); `from lab.kernels.attention import pallas_gpu`
 # imports the submodule as ever.
 _LAZY = frozenset({"pallas_tpu", "pallas_gpu", "pallas_mgpu"})
