@@ -50,6 +50,8 @@ def _rows(bench_records: list[dict]) -> dict:
             row = rows.setdefault((c["impl"], c["mode"], c["seq"]), {})
             row[keys[r["what"]]] = r["value"]
             row["label"] = r["label"]
+            if r["what"] == "attention peak temp memory" and c.get("excludes"):
+                row["temp_excludes"] = c["excludes"]  # a native kernel's own buffers: not in it
             if r["what"] == "attention time":
                 row.update({k: c[k] for k in (*SPREAD, *TORCH) if k in c})
     return rows
@@ -73,6 +75,7 @@ def _context(rows: dict, shape: bench.Shape) -> list[dict]:
                 mode=mode,
                 seq_len=seq,
                 temp_bytes=row.get("temp_bytes"),
+                **({"temp_excludes": row["temp_excludes"]} if "temp_excludes" in row else {}),
                 max_error=row.get("max_error"),
                 shape=[shape.batch, seq, shape.heads, shape.kv_heads, shape.head_dim],
                 causal=True,

@@ -659,7 +659,14 @@ def _write(out, folders, pairs, dirs) -> dict:
     ]
     report["path"].write_text("\n".join(intro) + "\n" + text)
     judging = [r for r in shown if not r.get("set_aside")] + pairs
-    return {**report, "records": records, "judged": judging, "dir": out, "folders": folders}
+    return {
+        **report,
+        "records": records,
+        "judged": judging,
+        "dir": out,
+        "folders": folders,
+        "tiny_only": frozenset(tiny_only),
+    }
 
 
 def run(o: Options) -> int:
@@ -686,7 +693,12 @@ def run(o: Options) -> int:
     # as REPORT.md and python -m experiments: over the records that judge (none set aside)
     busy = markdown.busy_caution(result["judged"])
     caution = "; ".join(c for c in (caution, busy and f"host busy: {busy}") if c)
-    progress.console().print(tables.verdicts(result["verdicts"], caution))
+    # as REPORT.md's grid: a claim only tiny folders decide says so; all tiny judges nothing
+    all_tiny = len(tiny) == len(result["folders"])
+    table = tables.verdicts(
+        result["verdicts"], caution, judged=not all_tiny, tiny_only=result["tiny_only"]
+    )
+    progress.console().print(table)
     n = len(o.dirs)
     print(
         f"{_count(len(result['records']), 'record')} from {_count(n, 'folder')} → {result['path']}"

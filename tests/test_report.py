@@ -331,6 +331,36 @@ def test_the_ledger_attention_plot_tells_causal_from_full_at_the_lengths_measure
     assert fig._suptitle.get_text() == "attention · cpu"  # cpu · cpu named once
 
 
+def test_the_ledger_attention_plot_says_a_native_kernels_memory_is_xlas_part(monkeypatch):
+    """A native kernel's compiled temporaries leave out its own buffers (the record's
+    temp_excludes): its lines say the memory is XLA's part, the others' do not."""
+    from lab.report import plots
+
+    records = [
+        {
+            **_rec(1e-4, "cpu", "cpu"),
+            "config": {
+                "series": "attention",
+                "impl": impl,
+                "mode": "fwd+bwd",
+                "seq_len": n,
+                "median_s": 1e-4 * n,
+                "temp_bytes": 3 * 2**10 if impl == "cpu_flash" else 2**12 * n,
+                "causal": True,
+                **({"temp_excludes": "the kernel's own tiles"} if impl == "cpu_flash" else {}),
+            },
+        }
+        for impl in ("blockwise", "cpu_flash")
+        for n in (64, 128)
+    ]
+    fig = _drawn(monkeypatch, plots.attention, records)
+    time, mem = fig.axes
+    assert [line.get_label() for line in time.get_lines()] == [
+        "blockwise fwd+bwd causal",
+        "cpu_flash fwd+bwd causal (memory: XLA's part)",
+    ]
+
+
 def test_the_inference_plot_has_a_legend_naming_both_lines(monkeypatch):
     from lab.report import plots
 
@@ -980,3 +1010,28 @@ def test_a_ledger_that_judges_nothing_says_so_and_colours_no_verdict():
         )
         assert ("smoke test" in plain) != judged
         assert coloured == judged, styled
+
+
+def test_the_terminal_ledger_says_how_far_off_and_which_claims_only_tiny_folders_decide():
+    """An `off` in the terminal says by how much, as REPORT.md does; a comparison's claim that
+    only tiny folders decide says so and is not coloured as a pass or a failure."""
+    from rich.console import Console
+
+    from lab.report import tables
+
+    c01 = claims.get("C01")
+    off = judge(c01, [_record("C01", c01.stated[0], 2e12, backend="cpu")])
+    assert off.status == OFF
+    lo, _ = _inside_and_outside(c01.stated[0])
+    holds = judge(c01, [_record("C01", c01.stated[0], lo, backend="cpu")])
+    assert holds.status == HOLDS
+    for tiny_only, coloured in ((frozenset(), True), (frozenset({"C01"}), False)):
+        console = Console(record=True, width=200, force_terminal=True, color_system="truecolor")
+        console.print(tables.verdicts([off], "", tiny_only=tiny_only))
+        plain = console.export_text(styles=False, clear=False)
+        styled = console.export_text(styles=True)
+        assert "off (×1.6e+04 above" in plain, plain
+        assert ("size tiny only" in plain) != coloured, plain
+        red = "\x1b[31m" in styled or "\x1b[38;2;128;0;0m" in styled or "\x1b[91m" in styled
+        assert red == coloured, styled
+    assert tables.off_by(holds) == "" and tables.off_by(off) == "×1.6e+04 above"

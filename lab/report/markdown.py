@@ -368,7 +368,7 @@ def render(
             out += tables.prediction_markdown(records)
         for v in by_topic.get(topic, []):
             out += [
-                f"### {v.claim.id} — {v.status}",
+                f"### {v.claim.id} — {topic_status(meta, v.claim, v.status)}",  # as its row
                 "",
                 f"> {v.claim.text}",
                 "",

@@ -301,6 +301,8 @@ def attention(records, path) -> Path | None:
 def _attention_axes(ax_t, ax_m, rows, color: dict) -> None:
     """One machine's attention records: time in ax_t, memory in ax_m, the legend beside."""
     lines = defaultdict(list)
+    # a native kernel's memory is XLA's part of the program only: its own buffers are not in it
+    partial = {r["config"]["impl"] for r in rows if r["config"].get("temp_excludes")}
     for r in rows:
         c = r["config"]
         mask = {True: "causal", False: "full"}.get(c.get("causal"), "")
@@ -314,7 +316,8 @@ def _attention_axes(ax_t, ax_m, rows, color: dict) -> None:
             marker="s" if mask == "full" else "o",
             mfc="none" if mask == "full" else None,
             color=color[impl],
-            label=" ".join(filter(None, (impl, mode, mask))),
+            label=" ".join(filter(None, (impl, mode, mask)))
+            + (" (memory: XLA's part)" if impl in partial else ""),
         )
         ax_t.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], **style)
         if all(p[3] is not None and p[4] is not None for p in pts):  # the samples' spread

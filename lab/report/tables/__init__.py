@@ -17,7 +17,7 @@ from lab.report.tables.attention import (
 from lab.report.tables.common import GIB
 from lab.report.tables.compiled import kernel_grid, kernels, toolchain_line
 from lab.report.tables.explain import explain_collectives, explain_memory, explain_pipeline
-from lab.report.tables.ledger import verdicts
+from lab.report.tables.ledger import off_by, verdicts
 from lab.report.tables.parallelism import collectives, scaling
 from lab.report.tables.prediction import (
     prediction_cpu_rows,
@@ -86,5 +86,6 @@ __all__ = [
     "tied_text",
     "tune_stage",
     "tune_step",
+    "off_by",
     "verdicts",
 ]
