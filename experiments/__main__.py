@@ -41,7 +41,10 @@ class Options:
     )
     only: tuple = field((), "claim ids to measure, e.g. C03,C08 (default: all)", kind="names")
     out_dir: str = field(
-        "results", "where results/<backend>-<device>-<time>/ is written", kind="path"
+        "results",
+        "where results/<backend>-<device>-<time>/ is written (and prediction-cache/, the"
+        " compiled programs its predictions reuse)",
+        kind="path",
     )
     plans: str = field(
         "auto",
@@ -178,6 +181,9 @@ def run(o: Options) -> int:
     from lab.report import markdown, progress, tables
 
     rec.writable_dir(o.out_dir)
+    from lab.studies import prediction
+
+    prediction.cache_under(o.out_dir)  # the compiled points beside the results, not in ./
     con = progress.console()
     env = rec.environment()
     out_dir = markdown.results_dir(o.out_dir, env)

@@ -27,13 +27,15 @@ def tiny_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("results")
     out = io.StringIO()
-    # in a folder of its own: the ledger's compiled programs are cached under the working
-    # folder (results/prediction-cache), which is not the checkout's business
+    # in a folder of its own: the ledger writes nothing there (its compiled programs are
+    # cached in out_dir's prediction-cache), which the test below holds it to
     here = tmp_path_factory.mktemp("cwd")
     with contextlib.redirect_stdout(out), contextlib.chdir(here):  # stdout not a terminal
         rc = cli.main(["size=tiny", f"out_dir={root}"])
-    (folder,) = root.iterdir()
+    (folder,) = (d for d in root.iterdir() if d.name != "prediction-cache")
     return {
+        "cwd": sorted(p.name for p in here.iterdir()),
+        "cache": sorted(p.name for p in (root / "prediction-cache").glob("*")),
         "out": out.getvalue(),
         "rc": rc,
         "dir": folder,
@@ -72,6 +74,8 @@ def test_the_ledgers_h100_7b_decode_step_runs_in_the_thousands_of_tokens_per_s(t
     (r,) = [r for r in tiny_run["records"] if r["config"]["metric"] == "usd_per_m_output_tokens_7b"]
     assert r["label"] == "predicted" and r["config"]["gpus"] == 1, r
     assert 1000 < r["config"]["tokens_per_s"] < 10000, r["config"]
+    # its compiled programs are kept beside the results (out_dir=), none in the working folder
+    assert tiny_run["cache"] and tiny_run["cwd"] == [], tiny_run
 
 
 @pytest.mark.once
@@ -865,6 +869,9 @@ def test_a_runs_own_report_says_why_a_claim_has_no_record():
     assert "**not run**" in rows and f"**{MISSING}**" in rows  # the finished topic's own
     text = markdown.render([], verdicts, {}, meta)
     assert f"`{never.topic}`: not run (the run was stopped before it)" in text
+    # each claim's own section says the same as its row
+    assert f"### {cut.id} — cut short" in text and f"### {never.id} — not run" in text
+    assert f"### {done.id} — {MISSING}" in text
 
 
 def test_the_classifier_records_name_the_model_they_timed():

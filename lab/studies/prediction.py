@@ -60,6 +60,14 @@ _HW = {
 CACHE_DIR = Path("results/prediction-cache")
 
 
+def cache_under(out_dir) -> Path:
+    """Keep the compiled programs under `out_dir` (`<out_dir>/prediction-cache`) for the rest
+    of this process: a ledger given out_dir= writes nothing in the working folder."""
+    global CACHE_DIR
+    CACHE_DIR = Path(out_dir) / "prediction-cache"
+    return CACHE_DIR
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One published point beside the model's prediction of it."""
@@ -825,14 +833,14 @@ def workload_statement(workload: str, vendor_name: str = "gpu") -> str:
     return f"{rule}: its error {size} on {e['n']} held-out published {workload} {points} ({where})"
 
 
-def predict_with_fit(point: dict, cache_dir=CACHE_DIR) -> dict | None:
+def predict_with_fit(point: dict, cache_dir=None) -> dict | None:
     """A figure outside the validation set (a ledger claim) predicted by the fitted model:
     the point's program compiled for its target (cached like the validation's) and timed with
     the vendor's fitted parameters. {"seconds", "breakdown", "collective_s", "figure" (the
     point's unit), "statement", "program"}; None where the compiler refuses it, the step does
     not fit the chip's memory, or the target cannot compile here."""
     try:
-        prog = program(point, Path(cache_dir))
+        prog = program(point, Path(cache_dir or CACHE_DIR))
     except ConfigError:
         return None
     if "refused" in prog or too_big(point, prog):
