@@ -297,7 +297,8 @@ def measured_scaling(size: str) -> list[dict]:
 
     counts = tuple(c for c in (1, 2, 4, 8) if c <= len(jax.devices()))
     s = dataclasses.replace(scaling.SIZES[size], device_counts=counts)
-    rows = (*scaling.scaling(s, ("dp",)), *scaling.extrapolate(s))
+    strong = scaling.scaling(s, ("dp",))
+    rows = (*strong, *scaling.extrapolate(s, strong))  # the model checked on dp's own step
     recs = [r for row in rows for r in row.records()]
     for r in recs:
         r["config"].update(claim="C13", metric=None, role="context", series="dp_measured")

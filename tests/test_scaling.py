@@ -128,6 +128,45 @@ def test_one_device_extrapolates_nothing_it_did_not_measure(monkeypatch):
     assert "not extrapolated (one device: no all-reduce to measure)" in console.export_text()
 
 
+def test_the_extrapolation_states_its_error_on_the_dp_step_measured_where_it_can(monkeypatch):
+    """The model (one device's compute + the ring all-reduce at the measured bandwidth) is
+    held against dp's step measured on the devices that bandwidth came from; the table says
+    the ratio, and that without such a step its error is unchecked."""
+    import dataclasses
+    import types
+
+    from lab.measure.scaling import StrongPoint
+
+    monkeypatch.setattr(scaling.jax, "device_count", lambda: 2)
+    monkeypatch.setattr(scaling, "make_mesh", lambda *a, **k: None)
+    fake = types.SimpleNamespace(step=types.SimpleNamespace(median_s=0.010), grad_bytes=1 << 20)
+    monkeypatch.setattr(scaling, "measure_step", lambda *a, **k: fake)
+    monkeypatch.setattr(scaling, "dp_bandwidth", lambda *a: (2**30, "measured here"))
+    size = dataclasses.replace(scaling.SIZES["tiny"], device_counts=(1, 2))  # batch 8: 4 a device
+    dp2 = StrongPoint("dp", 2, "data:2", 0.0125, None, None, None, True)
+    fsdp2 = StrongPoint("fsdp", 2, "fsdp:2", 1.0, None, None, None, True)
+    rows = scaling.extrapolate(size, (fsdp2, dp2))
+    comm = 2 * (1 << 20) * (2 - 1) / 2 / 2**30  # the ring all-reduce of 1 MiB over 2 devices
+    want = {"devices": 2, "predicted_s": 0.010 + comm, "measured_s": 0.0125}
+    for r in rows:
+        assert {k: r.check[k] for k in want} == pytest.approx(want)
+        assert r.check["ratio"] == pytest.approx((0.010 + comm) / 0.0125)
+        assert all(rec["config"]["check"] == r.check for rec in r.records())
+    console = Console(record=True, width=400)
+    for t in tables.scaling(ScalingStudy(extrapolated=rows)):
+        console.print(t)
+    text = " ".join(console.export_text().split())
+    assert "the model's error where it can be checked, 2 devices here: a step of 10.98 ms" in text
+    assert "12.50 ms measured for dp on 2 devices (×0.88)" in text, text
+    # no dp step on those devices: nothing to hold it against, and the table says so
+    unchecked = scaling.extrapolate(size, ())
+    assert all(r.check is None for r in unchecked)
+    console = Console(record=True, width=400)
+    for t in tables.scaling(ScalingStudy(extrapolated=unchecked)):
+        console.print(t)
+    assert "its error is unchecked here" in " ".join(console.export_text().split())
+
+
 def test_the_size_help_says_what_each_size_runs(capsys):
     """size= named tiny | quick | full and nothing else: the help says what each is for and
     the model, shape, device counts and time each runs, from the sizes themselves."""

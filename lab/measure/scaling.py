@@ -89,6 +89,9 @@ class DPExtrapolation:
     efficiency_overlap: float | None  # compute / max(compute, comm): perfect overlap
     bandwidth_source: str
     simulated: bool
+    # the model's step on the devices whose bandwidth it uses, against dp's step measured
+    # there: {"devices", "predicted_s", "measured_s", "ratio"}; None where none was measured
+    check: dict | None = None
     source: tuple[dict, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @classmethod
@@ -104,6 +107,7 @@ class DPExtrapolation:
             _value(recs, OVERLAP),
             c["bandwidth_source"],
             bool(c.get("simulated_devices")),
+            check=c.get("check"),
             source=recs,
         )
 

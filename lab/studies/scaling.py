@@ -272,18 +272,42 @@ def dp_bandwidth(mesh, budget_s: float) -> tuple[float, str]:
     return bw, f"1 MiB all-reduce busbw measured here on {mesh.shape[DATA]} {kind} devices"
 
 
-def extrapolate(size: Size) -> tuple[DPExtrapolation, ...]:
+def model_check(strong, n: int, compute_s: float, comm_s: float) -> dict | None:
+    """The extrapolation's model held against a measured step it was not given: dp's step at
+    the global batch on the n devices whose bandwidth the model uses (the per-device batch
+    of the one-device compute it adds the all-reduce to). None where no such step was
+    measured (one device, or no dp point at n)."""
+    if n < 2 or not math.isfinite(comm_s):
+        return None
+    hit = [p for p in strong if p.strategy == "dp" and p.devices == n and p.step_s]
+    if not hit:
+        return None
+    predicted = compute_s + comm_s
+    return {
+        "devices": n,
+        "predicted_s": predicted,
+        "measured_s": hit[0].step_s,
+        "ratio": predicted / hit[0].step_s,
+    }
+
+
+def extrapolate(size: Size, strong=()) -> tuple[DPExtrapolation, ...]:
     """Experiment 2: DP efficiency at 16/64/256 devices, extrapolated (weak scaling), a row
-    per device count."""
+    per device count. Where `strong` (experiment 1) timed dp on the devices the bandwidth
+    is measured on, each row carries the model's step there against that measurement
+    (`check`): the one error of the model this host can show."""
     n_max = max(n for n in size.device_counts if n <= jax.device_count())
     per_device = max(1, size.batch // n_max)
-    cfg = _config(size, "1", "dp", per_device, remat="none", scan_layers=True)
+    cfg = _config(size, "1", "dp", per_device)  # experiment 1's dp step, on one device
     one = measure_step(cfg, 1, size.budget_s)
     if n_max > 1:
         bw, source = dp_bandwidth(make_mesh(f"data:{n_max}", jax.devices()[:n_max]), size.budget_s)
     else:
         bw, source = math.nan, "one device: no all-reduce to measure"
     t_c = one.step.median_s
+    per_strong = size.batch // n_max == per_device  # the strong step's rows per device
+    at_n = 2 * one.grad_bytes * (n_max - 1) / n_max / bw if n_max > 1 else math.nan
+    check = model_check(strong, n_max, t_c, at_n) if per_strong else None
     out = []
     for n in EXTRAPOLATE_TO:
         t_comm = 2 * one.grad_bytes * (n - 1) / n / bw
@@ -298,6 +322,7 @@ def extrapolate(size: Size) -> tuple[DPExtrapolation, ...]:
             bandwidth_source=source,
             model=_model_name(size),
             seq_len=size.seq_len,
+            check=check,
             **_env_note(),
         )
         if math.isfinite(t_comm):
@@ -367,7 +392,7 @@ def run(size: str = "quick", strategies=STRATEGIES, progress=None, done=None) ->
     done = done or _nothing
     strong = scaling(s, strategies, at=tick, each=lambda rows: done(ScalingStudy(rows)))
     tick("data-parallel efficiency, extrapolated")
-    extrapolated = extrapolate(s)
+    extrapolated = extrapolate(s, strong)
     done(ScalingStudy(strong, extrapolated))
     study = ScalingStudy(
         strong,

@@ -55,7 +55,7 @@ def scaling(study: ScalingStudy) -> list[Table | str]:
     rows = [p for p in study.extrapolated if p.efficiency is not None]
     src = study.extrapolated[0].bandwidth_source if study.extrapolated else ""
     title = f"data-parallel efficiency — EXTRAPOLATED, not measured (bandwidth: {src})"
-    t2 = Table(title=title)
+    t2 = Table(title=title, caption=model_error(study.extrapolated), caption_justify="left")
     for col in (
         "devices",
         "per-device batch",
@@ -84,3 +84,21 @@ def scaling(study: ScalingStudy) -> list[Table | str]:
     if not rows:  # a line, not an empty table
         t2 = f"data-parallel efficiency: not extrapolated ({src})"
     return [t1, t2, t3]
+
+
+def model_error(extrapolated) -> str:
+    """The extrapolation's one check here, in words: its step on the devices whose bandwidth
+    it uses against dp's step measured there; or that it has none."""
+    check = next((p.check for p in extrapolated if p.check), None)
+    if check is None:
+        return (
+            "its error is unchecked here: no data-parallel step was measured on the devices "
+            "whose all-reduce bandwidth it uses"
+        )
+    n = check["devices"]
+    return (
+        f"the model's error where it can be checked, {n} devices here: a step of "
+        f"{_ms(check['predicted_s'])} ms predicted (one device's compute + the all-reduce at "
+        f"that bandwidth), {_ms(check['measured_s'])} ms measured for dp on {n} devices "
+        f"(×{check['ratio']:.2f}); further out it is unchecked"
+    )
