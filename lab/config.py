@@ -18,6 +18,7 @@ import numbers
 import os
 import re
 import sys
+import textwrap
 import time
 import typing
 from pathlib import PurePath
@@ -132,6 +133,8 @@ def parse_value(f: dataclasses.Field, typ, raw: str):
         except MeshSpecError as e:
             raise ConfigError(f"mesh={raw!r}: {e}") from None
         return raw
+    if kind in ("ints", "floats", "names") and not raw.strip() and f.default == ():
+        return ()  # only= as --help shows its default: nothing named, so the default (all)
     if kind == "ints":
         return _parse_list(key, raw, meta, int)
     if kind == "floats":
@@ -686,6 +689,7 @@ def check_coordinator(address: str, key: str = "coordinator") -> None:
 
 
 KEY_WIDTH, DEFAULT_WIDTH = 18, 12  # the --help columns: key, default, then the meaning
+HELP_WIDTH = 100  # the meaning wraps at this column
 
 
 def default_text(value) -> str:
@@ -711,11 +715,14 @@ def _key_lines(fields: dict, rename: dict | None = None, width: int = 0) -> list
         default = default_text(f.default)
         if f.metadata.get("auto") is not None and f.default == f.metadata["auto"]:
             default = "auto"
-        meaning = f.metadata["help"]
+        # the meaning wrapped in its column: a line of 400 characters is unreadable in a
+        # terminal that folds it under the keys
+        meaning = textwrap.wrap(f.metadata["help"], max(40, HELP_WIDTH - len(indent))) or [""]
         if len(key) > width or len(default) > DEFAULT_WIDTH:
-            lines += [f"  {key:<{width}} {default}", indent + meaning]
+            lines.append(f"  {key:<{width}} {default}")
         else:
-            lines.append(f"  {key:<{width}} {default:<{DEFAULT_WIDTH}} {meaning}")
+            lines.append(f"  {key:<{width}} {default:<{DEFAULT_WIDTH}} {meaning.pop(0)}")
+        lines += [indent + m for m in meaning]
     return lines
 
 

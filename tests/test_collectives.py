@@ -72,11 +72,18 @@ def test_main_writes_records_and_plot(tmp_path, capsys):
     assert {r["config"]["size_bytes"] for r in ar} == {4096, 65536}, ar  # 4 KiB and 16× it
 
 
-def test_a_quick_check_takes_the_max_size_asked_for(tmp_path):
+def test_a_quick_check_takes_the_max_size_asked_for(tmp_path, monkeypatch, capsys):
+    """... and on a busy host says, before it times anything, that its times will be high
+    and its bandwidths low, as every timing tool does."""
+    from lab.measure import records
+
+    monkeypatch.setattr(records, "busy_host", lambda: (5.5, 2))
     argv = ["quick=true", "mesh=2", "ops=all-reduce", "budget=0.01", "plot=false"]
     assert tool.main([*argv, "max_size=1MB", f"out_dir={tmp_path}"]) == 0
     recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.open()]
     assert {r["config"]["size_bytes"] for r in recs} == {4096, 2**20}
+    out = " ".join(capsys.readouterr().out.split())
+    assert "host load average 5.5 on 2 cores" in out and "bus bandwidths low" in out, out
 
 
 def test_sizes_that_round_alike_are_said_to_and_the_title_names_the_axes_that_split(

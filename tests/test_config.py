@@ -177,6 +177,19 @@ def test_a_list_value_given_twice_and_a_key_given_twice_are_named_as_typed():
         parse_args(["model=tiny", "model=small"])
 
 
+def test_an_empty_list_is_its_default_where_the_default_is_empty_and_refused_elsewhere():
+    """only= (what --help shows as its default) means every claim; an empty list where the
+    default names values (batches=) is still a mistake, said in one line."""
+    from experiments.__main__ import Options as Ledger
+    from lab.config import parse_options
+    from lab.tools import tune_step
+
+    assert parse_options(Ledger, ["only="]).only == ()
+    assert parse_options(Ledger, ["only= "]).only == ()
+    with pytest.raises(ConfigError, match=r"batches='': expected a comma-separated list"):
+        parse_options(tune_step.Options, ["batches="])
+
+
 def test_a_key_typed_under_its_older_name_is_named_so():
     """An options class's KEY_ALIASES are older names still read: a bad value, and a refusal
     of the key, name it as the user typed it."""

@@ -293,9 +293,18 @@ def test_a_dry_run_on_a_machine_without_a_gpu_says_size_full_is_refused_there(tm
     assert tool.run(o, steps=steps, gpu=False) == 0
     out = capsys.readouterr().out
     assert "no NVIDIA GPU found here: a run at size=full is refused on this machine" in out
-    assert " 1. kernels-k64 (300 s · needs a GPU · skipped here)" in out, out
+    # the plan is the GPU machine's, and its last line says this machine runs none of it
+    assert " 1. kernels-k64 (300 s · needs a GPU): " in out and "skipped here" not in out, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("this machine runs none of it (size=full needs an NVIDIA GPU"), last
+    assert (
+        "it). budget=570 s, on a GPU, each step taking at most its budget: this call runs "
+        "steps 1-2." in last
+    ), last
+    assert "Off a GPU" not in out  # off a GPU, size=full runs nothing: no step "skipped" there
     assert tool.run(o, steps=steps, gpu=True) == 0
-    assert "refused" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "refused" not in out and "runs none of it" not in out
 
 
 def test_the_dry_run_calls_the_training_steps_batch_a_placeholder_until_tuned(tmp_path, capsys):

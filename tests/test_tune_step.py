@@ -109,8 +109,9 @@ def test_too_few_devices_are_counted_in_good_grammar():
 )
 def test_bad_keys_are_one_line_and_exit_2(argv, needle, capsys):
     assert tune_step.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert needle in err and len(err.splitlines()) == 1
+    out, err = capsys.readouterr()
+    assert needle in err.strip() and len(err.strip().splitlines()) == 1
+    assert "remat × batch" not in out, out  # refused before its progress bar starts
 
 
 @pytest.mark.parametrize(

@@ -169,11 +169,10 @@ def measure(keys: dict, remat: str, batch: int, budget_s: float) -> StepCandidat
     )
 
 
-def tune(
-    keys: dict, remats=REMATS, batches=BATCHES, budget_s: float = 5.0, log=None, done=None
-) -> list[StepCandidate]:
-    """Every (remat, batch) measured, in that order; skipped ones say why. `done(candidate)`
-    as each is measured (a caller that keeps them on a stop)."""
+def check_tune(keys: dict) -> None:
+    """ConfigError, in one line, for keys tune() cannot take: the ones it varies or sets, a
+    plan's target, and any key or mesh the step refuses alone; a tool calls it before it
+    shows anything, tune() again before it compiles."""
     for key in ("remat", "batch_size", "steps"):
         if key in keys:
             raise ConfigError(f"{key}= is what tune_step varies or sets; use remats=/batches=")
@@ -181,6 +180,14 @@ def tune(
     make_config(**keys)  # each key alone: one line before compiling (rules between keys: per row)
     request = Request.of(**keys)  # how the weights split over the mesh: no batch or policy
     check_shapes(request, Platform.found(request))  # changes it, so once, before any compile
+
+
+def tune(
+    keys: dict, remats=REMATS, batches=BATCHES, budget_s: float = 5.0, log=None, done=None
+) -> list[StepCandidate]:
+    """Every (remat, batch) measured, in that order; skipped ones say why. `done(candidate)`
+    as each is measured (a caller that keeps them on a stop)."""
+    check_tune(keys)
     rows, refused = [], set()
     for remat in remats:
         for batch in batches:

@@ -90,6 +90,8 @@ def run(o: Options) -> int:
     title = f"collectives · {env['device_kind']} × {env['device_count']} {where} · {shape}"
     t0 = time.perf_counter()
     con = progress.console()
+    if busy := records.busy_note("times", "bus bandwidths"):
+        con.print(f"[yellow]{busy}")
     total = coll.points_planned(mesh, sizes, o.ops)
     asked = len(sizes) * len(o.ops) * len(coll.bench_axes(mesh))
     if total < asked:

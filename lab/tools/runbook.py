@@ -73,11 +73,13 @@ def _print_plan(steps, o: Options, root: Path, gpu: bool) -> None:
     except (OSError, json.JSONDecodeError):  # none yet, or unreadable: the plan alone
         state = {"steps": {}}
     print(f"runbook plan · size={o.size} · budget={o.budget:g} s · folder {root}")
-    if not gpu and o.size == "full":
+    refused = not gpu and o.size == "full"
+    if refused:
         print(
             "(no NVIDIA GPU found here: a run at size=full is refused on this machine; "
-            "size=tiny rehearses it)"
+            "size=tiny rehearses it. The plan below is what a GPU machine would run)"
         )
+        gpu = True  # a plan for the machine it is refused for, said as such
     if state["steps"] and state.get("size") != o.size:  # a run would set it aside (load_state)
         print(f"({path} is for size={state.get('size')}: a run at size={o.size} starts afresh)")
         state = {"steps": {}}
@@ -101,7 +103,13 @@ def _print_plan(steps, o: Options, root: Path, gpu: bool) -> None:
                 f"    ({' '.join(s.fallback)} is a placeholder until the tune-step-* steps "
                 "finish: the run takes the remat × batch they found best)"
             )
-    print(_fit_line(fitted, o, gpu))
+    line = _fit_line(fitted, o, gpu)
+    if refused:  # no footer that reads as if this call ran anything
+        line = (
+            "this machine runs none of it (size=full needs an NVIDIA GPU; size=tiny rehearses "
+            f"it). {line}"
+        )
+    print(line)
 
 
 def _spans(numbers: list[int]) -> str:
@@ -144,13 +152,13 @@ def _fit_line(fitted: list, o: Options, gpu: bool = True) -> str:
             f"{PROBE_S} s for the platform probe, which the budget counts)"
         )
     gpu_only = sum(1 for _, s, _, _ in numbered if s.needs_gpu)
-    if gpu_only and gpu:
+    if gpu_only and gpu and o.size != "full":  # size=full is refused off a GPU: not offered
         line += (
             f". Off a GPU the {gpu_only} step{'s' * (gpu_only != 1)} marked 'needs a GPU' "
             f"{'are' if gpu_only != 1 else 'is'} skipped, taking none of the budget, so more of "
             "the others fit"
         )
-    elif gpu_only:
+    elif gpu_only and not gpu:
         skipped = _spans([i for i, _, v, _ in numbered if v == "skipped"])
         line += (
             f". Step{'s' * (gpu_only != 1)} {skipped} need{'s' * (gpu_only == 1)} a GPU: "

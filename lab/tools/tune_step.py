@@ -36,6 +36,7 @@ def run(o: Options, keys: dict) -> int:
     # asking for it starts JAX: it waits for the first session to size the (simulated) devices
     stem = functools.cache(lambda: rec.output_stem(o.out_dir, "tune_step"))
     con = progress.console(width=150)
+    step.check_tune(keys)  # a key it cannot take: one line, before the host's load and the bar
     if busy := rec.busy_note():
         con.print(f"[yellow]{busy}")
     pending = []  # the candidates measured and not yet written
