@@ -211,6 +211,13 @@ def fingerprint(state) -> dict[str, list[int]]:
     """Every array leaf's two checksums (`_sums`), keyed by its path in the state
     ("params.embed", "opt_state.1.0.mu.embed")."""
     host, device = {}, {}
+    # In a job of several processes each leaf's sums is a program with collectives between
+    # them. XLA:CPU runs programs that do not depend on each other at the same time, and
+    # their collectives then pair up wrongly across processes: a 2-process run of the default
+    # model hung at every checkpoint save, one process in an all-reduce of these sums, the
+    # other in orbax's next collective. One such program in flight at a time, in the same
+    # order on every process, pairs them.
+    one_at_a_time = jax.process_count() > 1
     for path, x in jax.tree_util.tree_leaves_with_path(state):
         if isinstance(x, jax.Array) and x.dtype.itemsize in (1, 2, 4, 8):
             name = ".".join(_names(path))
@@ -218,6 +225,8 @@ def fingerprint(state) -> dict[str, list[int]]:
                 host[name] = _host_sums(x)
             else:
                 device[name] = _sums(x)
+                if one_at_a_time:
+                    device[name].block_until_ready()
     device = {k: [int(v) for v in s] for k, s in jax.device_get(device).items()}
     return {**host, **device}
 
