@@ -644,12 +644,24 @@ def parse_args(argv: list[str], *, backend: str = "cpu") -> Config:
     return make_config(backend=backend, **parse_keys(argv))
 
 
+NAME_MAX = 255  # bytes in one folder name on Linux and macOS file systems
+
+
 def check_name(name: str) -> None:
-    """A run name is one folder name under out_dir: never a path that leaves it."""
+    """A run name is one folder name under out_dir: never a path that leaves it, no control
+    character (a newline splits every line that names the folder), and short enough for a
+    file system to create."""
     if name and (PurePath(name).name != name or name in (".", "..") or "\0" in name):
         raise ConfigError(
             f"name={name!r}: a run name is one folder name (no '/' or '..'); "
             "choose the location with out_dir="
+        )
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ConfigError(f"name={name!r}: a run name has no control characters (newline, tab)")
+    if len(name.encode(errors="surrogateescape")) > NAME_MAX:
+        raise ConfigError(
+            f"name={name[:20]}…: {len(name.encode(errors='surrogateescape'))} bytes, longer "
+            f"than the {NAME_MAX} a folder name may have"
         )
 
 

@@ -534,9 +534,11 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
                 )
             changed = _changed_on_resume(run_dir, cfg)
             if changed:  # what goes on differently from here, said once
-                console.print(f"  changed from the run's keys: {changed}", soft_wrap=True)
+                console.print(
+                    f"  changed from the run's keys: {changed}", markup=False, soft_wrap=True
+                )
             if note := _schedule_note(run_dir, cfg, step):
-                console.print(f"  {note}", soft_wrap=True)
+                console.print(f"  {note}", markup=False, soft_wrap=True)
             return state, step
         # nothing to resume: starting again would put the run's metrics aside as superseded
         # under the name of a resume; the user says so with overwrite=true instead
@@ -853,7 +855,9 @@ def _clear_earlier(cfg: Config, run_dir: Path, console) -> None:
     """overwrite=true, once the step has compiled and fits (never for a run that is refused):
     the earlier run is cleared."""
     if cfg.overwrite and rundir.clear(run_dir):
-        console.print(f"overwrite=true: cleared the earlier run from {run_dir}", soft_wrap=True)
+        console.print(
+            f"overwrite=true: cleared the earlier run from {run_dir}", markup=False, soft_wrap=True
+        )
 
 
 def _write_config(cfg: Config, run_dir: Path, request: Request, stages: int) -> None:
@@ -1079,6 +1083,8 @@ def _write_summary(run_dir: Path, result: dict) -> None:
 
 
 _DEFAULT_OUT_DIR = {f.name: f.default for f in dataclasses.fields(Config)}["out_dir"]
+# a line that names the user's folders: printed as it is (a path's [brackets] are not markup)
+PLAIN = {"markup": False, "highlight": False, "soft_wrap": True}
 
 
 @dataclasses.dataclass
@@ -1166,14 +1172,14 @@ class _End:
             saved = checkpoint.saved_steps(self.run_dir)
             if self.saver and saved and saved[-1] == step:
                 self.console.print(
-                    f"{signal_name}: checkpoint saved at step {step} — {kept}", soft_wrap=True
+                    f"{signal_name}: checkpoint saved at step {step} — {kept}", **PLAIN
                 )
             else:
-                self.console.print(f"{signal_name}: stopped at step {step}; {kept}", soft_wrap=True)
+                self.console.print(f"{signal_name}: stopped at step {step}; {kept}", **PLAIN)
         if self.is_main:
-            self.console.print(f"run folder: {self.run_dir}")
+            self.console.print(f"run folder: {self.run_dir}", **PLAIN)
             if not signal_name:  # the last line of a finished run too: what the folder keeps
-                self.console.print(f"finished at step {step}; {kept}", soft_wrap=True)
+                self.console.print(f"finished at step {step}; {kept}", **PLAIN)
             else:  # the last line of a stopped run: how to go on
                 self.console.print(self.go_on(), markup=False, highlight=False, soft_wrap=True)
         return {None: 0, "SIGINT": 130, "SIGTERM": 143}[signal_name]

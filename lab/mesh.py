@@ -104,6 +104,10 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     spec = str(spec).strip()
     if ":" in spec:
         pairs = [p.split(":", 1) for p in spec.split(",")]
+        for p in pairs:
+            if len(p) != 2:  # data:2,model or data:2, (an axis without its size)
+                what = f"axis {p[0].strip()!r} has no size" if p[0].strip() else "an empty axis"
+                raise MeshSpecError(f"{what}: name each axis with its size, e.g. data:2,model:4")
         names = [n.strip() for n, _ in pairs]
         sizes = [s for _, s in pairs]
     else:

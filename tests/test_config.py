@@ -53,7 +53,11 @@ def test_every_preset_is_valid(name):
         (["mesh=data:2,pipe:2"], "unknown axis 'pipe'"),
         (["mesh=data:2,stag:2"], "unknown axis 'stag' (did you mean stage?)"),
         (["mesh=-1x-1"], "at most one axis may be -1"),
+        (["mesh=data:2,model"], "axis 'model' has no size: name each axis with its size"),
+        (["mesh=data:2,"], "an empty axis"),
         (["steps"], "arguments are key=value"),
+        (["name=a\nb"], "name='a\\nb': a run name has no control characters"),
+        ([f"name={'x' * 300}"], "300 bytes, longer than the 255 a folder name may have"),
         (["steps=1", "steps=2"], "steps is given more than once"),
     ],
 )

@@ -531,11 +531,16 @@ def test_a_signal_during_start_up_is_one_line_and_its_exit_code(tmp_path, sig, c
     [(2, "checkpoint step 3 in"), (0, "no checkpoint (checkpoint_every=0)")],
 )
 def test_a_finished_run_ends_with_the_line_of_what_its_folder_keeps(tmp_path, capsys, every, ckpt):
-    assert _run(tmp_path, "name=f", "steps=3", f"checkpoint_every={every}") == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith(f"finished at step 3; kept in {tmp_path / 'f'}: {ckpt}"), last
+    """... naming the folder as it is: a name's [brackets] are not markup, its :b: no emoji
+    (printed through rich, name=[red]f lost its tag and a:b:x read a🅱x)."""
+    name = "[red]f:b:x"
+    assert _run(tmp_path, f"name={name}", "steps=3", f"checkpoint_every={every}") == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    last = out[-1]
+    assert last.startswith(f"finished at step 3; kept in {tmp_path / name}: {ckpt}"), last
     assert last.endswith("; metrics.jsonl to step 3"), last
-    assert checkpoint.saved_steps(tmp_path / "f") == ([2, 3] if every else [])
+    assert f"run folder: {tmp_path / name}" in out and f"lab.run {name}" in out, out[:3]
+    assert checkpoint.saved_steps(tmp_path / name) == ([2, 3] if every else [])
 
 
 def test_a_signal_to_a_tool_is_one_line_and_leaves_no_empty_records(tmp_path):

@@ -188,6 +188,14 @@ def test_a_system_folder_that_takes_no_files_is_named_so():
         records.writable_dir("/proc/lab-results")
 
 
+def test_a_folder_name_longer_than_the_file_system_takes_is_one_line(tmp_path):
+    """out_dir= with a 300-byte name: Python 3.11's exists() raises ENAMETOOLONG itself."""
+    from lab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="File name too long"):
+        records.writable_dir(tmp_path / ("x" * 300) / "results")
+
+
 def test_numpy_and_jax_numbers_are_written_as_numbers(tmp_path):
     """A value or a config entry that is a NumPy or JAX number (or a 0-d array) is stored as
     the Python number, and a dtype by its name, so the file reads back; JSON would otherwise

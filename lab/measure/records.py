@@ -277,7 +277,10 @@ def writable_dir(folder) -> Path:
     if isinstance(folder, str) and not folder.strip():  # Path("") is the current folder
         raise ConfigError("an empty folder name: give the folder to write to (e.g. results)")
     folder = Path(folder)
-    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    try:  # a name longer than the file system allows: exists() raises (Python < 3.12)
+        blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    except OSError as e:
+        raise ConfigError(f"cannot write to {str(folder)!r}: {e.strerror or e}") from None
     if blocker is not None and not blocker.is_dir():
         what = "it" if blocker == folder else repr(str(blocker))
         raise ConfigError(f"cannot write to {str(folder)!r}: {what} is not a folder")

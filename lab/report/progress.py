@@ -81,7 +81,8 @@ def console(*, quiet: bool = False, width: int | None = None) -> Console:
     """The terminal: `quiet` for the processes of a multi-host run other than the first. Output
     that is not a terminal (a log, a pipe) gets 120 columns: tables stay readable."""
     width = width or (None if sys.stdout.isatty() else 120)
-    return Console(quiet=quiet, width=width)
+    # emoji=False: ':b:' in a user's path is not an emoji (name=a:b printed a🅱)
+    return Console(quiet=quiet, width=width, emoji=False)
 
 
 class _Known(ProgressColumn):

@@ -4,6 +4,7 @@ FLOPs, a plan's fit and predicted time), the pipeline and offloading lines, the 
 
 import math
 
+from rich.markup import escape
 from rich.table import Table
 
 from lab.measure.offload import OffloadCost
@@ -25,7 +26,7 @@ def run_header(
     sizes = " × ".join(f"{a}={n}" for a, n in mesh_shape.items() if n > 1) or "1 device"
     return "\n".join(
         [
-            f"[bold]lab.run[/bold] {cfg.name}",
+            f"[bold]lab.run[/bold] {escape(cfg.name)}",  # a name's [brackets] are not markup
             f"  devices   {info.header()}",
             f"  mesh      {sizes}  (mesh={cfg.mesh}, strategy={cfg.strategy})",
             f"  model     {cfg.preset}: {n_params / 1e6:.2f}M params, d_model={m.d_model}, "
@@ -34,7 +35,7 @@ def run_header(
             *([f"  attention [yellow]{attention_note}"] if attention_note else []),
             f"  precision params {m.param_dtype}, compute {m.dtype}, softmax and loss float32"
             f"{_loss_scale_words(cfg)}",
-            f"  data      {cfg.data}{' (packed documents)' if cfg.pack else ''}, "
+            f"  data      {escape(cfg.data)}{' (packed documents)' if cfg.pack else ''}, "
             f"batch {cfg.batch_size} × {cfg.seq_len} tokens, {cfg.steps} "
             f"step{'s' if cfg.steps != 1 else ''}",
             *_fitting_header(cfg, offloaded),
