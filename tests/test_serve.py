@@ -158,10 +158,13 @@ def _plan_tools_missing(target: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("target, mesh", [("gpu:h100:1", "1"), ("tpu:v5e:2x2", "1x4")])
+@pytest.mark.parametrize(
+    "target, mesh", [("gpu:h100:1", "1"), ("tpu:v5e:2x2", "1x4"), ("tpu:v5e:2x2", "4x1")]
+)
 def test_serving_plan_compiles_for_a_target(target, mesh, tmp_path, capsys):
     """The decode step (float and int8 weights and cache) compiled for H100 and for a TPU
-    slice (kv heads over `model`): the compiler's memory per device beside the calculator's."""
+    slice (kv heads over `model`; or sequences over `data`, each chip with all the weights):
+    the compiler's memory per device beside the calculator's."""
     missing = _plan_tools_missing(target)
     if missing:
         pytest.skip(missing)

@@ -704,6 +704,8 @@ def predict_serving_memory(
     cache_bytes: float = 2,
     devices: int = 1,
     offload_fraction: float = 0.0,
+    weight_split: float | None = None,
+    cache_split: float | None = None,
 ) -> dict:
     """Bytes per device to serve `model_cfg` (a lab.config.ModelConfig or anything with its
     field names): the weights (`weight_bytes` per parameter: 2 for bf16, 1 for int8, 0.5 for
@@ -711,7 +713,10 @@ def predict_serving_memory(
     cache at `batch` × `context` (`cache_bytes` per value; 1 = int8 with its per-token
     scales), both split evenly over `devices` (tensor parallel: heads and MLP columns), and
     `offload_fraction` of the weights held in host memory instead (streamed in per step).
-    Activations of one decode step are a few vectors per sequence: not counted."""
+    `weight_split` and `cache_split`, where given, are the ways each is split instead (a
+    mesh's data axis splits the cache's sequences and keeps a whole copy of the weights on
+    each device). Activations of one decode step are a few vectors per sequence: not
+    counted."""
     m = model_cfg
     weights = lab_param_count(m) * weight_bytes
     cache = kv_cache_bytes(
@@ -724,10 +729,11 @@ def predict_serving_memory(
         int8_scales=cache_bytes == 1,
     )
     host = weights * offload_fraction
+    w_split = devices if weight_split is None else weight_split
     out = {
-        "weights": (weights - host) / devices,
-        "kv_cache": cache / devices,
-        "host_weights": host / devices,
+        "weights": (weights - host) / w_split,
+        "kv_cache": cache / (devices if cache_split is None else cache_split),
+        "host_weights": host / w_split,
     }
     out["total"] = out["weights"] + out["kv_cache"]
     return out

@@ -1,6 +1,7 @@
 """The decode step compiled for a target= (compiled, not run): the compiler's per-device
 memory beside the calculator's weights + cache, against the chip's memory."""
 
+import math
 import time
 
 import jax
@@ -11,6 +12,18 @@ from lab.measure import memory, specs
 from lab.measure.serving import PlanRow
 from lab.session import Session
 from lab.studies.serving.weights import for_decoding
+
+
+def split_ways(tree) -> float:
+    """How many ways the arrays of `tree` (ShapeDtypeStructs with their shardings) are split:
+    their whole bytes over the bytes one device holds. 8 for weights split over a model axis
+    of 8, 1 for weights copied to every device of a data axis."""
+    whole = held = 0
+    for a in jax.tree.leaves(tree):
+        size = a.dtype.itemsize
+        whole += math.prod(a.shape) * size
+        held += math.prod(a.sharding.shard_shape(a.shape)) * size
+    return whole / held if held else 1.0
 
 
 def plan_serving(session: Session, *, batch: int, context: int, int8: bool) -> PlanRow:
@@ -55,6 +68,9 @@ def plan_serving(session: Session, *, batch: int, context: int, int8: bool) -> P
         weight_bytes=1 if int8 else jnp.dtype(model.param_dtype).itemsize,
         cache_bytes=1 if int8 else jnp.dtype(model.dtype).itemsize,
         devices=devices,
+        # split as the plan splits them: a data axis copies the weights and splits the cache
+        weight_split=split_ways(abstract),
+        cache_split=split_ways(cache),
     )
     kind = t.mesh.devices.flat[0].device_kind
     capacity = memory.device_capacity_bytes(t.mesh.devices.flat[0])
