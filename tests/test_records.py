@@ -263,3 +263,93 @@ def test_a_record_names_the_command_that_wrote_it(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["command"] == "writer"
+
+
+def test_a_full_disk_leaves_no_half_written_record_and_is_one_line(tmp_path, monkeypatch):
+    """ENOSPC part way through a write: the lines written before stay whole, the torn one is
+    taken back, and the error is a RunError (one line, exit 1), not an OSError traceback."""
+    import errno
+    import pathlib
+
+    from lab.errors import RunError
+
+    path = tmp_path / "r.jsonl"
+    records.write_records(path, records.make_record("kept", 1.0, "s"))
+    before = path.read_text()
+    real_open = pathlib.Path.open
+
+    class Full:  # writes half of what it is given, then the disk is full
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def tell(self):
+            return self.f.tell()
+
+        def truncate(self, n):
+            return self.f.truncate(n)
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            self.f.flush()
+
+    monkeypatch.setattr(pathlib.Path, "open", lambda p, *a, **k: Full(real_open(p, *a, **k)))
+    many = [records.make_record(f"lost {i}", float(i), "s") for i in range(3)]
+    with pytest.raises(RunError, match=r"No space left on device \(3 records not written, the "):
+        records.write_records(path, many)
+    monkeypatch.undo()
+    assert path.read_text() == before
+
+
+def test_output_that_can_take_no_more_goes_quiet_and_other_errors_still_raise():
+    """A terminal that hung up (EIO) or a log on a full disk (ENOSPC) is a lost reader, as a
+    closed pipe is: the command goes on writing its records; any other error is raised."""
+    import errno
+
+    from lab.report import progress
+
+    class Stream:
+        def __init__(self, code):
+            self.code, self.fileno = code, lambda: -1
+
+        def write(self, text):
+            raise OSError(self.code, os.strerror(self.code))
+
+        def flush(self):
+            raise OSError(self.code, os.strerror(self.code))
+
+        def isatty(self):
+            return True
+
+    for code in (errno.EPIPE, errno.EIO, errno.ENOSPC):
+        out = progress._Unread(Stream(code))
+        assert out.write("step 1\n") == 7 and not out.isatty()
+        out.flush()  # quiet from now on
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        progress._Unread(Stream(errno.EBADF)).write("x")
+
+
+def test_a_plot_the_disk_cannot_take_is_one_line_and_leaves_no_half_png(tmp_path, monkeypatch):
+    import errno
+
+    from lab.errors import RunError
+    from lab.report import plots
+
+    fig = plots._plt().figure()
+
+    def full(path, **kw):
+        Path(path).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fig, "savefig", full)
+    with pytest.raises(RunError, match=r"cannot write the plot .*p\.png: No space left on device"):
+        plots._save(fig, tmp_path / "p.png")
+    assert not (tmp_path / "p.png").exists()

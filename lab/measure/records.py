@@ -7,6 +7,7 @@ so several runs (and several backends) can write into one results folder and be 
 """
 
 import atexit
+import contextlib
 import datetime
 import errno
 import functools
@@ -26,7 +27,7 @@ import jax
 import numpy as np
 
 from lab import startup
-from lab.errors import ConfigError
+from lab.errors import ConfigError, RunError
 from lab.measure import toolchain
 
 # measured: timed or counted at run time here; compiled: read from a program compiled for the
@@ -376,7 +377,18 @@ def write_records(path, records: dict | Iterable[dict]) -> Path:
         records = [records]
     text = "".join(json.dumps(r, default=_json_default) + "\n" for r in records)
     with startup.held(), path.open("a") as f:
-        f.write(text)
+        start = f.tell()
+        try:
+            f.write(text)
+            f.flush()
+        except OSError as e:  # a full disk: no half-written line is left for a reader to trip on
+            with contextlib.suppress(OSError):
+                f.truncate(start)
+            raise RunError(
+                f"cannot write records to {path}: {e.strerror or e} ({text.count(chr(10))} "
+                f"record{'s' * (text.count(chr(10)) != 1)} not written"
+                + (", the earlier ones kept)" if start else ")")
+            ) from None
     if path in _RESERVED:  # a command's own records: a signal from now on says they are kept
         startup.note(f"the records written so far are in {path}")
     return path

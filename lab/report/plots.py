@@ -11,10 +11,12 @@ commands' plots (the measured roofline, the attention sweep, collectives, the sc
 take what their study returns.
 """
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from lab.errors import RunError
 from lab.measure.attention import SweepRow
 from lab.measure.scaling import ScalingStudy
 
@@ -53,8 +55,14 @@ def _save(fig, path, **kw) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     _wrap_titles(fig)
     fig.tight_layout()
-    fig.savefig(path, dpi=kw.get("dpi", 110))
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=kw.get("dpi", 110))
+    except OSError as e:  # a full disk: the picture is lost, not the records beside it
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)  # no half-written PNG
+        raise RunError(f"cannot write the plot {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
     return path
 
 

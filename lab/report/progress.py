@@ -2,6 +2,7 @@
 
 import contextlib
 import datetime
+import errno
 import math
 import os
 import sys
@@ -22,11 +23,16 @@ from rich.text import Text
 
 from lab.report.format import duration
 
+# the output cannot take more: its reader went away (a pipe, a socket), its terminal hung up
+# (EIO), or the file or disk it goes to is full (ENOSPC, EDQUOT, EFBIG)
+_LOST = (errno.EPIPE, errno.ECONNRESET, errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
 
 class _Unread:
-    """A text stream that goes quiet, instead of raising, once nobody reads it: a run whose
-    launcher (or terminal, or `| head`) went away must still finish its step and save its
-    checkpoint, and an error raised from a print would lose both."""
+    """A text stream that goes quiet, instead of raising, once nobody reads it or it can take
+    no more: a run whose launcher (or terminal, or `| head`) went away, or whose log's disk
+    filled up, must still finish its step and save its checkpoint, and an error raised from a
+    print would lose both."""
 
     def __init__(self, stream):
         self._stream, self._gone = stream, False
@@ -44,7 +50,9 @@ class _Unread:
         if not self._gone:
             try:
                 return self._stream.write(text)
-            except (BrokenPipeError, ConnectionResetError):
+            except OSError as e:
+                if e.errno not in _LOST:
+                    raise
                 self._lost()
         return len(text)
 
@@ -52,7 +60,9 @@ class _Unread:
         if not self._gone:
             try:
                 self._stream.flush()
-            except (BrokenPipeError, ConnectionResetError):
+            except OSError as e:
+                if e.errno not in _LOST:
+                    raise
                 self._lost()
 
     def isatty(self) -> bool:
