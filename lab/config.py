@@ -588,6 +588,23 @@ def make_config(*, backend: str = "cpu", **fields) -> Config:
     return override(Config(model=ModelConfig(**PRESETS[preset])), preset=preset, **kw)
 
 
+# model fields that say how the model runs (the kernel, the compute dtype, what is
+# recomputed or stacked), not which model it is
+HOW_IT_RUNS = ("dtype", "attention", "remat", "scan_layers", "microbatches", "pipeline_repeats")
+
+
+def model_changes(cfg: Config) -> dict:
+    """The model fields of `cfg` that make it another model than its preset ({"d_model": 32}):
+    what a record names so that a changed model is not read as the preset. How it runs
+    (HOW_IT_RUNS, resolved per backend) is left to the records' own keys."""
+    base = ModelConfig(**PRESETS[cfg.preset]) if cfg.preset in PRESETS else ModelConfig()
+    return {
+        f.name: getattr(cfg.model, f.name)
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in HOW_IT_RUNS and getattr(cfg.model, f.name) != getattr(base, f.name)
+    }
+
+
 def override(cfg: Config, **fields) -> Config:
     """`cfg` with run or model fields replaced (typed values, checked as `make_config`'s are);
     `preset=` starts the model from that preset before the other model fields apply."""

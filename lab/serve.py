@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from lab import data, decode, rundir, startup
-from lab.config import check_name, cli, field, given_options
+from lab.config import check_name, cli, field, given_options, model_changes
 from lab.errors import ConfigError
 from lab.measure import memory
 from lab.measure import records as rec
@@ -222,6 +222,8 @@ def _plan(o: Options, s, con) -> int:
             "(XLA_PYTHON_CLIENT_MEM_FRACTION)"
         )
     config = {"preset": s.cfg.preset, "mesh": s.cfg.mesh, "target": s.cfg.target}
+    if m := model_changes(s.cfg):  # the model fields that differ from the preset's
+        config["model"] = m
     recs = serving_records.plan_records(rows, config)
     stem = rec.output_stem(o.results, "serve-plan", backend=s.cfg.target.split(":")[0])
     with startup.held():  # whole lines: a signal waits for the records
@@ -262,12 +264,17 @@ def run(o: Options, keys: dict) -> int:
     # it to the run folder's; the lab says what went wrong in one line.
     made = not Path(o.results).exists()
     results = rec.writable_dir(o.results)
+
+    def tidy() -> None:  # a command refused or stopped before it wrote anything leaves no
+        if made:  # empty folder behind (a signal's exit runs no finally: on_stop does)
+            rec.drop_empty_reservations(results)
+            _drop_if_empty(results)
+
+    startup.on_stop(tidy)
     try:
         return _run(o, keys, results)
     finally:
-        if made:  # a command refused before it wrote anything leaves no empty folder behind
-            rec.drop_empty_reservations(results)
-            _drop_if_empty(results)
+        tidy()
 
 
 def _run(o: Options, keys: dict, results: Path) -> int:
@@ -302,7 +309,13 @@ def _run(o: Options, keys: dict, results: Path) -> int:
     study.check_plan(plan)  # before weights, cache or prompts are made
     study.check_memory(s, plan)
     s, params, source = weights.load_params(s, run_dir, o.seed, con.print, decoding=decoding)
-    con.print(f"  weights   {source}")
+    con.print(f"  weights   {escape(source)}")
+    changed = weights.changed_from_run(run_dir, keys) if run_dir is not None else []
+    if changed:  # the run's weights, computed as another model: said, and recorded below
+        con.print(
+            f"  note      [yellow]served with other model keys than the run trained with: "
+            f"{escape(', '.join(changed))}: its outputs are not the trained model's"
+        )
     trained_text = run_dir is not None and s.cfg.data == "text" and s.cfg.model.vocab_size == 256
     if (o.prompt or o.temperature != Options.temperature) and not (o.sample and trained_text):
         why = "sample=0" if not o.sample else "the weights are not a byte-level text run's"
@@ -323,6 +336,9 @@ def _run(o: Options, keys: dict, results: Path) -> int:
         )
     config = {
         "preset": s.cfg.preset,
+        # the model fields that differ from the preset's: a d_model=32 model is not tiny's
+        **({"model": m} if (m := model_changes(s.cfg)) else {}),
+        **({"changed_from_run": changed} if changed else {}),
         "mesh": s.cfg.mesh,
         "dtype": s.cfg.model.dtype,
         "weights": source,
@@ -334,7 +350,8 @@ def _run(o: Options, keys: dict, results: Path) -> int:
         recs = serving_records.finished_records(finished, config)
         if len(recs) > 1:  # more than the roof: at least one point
             path = rec.write_records(stem.with_suffix(".jsonl"), recs)
-            startup.note(f"the {len(recs) - 1} points measured so far are in {path}")
+            n = len(recs) - 1
+            startup.note(f"the {n} point{'s' * (n != 1)} measured so far are in {path}")
 
     startup.on_stop(keep)
     n = study.ticks(s, plan)

@@ -755,7 +755,8 @@ def test_a_signal_to_serve_is_one_line_and_its_exit_code(tmp_path):
     import sys
     import time
 
-    cmd = [sys.executable, "-m", "lab.serve", *FAST, f"results={tmp_path}", "plot=false"]
+    results = tmp_path / "new"  # made by the command: stopped before it wrote, not left
+    cmd = [sys.executable, "-m", "lab.serve", *FAST, f"results={results}", "plot=false"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(2.0)
@@ -763,6 +764,8 @@ def test_a_signal_to_serve_is_one_line_and_its_exit_code(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, (out[-2000:], err[-2000:])
     assert err.startswith("SIGTERM: exiting; ") and err.count("\n") == 1, err
+    if "nothing was written" in err:
+        assert not results.exists(), list(results.iterdir())
 
 
 def test_a_stopped_sweep_keeps_the_points_it_measured(tmp_path):
@@ -1005,3 +1008,21 @@ def test_a_run_whose_config_breaks_a_rule_is_named(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: run=d: "), err
     assert "must divide d_model=3" in err and str(folder / "config.json") in err, err
+
+
+def test_records_name_the_model_served_and_keys_that_change_a_runs_math(tmp_path):
+    """A model changed from its preset (d_model=32) is named in the records' config, not read
+    as the preset; serving a run with other rope_theta/window/softcap than it trained with is
+    allowed, said and recorded; how a model runs (kernel, dtype) is not a change."""
+    from lab.config import make_config, model_changes
+    from lab.studies.serving import weights
+
+    assert model_changes(make_config(preset="tiny")) == {}
+    changed = make_config(preset="tiny", d_model=32, window=4, attention="naive", dtype="float32")
+    assert model_changes(changed) == {"d_model": 32, "window": 4}
+    _saved_run(tmp_path / "r", {"preset": "tiny", "batch_size": 8, "seq_len": 16})
+    assert weights.changed_from_run(tmp_path / "r", {"attention": "naive"}) == []
+    assert weights.changed_from_run(tmp_path / "r", {"rope_theta": 2.0, "softcap": 0.5}) == [
+        "rope_theta 10000.0 → 2.0",
+        "softcap 0.0 → 0.5",
+    ]

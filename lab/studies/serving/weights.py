@@ -118,6 +118,26 @@ def serving_request(run_dir: Path, keys: dict) -> Request:
     return request.with_keys(**over)
 
 
+# model keys that change what trained weights compute without changing their shapes: served
+# with other values than the run trained with, the outputs are another model's
+MATH_FIELDS = ("rope_theta", "window", "window_pattern", "softcap")
+
+
+def changed_from_run(run_dir: Path, keys: dict) -> list[str]:
+    """The model keys the user gave that serve the run's weights as another model computes
+    them ("rope_theta 10000.0 → 2.0"): allowed (an experiment may want it), said."""
+    saved = config_of_run(run_dir)
+    asked = {k: v for k, v in keys.items() if k in MATH_FIELDS}
+    if not asked:
+        return []
+    changed = override(saved, **asked)
+    return [
+        f"{k} {getattr(saved.model, k)!r} → {getattr(changed.model, k)!r}"
+        for k in MATH_FIELDS
+        if getattr(saved.model, k) != getattr(changed.model, k)
+    ]
+
+
 def blame_run(e: ConfigError, run_dir: Path, request: Request, given: dict) -> ConfigError:
     """`e` (resolving `request`, serving_request's) with each line that names a key the run's
     config.json gave, not the user (`given`), said to be the run's: "run=NAME: … (from
