@@ -53,7 +53,13 @@ class Options:
     context: int = field(
         0, "cache slots per sequence; 0 = prompt_len + decode_steps + 3 warm-up steps", min=0
     )
-    budget: float = field(1.0, "seconds of timed calls per point", min=0.01)
+    budget: float = field(
+        1.0,
+        "seconds of timed calls per point and per matmul variant it compares (on CPU XLA's, "
+        "the native kernel's and more), compiles and warm-up apart: it bounds the timing, not "
+        "the command's wall time",
+        min=0.01,
+    )
     int8: bool = field(True, "also measure int8 weights + int8 KV cache (error, bytes, speed)")
     sample: int = field(
         200,
