@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 from experiments.common import SIZES
 from lab import startup
@@ -41,9 +42,12 @@ class Options:
     )
     only: tuple = field((), "claim ids to measure, e.g. C03,C08 (default: all)", kind="names")
     out_dir: str = field(
-        "results",
-        "where results/<backend>-<device>-<time>/ is written (and prediction-cache/, the"
-        " compiled programs its predictions reuse)",
+        "results", "where results/<backend>-<device>-<time>/ is written", kind="path"
+    )
+    cache_dir: str = field(
+        "",
+        "the compiled programs its predictions reuse (tens of seconds to minutes each to "
+        "compile); empty = out_dir's prediction-cache",
         kind="path",
     )
     plans: str = field(
@@ -183,7 +187,8 @@ def run(o: Options) -> int:
     rec.writable_dir(o.out_dir)
     from lab.studies import prediction
 
-    prediction.cache_under(o.out_dir)  # the compiled points beside the results, not in ./
+    # the compiled points beside the results (or where cache_dir= says), never in ./
+    prediction.use_cache(o.cache_dir or Path(o.out_dir) / "prediction-cache")
     con = progress.console()
     env = rec.environment()
     out_dir = markdown.results_dir(o.out_dir, env)
@@ -250,7 +255,7 @@ def run(o: Options) -> int:
     busy = markdown.busy_caution(report["records"])
     caution = "; ".join(c for c in (caution, busy) if c)
     con.print(tables.verdicts(report["verdicts"], caution, judged=o.size != "tiny"))
-    con.print(f"wall {meta['wall_s']:.0f} s · {report['path']}")
+    con.print(f"wall {meta['wall_s']:.0f} s · {report['path']}", markup=False)
     return 1 if any(m["error"] for m in meta["modules"].values()) else 0
 
 

@@ -9,9 +9,8 @@ published with the ±15% band is drawn from these records (lab/report/plots.py).
 
 The table is the one `python -m lab.tools.prediction` last saved (lab/predict/fits.json, its
 date and jax version recorded beside it); with plans=on (or size=full) the validation set is
-compiled here (cached under <out_dir>/prediction-cache, each point compiled once: tens of
-minutes cold on a 2-core machine, seconds warm) and
-predicted afresh.
+compiled here (cached in cache_dir=, <out_dir>/prediction-cache by default, each point
+compiled once: tens of minutes cold on a 2-core machine, seconds warm) and predicted afresh.
 """
 
 from experiments.common import mfu_here, record

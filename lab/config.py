@@ -746,7 +746,12 @@ def _key_lines(fields: dict, rename: dict | None = None, width: int = 0) -> list
             default = "auto"
         # the meaning wrapped in its column: a line of 400 characters is unreadable in a
         # terminal that folds it under the keys
-        meaning = textwrap.wrap(f.metadata["help"], max(40, HELP_WIDTH - len(indent))) or [""]
+        meaning = textwrap.wrap(
+            f.metadata["help"],
+            max(40, HELP_WIDTH - len(indent)),
+            break_on_hyphens=False,  # comma-separated, warm-up: never split at their hyphen
+            break_long_words=False,  # a path or data:2,model:4 stays whole
+        ) or [""]
         if len(key) > width or len(default) > DEFAULT_WIDTH:
             lines.append(f"  {key:<{width}} {default}")
         else:

@@ -63,6 +63,9 @@ from lab.train import (
     saved_block_order,
 )
 
+# a line that names the user's folders: printed as it is (a path's [brackets] are not markup)
+PLAIN = {"markup": False, "highlight": False, "soft_wrap": True}
+
 
 def _non_finite(**values) -> str | None:
     """'loss is nan' / 'gradient norm is inf' / 'weights are inf' for the first non-finite."""
@@ -247,7 +250,7 @@ class _Tracer:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
-            self.console.print(self.words(), soft_wrap=True)
+            self.console.print(self.words(), **PLAIN)
 
     def words(self) -> str:
         first, last = self.window
@@ -980,7 +983,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
             console.print(
                 f"metrics.jsonl: none in {run_dir}; the records of steps 1-{start} are missing "
                 f"(this run logs from step {start + 1})",
-                soft_wrap=True,
+                **PLAIN,
             )
         if torn:
             gaps = rundir.step_ranges(missing)
@@ -995,7 +998,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
             console.print(
                 f"metrics.jsonl: {lines} not a whole record (torn mid-write) set aside in "
                 f"{aside}; {lost}",
-                soft_wrap=True,
+                **PLAIN,
             )
     # one peak for the run's MFU, its records' and its summary's (a resume keeps the first's)
     # (process 0's alone: the others write no records or summary, and N processes of one host
@@ -1083,8 +1086,6 @@ def _write_summary(run_dir: Path, result: dict) -> None:
 
 
 _DEFAULT_OUT_DIR = {f.name: f.default for f in dataclasses.fields(Config)}["out_dir"]
-# a line that names the user's folders: printed as it is (a path's [brackets] are not markup)
-PLAIN = {"markup": False, "highlight": False, "soft_wrap": True}
 
 
 @dataclasses.dataclass

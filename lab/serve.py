@@ -183,11 +183,12 @@ def _session(o: Options, keys: dict):
     if o.run:
         try:
             check_name(o.run)
-        except ConfigError:
-            raise ConfigError(
-                f"run={o.run!r}: a run is one folder name under out_dir (no '/' or '..'); "
-                "say where runs are with out_dir="
-            ) from None
+        except ConfigError as e:  # name='…': why → run='…': why (the key as typed here)
+            why = str(e).split(": ", 1)[1].replace("choose the location", "say where runs are")
+            why = why.replace(
+                "a run name is one folder name", "a run is one folder name under out_dir"
+            )
+            raise ConfigError(f"run={o.run!r}: {why}") from None
         run_dir = Path(keys.get("out_dir", "runs")) / o.run
         if run_dir.exists() and not run_dir.is_dir():
             raise ConfigError(f"run={o.run}: {run_dir} is a file, not a run folder")
@@ -233,7 +234,7 @@ def _plan(o: Options, s, con) -> int:
     recs = serving_records.plan_records(rows, config)
     stem = rec.output_stem(o.results, "serve-plan", backend=s.cfg.target.split(":")[0])
     with startup.held():  # whole lines: a signal waits for the records
-        con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
+        con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}", markup=False)
     return 0
 
 
@@ -390,9 +391,9 @@ def _run(o: Options, keys: dict, results: Path) -> int:
     con.print(tables.serving_summary(out.summary, out.roofs))
     recs = serving_records.to_records(out, config)
     with startup.held():  # whole lines: a signal waits for the records
-        con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}")
+        con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}", markup=False)
     if o.plot:
-        con.print(f"plot    → {plots.decode(recs, stem.with_suffix('.png'))}")
+        con.print(f"plot    → {plots.decode(recs, stem.with_suffix('.png'))}", markup=False)
     return 0
 
 

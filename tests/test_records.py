@@ -265,48 +265,35 @@ def test_a_record_names_the_command_that_wrote_it(tmp_path):
     assert json.loads(out.stdout)["command"] == "writer"
 
 
-def test_a_full_disk_leaves_no_half_written_record_and_is_one_line(tmp_path, monkeypatch):
-    """ENOSPC part way through a write: the lines written before stay whole, the torn one is
-    taken back, and the error is a RunError (one line, exit 1), not an OSError traceback."""
-    import errno
-    import pathlib
-
-    from lab.errors import RunError
+def test_a_full_disk_leaves_no_half_written_record_and_is_one_line(tmp_path):
+    """A write the file system cuts short part way (here RLIMIT_FSIZE: room for half of the
+    next records, EFBIG after): the lines written before stay whole, the torn one is taken
+    back, and the error is a RunError (one line, exit 1), not an OSError traceback. In a
+    process of its own: the limit is the whole process's."""
+    import subprocess
+    import sys
 
     path = tmp_path / "r.jsonl"
-    records.write_records(path, records.make_record("kept", 1.0, "s"))
-    before = path.read_text()
-    real_open = pathlib.Path.open
-
-    class Full:  # writes half of what it is given, then the disk is full
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def tell(self):
-            return self.f.tell()
-
-        def truncate(self, n):
-            return self.f.truncate(n)
-
-        def write(self, text):
-            self.f.write(text[: len(text) // 2])
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def flush(self):
-            self.f.flush()
-
-    monkeypatch.setattr(pathlib.Path, "open", lambda p, *a, **k: Full(real_open(p, *a, **k)))
-    many = [records.make_record(f"lost {i}", float(i), "s") for i in range(3)]
-    with pytest.raises(RunError, match=r"No space left on device \(3 records not written, the "):
-        records.write_records(path, many)
-    monkeypatch.undo()
-    assert path.read_text() == before
+    code = f"""
+import os, resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a killed process
+from lab.errors import RunError
+from lab.measure import records
+path = {str(path)!r}
+records.write_records(path, records.make_record("kept", 1.0, "s"))
+room = os.path.getsize(path) + 100
+resource.setrlimit(resource.RLIMIT_FSIZE, (room, room))
+try:
+    records.write_records(path, [records.make_record(f"lost {{i}}", 1.0, "s") for i in range(3)])
+except RunError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "cannot write records to" in out.stdout and "File too large" in out.stdout, out
+    assert "(3 records not written, the earlier ones kept)" in out.stdout, out.stdout
+    (line,) = path.read_text().splitlines()  # the first record, whole; nothing after it
+    assert json.loads(line)["what"] == "kept"
 
 
 def test_output_that_can_take_no_more_goes_quiet_and_other_errors_still_raise():

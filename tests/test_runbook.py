@@ -53,6 +53,18 @@ def state_of(tmp_path):
     return json.loads((tmp_path / "runbook" / runbook.STATE).read_text())["steps"]
 
 
+def test_the_ledger_steps_share_one_cache_of_compiled_programs(tmp_path):
+    """Each ledger group (and each retry) writes its records in a folder of its own, and all
+    read one cache of compiled programs under the runbook's folder: cold, the inference
+    group's H100 decode compiles alone take minutes of its budget."""
+    ledger = [s for s in runbook.plan("tiny") if s.name.startswith("ledger-")]
+    assert len(ledger) > 1
+    for s in ledger:
+        argv = runbook.command(s, tmp_path / "steps" / s.name / "try-1", tmp_path, {"steps": {}})
+        assert f"out_dir={tmp_path / 'steps' / s.name / 'try-1'}" in argv, argv
+        assert f"cache_dir={tmp_path}/prediction-cache" in argv, argv
+
+
 def test_plan_in_priority_order_each_step_under_ten_minutes():
     for size in tool.SIZES:
         steps = runbook.plan(size)
@@ -298,9 +310,10 @@ def test_a_dry_run_on_a_machine_without_a_gpu_says_size_full_is_refused_there(tm
     last = out.strip().splitlines()[-1]
     assert last.startswith("this machine runs none of it (size=full needs an NVIDIA GPU"), last
     assert (
-        "it). budget=570 s, on a GPU, each step taking at most its budget: this call runs "
-        "steps 1-2." in last
+        "it). budget=570 s, on a GPU, each step taking at most its budget: a call on a GPU "
+        "machine runs steps 1-2." in last
     ), last
+    assert "this call" not in out, out
     assert "Off a GPU" not in out  # off a GPU, size=full runs nothing: no step "skipped" there
     assert tool.run(o, steps=steps, gpu=True) == 0
     out = capsys.readouterr().out

@@ -376,19 +376,27 @@ def write_records(path, records: dict | Iterable[dict]) -> Path:
     if isinstance(records, dict):
         records = [records]
     text = "".join(json.dumps(r, default=_json_default) + "\n" for r in records)
-    with startup.held(), path.open("a") as f:
-        start = f.tell()
+    data = text.encode()
+    with startup.held():
+        # unbuffered, appended: a write that fails (a full disk) leaves nothing in a buffer
+        # for close() to retry, and what reached the file is cut back to its length before
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
-            f.write(text)
-            f.flush()
-        except OSError as e:  # a full disk: no half-written line is left for a reader to trip on
+            start = os.fstat(fd).st_size
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError as e:
             with contextlib.suppress(OSError):
-                f.truncate(start)
+                os.ftruncate(fd, start)
+            n = text.count("\n")
             raise RunError(
-                f"cannot write records to {path}: {e.strerror or e} ({text.count(chr(10))} "
-                f"record{'s' * (text.count(chr(10)) != 1)} not written"
+                f"cannot write records to {path}: {e.strerror or e} ({n} "
+                f"record{'s' * (n != 1)} not written"
                 + (", the earlier ones kept)" if start else ")")
             ) from None
+        finally:
+            os.close(fd)
     if path in _RESERVED:  # a command's own records: a signal from now on says they are kept
         startup.note(f"the records written so far are in {path}")
     return path

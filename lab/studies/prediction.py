@@ -60,11 +60,11 @@ _HW = {
 CACHE_DIR = Path("results/prediction-cache")
 
 
-def cache_under(out_dir) -> Path:
-    """Keep the compiled programs under `out_dir` (`<out_dir>/prediction-cache`) for the rest
-    of this process: a ledger given out_dir= writes nothing in the working folder."""
+def use_cache(folder) -> Path:
+    """Keep the compiled programs in `folder` for the rest of this process (the ledger's
+    cache_dir=, by default its out_dir's prediction-cache): nothing in the working folder."""
     global CACHE_DIR
-    CACHE_DIR = Path(out_dir) / "prediction-cache"
+    CACHE_DIR = Path(folder)
     return CACHE_DIR
 
 

@@ -210,7 +210,16 @@ def plan(size: str) -> list[Step]:
         Step(
             f"ledger-{g}",
             f"the claims ledger: {claims}",
-            ("-m", "experiments", f"size={size}", f"only={claims}", "out_dir={out}"),
+            # one cache of compiled programs for every group and retry: cold, the inference
+            # group's H100 decode compiles alone take minutes of its budget
+            (
+                "-m",
+                "experiments",
+                f"size={size}",
+                f"only={claims}",
+                "out_dir={out}",
+                "cache_dir={root}/prediction-cache",
+            ),
             570,
             kind="ledger",
         )
@@ -432,7 +441,7 @@ def command(step: Step, out: Path, root: Path, state: dict) -> list[str]:
         if a == "{tuned}":
             argv += tuned_args(root, state, step.fallback)
         else:
-            argv.append(a.replace("{out}", str(out)))
+            argv.append(a.replace("{out}", str(out)).replace("{root}", str(root)))
     return argv
 
 

@@ -11,7 +11,8 @@ figure (lab.measure.records), the records of one row held by its type (lab/measu
    size (lab.measure.collectives); compute is the rest of the step.
 2. Data-parallel efficiency at 16, 64 and 256 devices, *extrapolated* (weak scaling: the
    per-device batch of the largest measured run). Compute is measured: one device running
-   that per-device batch (scanned blocks, the remat experiment's remat=none step).
+   that per-device batch (experiment 1's dp step). Its one checkable error: the model's step
+   on the largest measured device count against dp's step measured there.
    Communication is the ring all-reduce of every gradient, 2·G·(N-1)/N bytes, at the
    interconnect bandwidth of the device's spec entry (or, with no entry, e.g. CPU, the
    all-reduce bus bandwidth measured here, which is labelled so).

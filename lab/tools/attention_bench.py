@@ -154,9 +154,11 @@ def run(o: Options) -> int:
             soft_wrap=True,
         )
     flush()
-    con.print(f"records → {stem.with_suffix('.jsonl')}", soft_wrap=True)
+    con.print(f"records → {stem.with_suffix('.jsonl')}", markup=False, soft_wrap=True)
     if o.plot:
-        con.print(f"plot → {plots.attention_sweep(rows, stem.with_suffix('.png'), title)}")
+        con.print(
+            f"plot → {plots.attention_sweep(rows, stem.with_suffix('.png'), title)}", markup=False
+        )
     con.print(f"done in {time.perf_counter() - t0:.0f} s")
     return 0
 

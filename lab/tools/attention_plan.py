@@ -107,7 +107,11 @@ def run(o: Options) -> int:
                 title = f"{r.mode}: GPU kernels, compiled, not run"
                 con.print(tables.kernels(list(r.kernels), title, tc))
     recs = plan.to_records(rows, {"target": o.target, **config})
-    con.print(f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}", soft_wrap=True)
+    con.print(
+        f"records → {rec.write_records(stem.with_suffix('.jsonl'), recs)}",
+        markup=False,
+        soft_wrap=True,
+    )
     return 0
 
 

@@ -47,7 +47,7 @@ def run(o: Options) -> int:
         verdicts, rec.environment(), command.strip(), time.strftime("%Y-%m-%d")
     )
     stem.with_suffix(".md").write_text(block)
-    con.print(f"records and Markdown → {stem}.*")
+    con.print(f"records and Markdown → {stem}.*", markup=False)
     return 0
 
 

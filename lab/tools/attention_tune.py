@@ -193,7 +193,7 @@ def static_only(o: Options) -> int:
         rec.write_records(stem.with_suffix(".jsonl"), static.records(stage=stage))
         startup.note(f"the passes finished so far are in {stem.with_suffix('.jsonl')}")
         con.print(tables.static_pass(static, title, toolchain.probe()))
-    con.print(f"records → {stem.with_suffix('.jsonl')}", soft_wrap=True)
+    con.print(f"records → {stem.with_suffix('.jsonl')}", markup=False, soft_wrap=True)
     return 0
 
 
@@ -246,8 +246,8 @@ def run(o: Options) -> int:
         took = time.perf_counter() - t0
         con.print(f"head_dim {search.head_dim}: best {tiles}{noise} ({took:.0f} s)")
         if o.write:
-            con.print(f"table → {tune.write_entry(kind, search, best, summary)}")
-    con.print(f"records → {stem.with_suffix('.jsonl')}", soft_wrap=True)
+            con.print(f"table → {tune.write_entry(kind, search, best, summary)}", markup=False)
+    con.print(f"records → {stem.with_suffix('.jsonl')}", markup=False, soft_wrap=True)
     return 0
 
 

@@ -53,7 +53,7 @@ def run(o: Options, keys: dict) -> int:
     path = rec.write_records(
         stem.with_suffix(".jsonl"), step.compare_records(results, compile_s, keys)
     )
-    con.print(f"records → {path}", soft_wrap=True)
+    con.print(f"records → {path}", markup=False, soft_wrap=True)
     return 0
 
 

@@ -65,7 +65,7 @@ def run(o: Options) -> int:
     )
     con.print(tables.ceilings(result, title))
     flush()
-    con.print(f"records → {stem.with_suffix('.jsonl')}", soft_wrap=True)
+    con.print(f"records → {stem.with_suffix('.jsonl')}", markup=False, soft_wrap=True)
     if o.plot:
         png = plots.roofline_points(
             result.points,
@@ -74,7 +74,7 @@ def run(o: Options) -> int:
             path=stem.with_suffix(".png"),
             title=f"{plots.device_name(env['backend'], env['device_kind'])}: measured roofline",
         )
-        con.print(f"roofline → {png}")
+        con.print(f"roofline → {png}", markup=False)
     con.print(f"done in {result.elapsed_s:.1f} s")
     return 0
 

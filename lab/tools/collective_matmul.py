@@ -61,7 +61,7 @@ def run(o: Options) -> int:
     config["simulated_devices"] = bool(sim)
     stem = records.output_stem(o.out_dir, "collective-matmul")
     path = records.write_records(stem.with_suffix(".jsonl"), _records(results, errors, config))
-    con.print(f"records → {path}", soft_wrap=True)
+    con.print(f"records → {path}", markup=False, soft_wrap=True)
     return 0
 
 

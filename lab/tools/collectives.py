@@ -126,9 +126,11 @@ def run(o: Options) -> int:
         bar.update(task, completed=total)
     con.print(tables.collectives(points, title))
     flush()
-    con.print(f"records → {stem.with_suffix('.jsonl')}", soft_wrap=True)
+    con.print(f"records → {stem.with_suffix('.jsonl')}", markup=False, soft_wrap=True)
     if o.plot:
-        con.print(f"plot → {plots.collectives(points, stem.with_suffix('.png'), title)}")
+        con.print(
+            f"plot → {plots.collectives(points, stem.with_suffix('.png'), title)}", markup=False
+        )
     con.print(f"done in {time.perf_counter() - t0:.1f} s; busbw = algbw · nccl-tests factor")
     return 0
 

@@ -176,7 +176,7 @@ def run(o: Options) -> int:
         con.print("records: none (no point was predicted)")
     png = plots.prediction(summary.rows, stem.with_suffix(".png"), prediction.log_error(summary))
     if png:
-        con.print(f"plot    → {png}")
+        con.print(f"plot    → {png}", markup=False)
     cal = summary.calibration
     if cal.get("n"):
         con.print(
@@ -273,7 +273,7 @@ def _cpu(o: Options, con) -> int:
             "host to save it"
         )
     elif o.save:
-        con.print(f"fit → {prediction.save_cpu_fit(rows, fit)}")
+        con.print(f"fit → {prediction.save_cpu_fit(rows, fit)}", markup=False)
     con.print(prediction.cpu_error_line(rows))
     return 0
 
@@ -354,7 +354,7 @@ def _here(o: Options, con) -> int:
     if op_rows:
         con.print(tables.prediction_here_rows(op_rows, info.device_kind, ops=True))
     con.print(tables.prediction_here_rows(rows, info.device_kind))
-    con.print(f"records → {path}", soft_wrap=True)
+    con.print(f"records → {path}", markup=False, soft_wrap=True)
     left = (len(prediction.GPU_OPS) - len(op_rows) if o.ops else 0) + len(configs) - len(rows)
     if left:
         con.print(f"stopped after {o.stop_after:g} s (stop_after): {left} not measured")

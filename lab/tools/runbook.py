@@ -91,7 +91,8 @@ def _print_plan(steps, o: Options, root: Path, gpu: bool) -> None:
         argv = runbook.command(s, root / "steps" / s.name / "try-N", root, state)
         needs = " · needs a GPU" if s.needs_gpu else ""
         last = state["steps"].get(s.name, {}).get("status")
-        when = {"cut": f" · this call, {left:.0f} s left", "later": " · a later call"}
+        first = "the first call there" if refused else "this call"
+        when = {"cut": f" · {first}, {left:.0f} s left", "later": " · a later call"}
         when = when.get(verdict, " · skipped here" if verdict == "skipped" else "")
         print(
             f"{i:2}. {s.name} ({s.budget_s:.0f} s{needs}{when}): {s.what}"
@@ -103,7 +104,7 @@ def _print_plan(steps, o: Options, root: Path, gpu: bool) -> None:
                 f"    ({' '.join(s.fallback)} is a placeholder until the tune-step-* steps "
                 "finish: the run takes the remat × batch they found best)"
             )
-    line = _fit_line(fitted, o, gpu)
+    line = _fit_line(fitted, o, gpu, call="a call on a GPU machine" if refused else "this call")
     if refused:  # no footer that reads as if this call ran anything
         line = (
             "this machine runs none of it (size=full needs an NVIDIA GPU; size=tiny rehearses "
@@ -126,7 +127,7 @@ def _spans(numbers: list[int]) -> str:
 PROBE_S = 60  # at most, for the platform probe a run starts with (jax's start on a GPU)
 
 
-def _fit_line(fitted: list, o: Options, gpu: bool = True) -> str:
+def _fit_line(fitted: list, o: Options, gpu: bool = True, call: str = "this call") -> str:
     """Which steps one call of budget= runs, at the most each may take, and which it leaves:
     on this machine, whose steps that need a GPU are skipped where it has none (`gpu`)."""
     numbered = [(i, s, v, left) for i, (s, v, left) in enumerate(fitted, 1) if v != "finished"]
@@ -137,7 +138,7 @@ def _fit_line(fitted: list, o: Options, gpu: bool = True) -> str:
     later = [(i, s) for i, s, v, _ in numbered if v == "later"]
     where = "on a GPU" if gpu else "here (no NVIDIA GPU found)"
     line = (
-        f"budget={o.budget:g} s, {where}, each step taking at most its budget: this call runs "
+        f"budget={o.budget:g} s, {where}, each step taking at most its budget: {call} runs "
         f"step{'s' * (len(runs) != 1)} {_spans(runs) or 'none'}"
     )
     if cut:

@@ -77,13 +77,15 @@ def run(o: Options) -> int:
     for table in tables.scaling(study):
         con.print(table)
     flush()
-    con.print(f"records → {stem.with_suffix('.jsonl')}", soft_wrap=True)
+    con.print(f"records → {stem.with_suffix('.jsonl')}", markup=False, soft_wrap=True)
     if o.plot:
         env = records.environment()
         title = (
             f"{plots.device_name(env['backend'], env['device_kind'])} · jax {env['jax_version']}"
         )
-        con.print(f"plot → {plots.scaling_study(study, stem.with_suffix('.png'), title)}")
+        con.print(
+            f"plot → {plots.scaling_study(study, stem.with_suffix('.png'), title)}", markup=False
+        )
     con.print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -57,7 +57,7 @@ def run(o: Options, keys: dict) -> int:
     flush()
     if top is not None:
         rec.write_records(stem().with_suffix(".jsonl"), step.best_record(top, tied, keys))
-    con.print(f"records → {stem().with_suffix('.jsonl')}", soft_wrap=True)
+    con.print(f"records → {stem().with_suffix('.jsonl')}", markup=False, soft_wrap=True)
     if top is None:
         # as lab.run's step that does not fit: the request, not the run, is at fault (exit 2)
         raise ConfigError("no candidate fits this device: try more devices or a smaller model")

@@ -92,13 +92,20 @@ def model_error(extrapolated) -> str:
     check = next((p.check for p in extrapolated if p.check), None)
     if check is None:
         return (
-            "its error is unchecked here: no data-parallel step was measured on the devices "
-            "whose all-reduce bandwidth it uses"
+            "its error is unchecked here: no data-parallel step was measured on the largest "
+            "device count here"
         )
     n = check["devices"]
+    shared = any(p.simulated for p in extrapolated)
     return (
         f"the model's error where it can be checked, {n} devices here: a step of "
         f"{_ms(check['predicted_s'])} ms predicted (one device's compute + the all-reduce at "
         f"that bandwidth), {_ms(check['measured_s'])} ms measured for dp on {n} devices "
-        f"(×{check['ratio']:.2f}); further out it is unchecked"
+        f"(×{check['ratio']:.2f})"
+        + (
+            ", simulated devices that share this host's cores, which the model does not count"
+            if shared
+            else ""
+        )
+        + "; further out it is unchecked"
     )
