@@ -105,6 +105,20 @@ def test_a_resume_lab_run_would_refuse_is_refused_before_any_process_starts(
     assert launch.main(["processes=2", *keys, "steps=2", "resume=true"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "steps=2" in err and not started, err
+    # the launcher's last line after a failure names the command that resumes the folder
+    hint = launch.resume_hint(2, {"out_dir": str(tmp_path), "name": "R", "resume": True})
+    assert hint == (
+        f"to resume from checkpoint step 2: python -m lab.tools.launch processes=2 name=R "
+        f"out_dir={tmp_path} resume=true steps=N (N > 2: the run reached its steps=2)"
+    )
+    assert launch.resume_hint(2, {"out_dir": str(tmp_path), "name": "none"}) == ""
+    # a resume's mesh is the run's (config.json), never called a default
+    one = [k for k in keys if not k.startswith(("mesh=", "name="))] + ["name=one", "steps=1"]
+    assert run_main(one) == 0  # lab.run's default mesh: one device
+    capsys.readouterr()
+    assert launch.main(["processes=2", *one[:-1], "steps=2", "resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert f"of mesh=1 (the run's: {tmp_path / 'one' / 'config.json'})" in err, err
 
 
 def test_weights_the_mesh_cannot_split_are_refused_before_any_process_starts(
@@ -260,6 +274,11 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_pat
     assert f"[p0] SIGTERM: checkpoint saved at step {step}" in out
     # how to go on: the processes' launch is never inherited, the run's keys are
     assert f"[p0] to resume from checkpoint step {step}: start the same processes again" in out
+    # and the launcher's last line gives its own command for it
+    assert last.endswith(
+        f"to resume from checkpoint step {step}: python -m lab.tools.launch processes=2 "
+        f"name=J out_dir={tmp_path} resume=true"
+    ), last
     assert "Traceback" not in out + err and "Check failure" not in out + err
     assert not _children(tmp_path)
 
@@ -415,6 +434,37 @@ def test_a_survivors_traceback_is_left_out_and_the_first_failures_is_shown():
     out = io.StringIO()
     assert launch.run([SLEEPER, bug], out=out, err=io.StringIO()) == 1
     assert "[p1] Traceback" in out.getvalue() and "[p1] ValueError: a bug" in out.getvalue()
+
+
+def test_a_second_signal_to_the_launcher_kills_what_still_runs(capsys):
+    """A process blocked inside the runtime cannot run its signal handler: the first Ctrl-C
+    gives every process coordinator_timeout (here 60 s) to save and exit; a second one kills
+    what still runs KILL_AFTER_S later, never waiting out the grace."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed from the main thread only")
+    deaf = "import signal, time\nfor s in (signal.SIGINT, signal.SIGTERM):\n"
+    deaf += "    signal.signal(s, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"
+    out, err = io.StringIO(), io.StringIO()
+
+    def ctrl_c_twice():
+        deadline = time.monotonic() + 30
+        while out.getvalue().count("ready") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)
+
+    threading.Thread(target=ctrl_c_twice, daemon=True).start()
+    t0 = time.monotonic()
+    code = launch.run([[sys.executable, "-c", deaf]] * 2, grace_s=60, out=out, err=err)
+    assert code == 130
+    assert time.monotonic() - t0 < 20  # ready, two signals, KILL_AFTER_S: not the 60 s grace
+    line = err.getvalue()
+    assert line.count("\n") == 1, line
+    assert line.startswith("launch: SIGINT to the launcher, then another: "), line
+    assert "process 0 was stopped by the launcher (SIGKILL)" in line, line
 
 
 def _alive(pid: int) -> bool:

@@ -15,7 +15,10 @@ collective waits for every peer, forever):
   the step it will stop after to the runtime's key-value store, every process checks it after
   each step, and each one saves its checkpoint (checkpoint_every > 0) and exits 130/143 there;
   the launcher exits with the same code.
-- SIGINT and SIGTERM to the launcher are sent on to every process and end the same way.
+- SIGINT and SIGTERM to the launcher are sent on to every process and end the same way. A
+  second one is sent on too (lab.run exits at once on a second signal, unsaved), and a process
+  still running KILL_AFTER_S later is killed: one blocked inside the runtime cannot run its
+  handler, so a second Ctrl-C never waits out coordinator_timeout.
 - A process that dies (a crash, SIGKILL, an abort) or stops on its own ends the job: the rest
   are sent SIGTERM at once, and SIGKILL 5 s later if a collective holds them. After a stop
   every process agreed on, or a process that finished, the rest get coordinator_timeout
@@ -23,7 +26,8 @@ collective waits for every peer, forever):
   one step of a signal or of the first one's end, and none waits for a peer that is gone.
 - The launcher's last line says which process ended the job and how (its exit code, or the
   signal that killed it), and what became of the others; the exit code is that process's
-  (128 + N for a signal N), 124 for timeout=, 0 when every process finished. A process's
+  (128 + N for a signal N), 124 for timeout=, 0 when every process finished. Where the run
+  folder holds a checkpoint, that line ends with the launcher command that resumes it. A process's
   traceback or the runtime's fatal log is shown when that process failed first, and left out
   in one line when it only echoes another's death.
 - The processes die with the launcher, even when it is killed with SIGKILL (on Linux the kernel
@@ -37,6 +41,7 @@ import dataclasses
 import math
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -128,7 +133,12 @@ def check(processes: int, keys: dict) -> dict:
             f"mesh over all {devices}, or cpu_devices={used}"
         )
     if devices % processes:
-        default = " (the default)" if "mesh" not in asked or asked["mesh"] == DEFAULT_MESH else ""
+        if keys.get("resume") and "mesh" not in keys:  # the run's mesh, not a default
+            default = f" (the run's: {Path(cfg.out_dir) / keys.get('name', '') / 'config.json'})"
+        elif "mesh" not in asked or asked["mesh"] == DEFAULT_MESH:
+            default = " (the default)"
+        else:
+            default = ""
         raise ConfigError(
             f"processes={processes} does not divide the {devices} devices of mesh={cfg.mesh}"
             f"{default}: every process must hold the same number of devices"
@@ -159,6 +169,30 @@ def check_folder(run_dir: Path, cfg) -> None:
     if cfg.checkpoint_every or cfg.resume:
         checkpoint.check_folder(run_dir)
     loop.refused_resume(cfg, run_dir)  # no checkpoint, or steps= not past it
+
+
+def resume_hint(processes: int, keys: dict) -> str:
+    """The launcher command that resumes the job's run folder from its newest checkpoint
+    (resume=true takes the keys config.json keeps: the folder's name= and out_dir= are all it
+    needs), or "" where the folder holds none."""
+    try:
+        asked = Request.of(**keys).resumed().dict() if keys.get("resume") else keys
+        cfg = defaults(make_config(**asked))
+        saved = checkpoint.saved_steps(Path(cfg.out_dir) / cfg.name)
+    except (ConfigError, OSError):  # a folder damaged on the way: its own lines say so
+        return ""
+    if not saved:
+        return ""
+    args = [f"processes={processes}", f"name={cfg.name}"]
+    if "out_dir" in keys:
+        args.append(f"out_dir={cfg.out_dir}")
+    args.append("resume=true")
+    further = ""
+    if saved[-1] >= cfg.steps:  # at its end: a resume needs steps= past it
+        args.append("steps=N")
+        further = f" (N > {cfg.steps}: the run reached its steps={cfg.steps})"
+    command = shlex.join(["python", "-m", "lab.tools.launch", *args])
+    return f"to resume from checkpoint step {saved[-1]}: {command}{further}"
 
 
 def commands(processes: int, keys: dict, port: int, join_timeout: int = 60) -> list[list[str]]:
@@ -310,7 +344,7 @@ class _Forward:
     exits); the launcher then waits for them instead of leaving them orphaned."""
 
     def __init__(self, job: _Job):
-        self.job, self.signal, self._old = job, None, {}
+        self.job, self.signal, self.count, self._old = job, None, 0, {}
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -321,7 +355,8 @@ class _Forward:
         return self
 
     def _handle(self, signum, _frame):
-        self.signal = signum
+        self.signal = self.signal or signum  # the first one names the end
+        self.count += 1
         for i in self.job.alive():
             self.job.procs[i].send_signal(signum)
 
@@ -337,10 +372,12 @@ def run(
     grace_s: float = GRACE_S,
     out=None,
     err=None,
+    then=None,
 ) -> int:
     """Start every process, relay their output prefixed `[pI] `, return the job's exit code
     and say in one line on `err` how it ended when it did not end well (see the module's
-    docstring for the guarantees)."""
+    docstring for the guarantees). `then()`, called once every process has ended, gives what
+    that line ends with (how to go on), or ""."""
     out, err = out or sys.stdout, err or sys.stderr
     job = _Job(cmds, out, grace_s)
     try:
@@ -350,7 +387,9 @@ def run(
         for i in job.alive():  # the launcher itself failed: never leave a child behind
             job.procs[i].kill()
         job.join()
-    code, line = _verdict(job, cause, timeout_s, fwd.signal)
+    code, line = _verdict(job, cause, timeout_s, fwd)
+    if line and then is not None and (more := then()):
+        line = f"{line}; {more}"
     if line:
         with job.lock:
             print(f"launch: {line}", file=err, flush=True)
@@ -378,6 +417,8 @@ def _wait(job: _Job, timeout_s: float | None, grace_s: float, fwd: _Forward) -> 
                 stop_at = now + grace_s if agreed else now
             elif timeout_s is not None and now > start + timeout_s:
                 cause, stop_at = "timeout", now
+        if fwd.count > 1 and kill_at is None:  # a second signal: sent on, then no grace
+            kill_at = now + KILL_AFTER_S
         if stop_at is not None and kill_at is None and now >= stop_at:
             job.stop()
             kill_at = now + KILL_AFTER_S
@@ -388,12 +429,17 @@ def _wait(job: _Job, timeout_s: float | None, grace_s: float, fwd: _Forward) -> 
     return cause
 
 
-def _verdict(job: _Job, cause, timeout_s, launcher_signal) -> tuple[int, str]:
+def _verdict(job: _Job, cause, timeout_s, fwd: _Forward) -> tuple[int, str]:
     """(the launcher's exit code, its last line: '' when every process finished)."""
     codes, fates = [p.returncode for p in job.procs], job.fates()
     if cause == "signal":
-        name = signal.Signals(launcher_signal).name
-        return 128 + launcher_signal, f"{name} to the launcher, sent on to every process: {fates}"
+        name = signal.Signals(fwd.signal).name
+        if fwd.count > 1:
+            return 128 + fwd.signal, (
+                f"{name} to the launcher, then another: each sent on to every process, and a "
+                f"process still running {KILL_AFTER_S:g} s after the second was killed: {fates}"
+            )
+        return 128 + fwd.signal, f"{name} to the launcher, sent on to every process: {fates}"
     if cause == "timeout":
         return 124, f"timeout={timeout_s:g} s reached: stopped every process ({fates})"
     if not any(codes):
@@ -422,7 +468,12 @@ def main(argv=None) -> int:
         n = f"{o.processes} process{'es' if o.processes != 1 else ''}"
         print(f"launching {n} of lab.run: {' '.join(key_args(keys))}")
         sys.stdout.flush()
-        return run(cmds, timeout_s=o.timeout or None, grace_s=o.coordinator_timeout)
+        return run(
+            cmds,
+            timeout_s=o.timeout or None,
+            grace_s=o.coordinator_timeout,
+            then=lambda: resume_hint(o.processes, keys),
+        )
 
     return cli(
         Options, launch, prog="python -m lab.tools.launch", doc=__doc__, argv=argv, run_keys=True
