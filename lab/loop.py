@@ -438,7 +438,7 @@ def _kept(cfg: Config, run_dir: Path, log, saver=None) -> str:
         last = max((r["step"] for r in records), default=None)
     metrics = f"metrics.jsonl to step {last}" if last is not None else "no metrics"
     if log.gaps:  # a damaged file's lost records: not a whole record to that step
-        metrics += f" (without steps {log.gaps}, lost from a damaged file)"
+        metrics += f" (without steps {log.gaps}, lost from a damaged or deleted file)"
     return f"kept in {run_dir}: {ckpt}; {metrics}"
 
 
@@ -980,6 +980,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
         except OSError as e:
             raise _start_failure(e, run_dir) from None
         if start and not (run_dir / "metrics.jsonl").exists():  # deleted: said, not passed over
+            gaps = rundir.step_ranges(range(1, start + 1))  # and in the last line's 'kept'
             console.print(
                 f"metrics.jsonl: none in {run_dir}; the records of steps 1-{start} are missing "
                 f"(this run logs from step {start + 1})",
