@@ -173,6 +173,9 @@ def test_serving_plan_compiles_for_a_target(target, mesh, tmp_path, capsys):
     assert serve([*args, "plan_batch=8", "plan_context=512", f"results={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "compiled, not run" in out and "int8" in out and "yes" in out
+    # the compiled total split like for like: what the calculator counts, and temporaries
+    words = " ".join(out.split())  # the caption wraps at the table's width
+    assert "args (weights + cache: what the calculator counts) and temp" in words, out
     (path,) = tmp_path.glob("serve-plan-*.jsonl")
     plans = {r["config"]["int8"]: r for r in map(json.loads, path.open())}
     for r in plans.values():

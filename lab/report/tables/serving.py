@@ -162,13 +162,35 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
     return t
 
 
+_PLAN_CAPTION = (
+    "per device. compiled: the compiler's total, of it args (weights + cache: what "
+    "the calculator counts) and temp (the step's temporaries: dequantised int8 weights, "
+    "attention scores); calculator: parameters × bytes + the KV cache, split as the plan "
+    "splits them"
+)
+
+
 def serving_plans(rows: list[PlanRow], title: str) -> Table:
-    """Decode steps compiled for a target: memory per device, compiler beside calculator."""
-    t = Table(title=title)
-    cols = ("weights/cache", "batch", "context", "compiled/device", "calculator", "usable", "fits")
+    """Decode steps compiled for a target: memory per device, compiler beside calculator.
+    The compiled total is split into what the calculator counts (the step's arguments: the
+    weights and the cache) and what it does not (temporaries: an int8 step's dequantised
+    weights, the attention's scores), so the two are compared like for like."""
+    t = Table(title=title, caption=_PLAN_CAPTION)
+    cols = (
+        "weights",
+        "batch",
+        "context",
+        "compiled",
+        "args",
+        "temp",
+        "calculator",
+        "usable",
+        "fits",
+    )
     for col in cols:
         t.add_column(col, justify="right")
     for r in rows:
+        mem = r.compiled or {}
         got = r.compiled_bytes
         cap = r.capacity_bytes
         fits = "n/a" if got is None or cap is None else ("yes" if got <= cap else "no")
@@ -181,6 +203,8 @@ def serving_plans(rows: list[PlanRow], title: str) -> Table:
             str(r.batch),
             str(r.context),
             size(got),
+            size(mem.get("argument_bytes")),
+            size(mem.get("temp_bytes")),
             size(r.predicted["total"]),
             size(cap),
             fits,
