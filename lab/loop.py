@@ -284,7 +284,8 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
     progress bar, the stop check) overlaps the device's instead of leaving it idle. A step
     whose state is kept (a checkpoint, the agreed stop) is read before the next is
     dispatched: its metrics are checked before the state is saved, and the next step would
-    donate the state's buffers."""
+    donate the state's buffers. Such a step and the one before it are then read together
+    (`_Reader.read_both`), as is the last step."""
     batch = _batch(cfg, trainer, start)
     tracer = _Tracer(profile_dir(Path(cfg.out_dir) / cfg.name), console, profile_window(start))
     with progress.training(console) as bar, tracer:
@@ -296,21 +297,28 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
                 state, metrics = compiled(state, batch)  # queued: the device runs it from here
             if step < cfg.steps:
                 batch = _batch(cfg, trainer, step)  # host work overlaps the device's
-            if pending:
-                bad = reader.read(*pending)  # the step before: done, or nearly
-                if bad:
-                    return bad
-            pending = (step, metrics)
             # every checkpoint_every steps, and the last: a finished run keeps its end
             every = cfg.checkpoint_every
             save = saver and every and (step % every == 0 or step == cfg.steps)
-            # Peers may be two steps ahead: each reads a step only after queuing the next.
-            stopping = agreed_stop(stop, step, ahead=2)  # the same step on every process
-            if save or stopping or reader.wait_at(step):
-                bad = reader.read(*pending)
+            if pending and (save or step == cfg.steps or reader.wait_at(step)):
+                bad = reader.read_both(pending, (step, metrics))  # this step is read now too
                 pending = None
                 if bad:
                     return bad  # checked before this step's state can be saved
+            else:
+                if pending:
+                    bad = reader.read(*pending)  # the step before: done, or nearly
+                    if bad:
+                        return bad
+                pending = (step, metrics)
+            # Peers may be two steps ahead: each reads a step only after queuing the next.
+            stopping = agreed_stop(stop, step, ahead=2)  # the same step on every process
+            if save or stopping or reader.wait_at(step):
+                if pending:
+                    bad = reader.read(*pending)
+                    pending = None
+                    if bad:
+                        return bad  # checked before this step's state can be saved
                 if save:
                     reader.timed_save(saver, step, state)
                 if stopping:
@@ -361,13 +369,29 @@ class _Reader:
         if saved:  # (False: the step was saved already)
             self.hist.save_s.append(self.clock - t0)
 
-    def read(self, step: int, metrics) -> str | None:
-        """Waits for `step`'s metrics; None, or the line that stops training there."""
+    def read_both(self, before: tuple, this: tuple) -> str | None:
+        """Reads two steps back to back (`before` queued ahead of `this`), each timed as half
+        of the time from the last step read to the later one's end. Timed apart, the later
+        one's time would be wrong: the host learns that a step has finished only once a
+        thread of the runtime can say so, and on a CPU whose threads are all running the next
+        step that is when the next step has finished too (its time read as ~0, the one before
+        it as two steps')."""
+        start = self.clock
+        jax.block_until_ready((before[1], this[1]))  # both steps' metrics
+        half = (time.perf_counter() - start) / 2
+        return self.read(*before, step_s=half) or self.read(*this, step_s=half)
+
+    def read(self, step: int, metrics, step_s: float | None = None) -> str | None:
+        """Waits for `step`'s metrics; None, or the line that stops training there.
+        `step_s`: its time where the caller measured it (`read_both`)."""
         hist = self.hist
         loss = float(metrics["loss"])  # blocks until this step has run
-        now = time.perf_counter()
-        step_s = now - self.clock  # between successive finished steps
-        self.clock = now
+        if step_s is None:
+            now = time.perf_counter()
+            step_s = now - self.clock  # between successive finished steps
+            self.clock = now
+        else:
+            self.clock += step_s  # the host's work after it counts in the next step's time
         if self.cfg.profile and self.first <= step <= self.last:
             # traced: slower (the profiler's own work), so kept out of the step-time figures
             hist.profiled = (self.first, step)

@@ -3,7 +3,8 @@
 The event files are a second view of metrics.jsonl: every record the loop logs there is
 appended here as one event (its scalars under the tags of `TAGS`, at its step). Each start
 of a run writes a new event file and never touches the earlier ones; each file begins with a
-SessionLog START at its first step, and a START after the first is TensorBoard's sign of a job
+SessionLog START at its first step (a resume's with two, `start` says why), and a START after
+the first is TensorBoard's sign of a job
 restarted from a checkpoint: TensorBoard's Python loaders, live or fresh, drop the steps from
 there on that they read before, and its Rust data server drops them at the repeated step (a
 series' points from a step seen again on), so each shows one curve with each step once.
@@ -127,7 +128,8 @@ def start(run_dir: Path, records: list[dict], resumed_from: int = 0) -> EventFil
     """A new event file of the lab's (named *.lab, sorted after every earlier one, written
     aside and renamed in whole), returned open for this run's records. Where the folder holds
     the lab's earlier event files (a resume), they stay as they are. Every file begins with
-    a SessionLog START at step `resumed_from` + 1, as a TensorFlow session's does: a START
+    a SessionLog START at step `resumed_from` + 1, as a TensorFlow session's does (a resume's
+    with two at that step: see below): a START
     after the first is TensorBoard's sign of a restart, by which a reader drops the steps from
     there on that it read from the earlier files (the ones this run logs again;
     metrics-superseded.jsonl keeps their records). Where the folder holds none of the lab's
