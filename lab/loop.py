@@ -51,6 +51,7 @@ from lab.measure.records import writable_dir
 from lab.measure.run import RunSummary, StepAnalysis
 from lab.measure.timing import summarise
 from lab.measure.toolchain import Toolchain
+from lab.mesh import split_words
 from lab.names import STAGE
 from lab.report import progress, tables
 from lab.resolve import Request
@@ -960,6 +961,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
             dict(trainer.mesh.shape),
             attention_note=trainer.attention_note,
             offloaded=trainer.resolved is None or trainer.resolved.offload_optimizer,
+            split=split_words(cfg.strategy, dict(trainer.mesh.shape)),
         )
     )
     for note in trainer.notes:  # what the compiled program does not do that was asked for

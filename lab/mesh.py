@@ -84,6 +84,18 @@ STRATEGY_AXES = {
 }
 
 
+def split_words(strategy: str, sizes: dict[str, int]) -> str:
+    """What `strategy` splits over the axes of this mesh that have more than one device, in
+    words: 'batch over data×model, embed over model' for fsdp on data=4 × model=2 (the axis
+    that carries the weights' split is then `model`); '' where nothing is split."""
+    parts = []
+    for logical, axes in RULES.get(strategy, ()):
+        used = [a for a in axes if sizes.get(a, 1) > 1]
+        if used:
+            parts.append(f"{logical} over {'×'.join(used)}")
+    return ", ".join(parts)
+
+
 def strategy_mesh(spec: str, strategy: str) -> str:
     """A bare device count follows an explicit strategy's axis: mesh=8 strategy=fsdp is
     fsdp:8 (not data:8, on which fsdp would split nothing), tp and cp model:8, pp stage:8.

@@ -117,3 +117,16 @@ def test_fsdp_on_a_bare_count_shards_the_weights():
     trainer = make_trainer(cfg, make_mesh(cfg.mesh))
     specs = [s.spec for s in jax.tree.leaves(trainer.state_shardings.params)]
     assert any("fsdp" in str(spec) for spec in specs)
+
+
+def test_the_header_says_what_a_strategy_splits_over_which_axes():
+    """fsdp on a 4x2 mesh shards the weights over `model` (its second positional axis); the
+    run header's mesh line says so instead of leaving a user to guess which axis is fsdp's."""
+    from lab.mesh import split_words
+
+    sizes = {"data": 4, "stage": 1, "fsdp": 1, "model": 2}
+    assert split_words("fsdp", sizes) == "batch over data×model, embed over model"
+    assert split_words("tp", sizes) == "batch over data, heads over model, mlp over model, " + (
+        "vocab over model"
+    )
+    assert split_words("dp", {"data": 1, "stage": 1, "fsdp": 1, "model": 1}) == ""

@@ -470,13 +470,15 @@ def test_no_loss_scale_is_stored_as_one(tmp_path, capsys):
     assert json.loads((tmp_path / "f" / "config.json").read_text())["loss_scale"] == 1.0
 
 
-def test_summary_and_records_say_how_the_step_was_split(tmp_path):
+def test_summary_and_records_say_how_the_step_was_split(tmp_path, capsys):
     """A dp run and an fsdp one must be told apart from summary.json, records.jsonl and
     metrics.jsonl alone: the resolved strategy, mesh, accumulation and pipeline keys, as
     config.json names them (on every step's line: a run resumed in another layout has lines
-    of both in one file)."""
+    of both in one file). The header says what is split over which axis."""
     args = ["name=fsdp", "steps=2", "mesh=data:2,fsdp:2", "strategy=fsdp", "accumulate=2"]
     assert _run(tmp_path, *args) == 0
+    out = capsys.readouterr().out
+    assert "strategy=fsdp: batch over data×fsdp, embed over fsdp)" in out, out
     split = {
         "strategy": "fsdp",
         "mesh": {"data": 2, "stage": 1, "fsdp": 2, "model": 1},

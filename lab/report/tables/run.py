@@ -16,9 +16,16 @@ from lab.report.tables.common import GIB, _mem
 
 
 def run_header(
-    cfg, info, n_params: int, mesh_shape: dict, attention_note=None, offloaded: bool = True
+    cfg,
+    info,
+    n_params: int,
+    mesh_shape: dict,
+    attention_note=None,
+    offloaded: bool = True,
+    split: str = "",
 ) -> str:
-    """The lines lab.run prints before compiling (rich markup); `attention_note`: why the
+    """The lines lab.run prints before compiling (rich markup); `split`: what the strategy
+    splits over which axes (lab.mesh.split_words); `attention_note`: why the
     dispatch passed over the kernel it prefers here (lab.kernels.attention.choose_noted);
     `offloaded`: whether the program keeps the optimizer state in host memory where
     offload_optimizer=true asked for it (a plan's devices may list no host memory)."""
@@ -28,7 +35,8 @@ def run_header(
         [
             f"[bold]lab.run[/bold] {escape(cfg.name)}",  # a name's [brackets] are not markup
             f"  devices   {info.header()}",
-            f"  mesh      {sizes}  (mesh={cfg.mesh}, strategy={cfg.strategy})",
+            f"  mesh      {sizes}  (mesh={cfg.mesh}, strategy={cfg.strategy}"
+            f"{': ' + split if split else ''})",
             f"  model     {cfg.preset}: {n_params / 1e6:.2f}M params, d_model={m.d_model}, "
             f"layers={m.n_layers}, heads={m.n_heads}/{m.n_kv_heads} kv, attention={m.attention}, "
             f"remat={m.remat}{_mask_words(m)}",
