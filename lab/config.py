@@ -827,6 +827,7 @@ def typed_as(opts, key: str) -> str:
 ENV_RANGES = {
     # the share of each GPU's memory JAX's allocator takes (JAX's default 0.75)
     "XLA_PYTHON_CLIENT_MEM_FRACTION": (0.0, 1.0),
+    "XLA_CLIENT_MEM_FRACTION": (0.0, 1.0),  # its newer name
 }
 
 

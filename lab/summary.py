@@ -129,6 +129,8 @@ def analyse(compiled, cfg: Config, info: DeviceInfo, trainer, kernels=()) -> dic
         out["aot"]["toolchain"] = toolchain.probe().record()  # the kernels are ptxas's
         if info.backend == "gpu":  # the capacity a run there has: the allocator's share
             out["aot"]["allocator_share"] = memory.gpu_allocator_fraction()
+            # of the total memory the GPU reports, where the lab knows it (else the spec's)
+            out["aot"]["reported_bytes"] = plans.gpu.reported_memory(info.device_kind)
         elif memory.compiler_hbm(trainer.mesh.devices.flat[0]):
             out["aot"]["capacity_source"] = "compiler"  # XLA:TPU's own, below the chip's HBM
         out["aot"]["fit"] = fit_advice(trainer, out)
@@ -274,7 +276,8 @@ def capacity_bytes(info: DeviceInfo, device=None) -> float | None:
         spec = specs.lookup(info.device_kind)
         if not spec:
             return None
-        return memory.usable_bytes(spec.memory_bytes, info.device_kind)
+        reported = plans.gpu.reported_memory(info.device_kind)
+        return memory.usable_bytes(spec.memory_bytes, info.device_kind, reported)
     return memory.device_capacity_bytes(jax.local_devices()[0])
 
 

@@ -528,20 +528,30 @@ def test_a_plan_that_does_not_fit_labels_its_throughput_as_unrunnable(
 
 
 def test_a_gpu_plan_fits_the_share_of_memory_jax_allocates(monkeypatch):
-    """JAX's allocator takes 75% of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says
-    otherwise: a plan judges its fit against what a run there could allocate. A TPU's HBM is
-    its own."""
+    """JAX's allocator takes 75% of the total memory a GPU reports (84.9e9 bytes for an H100's
+    "80 GB", not the datasheet's 80e9) unless XLA_CLIENT_MEM_FRACTION or its older name
+    XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: a plan judges its fit against what a run
+    there could allocate. A TPU's HBM is its own."""
     import types
 
     from lab import summary
     from lab.measure import specs
 
-    h100 = specs.lookup("NVIDIA H100 80GB HBM3").memory_bytes
+    h100 = gpus.GPUS["h100"].memory_reported
+    assert h100 > specs.lookup("NVIDIA H100 80GB HBM3").memory_bytes
     info = types.SimpleNamespace(aot=True, backend="gpu", device_kind="NVIDIA H100 80GB HBM3")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     assert summary.capacity_bytes(info) == pytest.approx(0.75 * h100)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     assert summary.capacity_bytes(info) == pytest.approx(0.9 * h100)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.5")  # the newer name wins
+    assert summary.capacity_bytes(info) == pytest.approx(0.5 * h100)
+    other = types.SimpleNamespace(aot=True, backend="gpu", device_kind="NVIDIA L4")
+    if specs.lookup("NVIDIA L4"):  # a GPU the plans do not describe: the spec's figure
+        assert summary.capacity_bytes(other) == pytest.approx(
+            0.5 * specs.lookup("NVIDIA L4").memory_bytes
+        )
     tpu = types.SimpleNamespace(aot=True, backend="tpu", device_kind="TPU v5 lite")
     assert summary.capacity_bytes(tpu) == specs.lookup("TPU v5 lite").memory_bytes
 

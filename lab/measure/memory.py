@@ -133,19 +133,27 @@ def host_available_bytes() -> int | None:
 
 
 def gpu_allocator_fraction() -> float:
-    """The share of a GPU's memory JAX's allocator may use: XLA_PYTHON_CLIENT_MEM_FRACTION as
-    set here (the run on the GPU would set it too), else JAX's default, 0.75."""
+    """The share of a GPU's total memory JAX's allocator may use: XLA_CLIENT_MEM_FRACTION (or
+    its older name XLA_PYTHON_CLIENT_MEM_FRACTION) as set here (the run on the GPU would set
+    it too), else JAX's default, 0.75."""
+    given = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get(
+        "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"
+    )
     try:
-        share = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+        share = float(given)
     except ValueError:
         return 0.75
     return share if 0 < share <= 1 else 0.75
 
 
-def usable_bytes(spec_bytes: float, device_kind: str) -> float:
-    """What a run on that hardware can allocate of the spec's memory: a TPU's HBM, or the
-    share of a GPU's that JAX's allocator takes (`gpu_allocator_fraction`)."""
-    return spec_bytes * (1.0 if device_kind.startswith("TPU") else gpu_allocator_fraction())
+def usable_bytes(spec_bytes: float, device_kind: str, reported_bytes: float | None = None) -> float:
+    """What a run on that hardware can allocate: a TPU's HBM (the spec's), or the share JAX's
+    allocator takes (`gpu_allocator_fraction`) of the total memory a GPU reports
+    (`reported_bytes`, where known: JAX's share is of that, not of the datasheet's round
+    figure), else of the spec's."""
+    if device_kind.startswith("TPU"):
+        return spec_bytes
+    return (reported_bytes or spec_bytes) * gpu_allocator_fraction()
 
 
 def check_fits(what: str, per_device: float, key: str, devices=None, fits=None) -> None:

@@ -91,6 +91,13 @@ GPUS = {
 INSTALL = "pip install -e '.[gpu-plan]'"
 
 
+def reported_memory(device_kind: str) -> int | None:
+    """Bytes a GPU the lab describes reports as its total memory (cudaMemGetInfo), which
+    JAX's allocator takes its share of: more than the datasheet's (84.9e9 for an H100's
+    "80 GB"). None for another kind."""
+    return next((g.memory_reported for g in GPUS.values() if g.device_kind == device_kind), None)
+
+
 def target_help() -> str:
     return ", ".join(f"gpu:{k}:8" for k in GPUS)
 

@@ -866,7 +866,8 @@ CLAIMS: tuple[Claim, ...] = (
                 "output channel) and an int8 KV cache, batch 1, 4096 tokens of context: bytes "
                 "on one 80 GB H100, compiled for it where the plan ran (size=full), the "
                 "calculator otherwise; at most 80 GB fits the card (JAX's allocator takes "
-                "75% of it by default, 60 GB, which lab.serve's plan judges against: "
+                "75% of the 84.9 GB it reports by default, 63.7 GB, which lab.serve's plan "
+                "judges against: "
                 "XLA_PYTHON_CLIENT_MEM_FRACTION raises it)",
                 if_off="int8 weights alone are 69 GB: a long context or a bigger batch adds "
                 "cache bytes until int4 or offloading is needed",

@@ -85,7 +85,12 @@ def plan_serving(session: Session, *, batch: int, context: int, int8: bool) -> P
         compiled=mem,
         predicted=predicted,
         # a GPU's: the share JAX's allocator takes, as a run there has (the plan's own rule)
-        capacity_bytes=capacity or (memory.usable_bytes(spec.memory_bytes, kind) if spec else None),
+        capacity_bytes=capacity
+        or (
+            memory.usable_bytes(spec.memory_bytes, kind, plans.gpu.reported_memory(kind))
+            if spec
+            else None
+        ),
         compile_s=compile_s,
         refused=refused,
     )
