@@ -833,7 +833,8 @@ ENV_RANGES = {
 
 def check_environment(environ=None) -> None:
     """ConfigError (one line, before JAX starts a backend) for an environment variable of
-    ENV_RANGES that is set but not a number in its range, (low, high]."""
+    ENV_RANGES that is set but not a number in its range, (low, high], and for the allocator
+    share set under both its names."""
     import os
 
     environ = os.environ if environ is None else environ
@@ -851,6 +852,11 @@ def check_environment(environ=None) -> None:
                 " (the share of each GPU's memory JAX's allocator takes); unset it for JAX's"
                 " default, 0.75"
             )
+    if environ.get("XLA_CLIENT_MEM_FRACTION") and environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        raise ConfigError(  # JAX's GPU backend raises a ValueError at start on both
+            "XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION are both set, which "
+            "JAX refuses: unset the second, the older name"
+        )
 
 
 def cli(cls, run, *, prog: str, doc: str, argv=None, run_keys: bool = False) -> int:

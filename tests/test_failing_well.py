@@ -731,6 +731,15 @@ def test_a_bad_allocator_share_is_one_line_before_anything_runs(
     assert not (tmp_path / "share").exists()
 
 
+def test_the_allocator_share_under_both_its_names_is_one_line(tmp_path, monkeypatch, capsys):
+    # JAX's GPU backend raises a ValueError at start when both are set
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.6")
+    assert _run(tmp_path, "name=share", "compile_only=true") == 2
+    _one_line_error(capsys, "XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION", "older")
+    assert not (tmp_path / "share").exists()
+
+
 def test_a_bad_allocator_share_for_a_gpu_plan_is_one_line_not_a_traceback(tmp_path):
     env = {**ENV, "XLA_PYTHON_CLIENT_MEM_FRACTION": "abc"}
     cmd = [sys.executable, "-m", "lab.run", "target=gpu:h100:1", f"out_dir={tmp_path}"]
