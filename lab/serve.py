@@ -81,8 +81,7 @@ class Options:
     seed: int = field(0, "random weights and sampling (at most 2^32-1)", min=0, max=2**32 - 1)
 
 
-# lab.run's keys that only training reads (remat: what the backward pass recomputes): given to
-# lab.serve they would do nothing
+# lab.run's keys that only training reads: given to lab.serve they would do nothing
 TRAINING_ONLY = (
     "steps",
     "lr",
@@ -104,7 +103,6 @@ TRAINING_ONLY = (
     "pack",
     "batch_size",
     "seq_len",
-    "remat",
 )
 # what lab.serve takes instead, where it has its own key
 SERVING_INSTEAD = {
@@ -112,7 +110,6 @@ SERVING_INSTEAD = {
     "name": "a trained run is served with run=NAME",
     "batch_size": "the batches served are batches= and prefill_batches=",
     "seq_len": "the lengths served are prompt_len= and context=",
-    "remat": "a forward pass keeps no activations for a backward one to recompute",
 }
 
 

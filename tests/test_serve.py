@@ -109,7 +109,6 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         (["name=demo", "lr=1"], "lr=1.0, name=demo: lab.serve trains nothing"),
         (["name=demo"], "served with run=NAME"),
         (["seq_len=64"], "the lengths served are prompt_len= and context="),
-        (["remat=full"], "a forward pass keeps no activations for a backward one"),
         ([f"prompt={'é' * 2100}"], "prompt= is 4,200 bytes: at most 4096"),
         # FAST's prompt_len=, decode_steps=, budget=, prefill_batches= are the sweep's
         (["target=gpu:h100:1"], "budget=0.01: target= compiles one decode step"),
