@@ -286,7 +286,7 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
     whose state is kept (a checkpoint, the agreed stop) is read before the next is
     dispatched: its metrics are checked before the state is saved, and the next step would
     donate the state's buffers. Such a step and the one before it are then read together
-    (`_Reader.read_both`), as is the last step."""
+    (`_Reader.read_both`), as is the last step, unless the one before is a warm-up step."""
     batch = _batch(cfg, trainer, start)
     tracer = _Tracer(profile_dir(Path(cfg.out_dir) / cfg.name), console, profile_window(start))
     with progress.training(console) as bar, tracer:
@@ -301,7 +301,14 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
             # every checkpoint_every steps, and the last: a finished run keeps its end
             every = cfg.checkpoint_every
             save = saver and every and (step % every == 0 or step == cfg.steps)
-            if pending and (save or step == cfg.steps or reader.wait_at(step)):
+            # Peers may be two steps ahead: each queues a step only after reading the one two
+            # before it (whatever this process has read of its own steps so far).
+            stopping = agreed_stop(stop, step, ahead=2)  # the same step on every process
+            kept = save or stopping or reader.wait_at(step)
+            # read with the step before it, unless that one is a warm-up step (the summary
+            # leaves those out by position: their time must stay theirs)
+            paired = pending and pending[0] > start + WARMUP_STEPS
+            if paired and (kept or step == cfg.steps):
                 bad = reader.read_both(pending, (step, metrics))  # this step is read now too
                 pending = None
                 if bad:
@@ -312,9 +319,7 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
                     if bad:
                         return bad
                 pending = (step, metrics)
-            # Peers may be two steps ahead: each reads a step only after queuing the next.
-            stopping = agreed_stop(stop, step, ahead=2)  # the same step on every process
-            if save or stopping or reader.wait_at(step):
+            if kept:
                 if pending:
                     bad = reader.read(*pending)
                     pending = None

@@ -112,6 +112,14 @@ def test_a_resume_lab_run_would_refuse_is_refused_before_any_process_starts(
         f"out_dir={tmp_path} resume=true steps=N (N > 2: the run reached its steps=2)"
     )
     assert launch.resume_hint(2, {"out_dir": str(tmp_path), "name": "none"}) == ""
+    # the steps= a launch gave, which a launch stopped before its processes rewrote
+    # config.json would otherwise lose
+    given = {"out_dir": str(tmp_path), "name": "R", "resume": True, "steps": 5}
+    assert launch.resume_hint(2, given).endswith("resume=true steps=5"), launch.resume_hint(
+        2, given
+    )
+    # nothing saved since the launch started: no command of its own (the user's is the one)
+    assert launch.resume_hint(2, given, since=time.time() + 60) == ""
     # a resume's mesh is the run's (config.json), never called a default
     one = [k for k in keys if not k.startswith(("mesh=", "name="))] + ["name=one", "steps=1"]
     assert run_main(one) == 0  # lab.run's default mesh: one device
@@ -277,7 +285,7 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_pat
     # and the launcher's last line gives its own command for it
     assert last.endswith(
         f"to resume from checkpoint step {step}: python -m lab.tools.launch processes=2 "
-        f"name=J out_dir={tmp_path} resume=true"
+        f"name=J out_dir={tmp_path} resume=true steps=100000"  # the steps= it was given
     ), last
     assert "Traceback" not in out + err and "Check failure" not in out + err
     assert not _children(tmp_path)

@@ -260,3 +260,22 @@ def test_two_steps_read_together_share_their_time(monkeypatch):
     assert a == b and 0.1 <= a < 0.15, hist.step_s
     assert reader.clock == pytest.approx(t0 + a + b)  # the next step's time starts there
     assert [s for s, _ in hist.losses] == [4, 5] and hist.step == 5
+
+
+def test_which_steps_are_read_together(tmp_path, monkeypatch):
+    """A checkpoint step and the last are read with the step before them, unless that one
+    is one of the warm-up steps the summary leaves out (steps 1 and 2: their time stays
+    theirs): checkpoints at 3 and 6 of 8 pair (5, 6) and (7, 8), not (2, 3)."""
+    pairs = []
+    real = loop._Reader.read_both
+
+    def logged(self, before, this):
+        pairs.append((before[0], this[0]))
+        return real(self, before, this)
+
+    monkeypatch.setattr(loop._Reader, "read_both", logged)
+    args = [*TINY, f"out_dir={tmp_path}", "name=p", "steps=8", "checkpoint_every=3"]
+    assert main(args) == 0
+    assert pairs == [(5, 6), (7, 8)]
+    lines = (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == list(range(1, 9))  # each read once

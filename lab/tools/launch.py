@@ -171,14 +171,21 @@ def check_folder(run_dir: Path, cfg) -> None:
     loop.refused_resume(cfg, run_dir)  # no checkpoint, or steps= not past it
 
 
-def resume_hint(processes: int, keys: dict) -> str:
+def resume_hint(processes: int, keys: dict, since: float | None = None) -> str:
     """The launcher command that resumes the job's run folder from its newest checkpoint
     (resume=true takes the keys config.json keeps: the folder's name= and out_dir= are all it
-    needs), or "" where the folder holds none."""
+    needs, with steps= where this launch gave one), or "" where the folder holds none saved
+    since `since` (a time.time()): a job stopped before it saved anything (while starting,
+    compiling, or in a refused overwrite) has nothing new to resume, and the command it was
+    started with is the one to run again."""
     try:
         asked = Request.of(**keys).resumed().dict() if keys.get("resume") else keys
         cfg = defaults(make_config(**asked))
-        saved = checkpoint.saved_steps(Path(cfg.out_dir) / cfg.name)
+        run_dir = Path(cfg.out_dir) / cfg.name
+        saved = checkpoint.saved_steps(run_dir)
+        if saved and since is not None:
+            newest = checkpoint.folder(run_dir) / str(saved[-1])
+            saved = saved if newest.stat().st_mtime >= since else []
     except (ConfigError, OSError):  # a folder damaged on the way: its own lines say so
         return ""
     if not saved:
@@ -187,6 +194,8 @@ def resume_hint(processes: int, keys: dict) -> str:
     if "out_dir" in keys:
         args.append(f"out_dir={cfg.out_dir}")
     args.append("resume=true")
+    if "steps" in keys and saved[-1] < cfg.steps:  # the steps this launch asked for
+        args.append(f"steps={cfg.steps}")
     further = ""
     if saved[-1] >= cfg.steps:  # at its end: a resume needs steps= past it
         args.append("steps=N")
@@ -436,8 +445,8 @@ def _verdict(job: _Job, cause, timeout_s, fwd: _Forward) -> tuple[int, str]:
         name = signal.Signals(fwd.signal).name
         if fwd.count > 1:
             return 128 + fwd.signal, (
-                f"{name} to the launcher, then another: each sent on to every process, and a "
-                f"process still running {KILL_AFTER_S:g} s after the second was killed: {fates}"
+                f"{name} to the launcher, then another: each sent on to every process, and any "
+                f"still running {KILL_AFTER_S:g} s after the second is killed: {fates}"
             )
         return 128 + fwd.signal, f"{name} to the launcher, sent on to every process: {fates}"
     if cause == "timeout":
@@ -466,13 +475,14 @@ def main(argv=None) -> int:
         keys = check(o.processes, keys)
         cmds = commands(o.processes, keys, free_port(), o.coordinator_timeout)
         n = f"{o.processes} process{'es' if o.processes != 1 else ''}"
+        started = time.time()
         print(f"launching {n} of lab.run: {' '.join(key_args(keys))}")
         sys.stdout.flush()
         return run(
             cmds,
             timeout_s=o.timeout or None,
             grace_s=o.coordinator_timeout,
-            then=lambda: resume_hint(o.processes, keys),
+            then=lambda: resume_hint(o.processes, keys, since=started),
         )
 
     return cli(
