@@ -144,9 +144,15 @@ def _check_port_free(coordinator: str, where: str) -> None:
             except OSError as e:
                 if e.errno != errno.EADDRINUSE:
                     continue  # not this family's to judge (an address it cannot bind)
+                # a SLURM job's port is derived from its id, unless JAX_COORDINATOR_PORT says
+                fix = (
+                    "export JAX_COORDINATOR_PORT= a free port"
+                    if where.startswith("SLURM")
+                    else "give coordinator= a free port"
+                )
                 raise ConfigError(
                     f"{where}: port {port} is already in use on this host (another job's "
-                    "coordinator, or another server): give coordinator= a free port"
+                    f"coordinator, or another server): {fix}"
                 ) from None
             return  # IPv6's wildcard covers IPv4 too where dual-stack; else IPv4's is tried
 

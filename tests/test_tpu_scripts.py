@@ -484,6 +484,7 @@ BAD = [
         ("gpu_create.sh", ["--name", "a", "--zone", "us-central1-a", *args], message)
         for args, message in (
             (["--machine-type", "a3-highgpu-8g", "--gpu", "nvidia-h100-80gb"], "leave --gpu out"),
+            (["--machine-type", "a3-highgpu-8g", "--gpu-count", "2"], "leave --gpu-count out"),
             (["--machine-type", "e2-standard-4"], "takes no GPU"),
             (["--machine-type", "a3-highgpu-8g", "--disk-size", "0"], "at least 50"),
             (["--machine-type", "n1-standard-8", "--gpu", "t4,count=9"], "--gpu 't4,count=9'"),
@@ -502,6 +503,12 @@ BAD = [
     ("run.sh", ["--hosts", "a,b", "--port", "08"], "--port '08' is not a whole number"),
     ("run.sh", ["--hosts", "a,b", "--module", "experiments"], "only lab.run joins hosts"),
     ("run.sh", ["--hosts", "a,b", "--", "coordinator=x:1"], "coordinator= is set by run.sh"),
+    # lab.run strips its keys: a leading space does not pass one the script sets
+    ("run.sh", ["--hosts", "a,b", "--", " coordinator=x:1"], "coordinator= is set by run.sh"),
+    # a TPU VM's workers find their coordinator themselves: these flags would do nothing
+    ("run.sh", ["--name", "a", "--zone", "us-west4-a", "--coordinator", "h"], "is for --hosts"),
+    ("run.sh", ["--name", "a", "--zone", "us-west4-a", "--port", "1234"], "is for --hosts"),
+    ("setup.sh", ["--hosts", "h", "--python", "3.10"], "needs Python 3.11 or newer"),
     # a port in --coordinator would become coordinator=H:P:PORT on every host
     ("run.sh", ["--hosts", "a,b", "--coordinator", "10.0.0.2:1234"], "holds a port: give the"),
     ("run.sh", ["--hosts", "a,b", "--coordinator", "[fd00::2]:1234"], "holds a port: give the"),

@@ -40,6 +40,7 @@ EOF_USAGE
 MACHINE=""
 GPU_TYPE=""
 GPU_COUNT=1
+GPU_COUNT_GIVEN=0
 IMAGE_FAMILY=common-cu124-debian-11-py310
 IMAGE_PROJECT=deeplearning-platform-release
 DISK_GB=200
@@ -52,7 +53,7 @@ while (($#)); do
     --zone) need "$@"; ZONE=$2; shift 2 ;;
     --machine-type) need "$@"; MACHINE=$2; shift 2 ;;
     --gpu) need "$@"; GPU_TYPE=$2; shift 2 ;;
-    --gpu-count) need "$@"; GPU_COUNT=$2; shift 2 ;;
+    --gpu-count) need "$@"; GPU_COUNT=$2; GPU_COUNT_GIVEN=1; shift 2 ;;
     --image-family) need "$@"; IMAGE_FAMILY=$2; shift 2 ;;
     --image-project) need "$@"; IMAGE_PROJECT=$2; shift 2 ;;
     --disk-size) need "$@"; DISK_GB=$2; shift 2 ;;
@@ -80,7 +81,9 @@ check_uint --disk-size "$DISK_GB"
 case $MACHINE in
   a2-* | a3-* | a4-* | g2-*)
     [[ -z $GPU_TYPE ]] ||
-      die "--machine-type $MACHINE comes with its GPUs; leave --gpu out" ;;
+      die "--machine-type $MACHINE comes with its GPUs; leave --gpu out"
+    ((GPU_COUNT_GIVEN == 0)) ||
+      die "--machine-type $MACHINE comes with its GPUs (the type sets how many); leave --gpu-count out" ;;
   n1-*)
     [[ -n $GPU_TYPE ]] ||
       die "--machine-type $MACHINE has no GPU of its own; add --gpu, e.g. --gpu nvidia-tesla-t4" ;;

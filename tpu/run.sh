@@ -42,6 +42,7 @@ EOF_USAGE
 
 MODULE=lab.run
 PORT=1234
+PORT_GIVEN=0
 COORDINATOR=""
 LAB_ARGS=()
 split_eq "$@"
@@ -52,7 +53,7 @@ while (($#)); do
     --zone) need "$@"; ZONE=$2; shift 2 ;;
     --hosts) need "$@"; HOSTS_CSV=$2; shift 2 ;;
     --coordinator) need "$@"; COORDINATOR=$2; shift 2 ;;
-    --port) need "$@"; PORT=$2; shift 2 ;;
+    --port) need "$@"; PORT=$2; PORT_GIVEN=1; shift 2 ;;
     --module) need "$@"; MODULE=$2; shift 2 ;;
     --project) need "$@"; PROJECT=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
@@ -80,6 +81,9 @@ lab_command() {
 }
 
 if [[ -z $HOSTS_CSV ]]; then
+  # a TPU VM's workers find their coordinator in the TPU environment: these would do nothing
+  [[ -z $COORDINATOR ]] || die "--coordinator is for --hosts: a TPU VM's workers find their coordinator themselves"
+  ((PORT_GIVEN == 0)) || die "--port is for --hosts: a TPU VM's workers find their coordinator themselves"
   refuse_process_keys "would be the same on every worker: lab.run reads each worker's from the TPU environment" \
     ${LAB_ARGS[@]+"${LAB_ARGS[@]}"}
   tpu_ssh all "$(lab_command ${LAB_ARGS[@]+"${LAB_ARGS[@]}"})"

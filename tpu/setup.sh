@@ -66,6 +66,10 @@ if [[ -z $EXTRA ]]; then
 fi
 [[ $EXTRA =~ ^[a-z0-9_,-]+$ ]] || die "--extra '$EXTRA' is not an extra name like tpu or cuda"
 [[ $PYTHON =~ ^[A-Za-z0-9_.+-]+$ ]] || die "--python '$PYTHON' is not a version like 3.12"
+# the lab needs 3.11 or newer (pyproject.toml): refused here, not on every host after its venv
+if [[ $PYTHON =~ ^3\.([0-9]+)$ ]] && ((BASH_REMATCH[1] < 11)); then
+  die "--python $PYTHON: the lab needs Python 3.11 or newer"
+fi
 SPEC=".[$EXTRA]"
 [[ $EXTRA != none ]] || SPEC=.
 

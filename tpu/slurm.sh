@@ -11,9 +11,10 @@ Usage: tpu/slurm.sh --nodes N [options] [--] [KEY=VALUE ...]
 Run on a SLURM cluster's login node, in this checkout (which the GPU nodes must see:
 a shared file system). Submits one batch job: srun starts one task of
 `python -m lab.run KEY=VALUE ...` per GPU on every node, and each task joins the
-same jax.distributed job through the variables SLURM sets (JAX's own SLURM
-detection: the coordinator is the first node, on a port derived from the job id;
-task i of a node drives GPU i). No coordinator= keys: SLURM says who is who.
+same jax.distributed job through the variables SLURM sets (lab.run reads the
+coordinator itself: the first node of the step, every bracket group of the node list
+expanded, on a port derived from the job id; JAX's SLURM detection finds the process
+count and id; task i of a node drives GPU i). No coordinator= keys: SLURM says who is who.
 Give a mesh over all N x G GPUs, e.g. mesh=16x1 or mesh=data:-1: one over fewer
 is refused here, before the job waits in the queue.
 
