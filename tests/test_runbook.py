@@ -290,11 +290,12 @@ def test_the_dry_run_says_which_steps_fit_this_calls_budget(tmp_path, capsys):
     assert "this call runs step 3. " in out and "Off a GPU" not in out, out
     assert "Step 2 needs a GPU: skipped here, taking none of the budget" in out, out
     # all at once: the sum of the steps that run here (and the probe), not the skipped one's
-    o = options(tmp_path, budget=50.0, min_step=60.0, dry_run=True)  # step 1 is done
+    steps.append(fake("four", budget=100))
+    o = options(tmp_path, budget=50.0, min_step=20.0, dry_run=True)  # step 1 is done
     assert tool.run(o, steps=steps, gpu=False) == 0
     out = capsys.readouterr().out
-    assert "step 3 (100 s at most) are left for later calls" in out, out
-    assert "budget=160 for all at once" in out, out
+    assert "step 4 (100 s at most) are left for later calls" in out, out
+    assert "budget=260 for all at once" in out, out
 
 
 def test_a_dry_run_on_a_machine_without_a_gpu_says_size_full_is_refused_there(tmp_path, capsys):
@@ -350,6 +351,8 @@ def test_rows_of_a_rehearsal_are_headed_by_the_machine_they_ran_on():
         (["redo=ceilngs"], "redo='ceilngs': no such step (did you mean ceilings?)"),
         (["steps=serving"], "steps='serving': no such step (did you mean serve?)"),
         (["size=huge"], "size='huge': expected one of full | tiny"),
+        # no call of it could ever start a step (a dry run says so too)
+        (["min_step=1000", "budget=570", "dry_run=true"], "no step could ever start"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
@@ -509,7 +512,7 @@ def test_training_row_prefers_the_step_time_model_to_the_floor(tmp_path):
     }
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     _, predicted = rows.headline("train", [], tmp_path)
-    assert predicted == "step 180.00 ms (-10% of measured; step-time model)"
+    assert predicted == "step 180.00 ms (10% below measured; step-time model)"
 
 
 @pytest.mark.skipif(

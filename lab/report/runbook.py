@@ -143,7 +143,7 @@ def train(records: Sequence[dict], folder: Path) -> tuple[str, str]:
         if model and model.get("seconds"):  # the step-time model of the same compiled program
             predicted = (
                 f"step {duration(model['seconds'])} "
-                f"({model['ratio_to_measured'] - 1:+.0%} of measured; step-time model)"
+                f"({_against_measured(model['ratio_to_measured'])}; step-time model)"
             )
         elif s.get("mfu") and s.get("step_time"):
             floor = s["step_time"]["median_s"] * s["mfu"]  # FLOPs per step / peak
@@ -312,3 +312,12 @@ def markdown(table: Sequence[dict], platform: dict, command: str, date: str) -> 
         cells = (r["step"], r["status"], seconds, r["measured"], r["predicted"], files)
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join([*lines, "", PREDICTED_NOTE, ""])
+
+
+def _against_measured(ratio: float) -> str:
+    """'10% below measured' for a prediction 0.9× the measured step, '25% above measured'
+    for 1.25×, 'as measured' within 0.5%."""
+    off = ratio - 1
+    if abs(off) < 0.005:
+        return "as measured"
+    return f"{abs(off):.0%} {'below' if off < 0 else 'above'} measured"

@@ -163,10 +163,10 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
 
 
 _PLAN_CAPTION = (
-    "per device. compiled: the compiler's total, of it args (weights + cache: what "
-    "the calculator counts) and temp (the step's temporaries: dequantised int8 weights, "
-    "attention scores); calculator: parameters × bytes + the KV cache, split as the plan "
-    "splits them"
+    "per device. compiled: the compiler's total (arguments, outputs not aliased to them, "
+    "temporaries), of it args (weights + cache: what the calculator counts) and temp (the "
+    "step's temporaries: dequantised int8 weights, attention scores); calculator: "
+    "parameters × bytes + the KV cache, split as the plan splits them"
 )
 
 
@@ -177,7 +177,7 @@ def serving_plans(rows: list[PlanRow], title: str) -> Table:
     weights, the attention's scores), so the two are compared like for like."""
     t = Table(title=title, caption=_PLAN_CAPTION)
     cols = (
-        "weights",
+        "weights/cache",
         "batch",
         "context",
         "compiled",
