@@ -214,6 +214,53 @@ def _join_timeout(j: _Join, timeout_s: int, reached) -> str:
     )
 
 
+@contextlib.contextmanager
+def _a_signal_ends_the_wait(line):
+    """While the main thread waits inside JAX's runtime (a join), a signal's Python handler
+    cannot run until the wait ends, coordinator_timeout later: a Ctrl-C or a scheduler's
+    SIGTERM (scancel) would be held that long and then hidden by the timeout's line. Here a
+    thread reads the signals from the interpreter's wakeup descriptor, which its C handler
+    writes at once, and ends the process with `line(signal name)` on stderr, exit 130 (SIGINT)
+    or 143. Nothing has run yet. Off the main thread nothing changes."""
+    import signal
+
+    ends = {int(signal.SIGINT): 130, int(signal.SIGTERM): 143}
+    ends[int(signal.Signals[PARENT_DEATH_SIGNAL])] = 143  # the launcher died: as SIGTERM
+    try:
+        r, w = os.pipe()
+    except OSError:
+        yield
+        return
+    os.set_blocking(w, False)
+    try:
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        os.close(r)
+        os.close(w)
+        yield
+        return
+
+    def watch() -> None:
+        while data := os.read(r, 64):  # b"" once the write end is closed: the wait is over
+            for signum in data:
+                if signum in ends:
+                    name = "SIGTERM" if ends[signum] == 143 and signum != signal.SIGTERM else None
+                    name = name or signal.Signals(signum).name
+                    with contextlib.suppress(OSError):
+                        os.write(2, f"error: {line(name)}\n".encode())
+                    os._exit(ends[signum])
+
+    watcher = threading.Thread(target=watch, name="signal-during-join", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(old)
+        os.close(w)
+        watcher.join()
+        os.close(r)
+
+
 def _watchdog(timeout_s: float, line) -> threading.Timer:
     """A timer that ends this process with `line()` and exit 2 unless cancelled within
     timeout_s: it bounds a wait inside JAX's runtime, which Python cannot interrupt (the caller's
@@ -657,12 +704,14 @@ def _join(j: _Join, timeout_s: int) -> None:
         reached.set()
         left = max(deadline - time.monotonic(), 0.1)
         timer = _watchdog(left, lambda: _join_timeout(j, timeout_s, reached))
+        who = f"{j.where}: process {j.process_id} of {j.num_processes}"
         try:
-            jax.distributed.initialize(
-                **j.kwargs,
-                initialization_timeout=timeout_s,
-                shutdown_timeout_seconds=min(timeout_s, 30),
-            )
+            with _a_signal_ends_the_wait(lambda sig: f"{who}: {sig} while joining: nothing ran"):
+                jax.distributed.initialize(
+                    **j.kwargs,
+                    initialization_timeout=timeout_s,
+                    shutdown_timeout_seconds=min(timeout_s, 30),
+                )
         finally:
             timer.cancel()
         _watch_peers(j)

@@ -482,6 +482,39 @@ def test_an_unreachable_coordinator_is_one_line_within_its_timeout():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_joining_ends_the_wait_in_one_line(sig):
+    """Process 0 waits inside JAX's runtime for a peer that never comes; a scheduler's
+    SIGTERM (scancel) or a Ctrl-C ends it at once, in one line naming the signal, 143 or 130,
+    instead of after coordinator_timeout (60 s here) with the timeout's line."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "lab.run", *TINY, f"coordinator=localhost:{port}"]
+    cmd += ["num_processes=2", "process_id=0", "coordinator_timeout=60"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while True:  # process 0 serves the coordinator: once it listens, the wait has begun
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        try:
+            socket.create_connection(("localhost", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == (143 if sig == signal.SIGTERM else 130), err
+    name = signal.Signals(sig).name
+    assert err.strip().splitlines()[-1] == (
+        f"error: coordinator=localhost:{port}: process 0 of 2: {name} while joining: nothing ran"
+    ), err
+
+
 def _wait_for(path: Path, lines: int, proc, timeout_s: float = 180):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
