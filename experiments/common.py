@@ -16,6 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from lab import plans
 from lab.config import PRESETS, STATED_PARAMS, Config, make_config, override
 from lab.measure import ceilings, cost, memory, records, specs, timing
 
@@ -196,18 +197,22 @@ def spec_inputs(spec_key: str, *fields: str) -> dict:
 
 
 def h100_capacity() -> dict:
-    """What a training step on an H100 may hold, by the rule lab.run's plans use: the share of
-    the card's 80 GB that JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, default
-    0.75), not the whole card (the CUDA context and the allocator's own use the rest). The
-    records' `inputs` carry both figures and the rule."""
+    """What a training step on an H100 may hold, by the rule lab.run's plans use: the share
+    JAX's allocator takes (XLA_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_MEM_FRACTION, default
+    0.75) of the total memory the card reports (84.9e9 bytes, above the datasheet's "80 GB"),
+    not the whole card (the CUDA context and the allocator's own use the rest). The records'
+    `inputs` carry the figures and the rule."""
     h100 = specs.SPECS["h100-sxm"]
-    usable = memory.usable_bytes(h100.memory_bytes, "NVIDIA H100")
+    kind = plans.gpu.GPUS["h100"].device_kind
+    reported = plans.gpu.reported_memory(kind)
+    usable = memory.usable_bytes(h100.memory_bytes, kind, reported)
     return {
         "h100_memory_bytes": h100.memory_bytes,
         "h100_memory_source": h100.source_of("memory_bytes"),
+        "h100_reported_bytes": reported,
         "h100_usable_bytes": usable,
-        "h100_usable_rule": f"JAX's allocator share, {usable / h100.memory_bytes:.2f} of the "
-        "card (XLA_PYTHON_CLIENT_MEM_FRACTION), as lab.run target=gpu:h100 judges a fit",
+        "h100_usable_rule": f"JAX's allocator share, {usable / reported:.2f} of the memory the "
+        "card reports (XLA_CLIENT_MEM_FRACTION), as lab.run target=gpu:h100 judges a fit",
     }
 
 

@@ -46,6 +46,7 @@ from lab.startup import (
     PARENT_DEATH_SIGNAL,  # noqa: F401 - where the launcher and loop find it
     command,
     in_huge_pages,
+    last_words,
 )
 
 
@@ -146,7 +147,7 @@ def _check_port_free(coordinator: str, where: str) -> None:
                     continue  # not this family's to judge (an address it cannot bind)
                 # a SLURM job's port is derived from its id, unless JAX_COORDINATOR_PORT says
                 fix = (
-                    "export JAX_COORDINATOR_PORT= a free port"
+                    "export JAX_COORDINATOR_PORT=<a free port> before srun"
                     if where.startswith("SLURM")
                     else "give coordinator= a free port"
                 )
@@ -220,9 +221,15 @@ def _a_signal_ends_the_wait(line):
     cannot run until the wait ends, coordinator_timeout later: a Ctrl-C or a scheduler's
     SIGTERM (scancel) would be held that long and then hidden by the timeout's line. Here a
     thread reads the signals from the interpreter's wakeup descriptor, which its C handler
-    writes at once, and ends the process with `line(signal name)` on stderr, exit 130 (SIGINT)
-    or 143. Nothing has run yet. Off the main thread nothing changes."""
+    writes at once, runs what the command registered to keep on a stop (startup.on_stop: an
+    empty results folder it made goes) and ends the process with `line(signal name)` on
+    stderr, exit 130 (SIGINT) or 143. Nothing has run yet. Only in a lab command's main
+    thread: a program that imports the lab keeps its own handlers and wakeup descriptor."""
     import signal
+
+    if not command():
+        yield
+        return
 
     ends = {int(signal.SIGINT): 130, int(signal.SIGTERM): 143}
     ends[int(signal.Signals[PARENT_DEATH_SIGNAL])] = 143  # the launcher died: as SIGTERM
@@ -246,6 +253,7 @@ def _a_signal_ends_the_wait(line):
                 if signum in ends:
                     name = "SIGTERM" if ends[signum] == 143 and signum != signal.SIGTERM else None
                     name = name or signal.Signals(signum).name
+                    last_words()
                     with contextlib.suppress(OSError):
                         os.write(2, f"error: {line(name)}\n".encode())
                     os._exit(ends[signum])

@@ -286,7 +286,9 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
     whose state is kept (a checkpoint, the agreed stop) is read before the next is
     dispatched: its metrics are checked before the state is saved, and the next step would
     donate the state's buffers. Such a step and the one before it are then read together
-    (`_Reader.read_both`), as is the last step, unless the one before is a warm-up step."""
+    (`_Reader.read_both`), as is the last step, unless the one before is a warm-up step; a
+    step the agreed stop keeps is read alone (the stop is known only once the step before it
+    is read, which the processes' agreement needs), so its time may read short."""
     batch = _batch(cfg, trainer, start)
     tracer = _Tracer(profile_dir(Path(cfg.out_dir) / cfg.name), console, profile_window(start))
     with progress.training(console) as bar, tracer:
@@ -301,10 +303,7 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
             # every checkpoint_every steps, and the last: a finished run keeps its end
             every = cfg.checkpoint_every
             save = saver and every and (step % every == 0 or step == cfg.steps)
-            # Peers may be two steps ahead: each queues a step only after reading the one two
-            # before it (whatever this process has read of its own steps so far).
-            stopping = agreed_stop(stop, step, ahead=2)  # the same step on every process
-            kept = save or stopping or reader.wait_at(step)
+            kept = save or reader.wait_at(step)  # known before the step before is read
             # read with the step before it, unless that one is a warm-up step (the summary
             # leaves those out by position: their time must stay theirs)
             paired = pending and pending[0] > start + WARMUP_STEPS
@@ -319,7 +318,11 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
                     if bad:
                         return bad
                 pending = (step, metrics)
-            if kept:
+            # Asked only now, after the step before is read: that read proves every peer has
+            # queued this step's predecessor, and so that none is more than two steps ahead of
+            # the step a signalled process posts (asked before it, a peer could be three).
+            stopping = agreed_stop(stop, step, ahead=2)  # the same step on every process
+            if kept or stopping:
                 if pending:
                     bad = reader.read(*pending)
                     pending = None

@@ -225,8 +225,8 @@ def _plan(o: Options, s, con) -> int:
     if not r.device_kind.startswith("TPU"):
         share = memory.gpu_allocator_fraction()
         con.print(
-            f"usable: {share:.0%} of the GPU's memory, what JAX's allocator takes "
-            "(XLA_PYTHON_CLIENT_MEM_FRACTION)"
+            f"usable: {share:.0%} of the memory the GPU reports, what JAX's allocator takes "
+            "(XLA_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_MEM_FRACTION)"
         )
     config = {"preset": s.cfg.preset, "mesh": s.cfg.mesh, "target": s.cfg.target}
     if m := model_changes(s.cfg):  # the model fields that differ from the preset's

@@ -121,17 +121,24 @@ def keep_on_stop(finished: list, write) -> Callable[[], None]:
     return take_and_write
 
 
-def _exit(signum, _frame) -> None:
-    if _held["on"]:
-        _held["signum"] = _held["signum"] or signum
-        return
-    name = "SIGTERM" if signum == _PARENT_DEATH else signal.Signals(signum).name
+def last_words() -> None:
+    """Run what on_stop registered (newest first, each once), as a signal's exit does; for
+    an exit that cannot go through the handler (a thread's, while the main thread waits
+    inside a native call)."""
     while _last_words:
         keep = _last_words.pop()
         try:
             keep()
         except Exception:  # noqa: BLE001 - the exit line must still come
             pass
+
+
+def _exit(signum, _frame) -> None:
+    if _held["on"]:
+        _held["signum"] = _held["signum"] or signum
+        return
+    name = "SIGTERM" if signum == _PARENT_DEATH else signal.Signals(signum).name
+    last_words()
     try:  # one write, then out: no exception may reach the code the signal interrupted
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - a closed pipe must not keep the process alive

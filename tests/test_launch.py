@@ -522,7 +522,9 @@ def test_process_0_refuses_a_port_another_server_listens_on():
         with pytest.raises(ConfigError, match=f"port {port} is already in use.*coordinator="):
             devices._check_port_free(f"localhost:{port}", "coordinator")
         # a SLURM job's port comes from its id: the way to move it is JAX_COORDINATOR_PORT
-        with pytest.raises(ConfigError, match="export JAX_COORDINATOR_PORT= a free port"):
+        with pytest.raises(
+            ConfigError, match="export JAX_COORDINATOR_PORT=<a free port> before srun"
+        ):
             devices._check_port_free(f"localhost:{port}", "SLURM job 7, coordinator x")
     devices._check_port_free(f"localhost:{launch.free_port()}", "coordinator")  # a free one
 

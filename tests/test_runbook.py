@@ -353,6 +353,7 @@ def test_rows_of_a_rehearsal_are_headed_by_the_machine_they_ran_on():
         (["size=huge"], "size='huge': expected one of full | tiny"),
         # no call of it could ever start a step (a dry run says so too)
         (["min_step=1000", "budget=570", "dry_run=true"], "no step could ever start"),
+        (["min_step=570", "budget=570"], "min_step=570 is not below budget=570"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):

@@ -508,7 +508,13 @@ BAD = [
     # a TPU VM's workers find their coordinator themselves: these flags would do nothing
     ("run.sh", ["--name", "a", "--zone", "us-west4-a", "--coordinator", "h"], "is for --hosts"),
     ("run.sh", ["--name", "a", "--zone", "us-west4-a", "--port", "1234"], "is for --hosts"),
-    ("setup.sh", ["--hosts", "h", "--python", "3.10"], "needs Python 3.11 or newer"),
+    *(
+        ("setup.sh", ["--hosts", "h", "--python", v], "needs Python 3.11 or newer")
+        for v in ("3.10", "3.10.4", "python3.10", "2.7", "3", "3.08")
+    ),
+    ("run.sh", ["--name", "a", "--zone", "us-west4-a", "--", "coordinator =x"], "would be the"),
+    ("run.sh", ["--hosts", "a", "--port", "99"], "--port is for two or more --hosts"),
+    ("run.sh", ["--hosts", "a", "--coordinator", "z"], "--coordinator is for two or more"),
     # a port in --coordinator would become coordinator=H:P:PORT on every host
     ("run.sh", ["--hosts", "a,b", "--coordinator", "10.0.0.2:1234"], "holds a port: give the"),
     ("run.sh", ["--hosts", "a,b", "--coordinator", "[fd00::2]:1234"], "holds a port: give the"),

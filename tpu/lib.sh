@@ -165,9 +165,10 @@ refuse_process_keys() { # WHY KEY=VALUE... : the keys that say who a process is,
   local why=$1 a
   shift
   for a in "$@"; do
-    a=$(trim "$a") # lab.run strips its keys: ' coordinator=x' is coordinator=
+    [[ $a == *=* ]] || continue
+    a=$(trim "${a%%=*}") # lab.run strips its keys: ' coordinator =x' is coordinator=
     case $a in
-      coordinator=* | num_processes=* | process_id=*) die "${a%%=*}= $why" ;;
+      coordinator | num_processes | process_id) die "$a= $why" ;;
     esac
   done
 }

@@ -91,6 +91,10 @@ if [[ -z $HOSTS_CSV ]]; then
 fi
 
 n=${#HOSTS[@]}
+if ((n == 1)); then # one host joins nobody: these would do nothing
+  [[ -z $COORDINATOR ]] || die "--coordinator is for two or more --hosts: one host joins nobody"
+  ((PORT_GIVEN == 0)) || die "--port is for two or more --hosts: one host joins nobody"
+fi
 if ((n > 1)); then
   [[ $MODULE == lab.run ]] ||
     die "--module $MODULE on $n hosts: only lab.run joins hosts into one job (run $MODULE on one host: --hosts ${HOSTS[0]})"

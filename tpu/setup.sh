@@ -67,8 +67,13 @@ fi
 [[ $EXTRA =~ ^[a-z0-9_,-]+$ ]] || die "--extra '$EXTRA' is not an extra name like tpu or cuda"
 [[ $PYTHON =~ ^[A-Za-z0-9_.+-]+$ ]] || die "--python '$PYTHON' is not a version like 3.12"
 # the lab needs 3.11 or newer (pyproject.toml): refused here, not on every host after its venv
-if [[ $PYTHON =~ ^3\.([0-9]+)$ ]] && ((BASH_REMATCH[1] < 11)); then
-  die "--python $PYTHON: the lab needs Python 3.11 or newer"
+# (3.10, 3.10.4, python3.10, 2.7 and a bare 3 are refused; 3.12, pypy3.11 and the like pass)
+if [[ $PYTHON =~ ^(python|cpython-?)?([0-9]+)(\.([0-9]+))?([.-].*)?$ ]]; then
+  major=$((10#${BASH_REMATCH[2]}))
+  minor=${BASH_REMATCH[4]:+$((10#${BASH_REMATCH[4]}))}
+  if ((major < 3)) || { ((major == 3)) && [[ -z $minor ]]; } || ((major == 3 && ${minor:-0} < 11)); then
+    die "--python $PYTHON: the lab needs Python 3.11 or newer (give e.g. 3.12)"
+  fi
 fi
 SPEC=".[$EXTRA]"
 [[ $EXTRA != none ]] || SPEC=.

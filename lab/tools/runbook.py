@@ -212,11 +212,11 @@ def run(o: Options, *, steps=None, probe=None, gpu=None) -> int:
     names = [s.name for s in steps]
     _check_names("steps", o.steps, names)
     _check_names("redo", o.redo, names, extra=("failed", "all"))
-    if o.min_step > o.budget:  # every call of it would start nothing, however often made
+    if o.min_step >= o.budget:  # every call of it would start nothing, however often made
         raise ConfigError(
-            f"min_step={o.min_step:g} > budget={o.budget:g}: a step starts only with min_step "
-            "seconds of the budget left, so no step could ever start; give a larger budget= or "
-            "a smaller min_step="
+            f"min_step={o.min_step:g} is not below budget={o.budget:g}: a step starts only with "
+            "min_step seconds of the budget left, and the platform probe takes some of it "
+            "first, so no step could ever start; give a larger budget= or a smaller min_step="
         )
     root = Path(o.out_dir) / "runbook"
     chosen = [s for s in steps if not o.steps or s.name in o.steps]

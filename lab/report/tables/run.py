@@ -157,7 +157,7 @@ def _plan_rows(t: Table, a: StepAnalysis) -> None:
             share = a.source["aot"]["allocator_share"]
             reported = a.source["aot"].get("reported_bytes")
             total = f"the {reported / GIB:.1f} GiB it reports" if reported else "spec"
-            where = f"({total} × {share:g}: JAX's allocator share, XLA_PYTHON_CLIENT_MEM_FRACTION)"
+            where = f"({total} × {share:g}: JAX's allocator share, XLA_CLIENT_MEM_FRACTION)"
         elif (a.source.get("aot") or {}).get("capacity_source") == "compiler":
             where = "(what XLA:TPU lets a program hold)"
         t.add_row(f"memory per device {where}", f"{cap / GIB:.1f} GiB: {plan.fit}")
