@@ -120,7 +120,10 @@ def parse_value(f: dataclasses.Field, typ, raw: str):
     if kind == "dtype":
         if raw.lower() not in DTYPES and not (raw == "auto" and f.default == "auto"):
             extra = ", auto" if f.default == "auto" else ""
-            raise ConfigError(f"{key}={raw!r}: expected one of float32, bfloat16, float16{extra}")
+            raise ConfigError(
+                f"{key}={raw!r}: expected one of float32 (f32), bfloat16 (bf16), float16 (f16)"
+                f"{extra}"
+            )
         return DTYPES.get(raw.lower(), raw)
     if kind == "mesh":
         if not raw.strip():

@@ -288,8 +288,10 @@ def _run(o: Options, keys: dict, results: Path) -> int:
     rundir.quiet_libraries(results, delay=True)
     s, run_dir = _session(o, keys)
     con = progress.console()
+    used = s.trainer.mesh.size  # a mesh may use fewer of the devices than there are
+    of = f" ({used} of {s.info.count} devices)" if used < s.info.count else ""
     con.print(
-        f"[bold]lab.serve[/bold] {s.info.header()} · model={s.cfg.preset} mesh={s.cfg.mesh} "
+        f"[bold]lab.serve[/bold] {s.info.header()} · model={s.cfg.preset} mesh={s.cfg.mesh}{of} "
         f"compute {s.cfg.model.dtype}, attention {s.cfg.model.attention}"
     )
     if not s.cfg.target:

@@ -46,7 +46,10 @@ def test_every_preset_is_valid(name):
         (["lr=fast"], "lr='fast': expected a number"),
         (["steps=-1"], "steps='-1': must be >= 0"),
         (["seed=4294967296"], "seed='4294967296': must be <= 4294967295"),
-        (["dtype=int7"], "dtype='int7': expected one of float32, bfloat16, float16"),
+        (
+            ["dtype=int7"],
+            "dtype='int7': expected one of float32 (f32), bfloat16 (bf16), float16 (f16)",
+        ),
         (["remat=some"], "remat='some': expected one of none | full | dots"),
         (["resume=maybe"], "resume='maybe': expected a boolean"),
         (["mesh=4y2"], "mesh='4y2'"),
@@ -238,7 +241,10 @@ def test_loss_scale_takes_the_word_auto(capsys):
         (dict(lr="1e-3"), "lr='1e-3': expected a number"),
         (dict(loss_scale="big"), "loss_scale='big': expected a number or auto"),
         (dict(tie_embeddings=1), "tie_embeddings=1: expected a boolean"),
-        (dict(dtype="bfloat61"), "dtype='bfloat61': expected one of float32, bfloat16"),
+        (
+            dict(dtype="bfloat61"),
+            "dtype='bfloat61': expected one of float32 (f32), bfloat16 (bf16)",
+        ),
         (dict(mesh=4), "mesh=4: expected a string"),
         (dict(mesh="4y2"), "mesh='4y2': "),
         (dict(model="tinny"), "model='tinny': expected one of tiny | small"),

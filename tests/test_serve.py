@@ -128,15 +128,18 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, words):
 
 def test_the_header_names_the_decode_attention_kernel(tmp_path, capsys):
     """The header names the prefill attention and, on its own line, the decode attention
-    kernel: with a soft-cap on CPU that is the plain-JAX reference, and the line says why.
+    kernel: with a soft-cap on CPU that is the plain-JAX reference, and the line says why;
+    a mesh over fewer devices than there are says how many it uses.
     (A context too large for memory stops the run right after the header.)"""
     from lab.kernels import cpu_gemv
 
-    args = [*FAST, "softcap=30", "context=20000000", "batches=64", f"results={tmp_path}"]
-    assert serve(args) == 2
+    fast = [a for a in FAST if not a.startswith("prefill_batches=")]  # 1 splits over no mesh
+    args = [*fast, "softcap=30", "context=20000000", "batches=64", "mesh=2", "prefill_batches=2"]
+    assert serve([*args, f"results={tmp_path}"]) == 2
     out = capsys.readouterr().out
     assert out.count("decode    attention ") == 1
     words = " ".join(out.split())  # the console wraps a long line at its width
+    assert "cpu × 8 (simulated CPU devices)" in words and "mesh=2 (2 of 8 devices)" in words
     if cpu_gemv.available():
         assert (
             "decode attention reference (plain JAX: reads every cache slot) instead of cpu: "

@@ -17,7 +17,7 @@ collective waits for every peer, forever):
   the launcher exits with the same code.
 - SIGINT and SIGTERM to the launcher are sent on to every process and end the same way. A
   second one is sent on too (lab.run exits at once on a second signal, unsaved), and a process
-  still running KILL_AFTER_S later is killed: one blocked inside the runtime cannot run its
+  still running 5 s later is killed: one blocked inside the runtime cannot run its
   handler, so a second Ctrl-C never waits out coordinator_timeout.
 - A process that dies (a crash, SIGKILL, an abort) or stops on its own ends the job: the rest
   are sent SIGTERM at once, and SIGKILL 5 s later if a collective holds them. After a stop
