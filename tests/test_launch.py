@@ -426,6 +426,36 @@ def test_a_process_killed_by_a_signal_is_named_with_it_and_sets_128_plus_n():
     assert line.startswith("launch: process 1 was killed by SIGKILL; process 0 was stopped by")
 
 
+def test_a_stop_the_launchers_own_sigterm_causes_is_not_named_as_the_cause():
+    """Process 1 is killed; the launcher stops process 0 with SIGTERM, which posts a stop
+    step as a signalled lab.run does, then hangs (its peer is gone) until SIGKILL. The job
+    was ended by process 1's death: its code (137) and its name lead the last line."""
+    from lab.devices import STOP_LINE
+
+    posted = STOP_LINE.format(signal="SIGTERM", process=0, step=7)
+    hangs = (
+        "import signal, sys, time\n"
+        "def on(*_):\n"
+        f"    print({posted!r}, flush=True)\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "signal.signal(signal.SIGTERM, on)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    killed = [
+        sys.executable,
+        "-c",
+        "import os, signal, time; time.sleep(1); os.kill(os.getpid(), signal.SIGKILL)",
+    ]
+    err = io.StringIO()
+    t0 = time.monotonic()
+    code = launch.run([[sys.executable, "-c", hangs], killed], out=io.StringIO(), err=err)
+    assert code == 137, err.getvalue()
+    assert time.monotonic() - t0 < launch.KILL_AFTER_S + 10
+    line = err.getvalue()
+    assert line.startswith("launch: process 1 was killed by SIGKILL; process 0 was stopped by")
+
+
 def test_a_survivors_traceback_is_left_out_and_the_first_failures_is_shown():
     """A process that fails because another died prints the echo of that death (gloo: the
     connection was closed); the launcher keeps it to one line. The first failure's own

@@ -296,7 +296,9 @@ class _Job:
         for line in self.procs[i].stdout:
             if NOISE.match(line):
                 continue
-            if m := STOP_RE.search(line):
+            # a stop a process posts on a signal of its own; one the launcher's stop caused
+            # (another process had died: this one was told to end) is not the job's cause
+            if (m := STOP_RE.search(line)) and int(m[2]) not in self.stopped:
                 self.signalled[int(m[2])] = (m[1], int(m[3]))
             if held or FATAL.match(line):
                 held.append(line)
