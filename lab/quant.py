@@ -53,6 +53,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 INT8_MAX = 127
@@ -74,7 +75,9 @@ def quantize_int8(x, axis):
     """
     axes = _axes(axis, x.ndim)
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
-    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)  # an all-zero channel: any scale
+    # an all-zero channel: any scale; a channel holding NaN keeps it in its scale, so what is
+    # read back through it is NaN too, never a number the codes made up
+    scale = jnp.where(amax > 0, amax / INT8_MAX, jnp.where(jnp.isnan(amax), jnp.nan, 1.0))
     x_i8 = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -INT8_MAX, INT8_MAX)
     return x_i8.astype(jnp.int8), scale
 
@@ -84,7 +87,10 @@ def dequantize_int8(x_i8, scale, dtype=jnp.float32):
 
 
 def _parse(eqn: str):
-    ins, out = eqn.replace(" ", "").split("->")
+    plain = eqn.replace(" ", "")
+    if plain.count("->") != 1 or plain.split("->")[0].count(",") != 1:
+        raise ValueError(f"{eqn=}: expected two operands and an output, e.g. 'bld,dhk->blhk'")
+    ins, out = plain.split("->")
     x_subs, w_subs = ins.split(",")
     if "." in eqn or len(set(w_subs)) != len(w_subs):
         raise ValueError(f"{eqn=}: plain two-operand einsum without ellipsis or repeats")
@@ -106,6 +112,13 @@ def int8_einsum(eqn: str, x, w_i8, w_scale, *, activations: str = "float"):
     contracted = [c for c in w_subs if c not in out]
     if w_i8.ndim != len(w_subs) or w_scale.ndim != len(w_subs):
         raise ValueError(f"{eqn=} {w_i8.shape=} {w_scale.shape=}: ranks do not match {w_subs!r}")
+    if x.ndim != len(x_subs):
+        raise ValueError(f"{eqn=} {x.shape=}: its rank does not match {x_subs!r}")
+    for c in set(x_subs) & set(w_subs):
+        if x.shape[x_subs.index(c)] != w_i8.shape[w_subs.index(c)]:
+            raise ValueError(
+                f"{eqn=} {x.shape=} {w_i8.shape=}: axis {c!r} differs between x and the weight"
+            )
     want = tuple(1 if c in contracted else n for c, n in zip(w_subs, w_i8.shape, strict=True))
     if w_scale.shape != want:
         raise ValueError(
@@ -314,11 +327,36 @@ def quantize_kv(x_BxGxSxK):
 
 
 def dequantize_kv(x_i8_BxGxSxK, scale_BxGx1xS, dtype=jnp.float32):
+    _check_cache(x_i8_BxGxSxK, scale_BxGx1xS)
     return dequantize_int8(x_i8_BxGxSxK, jnp.swapaxes(scale_BxGx1xS, 2, 3), dtype)
 
 
+def _check_cache(cache_i8_BxGxSxK, scale_BxGx1xS) -> None:
+    """An int8 cache [B, G, S, K] and its per-token scales [B, G, 1, S]: ValueError otherwise."""
+    shape = jnp.shape(cache_i8_BxGxSxK)
+    want = (*shape[:2], 1, shape[2]) if len(shape) == 4 else None
+    if want is None or jnp.shape(scale_BxGx1xS) != want:
+        raise ValueError(
+            f"cache {shape}, scales {jnp.shape(scale_BxGx1xS)}: expected a cache [B, G, S, K] "
+            f"and its scales [B, G, 1, S]{f' = {want}' if want else ''}"
+        )
+
+
 def write_kv(cache_i8_BxGxSxK, scale_BxGx1xS, new_BxGxK, pos_B):
-    """Quantize one new token per sequence and write it at slot pos[b] (a decode step)."""
+    """Quantize one new token per sequence and write it at slot pos[b] (a decode step).
+    Shapes are checked, and positions outside the cache where they are known (concrete); a
+    traced position past the cache is clamped to its last slot, as dynamic_update_slice does."""
+    _check_cache(cache_i8_BxGxSxK, scale_BxGx1xS)
+    B, G, S, K = cache_i8_BxGxSxK.shape
+    if jnp.shape(new_BxGxK) != (B, G, K) or jnp.shape(pos_B) != (B,):
+        raise ValueError(
+            f"new {jnp.shape(new_BxGxK)}, pos {jnp.shape(pos_B)}: expected one token per "
+            f"sequence [B, G, K] = {(B, G, K)} and one position per sequence [B] = {(B,)}"
+        )
+    if not isinstance(pos_B, jax.core.Tracer):
+        pos = np.asarray(pos_B)
+        if not np.issubdtype(pos.dtype, np.integer) or pos.min() < 0 or pos.max() >= S:
+            raise ValueError(f"pos={pos.tolist()}: positions must be integers in 0..{S - 1}")
     new_i8_BxGxK, new_scale_BxGx1 = quantize_int8(new_BxGxK, axis=2)
 
     def one(cache_GxSxK, scale_Gx1xS, tok_GxK, s_Gx1, pos):

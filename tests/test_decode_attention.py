@@ -237,6 +237,8 @@ def test_splits_default_fills_the_gpu():
             "needs k_scale of floats",
         ),
         (lambda a: {**a, "k_scale": jnp.ones((B, G_MAX, 1, S))}, "only for an int8 cache"),
+        (lambda a: {**a, "k": a["k"][:, :0], "v": a["v"][:, :0]}, "heads and head_dim"),
+        (lambda a: {**a, "q": a["q"][..., :0]}, "heads and head_dim"),
     ],
 )
 def test_bad_inputs_raise_naming_the_shape(change, match):
@@ -245,6 +247,14 @@ def test_bad_inputs_raise_naming_the_shape(change, match):
     for fn in (decode.decode_attention_reference, kernel("tpu", 1), kernel("gpu", 1)):
         with pytest.raises(ValueError, match=match):
             fn(args["q"], args["k"], args["v"], args["lengths"], args["k_scale"], None)
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("nan")])
+def test_the_reference_called_directly_refuses_a_cap_that_is_not_positive(cap):
+    """A cap of 0 makes every score 0 and -1 acts as +1: refused, as the dispatch does."""
+    q, k, v, lengths = random_inputs(1, 2, jnp.float32)
+    with pytest.raises(ValueError, match="softcap="):
+        decode.decode_attention_reference(q, k, v, lengths, softcap=cap)
 
 
 def test_kernel_limits():

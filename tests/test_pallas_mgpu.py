@@ -262,6 +262,23 @@ def test_masks_and_sinks_through_the_dispatch_without_races(fresh_interpreter):
     assert max(errors.values()) < TOL["bfloat16"], errors
 
 
+@needs_interpreter
+def test_under_x64_the_interpreted_kernel_is_refused_in_one_line_not_left_to_stall():
+    """With jax_enable_x64 on, JAX's GPU interpreter stalled on this kernel with segment ids
+    and failed to lower it with one kv head: a clear error naming the way out instead; with
+    x64 off around the call, the same call and its gradient run."""
+    q = jax.random.normal(jax.random.key(5), (1, 48, 2, 64), jnp.float32).astype(jnp.bfloat16)
+    k = q[:, :, :1]
+    seg = jnp.asarray(np.repeat([[0, 1, 2, 3]], 12, axis=1))
+    attn = functools.partial(attention, causal=True, impl="pallas_mgpu", interpret=True)
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match=r"with jax.enable_x64\(False\)"):
+            attn(q, k, k, q_segment_ids=seg)
+        with jax.enable_x64(False):
+            grad = jax.grad(lambda q: attn(q, k, k, q_segment_ids=seg).astype(float).sum())(q)
+    assert grad.shape == q.shape and bool(jnp.isfinite(grad.astype(jnp.float32)).all())
+
+
 def _train_losses(attention_impl: str, steps: int = 3) -> list[float]:
     """A tiny model (one layer, head_dim 64, 2 query heads per kv head, bf16), a few steps."""
     from few_steps import train_steps

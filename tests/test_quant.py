@@ -126,6 +126,26 @@ def test_quantize_params_and_errors():
         quant.int8_einsum("bld,dhk->blhk", x, wq.scale * jnp.ones((8, 2, 4)), wq.scale)
 
 
+def test_einsum_shapes_a_user_gets_wrong_are_named():
+    wq = quant.quantize_params({"wq": jnp.ones((8, 2, 4))})["wq"]
+    x = jnp.ones((1, 3, 8))
+    with pytest.raises(ValueError, match="expected two operands and an output"):
+        quant.int8_einsum("bld,dhk", x, wq.q, wq.scale)
+    with pytest.raises(ValueError, match="axis 'd' differs between x and the weight"):
+        quant.int8_einsum("bld,dhk->blhk", jnp.ones((1, 3, 5)), wq.q, wq.scale)
+    with pytest.raises(ValueError, match="its rank does not match 'bld'"):
+        quant.int8_einsum("bld,dhk->blhk", jnp.ones((3, 8)), wq.q, wq.scale)
+
+
+def test_a_channel_holding_nan_reads_back_as_nan():
+    """A NaN in a channel gives that channel a NaN scale, so dequantising it, or a product
+    through it, is NaN: never codes made up with a scale of 1. Other channels keep theirs."""
+    x = jax.random.normal(jax.random.key(3), (4, 3)).at[1, 2].set(jnp.nan)
+    x_i8, scale = quant.quantize_int8(x, axis=0)  # one scale per column
+    back = quant.dequantize_int8(x_i8, scale)
+    assert np.isnan(back[:, 2]).all() and not np.isnan(back[:, :2]).any()
+
+
 # ---------------------------------------------------------------------------- KV cache
 
 
@@ -155,6 +175,22 @@ def test_write_kv_updates_one_slot_per_sequence():
     want_i8, want_scale = quant.quantize_kv(k.at[jnp.arange(3), :, pos].set(new))
     np.testing.assert_array_equal(k2_i8, want_i8)
     np.testing.assert_array_equal(scale2, want_scale)
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache_and_shapes_that_differ():
+    """A position it knows (concrete) outside 0..S-1 would be clamped onto the last slot,
+    and a token narrower than the cache would leave stale codes: each is a ValueError."""
+    _, k, _, _ = kv_inputs()
+    k_i8, scale = quant.quantize_kv(k)
+    B, G, S, K = k.shape
+    new = jax.random.normal(jax.random.key(9), (B, G, K))
+    for pos in ([0, 1, S], [-1, 0, 1]):
+        with pytest.raises(ValueError, match=f"positions must be integers in 0..{S - 1}"):
+            quant.write_kv(k_i8, scale, new, jnp.array(pos, jnp.int32))
+    with pytest.raises(ValueError, match="expected one token per sequence"):
+        quant.write_kv(k_i8, scale, new[..., : K // 2], jnp.array([0, 1, 2], jnp.int32))
+    with pytest.raises(ValueError, match="expected a cache"):
+        quant.dequantize_kv(k_i8, jnp.swapaxes(scale, 2, 3))
 
 
 @pytest.mark.parametrize("impl", ["reference", "tpu", "gpu", "cpu"])

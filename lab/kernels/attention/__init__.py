@@ -94,6 +94,7 @@ from lab.kernels.attention.common import (
     check_flag,
     check_interpret,
     check_qkv,
+    check_rank,
     check_softcap,
     default_scale,
     device_kind,
@@ -557,6 +558,7 @@ def attention(
     `auto` picks the fastest one that has them all.
     """
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
+    check_rank(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV)  # before any rule reads a dimension
     if _explicit_axes():  # see the module docstring
         call = functools.partial(
             attention,

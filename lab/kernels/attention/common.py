@@ -59,10 +59,7 @@ def check_qkv(
     then allowed); `value_dim`: the caller takes a value head dim unlike the query/key one.
     """
     q, k, v = q_BxLxHxK, k_BxSxGxK, v_BxSxGxK
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            f"{q.shape=} {k.shape=} {v.shape=}: expected [batch, seq, heads, head_dim]"
-        )
+    check_rank(q, k, v)
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"{k.shape=} {v.shape=}: keys and values must share batch, seq and heads")
     if not value_dim and k.shape != v.shape:
@@ -86,8 +83,16 @@ def check_qkv(
         raise ValueError(f"{q.dtype=} {k.dtype=} {v.dtype=}: q, k, v must share one dtype")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"{q.dtype=}: attention takes floating-point q, k, v")
-    if 0 in (*q.shape, *k.shape, *v.shape):
-        raise ValueError(f"{q.shape=} {k.shape=} {v.shape=}: every dimension must be at least 1")
+
+
+def check_rank(q, k, v) -> None:
+    """q, k and v are each [batch, seq, heads, head_dim], none of them 0 (checked before any
+    rule that divides by one): ValueError otherwise."""
+    shapes = " ".join(f"{n}.shape={jnp.shape(x)}" for n, x in zip("qkv", (q, k, v), strict=True))
+    if any(jnp.ndim(x) != 4 for x in (q, k, v)):
+        raise ValueError(f"{shapes}: expected [batch, seq, heads, head_dim]")
+    if 0 in (*jnp.shape(q), *jnp.shape(k), *jnp.shape(v)):
+        raise ValueError(f"{shapes}: every dimension must be at least 1")
 
 
 def check_dtype(q_BxLxHxK, allowed: tuple, impl: str) -> None:

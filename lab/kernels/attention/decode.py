@@ -167,6 +167,8 @@ def check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_sc
         )
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"{k.shape=} {v.shape=} {k.dtype=} {v.dtype=}: caches must match")
+    if 0 in (*q.shape[1:], k.shape[1], k.shape[3]):  # before any rule that divides by one
+        raise ValueError(f"{q.shape=} {k.shape=}: heads and head_dim must be at least 1")
     if k.shape[2] == 0:
         raise ValueError(f"{k.shape=}: the cache has no position (cache_len 0); decode needs one")
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[3]:
@@ -266,7 +268,7 @@ def decode_attention_reference(
     """
     check_inputs(q_BxHxK, k_BxGxSxK, v_BxGxSxK, lengths_B, k_scale_BxGx1xS, v_scale_BxGx1xS)
     lengths_B = as_lengths(lengths_B, q_BxHxK.shape[0], k_BxGxSxK.shape[2])
-    window = check_window(window)
+    window, softcap = check_window(window), check_softcap(softcap)
     B, H, K = q_BxHxK.shape
     G, S = k_BxGxSxK.shape[1:3]
     acc = jnp.promote_types(q_BxHxK.dtype, jnp.float32)

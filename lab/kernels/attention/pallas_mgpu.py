@@ -531,7 +531,7 @@ def _produce(n_steps, stages: int, load, free_barriers):
     observe the last completions of every free barrier (so that every barrier phase the
     producer could see is seen: the interpreter checks this, and it is free on hardware)."""
     for s in range(stages):
-        pl.when(s < n_steps)(functools.partial(load, s, s))
+        pl.when(s < n_steps)(functools.partial(load, _i32(s), s))  # int32 under x64 too
 
     def refill(t, carry):
         slot = _slot(t, stages)
@@ -1461,6 +1461,14 @@ def flash_attention_mgpu(
         raise ValueError(
             f"interpret={interpret!r}: JAX's GPU interpreter runs pallas_mgpu from jax 0.11 "
             f"(this is {jax.__version__}: no layout_cast rule, no transposed smem operand)"
+        )
+    if interpret is not False and interpret is not None and jax.config.jax_enable_x64:
+        # seen on jax 0.12: with segment ids the interpreter's threads waited on each other
+        # forever; one kv head failed to lower (a loop carry of int64 beside int32). With x64
+        # off the same calls return, gradients included.
+        raise ValueError(
+            "impl='pallas_mgpu' does not run in JAX's GPU interpreter while jax_enable_x64 "
+            "is on: turn it off for this call (with jax.enable_x64(False): ...)"
         )
     if block_sizes is None:
         # the wider head dim sets the tiles: shared memory holds tiles of both widths
