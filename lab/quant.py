@@ -77,7 +77,9 @@ def quantize_int8(x, axis):
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
     # an all-zero channel: any scale; a channel holding NaN keeps it in its scale, so what is
     # read back through it is NaN too, never a number the codes made up
-    scale = jnp.where(amax > 0, amax / INT8_MAX, jnp.where(jnp.isnan(amax), jnp.nan, 1.0))
+    # (asked of isnan, not of the max: XLA:CPU's max reduction drops NaN in larger arrays)
+    nan = jnp.isnan(x).any(axis=axes, keepdims=True)
+    scale = jnp.where(nan, jnp.nan, jnp.where(amax > 0, amax / INT8_MAX, 1.0))
     x_i8 = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -INT8_MAX, INT8_MAX)
     return x_i8.astype(jnp.int8), scale
 
@@ -353,9 +355,12 @@ def write_kv(cache_i8_BxGxSxK, scale_BxGx1xS, new_BxGxK, pos_B):
             f"new {jnp.shape(new_BxGxK)}, pos {jnp.shape(pos_B)}: expected one token per "
             f"sequence [B, G, K] = {(B, G, K)} and one position per sequence [B] = {(B,)}"
         )
+    if S == 0:
+        raise ValueError(f"cache {cache_i8_BxGxSxK.shape}: it has no slot to write a token in")
     if not isinstance(pos_B, jax.core.Tracer):
         pos = np.asarray(pos_B)
-        if not np.issubdtype(pos.dtype, np.integer) or pos.min() < 0 or pos.max() >= S:
+        bad = pos.size and (pos.min() < 0 or pos.max() >= S)
+        if not np.issubdtype(pos.dtype, np.integer) or bad:
             raise ValueError(f"pos={pos.tolist()}: positions must be integers in 0..{S - 1}")
     new_i8_BxGxK, new_scale_BxGx1 = quantize_int8(new_BxGxK, axis=2)
 

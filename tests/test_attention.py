@@ -303,7 +303,7 @@ def _qkv(H=4, K=2, D=64, L=32, S=32, dtype="float32"):
         # no head: refused before the rule that divides query heads by kv heads
         ((lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]))(*_qkv()), {}, "at least 1"),
         ((lambda q, k, v: (q[:, :, :0], k, v))(*_qkv()), {"impl": "pallas_gpu"}, "at least 1"),
-        ((lambda q, k, v: (q[0], k, v))(*_qkv()), {}, "expected [batch, seq, heads, head_dim]"),
+        ((lambda q, k, v: (q[0, 0], k, v))(*_qkv()), {}, "expected [batch, seq, heads, head_dim]"),
         (
             _qkv(L=16, S=32),
             {"impl": "xla", "causal": False, "window": (4, 0)},

@@ -274,6 +274,10 @@ def test_under_x64_the_interpreted_kernel_is_refused_in_one_line_not_left_to_sta
     with jax.enable_x64(True):
         with pytest.raises(ValueError, match=r"with jax.enable_x64\(False\)"):
             attn(q, k, k, q_segment_ids=seg)
+        # a NumPy False is no interpreter: not this refusal (on CPU, no compiled kernel)
+        with pytest.raises(ValueError) as e:
+            attention(q, k, k, impl="pallas_mgpu", interpret=np.False_)
+        assert "enable_x64" not in str(e.value)
         with jax.enable_x64(False):
             grad = jax.grad(lambda q: attn(q, k, k, q_segment_ids=seg).astype(float).sum())(q)
     assert grad.shape == q.shape and bool(jnp.isfinite(grad.astype(jnp.float32)).all())

@@ -144,6 +144,11 @@ def test_a_channel_holding_nan_reads_back_as_nan():
     x_i8, scale = quant.quantize_int8(x, axis=0)  # one scale per column
     back = quant.dequantize_int8(x_i8, scale)
     assert np.isnan(back[:, 2]).all() and not np.isnan(back[:, :2]).any()
+    # at a cache's size too, where XLA:CPU's max reduction no longer returns the NaN
+    _, k, _, _ = kv_inputs(B=2, S=256)
+    k_i8, k_scale = quant.quantize_kv(k.at[1, 0, 7, 5].set(jnp.nan))
+    back = np.asarray(quant.dequantize_kv(k_i8, k_scale))
+    assert np.isnan(back[1, 0, 7]).all() and np.isnan(back).sum() == back.shape[-1]
 
 
 # ---------------------------------------------------------------------------- KV cache
@@ -191,6 +196,11 @@ def test_write_kv_refuses_a_slot_outside_the_cache_and_shapes_that_differ():
         quant.write_kv(k_i8, scale, new[..., : K // 2], jnp.array([0, 1, 2], jnp.int32))
     with pytest.raises(ValueError, match="expected a cache"):
         quant.dequantize_kv(k_i8, jnp.swapaxes(scale, 2, 3))
+    with pytest.raises(ValueError, match="it has no slot"):
+        quant.write_kv(k_i8[:, :, :0], scale[..., :0], new, jnp.array([0, 0, 0], jnp.int32))
+    # an empty batch writes nothing, as it did before the checks
+    out, _ = quant.write_kv(k_i8[:0], scale[:0], new[:0], jnp.zeros((0,), jnp.int32))
+    assert out.shape == (0, G, S, K)
 
 
 @pytest.mark.parametrize("impl", ["reference", "tpu", "gpu", "cpu"])

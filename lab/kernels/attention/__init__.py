@@ -559,6 +559,7 @@ def attention(
     """
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
     check_rank(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV)  # before any rule reads a dimension
+    interpret = check_interpret(interpret)  # np.False_ is False to every kernel below
     if _explicit_axes():  # see the module docstring
         call = functools.partial(
             attention,

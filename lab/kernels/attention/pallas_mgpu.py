@@ -118,6 +118,7 @@ from lab.kernels.attention.common import (
     Mask,
     TileCost,
     check_dtype,
+    check_interpret,
     check_qkv,
     check_sinks,
     check_softcap,
@@ -1452,6 +1453,7 @@ def flash_attention_mgpu(
     options, e.g. the race detector.
     """
     check_inputs(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, causal=causal)
+    interpret = check_interpret(interpret)  # a NumPy False is not the interpreter
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q_BxLxHxK.shape[2])
     B, L = q_BxLxHxK.shape[:2]
