@@ -64,6 +64,30 @@ def test_matches_the_float64_reference(M, C, N, w_dtype, x_dtype):
     assert err < TOL[x_dtype], err
 
 
+# Batch 1 in each layout, whichever this CPU's build takes by default: the runs of a part's
+# rows as four long streams (rows left over when four do not divide it), and sixteen or four
+# adjacent rows (prefetched ahead for narrower weights); column strips for a short contraction.
+@pytest.mark.parametrize("M,C,N", [(1, 300, 77), (1, 1031, 48), (1, 37, 40000)])
+@pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("layout", ["streams", "adjacent"])
+def test_each_batch_one_layout_matches_the_float64_reference(M, C, N, w_dtype, layout):
+    rng = np.random.default_rng()
+    x, w, scale = _operands(rng, M, C, N, w_dtype, "float32")
+    got = jax.jit(functools.partial(cpu_gemv.cpu_gemv, layout=layout))(x, w, scale)
+    f32 = lambda a: None if a is None else np.asarray(a.astype(jnp.float32))  # noqa: E731
+    want = cpu_gemv.gemv_reference(f32(x), f32(w), f32(scale))
+    err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+    assert err < TOL["float32"], err
+    one = cpu_gemv.cpu_gemv(x, w, scale, threads=1, layout=layout)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(one))
+
+
+def test_an_unknown_layout_is_one_clear_error():
+    x, w, _ = _operands(np.random.default_rng(), 1, 8, 4, "float32", "float32")
+    with pytest.raises(ValueError, match="layouts are auto, streams, adjacent"):
+        cpu_gemv.cpu_gemv(x, w, layout="rows")
+
+
 @pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "int8"])
 def test_a_transposed_weight_matches_the_float64_reference(w_dtype):
     """w [N, C] (a tied head: the embedding table read in place), N not a multiple of the

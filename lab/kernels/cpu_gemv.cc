@@ -14,7 +14,7 @@
 // Decode is memory-bound: every weight byte is read from memory exactly once per call whatever
 // M is. Each thread takes its own run of weight rows (or, for a wide output or a short
 // contraction, its own range of columns); at batch 1 it streams them as four long runs side
-// by side (`kStreams`; AVX-512 builds: sixteen or four adjacent rows at a time) into sums held
+// by side (`kStreams`; AVX-512 builds off AMD CPUs: sixteen or four adjacent rows) into sums held
 // in L1, and with several rows of x it reads them in blocks, a tile of columns at a time, into
 // sums held in registers (`tile` says why).
 // The inner loop is written with GCC/Clang vector extensions sized to the ISA the build targets
@@ -221,49 +221,64 @@ Pool& pool() {
 
 // ------------------------------------------------------------------------- the kernel
 
-// At batch 1 on adjacent rows (AVX-512 builds only, `kStreams`): how many weight rows ahead of
-// the four being read `strip` asks for, for weights narrower than f32: the hardware
-// prefetchers alone left one thread reading int8 weights at 4–5 GB/s from memory against
-// 15 GB/s from L2 (the loop waited on memory, not arithmetic); fetching
-// the same columns of the rows two passes ahead doubled it. Measured over 4, 8, 12 and 16
-// rows and against a batch of prefetches per pass: 8 rows per vector read won. f32 rows
-// stream fast enough without (with it, f32 decode was slower).
+// At batch 1 the weight rows are read in one of two layouts (`long_streams`, below):
+//
+// Four long streams: a part's rows cut into four runs, one row of each per pass. Four adjacent
+// rows are one short stream: a decoder's row is 0.75–8 KiB, so the hardware prefetcher meets
+// a new stream every few KiB; the four runs of a 128-row part are 24–256 KiB each. Measured on
+// AMD EPYC hosts, 2 threads, one decode step's weights from memory (12 layers of 768 × 768 ×4,
+// 768 × 2048 ×2, 2048 × 768), alternated steps in one process, median ratio of the pairs:
+// - Zen 3 (AVX2) against four adjacent rows: f32 1.13× (twice), 24.3–26.9 GB/s against
+//   21.7–23.6; int8 1.35–1.37× (22.8–23.9 GB/s against 17.0–17.5), 1.11–1.24× with a prefetch
+//   kAhead rows ahead in each stream; bf16 1.21–1.32×. Two or eight long streams and one
+//   stream were slower than four; a prefetch along each stream no faster (0.5 KiB ahead:
+//   +1.4% and −1%; 1–4 KiB: 5–10% slower).
+// - Zen 4 (AVX-512) against the AVX-512 adjacent rows below (sixteen f32 rows; four bf16 or
+//   int8 rows, prefetched): f32 1.18–1.25× (five runs; 30–35 GB/s against 24–29), bf16
+//   1.38–1.47×, int8 1.37–1.56× (two runs); eight long streams 1.18–1.22×, 1.35×, 1.42–1.49×.
+//
+// Adjacent rows (sixteen for f32 and four, prefetched kAhead rows ahead, for narrower weights)
+// are what AVX-512 builds take on other vendors' CPUs: measured on an Intel Xeon host against
+// four adjacent rows (below), where the long streams were not measured. Builds without
+// AVX-512 take the long streams on every CPU.
+constexpr int kStreams = 4;
+
+// On adjacent rows: how many weight rows ahead of the four being read `strip` asks for, for
+// weights narrower than f32: the hardware prefetchers alone left one thread reading int8
+// weights at 4–5 GB/s from memory against 15 GB/s from L2 (the loop waited on memory, not
+// arithmetic); fetching the same columns of the rows two passes ahead doubled it. Measured
+// over 4, 8, 12 and 16 rows and against a batch of prefetches per pass: 8 rows per vector read
+// won. f32 rows stream fast enough without (with it, f32 decode was slower).
 constexpr int64_t kAhead = 8;
 
-// At batch 1, f32 weight rows per pass on AVX-512: sixteen, where narrower weights take four
-// (their prefetch is tuned to four). Measured on the decoder's shapes (768 × 768, 768 × 2048,
-// 2048 × 768), 2 threads, f32 weights from memory, four alternated rounds of all: four rows
-// moved a median 24.5 GB/s, sixteen 27.2 GB/s (a read-only stream in C on this host:
-// 23–28 GB/s); eight rows with a prefetch 1 KiB ahead 25.9, sixteen with one 512 B ahead
-// 26.0. In the whole decode step (model=base, f32, batch 1: 97 calls, most of 2–6 MB) the gain
-// is within this host's noise: 23.2–24.5 ms a step against 24.5–31.3, three alternated pairs.
-// Builds without AVX-512 read four long streams instead (`kStreams`; four rows a pass, as
-// sixteen broadcasts of x would not fit AVX2's or SSE2's 16 registers beside the sums and
-// the weight vectors), so there the adjacent-row loops below see no rows.
+// On adjacent rows, f32 weight rows per pass on AVX-512: sixteen, where narrower weights take
+// four (their prefetch is tuned to four). Measured on an Intel Xeon (AVX-512) on the decoder's
+// shapes (768 × 768, 768 × 2048, 2048 × 768), 2 threads, f32 weights from memory, four
+// alternated rounds of all: four rows moved a median 24.5 GB/s, sixteen 27.2 GB/s (a
+// read-only stream in C on this host: 23–28 GB/s); eight rows with a prefetch 1 KiB ahead
+// 25.9, sixteen with one 512 B ahead 26.0. Other builds take four (sixteen broadcasts of x
+// would not fit AVX2's or SSE2's 16 registers beside the sums and the weight vectors).
 #if defined(__AVX512F__)
 constexpr int kRowsF32 = 16;
 #else
 constexpr int kRowsF32 = 4;
 #endif
 
-// At batch 1 on builds without AVX-512: the rows a call reads at once are four long streams
-// (a part's rows cut into four runs, one row of each per pass), not four adjacent rows. Four
-// adjacent rows are one short stream: a decoder's row is 0.75–8 KiB, so the hardware
-// prefetcher meets a new stream every few KiB; the four runs of a 128-row part are 24–256 KiB
-// each. Measured on an AMD EPYC (Zen 3, AVX2, 2 threads), one decode step's weights from
-// memory, 150–200 alternated steps in one process, median ratio of the pairs: f32 (0.44 GB a
-// step) four long streams 1.13× the speed of four adjacent rows (twice), 24.3–26.9 GB/s
-// against 21.7–23.6; int8 (four steps' layers and a head, 0.37 GB) 1.35–1.37× (22.8–23.9
-// GB/s against 17.0–17.5), 1.11–1.24× with a prefetch kAhead rows ahead in each stream; bf16
-// 1.21–1.32×. Two or eight long streams and one stream were slower than four; a prefetch
-// along each stream no faster (0.5 KiB ahead: +1.4% and −1%; 1–4 KiB: 5–10% slower). The f32
-// loop then reads as fast as a plain sum over the same buffers (29.2 GB/s both, one run). AVX-512 builds keep the adjacent rows (sixteen for f32, four prefetched
-// for narrower weights), measured on an Intel host where the long streams were not measured.
-#if defined(__AVX512F__)
-constexpr int kStreams = 1;
+// The batch-1 layout: `layout` 1 long streams, 2 adjacent rows, anything else this build's
+// choice for the CPU it runs on (the tests take each; the model takes the choice).
+bool long_streams(int64_t layout) {
+  if (layout == 1) return true;
+  if (layout == 2) return false;
+#if defined(__AVX512F__) && (defined(__x86_64__) || defined(__i386__))
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
 #else
-constexpr int kStreams = 4;
+  return true;
 #endif
+}
 
 // Ask for the same kVW columns of four consecutive weight rows (`stride` elements apart).
 template <typename W>
@@ -370,7 +385,7 @@ inline void rows(const float* x, int64_t xs, const W* w, int64_t rs, int64_t nv,
 // the run's first row, C its length).
 template <typename W>
 void strip(const float* x, int64_t M, int64_t xs, int64_t C, const W* w, int64_t N, int64_t n0,
-           int64_t width, float* acc) {
+           int64_t width, float* acc, bool streams) {
   const int64_t nv = width / kVW * kVW;
   if (M > 1) {  // register tiles of two vectors, then one, then the columns left
     if (C == 0) std::fill(acc, acc + M * width, 0.0f);
@@ -394,7 +409,7 @@ void strip(const float* x, int64_t M, int64_t xs, int64_t C, const W* w, int64_t
   }
   std::fill(acc, acc + width, 0.0f);
   int64_t d = 0;
-  if constexpr (kStreams > 1) {  // row i of each of the long streams
+  if (streams) {  // row i of each of the long streams
     const int64_t q = C / kStreams;
     for (int64_t i = 0; i < q; ++i)
       rows<kStreams>(x + i, q, w + i * N + n0, q * N, nv, width, acc, false);
@@ -436,13 +451,13 @@ constexpr int64_t kRunRows = 128;  // weight rows per part when the parts split 
 // depend on the thread count: one thread gives the same sums as many).
 template <typename W, typename T>
 bool gemv_rows(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const float* scale,
-               T* y, int threads) {
+               T* y, int threads, bool streams) {
   const int parts = static_cast<int>((C + kRunRows - 1) / kRunRows);
   if (M * N > 32768 || parts < 2) return false;  // partials past L2: the column strips
   std::vector<float> partial(static_cast<size_t>(parts * M * N));
   auto part = [&](int i) {
     const int64_t d0 = i * kRunRows, d1 = std::min(C, d0 + kRunRows);
-    strip(x + d0, M, C, d1 - d0, w + d0 * N, N, 0, N, partial.data() + i * M * N);
+    strip(x + d0, M, C, d1 - d0, w + d0 * N, N, 0, N, partial.data() + i * M * N, streams);
   };
   if (threads <= 1) {
     for (int i = 0; i < parts; ++i) part(i);
@@ -467,8 +482,8 @@ bool gemv_rows(const float* x, int64_t M, int64_t C, const W* w, int64_t N, cons
 
 template <typename W, typename T>
 void gemv(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const float* scale,
-          T* y, int threads) {
-  if (gemv_rows(x, M, C, w, N, scale, y, threads)) return;
+          T* y, int threads, bool streams) {
+  if (gemv_rows(x, M, C, w, N, scale, y, threads, streams)) return;
   // Parts: column strips whose accumulators fit kAccFloats, at least one per thread, each a
   // multiple of the vector width (the last takes the rest).
   const int64_t acc_w = std::max<int64_t>(kVW, kAccFloats / std::max<int64_t>(M, 1) / kVW * kVW);
@@ -479,7 +494,7 @@ void gemv(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const flo
   auto part = [&](int i) {
     const int64_t n0 = i * width, n1 = std::min(N, n0 + width);
     std::vector<float> acc(static_cast<size_t>(M * (n1 - n0)));
-    strip(x, M, C, C, w, N, n0, n1 - n0, acc.data());
+    strip(x, M, C, C, w, N, n0, n1 - n0, acc.data(), streams);
     store(acc.data(), M, n1 - n0, scale, N, n0, y);
   };
   if (threads <= 1) {
@@ -544,25 +559,27 @@ void gemv_t(const float* x, int64_t M, int64_t C, const W* w, int64_t N, const f
 
 template <typename W, typename T>
 void dispatch(bool transposed, const float* x, int64_t M, int64_t C, const W* w, int64_t N,
-              const float* scale, T* y, int threads) {
+              const float* scale, T* y, int threads, bool streams) {
   if (transposed)
     gemv_t(x, M, C, w, N, scale, y, threads);
   else
-    gemv(x, M, C, w, N, scale, y, threads);
+    gemv(x, M, C, w, N, scale, y, threads, streams);
 }
 
 template <typename T>
 void run_typed(ffi::AnyBuffer w, bool transposed, const float* x, int64_t M, int64_t C,
-               int64_t N, const float* scale, T* y, int threads) {
+               int64_t N, const float* scale, T* y, int threads, bool streams) {
   const void* p = w.untyped_data();
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      return dispatch(transposed, x, M, C, static_cast<const float*>(p), N, scale, y, threads);
+      return dispatch(transposed, x, M, C, static_cast<const float*>(p), N, scale, y, threads,
+                      streams);
     case ffi::DataType::BF16:
       return dispatch(transposed, x, M, C, static_cast<const uint16_t*>(p), N, scale, y,
-                      threads);
+                      threads, streams);
     default:
-      return dispatch(transposed, x, M, C, static_cast<const int8_t*>(p), N, scale, y, threads);
+      return dispatch(transposed, x, M, C, static_cast<const int8_t*>(p), N, scale, y, threads,
+                      streams);
   }
 }
 
@@ -693,7 +710,8 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBu
 }
 
 ffi::Error Gemv(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
-                ffi::Result<ffi::AnyBuffer> y, int64_t threads, int64_t transposed) {
+                ffi::Result<ffi::AnyBuffer> y, int64_t threads, int64_t transposed,
+                int64_t layout) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[transposed ? 1 : 0])
     return ffi::Error::InvalidArgument("cpu_gemv: x must be [M, C] and w [C, N] (or [N, C])");
@@ -717,12 +735,13 @@ ffi::Error Gemv(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
   }
   const float* sc = n_scale ? scale.typed_data() : nullptr;
   const int n_threads = threads > 0 ? static_cast<int>(threads) : default_threads();
+  const bool streams = long_streams(layout);
   if (xt == ffi::DataType::F32)
     run_typed(w, transposed != 0, xf.data(), M, C, N, sc, static_cast<float*>(y->untyped_data()),
-              n_threads);
+              n_threads, streams);
   else
     run_typed(w, transposed != 0, xf.data(), M, C, N, sc,
-              static_cast<uint16_t*>(y->untyped_data()), n_threads);
+              static_cast<uint16_t*>(y->untyped_data()), n_threads, streams);
   return ffi::Error::Success();
 }
 
@@ -735,7 +754,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuGemv, Gemv,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [N] or [0]
                                   .Ret<ffi::AnyBuffer>()  // y [M, N]
                                   .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("transposed"));
+                                  .Attr<int64_t>("transposed")
+                                  .Attr<int64_t>("layout"));  // batch 1: long_streams()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LabCpuDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()

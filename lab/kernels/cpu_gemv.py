@@ -95,16 +95,37 @@ def check_inputs(x_MxC, w_CxN, scale_N=None, *, transposed: bool = False) -> Non
         )
 
 
-def cpu_gemv(x_MxC, w_CxN, scale_N=None, *, threads: int = 0, transposed: bool = False):
+# How a batch of one reads its weight rows (cpu_gemv.cc, `long_streams`): "auto" takes what
+# was measured fastest on the CPU it runs on; the others are there to test and time each.
+LAYOUTS = {"auto": 0, "streams": 1, "adjacent": 2}
+
+
+def cpu_gemv(
+    x_MxC,
+    w_CxN,
+    scale_N=None,
+    *,
+    threads: int = 0,
+    transposed: bool = False,
+    layout: str = "auto",
+):
     """x · w (· scale per column) on the CPU, float32 sums, in x's dtype; `transposed`: w is
-    [N, C] and y = x · wᵀ. `threads` 0: every core (or LAB_CPU_GEMV_THREADS)."""
+    [N, C] and y = x · wᵀ. `threads` 0: every core (or LAB_CPU_GEMV_THREADS). `layout`: how
+    a batch of one reads the weight rows (LAYOUTS; the same sums either way)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"{layout=}: cpu_gemv's layouts are {', '.join(LAYOUTS)}")
     check_inputs(x_MxC, w_CxN, scale_N, transposed=transposed)
     scale = jnp.zeros((0,), jnp.float32) if scale_N is None else scale_N.astype(jnp.float32)
     n = w_CxN.shape[0 if transposed else 1]
     out = jax.ShapeDtypeStruct((x_MxC.shape[0], n), x_MxC.dtype)
     call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")
     return call(
-        x_MxC, w_CxN, scale, threads=np.int64(threads), transposed=np.int64(bool(transposed))
+        x_MxC,
+        w_CxN,
+        scale,
+        threads=np.int64(threads),
+        transposed=np.int64(bool(transposed)),
+        layout=np.int64(LAYOUTS[layout]),
     )
 
 
