@@ -67,9 +67,9 @@ def test_matches_the_float64_reference(M, C, N, w_dtype, x_dtype):
 # Batch 1 in each layout, whichever this CPU's build takes by default: the runs of a part's
 # rows as four long streams (rows left over when four do not divide it), and sixteen or four
 # adjacent rows (prefetched ahead for narrower weights); column strips for a short contraction.
-@pytest.mark.parametrize("M,C,N", [(1, 300, 77), (1, 1031, 48), (1, 37, 40000)])
-@pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("layout", ["streams", "adjacent"])
+@pytest.mark.parametrize("M,C,N", [(1, 1031, 48), (1, 300, 77), (1, 37, 40000)])
+@pytest.mark.parametrize("w_dtype", ["int8", "float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["adjacent", "streams"])
 def test_each_batch_one_layout_matches_the_float64_reference(M, C, N, w_dtype, layout):
     rng = np.random.default_rng()
     x, w, scale = _operands(rng, M, C, N, w_dtype, "float32")
@@ -80,6 +80,15 @@ def test_each_batch_one_layout_matches_the_float64_reference(M, C, N, w_dtype, l
     assert err < TOL["float32"], err
     one = cpu_gemv.cpu_gemv(x, w, scale, threads=1, layout=layout)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(one))
+
+
+def test_the_layout_is_obeyed_and_auto_is_one_of_them():
+    """The two layouts add the same products in another order, so their float32 sums differ
+    in the last bits: a kernel that ignored `layout` would give one answer for both."""
+    x, w, _ = _operands(np.random.default_rng(7), 1, 1031, 48, "float32", "float32")
+    got = {k: np.asarray(cpu_gemv.cpu_gemv(x, w, layout=k)) for k in cpu_gemv.LAYOUTS}
+    assert (got["streams"] != got["adjacent"]).any()
+    assert any((got["auto"] == got[k]).all() for k in ("streams", "adjacent"))
 
 
 def test_an_unknown_layout_is_one_clear_error():

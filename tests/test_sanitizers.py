@@ -13,8 +13,9 @@ from lab.kernels import native
 
 # Edge cases of each kernel, few enough to stay quick under ASan: a length of 1 and of 127
 # against blocks of 64, GQA, unequal lengths, bf16, the backward in one pass and in two; the
-# GEMV's row tails at one row (long streams with rows left over, or adjacent rows in passes
-# of sixteen, of four, then single ones; a short contraction in column strips), int8
+# GEMV's row tails at one row in the layout this CPU takes and in each layout by name (long
+# streams with rows left over; adjacent rows in passes of sixteen, of four, then single ones;
+# a short contraction in column strips), int8
 # weights at five rows, eleven rows (two register tiles of rows) over blocks of weight rows
 # that do not divide the contraction, three rows over runs of weight rows split across parts;
 # the C++ decode attention over the int8 cache.
@@ -32,6 +33,8 @@ KERNEL_TESTS = [
     GEMV + "test_matches_the_float64_reference[float32-float32-11-75-200]",
     GEMV + "test_matches_the_float64_reference[float32-int8-3-520-90]",
     GEMV + "test_a_transposed_weight_matches_the_float64_reference[int8]",
+    GEMV + "test_each_batch_one_layout_matches_the_float64_reference[adjacent-int8-1-1031-48]",
+    GEMV + "test_each_batch_one_layout_matches_the_float64_reference[streams-float32-1-1031-48]",
     "tests/test_decode_attention.py::test_int8_cache_matches_reference[float32-cpu]",
 ]
 

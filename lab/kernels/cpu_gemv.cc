@@ -35,6 +35,7 @@
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -270,9 +271,16 @@ bool long_streams(int64_t layout) {
   if (layout == 1) return true;
   if (layout == 2) return false;
 #if defined(__AVX512F__) && (defined(__x86_64__) || defined(__i386__))
+  // The vendor from CPUID itself (the compiler runtime's CPU table is left empty by some
+  // toolchains, which would pass an AMD CPU over in silence).
   static const bool amd = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    char vendor[13] = {};
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    return std::strcmp(vendor, "AuthenticAMD") == 0;
   }();
   return amd;
 #else

@@ -111,7 +111,9 @@ def cpu_gemv(
 ):
     """x · w (· scale per column) on the CPU, float32 sums, in x's dtype; `transposed`: w is
     [N, C] and y = x · wᵀ. `threads` 0: every core (or LAB_CPU_GEMV_THREADS). `layout`: how
-    a batch of one reads the weight rows (LAYOUTS; the same sums either way)."""
+    a batch of one reads the rows of a [C, N] weight (LAYOUTS; the same products, added in
+    another order, so float32 rounding may differ in the last bits); several rows of x and
+    a transposed weight have one layout each and ignore it."""
     if layout not in LAYOUTS:
         raise ValueError(f"{layout=}: cpu_gemv's layouts are {', '.join(LAYOUTS)}")
     check_inputs(x_MxC, w_CxN, scale_N, transposed=transposed)
