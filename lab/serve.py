@@ -138,6 +138,7 @@ SWEEP_ONLY = (
     "sample",
     "prompt",
     "temperature",
+    "plot",
 )
 PLAN_ONLY = ("plan_batch", "plan_context")
 
@@ -262,10 +263,34 @@ def _drop_if_empty(folder: Path) -> None:
         pass
 
 
+def _unused_sample_keys(o: Options, keys: dict, trained_text: bool) -> str | None:
+    """Why the sample's keys given (typed, or set in code) make nothing, where no sample is
+    generated (a sample needs a trained byte-level text run), or None."""
+    unused = [
+        k
+        for k, given in (
+            ("sample", o.sample and "sample" in keys),
+            ("prompt", o.prompt),
+            ("temperature", o.temperature != Options.temperature),
+        )
+        if given
+    ]
+    if not unused or (o.sample and trained_text):
+        return None
+    why = "sample=0" if not o.sample else "the weights are not a byte-level text run's"
+    return f"no sample is generated ({why}): {' and '.join(f'{k}=' for k in unused)} unused"
+
+
 def run(o: Options, keys: dict) -> int:
     _check_prompt(o.prompt)  # before anything loads: a long prefill is one call
     _check_serving_keys(keys)
     _check_mode_keys(o, keys)
+    if "out_dir" in keys and not o.run:
+        raise ConfigError(
+            f"out_dir={keys['out_dir']}: lab.serve reads out_dir= only to find run=NAME's "
+            "folder, and no run= was given, so it would do nothing: records go to results= "
+            f"({o.results}); leave out_dir= out or add run="
+        )
     # The libraries' own logging (absl, orbax, TensorStore, asyncio: a damaged checkpoint makes
     # them print thousands of lines) goes to lab.log in the results folder, as lab.run sends
     # it to the run folder's; the lab says what went wrong in one line.
@@ -326,9 +351,9 @@ def _run(o: Options, keys: dict, results: Path) -> int:
             f"{escape(', '.join(changed))}: its outputs are not the trained model's"
         )
     trained_text = run_dir is not None and s.cfg.data == "text" and s.cfg.model.vocab_size == 256
-    if (o.prompt or o.temperature != Options.temperature) and not (o.sample and trained_text):
-        why = "sample=0" if not o.sample else "the weights are not a byte-level text run's"
-        con.print(f"  note      no sample is generated ({why}): prompt= and temperature= unused")
+    unused = _unused_sample_keys(o, keys, trained_text)
+    if unused:
+        con.print(f"  note      {unused}")
     if o.sample and trained_text:
         prompt = o.prompt or bytes(data.corpus_bytes()[:64]).decode("utf-8", "replace")
         text = sample.sample_text(
@@ -360,7 +385,12 @@ def _run(o: Options, keys: dict, results: Path) -> int:
         if len(recs) > 1:  # more than the roof: at least one point
             path = rec.write_records(stem.with_suffix(".jsonl"), recs)
             n = len(recs) - 1
-            startup.note(f"the {n} point{'s' * (n != 1)} measured so far are in {path}")
+            points = (
+                "the 1 point measured so far is"
+                if n == 1
+                else f"the {n} points measured so far are"
+            )
+            startup.note(f"{points} in {path}")
 
     startup.on_stop(keep)
     n = study.ticks(s, plan)

@@ -445,6 +445,12 @@ def test_the_decode_plot_reads_plainly_and_its_legend_covers_nothing(monkeypatch
     assert "% of memory roof, float" in labels and "critical batch (ridge): 24" in labels[-1]
     assert ax.get_legend().get_window_extent().y1 <= ax.get_window_extent().y0  # below it
     assert 8 <= ax.get_xlim()[1] < 12
+    # a critical batch a few % of a roof would move many times over is drawn as an estimate
+    records[-1]["config"] = {"metric": "decode_critical_batch", "sensitivity": 9.6}
+    records[-1]["value"] = 1036.6
+    legend = _drawn(monkeypatch, plots.decode, records).axes[0].get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert "critical batch (ridge): ~1,000, not well determined" in labels[-1], labels
 
 
 def test_the_roofline_names_its_roofs_and_ends_a_little_past_its_points(monkeypatch):
@@ -941,7 +947,8 @@ def test_the_decode_plots_title_says_what_bounds_its_points(monkeypatch):
 
     over = [rec(b, "overhead") for b in (1, 2, 4)]
     title = _drawn(monkeypatch, plots.decode, over).axes[0].get_title()
-    assert title.startswith("decode: overhead-bound at batch 1-4") and "memory" not in title
+    assert title.startswith("decode, float weights: overhead-bound at batch 1-4")
+    assert "memory" not in title
     mixed = [rec(1, "memory"), rec(2, "memory"), rec(4, "compute")]
     title = _drawn(monkeypatch, plots.decode, mixed).axes[0].get_title()
     assert "memory-bound at batch 1-2, compute-bound at batch 4" in title, title

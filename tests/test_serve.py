@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import json
 import logging
+import math
 
 import pytest
 
@@ -58,6 +59,7 @@ def test_random_weights_sweep_records_and_plot(tmp_path, capsys):
     assert "int8 weights, w8a8 matmul (int8 activations too" in " ".join(out.split())
     crit = next(r for r in recs if r["config"].get("metric") == "decode_critical_batch")
     assert crit["value"] is None or crit["value"] > 0
+    assert (crit["value"] is None) == (crit["config"]["sensitivity"] is None)
     # the bandwidths are measured before the sweep and again after it; the roof is the best
     by_what = {r["what"]: r["value"] for r in recs}
     for what in ("copy bandwidth", "read bandwidth"):
@@ -115,11 +117,15 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         (["plan_batch=3"], "plan_batch=3: only a plan for an accelerator (target=) reads"),
         # typed at its default it is still asked for, and still read by nothing
         (["plan_context=4096"], "plan_context=4096: only a plan for an accelerator"),
+        (["target=gpu:h100:1", "plot=false"], "plot=False: target= compiles one decode step"),
+        # out_dir= is where run= is read from: without run= it says where records go instead
+        (["out_dir=elsewhere"], "out_dir=elsewhere: lab.serve reads out_dir= only to find"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, words):
     results = tmp_path / "results"  # made for the command: a refusal leaves none behind
-    assert serve([*FAST, f"results={results}", f"out_dir={tmp_path}", *args]) == 2
+    runs = [f"out_dir={tmp_path}"] if any(a.startswith("run=") for a in args) else []
+    assert serve([*FAST, f"results={results}", *runs, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
     assert not results.exists()
@@ -724,6 +730,60 @@ def test_the_decode_kernel_line_names_float16_not_a_blockwise_never_asked():
     # asked in float32, blockwise is the reason
     asked = decode.decode_kernel_line(dataclasses.replace(model, attention="blockwise"), "cpu")
     assert "attention=blockwise decodes with the reference" in asked, asked
+
+
+def test_a_critical_batch_near_the_cache_intensity_is_printed_as_an_estimate():
+    """B* = ridge·W / (f − ridge·c) moves by f / (f − ridge·c) % per 1% of the ridge: near 1
+    where the weights dominate (printed as measured), many times that where f/c is close to
+    the ridge (a tiny model's cache): then rounded, with the reason."""
+    from types import SimpleNamespace
+
+    from lab.measure import cost
+    from lab.report.tables.serving import critical_batch_text
+
+    W, f, c = 4.5e8, 2.2e8, 1.9e7  # a base-sized decode: weights, FLOPs and cache per sequence
+    for ridge in (3.7, 10.0):
+        k = cost.critical_batch_sensitivity(f, c, ridge)
+        up, down = (cost.critical_batch(W, f, c, ridge * (1 + e)) for e in (1e-6, -1e-6))
+        assert math.isclose(k, (math.log(up) - math.log(down)) / 2e-6, rel_tol=1e-4)
+    assert cost.critical_batch_sensitivity(f, c, f / c) == math.inf
+
+    def text(W, f, c, ridge):
+        return critical_batch_text(
+            SimpleNamespace(
+                critical_batch=cost.critical_batch(W, f, c, ridge),
+                critical_batch_sensitivity=cost.critical_batch_sensitivity(f, c, ridge),
+                cache_intensity=f / c,
+                ridge=ridge,
+            )
+        )
+
+    assert text(W, f, c, 3.7) == f"{cost.critical_batch(W, f, c, 3.7):,.1f}"
+    rough = text(1.6e8, 3.9e6, 1e6, 3.5)  # f/c 3.9 FLOP/B against a ridge of 3.5: k = 9.75
+    assert rough.startswith(
+        "~1,400, not well determined: decode's intensity can only approach 3.90 FLOP/B"
+    )
+    assert rough.endswith("11% above the ridge, so 1% in either roof moves it 10%"), rough
+    assert text(1.6e8, 3.9e6, 1e6, 4.0).startswith("never")
+
+
+def test_the_sample_keys_given_without_a_sample_are_named():
+    """sample=, prompt= and temperature= make nothing without a trained byte-level text run
+    (or with sample=0): the note names those given; sample= at its default is not named."""
+    from lab.serve import Options, _unused_sample_keys
+
+    note = _unused_sample_keys(Options(sample=10), {"sample": "10"}, trained_text=False)
+    assert (
+        note
+        == "no sample is generated (the weights are not a byte-level text run's): sample= unused"
+    )
+    both = Options(prompt="hi", temperature=0.5)
+    note = _unused_sample_keys(both, {"prompt": "hi", "temperature": "0.5"}, trained_text=False)
+    assert note.endswith(": prompt= and temperature= unused"), note
+    assert _unused_sample_keys(Options(), {}, trained_text=False) is None
+    assert _unused_sample_keys(Options(sample=10), {"sample": "10"}, trained_text=True) is None
+    note = _unused_sample_keys(Options(sample=0, prompt="hi"), {"sample": "0"}, trained_text=True)
+    assert note == "no sample is generated (sample=0): prompt= unused", note
 
 
 def test_without_pytorch_the_peer_line_says_how_to_get_it(monkeypatch):

@@ -279,6 +279,23 @@ def critical_batch(weight_bytes: float, flops_per_seq: float, cache_per_seq: flo
     return math.inf if denominator <= 0 else ridge * weight_bytes / denominator
 
 
+# Past this sensitivity (the critical batch's % change per 1% of the ridge) the figure is an
+# estimate, and the report says so: the roofs of a shared host move by 10% and more within a
+# run (copy before and after the sweep), which would move it by 30% and more.
+ILL_DETERMINED = 3.0
+
+
+def critical_batch_sensitivity(flops_per_seq: float, cache_per_seq: float, ridge) -> float:
+    """How far the critical batch moves, in %, per 1% change of the ridge (of either roof):
+    d ln B* / d ln ridge = f / (f − ridge · c); inf where there is no critical batch.
+
+    Near 1 where the weights dominate the bytes (B* then scales with the ridge); large where
+    decode's intensity can only approach f / c and f / c is close to the ridge, so a few %
+    of a roof's noise moves B* many times over."""
+    denominator = flops_per_seq - ridge * cache_per_seq
+    return math.inf if denominator <= 0 else flops_per_seq / denominator
+
+
 def serving_peak_bytes(
     model, *, decode_batch: int, slots: int, prefill_batch: int, prompt_len: int
 ) -> dict[str, float]:

@@ -267,6 +267,9 @@ class Summary:
 
     ridge: float  # FLOP/B where the compute roof meets the memory roof
     critical_batch: float  # batch where decode's intensity reaches the ridge; inf: never
+    # % the critical batch moves per 1% of the ridge (cost.critical_batch_sensitivity)
+    critical_batch_sensitivity: float
+    cache_intensity: float  # FLOPs per cache byte: decode's intensity as the batch grows
     batch1_roof_share: float  # the smallest batch's share of the memory roof
     batch1_intensity: float  # the smallest batch's FLOPs per byte
     best_decode: DecodePoint  # the float decode point with the most tokens/s

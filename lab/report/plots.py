@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lab.errors import RunError
+from lab.measure import cost
 from lab.measure.attention import SweepRow
 from lab.measure.scaling import ScalingStudy
 
@@ -637,8 +638,9 @@ def decode(records, path) -> Path | None:
 
 
 def _decode_title(rows) -> str:
-    """What bounds the float points' steps (their records' `bound`), by batch: "decode:
-    overhead-bound at batch 1-64", or "memory-bound at batch 1-16, compute-bound at 32-64";
+    """What bounds the float points' steps (their records' `bound`), by batch: "decode, float
+    weights: overhead-bound at batch 1-64", or "memory-bound at batch 1-16, compute-bound at
+    32-64" (int8's points have their own bounds in the table);
     plain "decode tokens/s by batch" where the records do not say."""
     pts = [r["config"] for r in rows if not r["config"].get("int8")]
     if not pts or any("bound" not in c for c in pts):
@@ -650,7 +652,7 @@ def _decode_title(rows) -> str:
         else:
             runs.append([c["bound"], c["batch"], c["batch"]])
     spans = [f"{b}-bound at batch {lo}" + (f"-{hi}" if hi != lo else "") for b, lo, hi in runs]
-    return "decode: " + ", ".join(spans)
+    return "decode, float weights: " + ", ".join(spans)
 
 
 def _decode_axes(ax, rows, crit) -> None:
@@ -679,7 +681,11 @@ def _decode_axes(ax, rows, crit) -> None:
     batches = [r["config"]["batch"] for r in rows]
     if crit and crit[0]["value"] and crit[0]["value"] < 1e9:
         at = crit[0]["value"]
-        label = f"critical batch (ridge): {at:.3g}"
+        k = crit[0]["config"].get("sensitivity")  # % per 1% of the ridge; older records: none
+        if k is not None and k > cost.ILL_DETERMINED:  # an estimate: two figures, said so
+            label = f"critical batch (ridge): ~{float(f'{at:.2g}'):,.0f}, not well determined"
+        else:
+            label = f"critical batch (ridge): {at:.3g}"
         if min(batches) <= at <= max(batches):
             handles.append(ax.axvline(at, color="gray", ls=":", label=label))
         else:

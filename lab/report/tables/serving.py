@@ -7,6 +7,7 @@ import math
 
 from rich.table import Table
 
+from lab.measure import cost
 from lab.measure.serving import (
     OVERHEAD_SHARE,
     DecodePoint,
@@ -143,11 +144,7 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
         f"{percent(s.batch1_roof_share, 0)} of the memory roof, {s.batch1_intensity:.2f} "
         f"FLOP/B: {bound}",
     )
-    crit = s.critical_batch
-    t.add_row(
-        "critical batch (intensity = ridge)",
-        "never (the cache's bytes grow with the FLOPs)" if math.isinf(crit) else f"{crit:,.1f}",
-    )
+    t.add_row("critical batch (intensity = ridge)", critical_batch_text(s))
     if s.best_prefill is not None:
         p, d = s.best_prefill, s.best_decode
         one = s.output_input_cost_ratio_batch1
@@ -160,6 +157,22 @@ def serving_summary(s: Summary, roofs: Roofs) -> Table:
             f"{one_text}× against decode at batch {s.smallest.batch}",
         )
     return t
+
+
+def critical_batch_text(s) -> str:
+    """The critical batch as the summary prints it: never, a figure, or, where a few % of a
+    roof would move it many times over, a rounded estimate that says why."""
+    crit, k = s.critical_batch, s.critical_batch_sensitivity
+    if math.isinf(crit):
+        return "never (the cache's bytes grow with the FLOPs)"
+    if k <= cost.ILL_DETERMINED:
+        return f"{crit:,.1f}"
+    above = s.cache_intensity / s.ridge - 1
+    return (
+        f"~{float(f'{crit:.2g}'):,.0f}, not well determined: decode's intensity can only approach "
+        f"{s.cache_intensity:.2f} FLOP/B (the FLOPs per cache byte), {percent(above, 0)} above "
+        f"the ridge, so 1% in either roof moves it {k:,.0f}%"
+    )
 
 
 _PLAN_CAPTION = (

@@ -2,6 +2,8 @@
 figure, `config` (model, mesh, options) on every one. The ledger, the experiments and the
 decode plot read these records by their keys, so the fields stay as they are."""
 
+import math
+
 from lab.measure import records
 from lab.measure.serving import PlanRow, Study
 
@@ -36,7 +38,14 @@ def to_records(out: Study, config: dict) -> list[dict]:
             s.critical_batch_or_none,
             "sequences",
             label="derived",
-            **{**config, "metric": "decode_critical_batch"},
+            **{
+                **config,
+                "metric": "decode_critical_batch",
+                # % it moves per 1% of the ridge: an estimate past cost.ILL_DETERMINED
+                "sensitivity": None
+                if math.isinf(s.critical_batch_sensitivity)
+                else s.critical_batch_sensitivity,
+            },
         ),
     ]
     return (

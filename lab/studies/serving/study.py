@@ -3,6 +3,7 @@ before anything is allocated, the sweep (roofs, prefill, decode float and int8, 
 error, the PyTorch peer, the bandwidths again) and the figures derived from it."""
 
 import dataclasses
+import math
 
 import jax
 
@@ -233,6 +234,10 @@ def summarise(
         critical_batch=cost.critical_batch(
             one.weight_bytes, per_seq_flops, per_seq_cache, roofs.ridge
         ),
+        critical_batch_sensitivity=cost.critical_batch_sensitivity(
+            per_seq_flops, per_seq_cache, roofs.ridge
+        ),
+        cache_intensity=per_seq_flops / per_seq_cache if per_seq_cache else math.inf,
         batch1_roof_share=one.memory_roof_share,
         batch1_intensity=one.intensity,
         best_decode=best_decode,
