@@ -537,8 +537,8 @@ def restore_latest(
         if mismatch:
             raise ConfigError(
                 f"{why}: checkpoint step {step} holds another model ({mismatch}) than "
-                f"{run_dir / 'config.json'} with the keys given describes; use the run's own "
-                "model keys"
+                f"{run_dir / 'config.json'} (with any model keys given) describes; use the "
+                "run's own model keys"
                 + (", or start a new name=" if why == "resume=true" else "")
                 + " (without model keys, the folder's config.json is not its checkpoints')"
             )
