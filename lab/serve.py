@@ -40,7 +40,9 @@ PROMPT_MAX = 4096
 @dataclasses.dataclass(frozen=True)
 class Options:
     run: str = field(
-        "", "a trained run's name under out_dir (its newest checkpoint); empty = random weights"
+        "",
+        "a trained run's name under out_dir (its newest checkpoint; out_dir= is read only "
+        "with run=); empty = random weights",
     )
     batches: tuple = field((1, 2, 4, 8, 16, 32, 64), "decode batch sizes", kind="ints", min=1)
     prefill_batches: tuple = field((1, 4), "prefill batch sizes", kind="ints", min=1)
@@ -77,7 +79,7 @@ class Options:
     plan_batch: int = field(8, "target= plans: sequences decoded together", min=1)
     plan_context: int = field(4096, "target= plans: cache slots per sequence", min=1)
     results: str = field("results", "folder for the records and the PNG", kind="path")
-    plot: bool = field(True, "write the decode PNG")
+    plot: bool = field(True, "write the decode PNG (of this machine's sweep; a plan has none)")
     seed: int = field(0, "random weights and sampling (at most 2^32-1)", min=0, max=2**32 - 1)
 
 
@@ -263,13 +265,16 @@ def _drop_if_empty(folder: Path) -> None:
         pass
 
 
-def _unused_sample_keys(o: Options, keys: dict, trained_text: bool) -> str | None:
-    """Why the sample's keys given (typed, or set in code) make nothing, where no sample is
-    generated (a sample needs a trained byte-level text run), or None."""
+def _unused_sample_keys(o: Options, trained_text: bool) -> str | None:
+    """Why the sample's keys given (typed, or set in code away from their defaults) make
+    nothing, where no sample is generated (a sample needs a trained byte-level text run), or
+    None. sample=0 asks for none, so it is not named."""
+    typed = given_options(o)  # None for options made in code
+    sample_given = "sample" in typed if typed is not None else o.sample != Options.sample
     unused = [
         k
         for k, given in (
-            ("sample", o.sample and "sample" in keys),
+            ("sample", o.sample and sample_given),
             ("prompt", o.prompt),
             ("temperature", o.temperature != Options.temperature),
         )
@@ -351,7 +356,7 @@ def _run(o: Options, keys: dict, results: Path) -> int:
             f"{escape(', '.join(changed))}: its outputs are not the trained model's"
         )
     trained_text = run_dir is not None and s.cfg.data == "text" and s.cfg.model.vocab_size == 256
-    unused = _unused_sample_keys(o, keys, trained_text)
+    unused = _unused_sample_keys(o, trained_text)
     if unused:
         con.print(f"  note      {unused}")
     if o.sample and trained_text:

@@ -9,7 +9,7 @@ import pytest
 
 from lab.measure import records as rec
 from lab.report import claims, markdown
-from lab.report.format import fmt
+from lab.report.format import fmt, rough
 from lab.report.verdict import HOLDS, MISSING, NA, OFF, PREDICTED, judge, judge_all
 
 IDS = [f"C{i:02d}" for i in range(1, 23)]
@@ -451,6 +451,7 @@ def test_the_decode_plot_reads_plainly_and_its_legend_covers_nothing(monkeypatch
     legend = _drawn(monkeypatch, plots.decode, records).axes[0].get_legend()
     labels = [t.get_text() for t in legend.get_texts()]
     assert "critical batch (ridge): ~1,000, not well determined" in labels[-1], labels
+    assert [rough(x) for x in (0.34, 9.96, 1036.6, 123456)] == ["0.34", "10", "1,000", "120,000"]
 
 
 def test_the_roofline_names_its_roofs_and_ends_a_little_past_its_points(monkeypatch):

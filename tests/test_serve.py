@@ -769,21 +769,25 @@ def test_a_critical_batch_near_the_cache_intensity_is_printed_as_an_estimate():
 
 def test_the_sample_keys_given_without_a_sample_are_named():
     """sample=, prompt= and temperature= make nothing without a trained byte-level text run
-    (or with sample=0): the note names those given; sample= at its default is not named."""
+    (or with sample=0): the note names those given on the command line (or set in code);
+    sample= at its default, not typed, is not named."""
+    from lab.config import parse_with_run_keys
     from lab.serve import Options, _unused_sample_keys
 
-    note = _unused_sample_keys(Options(sample=10), {"sample": "10"}, trained_text=False)
+    def note(args, trained_text=False):
+        o, _ = parse_with_run_keys(Options, [*args, "model=tiny"])
+        return _unused_sample_keys(o, trained_text)
+
+    why = "no sample is generated (the weights are not a byte-level text run's)"
+    assert note(["sample=10"]) == f"{why}: sample= unused"
+    assert note(["sample=200"]) == f"{why}: sample= unused"  # typed at its default: asked
+    assert note(["prompt=hi", "temperature=0.5"]) == f"{why}: prompt= and temperature= unused"
+    assert note([]) is None and note(["sample=10"], trained_text=True) is None
     assert (
-        note
-        == "no sample is generated (the weights are not a byte-level text run's): sample= unused"
+        note(["sample=0", "prompt=hi"], True) == "no sample is generated (sample=0): prompt= unused"
     )
-    both = Options(prompt="hi", temperature=0.5)
-    note = _unused_sample_keys(both, {"prompt": "hi", "temperature": "0.5"}, trained_text=False)
-    assert note.endswith(": prompt= and temperature= unused"), note
-    assert _unused_sample_keys(Options(), {}, trained_text=False) is None
-    assert _unused_sample_keys(Options(sample=10), {"sample": "10"}, trained_text=True) is None
-    note = _unused_sample_keys(Options(sample=0, prompt="hi"), {"sample": "0"}, trained_text=True)
-    assert note == "no sample is generated (sample=0): prompt= unused", note
+    assert _unused_sample_keys(Options(sample=10), False) == f"{why}: sample= unused"  # in code
+    assert _unused_sample_keys(Options(), False) is None
 
 
 def test_without_pytorch_the_peer_line_says_how_to_get_it(monkeypatch):

@@ -119,6 +119,12 @@ def significant(x, digits: int = 3) -> str:
     return f"{x:,.{decimals}f}"
 
 
+def rough(x) -> str:
+    """An estimate to two significant figures, the rest rounded away: 1036.6 → '1,000',
+    0.34 → '0.34', 9.96 → '10' (for a figure its own noise would move by more)."""
+    return significant(float(f"{x:.2g}"), 2)
+
+
 def ratio(x, digits: int = 2) -> str:
     return "" if _missing(x) else f"{x:.{digits}f}x"
 

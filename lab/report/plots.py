@@ -20,6 +20,7 @@ from lab.errors import RunError
 from lab.measure import cost
 from lab.measure.attention import SweepRow
 from lab.measure.scaling import ScalingStudy
+from lab.report.format import rough
 
 
 def _plt():
@@ -683,9 +684,9 @@ def _decode_axes(ax, rows, crit) -> None:
         at = crit[0]["value"]
         k = crit[0]["config"].get("sensitivity")  # % per 1% of the ridge; older records: none
         if k is not None and k > cost.ILL_DETERMINED:  # an estimate: two figures, said so
-            label = f"critical batch (ridge): ~{float(f'{at:.2g}'):,.0f}, not well determined"
+            label = f"critical batch (ridge): ~{rough(at)}, not well determined"
         else:
-            label = f"critical batch (ridge): {at:.3g}"
+            label = f"critical batch (ridge): {f'{at:.3g}' if at < 1000 else f'{at:,.0f}'}"
         if min(batches) <= at <= max(batches):
             handles.append(ax.axvline(at, color="gray", ls=":", label=label))
         else:

@@ -18,7 +18,7 @@ from lab.measure.serving import (
     Roofs,
     Summary,
 )
-from lab.report.format import duration, percent, ratio, size
+from lab.report.format import duration, percent, ratio, rough, size
 
 
 def serving_prefill(rows: list[PrefillPoint], title: str) -> Table:
@@ -169,7 +169,7 @@ def critical_batch_text(s) -> str:
         return f"{crit:,.1f}"
     above = s.cache_intensity / s.ridge - 1
     return (
-        f"~{float(f'{crit:.2g}'):,.0f}, not well determined: decode's intensity can only approach "
+        f"~{rough(crit)}, not well determined: decode's intensity can only approach "
         f"{s.cache_intensity:.2f} FLOP/B (the FLOPs per cache byte), {percent(above, 0)} above "
         f"the ridge, so 1% in either roof moves it {k:,.0f}%"
     )
