@@ -155,16 +155,48 @@ FIGURES = (
 def _finite(r: dict) -> str | None:
     """Why compare refuses a record: a label or a claim the lab does not know (a made-up label
     would be shown as if it said how the figure was obtained; an unknown claim's record would
-    be dropped unseen), or a value that is NaN or inf (it sets no figure beside another
-    machine's and judges no claim)."""
+    be dropped unseen), a value that is NaN or inf (it sets no figure beside another
+    machine's and judges no claim), a name the ledger reads that is not text, or a figure its
+    claim's range cannot be read against (`_against_claim`)."""
     if r["label"] not in rec.LABELS:
         return f"label {r['label']!r} is none of the lab's: {', '.join(rec.LABELS)}"
+    if not isinstance(r.get("hostname", ""), str | type(None)):
+        return f"hostname is {rec.json_type(r['hostname'])}, not a string"
+    for key in _CONFIG_TEXT:  # the ledger groups and looks records up by these
+        if not isinstance(r["config"].get(key, ""), str | type(None)):
+            return f"config.{key} is {rec.json_type(r['config'][key])}, not a string"
     claim = r["config"].get("claim")
     if claim is not None and claim not in BY_ID:
         return f"claim {claim!r} is none of the ledger's: {', '.join(BY_ID)}"
     v = r["value"]
     if isinstance(v, float) and not math.isfinite(v):
         return f"value is {v}, not a finite number: fix or remove the line to compare the folder"
+    return _against_claim(r) if claim is not None else None
+
+
+# config keys the ledger and compare read as names (a list or a number there is a damaged line)
+_CONFIG_TEXT = ("claim", "metric", "role", "size", "bound", "target", "on", "series")
+
+
+_SIGNED_UNITS = ("exponent",)  # the stated units a figure may be negative in (a fitted slope)
+
+
+def _against_claim(r: dict) -> str | None:
+    """Why a record of a stated part cannot be judged against it: another unit than the
+    claim's range (its figure would be read in the range's unit), or a negative value in a
+    unit that has none (a count, a time, a ratio: its distance from the range is no figure)."""
+    v = r["value"]
+    for s in BY_ID[r["config"]["claim"]].stated:
+        if s.metric != r["config"].get("metric") or r["unit"] == "reason":
+            continue
+        if r["unit"] != s.unit:
+            return (
+                f"unit {r['unit']!r}, but {s.metric} of {r['config']['claim']} is in {s.unit!r}: "
+                "a record of another figure?"
+            )
+        signed = s.unit in _SIGNED_UNITS or any(b is not None and b < 0 for b in (s.lo, s.hi))
+        if isinstance(v, int | float) and v < 0 and not signed:
+            return f"value {v} is negative, where {s.metric} ({s.unit}) cannot be"
     return None
 
 

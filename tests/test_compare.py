@@ -305,6 +305,40 @@ def test_a_record_of_an_unknown_claim_or_label_is_refused_naming_its_line(tmp_pa
         assert f"{a / 'records.jsonl'}, {why}" in err, err
 
 
+def test_a_record_the_ledger_cannot_read_is_refused_naming_its_line(tmp_path, capsys):
+    """A name the ledger groups by that is not text stopped compare with a TypeError; a figure
+    in another unit than its claim's range was judged in the range's unit; a negative count
+    was 'x inf below' its range; an integer past a float's range an OverflowError."""
+    listed = _error()
+    listed["config"]["claim"] = ["C08"]
+    host = _error()
+    other_unit = {**_error(), "unit": "furlongs"}
+    negative = {**_error(), "value": -5.0}
+    huge = {**_error(), "value": 10**400}
+    for name, bad, why in (
+        ("listed", listed, "config.claim is a list, not a string"),
+        ("host", host, "hostname is a list, not a string"),
+        ("unit", other_unit, "unit 'furlongs', but flash_max_error of C08 is in 'max |Δ|'"),
+        ("negative", negative, "value -5.0 is negative, where flash_max_error (max |Δ|) cannot"),
+        ("huge", huge, "not a lab record (value is an integer past the largest number a float"),
+    ):
+        a = _folder(tmp_path / name, [_time(2.4), bad])
+        if name == "host":  # _folder stamps every record's host: damage it after
+            lines = (a / "records.jsonl").read_text().splitlines()
+            lines[1] = lines[1].replace('"hostname": "vm"', '"hostname": ["vm"]')
+            (a / "records.jsonl").write_text("\n".join(lines) + "\n")
+        assert compare.main([f"dirs={a}", f"out_dir={tmp_path / 'cmp'}"]) == 2, name
+        err = _one_line_error(capsys)
+        assert f"{a / 'records.jsonl'}, line 2: {why}" in err, err
+    # a fitted exponent may be negative: C08's memory slope below zero is a figure, not damage
+    slope = rec.make_record(
+        "flash memory exponent", -0.25, "exponent",
+        label="derived", claim="C08", metric="flash_memory_exponent", role="evidence",
+    )  # fmt: skip
+    ok = _folder(tmp_path / "slope", [_error(), slope])
+    assert compare.main([f"dirs={ok}", f"out_dir={tmp_path / 'cmp'}"]) == 0
+
+
 def test_the_printed_table_says_the_host_was_busy_as_the_report_does(tmp_path, capsys):
     """REPORT.md said "Host busy" where the CPU figures were timed beside other work, and
     python -m experiments prints it under its table; compare printed no such caution."""

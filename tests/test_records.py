@@ -246,6 +246,21 @@ def test_a_busy_host_note_says_times_come_out_high_and_rates_low(monkeypatch):
     assert records.busy_note() == ""
 
 
+def test_the_busy_count_takes_times_and_rates_not_amounts():
+    """A device count or a host's memory is measured but not timed: a busy host leaves it as
+    it is, so "2 of 2 CPU measurements were timed while other work shared the host" over two
+    such records was a caution about nothing timed."""
+
+    def made(value, unit, load):
+        r = records.make_record("x", value, unit)
+        return {**r, "backend": "cpu", "load_avg_1m": load, "cpu_count": 2}
+
+    amounts = [made(8, "devices", 3.0), made(2**34, "B", 3.0), made(2.5, "loss", 3.0)]
+    assert records.busy_records(amounts) == (0, 0, 0.0, 0)
+    timed = [made(0.2, "s", 3.0), made(1e9, "FLOP/s", 0.5)]
+    assert records.busy_records(amounts + timed) == (1, 2, 3.0, 2)
+
+
 def test_a_record_names_the_command_that_wrote_it(tmp_path):
     """`python -m lab.tools.ceilings` writes records that say lab.tools.ceilings wrote them,
     so a reader handed the wrong file can say whose it is."""

@@ -1043,3 +1043,8 @@ def test_the_terminal_ledger_says_how_far_off_and_which_claims_only_tiny_folders
         red = "\x1b[31m" in styled or "\x1b[38;2;128;0;0m" in styled or "\x1b[91m" in styled
         assert red == coloured, styled
     assert tables.off_by(holds) == "" and tables.off_by(off) == "×1.6e+04 above"
+    # a prediction outside its range says by how much, as an `off` does; one inside, nothing
+    far = judge(c01, [_record("C01", c01.stated[0], 2e12, label="predicted", backend="cpu")])
+    near = judge(c01, [_record("C01", c01.stated[0], lo, label="predicted", backend="cpu")])
+    assert far.status == near.status == PREDICTED
+    assert tables.off_by(far) == "×1.6e+04 above" and tables.off_by(near) == ""

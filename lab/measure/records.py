@@ -119,16 +119,23 @@ class OtherWork:
         return self.share is not None and self.share > 0.5
 
 
+# Units of measured records that are amounts, not times or rates: a busy host leaves them as
+# they are, so the caution about a shared host does not count them.
+UNTIMED_UNITS = ("B", "FLOP", "devices", "cores", "loss", "max |Δ|", "exponent")
+
+
 def busy_records(records) -> tuple[int, int, float, int]:
     """(busy, timed, highest load, cores) over the measured CPU records that say their host's
     load and cores: `busy` of `timed` were taken with a load above half the cores, as
     `busy_host` judges a host before it times anything. A record a comparison set aside
-    (`set_aside`: it judges no claim there) is not counted."""
+    (`set_aside`: it judges no claim there) is not counted, nor one in a unit of amount
+    (bytes, a device count, an error: `UNTIMED_UNITS`), which no other work changes."""
     timed = [
         r
         for r in records
         if r.get("label") == "measured"
         and not r.get("set_aside")
+        and r.get("unit") not in UNTIMED_UNITS
         and r.get("backend") == "cpu"
         and isinstance(r.get("load_avg_1m"), int | float)
         and isinstance(r.get("cpu_count"), int)
@@ -421,7 +428,17 @@ def _wrong_type(r: dict) -> str | None:
         return None if isinstance(v, str) else f"value is {_json_type(v)}, not a reason's text"
     if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
         return f"value is {_json_type(v)}, not a number"
+    if isinstance(v, int) and abs(v) > _LARGEST:  # JSON's integers have no bound; floats do
+        return "value is an integer past the largest number a float holds"
     return None
+
+
+_LARGEST = 1.7976931348623157e308
+
+
+def json_type(x) -> str:
+    """'a string', 'a list', 'null', …: how a JSON value is named in a refusal."""
+    return _json_type(x)
 
 
 def _json_type(x) -> str:

@@ -2,20 +2,30 @@
 
 from rich.table import Table
 
-from lab.report.verdict import EVIDENCE_LABELS, OFF, unjudged_parts
+from lab.report.verdict import (
+    EVIDENCE_LABELS,
+    OFF,
+    PREDICTED,
+    PREDICTION_LABELS,
+    unjudged_parts,
+)
 
 
 def off_by(v) -> str:
-    """How far the furthest measurement of an `off` claim lies outside its range, as REPORT.md
-    says it: "×16 above"; empty for any other verdict."""
+    """How far the furthest measurement of an `off` claim, or the furthest prediction of a
+    `predicted` one, lies outside its range, as REPORT.md says it: "×16 above"; empty for any
+    other verdict, and for a prediction inside its range."""
+    labels = {OFF: EVIDENCE_LABELS, PREDICTED: PREDICTION_LABELS}.get(v.status)
+    if labels is None:
+        return ""
     out = [
         x
         for c in v.checks
-        if c.status == OFF
+        if c.status == v.status
         for x in c.readings
-        if x.factor is not None and x.record.get("label") in EVIDENCE_LABELS
+        if x.factor is not None and x.record.get("label") in labels
     ]
-    if v.status != OFF or not out:
+    if not out:
         return ""
     worst = max(out, key=lambda x: x.factor)
     return f"×{worst.factor:,.3g} {worst.direction}"
