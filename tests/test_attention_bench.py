@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from lab.studies import attention as study
 from lab.tools.attention_bench import main
 
 FAST = ["seqs=64", "causal=yes", "modes=fwd", "budget=0.01", "plot=false"]
@@ -49,6 +50,10 @@ def test_progress_counts_points_in_plain_lines(tmp_path, capsys):
         (["impls=cpu_flsh"], "(did you mean cpu_flash?)"),
         (["heads=3", "kv_heads=2"], "heads=3 must be a multiple of kv_heads=2"),
         (["batch=100000000"], "seqs=64 batch=100000000: the inputs and gradients would take"),
+        # a sample of 10^8 calls would never end: refused, not run
+        (["inner=100000000"], "inner='100000000': must be <= 10000"),
+        # a peer that exists but is not here (its library, or a GPU) says why
+        (["impls=jax_pallas_mgpu"], "impls=jax_pallas_mgpu: it compiles only for a GPU; here:"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, args, needle):
@@ -56,6 +61,30 @@ def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, args, needle):
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_a_missing_library_peer_is_named_with_the_way_to_install_it(monkeypatch):
+    """torch_sdpa and tokamax run where their libraries are installed: asked for elsewhere,
+    the refusal says so and names the extra, not "not an implementation"."""
+    monkeypatch.setattr(study, "default_impls", lambda backend=None: ("naive", "xla"))
+    for name, lib in (("torch_sdpa", "PyTorch"), ("tokamax", "tokamax")):
+        with pytest.raises(ValueError, match=rf"impls={name}: {lib} is not installed here"):
+            study.check_impls([name])
+
+
+def test_an_explicit_budget_wins_over_quick(tmp_path, monkeypatch):
+    """quick=true sets a short budget; budget= given beside it is the user's and is kept."""
+    seen = []
+
+    def fake_sweep(*args, budget_s, **kwargs):
+        seen.append(budget_s)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(study, "sweep", fake_sweep)
+    for args, want in ((["quick=true"], 0.2), (["quick=true", "budget=0.01"], 0.01)):
+        with pytest.raises(SystemExit):
+            main([*args, "impls=naive", "baseline=naive", f"out_dir={tmp_path}"])
+        assert seen[-1] == want
 
 
 def test_a_native_kernels_memory_says_what_it_leaves_out(tmp_path, capsys):

@@ -19,7 +19,7 @@ implementation and shape it reports, in one run:
 - max error: max |out − ref| / max |ref| against the float64 reference, on the last 128 query
   rows (exact for causal too: the mask is bottom-right aligned), and for fwd+bwd also on dQ of
   those rows (dQ of a row depends only on that row's output cotangent);
-- ratio: median time / the baseline's (`--baseline`, default `xla`:
+- ratio: median time / the baseline's (`baseline=`, default `xla`:
   `jax.nn.dot_product_attention`; `cudnn` for the GPU targets).
 
 With a `Masking` (a causal sliding window, packed documents, a soft-cap) every contender gets
@@ -413,6 +413,15 @@ def check_impls(impls, backend: str | None = None, key: str = "impls") -> None:
     `key`: the option the user gave them with (impls=, baseline=)."""
     here = default_impls(backend)
     bad = [i for i in impls if i not in here]
+    missing = {  # peers that exist, but not here: say why rather than "choose from"
+        "torch_sdpa": "PyTorch is not installed here (pip install -e '.[peers]' adds it)",
+        "tokamax": "tokamax is not installed here (pip install -e '.[peers]' adds it)",
+        **{p: "it compiles only for a GPU" for p in GPU_PEERS},
+    }
+    why = next((missing[i] for i in bad if i in missing), None)
+    if why:
+        name = next(i for i in bad if i in missing)
+        raise ValueError(f"{key}={name}: {why}; here: {','.join(here)}")
     if bad:
         hint = did_you_mean(bad[0], here) if len(bad) == 1 else ""
         raise ValueError(
@@ -501,7 +510,7 @@ def _compile(impl, causal, mode, args, mask_kw=None):
             return TorchSDPA(causal, mode, *args), time.perf_counter() - t0, None
         compiled = jax.jit(impl_program(impl, causal, mode, mask_kw)).lower(*args).compile()
     except Exception as e:  # noqa: BLE001 — a peer's constraints (dtype, arch, shape) differ
-        return None, 0.0, f"does not compile here: {str(e).strip().splitlines()[0][:80]}"
+        return None, 0.0, f"does not compile here: {str(e).strip().splitlines()[0]}"
     return compiled, time.perf_counter() - t0, compiled_memory(compiled)
 
 
@@ -546,7 +555,7 @@ def _first_calls(runnable: dict, args) -> tuple[dict, dict]:
             if not out_of_memory(e):
                 raise
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            failed[impl] = f"out of memory when called: {type(e).__name__}: {first_line[:80]}"
+            failed[impl] = f"out of memory when called: {type(e).__name__}: {first_line}"
             if isinstance(fn, TorchSDPA):
                 fn.release()
     return fastest, failed

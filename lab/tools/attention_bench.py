@@ -15,7 +15,7 @@ import time
 import jax
 
 from lab import startup
-from lab.config import cli, field
+from lab.config import cli, field, given_options
 from lab.errors import ConfigError
 from lab.measure import memory
 from lab.measure import records as rec
@@ -29,7 +29,11 @@ _WALL_PER_BUDGET = round((study.SAMPLE_S + study.CPU_SETTLE_S) / study.SAMPLE_S)
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    quick: bool = field(False, f"seqs {','.join(map(str, study.QUICK_SEQS))}, short budget")
+    quick: bool = field(
+        False,
+        f"seqs {','.join(map(str, study.QUICK_SEQS))}, a 0.2 s budget (seqs= and budget= given "
+        "win)",
+    )
     seqs: tuple = field(
         (), "sequence lengths, e.g. 1024,4096 (default per backend)", kind="ints", min=1
     )
@@ -41,7 +45,13 @@ class Options:
     modes: tuple = field(study.MODES, "fwd and/or fwd+bwd", kind="names", choices=study.MODES)
     impls: tuple = field((), "implementations (default: all compiled here)", kind="names")
     baseline: str = field(study.BASELINE, "ratios against this implementation")
-    inner: int = field(0, "calls per timed sample; 0 = about 2 ms a sample", min=0)
+    inner: int = field(
+        0,
+        "calls per timed sample; 0 = about 2 ms a sample (at most 10,000: every impl's "
+        "sample must end)",
+        min=0,
+        max=10_000,
+    )
     batch: int = field(1, "B", min=1)
     heads: int = field(2, "H, query heads", min=1)
     kv_heads: int = field(1, "G, key/value heads (must divide heads)", min=1)
@@ -87,6 +97,10 @@ def _size_keys(o: Options, seqs) -> str:
     return " ".join([f"seqs={max(seqs)}", *given] if o.seqs else [*given, f"seqs={max(seqs)}"])
 
 
+def _default_budget() -> float:
+    return Options.__dataclass_fields__["budget"].default
+
+
 def run(o: Options) -> int:
     backend = jax.default_backend()
     if o.heads % o.kv_heads:
@@ -100,6 +114,8 @@ def run(o: Options) -> int:
     impls += [o.baseline] if o.baseline not in impls else []
     dtype = o.dtype if o.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
     seqs = o.seqs or study.default_seqs(backend, o.quick)
+    typed = given_options(o)  # None for options made in code: then budget= away from its default
+    budget_given = "budget" in typed if typed is not None else o.budget != _default_budget()
     causal = {"both": (True, False), "yes": (True,), "true": (True,), "no": (False,)}.get(
         o.causal, (False,)
     )
@@ -130,7 +146,7 @@ def run(o: Options) -> int:
             modes=o.modes,
             impls=impls,
             shape=shape,
-            budget_s=0.2 if o.quick else o.budget,
+            budget_s=0.2 if o.quick and not budget_given else o.budget,
             baseline=o.baseline,
             inner=o.inner or None,
             progress=tick,

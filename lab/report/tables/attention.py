@@ -25,8 +25,8 @@ def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
         )
     t = Table(title=title, caption=caption, caption_justify="left")
     # the time over the baseline's: below 1× is faster
-    cols = ("L=S", "causal", "mode", "impl", "time", f"time ÷ {baseline}'s", "TFLOP/s")
-    for col in (*cols, "peak temp mem", "max rel. error"):  # |out − ref| / max |ref|
+    cols = ("L=S", "causal", "mode", "impl", "time", f"time ÷ {baseline}'s (<1: faster)", "TFLOP/s")
+    for col in (*cols, "peak temp mem", "max rel. error vs f64"):  # |out − ref| / max |ref|
         t.add_column(col, justify="right")
     for r in rows:
         mem = size(r.peak_temp_bytes)
