@@ -343,6 +343,9 @@ def test_a_stopped_ledger_keeps_the_finished_topics_and_writes_their_report(tmp_
     assert "`memory`" in report and "**cut short** by SIGTERM" in report  # said once
     assert "**failed**" not in report and "cut short: cut short" not in report
     assert "`training`: not run (the run was stopped before it)" in report
+    verdicts = json.loads((folder / "run.json").read_text())["verdicts"]  # as REPORT.md says
+    training = [c.id for c in CLAIMS if c.topic == "training"]
+    assert training and all(verdicts[i] == "not run" for i in training), verdicts
     if how == "points":
         kept = [r for r in records if r["config"].get("cut_short")]
         assert [r["value"] for r in kept] == [2.0, 3.0]

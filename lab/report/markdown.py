@@ -393,7 +393,8 @@ def write_report(out_dir, *, meta: dict | None = None, only=None, records=None) 
     plot_files = plots.make_all(records, out_dir)
     path = out_dir / "REPORT.md"
     path.write_text(render(records, verdicts, plot_files, meta))
-    summary = {v.claim.id: v.status for v in verdicts}
+    # as REPORT.md says them: a claim whose topic was not reached, or was cut short, says so
+    summary = {v.claim.id: topic_status(meta, v.claim, v.status) for v in verdicts}
     (out_dir / "run.json").write_text(json.dumps({**(meta or {}), "verdicts": summary}, indent=2))
     return {"path": path, "verdicts": verdicts, "plots": plot_files, "records": records}
 
