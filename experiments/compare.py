@@ -159,7 +159,7 @@ def _finite(r: dict) -> str | None:
     machine's and judges no claim), a name the ledger reads that is not text, or a figure its
     claim's range cannot be read against (`_against_claim`)."""
     if r["label"] not in rec.LABELS:
-        return f"label {r['label']!r} is none of the lab's: {', '.join(rec.LABELS)}"
+        return f"label {r['label']!r} is none of the lab's: {', '.join(map(repr, rec.LABELS))}"
     if not isinstance(r.get("hostname", ""), str | type(None)):
         return f"hostname is {rec.json_type(r['hostname'])}, not a string"
     for key in _CONFIG_TEXT:  # the ledger groups and looks records up by these

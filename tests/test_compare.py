@@ -295,7 +295,10 @@ def test_a_record_of_an_unknown_claim_or_label_is_refused_naming_its_line(tmp_pa
     unknown = _time(2.5)
     unknown["config"]["claim"] = "C99"
     for bad, why in (
-        (guessed, "line 2: label 'guessed' is none of the lab's: measured, compiled, predicted"),
+        (
+            guessed,
+            "line 2: label 'guessed' is none of the lab's: 'measured', 'compiled', 'predicted'",
+        ),
         (unknown, "line 2: claim 'C99' is none of the ledger's: C01, C02,"),
     ):
         name = bad["config"]["claim"]

@@ -995,6 +995,10 @@ def test_a_sweep_whose_baseline_never_ran_says_why_its_ratio_column_is_empty():
     ), t.caption
     ran = [SweepRow("xla", 512, True, "fwd", time_s=3e-4, tflops=1.0, max_error=1e-7), rows[1]]
     assert tables.attention_sweep(ran, "xla", "t").caption is None
+    # nothing ran at all: no baseline to suggest among "the impls that ran"
+    none = [rows[0], SweepRow("naive", 512, True, "fwd", skipped="does not take float16")]
+    caption = tables.attention_sweep(none, "xla", "t").caption
+    assert caption == "no impl asked for ran: each row says why it was skipped", caption
 
 
 def test_a_ledger_that_judges_nothing_says_so_and_colours_no_verdict():
@@ -1018,6 +1022,13 @@ def test_a_ledger_that_judges_nothing_says_so_and_colours_no_verdict():
         )
         assert ("smoke test" in plain) != judged
         assert coloured == judged, styled
+    # a smoke test's `off` says no distance either: nothing was judged
+    c01 = claims.get("C01")
+    off = judge(c01, [_record("C01", c01.stated[0], 2e12, backend="cpu")])
+    for judged in (False, True):
+        console = Console(record=True, width=200)
+        console.print(tables.verdicts([off], "", judged=judged))
+        assert ("×1.6e+04 above" in console.export_text()) == judged
 
 
 def test_the_terminal_ledger_says_how_far_off_and_which_claims_only_tiny_folders_decide():

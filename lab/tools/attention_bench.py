@@ -43,7 +43,12 @@ class Options:
         choices=("both", "yes", "no", "true", "false"),
     )
     modes: tuple = field(study.MODES, "fwd and/or fwd+bwd", kind="names", choices=study.MODES)
-    impls: tuple = field((), "implementations (default: all compiled here)", kind="names")
+    impls: tuple = field(
+        (),
+        "implementations (default: all compiled here: naive, blockwise, xla, and cpu_flash "
+        "on CPU, the Pallas kernels on GPU and TPU, torch_sdpa and tokamax where installed)",
+        kind="names",
+    )
     baseline: str = field(study.BASELINE, "ratios against this implementation")
     inner: int = field(
         0,

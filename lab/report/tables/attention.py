@@ -17,7 +17,9 @@ def attention_sweep(rows: list[SweepRow], baseline: str, title: str) -> Table:
     ratio column is empty and how to give another baseline."""
     base = [r for r in rows if r.impl == baseline]
     caption = None
-    if rows and not any(r.ran for r in base):
+    if rows and not any(r.ran for r in rows):  # nothing to compare: each row says why
+        caption = "no impl asked for ran: each row says why it was skipped"
+    elif rows and not any(r.ran for r in base):
         why = f" ({base[0].skipped})" if base and base[0].skipped else ""
         caption = (
             f"time ÷ {baseline}'s is empty: {baseline} did not run{why}; give baseline= one "

@@ -50,7 +50,8 @@ def verdicts(
         colour = "dim" if tiny else colours.get(v.status, "dim")
         text = v.claim.text if len(v.claim.text) < 70 else v.claim.text[:67] + "…"
         part = unjudged_parts(v)  # holds on the parts judged: the rest said
-        notes = [n for n in (off_by(v), part, "size tiny only" if tiny else "") if n]
+        off = off_by(v) if judged else ""  # a smoke test's distances judge nothing either
+        notes = [n for n in (off, part, "size tiny only" if tiny else "") if n]
         part = f" [dim]({'; '.join(notes)})[/dim]" if notes else ""
         t.add_row(v.claim.id, text, f"[{colour}]{v.status}[/{colour}]{part}")
     return t
