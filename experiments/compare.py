@@ -527,10 +527,13 @@ def derived(folders: list[dict]) -> list[dict]:
 
 
 def side_by_side(folders: list[dict]) -> list[str]:
-    """The articles' GPU vs TPU vs CPU table, with this lab's measured numbers."""
+    """The articles' GPU vs TPU vs CPU table, with this lab's measured numbers: the figures
+    some folder holds (a row of dashes says nothing), or one line where none does."""
     head = "| figure | " + " | ".join(f["name"] for f in folders) + " |"
     rows = [head, "|---" * (len(folders) + 1) + "|"]
     for row in FIGURES:
+        if all(_find(f["records"], row.match) is None for f in folders):
+            continue
         cells = []
         for f in folders:
             r = _find(f["records"], row.match)
@@ -542,6 +545,8 @@ def side_by_side(folders: list[dict]) -> list[str]:
                 " ".join(filter(None, (markdown.fmt(value, unit), f"*{label}*", row.note(r))))
             )
         rows.append(f"| {row.name} | " + " | ".join(cells) + " |")
+    if len(rows) == 2:
+        return ["None of these folders holds a figure of this table (their claims measure others)."]
     return rows
 
 

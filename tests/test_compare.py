@@ -450,3 +450,18 @@ def _c02_context() -> dict:
         metric="gpu_cpu_train_speedup", role="context", label="derived",
     )  # fmt: skip
     return {**r, "backend": "cpu", "device_kind": "CPU"}
+
+
+def test_the_side_by_side_table_shows_only_figures_some_folder_holds():
+    """Two folders of one claim printed every figure of the table as a row of dashes."""
+    a = {"dir": "a", "name": "cpu · cpu · tiny", "records": [_error()]}
+    b = {"dir": "b", "name": "cpu · cpu · quick", "records": [_error(2.0)]}
+    assert compare.side_by_side([a, b]) == [
+        "None of these folders holds a figure of this table (their claims measure others)."
+    ]
+    speedup = rec.make_record(
+        "naive over flash attention time", 3.1, "×", claim="C08", metric="flash_speedup",
+        role="evidence",
+    )  # fmt: skip
+    rows = compare.side_by_side([{**a, "records": [_error(), speedup]}, b])
+    assert len(rows) == 3 and rows[2].startswith("| naive over flash attention time | "), rows
