@@ -29,6 +29,13 @@ def test_fallback_error_is_the_rule_held_against_published_mfu():
     assert prediction.fallback_statement(0.82).startswith("fallback rule (datasheet peak")
 
 
+def test_one_held_out_point_is_its_error_not_a_median_and_a_worst(monkeypatch):
+    one = {"n": 1, "median": 0.26, "worst": 1.26}
+    monkeypatch.setattr(prediction, "fallback_error", lambda mfu, workload="train": one)
+    said = prediction.fallback_statement(0.3)
+    assert said.endswith("its error 26% on 1 held-out published training point"), said
+
+
 def test_a_forward_pass_mfu_is_judged_against_published_prefills():
     """Inference predictions scale a forward pass's MFU: the fallback rule's error for them is
     measured on prefill points, whose MFU is the forward's FLOPs over the time to first token.

@@ -783,10 +783,11 @@ def fallback_statement(mfu: float, workload: str = "train") -> str:
     rule = f"fallback rule (datasheet peak × the {mfu:.1%} MFU measured here)"
     if not e["n"]:
         return f"{rule}: its error not measured (no held-out {kind} point)"
-    points = "point" if e["n"] == 1 else "points"
+    if e["n"] == 1:  # one point has no median and no worst: its error
+        return f"{rule}: its error {e['median']:.0%} on 1 held-out published {kind} point"
     return (
         f"{rule}: its error {e['median']:.0%} median, worst {e['worst']:.3g}×, on {e['n']} "
-        f"held-out published {kind} {points}"
+        f"held-out published {kind} points"
     )
 
 
