@@ -22,8 +22,9 @@ records (a copy of one run); a comparison (give the folders it merged: its recor
 theirs); a folder of another command's records (lab.run, a lab tool); a run.json missing,
 damaged, not a regular file or naming another size than its records (it says the run's size
 and the claims it selected); a record of a claim or a label the lab does not know; a value
-that is not a finite number; a line that is not a record (a last line cut short says which to
-remove).
+that is not a finite number; a record of a claim's figure in another unit than its range, or
+negative where its unit cannot be; a name the ledger reads (claim, metric, size, host) that is
+not text; a line that is not a record (a last line cut short says which to remove).
 """
 
 import dataclasses

@@ -51,9 +51,13 @@ def test_progress_counts_points_in_plain_lines(tmp_path, capsys):
         (["heads=3", "kv_heads=2"], "heads=3 must be a multiple of kv_heads=2"),
         (["batch=100000000"], "seqs=64 batch=100000000: the inputs and gradients would take"),
         # a sample of 10^8 calls would never end: refused, not run
-        (["inner=100000000"], "inner='100000000': must be <= 10000"),
+        # (with a batch too big to hold, so that without the bound it is refused, not run)
+        (["inner=100000000", "batch=100000000"], "inner='100000000': must be <= 10000"),
         # a peer that exists but is not here (its library, or a GPU) says why
-        (["impls=jax_pallas_mgpu"], "impls=jax_pallas_mgpu: it compiles only for a GPU; here:"),
+        (["impls=jax_pallas_mgpu"], "impls=jax_pallas_mgpu: it compiles only for a GPU; choose"),
+        (["impls=pallas"], "impls=pallas: it runs on GPU or TPU only; choose from"),
+        # several mistakes: each named with its own reason
+        (["impls=blockwize,pallas"], "impls=blockwize,pallas: blockwize: not an implementation"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, args, needle):
@@ -65,11 +69,23 @@ def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, args, needle):
 
 def test_a_missing_library_peer_is_named_with_the_way_to_install_it(monkeypatch):
     """torch_sdpa and tokamax run where their libraries are installed: asked for elsewhere,
-    the refusal says so and names the extra, not "not an implementation"."""
+    the refusal says so and names the extra, not "not an implementation"; PyTorch installed
+    but not for this backend is said as that."""
+    import importlib.util
+
     monkeypatch.setattr(study, "default_impls", lambda backend=None: ("naive", "xla"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        study.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("torch", "tokamax") else real(name, *a),
+    )
     for name, lib in (("torch_sdpa", "PyTorch"), ("tokamax", "tokamax")):
         with pytest.raises(ValueError, match=rf"impls={name}: {lib} is not installed here"):
-            study.check_impls([name])
+            study.check_impls([name], "cpu")
+    monkeypatch.setattr(study.importlib.util, "find_spec", lambda name, *a: object())
+    with pytest.raises(ValueError, match="the PyTorch installed here does not run on tpu"):
+        study.check_impls(["torch_sdpa"], "tpu")
 
 
 def test_an_explicit_budget_wins_over_quick(tmp_path, monkeypatch):

@@ -180,6 +180,9 @@ def test_compare_merges_backends_side_by_side(tiny_run, tmp_path, capsys):
     exercise the merge): the pair ratios C19 needs appear as derived, multi-backend records."""
     tpu = _relabel(tiny_run["dir"], tmp_path / "tpu", "tpu", "TPU v5 lite")
     h100 = _relabel(tiny_run["dir"], tmp_path / "h100", "gpu", "NVIDIA H100 80GB HBM3")
+    # every record the ledger writes is one compare can read (names as text, its claim's unit)
+    refused = [(r["what"], why) for r in tiny_run["records"] if (why := compare._finite(r))]
+    assert not refused, refused
     argv = [f"dirs={tiny_run['dir']},{tpu},{h100}", f"out_dir={tmp_path / 'cmp'}"]
     assert compare.main(argv) == 0
     (out,) = (tmp_path / "cmp").iterdir()

@@ -409,25 +409,39 @@ def default_seqs(backend: str, quick: bool) -> tuple[int, ...]:
 
 
 def check_impls(impls, backend: str | None = None, key: str = "impls") -> None:
-    """ValueError naming what runs here, for an impl that is unknown or does not run here;
-    `key`: the option the user gave them with (impls=, baseline=)."""
+    """ValueError naming what runs here, for an impl that is unknown or does not run here
+    (saying why, for one that runs elsewhere or needs a library not installed); `key`: the
+    option the user gave them with (impls=, baseline=)."""
+    backend = backend or jax.default_backend()
     here = default_impls(backend)
     bad = [i for i in impls if i not in here]
-    missing = {  # peers that exist, but not here: say why rather than "choose from"
-        "torch_sdpa": "PyTorch is not installed here (pip install -e '.[peers]' adds it)",
-        "tokamax": "tokamax is not installed here (pip install -e '.[peers]' adds it)",
-        **{p: "it compiles only for a GPU" for p in GPU_PEERS},
-    }
-    why = next((missing[i] for i in bad if i in missing), None)
-    if why:
-        name = next(i for i in bad if i in missing)
-        raise ValueError(f"{key}={name}: {why}; here: {','.join(here)}")
-    if bad:
-        hint = did_you_mean(bad[0], here) if len(bad) == 1 else ""
-        raise ValueError(
-            f"{key}={','.join(bad)}: not an implementation that runs compiled here{hint}; "
-            f"choose from {','.join(here)}"
-        )
+    if not bad:
+        return
+    reasons = []
+    for i in bad:
+        why = _not_here(i, backend)
+        if why is None:
+            hint = did_you_mean(i, here) if len(bad) == 1 else ""
+            why = f"not an implementation that runs compiled here{hint}"
+        reasons.append(why if len(bad) == 1 else f"{i}: {why}")
+    raise ValueError(f"{key}={','.join(bad)}: {'; '.join(reasons)}; choose from {','.join(here)}")
+
+
+def _not_here(impl: str, backend: str) -> str | None:
+    """Why an implementation the lab has does not run here, or None for a name it does not
+    know: a peer whose library is not installed, or a kernel for another backend."""
+    if impl == "torch_sdpa":
+        if importlib.util.find_spec("torch") is None:
+            return "PyTorch is not installed here (pip install -e '.[peers]' adds it)"
+        return f"the PyTorch installed here does not run on {backend} (a CUDA build runs on a GPU)"
+    if impl == "tokamax" and importlib.util.find_spec("tokamax") is None:
+        return "tokamax is not installed here (pip install -e '.[peers]' adds it)"
+    if impl in GPU_PEERS:
+        return "it compiles only for a GPU"
+    where = [b for b in ("cpu", "gpu", "tpu") if b != backend and impl in available_impls(b)]
+    if where:
+        return f"it runs on {' or '.join(b.upper() for b in where)} only"
+    return None
 
 
 def default_impls(backend: str | None = None) -> tuple[str, ...]:
