@@ -256,6 +256,7 @@ def test_the_busy_count_takes_times_and_rates_not_amounts():
         return {**r, "backend": "cpu", "load_avg_1m": load, "cpu_count": 2}
 
     amounts = [made(8, "devices", 3.0), made(2**34, "B", 3.0), made(2.5, "loss", 3.0)]
+    amounts += [made("no kernel here", "reason", 3.0), made(None, "s", 3.0)]  # nothing timed
     assert records.busy_records(amounts) == (0, 0, 0.0, 0)
     timed = [made(0.2, "s", 3.0), made(1e9, "FLOP/s", 0.5)]
     assert records.busy_records(amounts + timed) == (1, 2, 3.0, 2)

@@ -136,6 +136,7 @@ def busy_records(records) -> tuple[int, int, float, int]:
         if r.get("label") == "measured"
         and not r.get("set_aside")
         and r.get("unit") not in UNTIMED_UNITS
+        and isinstance(r.get("value"), int | float)  # a reason, or no figure: nothing timed
         and r.get("backend") == "cpu"
         and isinstance(r.get("load_avg_1m"), int | float)
         and isinstance(r.get("cpu_count"), int)
