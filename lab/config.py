@@ -69,10 +69,13 @@ def _check_range(key: str, raw, value, meta) -> None:
 
 def did_you_mean(word: str, options) -> str:
     """' (did you mean X?)' for the option closest to `word`, case aside (STEPS → steps), or
-    ' (did you mean X or Y?)' where two are as close (dpp: dp or pp); '' where none is."""
+    ' (did you mean X or Y?)' where two are as close (dpp: dp or pp); '' where none is. An
+    option of which `word` is a whole part is close (bwd: fwd+bwd, not fwd)."""
     scored = {}
     for option in map(str, options):
         score = difflib.SequenceMatcher(None, word.lower(), option.lower()).ratio()
+        if word.lower() in re.split(r"[^a-z0-9]+", option.lower()):  # bwd: fwd+bwd holds it
+            score = max(score, 0.95)
         if score >= 0.6:  # difflib.get_close_matches' own cutoff
             scored[option] = max(score, scored.get(option, 0.0))
     if not scored:

@@ -38,8 +38,38 @@ def test_progress_counts_points_in_plain_lines(tmp_path, capsys):
     argv = [*FAST[1:], "seqs=64,128", "impls=naive", "baseline=naive", f"out_dir={tmp_path}"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "L=S=64 causal=True fwd (0/2 done" in out and "L=S=128 causal=True fwd (1/2" in out
+    assert "L=S=64 causal=yes fwd (0/2 done" in out and "L=S=128 causal=yes fwd (1/2" in out
     assert not re.search(r"\w+\.py:\d+", out), out
+    # what the samples may take, said before they start
+    assert "2 points × 1 impl × budget=0.01 s (×" in out and "of samples, plus" in out, out
+
+
+def test_a_budget_of_years_says_so_before_it_starts():
+    from lab.tools.attention_bench import _WALL_PER_BUDGET, _wall_estimate
+
+    line = _wall_estimate(24, 5, 1e9, "cpu")
+    per = f"(×{_WALL_PER_BUDGET}: each sample waits first on CPU)"
+    assert line.startswith(f"24 points × 5 impls × budget=1e+09 s {per}"), line
+    hours = 24 * 5 * 1e9 * _WALL_PER_BUDGET / 3600
+    assert f"up to about {hours:,.1f} h of samples" in line, line
+    assert _wall_estimate(1, 1, 2.0, "gpu").startswith("1 point × 1 impl × budget=2 s: up to")
+
+
+def test_a_sweep_where_nothing_ran_keeps_its_reasons_and_exits_2(tmp_path, capsys, monkeypatch):
+    """Every impl skipped (here none fits the memory left): the table and the skip records
+    stay, and the command says in one line that nothing was measured, exit 2 — not 0."""
+    monkeypatch.setattr(study, "_free_bytes", lambda: 1)
+    argv = [*FAST[1:], "seqs=64", "impls=naive", "baseline=naive", f"out_dir={tmp_path}"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "no impl asked for ran" in out, out
+    assert err.strip() == (
+        "error: nothing was measured: each impl asked for was skipped (see its row)"
+    ), err
+    recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.open()]
+    reasons = [r["value"] for r in recs if r["unit"] == "reason"]
+    assert reasons and all("needs" in why for why in reasons), recs
+    assert not list(tmp_path.glob("*.png"))
 
 
 @pytest.mark.parametrize(

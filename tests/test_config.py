@@ -283,3 +283,12 @@ def test_values_from_python_are_kept_as_parsed_ones_are():
     cfg = make_config(lr=1, dtype="BF16", loss_scale="auto", steps=np.int64(3), out_dir=Path("r"))
     assert cfg.lr == 1 and cfg.model.dtype == "bfloat16" and cfg.loss_scale == 0.0
     assert type(cfg.steps) is int and cfg.steps == 3 and cfg.out_dir == "r"
+
+
+def test_a_part_of_a_name_suggests_the_name_that_holds_it():
+    """modes=bwd: fwd+bwd holds it, though fwd looks more alike letter by letter."""
+    from lab.config import did_you_mean
+
+    assert did_you_mean("bwd", ["fwd", "fwd+bwd"]) == " (did you mean fwd+bwd?)"
+    assert did_you_mean("fdw", ["fwd", "fwd+bwd"]) == " (did you mean fwd?)"
+    assert did_you_mean("zzz", ["fwd", "fwd+bwd"]) == ""

@@ -51,14 +51,15 @@ def test_measured_helpers_are_none_safe():
 
 def test_a_memory_refusal_reads_a_huge_estimate_with_thousands_separators(monkeypatch):
     """An absurd size is refused in one line whose figures a reader can take in at a glance
-    ("1,549,734.6 GiB", not "1549734.6 GiB"), with the size that fits named."""
+    ("1,549,735 GiB", not "1549734.6 GiB"; tenths only below 100 GiB), with the size that fits
+    named."""
     from lab.errors import ConfigError
 
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 22.3 * 2**30)
     with pytest.raises(ConfigError) as e:
         memory.check_fits("the inputs", 1_549_734.6 * 2**30, "seqs=4000000", jax.devices()[:1])
     line = str(e.value)
-    assert "would take 1,549,734.6 GiB, and the host has 22.3 GiB available" in line, line
+    assert "would take 1,549,735 GiB, and the host has 22.3 GiB available" in line, line
     assert "\n" not in line and line.endswith("choose a smaller seqs=")
 
 

@@ -185,9 +185,13 @@ def check_fits(what: str, per_device: float, key: str, devices=None, fits=None) 
         if size:
             advice += f" ({size} fits)"
         raise ConfigError(
-            f"{key}: {what} would take {need / 2**30:,.1f} GiB, and {where} "
-            f"{capacity / 2**30:,.1f} GiB{has}; {advice}"
+            f"{key}: {what} would take {_gib(need)}, and {where} {_gib(capacity)}{has}; {advice}"
         )
+
+
+def _gib(n: float) -> str:
+    """Bytes in GiB, to a tenth below 100 GiB and whole above (12.3 GiB, 4,096 GiB)."""
+    return f"{n / 2**30:,.{1 if n < 100 * 2**30 else 0}f} GiB"
 
 
 def _either(key: str) -> str:

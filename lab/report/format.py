@@ -93,9 +93,12 @@ def mib(n, digits: int = 1) -> str:
 
 
 def duration(s) -> str:
-    """Seconds, in the unit that reads best: '850 ns', '12 µs', '3.4 ms', '2.10 s', '3.2 min'."""
+    """Seconds, in the unit that reads best: '850 ns', '12 µs', '3.4 ms', '2.10 s', '3.2 min',
+    '5.5 h'."""
     if _missing(s):
         return _absent(s, NA)
+    if s >= 2 * 3600:
+        return f"{s / 3600:,.1f} h"
     if s >= 120:
         return f"{s / 60:,.1f} min"
     if s >= 1:

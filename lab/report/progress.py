@@ -233,7 +233,7 @@ def tasks(con: Console) -> Progress:
 def counted(con: Console, what: str, total: int):
     """`tasks` over `total` steps, yielding `tick(label)` to call as each step starts (the ones
     before it are then done): the label, n/N and the time elapsed; off a terminal, a line
-    per step ("L=S=512 causal=True fwd (3/8 done, 12 s)")."""
+    per step ("L=S=512 causal=yes fwd (3/8 done, 12 s)")."""
     with tasks(con) as bar:
         task = bar.add_task(what, total=total)
         started = []

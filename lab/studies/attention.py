@@ -745,7 +745,7 @@ def sweep(
             for mode in modes:
                 if progress:
                     label = f" {masking.label}" if masking.label else ""
-                    progress(f"L=S={seq} causal={c}{label} {mode}")
+                    progress(f"L=S={seq} causal={'yes' if c else 'no'}{label} {mode}")
                 point = []
                 for row in _measure_one(impls, shape, seq, c, mode, timing, masking):
                     point += _records(row, shape, seq, c, mode, baseline, masking)

@@ -21,6 +21,7 @@ from lab.measure import memory
 from lab.measure import records as rec
 from lab.names import DTYPES
 from lab.report import plots, progress, tables
+from lab.report.format import duration
 from lab.studies import attention as study
 
 # Wall seconds per timed second on CPU where samples are short: each waits CPU_SETTLE_S first.
@@ -144,14 +145,17 @@ def run(o: Options) -> int:
         startup.note(f"the points measured so far are in {path}")
 
     flush = startup.keep_on_stop(pending, write)
-    with progress.counted(con, "attention", len(seqs) * len(causal) * len(o.modes)) as tick:
+    points = len(seqs) * len(causal) * len(o.modes)
+    budget_s = 0.2 if o.quick and not budget_given else o.budget
+    con.print(_wall_estimate(points, len(impls), budget_s, backend), markup=False, soft_wrap=True)
+    with progress.counted(con, "attention", points) as tick:
         records = study.sweep(
             seqs,
             causal=causal,
             modes=o.modes,
             impls=impls,
             shape=shape,
-            budget_s=0.2 if o.quick and not budget_given else o.budget,
+            budget_s=budget_s,
             baseline=o.baseline,
             inner=o.inner or None,
             progress=tick,
@@ -176,12 +180,27 @@ def run(o: Options) -> int:
         )
     flush()
     con.print(f"records → {stem.with_suffix('.jsonl')}", markup=False, soft_wrap=True)
+    if not any(r.ran for r in rows):  # the skip records are kept; there is nothing to plot
+        raise ConfigError("nothing was measured: each impl asked for was skipped (see its row)")
     if o.plot:
         con.print(
             f"plot → {plots.attention_sweep(rows, stem.with_suffix('.png'), title)}", markup=False
         )
     con.print(f"done in {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def _wall_estimate(points: int, impls: int, budget_s: float, backend: str) -> str:
+    """What the sweep will take at most in timed samples, said before it starts: a budget of
+    1e9 s should not be found out by waiting."""
+    per = _WALL_PER_BUDGET if backend == "cpu" else 1
+    wall = points * impls * budget_s * per
+    settle = f" (×{per:g}: each sample waits first on CPU)" if per != 1 else ""
+    return (
+        f"{points} point{'s' * (points != 1)} × {impls} impl{'s' * (impls != 1)} × "
+        f"budget={budget_s:g} s{settle}: up to about {duration(wall)} of samples, "
+        "plus compiles and the float64 checks"
+    )
 
 
 def main(argv=None) -> int:
