@@ -347,7 +347,9 @@ def _run(o: Options, keys: dict, results: Path) -> int:
     )
     study.check_plan(plan)  # before weights, cache or prompts are made
     study.check_memory(s, plan)
-    s, params, source = weights.load_params(s, run_dir, o.seed, con.print, decoding=decoding)
+    # a damaged step's line is a warning: stderr, as lab.run's resume says it
+    warn = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    s, params, source = weights.load_params(s, run_dir, o.seed, warn, decoding=decoding)
     con.print(f"  weights   {escape(source)}")
     changed = weights.changed_from_run(run_dir, keys) if run_dir is not None else []
     if changed:  # the run's weights, computed as another model: said, and recorded below

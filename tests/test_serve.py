@@ -370,6 +370,9 @@ def test_a_damaged_run_is_a_few_lines_not_a_flood(tmp_path):
     assert (
         last == "error: run=t: its 2 damaged steps (2, 4) could not be read; none is left to serve"
     )
+    # each damaged step's line is a warning, on stderr with the error (stdout is the report)
+    assert "damaged" not in p.stdout, p.stdout
+    assert sum("checkpoint step" in line for line in p.stderr.splitlines()) == 2, p.stderr
     assert not (tmp_path / "t" / "checkpoints-damaged").exists()
     assert sorted(p.name for p in (tmp_path / "t" / "checkpoints").iterdir()) == ["2", "4"]
 
