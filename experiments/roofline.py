@@ -107,7 +107,7 @@ def _roofline_measured(be, size, budget) -> list[dict]:
             record(
                 "C06",
                 None,
-                f"roofline {p.name}",
+                f"roofline {p.name}: {roofline.describe(p.name)}, {p.intensity:.3g} FLOP/B",
                 p.flops_per_s,
                 "FLOP/s",
                 role="context",

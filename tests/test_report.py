@@ -793,10 +793,10 @@ def test_a_merged_verdict_table_names_the_machine_of_every_value():
     gpu = {**_record("C06", c06, 0.9, backend="gpu"), "machine": "gpu · NVIDIA H100 · tiny"}
     tpu = {**_record("C06", c06, 0.5, backend="tpu"), "machine": "tpu · TPU v5 lite · tiny"}
     (v,) = judge_all([cpu, gpu, tpu], [claims.get("C06")])
+    n = c06.name
     assert markdown.measured_cell(v, [cpu, gpu, tpu]) == (
-        "0.0686× step (gpu · NVIDIA A100 · quick) ×3.64 below; 0.9× step (gpu · NVIDIA H100 · "
-        "tiny); "
-        "0.5× step (tpu · TPU v5 lite · tiny)"
+        f"{n}: 0.0686× step (gpu · NVIDIA A100 · quick) ×3.64 below; {n}: 0.9× step (gpu · "
+        f"NVIDIA H100 · tiny); {n}: 0.5× step (tpu · TPU v5 lite · tiny)"
     )
     c01 = claims.get("C01").stated[1]
     pair = _record("C01", c01, 200.0, label="derived", backend="multi", on="gpu")  # compare's
@@ -805,10 +805,10 @@ def test_a_merged_verdict_table_names_the_machine_of_every_value():
     (v,) = judge_all([pair, pred], [claims.get("C01")])
     assert "200× (merged)" in markdown.measured_cell(v, [pair, pred])
     (v,) = judge_all([pred], [claims.get("C01")])
-    assert markdown.measured_cell(v, [pred]) == "220× (pred., cpu · cpu)"
+    assert markdown.measured_cell(v, [pred]) == f"{c01.name}: 220× (pred., cpu · cpu)"
     alone = [{k: x for k, x in r.items() if k != "machine"} for r in (cpu, gpu, tpu)]
     (v,) = judge_all(alone, [claims.get("C06")])
-    assert markdown.measured_cell(v, alone) == "0.0686× step ×3.64 below; 0.9× step"
+    assert markdown.measured_cell(v, alone) == f"{n}: 0.0686× step ×3.64 below; {n}: 0.9× step"
 
 
 def test_c06_is_decided_on_accelerators_and_a_cpu_share_is_context(tmp_path):
@@ -862,6 +862,35 @@ def test_the_table_shows_a_parts_own_context_figure_before_the_claims_others(tmp
     cell = markdown.measured_cell(v, [roof, cpu])
     # the figure keeps its words (a peak ratio read as a measured speed-up without them)
     assert cell.startswith("context: 0.0881× step (synthetic; *derived*, cpu")
+
+
+def test_every_figure_in_the_table_says_what_it_is():
+    """A bare '1.09×' in the measured column said nothing: every stated part has a short name,
+    each figure is shown after it, a part stated per device says the device, a context cell
+    drops its description's asides (the claim's section keeps them whole) and a spec table's
+    figure is marked as not measured."""
+    assert all(s.name for c in claims.CLAIMS for s in c.stated)
+    c16 = claims.get("C16")
+    gpu = c16.stated[1]
+    assert gpu.devices
+    a = _record("C16", gpu, 1e4, label="predicted", target="rtx-4090")
+    b = _record("C16", gpu, 6e4, label="predicted", target="h100-sxm")
+    (v,) = judge_all([a, b], [c16])
+    cell = markdown.measured_cell(v, [a, b])
+    assert cell.startswith(f"{gpu.name}: 10 kreq/s (pred., rtx-4090)"), cell
+    assert f"{gpu.name}: 60 kreq/s (pred., h100-sxm)" in cell, cell
+    c20 = claims.get("C20")
+    spec = _record("C20", c20.stated[1], 80e9, label="derived", target="h100-sxm")
+    spec["config"]["role"] = "reference"
+    spec["what"] = "NVIDIA H100 SXM5 80GB: memory in the spec table (a datasheet (p. 3))"
+    (v,) = judge_all([spec], [c20])
+    cell = markdown.measured_cell(v, [spec])
+    assert cell.startswith(
+        "reference, not measured: 80 GB (NVIDIA H100 SXM5 80GB: memory in the spec table; *derived*"
+    ), cell
+    long = "word " * 100 + "(an aside (nested)) end"
+    short = markdown._without_asides(long)
+    assert "aside" not in short and short.endswith(" …") and len(short) <= 202, short
 
 
 def test_a_share_too_small_to_show_reads_as_under_the_least_shown():

@@ -61,6 +61,7 @@ class Stated:
     devices: Mapping[str, tuple[float | None, float | None]] | None = None  # kind → (lo, hi)
     reading: str = ""  # how the words became this range and what is measured
     if_off: str = ""  # the likely reason when a measurement falls outside
+    name: str = ""  # a few words for the figure, beside it where the range is not shown
 
     def range_for(self, device: str | None) -> tuple[float | None, float | None] | None:
         """(lo, hi) for a device kind, or None when the statement says nothing about it."""
@@ -114,6 +115,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "matmul (the optimized HLO counted where a backend's analysis gives none)",
                 if_off="10^8 = n² is the number of entries of the result; each entry is a dot "
                 "product of n multiply-adds, so the product costs 2·n³ FLOPs",
+                name="FLOPs of a 10k² matmul",
             ),
             Stated(
                 "gpu_cpu_matmul_speedup",
@@ -129,6 +131,7 @@ CLAIMS: tuple[Claim, ...] = (
                 if_off="the ratio depends on which CPU and which units: a datacenter GPU's "
                 "Tensor Cores against a few CPU cores is far above 500×, fp32 CUDA cores "
                 "against a many-core server CPU can be below 100×",
+                name="GPU ÷ CPU matmul speed",
             ),
         ),
     ),
@@ -157,6 +160,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "step time the step-time model predicts for the same step compiled for an H100 "
                 "(plans=on). A datasheet peak over this CPU's matmul peak is shown as context "
                 "only: a ratio of peaks says nothing of either processor's MFU on the step",
+                name="GPU ÷ CPU training speed",
             ),
         ),
     ),
@@ -178,6 +182,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=("gpu",),
                 reading="bf16 matmul FLOP/s (Tensor Cores) over float32 matmul FLOP/s at "
                 "precision=highest (CUDA cores, TF32 off) on the same GPU",
+                name="Tensor Core ÷ CUDA core speed",
             ),
         ),
     ),
@@ -203,6 +208,7 @@ CLAIMS: tuple[Claim, ...] = (
                 if_off="the recipe keeps fp32 master weights, fp32 gradients and fp32 Adam "
                 "moments, so only activations and their temporaries shrink: the total falls by "
                 "the activations' share, not by half",
+                name="mixed ÷ fp32 memory",
             ),
             Stated(
                 "mixed_precision_speedup",
@@ -215,6 +221,7 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="float32 step time over bf16-compute step time on a GPU: above 1 where "
                 "the Tensor Cores run it; a TPU's ratio is shown as context: the words are "
                 "about Tensor Cores",
+                name="mixed ÷ fp32 speed",
             ),
         ),
     ),
@@ -244,6 +251,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "figure for that model (±25%)",
                 if_off="the articles quote the datasheet's dense peak; a real matmul reaches "
                 "a fraction of it (clocks under load, memory traffic, kernel efficiency)",
+                name="bf16 matmul FLOP/s",
             ),
         ),
     ),
@@ -277,6 +285,7 @@ CLAIMS: tuple[Claim, ...] = (
                 if_off="the share falls as the ridge falls: on a processor whose peak has not "
                 "outgrown its bandwidth the same step's matmuls dominate, and it moves to "
                 "memory as the peak outgrows the bandwidth",
+                name="step's time memory-bound",
             ),
         ),
     ),
@@ -295,6 +304,7 @@ CLAIMS: tuple[Claim, ...] = (
                 **about(16e9),
                 backends=("gpu",),
                 reading="host→device copy of pageable host memory (jax.device_put), 16 GB/s ± 25%",
+                name="PCIe bandwidth",
             ),
             Stated(
                 "nvlink_bandwidth",
@@ -305,6 +315,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=("gpu",),
                 reading="device→device copy between two GPUs, one way; 900 GB/s is NVLink 4's "
                 "total of both directions, so one direction moves at most half: 450 GB/s ± 25%",
+                name="NVLink bandwidth",
             ),
             Stated(
                 "nvlink_over_pcie",
@@ -314,6 +325,7 @@ CLAIMS: tuple[Claim, ...] = (
                 **about(10),
                 backends=("gpu",),
                 reading="device→device over host→device bandwidth measured on one machine",
+                name="NVLink ÷ PCIe",
             ),
         ),
     ),
@@ -336,6 +348,7 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="'same result': the largest error of flash attention against a float64 "
                 "reference (relative to the largest output; outputs and dQ, every sequence "
                 "length), float32 inputs, at most 1e-4: rounding, not a different computation",
+                name="flash vs exact, max error",
             ),
             Stated(
                 "flash_speedup",
@@ -347,6 +360,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=ACCELERATORS,
                 reading="naive time over flash time, forward+backward, longest sequence "
                 "measured; only an accelerator has the on-chip SRAM the claim is about",
+                name="flash ÷ naive speed",
             ),
             Stated(
                 "flash_memory_exponent",
@@ -364,6 +378,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "per query tile, about n²·d²/M bytes for on-chip memory M (the FlashAttention "
                 "paper's bound), a fraction of the n² scores a naive kernel writes and reads. "
                 "A kernel XLA cannot see into (Pallas, cuDNN) reports no scratch of its own",
+                name="flash memory's growth exponent",
             ),
         ),
     ),
@@ -386,6 +401,7 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="the four components, computed for the lab's real step by "
                 "lab.measure.memory's calculator, over the compiler's buffer assignment for "
                 "that step: the decomposition accounts for the memory within 25%",
+                name="components ÷ compiled memory",
             ),
         ),
     ),
@@ -411,6 +427,7 @@ CLAIMS: tuple[Claim, ...] = (
                 if_off="fp32 weights, gradients and both Adam moments are 16 bytes per "
                 "parameter before any activation; ~80 GB needs bf16 weights and optimizer "
                 "state, or an 8-bit optimizer",
+                name="7B training memory",
             ),
             Stated(
                 "train_memory_70b_dp_over_h100",
@@ -424,6 +441,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "(pure data parallelism) over what a step may hold of one H100 (JAX's "
                 "allocator share of its 80 GB, as lab.run judges a fit): above 1, so it does "
                 "not fit without splitting the model",
+                name="70B unsplit ÷ H100 memory",
             ),
             Stated(
                 "h100s_needed_70b",
@@ -435,6 +453,7 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="smallest power-of-two number of H100s over which the 70B step, "
                 "sharded (FSDP), fits per device (in JAX's allocator share of each): at least "
                 "2 and finite",
+                name="H100s the 70B needs",
             ),
         ),
     ),
@@ -455,6 +474,7 @@ CLAIMS: tuple[Claim, ...] = (
                 hi=1,
                 strict=True,
                 reading="compiled memory of the step with remat=full over remat=none: below 1",
+                name="remat ÷ plain memory",
             ),
             Stated(
                 "remat_flops_ratio",
@@ -465,6 +485,7 @@ CLAIMS: tuple[Claim, ...] = (
                 strict=True,
                 reading="compiled FLOPs of the step with remat=full over remat=none: above 1 "
                 "(the recomputed forward)",
+                name="remat ÷ plain FLOPs",
             ),
         ),
     ),
@@ -485,6 +506,7 @@ CLAIMS: tuple[Claim, ...] = (
                 hi=1,
                 strict=True,
                 reading="compiled memory at the smallest batch over the largest: below 1",
+                name="small ÷ large batch memory",
             ),
             Stated(
                 "small_batch_throughput_ratio",
@@ -496,6 +518,7 @@ CLAIMS: tuple[Claim, ...] = (
                 strict=True,
                 reading="training tokens/s at the smallest batch over the largest: below 1 "
                 "('slower' read as less work done per second)",
+                name="small ÷ large batch tokens/s",
             ),
         ),
     ),
@@ -520,6 +543,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "beyond that each GPU has one InfiniBand link. 'Works well up to ~8-16' puts "
                 "the first bound count past 8 (at 8 it still works well), 'beyond' 16 at most "
                 "the next power of two: 9–32",
+                name="GPUs where all-reduce > compute",
             ),
         ),
     ),
@@ -547,6 +571,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "way to split it; the articles' layer (pipeline) and tensor splits are shown "
                 "beside it, and on a step whose activations outweigh its weights they save "
                 "less, or cost more (the pipeline's stage holds several microbatches)",
+                name="FSDP ÷ DP memory per device",
             ),
         ),
     ),
@@ -573,6 +598,7 @@ CLAIMS: tuple[Claim, ...] = (
                 if_off="355 years is what 3.1e23 FLOPs take at about 28 TFLOP/s, the tensor rate "
                 "of one V100 GPU, not of any CPU: the figure looks like a single-GPU estimate "
                 "relabelled",
+                name="GPT-3 on CPU",
             ),
             Stated(
                 "gpt3_gpu_days",
@@ -584,6 +610,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=("gpu",),
                 reading="the same FLOPs on 1,024 A100s (the cluster of Narayanan et al. 2021) "
                 "at the MFU the lab's step reaches; 25–34 days ± 25%",
+                name="GPT-3 on GPUs",
             ),
         ),
     ),
@@ -606,6 +633,7 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="the lab's transformer at BERT-base size (12 layers, d_model 768) as the "
                 "classifier, 128 tokens per request, forward only, best batch size; scaled to 16 "
                 "cores from the cores this process used; ~10 read as 10 ÷/× 1.5",
+                name="16-core CPU req/s",
             ),
             Stated(
                 "gpu_rps",
@@ -615,6 +643,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=("gpu",),
                 devices={"4090": _r(500, 1.5), "h100": _r(5000, 1.5)},
                 reading="the same classifier on the GPU, best batch size; ÷/× 1.5",
+                name="GPU req/s",
             ),
         ),
     ),
@@ -638,6 +667,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "FLOPs per token; '1 token/second' read within a factor of 2",
                 if_off="the article names no model size; tokens/s scales inversely with "
                 "parameters, so a bare figure cannot hold for 'a GPT-like model' in general",
+                name="CPU training tokens/s",
             ),
             Stated(
                 "gpu_train_tokens_per_s",
@@ -647,6 +677,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=("gpu",),
                 devices={"4090": _r(100, 2)},
                 reading="the same model on one RTX 4090; within a factor of 2",
+                name="one GPU's training tokens/s",
             ),
             Stated(
                 "cluster_train_tokens_per_s",
@@ -656,6 +687,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=("gpu",),
                 devices={"h100": _r(1e5, 2)},
                 reading="the same model data-parallel over 8 H100s; within a factor of 2",
+                name="8×H100 training tokens/s",
             ),
         ),
     ),
@@ -676,6 +708,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=("gpu",),
                 reading="$/hour of an H100 (spec table) over input (prefill) tokens per hour of "
                 "a 7B model at the MFU measured for the lab's forward; within a factor of 2",
+                name="7B $ per M input tokens",
             ),
             Stated(
                 "usd_per_m_input_tokens_70b",
@@ -686,6 +719,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=("gpu",),
                 reading="the same for a 70B model on as many H100s as its bf16 weights need; "
                 "within a factor of 2",
+                name="70B $ per M input tokens",
             ),
             Stated(
                 "usd_per_m_output_tokens_7b",
@@ -701,6 +735,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "within a factor of 2",
                 if_off="decode is priced by bytes, not FLOPs: the batch a server keeps in "
                 "flight (how many caches fit beside the weights) sets the price",
+                name="7B $ per M output tokens",
             ),
             Stated(
                 "usd_per_m_output_tokens_70b",
@@ -713,6 +748,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "within a factor of 2",
                 if_off="decode is priced by bytes, not FLOPs: the batch a server keeps in "
                 "flight (how many caches fit beside the weights) sets the price",
+                name="70B $ per M output tokens",
             ),
         ),
     ),
@@ -734,6 +770,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=MULTI,
                 reading="training tokens/s per TPU chip over per H100, the same model, from two "
                 "result folders merged by experiments.compare: below 1",
+                name="TPU ÷ H100 speed",
             ),
             Stated(
                 "tpu_scaling_efficiency",
@@ -746,6 +783,7 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="per-chip training throughput on every chip present over one chip's: "
                 "at least 0.8 reads as 'high'; above 1 only by a measurement's noise or a "
                 "compiler estimate's rounding (up to 1.05)",
+                name="TPU slice scaling efficiency",
             ),
             Stated(
                 "mi300x_over_h100",
@@ -756,6 +794,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=MULTI,
                 reading="bf16 matmul FLOP/s of an MI300X over an H100, from merged result "
                 "folders: 1 ± 25%",
+                name="MI300X ÷ H100 speed",
             ),
         ),
     ),
@@ -777,6 +816,7 @@ CLAIMS: tuple[Claim, ...] = (
                 devices={"h100": (16896, 18432)},
                 reading="streaming multiprocessors the device reports × 128 FP32 cores per "
                 "Hopper SM",
+                name="CUDA cores",
             ),
             Stated(
                 "device_memory",
@@ -789,6 +829,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "against 192 GB ± 5%",
                 if_off="no H100 has 192 GB: the SXM and PCIe cards have 80 GB, the NVL 94 GB; "
                 "192 GB is an MI300X or B200",
+                name="device memory",
             ),
             Stated(
                 "shared_memory_per_sm",
@@ -801,6 +842,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "CUDA driver reports it (cuDeviceGetAttribute), against 96 KiB ± 5%",
                 if_off="96 KB is a V100's SM; an A100's offers up to 164 KB and an H100's up to "
                 "228 KB of its 256 KB L1, set per kernel",
+                name="shared memory per SM",
             ),
             Stated(
                 "l2_cache",
@@ -813,6 +855,7 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="the L2 cache the CUDA driver reports, against 40 MB to 50 MiB (an "
                 "A100's and an H100's)",
                 if_off="the L2 differs by chip: an RTX 4090 has 72 MB, a T4 4 MB",
+                name="L2 cache",
             ),
         ),
     ),
@@ -842,6 +885,7 @@ CLAIMS: tuple[Claim, ...] = (
                 if_off="the ratio is not a constant: prefill is compute-bound and decode "
                 "memory-bound, so it is their rates' ratio at the batch a server runs — large "
                 "at batch 1, falling as batching amortises the weights' bytes",
+                name="output ÷ input token cost",
             ),
         ),
     ),
@@ -871,6 +915,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "XLA_PYTHON_CLIENT_MEM_FRACTION raises it)",
                 if_off="int8 weights alone are 69 GB: a long context or a bigger batch adds "
                 "cache bytes until int4 or offloading is needed",
+                name="70B int8 serving memory",
             ),
             Stated(
                 "decode_intensity_over_ridge",
@@ -885,6 +930,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "present: its FLOPs per byte moved over the measured ridge point (compute roof "
                 "/ memory roof); below 1 it waits on memory (VRAM's bandwidth), not on "
                 "arithmetic. A CPU's figure is shown beside it and judges nothing",
+                name="decode intensity ÷ ridge",
             ),
         ),
     ),

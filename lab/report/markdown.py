@@ -100,22 +100,41 @@ def measured_cell(v: Verdict, records: Sequence[dict]) -> str:
             if shown[whose] > 2:
                 continue
             notes = ["pred."] if c.status == PREDICTED else []
+            # a part stated per device (C16's RTX 4090 and H100) says which each figure is
+            target = x.record["config"].get("target")
+            notes += [target] if c.stated.devices and target else []
             notes += [whose] if whose else []
             parts.append(
-                f"{fmt(x.record['value'], x.record['unit'])}"
+                f"{c.stated.name}: {fmt(x.record['value'], x.record['unit'])}"
                 + (f" ({', '.join(notes)})" if notes else "")
                 + ("" if x.in_range else f" ×{x.factor:,.3g} {x.direction}")
             )
-    shown = [i for c in v.checks for i in c.context]  # the stated parts' own figures first
+    # else the stated parts' own figures first, a figure taken here before a spec table's
+    shown = [i for c in v.checks for i in c.context]
+    shown.sort(key=lambda i: records[i]["config"].get("role") == "reference")
     if not parts and (shown or v.records):
         r = records[(shown or v.records)[0]]
         whose = _whose(r, merged)
+        reference = r["config"].get("role") == "reference"
+        what = _without_asides(r["what"])  # the whole text is in the claim's section
         if shown:  # the tag names the machine (a reference figure is every machine's)
-            where = f"{r['what']}; {_tag(r, r['config'].get('role') != 'reference')}"
+            where = f"{what}; {_tag(r, not reference)}"
         else:
-            where = r["what"] + (f"; {whose}" if whose else "")
-        parts.append(f"context: {fmt(r['value'], r['unit'])} ({where})")
+            where = what + (f"; {whose}" if whose else "")
+        kind = "reference, not measured" if reference else "context"
+        parts.append(f"{kind}: {fmt(r['value'], r['unit'])} ({where})")
     return "; ".join(parts) or "—"
+
+
+def _without_asides(text: str, most: int = 200) -> str:
+    """`text` without its parenthesised asides, cut at a word near `most` characters: a table
+    cell's short form of a record's description, which the claim's section gives whole."""
+    while (short := re.sub(r"\s*\([^()]*\)", "", text)) != text:
+        text = short
+    text = re.sub(r"\s+", " ", text).strip()
+    if len(text) <= most:
+        return text
+    return text[: text.rfind(" ", 0, most)].rstrip(" ,;:") + " …"
 
 
 def _env_lines(records: Sequence[dict], meta: dict) -> list[str]:
@@ -294,7 +313,8 @@ def _check_lines(v: Verdict, records: Sequence[dict]) -> list[str]:
     for c in v.checks:
         s = c.stated
         lines.append(
-            f"- **{s.metric}** — *{s.quote}* ({s.source}); stated range {stated_range(s)}. "
+            f"- **{s.name}** (`{s.metric}`) — *{s.quote}* ({s.source}); stated range "
+            f"{stated_range(s)}. "
             f"{s.reading}"
         )
         lines.append(f"  - verdict: **{c.status}**")
