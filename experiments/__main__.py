@@ -185,6 +185,11 @@ def run(o: Options) -> int:
     from lab.report import markdown, progress, tables
 
     rec.writable_dir(o.out_dir)
+    if o.cache_dir:  # refused now, not after minutes of measuring when a plan writes to it
+        try:
+            rec.writable_dir(o.cache_dir)
+        except ConfigError as e:
+            raise ConfigError(f"cache_dir={o.cache_dir}: {e}") from None
     from lab.studies import prediction
 
     # the compiled points beside the results (or where cache_dir= says), never in ./

@@ -322,8 +322,13 @@ def load(folder) -> dict:
             f"{folder / 'run.json'}: size {size}, but its records were measured at size "
             f"{', '.join(sorted(map(str, stamped)))}: a run.json of another run?"
         )
-    r = records[0]
-    name = f"{r['backend']} · {r['device_kind']} · {size}"
+    machines = sorted({f"{r['backend']} · {r['device_kind']}" for r in records})
+    if len(machines) > 1:  # its column would be named after the first record's alone
+        raise ValueError(
+            f"{path}: records of {len(machines)} machines ({'; '.join(machines)}): one ledger "
+            "run is one machine; give each machine's run folder to compare"
+        )
+    name = f"{machines[0]} · {size}"
     return {
         "dir": folder,
         "records": records,

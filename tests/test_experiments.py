@@ -125,6 +125,17 @@ def test_cli_rejects_bad_arguments_with_one_line(capsys):
     assert "did you mean size?" in capsys.readouterr().err
 
 
+def test_a_cache_dir_that_is_a_file_is_refused_before_anything_runs(capsys, tmp_path):
+    """cache_dir= is written only when a plan compiles, minutes in: a file there is refused
+    at the start, in one line naming the key."""
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a folder")
+    assert cli.main(["only=C09", f"out_dir={tmp_path / 'out'}", f"cache_dir={blocker}"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: cache_dir={blocker}: cannot write to '{blocker}': it is not a folder\n"
+    assert not list((tmp_path / "out").glob("*-*"))  # no results folder was begun
+
+
 def test_plans_on_without_the_gpu_compiler_is_one_line(monkeypatch, capsys, tmp_path):
     """plans=on asks for the GPU plans: without JAX's CUDA plugin it is refused before any
     topic runs, not skipped inside the report."""
@@ -211,6 +222,15 @@ def test_compare_merges_backends_side_by_side(tiny_run, tmp_path, capsys):
     assert compare.main([f"dirs={tpu},{bad}", f"out_dir={tmp_path / 'cmp'}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "records.jsonl, line " in err and "cut short" in err
+    # two machines' records in one folder (a file appended to another's): its column would
+    # carry the first record's name alone
+    two = _relabel(tiny_run["dir"], tmp_path / "two", "cpu", "cpu")
+    other = {**rec.read_records(two / "records.jsonl")[0], "backend": "tpu"}
+    other["device_kind"] = "TPU v5 lite"
+    rec.write_records(two / "records.jsonl", [other])
+    assert compare.main([f"dirs={tpu},{two}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "records of 2 machines (cpu · cpu; tpu · TPU v5 lite)" in err
     run = tmp_path / "a-run"  # what lab.run writes: refused, not compared as a ledger
     run.mkdir()
     for name in ("config.json", "metrics.jsonl", "records.jsonl"):
