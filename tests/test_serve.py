@@ -584,6 +584,26 @@ def test_a_long_prefill_says_how_long_a_run_takes_at_least():
     assert flops > 1e12 and minutes == pytest.approx(flops / 50e9 / 60, rel=0.05), long
 
 
+def test_many_decode_steps_say_how_long_a_batch_takes_at_least():
+    """decode_steps=100000 is minutes per batch size (three calls of that many steps, for each
+    way of multiplying): the progress label says so, from the weights a step reads at the
+    memory roof, instead of standing still unexplained."""
+    from lab.measure.serving import Roofs
+    from lab.session import open_session
+    from lab.studies.serving import points, weights
+
+    s = open_session(keys={"preset": "tiny", "steps": 0}, purpose="decode", batches=(1,))
+    s, params, _ = weights.load_params(s, None, 0, decoding=weights.for_decoding(s, (1,)))
+    roofs = Roofs(bandwidth=1e9, peak_flops=1e10, dtype="float32", copy={})
+    assert points.decode_estimate(s, params, roofs, 1, 32) == ""
+    long = points.decode_estimate(s, params, roofs, 1, 10_000_000)
+    ways = len(points.matmul_candidates(s, params))
+    step_s = points.weight_read_bytes(params, s.cfg.model, 1) / 1e9
+    minutes = float(long.split("at least ")[1].split()[0].replace(",", ""))
+    assert long.startswith(" (3 calls of 10,000,000 steps"), long
+    assert minutes == pytest.approx(ways * (3 + 3e7) * step_s / 60, rel=0.01), long
+
+
 def test_the_int8_error_of_a_prompt_longer_than_the_text_uses_the_whole_text(monkeypatch):
     """The int8 error is measured on windows of the bundled text; a longer prompt is cut to
     the text (and says so) rather than ending a whole study in an error."""

@@ -116,3 +116,20 @@ def prefill_estimate(model, batch: int, prompt_len: int, peak_flops: float) -> s
     if seconds < 10:
         return ""
     return f" ({flops / 1e12:,.1f} TFLOP: at least {seconds / 60:,.1f} min a run at the peak)"
+
+
+def decode_estimate(session: Session, params, roofs: Roofs, batch: int, steps: int) -> str:
+    """Many decode steps a call (decode_steps=) can take minutes per batch: each way of
+    multiplying the weights is timed over at least three calls of `steps` steps after the
+    warm-up, and each step reads the weights at most at the measured memory roof (a floor:
+    the cache is not counted), so a progress bar that stands still for long says why. Empty
+    when short."""
+    ways = len(matmul_candidates(session, params))
+    step_s = weight_read_bytes(params, session.cfg.model, batch) / roofs.bandwidth
+    seconds = ways * (WARM_STEPS + 3 * steps) * step_s
+    if seconds < 10:
+        return ""
+    each = f" × {ways} ways to multiply" if ways > 1 else ""
+    return (
+        f" (3 calls of {steps:,} steps{each}: at least {seconds / 60:,.1f} min at the memory roof)"
+    )

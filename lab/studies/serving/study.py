@@ -13,7 +13,12 @@ from lab.measure import cost, memory
 from lab.measure.serving import DecodePoint, PeerPoint, PrefillPoint, Roofs, Study, Summary
 from lab.session import Session
 from lab.studies.serving.int8 import ERROR_STEPS, int8_error
-from lab.studies.serving.points import fastest_point, prefill_estimate, prefill_point
+from lab.studies.serving.points import (
+    decode_estimate,
+    fastest_point,
+    prefill_estimate,
+    prefill_point,
+)
 from lab.studies.serving.roofs import against, best_roofs, measure_again, measure_roofs
 from lab.studies.serving.timed import WARM_STEPS, random_prompts
 
@@ -123,14 +128,15 @@ def measure(session: Session, params, plan: Plan, *, progress=None, finished=Non
         prompt_len=plan.prompt_len, steps=plan.steps, budget_s=plan.budget_s, max_len=plan.slots()
     )
     for b in plan.batches:
-        tick(f"decode batch {b}")
+        tick(f"decode batch {b}{decode_estimate(session, params, roofs, b, plan.steps)}")
         points.append(fastest_point(session, params, roofs, batch=b, int8_cache=False, **kw))
     torch, peer_note = torch_peer(session, params, plan, points, tick)
     error = None
     if plan.int8:
         params_i8 = jax.jit(quant.quantize_params)(params)
         for b in sorted({min(plan.batches), max(plan.batches)}):
-            tick(f"decode batch {b}, int8 weights and cache")
+            later = decode_estimate(session, params_i8, roofs, b, plan.steps)
+            tick(f"decode batch {b}, int8 weights and cache{later}")
             points_i8.append(
                 fastest_point(session, params_i8, roofs, batch=b, int8_cache=True, **kw)
             )
