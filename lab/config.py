@@ -74,8 +74,9 @@ def did_you_mean(word: str, options) -> str:
     scored = {}
     for option in map(str, options):
         score = difflib.SequenceMatcher(None, word.lower(), option.lower()).ratio()
-        if word.lower() in re.split(r"[^a-z0-9]+", option.lower()):  # bwd: fwd+bwd holds it
-            score = max(score, 0.95)
+        parts = re.split(r"[^a-z0-9]+", option.lower())
+        if len(word) >= 2 and word.lower() in parts:  # bwd: fwd+bwd holds it
+            score = max(score, 0.9 + 0.1 * score)  # the likeness still orders such options
         if score >= 0.6:  # difflib.get_close_matches' own cutoff
             scored[option] = max(score, scored.get(option, 0.0))
     if not scored:

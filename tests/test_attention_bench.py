@@ -41,18 +41,20 @@ def test_progress_counts_points_in_plain_lines(tmp_path, capsys):
     assert "L=S=64 causal=yes fwd (0/2 done" in out and "L=S=128 causal=yes fwd (1/2" in out
     assert not re.search(r"\w+\.py:\d+", out), out
     # what the samples may take, said before they start
-    assert "2 points × 1 impl × budget=0.01 s (×" in out and "of samples, plus" in out, out
+    # one impl: no other to alternate with, so no pause before its samples
+    assert "2 points × 1 impl × budget=0.01 s: about " in out and "of timed samples" in out, out
 
 
 def test_a_budget_of_years_says_so_before_it_starts():
     from lab.tools.attention_bench import _WALL_PER_BUDGET, _wall_estimate
 
     line = _wall_estimate(24, 5, 1e9, "cpu")
-    per = f"(×{_WALL_PER_BUDGET}: each sample waits first on CPU)"
+    per = f"(×{_WALL_PER_BUDGET}: on CPU each sample waits first)"
     assert line.startswith(f"24 points × 5 impls × budget=1e+09 s {per}"), line
     hours = 24 * 5 * 1e9 * _WALL_PER_BUDGET / 3600
-    assert f"up to about {hours:,.1f} h of samples" in line, line
-    assert _wall_estimate(1, 1, 2.0, "gpu").startswith("1 point × 1 impl × budget=2 s: up to")
+    assert f"about {hours:,.1f} h of timed samples (more where" in line, line
+    assert _wall_estimate(1, 2, 2.0, "gpu").startswith("1 point × 2 impls × budget=2 s: about")
+    assert "×" not in _wall_estimate(3, 1, 2.0, "cpu").split("budget")[1]  # nothing alternates
 
 
 def test_a_sweep_where_nothing_ran_keeps_its_reasons_and_exits_2(tmp_path, capsys, monkeypatch):

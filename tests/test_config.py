@@ -292,3 +292,6 @@ def test_a_part_of_a_name_suggests_the_name_that_holds_it():
     assert did_you_mean("bwd", ["fwd", "fwd+bwd"]) == " (did you mean fwd+bwd?)"
     assert did_you_mean("fdw", ["fwd", "fwd+bwd"]) == " (did you mean fwd?)"
     assert did_you_mean("zzz", ["fwd", "fwd+bwd"]) == ""
+    # among options holding the word, the likeness still decides; one letter is no part
+    assert did_you_mean("layers", ["n_layers", "scan_layers"]) == " (did you mean n_layers?)"
+    assert did_you_mean("n", ["n_layers", "n_heads"]) == ""

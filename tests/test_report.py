@@ -891,6 +891,24 @@ def test_every_figure_in_the_table_says_what_it_is():
     long = "word " * 100 + "(an aside (nested)) end"
     short = markdown._without_asides(long)
     assert "aside" not in short and short.endswith(" …") and len(short) <= 202, short
+    # a bracket after a word is not an aside; a text that is all aside is kept; no space: cut
+    assert markdown._without_asides("slope of log(bytes) on log(L)") == (
+        "slope of log(bytes) on log(L)"
+    )
+    assert markdown._without_asides(" (all aside)") == " (all aside)"
+    assert markdown._without_asides("x" * 300) == "x" * 200 + " …"
+    # a part stated for any device names none; a measured figure comes before a spec's
+    c01 = claims.get("C01").stated[0]
+    plain = _record("C01", c01, 2e12, target="h100-sxm")
+    (v,) = judge_all([plain], [claims.get("C01")])
+    assert "h100" not in markdown.measured_cell(v, [plain])
+    here = _record("C20", c20.stated[1], 90e9, label="measured", backend="cpu")
+    here["config"]["role"] = "context"
+    (v,) = judge_all([spec, here], [c20])
+    assert markdown.measured_cell(v, [spec, here]).startswith("context: 90 GB"), v
+    # the claim's section heads each part by its name, its id beside it
+    lines = markdown._check_lines(v, [spec, here])
+    assert f"- **{c20.stated[1].name}** (`{c20.stated[1].metric}`) — *" in "\n".join(lines)
 
 
 def test_a_share_too_small_to_show_reads_as_under_the_least_shown():
@@ -999,7 +1017,7 @@ def test_a_claim_that_holds_on_some_parts_says_which_were_not_judged(tmp_path):
     rec.write_records(tmp_path / "records.jsonl", recs)
     text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
     (row,) = [line for line in text.splitlines() if line.startswith("| C08 |")]
-    assert row.endswith("| **holds** (2 of 3 parts; flash_speedup n/a here) |"), row
+    assert row.endswith("| **holds** (2 of 3 parts; flash ÷ naive speed n/a here) |"), row
     rec.write_records(tmp_path / "records.jsonl", [_record("C08", speedup, 3.0, backend="gpu")])
     text = markdown.write_report(tmp_path, meta={"size": "quick", "wall_s": 1})["path"].read_text()
     (row,) = [line for line in text.splitlines() if line.startswith("| C08 |")]
@@ -1088,3 +1106,14 @@ def test_the_terminal_ledger_says_how_far_off_and_which_claims_only_tiny_folders
     near = judge(c01, [_record("C01", c01.stated[0], lo, label="predicted", backend="cpu")])
     assert far.status == near.status == PREDICTED
     assert tables.off_by(far) == "×1.6e+04 above" and tables.off_by(near) == ""
+
+
+def test_long_durations_read_in_hours_and_huge_sizes_in_whole_gib():
+    """Past two hours a duration reads in hours ('1e9 s' of samples was '16,666,666.7 min');
+    past 100 GiB a refusal's size drops its tenths."""
+    from lab.measure.memory import _gib
+    from lab.report.format import duration
+
+    assert duration(2 * 3600 - 1) == "120.0 min" and duration(2 * 3600) == "2.0 h"
+    assert duration(1e9) == "277,777.8 h"
+    assert _gib(99.94 * 2**30) == "99.9 GiB" and _gib(100 * 2**30) == "100 GiB"

@@ -588,6 +588,8 @@ def test_many_decode_steps_say_how_long_a_batch_takes_at_least():
     """decode_steps=100000 is minutes per batch size (three calls of that many steps, for each
     way of multiplying): the progress label says so, from the weights a step reads at the
     memory roof, instead of standing still unexplained."""
+    import dataclasses
+
     from lab.measure.serving import Roofs
     from lab.session import open_session
     from lab.studies.serving import points, weights
@@ -602,6 +604,13 @@ def test_many_decode_steps_say_how_long_a_batch_takes_at_least():
     minutes = float(long.split("at least ")[1].split()[0].replace(",", ""))
     assert long.startswith(" (3 calls of 10,000,000 steps"), long
     assert minutes == pytest.approx(ways * (3 + 3e7) * step_s / 60, rel=0.01), long
+    assert (f" × {ways} ways to multiply:" in long) == (ways > 1), long
+    # one step a call: the warm-up's three steps are half of what is timed, and counted
+    slow = Roofs(bandwidth=step_s * 1e9 / 100, peak_flops=1e10, dtype="float32", copy={})
+    one = points.decode_estimate(s, params, slow, 1, 1)  # 100 s a step
+    minutes = float(one.split("at least ")[1].split()[0].replace(",", ""))
+    assert minutes == pytest.approx(ways * 6 * 100 / 60, rel=0.01), one
+    assert points.decode_estimate(s, params, dataclasses.replace(slow, bandwidth=0.0), 1, 1) == ""
 
 
 def test_the_int8_error_of_a_prompt_longer_than_the_text_uses_the_whole_text(monkeypatch):

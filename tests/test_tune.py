@@ -55,7 +55,7 @@ def test_the_search_says_each_case_in_a_plain_line(tmp_path, capsys):
 
     assert attention_tune.main(["interpret=true", "budget=0.01", f"out_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
-    assert "fwd: 2 candidates, L=S=40 causal=True fwd" in out
+    assert "fwd: 2 candidates, L=S=40 causal=yes fwd" in out
     assert not re.search(r"\w+\.py:\d+", out), out
 
 

@@ -23,12 +23,12 @@ from lab.measure import cost, timing
 
 def describe(name: str) -> str:
     """A sweep op's name in words: poly_4 → 'a degree-4 polynomial of each element', mm_8 →
-    'matmul x (8×n) · w (n×n)'."""
+    'matmul x[8×n] · w[n×n]'."""
     family, _, k = name.partition("_")
     if family == "poly":
         return f"a degree-{k} polynomial of each element"
     if family == "mm":
-        return f"matmul x ({k}×n) · w (n×n)"
+        return f"matmul x[{k}×n] · w[n×n]"
     return name
 
 

@@ -285,7 +285,7 @@ CLAIMS: tuple[Claim, ...] = (
                 if_off="the share falls as the ridge falls: on a processor whose peak has not "
                 "outgrown its bandwidth the same step's matmuls dominate, and it moves to "
                 "memory as the peak outgrows the bandwidth",
-                name="step's time memory-bound",
+                name="memory-bound share of step",
             ),
         ),
     ),
@@ -304,7 +304,7 @@ CLAIMS: tuple[Claim, ...] = (
                 **about(16e9),
                 backends=("gpu",),
                 reading="host→device copy of pageable host memory (jax.device_put), 16 GB/s ± 25%",
-                name="PCIe bandwidth",
+                name="host→device copy bandwidth",
             ),
             Stated(
                 "nvlink_bandwidth",
@@ -315,7 +315,7 @@ CLAIMS: tuple[Claim, ...] = (
                 backends=("gpu",),
                 reading="device→device copy between two GPUs, one way; 900 GB/s is NVLink 4's "
                 "total of both directions, so one direction moves at most half: 450 GB/s ± 25%",
-                name="NVLink bandwidth",
+                name="device→device copy bandwidth",
             ),
             Stated(
                 "nvlink_over_pcie",
@@ -325,7 +325,7 @@ CLAIMS: tuple[Claim, ...] = (
                 **about(10),
                 backends=("gpu",),
                 reading="device→device over host→device bandwidth measured on one machine",
-                name="NVLink ÷ PCIe",
+                name="device→device ÷ host→device",
             ),
         ),
     ),
@@ -348,7 +348,7 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="'same result': the largest error of flash attention against a float64 "
                 "reference (relative to the largest output; outputs and dQ, every sequence "
                 "length), float32 inputs, at most 1e-4: rounding, not a different computation",
-                name="flash vs exact, max error",
+                name="flash vs exact, max relative error",
             ),
             Stated(
                 "flash_speedup",
@@ -441,7 +441,7 @@ CLAIMS: tuple[Claim, ...] = (
                 "(pure data parallelism) over what a step may hold of one H100 (JAX's "
                 "allocator share of its 80 GB, as lab.run judges a fit): above 1, so it does "
                 "not fit without splitting the model",
-                name="70B unsplit ÷ H100 memory",
+                name="70B unsplit ÷ H100 allocator share",
             ),
             Stated(
                 "h100s_needed_70b",

@@ -129,12 +129,15 @@ def measured_cell(v: Verdict, records: Sequence[dict]) -> str:
 def _without_asides(text: str, most: int = 200) -> str:
     """`text` without its parenthesised asides, cut at a word near `most` characters: a table
     cell's short form of a record's description, which the claim's section gives whole."""
-    while (short := re.sub(r"\s*\([^()]*\)", "", text)) != text:
+    whole = text
+    # an aside follows a space: log(L) and x[8×n] are words, not asides
+    while (short := re.sub(r"\s+\([^()]*\)", "", text)) != text:
         text = short
-    text = re.sub(r"\s+", " ", text).strip()
+    text = re.sub(r"\s+", " ", text).strip() or whole  # all of it an aside: kept whole
     if len(text) <= most:
         return text
-    return text[: text.rfind(" ", 0, most)].rstrip(" ,;:") + " …"
+    cut = text.rfind(" ", 0, most)
+    return text[: cut if cut > 0 else most].rstrip(" ,;:") + " …"
 
 
 def _env_lines(records: Sequence[dict], meta: dict) -> list[str]:

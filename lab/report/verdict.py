@@ -140,14 +140,15 @@ def judge_stated(stated: Stated, indexed: Sequence[tuple[int, dict]]) -> Check:
 
 def unjudged_parts(v: Verdict) -> str:
     """Where a claim holds on some of its stated parts and others could not be judged here
-    (n/a on this backend, only predicted, no record): "2 of 3 parts; flash_speedup n/a here",
+    (n/a on this backend, only predicted, no record): "2 of 3 parts; flash ÷ naive speed n/a
+    here" (each part by its name),
     so that "holds" is never read as every part measured; "" where every part was judged."""
     if v.status != HOLDS:
         return ""
     rest = [c for c in v.checks if c.status != HOLDS]
     if not rest:
         return ""
-    left = ", ".join(f"{c.stated.metric} {c.status}" for c in rest)
+    left = ", ".join(f"{c.stated.name or c.stated.metric} {c.status}" for c in rest)
     return f"{len(v.checks) - len(rest)} of {len(v.checks)} parts; {left}"
 
 

@@ -329,7 +329,8 @@ def run_stage(
         ratios[i].append(math.inf)
     for seq, causal in search.cases():
         if log:
-            log(f"{stage}: {len(candidates)} candidates, L=S={seq} causal={causal} {mode}")
+            mask = "yes" if causal else "no"
+            log(f"{stage}: {len(candidates)} candidates, L=S={seq} causal={mask} {mode}")
         args = search.shape.arrays(seq, seed=seq + causal)
         ref_rows, want = bench.reference_rows(*args, causal=causal, mode=mode)
         config = dict(

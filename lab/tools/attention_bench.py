@@ -147,7 +147,8 @@ def run(o: Options) -> int:
     flush = startup.keep_on_stop(pending, write)
     points = len(seqs) * len(causal) * len(o.modes)
     budget_s = 0.2 if o.quick and not budget_given else o.budget
-    con.print(_wall_estimate(points, len(impls), budget_s, backend), markup=False, soft_wrap=True)
+    estimate = _wall_estimate(points, len(impls), budget_s, backend)
+    con.print(estimate, markup=False, soft_wrap=True)
     with progress.counted(con, "attention", points) as tick:
         records = study.sweep(
             seqs,
@@ -191,15 +192,17 @@ def run(o: Options) -> int:
 
 
 def _wall_estimate(points: int, impls: int, budget_s: float, backend: str) -> str:
-    """What the sweep will take at most in timed samples, said before it starts: a budget of
-    1e9 s should not be found out by waiting."""
-    per = _WALL_PER_BUDGET if backend == "cpu" else 1
+    """About how long the sweep's samples take, said before it starts: a budget of 1e9 s
+    should not be found out by waiting. Not a bound: every impl takes at least three samples,
+    which at a long sequence can outlast budget=. On CPU, where several impls alternate, each
+    sample waits first (lab.studies.attention.CPU_SETTLE_S)."""
+    per = _WALL_PER_BUDGET if backend == "cpu" and impls > 1 else 1
     wall = points * impls * budget_s * per
-    settle = f" (×{per:g}: each sample waits first on CPU)" if per != 1 else ""
+    settle = f" (×{per:g}: on CPU each sample waits first)" if per != 1 else ""
     return (
         f"{points} point{'s' * (points != 1)} × {impls} impl{'s' * (impls != 1)} × "
-        f"budget={budget_s:g} s{settle}: up to about {duration(wall)} of samples, "
-        "plus compiles and the float64 checks"
+        f"budget={budget_s:g} s{settle}: about {duration(wall)} of timed samples (more where "
+        "three samples of an impl outlast budget=), plus compiles and the float64 checks"
     )
 
 

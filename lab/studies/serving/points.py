@@ -124,6 +124,8 @@ def decode_estimate(session: Session, params, roofs: Roofs, batch: int, steps: i
     warm-up, and each step reads the weights at most at the measured memory roof (a floor:
     the cache is not counted), so a progress bar that stands still for long says why. Empty
     when short."""
+    if not roofs.bandwidth > 0:  # no roof to judge by: nothing said
+        return ""
     ways = len(matmul_candidates(session, params))
     step_s = weight_read_bytes(params, session.cfg.model, batch) / roofs.bandwidth
     seconds = ways * (WARM_STEPS + 3 * steps) * step_s
