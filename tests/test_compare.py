@@ -411,7 +411,7 @@ def test_a_tiny_folder_judges_no_claim_a_real_size_folder_has_records_of(tmp_pat
     verdict = rows["C08"][2].split("**")[1]  # the merged cell: verdict, then unjudged parts
     assert rows["C08"][0] == verdict != rows["C08"][1]  # the quick run's
     assert rows["C08"][2].endswith(
-        "(1 of 3 parts; flash_speedup n/a here, flash_memory_exponent no record)"
+        "(1 of 3 parts; flash ÷ naive speed n/a here, flash memory's growth exponent no record)"
     )
     bare = _folder(tmp_path / "bare", [_train(3e4)], run={"size": "quick"})
     rows = _grid(compare.merge([bare, tiny], tmp_path / "cmp"))
