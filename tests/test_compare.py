@@ -114,8 +114,9 @@ def test_the_same_records_twice_are_refused_naming_both_folders(tmp_path, capsys
 def test_two_runs_that_share_only_computed_figures_are_two_runs(tmp_path):
     """A datasheet ratio is the same record in two runs on one host in one second: that
     alone is no copy, while each folder's timed figures are its own."""
-    a = _folder(tmp_path / "a", [_datasheet(), _time(2.4)])
-    b = _folder(tmp_path / "b", [_datasheet(), _time(2.3)])
+    sheet = _datasheet()  # one record, as two runs in one second write it: no clock race
+    a = _folder(tmp_path / "a", [dict(sheet), _time(2.4)])
+    b = _folder(tmp_path / "b", [dict(sheet), _time(2.3)])
     assert rec.read_records(a / "records.jsonl")[0] == rec.read_records(b / "records.jsonl")[0]
     assert len(compare.merge([a, b], tmp_path / "cmp")["folders"]) == 2
 
