@@ -16,6 +16,9 @@ from lab import checkpoint, loop, train
 from lab.run import main
 
 TINY = ["model=tiny", "batch_size=8", "seq_len=32", "log_every=1"]
+# Work made slow to show it is kept out of the step times: ten times a tiny step (~0.1 s), so
+# a step on a loaded host is not mistaken for it
+SLOW_S = 1.0
 
 
 class _Logged(dict):
@@ -152,18 +155,18 @@ def test_a_checkpoint_save_is_timed_apart_from_the_steps(tmp_path, monkeypatch):
     real = checkpoint.Saver.save
 
     def slow(self, step, state):
-        time.sleep(0.5)
+        time.sleep(SLOW_S)
         return real(self, step, state)
 
     monkeypatch.setattr(checkpoint.Saver, "save", slow)
     args = [*TINY, f"out_dir={tmp_path}", "name=s", "steps=6", "checkpoint_every=2"]
     assert main(args) == 0
     lines = (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()
-    assert max(json.loads(x)["step_s"] for x in lines) < 0.5, lines
+    assert max(json.loads(x)["step_s"] for x in lines) < SLOW_S, lines
     done = json.loads((tmp_path / "s" / "summary.json").read_text())
     assert done["checkpoint_saves"]["count"] == 3  # steps 2, 4, 6
-    assert done["checkpoint_saves"]["total_s"] >= 1.5
-    assert done["step_time"]["median_s"] < 0.5
+    assert done["checkpoint_saves"]["total_s"] >= 3 * SLOW_S
+    assert done["step_time"]["median_s"] < SLOW_S
 
 
 def test_a_folder_whose_run_is_starting_is_in_use_not_missing(tmp_path):
@@ -205,7 +208,7 @@ def test_the_learning_rate_schedule_is_not_in_the_step_time(tmp_path, monkeypatc
         schedule = real(cfg)
 
         def rate(count):
-            time.sleep(0.5)
+            time.sleep(SLOW_S)
             return schedule(count)
 
         return rate
@@ -215,7 +218,7 @@ def test_the_learning_rate_schedule_is_not_in_the_step_time(tmp_path, monkeypatc
     args = [*TINY, f"out_dir={tmp_path}", "name=lr", "steps=6"]
     assert main(args) == 0
     records = [json.loads(x) for x in (tmp_path / "lr" / "metrics.jsonl").read_text().splitlines()]
-    assert max(r["step_s"] for r in records) < 0.5, records
+    assert max(r["step_s"] for r in records) < SLOW_S, records
     from lab.config import make_config
 
     schedule = real(make_config(model="tiny", steps=6, batch_size=8, seq_len=32))
@@ -256,8 +259,9 @@ def test_two_steps_read_together_share_their_time(monkeypatch):
     reader.clock = time.perf_counter() - 0.2  # the last step read 0.2 s ago
     t0 = reader.clock
     assert reader.read_both((4, one), (5, one)) is None
+    since = time.perf_counter() - t0  # a host that pauses here makes both steps longer
     a, b = hist.step_s
-    assert a == b and 0.1 <= a < 0.15, hist.step_s
+    assert a == b and 0.1 <= a <= since / 2, (hist.step_s, since)
     assert reader.clock == pytest.approx(t0 + a + b)  # the next step's time starts there
     assert [s for s, _ in hist.losses] == [4, 5] and hist.step == 5
 

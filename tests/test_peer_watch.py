@@ -53,7 +53,9 @@ def ended(monkeypatch):
     return lines
 
 
-def _watches(store, n=3, lost_s=1.0):
+def _watches(store, n=3, lost_s=2.0):
+    """Watches judging a peer lost after `lost_s`: long beside the 20 ms beat, so a loaded host
+    that pauses a beat thread is not taken for a lost peer."""
     return [
         devices.PeerWatch(store, _join(i, n), lost_s=lost_s, beat_s=0.02).start() for i in range(n)
     ]
@@ -72,7 +74,7 @@ def test_a_silent_peer_ends_the_others_and_is_named(ended):
     time.sleep(0.2)
     w[2].done.set()  # process 2 dies: its beat stops, nothing posted
     assert _wait(lambda: len(ended) == 2)
-    assert ended[0] == ended[1] == "process 2 has been silent for 1 s"
+    assert ended[0] == ended[1] == "process 2 has been silent for 2 s"
     assert 2 not in ended
 
 
@@ -85,7 +87,7 @@ def test_a_peer_that_ended_mid_run_is_lost_and_named_as_ended(ended):
     w[1].stop()
     assert store.kv[f"{devices.ALIVE_KEYS}1"] == "done"
     assert _wait(lambda: len(ended) == 2)
-    assert ended[0] == ended[2] == "process 1 ended more than 1 s ago, mid-run"
+    assert ended[0] == ended[2] == "process 1 ended more than 2 s ago, mid-run"
 
 
 def test_a_beat_on_its_way_when_the_process_stops_does_not_hide_its_done(ended):
@@ -105,14 +107,14 @@ def test_a_beat_on_its_way_when_the_process_stops_does_not_hide_its_done(ended):
     assert _wait(lambda: watches[1].done.is_set())
     assert _wait(lambda: store.kv.get(f"{devices.ALIVE_KEYS}1") == "done")
     assert _wait(lambda: len(ended) == 2)
-    assert ended[0] == ended[2] == "process 1 ended more than 1 s ago, mid-run"
+    assert ended[0] == ended[2] == "process 1 ended more than 2 s ago, mid-run"
 
 
 def test_after_the_loop_no_peer_is_judged(ended):
     """Every process leaves its loop at the same step; what follows (the last save, a
     summary) may take any time: a peer done first is no loss then."""
     store = Store()
-    w = _watches(store)
+    w = _watches(store, lost_s=1.0)
     time.sleep(0.2)
     for x in w:
         x.idle.set()  # lab.devices.left_loop, for these watches
@@ -129,15 +131,15 @@ def test_a_coordinator_that_stops_answering_ends_every_process(ended):
     time.sleep(0.2)
     store.down = True
     assert _wait(lambda: len(ended) == 2)
-    assert ended[1] == "the coordinator (host:1234, process 0) has not answered for 1 s"
+    assert ended[1] == "the coordinator (host:1234, process 0) has not answered for 2 s"
 
 
 def test_a_peer_never_heard_from_is_named_after_twice_the_wait(ended):
     store = Store()
-    lone = devices.PeerWatch(store, _join(0, 2), lost_s=0.5, beat_s=0.02).start()
+    lone = devices.PeerWatch(store, _join(0, 2), lost_s=1.0, beat_s=0.02).start()
     assert _wait(lambda: 0 in ended)
-    assert ended[0] == "process 1 has been silent for 0.5 s"
-    assert time.monotonic() - lone.started >= 1.0
+    assert ended[0] == "process 1 has been silent for 1 s"
+    assert time.monotonic() - lone.started >= 2.0
 
 
 def test_the_line_names_the_folder_and_exits_1(monkeypatch, capsys):

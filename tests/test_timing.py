@@ -39,9 +39,11 @@ def _heavy(x_NxN):
 def test_skipping_block_until_ready_would_be_visibly_wrong(monkeypatch):
     x = timing.random_normal(jax.random.key(0), (256, 256), scale=0.05)
     honest = timing.bench(_heavy, x, budget_s=0.2, min_runs=5)
-    t0 = time.perf_counter()
-    jax.block_until_ready(_heavy(x))
-    one_call_s = time.perf_counter() - t0
+    one_call_s = float("inf")  # the fastest of three: one call slowed by the host says little
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(_heavy(x))
+        one_call_s = min(one_call_s, time.perf_counter() - t0)
     # JAX dispatches asynchronously: without the block, bench would time the dispatch only.
     monkeypatch.setattr(jax, "block_until_ready", lambda tree: tree)
     broken = timing.bench(_heavy, x, budget_s=0.0, warmup=0, min_runs=5)
