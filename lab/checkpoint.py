@@ -67,6 +67,26 @@ def folder(run_dir) -> Path:
     return Path(run_dir).absolute() / "checkpoints"
 
 
+def damaged_folder(run_dir) -> Path:
+    """Where damaged steps (and stray folders) are moved aside, never deleted."""
+    return Path(run_dir).absolute() / "checkpoints-damaged"
+
+
+def damaged_steps(run_dir) -> list[str]:
+    """The names of what `damaged_folder` holds (`<step>-<time>`), by step; [] where
+    there is none or it cannot be read."""
+    try:
+        names = [p.name for p in damaged_folder(run_dir).iterdir()]
+    except OSError:
+        return []
+
+    def by_step(name: str):
+        head = name.partition("-")[0]
+        return (int(head), name) if head.isascii() and head.isdigit() else (-1, name)
+
+    return sorted(names, key=by_step)
+
+
 def check_folder(run_dir) -> None:
     """The checkpoints folder can be written: a ConfigError (one line) before the run starts,
     instead of a save that waits forever on a file or a read-only folder."""
@@ -429,11 +449,7 @@ def quarantine(run_dir, step: int, why: str, warn) -> Path:
     """Move a damaged step out of the checkpoints folder (never delete it) and say so; a
     ConfigError (one line) where it cannot be moved."""
     src = folder(run_dir) / str(step)
-    dst = (
-        Path(run_dir).absolute()
-        / "checkpoints-damaged"
-        / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    dst = damaged_folder(run_dir) / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
     _move_aside(src, dst, f"checkpoint step {step} is damaged ({why})")
     warn(f"warning: checkpoint step {step} is damaged ({why}); moved to {dst}")
     return dst
@@ -462,11 +478,7 @@ def set_aside_strays(run_dir, warn) -> None:
         return
     for p in sorted(path.iterdir()):
         if p.name.isascii() and p.name.isdigit() and not _is_step(p.name):
-            dst = (
-                Path(run_dir).absolute()
-                / "checkpoints-damaged"
-                / (f"{p.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-            )
+            dst = damaged_folder(run_dir) / f"{p.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             _move_aside(p, dst, f"{p} is not a step folder the lab writes")
             warn(f"warning: {p} is not a step folder the lab writes; moved to {dst}")
 

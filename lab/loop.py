@@ -15,7 +15,9 @@ event file (lab/tensorboard.py), both from process 0 only.
 
 import contextlib
 import dataclasses
+import difflib
 import errno
+import json
 import math
 import os
 import shlex
@@ -31,7 +33,7 @@ import numpy as np
 
 from lab import checkpoint, plans, rundir, startup, summary, tensorboard
 from lab.checkpoint import LAYOUT
-from lab.config import BACKEND_KEYS, WARMUP_STEPS, Config, profile_window
+from lab.config import BACKEND_KEYS, KEYS, WARMUP_STEPS, Config, profile_window
 from lab.data import host_batch, to_global
 from lab.devices import (
     JOIN_FILE,
@@ -520,6 +522,24 @@ def _changed_on_resume(run_dir: Path, cfg: Config) -> str:
     )
 
 
+def _unknown_on_resume(run_dir: Path) -> str:
+    """'stpes=5 (did you mean steps?)': keys of the request config.json kept that this lab
+    does not know (a hand edit, or a version of the lab with other keys), which the resume
+    runs without; empty where there are none."""
+    try:
+        asked = rundir.saved_config(run_dir).get("request")
+    except ConfigError:
+        return ""
+    if not isinstance(asked, dict):
+        return ""
+    out = []
+    for key, value in asked.items():
+        if key not in KEYS:
+            close = difflib.get_close_matches(str(key), KEYS, n=1)
+            out.append(f"{key}={value!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+    return ", ".join(out)
+
+
 def _schedule_note(run_dir: Path, cfg: Config, step: int) -> str:
     """Where a resume's steps= moves the learning rate's cosine (it decays over the run's
     steps): 'steps 500 → 170: the learning rate's decay now ends at step 170 (step 167: lr
@@ -547,19 +567,33 @@ def _schedule_note(run_dir: Path, cfg: Config, step: int) -> str:
 def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
     """(state, step): the newest good checkpoint of a resumed run, or a fresh state."""
     if cfg.resume:
-        warn = lambda msg: print(msg, file=sys.stderr) if is_main else None
+        # the warnings wait for the outcome: a resume that restores a step prints each damaged
+        # step it moved aside; one that restores none says so in its one line
+        held: list[str] = []
+        warn = held.append if is_main else (lambda msg: None)
         moved: list[int] = []
         # the first process moves damaged steps aside for all: two moving the same folder
         # would race, and the one that lost would stop the job
-        step, state, layout = restore_in_layout(
-            run_dir,
-            trainer,
-            _saved_or_empty(run_dir),
-            warn=warn,
-            moved=moved,
-            read_only=not is_main,
-        )
+        try:
+            step, state, layout = restore_in_layout(
+                run_dir,
+                trainer,
+                _saved_or_empty(run_dir),
+                warn=warn,
+                moved=moved,
+                read_only=not is_main,
+            )
+        except ConfigError as e:  # a step that cannot be read: the line says what moved first
+            if not moved or not is_main:
+                raise
+            aside = ", ".join(str(s) for s in sorted(moved))
+            raise ConfigError(
+                f"{e} (before it, step{'s' * (len(moved) > 1)} {aside} moved to "
+                "checkpoints-damaged/ as damaged)"
+            ) from None
         if step is not None:
+            for line in held:
+                print(line, file=sys.stderr)
             _check_resumed_at(cfg, step)
             console.print(f"resumed from checkpoint at step {step}")
             if layout != trainer.layout:  # the same weights, stored as this run stores them
@@ -567,6 +601,12 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
                     f"  layers: saved {layout.describe()}, moved to this run's "
                     f"({trainer.layout.describe()})",
                     soft_wrap=True,
+                )
+            if is_main and (unknown := _unknown_on_resume(run_dir)):
+                print(
+                    f"warning: {run_dir / 'config.json'} asks for {unknown}, not a key of "
+                    "this lab: the run goes on without it",
+                    file=sys.stderr,
                 )
             changed = _changed_on_resume(run_dir, cfg)
             if changed:  # what goes on differently from here, said once
@@ -580,10 +620,14 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
         # under the name of a resume; the user says so with overwrite=true instead
         if moved:
             steps = ", ".join(str(s) for s in sorted(moved))
+            newest = max(moved)
+            why = next((h for h in held if f"step {newest} is damaged (" in h), "")
+            why = why.partition(" is damaged (")[2].rpartition("); moved to ")[0]
+            why = f"; step {newest}: {why[:200]}" if why else ""
             raise ConfigError(
                 f"resume=true: no checkpoint of {run_dir} restores (step{'s' * (len(moved) > 1)} "
-                f"{steps} damaged, kept in checkpoints-damaged/): overwrite=true starts the run "
-                "again"
+                f"{steps} damaged, moved to checkpoints-damaged/{why}): overwrite=true starts "
+                "the run again"
             )
         raise _nothing_to_resume(run_dir)
     return trainer.init(jax.random.key(cfg.seed)), 0
@@ -602,6 +646,11 @@ def _nothing_to_resume(run_dir: Path) -> ConfigError:
     folder = checkpoint.folder(run_dir)
     if every and not folder.exists():
         why = f"its {folder.name}/ folder is missing, though the run saved every {every} steps"
+    elif every and (damaged := checkpoint.damaged_steps(run_dir)):
+        why = (
+            f"none in {folder.name}/; {checkpoint.damaged_folder(run_dir).name}/ keeps "
+            f"{', '.join(damaged)}, set aside as damaged"
+        )
     elif every:
         why = f"none in {folder.name}/: the run stopped before its first, or they were removed"
     elif every == 0:
@@ -1099,11 +1148,14 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
 def _summary_whole(run_dir: Path, result: dict) -> None:
     """summary.json and records.jsonl, each replaced whole or not at all: written in a staging
     folder named like the run (the records carry its name), then renamed into the run folder.
+    The ones they replace (an earlier segment's, before a resume) are first appended, whole,
+    as one line to summaries-superseded.jsonl: nothing the run wrote is lost.
     OSError for the caller; a full disk leaves the earlier files, never torn ones."""
     staging = run_dir / ".summary-staging" / run_dir.name
     try:
         staging.mkdir(parents=True, exist_ok=True)
         summary.write_summary(staging, result)
+        _keep_superseded_summary(run_dir)
         for name in ("records.jsonl", "summary.json"):  # summary.json last: it says done
             if (staging / name).exists():
                 (staging / name).replace(run_dir / name)
@@ -1111,6 +1163,35 @@ def _summary_whole(run_dir: Path, result: dict) -> None:
                 (run_dir / name).unlink(missing_ok=True)
     finally:
         shutil.rmtree(staging.parent, ignore_errors=True)
+
+
+def _keep_superseded_summary(run_dir: Path) -> None:
+    """The summary.json and records.jsonl in `run_dir`, if any, as one line of
+    summaries-superseded.jsonl (`summary`: summary.json's table, or its text where it is not
+    JSON; `records`: records.jsonl's lines, each a table or the text of a line that is not).
+    The line has no `what`: readers of records (the runbook) pass it over."""
+    old = run_dir / "summary.json"
+    if not old.exists():
+        return
+    text = old.read_text(errors="replace")
+    try:
+        earlier = json.loads(text)
+    except ValueError:
+        earlier = text
+    lines = []
+    records = run_dir / "records.jsonl"
+    if records.exists():
+        for line in records.read_text(errors="replace").splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                lines.append(line)
+    kept = {"superseded": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "summary": earlier}
+    keep = rundir.WholeAppends(run_dir / "summaries-superseded.jsonl")
+    try:
+        keep.append((json.dumps({**kept, "records": lines}) + "\n").encode())
+    finally:
+        keep.close()
 
 
 def _write_summary(run_dir: Path, result: dict) -> None:
@@ -1145,7 +1226,10 @@ class _End:
 
     def _result(self) -> dict:
         hist = self.hist
-        times = summarise(hist.step_s[WARMUP_STEPS:] or hist.step_s or [math.nan], self.compile_s)
+        # a run of WARMUP_STEPS steps or fewer has only warm-up steps to time: their times
+        # stand in, and the summary says so beside every figure derived from them
+        steady = hist.step_s[WARMUP_STEPS:]
+        times = summarise(steady or hist.step_s or [math.nan], self.compile_s)
         return summary.summarise_run(
             self.cfg,
             self.info,
@@ -1157,6 +1241,7 @@ class _End:
             peak=self.peak,
             profiled=hist.profiled,
             save_s=hist.save_s,
+            warmup_timed=not steady and bool(hist.step_s),
         )
 
     def _earlier_losses(self) -> list:

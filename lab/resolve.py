@@ -54,6 +54,7 @@ from lab.mesh import (
     auto_strategy,
     cpu_devices_for,
     make_mesh,
+    parse_mesh_spec,
     resolve_shape,
     strategy_mesh,
 )
@@ -509,6 +510,25 @@ def _coordinator(d: _Draft):
         return "num_processes > 1 needs coordinator=host:port"
 
 
+def _a_device_per_process(d: _Draft):
+    # every process has a device at least, so a mesh given in numbers smaller than the
+    # processes cannot span them: said before they wait for each other to join
+    if d.cfg.num_processes < 2:
+        return None
+    try:
+        sizes = parse_mesh_spec(d.cfg.mesh)
+    except MeshSpecError:
+        return None  # the mesh rule says what is wrong with it
+    if -1 in sizes.values() or math.prod(sizes.values()) >= d.cfg.num_processes:
+        return None
+    used = math.prod(sizes.values())
+    return (
+        f"mesh={d.cfg.mesh} spans {used} device{'s' * (used > 1)}, fewer than the "
+        f"num_processes={d.cfg.num_processes} (each holds one at least): a run over several "
+        "processes needs a mesh over all their devices (e.g. mesh=data:-1)"
+    )
+
+
 def _processes_hold_the_mesh(d: _Draft):
     # the mesh takes the devices in order, process 0's first: with fewer than all of them the
     # last processes hold none of it, and a process with no part of a batch cannot build it
@@ -813,10 +833,21 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "process id",
         _process_id,
-        ("num_processes=2", "process_id=2", "coordinator=localhost:1234"),
+        ("num_processes=2", "process_id=2", "coordinator=localhost:1234", "mesh=data:-1"),
         stage="request",
     ),
-    Rule("multi-host needs a coordinator", _coordinator, ("num_processes=2",), stage="request"),
+    Rule(
+        "multi-host needs a coordinator",
+        _coordinator,
+        ("num_processes=2", "mesh=data:-1"),
+        stage="request",
+    ),
+    Rule(
+        "a device for each process",
+        _a_device_per_process,
+        ("num_processes=2", "coordinator=localhost:1234", "mesh=1"),
+        stage="request",
+    ),
     Rule(
         "overwrite or resume",
         _overwrite_resume,
@@ -866,7 +897,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "every process holds part of the mesh",
         _processes_hold_the_mesh,
-        ("num_processes=2", "mesh=1"),
+        ("num_processes=2", "cpu_devices=4", "mesh=2"),
         processes=2,
     ),
     Rule(

@@ -479,6 +479,7 @@ def summarise_run(
     peak=None,
     profiled=None,
     save_s=(),
+    warmup_timed=False,
 ) -> dict:
     """The run's summary. `losses`: (step, loss) of the steps this process trained;
     `resumed_from`: the checkpoint step this segment started from (0: a fresh run);
@@ -486,7 +487,8 @@ def summarise_run(
     covers the run from its first logged step and the segment is named apart; `peak`: the
     (FLOP/s, source) MFU is against (`run_peak`; default `mesh_peak`); `profiled`: the
     (first, last) step traced by profile=true, whose times `times` leaves out; `save_s`: the
-    time the loop spent in each checkpoint save, kept out of `times` and reported apart."""
+    time the loop spent in each checkpoint save, kept out of `times` and reported apart;
+    `warmup_timed`: `times` are warm-up steps (a run too short to time any past them)."""
     tokens_per_s = cfg.batch_size * cfg.seq_len / times.median_s
     achieved = analysis["model_flops_per_token"] * tokens_per_s
     peak, peak_source = peak or mesh_peak(cfg, info, analysis["devices"])
@@ -508,6 +510,7 @@ def summarise_run(
         "loss_last": losses[-1][1] if losses else None,
         "steps_run": len(losses),
         **({"profiled_steps": list(profiled)} if profiled else {}),
+        **({"warmup_timed": True} if warmup_timed else {}),
         **({"checkpoint_saves": {"count": len(save_s), "total_s": sum(save_s)}} if save_s else {}),
         **(
             {
@@ -537,6 +540,9 @@ def _predicted_vs_measured(predicted: dict | None, times, busy_load: str = "") -
         "label": "predicted",
         **caveat,
     }
+
+
+WARMUP_CAVEAT = "warm-up steps only: the run was too short to time a step past them"
 
 
 def run_records(s: dict, run: str) -> list[dict]:
@@ -583,11 +589,17 @@ def run_records(s: dict, run: str) -> list[dict]:
             "local_device_count": s.get("devices"),  # a plan's devices: one program's
         }
         out = [{**r, "compiled_on": {k: r[k] for k in target}, **target} for r in out]
+    # not the steady step: every record derived from the time says so, as the table does
+    warm = {"caveat": WARMUP_CAVEAT} if s.get("warmup_timed") else {}
     if s.get("step_time"):
         t = s["step_time"]
         timing = {k: t[k] for k in ("p10_s", "p90_s", "runs", "compile_s")}
-        out.append(rec.make_record("training step time", t["median_s"], "s", run=run, **timing))
-        out.append(rec.make_record("training tokens/s", s["tokens_per_s"], "tokens/s", run=run))
+        out.append(
+            rec.make_record("training step time", t["median_s"], "s", run=run, **timing, **warm)
+        )
+        out.append(
+            rec.make_record("training tokens/s", s["tokens_per_s"], "tokens/s", run=run, **warm)
+        )
     if s.get("mfu") is not None:
         out.append(
             rec.make_record(
@@ -598,6 +610,7 @@ def run_records(s: dict, run: str) -> list[dict]:
                 run=run,
                 peak_source=s["peak_source"],
                 convention=s["flops_convention"],
+                **warm,
             )
         )
     split = {k: s[k] for k in PARALLELISM if k in s}  # every record says how the step ran

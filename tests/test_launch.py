@@ -371,7 +371,8 @@ def test_a_coordinator_that_never_answers_is_an_exception_in_library_code():
     catch, not the end of the interpreter: the wait for the port is Python's own (a wait
     inside JAX's runtime, once it answers, cannot be interrupted, and still ends the process)."""
     port = launch.free_port()
-    keys = f"model='tiny', coordinator='localhost:{port}', num_processes=2, process_id=1"
+    keys = f"model='tiny', coordinator='localhost:{port}', num_processes=2, process_id=1, "
+    keys += "mesh='data:-1'"
     code = (
         "from lab.errors import ConfigError\n"
         "from lab.session import open_session\n"

@@ -466,8 +466,19 @@ def test_loss_scale_auto_is_stored_as_the_value_used(tmp_path, capsys):
 
 def test_no_loss_scale_is_stored_as_one(tmp_path, capsys):
     assert _run(tmp_path, "name=f", "steps=1") == 0
-    assert "loss scale" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "loss scale" not in out
     assert json.loads((tmp_path / "f" / "config.json").read_text())["loss_scale"] == 1.0
+    # one step is a warm-up step: its time is not the steady step's, and every figure says so
+    assert "one warm-up step timed: not the steady step" in out
+    assert json.loads((tmp_path / "f" / "summary.json").read_text())["warmup_timed"] is True
+    records = [
+        json.loads(x) for x in (tmp_path / "f" / "records.jsonl").read_text().split("\n") if x
+    ]
+    timed = [r for r in records if r["what"] in ("training step time", "training tokens/s")]
+    assert len(timed) == 2 and all("warm-up steps only" in r["config"]["caveat"] for r in timed), (
+        timed
+    )
 
 
 def test_summary_and_records_say_how_the_step_was_split(tmp_path, capsys):

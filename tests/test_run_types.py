@@ -88,6 +88,12 @@ def test_a_time_from_too_few_steps_is_not_called_a_median_nor_are_its_derived_fi
     assert "2 steps timed: too few for a median" in text and "p10" not in text
     text = _text(run_summary(RunSummary.from_record(SUMMARY)))  # 3: a median
     assert "step time (median)" in text and "3 steps)" in text and "not a median" not in text
+    # a run too short to time a step past its warm-up: said on every figure of the time
+    warm = {**two, "warmup_timed": True}
+    text = _text(run_summary(RunSummary.from_record(warm)))
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if "│" in line}
+    for row in ("step time", "tokens/s", "MFU"):
+        assert "2 warm-up steps timed: not the steady step" in rows[row], rows[row]
 
 
 def test_the_predicted_time_on_a_busy_host_carries_the_caveat():

@@ -213,6 +213,7 @@ class RunSummary:
     segment_loss_first: float | None = None
     loss_first_step: int | None = None  # the step of loss_first, after a resume
     profiled_steps: tuple | None = None  # (first, last) traced by profile=true: not timed
+    warmup_timed: bool = False  # the times are warm-up steps (a run too short for others)
     # (count, total seconds) of the checkpoint saves the loop waited for: not in the step time
     checkpoint_saves: tuple | None = None
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -239,6 +240,7 @@ class RunSummary:
             segment_loss_first=s.get("segment_loss_first"),
             loss_first_step=s.get("loss_first_step"),
             profiled_steps=tuple(s["profiled_steps"]) if s.get("profiled_steps") else None,
+            warmup_timed=bool(s.get("warmup_timed")),
             checkpoint_saves=(
                 (s["checkpoint_saves"]["count"], s["checkpoint_saves"]["total_s"])
                 if s.get("checkpoint_saves")

@@ -207,8 +207,13 @@ def top_ops_line(predicted: PredictedStep, n: int = 3) -> str:
 FEW_TIMED = 3
 
 
-def few_timed(runs: int) -> str:
-    """'' for enough timed steps, else what the step time is instead of a median."""
+def few_timed(runs: int, warmup: bool = False) -> str:
+    """'' for enough timed steps, else what the step time is instead of a median; `warmup`:
+    the steps timed are warm-up steps (a run too short to time one past them), slower than
+    the steady step by their allocations and first transfers."""
+    if warmup:
+        steps = "one warm-up step" if runs == 1 else f"{runs} warm-up steps"
+        return f"{steps} timed: not the steady step"
     if runs >= FEW_TIMED:
         return ""
     return (
@@ -223,7 +228,7 @@ def run_summary(s: RunSummary) -> Table:
     if s.profiled_steps:
         first, last = s.profiled_steps
         since += f"; steps {first}-{last} profiled, left out"
-    few = few_timed(st.runs)
+    few = few_timed(st.runs, s.warmup_timed)
     if few:  # one sample or two: no spread worth a p10 and p90
         t.add_row("step time", f"{duration(st.median_s)}  ([yellow]{few}[/]{since})")
     else:

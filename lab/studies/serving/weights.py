@@ -209,6 +209,12 @@ def _restore(session: Session, run_dir: Path, warn):
             f"run={run_dir.name}: its {n} ({', '.join(map(str, sorted(damaged)))}) could not "
             "be read; none is left to serve"
         )
+    if params is None and (aside := checkpoint.damaged_steps(run_dir)):
+        raise ConfigError(
+            f"run={run_dir.name}: no checkpoint to serve in {checkpoint.folder(run_dir)}; "
+            f"{checkpoint.damaged_folder(run_dir)} keeps {', '.join(aside)}, set aside as "
+            "damaged (leave run= out for random weights)"
+        )
     if params is None:
         raise ConfigError(
             f"run={run_dir.name}: no checkpoint to serve in {checkpoint.folder(run_dir)} "
