@@ -560,7 +560,7 @@ def restore_latest(
             reader = _reader_failure(e)
             if reader:
                 raise ConfigError(
-                    f"{why}: checkpoint step {step} was not restored ({reader}); nothing was "
+                    f"{why}: checkpoint step {step} was not restored ({reader}); it was not "
                     f"moved: fix that, then run it again"
                 ) from None
             set_aside(step, _damage(e))

@@ -583,18 +583,20 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
                 moved=moved,
                 read_only=not is_main,
             )
-        except ConfigError as e:  # a step that cannot be read: the line says what moved first
-            if not moved or not is_main:
+            if step is not None:
+                _check_resumed_at(cfg, step)
+        except ConfigError as e:  # refused: its one line also says which steps were moved
+            note = _moved_aside(run_dir, moved) if is_main else ""
+            if not note:
                 raise
-            aside = ", ".join(str(s) for s in sorted(moved))
-            raise ConfigError(
-                f"{e} (before it, step{'s' * (len(moved) > 1)} {aside} moved to "
-                "checkpoints-damaged/ as damaged)"
-            ) from None
+            raise ConfigError(f"{e} (before it, {note})") from None
+        except BaseException:  # a signal, a library's error: what changed is said first
+            for line in held:
+                print(line, file=sys.stderr)
+            raise
         if step is not None:
             for line in held:
                 print(line, file=sys.stderr)
-            _check_resumed_at(cfg, step)
             console.print(f"resumed from checkpoint at step {step}")
             if layout != trainer.layout:  # the same weights, stored as this run stores them
                 console.print(
@@ -605,7 +607,8 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
             if is_main and (unknown := _unknown_on_resume(run_dir)):
                 print(
                     f"warning: {run_dir / 'config.json'} asks for {unknown}, not a key of "
-                    "this lab: the run goes on without it",
+                    "this lab: the run goes on without it, and its config.json no longer "
+                    "keeps it",
                     file=sys.stderr,
                 )
             changed = _changed_on_resume(run_dir, cfg)
@@ -633,6 +636,16 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
     return trainer.init(jax.random.key(cfg.seed)), 0
 
 
+def _moved_aside(run_dir: Path, steps: list[int]) -> str:
+    """'steps 4, 6 moved to checkpoints-damaged/ as damaged': those of `steps` that a resume
+    did move out of checkpoints/ (a step that could not be moved is still there); ''."""
+    gone = sorted(s for s in steps if not (checkpoint.folder(run_dir) / str(s)).exists())
+    if not gone:
+        return ""
+    which = ", ".join(map(str, gone))
+    return f"step{'s' * (len(gone) > 1)} {which} moved to checkpoints-damaged/ as damaged"
+
+
 def _saved_or_empty(run_dir: Path) -> dict:
     """The run's config.json (checked before the run began), or {} where it is gone."""
     try:
@@ -649,7 +662,7 @@ def _nothing_to_resume(run_dir: Path) -> ConfigError:
     elif every and (damaged := checkpoint.damaged_steps(run_dir)):
         why = (
             f"none in {folder.name}/; {checkpoint.damaged_folder(run_dir).name}/ keeps "
-            f"{', '.join(damaged)}, set aside as damaged"
+            f"{', '.join(damaged)}, set aside by an earlier resume"
         )
     elif every:
         why = f"none in {folder.name}/: the run stopped before its first, or they were removed"
@@ -1148,14 +1161,11 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
 def _summary_whole(run_dir: Path, result: dict) -> None:
     """summary.json and records.jsonl, each replaced whole or not at all: written in a staging
     folder named like the run (the records carry its name), then renamed into the run folder.
-    The ones they replace (an earlier segment's, before a resume) are first appended, whole,
-    as one line to summaries-superseded.jsonl: nothing the run wrote is lost.
     OSError for the caller; a full disk leaves the earlier files, never torn ones."""
     staging = run_dir / ".summary-staging" / run_dir.name
     try:
         staging.mkdir(parents=True, exist_ok=True)
         summary.write_summary(staging, result)
-        _keep_superseded_summary(run_dir)
         for name in ("records.jsonl", "summary.json"):  # summary.json last: it says done
             if (staging / name).exists():
                 (staging / name).replace(run_dir / name)
@@ -1166,7 +1176,8 @@ def _summary_whole(run_dir: Path, result: dict) -> None:
 
 
 def _keep_superseded_summary(run_dir: Path) -> None:
-    """The summary.json and records.jsonl in `run_dir`, if any, as one line of
+    """The summary.json and records.jsonl in `run_dir` (an earlier segment's, which a resume's
+    summary replaces), if any, as one line of
     summaries-superseded.jsonl (`summary`: summary.json's table, or its text where it is not
     JSON; `records`: records.jsonl's lines, each a table or the text of a line that is not).
     The line has no `what`: readers of records (the runbook) pass it over."""
@@ -1221,6 +1232,7 @@ class _End:
     why: str | None = None  # a signal's name, or a non-finite value's line
     failed: str | None = None  # the first write that failed
     summary_written: bool = False
+    earlier_kept: bool = False  # the summary the run folder held before this process's, kept
     start: int = 0  # the checkpoint step a resumed run started from
     peak: tuple | None = None  # (FLOP/s, source) of the run's MFU (summary.run_peak)
 
@@ -1266,6 +1278,9 @@ class _End:
             self.console.print(tables.run_summary(RunSummary.from_record(result)))
         if self.is_main:
             try:
+                if not self.earlier_kept:  # once: a retry must not keep this run's own
+                    _keep_superseded_summary(self.run_dir)
+                    self.earlier_kept = True
                 _summary_whole(self.run_dir, result)
                 self.summary_written = True
             except OSError as e:

@@ -512,8 +512,9 @@ def _coordinator(d: _Draft):
 
 def _a_device_per_process(d: _Draft):
     # every process has a device at least, so a mesh given in numbers smaller than the
-    # processes cannot span them: said before they wait for each other to join
-    if d.cfg.num_processes < 2:
+    # processes cannot span them: said before they wait for each other to join (a mesh a
+    # caller built is its own, and mesh= is not used)
+    if d.cfg.num_processes < 2 or d.platform.mesh is not None:
         return None
     try:
         sizes = parse_mesh_spec(d.cfg.mesh)

@@ -199,7 +199,7 @@ def test_a_step_the_reader_cannot_restore_is_left_in_place_and_the_resume_stops(
     capsys.readouterr()
     assert _run(tmp_path, "name=R", "steps=8", "resume=true") == 2
     err = _one_line_error(capsys, "checkpoint step 6 was not restored")
-    assert needle in err and "nothing was moved" in err
+    assert needle in err and "it was not moved" in err
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [2, 4, 6]
     assert not (run_dir / "checkpoints-damaged").exists()
     assert (run_dir / "metrics.jsonl").read_text() == metrics
@@ -216,6 +216,18 @@ def test_a_damaged_step_in_a_folder_named_like_a_reader_failure_is_still_damage(
     out = capsys.readouterr()
     assert "resumed from checkpoint at step 2" in out.out
     assert "checkpoint step 4 is damaged" in out.err
+
+
+def test_a_refusal_after_a_damaged_step_was_moved_says_so_in_its_one_line(saved, capsys):
+    """The newest step is damaged and moved aside; the one before restores but steps= leaves
+    nothing to train after it: one line, which says what the resume did move."""
+    tmp_path, run_dir = saved
+    _damage_data(run_dir / "checkpoints" / "6")
+    capsys.readouterr()
+    assert _run(tmp_path, "name=R", "steps=4", "resume=true") == 2
+    err = _one_line_error(capsys, "steps=4 leaves nothing to train")
+    assert err.endswith("(before it, step 6 moved to checkpoints-damaged/ as damaged)"), err
+    assert checkpoint.saved_steps(run_dir) == [2, 4]
 
 
 def test_a_resume_with_nothing_to_resume_is_refused_not_started_again(saved, capsys):
@@ -274,6 +286,7 @@ def test_a_step_folder_renamed_by_hand_is_set_aside_and_damage_with_nowhere_to_g
     assert _run(tmp_path, "name=R", "steps=9", "resume=true") == 2
     err = _one_line_error(capsys, "checkpoint step 7 is damaged")
     assert "cannot be moved to" in err and (run_dir / "checkpoints" / "7").is_dir()
+    assert "moved to checkpoints-damaged/ as damaged" not in err  # it was not
 
 
 def test_resuming_with_another_model_is_refused_and_changes_nothing(saved, capsys):

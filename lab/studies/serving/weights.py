@@ -212,8 +212,8 @@ def _restore(session: Session, run_dir: Path, warn):
     if params is None and (aside := checkpoint.damaged_steps(run_dir)):
         raise ConfigError(
             f"run={run_dir.name}: no checkpoint to serve in {checkpoint.folder(run_dir)}; "
-            f"{checkpoint.damaged_folder(run_dir)} keeps {', '.join(aside)}, set aside as "
-            "damaged (leave run= out for random weights)"
+            f"{checkpoint.damaged_folder(run_dir)} keeps {', '.join(aside)}, set aside by a "
+            "resume (leave run= out for random weights)"
         )
     if params is None:
         raise ConfigError(
