@@ -246,7 +246,7 @@ def test_the_allocator_goes_in_huge_pages_only_where_it_changes_something(enviro
 
 
 @pytest.mark.once
-def test_a_command_starts_again_in_huge_pages_and_says_so():
+def test_a_command_starts_again_in_huge_pages_and_says_so(tmp_path):
     """XLA:CPU faults its temporaries in again every step unless glibc keeps them in huge
     pages: a lab command starts itself again with the tunable (once), and its header says
     so (LAB_HUGE_PAGES=0 and the other cases are the decision's own test, above)."""
@@ -262,9 +262,9 @@ def test_a_command_starts_again_in_huge_pages_and_says_so():
     if startup.huge_pages_tunables(env, platform.libc_ver(), thp) is None:
         pytest.skip("this host's glibc or kernel would not change")
     argv = [sys.executable, "-m", "lab.run", "model=tiny", "steps=1", "compile_only=true"]
-    out = subprocess.run(
+    out = subprocess.run(  # in a folder of its own: its plan's run folder is not the checkout's
         argv, env={**env, "LAB_HUGE_PAGES": "1", "JAX_PLATFORMS": "cpu"},
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "allocator in huge pages" in out.stdout, out.stdout
