@@ -159,9 +159,64 @@ def _signals_keep_what_finished(out_dir, meta: dict, only, con, writing: threadi
         os.close(read_fd)
 
 
-def run(o: Options) -> int:
-    from experiments import load, parse_only, plan_kwargs, select
+def _run_topics(o: Options, names, meta: dict, out_dir, con, writing, only) -> dict:
+    """Each topic in turn, its records appended as it ends, then REPORT.md (and run.json)
+    written under `writing`: a stop that comes while the report is being written waits for it,
+    then writes it again whole, so no signal leaves a run folder without its report."""
+    from experiments import load, plan_kwargs
     from experiments.common import keep_so_far, on_step
+    from lab.measure import records as rec
+    from lab.report import markdown, progress
+
+    with progress.tasks(con) as bar, contextlib.ExitStack() as after:
+        after.callback(on_step, None)  # however the loop ends, no topic's hook outlives it
+        task = bar.add_task("starting", total=len(names))
+        for name in names:
+            module = load(name)
+            claims = f" ({', '.join(module.CLAIMS)})" if module.CLAIMS else ""
+            bar.update(task, description=f"{name}{claims}")
+            start = time.perf_counter()
+            keep_so_far(None)  # a topic that keeps its points says so as it starts
+
+            def where(text, name=name, claims=claims):  # a topic's steps: a line each off a tty
+                bar.update(task, description=progress.label(f"{name}{claims}: {text}", 90))
+
+            on_step(where)
+            meta["current"], meta["current_start"] = name, start
+            try:
+                records = module.run(o.size, **plan_kwargs(name, o.plans, o.size))
+                for r in records:  # whose each is, and at what size: read without run.json
+                    r["config"].update(module=name, size=o.size)
+                error = None
+            except Exception as e:  # noqa: BLE001 — one failed topic must not lose the others
+                error = f"{type(e).__name__}: {e}"
+                con.print(f"[red]{name} failed[/red]: {error}")
+                con.print(traceback.format_exc(), markup=False, highlight=False)
+                records = []
+            with writing:  # appended whole before a stop reads them (not the topic's run)
+                try:
+                    if records:
+                        rec.write_records(out_dir / "records.jsonl", records)
+                except OSError as e:
+                    error, records = f"its records could not be written: {e}", []
+                    con.print(f"[red]{name} failed[/red]: {error}")
+                meta["modules"][name] = {
+                    "wall_s": time.perf_counter() - start,
+                    "records": len(records),
+                    "error": error,
+                }
+                meta["current"] = None
+            on_step(None)
+            bar.advance(task)
+    with writing:
+        meta["wall_s"] = time.perf_counter() - meta["start"]
+        hidden = ("current", "current_start", "start")
+        shown = {k: v for k, v in meta.items() if k not in hidden}
+        return markdown.write_report(out_dir, meta=shown, only=only)
+
+
+def run(o: Options) -> int:
+    from experiments import parse_only, select
     from lab.errors import ConfigError
 
     try:
@@ -207,60 +262,18 @@ def run(o: Options) -> int:
     )
     writing = threading.Lock()
     stopping = _signals_keep_what_finished(out_dir, meta, only, con, writing)
-    with stopping, progress.tasks(con) as bar, contextlib.ExitStack() as after:
-        after.callback(on_step, None)  # however the loop ends, no topic's hook outlives it
-        task = bar.add_task("starting", total=len(names))
-        for name in names:
-            module = load(name)
-            claims = f" ({', '.join(module.CLAIMS)})" if module.CLAIMS else ""
-            bar.update(task, description=f"{name}{claims}")
-            start = time.perf_counter()
-            keep_so_far(None)  # a topic that keeps its points says so as it starts
-
-            def where(text, name=name, claims=claims):  # a topic's steps: a line each off a tty
-                bar.update(task, description=progress.label(f"{name}{claims}: {text}", 90))
-
-            on_step(where)
-            meta["current"], meta["current_start"] = name, start
-            try:
-                records = module.run(o.size, **plan_kwargs(name, o.plans, o.size))
-                for r in records:  # whose each is, and at what size: read without run.json
-                    r["config"].update(module=name, size=o.size)
-                error = None
-            except Exception as e:  # noqa: BLE001 — one failed topic must not lose the others
-                error = f"{type(e).__name__}: {e}"
-                con.print(f"[red]{name} failed[/red]: {error}")
-                con.print(traceback.format_exc(), markup=False, highlight=False)
-                records = []
-            with writing:  # appended whole before a stop reads them (not the topic's run)
-                try:
-                    if records:
-                        rec.write_records(out_dir / "records.jsonl", records)
-                except OSError as e:
-                    error, records = f"its records could not be written: {e}", []
-                    con.print(f"[red]{name} failed[/red]: {error}")
-                meta["modules"][name] = {
-                    "wall_s": time.perf_counter() - start,
-                    "records": len(records),
-                    "error": error,
-                }
-                meta["current"] = None
-            on_step(None)
-            bar.advance(task)
-    for key in ("current", "current_start", "start"):
-        meta.pop(key, None)
-    meta["wall_s"] = time.perf_counter() - t0
-    report = markdown.write_report(out_dir, meta=meta, only=only)
-    caution = (
-        "size=tiny checks that every study runs: its models, lengths and batches are too small "
-        "for these verdicts to judge the claims (size=quick or full judges them)"
-        if o.size == "tiny"
-        else ""
-    )
-    busy = markdown.busy_caution(report["records"])
-    caution = "; ".join(c for c in (caution, busy) if c)
-    con.print(tables.verdicts(report["verdicts"], caution, judged=o.size != "tiny"))
-    con.print(f"wall {meta['wall_s']:.0f} s · {report['path']}", markup=False)
+    with stopping:  # until the verdicts are printed: a stop leaves REPORT.md whole
+        report = _run_topics(o, names, meta, out_dir, con, writing, only)
+        caution = (
+            "size=tiny checks that every study runs: its models, lengths and batches are too small "
+            "for these verdicts to judge the claims (size=quick or full judges them)"
+            if o.size == "tiny"
+            else ""
+        )
+        busy = markdown.busy_caution(report["records"])
+        caution = "; ".join(c for c in (caution, busy) if c)
+        con.print(tables.verdicts(report["verdicts"], caution, judged=o.size != "tiny"))
+        con.print(f"wall {meta['wall_s']:.0f} s · {report['path']}", markup=False)
     return 1 if any(m["error"] for m in meta["modules"].values()) else 0
 
 

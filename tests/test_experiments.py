@@ -381,6 +381,55 @@ def test_a_stopped_ledger_keeps_the_finished_topics_and_writes_their_report(tmp_
         assert len(records) == 1  # roofline's; training never ran
 
 
+
+_STOPPED_WHILE_WRITING = """
+import os, signal, sys, time, types
+import experiments
+from experiments import __main__ as cli
+from experiments.common import record
+from lab.report import markdown
+
+def finished(size, **_):
+    return [record("C06", "ridge_point", "ridge point", 150.0, "FLOP/B", label="derived")]
+
+write, calls = markdown.write_report, []
+
+def slow_write(*args, **kwargs):  # the stop comes while the last topic's report is written
+    calls.append(1)
+    if len(calls) == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+    return write(*args, **kwargs)
+
+markdown.write_report = slow_write
+experiments.select = lambda only: ["roofline"]
+experiments.load = lambda name: types.SimpleNamespace(CLAIMS=("C06",), run=finished)
+sys.exit(cli.main(["size=tiny", "out_dir=" + sys.argv[1]]))
+"""
+
+
+def test_a_ledger_stopped_while_its_report_is_written_still_has_the_report(tmp_path):
+    """SIGTERM after the last topic, while REPORT.md is being written: the stop waits for the
+    report, writes it again whole and exits 143 with its one line; the folder keeps REPORT.md
+    and run.json, which `experiments.compare` needs."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", _STOPPED_WHILE_WRITING, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 143, p.stderr
+    line = p.stderr.strip().splitlines()
+    assert len(line) == 1 and line[0].startswith("SIGTERM: stopped;"), p.stderr
+    assert "REPORT.md" in line[0]
+    (folder,) = tmp_path.iterdir()
+    assert "`roofline`" in (folder / "REPORT.md").read_text()
+    assert json.loads((folder / "run.json").read_text())["verdicts"]
+    assert len(rec.read_records(folder / "records.jsonl")) == 1
+
 def test_compare_derives_no_cross_machine_ratio_from_different_steps():
     """Folders run at different sizes time different steps: their tokens/s are shown with the
     step beside them, and no GPU-over-CPU ratio is derived from them (it would compare a
