@@ -595,7 +595,12 @@ def execute(
         )
         attempt = int(entry.get("attempt", 0)) + 1
         out = root / "steps" / step.name / f"try-{attempt}"
-        out.mkdir(parents=True, exist_ok=True)
+        # a fresh state (the old one damaged, or another machine's) counts from 1 again: a
+        # folder an earlier try left is never reused, or its records would join this row
+        while out.exists():
+            attempt += 1
+            out = out.with_name(f"try-{attempt}")
+        out.mkdir(parents=True)
         argv = command(step, out, root, state)
         log = out / "output.log"
         previous = {k: v for k, v in entry.items() if k not in ("previous", "redo_cut_short")}
