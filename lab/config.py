@@ -70,13 +70,18 @@ def _check_range(key: str, raw, value, meta) -> None:
 def did_you_mean(word: str, options) -> str:
     """' (did you mean X?)' for the option closest to `word`, case aside (STEPS → steps), or
     ' (did you mean X or Y?)' where two are as close (dpp: dp or pp); '' where none is. An
-    option of which `word` is a whole part is close (bwd: fwd+bwd, not fwd)."""
+    option of which `word` is a whole part is close (bwd: fwd+bwd, not fwd); its plural or
+    singular is closer still (batch: batches, not plan_batch; dir: dirs, not out_dir)."""
     scored = {}
+    w = word.lower()
     for option in map(str, options):
-        score = difflib.SequenceMatcher(None, word.lower(), option.lower()).ratio()
-        parts = re.split(r"[^a-z0-9]+", option.lower())
-        if len(word) >= 2 and word.lower() in parts:  # bwd: fwd+bwd holds it
+        o = option.lower()
+        score = difflib.SequenceMatcher(None, w, o).ratio()
+        parts = re.split(r"[^a-z0-9]+", o)
+        if len(word) >= 2 and w in parts:  # bwd: fwd+bwd holds it
             score = max(score, 0.9 + 0.1 * score)  # the likeness still orders such options
+        if len(word) >= 3 and (o in (w + "s", w + "es") or w in (o + "s", o + "es")):
+            score = 0.99  # one word in number: before every option that merely holds it
         if score >= 0.6:  # difflib.get_close_matches' own cutoff
             scored[option] = max(score, scored.get(option, 0.0))
     if not scored:

@@ -295,3 +295,8 @@ def test_a_part_of_a_name_suggests_the_name_that_holds_it():
     # among options holding the word, the likeness still decides; one letter is no part
     assert did_you_mean("layers", ["n_layers", "scan_layers"]) == " (did you mean n_layers?)"
     assert did_you_mean("n", ["n_layers", "n_heads"]) == ""
+    # the plural (or singular) of the word before the options that hold it whole
+    serve = ["batches", "batch_size", "plan_batch", "prefill_batches"]
+    assert did_you_mean("batch", serve) == " (did you mean batches?)"
+    assert did_you_mean("dir", ["dirs", "out_dir"]) == " (did you mean dirs?)"
+    assert did_you_mean("heads", ["head", "head_dim"]) == " (did you mean head?)"
