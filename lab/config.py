@@ -466,7 +466,13 @@ class Config:
         "largest multiple of the other axes' product up to 8)",
         min=0,
     )
-    batch_size: int = field(16, "global batch (sequences per step)", min=1)
+    batch_size: int = field(
+        16,
+        "global batch (sequences per step; at most 2^20: past it the compilers' launch grids "
+        "overflow)",
+        min=1,
+        max=2**20,
+    )
     accumulate: int = field(
         1,
         "K: gradient accumulation, the batch run as K microbatches of batch_size/K whose "

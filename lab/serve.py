@@ -76,8 +76,20 @@ class Options:
         "which no signal interrupts); empty = the start of the bundled text",
     )
     temperature: float = field(0.8, "sampling temperature of the sample (0 = greedy)", min=0.0)
-    plan_batch: int = field(8, "target= plans: sequences decoded together", min=1)
-    plan_context: int = field(4096, "target= plans: cache slots per sequence", min=1)
+    plan_batch: int = field(
+        8,
+        "target= plans: sequences decoded together (at most 2^20: past it the compilers' "
+        "launch grids overflow)",
+        min=1,
+        max=2**20,
+    )
+    plan_context: int = field(
+        4096,
+        "target= plans: cache slots per sequence (at most 2^24: a batch × cache the compilers "
+        "index)",
+        min=1,
+        max=2**24,
+    )
     results: str = field("results", "folder for the records and the PNG", kind="path")
     plot: bool = field(True, "write the decode PNG (of this machine's sweep; a plan has none)")
     seed: int = field(0, "random weights and sampling (at most 2^32-1)", min=0, max=2**32 - 1)

@@ -38,6 +38,7 @@ def test_every_preset_is_valid(name):
     [
         (["modle=tiny"], "unknown key 'modle' (did you mean model?)"),
         (["setps=3"], "did you mean steps?"),
+        (["batch_size=3000000000"], "batch_size='3000000000': must be <= 1048576"),
         (["STEPS=3"], "unknown key 'STEPS' (did you mean steps?)"),
         (["mesh="], "mesh=: no mesh given; e.g. mesh=4x2"),
         (["strategy=dpp"], "(did you mean dp or pp?)"),

@@ -100,6 +100,9 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         (["mesh=2", "batches=1,2"], "serving batches [1] (of batches= and prefill_batches="),
         (["batches=1,x"], "'x' is not an integer"),
         (["bacthes=1"], "did you mean batches"),
+        (["batch=1"], "(did you mean batches?)"),  # not plan_batch, nor the refused batch_size
+        (["target=gpu:h100:1", "plan_context=2147483648"], "plan_context='2147483648': must be"),
+        (["target=gpu:h100:1", "plan_batch=3000000000"], "plan_batch='3000000000': must be"),
         (["run=../elsewhere"], "one folder name under out_dir"),
         (["run=a/b"], "one folder name under out_dir"),
         (["context=20000000", "batches=64"], "GiB available; give a smaller context="),
