@@ -381,7 +381,6 @@ def test_a_stopped_ledger_keeps_the_finished_topics_and_writes_their_report(tmp_
         assert len(records) == 1  # roofline's; training never ran
 
 
-
 _STOPPED_WHILE_WRITING = """
 import os, signal, sys, time, types
 import experiments
@@ -429,6 +428,7 @@ def test_a_ledger_stopped_while_its_report_is_written_still_has_the_report(tmp_p
     assert "`roofline`" in (folder / "REPORT.md").read_text()
     assert json.loads((folder / "run.json").read_text())["verdicts"]
     assert len(rec.read_records(folder / "records.jsonl")) == 1
+
 
 def test_compare_derives_no_cross_machine_ratio_from_different_steps():
     """Folders run at different sizes time different steps: their tokens/s are shown with the

@@ -185,7 +185,6 @@ def test_a_damaged_state_file_is_kept_aside_not_written_over(tmp_path):
     assert kept == sorted(damaged)
 
 
-
 def test_a_fresh_state_never_reuses_an_earlier_trys_folder(tmp_path):
     """After the state file is damaged (or was another machine's), the steps count from 1
     again: each runs in a folder no earlier try wrote, so its row reads its records alone."""
@@ -199,6 +198,7 @@ def test_a_fresh_state_never_reuses_an_earlier_trys_folder(tmp_path):
     assert entry["status"] == "done" and entry["folder"] == "steps/one/try-2"
     assert (first / "output.log").read_bytes() == before  # the earlier try's log kept
     assert len(list(first.with_name("try-2").glob("*.jsonl"))) == 1
+
 
 def test_step_past_its_budget_is_killed_and_cut_short_then_rerun(tmp_path):
     steps = [sleeper("slow", budget=0.5), fake("after")]
