@@ -417,6 +417,8 @@ def test_mask_arrays_given_as_python_lists(impl, kind):
         (dict(kv_lengths=(1, 2, 3)), r"^kv_lengths.shape=\(3,\) dtype=int64: expected integers"),
         (dict(kv_lengths=[[1], [2, 3]]), r"^kv_lengths=\[\[1\], \[2, 3\]\]: expected an integer"),
         (dict(kv_lengths=72), r"^kv_lengths.shape=\(\) dtype=int64: expected integers"),
+        (dict(kv_lengths=[-3, 72]), r"^kv_lengths holds -3: a length is 0\.\.72 \(S, the keys"),
+        (dict(q_lengths=np.array([100, 7])), r"^q_lengths holds 100: a length is 0\.\.72 \(L"),
     ],
 )
 def test_bad_mask_lists_are_one_line(kwargs, needle):
@@ -424,6 +426,17 @@ def test_bad_mask_lists_are_one_line(kwargs, needle):
     for impl in ("naive", "blockwise", "auto"):
         with pytest.raises(ValueError, match=needle):
             attention(q, k, v, impl=impl, **kwargs)
+
+
+def test_a_traced_length_past_its_bound_acts_as_the_bound():
+    """Under jit a length is not known until the program runs: one past S reads as S, one
+    below 0 as 0, in every implementation alike (as the docs say)."""
+    q, k, v, _, _ = _inputs((72, 72, 2, 32, 32), "float32")
+    for impl in ("naive", "blockwise"):
+        run = jax.jit(lambda q, k, v, n, impl=impl: attention(q, k, v, impl=impl, kv_lengths=n))
+        want = attention(q, k, v, impl=impl, kv_lengths=np.array([72, 0]))
+        got = run(q, k, v, jnp.array([100, -3]))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("flag", ["causal", "return_lse", "interpret"])

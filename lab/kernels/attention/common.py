@@ -438,7 +438,10 @@ class Mask:
         return out
 
     def check(self, B: int, L: int, S: int) -> None:
-        """ValueError naming a mask array whose shape or dtype does not fit q [B, L, ...]."""
+        """ValueError naming a mask array whose shape or dtype does not fit q [B, L, ...], or
+        a length outside 0..L (queries) or 0..S (keys). Lengths are checked where their values
+        are known (called outside jit); traced under jit, a length past a bound acts as that
+        bound, as no check can stop a compiled program."""
         for name, want in (
             ("q_segment_ids", (B, L)),
             ("kv_segment_ids", (B, S)),
@@ -452,6 +455,20 @@ class Mask:
                 raise ValueError(
                     f"{name}.shape={tuple(x.shape)} dtype={x.dtype}: expected integers of "
                     f"shape {want} for q [B={B}, L={L}] and k [B, S={S}]"
+                )
+        for name, top in (("q_lengths", L), ("kv_lengths", S)):
+            x = getattr(self, name)
+            if x is None:
+                continue
+            try:
+                values = np.asarray(x)
+            except jax.errors.TracerArrayConversionError:  # traced: known when it runs
+                continue
+            bad = values[(values < 0) | (values > top)]
+            if bad.size:
+                raise ValueError(
+                    f"{name} holds {int(bad[0])}: a length is 0..{top} "
+                    f"({'L, the queries' if name == 'q_lengths' else 'S, the keys'} of the call)"
                 )
 
     def band(self, L: int, S: int) -> tuple:
