@@ -438,6 +438,10 @@ def _not_here(impl: str, backend: str) -> str | None:
         return "tokamax is not installed here (pip install -e '.[peers]' adds it)"
     if impl in GPU_PEERS:
         return "it compiles only for a GPU"
+    if impl == "cpu_flash" and backend == "cpu":  # the lab's native kernel, not built here
+        if os.environ.get("LAB_CPU_FLASH") == "0":
+            return "LAB_CPU_FLASH=0 in the environment turns it off"
+        return "the native kernel could not be built here (its line above says why)"
     where = [b for b in ("cpu", "gpu", "tpu") if b != backend and impl in available_impls(b)]
     if where:
         return f"it runs on {' or '.join(b.upper() for b in where)} only"

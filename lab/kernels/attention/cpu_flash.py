@@ -24,8 +24,8 @@ LAB_CPU_FLASH=0 turns the kernel off; LAB_CPU_FLASH_THREADS sets the thread coun
 the host's cores; on XLA's pool, at most its threads and the caller take part; a whole number
 >= 1, at most 4 per core: more is cut to that, said once, since each may be an OS thread;
 anything else is refused when the kernel is first asked for);
-LAB_CPU_FLASH_BACKWARD=fused or two-pass forces the backward's form (any other value: chosen
-as above).
+LAB_CPU_FLASH_BACKWARD=fused or two-pass forces the backward's form (unset or empty: chosen
+as above; any other value is refused when the kernel is first asked for).
 """
 
 import ctypes
@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lab.errors import ConfigError
 from lab.kernels import native, varying
 from lab.kernels.attention.common import (
     Mask,
@@ -118,10 +119,17 @@ def _build() -> Path | None:
 def available() -> bool:
     """Whether the kernel is built and registered with XLA (builds it on the first call). A
     ConfigError (one line) where LAB_CPU_FLASH_THREADS is not a thread count
-    (native.threads_from_env): the kernel would ignore it, or start that many threads."""
+    (native.threads_from_env): the kernel would ignore it, or start that many threads; or
+    where LAB_CPU_FLASH_BACKWARD names no form."""
     if os.environ.get("LAB_CPU_FLASH") == "0":
         return False
     native.threads_from_env("LAB_CPU_FLASH_THREADS")
+    form = os.environ.get("LAB_CPU_FLASH_BACKWARD", "").strip()
+    if form not in ("", "fused", "two-pass"):  # the kernel would choose without a word
+        raise ConfigError(
+            f"LAB_CPU_FLASH_BACKWARD={form!r}: must be fused or two-pass (unset: chosen by the "
+            "shape)"
+        )
     return _registered()
 
 
