@@ -221,3 +221,20 @@ def test_a_plan_it_cannot_make_is_one_line_before_any_progress(argv, needle, cap
     assert attention_plan.main(["seq=256", *argv]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.count("\n") == 1 and needle in out.err, out
+
+
+def test_the_hopper_kernel_asked_of_an_a100_plan_says_why(capsys):
+    """pallas_mgpu compiles for Hopper only: a plan for an A100 names the GPU and lists the
+    kernels its compiler takes, in one line."""
+    from lab.plans import gpu as gpus
+
+    if gpus._pjrt() is None or gpus.ptxas() is None:
+        pytest.skip("the CUDA plugin or ptxas is missing: pip install -e '.[gpu-plan]'")
+    from lab.tools import attention_plan
+
+    assert attention_plan.main(["seq=256", "impl=pallas_mgpu", "target=gpu:a100:1"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and "choose one of pallas, pallas_gpu (pallas_mgpu needs a Hopper" in err
+    )

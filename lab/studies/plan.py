@@ -300,7 +300,11 @@ def _chosen(impl: str, q, kv, causal: bool, mesh, features=frozenset()):
             # plan compiles Pallas kernels only: the ones the target's compiler takes
             backend = "tpu" if "backend 'tpu'" in text else "gpu"
             takes = "pallas, pallas_tpu" if backend == "tpu" else "pallas, pallas_gpu, pallas_mgpu"
-            text = f"{text.split(': choose one of')[0]}: choose one of {takes}"
+            head, _, listed = text.partition(": choose one of")
+            why = listed[listed.find(" (") :] if " (" in listed else ""  # e.g. not a Hopper
+            if "needs a Hopper GPU" in why:
+                takes = "pallas, pallas_gpu"
+            text = f"{head}: choose one of {takes}{why}"
         raise ConfigError(text) from None
 
 
