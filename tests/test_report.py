@@ -1068,6 +1068,7 @@ def test_a_ledger_that_judges_nothing_says_so_and_colours_no_verdict():
             "\x1b[32m" in styled or "\x1b[38;5;2m" in styled or "\x1b[38;2;0;128;0m" in styled
         )
         assert ("smoke test" in plain) != judged
+        assert ("read at size tiny (no verdict)" in plain) != judged  # its column says so too
         assert coloured == judged, styled
     # a smoke test's `off` says no distance either: nothing was judged
     c01 = claims.get("C01")

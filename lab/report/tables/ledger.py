@@ -43,7 +43,8 @@ def verdicts(
     colours = {"holds": "green", "off": "red", "predicted": "yellow"} if judged else {}
     title = "claims ledger" if judged else "claims ledger: a smoke test, no claim judged"
     t = Table(title=title, caption=caution or None)
-    for col in ("id", "claim", "verdict"):
+    # a smoke test's reading is no verdict: its column says so beside the title
+    for col in ("id", "claim", "verdict" if judged else "read at size tiny (no verdict)"):
         t.add_column(col)
     for v in vs:
         tiny = v.claim.id in tiny_only
