@@ -315,7 +315,6 @@ def test_a_bad_thread_count_is_refused_not_passed_over(monkeypatch, text):
     assert attention(q, k, v, impl="auto").shape == q.shape
 
 
-
 @pytest.mark.parametrize("text", ["two_pass", "foo"])
 def test_a_backward_form_that_names_none_is_refused(monkeypatch, text):
     """LAB_CPU_FLASH_BACKWARD is fused or two-pass; a typo (two_pass) would leave the choice
@@ -334,6 +333,7 @@ def test_a_bench_asked_for_cpu_flash_says_the_environment_turned_it_off(monkeypa
     monkeypatch.setattr(cpu_flash, "available", lambda: False)
     with pytest.raises(ValueError, match="impls=cpu_flash: LAB_CPU_FLASH=0 in the environment"):
         check_impls(["cpu_flash"], "cpu")
+
 
 def test_without_the_kernel_auto_keeps_blockwise(monkeypatch):
     monkeypatch.setattr(cpu_flash, "available", lambda: False)
