@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM outside the training loop (start-up, lab.serve): one line, 130/143.
 
-The line and the exit come as soon as Python runs again: a signal that arrives during an XLA
-compile or another native call is handled when that call returns (a large compile: minutes).
+The line and the exit come at once, also while the main thread is inside an XLA compile or
+another native call (a large compile: minutes): a thread the signal wakes says the line.
 
 Python's own Ctrl-C raises KeyboardInterrupt into whatever bytecode runs next: inside JAX's
 gc callback it is ignored (the run trains on), and unwinding out of an import or a compile
@@ -133,10 +133,18 @@ def last_words() -> None:
             pass
 
 
+_saying = threading.RLock()  # the handler and the watcher (install) never both say the line
+
+
 def _exit(signum, _frame) -> None:
     if _held["on"]:
         _held["signum"] = _held["signum"] or signum
         return
+    with _saying:  # the second to come waits here for the first's exit
+        _say_and_exit(signum)
+
+
+def _say_and_exit(signum) -> None:
     name = "SIGTERM" if signum == _PARENT_DEATH else signal.Signals(signum).name
     last_words()
     try:  # one write, then out: no exception may reach the code the signal interrupted
@@ -265,11 +273,29 @@ def command() -> bool:
 
 
 def install() -> None:
-    """SIGINT, SIGTERM and the launcher's death exit with one line (main thread), once the
-    native call in progress (a compile) returns."""
-    for sig in (signal.SIGINT, signal.SIGTERM, _PARENT_DEATH):
+    """SIGINT, SIGTERM and the launcher's death exit with one line, at once: a thread that
+    the signal wakes (`signal.set_wakeup_fd`) says it while the main thread is still inside
+    a native call (a compile of minutes, which `timeout` or a scheduler's stop must not wait
+    for). Only while these handlers are the ones installed: the training loop's own, which
+    stops between steps and saves, is left to do so."""
+    handled = (signal.SIGINT, signal.SIGTERM, _PARENT_DEATH)
+    for sig in handled:
         signal.signal(sig, _exit)
     keep_python_handlers()
+    try:
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except (OSError, ValueError):  # no pipe, or not the main thread: the handlers alone
+        return
+
+    def watch() -> None:
+        while data := os.read(read_fd, 64):
+            for signum in data:
+                if signum in handled and signal.getsignal(signum) is _exit:
+                    _exit(signum, None)
+
+    threading.Thread(target=watch, name="lab-signal-watch", daemon=True).start()
 
 
 _SIGACTION_BYTES = 512  # struct sigaction: 152 bytes on Linux x86-64 and aarch64; room to spare

@@ -332,3 +332,46 @@ def test_a_signal_reads_what_the_folder_keeps_when_it_comes(monkeypatch):
     startup._exit(signal.SIGINT, None)
     assert written[-1].startswith("SIGINT: exiting; what the folder keeps could not")
     assert codes == [143, 130]
+
+
+
+_NATIVE_CALL = """
+import sys, time
+import numpy as np
+from lab import startup
+
+startup.install()
+startup.note("nothing was written")
+a = np.ones((6000, 6000), np.float32)
+t0 = time.perf_counter()
+a @ a  # one native call of seconds, as a compile is: Python's handler waits for its end
+print(time.perf_counter() - t0, flush=True)
+a @ a
+"""
+
+
+def test_a_signal_during_a_native_call_exits_at_once_with_its_line():
+    """SIGTERM while the main thread is inside one long native call (a compile, a matmul):
+    the line and exit 143 come at once, from the thread the signal wakes, not when the call
+    returns (a compile of minutes would keep `timeout` or a scheduler waiting)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen(
+        [sys.executable, "-c", _NATIVE_CALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    call_s = float(p.stdout.readline())  # the first call's time; the second has begun
+    t0 = time.perf_counter()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    left_s = time.perf_counter() - t0
+    assert p.returncode == 143, err
+    assert err == "SIGTERM: exiting; nothing was written\n"
+    if call_s < 0.5:
+        pytest.skip(f"a {call_s:.2f} s call on this host is too short to tell at once from after")
+    assert left_s < call_s / 2, (left_s, call_s)  # during the call, not after it
