@@ -334,7 +334,6 @@ def test_a_signal_reads_what_the_folder_keeps_when_it_comes(monkeypatch):
     assert codes == [143, 130]
 
 
-
 _NATIVE_CALL = """
 import sys, time
 import numpy as np
