@@ -561,7 +561,7 @@ def run_all(*, budget_s: float = 1.0, quick: bool = False, done=None) -> Ceiling
         add(
             "matmul float32 jax / numpy",
             ratio,
-            "ratio",
+            "×",
             matmul_ratio_note(ratio, records.busy_host()),
             label="derived",  # a ratio of two measured rows
             n=n,
