@@ -23,7 +23,10 @@ def test_a_size_too_large_names_the_keys_the_user_gave(tmp_path, capsys):
 def test_the_sweep_writes_ratios_against_the_baseline(tmp_path, capsys):
     argv = [*FAST, "impls=naive,blockwise", "baseline=naive", f"out_dir={tmp_path}"]
     assert main(argv) == 0
-    assert "blockwise" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "blockwise" in out and "is measured too" not in out  # the baseline was asked for
+    assert main([*FAST, "impls=blockwise", "baseline=naive", f"out_dir={tmp_path}"]) == 0
+    assert "baseline=naive is measured too (the ratios' reference)" in capsys.readouterr().out
     recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.open()]
     ratios = [r for r in recs if r["what"].endswith("naive") and r["unit"] == "x"]
     assert {r["config"]["impl"] for r in ratios} >= {"blockwise"}
@@ -230,6 +233,7 @@ def test_a_masked_sweep_says_its_mask_and_checks_against_the_same_one(tmp_path, 
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "window 16 · docs of 32 · softcap 30" in out
+    assert " × 2 impls × " in out  # the estimate counts only the impls that are timed
     recs = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.open()]
     assert recs and all(
         (r["config"]["window"], r["config"]["docs"], r["config"]["softcap"]) == (16, 32, 30.0)
