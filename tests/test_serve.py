@@ -34,6 +34,7 @@ def test_random_weights_sweep_records_and_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "random weights" in out and "critical batch" in out and "int8" in out
     assert "matmul  batch 2 float:" in out and "matmul  batch 2 int8:" in out
+    assert "matmul  xla: XLA's dot" in out  # each candidate named once, under the points
     recs = _records(tmp_path)
     peers = [r for r in recs if r["config"].get("peer") == "torch"]
     assert len(peers) == (1 if importlib.util.find_spec("torch") else 0)

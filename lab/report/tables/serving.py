@@ -225,13 +225,26 @@ def serving_plans(rows: list[PlanRow], title: str) -> Table:
     return t
 
 
+# what each matmul a decode point tries is, said once under their lines
+MATMUL_NAMES = {
+    "xla": "XLA's dot",
+    "w8a8": "XLA's int8 × int8 → int32 dot",
+    "native": "the native CPU kernel on every core",
+    "native1": "the native CPU kernel on the calling thread alone",
+}
+
+
 def serving_matmuls(points: list[DecodePoint]) -> list[str]:
-    """One line per decode point: the matmul it kept and every candidate's tokens/s."""
-    out = []
+    """One line per decode point: the matmul it kept and every candidate's tokens/s; then
+    one line naming the candidates."""
+    out, seen = [], {}
     for p in points:
         weights = "int8" if p.int8_weights else "float"
         tried = ", ".join(f"{m} {v:,.1f}" for m, v in dict(p.matmuls).items())
         out.append(f"batch {p.batch} {weights}: {p.matmul} (tokens/s: {tried})")
+        seen.update(dict.fromkeys(m for m in dict(p.matmuls) if m in MATMUL_NAMES))
+    if seen:
+        out.append("; ".join(f"{m}: {MATMUL_NAMES[m]}" for m in seen))
     return out
 
 
