@@ -383,9 +383,10 @@ def _run(o: Options, keys: dict, results: Path) -> int:
         shown = sample.printable(
             prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         )
-        con.print(
+        con.print(  # apart: without colour, nothing else tells the prompt from the text
             f"[bold]sample[/bold] (temperature {o.temperature}):\n"
-            f"[dim]{escape(shown)}[/dim]{escape(text)}\n"
+            f"[dim]prompt:[/dim]    {escape(shown)}\n"
+            f"[dim]generated:[/dim] {escape(text)}\n"
         )
     config = {
         "preset": s.cfg.preset,

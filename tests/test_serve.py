@@ -79,6 +79,7 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
     assert serve([*FAST[1:], "batches=1", "plot=false", *keys]) == 0
     out = capsys.readouterr().out
     assert "run t, step 4" in out and "sample" in out
+    assert "prompt:" in out and "generated:" in out  # told apart without colour
     # a prompt is text, never markup; bytes that are not UTF-8 (argv's surrogates) are bytes
     prompt = "a[/b]c[bold red]d\udcff"
     assert serve([*FAST[1:], "batches=1", "plot=false", *keys, f"prompt={prompt}"]) == 0
