@@ -651,6 +651,16 @@ def leave_one_out(cache_dir: Path, *, progress=None) -> list[tuple[str, float]]:
     return out
 
 
+def leave_one_out_ticks() -> int:
+    """How many steps `leave_one_out` reports: a compile per calibration point the model can
+    express, a fit per such point of a vendor with two or more (fewer where a compile is
+    refused here)."""
+    calib = [p for p in load_points() if p["id"] in calibration_ids(load_points())]
+    usable = [p for p in calib if _expressible(p) is None]
+    per_vendor = [sum(vendor(p) == v for p in usable) for v in ("tpu", "gpu")]
+    return len(usable) + sum(n for n in per_vendor if n >= 2)
+
+
 def leave_one_out_line(ratios: list[tuple[str, float]]) -> str:
     if not ratios:
         return "calibration leave-one-out: no vendor has two calibration points"

@@ -216,7 +216,7 @@ def _ticker(bar, task):
 def _loo(o: Options, con) -> int:
     _note_cache(o)
     with progress.tasks(con) as bar:
-        task = bar.add_task("leave-one-out", total=None)
+        task = bar.add_task("leave-one-out", total=prediction.leave_one_out_ticks())
         ratios = prediction.leave_one_out(
             o.cache_dir,
             progress=(tick := _ticker(bar, task)),
