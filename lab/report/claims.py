@@ -348,7 +348,7 @@ CLAIMS: tuple[Claim, ...] = (
                 reading="'same result': the largest error of flash attention against a float64 "
                 "reference (relative to the largest output; outputs and dQ, every sequence "
                 "length), float32 inputs, at most 1e-4: rounding, not a different computation",
-                name="flash vs exact, max relative error",
+                name="flash vs exact, max |Δ| over the largest output",
             ),
             Stated(
                 "flash_speedup",
