@@ -336,6 +336,8 @@ def _run(o: Options, keys: dict, results: Path) -> int:
         f"[bold]lab.serve[/bold] {s.info.header()} · model={s.cfg.preset} mesh={s.cfg.mesh}{of} "
         f"compute {s.cfg.model.dtype}, attention {s.cfg.model.attention}"
     )
+    if s.trainer.attention_note:  # why the dispatch passed over the kernel it prefers there
+        con.print(f"  attention [yellow]{s.trainer.attention_note}")
     if not s.cfg.target:
         con.print(f"  decode    attention {decode.decode_kernel_line(s.cfg.model, s.info.backend)}")
     if not s.cfg.target and (busy := rec.busy_note()):
