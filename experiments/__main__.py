@@ -155,7 +155,7 @@ def _signals_keep_what_finished(out_dir, meta: dict, only, con, writing: threadi
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         os.close(write_fd)  # the watcher's read returns b"": it ends
-        watcher.join(timeout=1.0)
+        watcher.join()  # or a stop it heard is writing the report: it ends the process
         os.close(read_fd)
 
 

@@ -92,6 +92,9 @@ class _Stop:
         self._old = {}
 
     def __enter__(self):
+        # start-up's watcher must not act on a signal this handler takes (lab/startup.py)
+        self._paused = startup.watch_paused()
+        self._paused.__enter__()
         handlers = {signal.SIGINT: self._handle, signal.SIGTERM: self._handle}
         handlers[signal.Signals[PARENT_DEATH_SIGNAL]] = self._parent_died
         for sig, handler in handlers.items():
@@ -124,6 +127,7 @@ class _Stop:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._paused.__exit__(None, None, None)  # after the start-up handlers are back
 
 
 def _batch(cfg: Config, trainer, step: int):

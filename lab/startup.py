@@ -92,16 +92,21 @@ def note(kept) -> None:
 @contextlib.contextmanager
 def held():
     """A write that must finish whole: a signal during it exits once it is done (held
-    within held: once the outermost is done)."""
+    within held: once the outermost is done). The outermost holds the lock the signal
+    watcher (install) takes, so a signal the watcher hears waits for the write too."""
     outer = not _held["on"]
+    if outer:
+        _saying.acquire()
     _held["on"] = True
     try:
         yield
     finally:
         if outer:
             _held["on"] = False
-            if _held["signum"] is not None:
-                _exit(_held["signum"], None)
+            signum = _held["signum"]
+            _saying.release()
+            if signum is not None:
+                _exit(signum, None)
 
 
 def keep_on_stop(finished: list, write) -> Callable[[], None]:
@@ -133,15 +138,23 @@ def last_words() -> None:
             pass
 
 
-_saying = threading.RLock()  # the handler and the watcher (install) never both say the line
+# The handler and the watcher (install) never both say the line: the second to come waits
+# here for the first's exit, and a held write (held) for its end. Bounded: a thread stuck
+# (a write into a full pipe) never keeps the other from exiting.
+_saying = threading.RLock()
+_SAYING_WAIT_S = 10.0
 
 
 def _exit(signum, _frame) -> None:
-    if _held["on"]:
-        _held["signum"] = _held["signum"] or signum
-        return
-    with _saying:  # the second to come waits here for the first's exit
+    got = _saying.acquire(timeout=_SAYING_WAIT_S)
+    try:
+        if got and _held["on"]:
+            _held["signum"] = _held["signum"] or signum
+            return
         _say_and_exit(signum)
+    finally:
+        if got:
+            _saying.release()
 
 
 def _say_and_exit(signum) -> None:
@@ -296,6 +309,24 @@ def install() -> None:
                     _exit(signum, None)
 
     threading.Thread(target=watch, name="lab-signal-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def watch_paused():
+    """The watcher (install) hears no signal inside: for a handler of its own that decides
+    when to stop (the training loop finishes its step and saves). Without the pause, a
+    signal that handler took could wake the watcher only after the start-up handlers were put
+    back, and end the process the handler had meant to finish. Enter before installing the
+    other handler; leave after putting the start-up handlers back."""
+    try:
+        old = signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread: nothing to pause
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(old)
 
 
 _SIGACTION_BYTES = 512  # struct sigaction: 152 bytes on Linux x86-64 and aarch64; room to spare

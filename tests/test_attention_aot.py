@@ -221,6 +221,7 @@ def test_a_plan_it_cannot_make_is_one_line_before_any_progress(argv, needle, cap
     assert attention_plan.main(["seq=256", *argv]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.count("\n") == 1 and needle in out.err, out
+    assert "interpret" not in out.err  # the dispatch's advice for running here, not a plan's
 
 
 def test_the_hopper_kernel_asked_of_an_a100_plan_says_why(capsys):

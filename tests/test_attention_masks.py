@@ -432,7 +432,7 @@ def test_a_traced_length_past_its_bound_acts_as_the_bound():
     """Under jit a length is not known until the program runs: one past S reads as S, one
     below 0 as 0, in every implementation alike (as the docs say)."""
     q, k, v, _, _ = _inputs((72, 72, 2, 32, 32), "float32")
-    for impl in ("naive", "blockwise"):
+    for impl in ("naive", "blockwise", "xla", *(["cpu_flash"] if cpu_flash.available() else [])):
         run = jax.jit(lambda q, k, v, n, impl=impl: attention(q, k, v, impl=impl, kv_lengths=n))
         want = attention(q, k, v, impl=impl, kv_lengths=np.array([72, 0]))
         got = run(q, k, v, jnp.array([100, -3]))

@@ -315,7 +315,7 @@ def test_a_bad_thread_count_is_refused_not_passed_over(monkeypatch, text):
     assert attention(q, k, v, impl="auto").shape == q.shape
 
 
-@pytest.mark.parametrize("text", ["two_pass", "foo"])
+@pytest.mark.parametrize("text", ["two_pass", "foo", " fused"])
 def test_a_backward_form_that_names_none_is_refused(monkeypatch, text):
     """LAB_CPU_FLASH_BACKWARD is fused or two-pass; a typo (two_pass) would leave the choice
     to the shape without a word: one line naming the variable."""

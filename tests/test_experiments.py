@@ -398,6 +398,8 @@ def slow_write(*args, **kwargs):  # the stop comes while the last topic's report
     if len(calls) == 1:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.5)
+    else:  # the stop's own writing is slow (a full ledger's plots): the process waits for it
+        time.sleep(1.5)
     return write(*args, **kwargs)
 
 markdown.write_report = slow_write

@@ -374,3 +374,78 @@ def test_a_signal_during_a_native_call_exits_at_once_with_its_line():
     if call_s < 0.5:
         pytest.skip(f"a {call_s:.2f} s call on this host is too short to tell at once from after")
     assert left_s < call_s / 2, (left_s, call_s)  # during the call, not after it
+
+
+_LOOP_TOOK_IT = """
+import os, signal, time
+from lab import startup
+from lab.loop import _Stop
+
+startup.install()
+startup.note("after training: saved")
+with _Stop() as stop:  # the training loop's handler: it stops between steps
+    os.kill(os.getpid(), signal.SIGTERM)  # a SIGTERM just before the loop ends
+print("the loop took", stop.signal, flush=True)
+t = time.time()
+while time.time() - t < 1:  # the rest of lab.run after the loop, in Python
+    pass
+print("the run finished", flush=True)
+"""
+
+
+def test_a_signal_the_training_loop_took_is_not_heard_again_by_the_watcher():
+    """The loop's own handler takes SIGTERM and finishes the run; the start-up watcher, put
+    back after the loop, must not read that signal late and end the process."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", _LOOP_TOOK_IT], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    assert "the loop took SIGTERM" in p.stdout and "the run finished" in p.stdout, p.stdout
+    assert "exiting" not in p.stderr
+
+
+_WRITES_RACE = """
+import sys, time
+import numpy as np
+from lab import startup
+
+startup.install()
+startup.note("the points so far are kept")
+
+def keep():  # what a stop writes first (lab.serve's finished points): slow, and whole
+    with startup.held():
+        time.sleep(2)
+        print("the stop's write", flush=True)
+
+startup.on_stop(keep)
+a = np.ones((5000, 5000), np.float32)
+print("go", flush=True)
+a @ a  # the signal comes here: the watcher writes while this thread is in the call
+with startup.held():
+    print("this thread's write", flush=True)
+"""
+
+
+def test_a_write_the_stop_makes_is_never_joined_by_the_main_threads():
+    """The watcher's own held write (the points a stop keeps) holds the main thread back: it
+    does not go on to write beside it once its native call returns; the process exits with
+    the stop's write whole and its one line."""
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.Popen(
+        [sys.executable, "-c", _WRITES_RACE],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout.readline().strip() == "go"
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err
+    assert "the stop's write" in out and "this thread's write" not in out, out
+    assert err == "SIGTERM: exiting; the points so far are kept\n"

@@ -301,9 +301,11 @@ def _chosen(impl: str, q, kv, causal: bool, mesh, features=frozenset()):
             backend = "tpu" if "backend 'tpu'" in text else "gpu"
             takes = "pallas, pallas_tpu" if backend == "tpu" else "pallas, pallas_gpu, pallas_mgpu"
             head, _, listed = text.partition(": choose one of")
-            why = listed[listed.find(" (") :] if " (" in listed else ""  # e.g. not a Hopper
-            if "needs a Hopper GPU" in why:
+            why = listed[listed.find(" (") :] if " (" in listed else ""
+            if "needs a Hopper GPU" in why:  # the one reason that holds for a plan's target
                 takes = "pallas, pallas_gpu"
+            else:  # the others are about running here (interpret=True, this JAX's interpreter)
+                why = ""
             text = f"{head}: choose one of {takes}{why}"
         raise ConfigError(text) from None
 

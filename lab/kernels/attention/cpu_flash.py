@@ -124,7 +124,7 @@ def available() -> bool:
     if os.environ.get("LAB_CPU_FLASH") == "0":
         return False
     native.threads_from_env("LAB_CPU_FLASH_THREADS")
-    form = os.environ.get("LAB_CPU_FLASH_BACKWARD", "").strip()
+    form = os.environ.get("LAB_CPU_FLASH_BACKWARD", "")  # as the kernel reads it: unstripped
     if form not in ("", "fused", "two-pass"):  # the kernel would choose without a word
         raise ConfigError(
             f"LAB_CPU_FLASH_BACKWARD={form!r}: must be fused or two-pass (unset: chosen by the "
