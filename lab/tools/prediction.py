@@ -209,7 +209,9 @@ def _ticker(bar, task):
         bar.update(task, description=progress.label(label), completed=len(started))
         started.append(label)
 
-    tick.done = lambda: bar.update(task, completed=len(started))  # the last step has ended
+    # the last step has ended: the total becomes the steps taken (an estimate, as for
+    # leave-one-out, counts the fits of points this host refused to compile)
+    tick.done = lambda: bar.update(task, completed=len(started), total=len(started))
     return tick
 
 
