@@ -1,7 +1,10 @@
 """Ctrl-C and SIGTERM outside the training loop (start-up, lab.serve): one line, 130/143.
 
 The line and the exit come at once, also while the main thread is inside an XLA compile or
-another native call (a large compile: minutes): a thread the signal wakes says the line.
+another native call (a large compile: minutes): a thread the signal wakes says the line when
+the main thread has not taken the signal within a second. Not sooner: the main thread may
+hold a lock that what a stop writes needs (rich's console's, while it prints a progress line),
+and only the main thread itself can take it again.
 
 Python's own Ctrl-C raises KeyboardInterrupt into whatever bytecode runs next: inside JAX's
 gc callback it is ignored (the run trains on), and unwinding out of an import or a compile
@@ -93,10 +96,13 @@ def note(kept) -> None:
 def held():
     """A write that must finish whole: a signal during it exits once it is done (held
     within held: once the outermost is done). The outermost holds the lock the signal
-    watcher (install) takes, so a signal the watcher hears waits for the write too."""
+    watcher (install) takes, so a signal the watcher hears waits for the write too. The wait
+    for the watcher is bounded (`_SAYING_WAIT_S`, none once a wait has run out): a watcher
+    that never ends (stuck on a lock this thread holds) does not keep the write from being made."""
     outer = not _held["on"]
-    if outer:
-        _saying.acquire()
+    got = outer and _saying.acquire(timeout=0 if _stuck else _SAYING_WAIT_S)
+    if outer and not got:
+        _stuck.append(True)
     _held["on"] = True
     try:
         yield
@@ -104,7 +110,8 @@ def held():
         if outer:
             _held["on"] = False
             signum = _held["signum"]
-            _saying.release()
+            if got:
+                _saying.release()
             if signum is not None:
                 _exit(signum, None)
 
@@ -140,13 +147,23 @@ def last_words() -> None:
 
 # The handler and the watcher (install) never both say the line: the second to come waits
 # here for the first's exit, and a held write (held) for its end. Bounded: a thread stuck
-# (a write into a full pipe) never keeps the other from exiting.
+# (a write into a full pipe, a lock the other holds) never keeps the other from exiting.
 _saying = threading.RLock()
 _SAYING_WAIT_S = 10.0
+_stuck = []  # set once a wait for the other ran out: no later wait of this stop waits again
+# The main thread's handler ran: the stop is its own (the watcher leaves it alone). The
+# watcher waits this long for it before it stops the process itself: the main thread takes a
+# signal within milliseconds unless it is inside a native call.
+_taken = threading.Event()
+_MAIN_TAKES_S = 1.0
 
 
 def _exit(signum, _frame) -> None:
-    got = _saying.acquire(timeout=_SAYING_WAIT_S)
+    if threading.current_thread() is threading.main_thread():
+        _taken.set()
+    got = _saying.acquire(timeout=0 if _stuck else _SAYING_WAIT_S)
+    if not got:
+        _stuck.append(True)
     try:
         if got and _held["on"]:
             _held["signum"] = _held["signum"] or signum
@@ -289,8 +306,10 @@ def install() -> None:
     """SIGINT, SIGTERM and the launcher's death exit with one line, at once: a thread that
     the signal wakes (`signal.set_wakeup_fd`) says it while the main thread is still inside
     a native call (a compile of minutes, which `timeout` or a scheduler's stop must not wait
-    for). Only while these handlers are the ones installed: the training loop's own, which
-    stops between steps and saves, is left to do so."""
+    for), after `_MAIN_TAKES_S` (the main thread, running Python, takes it itself within
+    milliseconds, with the locks it holds). Only while these handlers are the ones
+    installed: the training loop's own, which stops between steps and saves, is left to do
+    so."""
     handled = (signal.SIGINT, signal.SIGTERM, _PARENT_DEATH)
     for sig in handled:
         signal.signal(sig, _exit)
@@ -302,10 +321,13 @@ def install() -> None:
     except (OSError, ValueError):  # no pipe, or not the main thread: the handlers alone
         return
 
+    def ours(signum) -> bool:
+        return signum in handled and signal.getsignal(signum) is _exit
+
     def watch() -> None:
         while data := os.read(read_fd, 64):
             for signum in data:
-                if signum in handled and signal.getsignal(signum) is _exit:
+                if ours(signum) and not _taken.wait(_MAIN_TAKES_S) and ours(signum):
                     _exit(signum, None)
 
     threading.Thread(target=watch, name="lab-signal-watch", daemon=True).start()
