@@ -34,6 +34,30 @@ def test_record_carries_metadata():
     json.dumps(r)  # serialisable as is
 
 
+def test_a_cpu_record_says_which_allocator_its_figure_had(monkeypatch):
+    """On CPU a figure depends on the allocator (huge pages or the system's): each record
+    says which, and the titles of the tools say huge pages where they were."""
+    from lab.report import plots
+
+    def environment(tunables: str) -> dict:  # read once per process: read again here
+        monkeypatch.setenv("GLIBC_TUNABLES", tunables)
+        records.environment.cache_clear()
+        return records.environment()
+
+    try:
+        env = environment("glibc.malloc.hugetlb=1")
+        assert env["allocator"] == ("huge pages" if env["backend"] == "cpu" else None)
+        assert plots.host_name({**env, "backend": "cpu", "device_kind": "cpu"}) == (
+            "cpu · allocator in huge pages"
+        )
+        env = environment("")
+        assert env["allocator"] == ("system" if env["backend"] == "cpu" else None)
+        assert plots.host_name({**env, "backend": "gpu", "device_kind": "H100"}) == "gpu · H100"
+    finally:
+        monkeypatch.undo()
+        records.environment.cache_clear()
+
+
 def test_labels_are_checked():
     assert records.make_record("x", 1, "s", label="predicted")["label"] == "predicted"
     with pytest.raises(ValueError, match="label") as e:  # each quoted: one has a comma

@@ -180,6 +180,13 @@ def environment() -> dict:
         "python_version": platform.python_version(),
         "hostname": socket.gethostname(),
         "cpu_count": os.cpu_count() or 1,
+        # the allocator XLA:CPU gets its temporaries from: a step's time on CPU depends on it
+        # (lab.startup); None off CPU
+        "allocator": (
+            ("huge pages" if startup.in_huge_pages() else "system")
+            if jax.default_backend() == "cpu"
+            else None
+        ),
         "platform": f"{sys.platform}-{platform.machine()}",
         "command": command(),
     }

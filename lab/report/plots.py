@@ -77,6 +77,17 @@ def device_name(backend: str, kind: str) -> str:
     return backend if str(kind).lower() == str(backend).lower() else f"{backend} · {kind}"
 
 
+def allocator_note(env: dict) -> str:
+    """ " · allocator in huge pages" where a record's environment says a CPU's allocator was
+    (lab.startup): a CPU figure depends on it, as the run header says; else ""."""
+    return " · allocator in huge pages" if env.get("allocator") == "huge pages" else ""
+
+
+def host_name(env: dict) -> str:
+    """`device_name` of a record's environment, with its `allocator_note`."""
+    return device_name(env["backend"], env["device_kind"]) + allocator_note(env)
+
+
 def _label(r: dict) -> str:
     return device_name(r["backend"], r["device_kind"])
 

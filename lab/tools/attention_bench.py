@@ -169,7 +169,7 @@ def run(o: Options) -> int:
         )
     env = rec.environment()
     title = (
-        f"attention · {plots.device_name(backend, env['device_kind'])} · "
+        f"attention · {plots.host_name({**env, 'backend': backend})} · "
         f"jax {env['jax_version']} · "
         f"B={shape.batch} H={shape.heads} G={shape.kv_heads} K={shape.head_dim} {dtype}"
         + (f" · {masking.label}" if masking.label else "")

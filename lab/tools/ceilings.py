@@ -61,6 +61,7 @@ def run(o: Options) -> int:
     title = (
         f"ceilings · {plots.device_name(env['backend'], env['device_kind'])} × "
         f"{env['device_count']} · jax {env['jax_version']}"
+        + plots.allocator_note(env)
         + (" · quick=true: tiny sizes check the code path, not the ceilings" if o.quick else "")
     )
     con.print(tables.ceilings(result, title))
@@ -72,7 +73,7 @@ def run(o: Options) -> int:
             peak_flops=result.peak_flops,
             bandwidth=result.bandwidth,
             path=stem.with_suffix(".png"),
-            title=f"{plots.device_name(env['backend'], env['device_kind'])}: measured roofline",
+            title=f"{plots.host_name(env)}: measured roofline",
         )
         con.print(f"roofline → {png}", markup=False)
     con.print(f"done in {result.elapsed_s:.1f} s")

@@ -80,9 +80,7 @@ def run(o: Options) -> int:
     con.print(f"records → {stem.with_suffix('.jsonl')}", markup=False, soft_wrap=True)
     if o.plot:
         env = records.environment()
-        title = (
-            f"{plots.device_name(env['backend'], env['device_kind'])} · jax {env['jax_version']}"
-        )
+        title = f"{plots.host_name(env)} · jax {env['jax_version']}"
         con.print(
             f"plot → {plots.scaling_study(study, stem.with_suffix('.png'), title)}", markup=False
         )
