@@ -302,6 +302,8 @@ def run(o: Options, keys: dict) -> int:
     _check_prompt(o.prompt)  # before anything loads: a long prefill is one call
     _check_serving_keys(keys)
     _check_mode_keys(o, keys)
+    if not keys.get("target"):  # the sweep's batches and cache: before anything loads
+        study.check_plan(_sweep_plan(o))
     if "out_dir" in keys and not o.run:
         raise ConfigError(
             f"out_dir={keys['out_dir']}: lab.serve reads out_dir= only to find run=NAME's "
@@ -324,6 +326,20 @@ def run(o: Options, keys: dict) -> int:
         return _run(o, keys, results)
     finally:
         tidy()
+
+
+def _sweep_plan(o: Options) -> study.Plan:
+    """What this machine's sweep measures, as the options ask it."""
+    return study.Plan(
+        o.batches,
+        o.prefill_batches,
+        o.prompt_len,
+        o.decode_steps,
+        o.budget,
+        o.int8,
+        o.seed,
+        context=o.context,
+    )
 
 
 def _run(o: Options, keys: dict, results: Path) -> int:
@@ -349,18 +365,8 @@ def _run(o: Options, keys: dict, results: Path) -> int:
     # resolved for decoding these batches (every rule: one line each) before any weights
     decoding = weights.for_decoding(s, (*o.batches, *o.prefill_batches))
     stem = rec.output_stem(o.results, "serve")  # a folder that cannot be written: refused now
-    plan = study.Plan(
-        o.batches,
-        o.prefill_batches,
-        o.prompt_len,
-        o.decode_steps,
-        o.budget,
-        o.int8,
-        o.seed,
-        context=o.context,
-    )
-    study.check_plan(plan)  # before weights, cache or prompts are made
-    study.check_memory(s, plan)
+    plan = _sweep_plan(o)
+    study.check_memory(s, plan)  # before weights, cache or prompts are made
     # a damaged step's line is a warning: stderr, as lab.run's resume says it
     warn = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     s, params, source = weights.load_params(s, run_dir, o.seed, warn, decoding=decoding)

@@ -137,6 +137,14 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, words):
     logging.getLogger("absl").warning("after")  # its lab.log's folder is gone: dropped
 
 
+def test_a_cache_too_short_is_refused_before_anything_loads(tmp_path, capsys):
+    """The sweep's batches and cache are read from the options alone: refused before the
+    session starts, so no header comes before the line."""
+    assert serve([*FAST, f"results={tmp_path / 'r'}", "context=10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "need" in err and "cache slots" in err, (out, err)
+
+
 def test_the_header_names_the_decode_attention_kernel(tmp_path, capsys):
     """The header names the prefill attention and, on its own line, the decode attention
     kernel: with a soft-cap on CPU that is the plain-JAX reference, and the line says why;
