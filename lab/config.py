@@ -799,6 +799,9 @@ def options_help(cls, prog: str, doc: str, *, run_keys: bool = False) -> str:
     """`--help` of a command: its doc, then every key with its default and meaning."""
     head = f"usage: {prog} [key=value ...]"
     lines = [head, "", doc.strip(), "", "keys:", *_key_lines(fields_of(cls))]
+    if aliases := getattr(cls, "KEY_ALIASES", {}):
+        said = ", ".join(f"{a}= for {k}=" for a, k in aliases.items())
+        lines += ["", f"also read: {said}"]
     if run_keys:
         more = "and lab.run's keys (python -m lab.run --help)"
         if "refused" in doc:  # a command that takes some of them only: its doc says which

@@ -218,6 +218,20 @@ def test_a_key_typed_under_its_older_name_is_named_so():
     assert typed_as(Options(), "steps") == "steps"
 
 
+def test_attention_plan_reads_the_benchs_names_and_its_help_says_so():
+    """The attention bench takes seqs= and head_dims=; the plan of the same kernels reads
+    them too (its own seq= and head_dim= stay), and its --help lists them."""
+    from lab.config import options_help, parse_options
+    from lab.tools import attention_plan
+
+    o = parse_options(attention_plan.Options, ["seqs=256,512", "head_dims=64"])
+    assert (o.seq, o.head_dim) == ((256, 512), (64,))
+    with pytest.raises(ConfigError, match=r"^seqs='256,x': 'x' is not an integer$"):
+        parse_options(attention_plan.Options, ["seqs=256,x"])
+    text = options_help(attention_plan.Options, "attention_plan", "doc")
+    assert text.splitlines()[-1] == "also read: seqs= for seq=, head_dims= for head_dim="
+
+
 def test_loss_scale_takes_the_word_auto(capsys):
     """--help and the README say auto, so `loss_scale=auto` is what a user types: it means
     what 0 means (resolved from the dtype), and a word that is neither is one line."""

@@ -26,6 +26,7 @@ from lab.studies import plan
 
 @dataclasses.dataclass(frozen=True)
 class Options:
+    KEY_ALIASES = {"seqs": "seq", "head_dims": "head_dim"}  # the attention bench's names
     target: str = field("tpu:v5e:2x2", f"the slice, e.g. {plans.target_help()}")
     batch: int = field(4, "B", min=1)
     heads: int = field(8, "H, query heads", min=1)
