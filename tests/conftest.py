@@ -95,3 +95,26 @@ def pytest_collection_modifyitems(config, items):
             if function in first_seen:
                 item.add_marker(skip_case)
             first_seen.add(function)
+
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh random generator per test (inputs differ on every run, never one fixed draw),
+    its seed said in a failure's report so the draw can be repeated: LAB_SEED=N draws it
+    again."""
+    seed = os.environ.get("LAB_SEED", "").strip()
+    seed = int(seed) if seed else int(np.random.SeedSequence().entropy % 2**32)
+    request.node.lab_seed = seed
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    seed = getattr(item, "lab_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("random inputs", f"seed {seed}: LAB_SEED={seed} draws them again"))

@@ -70,8 +70,7 @@ def test_matches_the_float64_reference(M, C, N, w_dtype, x_dtype):
 @pytest.mark.parametrize("M,C,N", [(1, 1031, 48), (1, 300, 77), (1, 37, 40000)])
 @pytest.mark.parametrize("w_dtype", ["int8", "float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["adjacent", "streams"])
-def test_each_batch_one_layout_matches_the_float64_reference(M, C, N, w_dtype, layout):
-    rng = np.random.default_rng()
+def test_each_batch_one_layout_matches_the_float64_reference(M, C, N, w_dtype, layout, rng):
     x, w, scale = _operands(rng, M, C, N, w_dtype, "float32")
     got = jax.jit(functools.partial(cpu_gemv.cpu_gemv, layout=layout))(x, w, scale)
     f32 = lambda a: None if a is None else np.asarray(a.astype(jnp.float32))  # noqa: E731
@@ -91,17 +90,16 @@ def test_the_layout_is_obeyed_and_auto_is_one_of_them():
     assert any((got["auto"] == got[k]).all() for k in ("streams", "adjacent"))
 
 
-def test_an_unknown_layout_is_one_clear_error():
-    x, w, _ = _operands(np.random.default_rng(), 1, 8, 4, "float32", "float32")
+def test_an_unknown_layout_is_one_clear_error(rng):
+    x, w, _ = _operands(rng, 1, 8, 4, "float32", "float32")
     with pytest.raises(ValueError, match="layouts are auto, streams, adjacent"):
         cpu_gemv.cpu_gemv(x, w, layout="rows")
 
 
 @pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "int8"])
-def test_a_transposed_weight_matches_the_float64_reference(w_dtype):
+def test_a_transposed_weight_matches_the_float64_reference(w_dtype, rng):
     """w [N, C] (a tied head: the embedding table read in place), N not a multiple of the
     four rows taken at a time, C not a multiple of the vector width."""
-    rng = np.random.default_rng()
     M, C, N = int(rng.integers(1, 6)), 101, 203
     x, w_CxN, scale = _operands(rng, M, C, N, w_dtype, "float32")
     w_NxC = jnp.asarray(w_CxN.T)
@@ -117,8 +115,8 @@ def test_a_transposed_weight_matches_the_float64_reference(w_dtype):
 
 # column strips; runs of rows (batch 1 and 3); more rows than a register tile holds
 @pytest.mark.parametrize("M,C,N", [(3, 64, 200), (1, 301, 50), (3, 300, 50), (11, 300, 90)])
-def test_one_thread_gives_the_same_sums(M, C, N):
-    x, w, scale = _operands(np.random.default_rng(), M, C, N, "int8", "float32")
+def test_one_thread_gives_the_same_sums(M, C, N, rng):
+    x, w, scale = _operands(rng, M, C, N, "int8", "float32")
     many = cpu_gemv.cpu_gemv(x, w, scale)
     one = cpu_gemv.cpu_gemv(x, w, scale, threads=1)
     np.testing.assert_array_equal(np.asarray(many), np.asarray(one))
