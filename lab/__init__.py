@@ -13,6 +13,8 @@ from lab import startup
 startup.huge_pages()  # a lab command starts again, its allocator in huge pages (once)
 if startup.command():  # before the imports below (jax): Ctrl-C is one line from the start
     startup.install()
+elif startup.main_module().partition(".")[0] in ("lab", "experiments"):
+    startup.guard_imports()  # the other commands: one line until their main handles it
 if startup.command() or startup.main_module() == "experiments":  # before jaxlib loads
     startup.native_log_level(startup.main_module(), [a.strip() for a in sys.argv[1:]])
 

@@ -23,6 +23,7 @@ import time
 import typing
 from pathlib import PurePath
 
+from lab import startup
 from lab.errors import ConfigError, RunError, Terminated
 from lab.mesh import MeshSpecError, parse_mesh_spec
 from lab.names import ATTENTION_IMPLS, DTYPES, REMATS, STRATEGIES
@@ -880,10 +881,16 @@ def check_environment(environ=None) -> None:
         )
 
 
-def cli(cls, run, *, prog: str, doc: str, argv=None, run_keys: bool = False) -> int:
+def cli(
+    cls, run, *, prog: str, doc: str, argv=None, run_keys: bool = False, guarded: bool = False
+) -> int:
     """The shared main of every command: help, parse `cls` (and lab.run's keys with
     `run_keys`), call `run(options)` or `run(options, run_keys)`; a user mistake is one
-    line on stderr and exit 2, a run that cannot go on exit 1, Ctrl-C exit 130."""
+    line on stderr and exit 2, a run that cannot go on exit 1, Ctrl-C exit 130. `guarded`:
+    a signal stays one line and an exit (startup.guard_imports) until `run` handles signals
+    itself (the launcher: JAX's start-up, which its checks run, swallows a KeyboardInterrupt)."""
+    if not guarded:
+        startup.imports_done()  # the command's own handling of Ctrl-C and SIGTERM starts here
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         print(options_help(cls, prog, doc, run_keys=run_keys))

@@ -351,6 +351,32 @@ def watch_paused():
         signal.set_wakeup_fd(old)
 
 
+def guard_imports() -> None:
+    """For a lab command whose handling of signals begins in its main (the launcher, the
+    runbook, the ledger, compare): until `imports_done()`, a Ctrl-C or SIGTERM is one line
+    and exit 130/143, not a traceback out of the import it lands in (jax, the lab's modules:
+    seconds)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):  # not the main thread: left as it is
+            signal.signal(sig, _import_exit)
+
+
+def _import_exit(signum, _frame) -> None:
+    name = signal.Signals(signum).name
+    with contextlib.suppress(OSError):
+        os.write(2, f"{name}: exiting; nothing was written\n".encode())
+    os._exit(130 if signum == signal.SIGINT else 143)
+
+
+def imports_done() -> None:
+    """Python's own handlers back where `guard_imports` set its: the command's main (the
+    shared `cli`) handles Ctrl-C (KeyboardInterrupt) and SIGTERM from here on."""
+    defaults = ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))
+    for sig, default in defaults:
+        if signal.getsignal(sig) is _import_exit:
+            signal.signal(sig, default)
+
+
 _SIGACTION_BYTES = 512  # struct sigaction: 152 bytes on Linux x86-64 and aarch64; room to spare
 
 
