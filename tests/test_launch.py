@@ -5,6 +5,7 @@ import fcntl
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -504,6 +505,50 @@ def test_a_second_signal_to_the_launcher_kills_what_still_runs(capsys):
     assert line.count("\n") == 1, line
     assert line.startswith("launch: SIGINT to the launcher, then another: "), line
     assert "process 0 was stopped by the launcher (SIGKILL)" in line, line
+
+
+def test_a_signal_to_the_launcher_reaches_process_0_last_and_is_named(capsys):
+    """The launcher's signal goes on to process 1 at once and to process 0 (which holds the
+    coordination service) once process 1 has ended; processes that end on it at once, before
+    the launcher's loop looks again, still make the line say the signal was the launcher's."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed from the main thread only")
+    ends = "import os, signal, sys, time\n"
+    ends += "def end(s, f):\n    print('got', time.monotonic(), flush=True)\n    os._exit(130)\n"
+    ends += "signal.signal(signal.SIGINT, end)\nprint('ready', flush=True)\ntime.sleep(60)\n"
+    out, err = io.StringIO(), io.StringIO()
+
+    def ctrl_c():
+        deadline = time.monotonic() + 30
+        while out.getvalue().count("ready") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    code = launch.run([[sys.executable, "-c", ends]] * 2, grace_s=60, out=out, err=err)
+    assert code == 130
+    line = err.getvalue()
+    assert line.startswith("launch: SIGINT to the launcher, sent on to every process: "), line
+    got = {int(m[1]): float(m[2]) for m in re.finditer(r"\[p(\d)\] got ([\d.]+)", out.getvalue())}
+    assert got[1] < got[0], out.getvalue()  # process 0 last: it holds the coordination service
+    assert got[0] - got[1] < launch.COORDINATOR_LAST_S, got  # at process 1's end, not later
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.5])
+def test_ctrl_c_while_the_launcher_starts_is_one_line(tmp_path, after_s):
+    """While the launcher imports and checks (JAX's start-up there swallows a
+    KeyboardInterrupt), a Ctrl-C is one line and exit 130, never a traceback or a run."""
+    cmd = [sys.executable, "-m", "lab.tools.launch", "processes=2", "steps=3"]
+    cmd += [f"out_dir={tmp_path}", "name=starting"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, (out, err)
+    assert "Traceback" not in err + out and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(("SIGINT: exiting; nothing was written", "launch: SIGINT to")), err
 
 
 def _alive(pid: int) -> bool:

@@ -15,7 +15,11 @@ collective waits for every peer, forever):
   the step it will stop after to the runtime's key-value store, every process checks it after
   each step, and each one saves its checkpoint (checkpoint_every > 0) and exits 130/143 there;
   the launcher exits with the same code.
-- SIGINT and SIGTERM to the launcher are sent on to every process and end the same way. A
+- SIGINT and SIGTERM to the launcher are sent on to every process and end the same way:
+  process 0, which holds the runtime's coordination service, gets it once the others have
+  ended or 2 s after them, so none outlives the service it joined. (A process already in
+  its first step when another one, still compiling, stops at once cannot finish that step:
+  it aborts in the runtime, and the last line says after whose end.) A
   second one is sent on too (lab.run exits at once on a second signal, unsaved), and a process
   still running 5 s later is killed: one blocked inside the runtime cannot run its
   handler, so a second Ctrl-C never waits out coordinator_timeout.
@@ -70,6 +74,11 @@ NOISE = re.compile(
 )
 GRACE_S = 60.0  # after a signal or a stop every process agreed on: time to save and exit
 KILL_AFTER_S = 5.0  # after SIGTERM from the launcher: a process blocked in a collective ignores it
+# A signal sent on reaches process 0, which holds the runtime's coordination service, after
+# the others have ended or this long after them: a process that outlives the service (joining,
+# compiling) aborts in the runtime (SIGABRT) instead of stopping on the signal. In training,
+# the others' stop posts the step every process stops after, process 0 included.
+COORDINATOR_LAST_S = 2.0
 # A process's errors once it is dying (a Python traceback, the runtime's fatal log and stack):
 # held until it is known whether they are the job's cause or an echo of another's death.
 FATAL = re.compile(
@@ -346,6 +355,9 @@ class _Job:
             rc, sent = p.returncode, self.stopped.get(i, set())
             by = next((s for s in sent if rc in (-s, 128 + s)), None)
             how = f"was stopped by the launcher ({by.name})" if by else _fate(rc)
+            before = [j for j in self.ended if j != i and self.ended[j] < self.ended.get(i, 0)]
+            if rc == -signal.SIGABRT and before:  # a collective or join that lost its peer
+                how += f" once process {min(before, key=self.ended.get)} had ended"
             parts.append(f"process {i} {how}")
         return "; ".join(parts)
 
@@ -356,6 +368,7 @@ class _Forward:
 
     def __init__(self, job: _Job):
         self.job, self.signal, self.count, self._old = job, None, 0, {}
+        self.coordinator_at = None  # when process 0 gets the signal (coordinator_last)
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -368,8 +381,23 @@ class _Forward:
     def _handle(self, signum, _frame):
         self.signal = self.signal or signum  # the first one names the end
         self.count += 1
+        last = self.count == 1 and len(self.job.procs) > 1  # a second one: to every process now
+        if not last and self.coordinator_at is not None and 0 in self.job.alive():
+            self.coordinator_at = None
+            self.job.procs[0].send_signal(signum)  # the first, which the others had had
         for i in self.job.alive():
-            self.job.procs[i].send_signal(signum)
+            if i == 0 and last:
+                self.coordinator_at = time.monotonic() + COORDINATOR_LAST_S
+            else:
+                self.job.procs[i].send_signal(signum)
+
+    def coordinator_last(self) -> None:
+        """Send the signal on to process 0 once the others have ended, or COORDINATOR_LAST_S
+        after they were sent it."""
+        at, alive = self.coordinator_at, self.job.alive()
+        if at is not None and 0 in alive and (alive == [0] or time.monotonic() >= at):
+            self.coordinator_at = None
+            self.job.procs[0].send_signal(self.signal)
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
@@ -428,6 +456,7 @@ def _wait(job: _Job, timeout_s: float | None, grace_s: float, fwd: _Forward) -> 
                 stop_at = now + grace_s if agreed else now
             elif timeout_s is not None and now > start + timeout_s:
                 cause, stop_at = "timeout", now
+        fwd.coordinator_last()
         if fwd.count > 1 and kill_at is None:  # a second signal: sent on, then no grace
             kill_at = now + KILL_AFTER_S
         if stop_at is not None and kill_at is None and now >= stop_at:
@@ -437,6 +466,8 @@ def _wait(job: _Job, timeout_s: float | None, grace_s: float, fwd: _Forward) -> 
             job.stop(signal.SIGKILL)
             kill_at = float("inf")
         time.sleep(0.1)
+    if cause is None and fwd.signal is not None:  # they ended on it before the loop saw it
+        cause = "signal"
     return cause
 
 
@@ -488,7 +519,13 @@ def main(argv=None) -> int:
         )
 
     return cli(
-        Options, launch, prog="python -m lab.tools.launch", doc=__doc__, argv=argv, run_keys=True
+        Options,
+        launch,
+        prog="python -m lab.tools.launch",
+        doc=__doc__,
+        argv=argv,
+        run_keys=True,
+        guarded=True,  # until its processes start, a signal ends it in one line
     )
 
 
