@@ -143,7 +143,9 @@ class Request:
         if asked is None:  # written before config.json kept the request: its whole config
             asked = {**saved, **saved["model"]}
         elif not isinstance(asked, dict):
-            raise ConfigError(f"resume=true: {path} is damaged (its request is not a table)")
+            raise ConfigError(
+                f"resume=true: {path} is damaged (its request is not a table)" + rundir.DAMAGED_NEXT
+            )
         known = {k: v for k, v in asked.items() if k in RUN_FIELDS or k in MODEL_FIELDS}
         if "preset" in given:  # the model asked now, not the fields of the one saved
             known = {k: v for k, v in known.items() if k not in MODEL_FIELDS}
@@ -153,7 +155,8 @@ class Request:
                 _check_type(key, value)
             inherited = Request.of(**rundir.asked_keys(known))
         except ConfigError as e:
-            raise ConfigError(f"resume=true: {path} is damaged ({e})") from None
+            why = f"resume=true: {path} is damaged ({e})"
+            raise ConfigError(why + rundir.DAMAGED_NEXT) from None
         # a changed shape first: no other change makes the checkpoints load (a rule the new
         # shape breaks would be named first, and mending it only leads to this refusal)
         model = dict(saved["model"])

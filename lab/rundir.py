@@ -148,6 +148,12 @@ def lock_holder(run_dir: Path) -> str | None:
         return None
 
 
+# what a user can do about a config.json that cannot be read: the run's settings are in it
+DAMAGED_NEXT = (
+    "; put back a good copy of it, or start the run again with overwrite=true or another name="
+)
+
+
 def saved_config(run_dir: Path, asked: str = "resume=true") -> dict:
     """config.json of an earlier run in this folder; ConfigError if there is none to resume.
     `asked`: the key the user gave that needs it (resume=true, or lab.serve's run=NAME), so
@@ -178,16 +184,16 @@ def saved_config(run_dir: Path, asked: str = "resume=true") -> dict:
     try:
         saved = json.loads(path.read_bytes())  # bytes: JSON's own UTF-8 check, as ValueError
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{asked}: {path} is damaged ({str(e)[:160]})") from None
+        raise ConfigError(f"{asked}: {path} is damaged ({str(e)[:160]}){DAMAGED_NEXT}") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-        raise ConfigError(f"{asked}: {path} is damaged (not a run's config)")
+        raise ConfigError(f"{asked}: {path} is damaged (not a run's config){DAMAGED_NEXT}")
     for section, fields in ((saved, _TYPES), (saved["model"], _MODEL_TYPES)):
         for key, types in fields.items():
             value = section.get(key)
             # (a bool is an int to Python, not to the config)
             wrong = not isinstance(value, types) or (types is not bool and type(value) is bool)
             if key in section and wrong:
-                raise ConfigError(f"{asked}: {path} is damaged ({key}={value!r})")
+                raise ConfigError(f"{asked}: {path} is damaged ({key}={value!r}){DAMAGED_NEXT}")
     return saved
 
 

@@ -374,7 +374,9 @@ def test_a_damaged_config_refuses_the_resume_in_one_line(saved, capsys, damage, 
         assert len(err) == 1 and err[0].startswith("warning: ") and needle in err[0], err
         return
     assert code == 2
-    _one_line_error(capsys, needle)
+    err = _one_line_error(capsys, needle)
+    if "damaged" in needle:  # what to do about it, too
+        assert err.endswith("start the run again with overwrite=true or another name="), err
 
 
 def test_a_moved_run_folder_resumes_where_it_is_and_a_model_asked_now_is_checked(saved, capsys):
