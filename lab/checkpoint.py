@@ -285,6 +285,9 @@ def _sums_differ(step_dir: Path, state) -> str | None:
     for path, sums in saved.items():
         if path in now and list(sums) != now[path]:
             return f"{path or 'the state'}: the values differ from those saved (checksum)"
+    if unchecked := [p for p in now if p not in saved]:  # an edited or truncated record
+        more = f" and {len(unchecked) - 1} more" if len(unchecked) > 1 else ""
+        return f"its checksums do not cover {unchecked[0] or 'the state'}{more}"
     return None
 
 

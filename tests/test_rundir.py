@@ -112,6 +112,10 @@ def _damage_checksums(step_dir: Path):
     (step_dir / checkpoint.SUMS / "metadata").write_bytes(b"{not json")
 
 
+def _empty_checksums(step_dir: Path):  # an edited record: valid, and checking nothing
+    (step_dir / checkpoint.SUMS / "metadata").write_text("{}")
+
+
 def _remove_checksums(step_dir: Path):  # the step's metadata still names them
     import shutil
 
@@ -129,6 +133,7 @@ def _remove_checksums(step_dir: Path):  # the step's metadata still names them
         _empty_folder,
         _flip_a_saved_value,
         _damage_checksums,
+        _empty_checksums,
         _remove_checksums,
     ],
 )
