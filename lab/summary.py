@@ -6,6 +6,7 @@ is against the matmul peak measured on this machine, and says so.
 """
 
 import math
+import re
 import time
 from pathlib import Path
 
@@ -198,7 +199,7 @@ def fit_advice(trainer, analysis: dict) -> str:
         )
         if predicted <= cap:
             return f"{short}; {text} would fit ({predicted / GIB:.1f} GiB, predicted)"
-    return f"{short}; more devices (a larger target) with strategy=fsdp"
+    return f"{short}; {_more_devices(cfg)}"
 
 
 def refused_advice(trainer, refusal: str) -> str:
@@ -212,17 +213,36 @@ def refused_advice(trainer, refusal: str) -> str:
         specs.lookup(device.device_kind), "memory_bytes", None
     )
     short = f"does NOT fit: the compiler refused the step ({refusal})"
+
+    def predict(c) -> float:
+        census = census_for(c, trainer.mesh)
+        return memory.predict_lab_step(c, sizes=sizes, backend=backend, census=census)["total"]
+
+    # the compiler's own need for this step, where its refusal says it: the calculator's
+    # figures are scaled by how far they sit from it, as for a step that compiled (fit_advice)
+    scale = 1.0
+    if cap and (needs := _REFUSED_NEEDS.search(refusal)):
+        scale = float(needs[1]) * _UNIT[needs[2].upper()] / predict(cfg)
     for text, change in _changes(cfg, sizes) if cap else ():
         try:
             changed = override(cfg, **change)
         except ConfigError:
             continue
-        predicted = memory.predict_lab_step(
-            changed, sizes=sizes, backend=backend, census=census_for(changed, trainer.mesh)
-        )["total"]
+        predicted = predict(changed) * scale
         if predicted <= cap:
             return f"{short}; {text} would fit ({predicted / GIB:.1f} GiB, predicted)"
-    return f"{short}; more devices (a larger target) with strategy=fsdp"
+    return f"{short}; {_more_devices(cfg)}"
+
+
+# XLA's refusal of a step too big for a device: "… needs 17.61G, 15.75G available …"
+_REFUSED_NEEDS = re.compile(r"needs ([\d.]+)\s*([KMGT])i?B?\b", re.IGNORECASE)
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _more_devices(cfg: Config) -> str:
+    """The advice when no single change fits: more devices, sharded where they are not."""
+    fsdp = cfg.strategy in ("fsdp", "fsdp+tp")
+    return "more devices (a larger target)" + ("" if fsdp else " with strategy=fsdp")
 
 
 def host_link(info: DeviceInfo) -> tuple[float | None, float | None, str]:

@@ -167,6 +167,22 @@ def test_a_step_the_target_cannot_hold_is_one_line_and_exit_2(capsys):
     assert "would fit" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow_plan  # two TPU compiles of a step of gigabytes
+def test_the_change_advised_for_a_refused_step_compiles_and_fits(capsys):
+    """The advice is the calculator's, scaled to the compiler's own need that its refusal
+    names: the single change it gives compiles for the target and fits."""
+    import re
+
+    argv = ["target=tpu:v5e:2x2", "model=1b", "mesh=4"]  # the calculator alone: no change
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    change = re.search(r"; (\S+=\S+) would fit \(", err)
+    assert change, err
+    key = change[1].split("=")[0]
+    assert main([*(a for a in argv if not a.startswith(f"{key}=")), change[1]]) == 0
+    assert re.search(r"GiB: fits, [\d.]+ GiB spare", capsys.readouterr().out)
+
+
 @pytest.mark.slow_plan  # once per CI; test_attention_aot.py compiles the kernel on both legs
 def test_plan_runs_the_pallas_kernel_inside_the_sharded_step():
     """attention=auto on a TPU target picks the Mosaic kernel (head_dim 64 here), run per
