@@ -1036,10 +1036,11 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
             attention_note=trainer.attention_note,
             offloaded=trainer.resolved is None or trainer.resolved.offload_optimizer,
             split=split_words(cfg.strategy, dict(trainer.mesh.shape)),
-        )
+        ),
+        soft_wrap=not console.is_terminal,  # a log's line stays whole (the launcher's [pN])
     )
     for note in trainer.notes:  # what the compiled program does not do that was asked for
-        console.print(f"  note      [yellow]{note}")
+        console.print(f"  note      [yellow]{note}", soft_wrap=not console.is_terminal)
     # the compiled step's memory is checked before the state is made: a model the host cannot
     # hold is refused in one line, not killed by the kernel while its weights are drawn
     analysis, compiled, compile_s = _analyse(cfg, info, trainer, console)

@@ -513,3 +513,13 @@ def test_summary_and_records_say_how_the_step_was_split(tmp_path, capsys):
     assert _run(tmp_path, *pp, "scan_layers=true", "pipeline_repeats=1") == 0
     s = json.loads((tmp_path / "pp" / "summary.json").read_text())
     assert (s["strategy"], s["mesh"]["stage"], s["microbatches"]) == ("pp", 2, 2)
+
+
+def test_off_a_terminal_the_header_and_its_notes_are_whole_lines(tmp_path, capsys):
+    """A log or the launcher's [pN] prefix reads one line per header row: the rows are not
+    cut at the 120 columns a log's tables get."""
+    argv = [f"out_dir={tmp_path}", "name=a-rather-long-run-name-" + "x" * 60, "steps=2"]
+    assert main([*argv, "model=tiny", "compile_only=true"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    note = next(x for x in lines if x.startswith("  note "))
+    assert note.endswith("(the warm-up is linear from 0)") and len(note) > 120, note
