@@ -561,8 +561,9 @@ def _resume_name(d: _Draft):
 
 def _compile_only_resume(d: _Draft):
     if d.cfg.resume and d.cfg.compile_only:
+        what = f"target={d.cfg.target} (a plan)" if d.cfg.target else "compile_only=true"
         return (
-            "compile_only=true writes a config.json and summary.json of its own, which would "
+            f"{what} writes a config.json and summary.json of its own, which would "
             "replace those of the run it resumes: leave out resume=true and give it another "
             "name="
         )
@@ -1114,6 +1115,14 @@ def _sizes(cfg: Config, platform: Platform) -> tuple[dict | None, str | None]:
         if platform.aot:  # the target names its hardware
             return None, str(e)
         hint = " (on CPU, cpu_devices=N simulates more)" if platform.backend == "cpu" else ""
+        if platform.backend == "cpu" and cfg.cpu_devices:  # the count given is the mistake
+            with contextlib.suppress(MeshSpecError):
+                size = cpu_devices_for(cfg.mesh)
+                if size <= cfg.cpu_devices:
+                    hint = (
+                        f" (on CPU: give cpu_devices= a multiple of {size}, or leave it out "
+                        "to simulate the mesh's own count)"
+                    )
         n = platform.info.process_count if platform.info is not None else 1
         if platform.backend == "cpu" and n > 1:  # each process simulates wanted // n devices
             with contextlib.suppress(MeshSpecError):

@@ -78,6 +78,7 @@ def test_errors_are_one_line(argv, needle):
         (["modle=tiny"], "did you mean model?"),
         (["mesh=16"], "mesh=16 needs 16 devices but only 8 are present"),
         (["mesh=3"], "does not divide the 8 present"),
+        (["mesh=3", "cpu_devices=8", "batch_size=3"], "give cpu_devices= a multiple of 3"),
         (["mesh=4x2", "batch_size=6"], "batch_size=6 does not split over the 4 devices"),
         (["mesh=1x8", "n_heads=4", "n_kv_heads=4"], "does not divide mesh axis model (size 8)"),
         (["resume=true"], "resume=true needs the run's name=NAME"),

@@ -139,6 +139,10 @@ def test_compile_only_never_shares_the_folder_of_the_run_it_would_resume(earlier
     assert _run(tmp_path, "name=ckpt", "compile_only=true", "resume=true") == 2
     _one_line_error(capsys, "compile_only=true writes a config.json and summary.json")
     assert _snapshot(run_dir) == before
+    # a plan for a target is compiled only too: named as the user typed it
+    assert _run(tmp_path, "name=ckpt", "target=tpu:v5e:2x2", "resume=true") == 2
+    _one_line_error(capsys, "target=tpu:v5e:2x2 (a plan) writes a config.json")
+    assert _snapshot(run_dir) == before
 
 
 def test_an_interrupted_overwrite_leaves_no_mix_and_the_next_one_finishes(tmp_path):
