@@ -631,9 +631,12 @@ def _strategy_axes(d: _Draft):
         return None  # the stage axis unused: `_stage_needs_pipeline` says what to do
     if axes and n > 1 and all(d.sizes.get(a, 1) == 1 for a in axes):
         mesh = ",".join(f"{a}:{s}" for a, s in d.sizes.items() if s > 1)
+        # a strategy of two axes: an example with both, where the devices split in two
+        two = "+" in d.cfg.strategy and len(axes) > 1 and n % 4 == 0
+        example = f"{axes[0]}:{n // 2},{axes[1]}:2" if two else ""
         return (
             f"strategy={d.cfg.strategy} splits over the {' or '.join(axes)} axis, which the "
-            f"mesh {mesh} does not have: name it (e.g. mesh={axes[0]}:{n})"
+            f"mesh {mesh} does not have: name it (e.g. mesh={example or f'{axes[0]}:{n}'})"
         )
 
 

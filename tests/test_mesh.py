@@ -108,6 +108,10 @@ def test_fsdp_on_a_mesh_without_its_axis_is_refused():
     cfg = parse_args(["mesh=data:8", "strategy=fsdp", "model=tiny"])
     with pytest.raises(ConfigError, match="strategy=fsdp splits over the fsdp or model axis"):
         make_trainer(cfg, make_mesh(cfg.mesh))
+    # a strategy of two axes: the example names both
+    cfg = parse_args(["mesh=data:8", "strategy=fsdp+tp", "model=tiny"])
+    with pytest.raises(ConfigError, match=r"\(e\.g\. mesh=fsdp:4,model:2\)$"):
+        make_trainer(cfg, make_mesh(cfg.mesh))
 
 
 def test_fsdp_on_a_bare_count_shards_the_weights():
