@@ -428,9 +428,8 @@ class _Reader:
                 # save) restores finite and poisons the first update; every resume repeats it
                 return (
                     f"{bad} at step {step}, the first after resuming from checkpoint step "
-                    f"{self.resumed_from}: training stopped. That checkpoint may be damaged "
-                    f"(move checkpoints/{self.resumed_from} out of the run folder to resume "
-                    "from the one before), unless a key this resume changed is the cause"
+                    f"{self.resumed_from}: training stopped. That checkpoint may be damaged, "
+                    "unless a key this resume changed is the cause"
                 )
             return f"{bad} at step {step}: training stopped"
         hist.losses.append((step, loss))
@@ -1332,7 +1331,15 @@ class _End:
         checkpoint, or where the first step after a resume failed (that line names the
         checkpoint as the suspect)."""
         saved = checkpoint.saved_steps(self.run_dir)
-        if not saved or "the first after resuming" in (self.why or ""):
+        if "the first after resuming" in (self.why or ""):  # the checkpoint is the suspect
+            step = int(self.why.split("resuming from checkpoint step ")[1].split(":")[0])
+            if any(s < step for s in saved):
+                return (
+                    f" (to resume from the one before, move checkpoints/{step} out of the run "
+                    "folder)"
+                )
+            return f" (checkpoint {step} is the run's oldest: none before it to resume from)"
+        if not saved:
             return ""
         line = self.go_on(extra=(f"lr={self.cfg.lr / 2:g}",))
         return "; " + line.replace("to resume from", "to go on with half the learning rate from", 1)

@@ -637,14 +637,17 @@ def test_a_non_finite_first_step_after_a_resume_suspects_the_checkpoint(
     restores finite, and the first step after it goes non-finite on every resume. That step's
     line says so."""
     assert _run(tmp_path, "name=N", "steps=2", "checkpoint_every=2") == 0
+    assert _run(tmp_path, "name=O", "steps=2", "checkpoint_every=1") == 0
     _nan_at_step_3(monkeypatch)  # the step after the checkpoint at 2
     capsys.readouterr()
     assert _run(tmp_path, "name=N", "steps=4", "resume=true") == 1
     _one_line_error(
         capsys,
         "loss is nan at step 3, the first after resuming from checkpoint step 2",
-        "move checkpoints/2 out of the run folder",
+        "(checkpoint 2 is the run's oldest: none before it to resume from)",
     )
+    assert _run(tmp_path, "name=O", "steps=4", "resume=true") == 1  # step 1 saved too
+    _one_line_error(capsys, "(to resume from the one before, move checkpoints/2 out of the run")
 
 
 def test_a_folder_that_cannot_take_the_metrics_is_a_mistake_exit_2(tmp_path, capsys):
