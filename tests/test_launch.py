@@ -47,6 +47,7 @@ def test_two_processes_train_like_one(tmp_path, capsys):
     "argv, needle",
     [
         (["processes=3", "mesh=4x2"], "processes=3 does not divide the 8 devices"),
+        (["processes=2", "mesh=1"], "processes=2 does not divide the 1 device of mesh=1"),
         (["mesh=8", "cpu_devices=16"], "mesh=8 uses 8 of the 16 devices (cpu_devices=16)"),
         (["mesh=8", "cpu_devices=3"], "mesh=8 needs 8 devices but only 3 are present"),
         (["processes=2", "mesh=4x2", "process_id=1"], "process_id: set by lab.tools.launch"),

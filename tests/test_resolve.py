@@ -322,6 +322,8 @@ def test_a_pipeline_refuses_scan_layers_false_only_where_it_was_asked():
         r = resolve.resolve(request, platform, "train")
         assert r.cfg.model.scan_layers
     assert "pipeline of 2 microbatches (GPipe), layers stacked" in _fitting_header(r.cfg)[0]
+    one = dataclasses.replace(r.cfg, model=dataclasses.replace(r.cfg.model, microbatches=1))
+    assert "pipeline of 1 microbatch (GPipe)" in _fitting_header(one)[0]
 
 
 def test_a_callers_mesh_is_the_one_named_and_a_purpose_is_checked():

@@ -149,7 +149,8 @@ def check(processes: int, keys: dict) -> dict:
         else:
             default = ""
         raise ConfigError(
-            f"processes={processes} does not divide the {devices} devices of mesh={cfg.mesh}"
+            f"processes={processes} does not divide the {devices} "
+            f"{'device' if devices == 1 else 'devices'} of mesh={cfg.mesh}"
             f"{default}: every process must hold the same number of devices"
         )
     if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":  # the children's platform, known

@@ -75,7 +75,8 @@ def _fitting_header(cfg, offloaded: bool = True) -> list[str]:
     if cfg.strategy.startswith("pp") and m.microbatches:
         kind = "GPipe" if m.pipeline_repeats == 1 else f"circular × {m.pipeline_repeats}"
         # the stages hold slices of the stacked layers: the strategy turns scan_layers on
-        parts.append(f"pipeline of {m.microbatches} microbatches ({kind}), layers stacked")
+        each = "microbatch" if m.microbatches == 1 else "microbatches"
+        parts.append(f"pipeline of {m.microbatches} {each} ({kind}), layers stacked")
     if cfg.accumulate > 1:
         parts.append(f"gradients accumulated over {cfg.accumulate} microbatches")
     host = ["optimizer state"] if cfg.offload_optimizer and offloaded else []
