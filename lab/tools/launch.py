@@ -15,14 +15,12 @@ collective waits for every peer, forever):
   the step it will stop after to the runtime's key-value store, every process checks it after
   each step, and each one saves its checkpoint (checkpoint_every > 0) and exits 130/143 there;
   the launcher exits with the same code.
-- SIGINT and SIGTERM to the launcher are sent on to every process and end the same way:
-  process 0, which holds the runtime's coordination service, gets it once the others have
-  ended or 2 s after them, so none outlives the service it joined. (A process already in
-  its first step when another one, still compiling, stops at once cannot finish that step:
-  it aborts in the runtime, and the last line says after whose end.) A
-  second one is sent on too (lab.run exits at once on a second signal, unsaved), and a process
-  still running 5 s later is killed: one blocked inside the runtime cannot run its
-  handler, so a second Ctrl-C never waits out coordinator_timeout.
+- SIGINT and SIGTERM to the launcher are sent on to every process and end the same way. (A
+  process in a join, a compile or its first step when another one stops at once, before
+  training, cannot finish it alone: it aborts in the runtime, and the last line says after
+  whose end.) A second one is sent on too (lab.run exits at once on a second signal,
+  unsaved), and a process still running 5 s later is killed: one blocked inside the runtime
+  cannot run its handler, so a second Ctrl-C never waits out coordinator_timeout.
 - A process that dies (a crash, SIGKILL, an abort) or stops on its own ends the job: the rest
   are sent SIGTERM at once, and SIGKILL 5 s later if a collective holds them. After a stop
   every process agreed on, or a process that finished, the rest get coordinator_timeout
@@ -41,6 +39,7 @@ collective waits for every peer, forever):
   and exits 2 (never the runtime's abort and stack trace), and so does the launcher.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -56,7 +55,7 @@ from pathlib import Path
 
 import jax
 
-from lab import checkpoint, loop, rundir
+from lab import checkpoint, loop, rundir, startup
 from lab.config import cli, field, make_config, stamped_name
 from lab.devices import PARENT_DEATH_SIGNAL, STOP_LINE
 from lab.errors import ConfigError
@@ -74,11 +73,6 @@ NOISE = re.compile(
 )
 GRACE_S = 60.0  # after a signal or a stop every process agreed on: time to save and exit
 KILL_AFTER_S = 5.0  # after SIGTERM from the launcher: a process blocked in a collective ignores it
-# A signal sent on reaches process 0, which holds the runtime's coordination service, after
-# the others have ended or this long after them: a process that outlives the service (joining,
-# compiling) aborts in the runtime (SIGABRT) instead of stopping on the signal. In training,
-# the others' stop posts the step every process stops after, process 0 included.
-COORDINATOR_LAST_S = 2.0
 # A process's errors once it is dying (a Python traceback, the runtime's fatal log and stack):
 # held until it is known whether they are the job's cause or an echo of another's death.
 FATAL = re.compile(
@@ -227,12 +221,33 @@ def commands(processes: int, keys: dict, port: int, join_timeout: int = 60) -> l
 # launcher dies, even by SIGKILL, which no handler sees; the setting survives the exec, and
 # lab.run stops on that signal as on SIGTERM, however many times it comes. A trampoline, not a
 # preexec_fn: forking a process that runs threads (JAX's) and then running Python is unsafe.
+# The launcher starts it with SIGINT and SIGTERM blocked (`_signals_held`), so that one sent
+# on while a child's interpreter starts waits instead of killing that start (Python's "Fatal
+# Python error: init_import_site"); a lab command unblocks them once its handlers are set
+# (lab.startup.install), any other command as it starts.
 _DIE_WITH_PARENT = f"""import ctypes, os, signal, sys
 ctypes.CDLL(None, use_errno=True).prctl(1, signal.{PARENT_DEATH_SIGNAL}, 0, 0, 0)  # PDEATHSIG
 if os.getppid() != int(sys.argv[1]):  # the launcher died before the call: nobody would tell
     sys.exit(143)
+if sys.argv[3:5] != ["-m", "lab.run"]:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 os.execv(sys.argv[2], sys.argv[2:])
 """
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM blocked in this thread while it starts the processes (Linux, where
+    the trampoline unblocks them): the processes inherit the block; one that reaches the
+    launcher meanwhile is taken once they have started."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _dies_with_launcher(cmd: list[str]) -> list[str]:
@@ -269,18 +284,19 @@ class _Job:
         self.stopped: dict[int, set] = {}  # process → the signals the launcher sent it
         # a process group of its own: a Ctrl-C in the terminal reaches the launcher only,
         # which forwards it once to each child
-        self.procs = [
-            subprocess.Popen(
-                _dies_with_launcher(cmd),
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                errors="replace",
-                start_new_session=True,
-            )
-            for cmd in cmds
-        ]
+        with _signals_held():
+            self.procs = [
+                subprocess.Popen(
+                    _dies_with_launcher(cmd),
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    errors="replace",
+                    start_new_session=True,
+                )
+                for cmd in cmds
+            ]
         self.pumps = [
             threading.Thread(target=self._pump, args=(i,), daemon=True)
             for i in range(len(self.procs))
@@ -369,9 +385,10 @@ class _Forward:
 
     def __init__(self, job: _Job):
         self.job, self.signal, self.count, self._old = job, None, 0, {}
-        self.coordinator_at = None  # when process 0 gets the signal (coordinator_last)
+        self.sent = False  # whether a signal went on to a process still running
 
     def __enter__(self):
+        startup.imports_done()  # the handlers put back after the job: Python's, not the guard's
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -382,23 +399,9 @@ class _Forward:
     def _handle(self, signum, _frame):
         self.signal = self.signal or signum  # the first one names the end
         self.count += 1
-        last = self.count == 1 and len(self.job.procs) > 1  # a second one: to every process now
-        if not last and self.coordinator_at is not None and 0 in self.job.alive():
-            self.coordinator_at = None
-            self.job.procs[0].send_signal(signum)  # the first, which the others had had
         for i in self.job.alive():
-            if i == 0 and last:
-                self.coordinator_at = time.monotonic() + COORDINATOR_LAST_S
-            else:
-                self.job.procs[i].send_signal(signum)
-
-    def coordinator_last(self) -> None:
-        """Send the signal on to process 0 once the others have ended, or COORDINATOR_LAST_S
-        after they were sent it."""
-        at, alive = self.coordinator_at, self.job.alive()
-        if at is not None and 0 in alive and (alive == [0] or time.monotonic() >= at):
-            self.coordinator_at = None
-            self.job.procs[0].send_signal(self.signal)
+            self.sent = True
+            self.job.procs[i].send_signal(signum)
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
@@ -457,7 +460,6 @@ def _wait(job: _Job, timeout_s: float | None, grace_s: float, fwd: _Forward) -> 
                 stop_at = now + grace_s if agreed else now
             elif timeout_s is not None and now > start + timeout_s:
                 cause, stop_at = "timeout", now
-        fwd.coordinator_last()
         if fwd.count > 1 and kill_at is None:  # a second signal: sent on, then no grace
             kill_at = now + KILL_AFTER_S
         if stop_at is not None and kill_at is None and now >= stop_at:
@@ -467,7 +469,7 @@ def _wait(job: _Job, timeout_s: float | None, grace_s: float, fwd: _Forward) -> 
             job.stop(signal.SIGKILL)
             kill_at = float("inf")
         time.sleep(0.1)
-    if cause is None and fwd.signal is not None:  # they ended on it before the loop saw it
+    if cause is None and fwd.sent:  # they ended on it before the loop looked again
         cause = "signal"
     return cause
 
