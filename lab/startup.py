@@ -313,6 +313,8 @@ def install() -> None:
     handled = (signal.SIGINT, signal.SIGTERM, _PARENT_DEATH)
     for sig in handled:
         signal.signal(sig, _exit)
+    with contextlib.suppress(AttributeError, OSError):  # the launcher starts its processes
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)  # with them blocked: taken now
     keep_python_handlers()
     try:
         read_fd, write_fd = os.pipe()
@@ -325,10 +327,17 @@ def install() -> None:
         return signum in handled and signal.getsignal(signum) is _exit
 
     def watch() -> None:
+        heard = 0
         while data := os.read(read_fd, 64):
             for signum in data:
-                if ours(signum) and not _taken.wait(_MAIN_TAKES_S) and ours(signum):
-                    _exit(signum, None)
+                if not ours(signum):
+                    continue
+                heard += 1
+                # a later signal, the main thread finishing a held write for the first (a
+                # write that may hang): ends the process, within _exit's bounded wait
+                if heard > 1 and _taken.is_set() or not _taken.wait(_MAIN_TAKES_S):
+                    if ours(signum):
+                        _exit(signum, None)
 
     threading.Thread(target=watch, name="lab-signal-watch", daemon=True).start()
 
@@ -357,6 +366,8 @@ def guard_imports() -> None:
     and exit 130/143, not a traceback out of the import it lands in (jax, the lab's modules:
     seconds)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is signal.SIG_IGN:  # ignored by who started it: stays so
+            continue
         with contextlib.suppress(ValueError):  # not the main thread: left as it is
             signal.signal(sig, _import_exit)
 

@@ -452,6 +452,65 @@ def test_a_write_the_stop_makes_is_never_joined_by_the_main_threads():
     assert err == "SIGTERM: exiting; the points so far are kept\n"
 
 
+def test_the_import_guard_keeps_a_signal_ignored_by_who_started_the_command():
+    """A command started with SIGINT ignored (a shell's background job, `trap '' INT`) keeps
+    it ignored through the guard and after it; SIGTERM gets the guard's one line."""
+    import subprocess
+    import sys
+
+    script = (
+        "import signal\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from lab import startup\n"
+        "startup.guard_imports()\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN,"
+        " signal.getsignal(signal.SIGTERM) is startup._import_exit)\n"
+        "startup.imports_done()\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN,"
+        " signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert p.stdout.split() == ["True"] * 4, (p.stdout, p.stderr)
+
+
+_HELD_HANGS = """
+import os
+from lab import startup
+
+startup.install()
+startup._SAYING_WAIT_S = 1.0  # the bound on waiting for a held write, short for the test
+startup.note("the write that hung is not whole")
+r, w = os.pipe()
+with startup.held():  # a write that must be whole, and hangs (a dead network disk)
+    print("writing", flush=True)
+    os.read(r, 1)
+"""
+
+
+def test_a_second_signal_ends_a_held_write_that_hangs():
+    """A signal during a held write waits for its end; a second one, when the write hangs,
+    ends the process within the bounded wait, with its line."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HELD_HANGS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout.readline().strip() == "writing"
+    p.send_signal(signal.SIGTERM)
+    time.sleep(1.5)
+    assert p.poll() is None  # the first waits for the write
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    assert err == "SIGINT: exiting; the write that hung is not whole\n", err
+
+
 _LOCK_HELD = """
 import os, signal, threading, time
 from lab import startup
