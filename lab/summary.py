@@ -221,8 +221,8 @@ def refused_advice(trainer, refusal: str) -> str:
     # the compiler's own need for this step, where its refusal says it: the calculator's
     # figures are scaled by how far they sit from it, as for a step that compiled (fit_advice)
     scale = 1.0
-    if cap and (needs := _REFUSED_NEEDS.search(refusal)):
-        scale = float(needs[1]) * _UNIT[needs[2].upper()] / predict(cfg)
+    if cap and (needs := _REFUSED_NEEDS.search(refusal)) and (now := predict(cfg)) > 0:
+        scale = float(needs[1]) * _UNIT[needs[2].upper()] / now
     for text, change in _changes(cfg, sizes) if cap else ():
         try:
             changed = override(cfg, **change)
@@ -235,7 +235,8 @@ def refused_advice(trainer, refusal: str) -> str:
 
 
 # XLA's refusal of a step too big for a device: "… needs 17.61G, 15.75G available …"
-_REFUSED_NEEDS = re.compile(r"needs ([\d.]+)\s*([KMGT])i?B?\b", re.IGNORECASE)
+# (a figure in plain bytes, no unit, is not read: the advice is then the calculator's alone)
+_REFUSED_NEEDS = re.compile(r"needs (\d+(?:\.\d+)?)\s*([KMGT])i?B?\b", re.IGNORECASE)
 _UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
