@@ -32,6 +32,7 @@ from collections.abc import Callable
 # those threads exit one by one, and a second SIGTERM means "exit now, unsaved".
 PARENT_DEATH_SIGNAL = "SIGUSR1"
 _PARENT_DEATH = signal.Signals[PARENT_DEATH_SIGNAL]  # before the loop: exits as SIGTERM does
+_STOPPING = (signal.SIGINT, signal.SIGTERM, _PARENT_DEATH)  # what the handlers here take
 _kept = ["nothing was written"]
 _held = {"on": False, "signum": None}
 _last_words = []  # called once before a signal's exit: what can still be kept is written
@@ -277,9 +278,14 @@ def huge_pages() -> None:
         return  # only the lab's own commands: a program importing lab is left as it runs
     before = os.environ.get("GLIBC_TUNABLES")
     os.environ["GLIBC_TUNABLES"], os.environ[_STARTED] = value, "1"
+    # a signal that comes now stays pending across the exec (a handler's flag would be lost
+    # with this process image: a Ctrl-C ignored); the command started again takes it once its
+    # handlers are set (install, guard_imports)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPPING)
     try:
         os.execv(sys.executable, sys.orig_argv)
     except OSError:  # no interpreter to start (sys.executable empty): go on as it is
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         os.environ.pop(_STARTED, None)
         if before is None:
             os.environ.pop("GLIBC_TUNABLES", None)
@@ -310,7 +316,7 @@ def install() -> None:
     milliseconds, with the locks it holds). Only while these handlers are the ones
     installed: the training loop's own, which stops between steps and saves, is left to do
     so."""
-    handled = (signal.SIGINT, signal.SIGTERM, _PARENT_DEATH)
+    handled = _STOPPING
     for sig in handled:
         signal.signal(sig, _exit)
     with contextlib.suppress(AttributeError, OSError):  # the launcher starts its processes
@@ -370,6 +376,8 @@ def guard_imports() -> None:
             continue
         with contextlib.suppress(ValueError):  # not the main thread: left as it is
             signal.signal(sig, _import_exit)
+    with contextlib.suppress(AttributeError, OSError):  # held across huge_pages' exec: now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPPING)
 
 
 def _import_exit(signum, _frame) -> None:

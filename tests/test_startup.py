@@ -473,6 +473,26 @@ def test_the_import_guard_keeps_a_signal_ignored_by_who_started_the_command():
     assert p.stdout.split() == ["True"] * 4, (p.stdout, p.stderr)
 
 
+@pytest.mark.parametrize("command", [["lab.run", "steps=2"], ["lab.tools.launch", "steps=2"]])
+def test_a_signal_pending_as_a_command_starts_again_is_taken(tmp_path, command):
+    """A signal that comes while a lab command starts itself again (its allocator in huge
+    pages) is held pending across the exec and taken once its handlers are set: one line and
+    exit 130, not lost (the command ran to its end) nor a traceback."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", *command, f"out_dir={tmp_path}", "name=pending"]
+    script = (
+        "import os, signal, sys\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+        "os.kill(os.getpid(), signal.SIGINT)  # pending, as one that came during the exec\n"
+        f"os.execv(sys.executable, {argv!r})\n"
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130, (p.stdout, p.stderr)
+    assert p.stderr.startswith("SIGINT: exiting; nothing was written"), p.stderr
+
+
 _HELD_HANGS = """
 import os
 from lab import startup
