@@ -536,7 +536,11 @@ def test_a_signal_to_the_launcher_is_named_as_its_own(capsys):
 def test_ctrl_c_while_the_launcher_starts_is_one_line(tmp_path, after_s):
     """While the launcher imports and checks (JAX's start-up there swallows a
     KeyboardInterrupt), a Ctrl-C is one line and exit 130, never a traceback or a run."""
-    cmd = [sys.executable, "-m", "lab.tools.launch", "processes=2", "steps=3"]
+    # SIGINT at its default: a shell's background job (CI's) starts with it ignored, which a
+    # command started from it keeps
+    default = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    default += "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    cmd = [sys.executable, "-c", default, "-m", "lab.tools.launch", "processes=2", "steps=3"]
     cmd += [f"out_dir={tmp_path}", "name=starting"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(after_s)

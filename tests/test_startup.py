@@ -484,6 +484,7 @@ def test_a_signal_pending_as_a_command_starts_again_is_taken(tmp_path, command):
     argv = [sys.executable, "-m", *command, f"out_dir={tmp_path}", "name=pending"]
     script = (
         "import os, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.SIG_DFL)  # not ignored, as a background job's\n"
         "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
         "os.kill(os.getpid(), signal.SIGINT)  # pending, as one that came during the exec\n"
         f"os.execv(sys.executable, {argv!r})\n"
