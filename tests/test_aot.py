@@ -167,13 +167,54 @@ def test_a_step_the_target_cannot_hold_is_one_line_and_exit_2(capsys):
     assert "would fit" in err and len(err.splitlines()) == 1
 
 
-@pytest.mark.slow_plan  # two TPU compiles of a step of gigabytes
-def test_the_change_advised_for_a_refused_step_compiles_and_fits(capsys):
-    """The advice is the calculator's, scaled to the compiler's own need that its refusal
-    names: the single change it gives compiles for the target and fits."""
-    import re
+def test_a_refused_steps_advice_is_scaled_to_the_need_the_compiler_names():
+    """The calculator's figure for each change is scaled by how far its figure for the refused
+    step sits from the need XLA's refusal names; a refusal without a figure in units leaves
+    the calculator's own figures. Nothing is compiled: the refusal is given."""
+    from lab import summary
+    from lab.config import override, parse_keys
+    from lab.session import open_session
+    from lab.train import census_for
 
-    argv = ["target=tpu:v5e:2x2", "model=1b", "mesh=4"]  # the calculator alone: no change
+    argv = ["target=tpu:v5e:1x1", "model=small", "batch_size=1024", "seq_len=2048"]
+    trainer = open_session(keys=parse_keys(argv)).trainer
+    cap = 15.75 * 2**30
+
+    def predicted(**change) -> float:
+        cfg = override(trainer.cfg, **change)
+        census = census_for(cfg, trainer.mesh)
+        return predict_lab_step(cfg, sizes=dict(trainer.mesh.shape), backend="tpu", census=census)[
+            "total"
+        ]
+
+    def advised(refusal: str) -> tuple[str, float]:
+        text = summary.refused_advice(trainer, refusal)
+        found = re.search(r"; (\w+=\w+) would fit \(([\d.]+) GiB, predicted\)$", text)
+        assert found, text
+        return found[1], float(found[2])
+
+    def change(text: str) -> dict:
+        key, value = text.split("=")
+        return {key: int(value) if value.isdigit() else value}
+
+    now = predicted()
+    # the calculator's own figure, then less than half of it (as XLA:TPU's 39 GiB is here)
+    for need in (now, 0.4 * now):
+        text, figure = advised(f"needs {need / 2**30:.2f}G, 15.75G available")
+        scale = round(need / 2**30, 2) * 2**30 / now
+        assert figure == pytest.approx(predicted(**change(text)) * scale / 2**30, abs=0.05)
+        assert figure * 2**30 <= cap
+    unscaled = advised("needs 39390000000 bytes")  # no unit: not read
+    assert unscaled == advised(f"needs {now / 2**30:.2f}G")
+    # a need of less than half the calculator's: a change the unscaled figures put over
+    scaled, _ = advised(f"needs {0.4 * now / 2**30:.2f}G")
+    assert scaled != unscaled[0] and predicted(**change(scaled)) > cap
+
+
+@pytest.mark.slow_plan  # two TPU compiles: the refused step and the advised one
+def test_the_change_advised_for_a_refused_step_compiles_and_fits(capsys):
+    """The single change a refused step is advised compiles for the target and fits."""
+    argv = ["target=tpu:v5e:1x1", "model=small", "batch_size=1024", "seq_len=2048"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     change = re.search(r"; (\S+=\S+) would fit \(", err)
