@@ -476,6 +476,22 @@ def test_a_survivors_traceback_is_left_out_and_the_first_failures_is_shown():
     assert "[p1] Traceback" in out.getvalue() and "[p1] ValueError: a bug" in out.getvalue()
 
 
+def _ctrl_c_when_both_ready(out: io.StringIO, times: int) -> None:
+    """Ctrl-C to this process (the launcher's), `times` times 0.3 s apart, once both of its
+    processes have printed 'ready' to `out` (or after 30 s): from a thread, in the background."""
+    import threading
+
+    def ctrl_c():
+        deadline = time.monotonic() + 30
+        while out.getvalue().count("ready") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(times):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
+
+
 def test_a_second_signal_to_the_launcher_kills_what_still_runs(capsys):
     """A process blocked inside the runtime cannot run its signal handler: the first Ctrl-C
     gives every process coordinator_timeout (here 60 s) to save and exit; a second one kills
@@ -487,16 +503,7 @@ def test_a_second_signal_to_the_launcher_kills_what_still_runs(capsys):
     deaf = "import signal, time\nfor s in (signal.SIGINT, signal.SIGTERM):\n"
     deaf += "    signal.signal(s, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"
     out, err = io.StringIO(), io.StringIO()
-
-    def ctrl_c_twice():
-        deadline = time.monotonic() + 30
-        while out.getvalue().count("ready") < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for _ in range(2):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.3)
-
-    threading.Thread(target=ctrl_c_twice, daemon=True).start()
+    _ctrl_c_when_both_ready(out, times=2)
     t0 = time.monotonic()
     code = launch.run([[sys.executable, "-c", deaf]] * 2, grace_s=60, out=out, err=err)
     assert code == 130
@@ -518,14 +525,7 @@ def test_a_signal_to_the_launcher_is_named_as_its_own(capsys):
     ends += "signal.signal(signal.SIGINT, lambda s, f: os._exit(130))\n"
     ends += "print('ready', flush=True)\ntime.sleep(60)\n"
     out, err = io.StringIO(), io.StringIO()
-
-    def ctrl_c():
-        deadline = time.monotonic() + 30
-        while out.getvalue().count("ready") < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=ctrl_c, daemon=True).start()
+    _ctrl_c_when_both_ready(out, times=1)
     code = launch.run([[sys.executable, "-c", ends]] * 2, grace_s=60, out=out, err=err)
     assert code == 130
     line = err.getvalue()

@@ -334,6 +334,16 @@ def test_a_signal_reads_what_the_folder_keeps_when_it_comes(monkeypatch):
     assert codes == [143, 130]
 
 
+def _python(script: str):
+    """`python -c script` started with its output read as text through pipes."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
 _NATIVE_CALL = """
 import sys, time
 import numpy as np
@@ -355,16 +365,9 @@ def test_a_signal_during_a_native_call_exits_at_once_with_its_line():
     the line and exit 143 come at once, from the thread the signal wakes, not when the call
     returns (a compile of minutes would keep `timeout` or a scheduler waiting)."""
     import signal
-    import subprocess
-    import sys
     import time
 
-    p = subprocess.Popen(
-        [sys.executable, "-c", _NATIVE_CALL],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    p = _python(_NATIVE_CALL)
     call_s = float(p.stdout.readline()) * 1.5**3  # the second call's time; it has begun
     t0 = time.perf_counter()
     p.send_signal(signal.SIGTERM)
@@ -435,15 +438,8 @@ def test_a_write_the_stop_makes_is_never_joined_by_the_main_threads():
     does not go on to write beside it once its native call returns; the process exits with
     the stop's write whole and its one line."""
     import signal
-    import subprocess
-    import sys
 
-    p = subprocess.Popen(
-        [sys.executable, "-c", _WRITES_RACE],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    p = _python(_WRITES_RACE)
     assert p.stdout.readline().strip() == "go"
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=120)
@@ -512,16 +508,9 @@ def test_a_second_signal_ends_a_held_write_that_hangs():
     """A signal during a held write waits for its end; a second one, when the write hangs,
     ends the process within the bounded wait, with its line."""
     import signal
-    import subprocess
-    import sys
     import time
 
-    p = subprocess.Popen(
-        [sys.executable, "-c", _HELD_HANGS],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    p = _python(_HELD_HANGS)
     assert p.stdout.readline().strip() == "writing"
     p.send_signal(signal.SIGTERM)
     time.sleep(1.5)
@@ -563,16 +552,9 @@ def test_a_signal_is_the_main_threads_while_it_runs_python():
     runs Python again: the watcher does not start the stop itself, wait on that lock and keep
     the main thread waiting on it in turn (the ceilings, stopped, hung this way)."""
     import signal
-    import subprocess
-    import sys
     import time
 
-    p = subprocess.Popen(
-        [sys.executable, "-c", _LOCK_HELD],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    p = _python(_LOCK_HELD)
     assert p.stdout.readline().strip() == "go"
     t0 = time.perf_counter()
     p.send_signal(signal.SIGTERM)
