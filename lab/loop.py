@@ -281,9 +281,12 @@ class _Tracer:
         self.stop()
 
 
-def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, stop) -> str | None:
+def _train(
+    cfg, trainer, compiled, state, start, saver, records, console, hist, stop, changed=""
+) -> str | None:
     """Train to cfg.steps; None when it got there, else why it stopped: a signal's name, or
-    'loss is nan at step N: training stopped'. A write that fails (metrics: OSError,
+    'loss is nan at step N: training stopped'. `changed`: the keys a resume changed (named if
+    the first step after it is not finite). A write that fails (metrics: OSError,
     checkpoint: checkpoint.SaveError) is raised. hist.step is the last step trained.
 
     Each step's metrics are read one step late: step n + 1 is dispatched before the host
@@ -298,7 +301,7 @@ def _train(cfg, trainer, compiled, state, start, saver, records, console, hist, 
     batch = _batch(cfg, trainer, start)
     tracer = _Tracer(profile_dir(Path(cfg.out_dir) / cfg.name), console, profile_window(start))
     with progress.training(console) as bar, tracer:
-        reader = _Reader(cfg, bar, tracer, records, hist, start)
+        reader = _Reader(cfg, bar, tracer, records, hist, start, changed)
         pending = None  # the step dispatched but not read yet: (step, metrics)
         for step in range(start + 1, cfg.steps + 1):  # the step's number once it has run
             reader.before(step)
@@ -349,10 +352,13 @@ class _Reader:
     """Reads a finished step's metrics on the host: its time, the non-finite check, the
     progress bar, the records, hist.step; and the profiler's window around the steps."""
 
-    def __init__(self, cfg, bar, tracer: _Tracer, records, hist: History, start: int):
+    def __init__(
+        self, cfg, bar, tracer: _Tracer, records, hist: History, start: int, changed: str = ""
+    ):
         self.cfg, self.bar, self.tracer, self.records, self.hist = cfg, bar, tracer, records, hist
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.resumed_from = start  # the checkpoint step a resume restored (0: a fresh run)
+        self.changed = changed  # 'lr 0.003 → 0.01': the keys that resume changed, or
         # profile=true traces steps first..last (numbered from 1); the steps at the window's
         # edges are read before the next is queued, so that it holds those steps only
         self.first, self.last = profile_window(start)
@@ -426,10 +432,15 @@ class _Reader:
             if self.resumed_from and step == self.resumed_from + 1:
                 # a step saved before checksums were kept (or damaged in memory before its
                 # save) restores finite and poisons the first update; every resume repeats it
+                cause = (
+                    f", unless this resume's change ({self.changed}) is the cause"
+                    if self.changed
+                    else ""
+                )
                 return (
                     f"{bad} at step {step}, the first after resuming from checkpoint step "
-                    f"{self.resumed_from}: training stopped. That checkpoint may be damaged, "
-                    "unless a key this resume changed is the cause"
+                    f"{self.resumed_from}: training stopped. That checkpoint may be "
+                    f"damaged{cause}"
                 )
             return f"{bad} at step {step}: training stopped"
         hist.losses.append((step, loss))
@@ -568,7 +579,8 @@ def _schedule_note(run_dir: Path, cfg: Config, step: int) -> str:
 
 
 def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
-    """(state, step): the newest good checkpoint of a resumed run, or a fresh state."""
+    """(state, step, changed): the newest good checkpoint of a resumed run, or a fresh state
+    (step 0); `changed` is 'lr 0.003 → 0.01' for the keys a resume changed, else ''."""
     if cfg.resume:
         # the warnings wait for the outcome: a resume that restores a step prints each damaged
         # step it moved aside; one that restores none says so in its one line
@@ -621,7 +633,7 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
                 )
             if note := _schedule_note(run_dir, cfg, step):
                 console.print(f"  {note}", markup=False, soft_wrap=True)
-            return state, step
+            return state, step, changed
         # nothing to resume: starting again would put the run's metrics aside as superseded
         # under the name of a resume; the user says so with overwrite=true instead
         if moved:
@@ -636,7 +648,7 @@ def _restore(cfg: Config, trainer, run_dir: Path, is_main: bool, console):
                 "the run again"
             )
         raise _nothing_to_resume(run_dir)
-    return trainer.init(jax.random.key(cfg.seed)), 0
+    return trainer.init(jax.random.key(cfg.seed)), 0, ""
 
 
 def _moved_aside(run_dir: Path, steps: list[int]) -> str:
@@ -1043,8 +1055,8 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
     # the compiled step's memory is checked before the state is made: a model the host cannot
     # hold is refused in one line, not killed by the kernel while its weights are drawn
     analysis, compiled, compile_s = _analyse(cfg, info, trainer, console)
-    state, start = (
-        (None, 0) if cfg.compile_only else _restore(cfg, trainer, run_dir, is_main, console)
+    state, start, changed = (
+        (None, 0, "") if cfg.compile_only else _restore(cfg, trainer, run_dir, is_main, console)
     )
     stages = dict(trainer.mesh.shape).get(STAGE, 1)
 
@@ -1144,7 +1156,7 @@ def _run(cfg, info, trainer, run_dir: Path, is_main: bool, request: Request, sta
     with _Stop(final=end.final) as stop, log or contextlib.nullcontext(), events:
         try:
             end.why = _train(
-                cfg, trainer, compiled, state, start, saver, records, console, hist, stop
+                cfg, trainer, compiled, state, start, saver, records, console, hist, stop, changed
             )
         except (OSError, checkpoint.SaveError) as e:
             end.failed = _write_failure(e, run_dir)

@@ -635,17 +635,22 @@ def test_a_non_finite_first_step_after_a_resume_suspects_the_checkpoint(
 ):
     """A checkpoint saved before checksums were kept (or damaged in memory before its save)
     restores finite, and the first step after it goes non-finite on every resume. That step's
-    line says so."""
+    line says so, and names the keys that resume changed, the other suspect."""
     assert _run(tmp_path, "name=N", "steps=2", "checkpoint_every=2") == 0
     assert _run(tmp_path, "name=O", "steps=2", "checkpoint_every=1") == 0
     _nan_at_step_3(monkeypatch)  # the step after the checkpoint at 2
     capsys.readouterr()
     assert _run(tmp_path, "name=N", "steps=4", "resume=true") == 1
-    _one_line_error(
+    err = _one_line_error(
         capsys,
         "loss is nan at step 3, the first after resuming from checkpoint step 2",
+        "training stopped. That checkpoint may be damaged; kept in",
         "(checkpoint 2 is the run's oldest: none before it to resume from)",
     )
+    assert "unless" not in err  # nothing changed: the checkpoint is the one suspect
+    # a resume that changed a key names it beside the checkpoint, with what it was
+    assert _run(tmp_path, "name=N", "steps=4", "resume=true", "lr=0.5") == 1
+    _one_line_error(capsys, "may be damaged, unless this resume's change (lr 0.003 → 0.5) is")
     assert _run(tmp_path, "name=O", "steps=4", "resume=true") == 1  # step 1 saved too
     _one_line_error(capsys, "(to resume from the one before, move checkpoints/2 out of the run")
 
