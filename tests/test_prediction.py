@@ -157,14 +157,32 @@ def test_an_all_reduce_point_reduces_in_place():
     assert "all-reduce" in text and " copy(" not in text, text
 
 
-def test_a_cached_program_cut_short_is_compiled_again(tmp_path, monkeypatch):
-    """A cache file a kill cut short is a miss, not a point dropped for good; a new one is
-    written whole (aside, then renamed)."""
+@pytest.mark.parametrize(
+    "damage",
+    [
+        '{"hlo": "HloModule cut sh',  # a kill mid-write, before writes were whole
+        '{"hlo": 5}',  # valid JSON of another shape: a hand edit, a damaged disk
+        "{}",
+        "[]",
+        "edited",  # a whole entry whose figure was changed after it was written
+    ],
+)
+def test_a_cached_program_cut_short_or_changed_is_compiled_again(tmp_path, monkeypatch, damage):
+    """A cache file a kill cut short, or one changed since the compile wrote it, is a miss
+    (not a traceback, nor a point dropped for good); a new one is written whole (aside, then
+    renamed)."""
     point = next(
         p for p in prediction.load_points() if p["workload"] not in ("train", "decode", "prefill")
     )
     path = tmp_path / f"{point['id']}-{prediction._key(point)}.json"
-    path.write_text('{"hlo": "HloModule cut sh')
+    if damage == "edited":
+        monkeypatch.setattr(
+            prediction, "_op_program", lambda p: {"hlo": "HloModule m", "bytes": 1.0}
+        )
+        prediction.program(point, tmp_path)
+        damage = path.read_text().replace('"bytes": 1.0', '"bytes": 2.0')
+        assert damage != path.read_text()
+    path.write_text(damage)
     calls = []
     monkeypatch.setattr(
         prediction, "_op_program", lambda p: calls.append(p) or {"hlo": "HloModule m", "bytes": 1.0}

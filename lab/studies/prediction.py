@@ -352,14 +352,8 @@ def _op_program(point: dict) -> dict:
 def program(point: dict, cache_dir: Path) -> dict:
     """The compiled program of a point (HLO text and what the comparison needs), cached."""
     path = Path(cache_dir) / f"{point['id']}-{_key(point)}.json"
-    if path.exists():
-        try:
-            out = json.loads(path.read_text())
-        except ValueError:  # cut short by a kill before writes were whole: compiled again
-            out = None
-        if out is not None and (
-            "hlo" not in out or "memory_bytes" in out or not _needs_memory(point)
-        ):
+    if path.exists() and (out := _read_cached(path)) is not None:
+        if "hlo" not in out or "memory_bytes" in out or not _needs_memory(point):
             return out  # (a training step cached before its memory was kept: compiled again)
     t0 = time.perf_counter()
     try:
@@ -377,7 +371,9 @@ def program(point: dict, cache_dir: Path) -> dict:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # whole or absent: a kill
-        tmp.write_text(json.dumps(out))  # mid-write leaves no half file for the next run
+        # mid-write leaves no half file for the next run; the digest tells an entry changed
+        # since (a hand edit, a damaged disk) from the compiler's answer
+        tmp.write_text(json.dumps({**out, "digest": _digest(out)}))
         tmp.replace(path)
     except OSError as e:  # a cache that cannot be written costs a compile next time, no more
         if not _unwritable_said.get(str(path.parent)):
@@ -391,6 +387,23 @@ def program(point: dict, cache_dir: Path) -> dict:
 
 
 _unwritable_said: dict[str, bool] = {}  # one warning per cache folder and process
+
+
+def _digest(out: dict) -> str:
+    return hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()
+
+
+def _read_cached(path: Path) -> dict | None:
+    """A cached program as the compile wrote it, or None where the entry cannot be trusted:
+    cut short by a kill, or changed since it was written (its digest differs: valid JSON of
+    another shape would otherwise fail later, or drop a figure): compiled again."""
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(out, dict) or not isinstance(digest := out.pop("digest", None), str):
+        return None
+    return out if digest == _digest(out) else None
 
 
 def _needs_memory(point: dict) -> bool:
