@@ -908,7 +908,24 @@ def cli(
 def exit_code(fn) -> int:
     """`fn()`'s exit code (None is 0), with the errors a user sees as one line on stderr: a
     mistake (ConfigError) exits 2, a run that cannot go on (RunError) 1, Ctrl-C 130, SIGTERM
-    raised as Terminated 143."""
+    raised as Terminated 143. Once the outermost call has its code, a signal until the
+    process exits keeps that code (startup.finished)."""
+    global _depth
+    _depth += 1
+    code = None
+    try:
+        code = _exit_code(fn)
+        return code
+    finally:
+        _depth -= 1
+        if not _depth and code is not None:
+            startup.finished(code)
+
+
+_depth = 0  # exit_code calls under way in this process: the outermost is the command's
+
+
+def _exit_code(fn) -> int:
     try:
         return fn() or 0
     except ConfigError as e:  # a request that breaks several rules: a line for each

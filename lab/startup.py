@@ -20,6 +20,7 @@ whole (lab.serve's records) runs under `held()`, and a signal during it exits af
 `on_stop()` registers what to write first (lab.serve's finished points).
 """
 
+import atexit
 import contextlib
 import os
 import signal
@@ -378,6 +379,44 @@ def guard_imports() -> None:
             signal.signal(sig, _import_exit)
     with contextlib.suppress(AttributeError, OSError):  # held across huge_pages' exec: now
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPPING)
+
+
+def finished(code: int) -> None:
+    """The command this process runs (`python -m lab…` or `experiments…`) has done its work
+    and said so: a Ctrl-C or SIGTERM from here to the process's end (the interpreter's
+    shutdown, some tenths of a second) exits quietly with the command's own code, not as
+    interrupted (130, with no line) — what it wrote is whole. A signal ignored by who started
+    the command stays ignored."""
+    if main_module().partition(".")[0] not in ("lab", "experiments"):
+        return  # called in another program (a test): its handlers are its own
+
+    def done(_signum, _frame) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed pipe must not keep the process alive
+                pass
+        os._exit(code)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            with contextlib.suppress(ValueError):  # not the main thread: left as it is
+                signal.signal(sig, done)
+    _finished.append(code)
+
+
+_finished: list[int] = []
+
+
+@atexit.register  # at import, before JAX's: among the last exit hooks to run
+def _ignored_to_the_end() -> None:
+    """After the Python exit hooks, the interpreter puts back the signals' default actions and
+    the native libraries' teardown runs (tenths of a second): a finished command's signals
+    are ignored there instead, so that it still exits with its own code."""
+    if _finished:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def _import_exit(signum, _frame) -> None:

@@ -563,3 +563,34 @@ def test_a_signal_is_the_main_threads_while_it_runs_python():
     assert out == "the table so far\nrecords of ['row']\n", out
     assert err == "SIGTERM: exiting; the rows so far are kept\n"
     assert time.perf_counter() - t0 < 5, "the stop waited for a lock instead of taking it"
+
+
+def test_a_signal_after_a_command_has_finished_keeps_its_exit_code(tmp_path):
+    """A Ctrl-C while a command's process shuts down, its work done and its last line said
+    (here an atexit hook holds the shutdown), exits quietly with the command's own code, not
+    as interrupted (130, with no line, or a traceback out of the shutdown)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "sitecustomize.py").write_text(  # an exit hook of 3 s that runs last (it is
+        "import atexit, time\natexit.register(time.sleep, 3)\n"  # registered first), as the
+    )  # native libraries' teardown does
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "experiments.compare", "dirs=nowhere"],  # exit 2, one line
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    line = p.stderr.readline()
+    assert line.startswith("error: ") and "nowhere" in line, line
+    time.sleep(0.5)  # in the exit hook's sleep, past the command's end
+    p.send_signal(signal.SIGINT)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2, (p.returncode, err)
+    assert err == "", err
