@@ -619,3 +619,71 @@ def test_one_runbook_per_folder(tmp_path, capsys):
         assert refused == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "in use by another runbook" in err
+
+
+def _records_of(tmp_path, step):
+    return next((tmp_path / "runbook" / "steps" / step / "try-1").glob("*.jsonl"))
+
+
+RECORD = {"what": "copy bandwidth", "value": 2.5e12, "unit": "B/s", "config": {}}
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        b'{"what": "copy bandw\n',  # a line cut short, then more appended after it
+        b"\x00\x00\x00\x00\n",  # a block of NULs, as a crash of the machine may leave
+        b"not json at all\n",  # a hand edit
+    ],
+)
+def test_a_record_line_damaged_mid_file_is_one_error_naming_it(tmp_path, damage):
+    """Only a last line with no newline after it is what a kill leaves; any other line that
+    is not JSON is refused, naming the file and the line, not silently dropped from the rows."""
+    whole = (json.dumps(RECORD) + "\n").encode()
+    (tmp_path / "x.jsonl").write_bytes(whole + damage + whole)
+    with pytest.raises(tool.ConfigError, match=r"x\.jsonl, line 2: not a record .*remove the"):
+        runbook.read_records(tmp_path, say=pytest.fail)
+
+
+def test_a_cut_short_last_line_is_passed_over_and_said_once(tmp_path):
+    whole = json.dumps(RECORD) + "\n"
+    (tmp_path / "x.jsonl").write_text(whole * 2 + whole[:30])
+    said = []
+    for _ in range(3):  # the rows read the records after every step: one note, not one each
+        records = runbook.read_records(tmp_path, say=said.append)
+        assert [r["value"] for r in records] == [2.5e12, 2.5e12]
+    assert len(said) == 1
+    assert "x.jsonl, line 3 is cut short" in said[0] and "the 2 records before it" in said[0]
+
+
+def test_damaged_records_stop_the_run_before_any_step_with_one_line(tmp_path, capsys):
+    """A finished step's records damaged mid-file: exit 2 with one line, before the next step
+    takes any of the budget; the state is kept, and once the line is removed the run goes on."""
+    assert tool.run(options(tmp_path), steps=[fake("one")], probe=lambda: CPU) == 0
+    path = _records_of(tmp_path, "one")
+    whole = path.read_bytes()
+    path.write_bytes(whole + b"\x00\x00\x00\n" + whole)
+    steps = [fake("one"), fake("two")]
+    capsys.readouterr()
+    assert exit_code(lambda: tool.run(options(tmp_path), steps=steps, probe=lambda: CPU)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path}, line 2: not a record" in err
+    assert "two" not in state_of(tmp_path) and state_of(tmp_path)["one"]["status"] == "done"
+    path.write_bytes(whole * 2)  # the line removed
+    assert tool.run(options(tmp_path), steps=steps, probe=lambda: CPU) == 0
+    assert state_of(tmp_path)["two"]["status"] == "done"
+    assert state_of(tmp_path)["one"]["attempt"] == 1  # not run again
+
+
+def test_a_cut_short_last_record_is_noted_once_and_the_run_goes_on(tmp_path, capsys):
+    assert tool.run(options(tmp_path), steps=[fake("one")], probe=lambda: CPU) == 0
+    path = _records_of(tmp_path, "one")
+    path.write_bytes(path.read_bytes() + b'{"what": "copy bandwidth", "val')
+    capsys.readouterr()
+    steps = [fake("one"), fake("two")]
+    assert tool.run(options(tmp_path), steps=steps, probe=lambda: CPU) == 0
+    out = capsys.readouterr().out
+    assert out.count("is cut short") == 1 and f"{path}, line 2 is cut short" in out
+    assert "the record before it is read" in out
+    assert state_of(tmp_path)["two"]["status"] == "done"
+    assert path.name in (tmp_path / "runbook" / runbook.ROWS).read_text()  # its whole records

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lab.errors import ConfigError
+
 STATE = "state.json"
 ROWS = "BENCHMARKS-rows.md"
 FINISHED = ("done", "failed")  # ran to its end: a rerun skips it unless redo= names it
@@ -298,8 +300,6 @@ def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
         try:
             path.rename(keep)
         except OSError as moved:  # left in place, a save would write over it: stop instead
-            from lab.errors import ConfigError
-
             raise ConfigError(
                 f"{path} could not be read ({e}) nor moved aside ({moved.strerror or moved}): "
                 "move it away yourself, then run again"
@@ -382,18 +382,44 @@ def save_state(root: Path, state: dict) -> None:
 # ------------------------------------------------------------------------------- the command
 
 
-def read_records(folder: Path) -> list[dict]:
+_NOTED: set = set()  # (file, size) whose cut-short last line was said: said once a process
+
+
+def read_records(folder: Path, say=print) -> list[dict]:
     """Every record under `folder` (lines of any *.jsonl with a `what`); a torn last line, as a
-    killed step may leave, is passed over."""
+    killed step may leave (no newline after it), is passed over with a note (`say`, once for
+    each file). Any other line that is not JSON is a ConfigError naming the file and the line:
+    a line damaged mid-file is not a write a kill left, and silently passed over it would
+    drop a measurement from the rows."""
     out = []
     for path in sorted(folder.rglob("*.jsonl")) if folder.is_dir() else []:
-        for line in path.read_text(errors="replace").splitlines():
+        text = path.read_text(errors="replace")
+        lines = text.split("\n")  # the last is "" where the file ends with its newline
+        found = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
                 r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+            except json.JSONDecodeError as e:
+                if n == len(lines):  # no newline after it: a write cut short
+                    if (str(path), len(text)) not in _NOTED:
+                        _NOTED.add((str(path), len(text)))
+                        k = len(found)
+                        kept = "record before it is" if k == 1 else f"{k} records before it are"
+                        say(
+                            f"note: {path}, line {n} is cut short (a step stopped mid-write): "
+                            f"passed over; the {kept} read"
+                        )
+                    break
+                raise ConfigError(
+                    f"{path}, line {n}: not a record ({e.msg}), and not a last line cut short "
+                    "by a kill: fix or remove the line, then run again (the runbook's state "
+                    "and the step's other records are kept)"
+                ) from None
             if isinstance(r, dict) and "what" in r and "value" in r:
-                out.append({**r, "_file": str(path)})
+                found.append({**r, "_file": str(path)})
+        out += found
     return out
 
 

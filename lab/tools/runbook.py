@@ -261,6 +261,11 @@ def _run_held(o: Options, steps, names, chosen, root: Path, platform: dict, t0: 
         f"({platform.get('backend')}) · size={o.size} · budget={o.budget:g} s → {root}"
     )
     state = runbook.load_state(root, platform, o.size)
+    # the rows read every step's records: a line damaged mid-file stops the run here, before
+    # a step takes any of the budget, and a last line cut short is noted once, here
+    for entry in state["steps"].values():
+        if entry.get("folder"):
+            runbook.read_records(Path(entry["folder"]))
     command = _command_line(o)
     date = time.strftime("%Y-%m-%d")
 
