@@ -193,11 +193,33 @@ def test_a_fresh_state_never_reuses_an_earlier_trys_folder(tmp_path):
     first = root / "steps" / "one" / "try-1"
     before = (first / "output.log").read_bytes()
     (root / runbook.STATE).write_bytes(b'{"steps": {"one": {"stat')
+    (first / runbook.OUTCOME).unlink()  # nothing to recover it from: it runs again
     assert tool.run(options(tmp_path), steps=[fake("one")], probe=lambda: CPU) == 0
     entry = state_of(tmp_path)["one"]
     assert entry["status"] == "done" and entry["folder"] == "steps/one/try-2"
     assert (first / "output.log").read_bytes() == before  # the earlier try's log kept
     assert len(list(first.with_name("try-2").glob("*.jsonl"))) == 1
+
+
+def test_a_damaged_state_file_gives_back_the_finished_steps_their_folders_keep(tmp_path, capsys):
+    """Each finished step keeps its outcome in its folder: a state file damaged later is
+    rebuilt from them, and those steps are not run again; a step whose kept outcome is
+    damaged too, or was another size's, runs again."""
+    steps = [fake("one"), fake("two"), fake("three")]
+    assert tool.run(options(tmp_path), steps=steps, probe=lambda: CPU) == 0
+    root = tmp_path / "runbook"
+    before = state_of(tmp_path)
+    (root / runbook.STATE).write_bytes(b'{"steps": {"one": {"stat')
+    (root / "steps" / "two" / "try-1" / runbook.OUTCOME).write_text('{"step": "two", "ent')
+    three = root / "steps" / "three" / "try-1" / runbook.OUTCOME
+    three.write_text(three.read_text().replace('"size": "tiny"', '"size": "full"'))
+    capsys.readouterr()
+    assert tool.run(options(tmp_path), steps=steps, probe=lambda: CPU) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 finished step recovered from outcome.json in their folders (one)" in out, out
+    after = state_of(tmp_path)
+    assert after["one"] == before["one"]  # recovered whole, not run again
+    assert after["two"]["attempt"] == after["three"]["attempt"] == 2
 
 
 def test_step_past_its_budget_is_killed_and_cut_short_then_rerun(tmp_path):

@@ -304,7 +304,17 @@ def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
                 f"{path} could not be read ({e}) nor moved aside ({moved.strerror or moved}): "
                 "move it away yourself, then run again"
             ) from None
-        say(f"{path} could not be read ({e}): kept as {keep.name}; starting afresh")
+        found = _recovered(root, platform, size)
+        if found:
+            fresh["steps"] = found
+            names = ", ".join(found)
+            say(
+                f"{path} could not be read ({e}): kept as {keep.name}; {len(found)} finished "
+                f"step{'s' * (len(found) > 1)} recovered from {OUTCOME} in their folders "
+                f"({names}); the rest run again"
+            )
+        else:
+            say(f"{path} could not be read ({e}): kept as {keep.name}; starting afresh")
         return fresh
     same = state.get("size") == size and all(
         state.get("platform", {}).get(k) == platform.get(k) for k in ("backend", "device_kind")
@@ -370,13 +380,56 @@ def _kept_or_cut(entry: dict, why: str, ended) -> dict:
 
 
 def save_state(root: Path, state: dict) -> None:
-    """Written whole and renamed into place: a kill mid-write leaves the previous state."""
+    """Written whole and renamed into place: a kill mid-write leaves the previous state. Each
+    finished step's outcome is also kept in its own folder (OUTCOME), from which a state file
+    damaged later (a hand edit, a bad disk) is rebuilt: finished steps are not run again."""
     tmp = root / f".{STATE}.{os.getpid()}.tmp"
     state = json.loads(json.dumps(state, default=str))  # a copy whose paths are made relative
     for entry in state["steps"].values():
         _paths(entry, lambda p: _relative(root, p))  # the folder may be moved or copied
     tmp.write_text(json.dumps(state, indent=2))
     os.replace(tmp, root / STATE)
+    for name, entry in state["steps"].items():
+        if entry.get("status") in FINISHED and entry.get("folder"):
+            _keep_outcome(root / entry["folder"], name, entry, state)
+
+
+OUTCOME = "outcome.json"  # a finished step's entry in the state, kept in the step's folder
+
+
+def _keep_outcome(folder: Path, name: str, entry: dict, state: dict) -> None:
+    kept = {"step": name, "platform": state.get("platform"), "size": state.get("size")}
+    text = json.dumps({**kept, "entry": entry}, indent=2)
+    path = folder / OUTCOME
+    try:
+        if not folder.is_dir() or (path.exists() and path.read_text() == text):
+            return
+        tmp = folder / f".{OUTCOME}.{os.getpid()}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:  # the state file is what counts; this copy only helps a damaged one
+        pass
+
+
+def _recovered(root: Path, platform: dict, size: str) -> dict:
+    """{step: entry} of the finished steps whose folders keep their outcome (OUTCOME) for this
+    machine and size, the latest try of each: what a damaged state file held of them."""
+    found: dict[str, tuple[int, dict]] = {}
+    for path in sorted(root.glob(f"steps/*/try-*/{OUTCOME}")):
+        try:
+            kept = json.loads(path.read_text())
+            entry, name = kept["entry"], kept["step"]
+            mine = kept["size"] == size and all(
+                (kept["platform"] or {}).get(k) == platform.get(k)
+                for k in ("backend", "device_kind")
+            )
+            attempt = int(entry.get("attempt", 0))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # damaged too: that step runs again
+        if mine and entry.get("status") in FINISHED and attempt >= found.get(name, (0,))[0]:
+            _paths(entry, lambda p: _here(root, p))
+            found[name] = (attempt, entry)
+    return {name: entry for name, (_, entry) in sorted(found.items())}
 
 
 # ------------------------------------------------------------------------------- the command
