@@ -113,6 +113,14 @@ def test_keys_the_mode_would_ignore_are_one_line(argv, needle, capsys):
     assert len(err.splitlines()) == 1 and needle in err, err
 
 
+def test_save_typed_with_only_is_refused_since_only_writes_no_fit(capsys):
+    """only= predicts with the saved fit and writes none: save=true typed beside it (its
+    default, left out, is not) would say a fit was kept where none is."""
+    assert tool(["only=azure-h100-gemm-fp8-8192", "save=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "only= predicts with the saved fit" in err, err
+
+
 def test_a_publishers_tflops_turn_into_a_step_with_the_publishers_count():
     """A point whose publisher counted every (query, key) pair is converted with that count;
     the others with the lab's causal one. The all-pairs count is Megatron-LM's formula of the

@@ -120,6 +120,11 @@ def _check_modes(o: Options) -> None:
             "loo=true fits on every calibration point but the one left out; only= cannot "
             "pick points for it"
         )
+    if o.only and o.save and asked("save") and mode is None:
+        raise ConfigError(
+            "save=true writes a fit of every calibration point; only= predicts with the saved "
+            "fit and writes none: leave out save=, or only= to refit and save"
+        )
     prediction.load_points(tuple(o.only))  # an unknown id, before any folder is made
     if mode != "cpu" and mode != "here":  # the published points' programs are cached there
         records.writable_dir(o.cache_dir)
