@@ -262,6 +262,27 @@ def test_both_mask_variants_compile_for_h100(causal, dtype, seq, split):
 
 
 @needs_plugin
+def test_triton_deprecation_is_not_explained_where_python_hides_it(capsys):
+    """A plain `python -m lab…` ignores a library's DeprecationWarning: JAX's would not have
+    been shown there, so the lab's line is not printed either (it was, on every GPU plan);
+    `-W default` (or pytest) shows it, and there the line stands in for it."""
+    import warnings
+
+    from lab.kernels import triton_deprecation as td
+
+    for shown, filters in ((False, "ignore"), (True, "default")):
+        td.explain.cache_clear()
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            warnings.simplefilter(filters, DeprecationWarning)  # Python's default: ignore
+            td.silence()  # the lab's own filter, set on import
+            assert td._would_be_shown() is shown
+            td.explain()
+        said = "deprecates Pallas's Triton" in capsys.readouterr().err
+        assert said == (shown and td.deprecated_here())
+    td.explain.cache_clear()
+
+
 def test_triton_deprecation_is_one_line_not_a_warning_per_kernel(capsys):
     """jax >= 0.11 warns at every Triton kernel's lowering (three per fwd+bwd); the lab's
     filter (set on import) silences exactly that warning and the lab prints one line instead,

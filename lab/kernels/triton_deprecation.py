@@ -9,10 +9,12 @@ again. The lab keeps Triton on purpose: `pallas_gpu` is its portable GPU kernel 
 GPU since Volta, and the one the block-size tuner searches); Hopper has the Mosaic GPU kernel
 (`pallas_mgpu`), the path JAX points to. So importing this module filters JAX's text (one
 `warnings` filter, set once), and `explain()` prints one line on stderr instead, the first
-time in a process that a Triton kernel is built for a GPU on a JAX that deprecates it.
+time in a process that a Triton kernel is built for a GPU on a JAX that deprecates it, where
+the warning would have been shown (a plain `python -m lab…` hides it: no line there).
 """
 
 import functools
+import re
 import sys
 import warnings
 
@@ -40,9 +42,31 @@ def deprecated_here() -> bool:
     return tuple(jax.__version_info__[:2]) >= SINCE
 
 
+# the module JAX's warning comes from: what a filter's module pattern is matched against
+_WARNS_FROM = "jax._src.pallas.triton.pallas_call_registration"
+
+
+def _would_be_shown() -> bool:
+    """Whether JAX's warning would be shown without the lab's filter: under the warnings
+    filters in force (pytest's, `-W`, PYTHONWARNINGS) the first that matches it, other than
+    the lab's own, does not ignore it. By default Python ignores a DeprecationWarning from
+    library code: there is then nothing to explain."""
+    for action, message, category, module, _ in warnings.filters:
+        if message is not None and getattr(message, "pattern", message) == JAX_TEXT:
+            continue  # the lab's own filter
+        if message is not None and not re.match(message, JAX_TEXT):
+            continue  # another warning's (numpy's sizes)
+        if not issubclass(DeprecationWarning, category):
+            continue
+        if module is not None and not re.match(getattr(module, "pattern", module), _WARNS_FROM):
+            continue
+        return action != "ignore"
+    return True  # no filter matches: Python's default action shows it
+
+
 @functools.cache  # once per process
 def explain() -> None:
-    """One line on stderr where JAX deprecates Triton; call it where a Triton kernel is
-    built for a GPU (not for the interpreter)."""
-    if deprecated_here():
+    """One line on stderr where JAX deprecates Triton and its warning would have been shown;
+    call it where a Triton kernel is built for a GPU (not for the interpreter)."""
+    if deprecated_here() and _would_be_shown():
         print(NOTE.format(version=jax.__version__), file=sys.stderr)
