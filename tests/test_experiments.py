@@ -499,7 +499,9 @@ def test_c06_is_judged_on_the_compiled_steps_share(tiny_run):
         and records[i]["label"] == "derived"
     ]
     r = records[i]
-    assert 0.0 < r["value"] < 1.0 and r["config"]["bound"] == "upper"
+    # 1.0 where every op's intensity falls below this host's measured ridge (a loaded host's
+    # bandwidth reads low): a share, whatever the host
+    assert 0.0 < r["value"] <= 1.0 and r["config"]["bound"] == "upper"
     c = r["config"]
     assert r["value"] == pytest.approx(c["memory_s"] / (c["memory_s"] + c["compute_s"]))
     # the claim is about GPUs: a CPU's share (an upper bound, its caches) is context
