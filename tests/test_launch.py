@@ -266,6 +266,7 @@ def _ended(proc: subprocess.Popen, within_s: float) -> tuple[str, str, float]:
     return out, err, time.monotonic() - t0
 
 
+@pytest.mark.once  # two processes trained to a signal: the launch itself runs on both legs
 @pytest.mark.parametrize("victim", [0, 1])  # process 0 also hosts the coordinator
 def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path, victim):
     proc = _launch(tmp_path, "checkpoint_every=1000")  # the stop's save is the only one

@@ -883,6 +883,7 @@ def test_a_signal_to_serve_is_one_line_and_its_exit_code(tmp_path):
         assert not results.exists(), list(results.iterdir())
 
 
+@pytest.mark.once  # a whole sweep, stopped: the sweep's JAX-facing code runs on both legs elsewhere
 def test_a_stopped_sweep_keeps_the_points_it_measured(tmp_path):
     """SIGTERM once the second decode batch has started: the roof and the points measured
     before it are written (marked partial), and the exit line says where."""
@@ -946,6 +947,7 @@ def test_a_trained_run_is_served_on_its_tensor_parallel_axis_alone():
     assert _serving_mesh(pp, target=True) == {}
 
 
+@pytest.mark.once  # a whole sweep with a peer: the sweep's JAX-facing code runs on both legs elsewhere
 def test_a_failing_peer_keeps_the_measured_figures_and_says_where_it_stopped(monkeypatch):
     """The PyTorch peer is a comparison: where it fails, the lab's points, records and the
     rest of the study are kept, its note says at which batch and why, and the progress bar
