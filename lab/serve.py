@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from lab import data, decode, rundir, startup
-from lab.config import check_name, cli, field, given_options, model_changes
+from lab.config import check_name, cli, did_you_mean, field, given_options, model_changes
 from lab.errors import ConfigError
 from lab.measure import memory
 from lab.measure import records as rec
@@ -158,7 +158,10 @@ PLAN_ONLY = ("plan_batch", "plan_context")
 
 
 def _shown(value) -> str:
-    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    """A value as the command line types it: 4,8 for a list, false for False."""
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _check_mode_keys(o: Options, keys: dict) -> None:
@@ -208,8 +211,13 @@ def _session(o: Options, keys: dict):
         if run_dir.exists() and not run_dir.is_dir():
             raise ConfigError(f"run={o.run}: {run_dir} is a file, not a run folder")
         if not run_dir.is_dir():
+            try:
+                there = [d.name for d in run_dir.parent.iterdir() if d.is_dir()]
+            except OSError:
+                there = []
+            hint = did_you_mean(o.run, there)
             raise ConfigError(
-                f"run={o.run}: no run folder {run_dir} (out_dir= says where runs are)"
+                f"run={o.run}: no run folder {run_dir}{hint} (out_dir= says where runs are)"
             )
         request = weights.serving_request(run_dir, keys)
         # the trainer a run's weights are restored into (its layout, on the serving mesh, or

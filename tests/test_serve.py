@@ -122,7 +122,7 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         (["plan_batch=3"], "plan_batch=3: only a plan for an accelerator (target=) reads"),
         # typed at its default it is still asked for, and still read by nothing
         (["plan_context=4096"], "plan_context=4096: only a plan for an accelerator"),
-        (["target=gpu:h100:1", "plot=false"], "plot=False: target= compiles one decode step"),
+        (["target=gpu:h100:1", "plot=false"], "plot=false: target= compiles one decode step"),
         # out_dir= is where run= is read from: without run= it says where records go instead
         (["out_dir=elsewhere"], "out_dir=elsewhere: lab.serve reads out_dir= only to find"),
     ],
@@ -403,6 +403,10 @@ def test_a_damaged_config_names_run_not_resume(tmp_path, capsys):
     assert serve([*FAST, "run=f", f"out_dir={tmp_path}", f"results={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: run=f: {tmp_path / 'f'} is a file, not a run folder"
+    (tmp_path / "demo").mkdir()  # a name mistyped: the close folder under out_dir is named
+    assert serve([*FAST, "run=dem", f"out_dir={tmp_path}", f"results={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"no run folder {tmp_path / 'dem'} (did you mean demo?)" in err, err
 
 
 STRATEGIES = {
@@ -947,7 +951,7 @@ def test_a_trained_run_is_served_on_its_tensor_parallel_axis_alone():
     assert _serving_mesh(pp, target=True) == {}
 
 
-@pytest.mark.once  # a whole sweep with a peer: the sweep's JAX-facing code runs on both legs elsewhere
+@pytest.mark.once  # a whole sweep with a peer: its JAX-facing code runs on both legs elsewhere
 def test_a_failing_peer_keeps_the_measured_figures_and_says_where_it_stopped(monkeypatch):
     """The PyTorch peer is a comparison: where it fails, the lab's points, records and the
     rest of the study are kept, its note says at which batch and why, and the progress bar

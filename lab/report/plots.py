@@ -982,8 +982,9 @@ def prediction_records(records: Sequence[dict], path) -> Path | None:
         if not err:
             return "the step-time model against published figures"
         e = err[0]
+        n = e["config"]["points"]
         return (
-            f"held-out: {e['config']['points']} points, median |error| {e['value']:.0%}, "
+            f"held-out: {n} point{'s' * (n != 1)}, median |error| {e['value']:.0%}, "
             f"worst {e['config']['worst_ratio']:.2f}×"
         )
 
