@@ -251,6 +251,11 @@ def _plan(o: Options, s, con) -> int:
             f"usable: {share:.0%} of the memory the GPU reports, what JAX's allocator takes "
             "(XLA_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_MEM_FRACTION)"
         )
+    elif r.capacity_bytes:
+        con.print(
+            "usable: what XLA:TPU lets a program hold of each chip's HBM, as its compiler "
+            "reports it (a little under the datasheet's: the runtime keeps the rest)"
+        )
     config = {"preset": s.cfg.preset, "mesh": s.cfg.mesh, "target": s.cfg.target}
     if m := model_changes(s.cfg):  # the model fields that differ from the preset's
         config["model"] = m

@@ -197,6 +197,8 @@ def test_serving_plan_compiles_for_a_target(target, mesh, tmp_path, capsys):
     # the compiled total split like for like: what the calculator counts, and temporaries
     words = " ".join(out.split())  # the caption wraps at the table's width
     assert "args (weights + cache: what the calculator counts) and temp" in words, out
+    usable = "what XLA:TPU lets a program hold" if target.startswith("tpu") else "JAX's allocator"
+    assert "usable: " in words and usable in words, out  # where the usable column comes from
     (path,) = tmp_path.glob("serve-plan-*.jsonl")
     plans = {r["config"]["int8"]: r for r in map(json.loads, path.open())}
     for r in plans.values():
