@@ -153,6 +153,7 @@ SWEEP_ONLY = (
     "prompt",
     "temperature",
     "plot",
+    "seed",  # a plan compiles the step for abstract weights: none are drawn
 )
 PLAN_ONLY = ("plan_batch", "plan_context")
 

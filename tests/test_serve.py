@@ -123,6 +123,7 @@ def test_a_trained_text_run_is_served_with_a_sample(tmp_path, capsys):
         # typed at its default it is still asked for, and still read by nothing
         (["plan_context=4096"], "plan_context=4096: only a plan for an accelerator"),
         (["target=gpu:h100:1", "plot=false"], "plot=false: target= compiles one decode step"),
+        (["target=gpu:h100:1", "seed=3"], "seed=3: target= compiles one decode step"),
         # out_dir= is where run= is read from: without run= it says where records go instead
         (["out_dir=elsewhere"], "out_dir=elsewhere: lab.serve reads out_dir= only to find"),
     ],
