@@ -18,6 +18,9 @@ folder's lock.
 `note()` says what the folder keeps at each stage, for the one line; a write that must be
 whole (lab.serve's records) runs under `held()`, and a signal during it exits after it;
 `on_stop()` registers what to write first (lab.serve's finished points).
+Once a command has finished (`finished()`, called by the shared exit_code with the command's
+code), a signal in its last tenths of a second exits with that code, quietly: finished work is
+never reported as interrupted.
 """
 
 import atexit
@@ -26,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 # The signal the kernel sends a launched process when its launcher dies (PR_SET_PDEATHSIG).
@@ -337,6 +341,11 @@ def install() -> None:
         heard = 0
         while data := os.read(read_fd, 64):
             for signum in data:
+                if signum in handled and signal.getsignal(signum) is _after_finish:
+                    # finished: the main thread exits at once unless it is inside a native
+                    # call (a distributed shutdown's wait); then this thread does
+                    time.sleep(_MAIN_TAKES_S)
+                    os._exit(_finished[-1])
                 if not ours(signum):
                     continue
                 heard += 1
@@ -383,40 +392,49 @@ def guard_imports() -> None:
 
 def finished(code: int) -> None:
     """The command this process runs (`python -m lab…` or `experiments…`) has done its work
-    and said so: a Ctrl-C or SIGTERM from here to the process's end (the interpreter's
-    shutdown, some tenths of a second) exits quietly with the command's own code, not as
-    interrupted (130, with no line) — what it wrote is whole. A signal ignored by who started
-    the command stays ignored."""
+    and said so: a Ctrl-C, SIGTERM or its launcher's death from here to the process's end
+    (the interpreter's shutdown, some tenths of a second) exits quietly with the command's
+    own code, not as interrupted (130, with no line) — what it wrote is whole. Its output is
+    flushed here, so that such an exit loses none of it. A signal ignored by who started the
+    command stays ignored."""
     if main_module().partition(".")[0] not in ("lab", "experiments"):
         return  # called in another program (a test): its handlers are its own
-
-    def done(_signum, _frame) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed pipe must not keep the process alive
-                pass
-        os._exit(code)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe: nothing more to lose
+            stream.flush()
+    _finished.append(code)
+    for sig in _STOPPING:
         if signal.getsignal(sig) is not signal.SIG_IGN:
             with contextlib.suppress(ValueError):  # not the main thread: left as it is
-                signal.signal(sig, done)
-    _finished.append(code)
+                signal.signal(sig, _after_finish)
 
 
-_finished: list[int] = []
+_finished: list[int] = []  # the finished command's exit code
+# How long the native libraries' teardown may take once signals are ignored (_ignored_to_the_end):
+# past it the process is taken to hang there and is ended (SIGALRM), as a signal would have.
+_TEARDOWN_S = 30
+
+
+def _after_finish(_signum, _frame) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # (flushed when the command finished)
+            stream.flush()
+    os._exit(_finished[-1])
 
 
 @atexit.register  # at import, before JAX's: among the last exit hooks to run
 def _ignored_to_the_end() -> None:
     """After the Python exit hooks, the interpreter puts back the signals' default actions and
     the native libraries' teardown runs (tenths of a second): a finished command's signals
-    are ignored there instead, so that it still exits with its own code."""
+    are ignored there instead, so that it still exits with its own code. A teardown that
+    hangs is still ended, by an alarm `_TEARDOWN_S` later."""
     if _finished:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(ValueError):
-                signal.signal(sig, signal.SIG_IGN)
+        for sig in _STOPPING:
+            if signal.getsignal(sig) is _after_finish:
+                with contextlib.suppress(ValueError):
+                    signal.signal(sig, signal.SIG_IGN)
+        with contextlib.suppress(AttributeError, ValueError):  # no alarm (not POSIX)
+            signal.alarm(_TEARDOWN_S)
 
 
 def _import_exit(signum, _frame) -> None:
