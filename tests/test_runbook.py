@@ -201,7 +201,7 @@ def test_a_fresh_state_never_reuses_an_earlier_trys_folder(tmp_path):
     assert len(list(first.with_name("try-2").glob("*.jsonl"))) == 1
 
 
-def test_a_damaged_state_file_gives_back_the_finished_steps_their_folders_keep(tmp_path, capsys):
+def test_a_damaged_state_file_gives_back_the_finished_steps_their_folders_keep(tmp_path):
     """Each finished step keeps its outcome in its folder: a state file damaged later is
     rebuilt from them, and those steps are not run again; a step whose kept outcome is
     damaged too, or was another size's, runs again."""
@@ -213,10 +213,11 @@ def test_a_damaged_state_file_gives_back_the_finished_steps_their_folders_keep(t
     (root / "steps" / "two" / "try-1" / runbook.OUTCOME).write_text('{"step": "two", "ent')
     three = root / "steps" / "three" / "try-1" / runbook.OUTCOME
     three.write_text(three.read_text().replace('"size": "tiny"', '"size": "full"'))
-    capsys.readouterr()
+    said = []
+    runbook.load_state(root, CPU, "tiny", say=said.append)  # a run refused after this point
+    assert "1 finished step recovered from outcome.json in their folders (one)" in said[0]
+    assert list(state_of(tmp_path)) == ["one"]  # keeps what was recovered
     assert tool.run(options(tmp_path), steps=steps, probe=lambda: CPU) == 0
-    out = " ".join(capsys.readouterr().out.split())
-    assert "1 finished step recovered from outcome.json in their folders (one)" in out, out
     after = state_of(tmp_path)
     assert after["one"] == before["one"]  # recovered whole, not run again
     assert after["two"]["attempt"] == after["three"]["attempt"] == 2
@@ -690,11 +691,16 @@ def test_damaged_records_stop_the_run_before_any_step_with_one_line(tmp_path, ca
     assert exit_code(lambda: tool.run(options(tmp_path), steps=steps, probe=lambda: CPU)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{path}, line 2: not a record" in err
+    assert err.rstrip().endswith("; or redo=one runs that step again"), err
     assert "two" not in state_of(tmp_path) and state_of(tmp_path)["one"]["status"] == "done"
+    # a step this run runs again (redo=) is not held to its old records
+    redo = options(tmp_path, steps=("one",), redo=("one",))
+    assert tool.run(redo, steps=steps, probe=lambda: CPU) == 0
+    assert state_of(tmp_path)["one"]["attempt"] == 2
     path.write_bytes(whole * 2)  # the line removed
     assert tool.run(options(tmp_path), steps=steps, probe=lambda: CPU) == 0
     assert state_of(tmp_path)["two"]["status"] == "done"
-    assert state_of(tmp_path)["one"]["attempt"] == 1  # not run again
+    assert state_of(tmp_path)["one"]["attempt"] == 2  # not run again
 
 
 def test_a_cut_short_last_record_is_noted_once_and_the_run_goes_on(tmp_path, capsys):

@@ -307,6 +307,7 @@ def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
         found = _recovered(root, platform, size)
         if found:
             fresh["steps"] = found
+            save_state(root, fresh)  # kept now: a run refused before its first step keeps it
             names = ", ".join(found)
             say(
                 f"{path} could not be read ({e}): kept as {keep.name}; {len(found)} finished "

@@ -261,11 +261,21 @@ def _run_held(o: Options, steps, names, chosen, root: Path, platform: dict, t0: 
         f"({platform.get('backend')}) · size={o.size} · budget={o.budget:g} s → {root}"
     )
     state = runbook.load_state(root, platform, o.size)
-    # the rows read every step's records: a line damaged mid-file stops the run here, before
-    # a step takes any of the budget, and a last line cut short is noted once, here
-    for entry in state["steps"].values():
-        if entry.get("folder"):
-            runbook.read_records(Path(entry["folder"]))
+    # the rows read the records of every step this run does not run again: a line damaged
+    # mid-file stops the run here, before a step takes any of the budget, and a last line cut
+    # short is noted once, here
+    again = {
+        s.name
+        for s in chosen
+        if state["steps"].get(s.name, {}).get("status") not in runbook.FINISHED
+        or runbook.wants_redo(s.name, state["steps"][s.name], o.redo)
+    }
+    for name, entry in state["steps"].items():
+        if entry.get("folder") and name not in again:
+            try:
+                runbook.read_records(Path(entry["folder"]))
+            except ConfigError as e:
+                raise ConfigError(f"{e}; or redo={name} runs that step again") from None
     command = _command_line(o)
     date = time.strftime("%Y-%m-%d")
 
