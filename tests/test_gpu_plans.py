@@ -270,11 +270,17 @@ def test_triton_deprecation_is_not_explained_where_python_hides_it(capsys):
 
     from lab.kernels import triton_deprecation as td
 
-    for shown, filters in ((False, "ignore"), (True, "default")):
+    for shown, filters, module in (
+        (False, "ignore", ""),  # Python's default for a library's DeprecationWarning
+        (True, "default", ""),
+        (True, "default", "jax._src.pallas"),  # -W default::DeprecationWarning:jax._src.pallas
+        (False, "default", "numpy"),  # shown for another library's only
+    ):
         td.explain.cache_clear()
         with warnings.catch_warnings():
             warnings.resetwarnings()
-            warnings.simplefilter(filters, DeprecationWarning)  # Python's default: ignore
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.filterwarnings(filters, category=DeprecationWarning, module=module)
             td.silence()  # the lab's own filter, set on import
             assert td._would_be_shown() is shown
             td.explain()

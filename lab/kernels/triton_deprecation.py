@@ -42,8 +42,9 @@ def deprecated_here() -> bool:
     return tuple(jax.__version_info__[:2]) >= SINCE
 
 
-# the module JAX's warning comes from: what a filter's module pattern is matched against
-_WARNS_FROM = "jax._src.pallas.triton.pallas_call_registration"
+# the module JAX's warning is attributed to (its stacklevel names the caller of the Triton
+# lowering in pallas_call_registration): what a filter's module pattern is matched against
+_WARNS_FROM = "jax._src.pallas.pallas_call"
 
 
 def _would_be_shown() -> bool:
