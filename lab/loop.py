@@ -358,7 +358,7 @@ class _Reader:
         self.cfg, self.bar, self.tracer, self.records, self.hist = cfg, bar, tracer, records, hist
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.resumed_from = start  # the checkpoint step a resume restored (0: a fresh run)
-        self.changed = changed  # 'lr 0.003 → 0.01': the keys that resume changed, or
+        self.changed = changed  # 'lr 0.003 → 0.01': the keys that resume changed ('' none)
         # profile=true traces steps first..last (numbered from 1); the steps at the window's
         # edges are read before the next is queued, so that it holds those steps only
         self.first, self.last = profile_window(start)
