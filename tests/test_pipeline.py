@@ -31,7 +31,7 @@ from lab.kernels.pipeline import (
     to_microbatches,
     to_stage_major_order,
 )
-from lab.measure.pipeline import PipelineReading
+from lab.measure.pipeline import Direction, PipelineReading
 from lab.measure.timing import random_inputs
 from lab.mesh import make_mesh, rules_for
 from lab.model import build, natural_layers
@@ -304,7 +304,7 @@ def test_explain_counts_the_pp_fsdp_stage_weight_collectives():
     con = Console(width=200, record=True)
     con.print(tables.explain_pipeline(r))  # the renderer takes the reading itself
     text = con.export_text()
-    assert "ticks (loop trip count)" in text and f"{r.microbatch_bytes:,} B" in text
+    assert "ticks (forward permutes a run)" in text and f"{r.microbatch_bytes:,} B" in text
 
 
 def test_explain_reads_the_tick_loop_inside_gradient_accumulation():
@@ -327,6 +327,31 @@ def test_explain_reads_the_tick_loop_inside_gradient_accumulation():
     assert again.compiled_ticks == 3  # read back from a summary.json
     old = dataclasses.replace(r, forward=dataclasses.replace(r.forward, loop_trips=()))
     assert old.compiled_ticks == 3  # a record from before loop_trips: executions over K
+
+
+@pytest.mark.parametrize(
+    "accumulate, trip_counts, loop_trips", [(1, (1, 6), (1, 6)), (2, (2, 12), (2, 6))]
+)
+def test_a_tick_peeled_out_of_the_loop_is_still_a_tick(accumulate, trip_counts, loop_trips):
+    """XLA:TPU under remat=offload peels the first tick of a GPipe schedule (P=4, M=4: 7
+    ticks) out of its loop: one stage permute before a loop of 6 trips, which sits inside the
+    accumulation loop when there is one (the permutes' trip counts as
+    `lab.run target=tpu:v5e:2x4 mesh=data:2,stage:4 strategy=pp n_layers=4 remat=offload`
+    compiles them, with and without accumulate=2). The ticks are the permutes' executions
+    per run, 7, and the bubble 3/7 (the loop's trips alone read 6 ticks and a bubble of 1/3)."""
+    d = Direction(
+        ops=2,
+        executions=sum(trip_counts),
+        trip_counts=trip_counts,
+        bytes_per_device=7 * accumulate * 1024,
+        loop_trips=loop_trips,
+    )
+    r = PipelineReading(
+        stages=4, microbatches=4, repeats=1, microbatch_bytes=1024, ticks=7, bubble=3 / 7,
+        bytes_per_device=7 * accumulate * 1024, useful_bytes=4 * 3 * accumulate * 1024,
+        forward=d, backward=d, accumulate=accumulate,
+    )  # fmt: skip
+    assert r.compiled_ticks == 7 and r.compiled_bubble == pytest.approx(3 / 7)
 
 
 @pytest.mark.parametrize(

@@ -57,12 +57,15 @@ class PipelineReading:
 
     @property
     def compiled_ticks(self) -> int | None:
-        """The forward tick loop's own trip count in the compiled program: one run of the
-        schedule (an accumulation loop around it runs it K times a step)."""
-        if self.forward.loop_trips:
-            return max(self.forward.loop_trips)
-        runs = max(self.forward.trip_counts, default=None)  # a record without loop_trips
-        return runs // max(1, self.accumulate) if runs else runs
+        """One run of the schedule's ticks in the compiled program: its forward stage
+        permutes' executions (one a tick) over the K runs a step (an accumulation loop around
+        the tick loop runs it K times). Not the tick loop's trip count alone: XLA may peel a
+        tick out of the loop, as XLA:TPU does under remat=offload (one permute before a loop
+        of P+M-2 trips, or of those inside the accumulation loop)."""
+        runs, k = self.forward.executions, max(1, self.accumulate)
+        if runs and runs % k == 0:
+            return runs // k
+        return max(self.forward.loop_trips, default=None) or None  # K runs not all alike
 
     @property
     def compiled_bubble(self) -> float | None:

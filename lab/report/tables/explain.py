@@ -34,7 +34,7 @@ def explain_pipeline(p: PipelineReading) -> Table:
         t.add_column(col)
     K = p.accumulate
     runs = f" (the schedule runs {K}× a step: accumulate={K})" if K > 1 else ""
-    t.add_row(f"ticks (loop trip count){runs}", str(p.compiled_ticks), str(p.ticks))
+    t.add_row(f"ticks (forward permutes a run){runs}", str(p.compiled_ticks), str(p.ticks))
     bubble = p.compiled_bubble
     t.add_row("bubble", "n/a" if bubble is None else f"{bubble:.3f}", f"{p.bubble:.3f}")
     t.add_row("microbatch activation a", "", f"{p.microbatch_bytes:,} B")
