@@ -61,6 +61,11 @@ class MaskChoice:
             return f"docs of {self.doc_len:,}"
         return "causal" if self.causal else "full"
 
+    @property
+    def key(self) -> str:
+        """The command-line key that asked for it (attention_plan's window= / docs=)."""
+        return f"window={self.window}" if self.window else f"docs={self.doc_len}"
+
     def kwargs(self, batch: int, seq: int) -> dict:
         """The dispatch's mask keywords (segment ids as NumPy constants [batch, seq])."""
         out = {}
@@ -149,6 +154,21 @@ def check(target: str, *, seqs, head_dims, masks=None, **config) -> None:
     before the first compile, not after a progress line."""
     c = dict(config)
     impl, causal = c.pop("impl", "pallas"), c.pop("causal")
+    masked = [m for m in masks or () if m.window is not None or m.doc_len is not None]
+    if masked and not causal:  # the plain mask's row would be full, the others causal
+        keys = " ".join(m.key for m in masked)
+        what = "is a causal mask" if len(masked) == 1 else "are causal masks"
+        raise ConfigError(
+            f"{keys} {what} (a query sees only keys before it), compared with the plain mask: "
+            "plan with causal=true, or the full mask's FLOPs count the causal saving as theirs"
+        )
+    for m in masked:
+        bad = [s for s in seqs if m.doc_len is not None and s % m.doc_len]
+        if bad:
+            raise ConfigError(
+                f"docs={m.doc_len} does not divide seq={','.join(map(str, bad))}: the "
+                "documents pack each sequence whole"
+            )
     for seq in seqs:
         for head_dim in head_dims:
             for mask in masks or [MaskChoice(causal)]:
