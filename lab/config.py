@@ -351,6 +351,7 @@ class ModelConfig:
         "sliding-window attention: a local layer's token sees itself and the window-1 tokens "
         "before it (Mistral 4096, Gemma 2 4096); 0 = every layer sees its whole past",
         min=0,
+        max=2**31,  # the kernels count its window - 1 keys in int32
     )
     window_pattern: str = field(
         "",

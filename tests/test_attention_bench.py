@@ -88,6 +88,8 @@ def test_a_sweep_where_nothing_ran_keeps_its_reasons_and_exits_2(tmp_path, capsy
         # a sample of 10^8 calls would never end: refused, not run
         # (with a batch too big to hold, so that without the bound it is refused, not run)
         (["inner=100000000", "batch=100000000"], "inner='100000000': must be <= 10000"),
+        # a window whose keys int32 cannot count: the key's bound, not every impl skipped
+        (["window=99999999999"], "window='99999999999': must be <= 2147483648"),
         # a peer that exists but is not here (its library, or a GPU) says why
         (["impls=jax_pallas_mgpu"], "impls=jax_pallas_mgpu: it compiles only for a GPU; choose"),
         (["impls=pallas"], "impls=pallas: it runs on GPU or TPU only; choose from"),

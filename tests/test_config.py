@@ -47,6 +47,8 @@ def test_every_preset_is_valid(name):
         (["lr=fast"], "lr='fast': expected a number"),
         (["steps=-1"], "steps='-1': must be >= 0"),
         (["seed=4294967296"], "seed='4294967296': must be <= 4294967295"),
+        # the kernels count a window's keys in int32: a bigger one was the kernel's traceback
+        (["window=2147483649"], "window='2147483649': must be <= 2147483648"),
         (
             ["dtype=int7"],
             "dtype='int7': expected one of float32 (f32), bfloat16 (bf16), float16 (f16)",

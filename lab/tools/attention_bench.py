@@ -77,6 +77,7 @@ class Options:
         "causal sliding window: a query sees itself and the window-1 keys before it, as lab.run's "
         "window= (attention's window=(W-1, 0)); needs causal=yes; 0 = none",
         min=0,
+        max=2**31,  # the kernels count its W-1 keys in int32
     )
     docs: int = field(
         0,

@@ -53,6 +53,7 @@ class Options:
         "included), e.g. 1024",
         kind="ints",
         min=1,
+        max=2**31,  # the kernels count its W-1 keys in int32
     )
     docs: tuple = field(
         (),
