@@ -51,13 +51,34 @@ def test_progress_counts_points_in_plain_lines(tmp_path, capsys):
 def test_a_budget_of_years_says_so_before_it_starts():
     from lab.tools.attention_bench import _WALL_PER_BUDGET, _wall_estimate
 
-    line = _wall_estimate(24, 5, 1e9, "cpu")
+    quick = (1e-3, 1e11)  # (the samples' floor in seconds, the peak): under the budget's figure
+    line = _wall_estimate(24, 5, 1e9, "cpu", quick)
     per = f"(×{_WALL_PER_BUDGET}: on CPU each sample waits first)"
     assert line.startswith(f"24 points × 5 impls × budget=1e+09 s {per}"), line
     hours = 24 * 5 * 1e9 * _WALL_PER_BUDGET / 3600
     assert f"about {hours:,.1f} h of timed samples (more where" in line, line
-    assert _wall_estimate(1, 2, 2.0, "gpu").startswith("1 point × 2 impls × budget=2 s: about")
-    assert "×" not in _wall_estimate(3, 1, 2.0, "cpu").split("budget")[1]  # nothing alternates
+    assert _wall_estimate(1, 2, 2.0, "gpu", quick).startswith(
+        "1 point × 2 impls × budget=2 s: about"
+    )
+    assert "×" not in _wall_estimate(3, 1, 2.0, "cpu", quick).split("budget")[1]
+
+
+def test_a_length_whose_calls_take_long_says_so_before_it_starts(tmp_path, capsys, monkeypatch):
+    """budget= bounds the samples, not the three each impl takes at least: at L = 131,072 one
+    causal forward call (B1 H2 K64, the defaults) is 2.2e12 FLOPs, tens of seconds on a CPU,
+    and the line said "about 10 ms". It now says the least those take at this device's
+    measured matmul peak (the sweep itself is not run here)."""
+    monkeypatch.setattr(study, "sweep", lambda *a, **k: [])
+    argv = ["seqs=131072", "causal=yes", "modes=fwd", "budget=0.01", "impls=blockwise"]
+    assert main([*argv, "baseline=blockwise", f"out_dir={tmp_path}"]) == 2  # nothing measured
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 point × 1 impl × budget=0.01 s: at least " in out, out
+    least = out.split("at least ")[1].split(" of timed samples")[0]
+    flops = 3 * 4.0 * 2 * 64 * (131072 * 131073 / 2)  # three causal calls, B1 H2 K64
+    peak = float(out.split("matmul peak (")[1].split(" TFLOP/s")[0]) * 1e12
+    value, unit = least.split()
+    seconds = float(value.replace(",", "")) * {"s": 1, "min": 60, "h": 3600}[unit]
+    assert seconds == pytest.approx(flops / peak, rel=0.01), (least, peak)
 
 
 def test_a_sweep_where_nothing_ran_keeps_its_reasons_and_exits_2(tmp_path, capsys, monkeypatch):

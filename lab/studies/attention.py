@@ -241,6 +241,31 @@ class Masking:
         return (seq // n) * n * visible_keys(n, self.window)
 
 
+def point_flops(shape, seq: int, causal: bool, mode: str, masking: Masking) -> float:
+    """One call's FLOPs at a point, as its TFLOP/s count them: only the (query, key) pairs the
+    causal mask, the window and the documents leave; fwd+bwd 3.5× the forward
+    (cost.attention_flops' convention)."""
+    pairs = masking.pairs(seq)
+    if pairs is None:
+        flops = attention_flops(shape.batch, shape.heads, seq, seq, shape.head_dim, causal=causal)
+    else:  # only the pairs the window or the documents leave: the useful work
+        flops = 4.0 * shape.batch * shape.heads * shape.head_dim * pairs
+    return flops * 3.5 if mode == "fwd+bwd" else flops
+
+
+def samples_floor_s(seqs, causal, modes, shape, masking, impls: int, dtype: str, min_runs=3):
+    """The least time a sweep's timed samples can take, whatever its budget: `min_runs`
+    calls of each of `impls` at every point, each at this device's measured matmul peak at
+    `dtype` (no attention kernel outruns its own matmuls). (seconds, the peak in FLOP/s)."""
+    from lab.measure import ceilings
+
+    peak = ceilings.matmul_peak(dtype, budget_s=0.1)
+    flops = sum(
+        point_flops(shape, seq, c, mode, masking) for seq in seqs for c in causal for mode in modes
+    )
+    return min_runs * impls * flops / peak, peak
+
+
 # ---------------------------------------------------------------------------- contenders
 
 
@@ -669,13 +694,7 @@ def _records(
         **dataclasses.asdict(shape),
         **(torch_settings() if row.impl == "torch_sdpa" else {}),
     )
-    pairs = masking.pairs(seq)
-    if pairs is None:
-        flops = attention_flops(shape.batch, shape.heads, seq, seq, shape.head_dim, causal=causal)
-    else:  # only the pairs the window or the documents leave: the useful work
-        flops = 4.0 * shape.batch * shape.heads * shape.head_dim * pairs
-    if mode == "fwd+bwd":
-        flops *= 3.5  # forward + backward (2.5× forward): cost.attention_flops' convention
+    flops = point_flops(shape, seq, causal, mode, masking)
     out = []
     memory = row.memory
     if memory:

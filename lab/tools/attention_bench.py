@@ -150,7 +150,8 @@ def run(o: Options) -> int:
     points = len(seqs) * len(causal) * len(o.modes)
     budget_s = 0.2 if o.quick and not budget_given else o.budget
     timed = [i for i in impls if masking.refusal(i) is None]  # the rest are skipped rows
-    estimate = _wall_estimate(points, len(timed), budget_s, backend)
+    floor = study.samples_floor_s(seqs, causal, o.modes, shape, masking, len(timed), dtype)
+    estimate = _wall_estimate(points, len(timed), budget_s, backend, floor)
     if added:
         estimate = f"baseline={o.baseline} is measured too (the ratios' reference); {estimate}"
     con.print(estimate, markup=False, soft_wrap=True)
@@ -196,18 +197,32 @@ def run(o: Options) -> int:
     return 0
 
 
-def _wall_estimate(points: int, impls: int, budget_s: float, backend: str) -> str:
-    """About how long the sweep's samples take, said before it starts: a budget of 1e9 s
-    should not be found out by waiting. Not a bound: every impl takes at least three samples,
-    which at a long sequence can outlast budget=. On CPU, where several impls alternate, each
-    sample waits first (lab.studies.attention.CPU_SETTLE_S)."""
+def _wall_estimate(
+    points: int, impls: int, budget_s: float, backend: str, floor: tuple[float, float]
+) -> str:
+    """About how long the sweep's samples take, said before it starts: a budget of 1e9 s, or
+    a length whose calls take hours, should not be found out by waiting. Every impl takes at
+    least three samples, which at a long sequence outlast budget=: `floor` (seconds, peak
+    FLOP/s; lab.studies.attention.samples_floor_s) is what they take at least, said where it
+    is more than the budget's figure. On CPU, where several impls alternate, each sample
+    waits first (lab.studies.attention.CPU_SETTLE_S)."""
     per = _WALL_PER_BUDGET if backend == "cpu" and impls > 1 else 1
     wall = points * impls * budget_s * per
     settle = f" (×{per:g}: on CPU each sample waits first)" if per != 1 else ""
-    return (
+    head = (
         f"{points} point{'s' * (points != 1)} × {impls} impl{'s' * (impls != 1)} × "
-        f"budget={budget_s:g} s{settle}: about {duration(wall)} of timed samples (more where "
-        "three samples of an impl outlast budget=), plus compiles and the float64 checks"
+        f"budget={budget_s:g} s{settle}: "
+    )
+    least, peak = floor
+    if least > wall:
+        return head + (
+            f"at least {duration(least)} of timed samples: three of each impl at every point, "
+            f"each call at this device's measured matmul peak ({peak / 1e12:.3g} TFLOP/s), "
+            "take that whatever the budget; plus compiles and the float64 checks"
+        )
+    return head + (
+        f"about {duration(wall)} of timed samples (more where three samples of an impl "
+        "outlast budget=), plus compiles and the float64 checks"
     )
 
 
