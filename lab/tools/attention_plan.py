@@ -50,7 +50,7 @@ class Options:
     window: tuple = field(
         (),
         "sliding windows to compile beside the plain mask (keys a query sees, itself "
-        "included), e.g. 1024",
+        "included), e.g. 1024; causal, so with causal=true",
         kind="ints",
         min=1,
         max=2**31,  # the kernels count its W-1 keys in int32
@@ -58,7 +58,7 @@ class Options:
     docs: tuple = field(
         (),
         "packed-document lengths to compile beside the plain mask (segment ids restarting "
-        "every N tokens, causal within), e.g. 1024",
+        "every N tokens, causal within; the last may be shorter), e.g. 1024; with causal=true",
         kind="ints",
         min=1,
     )
