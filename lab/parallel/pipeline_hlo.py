@@ -4,10 +4,11 @@ The collective-permutes over the `stage` axis that JAX's `ppermute` produced are
 traffic (lab/kernels/pipeline.py): one per tick in the forward loop, one per tick in the
 backward loop (the transposed ppermute). Each sits in a while loop of the schedule's
 ticks = repeats·M + P - 1 trips, so the compiled program itself says how many ticks it runs,
-and the bubble follows from counting them: (ticks - repeats·M) / ticks. With accumulate=K the
-tick loops sit inside the accumulation loop: the ticks are the tick loop's own trip count
-(one run of the schedule), and each permute runs K·ticks times a step. Bytes are per device,
-per step, from each op's buffer (lab/parallel/collectives_hlo.py).
+and the bubble follows from counting them: (ticks - repeats·M) / ticks. The ticks are the
+forward permutes' executions over one run of the schedule: with accumulate=K the tick loops
+sit inside the accumulation loop and each permute runs K·ticks times a step, and a tick XLA
+peels out of its loop (XLA:TPU under remat=offload) is a permute of its own, run once. Bytes
+are per device, per step, from each op's buffer (lab/parallel/collectives_hlo.py).
 
 Analytic, per device: a microbatch's activation a = B/(K·M·W)·L·D·c (B the batch, K the
 accumulation steps, W the devices the rows split over besides the stages, c the compute
