@@ -61,6 +61,25 @@ def test_a_budget_of_years_says_so_before_it_starts():
         "1 point × 2 impls × budget=2 s: about"
     )
     assert "×" not in _wall_estimate(3, 1, 2.0, "cpu", quick).split("budget")[1]
+    slow = (7200.0, 1e11)  # two hours for each impl: said, as each impl's, whatever the budget
+    assert "at least 2.0 h of timed samples for each impl that runs: three calls" in (
+        _wall_estimate(3, 2, 2.0, "cpu", slow)
+    )
+
+
+def test_short_lengths_measure_no_peak_for_the_floor(monkeypatch):
+    """The matmul peak (about a second) is measured only where the samples' FLOPs could
+    outlast the budget on this device: at quick=true's lengths and budget (8 points, 0.2 s
+    each, ×11 on CPU) they cannot, even at 1e10 FLOP/s."""
+    from lab.measure import ceilings
+
+    monkeypatch.setattr(ceilings, "matmul_peak", lambda *a, **k: pytest.fail("measured"))
+    shape = study.Shape(1, 2, 1, 64, "float32")
+    floor = study.samples_floor_s(
+        study.default_seqs("cpu", quick=True), (True, False), study.MODES, shape,
+        study.Masking(), "float32", 8 * 0.2 * 11,
+    )  # fmt: skip
+    assert floor == (0.0, None)
 
 
 def test_a_length_whose_calls_take_long_says_so_before_it_starts(tmp_path, capsys, monkeypatch):

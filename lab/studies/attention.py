@@ -253,17 +253,29 @@ def point_flops(shape, seq: int, causal: bool, mode: str, masking: Masking) -> f
     return flops * 3.5 if mode == "fwd+bwd" else flops
 
 
-def samples_floor_s(seqs, causal, modes, shape, masking, impls: int, dtype: str, min_runs=3):
-    """The least time a sweep's timed samples can take, whatever its budget: `min_runs`
-    calls of each of `impls` at every point, each at this device's measured matmul peak at
-    `dtype` (no attention kernel outruns its own matmuls). (seconds, the peak in FLOP/s)."""
+# Every device JAX runs on multiplies matrices at least this fast (a 2-core VM: 2.6e11 FLOP/s
+# in float32): FLOPs that take less than a budget even at it need no peak measured to know
+# that the budget, not the FLOPs, bounds the samples.
+_SLOWEST_FLOPS = 1e10
+
+
+def samples_floor_s(seqs, causal, modes, shape, masking, dtype: str, bound_s: float, min_runs=3):
+    """The least time one impl's timed samples take over a sweep, whatever its budget:
+    `min_runs` calls at every point, each at this device's measured matmul peak at `dtype` (no
+    attention kernel outruns its own matmuls; fwd+bwd counted at 3× the forward, what a
+    backward that recomputes nothing does). (seconds, the peak in FLOP/s); (0.0, None),
+    without measuring the peak (about a second with its compile), where the FLOPs cannot
+    outlast `bound_s` even on the slowest device (_SLOWEST_FLOPS)."""
     from lab.measure import ceilings
 
+    def least(seq, c, mode):  # the forward's FLOPs, and a backward's twice them
+        return point_flops(shape, seq, c, "fwd", masking) * (3 if mode == "fwd+bwd" else 1)
+
+    flops = min_runs * sum(least(seq, c, mode) for seq in seqs for c in causal for mode in modes)
+    if flops / _SLOWEST_FLOPS <= bound_s:
+        return 0.0, None
     peak = ceilings.matmul_peak(dtype, budget_s=0.1)
-    flops = sum(
-        point_flops(shape, seq, c, mode, masking) for seq in seqs for c in causal for mode in modes
-    )
-    return min_runs * impls * flops / peak, peak
+    return flops / peak, peak
 
 
 # ---------------------------------------------------------------------------- contenders

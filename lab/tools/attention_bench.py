@@ -150,7 +150,8 @@ def run(o: Options) -> int:
     points = len(seqs) * len(causal) * len(o.modes)
     budget_s = 0.2 if o.quick and not budget_given else o.budget
     timed = [i for i in impls if masking.refusal(i) is None]  # the rest are skipped rows
-    floor = study.samples_floor_s(seqs, causal, o.modes, shape, masking, len(timed), dtype)
+    per_impl = points * budget_s * _settle_factor(backend, len(timed))  # the budget's figure
+    floor = study.samples_floor_s(seqs, causal, o.modes, shape, masking, dtype, per_impl)
     estimate = _wall_estimate(points, len(timed), budget_s, backend, floor)
     if added:
         estimate = f"baseline={o.baseline} is measured too (the ratios' reference); {estimate}"
@@ -197,16 +198,19 @@ def run(o: Options) -> int:
     return 0
 
 
-def _wall_estimate(
-    points: int, impls: int, budget_s: float, backend: str, floor: tuple[float, float]
-) -> str:
+def _settle_factor(backend: str, impls: int) -> float:
+    """Wall time per second of budget: on CPU, where several impls alternate, each sample
+    waits first (lab.studies.attention.CPU_SETTLE_S)."""
+    return _WALL_PER_BUDGET if backend == "cpu" and impls > 1 else 1
+
+
+def _wall_estimate(points: int, impls: int, budget_s: float, backend: str, floor) -> str:
     """About how long the sweep's samples take, said before it starts: a budget of 1e9 s, or
     a length whose calls take hours, should not be found out by waiting. Every impl takes at
     least three samples, which at a long sequence outlast budget=: `floor` (seconds, peak
-    FLOP/s; lab.studies.attention.samples_floor_s) is what they take at least, said where it
-    is more than the budget's figure. On CPU, where several impls alternate, each sample
-    waits first (lab.studies.attention.CPU_SETTLE_S)."""
-    per = _WALL_PER_BUDGET if backend == "cpu" and impls > 1 else 1
+    FLOP/s: what one impl's take at least; lab.studies.attention.samples_floor_s) is said
+    where it is more than the budget's figure for one impl (_settle_factor)."""
+    per = _settle_factor(backend, impls)
     wall = points * impls * budget_s * per
     settle = f" (×{per:g}: on CPU each sample waits first)" if per != 1 else ""
     head = (
@@ -214,10 +218,11 @@ def _wall_estimate(
         f"budget={budget_s:g} s{settle}: "
     )
     least, peak = floor
-    if least > wall:
+    if impls and least > wall / impls:
+        each = "the impl" if impls == 1 else "each impl that runs"
         return head + (
-            f"at least {duration(least)} of timed samples: three of each impl at every point, "
-            f"each call at this device's measured matmul peak ({peak / 1e12:.3g} TFLOP/s), "
+            f"at least {duration(least)} of timed samples for {each}: three calls at every "
+            f"point, each at this device's measured matmul peak ({peak / 1e12:.3g} TFLOP/s), "
             "take that whatever the budget; plus compiles and the float64 checks"
         )
     return head + (
