@@ -151,7 +151,11 @@ def run(o: Options) -> int:
     budget_s = 0.2 if o.quick and not budget_given else o.budget
     timed = [i for i in impls if masking.refusal(i) is None]  # the rest are skipped rows
     per_impl = points * budget_s * _settle_factor(backend, len(timed))  # the budget's figure
-    floor = study.samples_floor_s(seqs, causal, o.modes, shape, masking, dtype, per_impl)
+    floor = (  # every impl skipped for its masks: no samples, no peak to measure
+        study.samples_floor_s(seqs, causal, o.modes, shape, masking, dtype, per_impl)
+        if timed
+        else (0.0, None)
+    )
     estimate = _wall_estimate(points, len(timed), budget_s, backend, floor)
     if added:
         estimate = f"baseline={o.baseline} is measured too (the ratios' reference); {estimate}"
