@@ -389,6 +389,10 @@ def test_a_training_plans_error_leads_with_training_steps_and_names_the_chips(mo
     )
     assert "measured on an NVIDIA H100 80GB HBM3 (not this chip; 2026-11-27" in a100
     assert "21% shorter (TFLOP/s per chip +27%; h100 × 8, not this chip) than published" in a100
+    # a plan names its target as the spec table does, a measured device as its driver does
+    # ('NVIDIA H100' against 'NVIDIA H100 80GB HBM3'): one chip, not another
+    named = step.error_statement("gpu", step_on="NVIDIA H100")
+    assert "not this chip" not in named and "no step measured" not in named
     # steps measured before the fit in use was made were not predicted by it
     fitted["validation"]["date"] = "2026-11-29"
     assert "the fit in use, of 2026-11-29, is not checked on them" in step.error_statement("gpu")

@@ -113,7 +113,7 @@ def _check_text(device: str, c: dict, step_on: str | None) -> str:
     if m < 0.9 or m > 1.1:
         lean = f", predicted {'faster' if m < 1 else 'slower'} than measured: "
         lean += f"mean predicted/measured {m:.2f}"
-    other = "not this chip; " if step_on and device != step_on else ""
+    other = "not this chip; " if step_on and not _one_chip(device, step_on) else ""
     fitted = (fits().get("validation") or {}).get("date")
     stale = ""  # each step was predicted when it was measured: a refit since is not checked
     if fitted and c["dates"] and max(c["dates"]) < fitted:
@@ -145,6 +145,13 @@ def _same_chip(hardware: str, device_kind: str) -> bool:
     key = specs.lookup_key(device_kind) or ""
     kind = hardware.split(" × ")[0]
     return bool(key) and (key == kind or key.startswith(kind + "-"))
+
+
+def _one_chip(a: str, b: str) -> bool:
+    """Whether two device kinds name one chip: a plan names its target by the spec table's
+    name ('NVIDIA H200 141GB HBM3e'), a device by what its driver says ('NVIDIA H200')."""
+    key = specs.lookup_key(a)
+    return a == b or (key is not None and key == specs.lookup_key(b))
 
 
 def error_statement(kind: str, step_on: str | None = None) -> str:
@@ -218,7 +225,7 @@ def error_statement(kind: str, step_on: str | None = None) -> str:
     if not steps:
         return uncalibrated + text
     lead = "model error on training steps: "
-    if checks and step_on not in checks:
+    if checks and not any(_one_chip(device, step_on) for device in checks):
         lead += f"no step measured on an {step_on}; "
     if err and trained and len(trained) == err["n"]:  # the training steps are all it has
         return f"{uncalibrated}{lead}{'; '.join(steps)}"
