@@ -363,12 +363,16 @@ def test_the_dry_run_calls_the_training_steps_batch_a_placeholder_until_tuned(tm
     assert tool.main(["dry_run=true", f"out_dir={tmp_path}", "steps=mfu-kernel"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "remat=full batch_size=8 is a placeholder until the tune-step-* steps finish" in out
-    (tmp_path / "runbook").mkdir()  # once a tune-step step has records, the plan shows its pick
+    # once a tune-step step has records, the plan shows its pick; the state file keeps the
+    # step's folder relative to the runbook's, so it is found from any working directory
+    tried = tmp_path / "runbook" / "steps" / "tune-step-dots" / "try-1"
+    tried.mkdir(parents=True)
     rec = {"what": "training tokens/s", "value": 9.0, "unit": "tokens/s"}
-    (tmp_path / "t.jsonl").write_text(json.dumps({**rec, "config": {"remat": "dots", "batch": 16}}))
+    (tried / "t.jsonl").write_text(json.dumps({**rec, "config": {"remat": "dots", "batch": 16}}))
     state = {"size": "full", "platform": {}, "steps": {}}
-    state["steps"]["tune-step-dots"] = {"status": "done", "folder": str(tmp_path)}
+    state["steps"]["tune-step-dots"] = {"status": "done", "folder": "steps/tune-step-dots/try-1"}
     (tmp_path / "runbook" / "state.json").write_text(json.dumps(state))
+    assert Path.cwd() != tmp_path / "runbook"
     assert tool.main(["dry_run=true", f"out_dir={tmp_path}", "steps=mfu-kernel"]) == 0
     out = capsys.readouterr().out
     assert "remat=dots batch_size=16" in out and "placeholder" not in out, out

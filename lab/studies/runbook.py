@@ -329,8 +329,8 @@ def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
         path.rename(keep)
         say(f"{path} was for {old.get('device_kind')} size={state.get('size')}: kept as {keep}")
         return fresh
+    in_folder(root, state)
     for name, entry in state["steps"].items():
-        _paths(entry, lambda p: _here(root, p))
         if entry.get("status") == "running":
             why = "the runbook itself was stopped mid-step"
             state["steps"][name] = _kept_or_cut(entry, why, None)
@@ -338,6 +338,15 @@ def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
 
 
 _PATH_KEYS = ("folder", "log")  # a step's files: kept relative to the runbook's folder
+
+
+def in_folder(root: Path, state: dict) -> dict:
+    """`state` (as read from `root`'s state file) with each step's files found in `root`: the
+    file keeps them relative to it, so the folder may be moved or copied and read from
+    anywhere."""
+    for entry in state["steps"].values():
+        _paths(entry, lambda p: _here(root, p))
+    return state
 
 
 def _paths(entry: dict, change) -> None:
