@@ -206,6 +206,8 @@ def _ledger_record(r: dict) -> str | None:
     python -m experiments writes names its claim, or None)."""
     if "claim" not in r["config"]:
         writer = r.get("command")
+        if writer == "experiments":  # the ledger names the claim of every record it writes
+            return "a record of python -m experiments that names no claim: edited or damaged?"
         whose = f"{writer}'s" if isinstance(writer, str) else "a lab tool's?"
         return f"a record that names no claim: not python -m experiments' ({whose})"
     return _finite(r)
@@ -677,8 +679,10 @@ def _write(out, folders, pairs, dirs) -> dict:
     records = [r for f in folders for r in f["records"]] + pairs
     rec.write_records(out / "records.jsonl", records)  # every record whole, judged or not
     tiny = [str(f["dir"]) for f in folders if f.get("size") == "tiny"]
-    meta = {"merged": [str(d) for d in dirs], "tiny": tiny}
+    # absolute: a refusal of this comparison as input names folders that exist from anywhere
     shown, tiny_only = judged(folders)
+    meta = {"merged": [str(Path(d).absolute()) for d in dirs], "tiny": tiny}
+    meta["tiny_only"] = sorted(tiny_only)  # REPORT.md's verdict table says so, as the grid
     only = _selected(folders)
     report = markdown.write_report(out, records=shown + pairs, meta=meta, only=only)
     text = report["path"].read_text()

@@ -83,7 +83,7 @@ def test_folders_of_one_name_get_columns_of_their_own(tmp_path):
     assert len({f["name"] for f in folders}) == 3, [f["name"] for f in folders]
 
 
-def test_the_same_records_twice_are_refused_naming_both_folders(tmp_path, capsys):
+def test_the_same_records_twice_are_refused_naming_both_folders(tmp_path, capsys, monkeypatch):
     """A copy of one folder merged as a second machine counted every record twice ("2 of 2"
     predictions that were one); a comparison given beside one of its own inputs did the same,
     and lost its inputs' sizes. Both are refused with one line."""
@@ -104,6 +104,14 @@ def test_the_same_records_twice_are_refused_naming_both_folders(tmp_path, capsys
     assert compare.main([f"dirs={made},{a}", f"out_dir={tmp_path / 'cmp'}"]) == 2
     err = _one_line_error(capsys)
     assert "a comparison" in err and f"give the folders it merged ({a}, {b})" in err
+    # given relative to where it ran, its sources are still named so that they can be found
+    monkeypatch.chdir(tmp_path)
+    assert compare.main([f"dirs={a.name},{b.name}", "out_dir=cmp2"]) == 0
+    (made,) = (tmp_path / "cmp2").iterdir()
+    monkeypatch.chdir(a)
+    capsys.readouterr()
+    assert compare.main([f"dirs={made}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    assert f"give the folders it merged ({a}, {b})" in _one_line_error(capsys)
     bare = tmp_path / "bare"  # a comparison's records without its run.json
     bare.mkdir()
     (bare / "records.jsonl").write_bytes((made / "records.jsonl").read_bytes())
@@ -141,6 +149,13 @@ def test_another_commands_records_and_non_finite_values_are_refused(tmp_path, ca
     mixed = _folder(tmp_path / "mixed", [_time(2.0), rec.make_record("copy", 1e10, "B/s")])
     assert compare.main([f"dirs={a},{mixed}", f"out_dir={tmp_path / 'cmp'}"]) == 2
     assert "records.jsonl, line 2: a record that names no claim" in _one_line_error(capsys)
+    # one of the ledger's own records with its claim taken out: not another command's
+    unnamed = {**_time(2.0), "command": "experiments"}
+    unnamed["config"] = {k: v for k, v in unnamed["config"].items() if k != "claim"}
+    edited = _folder(tmp_path / "edited", [_time(2.0), unnamed])
+    assert compare.main([f"dirs={a},{edited}", f"out_dir={tmp_path / 'cmp'}"]) == 2
+    said = _one_line_error(capsys)
+    assert "line 2: a record of python -m experiments that names no claim: edited or" in said
 
     nan = _folder(tmp_path / "nan", [_time(2.0), _train(float("nan"))])
     assert compare.main([f"dirs={a},{nan}", f"out_dir={tmp_path / 'cmp'}"]) == 2
@@ -415,8 +430,13 @@ def test_a_tiny_folder_judges_no_claim_a_real_size_folder_has_records_of(tmp_pat
         "(1 of 3 parts; flash ÷ naive speed n/a here, flash memory's growth exponent no record)"
     )
     bare = _folder(tmp_path / "bare", [_train(3e4)], run={"size": "quick"})
-    rows = _grid(compare.merge([bare, tiny], tmp_path / "cmp"))
+    result = compare.merge([bare, tiny], tmp_path / "cmp")
+    rows = _grid(result)
     assert rows["C08"][2] == f"**{rows['C08'][1]}** (size tiny only)"
+    # the report's verdict table below the grid says it too
+    text = result["path"].read_text().split("\n## Verdicts\n", 1)[1]
+    (row,) = [line for line in text.splitlines() if line.startswith("| C08 |")]
+    assert row.endswith(" (size tiny only) |"), row
     rows = _grid(compare.merge([tiny], tmp_path / "cmp"))  # all tiny: the caution says it
     assert "size tiny only" not in rows["C08"][1]
 

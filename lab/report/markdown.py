@@ -228,6 +228,8 @@ def verdict_rows(
         status = f"**{topic_status(meta, c, v.status)}**"
         if part := unjudged_parts(v):  # holds on the parts judged; the rest said
             status += f" ({part})"
+        if c.id in (meta or {}).get("tiny_only", ()):  # a merge: tiny folders alone decide it
+            status += " (size tiny only)"
         rows.append(f"| {c.id} | {c.text} | {', '.join(c.sources)} | {cell} | {status} |")
     return rows
 
