@@ -181,19 +181,26 @@ def saved_config(run_dir: Path, asked: str = "resume=true") -> dict:
             if asked == "resume=true"
             else f"{asked}: {run_dir} holds no config.json (not a run folder, or a damaged one)"
         )
+    # lab.run's keys only where lab.run asked: another command (lab.serve run=) says whose
+    mend = (
+        DAMAGED_NEXT
+        if asked == "resume=true"
+        else f"; put back a good copy of it, or train it again with its settings (python -m "
+        f"lab.run name={run_dir.name} out_dir={run_dir.parent} overwrite=true …)"
+    )
     try:
         saved = json.loads(path.read_bytes())  # bytes: JSON's own UTF-8 check, as ValueError
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{asked}: {path} is damaged ({str(e)[:160]}){DAMAGED_NEXT}") from None
+        raise ConfigError(f"{asked}: {path} is damaged ({str(e)[:160]}){mend}") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-        raise ConfigError(f"{asked}: {path} is damaged (not a run's config){DAMAGED_NEXT}")
+        raise ConfigError(f"{asked}: {path} is damaged (not a run's config){mend}")
     for section, fields in ((saved, _TYPES), (saved["model"], _MODEL_TYPES)):
         for key, types in fields.items():
             value = section.get(key)
             # (a bool is an int to Python, not to the config)
             wrong = not isinstance(value, types) or (types is not bool and type(value) is bool)
             if key in section and wrong:
-                raise ConfigError(f"{asked}: {path} is damaged ({key}={value!r}){DAMAGED_NEXT}")
+                raise ConfigError(f"{asked}: {path} is damaged ({key}={value!r}){mend}")
     return saved
 
 

@@ -402,6 +402,8 @@ def test_a_damaged_config_names_run_not_resume(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: run=c:") and "damaged" in err
     assert "resume" not in err
+    # what to do names lab.run's keys as lab.run's: typed to lab.serve they are refused
+    assert err.endswith(f"(python -m lab.run name=c out_dir={tmp_path} overwrite=true …)"), err
     (tmp_path / "f").write_text("a file")
     assert serve([*FAST, "run=f", f"out_dir={tmp_path}", f"results={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
