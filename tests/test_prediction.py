@@ -665,3 +665,26 @@ def test_the_tools_progress_counts_a_step_done_when_it_has_ended():
     tick("compile b")
     tick.done()  # at the end the total is the steps taken: an estimate may have been above
     assert bar.seen == [("compile a", 0, None), ("compile b", 1, None), (None, 2, 2)]
+
+
+def test_the_table_gives_the_fits_of_the_points_shown():
+    """only= a TPU point: the caption gave the GPU's fit, which predicted nothing shown; it
+    gives each shown class's fit, and says a class without a calibration point has none."""
+    from rich.console import Console
+
+    from lab.measure.fitted import Fit
+    from lab.report import tables
+
+    gpu = Fit(0.53, 0.86, 3.5e-6, 42.2e-6, 4.6e-6)
+    row = prediction.Row("p", "MaxText", "tpu-v5e × 16", "train", "s", 1.0, 1.2, "held-out")
+
+    def caption(shown):
+        console = Console(width=400, record=True)
+        console.print(tables.prediction_rows([row], {"gpu": gpu}, shown))
+        return " ".join(console.export_text().split())  # the caption wraps to the table
+
+    said = caption(("tpu",))
+    assert "tpu: none (no calibration point: the roofline" in said and "gpu:" not in said
+    said = caption(("gpu", "tpu"))
+    assert "gpu: compute 0.53, memory 0.86, op 3.5 µs, collective 42.2 µs, call 4.6 µs" in said
+    assert "tpu: none" in said

@@ -166,11 +166,12 @@ def run(o: Options) -> int:
             "only=: predicted with the saved fit (lab/predict/fits.json, fitted on every "
             "calibration point), not refitted on the points chosen"
         )
-    con.print(tables.prediction_rows(summary.rows, fits_of(summary.fits)))
+    shown = tuple(sorted({prediction.vendor(p) for p in points}))  # the fits these points use
+    con.print(tables.prediction_rows(summary.rows, fits_of(summary.fits), shown))
     if not o.only:  # only= predicts with the saved fit: judged when it was fitted
         _edges(con, summary.fits)
     # the files are named for the hardware the points are on, not this host's backend
-    targets = "+".join(sorted({prediction.vendor(p) for p in points}))
+    targets = "+".join(shown)
     stem = records.output_stem(o.out_dir, "prediction", backend=targets or None)
     recs = prediction.to_records(summary)
     if recs:

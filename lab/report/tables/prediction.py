@@ -8,9 +8,11 @@ from lab.measure.fitted import Fit
 from lab.report.format import duration
 
 
-def prediction_rows(rows, fits: dict[str, Fit]) -> Table:
+def prediction_rows(rows, fits: dict[str, Fit], shown: tuple[str, ...] | None = None) -> Table:
     """One row per published point: what was measured, what the model predicts, the error,
-    and whether the point calibrated the model or was held out (lab.studies.prediction)."""
+    and whether the point calibrated the model or was held out (lab.studies.prediction).
+    `shown`: the machine classes of the points shown (gpu, tpu), whose fits the caption
+    gives (a class without one is said to be uncalibrated); None: every fit."""
     t = Table(title="the step-time model against published measurements (predicted)")
     for col in (
         "point",
@@ -36,11 +38,14 @@ def prediction_rows(rows, fits: dict[str, Fit]) -> Table:
         "error: predicted / published - 1 in the published unit: for a rate (TFLOP/s, GB/s, "
         "tokens/s) + is predicted faster, for a time (ms) + is predicted slower"
     )
-    for i, (v, f) in enumerate(fits.items()):
+    for i, v in enumerate(fits if shown is None else shown):
+        f = fits.get(v)
         t.caption += ("; " if i else "\nfitted on the calibration points: ") + (
             f"{v}: compute {f.compute_efficiency:.2f}, memory {f.memory_efficiency:.2f}, "
             f"op {f.op_overhead_s * 1e6:.1f} µs, collective {f.link_latency_s * 1e6:.1f} µs"
             + (f", call {f.call_overhead_s * 1e6:.1f} µs" if f.call_overhead_s is not None else "")
+            if f
+            else f"{v}: none (no calibration point: the roofline, efficiencies 1, no fixed costs)"
         )
     return t
 
