@@ -24,6 +24,7 @@ import shlex
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +91,7 @@ class _Stop:
         self.final = final
         self._received = 0  # signals this process got
         self._old = {}
+        self._once = threading.Lock()  # the second signal ends the process once
 
     def __enter__(self):
         # start-up's watcher must not act on a signal this handler takes (lab/startup.py)
@@ -102,6 +104,10 @@ class _Stop:
                 self._old[sig] = signal.signal(sig, handler)
             except ValueError:  # not the main thread: leave signals alone
                 pass
+        # a second signal during a step: the handler runs once for both after the step's
+        # native call returns, so a thread counts them as they come
+        self._second = startup.second_signal((signal.SIGINT, signal.SIGTERM), self._exit_now)
+        self._second.__enter__()
         return self
 
     def _parent_died(self, _signum, _frame):
@@ -117,6 +123,14 @@ class _Stop:
         if self._received == 1:
             self.signal = self.signal or signal.Signals(signum).name
             return
+        self._exit_now(signum)
+
+    def _exit_now(self, signum: int) -> None:
+        """The second signal: say what is left unfinished and exit, at once (from the main
+        thread's handler or from the thread that counts signals during a step, whichever
+        comes first; the other waits for the exit, a bounded wait)."""
+        if not self._once.acquire(timeout=5):  # the other's line never came: exit regardless
+            os._exit(128 + signum)
         with contextlib.suppress(Exception):  # exiting is what was asked, whatever happens
             if self.final:
                 self.final(signal.Signals(signum).name)
@@ -127,6 +141,7 @@ class _Stop:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._second.__exit__(None, None, None)
         self._paused.__exit__(None, None, None)  # after the start-up handlers are back
 
 

@@ -376,6 +376,51 @@ def watch_paused():
         signal.set_wakeup_fd(old)
 
 
+@contextlib.contextmanager
+def second_signal(signals, on_second: Callable[[int], None]):
+    """Inside, `on_second(signum)` is called from a thread at the second of `signals` this
+    process receives, also while the main thread is inside a native call (a training step).
+    Python runs a signal's handler once for every signal of that kind that arrived during
+    such a call, so a handler that counts its calls never sees a second Ctrl-C sent during a
+    long step; the bytes `signal.set_wakeup_fd` writes are one per signal. Use inside
+    `watch_paused()`, whose watcher this one stands in for; yields False (and counts nothing)
+    where no wakeup file can be set: not the main thread, or no pipe."""
+    try:
+        read_fd, write_fd = os.pipe()
+    except OSError:
+        yield False
+        return
+    os.set_blocking(write_fd, False)
+    try:
+        old = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        os.close(read_fd)
+        os.close(write_fd)
+        yield False
+        return
+    wanted = {int(s) for s in signals}
+
+    def watch() -> None:
+        heard = 0
+        while data := os.read(read_fd, 64):  # until the write end is closed
+            for signum in data:
+                if signum in wanted:
+                    heard += 1
+                    if heard == 2:
+                        on_second(signum)
+
+    thread = threading.Thread(target=watch, name="lab-second-signal", daemon=True)
+    thread.start()
+    try:
+        yield True
+    finally:
+        signal.set_wakeup_fd(old)
+        os.close(write_fd)  # the thread reads what is left, then the end
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            os.close(read_fd)
+
+
 def guard_imports() -> None:
     """For a lab command whose handling of signals begins in its main (the launcher, the
     runbook, the ledger, compare): until `imports_done()`, a Ctrl-C or SIGTERM is one line

@@ -380,6 +380,49 @@ def test_a_signal_during_a_native_call_exits_at_once_with_its_line():
     assert left_s < call_s / 2, (left_s, call_s)  # during the call, not after it
 
 
+_SECOND_DURING_A_STEP = """
+import sys, time
+import numpy as np
+from lab.loop import _Stop
+
+def final(name):
+    print(f"{name} again: exiting at once", file=sys.stderr, flush=True)
+
+with _Stop(final=final) as stop:  # the training loop's handler
+    a = np.ones((6000, 6000), np.float32)
+    t0 = time.perf_counter()
+    a @ a  # the host's pace
+    print(time.perf_counter() - t0, flush=True)
+    b = np.ones((9000, 9000), np.float32)
+    b @ b  # one native call of seconds, as a training step is: the two signals come here
+print("the step ended; the loop took", stop.signal, flush=True)
+"""
+
+
+def test_a_second_signal_during_a_step_exits_at_once():
+    """Two SIGINTs while the main thread is inside one training step (a native call): Python
+    runs the loop's handler once for both when the call returns, so the second was taken for
+    the first and the run went on to its next checkpoint. A thread counts them as they come:
+    the second exits at once (130) with the loop's line."""
+    import signal
+    import time
+
+    p = _python(_SECOND_DURING_A_STEP)
+    call_s = float(p.stdout.readline()) * 1.5**3  # the second call's time; it has begun
+    t0 = time.perf_counter()
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    left_s = time.perf_counter() - t0
+    assert p.returncode == 130, (out, err)
+    assert err == "SIGINT again: exiting at once\n", err
+    assert "the step ended" not in out
+    if call_s < 2:
+        pytest.skip(f"a {call_s:.2f} s call on this host is too short to tell at once from after")
+    assert left_s < call_s / 2, (left_s, call_s)  # during the call, not after it
+
+
 _LOOP_TOOK_IT = """
 import os, signal, time
 from lab import startup
