@@ -880,10 +880,13 @@ def check_joined(run_dir: Path, token: str | None, otherwise: str = "", wait_s: 
     )
 
 
-# Simulated CPU devices per process: 4,096 take ~3 s and 0.7 GB to create on 2 cores; the cost
-# grows with the count (100,000 ran for minutes past 3.5 GB without a word), and no mesh a
-# CPU can usefully simulate needs more.
-MAX_CPU_DEVICES = 4096
+# Simulated CPU devices per process. XLA:CPU runs a collective's participants on one thread
+# each and waits for all of them: past a few hundred devices a training step's all-reduce
+# waited for threads that never came, and the runtime aborted the process with a stack trace
+# per thread (lab.run mesh=N batch_size=N seq_len=2 n_layers=1 steps=3 on a 2-core VM: 1,024
+# and 512 aborted, 512 also with steps=1 beside other work; 384 and 256 ran, in 17-29 s). A
+# plain psum across 1,024 ran: the bound is a training step's, kept with a margin.
+MAX_CPU_DEVICES = 256
 
 
 def started_line(count: int) -> str:
@@ -985,8 +988,9 @@ def prepare(
         what = f"cpu_devices={cpu_devices}" if cpu_devices else f"mesh={mesh}"
         raise ConfigError(
             f"{what}: {wanted:,} simulated CPU devices per process is more than the "
-            f"{MAX_CPU_DEVICES:,} a CPU can create in reasonable time and memory; use a smaller "
-            "mesh, or plan a big slice with target=tpu:… / target=gpu:…"
+            f"{MAX_CPU_DEVICES:,} whose collectives XLA:CPU runs reliably (past a few hundred "
+            "a step's all-reduce can wait forever on threads, and the runtime aborts); use a "
+            "smaller mesh, or plan a big slice with target=tpu:… / target=gpu:…"
         )
     if join:
         _init_distributed(coordinator, num_processes, process_id, coordinator_timeout)

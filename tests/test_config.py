@@ -165,7 +165,9 @@ def test_help_widens_its_name_column_for_a_name_a_little_too_wide():
         assert len(row) - len(row.split(maxsplit=2)[2]) == column, row
 
 
-@pytest.mark.parametrize("keys", [["cpu_devices=100000"], ["mesh=data:100000"]])
+@pytest.mark.parametrize(
+    "keys", [["cpu_devices=100000"], ["mesh=data:100000"], ["mesh=1024", "batch_size=1024"]]
+)
 def test_simulated_device_counts_are_bounded(keys, capsys):
     """A device count no CPU can simulate is one line, before any device is created."""
     from lab.run import main
@@ -173,6 +175,7 @@ def test_simulated_device_counts_are_bounded(keys, capsys):
     assert main(keys) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "simulated CPU devices" in err, err
+    assert "more than the 256 whose collectives XLA:CPU runs reliably" in err, err
 
 
 def test_a_list_value_given_twice_and_a_key_given_twice_are_named_as_typed():
