@@ -831,7 +831,12 @@ def run_training(session: Session) -> int:
         started = lambda: None  # noqa: E731
         if is_main:  # the libraries' lines (orbax's on a resume) wait until the run starts
             started = rundir.quiet_libraries(run_dir, held=True)
-            startup.note(f"before training: nothing was written in {run_dir} but lab.log")
+            startup.note(
+                f"before training: {run_dir} is as the earlier run left it (lab.log aside); "
+                "the same command resumes it"
+                if cfg.resume
+                else f"before training: nothing was written in {run_dir} but lab.log"
+            )
         else:
             rundir.quiet_libraries_here()
         before = _listing(run_dir)

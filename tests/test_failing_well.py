@@ -531,6 +531,33 @@ def test_a_signal_during_start_up_is_one_line_and_its_exit_code(tmp_path, sig, c
     assert _run(tmp_path, "name=s", "steps=2") == 0
 
 
+def test_a_signal_while_a_resume_compiles_says_the_folder_is_as_it_was(tmp_path):
+    """A stop before a resume's first step said "nothing was written in <folder> but
+    lab.log", of a folder that holds the whole earlier run: it says the folder is as that run
+    left it, and that the same command resumes it."""
+    import signal
+
+    assert _run(tmp_path, "name=r", "steps=2", "checkpoint_every=1") == 0
+    keys = [*TINY, f"out_dir={tmp_path}", "name=r", "resume=true", "steps=3000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lab.run", *keys],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stdout:  # the header is printed once the folder is claimed
+        if line.startswith("compiling"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    run_dir = tmp_path / "r"
+    said = f"SIGINT: exiting; before training: {run_dir} is as the earlier run left it"
+    assert err.startswith(said) and "the same command resumes it" in err, err
+    assert checkpoint.saved_steps(run_dir) == [1, 2]
+
+
 @pytest.mark.parametrize(
     ("every", "ckpt"),
     # checkpoint_every=2 over 3 steps: step 2, and step 3 where the run ends
