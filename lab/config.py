@@ -68,6 +68,10 @@ def _check_range(key: str, raw, value, meta) -> None:
         raise ConfigError(f"{key}={raw!r}: must be <= {meta['max']}")
 
 
+# keys by the names the lab's own output gives their values (metrics.jsonl, TensorBoard)
+_WRITTEN_AS = {"learning_rate": "lr"}
+
+
 def did_you_mean(word: str, options) -> str:
     """' (did you mean X?)' for the option closest to `word`, case aside (STEPS → steps), or
     ' (did you mean X or Y?)' where two are as close (dpp: dp or pp); '' where none is. An
@@ -75,6 +79,8 @@ def did_you_mean(word: str, options) -> str:
     singular is closer still (batch: batches, not plan_batch; dir: dirs, not out_dir)."""
     scored = {}
     w = word.lower()
+    if _WRITTEN_AS.get(w) in map(str, options):  # the metrics' name for a key: the key
+        return f" (did you mean {_WRITTEN_AS[w]}?)"
     for option in map(str, options):
         o = option.lower()
         score = difflib.SequenceMatcher(None, w, o).ratio()
@@ -170,6 +176,8 @@ def parse_value(f: dataclasses.Field, typ, raw: str):
     _check_choice(key, raw, raw, meta.get("choices"))
     if kind == "path" and "\0" in raw:
         raise ConfigError(f"{key}={raw!r}: not a path")
+    if kind == "path":  # a quoted ~ (out_dir='~/x', key=~/x in a script) is the home, as typed
+        return os.path.expanduser(raw)
     return raw
 
 

@@ -321,3 +321,16 @@ def test_a_part_of_a_name_suggests_the_name_that_holds_it():
     assert did_you_mean("batch", serve) == " (did you mean batches?)"
     assert did_you_mean("dir", ["dirs", "out_dir"]) == " (did you mean dirs?)"
     assert did_you_mean("heads", ["head", "head_dim"]) == " (did you mean head?)"
+    # the name metrics.jsonl and TensorBoard give a key's value leads to the key
+    assert did_you_mean("learning_rate", ["lr", "steps"]) == " (did you mean lr?)"
+    assert did_you_mean("learning_rate", ["steps"]) == ""
+
+
+def test_a_path_given_with_a_quoted_tilde_is_under_the_home(monkeypatch, tmp_path):
+    """out_dir='~/x' reaches the command unexpanded by the shell: it made a folder named ~
+    in the working directory."""
+    from lab.config import parse_args
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert parse_args(["out_dir=~/runs"]).out_dir == str(tmp_path / "runs")
+    assert parse_args(["out_dir=a~b"]).out_dir == "a~b"
