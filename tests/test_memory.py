@@ -413,3 +413,19 @@ def test_predict_lab_step_refuses_an_unresolved_config_and_says_which_to_pass():
         cfg, strategy="dp", model=dataclasses.replace(cfg.model, dtype="float32")
     )
     assert memory.predict_lab_step(resolved, backend="cpu")["total"] > 0
+
+
+def test_the_allocator_share_names_the_variable_it_came_from(monkeypatch):
+    """A GPU plan's memory row named XLA_CLIENT_MEM_FRACTION whichever name set the share."""
+    from lab.measure import memory
+
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert memory.gpu_allocator_fraction() == 0.75
+    assert memory.gpu_allocator_fraction_source().startswith("JAX's default")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    assert memory.gpu_allocator_fraction() == 0.5
+    assert memory.gpu_allocator_fraction_source() == "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+    assert memory.gpu_allocator_fraction_source() == "XLA_CLIENT_MEM_FRACTION"

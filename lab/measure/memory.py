@@ -146,6 +146,15 @@ def gpu_allocator_fraction() -> float:
     return share if 0 < share <= 1 else 0.75
 
 
+def gpu_allocator_fraction_source() -> str:
+    """Where `gpu_allocator_fraction` took its share from: the variable set here, by the name
+    the user gave it, or JAX's default (and the variable that changes it)."""
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        if os.environ.get(name):
+            return name
+    return "JAX's default; XLA_CLIENT_MEM_FRACTION sets it"
+
+
 def usable_bytes(spec_bytes: float, device_kind: str, reported_bytes: float | None = None) -> float:
     """What a run on that hardware can allocate: a TPU's HBM (the spec's), or the share JAX's
     allocator takes (`gpu_allocator_fraction`) of the total memory a GPU reports

@@ -7,6 +7,7 @@ import math
 from rich.markup import escape
 from rich.table import Table
 
+from lab.measure import memory
 from lab.measure.offload import OffloadCost
 from lab.measure.pipeline import PipelineReading
 from lab.measure.predicted import PredictedStep
@@ -158,7 +159,8 @@ def _plan_rows(t: Table, a: StepAnalysis) -> None:
             share = a.source["aot"]["allocator_share"]
             reported = a.source["aot"].get("reported_bytes")
             total = f"the {reported / GIB:.1f} GiB it reports" if reported else "spec"
-            where = f"({total} × {share:g}: JAX's allocator share, XLA_CLIENT_MEM_FRACTION)"
+            source = memory.gpu_allocator_fraction_source()
+            where = f"({total} × {share:g}: JAX's allocator share, {source})"
         elif (a.source.get("aot") or {}).get("capacity_source") == "compiler":
             where = "(what XLA:TPU lets a program hold)"
         t.add_row(f"memory per device {where}", f"{cap / GIB:.1f} GiB: {plan.fit}")
