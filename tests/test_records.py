@@ -380,3 +380,20 @@ def test_a_plot_the_disk_cannot_take_is_one_line_and_leaves_no_half_png(tmp_path
     with pytest.raises(RunError, match=r"cannot write the plot .*p\.png: No space left on device"):
         plots._save(fig, tmp_path / "p.png")
     assert not (tmp_path / "p.png").exists()
+
+
+def test_a_folder_that_is_a_link_to_nothing_is_named_as_such(tmp_path):
+    """A run name that was a dangling link said only "File exists"."""
+    from lab.errors import ConfigError
+    from lab.measure.records import writable_dir
+
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    for folder, what in (
+        (tmp_path / "link", "it"),
+        (tmp_path / "link" / "x", f"'{tmp_path}/link'"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            writable_dir(folder)
+        said = f"cannot write to '{folder}': {what} is a link to '{tmp_path}/gone', which does not"
+        assert str(e.value).startswith(said), e.value
+    assert writable_dir(tmp_path / "new") == tmp_path / "new"

@@ -294,9 +294,15 @@ def writable_dir(folder) -> Path:
         raise ConfigError("an empty folder name: give the folder to write to (e.g. results)")
     folder = Path(folder)
     try:  # a name longer than the file system allows: exists() raises (Python < 3.12)
-        blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() or p.is_symlink()), None)
     except OSError as e:
         raise ConfigError(f"cannot write to {str(folder)!r}: {e.strerror or e}") from None
+    if blocker is not None and not blocker.exists():  # a link to nothing
+        what = "it" if blocker == folder else repr(str(blocker))
+        raise ConfigError(
+            f"cannot write to {str(folder)!r}: {what} is a link to {os.readlink(blocker)!r}, "
+            "which does not exist"
+        )
     if blocker is not None and not blocker.is_dir():
         what = "it" if blocker == folder else repr(str(blocker))
         raise ConfigError(f"cannot write to {str(folder)!r}: {what} is not a folder")
