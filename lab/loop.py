@@ -106,7 +106,7 @@ class _Stop:
                 pass
         # a second signal during a step: the handler runs once for both after the step's
         # native call returns, so a thread counts them as they come
-        self._second = startup.second_signal((signal.SIGINT, signal.SIGTERM), self._exit_now)
+        self._second = startup.second_signal((signal.SIGINT, signal.SIGTERM), self._heard_twice)
         self._second.__enter__()
         return self
 
@@ -125,11 +125,28 @@ class _Stop:
             return
         self._exit_now(signum)
 
-    def _exit_now(self, signum: int) -> None:
-        """The second signal: say what is left unfinished and exit, at once (from the main
-        thread's handler or from the thread that counts signals during a step, whichever
-        comes first; the other waits for the exit, a bounded wait)."""
-        if not self._once.acquire(timeout=5):  # the other's line never came: exit regardless
+    def _heard_twice(self, signum: int) -> None:
+        """The signal-counting thread heard a second signal: it is the loop's to act on only
+        while the loop's handler is installed (not in the moment start-up's is put back, which
+        takes it itself), and the main thread's own handler takes it within milliseconds
+        unless the main thread is inside a step's native call: then this thread ends it."""
+        if signal.getsignal(signum) != self._handle:
+            return
+        deadline = time.monotonic() + startup.MAIN_TAKES_S
+        while time.monotonic() < deadline:
+            if self._received >= 2:  # the main thread's handler has it
+                return
+            time.sleep(0.01)
+        self._exit_now(signum, from_thread=True)
+
+    def _exit_now(self, signum: int, from_thread: bool = False) -> None:
+        """The second signal: say what is left unfinished and exit, at once. Once: where the
+        main thread's handler and the counting thread both come, the thread leaves it to the
+        one that came first, and the handler waits for the other's line (bounded: a line that
+        never comes must not keep the process)."""
+        if not self._once.acquire(timeout=0 if from_thread else 30):
+            if from_thread:
+                return
             os._exit(128 + signum)
         with contextlib.suppress(Exception):  # exiting is what was asked, whatever happens
             if self.final:
@@ -831,9 +848,8 @@ def run_training(session: Session) -> int:
         started = lambda: None  # noqa: E731
         if is_main:  # the libraries' lines (orbax's on a resume) wait until the run starts
             started = rundir.quiet_libraries(run_dir, held=True)
-            startup.note(
-                f"before training: {run_dir} is as the earlier run left it (lab.log aside); "
-                "the same command resumes it"
+            startup.note(  # a resume may set damaged steps or torn lines aside: kept there
+                f"before training: {run_dir} keeps the earlier run; the same command resumes it"
                 if cfg.resume
                 else f"before training: nothing was written in {run_dir} but lab.log"
             )

@@ -161,7 +161,7 @@ _stuck = []  # set once a wait for the other ran out: no later wait of this stop
 # watcher waits this long for it before it stops the process itself: the main thread takes a
 # signal within milliseconds unless it is inside a native call.
 _taken = threading.Event()
-_MAIN_TAKES_S = 1.0
+MAIN_TAKES_S = 1.0
 
 
 def _exit(signum, _frame) -> None:
@@ -317,7 +317,7 @@ def install() -> None:
     """SIGINT, SIGTERM and the launcher's death exit with one line, at once: a thread that
     the signal wakes (`signal.set_wakeup_fd`) says it while the main thread is still inside
     a native call (a compile of minutes, which `timeout` or a scheduler's stop must not wait
-    for), after `_MAIN_TAKES_S` (the main thread, running Python, takes it itself within
+    for), after `MAIN_TAKES_S` (the main thread, running Python, takes it itself within
     milliseconds, with the locks it holds). Only while these handlers are the ones
     installed: the training loop's own, which stops between steps and saves, is left to do
     so."""
@@ -344,14 +344,14 @@ def install() -> None:
                 if signum in handled and signal.getsignal(signum) is _after_finish:
                     # finished: the main thread exits at once unless it is inside a native
                     # call (a distributed shutdown's wait); then this thread does
-                    time.sleep(_MAIN_TAKES_S)
+                    time.sleep(MAIN_TAKES_S)
                     os._exit(_finished[-1])
                 if not ours(signum):
                     continue
                 heard += 1
                 # a later signal, the main thread finishing a held write for the first (a
                 # write that may hang): ends the process, within _exit's bounded wait
-                if heard > 1 and _taken.is_set() or not _taken.wait(_MAIN_TAKES_S):
+                if heard > 1 and _taken.is_set() or not _taken.wait(MAIN_TAKES_S):
                     if ours(signum):
                         _exit(signum, None)
 

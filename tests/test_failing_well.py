@@ -553,8 +553,8 @@ def test_a_signal_while_a_resume_compiles_says_the_folder_is_as_it_was(tmp_path)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
     run_dir = tmp_path / "r"
-    said = f"SIGINT: exiting; before training: {run_dir} is as the earlier run left it"
-    assert err.startswith(said) and "the same command resumes it" in err, err
+    said = f"SIGINT: exiting; before training: {run_dir} keeps the earlier run; the same "
+    assert err.strip() == said + "command resumes it", err
     assert checkpoint.saved_steps(run_dir) == [1, 2]
 
 
