@@ -175,7 +175,16 @@ def test_size_full_without_a_gpu_is_one_line(tmp_path, capsys):
 def test_a_damaged_state_file_is_kept_aside_not_written_over(tmp_path):
     root = tmp_path / "runbook"
     root.mkdir()
-    damaged = (b'{"steps": {"one": {"stat', b"[1, 2]", b"\xff\xfe")
+    damaged = (
+        b'{"steps": {"one": {"stat',
+        b"[1, 2]",
+        b"\xff\xfe",
+        # JSON of the wrong shape: each was a traceback (AttributeError, TypeError)
+        b'{"platform": "gpu", "steps": {}}',
+        b'{"steps": {"one": "done"}}',
+        b'{"steps": {"one": {"status": "done", "previous": [1]}}}',
+        b'{"steps": {"one": {"status": "done", "folder": 3}}}',
+    )
     for text in damaged:  # within one second: each kept under a name of its own
         (root / runbook.STATE).write_bytes(text)
         said = []
@@ -183,6 +192,9 @@ def test_a_damaged_state_file_is_kept_aside_not_written_over(tmp_path):
         assert "could not be read" in said[0] and "kept as state-damaged-" in said[0]
     kept = sorted(p.read_bytes() for p in root.glob("state-damaged-*.json"))
     assert kept == sorted(damaged)
+    # a dry run reads such a file as no outcomes yet: the plan alone, not a traceback
+    (root / runbook.STATE).write_bytes(damaged[3])
+    assert tool.main(["dry_run=true", f"out_dir={tmp_path}", "steps=ceilings"]) == 0
 
 
 def test_a_fresh_state_never_reuses_an_earlier_trys_folder(tmp_path):

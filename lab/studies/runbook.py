@@ -288,9 +288,7 @@ def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
     if not path.exists():
         return fresh
     try:
-        state = json.loads(path.read_text())
-        if not isinstance(state, dict) or not isinstance(state.get("steps"), dict):
-            raise ValueError("not a runbook's state")
+        state = checked_state(json.loads(path.read_text()))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         stamp, n = int(time.time()), 1
         keep = root / f"state-damaged-{stamp}.json"
@@ -338,6 +336,27 @@ def load_state(root: Path, platform: dict, size: str, say=print) -> dict:
 
 
 _PATH_KEYS = ("folder", "log")  # a step's files: kept relative to the runbook's folder
+
+
+def checked_state(state) -> dict:
+    """`state` as read from a state file, or ValueError where it has not a runbook state's
+    shape (an object whose steps are objects, each outcome kept for a redo one too, their
+    files text; the platform an object, the size text)."""
+
+    def entry_ok(e) -> bool:
+        return isinstance(e, dict) and all(
+            isinstance(e.get(k), str) for k in _PATH_KEYS if e.get(k) is not None
+        )
+
+    ok = isinstance(state, dict) and isinstance(state.get("steps"), dict)
+    ok = ok and isinstance(state.get("platform", {}), dict)
+    ok = ok and isinstance(state.get("size", ""), str)
+    for entry in state["steps"].values() if ok else ():
+        previous = entry.get("previous") if isinstance(entry, dict) else None
+        ok = ok and entry_ok(entry) and (previous is None or entry_ok(previous))
+    if not ok:
+        raise ValueError("not a runbook's state")
+    return state
 
 
 def in_folder(root: Path, state: dict) -> dict:

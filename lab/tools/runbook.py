@@ -69,8 +69,8 @@ def _print_plan(steps, o: Options, root: Path, gpu: bool) -> None:
     whether this machine has one (without, the steps that need one are shown skipped)."""
     path = root / runbook.STATE
     try:
-        state = runbook.in_folder(root, json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        state = runbook.in_folder(root, runbook.checked_state(json.loads(path.read_text())))
+    except (OSError, ValueError):
         state = {"steps": {}}  # none yet, or unreadable (a run sets it aside): the plan alone
     print(f"runbook plan · size={o.size} · budget={o.budget:g} s · folder {root}")
     refused = not gpu and o.size == "full"
