@@ -678,8 +678,9 @@ def _count(n: int, what: str) -> str:
 def _write(out, folders, pairs, dirs) -> dict:
     records = [r for f in folders for r in f["records"]] + pairs
     rec.write_records(out / "records.jsonl", records)  # every record whole, judged or not
-    tiny = [str(f["dir"]) for f in folders if f.get("size") == "tiny"]
-    # absolute: a refusal of this comparison as input names folders that exist from anywhere
+    tiny = [str(Path(f["dir"]).absolute()) for f in folders if f.get("size") == "tiny"]
+    # absolute (as `tiny`): a refusal of this comparison as input names folders that exist
+    # from anywhere
     shown, tiny_only = judged(folders)
     meta = {"merged": [str(Path(d).absolute()) for d in dirs], "tiny": tiny}
     meta["tiny_only"] = sorted(tiny_only)  # REPORT.md's verdict table says so, as the grid

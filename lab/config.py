@@ -79,9 +79,10 @@ def did_you_mean(word: str, options) -> str:
     singular is closer still (batch: batches, not plan_batch; dir: dirs, not out_dir)."""
     scored = {}
     w = word.lower()
-    if _WRITTEN_AS.get(w) in map(str, options):  # the metrics' name for a key: the key
+    options = [str(o) for o in options]  # read once: an iterator is read again below
+    if _WRITTEN_AS.get(w) in options:  # the metrics' name for a key: the key
         return f" (did you mean {_WRITTEN_AS[w]}?)"
-    for option in map(str, options):
+    for option in options:
         o = option.lower()
         score = difflib.SequenceMatcher(None, w, o).ratio()
         parts = re.split(r"[^a-z0-9]+", o)

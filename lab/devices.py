@@ -885,7 +885,8 @@ def check_joined(run_dir: Path, token: str | None, otherwise: str = "", wait_s: 
 # waited for threads that never came, and the runtime aborted the process with a stack trace
 # per thread (lab.run mesh=N batch_size=N seq_len=2 n_layers=1 steps=3 on a 2-core VM: 1,024
 # and 512 aborted, 512 also with steps=1 beside other work; 384 and 256 ran, in 17-29 s). A
-# plain psum across 1,024 ran: the bound is a training step's, kept with a margin.
+# plain psum across 1,024 ran: the bound is a training step's, kept with a margin, and holds
+# for every command (the count is set once per process, before any program is known).
 MAX_CPU_DEVICES = 256
 
 

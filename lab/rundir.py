@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import sys
 import threading
@@ -186,7 +187,8 @@ def saved_config(run_dir: Path, asked: str = "resume=true") -> dict:
         DAMAGED_NEXT
         if asked == "resume=true"
         else f"; put back a good copy of it, or train it again with its settings (python -m "
-        f"lab.run name={run_dir.name} out_dir={run_dir.parent} overwrite=true …)"
+        f"lab.run {shlex.join([f'name={run_dir.name}', f'out_dir={run_dir.parent}'])} "
+        "overwrite=true …)"
     )
     try:
         saved = json.loads(path.read_bytes())  # bytes: JSON's own UTF-8 check, as ValueError

@@ -148,8 +148,9 @@ def _same_chip(hardware: str, device_kind: str) -> bool:
 
 
 def _one_chip(a: str, b: str) -> bool:
-    """Whether two device kinds name one chip: a plan names its target by the spec table's
-    name ('NVIDIA H200 141GB HBM3e'), a device by what its driver says ('NVIDIA H200')."""
+    """Whether two device kinds name one chip: a plan names its target as lab/plans/gpu.py
+    does ('NVIDIA H200 141GB HBM3e'), a measured step its device as the driver said ('NVIDIA
+    H200'); the spec table maps both to one entry."""
     key = specs.lookup_key(a)
     return a == b or (key is not None and key == specs.lookup_key(b))
 
