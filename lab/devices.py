@@ -47,6 +47,7 @@ from lab.startup import (
     command,
     in_huge_pages,
     last_words,
+    signals_read,
 )
 
 
@@ -233,40 +234,18 @@ def _a_signal_ends_the_wait(line):
 
     ends = {int(signal.SIGINT): 130, int(signal.SIGTERM): 143}
     ends[int(signal.Signals[PARENT_DEATH_SIGNAL])] = 143  # the launcher died: as SIGTERM
-    try:
-        r, w = os.pipe()
-    except OSError:
-        yield
-        return
-    os.set_blocking(w, False)
-    try:
-        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    except ValueError:  # not the main thread
-        os.close(r)
-        os.close(w)
-        yield
-        return
 
-    def watch() -> None:
-        while data := os.read(r, 64):  # b"" once the write end is closed: the wait is over
-            for signum in data:
-                if signum in ends:
-                    name = "SIGTERM" if ends[signum] == 143 and signum != signal.SIGTERM else None
-                    name = name or signal.Signals(signum).name
-                    last_words()
-                    with contextlib.suppress(OSError):
-                        os.write(2, f"error: {line(name)}\n".encode())
-                    os._exit(ends[signum])
+    def on_signal(signum: int) -> None:
+        if signum in ends:
+            name = "SIGTERM" if ends[signum] == 143 and signum != signal.SIGTERM else None
+            name = name or signal.Signals(signum).name
+            last_words()
+            with contextlib.suppress(OSError):
+                os.write(2, f"error: {line(name)}\n".encode())
+            os._exit(ends[signum])
 
-    watcher = threading.Thread(target=watch, name="signal-during-join", daemon=True)
-    watcher.start()
-    try:
+    with signals_read(on_signal):
         yield
-    finally:
-        signal.set_wakeup_fd(old)
-        os.close(w)
-        watcher.join()
-        os.close(r)
 
 
 def _watchdog(timeout_s: float, line) -> threading.Timer:

@@ -377,14 +377,13 @@ def watch_paused():
 
 
 @contextlib.contextmanager
-def second_signal(signals, on_second: Callable[[int], None]):
-    """Inside, `on_second(signum)` is called from a thread at the second of `signals` this
-    process receives, also while the main thread is inside a native call (a training step).
-    Python runs a signal's handler once for every signal of that kind that arrived during
-    such a call, so a handler that counts its calls never sees a second Ctrl-C sent during a
-    long step; the bytes `signal.set_wakeup_fd` writes are one per signal. Use inside
-    `watch_paused()`, whose watcher this one stands in for; yields False (and counts nothing)
-    where no wakeup file can be set: not the main thread, or no pipe."""
+def signals_read(on_signal: Callable[[int], None]):
+    """Inside, `on_signal(signum)` is called from a thread for each signal this process
+    receives, as the interpreter's C handler writes it to the wakeup descriptor
+    (`signal.set_wakeup_fd`): at once, also while the main thread is inside a native call,
+    where Python's own handlers wait for the call to end. The descriptor in place before is
+    put back after. Yields False (and reads nothing) where none can be set: not the main
+    thread, or no pipe."""
     try:
         read_fd, write_fd = os.pipe()
     except OSError:
@@ -398,18 +397,13 @@ def second_signal(signals, on_second: Callable[[int], None]):
         os.close(write_fd)
         yield False
         return
-    wanted = {int(s) for s in signals}
 
     def watch() -> None:
-        heard = 0
         while data := os.read(read_fd, 64):  # until the write end is closed
             for signum in data:
-                if signum in wanted:
-                    heard += 1
-                    if heard == 2:
-                        on_second(signum)
+                on_signal(signum)
 
-    thread = threading.Thread(target=watch, name="lab-second-signal", daemon=True)
+    thread = threading.Thread(target=watch, name="lab-signals-read", daemon=True)
     thread.start()
     try:
         yield True
@@ -419,6 +413,28 @@ def second_signal(signals, on_second: Callable[[int], None]):
         thread.join(timeout=5)
         if not thread.is_alive():
             os.close(read_fd)
+
+
+@contextlib.contextmanager
+def second_signal(signals, on_second: Callable[[int], None]):
+    """Inside, `on_second(signum)` is called from a thread at the second of `signals` this
+    process receives, also while the main thread is inside a native call (a training step).
+    Python runs a signal's handler once for every signal of that kind that arrived during
+    such a call, so a handler that counts its calls never sees a second Ctrl-C sent during a
+    long step; the bytes the wakeup descriptor gets are one per signal. Use inside
+    `watch_paused()`, whose watcher this one stands in for; yields False (and counts nothing)
+    where no wakeup file can be set."""
+    wanted = {int(s) for s in signals}
+    heard = [0]
+
+    def count(signum: int) -> None:
+        if signum in wanted:
+            heard[0] += 1
+            if heard[0] == 2:
+                on_second(signum)
+
+    with signals_read(count) as reading:
+        yield reading
 
 
 def guard_imports() -> None:
